@@ -1,0 +1,152 @@
+"""The one small interface the harness drives, and the typed events every backend emits.
+
+A backend turns `GenerationRequest`s into a stream of `RequestEvent`s per request, and reports
+its internal steps (when it has any) as `StepRecord`s to an observer. All timestamps come from
+`now_ns`, one monotonic nanosecond clock shared by the engine and the harness, so TTFT and ITL
+are exact differences of event times and never re-derived from chunk arrival guesses.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.sampling_params import SamplingParams
+
+now_ns: Callable[[], int] = time.perf_counter_ns
+
+ChatMessages = list[dict[str, str]]
+Prompt = str | list[int] | ChatMessages
+
+
+@dataclass
+class GenerationRequest:
+    """One request as a backend sees it: a prompt (text, token ids or chat messages)."""
+
+    request_id: str
+    prompt: Prompt
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    # Workload grouping, carried through to the records (shared prefixes, multi-turn sessions).
+    prefix_group: str | None = None
+    session_id: str | None = None
+    turn: int = 0
+
+
+# ---- events -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    request_id: str
+    step: int  # the engine step that produced the event; -1 before any step
+    time_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Arrived(RequestEvent):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized(RequestEvent):
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled(RequestEvent):
+    """First time the request gets compute (end of queueing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk(RequestEvent):
+    num_tokens: int
+    num_computed_before: int  # prompt tokens already in the KV cache before this chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens(RequestEvent):
+    """New output tokens; several at once for speculative decoding or coalesced chunks."""
+
+    token_ids: tuple[int, ...]
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Preempted(RequestEvent):
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Finished(RequestEvent):
+    finish_reason: str  # "length" | "stop" | "abort"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed(RequestEvent):
+    error: str
+
+
+TERMINAL_EVENTS = (Finished, Failed)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one engine step did; the step plan as it was executed."""
+
+    step: int
+    start_ns: int
+    end_ns: int
+    num_seqs: int
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    prefill_tokens: int
+    decode_tokens: int
+    padding_tokens: int
+    num_waiting: int
+    kv_bytes_reserved: int
+    kv_bytes_used: int
+    num_preempted: int = 0
+
+
+StepObserver = Callable[[StepRecord], None]
+
+
+class Backend(ABC):
+    """What the harness needs from any engine: load, stream one request's events, close.
+
+    `generate` is async so HTTP backends fit naturally; in-process engines adapt by running
+    their step loop as a task on the same event loop (see `engines.builtin.backend`).
+    """
+
+    name: str = "backend"
+
+    def __init__(self) -> None:
+        self.step_observers: list[StepObserver] = []
+
+    @abstractmethod
+    def load(self) -> None:
+        """Build or connect to the model. Timed by the harness as part of cold start."""
+
+    @abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestEvent]:
+        """Submit `request` now and yield its events, ending with `Finished` or `Failed`."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources."""
+
+    def describe(self) -> dict[str, Any]:
+        """Facts worth recording in the run folder (model shape, byte counts, options)."""
+        return {"backend": self.name}
+
+    def emit_step(self, record: StepRecord) -> None:
+        for observer in self.step_observers:
+            observer(record)

@@ -1,0 +1,13 @@
+"""The built-in inference engine: a complete, transparent Llama-family engine.
+
+    from engines.builtin import LLM, SamplingParams
+    llm = LLM(model="tiny", kv_cache="contiguous")
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+"""
+
+from engines.builtin.config import EngineConfig
+from engines.builtin.engine import LLMEngine
+from engines.builtin.llm import LLM, RequestOutput
+from engines.sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,110 @@
+"""Attention over a packed batch with a dense K/V gather: the CPU path, and the reference.
+
+Decodes are batched into one call over keys gathered up to the longest context; each prefill
+(or prefill chunk) is one call over its own context. Two kernels share this orchestration:
+`torch` (explicit softmax(QK^T)V, the readable reference) and `sdpa`
+(torch.nn.functional.scaled_dot_product_attention, the fast default on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engines.builtin.attention.metadata import AttentionMetadata
+from engines.builtin.kv_cache.storage import LayerKVCache
+
+# q [B, h, n, d], k/v [B, kvh, L, d], mask [B or 1, 1, n, L] (True = attend) or None -> [B, h, n, d]
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float, bool],
+                  torch.Tensor]
+
+
+def reference_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if causal:
+        n, length = scores.shape[-2:]
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+
+
+def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          scale=scale, enable_gqa=gqa)
+
+
+def _window_mask(query_pos: torch.Tensor, length: int, seq_lens: torch.Tensor | None,
+                 window: int | None) -> torch.Tensor:
+    """[..., n, L] mask: causal, within each sequence's length, within the sliding window."""
+    keys = torch.arange(length, device=query_pos.device)
+    mask = keys <= query_pos.unsqueeze(-1)
+    if seq_lens is not None:
+        mask = mask & (keys < seq_lens.view(-1, 1, 1))
+    if window is not None:
+        # Hugging Face's Mistral semantics: key j is visible from query i when i - j < window.
+        mask = mask & (keys > query_pos.unsqueeze(-1) - window)
+    return mask
+
+
+class DenseAttention:
+    def __init__(self, name: str, kernel: Kernel) -> None:
+        self.name = name
+        self.kernel = kernel
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cache: LayerKVCache | None, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+        """q [T, h, d], k/v [T, kvh, d] for this step's tokens -> [T, h, d]."""
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], cache, meta, scale)
+        qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
+        for i in range(nd, meta.num_seqs):
+            start, end = qsl[i], qsl[i + 1]
+            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end],
+                                           lens[i], i, cache, meta, scale)
+        return out
+
+    def _decode(self, q: torch.Tensor, cache: LayerKVCache | None, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        assert cache is not None, "single-token decodes need a KV cache"
+        nd = q.shape[0]
+        length = max(meta.seq_lens_host[:nd])
+        keys, values = cache.gather(meta.block_tables[:nd], length, meta.block_size)
+        mask = None
+        if nd > 1 or meta.sliding_window is not None:
+            lens = meta.seq_lens[:nd].long()
+            mask = _window_mask((lens - 1).view(nd, 1), length, lens,
+                                meta.sliding_window).unsqueeze(1)  # [B, 1, 1, L]
+        out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                          mask, scale, False)
+        return out.squeeze(2)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
+                 index: int, cache: LayerKVCache | None, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+        n = q.shape[0]
+        if n == length or cache is None:
+            keys, values = k, v  # no earlier context: attend to this chunk's own keys
+        else:
+            keys, values = cache.gather(meta.block_tables[index:index + 1], length,
+                                        meta.block_size)
+            keys, values = keys[0], values[0]
+        causal, mask = True, None
+        if meta.sliding_window is not None or n != length:
+            causal = False
+            query_pos = torch.arange(length - n, length, device=q.device)
+            mask = _window_mask(query_pos, length, None, meta.sliding_window)
+        out = self.kernel(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                          values.transpose(0, 1).unsqueeze(0), mask, scale, causal)
+        return out[0].transpose(0, 1)

@@ -1,0 +1,39 @@
+"""What attention needs to know about one packed, variable-length step.
+
+The batch is packed: the new tokens of every scheduled sequence are concatenated, single-token
+decodes first, then prefill chunks. `query_start_loc[i]:query_start_loc[i+1]` are sequence i's
+tokens; `seq_lens[i]` is its context length once this step's tokens are in the cache.
+Device tensors are views into buffers the model runner preallocates at the largest step size,
+so their addresses are stable from step to step (what CUDA graph capture needs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot each new K/V is written to
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    # Host copies for the parts of the reference path that loop over prefilling sequences.
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+    num_decodes: int  # sequences 0..num_decodes-1 contribute exactly one query token
+    max_seq_len: int
+    block_size: int
+    sliding_window: int | None
+    use_cache: bool  # False for kv_cache=none: every step brings the whole context
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes

@@ -1,0 +1,133 @@
+"""The one engine configuration behind the Python API, the Hydra config and the CLI.
+
+Names and values follow vLLM where vLLM has them. `validate()` runs once, at the edge, and
+every message names the field and the allowed values. Values that a later issue implements
+are refused with the issue that brings them, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "auto": "auto",
+}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# option -> {value: the issue that implements it}; refused with that message until then.
+NOT_YET = {
+    "kv_cache": {"paged": 4},
+    "batching": {"static": 3},
+    "quantization": {"int8": 5, "int4": 5},
+    "kv_cache_dtype": {"int8": 5},
+    "attention_backend": {"triton": 4},
+}
+CHOICES = {
+    "kv_cache": ("none", "contiguous", "paged"),
+    "batching": ("static", "continuous"),
+    "quantization": ("none", "int8", "int4"),
+    "kv_cache_dtype": ("auto", "int8"),
+    "attention_backend": ("auto", "torch", "sdpa", "triton"),
+    "load_format": ("auto", "dummy", "safetensors"),
+}
+
+
+class ConfigError(ValueError):
+    """An engine option has a value the engine cannot take."""
+
+
+@dataclass
+class EngineConfig:
+    # what to run
+    model: str = "tiny"  # a preset name or a Hugging Face checkpoint folder
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str | None = None  # None: the checkpoint's tokenizer, else the built-in BPE
+    load_format: str = "auto"  # auto: checkpoint weights for a folder, dummy for a preset
+    # numerics and placement
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    num_threads: int | None = None  # CPU intra-op threads; None keeps torch's default
+    # limits
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(max_model_len, 2048)
+    # KV cache
+    kv_cache: str = "contiguous"
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None  # None: derived from the device, see kv_budget
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    enable_prefix_caching: bool = False
+    # scheduling
+    batching: str = "continuous"
+    enable_chunked_prefill: bool = False
+    # kernels and weights
+    attention_backend: str = "auto"
+    quantization: str = "none"
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"engine: unknown option(s) {unknown}; known options: {sorted(known)}"
+            )
+        return cls(**values).validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def validate(self) -> EngineConfig:
+        def fail(name: str, allowed: str) -> ConfigError:
+            value = getattr(self, name)
+            return ConfigError(f"engine.{name}: {value!r} is invalid; allowed: {allowed}")
+
+        if self.quantization is None:
+            self.quantization = "none"
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise fail(name, "|".join(allowed))
+            issue = NOT_YET.get(name, {}).get(value)
+            if issue is not None:
+                raise ConfigError(
+                    f"engine.{name}={value} is not implemented yet (issue {issue} adds it); "
+                    f"available now: {'|'.join(v for v in allowed if v not in NOT_YET[name])}"
+                )
+        if str(self.dtype).lower() not in DTYPE_ALIASES:
+            raise fail("dtype", "auto|float32|bfloat16|float16 (aliases fp32|bf16|fp16)")
+        self.dtype = DTYPE_ALIASES[str(self.dtype).lower()]
+        if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
+            raise fail("device", "auto|cpu|cuda|cuda:N")
+        for name in ("max_num_seqs", "block_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise fail(name, "an integer >= 1")
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                     "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise fail(name, "null or an integer >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise fail("gpu_memory_utilization", "a number in (0, 1]")
+        if self.enable_chunked_prefill:
+            raise ConfigError("engine.enable_chunked_prefill=true is not implemented yet "
+                              "(issue 3 adds it); available now: false")
+        if self.enable_prefix_caching:
+            raise ConfigError("engine.enable_prefix_caching=true is not implemented yet "
+                              "(issue 4 adds it with kv_cache=paged); available now: false")
+        if (self.max_model_len and self.max_num_batched_tokens
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ConfigError(
+                f"engine.max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"engine.max_model_len={self.max_model_len}: without chunked prefill a whole "
+                "prompt must fit in one step; raise max_num_batched_tokens or lower max_model_len"
+            )
+        return self

@@ -1,0 +1,324 @@
+"""LLMEngine: requests in, one step at a time, typed events out.
+
+    add_request -> (tokenize) -> Scheduler.schedule -> ModelRunner.execute -> postprocess
+    (append the sampled token, detokenize incrementally, check stop conditions) -> events
+
+Every event carries the step that produced it and a timestamp from the platform's one clock.
+Each step's plan and counters are handed to `step_observers` as a `StepRecord`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.base import (
+    Arrived,
+    Failed,
+    Finished,
+    Preempted,
+    PrefillChunk,
+    Prompt,
+    RequestEvent,
+    Scheduled,
+    StepObserver,
+    StepRecord,
+    Tokenized,
+    Tokens,
+)
+from engines.builtin.config import TORCH_DTYPES, EngineConfig
+from engines.builtin.kv_cache import (
+    ContiguousKVCacheManager,
+    KVCacheManager,
+    KVLayout,
+    NoKVCacheManager,
+)
+from engines.builtin.model_config import kv_bytes_per_token, resolve_model
+from engines.builtin.model_runner import ModelRunner
+from engines.builtin.platform import Platform
+from engines.builtin.scheduler import Scheduler, StepPlan
+from engines.builtin.sequence import Sequence
+from engines.builtin.tokenizer import Tokenizer, default_tokenizer, load_tokenizer
+from engines.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_budget_bytes: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.platform = Platform.create(config.device, config.num_threads)
+        self.model_config = resolve_model(config.model, config.model_overrides)
+        self.tokenizer = self._load_tokenizer()
+        self.dtype = (self.platform.default_dtype() if config.dtype == "auto"
+                      else TORCH_DTYPES[config.dtype])
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(
+                f"tokenizer {self.tokenizer.name} has {self.tokenizer.vocab_size} ids but the "
+                f"model's vocab_size is {self.model_config.vocab_size}; use a model whose "
+                "vocabulary covers the tokenizer"
+            )
+        max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"engine.max_model_len={max_model_len} exceeds the model's "
+                f"max_position_embeddings={self.model_config.max_position_embeddings}"
+            )
+        batched = config.max_num_batched_tokens or max(max_model_len, 2048)
+        if batched < max_model_len:
+            raise ValueError(
+                f"engine.max_num_batched_tokens={batched} is smaller than "
+                f"engine.max_model_len={max_model_len}; without chunked prefill a whole "
+                "prompt must fit in one step"
+            )
+        self.eos_ids = sorted(set(self.tokenizer.special.eos_ids)
+                              | set(self.model_config.eos_token_ids))
+        self.runner = ModelRunner(self.model_config, config, self.platform, self.dtype,
+                                  max_model_len, batched, config.max_num_seqs,
+                                  self.tokenizer.vocab_size, self.eos_ids)
+        self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len)
+        self.runner.allocate_kv_cache(self.kv)
+        self.limits = EngineLimits(max_model_len, max_num_seqs, batched, budget)
+        self.scheduler = Scheduler(config, self.kv, max_num_seqs, batched)
+        self.sequences: dict[str, Sequence] = {}
+        self.step_observers: list[StepObserver] = []
+        self._pending_events: list[RequestEvent] = []
+        self._stop_holdback: dict[str, int] = {}
+
+    # ---- construction -----------------------------------------------------------------------
+
+    def _load_tokenizer(self) -> Tokenizer:
+        if self.config.tokenizer:
+            return load_tokenizer(self.config.tokenizer)
+        folder = Path(self.config.model)
+        if folder.is_dir() and (folder / "tokenizer.json").is_file():
+            return load_tokenizer(folder)
+        return default_tokenizer()
+
+    def _make_kv_manager(self, max_model_len: int) -> tuple[KVCacheManager, int, int]:
+        cfg = self.model_config
+        bytes_per_token = kv_bytes_per_token(cfg, torch.finfo(self.dtype).bits // 8)
+        weight_bytes = self.runner.model.weight_bytes()["weight_bytes"]
+        budget = self.platform.kv_budget_bytes(self.config.kv_cache_memory_bytes, weight_bytes,
+                                               self.config.gpu_memory_utilization)
+        if self.config.kv_cache == "none":
+            return NoKVCacheManager(bytes_per_token), self.config.max_num_seqs, 0
+        # Contiguous: one max_model_len region per sequence slot, as many as the budget holds.
+        per_seq = max_model_len * bytes_per_token
+        slots = min(self.config.max_num_seqs, budget // per_seq)
+        if slots < 1:
+            raise ValueError(
+                f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds no sequence of "
+                f"max_model_len={max_model_len} ({per_seq} bytes each); raise the budget or "
+                "lower engine.max_model_len"
+            )
+        layout = KVLayout(num_blocks=slots, block_size=max_model_len,
+                          bytes_per_token=bytes_per_token)
+        return ContiguousKVCacheManager(layout), slots, budget
+
+    def describe(self) -> dict[str, Any]:
+        """Facts about the loaded engine, for run folders and reports."""
+        layout = self.kv.layout
+        return {
+            "engine": "builtin",
+            "model": self.config.model,
+            "architecture": self.model_config.architecture,
+            "model_config": self.model_config.to_dict(),
+            "num_parameters": self.model_config.num_parameters(),
+            "weights": self.runner.weights_source,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.platform.device),
+            "num_threads": self.platform.num_threads,
+            "tokenizer": self.tokenizer.name,
+            "tokenizer_vocab_size": self.tokenizer.vocab_size,
+            "kv_cache": self.config.kv_cache,
+            "kv_bytes_per_token": layout.bytes_per_token,
+            "kv_pool_bytes": layout.pool_bytes,
+            "kv_num_blocks": layout.num_blocks,
+            "kv_block_size": layout.block_size,
+            "max_model_len": self.limits.max_model_len,
+            "max_num_seqs": self.limits.max_num_seqs,
+            "max_num_batched_tokens": self.limits.max_num_batched_tokens,
+            "attention_backend": self.config.attention_backend,
+            **self.runner.model.weight_bytes(),
+        }
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        raise ValueError("prompt: expected a string, a list of token ids or a list of chat "
+                         f"messages, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: Prompt, sampling: SamplingParams | None = None,
+                    arrival_ns: int | None = None, priority: int = 0) -> None:
+        """Tokenize and queue a request; raises ValueError (naming the field) if it is invalid."""
+        arrival_ns = self.platform.now_ns() if arrival_ns is None else arrival_ns
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        if request_id in self.sequences:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        max_len = self.limits.max_model_len
+        if not token_ids:
+            raise ValueError("prompt: empty (it has no tokens)")
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens do not fit max_model_len="
+                             f"{max_len} (at least one token must be generated)")
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
+        seq = Sequence(request_id, token_ids, sampling, arrival_ns, priority)
+        if sampling.seed is not None:
+            seq.generator = torch.Generator(self.platform.device).manual_seed(sampling.seed)
+        if sampling.detokenize:
+            seq.detok = self.tokenizer.new_stream(token_ids, sampling.skip_special_tokens)
+        if sampling.stop and not sampling.include_stop_str_in_output:
+            self._stop_holdback[request_id] = max(len(s) for s in sampling.stop) - 1
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        step = self.scheduler.step_counter
+        self._pending_events += [Arrived(request_id, step, arrival_ns),
+                                 Tokenized(request_id, step, self.platform.now_ns(),
+                                           len(token_ids))]
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return
+        self.scheduler.finish(seq, "abort")
+        self._stop_holdback.pop(request_id, None)
+        self._pending_events.append(self._finished(seq, self.scheduler.step_counter,
+                                                   self.platform.now_ns()))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestEvent]:
+        events, self._pending_events = self._pending_events, []
+        start = self.platform.now_ns()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return events
+        for seq in plan.preempted:
+            events.append(Preempted(seq.request_id, plan.step, start, "kv cache full"))
+        for seq in plan.admitted:
+            if seq.first_scheduled_step == plan.step and seq.num_preemptions == 0:
+                events.append(Scheduled(seq.request_id, plan.step, start))
+        for item in plan.scheduled:
+            if item.is_prefill:
+                events.append(PrefillChunk(item.seq.request_id, plan.step, start,
+                                           item.num_new_tokens, item.num_computed_before))
+        try:
+            tokens = self.runner.execute(plan, self.kv)
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            return events + self._fail_step(plan, exc)
+        self.scheduler.complete_step(plan)
+        finished = self._postprocess(plan, tokens)
+        end = self.platform.now_ns()
+        for request_id, delta in finished.items():
+            seq = self.sequences[request_id]
+            events.append(Tokens(request_id, plan.step, end, (seq.token_ids[-1],), delta))
+            if seq.is_finished:
+                events.append(self._finished(seq, plan.step, end))
+                del self.sequences[request_id]
+        self._record_step(plan, start, end)
+        return events
+
+    def _postprocess(self, plan: StepPlan, tokens: list[int]) -> dict[str, str]:
+        """Append each sampled token, detokenize, check stops. Returns request -> text delta."""
+        out: dict[str, str] = {}
+        sampled = (item.seq for item in plan.scheduled if item.samples)
+        max_len = self.limits.max_model_len
+        eos = self.eos_ids
+        for seq, token in zip(sampled, tokens, strict=True):
+            seq.token_ids.append(token)
+            p = seq.sampling
+            reason = None
+            if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
+                reason = "stop" if seq.num_output_tokens >= p.min_tokens else None
+            if reason is None and (seq.num_output_tokens >= p.max_tokens
+                                   or seq.num_tokens >= max_len):
+                reason = "length"
+            delta = ""
+            if seq.detok is not None:
+                seq.text += seq.detok.step(token)  # type: ignore[attr-defined]
+                if reason is not None:
+                    seq.text += seq.detok.flush()  # type: ignore[attr-defined]
+                if p.stop:
+                    hit = self._find_stop(seq)
+                    if hit is not None:
+                        seq.text, reason = hit, "stop"
+                holdback = 0 if reason else self._stop_holdback.get(seq.request_id, 0)
+                visible = max(seq.emitted, len(seq.text) - holdback)
+                delta = seq.text[seq.emitted:visible]
+                seq.emitted = visible
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self._stop_holdback.pop(seq.request_id, None)
+            out[seq.request_id] = delta
+        return out
+
+    def _find_stop(self, seq: Sequence) -> str | None:
+        """The text truncated at the first stop string, or None when none occurs."""
+        p = seq.sampling
+        window = max(len(s) for s in p.stop) + 16
+        search_from = max(0, seq.emitted - window)
+        best = None
+        for stop in p.stop:
+            index = seq.text.find(stop, search_from)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        return seq.text[:index + len(stop)] if p.include_stop_str_in_output else seq.text[:index]
+
+    def _finished(self, seq: Sequence, step: int, time_ns: int) -> Finished:
+        return Finished(seq.request_id, step, time_ns, seq.finish_reason or "abort",
+                        seq.num_prompt_tokens, seq.num_output_tokens, seq.cached_prompt_tokens,
+                        seq.num_preemptions, seq.text)
+
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestEvent]:
+        now = self.platform.now_ns()
+        events: list[RequestEvent] = []
+        for item in plan.scheduled:
+            seq = item.seq
+            self.scheduler.finish(seq, "error")
+            self.sequences.pop(seq.request_id, None)
+            events.append(Failed(seq.request_id, plan.step, now,
+                                 f"engine step failed: {type(exc).__name__}: {exc}"))
+        return events
+
+    def _record_step(self, plan: StepPlan, start: int, end: int) -> None:
+        if not self.step_observers:
+            return
+        num_decodes = plan.num_decodes
+        record = StepRecord(
+            step=plan.step, start_ns=start, end_ns=end,
+            num_seqs=len(plan.scheduled), num_prefill_seqs=len(plan.scheduled) - num_decodes,
+            num_decode_seqs=num_decodes, prefill_tokens=plan.num_prefill_tokens,
+            decode_tokens=plan.num_decode_tokens, padding_tokens=plan.padding_tokens,
+            num_waiting=plan.num_waiting, kv_bytes_reserved=self.kv.bytes_reserved(),
+            kv_bytes_used=self.kv.bytes_used(), num_preempted=len(plan.preempted),
+        )
+        for observer in self.step_observers:
+            observer(record)

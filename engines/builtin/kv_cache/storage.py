@@ -1,0 +1,37 @@
+"""The KV tensors themselves: one pair of [num_blocks, block_size, kv_heads, head_dim] tensors
+per layer. A contiguous cache is the special case of one max_model_len-sized block per sequence,
+so every attention path reads both layouts the same way."""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerKVCache:
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store this step's K/V [T, kv_heads, d] at their flat slots."""
+        self.k.view(-1, *self.k.shape[2:]).index_copy_(0, slot_mapping, k)
+        self.v.view(-1, *self.v.shape[2:]).index_copy_(0, slot_mapping, v)
+
+    def gather(self, block_tables: torch.Tensor, length: int,
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the first `length` positions of each sequence: [B, length, kv_heads, d]."""
+        if length <= block_size:  # one block covers it (always so for the contiguous layout)
+            blocks = block_tables[:, 0]
+            return self.k[blocks, :length], self.v[blocks, :length]
+        num_blocks = -(-length // block_size)
+        blocks = block_tables[:, :num_blocks]
+        k = self.k[blocks].flatten(1, 2)[:, :length]
+        v = self.v[blocks].flatten(1, 2)[:, :length]
+        return k, v
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()

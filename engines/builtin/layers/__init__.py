@@ -1,0 +1,1 @@
+"""Building blocks of the transformer: linear layers with a storage hook, norms, rotary."""

@@ -1,0 +1,94 @@
+"""Linear layers whose weight storage and multiply are a pluggable `LinearMethod`.
+
+The model only ever calls `Linear.forward`; how the weight is kept (dense, INT8 per-channel,
+INT4 group-wise, ...) and which kernel multiplies it is the method's business. The loader
+hands every full-precision weight to `Linear.load`, so quantizing at load time is a method
+concern too.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethod(ABC):
+    """How a linear layer stores its weight and multiplies by it."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Take a full-precision [out, in] weight and keep it in this method's format."""
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ W^T + b for x of shape [..., in]."""
+
+    def weight_bytes(self, layer: Linear) -> int:
+        """Bytes a forward pass must read for this layer's weight (and scales)."""
+        return sum(t.numel() * t.element_size() for t in layer.state_tensors())
+
+
+class DenseMethod(LinearMethod):
+    """Unquantized weights in the compute dtype."""
+
+    name = "none"
+
+    def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+LINEAR_METHODS: dict[str, type[LinearMethod]] = {"none": DenseMethod}
+
+
+def make_linear_method(quantization: str) -> LinearMethod:
+    try:
+        return LINEAR_METHODS[quantization]()
+    except KeyError:
+        raise ValueError(
+            f"engine.quantization: {quantization!r} has no linear method; "
+            f"available: {'|'.join(LINEAR_METHODS)}"
+        ) from None
+
+
+class Linear(nn.Module):
+    """A linear layer that is empty until `load` is called with its weight."""
+
+    def __init__(self, in_features: int, out_features: int, method: LinearMethod,
+                 bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.has_bias = bias
+        self.method = method
+        self.weight: nn.Parameter | None = None
+        self.bias: nn.Parameter | None = None
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight of shape {tuple(weight.shape)} does not fit a linear layer "
+                             f"of [{self.out_features}, {self.in_features}]")
+        if self.has_bias != (bias is not None):
+            raise ValueError(f"bias expected: {self.has_bias}, given: {bias is not None}")
+        self.method.load(self, weight, bias)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (*self.parameters(recurse=False), *self.buffers(recurse=False))]
+
+    def weight_bytes(self) -> int:
+        return self.method.weight_bytes(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, bias={self.has_bias}, "
+                f"method={self.method.name}")

@@ -1,0 +1,56 @@
+"""Rotary position embeddings (the non-interleaved "rotate half" layout of Hugging Face Llama),
+with Llama-3.1 and linear frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])  # type: ignore[index]
+    if rope_type == "llama3":
+        assert scaling is not None
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to packed q [T, heads, d] and k [T, kv_heads, d] at given positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None, device: torch.device) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
+        positions = torch.arange(max_positions, dtype=torch.float32, device=device)
+        angles = torch.outer(positions, inv_freq)
+        # cos|sin side by side so one gather per step serves both.
+        self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,113 @@
+"""A vLLM-like offline API over LLMEngine: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.base import Failed, Finished, Prompt, Tokens
+from engines.builtin.config import EngineConfig
+from engines.builtin.engine import LLMEngine
+from engines.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestMetrics:
+    arrival_ns: int
+    first_scheduled_step: int | None = None
+    first_token_ns: int | None = None
+    finished_ns: int | None = None
+    token_times_ns: list[int] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_ns is None:
+            return None
+        return (self.first_token_ns - self.arrival_ns) / 1e9
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class LLM:
+    """`LLM(model="small", kv_cache="contiguous", dtype="float32", ...)`: any engine option."""
+
+    def __init__(self, model: str = "tiny", **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_dict({"model": model, **options}))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids or chat messages); outputs in input order."""
+        if isinstance(prompts, str) or _is_single_token_list(prompts) or _is_chat(prompts):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} "
+                                 "prompts; give one, or one per prompt")
+        engine = self.engine
+        outputs: dict[str, RequestOutput] = {}
+        order = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                request_id = str(next(self._ids))
+                engine.add_request(request_id, prompt, p,
+                                   priority=priority[i] if priority else 0)
+                seq = engine.sequences[request_id]
+                outputs[request_id] = RequestOutput(request_id, list(seq.prompt_token_ids), [],
+                                                    "", None, RequestMetrics(seq.arrival_ns))
+                order.append(request_id)
+        except Exception:
+            # An invalid prompt rejects the whole call: drop the requests queued before it.
+            for request_id in order:
+                engine.abort_request(request_id)
+            raise
+        while engine.has_unfinished_requests():
+            for event in engine.step():
+                out = outputs.get(event.request_id)
+                if out is None:
+                    continue
+                if isinstance(event, Tokens):
+                    out.token_ids.extend(event.token_ids)
+                    out.text += event.text
+                    if out.metrics.first_token_ns is None:
+                        out.metrics.first_token_ns = event.time_ns
+                    out.metrics.token_times_ns.append(event.time_ns)
+                elif isinstance(event, Finished):
+                    out.finish_reason = event.finish_reason
+                    out.text = event.text
+                    out.metrics.finished_ns = event.time_ns
+                elif isinstance(event, Failed):
+                    out.error = event.error
+        return [outputs[r] for r in order]
+
+
+def _is_single_token_list(x: object) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
+
+
+def _is_chat(x: object) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(m, dict) for m in x)

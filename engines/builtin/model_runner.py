@@ -1,0 +1,169 @@
+"""The model runner executes a step plan: it packs the scheduled tokens, fills the attention
+metadata into preallocated buffers (one host-to-device copy per step), runs the model, and
+samples the sequences that reached the end of their known tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from engines.builtin.attention import AttentionMetadata, make_attention
+from engines.builtin.config import EngineConfig
+from engines.builtin.kv_cache import KVCacheManager, LayerKVCache
+from engines.builtin.layers.linear import make_linear_method
+from engines.builtin.model import Transformer
+from engines.builtin.model_config import ModelConfig
+from engines.builtin.platform import Platform
+from engines.builtin.sampler import Sampler, SamplingBatch
+from engines.builtin.scheduler import StepPlan
+from engines.builtin.weights import dummy_state_dict, iter_checkpoint, load_weights
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, platform: Platform,
+                 dtype: torch.dtype, max_model_len: int, max_num_batched_tokens: int,
+                 max_num_seqs: int, sample_vocab_size: int, eos_ids: list[int]) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.platform = platform
+        self.device = platform.device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.sample_vocab_size = sample_vocab_size
+        self.eos_ids = eos_ids
+
+        with torch.device("meta"):
+            self.model = Transformer(model_config, make_linear_method(config.quantization),
+                                     make_attention(config.attention_backend),
+                                     max_model_len, self.device)
+        self.model.eval()
+        self._load_weights()
+        self.sampler = Sampler(config.seed, self.device)
+        self.kv_caches: list[LayerKVCache] = []
+        # Sees the logits of every token of every step (packed, plan order): for parity tests
+        # and the quality probe. None in normal runs, where only sampled rows are computed.
+        self.logits_observer: Callable[[StepPlan, torch.Tensor], None] | None = None
+
+        # Preallocated metadata buffers at the largest step; each step uses a prefix.
+        def buffer(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=self.device)
+
+        self.input_ids_buf = buffer(max_num_batched_tokens, torch.int64)
+        self.positions_buf = buffer(max_num_batched_tokens, torch.int64)
+        self.slots_buf = buffer(max_num_batched_tokens, torch.int64)
+        self.qsl_buf = buffer(max_num_seqs + 1, torch.int32)
+        self.seq_lens_buf = buffer(max_num_seqs, torch.int32)
+        self.max_blocks_per_seq = 1
+
+    def _load_weights(self) -> None:
+        cfg, config = self.model_config, self.config
+        use_dummy = config.load_format == "dummy" or (
+            config.load_format == "auto" and not _is_checkpoint(config.model))
+        if use_dummy:
+            tensors = dummy_state_dict(cfg, config.seed, self.dtype, self.device).items()
+        else:
+            tensors = iter_checkpoint(config.model)
+        load_weights(self.model, tensors, self.dtype, self.device)
+        self.weights_source = "dummy" if use_dummy else "checkpoint"
+
+    def allocate_kv_cache(self, kv: KVCacheManager) -> None:
+        layout = kv.layout
+        self.block_size = layout.block_size
+        self.max_blocks_per_seq = max(1, -(-self.max_model_len // layout.block_size))
+        self.block_tables_buf = torch.zeros(
+            (self.qsl_buf.numel() - 1, self.max_blocks_per_seq), dtype=torch.int32,
+            device=self.device)
+        self.kv_caches = []
+        for layer in self.model.layers:
+            cache = None
+            if layout.num_blocks:
+                cache = LayerKVCache(layout.num_blocks, layout.block_size,
+                                     self.model_config.num_kv_heads, self.model_config.head_dim,
+                                     self.dtype, self.device)
+                self.kv_caches.append(cache)
+            layer.attn.cache = cache
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def prepare(self, plan: StepPlan, kv: KVCacheManager) -> tuple[torch.Tensor,
+                                                                    AttentionMetadata,
+                                                                    torch.Tensor]:
+        items = plan.scheduled
+        num_seqs = len(items)
+        query_lens = np.fromiter((s.num_new_tokens for s in items), np.int64, num_seqs)
+        starts = np.fromiter((s.num_computed_before for s in items), np.int64, num_seqs)
+        seq_lens = starts + query_lens
+        qsl = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+
+        token_ids: list[int] = []
+        for s in items:
+            token_ids.extend(s.seq.token_ids[s.num_computed_before:
+                                             s.num_computed_before + s.num_new_tokens])
+        # positions = start of the chunk + offset within it, for every packed token
+        seq_index = np.repeat(np.arange(num_seqs), query_lens)
+        positions = starts[seq_index] + (np.arange(num_tokens) - qsl[:-1][seq_index])
+
+        use_cache = kv.retains_kv
+        n = num_tokens
+        self.input_ids_buf[:n].copy_(torch.from_numpy(np.asarray(token_ids, np.int64)))
+        self.positions_buf[:n].copy_(torch.from_numpy(positions))
+        self.qsl_buf[:num_seqs + 1].copy_(torch.from_numpy(qsl))
+        self.seq_lens_buf[:num_seqs].copy_(torch.from_numpy(seq_lens))
+        if use_cache:
+            tables = np.zeros((num_seqs, self.max_blocks_per_seq), np.int64)
+            for row, s in enumerate(items):
+                table = kv.block_table(s.seq.seq_id)
+                tables[row, :len(table)] = table
+            bs = self.block_size
+            slots = tables[seq_index, positions // bs] * bs + positions % bs
+            self.slots_buf[:n].copy_(torch.from_numpy(slots))
+            self.block_tables_buf[:num_seqs].copy_(torch.from_numpy(tables))
+
+        num_decodes = plan.num_decodes
+        meta = AttentionMetadata(
+            positions=self.positions_buf[:n],
+            slot_mapping=self.slots_buf[:n],
+            query_start_loc=self.qsl_buf[:num_seqs + 1],
+            seq_lens=self.seq_lens_buf[:num_seqs],
+            block_tables=self.block_tables_buf[:num_seqs],
+            query_start_loc_host=qsl.tolist(),
+            seq_lens_host=seq_lens.tolist(),
+            num_decodes=num_decodes,
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size,
+            sliding_window=self.model_config.sliding_window,
+            use_cache=use_cache,
+        )
+        sample_rows = [i for i, s in enumerate(items) if s.samples]
+        logits_indices = torch.as_tensor(qsl[1:][sample_rows] - 1, device=self.device)
+        return self.input_ids_buf[:n], meta, logits_indices
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, kv: KVCacheManager) -> list[int]:
+        """Run the plan; return one sampled token per sequence that samples, in plan order."""
+        input_ids, meta, logits_indices = self.prepare(plan, kv)
+        hidden = self.model(input_ids, meta)
+        if self.logits_observer is not None:
+            self.logits_observer(plan, self.model.compute_logits(hidden).float())
+        if logits_indices.numel() == 0:
+            return []
+        logits = self.model.compute_logits(hidden[logits_indices])
+        # Ids past the tokenizer's vocabulary (a dummy model's padding rows) are never sampled.
+        logits = logits[:, :self.sample_vocab_size]
+        seqs = [s.seq for s in plan.scheduled if s.samples]
+        if all(s.sampling.temperature == 0.0 and not s.sampling.min_tokens for s in seqs):
+            tokens = logits.argmax(dim=-1)
+        else:
+            batch = SamplingBatch.from_sequences(seqs, self.eos_ids, self.device)
+            tokens = self.sampler(logits, batch)
+        return tokens.tolist()  # the step's one device-to-host sync
+
+
+def _is_checkpoint(model: str) -> bool:
+    from pathlib import Path
+
+    return Path(model).is_dir()

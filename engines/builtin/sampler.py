@@ -1,0 +1,101 @@
+"""Vectorized sampling over the batch: greedy, temperature, top-k, top-p, min_tokens.
+
+One sort of the logits serves top-k and top-p together. Sampling is the exponential race
+(argmax of p / q with q ~ Exp(1)), which equals drawing from p; seeded requests draw their q
+from their own generator, so their outputs do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engines.builtin.sequence import Sequence
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors, built once per step."""
+
+    temperature: torch.Tensor  # [B] float; rows with 0 are greedy
+    top_k: torch.Tensor  # [B] int64; 0 = off
+    top_p: torch.Tensor  # [B] float
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    # rows whose EOS / stop ids are masked because min_tokens is not reached yet
+    suppress_rows: list[int]
+    suppress_ids: list[list[int]]
+    generators: list[torch.Generator | None]
+
+    @classmethod
+    def from_sequences(cls, seqs: Seq[Sequence], eos_ids: Seq[int],
+                       device: torch.device) -> SamplingBatch:
+        params = [s.sampling for s in seqs]
+        suppress_rows, suppress_ids = [], []
+        for row, seq in enumerate(seqs):
+            p = seq.sampling
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+                suppress_rows.append(row)
+                suppress_ids.append(list(eos_ids) + list(p.stop_token_ids))
+        all_greedy = all(p.temperature == 0.0 for p in params)
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                                     device=device),
+            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64,
+                               device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            all_greedy=all_greedy,
+            any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            suppress_rows=suppress_rows,
+            suppress_ids=suppress_ids,
+            generators=[s.generator for s in seqs],
+        )
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p support with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        kth = sorted_logits.gather(-1, (vocab - k).unsqueeze(-1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop the low tail whose mass is at most 1 - p; the top token always stays.
+        drop = cumulative <= (1 - top_p).unsqueeze(-1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits [B, V] -> token ids [B]."""
+        logits = logits.float()
+        for row, ids in zip(batch.suppress_rows, batch.suppress_ids, strict=True):
+            logits[row, [i for i in ids if i < logits.shape[-1]]] = float("-inf")
+        greedy_tokens = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy_tokens
+        temperature = batch.temperature.clamp(min=1e-5).unsqueeze(-1)
+        logits = logits / temperature
+        if batch.any_top_k or batch.any_top_p:
+            logits = apply_top_k_top_p(logits, batch.top_k if batch.any_top_k else None,
+                                       batch.top_p if batch.any_top_p else None)
+        probs = logits.softmax(dim=-1)
+        race = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, gen in enumerate(batch.generators):
+            if gen is not None:
+                race[i].exponential_(generator=gen)
+        race.clamp_(min=torch.finfo(race.dtype).tiny)  # Exp(1) can draw an exact 0
+        sampled = (probs / race).argmax(dim=-1)
+        return torch.where(batch.temperature == 0.0, greedy_tokens, sampled)

@@ -1,0 +1,71 @@
+"""A request inside the engine: its tokens, how many are in the KV cache, and its state."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from engines.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_ns: int
+    priority: int = 0
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    token_ids: list[int] = field(init=False)
+    #: Tokens whose K/V are in the cache (prompt and output alike). The scheduler gives each
+    #: step `num_tokens - num_computed_tokens` new tokens, or a chunk of them.
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    first_scheduled_step: int | None = None
+    num_preemptions: int = 0
+    cached_prompt_tokens: int = 0
+    generator: torch.Generator | None = None  # per-request RNG when sampling.seed is set
+    # Detokenized output: `text` is everything decoded, `emitted` how much was streamed out
+    # (text is held back while it could still be the start of a stop string).
+    text: str = ""
+    emitted: int = 0
+    detok: object | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens

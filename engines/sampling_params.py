@@ -1,0 +1,61 @@
+"""Per-request generation settings, shared by every backend (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded and when it stops.
+
+    `temperature=0` means greedy. `top_k=0` or `-1` disables top-k; `top_p=1` disables top-p.
+    `ignore_eos` keeps generating past EOS (benchmarks need exact output lengths);
+    `min_tokens` suppresses EOS and stop tokens until that many tokens exist.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(
+                f"SamplingParams.{name}: {getattr(self, name)!r} is invalid; allowed: {allowed}"
+            )
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "a number >= 0 (0 means greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "a number in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "-1 or 0 (disabled) or an integer >= 1")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
+        if self.n != 1:
+            raise bad("n", "1 (parallel sampling with n > 1 arrives with paged KV, issue 4)")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative token ids")

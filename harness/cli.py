@@ -1,0 +1,36 @@
+"""The `inferlab` command: `inferlab run [hydra overrides...]` and friends."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: inferlab <command> [args]
+
+commands:
+  run [overrides...]   run an experiment (Hydra app; -m for sweeps, --help for the config)
+
+examples:
+  inferlab run                                  # default experiment: small model, CPU
+  inferlab run model=tiny engine.kv_cache=none workload.num_requests=4
+  inferlab run -m engine.kv_cache=none,contiguous model=tiny
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "run":
+        from harness import app
+
+        sys.argv = [f"{sys.argv[0]} run", *rest]
+        app.main()
+        return 0
+    print(f"inferlab: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

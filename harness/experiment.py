@@ -1,0 +1,152 @@
+"""One experiment run, independent of Hydra: build the backend and workload from a plain config,
+warm up, drive the measured workload, and leave a complete (or honestly partial) run folder."""
+
+from __future__ import annotations
+
+import signal
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tqdm import tqdm
+
+from engines.base import Backend, now_ns
+from engines.builtin.backend import BuiltinBackend
+from engines.builtin.config import EngineConfig
+from harness import provenance
+from harness.driver import Driver
+from harness.metrics import compute_summary
+from harness.records import RunRecorder
+from workloads import WORKLOAD_TYPES, WorkloadRequest
+
+BACKENDS = ("builtin",)
+
+
+def build_backend(engine: dict[str, Any], model: dict[str, Any]) -> Backend:
+    options = dict(engine)
+    backend = options.pop("backend", "builtin")
+    if backend not in BACKENDS:
+        raise ValueError(f"engine.backend: {backend!r} is invalid; allowed: "
+                         f"{'|'.join(BACKENDS)} (hf and openai arrive with issue 7)")
+    known_model_keys = {"name", "path", "tokenizer", "overrides"}
+    unknown = sorted(set(model) - known_model_keys)
+    if unknown:
+        raise ValueError(f"model: unknown key(s) {unknown}; allowed: {sorted(known_model_keys)}")
+    if model.get("name") == "hf" and not model.get("path"):
+        raise ValueError("model.path: required for model=hf (a local Hugging Face checkpoint "
+                         "folder with config.json and *.safetensors)")
+    options["model"] = model.get("path") or model["name"]
+    options["model_overrides"] = dict(model.get("overrides") or {})
+    options["tokenizer"] = model.get("tokenizer")
+    return BuiltinBackend(EngineConfig.from_dict(options))
+
+
+def build_workload(workload: dict[str, Any], tokenizer: Any, *, num_requests: int | None = None,
+                   id_prefix: str | None = None, seed_offset: int = 0) -> list[WorkloadRequest]:
+    options = dict(workload)
+    kind = options.pop("type", "synthetic")
+    if kind not in WORKLOAD_TYPES:
+        raise ValueError(f"workload.type: {kind!r} is invalid; allowed: "
+                         f"{'|'.join(WORKLOAD_TYPES)}")
+    if num_requests is not None:
+        options["num_requests"] = num_requests
+    if id_prefix is not None:
+        options["id_prefix"] = id_prefix
+    options["seed"] = options.get("seed", 0) + seed_offset
+    cls = WORKLOAD_TYPES[kind]
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"workload: unknown key(s) {unknown} for type {kind}; "
+                         f"allowed: {sorted(known)}")
+    return cls(**options).build(tokenizer)
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    # SIGTERM behaves like Ctrl-C: KeyboardInterrupt is what asyncio propagates out of
+    # the event loop from any task, so the run stops, keeps its rows and says so.
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_experiment(config: dict[str, Any], run_dir: str | Path,
+                   progress: bool = True) -> dict[str, Any]:
+    """Run one configuration into `run_dir`; return the summary (also in summary.json)."""
+    run_dir = Path(run_dir)
+    recorder = RunRecorder(run_dir)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    from harness.records import write_json_atomic
+
+    write_json_atomic(run_dir / "provenance.json", provenance.collect(config))
+    recorder.write_summary({"status": "running"})
+    run_cfg = config.get("run", {})
+    status, error, info, backend = "complete", None, {}, None
+    bar = None
+    try:
+        with _sigterm_interrupts():
+            start = now_ns()
+            backend = build_backend(config["engine"], config["model"])
+            backend.load()
+            info["load_s"] = (now_ns() - start) / 1e9
+            info["engine"] = backend.describe()
+            tokenizer = getattr(backend, "tokenizer", None)
+            workload = build_workload(config["workload"], tokenizer)
+            warmup = int(run_cfg.get("warmup_requests", 0))
+            first_steps: list[dict[str, Any]] = []
+
+            def keep_first_step(table: str, row: dict[str, Any]) -> None:
+                if table == "steps" and not first_steps:
+                    first_steps.append(row)
+
+            if warmup:
+                warm = build_workload(config["workload"], tokenizer, num_requests=warmup,
+                                      id_prefix="warmup", seed_offset=10_000)
+                Driver(backend, keep_first_step).run(warm)
+            bar = tqdm(total=len(workload), desc="requests", unit="req", delay=2.0,
+                       disable=not progress, leave=False)
+            driver = Driver(backend, _tee(recorder.append, keep_first_step),
+                            on_request_done=lambda _: bar.update())
+            driver.run(workload)
+            if first_steps:
+                step = first_steps[0]
+                info["first_step_s"] = step["end_s"] - step["start_s"]
+                info["cold_start_s"] = info["load_s"] + info["first_step_s"]
+    except KeyboardInterrupt as exc:
+        status, error = "incomplete", f"interrupted: {exc or 'SIGINT'}"
+    except Exception as exc:  # recorded, then re-raised by the caller if it wants
+        status, error = "failed", "".join(traceback.format_exception_only(exc)).strip()
+        info["traceback"] = traceback.format_exc()
+    finally:
+        if bar is not None:
+            bar.close()
+        if backend is not None:
+            backend.close()
+        frames = recorder.finalize()
+        metrics = compute_summary(frames["requests"], frames["tokens"], frames["steps"], info)
+        summary = {"status": status, "error": error, "metrics": metrics,
+                   "run_dir": str(run_dir), **{k: v for k, v in info.items()
+                                                if k not in ("load_s", "cold_start_s")}}
+        recorder.write_summary(summary)
+    return summary
+
+
+def _tee(*sinks: Any) -> Any:
+    def sink(table: str, row: dict[str, Any]) -> None:
+        for s in sinks:
+            s(table, row)
+
+    return sink

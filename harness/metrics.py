@@ -1,0 +1,169 @@
+"""The metric registry and the summary computed from a run's records.
+
+Every summary metric has a stable snake_case name, a unit, the direction that is better, and a
+kind: `deterministic` (counts and bytes: equal inputs give equal values, so gates compare them
+exactly) or `timing` (noisy: gates compare them statistically). Definitions follow
+docs/metrics.md (vLLM's conventions: TPOT excludes the first token, ITL pools every gap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+
+Better = Literal["lower", "higher", "none"]
+Kind = Literal["deterministic", "timing"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    unit: str
+    better: Better
+    kind: Kind
+    description: str
+
+
+REGISTRY: dict[str, Metric] = {}
+
+
+def register(name: str, unit: str, better: Better, kind: Kind, description: str) -> Metric:
+    if name in REGISTRY:
+        raise ValueError(f"metric {name!r} is registered twice")
+    metric = Metric(name, unit, better, kind, description)
+    REGISTRY[name] = metric
+    return metric
+
+
+def _register_latency(base: str, stats: Iterable[str], what: str) -> None:
+    for stat in stats:
+        register(f"{base}_{stat}_s", "s", "lower", "timing", f"{what}, {stat} over requests")
+
+
+_register_latency("ttft", ("mean", "p50", "p90", "p99"),
+                  "time to first token: first output token - arrival (queueing included)")
+_register_latency("tpot", ("mean", "p50", "p99"),
+                  "time per output token: (last - first token) / (N - 1), requests with N > 1")
+_register_latency("e2e", ("mean", "p50", "p99"), "end-to-end latency: last token - arrival")
+_register_latency("queue", ("p50", "p99"), "queueing: first scheduled - arrival")
+for _stat in ("p50", "p90", "p99", "max"):
+    register(f"itl_{_stat}_s", "s", "lower", "timing",
+             f"inter-token latency, {_stat} over every gap between consecutive tokens (pooled)")
+register("itl_mean_s", "s", "lower", "timing", "inter-token latency, mean over all gaps")
+register("output_tok_per_s", "tok/s", "higher", "timing", "output tokens / run duration")
+register("input_tok_per_s", "tok/s", "higher", "timing", "prompt tokens / run duration")
+register("total_tok_per_s", "tok/s", "higher", "timing",
+         "(prompt + output tokens) / run duration")
+register("req_per_s", "req/s", "higher", "timing", "completed requests / run duration")
+register("duration_s", "s", "none", "timing", "first arrival to last completion")
+register("num_requests", "count", "none", "deterministic", "requests in the measured run")
+register("num_completed", "count", "higher", "deterministic", "requests that finished")
+register("num_failed", "count", "lower", "deterministic", "requests that failed")
+register("num_steps", "count", "lower", "deterministic", "engine steps in the measured run")
+register("mean_batch_size", "seqs", "higher", "deterministic", "sequences per engine step")
+register("output_tokens_total", "tokens", "none", "deterministic", "output tokens generated")
+register("input_tokens_total", "tokens", "none", "deterministic", "prompt tokens processed")
+register("prefill_tokens_total", "tokens", "lower", "deterministic",
+         "tokens computed in prefill (recomputation included)")
+register("padding_tokens_total", "tokens", "lower", "deterministic", "padding tokens computed")
+register("kv_bytes_reserved_peak", "B", "lower", "deterministic",
+         "largest KV bytes reserved for live sequences at a step")
+register("kv_bytes_used_peak", "B", "none", "deterministic",
+         "largest KV bytes holding tokens at a step")
+register("cold_start_s", "s", "lower", "timing",
+         "model load (weights, tokenizer) plus the first engine step")
+register("load_s", "s", "lower", "timing", "backend load: model build, weights, tokenizer")
+
+
+def _pct(values: np.ndarray, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def _stats(prefix: str, values: np.ndarray, stats: Iterable[str]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for stat in stats:
+        if stat == "mean":
+            out[f"{prefix}_mean_s"] = float(values.mean()) if len(values) else None
+        elif stat == "max":
+            out[f"{prefix}_max_s"] = float(values.max()) if len(values) else None
+        else:
+            out[f"{prefix}_{stat}_s"] = _pct(values, float(stat[1:]))
+    return out
+
+
+def per_request_latencies(requests: pd.DataFrame) -> pd.DataFrame:
+    """TTFT, TPOT, E2E and queue time per completed request (seconds)."""
+    done = requests[requests["status"] == "ok"]
+    out = pd.DataFrame({"request_id": done["request_id"]})
+    out["ttft_s"] = done["first_token_s"] - done["arrival_s"]
+    out["e2e_s"] = done["last_token_s"] - done["arrival_s"]
+    out["queue_s"] = done["scheduled_s"] - done["arrival_s"]
+    n = done["output_tokens"]
+    out["tpot_s"] = ((done["last_token_s"] - done["first_token_s"]) / (n - 1)).where(n > 1)
+    return out
+
+
+def inter_token_latencies(tokens: pd.DataFrame, ok_ids: Iterable[str]) -> np.ndarray:
+    """Every gap between consecutive output tokens of a request, pooled over requests."""
+    ok = tokens[tokens["request_id"].isin(set(ok_ids))]
+    if ok.empty:
+        return np.empty(0)
+    ordered = ok.sort_values(["request_id", "index"])
+    gaps = ordered.groupby("request_id", sort=False)["time_s"].diff().dropna()
+    return gaps.to_numpy(dtype=float)
+
+
+def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame,
+                    run_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The registered metrics of one run. Failed requests count, but stay out of latencies."""
+    run_info = run_info or {}
+    ok = requests[requests["status"] == "ok"]
+    lat = per_request_latencies(requests)
+    summary: dict[str, Any] = {}
+    # A request that finished without a token (aborted, or stopped at once) has no TTFT.
+    def column(name: str) -> np.ndarray:
+        return lat[name].dropna().to_numpy(float)
+
+    summary.update(_stats("ttft", column("ttft_s"), ("mean", "p50", "p90", "p99")))
+    summary.update(_stats("tpot", column("tpot_s"), ("mean", "p50", "p99")))
+    summary.update(_stats("e2e", column("e2e_s"), ("mean", "p50", "p99")))
+    summary.update(_stats("queue", column("queue_s"), ("p50", "p99")))
+    itl = inter_token_latencies(tokens, ok["request_id"])
+    summary.update(_stats("itl", itl, ("mean", "p50", "p90", "p99", "max")))
+
+    duration = float(ok["last_token_s"].max() - requests["arrival_s"].min()) if len(ok) else 0.0
+    input_total = int(ok["prompt_tokens"].sum())
+    output_total = int(requests["output_tokens"].fillna(0).sum())
+
+    def rate(x: float) -> float | None:
+        return x / duration if duration > 0 else None
+
+    summary.update({
+        "duration_s": duration,
+        "output_tok_per_s": rate(int(ok["output_tokens"].sum())),
+        "input_tok_per_s": rate(input_total),
+        "total_tok_per_s": rate(input_total + int(ok["output_tokens"].sum())),
+        "req_per_s": rate(len(ok)),
+        "num_requests": len(requests),
+        "num_completed": len(ok),
+        "num_failed": int((requests["status"] == "failed").sum()),
+        "output_tokens_total": output_total,
+        "input_tokens_total": int(requests["prompt_tokens"].fillna(0).sum()),
+        "num_steps": len(steps),
+        "mean_batch_size": float(steps["num_seqs"].mean()) if len(steps) else None,
+        "prefill_tokens_total": int(steps["prefill_tokens"].sum()) if len(steps) else 0,
+        "padding_tokens_total": int(steps["padding_tokens"].sum()) if len(steps) else 0,
+        "kv_bytes_reserved_peak": int(steps["kv_bytes_reserved"].max()) if len(steps) else 0,
+        "kv_bytes_used_peak": int(steps["kv_bytes_used"].max()) if len(steps) else 0,
+    })
+    for key in ("cold_start_s", "load_s"):
+        if key in run_info:
+            summary[key] = run_info[key]
+    unknown = set(summary) - set(REGISTRY)
+    if unknown:
+        raise AssertionError(f"unregistered summary metrics: {sorted(unknown)}")
+    return summary

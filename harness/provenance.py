@@ -1,0 +1,90 @@
+"""Where a result came from: code version, packages, machine, configuration hash."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import socket
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PACKAGES = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "pandas",
+            "pyarrow", "hydra-core", "inferlab")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                             timeout=5, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu() -> dict[str, Any]:
+    info: dict[str, Any] = {"machine": platform.machine(), "logical_cpus": os.cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and "model" not in info:
+            info["model"] = value.strip()
+        elif key == "flags" and "flags" not in info:
+            # The instruction-set extensions that decide which CPU kernels run.
+            wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8",
+                      "fma", "f16c")
+            info["flags"] = [f for f in value.split() if f in wanted]
+    return info
+
+
+def _gpu() -> dict[str, Any] | None:
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    gpu: dict[str, Any] = {"name": props.name, "memory_bytes": props.total_memory,
+                           "count": torch.cuda.device_count(), "cuda": torch.version.cuda}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        gpu["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        pynvml.nvmlShutdown()
+    except Exception:
+        pass
+    return gpu
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def collect(config: dict[str, Any]) -> dict[str, Any]:
+    versions = {}
+    for package in PACKAGES:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    status = _git("status", "--porcelain")
+    return {
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(status) if status is not None else None,
+        "python": platform.python_version(),
+        "packages": versions,
+        "cpu": _cpu(),
+        "torch_num_threads": torch.get_num_threads(),
+        "gpu": _gpu(),
+        "hostname_hash": hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12],
+        "os": platform.platform(),
+        "config_hash": config_hash(config),
+    }

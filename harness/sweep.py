@@ -1,0 +1,59 @@
+"""sweep.csv: one row per Hydra multirun job, its overrides as columns, then its metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    jobs = [p for p in sweep_dir.iterdir() if (p / ".hydra" / "overrides.yaml").is_file()]
+    for job in sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit()
+                                           else 0, p.name)):
+        overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []
+        row: dict[str, Any] = {"job": job.name}
+        for override in overrides:
+            key, _, value = override.partition("=")
+            row[key.lstrip("+~")] = _parse_value(value)
+        summary_file = job / "summary.json"
+        if summary_file.is_file():
+            summary = json.loads(summary_file.read_text())
+            row["status"] = summary.get("status")
+            row["error"] = summary.get("error")
+            row.update(summary.get("metrics") or {})
+        else:
+            row["status"], row["error"] = "missing", "no summary.json (the job did not start?)"
+        row["run_dir"] = str(job)
+        rows.append(row)
+    return rows
+
+
+def write_sweep_csv(sweep_dir: str | Path) -> pd.DataFrame:
+    sweep_dir = Path(sweep_dir)
+    frame = pd.DataFrame(sweep_rows(sweep_dir))
+    frame.to_csv(sweep_dir / "sweep.csv", index=False)
+    return frame
+
+
+class SweepTable(Callback):
+    """Hydra callback: after a multirun, tabulate every job into sweep.csv."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if sweep_dir.is_dir():
+            frame = write_sweep_csv(sweep_dir)
+            print(f"sweep: {len(frame)} job(s) -> {sweep_dir / 'sweep.csv'}")

@@ -1,0 +1,380 @@
+"""The built-in engine against Hugging Face transformers on small random checkpoints.
+
+Each architecture variant is built as a real `transformers` model with enlarged random weights,
+saved with `save_pretrained` (safetensors) and loaded by the engine from the folder. The engine's
+logits at every prefill position and every decode step (seen through the model runner's
+`logits_observer`) must match HF's no-cache forward over the same tokens, and its greedy
+continuation of a mixed-length batch must equal HF's greedy `generate` on each prompt alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer as Backend
+from tokenizers import models, pre_tokenizers
+
+from engines.builtin import LLM, SamplingParams
+from engines.builtin.model_config import UnsupportedCheckpointError, from_hf_config
+from engines.builtin.weights import MissingWeightsError
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 4096
+# Prompts of different lengths, several longer than the Mistral window; ids avoid 0..6.
+PROMPT_LENS = (5, 12, 19, 27)
+# Different lengths per request so requests finish at different steps and a queued one is
+# prefilled in the same step as the others' decodes (max_num_seqs=3 below).
+MAX_TOKENS = (32, 40, 34, 36)
+# Logits must agree to this fraction of the logits' scale (fp32 everywhere).
+RTOL_SCALE = 1e-4
+
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               # 64 < 256: with head_dim 16 the wavelengths span the high, medium (blended)
+               # and low (scaled) bands of Llama-3.1 scaling.
+               "original_max_position_embeddings": 64}
+
+SPECS: dict[str, tuple[str, dict[str, Any]]] = {
+    # head_dim 32 with 4 heads: q/k/v are wider than hidden_size (head_dim read from config)
+    "llama_mha": ("LlamaConfig", dict(num_key_value_heads=4, num_hidden_layers=3, head_dim=32)),
+    "llama_gqa": ("LlamaConfig", dict(rms_norm_eps=1e-5)),
+    "llama_mqa": ("LlamaConfig", dict(num_key_value_heads=1)),
+    "llama3_rope": ("LlamaConfig", dict(rope_parameters=LLAMA3_ROPE)),
+    "llama_linear_rope": ("LlamaConfig", dict(rope_parameters={
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "mistral_swa": ("MistralConfig", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", dict()),
+}
+
+
+# ---- building checkpoints -----------------------------------------------------------------
+
+
+# Weight / prompt seed per variant; hf_reference asserts that its greedy steps have no near-ties.
+SEEDS = {kind: i for i, kind in enumerate(SPECS)}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights far from HF's tiny init, so logits spread out and greedy never sees a tie."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)  # non-trivial norm weights are checked too
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(0.15 * noise)
+
+
+def write_vocab_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer covering all VOCAB ids, so the engine samples the whole vocab
+    (the built-in default tokenizer has fewer ids than 4096 and would mask the top rows)."""
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = Backend(models.WordLevel(vocab, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def build_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    config_cls, extra = SPECS[kind]
+    config = getattr(transformers, config_cls)(**{**BASE, **extra})
+    config._attn_implementation = "eager"  # the plain reference path
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model.eval()
+
+
+def save_checkpoint(model: torch.nn.Module, folder: Path, **kwargs: Any) -> Path:
+    model.save_pretrained(folder, **kwargs)
+    write_vocab_tokenizer(folder)
+    return folder
+
+
+def make_prompts(seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return [torch.randint(7, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+@dataclass
+class Reference:
+    """HF's greedy continuation of each prompt alone, and HF logits over it (no cache)."""
+
+    folder: Path
+    model: torch.nn.Module
+    prompts: list[list[int]]
+    sequences: list[list[int]] = field(default_factory=list)  # prompt + max(MAX_TOKENS)
+    logits: list[torch.Tensor] = field(default_factory=list)  # [len(seq), vocab]
+
+
+@torch.inference_mode()
+def hf_reference(model: torch.nn.Module, folder: Path, prompts: list[list[int]]) -> Reference:
+    ref = Reference(folder, model, prompts)
+    new = max(MAX_TOKENS)
+    # The engine's ignore_eos keeps EOS sampleable (and greedy does pick it at times); HF's
+    # min_new_tokens would mask it instead, so HF generates with no EOS at all. (A None
+    # eos_token_id passed to generate() falls back to the model's default, hence the copy.)
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    model.generation_config.eos_token_id = None
+    try:
+        outs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=int),
+                               do_sample=False, max_new_tokens=new, pad_token_id=0)
+                for p in prompts]
+    finally:
+        model.generation_config = saved
+    for prompt, out in zip(prompts, outs, strict=True):
+        seq = out[0].tolist()
+        assert len(seq) == len(prompt) + new
+        logits = model(torch.tensor([seq])).logits[0].float()
+        # No near-ties: a top-2 gap above twice the logits tolerance means that logits within
+        # tolerance cannot pick another greedy token (if this fails, pick another seed).
+        top2 = logits[len(prompt) - 1:-1].topk(2, dim=-1).values
+        margin = float((top2[:, 0] - top2[:, 1]).min())
+        assert margin > 2 * RTOL_SCALE * float(logits.std()), f"near-tie in greedy: {margin}"
+        # The reference is self-consistent: cached greedy generate == argmax of the full forward.
+        teacher = logits[len(prompt) - 1:-1].argmax(-1).tolist()
+        assert teacher == seq[len(prompt):], "HF generate disagrees with its own forward"
+        ref.sequences.append(seq)
+        ref.logits.append(logits)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[str, Reference] = {}
+
+    def get(kind: str) -> Reference:
+        if kind not in cache:
+            seed = SEEDS[kind]
+            model = build_hf_model(kind, seed)
+            folder = save_checkpoint(model, tmp_path_factory.mktemp(kind))
+            cache[kind] = hf_reference(model, folder, make_prompts(seed))
+        return cache[kind]
+
+    return get
+
+
+# ---- running the engine -------------------------------------------------------------------
+
+
+@dataclass
+class EngineRun:
+    outputs: list
+    max_error: float = 0.0  # max |engine - HF| over every observed logits row
+    observed: dict[int, set[int]] = field(default_factory=dict)  # prompt index -> positions
+    rows: int = 0
+    diverged: list[tuple[int, int]] = field(default_factory=list)
+
+
+def run_engine(ref: Reference, folder: Path | None = None, **options: Any) -> EngineRun:
+    """Generate the batch together; compare every logits row with HF on the fly."""
+    llm = LLM(model=str(folder or ref.folder), dtype="float32", max_num_seqs=3,
+              max_model_len=128, **options)
+    assert llm.tokenizer.vocab_size == VOCAB
+    index = {tuple(p): i for i, p in enumerate(ref.prompts)}
+    run = EngineRun(outputs=[])
+
+    def observer(plan, logits: torch.Tensor) -> None:
+        assert logits.dtype == torch.float32
+        assert logits.shape == (plan.num_tokens, VOCAB)
+        row = 0
+        for item in plan.scheduled:
+            i = index[tuple(item.seq.prompt_token_ids)]
+            seq, hf = ref.sequences[i], ref.logits[i]
+            for j in range(item.num_new_tokens):
+                pos = item.num_computed_before + j
+                if item.seq.token_ids[:pos + 1] != seq[:pos + 1]:
+                    run.diverged.append((i, pos))  # greedy already went another way
+                else:
+                    err = (logits[row] - hf[pos]).abs().max().item()
+                    run.max_error = max(run.max_error, err)
+                    run.observed.setdefault(i, set()).add(pos)
+                row += 1
+        run.rows += row
+        assert row == logits.shape[0]
+
+    llm.engine.runner.logits_observer = observer
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    run.outputs = llm.generate(ref.prompts, params)
+    return run
+
+
+def check_against_hf(ref: Reference, run: EngineRun) -> None:
+    for i, (prompt, out) in enumerate(zip(ref.prompts, run.outputs, strict=True)):
+        assert out.error is None
+        assert out.finish_reason == "length"
+        expected = ref.sequences[i][len(prompt):len(prompt) + MAX_TOKENS[i]]
+        assert out.token_ids == expected, f"prompt {i}: greedy tokens differ from HF"
+    assert not run.diverged
+    for i, prompt in enumerate(ref.prompts):
+        # every prefill position and every decode step (the last sampled token is never fed)
+        needed = set(range(len(prompt) + MAX_TOKENS[i] - 1))
+        assert run.observed.get(i, set()) >= needed, f"prompt {i}: positions not observed"
+    scale = max(float(lg.std()) for lg in ref.logits)
+    assert scale > 0.5, f"logits std {scale} is too small for a meaningful comparison"
+    assert run.max_error <= RTOL_SCALE * scale, (
+        f"max |engine - HF| logits = {run.max_error:.3g} (logits std {scale:.3g})")
+
+
+# ---- parity -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_cache", ["contiguous", "none"])
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_logits_and_greedy_match_hf(reference, kind: str, kv_cache: str) -> None:
+    ref = reference(kind)
+    config = from_hf_config(ref.folder)
+    if kind == "mistral_swa":
+        assert config.sliding_window == 8 < max(PROMPT_LENS)
+    if kind == "llama3_rope":
+        assert config.rope_scaling and config.rope_scaling["rope_type"] == "llama3"
+        assert config.rope_theta == 50000.0
+    if kind == "llama_linear_rope":
+        assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    if kind == "llama_mha":
+        assert config.num_kv_heads == config.num_heads and config.head_dim == 32
+    if kind == "qwen2":
+        assert config.attention_bias
+    if kind == "llama_tied":
+        assert config.tie_word_embeddings
+    run = run_engine(ref, kv_cache=kv_cache)
+    check_against_hf(ref, run)
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "mistral_swa", "qwen2"])
+@pytest.mark.parametrize("kv_cache", ["contiguous", "none"])
+def test_torch_attention_backend_matches_hf(reference, kind: str, kv_cache: str) -> None:
+    ref = reference(kind)
+    check_against_hf(ref, run_engine(ref, kv_cache=kv_cache, attention_backend="torch"))
+
+
+def test_sdpa_backend_matches_hf(reference) -> None:
+    ref = reference("llama_mqa")
+    check_against_hf(ref, run_engine(ref, attention_backend="sdpa"))
+
+
+def test_sharded_checkpoint(reference, tmp_path: Path) -> None:
+    ref = reference("llama_gqa")
+    folder = save_checkpoint(ref.model, tmp_path / "sharded", max_shard_size="300KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1
+    assert not (folder / "model.safetensors").exists()
+    run = run_engine(ref, folder=folder, kv_cache="contiguous")
+    check_against_hf(ref, run)
+
+
+def test_legacy_rope_config_format(reference, tmp_path: Path) -> None:
+    """transformers 4 wrote `rope_theta` and `rope_scaling` (with `type` or `rope_type`) at the
+    top level; the same weights under such a config.json give the same results."""
+    ref = reference("llama3_rope")
+    for key in ("rope_type", "type"):
+
+        def legacy(cfg: dict[str, Any], key: str = key) -> None:
+            params = dict(cfg.pop("rope_parameters"))
+            cfg["rope_theta"] = params.pop("rope_theta")
+            params[key] = params.pop("rope_type")
+            cfg["rope_scaling"] = params
+
+        folder = _edited_copy(ref.folder, tmp_path / key, legacy)
+        assert from_hf_config(folder) == from_hf_config(ref.folder)
+        check_against_hf(ref, run_engine(ref, folder=folder))
+
+
+# ---- refusals -----------------------------------------------------------------------------
+
+
+def _edited_copy(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _set(**values: Any):
+    return lambda cfg: cfg.update(values)
+
+
+def _yarn(cfg: dict[str, Any]) -> None:
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 64}
+
+
+def _legacy_yarn(cfg: dict[str, Any]) -> None:
+    cfg.pop("rope_parameters", None)
+    cfg["rope_theta"] = 10000.0
+    cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0}
+
+
+@pytest.mark.parametrize(("kind", "edit", "names"), [
+    ("llama_gqa", _set(hidden_act="gelu"), ["hidden_act", "gelu"]),
+    ("llama_gqa", _set(mlp_bias=True), ["mlp_bias"]),
+    ("llama_gqa", _yarn, ["rope", "yarn"]),
+    ("llama_gqa", _legacy_yarn, ["rope", "yarn"]),
+    ("llama_gqa", _set(architectures=["GPTNeoXForCausalLM"]), ["architecture",
+                                                               "GPTNeoXForCausalLM"]),
+    ("llama_gqa", _set(quantization_config={"quant_method": "gptq"}), ["quantization_config"]),
+    ("qwen2", _set(use_sliding_window=True, sliding_window=8), ["use_sliding_window"]),
+    ("llama_gqa", _set(attention_bias=True), ["attention_bias"]),
+    ("llama_gqa", _set(sliding_window=8), ["sliding_window"]),
+    ("llama_gqa", _set(pretraining_tp=2), ["pretraining_tp"]),
+])
+def test_unsupported_checkpoint_feature_is_named(reference, tmp_path: Path, kind: str, edit,
+                                                 names: list[str]) -> None:
+    folder = _edited_copy(reference(kind).folder, tmp_path / "edited", edit)
+    with pytest.raises(UnsupportedCheckpointError) as info:
+        LLM(model=str(folder), dtype="float32")
+    for name in names:
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize(("kind", "drop"), [
+    ("llama_gqa", "model.layers.1.mlp.down_proj.weight"),
+    ("llama_gqa", "model.layers.0.self_attn.k_proj.weight"),  # one part of the fused q/k/v
+    ("llama_gqa", "lm_head.weight"),
+    ("qwen2", "model.layers.0.self_attn.v_proj.bias"),
+])
+def test_missing_tensor_is_named(reference, tmp_path: Path, kind: str, drop: str) -> None:
+    src = reference(kind).folder
+    folder = tmp_path / "missing"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(src / name, folder / name)
+    tensors = load_file(str(src / "model.safetensors"))
+    assert drop in tensors
+    del tensors[drop]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(MissingWeightsError) as info:
+        LLM(model=str(folder), dtype="float32")
+    assert drop in str(info.value)
+
+
+def test_tied_checkpoint_may_carry_lm_head_copy(reference, tmp_path: Path) -> None:
+    """Some tied checkpoints still store lm_head.weight; it is ignored, the result unchanged."""
+    ref = reference("llama_tied")
+    folder = tmp_path / "tied_copy"
+    shutil.copytree(ref.folder, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    check_against_hf(ref, run_engine(ref, folder=folder))
