@@ -115,6 +115,7 @@ class StepRecord:
     kv_bytes_reserved: int
     kv_bytes_used: int
     num_preempted: int = 0
+    forward_ns: int = 0  # device time of the model forward and sampling within the step
 
 
 StepObserver = Callable[[StepRecord], None]

@@ -45,7 +45,7 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "an integer >= 1")
-        if self.temperature < 0:
+        if not 0 <= self.temperature < float("inf"):  # also refuses NaN
             raise bad("temperature", "a number >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "a number in (0, 1]")

@@ -174,5 +174,6 @@ class Driver:
             "kv_bytes_reserved": record.kv_bytes_reserved,
             "kv_bytes_used": record.kv_bytes_used,
             "num_preempted": record.num_preempted,
+            "forward_s": record.forward_ns / 1e9,
         }
         self.sink("steps", row)

@@ -92,6 +92,8 @@ def test_outputs_keep_input_order_and_metrics(tiny_llm: LLM) -> None:
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=1.5), "max_tokens"),
     (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.01), "top_p"),
     (dict(top_k=-2), "top_k"),

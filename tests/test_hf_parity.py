@@ -64,7 +64,8 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 # Weight / prompt seed per variant; hf_reference asserts that its greedy steps have no near-ties.
-SEEDS = {kind: i for i, kind in enumerate(SPECS)}
+SEEDS = {"llama_mha": 0, "llama_gqa": 1, "llama_mqa": 2, "llama3_rope": 3, "llama_linear_rope": 4,
+         "llama_tied": 1, "mistral_swa": 2, "qwen2": 0}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -159,15 +160,15 @@ def hf_reference(model: torch.nn.Module, folder: Path, prompts: list[list[int]])
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[str, Reference] = {}
+    cache: dict[tuple[str, int], Reference] = {}
 
-    def get(kind: str) -> Reference:
-        if kind not in cache:
-            seed = SEEDS[kind]
+    def get(kind: str, seed: int | None = None) -> Reference:
+        seed = SEEDS[kind] if seed is None else seed
+        if (kind, seed) not in cache:
             model = build_hf_model(kind, seed)
             folder = save_checkpoint(model, tmp_path_factory.mktemp(kind))
-            cache[kind] = hf_reference(model, folder, make_prompts(seed))
-        return cache[kind]
+            cache[kind, seed] = hf_reference(model, folder, make_prompts(seed))
+        return cache[kind, seed]
 
     return get
 
@@ -269,6 +270,21 @@ def test_torch_attention_backend_matches_hf(reference, kind: str, kv_cache: str)
 def test_sdpa_backend_matches_hf(reference) -> None:
     ref = reference("llama_mqa")
     check_against_hf(ref, run_engine(ref, attention_backend="sdpa"))
+
+
+def test_greedy_through_eos(reference) -> None:
+    """With this seed HF's greedy picks EOS (id 2) early in prompt 0: ignore_eos generates
+    through it exactly like HF, and without ignore_eos the request stops right there."""
+    ref = reference("llama_mqa", seed=0)
+    eos = 2
+    generated = ref.sequences[0][len(ref.prompts[0]):]
+    assert eos in generated[:MAX_TOKENS[0] - 1]
+    check_against_hf(ref, run_engine(ref))
+    llm = LLM(model=str(ref.folder), dtype="float32", max_model_len=128)
+    assert eos in llm.engine.eos_ids
+    out = llm.generate(ref.prompts[0], SamplingParams(temperature=0.0, max_tokens=32))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == generated[:generated.index(eos) + 1]
 
 
 def test_sharded_checkpoint(reference, tmp_path: Path) -> None:

@@ -319,6 +319,7 @@ class LLMEngine:
             decode_tokens=plan.num_decode_tokens, padding_tokens=plan.padding_tokens,
             num_waiting=plan.num_waiting, kv_bytes_reserved=self.kv.bytes_reserved(),
             kv_bytes_used=self.kv.bytes_used(), num_preempted=len(plan.preempted),
+            forward_ns=self.runner.last_forward_ns,
         )
         for observer in self.step_observers:
             observer(record)

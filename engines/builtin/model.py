@@ -35,11 +35,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = rope(positions, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
         cache = self.cache if meta.use_cache else None
         if cache is not None:
             cache.write(k, v, meta.slot_mapping)

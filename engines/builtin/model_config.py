@@ -101,7 +101,7 @@ PRESETS: dict[str, ModelConfig] = {
                    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024),
     # CPU experiments: ~110M parameters; the LM head is ~22% of the weights read per token.
     "small": _llama(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
-                    num_heads=12, num_kv_heads=12, head_dim=64, max_position_embeddings=4096),
+                    num_heads=12, num_kv_heads=12, head_dim=64, max_position_embeddings=2048),
     "tinyllama-1.1b": _llama(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                              num_layers=22, num_heads=32, num_kv_heads=4, head_dim=64,
                              rms_norm_eps=1e-5, max_position_embeddings=2048,

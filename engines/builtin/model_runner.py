@@ -41,6 +41,8 @@ class ModelRunner:
         self.model.eval()
         self._load_weights()
         self.sampler = Sampler(config.seed, self.device)
+        self.forward_timer = platform.timer()
+        self.last_forward_ns = 0  # model forward + sampling of the last step, device time
         self.kv_caches: list[LayerKVCache] = []
         # Sees the logits of every token of every step (packed, plan order): for parity tests
         # and the quality probe. None in normal runs, where only sampled rows are computed.
@@ -146,11 +148,20 @@ class ModelRunner:
     def execute(self, plan: StepPlan, kv: KVCacheManager) -> list[int]:
         """Run the plan; return one sampled token per sequence that samples, in plan order."""
         input_ids, meta, logits_indices = self.prepare(plan, kv)
+        self.forward_timer.start()
+        tokens = self._forward_and_sample(plan, input_ids, meta, logits_indices)
+        self.forward_timer.stop()
+        result = tokens.tolist()  # the step's one device-to-host sync
+        self.last_forward_ns = self.forward_timer.elapsed_ns()
+        return result
+
+    def _forward_and_sample(self, plan: StepPlan, input_ids: torch.Tensor,
+                            meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids, meta)
         if self.logits_observer is not None:
             self.logits_observer(plan, self.model.compute_logits(hidden).float())
         if logits_indices.numel() == 0:
-            return []
+            return torch.empty(0, dtype=torch.int64)
         logits = self.model.compute_logits(hidden[logits_indices])
         # Ids past the tokenizer's vocabulary (a dummy model's padding rows) are never sampled.
         logits = logits[:, :self.sample_vocab_size]
@@ -160,7 +171,7 @@ class ModelRunner:
         else:
             batch = SamplingBatch.from_sequences(seqs, self.eos_ids, self.device)
             tokens = self.sampler(logits, batch)
-        return tokens.tolist()  # the step's one device-to-host sync
+        return tokens
 
 
 def _is_checkpoint(model: str) -> bool:

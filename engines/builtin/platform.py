@@ -11,6 +11,38 @@ import torch
 from engines.base import now_ns
 
 
+class DeviceTimer:
+    """Times device work: CUDA events on a GPU (no host sync until read), the clock on CPU."""
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self.cuda = platform.is_cuda
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+        self._start_ns = self._end_ns = 0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start.record()
+        else:
+            self._start_ns = now_ns()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._end.record()
+        else:
+            self._end_ns = now_ns()
+
+    def elapsed_ns(self) -> int:
+        """Call after the work is known to be finished (the step's sampled tokens are on the
+        host), so reading CUDA events never adds a synchronisation of its own."""
+        if self.cuda:
+            self._end.synchronize()
+            return int(self._start.elapsed_time(self._end) * 1e6)
+        return self._end_ns - self._start_ns
+
+
 @dataclass
 class Platform:
     device: torch.device
@@ -41,6 +73,9 @@ class Platform:
     def now_ns(self) -> int:
         """The one monotonic clock; call `synchronize` first when GPU work must be finished."""
         return now_ns()
+
+    def timer(self) -> DeviceTimer:
+        return DeviceTimer(self)
 
     def default_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.is_cuda else torch.float32

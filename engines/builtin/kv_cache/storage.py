@@ -4,15 +4,29 @@ so every attention path reads both layouts the same way."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zero-filled KV memory. On CPU it comes from calloc (through numpy), so the OS maps
+    zero pages lazily and a large reservation costs nothing until written, as on a GPU it
+    costs nothing to compute; torch.zeros would memset gigabytes up front. Zeros, not empty:
+    batched decode reads (and masks) positions past a short sequence's end, and garbage
+    there could be NaN, which a zero attention weight does not cancel."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype=np.dtype(f"u{itemsize}"))
+    return torch.from_numpy(raw).view(dtype)
 
 
 class LayerKVCache:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeros(shape, dtype, device)
+        self.v = zeros(shape, dtype, device)
         self.block_size = block_size
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,7 +14,5 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)  # one fused op
+        return self.weight * normed.to(x.dtype)

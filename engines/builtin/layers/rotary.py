@@ -45,12 +45,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1),
                              persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """qk [T, q_heads + kv_heads, d]: queries and keys rotated together, one set of ops."""
+        cos, sin = self.cos_sin[positions].to(qk.dtype).unsqueeze(1).chunk(2, dim=-1)
+        x1, x2 = qk.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,63 @@
+"""Summary metrics on hand-made records with known answers (no engine, no timing)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from harness.metrics import REGISTRY, compute_summary
+from harness.records import REQUEST_COLUMNS, STEP_COLUMNS
+
+
+def frames() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    # a: arrives 0.0, tokens at 0.5, 0.6, 0.8 (N = 3); b: arrives 0.2, tokens at 1.2, 1.5;
+    # c: failed; d: finished with no token (aborted at once)
+    requests = pd.DataFrame([
+        {"request_id": "a", "status": "ok", "arrival_s": 0.0, "scheduled_s": 0.1,
+         "first_token_s": 0.5, "last_token_s": 0.8, "prompt_tokens": 10, "output_tokens": 3},
+        {"request_id": "b", "status": "ok", "arrival_s": 0.2, "scheduled_s": 0.4,
+         "first_token_s": 1.2, "last_token_s": 1.5, "prompt_tokens": 20, "output_tokens": 2},
+        {"request_id": "c", "status": "failed", "arrival_s": 0.3, "scheduled_s": None,
+         "first_token_s": None, "last_token_s": None, "prompt_tokens": None, "output_tokens": 0,
+         "error": "prompt: empty"},
+        {"request_id": "d", "status": "ok", "arrival_s": 0.1, "scheduled_s": 0.2,
+         "first_token_s": None, "last_token_s": None, "prompt_tokens": 5, "output_tokens": 0},
+    ]).reindex(columns=REQUEST_COLUMNS)
+    tokens = pd.DataFrame({"request_id": ["a", "a", "a", "b", "b"], "index": [0, 1, 2, 0, 1],
+                           "step": [1, 2, 3, 4, 5], "time_s": [0.5, 0.6, 0.8, 1.2, 1.5],
+                           "token_id": [1, 2, 3, 4, 5]})
+    steps = pd.DataFrame([{"step": i, "num_seqs": n, "prefill_tokens": p, "decode_tokens": d,
+                           "padding_tokens": 0, "kv_bytes_reserved": 100, "kv_bytes_used": u}
+                          for i, n, p, d, u in [(1, 1, 10, 0, 10), (2, 2, 20, 1, 40),
+                                                (3, 1, 0, 1, 30)]]).reindex(columns=STEP_COLUMNS)
+    return requests, tokens, steps
+
+
+def test_known_values() -> None:
+    s = compute_summary(*frames(), {"load_s": 1.0, "cold_start_s": 1.25})
+    assert s["ttft_p50_s"] == pytest.approx(0.75)  # TTFTs 0.5 and 1.0
+    assert s["ttft_mean_s"] == pytest.approx(0.75)
+    assert s["tpot_mean_s"] == pytest.approx((0.15 + 0.3) / 2)  # (0.8-0.5)/2, (1.5-1.2)/1
+    assert s["e2e_p50_s"] == pytest.approx((0.8 + 1.3) / 2)
+    assert s["queue_p50_s"] == pytest.approx(0.1)  # 0.1, 0.2, 0.1 (d has no first token)
+    assert s["itl_max_s"] == pytest.approx(0.3)  # gaps 0.1, 0.2 (a) and 0.3 (b), pooled
+    assert s["itl_mean_s"] == pytest.approx(0.2)
+    duration = 1.5  # first arrival 0.0 -> last completion 1.5
+    assert s["duration_s"] == pytest.approx(duration)
+    assert s["output_tok_per_s"] == pytest.approx(5 / duration)
+    assert s["input_tok_per_s"] == pytest.approx(35 / duration)
+    assert s["req_per_s"] == pytest.approx(3 / duration)
+    assert (s["num_requests"], s["num_completed"], s["num_failed"]) == (4, 3, 1)
+    assert s["output_tokens_total"] == 5 and s["num_steps"] == 3
+    assert s["mean_batch_size"] == pytest.approx(4 / 3)
+    assert s["kv_bytes_used_peak"] == 40 and s["prefill_tokens_total"] == 30
+    assert s["cold_start_s"] == 1.25
+
+
+def test_every_metric_is_registered_with_a_direction_and_kind() -> None:
+    s = compute_summary(*frames(), {"load_s": 1.0, "cold_start_s": 1.25})
+    assert set(s) <= set(REGISTRY)
+    for metric in REGISTRY.values():
+        assert metric.better in ("lower", "higher", "none")
+        assert metric.kind in ("deterministic", "timing")
+        assert metric.name == metric.name.lower() and " " not in metric.name
