@@ -1,16 +1,23 @@
 """The driver sends each workload request to the backend at its arrival time and turns the
 events that come back into request, token and step rows.
 
+Open loop (default): each request is sent at its arrival time, whatever is in flight. Closed
+loop (`concurrency=C`): C requests are kept in flight; the next is sent when one finishes.
+Multi-turn sessions: a request that `follows` another is sent its `arrival_s` (think time)
+after that turn finished, with the conversation so far prepended to its prompt.
+
 Times in the rows are seconds since the run's start (`t0`), all from the backend's one clock.
-Arrival is the time the workload asked for; `sent_s` is when the request was actually handed
-over (their difference is the driver's lateness, recorded, never hidden).
+Arrival is the time the workload asked for (for a closed loop or a follow-up turn: the moment
+it became due); `sent_s` is when the request was actually handed over (their difference is the
+driver's lateness, recorded, never hidden).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engines.base import (
@@ -48,6 +55,8 @@ class RequestTrace:
     finish_reason: str | None = None
     error: str | None = None
     token_rows: list[dict[str, Any]] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
 
     def row(self, t0: int) -> dict[str, Any]:
         def rel(ns: int | None) -> float | None:
@@ -89,22 +98,39 @@ class Driver:
         self.on_request_done = on_request_done
         self.t0 = 0
 
-    def run(self, workload: list[WorkloadRequest]) -> int:
+    def run(self, workload: list[WorkloadRequest], concurrency: int | None = None) -> int:
         """Drive the workload to completion; return t0 (ns) for relative times."""
-        return asyncio.run(self._run(workload))
+        if concurrency is not None and concurrency < 1:
+            raise ValueError(f"concurrency: {concurrency} is invalid; allowed: an integer >= 1")
+        return asyncio.run(self._run(workload, concurrency))
 
-    async def _run(self, workload: list[WorkloadRequest]) -> int:
+    async def _run(self, workload: list[WorkloadRequest], concurrency: int | None) -> int:
+        ids = {w.request_id for w in workload}
+        orphans = [w.request_id for w in workload if w.follows and w.follows not in ids]
+        if orphans:
+            raise ValueError(f"workload: requests {orphans[:5]} follow requests that are not in "
+                             "the workload")
+        self.followers: dict[str, list[WorkloadRequest]] = defaultdict(list)
+        for w in workload:
+            if w.follows:
+                self.followers[w.follows].append(w)
+        roots = sorted((w for w in workload if not w.follows), key=lambda w: w.arrival_s)
         self.t0 = now_ns()
         observer = self._on_step
         self.backend.step_observers.append(observer)
         tasks: list[asyncio.Task[None]] = []
         try:
-            for item in sorted(workload, key=lambda w: w.arrival_s):
-                arrival = self.t0 + int(item.arrival_s * 1e9)
-                delay = (arrival - now_ns()) / 1e9
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(self._one(item, arrival)))
+            if concurrency is None:
+                for item in roots:
+                    arrival = self.t0 + int(item.arrival_s * 1e9)
+                    delay = (arrival - now_ns()) / 1e9
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    tasks.append(asyncio.create_task(self._session(item, arrival)))
+            else:
+                queue = deque(roots)
+                tasks = [asyncio.create_task(self._worker(queue))
+                         for _ in range(min(concurrency, len(roots)))]
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:
@@ -112,7 +138,38 @@ class Driver:
             self.backend.step_observers.remove(observer)
         return self.t0
 
-    async def _one(self, item: WorkloadRequest, arrival_ns: int) -> None:
+    async def _worker(self, queue: deque[WorkloadRequest]) -> None:
+        """Closed loop: one slot of the concurrency; it carries a whole session at a time."""
+        while queue:
+            await self._session(queue.popleft(), now_ns())
+
+    async def _session(self, item: WorkloadRequest, arrival_ns: int) -> None:
+        """Send `item`, then (after their think time) the turns that follow it."""
+        trace = await self._one(item, arrival_ns)
+        followers = self.followers.get(item.request_id, [])
+        await asyncio.gather(*(self._follow_up(trace, f) for f in followers))
+
+    async def _follow_up(self, previous: RequestTrace, item: WorkloadRequest) -> None:
+        due = (previous.finished_ns or now_ns()) + int(item.arrival_s * 1e9)
+        delay = (due - now_ns()) / 1e9
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if previous.error is not None:
+            prompt_error = f"previous turn {previous.item.request_id} failed"
+            trace = RequestTrace(item, due, sent_ns=now_ns(), finished_ns=now_ns(),
+                                 error=prompt_error)
+            self._emit(trace)
+            return
+        try:
+            prompt = conversation(previous, item)
+        except ValueError as exc:
+            trace = RequestTrace(item, due, sent_ns=now_ns(), finished_ns=now_ns(),
+                                 error=str(exc))
+            self._emit(trace)
+            return
+        await self._session(replace(item, request=replace(item.request, prompt=prompt)), due)
+
+    async def _one(self, item: WorkloadRequest, arrival_ns: int) -> RequestTrace:
         trace = RequestTrace(item, arrival_ns, sent_ns=now_ns())
         request_id = item.request_id
         try:
@@ -125,6 +182,8 @@ class Driver:
                             "token_id": token,
                         })
                         trace.output_tokens += 1
+                    trace.output_ids.extend(event.token_ids)
+                    trace.output_text += event.text
                     if trace.first_token_ns is None:
                         trace.first_token_ns = event.time_ns
                     trace.last_token_ns = event.time_ns
@@ -141,6 +200,7 @@ class Driver:
                     trace.num_preemptions += 1
                 elif isinstance(event, Finished):
                     trace.finished_ns = event.time_ns
+                    trace.output_text = event.text or trace.output_text
                     trace.finish_reason = event.finish_reason
                     trace.cached_prompt_tokens = event.cached_prompt_tokens
                     trace.num_preemptions = event.num_preemptions
@@ -153,6 +213,10 @@ class Driver:
         if trace.finished_ns is None:
             trace.error = "stream ended without a Finished event"
             trace.finished_ns = now_ns()
+        self._emit(trace)
+        return trace
+
+    def _emit(self, trace: RequestTrace) -> None:
         for row in trace.token_rows:
             self.sink("tokens", row)
         self.sink("requests", trace.row(self.t0))
@@ -177,3 +241,19 @@ class Driver:
             "forward_s": record.forward_ns / 1e9,
         }
         self.sink("steps", row)
+
+
+def conversation(previous: RequestTrace, item: WorkloadRequest) -> Any:
+    """The prompt of a follow-up turn: the previous turn's prompt and reply, then the new part."""
+    before, new = previous.item.request.prompt, item.request.prompt
+    if isinstance(new, list) and new and isinstance(new[0], dict):
+        if not (isinstance(before, list) and before and isinstance(before[0], dict)):
+            raise ValueError(f"{item.request_id}: a chat turn cannot follow a non-chat prompt")
+        return [*before, {"role": "assistant", "content": previous.output_text}, *new]
+    if isinstance(new, list):
+        if not isinstance(before, list) or (before and isinstance(before[0], dict)):
+            raise ValueError(f"{item.request_id}: a token-id turn must follow a token-id prompt")
+        return [*before, *previous.output_ids, *new]
+    if not isinstance(before, str):
+        raise ValueError(f"{item.request_id}: a text turn must follow a text prompt")
+    return before + previous.output_text + new

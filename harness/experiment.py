@@ -7,6 +7,7 @@ import signal
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
 from harness import provenance
 from harness.driver import Driver
-from harness.metrics import compute_summary
-from harness.records import RunRecorder
+from harness.records import RunRecorder, write_json_atomic
+from harness.window import WindowConfig, summarize
 from workloads import WORKLOAD_TYPES, WorkloadRequest
 
 BACKENDS = ("builtin",)
@@ -44,25 +45,31 @@ def build_backend(engine: dict[str, Any], model: dict[str, Any]) -> Backend:
     return BuiltinBackend(EngineConfig.from_dict(options))
 
 
-def build_workload(workload: dict[str, Any], tokenizer: Any, *, num_requests: int | None = None,
-                   id_prefix: str | None = None, seed_offset: int = 0) -> list[WorkloadRequest]:
+def make_workload(workload: dict[str, Any]) -> Any:
+    """The workload dataclass for `workload.type`, built from its config keys."""
     options = dict(workload)
     kind = options.pop("type", "synthetic")
     if kind not in WORKLOAD_TYPES:
         raise ValueError(f"workload.type: {kind!r} is invalid; allowed: "
                          f"{'|'.join(WORKLOAD_TYPES)}")
-    if num_requests is not None:
-        options["num_requests"] = num_requests
-    if id_prefix is not None:
-        options["id_prefix"] = id_prefix
-    options["seed"] = options.get("seed", 0) + seed_offset
     cls = WORKLOAD_TYPES[kind]
     known = set(cls.__dataclass_fields__)
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"workload: unknown key(s) {unknown} for type {kind}; "
                          f"allowed: {sorted(known)}")
-    return cls(**options).build(tokenizer)
+    return cls(**options).validate()
+
+
+def warmup_requests(workload: Any, tokenizer: Any, context_len: int | None,
+                    count: int) -> list[WorkloadRequest]:
+    """The first `count` first-turn requests of the same workload, all due at once."""
+    if count <= 0:
+        return []
+    built = [w for w in workload.build(tokenizer, context_len) if not w.follows][:count]
+    return [replace(w, arrival_s=0.0, request=replace(w.request,
+                                                      request_id=f"warmup-{w.request_id}"))
+            for w in built]
 
 
 @contextmanager
@@ -89,13 +96,12 @@ def run_experiment(config: dict[str, Any], run_dir: str | Path,
     run_dir = Path(run_dir)
     recorder = RunRecorder(run_dir)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    from harness.records import write_json_atomic
-
     write_json_atomic(run_dir / "provenance.json", provenance.collect(config))
     recorder.write_summary({"status": "running"})
     run_cfg = config.get("run", {})
-    status, error, info, backend = "complete", None, {}, None
-    bar = None
+    window_cfg = WindowConfig.from_dict(run_cfg.get("window"))
+    slo = dict(run_cfg.get("slo") or {})
+    status, error, info, backend, bar = "complete", None, {}, None, None
     try:
         with _sigterm_interrupts():
             start = now_ns()
@@ -104,23 +110,25 @@ def run_experiment(config: dict[str, Any], run_dir: str | Path,
             info["load_s"] = (now_ns() - start) / 1e9
             info["engine"] = backend.describe()
             tokenizer = getattr(backend, "tokenizer", None)
-            workload = build_workload(config["workload"], tokenizer)
-            warmup = int(run_cfg.get("warmup_requests", 0))
+            context_len = info["engine"].get("max_model_len")
+            workload = make_workload(config["workload"])
+            requests = workload.build(tokenizer, context_len)
+            info["workload"] = dict(getattr(workload, "info", {}) or {})
             first_steps: list[dict[str, Any]] = []
 
             def keep_first_step(table: str, row: dict[str, Any]) -> None:
                 if table == "steps" and not first_steps:
                     first_steps.append(row)
 
-            if warmup:
-                warm = build_workload(config["workload"], tokenizer, num_requests=warmup,
-                                      id_prefix="warmup", seed_offset=10_000)
+            warm = warmup_requests(make_workload(config["workload"]), tokenizer, context_len,
+                                   int(run_cfg.get("warmup_requests", 0)))
+            if warm:
                 Driver(backend, keep_first_step).run(warm)
-            bar = tqdm(total=len(workload), desc="requests", unit="req", delay=2.0,
+            bar = tqdm(total=len(requests), desc="requests", unit="req", delay=2.0,
                        disable=not progress, leave=False)
             driver = Driver(backend, _tee(recorder.append, keep_first_step),
                             on_request_done=lambda _: bar.update())
-            driver.run(workload)
+            driver.run(requests, concurrency=getattr(workload, "concurrency", None))
             if first_steps:
                 step = first_steps[0]
                 info["first_step_s"] = step["end_s"] - step["start_s"]
@@ -136,10 +144,9 @@ def run_experiment(config: dict[str, Any], run_dir: str | Path,
         if backend is not None:
             backend.close()
         frames = recorder.finalize()
-        metrics = compute_summary(frames["requests"], frames["tokens"], frames["steps"], info)
-        summary = {"status": status, "error": error, "metrics": metrics,
-                   "run_dir": str(run_dir), **{k: v for k, v in info.items()
-                                                if k not in ("load_s", "cold_start_s")}}
+        summary = {"status": status, "error": error,
+                   **summarize(frames, info, slo, window_cfg), "run_dir": str(run_dir),
+                   **{k: v for k, v in info.items() if k not in ("load_s", "cold_start_s")}}
         recorder.write_summary(summary)
     return summary
 

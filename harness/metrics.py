@@ -50,7 +50,7 @@ _register_latency("tpot", ("mean", "p50", "p99"),
                   "time per output token: (last - first token) / (N - 1), requests with N > 1")
 _register_latency("e2e", ("mean", "p50", "p99"), "end-to-end latency: last token - arrival")
 _register_latency("queue", ("p50", "p99"), "queueing: first scheduled - arrival")
-for _stat in ("p50", "p90", "p99", "max"):
+for _stat in ("p50", "p90", "p99", "p999", "max"):
     register(f"itl_{_stat}_s", "s", "lower", "timing",
              f"inter-token latency, {_stat} over every gap between consecutive tokens (pooled)")
 register("itl_mean_s", "s", "lower", "timing", "inter-token latency, mean over all gaps")
@@ -60,6 +60,18 @@ register("total_tok_per_s", "tok/s", "higher", "timing",
          "(prompt + output tokens) / run duration")
 register("req_per_s", "req/s", "higher", "timing", "completed requests / run duration")
 register("duration_s", "s", "none", "timing", "first arrival to last completion")
+register("offered_req_per_s", "req/s", "none", "deterministic",
+         "requests / arrival span, as the workload scheduled them (open loop, > 1 distinct time)")
+register("goodput_req_per_s", "req/s", "higher", "timing",
+         "completed requests meeting every configured SLO (ttft, tpot, e2e) / run duration")
+register("slo_attainment", "fraction", "higher", "timing",
+         "completed requests meeting every configured SLO / completed requests")
+register("send_lateness_p99_s", "s", "lower", "timing",
+         "p99 of sent - arrival: how late the driver handed requests over")
+register("saturation_req_per_s", "req/s", "higher", "timing",
+         "load sweep: the highest offered rate still served at >= 90% (sweep_summary.json)")
+register("padding_fraction", "fraction", "lower", "deterministic",
+         "padding tokens / all tokens computed (prefill + decode + padding)")
 register("num_requests", "count", "none", "deterministic", "requests in the measured run")
 register("num_completed", "count", "higher", "deterministic", "requests that finished")
 register("num_failed", "count", "lower", "deterministic", "requests that failed")
@@ -90,8 +102,10 @@ def _stats(prefix: str, values: np.ndarray, stats: Iterable[str]) -> dict[str, f
             out[f"{prefix}_mean_s"] = float(values.mean()) if len(values) else None
         elif stat == "max":
             out[f"{prefix}_max_s"] = float(values.max()) if len(values) else None
-        else:
-            out[f"{prefix}_{stat}_s"] = _pct(values, float(stat[1:]))
+        else:  # "p50" -> 50, "p999" -> 99.9
+            digits = stat[1:]
+            q = float(digits) if len(digits) <= 2 else float(digits[:2] + "." + digits[2:])
+            out[f"{prefix}_{stat}_s"] = _pct(values, q)
     return out
 
 
@@ -117,8 +131,21 @@ def inter_token_latencies(tokens: pd.DataFrame, ok_ids: Iterable[str]) -> np.nda
     return gaps.to_numpy(dtype=float)
 
 
+def slo_met(requests: pd.DataFrame, slo: dict[str, float | None]) -> pd.Series:
+    """Per completed request: does it meet every SLO that is set (ttft_s, tpot_s, e2e_s)?"""
+    lat = per_request_latencies(requests).set_index("request_id")
+    ok = pd.Series(True, index=lat.index)
+    for name in ("ttft_s", "tpot_s", "e2e_s"):
+        bound = slo.get(name)
+        if bound is not None:
+            # A single-token request has no TPOT; it cannot miss a TPOT bound.
+            ok &= lat[name].le(bound) | (lat[name].isna() if name == "tpot_s" else False)
+    return ok
+
+
 def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame,
-                    run_info: dict[str, Any] | None = None) -> dict[str, Any]:
+                    run_info: dict[str, Any] | None = None,
+                    slo: dict[str, float | None] | None = None) -> dict[str, Any]:
     """The registered metrics of one run. Failed requests count, but stay out of latencies."""
     run_info = run_info or {}
     ok = requests[requests["status"] == "ok"]
@@ -133,7 +160,7 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
     summary.update(_stats("e2e", column("e2e_s"), ("mean", "p50", "p99")))
     summary.update(_stats("queue", column("queue_s"), ("p50", "p99")))
     itl = inter_token_latencies(tokens, ok["request_id"])
-    summary.update(_stats("itl", itl, ("mean", "p50", "p90", "p99", "max")))
+    summary.update(_stats("itl", itl, ("mean", "p50", "p90", "p99", "p999", "max")))
 
     duration = float(ok["last_token_s"].max() - requests["arrival_s"].min()) if len(ok) else 0.0
     input_total = int(ok["prompt_tokens"].sum())
@@ -160,6 +187,18 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
         "kv_bytes_reserved_peak": int(steps["kv_bytes_reserved"].max()) if len(steps) else 0,
         "kv_bytes_used_peak": int(steps["kv_bytes_used"].max()) if len(steps) else 0,
     })
+    arrivals = requests["arrival_s"].dropna()
+    span = float(arrivals.max() - arrivals.min()) if len(arrivals) > 1 else 0.0
+    summary["offered_req_per_s"] = (len(arrivals) - 1) / span if span > 0 else None
+    lateness = (requests["sent_s"] - requests["arrival_s"]).dropna().to_numpy(float)
+    summary["send_lateness_p99_s"] = _pct(lateness, 99)
+    computed = summary["prefill_tokens_total"] + summary["padding_tokens_total"] + (
+        int(steps["decode_tokens"].sum()) if len(steps) else 0)
+    summary["padding_fraction"] = summary["padding_tokens_total"] / computed if computed else None
+    if slo and any(v is not None for v in slo.values()) and len(ok):
+        met = slo_met(requests, slo)
+        summary["slo_attainment"] = float(met.mean())
+        summary["goodput_req_per_s"] = rate(int(met.sum()))
     for key in ("cold_start_s", "load_s"):
         if key in run_info:
             summary[key] = run_info[key]
@@ -167,3 +206,15 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
     if unknown:
         raise AssertionError(f"unregistered summary metrics: {sorted(unknown)}")
     return summary
+
+
+def markdown_table() -> str:
+    """The registry as the markdown table in docs/metrics.md (`python -m harness.metrics`)."""
+    lines = ["| name | unit | better | kind | definition |", "|---|---|---|---|---|"]
+    lines += [f"| `{m.name}` | {m.unit} | {m.better} | {m.kind} | {m.description} |"
+              for m in REGISTRY.values()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

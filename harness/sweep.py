@@ -11,6 +11,8 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from harness.records import write_json_atomic
+
 
 def _parse_value(text: str) -> Any:
     try:
@@ -42,10 +44,33 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+SATURATION_SERVED = 0.9
+
+
+def saturation_rate(frame: pd.DataFrame) -> float | None:
+    """Highest offered request rate whose achieved rate is still >= 90% of it.
+
+    Past saturation the engine falls behind: requests queue, achieved throughput flattens
+    and latency grows without bound. None when the sweep has no offered rates.
+    """
+    needed = {"offered_req_per_s", "req_per_s"}
+    if not needed <= set(frame.columns):
+        return None
+    rows = frame.dropna(subset=list(needed)).sort_values("offered_req_per_s")
+    served = rows[rows["req_per_s"] >= SATURATION_SERVED * rows["offered_req_per_s"]]
+    return float(served["offered_req_per_s"].max()) if len(served) else None
+
+
 def write_sweep_csv(sweep_dir: str | Path) -> pd.DataFrame:
     sweep_dir = Path(sweep_dir)
     frame = pd.DataFrame(sweep_rows(sweep_dir))
     frame.to_csv(sweep_dir / "sweep.csv", index=False)
+    summary = {"num_jobs": len(frame),
+               "num_failed": int((frame.get("status") == "failed").sum()) if len(frame) else 0,
+               "saturation_req_per_s": saturation_rate(frame),
+               "saturation_definition": f"highest offered rate with achieved >= "
+                                        f"{SATURATION_SERVED:.0%} of offered"}
+    write_json_atomic(sweep_dir / "sweep_summary.json", summary)
     return frame
 
 

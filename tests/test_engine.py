@@ -158,7 +158,6 @@ def test_rejected_batch_leaves_nothing_queued(make_tiny) -> None:
     (dict(foo=1), r"unknown option\(s\) \['foo'\]"),
     (dict(kv_cache="paged"), r"kv_cache=paged is not implemented yet"),
     (dict(quantization="int8"), r"quantization=int8 is not implemented yet"),
-    (dict(batching="static"), r"batching=static is not implemented yet"),
     (dict(attention_backend="triton"), r"attention_backend=triton is not implemented yet"),
     (dict(kv_cache="bogus"), r"engine\.kv_cache: 'bogus' is invalid; allowed: none\|contiguous"),
     (dict(dtype="int3"), r"engine\.dtype"),
@@ -166,7 +165,6 @@ def test_rejected_batch_leaves_nothing_queued(make_tiny) -> None:
     (dict(max_num_seqs=0), r"engine\.max_num_seqs"),
     (dict(max_model_len=0), r"engine\.max_model_len"),
     (dict(max_model_len=4096), r"max_model_len=4096 exceeds .*max_position_embeddings=1024"),
-    (dict(enable_chunked_prefill=True), r"enable_chunked_prefill=true is not implemented"),
     (dict(model_overrides={"nope": 1}), r"model\.overrides: unknown field\(s\) \['nope'\]"),
     (dict(kv_cache_memory_bytes=1000), r"kv_cache_memory_bytes: a budget of 1000 bytes"),
 ])

@@ -61,3 +61,32 @@ def test_every_metric_is_registered_with_a_direction_and_kind() -> None:
         assert metric.better in ("lower", "higher", "none")
         assert metric.kind in ("deterministic", "timing")
         assert metric.name == metric.name.lower() and " " not in metric.name
+
+
+def test_docs_list_every_registered_metric() -> None:
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    missing = [name for name in REGISTRY if f"`{name}`" not in docs]
+    assert not missing, f"regenerate the table with `python -m harness.metrics`: {missing}"
+
+
+def test_goodput_padding_offered_rate_and_window() -> None:
+    from harness.window import WindowConfig, summarize
+
+    requests, tokens, steps = frames()
+    requests["sent_s"] = requests["arrival_s"]
+    s = compute_summary(requests, tokens, steps, slo={"ttft_s": 0.6, "tpot_s": None})
+    # a meets TTFT <= 0.6; b does not; d (no token, so no TTFT) cannot
+    assert s["slo_attainment"] == pytest.approx(1 / 3)
+    assert s["goodput_req_per_s"] == pytest.approx(1 / 1.5)
+    assert s["offered_req_per_s"] == pytest.approx(3 / 0.3)  # 4 arrivals over 0.3 s
+    assert s["padding_fraction"] == 0.0
+    out = summarize({"requests": requests, "tokens": tokens, "steps": steps}, {}, None,
+                    WindowConfig(skip_fraction=0.25, min_requests=5))
+    window = out["window"]
+    # sends in order: 0.0 (a), 0.1 (d), 0.2 (b), 0.3 (c): skip the first quarter
+    assert window["kind"] == "steady_state" and window["start_s"] == 0.1
+    assert window["end_s"] == 0.3 and window["num_requests"] == 3
+    assert window["valid"] is False and "min_requests" in window["reason"]
+    assert out["metrics"]["num_requests"] == 3 and out["metrics_whole_run"]["num_requests"] == 4

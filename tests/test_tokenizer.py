@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -225,6 +225,8 @@ def test_stream_with_prompt_context(tok: Tokenizer) -> None:
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(max_size=60))
 def test_stream_property(tok: Tokenizer, text: str) -> None:
+    # Special-token text in content encodes as the special token, which decoding skips.
+    assume(not any(special in text for special in SPECIAL_TOKENS))
     ids = tok.encode(text)
     deltas = _stream(tok, ids)
     assert "".join(deltas) == tok.decode(ids) == text

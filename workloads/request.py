@@ -10,8 +10,13 @@ from engines.base import GenerationRequest
 @dataclass
 class WorkloadRequest:
     request: GenerationRequest
-    arrival_s: float  # offset from the start of the run
+    arrival_s: float  # offset from the start of the run (for a follow-up turn: think time)
     prompt_tokens_requested: int | None = None  # the length the workload aimed for
+    #: Multi-turn sessions: the request id of the previous turn. The driver sends this request
+    #: `arrival_s` seconds after that turn finished, with the conversation so far prepended:
+    #: for chat messages, the previous turn's messages plus its reply as an assistant message;
+    #: for token ids, the previous prompt and output ids; for text, previous prompt + output.
+    follows: str | None = None
 
     @property
     def request_id(self) -> str:

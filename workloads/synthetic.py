@@ -1,32 +1,54 @@
-"""Synthetic workloads: N requests with fixed or uniformly ranged lengths, all at t = 0.
+"""Synthetic workloads: N requests with seeded lengths, arrivals, shared prefixes and sessions.
 
-Prompts are either random token ids (exact lengths; drawn from the non-special part of the
-tokenizer's vocabulary) or text: windows of a corpus file's tokens decoded back to text (the
-engine re-tokenizes, so actual lengths may differ slightly and are recorded beside the request).
+Prompts are random token ids (exact lengths; non-special ids only) or text: windows of a
+corpus file's tokens decoded back to text (the engine re-tokenizes, so actual lengths may
+differ slightly and are recorded beside the request).
+
+shared_prefix {num_groups: G, prefix_len: P}: request (or session) i joins group i mod G; its
+prompt is the group's P-token prefix followed by input_len - P tokens of its own, so input_len
+is the whole prompt and P <= input_len is required (distributions that can draw less than P
+are raised to P, counted as `raised_to_prefix_len`).
+
+sessions {num_turns: T, think_time_s: x}: num_requests counts all requests, taken T at a time
+as sessions (the last may be shorter). Turn 0 arrives by the arrival process; turn k > 0
+`follows` turn k-1, arrives x seconds after it finished, and its prompt is only the new user
+part (input_len tokens): the driver prepends the conversation so far. With both options, the
+group prefix opens each session's turn 0 and later turns inherit it through the history.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from engines.base import GenerationRequest
 from engines.builtin.tokenizer import Tokenizer
-from engines.sampling_params import SamplingParams
-from workloads.lengths import parse_length, sample_lengths
+from workloads.arrivals import arrival_times, concurrency_of, parse_arrival
+from workloads.common import (
+    check_choice,
+    check_common,
+    check_int,
+    check_keys,
+    check_mapping,
+    check_number,
+    invalid,
+    length_totals,
+    make_request,
+    resolve_path,
+    rng_streams,
+    span_info,
+)
+from workloads.lengths import clip_to_context, parse_length
+from workloads.prompts import PROMPT_KINDS, TokenSource, tokenizer_or_default
 from workloads.request import WorkloadRequest
-
-DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "engines/builtin/data/sonnets.txt"
-PROMPT_KINDS = ("random_ids", "text")
 
 
 @dataclass
 class SyntheticWorkload:
     num_requests: int = 16
-    input_len: Any = 128
+    input_len: Any = 128  # length spec (workloads/lengths.py)
     output_len: Any = 64
     prompt: str = "random_ids"
     corpus: str | None = None  # text file for prompt=text; default: the shipped sonnets
@@ -35,47 +57,98 @@ class SyntheticWorkload:
     temperature: float = 0.0
     id_prefix: str = "req"
     sampling: dict[str, Any] = field(default_factory=dict)  # extra SamplingParams fields
+    arrival: dict[str, Any] | None = field(default_factory=lambda: {"process": "offline"})
+    shared_prefix: dict[str, Any] | None = None  # {num_groups, prefix_len}
+    sessions: dict[str, Any] | None = None  # {num_turns, think_time_s}
+
+    def __post_init__(self) -> None:
+        self.info: dict[str, Any] = {}  # filled by build(); not a config key
+
+    @property
+    def concurrency(self) -> int | None:
+        return concurrency_of(self.arrival)
 
     def validate(self) -> SyntheticWorkload:
-        if not isinstance(self.num_requests, int) or self.num_requests < 0:
-            raise ValueError(f"workload.num_requests: {self.num_requests!r} is invalid; "
-                             "allowed: an integer >= 0")
-        if self.prompt not in PROMPT_KINDS:
-            raise ValueError(f"workload.prompt: {self.prompt!r} is invalid; allowed: "
-                             f"{'|'.join(PROMPT_KINDS)}")
-        parse_length("input_len", self.input_len)
+        check_int("num_requests", self.num_requests, 0)
+        check_choice("prompt", self.prompt, PROMPT_KINDS)
+        input_spec = parse_length("input_len", self.input_len)
         parse_length("output_len", self.output_len)
-        if self.corpus is not None and not Path(self.corpus).is_file():
-            raise FileNotFoundError(f"workload.corpus: no file at {self.corpus}")
+        check_common(self)
+        parse_arrival(self.arrival)
+        if self.corpus is not None:
+            resolve_path("corpus", self.corpus)
+        if self.shared_prefix is not None:
+            _, prefix_len = self._prefix()
+            if input_spec.kind in ("fixed", "uniform") and prefix_len > input_spec.low:
+                raise invalid("shared_prefix.prefix_len", prefix_len,
+                              f"an integer in [1, {input_spec.low}] (input_len includes the "
+                              "prefix, so prefix_len <= the smallest input_len)")
+        if self.sessions is not None:
+            self._sessions()
         return self
 
-    def build(self, tokenizer: Tokenizer) -> list[WorkloadRequest]:
+    def _prefix(self) -> tuple[int, int]:
+        spec = check_mapping("shared_prefix", self.shared_prefix,
+                             "null or {num_groups: G, prefix_len: P}")
+        check_keys("shared_prefix", spec, ("num_groups", "prefix_len"), "shared_prefix")
+        groups = check_int("shared_prefix.num_groups", spec.get("num_groups"), 1)
+        prefix_len = check_int("shared_prefix.prefix_len", spec.get("prefix_len"), 1)
+        assert groups is not None and prefix_len is not None
+        return groups, prefix_len
+
+    def _sessions(self) -> tuple[int, float]:
+        spec = check_mapping("sessions", self.sessions,
+                             "null or {num_turns: T, think_time_s: x}")
+        check_keys("sessions", spec, ("num_turns", "think_time_s"), "sessions")
+        turns = check_int("sessions.num_turns", spec.get("num_turns"), 1)
+        think = check_number("sessions.think_time_s", spec.get("think_time_s", 0.0), 0.0)
+        assert turns is not None and think is not None
+        return turns, think
+
+    def build(self, tokenizer: Tokenizer | None = None,
+              context_len: int | None = None) -> list[WorkloadRequest]:
         self.validate()
-        rng = np.random.default_rng(self.seed)
+        tok = tokenizer_or_default(tokenizer)
+        length_rng, prompt_rng, arrival_rng = rng_streams(self.seed, 3)
         n = self.num_requests
-        input_lens = sample_lengths(parse_length("input_len", self.input_len), n, rng)
-        output_lens = sample_lengths(parse_length("output_len", self.output_len), n, rng)
-        corpus_ids = self._corpus_ids(tokenizer) if self.prompt == "text" else None
-        # Random prompts avoid special ids, which would change what the prompt means.
-        allowed = np.setdiff1d(np.arange(tokenizer.vocab_size), sorted(tokenizer.special_ids))
+        turns, think = self._sessions() if self.sessions is not None else (1, 0.0)
+        num_sessions = math.ceil(n / turns)
+        inputs = parse_length("input_len", self.input_len).sample(n, length_rng)
+        outputs = parse_length("output_len", self.output_len).sample(n, length_rng)
+        groups, prefix_len = self._prefix() if self.shared_prefix is not None else (0, 0)
+        is_first = np.arange(n) % turns == 0
+        raise_mask = is_first & (inputs < prefix_len)
+        inputs[raise_mask] = prefix_len
+        inputs, outputs, clip_info = clip_to_context(inputs, outputs, context_len)
+        starts = arrival_times(self.arrival, num_sessions, arrival_rng)
+        source = TokenSource(tok, self.prompt, resolve_path("corpus", self.corpus)
+                             if self.corpus is not None else None)
+        prefixes = [source.tokens(prefix_len, prompt_rng) for _ in range(groups)]
         requests = []
         for i in range(n):
-            if corpus_ids is None:
-                prompt: Any = rng.choice(allowed, size=input_lens[i]).tolist()
+            session, turn = divmod(i, turns)
+            group = f"{self.id_prefix}-g{session % groups}" if groups else None
+            own = int(inputs[i])
+            if groups and turn == 0:
+                # Clipping to the context may cut into the prefix; keep what fits.
+                head = prefixes[session % groups][:own]
+                ids = np.concatenate([head, source.tokens(own - len(head), prompt_rng)])
             else:
-                start = int(rng.integers(0, max(1, len(corpus_ids) - input_lens[i])))
-                prompt = tokenizer.decode(corpus_ids[start:start + input_lens[i]])
-            sampling = SamplingParams(max_tokens=output_lens[i], temperature=self.temperature,
-                                      ignore_eos=self.ignore_eos, **self.sampling)
-            request = GenerationRequest(f"{self.id_prefix}-{i}", prompt, sampling)
-            requests.append(WorkloadRequest(request, 0.0, input_lens[i]))
+                ids = source.tokens(own, prompt_rng)
+            if self.sessions is None:
+                rid, sid, follows = f"{self.id_prefix}-{i}", None, None
+            else:
+                rid, sid = f"{self.id_prefix}-s{session}-t{turn}", f"{self.id_prefix}-s{session}"
+                follows = f"{self.id_prefix}-s{session}-t{turn - 1}" if turn else None
+            arrival = think if turn else starts[session]
+            requests.append(make_request(
+                self, rid, source.render(ids), own, int(outputs[i]), arrival,
+                prefix_group=group, session_id=sid, turn=turn, follows=follows))
+        self.info = {
+            "type": "synthetic", "requests": n, "sessions": num_sessions if self.sessions else None,
+            "prompt": self.prompt, "tokenizer": tok.name, "arrival": parse_arrival(self.arrival),
+            "concurrency": self.concurrency, **span_info(starts), **length_totals(inputs, outputs),
+            "prefix_groups": groups or None, "raised_to_prefix_len": int(raise_mask.sum()),
+            **clip_info,
+        }
         return requests
-
-    def _corpus_ids(self, tokenizer: Tokenizer) -> list[int]:
-        text = Path(self.corpus or DEFAULT_CORPUS).read_text(encoding="utf-8")
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        # Repeat a short corpus so the longest prompt still fits in one window.
-        longest = parse_length("input_len", self.input_len)[1]
-        while len(ids) < longest + 1:
-            ids = ids + ids
-        return ids

@@ -23,7 +23,6 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # option -> {value: the issue that implements it}; refused with that message until then.
 NOT_YET = {
     "kv_cache": {"paged": 4},
-    "batching": {"static": 3},
     "quantization": {"int8": 5, "int4": 5},
     "kv_cache_dtype": {"int8": 5},
     "attention_backend": {"triton": 4},
@@ -57,7 +56,8 @@ class EngineConfig:
     # limits
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(max_model_len, 2048)
+    # None: 2048 with chunked prefill (vLLM v1's serving default), else max(max_model_len, 2048)
+    max_num_batched_tokens: int | None = None
     # KV cache
     kv_cache: str = "contiguous"
     kv_cache_dtype: str = "auto"
@@ -117,13 +117,26 @@ class EngineConfig:
                 raise fail(name, "null or an integer >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise fail("gpu_memory_utilization", "a number in (0, 1]")
-        if self.enable_chunked_prefill:
-            raise ConfigError("engine.enable_chunked_prefill=true is not implemented yet "
-                              "(issue 3 adds it); available now: false")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise fail(name, "true|false")
+        if self.enable_chunked_prefill and self.batching == "static":
+            raise ConfigError(
+                "engine.enable_chunked_prefill=true cannot be combined with "
+                "engine.batching=static: a static batch is prefilled whole, in one padded step; "
+                "use batching=continuous for chunked prefill, or enable_chunked_prefill=false"
+            )
+        if self.enable_chunked_prefill and self.kv_cache == "none":
+            raise ConfigError(
+                "engine.enable_chunked_prefill=true needs a KV cache, but engine.kv_cache=none "
+                "keeps no K/V between steps to hold a prompt's earlier chunks; use "
+                "kv_cache=contiguous, or enable_chunked_prefill=false"
+            )
         if self.enable_prefix_caching:
             raise ConfigError("engine.enable_prefix_caching=true is not implemented yet "
                               "(issue 4 adds it with kv_cache=paged); available now: false")
-        if (self.max_model_len and self.max_num_batched_tokens
+        if (not self.enable_chunked_prefill and self.max_model_len
+                and self.max_num_batched_tokens
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ConfigError(
                 f"engine.max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "

@@ -44,6 +44,10 @@ from engines.builtin.sequence import Sequence
 from engines.builtin.tokenizer import Tokenizer, default_tokenizer, load_tokenizer
 from engines.sampling_params import SamplingParams
 
+#: max_num_batched_tokens when chunked prefill is on and none is given: vLLM v1's default for
+#: online serving, which bounds how long a step (and so a running decode) can stall.
+DEFAULT_CHUNKED_BATCHED_TOKENS = 2048
+
 
 @dataclass(frozen=True)
 class EngineLimits:
@@ -74,8 +78,11 @@ class LLMEngine:
                 f"engine.max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model_config.max_position_embeddings}"
             )
-        batched = config.max_num_batched_tokens or max(max_model_len, 2048)
-        if batched < max_model_len:
+        if config.enable_chunked_prefill:  # prompts longer than the budget are split
+            batched = config.max_num_batched_tokens or DEFAULT_CHUNKED_BATCHED_TOKENS
+        else:
+            batched = config.max_num_batched_tokens or max(max_model_len, 2048)
+        if batched < max_model_len and not config.enable_chunked_prefill:
             raise ValueError(
                 f"engine.max_num_batched_tokens={batched} is smaller than "
                 f"engine.max_model_len={max_model_len}; without chunked prefill a whole "
@@ -89,7 +96,7 @@ class LLMEngine:
         self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len)
         self.runner.allocate_kv_cache(self.kv)
         self.limits = EngineLimits(max_model_len, max_num_seqs, batched, budget)
-        self.scheduler = Scheduler(config, self.kv, max_num_seqs, batched)
+        self.scheduler = Scheduler(config, self.kv, max_num_seqs, batched, max_model_len)
         self.sequences: dict[str, Sequence] = {}
         self.step_observers: list[StepObserver] = []
         self._pending_events: list[RequestEvent] = []

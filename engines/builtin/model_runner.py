@@ -1,6 +1,6 @@
-"""The model runner executes a step plan: it packs the scheduled tokens, fills the attention
-metadata into preallocated buffers (one host-to-device copy per step), runs the model, and
-samples the sequences that reached the end of their known tokens."""
+"""The model runner executes a step plan: it packs the scheduled tokens (and static batching's
+padding), fills the attention metadata into preallocated buffers (one host-to-device copy per
+step), runs the model, and samples the sequences that reached the end of their known tokens."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ from engines.builtin.platform import Platform
 from engines.builtin.sampler import Sampler, SamplingBatch
 from engines.builtin.scheduler import StepPlan
 from engines.builtin.weights import dummy_state_dict, iter_checkpoint, load_weights
+
+#: The token id of static batching's padding (its compute is real, its output is dropped).
+PAD_TOKEN_ID = 0
 
 
 class ModelRunner:
@@ -58,6 +61,7 @@ class ModelRunner:
         self.qsl_buf = buffer(max_num_seqs + 1, torch.int32)
         self.seq_lens_buf = buffer(max_num_seqs, torch.int32)
         self.max_blocks_per_seq = 1
+        self._real_token_index: torch.Tensor | None = None  # packed rows of real tokens
 
     def _load_weights(self) -> None:
         cfg, config = self.model_config, self.config
@@ -92,22 +96,46 @@ class ModelRunner:
     def prepare(self, plan: StepPlan, kv: KVCacheManager) -> tuple[torch.Tensor,
                                                                     AttentionMetadata,
                                                                     torch.Tensor]:
+        """Pack the plan into rows: real decodes, static batching's padding decodes, real
+        prefills (each followed by its padding tokens, if any), then padding-only rows. Padding
+        tokens are pad id 0 at the positions after their row's real tokens; they write K/V only
+        where their row's real tokens never read it and are never sampled."""
         items = plan.scheduled
-        num_seqs = len(items)
-        query_lens = np.fromiter((s.num_new_tokens for s in items), np.int64, num_seqs)
-        starts = np.fromiter((s.num_computed_before for s in items), np.int64, num_seqs)
+        num_decodes = plan.num_decodes
+        pads = plan.padding_rows
+        pad_decodes = [r for r in pads if r.is_decode]
+        pad_rows = [r for r in pads if not r.is_decode]
+        # (seq_id, first position, real tokens, padding tokens) per row, in packing order
+        rows: list[tuple[int, int, list[int], int]] = []
+        for s in items[:num_decodes]:
+            rows.append((s.seq.seq_id, s.num_computed_before,
+                         s.seq.token_ids[s.num_computed_before:s.num_computed_before + 1], 0))
+        for r in pad_decodes:
+            rows.append((r.seq.seq_id, r.start, [], 1))
+        for s in items[num_decodes:]:
+            start = s.num_computed_before
+            rows.append((s.seq.seq_id, start,
+                         s.seq.token_ids[start:start + s.num_new_tokens], s.num_padding_tokens))
+        for r in pad_rows:
+            rows.append((r.seq.seq_id, r.start, [], r.num_tokens))
+
+        num_seqs = len(rows)
+        real_lens = np.fromiter((len(r[2]) for r in rows), np.int64, num_seqs)
+        query_lens = real_lens + np.fromiter((r[3] for r in rows), np.int64, num_seqs)
+        starts = np.fromiter((r[1] for r in rows), np.int64, num_seqs)
         seq_lens = starts + query_lens
         qsl = np.zeros(num_seqs + 1, np.int64)
         np.cumsum(query_lens, out=qsl[1:])
         num_tokens = int(qsl[-1])
 
         token_ids: list[int] = []
-        for s in items:
-            token_ids.extend(s.seq.token_ids[s.num_computed_before:
-                                             s.num_computed_before + s.num_new_tokens])
+        for _, _, ids, num_pad in rows:
+            token_ids.extend(ids)
+            token_ids.extend([PAD_TOKEN_ID] * num_pad)
         # positions = start of the chunk + offset within it, for every packed token
         seq_index = np.repeat(np.arange(num_seqs), query_lens)
-        positions = starts[seq_index] + (np.arange(num_tokens) - qsl[:-1][seq_index])
+        offsets = np.arange(num_tokens) - qsl[:-1][seq_index]
+        positions = starts[seq_index] + offsets
 
         use_cache = kv.retains_kv
         n = num_tokens
@@ -117,15 +145,14 @@ class ModelRunner:
         self.seq_lens_buf[:num_seqs].copy_(torch.from_numpy(seq_lens))
         if use_cache:
             tables = np.zeros((num_seqs, self.max_blocks_per_seq), np.int64)
-            for row, s in enumerate(items):
-                table = kv.block_table(s.seq.seq_id)
+            for row, r in enumerate(rows):
+                table = kv.block_table(r[0])
                 tables[row, :len(table)] = table
             bs = self.block_size
             slots = tables[seq_index, positions // bs] * bs + positions % bs
             self.slots_buf[:n].copy_(torch.from_numpy(slots))
             self.block_tables_buf[:num_seqs].copy_(torch.from_numpy(tables))
 
-        num_decodes = plan.num_decodes
         meta = AttentionMetadata(
             positions=self.positions_buf[:n],
             slot_mapping=self.slots_buf[:n],
@@ -134,14 +161,24 @@ class ModelRunner:
             block_tables=self.block_tables_buf[:num_seqs],
             query_start_loc_host=qsl.tolist(),
             seq_lens_host=seq_lens.tolist(),
-            num_decodes=num_decodes,
+            num_decodes=num_decodes + len(pad_decodes),
             max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
             sliding_window=self.model_config.sliding_window,
             use_cache=use_cache,
         )
-        sample_rows = [i for i, s in enumerate(items) if s.samples]
-        logits_indices = torch.as_tensor(qsl[1:][sample_rows] - 1, device=self.device)
+        # Real rows in plan order: decodes are rows 0..num_decodes-1, prefills follow the
+        # padding decodes. A sampling row's logits are at its last real token.
+        first_prefill = num_decodes + len(pad_decodes)
+        real_rows = [*range(num_decodes),
+                     *range(first_prefill, first_prefill + len(items) - num_decodes)]
+        sample_rows = [row for row, s in zip(real_rows, items, strict=True) if s.samples]
+        logits_indices = torch.as_tensor(qsl[:-1][sample_rows] + real_lens[sample_rows] - 1,
+                                         device=self.device)
+        self._real_token_index = None
+        if plan.padding_tokens:
+            real = offsets < real_lens[seq_index]
+            self._real_token_index = torch.as_tensor(np.flatnonzero(real), device=self.device)
         return self.input_ids_buf[:n], meta, logits_indices
 
     @torch.inference_mode()
@@ -159,7 +196,8 @@ class ModelRunner:
                             meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids, meta)
         if self.logits_observer is not None:
-            self.logits_observer(plan, self.model.compute_logits(hidden).float())
+            real = hidden if self._real_token_index is None else hidden[self._real_token_index]
+            self.logits_observer(plan, self.model.compute_logits(real).float())
         if logits_indices.numel() == 0:
             return torch.empty(0, dtype=torch.int64)
         logits = self.model.compute_logits(hidden[logits_indices])

@@ -4,8 +4,22 @@ which memory they get. The plan is what the model runner executes and what gets 
 Continuous batching (vLLM v1's unified view): every sequence has `num_computed_tokens`, and a
 step gives it `num_tokens - num_computed_tokens` new tokens: the whole prompt for a new
 sequence, one token for a running decode. Prefills and decodes share a step, within
-`max_num_seqs` and `max_num_batched_tokens`. When the KV cache cannot grow a running sequence,
-the newest running sequence is preempted and will be recomputed (vLLM's policy).
+`max_num_seqs` and `max_num_batched_tokens` (the token budget). Each step serves, in order,
+the running decodes (one token each), the running sequences still in prefill, then waiting
+sequences (FCFS within priority). When the KV cache cannot grow a running sequence, the newest
+running sequence is preempted and will be recomputed (vLLM's policy).
+
+Chunked prefill (`enable_chunked_prefill`, vLLM's semantics): a prefill takes as many tokens
+as the remaining budget allows, so a prompt longer than the budget is split over several steps
+and shares each of them with the running decodes; its first token is sampled on the step whose
+chunk reaches the end of the prompt. Without it a prompt must fit the budget whole.
+
+Static batching (`batching=static`): when nothing runs, up to `max_num_seqs` waiting sequences
+(in queue order, as many as the KV cache and the budget admit) form a batch, prefilled in one
+step padded to the longest prompt; the batch then decodes until every member has finished. A
+finished member keeps its KV memory and its row, computing one padding token per step, until
+the whole batch is done; only then is the next batch admitted. Padding is real compute, recorded
+in `StepPlan.padding_tokens` (see `PaddingRow` and `ScheduledSequence.num_padding_tokens`).
 """
 
 from __future__ import annotations
@@ -23,11 +37,17 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
     num_computed_before: int
+    #: Static batching: padding tokens computed after this sequence's new tokens, in its own
+    #: row (right padding to the batch's longest row). Causal attention keeps them out of the
+    #: real tokens' results, and they are never sampled.
+    num_padding_tokens: int = 0
 
     @property
     def is_decode(self) -> bool:
-        """One new token on top of a cached context."""
-        return self.num_new_tokens == 1 and self.num_computed_before > 0
+        """One new token on top of a cached context, past the prompt (a one-token last chunk
+        of a prompt is still prefill)."""
+        return (self.num_new_tokens == 1 and self.num_computed_before > 0
+                and self.num_computed_before >= self.seq.num_prompt_tokens)
 
     @property
     def is_prefill(self) -> bool:
@@ -40,6 +60,26 @@ class ScheduledSequence:
 
 
 @dataclass
+class PaddingRow:
+    """Static batching: the row of a finished batch member that still holds its slot.
+
+    With a KV cache it is a one-token decode (pad id 0) at the position of the sequence's last
+    sampled token, whose K/V was never computed, so it only rewrites dead memory the sequence
+    still owns, and attends over the sequence's context as a real row of a static batch does.
+    Without a KV cache (kv_cache=none) it is a fresh `num_tokens`-token row (positions from 0)
+    that attends only to itself. Its output is dropped; nothing samples it.
+    """
+
+    seq: Sequence
+    num_tokens: int
+    start: int  # position of the row's first token
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start > 0
+
+
+@dataclass
 class StepPlan:
     step: int
     scheduled: list[ScheduledSequence] = field(default_factory=list)  # decodes first
@@ -48,6 +88,7 @@ class StepPlan:
     allocated_blocks: dict[int, list[int]] = field(default_factory=dict)
     freed_blocks: list[int] = field(default_factory=list)
     copied_blocks: list[tuple[int, int]] = field(default_factory=list)
+    padding_rows: list[PaddingRow] = field(default_factory=list)  # static batching only
     padding_tokens: int = 0
     num_waiting: int = 0
 
@@ -69,18 +110,25 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
+        """Real (non-padding) tokens computed this step."""
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, max_model_len: int | None = None) -> None:
         self.config = config
+        self.max_model_len = max_model_len or config.max_model_len
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.static = config.batching == "static"
+        self.chunked = config.enable_chunked_prefill
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        #: Static batching: finished members of the current batch, still holding their KV
+        #: memory and their row until the whole batch is done (batch order).
+        self.batch: list[Sequence] = []
         self.step_counter = 0
         self._freed_since_last_plan: list[int] = []
 
@@ -100,6 +148,13 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
+            if self.static:
+                # The slot stays reserved until the whole batch is done.
+                if not self.running:
+                    for member in self.batch:
+                        self._freed_since_last_plan += self.kv.free(member.seq_id)
+                    self.batch = []
+                return
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._freed_since_last_plan += self.kv.free(seq.seq_id)
@@ -109,53 +164,140 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan(step=self.step_counter, freed_blocks=self._freed_since_last_plan)
         self._freed_since_last_plan = []
-        budget = self.max_num_batched_tokens
-        decodes: list[ScheduledSequence] = []
-        prefills: list[ScheduledSequence] = []
-
-        for seq in list(self.running):
-            if seq not in self.running:  # preempted earlier in this loop
-                continue
-            num_new = seq.num_tokens - seq.num_computed_tokens
-            if num_new > budget:
-                continue
-            while not self.kv.can_allocate(seq.seq_id, seq.num_tokens):
-                victim = self.running[-1]
-                self._preempt(victim, plan)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            self._allocate(seq, plan)
-            budget -= num_new
-            item = ScheduledSequence(seq, num_new, seq.num_computed_tokens)
-            (decodes if item.is_decode else prefills).append(item)
-
-        while self.waiting and len(self.running) < self.max_num_seqs and not plan.preempted:
-            seq = self.waiting[0]
-            num_new = seq.num_tokens - seq.num_computed_tokens
-            if num_new > budget or not self.kv.can_allocate(seq.seq_id, seq.num_tokens):
-                break
-            self.waiting.pop(0)
-            self._allocate(seq, plan)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            if seq.first_scheduled_step is None:
-                seq.first_scheduled_step = plan.step
-            plan.admitted.append(seq)
-            budget -= num_new
-            prefills.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens))
-
-        plan.scheduled = decodes + prefills
+        if self.static:
+            self._schedule_static(plan)
+        else:
+            self._schedule_continuous(plan)
         plan.num_waiting = len(self.waiting)
         if plan.scheduled:
             self.step_counter += 1
         return plan
 
-    def _allocate(self, seq: Sequence, plan: StepPlan) -> None:
-        new_blocks = self.kv.allocate(seq.seq_id, seq.num_tokens)
+    def _schedule_continuous(self, plan: StepPlan) -> None:
+        budget = self.max_num_batched_tokens
+        decodes: list[ScheduledSequence] = []
+        prefills: list[ScheduledSequence] = []
+        scheduled: set[Sequence] = set()
+
+        def is_decode(seq: Sequence) -> bool:
+            return (seq.num_tokens - seq.num_computed_tokens == 1
+                    and seq.num_computed_tokens >= max(1, seq.num_prompt_tokens))
+
+        # Running decodes first (one token each), then running sequences still in prefill
+        # (chunked prefill's partial prompts; with kv_cache=none every running sequence).
+        for decode_pass in (True, False):
+            for seq in list(self.running):
+                if seq not in self.running or is_decode(seq) is not decode_pass:
+                    continue  # preempted earlier in this loop, or not this pass
+                num_new = seq.num_tokens - seq.num_computed_tokens
+                if self.chunked:
+                    num_new = min(num_new, budget)
+                if num_new == 0 or num_new > budget:
+                    continue
+                while not self.kv.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+                    # The newest running sequence not already scheduled in this step (the
+                    # decode pass runs first); at worst the sequence itself.
+                    victim = next(v for v in reversed(self.running) if v not in scheduled)
+                    self._preempt(victim, plan)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                self._allocate(seq, seq.num_computed_tokens + num_new, plan)
+                budget -= num_new
+                item = ScheduledSequence(seq, num_new, seq.num_computed_tokens)
+                (decodes if item.is_decode else prefills).append(item)
+                scheduled.add(seq)
+
+        # Then waiting sequences, in queue order; with chunked prefill the last one admitted
+        # may get only the first chunk of its prompt.
+        while self.waiting and len(self.running) < self.max_num_seqs and not plan.preempted:
+            seq = self.waiting[0]
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if self.chunked:
+                num_new = min(num_new, budget)
+            total = seq.num_computed_tokens + num_new
+            if num_new == 0 or num_new > budget or not self.kv.can_allocate(seq.seq_id, total):
+                break
+            self.waiting.pop(0)
+            self._allocate(seq, total, plan)
+            self._admit(seq, plan)
+            budget -= num_new
+            prefills.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens))
+
+        plan.scheduled = decodes + prefills
+
+    def _schedule_static(self, plan: StepPlan) -> None:
+        if not self.running:
+            self._admit_static_batch(plan)
+            return
+        # The batch decodes; finished members compute padding in their rows.
+        if self.kv.retains_kv:
+            plan.scheduled = [ScheduledSequence(seq, 1, seq.num_computed_tokens)
+                              for seq in self.running]
+            plan.padding_rows = [PaddingRow(seq, 1, seq.num_tokens - 1) for seq in self.batch
+                                 if seq.is_finished]
+        else:
+            # No KV cache: every row recomputes its context, padded to the longest one.
+            width = max(seq.num_tokens for seq in self.running)
+            plan.scheduled = [ScheduledSequence(seq, seq.num_tokens, 0,
+                                                width - seq.num_tokens)
+                              for seq in self.running]
+            plan.padding_rows = [PaddingRow(seq, width, 0) for seq in self.batch
+                                 if seq.is_finished]
+        plan.padding_tokens = (sum(s.num_padding_tokens for s in plan.scheduled)
+                               + sum(r.num_tokens for r in plan.padding_rows))
+
+    def _admit_static_batch(self, plan: StepPlan) -> None:
+        """Up to max_num_seqs waiting sequences, in queue order, while the KV cache can reserve
+        each one's whole final length (a static batch never grows or preempts) and the padded
+        batch fits the token budget: its prefill (members x longest prompt) with a KV cache,
+        its widest recompute (members x longest final length) without one."""
+        batch: list[Sequence] = []
+        final: dict[int, int] = {}  # seq_id -> the most tokens the sequence can reach
+        width = 0  # the widest padded row the batch will compute
+        for seq in self.waiting:
+            if len(batch) == self.max_num_seqs:
+                break
+            most = seq.num_prompt_tokens + seq.sampling.max_tokens
+            if self.max_model_len:
+                most = min(most, self.max_model_len)
+            most = max(most, seq.num_tokens)
+            new_width = max(width, seq.num_tokens if self.kv.retains_kv else most)
+            if batch and (len(batch) + 1) * new_width > self.max_num_batched_tokens:
+                break
+            if not self.kv.can_allocate(seq.seq_id, max(most, new_width)):
+                break
+            self._allocate(seq, max(most, new_width), plan)
+            batch.append(seq)
+            final[seq.seq_id] = most
+            width = new_width
+        if not batch:
+            return
+        longest = max(seq.num_tokens for seq in batch)
+        for seq in batch:
+            # Room for the padded prefill too (a no-op for contiguous KV, whose members each
+            # reserve a whole max_model_len region).
+            self._allocate(seq, max(final[seq.seq_id], longest), plan)
+            self.waiting.remove(seq)
+            self._admit(seq, plan)
+            plan.scheduled.append(ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens,
+                                                    seq.num_computed_tokens,
+                                                    longest - seq.num_tokens))
+        self.batch = batch
+        plan.padding_tokens = sum(s.num_padding_tokens for s in plan.scheduled)
+
+    def _admit(self, seq: Sequence, plan: StepPlan) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        if seq.first_scheduled_step is None:
+            seq.first_scheduled_step = plan.step
+        plan.admitted.append(seq)
+
+    def _allocate(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> None:
+        new_blocks = self.kv.allocate(seq.seq_id, num_tokens)
         if new_blocks:
-            plan.allocated_blocks[seq.seq_id] = new_blocks
+            plan.allocated_blocks.setdefault(seq.seq_id, []).extend(new_blocks)
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Recompute preemption: drop the KV, requeue at the front of its priority class."""

@@ -1,0 +1,134 @@
+"""The driver: open and closed loops, multi-turn sessions, lateness, against a scripted backend
+and the built-in engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from engines.base import (
+    Backend,
+    Finished,
+    GenerationRequest,
+    RequestEvent,
+    Scheduled,
+    Tokenized,
+    Tokens,
+    now_ns,
+)
+from engines.builtin.backend import BuiltinBackend
+from engines.builtin.config import EngineConfig
+from engines.sampling_params import SamplingParams
+from harness.driver import Driver
+from workloads.request import WorkloadRequest
+
+
+class ScriptedBackend(Backend):
+    """Each request takes `service_s` and yields `max_tokens` tokens; records concurrency."""
+
+    name = "scripted"
+
+    def __init__(self, service_s: float = 0.02) -> None:
+        super().__init__()
+        self.service_s = service_s
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.prompts: dict[str, object] = {}
+
+    def load(self) -> None:
+        pass
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestEvent]:
+        self.prompts[request.request_id] = request.prompt
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        rid = request.request_id
+        try:
+            n = len(request.prompt)
+            yield Tokenized(rid, 0, now_ns(), n)
+            yield Scheduled(rid, 0, now_ns())
+            await asyncio.sleep(self.service_s)
+            count = request.sampling.max_tokens
+            yield Tokens(rid, 1, now_ns(), tuple(range(100, 100 + count)), "x" * count)
+            yield Finished(rid, 1, now_ns(), "length", n, count, text="x" * count)
+        finally:
+            self.in_flight -= 1
+
+
+def item(rid: str, prompt: object, arrival: float = 0.0, follows: str | None = None,
+         max_tokens: int = 2) -> WorkloadRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return WorkloadRequest(GenerationRequest(rid, prompt, params), arrival, follows=follows)
+
+
+def run(backend: Backend, workload: list[WorkloadRequest],
+        concurrency: int | None = None) -> dict[str, dict]:
+    rows: dict[str, dict] = {}
+
+    def sink(table: str, row: dict) -> None:
+        if table == "requests":
+            rows[row["request_id"]] = row
+
+    Driver(backend, sink).run(workload, concurrency=concurrency)
+    return rows
+
+
+def test_closed_loop_keeps_exactly_c_in_flight() -> None:
+    backend = ScriptedBackend()
+    rows = run(backend, [item(f"r{i}", [1, 2, 3]) for i in range(12)], concurrency=3)
+    assert backend.max_in_flight == 3 and len(rows) == 12
+    sends = sorted(r["sent_s"] for r in rows.values())
+    # 12 requests, 3 at a time, 0.02 s each: the last wave starts after three waves
+    assert sends[-1] >= 3 * backend.service_s * 0.9
+
+
+def test_open_loop_sends_at_arrival_times_and_records_lateness() -> None:
+    backend = ScriptedBackend(service_s=0.001)
+    arrivals = [0.0, 0.05, 0.1]
+    rows = run(backend, [item(f"r{i}", [1], a) for i, a in enumerate(arrivals)])
+    for i, a in enumerate(arrivals):
+        row = rows[f"r{i}"]
+        assert row["arrival_s"] == pytest.approx(a, abs=1e-6)
+        assert 0 <= row["sent_s"] - row["arrival_s"] < 0.02  # lateness, recorded
+
+
+def test_sessions_send_follow_ups_after_the_turn_with_history() -> None:
+    backend = ScriptedBackend()
+    chat = [{"role": "user", "content": "hi"}]
+    workload = [
+        item("s0-t0", chat),
+        item("s0-t1", [{"role": "user", "content": "more"}], arrival=0.03, follows="s0-t0"),
+        item("ids-t0", [5, 6]),
+        item("ids-t1", [7], arrival=0.0, follows="ids-t0"),
+    ]
+    rows = run(backend, workload)
+    assert backend.prompts["s0-t1"] == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "xx"},
+        {"role": "user", "content": "more"}]
+    assert backend.prompts["ids-t1"] == [5, 6, 100, 101, 7]
+    # the follow-up became due think time after the previous turn finished
+    assert rows["s0-t1"]["arrival_s"] == pytest.approx(rows["s0-t0"]["finished_s"] + 0.03,
+                                                       abs=1e-6)
+    assert rows["s0-t1"]["sent_s"] >= rows["s0-t1"]["arrival_s"]
+
+
+def test_follow_up_of_a_failed_turn_fails_and_orphans_are_refused() -> None:
+    backend = BuiltinBackend(EngineConfig(model="tiny", max_model_len=32))
+    backend.load()
+    rows = run(backend, [item("a", list(range(10, 60))), item("b", [11], follows="a")])
+    assert rows["a"]["status"] == "failed" and rows["b"]["status"] == "failed"
+    assert "previous turn a failed" in rows["b"]["error"]
+    with pytest.raises(ValueError, match="follow requests that are not in the workload"):
+        run(backend, [item("c", [11], follows="nope")])
+
+
+def test_sessions_on_the_engine_grow_the_prompt() -> None:
+    backend = BuiltinBackend(EngineConfig(model="tiny"))
+    backend.load()
+    rows = run(backend, [item("t0", [10, 11, 12], max_tokens=4),
+                         item("t1", [13, 14], follows="t0", max_tokens=3)], concurrency=1)
+    assert rows["t0"]["prompt_tokens"] == 3
+    assert rows["t1"]["prompt_tokens"] == 3 + 4 + 2  # previous prompt + reply + new message
+    assert rows["t1"]["output_tokens"] == 3

@@ -1,0 +1,83 @@
+"""Arrival processes: when each of n requests (or sessions) arrives, in seconds from the start.
+
+  {process: offline}                          all at 0 (the default)
+  {process: poisson, rate: R}                 exponential gaps with mean 1/R
+  {process: gamma, rate: R, burstiness: B}    gamma gaps, shape B, scale 1/(R*B) (vLLM's
+                                              definition): mean gap 1/R, CV 1/sqrt(B);
+                                              B = 1 is Poisson, B < 1 burstier, B > 1 smoother
+  {process: constant, rate: R}                gaps of exactly 1/R
+  {process: ramp, start_rate: A, end_rate: Z} deterministic gaps whose rate moves linearly
+                                              from A (first gap) to Z (last gap)
+  {process: closed, concurrency: C}           all at 0; the driver keeps C requests in flight
+
+The first request always arrives at 0 and request i at the sum of the first i gaps, so n
+requests span n - 1 gaps (vLLM's benchmark also sends its first request at once). For ramp,
+gap i (i = 1 .. n-1, between requests i-1 and i) is 1 / r_i with
+r_i = A + (Z - A) * (i - 1) / (n - 2), so the first gap is at A and the last at Z.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from workloads.common import check_choice, check_int, check_keys, check_number, invalid
+
+PROCESSES = ("offline", "poisson", "gamma", "constant", "ramp", "closed")
+_KEYS = {
+    "offline": ("process",),
+    "poisson": ("process", "rate"),
+    "gamma": ("process", "rate", "burstiness"),
+    "constant": ("process", "rate"),
+    "ramp": ("process", "start_rate", "end_rate"),
+    "closed": ("process", "concurrency"),
+}
+
+
+def parse_arrival(spec: Any) -> dict[str, Any]:
+    """Validate an arrival spec (None means offline); return it with numbers normalized."""
+    if spec is None:
+        return {"process": "offline"}
+    if not isinstance(spec, Mapping):
+        raise invalid("arrival", spec, "a mapping with process: " + "|".join(PROCESSES))
+    spec = dict(spec)
+    process = check_choice("arrival.process", spec.get("process", "offline"), PROCESSES)
+    check_keys("arrival", spec, _KEYS[process], f"process {process}")
+    out: dict[str, Any] = {"process": process}
+    for key in _KEYS[process][1:]:
+        if key not in spec:
+            raise invalid(f"arrival.{key}", None, f"a value (process {process} needs "
+                          f"{list(_KEYS[process][1:])})")
+        if key == "concurrency":
+            out[key] = check_int("arrival.concurrency", spec[key], 1)
+        else:  # rates and burstiness: positive, finite
+            out[key] = check_number(f"arrival.{key}", spec[key], 0.0, strict=True)
+    return out
+
+
+def concurrency_of(spec: Any) -> int | None:
+    """C for a closed loop, None for every open-loop process."""
+    parsed = parse_arrival(spec)
+    return parsed["concurrency"] if parsed["process"] == "closed" else None
+
+
+def arrival_times(spec: Any, n: int, rng: np.random.Generator) -> np.ndarray:
+    """n arrival times in seconds (ascending, the first at 0) for `spec`, drawn from `rng`."""
+    s = parse_arrival(spec)
+    process = s["process"]
+    if n <= 0:
+        return np.zeros(0)
+    gaps = np.zeros(n - 1)
+    if process == "poisson":
+        gaps = rng.exponential(1.0 / s["rate"], size=n - 1)
+    elif process == "gamma":
+        shape = s["burstiness"]
+        gaps = rng.gamma(shape, 1.0 / (s["rate"] * shape), size=n - 1)
+    elif process == "constant":
+        gaps = np.full(n - 1, 1.0 / s["rate"])
+    elif process == "ramp":
+        frac = np.arange(n - 1) / max(1, n - 2)
+        gaps = 1.0 / (s["start_rate"] + (s["end_rate"] - s["start_rate"]) * frac)
+    return np.concatenate([[0.0], np.cumsum(gaps)])

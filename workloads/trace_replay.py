@@ -1,0 +1,177 @@
+"""Trace replay: real arrival times and token lengths from a trace file, synthetic prompts.
+
+Selection: rows whose time since the trace's first row t lies in [start_s, end_s) (before
+scaling), then the first num_requests of those. Request i arrives at
+(t_i - t_first) / time_scale, where t_first is the first selected row's time, so the run starts
+with its first request and time_scale = 10 replays ten times faster.
+
+Lengths: max(1, round(length * scale)), then max_input_len / max_output_len, then the
+context clipping rule of workloads/lengths.py.
+
+Mooncake: each hash id names a block of block_len = max(1, round(512 * input_scale)) tokens,
+drawn from a generator seeded by (seed, hash id) alone, so equal leading hash ids give equal
+leading tokens. A prompt is its blocks in order truncated to its (scaled, clipped) input
+length; when rounding leaves the blocks short, the tail is filled with the request's own
+tokens. `prefix_group` is the first hash id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engines.builtin.tokenizer import Tokenizer
+from workloads.common import (
+    check_choice,
+    check_common,
+    check_int,
+    check_number,
+    invalid,
+    length_totals,
+    make_request,
+    resolve_path,
+    rng_streams,
+    span_info,
+)
+from workloads.lengths import clip_to_context
+from workloads.prompts import PROMPT_KINDS, BlockTokens, TokenSource, tokenizer_or_default
+from workloads.request import WorkloadRequest
+from workloads.traces import MOONCAKE_BLOCK, TRACE_FORMATS, Trace, load_trace, parse_columns
+
+
+@dataclass
+class TraceWorkload:
+    path: str | None = None  # required
+    format: str = "azure"
+    num_requests: int | None = None  # None: every row in the window
+    time_scale: float = 1.0  # speed-up factor
+    start_s: float = 0.0  # window on the trace's own clock, before scaling
+    end_s: float | None = None
+    input_scale: float = 1.0
+    output_scale: float = 1.0
+    max_input_len: int | None = None
+    max_output_len: int | None = None
+    prompt: str = "random_ids"
+    corpus: str | None = None  # text file for prompt=text; default: the shipped sonnets
+    columns: dict[str, Any] | None = None  # csv/jsonl: {timestamp, input_len, output_len, ...}
+    seed: int = 0
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    id_prefix: str = "trace"
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.info: dict[str, Any] = {}
+
+    @property
+    def concurrency(self) -> int | None:
+        return None  # a trace is open-loop: its timestamps are the arrival process
+
+    def validate(self) -> TraceWorkload:
+        if self.path is None or self.path == "???":
+            raise invalid("path", self.path, "a trace file path (required)")
+        resolve_path("path", self.path)
+        check_choice("format", self.format, TRACE_FORMATS)
+        if self.format in ("csv", "jsonl"):
+            parse_columns("columns", self.columns or {})
+        elif self.columns:
+            raise invalid("columns", self.columns, f"null for format {self.format} (its "
+                          "columns are fixed)")
+        check_int("num_requests", self.num_requests, 0, allow_none=True)
+        for name in ("time_scale", "input_scale", "output_scale"):
+            check_number(name, getattr(self, name), 0.0, strict=True)
+        check_number("start_s", self.start_s, 0.0)
+        end = check_number("end_s", self.end_s, 0.0, allow_none=True)
+        if end is not None and end <= self.start_s:
+            raise invalid("end_s", self.end_s, f"null or a number > start_s ({self.start_s})")
+        check_int("max_input_len", self.max_input_len, 1, allow_none=True)
+        check_int("max_output_len", self.max_output_len, 1, allow_none=True)
+        check_choice("prompt", self.prompt, PROMPT_KINDS)
+        if self.corpus is not None:
+            resolve_path("corpus", self.corpus)
+        check_common(self)
+        return self
+
+    def _select(self, trace: Trace) -> list[Any]:
+        rows = list(trace.rows)
+        if trace.first_timestamp_s is None:  # a csv/jsonl trace without a time column
+            if self.start_s or self.end_s is not None:
+                raise invalid("start_s", self.start_s, "0 with end_s null (this trace has no "
+                              "timestamp column)")
+        else:
+            t0, end = trace.first_timestamp_s, self.end_s
+            rows = [r for r in rows if r.timestamp_s - t0 >= self.start_s
+                    and (end is None or r.timestamp_s - t0 < end)]
+            if not rows and self.num_requests != 0:
+                span = trace.last_timestamp_s - t0  # type: ignore[operator]
+                raise invalid("start_s", self.start_s, f"a window [start_s, end_s) that holds "
+                              f"rows (end_s={self.end_s}; the trace spans 0 to {span:.3f} s)")
+        return rows if self.num_requests is None else rows[:self.num_requests]
+
+    def build(self, tokenizer: Tokenizer | None = None,
+              context_len: int | None = None) -> list[WorkloadRequest]:
+        self.validate()
+        tok = tokenizer_or_default(tokenizer)
+        path = resolve_path("path", self.path)
+        generic = self.format in ("csv", "jsonl")
+        columns = parse_columns("columns", self.columns or {}) if generic else None
+        trace = load_trace(path, self.format, columns)
+        if not trace.rows:
+            raise invalid("path", str(path), f"a trace with usable rows ({trace.rows_read} "
+                          f"read, skipped: {trace.skipped})")
+        rows = self._select(trace)
+        (prompt_rng,) = rng_streams(self.seed, 1)
+        inputs = _scaled([r.input_len for r in rows], self.input_scale)
+        outputs = _scaled([r.output_len for r in rows], self.output_scale)
+        clipped_in = clipped_out = 0
+        if self.max_input_len is not None:
+            clipped_in = int((inputs > self.max_input_len).sum())
+            inputs = np.minimum(inputs, self.max_input_len)
+        if self.max_output_len is not None:
+            clipped_out = int((outputs > self.max_output_len).sum())
+            outputs = np.minimum(outputs, self.max_output_len)
+        inputs, outputs, clip_info = clip_to_context(inputs, outputs, context_len)
+        times = [r.timestamp_s for r in rows]
+        if rows and times[0] is not None:
+            arrivals = (np.asarray(times, dtype=float) - times[0]) / self.time_scale
+        else:
+            arrivals = np.zeros(len(rows))
+        source = TokenSource(tok, self.prompt, resolve_path("corpus", self.corpus)
+                             if self.corpus is not None else None)
+        block_len = max(1, round(MOONCAKE_BLOCK * self.input_scale))
+        blocks = BlockTokens(source, self.seed, block_len) if self.format == "mooncake" else None
+        requests = []
+        for i, row in enumerate(rows):
+            own = int(inputs[i])
+            if blocks is not None:
+                ids = blocks.prompt(row.hash_ids, own, prompt_rng)
+                group = str(row.hash_ids[0]) if row.hash_ids else None
+            else:
+                ids, group = source.tokens(own, prompt_rng), None
+            requests.append(make_request(self, f"{self.id_prefix}-{i}", source.render(ids), own,
+                                         int(outputs[i]), float(arrivals[i]),
+                                         prefix_group=group))
+        self.info = {
+            "type": "trace", "path": str(path), "format": self.format, "prompt": self.prompt,
+            "tokenizer": tok.name, "rows_read": trace.rows_read,
+            "rows_skipped": dict(trace.skipped), "rows_usable": len(trace.rows),
+            "requests": len(rows), "trace_span_s": _span(trace), "window_s": [
+                self.start_s, self.end_s], "time_scale": self.time_scale,
+            "input_scale": self.input_scale, "output_scale": self.output_scale,
+            "clipped_max_input_len": clipped_in, "clipped_max_output_len": clipped_out,
+            "block_len": block_len if blocks is not None else None,
+            **span_info(arrivals), **length_totals(inputs, outputs), **clip_info,
+        }
+        return requests
+
+
+def _scaled(lengths: list[int], scale: float) -> np.ndarray:
+    return np.maximum(np.rint(np.asarray(lengths, dtype=float) * scale), 1).astype(np.int64)
+
+
+def _span(trace: Trace) -> float | None:
+    if trace.first_timestamp_s is None or trace.last_timestamp_s is None:
+        return None
+    return trace.last_timestamp_s - trace.first_timestamp_s
