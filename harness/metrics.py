@@ -145,12 +145,27 @@ def slo_met(requests: pd.DataFrame, slo: dict[str, float | None]) -> pd.Series:
 
 def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame,
                     run_info: dict[str, Any] | None = None,
-                    slo: dict[str, float | None] | None = None) -> dict[str, Any]:
-    """The registered metrics of one run. Failed requests count, but stay out of latencies."""
+                    slo: dict[str, float | None] | None = None,
+                    span: tuple[float, float] | None = None) -> dict[str, Any]:
+    """The registered metrics of one run. Failed requests count, but stay out of latencies.
+
+    With `span` (a measurement window [start, end]): latencies and counts cover the requests
+    sent inside it, and rates count what happened inside it (requests and tokens completed,
+    prompts prefilled) over its length; steps are those inside it. Without: everything, and
+    rates over D = first arrival -> last completion.
+    """
     run_info = run_info or {}
-    ok = requests[requests["status"] == "ok"]
-    lat = per_request_latencies(requests)
+    if span is not None:
+        start, end = span
+        sent = requests["sent_s"]
+        members = requests[(sent >= start) & (sent <= end)]
+        steps = steps[(steps["start_s"] >= start) & (steps["end_s"] <= end)]
+    else:
+        members = requests
+    ok = members[members["status"] == "ok"]
+    lat = per_request_latencies(members)
     summary: dict[str, Any] = {}
+
     # A request that finished without a token (aborted, or stopped at once) has no TTFT.
     def column(name: str) -> np.ndarray:
         return lat[name].dropna().to_numpy(float)
@@ -162,24 +177,35 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
     itl = inter_token_latencies(tokens, ok["request_id"])
     summary.update(_stats("itl", itl, ("mean", "p50", "p90", "p99", "p999", "max")))
 
-    duration = float(ok["last_token_s"].max() - requests["arrival_s"].min()) if len(ok) else 0.0
-    input_total = int(ok["prompt_tokens"].sum())
-    output_total = int(requests["output_tokens"].fillna(0).sum())
+    all_ok = requests[requests["status"] == "ok"]
+    if span is None:
+        duration = float(ok["last_token_s"].max() - requests["arrival_s"].min()) if len(ok) \
+            else 0.0
+        done, prefilled = ok, ok
+        output_done = int(ok["output_tokens"].sum())
+    else:
+        duration = span[1] - span[0]
+        done = all_ok[all_ok["last_token_s"].between(*span)]
+        prefilled = all_ok[all_ok["first_token_s"].between(*span)]
+        in_span = tokens["time_s"].between(*span) & tokens["request_id"].isin(
+            set(all_ok["request_id"]))
+        output_done = int(in_span.sum())
+    input_done = int(prefilled["prompt_tokens"].sum())
 
     def rate(x: float) -> float | None:
         return x / duration if duration > 0 else None
 
     summary.update({
         "duration_s": duration,
-        "output_tok_per_s": rate(int(ok["output_tokens"].sum())),
-        "input_tok_per_s": rate(input_total),
-        "total_tok_per_s": rate(input_total + int(ok["output_tokens"].sum())),
-        "req_per_s": rate(len(ok)),
-        "num_requests": len(requests),
+        "output_tok_per_s": rate(output_done),
+        "input_tok_per_s": rate(input_done),
+        "total_tok_per_s": rate(input_done + output_done),
+        "req_per_s": rate(len(done)),
+        "num_requests": len(members),
         "num_completed": len(ok),
-        "num_failed": int((requests["status"] == "failed").sum()),
-        "output_tokens_total": output_total,
-        "input_tokens_total": int(requests["prompt_tokens"].fillna(0).sum()),
+        "num_failed": int((members["status"] == "failed").sum()),
+        "output_tokens_total": int(members["output_tokens"].fillna(0).sum()),
+        "input_tokens_total": int(members["prompt_tokens"].fillna(0).sum()),
         "num_steps": len(steps),
         "mean_batch_size": float(steps["num_seqs"].mean()) if len(steps) else None,
         "prefill_tokens_total": int(steps["prefill_tokens"].sum()) if len(steps) else 0,
@@ -187,18 +213,19 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
         "kv_bytes_reserved_peak": int(steps["kv_bytes_reserved"].max()) if len(steps) else 0,
         "kv_bytes_used_peak": int(steps["kv_bytes_used"].max()) if len(steps) else 0,
     })
-    arrivals = requests["arrival_s"].dropna()
-    span = float(arrivals.max() - arrivals.min()) if len(arrivals) > 1 else 0.0
-    summary["offered_req_per_s"] = (len(arrivals) - 1) / span if span > 0 else None
-    lateness = (requests["sent_s"] - requests["arrival_s"]).dropna().to_numpy(float)
+    arrivals = members["arrival_s"].dropna()
+    arrival_span = float(arrivals.max() - arrivals.min()) if len(arrivals) > 1 else 0.0
+    summary["offered_req_per_s"] = (len(arrivals) - 1) / arrival_span if arrival_span > 0 \
+        else None
+    lateness = (members["sent_s"] - members["arrival_s"]).dropna().to_numpy(float)
     summary["send_lateness_p99_s"] = _pct(lateness, 99)
     computed = summary["prefill_tokens_total"] + summary["padding_tokens_total"] + (
         int(steps["decode_tokens"].sum()) if len(steps) else 0)
     summary["padding_fraction"] = summary["padding_tokens_total"] / computed if computed else None
     if slo and any(v is not None for v in slo.values()) and len(ok):
-        met = slo_met(requests, slo)
-        summary["slo_attainment"] = float(met.mean())
-        summary["goodput_req_per_s"] = rate(int(met.sum()))
+        summary["slo_attainment"] = float(slo_met(ok, slo).mean())
+        summary["goodput_req_per_s"] = rate(int(slo_met(done, slo).sum())) if len(done) \
+            else rate(0)
     for key in ("cold_start_s", "load_s"):
         if key in run_info:
             summary[key] = run_info[key]

@@ -90,3 +90,15 @@ def test_goodput_padding_offered_rate_and_window() -> None:
     assert window["end_s"] == 0.3 and window["num_requests"] == 3
     assert window["valid"] is False and "min_requests" in window["reason"]
     assert out["metrics"]["num_requests"] == 3 and out["metrics_whole_run"]["num_requests"] == 4
+
+
+def test_window_rates_count_events_inside_the_window() -> None:
+    requests, tokens, steps = frames()
+    requests["sent_s"] = requests["arrival_s"]
+    s = compute_summary(requests, tokens, steps, span=(0.1, 1.3))
+    assert s["duration_s"] == pytest.approx(1.2)
+    # a completes at 0.8 inside; b's last token 1.5 is outside; tokens at 0.5, 0.6, 0.8, 1.2
+    assert s["req_per_s"] == pytest.approx(1 / 1.2)
+    assert s["output_tok_per_s"] == pytest.approx(4 / 1.2)
+    assert s["input_tok_per_s"] == pytest.approx((10 + 20) / 1.2)  # a and b prefilled inside
+    assert s["num_requests"] == 3  # sent inside: d (0.1), b (0.2), c (0.3)
