@@ -73,6 +73,7 @@ class Tokens(RequestEvent):
 
     token_ids: tuple[int, ...]
     text: str = ""
+    index: int = 0  # which sample, for parallel sampling (SamplingParams.n > 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,7 @@ class Finished(RequestEvent):
     cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     text: str = ""
+    index: int = 0  # which sample; a request with n samples finishes n times
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +117,10 @@ class StepRecord:
     kv_bytes_reserved: int
     kv_bytes_used: int
     num_preempted: int = 0
+    num_running: int = 0  # sequences holding KV memory after the step
+    kv_blocks_used: int = 0
     forward_ns: int = 0  # device time of the model forward and sampling within the step
+    kv_gather_ns: int = 0  # of which copying K/V out of the cache (CPU dense attention)
 
 
 StepObserver = Callable[[StepRecord], None]

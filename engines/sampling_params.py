@@ -53,8 +53,8 @@ class SamplingParams:
             raise bad("top_k", "-1 or 0 (disabled) or an integer >= 1")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
-        if self.n != 1:
-            raise bad("n", "1 (parallel sampling with n > 1 arrives with paged KV, issue 4)")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

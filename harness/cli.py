@@ -8,11 +8,14 @@ USAGE = """usage: inferlab <command> [args]
 
 commands:
   run [overrides...]   run an experiment (Hydra app; -m for sweeps, --help for the config)
+  kv-calc [overrides]  KV bytes per token and sequence, weights, sequences that fit
 
 examples:
   inferlab run                                  # default experiment: small model, CPU
   inferlab run model=tiny engine.kv_cache=none workload.num_requests=4
   inferlab run -m engine.kv_cache=none,contiguous model=tiny
+  inferlab kv-calc model=llama3-8b engine.max_model_len=8192 engine.dtype=fp16 \
+      device_memory_gib=80
 """
 
 
@@ -28,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv = [f"{sys.argv[0]} run", *rest]
         app.main()
         return 0
+    if command == "kv-calc":
+        from harness import kv_calc
+
+        return kv_calc.main(rest)
     print(f"inferlab: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -238,7 +238,10 @@ class Driver:
             "kv_bytes_reserved": record.kv_bytes_reserved,
             "kv_bytes_used": record.kv_bytes_used,
             "num_preempted": record.num_preempted,
+            "num_running": record.num_running,
+            "kv_blocks_used": record.kv_blocks_used,
             "forward_s": record.forward_ns / 1e9,
+            "kv_gather_s": record.kv_gather_ns / 1e9,
         }
         self.sink("steps", row)
 

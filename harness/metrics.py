@@ -70,6 +70,19 @@ register("send_lateness_p99_s", "s", "lower", "timing",
          "p99 of sent - arrival: how late the driver handed requests over")
 register("saturation_req_per_s", "req/s", "higher", "timing",
          "load sweep: the highest offered rate still served at >= 90% (sweep_summary.json)")
+register("kv_utilization_mean", "fraction", "higher", "deterministic",
+         "mean over steps of KV bytes holding tokens / KV bytes reserved (steps reserving any)")
+register("kv_utilization_at_peak", "fraction", "higher", "deterministic",
+         "KV bytes holding tokens / reserved, at the step reserving the most")
+register("max_concurrent_seqs", "seqs", "higher", "deterministic",
+         "most sequences holding KV memory at once")
+register("num_preemptions", "count", "lower", "deterministic",
+         "sequences preempted (KV dropped, recomputed later) during the run")
+register("prefix_cache_hit_rate", "fraction", "higher", "deterministic",
+         "prompt tokens served from the prefix cache / prompt tokens")
+register("kv_bytes_per_token", "B", "lower", "deterministic",
+         "KV bytes per token: 2 x layers x kv_heads x head_dim x bytes (+ scales)")
+register("weight_bytes", "B", "lower", "deterministic", "bytes of all model weights")
 register("padding_fraction", "fraction", "lower", "deterministic",
          "padding tokens / all tokens computed (prefill + decode + padding)")
 register("num_requests", "count", "none", "deterministic", "requests in the measured run")
@@ -129,6 +142,27 @@ def inter_token_latencies(tokens: pd.DataFrame, ok_ids: Iterable[str]) -> np.nda
     ordered = ok.sort_values(["request_id", "index"])
     gaps = ordered.groupby("request_id", sort=False)["time_s"].diff().dropna()
     return gaps.to_numpy(dtype=float)
+
+
+def kv_summary(steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, Any]:
+    """KV memory measured per step: utilization, concurrency, preemptions, prefix hits."""
+    out: dict[str, Any] = {}
+    if len(steps) and "kv_bytes_reserved" in steps:
+        reserving = steps[steps["kv_bytes_reserved"] > 0]
+        if len(reserving):
+            utilization = reserving["kv_bytes_used"] / reserving["kv_bytes_reserved"]
+            out["kv_utilization_mean"] = float(utilization.mean())
+            peak = reserving.loc[reserving["kv_bytes_reserved"].idxmax()]
+            out["kv_utilization_at_peak"] = float(peak["kv_bytes_used"]
+                                                  / peak["kv_bytes_reserved"])
+        if "num_running" in steps and steps["num_running"].notna().any():
+            out["max_concurrent_seqs"] = int(steps["num_running"].max())
+        out["num_preemptions"] = int(steps["num_preempted"].fillna(0).sum())
+    prompt = requests["prompt_tokens"].fillna(0).sum() if len(requests) else 0
+    if prompt:
+        out["prefix_cache_hit_rate"] = float(
+            requests["cached_prompt_tokens"].fillna(0).sum() / prompt)
+    return out
 
 
 def slo_met(requests: pd.DataFrame, slo: dict[str, float | None]) -> pd.Series:
@@ -222,6 +256,10 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
     computed = summary["prefill_tokens_total"] + summary["padding_tokens_total"] + (
         int(steps["decode_tokens"].sum()) if len(steps) else 0)
     summary["padding_fraction"] = summary["padding_tokens_total"] / computed if computed else None
+    summary.update(kv_summary(steps, members))
+    for key in ("kv_bytes_per_token", "weight_bytes"):
+        if run_info.get("engine", {}).get(key) is not None:
+            summary[key] = run_info["engine"][key]
     if slo and any(v is not None for v in slo.values()) and len(ok):
         summary["slo_attainment"] = float(slo_met(ok, slo).mean())
         summary["goodput_req_per_s"] = rate(int(slo_met(done, slo).sum())) if len(done) \

@@ -36,7 +36,8 @@ TOKEN_COLUMNS = ["request_id", "index", "step", "time_s", "token_id"]
 STEP_COLUMNS = [
     "step", "start_s", "end_s", "num_seqs", "num_prefill_seqs", "num_decode_seqs",
     "prefill_tokens", "decode_tokens", "padding_tokens", "num_waiting", "kv_bytes_reserved",
-    "kv_bytes_used", "num_preempted", "forward_s",
+    "kv_bytes_used", "num_preempted", "num_running", "kv_blocks_used", "forward_s",
+    "kv_gather_s",
 ]
 COLUMNS = {"requests": REQUEST_COLUMNS, "tokens": TOKEN_COLUMNS, "steps": STEP_COLUMNS}
 

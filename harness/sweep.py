@@ -61,10 +61,30 @@ def saturation_rate(frame: pd.DataFrame) -> float | None:
     return float(served["offered_req_per_s"].max()) if len(served) else None
 
 
+def kv_speedup_curve(frame: pd.DataFrame) -> pd.DataFrame | None:
+    """Decode speed-up of a KV cache over recomputation, per context length: the TPOT of
+    kv_cache=none over that of each cached variant, when the sweep varies both."""
+    needed = {"engine.kv_cache", "workload.input_len", "tpot_p50_s"}
+    if not needed <= set(frame.columns) or "none" not in set(frame["engine.kv_cache"]):
+        return None
+    done = frame[frame["status"] == "complete"]
+    table = done.pivot_table(index="workload.input_len", columns="engine.kv_cache",
+                             values="tpot_p50_s")
+    curve = pd.DataFrame({"context_len": table.index})
+    for variant in table.columns:
+        curve[f"tpot_p50_s_{variant}"] = table[variant].to_numpy()
+        if variant != "none":
+            curve[f"speedup_{variant}"] = (table["none"] / table[variant]).to_numpy()
+    return curve
+
+
 def write_sweep_csv(sweep_dir: str | Path) -> pd.DataFrame:
     sweep_dir = Path(sweep_dir)
     frame = pd.DataFrame(sweep_rows(sweep_dir))
     frame.to_csv(sweep_dir / "sweep.csv", index=False)
+    curve = kv_speedup_curve(frame) if len(frame) else None
+    if curve is not None:
+        curve.to_csv(sweep_dir / "kv_speedup.csv", index=False)
     summary = {"num_jobs": len(frame),
                "num_failed": int((frame.get("status") == "failed").sum()) if len(frame) else 0,
                "saturation_req_per_s": saturation_rate(frame),

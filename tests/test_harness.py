@@ -119,8 +119,9 @@ def test_unknown_config_keys_are_named(tmp_path: Path) -> None:
     assert "unknown option(s) ['no_such_option']" in result.stderr
     result = inferlab("run", "model=no_such_preset", f"hydra.run.dir={tmp_path}/c")
     assert result.returncode != 0 and "no_such_preset" in result.stderr
-    result = inferlab("run", "model=tiny", "engine.kv_cache=paged", f"hydra.run.dir={tmp_path}/d")
-    assert result.returncode != 0 and "issue 4" in result.stderr
+    result = inferlab("run", "model=tiny", "engine.quantization=int4",
+                      f"hydra.run.dir={tmp_path}/d")
+    assert result.returncode != 0 and "issue 5" in result.stderr
 
 
 def test_bad_requests_fail_alone(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import LLMEngine
-from engines.builtin.llm import LLM, RequestOutput
+from engines.builtin.llm import LLM, CompletionOutput, RequestOutput
 from engines.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -63,14 +63,19 @@ class BuiltinBackend(Backend):
                 return
             assert self._wake is not None
             self._wake.set()
+            remaining = request.sampling.n  # a request with n samples finishes n times
             while True:
                 event = await queue.get()
                 yield event
-                if isinstance(event, TERMINAL_EVENTS):
+                if isinstance(event, Failed):
                     return
+                if isinstance(event, TERMINAL_EVENTS):
+                    remaining -= 1
+                    if remaining == 0:
+                        return
         finally:
             self._queues.pop(request.request_id, None)
-            if request.request_id in self.engine.sequences:  # the consumer went away early
+            if self.engine.has_request(request.request_id):  # the consumer went away early
                 self.engine.abort_request(request.request_id)
 
     def _ensure_loop(self) -> None:

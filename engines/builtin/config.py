@@ -22,10 +22,8 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 # option -> {value: the issue that implements it}; refused with that message until then.
 NOT_YET = {
-    "kv_cache": {"paged": 4},
     "quantization": {"int8": 5, "int4": 5},
     "kv_cache_dtype": {"int8": 5},
-    "attention_backend": {"triton": 4},
 }
 CHOICES = {
     "kv_cache": ("none", "contiguous", "paged"),
@@ -132,9 +130,14 @@ class EngineConfig:
                 "keeps no K/V between steps to hold a prompt's earlier chunks; use "
                 "kv_cache=contiguous, or enable_chunked_prefill=false"
             )
-        if self.enable_prefix_caching:
-            raise ConfigError("engine.enable_prefix_caching=true is not implemented yet "
-                              "(issue 4 adds it with kv_cache=paged); available now: false")
+        if self.enable_prefix_caching and self.kv_cache != "paged":
+            raise ConfigError(
+                f"engine.enable_prefix_caching=true needs engine.kv_cache=paged (cached blocks "
+                f"are shared between sequences), not kv_cache={self.kv_cache}"
+            )
+        if self.enable_prefix_caching and self.batching == "static":
+            raise ConfigError("engine.enable_prefix_caching=true is not combined with "
+                              "engine.batching=static; use batching=continuous")
         if (not self.enable_chunked_prefill and self.max_model_len
                 and self.max_num_batched_tokens
                 and self.max_num_batched_tokens < self.max_model_len):

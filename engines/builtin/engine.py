@@ -35,6 +35,7 @@ from engines.builtin.kv_cache import (
     KVCacheManager,
     KVLayout,
     NoKVCacheManager,
+    PagedKVCacheManager,
 )
 from engines.builtin.model_config import kv_bytes_per_token, resolve_model
 from engines.builtin.model_runner import ModelRunner
@@ -100,7 +101,6 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.step_observers: list[StepObserver] = []
         self._pending_events: list[RequestEvent] = []
-        self._stop_holdback: dict[str, int] = {}
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -120,6 +120,20 @@ class LLMEngine:
                                                self.config.gpu_memory_utilization)
         if self.config.kv_cache == "none":
             return NoKVCacheManager(bytes_per_token), self.config.max_num_seqs, 0
+        if self.config.kv_cache == "paged":
+            # Blocks of block_size tokens from one pool, handed out as sequences grow. Block 0
+            # is the null block (table entries released by a sliding window point at it).
+            block_bytes = self.config.block_size * bytes_per_token
+            usable = budget // block_bytes
+            if usable < 1:
+                raise ValueError(
+                    f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds no KV block "
+                    f"of block_size={self.config.block_size} ({block_bytes} bytes each)")
+            layout = KVLayout(num_blocks=usable + 1, block_size=self.config.block_size,
+                              bytes_per_token=bytes_per_token)
+            manager = PagedKVCacheManager(layout, self.config.enable_prefix_caching,
+                                          cfg.sliding_window)
+            return manager, self.config.max_num_seqs, budget
         # Contiguous: one max_model_len region per sequence slot, as many as the budget holds.
         per_seq = max_model_len * bytes_per_token
         slots = min(self.config.max_num_seqs, budget // per_seq)
@@ -180,6 +194,9 @@ class LLMEngine:
         sampling.validate()
         if request_id in self.sequences:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if sampling.n > 1 and self.config.batching == "static":
+            raise ValueError("SamplingParams.n: parallel sampling (n > 1) needs "
+                             "engine.batching=continuous")
         token_ids = self.tokenize(prompt)
         max_len = self.limits.max_model_len
         if not token_ids:
@@ -187,17 +204,17 @@ class LLMEngine:
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens do not fit max_model_len="
                              f"{max_len} (at least one token must be generated)")
+        self._check_fits(len(token_ids), sampling.max_tokens)
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary "
                              f"[0, {self.model_config.vocab_size})")
         seq = Sequence(request_id, token_ids, sampling, arrival_ns, priority)
+        seq.pending_forks = sampling.n - 1
         if sampling.seed is not None:
             seq.generator = torch.Generator(self.platform.device).manual_seed(sampling.seed)
         if sampling.detokenize:
             seq.detok = self.tokenizer.new_stream(token_ids, sampling.skip_special_tokens)
-        if sampling.stop and not sampling.include_stop_str_in_output:
-            self._stop_holdback[request_id] = max(len(s) for s in sampling.stop) - 1
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         step = self.scheduler.step_counter
@@ -205,14 +222,37 @@ class LLMEngine:
                                  Tokenized(request_id, step, self.platform.now_ns(),
                                            len(token_ids))]
 
+    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """A request whose KV can never fit the pool, even alone, fails now with the reason
+        (otherwise it would be preempted and readmitted forever)."""
+        if self.config.kv_cache != "paged":
+            return  # contiguous slots always hold max_model_len tokens; none holds nothing
+        layout = self.kv.layout
+        longest = min(num_prompt_tokens + max_tokens, self.limits.max_model_len)
+        window = self.model_config.sliding_window
+        if window is not None:  # released blocks come back while the sequence runs
+            longest = min(longest, window + 2 * layout.block_size)
+        needed = -(-longest // layout.block_size)
+        if needed > layout.num_blocks - 1:
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} prompt tokens + max_tokens={max_tokens} need "
+                f"{needed} KV blocks of {layout.block_size} tokens, but the whole pool has "
+                f"{layout.num_blocks - 1} (engine.kv_cache_memory_bytes); the request can never "
+                "run")
+
     def abort_request(self, request_id: str) -> None:
-        seq = self.sequences.pop(request_id, None)
-        if seq is None or seq.is_finished:
-            return
-        self.scheduler.finish(seq, "abort")
-        self._stop_holdback.pop(request_id, None)
-        self._pending_events.append(self._finished(seq, self.scheduler.step_counter,
-                                                   self.platform.now_ns()))
+        """Abort every sample of the request and free its KV memory."""
+        for seq in [s for s in self.sequences.values() if s.request_id == request_id]:
+            del self.sequences[seq.key]
+            if seq.is_finished:
+                continue
+            self.scheduler.finish(seq, "abort")
+            self._pending_events.append(self._finished(seq, self.scheduler.step_counter,
+                                                       self.platform.now_ns()))
+
+    def has_request(self, request_id: str) -> bool:
+        """Is any sample of the request still in the engine?"""
+        return any(seq.request_id == request_id for seq in self.sequences.values())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -241,19 +281,24 @@ class LLMEngine:
         self.scheduler.complete_step(plan)
         finished = self._postprocess(plan, tokens)
         end = self.platform.now_ns()
-        for request_id, delta in finished.items():
-            seq = self.sequences[request_id]
-            events.append(Tokens(request_id, plan.step, end, (seq.token_ids[-1],), delta))
+        for key, delta in finished.items():
+            seq = self.sequences[key]
+            events.append(Tokens(seq.request_id, plan.step, end, (seq.token_ids[-1],), delta,
+                                 seq.sample_index))
             if seq.is_finished:
                 events.append(self._finished(seq, plan.step, end))
-                del self.sequences[request_id]
+                del self.sequences[key]
         self._record_step(plan, start, end)
         return events
 
     def _postprocess(self, plan: StepPlan, tokens: list[int]) -> dict[str, str]:
-        """Append each sampled token, detokenize, check stops. Returns request -> text delta."""
+        """Append each sampled token, detokenize, check stops. Returns key -> text delta."""
         out: dict[str, str] = {}
-        sampled = (item.seq for item in plan.scheduled if item.samples)
+        sampled: list[Sequence] = []
+        for item in plan.scheduled:
+            if item.samples:
+                sampled.append(item.seq)
+                sampled += self._fork(item.seq)
         max_len = self.limits.max_model_len
         eos = self.eos_ids
         for seq, token in zip(sampled, tokens, strict=True):
@@ -274,15 +319,37 @@ class LLMEngine:
                     hit = self._find_stop(seq)
                     if hit is not None:
                         seq.text, reason = hit, "stop"
-                holdback = 0 if reason else self._stop_holdback.get(seq.request_id, 0)
+                holdback = 0 if reason or p.include_stop_str_in_output else (
+                    max((len(s) for s in p.stop), default=1) - 1)
                 visible = max(seq.emitted, len(seq.text) - holdback)
                 delta = seq.text[seq.emitted:visible]
                 seq.emitted = visible
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                self._stop_holdback.pop(seq.request_id, None)
-            out[seq.request_id] = delta
+            out[seq.key] = delta
         return out
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Parallel sampling: at the parent's first sampled token, one sequence per extra
+        sample, sharing the prompt's KV (copy-on-write where they diverge). A fork the KV
+        cache cannot hold now waits and recomputes its prompt instead."""
+        children = []
+        for index in range(1, parent.pending_forks + 1):
+            child = Sequence(parent.request_id, parent.prompt_token_ids, parent.sampling,
+                             parent.arrival_ns, parent.priority, sample_index=index)
+            child.first_scheduled_step = parent.first_scheduled_step
+            child.cached_prompt_tokens = parent.cached_prompt_tokens
+            if parent.sampling.seed is not None:
+                child.generator = torch.Generator(self.platform.device).manual_seed(
+                    parent.sampling.seed + index)
+            if parent.detok is not None:
+                child.detok = self.tokenizer.new_stream(parent.prompt_token_ids,
+                                                        parent.sampling.skip_special_tokens)
+            self.sequences[child.key] = child
+            self.scheduler.fork(parent, child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
 
     def _find_stop(self, seq: Sequence) -> str | None:
         """The text truncated at the first stop string, or None when none occurs."""
@@ -302,7 +369,7 @@ class LLMEngine:
     def _finished(self, seq: Sequence, step: int, time_ns: int) -> Finished:
         return Finished(seq.request_id, step, time_ns, seq.finish_reason or "abort",
                         seq.num_prompt_tokens, seq.num_output_tokens, seq.cached_prompt_tokens,
-                        seq.num_preemptions, seq.text)
+                        seq.num_preemptions, seq.text, seq.sample_index)
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestEvent]:
         now = self.platform.now_ns()
@@ -326,7 +393,10 @@ class LLMEngine:
             decode_tokens=plan.num_decode_tokens, padding_tokens=plan.padding_tokens,
             num_waiting=plan.num_waiting, kv_bytes_reserved=self.kv.bytes_reserved(),
             kv_bytes_used=self.kv.bytes_used(), num_preempted=len(plan.preempted),
+            num_running=len(self.scheduler.running),
+            kv_blocks_used=self.kv.num_blocks_in_use,
             forward_ns=self.runner.last_forward_ns,
+            kv_gather_ns=self.runner.last_gather_ns,
         )
         for observer in self.step_observers:
             observer(record)

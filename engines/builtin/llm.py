@@ -29,18 +29,41 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request (a request with SamplingParams.n = k has k of them)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass
 class RequestOutput:
+    """A request's result. `token_ids`, `text` and `finish_reason` are those of sample 0;
+    `outputs` holds every sample (vLLM's layout)."""
+
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
+    outputs: list[CompletionOutput]
     metrics: RequestMetrics
     error: str | None = None
 
     @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
     def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
+        return all(o.finish_reason is not None for o in self.outputs) or self.error is not None
 
 
 class LLM:
@@ -77,8 +100,9 @@ class LLM:
                 engine.add_request(request_id, prompt, p,
                                    priority=priority[i] if priority else 0)
                 seq = engine.sequences[request_id]
-                outputs[request_id] = RequestOutput(request_id, list(seq.prompt_token_ids), [],
-                                                    "", None, RequestMetrics(seq.arrival_ns))
+                samples = [CompletionOutput(i) for i in range(p.n)]
+                outputs[request_id] = RequestOutput(request_id, list(seq.prompt_token_ids),
+                                                    samples, RequestMetrics(seq.arrival_ns))
                 order.append(request_id)
         except Exception:
             # An invalid prompt rejects the whole call: drop the requests queued before it.
@@ -91,14 +115,17 @@ class LLM:
                 if out is None:
                     continue
                 if isinstance(event, Tokens):
-                    out.token_ids.extend(event.token_ids)
-                    out.text += event.text
+                    sample = out.outputs[event.index]
+                    sample.token_ids.extend(event.token_ids)
+                    sample.text += event.text
                     if out.metrics.first_token_ns is None:
                         out.metrics.first_token_ns = event.time_ns
-                    out.metrics.token_times_ns.append(event.time_ns)
+                    if event.index == 0:
+                        out.metrics.token_times_ns.append(event.time_ns)
                 elif isinstance(event, Finished):
-                    out.finish_reason = event.finish_reason
-                    out.text = event.text
+                    sample = out.outputs[event.index]
+                    sample.finish_reason = event.finish_reason
+                    sample.text = event.text
                     out.metrics.finished_ns = event.time_ns
                 elif isinstance(event, Failed):
                     out.error = event.error

@@ -46,6 +46,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device)
         self.forward_timer = platform.timer()
         self.last_forward_ns = 0  # model forward + sampling of the last step, device time
+        self.last_gather_ns = 0  # of which gathering K/V out of the cache (dense attention)
         self.kv_caches: list[LayerKVCache] = []
         # Sees the logits of every token of every step (packed, plan order): for parity tests
         # and the quality probe. None in normal runs, where only sampled rows are computed.
@@ -185,12 +186,25 @@ class ModelRunner:
     def execute(self, plan: StepPlan, kv: KVCacheManager) -> list[int]:
         """Run the plan; return one sampled token per sequence that samples, in plan order."""
         input_ids, meta, logits_indices = self.prepare(plan, kv)
+        if plan.copied_blocks:
+            self.copy_blocks(plan.copied_blocks)
+        for cache in self.kv_caches:
+            cache.gather_ns = 0
         self.forward_timer.start()
         tokens = self._forward_and_sample(plan, input_ids, meta, logits_indices)
         self.forward_timer.stop()
         result = tokens.tolist()  # the step's one device-to-host sync
         self.last_forward_ns = self.forward_timer.elapsed_ns()
+        self.last_gather_ns = sum(cache.gather_ns for cache in self.kv_caches)
         return result
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: give a sequence its own copy of a shared, partially filled block."""
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache.k[dst] = cache.k[src]
+            cache.v[dst] = cache.v[src]
 
     def _forward_and_sample(self, plan: StepPlan, input_ids: torch.Tensor,
                             meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -204,6 +218,12 @@ class ModelRunner:
         # Ids past the tokenizer's vocabulary (a dummy model's padding rows) are never sampled.
         logits = logits[:, :self.sample_vocab_size]
         seqs = [s.seq for s in plan.scheduled if s.samples]
+        if any(seq.pending_forks for seq in seqs):
+            # Parallel sampling: the first token of each of a request's n samples is drawn
+            # from the same prompt logits; the engine forks a sequence for each extra one.
+            rows = [i for i, seq in enumerate(seqs) for _ in range(1 + seq.pending_forks)]
+            logits = logits[rows]
+            seqs = [seqs[i] for i in rows]
         if all(s.sampling.temperature == 0.0 and not s.sampling.min_tokens for s in seqs):
             tokens = logits.argmax(dim=-1)
         else:

@@ -124,6 +124,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.static = config.batching == "static"
         self.chunked = config.enable_chunked_prefill
+        self.prefix_caching = config.enable_prefix_caching
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         #: Static batching: finished members of the current batch, still holding their KV
@@ -169,6 +170,7 @@ class Scheduler:
         else:
             self._schedule_continuous(plan)
         plan.num_waiting = len(self.waiting)
+        plan.copied_blocks = self.kv.take_copies()  # copy-on-write, done before the forward
         if plan.scheduled:
             self.step_counter += 1
         return plan
@@ -213,12 +215,18 @@ class Scheduler:
         # may get only the first chunk of its prompt.
         while self.waiting and len(self.running) < self.max_num_seqs and not plan.preempted:
             seq = self.waiting[0]
+            cached = self._match_prefix(seq)
             num_new = seq.num_tokens - seq.num_computed_tokens
             if self.chunked:
                 num_new = min(num_new, budget)
             total = seq.num_computed_tokens + num_new
             if num_new == 0 or num_new > budget or not self.kv.can_allocate(seq.seq_id, total):
+                if cached:  # give the adopted prefix blocks back until it is admitted
+                    self.kv.free(seq.seq_id)
+                    seq.num_computed_tokens = 0
                 break
+            if seq.first_scheduled_step is None:
+                seq.cached_prompt_tokens = cached
             self.waiting.pop(0)
             self._allocate(seq, total, plan)
             self._admit(seq, plan)
@@ -287,6 +295,27 @@ class Scheduler:
         self.batch = batch
         plan.padding_tokens = sum(s.num_padding_tokens for s in plan.scheduled)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run `child` beside `parent` on a copy of its KV (shared blocks for paged KV), or,
+        when the cache has no room for the copy, queue it to recompute its context."""
+        child.num_computed_tokens = parent.num_computed_tokens
+        if self.kv.retains_kv and self.kv.can_fork(parent.seq_id, child.seq_id):
+            self.kv.fork(parent.seq_id, child.seq_id)
+            child.status = SequenceStatus.RUNNING
+            self.running.insert(self.running.index(parent) + 1, child)
+        else:
+            child.num_computed_tokens = 0
+            self.waiting.insert(0, child)
+
+    def _match_prefix(self, seq: Sequence) -> int:
+        """Prefix caching: adopt the cached full blocks of the prompt's prefix; the sequence
+        then starts computing after them (the last prompt token is always computed)."""
+        if not self.prefix_caching or seq.num_computed_tokens:
+            return 0
+        cached = self.kv.match_prefix(seq.seq_id, seq.token_ids)
+        seq.num_computed_tokens = cached
+        return cached
+
     def _admit(self, seq: Sequence, plan: StepPlan) -> None:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -316,4 +345,4 @@ class Scheduler:
             seq = item.seq
             computed = item.num_computed_before + item.num_new_tokens
             seq.num_computed_tokens = computed if retains else 0
-            self.kv.commit(seq.seq_id, computed)
+            self.kv.commit(seq.seq_id, computed, seq.token_ids)

@@ -37,6 +37,10 @@ class Sequence:
     num_preemptions: int = 0
     cached_prompt_tokens: int = 0
     generator: torch.Generator | None = None  # per-request RNG when sampling.seed is set
+    #: Parallel sampling (n > 1): which of the request's samples this is, and how many more
+    #: samples its first sampling step still has to draw (each becomes a forked sequence).
+    sample_index: int = 0
+    pending_forks: int = 0
     # Detokenized output: `text` is everything decoded, `emitted` how much was streamed out
     # (text is held back while it could still be the start of a stop string).
     text: str = ""
@@ -45,6 +49,11 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def key(self) -> str:
+        """Unique within the engine: the request id, plus the sample index for n > 1."""
+        return self.request_id if self.sample_index == 0 else f"{self.request_id}#{self.sample_index}"
 
     @property
     def num_prompt_tokens(self) -> int:

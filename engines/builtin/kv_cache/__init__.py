@@ -9,3 +9,8 @@ from engines.builtin.kv_cache.storage import LayerKVCache
 
 __all__ = ["ContiguousKVCacheManager", "KVCacheManager", "KVLayout", "LayerKVCache",
            "NoKVCacheManager"]
+
+from engines.builtin.kv_cache.block_pool import BlockPool
+from engines.builtin.kv_cache.paged import PagedKVCacheManager
+
+__all__ += ["BlockPool", "PagedKVCacheManager"]

@@ -9,6 +9,7 @@ seeds' argument is about: bytes reserved (set aside for sequences) and bytes hol
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -53,9 +54,27 @@ class KVCacheManager(ABC):
     def bytes_reserved(self) -> int:
         """Bytes set aside for live sequences."""
 
-    def commit(self, seq_id: int, num_tokens: int) -> None:
-        """Record that the sequence's cache now holds `num_tokens` tokens."""
+    def commit(self, seq_id: int, num_tokens: int,
+               token_ids: Sequence[int] | None = None) -> None:
+        """Record that the sequence's cache now holds its first `num_tokens` tokens
+        (`token_ids`: all of its tokens, for managers that hash full blocks)."""
         self.tokens_held[seq_id] = num_tokens
+
+    def match_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Adopt cached blocks holding a prefix of `token_ids`; return the tokens covered."""
+        return 0
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write block copies (src, dst) to perform before the next forward."""
+        return []
+
+    def can_fork(self, parent_id: int, child_id: int) -> bool:
+        """Can the child start from the parent's KV now (parallel sampling)?"""
+        return False
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Give the child the parent's KV: shared blocks, or a copy."""
+        raise NotImplementedError(f"{type(self).__name__} cannot fork sequences")
 
     def bytes_used(self) -> int:
         return sum(self.tokens_held.values()) * self.layout.bytes_per_token
@@ -66,3 +85,7 @@ class KVCacheManager(ABC):
     @property
     def num_live(self) -> int:
         return len(self.block_tables)
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return sum(len(table) for table in self.block_tables.values())

@@ -14,6 +14,7 @@ class ContiguousKVCacheManager(KVCacheManager):
     def __init__(self, layout: KVLayout) -> None:
         super().__init__(layout)
         self.free_slots = list(range(layout.num_blocks - 1, -1, -1))
+        self._copies: list[tuple[int, int]] = []
 
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
         if num_tokens > self.layout.block_size:
@@ -37,6 +38,21 @@ class ContiguousKVCacheManager(KVCacheManager):
         self.tokens_held.pop(seq_id, None)
         self.free_slots.extend(reversed(blocks))
         return blocks
+
+    def can_fork(self, parent_id: int, child_id: int) -> bool:
+        return bool(self.free_slots)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """A contiguous slot cannot be shared: the child gets its own slot and a full copy of
+        the parent's (the copy is the cost paged KV's block sharing avoids)."""
+        slot = self.free_slots.pop()
+        self.block_tables[child_id] = [slot]
+        self.tokens_held[child_id] = self.tokens_held.get(parent_id, 0)
+        self._copies.append((self.block_tables[parent_id][0], slot))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self._copies = self._copies, []
+        return copies
 
     def bytes_reserved(self) -> int:
         return len(self.block_tables) * self.layout.block_size * self.layout.bytes_per_token

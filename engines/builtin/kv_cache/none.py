@@ -3,6 +3,8 @@ The quadratic baseline the seeds measure the KV cache against."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engines.builtin.kv_cache.base import KVCacheManager, KVLayout
 
 
@@ -24,7 +26,8 @@ class NoKVCacheManager(KVCacheManager):
         self.tokens_held.pop(seq_id, None)
         return []
 
-    def commit(self, seq_id: int, num_tokens: int) -> None:
+    def commit(self, seq_id: int, num_tokens: int,
+               token_ids: Sequence[int] | None = None) -> None:
         pass  # nothing is held after the step
 
     def bytes_reserved(self) -> int:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engines.base import now_ns
+
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zero-filled KV memory. On CPU it comes from calloc (through numpy), so the OS maps
@@ -28,7 +30,7 @@ class LayerKVCache:
         self.k = zeros(shape, dtype, device)
         self.v = zeros(shape, dtype, device)
         self.block_size = block_size
-
+        self.gather_ns = 0  # time spent in gather since the runner last reset it
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's K/V [T, kv_heads, d] at their flat slots."""
         self.k.view(-1, *self.k.shape[2:]).index_copy_(0, slot_mapping, k)
@@ -36,14 +38,20 @@ class LayerKVCache:
 
     def gather(self, block_tables: torch.Tensor, length: int,
                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of the first `length` positions of each sequence: [B, length, kv_heads, d]."""
+        """K/V of the first `length` positions of each sequence: [B, length, kv_heads, d].
+
+        On CPU the dense attention path copies the context out of the cache; with paged blocks
+        that copy is a gather a GPU kernel would not do (it reads blocks in place), so its time
+        is measured apart (`gather_ns`, reported per step) rather than charged to paging."""
+        start = now_ns()
         if length <= block_size:  # one block covers it (always so for the contiguous layout)
             blocks = block_tables[:, 0]
-            return self.k[blocks, :length], self.v[blocks, :length]
-        num_blocks = -(-length // block_size)
-        blocks = block_tables[:, :num_blocks]
-        k = self.k[blocks].flatten(1, 2)[:, :length]
-        v = self.v[blocks].flatten(1, 2)[:, :length]
+            k, v = self.k[blocks, :length], self.v[blocks, :length]
+        else:
+            blocks = block_tables[:, :-(-length // block_size)]
+            k = self.k[blocks].flatten(1, 2)[:, :length]
+            v = self.v[blocks].flatten(1, 2)[:, :length]
+        self.gather_ns += now_ns() - start
         return k, v
 
     @property
