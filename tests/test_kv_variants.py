@@ -13,11 +13,11 @@ TINY_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x kv_heads x head_dim x fp32
 
 SHARED = list(range(100, 148))  # a 48-token shared prefix: three 16-token blocks
 PROMPTS = [
-    SHARED + [7, 8, 9],
+    [*SHARED, 7, 8, 9],
     list(range(200, 237)),
-    SHARED + list(range(300, 320)),
+    [*SHARED, *range(300, 320)],
     [11, 12, 13],
-    SHARED + [7, 8, 9],  # the whole prompt seen before: all but the last token can hit
+    [*SHARED, 7, 8, 9],  # the whole prompt seen before: all but the last token can hit
     list(range(400, 470)),
 ]
 MAX_TOKENS = [12, 5, 20, 9, 12, 16]
@@ -81,7 +81,7 @@ def test_prefix_cache_hits_shared_blocks_and_never_the_last_token() -> None:
     seqs = []
     original = llm.engine.scheduler._admit
 
-    def spy(seq, plan):  # noqa: ANN001 - record cached tokens at admission
+    def spy(seq, plan):
         seqs.append(seq)
         original(seq, plan)
 
@@ -164,3 +164,13 @@ def test_request_that_can_never_fit_fails_with_the_reason() -> None:
               kv_cache_memory_bytes=4 * 16 * TINY_BYTES_PER_TOKEN)
     with pytest.raises(ValueError, match="can never run"):
         llm.generate([list(range(100, 150))], greedy(40))
+
+
+def test_contiguous_ring_buffer_stops_growing_at_the_window() -> None:
+    overrides = {"sliding_window": 16}
+    _, steps, llm = run([list(range(100, 180))], [30], kv_cache="contiguous",
+                        model_overrides=overrides, max_model_len=512)
+    assert llm.engine.kv.ring and llm.engine.kv.layout.block_size == 16
+    per_token = llm.engine.kv.layout.bytes_per_token
+    assert max(s.kv_bytes_reserved for s in steps) == 16 * per_token
+    assert max(s.kv_bytes_used for s in steps) == 16 * per_token

@@ -10,4 +10,5 @@ from engines.builtin.engine import LLMEngine
 from engines.builtin.llm import LLM, CompletionOutput, RequestOutput
 from engines.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput",
+           "SamplingParams"]

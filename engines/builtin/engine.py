@@ -134,8 +134,14 @@ class LLMEngine:
             manager = PagedKVCacheManager(layout, self.config.enable_prefix_caching,
                                           cfg.sliding_window)
             return manager, self.config.max_num_seqs, budget
-        # Contiguous: one max_model_len region per sequence slot, as many as the budget holds.
-        per_seq = max_model_len * bytes_per_token
+        # Contiguous: one max_model_len region per sequence slot, as many as the budget holds;
+        # a sliding-window model needs only a window-sized ring (not with chunked prefill,
+        # whose chunks would overwrite keys that their own earlier queries still read).
+        window = cfg.sliding_window
+        ring = (window is not None and window < max_model_len
+                and not self.config.enable_chunked_prefill)
+        region = window if ring else max_model_len
+        per_seq = region * bytes_per_token
         slots = min(self.config.max_num_seqs, budget // per_seq)
         if slots < 1:
             raise ValueError(
@@ -143,9 +149,8 @@ class LLMEngine:
                 f"max_model_len={max_model_len} ({per_seq} bytes each); raise the budget or "
                 "lower engine.max_model_len"
             )
-        layout = KVLayout(num_blocks=slots, block_size=max_model_len,
-                          bytes_per_token=bytes_per_token)
-        return ContiguousKVCacheManager(layout), slots, budget
+        layout = KVLayout(num_blocks=slots, block_size=region, bytes_per_token=bytes_per_token)
+        return ContiguousKVCacheManager(layout, ring=ring), slots, budget
 
     def describe(self) -> dict[str, Any]:
         """Facts about the loaded engine, for run folders and reports."""

@@ -41,7 +41,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         cache = self.cache if meta.use_cache else None
         if cache is not None:
-            cache.write(k, v, meta.slot_mapping)
+            if meta.write_index is None:
+                cache.write(k, v, meta.slot_mapping)
+            else:
+                index = meta.write_index
+                cache.write(k[index], v[index], meta.slot_mapping[index])
         out = self.backend(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -62,6 +62,7 @@ class ModelRunner:
         self.qsl_buf = buffer(max_num_seqs + 1, torch.int32)
         self.seq_lens_buf = buffer(max_num_seqs, torch.int32)
         self.max_blocks_per_seq = 1
+        self.ring = False
         self._real_token_index: torch.Tensor | None = None  # packed rows of real tokens
 
     def _load_weights(self) -> None:
@@ -77,6 +78,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, kv: KVCacheManager) -> None:
         layout = kv.layout
+        self.ring = bool(getattr(kv, "ring", False))
         self.block_size = layout.block_size
         self.max_blocks_per_seq = max(1, -(-self.max_model_len // layout.block_size))
         self.block_tables_buf = torch.zeros(
@@ -139,6 +141,7 @@ class ModelRunner:
         positions = starts[seq_index] + offsets
 
         use_cache = kv.retains_kv
+        write_index = None
         n = num_tokens
         self.input_ids_buf[:n].copy_(torch.from_numpy(np.asarray(token_ids, np.int64)))
         self.positions_buf[:n].copy_(torch.from_numpy(positions))
@@ -150,7 +153,15 @@ class ModelRunner:
                 table = kv.block_table(r[0])
                 tables[row, :len(table)] = table
             bs = self.block_size
-            slots = tables[seq_index, positions // bs] * bs + positions % bs
+            if self.ring:
+                # One window-sized region per sequence, written round-robin; of a prompt
+                # longer than the window only the last `window` tokens are kept.
+                slots = tables[seq_index, 0] * bs + positions % bs
+                keep = positions >= seq_lens[seq_index] - bs
+                if not keep.all():
+                    write_index = torch.as_tensor(np.flatnonzero(keep), device=self.device)
+            else:
+                slots = tables[seq_index, positions // bs] * bs + positions % bs
             self.slots_buf[:n].copy_(torch.from_numpy(slots))
             self.block_tables_buf[:num_seqs].copy_(torch.from_numpy(tables))
 
@@ -167,6 +178,8 @@ class ModelRunner:
             block_size=self.block_size,
             sliding_window=self.model_config.sliding_window,
             use_cache=use_cache,
+            ring=self.ring,
+            write_index=write_index,
         )
         # Real rows in plan order: decodes are rows 0..num_decodes-1, prefills follow the
         # padding decodes. A sampling row's logits are at its last real token.

@@ -53,7 +53,9 @@ class Sequence:
     @property
     def key(self) -> str:
         """Unique within the engine: the request id, plus the sample index for n > 1."""
-        return self.request_id if self.sample_index == 0 else f"{self.request_id}#{self.sample_index}"
+        if self.sample_index == 0:
+            return self.request_id
+        return f"{self.request_id}#{self.sample_index}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -79,6 +79,16 @@ class DenseAttention:
                 scale: float) -> torch.Tensor:
         assert cache is not None, "single-token decodes need a KV cache"
         nd = q.shape[0]
+        if meta.ring:  # every slot of the ring is inside the window; only fill varies
+            filled = [min(n, meta.block_size) for n in meta.seq_lens_host[:nd]]
+            keys, values = cache.gather(meta.block_tables[:nd], max(filled), meta.block_size)
+            mask = None
+            if len(set(filled)) > 1:
+                lens = torch.tensor(filled, device=q.device)
+                mask = (torch.arange(max(filled), device=q.device) < lens[:, None])[:, None, None]
+            out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                              mask, scale, False)
+            return out.squeeze(2)
         length = max(meta.seq_lens_host[:nd])
         keys, values = cache.gather(meta.block_tables[:nd], length, meta.block_size)
         mask = None
@@ -94,6 +104,9 @@ class DenseAttention:
                  index: int, cache: LayerKVCache | None, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
         n = q.shape[0]
+        if meta.ring and n != length:
+            raise ValueError("a contiguous ring-buffer KV cache cannot serve a prefill on top "
+                             "of cached context (chunked prefill); use kv_cache=paged")
         if n == length or cache is None:
             keys, values = k, v  # no earlier context: attend to this chunk's own keys
         else:

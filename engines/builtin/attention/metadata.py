@@ -29,6 +29,12 @@ class AttentionMetadata:
     block_size: int
     sliding_window: int | None
     use_cache: bool  # False for kv_cache=none: every step brings the whole context
+    #: Contiguous KV with a sliding window: each sequence's region is a ring of `block_size`
+    #: (= window) slots holding the last window positions, in rotated order. Attention is
+    #: order-free, so a decode reads all min(seq_len, window) slots unmasked.
+    ring: bool = False
+    #: Tokens whose K/V are stored (None: all); a ring keeps only a prompt's last window.
+    write_index: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

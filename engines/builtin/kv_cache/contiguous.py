@@ -11,18 +11,22 @@ from engines.builtin.kv_cache.base import KVCacheManager, KVLayout
 
 
 class ContiguousKVCacheManager(KVCacheManager):
-    def __init__(self, layout: KVLayout) -> None:
+    """`ring=True` (a sliding-window model): each region holds only the window, written
+    round-robin, so KV memory per sequence stops growing at the window."""
+
+    def __init__(self, layout: KVLayout, ring: bool = False) -> None:
         super().__init__(layout)
+        self.ring = ring
         self.free_slots = list(range(layout.num_blocks - 1, -1, -1))
         self._copies: list[tuple[int, int]] = []
 
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
-        if num_tokens > self.layout.block_size:
+        if num_tokens > self.layout.block_size and not self.ring:
             return False
         return seq_id in self.block_tables or bool(self.free_slots)
 
     def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
-        if num_tokens > self.layout.block_size:
+        if num_tokens > self.layout.block_size and not self.ring:
             raise ValueError(f"{num_tokens} tokens exceed the {self.layout.block_size}-token "
                              "region of a contiguous KV slot")
         if seq_id in self.block_tables:
@@ -53,6 +57,12 @@ class ContiguousKVCacheManager(KVCacheManager):
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []
         return copies
+
+    def bytes_used(self) -> int:
+        if not self.ring:
+            return super().bytes_used()
+        window = self.layout.block_size
+        return sum(min(n, window) for n in self.tokens_held.values()) * self.layout.bytes_per_token
 
     def bytes_reserved(self) -> int:
         return len(self.block_tables) * self.layout.block_size * self.layout.bytes_per_token
