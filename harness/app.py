@@ -13,6 +13,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from harness.experiment import run_experiment
+from harness.sweep import write_sweep_csv
 from harness.table import summary_table
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
@@ -34,6 +35,10 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
         print(f"error: {summary['error']}", file=sys.stderr)
         if not multirun:  # a sweep records the failed job and goes on
             raise SystemExit(1)
+    if summary["status"] == "incomplete":  # Ctrl-C or SIGTERM stops a sweep too
+        if multirun:
+            write_sweep_csv(Path(hydra_cfg.sweep.dir))
+        raise SystemExit(130)
     return summary
 
 

@@ -83,6 +83,8 @@ register("prefix_cache_hit_rate", "fraction", "higher", "deterministic",
 register("kv_bytes_per_token", "B", "lower", "deterministic",
          "KV bytes per token: 2 x layers x kv_heads x head_dim x bytes (+ scales)")
 register("weight_bytes", "B", "lower", "deterministic", "bytes of all model weights")
+register("kv_gather_fraction", "fraction", "none", "timing",
+         "share of forward time the CPU attention path spent copying K/V out of the cache")
 register("padding_fraction", "fraction", "lower", "deterministic",
          "padding tokens / all tokens computed (prefill + decode + padding)")
 register("num_requests", "count", "none", "deterministic", "requests in the measured run")
@@ -147,6 +149,8 @@ def inter_token_latencies(tokens: pd.DataFrame, ok_ids: Iterable[str]) -> np.nda
 def kv_summary(steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, Any]:
     """KV memory measured per step: utilization, concurrency, preemptions, prefix hits."""
     out: dict[str, Any] = {}
+    if len(steps) and "kv_gather_s" in steps and steps["forward_s"].sum() > 0:
+        out["kv_gather_fraction"] = float(steps["kv_gather_s"].sum() / steps["forward_s"].sum())
     if len(steps) and "kv_bytes_reserved" in steps:
         reserving = steps[steps["kv_bytes_reserved"] > 0]
         if len(reserving):

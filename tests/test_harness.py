@@ -162,7 +162,7 @@ def test_interrupted_run_keeps_finished_rows(tmp_path: Path) -> None:
             pytest.fail(f"run ended before it could be interrupted: {proc.stderr.read()}")
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=60)
+    assert proc.wait(timeout=60) == 130
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "incomplete"
     requests = load_table(run_dir, "requests")

@@ -174,3 +174,22 @@ def test_contiguous_ring_buffer_stops_growing_at_the_window() -> None:
     per_token = llm.engine.kv.layout.bytes_per_token
     assert max(s.kv_bytes_reserved for s in steps) == 16 * per_token
     assert max(s.kv_bytes_used for s in steps) == 16 * per_token
+
+
+def test_a_request_that_cannot_start_fails_instead_of_spinning() -> None:
+    llm = LLM("tiny", dtype="float32", kv_cache="paged")
+    llm.engine.kv.can_allocate = lambda seq_id, num_tokens: False  # a pool that never admits
+    out = llm.generate([[10, 11, 12]], greedy(3))[0]
+    assert out.error is not None and "cannot be scheduled" in out.error
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("options", [dict(kv_cache="paged"), dict(kv_cache="contiguous"),
+                                     dict(kv_cache="paged", model_overrides={"sliding_window": 8})])
+def test_decodes_of_very_different_lengths(options: dict) -> None:
+    # One long context among short ones: the dense path attends per sequence instead of
+    # padding every gather to the longest (see DenseAttention._decode); tokens must not change.
+    prompts = [list(range(100, 300)), [5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    batch, _, _ = run(prompts, [6] * 4, **options)
+    alone = [run([p], [6], **options)[0][0] for p in prompts]
+    assert batch == alone

@@ -281,16 +281,24 @@ def test_unsupported_inputs_are_refused_clearly() -> None:
 
 @in_process
 @pytest.mark.parametrize("options", [
-    dict(),
-    dict(enable_chunked_prefill=True, max_num_batched_tokens=16,
+    dict(kv_cache="contiguous"),
+    dict(kv_cache="contiguous", enable_chunked_prefill=True, max_num_batched_tokens=16,
          model_overrides={"sliding_window": 8}),
-], ids=["plain", "chunked-swa"])
+    dict(kv_cache="paged", block_size=4, enable_prefix_caching=True),
+], ids=["contiguous", "chunked-swa", "paged-prefix-cache"])
 def test_engine_greedy_tokens_match_sdpa(options) -> None:
+    """Greedy tokens of the whole engine with attention_backend=triton equal sdpa's. The
+    prompts are run twice, so with prefix caching the second round prefills only the
+    uncached tails, over cached keys."""
     prompts = [[11, 12, 13, 14, 15], list(range(100, 123)), list(range(500, 540))]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     common = dict(model="tiny", dtype="float32", device=DEVICE, max_model_len=64,
-                  max_num_seqs=4, kv_cache="contiguous", **options)
-    expected = LLM(**common, attention_backend="sdpa").generate(prompts, params)
+                  max_num_seqs=4, **options)
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.token_ids for _ in range(2) for o in llm.generate(prompts, params)]
+
+    expected = run(LLM(**common, attention_backend="sdpa"))
     try:
         llm = LLM(**common, attention_backend="triton")
         assert all(isinstance(layer.attn.backend, TritonAttention)
@@ -300,5 +308,4 @@ def test_engine_greedy_tokens_match_sdpa(options) -> None:
         llm = LLM(**common, attention_backend="sdpa")
     for layer in llm.engine.runner.model.layers:
         layer.attn.backend = TritonAttention(**SMALL)  # small tiles: several partitions
-    outputs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert run(llm) == expected

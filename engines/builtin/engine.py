@@ -269,6 +269,15 @@ class LLMEngine:
         start = self.platform.now_ns()
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Nothing runs, so nothing will free memory or budget: the request at the head
+                # of the queue can never start. Fail it rather than spin forever.
+                seq = self.scheduler.waiting[0]
+                self.scheduler.finish(seq, "error")
+                self.sequences.pop(seq.key, None)
+                events.append(Failed(seq.request_id, plan.step, start,
+                                     f"cannot be scheduled: {seq.num_tokens} tokens do not fit "
+                                     "the KV cache or max_num_batched_tokens even alone"))
             return events
         for seq in plan.preempted:
             events.append(Preempted(seq.request_id, plan.step, start, "kv cache full"))

@@ -89,13 +89,31 @@ class DenseAttention:
             out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                               mask, scale, False)
             return out.squeeze(2)
-        length = max(meta.seq_lens_host[:nd])
+        lengths = meta.seq_lens_host[:nd]
+        length = max(lengths)
+        if nd > 1 and 2 * sum(lengths) < nd * length:
+            # Contexts of very different lengths: padding every gather to the longest would
+            # copy and attend mostly padding, so each sequence attends to its own context.
+            return torch.cat([self._decode_one(q[i:i + 1], cache, meta, i, scale)
+                              for i in range(nd)])
         keys, values = cache.gather(meta.block_tables[:nd], length, meta.block_size)
         mask = None
         if nd > 1 or meta.sliding_window is not None:
             lens = meta.seq_lens[:nd].long()
             mask = _window_mask((lens - 1).view(nd, 1), length, lens,
                                 meta.sliding_window).unsqueeze(1)  # [B, 1, 1, L]
+        out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                          mask, scale, False)
+        return out.squeeze(2)
+
+    def _decode_one(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
+                    index: int, scale: float) -> torch.Tensor:
+        length = meta.seq_lens_host[index]
+        keys, values = cache.gather(meta.block_tables[index:index + 1], length, meta.block_size)
+        mask = None
+        if meta.sliding_window is not None:
+            query_pos = torch.tensor([[length - 1]], device=q.device)
+            mask = _window_mask(query_pos, length, None, meta.sliding_window).unsqueeze(1)
         out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                           mask, scale, False)
         return out.squeeze(2)
