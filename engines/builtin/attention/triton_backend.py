@@ -39,6 +39,11 @@ class TritonAttention:
             raise RuntimeError(
                 "attention_backend=triton reads K/V from the KV cache, but this step has none "
                 "(kv_cache=none); use kv_cache=contiguous|paged, or attention_backend=sdpa")
+        if meta.ring:
+            raise RuntimeError(
+                "attention_backend=triton reads positions through block tables, but a "
+                "sliding-window model's contiguous cache is a rotated ring; use kv_cache=paged "
+                "(which releases blocks outside the window) or attention_backend=sdpa")
         self._check_device(q)
         out = torch.empty_like(q)
         nd = meta.num_decodes
