@@ -155,19 +155,22 @@ class Driver:
         if delay > 0:
             await asyncio.sleep(delay)
         if previous.error is not None:
-            prompt_error = f"previous turn {previous.item.request_id} failed"
-            trace = RequestTrace(item, due, sent_ns=now_ns(), finished_ns=now_ns(),
-                                 error=prompt_error)
-            self._emit(trace)
+            self._fail_session(item, due, f"previous turn {previous.item.request_id} failed")
             return
         try:
             prompt = conversation(previous, item)
         except ValueError as exc:
-            trace = RequestTrace(item, due, sent_ns=now_ns(), finished_ns=now_ns(),
-                                 error=str(exc))
-            self._emit(trace)
+            self._fail_session(item, due, str(exc))
             return
         await self._session(replace(item, request=replace(item.request, prompt=prompt)), due)
+
+    def _fail_session(self, item: WorkloadRequest, due_ns: int, error: str) -> None:
+        """A turn that cannot be sent fails, and so does every later turn of its session:
+        each keeps its row, so nothing goes missing from the counts."""
+        now = now_ns()
+        self._emit(RequestTrace(item, due_ns, sent_ns=now, finished_ns=now, error=error))
+        for follower in self.followers.get(item.request_id, []):
+            self._fail_session(follower, now, f"previous turn {item.request_id} failed")
 
     async def _one(self, item: WorkloadRequest, arrival_ns: int) -> RequestTrace:
         trace = RequestTrace(item, arrival_ns, sent_ns=now_ns())

@@ -128,7 +128,9 @@ def run_experiment(config: dict[str, Any], run_dir: str | Path,
                        disable=not progress, leave=False)
             driver = Driver(backend, _tee(recorder.append, keep_first_step),
                             on_request_done=lambda _: bar.update())
-            driver.run(requests, concurrency=getattr(workload, "concurrency", None))
+            concurrency = getattr(workload, "concurrency", None)
+            info["closed_loop"] = concurrency is not None
+            driver.run(requests, concurrency=concurrency)
             if first_steps:
                 step = first_steps[0]
                 info["first_step_s"] = step["end_s"] - step["start_s"]

@@ -251,10 +251,14 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
         "kv_bytes_reserved_peak": int(steps["kv_bytes_reserved"].max()) if len(steps) else 0,
         "kv_bytes_used_peak": int(steps["kv_bytes_used"].max()) if len(steps) else 0,
     })
-    arrivals = members["arrival_s"].dropna()
+    # Offered load is what a clock scheduled: first turns of an open loop only (a closed loop's
+    # and a follow-up turn's "arrival" is when the previous request finished).
+    first_turns = members[members["turn"].fillna(0) == 0] if "turn" in members else members
+    arrivals = first_turns["arrival_s"].dropna()
     arrival_span = float(arrivals.max() - arrivals.min()) if len(arrivals) > 1 else 0.0
-    summary["offered_req_per_s"] = (len(arrivals) - 1) / arrival_span if arrival_span > 0 \
-        else None
+    open_loop = not run_info.get("closed_loop", False)
+    summary["offered_req_per_s"] = (len(arrivals) - 1) / arrival_span \
+        if arrival_span > 0 and open_loop else None
     lateness = (members["sent_s"] - members["arrival_s"]).dropna().to_numpy(float)
     summary["send_lateness_p99_s"] = _pct(lateness, 99)
     computed = summary["prefill_tokens_total"] + summary["padding_tokens_total"] + (

@@ -43,7 +43,10 @@ class WindowConfig:
 
 def steady_state(requests: pd.DataFrame, cfg: WindowConfig) -> dict[str, Any]:
     sent = requests["sent_s"].dropna().sort_values()
-    if len(sent) < 2 or requests["arrival_s"].dropna().nunique() <= 1:
+    # offline (everything due at once), or a closed loop wider than the workload (every
+    # request sent at the start): no ramp, no steady state to cut out
+    if (len(sent) < 2 or requests["arrival_s"].dropna().nunique() <= 1
+            or sent.iloc[-1] - sent.iloc[0] < 1e-3):
         # offline: everything was due at once, so there is no ramp to skip
         start = float(requests["arrival_s"].min()) if len(requests) else 0.0
         last = requests["last_token_s"].max() if len(requests) else None

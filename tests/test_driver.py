@@ -132,3 +132,11 @@ def test_sessions_on_the_engine_grow_the_prompt() -> None:
     assert rows["t0"]["prompt_tokens"] == 3
     assert rows["t1"]["prompt_tokens"] == 3 + 4 + 2  # previous prompt + reply + new message
     assert rows["t1"]["output_tokens"] == 3
+
+
+def test_every_turn_after_a_failed_turn_keeps_a_failed_row() -> None:
+    backend = BuiltinBackend(EngineConfig(model="tiny", max_model_len=32))
+    backend.load()
+    rows = run(backend, [item("t0", list(range(10, 60))), item("t1", [11], follows="t0"),
+                         item("t2", [12], follows="t1")])
+    assert [rows[r]["status"] for r in ("t0", "t1", "t2")] == ["failed"] * 3

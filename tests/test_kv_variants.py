@@ -193,3 +193,22 @@ def test_decodes_of_very_different_lengths(options: dict) -> None:
     batch, _, _ = run(prompts, [6] * 4, **options)
     alone = [run([p], [6], **options)[0][0] for p in prompts]
     assert batch == alone
+
+
+def test_forks_beyond_max_num_seqs_wait_instead_of_overflowing() -> None:
+    llm = LLM("tiny", dtype="float32", kv_cache="paged", max_num_seqs=2)
+    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(n=4, temperature=1.0, max_tokens=4,
+                                                          ignore_eos=True, seed=1))[0]
+    assert out.error is None and [len(o.token_ids) for o in out.outputs] == [4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("options", [
+    dict(kv_cache="paged", kv_cache_memory_bytes=8 * 16 * TINY_BYTES_PER_TOKEN),
+    dict(kv_cache="contiguous", model_overrides={"sliding_window": 4}),  # a ring buffer
+])
+def test_static_batches_with_paged_and_ring_caches_match_continuous(options: dict) -> None:
+    # a short prompt queued before a long one: padding must neither need room nor clobber K/V
+    prompts, tokens = [list(range(10, 20)), list(range(10, 110))], [5, 10]
+    static, _, _ = run(prompts, tokens, batching="static", max_model_len=256, **options)
+    continuous, _, _ = run(prompts, tokens, max_model_len=256, **options)
+    assert static == continuous

@@ -75,7 +75,9 @@ class BuiltinBackend(Backend):
                         return
         finally:
             self._queues.pop(request.request_id, None)
-            if self.engine.has_request(request.request_id):  # the consumer went away early
+            engine = self.engine  # None once closed
+            if engine is not None and engine.has_request(request.request_id):
+                # the consumer went away early
                 self.engine.abort_request(request.request_id)
 
     def _ensure_loop(self) -> None:
@@ -91,7 +93,15 @@ class BuiltinBackend(Backend):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            for event in engine.step():
+            try:
+                events = engine.step()
+            except Exception as exc:  # the engine is in doubt: fail what is open, not hang
+                events = []
+                for request_id in list(self._queues):
+                    engine.abort_request(request_id)
+                    events.append(Failed(request_id, engine.scheduler.step_counter, now_ns(),
+                                         f"engine error: {type(exc).__name__}: {exc}"))
+            for event in events:
                 queue = self._queues.get(event.request_id)
                 if queue is not None:
                     queue.put_nowait(event)

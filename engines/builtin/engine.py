@@ -391,7 +391,7 @@ class LLMEngine:
         for item in plan.scheduled:
             seq = item.seq
             self.scheduler.finish(seq, "error")
-            self.sequences.pop(seq.request_id, None)
+            self.sequences.pop(seq.key, None)
             events.append(Failed(seq.request_id, plan.step, now,
                                  f"engine step failed: {type(exc).__name__}: {exc}"))
         return events

@@ -153,15 +153,19 @@ class ModelRunner:
                 table = kv.block_table(r[0])
                 tables[row, :len(table)] = table
             bs = self.block_size
+            # Padding (static batching) is computed but its K/V never stored: nothing reads it,
+            # and a padded row may reach past the blocks its sequence owns.
+            keep = offsets < real_lens[seq_index]
             if self.ring:
                 # One window-sized region per sequence, written round-robin; of a prompt
                 # longer than the window only the last `window` tokens are kept.
                 slots = tables[seq_index, 0] * bs + positions % bs
-                keep = positions >= seq_lens[seq_index] - bs
-                if not keep.all():
-                    write_index = torch.as_tensor(np.flatnonzero(keep), device=self.device)
+                keep &= positions >= (starts + real_lens)[seq_index] - bs
             else:
-                slots = tables[seq_index, positions // bs] * bs + positions % bs
+                blocks = np.minimum(positions // bs, self.max_blocks_per_seq - 1)
+                slots = tables[seq_index, blocks] * bs + positions % bs
+            if not keep.all():
+                write_index = torch.as_tensor(np.flatnonzero(keep), device=self.device)
             self.slots_buf[:n].copy_(torch.from_numpy(slots))
             self.block_tables_buf[:num_seqs].copy_(torch.from_numpy(tables))
 

@@ -274,9 +274,11 @@ class Scheduler:
             new_width = max(width, seq.num_tokens if self.kv.retains_kv else most)
             if batch and (len(batch) + 1) * new_width > self.max_num_batched_tokens:
                 break
-            if not self.kv.can_allocate(seq.seq_id, max(most, new_width)):
+            # Padding K/V is never stored (the model runner skips those writes), so a member
+            # reserves its own final length only.
+            if not self.kv.can_allocate(seq.seq_id, most):
                 break
-            self._allocate(seq, max(most, new_width), plan)
+            self._allocate(seq, most, plan)
             batch.append(seq)
             final[seq.seq_id] = most
             width = new_width
@@ -284,9 +286,6 @@ class Scheduler:
             return
         longest = max(seq.num_tokens for seq in batch)
         for seq in batch:
-            # Room for the padded prefill too (a no-op for contiguous KV, whose members each
-            # reserve a whole max_model_len region).
-            self._allocate(seq, max(final[seq.seq_id], longest), plan)
             self.waiting.remove(seq)
             self._admit(seq, plan)
             plan.scheduled.append(ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens,
@@ -299,7 +298,8 @@ class Scheduler:
         """Run `child` beside `parent` on a copy of its KV (shared blocks for paged KV), or,
         when the cache has no room for the copy, queue it to recompute its context."""
         child.num_computed_tokens = parent.num_computed_tokens
-        if self.kv.retains_kv and self.kv.can_fork(parent.seq_id, child.seq_id):
+        room = len(self.running) < self.max_num_seqs
+        if room and self.kv.retains_kv and self.kv.can_fork(parent.seq_id, child.seq_id):
             self.kv.fork(parent.seq_id, child.seq_id)
             child.status = SequenceStatus.RUNNING
             self.running.insert(self.running.index(parent) + 1, child)
