@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
+import workloads
 from engines.base import Backend, now_ns
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
@@ -21,7 +22,7 @@ from harness import provenance
 from harness.driver import Driver
 from harness.records import RunRecorder, write_json_atomic
 from harness.window import WindowConfig, summarize
-from workloads import WORKLOAD_TYPES, WorkloadRequest
+from workloads import WorkloadRequest
 
 BACKENDS = ("builtin",)
 
@@ -46,19 +47,8 @@ def build_backend(engine: dict[str, Any], model: dict[str, Any]) -> Backend:
 
 
 def make_workload(workload: dict[str, Any]) -> Any:
-    """The workload dataclass for `workload.type`, built from its config keys."""
-    options = dict(workload)
-    kind = options.pop("type", "synthetic")
-    if kind not in WORKLOAD_TYPES:
-        raise ValueError(f"workload.type: {kind!r} is invalid; allowed: "
-                         f"{'|'.join(WORKLOAD_TYPES)}")
-    cls = WORKLOAD_TYPES[kind]
-    known = set(cls.__dataclass_fields__)
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"workload: unknown key(s) {unknown} for type {kind}; "
-                         f"allowed: {sorted(known)}")
-    return cls(**options).validate()
+    """The validated workload dataclass for `workload.type`, built from its config keys."""
+    return workloads.from_config(workload)
 
 
 def warmup_requests(workload: Any, tokenizer: Any, context_len: int | None,

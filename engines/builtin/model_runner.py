@@ -101,8 +101,9 @@ class ModelRunner:
                                                                     torch.Tensor]:
         """Pack the plan into rows: real decodes, static batching's padding decodes, real
         prefills (each followed by its padding tokens, if any), then padding-only rows. Padding
-        tokens are pad id 0 at the positions after their row's real tokens; they write K/V only
-        where their row's real tokens never read it and are never sampled."""
+        tokens are pad id 0 at the positions after their row's real tokens; they are computed
+        (the cost static batching pays) but their K/V are never stored and they are never
+        sampled."""
         items = plan.scheduled
         num_decodes = plan.num_decodes
         pads = plan.padding_rows

@@ -64,8 +64,8 @@ class PaddingRow:
     """Static batching: the row of a finished batch member that still holds its slot.
 
     With a KV cache it is a one-token decode (pad id 0) at the position of the sequence's last
-    sampled token, whose K/V was never computed, so it only rewrites dead memory the sequence
-    still owns, and attends over the sequence's context as a real row of a static batch does.
+    sampled token; it attends over the sequence's context as a real row of a static batch
+    does, and its K/V are not stored.
     Without a KV cache (kv_cache=none) it is a fresh `num_tokens`-token row (positions from 0)
     that attends only to itself. Its output is dropped; nothing samples it.
     """
