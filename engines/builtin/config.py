@@ -23,7 +23,6 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # option -> {value: the issue that implements it}; refused with that message until then.
 NOT_YET = {
     "quantization": {"int8": 5, "int4": 5},
-    "kv_cache_dtype": {"int8": 5},
 }
 CHOICES = {
     "kv_cache": ("none", "contiguous", "paged"),

@@ -37,6 +37,7 @@ from engines.builtin.kv_cache import (
     NoKVCacheManager,
     PagedKVCacheManager,
 )
+from engines.builtin.kv_cache.storage import kv_element_bytes
 from engines.builtin.model_config import kv_bytes_per_token, resolve_model
 from engines.builtin.model_runner import ModelRunner
 from engines.builtin.platform import Platform
@@ -114,7 +115,8 @@ class LLMEngine:
 
     def _make_kv_manager(self, max_model_len: int) -> tuple[KVCacheManager, int, int]:
         cfg = self.model_config
-        bytes_per_token = kv_bytes_per_token(cfg, torch.finfo(self.dtype).bits // 8)
+        element = kv_element_bytes(self.dtype, cfg.head_dim, self.config.kv_cache_dtype)
+        bytes_per_token = round(kv_bytes_per_token(cfg, element))
         weight_bytes = self.runner.model.weight_bytes()["weight_bytes"]
         budget = self.platform.kv_budget_bytes(self.config.kv_cache_memory_bytes, weight_bytes,
                                                self.config.gpu_memory_utilization)

@@ -231,8 +231,9 @@ def resolve_model(model: str | Path, overrides: dict[str, Any] | None = None) ->
     )
 
 
-def kv_bytes_per_token(model: ModelConfig, bytes_per_element: int) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes: the seeds' formula."""
+def kv_bytes_per_token(model: ModelConfig, bytes_per_element: float) -> float:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes: the seeds' formula (per-element
+    bytes may be fractional: an INT8 cache's scale plane spread over head_dim)."""
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * bytes_per_element
 
 

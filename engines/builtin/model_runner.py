@@ -90,7 +90,8 @@ class ModelRunner:
             if layout.num_blocks:
                 cache = LayerKVCache(layout.num_blocks, layout.block_size,
                                      self.model_config.num_kv_heads, self.model_config.head_dim,
-                                     self.dtype, self.device)
+                                     self.dtype, self.device,
+                                     quantized=self.config.kv_cache_dtype == "int8")
                 self.kv_caches.append(cache)
             layer.attn.cache = cache
 
@@ -221,8 +222,7 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         for cache in self.kv_caches:
-            cache.k[dst] = cache.k[src]
-            cache.v[dst] = cache.v[src]
+            cache.copy_blocks(src, dst)
 
     def _forward_and_sample(self, plan: StepPlan, input_ids: torch.Tensor,
                             meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:

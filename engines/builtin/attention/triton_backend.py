@@ -39,6 +39,9 @@ class TritonAttention:
             raise RuntimeError(
                 "attention_backend=triton reads K/V from the KV cache, but this step has none "
                 "(kv_cache=none); use kv_cache=contiguous|paged, or attention_backend=sdpa")
+        if cache.quantized:
+            raise RuntimeError("attention_backend=triton does not read an INT8 KV cache yet; "
+                               "use attention_backend=sdpa with kv_cache_dtype=int8")
         if meta.ring:
             raise RuntimeError(
                 "attention_backend=triton reads positions through block tables, but a "

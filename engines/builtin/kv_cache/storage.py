@@ -23,16 +23,51 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return torch.from_numpy(raw).view(dtype)
 
 
+INT8_SCALE_DTYPE = torch.float16  # per-token, per-head scale of an INT8 KV cache
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 per (token, head): x [..., d] -> (q int8 [..., d], scale [...])."""
+    scale = x.detach().abs().amax(dim=-1).float().clamp(min=1e-8) / 127.0
+    q = torch.round(x.float() / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(INT8_SCALE_DTYPE)
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def kv_element_bytes(dtype: torch.dtype, head_dim: int, kv_cache_dtype: str) -> float:
+    """Bytes per K (or V) element per head, scale planes included (INT8: d + a 2-byte scale)."""
+    if kv_cache_dtype == "int8":
+        return (head_dim + INT8_SCALE_DTYPE.itemsize) / head_dim
+    return torch.finfo(dtype).bits // 8
+
+
 class LayerKVCache:
+    """`quantized=True` keeps INT8 values with a float16 scale plane per token and head;
+    writes quantize, reads (gather) dequantize to the compute dtype."""
+
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, quantized: bool = False) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = zeros(shape, dtype, device)
-        self.v = zeros(shape, dtype, device)
+        self.dtype = dtype
+        self.quantized = quantized
+        store = torch.int8 if quantized else dtype
+        self.k = zeros(shape, store, device)
+        self.v = zeros(shape, store, device)
+        if quantized:
+            self.k_scale = zeros(shape[:3], INT8_SCALE_DTYPE, device)
+            self.v_scale = zeros(shape[:3], INT8_SCALE_DTYPE, device)
         self.block_size = block_size
         self.gather_ns = 0  # time spent in gather since the runner last reset it
+
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's K/V [T, kv_heads, d] at their flat slots."""
+        if self.quantized:
+            (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
+            self.k_scale.view(-1, self.k.shape[2]).index_copy_(0, slot_mapping, k_scale)
+            self.v_scale.view(-1, self.v.shape[2]).index_copy_(0, slot_mapping, v_scale)
         self.k.view(-1, *self.k.shape[2:]).index_copy_(0, slot_mapping, k)
         self.v.view(-1, *self.v.shape[2:]).index_copy_(0, slot_mapping, v)
 
@@ -44,16 +79,27 @@ class LayerKVCache:
         that copy is a gather a GPU kernel would not do (it reads blocks in place), so its time
         is measured apart (`gather_ns`, reported per step) rather than charged to paging."""
         start = now_ns()
+        planes = [self.k, self.v]
+        if self.quantized:
+            planes += [self.k_scale, self.v_scale]
         if length <= block_size:  # one block covers it (always so for the contiguous layout)
             blocks = block_tables[:, 0]
-            k, v = self.k[blocks, :length], self.v[blocks, :length]
+            out = [p[blocks, :length] for p in planes]
         else:
             blocks = block_tables[:, :-(-length // block_size)]
-            k = self.k[blocks].flatten(1, 2)[:, :length]
-            v = self.v[blocks].flatten(1, 2)[:, :length]
+            out = [p[blocks].flatten(1, 2)[:, :length] for p in planes]
+        if self.quantized:
+            out = [dequantize_int8(out[0], out[2], self.dtype),
+                   dequantize_int8(out[1], out[3], self.dtype)]
         self.gather_ns += now_ns() - start
-        return k, v
+        return out[0], out[1]
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write: blocks `src` into blocks `dst`, scale planes included."""
+        for plane in (self.k, self.v, *((self.k_scale, self.v_scale) if self.quantized else ())):
+            plane[dst] = plane[src]
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        planes = [self.k, self.v, *((self.k_scale, self.v_scale) if self.quantized else ())]
+        return sum(p.numel() * p.element_size() for p in planes)
