@@ -9,6 +9,8 @@ USAGE = """usage: inferlab <command> [args]
 commands:
   run [overrides...]   run an experiment (Hydra app; -m for sweeps, --help for the config)
   kv-calc [overrides]  KV bytes per token and sequence, weights, sequences that fit
+  train-tiny [--text FILE] [--out DIR] [--steps N] [--seed S]
+                       train a tiny real Llama on CPU (cached) for quality checks
 
 examples:
   inferlab run                                  # default experiment: small model, CPU
@@ -35,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from harness import kv_calc
 
         return kv_calc.main(rest)
+    if command == "train-tiny":
+        from harness import train_tiny
+
+        return train_tiny.main(rest)
     print(f"inferlab: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

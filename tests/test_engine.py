@@ -157,7 +157,8 @@ def test_rejected_batch_leaves_nothing_queued(make_tiny) -> None:
     (dict(model="no-such-preset"), r"model: 'no-such-preset' is neither a preset"),
     (dict(foo=1), r"unknown option\(s\) \['foo'\]"),
     (dict(enable_prefix_caching=True), r"enable_prefix_caching=true needs engine\.kv_cache=paged"),
-    (dict(quantization="int8"), r"quantization=int8 is not implemented yet"),
+    (dict(quantization="int4", quantization_group_size=32),
+     r"layers\.0\.mlp\.down_proj.*not divisible by quantization_group_size=32"),
     (dict(kv_cache="bogus"), r"engine\.kv_cache: 'bogus' is invalid; allowed: none\|contiguous"),
     (dict(dtype="int3"), r"engine\.dtype"),
     (dict(device="tpu"), r"engine\.device"),
@@ -178,8 +179,8 @@ def test_engine_config_from_dict() -> None:
         EngineConfig.from_dict({"model": "tiny", "foo": 1, "bar": 2})
     config = EngineConfig.from_dict({"model": "tiny", "dtype": "bf16", "kv_cache": "none"})
     assert config.dtype == "bfloat16" and config.kv_cache == "none"
-    with pytest.raises(ConfigError, match="quantization=int8 is not implemented yet"):
-        EngineConfig.from_dict({"quantization": "int8"})
+    with pytest.raises(ConfigError, match=r"quantization_group_size: 48 is invalid"):
+        EngineConfig.from_dict({"quantization": "int4", "quantization_group_size": 48})
 
 
 # ---- stopping -------------------------------------------------------------------------------

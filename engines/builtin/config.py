@@ -22,7 +22,6 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 # option -> {value: the issue that implements it}; refused with that message until then.
 NOT_YET = {
-    "quantization": {"int8": 5, "int4": 5},
 }
 CHOICES = {
     "kv_cache": ("none", "contiguous", "paged"),
@@ -68,6 +67,8 @@ class EngineConfig:
     # kernels and weights
     attention_backend: str = "auto"
     quantization: str = "none"
+    quantization_group_size: int = 128  # int4: input columns per scale/zero (32|64|128)
+    quantize_lm_head: bool = False  # quantize the (untied) LM head too; false keeps it dense
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
@@ -114,7 +115,10 @@ class EngineConfig:
                 raise fail(name, "null or an integer >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise fail("gpu_memory_utilization", "a number in (0, 1]")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+        if (isinstance(self.quantization_group_size, bool)
+                or self.quantization_group_size not in (32, 64, 128)):
+            raise fail("quantization_group_size", "32|64|128")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "quantize_lm_head"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "true|false")
         if self.enable_chunked_prefill and self.batching == "static":

@@ -78,7 +78,8 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, linear: LinearMethod, backend: DenseAttention,
-                 max_positions: int, device: torch.device) -> None:
+                 max_positions: int, device: torch.device,
+                 lm_head_method: LinearMethod | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _freeze=True)
@@ -89,8 +90,11 @@ class Transformer(nn.Module):
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tied models multiply by the embedding table instead (see compute_logits).
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size,
-                                                                   cfg.vocab_size, linear)
+        # `lm_head_method`: how the LM head is kept (None: like the other linear layers).
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, linear if lm_head_method is None else lm_head_method)
+        for name, module in self.linear_layers().items():
+            module.name = name
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""

@@ -12,7 +12,7 @@ import torch
 from engines.builtin.attention import AttentionMetadata, make_attention
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache import KVCacheManager, LayerKVCache
-from engines.builtin.layers.linear import make_linear_method
+from engines.builtin.layers.linear import DenseMethod, make_linear_method
 from engines.builtin.model import Transformer
 from engines.builtin.model_config import ModelConfig
 from engines.builtin.platform import Platform
@@ -38,9 +38,12 @@ class ModelRunner:
         self.eos_ids = eos_ids
 
         with torch.device("meta"):
-            self.model = Transformer(model_config, make_linear_method(config.quantization),
+            linear = make_linear_method(config.quantization, config.quantization_group_size)
+            # The LM head stays dense unless quantize_lm_head asks otherwise.
+            lm_head = linear if config.quantize_lm_head else DenseMethod()
+            self.model = Transformer(model_config, linear,
                                      make_attention(config.attention_backend),
-                                     max_model_len, self.device)
+                                     max_model_len, self.device, lm_head_method=lm_head)
         self.model.eval()
         self._load_weights()
         self.sampler = Sampler(config.seed, self.device)

@@ -49,14 +49,16 @@ class DenseMethod(LinearMethod):
 LINEAR_METHODS: dict[str, type[LinearMethod]] = {"none": DenseMethod}
 
 
-def make_linear_method(quantization: str) -> LinearMethod:
+def make_linear_method(quantization: str, group_size: int = 128) -> LinearMethod:
+    """The method for `engine.quantization`; `group_size` is used by group-wise methods."""
     try:
-        return LINEAR_METHODS[quantization]()
+        cls = LINEAR_METHODS[quantization]
     except KeyError:
         raise ValueError(
             f"engine.quantization: {quantization!r} has no linear method; "
             f"available: {'|'.join(LINEAR_METHODS)}"
         ) from None
+    return cls(group_size) if cls is Int4Method else cls()
 
 
 class Linear(nn.Module):
@@ -69,6 +71,7 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.has_bias = bias
         self.method = method
+        self.name = ""  # its path in the model, for error messages (set by the Transformer)
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
 
@@ -92,3 +95,9 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, bias={self.has_bias}, "
                 f"method={self.method.name}")
+
+
+# Registered last: the quantized methods subclass LinearMethod from this module.
+from engines.builtin.layers.quant import Int4Method, Int8Method  # noqa: E402
+
+LINEAR_METHODS.update({"int8": Int8Method, "int4": Int4Method})

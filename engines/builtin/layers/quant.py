@@ -1,0 +1,163 @@
+"""Weight-only quantized linear methods: INT8 per-output-channel and INT4 group-wise.
+
+Both quantize the full-precision weight once, at load, and keep activations in the compute
+dtype. On CPU they multiply with torch's packed kernels; elsewhere (or where a kernel does not
+take the shape) they dequantize the weight and multiply densely, which gives the same numbers.
+
+INT8 (symmetric, per output row):  scale = max|w| / 127,  q = clamp(round(w / scale), -127, 127),
+    w ~= q * scale.  Kernel: aten._weight_int8pack_mm(x [M, K], q int8 [N, K], scales [N]),
+    scales in x's dtype (float32, bfloat16, float16 on CPU; the 16-bit paths need K % 16 == 0
+    -- bfloat16 with other K crashes in torch 2.13 -- so other K take the dequantize path).
+
+INT4 (asymmetric, per group of `group_size` input columns, round to nearest): with the group's
+range widened to include 0,  scale = (max - min) / 15,  z = clamp(round(-min / scale), 0, 15),
+q = clamp(round(w / scale) + z, 0, 15),  w ~= (q - z) * scale.  torch's int4 kernels dequantize
+as (q - 8) * scale + zero with a float `zero`, so we store zero = (8 - z) * scale, which is the
+same weight. Kernels: aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K], inner_k_tiles)
+-> uint8 [N, K/2], and aten._weight_int4pack_mm_for_cpu(x [M, K], packed, group_size,
+scales_and_zeros [K/group, N, 2]) with scales_and_zeros in x's dtype. The packing needs
+N % 16 == 0; other shapes keep plain nibbles (two per byte) and take the dequantize path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from engines.builtin.layers.linear import LinearMethod
+
+if TYPE_CHECKING:
+    from engines.builtin.layers.linear import Linear
+
+INT4_GROUP_SIZES = (32, 64, 128)
+_INNER_K_TILES = 2
+
+
+def _has_op(name: str) -> bool:
+    return hasattr(torch.ops.aten, name)
+
+
+def _layer_label(layer: Linear) -> str:
+    name = getattr(layer, "name", "") or "<unnamed>"
+    return f"layer {name!r} [out={layer.out_features}, in={layer.in_features}]"
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    """An all-zero row/group (or an underflowed scale) gets scale 1: it then dequantizes to 0."""
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+class Int8Method(LinearMethod):
+    """Symmetric per-output-channel INT8 weights; scales in the compute dtype."""
+
+    name = "int8"
+
+    def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w = weight.float()
+        scale = _nonzero((w.abs().amax(dim=1) / 127).to(weight.dtype))
+        q = torch.clamp(torch.round(w / scale.float()[:, None]), -127, 127).to(torch.int8)
+        layer.register_buffer("qweight", q.contiguous())
+        layer.register_buffer("scales", scale.contiguous())
+        layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def dequantize(self, layer: Linear) -> torch.Tensor:
+        """The weight the stored form represents, [out, in] in float32."""
+        return layer.qweight.float() * layer.scales.float()[:, None]
+
+    def use_kernel(self, layer: Linear, x: torch.Tensor) -> bool:
+        # torch 2.13's bfloat16 path reads past the row (segfaults) unless in % 16 == 0.
+        return (x.device.type == "cpu" and _has_op("_weight_int8pack_mm")
+                and (x.dtype == torch.float32
+                     or (x.dtype in (torch.bfloat16, torch.float16)
+                         and layer.in_features % 16 == 0)))
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel(layer, x):
+            y = torch.ops.aten._weight_int8pack_mm(_flat(x), layer.qweight,
+                                                   layer.scales.to(x.dtype))
+            y = y.reshape(*x.shape[:-1], layer.out_features)
+            return y if layer.bias is None else y + layer.bias
+        return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
+
+
+class Int4Method(LinearMethod):
+    """Asymmetric group-wise INT4 weights (round to nearest), packed two per byte."""
+
+    name = "int4"
+
+    def __init__(self, group_size: int = 128) -> None:
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"engine.quantization_group_size: {group_size!r} is invalid; "
+                             f"allowed: {'|'.join(map(str, INT4_GROUP_SIZES))}")
+        self.group_size = group_size
+
+    def check(self, layer: Linear) -> None:
+        if layer.in_features % self.group_size:
+            divisors = [g for g in INT4_GROUP_SIZES if layer.in_features % g == 0]
+            hint = (f"use quantization_group_size={'|'.join(map(str, divisors))}" if divisors
+                    else "no int4 group size (32|64|128) divides it; use quantization=int8")
+            raise ValueError(
+                f"engine.quantization=int4: {_layer_label(layer)} has in_features="
+                f"{layer.in_features}, which is not divisible by quantization_group_size="
+                f"{self.group_size}; {hint}"
+            )
+
+    @staticmethod
+    def packable(layer: Linear) -> bool:
+        return (_has_op("_convert_weight_to_int4pack_for_cpu")
+                and _has_op("_weight_int4pack_mm_for_cpu")
+                and layer.out_features % 16 == 0 and layer.in_features % (16 * _INNER_K_TILES) == 0)
+
+    def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.check(layer)
+        out, k, g = layer.out_features, layer.in_features, self.group_size
+        w = weight.float().reshape(out, k // g, g)
+        lo = w.amin(dim=-1).clamp(max=0)
+        hi = w.amax(dim=-1).clamp(min=0)
+        scale = _nonzero(((hi - lo) / 15).to(weight.dtype)).float()  # [out, k/g]
+        zero = torch.clamp(torch.round(-lo / scale), 0, 15)
+        q = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, 15)
+        q = q.reshape(out, k).to(torch.int32)
+        # torch's convention: w = (q - 8) * scale + zero_f  ->  zero_f = (8 - z) * scale
+        scales_and_zeros = torch.stack([scale, (8 - zero) * scale], dim=-1)  # [out, k/g, 2]
+        scales_and_zeros = scales_and_zeros.transpose(0, 1).contiguous().to(weight.dtype)
+        packed = self.packable(layer) and weight.device.type == "cpu"
+        if packed:
+            qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(),
+                                                                         _INNER_K_TILES)
+        else:  # plain nibbles: even column in the low 4 bits, odd column in the high 4 bits
+            qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+        layer.int4_packed = packed
+        layer.register_buffer("qweight", qweight.contiguous())
+        layer.register_buffer("scales_and_zeros", scales_and_zeros)
+        layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def _kernel(self, layer: Linear, x2d: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2d, layer.qweight, self.group_size, layer.scales_and_zeros.to(x2d.dtype))
+
+    def dequantize(self, layer: Linear) -> torch.Tensor:
+        """The weight the stored form represents, [out, in] in float32."""
+        out, k, g = layer.out_features, layer.in_features, self.group_size
+        sz = layer.scales_and_zeros.float()  # [k/g, out, 2]
+        if layer.int4_packed:  # torch's tile layout is opaque: read it back through the kernel
+            eye = torch.eye(k, dtype=torch.float32, device=layer.qweight.device)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                eye, layer.qweight, g, sz.contiguous()).T.contiguous()
+        q = torch.stack([layer.qweight & 0xF, layer.qweight >> 4], dim=-1).reshape(out, k)
+        scale = sz[..., 0].T.repeat_interleave(g, dim=1)  # [out, k]
+        zero = sz[..., 1].T.repeat_interleave(g, dim=1)
+        return (q.float() - 8) * scale + zero
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.int4_packed and x.device.type == "cpu" and x.dtype in (
+                torch.float32, torch.bfloat16, torch.float16):
+            y = self._kernel(layer, _flat(x)).reshape(*x.shape[:-1], layer.out_features)
+            return y if layer.bias is None else y + layer.bias
+        return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)

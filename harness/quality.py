@@ -1,0 +1,109 @@
+"""Quality probes: how far a candidate engine's next-token distributions drift from a reference.
+
+Both read the model runner's ``logits_observer`` (float32 logits for every packed token of every
+step), so one prefill step (``max_tokens=1``, greedy) gives the logits at every prompt position.
+Only the tokenizer's vocabulary ``logits[:, :tokenizer.vocab_size]`` counts (a checkpoint may
+pad its embedding rows). See docs/quality.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from engines.builtin import LLM, SamplingParams
+
+
+def prompt_logits(llm: LLM, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """float32 logits [len(prompt), vocab] at every position of every prompt (one prefill)."""
+    runner = llm.engine.runner
+    captured: dict[str, dict[int, torch.Tensor]] = {}
+
+    def observer(plan, logits: torch.Tensor) -> None:
+        row = 0
+        for item in plan.scheduled:
+            rows = captured.setdefault(item.seq.request_id, {})
+            for j in range(item.num_new_tokens):
+                pos = item.num_computed_before + j
+                if pos < item.seq.num_prompt_tokens:
+                    rows[pos] = logits[row].detach().to("cpu", copy=True)
+                row += 1
+
+    previous = runner.logits_observer
+    runner.logits_observer = observer
+    try:
+        outputs = llm.generate([list(p) for p in prompts],
+                               SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    finally:
+        runner.logits_observer = previous
+    result = []
+    for prompt, out in zip(prompts, outputs, strict=True):
+        if out.error is not None:
+            raise RuntimeError(f"quality probe: request failed: {out.error}")
+        rows = captured.get(out.request_id, {})
+        if sorted(rows) != list(range(len(prompt))):
+            raise RuntimeError("quality probe: not every prompt position was observed")
+        result.append(torch.stack([rows[i] for i in range(len(prompt))]))
+    return result
+
+
+def quality_probe(reference: LLM, candidate: LLM, prompts: Sequence[Sequence[int]],
+                  min_margin: float = 0.1) -> dict[str, float | int | None]:
+    """Compare next-token distributions position by position over every prompt.
+
+    Returns ``kl_mean`` / ``kl_max`` (KL(ref || cand) in nats, float64 log-softmax over the
+    tokenizer vocabulary), ``top1_agreement`` (fraction of positions whose argmax agrees, only
+    over positions where the reference's top-1 minus top-2 logit exceeds ``min_margin``: near
+    ties flip on rounding noise and say nothing; None if no position qualifies),
+    ``max_abs_logit_error``, ``positions``, ``counted_positions`` and ``excluded_positions``.
+    """
+    vocab = reference.tokenizer.vocab_size
+    if candidate.tokenizer.vocab_size != vocab:
+        raise ValueError(f"quality probe: tokenizer vocabularies differ ({vocab} vs "
+                         f"{candidate.tokenizer.vocab_size})")
+    ref = torch.cat(prompt_logits(reference, prompts))[:, :vocab].double()
+    cand = torch.cat(prompt_logits(candidate, prompts))[:, :vocab].double()
+    ref_lp = torch.log_softmax(ref, dim=-1)
+    cand_lp = torch.log_softmax(cand, dim=-1)
+    kl = (ref_lp.exp() * (ref_lp - cand_lp)).sum(dim=-1).clamp_min(0.0)
+    top2 = ref.topk(2, dim=-1).values
+    counted = (top2[:, 0] - top2[:, 1]) > min_margin
+    agree = ref.argmax(dim=-1) == cand.argmax(dim=-1)
+    n_counted = int(counted.sum())
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "top1_agreement": float(agree[counted].double().mean()) if n_counted else None,
+        "max_abs_logit_error": float((ref - cand).abs().max()),
+        "positions": int(ref.shape[0]),
+        "counted_positions": n_counted,
+        "excluded_positions": int(ref.shape[0]) - n_counted,
+        "min_margin": min_margin,
+    }
+
+
+def perplexity(llm: LLM, text: str, window: int | None = None) -> float:
+    """exp(mean NLL) of each next token of ``text`` (encoded without special tokens).
+
+    The tokens are cut into consecutive, non-overlapping windows of at most ``window`` tokens
+    (default: the engine's ``max_model_len - 1``, room for the one sampled token); each window
+    is one prompt, and its first token is context only (no prediction crosses a window edge).
+    """
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    size = window or llm.engine.limits.max_model_len - 1
+    if size < 2:
+        raise ValueError("perplexity: window must be >= 2")
+    chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
+    chunks = [c for c in chunks if len(c) >= 2]
+    if not chunks:
+        raise ValueError("perplexity: the text has fewer than 2 tokens")
+    vocab = llm.tokenizer.vocab_size
+    total, count = 0.0, 0
+    for chunk, logits in zip(chunks, prompt_logits(llm, chunks), strict=True):
+        lp = torch.log_softmax(logits[:-1, :vocab].double(), dim=-1)
+        targets = torch.tensor(chunk[1:])
+        total -= float(lp.gather(1, targets[:, None]).sum())
+        count += len(chunk) - 1
+    return math.exp(total / count)

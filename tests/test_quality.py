@@ -1,0 +1,115 @@
+"""train-tiny (a tiny real Llama trained on CPU) and the quality probe (KL, top-1, perplexity)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engines.builtin import LLM, SamplingParams
+from harness.quality import perplexity, quality_probe
+from harness.train_tiny import cached_tiny_model, corpus_text, train_tiny
+
+transformers = pytest.importorskip("transformers")
+
+# Small enough to train in a few seconds, trained enough that its logits carry signal.
+TINY = dict(steps=60, seed=0, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
+            seq_len=64, batch=8, lr=3e-3)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_tiny(None, tmp_path_factory.mktemp("tiny") / "model", **TINY)
+
+
+@pytest.fixture(scope="module")
+def prompts(trained: Path) -> list[list[int]]:
+    ids = LLM(model=str(trained), dtype="float32").tokenizer.encode(
+        corpus_text(), add_special_tokens=False)
+    return [ids[i:i + 40] for i in range(0, 40 * 6, 40)]
+
+
+def test_train_tiny_is_deterministic_and_learns(trained: Path, tmp_path: Path) -> None:
+    log = json.loads((trained / "train_log.json").read_text())
+    assert log["steps"] == TINY["steps"]
+    assert log["first_loss"] > 7.5  # ~ln(vocab) at initialisation
+    assert log["final_loss"] < log["first_loss"] - 1.5
+    again = train_tiny(None, tmp_path / "again", **TINY)
+    a = load_file(trained / "model.safetensors")
+    b = load_file(again / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = train_tiny(None, tmp_path / "other", **{**TINY, "steps": 2, "seed": 1})
+    c = load_file(other / "model.safetensors")
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+def test_engine_greedy_matches_hf(trained: Path, prompts: list[list[int]]) -> None:
+    llm = LLM(model=str(trained), dtype="float32")
+    assert llm.engine.runner.weights_source == "checkpoint"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
+    n = 12
+    outs = llm.generate(prompts[:3], SamplingParams(max_tokens=n, temperature=0.0,
+                                                   ignore_eos=True))
+    for prompt, out in zip(prompts[:3], outs, strict=True):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert out.token_ids == ids[len(prompt):]
+
+
+def test_probe_identical_engines(trained: Path, prompts: list[list[int]]) -> None:
+    a = LLM(model=str(trained), dtype="float32")
+    b = LLM(model=str(trained), dtype="float32")
+    r = quality_probe(a, b, prompts)
+    assert r["kl_mean"] == 0.0 and r["max_abs_logit_error"] == 0.0
+    assert r["top1_agreement"] == 1.0
+    assert r["positions"] == sum(map(len, prompts))
+    assert r["counted_positions"] + r["excluded_positions"] == r["positions"]
+
+
+def test_probe_bf16_small_and_broken_large(trained: Path, prompts: list[list[int]]) -> None:
+    ref = LLM(model=str(trained), dtype="float32")
+    bf16 = quality_probe(ref, LLM(model=str(trained), dtype="bfloat16"), prompts)
+    assert 0.0 < bf16["kl_mean"] < 0.01
+    assert bf16["top1_agreement"] >= 0.9
+    broken = LLM(model=str(trained), dtype="float32", model_overrides={"rope_theta": 30.0})
+    bad = quality_probe(ref, broken, prompts)
+    assert bad["kl_mean"] > 20 * bf16["kl_mean"]
+    dummy = quality_probe(ref, LLM(model=str(trained), dtype="float32", load_format="dummy"),
+                          prompts)
+    assert dummy["kl_mean"] > 1.0
+    assert dummy["top1_agreement"] < 0.5
+
+
+def test_perplexity_trained_below_untrained(trained: Path) -> None:
+    text = corpus_text()
+    llm = LLM(model=str(trained), dtype="float32")
+    ppl = perplexity(llm, text)
+    untrained = perplexity(LLM(model=str(trained), dtype="float32", load_format="dummy"), text)
+    assert ppl < llm.tokenizer.vocab_size / 10
+    assert ppl < untrained / 5
+    # windows are an upper bound on context: a shorter window cannot help much
+    assert perplexity(llm, text, window=16) > 0.9 * ppl
+
+
+def test_cached_model_and_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness import cli
+
+    monkeypatch.setenv("INFERLAB_CACHE_DIR", str(tmp_path / "cache"))
+    small = {**TINY, "steps": 2}
+    first = cached_tiny_model(**small)
+    assert first.parent == tmp_path / "cache" and first.name.startswith("tiny-trained-")
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert cached_tiny_model(**small) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert cached_tiny_model(**{**small, "seed": 1}) != first
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    assert cli.main(["train-tiny", "--text", str(text), "--out", str(tmp_path / "cli"),
+                     "--steps", "2"]) == 0
+    LLM(model=str(tmp_path / "cli"), dtype="float32")  # loads in the engine
