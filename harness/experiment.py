@@ -41,6 +41,10 @@ def build_backend(engine: dict[str, Any], model: dict[str, Any]) -> Backend:
         raise ValueError("model.path: required for model=hf (a local Hugging Face checkpoint "
                          "folder with config.json and *.safetensors)")
     options["model"] = model.get("path") or model["name"]
+    if options["model"] == "tiny-trained":  # a small model with learned weights, cached
+        from harness.train_tiny import cached_tiny_model
+
+        options["model"] = str(cached_tiny_model())
     options["model_overrides"] = dict(model.get("overrides") or {})
     options["tokenizer"] = model.get("tokenizer")
     return BuiltinBackend(EngineConfig.from_dict(options))
@@ -121,6 +125,14 @@ def run_experiment(config: dict[str, Any], run_dir: str | Path,
             concurrency = getattr(workload, "concurrency", None)
             info["closed_loop"] = concurrency is not None
             driver.run(requests, concurrency=concurrency)
+            quality = run_cfg.get("quality") or {}
+            if quality.get("enabled") and isinstance(backend, BuiltinBackend):
+                from engines.builtin import LLM
+                from harness.quality import run_quality
+
+                assert backend.engine is not None
+                info["quality"] = run_quality(backend.config.to_dict(),
+                                              LLM.from_engine(backend.engine), quality)
             if first_steps:
                 step = first_steps[0]
                 info["first_step_s"] = step["end_s"] - step["start_s"]

@@ -83,6 +83,16 @@ register("prefix_cache_hit_rate", "fraction", "higher", "deterministic",
 register("kv_bytes_per_token", "B", "lower", "deterministic",
          "KV bytes per token: 2 x layers x kv_heads x head_dim x bytes (+ scales)")
 register("weight_bytes", "B", "lower", "deterministic", "bytes of all model weights")
+register("linear_weight_bytes", "B", "lower", "deterministic",
+         "bytes of the blocks' linear layers (where weight quantization applies)")
+register("top1_agreement", "fraction", "higher", "deterministic",
+         "quality probe: argmax agrees with the fp32 reference (positions with a clear margin)")
+register("kl_mean", "nats", "lower", "deterministic",
+         "quality probe: mean KL(fp32 reference || this variant) of next-token distributions")
+register("max_abs_logit_error", "logit", "lower", "deterministic",
+         "quality probe: largest |logit - fp32 reference logit|")
+register("perplexity", "ppl", "lower", "deterministic",
+         "perplexity on the probe text (real checkpoints only)")
 register("kv_gather_fraction", "fraction", "none", "timing",
          "share of forward time the CPU attention path spent copying K/V out of the cache")
 register("padding_fraction", "fraction", "lower", "deterministic",
@@ -265,9 +275,10 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
         int(steps["decode_tokens"].sum()) if len(steps) else 0)
     summary["padding_fraction"] = summary["padding_tokens_total"] / computed if computed else None
     summary.update(kv_summary(steps, members))
-    for key in ("kv_bytes_per_token", "weight_bytes"):
+    for key in ("kv_bytes_per_token", "weight_bytes", "linear_weight_bytes"):
         if run_info.get("engine", {}).get(key) is not None:
             summary[key] = run_info["engine"][key]
+    summary.update(run_info.get("quality") or {})
     if slo and any(v is not None for v in slo.values()) and len(ok):
         summary["slo_attainment"] = float(slo_met(ok, slo).mean())
         summary["goodput_req_per_s"] = rate(int(slo_met(done, slo).sum())) if len(done) \

@@ -107,3 +107,28 @@ def perplexity(llm: LLM, text: str, window: int | None = None) -> float:
         total -= float(lp.gather(1, targets[:, None]).sum())
         count += len(chunk) - 1
     return math.exp(total / count)
+
+
+def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[str, float | None]:
+    """The probe a run asks for with `run.quality.enabled`: the measured engine against the
+    float32, unquantized engine on the same weights, over windows of a text; perplexity too
+    when the weights are a real checkpoint (dummy weights make it meaningless)."""
+    from harness.train_tiny import corpus_text
+
+    reference_options = {**engine_options, "dtype": "float32", "quantization": "none",
+                         "kv_cache_dtype": "auto"}
+    reference = LLM(**reference_options)
+    text = corpus_text(settings.get("text"))
+    ids = candidate.tokenizer.encode(text, add_special_tokens=False)
+    length = min(int(settings.get("prompt_len", 64)), candidate.engine.limits.max_model_len - 1)
+    count = int(settings.get("num_prompts", 8))
+    stride = max(1, (len(ids) - length) // max(1, count))
+    prompts = [ids[i * stride:i * stride + length] for i in range(count)]
+    result = quality_probe(reference, candidate, prompts,
+                           float(settings.get("min_margin", 0.1)))
+    out: dict[str, float | None] = {
+        "top1_agreement": result["top1_agreement"], "kl_mean": result["kl_mean"],
+        "max_abs_logit_error": result["max_abs_logit_error"]}
+    if candidate.engine.runner.weights_source == "checkpoint":
+        out["perplexity"] = perplexity(candidate, text)
+    return out

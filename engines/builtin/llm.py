@@ -73,6 +73,14 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_dict({"model": model, **options}))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine that is already built (e.g. the one a benchmark just measured)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._ids = itertools.count()
+        return llm
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
