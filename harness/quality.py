@@ -110,13 +110,20 @@ def perplexity(llm: LLM, text: str, window: int | None = None) -> float:
 
 
 def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[str, float | None]:
-    """The probe a run asks for with `run.quality.enabled`: the measured engine against the
-    float32, unquantized engine on the same weights, over windows of a text; perplexity too
-    when the weights are a real checkpoint (dummy weights make it meaningless)."""
+    """The probe a run asks for with `run.quality.enabled`: the measured engine's options
+    against the float32, unquantized engine on the same weights, over windows of a text
+    (prefilled in chunks, so cached K/V is read back); perplexity too when the weights are a
+    real checkpoint (dummy weights make it meaningless)."""
     from harness.train_tiny import corpus_text
 
     reference_options = {**engine_options, "dtype": "float32", "quantization": "none",
                          "kv_cache_dtype": "auto"}
+    if engine_options.get("kv_cache") != "none" and engine_options.get("batching") != "static":
+        # Prompts go in small chunks, so every chunk after the first attends to K/V read back
+        # from the cache: the probe then sees what KV quantization costs, not only weights.
+        chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16}
+        reference_options.update(chunked)
+        candidate = LLM(**{**engine_options, **chunked})
     reference = LLM(**reference_options)
     text = corpus_text(settings.get("text"))
     ids = candidate.tokenizer.encode(text, add_special_tokens=False)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from engines.builtin import LLM, SamplingParams
-from harness.quality import perplexity, quality_probe
+from harness.quality import perplexity, quality_probe, run_quality
 from harness.train_tiny import cached_tiny_model, corpus_text, train_tiny
 
 transformers = pytest.importorskip("transformers")
@@ -113,3 +113,16 @@ def test_cached_model_and_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert cli.main(["train-tiny", "--text", str(text), "--out", str(tmp_path / "cli"),
                      "--steps", "2"]) == 0
     LLM(model=str(tmp_path / "cli"), dtype="float32")  # loads in the engine
+
+
+def test_run_quality_sees_the_int8_kv_cache() -> None:
+    results = {}
+    for kv_dtype in ("auto", "int8"):
+        options = {"model": "tiny", "dtype": "float32", "kv_cache": "paged",
+                   "kv_cache_dtype": kv_dtype}
+        candidate = LLM(**options)
+        results[kv_dtype] = run_quality(candidate.engine.config.to_dict(), candidate,
+                                        {"num_prompts": 2, "prompt_len": 48})
+    assert results["auto"]["kl_mean"] == 0.0  # fp32 against fp32: the same numbers
+    assert results["int8"]["kl_mean"] > 0.0  # chunks read the quantized cache back
+    assert "perplexity" not in results["int8"]  # dummy weights: no perplexity
