@@ -178,6 +178,11 @@ class LLMEngine:
             "max_num_seqs": self.limits.max_num_seqs,
             "max_num_batched_tokens": self.limits.max_num_batched_tokens,
             "attention_backend": self.config.attention_backend,
+            "batching": self.config.batching,
+            "enable_chunked_prefill": self.config.enable_chunked_prefill,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
+            "quantization": self.config.quantization,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
             **self.runner.model.weight_bytes(),
         }
 
