@@ -17,8 +17,8 @@ $PY -c "import torch, triton; print(torch.__version__, torch.version.cuda, trito
     | tee "$OUT/versions.txt"
 
 # 1. Kernels compiled for the GPU (no interpreter), fp32/fp16/bf16, against the torch reference.
-INFERLAB_TRITON_DEVICE=cuda $PY -m pytest tests/test_triton_kernels.py -q 2>&1 \
-    | tee "$OUT/pytest_triton_cuda.txt"
+INFERLAB_TRITON_DEVICE=cuda $PY -m pytest tests/test_triton_kernels.py \
+    tests/test_quant_triton.py -q 2>&1 | tee "$OUT/pytest_triton_cuda.txt"
 
 # 2. A short matrix on the llama3-8b shape (dummy weights, bf16): attention backend x KV
 #    layout on one mixed workload; sweep.csv has throughput, TTFT/TPOT, KV utilization.

@@ -3,6 +3,7 @@
 Both quantize the full-precision weight once, at load, and keep activations in the compute
 dtype. On CPU they multiply with torch's packed kernels; elsewhere (or where a kernel does not
 take the shape) they dequantize the weight and multiply densely, which gives the same numbers.
+On CUDA, Triton kernels (quant_triton.py) dequantize the weight tile in registers instead.
 
 INT8 (symmetric, per output row):  scale = max|w| / 127,  q = clamp(round(w / scale), -127, 127),
     w ~= q * scale.  Kernel: aten._weight_int8pack_mm(x [M, K], q int8 [N, K], scales [N]),
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 
 INT4_GROUP_SIZES = (32, 64, 128)
 _INNER_K_TILES = 2
+# On CUDA the Triton dequantize-matmul kernels (quant_triton, imported lazily) serve these.
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _has_op(name: str) -> bool:
@@ -78,6 +81,11 @@ class Int8Method(LinearMethod):
                          and layer.in_features % 16 == 0)))
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype in _TRITON_DTYPES:
+            from engines.builtin.layers.quant_triton import int8_matmul
+            y = int8_matmul(_flat(x), layer.qweight, layer.scales)
+            y = y.reshape(*x.shape[:-1], layer.out_features)
+            return y if layer.bias is None else y + layer.bias
         if self.use_kernel(layer, x):
             y = torch.ops.aten._weight_int8pack_mm(_flat(x), layer.qweight,
                                                    layer.scales.to(x.dtype))
@@ -159,5 +167,10 @@ class Int4Method(LinearMethod):
         if layer.int4_packed and x.device.type == "cpu" and x.dtype in (
                 torch.float32, torch.bfloat16, torch.float16):
             y = self._kernel(layer, _flat(x)).reshape(*x.shape[:-1], layer.out_features)
+            return y if layer.bias is None else y + layer.bias
+        if x.is_cuda and not layer.int4_packed and x.dtype in _TRITON_DTYPES:
+            from engines.builtin.layers.quant_triton import int4_matmul
+            y = int4_matmul(_flat(x), layer.qweight, layer.scales_and_zeros, self.group_size)
+            y = y.reshape(*x.shape[:-1], layer.out_features)
             return y if layer.bias is None else y + layer.bias
         return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
