@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import os
 
-import pytest
-import torch
+# Triton kernels run under its interpreter on CPU. Triton decides interpreter or compiler when
+# a function is decorated, so the flag must be set before triton's first import: conftest is
+# imported before any test module. On a GPU: INFERLAB_TRITON_DEVICE=cuda pytest ...
+TRITON_DEVICE = os.environ.get("INFERLAB_TRITON_DEVICE", "cpu")
+if TRITON_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from engines.builtin import LLM
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engines.builtin import LLM  # noqa: E402
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """The Triton dequantize-matmul kernels for INT8 / INT4 weights against the dequantize reference.
 
-On CPU the kernels run under the Triton interpreter, so TRITON_INTERPRET=1 is set before
-anything imports triton (if another test module imported triton without it, the tests run in a
-fresh process). Tiles are shrunk in some cases so several M/N/K tiles and partial tiles occur.
+On CPU the kernels run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+before anything imports triton). Tiles are shrunk in some cases so several M/N/K tiles
+and partial tiles occur.
 On a GPU machine run the same tests on the device: INFERLAB_TRITON_DEVICE=cuda pytest ...
 (bf16 is then added to the dtypes, and the layers' CUDA dispatch is checked too).
 """
@@ -10,37 +10,19 @@ On a GPU machine run the same tests on the device: INFERLAB_TRITON_DEVICE=cuda p
 from __future__ import annotations
 
 import os
-import sys
 
-DEVICE = os.environ.get("INFERLAB_TRITON_DEVICE", "cpu")
-PRELOADED = (DEVICE == "cpu" and "triton" in sys.modules
-             and os.environ.get("TRITON_INTERPRET") != "1")
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import subprocess  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
+
+DEVICE = os.environ.get("INFERLAB_TRITON_DEVICE", "cpu")  # see tests/conftest.py
 
 from engines.builtin.layers import quant_triton  # noqa: E402
 from engines.builtin.layers.linear import Linear  # noqa: E402
 from engines.builtin.layers.quant import Int4Method, Int8Method  # noqa: E402
 
-assert PRELOADED or DEVICE != "cpu" or quant_triton.interpreting(), \
-    "Triton interpreter not active"
-in_process = pytest.mark.skipif(PRELOADED, reason="triton was imported without "
-                                "TRITON_INTERPRET=1; test_in_fresh_process runs these")
-
-if PRELOADED:
-    def test_in_fresh_process() -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        result = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p",
-                                 "no:cacheprovider"], env=env, capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+assert DEVICE != "cpu" or quant_triton.interpreting(), "Triton interpreter not active"
 
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE != "cpu" else [])
@@ -83,7 +65,6 @@ def _assert_close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Non
 INT8_SHAPES = [(32, 64, {}), (64, 128, SMALL), (40, 40, SMALL)]
 
 
-@in_process
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize(("n", "k", "tiles"), INT8_SHAPES)
@@ -101,7 +82,6 @@ INT4_SHAPES = [(32, 32, 96, {}), (64, 48, 128, SMALL), (128, 40, 256, SMALL),
                (32, 40, 64, dict(block_n=32, block_k=16))]
 
 
-@in_process
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize(("group", "n", "k", "tiles"), INT4_SHAPES)
@@ -115,7 +95,6 @@ def test_int4_matmul_matches_dequantized_reference(group: int, n: int, k: int, t
     _assert_close(y, x.float() @ method.dequantize(layer).T, dtype)
 
 
-@in_process
 def test_strided_input_and_empty_batch() -> None:
     method = Int8Method()
     layer = make_layer(method, 32, 64, torch.float32)
@@ -125,7 +104,6 @@ def test_strided_input_and_empty_batch() -> None:
     assert quant_triton.int8_matmul(x[:0], layer.qweight, layer.scales).shape == (0, 32)
 
 
-@in_process
 def test_bad_inputs_are_refused() -> None:
     layer = make_layer(Int8Method(), 32, 64, torch.float32)
     with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):

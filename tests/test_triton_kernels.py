@@ -1,34 +1,24 @@
 """The Triton paged-KV kernels against the plain torch reference and the dense attention path.
 
-On CPU the kernels run under the Triton interpreter, so TRITON_INTERPRET=1 is set before
-anything imports triton (and the kernel module is reloaded if another test imported it
-without). Shapes are small and the kernels' tiles are shrunk (partitions of 32 keys, 16-wide
-tiles) so that split-K, several query tiles and partial tiles all occur on short sequences.
+On CPU the kernels run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+before anything imports triton). Shapes are small and the kernels' tiles are shrunk
+(partitions of 32 keys, 16-wide tiles) so that split-K, several query tiles and partial
+tiles all occur on short sequences.
 On a GPU machine run the same tests on the device: INFERLAB_TRITON_DEVICE=cuda pytest ...
 (bf16 is then added to the dtypes; the interpreter mishandles bf16).
 """
 
 from __future__ import annotations
 
+import math
 import os
-import sys
 
-DEVICE = os.environ.get("INFERLAB_TRITON_DEVICE", "cpu")
-# Triton picks interpreter or compiler when a function is decorated, its own tl.* helpers
-# included, so the flag must be set before triton's first import in this process. If some
-# earlier module already imported it without the flag, the tests run in a fresh process.
-PRELOADED = (DEVICE == "cpu" and "triton" in sys.modules
-             and os.environ.get("TRITON_INTERPRET") != "1")
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import math  # noqa: E402
-import subprocess  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
+
+DEVICE = os.environ.get("INFERLAB_TRITON_DEVICE", "cpu")  # see tests/conftest.py
 
 from engines.builtin import LLM  # noqa: E402
 from engines.builtin.attention import (  # noqa: E402
@@ -44,19 +34,7 @@ from engines.builtin.config import ConfigError  # noqa: E402
 from engines.builtin.kv_cache import LayerKVCache  # noqa: E402
 from engines.sampling_params import SamplingParams  # noqa: E402
 
-assert PRELOADED or DEVICE != "cpu" or triton_kernels.interpreting(), \
-    "Triton interpreter not active"
-in_process = pytest.mark.skipif(PRELOADED, reason="triton was imported without "
-                                "TRITON_INTERPRET=1; test_in_fresh_process runs these")
-
-
-if PRELOADED:
-    def test_in_fresh_process() -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        result = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p",
-                                 "no:cacheprovider"], env=env, capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+assert DEVICE != "cpu" or triton_kernels.interpreting(), "Triton interpreter not active"
 
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE != "cpu" else [])
@@ -140,7 +118,6 @@ def make_batch(seqs: list[tuple[int, int]], num_decodes: int, block_size: int, n
 # ---- cache write --------------------------------------------------------------------------
 
 
-@in_process
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 def test_write_kv_matches_reference_and_layer_write(dtype: torch.dtype, block_size: int) -> None:
@@ -178,7 +155,6 @@ def test_write_kv_matches_reference_and_layer_write(dtype: torch.dtype, block_si
 # ---- decode -------------------------------------------------------------------------------
 
 
-@in_process
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)
 def test_decode_kernel_matches_reference(config) -> None:
     dt, bs, h, kvh, d, window = config
@@ -199,7 +175,6 @@ def test_decode_kernel_matches_reference(config) -> None:
 # ---- prefill ------------------------------------------------------------------------------
 
 
-@in_process
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)
 def test_prefill_kernel_matches_reference(config) -> None:
     dt, bs, h, kvh, d, window = config
@@ -220,7 +195,6 @@ def test_prefill_kernel_matches_reference(config) -> None:
 # ---- the backend against the dense path -----------------------------------------------------
 
 
-@in_process
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)
 def test_backend_matches_dense_attention_on_mixed_batch(config) -> None:
     dt, bs, h, kvh, d, window = config
@@ -243,7 +217,6 @@ def test_backend_matches_dense_attention_on_mixed_batch(config) -> None:
     assert_close(out, ref, dtype)
 
 
-@in_process
 @pytest.mark.parametrize("kind", ["decodes_only", "prefills_only"])
 def test_backend_default_tiles(kind: str) -> None:
     """The production tile sizes (one 512-key partition, 64-wide tiles), sdpa as the dense
@@ -256,7 +229,6 @@ def test_backend_default_tiles(kind: str) -> None:
     assert_close(out, dense, torch.float32)
 
 
-@in_process
 def test_unsupported_inputs_are_refused_clearly() -> None:
     q, k, v, cache, meta = make_batch([(5, 1)], 1, 4, 2, 2, 16, torch.float32, None)
     with pytest.raises(RuntimeError, match="kv_cache=none"):
@@ -279,7 +251,6 @@ def test_unsupported_inputs_are_refused_clearly() -> None:
 # ---- end to end ---------------------------------------------------------------------------
 
 
-@in_process
 @pytest.mark.parametrize("options", [
     dict(kv_cache="contiguous"),
     dict(kv_cache="contiguous", enable_chunked_prefill=True, max_num_batched_tokens=16,
