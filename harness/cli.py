@@ -11,6 +11,10 @@ commands:
   kv-calc [overrides]  KV bytes per token and sequence, weights, sequences that fit
   train-tiny [--text FILE] [--out DIR] [--steps N] [--seed S]
                        train a tiny real Llama on CPU (cached) for quality checks
+  serve [overrides...] an OpenAI-compatible HTTP server on the built-in engine
+  report DIR           report.md + report.html (tables, figures) for a run or sweep folder
+  gate ...             compare a candidate with a baseline: exit 0 pass, 1 regression,
+                       2 inconclusive (`inferlab gate --help`)
 
 examples:
   inferlab run                                  # default experiment: small model, CPU
@@ -41,6 +45,18 @@ def main(argv: list[str] | None = None) -> int:
         from harness import train_tiny
 
         return train_tiny.main(rest)
+    if command == "serve":
+        from serving import cli as serve_cli
+
+        return serve_cli.main(rest)
+    if command == "report":
+        from harness import report
+
+        return report.main(rest)
+    if command == "gate":
+        from harness import gate
+
+        return gate.main(rest)
     print(f"inferlab: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

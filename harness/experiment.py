@@ -24,19 +24,27 @@ from harness.records import RunRecorder, write_json_atomic
 from harness.window import WindowConfig, summarize
 from workloads import WorkloadRequest
 
-BACKENDS = ("builtin",)
+BACKENDS = ("builtin", "hf", "openai")
 
 
 def build_backend(engine: dict[str, Any], model: dict[str, Any]) -> Backend:
+    """The backend `engine.backend` names, for the model group's config.
+
+    builtin: this repo's engine. hf: Hugging Face transformers in process, on the very same
+    weights. openai: any OpenAI-compatible server (the model group names what it serves).
+    """
     options = dict(engine)
     backend = options.pop("backend", "builtin")
     if backend not in BACKENDS:
-        raise ValueError(f"engine.backend: {backend!r} is invalid; allowed: "
-                         f"{'|'.join(BACKENDS)} (hf and openai arrive with issue 7)")
+        raise ValueError(f"engine.backend: {backend!r} is invalid; allowed: {'|'.join(BACKENDS)}")
     known_model_keys = {"name", "path", "tokenizer", "overrides"}
     unknown = sorted(set(model) - known_model_keys)
     if unknown:
         raise ValueError(f"model: unknown key(s) {unknown}; allowed: {sorted(known_model_keys)}")
+    if backend == "openai":
+        from engines.openai.backend import OpenAIBackend
+
+        return OpenAIBackend.from_config(options, model)
     if model.get("name") == "hf" and not model.get("path"):
         raise ValueError("model.path: required for model=hf (a local Hugging Face checkpoint "
                          "folder with config.json and *.safetensors)")
@@ -47,6 +55,10 @@ def build_backend(engine: dict[str, Any], model: dict[str, Any]) -> Backend:
         options["model"] = str(cached_tiny_model())
     options["model_overrides"] = dict(model.get("overrides") or {})
     options["tokenizer"] = model.get("tokenizer")
+    if backend == "hf":
+        from engines.hf.backend import HFBackend
+
+        return HFBackend.from_config(options)
     return BuiltinBackend(EngineConfig.from_dict(options))
 
 
