@@ -1,0 +1,1 @@
+"""Hugging Face transformers, in process, behind the harness's Backend interface."""

@@ -1,0 +1,456 @@
+"""`engine=hf`: Hugging Face transformers in process, on the very same weights.
+
+Two sub-modes, each what a transformers user would actually run:
+- `generate`: static batching. Up to `max_num_seqs` waiting requests are left-padded into one
+  batch and `model.generate` runs it to completion; requests arriving meanwhile wait for the
+  next batch. A streamer timestamps every decoding step, so TTFT and ITL are per token, and
+  each step is reported as a StepRecord (padding and finished rows counted as padding).
+- `generate_batch`: transformers' continuous batching (`init_continuous_batching`, the
+  engine behind `generate_batch`), fed request by request; token times are the ones it records.
+
+The model runs in a worker thread; events cross to the event loop with
+`call_soon_threadsafe`, so the harness sees the same typed events as from any backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.base import (
+    TERMINAL_EVENTS,
+    Arrived,
+    Backend,
+    Failed,
+    Finished,
+    GenerationRequest,
+    PrefillChunk,
+    RequestEvent,
+    Scheduled,
+    StepRecord,
+    Tokenized,
+    Tokens,
+    now_ns,
+)
+from engines.builtin.config import TORCH_DTYPES
+from engines.builtin.tokenizer import Tokenizer, default_tokenizer, load_tokenizer
+from engines.hf.config import HFConfig
+from engines.hf.model import load_hf_model
+from engines.sampling_params import SamplingParams
+
+# generate_batch: the KV pool when nothing bounds it better (max_num_seqs x max_model_len)
+DEFAULT_KV_POOL_BYTES = 4 << 30
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    detok: Any  # DetokenizerStream | None
+    emit: Any  # callable(RequestEvent), thread-safe
+    output: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+class HFBackend(Backend):
+    name = "hf"
+
+    def __init__(self, config: HFConfig) -> None:
+        super().__init__()
+        self.config = config.validate()
+        self.model: torch.nn.Module | None = None
+        self.tokenizer: Tokenizer | None = None
+        self._waiting: deque[_Pending] = deque()
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
+        self._manager: Any = None  # generate_batch's ContinuousBatchingManager
+        self._step = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_config(cls, options: dict[str, Any]) -> HFBackend:
+        return cls(HFConfig.from_dict(options))
+
+    # ---- load ----------------------------------------------------------------------------
+
+    def load(self) -> None:
+        cfg = self.config
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        if cfg.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            self.device = torch.device(cfg.device)
+        dtype_name = cfg.dtype if cfg.dtype != "auto" else (
+            "bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = TORCH_DTYPES[dtype_name]
+        if Path(cfg.model).is_dir() and cfg.model_overrides:
+            raise ValueError("model.overrides: not supported with engine=hf and a checkpoint "
+                             "folder (transformers loads the folder's config.json as it is)")
+        self.model, self.model_config = load_hf_model(
+            cfg.model, cfg.model_overrides, self.dtype, self.device, cfg.seed,
+            cfg.attn_implementation)
+        self.tokenizer = self._load_tokenizer()
+        mc = self.model_config
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.eos_ids = sorted(set(self.tokenizer.special.eos_ids) | set(mc.eos_token_ids))
+        self.pad_id = self.tokenizer.special.pad_id if self.tokenizer.special.pad_id \
+            is not None else 0
+        if cfg.mode == "generate_batch":
+            self._start_continuous_batching()
+
+    def _load_tokenizer(self) -> Tokenizer:
+        # the same rule as the built-in engine, so both see the same token ids
+        if self.config.tokenizer:
+            return load_tokenizer(self.config.tokenizer)
+        folder = Path(self.config.model)
+        if folder.is_dir() and (folder / "tokenizer.json").is_file():
+            return load_tokenizer(folder)
+        return default_tokenizer()
+
+    def _start_continuous_batching(self) -> None:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        cfg, mc = self.config, self.model_config
+        # Its INFO lines (flash-attention advice, cache sizes) would flood every run's output,
+        # and it warns that suppress_tokens "might not be supported": the tests check it is.
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * element
+        tokens = min(cfg.max_num_seqs * self.max_model_len, DEFAULT_KV_POOL_BYTES // kv_per_token)
+        self._manager = self.model.init_continuous_batching(
+            generation_config=GenerationConfig(
+                do_sample=False, eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id,
+                # the built-in engine never samples ids past the tokenizer's vocabulary
+                suppress_tokens=list(range(self.tokenizer.vocab_size, mc.vocab_size)) or None),
+            continuous_batching_config=ContinuousBatchingConfig(
+                max_requests_per_batch=cfg.max_num_seqs, page_size=cfg.block_size,
+                num_blocks=max(1, math.ceil(tokens / cfg.block_size)),
+                max_batch_tokens=max(2048, self.max_model_len), use_cuda_graph=False,
+                allow_block_sharing=False, seed=cfg.seed),
+        )
+        self._manager.start()
+
+    def describe(self) -> dict[str, Any]:
+        assert self.model is not None, "load() first"
+        mc = self.model_config
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return {
+            "backend": self.name, "mode": self.config.mode, "model": self.config.model,
+            "architecture": mc.architecture, "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device), "max_num_seqs": self.config.max_num_seqs,
+            "max_model_len": self.max_model_len, "num_parameters": mc.num_parameters(),
+            "weight_bytes": weight_bytes, "attn_implementation": self.config.attn_implementation,
+            "transformers": __import__("transformers").__version__,
+            "torch_threads": torch.get_num_threads(),
+        }
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _tokenize(self, request: GenerationRequest) -> list[int]:
+        assert self.tokenizer is not None
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)  # type: ignore[arg-type]
+        else:
+            raise ValueError("prompt: expected a string, a list of token ids or a list of chat "
+                             f"messages, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: empty (it has no tokens)")
+        if len(ids) + request.sampling.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens + max_tokens "
+                             f"{request.sampling.max_tokens} exceed max_model_len="
+                             f"{self.max_model_len}")
+        return ids
+
+    def _check_supported(self, sampling: SamplingParams) -> None:
+        if sampling.n != 1:
+            raise ValueError("SamplingParams.n: engine=hf supports n=1 only")
+        if sampling.stop or sampling.stop_token_ids:
+            raise ValueError("SamplingParams.stop: stop strings/ids are not supported by "
+                             "engine=hf (use max_tokens / EOS)")
+        if self.config.mode == "generate_batch":
+            if not sampling.greedy:
+                raise ValueError("SamplingParams.temperature: engine.mode=generate_batch runs "
+                                 "greedy decoding only (temperature=0); use mode=generate")
+            if sampling.min_tokens and not sampling.ignore_eos:
+                raise ValueError("SamplingParams.min_tokens: not supported by "
+                                 "mode=generate_batch; use ignore_eos for exact lengths")
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestEvent]:
+        assert self.model is not None, "load() first"
+        arrival = now_ns()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        try:
+            sampling = request.sampling
+            self._check_supported(sampling)
+            ids = self._tokenize(request)
+        except (ValueError, TypeError) as exc:
+            yield Failed(request.request_id, -1, now_ns(), str(exc))
+            return
+        assert self.tokenizer is not None
+        yield Arrived(request.request_id, -1, arrival)
+        yield Tokenized(request.request_id, -1, now_ns(), len(ids))
+
+        def emit(event: RequestEvent) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        detok = self.tokenizer.new_stream(ids, sampling.skip_special_tokens) \
+            if sampling.detokenize else None
+        pending = _Pending(request.request_id, ids, sampling, detok, emit)
+        if self._manager is not None:
+            self._submit_continuous(pending, queue)
+        else:
+            self._waiting.append(pending)
+            self._ensure_loop()
+            assert self._wake is not None
+            self._wake.set()
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if isinstance(event, TERMINAL_EVENTS):
+                    return
+        finally:
+            if not pending.done:  # the consumer went away early
+                pending.done = True
+                if self._manager is not None:
+                    self._manager.cancel_request(request.request_id)
+
+    def _text(self, pending: _Pending, token: int) -> str:
+        assert self.tokenizer is not None
+        if pending.detok is None or token >= self.tokenizer.vocab_size:
+            return ""
+        return pending.detok.step(token)
+
+    def _finish(self, pending: _Pending, reason: str, time: int, step: int) -> None:
+        pending.done = True
+        pending.emit(Finished(pending.request_id, step, time, reason, len(pending.token_ids),
+                              len(pending.output),
+                              text=pending.detok.text if pending.detok else ""))
+
+    # ---- mode=generate: static batches ---------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_static())
+
+    async def _run_static(self) -> None:
+        assert self._wake is not None
+        loop = self._loop = asyncio.get_running_loop()
+        while True:
+            if not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self._next_batch()
+            try:
+                await loop.run_in_executor(self._executor, self._generate_batch, batch)
+            except Exception as exc:  # fail this batch, keep serving the next
+                for pending in batch:
+                    if not pending.done:
+                        pending.done = True
+                        pending.emit(Failed(pending.request_id, self._step, now_ns(),
+                                            f"hf generate: {type(exc).__name__}: {exc}"))
+
+    def _next_batch(self) -> list[_Pending]:
+        """The oldest waiting request and the next ones decoding the same way (one
+        `generate` call takes one set of sampling options), up to max_num_seqs."""
+        first = self._waiting[0]
+        key = _decode_key(first.sampling)
+        batch, rest = [], deque()
+        while self._waiting:
+            pending = self._waiting.popleft()
+            if pending.done:
+                continue  # aborted while waiting
+            if len(batch) < self.config.max_num_seqs and _decode_key(pending.sampling) == key:
+                batch.append(pending)
+            else:
+                rest.append(pending)
+        self._waiting = rest
+        return batch
+
+    @torch.inference_mode()
+    def _generate_batch(self, batch: list[_Pending]) -> None:
+        from transformers import LogitsProcessorList
+
+        assert self.model is not None and self.tokenizer is not None
+        width = max(len(p.token_ids) for p in batch)
+        rows = [[self.pad_id] * (width - len(p.token_ids)) + p.token_ids for p in batch]
+        mask = [[0] * (width - len(p.token_ids)) + [1] * len(p.token_ids) for p in batch]
+        input_ids = torch.tensor(rows, device=self.device)
+        attention_mask = torch.tensor(mask, device=self.device)
+        sampling = batch[0].sampling
+        max_new = max(p.sampling.max_tokens for p in batch)
+        options: dict[str, Any] = {"max_new_tokens": max_new, "pad_token_id": self.pad_id}
+        if sampling.ignore_eos:
+            options["eos_token_id"] = None  # run every row to the batch's longest max_tokens
+        else:
+            options["eos_token_id"] = self.eos_ids or None
+            options["min_new_tokens"] = sampling.min_tokens
+        if sampling.greedy:
+            options["do_sample"] = False
+        else:
+            options.update(do_sample=True, temperature=sampling.temperature,
+                           top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0
+                           else None)
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+        streamer = _StepStreamer(self, batch, width)
+        start = now_ns()
+        for pending in batch:
+            pending.emit(Scheduled(pending.request_id, self._step, start))
+            pending.emit(PrefillChunk(pending.request_id, self._step, start,
+                                      len(pending.token_ids), 0))
+        streamer.last_ns = start
+        self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, streamer=streamer,
+            logits_processor=LogitsProcessorList([_MaskPast(self.tokenizer.vocab_size)]),
+            **options)
+        end = now_ns()
+        for pending in batch:  # EOS reached by every row before its max_tokens, or aborted
+            if not pending.done:
+                self._finish(pending, "stop", end, self._step)
+
+    # ---- mode=generate_batch: transformers' continuous batching ---------------------------
+
+    def _submit_continuous(self, pending: _Pending, queue: asyncio.Queue) -> None:
+        manager = self._manager
+        sampling = pending.sampling
+        seen = 0
+
+        def on_output(output: Any) -> None:
+            nonlocal seen
+            if pending.done:
+                return
+            if output.error:
+                pending.done = True
+                queue.put_nowait(Failed(pending.request_id, -1, now_ns(),
+                                        f"hf generate_batch: {output.error}"))
+                return
+            times = output.timestamps or []
+            if seen == 0 and output.generated_tokens:
+                first = int(times[0] * 1e9) if times else now_ns()
+                scheduled = int(output.lifespan[0] * 1e9) if output.lifespan[0] > 0 else first
+                queue.put_nowait(Scheduled(pending.request_id, -1, min(scheduled, first)))
+            for i in range(seen, len(output.generated_tokens)):
+                token = output.generated_tokens[i]
+                pending.output.append(token)
+                time = int(times[i] * 1e9) if i < len(times) else now_ns()
+                queue.put_nowait(Tokens(pending.request_id, -1, time, (token,),
+                                        self._text(pending, token)))
+            seen = len(output.generated_tokens)
+            if output.is_finished():
+                reason = "length" if seen >= sampling.max_tokens else "stop"
+                pending.done = True
+                queue.put_nowait(Finished(
+                    pending.request_id, -1, int(times[-1] * 1e9) if times else now_ns(), reason,
+                    len(pending.token_ids), seen,
+                    text=pending.detok.text if pending.detok else ""))
+
+        manager.register_result_handler(pending.request_id, on_output)
+        eos = -1 if sampling.ignore_eos or not self.eos_ids else self.eos_ids
+        added = manager.add_request(pending.token_ids, request_id=pending.request_id,
+                                    max_new_tokens=sampling.max_tokens, streaming=True,
+                                    record_timestamps=True, eos_token_id=eos)
+        if added is None:
+            pending.done = True
+            queue.put_nowait(Failed(pending.request_id, -1, now_ns(),
+                                    "hf generate_batch: the manager refused the request"))
+
+    def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        if self._manager is not None:
+            self._manager.stop(block=True)
+            self._manager = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.model = None
+
+
+def _decode_key(s: SamplingParams) -> tuple:
+    return (s.greedy, s.temperature, s.top_k, s.top_p, s.ignore_eos, s.min_tokens, s.seed)
+
+
+class _MaskPast:
+    """Ids past the tokenizer's vocabulary (a dummy model's padding rows) are never
+    generated: the built-in engine's rule, so greedy tokens are comparable."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[-1] > self.vocab_size:
+            scores[:, self.vocab_size:] = -math.inf
+        return scores
+
+
+class _StepStreamer:
+    """transformers calls `put` with the prompt, then with each step's new tokens: each
+    call ends a step, which becomes a StepRecord and one Tokens event per live row."""
+
+    def __init__(self, backend: HFBackend, batch: list[_Pending], width: int) -> None:
+        self.backend = backend
+        self.batch = batch
+        self.width = width
+        self.steps_done = -1  # the first put is the prompt itself
+        self.last_ns = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.steps_done += 1
+        if self.steps_done == 0:
+            return
+        now = now_ns()
+        backend, step = self.backend, self.backend._step
+        tokens = value.reshape(-1).tolist()
+        live = [(p, t) for p, t in zip(self.batch, tokens, strict=True) if not p.done]
+        prefill = self.steps_done == 1
+        real_prompt = sum(len(p.token_ids) for p in self.batch)
+        record = StepRecord(
+            step=step, start_ns=self.last_ns, end_ns=now, num_seqs=len(self.batch),
+            num_prefill_seqs=len(self.batch) if prefill else 0,
+            num_decode_seqs=0 if prefill else len(self.batch),
+            prefill_tokens=real_prompt if prefill else 0,
+            decode_tokens=0 if prefill else len(live),
+            padding_tokens=(self.width * len(self.batch) - real_prompt) if prefill
+            else len(self.batch) - len(live),
+            num_waiting=len(backend._waiting), kv_bytes_reserved=0, kv_bytes_used=0,
+            num_running=len(self.batch), forward_ns=now - self.last_ns)
+        # observers run on the event loop, not this thread; the step is reported before its
+        # tokens so a run never ends with its last step unrecorded
+        assert backend._loop is not None
+        backend._loop.call_soon_threadsafe(backend.emit_step, record)
+        for pending, token in live:
+            pending.output.append(token)
+            pending.emit(Tokens(pending.request_id, step, now, (token,),
+                                backend._text(pending, token)))
+            s = pending.sampling
+            n = len(pending.output)
+            if n >= s.max_tokens:
+                backend._finish(pending, "length", now, step)
+            elif not s.ignore_eos and token in backend.eos_ids and n >= s.min_tokens:
+                backend._finish(pending, "stop", now, step)
+        backend._step += 1
+        self.last_ns = now
+
+    def end(self) -> None:
+        pass
