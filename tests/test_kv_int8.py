@@ -10,11 +10,15 @@ from engines.builtin.kv_cache.storage import LayerKVCache, dequantize_int8, quan
 
 
 def test_round_trip_error_is_within_half_a_step() -> None:
-    x = torch.randn(50, 4, 64) * torch.logspace(-3, 1, 50).view(50, 1, 1)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 4, 64, generator=gen) * torch.logspace(-3, 1, 50).view(50, 1, 1)
     q, scale = quantize_int8(x)
     err = (dequantize_int8(q, scale, torch.float32) - x).abs()
-    # half a quantization step, plus the float16 rounding of the scale itself (|q| <= 127)
-    bound = scale.float().unsqueeze(-1) * (0.5 + 127 * 2 ** -11) + 1e-6
+    # Half a quantization step, plus the float16 rounding of the scale itself (|q| <= 127):
+    # relative 2^-11 for normal scales, absolute 2^-25 (half the spacing) for subnormal ones
+    # (scales below 2^-14, i.e. per-head amax below ~8e-3).
+    scale_rounding = torch.maximum(scale.float() * 2 ** -11, torch.tensor(2.0 ** -25))
+    bound = scale.float().unsqueeze(-1) * 0.5 + 127 * scale_rounding.unsqueeze(-1) + 1e-7
     assert (err <= bound).all()
 
 
