@@ -1,0 +1,1 @@
+"""`engine=openai`: the harness's client for any OpenAI-compatible server (docs/backends.md)."""

@@ -1,0 +1,449 @@
+"""`engine=openai`: drive any OpenAI-compatible server with the harness's workloads and metrics.
+
+Each request is one streaming POST to `/completions` or `/chat/completions` over one pooled
+`httpx.AsyncClient`. Every network read is timestamped on arrival with `clock` (the harness's
+`engines.base.now_ns` unless a test injects a scripted one); the events it completes carry that
+time: `Tokens` per content chunk, then `Tokenized` (prompt length) and `Finished` when the
+stream ends. An HTTP error, a timeout or an error event fails that request alone (`Failed`,
+with the status and body), never the run.
+
+Token ids per chunk come from the server when it sends them (vLLM, SGLang with
+`return_token_ids`). Otherwise, when the server reports a usage count, the first counting rule
+whose total agrees with it decides how many tokens each chunk held (`RULES`: one per content
+chunk, exact for servers that stream one chunk per token, or the tokenizer over the chunk's
+text); without usage, the tokenizer, else one token per non-empty chunk. Ids the client
+cannot know are -1. `describe()["client"]` says which rule each request used. Prompt and
+output lengths in `Finished` come from the usage chunk when there is one, else from counting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engines.base import (
+    Arrived,
+    Backend,
+    Failed,
+    Finished,
+    GenerationRequest,
+    RequestEvent,
+    Tokenized,
+    Tokens,
+    now_ns,
+)
+from engines.builtin.tokenizer import Tokenizer, default_tokenizer, load_tokenizer
+from engines.openai.chunks import ChoiceDelta, Chunk, decode_event
+from engines.openai.config import OpenAIConfig
+from engines.openai.servers import DIALECTS, normalize_finish_reason
+from engines.openai.sse import SSEParser
+from engines.openai.stats import ClientStats, RequestTally
+
+UNKNOWN_TOKEN_ID = -1  # a chunk counted as one token whose id the client cannot know
+NO_STEP = -1  # HTTP has no engine steps
+# Counting rules tried against the server's usage count when it sends no ids, in order:
+# chunk: one per content chunk (text field present, even empty: a token whose text is held back
+# or skipped), not the role-only opening delta nor an empty closing chunk; chunk_with_final: the
+# same plus that empty closing chunk (TGI sends its EOS token so); tokenizer: the chunk's text
+# re-tokenized; nonempty_chunk: one per chunk with text. A per-token rule that adds up to the
+# server's count first: it keeps every token at the time its own chunk arrived.
+RULES = ("chunk", "chunk_with_final", "tokenizer", "nonempty_chunk")
+
+
+class OpenAIBackend(Backend):
+    name = "openai"
+
+    def __init__(self, config: OpenAIConfig, model: dict[str, Any] | None = None,
+                 clock: Callable[[], int] = now_ns,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        super().__init__()
+        self.config = config.validate()
+        self.model_group = dict(model or {})
+        self.clock = clock
+        self.dialect = DIALECTS[config.server]
+        self.tokenizer: Tokenizer | None = None
+        self.stats = ClientStats()
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._server_info: dict[str, Any] = {}
+
+    @classmethod
+    def from_config(cls, options: dict[str, Any], model: dict[str, Any]) -> OpenAIBackend:
+        return cls(OpenAIConfig.from_config(options, model), model)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def load(self) -> None:
+        for name in ("httpx", "httpcore"):  # one INFO line per request would flood run logs
+            logger = logging.getLogger(name)
+            if logger.level == logging.NOTSET:
+                logger.setLevel(logging.WARNING)
+        self.tokenizer = resolve_tokenizer(self.config.tokenizer, self.model_group)
+        if self.config.check_server:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                self._server_info = asyncio.run(self._probe())
+            else:
+                raise RuntimeError("OpenAIBackend.load() runs its server check with "
+                                   "asyncio.run: call it outside a running event loop")
+
+    def close(self) -> None:
+        # The pool belongs to the event loop that made it (the driver runs one loop per
+        # workload); that loop is gone by now, so its sockets close with it.
+        self._client, self._client_loop = None, None
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self.config
+        max_model_len = cfg.max_model_len or self._server_info.get("max_model_len")
+        ids_asked = cfg.request_token_ids and bool(self.dialect.token_id_fields)
+        fallback = ("the tokenizer over each chunk's text" if self.tokenizer is not None
+                    else "one token per non-empty chunk (no tokenizer)")
+        counting = (("server token ids; else " if ids_asked else "")
+                    + f"the rule that matches the usage count; else {fallback}")
+        return {
+            "backend": self.name,
+            "base_url": cfg.base_url,
+            "served_model": cfg.model,
+            "api": cfg.api,
+            "server": cfg.server,
+            "max_model_len": max_model_len,
+            "exact_output_length": self.dialect.forces_length,
+            "token_counting": counting,
+            "tokenizer": self.tokenizer.name if self.tokenizer is not None else None,
+            "include_usage": cfg.include_usage,
+            "timeout_s": cfg.timeout_s,
+            "max_connections": cfg.max_connections,
+            "server_models": self._server_info.get("models"),
+            # updated in place as requests end, so the summary written after the run has
+            # the whole run's figures (warm-up excluded)
+            "client": self.stats.live,
+        }
+
+    # ---- one request --------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestEvent]:
+        rid, clock = request.request_id, self.clock
+        sampling = request.sampling
+        tally = RequestTally(rid, sampling.max_tokens, sampling.ignore_eos,
+                             dropped_fields=tuple(self.dialect.refused(sampling)))
+        build_start = time.perf_counter_ns()
+        try:
+            path, body = self._request_body(request)
+        except (ValueError, TypeError) as exc:
+            self.stats.finish(tally, failed=True)
+            yield Failed(rid, NO_STEP, clock(), f"request not sent: {exc}")
+            return
+        tally.build_ns = time.perf_counter_ns() - build_start
+        state = _StreamState(request, body.get("messages", body.get("prompt")), self.tokenizer,
+                             tally)
+        state.sent_ns = clock()
+        yield Arrived(rid, NO_STEP, state.sent_ns)
+        url = f"{self.config.base_url}{path}"
+        try:
+            async with self._http().stream("POST", url, json=body) as response:
+                if response.status_code >= 400:
+                    text = (await response.aread()).decode("utf-8", errors="replace")
+                    for event in state.fail(clock(), f"HTTP {response.status_code} from "
+                                                     f"POST {url}: {text[:2000]}"):
+                        yield event
+                    return
+                parser = SSEParser()
+                async for data in response.aiter_bytes():
+                    arrived = clock()
+                    start = time.perf_counter_ns()
+                    events = state.feed([decode_event(e) for e in parser.feed(data)], arrived)
+                    tally.overhead_ns.append(time.perf_counter_ns() - start)
+                    for event in events:
+                        yield event
+                    if state.ended:
+                        break
+                if not state.ended:  # the server closed the stream without [DONE]
+                    closed = clock()
+                    for event in state.feed([decode_event(e) for e in parser.close()], closed):
+                        yield event
+                    if not state.ended:
+                        for event in state.end_of_stream(closed):
+                            yield event
+        except httpx.TimeoutException as exc:
+            for event in state.fail(clock(), f"timeout (engine.timeout_s={self.config.timeout_s})"
+                                             f" on POST {url}: {type(exc).__name__} {exc}"):
+                yield event
+        except httpx.HTTPError as exc:
+            for event in state.fail(clock(), f"HTTP error on POST {url}: "
+                                             f"{type(exc).__name__}: {exc}"):
+                yield event
+        finally:
+            # also reached when the consumer stops early: that request counts as failed
+            self.stats.finish(tally, failed=state.failed or not state.ended)
+
+    def _request_body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
+        cfg = self.config
+        body: dict[str, Any] = {"model": cfg.model, "stream": True}
+        if cfg.api == "chat":
+            path = "/chat/completions"
+            body["messages"] = self._messages(request.prompt)
+        else:
+            path = "/completions"
+            body["prompt"] = self._completion_prompt(request.prompt)
+        body.update(self.dialect.sampling_fields(request.sampling))
+        if cfg.include_usage:
+            body["stream_options"] = {"include_usage": True}
+        if cfg.request_token_ids:
+            body.update(self.dialect.token_id_fields)
+        body.update(cfg.extra_body)
+        return path, body
+
+    def _completion_prompt(self, prompt: Any) -> str | list[int]:
+        if isinstance(prompt, str):
+            return prompt
+        if _is_chat(prompt):
+            tok = self._need_tokenizer("chat messages with engine.api=completions (the chat "
+                                       "template is applied client-side; or use api=chat)")
+            if self.dialect.token_prompts:
+                return tok.encode_chat(prompt)
+            return tok.apply_chat_template(prompt)
+        if self.dialect.token_prompts:
+            return [int(t) for t in prompt]
+        tok = self._need_tokenizer(f"a token-id prompt with engine.server={self.dialect.name} "
+                                   "(it takes text prompts only)")
+        return tok.decode(prompt, skip_special_tokens=False)
+
+    def _messages(self, prompt: Any) -> list[dict[str, str]]:
+        if _is_chat(prompt):
+            return list(prompt)
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}]
+        tok = self._need_tokenizer("a token-id prompt with engine.api=chat (decoded to text)")
+        return [{"role": "user", "content": tok.decode(prompt, skip_special_tokens=False)}]
+
+    def _need_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer; set engine.tokenizer to a "
+                             "tokenizer.json file or folder (it is none now)")
+        return self.tokenizer
+
+    # ---- HTTP ---------------------------------------------------------------------------------
+
+    def _http(self) -> httpx.AsyncClient:
+        """The pooled client of the running event loop (a pool cannot outlive its loop)."""
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            self._client, self._client_loop = self._new_client(), loop
+        return self._client
+
+    def _new_client(self) -> httpx.AsyncClient:
+        cfg = self.config
+        limits = httpx.Limits(max_connections=cfg.max_connections,
+                              max_keepalive_connections=cfg.max_connections)
+        transport = self._transport or httpx.AsyncHTTPTransport(limits=limits)
+        headers = {"Accept": "text/event-stream"}
+        key = cfg.api_key()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        # pool=None: a request waiting for a free connection queues in the client (counted in
+        # its TTFT) instead of failing; timeout_s bounds connecting and every silence.
+        timeout = httpx.Timeout(cfg.timeout_s, pool=None)
+        return httpx.AsyncClient(transport=transport, headers=headers, timeout=timeout)
+
+    async def _probe(self) -> dict[str, Any]:
+        """GET /models: the server answers, serves the model, and (vLLM, SGLang) its context."""
+        cfg = self.config
+        url = f"{cfg.base_url}/models"
+        async with self._new_client() as client:
+            try:
+                response = await client.get(url, timeout=min(cfg.timeout_s, 30.0))
+            except httpx.HTTPError as exc:
+                raise ConnectionError(f"engine.base_url: cannot reach GET {url}: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code == 404:  # not every server lists its models
+            return {"models": None}
+        if response.status_code >= 400:
+            raise ConnectionError(f"engine.base_url: GET {url} answered HTTP "
+                                  f"{response.status_code}: {response.text[:500]}")
+        try:
+            cards = response.json().get("data") or []
+        except (ValueError, AttributeError):
+            return {"models": None}
+        models = [c.get("id") for c in cards if isinstance(c, dict)]
+        if models and cfg.model not in models:
+            raise ValueError(f"engine.model: {cfg.model!r} is not served at {cfg.base_url}; "
+                             f"it serves: {models}")
+        card = next((c for c in cards if isinstance(c, dict) and c.get("id") == cfg.model), {})
+        length = card.get("max_model_len")
+        return {"models": models, "max_model_len": length if isinstance(length, int) else None}
+
+
+class _StreamState:
+    """One request's stream: decoded chunks in, events out, per choice index.
+
+    Content chunks are kept until the stream ends, each with its arrival time, because how many
+    tokens a chunk holds may only be known then: when the server sends ids they are used; when
+    it sends a usage count, the first counting rule that agrees with it is used (`RULES`);
+    otherwise the tokenizer, else one token per non-empty chunk. The events carry the chunks'
+    own arrival times, so holding them back changes no timestamp.
+    """
+
+    def __init__(self, request: GenerationRequest, sent_prompt: Any,
+                 tokenizer: Tokenizer | None, tally: RequestTally) -> None:
+        self.request = request
+        self.sent_prompt = sent_prompt  # as sent: text, token ids or chat messages
+        self.tokenizer = tokenizer
+        self.tally = tally
+        n = request.sampling.n
+        self.pieces: list[tuple[int, ChoiceDelta]] = []  # (arrival ns, content chunk)
+        self.counts = [0] * n
+        self.texts = [""] * n
+        self.finish_reasons: list[str | None] = [None] * n
+        self.usage: dict[str, Any] | None = None
+        self.sent_ns = 0
+        self.ended = False
+        self.failed = False
+
+    def feed(self, chunks: list[Chunk], arrived: int) -> list[RequestEvent]:
+        for chunk in chunks:
+            if self.ended:
+                break
+            if chunk.error is not None:
+                return self.fail(arrived, f"server error in stream: {chunk.error}")
+            for delta in chunk.choices:
+                if not 0 <= delta.index < len(self.texts):
+                    continue
+                self.pieces.append((arrived, delta))
+                self.texts[delta.index] += delta.text
+                if delta.finish_reason is not None:
+                    self.finish_reasons[delta.index] = delta.finish_reason
+            if chunk.usage is not None:
+                self.usage = chunk.usage
+            if chunk.done:
+                return self._finish(arrived)
+        return []
+
+    def end_of_stream(self, closed: int) -> list[RequestEvent]:
+        """The connection closed without [DONE]: fine if every choice said it finished."""
+        if all(reason is not None for reason in self.finish_reasons):
+            return self._finish(closed)
+        missing = [i for i, r in enumerate(self.finish_reasons) if r is None]
+        return self.fail(closed, f"stream closed before the server finished choice(s) "
+                                 f"{missing} (after {len(self.pieces)} chunks)")
+
+    def fail(self, at: int, error: str) -> list[RequestEvent]:
+        """The tokens that did arrive (at their own times), then `Failed`."""
+        self.ended = self.failed = True
+        events = self._tokens(self._default_rule())
+        events.append(Failed(self.request.request_id, NO_STEP, at, error))
+        return events
+
+    # ---- counting -----------------------------------------------------------------------------
+
+    def _default_rule(self) -> str:
+        if any(d.token_ids is not None for _, d in self.pieces):
+            return "server"
+        return "tokenizer" if self.tokenizer is not None else "nonempty_chunk"
+
+    def _rule(self) -> str:
+        """Server ids; else the first rule whose total equals the usage count; else default."""
+        default = self._default_rule()
+        usage = (self.usage or {}).get("completion_tokens")
+        if default == "server" or not isinstance(usage, int):
+            return default
+        for rule in RULES:
+            if rule == "tokenizer" and self.tokenizer is None:
+                continue
+            if sum(len(self._ids(d, rule)) for _, d in self.pieces) == usage:
+                return rule
+        return default
+
+    def _ids(self, delta: ChoiceDelta, rule: str) -> tuple[int, ...]:
+        if rule == "server":
+            if delta.token_ids is not None:
+                return delta.token_ids
+            rule = "tokenizer" if self.tokenizer is not None else "nonempty_chunk"
+        if rule == "tokenizer":
+            assert self.tokenizer is not None
+            return tuple(self.tokenizer.encode(delta.text, add_special_tokens=False)) \
+                if delta.text else ()
+        if rule == "nonempty_chunk":
+            counted = bool(delta.text)
+        elif rule == "chunk":  # per-token streams that close with a separate, empty chunk
+            counted = delta.has_text and not delta.role_only and not (
+                delta.finish_reason is not None and not delta.text)
+        else:  # "chunk_with_final": per-token streams whose empty last chunk is the EOS token
+            counted = delta.has_text and not delta.role_only
+        return (UNKNOWN_TOKEN_ID,) if counted else ()
+
+    def _tokens(self, rule: str) -> list[RequestEvent]:
+        rid = self.request.request_id
+        events: list[RequestEvent] = []
+        self.counts = [0] * len(self.texts)
+        for arrived, delta in self.pieces:
+            ids = self._ids(delta, rule)
+            if ids:
+                self.counts[delta.index] += len(ids)
+                self.tally.chunks_by_source[rule] += 1
+                events.append(Tokens(rid, NO_STEP, arrived, ids, delta.text, delta.index))
+        self.tally.counted_output_tokens = sum(self.counts)
+        self.tally.count_rule = rule
+        return events
+
+    def _finish(self, at: int) -> list[RequestEvent]:
+        self.ended = True
+        rid = self.request.request_id
+        events = self._tokens(self._rule())
+        usage = self.usage or {}
+        usage_output = usage.get("completion_tokens")
+        usage_prompt = usage.get("prompt_tokens")
+        single = len(self.counts) == 1
+        self.tally.usage_output_tokens = usage_output if isinstance(usage_output, int) else None
+        prompt_tokens = usage_prompt if isinstance(usage_prompt, int) else self._count_prompt()
+        if prompt_tokens is not None:
+            # The server tokenizes where the client cannot see: the event carries the send
+            # time so that the prompt length is recorded (docs/backends.md).
+            events.append(Tokenized(rid, NO_STEP, self.sent_ns, prompt_tokens))
+        for index, count in enumerate(self.counts):
+            output = usage_output if single and isinstance(usage_output, int) else count
+            reason = self.finish_reasons[index]
+            events.append(Finished(
+                rid, NO_STEP, at, normalize_finish_reason(reason) if reason else "unknown",
+                prompt_tokens or 0, output, text=self.texts[index], index=index))
+        return events
+
+    def _count_prompt(self) -> int | None:
+        prompt = self.sent_prompt
+        if isinstance(prompt, list) and not _is_chat(prompt):
+            return len(prompt)
+        if self.tokenizer is None:
+            return None
+        if isinstance(prompt, str):
+            return len(self.tokenizer.encode(prompt))
+        return len(self.tokenizer.encode_chat(prompt))
+
+
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def resolve_tokenizer(setting: str, model: dict[str, Any]) -> Tokenizer | None:
+    """engine.tokenizer: none -> None; a path -> that tokenizer; auto -> the model group's
+    tokenizer, its checkpoint folder's, the built-in BPE for a built-in preset, else None."""
+    from engines.builtin.model_config import PRESETS
+
+    if setting == "none":
+        return None
+    if setting != "auto":
+        return load_tokenizer(setting)
+    if model.get("tokenizer"):
+        return load_tokenizer(model["tokenizer"])
+    path = model.get("path")
+    if path and (Path(path) / "tokenizer.json").is_file():
+        return load_tokenizer(path)
+    if not path and model.get("name") in PRESETS:
+        return default_tokenizer()
+    return None

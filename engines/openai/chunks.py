@@ -1,0 +1,92 @@
+"""One SSE event of an OpenAI-style stream -> what it says: text deltas, token ids, finish
+reasons, usage, an error, or the end.
+
+The shapes read here (sources in tests/fixtures/sse/README.md): completions chunks carry
+`choices[i].text`, chat chunks `choices[i].delta.content`; vLLM and SGLang add
+`choices[i].token_ids` when asked; the usage chunk has `usage` (and, from vLLM, SGLang and TGI,
+empty `choices`; llama.cpp puts it on the finishing chunk); the stream ends with `data: [DONE]`.
+Errors arrive as `{"error": ...}` (vLLM, SGLang, TGI), `{"object": "error", ...}`, an SSE
+`event: error`, or llama.cpp's `error: {...}` field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.openai.sse import SSEEvent
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: tuple[int, ...] | None  # None: the server sent none
+    finish_reason: str | None
+    has_text: bool = True  # the text field was there (chat's `content` may be null or absent)
+    role_only: bool = False  # chat's opening delta: a role and empty content, nothing else
+
+
+@dataclass(slots=True)
+class Chunk:
+    choices: list[ChoiceDelta] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    done: bool = False
+
+
+def decode_event(event: SSEEvent) -> Chunk:
+    if "error" in event.extra:
+        return Chunk(error=_error_text(event.extra["error"]))
+    if event.event == "error":
+        return Chunk(error=_error_text(event.data))
+    if event.is_done:
+        return Chunk(done=True)
+    if not event.data.strip():
+        return Chunk()
+    try:
+        payload = json.loads(event.data)
+    except json.JSONDecodeError as exc:
+        return Chunk(error=f"invalid JSON in SSE data ({exc}): {event.data[:200]!r}")
+    if not isinstance(payload, dict):
+        return Chunk(error=f"SSE data is not a JSON object: {event.data[:200]!r}")
+    if payload.get("error") is not None:
+        return Chunk(error=_error_text(payload["error"], payload.get("error_type")))
+    if payload.get("object") == "error":
+        return Chunk(error=_error_text(payload))
+    chunk = Chunk()
+    for choice in payload.get("choices") or ():
+        text = choice.get("text")
+        delta = choice.get("delta") or {}
+        if text is None:
+            text = delta.get("content")
+        ids = choice.get("token_ids")
+        finish_reason = choice.get("finish_reason") or None
+        chunk.choices.append(ChoiceDelta(
+            index=int(choice.get("index") or 0),
+            text=text or "",
+            token_ids=tuple(ids) if isinstance(ids, list) else None,
+            finish_reason=finish_reason,
+            has_text=text is not None,
+            role_only=bool(delta.get("role")) and not text and finish_reason is None,
+        ))
+    usage = payload.get("usage")
+    if isinstance(usage, dict):
+        chunk.usage = usage
+    return chunk
+
+
+def _error_text(error: Any, error_type: Any = None) -> str:
+    if isinstance(error, str):
+        try:
+            error = json.loads(error)
+        except json.JSONDecodeError:
+            return f"{error_type}: {error}" if error_type else error
+    if isinstance(error, dict):
+        message = error.get("message") or error.get("error") or json.dumps(error)
+        kind = error.get("type") or error.get("error_type") or error_type
+        code = error.get("code")
+        parts = [str(p) for p in (kind, code) if p is not None]
+        return f"{' '.join(parts)}: {message}" if parts else str(message)
+    return str(error)

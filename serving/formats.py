@@ -1,0 +1,195 @@
+"""How each endpoint writes one request's answer: the whole response, or its stream of SSE
+chunks (OpenAI's layouts; vLLM's `return_token_ids` fields when asked for)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.generation import ChoiceEnd, ChoiceText, GenerationFailed, Piece
+from serving.protocol import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+    error_body,
+)
+from serving.sse import DONE, sse_event
+
+
+@dataclass
+class ChoiceResult:
+    end: ChoiceEnd
+    token_ids: list[int]
+
+
+@dataclass
+class Writer:
+    """One request's answer; subclasses write one endpoint's layout."""
+
+    request_id: str
+    created: int
+    model: str
+    prompts: list[list[int]]
+    n: int
+    include_usage: bool = False
+    return_token_ids: bool = False
+    _started: set[int] = field(default_factory=set)  # choices that have sent a chunk
+
+    def prompt_of(self, index: int) -> list[int]:
+        return self.prompts[index // self.n]
+
+    def usage(self, completion_tokens: int) -> Usage:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+    def response(self, choices: dict[int, ChoiceResult]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunk(self, piece: ChoiceText | ChoiceEnd) -> str:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: Usage) -> str:
+        raise NotImplementedError
+
+    def first_chunk_of(self, piece: ChoiceText | ChoiceEnd) -> bool:
+        first = piece.index not in self._started
+        self._started.add(piece.index)
+        return first
+
+    def _exclude(self, *names: str) -> set[str]:
+        return {name for name in names if name != "usage" or not self.include_usage}
+
+
+class CompletionWriter(Writer):
+    def response(self, choices: dict[int, ChoiceResult]) -> dict[str, Any]:
+        ids = self.return_token_ids
+        body = CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model,
+            usage=self.usage(sum(c.end.num_output_tokens for c in choices.values())),
+            choices=[CompletionChoice(index=i, text=c.end.text,
+                                      finish_reason=c.end.finish_reason,
+                                      prompt_token_ids=self.prompt_of(i) if ids else None,
+                                      token_ids=c.token_ids if ids else None)
+                     for i, c in sorted(choices.items())])
+        return body.model_dump(exclude=None if ids else _CHOICE_IDS)
+
+    def chunk(self, piece: ChoiceText | ChoiceEnd) -> str:
+        first = self.first_chunk_of(piece)
+        if isinstance(piece, ChoiceText):
+            choice = CompletionChoice(index=piece.index, text=piece.text,
+                                      token_ids=list(piece.token_ids))
+        else:
+            choice = CompletionChoice(index=piece.index, text="",
+                                      finish_reason=piece.finish_reason, token_ids=[])
+        exclude: dict[str, Any] = {"usage": True} if not self.include_usage else {}
+        if self.return_token_ids and first:
+            choice.prompt_token_ids = self.prompt_of(piece.index)
+        else:
+            exclude["choices"] = {"__all__": (
+                {"prompt_token_ids"} if self.return_token_ids
+                else {"prompt_token_ids", "token_ids"})}
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                  choices=[choice]).model_dump_json(exclude=exclude)
+
+    def usage_chunk(self, usage: Usage) -> str:
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                  choices=[], usage=usage).model_dump_json()
+
+
+class ChatWriter(Writer):
+    def response(self, choices: dict[int, ChoiceResult]) -> dict[str, Any]:
+        ids = self.return_token_ids
+        body = ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model,
+            usage=self.usage(sum(c.end.num_output_tokens for c in choices.values())),
+            prompt_token_ids=self.prompts[0] if ids else None,
+            choices=[ChatChoice(index=i, message=AssistantMessage(content=c.end.text),
+                                finish_reason=c.end.finish_reason,
+                                token_ids=c.token_ids if ids else None)
+                     for i, c in sorted(choices.items())])
+        return body.model_dump(exclude=None if ids else {"prompt_token_ids": True,
+                                                          **_CHOICE_IDS})
+
+    def chunk(self, piece: ChoiceText | ChoiceEnd) -> str:
+        first = self.first_chunk_of(piece)
+        if isinstance(piece, ChoiceEnd):
+            return self._chunk(ChatChunkChoice(index=piece.index, delta=ChatDelta(),
+                                               finish_reason=piece.finish_reason, token_ids=[]))
+        text = self._chunk(ChatChunkChoice(index=piece.index,
+                                           delta=ChatDelta(content=piece.text),
+                                           token_ids=list(piece.token_ids)))
+        if not first:
+            return text
+        # OpenAI opens each choice with a role-only delta; it goes out in the same write as
+        # the first token, so that a client's first chunk still marks the first token.
+        role = self._chunk(ChatChunkChoice(index=piece.index, token_ids=[],
+                                           delta=ChatDelta(role="assistant", content="")),
+                           prompt_token_ids=self.prompts[0])
+        return f"{role}\n\ndata: {text}"
+
+    def _chunk(self, choice: ChatChunkChoice,
+               prompt_token_ids: list[int] | None = None) -> str:
+        exclude: dict[str, Any] = {"usage": True} if not self.include_usage else {}
+        if not self.return_token_ids:
+            exclude.update(_CHOICE_IDS)
+        if not (self.return_token_ids and prompt_token_ids):
+            exclude["prompt_token_ids"] = True
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                                   choices=[choice], prompt_token_ids=prompt_token_ids,
+                                   ).model_dump_json(exclude=exclude)
+
+    def usage_chunk(self, usage: Usage) -> str:
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                                   choices=[], usage=usage,
+                                   ).model_dump_json(exclude={"prompt_token_ids"})
+
+
+_CHOICE_IDS: dict[str, Any] = {"choices": {"__all__": {"prompt_token_ids", "token_ids"}}}
+
+
+async def collect(pieces: AsyncIterator[Piece]) -> dict[int, ChoiceResult]:
+    """Every choice's end and token ids; a failed generation raises."""
+    token_ids: dict[int, list[int]] = {}
+    choices: dict[int, ChoiceResult] = {}
+    async for piece in pieces:
+        if isinstance(piece, ChoiceText):
+            token_ids.setdefault(piece.index, []).extend(piece.token_ids)
+        elif isinstance(piece, ChoiceEnd):
+            choices[piece.index] = ChoiceResult(piece, token_ids.get(piece.index, []))
+        else:
+            raise APIError(f"generation failed: {piece.message}", None, "engine_error", 500,
+                           "server_error")
+    return choices
+
+
+async def event_stream(pieces: AsyncIterator[Piece], writer: Writer) -> AsyncIterator[bytes]:
+    """The SSE body: a chunk per piece, the usage chunk when asked for, then [DONE]. A failed
+    generation sends an error event (as vLLM does) and ends the stream."""
+    completion_tokens = 0
+    # aclosing: when the response closes this body early (a disconnect), `pieces` is closed
+    # at once, which aborts the engine request, instead of whenever it is garbage-collected.
+    async with aclosing(pieces):  # type: ignore[type-var]
+        async for piece in pieces:
+            if isinstance(piece, GenerationFailed):
+                failure = error_body(f"generation failed: {piece.message}", "server_error",
+                                     None, "engine_error")
+                yield sse_event(json.dumps(failure))
+                break
+            if isinstance(piece, ChoiceText):
+                completion_tokens += len(piece.token_ids)
+            yield sse_event(writer.chunk(piece))
+        else:
+            if writer.include_usage:
+                yield sse_event(writer.usage_chunk(writer.usage(completion_tokens)))
+    yield DONE

@@ -1,0 +1,227 @@
+"""Between HTTP and the engine: prompts checked against the engine's limits, admission against
+the server's bound, and each request's engine events turned into choice pieces.
+
+Everything here runs on the server's event loop, the same loop as the backend's engine loop,
+so reading engine state needs no locking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from engines.base import Failed, Finished, GenerationRequest, RequestEvent, Tokens
+from engines.builtin.backend import BuiltinBackend
+from engines.builtin.engine import LLMEngine
+from engines.sampling_params import SamplingParams
+from serving.config import ServerConfig
+from serving.metrics import ServerMetrics
+from serving.protocol import APIError
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceText:
+    """New output of one choice: its text delta (may be empty) and the tokens that made it."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceEnd:
+    index: int
+    finish_reason: str
+    text: str  # the choice's whole text
+    num_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationFailed:
+    message: str
+
+
+Piece = ChoiceText | ChoiceEnd | GenerationFailed
+
+
+class Admission:
+    """Sequences held against the server's bound; released once, however the request ends."""
+
+    def __init__(self, owner: ServingEngine, num_sequences: int) -> None:
+        self.owner = owner
+        self.num_sequences = num_sequences
+
+    def release(self) -> None:
+        self.owner.in_flight -= self.num_sequences
+        self.num_sequences = 0
+
+
+class ServingEngine:
+    def __init__(self, backend: BuiltinBackend, config: ServerConfig) -> None:
+        if backend.engine is None:
+            raise ValueError("the backend must be loaded (backend.load()) before serving")
+        self.backend = backend
+        self.config = config
+        self.in_flight = 0  # sequences admitted and not yet finished
+        self.metrics = ServerMetrics(backend, lambda: self.in_flight)
+
+    @property
+    def engine(self) -> LLMEngine:
+        engine = self.backend.engine
+        if engine is None:
+            raise APIError("the engine is shut down", None, "engine_closed", 503, "server_error")
+        return engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.limits.max_model_len
+
+    @property
+    def capacity(self) -> int:
+        return self.engine.limits.max_num_seqs + self.config.max_queue_len
+
+    # ---- checks -------------------------------------------------------------------------------
+
+    def check_prompt(self, token_ids: list[int], max_tokens: int | None, param: str,
+                     max_tokens_param: str = "max_tokens") -> int:
+        """Refuse a prompt the engine could never run; return the max_tokens to use
+        (None: what the context has left, as vLLM does for chat)."""
+        engine = self.engine
+        max_len = self.max_model_len
+        if not token_ids:
+            raise APIError(f"{param}: the prompt is empty (it has no tokens)", param,
+                           "invalid_value")
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                           param, "invalid_value")
+        if len(token_ids) >= max_len:
+            raise APIError(
+                f"This model's maximum context length is {max_len} tokens. However, your prompt "
+                f"has {len(token_ids)} tokens (at least one token must be generated).", param,
+                "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = max_len - len(token_ids)
+        if max_tokens >= 1 and len(token_ids) + max_tokens > max_len:
+            raise APIError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in the "
+                f"prompt, {max_tokens} for the completion). Please reduce the prompt or "
+                f"{max_tokens_param}.", max_tokens_param, "context_length_exceeded")
+        try:
+            # A paged pool smaller than the request fails now rather than readmitting forever.
+            engine.check_fits(len(token_ids), max(max_tokens, 1))
+        except ValueError as exc:
+            raise APIError(str(exc), param, "context_length_exceeded") from None
+        return max_tokens
+
+    def check_engine_accepts(self, prompts: Sequence[list[int]],
+                             sampling: Sequence[SamplingParams]) -> None:
+        """The engine's own admission checks, run before answering: what it would refuse at
+        add_request (inside a 200 stream, too late) is a 400 now, naming the field."""
+        for token_ids, params in zip(prompts, sampling, strict=True):
+            try:
+                self.engine.check_request(token_ids, params)
+            except ValueError as exc:
+                field = str(exc).split(":", 1)[0].removeprefix("SamplingParams.")
+                raise APIError(str(exc), field, "invalid_value") from None
+
+    def admit(self, num_sequences: int) -> Admission:
+        """Hold room for the request's sequences, or refuse it: 503 when the server is full."""
+        if num_sequences > self.capacity:
+            raise APIError(f"the request needs {num_sequences} sequences (prompts x n) but the "
+                           f"server admits at most {self.capacity} at once", "n",
+                           "invalid_value")
+        if self.in_flight + num_sequences > self.capacity:
+            self.metrics.requests_rejected.inc()
+            raise APIError(
+                f"The server is overloaded: {self.in_flight} sequences are admitted, the limit "
+                f"is {self.capacity} (max_num_seqs + max_queue_len). Retry later.", None,
+                "server_overloaded", 503, "server_error")
+        self.in_flight += num_sequences
+        return Admission(self, num_sequences)
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompts: Sequence[list[int]],
+                       sampling: Sequence[SamplingParams], arrival_ns: int,
+                       admission: Admission) -> AsyncIterator[Piece]:
+        """Run every prompt with its sampling parameters; choice index = prompt index x n +
+        sample index, as OpenAI numbers them. Closing this stream aborts what is still running
+        and frees its KV memory."""
+        metrics = self.metrics
+        n = sampling[0].n
+        streams = [self.backend.generate(GenerationRequest(f"{request_id}-{i}", ids, params))
+                   for i, (ids, params) in enumerate(zip(prompts, sampling, strict=True))]
+        open_choices = len(prompts) * n
+        first_token_seen = [False] * len(prompts)
+        last_token_ns: dict[int, int] = {}
+        try:
+            async for prompt_index, event in _merge(streams):
+                if isinstance(event, Tokens):
+                    index = prompt_index * n + event.index
+                    if not first_token_seen[prompt_index]:
+                        first_token_seen[prompt_index] = True
+                        metrics.ttft.observe((event.time_ns - arrival_ns) / 1e9)
+                        metrics.prompt_tokens.inc(len(prompts[prompt_index]))
+                    previous = last_token_ns.get(index)
+                    if previous is not None:
+                        metrics.itl.observe((event.time_ns - previous) / 1e9)
+                    last_token_ns[index] = event.time_ns
+                    metrics.generation_tokens.inc(len(event.token_ids))
+                    yield ChoiceText(index, event.text, event.token_ids)
+                elif isinstance(event, Finished):
+                    open_choices -= 1
+                    metrics.request_success.inc(labels=(("finished_reason", event.finish_reason),))
+                    if open_choices == 0:
+                        metrics.e2e.observe((event.time_ns - arrival_ns) / 1e9)
+                    yield ChoiceEnd(prompt_index * n + event.index, event.finish_reason,
+                                    event.text, event.num_output_tokens)
+                elif isinstance(event, Failed):
+                    open_choices = 0  # the backend has dropped the request
+                    yield GenerationFailed(event.error)
+                    return
+        finally:
+            if open_choices:
+                metrics.requests_aborted.inc()
+            admission.release()
+
+
+async def _merge(streams: list[AsyncIterator[RequestEvent]],
+                 ) -> AsyncIterator[tuple[int, RequestEvent]]:
+    """Interleave several request streams in arrival order, tagging each event with its
+    stream's index; closing the merge closes (and so aborts) every stream."""
+    if len(streams) == 1:  # the common case: no task, no hop
+        async with aclosing(streams[0]) as stream:  # type: ignore[type-var]
+            async for event in stream:
+                yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, RequestEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestEvent]) -> None:
+        try:
+            async with aclosing(stream) as events:  # type: ignore[type-var]
+                async for event in events:
+                    queue.put_nowait((index, event))
+        except Exception as exc:  # handed to the consumer, raised there
+            queue.put_nowait((index, exc))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
