@@ -90,6 +90,7 @@ class Finished(RequestEvent):
     num_preemptions: int = 0
     text: str = ""
     index: int = 0  # which sample; a request with n samples finishes n times
+    detokenize_ns: int = 0  # time this sample spent turning token ids into text, summed
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +122,11 @@ class StepRecord:
     kv_blocks_used: int = 0
     forward_ns: int = 0  # device time of the model forward and sampling within the step
     kv_gather_ns: int = 0  # of which copying K/V out of the cache (CPU dense attention)
+    # For the roofline (harness/roofline.py); padding rows count as computed.
+    logits_tokens: int = 0  # rows whose logits the LM head computed
+    attention_pairs: int = 0  # (query, key) pairs attended, summed over the step's queries
+    kv_tokens_read: int = 0  # cached tokens whose K/V the step's sequences read
+    kv_tokens_written: int = 0  # tokens whose K/V the step stored
 
 
 StepObserver = Callable[[StepRecord], None]

@@ -55,6 +55,10 @@ class SamplingParams:
             raise bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
+        # torch generators take seeds in [-2^63, 2^64); sample i of n is seeded seed + i
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not -(2 ** 63) <= self.seed <= 2 ** 64 - self.n):
+            raise bad("seed", f"null or an integer in [-2^63, 2^64 - n] (n={self.n})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

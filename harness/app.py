@@ -1,8 +1,11 @@
 """`inferlab run`: the Hydra application. Composes engine / model / workload config groups,
-runs one experiment per job, and (with -m) writes sweep.csv at the sweep root."""
+runs one experiment per job (or `repeats` of it, each in a fresh process), skips jobs that are
+already complete when resuming (`run.resume=true`), and (with -m) writes sweep.csv at the
+sweep root."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,10 +16,18 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from harness.experiment import run_experiment
-from harness.sweep import write_sweep_csv
+from harness.repeats import run_repeats, validate_repeats
+from harness.sweep import ResumeMismatch, completed_run, write_sweep_csv
 from harness.table import summary_table
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
+
+
+def _resume_flag(config: dict[str, Any]) -> bool:
+    value = (config.get("run") or {}).get("resume", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"run.resume: {value!r} is invalid; allowed: true|false")
+    return value
 
 
 def _run(cfg: DictConfig) -> dict[str, Any]:
@@ -24,10 +35,24 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
-    progress = cfg.run.get("progress", True) and sys.stderr.isatty()
-    summary = run_experiment(config, run_dir, progress=progress)
+    repeats = validate_repeats(config.get("repeats", 1))
+    resume = _resume_flag(config)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     label = f"job {hydra_cfg.job.num}: " if multirun else ""
+    try:
+        done = resume and completed_run(run_dir, config)
+    except ResumeMismatch as exc:  # stop: the sweep folder belongs to another command
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    if done:
+        print(f"{label}skipped (already complete) -> {run_dir}")
+        return json.loads((run_dir / "summary.json").read_text())
+    if repeats > 1:
+        summary = run_repeats(config, list(hydra_cfg.overrides.task), run_dir, repeats,
+                              resume=resume)
+    else:
+        progress = cfg.run.get("progress", True) and sys.stderr.isatty()
+        summary = run_experiment(config, run_dir, progress=progress)
     print(f"{label}{summary['status']} -> {run_dir}")
     if summary["metrics"]:
         print(summary_table(summary["metrics"]))

@@ -10,13 +10,24 @@ Times in the rows are seconds since the run's start (`t0`), all from the backend
 Arrival is the time the workload asked for (for a closed loop or a follow-up turn: the moment
 it became due); `sent_s` is when the request was actually handed over (their difference is the
 driver's lateness, recorded, never hidden).
+
+Phase columns partition a request's life (docs/run_folder.md): lateness (sent - arrival),
+`tokenize_s` (tokenized - sent), `queue_s` (scheduled - tokenized), `prefill_s` (first token -
+scheduled), `decode_s` (last - first token); they add up to the end-to-end latency.
+`detokenize_s` is the engine's own measure of text decoding, which happens inside the prefill
+and decode steps (a part of them, not a further phase).
+
+The clock and the sleep are injectable so a scripted backend can drive the driver in virtual
+time. The driver also times its own work (event handling, building rows, the sinks it feeds)
+with `time.perf_counter_ns`, whatever the clock: `overhead_ns` against the run's `wall_ns`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +46,8 @@ from engines.base import (
 from workloads.request import WorkloadRequest
 
 RowSink = Callable[[str, dict[str, Any]], None]
+Clock = Callable[[], int]
+Sleep = Callable[[float], Awaitable[Any]]
 
 
 @dataclass
@@ -48,10 +61,13 @@ class RequestTrace:
     last_token_ns: int | None = None
     finished_ns: int | None = None
     prompt_tokens: int | None = None
-    output_tokens: int = 0
+    output_tokens: int = 0  # Tokens events seen
+    output_tokens_reported: int | None = None  # what the backend says (a server's usage)
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
     cached_prompt_tokens: int = 0
+    prefill_tokens_computed: int = 0  # over every chunk, recomputation after preemption too
+    detokenize_ns: int | None = None
     finish_reason: str | None = None
     error: str | None = None
     token_rows: list[dict[str, Any]] = field(default_factory=list)
@@ -61,6 +77,12 @@ class RequestTrace:
     def row(self, t0: int) -> dict[str, Any]:
         def rel(ns: int | None) -> float | None:
             return None if ns is None else (ns - t0) / 1e9
+
+        def span(start: int | None, end: int | None) -> float | None:
+            return None if start is None or end is None else (end - start) / 1e9
+
+        ok = self.error is None
+        queue_from = self.tokenized_ns if self.tokenized_ns is not None else self.sent_ns
 
         request = self.item.request
         return {
@@ -79,9 +101,17 @@ class RequestTrace:
             "prompt_tokens": self.prompt_tokens,
             "output_tokens_requested": request.sampling.max_tokens,
             "output_tokens": self.output_tokens,
+            "output_tokens_reported": self.output_tokens_reported,
             "num_prefill_chunks": self.num_prefill_chunks,
             "num_preemptions": self.num_preemptions,
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefill_tokens_computed": self.prefill_tokens_computed,
+            "tokenize_s": span(self.sent_ns, self.tokenized_ns),
+            "queue_s": span(queue_from, self.scheduled_ns),
+            "prefill_s": span(self.scheduled_ns, self.first_token_ns) if ok else None,
+            "decode_s": span(self.first_token_ns, self.last_token_ns) if ok else None,
+            "detokenize_s": None if self.detokenize_ns is None or not ok
+            else self.detokenize_ns / 1e9,
             "prefix_group": request.prefix_group,
             "session_id": request.session_id,
             "turn": request.turn,
@@ -92,11 +122,21 @@ class Driver:
     """Runs one workload against one loaded backend, emitting rows to `sink`."""
 
     def __init__(self, backend: Backend, sink: RowSink,
-                 on_request_done: Callable[[RequestTrace], None] | None = None) -> None:
+                 on_request_done: Callable[[RequestTrace], None] | None = None,
+                 clock: Clock = now_ns, sleep: Sleep = asyncio.sleep) -> None:
         self.backend = backend
         self.sink = sink
         self.on_request_done = on_request_done
+        self.clock = clock
+        self.sleep = sleep
         self.t0 = 0
+        self.overhead_ns = 0  # the driver's own work, perf_counter_ns, accumulated
+        self.wall_ns = 0  # the whole drive, perf_counter_ns
+
+    @property
+    def overhead_fraction(self) -> float | None:
+        """The driver's own work (events, rows, sinks) / the run's wall time."""
+        return self.overhead_ns / self.wall_ns if self.wall_ns > 0 else None
 
     def run(self, workload: list[WorkloadRequest], concurrency: int | None = None) -> int:
         """Drive the workload to completion; return t0 (ns) for relative times."""
@@ -115,7 +155,8 @@ class Driver:
             if w.follows:
                 self.followers[w.follows].append(w)
         roots = sorted((w for w in workload if not w.follows), key=lambda w: w.arrival_s)
-        self.t0 = now_ns()
+        wall_start = time.perf_counter_ns()
+        self.t0 = self.clock()
         observer = self._on_step
         self.backend.step_observers.append(observer)
         tasks: list[asyncio.Task[None]] = []
@@ -123,9 +164,9 @@ class Driver:
             if concurrency is None:
                 for item in roots:
                     arrival = self.t0 + int(item.arrival_s * 1e9)
-                    delay = (arrival - now_ns()) / 1e9
+                    delay = (arrival - self.clock()) / 1e9
                     if delay > 0:
-                        await asyncio.sleep(delay)
+                        await self.sleep(delay)
                     tasks.append(asyncio.create_task(self._session(item, arrival)))
             else:
                 queue = deque(roots)
@@ -136,12 +177,13 @@ class Driver:
             for task in tasks:
                 task.cancel()
             self.backend.step_observers.remove(observer)
+            self.wall_ns = time.perf_counter_ns() - wall_start
         return self.t0
 
     async def _worker(self, queue: deque[WorkloadRequest]) -> None:
         """Closed loop: one slot of the concurrency; it carries a whole session at a time."""
         while queue:
-            await self._session(queue.popleft(), now_ns())
+            await self._session(queue.popleft(), self.clock())
 
     async def _session(self, item: WorkloadRequest, arrival_ns: int) -> None:
         """Send `item`, then (after their think time) the turns that follow it."""
@@ -150,10 +192,10 @@ class Driver:
         await asyncio.gather(*(self._follow_up(trace, f) for f in followers))
 
     async def _follow_up(self, previous: RequestTrace, item: WorkloadRequest) -> None:
-        due = (previous.finished_ns or now_ns()) + int(item.arrival_s * 1e9)
-        delay = (due - now_ns()) / 1e9
+        due = (previous.finished_ns or self.clock()) + int(item.arrival_s * 1e9)
+        delay = (due - self.clock()) / 1e9
         if delay > 0:
-            await asyncio.sleep(delay)
+            await self.sleep(delay)
         if previous.error is not None:
             self._fail_session(item, due, f"previous turn {previous.item.request_id} failed")
             return
@@ -167,16 +209,17 @@ class Driver:
     def _fail_session(self, item: WorkloadRequest, due_ns: int, error: str) -> None:
         """A turn that cannot be sent fails, and so does every later turn of its session:
         each keeps its row, so nothing goes missing from the counts."""
-        now = now_ns()
+        now = self.clock()
         self._emit(RequestTrace(item, due_ns, sent_ns=now, finished_ns=now, error=error))
         for follower in self.followers.get(item.request_id, []):
             self._fail_session(follower, now, f"previous turn {item.request_id} failed")
 
     async def _one(self, item: WorkloadRequest, arrival_ns: int) -> RequestTrace:
-        trace = RequestTrace(item, arrival_ns, sent_ns=now_ns())
+        trace = RequestTrace(item, arrival_ns, sent_ns=self.clock())
         request_id = item.request_id
         try:
             async for event in self.backend.generate(item.request):
+                began = time.perf_counter_ns()
                 if isinstance(event, Tokens):
                     for token in event.token_ids:
                         trace.token_rows.append({
@@ -197,6 +240,7 @@ class Driver:
                     trace.scheduled_ns = event.time_ns
                 elif isinstance(event, PrefillChunk):
                     trace.num_prefill_chunks += 1
+                    trace.prefill_tokens_computed += event.num_tokens
                     if trace.scheduled_ns is None:
                         trace.scheduled_ns = event.time_ns
                 elif isinstance(event, Preempted):
@@ -207,26 +251,36 @@ class Driver:
                     trace.finish_reason = event.finish_reason
                     trace.cached_prompt_tokens = event.cached_prompt_tokens
                     trace.num_preemptions = event.num_preemptions
+                    trace.output_tokens_reported = ((trace.output_tokens_reported or 0)
+                                                    + event.num_output_tokens)
+                    if trace.prompt_tokens is None:  # no Tokenized event (an HTTP backend)
+                        trace.prompt_tokens = event.num_prompt_tokens
+                    # n samples finish n times: their decoding time adds up
+                    trace.detokenize_ns = (trace.detokenize_ns or 0) + event.detokenize_ns
                 elif isinstance(event, Failed):
                     trace.finished_ns = event.time_ns
                     trace.error = event.error
+                self.overhead_ns += time.perf_counter_ns() - began
         except Exception as exc:  # a backend error fails this request, not the run
-            trace.finished_ns = now_ns()
+            trace.finished_ns = self.clock()
             trace.error = f"{type(exc).__name__}: {exc}"
         if trace.finished_ns is None:
             trace.error = "stream ended without a Finished event"
-            trace.finished_ns = now_ns()
+            trace.finished_ns = self.clock()
         self._emit(trace)
         return trace
 
     def _emit(self, trace: RequestTrace) -> None:
+        began = time.perf_counter_ns()
         for row in trace.token_rows:
             self.sink("tokens", row)
         self.sink("requests", trace.row(self.t0))
         if self.on_request_done is not None:
             self.on_request_done(trace)
+        self.overhead_ns += time.perf_counter_ns() - began
 
     def _on_step(self, record: StepRecord) -> None:
+        began = time.perf_counter_ns()
         row = {
             "step": record.step,
             "start_s": (record.start_ns - self.t0) / 1e9,
@@ -245,8 +299,13 @@ class Driver:
             "kv_blocks_used": record.kv_blocks_used,
             "forward_s": record.forward_ns / 1e9,
             "kv_gather_s": record.kv_gather_ns / 1e9,
+            "logits_tokens": record.logits_tokens,
+            "attention_pairs": record.attention_pairs,
+            "kv_tokens_read": record.kv_tokens_read,
+            "kv_tokens_written": record.kv_tokens_written,
         }
         self.sink("steps", row)
+        self.overhead_ns += time.perf_counter_ns() - began
 
 
 def conversation(previous: RequestTrace, item: WorkloadRequest) -> Any:

@@ -18,8 +18,10 @@ import workloads
 from engines.base import Backend, now_ns
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
-from harness import provenance
+from harness import hardware, provenance, roofline
 from harness.driver import Driver
+from harness.monitors import Monitor, MonitorConfig, gpu_index_for
+from harness.profiling import profiler_from_config
 from harness.records import RunRecorder, write_json_atomic
 from harness.window import WindowConfig, summarize
 from workloads import WorkloadRequest
@@ -108,13 +110,26 @@ def run_experiment(config: dict[str, Any], run_dir: str | Path,
     window_cfg = WindowConfig.from_dict(run_cfg.get("window"))
     slo = dict(run_cfg.get("slo") or {})
     status, error, info, backend, bar = "complete", None, {}, None, None
+    monitor: Monitor | None = None
+    profiler, driver = None, None
     try:
         with _sigterm_interrupts():
+            hardware_cfg = hardware.validate_config(config.get("hardware"))
+            monitor_cfg = MonitorConfig.from_dict(run_cfg.get("monitor"))
+            profiler = profiler_from_config(config, run_dir)
+            if monitor_cfg.enabled:
+                monitor = Monitor(monitor_cfg.interval_s)
+                monitor.mark_before_load()
             start = now_ns()
             backend = build_backend(config["engine"], config["model"])
             backend.load()
             info["load_s"] = (now_ns() - start) / 1e9
             info["engine"] = backend.describe()
+            # after load: a CPU probe runs at the engine's thread count (cached per machine)
+            info["hardware"] = hardware.describe_for_run(
+                *hardware.resolve(hardware_cfg, info["engine"].get("device")))
+            if monitor is not None:  # after the probe, whose buffers are no part of the run
+                monitor.start(gpu_index_for(info["engine"].get("device")))
             tokenizer = getattr(backend, "tokenizer", None)
             context_len = info["engine"].get("max_model_len")
             workload = make_workload(config["workload"])
@@ -136,7 +151,10 @@ def run_experiment(config: dict[str, Any], run_dir: str | Path,
                             on_request_done=lambda _: bar.update())
             concurrency = getattr(workload, "concurrency", None)
             info["closed_loop"] = concurrency is not None
+            if profiler is not None:
+                profiler.attach(backend, cuda=str(info["engine"].get("device")).startswith("cuda"))
             driver.run(requests, concurrency=concurrency)
+            info["harness_overhead_fraction"] = driver.overhead_fraction
             quality = run_cfg.get("quality") or {}
             if quality.get("enabled") and isinstance(backend, BuiltinBackend):
                 from engines.builtin import LLM
@@ -155,14 +173,39 @@ def run_experiment(config: dict[str, Any], run_dir: str | Path,
         status, error = "failed", "".join(traceback.format_exception_only(exc)).strip()
         info["traceback"] = traceback.format_exc()
     finally:
+        # Each clean-up step is guarded: whatever fails, the rows are kept and summary.json
+        # is written, with the failure named under `finalize_errors`.
+        def guarded(name: str, action: Any) -> Any:
+            try:
+                return action()
+            except Exception as exc:
+                info.setdefault("finalize_errors", []).append(f"{name}: {exc!r}")
+                return None
+
+        if profiler is not None:
+            info["profile"] = guarded("profiler", profiler.finish)
+        if monitor is not None:
+            guarded("monitor", monitor.stop)
         if bar is not None:
             bar.close()
         if backend is not None:
-            backend.close()
+            if "engine" in info:  # counters some backends keep updating during the run
+                info["engine"] = guarded("describe", backend.describe) or info["engine"]
+            guarded("backend.close", backend.close)
         frames = recorder.finalize()
+        if monitor is not None:  # samples on the run's clock: seconds since the driver's t0
+            info["samples"] = guarded("samples", lambda: monitor.write(
+                run_dir, driver.t0 if driver is not None else None))
+            info["monitor"] = guarded("monitor", monitor.info)
+        annotated = guarded("roofline", lambda: roofline.annotate_run(run_dir, frames["steps"],
+                                                                      info))
+        if annotated is not None:
+            frames["steps"] = annotated
         summary = {"status": status, "error": error,
                    **summarize(frames, info, slo, window_cfg), "run_dir": str(run_dir),
-                   **{k: v for k, v in info.items() if k not in ("load_s", "cold_start_s")}}
+                   **{k: v for k, v in info.items() if k not in ("load_s", "cold_start_s",
+                                                                "harness_overhead_fraction",
+                                                                "samples")}}
         recorder.write_summary(summary)
     return summary
 

@@ -15,6 +15,9 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
+from harness.phases import CAUSES, itl_by_cause
+from harness.roofline import roofline_summary
+
 Better = Literal["lower", "higher", "none"]
 Kind = Literal["deterministic", "timing"]
 
@@ -114,6 +117,50 @@ register("kv_bytes_used_peak", "B", "none", "deterministic",
 register("cold_start_s", "s", "lower", "timing",
          "model load (weights, tokenizer) plus the first engine step")
 register("load_s", "s", "lower", "timing", "backend load: model build, weights, tokenizer")
+# The monitor (harness/monitors.py, docs/monitoring.md): sampled, so all timing-kind.
+register("peak_rss_bytes", "B", "lower", "timing", "largest process RSS sampled (psutil)")
+register("cpu_util_mean", "fraction", "none", "timing",
+         "process CPU time / wall time / CPUs the process may use, time-weighted over samples")
+register("gpu_util_mean", "fraction", "higher", "timing",
+         "NVML GPU utilization (share of time a kernel ran), time-weighted over samples")
+register("peak_vram_bytes", "B", "lower", "timing",
+         "largest GPU memory in use sampled by NVML (whole device: CUDA context, others too)")
+register("energy_j", "J", "lower", "timing",
+         "GPU energy: difference of NVML's total-energy counter (else integrated power)")
+register("j_per_output_token", "J/tok", "lower", "timing",
+         "energy_j / output tokens completed in the same span")
+register("memory_weights_bytes", "B", "lower", "deterministic",
+         "memory breakdown: model weights (= weight_bytes)")
+register("memory_kv_pool_bytes", "B", "lower", "timing",
+         "memory breakdown: KV pool allocated at load (sized from free memory unless "
+         "engine.kv_cache_memory_bytes is set, so not deterministic)")
+register("memory_kv_reserved_bytes", "B", "lower", "deterministic",
+         "memory breakdown: peak KV bytes reserved for live sequences (= kv_bytes_reserved_peak)")
+register("memory_kv_used_bytes", "B", "none", "deterministic",
+         "memory breakdown: peak KV bytes holding tokens (= kv_bytes_used_peak)")
+register("memory_peak_bytes", "B", "lower", "timing",
+         "peak memory of the run: torch CUDA peak allocated (GPU); weights + RSS growth over "
+         "the post-load RSS (CPU)")
+register("memory_other_bytes", "B", "lower", "timing",
+         "memory breakdown: activations and workspace: GPU peak - weights - KV pool; CPU RSS "
+         "growth - KV in use (an upper bound; docs/monitoring.md)")
+register("mbu_decode_mean", "fraction", "higher", "timing",
+         "roofline: mean MBU over decode-only steps (docs/roofline.md)")
+register("mbu_mean", "fraction", "higher", "timing", "roofline: mean MBU over all steps")
+register("mfu_prefill_mean", "fraction", "higher", "timing",
+         "roofline: mean MFU over prefill-only steps")
+register("mfu_mean", "fraction", "higher", "timing", "roofline: mean MFU over all steps")
+register("roofline_decode_ratio_p50", "ratio", "lower", "timing",
+         "roofline: median of measured / predicted step time over decode-only steps")
+register("roofline_ratio_p50", "ratio", "lower", "timing",
+         "roofline: median of measured / predicted step time over all steps")
+for _cause in CAUSES:
+    register(f"itl_p99_{_cause}_s", "s", "lower", "timing",
+             f"ITL p99 over the gaps attributed to {_cause} (harness/phases.py)")
+    register(f"itl_spike_share_{_cause}", "fraction", "none", "timing",
+             f"share of the gaps >= the pooled ITL p99 attributed to {_cause}")
+register("harness_overhead_fraction", "fraction", "lower", "timing",
+         "driver's own work (event handling, rows, record sinks) / wall time of the run")
 
 
 def _pct(values: np.ndarray, q: float) -> float | None:
@@ -203,6 +250,7 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
     rates over D = first arrival -> last completion.
     """
     run_info = run_info or {}
+    all_steps = steps  # an ITL gap near the window's edge may end at a step outside it
     if span is not None:
         start, end = span
         sent = requests["sent_s"]
@@ -224,6 +272,7 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
     summary.update(_stats("queue", column("queue_s"), ("p50", "p99")))
     itl = inter_token_latencies(tokens, ok["request_id"])
     summary.update(_stats("itl", itl, ("mean", "p50", "p90", "p99", "p999", "max")))
+    summary.update(itl_by_cause(tokens, all_steps, ok["request_id"]))
 
     all_ok = requests[requests["status"] == "ok"]
     if span is None:
@@ -275,15 +324,21 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
         int(steps["decode_tokens"].sum()) if len(steps) else 0)
     summary["padding_fraction"] = summary["padding_tokens_total"] / computed if computed else None
     summary.update(kv_summary(steps, members))
+    summary.update(roofline_summary(steps))
     for key in ("kv_bytes_per_token", "weight_bytes", "linear_weight_bytes"):
         if run_info.get("engine", {}).get(key) is not None:
             summary[key] = run_info["engine"][key]
     summary.update(run_info.get("quality") or {})
+    if run_info.get("samples") is not None:  # the monitor's samples (harness/monitors.py)
+        from harness.monitors import monitor_metrics, whole_run_span
+
+        summary.update(monitor_metrics(run_info, summary, span or whole_run_span(requests),
+                                       output_done))
     if slo and any(v is not None for v in slo.values()) and len(ok):
         summary["slo_attainment"] = float(slo_met(ok, slo).mean())
         summary["goodput_req_per_s"] = rate(int(slo_met(done, slo).sum())) if len(done) \
             else rate(0)
-    for key in ("cold_start_s", "load_s"):
+    for key in ("cold_start_s", "load_s", "harness_overhead_fraction"):
         if key in run_info:
             summary[key] = run_info[key]
     unknown = set(summary) - set(REGISTRY)

@@ -29,15 +29,20 @@ TABLES = ("requests", "tokens", "steps")
 REQUEST_COLUMNS = [
     "request_id", "status", "error", "finish_reason", "arrival_s", "sent_s", "tokenized_s",
     "scheduled_s", "first_token_s", "last_token_s", "finished_s", "prompt_tokens_requested",
-    "prompt_tokens", "output_tokens_requested", "output_tokens", "num_prefill_chunks",
+    "prompt_tokens", "output_tokens_requested", "output_tokens", "output_tokens_reported",
+    "num_prefill_chunks",
     "num_preemptions", "cached_prompt_tokens", "prefix_group", "session_id", "turn",
+    "prefill_tokens_computed", "tokenize_s", "queue_s", "prefill_s", "decode_s", "detokenize_s",
 ]
 TOKEN_COLUMNS = ["request_id", "index", "step", "time_s", "token_id"]
 STEP_COLUMNS = [
     "step", "start_s", "end_s", "num_seqs", "num_prefill_seqs", "num_decode_seqs",
     "prefill_tokens", "decode_tokens", "padding_tokens", "num_waiting", "kv_bytes_reserved",
     "kv_bytes_used", "num_preempted", "num_running", "kv_blocks_used", "forward_s",
-    "kv_gather_s",
+    "kv_gather_s", "logits_tokens", "attention_pairs", "kv_tokens_read", "kv_tokens_written",
+    # the roofline (harness/roofline.py), added when the run finishes; NaN where not applicable
+    "flops", "weight_bytes_read", "kv_bytes_read", "kv_bytes_written", "predicted_s", "mbu",
+    "mfu",
 ]
 COLUMNS = {"requests": REQUEST_COLUMNS, "tokens": TOKEN_COLUMNS, "steps": STEP_COLUMNS}
 
@@ -45,10 +50,14 @@ COLUMNS = {"requests": REQUEST_COLUMNS, "tokens": TOKEN_COLUMNS, "steps": STEP_C
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write to a temporary file in the same folder, then rename over the target."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:  # the old file stays whole; no half-written temporary is left
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class RunRecorder:

@@ -1,4 +1,6 @@
-"""sweep.csv: one row per Hydra multirun job, its overrides as columns, then its metrics."""
+"""sweep.csv: one row per Hydra multirun job, its overrides as columns, then its metrics; and
+resume (`run.resume=true`): a job whose folder already holds a complete run of the same
+configuration is skipped, every other one (incomplete, failed, missing) runs again."""
 
 from __future__ import annotations
 
@@ -12,6 +14,52 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from harness.records import write_json_atomic
+
+#: Overrides that say how to run, not what: no column in sweep.csv, ignored by resume.
+HOW_TO_RUN_KEYS = {"run.resume", "run.progress"}
+
+
+class ResumeMismatch(ValueError):
+    """The folder resume would skip holds a run of another configuration."""
+
+
+def _comparable(config: dict[str, Any]) -> dict[str, Any]:
+    """The config as YAML stores it (config.yaml), less the keys in HOW_TO_RUN_KEYS."""
+    plain = yaml.safe_load(yaml.safe_dump(config)) or {}
+    run = dict(plain.get("run") or {})
+    for key in HOW_TO_RUN_KEYS:
+        run.pop(key.split(".", 1)[1], None)
+    return {**plain, "run": run}
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b), key=str):
+            out += _differences(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def completed_run(run_dir: str | Path, config: dict[str, Any]) -> bool:
+    """Does `run_dir` hold a complete run of `config`? Raises ResumeMismatch when it holds a
+    run (of any status) of another configuration: skipping it would report the wrong thing,
+    running over it would destroy another variant's record."""
+    run_dir = Path(run_dir)
+    try:
+        stored = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # never started (or not a run folder): run it
+    differing = _differences(_comparable(stored or {}), _comparable(config))
+    if differing:
+        raise ResumeMismatch(
+            f"run.resume: {run_dir} holds a run of another configuration (it differs in "
+            f"{differing[:5]}); resume a sweep with the command that started it")
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(summary, dict) and summary.get("status") == "complete"
 
 
 def _parse_value(text: str) -> Any:
@@ -30,7 +78,8 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"job": job.name}
         for override in overrides:
             key, _, value = override.partition("=")
-            row[key.lstrip("+~")] = _parse_value(value)
+            if key.lstrip("+~") not in HOW_TO_RUN_KEYS:
+                row[key.lstrip("+~")] = _parse_value(value)
         summary_file = job / "summary.json"
         if summary_file.is_file():
             summary = json.loads(summary_file.read_text())
@@ -68,6 +117,9 @@ def kv_speedup_curve(frame: pd.DataFrame) -> pd.DataFrame | None:
     if not needed <= set(frame.columns) or "none" not in set(frame["engine.kv_cache"]):
         return None
     done = frame[frame["status"] == "complete"]
+    # a curve needs one context length per job; a swept range or distribution has none
+    if not all(isinstance(v, int | float) for v in done["workload.input_len"]):
+        return None
     table = done.pivot_table(index="workload.input_len", columns="engine.kv_cache",
                              values="tpot_p50_s")
     curve = pd.DataFrame({"context_len": table.index})

@@ -16,9 +16,11 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 $PY -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name(0))" \
     | tee "$OUT/versions.txt"
 
-# 1. Kernels compiled for the GPU (no interpreter), fp32/fp16/bf16, against the torch reference.
+# 1. Kernels compiled for the GPU (no interpreter), fp32/fp16/bf16, against the torch reference
+#    (INT8 KV cache included), and CUDA graph capture/replay against eager decoding.
 INFERLAB_TRITON_DEVICE=cuda $PY -m pytest tests/test_triton_kernels.py \
-    tests/test_quant_triton.py -q 2>&1 | tee "$OUT/pytest_triton_cuda.txt"
+    tests/test_triton_kv_int8.py tests/test_quant_triton.py tests/test_cuda_graphs.py -q 2>&1 \
+    | tee "$OUT/pytest_triton_cuda.txt"
 
 # 2. A short matrix on the llama3-8b shape (dummy weights, bf16): attention backend x KV
 #    layout on one mixed workload; sweep.csv has throughput, TTFT/TPOT, KV utilization.
@@ -27,4 +29,13 @@ $PY -m harness.cli run -m model=llama3-8b engine.device=cuda engine.dtype=bf16 \
     engine.attention_backend=sdpa,triton engine.kv_cache=contiguous,paged \
     workload=mixed workload.num_requests=64 run.warmup_requests=2 \
     "hydra.sweep.dir=$OUT/llama3_8b_matrix" 2>&1 | tail -40 | tee "$OUT/matrix.txt"
+
+# 3. Batch-1 decode on the llama3-8b shape, Triton attention, eager vs CUDA graphs (the issue-7
+#    MBU figure comes from this sweep's steps; 4 requests of 512 output tokens, one at a time).
+$PY -m harness.cli run -m model=llama3-8b engine.device=cuda engine.dtype=bf16 \
+    engine.max_model_len=2048 engine.max_num_seqs=1 engine.attention_backend=triton \
+    engine.kv_cache=paged ++engine.enforce_eager=true,false \
+    workload.num_requests=4 workload.input_len=128 workload.output_len=512 \
+    run.warmup_requests=1 "hydra.sweep.dir=$OUT/llama3_8b_graphs" 2>&1 | tail -20 \
+    | tee "$OUT/graphs.txt"
 echo "results in $OUT"

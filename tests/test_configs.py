@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from engines.builtin.config import EngineConfig
+from engines.hf.config import HFConfig
 from harness.experiment import build_backend, make_workload
 from harness.window import WindowConfig
 
@@ -26,9 +27,14 @@ def names(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 
 
+ENGINE_CONFIGS = {"builtin": EngineConfig, "hf": HFConfig}
+
+
 def check(cfg: dict) -> None:
-    engine = {k: v for k, v in cfg["engine"].items() if k != "backend"}
-    EngineConfig.from_dict({**engine, "model": "tiny"})
+    engine = dict(cfg["engine"])
+    backend = engine.pop("backend")
+    if backend in ENGINE_CONFIGS:  # in-process engines validate their options on their own
+        ENGINE_CONFIGS[backend].from_dict({**engine, "model": "tiny"})
     if cfg["model"]["name"] not in ("hf", "tiny-trained"):  # those need a folder / training
         build_backend(cfg["engine"], cfg["model"])  # validates without loading
     make_workload(cfg["workload"])

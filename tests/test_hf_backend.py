@@ -111,6 +111,17 @@ def test_bad_options_name_the_field() -> None:
         HFBackend.from_config({"mode": "beam"})
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['kv_cache'\]"):
         HFBackend.from_config({"kv_cache": "paged"})
+    # wrong types name the field too (they used to be TypeErrors or slip through)
+    for options, message in [
+            ({"max_model_len": "abc"}, "engine.max_model_len: 'abc' is invalid; allowed: "
+                                       "null or an integer >= 2"),
+            ({"num_threads": 1.5}, "engine.num_threads: 1.5 is invalid"),
+            ({"max_num_seqs": True}, "engine.max_num_seqs: True is invalid"),
+            ({"seed": "0"}, "engine.seed: '0' is invalid; allowed: an integer"),
+            ({"device": "tpu"}, "engine.device: 'tpu' is invalid; allowed: auto|cpu|cuda")]:
+        with pytest.raises(ConfigError) as info:
+            HFBackend.from_config(options)
+        assert message in str(info.value)
 
 
 def test_unsupported_request_fails_alone() -> None:

@@ -232,3 +232,25 @@ def test_min_tokens_defers_eos(make_tiny) -> None:
         out = llm.generate(prompt, params)[0]
         assert len(out.token_ids) >= 5
         assert eos not in out.token_ids[:5]
+
+
+@pytest.mark.parametrize(("field", "kwargs", "allowed"), [
+    ("max_tokens", {"max_tokens": 0}, "an integer >= 1"),
+    ("temperature", {"temperature": float("nan")}, "a number >= 0"),
+    ("top_p", {"top_p": 0.0}, "a number in (0, 1]"),
+    ("top_k", {"top_k": -2}, "-1 or 0 (disabled)"),
+    ("min_tokens", {"max_tokens": 4, "min_tokens": 5}, "an integer in [0, max_tokens=4]"),
+    ("n", {"n": 0}, "an integer >= 1"),
+    # sample i of n is seeded seed + i: the last one must still be a valid generator seed
+    ("seed", {"seed": 2 ** 64 - 1, "n": 2}, "[-2^63, 2^64 - n] (n=2)"),
+    ("seed", {"seed": -(2 ** 63) - 1}, "[-2^63, 2^64 - n]"),
+    ("stop", {"stop": [""]}, "a list of non-empty strings"),
+])
+def test_invalid_sampling_params_name_the_field(field: str, kwargs: dict, allowed: str) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}: .* allowed: ") as info:
+        SamplingParams(**kwargs)
+    assert allowed in str(info.value)
+
+
+def test_largest_seed_for_n_samples_is_accepted() -> None:
+    assert SamplingParams(seed=2 ** 64 - 2, n=2).seed == 2 ** 64 - 2

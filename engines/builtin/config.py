@@ -69,6 +69,14 @@ class EngineConfig:
     quantization: str = "none"
     quantization_group_size: int = 128  # int4: input columns per scale/zero (32|64|128)
     quantize_lm_head: bool = False  # quantize the (untied) LM head too; false keeps it dense
+    # test instrument: sleep this fraction of each step's duration inside the step (a planted
+    # slowdown for validating the regression gate; docs/gate.md)
+    debug_step_delay_fraction: float = 0.0
+    # speed: CUDA graphs for decode steps (CUDA only, needs attention_backend=triton) and
+    # torch.compile of the model forward; docs/engine_options.md
+    enforce_eager: bool = True
+    cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 24, ... max_num_seqs
+    compile: bool = False
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
@@ -115,12 +123,27 @@ class EngineConfig:
                 raise fail(name, "null or an integer >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise fail("gpu_memory_utilization", "a number in (0, 1]")
+        if (isinstance(self.debug_step_delay_fraction, bool)
+                or not isinstance(self.debug_step_delay_fraction, int | float)
+                or not self.debug_step_delay_fraction >= 0.0):
+            raise fail("debug_step_delay_fraction", "a number >= 0")
         if (isinstance(self.quantization_group_size, bool)
                 or self.quantization_group_size not in (32, 64, 128)):
             raise fail("quantization_group_size", "32|64|128")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "quantize_lm_head"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "quantize_lm_head",
+                     "enforce_eager", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "true|false")
+        sizes = self.cuda_graph_batch_sizes
+        if sizes is not None:
+            if (isinstance(sizes, str | bytes) or not hasattr(sizes, "__iter__")
+                    or not list(sizes)
+                    or any(isinstance(n, bool) or not isinstance(n, int) or not
+                           1 <= n <= self.max_num_seqs for n in sizes)):
+                raise fail("cuda_graph_batch_sizes",
+                           f"null or a non-empty list of integers in [1, max_num_seqs="
+                           f"{self.max_num_seqs}]")
+            self.cuda_graph_batch_sizes = sorted(set(sizes))
         if self.enable_chunked_prefill and self.batching == "static":
             raise ConfigError(
                 "engine.enable_chunked_prefill=true cannot be combined with "

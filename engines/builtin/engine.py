@@ -9,6 +9,8 @@ Each step's plan and counters are handed to `step_observers` as a `StepRecord`.
 
 from __future__ import annotations
 
+import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from engines.base import (
     StepRecord,
     Tokenized,
     Tokens,
+    now_ns,
 )
 from engines.builtin.config import TORCH_DTYPES, EngineConfig
 from engines.builtin.kv_cache import (
@@ -57,6 +60,16 @@ class EngineLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_budget_bytes: int
+
+
+def _profiled(plan: StepPlan) -> AbstractContextManager[Any]:
+    """Names a step's model execution `step:<phase>` for harness/profiling.py while a
+    torch profiler runs; otherwise a no-op costing one flag check."""
+    if not torch.autograd._profiler_enabled():
+        return nullcontext()
+    decodes = plan.num_decodes
+    phase = "decode" if decodes == len(plan.scheduled) else "prefill" if not decodes else "mixed"
+    return torch.profiler.record_function(f"step:{phase}")
 
 
 class LLMEngine:
@@ -102,6 +115,7 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self.step_observers: list[StepObserver] = []
         self._pending_events: list[RequestEvent] = []
+        self._detokenize_ns: dict[str, int] = {}  # per sequence key, reported in Finished
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -184,7 +198,18 @@ class LLMEngine:
             "quantization": self.config.quantization,
             "kv_cache_dtype": self.config.kv_cache_dtype,
             **self.runner.model.weight_bytes(),
+            **self.runner.speed_facts(),
+            "roofline_shape": self._roofline_shape(),
         }
+
+    def _roofline_shape(self) -> dict[str, int]:
+        """Per-token constants of the roofline's FLOP count (harness/roofline.py)."""
+        cfg, model = self.model_config, self.runner.model
+        blocks = sum(m.in_features * m.out_features
+                     for name, m in model.linear_layers().items() if name.startswith("layers."))
+        return {"block_linear_params": blocks,
+                "lm_head_params": cfg.hidden_size * cfg.vocab_size,
+                "attention_flops_per_pair": 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim}
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -203,24 +228,10 @@ class LLMEngine:
         """Tokenize and queue a request; raises ValueError (naming the field) if it is invalid."""
         arrival_ns = self.platform.now_ns() if arrival_ns is None else arrival_ns
         sampling = sampling or SamplingParams()
-        sampling.validate()
         if request_id in self.sequences:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        if sampling.n > 1 and self.config.batching == "static":
-            raise ValueError("SamplingParams.n: parallel sampling (n > 1) needs "
-                             "engine.batching=continuous")
         token_ids = self.tokenize(prompt)
-        max_len = self.limits.max_model_len
-        if not token_ids:
-            raise ValueError("prompt: empty (it has no tokens)")
-        if len(token_ids) >= max_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens do not fit max_model_len="
-                             f"{max_len} (at least one token must be generated)")
-        self._check_fits(len(token_ids), sampling.max_tokens)
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
+        self.check_request(token_ids, sampling)
         seq = Sequence(request_id, token_ids, sampling, arrival_ns, priority)
         seq.pending_forks = sampling.n - 1
         if sampling.seed is not None:
@@ -234,7 +245,28 @@ class LLMEngine:
                                  Tokenized(request_id, step, self.platform.now_ns(),
                                            len(token_ids))]
 
-    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_request(self, token_ids: list[int], sampling: SamplingParams) -> None:
+        """Every check `add_request` makes, without queueing anything: a frontend (the
+        server) calls it to refuse a request before it answers. Raises ValueError naming
+        the field."""
+        sampling.validate()
+        if sampling.n > 1 and self.config.batching == "static":
+            raise ValueError(f"SamplingParams.n: {sampling.n} needs parallel sampling, which "
+                             "engine.batching=static does not do; allowed: 1 (or "
+                             "engine.batching=continuous)")
+        max_len = self.limits.max_model_len
+        if not token_ids:
+            raise ValueError("prompt: empty (it has no tokens)")
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens do not fit max_model_len="
+                             f"{max_len} (at least one token must be generated)")
+        self.check_fits(len(token_ids), sampling.max_tokens)
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """A request whose KV can never fit the pool, even alone, fails now with the reason
         (otherwise it would be preempted and readmitted forever)."""
         if self.config.kv_cache != "paged":
@@ -295,13 +327,20 @@ class LLMEngine:
             if item.is_prefill:
                 events.append(PrefillChunk(item.seq.request_id, plan.step, start,
                                            item.num_new_tokens, item.num_computed_before))
+        # rows whose logits the LM head computes (counted before their tokens are added)
+        logits_tokens = (sum(1 for item in plan.scheduled if item.samples)
+                         if self.step_observers else 0)
         try:
-            tokens = self.runner.execute(plan, self.kv)
+            with _profiled(plan):
+                tokens = self.runner.execute(plan, self.kv)
         except Exception as exc:  # a failed step fails its requests, not the engine
             return events + self._fail_step(plan, exc)
         self.scheduler.complete_step(plan)
         finished = self._postprocess(plan, tokens)
         end = self.platform.now_ns()
+        if self.config.debug_step_delay_fraction > 0:  # a planted slowdown (docs/gate.md)
+            time.sleep((end - start) * self.config.debug_step_delay_fraction / 1e9)
+            end = self.platform.now_ns()
         for key, delta in finished.items():
             seq = self.sequences[key]
             events.append(Tokens(seq.request_id, plan.step, end, (seq.token_ids[-1],), delta,
@@ -309,7 +348,7 @@ class LLMEngine:
             if seq.is_finished:
                 events.append(self._finished(seq, plan.step, end))
                 del self.sequences[key]
-        self._record_step(plan, start, end)
+        self._record_step(plan, start, end, logits_tokens)
         return events
 
     def _postprocess(self, plan: StepPlan, tokens: list[int]) -> dict[str, str]:
@@ -333,9 +372,12 @@ class LLMEngine:
                 reason = "length"
             delta = ""
             if seq.detok is not None:
+                detok_start = now_ns()
                 seq.text += seq.detok.step(token)  # type: ignore[attr-defined]
                 if reason is not None:
                     seq.text += seq.detok.flush()  # type: ignore[attr-defined]
+                self._detokenize_ns[seq.key] = (self._detokenize_ns.get(seq.key, 0)
+                                                + now_ns() - detok_start)
                 if p.stop:
                     hit = self._find_stop(seq)
                     if hit is not None:
@@ -390,7 +432,8 @@ class LLMEngine:
     def _finished(self, seq: Sequence, step: int, time_ns: int) -> Finished:
         return Finished(seq.request_id, step, time_ns, seq.finish_reason or "abort",
                         seq.num_prompt_tokens, seq.num_output_tokens, seq.cached_prompt_tokens,
-                        seq.num_preemptions, seq.text, seq.sample_index)
+                        seq.num_preemptions, seq.text, seq.sample_index,
+                        self._detokenize_ns.pop(seq.key, 0))
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestEvent]:
         now = self.platform.now_ns()
@@ -399,11 +442,12 @@ class LLMEngine:
             seq = item.seq
             self.scheduler.finish(seq, "error")
             self.sequences.pop(seq.key, None)
+            self._detokenize_ns.pop(seq.key, None)
             events.append(Failed(seq.request_id, plan.step, now,
                                  f"engine step failed: {type(exc).__name__}: {exc}"))
         return events
 
-    def _record_step(self, plan: StepPlan, start: int, end: int) -> None:
+    def _record_step(self, plan: StepPlan, start: int, end: int, logits_tokens: int) -> None:
         if not self.step_observers:
             return
         num_decodes = plan.num_decodes
@@ -418,6 +462,28 @@ class LLMEngine:
             kv_blocks_used=self.kv.num_blocks_in_use,
             forward_ns=self.runner.last_forward_ns,
             kv_gather_ns=self.runner.last_gather_ns,
+            logits_tokens=logits_tokens,
+            **roofline_counts(plan, self.model_config.sliding_window, self.kv.retains_kv),
         )
         for observer in self.step_observers:
             observer(record)
+
+
+def roofline_counts(plan: StepPlan, window: int | None, retains_kv: bool) -> dict[str, int]:
+    """What the step's attention must touch: (query, key) pairs attended (causal, within the
+    sliding window), cached tokens read, tokens stored. Every computed row counts, static
+    batching's padding included; padding K/V are never stored."""
+    rows = [(s.num_computed_before, s.num_new_tokens + s.num_padding_tokens, s.num_new_tokens)
+            for s in plan.scheduled]
+    rows += [(r.start, r.num_tokens, 0) for r in plan.padding_rows]
+    pairs = read = written = 0
+    for start, queries, real in rows:
+        # query i (0-based) of the row sees start + i + 1 keys, at most `window`
+        first, last = start + 1, start + queries
+        capped = 0 if window is None else max(0, last - max(window, first - 1))
+        uncapped = queries - capped
+        pairs += uncapped * first + uncapped * (uncapped - 1) // 2 + capped * (window or 0)
+        if retains_kv:
+            read += start if window is None else min(start, window - 1)
+            written += real
+    return {"attention_pairs": pairs, "kv_tokens_read": read, "kv_tokens_written": written}

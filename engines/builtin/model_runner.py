@@ -1,6 +1,7 @@
 """The model runner executes a step plan: it packs the scheduled tokens (and static batching's
 padding), fills the attention metadata into preallocated buffers (one host-to-device copy per
-step), runs the model, and samples the sequences that reached the end of their known tokens."""
+step), runs the model (or replays a CUDA graph for a decode step), and samples the sequences
+that reached the end of their known tokens."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ import torch
 
 from engines.builtin.attention import AttentionMetadata, make_attention
 from engines.builtin.config import EngineConfig
+from engines.builtin.cuda_graphs import (
+    DecodeGraphs,
+    compile_model,
+    default_batch_sizes,
+    graphs_unavailable_reason,
+    pad_decode_rows,
+)
 from engines.builtin.kv_cache import KVCacheManager, LayerKVCache
 from engines.builtin.layers.linear import DenseMethod, make_linear_method
 from engines.builtin.model import Transformer
@@ -55,18 +63,17 @@ class ModelRunner:
         # and the quality probe. None in normal runs, where only sampled rows are computed.
         self.logits_observer: Callable[[StepPlan, torch.Tensor], None] | None = None
 
-        # Preallocated metadata buffers at the largest step; each step uses a prefix.
-        def buffer(n: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(n, dtype=dtype, device=self.device)
-
-        self.input_ids_buf = buffer(max_num_batched_tokens, torch.int64)
-        self.positions_buf = buffer(max_num_batched_tokens, torch.int64)
-        self.slots_buf = buffer(max_num_batched_tokens, torch.int64)
-        self.qsl_buf = buffer(max_num_seqs + 1, torch.int32)
-        self.seq_lens_buf = buffer(max_num_seqs, torch.int32)
+        # Preallocated step inputs at the largest step (each step uses a prefix), allocated
+        # with the KV cache, which sets the block tables' width.
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.inputs: StepInputs  # allocate_kv_cache
         self.max_blocks_per_seq = 1
+        self._graph_size: int | None = None  # the CUDA graph bucket serving this step
         self.ring = False
         self._real_token_index: torch.Tensor | None = None  # packed rows of real tokens
+        self.decode_graphs: DecodeGraphs | None = None  # set up with the KV cache
+        self.cuda_graphs_note: str | None = None  # why graphs were asked for but not used
 
     def _load_weights(self) -> None:
         cfg, config = self.model_config, self.config
@@ -84,19 +91,56 @@ class ModelRunner:
         self.ring = bool(getattr(kv, "ring", False))
         self.block_size = layout.block_size
         self.max_blocks_per_seq = max(1, -(-self.max_model_len // layout.block_size))
-        self.block_tables_buf = torch.zeros(
-            (self.qsl_buf.numel() - 1, self.max_blocks_per_seq), dtype=torch.int32,
-            device=self.device)
+        self.inputs = StepInputs(self.max_num_batched_tokens, self.max_num_seqs,
+                                 self.max_blocks_per_seq, self.device)
         self.kv_caches = []
+        cache_class = LayerKVCache
+        if self.config.attention_backend == "triton":
+            # the Triton write kernel (quantizing in-kernel for INT8; skips padding slots)
+            from engines.builtin.attention.triton_backend import TritonKVCache
+            cache_class = TritonKVCache
         for layer in self.model.layers:
             cache = None
             if layout.num_blocks:
-                cache = LayerKVCache(layout.num_blocks, layout.block_size,
+                cache = cache_class(layout.num_blocks, layout.block_size,
                                      self.model_config.num_kv_heads, self.model_config.head_dim,
                                      self.dtype, self.device,
                                      quantized=self.config.kv_cache_dtype == "int8")
                 self.kv_caches.append(cache)
             layer.attn.cache = cache
+        self._setup_speed()
+
+    def _setup_speed(self) -> None:
+        """torch.compile, then CUDA graphs (which then record the compiled forward)."""
+        config = self.config
+        if config.compile:
+            _check_compile_works(self.device)
+            compile_model(self)
+        if config.enforce_eager:
+            return
+        reason = graphs_unavailable_reason(self)
+        if reason is None:
+            sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_num_seqs)
+            with torch.inference_mode():
+                self.decode_graphs = DecodeGraphs(self, sizes, capture=True)
+        elif self.device.type == "cuda":
+            raise ValueError(f"engine.enforce_eager=false asks for CUDA graphs, but {reason}; "
+                             "or set engine.enforce_eager=true")
+        else:  # accepted and ignored, so one config runs on CPU and GPU machines alike
+            self.cuda_graphs_note = f"not used: {reason}"
+
+    def speed_facts(self) -> dict[str, object]:
+        """For describe(): what the speed options actually do on this engine."""
+        graphs = self.decode_graphs
+        facts: dict[str, object] = {
+            "enforce_eager": self.config.enforce_eager,
+            "compile": self.config.compile,
+            "cuda_graphs": graphs is not None,
+            "cuda_graph_batch_sizes": graphs.sizes if graphs is not None else [],
+        }
+        if self.cuda_graphs_note is not None:
+            facts["cuda_graphs_note"] = self.cuda_graphs_note
+        return facts
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -148,12 +192,15 @@ class ModelRunner:
         use_cache = kv.retains_kv
         write_index = None
         n = num_tokens
-        self.input_ids_buf[:n].copy_(torch.from_numpy(np.asarray(token_ids, np.int64)))
-        self.positions_buf[:n].copy_(torch.from_numpy(positions))
-        self.qsl_buf[:num_seqs + 1].copy_(torch.from_numpy(qsl))
-        self.seq_lens_buf[:num_seqs].copy_(torch.from_numpy(seq_lens))
+        inputs = self.inputs
+        host = inputs.host_arrays()  # waits until the previous step's upload has left them
+        host["input_ids"][:n] = token_ids
+        host["positions"][:n] = positions
+        host["qsl"][:num_seqs + 1] = qsl
+        host["seq_lens"][:num_seqs] = seq_lens
         if use_cache:
-            tables = np.zeros((num_seqs, self.max_blocks_per_seq), np.int64)
+            tables = host["block_tables"][:num_seqs]
+            tables[:] = 0
             for row, r in enumerate(rows):
                 table = kv.block_table(r[0])
                 tables[row, :len(table)] = table
@@ -164,22 +211,40 @@ class ModelRunner:
             if self.ring:
                 # One window-sized region per sequence, written round-robin; of a prompt
                 # longer than the window only the last `window` tokens are kept.
-                slots = tables[seq_index, 0] * bs + positions % bs
+                slots = tables[seq_index, 0].astype(np.int64) * bs + positions % bs
                 keep &= positions >= (starts + real_lens)[seq_index] - bs
             else:
                 blocks = np.minimum(positions // bs, self.max_blocks_per_seq - 1)
-                slots = tables[seq_index, blocks] * bs + positions % bs
+                slots = tables[seq_index, blocks].astype(np.int64) * bs + positions % bs
             if not keep.all():
                 write_index = torch.as_tensor(np.flatnonzero(keep), device=self.device)
-            self.slots_buf[:n].copy_(torch.from_numpy(slots))
-            self.block_tables_buf[:num_seqs].copy_(torch.from_numpy(tables))
+            host["slots"][:n] = slots
+
+        # Real rows in plan order: decodes are rows 0..num_decodes-1, prefills follow the
+        # padding decodes. A sampling row's logits are at its last real token.
+        first_prefill = num_decodes + len(pad_decodes)
+        real_rows = [*range(num_decodes),
+                     *range(first_prefill, first_prefill + len(items) - num_decodes)]
+        sample_rows = [row for row, s in zip(real_rows, items, strict=True) if s.samples]
+        num_sampled = len(sample_rows)
+        host["logits_indices"][:num_sampled] = (qsl[:-1][sample_rows]
+                                                + real_lens[sample_rows] - 1)
+        self._graph_size = None
+        graphs = self.decode_graphs
+        if (graphs is not None and self.logits_observer is None and not pads
+                and num_decodes == num_seqs == num_sampled and write_index is None):
+            self._graph_size = graphs.bucket_for(num_seqs)
+            if self._graph_size is not None:  # rows num_seqs.. of the bucket are padding
+                pad_decode_rows(host, num_seqs, self._graph_size)
+        inputs.upload(use_cache, num_seqs)  # the step's one host-to-device copy
+        dev = inputs.device
 
         meta = AttentionMetadata(
-            positions=self.positions_buf[:n],
-            slot_mapping=self.slots_buf[:n],
-            query_start_loc=self.qsl_buf[:num_seqs + 1],
-            seq_lens=self.seq_lens_buf[:num_seqs],
-            block_tables=self.block_tables_buf[:num_seqs],
+            positions=dev["positions"][:n],
+            slot_mapping=dev["slots"][:n],
+            query_start_loc=dev["qsl"][:num_seqs + 1],
+            seq_lens=dev["seq_lens"][:num_seqs],
+            block_tables=dev["block_tables"][:num_seqs],
             query_start_loc_host=qsl.tolist(),
             seq_lens_host=seq_lens.tolist(),
             num_decodes=num_decodes + len(pad_decodes),
@@ -190,19 +255,12 @@ class ModelRunner:
             ring=self.ring,
             write_index=write_index,
         )
-        # Real rows in plan order: decodes are rows 0..num_decodes-1, prefills follow the
-        # padding decodes. A sampling row's logits are at its last real token.
-        first_prefill = num_decodes + len(pad_decodes)
-        real_rows = [*range(num_decodes),
-                     *range(first_prefill, first_prefill + len(items) - num_decodes)]
-        sample_rows = [row for row, s in zip(real_rows, items, strict=True) if s.samples]
-        logits_indices = torch.as_tensor(qsl[:-1][sample_rows] + real_lens[sample_rows] - 1,
-                                         device=self.device)
+        logits_indices = dev["logits_indices"][:num_sampled]
         self._real_token_index = None
         if plan.padding_tokens:
             real = offsets < real_lens[seq_index]
             self._real_token_index = torch.as_tensor(np.flatnonzero(real), device=self.device)
-        return self.input_ids_buf[:n], meta, logits_indices
+        return dev["input_ids"][:n], meta, logits_indices
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, kv: KVCacheManager) -> list[int]:
@@ -229,13 +287,18 @@ class ModelRunner:
 
     def _forward_and_sample(self, plan: StepPlan, input_ids: torch.Tensor,
                             meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids, meta)
-        if self.logits_observer is not None:
-            real = hidden if self._real_token_index is None else hidden[self._real_token_index]
-            self.logits_observer(plan, self.model.compute_logits(real).float())
-        if logits_indices.numel() == 0:
-            return torch.empty(0, dtype=torch.int64)
-        logits = self.model.compute_logits(hidden[logits_indices])
+        if self._graph_size is not None:  # prepare() chose a bucket and padded the rows
+            assert self.decode_graphs is not None
+            logits = self.decode_graphs.run(self._graph_size, meta.num_seqs)
+        else:
+            hidden = self.model(input_ids, meta)
+            if self.logits_observer is not None:
+                real = (hidden if self._real_token_index is None
+                        else hidden[self._real_token_index])
+                self.logits_observer(plan, self.model.compute_logits(real).float())
+            if logits_indices.numel() == 0:
+                return torch.empty(0, dtype=torch.int64)
+            logits = self.model.compute_logits(hidden[logits_indices])
         # Ids past the tokenizer's vocabulary (a dummy model's padding rows) are never sampled.
         logits = logits[:, :self.sample_vocab_size]
         seqs = [s.seq for s in plan.scheduled if s.samples]
@@ -251,6 +314,75 @@ class ModelRunner:
             batch = SamplingBatch.from_sequences(seqs, self.eos_ids, self.device)
             tokens = self.sampler(logits, batch)
         return tokens
+
+
+class StepInputs:
+    """A step's integer inputs, in one device buffer mirrored by one host buffer (pinned on
+    CUDA). prepare() writes the host side through numpy views and `upload` moves it with one
+    copy; on CPU both sides are the same memory and nothing is copied. The device views keep
+    their addresses for the engine's lifetime (CUDA graphs read them on replay).
+
+    Sections, in buffer order; the upload copies the prefix up to the last block-table row in
+    use (token sections whole: 24 bytes x max_num_batched_tokens, small next to a launch)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int,
+                 device: torch.device) -> None:
+        sections: list[tuple[str, np.dtype, tuple[int, ...]]] = [
+            ("qsl", np.dtype(np.int32), (max_seqs + 1,)),
+            ("seq_lens", np.dtype(np.int32), (max_seqs,)),
+            ("logits_indices", np.dtype(np.int64), (max_seqs,)),
+            ("input_ids", np.dtype(np.int64), (max_tokens,)),
+            ("positions", np.dtype(np.int64), (max_tokens,)),
+            ("slots", np.dtype(np.int64), (max_tokens,)),
+            ("block_tables", np.dtype(np.int32), (max_seqs, max_blocks)),
+        ]
+        offsets, end = {}, 0
+        for name, dtype, shape in sections:
+            offsets[name] = end
+            end += -(-int(np.prod(shape)) * dtype.itemsize // 8) * 8  # keep 8-byte alignment
+        self.device_bytes = torch.zeros(end, dtype=torch.uint8, device=device)
+        self.same_memory = device.type == "cpu"
+        self.host_bytes = self.device_bytes if self.same_memory else torch.zeros(
+            end, dtype=torch.uint8, pin_memory=True)
+        self.device: dict[str, torch.Tensor] = {}
+        self._host: dict[str, np.ndarray] = {}
+        host_np = self.host_bytes.numpy()
+        for name, dtype, shape in sections:
+            start, size = offsets[name], int(np.prod(shape)) * dtype.itemsize
+            self._host[name] = host_np[start:start + size].view(dtype).reshape(shape)
+            torch_dtype = torch.int32 if dtype == np.int32 else torch.int64
+            self.device[name] = self.device_bytes[start:start + size].view(torch_dtype).view(
+                shape)
+        self._tables_offset = offsets["block_tables"]
+        self._table_row_bytes = max_blocks * 4
+        self._uploaded: torch.cuda.Event | None = None
+
+    def host_arrays(self) -> dict[str, np.ndarray]:
+        """The host side, once the last upload has finished reading it."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+            self._uploaded = None
+        return self._host
+
+    def upload(self, with_tables: bool, num_seqs: int) -> None:
+        if self.same_memory:
+            return
+        end = self._tables_offset + (self._table_row_bytes * num_seqs if with_tables else 0)
+        self.device_bytes[:end].copy_(self.host_bytes[:end], non_blocking=True)
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
+
+
+def _check_compile_works(device: torch.device) -> None:
+    """Compile a one-line function first, so a machine where inductor cannot build kernels
+    (no C++ compiler on CPU, no Triton on CUDA) fails at construction, with the reason."""
+    try:
+        probe = torch.compile(lambda x: x * 2.0 + 1.0, dynamic=False)
+        probe(torch.ones(4, device=device))
+    except Exception as e:
+        raise ValueError(f"engine.compile=true: torch.compile does not work on {device.type} "
+                         f"here ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                         "use engine.compile=false") from e
 
 
 def _is_checkpoint(model: str) -> bool:

@@ -40,14 +40,16 @@ class SamplingBatch:
             if p.min_tokens and seq.num_output_tokens < p.min_tokens:
                 suppress_rows.append(row)
                 suppress_ids.append(list(eos_ids) + list(p.stop_token_ids))
-        all_greedy = all(p.temperature == 0.0 for p in params)
+        # One host-to-device copy for the three per-row parameters; float64 holds the
+        # float32 values and the integer top_k exactly.
+        table = torch.tensor([[p.temperature for p in params],
+                              [float(max(p.top_k, 0)) for p in params],
+                              [p.top_p for p in params]], dtype=torch.float64).to(device)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
-                                     device=device),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64,
-                               device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            all_greedy=all_greedy,
+            temperature=table[0].float(),
+            top_k=table[1].long(),
+            top_p=table[2].float(),
+            all_greedy=all(p.temperature == 0.0 for p in params),
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             suppress_rows=suppress_rows,
@@ -81,8 +83,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [B, V] -> token ids [B]."""
         logits = logits.float()
-        for row, ids in zip(batch.suppress_rows, batch.suppress_ids, strict=True):
-            logits[row, [i for i in ids if i < logits.shape[-1]]] = float("-inf")
+        # every (row, id) to mask in one indexed write (ids past the sampled vocabulary are
+        # never drawn anyway)
+        pairs = [(row, i) for row, ids in zip(batch.suppress_rows, batch.suppress_ids,
+                                               strict=True)
+                 for i in ids if i < logits.shape[-1]]
+        if pairs:
+            index = torch.tensor(pairs, dtype=torch.int64).T.to(logits.device)
+            logits[index[0], index[1]] = float("-inf")
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy_tokens

@@ -49,11 +49,16 @@ class HFConfig:
         if self.dtype not in DTYPE_ALIASES:
             raise bad("dtype", "|".join(DTYPE_ALIASES))
         self.dtype = DTYPE_ALIASES[self.dtype]
-        for name in ("max_num_seqs", "block_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise bad(name, "an integer >= 1")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise bad("max_model_len", "null or an integer >= 2")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise bad("num_threads", "null or an integer >= 1")
+        if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
+            raise bad("device", "auto|cpu|cuda|cuda:N")
+        for name, low in (("max_num_seqs", 1), ("block_size", 1), ("max_model_len", 2),
+                          ("num_threads", 1), ("seed", None)):
+            value = getattr(self, name)
+            if value is None and name in ("max_model_len", "num_threads"):
+                continue
+            # bool is an int to Python; "abc" < 2 would be a TypeError naming nothing
+            if isinstance(value, bool) or not isinstance(value, int) or (
+                    low is not None and value < low):
+                optional = "null or " if name in ("max_model_len", "num_threads") else ""
+                raise bad(name, f"{optional}an integer" + (f" >= {low}" if low else ""))
         return self

@@ -1,0 +1,392 @@
+"""`inferlab gate ab`: run a baseline (A) and a candidate (B) configuration interleaved in one
+job, then gate on the paired per-round ratios (docs/gate.md).
+
+Rounds alternate which side goes first (round k: A then B when k is even, B then A when k is
+odd), so a drift in machine speed, or an advantage of running second, falls on both sides
+equally. Each run is a normal run folder (round-<k>-a/, round-<k>-b/); ab.json records the
+plan, every round with its paired ratios, and the verdict, and is rewritten after each round.
+
+Isolation: each side runs in its own long-lived worker process (harness.ab_worker), started
+once. A and B never share a process, so nothing one configuration leaves behind (torch's
+global thread count, allocator and kernel caches, imported modules) can reach the other, yet
+the start-up cost (interpreter and torch import, seconds on a small CPU) is paid once per side
+instead of once per run. A warm-up round (not gated) runs first in each worker, so round 0 is
+not the first run in a process. `--isolation process` starts a fresh process for every run
+instead: cleaner still, but every run is then a cold first run, slower and noisier.
+
+Code: by default both sides run this checkout and differ only in their overrides. With
+--baseline-code / --candidate-code each side's worker imports its runs' code from, and
+composes its configuration from the configs/ of, another checkout (e.g. a worktree of the main
+branch against the pull request): A/B across code versions, with the same interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from harness.gate_inputs import AB_FILE
+from harness.gate_rules import GateRules, RulesError, load_rules
+from harness.metrics import REGISTRY
+from harness.records import write_json_atomic
+
+MIN_ROUNDS = 9
+ISOLATION = ("worker", "process")
+REPO = Path(__file__).resolve().parents[1]
+WORKER_SOURCE = Path(__file__).with_name("ab_worker.py")
+
+
+class ABError(ValueError):
+    """The A/B plan cannot run: a bad flag or configuration."""
+
+
+@dataclass
+class ABPlan:
+    baseline: list[str]
+    candidate: list[str]
+    common: list[str]
+    rounds: int
+    out: Path
+    warmup_rounds: int = 1
+    isolation: str = "worker"
+    baseline_code: Path = REPO  # the checkout each side's runs import (and compose from)
+    candidate_code: Path = REPO
+
+    def code(self, side: str) -> Path:
+        return self.baseline_code if side == "a" else self.candidate_code
+
+
+def compose_config(overrides: list[str], code: Path = REPO) -> dict[str, Any]:
+    """The run configuration `inferlab run <overrides>` would get in the checkout `code`
+    (Hydra's compose API over code/configs, config_name "config")."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    config_dir = Path(code).resolve() / "configs"
+    if not (config_dir / "config.yaml").is_file():
+        raise ABError(f"{code}: not an inferlab checkout (no configs/config.yaml)")
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        config = OmegaConf.to_container(cfg, resolve=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ABError(f"overrides {overrides}: {exc}") from exc
+    assert isinstance(config, dict)
+    return config
+
+
+def precheck(config: dict[str, Any], side: str) -> None:
+    """Refuse a configuration that could only fail, before any round runs."""
+    from engines.builtin.config import EngineConfig
+    from harness.experiment import make_workload
+
+    if int(config.get("repeats", 1) or 1) != 1:
+        raise ABError(f"--{side}: repeats={config['repeats']}: the A/B rounds are the repeats; "
+                      "drop the repeats override")
+    engine = dict(config["engine"])
+    try:
+        if engine.pop("backend", "builtin") == "builtin":
+            EngineConfig.from_dict({**engine, "model": "tiny"})  # the model resolves at load
+        make_workload(config["workload"])
+    except ValueError as exc:
+        raise ABError(f"--{side}: {exc}") from exc
+
+
+class Worker:
+    """One side's process: started once (or per run with isolation=process)."""
+
+    def __init__(self, side: str, log_path: Path, code: Path) -> None:
+        self.side, self.log_path, self.code = side, log_path, code
+        self.process: subprocess.Popen[str] | None = None
+        self._log: IO[str] | None = None
+
+    def start(self) -> None:
+        self._log = self.log_path.open("a")
+        # The worker's source runs with -c, so the side's checkout need not have it.
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", WORKER_SOURCE.read_text(), str(self.code)], text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
+
+    def wait_ready(self) -> None:
+        reply = self._read()
+        if not reply.get("ready"):
+            raise ABError(f"worker {self.side} did not start: {reply.get('error')}")
+
+    def run(self, config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+        assert self.process is not None and self.process.stdin is not None
+        try:
+            self.process.stdin.write(json.dumps({"config": config,
+                                                 "run_dir": str(run_dir)}) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            return self._died()
+        return self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.process is not None and self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            return self._died()
+        return json.loads(line)
+
+    def _died(self) -> dict[str, Any]:
+        assert self.process is not None
+        code = self.process.wait()
+        return {"status": "failed", "wall_s": None,
+                "error": f"worker {self.side} exited with code {code}; see {self.log_path}"}
+
+    def close(self) -> None:
+        if self.process is not None:
+            if self.process.stdin is not None:
+                self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def round_order(k: int) -> tuple[str, str]:
+    return ("a", "b") if k % 2 == 0 else ("b", "a")
+
+
+def paired_ratios(a_dir: Path, b_dir: Path) -> dict[str, float]:
+    """candidate / baseline for every timing metric both runs have (positive) values for."""
+    def metrics(path: Path) -> dict[str, Any]:
+        try:
+            return json.loads((path / "summary.json").read_text()).get("metrics") or {}
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    ma, mb = metrics(a_dir), metrics(b_dir)
+    out = {}
+    for name, metric in REGISTRY.items():
+        va, vb = ma.get(name), mb.get(name)
+        if metric.kind == "timing" and isinstance(va, int | float) and isinstance(
+                vb, int | float) and va > 0 and vb > 0:
+            out[name] = vb / va
+    return out
+
+
+class ABRunner:
+    def __init__(self, plan: ABPlan, rules: GateRules, log: IO[str] | None = None) -> None:
+        self.plan, self.rules, self.log = plan, rules, log
+        self.configs = {"a": compose_config([*plan.common, *plan.baseline], plan.baseline_code),
+                        "b": compose_config([*plan.common, *plan.candidate],
+                                            plan.candidate_code)}
+        for side, name in (("a", "baseline"), ("b", "candidate")):
+            if plan.code(side).resolve() == REPO:  # another checkout's options may differ
+                precheck(self.configs[side], name)
+        self.workers = {side: Worker(side, plan.out / f"worker-{side}.log", plan.code(side))
+                        for side in "ab"}
+        self.record: dict[str, Any] = {
+            "version": 1, "status": "running",
+            "baseline_overrides": plan.baseline, "candidate_overrides": plan.candidate,
+            "common_overrides": plan.common, "baseline_code": str(plan.baseline_code),
+            "candidate_code": str(plan.candidate_code), "rounds_planned": plan.rounds,
+            "warmup_rounds": plan.warmup_rounds, "isolation": plan.isolation,
+            "identical_configs": self.configs["a"] == self.configs["b"],
+            "order": "round k runs a then b when k is even, b then a when k is odd",
+            "ratio": "candidate (b) / baseline (a), per round", "warmup": [], "rounds": [],
+            "rules": rules.to_dict(),
+        }
+
+    def _run(self, side: str, run_dir: Path) -> dict[str, Any]:
+        worker = self.workers[side]
+        if self.plan.isolation == "process":
+            worker.start()
+            worker.wait_ready()
+        reply = worker.run(self.configs[side], run_dir)
+        if self.plan.isolation == "process":
+            worker.close()
+        return reply
+
+    def _round(self, k: int, prefix: str) -> dict[str, Any]:
+        order = round_order(k)
+        entry: dict[str, Any] = {"round": k, "order": list(order)}
+        for side in order:
+            name = f"{prefix}-{k}-{side}"
+            reply = self._run(side, self.plan.out / name)
+            entry[side] = name
+            entry[f"{side}_status"] = reply["status"]
+            entry[f"{side}_wall_s"] = reply.get("wall_s")
+            if reply.get("error"):
+                entry[f"{side}_error"] = reply["error"]
+            if reply["status"] != "complete":
+                break
+        if entry.get("a_status") == entry.get("b_status") == "complete":
+            entry["ratios"] = paired_ratios(self.plan.out / entry["a"],
+                                            self.plan.out / entry["b"])
+        return entry
+
+    def _save(self) -> None:
+        write_json_atomic(self.plan.out / AB_FILE, self.record)
+
+    def _say(self, text: str) -> None:
+        print(f"[gate ab] {text}", file=self.log or sys.stderr, flush=True)
+
+    def run(self) -> int:
+        """Warm-up rounds, then the rounds; returns the exit code (0, 1, 2; 130 if stopped)."""
+        from harness.gate import emit, gate_ab_dir
+
+        plan = self.plan
+        self._save()
+        try:
+            if plan.isolation == "worker":
+                for worker in self.workers.values():
+                    worker.start()
+                for worker in self.workers.values():
+                    worker.wait_ready()
+            for k in range(plan.warmup_rounds):
+                entry = self._round(k, "warmup")
+                self.record["warmup"].append(entry)
+                self._save()
+                if stopped := self._stopped(entry, "warm-up"):
+                    return stopped
+            for k in range(plan.rounds):
+                start = time.perf_counter()
+                entry = self._round(k, "round")
+                self.record["rounds"].append(entry)
+                self._save()
+                ratio = entry.get("ratios", {}).get("output_tok_per_s")
+                self._say(f"round {k + 1}/{plan.rounds} ({''.join(entry['order'])}, "
+                          f"{time.perf_counter() - start:.1f} s): a {entry.get('a_status')}, "
+                          f"b {entry.get('b_status')}"
+                          + (f", output_tok_per_s b/a = {ratio:.3f}" if ratio else ""))
+                if stopped := self._stopped(entry, f"round {k}"):
+                    return stopped
+        except ABError as exc:  # a worker that cannot start
+            self.record.update(status="stopped", stop_reason=str(exc))
+            self._save()
+            raise
+        except KeyboardInterrupt:
+            self.record["status"] = "incomplete"
+            self._save()
+            self._say(f"interrupted; the finished rounds are in {plan.out}")
+            return 130
+        finally:
+            for worker in self.workers.values():
+                worker.close()
+        result = gate_ab_dir(plan.out, self.rules)
+        self.record.update(status="complete", verdict=result.verdict,
+                           exit_code=result.exit_code, result=result.to_dict())
+        self._save()
+        return emit(result, str(plan.out / "gate.md"), None, title="inferlab gate ab")
+
+    def _stopped(self, entry: dict[str, Any], label: str) -> int | None:
+        """A failed run ends the job: the baseline's failure is inconclusive (exit 2), the
+        candidate's alone is a regression (exit 1)."""
+        a_ok = entry.get("a_status") in (None, "complete")
+        b_ok = entry.get("b_status") in (None, "complete")
+        if a_ok and b_ok:
+            return None
+        side = "a" if not a_ok else "b"
+        status = entry[f"{side}_status"]
+        error = entry.get(f"{side}_error")
+        if status == "incomplete":
+            self.record["status"] = "incomplete"
+            self._save()
+            self._say(f"{label}: run {entry[side]} was interrupted; stopping")
+            return 130
+        code = 2 if side == "a" else 1
+        verdict = "inconclusive" if code == 2 else "regression"
+        who = "baseline" if side == "a" else "candidate"
+        self.record.update(status="stopped", verdict=verdict, exit_code=code,
+                           stop_reason=f"{label}: {who} run {entry[side]} {status}: {error}")
+        self._save()
+        print(f"## inferlab gate ab: {verdict.upper()} (exit {code})\n\n"
+              f"{label}: the {who} run {self.plan.out / entry[side]} {status}: {error}")
+        return code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="inferlab gate ab",
+        description="Run baseline (A) and candidate (B) configurations interleaved, "
+                    "alternating which goes first each round, then gate on the paired "
+                    "per-round ratios. Exit 0 pass, 1 regression, 2 inconclusive.")
+    parser.add_argument("--baseline", required=True, metavar="OVERRIDES",
+                        help='Hydra overrides of the baseline, one quoted string ("" for none)')
+    parser.add_argument("--candidate", required=True, metavar="OVERRIDES",
+                        help="Hydra overrides of the candidate")
+    parser.add_argument("--common", default="", metavar="OVERRIDES",
+                        help="overrides applied to both sides first (model, workload, ...)")
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS,
+                        help=f"measured rounds (default and minimum {MIN_ROUNDS})")
+    parser.add_argument("--allow-few-rounds", action="store_true",
+                        help=f"allow fewer than {MIN_ROUNDS} rounds (smoke tests: timing will "
+                             "then usually be inconclusive)")
+    parser.add_argument("--warmup-rounds", type=int, default=1,
+                        help="rounds run first and not gated (default 1)")
+    parser.add_argument("--isolation", choices=ISOLATION, default="worker",
+                        help="worker: one fresh process per side for the whole job (default); "
+                             "process: a fresh process per run")
+    parser.add_argument("--baseline-code", default=str(REPO), metavar="DIR",
+                        help="the checkout the baseline runs (default: this one), e.g. a "
+                             "worktree of the main branch")
+    parser.add_argument("--candidate-code", default=str(REPO), metavar="DIR",
+                        help="the checkout the candidate runs (default: this one)")
+    parser.add_argument("--out", required=True, help="the A/B folder to create")
+    parser.add_argument("--rules", help="rules YAML merged over configs/gate/default.yaml")
+    return parser
+
+
+def plan_from_args(args: argparse.Namespace) -> ABPlan:
+    if args.rounds < 1:
+        raise ABError(f"--rounds: {args.rounds} is invalid; allowed: an integer >= "
+                      f"{MIN_ROUNDS} (>= 1 with --allow-few-rounds)")
+    if args.rounds < MIN_ROUNDS and not args.allow_few_rounds:
+        raise ABError(f"--rounds: {args.rounds} is fewer than {MIN_ROUNDS}: too few paired "
+                      "ratios to gate timing on a noisy machine; give --allow-few-rounds to "
+                      "run it anyway (smoke tests)")
+    if args.warmup_rounds < 0:
+        raise ABError(f"--warmup-rounds: {args.warmup_rounds} is invalid; allowed: an "
+                      "integer >= 0")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ABError(f"--out: {out} exists and is not an empty folder; choose a new one")
+    try:
+        split = {name: shlex.split(getattr(args, name))
+                 for name in ("baseline", "candidate", "common")}
+    except ValueError as exc:
+        raise ABError(f"overrides: cannot split {exc}") from exc
+    codes = {}
+    for side in ("baseline", "candidate"):
+        code = Path(getattr(args, f"{side}_code")).resolve()
+        if not (code / "harness" / "experiment.py").is_file():
+            raise ABError(f"--{side}-code: {code} is not an inferlab checkout "
+                          "(no harness/experiment.py)")
+        codes[side] = code
+    return ABPlan(split["baseline"], split["candidate"], split["common"], args.rounds, out,
+                  args.warmup_rounds, args.isolation, codes["baseline"], codes["candidate"])
+
+
+def run_ab(plan: ABPlan, rules: GateRules, log: IO[str] | None = None) -> int:
+    """Compose, check, run every round into plan.out and gate; returns the exit code."""
+    runner = ABRunner(plan, rules, log)  # composes and checks before creating anything
+    plan.out.mkdir(parents=True, exist_ok=True)
+    return runner.run()
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        plan = plan_from_args(args)
+        rules = load_rules(args.rules)
+        return run_ab(plan, rules)
+    except (ABError, RulesError) as exc:
+        print(f"inferlab gate ab: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,195 @@
+"""Report figures: each function takes tidy frames and returns a matplotlib Figure.
+
+Figures are built without pyplot, so nothing here picks a backend or keeps figures open:
+saving renders with Agg (no display needed, as on a CI machine), and in a notebook the
+returned Figure displays inline.
+
+The callers (harness.report, notebooks) prepare the data; these only draw it. Every figure has
+one line (or bar, or point set) per variant, labelled with the variant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+LATENCY_TITLES = {"ttft_s": "TTFT", "itl_s": "ITL", "e2e_s": "E2E latency"}
+MAX_LINES = 10  # beyond this a legend is unreadable; callers say which variants were left out
+
+
+def _seconds_axis(values: np.ndarray) -> tuple[float, str]:
+    """Scale and unit so that typical values read as plain numbers (ms below a second)."""
+    finite = values[np.isfinite(values)]
+    return (1e3, "ms") if len(finite) and np.nanmedian(finite) < 1 else (1.0, "s")
+
+
+def latency_cdfs(latencies: pd.DataFrame) -> Figure:
+    """Empirical CDFs, one panel per latency (columns variant, latency, value_s)."""
+    kinds = [k for k in LATENCY_TITLES if k in set(latencies["latency"])]
+    fig, axes = _subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.4), squeeze=False)
+    for ax, kind in zip(axes[0], kinds, strict=True):
+        rows = latencies[latencies["latency"] == kind]
+        scale, unit = _seconds_axis(rows["value_s"].to_numpy(dtype=float))
+        for variant, group in rows.groupby("variant", sort=False):
+            values = np.sort(group["value_s"].dropna().to_numpy(dtype=float)) * scale
+            if len(values):
+                fraction = np.arange(1, len(values) + 1) / len(values)
+                ax.step(values, fraction, where="post", label=str(variant))
+        ax.set_xlabel(f"{LATENCY_TITLES[kind]} ({unit})")
+        ax.set_ylabel("fraction of requests" if kind != "itl_s" else "fraction of token gaps")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def throughput_latency(points: pd.DataFrame, x: str, ys: Sequence[str],
+                       slo: dict[str, float | None]) -> Figure:
+    """Latency against achieved throughput, one line per series (columns series, x, *ys),
+    points in offered-load order and labelled with their offered rate (offered_req_per_s);
+    dashed lines at the SLO bounds (slo: {column: bound})."""
+    fig, axes = _subplots(1, len(ys), figsize=(4.6 * len(ys), 3.6), squeeze=False)
+    for ax, y in zip(axes[0], ys, strict=True):
+        scale, unit = _seconds_axis(points[y].to_numpy(dtype=float))
+        for series, group in points.groupby("series", sort=False):
+            ax.plot(group[x], group[y] * scale, marker="o", label=str(series))
+            for _, point in group.iterrows():  # which offered rate each point is
+                ax.annotate(f"{point['offered_req_per_s']:.3g}/s", (point[x], point[y] * scale),
+                            fontsize=6, xytext=(3, 3), textcoords="offset points")
+        bound = slo.get(y)
+        if bound is not None:
+            ax.axhline(bound * scale, color="red", linestyle="--", linewidth=1,
+                       label=f"SLO {bound * scale:g} {unit}")
+        ax.set_xlabel(f"achieved {x}")
+        ax.set_ylabel(f"{y} ({unit})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def timeline(steps: pd.DataFrame) -> Figure:
+    """Batch size and KV memory per engine step over time (columns variant, end_s, num_seqs,
+    kv_bytes_used, kv_bytes_reserved)."""
+    fig, (batch_ax, kv_ax) = _subplots(2, 1, figsize=(8, 5.2), sharex=True)
+    for variant, group in steps.groupby("variant", sort=False):
+        group = group.sort_values("end_s")
+        line = batch_ax.plot(group["end_s"], group["num_seqs"], drawstyle="steps-post",
+                             label=str(variant), linewidth=1)[0]
+        kv_ax.plot(group["end_s"], group["kv_bytes_used"] / 2**20, drawstyle="steps-post",
+                   color=line.get_color(), linewidth=1)
+        kv_ax.plot(group["end_s"], group["kv_bytes_reserved"] / 2**20, drawstyle="steps-post",
+                   color=line.get_color(), linewidth=1, linestyle=":")
+    batch_ax.set_ylabel("sequences in the step")
+    kv_ax.set_ylabel("KV MiB (solid: used,\ndotted: reserved)")
+    kv_ax.set_xlabel("time since the run started (s)")
+    for ax in (batch_ax, kv_ax):
+        ax.grid(alpha=0.3)
+    batch_ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def stacked_bars(parts: pd.DataFrame, xlabel: str, scale: float = 1.0,
+                 marks: pd.Series | None = None, mark_label: str = "") -> Figure:
+    """Horizontal stacked bars: one bar per row (the index, a variant), one segment per
+    column (memory kinds, request phases); `marks` (same index) draws a tick on each bar."""
+    fig, ax = _subplots(figsize=(9.5, 0.5 * len(parts) + 1.8))
+    left = np.zeros(len(parts))
+    labels = [str(i) for i in parts.index]
+    for column in parts.columns:
+        values = parts[column].fillna(0).to_numpy(dtype=float) * scale
+        ax.barh(labels, values, left=left, label=column)
+        left += values
+    if marks is not None:
+        values = marks.reindex(parts.index).to_numpy(dtype=float) * scale
+        ax.scatter(values, labels, marker="|", s=400, color="black", zorder=3,
+                   label=mark_label or None)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the bars
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    return fig
+
+
+def samples_timeline(samples: pd.DataFrame, columns: Sequence[str]) -> Figure:
+    """Monitor samples over time, one panel per column (columns variant, time_s, *columns)."""
+    fig, axes = _subplots(len(columns), 1, figsize=(8, 2.2 * len(columns) + 0.6),
+                             sharex=True, squeeze=False)
+    for ax, column in zip(axes[:, 0], columns, strict=True):
+        in_bytes = column.endswith("_bytes")
+        for variant, group in samples.groupby("variant", sort=False):
+            group = group.sort_values("time_s")
+            values = group[column] / 2**20 if in_bytes else group[column]
+            ax.plot(group["time_s"], values, label=str(variant), linewidth=1)
+        ax.set_ylabel(column.replace("_bytes", " (MiB)") if in_bytes else column)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("time since the run started (s)")
+    axes[0, 0].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def roofline(points: pd.DataFrame, peak_flops: float | None,
+             bandwidth: float | None) -> Figure:
+    """Left: achieved FLOP/s against arithmetic intensity per step (columns variant,
+    intensity, flops_per_s, prefill), under the hardware roofline when its peaks are known.
+    Right: roofline-predicted against measured step time (columns predicted_s, measured_s)."""
+    has_prediction = {"predicted_s", "measured_s"} <= set(points.columns) and \
+        points["predicted_s"].notna().any()
+    fig, axes = _subplots(1, 2 if has_prediction else 1, figsize=(10 if has_prediction
+                                                                      else 5.5, 4),
+                             squeeze=False)
+    ax = axes[0, 0]
+    for variant, group in points.groupby("variant", sort=False):
+        for prefill, marker in ((False, "o"), (True, "^")):
+            part = group[group["prefill"] == prefill]
+            if len(part):
+                ax.scatter(part["intensity"], part["flops_per_s"], s=10, marker=marker,
+                           alpha=0.6, label=f"{variant} ({'prefill' if prefill else 'decode'})")
+    finite = points["intensity"][np.isfinite(points["intensity"]) & (points["intensity"] > 0)]
+    if peak_flops and bandwidth and len(finite):
+        lo, hi = finite.min() / 4, max(finite.max() * 4, 2 * peak_flops / bandwidth)
+        grid = np.geomspace(lo, hi, 200)
+        ax.plot(grid, np.minimum(peak_flops, bandwidth * grid), color="black", linewidth=1.2,
+                label="roofline")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
+    ax.set_ylabel("achieved FLOP/s")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=6)
+    if has_prediction:
+        ax = axes[0, 1]
+        for variant, group in points.groupby("variant", sort=False):
+            ax.scatter(group["predicted_s"] * 1e3, group["measured_s"] * 1e3, s=10, alpha=0.6,
+                       label=str(variant))
+        both = points[["predicted_s", "measured_s"]].to_numpy(dtype=float).ravel() * 1e3
+        both = both[np.isfinite(both) & (both > 0)]
+        if len(both):
+            ax.plot([both.min(), both.max()], [both.min(), both.max()], color="black",
+                    linewidth=1, label="measured = predicted")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("roofline-predicted step time (ms)")
+        ax.set_ylabel("measured step time (ms)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    return fig
+
+
+def _subplots(rows: int = 1, cols: int = 1, *, figsize: tuple[float, float],
+              **kwargs: Any) -> Any:
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(rows, cols, **kwargs)
+
+
+def save(fig: Figure, path: str) -> None:
+    fig.savefig(path, dpi=110)

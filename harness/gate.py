@@ -1,0 +1,171 @@
+"""`inferlab gate`: compare a candidate with a baseline and exit 0 (pass), 1 (regression) or
+2 (inconclusive, or the comparison could not be made), printing a markdown table.
+
+    inferlab gate --baseline DIR --candidate DIR [--rules FILE]   # runs, repeats, sweeps
+    inferlab gate --ab DIR [--rules FILE]                         # re-gate an A/B folder
+    inferlab gate ab --baseline "..." --candidate "..." --out DIR # run A/B rounds, then gate
+
+How it decides: docs/gate.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from harness.gate_compare import GateResult, Row, compare_sides, config_differences
+from harness.gate_inputs import AB_FILE, InputError, load_side, read_run
+from harness.gate_rules import GateRules, RulesError, load_rules
+from harness.metrics import REGISTRY
+
+USAGE_EXAMPLES = """examples:
+  inferlab gate --baseline results/main --candidate results/pr
+  inferlab gate --baseline sweeps/main --candidate sweeps/pr --rules ci/gate.yaml
+  inferlab gate --ab results/ab-123          # re-gate a finished A/B folder (paired)
+  inferlab gate ab --baseline "" --candidate "engine.kv_cache=paged" \\
+      --common "model=small workload.num_requests=8" --rounds 9 --out results/ab-123
+
+exit status: 0 pass, 1 regression, 2 inconclusive (or bad input)"""
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.4g}"
+
+
+def _cell(row: Row, value: float | None, n: int) -> str:
+    text = _fmt(value)
+    return f"{text} (n={n})" if row.kind == "timing" and value is not None else text
+
+
+def _verdict_cell(row: Row) -> str:
+    verdict = row.verdict.upper() if row.outcome == "regression" else row.verdict
+    if not row.gates and row.verdict not in ("missing", "info"):
+        verdict += " (not gating)"
+    return f"{verdict}: {row.note}" if row.note else verdict
+
+
+def markdown(result: GateResult, title: str = "inferlab gate", all_rows: bool = False) -> str:
+    """The result as markdown: a heading with the verdict, warnings, then the table (counters
+    equal on both sides are listed after it in one line unless `all_rows`)."""
+    lines = [f"## {title}: {result.verdict.upper()} (exit {result.exit_code})", ""]
+    lines += [f"- warning: {w}" for w in result.warnings]
+    if result.warnings:
+        lines.append("")
+    with_job = any(row.job for row in result.rows)
+    header = ["metric", "baseline", "candidate", "ratio", "CI", "verdict"]
+    if with_job:
+        header.insert(0, "job")
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    equal = [row for row in result.rows
+             if not all_rows and row.kind == "deterministic" and row.verdict == "pass"]
+    equal_ids = {id(row) for row in equal}
+    for row in result.rows:
+        if id(row) in equal_ids:
+            continue
+        unit = REGISTRY[row.metric].unit if row.metric in REGISTRY else ""
+        ci = f"[{row.ci[0]:.3f}, {row.ci[1]:.3f}]" if row.ci else "-"
+        cells = [f"`{row.metric}`" + (f" ({unit})" if unit else ""),
+                 _cell(row, row.baseline, row.n_baseline),
+                 _cell(row, row.candidate, row.n_candidate),
+                 f"{row.ratio:.3f}" if row.ratio is not None else "-", ci, _verdict_cell(row)]
+        if with_job:
+            cells.insert(0, row.job)
+        lines.append("| " + " | ".join(cells) + " |")
+    if equal:
+        jobs = {row.job for row in equal}
+        where = f" (in {len(jobs)} jobs)" if len(jobs) > 1 else ""
+        names = ", ".join(dict.fromkeys(row.metric for row in equal))
+        lines += ["", f"Equal on both sides{where} ({len(equal)} counters): {names}."]
+    mode = "paired ratios over A/B rounds" if result.paired else "ratios over runs"
+    lines += ["", f"ratio = candidate / baseline ({mode}); CI = bootstrap interval of the "
+                  "ratio; counters are compared exactly."]
+    return "\n".join(lines)
+
+
+def gate_dirs(baseline: str | Path, candidate: str | Path, rules: GateRules,
+              ignore: set[str] | None = None) -> GateResult:
+    """Compare two runs, repeats folders or sweeps (unpaired)."""
+    base = load_side(baseline, "a", ignore)
+    cand = load_side(candidate, "b", ignore)
+    result = compare_sides(base, cand, rules)
+    differences = config_differences(base, cand)
+    if differences:
+        result.warnings.insert(0, "configuration differs: " + "; ".join(differences))
+    return result
+
+
+def gate_ab_dir(path: str | Path, rules: GateRules) -> GateResult:
+    """Compare the two sides of an A/B folder on their paired per-round ratios."""
+    path = Path(path)
+    if not (path / AB_FILE).is_file():
+        raise InputError(f"--ab: {path} holds no {AB_FILE}")
+    ab = json.loads((path / AB_FILE).read_text())
+    rounds = [entry for entry in ab.get("rounds", []) if entry.get("a") and entry.get("b")]
+    pairs = [(read_run(path / entry["a"]), read_run(path / entry["b"])) for entry in rounds]
+    return compare_sides(load_side(path, "a"), load_side(path, "b"), rules, pairs=pairs)
+
+
+def emit(result: GateResult, markdown_out: str | None, json_out: str | None,
+         title: str = "inferlab gate", all_rows: bool = False) -> int:
+    text = markdown(result, title, all_rows)
+    print(text)
+    if markdown_out:
+        Path(markdown_out).write_text(text + "\n")
+    if json_out:
+        Path(json_out).write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    return result.exit_code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="inferlab gate", epilog=USAGE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Compare a candidate with a baseline (runs, runs with repeats, folders of "
+                    "runs, sweeps, A/B folders). `inferlab gate ab --help`: the A/B mode.")
+    parser.add_argument("--baseline", help="baseline run, repeats, sweep or A/B folder")
+    parser.add_argument("--candidate", help="candidate run, repeats, sweep or A/B folder")
+    parser.add_argument("--ab", metavar="DIR", help="re-gate a finished A/B folder (paired)")
+    parser.add_argument("--rules", help="rules YAML merged over configs/gate/default.yaml")
+    parser.add_argument("--ignore-override", action="append", default=[], metavar="KEY",
+                        help="sweeps: leave this override key out of job matching "
+                             "(repeatable)")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table here")
+    parser.add_argument("--json", metavar="FILE", help="write the result as JSON here")
+    parser.add_argument("--all-rows", action="store_true",
+                        help="one table row per counter, equal ones included")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "ab":
+        from harness import ab
+
+        return ab.main(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.ab and (args.baseline or args.candidate):
+        parser.error("--ab DIR re-gates an A/B folder; it takes no --baseline/--candidate")
+    if not args.ab and not (args.baseline and args.candidate):
+        parser.error("give --baseline DIR and --candidate DIR (or --ab DIR)")
+    try:
+        rules = load_rules(args.rules)
+        if args.ab:
+            result = gate_ab_dir(args.ab, rules)
+        else:
+            result = gate_dirs(args.baseline, args.candidate, rules,
+                               set(args.ignore_override))
+    except (RulesError, InputError, ValueError) as exc:
+        print(f"inferlab gate: error: {exc}", file=sys.stderr)
+        return 2
+    return emit(result, args.markdown, args.json, all_rows=args.all_rows)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,318 @@
+"""The gate's comparison: baseline and candidate groups of runs -> one row per metric with a
+verdict, and the overall verdict (docs/gate.md).
+
+Deterministic counters (kind `deterministic` in the metric registry) are compared as values:
+equal within a tight tolerance passes; worse in the registry's `better` direction is a
+regression, better is an improvement; a change in a counter with no direction is `changed`
+(a regression unless the rules say warn). Timing metrics are compared as ratios with a
+bootstrap interval over runs (harness.gate_stats).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from harness.gate_inputs import Group, Run, Side
+from harness.gate_rules import GateRules
+from harness.gate_stats import RatioEstimate, bootstrap_paired, bootstrap_ratio, decide
+from harness.metrics import REGISTRY
+
+EXIT_CODES = {"pass": 0, "regression": 1, "inconclusive": 2}
+
+
+@dataclass
+class Row:
+    job: str
+    metric: str
+    kind: str  # deterministic | timing | status
+    baseline: float | None
+    candidate: float | None
+    n_baseline: int
+    n_candidate: int
+    ratio: float | None
+    ci: tuple[float, float] | None
+    verdict: str  # pass | improved | regression | inconclusive | changed | missing | info
+    note: str = ""
+    gates: bool = True  # counts towards the overall verdict
+
+    @property
+    def outcome(self) -> str:
+        """What the row means for the exit code: pass, regression or inconclusive."""
+        if not self.gates or self.verdict in ("pass", "improved", "missing", "info"):
+            return "pass"
+        if self.verdict in ("regression", "changed"):
+            return "regression"
+        return "inconclusive"
+
+
+@dataclass
+class GateResult:
+    rows: list[Row]
+    warnings: list[str] = field(default_factory=list)
+    paired: bool = False
+
+    @property
+    def verdict(self) -> str:
+        outcomes = {row.outcome for row in self.rows}
+        if "regression" in outcomes:
+            return "regression"
+        if "inconclusive" in outcomes or not self.rows:
+            return "inconclusive"
+        return "pass"
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.verdict]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "exit_code": self.exit_code, "paired": self.paired,
+                "warnings": self.warnings, "rows": [asdict(row) for row in self.rows]}
+
+
+def _values(runs: Iterable[Run], metric: str) -> list[float]:
+    out = []
+    for run in runs:
+        value = run.metrics.get(metric)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out.append(float(value))
+    return out
+
+
+def _equal(a: float, b: float, rel_tol: float, abs_tol: float) -> bool:
+    return abs(a - b) <= abs_tol + rel_tol * abs(a)
+
+
+def _varies(values: list[float], rel_tol: float, abs_tol: float) -> bool:
+    return any(not _equal(values[0], v, rel_tol, abs_tol) for v in values[1:])
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _timing_row(job: str, metric: str, kind: str, base: list[float], cand: list[float],
+                pairs: list[tuple[float, float]] | None, rules: GateRules,
+                note: str = "") -> Row:
+    better = REGISTRY[metric].better
+    n_base, n_cand = (len(pairs), len(pairs)) if pairs is not None else (len(base), len(cand))
+    row = Row(job, metric, kind, None, None, n_base, n_cand, None, None, "inconclusive", note)
+    values = [v for pair in pairs for v in pair] if pairs is not None else base + cand
+    if not n_base or not n_cand:
+        row.verdict = "missing"
+        row.note = "absent in " + ("baseline" if not n_base else "candidate")
+        row.gates = False
+        return row
+    if any(v <= 0 for v in values):
+        row.note = "non-positive values: no ratio"
+        return row
+    estimate: RatioEstimate
+    if pairs is not None:
+        estimate = bootstrap_paired([b / a for a, b in pairs], rules.bootstrap)
+        base, cand = [a for a, _ in pairs], [b for _, b in pairs]
+    else:
+        estimate = bootstrap_ratio(base, cand, rules.bootstrap)
+    row.baseline, row.candidate = _center(base, rules), _center(cand, rules)
+    row.ratio, row.ci = estimate.ratio, (estimate.low, estimate.high)
+    if better == "none":
+        row.verdict, row.gates = "info", False
+        return row
+    verdict, why = decide(estimate, better, rules.min_effect_for(metric), rules.min_samples)
+    if min(n_base, n_cand) < rules.min_samples:
+        row.ci = None  # an interval from one or two runs would only look precise
+    row.verdict = verdict
+    row.note = "; ".join(x for x in (note, why) if x)
+    return row
+
+
+def _center(values: list[float], rules: GateRules) -> float:
+    if rules.bootstrap.statistic == "median":
+        return _median(values)
+    product = 1.0
+    for v in values:
+        product *= v ** (1.0 / len(values))
+    return product
+
+
+def _counter_row(job: str, metric: str, base: list[float], cand: list[float],
+                 pairs: list[tuple[float, float]] | None, rules: GateRules) -> Row | None:
+    if not base and not cand:
+        return None
+    better = REGISTRY[metric].better
+    rel_tol, abs_tol = rules.tolerance_for(metric)
+    if not base or not cand:
+        return Row(job, metric, "deterministic", base[0] if base else None,
+                   cand[0] if cand else None, len(base), len(cand), None, None, "missing",
+                   "absent in " + ("baseline" if not base else "candidate"), gates=False)
+    if _varies(base, rel_tol, abs_tol) or _varies(cand, rel_tol, abs_tol):
+        # Timing-dependent under this workload (e.g. steps under real-time arrivals): compare
+        # it the way timings are compared rather than fail on noise.
+        return _timing_row(job, metric, "deterministic", base, cand, pairs, rules,
+                           note="varies between runs: compared statistically")
+    b, c = base[0], cand[0]
+    ratio = c / b if b else None
+    row = Row(job, metric, "deterministic", b, c, len(base), len(cand), ratio, None, "pass")
+    if _equal(b, c, rel_tol, abs_tol):
+        return row
+    if better == "none":
+        row.verdict = "changed"
+        row.gates = rules.neutral_change == "regression"
+        row.note = "the runs did different work" if row.gates else "warning only"
+    else:
+        worse = c > b if better == "lower" else c < b
+        row.verdict = "regression" if worse else "improved"
+    return row
+
+
+def _status_rows(job: str, base: Group, cand: Group, warnings: list[str]) -> list[Row]:
+    rows = []
+    for side, group in (("baseline", base), ("candidate", cand)):
+        for run in group.runs:
+            if run.status != "complete":
+                warnings.append(f"{side} run {run.path} is {run.status}"
+                                f"{': ' + run.error if run.error else ''}; left out")
+    cand_failed = [r for r in cand.runs if r.status == "failed"]
+    base_failed = [r for r in base.runs if r.status == "failed"]
+    if cand_failed and not base_failed:
+        rows.append(Row(job, "status", "status", None, None, len(base.runs), len(cand.runs),
+                        None, None, "regression",
+                        f"{len(cand_failed)} candidate run(s) failed: {cand_failed[0].error}"))
+    if not base.complete or not cand.complete:
+        missing = "baseline" if not base.complete else "candidate"
+        rows.append(Row(job, "status", "status", None, None, len(base.complete),
+                        len(cand.complete), None, None, "inconclusive",
+                        f"no complete {missing} run"))
+    return rows
+
+
+def compare_groups(job: str, base: Group, cand: Group, rules: GateRules,
+                   pairs: list[tuple[Run, Run]] | None = None) -> tuple[list[Row], list[str]]:
+    """Rows for one configuration; `pairs` (A/B rounds) switches timing to paired ratios."""
+    warnings: list[str] = []
+    rows = _status_rows(job, base, cand, warnings)
+    if not base.complete or not cand.complete:
+        return rows, warnings
+    if pairs is not None:
+        pairs = [(a, b) for a, b in pairs if a.status == "complete" and b.status == "complete"]
+
+    def paired_values(metric: str) -> list[tuple[float, float]] | None:
+        if pairs is None:
+            return None
+        out = []
+        for a, b in pairs:
+            va, vb = _values([a], metric), _values([b], metric)
+            if va and vb:
+                out.append((va[0], vb[0]))
+        return out
+
+    for metric in rules.deterministic_metrics:
+        row = _counter_row(job, metric, _values(base.complete, metric),
+                           _values(cand.complete, metric), paired_values(metric), rules)
+        if row is not None:
+            rows.append(row)
+    for metric in rules.timing_metrics:
+        base_values, cand_values = _values(base.complete, metric), _values(cand.complete, metric)
+        if base_values or cand_values:  # e.g. TPOT when every request makes one token
+            rows.append(_timing_row(job, metric, "timing", base_values, cand_values,
+                                    paired_values(metric), rules))
+    return rows, warnings
+
+
+def machine_of(run: Run) -> tuple[Any, ...] | None:
+    prov = run.provenance
+    if not prov:
+        return None
+    cpu, gpu = prov.get("cpu") or {}, prov.get("gpu") or {}
+    return (prov.get("hostname_hash"), cpu.get("model"), cpu.get("logical_cpus"),
+            gpu.get("name"), gpu.get("count"), prov.get("torch_num_threads"))
+
+
+def _describe_machines(machines: set[tuple[Any, ...]]) -> str:
+    return "; ".join(f"host {m[0]}, cpu {m[1]} x{m[2]}, gpu {m[3] or 'none'}, "
+                     f"torch threads {m[5]}" for m in sorted(machines, key=str))
+
+
+def machine_warnings(base: Side, cand: Side) -> list[str]:
+    def machines(side: Side) -> set[tuple[Any, ...]]:
+        found = {machine_of(run) for group in side.groups.values() for run in group.complete}
+        return {m for m in found if m is not None}
+
+    mb, mc = machines(base), machines(cand)
+    if not mb or not mc or mb == mc:
+        return []
+    return [f"baseline and candidate ran on different machines (provenance.json): baseline "
+            f"{_describe_machines(mb)}; candidate {_describe_machines(mc)}"]
+
+
+def apply_machine_rule(result: GateResult, rules: GateRules, different: bool) -> None:
+    """Under `different_machine: inconclusive`, timing verdicts across machines are void."""
+    if not different or rules.different_machine != "inconclusive":
+        return
+    for row in result.rows:
+        if row.kind == "timing" and row.verdict in ("pass", "improved", "regression"):
+            row.verdict = "inconclusive"
+            row.note = "different machines (rules.different_machine: inconclusive)"
+
+
+def config_differences(base: Side, cand: Side, limit: int = 8) -> list[str]:
+    """The configuration keys that differ between the first runs of the two sides."""
+    def first_config(side: Side) -> dict[str, Any] | None:
+        for group in side.groups.values():
+            for run in group.runs:
+                if run.config is not None:
+                    return run.config
+        return None
+
+    def flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in config.items():
+            if isinstance(value, dict) and value:
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    a, b = first_config(base), first_config(cand)
+    if a is None or b is None or len(base.groups) > 1:
+        return []
+    fa, fb = flat(a), flat(b)
+    diffs = [f"{key}: {fa.get(key)!r} -> {fb.get(key)!r}" for key in sorted(set(fa) | set(fb))
+             if fa.get(key) != fb.get(key)]
+    if len(diffs) > limit:
+        diffs = [*diffs[:limit], f"... and {len(diffs) - limit} more"]
+    return diffs
+
+
+def compare_sides(base: Side, cand: Side, rules: GateRules,
+                  pairs: list[tuple[Run, Run]] | None = None) -> GateResult:
+    """Match groups (sweep jobs by their overrides) and compare each matched pair."""
+    result = GateResult([], [*base.notes, *cand.notes], paired=pairs is not None)
+    if (base.kind == "sweep") != (cand.kind == "sweep"):
+        sweep, other = ("baseline", "candidate") if base.kind == "sweep" else (
+            "candidate", "baseline")
+        raise ValueError(f"the {sweep} is a sweep but the {other} is not: compare a sweep "
+                         "with a sweep, or pick one job folder of it")
+    matched = [key for key in base.groups if key in cand.groups]
+    for key in base.groups:
+        if key not in cand.groups:
+            result.warnings.append(f"baseline job {base.groups[key].label} ({list(key)}) has "
+                                   "no candidate job with the same overrides; skipped")
+    for key in cand.groups:
+        if key not in base.groups:
+            result.warnings.append(f"candidate job {cand.groups[key].label} ({list(key)}) "
+                                   "has no baseline job with the same overrides; skipped")
+    if not matched:
+        raise ValueError("no job of the baseline sweep matches a candidate job by its "
+                         "overrides (--ignore-override KEY leaves a key out of the matching)")
+    for key in matched:
+        job = " ".join(key) if base.kind == "sweep" else ""
+        rows, warnings = compare_groups(job, base.groups[key], cand.groups[key], rules, pairs)
+        result.rows += rows
+        result.warnings += warnings
+    different = machine_warnings(base, cand)
+    result.warnings += different
+    apply_machine_rule(result, rules, bool(different))
+    return result

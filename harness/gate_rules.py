@@ -1,0 +1,219 @@
+"""The gate's rules: configs/gate/default.yaml merged with an optional user file, validated
+once. Every error names the field (`rules.timing.min_effect`) and what it may be."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from harness.gate_stats import STATISTICS, BootstrapSettings
+from harness.metrics import REGISTRY
+
+DEFAULT_RULES = Path(__file__).resolve().parents[1] / "configs" / "gate" / "default.yaml"
+NEUTRAL_CHANGE = ("regression", "warn")
+DIFFERENT_MACHINE = ("warn", "inconclusive")
+_SCHEMA: dict[str, Any] = {
+    "metrics": {"timing": None, "deterministic": None, "exclude": None},
+    "timing": {"statistic": None, "min_effect": None, "confidence": None, "resamples": None,
+               "min_samples": None, "seed": None},
+    "deterministic": {"rel_tol": None, "abs_tol": None, "neutral_change": None},
+    "different_machine": None,
+    "per_metric": None,
+}
+
+
+class RulesError(ValueError):
+    """A rules file has a field the gate cannot use."""
+
+
+@dataclass(frozen=True)
+class GateRules:
+    timing_metrics: tuple[str, ...]
+    deterministic_metrics: tuple[str, ...]
+    bootstrap: BootstrapSettings
+    min_effect: float
+    min_samples: int
+    rel_tol: float
+    abs_tol: float
+    neutral_change: str
+    different_machine: str
+    per_metric: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def min_effect_for(self, metric: str) -> float:
+        return self.per_metric.get(metric, {}).get("min_effect", self.min_effect)
+
+    def tolerance_for(self, metric: str) -> tuple[float, float]:
+        own = self.per_metric.get(metric, {})
+        return own.get("rel_tol", self.rel_tol), own.get("abs_tol", self.abs_tol)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"metrics": {"timing": list(self.timing_metrics),
+                            "deterministic": list(self.deterministic_metrics)},
+                "timing": {"statistic": self.bootstrap.statistic, "min_effect": self.min_effect,
+                           "confidence": self.bootstrap.confidence,
+                           "resamples": self.bootstrap.resamples,
+                           "min_samples": self.min_samples, "seed": self.bootstrap.seed},
+                "deterministic": {"rel_tol": self.rel_tol, "abs_tol": self.abs_tol,
+                                  "neutral_change": self.neutral_change},
+                "different_machine": self.different_machine, "per_metric": self.per_metric}
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "per_metric":
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _check_keys(values: Any, schema: dict[str, Any], where: str) -> None:
+    if not isinstance(values, dict):
+        raise RulesError(f"{where}: expected a mapping with keys {sorted(schema)}, "
+                         f"got {values!r}")
+    unknown = sorted(set(values) - set(schema))
+    if unknown:
+        raise RulesError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(schema)}")
+    for key, sub in schema.items():
+        if sub is not None and key in values:
+            _check_keys(values[key], sub, f"{where}.{key}")
+
+
+def _number(value: Any, where: str, low: float, high: float | None = None,
+            low_open: bool = False, high_open: bool = False) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (
+            high is None or (value < high if high_open else value <= high))
+    if not ok:
+        left, right = "(" if low_open else "[", ")" if high_open or high is None else "]"
+        raise RulesError(f"{where}: {value!r} is invalid; allowed: a number in "
+                         f"{left}{low}, {'inf' if high is None else high}{right}")
+    return float(value)
+
+
+def _integer(value: Any, where: str, low: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise RulesError(f"{where}: {value!r} is invalid; allowed: an integer >= {low}")
+    return value
+
+
+def _choice(value: Any, where: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise RulesError(f"{where}: {value!r} is invalid; allowed: {'|'.join(allowed)}")
+    return str(value)
+
+
+def _metric_list(value: Any, where: str, kind: str) -> tuple[str, ...]:
+    candidates = [m.name for m in REGISTRY.values() if m.kind == kind
+                  and (kind == "deterministic" or m.better != "none")]
+    if value == "all":
+        return tuple(candidates)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise RulesError(f"{where}: expected `all` or a list of metric names, got {value!r}")
+    for name in value:
+        metric = REGISTRY.get(name)
+        if metric is None:
+            raise RulesError(f"{where}: unknown metric {name!r}; allowed: {candidates}")
+        if metric.kind != kind:
+            raise RulesError(f"{where}: {name!r} is a {metric.kind} metric, not {kind}; "
+                             f"list it under rules.metrics.{metric.kind}")
+        if metric.better == "none" and kind == "timing":
+            raise RulesError(f"{where}: {name!r} has no better direction (better: none), so "
+                             f"it cannot gate; allowed: {candidates}")
+    return tuple(dict.fromkeys(value))
+
+
+def _per_metric(value: Any, gated: set[str]) -> dict[str, dict[str, float]]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RulesError(f"rules.per_metric: expected a mapping metric -> settings, "
+                         f"got {value!r}")
+    out: dict[str, dict[str, float]] = {}
+    for name, settings in value.items():
+        where = f"rules.per_metric.{name}"
+        metric = REGISTRY.get(name)
+        if metric is None:
+            raise RulesError(f"{where}: unknown metric; allowed: the registry's names "
+                             "(docs/metrics.md)")
+        allowed = ("min_effect",) if metric.kind == "timing" else ("rel_tol", "abs_tol")
+        if not isinstance(settings, dict) or set(settings) - set(allowed):
+            raise RulesError(f"{where}: {settings!r} is invalid; allowed keys for a "
+                             f"{metric.kind} metric: {list(allowed)}")
+        out[name] = {}
+        for key, number in settings.items():
+            if key == "min_effect":
+                out[name][key] = _number(number, f"{where}.{key}", 0.0, 1.0, high_open=True)
+            else:
+                out[name][key] = _number(number, f"{where}.{key}", 0.0)
+        if name not in gated:
+            raise RulesError(f"{where}: {name!r} does not gate under these rules; add it to "
+                             f"rules.metrics.{metric.kind} or drop its settings")
+    return out
+
+
+def parse_rules(values: dict[str, Any]) -> GateRules:
+    """Validate a merged rules mapping into GateRules."""
+    _check_keys(values, _SCHEMA, "rules")
+    metrics, timing, det = values["metrics"], values["timing"], values["deterministic"]
+    exclude = metrics.get("exclude") or []
+    if not isinstance(exclude, list) or not all(isinstance(v, str) for v in exclude):
+        raise RulesError(f"rules.metrics.exclude: expected a list of metric names, "
+                         f"got {exclude!r}")
+    unknown = [name for name in exclude if name not in REGISTRY]
+    if unknown:
+        raise RulesError(f"rules.metrics.exclude: unknown metric(s) {unknown}")
+    timing_metrics = tuple(m for m in _metric_list(metrics["timing"], "rules.metrics.timing",
+                                                   "timing") if m not in exclude)
+    deterministic_metrics = tuple(
+        m for m in _metric_list(metrics["deterministic"], "rules.metrics.deterministic",
+                                "deterministic") if m not in exclude)
+    statistic = _choice(timing["statistic"], "rules.timing.statistic", STATISTICS)
+    bootstrap = BootstrapSettings(
+        statistic=statistic,  # type: ignore[arg-type]
+        confidence=_number(timing["confidence"], "rules.timing.confidence", 0.5, 1.0,
+                           high_open=True),
+        resamples=_integer(timing["resamples"], "rules.timing.resamples", 100),
+        seed=_integer(timing["seed"], "rules.timing.seed", 0),
+    )
+    return GateRules(
+        timing_metrics=timing_metrics,
+        deterministic_metrics=deterministic_metrics,
+        bootstrap=bootstrap,
+        min_effect=_number(timing["min_effect"], "rules.timing.min_effect", 0.0, 1.0,
+                           high_open=True),
+        min_samples=_integer(timing["min_samples"], "rules.timing.min_samples", 2),
+        rel_tol=_number(det["rel_tol"], "rules.deterministic.rel_tol", 0.0),
+        abs_tol=_number(det["abs_tol"], "rules.deterministic.abs_tol", 0.0),
+        neutral_change=_choice(det["neutral_change"], "rules.deterministic.neutral_change",
+                               NEUTRAL_CHANGE),
+        different_machine=_choice(values["different_machine"], "rules.different_machine",
+                                  DIFFERENT_MACHINE),
+        per_metric=_per_metric(values.get("per_metric"),
+                               set(timing_metrics) | set(deterministic_metrics)),
+    )
+
+
+def load_rules(path: str | Path | None = None) -> GateRules:
+    """The default rules, with the file at `path` (if any) merged over them."""
+    defaults = yaml.safe_load(DEFAULT_RULES.read_text())
+    if path is None:
+        return parse_rules(defaults)
+    path = Path(path)
+    if not path.is_file():
+        raise RulesError(f"--rules: {path} is not a file")
+    try:
+        user = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RulesError(f"--rules: {path} is not valid YAML: {exc}") from exc
+    if user is None:
+        user = {}
+    if not isinstance(user, dict):
+        raise RulesError(f"rules: {path} must hold a mapping, got {type(user).__name__}")
+    _check_keys(user, _SCHEMA, "rules")
+    return parse_rules(_merge(defaults, user))

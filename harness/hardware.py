@@ -1,0 +1,285 @@
+"""Hardware peaks for the roofline: datasheet specs for GPUs, a measured probe for the CPU.
+
+A spec is a memory bandwidth (bytes/s) and peak FLOP/s per compute dtype. GPU specs are the
+public datasheet values in `configs/hardware/<name>.yaml` (dense, no sparsity). `cpu` is
+measured on this machine by `probe_cpu` (a large sum and copy for bandwidth, square matmuls for
+FLOP/s, at the engine's thread count) and cached per machine so runs do not re-probe. `auto`
+picks the spec from the engine's device. docs/roofline.md has the details.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+SPEC_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
+SPEC_KEYS = {"name", "source", "device_names", "memory_bandwidth", "peak_flops"}
+CPU_KEYS = {"name", "probe_bytes", "matmul_size", "reprobe"}
+PROBE_DTYPES = ("float32", "bfloat16", "float16")
+CPU_DEFAULTS: dict[str, Any] = {"probe_bytes": 256 << 20, "matmul_size": 1024, "reprobe": False}
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    name: str
+    memory_bandwidth: float  # bytes/s
+    peak_flops: dict[str, float]  # compute dtype ("float32", "bfloat16", ...) -> FLOP/s
+    source: str = ""
+    device_names: tuple[str, ...] = ()
+    details: dict[str, Any] = field(default_factory=dict)  # probe settings, machine, time
+
+    def flops_for(self, dtype: str) -> float | None:
+        """Peak FLOP/s for a compute dtype (torch's name, "torch." prefix optional)."""
+        return self.peak_flops.get(dtype.removeprefix("torch."))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["device_names"] = list(self.device_names)
+        return out
+
+
+def allowed_names() -> list[str]:
+    return sorted(p.stem for p in SPEC_DIR.glob("*.yaml"))
+
+
+def _check_name(name: Any) -> str:
+    names = allowed_names()
+    if name not in names:
+        raise ValueError(f"hardware: {name!r} is invalid; allowed: {'|'.join(names)}")
+    return str(name)
+
+
+def spec_from_dict(values: dict[str, Any], where: str = "hardware") -> HardwareSpec:
+    """Validate a datasheet spec (a configs/hardware file, or the composed `hardware` group)."""
+    unknown = sorted(set(values) - SPEC_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(SPEC_KEYS)}")
+    for key in ("name", "memory_bandwidth", "peak_flops"):
+        if key not in values:
+            raise ValueError(f"{where}.{key}: required")
+
+    def positive(key: str, value: Any) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = float("nan")
+        if not number > 0 or number == float("inf"):
+            raise ValueError(f"{where}.{key}: {value!r} is invalid; allowed: a number > 0")
+        return number
+
+    peaks = values["peak_flops"]
+    if not isinstance(peaks, dict) or not peaks:
+        raise ValueError(f"{where}.peak_flops: expected a mapping dtype -> FLOP/s, got {peaks!r}")
+    return HardwareSpec(
+        name=str(values["name"]),
+        memory_bandwidth=positive("memory_bandwidth", values["memory_bandwidth"]),
+        peak_flops={str(k): positive(f"peak_flops.{k}", v) for k, v in peaks.items()},
+        source=str(values.get("source", "")),
+        device_names=tuple(values.get("device_names") or ()),
+    )
+
+
+def load_spec_file(name: str) -> dict[str, Any]:
+    return yaml.safe_load((SPEC_DIR / f"{_check_name(name)}.yaml").read_text()) or {}
+
+
+def datasheet_specs() -> list[HardwareSpec]:
+    """Every spec with datasheet values (all files but `auto` and `cpu`)."""
+    return [spec_from_dict(load_spec_file(n), f"configs/hardware/{n}.yaml")
+            for n in allowed_names() if n not in ("auto", "cpu")]
+
+
+def match_gpu(device_name: str) -> HardwareSpec | None:
+    """The spec whose device_names holds this CUDA device name (case-insensitive), if any."""
+    wanted = device_name.strip().lower()
+    for spec in datasheet_specs():
+        if any(wanted == n.lower() for n in spec.device_names):
+            return spec
+    return None
+
+
+# ---- the CPU probe ------------------------------------------------------------------------
+
+
+def _best_seconds(fn: Any, repeats: int, budget_s: float) -> float:
+    fn()  # warm: first-touch pages, kernel selection
+    best = float("inf")
+    deadline = time.perf_counter() + budget_s
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+        if time.perf_counter() > deadline:
+            break
+    return best
+
+
+def _bandwidths(probe_bytes: int, repeats: int) -> tuple[float, float]:
+    """(read bytes/s of a sum, read + written bytes/s of a copy) over `probe_bytes` of fp32."""
+    x = torch.ones(probe_bytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    nbytes = x.numel() * 4
+    read_s = _best_seconds(lambda: x.sum(), repeats, 1.0)
+    copy_s = _best_seconds(lambda: y.copy_(x), repeats, 1.0)
+    return nbytes / read_s, 2 * nbytes / copy_s
+
+
+def probe_cpu(probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
+              matmul_size: int = CPU_DEFAULTS["matmul_size"], repeats: int = 5) -> dict[str, Any]:
+    """Measure memory bandwidth and matmul FLOP/s at torch's current thread count.
+
+    Bandwidth: the best of a read-only sum over `probe_bytes` of fp32 (bytes read / s) and a
+    copy of it (bytes read + written / s). FLOP/s: the best of `repeats` square matmuls of
+    `matmul_size` per dtype (2 n^3 FLOPs each). Best-of, because a peak is what the machine
+    can do; noise only ever slows a sample down.
+    """
+    if probe_bytes < 1 << 16 or matmul_size < 16:
+        raise ValueError(f"hardware: probe_bytes={probe_bytes} / matmul_size={matmul_size} "
+                         "too small; allowed: probe_bytes >= 65536, matmul_size >= 16")
+    with torch.inference_mode():
+        read_bw, copy_bw = _bandwidths(probe_bytes, repeats)
+        flops: dict[str, float] = {}
+        n = matmul_size
+        for name in PROBE_DTYPES:
+            dtype = getattr(torch, name)
+            a = torch.randn(n, n).to(dtype)
+            b = torch.randn(n, n).to(dtype)
+            flops[name] = 2 * n ** 3 / _best_seconds(lambda a=a, b=b: a @ b, repeats, 1.0)
+    return {"memory_bandwidth": max(read_bw, copy_bw), "read_bandwidth": read_bw,
+            "copy_bandwidth": copy_bw, "peak_flops": flops}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def cache_path(threads: int, cache_dir: Path | None = None) -> Path:
+    from engines.builtin.tokenizer import cache_dir as default_cache_dir
+
+    key = f"{socket.gethostname()}-{cpu_model()}-{threads}t"
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+    return (cache_dir or default_cache_dir() / "hardware") / f"{key}.json"
+
+
+def cpu_spec(probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
+             matmul_size: int = CPU_DEFAULTS["matmul_size"], reprobe: bool = False,
+             cache_dir: Path | None = None) -> HardwareSpec:
+    """This CPU's measured spec at torch's current thread count, from the cache when a probe
+    with the same settings was cached on this machine, else probed now (and cached)."""
+    from harness.records import write_json_atomic
+
+    threads = torch.get_num_threads()
+    path = cache_path(threads, cache_dir)
+    settings = {"probe_bytes": int(probe_bytes), "matmul_size": int(matmul_size),
+                "threads": threads}
+    cached = None
+    if path.is_file() and not reprobe:
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            cached = None
+        if cached is not None and cached.get("settings") != settings:
+            cached = None
+    if cached is None:
+        start = time.perf_counter()
+        measured = probe_cpu(int(probe_bytes), int(matmul_size))
+        cached = {"settings": settings, "measured": measured, "cpu_model": cpu_model(),
+                  "host": socket.gethostname(), "probed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                  "probe_s": time.perf_counter() - start}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, cached)
+        cached["from_cache"] = False
+    else:
+        cached["from_cache"] = True
+    measured = cached["measured"]
+    details = {k: v for k, v in cached.items() if k != "measured"}
+    details.update(cache_file=str(path), read_bandwidth=measured["read_bandwidth"],
+                   copy_bandwidth=measured["copy_bandwidth"])
+    return HardwareSpec(name="cpu", memory_bandwidth=float(measured["memory_bandwidth"]),
+                        peak_flops={k: float(v) for k, v in measured["peak_flops"].items()},
+                        source=f"measured on this machine ({threads} threads)",
+                        details=details)
+
+
+# ---- resolving the `hardware` config --------------------------------------------------------
+
+
+def validate_config(config: dict[str, Any] | str | None) -> dict[str, Any]:
+    """The `hardware` config group as a dict, checked: a known name, known keys."""
+    if config is None:
+        config = {"name": "auto"}
+    if isinstance(config, str):
+        config = {"name": config}
+    config = dict(config)
+    name = _check_name(config.get("name"))
+    if name == "auto":
+        unknown = sorted(set(config) - {"name"})
+        if unknown:
+            raise ValueError(f"hardware: unknown key(s) {unknown} for hardware=auto; "
+                             "pick a spec (e.g. hardware=cpu) to set its values")
+    elif name == "cpu":
+        unknown = sorted(set(config) - CPU_KEYS)
+        if unknown:
+            raise ValueError(f"hardware: unknown key(s) {unknown}; allowed for cpu: "
+                             f"{sorted(CPU_KEYS)}")
+        # checked here, not left to int()/bool(): bool("false") is True
+        for key, low in (("probe_bytes", 1 << 16), ("matmul_size", 16)):
+            value = config.get(key, CPU_DEFAULTS[key])
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"hardware.{key}: {value!r} is invalid; allowed: an integer "
+                                 f">= {low}")
+        if not isinstance(config.get("reprobe", False), bool):
+            raise ValueError(f"hardware.reprobe: {config['reprobe']!r} is invalid; allowed: "
+                             "true|false")
+    else:  # a datasheet spec: the file's values, overridden by the config's
+        spec_from_dict({**load_spec_file(name), **config})
+    return config
+
+
+def resolve(config: dict[str, Any] | str | None, device: str | None,
+            cache_dir: Path | None = None) -> tuple[HardwareSpec | None, str | None]:
+    """(spec, note) for a run on `device` (the engine's, e.g. "cpu" or "cuda:0"; None for a
+    remote backend). The spec is None, with the note saying why, when no peak applies."""
+    config = validate_config(config)
+    name = config["name"]
+    if name == "auto":
+        if device is None:
+            return None, "hardware=auto: the backend reports no local device (remote server)"
+        if device.startswith("cuda"):
+            device_name = torch.cuda.get_device_name(torch.device(device))
+            spec = match_gpu(device_name)
+            if spec is None:
+                return None, (f"hardware=auto: no spec in configs/hardware matches GPU "
+                              f"{device_name!r}; add one or pick hardware=<name>")
+            return spec, None
+        name = "cpu"
+        config = {"name": "cpu"}
+    if name == "cpu":
+        settings = {**CPU_DEFAULTS, **{k: v for k, v in load_spec_file("cpu").items()
+                                       if k != "name"}, **config}
+        return cpu_spec(settings["probe_bytes"], settings["matmul_size"],
+                        bool(settings["reprobe"]), cache_dir), None
+    return spec_from_dict({**load_spec_file(name), **config}), None
+
+
+def describe_for_run(spec: HardwareSpec | None, note: str | None) -> dict[str, Any]:
+    """What the run's summary records about the hardware behind its roofline columns."""
+    if spec is None:
+        return {"name": None, "note": note}
+    return spec.to_dict()
+

@@ -1,0 +1,184 @@
+"""Repeats: one configuration run N times, each in a fresh process, and its spread.
+
+`inferlab run repeats=N ...` (N > 1) starts `python -m harness.app` N times in turn with the
+same overrides, `repeats=1` and `hydra.run.dir=<run_dir>/repeat-<k>`: a fresh interpreter
+each time, so allocator state, caches, JIT and thread pools do not carry over from one repeat
+to the next. The folder's own summary.json (written atomically after every repeat) holds the
+per-metric median over the complete repeats and, under `metrics_spread`, the median, min, max,
+sample std, cv and the values (one per complete repeat, in order).
+
+A repeat that fails stops the series (a broken configuration fails every time); an
+interrupted one (Ctrl-C, SIGTERM) stops it too and the summary says `incomplete`. Children
+run in their own session, so a Ctrl-C reaches this process only, which passes one SIGINT on
+to the running repeat and waits for it to write its rows and summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from harness import provenance
+from harness.records import SCHEMA_VERSION, write_json_atomic
+
+REPO = Path(__file__).resolve().parents[1]
+REPEAT_DIR_PREFIX = "repeat-"
+CHILD_STOP_TIMEOUT_S = 120.0  # how long an interrupted repeat gets to write its summary
+
+
+def validate_repeats(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"repeats: {value!r} is invalid; allowed: an integer >= 1")
+    return value
+
+
+def repeat_command(overrides: list[str], run_dir: Path) -> list[str]:
+    """The command line of one repeat: the job's overrides, one run, into `run_dir`."""
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "repeats"]
+    return [sys.executable, "-m", "harness.app", *kept, "repeats=1", "hydra.mode=RUN",
+            f"hydra.run.dir={run_dir}"]
+
+
+def spread(values: list[float | None]) -> dict[str, Any]:
+    """median, min, max, sample std and cv of the non-null values, and the values themselves."""
+    numbers = np.array([v for v in values if v is not None], dtype=float)
+    if not len(numbers):
+        return {"median": None, "min": None, "max": None, "std": None, "cv": None,
+                "values": values}
+    std = float(numbers.std(ddof=1)) if len(numbers) > 1 else None
+    mean = float(numbers.mean())
+    return {"median": _as_number(float(np.median(numbers)), values),
+            "min": _as_number(float(numbers.min()), values),
+            "max": _as_number(float(numbers.max()), values),
+            "std": std, "cv": std / mean if std is not None and mean != 0 else None,
+            "values": values}
+
+
+def _as_number(x: float, values: list[float | None]) -> float | int:
+    """Counts stay integers when every value is one and the statistic is whole."""
+    whole = all(isinstance(v, int) for v in values if v is not None)
+    return int(x) if whole and x.is_integer() else x
+
+
+def aggregate(summaries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metrics, metrics_spread) over the complete repeats' summaries, metrics in first-seen
+    order; non-numeric metrics are left out."""
+    names: list[str] = []
+    for summary in summaries:
+        names += [m for m in summary.get("metrics") or {} if m not in names]
+    metrics: dict[str, Any] = {}
+    spreads: dict[str, Any] = {}
+    for name in names:
+        values = [(s.get("metrics") or {}).get(name) for s in summaries]
+        if any(v is not None and (isinstance(v, bool) or not isinstance(v, int | float))
+               for v in values):
+            continue
+        stats = spread(values)
+        metrics[name] = stats["median"]
+        spreads[name] = stats
+    return metrics, spreads
+
+
+def _read_summary(run_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops the series as Ctrl-C does (KeyboardInterrupt), when on the main thread."""
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_child(command: list[str]) -> tuple[int, str | None]:
+    """Run one repeat to its end; (exit code, interruption or None)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    child = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        return child.wait(), None
+    except KeyboardInterrupt as exc:
+        child.send_signal(signal.SIGINT)  # the repeat keeps its rows and says incomplete
+        try:
+            child.wait(timeout=CHILD_STOP_TIMEOUT_S)
+        except (KeyboardInterrupt, subprocess.TimeoutExpired):
+            child.kill()
+            child.wait()
+        return child.returncode, f"interrupted: {exc or 'SIGINT'}"
+
+
+def run_repeats(config: dict[str, Any], overrides: list[str], run_dir: str | Path,
+                repeats: int, resume: bool = False) -> dict[str, Any]:
+    """Run the configuration `repeats` times into run_dir/repeat-<k>/; return (and write)
+    the folder's summary. With `resume`, complete repeats of the same config are kept."""
+    from harness.sweep import completed_run  # sweep imports Hydra; keep this module light
+
+    repeats = validate_repeats(repeats)
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    write_json_atomic(run_dir / "provenance.json", provenance.collect(config))
+    statuses: list[str] = ["not run"] * repeats
+    summaries: list[dict[str, Any]] = [{} for _ in range(repeats)]
+
+    def write(status: str, error: str | None) -> dict[str, Any]:
+        complete = [k for k in range(repeats) if statuses[k] == "complete"]
+        metrics, spreads = aggregate([summaries[k] for k in complete])
+        summary = {"schema_version": SCHEMA_VERSION, "status": status, "error": error,
+                   "repeats": repeats, "repeat_status": statuses,
+                   "complete_repeats": complete, "metrics": metrics,
+                   "metrics_spread": spreads,
+                   "repeat_dirs": [f"{REPEAT_DIR_PREFIX}{k}" for k in range(repeats)],
+                   "run_dir": str(run_dir)}
+        write_json_atomic(run_dir / "summary.json", summary)
+        return summary
+
+    write("running", None)
+    child_config = {**config, "repeats": 1}
+    with _sigterm_interrupts():
+        for k in range(repeats):
+            child_dir = run_dir / f"{REPEAT_DIR_PREFIX}{k}"
+            try:
+                code, interrupted = 0, None
+                if not (resume and completed_run(child_dir, child_config)):
+                    print(f"repeat {k + 1}/{repeats} -> {child_dir}", flush=True)
+                    code, interrupted = _run_child(repeat_command(overrides, child_dir))
+            except KeyboardInterrupt as exc:  # between two repeats
+                interrupted = f"interrupted: {exc or 'SIGINT'}"
+            summaries[k] = _read_summary(child_dir)
+            if interrupted:
+                statuses[k] = "incomplete"
+                return write("incomplete", f"repeat {k}: {interrupted}")
+            statuses[k] = summaries[k].get("status") or "failed"
+            if statuses[k] == "running":  # the child died without finishing its summary
+                statuses[k] = "failed"
+            if statuses[k] != "complete":
+                error = summaries[k].get("error") or f"no summary.json (exit code {code})"
+                status = "incomplete" if statuses[k] == "incomplete" else "failed"
+                return write(status, f"repeat {k}: {error}")
+            write("running", None)
+    return write("complete", None)

@@ -1,0 +1,612 @@
+"""`inferlab report DIR... [--out DIR]`: report.md and report.html for runs and sweeps.
+
+The report is a list of blocks (headings, paragraphs, tables, figures) rendered twice: as
+Markdown with the figures as PNG files beside it, and as one HTML page with the same figures
+embedded. Every section draws on columns that other parts of the harness add (monitor samples,
+phase times, roofline counters); a section whose columns are absent is replaced by a one-line
+note saying what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from harness import figures
+from harness.metrics import REGISTRY
+from harness.results import Results, load
+from harness.roofline import decode_only, measured_step_s, prefill_only
+from harness.table import format_value
+
+MAIN_METRICS = (
+    "num_completed", "num_failed", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+    "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "output_tok_per_s", "req_per_s", "offered_req_per_s",
+    "goodput_req_per_s", "slo_attainment", "mean_batch_size", "kv_utilization_mean",
+    "num_preemptions", "prefix_cache_hit_rate", "mbu_decode_mean", "mfu_prefill_mean",
+    "peak_vram_bytes", "peak_rss_bytes", "gpu_util_mean", "cpu_util_mean", "energy_j",
+    "j_per_output_token",
+)
+SPREAD_METRICS = ("output_tok_per_s", "ttft_p50_s", "tpot_p50_s", "itl_p50_s", "e2e_p50_s")
+PHASES = ("tokenize_s", "queue_s", "prefill_s", "decode_s", "detokenize_s")
+ROOFLINE_COLUMNS = ("flops", "weight_bytes_read", "kv_bytes_read")
+SAMPLE_PLOTS = ("rss_bytes", "cpu_util", "gpu_util", "gpu_mem_used_bytes", "gpu_power_w",
+                "torch_cuda_allocated_bytes")
+RATE_HINTS = ("rate", "concurrency", "qps")
+
+
+# the document -----------------------------------------------------------------------------
+@dataclass
+class Block:
+    kind: str  # heading | text | note | table | figure
+    text: str = ""
+    level: int = 2
+    frame: pd.DataFrame | None = None
+    path: Path | None = None
+
+
+class Document:
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.blocks: list[Block] = []
+        self.figures: list[Path] = []
+
+    def heading(self, text: str, level: int = 2) -> None:
+        self.blocks.append(Block("heading", text, level=level))
+
+    def text(self, text: str) -> None:
+        self.blocks.append(Block("text", text))
+
+    def note(self, text: str) -> None:
+        self.blocks.append(Block("note", text))
+
+    def table(self, frame: pd.DataFrame) -> None:
+        self.blocks.append(Block("table", frame=frame))
+
+    def figure(self, fig: Any, name: str, caption: str) -> None:
+        path = self.out_dir / f"{name}.png"
+        figures.save(fig, str(path))
+        self.figures.append(path)
+        self.blocks.append(Block("figure", caption, path=path))
+
+    def markdown(self) -> str:
+        out = []
+        for block in self.blocks:
+            if block.kind == "heading":
+                out.append(f"{'#' * block.level} {block.text}")
+            elif block.kind == "text":
+                out.append(block.text)
+            elif block.kind == "note":
+                out.append(f"*{block.text}*")
+            elif block.kind == "table":
+                out.append(_markdown_table(block.frame))
+            elif block.kind == "figure":
+                out.append(f"![{block.text}]({block.path.name})\n\n{block.text}")
+        return "\n\n".join(out) + "\n"
+
+    def html(self, title: str) -> str:
+        out = []
+        for block in self.blocks:
+            if block.kind == "heading":
+                out.append(f"<h{block.level}>{html.escape(block.text)}</h{block.level}>")
+            elif block.kind == "text":
+                out.append(f"<p>{_inline_html(block.text)}</p>")
+            elif block.kind == "note":
+                out.append(f'<p class="note">{_inline_html(block.text)}</p>')
+            elif block.kind == "table":
+                out.append(_html_table(block.frame))
+            elif block.kind == "figure":
+                data = base64.b64encode(block.path.read_bytes()).decode()
+                out.append(f'<figure><img alt="{html.escape(block.text)}" '
+                           f'src="data:image/png;base64,{data}"><figcaption>'
+                           f"{html.escape(block.text)}</figcaption></figure>")
+        return HTML_PAGE.format(title=html.escape(title), body="\n".join(out))
+
+
+HTML_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 70rem; margin: 2rem auto;
+       padding: 0 1rem; color: #222; }}
+table {{ border-collapse: collapse; font-size: 0.85rem; margin: 0.5rem 0 1rem; }}
+th, td {{ border: 1px solid #ccc; padding: 0.25rem 0.5rem; text-align: right; }}
+th {{ background: #f3f3f3; }} td:first-child, th:first-child {{ text-align: left; }}
+figure {{ margin: 1rem 0; }} img {{ max-width: 100%; }} figcaption {{ color: #555; }}
+.note {{ color: #777; font-style: italic; }} code {{ background: #f3f3f3; }}
+</style></head>
+<body>
+{body}
+</body></html>
+"""
+
+
+def _cell(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+        return "-"
+    return str(value)
+
+
+def _markdown_table(frame: pd.DataFrame) -> str:
+    def row(cells: list[Any]) -> str:
+        return "| " + " | ".join(_cell(c).replace("|", "\\|").replace("\n", " ")
+                                 for c in cells) + " |"
+
+    lines = [row(list(frame.columns)), "| " + " | ".join("---" for _ in frame.columns) + " |"]
+    lines += [row(list(values)) for values in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _inline_html(text: str) -> str:
+    """Escape, then turn `code` spans into <code> (the only Markdown the texts use)."""
+    parts = html.escape(text).split("`")
+    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
+
+
+def _html_table(frame: pd.DataFrame) -> str:
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in values)
+                   + "</tr>" for values in frame.itertuples(index=False))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+# formatting -------------------------------------------------------------------------------
+def format_metric(name: str, value: Any) -> str:
+    """A metric value with its unit, as the run's printed table shows it."""
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    unit = REGISTRY[name].unit if name in REGISTRY else ""
+    if name.endswith("_bytes") or unit == "B":
+        return _bytes(float(value))
+    if name.endswith("_s") and not unit:
+        unit = "s"
+    if isinstance(value, (np.integer, np.floating)):
+        value = value.item()
+    if unit == "fraction":
+        return f"{value:.1%}"
+    if isinstance(value, float) and value.is_integer() and unit in ("count", "tokens", "seqs"):
+        value = int(value)
+    if isinstance(value, float) and not unit:
+        return f"{value:.4g}"
+    return format_value(value, unit)
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{value / size:,.2f} {unit}"
+    return f"{value:,.0f} B"
+
+
+def _first_runs(res: Results) -> list[str]:
+    """One run per variant (the first), for figures that cannot pool repeats."""
+    return list(res.runs.groupby("variant", sort=False)["run_id"].first())
+
+
+def _limited(res: Results, doc: Document, run_ids: list[str]) -> list[str]:
+    if len(run_ids) > figures.MAX_LINES:
+        doc.note(f"Showing the first {figures.MAX_LINES} of {len(run_ids)} variants.")
+    return run_ids[:figures.MAX_LINES]
+
+
+# sections ---------------------------------------------------------------------------------
+def section_overview(res: Results, doc: Document, paths: list[str]) -> None:
+    runs = res.runs
+    counts = runs["status"].value_counts()
+    doc.text(f"Source: {', '.join(f'`{p}`' for p in paths)}. {len(runs)} run(s), "
+             f"{runs['variant'].nunique()} variant(s); status: "
+             + ", ".join(f"{n} {status}" for status, n in counts.items()) + ".")
+    if res.swept:
+        doc.text("Swept parameters: " + ", ".join(f"`{k}`" for k in res.swept) + ".")
+    machines = runs["machine"].dropna().unique()
+    commits = runs["git_commit"].dropna().unique()
+    if len(machines):
+        doc.text("Machine: " + "; ".join(str(m) for m in machines) + ". Commit: "
+                 + ", ".join(str(c)[:12] for c in commits)
+                 + (" (uncommitted changes)" if runs["git_dirty"].fillna(False).any() else "")
+                 + ".")
+    if len(machines) > 1 or runs["hostname_hash"].dropna().nunique() > 1:
+        doc.note("These runs come from different machines: compare their timings with care.")
+    invalid = runs[runs["window_valid"].eq(False)]
+    if len(invalid):
+        doc.note(f"{len(invalid)} run(s) have a measurement window shorter than configured "
+                 "(run.window): their steady-state figures are not valid.")
+
+
+def variant_table(res: Results) -> pd.DataFrame:
+    """The tidy per-variant table (raw numbers): swept parameters, status, main metrics, and
+    the coefficient of variation over repeats where there are repeats."""
+    variants = res.variants
+    metrics = [m for m in MAIN_METRICS if m in variants.columns and variants[m].notna().any()]
+    columns = ["variant", *res.swept, "status"]
+    if (variants["runs"] > 1).any():
+        columns.append("runs")
+    table = variants[columns + metrics].copy()
+    spread = res.spread
+    for metric in SPREAD_METRICS:
+        rows = spread[spread["metric"] == metric].set_index("variant")
+        if len(rows) and metric in table:
+            table[f"{metric}_cv"] = table["variant"].map(rows["cv"])
+    return table
+
+
+def section_variants(res: Results, doc: Document) -> None:
+    doc.heading("Variants")
+    table = variant_table(res)
+    table.to_csv(doc.out_dir / "report_variants.csv", index=False)
+    if (res.variants["runs"] > 1).any():
+        doc.text("With repeats each metric is the median over the complete runs; `_cv` columns "
+                 "give the coefficient of variation across them.")
+    shown = table.copy()
+    for column in shown.columns:
+        if column in MAIN_METRICS:
+            shown[column] = [format_metric(column, v) for v in shown[column]]
+        elif column.endswith("_cv"):
+            shown[column] = [f"{v:.1%}" if pd.notna(v) else "-" for v in shown[column]]
+    doc.table(shown)
+    doc.text("The same table with raw numbers: `report_variants.csv`.")
+    failed = res.runs[res.runs["status"] != "complete"]
+    if len(failed):
+        doc.table(failed[["run_id", "status", "error"]].fillna("-"))
+
+
+def section_latency(res: Results, doc: Document) -> None:
+    doc.heading("Latency distributions")
+    latencies = res.latencies()
+    if latencies.empty:
+        doc.note("Skipped: no completed requests.")
+        return
+    keep = set(_limited(res, doc, list(latencies["variant"].drop_duplicates())))
+    latencies = latencies[latencies["variant"].isin(keep)]
+    doc.figure(figures.latency_cdfs(latencies), "latency_cdf",
+               "TTFT, ITL and E2E latency CDFs per variant (requests inside each run's "
+               "measurement window; repeats pooled).")
+    stats = (latencies.groupby(["variant", "latency"], sort=False)["value_s"]
+             .describe(percentiles=[0.5, 0.9, 0.99]).reset_index())
+    rows = []
+    for _, row in stats.iterrows():
+        rows.append({"variant": row["variant"], "latency": row["latency"],
+                     "n": int(row["count"]),
+                     **{q: format_metric("x_s", row[q]) for q in ("50%", "90%", "99%", "max")}})
+    doc.table(pd.DataFrame(rows).rename(columns={"50%": "p50", "90%": "p90", "99%": "p99"}))
+
+
+def _slo(res: Results) -> dict[str, float | None]:
+    for run_id in res.runs["run_id"]:
+        slo = ((res.config(run_id).get("run") or {}).get("slo")) or {}
+        if any(v is not None for v in slo.values()):
+            return slo
+    return {}
+
+
+def section_load(res: Results, doc: Document) -> None:
+    doc.heading("Throughput vs latency")
+    variants = res.variants
+    if "offered_req_per_s" not in variants or variants["offered_req_per_s"].dropna().nunique() < 2:
+        doc.note("Skipped: not a load sweep (needs variants at two or more offered request "
+                 "rates: open-loop arrivals, `offered_req_per_s`).")
+        return
+    x = "output_tok_per_s"
+    ys = [y for y in ("ttft_p99_s", "tpot_p99_s", "e2e_p99_s") if y in variants
+          and variants[y].notna().any()]
+    rate_keys = [k for k in res.swept if any(h in k for h in RATE_HINTS)]
+    series_keys = [k for k in res.swept if k not in rate_keys]
+    points = variants.dropna(subset=["offered_req_per_s"]).sort_values("offered_req_per_s")
+    points = points.assign(series=points.apply(
+        lambda r: ", ".join(f"{k}={r[k]}" for k in series_keys) or "all", axis=1))
+    slo = _slo(res)
+    bounds = {"ttft_p99_s": slo.get("ttft_s"), "tpot_p99_s": slo.get("tpot_s"),
+              "e2e_p99_s": slo.get("e2e_s")}
+    doc.figure(figures.throughput_latency(points, x, ys, bounds), "throughput_latency",
+               "p99 latency against achieved output throughput, one point per offered rate; "
+               "dashed: the SLO (run.slo).")
+    set_bounds = {k: v for k, v in slo.items() if v is not None}
+    doc.text("SLO: " + (", ".join(f"{k} <= {v}" for k, v in set_bounds.items())
+                        if set_bounds else "none set (run.slo)") + ".")
+    columns = ["series", "offered_req_per_s", "req_per_s", "output_tok_per_s", *ys,
+               "goodput_req_per_s", "slo_attainment"]
+    table = points[[c for c in columns if c in points]].copy()
+    for column in table.columns[1:]:
+        table[column] = [format_metric(column, v) for v in table[column]]
+    doc.table(table)
+    saturation = [s for s in _sweep_summaries(res) if s.get("saturation_req_per_s")]
+    for summary in saturation:
+        doc.text(f"Saturation: {summary['saturation_req_per_s']:g} req/s "
+                 f"({summary.get('saturation_definition', '')}).")
+
+
+def _sweep_summaries(res: Results) -> list[dict[str, Any]]:
+    import json
+
+    folders = {Path(p).parent for p in res.runs.loc[res.runs["sweep"].notna(), "path"]}
+    out = []
+    for folder in sorted(folders):
+        path = folder / "sweep_summary.json"
+        if path.is_file():
+            out.append(json.loads(path.read_text()))
+    return out
+
+
+def section_timeline(res: Results, doc: Document) -> None:
+    doc.heading("Batch size and KV memory over time")
+    steps = res.steps
+    if steps.empty or not {"end_s", "num_seqs", "kv_bytes_used"} <= set(steps.columns):
+        doc.note("Skipped: no engine steps recorded (steps table).")
+        return
+    run_ids = _limited(res, doc, _first_runs(res))
+    shown = res.join(steps[steps["run_id"].isin(run_ids)])
+    doc.figure(figures.timeline(shown), "timeline",
+               "Sequences per engine step and KV bytes (used, reserved) over time; the first "
+               "run of each variant.")
+
+
+MEMORY_ORDER = ("memory_weights_bytes", "memory_kv_pool_bytes", "memory_kv_reserved_bytes",
+                "memory_kv_used_bytes", "memory_other_bytes", "memory_peak_bytes")
+
+
+def memory_parts(variants: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series | None]:
+    """Disjoint memory parts per variant (bytes) and the peak: the KV metrics nest (used within
+    reserved within the pool), so the bars stack used, reserved-but-unused and the pool's free
+    rest; memory_* kinds this report does not know are stacked as they are."""
+    frame = variants.set_index("variant")
+
+    def column(name: str) -> pd.Series | None:
+        if name in frame and frame[name].notna().any():
+            return pd.to_numeric(frame[name], errors="coerce")
+        return None
+
+    weights, pool = column("memory_weights_bytes"), column("memory_kv_pool_bytes")
+    reserved, used = column("memory_kv_reserved_bytes"), column("memory_kv_used_bytes")
+    parts = pd.DataFrame(index=frame.index)
+    if weights is not None:
+        parts["weights"] = weights
+    if used is not None:
+        parts["KV in use"] = used
+    if reserved is not None:
+        parts["KV reserved, unused"] = reserved - (used if used is not None else 0)
+    if pool is not None:
+        inner = reserved if reserved is not None else used
+        parts["KV pool, free"] = pool - (inner if inner is not None else 0)
+    if (other := column("memory_other_bytes")) is not None:
+        parts["other (activations, workspace)"] = other
+    for name in frame.columns:
+        if (name.startswith("memory_") and name not in MEMORY_ORDER
+                and (extra := column(name)) is not None):
+            parts[name.removeprefix("memory_").removesuffix("_bytes")] = extra
+    return parts.clip(lower=0), column("memory_peak_bytes")
+
+
+def section_memory(res: Results, doc: Document) -> None:
+    doc.heading("Memory breakdown")
+    variants = res.variants
+    present = [c for c in variants.columns if c.startswith("memory_")
+               and variants[c].notna().any()]
+    if not present:
+        doc.note("Skipped: no memory breakdown recorded (summary metrics `memory_*`, from the "
+                 "monitor).")
+        return
+    parts, peak = memory_parts(variants)
+    if len(parts.columns):
+        doc.figure(figures.stacked_bars(parts / 2**20, "MiB",
+                                        marks=None if peak is None else peak / 2**20,
+                                        mark_label="peak of the run"), "memory",
+                   "Memory per variant: weights, KV cache (in use, reserved but unused, the "
+                   "pool's free rest) and other (activations, workspace); black tick: the "
+                   "run's peak. On a CPU the KV pool is mapped lazily: its free part holds no "
+                   "pages, so the peak can sit below the bar (docs/monitoring.md).")
+    ordered = [c for c in MEMORY_ORDER if c in present]
+    table = variants[["variant", *ordered, *[c for c in present if c not in ordered]]].copy()
+    for name in table.columns[1:]:
+        table[name] = [format_metric(name, v) for v in table[name]]
+    doc.table(table)
+
+
+def section_samples(res: Results, doc: Document) -> None:
+    doc.heading("Resources over time")
+    samples = res.samples
+    plots = [c for c in SAMPLE_PLOTS if c in samples and samples[c].notna().any()]
+    if samples.empty or not plots:
+        doc.note("Skipped: no monitor samples (samples table).")
+        return
+    run_ids = _limited(res, doc, _first_runs(res))
+    shown = res.join(samples[samples["run_id"].isin(run_ids)])
+    doc.figure(figures.samples_timeline(shown, plots), "samples",
+               "Monitor samples over time; the first run of each variant.")
+
+
+def section_phases(res: Results, doc: Document) -> None:
+    doc.heading("Phase breakdown")
+    requests = res.requests
+    phases = [p for p in PHASES if p in requests and requests[p].notna().any()]
+    if not phases:
+        doc.note("Skipped: no per-request phase times (requests columns "
+                 + ", ".join(PHASES) + ").")
+        return
+    done = requests[(requests["status"] == "ok")
+                    & requests.get("in_window", pd.Series(True, index=requests.index))]
+    done = res.join(done)
+    means = done.groupby("variant", sort=False)[phases].mean()
+    doc.figure(figures.stacked_bars(means, "mean time per request (ms)", scale=1e3), "phases",
+               "Mean time per completed request in each phase, per variant.")
+    table = means.reset_index()
+    e2e = (done["last_token_s"] - done["arrival_s"]).groupby(done["variant"], sort=False).mean()
+    table["sum of phases"] = means.sum(axis=1).to_numpy()
+    table["e2e (mean)"] = table["variant"].map(e2e)
+    for column in table.columns[1:]:
+        table[column] = [format_metric("x_s", v) for v in table[column]]
+    doc.table(table)
+
+
+def hardware_peaks(res: Results) -> tuple[float | None, float | None, str | None]:
+    """(peak FLOP/s, memory bandwidth B/s, name) of the hardware spec a run recorded."""
+    for run_id in res.runs["run_id"]:
+        summary = res.summary(run_id)
+        engine = summary.get("engine") or {}
+        candidates = [summary.get("hardware"), engine.get("hardware"),
+                      res.provenance(run_id).get("hardware")]
+        for spec in candidates:
+            if isinstance(spec, dict):
+                dtype = str(engine.get("dtype") or "")
+                flops = _pick(spec, FLOPS_KEYS, dtype)
+                bandwidth = _pick(spec, BANDWIDTH_KEYS, dtype)
+                if flops or bandwidth:
+                    return flops, bandwidth, spec.get("name")
+    return None, None, None
+
+
+# the keys a hardware spec may use, with the factor to FLOP/s or B/s
+FLOPS_KEYS = {"peak_flops": 1.0, "peak_flops_per_s": 1.0, "flops_per_s": 1.0,
+              "peak_tflops": 1e12, "tflops": 1e12}
+BANDWIDTH_KEYS = {"memory_bandwidth": 1.0, "memory_bandwidth_bytes_per_s": 1.0,
+                  "bandwidth_bytes_per_s": 1.0, "mem_bandwidth": 1.0, "bandwidth": 1.0,
+                  "memory_bandwidth_gb_s": 1e9, "bandwidth_gb_s": 1e9,
+                  "memory_bandwidth_tb_s": 1e12}
+
+
+def _pick(spec: dict[str, Any], keys: dict[str, float], dtype: str) -> float | None:
+    for key, factor in keys.items():
+        value = spec.get(key)
+        if isinstance(value, dict):  # per dtype: only the run's own (another's roof is wrong)
+            value = value.get(dtype.removeprefix("torch.")) if dtype else None
+        if isinstance(value, (int, float)) and value > 0:
+            return float(value) * factor
+    return None
+
+
+def roofline_points(res: Results) -> pd.DataFrame:
+    """Per step: arithmetic intensity (FLOPs / bytes moved), achieved FLOP/s over the measured
+    step time (end_s - start_s, the time MBU, MFU and predicted_s are defined against, so a
+    point sits at MFU x peak), whether the step prefilled, whether it was decode-only or
+    prefill-only (the steps of mbu_decode_mean and mfu_prefill_mean), and the
+    roofline-predicted time next to the measured."""
+    steps = res.steps
+    moved = sum(steps[c].fillna(0) for c in ("weight_bytes_read", "kv_bytes_read",
+                                              "kv_bytes_written") if c in steps)
+    measured = measured_step_s(steps)
+    points = pd.DataFrame({"run_id": steps["run_id"], "intensity": steps["flops"] / moved,
+                           "flops_per_s": steps["flops"] / measured,
+                           "prefill": steps["prefill_tokens"].fillna(0) > 0,
+                           "decode_only": decode_only(steps), "prefill_only": prefill_only(steps),
+                           "measured_s": measured})
+    for column in ("predicted_s", "mbu", "mfu"):
+        if column in steps:
+            points[column] = steps[column]
+    points = points.replace([np.inf, -np.inf], np.nan).dropna(subset=["intensity",
+                                                                      "flops_per_s"])
+    return res.join(points[points["flops_per_s"] > 0])
+
+
+def section_roofline(res: Results, doc: Document) -> None:
+    doc.heading("Roofline")
+    steps = res.steps
+    if steps.empty or not all(c in steps and steps[c].notna().any() for c in ROOFLINE_COLUMNS):
+        doc.note("Skipped: no per-step roofline counters (steps columns "
+                 + ", ".join(ROOFLINE_COLUMNS) + ").")
+        return
+    points = roofline_points(res)
+    if points.empty:
+        doc.note("Skipped: no step with FLOPs and a measured time.")
+        return
+    run_ids = set(_limited(res, doc, _first_runs(res)))
+    peak, bandwidth, name = hardware_peaks(res)
+    doc.figure(figures.roofline(points[points["run_id"].isin(run_ids)], peak, bandwidth),
+               "roofline", "Per step: achieved FLOP/s against arithmetic intensity "
+               "(circles decode-only, triangles with prefill)"
+               + (f" under the roofline of {name or 'the recorded hardware'}" if peak and
+                  bandwidth else "; no hardware spec recorded, so no roofline drawn")
+               + "; and predicted against measured step time. The first run of each variant.")
+    rows = []
+    for variant, group in points.groupby("variant", sort=False):
+        decode, prefill = group[group["decode_only"]], group[group["prefill_only"]]
+        row: dict[str, Any] = {"variant": variant, "steps": len(group)}
+        if "mbu" in group:
+            row["MBU decode (mean)"] = _fraction(decode["mbu"].mean())
+        if "mfu" in group:
+            row["MFU prefill (mean)"] = _fraction(prefill["mfu"].mean())
+        if "predicted_s" in group:
+            ratio = (group["measured_s"] / group["predicted_s"]).replace([np.inf, -np.inf],
+                                                                         np.nan)
+            row["measured / predicted (median)"] = (f"{ratio.median():.2f}"
+                                                    if ratio.notna().any() else "-")
+        rows.append(row)
+    doc.table(pd.DataFrame(rows))
+    doc.text("Over every step of every run of the variant (the summary's `mbu_decode_mean`, "
+             "`mfu_prefill_mean` and `roofline_ratio_p50` cover the measurement window): MBU "
+             "over decode-only steps, MFU over prefill-only steps, measured = `end_s - start_s` "
+             "(docs/roofline.md).")
+
+
+def _fraction(value: float) -> str:
+    return f"{value:.1%}" if pd.notna(value) else "-"
+
+
+def section_runs(res: Results, doc: Document) -> None:
+    doc.heading("Runs")
+    columns = [c for c in ("run_id", "variant", "repeat", "round", "status", "duration_s",
+                           "num_completed", "config_hash") if c in res.runs]
+    table = res.runs[columns].copy()
+    if "duration_s" in table:
+        table["duration_s"] = [format_metric("duration_s", v) for v in table["duration_s"]]
+    doc.table(table.dropna(axis=1, how="all"))
+
+
+SECTIONS: tuple[Callable[[Results, Document], None], ...] = (
+    section_variants, section_latency, section_load, section_timeline, section_memory,
+    section_samples, section_phases, section_roofline, section_runs,
+)
+
+
+def write_report(paths: list[str | Path], out_dir: str | Path,
+                 title: str | None = None) -> dict[str, Path]:
+    """Write report.md, report.html, report_variants.csv and the figures into `out_dir`."""
+    res = load(*paths)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = Document(out)
+    title = title or f"inferlab report: {', '.join(Path(p).name for p in paths)}"
+    doc.heading(title, level=1)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    doc.text(f"Generated {stamp} by `inferlab report`.")
+    section_overview(res, doc, [str(p) for p in paths])
+    for section in SECTIONS:
+        section(res, doc)
+    (out / "report.md").write_text(doc.markdown())
+    (out / "report.html").write_text(doc.html(title))
+    return {"markdown": out / "report.md", "html": out / "report.html",
+            "variants": out / "report_variants.csv",
+            **{p.stem: p for p in doc.figures}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="inferlab report",
+        description="report.md and report.html (tables, figures) for run / sweep folders")
+    parser.add_argument("paths", nargs="+", help="run, sweep, repeats or A/B gate folders, "
+                        "or folders above them")
+    parser.add_argument("--out", help="output folder (default: the one folder given)")
+    parser.add_argument("--title", help="report title")
+    args = parser.parse_args(argv)
+    if args.out is None and len(args.paths) > 1:
+        parser.error("--out: required when several folders are given")
+    out = args.out or args.paths[0]
+    try:
+        written = write_report(args.paths, out, args.title)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"inferlab report: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {written['markdown']}, {written['html']} "
+          f"({len(written) - 3} figure(s))")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""The roofline per engine step: FLOPs, the bytes that must move, predicted time, MBU and MFU.
+
+For each step (a `steps` row) and the model's shape (the engine's `describe()`):
+
+    flops            = 2 * block_linear_params * tokens + 2 * lm_head_params * logits_tokens
+                       + attention_flops_per_pair * attention_pairs
+    weight_bytes_read = linear weights of the blocks as stored (quantized bytes and scales)
+                       + the LM head when any logits are computed; never the embedding table
+    kv_bytes_read    = kv_tokens_read * kv_bytes_per_token
+    kv_bytes_written = kv_tokens_written * kv_bytes_per_token
+    predicted_s      = max(flops / peak_flops[dtype], bytes / memory_bandwidth)
+    mbu              = bytes / measured_s / memory_bandwidth
+    mfu              = flops / measured_s / peak_flops[dtype]
+
+where tokens = prefill + decode + padding tokens computed, bytes = the three byte columns, and
+measured_s = end_s - start_s, the whole step as the engine's clock saw it (scheduling, input
+preparation, forward, sampling, detokenization). docs/roofline.md explains each choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+ROOFLINE_COLUMNS = ("flops", "weight_bytes_read", "kv_bytes_read", "kv_bytes_written",
+                    "predicted_s", "mbu", "mfu")
+COUNT_COLUMNS = ("logits_tokens", "attention_pairs", "kv_tokens_read", "kv_tokens_written")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The per-token constants of one loaded model, as the engine describes it."""
+
+    block_linear_params: int  # matmul weights of the decoder blocks (q/k/v/o, gate/up/down)
+    lm_head_params: int  # hidden x vocab (the tied embedding, when tied)
+    attention_flops_per_pair: int  # 4 x layers x heads x head_dim (QK^T and PV)
+    block_linear_bytes: int  # the blocks' linear weights as stored, scales and biases included
+    lm_head_bytes: int  # as stored
+    kv_bytes_per_token: float  # all layers, K and V, scales included
+    dtype: str  # the compute dtype, e.g. "float32"
+
+    @classmethod
+    def from_engine_info(cls, engine: dict[str, Any] | None) -> ModelShape | None:
+        """None for a backend that does not describe its shape (HTTP servers, HF)."""
+        engine = engine or {}
+        shape = engine.get("roofline_shape")
+        keys = ("linear_weight_bytes", "lm_head_bytes", "kv_bytes_per_token", "dtype")
+        if not shape or any(engine.get(k) is None for k in keys):
+            return None
+        return cls(block_linear_params=int(shape["block_linear_params"]),
+                   lm_head_params=int(shape["lm_head_params"]),
+                   attention_flops_per_pair=int(shape["attention_flops_per_pair"]),
+                   block_linear_bytes=int(engine["linear_weight_bytes"]),
+                   lm_head_bytes=int(engine["lm_head_bytes"]),
+                   kv_bytes_per_token=float(engine["kv_bytes_per_token"]),
+                   dtype=str(engine["dtype"]))
+
+
+def measured_step_s(steps: pd.DataFrame) -> pd.Series:
+    """The denominator of MBU and MFU: the step's wall time, NaN where not positive."""
+    seconds = (steps["end_s"] - steps["start_s"]).astype(float)
+    return seconds.where(seconds > 0)
+
+
+def step_costs(steps: pd.DataFrame, shape: ModelShape) -> pd.DataFrame:
+    """FLOPs and bytes per step (float columns; NaN where the step lacks the counts)."""
+    def col(name: str) -> pd.Series:
+        return steps[name].astype(float) if name in steps else pd.Series(np.nan, steps.index)
+
+    tokens = col("prefill_tokens") + col("decode_tokens") + col("padding_tokens").fillna(0)
+    logits = col("logits_tokens")
+    flops = (2.0 * shape.block_linear_params * tokens + 2.0 * shape.lm_head_params * logits
+             + float(shape.attention_flops_per_pair) * col("attention_pairs"))
+    weights = (shape.block_linear_bytes * (tokens > 0) + shape.lm_head_bytes * (logits > 0))
+    out = pd.DataFrame(index=steps.index)
+    out["flops"] = flops
+    out["weight_bytes_read"] = weights.astype(float).where(logits.notna())
+    out["kv_bytes_read"] = col("kv_tokens_read") * shape.kv_bytes_per_token
+    out["kv_bytes_written"] = col("kv_tokens_written") * shape.kv_bytes_per_token
+    return out
+
+
+def add_roofline(steps: pd.DataFrame, shape: ModelShape, peak_flops: float | None,
+                 memory_bandwidth: float) -> pd.DataFrame:
+    """`steps` with the roofline columns set (MFU and predicted_s NaN without a FLOP/s peak)."""
+    out = steps.copy()
+    costs = step_costs(steps, shape)
+    for column in costs:
+        out[column] = costs[column]
+    total_bytes = costs["weight_bytes_read"] + costs["kv_bytes_read"] + costs["kv_bytes_written"]
+    memory_s = total_bytes / memory_bandwidth
+    measured = measured_step_s(steps)
+    out["mbu"] = total_bytes / measured / memory_bandwidth
+    if peak_flops:
+        compute_s = costs["flops"] / peak_flops
+        out["predicted_s"] = np.fmax(compute_s, memory_s).where(
+            compute_s.notna() & memory_s.notna())
+        out["mfu"] = costs["flops"] / measured / peak_flops
+    else:
+        out["predicted_s"] = np.nan
+        out["mfu"] = np.nan
+    return out
+
+
+def annotate_run(run_dir: str | Path, steps: pd.DataFrame, info: dict[str, Any]) -> pd.DataFrame:
+    """Add the roofline columns to a finished run's steps and rewrite its steps.parquet.
+
+    Needs the engine's shape (`info["engine"]`) and the hardware spec (`info["hardware"]`);
+    without either, or without steps, the columns stay NaN and nothing is rewritten."""
+    shape = ModelShape.from_engine_info(info.get("engine"))
+    hardware = info.get("hardware") or {}
+    bandwidth = hardware.get("memory_bandwidth")
+    if shape is None or not bandwidth or steps.empty:
+        return steps
+    peak = (hardware.get("peak_flops") or {}).get(shape.dtype)
+    steps = add_roofline(steps, shape, peak, float(bandwidth))
+    steps.to_parquet(Path(run_dir) / "steps.parquet", index=False)
+    return steps
+
+
+def decode_only(steps: pd.DataFrame) -> pd.Series:
+    return (steps["num_prefill_seqs"] == 0) & (steps["num_decode_seqs"] > 0)
+
+
+def prefill_only(steps: pd.DataFrame) -> pd.Series:
+    return (steps["num_decode_seqs"] == 0) & (steps["prefill_tokens"] > 0)
+
+
+def roofline_summary(steps: pd.DataFrame) -> dict[str, float]:
+    """Run metrics from the per-step columns (registered in harness/metrics.py)."""
+    if steps.empty or "mbu" not in steps or not steps["mbu"].notna().any():
+        return {}
+    out: dict[str, float] = {}
+
+    def put(name: str, values: pd.Series, how: str) -> None:
+        values = values.dropna()
+        if len(values):
+            out[name] = float(values.mean() if how == "mean" else values.median())
+
+    ratio = measured_step_s(steps) / steps["predicted_s"]
+    decodes, prefills = decode_only(steps), prefill_only(steps)
+    put("mbu_decode_mean", steps.loc[decodes, "mbu"], "mean")
+    put("mbu_mean", steps["mbu"], "mean")
+    put("mfu_prefill_mean", steps.loc[prefills, "mfu"], "mean")
+    put("mfu_mean", steps["mfu"], "mean")
+    put("roofline_decode_ratio_p50", ratio[decodes], "median")
+    put("roofline_ratio_p50", ratio, "median")
+    return out

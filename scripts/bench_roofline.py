@@ -1,0 +1,122 @@
+"""Roofline-predicted vs measured decode step time across batch sizes (issue 6's target: within
+1.5x of measured for batch sizes 1-64 on the small preset), plus batch-1 decode MBU.
+
+    .venv/bin/python scripts/bench_roofline.py                       # small, fp32, CPU, 1..64
+    .venv/bin/python scripts/bench_roofline.py --model tiny --batch-sizes 1,2 --decode-tokens 4
+
+Each batch size B is one harness run (`run_experiment`, a run folder under --out): B requests
+of --prompt-len tokens arrive at once, each decodes --decode-tokens tokens, max_num_seqs=B, so
+every step after the prefill is a decode step of B sequences. The CPU is probed first (fresh,
+at the engine's thread count; the result is cached for later runs). Per batch size the table
+shows medians over the decode-only steps: measured step time (end - start, the MBU/MFU
+denominator), the forward alone, the roofline prediction, measured/predicted, the bound, and
+mean MBU/MFU. Writes bench_roofline.csv next to the run folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from harness import hardware
+from harness.experiment import run_experiment
+from harness.roofline import decode_only, measured_step_s
+
+TARGET = 1.5
+
+
+def run_batch(args: argparse.Namespace, batch: int, threads: int, out: Path) -> dict[str, Any]:
+    config = {
+        "engine": {"backend": "builtin", "dtype": args.dtype, "device": "cpu",
+                   "num_threads": threads, "max_num_seqs": batch,
+                   "max_model_len": args.prompt_len + args.decode_tokens + 8,
+                   "kv_cache": "contiguous"},
+        "model": {"name": args.model},
+        "workload": {"type": "synthetic", "num_requests": batch, "input_len": args.prompt_len,
+                     "output_len": args.decode_tokens, "arrival": {"process": "offline"}},
+        "hardware": {"name": "cpu"},
+        "run": {"warmup_requests": args.warmup_requests},
+    }
+    run_dir = out / f"batch-{batch}"
+    summary = run_experiment(config, run_dir, progress=False)
+    if summary["status"] != "complete":
+        raise SystemExit(f"batch {batch}: run {summary['status']}: {summary['error']}")
+    steps = pd.read_parquet(run_dir / "steps.parquet")
+    decodes = steps[decode_only(steps) & (steps["num_decode_seqs"] == batch)]
+    if decodes.empty:
+        raise SystemExit(f"batch {batch}: no decode step ran all {batch} sequences")
+    measured = float(measured_step_s(decodes).median())
+    predicted = float(decodes["predicted_s"].median())
+    costs = decodes.iloc[len(decodes) // 2]
+    spec = summary["hardware"]
+    compute_s = costs["flops"] / spec["peak_flops"][summary["engine"]["dtype"]]
+    memory_s = (costs["weight_bytes_read"] + costs["kv_bytes_read"]
+                + costs["kv_bytes_written"]) / spec["memory_bandwidth"]
+    return {
+        "batch": batch,
+        "decode_steps": len(decodes),
+        "measured_ms": 1e3 * measured,
+        "forward_ms": 1e3 * float(decodes["forward_s"].median()),
+        "predicted_ms": 1e3 * predicted,
+        "ratio": measured / predicted,
+        "bound": "compute" if compute_s > memory_s else "memory",
+        "mbu": float(decodes["mbu"].mean()),
+        "mfu": float(decodes["mfu"].mean()),
+        "within_target": 1 / TARGET <= measured / predicted <= TARGET,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--warmup-requests", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for the engine and the probe (default: torch's)")
+    parser.add_argument("--no-reprobe", action="store_true",
+                        help="use the cached CPU probe instead of measuring it again first")
+    parser.add_argument("--out", default=None,
+                        help="folder for the run folders (default results/bench_roofline/<now>)")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    if not batches or min(batches) < 1:
+        raise SystemExit("--batch-sizes: expected comma-separated integers >= 1")
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    spec = hardware.cpu_spec(reprobe=not args.no_reprobe)
+    print(f"cpu probe ({threads} threads, {spec.details['cache_file']}): "
+          f"memory bandwidth {spec.memory_bandwidth / 1e9:.1f} GB/s, "
+          + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in spec.peak_flops.items()))
+    flops = spec.flops_for(args.dtype.replace("fp32", "float32").replace("bf16", "bfloat16"))
+    if flops:
+        print(f"ridge: {flops / spec.memory_bandwidth:.1f} FLOP/byte for {args.dtype}")
+
+    out = Path(args.out or f"results/bench_roofline/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [run_batch(args, batch, threads, out) for batch in batches]
+    table = pd.DataFrame(rows)
+    table.to_csv(out / "bench_roofline.csv", index=False)
+    print(f"\n{args.model}, {args.dtype}, prompt {args.prompt_len}, {args.decode_tokens} decode "
+          f"tokens; medians over decode-only steps\n")
+    print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    batch1 = table[table["batch"] == 1]
+    if len(batch1):
+        print(f"\nbatch-1 decode MBU: {batch1['mbu'].iloc[0]:.3f}")
+    worst = table.loc[(table["ratio"].apply(lambda r: max(r, 1 / r))).idxmax()]
+    print(f"within {TARGET}x at {int(table['within_target'].sum())}/{len(table)} batch sizes; "
+          f"worst: batch {int(worst['batch'])} ratio {worst['ratio']:.2f}")
+    print(f"run folders and bench_roofline.csv: {out}")
+
+
+if __name__ == "__main__":
+    main()

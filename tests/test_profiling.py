@@ -1,0 +1,156 @@
+"""profile=true: torch.profiler over a window of engine steps, a Chrome trace, and per-phase
+top-operator tables with real operator names; short runs and bad options are handled."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from engines.builtin import LLM
+from engines.sampling_params import SamplingParams
+from harness.app import CONFIG_DIR
+from harness.experiment import run_experiment
+from harness.profiling import (
+    OPS_COLUMNS,
+    UNTRACED,
+    ProfileConfig,
+    StepProfiler,
+    profiler_from_config,
+    step_phase,
+)
+
+MATMULS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm"}
+
+
+def trace_names(path: Path) -> set[str]:
+    with gzip.open(path, "rt") as f:
+        return {str(e.get("name")) for e in json.load(f)["traceEvents"]}
+
+
+def test_step_phase() -> None:
+    assert step_phase(2, 0) == "prefill"
+    assert step_phase(0, 3) == "decode"
+    assert step_phase(1, 3) == "mixed"
+
+
+def test_engine_steps_are_attributed_to_their_phase(make_tiny: Callable[..., LLM],
+                                                    tmp_path: Path) -> None:
+    engine = make_tiny().engine
+    profiler = StepProfiler(ProfileConfig(start_step=0, num_steps=50, top_k=50),
+                            tmp_path / "profile")
+    profiler.attach(engine.step_observers)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    def run_until_idle() -> None:
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    engine.add_request("a", list(range(3, 15)), params)
+    engine.step()  # a's prefill: the profiler's warm-up step, not recorded
+    engine.step()  # a decodes
+    engine.add_request("b", list(range(20, 30)), params)
+    engine.step()  # a decodes while b prefills: mixed
+    run_until_idle()
+    engine.add_request("c", list(range(40, 49)), params)
+    engine.add_request("d", list(range(50, 60)), params)
+    engine.step()  # c and d prefill together
+    run_until_idle()
+    info = profiler.finish()
+
+    phases = [phase for _, phase in profiler.recorded]
+    assert phases[:3] == ["decode", "mixed", "decode"] and "prefill" in phases
+    assert info["phase_steps"] == {p: phases.count(p) for p in ("prefill", "decode", "mixed")}
+    assert info["steps"] == [step for step, _ in profiler.recorded]
+
+    out = tmp_path / "profile"
+    names = trace_names(out / "trace.json.gz")
+    assert {"step:prefill", "step:decode", "step:mixed"} <= names
+    ops = pd.read_csv(out / "ops.csv")
+    assert list(ops.columns) == OPS_COLUMNS
+    for phase in ("prefill", "decode", "mixed"):
+        rows = ops[ops["phase"] == phase]
+        assert MATMULS & set(rows["name"]), phase  # real operators, in every phase
+        assert UNTRACED in set(rows["name"])
+        assert (rows["self_cpu_s"] >= 0).all() and rows["self_cpu_share"].sum() <= 1 + 1e-9
+        assert (rows["phase_steps"] == phases.count(phase)).all()
+        # every profiled step runs the same layers: one call per step at least
+        assert rows[rows["name"].isin(MATMULS)]["calls"].max() >= phases.count(phase)
+    markdown = (out / "ops.md").read_text()
+    for phase in ("prefill", "decode", "mixed"):
+        assert f"## {phase} ({phases.count(phase)} steps)" in markdown
+    assert engine.step_observers == []  # finish unsubscribes
+
+
+def test_steps_are_annotated_under_any_profiler(make_tiny: Callable[..., LLM]) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = make_tiny()
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate([list(range(3, 10))], params)
+    assert {"step:prefill", "step:decode"} <= {e.name for e in prof.events()}
+
+
+def tiny_config(*overrides: str) -> dict[str, Any]:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=[
+            "model=tiny", "workload.num_requests=4", "workload.input_len=[8,24]",
+            "workload.output_len=8", "run.warmup_requests=1", "run.progress=false",
+            "engine.kv_cache_memory_bytes=4000000", "engine.max_num_seqs=2", "engine.device=cpu",
+            "hardware=h100",
+            "profile=true", *overrides])
+    config = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(config, dict)
+    return config
+
+
+def test_profile_true_on_a_tiny_run(tmp_path: Path) -> None:
+    summary = run_experiment(tiny_config("profiling.start_step=1", "profiling.num_steps=6"),
+                             tmp_path, progress=False)
+    assert summary["status"] == "complete", summary["error"]
+    info = summary["profile"]
+    assert len(info["steps"]) == 6 and sum(info["phase_steps"].values()) == 6
+    steps = pd.read_parquet(tmp_path / "steps.parquet")
+    # the window counts measured-run steps: skip 1, warm up on 1, record the next 6
+    assert info["steps"] == steps["step"].iloc[2:8].tolist()
+    out = tmp_path / "profile"
+    assert any(name.startswith("step:") for name in trace_names(out / "trace.json.gz"))
+    ops = pd.read_csv(out / "ops.csv")
+    assert MATMULS & set(ops["name"])
+    assert set(ops["phase"]) <= {"prefill", "decode", "mixed", "outside_step"}
+    assert (out / "ops.md").read_text().startswith("# Top operators per phase")
+
+
+def test_run_shorter_than_the_window_says_so(tmp_path: Path) -> None:
+    summary = run_experiment(tiny_config("profiling.start_step=1000"), tmp_path,
+                             progress=False)
+    assert summary["status"] == "complete"
+    assert "no step profiled" in summary["profile"]["note"]
+    assert not (tmp_path / "profile" / "trace.json.gz").exists()
+
+
+@pytest.mark.parametrize(("config", "field"), [
+    ({"profile": "yes"}, "profile: 'yes' is invalid"),
+    ({"profile": True, "profiling": {"num_steps": 0}}, "profiling.num_steps"),
+    ({"profile": True, "profiling": {"start_step": -1}}, "profiling.start_step"),
+    ({"profile": True, "profiling": {"record_shapes": "no"}}, "profiling.record_shapes"),
+    ({"profile": True, "profiling": {"steps": 3}}, "profiling: unknown key(s) ['steps']"),
+])
+def test_profile_config_errors_name_the_field(config: dict[str, Any], field: str,
+                                              tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="allowed") as info:
+        profiler_from_config(config, tmp_path)
+    assert field in str(info.value)
+
+
+def test_profile_off_is_none(tmp_path: Path) -> None:
+    assert profiler_from_config({"profile": False}, tmp_path) is None
+    assert profiler_from_config({}, tmp_path) is None
