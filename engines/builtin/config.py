@@ -69,6 +69,9 @@ class EngineConfig:
     quantization: str = "none"
     quantization_group_size: int = 128  # int4: input columns per scale/zero (32|64|128)
     quantize_lm_head: bool = False  # quantize the (untied) LM head too; false keeps it dense
+    # CPU, unquantized fp32/bf16: keep a oneDNN-packed copy of each linear weight (2x the
+    # dense weight memory) so multi-row matmuls skip torch's per-call re-packing
+    prepack_weights: bool = True
     # test instrument: sleep this fraction of each step's duration inside the step (a planted
     # slowdown for validating the regression gate; docs/gate.md)
     debug_step_delay_fraction: float = 0.0
@@ -131,7 +134,7 @@ class EngineConfig:
                 or self.quantization_group_size not in (32, 64, 128)):
             raise fail("quantization_group_size", "32|64|128")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "quantize_lm_head",
-                     "enforce_eager", "compile"):
+                     "enforce_eager", "compile", "prepack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "true|false")
         sizes = self.cuda_graph_batch_sizes

@@ -20,7 +20,7 @@ from engines.builtin.cuda_graphs import (
     pad_decode_rows,
 )
 from engines.builtin.kv_cache import KVCacheManager, LayerKVCache
-from engines.builtin.layers.linear import DenseMethod, make_linear_method
+from engines.builtin.layers.linear import PrepackedDenseMethod, make_linear_method
 from engines.builtin.model import Transformer
 from engines.builtin.model_config import ModelConfig
 from engines.builtin.platform import Platform
@@ -45,10 +45,15 @@ class ModelRunner:
         self.sample_vocab_size = sample_vocab_size
         self.eos_ids = eos_ids
 
+        # torch.compile cannot lower the prepacked op (inductor packs weights its own way)
+        self.prepacked = (config.prepack_weights and not config.compile
+                          and PrepackedDenseMethod.supported(self.device, dtype))
         with torch.device("meta"):
-            linear = make_linear_method(config.quantization, config.quantization_group_size)
+            linear = make_linear_method(config.quantization, config.quantization_group_size,
+                                        self.prepacked)
             # The LM head stays dense unless quantize_lm_head asks otherwise.
-            lm_head = linear if config.quantize_lm_head else DenseMethod()
+            lm_head = linear if config.quantize_lm_head else make_linear_method(
+                "none", prepack=self.prepacked)
             self.model = Transformer(model_config, linear,
                                      make_attention(config.attention_backend),
                                      max_model_len, self.device, lm_head_method=lm_head)
@@ -135,6 +140,7 @@ class ModelRunner:
         facts: dict[str, object] = {
             "enforce_eager": self.config.enforce_eager,
             "compile": self.config.compile,
+            "prepacked_weights": self.prepacked,
             "cuda_graphs": graphs is not None,
             "cuda_graph_batch_sizes": graphs.sizes if graphs is not None else [],
         }

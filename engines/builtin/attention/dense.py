@@ -91,6 +91,9 @@ class DenseAttention:
             return out.squeeze(2)
         lengths = meta.seq_lens_host[:nd]
         length = max(lengths)
+        in_place = self._decode_in_place(q, cache, meta, length, scale)
+        if in_place is not None:
+            return in_place
         if nd > 1 and 2 * sum(lengths) < nd * length:
             # Contexts of very different lengths: padding every gather to the longest would
             # copy and attend mostly padding, so each sequence attends to its own context.
@@ -105,6 +108,38 @@ class DenseAttention:
         out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                           mask, scale, False)
         return out.squeeze(2)
+
+    def _decode_in_place(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
+                         length: int, scale: float) -> torch.Tensor | None:
+        """Decodes whose contexts each fit one block (the contiguous layout: one slot per
+        sequence) and whose blocks form one range are attended through a view of the cache,
+        with no gather: the queries are put in block order and the outputs put back.
+
+        A gather copies every context on every layer of every step (~100 MB per layer at
+        batch 64 x 256 tokens on the small preset, 30-40 ms), more than the attention itself.
+        None when the blocks are not one range or the cache cannot be read in place.
+        """
+        nd = q.shape[0]
+        blocks = meta.block_tables[:nd, 0]
+        first = int(blocks.min())
+        if int(blocks.max()) - first + 1 != nd:
+            return None
+        view = cache.block_range_view(first, nd, length)
+        if view is None:
+            return None
+        keys, values = view
+        order = (blocks - first).long()  # row i of the batch is block first + order[i]
+        q_sorted = torch.empty_like(q)
+        q_sorted[order] = q
+        lens = torch.empty(nd, dtype=torch.long, device=q.device)
+        lens[order] = meta.seq_lens[:nd].long()
+        mask = None
+        if nd > 1 or meta.sliding_window is not None:
+            mask = _window_mask((lens - 1).view(nd, 1), length, lens,
+                                meta.sliding_window).unsqueeze(1)  # [B, 1, 1, L]
+        out = self.kernel(q_sorted.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                          mask, scale, False)
+        return out.squeeze(2)[order]
 
     def _decode_one(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
                     index: int, scale: float) -> torch.Tensor:

@@ -94,6 +94,15 @@ class LayerKVCache:
         self.gather_ns += now_ns() - start
         return out[0], out[1]
 
+    def block_range_view(self, first: int, count: int,
+                         length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K/V of blocks [first, first + count), first `length` positions, as views into the
+        cache (no copy): [count, length, kv_heads, d]. None when the cache cannot be read in
+        place (INT8 values need dequantizing; `length` past one block)."""
+        if self.quantized or length > self.block_size:
+            return None
+        return self.k[first:first + count, :length], self.v[first:first + count, :length]
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write: blocks `src` into blocks `dst`, scale planes included."""
         for plane in (self.k, self.v, *((self.k_scale, self.v_scale) if self.quantized else ())):
