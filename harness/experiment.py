@@ -81,7 +81,7 @@ def warmup_requests(workload: Any, tokenizer: Any, context_len: int | None,
 
 
 @contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
+def sigterm_interrupts() -> Iterator[None]:
     # SIGTERM behaves like Ctrl-C: KeyboardInterrupt is what asyncio propagates out of
     # the event loop from any task, so the run stops, keeps its rows and says so.
     def handler(signum: int, frame: Any) -> None:
@@ -113,7 +113,7 @@ def run_experiment(config: dict[str, Any], run_dir: str | Path,
     monitor: Monitor | None = None
     profiler, driver = None, None
     try:
-        with _sigterm_interrupts():
+        with sigterm_interrupts():
             hardware_cfg = hardware.validate_config(config.get("hardware"))
             monitor_cfg = MonitorConfig.from_dict(run_cfg.get("monitor"))
             profiler = profiler_from_config(config, run_dir)

@@ -20,8 +20,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ import numpy as np
 import yaml
 
 from harness import provenance
+from harness.experiment import sigterm_interrupts
 from harness.records import SCHEMA_VERSION, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,23 +96,6 @@ def _read_summary(run_dir: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM stops the series as Ctrl-C does (KeyboardInterrupt), when on the main thread."""
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _run_child(command: list[str]) -> tuple[int, str | None]:
     """Run one repeat to its end; (exit code, interruption or None)."""
     env = dict(os.environ)
@@ -159,7 +141,7 @@ def run_repeats(config: dict[str, Any], overrides: list[str], run_dir: str | Pat
 
     write("running", None)
     child_config = {**config, "repeats": 1}
-    with _sigterm_interrupts():
+    with sigterm_interrupts():
         for k in range(repeats):
             child_dir = run_dir / f"{REPEAT_DIR_PREFIX}{k}"
             try:

@@ -19,6 +19,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--dtype", default="bfloat16")
+    # quantization[+head][+noprepack]: +head quantizes the LM head too (quantize_lm_head),
+    # +noprepack runs dense layers on torch's plain GEMM (prepack_weights=false)
     parser.add_argument("--variants", default="none,int8,int4")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -26,9 +28,17 @@ def main() -> None:
     args = parser.parse_args()
 
     prompt = list(range(10, 42))
-    engines = {v: LLM(args.model, dtype=args.dtype, quantization=v, max_model_len=256,
-                      max_num_seqs=1, quantization_group_size=args.group_size)
-               for v in args.variants.split(",")}
+    def build(variant: str) -> LLM:
+        quantization, *flags = variant.split("+")
+        unknown = set(flags) - {"head", "noprepack"}
+        if unknown:
+            raise SystemExit(f"--variants: unknown flag(s) {sorted(unknown)} in {variant!r}; "
+                             "allowed: +head, +noprepack")
+        return LLM(args.model, dtype=args.dtype, quantization=quantization, max_model_len=256,
+                   max_num_seqs=1, quantization_group_size=args.group_size,
+                   quantize_lm_head="head" in flags, prepack_weights="noprepack" not in flags)
+
+    engines = {v: build(v) for v in args.variants.split(",")}
 
     def decode_rate(llm: LLM) -> float:
         def timed(n: int) -> float:
@@ -51,7 +61,7 @@ def main() -> None:
     for v, values in rates.items():
         med = statistics.median(values)
         linear = engines[v].engine.runner.model.weight_bytes()["linear_weight_bytes"]
-        print(f"  {v:5s} {med:7.2f} tok/s  x{med / base:4.2f}   linear weights "
+        print(f"  {v:14s} {med:7.2f} tok/s  x{med / base:4.2f}   linear weights "
               f"{linear / 2**20:8.1f} MiB   runs: " + ", ".join(f"{x:.1f}" for x in values))
 
 

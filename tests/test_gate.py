@@ -102,7 +102,7 @@ def write_rules(tmp_path: Path, rules: Any) -> Path:
 
 def test_default_rules() -> None:
     rules = load_rules()
-    assert rules.min_effect == 0.05 and rules.min_samples == 5
+    assert rules.min_effect == 0.10 and rules.min_samples == 5
     assert "output_tok_per_s" in rules.timing_metrics
     assert "prefill_tokens_total" in rules.deterministic_metrics
     assert rules.bootstrap.seed == 0 and rules.bootstrap.resamples == 10000
@@ -110,10 +110,10 @@ def test_default_rules() -> None:
 
 def test_a_rules_file_is_merged_over_the_defaults(tmp_path: Path) -> None:
     rules = load_rules(write_rules(tmp_path, {
-        "timing": {"min_effect": 0.1},
+        "timing": {"min_effect": 0.05},
         "metrics": {"timing": ["e2e_p99_s"], "exclude": ["num_steps"]},
         "per_metric": {"e2e_p99_s": {"min_effect": 0.2}}}))
-    assert rules.min_effect == 0.1 and rules.min_samples == 5
+    assert rules.min_effect == 0.05 and rules.min_samples == 5
     assert rules.timing_metrics == ("e2e_p99_s",)
     assert "num_steps" not in rules.deterministic_metrics
     assert rules.min_effect_for("e2e_p99_s") == 0.2

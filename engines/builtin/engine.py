@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,7 +45,7 @@ from engines.builtin.model_runner import ModelRunner
 from engines.builtin.platform import Platform
 from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
-from engines.builtin.tokenizer import Tokenizer, default_tokenizer, load_tokenizer
+from engines.builtin.tokenizer import tokenizer_for_model
 from engines.sampling_params import SamplingParams
 
 #: max_num_batched_tokens when chunked prefill is on and none is given: vLLM v1's default for
@@ -78,7 +77,7 @@ class LLMEngine:
         self.config = config
         self.platform = Platform.create(config.device, config.num_threads)
         self.model_config = resolve_model(config.model, config.model_overrides)
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = tokenizer_for_model(self.config.model, self.config.tokenizer)
         self.dtype = (self.platform.default_dtype() if config.dtype == "auto"
                       else TORCH_DTYPES[config.dtype])
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
@@ -118,14 +117,6 @@ class LLMEngine:
         self._detokenize_ns: dict[str, int] = {}  # per sequence key, reported in Finished
 
     # ---- construction -----------------------------------------------------------------------
-
-    def _load_tokenizer(self) -> Tokenizer:
-        if self.config.tokenizer:
-            return load_tokenizer(self.config.tokenizer)
-        folder = Path(self.config.model)
-        if folder.is_dir() and (folder / "tokenizer.json").is_file():
-            return load_tokenizer(folder)
-        return default_tokenizer()
 
     def _make_kv_manager(self, max_model_len: int) -> tuple[KVCacheManager, int, int]:
         cfg = self.model_config

@@ -352,6 +352,17 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
 
 
 @functools.cache
+def tokenizer_for_model(model: str, tokenizer: str | None = None) -> Tokenizer:
+    """The tokenizer a model runs with: `tokenizer` when given, else the checkpoint folder's
+    tokenizer.json, else the project's default BPE (every backend picks it the same way)."""
+    if tokenizer:
+        return load_tokenizer(tokenizer)
+    folder = Path(model)
+    if folder.is_dir() and (folder / "tokenizer.json").is_file():
+        return load_tokenizer(folder)
+    return default_tokenizer()
+
+
 def default_tokenizer() -> Tokenizer:
     """The default project tokenizer, built or loaded once per process."""
     return load_tokenizer(None)

@@ -42,7 +42,7 @@ from engines.base import (
     now_ns,
 )
 from engines.builtin.config import TORCH_DTYPES
-from engines.builtin.tokenizer import Tokenizer, default_tokenizer, load_tokenizer
+from engines.builtin.tokenizer import Tokenizer, tokenizer_for_model
 from engines.hf.config import HFConfig
 from engines.hf.model import load_hf_model
 from engines.sampling_params import SamplingParams
@@ -101,7 +101,7 @@ class HFBackend(Backend):
         self.model, self.model_config = load_hf_model(
             cfg.model, cfg.model_overrides, self.dtype, self.device, cfg.seed,
             cfg.attn_implementation)
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = tokenizer_for_model(cfg.model, cfg.tokenizer)
         mc = self.model_config
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -110,15 +110,6 @@ class HFBackend(Backend):
             is not None else 0
         if cfg.mode == "generate_batch":
             self._start_continuous_batching()
-
-    def _load_tokenizer(self) -> Tokenizer:
-        # the same rule as the built-in engine, so both see the same token ids
-        if self.config.tokenizer:
-            return load_tokenizer(self.config.tokenizer)
-        folder = Path(self.config.model)
-        if folder.is_dir() and (folder / "tokenizer.json").is_file():
-            return load_tokenizer(folder)
-        return default_tokenizer()
 
     def _start_continuous_batching(self) -> None:
         from transformers import GenerationConfig
