@@ -335,7 +335,10 @@ def test_tiny_run_writes_samples_and_metrics(tmp_path: Path) -> None:
     assert on_disk["monitor"]["num_samples"] == len(samples)
     assert any("GPU" in n or "gpu" in n for n in on_disk["monitor"]["notes"])
     for metrics in (on_disk["metrics"], on_disk["metrics_whole_run"]):
-        assert metrics["peak_rss_bytes"] >= samples["rss_bytes"].iloc[0]
+        # a peak over the window (or the run) is one of the sampled values; memory freed
+        # after the first sample can leave the window's peak below that sample
+        assert samples["rss_bytes"].min() <= metrics["peak_rss_bytes"] \
+            <= samples["rss_bytes"].max()
         assert 0 < metrics["cpu_util_mean"] <= 1.05
         assert metrics["memory_weights_bytes"] == on_disk["engine"]["weight_bytes"]
         assert metrics["memory_kv_used_bytes"] == metrics["kv_bytes_used_peak"]

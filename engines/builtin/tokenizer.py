@@ -351,7 +351,6 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
     )
 
 
-@functools.cache
 def tokenizer_for_model(model: str, tokenizer: str | None = None) -> Tokenizer:
     """The tokenizer a model runs with: `tokenizer` when given, else the checkpoint folder's
     tokenizer.json, else the project's default BPE (every backend picks it the same way)."""
@@ -363,6 +362,7 @@ def tokenizer_for_model(model: str, tokenizer: str | None = None) -> Tokenizer:
     return default_tokenizer()
 
 
+@functools.cache
 def default_tokenizer() -> Tokenizer:
     """The default project tokenizer, built or loaded once per process."""
     return load_tokenizer(None)
