@@ -11,13 +11,18 @@ TRITON_DEVICE = os.environ.get("INFERLAB_TRITON_DEVICE", "cpu")
 if TRITON_DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from engines.builtin import LLM  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -46,3 +51,20 @@ def _single_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_rate_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real two-job `inferlab run -m` sweep on `tiny` (Poisson rates 100 and 400 req/s, so
+    there is a steady-state window; a TTFT SLO, so goodput is reported), shared read-only by
+    the results, report and gate tests: copy it before changing anything."""
+    sweep_dir = tmp_path_factory.mktemp("sweep")
+    overrides = ["model=tiny", "workload.num_requests=8", "workload.input_len=16",
+                 "workload.output_len=[4,12]", "run.warmup_requests=1",
+                 "workload.arrival.process=poisson", "+workload.arrival.rate=100,400",
+                 "run.slo.ttft_s=0.5"]
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "-m", *overrides,
+                           f"hydra.sweep.dir={sweep_dir}"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    return sweep_dir

@@ -9,10 +9,6 @@ import torch.nn.functional as F
 from engines.builtin import LLM, SamplingParams
 from engines.builtin.layers.linear import Linear, PrepackedDenseMethod
 
-pytestmark = pytest.mark.skipif(
-    not PrepackedDenseMethod.supported(torch.device("cpu"), torch.float32),
-    reason="oneDNN is not available in this torch build")
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 3, 48)])

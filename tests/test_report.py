@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -26,23 +24,13 @@ from harness.report import (
 )
 from harness.results import load
 
-REPO = Path(__file__).resolve().parents[1]
-TINY_SWEEP = ["model=tiny", "workload.num_requests=8", "workload.input_len=16",
-              "workload.output_len=[4,12]", "run.warmup_requests=1",
-              "workload.arrival.process=poisson", "+workload.arrival.rate=100,400",
-              "run.slo.ttft_s=0.5"]
 ROOFLINE = ["flops", "weight_bytes_read", "kv_bytes_read", "kv_bytes_written", "predicted_s",
             "mbu", "mfu"]
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sweep_dir = tmp_path_factory.mktemp("sweep")
-    done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "-m", *TINY_SWEEP,
-                           f"hydra.sweep.dir={sweep_dir}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=240)
-    assert done.returncode == 0, done.stderr
-    return sweep_dir
+def sweep(tiny_rate_sweep: Path) -> Path:
+    return tiny_rate_sweep
 
 
 def jobs(folder: Path) -> list[Path]:

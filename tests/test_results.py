@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,21 +15,11 @@ import pytest
 from harness.records import TABLES
 from harness.results import ID_COLUMNS, load, newest
 
-REPO = Path(__file__).resolve().parents[1]
-# two variants, by Poisson rate: open-loop arrivals give a steady-state window to honour
-TINY_SWEEP = ["model=tiny", "workload.num_requests=8", "workload.input_len=16",
-              "workload.output_len=[4,12]", "run.warmup_requests=1",
-              "workload.arrival.process=poisson", "+workload.arrival.rate=100,400"]
 
-
+# two variants, by Poisson rate (conftest.tiny_rate_sweep)
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sweep_dir = tmp_path_factory.mktemp("sweep")
-    done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "-m", *TINY_SWEEP,
-                           f"hydra.sweep.dir={sweep_dir}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=240)
-    assert done.returncode == 0, done.stderr
-    return sweep_dir
+def sweep(tiny_rate_sweep: Path) -> Path:
+    return tiny_rate_sweep
 
 
 def summaries(sweep: Path) -> dict[str, dict]:
