@@ -1,10 +1,13 @@
 """Hardware peaks for the roofline: datasheet specs for GPUs, a measured probe for the CPU.
 
-A spec is a memory bandwidth (bytes/s) and peak FLOP/s per compute dtype. GPU specs are the
-public datasheet values in `configs/hardware/<name>.yaml` (dense, no sparsity). `cpu` is
-measured on this machine by `probe_cpu` (a large sum and copy for bandwidth, square matmuls for
-FLOP/s, at the engine's thread count) and cached per machine so runs do not re-probe. `auto`
-picks the spec from the engine's device. docs/roofline.md has the details.
+A spec is a memory bandwidth (bytes/s), peak FLOP/s per compute dtype, and per dtype how far
+the machine overlaps computing with moving bytes (1: fully, the standard roofline's max(); 0:
+one after the other, their sum). GPU specs are the public datasheet values in
+`configs/hardware/<name>.yaml` (dense, no sparsity; overlap 1). `cpu` is measured on this
+machine by `probe_cpu` (a large sum and copy for bandwidth, square matmuls for FLOP/s, a matmul
+at the ridge point for the overlap, at the engine's thread count) and cached per machine so
+runs do not re-probe. `auto` picks the spec from the engine's device. docs/roofline.md has the
+details.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ import torch
 import yaml
 
 SPEC_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
-SPEC_KEYS = {"name", "source", "device_names", "memory_bandwidth", "peak_flops"}
+SPEC_KEYS = {"name", "source", "device_names", "memory_bandwidth", "peak_flops", "overlap"}
 CPU_KEYS = {"name", "probe_bytes", "matmul_size", "reprobe"}
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
 CPU_DEFAULTS: dict[str, Any] = {"probe_bytes": 256 << 20, "matmul_size": 1024, "reprobe": False}
+PROBE_VERSION = 2  # bumped when the probe measures something new: older caches are re-probed
 
 
 @dataclass(frozen=True)
@@ -34,12 +38,18 @@ class HardwareSpec:
     memory_bandwidth: float  # bytes/s
     peak_flops: dict[str, float]  # compute dtype ("float32", "bfloat16", ...) -> FLOP/s
     source: str = ""
+    # compute dtype -> 0..1: how much of the shorter of compute and memory time hides under the
+    # longer (1, the standard roofline, for a dtype not listed)
+    overlap: dict[str, float] = field(default_factory=dict)
     device_names: tuple[str, ...] = ()
     details: dict[str, Any] = field(default_factory=dict)  # probe settings, machine, time
 
     def flops_for(self, dtype: str) -> float | None:
         """Peak FLOP/s for a compute dtype (torch's name, "torch." prefix optional)."""
         return self.peak_flops.get(dtype.removeprefix("torch."))
+
+    def overlap_for(self, dtype: str) -> float:
+        return self.overlap.get(dtype.removeprefix("torch."), 1.0)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -79,12 +89,19 @@ def spec_from_dict(values: dict[str, Any], where: str = "hardware") -> HardwareS
     peaks = values["peak_flops"]
     if not isinstance(peaks, dict) or not peaks:
         raise ValueError(f"{where}.peak_flops: expected a mapping dtype -> FLOP/s, got {peaks!r}")
+    overlap = values.get("overlap") or {}
+    if not isinstance(overlap, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+            for v in overlap.values()):
+        raise ValueError(f"{where}.overlap: {overlap!r} is invalid; allowed: a mapping dtype -> "
+                         "a number in [0, 1]")
     return HardwareSpec(
         name=str(values["name"]),
         memory_bandwidth=positive("memory_bandwidth", values["memory_bandwidth"]),
         peak_flops={str(k): positive(f"peak_flops.{k}", v) for k, v in peaks.items()},
         source=str(values.get("source", "")),
         device_names=tuple(values.get("device_names") or ()),
+        overlap={str(k): float(v) for k, v in overlap.items()},
     )
 
 
@@ -133,14 +150,35 @@ def _bandwidths(probe_bytes: int, repeats: int) -> tuple[float, float]:
     return nbytes / read_s, 2 * nbytes / copy_s
 
 
+def _overlap(dtype: torch.dtype, peak_flops: float, bandwidth: float, weight_bytes: int,
+             repeats: int) -> float:
+    """How much of the shorter of compute and memory time a linear layer at the ridge point
+    hides under the longer: (compute + memory - measured) / min(compute, memory), in [0, 1].
+
+    The layer is x [m, n] @ W [n, n]^T with W of `weight_bytes` (far larger than the caches)
+    and m rows chosen so that its FLOPs per byte of W equal peak_flops / bandwidth: there its
+    compute and memory times are equal, and max() and sum() differ the most. 0 when the
+    machine is slower than even the sum (small-row matmuls short of both peaks).
+    """
+    size = torch.tensor([], dtype=dtype).element_size()
+    n = int((weight_bytes // size) ** 0.5)
+    rows = max(1, round(peak_flops / bandwidth * size / 2))
+    weight = torch.ones(n, n, dtype=dtype)
+    x = torch.ones(rows, n, dtype=dtype)
+    measured = _best_seconds(lambda: torch.nn.functional.linear(x, weight), repeats, 2.0)
+    compute, memory = 2 * rows * n * n / peak_flops, n * n * size / bandwidth
+    return min(1.0, max(0.0, (compute + memory - measured) / min(compute, memory)))
+
+
 def probe_cpu(probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
               matmul_size: int = CPU_DEFAULTS["matmul_size"], repeats: int = 5) -> dict[str, Any]:
-    """Measure memory bandwidth and matmul FLOP/s at torch's current thread count.
+    """Measure memory bandwidth, matmul FLOP/s and their overlap at torch's thread count.
 
     Bandwidth: the best of a read-only sum over `probe_bytes` of fp32 (bytes read / s) and a
     copy of it (bytes read + written / s). FLOP/s: the best of `repeats` square matmuls of
-    `matmul_size` per dtype (2 n^3 FLOPs each). Best-of, because a peak is what the machine
-    can do; noise only ever slows a sample down.
+    `matmul_size` per dtype (2 n^3 FLOPs each). Overlap per dtype: `_overlap` over a weight of
+    `probe_bytes`. Best-of, because a peak is what the machine can do; noise only ever slows
+    a sample down.
     """
     if probe_bytes < 1 << 16 or matmul_size < 16:
         raise ValueError(f"hardware: probe_bytes={probe_bytes} / matmul_size={matmul_size} "
@@ -154,8 +192,11 @@ def probe_cpu(probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
             a = torch.randn(n, n).to(dtype)
             b = torch.randn(n, n).to(dtype)
             flops[name] = 2 * n ** 3 / _best_seconds(lambda a=a, b=b: a @ b, repeats, 1.0)
-    return {"memory_bandwidth": max(read_bw, copy_bw), "read_bandwidth": read_bw,
-            "copy_bandwidth": copy_bw, "peak_flops": flops}
+        bandwidth = max(read_bw, copy_bw)
+        overlap = {name: _overlap(getattr(torch, name), flops[name], bandwidth, probe_bytes,
+                                  repeats) for name in PROBE_DTYPES}
+    return {"memory_bandwidth": bandwidth, "read_bandwidth": read_bw, "copy_bandwidth": copy_bw,
+            "peak_flops": flops, "overlap": overlap}
 
 
 def cpu_model() -> str:
@@ -186,7 +227,7 @@ def cpu_spec(probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
     threads = torch.get_num_threads()
     path = cache_path(threads, cache_dir)
     settings = {"probe_bytes": int(probe_bytes), "matmul_size": int(matmul_size),
-                "threads": threads}
+                "threads": threads, "probe_version": PROBE_VERSION}
     cached = None
     if path.is_file() and not reprobe:
         try:
@@ -212,6 +253,7 @@ def cpu_spec(probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
                    copy_bandwidth=measured["copy_bandwidth"])
     return HardwareSpec(name="cpu", memory_bandwidth=float(measured["memory_bandwidth"]),
                         peak_flops={k: float(v) for k, v in measured["peak_flops"].items()},
+                        overlap={k: float(v) for k, v in measured["overlap"].items()},
                         source=f"measured on this machine ({threads} threads)",
                         details=details)
 

@@ -8,7 +8,8 @@ For each step (a `steps` row) and the model's shape (the engine's `describe()`):
                        + the LM head when any logits are computed; never the embedding table
     kv_bytes_read    = kv_tokens_read * kv_bytes_per_token
     kv_bytes_written = kv_tokens_written * kv_bytes_per_token
-    predicted_s      = max(flops / peak_flops[dtype], bytes / memory_bandwidth)
+    predicted_s      = max(compute_s, memory_s) + (1 - overlap[dtype]) * min(compute_s, memory_s)
+                       compute_s = flops / peak_flops[dtype]; memory_s = bytes / memory_bandwidth
     mbu              = bytes / measured_s / memory_bandwidth
     mfu              = flops / measured_s / peak_flops[dtype]
 
@@ -85,8 +86,11 @@ def step_costs(steps: pd.DataFrame, shape: ModelShape) -> pd.DataFrame:
 
 
 def add_roofline(steps: pd.DataFrame, shape: ModelShape, peak_flops: float | None,
-                 memory_bandwidth: float) -> pd.DataFrame:
-    """`steps` with the roofline columns set (MFU and predicted_s NaN without a FLOP/s peak)."""
+                 memory_bandwidth: float, overlap: float = 1.0) -> pd.DataFrame:
+    """`steps` with the roofline columns set (MFU and predicted_s NaN without a FLOP/s peak).
+
+    `overlap` (the hardware spec's, 0..1): 1 is the standard roofline, max(compute, memory);
+    0 adds them, for a machine that does one after the other."""
     out = steps.copy()
     costs = step_costs(steps, shape)
     for column in costs:
@@ -97,7 +101,8 @@ def add_roofline(steps: pd.DataFrame, shape: ModelShape, peak_flops: float | Non
     out["mbu"] = total_bytes / measured / memory_bandwidth
     if peak_flops:
         compute_s = costs["flops"] / peak_flops
-        out["predicted_s"] = np.fmax(compute_s, memory_s).where(
+        hidden = overlap * np.fmin(compute_s, memory_s)
+        out["predicted_s"] = (compute_s + memory_s - hidden).where(
             compute_s.notna() & memory_s.notna())
         out["mfu"] = costs["flops"] / measured / peak_flops
     else:
@@ -117,7 +122,8 @@ def annotate_run(run_dir: str | Path, steps: pd.DataFrame, info: dict[str, Any])
     if shape is None or not bandwidth or steps.empty:
         return steps
     peak = (hardware.get("peak_flops") or {}).get(shape.dtype)
-    steps = add_roofline(steps, shape, peak, float(bandwidth))
+    overlap = float((hardware.get("overlap") or {}).get(shape.dtype, 1.0))
+    steps = add_roofline(steps, shape, peak, float(bandwidth), overlap)
     steps.to_parquet(Path(run_dir) / "steps.parquet", index=False)
     return steps
 

@@ -3,6 +3,7 @@ picks by device."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def test_unknown_name_lists_the_allowed_ones() -> None:
     ({"peak_flops": {"float32": "fast"}}, r"hardware\.peak_flops\.float32: 'fast' is invalid"),
     ({"peak_flops": []}, r"hardware\.peak_flops: expected a mapping"),
     ({"clock_ghz": 2.0}, r"unknown key\(s\) \['clock_ghz'\]"),
+    ({"overlap": {"bfloat16": 1.5}},
+     r"hardware\.overlap: .* allowed: a mapping dtype -> a number in \[0, 1\]"),
 ])
 def test_bad_spec_values_name_the_field(values: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -117,19 +120,51 @@ def test_cpu_probe_is_positive_finite_and_cached(tmp_path: Path) -> None:
     values = [first.memory_bandwidth, *first.peak_flops.values()]
     assert sorted(first.peak_flops) == ["bfloat16", "float16", "float32"]
     assert all(math.isfinite(v) and v > 0 for v in values)
+    assert sorted(first.overlap) == sorted(first.peak_flops)
+    assert all(0.0 <= v <= 1.0 for v in first.overlap.values())
     cache_files = list(tmp_path.glob("*.json"))
     assert len(cache_files) == 1 and f"-{torch.get_num_threads()}t" in cache_files[0].name
 
     again = hardware.cpu_spec(**TINY_PROBE, cache_dir=tmp_path)
     assert again.details["from_cache"]
     assert again.memory_bandwidth == first.memory_bandwidth
-    assert again.peak_flops == first.peak_flops
+    assert again.peak_flops == first.peak_flops and again.overlap == first.overlap
 
     assert not hardware.cpu_spec(**TINY_PROBE, reprobe=True, cache_dir=tmp_path) \
         .details["from_cache"]
     # other probe settings do not reuse a cached result
     other = hardware.cpu_spec(probe_bytes=2 << 20, matmul_size=64, cache_dir=tmp_path)
     assert not other.details["from_cache"]
+
+
+def test_a_cache_from_an_older_probe_is_probed_again(tmp_path: Path) -> None:
+    first = hardware.cpu_spec(**TINY_PROBE, cache_dir=tmp_path)
+    path = Path(first.details["cache_file"])
+    cached = json.loads(path.read_text())
+    del cached["settings"]["probe_version"], cached["measured"]["overlap"]
+    path.write_text(json.dumps(cached))
+    again = hardware.cpu_spec(**TINY_PROBE, cache_dir=tmp_path)
+    assert not again.details["from_cache"] and sorted(again.overlap) == sorted(first.overlap)
+
+
+@pytest.mark.parametrize(("measured", "expected"), [(1.0, 1.0), (1.5, 0.5), (2.0, 0.0),
+                                                     (3.0, 0.0), (0.5, 1.0)])
+def test_overlap_from_a_matmul_at_the_ridge(monkeypatch: pytest.MonkeyPatch, measured: float,
+                                            expected: float) -> None:
+    # peak 2e9 FLOP/s and 1e9 B/s: ridge 2 FLOP/byte; m fp32 rows over a 4 MB weight (1024 x
+    # 1024) do m/2 FLOP/byte -> 4 rows, so compute = 2*4*1024^2 / 2e9 s and memory =
+    # 4*1024^2 / 1e9 s: equal.
+    unit = 4 * 1024 ** 2 / 1e9
+    seen: list[tuple[int, ...]] = []
+
+    def fake_best(fn: object, repeats: int, budget_s: float) -> float:
+        seen.append(tuple(fn().shape))  # type: ignore[operator]
+        return measured * unit
+
+    monkeypatch.setattr(hardware, "_best_seconds", fake_best)
+    overlap = hardware._overlap(torch.float32, 2e9, 1e9, 4 * 1024 ** 2, repeats=1)
+    assert seen == [(4, 1024)]
+    assert overlap == pytest.approx(expected)
 
 
 def test_probe_refuses_sizes_too_small_to_mean_anything() -> None:

@@ -152,6 +152,11 @@ def test_mbu_mfu_and_prediction() -> None:
     assert row["mfu"] == pytest.approx(flops / 2.0 / 100.0)
     memory_bound = add_roofline(steps, SHAPE, peak_flops=1e6, memory_bandwidth=1000.0)
     assert memory_bound.iloc[0]["predicted_s"] == pytest.approx(moved / 1000.0)
+    # a machine that overlaps nothing takes the sum; half overlap hides half the shorter part
+    serial = add_roofline(steps, SHAPE, peak_flops=100.0, memory_bandwidth=1000.0, overlap=0.0)
+    assert serial.iloc[0]["predicted_s"] == pytest.approx(flops / 100.0 + moved / 1000.0)
+    half = add_roofline(steps, SHAPE, peak_flops=100.0, memory_bandwidth=1000.0, overlap=0.5)
+    assert half.iloc[0]["predicted_s"] == pytest.approx(flops / 100.0 + 0.5 * moved / 1000.0)
     no_peak = add_roofline(steps, SHAPE, peak_flops=None, memory_bandwidth=1000.0)
     assert np.isnan(no_peak.iloc[0]["mfu"]) and np.isnan(no_peak.iloc[0]["predicted_s"])
     assert no_peak.iloc[0]["mbu"] == pytest.approx(row["mbu"])
@@ -261,8 +266,9 @@ def test_tiny_run_writes_columns_and_metrics(tmp_path: Path,
     # the rewritten parquet holds exactly the formula on the recorded counts
     shape = ModelShape.from_engine_info(summary["engine"])
     assert shape is not None
-    expected = add_roofline(steps, shape, summary["hardware"]["peak_flops"]["float32"],
-                            summary["hardware"]["memory_bandwidth"])
+    hardware = summary["hardware"]
+    expected = add_roofline(steps, shape, hardware["peak_flops"]["float32"],
+                            hardware["memory_bandwidth"], hardware["overlap"]["float32"])
     pd.testing.assert_frame_equal(steps, expected)
     first_decode = steps[steps["num_decode_seqs"] == 4].iloc[0]
     assert first_decode["kv_tokens_read"] == 4 * 12

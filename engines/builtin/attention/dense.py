@@ -9,6 +9,7 @@ Decodes are batched into one call over keys gathered up to the longest context; 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,40 @@ def _window_mask(query_pos: torch.Tensor, length: int, seq_lens: torch.Tensor | 
     return mask
 
 
+@dataclass
+class InPlaceDecode:
+    """How a step's decodes read the cache in place; the same in every layer."""
+
+    first: int  # the lowest block of the range
+    order: torch.Tensor | None  # row i of the batch is block first + order[i]; None: i
+    mask: torch.Tensor | None  # [B, 1, 1, L] in block order; None: every key is visible
+
+
+def plan_in_place_decode(meta: AttentionMetadata, nd: int, length: int) -> InPlaceDecode | None:
+    """None when the decodes' first blocks are not one range."""
+    blocks = meta.block_tables[:nd, 0]
+    first = int(blocks.min())
+    if int(blocks.max()) - first + 1 != nd:
+        return None
+    order: torch.Tensor | None = (blocks - first).long()
+    if bool((order == torch.arange(nd, device=blocks.device)).all()):
+        order = None
+    mask = None
+    if needs_decode_mask(meta, nd):
+        lens = meta.seq_lens[:nd].long()
+        if order is not None:
+            lens = torch.empty_like(lens).index_copy_(0, order, lens)
+        mask = _window_mask((lens - 1).view(nd, 1), length, lens,
+                            meta.sliding_window).unsqueeze(1)
+    return InPlaceDecode(first, order, mask)
+
+
+def needs_decode_mask(meta: AttentionMetadata, nd: int) -> bool:
+    """Decodes padded to the longest context need a mask unless all contexts are as long
+    (and no sliding window hides keys)."""
+    return meta.sliding_window is not None or len(set(meta.seq_lens_host[:nd])) > 1
+
+
 class DenseAttention:
     def __init__(self, name: str, kernel: Kernel) -> None:
         self.name = name
@@ -64,8 +99,10 @@ class DenseAttention:
                  cache: LayerKVCache | None, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
         """q [T, h, d], k/v [T, kvh, d] for this step's tokens -> [T, h, d]."""
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return self._decode(q, cache, meta, scale)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], cache, meta, scale)
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
@@ -100,13 +137,15 @@ class DenseAttention:
             return torch.cat([self._decode_one(q[i:i + 1], cache, meta, i, scale)
                               for i in range(nd)])
         keys, values = cache.gather(meta.block_tables[:nd], length, meta.block_size)
-        mask = None
-        if nd > 1 or meta.sliding_window is not None:
-            lens = meta.seq_lens[:nd].long()
-            mask = _window_mask((lens - 1).view(nd, 1), length, lens,
-                                meta.sliding_window).unsqueeze(1)  # [B, 1, 1, L]
+        if "decode_mask" not in meta.per_step:
+            mask = None
+            if needs_decode_mask(meta, nd):
+                lens = meta.seq_lens[:nd].long()
+                mask = _window_mask((lens - 1).view(nd, 1), length, lens,
+                                    meta.sliding_window).unsqueeze(1)  # [B, 1, 1, L]
+            meta.per_step["decode_mask"] = mask
         out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                          mask, scale, False)
+                          meta.per_step["decode_mask"], scale, False)
         return out.squeeze(2)
 
     def _decode_in_place(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
@@ -120,26 +159,18 @@ class DenseAttention:
         None when the blocks are not one range or the cache cannot be read in place.
         """
         nd = q.shape[0]
-        blocks = meta.block_tables[:nd, 0]
-        first = int(blocks.min())
-        if int(blocks.max()) - first + 1 != nd:
-            return None
-        view = cache.block_range_view(first, nd, length)
-        if view is None:
+        if "in_place_decode" not in meta.per_step:
+            meta.per_step["in_place_decode"] = plan_in_place_decode(meta, nd, length)
+        plan: InPlaceDecode | None = meta.per_step["in_place_decode"]
+        view = None if plan is None else cache.block_range_view(plan.first, nd, length)
+        if plan is None or view is None:
             return None
         keys, values = view
-        order = (blocks - first).long()  # row i of the batch is block first + order[i]
-        q_sorted = torch.empty_like(q)
-        q_sorted[order] = q
-        lens = torch.empty(nd, dtype=torch.long, device=q.device)
-        lens[order] = meta.seq_lens[:nd].long()
-        mask = None
-        if nd > 1 or meta.sliding_window is not None:
-            mask = _window_mask((lens - 1).view(nd, 1), length, lens,
-                                meta.sliding_window).unsqueeze(1)  # [B, 1, 1, L]
-        out = self.kernel(q_sorted.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                          mask, scale, False)
-        return out.squeeze(2)[order]
+        if plan.order is not None:
+            q = torch.empty_like(q).index_copy_(0, plan.order, q)
+        out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                          plan.mask, scale, False).squeeze(2)
+        return out if plan.order is None else out[plan.order]
 
     def _decode_one(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
                     index: int, scale: float) -> torch.Tensor:

@@ -9,7 +9,8 @@ so their addresses are stable from step to step (what CUDA graph capture needs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,6 +36,9 @@ class AttentionMetadata:
     ring: bool = False
     #: Tokens whose K/V are stored (None: all); a ring keeps only a prompt's last window.
     write_index: torch.Tensor | None = None
+    #: What the attention backend derives from this metadata once and every layer of the step
+    #: reuses (masks, orderings). Lives for one step: the runner builds new metadata per step.
+    per_step: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

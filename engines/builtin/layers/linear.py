@@ -59,7 +59,7 @@ class PrepackedDenseMethod(DenseMethod):
     """
 
     name = "none"  # the same weights, unquantized; describe() says "prepacked_weights"
-    PACK_FOR_ROWS = 64  # oneDNN's batch-size hint; the packed weight serves any row count
+    PACK_FOR_ROWS = 8  # oneDNN's batch-size hint (best of 1/8/32/64 here); serves any rows
     PLAIN_FP32_MAX_ROWS = 3
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -33,7 +33,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to packed q [T, heads, d] and k [T, kv_heads, d] at given positions."""
+    """The cos|sin table of RoPE over every position; `apply_rotary` rotates q and k."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None, device: torch.device) -> None:
@@ -42,11 +42,20 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32, device=device)
         angles = torch.outer(positions, inv_freq)
         # cos|sin side by side so one gather per step serves both.
-        self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1),
+        self.register_buffer("cos_sin_table", torch.cat([angles.cos(), angles.sin()], dim=-1),
                              persistent=False)
 
-    def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
-        """qk [T, q_heads + kv_heads, d]: queries and keys rotated together, one set of ops."""
-        cos, sin = self.cos_sin[positions].to(qk.dtype).unsqueeze(1).chunk(2, dim=-1)
-        x1, x2 = qk.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def cos_sin(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos|cos, -sin|sin) [T, 1, d] at `positions`: looked up once per step, used by every
+        layer (`apply_rotary`)."""
+        cos, sin = self.cos_sin_table[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """qk [T, q_heads + kv_heads, d] (halves x1, x2): queries and keys rotated together.
+
+    x1*cos - x2*sin | x2*cos + x1*sin, written as qk*(cos|cos) + (x2|x1)*(-sin|sin): the same
+    roundings in four ops instead of seven."""
+    return qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin
