@@ -3,6 +3,7 @@ warm up, drive the measured workload, and leave a complete (or honestly partial)
 
 from __future__ import annotations
 
+import gc
 import signal
 import traceback
 from collections.abc import Iterator
@@ -101,7 +102,17 @@ def sigterm_interrupts() -> Iterator[None]:
 def run_experiment(config: dict[str, Any], run_dir: str | Path,
                    progress: bool = True) -> dict[str, Any]:
     """Run one configuration into `run_dir`; return the summary (also in summary.json)."""
-    run_dir = Path(run_dir)
+    try:
+        return _run(config, Path(run_dir), progress)
+    finally:
+        # The engine sits in reference cycles (generator frames, closures) that refcounting
+        # does not free: collect them once the run's frame is gone, or the next run in this
+        # process (an A/B worker, an in-process sweep) builds its model and KV cache while
+        # this run's are still held (measured: A/B workers at 7.5 GB instead of ~4).
+        gc.collect()
+
+
+def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any]:
     recorder = RunRecorder(run_dir)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     write_json_atomic(run_dir / "provenance.json", provenance.collect(config))

@@ -154,6 +154,11 @@ register("roofline_decode_ratio_p50", "ratio", "lower", "timing",
          "roofline: median of measured / predicted step time over decode-only steps")
 register("roofline_ratio_p50", "ratio", "lower", "timing",
          "roofline: median of measured / predicted step time over all steps")
+register("mfu_overall", "fraction", "higher", "timing",
+         "roofline: the run's FLOPs / its summed step time / peak FLOP/s (time-weighted MFU)")
+register("roofline_fraction", "fraction", "higher", "timing",
+         "roofline: summed predicted / summed measured step time (share of the roofline's "
+         "speed reached)")
 for _cause in CAUSES:
     register(f"itl_p99_{_cause}_s", "s", "lower", "timing",
              f"ITL p99 over the gaps attributed to {_cause} (harness/phases.py)")

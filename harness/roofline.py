@@ -155,4 +155,15 @@ def roofline_summary(steps: pd.DataFrame) -> dict[str, float]:
     put("mfu_mean", steps["mfu"], "mean")
     put("roofline_decode_ratio_p50", ratio[decodes], "median")
     put("roofline_ratio_p50", ratio, "median")
+    # Time-weighted over the run: what a workload's throughput reached, where the per-step
+    # means above weigh a 5 ms step like a 2 s one.
+    measured = measured_step_s(steps)
+    timed = steps["mfu"].notna() & measured.notna()
+    if timed.any():
+        out["mfu_overall"] = float((steps["mfu"] * measured)[timed].sum()
+                                   / measured[timed].sum())
+    predicted = steps["predicted_s"].notna() & measured.notna()
+    if predicted.any():
+        out["roofline_fraction"] = float(steps.loc[predicted, "predicted_s"].sum()
+                                         / measured[predicted].sum())
     return out

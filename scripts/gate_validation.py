@@ -1,7 +1,7 @@
 """Validate the regression gate on this machine (issue 6's targets).
 
 Runs N A/A gates (baseline and candidate identical: every failure is false) and N gates with a
-planted slowdown (the candidate sleeps inside every engine step so that output tokens/s falls by
+planted slowdown (the candidate busy-waits inside every engine step so that output tokens/s falls by
 `--slowdown`), interleaved A/A, slow, A/A, slow ... so machine drift touches both sets alike.
 Each gate is `inferlab gate ab` with the default rules. Targets: 0 false failures and at most 3
 inconclusive in 20 A/A gates; the slowdown caught in at least 19 of 20.

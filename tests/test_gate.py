@@ -338,26 +338,27 @@ def test_step_delay_is_validated(value: Any) -> None:
         EngineConfig(debug_step_delay_fraction=value).validate()
 
 
-def test_step_delay_sleeps_inside_the_step(make_tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_step_delay_spins_inside_the_step(make_tiny: Any,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     import engines.builtin.engine as engine_module
     from engines.sampling_params import SamplingParams
 
-    real_sleep = engine_module.time.sleep
-    slept: list[float] = []
+    real_wait = engine_module._busy_wait_until
+    deadlines: list[float] = []
 
-    def record(seconds: float) -> None:
-        slept.append(seconds)
-        real_sleep(seconds)
+    def record(deadline_ns: float, now_ns: Any) -> int:
+        deadlines.append(deadline_ns)
+        return real_wait(deadline_ns, now_ns)
 
-    monkeypatch.setattr(engine_module.time, "sleep", record)
+    monkeypatch.setattr(engine_module, "_busy_wait_until", record)
     llm = make_tiny(debug_step_delay_fraction=0.5)
     steps: list[Any] = []
     llm.engine.step_observers.append(steps.append)
     llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert len(slept) == len(steps) == 4 and all(s > 0 for s in slept)
-    # the sleep lies inside each step's recorded span: the step lasted at least 1.5x its work
-    for record_, seconds in zip(steps, slept, strict=True):
-        assert (record_.end_ns - record_.start_ns) / 1e9 >= 3 * seconds - 1e-6
-    slept.clear()
+    assert len(deadlines) == len(steps) == 4
+    for step, deadline in zip(steps, deadlines, strict=True):
+        work_end = step.start_ns + (deadline - step.start_ns) / 1.5  # deadline: work + 0.5 work
+        assert step.start_ns < work_end < deadline <= step.end_ns  # the wait is in the span
+    deadlines.clear()
     make_tiny().generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
-    assert slept == []  # off by default
+    assert deadlines == []  # off by default

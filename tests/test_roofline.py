@@ -225,6 +225,9 @@ def test_summary_on_a_synthetic_frame() -> None:
     # measured / predicted: decodes 1/0.5, 2/0.5, 4/1.0 -> 2, 4, 4
     assert out["roofline_decode_ratio_p50"] == pytest.approx(4.0)
     assert out["roofline_ratio_p50"] == pytest.approx(2.0)  # 2, 2, 4, 4, 0.5
+    # time-weighted over measured 1, 1, 2, 4, 1 s: the long steps count for more
+    assert out["mfu_overall"] == pytest.approx((0.8 + 0.01 + 0.04 + 0.12 + 0.3) / 9)
+    assert out["roofline_fraction"] == pytest.approx(4.5 / 9)
     steps["mbu"] = np.nan
     assert roofline_summary(steps) == {}
 
@@ -274,7 +277,8 @@ def test_tiny_run_writes_columns_and_metrics(tmp_path: Path,
     assert first_decode["kv_tokens_read"] == 4 * 12
     metrics = summary["metrics"]
     for name in ("mbu_decode_mean", "mfu_prefill_mean", "mfu_mean", "mbu_mean",
-                 "roofline_decode_ratio_p50", "roofline_ratio_p50"):
+                 "roofline_decode_ratio_p50", "roofline_ratio_p50", "mfu_overall",
+                 "roofline_fraction"):
         assert metrics[name] > 0, name
 
 

@@ -72,7 +72,7 @@ class EngineConfig:
     # CPU, unquantized fp32/bf16: keep a oneDNN-packed copy of each linear weight (2x the
     # dense weight memory) so multi-row matmuls skip torch's per-call re-packing
     prepack_weights: bool = True
-    # test instrument: sleep this fraction of each step's duration inside the step (a planted
+    # test instrument: busy-wait this fraction of each step's duration inside the step (a planted
     # slowdown for validating the regression gate; docs/gate.md)
     debug_step_delay_fraction: float = 0.0
     # speed: CUDA graphs for decode steps (CUDA only, needs attention_backend=triton) and
