@@ -58,6 +58,8 @@ class EngineConfig:
     kv_cache: str = "contiguous"
     kv_cache_dtype: str = "auto"
     kv_cache_memory_bytes: int | None = None  # None: derived from the device, see kv_budget
+    # CPU: map every KV page at load, so no measured step pays the OS's first-touch cost
+    kv_cache_prefault: bool = True
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
     enable_prefix_caching: bool = False
@@ -134,7 +136,7 @@ class EngineConfig:
                 or self.quantization_group_size not in (32, 64, 128)):
             raise fail("quantization_group_size", "32|64|128")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "quantize_lm_head",
-                     "enforce_eager", "compile", "prepack_weights"):
+                     "enforce_eager", "compile", "prepack_weights", "kv_cache_prefault"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "true|false")
         sizes = self.cuda_graph_batch_sizes

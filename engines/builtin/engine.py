@@ -131,6 +131,11 @@ class LLMEngine:
             # Blocks of block_size tokens from one pool, handed out as sequences grow. Block 0
             # is the null block (table entries released by a sliding window point at it).
             block_bytes = self.config.block_size * bytes_per_token
+            if self.config.kv_cache_memory_bytes is None and not self.platform.is_cuda:
+                # CPU RAM, mapped up front (kv_cache_prefault): no more blocks than every
+                # sequence slot at full length can hold at once (the contiguous layout's bound)
+                most = self.config.max_num_seqs * -(-max_model_len // self.config.block_size)
+                budget = min(budget, most * block_bytes)
             usable = budget // block_bytes
             if usable < 1:
                 raise ValueError(

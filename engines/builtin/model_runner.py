@@ -110,7 +110,8 @@ class ModelRunner:
                 cache = cache_class(layout.num_blocks, layout.block_size,
                                      self.model_config.num_kv_heads, self.model_config.head_dim,
                                      self.dtype, self.device,
-                                     quantized=self.config.kv_cache_dtype == "int8")
+                                     quantized=self.config.kv_cache_dtype == "int8",
+                                     prefault=self.config.kv_cache_prefault)
                 self.kv_caches.append(cache)
             layer.attn.cache = cache
         self._setup_speed()
