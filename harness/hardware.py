@@ -29,7 +29,7 @@ SPEC_KEYS = {"name", "source", "device_names", "memory_bandwidth", "peak_flops",
 CPU_KEYS = {"name", "probe_bytes", "matmul_size", "reprobe"}
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
 CPU_DEFAULTS: dict[str, Any] = {"probe_bytes": 256 << 20, "matmul_size": 1024, "reprobe": False}
-PROBE_VERSION = 2  # bumped when the probe measures something new: older caches are re-probed
+PROBE_VERSION = 3  # bumped when the probe measures something new: older caches are re-probed
 
 
 @dataclass(frozen=True)
@@ -38,11 +38,11 @@ class HardwareSpec:
     memory_bandwidth: float  # bytes/s
     peak_flops: dict[str, float]  # compute dtype ("float32", "bfloat16", ...) -> FLOP/s
     source: str = ""
+    device_names: tuple[str, ...] = ()
+    details: dict[str, Any] = field(default_factory=dict)  # probe settings, machine, time
     # compute dtype -> 0..1: how much of the shorter of compute and memory time hides under the
     # longer (1, the standard roofline, for a dtype not listed)
     overlap: dict[str, float] = field(default_factory=dict)
-    device_names: tuple[str, ...] = ()
-    details: dict[str, Any] = field(default_factory=dict)  # probe settings, machine, time
 
     def flops_for(self, dtype: str) -> float | None:
         """Peak FLOP/s for a compute dtype (torch's name, "torch." prefix optional)."""
@@ -157,8 +157,10 @@ def _overlap(dtype: torch.dtype, peak_flops: float, bandwidth: float, weight_byt
 
     The layer is x [m, n] @ W [n, n]^T with W of `weight_bytes` (far larger than the caches)
     and m rows chosen so that its FLOPs per byte of W equal peak_flops / bandwidth: there its
-    compute and memory times are equal, and max() and sum() differ the most. 0 when the
-    machine is slower than even the sum (small-row matmuls short of both peaks).
+    compute and memory times are equal, and max() and sum() differ the most. Timed through
+    torch's plain GEMM and, where oneDNN is available, its prepacked one (what the engine's
+    `prepack_weights` uses), the faster of the two. 0 when the machine is slower than even the
+    sum (small-row matmuls short of both peaks).
     """
     size = torch.tensor([], dtype=dtype).element_size()
     n = int((weight_bytes // size) ** 0.5)
@@ -166,6 +168,11 @@ def _overlap(dtype: torch.dtype, peak_flops: float, bandwidth: float, weight_byt
     weight = torch.ones(n, n, dtype=dtype)
     x = torch.ones(rows, n, dtype=dtype)
     measured = _best_seconds(lambda: torch.nn.functional.linear(x, weight), repeats, 2.0)
+    if torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        measured = min(measured, _best_seconds(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+            repeats, 2.0))
     compute, memory = 2 * rows * n * n / peak_flops, n * n * size / bandwidth
     return min(1.0, max(0.0, (compute + memory - measured) / min(compute, memory)))
 

@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     shapes = block_shapes(args.model)
-    threads = [int(t) for t in args.threads.split(",")]
+    threads = sorted(int(t) for t in args.threads.split(","))
     print(f"{args.model}: {len(shapes)} block linear layers, bf16 activations; median of "
           f"{args.repeats} passes\n")
     print(f"{'format':<16}{'rows':>5}{'weight MiB':>12}"

@@ -146,6 +146,7 @@ class DecodeGraphs:
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
         model = self.runner.model
+        bucket.meta.per_step.clear()  # derived from the previous step's values
         hidden = model(self.runner.inputs.device["input_ids"][:bucket.size], bucket.meta)
         return model.compute_logits(hidden)
 

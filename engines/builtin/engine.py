@@ -132,8 +132,10 @@ class LLMEngine:
             # is the null block (table entries released by a sliding window point at it).
             block_bytes = self.config.block_size * bytes_per_token
             if self.config.kv_cache_memory_bytes is None and not self.platform.is_cuda:
-                # CPU RAM, mapped up front (kv_cache_prefault): no more blocks than every
-                # sequence slot at full length can hold at once (the contiguous layout's bound)
+                # RAM is shared with everything else (and mapped at load when prefaulted): by
+                # default no more blocks than max_num_seqs sequences at full length fill at
+                # once, the contiguous layout's bound; blocks beyond it would only keep more
+                # freed prefixes cached
                 most = self.config.max_num_seqs * -(-max_model_len // self.config.block_size)
                 budget = min(budget, most * block_bytes)
             usable = budget // block_bytes
@@ -193,6 +195,8 @@ class LLMEngine:
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "quantization": self.config.quantization,
             "kv_cache_dtype": self.config.kv_cache_dtype,
+            # pages mapped at load (CPU); False: first writes fault them in during the run
+            "kv_cache_prefault": self.config.kv_cache_prefault and not self.platform.is_cuda,
             **self.runner.model.weight_bytes(),
             **self.runner.speed_facts(),
             "roofline_shape": self._roofline_shape(),

@@ -16,7 +16,7 @@ from engines.builtin.attention import AttentionMetadata, DenseAttention
 from engines.builtin.kv_cache import LayerKVCache
 from engines.builtin.layers.linear import Linear, LinearMethod
 from engines.builtin.layers.norm import RMSNorm
-from engines.builtin.layers.rotary import RotaryEmbedding, apply_rotary
+from engines.builtin.layers.rotary import RotaryEmbedding, Rotation, apply_rotary
 from engines.builtin.model_config import ModelConfig
 
 
@@ -33,11 +33,11 @@ class Attention(nn.Module):
         self.backend = backend
         self.cache: LayerKVCache | None = None  # set by the model runner
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, rotation: Rotation,
                 meta: AttentionMetadata) -> torch.Tensor:
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
-                          *rotary)
+                          rotation)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         cache = self.cache if meta.use_cache else None
@@ -71,10 +71,10 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, linear)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, rotation: Rotation,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """`rotary`: this step's (cos, sin), shared by every layer."""
-        x = x + self.attn(self.input_norm(x), rotary, meta)
+        """`rotation`: this step's RoPE factors, shared by every layer."""
+        x = x + self.attn(self.input_norm(x), rotation, meta)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -101,9 +101,9 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)
-        rotary = self.rope.cos_sin(meta.positions, x.dtype)
+        rotation = self.rope.rotation(meta.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, rotary, meta)
+            x = layer(x, rotation, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -65,8 +65,11 @@ class InPlaceDecode:
     mask: torch.Tensor | None  # [B, 1, 1, L] in block order; None: every key is visible
 
 
-def plan_in_place_decode(meta: AttentionMetadata, nd: int, length: int) -> InPlaceDecode | None:
-    """None when the decodes' first blocks are not one range."""
+def plan_in_place_decode(meta: AttentionMetadata, cache: LayerKVCache, nd: int,
+                         length: int) -> InPlaceDecode | None:
+    """None when the cache cannot be read in place or the decodes' blocks are not one range."""
+    if not cache.readable_in_place(length):
+        return None
     blocks = meta.block_tables[:nd, 0]
     first = int(blocks.min())
     if int(blocks.max()) - first + 1 != nd:
@@ -74,20 +77,20 @@ def plan_in_place_decode(meta: AttentionMetadata, nd: int, length: int) -> InPla
     order: torch.Tensor | None = (blocks - first).long()
     if bool((order == torch.arange(nd, device=blocks.device)).all()):
         order = None
-    mask = None
-    if needs_decode_mask(meta, nd):
-        lens = meta.seq_lens[:nd].long()
-        if order is not None:
-            lens = torch.empty_like(lens).index_copy_(0, order, lens)
-        mask = _window_mask((lens - 1).view(nd, 1), length, lens,
-                            meta.sliding_window).unsqueeze(1)
-    return InPlaceDecode(first, order, mask)
+    lens = meta.seq_lens[:nd].long()
+    if order is not None:
+        lens = torch.empty_like(lens).index_copy_(0, order, lens)
+    return InPlaceDecode(first, order, decode_mask(meta, nd, length, lens))
 
 
-def needs_decode_mask(meta: AttentionMetadata, nd: int) -> bool:
-    """Decodes padded to the longest context need a mask unless all contexts are as long
-    (and no sliding window hides keys)."""
-    return meta.sliding_window is not None or len(set(meta.seq_lens_host[:nd])) > 1
+def decode_mask(meta: AttentionMetadata, nd: int, length: int,
+                lens: torch.Tensor) -> torch.Tensor | None:
+    """[B, 1, 1, L] (True = attend) for decodes padded to `length` keys, rows in the order of
+    `lens`; None when every key is visible: all contexts `length` long and no window."""
+    if meta.sliding_window is None and len(set(meta.seq_lens_host[:nd])) == 1:
+        return None
+    return _window_mask((lens - 1).view(nd, 1), length, lens,
+                        meta.sliding_window).unsqueeze(1)
 
 
 class DenseAttention:
@@ -100,7 +103,7 @@ class DenseAttention:
                  scale: float) -> torch.Tensor:
         """q [T, h, d], k/v [T, kvh, d] for this step's tokens -> [T, h, d]."""
         nd = meta.num_decodes
-        if nd == meta.num_seqs:
+        if nd and nd == meta.num_seqs:
             return self._decode(q, cache, meta, scale)
         out = torch.empty_like(q)
         if nd:
@@ -138,12 +141,7 @@ class DenseAttention:
                               for i in range(nd)])
         keys, values = cache.gather(meta.block_tables[:nd], length, meta.block_size)
         if "decode_mask" not in meta.per_step:
-            mask = None
-            if needs_decode_mask(meta, nd):
-                lens = meta.seq_lens[:nd].long()
-                mask = _window_mask((lens - 1).view(nd, 1), length, lens,
-                                    meta.sliding_window).unsqueeze(1)  # [B, 1, 1, L]
-            meta.per_step["decode_mask"] = mask
+            meta.per_step["decode_mask"] = decode_mask(meta, nd, length, meta.seq_lens[:nd].long())
         out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                           meta.per_step["decode_mask"], scale, False)
         return out.squeeze(2)
@@ -160,12 +158,11 @@ class DenseAttention:
         """
         nd = q.shape[0]
         if "in_place_decode" not in meta.per_step:
-            meta.per_step["in_place_decode"] = plan_in_place_decode(meta, nd, length)
+            meta.per_step["in_place_decode"] = plan_in_place_decode(meta, cache, nd, length)
         plan: InPlaceDecode | None = meta.per_step["in_place_decode"]
-        view = None if plan is None else cache.block_range_view(plan.first, nd, length)
-        if plan is None or view is None:
+        if plan is None:
             return None
-        keys, values = view
+        keys, values = cache.block_range_view(plan.first, nd, length)
         if plan.order is not None:
             q = torch.empty_like(q).index_copy_(0, plan.order, q)
         out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),

@@ -37,7 +37,8 @@ class AttentionMetadata:
     #: Tokens whose K/V are stored (None: all); a ring keeps only a prompt's last window.
     write_index: torch.Tensor | None = None
     #: What the attention backend derives from this metadata once and every layer of the step
-    #: reuses (masks, orderings). Lives for one step: the runner builds new metadata per step.
+    #: reuses (masks, orderings). Lives for one forward: the runner builds new metadata per
+    #: step, and CUDA graph buckets, which keep theirs, clear it before each forward.
     per_step: dict[str, Any] = field(default_factory=dict)
 
     @property

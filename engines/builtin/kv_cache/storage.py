@@ -111,13 +111,16 @@ class LayerKVCache:
         self.gather_ns += now_ns() - start
         return out[0], out[1]
 
+    def readable_in_place(self, length: int) -> bool:
+        """Whether `block_range_view` can serve contexts of `length`: not INT8 values (they need
+        dequantizing), not past one block."""
+        return not self.quantized and length <= self.block_size
+
     def block_range_view(self, first: int, count: int,
-                         length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+                         length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of blocks [first, first + count), first `length` positions, as views into the
-        cache (no copy): [count, length, kv_heads, d]. None when the cache cannot be read in
-        place (INT8 values need dequantizing; `length` past one block)."""
-        if self.quantized or length > self.block_size:
-            return None
+        cache (no copy): [count, length, kv_heads, d]. Needs `readable_in_place(length)`."""
+        assert self.readable_in_place(length)
         return self.k[first:first + count, :length], self.v[first:first + count, :length]
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ with Llama-3.1 and linear frequency scaling."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -45,17 +45,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_table", torch.cat([angles.cos(), angles.sin()], dim=-1),
                              persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos|cos, -sin|sin) [T, 1, d] at `positions`: looked up once per step, used by every
-        layer (`apply_rotary`)."""
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """The rotation at `positions`: looked up once per step, applied in every layer."""
         cos, sin = self.cos_sin_table[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
-        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return Rotation(torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
 
 
-def apply_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+class Rotation(NamedTuple):
+    """One step's RoPE factors, [T, 1, d] each, for the rotate-half layout."""
+
+    cos: torch.Tensor  # cos | cos
+    sin_signed: torch.Tensor  # -sin | sin
+
+
+def apply_rotary(qk: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     """qk [T, q_heads + kv_heads, d] (halves x1, x2): queries and keys rotated together.
 
     x1*cos - x2*sin | x2*cos + x1*sin, written as qk*(cos|cos) + (x2|x1)*(-sin|sin): the same
     roundings in four ops instead of seven."""
-    return qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin
+    swapped = qk.roll(qk.shape[-1] // 2, dims=-1)
+    return qk * rotation.cos + swapped * rotation.sin_signed
