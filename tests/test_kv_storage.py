@@ -3,7 +3,6 @@ the default paged pool no larger than the engine can fill at once."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import psutil
@@ -24,7 +23,6 @@ def rss_growth(make: Callable[[], object]) -> tuple[object, int]:
     return made, process.memory_info().rss - before
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS semantics of Linux")
 def test_prefault_maps_every_page_now_lazy_maps_none() -> None:
     shape = (64, 1024, 1024 // 4)  # 64 MiB of float32
     eager, eager_growth = rss_growth(lambda: zeros(shape, torch.float32, torch.device("cpu"),

@@ -40,7 +40,7 @@ from engines.builtin.kv_cache import (
     PagedKVCacheManager,
 )
 from engines.builtin.kv_cache.storage import kv_element_bytes
-from engines.builtin.model_config import kv_bytes_per_token, resolve_model
+from engines.builtin.model_config import ceil_div, kv_bytes_per_token, resolve_model
 from engines.builtin.model_runner import ModelRunner
 from engines.builtin.platform import Platform
 from engines.builtin.scheduler import Scheduler, StepPlan
@@ -136,7 +136,7 @@ class LLMEngine:
                 # default no more blocks than max_num_seqs sequences at full length fill at
                 # once, the contiguous layout's bound; blocks beyond it would only keep more
                 # freed prefixes cached
-                most = self.config.max_num_seqs * -(-max_model_len // self.config.block_size)
+                most = self.config.max_num_seqs * ceil_div(max_model_len, self.config.block_size)
                 budget = min(budget, most * block_bytes)
             usable = budget // block_bytes
             if usable < 1:
