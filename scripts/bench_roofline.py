@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+import yaml
 
 from harness import hardware
 from harness.experiment import run_experiment
@@ -37,7 +38,7 @@ def run_batch(args: argparse.Namespace, batch: int, threads: int, out: Path) -> 
         "engine": {"backend": "builtin", "dtype": args.dtype, "device": "cpu",
                    "num_threads": threads, "max_num_seqs": batch,
                    "max_model_len": args.prompt_len + args.decode_tokens + 8,
-                   "kv_cache": "contiguous"},
+                   "kv_cache": "contiguous", **args.engine_option},
         "model": {"name": args.model},
         "workload": {"type": "synthetic", "num_requests": batch, "input_len": args.prompt_len,
                      "output_len": args.decode_tokens, "arrival": {"process": "offline"}},
@@ -84,6 +85,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine option for every run, e.g. native_kernels=false "
+                             "(repeatable; values parsed as YAML)")
     parser.add_argument("--warmup-requests", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for the engine and the probe (default: torch's)")
@@ -92,6 +96,13 @@ def main() -> None:
     parser.add_argument("--out", default=None,
                         help="folder for the run folders (default results/bench_roofline/<now>)")
     args = parser.parse_args()
+    options = {}
+    for item in args.engine_option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-option: expected KEY=VALUE, got {item!r}")
+        options[key] = yaml.safe_load(value)
+    args.engine_option = options
     batches = [int(b) for b in args.batch_sizes.split(",")]
     if not batches or min(batches) < 1:
         raise SystemExit("--batch-sizes: expected comma-separated integers >= 1")

@@ -45,7 +45,7 @@ def random_cache(seed: int) -> LayerKVCache:
     return cache
 
 
-@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "cpu"])
 @pytest.mark.parametrize(("slots", "lens", "window", "in_place"), [
     ([2, 0, 3, 1], [5, 17, 9, 30], None, True),  # one range, permuted
     ([4, 0, 2], [5, 17, 9], None, False),  # gaps: gathered
@@ -64,7 +64,8 @@ def test_decode_in_place_matches_gather_and_reference(backend: str, slots: list[
                                   DIM ** -0.5)
     torch.testing.assert_close(out, expected(q, cache, slots, lens, window), rtol=1e-5,
                                atol=1e-5)
-    assert (cache.gather_ns == 0) is in_place  # in place: nothing copied out of the cache
+    # in place: nothing copied out of the cache (the C kernel reads every layout in place)
+    assert (cache.gather_ns == 0) is (in_place or backend == "cpu")
 
 
 @pytest.mark.parametrize("slots", [[2, 0, 3, 1], [4, 0, 2]])

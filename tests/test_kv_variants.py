@@ -55,6 +55,9 @@ VARIANTS = {
                                  enable_chunked_prefill=True, max_num_batched_tokens=24),
     "paged_sdpa_small_batch": dict(kv_cache="paged", max_num_seqs=2),
     "paged_torch": dict(kv_cache="paged", attention_backend="torch"),
+    # auto is the C decode kernel on CPU; sdpa is what it replaced, kept as a backend
+    "paged_sdpa": dict(kv_cache="paged", attention_backend="sdpa"),
+    "contiguous_sdpa": dict(kv_cache="contiguous", attention_backend="sdpa"),
     # 40 blocks of 4 tokens: the first three prompts fill the pool exactly, so the first
     # decode that crosses a block boundary preempts the newest sequence (recomputed later)
     "paged_preempt": dict(kv_cache="paged", block_size=4,

@@ -28,7 +28,7 @@ CHOICES = {
     "batching": ("static", "continuous"),
     "quantization": ("none", "int8", "int4"),
     "kv_cache_dtype": ("auto", "int8"),
-    "attention_backend": ("auto", "torch", "sdpa", "triton"),
+    "attention_backend": ("auto", "torch", "sdpa", "cpu", "triton"),
     "load_format": ("auto", "dummy", "safetensors"),
 }
 
@@ -74,6 +74,10 @@ class EngineConfig:
     # CPU, unquantized fp32/bf16: keep a oneDNN-packed copy of each linear weight (2x the
     # dense weight memory) so multi-row matmuls skip torch's per-call re-packing
     prepack_weights: bool = True
+    # CPU: the engine's C kernels (engines/builtin/native), built on first use with the
+    # machine's compiler: decode attention (attention_backend=auto) and, in float32, fused
+    # residual-add + RMSNorm, SiLU-and-multiply and rotary + K/V store; false: torch ops only
+    native_kernels: bool = True
     # test instrument: busy-wait this fraction of each step's duration inside the step (a planted
     # slowdown for validating the regression gate; docs/gate.md)
     debug_step_delay_fraction: float = 0.0
@@ -136,7 +140,8 @@ class EngineConfig:
                 or self.quantization_group_size not in (32, 64, 128)):
             raise fail("quantization_group_size", "32|64|128")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "quantize_lm_head",
-                     "enforce_eager", "compile", "prepack_weights", "kv_cache_prefault"):
+                     "enforce_eager", "compile", "prepack_weights", "kv_cache_prefault",
+                     "native_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "true|false")
         sizes = self.cuda_graph_batch_sizes

@@ -189,7 +189,9 @@ class LLMEngine:
             "max_model_len": self.limits.max_model_len,
             "max_num_seqs": self.limits.max_num_seqs,
             "max_num_batched_tokens": self.limits.max_num_batched_tokens,
-            "attention_backend": self.config.attention_backend,
+            "attention_backend": self.runner.attention_backend,
+            # the C kernels' fused norm / SiLU / rotary ops in use (CPU float32)
+            "native_kernels": self.runner.native_kernels,
             "batching": self.config.batching,
             "enable_chunked_prefill": self.config.enable_chunked_prefill,
             "enable_prefix_caching": self.config.enable_prefix_caching,

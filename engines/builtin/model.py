@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.builtin import native
 from engines.builtin.attention import AttentionMetadata, DenseAttention
 from engines.builtin.kv_cache import LayerKVCache
 from engines.builtin.layers.linear import Linear, LinearMethod
@@ -32,23 +33,57 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, linear)
         self.backend = backend
         self.cache: LayerKVCache | None = None  # set by the model runner
+        self.native = False  # rotary + K/V store through the C kernel (use_native_kernels)
 
     def forward(self, x: torch.Tensor, rotation: Rotation,
                 meta: AttentionMetadata) -> torch.Tensor:
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        cache = self.cache if meta.use_cache else None
+        if self.native and self._native_can_store(qkv, cache, meta):
+            q, k, v = self._rotate_and_store_native(qkv, rotation, cache, meta)
+        else:
+            q, k, v = self._rotate_and_store(qkv, rotation, cache, meta)
+        out = self.backend(q, k, v, cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _rotate_and_store(self, qkv: torch.Tensor, rotation: Rotation,
+                          cache: LayerKVCache | None, meta: AttentionMetadata
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
                           rotation)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        cache = self.cache if meta.use_cache else None
         if cache is not None:
             if meta.write_index is None:
                 cache.write(k, v, meta.slot_mapping)
             else:
                 index = meta.write_index
                 cache.write(k[index], v[index], meta.slot_mapping[index])
-        out = self.backend(q, k, v, cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return q, k, v
+
+    @staticmethod
+    def _native_can_store(qkv: torch.Tensor, cache: LayerKVCache | None,
+                          meta: AttentionMetadata) -> bool:
+        """The C kernel rotates fp32 rows in place and stores every row's K/V as write()
+        would (no INT8, no static batching's unstored padding rows, no cache class with its
+        own write)."""
+        if not native.takes(qkv):
+            return False
+        return cache is None or (meta.write_index is None and not cache.quantized
+                                 and cache.stores_by_slot and native.takes(cache.k))
+
+    def _rotate_and_store_native(self, qkv: torch.Tensor, rotation: Rotation,
+                                 cache: LayerKVCache | None, meta: AttentionMetadata
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        native.rope_and_cache(qkv, rotation.positions, rotation.table, self.num_heads,
+                              self.num_kv_heads, self.head_dim,
+                              None if cache is None else cache.k,
+                              None if cache is None else cache.v, meta.slot_mapping)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim),
+                k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
 
 
 class MLP(nn.Module):
@@ -57,9 +92,13 @@ class MLP(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, linear)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, linear)
+        self.native = False  # SiLU-and-multiply through the C kernel (use_native_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native and native.takes(gate_up):
+            return self.down_proj(native.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -71,11 +110,20 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, linear)
 
-    def forward(self, x: torch.Tensor, rotation: Rotation,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """`rotation`: this step's RoPE factors, shared by every layer."""
-        x = x + self.attn(self.input_norm(x), rotation, meta)
-        return x + self.mlp(self.post_attn_norm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output, still to be added to the residual stream
+        (None before the first layer, where x is the embeddings); returns this layer's MLP
+        output and the stream. Each residual add is done by the norm after it, so the add and
+        the norm are one kernel. `rotation`: this step's RoPE positions, shared by every
+        layer."""
+        if residual is None:
+            h, residual = self.input_norm(x), x
+        else:
+            h, residual = self.input_norm(x, residual)
+        h = self.attn(h, rotation, meta)
+        h, residual = self.post_attn_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
@@ -101,10 +149,20 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)
-        rotation = self.rope.rotation(meta.positions, x.dtype)
+        rotation = self.rope.rotation(meta.positions)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rotation, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotation, meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
+
+    def use_native_kernels(self, enabled: bool) -> None:
+        """Route norms, SiLU-and-multiply and rotary + K/V store through the engine's C
+        kernels where they apply (CPU float32; each layer falls back to torch ops per call)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | MLP):
+                module.native = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

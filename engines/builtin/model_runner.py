@@ -10,7 +10,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engines.builtin.attention import AttentionMetadata, make_attention
+from engines.builtin import native
+from engines.builtin.attention import AttentionMetadata, make_attention, resolve_attention
 from engines.builtin.config import EngineConfig
 from engines.builtin.cuda_graphs import (
     DecodeGraphs,
@@ -48,6 +49,9 @@ class ModelRunner:
         # torch.compile cannot lower the prepacked op (inductor packs weights its own way)
         self.prepacked = (config.prepack_weights and not config.compile
                           and PrepackedDenseMethod.supported(self.device, dtype))
+        # `auto` resolved for this device: what describe() reports
+        self.attention_backend = resolve_attention(config.attention_backend, self.device,
+                                                   config.native_kernels)
         with torch.device("meta"):
             linear = make_linear_method(config.quantization, config.quantization_group_size,
                                         self.prepacked)
@@ -55,10 +59,16 @@ class ModelRunner:
             lm_head = linear if config.quantize_lm_head else make_linear_method(
                 "none", prepack=self.prepacked)
             self.model = Transformer(model_config, linear,
-                                     make_attention(config.attention_backend),
+                                     make_attention(self.attention_backend),
                                      max_model_len, self.device, lm_head_method=lm_head)
         self.model.eval()
         self._load_weights()
+        # the C kernels' elementwise ops: CPU float32, not under torch.compile (a ctypes call
+        # would split its graph; inductor fuses these ops itself)
+        self.native_kernels = (config.native_kernels and not config.compile
+                               and self.device.type == "cpu" and dtype == torch.float32
+                               and native.load() is not None)
+        self.model.use_native_kernels(self.native_kernels)
         self.sampler = Sampler(config.seed, self.device)
         self.forward_timer = platform.timer()
         self.last_forward_ns = 0  # model forward + sampling of the last step, device time

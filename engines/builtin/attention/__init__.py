@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from engines.builtin import native
 from engines.builtin.attention.dense import DenseAttention, reference_kernel, sdpa_kernel
 from engines.builtin.attention.metadata import AttentionMetadata
 
@@ -12,20 +15,35 @@ def _triton_attention():
         from engines.builtin.attention.triton_backend import TritonAttention
     except ImportError as e:
         raise ValueError(f"engine.attention_backend: 'triton' needs the triton package ({e}); "
-                         "available without it: auto|torch|sdpa") from e
+                         "available without it: auto|torch|sdpa|cpu") from e
     return TritonAttention()
+
+
+def _cpu_attention():
+    from engines.builtin.attention.cpu import CpuAttention
+
+    return CpuAttention()
 
 
 ATTENTION_BACKENDS = {
     "torch": lambda: DenseAttention("torch", reference_kernel),
     "sdpa": lambda: DenseAttention("sdpa", sdpa_kernel),
+    "cpu": _cpu_attention,
     "triton": _triton_attention,
 }
 
 
+def resolve_attention(name: str, device: torch.device, native_kernels: bool = True) -> str:
+    """`auto`: the engine's C decode kernel on CPU where it builds (and `native_kernels`
+    allows it), else sdpa."""
+    if name != "auto":
+        return name
+    if native_kernels and device.type == "cpu" and native.load() is not None:
+        return "cpu"
+    return "sdpa"
+
+
 def make_attention(name: str) -> DenseAttention:
-    if name == "auto":
-        name = "sdpa"
     try:
         return ATTENTION_BACKENDS[name]()
     except KeyError:
@@ -33,4 +51,5 @@ def make_attention(name: str) -> DenseAttention:
                          f"available: auto|{'|'.join(ATTENTION_BACKENDS)}") from None
 
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "DenseAttention", "make_attention"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "DenseAttention", "make_attention",
+           "resolve_attention"]

@@ -92,5 +92,7 @@ class TritonKVCache(LayerKVCache):
     quantization included), and slots < 0 are skipped, so padding rows (CUDA graph buckets)
     can run through the model without storing anything."""
 
+    stores_by_slot = False  # its own kernel writes, not the plain row store
+
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         TritonAttention.write_kv(k, v, self, slot_mapping)

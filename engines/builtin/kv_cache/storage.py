@@ -64,6 +64,11 @@ class LayerKVCache:
     """`quantized=True` keeps INT8 values with a float16 scale plane per token and head;
     writes quantize, reads (gather) dequantize to the compute dtype. `prefault`: see zeros()."""
 
+    #: write() stores each row at its flat slot of k/v and nothing else, so a kernel that has
+    #: the rows at hand (the C rotary kernel) may store them in its place; a subclass whose
+    #: write does more (or other) says False
+    stores_by_slot = True
+
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, quantized: bool = False,
                  prefault: bool = False) -> None:

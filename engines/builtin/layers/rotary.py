@@ -4,7 +4,7 @@ with Llama-3.1 and linear frequency scaling."""
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,17 +45,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_table", torch.cat([angles.cos(), angles.sin()], dim=-1),
                              persistent=False)
 
-    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
-        """The rotation at `positions`: looked up once per step, applied in every layer."""
-        cos, sin = self.cos_sin_table[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
-        return Rotation(torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
+    def rotation(self, positions: torch.Tensor) -> Rotation:
+        """The rotation at `positions`, shared by every layer of a step."""
+        return Rotation(self.cos_sin_table, positions)
 
 
-class Rotation(NamedTuple):
-    """One step's RoPE factors, [T, 1, d] each, for the rotate-half layout."""
+class Rotation:
+    """One step's rotary positions: the cos|sin table and the positions (what the C kernel
+    reads), and the torch path's factors, looked up once, on first use, for every layer."""
 
-    cos: torch.Tensor  # cos | cos
-    sin_signed: torch.Tensor  # -sin | sin
+    def __init__(self, table: torch.Tensor, positions: torch.Tensor) -> None:
+        self.table = table  # [max_positions, d]: cos | sin of each position's d/2 angles
+        self.positions = positions  # [T] int64
+        self._factors: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos | cos, -sin | sin), [T, 1, d] each, for the rotate-half layout."""
+        if self._factors is None:
+            cos, sin = self.table[self.positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+            self._factors = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return self._factors
 
 
 def apply_rotary(qk: torch.Tensor, rotation: Rotation) -> torch.Tensor:
@@ -63,5 +72,6 @@ def apply_rotary(qk: torch.Tensor, rotation: Rotation) -> torch.Tensor:
 
     x1*cos - x2*sin | x2*cos + x1*sin, written as qk*(cos|cos) + (x2|x1)*(-sin|sin): the same
     roundings in four ops instead of seven."""
+    cos, sin_signed = rotation.factors(qk.dtype)
     swapped = qk.roll(qk.shape[-1] // 2, dims=-1)
-    return qk * rotation.cos + swapped * rotation.sin_signed
+    return qk * cos + swapped * sin_signed

@@ -1,0 +1,202 @@
+"""The engine's own CPU kernels (cpu_kernels.c): built with the machine's C compiler on first
+use, cached per machine, called through ctypes.
+
+Why C and not a torch extension: the kernels only need raw pointers, so the library builds in
+a fraction of a second with no torch headers, the way inductor's CPU kernels are built. It is
+compiled for this CPU (-march=native), so the cache key includes the CPU's flags along with
+the source, compiler and options. The library links libgomp by its soname, which resolves to
+the copy torch has already loaded: one OpenMP thread pool for torch and these kernels.
+
+Nothing here is required: without a working compiler `load()` returns None and `reason()`
+says why; callers fall back to torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+SIGNATURES = {  # function -> argument types (all return void)
+    "decode_attention_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
+                             _I64, _F32, _I64, _I64, _PTR],
+    "add_rms_norm_f32": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _I64],
+    "silu_and_mul_f32": [_PTR, _PTR, _I64, _I64, _I64],
+    "rope_and_cache_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                           _I64],
+}
+
+_state: dict[str, object] = {}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "inferlab" / "native"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             check=True).stdout.splitlines()[0]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS),
+                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()
+    target = cache_dir() / f"cpu_kernels-{key[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: concurrent builders (A/B workers) never see half a file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (see `reason()`). Built once per process and machine."""
+    if "lib" in _state:
+        return _state["lib"]  # type: ignore[return-value]
+    lib = None
+    try:
+        compiler = _compiler()
+        if compiler is None:
+            raise RuntimeError("no C compiler found (tried $CC, cc, gcc, clang)")
+        lib = ctypes.CDLL(str(_build(compiler)))
+        for name, argtypes in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        _state["reason"] = None
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        lib = None
+        _state["reason"] = f"{type(e).__name__}: {e}"
+    _state["lib"] = lib
+    return lib
+
+
+def reason() -> str | None:
+    """Why `load()` returned None (None when it did not)."""
+    load()
+    return _state["reason"]  # type: ignore[return-value]
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernels unavailable: {reason()}")
+    return lib
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can take these tensors as they are: float32 on the CPU,
+    contiguous (the elementwise kernels' condition; callers use torch ops otherwise)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+               for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension of x [T, N]. With `residual`, normalizes x + residual
+    and leaves that sum in `residual` (in place): the residual stream for the next block."""
+    if not takes(x, weight, *(() if residual is None else (residual,))):
+        raise ValueError("rms_norm: x, weight and residual must be contiguous CPU float32")
+    out = torch.empty_like(x)
+    rows, width = x.shape
+    _lib().add_rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                            weight.data_ptr(), out.data_ptr(), rows, width, eps,
+                            torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    if not takes(gate_up):
+        raise ValueError("silu_and_mul: gate_up must be contiguous CPU float32")
+    rows, width = gate_up.shape
+    out = gate_up.new_empty(rows, width // 2)
+    _lib().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+                            torch.get_num_threads())
+    return out
+
+
+def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
+                   heads: int, kv_heads: int, head_dim: int, k_cache: torch.Tensor | None,
+                   v_cache: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+    """In place on qkv [T, (heads + 2 kv_heads) head_dim]: rotary embedding of the query and
+    key heads at `positions` (int64) from `table` [max_positions, head_dim] (cos | sin halves);
+    then, with a cache, each token's K and V stored at its flat slot (int64) of
+    k_cache/v_cache [..., kv_heads, head_dim]."""
+    if (not takes(qkv, table, *(() if k_cache is None else (k_cache, v_cache)))  # type: ignore[arg-type]
+            or positions.dtype != torch.int64 or table.shape[1] != head_dim
+            or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim
+            or (k_cache is not None and (slots is None or slots.dtype != torch.int64))):
+        raise ValueError("rope_and_cache: unsupported tensors (contiguous CPU float32 qkv, "
+                         "table and caches; int64 positions and slots)")
+    _lib().rope_and_cache_f32(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(),
+                              table.data_ptr(),
+                              None if k_cache is None else k_cache.data_ptr(),
+                              None if v_cache is None else v_cache.data_ptr(),
+                              None if slots is None else slots.data_ptr(), qkv.shape[0], heads,
+                              kv_heads, head_dim, torch.get_num_threads())
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     window: int | None) -> torch.Tensor:
+    """One query per sequence over its cached keys, read in place from the blocks.
+
+    q [B, h, d] float32 (rows may be strided, heads and d contiguous); k_cache/v_cache
+    [num_blocks, block_size, kv_heads, d] float32 contiguous; block_tables [B, >=blocks] int32
+    (rows contiguous); seq_lens [B] int32, each sequence's keys (its query is the last
+    position); `window`: only the last `window` keys are visible. Returns [B, h, d]."""
+    lib = _lib()
+    batch, heads, dim = q.shape
+    _, block_size, kv_heads, kdim = k_cache.shape
+    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
+        raise TypeError("decode_attention: q and the KV cache must be float32")
+    if (kdim != dim or heads % kv_heads or q.stride(1) != dim or q.stride(2) != 1
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1
+            or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous()
+            or seq_lens.shape[0] < batch or block_tables.shape[0] < batch):
+        raise ValueError("decode_attention: unsupported shapes, strides or dtypes: q "
+                         f"{tuple(q.shape)}/{q.stride()}, cache {tuple(k_cache.shape)}, "
+                         f"tables {block_tables.dtype}, lens {seq_lens.dtype}")
+    out = torch.empty(batch, heads, dim, dtype=q.dtype)
+    lib.decode_attention_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                             block_tables.data_ptr(), block_tables.stride(0),
+                             seq_lens.data_ptr(), batch, heads, kv_heads, dim, block_size,
+                             scale, window or 0, torch.get_num_threads(), out.data_ptr())
+    return out

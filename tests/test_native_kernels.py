@@ -1,0 +1,189 @@
+"""The engine's C kernels (engines/builtin/native) against torch references, and how the
+engine picks them: `auto` takes them on CPU where they build and falls back to torch's
+otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.builtin import LLM, SamplingParams, native
+from engines.builtin.attention import make_attention, resolve_attention
+from engines.builtin.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+def test_the_kernels_build_here() -> None:
+    # CI machines have a C compiler; if this fails the engine silently runs the sdpa path
+    assert native.load() is not None, native.reason()
+
+
+def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     tables: torch.Tensor, lens: torch.Tensor, scale: float,
+                     window: int | None) -> torch.Tensor:
+    heads, kv_heads, block_size = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    rows = []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        first = 0 if window is None else max(0, n - window)
+        blocks = tables[b, :-(-n // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[first:n].repeat_interleave(heads // kv_heads, 1)
+        v = v_cache[blocks].flatten(0, 1)[first:n].repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), k.double()) * scale
+        rows.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v.double()))
+    return torch.stack(rows).float()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (8, 2, 64), (6, 1, 32),
+                                                         (12, 12, 64)])
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_matches_torch(heads: int, kv_heads: int, dim: int,
+                                        window: int | None, threads: int) -> None:
+    gen = torch.Generator().manual_seed(heads * 100 + dim)
+    block_size, num_blocks = 8, 64
+    lens = torch.tensor([1, 8, 9, 31, 3, 64, 17], dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    # every sequence's blocks scattered over the pool, out of order
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * 8].view(len(lens), 8)
+    tables = tables.int().contiguous()
+    # q as the model has it: a view into [T, q_heads + kv_heads, d], rows strided
+    qk = torch.randn(len(lens), heads + kv_heads, dim, generator=gen)
+    q = qk[:, :heads]
+    scale = dim ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native.decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
+    finally:
+        torch.set_num_threads(before)
+    expected = reference_decode(q, k_cache, v_cache, tables, lens, scale, window)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_refuses_what_it_cannot_read() -> None:
+    cache = torch.zeros(2, 4, 1, 8)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(TypeError, match="float32"):
+        native.decode_attention(torch.zeros(1, 2, 8, dtype=torch.float64), cache, cache,
+                                tables, lens, 1.0, None)
+    with pytest.raises(ValueError, match="unsupported"):
+        native.decode_attention(torch.zeros(1, 2, 8), cache, cache, tables.long(), lens, 1.0,
+                                None)
+    with pytest.raises(ValueError, match="unsupported"):  # heads not a multiple of KV heads
+        native.decode_attention(torch.zeros(1, 3, 8), torch.zeros(2, 4, 2, 8),
+                                torch.zeros(2, 4, 2, 8), tables, lens, 1.0, None)
+
+
+def test_auto_picks_the_kernel_on_cpu_and_sdpa_without_it(monkeypatch) -> None:
+    assert resolve_attention("auto", torch.device("cpu")) == "cpu"
+    assert resolve_attention("auto", torch.device("meta")) == "sdpa"
+    assert resolve_attention("torch", torch.device("cpu")) == "torch"
+    llm = LLM("tiny", dtype="float32")
+    assert llm.engine.describe()["attention_backend"] == "cpu"
+
+    monkeypatch.setattr(native, "_state", {"lib": None, "reason": "RuntimeError: no compiler"})
+    assert resolve_attention("auto", torch.device("cpu")) == "sdpa"
+    with pytest.raises(ValueError, match=r"attention_backend: 'cpu'.*no compiler"):
+        make_attention("cpu")
+
+
+def test_bf16_and_int8_caches_take_the_torch_path() -> None:
+    """The kernel is fp32-only; other caches go through sdpa's path with the same tokens."""
+    prompts = [list(range(10, 30)), [5, 6, 7]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for options in (dict(dtype="bfloat16"), dict(dtype="float32", kv_cache_dtype="int8")):
+        got = [o.outputs[0].token_ids for o in
+               LLM("tiny", attention_backend="cpu", **options).generate(prompts, params)]
+        want = [o.outputs[0].token_ids for o in
+                LLM("tiny", attention_backend="sdpa", **options).generate(prompts, params)]
+        assert got == want, options
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_rms_norm_with_and_without_the_residual_add(rows: int, threads: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 768, generator=gen), torch.randn(rows, 768, generator=gen)
+    weight = torch.randn(768, generator=gen)
+    expected = torch.nn.functional.rms_norm(x, (768,), weight, eps=1e-5)
+    torch.testing.assert_close(native.rms_norm(x, weight, 1e-5), expected)
+
+    stream = residual.clone()
+    out = native.rms_norm(x, weight, 1e-5, stream)
+    total = x + residual
+    assert torch.equal(stream, total)  # the residual stream now holds the sum, in place
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(total, (768,), weight,
+                                                                 eps=1e-5))
+
+
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_silu_and_mul(rows: int, threads: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 300, generator=gen) * 8  # saturates both tails of silu
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.split(300, dim=-1)
+    expected = (torch.nn.functional.silu(gate.double()) * up.double()).float()
+    torch.testing.assert_close(native.silu_and_mul(gate_up), expected, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("with_cache", [True, False])
+def test_rope_and_cache_equals_torch_rotary_and_cache_write(heads: int, kv_heads: int,
+                                                          with_cache: bool,
+                                                          threads: int) -> None:
+    dim, tokens = 32, 11
+    gen = torch.Generator().manual_seed(heads)
+    rope = RotaryEmbedding(dim, 128, 10000.0, None, torch.device("cpu"))
+    positions = torch.randint(0, 128, (tokens,), generator=gen)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    qk, v = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+    rotated = apply_rotary(qk.reshape(tokens, heads + kv_heads, dim),
+                           rope.rotation(positions))
+    k_cache = torch.zeros(64, kv_heads, dim)
+    v_cache = torch.zeros(64, kv_heads, dim)
+    slots = torch.randperm(64, generator=gen)[:tokens]
+    got = qkv.clone()
+    native.rope_and_cache(got, positions, rope.cos_sin_table, heads, kv_heads, dim,
+                          k_cache if with_cache else None, v_cache if with_cache else None,
+                          slots if with_cache else None)
+    # the same products and sums as torch's separate ops: bit for bit
+    assert torch.equal(got[:, :(heads + kv_heads) * dim].view_as(rotated), rotated)
+    assert torch.equal(got[:, (heads + kv_heads) * dim:], v)  # V is not rotated
+    if with_cache:
+        assert torch.equal(k_cache[slots], rotated[:, heads:])
+        assert torch.equal(v_cache[slots], v.view(tokens, kv_heads, dim))
+        untouched = torch.ones(64, dtype=torch.bool)
+        untouched[slots] = False
+        assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@pytest.mark.parametrize("options", [
+    dict(kv_cache="contiguous"),
+    dict(kv_cache="paged", block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=16),
+    dict(kv_cache="none"),
+    dict(kv_cache="paged", model_overrides={"sliding_window": 6, "num_kv_heads": 1}),
+    dict(kv_cache="contiguous", batching="static"),  # padding rows: the torch store path
+])
+def test_engine_tokens_with_and_without_native_kernels(options: dict) -> None:
+    prompts = [list(range(10, 40)), [5, 6, 7], list(range(50, 61))]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for enabled in (True, False):
+        llm = LLM("tiny", dtype="float32", native_kernels=enabled, **options)
+        assert llm.engine.describe()["native_kernels"] is enabled
+        outputs[enabled] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outputs[True] == outputs[False]
+
+
+def test_native_kernels_only_for_float32_and_auto_follows_the_switch() -> None:
+    assert LLM("tiny", dtype="bfloat16").engine.describe()["native_kernels"] is False
+    assert LLM("tiny", dtype="float32", native_kernels=False,
+               attention_backend="auto").engine.describe()["attention_backend"] == "sdpa"
