@@ -4,6 +4,7 @@ so every attention path reads both layouts the same way."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 
@@ -21,19 +22,25 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
 
     On CPU the OS backs memory page by page at first write, and a first write costs far more
     than a later one (a 6 MB prefill K write: ~12-20 ms instead of 0.5 on the 2-core dev VM).
-    `prefault` maps every page now (mmap MAP_POPULATE, ~0.3 s per GiB), as a GPU's memory is
-    there once allocated, so that no measured step pays for it; without it the pages come
-    lazily from calloc (through numpy): a large reservation costs nothing until written.
+    `prefault` maps every page now (~0.3 s per GiB), as a GPU's memory is there once
+    allocated, so that no measured step pays for it; without it the pages come lazily from
+    calloc (through numpy): a large reservation costs nothing until written. Prefaulted
+    memory asks for transparent huge pages first (madvise; Linux's default THP mode only gives
+    them to regions that ask): decode attention streams the whole cache every step, and with
+    2 MB pages instead of 4 KB it reads ~10% faster here (18.9 vs 17.2 GB/s, batch 64 x 200
+    keys of the small preset), its TLB misses gone.
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     nbytes = itemsize * math.prod(shape)
     if prefault and nbytes:
-        if hasattr(mmap, "MAP_POPULATE"):  # Linux
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-            return torch.frombuffer(mmap.mmap(-1, nbytes, flags=flags),
-                                    dtype=dtype).view(shape)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+            memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            with contextlib.suppress(OSError):  # a kernel without THP: 4 KB pages
+                memory.madvise(mmap.MADV_HUGEPAGE)
+            tensor = torch.frombuffer(memory, dtype=dtype).view(shape)
+            return tensor.zero_()  # writing every page maps it now
         return torch.zeros(shape, dtype=dtype)  # writes every page
     raw = np.zeros(shape, dtype=np.dtype(f"u{itemsize}"))
     return torch.from_numpy(raw).view(dtype)

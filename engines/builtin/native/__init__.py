@@ -40,8 +40,9 @@ _state: dict[str, object] = {}
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "inferlab" / "native"
+    from engines.builtin.tokenizer import cache_dir as inferlab_cache_dir
+
+    return inferlab_cache_dir() / "native"
 
 
 def _compiler() -> str | None:
