@@ -36,12 +36,16 @@ def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (8, 2, 64), (6, 1, 32),
                                                          (12, 12, 64)])
 @pytest.mark.parametrize("window", [None, 5, 40])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("lengths", "threads"), [
+    ([1, 8, 9, 31, 3, 64, 17], 1), ([1, 8, 9, 31, 3, 64, 17], 2),
+    ([17], 4), ([5, 40], 4),  # fewer sequences than 2 x threads: runs of KV heads per task
+])
 def test_decode_attention_matches_torch(heads: int, kv_heads: int, dim: int,
-                                        window: int | None, threads: int) -> None:
+                                        window: int | None, lengths: list[int],
+                                        threads: int) -> None:
     gen = torch.Generator().manual_seed(heads * 100 + dim)
     block_size, num_blocks = 8, 64
-    lens = torch.tensor([1, 8, 9, 31, 3, 64, 17], dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
     # every sequence's blocks scattered over the pool, out of order
@@ -61,9 +65,34 @@ def test_decode_attention_matches_torch(heads: int, kv_heads: int, dim: int,
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_attention_refuses_what_it_cannot_read() -> None:
+def test_kernels_refuse_what_they_cannot_read() -> None:
+    """Bad arguments raise, naming the problem; none reaches the C code (which would read or
+    write out of bounds)."""
     cache = torch.zeros(2, 4, 1, 8)
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="exceeds the block tables"):
+        native.decode_attention(torch.zeros(1, 2, 8), cache, cache, tables,
+                                torch.tensor([5], dtype=torch.int32), 1.0, None)
+    with pytest.raises(ValueError, match="block id past the cache"):
+        native.decode_attention(torch.zeros(1, 2, 8), cache, cache,
+                                torch.tensor([[2]], dtype=torch.int32), lens, 1.0, None)
+    assert native.decode_attention(torch.zeros(0, 2, 8), cache, cache, tables[:0], lens[:0],
+                                   1.0, None).shape == (0, 2, 8)
+    with pytest.raises(ValueError, match="rms_norm"):
+        native.rms_norm(torch.zeros(4, 8), torch.ones(8), 1e-6, torch.zeros(1, 8))
+    with pytest.raises(ValueError, match="rms_norm"):
+        native.rms_norm(torch.zeros(4, 8), torch.ones(3), 1e-6)
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        native.silu_and_mul(torch.zeros(2, 7))
+    table = torch.zeros(10, 8)
+    qkv, kv = torch.zeros(2, 3 * 8), torch.zeros(16, 1, 8)
+    with pytest.raises(ValueError, match="past the rotary table"):
+        native.rope_and_cache(qkv, torch.tensor([3, 10]), table, 1, 1, 8, None, None, None)
+    with pytest.raises(ValueError, match="slot past the cache"):
+        native.rope_and_cache(qkv, torch.tensor([3, 4]), table, 1, 1, 8, kv, kv,
+                              torch.tensor([0, 16]))
+    with pytest.raises(ValueError, match="rope_and_cache"):  # heads do not match the rows
+        native.rope_and_cache(qkv, torch.tensor([3, 4]), table, 2, 1, 8, None, None, None)
     with pytest.raises(TypeError, match="float32"):
         native.decode_attention(torch.zeros(1, 2, 8, dtype=torch.float64), cache, cache,
                                 tables, lens, 1.0, None)
@@ -76,9 +105,16 @@ def test_decode_attention_refuses_what_it_cannot_read() -> None:
 
 
 def test_auto_picks_the_kernel_on_cpu_and_sdpa_without_it(monkeypatch) -> None:
-    assert resolve_attention("auto", torch.device("cpu")) == "cpu"
+    cpu = torch.device("cpu")
+    assert resolve_attention("auto", cpu) == "cpu"
     assert resolve_attention("auto", torch.device("meta")) == "sdpa"
-    assert resolve_attention("torch", torch.device("cpu")) == "torch"
+    assert resolve_attention("torch", cpu) == "torch"
+    # where the kernel would not run, auto says sdpa (describe() reports what runs)
+    assert resolve_attention("auto", cpu, torch.bfloat16) == "sdpa"
+    assert resolve_attention("auto", cpu, torch.float32, kv_cache_dtype="int8") == "sdpa"
+    assert resolve_attention("auto", cpu, native_kernels=False) == "sdpa"
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_attention("cpu", torch.device("cuda"))
     llm = LLM("tiny", dtype="float32")
     assert llm.engine.describe()["attention_backend"] == "cpu"
 
@@ -136,10 +172,11 @@ def test_silu_and_mul(rows: int, threads: int) -> None:
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("with_cache", [True, False])
+@pytest.mark.parametrize("tokens", [11, 60])  # 60: enough work for the parallel loop
 def test_rope_and_cache_equals_torch_rotary_and_cache_write(heads: int, kv_heads: int,
-                                                          with_cache: bool,
+                                                          with_cache: bool, tokens: int,
                                                           threads: int) -> None:
-    dim, tokens = 32, 11
+    dim = 32
     gen = torch.Generator().manual_seed(heads)
     rope = RotaryEmbedding(dim, 128, 10000.0, None, torch.device("cpu"))
     positions = torch.randint(0, 128, (tokens,), generator=gen)
@@ -147,9 +184,9 @@ def test_rope_and_cache_equals_torch_rotary_and_cache_write(heads: int, kv_heads
     qk, v = qkv.split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
     rotated = apply_rotary(qk.reshape(tokens, heads + kv_heads, dim),
                            rope.rotation(positions))
-    k_cache = torch.zeros(64, kv_heads, dim)
-    v_cache = torch.zeros(64, kv_heads, dim)
-    slots = torch.randperm(64, generator=gen)[:tokens]
+    k_cache = torch.zeros(128, kv_heads, dim)
+    v_cache = torch.zeros(128, kv_heads, dim)
+    slots = torch.randperm(128, generator=gen)[:tokens]
     got = qkv.clone()
     native.rope_and_cache(got, positions, rope.cos_sin_table, heads, kv_heads, dim,
                           k_cache if with_cache else None, v_cache if with_cache else None,
@@ -160,7 +197,7 @@ def test_rope_and_cache_equals_torch_rotary_and_cache_write(heads: int, kv_heads
     if with_cache:
         assert torch.equal(k_cache[slots], rotated[:, heads:])
         assert torch.equal(v_cache[slots], v.view(tokens, kv_heads, dim))
-        untouched = torch.ones(64, dtype=torch.bool)
+        untouched = torch.ones(128, dtype=torch.bool)
         untouched[slots] = False
         assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
@@ -172,14 +209,33 @@ def test_rope_and_cache_equals_torch_rotary_and_cache_write(heads: int, kv_heads
     dict(kv_cache="paged", model_overrides={"sliding_window": 6, "num_kv_heads": 1}),
     dict(kv_cache="contiguous", batching="static"),  # padding rows: the torch store path
 ])
-def test_engine_tokens_with_and_without_native_kernels(options: dict) -> None:
+def test_engine_tokens_with_and_without_native_kernels(options: dict, monkeypatch) -> None:
+    """The same greedy tokens (the norm, SiLU and attention sums round differently, rotary
+    does not), and the kernels really ran when enabled and never when not."""
+    calls: dict[str, int] = {}
+
+    def counting(name: str):
+        kernel = getattr(native, name)
+
+        def counted(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return kernel(*args, **kwargs)
+        return counted
+
+    for name in ("rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention"):
+        monkeypatch.setattr(native, name, counting(name))
     prompts = [list(range(10, 40)), [5, 6, 7], list(range(50, 61))]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     outputs = {}
-    for enabled in (True, False):
+    for enabled in (False, True):
+        calls.clear()
         llm = LLM("tiny", dtype="float32", native_kernels=enabled, **options)
         assert llm.engine.describe()["native_kernels"] is enabled
         outputs[enabled] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        expected = {"rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention"}
+        if options["kv_cache"] == "none":
+            expected.discard("decode_attention")  # every step is a prefill
+        assert set(calls) == (expected if enabled else set()), calls
     assert outputs[True] == outputs[False]
 
 

@@ -74,9 +74,10 @@ class EngineConfig:
     # CPU, unquantized fp32/bf16: keep a oneDNN-packed copy of each linear weight (2x the
     # dense weight memory) so multi-row matmuls skip torch's per-call re-packing
     prepack_weights: bool = True
-    # CPU: the engine's C kernels (engines/builtin/native), built on first use with the
-    # machine's compiler: decode attention (attention_backend=auto) and, in float32, fused
-    # residual-add + RMSNorm, SiLU-and-multiply and rotary + K/V store; false: torch ops only
+    # CPU float32: the engine's C kernels (engines/builtin/native), built on first use with
+    # the machine's compiler: fused residual-add + RMSNorm, SiLU-and-multiply and rotary + K/V
+    # store, and attention_backend=auto resolving to the C decode kernel; false: torch ops
+    # (an explicit attention_backend=cpu still uses its kernel)
     native_kernels: bool = True
     # test instrument: busy-wait this fraction of each step's duration inside the step (a planted
     # slowdown for validating the regression gate; docs/gate.md)

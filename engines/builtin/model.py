@@ -79,7 +79,8 @@ class Attention(nn.Module):
         native.rope_and_cache(qkv, rotation.positions, rotation.table, self.num_heads,
                               self.num_kv_heads, self.head_dim,
                               None if cache is None else cache.k,
-                              None if cache is None else cache.v, meta.slot_mapping)
+                              None if cache is None else cache.v, meta.slot_mapping,
+                              max_position=meta.max_seq_len - 1)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(-1, self.num_heads, self.head_dim),
                 k.view(-1, self.num_kv_heads, self.head_dim),

@@ -50,8 +50,8 @@ class ModelRunner:
         self.prepacked = (config.prepack_weights and not config.compile
                           and PrepackedDenseMethod.supported(self.device, dtype))
         # `auto` resolved for this device: what describe() reports
-        self.attention_backend = resolve_attention(config.attention_backend, self.device,
-                                                   config.native_kernels)
+        self.attention_backend = resolve_attention(config.attention_backend, self.device, dtype,
+                                                   config.kv_cache_dtype, config.native_kernels)
         with torch.device("meta"):
             linear = make_linear_method(config.quantization, config.quantization_group_size,
                                         self.prepacked)

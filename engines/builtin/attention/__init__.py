@@ -33,12 +33,17 @@ ATTENTION_BACKENDS = {
 }
 
 
-def resolve_attention(name: str, device: torch.device, native_kernels: bool = True) -> str:
-    """`auto`: the engine's C decode kernel on CPU where it builds (and `native_kernels`
-    allows it), else sdpa."""
+def resolve_attention(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                      kv_cache_dtype: str = "auto", native_kernels: bool = True) -> str:
+    """`auto`: the engine's C decode kernel where it would run (CPU, float32 K/V, the kernels
+    built, `native_kernels`), else sdpa. `cpu` is refused off the CPU."""
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"engine.attention_backend: 'cpu' runs on the CPU only, not on "
+                         f"{device}; available there: auto|torch|sdpa|triton")
     if name != "auto":
         return name
-    if native_kernels and device.type == "cpu" and native.load() is not None:
+    if (native_kernels and device.type == "cpu" and dtype == torch.float32
+            and kv_cache_dtype != "int8" and native.load() is not None):
         return "cpu"
     return "sdpa"
 

@@ -34,14 +34,11 @@ class CpuAttention(DenseAttention):
                 or cache.k.device.type != "cpu"):
             return super()._decode(q, cache, meta, scale)
         nd = q.shape[0]
-        seq_lens, window = meta.seq_lens[:nd], meta.sliding_window
+        seq_lens, window, longest = meta.seq_lens[:nd], meta.sliding_window, meta.max_seq_len
         if meta.ring:  # every filled slot of the ring is visible, in any order
             if "ring_lens" not in meta.per_step:
                 meta.per_step["ring_lens"] = seq_lens.clamp(max=meta.block_size)
             seq_lens, window = meta.per_step["ring_lens"], None
-        elif meta.max_seq_len > meta.block_tables.shape[1] * cache.block_size:
-            # the kernel trusts the tables; a context past them would read out of bounds
-            raise ValueError(f"decode context of {meta.max_seq_len} tokens exceeds the block "
-                             f"tables ({meta.block_tables.shape[1]} x {cache.block_size})")
+            longest = min(longest, meta.block_size)
         return native.decode_attention(q, cache.k, cache.v, meta.block_tables[:nd], seq_lens,
-                                       scale, window)
+                                       scale, window, max_seq_len=longest)

@@ -57,14 +57,14 @@ class Rotation:
     def __init__(self, table: torch.Tensor, positions: torch.Tensor) -> None:
         self.table = table  # [max_positions, d]: cos | sin of each position's d/2 angles
         self.positions = positions  # [T] int64
-        self._factors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._factors: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos | cos, -sin | sin), [T, 1, d] each, for the rotate-half layout."""
-        if self._factors is None:
+        if dtype not in self._factors:
             cos, sin = self.table[self.positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
-            self._factors = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        return self._factors
+            self._factors[dtype] = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return self._factors[dtype]
 
 
 def apply_rotary(qk: torch.Tensor, rotation: Rotation) -> torch.Tensor:

@@ -4,8 +4,10 @@ use, cached per machine, called through ctypes.
 Why C and not a torch extension: the kernels only need raw pointers, so the library builds in
 a fraction of a second with no torch headers, the way inductor's CPU kernels are built. It is
 compiled for this CPU (-march=native), so the cache key includes the CPU's flags along with
-the source, compiler and options. The library links libgomp by its soname, which resolves to
-the copy torch has already loaded: one OpenMP thread pool for torch and these kernels.
+the source, compiler and options. Built by gcc, the library links libgomp by its soname,
+which resolves to the copy torch's Linux wheels have already loaded: one OpenMP thread pool
+for torch and these kernels (a clang build links its own libomp: two pools, both sized to
+torch's thread count).
 
 Nothing here is required: without a working compiler `load()` returns None and `reason()`
 says why; callers fall back to torch ops.
@@ -63,9 +65,9 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             check=True).stdout.splitlines()[0]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS),
+    probe = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True)
+    version = (probe.stdout or probe.stderr).strip().splitlines()[:1]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *version, " ".join(FLAGS),
                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()
     target = cache_dir() / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
@@ -79,6 +81,7 @@ def _build(compiler: str) -> Path:
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from other users of the cache
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -100,7 +103,7 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         _state["reason"] = None
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    except Exception as e:  # whatever stops the build or the load, the engine runs without it
         lib = None
         _state["reason"] = f"{type(e).__name__}: {e}"
     _state["lib"] = lib
@@ -127,12 +130,22 @@ def takes(*tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
+def _indices(name: str, t: torch.Tensor, dtype: torch.dtype, length: int) -> None:
+    if (t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
+            or t.dim() != 1 or t.shape[0] < length):
+        raise ValueError(f"{name}: expected a contiguous CPU {dtype} vector of >= {length} "
+                         f"entries, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension of x [T, N]. With `residual`, normalizes x + residual
     and leaves that sum in `residual` (in place): the residual stream for the next block."""
-    if not takes(x, weight, *(() if residual is None else (residual,))):
-        raise ValueError("rms_norm: x, weight and residual must be contiguous CPU float32")
+    others = () if residual is None else (residual,)
+    if (not takes(x, weight, *others) or x.dim() != 2 or weight.shape != x.shape[1:]
+            or any(r.shape != x.shape for r in others)):
+        raise ValueError("rms_norm: x [T, N], weight [N] and residual [T, N] must be "
+                         "contiguous CPU float32")
     out = torch.empty_like(x)
     rows, width = x.shape
     _lib().add_rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(),
@@ -143,8 +156,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
-    if not takes(gate_up):
-        raise ValueError("silu_and_mul: gate_up must be contiguous CPU float32")
+    if not takes(gate_up) or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError("silu_and_mul: gate_up must be a contiguous CPU float32 [T, 2I]")
     rows, width = gate_up.shape
     out = gate_up.new_empty(rows, width // 2)
     _lib().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
@@ -154,50 +167,86 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
                    heads: int, kv_heads: int, head_dim: int, k_cache: torch.Tensor | None,
-                   v_cache: torch.Tensor | None, slots: torch.Tensor | None) -> None:
+                   v_cache: torch.Tensor | None, slots: torch.Tensor | None,
+                   max_position: int | None = None) -> None:
     """In place on qkv [T, (heads + 2 kv_heads) head_dim]: rotary embedding of the query and
     key heads at `positions` (int64) from `table` [max_positions, head_dim] (cos | sin halves);
-    then, with a cache, each token's K and V stored at its flat slot (int64) of
-    k_cache/v_cache [..., kv_heads, head_dim]."""
-    if (not takes(qkv, table, *(() if k_cache is None else (k_cache, v_cache)))  # type: ignore[arg-type]
-            or positions.dtype != torch.int64 or table.shape[1] != head_dim
+    then, with a cache, each token's K and V stored at its flat slot (int64; < 0: not stored)
+    of k_cache/v_cache [..., kv_heads, head_dim]. `max_position`: the largest position, when
+    the caller knows it (else read from `positions`); slots are range-checked only then."""
+    tokens = qkv.shape[0]
+    caches = () if k_cache is None else (k_cache, v_cache)
+    if (not takes(qkv, table, *caches) or qkv.dim() != 2 or table.dim() != 2  # type: ignore[arg-type]
+            or head_dim % 2 or table.shape[1] != head_dim
             or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim
-            or (k_cache is not None and (slots is None or slots.dtype != torch.int64))):
-        raise ValueError("rope_and_cache: unsupported tensors (contiguous CPU float32 qkv, "
-                         "table and caches; int64 positions and slots)")
+            or any(c.shape[-2:] != (kv_heads, head_dim) or c.shape != k_cache.shape  # type: ignore[union-attr]
+                   for c in caches)):
+        raise ValueError("rope_and_cache: unsupported tensors (contiguous CPU float32 qkv "
+                         "[T, (h + 2 kvh) d], table [positions, d], caches [..., kvh, d])")
+    _indices("rope_and_cache positions", positions, torch.int64, tokens)
+    if tokens == 0:
+        return
+    if max_position is None:
+        max_position = int(positions.max())
+        if int(positions.min()) < 0:
+            raise ValueError("rope_and_cache: negative position")
+        if k_cache is not None:
+            assert slots is not None
+            _indices("rope_and_cache slots", slots, torch.int64, tokens)
+            if int(slots[:tokens].max()) >= k_cache.numel() // (kv_heads * head_dim):
+                raise ValueError("rope_and_cache: a slot past the cache")
+    if max_position >= table.shape[0]:
+        raise ValueError(f"rope_and_cache: position {max_position} past the rotary table "
+                         f"({table.shape[0]} positions)")
+    if k_cache is not None:
+        assert slots is not None
+        _indices("rope_and_cache slots", slots, torch.int64, tokens)
     _lib().rope_and_cache_f32(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(),
                               table.data_ptr(),
                               None if k_cache is None else k_cache.data_ptr(),
                               None if v_cache is None else v_cache.data_ptr(),
-                              None if slots is None else slots.data_ptr(), qkv.shape[0], heads,
+                              None if slots is None else slots.data_ptr(), tokens, heads,
                               kv_heads, head_dim, torch.get_num_threads())
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int | None) -> torch.Tensor:
+                     window: int | None, max_seq_len: int | None = None) -> torch.Tensor:
     """One query per sequence over its cached keys, read in place from the blocks.
 
     q [B, h, d] float32 (rows may be strided, heads and d contiguous); k_cache/v_cache
     [num_blocks, block_size, kv_heads, d] float32 contiguous; block_tables [B, >=blocks] int32
     (rows contiguous); seq_lens [B] int32, each sequence's keys (its query is the last
-    position); `window`: only the last `window` keys are visible. Returns [B, h, d]."""
-    lib = _lib()
+    position); `window`: only the last `window` keys are visible. `max_seq_len`: the longest
+    context, when the caller knows it (else read from `seq_lens`, and the block ids are
+    range-checked too). Returns [B, h, d]."""
     batch, heads, dim = q.shape
     _, block_size, kv_heads, kdim = k_cache.shape
     if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
         raise TypeError("decode_attention: q and the KV cache must be float32")
     if (kdim != dim or heads % kv_heads or q.stride(1) != dim or q.stride(2) != 1
+            or q.device.type != "cpu" or v_cache.shape != k_cache.shape
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1
-            or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous()
-            or seq_lens.shape[0] < batch or block_tables.shape[0] < batch):
+            or block_tables.shape[0] < batch):
         raise ValueError("decode_attention: unsupported shapes, strides or dtypes: q "
                          f"{tuple(q.shape)}/{q.stride()}, cache {tuple(k_cache.shape)}, "
-                         f"tables {block_tables.dtype}, lens {seq_lens.dtype}")
+                         f"tables {block_tables.dtype} {tuple(block_tables.shape)}")
+    _indices("decode_attention seq_lens", seq_lens, torch.int32, batch)
     out = torch.empty(batch, heads, dim, dtype=q.dtype)
-    lib.decode_attention_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                             block_tables.data_ptr(), block_tables.stride(0),
-                             seq_lens.data_ptr(), batch, heads, kv_heads, dim, block_size,
-                             scale, window or 0, torch.get_num_threads(), out.data_ptr())
+    if batch == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens[:batch].max())
+        blocks = block_tables[:batch, :-(-max_seq_len // block_size)]
+        if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= k_cache.shape[0]):
+            raise ValueError("decode_attention: a block id past the cache")
+    if max_seq_len > block_tables.shape[1] * block_size:
+        raise ValueError(f"decode_attention: a context of {max_seq_len} tokens exceeds the "
+                         f"block tables ({block_tables.shape[1]} x {block_size})")
+    _lib().decode_attention_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                                v_cache.data_ptr(), block_tables.data_ptr(),
+                                block_tables.stride(0), seq_lens.data_ptr(), batch, heads,
+                                kv_heads, dim, block_size, scale, window or 0,
+                                torch.get_num_threads(), out.data_ptr())
     return out

@@ -25,6 +25,7 @@ void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache
                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                           int64_t BS, float scale, int64_t window, int64_t threads,
                           float *out) {
+    if (B <= 0) return;
     const int64_t G = H / KVH;
     const int64_t row = KVH * D; /* floats between consecutive positions */
     int64_t chunks = (2 * threads + B - 1) / B;
@@ -47,6 +48,10 @@ void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache
             if (n <= 0) continue;
             const int32_t *table = block_tables + b * bt_stride;
             float *scores = malloc(sizeof(float) * nq * n);
+            if (scores == NULL) { /* out of memory: NaN outputs, never a wrong number */
+                for (int64_t i = 0; i < nq * D; i++) o[i] = NAN;
+                continue;
+            }
             for (int64_t j = 0; j < n; j++) {
                 const int64_t pos = first + j;
                 const float *kr = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
@@ -117,7 +122,8 @@ void add_rms_norm_f32(const float *x, float *residual, const float *weight, floa
  * reduction x = k ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial for e^r (within about
  * 1 ulp, as torch's own vectorized exp), and 2^k put into the exponent bits. */
 static inline float exp_f32(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    x = x > -87.0f ? x : -87.0f; /* written so NaN becomes -87: a NaN reaching the integer */
+    x = x < 88.0f ? x : 88.0f;   /* conversion below would be undefined (silu stays NaN) */
     const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
     const float k = (x * 1.44269504088896341f + round) - round;
     float r = x - k * 0.693359375f;
