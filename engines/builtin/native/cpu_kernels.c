@@ -7,6 +7,27 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* e^x for x in float32, vectorizable (libm's expf is a call per element): Cody-Waite range
+ * reduction x = k ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial for e^r (within about
+ * 1 ulp, as torch's own vectorized exp), and 2^k put into the exponent bits. */
+static inline float exp_f32(float x) {
+    x = x > -87.0f ? x : -87.0f; /* written so NaN becomes -87: a NaN reaching the integer */
+    x = x < 88.0f ? x : 88.0f;   /* conversion below would be undefined (silu stays NaN) */
+    const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const float k = (x * 1.44269504088896341f + round) - round;
+    float r = x - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
+    return p * scale.f;
+}
+
 /* Decode attention over a block-table KV cache, read in place.
  *
  * q [B, H, D] (token stride q_stride, heads contiguous), k/v cache [NB, BS, KVH, D]
@@ -19,7 +40,8 @@
  * order and reads, per position, the K (then V) of its heads as one contiguous run, which the
  * hardware prefetcher streams (one task per head would read 256-byte pieces 3 KB apart, which
  * it does not). Sequences are split into head runs only as far as needed to give every thread
- * two tasks. Scores go to a per-task buffer: an exact two-pass softmax, no rescaling. */
+ * two tasks. Scores go to a per-task buffer: an exact two-pass softmax, no rescaling. Four
+ * heads' dot products run side by side (four independent sums instead of one long chain). */
 void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                           const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
@@ -55,7 +77,27 @@ void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache
             for (int64_t j = 0; j < n; j++) {
                 const int64_t pos = first + j;
                 const float *kr = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
-                for (int64_t i = 0; i < nq; i++) {
+                int64_t i = 0;
+                for (; i + 4 <= nq; i += 4) {
+                    const float *q0 = qt + i * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
+                    const float *k0 = kr + (h0 + i / G) * D;
+                    const float *k1 = kr + (h0 + (i + 1) / G) * D;
+                    const float *k2 = kr + (h0 + (i + 2) / G) * D;
+                    const float *k3 = kr + (h0 + (i + 3) / G) * D;
+                    float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+                    for (int64_t d = 0; d < D; d++) {
+                        d0 += q0[d] * k0[d];
+                        d1 += q1[d] * k1[d];
+                        d2 += q2[d] * k2[d];
+                        d3 += q3[d] * k3[d];
+                    }
+                    scores[i * n + j] = d0 * scale;
+                    scores[(i + 1) * n + j] = d1 * scale;
+                    scores[(i + 2) * n + j] = d2 * scale;
+                    scores[(i + 3) * n + j] = d3 * scale;
+                }
+                for (; i < nq; i++) {
                     const float *qi = qt + i * D;
                     const float *ki = kr + (h0 + i / G) * D;
                     float dot = 0.0f;
@@ -68,8 +110,9 @@ void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache
                 float *si = scores + i * n;
                 float mx = -INFINITY, sum = 0.0f;
                 for (int64_t j = 0; j < n; j++) mx = si[j] > mx ? si[j] : mx;
+#pragma omp simd reduction(+ : sum)
                 for (int64_t j = 0; j < n; j++) {
-                    si[j] = expf(si[j] - mx);
+                    si[j] = exp_f32(si[j] - mx);
                     sum += si[j];
                 }
                 const float inv = 1.0f / sum;
@@ -116,27 +159,6 @@ void add_rms_norm_f32(const float *x, float *residual, const float *weight, floa
 #pragma omp simd
         for (int64_t i = 0; i < N; i++) o[i] = src[i] * inv * weight[i];
     }
-}
-
-/* e^x for x in float32, vectorizable (libm's expf is a call per element): Cody-Waite range
- * reduction x = k ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial for e^r (within about
- * 1 ulp, as torch's own vectorized exp), and 2^k put into the exponent bits. */
-static inline float exp_f32(float x) {
-    x = x > -87.0f ? x : -87.0f; /* written so NaN becomes -87: a NaN reaching the integer */
-    x = x < 88.0f ? x : 88.0f;   /* conversion below would be undefined (silu stays NaN) */
-    const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    const float k = (x * 1.44269504088896341f + round) - round;
-    float r = x - k * 0.693359375f;
-    r = r - k * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
-    return p * scale.f;
 }
 
 /* out [T, I] = silu(gate) * up, for gate_up [T, 2I] (gate | up, row stride 2I). */
