@@ -1,0 +1,146 @@
+"""The engine's C kernels (engines/builtin/native) against the torch ops they replace, on the
+small preset's shapes, fp32, at torch's thread count.
+
+    .venv/bin/python scripts/bench_cpu_kernels.py
+    .venv/bin/python scripts/bench_cpu_kernels.py --rows 1,16,64 --repeats 200
+
+Decode attention: 12 layers' K/V in caches laid out as the engine's (contiguous layout, 2 MB
+pages as `kv_cache_prefault` maps them), one query per sequence; the C kernel against
+torch's SDPA over the same in-place views (what attention_backend=sdpa does), median over
+--repeats passes. Elementwise ops (RMSNorm with the residual add, SiLU-and-multiply, rotary +
+K/V store) are timed right after a matmul over a 12 MB weight, the way they run in a layer
+(the matmul leaves the caches cold), and hot (the same op again); both sides include their
+Python call (the kernels' argument checks, torch's dispatch). The kernels work in place
+(the residual stream, the QKV rows), as in the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engines.builtin import native
+from engines.builtin.kv_cache.storage import zeros
+from engines.builtin.layers.rotary import RotaryEmbedding, apply_rotary
+from engines.builtin.model_config import PRESETS
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def attention(batch: int, keys: int, repeats: int) -> tuple[float, float]:
+    cfg = PRESETS["small"]
+    heads, dim, layers = cfg.num_heads, cfg.head_dim, cfg.num_layers
+    slot = keys + 64
+    cpu = torch.device("cpu")
+    caches = [tuple(zeros((batch, slot, heads, dim), torch.float32, cpu, True).normal_()
+                    for _ in range(2)) for _ in range(layers)]
+    q = torch.randn(batch, heads, dim)
+    tables = torch.arange(batch, dtype=torch.int32).view(batch, 1)
+    lens = torch.full((batch,), keys, dtype=torch.int32)
+
+    def sdpa() -> None:
+        for k, v in caches:
+            F.scaled_dot_product_attention(q.unsqueeze(2), k[:, :keys].transpose(1, 2),
+                                           v[:, :keys].transpose(1, 2), scale=dim ** -0.5)
+
+    def kernel() -> None:
+        for k, v in caches:
+            native.decode_attention(q, k, v, tables, lens, dim ** -0.5, None, keys)
+
+    return median_ms(sdpa, repeats), median_ms(kernel, repeats)
+
+
+def cold_and_hot(op: Callable[[], object], weight: torch.Tensor, x: torch.Tensor,
+                 repeats: int) -> tuple[float, float]:
+    cold, hot = [], []
+    for _ in range(repeats):
+        F.linear(x, weight)  # streams 12 MB through the caches
+        t0 = time.perf_counter()
+        op()
+        t1 = time.perf_counter()
+        op()
+        t2 = time.perf_counter()
+        cold.append(t1 - t0)
+        hot.append(t2 - t1)
+    return 1e6 * statistics.median(cold), 1e6 * statistics.median(hot)
+
+
+def elementwise(rows: int, repeats: int) -> list[tuple[str, float, float, float, float]]:
+    cfg = PRESETS["small"]
+    hidden, inter, heads, dim = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.head_dim
+    weight = torch.randn(4096, hidden)
+    x, residual, norm_w = torch.randn(rows, hidden), torch.randn(rows, hidden), torch.ones(hidden)
+    gate_up = torch.randn(rows, 2 * inter)
+    rope = RotaryEmbedding(dim, 512, cfg.rope_theta, None, torch.device("cpu"))
+    positions = torch.arange(rows) + 7
+    qkv = torch.randn(rows, 3 * heads * dim)
+    k_cache, v_cache = torch.zeros(512, heads, dim), torch.zeros(512, heads, dim)
+    slots = torch.arange(rows) * 3
+
+    rotation = rope.rotation(positions)  # looked up once per step, as in the model
+    rotation.factors(torch.float32)
+
+    def torch_rope() -> None:
+        qk, v = qkv.split([2 * heads * dim, heads * dim], dim=-1)
+        rotated = apply_rotary(qk.view(rows, 2 * heads, dim), rotation)
+        k_cache.index_copy_(0, slots, rotated[:, heads:])
+        v_cache.index_copy_(0, slots, v.view(rows, heads, dim))
+
+    ops = {
+        "add + RMSNorm": (lambda: F.rms_norm(x + residual, (hidden,), norm_w, eps=1e-6),
+                          lambda: native.rms_norm(x, norm_w, 1e-6, residual)),
+        "SiLU-and-multiply": (lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:],
+                              lambda: native.silu_and_mul(gate_up)),
+        "rotary + K/V store": (torch_rope,
+                               lambda: native.rope_and_cache(qkv, positions,
+                                                             rope.cos_sin_table, heads, heads,
+                                                             dim, k_cache, v_cache, slots)),
+    }
+    out = []
+    for name, (reference, kernel) in ops.items():
+        out.append((name, *cold_and_hot(reference, weight, x, repeats),
+                    *cold_and_hot(kernel, weight, x, repeats)))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,16,64", help="rows (tokens) for the elementwise ops")
+    parser.add_argument("--attention", default="1x48,16x48,64x48,64x200",
+                        help="sequences x keys for decode attention")
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    if native.load() is None:
+        raise SystemExit(f"the C kernels did not build: {native.reason()}")
+    print(f"{torch.get_num_threads()} threads")
+    print("\ndecode attention, 12 layers (ms):  sdpa  C kernel  ratio")
+    for item in args.attention.split(","):
+        batch, keys = (int(v) for v in item.split("x"))
+        sdpa, kernel = attention(batch, keys, args.repeats)
+        print(f"  {batch:3d} x {keys:3d} keys {sdpa:9.2f} {kernel:9.2f} {kernel / sdpa:6.2f}")
+    print("\nelementwise (us): torch after a matmul / hot, C kernel after a matmul / hot")
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name, t_cold, t_hot, k_cold, k_hot in elementwise(rows, 10 * args.repeats):
+            print(f"  {rows:3d} rows {name:20s} {t_cold:7.1f} / {t_hot:6.1f}   "
+                  f"{k_cold:7.1f} / {k_hot:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
