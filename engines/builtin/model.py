@@ -115,9 +115,9 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output, still to be added to the residual stream
         (None before the first layer, where x is the embeddings); returns this layer's MLP
-        output and the stream. Each residual add is done by the norm after it, so the add and
-        the norm are one kernel. `rotation`: this step's RoPE positions, shared by every
-        layer."""
+        output and the stream. Each residual add is done by the norm after it, so with the C
+        kernels the add and the norm are one pass. `rotation`: this step's RoPE positions,
+        shared by every layer."""
         if residual is None:
             h, residual = self.input_norm(x), x
         else:
