@@ -17,6 +17,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from harness.roofline import attainable_flops
+
 LATENCY_TITLES = {"ttft_s": "TTFT", "itl_s": "ITL", "e2e_s": "E2E latency"}
 MAX_LINES = 10  # beyond this a legend is unreadable; callers say which variants were left out
 
@@ -137,9 +139,10 @@ def samples_timeline(samples: pd.DataFrame, columns: Sequence[str]) -> Figure:
 
 
 def roofline(points: pd.DataFrame, peak_flops: float | None,
-             bandwidth: float | None) -> Figure:
+             bandwidth: float | None, overlap: float = 1.0) -> Figure:
     """Left: achieved FLOP/s against arithmetic intensity per step (columns variant,
-    intensity, flops_per_s, prefill), under the hardware roofline when its peaks are known.
+    intensity, flops_per_s, prefill), under the hardware roofline when its peaks are known
+    (and, for a spec that measured an overlap below 1, the curve `predicted_s` follows).
     Right: roofline-predicted against measured step time (columns predicted_s, measured_s)."""
     has_prediction = {"predicted_s", "measured_s"} <= set(points.columns) and \
         points["predicted_s"].notna().any()
@@ -157,8 +160,12 @@ def roofline(points: pd.DataFrame, peak_flops: float | None,
     if peak_flops and bandwidth and len(finite):
         lo, hi = finite.min() / 4, max(finite.max() * 4, 2 * peak_flops / bandwidth)
         grid = np.geomspace(lo, hi, 200)
-        ax.plot(grid, np.minimum(peak_flops, bandwidth * grid), color="black", linewidth=1.2,
-                label="roofline")
+        ax.plot(grid, attainable_flops(grid, peak_flops, bandwidth), color="black",
+                linewidth=1.2, label="roofline")
+        if overlap < 1.0:
+            ax.plot(grid, attainable_flops(grid, peak_flops, bandwidth, overlap), color="black",
+                    linewidth=1.0, linestyle="--",
+                    label=f"with the measured overlap {overlap:.2f} (predicted_s)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")

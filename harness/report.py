@@ -463,6 +463,18 @@ def hardware_peaks(res: Results) -> tuple[float | None, float | None, str | None
     return None, None, None
 
 
+def hardware_overlap(res: Results) -> float:
+    """The recorded spec's measured compute/memory overlap for the run's dtype (1, the
+    standard roofline, when the spec has none: datasheet GPUs)."""
+    for run_id in res.runs["run_id"]:
+        summary = res.summary(run_id)
+        spec = summary.get("hardware")
+        if isinstance(spec, dict):
+            dtype = str((summary.get("engine") or {}).get("dtype") or "")
+            return float((spec.get("overlap") or {}).get(dtype, 1.0))
+    return 1.0
+
+
 # the keys a hardware spec may use, with the factor to FLOP/s or B/s
 FLOPS_KEYS = {"peak_flops": 1.0, "peak_flops_per_s": 1.0, "flops_per_s": 1.0,
               "peak_tflops": 1e12, "tflops": 1e12}
@@ -518,7 +530,8 @@ def section_roofline(res: Results, doc: Document) -> None:
         return
     run_ids = set(_limited(res, doc, _first_runs(res)))
     peak, bandwidth, name = hardware_peaks(res)
-    doc.figure(figures.roofline(points[points["run_id"].isin(run_ids)], peak, bandwidth),
+    doc.figure(figures.roofline(points[points["run_id"].isin(run_ids)], peak, bandwidth,
+                                hardware_overlap(res)),
                "roofline", "Per step: achieved FLOP/s against arithmetic intensity "
                "(circles decode-only, triangles with prefill)"
                + (f" under the roofline of {name or 'the recorded hardware'}" if peak and

@@ -85,6 +85,21 @@ def step_costs(steps: pd.DataFrame, shape: ModelShape) -> pd.DataFrame:
     return out
 
 
+def predicted_time(compute_s: Any, memory_s: Any, overlap: float) -> Any:
+    """The roofline's time for work needing `compute_s` at peak FLOP/s and `memory_s` at peak
+    bandwidth: max of the two plus the part of the smaller one the machine does not overlap
+    (overlap 1: the standard max(); 0: their sum). Scalars or arrays."""
+    return compute_s + memory_s - overlap * np.fmin(compute_s, memory_s)
+
+
+def attainable_flops(intensity: Any, peak_flops: float, bandwidth: float,
+                     overlap: float = 1.0) -> Any:
+    """FLOP/s the roofline allows at an arithmetic intensity (FLOP per byte moved): the curve a
+    roofline plot draws; min(peak, bandwidth x intensity) when overlap is 1."""
+    intensity = np.asarray(intensity, dtype=float)
+    return intensity / predicted_time(intensity / peak_flops, 1.0 / bandwidth, overlap)
+
+
 def add_roofline(steps: pd.DataFrame, shape: ModelShape, peak_flops: float | None,
                  memory_bandwidth: float, overlap: float = 1.0) -> pd.DataFrame:
     """`steps` with the roofline columns set (MFU and predicted_s NaN without a FLOP/s peak).
@@ -101,8 +116,7 @@ def add_roofline(steps: pd.DataFrame, shape: ModelShape, peak_flops: float | Non
     out["mbu"] = total_bytes / measured / memory_bandwidth
     if peak_flops:
         compute_s = costs["flops"] / peak_flops
-        hidden = overlap * np.fmin(compute_s, memory_s)
-        out["predicted_s"] = (compute_s + memory_s - hidden).where(
+        out["predicted_s"] = predicted_time(compute_s, memory_s, overlap).where(
             compute_s.notna() & memory_s.notna())
         out["mfu"] = costs["flops"] / measured / peak_flops
     else:

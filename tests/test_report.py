@@ -17,6 +17,7 @@ from harness.report import (
     PHASES,
     Document,
     format_metric,
+    hardware_overlap,
     hardware_peaks,
     memory_parts,
     roofline_points,
@@ -228,3 +229,8 @@ def test_roofline_peak_is_the_runs_own_dtype() -> None:
     assert hardware_peaks(res) == (None, 1e11, "chip")  # type: ignore[arg-type]
     res = StubResults(pd.DataFrame(), {"engine": {"dtype": "float32"}, "hardware": spec})
     assert hardware_peaks(res) == (1e12, 1e11, "chip")  # type: ignore[arg-type]
+    # no measured overlap: the standard roofline; a measured one, for the run's dtype
+    assert hardware_overlap(res) == 1.0  # type: ignore[arg-type]
+    measured = StubResults(pd.DataFrame(), {"engine": {"dtype": "float32"},
+                                           "hardware": {**spec, "overlap": {"float32": 0.1}}})
+    assert hardware_overlap(measured) == 0.1  # type: ignore[arg-type]

@@ -22,6 +22,8 @@ from harness.roofline import (
     ModelShape,
     add_roofline,
     annotate_run,
+    attainable_flops,
+    predicted_time,
     roofline_summary,
     step_costs,
 )
@@ -288,3 +290,16 @@ def test_unknown_hardware_fails_the_run_by_name(tmp_path: Path) -> None:
     assert summary["status"] == "failed"
     assert "hardware: 'tpu-v5' is invalid; allowed: a100|auto|cpu|h100|h200|l4" \
         in summary["error"]
+
+
+def test_attainable_flops_is_the_roofline_curve_predicted_s_follows() -> None:
+    peak, bandwidth = 100e9, 10e9  # ridge at 10 FLOP/byte
+    intensity = np.array([1.0, 10.0, 1000.0])
+    # overlap 1: the standard min(peak, bandwidth x intensity)
+    np.testing.assert_allclose(attainable_flops(intensity, peak, bandwidth),
+                               [10e9, 100e9, 100e9])
+    # overlap 0: compute and memory time add; at the ridge each takes half: half the peak
+    np.testing.assert_allclose(attainable_flops(intensity, peak, bandwidth, 0.0),
+                               [1 / (0.01e-9 + 0.1e-9), 50e9, 1000 / (10e-9 + 0.1e-9)])
+    # the same formula as a step's predicted_s
+    assert predicted_time(2.0, 3.0, 0.25) == 3.0 + 0.75 * 2.0
