@@ -70,8 +70,9 @@ class Attention(nn.Module):
         own write)."""
         if not native.takes(qkv):
             return False
+        # an unquantized cache holds the compute dtype, contiguous by construction
         return cache is None or (meta.write_index is None and not cache.quantized
-                                 and cache.stores_by_slot and native.takes(cache.k))
+                                 and cache.stores_by_slot and cache.dtype == torch.float32)
 
     def _rotate_and_store_native(self, qkv: torch.Tensor, rotation: Rotation,
                                  cache: LayerKVCache | None, meta: AttentionMetadata

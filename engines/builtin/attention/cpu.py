@@ -31,8 +31,8 @@ class CpuAttention(DenseAttention):
     def _decode(self, q: torch.Tensor, cache: LayerKVCache | None, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         assert cache is not None, "single-token decodes need a KV cache"
-        if (cache.quantized or cache.k.dtype != torch.float32 or q.dtype != torch.float32
-                or cache.k.device.type != "cpu"):
+        # resolve_attention keeps this backend on the CPU; the cache's dtype is static
+        if cache.quantized or cache.dtype != torch.float32 or q.dtype != torch.float32:
             return super()._decode(q, cache, meta, scale)
         nd = q.shape[0]
         seq_lens, window, longest = meta.seq_lens[:nd], meta.sliding_window, meta.max_seq_len

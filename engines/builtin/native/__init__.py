@@ -186,21 +186,19 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tens
     _indices("rope_and_cache positions", positions, torch.int64, tokens)
     if tokens == 0:
         return
+    if k_cache is not None:
+        assert slots is not None
+        _indices("rope_and_cache slots", slots, torch.int64, tokens)
     if max_position is None:
         max_position = int(positions.max())
         if int(positions.min()) < 0:
             raise ValueError("rope_and_cache: negative position")
-        if k_cache is not None:
-            assert slots is not None
-            _indices("rope_and_cache slots", slots, torch.int64, tokens)
-            if int(slots[:tokens].max()) >= k_cache.numel() // (kv_heads * head_dim):
-                raise ValueError("rope_and_cache: a slot past the cache")
+        if k_cache is not None and int(slots[:tokens].max()) >= k_cache.numel() // (  # type: ignore[index]
+                kv_heads * head_dim):
+            raise ValueError("rope_and_cache: a slot past the cache")
     if max_position >= table.shape[0]:
         raise ValueError(f"rope_and_cache: position {max_position} past the rotary table "
                          f"({table.shape[0]} positions)")
-    if k_cache is not None:
-        assert slots is not None
-        _indices("rope_and_cache slots", slots, torch.int64, tokens)
     _lib().rope_and_cache_f32(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(),
                               table.data_ptr(),
                               None if k_cache is None else k_cache.data_ptr(),
