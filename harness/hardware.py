@@ -29,7 +29,7 @@ SPEC_KEYS = {"name", "source", "device_names", "memory_bandwidth", "peak_flops",
 CPU_KEYS = {"name", "probe_bytes", "matmul_size", "reprobe"}
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
 CPU_DEFAULTS: dict[str, Any] = {"probe_bytes": 256 << 20, "matmul_size": 1024, "reprobe": False}
-PROBE_VERSION = 3  # bumped when the probe measures something new: older caches are re-probed
+PROBE_VERSION = 4  # bumped when the probe measures something new: older caches are re-probed
 
 
 @dataclass(frozen=True)
@@ -158,10 +158,13 @@ def _overlap(dtype: torch.dtype, peak_flops: float, bandwidth: float, weight_byt
     The layer is x [m, n] @ W [n, n]^T with W of `weight_bytes` (far larger than the caches)
     and m rows chosen so that its FLOPs per byte of W equal peak_flops / bandwidth: there its
     compute and memory times are equal, and max() and sum() differ the most. Timed through
-    torch's plain GEMM and, where oneDNN is available, its prepacked one (what the engine's
-    `prepack_weights` uses), the faster of the two. 0 when the machine is slower than even the
-    sum (small-row matmuls short of both peaks).
+    torch's plain GEMM, where oneDNN is available its prepacked one, and for float32 the
+    engine's own GEMM (its C kernels, where they build): the fastest, since those are what the
+    engine's `prepack_weights` picks from. 0 when the machine is slower than even the sum
+    (small-row matmuls short of both peaks).
     """
+    from engines.builtin import native
+
     size = torch.tensor([], dtype=dtype).element_size()
     n = int((weight_bytes // size) ** 0.5)
     rows = max(1, round(peak_flops / bandwidth * size / 2))
@@ -173,6 +176,11 @@ def _overlap(dtype: torch.dtype, peak_flops: float, bandwidth: float, weight_byt
         measured = min(measured, _best_seconds(
             lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
             repeats, 2.0))
+        del packed
+    if dtype == torch.float32 and native.load() is not None:
+        panels = native.pack_linear_weight(weight)
+        measured = min(measured, _best_seconds(lambda: native.linear(x, panels, n), repeats,
+                                               2.0))
     compute, memory = 2 * rows * n * n / peak_flops, n * n * size / bandwidth
     return min(1.0, max(0.0, (compute + memory - measured) / min(compute, memory)))
 

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines.builtin.layers.linear import Linear, make_linear_method
 from engines.builtin.model_config import PRESETS
 
-FORMATS = {  # label -> (quantization, prepack)
-    "bf16 plain": ("none", False),
-    "bf16 prepacked": ("none", True),
-    "int8": ("int8", False),
-    "int4 g128": ("int4", False),
+FORMATS = {  # label -> (quantization, prepacked layout)
+    "bf16 plain": ("none", None),
+    "bf16 prepacked": ("none", "onednn"),
+    "int8": ("int8", None),
+    "int4 g128": ("int4", None),
 }
 
 
@@ -45,7 +45,7 @@ def block_shapes(model: str) -> list[tuple[int, int]]:
     return per_layer * cfg.num_layers
 
 
-def build(shapes: list[tuple[int, int]], quantization: str, prepack: bool) -> list[Linear]:
+def build(shapes: list[tuple[int, int]], quantization: str, prepack: str | None) -> list[Linear]:
     layers = []
     generator = torch.Generator().manual_seed(0)
     for i, (fan_in, fan_out) in enumerate(shapes):

@@ -163,7 +163,7 @@ def test_overlap_from_a_matmul_at_the_ridge(monkeypatch: pytest.MonkeyPatch, mea
 
     monkeypatch.setattr(hardware, "_best_seconds", fake_best)
     overlap = hardware._overlap(torch.float32, 2e9, 1e9, 4 * 1024 ** 2, repeats=1)
-    assert seen and set(seen) == {(4, 1024)}  # plain GEMM, and oneDNN's prepacked where built
+    assert seen and set(seen) == {(4, 1024)}  # plain GEMM, oneDNN's and the engine's where built
     assert overlap == pytest.approx(expected)
 
 

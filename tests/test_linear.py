@@ -1,4 +1,5 @@
-"""The dense linear methods: the oneDNN-prepacked CPU path against F.linear, and end to end."""
+"""The dense linear methods: the prepacked CPU paths (oneDNN's layout, the engine's panels)
+against F.linear, and end to end."""
 
 from __future__ import annotations
 
@@ -6,8 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.builtin import LLM, SamplingParams
-from engines.builtin.layers.linear import Linear, PrepackedDenseMethod
+from engines.builtin import LLM, SamplingParams, native
+from engines.builtin.layers.linear import (
+    Linear,
+    PanelDenseMethod,
+    PrepackedDenseMethod,
+    make_linear_method,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -27,12 +33,46 @@ def test_prepacked_equals_f_linear(dtype: torch.dtype, shape: tuple[int, ...]) -
     assert layer.weight_bytes() == (weight.numel() + bias.numel()) * weight.element_size()
 
 
-def test_engine_tokens_do_not_depend_on_prepacking() -> None:
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 3, 48), (0, 48)])
+def test_panels_equal_f_linear(shape: tuple[int, ...], monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(80, 48, generator=gen), torch.randn(80, generator=gen)
+    layer = Linear(48, 80, PanelDenseMethod(), bias=True)
+    layer.load(weight, bias)
+    assert layer.panels.shape == (3, 48, 32)
+    calls = []
+    kernel = native.linear
+    monkeypatch.setattr(native, "linear", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    x = torch.randn(*shape, generator=gen)
+    got = layer(x)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert calls == [(x.numel() // 48, 48)]  # the engine's GEMM, on the rows flattened
+    strided = torch.randn(48, 2, generator=gen).T
+    torch.testing.assert_close(layer(strided), F.linear(strided, weight, bias))
+    assert len(calls) == 1  # a strided input took the plain weight (F.linear), not the kernel
+    assert layer.weight_bytes() == (weight.numel() + bias.numel()) * 4  # one copy is read
+
+
+def test_make_linear_method_names_the_prepacked_layouts() -> None:
+    assert isinstance(make_linear_method("none", prepack="panels"), PanelDenseMethod)
+    assert isinstance(make_linear_method("none", prepack="onednn"), PrepackedDenseMethod)
+    with pytest.raises(ValueError, match=r"prepack.*panels\|onednn"):
+        make_linear_method("none", prepack="mkl")
+
+
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_engine_tokens_do_not_depend_on_prepacking(native_kernels: bool) -> None:
+    """fp32 on CPU packs panels for the engine's GEMM with its C kernels on, oneDNN's layout
+    with them off; the tokens are the plain weight's either way."""
     prompts = [list(range(10, 40)), list(range(50, 57)), [7, 8, 9, 10]]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     runs = {}
     for prepack in (False, True):
-        llm = LLM("tiny", dtype="float32", prepack_weights=prepack)
-        assert llm.engine.describe()["prepacked_weights"] is prepack
+        llm = LLM("tiny", dtype="float32", prepack_weights=prepack,
+                  native_kernels=native_kernels)
+        facts = llm.engine.describe()
+        assert facts["prepacked_weights"] is prepack
+        assert facts["prepacked_layout"] == (None if not prepack else
+                                             "panels" if native_kernels else "onednn")
         runs[prepack] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     assert runs[True] == runs[False]

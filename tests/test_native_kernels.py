@@ -170,6 +170,54 @@ def test_silu_and_mul(rows: int, threads: int) -> None:
     torch.testing.assert_close(native.silu_and_mul(gate_up), expected, rtol=1e-6, atol=1e-30)
 
 
+def test_pack_linear_weight_makes_transposed_zero_padded_panels() -> None:
+    weight = torch.arange(70 * 3, dtype=torch.float32).reshape(70, 3)
+    panels = native.pack_linear_weight(weight)
+    assert panels.shape == (3, 3, native.PANEL)  # ceil(70 / 32) panels of [K, 32]
+    assert torch.equal(panels.transpose(1, 2).reshape(96, 3)[:70], weight)
+    assert not panels.transpose(1, 2).reshape(96, 3)[70:].any()
+
+
+# rows: one block of 8, partial blocks (1, 3: the 1-, 2- and 4-row kernels), several blocks,
+# and 300 = more than one pass over the weight (128 rows a pass)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 13, 300])
+@pytest.mark.parametrize(("in_features", "out_features"), [(768, 2304), (37, 5), (16, 70)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear(rows: int, in_features: int, out_features: int, with_bias: bool,
+                threads: int) -> None:
+    """Against float64 (the kernel sums in another order than torch's GEMM); 5 and 70 output
+    features leave the last panel of 32 partial."""
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    expected = torch.nn.functional.linear(x.double(), weight.double(),
+                                          None if bias is None else bias.double())
+    got = native.linear(x, native.pack_linear_weight(weight), out_features, bias)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    # the float32 error bound of a K-term dot product: ~K eps times the sum of |products|
+    bound = in_features * 2 ** -23 * (x.double().abs() @ weight.double().abs().T)
+    assert ((got.double() - expected).abs() <= bound + 1e-6).all()
+
+
+def test_linear_rejects_what_it_cannot_take() -> None:
+    panels = native.pack_linear_weight(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="linear"):
+        native.linear(torch.zeros(2, 7), panels, 4)  # widths differ
+    with pytest.raises(ValueError, match="linear"):
+        native.linear(torch.zeros(2, 8), panels, 40)  # 40 outputs need 2 panels
+    with pytest.raises(ValueError, match="linear"):
+        native.linear(torch.zeros(2, 8), panels, 4, torch.zeros(3))  # bias length
+    with pytest.raises(ValueError, match="linear"):
+        native.linear(torch.zeros(2, 8, dtype=torch.float64), panels, 4)
+    with pytest.raises(ValueError, match="linear"):
+        native.linear(torch.zeros(8, 2).T, panels, 4)  # not contiguous
+    with pytest.raises(ValueError, match="linear"):
+        native.linear(torch.zeros(2, 2, 8), panels, 4)
+    with pytest.raises(ValueError, match="pack_linear_weight"):
+        native.pack_linear_weight(torch.zeros(4, 8, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (6, 1)])
 @pytest.mark.parametrize("with_cache", [True, False])
 @pytest.mark.parametrize("tokens", [11, 60])  # 60: enough work for the parallel loop
@@ -222,7 +270,8 @@ def test_engine_tokens_with_and_without_native_kernels(options: dict, monkeypatc
             return kernel(*args, **kwargs)
         return counted
 
-    for name in ("rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention"):
+    kernels = {"rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention", "linear"}
+    for name in kernels:
         monkeypatch.setattr(native, name, counting(name))
     prompts = [list(range(10, 40)), [5, 6, 7], list(range(50, 61))]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -232,7 +281,7 @@ def test_engine_tokens_with_and_without_native_kernels(options: dict, monkeypatc
         llm = LLM("tiny", dtype="float32", native_kernels=enabled, **options)
         assert llm.engine.describe()["native_kernels"] is enabled
         outputs[enabled] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        expected = {"rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention"}
+        expected = set(kernels)
         if options["kv_cache"] == "none":
             expected.discard("decode_attention")  # every step is a prefill
         assert set(calls) == (expected if enabled else set()), calls

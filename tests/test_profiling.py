@@ -27,7 +27,9 @@ from harness.profiling import (
     step_phase,
 )
 
-MATMULS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm"}
+# torch's GEMMs, and the engine's own (fp32 on CPU with its C kernels)
+MATMULS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm",
+           "inferlab::linear_f32"}
 
 
 def trace_names(path: Path) -> set[str]:

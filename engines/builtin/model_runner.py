@@ -21,7 +21,11 @@ from engines.builtin.cuda_graphs import (
     pad_decode_rows,
 )
 from engines.builtin.kv_cache import KVCacheManager, LayerKVCache
-from engines.builtin.layers.linear import PrepackedDenseMethod, make_linear_method
+from engines.builtin.layers.linear import (
+    PanelDenseMethod,
+    PrepackedDenseMethod,
+    make_linear_method,
+)
 from engines.builtin.model import Transformer
 from engines.builtin.model_config import ModelConfig
 from engines.builtin.platform import Platform
@@ -46,9 +50,18 @@ class ModelRunner:
         self.sample_vocab_size = sample_vocab_size
         self.eos_ids = eos_ids
 
-        # torch.compile cannot lower the prepacked op (inductor packs weights its own way)
-        self.prepacked = (config.prepack_weights and not config.compile
-                          and PrepackedDenseMethod.supported(self.device, dtype))
+        # the C kernels: CPU float32, not under torch.compile (a ctypes call would split its
+        # graph; inductor fuses the elementwise ops itself)
+        self.native_kernels = (config.native_kernels and not config.compile
+                               and self.device.type == "cpu" and dtype == torch.float32
+                               and native.load() is not None)
+        # torch.compile cannot lower the prepacked ops (inductor packs weights its own way)
+        self.prepacked: str | None = None  # the packed layout of dense CPU weights
+        if config.prepack_weights and not config.compile:
+            if self.native_kernels and PanelDenseMethod.supported(self.device, dtype):
+                self.prepacked = "panels"
+            elif PrepackedDenseMethod.supported(self.device, dtype):
+                self.prepacked = "onednn"
         # `auto` resolved for this device: what describe() reports
         self.attention_backend = resolve_attention(config.attention_backend, self.device, dtype,
                                                    config.kv_cache_dtype, config.native_kernels)
@@ -63,11 +76,6 @@ class ModelRunner:
                                      max_model_len, self.device, lm_head_method=lm_head)
         self.model.eval()
         self._load_weights()
-        # the C kernels' elementwise ops: CPU float32, not under torch.compile (a ctypes call
-        # would split its graph; inductor fuses these ops itself)
-        self.native_kernels = (config.native_kernels and not config.compile
-                               and self.device.type == "cpu" and dtype == torch.float32
-                               and native.load() is not None)
         self.model.use_native_kernels(self.native_kernels)
         self.sampler = Sampler(config.seed, self.device)
         self.forward_timer = platform.timer()
@@ -151,7 +159,8 @@ class ModelRunner:
         facts: dict[str, object] = {
             "enforce_eager": self.config.enforce_eager,
             "compile": self.config.compile,
-            "prepacked_weights": self.prepacked,
+            "prepacked_weights": self.prepacked is not None,
+            "prepacked_layout": self.prepacked,
             "cuda_graphs": graphs is not None,
             "cuda_graph_batch_sizes": graphs.sizes if graphs is not None else [],
         }

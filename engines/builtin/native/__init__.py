@@ -36,6 +36,8 @@ SIGNATURES = {  # function -> argument types (all return void)
     "silu_and_mul_f32": [_PTR, _PTR, _I64, _I64, _I64],
     "rope_and_cache_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                            _I64],
+    "pack_linear_weight_f32": [_PTR, _I64, _I64, _PTR, _I64],
+    "linear_f32": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
 }
 
 _state: dict[str, object] = {}
@@ -123,6 +125,18 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+def _run(kernel: str, *args: object) -> None:
+    """Call a kernel; while torch.profiler records, inside a range named `inferlab::<kernel>`,
+    so that profiles (profile/ops.md) list the C kernels as operators of their own (the range
+    costs ~7 us a call, so only then)."""
+    fn = getattr(_lib(), kernel)
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(f"inferlab::{kernel}"):
+            fn(*args)
+    else:
+        fn(*args)
+
+
 def takes(*tensors: torch.Tensor) -> bool:
     """Whether the kernels can take these tensors as they are: float32 on the CPU,
     contiguous (the elementwise kernels' condition; callers use torch ops otherwise)."""
@@ -148,9 +162,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                          "contiguous CPU float32")
     out = torch.empty_like(x)
     rows, width = x.shape
-    _lib().add_rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(),
-                            weight.data_ptr(), out.data_ptr(), rows, width, eps,
-                            torch.get_num_threads())
+    _run("add_rms_norm_f32", x.data_ptr(), None if residual is None else residual.data_ptr(),
+         weight.data_ptr(), out.data_ptr(), rows, width, eps,
+         torch.get_num_threads())
+    return out
+
+
+PANEL = 32  # weight rows per panel of a packed linear weight (cpu_kernels.c)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> the layout `linear` multiplies by: [ceil(N / 32), K, 32], panels of 32
+    rows transposed (panels[p, k, j] = weight[32 p + j, k]; the last panel zero-padded)."""
+    if not takes(weight) or weight.dim() != 2:
+        raise ValueError("pack_linear_weight: weight must be a contiguous CPU float32 [N, K], "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    panels = weight.new_empty(-(-out_features // PANEL), in_features, PANEL)
+    _run("pack_linear_weight_f32", weight.data_ptr(), out_features, in_features,
+         panels.data_ptr(), torch.get_num_threads())
+    return panels
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ weight^T (+ bias [out_features]) -> [T, out_features], with the weight as
+    `pack_linear_weight` packed it."""
+    others = () if bias is None else (bias,)
+    if (not takes(x, panels, *others) or x.dim() != 2 or panels.dim() != 3
+            or panels.shape[1:] != (x.shape[1], PANEL)
+            or panels.shape[0] != -(-out_features // PANEL)
+            or any(b.shape != (out_features,) for b in others)):
+        raise ValueError(f"linear: x [T, K], panels [ceil({out_features} / {PANEL}), K, "
+                         f"{PANEL}] and bias [{out_features}] must be contiguous CPU float32, "
+                         f"got {tuple(x.shape)} and {tuple(panels.shape)}")
+    rows, width = x.shape
+    out = x.new_empty(rows, out_features)
+    _run("linear_f32", x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+         out.data_ptr(), rows, width, out_features, torch.get_num_threads())
     return out
 
 
@@ -160,8 +209,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError("silu_and_mul: gate_up must be a contiguous CPU float32 [T, 2I]")
     rows, width = gate_up.shape
     out = gate_up.new_empty(rows, width // 2)
-    _lib().silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
-                            torch.get_num_threads())
+    _run("silu_and_mul_f32", gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+         torch.get_num_threads())
     return out
 
 
@@ -199,12 +248,12 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tens
     if max_position >= table.shape[0]:
         raise ValueError(f"rope_and_cache: position {max_position} past the rotary table "
                          f"({table.shape[0]} positions)")
-    _lib().rope_and_cache_f32(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(),
-                              table.data_ptr(),
-                              None if k_cache is None else k_cache.data_ptr(),
-                              None if v_cache is None else v_cache.data_ptr(),
-                              None if slots is None else slots.data_ptr(), tokens, heads,
-                              kv_heads, head_dim, torch.get_num_threads())
+    _run("rope_and_cache_f32", qkv.data_ptr(), qkv.stride(0), positions.data_ptr(),
+         table.data_ptr(),
+         None if k_cache is None else k_cache.data_ptr(),
+         None if v_cache is None else v_cache.data_ptr(),
+         None if slots is None else slots.data_ptr(), tokens, heads,
+         kv_heads, head_dim, torch.get_num_threads())
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -242,9 +291,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if max_seq_len > block_tables.shape[1] * block_size:
         raise ValueError(f"decode_attention: a context of {max_seq_len} tokens exceeds the "
                          f"block tables ({block_tables.shape[1]} x {block_size})")
-    _lib().decode_attention_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(),
-                                v_cache.data_ptr(), block_tables.data_ptr(),
-                                block_tables.stride(0), seq_lens.data_ptr(), batch, heads,
-                                kv_heads, dim, block_size, scale, window or 0,
-                                torch.get_num_threads(), out.data_ptr())
+    _run("decode_attention_f32", q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+         v_cache.data_ptr(), block_tables.data_ptr(),
+         block_tables.stride(0), seq_lens.data_ptr(), batch, heads,
+         kv_heads, dim, block_size, scale, window or 0,
+         torch.get_num_threads(), out.data_ptr())
     return out

@@ -6,6 +6,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 /* e^x for x in float32, vectorizable (libm's expf is a call per element): Cody-Waite range
  * reduction x = k ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial for e^r (within about
@@ -215,4 +218,161 @@ void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions
             }
         }
     }
+}
+
+/* Sixteen floats: GCC/clang vector extensions, which -march=native maps to the widest
+ * registers the CPU has (one AVX-512 register, two AVX ones, four SSE ones). */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16_unaligned __attribute__((vector_size(64), aligned(4)));
+
+static inline v16 load16(const float *p) { return *(const v16_unaligned *)p; }
+
+/* *p in all 16 lanes (a load that broadcasts: no shuffle taking an FMA port) */
+static inline v16 broadcast16(const float *p) {
+    const float s = *p;
+    return (v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+}
+
+/* a * b + c in one rounding. Spelled out because -std=c11 forbids the compiler to contract
+ * a * b + c on its own (which rope_and_cache_f32 relies on). */
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    union { v16 v; __m256 h[2]; } x = {a}, y = {b}, z = {c};
+    z.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
+    z.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
+    return z.v;
+#else
+    return a * b + c;
+#endif
+}
+
+/* Linear layers for up to a few hundred rows of input (decode at any batch, short prefills).
+ *
+ * The weight is packed once, at load, into panels of 32 of its rows transposed,
+ * [ceil(N / 32)][K][32] (the last one zero-padded): a panel is one contiguous stream, and
+ * at each k it holds the 32 weights that one input value multiplies. The input is packed per
+ * call into blocks of 8 rows, [ceil(M / 8)][K][8], so that the 8 values a step broadcasts are
+ * adjacent. The kernel keeps an 8 x 32 block of the output in 16 vector registers (8 rows x 2
+ * vectors of 16) and per k does 2 weight loads, 8 broadcasts and 16 fused multiply-adds:
+ * compute-bound from the first level of cache. Each thread takes whole panels; a panel is
+ * read from memory once, by the first block of rows, and from cache by the others, while the
+ * next panel is prefetched a little per k across all blocks, so that reading the weight (the
+ * whole cost at a few rows) overlaps the arithmetic (the whole cost at many). */
+#define PANEL 32
+#define ROW_BLOCK 8
+
+void pack_linear_weight_f32(const float *w, int64_t N, int64_t K, float *panels,
+                            int64_t threads) {
+    const int64_t count = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < count; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < PANEL; j++) {
+                const int64_t n = p * PANEL + j;
+                panels[(p * K + k) * PANEL + j] = n < N ? w[n * K + k] : 0.0f;
+            }
+}
+
+/* out[i, 0:32] = sum_k x[k][i] * panel[k][0:32] for the R rows of a packed input block;
+ * meanwhile prefetches `lines` cache lines of the next panel, spread evenly over the k. */
+#define DEFINE_PANEL_KERNEL(R)                                                                 \
+    static inline void panel_kernel_##R(const float *xb, const float *panel, int64_t K,       \
+                                        float out[ROW_BLOCK][PANEL], const char **next,       \
+                                        int64_t lines, int64_t per_lines, int64_t *credit) {  \
+        v16 acc[R][2];                                                                        \
+        for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = (v16){0};                         \
+        const char *ahead = *next;                                                            \
+        int64_t due = *credit;                                                                \
+        for (int64_t k = 0; k < K; k++) {                                                     \
+            const v16 w0 = load16(panel + k * PANEL), w1 = load16(panel + k * PANEL + 16);    \
+            for (int i = 0; i < R; i++) {                                                     \
+                const v16 xv = broadcast16(xb + k * ROW_BLOCK + i);                           \
+                acc[i][0] = fma16(xv, w0, acc[i][0]);                                         \
+                acc[i][1] = fma16(xv, w1, acc[i][1]);                                         \
+            }                                                                                 \
+            due += lines;                                                                     \
+            while (due >= per_lines) {                                                        \
+                due -= per_lines;                                                             \
+                __builtin_prefetch(ahead, 0, 2);                                              \
+                ahead += 64;                                                                  \
+            }                                                                                 \
+        }                                                                                     \
+        *next = ahead;                                                                        \
+        *credit = due;                                                                        \
+        for (int i = 0; i < R; i++) {                                                         \
+            *(v16_unaligned *)out[i] = acc[i][0];                                             \
+            *(v16_unaligned *)(out[i] + 16) = acc[i][1];                                      \
+        }                                                                                     \
+    }
+DEFINE_PANEL_KERNEL(1)
+DEFINE_PANEL_KERNEL(2)
+DEFINE_PANEL_KERNEL(4)
+DEFINE_PANEL_KERNEL(8)
+
+/* Blocks [b0, b1) of the packed input times panel p: y's rows 8 b0 .. min(8 b1, M). */
+static void linear_panel(const float *xp, const float *panels, const float *bias, float *y,
+                         int64_t M, int64_t K, int64_t N, int64_t p, int64_t b0, int64_t b1) {
+    const float *panel = panels + p * K * PANEL;
+    /* the next panel (past the last one this touches nothing: prefetches never fault), a
+     * panel's 32 x 4 x K bytes spread over the (b1 - b0) x K steps of this one */
+    const char *next = (const char *)(panel + K * PANEL);
+    const int64_t lines = PANEL * (int64_t)sizeof(float) * K / 64, per_lines = (b1 - b0) * K;
+    int64_t credit = 0;
+    const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+    for (int64_t b = b0; b < b1; b++) {
+        float out[ROW_BLOCK][PANEL];
+        const int64_t rows = M - b * ROW_BLOCK < ROW_BLOCK ? M - b * ROW_BLOCK : ROW_BLOCK;
+        const float *xb = xp + b * K * ROW_BLOCK;
+        if (rows > 4)
+            panel_kernel_8(xb, panel, K, out, &next, lines, per_lines, &credit);
+        else if (rows > 2)
+            panel_kernel_4(xb, panel, K, out, &next, lines, per_lines, &credit);
+        else if (rows == 2)
+            panel_kernel_2(xb, panel, K, out, &next, lines, per_lines, &credit);
+        else
+            panel_kernel_1(xb, panel, K, out, &next, lines, per_lines, &credit);
+        for (int64_t i = 0; i < rows; i++) {
+            float *yr = y + (b * ROW_BLOCK + i) * N + n0;
+            for (int64_t j = 0; j < cols; j++)
+                yr[j] = bias != NULL ? out[i][j] + bias[n0 + j] : out[i][j];
+        }
+    }
+}
+
+/* Blocks of rows of x one pass over the panels takes (128 rows): the packed rows stay in the
+ * core's cache while every panel goes by, and the weight is read once per pass (16, 32 and 64
+ * blocks measured alike at 2,048 rows on a 2-core Xeon). */
+#define LINEAR_PASS_BLOCKS 16
+
+/* y [M, N] = x [M, K] w^T (+ bias [N]) with w packed by pack_linear_weight_f32; x and y
+ * contiguous. */
+void linear_f32(const float *x, const float *panels, const float *bias, float *y, int64_t M,
+                int64_t K, int64_t N, int64_t threads) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t count = (N + PANEL - 1) / PANEL;
+    float *xp = malloc(sizeof(float) * blocks * ROW_BLOCK * K);
+    if (xp == NULL) { /* out of memory: NaN outputs, never a wrong number */
+        for (int64_t i = 0; i < M * N; i++) y[i] = NAN;
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t i = 0; i < ROW_BLOCK; i++) {
+                    const int64_t m = b * ROW_BLOCK + i;
+                    xp[(b * K + k) * ROW_BLOCK + i] = m < M ? x[m * K + k] : 0.0f;
+                }
+        for (int64_t b0 = 0; b0 < blocks; b0 += LINEAR_PASS_BLOCKS) {
+            const int64_t b1 = b0 + LINEAR_PASS_BLOCKS < blocks ? b0 + LINEAR_PASS_BLOCKS : blocks;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < count; p++)
+                linear_panel(xp, panels, bias, y, M, K, N, p, b0, b1);
+        }
+    }
+    free(xp);
 }
