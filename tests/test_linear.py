@@ -49,7 +49,9 @@ def test_panels_equal_f_linear(shape: tuple[int, ...], monkeypatch) -> None:
     assert calls == [(x.numel() // 48, 48)]  # the engine's GEMM, on the rows flattened
     strided = torch.randn(48, 2, generator=gen).T
     torch.testing.assert_close(layer(strided), F.linear(strided, weight, bias))
-    assert len(calls) == 1  # a strided input took the plain weight (F.linear), not the kernel
+    long = torch.randn(PanelDenseMethod.MAX_ROWS + 1, 48, generator=gen)
+    torch.testing.assert_close(layer(long), F.linear(long, weight, bias), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1  # a strided input and a long one took the plain weight (F.linear)
     assert layer.weight_bytes() == (weight.numel() + bias.numel()) * 4  # one copy is read
 
 

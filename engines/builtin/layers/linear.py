@@ -91,16 +91,19 @@ class PrepackedDenseMethod(DenseMethod):
 
 class PanelDenseMethod(DenseMethod):
     """Unquantized CPU float32 weights, also kept in panels for the engine's own GEMM
-    (`native.linear`; the layout and the kernel: cpu_kernels.c).
+    (`native.linear`; the layout and the kernel: cpu_kernels.c), which multiplies up to
+    MAX_ROWS rows: decode at any batch, and short prefills.
 
     On a 2-core Xeon, the small preset's 49 matmuls: 0.70-0.75x the time of oneDNN's packed
-    GEMM at 4-64 rows (decode at batch 4-64), 0.85x at 128-2,048 rows (prefill), 0.9x at 1-2
-    rows, where torch uses the plain weight's GEMV. Costs a second copy of the weights in
-    memory, as `PrepackedDenseMethod` does; inputs the kernel cannot take (not contiguous)
-    use the plain weight.
+    GEMM at 4-64 rows, 0.85x at 128-256 rows, 0.9x at 1-2 rows. Longer inputs (prefill
+    steps) take the plain weight through torch's GEMM, the fastest there (at 2,000 rows:
+    ~300 GFLOP/s, oneDNN's packed GEMM 280-295, this kernel 240-265). Costs a second copy of
+    the weights in memory, as `PrepackedDenseMethod` does; inputs the kernel cannot take (not
+    contiguous) use the plain weight too.
     """
 
     name = "none"  # the same weights, unquantized; describe() says "prepacked_weights"
+    MAX_ROWS = 256
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().load(layer, weight, bias)
@@ -108,7 +111,7 @@ class PanelDenseMethod(DenseMethod):
                               persistent=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if not native.takes(x):
+        if x.numel() > self.MAX_ROWS * layer.in_features or not native.takes(x):
             return F.linear(x, layer.weight, layer.bias)
         y = native.linear(x.reshape(-1, layer.in_features), layer.panels, layer.out_features,
                           layer.bias)

@@ -192,6 +192,19 @@ void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions
 #pragma omp parallel for schedule(static) num_threads(threads) if (T * (H + KVH) * D >= 16384)
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * qkv_stride;
+        if (k_cache != NULL && slots[t] >= 0) {
+            /* ask for the cache lines this token's K and V go to before rotating: left to the
+             * stores, the misses (a decode step writes lines no one touched lately) are taken
+             * one after another, and the call took ~4x longer (64 tokens of the small
+             * preset: 420 vs 90 us) */
+            const int64_t width = KVH * D;
+            const char *kd = (const char *)(k_cache + slots[t] * width);
+            const char *vd = (const char *)(v_cache + slots[t] * width);
+            for (int64_t i = 0; i < width * (int64_t)sizeof(float); i += 64) {
+                __builtin_prefetch(kd + i, 1, 3);
+                __builtin_prefetch(vd + i, 1, 3);
+            }
+        }
         const float *cos = table + positions[t] * D;
         const float *sin = cos + half;
         for (int64_t h = 0; h < H + KVH; h++) {
