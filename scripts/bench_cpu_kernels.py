@@ -4,6 +4,11 @@ small preset's shapes, fp32, at torch's thread count.
     .venv/bin/python scripts/bench_cpu_kernels.py
     .venv/bin/python scripts/bench_cpu_kernels.py --rows 1,16,64 --repeats 200
 
+Linear layers: the small preset's 49 matmuls of a step (12 layers' QKV, output, gate-up and
+down projections, and the LM head) over weights far larger than the caches, at each --gemm-rows
+count: the engine's GEMM over its panels against oneDNN's packed GEMM and torch's plain one
+(F.linear), the three passes alternated, median over --gemm-repeats.
+
 Decode attention: 12 layers' K/V in caches laid out as the engine's (contiguous layout, 2 MB
 pages as `kv_cache_prefault` maps them), one query per sequence; the C kernel against
 torch's SDPA over the same in-place views (what attention_backend=sdpa does), median over
@@ -30,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.builtin import native
 from engines.builtin.kv_cache.storage import zeros
+from engines.builtin.layers.linear import PrepackedDenseMethod
 from engines.builtin.layers.rotary import RotaryEmbedding, apply_rotary
 from engines.builtin.model_config import PRESETS
 
@@ -42,6 +48,41 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def matmuls(rows_list: list[int], repeats: int) -> list[tuple[int, float, float, float]]:
+    """(rows, plain ms, oneDNN packed ms, engine GEMM ms) for a step's 49 matmuls."""
+    cfg = PRESETS["small"]
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    per_layer = [(cfg.q_size + 2 * cfg.kv_size, hidden), (hidden, cfg.q_size),
+                 (2 * inter, hidden), (hidden, inter)]  # (out, in)
+    shapes = per_layer * cfg.num_layers + [(cfg.vocab_size, hidden)]
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(shape, generator=generator) * 0.02 for shape in shapes]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PrepackedDenseMethod.PACK_FOR_ROWS)
+              for w in weights]
+    panels = [native.pack_linear_weight(w) for w in weights]
+    out = []
+    for rows in rows_list:
+        xs = [torch.randn(rows, w.shape[1], generator=generator) for w in weights]
+        passes: dict[str, Callable[[], object]] = {
+            "plain": lambda xs=xs: [F.linear(x, w) for x, w in zip(xs, weights, strict=True)],
+            "onednn": lambda xs=xs: [
+                torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                for x, p in zip(xs, onednn, strict=True)],
+            "engine": lambda xs=xs: [native.linear(x, p, w.shape[0])
+                                     for x, p, w in zip(xs, panels, weights, strict=True)],
+        }
+        times: dict[str, list[float]] = {name: [] for name in passes}
+        for run in passes.values():
+            run()
+        for _ in range(repeats):  # alternated: the machine's drift hits all three alike
+            for name, run in passes.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        out.append((rows, *(1e3 * statistics.median(times[n]) for n in passes)))
+    return out
 
 
 def attention(batch: int, keys: int, repeats: int) -> tuple[float, float]:
@@ -126,10 +167,19 @@ def main() -> None:
     parser.add_argument("--attention", default="1x48,16x48,64x48,64x200",
                         help="sequences x keys for decode attention")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--gemm-rows", default="1,2,4,8,16,32,64,128,256,2000",
+                        help="input rows for the linear layers")
+    parser.add_argument("--gemm-repeats", type=int, default=7)
     args = parser.parse_args()
     if native.load() is None:
         raise SystemExit(f"the C kernels did not build: {native.reason()}")
     print(f"{torch.get_num_threads()} threads")
+    print("\nlinear layers, a step's 49 matmuls (ms): plain  oneDNN packed  engine  "
+          "engine/oneDNN  engine/plain")
+    rows_list = [int(r) for r in args.gemm_rows.split(",")]
+    for rows, plain, onednn, engine in matmuls(rows_list, args.gemm_repeats):
+        print(f"  {rows:5d} rows {plain:9.2f} {onednn:9.2f} {engine:9.2f} "
+              f"{engine / onednn:9.2f} {engine / plain:9.2f}")
     print("\ndecode attention, 12 layers (ms):  sdpa  C kernel  ratio")
     for item in args.attention.split(","):
         batch, keys = (int(v) for v in item.split("x"))

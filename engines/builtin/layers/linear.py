@@ -94,12 +94,13 @@ class PanelDenseMethod(DenseMethod):
     (`native.linear`; the layout and the kernel: cpu_kernels.c), which multiplies up to
     MAX_ROWS rows: decode at any batch, and short prefills.
 
-    On a 2-core Xeon, the small preset's 49 matmuls: 0.70-0.75x the time of oneDNN's packed
-    GEMM at 4-64 rows, 0.85x at 128-256 rows, 0.9x at 1-2 rows. Longer inputs (prefill
-    steps) take the plain weight through torch's GEMM, the fastest there (at 2,000 rows:
-    ~300 GFLOP/s, oneDNN's packed GEMM 280-295, this kernel 240-265). Costs a second copy of
-    the weights in memory, as `PrepackedDenseMethod` does; inputs the kernel cannot take (not
-    contiguous) use the plain weight too.
+    On a 2-core Xeon, the small preset's 49 matmuls (scripts/bench_cpu_kernels.py): 0.72-0.83x
+    the time of oneDNN's packed GEMM at 4-64 rows (0.52-0.67x torch's plain GEMM), 0.9x at
+    128, about the same as the better of the two at 1-2 and 256 rows. Longer inputs (prefill
+    steps) take the plain weight through torch's GEMM, the fastest there (2,000 rows: 0.89x
+    this kernel's time, 0.94x oneDNN's). Costs a second copy of the weights in memory, as
+    `PrepackedDenseMethod` does; inputs the kernel cannot take (not contiguous) use the plain
+    weight too.
     """
 
     name = "none"  # the same weights, unquantized; describe() says "prepacked_weights"
