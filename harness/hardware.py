@@ -159,9 +159,9 @@ def _overlap(dtype: torch.dtype, peak_flops: float, bandwidth: float, weight_byt
     and m rows chosen so that its FLOPs per byte of W equal peak_flops / bandwidth: there its
     compute and memory times are equal, and max() and sum() differ the most. Timed through
     torch's plain GEMM, where oneDNN is available its prepacked one, and for float32 the
-    engine's own GEMM (its C kernels, where they build): the fastest, since those are what the
-    engine's `prepack_weights` picks from. 0 when the machine is slower than even the sum
-    (small-row matmuls short of both peaks).
+    engine's own GEMM (its C kernels, where they build): the fastest, the best this machine's
+    kernels do (which one a run uses depends on its `prepack_weights` and `native_kernels`).
+    0 when the machine is slower than even the sum (small-row matmuls short of both peaks).
     """
     from engines.builtin import native
 

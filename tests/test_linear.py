@@ -33,8 +33,11 @@ def test_prepacked_equals_f_linear(dtype: torch.dtype, shape: tuple[int, ...]) -
     assert layer.weight_bytes() == (weight.numel() + bias.numel()) * weight.element_size()
 
 
-@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 3, 48), (0, 48)])
-def test_panels_equal_f_linear(shape: tuple[int, ...], monkeypatch) -> None:
+# rows through the engine's GEMM (flattened); one row goes to torch's GEMV, faster there
+@pytest.mark.parametrize(("shape", "kernel_rows"),
+                         [((1, 48), None), ((5, 48), 5), ((2, 3, 48), 6), ((0, 48), 0)])
+def test_panels_equal_f_linear(shape: tuple[int, ...], kernel_rows: int | None,
+                               monkeypatch) -> None:
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(80, 48, generator=gen), torch.randn(80, generator=gen)
     layer = Linear(48, 80, PanelDenseMethod(), bias=True)
@@ -46,13 +49,26 @@ def test_panels_equal_f_linear(shape: tuple[int, ...], monkeypatch) -> None:
     x = torch.randn(*shape, generator=gen)
     got = layer(x)
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    assert calls == [(x.numel() // 48, 48)]  # the engine's GEMM, on the rows flattened
+    assert calls == ([] if kernel_rows is None else [(kernel_rows, 48)])
     strided = torch.randn(48, 2, generator=gen).T
     torch.testing.assert_close(layer(strided), F.linear(strided, weight, bias))
     long = torch.randn(PanelDenseMethod.MAX_ROWS + 1, 48, generator=gen)
     torch.testing.assert_close(layer(long), F.linear(long, weight, bias), rtol=1e-5, atol=1e-5)
-    assert len(calls) == 1  # a strided input and a long one took the plain weight (F.linear)
+    # a strided input and a long one took the plain weight (F.linear)
+    assert len(calls) == (kernel_rows is not None)
     assert layer.weight_bytes() == (weight.numel() + bias.numel()) * 4  # one copy is read
+
+
+def test_panels_take_a_strided_bias_and_leave_gradients_to_torch() -> None:
+    layer = Linear(16, 40, PanelDenseMethod(), bias=True)
+    weight, bias = torch.randn(40, 16), torch.randn(80)[::2]  # a strided bias is stored whole
+    layer.load(weight, bias)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    x.requires_grad_(True)
+    y = layer(x)  # through F.linear: the kernel has no backward
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, weight.sum(0).expand(3, 16))
 
 
 def test_make_linear_method_names_the_prepacked_layouts() -> None:

@@ -200,6 +200,27 @@ def test_linear(rows: int, in_features: int, out_features: int, with_bias: bool,
     assert ((got.double() - expected).abs() <= bound + 1e-6).all()
 
 
+def test_linear_edge_shapes_and_non_finite_rows() -> None:
+    # no input features: the bias alone; no outputs: an empty result
+    panels = native.pack_linear_weight(torch.zeros(5, 0))
+    assert torch.equal(native.linear(torch.zeros(3, 0), panels, 5, torch.arange(5.0)),
+                       torch.arange(5.0).expand(3, 5))
+    assert native.linear(torch.ones(3, 4), native.pack_linear_weight(torch.zeros(0, 4)),
+                         0).shape == (3, 0)
+    # a NaN or inf stays in its own row (rows share packed blocks of 8 and weight panels)
+    x = torch.randn(11, 40)
+    x[2, 7], x[9, 0] = float("nan"), float("inf")
+    got = native.linear(x, native.pack_linear_weight(torch.randn(70, 40)), 70)
+    finite = [r for r in range(11) if r not in (2, 9)]
+    assert got[2].isnan().all() and not got[9].isfinite().any()
+    assert got[finite].isfinite().all()
+    # a view that starts inside its storage
+    base = torch.randn(30, 40)
+    weight = torch.randn(33, 40)
+    torch.testing.assert_close(native.linear(base[5:20], native.pack_linear_weight(weight), 33),
+                               base[5:20] @ weight.T, rtol=1e-5, atol=1e-4)
+
+
 def test_linear_rejects_what_it_cannot_take() -> None:
     panels = native.pack_linear_weight(torch.zeros(4, 8))
     with pytest.raises(ValueError, match="linear"):

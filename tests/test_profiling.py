@@ -80,6 +80,8 @@ def test_engine_steps_are_attributed_to_their_phase(make_tiny: Callable[..., LLM
     for phase in ("prefill", "decode", "mixed"):
         rows = ops[ops["phase"] == phase]
         assert MATMULS & set(rows["name"]), phase  # real operators, in every phase
+        if engine.describe()["prepacked_layout"] == "panels":  # fp32 CPU with the C kernels
+            assert "inferlab::linear_f32" in set(rows["name"]), phase
         assert UNTRACED in set(rows["name"])
         assert (rows["self_cpu_s"] >= 0).all() and rows["self_cpu_share"].sum() <= 1 + 1e-9
         assert (rows["phase_steps"] == phases.count(phase)).all()

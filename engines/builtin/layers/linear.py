@@ -42,7 +42,8 @@ class DenseMethod(LinearMethod):
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-        layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        layer.bias = None if bias is None else nn.Parameter(bias.contiguous(),
+                                                            requires_grad=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -92,15 +93,17 @@ class PrepackedDenseMethod(DenseMethod):
 class PanelDenseMethod(DenseMethod):
     """Unquantized CPU float32 weights, also kept in panels for the engine's own GEMM
     (`native.linear`; the layout and the kernel: cpu_kernels.c), which multiplies up to
-    MAX_ROWS rows: decode at any batch, and short prefills.
+    MAX_ROWS rows: decode up to batch 256, and short prefills.
 
     On a 2-core Xeon, the small preset's 49 matmuls (scripts/bench_cpu_kernels.py): 0.72-0.83x
     the time of oneDNN's packed GEMM at 4-64 rows (0.52-0.67x torch's plain GEMM), 0.9x at
-    128, about the same as the better of the two at 1-2 and 256 rows. Longer inputs (prefill
-    steps) take the plain weight through torch's GEMM, the fastest there (2,000 rows: 0.89x
-    this kernel's time, 0.94x oneDNN's). Costs a second copy of the weights in memory, as
-    `PrepackedDenseMethod` does; inputs the kernel cannot take (not contiguous) use the plain
-    weight too.
+    128, about the same as the better of the two at 2 and 256 rows. One row (batch-1 decode)
+    takes the plain weight through torch's GEMV, 5-10% faster there; so do longer inputs
+    (prefill steps), through torch's GEMM: the blocks' 48 matmuls at 384-1,024
+    rows take it 0.90-1.02x this kernel's time and 0.97-1.06x oneDNN's; at 2,000 rows 0.85x
+    and 0.94x. Costs a second copy of the weights in memory, as `PrepackedDenseMethod` does;
+    inputs the kernel cannot take (not contiguous, or needing gradients) use the plain weight
+    too.
     """
 
     name = "none"  # the same weights, unquantized; describe() says "prepacked_weights"
@@ -112,7 +115,9 @@ class PanelDenseMethod(DenseMethod):
                               persistent=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > self.MAX_ROWS * layer.in_features or not native.takes(x):
+        rows = x.numel() // max(layer.in_features, 1)
+        if (rows > self.MAX_ROWS or rows == 1 or not native.takes(x)
+                or x.requires_grad):  # the kernel has no backward
             return F.linear(x, layer.weight, layer.bias)
         y = native.linear(x.reshape(-1, layer.in_features), layer.panels, layer.out_features,
                           layer.bias)

@@ -37,7 +37,7 @@ SIGNATURES = {  # function -> argument types (all return void)
     "rope_and_cache_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                            _I64],
     "pack_linear_weight_f32": [_PTR, _I64, _I64, _PTR, _I64],
-    "linear_f32": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+    "linear_f32": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
 }
 
 _state: dict[str, object] = {}
@@ -198,8 +198,10 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                          f"got {tuple(x.shape)} and {tuple(panels.shape)}")
     rows, width = x.shape
     out = x.new_empty(rows, out_features)
+    packed_x = x.new_empty(-(-rows // 8) * 8 * width)  # the kernel's blocks of 8 rows
     _run("linear_f32", x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-         out.data_ptr(), rows, width, out_features, torch.get_num_threads())
+         out.data_ptr(), packed_x.data_ptr(), rows, width, out_features,
+         torch.get_num_threads())
     return out
 
 
