@@ -140,8 +140,7 @@ def _run(kernel: str, *args: object) -> None:
 def takes(*tensors: torch.Tensor) -> bool:
     """Whether the kernels can take these tensors as they are: float32 on the CPU,
     contiguous (the elementwise kernels' condition; callers use torch ops otherwise)."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-               for t in tensors)
+    return all(t.dtype is torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
 
 
 def _indices(name: str, t: torch.Tensor, dtype: torch.dtype, length: int) -> None:
