@@ -178,7 +178,7 @@ def test_pack_linear_weight_makes_transposed_zero_padded_panels() -> None:
     assert not panels.transpose(1, 2).reshape(96, 3)[70:].any()
 
 
-# rows: one block of 8, partial blocks (1, 3: the 1-, 2- and 4-row kernels), several blocks,
+# rows: one block of 8, partial blocks (1, 2, 3: the 1-, 2- and 4-row kernels), several blocks,
 # and 300 = more than one pass over the weight (128 rows a pass)
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 13, 300])
 @pytest.mark.parametrize(("in_features", "out_features"), [(768, 2304), (37, 5), (16, 70)])

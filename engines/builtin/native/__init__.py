@@ -162,12 +162,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty_like(x)
     rows, width = x.shape
     _run("add_rms_norm_f32", x.data_ptr(), None if residual is None else residual.data_ptr(),
-         weight.data_ptr(), out.data_ptr(), rows, width, eps,
-         torch.get_num_threads())
+         weight.data_ptr(), out.data_ptr(), rows, width, eps, torch.get_num_threads())
     return out
 
 
 PANEL = 32  # weight rows per panel of a packed linear weight (cpu_kernels.c)
+ROW_BLOCK = 8  # input rows the GEMM kernel multiplies at once (its packed input's blocks)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -197,7 +197,7 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                          f"got {tuple(x.shape)} and {tuple(panels.shape)}")
     rows, width = x.shape
     out = x.new_empty(rows, out_features)
-    packed_x = x.new_empty(-(-rows // 8) * 8 * width)  # the kernel's blocks of 8 rows
+    packed_x = x.new_empty(-(-rows // ROW_BLOCK) * ROW_BLOCK * width)
     _run("linear_f32", x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
          out.data_ptr(), packed_x.data_ptr(), rows, width, out_features,
          torch.get_num_threads())
@@ -250,11 +250,10 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tens
         raise ValueError(f"rope_and_cache: position {max_position} past the rotary table "
                          f"({table.shape[0]} positions)")
     _run("rope_and_cache_f32", qkv.data_ptr(), qkv.stride(0), positions.data_ptr(),
-         table.data_ptr(),
-         None if k_cache is None else k_cache.data_ptr(),
+         table.data_ptr(), None if k_cache is None else k_cache.data_ptr(),
          None if v_cache is None else v_cache.data_ptr(),
-         None if slots is None else slots.data_ptr(), tokens, heads,
-         kv_heads, head_dim, torch.get_num_threads())
+         None if slots is None else slots.data_ptr(), tokens, heads, kv_heads, head_dim,
+         torch.get_num_threads())
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -293,8 +292,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode_attention: a context of {max_seq_len} tokens exceeds the "
                          f"block tables ({block_tables.shape[1]} x {block_size})")
     _run("decode_attention_f32", q.data_ptr(), q.stride(0), k_cache.data_ptr(),
-         v_cache.data_ptr(), block_tables.data_ptr(),
-         block_tables.stride(0), seq_lens.data_ptr(), batch, heads,
-         kv_heads, dim, block_size, scale, window or 0,
+         v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+         seq_lens.data_ptr(), batch, heads, kv_heads, dim, block_size, scale, window or 0,
          torch.get_num_threads(), out.data_ptr())
     return out

@@ -261,7 +261,7 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 #endif
 }
 
-/* Linear layers for up to a few hundred rows of input (decode at any batch, short prefills).
+/* Linear layers for up to a few hundred rows of input (decode, short prefills).
  *
  * The weight is packed once, at load, into panels of 32 of its rows transposed,
  * [ceil(N / 32)][K][32] (the last one zero-padded): a panel is one contiguous stream, and
