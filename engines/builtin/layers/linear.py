@@ -98,12 +98,11 @@ class PanelDenseMethod(DenseMethod):
     On a 2-core Xeon, the small preset's 49 matmuls (scripts/bench_cpu_kernels.py): 0.72-0.83x
     the time of oneDNN's packed GEMM at 4-64 rows (0.52-0.67x torch's plain GEMM), 0.9x at
     128, about the same as the better of the two at 2 and 256 rows. One row (batch-1 decode)
-    takes the plain weight through torch's GEMV, 5-10% faster there; so do longer inputs
-    (prefill steps), through torch's GEMM: the blocks' 48 matmuls at 384-1,024
-    rows take it 0.90-1.02x this kernel's time and 0.97-1.06x oneDNN's; at 2,000 rows 0.85x
-    and 0.94x. Costs a second copy of the weights in memory, as `PrepackedDenseMethod` does;
-    inputs the kernel cannot take (not contiguous, or needing gradients) use the plain weight
-    too.
+    takes the plain weight through torch's GEMV, 5-11% faster there; so do longer inputs
+    (prefill steps), through torch's GEMM: the blocks' 48 matmuls at 384-1,024 rows take it
+    0.90-1.02x this kernel's time and 0.97-1.06x oneDNN's; at 2,000 rows 0.85x and 0.94x.
+    Costs a second copy of the weights in memory, as `PrepackedDenseMethod` does; inputs the
+    kernel cannot take (not contiguous, or needing gradients) use the plain weight too.
     """
 
     name = "none"  # the same weights, unquantized; describe() says "prepacked_weights"
