@@ -21,11 +21,7 @@ from engines.builtin.cuda_graphs import (
     pad_decode_rows,
 )
 from engines.builtin.kv_cache import KVCacheManager, LayerKVCache
-from engines.builtin.layers.linear import (
-    PanelDenseMethod,
-    PrepackedDenseMethod,
-    make_linear_method,
-)
+from engines.builtin.layers.linear import PrepackedDenseMethod, make_linear_method
 from engines.builtin.model import Transformer
 from engines.builtin.model_config import ModelConfig
 from engines.builtin.platform import Platform
@@ -58,7 +54,7 @@ class ModelRunner:
         # torch.compile cannot lower the prepacked ops (inductor packs weights its own way)
         self.prepacked: str | None = None  # the packed layout of dense CPU weights
         if config.prepack_weights and not config.compile:
-            if self.native_kernels and PanelDenseMethod.supported(self.device, dtype):
+            if self.native_kernels:  # CPU float32 with the C kernels built: their GEMM
                 self.prepacked = "panels"
             elif PrepackedDenseMethod.supported(self.device, dtype):
                 self.prepacked = "onednn"

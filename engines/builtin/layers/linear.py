@@ -122,10 +122,6 @@ class PanelDenseMethod(DenseMethod):
                           layer.bias)
         return y.reshape(*x.shape[:-1], layer.out_features)
 
-    @staticmethod
-    def supported(device: torch.device, dtype: torch.dtype) -> bool:
-        return device.type == "cpu" and dtype == torch.float32 and native.load() is not None
-
 
 LINEAR_METHODS: dict[str, type[LinearMethod]] = {"none": DenseMethod}
 
