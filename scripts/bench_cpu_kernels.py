@@ -12,7 +12,9 @@ count: the engine's GEMM over its panels against oneDNN's packed GEMM and torch'
 Decode attention: 12 layers' K/V in caches laid out as the engine's (contiguous layout, 2 MB
 pages as `kv_cache_prefault` maps them), one query per sequence; the C kernel against
 torch's SDPA over the same in-place views (what attention_backend=sdpa does), median over
---repeats passes. Elementwise ops (RMSNorm with the residual add, SiLU-and-multiply, rotary +
+--repeats passes. Prompt attention: one layer's prompts (no cached context), q/k/v as views of
+the fused QKV rows; the C kernel (one call for all) against SDPA one prompt at a time (the sdpa
+backend). Elementwise ops (RMSNorm with the residual add, SiLU-and-multiply, rotary +
 K/V store) are timed right after a matmul over a 12 MB weight, the way they run in a layer
 (the matmul leaves the caches cold), and hot (the same op again); both sides include their
 Python call (the kernels' argument checks, torch's dispatch). The kernels work in place
@@ -22,6 +24,8 @@ Python call (the kernels' argument checks, torch's dispatch). The kernels work i
 from __future__ import annotations
 
 import argparse
+import itertools
+import random
 import statistics
 import sys
 import time
@@ -108,6 +112,38 @@ def attention(batch: int, keys: int, repeats: int) -> tuple[float, float]:
     return median_ms(sdpa, repeats), median_ms(kernel, repeats)
 
 
+def prompt_attention(lengths: list[int], repeats: int) -> tuple[float, float]:
+    """One layer's attention for whole prompts of these lengths, q/k/v as views of the fused
+    QKV rows: torch's SDPA one prompt at a time (the sdpa backend) against the C kernel, one
+    call for all. Alternated; medians in ms."""
+    cfg = PRESETS["small"]
+    heads, dim = cfg.num_heads, cfg.head_dim
+    tokens = sum(lengths)
+    qkv = torch.randn(tokens, 3 * heads * dim)
+    q, k, v = (t.view(tokens, heads, dim) for t in qkv.split(heads * dim, dim=1))
+    bounds = [0, *itertools.accumulate(lengths)]
+    starts = torch.tensor(bounds, dtype=torch.int32)
+
+    def sdpa() -> None:
+        out = torch.empty_like(q)
+        for a, b in itertools.pairwise(bounds):
+            # [1, h, n, d], as the dense path calls it (3-d inputs miss the flash kernel)
+            out[a:b] = F.scaled_dot_product_attention(
+                *(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True,
+                scale=dim ** -0.5)[0].transpose(0, 1)
+
+    def kernel() -> None:
+        native.prefill_attention(q, k, v, starts, dim ** -0.5, None)
+
+    times: dict[str, list[float]] = {"sdpa": [], "kernel": []}
+    for _ in range(repeats):
+        for name, run in (("sdpa", sdpa), ("kernel", kernel)):
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times["sdpa"]), 1e3 * statistics.median(times["kernel"])
+
+
 def cold_and_hot(op: Callable[[], object], weight: torch.Tensor, x: torch.Tensor,
                  repeats: int) -> tuple[float, float]:
     cold, hot = [], []
@@ -166,6 +202,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64", help="rows (tokens) for the elementwise ops")
     parser.add_argument("--attention", default="1x48,16x48,64x48,64x200",
                         help="sequences x keys for decode attention")
+    parser.add_argument("--prompts", default="15x0,4x512,1x2000",
+                        help="prompts x tokens for prompt attention (0 tokens: 64-192 each)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--gemm-rows", default="1,2,4,8,16,32,64,128,256,2000",
                         help="input rows for the linear layers")
@@ -185,6 +223,14 @@ def main() -> None:
         batch, keys = (int(v) for v in item.split("x"))
         sdpa, kernel = attention(batch, keys, args.repeats)
         print(f"  {batch:3d} x {keys:3d} keys {sdpa:9.2f} {kernel:9.2f} {kernel / sdpa:6.2f}")
+    print("\nprompt attention, one layer (ms):  sdpa  C kernel  ratio")
+    for item in args.prompts.split(","):
+        count, length = (int(v) for v in item.split("x"))
+        lengths = ([length] * count if length else  # 0: the vs_hf workload's 64-192 tokens
+                   [random.Random(i).randint(64, 192) for i in range(count)])
+        sdpa, kernel = prompt_attention(lengths, args.repeats)
+        label = f"{count} x {length or '64-192'}"
+        print(f"  {label:>10s} tokens {sdpa:8.2f} {kernel:9.2f} {kernel / sdpa:6.2f}")
     print("\nelementwise (us): torch after a matmul / hot, C kernel after a matmul / hot")
     for rows in (int(r) for r in args.rows.split(",")):
         for name, t_cold, t_hot, k_cold, k_hot in elementwise(rows, 10 * args.repeats):

@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_batches import make_batch
 
 from engines.builtin import LLM, SamplingParams, native
-from engines.builtin.attention import make_attention, resolve_attention
+from engines.builtin.attention import (
+    DenseAttention,
+    make_attention,
+    reference_kernel,
+    resolve_attention,
+)
 from engines.builtin.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -65,6 +71,52 @@ def test_decode_attention_matches_torch(heads: int, kv_heads: int, dim: int,
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def reference_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                      scale: float, window: int | None) -> torch.Tensor:
+    """Each prompt attends to its own keys: causal, within the window, in float64."""
+    groups, rows, start = q.shape[1] // k.shape[1], [], 0
+    for n in lengths:
+        qs, ks, vs = (t[start:start + n].double() for t in (q, k, v))
+        scores = torch.einsum("ihd,jhd->hij", qs, ks.repeat_interleave(groups, 1)) * scale
+        pos = torch.arange(n)
+        visible = pos[None, :] <= pos[:, None]
+        if window is not None:
+            visible &= pos[None, :] > pos[:, None] - window
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        rows.append(torch.einsum("hij,jhd->ihd", probs, vs.repeat_interleave(groups, 1)))
+        start += n
+    return torch.cat(rows).float()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(12, 12, 64), (8, 2, 64), (6, 1, 32),
+                                                         (4, 4, 80)])  # 80: a partial panel
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize(("lengths", "threads"), [
+    ([64, 130, 1, 7, 33], 1), ([64, 130, 1, 7, 33], 2),
+    ([300], 4),  # fewer (prompt, KV head) pairs than 2 x threads: runs of query tiles per task
+])
+def test_prefill_attention_matches_torch(heads: int, kv_heads: int, dim: int,
+                                         window: int | None, lengths: list[int],
+                                         threads: int) -> None:
+    gen = torch.Generator().manual_seed(heads * 100 + dim)
+    tokens = sum(lengths)
+    # q, k and v as the model has them: views into the fused QKV rows
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    q = q.view(tokens, heads, dim)
+    k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    scale = dim ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native.prefill_attention(q, k, v, starts, scale, window)
+    finally:
+        torch.set_num_threads(before)
+    expected = reference_prefill(q, k, v, lengths, scale, window)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_kernels_refuse_what_they_cannot_read() -> None:
     """Bad arguments raise, naming the problem; none reaches the C code (which would read or
     write out of bounds)."""
@@ -102,6 +154,43 @@ def test_kernels_refuse_what_they_cannot_read() -> None:
     with pytest.raises(ValueError, match="unsupported"):  # heads not a multiple of KV heads
         native.decode_attention(torch.zeros(1, 3, 8), torch.zeros(2, 4, 2, 8),
                                 torch.zeros(2, 4, 2, 8), tables, lens, 1.0, None)
+    rows = torch.zeros(5, 2, 8)
+    with pytest.raises(ValueError, match="starts must ascend from 0 to 5"):
+        native.prefill_attention(rows, rows, rows, torch.tensor([0, 3, 2, 5], dtype=torch.int32),
+                                 1.0, None)
+    with pytest.raises(ValueError, match="starts must ascend from 0 to 5"):  # rows left over
+        native.prefill_attention(rows, rows, rows, torch.tensor([0, 4], dtype=torch.int32), 1.0,
+                                 None)
+    with pytest.raises(ValueError, match="prefill_attention starts"):
+        native.prefill_attention(rows, rows, rows, torch.tensor([0, 5]), 1.0, None)
+    with pytest.raises(ValueError, match="unsupported"):  # heads not a multiple of KV heads
+        native.prefill_attention(torch.zeros(5, 3, 8), rows, rows,
+                                 torch.tensor([0, 5], dtype=torch.int32), 1.0, None)
+    with pytest.raises(TypeError, match="float32"):
+        native.prefill_attention(rows.double(), rows, rows,
+                                 torch.tensor([0, 5], dtype=torch.int32), 1.0, None)
+
+
+@pytest.mark.parametrize(("seqs", "num_decodes", "kernel_runs"), [
+    ([(1, 1), (45, 1), (33, 33), (5, 5), (70, 70)], 2, True),  # decodes and whole prompts
+    ([(33, 33), (1, 1), (130, 130)], 0, True),  # whole prompts only
+    ([(45, 1), (33, 33), (50, 17)], 1, False),  # a chunk on cached context: the sdpa way
+])
+@pytest.mark.parametrize("window", [None, 20])
+def test_cpu_backend_matches_the_dense_path_on_mixed_steps(
+        seqs: list[tuple[int, int]], num_decodes: int, kernel_runs: bool, window: int | None,
+        monkeypatch) -> None:
+    q, k, v, cache, meta = make_batch(seqs, num_decodes, 16, 4, 2, 32, torch.float32, window,
+                                      seed=len(seqs))
+    calls = []
+    kernel = native.prefill_attention
+    monkeypatch.setattr(native, "prefill_attention",
+                        lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    out = make_attention("cpu")(q, k, v, cache, meta, 0.2)
+    dense = DenseAttention("torch", reference_kernel)(q, k, v, cache, meta, 0.2)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+    prompt_rows = sum(n for _, n in seqs[num_decodes:])
+    assert calls == ([prompt_rows] if kernel_runs else [])
 
 
 def test_auto_picks_the_kernel_on_cpu_and_sdpa_without_it(monkeypatch) -> None:
@@ -291,7 +380,8 @@ def test_engine_tokens_with_and_without_native_kernels(options: dict, monkeypatc
             return kernel(*args, **kwargs)
         return counted
 
-    kernels = {"rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention", "linear"}
+    kernels = {"rms_norm", "silu_and_mul", "rope_and_cache", "decode_attention", "linear",
+               "prefill_attention"}
     for name in kernels:
         monkeypatch.setattr(native, name, counting(name))
     prompts = [list(range(10, 40)), [5, 6, 7], list(range(50, 61))]

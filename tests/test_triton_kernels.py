@@ -10,7 +10,6 @@ On a GPU machine run the same tests on the device: INFERLAB_TRITON_DEVICE=cuda p
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -20,9 +19,10 @@ pytest.importorskip("triton")
 
 DEVICE = os.environ.get("INFERLAB_TRITON_DEVICE", "cpu")  # see tests/conftest.py
 
+from attention_batches import make_batch  # noqa: E402  (tests/ is on the path)
+
 from engines.builtin import LLM  # noqa: E402
 from engines.builtin.attention import (  # noqa: E402
-    AttentionMetadata,
     DenseAttention,
     make_attention,
     paged_reference,
@@ -67,52 +67,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 # ---- batch construction -------------------------------------------------------------------
 
 
-def make_batch(seqs: list[tuple[int, int]], num_decodes: int, block_size: int, num_heads: int,
-               num_kv_heads: int, head_dim: int, dtype: torch.dtype, window: int | None,
-               seed: int = 0):
-    """A packed step: seqs[i] = (context length after this step, new tokens), decodes first.
-
-    Blocks are handed out in a random order (so block tables are not the identity), the
-    cache starts full of random values (so any read past a sequence's end or window shows
-    up), and this step's K/V are written the way the model layer writes them.
-    """
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
-
-    need = [math.ceil(length / block_size) for length, _ in seqs]
-    num_blocks = sum(need) + 3
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(seqs), max(need), dtype=torch.int32)
-    for i, n in enumerate(need):
-        tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
-    cache = LayerKVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                         torch.device(DEVICE))
-    cache.k.copy_(randn(*cache.k.shape))
-    cache.v.copy_(randn(*cache.v.shape))
-
-    lens = [length for length, _ in seqs]
-    qlens = [n for _, n in seqs]
-    qsl = [0]
-    for n in qlens:
-        qsl.append(qsl[-1] + n)
-    positions = torch.cat([torch.arange(length - n, length) for length, n in seqs])
-    seq_index = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(qlens))
-    slots = (tables[seq_index, positions // block_size].long() * block_size
-             + positions % block_size)
-    total = qsl[-1]
-    q, k, v = randn(total, num_heads, head_dim), randn(total, num_kv_heads, head_dim), \
-        randn(total, num_kv_heads, head_dim)
-    cache.write(k, v, slots.to(DEVICE))
-    meta = AttentionMetadata(
-        positions=positions.to(DEVICE), slot_mapping=slots.to(DEVICE),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables.to(DEVICE), query_start_loc_host=qsl, seq_lens_host=lens,
-        num_decodes=num_decodes, max_seq_len=max(lens), block_size=block_size,
-        sliding_window=window, use_cache=True)
-    return q, k, v, cache, meta
 
 
 # ---- cache write --------------------------------------------------------------------------
@@ -160,7 +114,8 @@ def test_decode_kernel_matches_reference(config) -> None:
     dt, bs, h, kvh, d, window = config
     dtype = DTYPES[dt]
     seqs = [(1, 1), (7, 1), (33, 1), (100, 1)]
-    q, _, _, cache, meta = make_batch(seqs, 4, bs, h, kvh, d, dtype, window, seed=bs + h)
+    q, _, _, cache, meta = make_batch(seqs, 4, bs, h, kvh, d, dtype, window, seed=bs + h,
+                                      device=DEVICE)
     scale = d ** -0.5
     expected = paged_reference.decode_attention(q, cache.k, cache.v, meta.block_tables,
                                                 meta.seq_lens, scale, window)
@@ -181,7 +136,8 @@ def test_prefill_kernel_matches_reference(config) -> None:
     dtype = DTYPES[dt]
     # whole prompts (n == length), chunks with earlier context (n < length), a 1-token chunk
     seqs = [(1, 1), (7, 7), (33, 17), (40, 1), (37, 37)]
-    q, _, _, cache, meta = make_batch(seqs, 0, bs, h, kvh, d, dtype, window, seed=bs * h)
+    q, _, _, cache, meta = make_batch(seqs, 0, bs, h, kvh, d, dtype, window, seed=bs * h,
+                                      device=DEVICE)
     scale = d ** -0.5
     expected = paged_reference.prefill_attention(q, cache.k, cache.v, meta.block_tables,
                                                  meta.query_start_loc, meta.seq_lens, scale,
@@ -202,7 +158,7 @@ def test_backend_matches_dense_attention_on_mixed_batch(config) -> None:
     decodes = [(1, 1), (45, 1), (100, 1)]
     prefills = [(33, 33), (50, 17), (5, 5), (70, 3)]
     q, k, v, cache, meta = make_batch(decodes + prefills, len(decodes), bs, h, kvh, d, dtype,
-                                      window, seed=7 * bs + d)
+                                      window, seed=7 * bs + d, device=DEVICE)
     scale = d ** -0.5
     out = TritonAttention(**SMALL)(q, k, v, cache, meta, scale)
     dense = DenseAttention("torch", reference_kernel)(q, k, v, cache, meta, scale)
@@ -223,14 +179,16 @@ def test_backend_default_tiles(kind: str) -> None:
     kernel, a contiguous-layout block (block_size = max_model_len, not a power of two)."""
     seqs = [(3, 1), (200, 1)] if kind == "decodes_only" else [(150, 150), (90, 20)]
     nd = len(seqs) if kind == "decodes_only" else 0
-    q, k, v, cache, meta = make_batch(seqs, nd, 200, 4, 2, 16, torch.float32, None, seed=3)
+    q, k, v, cache, meta = make_batch(seqs, nd, 200, 4, 2, 16, torch.float32, None, seed=3,
+                                      device=DEVICE)
     out = make_attention("triton")(q, k, v, cache, meta, 0.25)
     dense = make_attention("sdpa")(q, k, v, cache, meta, 0.25)
     assert_close(out, dense, torch.float32)
 
 
 def test_unsupported_inputs_are_refused_clearly() -> None:
-    q, k, v, cache, meta = make_batch([(5, 1)], 1, 4, 2, 2, 16, torch.float32, None)
+    q, k, v, cache, meta = make_batch([(5, 1)], 1, 4, 2, 2, 16, torch.float32, None,
+                                      device=DEVICE)
     with pytest.raises(RuntimeError, match="kv_cache=none"):
         TritonAttention()(q, k, v, None, meta, 1.0)
     with pytest.raises(ValueError, match="block_n: must be a power of two >= 16"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -38,6 +39,8 @@ SIGNATURES = {  # function -> argument types (all return void)
                            _I64],
     "pack_linear_weight_f32": [_PTR, _I64, _I64, _PTR, _I64],
     "linear_f32": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+    "prefill_attention_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
+                              _F32, _I64, _I64, _PTR],
 }
 
 _state: dict[str, object] = {}
@@ -295,4 +298,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
          v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
          seq_lens.data_ptr(), batch, heads, kv_heads, dim, block_size, scale, window or 0,
          torch.get_num_threads(), out.data_ptr())
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+                      scale: float, window: int | None) -> torch.Tensor:
+    """Causal attention of whole prompts over their own keys (no cached context).
+
+    q [T, h, d], k/v [T, kvh, d] float32 on the CPU, heads and d contiguous (token strides
+    free: views of the fused QKV rows); starts [S + 1] int32, ascending from 0 to T: sequence s
+    is rows starts[s]:starts[s + 1]; `window`: query i sees keys i - window + 1 .. i.
+    Returns [T, h, d]."""
+    tokens, heads, dim = q.shape
+    if not (q.dtype == k.dtype == v.dtype == torch.float32):
+        raise TypeError("prefill_attention: q, k and v must be float32")
+    if (k.shape != v.shape or k.shape[0] != tokens or k.shape[2] != dim or heads % k.shape[1]
+            or any(t.device.type != "cpu" or t.stride(2) != 1 or t.stride(1) != dim
+                   for t in (q, k, v))):
+        raise ValueError("prefill_attention: unsupported shapes or strides: q "
+                         f"{tuple(q.shape)}/{q.stride()}, k {tuple(k.shape)}/{k.stride()}, "
+                         f"v {tuple(v.shape)}/{v.stride()}")
+    _indices("prefill_attention starts", starts, torch.int32, 1)
+    bounds = starts.tolist()
+    if bounds[0] != 0 or bounds[-1] != tokens or any(a > b for a, b in itertools.pairwise(bounds)):
+        raise ValueError(f"prefill_attention: starts must ascend from 0 to {tokens}, got "
+                         f"{bounds[:4]}...{bounds[-1:]}")
+    out = torch.empty(tokens, heads, dim, dtype=q.dtype)
+    _run("prefill_attention_f32", q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+         v.data_ptr(), v.stride(0), starts.data_ptr(), len(bounds) - 1, heads, k.shape[1], dim,
+         scale, window or 0, torch.get_num_threads(), out.data_ptr())
     return out

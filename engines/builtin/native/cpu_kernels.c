@@ -351,8 +351,18 @@ static void linear_panel(const float *xp, const float *panels, const float *bias
             panel_kernel_1(xb, panel, K, out, &next, lines, per_lines, &credit);
         for (int64_t i = 0; i < rows; i++) {
             float *yr = y + (b * ROW_BLOCK + i) * N + n0;
-            for (int64_t j = 0; j < cols; j++)
-                yr[j] = bias != NULL ? out[i][j] + bias[n0 + j] : out[i][j];
+            if (cols == PANEL) { /* two vector stores (gcc makes the loop a memcpy call) */
+                v16 lo = load16(out[i]), hi = load16(out[i] + 16);
+                if (bias != NULL) {
+                    lo += load16(bias + n0);
+                    hi += load16(bias + n0 + 16);
+                }
+                *(v16_unaligned *)yr = lo;
+                *(v16_unaligned *)(yr + 16) = hi;
+            } else {
+                for (int64_t j = 0; j < cols; j++)
+                    yr[j] = bias != NULL ? out[i][j] + bias[n0 + j] : out[i][j];
+            }
         }
     }
 }
@@ -383,6 +393,174 @@ void linear_f32(const float *x, const float *panels, const float *bias, float *y
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < count; p++)
                 linear_panel(xp, panels, bias, y, M, K, N, p, b0, b1);
+        }
+    }
+}
+
+/* Causal self-attention of prompts with no cached context (a whole prompt in one step), as
+ * two small GEMMs per tile of 32 queries through the panel kernel above.
+ *
+ * q [T, H, D], k/v [T, KVH, D] with token strides q_stride, k_stride, v_stride (the rows of
+ * the fused QKV projection), heads and d contiguous; starts [S + 1] int32: sequence s is rows
+ * starts[s] .. starts[s + 1] - 1, its positions 0, 1, ...; `window` > 0: query i sees keys
+ * i - window + 1 .. i (Mistral's). out [T, H, D] contiguous.
+ *
+ * A task is one sequence, one KV head and a run of its query tiles. It packs the keys it needs
+ * as the kernel's input blocks ([key / 8][D][8]) and the values as panels of 32 of D
+ * ([D / 32][keys][32]). Per tile, the 32 queries (pre-scaled) are packed as a panel, and the
+ * kernel gives the scores 8 keys x 32 queries at a time, already in the layout P V takes:
+ * for each group of 8 queries, [key][8]. The softmax then runs along contiguous memory, 8
+ * queries per vector, and P V is the kernel again with a group's probabilities as its input
+ * rows; each output row is divided by its sum at the end. */
+#define QUERY_TILE 32
+#define PACK_AHEAD 8
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8_unaligned __attribute__((vector_size(32), aligned(4)));
+
+void prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                           const float *v, int64_t v_stride, const int32_t *starts, int64_t S,
+                           int64_t H, int64_t KVH, int64_t D, float scale, int64_t window,
+                           int64_t threads, float *out) {
+    if (S <= 0) return;
+    const int64_t G = H / KVH;
+    const int64_t dpanels = (D + PANEL - 1) / PANEL;
+    const int64_t groups = QUERY_TILE / ROW_BLOCK;
+    const int64_t chunks = (2 * threads + S * KVH - 1) / (S * KVH);
+#pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(threads)
+    for (int64_t s = 0; s < S; s++) {
+        for (int64_t h = 0; h < KVH; h++) {
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t row0 = starts[s], n = starts[s + 1] - starts[s];
+                const int64_t tiles = (n + QUERY_TILE - 1) / QUERY_TILE;
+                const int64_t per_chunk = (tiles + chunks - 1) / chunks;
+                const int64_t t0 = c * per_chunk;
+                const int64_t t1 = t0 + per_chunk < tiles ? t0 + per_chunk : tiles;
+                if (t0 >= t1) continue;
+                /* keys this task's tiles see: from its first query's window to its last query,
+                 * counted from key_begin (a multiple of 8) */
+                const int64_t key_end = t1 * QUERY_TILE < n ? t1 * QUERY_TILE : n;
+                int64_t key_begin = 0;
+                if (window > 0 && t0 * QUERY_TILE - window + 1 > 0)
+                    key_begin = (t0 * QUERY_TILE - window + 1) / ROW_BLOCK * ROW_BLOCK;
+                const int64_t nk = key_end - key_begin;
+                const int64_t nk_pad = (nk + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+                float *kx = malloc(sizeof(float) * (nk_pad * D + dpanels * nk_pad * PANEL
+                                                    + groups * nk_pad * ROW_BLOCK
+                                                    + D * QUERY_TILE));
+                if (kx == NULL) { /* out of memory: NaN outputs, never a wrong number */
+                    for (int64_t i = t0 * QUERY_TILE; i < key_end; i++)
+                        for (int64_t g = 0; g < G; g++)
+                            for (int64_t d = 0; d < D; d++)
+                                out[((row0 + i) * H + h * G + g) * D + d] = NAN;
+                    continue;
+                }
+                float *vp = kx + nk_pad * D;                   /* [dpanels][nk_pad][32] */
+                float *probs = vp + dpanels * nk_pad * PANEL;  /* [groups][nk_pad][8] */
+                float *qp = probs + groups * nk_pad * ROW_BLOCK; /* [D][32] */
+                for (int64_t j = 0; j < nk_pad; j++) {
+                    const float *kr = k + (row0 + key_begin + j) * k_stride + h * D;
+                    const float *vr = v + (row0 + key_begin + j) * v_stride + h * D;
+                    if (j + PACK_AHEAD < nk) /* rows are a head's D floats, a whole row apart:
+                                              * too far apart for the hardware prefetcher */
+                        for (int64_t d = 0; d < D; d += 16) {
+                            __builtin_prefetch(kr + PACK_AHEAD * k_stride + d, 0, 3);
+                            __builtin_prefetch(vr + PACK_AHEAD * v_stride + d, 0, 3);
+                        }
+                    float *kd = kx + (j / ROW_BLOCK) * D * ROW_BLOCK + j % ROW_BLOCK;
+                    for (int64_t d = 0; d < D; d++) kd[d * ROW_BLOCK] = j < nk ? kr[d] : 0.0f;
+                    for (int64_t dp = 0; dp < dpanels; dp++) {
+                        float *vd = vp + (dp * nk_pad + j) * PANEL;
+                        const int64_t cols = j < nk ? (D - dp * PANEL < PANEL ? D - dp * PANEL
+                                                                               : PANEL) : 0;
+                        for (int64_t d = 0; d < cols; d++) vd[d] = vr[dp * PANEL + d];
+                        for (int64_t d = cols; d < PANEL; d++) vd[d] = 0.0f;
+                    }
+                }
+                const char *no_prefetch = (const char *)kx;
+                int64_t credit = 0;
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t head = h * G + g;
+                    for (int64_t t = t0; t < t1; t++) {
+                        const int64_t q0 = t * QUERY_TILE;
+                        const int64_t rows = n - q0 < QUERY_TILE ? n - q0 : QUERY_TILE;
+                        /* the queries of the next tile (or the next head's first), for the
+                         * same reason as the keys */
+                        const int64_t next = t + 1 < t1 ? q0 + QUERY_TILE : t0 * QUERY_TILE;
+                        if (t + 1 < t1 || g + 1 < G)
+                            for (int64_t i = next; i < next + QUERY_TILE && i < n; i++)
+                                for (int64_t d = 0; d < D; d += 16)
+                                    __builtin_prefetch(q + (row0 + i) * q_stride
+                                                       + (t + 1 < t1 ? head : head + 1) * D + d,
+                                                       0, 3);
+                        for (int64_t i = 0; i < QUERY_TILE; i++) {
+                            const float *qr = q + (row0 + q0 + i) * q_stride + head * D;
+                            for (int64_t d = 0; d < D; d++)
+                                qp[d * QUERY_TILE + i] = i < rows ? qr[d] * scale : 0.0f;
+                        }
+                        /* key blocks the tile sees (relative to key_begin): the window of its
+                         * first query to its last query */
+                        int64_t kb0 = 0;
+                        if (window > 0 && q0 - window + 1 > key_begin)
+                            kb0 = (q0 - window + 1 - key_begin) / ROW_BLOCK;
+                        const int64_t kb1 = (q0 + rows - 1 - key_begin) / ROW_BLOCK + 1;
+                        for (int64_t kb = kb0; kb < kb1; kb++) {
+                            float tile[ROW_BLOCK][PANEL]; /* [8 keys][32 queries] */
+                            panel_kernel_8(kx + kb * D * ROW_BLOCK, qp, D, tile, &no_prefetch, 0,
+                                           1, &credit);
+                            for (int64_t gi = 0; gi < groups; gi++)
+                                for (int64_t kk = 0; kk < ROW_BLOCK; kk++)
+                                    *(v8_unaligned *)(probs + (gi * nk_pad + kb * ROW_BLOCK + kk)
+                                                      * ROW_BLOCK) =
+                                        *(const v8_unaligned *)(tile[kk] + gi * ROW_BLOCK);
+                        }
+                        for (int64_t gi = 0; gi < groups && gi * ROW_BLOCK < rows; gi++) {
+                            const int64_t first = q0 + gi * ROW_BLOCK; /* this group's queries */
+                            const int64_t count = rows - gi * ROW_BLOCK < ROW_BLOCK
+                                                      ? rows - gi * ROW_BLOCK : ROW_BLOCK;
+                            /* keys j0 .. j1 - 1 (relative) hold every key these queries see */
+                            const int64_t j0 = kb0 * ROW_BLOCK;
+                            const int64_t j1 = first + count - key_begin;
+                            float *p = probs + gi * nk_pad * ROW_BLOCK;
+                            float mx[ROW_BLOCK], sum[ROW_BLOCK];
+                            for (int64_t i = 0; i < ROW_BLOCK; i++) mx[i] = -INFINITY;
+                            for (int64_t j = j0; j < j1; j++) {
+                                const int64_t key = key_begin + j;
+                                for (int64_t i = 0; i < ROW_BLOCK; i++) {
+                                    const int64_t pos = first + i;
+                                    const int visible = i < count && key <= pos
+                                                        && (window <= 0 || key > pos - window);
+                                    float *e = p + j * ROW_BLOCK + i;
+                                    *e = visible ? *e : -INFINITY;
+                                    mx[i] = *e > mx[i] ? *e : mx[i];
+                                }
+                            }
+                            for (int64_t i = 0; i < ROW_BLOCK; i++) sum[i] = 0.0f;
+                            for (int64_t j = j0; j < j1; j++) {
+                                float *e = p + j * ROW_BLOCK;
+                                for (int64_t i = 0; i < ROW_BLOCK; i++) {
+                                    /* exp_f32 clamps at e^-87: masked keys are set to 0 */
+                                    e[i] = e[i] == -INFINITY ? 0.0f : exp_f32(e[i] - mx[i]);
+                                    sum[i] += e[i];
+                                }
+                            }
+                            for (int64_t dp = 0; dp < dpanels; dp++) {
+                                float tile[ROW_BLOCK][PANEL];
+                                panel_kernel_8(p + j0 * ROW_BLOCK, vp + (dp * nk_pad + j0) * PANEL,
+                                               j1 - j0, tile, &no_prefetch, 0, 1, &credit);
+                                const int64_t cols = D - dp * PANEL < PANEL ? D - dp * PANEL
+                                                                             : PANEL;
+                                for (int64_t i = 0; i < count; i++) {
+                                    float *o = out + ((row0 + first + i) * H + head) * D
+                                               + dp * PANEL;
+                                    const float inv = 1.0f / sum[i];
+                                    for (int64_t d = 0; d < cols; d++) o[d] = tile[i][d] * inv;
+                                }
+                            }
+                        }
+                    }
+                }
+                free(kx);
+            }
         }
     }
 }
