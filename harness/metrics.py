@@ -131,6 +131,9 @@ register("j_per_output_token", "J/tok", "lower", "timing",
          "energy_j / output tokens completed in the same span")
 register("memory_weights_bytes", "B", "lower", "deterministic",
          "memory breakdown: model weights (= weight_bytes)")
+register("memory_packed_weights_bytes", "B", "lower", "deterministic",
+         "memory breakdown: packed copies of the weights kept beside them for the CPU kernels "
+         "(= packed_weight_bytes; engine.prepack_weights)")
 register("memory_kv_pool_bytes", "B", "lower", "timing",
          "memory breakdown: KV pool allocated at load (sized from free memory unless "
          "engine.kv_cache_memory_bytes is set, so not deterministic)")

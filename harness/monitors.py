@@ -426,22 +426,26 @@ def monitor_metrics(run_info: dict[str, Any], summary: dict[str, Any],
 
 def memory_breakdown(rows: pd.DataFrame, facts: dict[str, Any], engine: dict[str, Any],
                      summary: dict[str, Any]) -> dict[str, Any]:
-    """Weights, KV pool / reserved / used, the run's peak, and the rest (activations and
-    workspace); the peak is the sum of weights, KV and the rest.
+    """Weights (and their packed copies), KV pool / reserved / used, the run's peak, and the
+    rest (activations and workspace); the peak is the sum of weights, packed copies, KV and
+    the rest.
 
     GPU: the peak is torch's allocated peak, which holds every tensor, the whole KV pool (one
-    allocation at load) included, so other = peak - weights - pool. CPU: the KV pool is mapped
-    lazily (pages appear as tokens are written) and RSS also holds the interpreter and
-    libraries, so the run's growth is measured instead: growth = peak RSS - RSS after load (the
-    first sample), other = growth - KV in use at the peak, peak = weights + growth. That
+    allocation at load) included, so other = peak - weights - packed - pool. CPU: the KV pool
+    is mapped lazily (pages appear as tokens are written) and RSS also holds the interpreter
+    and libraries, so the run's growth is measured instead: growth = peak RSS - RSS after load
+    (the first sample), other = growth - KV in use at the peak, peak = weights + packed +
+    growth. That
     `other` is an upper bound: it also holds KV pages written beyond the peak in use, allocator
     caches and the harness's own rows. A negative rest (memory freed earlier in the process
     reused) is reported as absent, never as a number."""
     weights = engine.get("weight_bytes")
+    packed = engine.get("packed_weight_bytes")  # absent from backends that keep none
     pool = engine.get("kv_pool_bytes")
     kv_used = summary.get("kv_bytes_used_peak")
     out: dict[str, Any] = {
         "memory_weights_bytes": weights,
+        "memory_packed_weights_bytes": packed,
         "memory_kv_pool_bytes": pool,
         "memory_kv_reserved_bytes": summary.get("kv_bytes_reserved_peak"),
         "memory_kv_used_bytes": kv_used,
@@ -452,12 +456,13 @@ def memory_breakdown(rows: pd.DataFrame, facts: dict[str, Any], engine: dict[str
     rss_peak = _peak(rows["rss_bytes"])
     after_load = facts.get("rss_after_load_bytes")
     if gpu_peak is not None:
-        other = gpu_peak - int(weights) - int(pool or 0)
+        other = gpu_peak - int(weights) - int(packed or 0) - int(pool or 0)
         out["memory_peak_bytes"] = gpu_peak
     elif rss_peak is not None and after_load is not None:
         growth = rss_peak - int(after_load)
         other = growth - int(kv_used or 0)
-        out["memory_peak_bytes"] = int(weights) + growth if growth >= 0 else None
+        out["memory_peak_bytes"] = (int(weights) + int(packed or 0) + growth
+                                    if growth >= 0 else None)
     else:
         return out
     out["memory_other_bytes"] = other if other >= 0 else None

@@ -349,8 +349,9 @@ def section_timeline(res: Results, doc: Document) -> None:
                "run of each variant.")
 
 
-MEMORY_ORDER = ("memory_weights_bytes", "memory_kv_pool_bytes", "memory_kv_reserved_bytes",
-                "memory_kv_used_bytes", "memory_other_bytes", "memory_peak_bytes")
+MEMORY_ORDER = ("memory_weights_bytes", "memory_packed_weights_bytes", "memory_kv_pool_bytes",
+                "memory_kv_reserved_bytes", "memory_kv_used_bytes", "memory_other_bytes",
+                "memory_peak_bytes")
 
 
 def memory_parts(variants: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series | None]:
@@ -369,6 +370,8 @@ def memory_parts(variants: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series | None
     parts = pd.DataFrame(index=frame.index)
     if weights is not None:
         parts["weights"] = weights
+    if (packed := column("memory_packed_weights_bytes")) is not None:
+        parts["packed weight copies"] = packed
     if used is not None:
         parts["KV in use"] = used
     if reserved is not None:
@@ -399,7 +402,8 @@ def section_memory(res: Results, doc: Document) -> None:
         doc.figure(figures.stacked_bars(parts / 2**20, "MiB",
                                         marks=None if peak is None else peak / 2**20,
                                         mark_label="peak of the run"), "memory",
-                   "Memory per variant: weights, KV cache (in use, reserved but unused, the "
+                   "Memory per variant: weights, their packed copies (CPU kernels), KV "
+                   "cache (in use, reserved but unused, the "
                    "pool's free rest) and other (activations, workspace); black tick: the "
                    "run's peak. On a CPU the KV pool is mapped lazily: its free part holds no "
                    "pages, so the peak can sit below the bar (docs/monitoring.md).")

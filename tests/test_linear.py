@@ -94,3 +94,28 @@ def test_engine_tokens_do_not_depend_on_prepacking(native_kernels: bool) -> None
                                              "panels" if native_kernels else "onednn")
         runs[prepack] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("quantize_lm_head", [False, True])
+def test_a_tied_lm_head_is_the_embedding_through_the_packed_kernel(quantize_lm_head: bool,
+                                                                   monkeypatch) -> None:
+    """A tied head shares the embedding's storage (no second plain copy, counted once), stays
+    unquantized, and multiplies through the panels like the other dense layers."""
+    llm = LLM("tiny", dtype="float32", model_overrides={"tie_word_embeddings": True},
+              quantization="int8", quantize_lm_head=quantize_lm_head)
+    model = llm.engine.runner.model
+    head = model.lm_head
+    assert isinstance(head.method, PanelDenseMethod)
+    assert head.weight.data_ptr() == model.embed.weight.data_ptr()
+    sizes = model.weight_bytes()
+    assert sizes["lm_head_bytes"] == sizes["embedding_bytes"]
+    norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
+    assert sizes["weight_bytes"] == (sizes["linear_weight_bytes"] + sizes["embedding_bytes"]
+                                     + norms)
+    hidden = torch.randn(5, model.config.hidden_size)
+    calls = []
+    kernel = native.linear
+    monkeypatch.setattr(native, "linear", lambda *a: calls.append(a[2]) or kernel(*a))
+    logits = model.compute_logits(hidden)
+    assert calls == [model.config.vocab_size]
+    torch.testing.assert_close(logits, F.linear(hidden, model.embed.weight))

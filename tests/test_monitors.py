@@ -285,7 +285,8 @@ def test_memory_breakdown_gpu_and_cpu() -> None:
     kv = {"kv_bytes_reserved_peak": 800, "kv_bytes_used_peak": 300}
     gpu = handmade_samples(torch_cuda_allocated_bytes=[6000.0, 6500.0, 6100.0, 6000.0])
     out = memory_breakdown(gpu, {}, engine, kv)
-    assert out == {"memory_weights_bytes": 1000, "memory_kv_pool_bytes": 5000,
+    assert out == {"memory_weights_bytes": 1000, "memory_packed_weights_bytes": None,
+                   "memory_kv_pool_bytes": 5000,
                    "memory_kv_reserved_bytes": 800, "memory_kv_used_bytes": 300,
                    "memory_peak_bytes": 6500, "memory_other_bytes": 500}
     cpu = handmade_samples(rss_bytes=[10_000.0, 10_900.0, 10_500.0, 10_400.0])
@@ -295,6 +296,12 @@ def test_memory_breakdown_gpu_and_cpu() -> None:
     shrunk = handmade_samples(rss_bytes=[10_000.0, 10_100.0, 9_000.0, 9_000.0])
     out = memory_breakdown(shrunk, {"rss_after_load_bytes": 10_000}, engine, kv)
     assert "memory_other_bytes" not in {k for k, v in out.items() if v is not None}
+    # packed weight copies (prepack_weights) are a part of their own, resident from load
+    packed = {**engine, "packed_weight_bytes": 400}
+    out = memory_breakdown(gpu, {}, packed, kv)
+    assert out["memory_packed_weights_bytes"] == 400 and out["memory_other_bytes"] == 100
+    out = memory_breakdown(cpu, {"rss_after_load_bytes": 10_000}, packed, kv)
+    assert out["memory_other_bytes"] == 600 and out["memory_peak_bytes"] == 1000 + 400 + 900
 
 
 @pytest.mark.parametrize(("values", "field"), [
@@ -341,6 +348,8 @@ def test_tiny_run_writes_samples_and_metrics(tmp_path: Path) -> None:
             <= samples["rss_bytes"].max()
         assert 0 < metrics["cpu_util_mean"] <= 1.05
         assert metrics["memory_weights_bytes"] == on_disk["engine"]["weight_bytes"]
+        assert metrics["memory_packed_weights_bytes"] == \
+            on_disk["engine"]["packed_weight_bytes"]
         assert metrics["memory_kv_used_bytes"] == metrics["kv_bytes_used_peak"]
         assert metrics["memory_kv_reserved_bytes"] == metrics["kv_bytes_reserved_peak"]
         assert metrics["memory_kv_pool_bytes"] == on_disk["engine"]["kv_pool_bytes"]

@@ -104,7 +104,8 @@ def test_sections_render_from_their_columns(sweep: Path, tmp_path: Path) -> None
 
         def plant(summary: dict) -> None:
             summary["metrics"].update(
-                memory_weights_bytes=3 * 2**20, memory_kv_pool_bytes=4 * 2**20,
+                memory_weights_bytes=3 * 2**20, memory_packed_weights_bytes=2**21,
+                memory_kv_pool_bytes=4 * 2**20,
                 memory_kv_reserved_bytes=2**20, memory_kv_used_bytes=2**19,
                 memory_other_bytes=2**20, memory_peak_bytes=6 * 2**20)
             summary["hardware"] = {"name": "testchip", "peak_flops": {"float32": 1e12},
@@ -125,11 +126,11 @@ def test_sections_render_from_their_columns(sweep: Path, tmp_path: Path) -> None
                         if line.startswith("| workload.arrival.rate=400 |") and "50.0%" in line)
     assert cells(roofline_row)[2:5] == ["50.0%", "25.0%", "2.00"]
     assert "roofline of testchip" in markdown
-    assert ("| workload.arrival.rate=100 | 3.00 MiB | 4.00 MiB | 1.00 MiB | 512.00 KiB "
-            "| 1.00 MiB | 6.00 MiB |") in markdown
+    assert ("| workload.arrival.rate=100 | 3.00 MiB | 2.00 MiB | 4.00 MiB | 1.00 MiB "
+            "| 512.00 KiB | 1.00 MiB | 6.00 MiB |") in markdown
     res = load(planted)
     parts, peak = memory_parts(res.variants)
-    assert parts.iloc[0].tolist() == [3 * 2**20, 2**19, 2**19, 3 * 2**20, 2**20]
+    assert parts.iloc[0].tolist() == [3 * 2**20, 2**21, 2**19, 2**19, 3 * 2**20, 2**20]
     assert peak.iloc[0] == 6 * 2**20
 
 

@@ -141,10 +141,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, linear, backend)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Tied models multiply by the embedding table instead (see compute_logits).
-        # `lm_head_method`: how the LM head is kept (None: like the other linear layers).
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, linear if lm_head_method is None else lm_head_method)
+        # `lm_head_method`: how the LM head is kept (None: like the other linear layers). A tied
+        # model's head is loaded from the embedding table (the same tensor where the method
+        # keeps the weight as it is), so that it multiplies through its method's kernel too.
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
+                              linear if lm_head_method is None else lm_head_method)
         for name, module in self.linear_layers().items():
             module.name = name
 
@@ -167,21 +168,24 @@ class Transformer(nn.Module):
                 module.native = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed.weight)
         return self.lm_head(hidden)
 
     def linear_layers(self) -> dict[str, Linear]:
         return {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
 
     def weight_bytes(self) -> dict[str, int]:
-        """Bytes of weights: all of them, the blocks' linear layers, embedding, LM head."""
+        """Bytes of weights a forward reads: all of them, the blocks' linear layers, embedding,
+        LM head; and the packed copies kept beside them for the CPU kernels (resident memory,
+        not read on top: `prepack_weights`)."""
         linear = sum(m.weight_bytes() for name, m in self.linear_layers().items()
                      if name.startswith("layers."))
         embed = self.embed.weight.numel() * self.embed.weight.element_size()
-        head = embed if self.lm_head is None else self.lm_head.weight_bytes()
+        head = self.lm_head.weight_bytes()
         norms = sum(p.numel() * p.element_size() for n, p in self.named_parameters()
                     if "norm" in n)
-        total = linear + embed + norms + (0 if self.lm_head is None else head)
+        tied = (self.lm_head.weight is not None  # one table, counted once
+                and self.lm_head.weight.data_ptr() == self.embed.weight.data_ptr())
+        total = linear + embed + norms + (0 if tied else head)
+        packed = sum(m.packed_bytes() for m in self.linear_layers().values())
         return {"weight_bytes": total, "linear_weight_bytes": linear,
-                "embedding_bytes": embed, "lm_head_bytes": head}
+                "embedding_bytes": embed, "lm_head_bytes": head, "packed_weight_bytes": packed}

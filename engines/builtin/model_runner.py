@@ -64,8 +64,10 @@ class ModelRunner:
         with torch.device("meta"):
             linear = make_linear_method(config.quantization, config.quantization_group_size,
                                         self.prepacked)
-            # The LM head stays dense unless quantize_lm_head asks otherwise.
-            lm_head = linear if config.quantize_lm_head else make_linear_method(
+            # The LM head stays dense unless quantize_lm_head asks otherwise; a tied head is
+            # the embedding table itself, so it always does.
+            quantized_head = config.quantize_lm_head and not model_config.tie_word_embeddings
+            lm_head = linear if quantized_head else make_linear_method(
                 "none", prepack=self.prepacked)
             self.model = Transformer(model_config, linear,
                                      make_attention(self.attention_backend),

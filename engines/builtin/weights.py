@@ -178,3 +178,5 @@ def load_weights(model: Transformer, tensors: Iterable[tuple[str, torch.Tensor]]
     if pending_weight or pending_bias:
         raise MissingWeightsError(f"incomplete weight/bias pairs: "
                                   f"{sorted(pending_weight) + sorted(pending_bias)}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.load(model.embed.weight.data)

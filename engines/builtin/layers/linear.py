@@ -34,6 +34,11 @@ class LinearMethod(ABC):
         """Bytes a forward pass must read for this layer's weight (and scales)."""
         return sum(t.numel() * t.element_size() for t in layer.state_tensors())
 
+    def packed_bytes(self, layer: Linear) -> int:
+        """Bytes of a packed copy of the weight kept beside it for a faster kernel: resident,
+        but not read on top of the weight (a forward reads one copy or the other)."""
+        return 0
+
 
 class DenseMethod(LinearMethod):
     """Unquantized weights in the compute dtype."""
@@ -76,6 +81,10 @@ class PrepackedDenseMethod(DenseMethod):
         packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, self.PACK_FOR_ROWS)
         layer.register_buffer("packed_weight", packed, persistent=False)
 
+    def packed_bytes(self, layer: Linear) -> int:
+        # an opaque oneDNN tensor: its logical size (the blocked layout pads little)
+        return layer.packed_weight.numel() * layer.packed_weight.element_size()
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // layer.in_features
         if rows <= self.PLAIN_FP32_MAX_ROWS and x.dtype == torch.float32:
@@ -112,6 +121,9 @@ class PanelDenseMethod(DenseMethod):
         super().load(layer, weight, bias)
         layer.register_buffer("panels", native.pack_linear_weight(layer.weight.data),
                               persistent=False)
+
+    def packed_bytes(self, layer: Linear) -> int:
+        return layer.panels.numel() * layer.panels.element_size()
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(layer.in_features, 1)
@@ -173,6 +185,9 @@ class Linear(nn.Module):
 
     def weight_bytes(self) -> int:
         return self.method.weight_bytes(self)
+
+    def packed_bytes(self) -> int:
+        return self.method.packed_bytes(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
