@@ -4,6 +4,7 @@ through the same Backend interface, in both sub-modes; static batches count thei
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,22 @@ def test_unsupported_request_fails_alone() -> None:
     assert "engine.mode=generate_batch runs greedy decoding only" in sampled_events[-1].error
     assert isinstance(long_events[-1], Failed) and "max_model_len=64" in long_events[-1].error
     assert all(isinstance(events[-1], Finished) for events in good)
+
+
+def test_generate_batch_starts_its_thread_with_the_first_request() -> None:
+    """Not at load: the harness probes the CPU right after load, and torch work on the main
+    thread ran at about half speed while transformers' generation thread was alive."""
+    before = set(threading.enumerate())
+    backend = HFBackend.from_config({"model": "tiny", "mode": "generate_batch"})
+    backend.load()
+    try:
+        assert set(threading.enumerate()) == before
+        events = drive(backend, greedy_requests()[:1])[0]
+        assert isinstance(events[-1], Finished)
+        assert set(threading.enumerate()) - before  # the manager runs from then on
+    finally:
+        backend.close()
+    assert set(threading.enumerate()) == before
 
 
 def test_harness_run_through_hf(tmp_path: Path) -> None:

@@ -108,10 +108,11 @@ class HFBackend(Backend):
         self.eos_ids = sorted(set(self.tokenizer.special.eos_ids) | set(mc.eos_token_ids))
         self.pad_id = self.tokenizer.special.pad_id if self.tokenizer.special.pad_id \
             is not None else 0
-        if cfg.mode == "generate_batch":
-            self._start_continuous_batching()
 
     def _start_continuous_batching(self) -> None:
+        """Started with the first request, not at load: while its generation thread is alive,
+        torch work on the main thread runs at about half speed on a 2-core CPU (the harness's
+        hardware probe, which runs after load, measured 117 instead of 287 GFLOP/s)."""
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -207,7 +208,9 @@ class HFBackend(Backend):
         detok = self.tokenizer.new_stream(ids, sampling.skip_special_tokens) \
             if sampling.detokenize else None
         pending = _Pending(request.request_id, ids, sampling, detok, emit)
-        if self._manager is not None:
+        if self.config.mode == "generate_batch":
+            if self._manager is None:
+                self._start_continuous_batching()
             self._submit_continuous(pending, queue)
         else:
             self._waiting.append(pending)
