@@ -435,10 +435,9 @@ def memory_breakdown(rows: pd.DataFrame, facts: dict[str, Any], engine: dict[str
     is mapped lazily (pages appear as tokens are written) and RSS also holds the interpreter
     and libraries, so the run's growth is measured instead: growth = peak RSS - RSS after load
     (the first sample), other = growth - KV in use at the peak, peak = weights + packed +
-    growth. That
-    `other` is an upper bound: it also holds KV pages written beyond the peak in use, allocator
-    caches and the harness's own rows. A negative rest (memory freed earlier in the process
-    reused) is reported as absent, never as a number."""
+    growth. That `other` is an upper bound: it also holds KV pages written beyond the peak in
+    use, allocator caches and the harness's own rows. A negative rest (memory freed earlier in
+    the process reused) is reported as absent, never as a number."""
     weights = engine.get("weight_bytes")
     packed = engine.get("packed_weight_bytes")  # absent from backends that keep none
     pool = engine.get("kv_pool_bytes")

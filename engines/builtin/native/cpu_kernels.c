@@ -414,7 +414,6 @@ void linear_f32(const float *x, const float *panels, const float *bias, float *y
  * rows; each output row is divided by its sum at the end. */
 #define QUERY_TILE 32
 #define PACK_AHEAD 8
-typedef float v8 __attribute__((vector_size(32)));
 typedef float v8_unaligned __attribute__((vector_size(32), aligned(4)));
 
 void prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
