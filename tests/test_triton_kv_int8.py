@@ -11,7 +11,6 @@ it against the bound the scheme implies. On CPU everything runs under the Triton
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -19,9 +18,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from attention_batches import shuffled_block_tables, step_metadata
+
 from engines.builtin import LLM
 from engines.builtin.attention import (
-    AttentionMetadata,
     DenseAttention,
     paged_reference,
     reference_kernel,
@@ -75,12 +75,7 @@ def make_int8_batch(seqs: list[tuple[int, int]], num_decodes: int, block_size: i
         x = torch.randn(*shape, generator=gen) * mag.view(-1, *([1] * (len(shape) - 1)))
         return x.to(dtype).to(DEVICE)
 
-    need = [math.ceil(length / block_size) for length, _ in seqs]
-    num_blocks = sum(need) + 3
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(seqs), max(need), dtype=torch.int32)
-    for i, n in enumerate(need):
-        tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
+    tables, num_blocks = shuffled_block_tables(seqs, block_size, gen)
     cache = LayerKVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype,
                          torch.device(DEVICE), quantized=True)
     shape = (num_blocks * block_size, num_kv_heads, head_dim)
@@ -88,27 +83,12 @@ def make_int8_batch(seqs: list[tuple[int, int]], num_decodes: int, block_size: i
     every_slot = torch.arange(num_blocks * block_size, device=DEVICE)
     cache.write(full_k, full_v, every_slot)  # the torch write path fills the stale slots
 
-    lens = [length for length, _ in seqs]
-    qlens = [n for _, n in seqs]
-    qsl = [0]
-    for n in qlens:
-        qsl.append(qsl[-1] + n)
-    positions = torch.cat([torch.arange(length - n, length) for length, n in seqs])
-    seq_index = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(qlens))
-    slots = (tables[seq_index, positions // block_size].long() * block_size
-             + positions % block_size).to(DEVICE)
-    total = qsl[-1]
+    slots, meta = step_metadata(seqs, num_decodes, tables, block_size, window, DEVICE)
+    total = meta.query_start_loc_host[-1]
     q, k, v = randn(total, num_heads, head_dim), randn(total, num_kv_heads, head_dim), \
         randn(total, num_kv_heads, head_dim)
     TritonAttention.write_kv(k, v, cache, slots)
     full_k[slots], full_v[slots] = k, v
-    meta = AttentionMetadata(
-        positions=positions.to(DEVICE), slot_mapping=slots,
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables.to(DEVICE), query_start_loc_host=qsl, seq_lens_host=lens,
-        num_decodes=num_decodes, max_seq_len=max(lens), block_size=block_size,
-        sliding_window=window, use_cache=True)
     full = (full_k.view(cache.k.shape), full_v.view(cache.v.shape))
     return q, k, v, cache, meta, full
 
