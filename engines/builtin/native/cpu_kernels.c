@@ -289,8 +289,35 @@ void pack_linear_weight_f32(const float *w, int64_t N, int64_t K, float *panels,
             }
 }
 
+/* One step of k: out[i, 0:32] += x[k][i] * panel[k][0:32] for the R rows. */
+#define PANEL_STEP(R, kk)                                                                      \
+    {                                                                                          \
+        const v16 w0 = load16(panel + (kk) * PANEL), w1 = load16(panel + (kk) * PANEL + 16);   \
+        for (int i = 0; i < R; i++) {                                                          \
+            const v16 xv = broadcast16(xb + (kk) * ROW_BLOCK + i);                             \
+            acc[i][0] = fma16(xv, w0, acc[i][0]);                                              \
+            acc[i][1] = fma16(xv, w1, acc[i][1]);                                              \
+        }                                                                                      \
+    }
+
+/* Prefetches of the next panel that are due after `steps` more steps of k. */
+#define PANEL_PREFETCH(steps)                                                                  \
+    {                                                                                          \
+        due += (steps) * lines;                                                                \
+        while (due >= per_lines) {                                                             \
+            due -= per_lines;                                                                  \
+            __builtin_prefetch(ahead, 0, 2);                                                   \
+            ahead += 64;                                                                       \
+        }                                                                                      \
+    }
+
 /* out[i, 0:32] = sum_k x[k][i] * panel[k][0:32] for the R rows of a packed input block;
- * meanwhile prefetches `lines` cache lines of the next panel, spread evenly over the k. */
+ * meanwhile prefetches `lines` cache lines of the next panel, spread evenly over the k. Where
+ * at most one prefetch falls due per 4 steps (32 rows or more), k goes 4 steps a round and the
+ * round's bookkeeping is shared by them: 4-15% faster at 32-2,000 rows on a 2-core Xeon; with
+ * fewer rows the prefetches are denser and, bunched 4 steps' worth at a time, cost more than
+ * they save (8 rows: 5-10% slower), so k goes step by step there. */
+#define PANEL_ROUND 4
 #define DEFINE_PANEL_KERNEL(R)                                                                 \
     static inline void panel_kernel_##R(const float *xb, const float *panel, int64_t K,       \
                                         float out[ROW_BLOCK][PANEL], const char **next,       \
@@ -298,20 +325,15 @@ void pack_linear_weight_f32(const float *w, int64_t N, int64_t K, float *panels,
         v16 acc[R][2];                                                                        \
         for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = (v16){0};                         \
         const char *ahead = *next;                                                            \
-        int64_t due = *credit;                                                                \
-        for (int64_t k = 0; k < K; k++) {                                                     \
-            const v16 w0 = load16(panel + k * PANEL), w1 = load16(panel + k * PANEL + 16);    \
-            for (int i = 0; i < R; i++) {                                                     \
-                const v16 xv = broadcast16(xb + k * ROW_BLOCK + i);                           \
-                acc[i][0] = fma16(xv, w0, acc[i][0]);                                         \
-                acc[i][1] = fma16(xv, w1, acc[i][1]);                                         \
+        int64_t due = *credit, k = 0;                                                         \
+        if (PANEL_ROUND * lines <= per_lines)                                                 \
+            for (; k + PANEL_ROUND <= K; k += PANEL_ROUND) {                                  \
+                for (int u = 0; u < PANEL_ROUND; u++) PANEL_STEP(R, k + u)                    \
+                PANEL_PREFETCH(PANEL_ROUND)                                                   \
             }                                                                                 \
-            due += lines;                                                                     \
-            while (due >= per_lines) {                                                        \
-                due -= per_lines;                                                             \
-                __builtin_prefetch(ahead, 0, 2);                                              \
-                ahead += 64;                                                                  \
-            }                                                                                 \
+        for (; k < K; k++) {                                                                  \
+            PANEL_STEP(R, k)                                                                  \
+            PANEL_PREFETCH(1)                                                                 \
         }                                                                                     \
         *next = ahead;                                                                        \
         *credit = due;                                                                        \
