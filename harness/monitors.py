@@ -431,13 +431,15 @@ def memory_breakdown(rows: pd.DataFrame, facts: dict[str, Any], engine: dict[str
     the rest.
 
     GPU: the peak is torch's allocated peak, which holds every tensor, the whole KV pool (one
-    allocation at load) included, so other = peak - weights - packed - pool. CPU: the KV pool
-    is mapped lazily (pages appear as tokens are written) and RSS also holds the interpreter
-    and libraries, so the run's growth is measured instead: growth = peak RSS - RSS after load
-    (the first sample), other = growth - KV in use at the peak, peak = weights + packed +
-    growth. That `other` is an upper bound: it also holds KV pages written beyond the peak in
-    use, allocator caches and the harness's own rows. A negative rest (memory freed earlier in
-    the process reused) is reported as absent, never as a number."""
+    allocation at load) included, so other = peak - weights - packed - pool. CPU: RSS also
+    holds the interpreter and libraries, so the run's growth is measured instead: growth = peak
+    RSS - RSS after load (the first sample). With `kv_cache_prefault` (the engine's default)
+    every page of the pool was mapped at load: peak = weights + packed + pool + growth and
+    other = growth. Without it the pool is mapped lazily (pages appear as tokens are written):
+    other = growth - KV in use at the peak, peak = weights + packed + growth. That `other` is an
+    upper bound: it also holds KV pages written beyond the peak in use, allocator caches and the
+    harness's own rows. A negative rest (memory freed earlier in the process reused) is
+    reported as absent, never as a number."""
     weights = engine.get("weight_bytes")
     packed = engine.get("packed_weight_bytes")  # absent from backends that keep none
     pool = engine.get("kv_pool_bytes")
@@ -459,9 +461,13 @@ def memory_breakdown(rows: pd.DataFrame, facts: dict[str, Any], engine: dict[str
         out["memory_peak_bytes"] = gpu_peak
     elif rss_peak is not None and after_load is not None:
         growth = rss_peak - int(after_load)
-        other = growth - int(kv_used or 0)
-        out["memory_peak_bytes"] = (int(weights) + int(packed or 0) + growth
-                                    if growth >= 0 else None)
+        resident = int(weights) + int(packed or 0)  # at load, with the pool when prefaulted
+        if engine.get("kv_cache_prefault"):
+            resident += int(pool or 0)
+            other = growth
+        else:
+            other = growth - int(kv_used or 0)
+        out["memory_peak_bytes"] = resident + growth if growth >= 0 else None
     else:
         return out
     out["memory_other_bytes"] = other if other >= 0 else None

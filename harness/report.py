@@ -405,8 +405,9 @@ def section_memory(res: Results, doc: Document) -> None:
                    "Memory per variant: weights, their packed copies (CPU kernels), KV "
                    "cache (in use, reserved but unused, the "
                    "pool's free rest) and other (activations, workspace); black tick: the "
-                   "run's peak. On a CPU the KV pool is mapped lazily: its free part holds no "
-                   "pages, so the peak can sit below the bar (docs/monitoring.md).")
+                   "run's peak. On a CPU without kv_cache_prefault the KV pool is mapped "
+                   "lazily: its free part holds no pages, so the peak can sit below the bar "
+                   "(docs/monitoring.md).")
     ordered = [c for c in MEMORY_ORDER if c in present]
     table = variants[["variant", *ordered, *[c for c in present if c not in ordered]]].copy()
     for name in table.columns[1:]:

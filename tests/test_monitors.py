@@ -302,6 +302,11 @@ def test_memory_breakdown_gpu_and_cpu() -> None:
     assert out["memory_packed_weights_bytes"] == 400 and out["memory_other_bytes"] == 100
     out = memory_breakdown(cpu, {"rss_after_load_bytes": 10_000}, packed, kv)
     assert out["memory_other_bytes"] == 600 and out["memory_peak_bytes"] == 1000 + 400 + 900
+    # kv_cache_prefault mapped the whole pool at load: resident throughout, none of the growth
+    prefaulted = {**packed, "kv_cache_prefault": True}
+    out = memory_breakdown(cpu, {"rss_after_load_bytes": 10_000}, prefaulted, kv)
+    assert out["memory_other_bytes"] == 900
+    assert out["memory_peak_bytes"] == 1000 + 400 + 5000 + 900
 
 
 @pytest.mark.parametrize(("values", "field"), [
