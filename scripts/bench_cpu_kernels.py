@@ -54,6 +54,21 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def alternated_median_ms(passes: dict[str, Callable[[], object]],
+                         repeats: int) -> dict[str, float]:
+    """Each pass once to warm up, then `repeats` rounds of all of them in turn (the machine's
+    drift hits every pass alike); the median ms of each."""
+    for run in passes.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(repeats):
+        for name, run in passes.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
 def matmuls(rows_list: list[int], repeats: int) -> list[tuple[int, float, float, float]]:
     """(rows, plain ms, oneDNN packed ms, engine GEMM ms) for a step's 49 matmuls."""
     cfg = PRESETS["small"]
@@ -77,15 +92,8 @@ def matmuls(rows_list: list[int], repeats: int) -> list[tuple[int, float, float,
             "engine": lambda xs=xs: [native.linear(x, p, w.shape[0])
                                      for x, p, w in zip(xs, panels, weights, strict=True)],
         }
-        times: dict[str, list[float]] = {name: [] for name in passes}
-        for run in passes.values():
-            run()
-        for _ in range(repeats):  # alternated: the machine's drift hits all three alike
-            for name, run in passes.items():
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-        out.append((rows, *(1e3 * statistics.median(times[n]) for n in passes)))
+        medians = alternated_median_ms(passes, repeats)
+        out.append((rows, *medians.values()))
     return out
 
 
@@ -135,13 +143,8 @@ def prompt_attention(lengths: list[int], repeats: int) -> tuple[float, float]:
     def kernel() -> None:
         native.prefill_attention(q, k, v, starts, dim ** -0.5, None)
 
-    times: dict[str, list[float]] = {"sdpa": [], "kernel": []}
-    for _ in range(repeats):
-        for name, run in (("sdpa", sdpa), ("kernel", kernel)):
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times["sdpa"]), 1e3 * statistics.median(times["kernel"])
+    medians = alternated_median_ms({"sdpa": sdpa, "kernel": kernel}, repeats)
+    return medians["sdpa"], medians["kernel"]
 
 
 def cold_and_hot(op: Callable[[], object], weight: torch.Tensor, x: torch.Tensor,

@@ -166,6 +166,9 @@ def test_kernels_refuse_what_they_cannot_read() -> None:
     with pytest.raises(ValueError, match="unsupported"):  # heads not a multiple of KV heads
         native.prefill_attention(torch.zeros(5, 3, 8), rows, rows,
                                  torch.tensor([0, 5], dtype=torch.int32), 1.0, None)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        native.prefill_attention(rows, rows, rows, torch.tensor([0, 5], dtype=torch.int32), 1.0,
+                                 None, out=torch.zeros(4, 2, 8))
     with pytest.raises(TypeError, match="float32"):
         native.prefill_attention(rows.double(), rows, rows,
                                  torch.tensor([0, 5], dtype=torch.int32), 1.0, None)
@@ -185,7 +188,8 @@ def test_cpu_backend_matches_the_dense_path_on_mixed_steps(
     calls = []
     kernel = native.prefill_attention
     monkeypatch.setattr(native, "prefill_attention",
-                        lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+                        lambda *args, **kwargs: calls.append(args[0].shape[0])
+                        or kernel(*args, **kwargs))
     out = make_attention("cpu")(q, k, v, cache, meta, 0.2)
     dense = DenseAttention("torch", reference_kernel)(q, k, v, cache, meta, 0.2)
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)

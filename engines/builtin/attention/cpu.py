@@ -36,24 +36,18 @@ class CpuAttention(DenseAttention):
                              "available without them: auto|torch|sdpa")
         super().__init__("cpu", sdpa_kernel)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 cache: LayerKVCache | None, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
-        nd = meta.num_decodes
-        if (nd == meta.num_seqs or not self._whole_prompts(meta)
+    def _prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cache: LayerKVCache | None, meta: AttentionMetadata, scale: float,
+                  out: torch.Tensor) -> None:
+        if (not self._whole_prompts(meta)
                 or not all(t.dtype == torch.float32 and t.stride(2) == 1
                            and t.stride(1) == t.shape[2] for t in (q, k, v))):
-            return super().__call__(q, k, v, cache, meta, scale)
-        first = meta.query_start_loc_host[nd]
-        prompts = native.prefill_attention(q[first:], k[first:], v[first:],
-                                           meta.per_step["prompt_starts"], scale,
-                                           meta.sliding_window)
-        if not nd:
-            return prompts
-        out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], cache, meta, scale)
-        out[first:] = prompts
-        return out
+            super()._prefills(q, k, v, cache, meta, scale, out)
+            return
+        first = meta.query_start_loc_host[meta.num_decodes]
+        native.prefill_attention(q[first:], k[first:], v[first:],
+                                 meta.per_step["prompt_starts"], scale, meta.sliding_window,
+                                 out=out[first:])
 
     @staticmethod
     def _whole_prompts(meta: AttentionMetadata) -> bool:

@@ -108,12 +108,18 @@ class DenseAttention:
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], cache, meta, scale)
+        self._prefills(q, k, v, cache, meta, scale, out)
+        return out
+
+    def _prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cache: LayerKVCache | None, meta: AttentionMetadata, scale: float,
+                  out: torch.Tensor) -> None:
+        """The step's prefills (rows past the decodes) into `out`, one call per sequence."""
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
-        for i in range(nd, meta.num_seqs):
+        for i in range(meta.num_decodes, meta.num_seqs):
             start, end = qsl[i], qsl[i + 1]
             out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end],
                                            lens[i], i, cache, meta, scale)
-        return out
 
     def _decode(self, q: torch.Tensor, cache: LayerKVCache | None, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

@@ -302,13 +302,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-                      scale: float, window: int | None) -> torch.Tensor:
+                      scale: float, window: int | None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of whole prompts over their own keys (no cached context).
 
     q [T, h, d], k/v [T, kvh, d] float32 on the CPU, heads and d contiguous (token strides
     free: views of the fused QKV rows); starts [S + 1] int32, ascending from 0 to T: sequence s
     is rows starts[s]:starts[s + 1]; `window`: query i sees keys i - window + 1 .. i.
-    Returns [T, h, d]."""
+    Returns [T, h, d], written into `out` when given (contiguous float32 of that shape)."""
     tokens, heads, dim = q.shape
     if not (q.dtype == k.dtype == v.dtype == torch.float32):
         raise TypeError("prefill_attention: q, k and v must be float32")
@@ -323,7 +324,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts:
     if bounds[0] != 0 or bounds[-1] != tokens or any(a > b for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"prefill_attention: starts must ascend from 0 to {tokens}, got "
                          f"{bounds[:4]}...{bounds[-1:]}")
-    out = torch.empty(tokens, heads, dim, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(tokens, heads, dim, dtype=q.dtype)
+    elif not takes(out) or out.shape != q.shape:
+        raise ValueError(f"prefill_attention: out must be a contiguous CPU float32 "
+                         f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
     _run("prefill_attention_f32", q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
          v.data_ptr(), v.stride(0), starts.data_ptr(), len(bounds) - 1, heads, k.shape[1], dim,
          scale, window or 0, torch.get_num_threads(), out.data_ptr())
