@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -32,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from harness.gate_inputs import AB_FILE
-from harness.gate_rules import GateRules, RulesError, load_rules
+from harness.gate_inputs import AB_FILE, InputError, is_number, read_run
+from harness.gate_rules import GateRules, RulesError, add_require_argument, load_rules
 from harness.metrics import REGISTRY
 from harness.records import write_json_atomic
 
@@ -136,7 +137,15 @@ class Worker:
         line = self.process.stdout.readline()
         if not line:
             return self._died()
-        return json.loads(line)
+        try:
+            reply = json.loads(line)
+        except json.JSONDecodeError:
+            reply = None
+        if not isinstance(reply, dict):  # something wrote to the reply channel
+            return {"status": "failed", "wall_s": None,
+                    "error": f"worker {self.side} replied {line[:200]!r}, not a JSON object; "
+                             f"see {self.log_path}"}
+        return reply
 
     def _died(self) -> dict[str, Any]:
         assert self.process is not None
@@ -167,16 +176,18 @@ def paired_ratios(a_dir: Path, b_dir: Path) -> dict[str, float]:
     """candidate / baseline for every timing metric both runs have (positive) values for."""
     def metrics(path: Path) -> dict[str, Any]:
         try:
-            return json.loads((path / "summary.json").read_text()).get("metrics") or {}
-        except (OSError, json.JSONDecodeError):
+            return read_run(path).metrics
+        except InputError:  # the gate at the end names the file; the log line just omits it
             return {}
+
+    def usable(value: Any) -> bool:
+        return is_number(value) and math.isfinite(value) and value > 0
 
     ma, mb = metrics(a_dir), metrics(b_dir)
     out = {}
     for name, metric in REGISTRY.items():
         va, vb = ma.get(name), mb.get(name)
-        if metric.kind == "timing" and isinstance(va, int | float) and isinstance(
-                vb, int | float) and va > 0 and vb > 0:
+        if metric.kind == "timing" and usable(va) and usable(vb):
             out[name] = vb / va
     return out
 
@@ -341,6 +352,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="the checkout the candidate runs (default: this one)")
     parser.add_argument("--out", required=True, help="the A/B folder to create")
     parser.add_argument("--rules", help="rules YAML merged over configs/gate/default.yaml")
+    add_require_argument(parser)
     return parser
 
 
@@ -385,8 +397,12 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         plan = plan_from_args(args)
-        rules = load_rules(args.rules)
+        rules = load_rules(args.rules, tuple(args.require_metric))
         return run_ab(plan, rules)
-    except (ABError, RulesError) as exc:
+    except (ABError, RulesError, InputError) as exc:
         print(f"inferlab gate ab: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # --out cannot be created or written
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"inferlab gate ab: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2

@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 from harness.gate_compare import GateResult, Row, compare_sides, config_differences
-from harness.gate_inputs import AB_FILE, InputError, load_side, read_run
-from harness.gate_rules import GateRules, RulesError, load_rules
+from harness.gate_inputs import AB_FILE, InputError, ab_rounds, load_side, read_run
+from harness.gate_rules import GateRules, RulesError, add_require_argument, load_rules
 from harness.metrics import REGISTRY
 
 USAGE_EXAMPLES = """examples:
@@ -27,7 +28,8 @@ USAGE_EXAMPLES = """examples:
   inferlab gate ab --baseline "" --candidate "engine.kv_cache=paged" \\
       --common "model=small workload.num_requests=8" --rounds 9 --out results/ab-123
 
-exit status: 0 pass, 1 regression, 2 inconclusive (or bad input)"""
+exit status: 0 pass, 1 regression, 2 inconclusive (nothing compared, a required metric
+absent, too few runs, too much noise) or bad input"""
 
 
 def _fmt(value: float | None) -> str:
@@ -47,6 +49,8 @@ def _verdict_cell(row: Row) -> str:
     verdict = row.verdict.upper() if row.outcome == "regression" else row.verdict
     if not row.gates and row.verdict not in ("missing", "info"):
         verdict += " (not gating)"
+    elif row.gates and row.verdict == "missing":
+        verdict = "MISSING (required)"
     return f"{verdict}: {row.note}" if row.note else verdict
 
 
@@ -103,10 +107,9 @@ def gate_dirs(baseline: str | Path, candidate: str | Path, rules: GateRules,
 def gate_ab_dir(path: str | Path, rules: GateRules) -> GateResult:
     """Compare the two sides of an A/B folder on their paired per-round ratios."""
     path = Path(path)
-    if not (path / AB_FILE).is_file():
+    if not (path / AB_FILE).exists():
         raise InputError(f"--ab: {path} holds no {AB_FILE}")
-    ab = json.loads((path / AB_FILE).read_text())
-    rounds = [entry for entry in ab.get("rounds", []) if entry.get("a") and entry.get("b")]
+    rounds = [entry for entry in ab_rounds(path) if entry["a"] and entry["b"]]
     pairs = [(read_run(path / entry["a"]), read_run(path / entry["b"])) for entry in rounds]
     return compare_sides(load_side(path, "a"), load_side(path, "b"), rules, pairs=pairs)
 
@@ -114,11 +117,12 @@ def gate_ab_dir(path: str | Path, rules: GateRules) -> GateResult:
 def emit(result: GateResult, markdown_out: str | None, json_out: str | None,
          title: str = "inferlab gate", all_rows: bool = False) -> int:
     text = markdown(result, title, all_rows)
-    print(text)
+    # the files first: a table that says "exit 0" must not be followed by a failed write
     if markdown_out:
         Path(markdown_out).write_text(text + "\n")
     if json_out:
         Path(json_out).write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    print(text)
     return result.exit_code
 
 
@@ -132,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--candidate", help="candidate run, repeats, sweep or A/B folder")
     parser.add_argument("--ab", metavar="DIR", help="re-gate a finished A/B folder (paired)")
     parser.add_argument("--rules", help="rules YAML merged over configs/gate/default.yaml")
+    add_require_argument(parser)
     parser.add_argument("--ignore-override", action="append", default=[], metavar="KEY",
                         help="sweeps: leave this override key out of job matching "
                              "(repeatable)")
@@ -155,16 +160,28 @@ def main(argv: list[str] | None = None) -> int:
     if not args.ab and not (args.baseline and args.candidate):
         parser.error("give --baseline DIR and --candidate DIR (or --ab DIR)")
     try:
-        rules = load_rules(args.rules)
+        rules = load_rules(args.rules, tuple(args.require_metric))
         if args.ab:
             result = gate_ab_dir(args.ab, rules)
         else:
             result = gate_dirs(args.baseline, args.candidate, rules,
                                set(args.ignore_override))
+        return emit(result, args.markdown, args.json, all_rows=args.all_rows)
     except (RulesError, InputError, ValueError) as exc:
         print(f"inferlab gate: error: {exc}", file=sys.stderr)
         return 2
-    return emit(result, args.markdown, args.json, all_rows=args.all_rows)
+    except OSError as exc:  # an unreadable folder, an unwritable --json/--markdown path
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"inferlab gate: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except RecursionError:
+        print("inferlab gate: error: an input is nested too deeply", file=sys.stderr)
+        return 2
+    except Exception:  # a bug, not a verdict: CI reads exit 1 as a regression
+        traceback.print_exc()
+        print("inferlab gate: internal error (the traceback above is a bug in the gate, "
+              "please report it); exit 2, not 1: nothing was decided", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

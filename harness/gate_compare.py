@@ -6,15 +6,21 @@ equal within a tight tolerance passes; worse in the registry's `better` directio
 regression, better is an improvement; a change in a counter with no direction is `changed`
 (a regression unless the rules say warn). Timing metrics are compared as ratios with a
 bootstrap interval over runs (harness.gate_stats).
+
+The gate never passes on nothing: a configuration where no gated metric has a value on both
+sides gets an inconclusive `status` row, a gated metric present on one side only is a warning,
+and a required metric (rules.metrics.require, --require-metric) absent anywhere is inconclusive.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.gate_inputs import Group, Run, Side
+from harness.gate_inputs import Group, Run, Side, is_number
 from harness.gate_rules import GateRules
 from harness.gate_stats import RatioEstimate, bootstrap_paired, bootstrap_ratio, decide
 from harness.metrics import REGISTRY
@@ -39,12 +45,18 @@ class Row:
 
     @property
     def outcome(self) -> str:
-        """What the row means for the exit code: pass, regression or inconclusive."""
-        if not self.gates or self.verdict in ("pass", "improved", "missing", "info"):
+        """What the row means for the exit code: pass, regression or inconclusive (a gating
+        `missing` row is a required metric that is absent)."""
+        if not self.gates or self.verdict in ("pass", "improved", "info"):
             return "pass"
         if self.verdict in ("regression", "changed"):
             return "regression"
         return "inconclusive"
+
+    @property
+    def compared(self) -> bool:
+        """A gated metric with values on both sides (whatever the verdict)."""
+        return self.kind != "status" and self.gates and self.verdict != "missing"
 
 
 @dataclass
@@ -58,8 +70,8 @@ class GateResult:
         outcomes = {row.outcome for row in self.rows}
         if "regression" in outcomes:
             return "regression"
-        if "inconclusive" in outcomes or not self.rows:
-            return "inconclusive"
+        if "inconclusive" in outcomes or not any(row.compared for row in self.rows):
+            return "inconclusive"  # a pass needs at least one metric compared
         return "pass"
 
     @property
@@ -72,12 +84,20 @@ class GateResult:
 
 
 def _values(runs: Iterable[Run], metric: str) -> list[float]:
-    out = []
-    for run in runs:
-        value = run.metrics.get(metric)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            out.append(float(value))
-    return out
+    return [float(run.metrics[metric]) for run in runs if is_number(run.metrics.get(metric))]
+
+
+def _nonfinite(job: str, metric: str, kind: str, base: list[Run], cand: list[Run]) -> Row | None:
+    """An inconclusive row when a run holds nan or inf for the metric: no comparison with it
+    can mean anything (nan is neither worse nor better), and it must not read as a pass."""
+    for side, runs in (("baseline", base), ("candidate", cand)):
+        for run in runs:
+            value = run.metrics.get(metric)
+            if is_number(value) and not math.isfinite(value):
+                return Row(job, metric, kind, None, None, len(_values(base, metric)),
+                           len(_values(cand, metric)), None, None, "inconclusive",
+                           f"not a finite number ({value}) in {side} run {run.path}")
+    return None
 
 
 def _equal(a: float, b: float, rel_tol: float, abs_tol: float) -> bool:
@@ -105,6 +125,9 @@ def _timing_row(job: str, metric: str, kind: str, base: list[float], cand: list[
         row.verdict = "missing"
         row.note = "absent in " + ("baseline" if not n_base else "candidate")
         row.gates = False
+        if pairs is None:  # the side that has it, for the reader (a geomean needs v > 0)
+            row.baseline = _center(base, rules) if base and min(base) > 0 else None
+            row.candidate = _center(cand, rules) if cand and min(cand) > 0 else None
         return row
     if any(v <= 0 for v in values):
         row.note = "non-positive values: no ratio"
@@ -171,6 +194,7 @@ def _status_rows(job: str, base: Group, cand: Group, warnings: list[str]) -> lis
     rows = []
     for side, group in (("baseline", base), ("candidate", cand)):
         for run in group.runs:
+            warnings += [f"{side} run: {note}" for note in run.notes]
             if run.status != "complete":
                 warnings.append(f"{side} run {run.path} is {run.status}"
                                 f"{': ' + run.error if run.error else ''}; left out")
@@ -186,6 +210,71 @@ def _status_rows(job: str, base: Group, cand: Group, warnings: list[str]) -> lis
                         len(cand.complete), None, None, "inconclusive",
                         f"no complete {missing} run"))
     return rows
+
+
+def _names(metrics: list[str], limit: int = 8) -> str:
+    shown = ", ".join(metrics[:limit])
+    return shown + (f" ... and {len(metrics) - limit} more" if len(metrics) > limit else "")
+
+
+def _one_sided(job: str, metrics: tuple[str, ...], base: list[Run],
+               cand: list[Run]) -> list[str]:
+    """Warnings naming the gated metrics that one side has and the other lacks: their rows are
+    `missing` and do not gate (unless required), so the warning says what went unchecked."""
+    where = f"job {job}: " if job else ""
+    has = {side: {m for m in metrics if _values(runs, m)}
+           for side, runs in (("baseline", base), ("candidate", cand))}
+    warnings = []
+    for side, other in (("candidate", "baseline"), ("baseline", "candidate")):
+        absent = [m for m in metrics if m in has[other] and m not in has[side]]
+        if not absent:
+            continue
+        if not has[side]:
+            warnings.append(f"{where}the {side} runs hold none of the gated metrics "
+                            f"({len(absent)} present in the {other}: {_names(absent)})")
+        else:
+            warnings.append(f"{where}gated metric(s) absent in the {side}, present in the "
+                            f"{other}: {_names(absent)}")
+    return warnings
+
+
+def _require(job: str, rows: list[Row], base: list[Run], cand: list[Run],
+             rules: GateRules) -> None:
+    """A required metric absent (or null) in any complete run of either side makes its row
+    gate as inconclusive; a regression found in the runs that have it still stands."""
+    for metric in rules.required_metrics:
+        lacking = [(side, runs, [r for r in runs if not is_number(r.metrics.get(metric))])
+                   for side, runs in (("baseline", base), ("candidate", cand))]
+        found = next(((side, runs, bad) for side, runs, bad in lacking if bad), None)
+        if found is None:
+            continue
+        side, runs, bad = found
+        note = (f"absent in {len(bad)} of {len(runs)} {side} run(s), e.g. "
+                f"{bad[0].path / 'summary.json'}")
+        row = next((r for r in rows if r.metric == metric), None)
+        if row is None:
+            rows.append(Row(job, metric, REGISTRY[metric].kind, None, None,
+                            len(_values(base, metric)), len(_values(cand, metric)), None, None,
+                            "missing", note))
+        elif row.verdict == "missing":
+            row.gates, row.note = True, note
+        elif row.outcome != "regression":
+            row.verdict, row.gates = "inconclusive", True
+            row.note = "; ".join(x for x in (note, row.note) if x)
+
+
+def _nothing_compared(job: str, rows: list[Row], base: list[Run], cand: list[Run],
+                      rules: GateRules) -> Row | None:
+    if any(row.compared for row in rows):
+        return None
+    gated = rules.deterministic_metrics + rules.timing_metrics
+    empty = [side for side, runs in (("baseline", base), ("candidate", cand))
+             if not any(_values(runs, m) for m in gated)]
+    why = {0: "", 1: f" (the {' and '.join(empty)} runs hold none)",
+           2: " (neither side holds any)"}[len(empty)]
+    return Row(job, "status", "status", None, None, len(base), len(cand), None, None,
+               "inconclusive", f"nothing compared: none of the {len(gated)} gated metrics has "
+                               f"a value on both sides{why}")
 
 
 def compare_groups(job: str, base: Group, cand: Group, rules: GateRules,
@@ -209,25 +298,45 @@ def compare_groups(job: str, base: Group, cand: Group, rules: GateRules,
         return out
 
     for metric in rules.deterministic_metrics:
-        row = _counter_row(job, metric, _values(base.complete, metric),
-                           _values(cand.complete, metric), paired_values(metric), rules)
+        row = _nonfinite(job, metric, "deterministic", base.complete, cand.complete)
+        if row is None:
+            row = _counter_row(job, metric, _values(base.complete, metric),
+                               _values(cand.complete, metric), paired_values(metric), rules)
         if row is not None:
             rows.append(row)
     for metric in rules.timing_metrics:
         base_values, cand_values = _values(base.complete, metric), _values(cand.complete, metric)
-        if base_values or cand_values:  # e.g. TPOT when every request makes one token
+        row = _nonfinite(job, metric, "timing", base.complete, cand.complete)
+        if row is not None:
+            rows.append(row)
+        elif base_values or cand_values:  # e.g. TPOT when every request makes one token
             rows.append(_timing_row(job, metric, "timing", base_values, cand_values,
                                     paired_values(metric), rules))
+    gated = rules.deterministic_metrics + rules.timing_metrics
+    warnings += _one_sided(job, gated, base.complete, cand.complete)
+    _require(job, rows, base.complete, cand.complete, rules)
+    nothing = _nothing_compared(job, rows, base.complete, cand.complete, rules)
+    if nothing is not None:
+        rows.append(nothing)
     return rows, warnings
+
+
+def _plain(value: Any) -> Any:
+    """A provenance field as a hashable value, whatever a damaged file holds there."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def machine_of(run: Run) -> tuple[Any, ...] | None:
     prov = run.provenance
     if not prov:
         return None
-    cpu, gpu = prov.get("cpu") or {}, prov.get("gpu") or {}
-    return (prov.get("hostname_hash"), cpu.get("model"), cpu.get("logical_cpus"),
-            gpu.get("name"), gpu.get("count"), prov.get("torch_num_threads"))
+    cpu, gpu = prov.get("cpu"), prov.get("gpu")
+    cpu, gpu = cpu if isinstance(cpu, dict) else {}, gpu if isinstance(gpu, dict) else {}
+    return tuple(_plain(v) for v in (prov.get("hostname_hash"), cpu.get("model"),
+                                     cpu.get("logical_cpus"), gpu.get("name"), gpu.get("count"),
+                                     prov.get("torch_num_threads")))
 
 
 def _describe_machines(machines: set[tuple[Any, ...]]) -> str:
@@ -247,14 +356,22 @@ def machine_warnings(base: Side, cand: Side) -> list[str]:
             f"{_describe_machines(mb)}; candidate {_describe_machines(mc)}"]
 
 
-def apply_machine_rule(result: GateResult, rules: GateRules, different: bool) -> None:
-    """Under `different_machine: inconclusive`, timing verdicts across machines are void."""
+def unknown_machines(base: Side, cand: Side) -> list[str]:
+    """Complete runs whose machine cannot be told (no readable provenance.json)."""
+    return [str(run.path) for side in (base, cand) for group in side.groups.values()
+            for run in group.complete if machine_of(run) is None]
+
+
+def apply_machine_rule(result: GateResult, rules: GateRules, different: bool,
+                       why: str = "different machines") -> None:
+    """Under `different_machine: inconclusive`, timing verdicts across machines are void (and
+    so are they when a run's machine is unknown: the rule could not be checked)."""
     if not different or rules.different_machine != "inconclusive":
         return
     for row in result.rows:
         if row.kind == "timing" and row.verdict in ("pass", "improved", "regression"):
             row.verdict = "inconclusive"
-            row.note = "different machines (rules.different_machine: inconclusive)"
+            row.note = f"{why} (rules.different_machine: inconclusive)"
 
 
 def config_differences(base: Side, cand: Side, limit: int = 8) -> list[str]:
@@ -315,4 +432,9 @@ def compare_sides(base: Side, cand: Side, rules: GateRules,
     different = machine_warnings(base, cand)
     result.warnings += different
     apply_machine_rule(result, rules, bool(different))
+    unknown = unknown_machines(base, cand)
+    if unknown and rules.different_machine == "inconclusive":
+        result.warnings.append(f"{len(unknown)} run(s) have no readable provenance.json (e.g. "
+                               f"{unknown[0]}): their machine is unknown")
+        apply_machine_rule(result, rules, True, "machine unknown")
     return result

@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from harness.metrics import REGISTRY
+
 AB_FILE = "ab.json"
 _REPEAT = re.compile(r"^repeat-(\d+)$")
 
 
 class InputError(ValueError):
-    """A folder the gate cannot read as a run, repeats, sweep or A/B folder."""
+    """A folder the gate cannot read as a run, repeats, sweep or A/B folder, or a file in it
+    that is not what the harness writes."""
 
 
 @dataclass
@@ -35,6 +39,7 @@ class Run:
     metrics: dict[str, Any]
     provenance: dict[str, Any] | None
     config: dict[str, Any] | None
+    notes: list[str] = field(default_factory=list)  # optional files that could not be used
 
 
 @dataclass
@@ -57,25 +62,135 @@ class Side:
     notes: list[str] = field(default_factory=list)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _read_text(path: Path) -> str:
+    """A file's text; anything that keeps it from being read is an InputError naming it."""
+    if not path.is_file():
+        what = "is a folder, not a file" if path.is_dir() else "no such file"
+        raise InputError(f"{path}: {what}")
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text (byte {exc.start}); a damaged or "
+                         "binary file?") from exc
+    except OSError as exc:
+        raise InputError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object (summary.json, ab.json, provenance.json)."""
+    text = _read_text(path)
+    if not text.strip():
+        raise InputError(f"{path}: empty file; expected a JSON object")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column "
+                         f"{exc.colno}); truncated or damaged?") from exc
+    except RecursionError as exc:
+        raise InputError(f"{path}: JSON nested too deeply") from exc
+    except ValueError as exc:  # e.g. an integer past Python's 4300-digit conversion limit
+        raise InputError(f"{path}: not usable JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: expected a JSON object, got {_kind(value)}")
+    return value
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file (config.yaml, .hydra/overrides.yaml), parsed safely."""
+    text = _read_text(path)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InputError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from exc
+    except RecursionError as exc:
+        raise InputError(f"{path}: YAML nested too deeply") from exc
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's type in JSON's words, for error messages."""
+    if value is None:
+        return "null"
+    names = {bool: "a boolean", str: "a string", list: "a list", dict: "an object"}
+    for kind, name in names.items():
+        if isinstance(value, kind):
+            return f"{name} ({_short(value)})"
+    return f"a number ({value!r})" if isinstance(value, int | float) else type(value).__name__
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def is_number(value: Any) -> bool:
+    """A metric value the gate can compare: an int or float (finite or not), never a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _metrics(summary: dict[str, Any], path: Path) -> dict[str, Any]:
+    """summary.json's `metrics`: absent or null reads as no metrics (the comparison then says
+    so); anything but a mapping of registry names to numbers or null is an error."""
+    metrics = summary.get("metrics")
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise InputError(f"{path}: `metrics` must be an object of metric names to numbers, "
+                         f"got {_kind(metrics)}")
+    out = dict(metrics)
+    for name, value in metrics.items():
+        if name not in REGISTRY or value is None:
+            continue
+        if not is_number(value):
+            raise InputError(f"{path}: metrics.{name}: {_short(value)} is not a number "
+                             "(allowed: a number or null)")
+        try:
+            out[name] = float(value)  # JSON integers have no bound; the comparison needs floats
+        except OverflowError as exc:
+            raise InputError(f"{path}: metrics.{name}: an integer of {len(str(value))} digits "
+                             "is out of range") from exc
+    return out
+
+
+def _optional_mapping(path: Path, notes: list[str],
+                      reader: Callable[[Path], Any]) -> dict[str, Any] | None:
+    """provenance.json and config.yaml only inform warnings: a damaged one is a note (the
+    check it feeds is skipped for this run), not a reason to refuse the comparison."""
+    if not path.exists():
         return None
+    try:
+        value = reader(path)
+    except InputError as exc:
+        notes.append(f"{exc}; not used")
+        return None
+    if not isinstance(value, dict):
+        notes.append(f"{path}: expected a mapping, got {_kind(value)}; not used")
+        return None
+    return value
 
 
 def read_run(path: Path) -> Run:
-    summary = _read_json(path / "summary.json")
-    if summary is None:
-        return Run(path, "missing", f"no readable summary.json in {path}", {}, None, None)
-    config = None
-    if (path / "config.yaml").is_file():
-        config = yaml.safe_load((path / "config.yaml").read_text())
-    status = summary.get("status") or "missing"
+    summary_path = path / "summary.json"
+    if not summary_path.exists():  # a run cut short before its first summary: left out
+        return Run(path, "missing", f"no summary.json in {path}", {}, None, None)
+    summary = read_json_object(summary_path)
+    status = summary.get("status")
+    if status is not None and not isinstance(status, str):
+        raise InputError(f"{summary_path}: `status` must be a string such as 'complete', "
+                         f"got {_kind(status)}")
+    status = status or "missing"
     if status == "running":  # a run that never wrote its final summary was cut short
         status = "incomplete"
-    return Run(path, status, summary.get("error"), dict(summary.get("metrics") or {}),
-               _read_json(path / "provenance.json"), config)
+    error = summary.get("error")
+    notes: list[str] = []
+    metrics = _metrics(summary, summary_path)
+    if status == "complete" and not any(name in REGISTRY for name in metrics):
+        held = ("absent" if "metrics" not in summary else "null" if summary["metrics"] is None
+                else "empty" if not metrics else "without any registry metric")
+        notes.append(f"{summary_path}: status complete but `metrics` is {held}")
+    provenance = _optional_mapping(path / "provenance.json", notes, read_json_object)
+    config = _optional_mapping(path / "config.yaml", notes, read_yaml)
+    return Run(path, status, None if error is None else str(error), metrics, provenance, config,
+               notes)
 
 
 def _repeat_dirs(path: Path) -> list[Path]:
@@ -106,13 +221,58 @@ def _job_sort_key(path: Path) -> tuple[bool, int, str]:
     return (not path.name.isdigit(), int(path.name) if path.name.isdigit() else 0, path.name)
 
 
+def _round_dir(value: Any, where: str) -> str | None:
+    """A round's run folder name: a plain name inside the A/B folder, as `gate ab` writes
+    (never a path that leads out of it)."""
+    if value is None or value == "":
+        return None
+    if (not isinstance(value, str) or value in (".", "..") or "/" in value
+            or "\\" in value):
+        raise InputError(f"{where}: {_short(value)} is invalid; allowed: the name of a run "
+                         "folder inside the A/B folder (e.g. 'round-0-a')")
+    return value
+
+
+def ab_rounds(path: Path) -> list[dict[str, Any]]:
+    """The measured rounds of an A/B folder's ab.json, checked: a list of objects whose `a` and
+    `b` name run folders inside `path`."""
+    ab_path = path / AB_FILE
+    ab = read_json_object(ab_path)
+    rounds = ab.get("rounds", [])
+    if not isinstance(rounds, list):
+        raise InputError(f"{ab_path}: `rounds` must be a list of rounds, got {_kind(rounds)}")
+    out = []
+    for k, entry in enumerate(rounds):
+        if not isinstance(entry, dict):
+            raise InputError(f"{ab_path}: rounds[{k}] must be an object with `a` and `b`, "
+                             f"got {_kind(entry)}")
+        names = {role: _round_dir(entry.get(role), f"{ab_path}: rounds[{k}].{role}")
+                 for role in ("a", "b")}
+        out.append({**entry, **names})
+    return out
+
+
 def load_ab_side(path: Path, role: str) -> Side:
     """One side of an A/B folder: role `a` (baseline) or `b` (candidate), in round order."""
-    ab = _read_json(path / AB_FILE)
-    if ab is None:
-        raise InputError(f"{path}: no readable {AB_FILE}")
-    runs = [read_run(path / entry[role]) for entry in ab.get("rounds", []) if entry.get(role)]
+    runs = [read_run(path / entry[role]) for entry in ab_rounds(path) if entry[role]]
     return Side(path, "ab", {(): Group(f"{role} side of {path.name}", runs)})
+
+
+def read_overrides(job: Path) -> list[str]:
+    """A sweep job's Hydra overrides (.hydra/overrides.yaml: a list of `key=value` strings)."""
+    path = job / ".hydra" / "overrides.yaml"
+    overrides = read_yaml(path)
+    if overrides is None:
+        return []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise InputError(f"{path}: expected a list of override strings such as "
+                         f"'engine.kv_cache=paged', got {_kind(overrides)}")
+    return overrides
+
+
+def _is_run_or_repeats(path: Path) -> bool:
+    # exists(), not is_file(): a summary.json that is not a file is reported, not skipped
+    return (path / "summary.json").exists() or bool(_repeat_dirs(path))
 
 
 def load_side(path: str | Path, role: str, ignore: set[str] | None = None) -> Side:
@@ -120,22 +280,20 @@ def load_side(path: str | Path, role: str, ignore: set[str] | None = None) -> Si
     path = Path(path)
     ignore = ignore or set()
     if not path.is_dir():
-        raise InputError(f"{path}: not a folder")
-    if (path / AB_FILE).is_file():
+        raise InputError(f"{path}: {'not a folder' if path.exists() else 'no such folder'}")
+    if (path / AB_FILE).exists():
         return load_ab_side(path, role)
-    if (path / "summary.json").is_file():
+    if (path / "summary.json").exists():
         group = read_group(path, path.name)
         kind = "repeats" if len(group.runs) > 1 or _repeat_dirs(path) else "run"
         return Side(path, kind, {(): group})
-    children = sorted((p for p in path.iterdir() if p.is_dir()
-                       and ((p / "summary.json").is_file() or _repeat_dirs(p))),
+    children = sorted((p for p in path.iterdir() if p.is_dir() and _is_run_or_repeats(p)),
                       key=_job_sort_key)
-    jobs = [p for p in children if (p / ".hydra" / "overrides.yaml").is_file()]
+    jobs = [p for p in children if (p / ".hydra" / "overrides.yaml").exists()]
     if jobs:
         side = Side(path, "sweep", {})
         for job in jobs:
-            overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []
-            key = override_key([str(o) for o in overrides], ignore)
+            key = override_key(read_overrides(job), ignore)
             if key in side.groups:
                 side.notes.append(f"{path}: jobs {side.groups[key].label} and {job.name} have "
                                   f"the same overrides {list(key)}; using the first")

@@ -3,6 +3,8 @@ once. Every error names the field (`rules.timing.min_effect`) and what it may be
 
 from __future__ import annotations
 
+import argparse
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,11 @@ from harness.metrics import REGISTRY
 DEFAULT_RULES = Path(__file__).resolve().parents[1] / "configs" / "gate" / "default.yaml"
 NEUTRAL_CHANGE = ("regression", "warn")
 DIFFERENT_MACHINE = ("warn", "inconclusive")
+# A bound on memory, not on precision: the bootstrap holds resamples x runs indices and values
+# per side (10^6 resamples of 10 runs: about 320 MB); the default 10^4 is plenty.
+MAX_RESAMPLES = 1_000_000
 _SCHEMA: dict[str, Any] = {
-    "metrics": {"timing": None, "deterministic": None, "exclude": None},
+    "metrics": {"timing": None, "deterministic": None, "exclude": None, "require": None},
     "timing": {"statistic": None, "min_effect": None, "confidence": None, "resamples": None,
                "min_samples": None, "seed": None},
     "deterministic": {"rel_tol": None, "abs_tol": None, "neutral_change": None},
@@ -41,6 +46,7 @@ class GateRules:
     neutral_change: str
     different_machine: str
     per_metric: dict[str, dict[str, float]] = field(default_factory=dict)
+    required_metrics: tuple[str, ...] = ()  # absent on either side: inconclusive (exit 2)
 
     def min_effect_for(self, metric: str) -> float:
         return self.per_metric.get(metric, {}).get("min_effect", self.min_effect)
@@ -51,7 +57,8 @@ class GateRules:
 
     def to_dict(self) -> dict[str, Any]:
         return {"metrics": {"timing": list(self.timing_metrics),
-                            "deterministic": list(self.deterministic_metrics)},
+                            "deterministic": list(self.deterministic_metrics),
+                            "require": list(self.required_metrics)},
                 "timing": {"statistic": self.bootstrap.statistic, "min_effect": self.min_effect,
                            "confidence": self.bootstrap.confidence,
                            "resamples": self.bootstrap.resamples,
@@ -85,7 +92,9 @@ def _check_keys(values: Any, schema: dict[str, Any], where: str) -> None:
 
 def _number(value: Any, where: str, low: float, high: float | None = None,
             low_open: bool = False, high_open: bool = False) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    # nan fails every comparison below; inf is refused by name (an infinite tolerance would
+    # make every counter equal: a check that cannot fail)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (value > low if low_open else value >= low) and (
             high is None or (value < high if high_open else value <= high))
@@ -96,9 +105,11 @@ def _number(value: Any, where: str, low: float, high: float | None = None,
     return float(value)
 
 
-def _integer(value: Any, where: str, low: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise RulesError(f"{where}: {value!r} is invalid; allowed: an integer >= {low}")
+def _integer(value: Any, where: str, low: int, high: int | None = None) -> int:
+    if (not isinstance(value, int) or isinstance(value, bool) or value < low
+            or (high is not None and value > high)):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise RulesError(f"{where}: {value!r} is invalid; allowed: an integer {allowed}")
     return value
 
 
@@ -157,8 +168,25 @@ def _per_metric(value: Any, gated: set[str]) -> dict[str, dict[str, float]]:
     return out
 
 
-def parse_rules(values: dict[str, Any]) -> GateRules:
-    """Validate a merged rules mapping into GateRules."""
+def _required(value: Any, where: str, gated: set[str]) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise RulesError(f"{where}: expected a list of metric names, got {value!r}")
+    for name in value:
+        metric = REGISTRY.get(name)
+        if metric is None:
+            raise RulesError(f"{where}: unknown metric {name!r}; allowed: a metric that gates "
+                             f"under these rules: {sorted(gated)}")
+        if name not in gated:
+            raise RulesError(f"{where}: {name!r} does not gate under these rules; add it to "
+                             f"rules.metrics.{metric.kind} (and out of rules.metrics.exclude)")
+    return tuple(dict.fromkeys(value))
+
+
+def parse_rules(values: dict[str, Any], require: tuple[str, ...] = ()) -> GateRules:
+    """Validate a merged rules mapping into GateRules; `require` adds the metrics named with
+    --require-metric to rules.metrics.require."""
     _check_keys(values, _SCHEMA, "rules")
     metrics, timing, det = values["metrics"], values["timing"], values["deterministic"]
     exclude = metrics.get("exclude") or []
@@ -173,12 +201,20 @@ def parse_rules(values: dict[str, Any]) -> GateRules:
     deterministic_metrics = tuple(
         m for m in _metric_list(metrics["deterministic"], "rules.metrics.deterministic",
                                 "deterministic") if m not in exclude)
+    gated = set(timing_metrics) | set(deterministic_metrics)
+    if not gated:
+        raise RulesError("rules.metrics: no metric gates (rules.metrics.timing and "
+                         "rules.metrics.deterministic are empty, or all excluded), so the gate "
+                         "would compare nothing; name at least one metric")
+    required = _required(metrics.get("require"), "rules.metrics.require", gated)
+    required += tuple(m for m in _required(list(require), "--require-metric", gated)
+                      if m not in required)
     statistic = _choice(timing["statistic"], "rules.timing.statistic", STATISTICS)
     bootstrap = BootstrapSettings(
         statistic=statistic,  # type: ignore[arg-type]
         confidence=_number(timing["confidence"], "rules.timing.confidence", 0.5, 1.0,
                            high_open=True),
-        resamples=_integer(timing["resamples"], "rules.timing.resamples", 100),
+        resamples=_integer(timing["resamples"], "rules.timing.resamples", 100, MAX_RESAMPLES),
         seed=_integer(timing["seed"], "rules.timing.seed", 0),
     )
     return GateRules(
@@ -194,26 +230,41 @@ def parse_rules(values: dict[str, Any]) -> GateRules:
                                NEUTRAL_CHANGE),
         different_machine=_choice(values["different_machine"], "rules.different_machine",
                                   DIFFERENT_MACHINE),
-        per_metric=_per_metric(values.get("per_metric"),
-                               set(timing_metrics) | set(deterministic_metrics)),
+        per_metric=_per_metric(values.get("per_metric"), gated),
+        required_metrics=required,
     )
 
 
-def load_rules(path: str | Path | None = None) -> GateRules:
-    """The default rules, with the file at `path` (if any) merged over them."""
+def add_require_argument(parser: argparse.ArgumentParser) -> None:
+    """--require-metric, shared by `inferlab gate` and `inferlab gate ab`."""
+    parser.add_argument("--require-metric", action="append", default=[], metavar="NAME",
+                        help="a gated metric that must be present in every complete run of "
+                             "both sides, else exit 2 (repeatable; adds to the rules' "
+                             "metrics.require)")
+
+
+def load_rules(path: str | Path | None = None, require: tuple[str, ...] = ()) -> GateRules:
+    """The default rules, with the file at `path` (if any) merged over them, and the metrics
+    of --require-metric (`require`) added to rules.metrics.require."""
     defaults = yaml.safe_load(DEFAULT_RULES.read_text())
     if path is None:
-        return parse_rules(defaults)
+        return parse_rules(defaults, require)
     path = Path(path)
     if not path.is_file():
         raise RulesError(f"--rules: {path} is not a file")
     try:
-        user = yaml.safe_load(path.read_text())
+        user = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RulesError(f"--rules: {path} is not UTF-8 text (byte {exc.start})") from exc
+    except OSError as exc:
+        raise RulesError(f"--rules: {path} cannot be read: {exc.strerror or exc}") from exc
     except yaml.YAMLError as exc:
         raise RulesError(f"--rules: {path} is not valid YAML: {exc}") from exc
+    except RecursionError as exc:
+        raise RulesError(f"--rules: {path} is nested too deeply") from exc
     if user is None:
         user = {}
     if not isinstance(user, dict):
         raise RulesError(f"rules: {path} must hold a mapping, got {type(user).__name__}")
     _check_keys(user, _SCHEMA, "rules")
-    return parse_rules(_merge(defaults, user))
+    return parse_rules(_merge(defaults, user), require)
