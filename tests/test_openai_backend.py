@@ -20,6 +20,7 @@ from engines.base import Arrived, Failed, Finished, GenerationRequest, Tokenized
 from engines.builtin.tokenizer import default_tokenizer
 from engines.openai.backend import UNKNOWN_TOKEN_ID, OpenAIBackend
 from engines.openai.config import OpenAIConfig, OpenAIConfigError
+from engines.openai.servers import DIALECTS
 from engines.openai.sse import SSEParser
 from engines.sampling_params import SamplingParams
 from harness.driver import Driver
@@ -50,6 +51,7 @@ class Reply:
     status: int = 200
     body: bytes = b""
     raise_after: Exception | None = None
+    content_type: str = "text/event-stream"  # application/json: `body` as one whole answer
 
 
 class ScriptedServer:
@@ -59,11 +61,13 @@ class ScriptedServer:
     have arrived, so every send happens at the same fake instant."""
 
     def __init__(self, clock: FakeClock, script: Callable[[dict[str, Any]], Reply],
-                 expected: int = 1, models: list[dict[str, Any]] | None = None) -> None:
+                 expected: int = 1, models: list[dict[str, Any]] | None = None,
+                 pages: dict[str, Any] | None = None) -> None:
         self.clock = clock
         self.script = script
         self.expected = expected
         self.models = models if models is not None else []
+        self.pages = pages or {}  # GET path -> JSON, beside /v1/models (others: 404)
         self.bodies: list[dict[str, Any]] = []
         self.requests: list[httpx.Request] = []
         self.transport = httpx.MockTransport(self.handle)
@@ -71,11 +75,15 @@ class ScriptedServer:
     async def handle(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
         if request.method == "GET":
-            return httpx.Response(200, json={"object": "list", "data": self.models})
+            if request.url.path.endswith("/v1/models"):
+                return httpx.Response(200, json={"object": "list", "data": self.models})
+            if request.url.path in self.pages:
+                return httpx.Response(200, json=self.pages[request.url.path])
+            return httpx.Response(404, json={"detail": "Not Found"})
         body = json.loads(await request.aread())
         self.bodies.append(body)
         reply = self.script(body)
-        if reply.status >= 400:
+        if reply.status >= 400 or reply.content_type == "application/json":
             return httpx.Response(reply.status, content=reply.body,
                                   headers={"content-type": "application/json"})
         return httpx.Response(200, content=self._stream(reply),
@@ -197,7 +205,12 @@ CASES = [
          ["Hi", " there"], "length", 9, 2, True),
     Case("llamacpp_completions_nousage.sse", "llamacpp", "completions", "none",
          [(UNKNOWN_TOKEN_ID,)] * 3, [" Paris", " is", " big"], "length", 3, 3, False),
+    # one chunk per token and no usage: counted one per chunk (its dialect's rule), even with
+    # a tokenizer at hand whose pieces would give another count
+    Case("llama_cpp_python_completions.sse", "llama_cpp_python", "completions", "auto",
+         [(UNKNOWN_TOKEN_ID,)] * 4, ["'s", " rays", ",", " which"], "length", None, 4, False),
 ]
+WHOLE_TOKENS = 4  # in llama_cpp_python_completions.sse
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.fixture for c in CASES])
@@ -208,7 +221,8 @@ def test_fixture_stream_becomes_the_right_events(case: Case) -> None:
     server = ScriptedServer(clock, lambda body: Reply(list(zip(times, reads, strict=True))))
     backend = backend_for(server, clock, server=case.server, api=case.api,
                           tokenizer=case.tokenizer)
-    prompt: Any = [5, 6, 7] if case.api == "completions" and case.server != "tgi" else "Hi"
+    ids_taken = case.api == "completions" and DIALECTS[case.server].token_prompts
+    prompt: Any = [5, 6, 7] if ids_taken else "Hi"
     events = collect(backend, request(prompt=prompt, max_tokens=4))["r0"]
 
     assert isinstance(events[0], Arrived) and events[0].time_ns == T0
@@ -224,7 +238,8 @@ def test_fixture_stream_becomes_the_right_events(case: Case) -> None:
     for t in tokens:
         text = json.dumps(t.text)
         read = next(k for k, d in enumerate(data_of)
-                    if f'"text":{text}' in d or f'"content":{text}' in d)
+                    if any(f'"{key}":{space}{text}' in d
+                           for key in ("text", "content") for space in ("", " ")))
         assert t.time_ns == times[read]
     [finished] = of(events, Finished)
     assert events[-1] is finished and not of(events, Failed)
@@ -368,7 +383,8 @@ def test_timeout_and_truncated_stream_fail_with_a_reason() -> None:
     out = collect(backend_for(server, clock, timeout_s=5), request("slow", prompt=(1,)),
                   request("cut", prompt=(2,)))
     assert "timeout (engine.timeout_s=5)" in of(out["slow"], Failed)[0].error
-    assert "stream closed before the server finished" in of(out["cut"], Failed)[0].error
+    assert of(out["cut"], Failed)[0].error == (
+        "stream closed (no [DONE]) without a finish_reason after 1 tokens")
     for events in out.values():  # the token that did arrive is kept, at its own time
         assert [(t.token_ids, t.time_ns) for t in of(events, Tokens)] == [((279,), T0 + TICK)]
         assert isinstance(events[-1], Failed) and not of(events, Finished)
@@ -382,6 +398,130 @@ def test_unsendable_prompt_fails_alone_with_a_clear_reason() -> None:
     assert isinstance(failed, Failed)
     assert "needs a tokenizer" in failed.error and "engine.tokenizer" in failed.error
     assert server.bodies == []
+
+
+# ---- a request succeeds only when the server said how it finished ---------------------------
+
+
+def data(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def completion_chunk(text: str, finish: str | None = None) -> bytes:
+    return data({"object": "text_completion",
+                 "choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+
+
+def at(*reads: bytes) -> list[tuple[int, bytes]]:
+    return [(T0 + (k + 1) * TICK, r) for k, r in enumerate(reads)]
+
+
+FAILURE_SHAPES: dict[str, tuple[Reply, str]] = {
+    # llama-cpp-python cuts a stream for the next request: [DONE] and no finish_reason
+    "done_without_finish_reason": (
+        Reply(at(*fixture_reads("llama_cpp_python_interrupted.sse"))),
+        "stream ended without a finish_reason after 4 tokens"),
+    "closed_mid_stream": (
+        Reply(at(completion_chunk(" a")), raise_after=httpx.RemoteProtocolError(
+            "peer closed connection without sending complete message body")),
+        "HTTP error on POST http://scripted/v1/completions: RemoteProtocolError: peer closed"),
+    "closed_without_done": (
+        Reply(at(completion_chunk(" a"), completion_chunk(" b"))),
+        "stream closed (no [DONE]) without a finish_reason after 2 tokens"),
+    "http_500": (
+        Reply(status=500, body=b'{"error":{"message":"list index out of range",'
+                               b'"type":"internal_server_error"}}'),
+        'HTTP 500 from POST http://scripted/v1/completions: {"error":{"message":"list index'),
+    "error_event": (
+        Reply(at(completion_chunk(" a"), data({"error": {
+            "message": "out of memory", "type": "InternalServerError", "code": 500}}),
+            b"data: [DONE]\n\n")),
+        "server error in stream: InternalServerError 500: out of memory"),
+    "not_streamed_without_finish_reason": (
+        Reply(content_type="application/json", body=json.dumps({
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": " a b", "finish_reason": None}]}).encode()),
+        "response (not streamed) without a finish_reason after 1 tokens"),
+    "malformed_chunk": (
+        Reply(at(data({"object": "text_completion", "choices": ["a"]}),
+                 b"data: [DONE]\n\n")),
+        "server error in stream: malformed SSE data (AttributeError"),
+}
+
+
+@pytest.mark.parametrize("shape", list(FAILURE_SHAPES))
+def test_every_unfinished_answer_is_a_failed_request(shape: str) -> None:
+    reply, needle = FAILURE_SHAPES[shape]
+    clock = FakeClock()
+    server = ScriptedServer(clock, lambda b: reply if b["prompt"][0] == ord("x")
+                            else vllm_stream("a", SCHEDULE["a"], 6), expected=2)
+    backend = backend_for(server, clock, tokenizer="none")
+    frames = run_driver(backend, workload(["a", "x"]), clock)
+    requests = frames["requests"].set_index("request_id")
+    assert requests.loc["a", "status"] == "ok"
+    assert requests.loc["x", "status"] == "failed"
+    assert requests.loc["x", "error"].startswith(needle), requests.loc["x", "error"]
+    summary = compute_summary(frames["requests"], frames["tokens"], frames["steps"])
+    assert (summary["num_completed"], summary["num_failed"]) == (1, 1)
+    live = backend.describe()["client"]
+    assert (live["requests_finished"], live["requests_failed"]) == (1, 1)
+
+
+def test_an_interrupting_server_at_concurrency_two_fails_every_cut_stream() -> None:
+    """llama-cpp-python ends the running stream with [DONE] (no finish_reason) whenever another
+    request waits: at concurrency 2, 7 of 8 requests were cut and used to count as successes
+    with 1 output token each."""
+    clock = FakeClock()
+    interrupted = fixture_reads("llama_cpp_python_interrupted.sse")
+    whole = fixture_reads("llama_cpp_python_completions.sse")
+    sent: list[int] = []
+
+    def script(body: dict[str, Any]) -> Reply:
+        sent.append(1)
+        reads = whole if len(sent) == 8 else interrupted  # only the last one runs alone
+        return Reply([(clock.now + (k + 1) * TICK, r) for k, r in enumerate(reads)])
+
+    server = ScriptedServer(clock, script)
+    backend = backend_for(server, clock, server="llama_cpp_python")
+    items = workload(list("abcdefgh"))
+    rows: dict[str, list[dict[str, Any]]] = {"requests": [], "tokens": [], "steps": []}
+    Driver(backend, lambda table, row: rows[table].append(row), clock=clock).run(
+        items, concurrency=2)
+    requests = pd.DataFrame(rows["requests"], columns=COLUMNS["requests"])
+    assert (requests["status"] == "failed").sum() == 7
+    failed = requests[requests["status"] == "failed"]
+    assert set(failed["error"]) == {"stream ended without a finish_reason after 4 tokens"}
+    [ok] = requests[requests["status"] == "ok"].itertuples()
+    assert ok.finish_reason == "length" and ok.output_tokens == WHOLE_TOKENS
+    summary = compute_summary(requests, pd.DataFrame(rows["tokens"], columns=COLUMNS["tokens"]),
+                              pd.DataFrame(rows["steps"], columns=COLUMNS["steps"]))
+    assert (summary["num_completed"], summary["num_failed"]) == (1, 7)
+
+
+def test_a_whole_json_answer_with_a_finish_reason_is_a_success() -> None:
+    clock = FakeClock()
+    answers = {
+        "completions": {"object": "text_completion", "choices": [
+            {"index": 0, "text": " a b", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}},
+        "chat": {"object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": " a b"},
+             "finish_reason": "stop"}]},
+    }
+    for api, answer in answers.items():
+        server = ScriptedServer(clock, lambda b, a=answer: Reply(
+            content_type="application/json", body=json.dumps(a).encode()))
+        clock.now = T0 + 5 * TICK  # the answer arrives at once: every token at this time
+        events = collect(backend_for(server, clock, api=api, tokenizer="auto"),
+                         request(prompt="Hi"))["r0"]
+        [finished] = of(events, Finished)
+        assert not of(events, Failed) and finished.text == " a b"
+        assert finished.finish_reason == answer["choices"][0]["finish_reason"]
+        tokens = of(events, Tokens)
+        assert {t.time_ns for t in tokens} == {T0 + 5 * TICK}
+        usage = answer.get("usage")
+        assert finished.num_output_tokens == (usage["completion_tokens"] if usage
+                                              else sum(len(t.token_ids) for t in tokens))
 
 
 # ---- request dialects ---------------------------------------------------------------------
@@ -426,6 +566,19 @@ def test_tgi_and_generic_send_only_what_they_accept() -> None:
     generic = sent_body("generic", top_k=3)
     assert set(generic) == {"model", "stream", "prompt", "max_tokens", "temperature", "top_p",
                             "stream_options", "priority"}
+
+
+def test_llama_cpp_python_gets_text_and_min_tokens_and_its_samplers_off() -> None:
+    body = sent_body("llama_cpp_python")
+    tok = default_tokenizer()
+    # it refuses token-id prompts (pydantic: `prompt: str | list[str]`): the ids go as text
+    assert body["prompt"] == tok.decode([5, 6, 7], skip_special_tokens=False)
+    # no ignore_eos and n_predict there; min_tokens masks its EOS until max_tokens are out
+    assert body["min_tokens"] == body["max_tokens"] == 4
+    assert (body["top_k"], body["top_p"], body["min_p"], body["repeat_penalty"]) == (
+        0, 1.0, 0.0, 1.0)
+    assert not {"n_predict", "ignore_eos", "return_token_ids"} & set(body)
+    assert "min_tokens" not in sent_body("llama_cpp_python", ignore_eos=False)
 
 
 def test_chat_api_sends_messages_and_completions_renders_chat_prompts() -> None:
@@ -578,7 +731,8 @@ def test_warmup_requests_stay_out_of_the_client_figures() -> None:
 
 @pytest.mark.parametrize("options,needle", [
     ({"api": "responses"}, "engine.api: 'responses' is invalid; allowed: completions|chat"),
-    ({"server": "ollama"}, "allowed: vllm|sglang|tgi|llamacpp|generic"),
+    ({"server": "ollama"}, "allowed: vllm|sglang|tgi|llamacpp|llama_cpp_python|generic|auto"),
+    ({"server": "auto", "check_server": False}, "'auto' asks the server which it is at load"),
     ({"base_url": "localhost:8000"}, "engine.base_url"),
     ({"timeout_s": 0}, "engine.timeout_s: 0 is invalid"),
     ({"max_connections": 0}, "engine.max_connections: 0 is invalid; allowed: an integer >= 1"),
@@ -610,6 +764,52 @@ def test_load_checks_the_server_and_sends_the_key(monkeypatch: pytest.MonkeyPatc
     other = ScriptedServer(clock, lambda b: Reply(), models=[{"id": "llama", "object": "model"}])
     with pytest.raises(ValueError, match=r"engine.model: 'tiny' is not served .* \['llama'\]"):
         backend_for(other, clock, check_server=True)
+
+
+LLAMA_CPP_PYTHON_CARD = {"id": "tiny", "object": "model", "owned_by": "me", "permissions": []}
+DETECTIONS = [
+    # requested, models' owned_by, other pages, dialect used, detected
+    ("llamacpp", "me", {}, "llama_cpp_python", "llama_cpp_python"),
+    ("llamacpp", "llamacpp", {}, "llamacpp", "llamacpp"),
+    ("auto", "vllm", {}, "vllm", "vllm"),
+    ("auto", "inferlab", {}, "vllm", "vllm"),
+    ("auto", "sglang", {}, "sglang", "sglang"),
+    ("auto", "someone", {"/openapi.json": {"info": {"title": "\U0001f999 llama.cpp Python API"}}},
+     "llama_cpp_python", "llama_cpp_python"),
+    ("auto", "system", {"/info": {"router": "text-generation-router"}}, "tgi", "tgi"),
+    ("auto", "openai", {}, "generic", None),
+    ("vllm", "me", {}, "vllm", "llama_cpp_python"),  # a named server is used as named
+]
+
+
+@pytest.mark.parametrize("requested,owner,pages,used,detected", DETECTIONS,
+                         ids=[f"{d[0]}-{d[1]}" for d in DETECTIONS])
+def test_the_server_that_answers_picks_the_dialect(
+        requested: str, owner: str, pages: dict[str, Any], used: str, detected: str | None,
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    reads = fixture_reads("llama_cpp_python_completions.sse")
+    server = ScriptedServer(clock, lambda b: Reply(at(*reads)), pages=pages,
+                            models=[{**LLAMA_CPP_PYTHON_CARD, "owned_by": owner}])
+    with caplog.at_level("INFO", logger="engines.openai.backend"):
+        backend = backend_for(server, clock, check_server=True, server=requested)
+    facts = backend.describe()
+    assert (facts["server"], facts["server_requested"], facts["server_detected"]) == (
+        used, requested, detected)
+    assert facts["server_detection"].startswith("GET http://scripted" if detected
+                                                else "no known signature")
+    assert backend.dialect is DIALECTS[used]
+    collect(backend, request())
+    [body] = server.bodies
+    assert isinstance(body["prompt"], list) == DIALECTS[used].token_prompts
+    if requested == "vllm":  # kept as asked, and the mismatch said out loud
+        assert any("answers as llama_cpp_python" in r.getMessage() for r in caplog.records)
+    # only a dialect that is being chosen asks for pages beyond /v1/models
+    asked = {r.url.path for r in server.requests if r.method == "GET"}
+    assert asked <= ({"/v1/models"} | (set(pages) | {"/openapi.json", "/info"}
+                                       if requested in ("auto", "llamacpp") else set()))
+    if requested == "vllm":
+        assert asked == {"/v1/models"}
 
 
 def test_engine_openai_composes_from_the_config_group() -> None:

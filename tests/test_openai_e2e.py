@@ -127,6 +127,9 @@ def test_harness_workload_through_inferlab_serve_matches_the_engine(server: str,
     engine = summary["engine"]
     assert engine["backend"] == "openai" and engine["served_model"] == "tiny"
     assert engine["max_model_len"] == 256  # from GET /v1/models
+    # inferlab serve says who it is (owned_by) and speaks vLLM's dialect
+    assert (engine["server"], engine["server_detected"]) == ("vllm", "vllm")
+    assert engine["server_detection"].endswith("/v1/models: owned_by='inferlab'")
 
     requests = pd.read_parquet(tmp_path / "run" / "requests.parquet")
     tokens = pd.read_parquet(tmp_path / "run" / "tokens.parquet")

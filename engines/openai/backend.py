@@ -4,8 +4,9 @@ Each request is one streaming POST to `/completions` or `/chat/completions` over
 `httpx.AsyncClient`. Every network read is timestamped on arrival with `clock` (the harness's
 `engines.base.now_ns` unless a test injects a scripted one); the events it completes carry that
 time: `Tokens` per content chunk, then `Tokenized` (prompt length) and `Finished` when the
-stream ends. An HTTP error, a timeout or an error event fails that request alone (`Failed`,
-with the status and body), never the run.
+stream ends. An HTTP error, a timeout, an error event, a dropped connection or a stream that
+ends before the server gave every choice a finish reason fails that request alone (`Failed`,
+with the status and body or what was missing), never the run: a cut stream is never a success.
 
 Token ids per chunk come from the server when it sends them (vLLM, SGLang with
 `return_token_ids`). Otherwise, when the server reports a usage count, the first counting rule
@@ -39,9 +40,15 @@ from engines.base import (
     now_ns,
 )
 from engines.builtin.tokenizer import Tokenizer, default_tokenizer, load_tokenizer
-from engines.openai.chunks import ChoiceDelta, Chunk, decode_event
+from engines.openai.chunks import ChoiceDelta, Chunk, decode_event, decode_response
 from engines.openai.config import OpenAIConfig
-from engines.openai.servers import DIALECTS, normalize_finish_reason
+from engines.openai.servers import (
+    DIALECTS,
+    FAMILIES,
+    SIGNATURES,
+    choose_dialect,
+    normalize_finish_reason,
+)
 from engines.openai.sse import SSEParser
 from engines.openai.stats import ClientStats, RequestTally
 
@@ -54,6 +61,7 @@ NO_STEP = -1  # HTTP has no engine steps
 # re-tokenized; nonempty_chunk: one per chunk with text. A per-token rule that adds up to the
 # server's count first: it keeps every token at the time its own chunk arrived.
 RULES = ("chunk", "chunk_with_final", "tokenizer", "nonempty_chunk")
+log = logging.getLogger(__name__)
 
 
 class OpenAIBackend(Backend):
@@ -66,7 +74,8 @@ class OpenAIBackend(Backend):
         self.config = config.validate()
         self.model_group = dict(model or {})
         self.clock = clock
-        self.dialect = DIALECTS[config.server]
+        # `auto` is settled by load()'s server check; until then, OpenAI's own fields only
+        self.dialect = DIALECTS[choose_dialect(config.server, None)]
         self.tokenizer: Tokenizer | None = None
         self.stats = ClientStats()
         self._transport = transport
@@ -94,6 +103,21 @@ class OpenAIBackend(Backend):
             else:
                 raise RuntimeError("OpenAIBackend.load() runs its server check with "
                                    "asyncio.run: call it outside a running event loop")
+        self._choose_dialect()
+
+    def _choose_dialect(self) -> None:
+        requested = self.config.server
+        detected = self._server_info.get("detected")
+        self.dialect = DIALECTS[choose_dialect(requested, detected)]
+        evidence = self._server_info.get("evidence")
+        if self.dialect.name != requested:
+            log.info("engine.server=%s: using the %s dialect (%s)", requested,
+                     self.dialect.name, evidence or "no server answered as a known one")
+        elif detected is not None and detected != requested:
+            log.warning("engine.server=%s, but the server at %s answers as %s (%s); its "
+                        "requests may be refused or come back short. Set engine.server=%s, "
+                        "or engine.server=auto", requested, self.config.base_url, detected,
+                        evidence, detected)
 
     def close(self) -> None:
         # The pool belongs to the event loop that made it (the driver runs one loop per
@@ -113,7 +137,13 @@ class OpenAIBackend(Backend):
             "base_url": cfg.base_url,
             "served_model": cfg.model,
             "api": cfg.api,
-            "server": cfg.server,
+            "server": self.dialect.name,  # the dialect every request was sent in
+            "server_requested": cfg.server,
+            # what the server said it is at load (None: not asked, or not a known server)
+            "server_detected": self._server_info.get("detected"),
+            "server_detection": self._server_info.get("evidence")
+            or ("not asked (engine.check_server=false)" if not cfg.check_server
+                else "no known signature (servers.SIGNATURES)"),
             "max_model_len": max_model_len,
             "exact_output_length": self.dialect.forces_length,
             "token_counting": counting,
@@ -143,7 +173,7 @@ class OpenAIBackend(Backend):
             return
         tally.build_ns = time.perf_counter_ns() - build_start
         state = _StreamState(request, body.get("messages", body.get("prompt")), self.tokenizer,
-                             tally)
+                             tally, self.dialect.count_rule)
         state.sent_ns = clock()
         yield Arrived(rid, NO_STEP, state.sent_ns)
         url = f"{self.config.base_url}{path}"
@@ -153,6 +183,18 @@ class OpenAIBackend(Backend):
                     text = (await response.aread()).decode("utf-8", errors="replace")
                     for event in state.fail(clock(), f"HTTP {response.status_code} from "
                                                      f"POST {url}: {text[:2000]}"):
+                        yield event
+                    return
+                if response.headers.get("content-type", "").startswith("application/json"):
+                    # the server ignored `stream: true` and sent the whole answer at once
+                    body_bytes = await response.aread()
+                    arrived = clock()
+                    start = time.perf_counter_ns()
+                    events = state.feed([decode_response(body_bytes)], arrived)
+                    if not state.ended:
+                        events += state.end_of_stream(arrived, "response (not streamed)")
+                    tally.overhead_ns.append(time.perf_counter_ns() - start)
+                    for event in events:
                         yield event
                     return
                 parser = SSEParser()
@@ -254,7 +296,8 @@ class OpenAIBackend(Backend):
         return httpx.AsyncClient(transport=transport, headers=headers, timeout=timeout)
 
     async def _probe(self) -> dict[str, Any]:
-        """GET /models: the server answers, serves the model, and (vLLM, SGLang) its context."""
+        """GET /models: the server answers, serves the model, and (vLLM, SGLang) its context;
+        then which server it is (`servers.SIGNATURES`)."""
         cfg = self.config
         url = f"{cfg.base_url}/models"
         async with self._new_client() as client:
@@ -263,22 +306,70 @@ class OpenAIBackend(Backend):
             except httpx.HTTPError as exc:
                 raise ConnectionError(f"engine.base_url: cannot reach GET {url}: "
                                       f"{type(exc).__name__}: {exc}") from exc
-        if response.status_code == 404:  # not every server lists its models
-            return {"models": None}
-        if response.status_code >= 400:
-            raise ConnectionError(f"engine.base_url: GET {url} answered HTTP "
-                                  f"{response.status_code}: {response.text[:500]}")
-        try:
-            cards = response.json().get("data") or []
-        except (ValueError, AttributeError):
-            return {"models": None}
-        models = [c.get("id") for c in cards if isinstance(c, dict)]
-        if models and cfg.model not in models:
-            raise ValueError(f"engine.model: {cfg.model!r} is not served at {cfg.base_url}; "
-                             f"it serves: {models}")
-        card = next((c for c in cards if isinstance(c, dict) and c.get("id") == cfg.model), {})
-        length = card.get("max_model_len")
-        return {"models": models, "max_model_len": length if isinstance(length, int) else None}
+            if response.status_code >= 400 and response.status_code != 404:
+                raise ConnectionError(f"engine.base_url: GET {url} answered HTTP "
+                                      f"{response.status_code}: {response.text[:500]}")
+            cards: list[dict[str, Any]] | None = None
+            if response.status_code != 404:  # not every server lists its models
+                try:
+                    listed = response.json().get("data") or []
+                    cards = [c for c in listed if isinstance(c, dict)]
+                except (ValueError, AttributeError, TypeError):
+                    cards = None
+            info: dict[str, Any] = {"models": None}
+            if cards is not None:
+                models = [c.get("id") for c in cards]
+                if models and cfg.model not in models:
+                    raise ValueError(f"engine.model: {cfg.model!r} is not served at "
+                                     f"{cfg.base_url}; it serves: {models}")
+                card = next((c for c in cards if c.get("id") == cfg.model), {})
+                length = card.get("max_model_len")
+                info = {"models": models,
+                        "max_model_len": length if isinstance(length, int) else None}
+            # pages beyond /models are asked for only where the answer picks the dialect
+            deep = cfg.server == "auto" or cfg.server in FAMILIES
+            detected = await self._detect(client, cards or [], deep)
+        if detected is not None:
+            info["detected"], info["evidence"] = detected
+        return info
+
+    async def _detect(self, client: httpx.AsyncClient, cards: list[dict[str, Any]],
+                      deep: bool) -> tuple[str, str] | None:
+        """The first of `SIGNATURES` the server matches: (dialect, what it answered)."""
+        root = self.config.base_url.removesuffix("/v1")
+        pages: dict[str, Any] = {}
+        for sig in SIGNATURES:
+            if sig.where == "models":
+                if any(_field(card, sig.field) == sig.value for card in cards):
+                    return sig.server, (f"GET {self.config.base_url}/models: "
+                                        f"{sig.field}={sig.value!r}")
+                continue
+            if not deep:
+                continue
+            if sig.where not in pages:
+                pages[sig.where] = await _get_json(client, root + sig.where,
+                                                   min(self.config.timeout_s, 10.0))
+            if _field(pages[sig.where], sig.field) == sig.value:
+                return sig.server, f"GET {root}{sig.where}: {sig.field}={sig.value!r}"
+        return None
+
+
+async def _get_json(client: httpx.AsyncClient, url: str, timeout: float) -> Any:
+    """A page's JSON, or None for anything else (an error status, not JSON, no answer)."""
+    try:
+        response = await client.get(url, timeout=timeout)
+        return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _field(data: Any, path: str) -> Any:
+    """`data["a"]["b"]` for path "a.b"; None where any step is missing."""
+    for key in path.split("."):
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return data
 
 
 class _StreamState:
@@ -287,16 +378,22 @@ class _StreamState:
     Content chunks are kept until the stream ends, each with its arrival time, because how many
     tokens a chunk holds may only be known then: when the server sends ids they are used; when
     it sends a usage count, the first counting rule that agrees with it is used (`RULES`);
-    otherwise the tokenizer, else one token per non-empty chunk. The events carry the chunks'
-    own arrival times, so holding them back changes no timestamp.
+    otherwise the dialect's rule for a server known to stream one chunk per token, else the
+    tokenizer, else one token per non-empty chunk. The events carry the chunks' own arrival
+    times, so holding them back changes no timestamp.
+
+    A request succeeds only when the server said how every choice finished (`finish_reason`);
+    `[DONE]` or a closed connection before that is a failure that says how many tokens came.
     """
 
     def __init__(self, request: GenerationRequest, sent_prompt: Any,
-                 tokenizer: Tokenizer | None, tally: RequestTally) -> None:
+                 tokenizer: Tokenizer | None, tally: RequestTally,
+                 count_rule: str | None = None) -> None:
         self.request = request
         self.sent_prompt = sent_prompt  # as sent: text, token ids or chat messages
         self.tokenizer = tokenizer
         self.tally = tally
+        self.count_rule = count_rule
         n = request.sampling.n
         self.pieces: list[tuple[int, ChoiceDelta]] = []  # (arrival ns, content chunk)
         self.counts = [0] * n
@@ -323,22 +420,35 @@ class _StreamState:
             if chunk.usage is not None:
                 self.usage = chunk.usage
             if chunk.done:
+                if None in self.finish_reasons:  # e.g. llama-cpp-python cut it for another
+                    return self._unfinished(arrived, "stream ended")
                 return self._finish(arrived)
         return []
 
-    def end_of_stream(self, closed: int) -> list[RequestEvent]:
-        """The connection closed without [DONE]: fine if every choice said it finished."""
-        if all(reason is not None for reason in self.finish_reasons):
+    def end_of_stream(self, closed: int, how: str = "stream closed (no [DONE])"
+                      ) -> list[RequestEvent]:
+        """The answer ended without [DONE]: fine if every choice said it finished."""
+        if None not in self.finish_reasons:
             return self._finish(closed)
-        missing = [i for i, r in enumerate(self.finish_reasons) if r is None]
-        return self.fail(closed, f"stream closed before the server finished choice(s) "
-                                 f"{missing} (after {len(self.pieces)} chunks)")
+        return self._unfinished(closed, how)
 
     def fail(self, at: int, error: str) -> list[RequestEvent]:
         """The tokens that did arrive (at their own times), then `Failed`."""
         self.ended = self.failed = True
-        events = self._tokens(self._default_rule())
+        events = self._tokens(self._rule())
         events.append(Failed(self.request.request_id, NO_STEP, at, error))
+        return events
+
+    def _unfinished(self, at: int, how: str) -> list[RequestEvent]:
+        """The stream ended before the server said how some choice finished: a failure."""
+        self.ended = self.failed = True
+        events = self._tokens(self._rule())
+        missing = [i for i, r in enumerate(self.finish_reasons) if r is None]
+        which = f" (choice(s) {missing} of {len(self.finish_reasons)})" \
+            if len(self.finish_reasons) > 1 else ""
+        events.append(Failed(self.request.request_id, NO_STEP, at,
+                             f"{how} without a finish_reason after {sum(self.counts)} "
+                             f"tokens{which}"))
         return events
 
     # ---- counting -----------------------------------------------------------------------------
@@ -346,6 +456,8 @@ class _StreamState:
     def _default_rule(self) -> str:
         if any(d.token_ids is not None for _, d in self.pieces):
             return "server"
+        if self.count_rule is not None:
+            return self.count_rule
         return "tokenizer" if self.tokenizer is not None else "nonempty_chunk"
 
     def _rule(self) -> str:

@@ -6,7 +6,9 @@ The shapes read here (sources in tests/fixtures/sse/README.md): completions chun
 `choices[i].token_ids` when asked; the usage chunk has `usage` (and, from vLLM, SGLang and TGI,
 empty `choices`; llama.cpp puts it on the finishing chunk); the stream ends with `data: [DONE]`.
 Errors arrive as `{"error": ...}` (vLLM, SGLang, TGI), `{"object": "error", ...}`, an SSE
-`event: error`, or llama.cpp's `error: {...}` field.
+`event: error`, or llama.cpp's `error: {...}` field. A server that answers a streaming request
+with one JSON body instead (`decode_response`) has `choices[i].text` or
+`choices[i].message.content`.
 """
 
 from __future__ import annotations
@@ -45,29 +47,45 @@ def decode_event(event: SSEEvent) -> Chunk:
         return Chunk(done=True)
     if not event.data.strip():
         return Chunk()
+    return _decode_payload(event.data, "SSE data")
+
+
+def decode_response(body: bytes) -> Chunk:
+    """A whole (non-streamed) JSON response, as one chunk."""
+    return _decode_payload(body.decode("utf-8", errors="replace"), "response body")
+
+
+def _decode_payload(data: str, what: str) -> Chunk:
     try:
-        payload = json.loads(event.data)
+        payload = json.loads(data)
     except json.JSONDecodeError as exc:
-        return Chunk(error=f"invalid JSON in SSE data ({exc}): {event.data[:200]!r}")
+        return Chunk(error=f"invalid JSON in {what} ({exc}): {data[:200]!r}")
     if not isinstance(payload, dict):
-        return Chunk(error=f"SSE data is not a JSON object: {event.data[:200]!r}")
+        return Chunk(error=f"{what} is not a JSON object: {data[:200]!r}")
     if payload.get("error") is not None:
         return Chunk(error=_error_text(payload["error"], payload.get("error_type")))
     if payload.get("object") == "error":
         return Chunk(error=_error_text(payload))
+    try:
+        return _chunk(payload)
+    except (AttributeError, TypeError, ValueError) as exc:  # a field of an unexpected type
+        return Chunk(error=f"malformed {what} ({type(exc).__name__}: {exc}): {data[:200]!r}")
+
+
+def _chunk(payload: dict[str, Any]) -> Chunk:
     chunk = Chunk()
     for choice in payload.get("choices") or ():
         text = choice.get("text")
-        delta = choice.get("delta") or {}
+        delta = choice.get("delta") or choice.get("message") or {}  # stream | whole response
         if text is None:
             text = delta.get("content")
         ids = choice.get("token_ids")
         finish_reason = choice.get("finish_reason") or None
         chunk.choices.append(ChoiceDelta(
             index=int(choice.get("index") or 0),
-            text=text or "",
-            token_ids=tuple(ids) if isinstance(ids, list) else None,
-            finish_reason=finish_reason,
+            text=str(text or ""),
+            token_ids=tuple(int(i) for i in ids) if isinstance(ids, list) else None,
+            finish_reason=str(finish_reason) if finish_reason is not None else None,
             has_text=text is not None,
             role_only=bool(delta.get("role")) and not text and finish_reason is None,
         ))

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 APIS = ("completions", "chat")
-SERVERS = ("vllm", "sglang", "tgi", "llamacpp", "generic")
+SERVERS = ("vllm", "sglang", "tgi", "llamacpp", "llama_cpp_python", "generic", "auto")
 
 
 class OpenAIConfigError(ValueError):
@@ -25,7 +25,9 @@ class OpenAIConfig:
     model: str | None = None  # the served model name; None: the model group's path or name
     api_key_env: str | None = None  # NAME of the environment variable holding the key
     api: str = "completions"
-    server: str = "vllm"  # whose dialect asks for exact output lengths and token ids
+    # whose dialect asks for exact output lengths and token ids; auto: the server that answers
+    # (asked at load); llamacpp: llama.cpp's llama-server or llama-cpp-python, whichever answers
+    server: str = "vllm"
     timeout_s: float = 600.0  # connect, and the longest silence between two reads
     max_connections: int = 256  # the connection pool; more requests in flight wait for one
     # tokenizer for counting when the server gives no token ids or usage:
@@ -67,6 +69,11 @@ class OpenAIConfig:
             raise fail("api", "|".join(APIS))
         if self.server not in SERVERS:
             raise fail("server", "|".join(SERVERS))
+        if self.server == "auto" and self.check_server is False:
+            raise OpenAIConfigError(
+                "engine.server: 'auto' asks the server which it is at load; it needs "
+                "engine.check_server=true (or name the server: "
+                f"{'|'.join(s for s in SERVERS if s != 'auto')})")
         if self.api_key_env is not None:
             if not isinstance(self.api_key_env, str) or not self.api_key_env.isidentifier():
                 raise fail("api_key_env", "null or the NAME of an environment variable "

@@ -1,18 +1,24 @@
-"""Per-server request dialects: how each server is asked for exact output lengths and token ids.
+"""Per-server request dialects: how each server is asked for exact output lengths and token ids,
+and how each one is recognised when it answers.
 
 Every server here speaks OpenAI's `/v1/completions` and `/v1/chat/completions`; they differ in
 the fields beyond OpenAI's. What each dialect sends (sources: tests/fixtures/sse/README.md):
 
-| server   | exact output length                          | output token ids         |
-|----------|----------------------------------------------|--------------------------|
-| vllm     | `ignore_eos: true`, `min_tokens = max_tokens` | `return_token_ids: true` |
-| sglang   | `ignore_eos: true`, `min_tokens = max_tokens` | `return_token_ids: true` |
-| llamacpp | `ignore_eos: true`, `n_predict = max_tokens`  | none (counted)           |
-| tgi      | none: its HTTP API has no ignore_eos         | none (counted)           |
-| generic  | none: OpenAI's API has no such field         | none (counted)           |
+| server           | exact output length                           | output token ids         |
+|------------------|-----------------------------------------------|--------------------------|
+| vllm             | `ignore_eos: true`, `min_tokens = max_tokens` | `return_token_ids: true` |
+| sglang           | `ignore_eos: true`, `min_tokens = max_tokens` | `return_token_ids: true` |
+| llamacpp         | `ignore_eos: true`, `n_predict = max_tokens`  | none (counted)           |
+| llama_cpp_python | `min_tokens = max_tokens` (its EOS masked)    | none (counted)           |
+| tgi              | none: its HTTP API has no ignore_eos          | none (counted)           |
+| generic          | none: OpenAI's API has no such field          | none (counted)           |
 
 Where a dialect cannot force the length, the request still asks for `max_tokens` and the run
 records requested vs actual output tokens per request, so a short answer is visible, not hidden.
+
+`SIGNATURES` says how a server names itself (`GET /v1/models`' `owned_by`, or a page under
+the server's root), so that `engine.server=auto` (and `llamacpp`, which has two servers behind
+one name) can pick the dialect of the server that actually answers.
 """
 
 from __future__ import annotations
@@ -75,6 +81,22 @@ def _llamacpp_fields(sampling: SamplingParams) -> dict[str, Any]:
     return body
 
 
+def _llama_cpp_python_fields(sampling: SamplingParams) -> dict[str, Any]:
+    body = _openai_fields(sampling)
+    # Its defaults (top_k 40, min_p 0.05, repeat_penalty 1.1) would silently change the
+    # sampling distribution: send the values that mean "off" explicitly.
+    body["top_k"] = max(sampling.top_k, 0)
+    body["min_p"] = 0.0
+    body["repeat_penalty"] = 1.0
+    # It has no ignore_eos and ignores n_predict; min_tokens masks its EOS token (a logits
+    # processor on the server, which knows its own EOS id) until that many tokens are out.
+    if sampling.ignore_eos:
+        body["min_tokens"] = sampling.max_tokens
+    elif sampling.min_tokens:
+        body["min_tokens"] = sampling.min_tokens
+    return body
+
+
 def _tgi_fields(sampling: SamplingParams) -> dict[str, Any]:
     body = _openai_fields(sampling)
     if sampling.top_p >= 1.0:  # TGI validates 0 < top_p < 1; absent means off
@@ -90,6 +112,9 @@ class Dialect:
     token_id_fields: dict[str, Any]  # what asks the server for output token ids
     forces_length: bool  # ignore_eos requests come back exactly max_tokens long
     unsupported: tuple[str, ...]  # SamplingParams fields this server cannot honour
+    # How a stream without a usage count is counted (backend.RULES), when the server is known
+    # to stream one chunk per token; None: the tokenizer, else one token per non-empty chunk.
+    count_rule: str | None = None
 
     def sampling_fields(self, sampling: SamplingParams) -> dict[str, Any]:
         return self.fields(sampling)
@@ -107,6 +132,11 @@ DIALECTS: dict[str, Dialect] = {
                       ("include_stop_str_in_output",)),
     "llamacpp": Dialect("llamacpp", _llamacpp_fields, True, {}, True,
                         ("min_tokens", "stop_token_ids", "include_stop_str_in_output")),
+    # llama-cpp-python's server (`python -m llama_cpp.server`): `prompt` is text only (token
+    # ids are refused), no usage in streams, one chunk per token then an empty finishing chunk
+    "llama_cpp_python": Dialect(
+        "llama_cpp_python", _llama_cpp_python_fields, False, {}, True,
+        ("n", "stop_token_ids", "include_stop_str_in_output"), count_rule="chunk"),
     "tgi": Dialect("tgi", _tgi_fields, False, {}, False,
                    ("top_k", "min_tokens", "ignore_eos", "stop_token_ids",
                     "include_stop_str_in_output")),
@@ -114,6 +144,46 @@ DIALECTS: dict[str, Dialect] = {
                        ("top_k", "min_tokens", "ignore_eos", "stop_token_ids",
                         "include_stop_str_in_output")),
 }
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A server's answer about itself: `where` is "models" (the cards of `GET <base_url>/models`)
+    or a path under the server's root (base_url without `/v1`); `field` a dotted JSON path."""
+
+    server: str  # the dialect it selects
+    where: str
+    field: str
+    value: str
+
+
+# Checked in order; the first match names the server. Sources: vLLM's and SGLang's
+# `ModelCard.owned_by` defaults, llama.cpp's `{"owned_by", "llamacpp"}` in tools/server,
+# llama-cpp-python's `get_models` (`"owned_by": "me"`) and its FastAPI title, TGI's `/info`
+# (`router: env!("CARGO_PKG_NAME")`), and `inferlab serve` (serving/protocol.py).
+SIGNATURES: tuple[Signature, ...] = (
+    Signature("vllm", "models", "owned_by", "vllm"),
+    Signature("vllm", "models", "owned_by", "inferlab"),  # inferlab serve speaks vLLM's dialect
+    Signature("sglang", "models", "owned_by", "sglang"),
+    Signature("llamacpp", "models", "owned_by", "llamacpp"),
+    Signature("llama_cpp_python", "models", "owned_by", "me"),
+    Signature("llama_cpp_python", "/openapi.json", "info.title",
+              "\U0001f999 llama.cpp Python API"),
+    Signature("tgi", "/info", "router", "text-generation-router"),
+)
+# A requested dialect that stands for several servers: the one detected among them is used.
+FAMILIES: dict[str, tuple[str, ...]] = {"llamacpp": ("llamacpp", "llama_cpp_python")}
+
+
+def choose_dialect(requested: str, detected: str | None) -> str:
+    """The dialect a run uses: `auto` takes what was detected (else `generic`); a family name
+    takes its detected member; any other name is used as given."""
+    if requested == "auto":
+        return detected or "generic"
+    if detected is not None and detected in FAMILIES.get(requested, ()):
+        return detected
+    return requested
+
 
 # Finish reasons outside OpenAI's vocabulary, mapped onto the harness's "length" | "stop".
 FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "eos": "stop", "word": "stop",
