@@ -172,7 +172,13 @@ def _overlap(dtype: torch.dtype, peak_flops: float, bandwidth: float, weight_byt
     x = torch.ones(rows, n, dtype=dtype)
     measured = _best_seconds(lambda: torch.nn.functional.linear(x, weight), repeats, 2.0)
     if torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16):
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        except RuntimeError:  # no oneDNN path for this dtype here (bf16 without AVX-512)
+            packed = None
+    else:
+        packed = None
+    if packed is not None:
         measured = min(measured, _best_seconds(
             lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
             repeats, 2.0))

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from harness.records import write_json_atomic
+
 PACKAGES = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "pandas",
             "pyarrow", "hydra-core", "inferlab")
 REPO = Path(__file__).resolve().parents[1]
@@ -68,6 +70,29 @@ def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def threads() -> dict[str, Any]:
+    """The threads each library runs with in this process: torch's intra- and inter-op pools,
+    OpenMP and MKL, the engine's C kernels, the OpenMP wait policy and who chose it, the
+    threading variables set, and the CPUs this process may use (affinity, cgroup quota)."""
+    from engines.builtin.platform import thread_facts
+
+    return thread_facts()
+
+
+def record_threads(path: Path) -> None:
+    """Rewrite `threads` in a run's provenance.json once the engine has set its threads (the
+    file is written before the engine loads); a missing or unreadable file is left alone."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(record, dict):
+        return
+    record["threads"] = threads()
+    record["torch_num_threads"] = record["threads"]["torch_intra_op"]
+    write_json_atomic(path, record)
+
+
 def collect(config: dict[str, Any]) -> dict[str, Any]:
     versions = {}
     for package in PACKAGES:
@@ -83,6 +108,7 @@ def collect(config: dict[str, Any]) -> dict[str, Any]:
         "packages": versions,
         "cpu": _cpu(),
         "torch_num_threads": torch.get_num_threads(),
+        "threads": threads(),  # as at collection; record_threads() updates it after load
         "gpu": _gpu(),
         "hostname_hash": hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12],
         "os": platform.platform(),

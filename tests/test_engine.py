@@ -4,10 +4,12 @@ right reason, and the contiguous KV cache accounts its slots exactly."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from engines.base import Finished, Tokens
-from engines.builtin import LLM, EngineConfig, SamplingParams
+from engines.builtin import LLM, EngineConfig, SamplingParams, platform
 from engines.builtin.config import ConfigError
 from engines.builtin.model_config import kv_bytes_per_token
 
@@ -329,3 +331,30 @@ def test_kv_none_holds_nothing(make_tiny) -> None:
                                                             r.decode_tokens)))
     llm.generate(PROMPTS[:2], greedy(5))
     assert seen and all(s == (0, 0, 0) for s in seen)  # every step recomputes the context
+
+
+def test_describe_states_the_kv_budget_and_where_it_came_from(make_tiny, monkeypatch) -> None:
+    """The CPU default comes from psutil's *available* memory (page cache counts), not free
+    pages: with 2 GB available and almost nothing free, a quarter of the 2 GB."""
+    monkeypatch.setattr(platform.psutil, "virtual_memory", lambda: SimpleNamespace(
+        total=32 * 10**9, available=2 * 10**9, free=10**6))
+    monkeypatch.setattr(platform, "cgroup_memory_headroom", lambda: None)
+    facts = make_tiny(max_num_seqs=2).engine.describe()
+    assert facts["kv_budget_bytes"] == 5 * 10**8
+    assert facts["kv_budget_reason"] == ("min(4 GiB, 0.25 x 1.86 GiB available (psutil "
+                                         "available, after the weights were loaded))")
+    paged = make_tiny(max_num_seqs=2, kv_cache="paged").engine.describe()
+    assert paged["kv_budget_reason"].endswith("; capped at max_num_seqs=2 sequences of "
+                                              "max_model_len")
+    given = make_tiny(max_num_seqs=2, kv_cache_memory_bytes=10**7).engine.describe()
+    assert (given["kv_budget_bytes"], given["kv_budget_reason"]) == (
+        10**7, "engine.kv_cache_memory_bytes=10000000")
+
+
+def test_a_budget_too_small_names_where_it_came_from(make_tiny, monkeypatch) -> None:
+    monkeypatch.setattr(platform.psutil, "virtual_memory", lambda: SimpleNamespace(
+        total=32 * 10**9, available=10**5, free=10**5))
+    monkeypatch.setattr(platform, "cgroup_memory_headroom", lambda: None)
+    with pytest.raises(ValueError, match=r"holds no sequence of max_model_len=256 .*budget: "
+                                         r"min\(4 GiB, 0.25 x 0.00 GiB available"):
+        make_tiny()

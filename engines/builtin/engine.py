@@ -107,6 +107,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, config, self.platform, self.dtype,
                                   max_model_len, batched, config.max_num_seqs,
                                   self.tokenizer.vocab_size, self.eos_ids)
+        self.kv_budget_reason = ""  # where the KV budget came from, set with the budget
         self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len)
         self.runner.allocate_kv_cache(self.kv)
         self.limits = EngineLimits(max_model_len, max_num_seqs, batched, budget)
@@ -123,45 +124,53 @@ class LLMEngine:
         element = kv_element_bytes(self.dtype, cfg.head_dim, self.config.kv_cache_dtype)
         bytes_per_token = round(kv_bytes_per_token(cfg, element))
         weight_bytes = self.runner.model.weight_bytes()["weight_bytes"]
-        budget = self.platform.kv_budget_bytes(self.config.kv_cache_memory_bytes, weight_bytes,
-                                               self.config.gpu_memory_utilization)
         if self.config.kv_cache == "none":
+            self.kv_budget_reason = "kv_cache=none: no KV cache"
             return NoKVCacheManager(bytes_per_token), self.config.max_num_seqs, 0
+        block_bytes = self.config.block_size * bytes_per_token
+        # Contiguous: one max_model_len region per sequence slot, as many as the budget holds;
+        # a sliding-window model needs only a window-sized ring (not with chunked prefill,
+        # whose chunks would overwrite keys that their own earlier queries still read).
+        window = cfg.sliding_window
+        ring = (self.config.kv_cache == "contiguous" and window is not None
+                and window < max_model_len and not self.config.enable_chunked_prefill)
+        region = window if ring and window is not None else max_model_len
+        per_seq = region * bytes_per_token
+        if self.config.kv_cache == "paged":
+            per_seq = ceil_div(max_model_len, self.config.block_size) * block_bytes
+        budget, self.kv_budget_reason = self.platform.kv_budget(
+            self.config.kv_cache_memory_bytes, weight_bytes, self.config.gpu_memory_utilization,
+            per_seq)
         if self.config.kv_cache == "paged":
             # Blocks of block_size tokens from one pool, handed out as sequences grow. Block 0
             # is the null block (table entries released by a sliding window point at it).
-            block_bytes = self.config.block_size * bytes_per_token
             if self.config.kv_cache_memory_bytes is None and not self.platform.is_cuda:
                 # RAM is shared with everything else (and mapped at load when prefaulted): by
                 # default no more blocks than max_num_seqs sequences at full length fill at
                 # once, the contiguous layout's bound; blocks beyond it would only keep more
                 # freed prefixes cached
                 most = self.config.max_num_seqs * ceil_div(max_model_len, self.config.block_size)
-                budget = min(budget, most * block_bytes)
+                if most * block_bytes < budget:
+                    budget = most * block_bytes
+                    self.kv_budget_reason += (f"; capped at max_num_seqs={self.config.max_num_seqs}"
+                                              " sequences of max_model_len")
             usable = budget // block_bytes
             if usable < 1:
                 raise ValueError(
                     f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds no KV block "
-                    f"of block_size={self.config.block_size} ({block_bytes} bytes each)")
+                    f"of block_size={self.config.block_size} ({block_bytes} bytes each; "
+                    f"budget: {self.kv_budget_reason})")
             layout = KVLayout(num_blocks=usable + 1, block_size=self.config.block_size,
                               bytes_per_token=bytes_per_token)
             manager = PagedKVCacheManager(layout, self.config.enable_prefix_caching,
                                           cfg.sliding_window)
             return manager, self.config.max_num_seqs, budget
-        # Contiguous: one max_model_len region per sequence slot, as many as the budget holds;
-        # a sliding-window model needs only a window-sized ring (not with chunked prefill,
-        # whose chunks would overwrite keys that their own earlier queries still read).
-        window = cfg.sliding_window
-        ring = (window is not None and window < max_model_len
-                and not self.config.enable_chunked_prefill)
-        region = window if ring else max_model_len
-        per_seq = region * bytes_per_token
         slots = min(self.config.max_num_seqs, budget // per_seq)
         if slots < 1:
             raise ValueError(
                 f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds no sequence of "
-                f"max_model_len={max_model_len} ({per_seq} bytes each); raise the budget or "
-                "lower engine.max_model_len"
+                f"max_model_len={max_model_len} ({per_seq} bytes each; budget: "
+                f"{self.kv_budget_reason}); raise the budget or lower engine.max_model_len"
             )
         layout = KVLayout(num_blocks=slots, block_size=region, bytes_per_token=bytes_per_token)
         return ContiguousKVCacheManager(layout, ring=ring), slots, budget
@@ -184,6 +193,9 @@ class LLMEngine:
             "kv_cache": self.config.kv_cache,
             "kv_bytes_per_token": layout.bytes_per_token,
             "kv_pool_bytes": layout.pool_bytes,
+            # the budget the pool was sized from, and where that number came from
+            "kv_budget_bytes": self.limits.kv_budget_bytes,
+            "kv_budget_reason": self.kv_budget_reason,
             "kv_num_blocks": layout.num_blocks,
             "kv_block_size": layout.block_size,
             "max_model_len": self.limits.max_model_len,
@@ -192,6 +204,8 @@ class LLMEngine:
             "attention_backend": self.runner.attention_backend,
             # the C kernels' fused norm / SiLU / rotary ops in use (CPU float32)
             "native_kernels": self.runner.native_kernels,
+            # why not, when not: off by option, device or dtype, or a failed build or load
+            "native_kernels_reason": self.runner.native_kernels_reason,
             "batching": self.config.batching,
             "enable_chunked_prefill": self.config.enable_chunked_prefill,
             "enable_prefix_caching": self.config.enable_prefix_caching,

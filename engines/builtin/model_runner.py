@@ -48,9 +48,9 @@ class ModelRunner:
 
         # the C kernels: CPU float32, not under torch.compile (a ctypes call would split its
         # graph; inductor fuses the elementwise ops itself)
-        self.native_kernels = (config.native_kernels and not config.compile
-                               and self.device.type == "cpu" and dtype == torch.float32
-                               and native.load() is not None)
+        self.native_kernels_reason = native.off_reason(config.native_kernels, config.compile,
+                                                       self.device, dtype)
+        self.native_kernels = self.native_kernels_reason is None
         # torch.compile cannot lower the prepacked ops (inductor packs weights its own way)
         self.prepacked: str | None = None  # the packed layout of dense CPU weights
         if config.prepack_weights and not config.compile:

@@ -1,5 +1,5 @@
 """The engine's own CPU kernels (cpu_kernels.c): built with the machine's C compiler on first
-use, cached per machine, called through ctypes.
+use, cached per machine and user (cache.py), called through ctypes.
 
 Why C and not a torch extension: the kernels only need raw pointers, so the library builds in
 a fraction of a second with no torch headers, the way inductor's CPU kernels are built. It is
@@ -16,19 +16,16 @@ says why; callers fall back to torch ops.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import itertools
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
+import logging
+from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+from engines.builtin.native.cache import FLAGS, SOURCE, NativeUnavailable, build, cache_dir
+
+__all__ = ["FLAGS", "SOURCE", "cache_dir", "info", "load", "off_reason", "reason"]
+
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {  # function -> argument types (all return void)
     "decode_attention_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
@@ -43,82 +40,64 @@ SIGNATURES = {  # function -> argument types (all return void)
                               _F32, _I64, _I64, _PTR],
 }
 
-_state: dict[str, object] = {}
-
-
-def cache_dir() -> Path:
-    from engines.builtin.tokenizer import cache_dir as inferlab_cache_dir
-
-    return inferlab_cache_dir() / "native"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build(compiler: str) -> Path:
-    probe = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True)
-    version = (probe.stdout or probe.stderr).strip().splitlines()[:1]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *version, " ".join(FLAGS),
-                                    platform.machine(), _cpu_flags()]).encode()).hexdigest()
-    target = cache_dir() / f"cpu_kernels-{key[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: concurrent builders (A/B workers) never see half a file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from other users of the cache
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+log = logging.getLogger(__name__)
+_state: dict[str, Any] = {}
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (see `reason()`). Built once per process and machine."""
+    """The compiled kernels, or None (see `reason()`). Built once per machine, loaded once per
+    process, and only after the cached library matched the size and hash of its build."""
     if "lib" in _state:
-        return _state["lib"]  # type: ignore[return-value]
-    lib = None
+        return _state["lib"]  # type: ignore[no-any-return]
+    lib, built = None, None
     try:
-        compiler = _compiler()
-        if compiler is None:
-            raise RuntimeError("no C compiler found (tried $CC, cc, gcc, clang)")
-        lib = ctypes.CDLL(str(_build(compiler)))
+        built = build()
+        lib = ctypes.CDLL(str(built.path))
         for name, argtypes in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         _state["reason"] = None
     except Exception as e:  # whatever stops the build or the load, the engine runs without it
         lib = None
-        _state["reason"] = f"{type(e).__name__}: {e}"
+        _state["reason"] = str(e) if isinstance(e, NativeUnavailable) else (
+            f"{type(e).__name__}: {e}")
+        log.warning("the engine's C kernels are off, torch ops instead: %s", _state["reason"])
     _state["lib"] = lib
+    _state["built"] = built
     return lib
 
 
 def reason() -> str | None:
     """Why `load()` returned None (None when it did not)."""
     load()
-    return _state["reason"]  # type: ignore[return-value]
+    return _state["reason"]  # type: ignore[no-any-return]
+
+
+def info(load_now: bool = True) -> dict[str, Any]:
+    """Which library was loaded and how it got there, for describe() and provenance;
+    `load_now=False`: as things stand, without building or loading anything."""
+    if load_now:
+        load()
+    built = _state.get("built")
+    return {"loaded": _state.get("lib") is not None,
+            "library": None if built is None else str(built.path),
+            "sha256": None if built is None else built.sha256,
+            "cache": None if built is None else built.how,
+            "reason": _state.get("reason")}
+
+
+def off_reason(enabled: bool, compile: bool, device: torch.device,
+               dtype: torch.dtype) -> str | None:
+    """Why an engine with these settings runs without the kernels; None when it uses them."""
+    if not enabled:
+        return "engine.native_kernels=false"
+    if compile:
+        return "engine.compile=true (inductor fuses these ops itself)"
+    if device.type != "cpu":
+        return f"device {device} (the kernels are CPU-only)"
+    if dtype != torch.float32:
+        return f"dtype {str(dtype).removeprefix('torch.')} (the kernels are float32-only)"
+    return reason()
 
 
 def _lib() -> ctypes.CDLL:
