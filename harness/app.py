@@ -15,19 +15,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness.experiment import run_experiment
+from harness.experiment import RunConfig, RunFolderError, run_experiment
 from harness.repeats import run_repeats, validate_repeats
-from harness.sweep import ResumeMismatch, completed_run, write_sweep_csv
+from harness.sweep import ResumeMismatch, completed_run, note_unrecorded, write_sweep_csv
 from harness.table import summary_table
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
-
-
-def _resume_flag(config: dict[str, Any]) -> bool:
-    value = (config.get("run") or {}).get("resume", False)
-    if not isinstance(value, bool):
-        raise ValueError(f"run.resume: {value!r} is invalid; allowed: true|false")
-    return value
 
 
 def _run(cfg: DictConfig) -> dict[str, Any]:
@@ -35,8 +28,13 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
-    repeats = validate_repeats(config.get("repeats", 1))
-    resume = _resume_flag(config)
+    try:  # the edge: a bad `run` key or repeats stops here, before anything loads
+        repeats = validate_repeats(config.get("repeats", 1))
+        run_cfg = RunConfig.from_dict(config.get("run"))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    resume = run_cfg.resume
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     label = f"job {hydra_cfg.job.num}: " if multirun else ""
     try:
@@ -47,15 +45,25 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
     if done:
         print(f"{label}skipped (already complete) -> {run_dir}")
         return json.loads((run_dir / "summary.json").read_text())
-    if repeats > 1:
-        summary = run_repeats(config, list(hydra_cfg.overrides.task), run_dir, repeats,
-                              resume=resume)
-    else:
-        progress = cfg.run.get("progress", True) and sys.stderr.isatty()
-        summary = run_experiment(config, run_dir, progress=progress)
+    try:
+        if repeats > 1:
+            summary = run_repeats(config, list(hydra_cfg.overrides.task), run_dir, repeats,
+                                  resume=resume)
+        else:
+            progress = run_cfg.progress and sys.stderr.isatty()
+            summary = run_experiment(config, run_dir, progress=progress)
+    except OSError as exc:  # the folder cannot be written (a full disk, no permission)
+        error = (str(exc) if isinstance(exc, RunFolderError)
+                 else f"{run_dir}: the run folder cannot be written: {exc}").replace("\n", " ")
+        print(f"{label}failed -> {run_dir}")
+        print(f"error: {error}", file=sys.stderr)
+        if not multirun:
+            raise SystemExit(1) from None
+        note_unrecorded(run_dir, error)  # sweep.csv says so: its summary.json may be absent
+        return {"status": "failed", "error": error, "metrics": {}}
     print(f"{label}{summary['status']} -> {run_dir}")
     if summary["metrics"]:
-        print(summary_table(summary["metrics"]))
+        print(summary_table(summary["metrics"], window=summary.get("window")))
     if summary["status"] == "failed":
         print(f"error: {summary['error']}", file=sys.stderr)
         if not multirun:  # a sweep records the failed job and goes on

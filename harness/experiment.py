@@ -6,9 +6,9 @@ from __future__ import annotations
 import gc
 import signal
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import replace
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +23,122 @@ from harness import hardware, provenance, roofline
 from harness.driver import Driver
 from harness.monitors import Monitor, MonitorConfig, gpu_index_for
 from harness.profiling import profiler_from_config
-from harness.records import RunRecorder, write_json_atomic
+from harness.records import RunRecorder, TablesNotWritten, write_json_atomic
 from harness.window import WindowConfig, summarize
 from workloads import WorkloadRequest
 
 BACKENDS = ("builtin", "hf", "openai")
+
+
+def _section(name: str, values: Any, fields: Iterable[str]) -> dict[str, Any]:
+    """A config section as a dict of known keys (None: empty); any other key is named."""
+    allowed = sorted(fields)
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{name}: {values!r} is invalid; allowed: a mapping of {allowed}")
+    unknown = sorted(set(values) - set(allowed), key=str)
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {unknown}; allowed: {allowed}")
+    return dict(values)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: {value!r} is invalid; allowed: true|false")
+    return value
+
+
+def _integer(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
+    return value
+
+
+def _number(name: str, value: Any, what: str, positive: bool = False) -> float:
+    if (isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+            or (positive and value == 0)):
+        raise ValueError(f"{name}: {value!r} is invalid; allowed: {what}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    """`run.slo`: the bounds goodput counts against, in seconds (None: not bounded)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+
+    @classmethod
+    def from_dict(cls, values: Any) -> SloConfig:
+        given = _section("run.slo", values, cls.__dataclass_fields__)
+        return cls(**{key: None if value is None else _number(
+            f"run.slo.{key}", value, "null or a number of seconds > 0", positive=True)
+            for key, value in given.items()})
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    """`run.quality`: the quality probe (harness/quality.py)."""
+
+    enabled: bool = False
+    num_prompts: int = 8
+    prompt_len: int = 64
+    text: str | None = None
+    min_margin: float = 0.1
+
+    @classmethod
+    def from_dict(cls, values: Any) -> QualityConfig:
+        given = _section("run.quality", values, cls.__dataclass_fields__)
+        defaults = cls()
+        text = given.get("text")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"run.quality.text: {text!r} is invalid; allowed: null or the "
+                             "path of a text file")
+        return cls(enabled=_flag("run.quality.enabled", given.get("enabled", defaults.enabled)),
+                   num_prompts=_integer("run.quality.num_prompts",
+                                        given.get("num_prompts", defaults.num_prompts), 1),
+                   prompt_len=_integer("run.quality.prompt_len",
+                                       given.get("prompt_len", defaults.prompt_len), 2),
+                   text=text,
+                   min_margin=_number("run.quality.min_margin",
+                                      given.get("min_margin", defaults.min_margin),
+                                      "a number >= 0"))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The `run` section, validated once at the edge: an unknown key or a bad value is an
+    error that names it and the allowed values, before anything is loaded or written."""
+
+    name: str = "default"
+    resume: bool = False
+    warmup_requests: int = 0
+    progress: bool = True
+    window: WindowConfig = field(default_factory=WindowConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    quality: QualityConfig = field(default_factory=QualityConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
+
+    @classmethod
+    def from_dict(cls, values: Any) -> RunConfig:
+        given = _section("run", values, cls.__dataclass_fields__)
+        defaults = cls()
+        name = given.get("name", defaults.name)
+        if isinstance(name, bool) or not isinstance(name, str | int) or name == "":
+            raise ValueError(f"run.name: {name!r} is invalid; allowed: a non-empty string")
+        return cls(
+            name=str(name),
+            resume=_flag("run.resume", given.get("resume", defaults.resume)),
+            warmup_requests=_integer("run.warmup_requests",
+                                     given.get("warmup_requests", defaults.warmup_requests), 0),
+            progress=_flag("run.progress", given.get("progress", defaults.progress)),
+            window=WindowConfig.from_dict(given.get("window")),
+            monitor=MonitorConfig.from_dict(_section("run.monitor", given.get("monitor"),
+                                                     MonitorConfig.__dataclass_fields__)),
+            quality=QualityConfig.from_dict(given.get("quality")),
+            slo=SloConfig.from_dict(given.get("slo")))
 
 
 def build_backend(engine: dict[str, Any], model: dict[str, Any]) -> Backend:
@@ -86,7 +197,7 @@ def sigterm_interrupts() -> Iterator[None]:
     # SIGTERM behaves like Ctrl-C: KeyboardInterrupt is what asyncio propagates out of
     # the event loop from any task, so the run stops, keeps its rows and says so.
     def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
     try:
         previous = signal.signal(signal.SIGTERM, handler)
@@ -99,9 +210,28 @@ def sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def interruption(exc: KeyboardInterrupt) -> str:
+    """`interrupted: SIGINT` or `interrupted: SIGTERM`. Ctrl-C's KeyboardInterrupt carries no
+    message (asyncio re-raises a bare one); the SIGTERM handler's names its signal."""
+    return f"interrupted: {str(exc) or 'SIGINT'}"
+
+
+class RunFolderError(OSError):
+    """The run folder could not be written, not even a failed summary.json. `summary` is what
+    it would have held; no `running` summary is left behind where it could be removed."""
+
+    def __init__(self, message: str, summary: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
 def run_experiment(config: dict[str, Any], run_dir: str | Path,
                    progress: bool = True) -> dict[str, Any]:
-    """Run one configuration into `run_dir`; return the summary (also in summary.json)."""
+    """Run one configuration into `run_dir`; return the summary (also in summary.json).
+
+    A folder that cannot be written raises OSError: at the start, before any summary (so
+    nothing claims to be running), or RunFolderError when not even a failed summary.json
+    could be written at the end."""
     try:
         return _run(config, Path(run_dir), progress)
     finally:
@@ -114,19 +244,34 @@ def run_experiment(config: dict[str, Any], run_dir: str | Path,
 
 def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any]:
     recorder = RunRecorder(run_dir)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    write_json_atomic(run_dir / "provenance.json", provenance.collect(config))
-    recorder.write_summary({"status": "running"})
-    run_cfg = config.get("run", {})
-    window_cfg = WindowConfig.from_dict(run_cfg.get("window"))
-    slo = dict(run_cfg.get("slo") or {})
+    try:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        write_json_atomic(run_dir / "provenance.json", provenance.collect(config))
+        recorder.write_summary({"status": "running"})
+    except OSError:  # an unwritable folder: nothing ran, nothing claims to be running
+        with suppress(OSError):
+            recorder.close()
+        raise
+    run_cfg = RunConfig()  # until the config's own is read: the window and SLO defaults
     status, error, info, backend, bar = "complete", None, {}, None, None
     monitor: Monitor | None = None
     profiler, driver = None, None
+
+    def failed_writing(exc: BaseException) -> None:
+        # A run whose folder could not be written whole did not end well, whatever it ran.
+        nonlocal status, error
+        message = ("writing the run folder failed: "
+                   + "".join(traceback.format_exception_only(exc)).strip())
+        if status == "failed":
+            info.setdefault("finalize_errors", []).append(message)
+        else:
+            status, error = "failed", message if error is None else f"{message} ({error})"
+
     try:
         with sigterm_interrupts():
+            run_cfg = RunConfig.from_dict(config.get("run"))
             hardware_cfg = hardware.validate_config(config.get("hardware"))
-            monitor_cfg = MonitorConfig.from_dict(run_cfg.get("monitor"))
+            monitor_cfg = run_cfg.monitor
             profiler = profiler_from_config(config, run_dir)
             if monitor_cfg.enabled:
                 monitor = Monitor(monitor_cfg.interval_s)
@@ -136,6 +281,8 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             backend.load()
             info["load_s"] = (now_ns() - start) / 1e9
             info["engine"] = backend.describe()
+            # the threads as the engine set them at load (provenance.json predates the load)
+            provenance.record_threads(run_dir / "provenance.json")
             # after load: a CPU probe runs at the engine's thread count (cached per machine)
             info["hardware"] = hardware.describe_for_run(
                 *hardware.resolve(hardware_cfg, info["engine"].get("device")))
@@ -153,7 +300,7 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
                     first_steps.append(row)
 
             warm = warmup_requests(make_workload(config["workload"]), tokenizer, context_len,
-                                   int(run_cfg.get("warmup_requests", 0)))
+                                   run_cfg.warmup_requests)
             if warm:
                 Driver(backend, keep_first_step).run(warm)
             bar = tqdm(total=len(requests), desc="requests", unit="req", delay=2.0,
@@ -166,35 +313,38 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
                 profiler.attach(backend, cuda=str(info["engine"].get("device")).startswith("cuda"))
             driver.run(requests, concurrency=concurrency)
             info["harness_overhead_fraction"] = driver.overhead_fraction
-            quality = run_cfg.get("quality") or {}
-            if quality.get("enabled") and isinstance(backend, BuiltinBackend):
+            if run_cfg.quality.enabled and isinstance(backend, BuiltinBackend):
                 from engines.builtin import LLM
                 from harness.quality import run_quality
 
                 assert backend.engine is not None
                 info["quality"] = run_quality(backend.config.to_dict(),
-                                              LLM.from_engine(backend.engine), quality)
+                                              LLM.from_engine(backend.engine),
+                                              asdict(run_cfg.quality))
             if first_steps:
                 step = first_steps[0]
                 info["first_step_s"] = step["end_s"] - step["start_s"]
                 info["cold_start_s"] = info["load_s"] + info["first_step_s"]
     except KeyboardInterrupt as exc:
-        status, error = "incomplete", f"interrupted: {exc or 'SIGINT'}"
+        status, error = "incomplete", interruption(exc)
     except Exception as exc:  # recorded, then re-raised by the caller if it wants
         status, error = "failed", "".join(traceback.format_exception_only(exc)).strip()
         info["traceback"] = traceback.format_exc()
     finally:
         # Each clean-up step is guarded: whatever fails, the rows are kept and summary.json
         # is written, with the failure named under `finalize_errors`.
-        def guarded(name: str, action: Any) -> Any:
+        # A step that writes files and hits an OSError (a full disk) fails the run too.
+        def guarded(name: str, action: Any, writes: bool = False) -> Any:
             try:
                 return action()
             except Exception as exc:
                 info.setdefault("finalize_errors", []).append(f"{name}: {exc!r}")
+                if writes and isinstance(exc, OSError):
+                    failed_writing(exc)
                 return None
 
         if profiler is not None:
-            info["profile"] = guarded("profiler", profiler.finish)
+            info["profile"] = guarded("profiler", profiler.finish, writes=True)
         if monitor is not None:
             guarded("monitor", monitor.stop)
         if bar is not None:
@@ -203,22 +353,60 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             if "engine" in info:  # counters some backends keep updating during the run
                 info["engine"] = guarded("describe", backend.describe) or info["engine"]
             guarded("backend.close", backend.close)
-        frames = recorder.finalize()
+        try:
+            frames = recorder.finalize()
+        except TablesNotWritten as exc:  # readers fall back to the JSONL rows
+            frames = exc.frames
+            failed_writing(exc.cause)
         if monitor is not None:  # samples on the run's clock: seconds since the driver's t0
             info["samples"] = guarded("samples", lambda: monitor.write(
-                run_dir, driver.t0 if driver is not None else None))
+                run_dir, driver.t0 if driver is not None else None), writes=True)
             info["monitor"] = guarded("monitor", monitor.info)
-        annotated = guarded("roofline", lambda: roofline.annotate_run(run_dir, frames["steps"],
-                                                                      info))
-        if annotated is not None:
-            frames["steps"] = annotated
+        try:
+            frames["steps"] = roofline.annotate_run(run_dir, frames["steps"], info)
+        except Exception as exc:
+            info.setdefault("finalize_errors", []).append(f"roofline: {exc!r}")
+            if isinstance(exc, OSError):  # steps.parquet may be torn mid-rewrite
+                failed_writing(exc)
+                with suppress(OSError):  # readers fall back to steps.jsonl, the same rows
+                    (run_dir / "steps.parquet").unlink(missing_ok=True)
+        requests = frames["requests"]
+        if status == "complete" and len(requests) and (requests["status"] == "failed").all():
+            first = requests.iloc[0]
+            status, error = "failed", (
+                f"every measured request failed ({len(requests)} of {len(requests)}); the "
+                f"first, {first['request_id']}: {first['error']}")
         summary = {"status": status, "error": error,
-                   **summarize(frames, info, slo, window_cfg), "run_dir": str(run_dir),
+                   **summarize(frames, info, asdict(run_cfg.slo), run_cfg.window),
+                   "run_dir": str(run_dir),
                    **{k: v for k, v in info.items() if k not in ("load_s", "cold_start_s",
                                                                 "harness_overhead_fraction",
                                                                 "samples")}}
-        recorder.write_summary(summary)
+        summary = _write_final_summary(recorder, summary)
     return summary
+
+
+def _write_final_summary(recorder: RunRecorder, summary: dict[str, Any]) -> dict[str, Any]:
+    """Write the run's last summary.json and return it. When that fails (a full disk), the run
+    is `failed` with the OSError, written if it still can be; when not even that can be
+    written, the `running` summary is removed and RunFolderError raised."""
+    try:
+        recorder.write_summary(summary)
+        return summary
+    except OSError as exc:
+        reason = "".join(traceback.format_exception_only(exc)).strip()
+    message = f"writing summary.json failed: {reason}"
+    if summary.get("error"):
+        message += f" (after: {summary['error']})"
+    failed = {**summary, "status": "failed", "error": message}
+    try:
+        recorder.write_summary(failed)
+        return failed
+    except OSError:
+        pass
+    with suppress(OSError):  # a stale `running` would say the run is still going
+        (recorder.run_dir / "summary.json").unlink(missing_ok=True)
+    raise RunFolderError(f"{recorder.run_dir}: {message}", failed)
 
 
 def _tee(*sinks: Any) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -47,17 +48,41 @@ STEP_COLUMNS = [
 COLUMNS = {"requests": REQUEST_COLUMNS, "tokens": TOKEN_COLUMNS, "steps": STEP_COLUMNS}
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write to a temporary file in the same folder, then rename over the target."""
+def _replace_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """`write` a temporary file in the same folder, then rename it over `path`: a reader sees
+    the old file or the new one, never half of one (a full disk, a crash mid-write)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.write("\n")
+        write(Path(tmp))
         os.replace(tmp, path)
     except BaseException:  # the old file stays whole; no half-written temporary is left
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write to a temporary file in the same folder, then rename over the target."""
+    def write(tmp: Path) -> None:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+            f.write("\n")
+
+    _replace_atomic(path, write)
+
+
+def write_parquet_atomic(frame: pd.DataFrame, path: Path) -> None:
+    _replace_atomic(path, lambda tmp: frame.to_parquet(tmp, index=False))
+
+
+class TablesNotWritten(Exception):
+    """Finalizing could not write the run's tables (a full disk, an unwritable folder).
+    `cause` is the first OSError; `frames` the tables as read back from the JSONL rows."""
+
+    def __init__(self, cause: OSError, frames: dict[str, pd.DataFrame]) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.frames = frames
 
 
 class RunRecorder:
@@ -67,6 +92,8 @@ class RunRecorder:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.flush_every = flush_every
+        for table in TABLES:  # an earlier run's tables in this folder (resume) are stale
+            (self.run_dir / f"{table}.parquet").unlink(missing_ok=True)
         self.files: dict[str, IO[str]] = {
             t: open(self.run_dir / f"{t}.jsonl", "w") for t in TABLES  # noqa: SIM115
         }
@@ -86,18 +113,35 @@ class RunRecorder:
         self._unflushed = 0
 
     def close(self) -> None:
+        """Close every JSONL file (each flushes first); raise the first OSError after all."""
+        errors = []
         for f in self.files.values():
-            f.close()
+            try:
+                f.close()
+            except OSError as exc:  # the file is closed all the same; its unwritten tail lost
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def finalize(self) -> dict[str, pd.DataFrame]:
-        """Close the JSONL files and write one parquet file per table."""
-        self.flush()
-        self.close()
+        """Close the JSONL files and write one parquet file per table, each whole or not at
+        all. Every table is tried; a write that fails raises TablesNotWritten at the end, with
+        the tables read back from the JSONL rows (which readers then fall back to)."""
+        errors: list[OSError] = []
+        try:
+            self.close()
+        except OSError as exc:
+            errors.append(exc)
         frames = {}
         for table in TABLES:
             frame = read_jsonl(self.run_dir / f"{table}.jsonl", COLUMNS[table])
-            frame.to_parquet(self.run_dir / f"{table}.parquet", index=False)
             frames[table] = frame
+            try:
+                write_parquet_atomic(frame, self.run_dir / f"{table}.parquet")
+            except OSError as exc:
+                errors.append(exc)
+        if errors:
+            raise TablesNotWritten(errors[0], frames)
         return frames
 
     def write_summary(self, summary: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ import numpy as np
 import yaml
 
 from harness import provenance
-from harness.experiment import sigterm_interrupts
+from harness.experiment import RunFolderError, interruption, sigterm_interrupts
 from harness.records import SCHEMA_VERSION, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,7 +111,7 @@ def _run_child(command: list[str]) -> tuple[int, str | None]:
         except (KeyboardInterrupt, subprocess.TimeoutExpired):
             child.kill()
             child.wait()
-        return child.returncode, f"interrupted: {exc or 'SIGINT'}"
+        return child.returncode, interruption(exc)
 
 
 def run_repeats(config: dict[str, Any], overrides: list[str], run_dir: str | Path,
@@ -136,7 +137,13 @@ def run_repeats(config: dict[str, Any], overrides: list[str], run_dir: str | Pat
                    "metrics_spread": spreads,
                    "repeat_dirs": [f"{REPEAT_DIR_PREFIX}{k}" for k in range(repeats)],
                    "run_dir": str(run_dir)}
-        write_json_atomic(run_dir / "summary.json", summary)
+        try:
+            write_json_atomic(run_dir / "summary.json", summary)
+        except OSError as exc:  # a full disk: no stale `running` summary is left either
+            with suppress(OSError):
+                (run_dir / "summary.json").unlink(missing_ok=True)
+            raise RunFolderError(f"{run_dir}: writing summary.json failed: {exc}",
+                                 summary) from exc
         return summary
 
     write("running", None)
@@ -150,7 +157,7 @@ def run_repeats(config: dict[str, Any], overrides: list[str], run_dir: str | Pat
                     print(f"repeat {k + 1}/{repeats} -> {child_dir}", flush=True)
                     code, interrupted = _run_child(repeat_command(overrides, child_dir))
             except KeyboardInterrupt as exc:  # between two repeats
-                interrupted = f"interrupted: {exc or 'SIGINT'}"
+                interrupted = interruption(exc)
             summaries[k] = _read_summary(child_dir)
             if interrupted:
                 statuses[k] = "incomplete"

@@ -218,8 +218,10 @@ def section_overview(res: Results, doc: Document, paths: list[str]) -> None:
         doc.note("These runs come from different machines: compare their timings with care.")
     invalid = runs[runs["window_valid"].eq(False)]
     if len(invalid):
-        doc.note(f"{len(invalid)} run(s) have a measurement window shorter than configured "
-                 "(run.window): their steady-state figures are not valid.")
+        doc.note(f"{len(invalid)} run(s) have a measurement window that is not valid (shorter "
+                 "than run.window asks, or no request completed inside it under overload): "
+                 "their throughputs are over the whole run, their latencies over the "
+                 "window's requests.")
 
 
 def variant_table(res: Results) -> pd.DataFrame:
@@ -318,10 +320,14 @@ def section_load(res: Results, doc: Document) -> None:
     for column in table.columns[1:]:
         table[column] = [format_metric(column, v) for v in table[column]]
     doc.table(table)
-    saturation = [s for s in _sweep_summaries(res) if s.get("saturation_req_per_s")]
-    for summary in saturation:
-        doc.text(f"Saturation: {summary['saturation_req_per_s']:g} req/s "
-                 f"({summary.get('saturation_definition', '')}).")
+    for summary in _sweep_summaries(res):
+        if summary.get("saturation_req_per_s"):
+            doc.text(f"Saturation: {summary['saturation_req_per_s']:g} req/s "
+                     f"({summary.get('saturation_definition', '')}).")
+        elif summary.get("saturation_note"):
+            doc.text(f"Saturation: not found ({summary['saturation_note']}).")
+        if summary.get("peak_req_per_s"):
+            doc.text(f"Highest achieved rate: {summary['peak_req_per_s']:.4g} req/s.")
 
 
 def _sweep_summaries(res: Results) -> list[dict[str, Any]]:

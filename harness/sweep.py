@@ -23,6 +23,15 @@ class ResumeMismatch(ValueError):
     """The folder resume would skip holds a run of another configuration."""
 
 
+#: Jobs of this process whose summary.json could not be written (a full disk): job folder ->
+#: the error, so that their sweep.csv rows say `failed` and why instead of `missing`.
+_UNRECORDED: dict[Path, str] = {}
+
+
+def note_unrecorded(job_dir: str | Path, error: str) -> None:
+    _UNRECORDED[Path(job_dir).resolve()] = error
+
+
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:
     """The config as YAML stores it (config.yaml), less the keys in HOW_TO_RUN_KEYS."""
     plain = yaml.safe_load(yaml.safe_dump(config)) or {}
@@ -81,7 +90,10 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
             if key.lstrip("+~") not in HOW_TO_RUN_KEYS:
                 row[key.lstrip("+~")] = _parse_value(value)
         summary_file = job / "summary.json"
-        if summary_file.is_file():
+        unrecorded = _UNRECORDED.get(job.resolve())
+        if unrecorded is not None:
+            row["status"], row["error"] = "failed", unrecorded
+        elif summary_file.is_file():
             summary = json.loads(summary_file.read_text())
             row["status"] = summary.get("status")
             row["error"] = summary.get("error")
@@ -96,18 +108,50 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
 SATURATION_SERVED = 0.9
 
 
+def _rate_points(frame: pd.DataFrame) -> pd.DataFrame:
+    """Complete jobs with an offered and an achieved rate, in offered order. A job that failed
+    or was cut short measured no throughput of the configuration."""
+    needed = ["offered_req_per_s", "req_per_s"]
+    if not set(needed) <= set(frame.columns):
+        return pd.DataFrame(columns=needed)
+    rows = frame if "status" not in frame else frame[frame["status"] == "complete"]
+    rows = rows.assign(**{c: pd.to_numeric(rows[c], errors="coerce") for c in needed})
+    return rows.dropna(subset=needed).sort_values("offered_req_per_s")
+
+
 def saturation_rate(frame: pd.DataFrame) -> float | None:
     """Highest offered request rate whose achieved rate is still >= 90% of it.
 
     Past saturation the engine falls behind: requests queue, achieved throughput flattens
-    and latency grows without bound. None when the sweep has no offered rates.
+    and latency grows without bound. The achieved rate of a run whose steady-state window is
+    not valid (under heavy overload none completes inside it) is its whole run's
+    (harness/window.py), never a window's 0. None when no complete job has an offered rate,
+    or when even the lowest offered rate was not served.
     """
-    needed = {"offered_req_per_s", "req_per_s"}
-    if not needed <= set(frame.columns):
-        return None
-    rows = frame.dropna(subset=list(needed)).sort_values("offered_req_per_s")
+    rows = _rate_points(frame)
     served = rows[rows["req_per_s"] >= SATURATION_SERVED * rows["offered_req_per_s"]]
     return float(served["offered_req_per_s"].max()) if len(served) else None
+
+
+def saturation_summary(frame: pd.DataFrame) -> dict[str, Any]:
+    """The load-sweep part of sweep_summary.json: the saturation rate, the highest achieved
+    rate (past saturation, the capacity the engine showed) and, when the saturation rate is
+    null, why."""
+    rows = _rate_points(frame)
+    rate = saturation_rate(frame)
+    note = None
+    if not len(rows):
+        note = "no complete job with an offered rate (open-loop arrivals)"
+    elif rate is None:
+        lowest = rows.iloc[0]
+        note = (f"every offered rate was past saturation: the lowest, "
+                f"{lowest['offered_req_per_s']:.4g} req/s, was served at "
+                f"{lowest['req_per_s']:.4g} req/s")
+    return {"saturation_req_per_s": rate,
+            "saturation_definition": f"highest offered rate with achieved >= "
+                                     f"{SATURATION_SERVED:.0%} of offered",
+            "saturation_note": note,
+            "peak_req_per_s": float(rows["req_per_s"].max()) if len(rows) else None}
 
 
 def kv_speedup_curve(frame: pd.DataFrame) -> pd.DataFrame | None:
@@ -139,9 +183,7 @@ def write_sweep_csv(sweep_dir: str | Path) -> pd.DataFrame:
         curve.to_csv(sweep_dir / "kv_speedup.csv", index=False)
     summary = {"num_jobs": len(frame),
                "num_failed": int((frame.get("status") == "failed").sum()) if len(frame) else 0,
-               "saturation_req_per_s": saturation_rate(frame),
-               "saturation_definition": f"highest offered rate with achieved >= "
-                                        f"{SATURATION_SERVED:.0%} of offered"}
+               **saturation_summary(frame)}
     write_json_atomic(sweep_dir / "sweep_summary.json", summary)
     return frame
 

@@ -23,8 +23,21 @@ def format_value(value: Any, unit: str) -> str:
     return f"{value:,} {unit if unit != 'count' else ''}".strip()
 
 
-def summary_table(metrics: dict[str, Any], names: tuple[str, ...] = HEADLINE) -> str:
-    rows = [(name, format_value(metrics.get(name), REGISTRY[name].unit))
+WHOLE_RUN_MARK = "*"
+
+
+def summary_table(metrics: dict[str, Any], names: tuple[str, ...] = HEADLINE,
+                  window: dict[str, Any] | None = None) -> str:
+    """The metrics as aligned lines. With the run's `window` (summary.json): the values taken
+    from the whole run because the window is not valid are marked, and a footnote says why."""
+    window = window or {}
+    whole_run = set(window.get("whole_run_metrics") or ())
+    rows = [(name, format_value(metrics.get(name), REGISTRY[name].unit)
+             + (f" {WHOLE_RUN_MARK}" if name in whole_run else ""))
             for name in names if name in metrics]
     width = max(len(n) for n, _ in rows) if rows else 0
-    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+    lines = [f"  {name:<{width}}  {value}" for name, value in rows]
+    if whole_run & {name for name, _ in rows}:
+        lines.append(f"  {WHOLE_RUN_MARK} over the whole run: the steady-state window is not "
+                     f"valid ({window.get('reason')})")
+    return "\n".join(lines)

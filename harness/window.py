@@ -8,7 +8,10 @@ every request was due at the same moment (an offline workload) there is no ramp 
 window is the whole run.
 
 As MLPerf does, a run can demand a minimum window duration and request count; a window
-short of either is reported as not valid (with the reason), never silently stretched.
+short of either is reported as not valid (with the reason), never silently stretched. A
+window that no completion falls into (overload: every request sent inside it finishes after
+the last send) is not valid either. Where the window is not valid, the rates in `metrics`
+are the whole run's, and the window says which (`whole_run_metrics`).
 """
 
 from __future__ import annotations
@@ -29,16 +32,30 @@ class WindowConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> WindowConfig:
+        if values is not None and not isinstance(values, dict):
+            raise ValueError(f"run.window: {values!r} is invalid; allowed: a mapping of "
+                             f"{sorted(cls.__dataclass_fields__)}")
         values = dict(values or {})
-        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__), key=str)
         if unknown:
             raise ValueError(f"run.window: unknown key(s) {unknown}; allowed: "
                              f"{sorted(cls.__dataclass_fields__)}")
         cfg = cls(**values)
-        if not 0.0 <= cfg.skip_fraction < 1.0:
-            raise ValueError(f"run.window.skip_fraction: {cfg.skip_fraction} is invalid; "
+        if not _is_number(cfg.skip_fraction) or not 0.0 <= cfg.skip_fraction < 1.0:
+            raise ValueError(f"run.window.skip_fraction: {cfg.skip_fraction!r} is invalid; "
                              "allowed: a number in [0, 1)")
+        if not _is_number(cfg.min_duration_s) or cfg.min_duration_s < 0:
+            raise ValueError(f"run.window.min_duration_s: {cfg.min_duration_s!r} is invalid; "
+                             "allowed: a number of seconds >= 0")
+        if (isinstance(cfg.min_requests, bool) or not isinstance(cfg.min_requests, int)
+                or cfg.min_requests < 0):
+            raise ValueError(f"run.window.min_requests: {cfg.min_requests!r} is invalid; "
+                             "allowed: an integer >= 0")
         return cfg
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def steady_state(requests: pd.DataFrame, cfg: WindowConfig) -> dict[str, Any]:
@@ -58,24 +75,45 @@ def steady_state(requests: pd.DataFrame, cfg: WindowConfig) -> dict[str, Any]:
         kind = "steady_state"
         members = int(requests["sent_s"].between(start, end).sum())
     duration = end - start
+    completed = requests[requests["status"] == "ok"]["last_token_s"].between(start, end)
     reasons = []
     if duration < cfg.min_duration_s:
         reasons.append(f"window {duration:.3f} s < min_duration_s {cfg.min_duration_s}")
     if members < cfg.min_requests:
         reasons.append(f"window holds {members} requests < min_requests {cfg.min_requests}")
+    if kind == "steady_state" and not completed.any():
+        # overload: every request sent inside the window finishes after the last send, so a
+        # rate over the window counts 0 requests beside a positive token rate
+        reasons.append("no request completed inside the window")
     return {"kind": kind, "start_s": start, "end_s": end, "num_requests": members,
-            "valid": not reasons, "reason": "; ".join(reasons) or None}
+            "num_completed": int(completed.sum()), "valid": not reasons,
+            "reason": "; ".join(reasons) or None}
+
+
+#: Metrics that count events inside the window over its length. A window that is not valid
+#: gives them no meaning (under overload: 0 req/s while tokens flow), so `metrics` then holds
+#: the whole run's values, and `window.whole_run_metrics` names them.
+RATE_METRICS = ("duration_s", "req_per_s", "output_tok_per_s", "input_tok_per_s",
+                "total_tok_per_s", "goodput_req_per_s", "energy_j", "j_per_output_token")
 
 
 def summarize(frames: dict[str, pd.DataFrame], info: dict[str, Any],
               slo: dict[str, float | None] | None, cfg: WindowConfig) -> dict[str, Any]:
-    """`metrics` over the window, `metrics_whole_run` over everything, and the window itself."""
+    """`metrics` over the window, `metrics_whole_run` over everything, and the window itself.
+    With a steady-state window that is not valid, the rates in `metrics` are the whole run's
+    (listed under `window.whole_run_metrics`); latencies stay those of the window's requests."""
     requests, tokens, steps = frames["requests"], frames["tokens"], frames["steps"]
     whole = compute_summary(requests, tokens, steps, info, slo)
     window = steady_state(requests, cfg)
+    window["whole_run_metrics"] = []
     if window["kind"] == "whole_run":
         metrics = whole
     else:
         metrics = compute_summary(requests, tokens, steps, info, slo,
                                   span=(window["start_s"], window["end_s"]))
+        if not window["valid"]:
+            replaced = [name for name in RATE_METRICS if name in whole or name in metrics]
+            for name in replaced:
+                metrics[name] = whole.get(name)
+            window["whole_run_metrics"] = replaced
     return {"metrics": metrics, "metrics_whole_run": whole, "window": window}

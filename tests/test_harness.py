@@ -9,18 +9,25 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
+import yaml
 
 from engines.base import GenerationRequest
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
 from engines.sampling_params import SamplingParams
+from harness import experiment
 from harness.driver import Driver
+from harness.experiment import RunConfig, run_experiment
 from harness.metrics import REGISTRY, compute_summary
 from harness.records import RunRecorder, load_table
+from harness.repeats import validate_repeats
+from harness.table import summary_table
 from workloads.request import WorkloadRequest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,8 +172,110 @@ def test_interrupted_run_keeps_finished_rows(tmp_path: Path) -> None:
     assert proc.wait(timeout=60) == 130
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "incomplete"
+    assert summary["error"] == "interrupted: SIGTERM"
     requests = load_table(run_dir, "requests")
     assert 3 <= len(requests) < 40
     assert summary["metrics"]["num_requests"] == len(requests)
     tokens = load_table(run_dir, "tokens")
     assert len(tokens) == requests["output_tokens"].sum()
+
+
+@pytest.mark.parametrize(("run", "named"), [
+    ({"foo": 1}, "run: unknown key(s) ['foo']; allowed: ['monitor', 'name', 'progress', "
+                 "'quality', 'resume', 'slo', 'warmup_requests', 'window']"),
+    ({"warmup_requests": -1}, "run.warmup_requests: -1 is invalid; allowed: an integer >= 0"),
+    ({"warmup_requests": 1.5}, "run.warmup_requests: 1.5 is invalid"),
+    ({"warmup_requests": "2"}, "run.warmup_requests: '2' is invalid"),
+    ({"warmup_requests": True}, "run.warmup_requests: True is invalid"),
+    ({"window": {"skip": 0.2}}, "run.window: unknown key(s) ['skip']; allowed: "
+                                "['min_duration_s', 'min_requests', 'skip_fraction']"),
+    ({"slo": {"ttft": 1.0}}, "run.slo: unknown key(s) ['ttft']; allowed: "
+                             "['e2e_s', 'tpot_s', 'ttft_s']"),
+    ({"slo": {"ttft_s": -1}}, "run.slo.ttft_s: -1 is invalid; allowed: null or a number of "
+                              "seconds > 0"),
+    ({"monitor": {"interval": 1}}, "run.monitor: unknown key(s) ['interval']"),
+    ({"monitor": "off"}, "run.monitor: 'off' is invalid; allowed: a mapping of"),
+    ({"quality": {"enable": True}}, "run.quality: unknown key(s) ['enable']"),
+    ({"quality": {"num_prompts": 0}}, "run.quality.num_prompts: 0 is invalid"),
+    ({"resume": "yes"}, "run.resume: 'yes' is invalid; allowed: true|false"),
+    ({"progress": 1}, "run.progress: 1 is invalid; allowed: true|false"),
+])
+def test_the_run_section_names_a_bad_key(run: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match="allowed") as error:
+        RunConfig.from_dict(run)
+    assert named in str(error.value)
+
+
+def test_the_default_run_section_is_valid() -> None:
+    config = yaml.safe_load((REPO / "configs" / "config.yaml").read_text())
+    run = RunConfig.from_dict(config["run"])
+    assert (run.name, run.warmup_requests, run.resume) == ("default", 2, False)
+    assert run.window.skip_fraction == 0.1 and run.slo.ttft_s is None
+    assert RunConfig.from_dict(None) == RunConfig()  # a config without `run` gets defaults
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
+def test_repeats_must_be_a_positive_integer(value: object) -> None:
+    with pytest.raises(ValueError, match=r"repeats: .* is invalid; allowed: an integer >= 1"):
+        validate_repeats(value)
+
+
+def test_a_bad_run_key_exits_2_before_anything_runs(tmp_path: Path) -> None:
+    result = inferlab("run", "model=tiny", "+run.foo=1", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: run: unknown key(s) ['foo']; allowed: ['monitor', 'name', 'progress', "
+        "'quality', 'resume', 'slo', 'warmup_requests', 'window']")
+    assert not (tmp_path / "summary.json").exists()  # nothing started
+
+
+def test_the_table_marks_whole_run_values() -> None:
+    metrics = {"num_requests": 8, "output_tok_per_s": 120.0, "req_per_s": 2.5,
+               "ttft_p50_s": 0.25}
+    window = {"valid": False, "reason": "no request completed inside the window",
+              "whole_run_metrics": ["duration_s", "output_tok_per_s", "req_per_s"]}
+    lines = summary_table(metrics, window=window).splitlines()
+    assert lines == ["  num_requests      8",
+                     "  output_tok_per_s  120.00 tok/s *",
+                     "  req_per_s         2.50 req/s *",
+                     "  ttft_p50_s        250.00 ms",
+                     "  * over the whole run: the steady-state window is not valid (no request "
+                     "completed inside the window)"]
+    assert "*" not in summary_table(metrics, window={"valid": True, "whole_run_metrics": []})
+
+
+class Refusing(BuiltinBackend):
+    """The tiny engine behind a server that refuses some requests (an HTTP 500 per request)."""
+
+    def __init__(self, refused: str) -> None:
+        super().__init__(EngineConfig(model="tiny", max_model_len=64, dtype="float32",
+                                      device="cpu"))
+        self.refused = refused
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Any]:
+        if request.request_id.endswith(self.refused):
+            raise RuntimeError(f"HTTP 500 for {request.request_id}: token ids refused")
+        async for event in super().generate(request):
+            yield event
+
+
+@pytest.mark.parametrize("refused", ["", "1"])
+def test_a_run_whose_every_request_failed_is_failed(refused: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(experiment, "build_backend", lambda engine, model: Refusing(refused))
+    config = {"engine": {}, "model": {"name": "tiny"},
+              "workload": {"type": "synthetic", "num_requests": 4, "input_len": 8,
+                           "output_len": 3},
+              "run": {"warmup_requests": 0, "monitor": {"enabled": False}}}
+    summary = run_experiment(config, tmp_path, progress=False)
+    metrics = summary["metrics"]
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["status"] == summary["status"]
+    if refused == "":  # every request refused: the run did not measure anything
+        assert summary["status"] == "failed"
+        assert summary["error"] == ("every measured request failed (4 of 4); the first, "
+                                    "req-0: RuntimeError: HTTP 500 for req-0: token ids refused")
+        assert (metrics["num_failed"], metrics["num_completed"]) == (4, 0)
+    else:  # one of four refused: a complete run that counts it
+        assert summary["status"] == "complete" and summary["error"] is None
+        assert (metrics["num_failed"], metrics["num_completed"]) == (1, 3)

@@ -177,8 +177,14 @@ def test_window_over_scripted_sends(scripted_run: dict) -> None:
     assert window["start_s"] == 0.0 and window["end_s"] == pytest.approx(0.006, abs=EXACT)
     m = summary["metrics"]
     assert m["ttft_p50_s"] == pytest.approx(0.0185, abs=EXACT)  # the same four requests
-    assert m["duration_s"] == pytest.approx(0.006, abs=EXACT)
-    assert m["req_per_s"] == 0.0  # nothing completed before the last send
+    # nothing completed before the last send: the window is not valid, and its rates (0 req/s
+    # beside a positive token rate) give way to the whole run's
+    assert window["valid"] is False and window["num_completed"] == 0
+    assert "no request completed" in window["reason"]
+    assert "req_per_s" in window["whole_run_metrics"]
+    whole = summary["metrics_whole_run"]
+    assert m["duration_s"] == whole["duration_s"] == pytest.approx(0.050, abs=EXACT)
+    assert m["req_per_s"] == whole["req_per_s"] > 0
 
 
 def test_phase_columns_are_exact(scripted_run: dict) -> None:

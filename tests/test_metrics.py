@@ -102,3 +102,57 @@ def test_window_rates_count_events_inside_the_window() -> None:
     assert s["output_tok_per_s"] == pytest.approx(4 / 1.2)
     assert s["input_tok_per_s"] == pytest.approx((10 + 20) / 1.2)  # a and b prefilled inside
     assert s["num_requests"] == 3  # sent inside: d (0.1), b (0.2), c (0.3)
+
+
+def test_a_window_no_request_completed_in_gives_the_whole_runs_rates() -> None:
+    # overload: all four requests are sent by 0.3 s, the first completes at 0.8 s; over the
+    # window [0.1, 0.3] alone the run would read 0 req/s and 0 tok/s
+    from harness.window import WindowConfig, summarize
+
+    requests, tokens, steps = frames()
+    requests["sent_s"] = requests["arrival_s"]
+    assert compute_summary(requests, tokens, steps, span=(0.1, 0.3))["req_per_s"] == 0.0
+    out = summarize({"requests": requests, "tokens": tokens, "steps": steps}, {}, None,
+                    WindowConfig(skip_fraction=0.25))
+    window, m, whole = out["window"], out["metrics"], out["metrics_whole_run"]
+    assert (window["kind"], window["start_s"], window["end_s"]) == ("steady_state", 0.1, 0.3)
+    assert window["valid"] is False and window["num_completed"] == 0
+    assert window["reason"] == "no request completed inside the window"
+    for name in ("duration_s", "req_per_s", "output_tok_per_s", "input_tok_per_s",
+                 "total_tok_per_s"):
+        assert name in window["whole_run_metrics"]
+        assert m[name] == whole[name], name
+    assert m["req_per_s"] == pytest.approx(3 / 1.5) and m["duration_s"] == pytest.approx(1.5)
+    # latencies and counts stay those of the requests sent inside the window (d, b, c)
+    assert m["num_requests"] == 3 and m["ttft_p50_s"] == pytest.approx(1.0)
+
+
+def test_a_valid_window_keeps_its_own_rates() -> None:
+    from harness.window import WindowConfig, summarize
+
+    requests, tokens, steps = frames()
+    requests["sent_s"] = requests["arrival_s"]
+    requests.loc[requests["request_id"] == "c", "sent_s"] = 1.0  # window [0.1, 1.0]: a inside
+    out = summarize({"requests": requests, "tokens": tokens, "steps": steps}, {}, None,
+                    WindowConfig(skip_fraction=0.25))
+    window = out["window"]
+    assert window["valid"] is True and window["num_completed"] == 1
+    assert window["whole_run_metrics"] == []
+    assert out["metrics"]["req_per_s"] == pytest.approx(1 / 0.9)
+    assert out["metrics_whole_run"]["req_per_s"] == pytest.approx(3 / 1.5)
+
+
+@pytest.mark.parametrize(("values", "named"), [
+    ({"skip": 0.2}, "unknown key(s) ['skip']"),
+    ({"skip_fraction": "half"}, "run.window.skip_fraction: 'half' is invalid"),
+    ({"min_duration_s": -1}, "run.window.min_duration_s: -1 is invalid"),
+    ({"min_requests": 2.5}, "run.window.min_requests: 2.5 is invalid"),
+    ({"min_requests": True}, "run.window.min_requests: True is invalid"),
+    (3, "run.window: 3 is invalid; allowed: a mapping of"),
+])
+def test_window_config_names_the_bad_key(values: object, named: str) -> None:
+    from harness.window import WindowConfig
+
+    with pytest.raises(ValueError, match="allowed") as error:
+        WindowConfig.from_dict(values)  # type: ignore[arg-type]
+    assert named in str(error.value)

@@ -4,7 +4,9 @@ out of the latency statistics."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +17,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from harness import records
+from harness.experiment import RunFolderError, run_experiment
 from harness.metrics import compute_summary
 from harness.records import load_table, write_json_atomic
 
@@ -75,7 +79,7 @@ def test_sigint_leaves_rows_and_an_incomplete_summary(killed_runs) -> None:
     assert code == 130
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "incomplete"
-    assert summary["error"].startswith("interrupted")
+    assert summary["error"] == "interrupted: SIGINT"  # Ctrl-C's KeyboardInterrupt is bare
     requests = check_rows_consistent(run_dir)
     assert (run_dir / "requests.parquet").is_file()  # the tables were still finalized
     assert summary["metrics"]["num_requests"] == len(requests)
@@ -157,8 +161,142 @@ def test_sigterm_stops_a_series_of_repeats(tmp_path: Path) -> None:
     series = json.loads((run_dir / "summary.json").read_text())
     assert series["status"] == "incomplete"
     assert series["repeat_status"] == ["incomplete", "not run", "not run"]
-    assert series["error"] == "repeat 0: interrupted: signal SIGTERM"
+    assert series["error"] == "repeat 0: interrupted: SIGTERM"
     repeat = json.loads((run_dir / "repeat-0" / "summary.json").read_text())
     assert repeat["status"] == "incomplete"
     check_rows_consistent(run_dir / "repeat-0")
     assert not (run_dir / "repeat-1").exists()
+
+
+TINY_CONFIG = {"engine": {"dtype": "float32", "device": "cpu", "max_model_len": 64},
+               "model": {"name": "tiny"},
+               "workload": {"type": "synthetic", "num_requests": 3, "input_len": 8,
+                            "output_len": 3},
+               "run": {"warmup_requests": 0, "monitor": {"enabled": False}}}
+
+
+def disk_full(path: object) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def test_a_full_disk_while_finalizing_fails_the_run(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    def to_parquet(self: pd.DataFrame, path: object, *args: object, **kwargs: object) -> None:
+        raise disk_full(path)
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", to_parquet)
+    summary = run_experiment(TINY_CONFIG, tmp_path, progress=False)
+    assert summary["status"] == "failed"
+    assert summary["error"].startswith("writing the run folder failed: OSError: [Errno 28] "
+                                       "No space left on device")
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+    # no table was written whole, so none is there: readers take the JSONL rows, all of them
+    assert not list(tmp_path.glob("*.parquet")) and not list(tmp_path.glob(".*"))
+    assert len(load_table(tmp_path, "requests")) == summary["metrics"]["num_requests"] == 3
+
+
+def test_a_full_disk_for_the_summary_too_leaves_no_running_summary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = records.write_json_atomic
+    written: list[str] = []
+
+    def write_json_atomic(path: Path, data: dict) -> None:  # only `running` still fits
+        if path.name == "summary.json" and data.get("status") != "running":
+            raise disk_full(path)
+        written.append(data.get("status", ""))
+        real(path, data)
+
+    monkeypatch.setattr(records, "write_json_atomic", write_json_atomic)
+    with pytest.raises(RunFolderError) as error:
+        run_experiment(TINY_CONFIG, tmp_path, progress=False)
+    assert written[-1] == "running"
+    assert not (tmp_path / "summary.json").exists()  # nothing says the run is still going
+    message = str(error.value)
+    assert message == (f"{tmp_path}: writing summary.json failed: OSError: [Errno 28] No space "
+                       f"left on device: '{tmp_path / 'summary.json'}'")
+    assert error.value.summary["status"] == "failed"
+
+
+def test_the_summary_written_on_a_second_try_says_why_it_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = records.write_json_atomic
+    failures = iter([disk_full("summary.json")])
+
+    def write_json_atomic(path: Path, data: dict) -> None:
+        if data.get("status") == "complete" and (exc := next(failures, None)):
+            raise exc
+        real(path, data)
+
+    monkeypatch.setattr(records, "write_json_atomic", write_json_atomic)
+    summary = run_experiment(TINY_CONFIG, tmp_path, progress=False)
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["status"] == summary["status"] == "failed"
+    assert on_disk["error"].startswith("writing summary.json failed: OSError: [Errno 28]")
+    assert on_disk["metrics"]["num_completed"] == 3  # the run's figures are still there
+
+
+def test_an_unwritable_run_folder_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    # summary.json cannot be created where a folder of that name stands, root or not
+    run_dir = tmp_path / "run"
+    (run_dir / "summary.json").mkdir(parents=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "model=tiny", "workload.num_requests=2",
+         f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "summary.json" in errors[0], result.stderr
+    assert "the run folder cannot be written" in errors[0]
+    assert not (run_dir / "summary.json").is_file()
+
+
+INJECT_FULL_DISK = """
+import errno, os, sys
+import pandas as pd
+from harness import records
+
+sweep = sys.argv[1]
+real_parquet, real_json = pd.DataFrame.to_parquet, records.write_json_atomic
+
+
+def full(path):
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def to_parquet(self, path, *args, **kwargs):  # jobs 0 and 1 find the disk full
+    if not str(path).startswith(os.path.join(sweep, "2")):
+        raise full(path)
+    return real_parquet(self, path, *args, **kwargs)
+
+
+def write_json_atomic(path, data):  # job 1's final summary does not fit either
+    if str(path) == os.path.join(sweep, "1", "summary.json") and data["status"] != "running":
+        raise full(path)
+    return real_json(path, data)
+
+
+pd.DataFrame.to_parquet = to_parquet
+records.write_json_atomic = write_json_atomic
+from harness.cli import main
+
+raise SystemExit(main(["run", *sys.argv[2:], f"hydra.sweep.dir={sweep}"]))
+"""
+
+
+def test_a_sweep_job_that_finds_the_disk_full_is_a_failed_row(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, "-c", INJECT_FULL_DISK, str(sweep), "-m", "model=tiny",
+         "workload.num_requests=2", "workload.input_len=8", "workload.output_len=2",
+         "run.warmup_requests=0", "run.monitor.enabled=false", "workload.seed=0,1,2"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr  # a failing job never stops a sweep
+    assert "Traceback" not in result.stderr
+    rows = pd.read_csv(sweep / "sweep.csv").set_index("job")
+    assert rows["status"].tolist() == ["failed", "failed", "complete"]
+    for job in (0, 1):
+        assert "[Errno 28] No space left on device" in rows.loc[job, "error"], job
+    assert rows.loc[0, "error"].startswith("writing the run folder failed")
+    assert rows.loc[1, "error"].startswith(f"{sweep / '1'}: writing summary.json failed")
+    assert not (sweep / "1" / "summary.json").exists()
+    assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "failed"
