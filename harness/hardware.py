@@ -164,6 +164,7 @@ def _overlap(dtype: torch.dtype, peak_flops: float, bandwidth: float, weight_byt
     0 when the machine is slower than even the sum (small-row matmuls short of both peaks).
     """
     from engines.builtin import native
+    from engines.builtin.layers.linear import PrepackedDenseMethod
 
     size = torch.tensor([], dtype=dtype).element_size()
     n = int((weight_bytes // size) ** 0.5)
@@ -171,14 +172,8 @@ def _overlap(dtype: torch.dtype, peak_flops: float, bandwidth: float, weight_byt
     weight = torch.ones(n, n, dtype=dtype)
     x = torch.ones(rows, n, dtype=dtype)
     measured = _best_seconds(lambda: torch.nn.functional.linear(x, weight), repeats, 2.0)
-    if torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16):
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        except RuntimeError:  # no oneDNN path for this dtype here (bf16 without AVX-512)
-            packed = None
-    else:
-        packed = None
-    if packed is not None:
+    if PrepackedDenseMethod.supported(torch.device("cpu"), dtype):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
         measured = min(measured, _best_seconds(
             lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
             repeats, 2.0))

@@ -33,6 +33,22 @@ def test_prepacked_equals_f_linear(dtype: torch.dtype, shape: tuple[int, ...]) -
     assert layer.weight_bytes() == (weight.numel() + bias.numel()) * weight.element_size()
 
 
+def test_prepacked_without_onednn_bf16_keeps_the_plain_weight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without native bf16 conversion (AVX2 only: oneDNN's bf16 reorder raises there)
+    keeps no packed copy and multiplies through F.linear, with the same result."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert not PrepackedDenseMethod.supported(torch.device("cpu"), torch.bfloat16)
+    assert PrepackedDenseMethod.supported(torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(80, 48, generator=gen).to(torch.bfloat16)
+    layer = Linear(48, 80, PrepackedDenseMethod(), bias=False)
+    layer.load(weight, None)
+    assert layer.packed_weight is None and layer.packed_bytes() == 0
+    x = torch.randn(5, 48, generator=gen).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x), F.linear(x, weight))
+
+
 # rows through the engine's GEMM (flattened); one row goes to torch's GEMV, faster there
 @pytest.mark.parametrize(("shape", "kernel_rows"),
                          [((1, 48), None), ((5, 48), 5), ((2, 3, 48), 6), ((0, 48), 0)])

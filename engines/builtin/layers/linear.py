@@ -78,16 +78,19 @@ class PrepackedDenseMethod(DenseMethod):
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().load(layer, weight, bias)
-        packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, self.PACK_FOR_ROWS)
+        packed = (torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, self.PACK_FOR_ROWS)
+                  if self.supported(layer.weight.device, layer.weight.dtype) else None)
         layer.register_buffer("packed_weight", packed, persistent=False)
 
     def packed_bytes(self, layer: Linear) -> int:
         # an opaque oneDNN tensor: its logical size (the blocked layout pads little)
-        return layer.packed_weight.numel() * layer.packed_weight.element_size()
+        packed = layer.packed_weight
+        return 0 if packed is None else packed.numel() * packed.element_size()
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // layer.in_features
-        if rows <= self.PLAIN_FP32_MAX_ROWS and x.dtype == torch.float32:
+        if (layer.packed_weight is None
+                or (rows <= self.PLAIN_FP32_MAX_ROWS and x.dtype == torch.float32)):
             return F.linear(x, layer.weight, layer.bias)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, layer.in_features),
                                                layer.packed_weight, layer.bias, "none", [], "")
@@ -95,8 +98,12 @@ class PrepackedDenseMethod(DenseMethod):
 
     @staticmethod
     def supported(device: torch.device, dtype: torch.dtype) -> bool:
-        return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                and torch.backends.mkldnn.is_available())
+        if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        # oneDNN packs bf16 only where the CPU converts it natively (AVX-512 BW/VL/DQ or
+        # AVX-NE-CONVERT); elsewhere the reorder raises, and the plain weight is the path
+        return dtype == torch.float32 or (dtype == torch.bfloat16
+                                          and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PanelDenseMethod(DenseMethod):
