@@ -162,6 +162,16 @@ def test_seeded_request_ignores_batch_composition(make_tiny) -> None:
     assert alone == batch_first == batch_last == fresh == other_kv
 
 
+def test_a_top_k_beyond_any_vocabulary_is_top_k_off(tiny_llm: LLM) -> None:
+    """top_k=10**400 is a valid integer: it keeps every token, as top_k=0 does, rather than
+    failing the step when it is converted for the batch (OverflowError)."""
+    def sample(top_k: int) -> list[int]:
+        params = SamplingParams(max_tokens=5, temperature=1.0, top_k=top_k, seed=7)
+        return tiny_llm.generate([[3, 4, 5]], params)[0].outputs[0].token_ids
+
+    assert sample(10**400) == sample(0) == sample(2**63)
+
+
 def test_different_seeds_differ(tiny_llm: LLM) -> None:
     outs = tiny_llm.generate([[700, 701, 702, 703]] * 4,
                              [sampled(seed=s) for s in (1, 2, 3, 1)])

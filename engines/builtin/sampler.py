@@ -14,6 +14,8 @@ import torch
 
 from engines.builtin.sequence import Sequence
 
+TOP_K_CAP = 2**31  # past any vocabulary: the same as top-k off
+
 
 @dataclass
 class SamplingBatch:
@@ -41,9 +43,10 @@ class SamplingBatch:
                 suppress_rows.append(row)
                 suppress_ids.append(list(eos_ids) + list(p.stop_token_ids))
         # One host-to-device copy for the three per-row parameters; float64 holds the
-        # float32 values and the integer top_k exactly.
+        # float32 values and the integer top_k exactly (capped: a top_k past the vocabulary
+        # keeps every token, and 10**400 would not even convert to a float).
         table = torch.tensor([[p.temperature for p in params],
-                              [float(max(p.top_k, 0)) for p in params],
+                              [float(min(max(p.top_k, 0), TOP_K_CAP)) for p in params],
                               [p.top_p for p in params]], dtype=torch.float64).to(device)
         return cls(
             temperature=table[0].float(),
