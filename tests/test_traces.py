@@ -61,7 +61,10 @@ def test_azure_replay_scales_time_and_lengths(shared: Path, tok: Tokenizer) -> N
     w = TraceWorkload(path=str(AZURE), format="azure", num_requests=200, time_scale=10,
                       input_scale=0.1, seed=3)
     reqs = w.build(tok)
-    assert len(reqs) == 200 and w.info["requests"] == 200 and w.info["rows_read"] == 19366
+    assert len(reqs) == 200 and w.info["requests"] == 200
+    # reading stopped at the 200th row: the rest of the trace is neither read nor spanned
+    assert w.info["rows_read"] == 200 and w.info["read_to_end"] is False
+    assert w.info["trace_span_s"] is None
     t0 = rows[0].timestamp_s
     for r, row in zip(reqs, rows, strict=False):
         assert r.arrival_s == pytest.approx((row.timestamp_s - t0) / 10)
@@ -70,7 +73,10 @@ def test_azure_replay_scales_time_and_lengths(shared: Path, tok: Tokenizer) -> N
         assert r.request.sampling.max_tokens == row.output_len
         assert r.request.sampling.ignore_eos and r.request.sampling.temperature == 0
     assert w.info["arrival_span_s"] == pytest.approx(reqs[-1].arrival_s)
-    assert w.info["trace_span_s"] == pytest.approx(3501.72, abs=0.01)
+    whole = TraceWorkload(path=str(AZURE), format="azure", input_scale=0.01)
+    whole.build(tok)
+    assert whole.info["rows_read"] == 19366 and whole.info["read_to_end"] is True
+    assert whole.info["trace_span_s"] == pytest.approx(3501.72, abs=0.01)
 
 
 def test_azure_window_and_clipping(shared: Path, tok: Tokenizer) -> None:

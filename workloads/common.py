@@ -16,6 +16,7 @@ import numpy as np
 from engines.base import GenerationRequest, Prompt
 from engines.sampling_params import SamplingParams
 from workloads.request import WorkloadRequest
+from workloads.trace_files import check_regular_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,6 +96,11 @@ def resolve_path(field: str, path: Any) -> Path:
         return p
     if not p.is_absolute() and (REPO_ROOT / p).is_file():
         return REPO_ROOT / p
+    if p.exists():  # a directory, a FIFO or a device: named, and never opened
+        try:
+            check_regular_file(p)
+        except ValueError as exc:
+            raise ValueError(f"workload.{field}: {exc}") from None
     raise FileNotFoundError(f"workload.{field}: no file at {path} (looked in the working "
                             f"directory {Path.cwd()} and the repository root {REPO_ROOT})")
 

@@ -144,7 +144,7 @@ def _empirical(field: str, spec: dict[str, Any]) -> LengthSpec:
         raise invalid(f"{field}.columns", columns, f"null for format {fmt}")
     path = resolve_path(f"{field}.path", spec["path"])
     trace = load_trace(path, fmt, columns)
-    values = [r.input_len if which == "input" else r.output_len for r in trace.rows]
+    values = (trace.input_lens if which == "input" else trace.output_lens).tolist()
     if not values:
         raise invalid(f"{field}.path", str(path), f"a trace with usable rows (skipped: "
                       f"{trace.skipped})")

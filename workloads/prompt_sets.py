@@ -2,7 +2,9 @@
 
 Each loader returns `PromptItem`s (a conversation's user turns, in order) plus what it skipped
 and why. Malformed files raise ValueError naming the file, where (a line, or for the single
-JSON document of ShareGPT the 1-based entry), and the field.
+JSON document of ShareGPT the 1-based entry), and the field. Files may be gzip-compressed
+and named `.gz`; binary, otherwise compressed or non-UTF-8 files are refused by name
+(workloads/trace_files.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from workloads.trace_files import read_text, text_lines
 
 PROMPT_FORMATS = ("sharegpt", "mt_bench", "text")
 _USER_ROLES = ("human", "user")
@@ -44,12 +48,16 @@ def load_prompt_set(path: str | Path, fmt: str) -> PromptSet:
 
 
 def _sharegpt(path: str) -> tuple[list[PromptItem], int, Counter[str]]:
+    text = read_text(path)
+    if not text.strip():
+        raise ValueError(f"{path}: line 1: empty file (expected a JSON array)")
     try:
-        with open(path, encoding="utf-8-sig") as f:
-            data = json.load(f)
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: line {exc.lineno}: invalid JSON ({exc.msg}, column "
                          f"{exc.colno})") from exc
+    except RecursionError as exc:
+        raise ValueError(f"{path}: invalid JSON (nested too deeply)") from exc
     if not isinstance(data, list):
         raise ValueError(f"{path}: line 1: expected a JSON array of conversations")
     items: list[PromptItem] = []
@@ -82,29 +90,30 @@ def _sharegpt(path: str) -> tuple[list[PromptItem], int, Counter[str]]:
 def _mt_bench(path: str) -> tuple[list[PromptItem], int, Counter[str]]:
     items: list[PromptItem] = []
     read = 0
-    with open(path, encoding="utf-8-sig") as f:
-        for line, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            try:
-                record: Any = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {line}: invalid JSON ({exc.msg}, column "
-                                 f"{exc.colno})") from exc
-            where = f"{path}: line {line}"
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object")
-            if "question_id" not in record:
-                raise ValueError(f"{where}: field 'question_id': missing value")
-            turns = record.get("turns")
-            if not (isinstance(turns, list) and turns
-                    and all(isinstance(t, str) and t.strip() for t in turns)):
-                raise ValueError(f"{where}: field 'turns': expected a non-empty list of "
-                                 "non-empty strings")
-            category = record.get("category")
-            read += 1
-            items.append(PromptItem(str(record["question_id"]), tuple(turns),
-                                    category=category if isinstance(category, str) else None))
+    for line, text in text_lines(path):
+        if not text.strip():
+            continue
+        try:
+            record: Any = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: line {line}: invalid JSON ({exc.msg}, column "
+                             f"{exc.colno})") from exc
+        except RecursionError as exc:
+            raise ValueError(f"{path}: line {line}: invalid JSON (nested too deeply)") from exc
+        where = f"{path}: line {line}"
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+        if "question_id" not in record:
+            raise ValueError(f"{where}: field 'question_id': missing value")
+        turns = record.get("turns")
+        if not (isinstance(turns, list) and turns
+                and all(isinstance(t, str) and t.strip() for t in turns)):
+            raise ValueError(f"{where}: field 'turns': expected a non-empty list of "
+                             "non-empty strings")
+        category = record.get("category")
+        read += 1
+        items.append(PromptItem(str(record["question_id"]), tuple(turns),
+                                category=category if isinstance(category, str) else None))
     if read == 0:
         raise ValueError(f"{path}: line 1: empty file (no JSON lines)")
     return items, read, Counter()
@@ -112,11 +121,9 @@ def _mt_bench(path: str) -> tuple[list[PromptItem], int, Counter[str]]:
 
 def _text(path: str) -> tuple[list[PromptItem], int, Counter[str]]:
     items: list[PromptItem] = []
-    with open(path, encoding="utf-8-sig") as f:
-        for line, text in enumerate(f, start=1):
-            prompt = text.rstrip("\r\n")
-            if prompt.strip():  # blank lines separate paragraphs; they are not prompts
-                items.append(PromptItem(f"line{line}", (prompt,)))
+    for line, prompt in text_lines(path):
+        if prompt.strip():  # blank lines separate paragraphs; they are not prompts
+            items.append(PromptItem(f"line{line}", (prompt,)))
     if not items:
         raise ValueError(f"{path}: line 1: empty file (no non-empty lines)")
     return items, len(items), Counter()

@@ -14,6 +14,7 @@ import numpy as np
 
 from engines.builtin.tokenizer import Tokenizer, default_tokenizer
 from workloads.common import REPO_ROOT
+from workloads.trace_files import read_text
 
 DEFAULT_CORPUS = REPO_ROOT / "engines/builtin/data/sonnets.txt"
 PROMPT_KINDS = ("random_ids", "text")
@@ -55,7 +56,7 @@ class TokenSource:
 
     def _corpus_ids(self, n: int) -> np.ndarray:
         if self._corpus is None:
-            text = Path(self.corpus_path).read_text(encoding="utf-8")
+            text = read_text(self.corpus_path)  # .gz too; binary or non-UTF-8: named
             ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False),
                              dtype=np.int64)
             if len(ids) == 0:

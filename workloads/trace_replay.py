@@ -1,7 +1,8 @@
 """Trace replay: real arrival times and token lengths from a trace file, synthetic prompts.
 
 Selection: rows whose time since the trace's first row t lies in [start_s, end_s) (before
-scaling), then the first num_requests of those. Request i arrives at
+scaling), then the first num_requests of those; the file is read only as far as that
+selection reaches (workloads/traces.py), so `info` counts the rows read. Request i arrives at
 (t_i - t_first) / time_scale, where t_first is the first selected row's time, so the run starts
 with its first request and time_scale = 10 replays ten times faster.
 
@@ -38,7 +39,14 @@ from workloads.common import (
 from workloads.lengths import clip_to_context
 from workloads.prompts import PROMPT_KINDS, BlockTokens, TokenSource, tokenizer_or_default
 from workloads.request import WorkloadRequest
-from workloads.traces import MOONCAKE_BLOCK, TRACE_FORMATS, Trace, load_trace, parse_columns
+from workloads.traces import (
+    MAX_TOKENS,
+    MOONCAKE_BLOCK,
+    TRACE_FORMATS,
+    Trace,
+    load_trace,
+    parse_columns,
+)
 
 
 @dataclass
@@ -94,20 +102,20 @@ class TraceWorkload:
         check_common(self)
         return self
 
-    def _select(self, trace: Trace) -> list[Any]:
-        rows = list(trace.rows)
-        if trace.first_timestamp_s is None:  # a csv/jsonl trace without a time column
-            if self.start_s or self.end_s is not None:
-                raise invalid("start_s", self.start_s, "0 with end_s null (this trace has no "
-                              "timestamp column)")
-        else:
-            t0, end = trace.first_timestamp_s, self.end_s
-            rows = [r for r in rows if r.timestamp_s - t0 >= self.start_s
-                    and (end is None or r.timestamp_s - t0 < end)]
-            if not rows and self.num_requests != 0:
-                span = trace.last_timestamp_s - t0  # type: ignore[operator]
+    def _select(self, trace: Trace) -> np.ndarray:
+        """Indices of the selected rows of the trace (which is read only as far as they go)."""
+        rows = np.arange(len(trace))
+        if trace.timestamps_s is not None and trace.first_timestamp_s is not None:
+            since = trace.timestamps_s - trace.first_timestamp_s
+            inside = since >= self.start_s
+            if self.end_s is not None:
+                inside &= since < self.end_s
+            rows = rows[inside]
+            if not len(rows) and self.num_requests != 0:
+                where = (f"the trace spans 0 to {_span(trace):.3f} s" if trace.read_to_end
+                         else "no usable row of the trace lies in it")
                 raise invalid("start_s", self.start_s, f"a window [start_s, end_s) that holds "
-                              f"rows (end_s={self.end_s}; the trace spans 0 to {span:.3f} s)")
+                              f"rows (end_s={self.end_s}; {where})")
         return rows if self.num_requests is None else rows[:self.num_requests]
 
     def build(self, tokenizer: Tokenizer | None = None,
@@ -117,14 +125,19 @@ class TraceWorkload:
         path = resolve_path("path", self.path)
         generic = self.format in ("csv", "jsonl")
         columns = parse_columns("columns", self.columns or {}) if generic else None
-        trace = load_trace(path, self.format, columns)
-        if not trace.rows:
+        if columns is not None and columns["timestamp"] is None and (
+                self.start_s or self.end_s is not None):
+            raise invalid("start_s", self.start_s, "0 with end_s null (this trace has no "
+                          "timestamp column)")
+        trace = load_trace(path, self.format, columns, start_s=self.start_s, end_s=self.end_s,
+                           limit=self.num_requests)
+        if not len(trace) and self.num_requests != 0 and trace.read_to_end:
             raise invalid("path", str(path), f"a trace with usable rows ({trace.rows_read} "
                           f"read, skipped: {trace.skipped})")
-        rows = self._select(trace)
+        selected = self._select(trace)
         (prompt_rng,) = rng_streams(self.seed, 1)
-        inputs = _scaled([r.input_len for r in rows], self.input_scale)
-        outputs = _scaled([r.output_len for r in rows], self.output_scale)
+        inputs = _scaled("input_scale", trace.input_lens[selected], self.input_scale)
+        outputs = _scaled("output_scale", trace.output_lens[selected], self.output_scale)
         clipped_in = clipped_out = 0
         if self.max_input_len is not None:
             clipped_in = int((inputs > self.max_input_len).sum())
@@ -133,21 +146,22 @@ class TraceWorkload:
             clipped_out = int((outputs > self.max_output_len).sum())
             outputs = np.minimum(outputs, self.max_output_len)
         inputs, outputs, clip_info = clip_to_context(inputs, outputs, context_len)
-        times = [r.timestamp_s for r in rows]
-        if rows and times[0] is not None:
-            arrivals = (np.asarray(times, dtype=float) - times[0]) / self.time_scale
+        if trace.timestamps_s is not None and len(selected):
+            times = trace.timestamps_s[selected]
+            arrivals = (times - times[0]) / self.time_scale
         else:
-            arrivals = np.zeros(len(rows))
+            arrivals = np.zeros(len(selected))
         source = TokenSource(tok, self.prompt, resolve_path("corpus", self.corpus)
                              if self.corpus is not None else None)
         block_len = max(1, round(MOONCAKE_BLOCK * self.input_scale))
         blocks = BlockTokens(source, self.seed, block_len) if self.format == "mooncake" else None
         requests = []
-        for i, row in enumerate(rows):
+        for i, row in enumerate(selected.tolist()):
             own = int(inputs[i])
             if blocks is not None:
-                ids = blocks.prompt(row.hash_ids, own, prompt_rng)
-                group = str(row.hash_ids[0]) if row.hash_ids else None
+                hash_ids = trace.hash_ids(row)
+                ids = blocks.prompt(hash_ids, own, prompt_rng)
+                group = str(hash_ids[0]) if hash_ids else None
             else:
                 ids, group = source.tokens(own, prompt_rng), None
             requests.append(make_request(self, f"{self.id_prefix}-{i}", source.render(ids), own,
@@ -156,8 +170,9 @@ class TraceWorkload:
         self.info = {
             "type": "trace", "path": str(path), "format": self.format, "prompt": self.prompt,
             "tokenizer": tok.name, "rows_read": trace.rows_read,
-            "rows_skipped": dict(trace.skipped), "rows_usable": len(trace.rows),
-            "requests": len(rows), "trace_span_s": _span(trace), "window_s": [
+            "rows_skipped": dict(trace.skipped), "rows_usable": len(trace),
+            "read_to_end": trace.read_to_end, "requests": len(selected),
+            "trace_span_s": _span(trace) if trace.read_to_end else None, "window_s": [
                 self.start_s, self.end_s], "time_scale": self.time_scale,
             "input_scale": self.input_scale, "output_scale": self.output_scale,
             "clipped_max_input_len": clipped_in, "clipped_max_output_len": clipped_out,
@@ -167,8 +182,13 @@ class TraceWorkload:
         return requests
 
 
-def _scaled(lengths: list[int], scale: float) -> np.ndarray:
-    return np.maximum(np.rint(np.asarray(lengths, dtype=float) * scale), 1).astype(np.int64)
+def _scaled(field_name: str, lengths: np.ndarray, scale: float) -> np.ndarray:
+    scaled = np.maximum(np.rint(np.asarray(lengths, dtype=float) * scale), 1)
+    if len(scaled) and scaled.max() > MAX_TOKENS:
+        raise invalid(field_name, scale, f"a scale that keeps every length within {MAX_TOKENS} "
+                      f"tokens (a length of {int(lengths[int(np.argmax(scaled))])} becomes "
+                      f"{scaled.max():.0f})")
+    return scaled.astype(np.int64)
 
 
 def _span(trace: Trace) -> float | None:
