@@ -1,28 +1,29 @@
 """The OpenAI-compatible HTTP API over a loaded built-in engine: `create_app(backend)`.
 
-Every handler is `async def`, so all of them and the backend's engine loop share one event loop
-and one thread: the engine steps between handler turns, and a request that arrives mid-step is
-admitted at the next step boundary (continuous batching across connections).
+Every handler is `async def` on one event loop; the engine steps in a thread of its own
+(serving/generation.py), so the loop reads requests and writes tokens while a step runs, and a
+request that arrives mid-step is admitted at the next step boundary (continuous batching across
+connections).
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engines.base import now_ns
 from engines.builtin.backend import BuiltinBackend
 from engines.sampling_params import SamplingParams
+from serving.auth import APIKeyAuth
 from serving.config import ServerConfig
 from serving.formats import ChatWriter, CompletionWriter, Writer, collect, event_stream
 from serving.generation import ServingEngine
+from serving.lifecycle import RequestClock, arrival_ns
+from serving.limits import BodySizeLimit
 from serving.prometheus import CONTENT_TYPE
 from serving.protocol import (
     APIError,
@@ -31,8 +32,8 @@ from serving.protocol import (
     ModelCard,
     ModelList,
     _SamplingFields,
-    api_error_from_validation,
     error_body,
+    parse_request,
 )
 from serving.sse import ClientDisconnected, EventStreamResponse, unless_disconnected
 
@@ -53,6 +54,17 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     app = FastAPI(title="inferlab", version="1", docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.serving = serving
+    # a middleware added later runs earlier: the key is checked before the body's size, and
+    # a request refused by either is answered before its body is read
+    app.add_middleware(BodySizeLimit, max_body_bytes=config.max_body_bytes)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyAuth, api_key=config.api_key)
+    # outermost: a request's arrival (where the server's TTFT starts) is stamped first thing
+    app.add_middleware(RequestClock, read_timeout_s=config.read_timeout_s)
+    # Ids the tokenizer puts into any text by itself (BOS; some add EOS): a text or chat prompt
+    # with nothing else is empty.
+    added_ids = frozenset(serving.engine.tokenize("")) | {
+        i for i in (serving.engine.tokenizer.special.bos_id,) if i is not None}
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -69,7 +81,7 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
 
     @app.get("/health")
     async def health() -> dict[str, str]:
-        serving.engine  # noqa: B018 - raises 503 once the engine is closed
+        serving.check_serving()  # 503 once the engine is closed or shutting down
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -77,38 +89,47 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
         card = ModelCard(id=model_name, created=created, max_model_len=serving.max_model_len)
         return ModelList(data=[card]).model_dump()
 
+    @app.get("/v1/models/{model_id:path}")  # :path - a served name may hold "/" (org/model)
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(f"The model `{model_id}` does not exist; this server serves "
+                           f"`{model_name}`", "model", "model_not_found", 404)
+        return ModelCard(id=model_name, created=created,
+                         max_model_len=serving.max_model_len).model_dump()
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        arrival_ns = now_ns()
+        arrived_ns = arrival_ns(request.scope)
         body = await _parse(request, CompletionRequest)
         _check_common(body, model_name)
-        prompts = _completion_prompts(serving, body.prompt)
+        prompts = await _completion_prompts(serving, body.prompt, added_ids)
         requested = OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         max_tokens = [serving.check_prompt(ids, requested, "prompt") for ids in prompts]
         sampling = [_sampling(body, m) for m in max_tokens]
-        return await _respond(request, serving, body, "cmpl", prompts, sampling, arrival_ns,
+        return await _respond(request, serving, body, "cmpl", prompts, sampling, arrived_ns,
                               CompletionWriter, model_name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        arrival_ns = now_ns()
+        arrived_ns = arrival_ns(request.scope)
         body = await _parse(request, ChatCompletionRequest)
         _check_common(body, model_name)
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
         try:
-            prompt = serving.engine.tokenize(messages)
+            prompt = await serving.tokenize(messages)
         except ValueError as exc:
             raise APIError(f"messages: {exc}", "messages", "invalid_value") from None
+        _check_not_empty(prompt, added_ids, "messages")
         requested, name = ((body.max_tokens, "max_tokens") if body.max_completion_tokens is None
                            else (body.max_completion_tokens, "max_completion_tokens"))
         max_tokens = serving.check_prompt(prompt, requested, "messages", name)
         sampling = [_sampling(body, max_tokens, name)]
         return await _respond(request, serving, body, "chatcmpl", [prompt], sampling,
-                              arrival_ns, ChatWriter, model_name)
+                              arrived_ns, ChatWriter, model_name)
 
     return app
 
@@ -117,18 +138,7 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
 
 
 async def _parse(request: Request, model: type[_SamplingFields]) -> Any:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(f"We could not parse the JSON body of your request: {exc}", None,
-                       "invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError("The request body must be a JSON object", None, "invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise api_error_from_validation(exc) from None
+    return parse_request(await request.body(), model)
 
 
 def _check_common(body: _SamplingFields, model_name: str) -> None:
@@ -152,12 +162,30 @@ def _check_common(body: _SamplingFields, model_name: str) -> None:
                        "seed", "invalid_value")
 
 
-def _completion_prompts(serving: ServingEngine, prompt: Any) -> list[list[int]]:
-    if isinstance(prompt, str):
-        return [serving.engine.tokenize(prompt)]
-    if all(isinstance(t, int) for t in prompt):
+async def _completion_prompts(serving: ServingEngine, prompt: Any,
+                              added_ids: frozenset[int]) -> list[list[int]]:
+    if not isinstance(prompt, str) and isinstance(prompt[0], int):  # validated: all ids
         return [list(prompt)]
-    return [serving.engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompt]
+    prompts = []
+    for i, p in enumerate([prompt] if isinstance(prompt, str) else prompt):
+        if isinstance(p, str):
+            ids = await serving.tokenize(p)
+            _check_not_empty(ids, added_ids, "prompt" if isinstance(prompt, str)
+                             else f"prompt[{i}]")
+            prompts.append(ids)
+        else:
+            prompts.append(list(p))
+    return prompts
+
+
+def _check_not_empty(token_ids: list[int], added_ids: frozenset[int], where: str) -> None:
+    """A text or chat prompt that tokenizes to nothing but what the tokenizer adds to any text
+    (its BOS) is empty: the engine would generate from BOS alone. A token-id prompt is taken
+    as given."""
+    if all(t in added_ids for t in token_ids):
+        raise APIError(f"{where}: the prompt is empty (it has no tokens besides the "
+                       f"{sorted(added_ids)} the tokenizer adds to any text)",
+                       where.split("[", 1)[0], "invalid_value")
 
 
 def _sampling(body: _SamplingFields, max_tokens: int,
@@ -200,7 +228,10 @@ async def _respond(request: Request, serving: ServingEngine, body: _SamplingFiel
     writer = writer_type(request_id, int(time.time()), model_name, prompts, n,
                          include_usage=bool(body.stream_options
                                             and body.stream_options.include_usage),
-                         return_token_ids=body.return_token_ids)
+                         return_token_ids=body.return_token_ids,
+                         continuous_usage=bool(body.stream_options
+                                               and body.stream_options.include_usage
+                                               and body.stream_options.continuous_usage_stats))
     pieces = serving.generate(request_id, prompts, sampling, arrival_ns, admission)
     if body.stream:
         return EventStreamResponse(event_stream(pieces, writer), on_close=admission.release)

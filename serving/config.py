@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -21,6 +22,19 @@ class ServerConfig:
     served_model_name: str | None = None  # None: the model preset's name or checkpoint path
     log_level: str = "info"
     access_log: bool = False  # a log line per request costs time on the serving path
+    #: After SIGTERM/SIGINT: how long running requests may finish before they are aborted.
+    shutdown_timeout_s: float = 10.0
+    #: A request's headers, and then its body, must each arrive within this many seconds.
+    read_timeout_s: float = 30.0
+    #: An idle keep-alive connection is closed after this many seconds (uvicorn's).
+    keep_alive_timeout_s: float = 5.0
+    #: /v1/* requests must send `Authorization: Bearer <api_key>`; None: no key is checked.
+    #: `inferlab serve` reads INFERLAB_API_KEY when it is not given. Never printed.
+    api_key: str | None = field(default=None, repr=False)
+    #: Larger request bodies get 413 unread (serving/limits.py). 8 MiB: far above the largest
+    #: prompt a context holds (128k tokens: ~0.5 MB of text, ~1 MB as token ids), small enough
+    #: to parse in tens of milliseconds.
+    max_body_bytes: int = 8 << 20
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ServerConfig:
@@ -51,4 +65,19 @@ class ServerConfig:
             raise fail("log_level", "|".join(LOG_LEVELS))
         if not isinstance(self.access_log, bool):
             raise fail("access_log", "true|false")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key
+                                         or self.api_key != self.api_key.strip()):
+            # the value itself stays out of the message: it is a secret
+            raise ServerConfigError("api_key: invalid; allowed: null or a non-empty string "
+                                    "without surrounding whitespace")
+        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
+                or self.max_body_bytes < 1:
+            raise fail("max_body_bytes", "an integer >= 1 (bytes)")
+        for name, positive in (("shutdown_timeout_s", False), ("read_timeout_s", True),
+                               ("keep_alive_timeout_s", True)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not math.isfinite(value) or not (value > 0 if positive else value >= 0):
+                raise fail(name, f"a number of seconds {'>' if positive else '>='} 0")
+            setattr(self, name, float(value))
         return self

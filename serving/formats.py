@@ -43,6 +43,10 @@ class Writer:
     n: int
     include_usage: bool = False
     return_token_ids: bool = False
+    #: vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    #: the request's usage so far
+    continuous_usage: bool = False
+    completion_tokens: int = 0  # output tokens written so far, over every choice
     _started: set[int] = field(default_factory=set)  # choices that have sent a chunk
 
     def prompt_of(self, index: int) -> list[int]:
@@ -67,6 +71,16 @@ class Writer:
         self._started.add(piece.index)
         return first
 
+    def running_usage(self) -> Usage | None:
+        """The usage a chunk carries: the request's so far (continuous_usage), else None."""
+        return self.usage(self.completion_tokens) if self.continuous_usage else None
+
+    def count(self, piece: ChoiceText | ChoiceEnd) -> Usage | None:
+        """Count the piece's tokens; the usage its chunk carries."""
+        if isinstance(piece, ChoiceText):
+            self.completion_tokens += len(piece.token_ids)
+        return self.running_usage()
+
     def _exclude(self, *names: str) -> set[str]:
         return {name for name in names if name != "usage" or not self.include_usage}
 
@@ -86,6 +100,7 @@ class CompletionWriter(Writer):
 
     def chunk(self, piece: ChoiceText | ChoiceEnd) -> str:
         first = self.first_chunk_of(piece)
+        usage = self.count(piece)
         if isinstance(piece, ChoiceText):
             choice = CompletionChoice(index=piece.index, text=piece.text,
                                       token_ids=list(piece.token_ids))
@@ -100,7 +115,8 @@ class CompletionWriter(Writer):
                 {"prompt_token_ids"} if self.return_token_ids
                 else {"prompt_token_ids", "token_ids"})}
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=[choice]).model_dump_json(exclude=exclude)
+                                  choices=[choice], usage=usage,
+                                  ).model_dump_json(exclude=exclude)
 
     def usage_chunk(self, usage: Usage) -> str:
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
@@ -123,22 +139,25 @@ class ChatWriter(Writer):
 
     def chunk(self, piece: ChoiceText | ChoiceEnd) -> str:
         first = self.first_chunk_of(piece)
+        before = self.running_usage()  # the role chunk comes before the piece's tokens
+        usage = self.count(piece)
         if isinstance(piece, ChoiceEnd):
             return self._chunk(ChatChunkChoice(index=piece.index, delta=ChatDelta(),
-                                               finish_reason=piece.finish_reason, token_ids=[]))
+                                               finish_reason=piece.finish_reason, token_ids=[]),
+                               usage)
         text = self._chunk(ChatChunkChoice(index=piece.index,
                                            delta=ChatDelta(content=piece.text),
-                                           token_ids=list(piece.token_ids)))
+                                           token_ids=list(piece.token_ids)), usage)
         if not first:
             return text
         # OpenAI opens each choice with a role-only delta; it goes out in the same write as
         # the first token, so that a client's first chunk still marks the first token.
         role = self._chunk(ChatChunkChoice(index=piece.index, token_ids=[],
                                            delta=ChatDelta(role="assistant", content="")),
-                           prompt_token_ids=self.prompts[0])
+                           before, prompt_token_ids=self.prompts[0])
         return f"{role}\n\ndata: {text}"
 
-    def _chunk(self, choice: ChatChunkChoice,
+    def _chunk(self, choice: ChatChunkChoice, usage: Usage | None,
                prompt_token_ids: list[int] | None = None) -> str:
         exclude: dict[str, Any] = {"usage": True} if not self.include_usage else {}
         if not self.return_token_ids:
@@ -147,7 +166,7 @@ class ChatWriter(Writer):
             exclude["prompt_token_ids"] = True
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
                                    choices=[choice], prompt_token_ids=prompt_token_ids,
-                                   ).model_dump_json(exclude=exclude)
+                                   usage=usage).model_dump_json(exclude=exclude)
 
     def usage_chunk(self, usage: Usage) -> str:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
@@ -168,28 +187,23 @@ async def collect(pieces: AsyncIterator[Piece]) -> dict[int, ChoiceResult]:
         elif isinstance(piece, ChoiceEnd):
             choices[piece.index] = ChoiceResult(piece, token_ids.get(piece.index, []))
         else:
-            raise APIError(f"generation failed: {piece.message}", None, "engine_error", 500,
-                           "server_error")
+            raise APIError(piece.message, None, piece.code, piece.status, "server_error")
     return choices
 
 
 async def event_stream(pieces: AsyncIterator[Piece], writer: Writer) -> AsyncIterator[bytes]:
     """The SSE body: a chunk per piece, the usage chunk when asked for, then [DONE]. A failed
     generation sends an error event (as vLLM does) and ends the stream."""
-    completion_tokens = 0
     # aclosing: when the response closes this body early (a disconnect), `pieces` is closed
     # at once, which aborts the engine request, instead of whenever it is garbage-collected.
     async with aclosing(pieces):  # type: ignore[type-var]
         async for piece in pieces:
             if isinstance(piece, GenerationFailed):
-                failure = error_body(f"generation failed: {piece.message}", "server_error",
-                                     None, "engine_error")
+                failure = error_body(piece.message, "server_error", None, piece.code)
                 yield sse_event(json.dumps(failure))
                 break
-            if isinstance(piece, ChoiceText):
-                completion_tokens += len(piece.token_ids)
-            yield sse_event(writer.chunk(piece))
+            yield sse_event(writer.chunk(piece))  # counts the piece's tokens
         else:
             if writer.include_usage:
-                yield sse_event(writer.usage_chunk(writer.usage(completion_tokens)))
+                yield sse_event(writer.usage_chunk(writer.usage(writer.completion_tokens)))
     yield DONE

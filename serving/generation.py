@@ -1,24 +1,45 @@
-"""Between HTTP and the engine: prompts checked against the engine's limits, admission against
-the server's bound, and each request's engine events turned into choice pieces.
+"""Between HTTP and the engine: prompts tokenized off the event loop and checked against the
+engine's limits, admission against the server's bound (and refusal once shutting down), and
+each request's engine events turned into choice pieces.
 
-Everything here runs on the server's event loop, the same loop as the backend's engine loop,
-so reading engine state needs no locking.
+Everything here runs on the server's event loop. The engine steps in its own thread
+(`BuiltinBackend.start_engine_thread`); from here the engine is only read where what is read
+never changes after load (limits, vocabulary, KV layout), its state is read from the snapshot
+the engine thread publishes, and everything else crosses to that thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from engines.base import Failed, Finished, GenerationRequest, RequestEvent, Tokens
-from engines.builtin.backend import BuiltinBackend
+from engines.base import (
+    Failed,
+    Finished,
+    GenerationRequest,
+    Prompt,
+    RequestEvent,
+    Tokens,
+    now_ns,
+)
+from engines.builtin.backend import BuiltinBackend, EngineThread
 from engines.builtin.engine import LLMEngine
 from engines.sampling_params import SamplingParams
 from serving.config import ServerConfig
 from serving.metrics import ServerMetrics
 from serving.protocol import APIError
+
+logger = logging.getLogger("inferlab.serve")
+
+# Prompts are tokenized in a small pool of threads, so a long one never holds up the event loop
+# (the tokenizer releases the GIL on long texts). At most `capacity` prompts (what the server
+# admits at once) are queued or running there; past that, 503.
+TOKENIZER_THREADS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +62,8 @@ class ChoiceEnd:
 @dataclass(frozen=True, slots=True)
 class GenerationFailed:
     message: str
+    code: str = "engine_error"
+    status: int = 500  # a non-streaming response's status
 
 
 Piece = ChoiceText | ChoiceEnd | GenerationFailed
@@ -64,8 +87,14 @@ class ServingEngine:
             raise ValueError("the backend must be loaded (backend.load()) before serving")
         self.backend = backend
         self.config = config
+        self.engine_thread: EngineThread = backend.start_engine_thread()
         self.in_flight = 0  # sequences admitted and not yet finished
         self.metrics = ServerMetrics(backend, lambda: self.in_flight)
+        self.draining = False  # shutting down: admit nothing new
+        self.shutdown_reason: str | None = None  # set when the rest is aborted
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
+                                                  thread_name_prefix="inferlab-tokenize")
+        self._tokenize_jobs = 0
 
     @property
     def engine(self) -> LLMEngine:
@@ -82,6 +111,30 @@ class ServingEngine:
     def capacity(self) -> int:
         return self.engine.limits.max_num_seqs + self.config.max_queue_len
 
+    def check_serving(self) -> None:
+        """503 once the engine is closed or the server is shutting down."""
+        self.engine  # noqa: B018 - raises 503 once the engine is closed
+        if self.draining:
+            raise shutting_down()
+
+    # ---- tokenization -------------------------------------------------------------------------
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids, computed in the tokenizer pool (ValueError for a malformed
+        conversation, as the engine raises it)."""
+        engine = self.engine
+        if self._tokenize_jobs >= self.capacity:
+            self.metrics.requests_rejected.inc()
+            raise APIError(f"The server is overloaded: {self._tokenize_jobs} prompts are being "
+                           "tokenized. Retry later.", None, "server_overloaded", 503,
+                           "server_error")
+        self._tokenize_jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_pool, engine.tokenize, prompt)
+        finally:
+            self._tokenize_jobs -= 1
+
     # ---- checks -------------------------------------------------------------------------------
 
     def check_prompt(self, token_ids: list[int], max_tokens: int | None, param: str,
@@ -94,8 +147,8 @@ class ServingEngine:
             raise APIError(f"{param}: the prompt is empty (it has no tokens)", param,
                            "invalid_value")
         vocab = engine.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
+        if min(token_ids) < 0 or max(token_ids) >= vocab:  # C loops: this runs on the loop
+            bad = [t for t in token_ids if not 0 <= t < vocab]
             raise APIError(f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                            param, "invalid_value")
         if len(token_ids) >= max_len:
@@ -130,7 +183,10 @@ class ServingEngine:
                 raise APIError(str(exc), field, "invalid_value") from None
 
     def admit(self, num_sequences: int) -> Admission:
-        """Hold room for the request's sequences, or refuse it: 503 when the server is full."""
+        """Hold room for the request's sequences, or refuse it: 503 when the server is full or
+        shutting down."""
+        if self.draining:
+            raise shutting_down()
         if num_sequences > self.capacity:
             raise APIError(f"the request needs {num_sequences} sequences (prompts x n) but the "
                            f"server admits at most {self.capacity} at once", "n",
@@ -159,6 +215,7 @@ class ServingEngine:
         open_choices = len(prompts) * n
         first_token_seen = [False] * len(prompts)
         last_token_ns: dict[int, int] = {}
+        num_tokens = 0
         try:
             async for prompt_index, event in _merge(streams):
                 if isinstance(event, Tokens):
@@ -172,6 +229,7 @@ class ServingEngine:
                         metrics.itl.observe((event.time_ns - previous) / 1e9)
                     last_token_ns[index] = event.time_ns
                     metrics.generation_tokens.inc(len(event.token_ids))
+                    num_tokens += len(event.token_ids)
                     yield ChoiceText(index, event.text, event.token_ids)
                 elif isinstance(event, Finished):
                     open_choices -= 1
@@ -182,12 +240,47 @@ class ServingEngine:
                                     event.text, event.num_output_tokens)
                 elif isinstance(event, Failed):
                     open_choices = 0  # the backend has dropped the request
-                    yield GenerationFailed(event.error)
+                    if self.shutdown_reason is not None and event.error == self.shutdown_reason:
+                        yield GenerationFailed(event.error, "server_shutting_down", 503)
+                    else:
+                        yield GenerationFailed(f"generation failed: {event.error}")
                     return
         finally:
-            if open_choices:
+            if open_choices:  # closed early: its client went away
                 metrics.requests_aborted.inc()
+                logger.info("%s: client disconnected after %d output tokens (%.2f s); request "
+                            "aborted, its KV cache freed", request_id, num_tokens,
+                            (now_ns() - arrival_ns) / 1e9)
             admission.release()
+
+    # ---- shutdown -----------------------------------------------------------------------------
+
+    def stop_admitting(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is admitted (True), or `timeout_s` passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight > 0:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    async def abort_all(self, reason: str) -> int:
+        """End every running request with `reason` (streams get a final error event,
+        non-streaming requests a 503) and free their KV memory; how many there were."""
+        self.shutdown_reason = reason
+        return await asyncio.wrap_future(self.engine_thread.abort_all(reason))
+
+    def close(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def shutting_down() -> APIError:
+    return APIError("The server is shutting down and admits no new requests; retry against "
+                    "another replica or after it restarts.", None, "server_shutting_down", 503,
+                    "server_error")
 
 
 async def _merge(streams: list[AsyncIterator[RequestEvent]],

@@ -1,13 +1,13 @@
-"""What /metrics exports: engine state read at scrape time, and token counters and latency
-histograms updated as requests stream. Names follow vLLM's, with the `inferlab_` prefix
+"""What /metrics exports: engine state as the engine thread last published it (read at scrape
+time, never from the engine itself, which another thread steps), and token counters and
+latency histograms updated as requests stream. Names follow vLLM's, with the `inferlab_` prefix
 (docs/serving.md has the crosswalk)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from engines.builtin.backend import BuiltinBackend
-from engines.builtin.engine import LLMEngine
+from engines.builtin.backend import BuiltinBackend, EngineStats
 from serving.prometheus import Counter, Gauge, Histogram, Registry
 
 FINISH_REASONS = ("stop", "length")  # aborts: inferlab_requests_aborted_total
@@ -26,21 +26,21 @@ class ServerMetrics:
 
         r.add(Gauge("inferlab_num_requests_running",
                     "Sequences the engine is running (holding KV memory).",
-                    lambda: self._read(lambda e: len(e.scheduler.running))))
+                    lambda: self._stats().num_running))
         r.add(Gauge("inferlab_num_requests_waiting",
                     "Sequences queued in the engine, waiting for a slot or KV memory.",
-                    lambda: self._read(lambda e: len(e.scheduler.waiting))))
+                    lambda: self._stats().num_waiting))
         r.add(Gauge("inferlab_num_requests_admitted",
                     "Sequences the server has admitted and not yet finished (the bound that "
                     "max_queue_len sets).", in_flight))
         r.add(Gauge("inferlab_kv_cache_usage_ratio",
                     "KV cache memory reserved for live sequences over the pool's capacity "
-                    "(0 to 1).", lambda: self._read(_kv_usage)))
+                    "(0 to 1).", lambda: _kv_usage(self._stats())))
         r.add(Gauge("inferlab_kv_cache_reserved_bytes",
                     "KV cache bytes reserved for live sequences.",
-                    lambda: self._read(lambda e: e.kv.bytes_reserved())))
+                    lambda: self._stats().kv_bytes_reserved))
         r.add(Gauge("inferlab_kv_cache_capacity_bytes", "KV cache pool size in bytes.",
-                    lambda: self._read(lambda e: e.kv.layout.pool_bytes)))
+                    lambda: self._stats().kv_bytes_capacity))
         self.prompt_tokens = r.add(Counter(
             "inferlab_prompt_tokens_total", "Prompt tokens of requests that were prefilled."))
         self.generation_tokens = r.add(Counter(
@@ -69,14 +69,14 @@ class ServerMetrics:
             "From the request's arrival at the server to its last sequence finishing.",
             E2E_BUCKETS))
 
-    def _read(self, read: Callable[[LLMEngine], float]) -> float:
-        engine = self.backend.engine
-        return 0.0 if engine is None else float(read(engine))
+    def _stats(self) -> EngineStats:
+        thread = self.backend.engine_thread  # None once the backend is closed
+        return EngineStats() if thread is None else thread.stats
 
     def render(self) -> str:
         return self.registry.render()
 
 
-def _kv_usage(engine: LLMEngine) -> float:
-    capacity = engine.kv.layout.pool_bytes
-    return engine.kv.bytes_reserved() / capacity if capacity else 0.0
+def _kv_usage(stats: EngineStats) -> float:
+    capacity = stats.kv_bytes_capacity
+    return stats.kv_bytes_reserved / capacity if capacity else 0.0

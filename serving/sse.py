@@ -10,7 +10,6 @@ iterator is closed at once, which aborts the engine request (see BuiltinBackend.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -36,20 +35,22 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 
 async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and raising ClientDisconnected) if the client leaves."""
+    """Await `work`, cancelling it (and raising ClientDisconnected) if the client leaves.
+
+    Both tasks are finished before this returns or raises, so whoever closes what `work` was
+    iterating (an async generator) never finds it still running."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(wait_for_disconnect(receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await watcher
-    if task.cancelled():
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    finally:  # also when this coroutine itself is cancelled
+        disconnected = watcher.done() and not watcher.cancelled() \
+            and watcher.exception() is None and not task.done()
+        for pending in (task, watcher):
+            pending.cancel()
+        # let both unwind now; a cancellation of our own still propagates afterwards
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if disconnected or task.cancelled():  # (cancelled: the watcher failed; as good as gone)
         raise ClientDisconnected()
     return task.result()
 

@@ -23,6 +23,7 @@ from engines.builtin import LLM, EngineConfig, SamplingParams
 from engines.builtin.backend import BuiltinBackend
 from serving import ServerConfig
 from serving import cli as serve_cli
+from serving.auth import is_loopback
 from serving.testing import RunningServer, serve_in_thread
 
 OPTIONS: dict[str, Any] = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8,
@@ -81,7 +82,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, code:
     assert set(body) == {"error"}
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == ("invalid_request_error" if status == 400 else "server_error")
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
     assert isinstance(error["message"], str) and error["message"]
     assert (error["param"], error["code"]) == (param, code), error
 
@@ -292,6 +293,33 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     # sample 1 would seed with 2**64, which overflowed inside an engine step and failed every
     # request running beside it
     (COMPLETIONS, {"prompt": "hi", "seed": 2**64 - 1, "n": 2}, "seed", "invalid_value"),
+    # hostile bodies (issue 15): each of these was a 500 (or a 200) before
+    (COMPLETIONS, b'{"prompt": "\\ud800"}', "prompt", "invalid_value"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "a\\udc00"}]}', "messages[0].content",
+     "invalid_value"),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+     "messages[0].content[0].text", "invalid_value"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}]}',
+     "messages[0].name", "invalid_value"),
+    (COMPLETIONS, b'{"prompt": "hi", "\\ud800": 1}', None, "invalid_value"),
+    (COMPLETIONS, b'{"prompt": "hi", "model": "\\ud800"}', "model", "invalid_value"),
+    (COMPLETIONS, b"[" * 1000 + b"]" * 1000, None, "invalid_json"),
+    (COMPLETIONS, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "invalid_json"),
+    (CHAT, b'{"messages": [], "tools": ' + b'{"a": ' * 1000 + b"1" + b"}" * 1001, None,
+     "invalid_json"),
+    (COMPLETIONS, b'{"prompt": "\xff\xfe"}', None, "invalid_json"),
+    (COMPLETIONS, b"\xff\xfe{\x00}\x00", None, "invalid_json"),  # UTF-16
+    (COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', None, "invalid_json"),
+    (COMPLETIONS, b'{"prompt": "hi", "top_p": -Infinity}', None, "invalid_json"),
+    (COMPLETIONS, b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", None, "invalid_json"),
+    (COMPLETIONS, b"", None, "invalid_json"),
+    (COMPLETIONS, b"null", None, "invalid_json"),
+    # an engine step turned top_k into a float: OverflowError, every request in the batch failed
+    (COMPLETIONS, {"prompt": "hi", "top_k": 10**400}, "top_k", "invalid_value"),
+    # empty prompts tokenized to [BOS] and were served
+    (COMPLETIONS, {"prompt": ""}, "prompt", "invalid_value"),
+    (COMPLETIONS, {"prompt": ["ok", ""]}, "prompt", "invalid_value"),
+    (COMPLETIONS, {"prompt": [[]]}, "prompt", "invalid_value"),
 ]
 
 
@@ -378,6 +406,144 @@ def test_models_health_and_unknown_route(client: httpx.Client) -> None:
     response = client.get("/v1/nothing")
     assert response.status_code == 404
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_models_retrieve(client: httpx.Client) -> None:
+    listed = client.get("/v1/models").json()["data"][0]
+    assert client.get("/v1/models/tiny").json() == listed
+    assert_error(client.get("/v1/models/gpt-4"), 404, "model", "model_not_found")
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_continuous_usage_stats_as_vllm_sends_them(client: httpx.Client, path: str) -> None:
+    """guidellm and AIPerf ask for usage in every chunk (vLLM's extension); each chunk's usage
+    counts the tokens sent so far, the last chunk the whole request."""
+    prompt = {"prompt": PROMPT} if path == COMPLETIONS else {"messages": MESSAGES}
+    payload = {**prompt, "max_tokens": 5, "ignore_eos": True, "return_token_ids": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    *chunks, last = stream(client, path, payload)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+    sent = 0
+    for chunk in chunks:
+        sent += len(chunk["choices"][0]["token_ids"])
+        assert chunk["usage"] == {"prompt_tokens": last["usage"]["prompt_tokens"],
+                                  "completion_tokens": sent,
+                                  "total_tokens": last["usage"]["prompt_tokens"] + sent}
+    assert sent == 5
+    # continuous_usage_stats rides on include_usage, as in vLLM
+    payload["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
+    assert all("usage" not in c for c in stream(client, path, payload))
+
+
+def test_chat_content_may_be_empty_where_the_template_writes_the_roles(
+        client: httpx.Client) -> None:
+    body = client.post(CHAT, json={"messages": [{"role": "user", "content": ""}],
+                                   "max_tokens": 2}).json()
+    assert body["usage"]["prompt_tokens"] > 1, body  # role markers: not an empty prompt
+
+
+def test_a_chat_that_renders_to_nothing_is_an_empty_prompt() -> None:
+    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
+    backend.load()
+    assert backend.engine is not None
+    # a checkpoint template that writes the contents alone (the tiny tokenizer's writes roles)
+    backend.engine.tokenizer._chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    try:
+        with serve_in_thread(backend) as running, \
+                httpx.Client(base_url=running.base_url, timeout=60) as plain:
+            empty = [{"role": "system", "content": ""}, {"role": "user", "content": ""}]
+            for stream_it in (False, True):
+                assert_error(plain.post(CHAT, json={"messages": empty, "stream": stream_it}),
+                             400, "messages", "invalid_value")
+            ok = plain.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}],
+                                        "max_tokens": 2})
+            assert ok.status_code == 200, ok.text
+    finally:
+        backend.close()
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read(client: httpx.Client) -> None:
+    """A 15 MB prompt is refused from its Content-Length, unread and unparsed (tokenizing it
+    took 35 s before); a chunked one is counted as it arrives."""
+    headers = {"content-type": "application/json"}
+    big = b'{"prompt": "' + b"x" * (15 << 20) + b'"}'
+    for body in (big, big[:-1]):  # valid JSON or not: either way it is never parsed
+        started = time.perf_counter()
+        response = client.post(COMPLETIONS, content=body, headers=headers)
+        assert time.perf_counter() - started < 5.0
+        assert_error(response, 413, None, "request_too_large")
+        assert "8388608 bytes" in response.json()["error"]["message"]
+    pieces = iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)])
+    chunked = client.post(CHAT, content=pieces, headers=headers)  # no Content-Length
+    assert "content-length" not in chunked.request.headers
+    assert_error(chunked, 413, None, "request_too_large")
+    assert client.get("/health").status_code == 200
+
+
+# ---- a server with an API key, a body limit and a served name with a slash -------------------
+
+API_KEY = "sk-test-0123456789"
+BODY_LIMIT = 4096
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Iterator[RunningServer]:
+    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
+    backend.load()
+    config = ServerConfig(api_key=API_KEY, max_body_bytes=BODY_LIMIT,
+                          served_model_name="org/tiny-chat")
+    with serve_in_thread(backend, config) as running:
+        yield running
+    backend.close()
+
+
+def test_api_key_guards_every_v1_route(guarded: RunningServer) -> None:
+    prompt = {"prompt": "Hi", "max_tokens": 2}
+    routes = [("GET", "/v1/models", None), ("GET", "/v1/models/org/tiny-chat", None),
+              ("POST", COMPLETIONS, prompt), ("POST", CHAT, {"messages": USER}),
+              ("GET", "/v1/no-such-route", None)]  # 401, not 404: no route map for strangers
+    refused = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {API_KEY}x"},
+               {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"},
+               {"X-Api-Key": API_KEY}]
+    with httpx.Client(base_url=guarded.base_url, timeout=60) as c:
+        for method, path, payload in routes:
+            for headers in refused:
+                response = c.request(method, path, json=payload, headers=headers)
+                assert_error(response, 401, None, "invalid_api_key")
+                assert response.headers["www-authenticate"] == "Bearer"
+        for scheme in ("Bearer", "bearer"):
+            ok = c.post(COMPLETIONS, json=prompt, headers={"Authorization": f"{scheme} {API_KEY}"})
+            assert ok.status_code == 200, ok.text
+        # probes and scrapers need no key
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
+
+
+def test_models_retrieve_with_a_slash_in_the_name(guarded: RunningServer) -> None:
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=guarded.base_url, timeout=60, headers=auth) as c:
+        card = c.get("/v1/models/org/tiny-chat").json()
+        assert (card["id"], card["object"]) == ("org/tiny-chat", "model")
+        assert_error(c.get("/v1/models/org"), 404, "model", "model_not_found")
+
+
+def test_the_body_limit_is_exact(guarded: RunningServer) -> None:
+    auth = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    with httpx.Client(base_url=guarded.base_url, timeout=60, headers=auth) as c:
+        def body(size: int) -> bytes:  # a short prompt padded with JSON whitespace
+            head = b'{"max_tokens": 1, "prompt": "Hi"'
+            return head + b" " * (size - len(head) - 1) + b"}"
+
+        at_limit = c.post(COMPLETIONS, content=body(BODY_LIMIT))
+        assert at_limit.status_code == 200, at_limit.text
+        assert_error(c.post(COMPLETIONS, content=body(BODY_LIMIT + 1)), 413, None,
+                     "request_too_large")
+        chunked = c.post(COMPLETIONS, content=iter([body(BODY_LIMIT + 1)[:100],
+                                                    body(BODY_LIMIT + 1)[100:]]))
+        assert_error(chunked, 413, None, "request_too_large")
+        ok = c.post(COMPLETIONS, content=iter([body(BODY_LIMIT)[:100], body(BODY_LIMIT)[100:]]))
+        assert ok.status_code == 200, ok.text
 
 
 # ---- metrics ----------------------------------------------------------------------------------
@@ -492,12 +658,59 @@ def test_serve_options_compose_like_run() -> None:
     (["model=nope"], "Could not find 'model/nope'"),
     (["model=hf"], "model.path"),
     (["engine.backend=hf"], "engine.backend: 'hf' cannot be served"),
+    (["api_key= k"], "api_key: invalid; allowed: null or a non-empty string"),
+    (["max_body_bytes=0"], "max_body_bytes: 0 is invalid; allowed: an integer >= 1"),
+    (["max_body_bytes=8MB"], "max_body_bytes: '8MB' is invalid"),
 ])
 def test_serve_refuses_bad_options(argv: list[str], message: str,
                                    capsys: pytest.CaptureFixture[str]) -> None:
     assert serve_cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("inferlab serve: ") and message in err, err
+
+
+def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("INFERLAB_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-key")  # deliberately not read (docs/serving.md)
+    assert serve_cli.parse_args(["model=tiny"])[0].api_key is None
+    monkeypatch.setenv("INFERLAB_API_KEY", "env-key")
+    config, _ = serve_cli.parse_args(["model=tiny"])
+    assert config.api_key == "env-key" and "env-key" not in repr(config)
+    assert serve_cli.parse_args(["api_key=given"])[0].api_key == "given"  # the option wins
+    assert serve_cli.parse_args(["api_key=null"])[0].api_key is None      # or turns it off
+    assert serve_cli.parse_args(["api_key=12345"])[0].api_key == "12345"  # kept as text
+    monkeypatch.setenv("INFERLAB_API_KEY", "key\n")
+    with pytest.raises(serve_cli.UsageError, match="INFERLAB_API_KEY: invalid") as refused:
+        serve_cli.parse_args([])
+    assert "key" not in str(refused.value).replace("INFERLAB_API_KEY", "").replace("a key", "")
+
+
+@pytest.mark.parametrize(("argv", "warned"), [
+    (["host=0.0.0.0"], True), (["host=127.0.0.1"], False), (["host=localhost"], False),
+    (["host=0.0.0.0", "api_key=k"], False)])
+def test_a_public_address_without_a_key_warns_once(argv: list[str], warned: bool,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("INFERLAB_API_KEY", raising=False)
+
+    def stop(self: BuiltinBackend) -> None:
+        raise RuntimeError("stopped before loading")
+
+    monkeypatch.setattr(BuiltinBackend, "load", stop)
+    assert serve_cli.main(["model=tiny", "port=0", *argv]) == 2
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "without an API key" in line]
+    assert len(warnings) == warned, err
+    if warned:
+        assert warnings[0].startswith("inferlab serve: warning: listening on 0.0.0.0")
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("[::1]", True),
+    ("localhost", True), ("0.0.0.0", False), ("::", False), ("10.1.2.3", False),
+    ("my-host", False)])
+def test_is_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
 
 
 def test_inferlab_serve_command_end_to_end() -> None:

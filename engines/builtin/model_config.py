@@ -150,8 +150,14 @@ def from_hf_config(path: str | Path) -> ModelConfig:
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise FileNotFoundError(f"model.path: no config.json at {config_file}")
-    cfg = json.loads(config_file.read_text())
     where = str(config_file)
+    try:
+        cfg = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UnsupportedCheckpointError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise UnsupportedCheckpointError(f"{where}: expected a JSON object, got "
+                                         f"{type(cfg).__name__}")
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else {
         "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"

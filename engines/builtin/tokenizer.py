@@ -148,7 +148,7 @@ class Tokenizer:
         return self._backend
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = _encode_ids(self._backend, text, add_special_tokens)
         bos = self.special.bos_id
         if add_special_tokens and self._prepend_bos and bos is not None:
             ids.insert(0, bos)
@@ -190,7 +190,7 @@ class Tokenizer:
         Other post-processor additions (such as a trailing EOS) are never applied to chats.
         """
         text = self.apply_chat_template(messages, add_generation_prompt)
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        ids = _encode_ids(self._backend, text, False)
         bos, bos_text = self.special.bos_id, self._bos_token
         if self._adds_bos and bos is not None and not (bos_text and text.startswith(bos_text)):
             ids.insert(0, bos)
@@ -467,6 +467,18 @@ def _post_processor_bos(backend: _Backend) -> int | None:
         token = backend.get_added_tokens_decoder().get(with_special[0])
         return with_special[0] if token is not None and token.special else None
     return None
+
+
+# `tokenizers`' single encode holds the GIL for the whole text, its batch encode releases it
+# (same ids). Long texts take the batch call, so that other threads (a server's event loop)
+# keep running while one is encoded; short ones keep the cheaper single call.
+_RELEASE_GIL_CHARS = 16384
+
+
+def _encode_ids(backend: _Backend, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) < _RELEASE_GIL_CHARS:
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def _read_json(path: Path) -> dict[str, Any]:

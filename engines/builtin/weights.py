@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from engines.builtin.model import Transformer
 from engines.builtin.model_config import ModelConfig
@@ -72,8 +72,12 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({path / f for f in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index}: not a valid safetensors index (a JSON object with a "
+                             f"'weight_map' of tensor name -> file): {exc!r}") from None
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -88,9 +92,17 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except SafetensorError as exc:
+            raise ValueError(f"{file}: not a readable safetensors file ({exc})") from None
+        with handle as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                try:
+                    tensor = f.get_tensor(name)
+                except SafetensorError as exc:
+                    raise ValueError(f"{file}: tensor {name!r} cannot be read ({exc})") from None
+                yield name, tensor
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
