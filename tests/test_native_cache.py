@@ -35,9 +35,10 @@ def good_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield root
 
 
-def cache_from(good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def cache_from(good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+               name: str = "cache") -> Path:
     """A private copy of the good cache as this test's INFERLAB_CACHE_DIR; returns the .so."""
-    cache = tmp_path / "cache"
+    cache = tmp_path / name
     shutil.copytree(good, cache)
     monkeypatch.setenv("INFERLAB_CACHE_DIR", str(cache))
     monkeypatch.setattr(native, "_state", {})  # load afresh; restored for the other tests
@@ -128,7 +129,8 @@ def test_a_read_only_cache_serves_a_verified_build_and_nothing_else(
     library = cache_from(good_cache, tmp_path, monkeypatch)
     assert native.load() is not None, native.reason()
     assert native.info()["cache"] == "cached (read-only, unlocked)"
-    monkeypatch.setattr(native, "_state", {})
+    # another copy: truncating the library this process has mapped would SIGBUS it at exit
+    library = cache_from(good_cache, tmp_path, monkeypatch, name="damaged")
     os.truncate(library, 1000)
     assert native.load() is None
     built_size = (good_cache / "native" / library.name).stat().st_size
