@@ -149,6 +149,7 @@ def test_without_a_compiler_the_engine_says_why_the_kernels_are_off(
     facts = engine.describe()
     assert facts["native_kernels"] is False
     assert facts["native_kernels_reason"] == "no C compiler found (tried $CC, cc, gcc, clang)"
+    assert facts["native_kernels_isa"] is None
     off = LLMEngine(EngineConfig(model="tiny", native_kernels=False, max_model_len=64,
                                  max_num_seqs=2, kv_cache_memory_bytes=1 << 20)).describe()
     assert off["native_kernels_reason"] == "engine.native_kernels=false"

@@ -4,6 +4,10 @@ otherwise."""
 
 from __future__ import annotations
 
+import platform
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 from attention_batches import make_batch
@@ -16,11 +20,15 @@ from engines.builtin.attention import (
     resolve_attention,
 )
 from engines.builtin.layers.rotary import RotaryEmbedding, apply_rotary
+from engines.builtin.native import cache as native_cache
 
 
 def test_the_kernels_build_here() -> None:
     # CI machines have a C compiler; if this fails the engine silently runs the sdpa path
     assert native.load() is not None, native.reason()
+    engine = LLM("tiny", dtype="float32").engine
+    assert engine.describe()["native_kernels_isa"] == native.layout().isa
+    assert native.layout().isa in {"avx512", "avx2", "avx", "portable"}
 
 
 def reference_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -266,9 +274,11 @@ def test_silu_and_mul(rows: int, threads: int) -> None:
 def test_pack_linear_weight_makes_transposed_zero_padded_panels() -> None:
     weight = torch.arange(70 * 3, dtype=torch.float32).reshape(70, 3)
     panels = native.pack_linear_weight(weight)
-    assert panels.shape == (3, 3, native.PANEL)  # ceil(70 / 32) panels of [K, 32]
-    assert torch.equal(panels.transpose(1, 2).reshape(96, 3)[:70], weight)
-    assert not panels.transpose(1, 2).reshape(96, 3)[70:].any()
+    panel = native.layout().panel
+    assert panels.shape == (-(-70 // panel), 3, panel)  # panels of [K, panel]
+    rows = panels.shape[0] * panel
+    assert torch.equal(panels.transpose(1, 2).reshape(rows, 3)[:70], weight)
+    assert not panels.transpose(1, 2).reshape(rows, 3)[70:].any()
 
 
 # rows: one block of 8, partial blocks (1, 2, 3: the 1-, 2- and 4-row kernels), several blocks,
@@ -291,6 +301,62 @@ def test_linear(rows: int, in_features: int, out_features: int, with_bias: bool,
     # the float32 error bound of a K-term dot product: ~K eps times the sum of |products|
     bound = in_features * 2 ** -23 * (x.double().abs() @ weight.double().abs().T)
     assert ((got.double() - expected).abs() <= bound + 1e-6).all()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                     if line.startswith("flags")), []))
+
+
+# Each instruction set the C file picks a GEMM block for (cpu_kernels.c), built for the one
+# -march that selects it; tested where this CPU runs it (the native build covers its own).
+ISA_BUILDS = [("portable", "x86-64", set()), ("avx", "sandybridge", {"avx"}),
+              ("avx2", "haswell", {"avx2", "fma"}),
+              ("avx512", "skylake-avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"})]
+
+
+@pytest.mark.parametrize(("isa", "march"), [
+    (isa, march) for isa, march, needs in ISA_BUILDS
+    if platform.machine() == "x86_64" and needs <= _cpu_flags()])
+def test_every_instruction_set_build_matches_torch(isa: str, march: str, tmp_path,
+                                                    monkeypatch) -> None:
+    """The GEMM and prompt attention of each register block, against float64 / torch: the
+    packed layouts differ per build (panels of 8, 16 or 32), and Python follows the layout
+    the library reports."""
+    flags = [f"-march={march}" if f == "-march=native" else f for f in native.FLAGS]
+    library = tmp_path / f"kernels-{isa}.so"
+    subprocess.run([native_cache.compiler(), *flags, "-o", str(library), str(native.SOURCE),
+                    "-lm"], check=True, capture_output=True)
+    lib, layout = native.open_library(library)
+    assert layout.isa == isa
+    monkeypatch.setitem(native._state, "lib", lib)
+    monkeypatch.setitem(native._state, "layout", layout)
+    gen = torch.Generator().manual_seed(7)
+    for rows, in_features, out_features in [(1, 37, 5), (2, 64, 70), (3, 16, 33), (5, 48, 80),
+                                            (6, 48, 17), (7, 96, 64), (13, 37, 70),
+                                            (300, 64, 40)]:
+        x = torch.randn(rows, in_features, generator=gen)
+        weight = torch.randn(out_features, in_features, generator=gen)
+        bias = torch.randn(out_features, generator=gen)
+        got = native.linear(x, native.pack_linear_weight(weight), out_features, bias)
+        expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+    for heads, kv_heads, dim, window in [(4, 2, 16, None), (4, 4, 80, 5), (6, 1, 36, 40)]:
+        lengths = [64, 130, 1, 7, 33]
+        tokens = sum(lengths)
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+        q = q.view(tokens, heads, dim)
+        k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+        starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()],
+                              dtype=torch.int32)
+        out = native.prefill_attention(q, k, v, starts, dim ** -0.5, window)
+        expected = reference_prefill(q, k, v, lengths, dim ** -0.5, window)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_linear_edge_shapes_and_non_finite_rows() -> None:

@@ -31,6 +31,7 @@ from engines.base import (
     Tokens,
     now_ns,
 )
+from engines.builtin import native
 from engines.builtin.config import TORCH_DTYPES, EngineConfig
 from engines.builtin.kv_cache import (
     ContiguousKVCacheManager,
@@ -206,6 +207,8 @@ class LLMEngine:
             "native_kernels": self.runner.native_kernels,
             # why not, when not: off by option, device or dtype, or a failed build or load
             "native_kernels_reason": self.runner.native_kernels_reason,
+            # the instruction set they were compiled for, which picks the GEMM's register block
+            "native_kernels_isa": native.layout().isa if self.runner.native_kernels else None,
             "batching": self.config.batching,
             "enable_chunked_prefill": self.config.enable_chunked_prefill,
             "enable_prefix_caching": self.config.enable_prefix_caching,

@@ -18,13 +18,16 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from engines.builtin.native.cache import FLAGS, SOURCE, NativeUnavailable, build, cache_dir
 
-__all__ = ["FLAGS", "SOURCE", "cache_dir", "info", "load", "off_reason", "reason"]
+__all__ = ["FLAGS", "SOURCE", "Layout", "cache_dir", "info", "layout", "load", "off_reason",
+           "open_library", "reason"]
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {  # function -> argument types (all return void)
@@ -44,18 +47,38 @@ log = logging.getLogger(__name__)
 _state: dict[str, Any] = {}
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What the library was compiled for (cpu_kernels.c picks it per instruction set): the
+    packed layout of its GEMM, which `pack_linear_weight` and `linear` follow."""
+
+    isa: str  # "avx512", "avx2", "avx" or "portable"
+    panel: int  # weight rows per panel (32 with AVX-512, 16 with AVX2)
+    row_block: int  # input rows per packed block (8 with AVX-512, 6 with AVX2)
+
+
+def open_library(path: str | Path) -> tuple[ctypes.CDLL, Layout]:
+    """A built library with its functions' signatures set, and the layout it was built for."""
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    lib.kernel_isa.argtypes, lib.kernel_isa.restype = [], ctypes.c_char_p
+    lib.linear_layout.argtypes, lib.linear_layout.restype = [_PTR], None
+    sizes = (ctypes.c_int64 * 2)()
+    lib.linear_layout(ctypes.addressof(sizes))
+    return lib, Layout(lib.kernel_isa().decode(), sizes[0], sizes[1])
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None (see `reason()`). Built once per machine, loaded once per
     process, and only after the cached library matched the size and hash of its build."""
     if "lib" in _state:
         return _state["lib"]  # type: ignore[no-any-return]
-    lib, built = None, None
+    lib, built, kernel_layout = None, None, None
     try:
         built = build()
-        lib = ctypes.CDLL(str(built.path))
-        for name, argtypes in SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+        lib, kernel_layout = open_library(built.path)
         _state["reason"] = None
     except Exception as e:  # whatever stops the build or the load, the engine runs without it
         lib = None
@@ -64,7 +87,14 @@ def load() -> ctypes.CDLL | None:
         log.warning("the engine's C kernels are off, torch ops instead: %s", _state["reason"])
     _state["lib"] = lib
     _state["built"] = built
+    _state["layout"] = kernel_layout
     return lib
+
+
+def layout() -> Layout:
+    """The loaded library's instruction set and GEMM layout (raises where it is not loaded)."""
+    _lib()
+    return _state["layout"]  # type: ignore[no-any-return]
 
 
 def reason() -> str | None:
@@ -78,8 +108,9 @@ def info(load_now: bool = True) -> dict[str, Any]:
     `load_now=False`: as things stand, without building or loading anything."""
     if load_now:
         load()
-    built = _state.get("built")
+    built, kernel_layout = _state.get("built"), _state.get("layout")
     return {"loaded": _state.get("lib") is not None,
+            "isa": None if kernel_layout is None else kernel_layout.isa,
             "library": None if built is None else str(built.path),
             "sha256": None if built is None else built.sha256,
             "cache": None if built is None else built.how,
@@ -148,18 +179,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out
 
 
-PANEL = 32  # weight rows per panel of a packed linear weight (cpu_kernels.c)
-ROW_BLOCK = 8  # input rows the GEMM kernel multiplies at once (its packed input's blocks)
-
-
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> the layout `linear` multiplies by: [ceil(N / 32), K, 32], panels of 32
-    rows transposed (panels[p, k, j] = weight[32 p + j, k]; the last panel zero-padded)."""
+    """weight [N, K] -> the layout `linear` multiplies by: [ceil(N / P), K, P], panels of P
+    rows transposed (panels[p, k, j] = weight[P p + j, k]; the last panel zero-padded), with
+    P = `layout().panel`, the panel width this build's kernel takes."""
     if not takes(weight) or weight.dim() != 2:
         raise ValueError("pack_linear_weight: weight must be a contiguous CPU float32 [N, K], "
                          f"got {weight.dtype} {tuple(weight.shape)}")
     out_features, in_features = weight.shape
-    panels = weight.new_empty(-(-out_features // PANEL), in_features, PANEL)
+    panel = layout().panel
+    panels = weight.new_empty(-(-out_features // panel), in_features, panel)
     _run("pack_linear_weight_f32", weight.data_ptr(), out_features, in_features,
          panels.data_ptr(), torch.get_num_threads())
     return panels
@@ -170,16 +199,18 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     """x [T, K] @ weight^T (+ bias [out_features]) -> [T, out_features], with the weight as
     `pack_linear_weight` packed it."""
     others = () if bias is None else (bias,)
+    sizes = layout()
+    panel, row_block = sizes.panel, sizes.row_block
     if (not takes(x, panels, *others) or x.dim() != 2 or panels.dim() != 3
-            or panels.shape[1:] != (x.shape[1], PANEL)
-            or panels.shape[0] != -(-out_features // PANEL)
+            or panels.shape[1:] != (x.shape[1], panel)
+            or panels.shape[0] != -(-out_features // panel)
             or any(b.shape != (out_features,) for b in others)):
-        raise ValueError(f"linear: x [T, K], panels [ceil({out_features} / {PANEL}), K, "
-                         f"{PANEL}] and bias [{out_features}] must be contiguous CPU float32, "
+        raise ValueError(f"linear: x [T, K], panels [ceil({out_features} / {panel}), K, "
+                         f"{panel}] and bias [{out_features}] must be contiguous CPU float32, "
                          f"got {tuple(x.shape)} and {tuple(panels.shape)}")
     rows, width = x.shape
     out = x.new_empty(rows, out_features)
-    packed_x = x.new_empty(-(-rows // ROW_BLOCK) * ROW_BLOCK * width)
+    packed_x = x.new_empty(-(-rows // row_block) * row_block * width)
     _run("linear_f32", x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
          out.data_ptr(), packed_x.data_ptr(), rows, width, out_features,
          torch.get_num_threads())

@@ -233,50 +233,98 @@ void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions
     }
 }
 
-/* Sixteen floats: GCC/clang vector extensions, which -march=native maps to the widest
- * registers the CPU has (one AVX-512 register, two AVX ones, four SSE ones). */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16_unaligned __attribute__((vector_size(64), aligned(4)));
+/* The GEMM's register block, per instruction set, chosen when the library is compiled
+ * (-march=native; the cache key holds the CPU's flags). VEC floats fill one vector register;
+ * the block is ROW_BLOCK input rows x PANEL output columns (PANEL_VECS vectors), kept in
+ * ROW_BLOCK x PANEL_VECS registers that must leave room for the PANEL_VECS weight loads and
+ * a broadcast:
+ * - AVX-512 (32 registers of 16 floats): 8 x 32, 16 accumulators; per step of k 2 weight
+ *   loads, 8 broadcasts and 16 fused multiply-adds. Written and tuned on Xeons (the figures
+ *   in the comments below are theirs).
+ * - AVX / AVX2 (16 registers of 8 floats): 6 x 16, 12 accumulators, 2 weight loads and a
+ *   broadcast, 15 registers (the Haswell/Zen micro-kernel shape of BLIS and OpenBLAS). The
+ *   8 x 32 block needs 32 of them there and spilled every step: on a 2-core Zen 3 EPYC the
+ *   small preset's 49 matmuls took 2.4x oneDNN's time at 8 rows and 8-9x at 128-2,000.
+ * - anything else (SSE, NEON: 4 floats, 16 or more registers): 4 x 8, 8 accumulators.
+ * The packed layouts follow (panels of PANEL weight rows, input blocks of ROW_BLOCK rows);
+ * Python reads them from linear_layout, so that the packing and its callers agree. */
+#if defined(__AVX512F__)
+#define KERNEL_ISA "avx512"
+#define VEC 16
+#define ROW_BLOCK 8
+#define PANEL_VECS 2
+#elif defined(__AVX__)
+#if defined(__AVX2__) && defined(__FMA__)
+#define KERNEL_ISA "avx2"
+#else
+#define KERNEL_ISA "avx"
+#endif
+#define VEC 8
+#define ROW_BLOCK 6
+#define PANEL_VECS 2
+#else
+#define KERNEL_ISA "portable"
+#define VEC 4
+#define ROW_BLOCK 4
+#define PANEL_VECS 2
+#endif
+#define PANEL (PANEL_VECS * VEC)
 
-static inline v16 load16(const float *p) { return *(const v16_unaligned *)p; }
+/* VEC floats: GCC/clang vector extensions, one register of the widest kind the build has */
+typedef float vec __attribute__((vector_size(VEC * 4)));
+typedef float vec_unaligned __attribute__((vector_size(VEC * 4), aligned(4)));
 
-/* *p in all 16 lanes (a load that broadcasts: no shuffle taking an FMA port) */
-static inline v16 broadcast16(const float *p) {
+static inline vec load_vec(const float *p) { return *(const vec_unaligned *)p; }
+
+static inline void store_vec(float *p, vec v) { *(vec_unaligned *)p = v; }
+
+/* *p in all lanes (a load that broadcasts: no shuffle taking an FMA port) */
+static inline vec broadcast_vec(const float *p) {
     const float s = *p;
-    return (v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+#if VEC == 16
+    return (vec){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+#elif VEC == 8
+    return (vec){s, s, s, s, s, s, s, s};
+#else
+    return (vec){s, s, s, s};
+#endif
 }
 
 /* a * b + c in one rounding. Spelled out because -std=c11 forbids the compiler to contract
  * a * b + c on its own (which rope_and_cache_f32 relies on). */
-static inline v16 fma16(v16 a, v16 b, v16 c) {
+static inline vec fma_vec(vec a, vec b, vec c) {
 #if defined(__AVX512F__)
-    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #elif defined(__FMA__)
-    union { v16 v; __m256 h[2]; } x = {a}, y = {b}, z = {c};
-    z.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
-    z.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
-    return z.v;
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
     return a * b + c;
 #endif
 }
 
+/* The packed layout of this build's linear_f32: out[0] = PANEL (weight rows per panel),
+ * out[1] = ROW_BLOCK (input rows per packed block); and the instruction set it was built for. */
+void linear_layout(int64_t *out) {
+    out[0] = PANEL;
+    out[1] = ROW_BLOCK;
+}
+
+const char *kernel_isa(void) { return KERNEL_ISA; }
+
 /* Linear layers for up to a few hundred rows of input (decode, short prefills).
  *
- * The weight is packed once, at load, into panels of 32 of its rows transposed,
- * [ceil(N / 32)][K][32] (the last one zero-padded): a panel is one contiguous stream, and
- * at each k it holds the 32 weights that one input value multiplies. The input is packed per
- * call into blocks of 8 rows, [ceil(M / 8)][K][8], so that the 8 values a step broadcasts are
- * adjacent. The kernel keeps an 8 x 32 block of the output in 16 vector registers (8 rows x 2
- * vectors of 16) and per k does 2 weight loads, 8 broadcasts and 16 fused multiply-adds:
- * compute-bound from the first level of cache. Each thread takes whole panels; a panel is
- * read from memory once per pass (up to 128 rows), by the first block of rows, and from cache
- * by the others, while the next panel is prefetched a little per k across all blocks, so that
- * the weight keeps streaming while the arithmetic runs (oneDNN's GEMM, which does not, took
- * 1.1-1.4x compute + memory time at 4-64 rows on a 2-core Xeon; this one 0.9-1.15x). */
-#define PANEL 32
-#define ROW_BLOCK 8
-
+ * The weight is packed once, at load, into panels of PANEL of its rows transposed,
+ * [ceil(N / PANEL)][K][PANEL] (the last one zero-padded): a panel is one contiguous stream,
+ * and at each k it holds the weights that one input value multiplies. The input is packed per
+ * call into blocks of ROW_BLOCK rows, [ceil(M / ROW_BLOCK)][K][ROW_BLOCK], so that the values
+ * a step broadcasts are adjacent. The kernel keeps a ROW_BLOCK x PANEL block of the output in
+ * registers (above) and per k does PANEL_VECS weight loads, ROW_BLOCK broadcasts and their
+ * fused multiply-adds: compute-bound from the first level of cache. Each thread takes whole
+ * panels; a panel is read from memory once per pass (about 128 rows), by the first block of
+ * rows, and from cache by the others, while the next panel is prefetched a little per k
+ * across all blocks, so that the weight keeps streaming while the arithmetic runs (oneDNN's
+ * GEMM, which does not, took 1.1-1.4x compute + memory time at 4-64 rows on a 2-core Xeon;
+ * this one 0.9-1.15x). */
 void pack_linear_weight_f32(const float *w, int64_t N, int64_t K, float *panels,
                             int64_t threads) {
     const int64_t count = (N + PANEL - 1) / PANEL;
@@ -289,14 +337,15 @@ void pack_linear_weight_f32(const float *w, int64_t N, int64_t K, float *panels,
             }
 }
 
-/* One step of k: out[i, 0:32] += x[k][i] * panel[k][0:32] for the R rows. */
-#define PANEL_STEP(R, kk)                                                                      \
+/* One step of k: out[i, :] += x[k][i] * panel[k][:] for the R rows of an input block of B
+ * rows, against a panel of NV vectors. */
+#define PANEL_STEP(R, B, NV, kk)                                                               \
     {                                                                                          \
-        const v16 w0 = load16(panel + (kk) * PANEL), w1 = load16(panel + (kk) * PANEL + 16);   \
+        vec w[NV];                                                                             \
+        for (int v = 0; v < NV; v++) w[v] = load_vec(panel + (kk) * (NV * VEC) + v * VEC);     \
         for (int i = 0; i < R; i++) {                                                          \
-            const v16 xv = broadcast16(xb + (kk) * ROW_BLOCK + i);                             \
-            acc[i][0] = fma16(xv, w0, acc[i][0]);                                              \
-            acc[i][1] = fma16(xv, w1, acc[i][1]);                                              \
+            const vec xv = broadcast_vec(xb + (kk) * (B) + i);                                 \
+            for (int v = 0; v < NV; v++) acc[i][v] = fma_vec(xv, w[v], acc[i][v]);             \
         }                                                                                      \
     }
 
@@ -311,48 +360,51 @@ void pack_linear_weight_f32(const float *w, int64_t N, int64_t K, float *panels,
         }                                                                                      \
     }
 
-/* out[i, 0:32] = sum_k x[k][i] * panel[k][0:32] for the R rows of a packed input block;
- * meanwhile prefetches `lines` cache lines of the next panel, spread evenly over the k. Where
- * at most one prefetch falls due per 4 steps (32 rows or more), k goes 4 steps a round and the
- * round's bookkeeping is shared by them: 4-15% faster at 32-2,000 rows on a 2-core Xeon; with
- * fewer rows the prefetches are denser and, bunched 4 steps' worth at a time, cost more than
- * they save (8 rows: 5-10% slower), so k goes step by step there. */
+/* out[i * NV VEC + :] = sum_k x[k][i] * panel[k][:] for the R rows of a packed input block
+ * (B rows); meanwhile prefetches `lines` cache lines of the next panel, spread evenly over the
+ * k. Where at most one prefetch falls due per 4 steps (32 rows or more), k goes 4 steps a
+ * round and the round's bookkeeping is shared by them: 4-15% faster at 32-2,000 rows on a
+ * 2-core Xeon; with fewer rows the prefetches are denser and, bunched 4 steps' worth at a
+ * time, cost more than they save (8 rows: 5-10% slower), so k goes step by step there. */
 #define PANEL_ROUND 4
-#define DEFINE_PANEL_KERNEL(R)                                                                 \
-    static inline void panel_kernel_##R(const float *xb, const float *panel, int64_t K,       \
-                                        float out[ROW_BLOCK][PANEL], const char **next,       \
-                                        int64_t lines, int64_t per_lines, int64_t *credit) {  \
-        v16 acc[R][2];                                                                        \
-        for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = (v16){0};                         \
+#define DEFINE_PANEL_KERNEL(NAME, R, B, NV)                                                    \
+    static inline void NAME(const float *xb, const float *panel, int64_t K, float *out,       \
+                            const char **next, int64_t lines, int64_t per_lines,              \
+                            int64_t *credit) {                                                \
+        vec acc[R][NV];                                                                       \
+        for (int i = 0; i < R; i++)                                                           \
+            for (int v = 0; v < NV; v++) acc[i][v] = (vec){0};                                \
         const char *ahead = *next;                                                            \
         int64_t due = *credit, k = 0;                                                         \
         if (PANEL_ROUND * lines <= per_lines)                                                 \
             for (; k + PANEL_ROUND <= K; k += PANEL_ROUND) {                                  \
-                for (int u = 0; u < PANEL_ROUND; u++) PANEL_STEP(R, k + u)                    \
+                for (int u = 0; u < PANEL_ROUND; u++) PANEL_STEP(R, B, NV, k + u)             \
                 PANEL_PREFETCH(PANEL_ROUND)                                                   \
             }                                                                                 \
         for (; k < K; k++) {                                                                  \
-            PANEL_STEP(R, k)                                                                  \
+            PANEL_STEP(R, B, NV, k)                                                           \
             PANEL_PREFETCH(1)                                                                 \
         }                                                                                     \
         *next = ahead;                                                                        \
         *credit = due;                                                                        \
-        for (int i = 0; i < R; i++) {                                                         \
-            *(v16_unaligned *)out[i] = acc[i][0];                                             \
-            *(v16_unaligned *)(out[i] + 16) = acc[i][1];                                      \
-        }                                                                                     \
+        for (int i = 0; i < R; i++)                                                           \
+            for (int v = 0; v < NV; v++) store_vec(out + i * (NV * VEC) + v * VEC, acc[i][v]); \
     }
-DEFINE_PANEL_KERNEL(1)
-DEFINE_PANEL_KERNEL(2)
-DEFINE_PANEL_KERNEL(4)
-DEFINE_PANEL_KERNEL(8)
+DEFINE_PANEL_KERNEL(panel_kernel_1, 1, ROW_BLOCK, PANEL_VECS)
+DEFINE_PANEL_KERNEL(panel_kernel_2, 2, ROW_BLOCK, PANEL_VECS)
+DEFINE_PANEL_KERNEL(panel_kernel_4, 4, ROW_BLOCK, PANEL_VECS)
+#if ROW_BLOCK > 4
+DEFINE_PANEL_KERNEL(panel_kernel_full, ROW_BLOCK, ROW_BLOCK, PANEL_VECS)
+#else
+#define panel_kernel_full panel_kernel_4
+#endif
 
-/* Blocks [b0, b1) of the packed input times panel p: y's rows 8 b0 .. min(8 b1, M). */
+/* Blocks [b0, b1) of the packed input times panel p: y's rows ROW_BLOCK b0 .. min(.. b1, M). */
 static void linear_panel(const float *xp, const float *panels, const float *bias, float *y,
                          int64_t M, int64_t K, int64_t N, int64_t p, int64_t b0, int64_t b1) {
     const float *panel = panels + p * K * PANEL;
-    /* the next panel, a panel's 32 x 4 x K bytes spread over the (b1 - b0) x K steps of this
-     * one (none after the last panel) */
+    /* the next panel, a panel's PANEL x 4 x K bytes spread over the (b1 - b0) x K steps of
+     * this one (none after the last panel) */
     const int64_t last = p + 1 == (N + PANEL - 1) / PANEL;
     const char *next = (const char *)(last ? panel : panel + K * PANEL);
     const int64_t lines = last ? 0 : PANEL * (int64_t)sizeof(float) * K / 64;
@@ -360,11 +412,11 @@ static void linear_panel(const float *xp, const float *panels, const float *bias
     int64_t credit = 0;
     const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
     for (int64_t b = b0; b < b1; b++) {
-        float out[ROW_BLOCK][PANEL];
+        float out[ROW_BLOCK * PANEL];
         const int64_t rows = M - b * ROW_BLOCK < ROW_BLOCK ? M - b * ROW_BLOCK : ROW_BLOCK;
         const float *xb = xp + b * K * ROW_BLOCK;
         if (rows > 4)
-            panel_kernel_8(xb, panel, K, out, &next, lines, per_lines, &credit);
+            panel_kernel_full(xb, panel, K, out, &next, lines, per_lines, &credit);
         else if (rows > 2)
             panel_kernel_4(xb, panel, K, out, &next, lines, per_lines, &credit);
         else if (rows == 2)
@@ -373,29 +425,27 @@ static void linear_panel(const float *xp, const float *panels, const float *bias
             panel_kernel_1(xb, panel, K, out, &next, lines, per_lines, &credit);
         for (int64_t i = 0; i < rows; i++) {
             float *yr = y + (b * ROW_BLOCK + i) * N + n0;
-            if (cols == PANEL) { /* two vector stores (gcc makes the loop a memcpy call) */
-                v16 lo = load16(out[i]), hi = load16(out[i] + 16);
-                if (bias != NULL) {
-                    lo += load16(bias + n0);
-                    hi += load16(bias + n0 + 16);
+            if (cols == PANEL) { /* vector stores (gcc makes the loop a memcpy call) */
+                for (int v = 0; v < PANEL_VECS; v++) {
+                    vec o = load_vec(out + i * PANEL + v * VEC);
+                    if (bias != NULL) o += load_vec(bias + n0 + v * VEC);
+                    store_vec(yr + v * VEC, o);
                 }
-                *(v16_unaligned *)yr = lo;
-                *(v16_unaligned *)(yr + 16) = hi;
             } else {
                 for (int64_t j = 0; j < cols; j++)
-                    yr[j] = bias != NULL ? out[i][j] + bias[n0 + j] : out[i][j];
+                    yr[j] = bias != NULL ? out[i * PANEL + j] + bias[n0 + j] : out[i * PANEL + j];
             }
         }
     }
 }
 
-/* Blocks of rows of x one pass over the panels takes (128 rows): the packed rows stay in the
- * core's cache while every panel goes by, and the weight is read once per pass (16, 32 and 64
- * blocks measured alike at 2,048 rows on a 2-core Xeon). */
-#define LINEAR_PASS_BLOCKS 16
+/* Blocks of rows of x one pass over the panels takes (128 rows with AVX-512): the packed rows
+ * stay in the core's cache while every panel goes by, and the weight is read once per pass
+ * (16, 32 and 64 blocks of 8 measured alike at 2,048 rows on a 2-core Xeon). */
+#define LINEAR_PASS_BLOCKS (128 / ROW_BLOCK)
 
 /* y [M, N] = x [M, K] w^T (+ bias [N]) with w packed by pack_linear_weight_f32; x and y
- * contiguous; xp: room for x packed, ceil(M / 8) x 8 x K floats. */
+ * contiguous; xp: room for x packed, ceil(M / ROW_BLOCK) x ROW_BLOCK x K floats. */
 void linear_f32(const float *x, const float *panels, const float *bias, float *y, float *xp,
                 int64_t M, int64_t K, int64_t N, int64_t threads) {
     if (M <= 0 || N <= 0) return;
@@ -420,7 +470,7 @@ void linear_f32(const float *x, const float *panels, const float *bias, float *y
 }
 
 /* Causal self-attention of prompts with no cached context (a whole prompt in one step), as
- * two small GEMMs per tile of 32 queries through the panel kernel above.
+ * two small GEMMs per tile of 32 queries through a panel kernel like the GEMM's.
  *
  * q [T, H, D], k/v [T, KVH, D] with token strides q_stride, k_stride, v_stride (the rows of
  * the fused QKV projection), heads and d contiguous; starts [S + 1] int32: sequence s is rows
@@ -428,15 +478,32 @@ void linear_f32(const float *x, const float *panels, const float *bias, float *y
  * i - window + 1 .. i (Mistral's). out [T, H, D] contiguous.
  *
  * A task is one sequence, one KV head and a run of its query tiles. It packs the keys it needs
- * as the kernel's input blocks ([key / 8][D][8]) and the values as panels of 32 of D
- * ([D / 32][keys][32]). Per tile, the 32 queries (pre-scaled) are packed as a panel, and the
- * kernel gives the scores 8 keys x 32 queries at a time, already in the layout P V takes:
- * for each group of 8 queries, [key][8]. The softmax then runs along contiguous memory, 8
- * queries per vector, and P V is the kernel again with a group's probabilities as its input
- * rows; each output row is divided by its sum at the end. */
+ * as the kernel's input blocks ([key / 8][D][8]) and the values as panels of ATT_PANEL of D
+ * ([D / ATT_PANEL][keys][ATT_PANEL]). Per tile, the 32 queries (pre-scaled) are packed as
+ * panels, and the kernel gives the scores 8 keys x ATT_PANEL queries at a time, already in
+ * the layout P V takes: for each group of 8 queries, [key][8]. The softmax then runs along
+ * contiguous memory, 8 queries per vector, and P V is the kernel again with a group's
+ * probabilities as its input rows; each output row is divided by its sum at the end.
+ *
+ * The kernel's block is 8 keys (or queries) x ATT_PANEL: with AVX-512 the GEMM's own 8 x 32;
+ * with AVX2 8 x 8 (8 accumulators of 8 floats, in the 16 registers), so that a block of
+ * scores is exactly one group's [key][8] with no reshuffling (the GEMM's 6 x 16 would split
+ * groups of 8 across blocks); elsewhere 8 x 4. A query panel none of whose queries sees the
+ * key block (above the causal diagonal) is skipped. */
+#define ATT_BLOCK 8
+#if defined(__AVX512F__)
+#define ATT_VECS 2
+#else
+#define ATT_VECS 1
+#endif
+#define ATT_PANEL (ATT_VECS * VEC)
 #define QUERY_TILE 32
 #define PACK_AHEAD 8
-typedef float v8_unaligned __attribute__((vector_size(32), aligned(4)));
+#define ATT_CHUNK (ATT_PANEL < ATT_BLOCK ? ATT_PANEL : ATT_BLOCK)
+_Static_assert(QUERY_TILE % ATT_PANEL == 0 && QUERY_TILE % ATT_BLOCK == 0
+               && ATT_PANEL % ATT_CHUNK == 0 && ATT_BLOCK % ATT_CHUNK == 0,
+               "a tile is whole query panels and whole groups");
+DEFINE_PANEL_KERNEL(attention_kernel, ATT_BLOCK, ATT_BLOCK, ATT_VECS)
 
 void prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
                            const float *v, int64_t v_stride, const int32_t *starts, int64_t S,
@@ -444,8 +511,8 @@ void prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int
                            int64_t threads, float *out) {
     if (S <= 0) return;
     const int64_t G = H / KVH;
-    const int64_t dpanels = (D + PANEL - 1) / PANEL;
-    const int64_t groups = QUERY_TILE / ROW_BLOCK;
+    const int64_t dpanels = (D + ATT_PANEL - 1) / ATT_PANEL;
+    const int64_t groups = QUERY_TILE / ATT_BLOCK;
     const int64_t chunks = (2 * threads + S * KVH - 1) / (S * KVH);
 #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(threads)
     for (int64_t s = 0; s < S; s++) {
@@ -462,11 +529,11 @@ void prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int
                 const int64_t key_end = t1 * QUERY_TILE < n ? t1 * QUERY_TILE : n;
                 int64_t key_begin = 0;
                 if (window > 0 && t0 * QUERY_TILE - window + 1 > 0)
-                    key_begin = (t0 * QUERY_TILE - window + 1) / ROW_BLOCK * ROW_BLOCK;
+                    key_begin = (t0 * QUERY_TILE - window + 1) / ATT_BLOCK * ATT_BLOCK;
                 const int64_t nk = key_end - key_begin;
-                const int64_t nk_pad = (nk + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
-                float *kx = malloc(sizeof(float) * (nk_pad * D + dpanels * nk_pad * PANEL
-                                                    + groups * nk_pad * ROW_BLOCK
+                const int64_t nk_pad = (nk + ATT_BLOCK - 1) / ATT_BLOCK * ATT_BLOCK;
+                float *kx = malloc(sizeof(float) * (nk_pad * D + dpanels * nk_pad * ATT_PANEL
+                                                    + groups * nk_pad * ATT_BLOCK
                                                     + D * QUERY_TILE));
                 if (kx == NULL) { /* out of memory: NaN outputs, never a wrong number */
                     for (int64_t i = t0 * QUERY_TILE; i < key_end; i++)
@@ -475,9 +542,9 @@ void prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int
                                 out[((row0 + i) * H + h * G + g) * D + d] = NAN;
                     continue;
                 }
-                float *vp = kx + nk_pad * D;                   /* [dpanels][nk_pad][32] */
-                float *probs = vp + dpanels * nk_pad * PANEL;  /* [groups][nk_pad][8] */
-                float *qp = probs + groups * nk_pad * ROW_BLOCK; /* [D][32] */
+                float *vp = kx + nk_pad * D;                      /* [dpanels][nk_pad][ATT_PANEL] */
+                float *probs = vp + dpanels * nk_pad * ATT_PANEL; /* [groups][nk_pad][8] */
+                float *qp = probs + groups * nk_pad * ATT_BLOCK;  /* [32 / ATT_PANEL][D][ATT_PANEL] */
                 for (int64_t j = 0; j < nk_pad; j++) {
                     const float *kr = k + (row0 + key_begin + j) * k_stride + h * D;
                     const float *vr = v + (row0 + key_begin + j) * v_stride + h * D;
@@ -487,14 +554,14 @@ void prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int
                             __builtin_prefetch(kr + PACK_AHEAD * k_stride + d, 0, 3);
                             __builtin_prefetch(vr + PACK_AHEAD * v_stride + d, 0, 3);
                         }
-                    float *kd = kx + (j / ROW_BLOCK) * D * ROW_BLOCK + j % ROW_BLOCK;
-                    for (int64_t d = 0; d < D; d++) kd[d * ROW_BLOCK] = j < nk ? kr[d] : 0.0f;
+                    float *kd = kx + (j / ATT_BLOCK) * D * ATT_BLOCK + j % ATT_BLOCK;
+                    for (int64_t d = 0; d < D; d++) kd[d * ATT_BLOCK] = j < nk ? kr[d] : 0.0f;
                     for (int64_t dp = 0; dp < dpanels; dp++) {
-                        float *vd = vp + (dp * nk_pad + j) * PANEL;
-                        const int64_t cols = j < nk ? (D - dp * PANEL < PANEL ? D - dp * PANEL
-                                                                               : PANEL) : 0;
-                        for (int64_t d = 0; d < cols; d++) vd[d] = vr[dp * PANEL + d];
-                        for (int64_t d = cols; d < PANEL; d++) vd[d] = 0.0f;
+                        float *vd = vp + (dp * nk_pad + j) * ATT_PANEL;
+                        const int64_t cols = j < nk ? (D - dp * ATT_PANEL < ATT_PANEL
+                                                       ? D - dp * ATT_PANEL : ATT_PANEL) : 0;
+                        for (int64_t d = 0; d < cols; d++) vd[d] = vr[dp * ATT_PANEL + d];
+                        for (int64_t d = cols; d < ATT_PANEL; d++) vd[d] = 0.0f;
                     }
                 }
                 const char *no_prefetch = (const char *)kx;
@@ -515,66 +582,79 @@ void prefill_attention_f32(const float *q, int64_t q_stride, const float *k, int
                                                        0, 3);
                         for (int64_t i = 0; i < QUERY_TILE; i++) {
                             const float *qr = q + (row0 + q0 + i) * q_stride + head * D;
+                            float *qd = qp + (i / ATT_PANEL) * D * ATT_PANEL + i % ATT_PANEL;
                             for (int64_t d = 0; d < D; d++)
-                                qp[d * QUERY_TILE + i] = i < rows ? qr[d] * scale : 0.0f;
+                                qd[d * ATT_PANEL] = i < rows ? qr[d] * scale : 0.0f;
                         }
                         /* key blocks the tile sees (relative to key_begin): the window of its
                          * first query to its last query */
                         int64_t kb0 = 0;
                         if (window > 0 && q0 - window + 1 > key_begin)
-                            kb0 = (q0 - window + 1 - key_begin) / ROW_BLOCK;
-                        const int64_t kb1 = (q0 + rows - 1 - key_begin) / ROW_BLOCK + 1;
+                            kb0 = (q0 - window + 1 - key_begin) / ATT_BLOCK;
+                        const int64_t kb1 = (q0 + rows - 1 - key_begin) / ATT_BLOCK + 1;
                         for (int64_t kb = kb0; kb < kb1; kb++) {
-                            float tile[ROW_BLOCK][PANEL]; /* [8 keys][32 queries] */
-                            panel_kernel_8(kx + kb * D * ROW_BLOCK, qp, D, tile, &no_prefetch, 0,
-                                           1, &credit);
-                            for (int64_t gi = 0; gi < groups; gi++)
-                                for (int64_t kk = 0; kk < ROW_BLOCK; kk++)
-                                    *(v8_unaligned *)(probs + (gi * nk_pad + kb * ROW_BLOCK + kk)
-                                                      * ROW_BLOCK) =
-                                        *(const v8_unaligned *)(tile[kk] + gi * ROW_BLOCK);
+                            for (int64_t qi = 0; qi < QUERY_TILE && qi < rows; qi += ATT_PANEL) {
+                                /* the panel's last query is before the block's first key: no
+                                 * query of it sees the block, whose scores the softmax of
+                                 * these queries masks (or stops before, at their j1) */
+                                if (q0 + qi + ATT_PANEL - 1 < key_begin + kb * ATT_BLOCK)
+                                    continue;
+                                float tile[ATT_BLOCK * ATT_PANEL]; /* [8 keys][queries] */
+                                attention_kernel(kx + kb * D * ATT_BLOCK, qp + qi * D, D, tile,
+                                                 &no_prefetch, 0, 1, &credit);
+                                for (int64_t c0 = 0; c0 < ATT_PANEL; c0 += ATT_CHUNK) {
+                                    float *dst = probs + (((qi + c0) / ATT_BLOCK * nk_pad
+                                                           + kb * ATT_BLOCK) * ATT_BLOCK
+                                                          + (qi + c0) % ATT_BLOCK);
+                                    for (int64_t kk = 0; kk < ATT_BLOCK; kk++)
+                                        for (int64_t l = 0; l < ATT_CHUNK; l++)
+                                            dst[kk * ATT_BLOCK + l] = tile[kk * ATT_PANEL + c0 + l];
+                                }
+                            }
                         }
-                        for (int64_t gi = 0; gi < groups && gi * ROW_BLOCK < rows; gi++) {
-                            const int64_t first = q0 + gi * ROW_BLOCK; /* this group's queries */
-                            const int64_t count = rows - gi * ROW_BLOCK < ROW_BLOCK
-                                                      ? rows - gi * ROW_BLOCK : ROW_BLOCK;
+                        for (int64_t gi = 0; gi < groups && gi * ATT_BLOCK < rows; gi++) {
+                            const int64_t first = q0 + gi * ATT_BLOCK; /* this group's queries */
+                            const int64_t count = rows - gi * ATT_BLOCK < ATT_BLOCK
+                                                      ? rows - gi * ATT_BLOCK : ATT_BLOCK;
                             /* keys j0 .. j1 - 1 (relative) hold every key these queries see */
-                            const int64_t j0 = kb0 * ROW_BLOCK;
+                            const int64_t j0 = kb0 * ATT_BLOCK;
                             const int64_t j1 = first + count - key_begin;
-                            float *p = probs + gi * nk_pad * ROW_BLOCK;
-                            float mx[ROW_BLOCK], sum[ROW_BLOCK];
-                            for (int64_t i = 0; i < ROW_BLOCK; i++) mx[i] = -INFINITY;
+                            float *p = probs + gi * nk_pad * ATT_BLOCK;
+                            float mx[ATT_BLOCK], sum[ATT_BLOCK];
+                            for (int64_t i = 0; i < ATT_BLOCK; i++) mx[i] = -INFINITY;
                             for (int64_t j = j0; j < j1; j++) {
                                 const int64_t key = key_begin + j;
-                                for (int64_t i = 0; i < ROW_BLOCK; i++) {
+                                for (int64_t i = 0; i < ATT_BLOCK; i++) {
                                     const int64_t pos = first + i;
                                     const int visible = i < count && key <= pos
                                                         && (window <= 0 || key > pos - window);
-                                    float *e = p + j * ROW_BLOCK + i;
+                                    float *e = p + j * ATT_BLOCK + i;
                                     *e = visible ? *e : -INFINITY;
                                     mx[i] = *e > mx[i] ? *e : mx[i];
                                 }
                             }
-                            for (int64_t i = 0; i < ROW_BLOCK; i++) sum[i] = 0.0f;
+                            for (int64_t i = 0; i < ATT_BLOCK; i++) sum[i] = 0.0f;
                             for (int64_t j = j0; j < j1; j++) {
-                                float *e = p + j * ROW_BLOCK;
-                                for (int64_t i = 0; i < ROW_BLOCK; i++) {
+                                float *e = p + j * ATT_BLOCK;
+                                for (int64_t i = 0; i < ATT_BLOCK; i++) {
                                     /* exp_f32 clamps at e^-87: masked keys are set to 0 */
                                     e[i] = e[i] == -INFINITY ? 0.0f : exp_f32(e[i] - mx[i]);
                                     sum[i] += e[i];
                                 }
                             }
                             for (int64_t dp = 0; dp < dpanels; dp++) {
-                                float tile[ROW_BLOCK][PANEL];
-                                panel_kernel_8(p + j0 * ROW_BLOCK, vp + (dp * nk_pad + j0) * PANEL,
-                                               j1 - j0, tile, &no_prefetch, 0, 1, &credit);
-                                const int64_t cols = D - dp * PANEL < PANEL ? D - dp * PANEL
-                                                                             : PANEL;
+                                float tile[ATT_BLOCK * ATT_PANEL]; /* [8 queries][d] */
+                                attention_kernel(p + j0 * ATT_BLOCK,
+                                                 vp + (dp * nk_pad + j0) * ATT_PANEL, j1 - j0,
+                                                 tile, &no_prefetch, 0, 1, &credit);
+                                const int64_t cols = D - dp * ATT_PANEL < ATT_PANEL
+                                                         ? D - dp * ATT_PANEL : ATT_PANEL;
                                 for (int64_t i = 0; i < count; i++) {
                                     float *o = out + ((row0 + first + i) * H + head) * D
-                                               + dp * PANEL;
+                                               + dp * ATT_PANEL;
                                     const float inv = 1.0f / sum[i];
-                                    for (int64_t d = 0; d < cols; d++) o[d] = tile[i][d] * inv;
+                                    for (int64_t d = 0; d < cols; d++)
+                                        o[d] = tile[i * ATT_PANEL + d] * inv;
                                 }
                             }
                         }
