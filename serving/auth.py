@@ -11,11 +11,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serving.protocol import error_body
+from serving.protocol import send_error
 
 #: The environment variable `inferlab serve` reads the key from when `api_key=` is not given.
 API_KEY_ENV = "INFERLAB_API_KEY"
@@ -41,13 +40,8 @@ class APIKeyAuth:
         message = ("Incorrect API key provided" if given is not None else
                    "You didn't provide an API key; send it in an Authorization header using "
                    "Bearer auth (Authorization: Bearer YOUR_KEY)")
-        payload = json.dumps(error_body(message, "invalid_request_error", None,
-                                        "invalid_api_key")).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": payload, "more_body": False})
+        await send_error(send, 401, message, "invalid_api_key",
+                         headers=[(b"www-authenticate", b"Bearer")])
 
 
 def _bearer_token(scope: Scope) -> bytes | None:

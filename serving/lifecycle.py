@@ -17,7 +17,6 @@ timeouts for requests that never finish arriving, and a bounded graceful shutdow
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import time
@@ -33,7 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from engines.base import now_ns
 from serving.config import ServerConfig, ServerConfigError
 from serving.generation import ServingEngine
-from serving.protocol import error_body
+from serving.protocol import send_error
 
 logger = logging.getLogger("inferlab.serve")
 
@@ -118,18 +117,9 @@ class RequestClock:
                         "s; connection closed", scope["method"], scope["path"], _client(scope),
                         self.read_timeout_s)
             if not started:
-                await _send_408(send, f"The request body did not arrive within "
-                                      f"{self.read_timeout_s:g} s")
-
-
-async def _send_408(send: Send, message: str) -> None:
-    body = error_body(message, "invalid_request_error", None, "request_timeout")
-    payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": 408,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": payload, "more_body": False})
+                await send_error(send, 408, f"The request body did not arrive within "
+                                            f"{self.read_timeout_s:g} s", "request_timeout",
+                                 close=True)
 
 
 def _client(scope: Scope) -> str:

@@ -8,11 +8,9 @@ parse any amount of JSON (uvicorn has no limit of its own).
 
 from __future__ import annotations
 
-import json
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.protocol import error_body
+from serving.protocol import send_error
 
 
 class BodyTooLarge(Exception):
@@ -60,14 +58,8 @@ class BodySizeLimit:
     async def _refuse(self, send: Send, size: str) -> None:
         message = (f"The request body is {size}; this server accepts at most "
                    f"{self.max_body_bytes} bytes (the server option max_body_bytes)")
-        payload = json.dumps(error_body(message, "invalid_request_error", None,
-                                        "request_too_large")).encode()
         # The rest of the body is never read, so the connection cannot carry another request.
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": payload, "more_body": False})
+        await send_error(send, 413, message, "request_too_large", close=True)
 
 
 def _content_length(scope: Scope) -> int | None:

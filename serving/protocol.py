@@ -15,11 +15,13 @@ import gc
 import json
 import re
 import reprlib
+from collections.abc import Sequence
 from itertools import chain
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_serializer
 from pydantic_core import PydanticCustomError, from_json
+from starlette.types import Send
 
 # ---- errors -------------------------------------------------------------------------------
 
@@ -43,6 +45,19 @@ class APIError(Exception):
 def error_body(message: str, error_type: str = "invalid_request_error",
                param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+async def send_error(send: Send, status: int,
+                     message: str, code: str, *, close: bool = False,
+                     headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """An OpenAI-style error answered straight from ASGI middleware (before any route runs).
+    `close`: the connection cannot carry another request (its body was not read to the end)."""
+    payload = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode()),
+                            *([(b"connection", b"close")] if close else []), *headers]})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
 # ---- parsing ------------------------------------------------------------------------------
