@@ -50,8 +50,7 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
             summary = run_repeats(config, list(hydra_cfg.overrides.task), run_dir, repeats,
                                   resume=resume)
         else:
-            progress = run_cfg.progress and sys.stderr.isatty()
-            summary = run_experiment(config, run_dir, progress=progress)
+            summary = run_experiment(config, run_dir, progress=run_cfg.progress)
     except OSError as exc:  # the folder cannot be written (a full disk, no permission)
         error = (str(exc) if isinstance(exc, RunFolderError)
                  else f"{run_dir}: the run folder cannot be written: {exc}").replace("\n", " ")

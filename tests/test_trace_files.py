@@ -22,7 +22,7 @@ from workloads import PromptsWorkload, SyntheticWorkload, TraceWorkload, trace_f
 from workloads.prompt_sets import load_prompt_set
 from workloads.traces import load_trace
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 AZURE = TRACES / "AzureLLMInferenceTrace_conv.csv"
 MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl"
 SHAREGPT = TRACES / "sharegpt_v3_filtered_500.json"
@@ -37,7 +37,7 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def azure_lines() -> list[str]:
-    assert TRACES.is_dir(), f"no shared trace folder at {TRACES}"
+    assert TRACES.is_dir(), f"no trace folder at {TRACES}"
     return AZURE.read_text().splitlines()
 
 

@@ -21,7 +21,7 @@ from workloads import TraceWorkload, trace_arrow, trace_files, traces
 from workloads.trace_files import Chunk
 from workloads.traces import Trace, load_trace
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 AZURE = TRACES / "AzureLLMInferenceTrace_conv.csv"
 MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl"
 

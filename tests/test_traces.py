@@ -1,8 +1,9 @@
-"""Trace loaders and replay, prompt sets: the real files in ../shared/traces, fixtures for
+"""Trace loaders and replay, prompt sets: the real files in data/traces, fixtures for
 BurstGPT and generic csv/jsonl, and malformed files that must fail with file, line and field."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ from workloads import PromptsWorkload, SyntheticWorkload, TraceWorkload
 from workloads.prompt_sets import load_prompt_set
 from workloads.traces import load_trace
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 AZURE = TRACES / "AzureLLMInferenceTrace_conv.csv"
 MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl"
 SHAREGPT = TRACES / "sharegpt_v3_filtered_500.json"
@@ -30,8 +31,8 @@ def tok() -> Tokenizer:
 
 @pytest.fixture
 def shared() -> Path:
-    # the project's checkout has ../shared beside it (CI too): a missing folder is a failure
-    assert TRACES.is_dir(), f"no shared trace folder at {TRACES}"
+    # shipped in the repository (data/traces): a missing folder is a failure
+    assert TRACES.is_dir(), f"no trace folder at {TRACES}"
     return TRACES
 
 
@@ -403,3 +404,13 @@ def test_trace_settings_name_the_field(tmp_path: Path, options: dict, message: s
     options = {"path": str(path), **options} if "path" not in options and options else options
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         TraceWorkload(**options).validate()
+
+
+def test_shipped_traces_are_the_published_bytes(shared: Path) -> None:
+    """data/traces holds byte-for-byte copies (README: origins, licences, SHA-256 of each)."""
+    readme = (shared / "README.md").read_text(encoding="utf-8")
+    listed = dict(line.split()[::-1] for line in readme.splitlines()
+                  if len(line.split()) == 2 and len(line.split()[0]) == 64)
+    assert sorted(listed) == sorted(p.name for p in shared.iterdir() if p.name != "README.md")
+    for name, digest in listed.items():
+        assert hashlib.sha256((shared / name).read_bytes()).hexdigest() == digest, name
