@@ -14,6 +14,7 @@ from engines.base import Finished, PrefillChunk, Scheduled, StepRecord, Tokens
 from engines.builtin import LLM, EngineConfig, SamplingParams
 from engines.builtin.config import ConfigError
 from engines.builtin.model_config import kv_bytes_per_token
+from engines.builtin.scheduler import StepPlan
 
 BASE: dict[str, Any] = dict(dtype="float32", device="cpu", max_model_len=256)
 # Mixed prompt lengths (5..90 tokens) and output lengths, more requests than max_num_seqs.
@@ -387,3 +388,17 @@ def test_preemption_with_a_token_capped_cache_keeps_outputs(alone, chunked: bool
     assert outs == alone
     budget = llm.engine.limits.max_num_batched_tokens
     assert all(r.prefill_tokens + r.decode_tokens <= budget for r in records)
+
+
+def test_a_preempted_sequence_goes_to_the_front_of_its_priority_class_only() -> None:
+    """A recompute preemption requeues the sequence ahead of its own priority class (it
+    arrived before the rest of it), never ahead of a more urgent class."""
+    llm = make(max_num_seqs=1)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    engine.add_request("running", [300, 301, 302], greedy(8), priority=1)
+    engine.step()  # "running" runs; the others arrive after it
+    engine.add_request("urgent", [310, 311], greedy(2), priority=0)
+    engine.add_request("later", [320, 321], greedy(2), priority=1)
+    [victim] = scheduler.running
+    scheduler._preempt(victim, StepPlan(step=1))
+    assert [s.request_id for s in scheduler.waiting] == ["urgent", "running", "later"]

@@ -305,7 +305,13 @@ class Scheduler:
             self.running.insert(self.running.index(parent) + 1, child)
         else:
             child.num_computed_tokens = 0
-            self.waiting.insert(0, child)
+            self._requeue_first(child)
+
+    def _requeue_first(self, seq: Sequence) -> None:
+        """Queue `seq` ahead of every waiting sequence of its priority and behind every more
+        urgent one (it arrived before its class's waiting ones)."""
+        classes = [s.priority for s in self.waiting]
+        self.waiting.insert(bisect.bisect_left(classes, seq.priority), seq)
 
     def _match_prefix(self, seq: Sequence) -> int:
         """Prefix caching: adopt the cached full blocks of the prompt's prefix; the sequence
@@ -336,7 +342,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         plan.preempted.append(seq)
-        self.waiting.insert(0, seq)
+        self._requeue_first(seq)
 
     def complete_step(self, plan: StepPlan) -> None:
         """Advance each scheduled sequence past the tokens this step computed."""
