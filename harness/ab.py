@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import configs
+import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
 from harness.gate_inputs import AB_FILE, InputError, is_number, read_run
 from harness.gate_rules import GateRules, RulesError, add_require_argument, load_rules
 from harness.metrics import REGISTRY
@@ -67,7 +69,6 @@ class ABPlan:
 def compose_config(overrides: list[str], code: Path = REPO) -> dict[str, Any]:
     """The run configuration `inferlab run <overrides>` would get in the checkout `code`
     (Hydra's compose API over code/configs, config_name "config")."""
-    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -76,8 +77,7 @@ def compose_config(overrides: list[str], code: Path = REPO) -> dict[str, Any]:
     if not (config_dir / "config.yaml").is_file():
         raise ABError(f"{code}: not an inferlab checkout (no configs/config.yaml)")
     try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
+        cfg = configs.compose(overrides, config_dir)
         config = OmegaConf.to_container(cfg, resolve=True)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ABError(f"overrides {overrides}: {exc}") from exc

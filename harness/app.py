@@ -15,12 +15,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+import configs
+import engines.registry  # noqa: F401  (the engine groups' schemas, before Hydra composes)
 from harness.experiment import RunConfig, RunFolderError, run_experiment
 from harness.repeats import run_repeats, validate_repeats
 from harness.sweep import ResumeMismatch, completed_run, note_unrecorded, write_sweep_csv
 from harness.table import summary_table
-
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 
 def _run(cfg: DictConfig) -> dict[str, Any]:
@@ -74,7 +74,7 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=str(configs.CONFIG_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     _run(cfg)
 

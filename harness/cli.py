@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return kv_calc.main(rest)
     if command == "train-tiny":
-        from harness import train_tiny
+        from engines import train_tiny
 
         return train_tiny.main(rest)
     if command == "serve":

@@ -15,9 +15,9 @@ from typing import Any
 import yaml
 
 import workloads
-from engines.base import Backend, now_ns
+from engines.base import now_ns
 from engines.builtin.backend import BuiltinBackend
-from engines.builtin.config import EngineConfig
+from engines.registry import build_backend
 from harness import hardware, provenance, roofline
 from harness.driver import Driver
 from harness.monitors import Monitor, MonitorConfig, gpu_index_for
@@ -26,8 +26,6 @@ from harness.progress import RunProgress
 from harness.records import RunRecorder, TablesNotWritten, write_json_atomic
 from harness.window import WindowConfig, summarize
 from workloads import WorkloadRequest
-
-BACKENDS = ("builtin", "hf", "openai")
 
 
 def _section(name: str, values: Any, fields: Iterable[str]) -> dict[str, Any]:
@@ -139,41 +137,6 @@ class RunConfig:
                                                      MonitorConfig.__dataclass_fields__)),
             quality=QualityConfig.from_dict(given.get("quality")),
             slo=SloConfig.from_dict(given.get("slo")))
-
-
-def build_backend(engine: dict[str, Any], model: dict[str, Any]) -> Backend:
-    """The backend `engine.backend` names, for the model group's config.
-
-    builtin: this repo's engine. hf: Hugging Face transformers in process, on the very same
-    weights. openai: any OpenAI-compatible server (the model group names what it serves).
-    """
-    options = dict(engine)
-    backend = options.pop("backend", "builtin")
-    if backend not in BACKENDS:
-        raise ValueError(f"engine.backend: {backend!r} is invalid; allowed: {'|'.join(BACKENDS)}")
-    known_model_keys = {"name", "path", "tokenizer", "overrides"}
-    unknown = sorted(set(model) - known_model_keys)
-    if unknown:
-        raise ValueError(f"model: unknown key(s) {unknown}; allowed: {sorted(known_model_keys)}")
-    if backend == "openai":
-        from engines.openai.backend import OpenAIBackend
-
-        return OpenAIBackend.from_config(options, model)
-    if model.get("name") == "hf" and not model.get("path"):
-        raise ValueError("model.path: required for model=hf (a local Hugging Face checkpoint "
-                         "folder with config.json and *.safetensors)")
-    options["model"] = model.get("path") or model["name"]
-    if options["model"] == "tiny-trained":  # a small model with learned weights, cached
-        from harness.train_tiny import cached_tiny_model
-
-        options["model"] = str(cached_tiny_model())
-    options["model_overrides"] = dict(model.get("overrides") or {})
-    options["tokenizer"] = model.get("tokenizer")
-    if backend == "hf":
-        from engines.hf.backend import HFBackend
-
-        return HFBackend.from_config(options)
-    return BuiltinBackend(EngineConfig.from_dict(options))
 
 
 def make_workload(workload: dict[str, Any]) -> Any:

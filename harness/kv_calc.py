@@ -10,16 +10,16 @@ memory (times gpu_memory_utilization) after the weights holds that many sequence
 
 from __future__ import annotations
 
-from pathlib import Path
+import sys
 from typing import Any
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from engines.builtin.config import DTYPE_ALIASES
+import configs
+import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
+from engines.builtin.config import DTYPE_ALIASES, ConfigError
 from engines.builtin.model_config import kv_bytes_per_token, resolve_model
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
 
@@ -29,7 +29,10 @@ def kv_calc(model: str, overrides: dict[str, Any] | None, max_model_len: int | N
             ) -> dict[str, Any]:
     cfg = resolve_model(model, overrides)
     name = DTYPE_ALIASES.get(str(dtype).lower())
-    if name is None or name == "auto":
+    if name is None:
+        raise ConfigError(f"engine.dtype: {dtype!r} is invalid; allowed: "
+                          "auto|float32|bfloat16|float16 (aliases fp32|bf16|fp16)")
+    if name == "auto":
         name = "bfloat16"  # what the engine uses on a GPU for dtype=auto
     element = DTYPE_BYTES[name]
     max_len = max_model_len or cfg.max_position_embeddings
@@ -79,18 +82,28 @@ def format_report(r: dict[str, Any]) -> str:
 def main(args: list[str]) -> int:
     device_gib = 80.0
     rest = []
-    for arg in args:
-        key, _, value = arg.partition("=")
-        if key.lstrip("+") == "device_memory_gib":
-            device_gib = float(value)
-        else:
-            rest.append(arg)
-    with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR):
-        cfg = OmegaConf.to_container(compose(config_name="config", overrides=rest), resolve=True)
+    try:
+        for arg in args:
+            key, _, value = arg.partition("=")
+            if key.lstrip("+") == "device_memory_gib":
+                device_gib = float(value)
+                if not device_gib > 0:
+                    raise ValueError
+            else:
+                rest.append(arg)
+    except ValueError:
+        print(f"error: device_memory_gib: {value!r} is invalid; allowed: a number > 0",
+              file=sys.stderr)
+        return 2
+    cfg = OmegaConf.to_container(configs.compose(rest), resolve=True)
     assert isinstance(cfg, dict)
     model, engine = cfg["model"], cfg["engine"]
-    report = kv_calc(model.get("path") or model["name"], model.get("overrides"),
-                     engine.get("max_model_len"), engine.get("dtype", "auto"), device_gib,
-                     engine.get("gpu_memory_utilization", 0.9))
+    try:
+        report = kv_calc(model.get("path") or model["name"], model.get("overrides"),
+                         engine.get("max_model_len"), engine.get("dtype", "auto"), device_gib,
+                         engine.get("gpu_memory_utilization", 0.9))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(format_report(report))
     return 0

@@ -114,7 +114,7 @@ def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[st
     against the float32, unquantized engine on the same weights, over windows of a text
     (prefilled in chunks, so cached K/V is read back); perplexity too when the weights are a
     real checkpoint (dummy weights make it meaningless)."""
-    from harness.train_tiny import corpus_text
+    from engines.train_tiny import corpus_text
 
     reference_options = {**engine_options, "dtype": "float32", "quantization": "none",
                          "kv_cache_dtype": "auto"}

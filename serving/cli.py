@@ -27,11 +27,12 @@ from typing import Any
 
 import yaml
 
+import configs
+from engines import registry
 from engines.builtin.backend import BuiltinBackend
 from serving.auth import API_KEY_ENV, is_loopback
 from serving.config import ServerConfig, ServerConfigError
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 CONFIG_GROUPS = ("engine", "model", "variant")  # what a server's config may override
 SERVER_KEYS = tuple(f.name for f in fields(ServerConfig))
 # kept as typed (a name may be "123")
@@ -102,11 +103,9 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, list[str]]:
 
 def compose_config(overrides: list[str]) -> dict[str, Any]:
     """The engine and model config groups, composed from configs/ with the overrides."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    with initialize_config_dir(version_base="1.3", config_dir=CONFIG_DIR):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = configs.compose(overrides)
     config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert isinstance(config, dict)
     return {"engine": config["engine"], "model": config["model"]}
@@ -115,8 +114,6 @@ def compose_config(overrides: list[str]) -> dict[str, Any]:
 def build_backend(argv: list[str]) -> tuple[BuiltinBackend, ServerConfig]:
     """Parse, compose and validate; the backend is not loaded yet. Raises ValueError (or a
     Hydra/OmegaConf error) with a message that names the bad option."""
-    from harness.experiment import build_backend as build_harness_backend
-
     server, overrides = parse_args(argv)
     config = compose_config(overrides)
     engine = dict(config["engine"])
@@ -124,7 +121,7 @@ def build_backend(argv: list[str]) -> tuple[BuiltinBackend, ServerConfig]:
         raise UsageError(f"engine.backend: {engine['backend']!r} cannot be served; "
                          "`inferlab serve` runs the built-in engine (engine.backend=builtin)")
     check_checkpoint(config["model"])
-    backend = build_harness_backend(engine, config["model"])
+    backend = registry.build_backend(engine, config["model"])
     assert isinstance(backend, BuiltinBackend)
     if server.served_model_name is None:  # what the user named, not a resolved cache path
         server.served_model_name = str(config["model"].get("path") or config["model"]["name"])

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+import yaml
 from omegaconf import OmegaConf
 
+import configs
 from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
-from harness.experiment import build_backend, make_workload
+from engines.registry import BACKENDS, build_backend
+from harness.experiment import make_workload
 from harness.window import WindowConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -18,8 +22,7 @@ TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 
 
 def composed(*overrides: str) -> dict:
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIGS)):
-        cfg = compose(config_name="config", overrides=list(overrides))
+    cfg = configs.compose(overrides)
     return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]
 
 
@@ -66,3 +69,39 @@ def test_workload_configs_compose_and_validate(workload: str) -> None:
     if workload == "prompts":
         overrides.append(f"workload.path={TRACES / 'sharegpt_v3_filtered_500.json'}")
     check(composed(*overrides))
+
+
+# ---- one typed config: the options dataclasses are the engine groups' schemas ----------------
+
+
+def command_line_value(value: object) -> str:
+    """A value as Hydra's override grammar reads it back (JSON's null/true/[..] and {} fit)."""
+    return json.dumps(value)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_every_option_field_is_overridable_and_defaults_live_once(backend: str) -> None:
+    """Each field of the backend's options dataclass (but those the model group fills) is a
+    key of `engine=<backend>`, with the dataclass default, and can be set on the command line;
+    the YAML file sets no option (presets live in variant/ and experiment/)."""
+    entry = BACKENDS[backend]
+    defaults = {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)
+                for f in dataclasses.fields(entry.config) if f.name not in entry.model_fields}
+    engine = composed(f"engine={backend}")["engine"]
+    assert engine == {"backend": backend, **defaults}
+    overrides = [f"engine.{name}={command_line_value(value)}" for name, value in defaults.items()]
+    assert composed(f"engine={backend}", *overrides)["engine"] == engine
+    shipped = yaml.safe_load((CONFIGS / "engine" / f"{backend}.yaml").read_text())
+    assert set(shipped) == {"defaults"}, f"engine/{backend}.yaml sets options: {set(shipped)}"
+
+
+def test_a_key_without_a_field_and_a_value_of_the_wrong_type_name_the_key() -> None:
+    for override, key in [("engine.no_such_option=1", "no_such_option"),
+                          ("engine.max_num_seqs=many", "engine.max_num_seqs"),
+                          ("engine.native_kernels=maybe", "engine.native_kernels")]:
+        with pytest.raises(Exception, match=key):
+            composed(override)
+    assert composed("engine.native_kernels=false")["engine"]["native_kernels"] is False
+    added = composed("+engine.no_such_option=1")  # '+' adds it; the backend refuses it
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['no_such_option'\]"):
+        build_backend(added["engine"], added["model"])

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import configs
+import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
 from engines.builtin import platform
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache.storage import kv_element_bytes
@@ -63,8 +64,7 @@ def fake_memory(monkeypatch: pytest.MonkeyPatch, available: int, free: int,
 
 def default_experiment_engine() -> EngineConfig:
     """The engine config `inferlab run` builds with no overrides (model=small)."""
-    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "configs")):
-        cfg = OmegaConf.to_container(compose(config_name="config"), resolve=True)
+    cfg = OmegaConf.to_container(configs.compose([]), resolve=True)
     engine = dict(cfg["engine"])  # type: ignore[index]
     engine.pop("backend")
     return EngineConfig.from_dict({**engine, "model": cfg["model"]["name"]})  # type: ignore[index]

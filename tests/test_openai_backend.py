@@ -816,7 +816,7 @@ def test_engine_openai_composes_from_the_config_group() -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from harness.experiment import build_backend
+    from engines.registry import build_backend
 
     configs = Path(__file__).resolve().parents[1] / "configs"
     with initialize_config_dir(version_base="1.3", config_dir=str(configs)):

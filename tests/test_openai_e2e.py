@@ -17,15 +17,17 @@ from typing import Any
 import httpx
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import configs
+import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
 from engines.base import Finished, Tokens
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.llm import LLM
 from engines.openai.backend import OpenAIBackend
+from engines.registry import build_backend
 from engines.sampling_params import SamplingParams
-from harness.experiment import build_backend, make_workload, run_experiment
+from harness.experiment import make_workload, run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ["model=tiny", "engine.device=cpu", "engine.dtype=float32", "engine.num_threads=1",
@@ -34,8 +36,7 @@ NUM_REQUESTS, INPUT_LEN, OUTPUT_LEN = 4, 16, 8
 
 
 def composed(*overrides: str) -> dict[str, Any]:
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
-        cfg = compose(config_name="config", overrides=list(overrides))
+    cfg = configs.compose(overrides)
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
     return config

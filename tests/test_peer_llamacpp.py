@@ -30,13 +30,14 @@ from typing import Any
 import httpx
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import configs
 from engines.base import GenerationRequest
 from engines.openai.backend import OpenAIBackend
+from engines.registry import build_backend
 from engines.sampling_params import SamplingParams
-from harness.experiment import build_backend, run_experiment
+from harness.experiment import run_experiment
 
 pytestmark = pytest.mark.peer
 
@@ -107,12 +108,11 @@ def peer() -> Iterator[str]:
 
 
 def config(base_url: str, *overrides: str) -> dict[str, Any]:
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "configs")):
-        cfg = compose(config_name="config", overrides=[
-            "engine=openai", "model=tiny", f"engine.base_url={base_url}",
-            f"engine.model={ALIAS}", "workload.prompt=text", f"workload.input_len={INPUT_LEN}",
-            "workload.arrival.process=closed", "run.progress=false",
-            "run.monitor.enabled=false", *overrides])
+    cfg = configs.compose([
+        "engine=openai", "model=tiny", f"engine.base_url={base_url}",
+        f"engine.model={ALIAS}", "workload.prompt=text", f"workload.input_len={INPUT_LEN}",
+        "workload.arrival.process=closed", "run.progress=false",
+        "run.monitor.enabled=false", *overrides])
     out = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(out, dict)
     return out

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from engines.builtin import LLM, SamplingParams
+from engines.train_tiny import cached_tiny_model, corpus_text, train_tiny
 from harness.quality import perplexity, quality_probe, run_quality
-from harness.train_tiny import cached_tiny_model, corpus_text, train_tiny
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,0 +1,130 @@
+"""Every backend, by its `engine.backend` name: one registry that the harness and the server
+build backends from, and the schemas of the `engine` config group.
+
+A backend registers its options dataclass (whose fields, defaults and types are the `engine`
+group's keys: they live there once) and a function that builds the backend from those options
+and the `model` group. Adding a backend is a package of its own plus one `@register_backend`
+here; `configs/engine/<name>.yaml` then only names the schema, `<name>_schema`, and presets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engines.base import Backend
+from engines.builtin.config import EngineConfig
+from engines.hf.config import HFConfig
+from engines.openai.config import OpenAIConfig
+
+Options = dict[str, Any]
+Builder = Callable[[Options, Options], Backend]
+
+#: Options the `model` group fills in for backends that load the weights themselves.
+MODEL_FIELDS = ("model", "model_overrides", "tokenizer")
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    name: str
+    config: type[Any]  # the options dataclass
+    build: Builder  # (options without `backend`, the model group) -> an unloaded backend
+    model_fields: tuple[str, ...]  # config fields taken from the model group, not `engine`
+
+    def schema(self) -> type[Any]:
+        """The `engine` group's schema for this backend: `backend` and every option field
+        (with its type and default), but those the model group fills."""
+        hints = typing.get_type_hints(self.config)
+        entries: list[tuple[str, Any, Any]] = [("backend", str, self.name)]
+        for f in dataclasses.fields(self.config):
+            if f.name in self.model_fields:
+                continue
+            default = (dataclasses.field(default_factory=f.default_factory)
+                       if f.default is dataclasses.MISSING else f.default)
+            entries.append((f.name, hints[f.name], default))
+        return dataclasses.make_dataclass(
+            f"{self.config.__name__}Schema",
+            [(n, t, d if isinstance(d, dataclasses.Field) else dataclasses.field(default=d))
+             for n, t, d in entries])
+
+
+BACKENDS: dict[str, BackendEntry] = {}
+
+
+def register_backend(name: str, config: type[Any],
+                     model_fields: tuple[str, ...] = ()) -> Callable[[Builder], Builder]:
+    def register(build: Builder) -> Builder:
+        BACKENDS[name] = BackendEntry(name, config, build, model_fields)
+        return build
+
+    return register
+
+
+def build_backend(engine: Options, model: Options) -> Backend:
+    """The backend `engine.backend` names (default builtin), not loaded yet, from the
+    composed `engine` and `model` groups. Bad values raise ValueError naming the key."""
+    options = dict(engine)
+    name = options.pop("backend", "builtin")
+    if name not in BACKENDS:
+        raise ValueError(f"engine.backend: {name!r} is invalid; allowed: {'|'.join(BACKENDS)}")
+    known_model_keys = {"name", "path", "tokenizer", "overrides"}
+    unknown = sorted(set(model) - known_model_keys)
+    if unknown:
+        raise ValueError(f"model: unknown key(s) {unknown}; allowed: {sorted(known_model_keys)}")
+    return BACKENDS[name].build(options, model)
+
+
+def _weights_from_model_group(options: Options, model: Options) -> Options:
+    """The model group as the options of a backend that loads the weights itself."""
+    if model.get("name") == "hf" and not model.get("path"):
+        raise ValueError("model.path: required for model=hf (a local Hugging Face checkpoint "
+                         "folder with config.json and *.safetensors)")
+    options = dict(options)
+    options["model"] = model.get("path") or model["name"]
+    if options["model"] == "tiny-trained":  # a small model with learned weights, cached
+        from engines.train_tiny import cached_tiny_model
+
+        options["model"] = str(cached_tiny_model())
+    options["model_overrides"] = dict(model.get("overrides") or {})
+    options["tokenizer"] = model.get("tokenizer")
+    return options
+
+
+@register_backend("builtin", EngineConfig, MODEL_FIELDS)
+def _builtin(options: Options, model: Options) -> Backend:
+    """This repository's engine."""
+    from engines.builtin.backend import BuiltinBackend
+
+    return BuiltinBackend(EngineConfig.from_dict(_weights_from_model_group(options, model)))
+
+
+@register_backend("hf", HFConfig, MODEL_FIELDS)
+def _hf(options: Options, model: Options) -> Backend:
+    """Hugging Face transformers in process, on the very same weights."""
+    from engines.hf.backend import HFBackend
+
+    return HFBackend.from_config(_weights_from_model_group(options, model))
+
+
+@register_backend("openai", OpenAIConfig)
+def _openai(options: Options, model: Options) -> Backend:
+    """Any OpenAI-compatible server (the model group names what it serves)."""
+    from engines.openai.backend import OpenAIBackend
+
+    return OpenAIBackend.from_config(options, model)
+
+
+def register_config_schemas() -> None:
+    """Store each backend's schema in Hydra's ConfigStore as `engine/<name>_schema` (what
+    configs/engine/<name>.yaml extends); call before composing (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for entry in BACKENDS.values():
+        store.store(group="engine", name=f"{entry.name}_schema", node=entry.schema())
+
+
+register_config_schemas()
