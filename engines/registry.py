@@ -4,7 +4,8 @@ build backends from, and the schemas of the `engine` config group.
 A backend registers its options dataclass (whose fields, defaults and types are the `engine`
 group's keys: they live there once) and a function that builds the backend from those options
 and the `model` group. Adding a backend is a package of its own plus one `@register_backend`
-here; `configs/engine/<name>.yaml` then only names the schema, `<name>_schema`, and presets.
+here (`BACKENDS`, a registry like every plug point's: engines/plugins.py);
+`configs/engine/<name>.yaml` then only names the schema, `<name>_schema`, and presets.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from engines.base import Backend
 from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
 from engines.openai.config import OpenAIConfig
+from engines.plugins import Registry
 
 Options = dict[str, Any]
 Builder = Callable[[Options, Options], Backend]
@@ -51,13 +53,13 @@ class BackendEntry:
              for n, t, d in entries])
 
 
-BACKENDS: dict[str, BackendEntry] = {}
+BACKENDS = Registry[BackendEntry]("engine.backend")
 
 
 def register_backend(name: str, config: type[Any],
                      model_fields: tuple[str, ...] = ()) -> Callable[[Builder], Builder]:
     def register(build: Builder) -> Builder:
-        BACKENDS[name] = BackendEntry(name, config, build, model_fields)
+        BACKENDS.add(name, BackendEntry(name, config, build, model_fields))
         return build
 
     return register
@@ -67,14 +69,12 @@ def build_backend(engine: Options, model: Options) -> Backend:
     """The backend `engine.backend` names (default builtin), not loaded yet, from the
     composed `engine` and `model` groups. Bad values raise ValueError naming the key."""
     options = dict(engine)
-    name = options.pop("backend", "builtin")
-    if name not in BACKENDS:
-        raise ValueError(f"engine.backend: {name!r} is invalid; allowed: {'|'.join(BACKENDS)}")
+    entry = BACKENDS.get(options.pop("backend", "builtin"))
     known_model_keys = {"name", "path", "tokenizer", "overrides"}
     unknown = sorted(set(model) - known_model_keys)
     if unknown:
         raise ValueError(f"model: unknown key(s) {unknown}; allowed: {sorted(known_model_keys)}")
-    return BACKENDS[name].build(options, model)
+    return entry.build(options, model)
 
 
 def _weights_from_model_group(options: Options, model: Options) -> Options:

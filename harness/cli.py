@@ -15,6 +15,7 @@ commands:
   report DIR           report.md + report.html (tables, figures) for a run or sweep folder
   gate ...             compare a candidate with a baseline: exit 0 pass, 1 regression,
                        2 inconclusive (`inferlab gate --help`)
+  list                 every plug point (config key) and what is registered for it
 
 examples:
   inferlab run                                  # default experiment: small model, CPU
@@ -53,10 +54,19 @@ def main(argv: list[str] | None = None) -> int:
         from harness import report
 
         return report.main(rest)
+    if command == "gate" and rest[:1] == ["ab"]:  # runs A/B rounds, then gates them
+        from harness import ab
+
+        return ab.main(rest[1:])
     if command == "gate":
         from harness import gate
 
         return gate.main(rest)
+    if command == "list":
+        from harness import plugins
+
+        print(plugins.listing())
+        return 0
     print(f"inferlab: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

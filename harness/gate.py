@@ -149,10 +149,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "ab":
-        from harness import ab
-
-        return ab.main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.ab and (args.baseline or args.candidate):

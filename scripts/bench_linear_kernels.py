@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.builtin.layers.linear import Linear, make_linear_method
+from engines.builtin.layers import make_linear_method
+from engines.builtin.layers.linear import Linear
 from engines.builtin.model_config import PRESETS
 
 FORMATS = {  # label -> (quantization, prepacked layout)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import gate
+from harness import cli, gate
 from harness.ab import compose_config
 from harness.experiment import run_experiment
 
@@ -57,7 +57,7 @@ def copy_checkout(dest: Path) -> Path:
 def test_ab_mode_writes_rounds_and_paired_ratios(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_dir = tmp_path / "ab"
-    code = gate.main(["ab", "--baseline", "", "--candidate",
+    code = cli.main(["gate", "ab", "--baseline", "", "--candidate",
                       "model=tiny-copy ++engine.debug_step_delay_fraction=0.5",
                       "--candidate-code", str(copy_checkout(tmp_path / "copy")),
                       "--common", " ".join(TINY), "--rounds", "3", "--allow-few-rounds",

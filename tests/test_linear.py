@@ -8,12 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from engines.builtin import LLM, SamplingParams, native
-from engines.builtin.layers.linear import (
-    Linear,
-    PanelDenseMethod,
-    PrepackedDenseMethod,
-    make_linear_method,
-)
+from engines.builtin.layers import make_linear_method
+from engines.builtin.layers.linear import Linear, PanelDenseMethod, PrepackedDenseMethod
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

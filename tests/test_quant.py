@@ -12,7 +12,8 @@ import torch
 
 from engines.builtin import LLM, EngineConfig, SamplingParams
 from engines.builtin.config import ConfigError
-from engines.builtin.layers.linear import DenseMethod, Linear, make_linear_method
+from engines.builtin.layers import make_linear_method
+from engines.builtin.layers.linear import DenseMethod, Linear
 from engines.builtin.layers.quant import Int4Method, Int8Method
 
 EPS = 1e-6  # float32 rounding of the scale arithmetic
@@ -89,6 +90,9 @@ def test_make_linear_method() -> None:
     assert isinstance(make_linear_method("int8"), Int8Method)
     method = make_linear_method("int4", 64)
     assert isinstance(method, Int4Method) and method.group_size == 64
+    with pytest.raises(ValueError, match=r"engine.quantization: 'fp8' is invalid; allowed: "
+                                         r"none\|int8\|int4"):
+        make_linear_method("fp8")
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -1,9 +1,9 @@
 """Workloads: what requests arrive, when, and how long they are (see docs/workloads.md).
 
-`WORKLOAD_TYPES` maps the config's `workload.type` to a dataclass whose fields are exactly the
-config keys. Each has `validate() -> self`, `build(tokenizer, context_len=None) ->
-list[WorkloadRequest]`, an `info` dict filled by build, and `concurrency` (C for a closed
-loop, else None).
+`WORKLOAD_TYPES` (a registry, engines/plugins.py) maps the config's `workload.type` to a
+dataclass whose fields are exactly the config keys. Each has `validate() -> self`,
+`build(tokenizer, context_len=None) -> list[WorkloadRequest]`, an `info` dict filled by build,
+and `concurrency` (C for a closed loop, else None).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from engines.plugins import Registry
 from workloads.arrivals import arrival_times
 from workloads.lengths import clip_to_context, parse_length
 from workloads.prompt_workload import PromptsWorkload
@@ -21,11 +22,10 @@ from workloads.trace_replay import TraceWorkload
 
 Workload = SyntheticWorkload | TraceWorkload | PromptsWorkload
 
-WORKLOAD_TYPES: dict[str, type[Any]] = {
-    "synthetic": SyntheticWorkload,
-    "trace": TraceWorkload,
-    "prompts": PromptsWorkload,
-}
+WORKLOAD_TYPES = Registry[type[Any]]("workload.type")
+WORKLOAD_TYPES.add("synthetic", SyntheticWorkload)
+WORKLOAD_TYPES.add("trace", TraceWorkload)
+WORKLOAD_TYPES.add("prompts", PromptsWorkload)
 
 
 def config_keys(cls: type[Any]) -> list[str]:
@@ -40,10 +40,7 @@ def from_config(options: Mapping[str, Any]) -> Any:
     """
     options = dict(options)
     kind = options.pop("type", "synthetic")
-    if kind not in WORKLOAD_TYPES:
-        raise ValueError(f"workload.type: {kind!r} is invalid; allowed: "
-                         f"{'|'.join(WORKLOAD_TYPES)}")
-    cls = WORKLOAD_TYPES[kind]
+    cls = WORKLOAD_TYPES.get(kind)
     known = config_keys(cls)
     unknown = sorted(set(options) - set(known))
     if unknown:

@@ -27,15 +27,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from engines.builtin.attention import AttentionMetadata
+from engines.builtin.config import EngineConfig
+from engines.builtin.kv_cache import LayerKVCache
+from engines.builtin.model import Transformer
+from engines.builtin.step_inputs import StepInputs
 
-if TYPE_CHECKING:
-    from engines.builtin.model_runner import ModelRunner
+
+class ModelRunner(Protocol):
+    """What graph capture reads of the model runner (model_runner.py imports this module)."""
+
+    config: EngineConfig
+    device: torch.device
+    ring: bool
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    model: Transformer
+    inputs: StepInputs
+    kv_caches: list[LayerKVCache]
 
 
 def pad_decode_rows(arrays: dict[str, np.ndarray], start: int, end: int) -> None:

@@ -33,15 +33,10 @@ from engines.base import (
 )
 from engines.builtin import native
 from engines.builtin.config import TORCH_DTYPES, EngineConfig
-from engines.builtin.kv_cache import (
-    ContiguousKVCacheManager,
-    KVCacheManager,
-    KVLayout,
-    NoKVCacheManager,
-    PagedKVCacheManager,
-)
+from engines.builtin.kv_cache import KVCacheManager
+from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes
-from engines.builtin.model_config import ceil_div, kv_bytes_per_token, resolve_model
+from engines.builtin.model_config import kv_bytes_per_token, resolve_model
 from engines.builtin.model_runner import ModelRunner
 from engines.builtin.platform import Platform
 from engines.builtin.scheduler import Scheduler, StepPlan
@@ -121,60 +116,25 @@ class LLMEngine:
     # ---- construction -----------------------------------------------------------------------
 
     def _make_kv_manager(self, max_model_len: int) -> tuple[KVCacheManager, int, int]:
-        cfg = self.model_config
-        element = kv_element_bytes(self.dtype, cfg.head_dim, self.config.kv_cache_dtype)
-        bytes_per_token = round(kv_bytes_per_token(cfg, element))
+        cfg, config = self.model_config, self.config
+        element = kv_element_bytes(self.dtype, cfg.head_dim, config.kv_cache_dtype)
         weight_bytes = self.runner.model.weight_bytes()["weight_bytes"]
-        if self.config.kv_cache == "none":
-            self.kv_budget_reason = "kv_cache=none: no KV cache"
-            return NoKVCacheManager(bytes_per_token), self.config.max_num_seqs, 0
-        block_bytes = self.config.block_size * bytes_per_token
-        # Contiguous: one max_model_len region per sequence slot, as many as the budget holds;
-        # a sliding-window model needs only a window-sized ring (not with chunked prefill,
-        # whose chunks would overwrite keys that their own earlier queries still read).
-        window = cfg.sliding_window
-        ring = (self.config.kv_cache == "contiguous" and window is not None
-                and window < max_model_len and not self.config.enable_chunked_prefill)
-        region = window if ring and window is not None else max_model_len
-        per_seq = region * bytes_per_token
-        if self.config.kv_cache == "paged":
-            per_seq = ceil_div(max_model_len, self.config.block_size) * block_bytes
-        budget, self.kv_budget_reason = self.platform.kv_budget(
-            self.config.kv_cache_memory_bytes, weight_bytes, self.config.gpu_memory_utilization,
-            per_seq)
-        if self.config.kv_cache == "paged":
-            # Blocks of block_size tokens from one pool, handed out as sequences grow. Block 0
-            # is the null block (table entries released by a sliding window point at it).
-            if self.config.kv_cache_memory_bytes is None and not self.platform.is_cuda:
-                # RAM is shared with everything else (and mapped at load when prefaulted): by
-                # default no more blocks than max_num_seqs sequences at full length fill at
-                # once, the contiguous layout's bound; blocks beyond it would only keep more
-                # freed prefixes cached
-                most = self.config.max_num_seqs * ceil_div(max_model_len, self.config.block_size)
-                if most * block_bytes < budget:
-                    budget = most * block_bytes
-                    self.kv_budget_reason += (f"; capped at max_num_seqs={self.config.max_num_seqs}"
-                                              " sequences of max_model_len")
-            usable = budget // block_bytes
-            if usable < 1:
-                raise ValueError(
-                    f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds no KV block "
-                    f"of block_size={self.config.block_size} ({block_bytes} bytes each; "
-                    f"budget: {self.kv_budget_reason})")
-            layout = KVLayout(num_blocks=usable + 1, block_size=self.config.block_size,
-                              bytes_per_token=bytes_per_token)
-            manager = PagedKVCacheManager(layout, self.config.enable_prefix_caching,
-                                          cfg.sliding_window)
-            return manager, self.config.max_num_seqs, budget
-        slots = min(self.config.max_num_seqs, budget // per_seq)
-        if slots < 1:
-            raise ValueError(
-                f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds no sequence of "
-                f"max_model_len={max_model_len} ({per_seq} bytes each; budget: "
-                f"{self.kv_budget_reason}); raise the budget or lower engine.max_model_len"
-            )
-        layout = KVLayout(num_blocks=slots, block_size=region, bytes_per_token=bytes_per_token)
-        return ContiguousKVCacheManager(layout, ring=ring), slots, budget
+
+        def budget_for(one_sequence_bytes: int) -> tuple[int, str]:
+            return self.platform.kv_budget(config.kv_cache_memory_bytes, weight_bytes,
+                                           config.gpu_memory_utilization, one_sequence_bytes)
+
+        sized = KV_MANAGERS.get(config.kv_cache)(KVSizing(
+            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+            block_size=config.block_size,
+            bytes_per_token=round(kv_bytes_per_token(cfg, element)),
+            sliding_window=cfg.sliding_window,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prefix_caching=config.enable_prefix_caching,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes, on_cuda=self.platform.is_cuda,
+            budget_for=budget_for))
+        self.kv_budget_reason = sized.reason
+        return sized.manager, sized.max_num_seqs, sized.budget_bytes
 
     def describe(self) -> dict[str, Any]:
         """Facts about the loaded engine, for run folders and reports."""

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engines.builtin import native
 from engines.builtin.attention.dense import DenseAttention, reference_kernel, sdpa_kernel
 from engines.builtin.attention.metadata import AttentionMetadata
+from engines.plugins import Registry
+
+#: `engine.attention_backend` -> a function making the backend (heavy ones imported on use).
+ATTENTION_BACKENDS = Registry[Callable[[], DenseAttention]]("engine.attention_backend",
+                                                           extra_values=("auto",))
+ATTENTION_BACKENDS.add("torch", lambda: DenseAttention("torch", reference_kernel))
+ATTENTION_BACKENDS.add("sdpa", lambda: DenseAttention("sdpa", sdpa_kernel))
 
 
-def _triton_attention():
+@ATTENTION_BACKENDS.register("triton")
+def _triton_attention() -> DenseAttention:
     """Imported on first use, so the package works where triton is not installed."""
     try:
         from engines.builtin.attention.triton_backend import TritonAttention
@@ -19,18 +29,11 @@ def _triton_attention():
     return TritonAttention()
 
 
-def _cpu_attention():
+@ATTENTION_BACKENDS.register("cpu")
+def _cpu_attention() -> DenseAttention:
     from engines.builtin.attention.cpu import CpuAttention
 
     return CpuAttention()
-
-
-ATTENTION_BACKENDS = {
-    "torch": lambda: DenseAttention("torch", reference_kernel),
-    "sdpa": lambda: DenseAttention("sdpa", sdpa_kernel),
-    "cpu": _cpu_attention,
-    "triton": _triton_attention,
-}
 
 
 def resolve_attention(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
@@ -49,11 +52,7 @@ def resolve_attention(name: str, device: torch.device, dtype: torch.dtype = torc
 
 
 def make_attention(name: str) -> DenseAttention:
-    try:
-        return ATTENTION_BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"engine.attention_backend: {name!r} is not available; "
-                         f"available: auto|{'|'.join(ATTENTION_BACKENDS)}") from None
+    return ATTENTION_BACKENDS.get(name)()
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "DenseAttention", "make_attention",

@@ -1,1 +1,29 @@
-"""Building blocks of the transformer: linear layers with a storage hook, norms, rotary."""
+"""Building blocks of the transformer: linear layers with a pluggable storage and multiply
+(linear.py: the `LinearMethod` interface, dense methods; quant.py: INT8/INT4, registered in
+`LINEAR_METHODS` by `engine.quantization`), norms, rotary."""
+
+from __future__ import annotations
+
+from engines.builtin.layers import quant  # noqa: F401  (registers the quantized methods)
+from engines.builtin.layers.linear import (
+    LINEAR_METHODS,
+    LinearMethod,
+    PanelDenseMethod,
+    PrepackedDenseMethod,
+)
+
+
+def make_linear_method(quantization: str, group_size: int = 128,
+                       prepack: str | None = None) -> LinearMethod:
+    """The method for `engine.quantization`; `group_size` is used by group-wise methods;
+    `prepack` ("panels" or "onednn") keeps unquantized CPU weights also in that packed
+    layout, for the engine's own GEMM or oneDNN's."""
+    if quantization == "none" and prepack is not None:
+        packed = {"panels": PanelDenseMethod, "onednn": PrepackedDenseMethod}
+        if prepack not in packed:
+            raise ValueError(f"prepack: {prepack!r}; allowed: panels|onednn")
+        return packed[prepack]()
+    return LINEAR_METHODS.get(quantization).create(group_size)
+
+
+__all__ = ["LINEAR_METHODS", "LinearMethod", "make_linear_method"]

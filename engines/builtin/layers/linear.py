@@ -15,12 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.builtin import native
+from engines.plugins import Registry
 
 
 class LinearMethod(ABC):
     """How a linear layer stores its weight and multiplies by it."""
 
     name: str = "abstract"
+
+    @classmethod
+    def create(cls, group_size: int) -> LinearMethod:
+        """An instance for the engine's options (group-wise methods take `group_size`)."""
+        return cls()
 
     @abstractmethod
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -40,6 +46,11 @@ class LinearMethod(ABC):
         return 0
 
 
+#: `engine.quantization` -> the method class; quant.py registers the quantized ones.
+LINEAR_METHODS = Registry[type[LinearMethod]]("engine.quantization")
+
+
+@LINEAR_METHODS.register("none")
 class DenseMethod(LinearMethod):
     """Unquantized weights in the compute dtype."""
 
@@ -142,29 +153,6 @@ class PanelDenseMethod(DenseMethod):
         return y.reshape(*x.shape[:-1], layer.out_features)
 
 
-LINEAR_METHODS: dict[str, type[LinearMethod]] = {"none": DenseMethod}
-
-
-def make_linear_method(quantization: str, group_size: int = 128,
-                       prepack: str | None = None) -> LinearMethod:
-    """The method for `engine.quantization`; `group_size` is used by group-wise methods;
-    `prepack` ("panels" or "onednn") keeps unquantized CPU weights also in that packed
-    layout, for the engine's own GEMM or oneDNN's."""
-    if quantization == "none" and prepack is not None:
-        packed = {"panels": PanelDenseMethod, "onednn": PrepackedDenseMethod}
-        if prepack not in packed:
-            raise ValueError(f"prepack: {prepack!r}; allowed: panels|onednn")
-        return packed[prepack]()
-    try:
-        cls = LINEAR_METHODS[quantization]
-    except KeyError:
-        raise ValueError(
-            f"engine.quantization: {quantization!r} has no linear method; "
-            f"available: {'|'.join(LINEAR_METHODS)}"
-        ) from None
-    return cls(group_size) if cls is Int4Method else cls()
-
-
 class Linear(nn.Module):
     """A linear layer that is empty until `load` is called with its weight."""
 
@@ -202,9 +190,3 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, bias={self.has_bias}, "
                 f"method={self.method.name}")
-
-
-# Registered last: the quantized methods subclass LinearMethod from this module.
-from engines.builtin.layers.quant import Int4Method, Int8Method  # noqa: E402
-
-LINEAR_METHODS.update({"int8": Int8Method, "int4": Int4Method})

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engines.builtin.layers.linear import LinearMethod
+from engines.builtin.layers.linear import LINEAR_METHODS, LinearMethod
 
 if TYPE_CHECKING:
     from engines.builtin.layers.linear import Linear
@@ -56,6 +56,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+@LINEAR_METHODS.register("int8")
 class Int8Method(LinearMethod):
     """Symmetric per-output-channel INT8 weights; scales in the compute dtype."""
 
@@ -94,10 +95,15 @@ class Int8Method(LinearMethod):
         return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
 
 
+@LINEAR_METHODS.register("int4")
 class Int4Method(LinearMethod):
     """Asymmetric group-wise INT4 weights (round to nearest), packed two per byte."""
 
     name = "int4"
+
+    @classmethod
+    def create(cls, group_size: int) -> LinearMethod:
+        return cls(group_size)
 
     def __init__(self, group_size: int = 128) -> None:
         if group_size not in INT4_GROUP_SIZES:

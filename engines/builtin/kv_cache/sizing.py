@@ -1,0 +1,96 @@
+"""How big each kind of KV cache is made: `engine.kv_cache` picks a sizing function from
+`KV_MANAGERS`, which turns the memory budget into a manager (its layout of slots or blocks)
+and the number of sequences that can run at once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engines.builtin.kv_cache.base import KVCacheManager, KVLayout
+from engines.builtin.kv_cache.contiguous import ContiguousKVCacheManager
+from engines.builtin.kv_cache.none import NoKVCacheManager
+from engines.builtin.kv_cache.paged import PagedKVCacheManager
+from engines.builtin.model_config import ceil_div
+from engines.plugins import Registry
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """What sizing a KV cache needs to know."""
+
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    bytes_per_token: int
+    sliding_window: int | None
+    enable_chunked_prefill: bool
+    enable_prefix_caching: bool
+    # None: the platform's default budget (a share of free device or host memory)
+    kv_cache_memory_bytes: int | None
+    on_cuda: bool
+    # bytes one sequence needs -> (the budget in bytes, where it came from)
+    budget_for: Callable[[int], tuple[int, str]]
+
+
+@dataclass(frozen=True)
+class SizedKV:
+    manager: KVCacheManager
+    max_num_seqs: int  # sequences that can hold KV at once (contiguous: the slots)
+    budget_bytes: int
+    reason: str  # where the budget came from, for describe()
+
+
+KV_MANAGERS = Registry[Callable[[KVSizing], SizedKV]]("engine.kv_cache")
+
+
+@KV_MANAGERS.register("none")
+def no_kv_cache(s: KVSizing) -> SizedKV:
+    """Recompute the whole context every step: no memory, no limit but max_num_seqs."""
+    return SizedKV(NoKVCacheManager(s.bytes_per_token), s.max_num_seqs, 0,
+                   "kv_cache=none: no KV cache")
+
+
+@KV_MANAGERS.register("contiguous")
+def contiguous_kv_cache(s: KVSizing) -> SizedKV:
+    """One max_model_len region per sequence slot, as many as the budget holds; a
+    sliding-window model needs only a window-sized ring (not with chunked prefill, whose
+    chunks would overwrite keys that their own earlier queries still read)."""
+    window = s.sliding_window
+    ring = window is not None and window < s.max_model_len and not s.enable_chunked_prefill
+    region = window if ring and window is not None else s.max_model_len
+    per_seq = region * s.bytes_per_token
+    budget, reason = s.budget_for(per_seq)
+    slots = min(s.max_num_seqs, budget // per_seq)
+    if slots < 1:
+        raise ValueError(
+            f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds no sequence of "
+            f"max_model_len={s.max_model_len} ({per_seq} bytes each; budget: {reason}); "
+            "raise the budget or lower engine.max_model_len")
+    layout = KVLayout(num_blocks=slots, block_size=region, bytes_per_token=s.bytes_per_token)
+    return SizedKV(ContiguousKVCacheManager(layout, ring=ring), slots, budget, reason)
+
+
+@KV_MANAGERS.register("paged")
+def paged_kv_cache(s: KVSizing) -> SizedKV:
+    """Blocks of block_size tokens from one pool, handed out as sequences grow. Block 0 is the
+    null block (table entries released by a sliding window point at it)."""
+    block_bytes = s.block_size * s.bytes_per_token
+    budget, reason = s.budget_for(ceil_div(s.max_model_len, s.block_size) * block_bytes)
+    if s.kv_cache_memory_bytes is None and not s.on_cuda:
+        # RAM is shared with everything else (and mapped at load when prefaulted): by default
+        # no more blocks than max_num_seqs sequences at full length fill at once, the
+        # contiguous layout's bound; blocks beyond it would only keep more freed prefixes
+        most = s.max_num_seqs * ceil_div(s.max_model_len, s.block_size)
+        if most * block_bytes < budget:
+            budget = most * block_bytes
+            reason += f"; capped at max_num_seqs={s.max_num_seqs} sequences of max_model_len"
+    usable = budget // block_bytes
+    if usable < 1:
+        raise ValueError(
+            f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds no KV block of "
+            f"block_size={s.block_size} ({block_bytes} bytes each; budget: {reason})")
+    layout = KVLayout(num_blocks=usable + 1, block_size=s.block_size,
+                      bytes_per_token=s.bytes_per_token)
+    manager = PagedKVCacheManager(layout, s.enable_prefix_caching, s.sliding_window)
+    return SizedKV(manager, s.max_num_seqs, budget, reason)
