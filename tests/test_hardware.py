@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import configs
 from engines.builtin import native
 from harness import hardware
 
@@ -176,12 +176,9 @@ def test_probe_refuses_sizes_too_small_to_mean_anything() -> None:
 
 
 def test_hydra_group_composes() -> None:
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIGS)):
-        default = OmegaConf.to_container(compose(config_name="config"))
-        h200 = OmegaConf.to_container(compose(config_name="config",
-                                              overrides=["hardware=h200"]))
-        cpu = OmegaConf.to_container(compose(config_name="config",
-                                             overrides=["hardware=cpu", "hardware.reprobe=true"]))
+    default = OmegaConf.to_container(configs.compose([]))
+    h200 = OmegaConf.to_container(configs.compose(["hardware=h200"]))
+    cpu = OmegaConf.to_container(configs.compose(["hardware=cpu", "hardware.reprobe=true"]))
     assert default["hardware"] == {"name": "auto"}
     assert hardware.validate_config(h200["hardware"])["name"] == "h200"
     assert hardware.spec_from_dict(h200["hardware"]).memory_bandwidth == 4.8e12

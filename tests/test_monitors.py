@@ -15,12 +15,11 @@ import numpy as np
 import pandas as pd
 import psutil
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import configs
 from engines.base import now_ns
 from harness import monitors
-from harness.app import CONFIG_DIR
 from harness.experiment import run_experiment
 from harness.metrics import REGISTRY
 from harness.monitors import (
@@ -322,12 +321,11 @@ def test_monitor_config_errors_name_the_field(values: dict[str, Any], field: str
 
 
 def tiny_config(*overrides: str) -> dict[str, Any]:
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("config", overrides=[
-            "model=tiny", "workload.num_requests=4", "workload.input_len=[8,24]",
-            "workload.output_len=[3,12]", "run.warmup_requests=1", "run.progress=false",
-            "engine.kv_cache_memory_bytes=4000000", "engine.device=cpu", "hardware=h100",
-            "run.monitor.interval_s=0.01", *overrides])
+    cfg = configs.compose([
+        "model=tiny", "workload.num_requests=4", "workload.input_len=[8,24]",
+        "workload.output_len=[3,12]", "run.warmup_requests=1", "run.progress=false",
+        "engine.kv_cache_memory_bytes=4000000", "engine.device=cpu", "hardware=h100",
+        "run.monitor.interval_s=0.01", *overrides])
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
     return config

@@ -813,15 +813,12 @@ def test_the_server_that_answers_picks_the_dialect(
 
 
 def test_engine_openai_composes_from_the_config_group() -> None:
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    import configs
     from engines.registry import build_backend
 
-    configs = Path(__file__).resolve().parents[1] / "configs"
-    with initialize_config_dir(version_base="1.3", config_dir=str(configs)):
-        cfg = compose(config_name="config", overrides=["engine=openai", "model=tiny",
-                                                       "engine.server=sglang"])
+    cfg = configs.compose(["engine=openai", "model=tiny", "engine.server=sglang"])
     config = OmegaConf.to_container(cfg, resolve=True)
     backend = build_backend(config["engine"], config["model"])  # validates, does not connect
     assert isinstance(backend, OpenAIBackend)

@@ -11,12 +11,11 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import configs
 from engines.builtin import LLM
 from engines.sampling_params import SamplingParams
-from harness.app import CONFIG_DIR
 from harness.experiment import run_experiment
 from harness.profiling import (
     OPS_COLUMNS,
@@ -104,13 +103,11 @@ def test_steps_are_annotated_under_any_profiler(make_tiny: Callable[..., LLM]) -
 
 
 def tiny_config(*overrides: str) -> dict[str, Any]:
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("config", overrides=[
-            "model=tiny", "workload.num_requests=4", "workload.input_len=[8,24]",
-            "workload.output_len=8", "run.warmup_requests=1", "run.progress=false",
-            "engine.kv_cache_memory_bytes=4000000", "engine.max_num_seqs=2", "engine.device=cpu",
-            "hardware=h100",
-            "profile=true", *overrides])
+    cfg = configs.compose([
+        "model=tiny", "workload.num_requests=4", "workload.input_len=[8,24]",
+        "workload.output_len=8", "run.warmup_requests=1", "run.progress=false",
+        "engine.kv_cache_memory_bytes=4000000", "engine.max_num_seqs=2", "engine.device=cpu",
+        "hardware=h100", "profile=true", *overrides])
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
     return config
