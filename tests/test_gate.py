@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from engines.builtin.config import ConfigError, EngineConfig
-from harness import gate
+from harness import cli, gate
 from harness.gate_rules import RulesError, load_rules
 from harness.gate_stats import BootstrapSettings, bootstrap_paired, bootstrap_ratio, decide
 
@@ -315,16 +315,16 @@ def test_bad_inputs_exit_2_with_a_message(tmp_path: Path,
 
 def test_ab_refuses_few_rounds_and_a_used_folder(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["ab", "--baseline", "", "--candidate", "engine.kv_cache=paged"]
-    assert gate.main([*base, "--rounds", "3", "--out", str(tmp_path / "new")]) == 2
+    base = ["gate", "ab", "--baseline", "", "--candidate", "engine.kv_cache=paged"]
+    assert cli.main([*base, "--rounds", "3", "--out", str(tmp_path / "new")]) == 2
     assert "--rounds: 3 is fewer than 9" in capsys.readouterr().err
     make_run(tmp_path / "used", 1.0)
-    assert gate.main([*base, "--out", str(tmp_path / "used")]) == 2
+    assert cli.main([*base, "--out", str(tmp_path / "used")]) == 2
     assert "exists and is not an empty folder" in capsys.readouterr().err
-    assert gate.main([*base, "--candidate", "engine.kv_cache=nope",
+    assert cli.main([*base, "--candidate", "engine.kv_cache=nope",
                       "--out", str(tmp_path / "new")]) == 2
     assert "engine.kv_cache: 'nope' is invalid" in capsys.readouterr().err
-    assert gate.main([*base, "--candidate", "engine.colour=red",
+    assert cli.main([*base, "--candidate", "engine.colour=red",
                       "--out", str(tmp_path / "new")]) == 2
     assert "colour" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # nothing is created before the checks pass
