@@ -61,7 +61,7 @@ def tiny_rate_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sweep_dir = tmp_path_factory.mktemp("sweep")
     overrides = ["model=tiny", "workload.num_requests=8", "workload.input_len=16",
                  "workload.output_len=[4,12]", "run.warmup_requests=1",
-                 "workload.arrival.process=poisson", "+workload.arrival.rate=100,400",
+                 "workload.arrival.process=poisson", "workload.arrival.rate=100,400",
                  "run.slo.ttft_s=0.5"]
     done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "-m", *overrides,
                            f"hydra.sweep.dir={sweep_dir}"], cwd=REPO_ROOT, capture_output=True,

@@ -105,3 +105,17 @@ def test_a_key_without_a_field_and_a_value_of_the_wrong_type_name_the_key() -> N
     added = composed("+engine.no_such_option=1")  # '+' adds it; the backend refuses it
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['no_such_option'\]"):
         build_backend(added["engine"], added["model"])
+
+
+def test_arrival_is_set_whole_or_key_by_key_as_the_docs_write_it() -> None:
+    """`workload.arrival={...}` needed `++` (a mapping merged into {process: offline} may not
+    add keys); every process's key is now in the YAML, null where unused."""
+    whole = composed("workload.arrival={process: poisson, rate: 8}")["workload"]
+    assert make_workload(whole).arrival == {**whole["arrival"], "process": "poisson", "rate": 8}
+    assert make_workload(whole).concurrency is None
+    keys = composed("workload.arrival.process=closed", "workload.arrival.concurrency=4")
+    assert make_workload(keys["workload"]).concurrency == 4
+    leftover = composed("workload.arrival={process: gamma, rate: 8, burstiness: 0.5}",
+                        "workload.arrival={process: poisson, rate: 2}")["workload"]
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['burstiness'\] for process poisson"):
+        make_workload(leftover)

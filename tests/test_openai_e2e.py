@@ -94,7 +94,7 @@ def run_config(base_url: str, token_ids: bool) -> dict[str, Any]:
         f"engine.request_token_ids={str(token_ids).lower()}",
         f"workload.num_requests={NUM_REQUESTS}", f"workload.input_len={INPUT_LEN}",
         f"workload.output_len={OUTPUT_LEN}", "workload.arrival.process=closed",
-        "+workload.arrival.concurrency=1",
+        "workload.arrival.concurrency=1",
         "run.warmup_requests=1", "run.progress=false")
 
 

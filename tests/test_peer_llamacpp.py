@@ -126,7 +126,7 @@ def test_one_at_a_time_every_request_has_the_requested_length(peer: str,
                                                               tmp_path: Path) -> None:
     n, output_len = 4, 12
     cfg = config(peer, "engine.server=llamacpp", f"workload.num_requests={n}",
-                 f"workload.output_len={output_len}", "+workload.arrival.concurrency=1",
+                 f"workload.output_len={output_len}", "workload.arrival.concurrency=1",
                  "run.warmup_requests=1")
     summary = run_experiment(cfg, tmp_path / "run", progress=False)
     assert summary["status"] == "complete", summary.get("error")
@@ -163,7 +163,7 @@ def test_one_at_a_time_every_request_has_the_requested_length(peer: str,
 def test_at_concurrency_two_cut_streams_are_failed_requests(peer: str, tmp_path: Path) -> None:
     n, output_len = 8, 24
     cfg = config(peer, "engine.server=auto", f"workload.num_requests={n}",
-                 f"workload.output_len={output_len}", "+workload.arrival.concurrency=2",
+                 f"workload.output_len={output_len}", "workload.arrival.concurrency=2",
                  "run.warmup_requests=0")
     summary = run_experiment(cfg, tmp_path / "run", progress=False)
     assert summary["engine"]["server"] == "llama_cpp_python"
@@ -192,7 +192,7 @@ def test_token_id_prompts_forced_on_it_fail_every_request_with_its_answer(
     # (token-id prompts, n_predict, ignore_eos) goes to llama-cpp-python as it is
     cfg = config(peer, "engine.server=llamacpp", "engine.check_server=false",
                  "workload.prompt=random_ids", f"workload.num_requests={n}",
-                 "workload.output_len=4", "+workload.arrival.concurrency=1",
+                 "workload.output_len=4", "workload.arrival.concurrency=1",
                  "run.warmup_requests=0")
     summary = run_experiment(cfg, tmp_path / "run", progress=False)
     engine = summary["engine"]

@@ -93,7 +93,7 @@ def test_a_rate_sweep_past_saturation_reports_whole_run_throughput(tmp_path: Pat
         [sys.executable, "-m", "harness.cli", "run", "-m", "model=tiny",
          "workload.num_requests=8", "workload.input_len=8", "workload.output_len=8",
          "run.warmup_requests=0", "workload.arrival.process=poisson",
-         "+workload.arrival.rate=4,10000", f"hydra.sweep.dir={tmp_path}"],
+         "workload.arrival.rate=4,10000", f"hydra.sweep.dir={tmp_path}"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "1" / "summary.json").read_text())

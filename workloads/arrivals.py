@@ -42,7 +42,9 @@ def parse_arrival(spec: Any) -> dict[str, Any]:
         return {"process": "offline"}
     if not isinstance(spec, Mapping):
         raise invalid("arrival", spec, "a mapping with process: " + "|".join(PROCESSES))
-    spec = dict(spec)
+    # unset keys: the config schema lists every process's keys (null where unused), so that
+    # `workload.arrival={process: poisson, rate: 8}` and `workload.arrival.rate=8` both work
+    spec = {key: value for key, value in spec.items() if value is not None}
     process = check_choice("arrival.process", spec.get("process", "offline"), PROCESSES)
     check_keys("arrival", spec, _KEYS[process], f"process {process}")
     out: dict[str, Any] = {"process": process}
