@@ -39,13 +39,20 @@ def choose_wait_policy() -> None:
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         source = "environment"
     elif _libgomp_loaded():
-        source = ("not set: libgomp was loaded before inferlab (torch imported first), so its "
-                  "default applies (spin, then sleep)")
+        source = (
+            "not set: libgomp was loaded before inferlab (torch imported first), so its "
+            "default applies (spin, then sleep)"
+        )
     else:
         os.environ["OMP_WAIT_POLICY"] = DEFAULT_WAIT_POLICY
         source = "inferlab default"
-    _decision.update({"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-                      "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"), "source": source})
+    _decision.update(
+        {
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+            "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
+            "source": source,
+        }
+    )
 
 
 def wait_policy() -> dict[str, str | None]:

@@ -23,8 +23,7 @@ REGISTRIES: dict[str, Registry[object]] = {}
 
 
 class Registry(Generic[T]):
-    def __init__(self, key: str, extra_values: tuple[str, ...] = (), listed: bool = True
-                 ) -> None:
+    def __init__(self, key: str, extra_values: tuple[str, ...] = (), listed: bool = True) -> None:
         self.key = key  # the config key whose values name the entries
         self.extra_values = extra_values  # values handled before the registry (e.g. auto)
         self._entries: dict[str, T] = {}
@@ -47,8 +46,9 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            raise ValueError(f"{self.key}: {name!r} is invalid; allowed: "
-                             f"{'|'.join(self.names())}") from None
+            raise ValueError(
+                f"{self.key}: {name!r} is invalid; allowed: {'|'.join(self.names())}"
+            ) from None
 
     def names(self) -> list[str]:
         return [*self.extra_values, *self._entries]

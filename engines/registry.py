@@ -44,20 +44,27 @@ class BackendEntry:
         for f in dataclasses.fields(self.config):
             if f.name in self.model_fields:
                 continue
-            default = (dataclasses.field(default_factory=f.default_factory)
-                       if f.default is dataclasses.MISSING else f.default)
+            default = (
+                dataclasses.field(default_factory=f.default_factory)
+                if f.default is dataclasses.MISSING
+                else f.default
+            )
             entries.append((f.name, hints[f.name], default))
         return dataclasses.make_dataclass(
             f"{self.config.__name__}Schema",
-            [(n, t, d if isinstance(d, dataclasses.Field) else dataclasses.field(default=d))
-             for n, t, d in entries])
+            [
+                (n, t, d if isinstance(d, dataclasses.Field) else dataclasses.field(default=d))
+                for n, t, d in entries
+            ],
+        )
 
 
 BACKENDS = Registry[BackendEntry]("engine.backend")
 
 
-def register_backend(name: str, config: type[Any],
-                     model_fields: tuple[str, ...] = ()) -> Callable[[Builder], Builder]:
+def register_backend(
+    name: str, config: type[Any], model_fields: tuple[str, ...] = ()
+) -> Callable[[Builder], Builder]:
     def register(build: Builder) -> Builder:
         BACKENDS.add(name, BackendEntry(name, config, build, model_fields))
         return build
@@ -80,8 +87,10 @@ def build_backend(engine: Options, model: Options) -> Backend:
 def _weights_from_model_group(options: Options, model: Options) -> Options:
     """The model group as the options of a backend that loads the weights itself."""
     if model.get("name") == "hf" and not model.get("path"):
-        raise ValueError("model.path: required for model=hf (a local Hugging Face checkpoint "
-                         "folder with config.json and *.safetensors)")
+        raise ValueError(
+            "model.path: required for model=hf (a local Hugging Face checkpoint "
+            "folder with config.json and *.safetensors)"
+        )
     options = dict(options)
     options["model"] = model.get("path") or model["name"]
     if options["model"] == "tiny-trained":  # a small model with learned weights, cached

@@ -56,8 +56,9 @@ class SamplingParams:
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
         # torch generators take seeds in [-2^63, 2^64); sample i of n is seeded seed + i
-        if self.seed is not None and (not isinstance(self.seed, int)
-                                      or not -(2 ** 63) <= self.seed <= 2 ** 64 - self.n):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed <= 2**64 - self.n
+        ):
             raise bad("seed", f"null or an integer in [-2^63, 2^64 - n] (n={self.n})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings")

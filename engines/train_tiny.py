@@ -32,8 +32,18 @@ import numpy as np
 import torch
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "engines" / "builtin" / "data"
-DEFAULTS: dict[str, Any] = dict(steps=200, seed=0, hidden=128, layers=4, heads=4, kv_heads=2,
-                                intermediate=384, seq_len=128, batch=16, lr=3e-3)
+DEFAULTS: dict[str, Any] = dict(
+    steps=200,
+    seed=0,
+    hidden=128,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    intermediate=384,
+    seq_len=128,
+    batch=16,
+    lr=3e-3,
+)
 
 
 def corpus_text(text_path: str | Path | None = None) -> str:
@@ -43,10 +53,20 @@ def corpus_text(text_path: str | Path | None = None) -> str:
     return "\n".join(p.read_text(encoding="utf-8") for p in sorted(DATA_DIR.glob("*.txt")))
 
 
-def train_tiny(text_path: str | Path | None, out_dir: str | Path, steps: int = 200,
-               seed: int = 0, hidden: int = 128, layers: int = 4, heads: int = 4,
-               kv_heads: int = 2, intermediate: int = 384, seq_len: int = 128,
-               batch: int = 16, lr: float = 3e-3) -> Path:
+def train_tiny(
+    text_path: str | Path | None,
+    out_dir: str | Path,
+    steps: int = 200,
+    seed: int = 0,
+    hidden: int = 128,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 384,
+    seq_len: int = 128,
+    batch: int = 16,
+    lr: float = 3e-3,
+) -> Path:
     """Train and save a tiny Llama; returns the checkpoint folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -63,10 +83,19 @@ def train_tiny(text_path: str | Path | None, out_dir: str | Path, steps: int = 2
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=hidden // heads, max_position_embeddings=seq_len, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=seq_len,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=None,
     )
     model = LlamaForCausalLM(config).float()
     model.train()
@@ -85,7 +114,7 @@ def train_tiny(text_path: str | Path | None, out_dir: str | Path, steps: int = 2
     losses: list[float] = []
     for _ in range(steps):
         starts = rng.integers(0, len(ids) - seq_len, size=batch)
-        x = torch.stack([data[s:s + seq_len] for s in starts])
+        x = torch.stack([data[s : s + seq_len] for s in starts])
         loss = model(input_ids=x, labels=x).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -99,12 +128,18 @@ def train_tiny(text_path: str | Path | None, out_dir: str | Path, steps: int = 2
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     tok.backend.save(str(out / "tokenizer.json"))
-    log = dict(steps=steps, seed=seed, tokens=len(ids), vocab_size=vocab,
-               parameters=sum(p.numel() for p in model.parameters()),
-               first_loss=losses[0] if losses else None,
-               final_loss=float(np.mean(losses[-10:])) if losses else None,
-               losses=[round(v, 4) for v in losses],
-               seconds=round(time.perf_counter() - start, 2), threads=torch.get_num_threads())
+    log = dict(
+        steps=steps,
+        seed=seed,
+        tokens=len(ids),
+        vocab_size=vocab,
+        parameters=sum(p.numel() for p in model.parameters()),
+        first_loss=losses[0] if losses else None,
+        final_loss=float(np.mean(losses[-10:])) if losses else None,
+        losses=[round(v, 4) for v in losses],
+        seconds=round(time.perf_counter() - start, 2),
+        threads=torch.get_num_threads(),
+    )
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
     return out
 
@@ -141,19 +176,23 @@ def cached_tiny_model(text_path: str | Path | None = None, **params: Any) -> Pat
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="inferlab train-tiny", description=__doc__.split(
-        "\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="inferlab train-tiny", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--text", help="training text file (default: the shipped corpus)")
     parser.add_argument("--out", help="output folder (default: the cache, reused if present)")
     parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     args = parser.parse_args(argv)
     if args.out:
-        out = train_tiny(args.text, args.out, **{**DEFAULTS, "steps": args.steps,
-                                                 "seed": args.seed})
+        out = train_tiny(
+            args.text, args.out, **{**DEFAULTS, "steps": args.steps, "seed": args.seed}
+        )
     else:
         out = cached_tiny_model(args.text, steps=args.steps, seed=args.seed)
     log = json.loads((out / "train_log.json").read_text())
-    print(f"{out}\n  steps {log['steps']}  loss {log['first_loss']:.3f} -> "
-          f"{log['final_loss']:.3f}  ({log['seconds']} s, {log['parameters']:,} parameters)")
+    print(
+        f"{out}\n  steps {log['steps']}  loss {log['first_loss']:.3f} -> "
+        f"{log['final_loss']:.3f}  ({log['seconds']} s, {log['parameters']:,} parameters)"
+    )
     return 0

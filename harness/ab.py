@@ -91,8 +91,10 @@ def precheck(config: dict[str, Any], side: str) -> None:
     from harness.experiment import make_workload
 
     if int(config.get("repeats", 1) or 1) != 1:
-        raise ABError(f"--{side}: repeats={config['repeats']}: the A/B rounds are the repeats; "
-                      "drop the repeats override")
+        raise ABError(
+            f"--{side}: repeats={config['repeats']}: the A/B rounds are the repeats; "
+            "drop the repeats override"
+        )
     engine = dict(config["engine"])
     try:
         if engine.pop("backend", "builtin") == "builtin":
@@ -114,8 +116,12 @@ class Worker:
         self._log = self.log_path.open("a")
         # The worker's source runs with -c, so the side's checkout need not have it.
         self.process = subprocess.Popen(
-            [sys.executable, "-c", WORKER_SOURCE.read_text(), str(self.code)], text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
+            [sys.executable, "-c", WORKER_SOURCE.read_text(), str(self.code)],
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+        )
 
     def wait_ready(self) -> None:
         reply = self._read()
@@ -125,8 +131,7 @@ class Worker:
     def run(self, config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         assert self.process is not None and self.process.stdin is not None
         try:
-            self.process.stdin.write(json.dumps({"config": config,
-                                                 "run_dir": str(run_dir)}) + "\n")
+            self.process.stdin.write(json.dumps({"config": config, "run_dir": str(run_dir)}) + "\n")
             self.process.stdin.flush()
         except BrokenPipeError:
             return self._died()
@@ -142,16 +147,22 @@ class Worker:
         except json.JSONDecodeError:
             reply = None
         if not isinstance(reply, dict):  # something wrote to the reply channel
-            return {"status": "failed", "wall_s": None,
-                    "error": f"worker {self.side} replied {line[:200]!r}, not a JSON object; "
-                             f"see {self.log_path}"}
+            return {
+                "status": "failed",
+                "wall_s": None,
+                "error": f"worker {self.side} replied {line[:200]!r}, not a JSON object; "
+                f"see {self.log_path}",
+            }
         return reply
 
     def _died(self) -> dict[str, Any]:
         assert self.process is not None
         code = self.process.wait()
-        return {"status": "failed", "wall_s": None,
-                "error": f"worker {self.side} exited with code {code}; see {self.log_path}"}
+        return {
+            "status": "failed",
+            "wall_s": None,
+            "error": f"worker {self.side} exited with code {code}; see {self.log_path}",
+        }
 
     def close(self) -> None:
         if self.process is not None:
@@ -174,6 +185,7 @@ def round_order(k: int) -> tuple[str, str]:
 
 def paired_ratios(a_dir: Path, b_dir: Path) -> dict[str, float]:
     """candidate / baseline for every timing metric both runs have (positive) values for."""
+
     def metrics(path: Path) -> dict[str, Any]:
         try:
             return read_run(path).metrics
@@ -195,23 +207,32 @@ def paired_ratios(a_dir: Path, b_dir: Path) -> dict[str, float]:
 class ABRunner:
     def __init__(self, plan: ABPlan, rules: GateRules, log: IO[str] | None = None) -> None:
         self.plan, self.rules, self.log = plan, rules, log
-        self.configs = {"a": compose_config([*plan.common, *plan.baseline], plan.baseline_code),
-                        "b": compose_config([*plan.common, *plan.candidate],
-                                            plan.candidate_code)}
+        self.configs = {
+            "a": compose_config([*plan.common, *plan.baseline], plan.baseline_code),
+            "b": compose_config([*plan.common, *plan.candidate], plan.candidate_code),
+        }
         for side, name in (("a", "baseline"), ("b", "candidate")):
             if plan.code(side).resolve() == REPO:  # another checkout's options may differ
                 precheck(self.configs[side], name)
-        self.workers = {side: Worker(side, plan.out / f"worker-{side}.log", plan.code(side))
-                        for side in "ab"}
+        self.workers = {
+            side: Worker(side, plan.out / f"worker-{side}.log", plan.code(side)) for side in "ab"
+        }
         self.record: dict[str, Any] = {
-            "version": 1, "status": "running",
-            "baseline_overrides": plan.baseline, "candidate_overrides": plan.candidate,
-            "common_overrides": plan.common, "baseline_code": str(plan.baseline_code),
-            "candidate_code": str(plan.candidate_code), "rounds_planned": plan.rounds,
-            "warmup_rounds": plan.warmup_rounds, "isolation": plan.isolation,
+            "version": 1,
+            "status": "running",
+            "baseline_overrides": plan.baseline,
+            "candidate_overrides": plan.candidate,
+            "common_overrides": plan.common,
+            "baseline_code": str(plan.baseline_code),
+            "candidate_code": str(plan.candidate_code),
+            "rounds_planned": plan.rounds,
+            "warmup_rounds": plan.warmup_rounds,
+            "isolation": plan.isolation,
             "identical_configs": self.configs["a"] == self.configs["b"],
             "order": "round k runs a then b when k is even, b then a when k is odd",
-            "ratio": "candidate (b) / baseline (a), per round", "warmup": [], "rounds": [],
+            "ratio": "candidate (b) / baseline (a), per round",
+            "warmup": [],
+            "rounds": [],
             "rules": rules.to_dict(),
         }
 
@@ -239,8 +260,7 @@ class ABRunner:
             if reply["status"] != "complete":
                 break
         if entry.get("a_status") == entry.get("b_status") == "complete":
-            entry["ratios"] = paired_ratios(self.plan.out / entry["a"],
-                                            self.plan.out / entry["b"])
+            entry["ratios"] = paired_ratios(self.plan.out / entry["a"], self.plan.out / entry["b"])
         return entry
 
     def _save(self) -> None:
@@ -273,10 +293,12 @@ class ABRunner:
                 self.record["rounds"].append(entry)
                 self._save()
                 ratio = entry.get("ratios", {}).get("output_tok_per_s")
-                self._say(f"round {k + 1}/{plan.rounds} ({''.join(entry['order'])}, "
-                          f"{time.perf_counter() - start:.1f} s): a {entry.get('a_status')}, "
-                          f"b {entry.get('b_status')}"
-                          + (f", output_tok_per_s b/a = {ratio:.3f}" if ratio else ""))
+                self._say(
+                    f"round {k + 1}/{plan.rounds} ({''.join(entry['order'])}, "
+                    f"{time.perf_counter() - start:.1f} s): a {entry.get('a_status')}, "
+                    f"b {entry.get('b_status')}"
+                    + (f", output_tok_per_s b/a = {ratio:.3f}" if ratio else "")
+                )
                 if stopped := self._stopped(entry, f"round {k}"):
                     return stopped
         except ABError as exc:  # a worker that cannot start
@@ -292,8 +314,12 @@ class ABRunner:
             for worker in self.workers.values():
                 worker.close()
         result = gate_ab_dir(plan.out, self.rules)
-        self.record.update(status="complete", verdict=result.verdict,
-                           exit_code=result.exit_code, result=result.to_dict())
+        self.record.update(
+            status="complete",
+            verdict=result.verdict,
+            exit_code=result.exit_code,
+            result=result.to_dict(),
+        )
         self._save()
         return emit(result, str(plan.out / "gate.md"), None, title="inferlab gate ab")
 
@@ -315,11 +341,17 @@ class ABRunner:
         code = 2 if side == "a" else 1
         verdict = "inconclusive" if code == 2 else "regression"
         who = "baseline" if side == "a" else "candidate"
-        self.record.update(status="stopped", verdict=verdict, exit_code=code,
-                           stop_reason=f"{label}: {who} run {entry[side]} {status}: {error}")
+        self.record.update(
+            status="stopped",
+            verdict=verdict,
+            exit_code=code,
+            stop_reason=f"{label}: {who} run {entry[side]} {status}: {error}",
+        )
         self._save()
-        print(f"## inferlab gate ab: {verdict.upper()} (exit {code})\n\n"
-              f"{label}: the {who} run {self.plan.out / entry[side]} {status}: {error}")
+        print(
+            f"## inferlab gate ab: {verdict.upper()} (exit {code})\n\n"
+            f"{label}: the {who} run {self.plan.out / entry[side]} {status}: {error}"
+        )
         return code
 
 
@@ -327,29 +359,59 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="inferlab gate ab",
         description="Run baseline (A) and candidate (B) configurations interleaved, "
-                    "alternating which goes first each round, then gate on the paired "
-                    "per-round ratios. Exit 0 pass, 1 regression, 2 inconclusive.")
-    parser.add_argument("--baseline", required=True, metavar="OVERRIDES",
-                        help='Hydra overrides of the baseline, one quoted string ("" for none)')
-    parser.add_argument("--candidate", required=True, metavar="OVERRIDES",
-                        help="Hydra overrides of the candidate")
-    parser.add_argument("--common", default="", metavar="OVERRIDES",
-                        help="overrides applied to both sides first (model, workload, ...)")
-    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS,
-                        help=f"measured rounds (default and minimum {MIN_ROUNDS})")
-    parser.add_argument("--allow-few-rounds", action="store_true",
-                        help=f"allow fewer than {MIN_ROUNDS} rounds (smoke tests: timing will "
-                             "then usually be inconclusive)")
-    parser.add_argument("--warmup-rounds", type=int, default=1,
-                        help="rounds run first and not gated (default 1)")
-    parser.add_argument("--isolation", choices=ISOLATION, default="worker",
-                        help="worker: one fresh process per side for the whole job (default); "
-                             "process: a fresh process per run")
-    parser.add_argument("--baseline-code", default=str(REPO), metavar="DIR",
-                        help="the checkout the baseline runs (default: this one), e.g. a "
-                             "worktree of the main branch")
-    parser.add_argument("--candidate-code", default=str(REPO), metavar="DIR",
-                        help="the checkout the candidate runs (default: this one)")
+        "alternating which goes first each round, then gate on the paired "
+        "per-round ratios. Exit 0 pass, 1 regression, 2 inconclusive.",
+    )
+    parser.add_argument(
+        "--baseline",
+        required=True,
+        metavar="OVERRIDES",
+        help='Hydra overrides of the baseline, one quoted string ("" for none)',
+    )
+    parser.add_argument(
+        "--candidate", required=True, metavar="OVERRIDES", help="Hydra overrides of the candidate"
+    )
+    parser.add_argument(
+        "--common",
+        default="",
+        metavar="OVERRIDES",
+        help="overrides applied to both sides first (model, workload, ...)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=MIN_ROUNDS,
+        help=f"measured rounds (default and minimum {MIN_ROUNDS})",
+    )
+    parser.add_argument(
+        "--allow-few-rounds",
+        action="store_true",
+        help=f"allow fewer than {MIN_ROUNDS} rounds (smoke tests: timing will "
+        "then usually be inconclusive)",
+    )
+    parser.add_argument(
+        "--warmup-rounds", type=int, default=1, help="rounds run first and not gated (default 1)"
+    )
+    parser.add_argument(
+        "--isolation",
+        choices=ISOLATION,
+        default="worker",
+        help="worker: one fresh process per side for the whole job (default); "
+        "process: a fresh process per run",
+    )
+    parser.add_argument(
+        "--baseline-code",
+        default=str(REPO),
+        metavar="DIR",
+        help="the checkout the baseline runs (default: this one), e.g. a "
+        "worktree of the main branch",
+    )
+    parser.add_argument(
+        "--candidate-code",
+        default=str(REPO),
+        metavar="DIR",
+        help="the checkout the candidate runs (default: this one)",
+    )
     parser.add_argument("--out", required=True, help="the A/B folder to create")
     parser.add_argument("--rules", help="rules YAML merged over configs/gate/default.yaml")
     add_require_argument(parser)
@@ -358,32 +420,46 @@ def _parser() -> argparse.ArgumentParser:
 
 def plan_from_args(args: argparse.Namespace) -> ABPlan:
     if args.rounds < 1:
-        raise ABError(f"--rounds: {args.rounds} is invalid; allowed: an integer >= "
-                      f"{MIN_ROUNDS} (>= 1 with --allow-few-rounds)")
+        raise ABError(
+            f"--rounds: {args.rounds} is invalid; allowed: an integer >= "
+            f"{MIN_ROUNDS} (>= 1 with --allow-few-rounds)"
+        )
     if args.rounds < MIN_ROUNDS and not args.allow_few_rounds:
-        raise ABError(f"--rounds: {args.rounds} is fewer than {MIN_ROUNDS}: too few paired "
-                      "ratios to gate timing on a noisy machine; give --allow-few-rounds to "
-                      "run it anyway (smoke tests)")
+        raise ABError(
+            f"--rounds: {args.rounds} is fewer than {MIN_ROUNDS}: too few paired "
+            "ratios to gate timing on a noisy machine; give --allow-few-rounds to "
+            "run it anyway (smoke tests)"
+        )
     if args.warmup_rounds < 0:
-        raise ABError(f"--warmup-rounds: {args.warmup_rounds} is invalid; allowed: an "
-                      "integer >= 0")
+        raise ABError(f"--warmup-rounds: {args.warmup_rounds} is invalid; allowed: an integer >= 0")
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ABError(f"--out: {out} exists and is not an empty folder; choose a new one")
     try:
-        split = {name: shlex.split(getattr(args, name))
-                 for name in ("baseline", "candidate", "common")}
+        split = {
+            name: shlex.split(getattr(args, name)) for name in ("baseline", "candidate", "common")
+        }
     except ValueError as exc:
         raise ABError(f"overrides: cannot split {exc}") from exc
     codes = {}
     for side in ("baseline", "candidate"):
         code = Path(getattr(args, f"{side}_code")).resolve()
         if not (code / "harness" / "experiment.py").is_file():
-            raise ABError(f"--{side}-code: {code} is not an inferlab checkout "
-                          "(no harness/experiment.py)")
+            raise ABError(
+                f"--{side}-code: {code} is not an inferlab checkout (no harness/experiment.py)"
+            )
         codes[side] = code
-    return ABPlan(split["baseline"], split["candidate"], split["common"], args.rounds, out,
-                  args.warmup_rounds, args.isolation, codes["baseline"], codes["candidate"])
+    return ABPlan(
+        split["baseline"],
+        split["candidate"],
+        split["common"],
+        args.rounds,
+        out,
+        args.warmup_rounds,
+        args.isolation,
+        codes["baseline"],
+        codes["candidate"],
+    )
 
 
 def run_ab(plan: ABPlan, rules: GateRules, log: IO[str] | None = None) -> int:

@@ -47,13 +47,17 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
         return json.loads((run_dir / "summary.json").read_text())
     try:
         if repeats > 1:
-            summary = run_repeats(config, list(hydra_cfg.overrides.task), run_dir, repeats,
-                                  resume=resume)
+            summary = run_repeats(
+                config, list(hydra_cfg.overrides.task), run_dir, repeats, resume=resume
+            )
         else:
             summary = run_experiment(config, run_dir, progress=run_cfg.progress)
     except OSError as exc:  # the folder cannot be written (a full disk, no permission)
-        error = (str(exc) if isinstance(exc, RunFolderError)
-                 else f"{run_dir}: the run folder cannot be written: {exc}").replace("\n", " ")
+        error = (
+            str(exc)
+            if isinstance(exc, RunFolderError)
+            else f"{run_dir}: the run folder cannot be written: {exc}"
+        ).replace("\n", " ")
         print(f"{label}failed -> {run_dir}")
         print(f"error: {error}", file=sys.stderr)
         if not multirun:

@@ -110,7 +110,8 @@ class RequestTrace:
             "queue_s": span(queue_from, self.scheduled_ns),
             "prefill_s": span(self.scheduled_ns, self.first_token_ns) if ok else None,
             "decode_s": span(self.first_token_ns, self.last_token_ns) if ok else None,
-            "detokenize_s": None if self.detokenize_ns is None or not ok
+            "detokenize_s": None
+            if self.detokenize_ns is None or not ok
             else self.detokenize_ns / 1e9,
             "prefix_group": request.prefix_group,
             "session_id": request.session_id,
@@ -121,9 +122,14 @@ class RequestTrace:
 class Driver:
     """Runs one workload against one loaded backend, emitting rows to `sink`."""
 
-    def __init__(self, backend: Backend, sink: RowSink,
-                 on_request_done: Callable[[RequestTrace], None] | None = None,
-                 clock: Clock = now_ns, sleep: Sleep = asyncio.sleep) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        sink: RowSink,
+        on_request_done: Callable[[RequestTrace], None] | None = None,
+        clock: Clock = now_ns,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
         self.backend = backend
         self.sink = sink
         self.on_request_done = on_request_done
@@ -148,8 +154,9 @@ class Driver:
         ids = {w.request_id for w in workload}
         orphans = [w.request_id for w in workload if w.follows and w.follows not in ids]
         if orphans:
-            raise ValueError(f"workload: requests {orphans[:5]} follow requests that are not in "
-                             "the workload")
+            raise ValueError(
+                f"workload: requests {orphans[:5]} follow requests that are not in the workload"
+            )
         self.followers: dict[str, list[WorkloadRequest]] = defaultdict(list)
         for w in workload:
             if w.follows:
@@ -170,8 +177,10 @@ class Driver:
                     tasks.append(asyncio.create_task(self._session(item, arrival)))
             else:
                 queue = deque(roots)
-                tasks = [asyncio.create_task(self._worker(queue))
-                         for _ in range(min(concurrency, len(roots)))]
+                tasks = [
+                    asyncio.create_task(self._worker(queue))
+                    for _ in range(min(concurrency, len(roots)))
+                ]
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:
@@ -222,11 +231,15 @@ class Driver:
                 began = time.perf_counter_ns()
                 if isinstance(event, Tokens):
                     for token in event.token_ids:
-                        trace.token_rows.append({
-                            "request_id": request_id, "index": trace.output_tokens,
-                            "step": event.step, "time_s": (event.time_ns - self.t0) / 1e9,
-                            "token_id": token,
-                        })
+                        trace.token_rows.append(
+                            {
+                                "request_id": request_id,
+                                "index": trace.output_tokens,
+                                "step": event.step,
+                                "time_s": (event.time_ns - self.t0) / 1e9,
+                                "token_id": token,
+                            }
+                        )
                         trace.output_tokens += 1
                     trace.output_ids.extend(event.token_ids)
                     trace.output_text += event.text
@@ -251,8 +264,9 @@ class Driver:
                     trace.finish_reason = event.finish_reason
                     trace.cached_prompt_tokens = event.cached_prompt_tokens
                     trace.num_preemptions = event.num_preemptions
-                    trace.output_tokens_reported = ((trace.output_tokens_reported or 0)
-                                                    + event.num_output_tokens)
+                    trace.output_tokens_reported = (
+                        trace.output_tokens_reported or 0
+                    ) + event.num_output_tokens
                     if trace.prompt_tokens is None:  # no Tokenized event (an HTTP backend)
                         trace.prompt_tokens = event.num_prompt_tokens
                     # n samples finish n times: their decoding time adds up

@@ -54,8 +54,12 @@ def _integer(name: str, value: Any, low: int) -> int:
 
 
 def _number(name: str, value: Any, what: str, positive: bool = False) -> float:
-    if (isinstance(value, bool) or not isinstance(value, int | float) or value < 0
-            or (positive and value == 0)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or value < 0
+        or (positive and value == 0)
+    ):
         raise ValueError(f"{name}: {value!r} is invalid; allowed: {what}")
     return float(value)
 
@@ -71,9 +75,16 @@ class SloConfig:
     @classmethod
     def from_dict(cls, values: Any) -> SloConfig:
         given = _section("run.slo", values, cls.__dataclass_fields__)
-        return cls(**{key: None if value is None else _number(
-            f"run.slo.{key}", value, "null or a number of seconds > 0", positive=True)
-            for key, value in given.items()})
+        return cls(
+            **{
+                key: None
+                if value is None
+                else _number(
+                    f"run.slo.{key}", value, "null or a number of seconds > 0", positive=True
+                )
+                for key, value in given.items()
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -92,17 +103,24 @@ class QualityConfig:
         defaults = cls()
         text = given.get("text")
         if text is not None and not isinstance(text, str):
-            raise ValueError(f"run.quality.text: {text!r} is invalid; allowed: null or the "
-                             "path of a text file")
-        return cls(enabled=_flag("run.quality.enabled", given.get("enabled", defaults.enabled)),
-                   num_prompts=_integer("run.quality.num_prompts",
-                                        given.get("num_prompts", defaults.num_prompts), 1),
-                   prompt_len=_integer("run.quality.prompt_len",
-                                       given.get("prompt_len", defaults.prompt_len), 2),
-                   text=text,
-                   min_margin=_number("run.quality.min_margin",
-                                      given.get("min_margin", defaults.min_margin),
-                                      "a number >= 0"))
+            raise ValueError(
+                f"run.quality.text: {text!r} is invalid; allowed: null or the path of a text file"
+            )
+        return cls(
+            enabled=_flag("run.quality.enabled", given.get("enabled", defaults.enabled)),
+            num_prompts=_integer(
+                "run.quality.num_prompts", given.get("num_prompts", defaults.num_prompts), 1
+            ),
+            prompt_len=_integer(
+                "run.quality.prompt_len", given.get("prompt_len", defaults.prompt_len), 2
+            ),
+            text=text,
+            min_margin=_number(
+                "run.quality.min_margin",
+                given.get("min_margin", defaults.min_margin),
+                "a number >= 0",
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -129,14 +147,17 @@ class RunConfig:
         return cls(
             name=str(name),
             resume=_flag("run.resume", given.get("resume", defaults.resume)),
-            warmup_requests=_integer("run.warmup_requests",
-                                     given.get("warmup_requests", defaults.warmup_requests), 0),
+            warmup_requests=_integer(
+                "run.warmup_requests", given.get("warmup_requests", defaults.warmup_requests), 0
+            ),
             progress=_flag("run.progress", given.get("progress", defaults.progress)),
             window=WindowConfig.from_dict(given.get("window")),
-            monitor=MonitorConfig.from_dict(_section("run.monitor", given.get("monitor"),
-                                                     MonitorConfig.__dataclass_fields__)),
+            monitor=MonitorConfig.from_dict(
+                _section("run.monitor", given.get("monitor"), MonitorConfig.__dataclass_fields__)
+            ),
             quality=QualityConfig.from_dict(given.get("quality")),
-            slo=SloConfig.from_dict(given.get("slo")))
+            slo=SloConfig.from_dict(given.get("slo")),
+        )
 
 
 def make_workload(workload: dict[str, Any]) -> Any:
@@ -144,15 +165,17 @@ def make_workload(workload: dict[str, Any]) -> Any:
     return workloads.from_config(workload)
 
 
-def warmup_requests(workload: Any, tokenizer: Any, context_len: int | None,
-                    count: int) -> list[WorkloadRequest]:
+def warmup_requests(
+    workload: Any, tokenizer: Any, context_len: int | None, count: int
+) -> list[WorkloadRequest]:
     """The first `count` first-turn requests of the same workload, all due at once."""
     if count <= 0:
         return []
     built = [w for w in workload.build(tokenizer, context_len) if not w.follows][:count]
-    return [replace(w, arrival_s=0.0, request=replace(w.request,
-                                                      request_id=f"warmup-{w.request_id}"))
-            for w in built]
+    return [
+        replace(w, arrival_s=0.0, request=replace(w.request, request_id=f"warmup-{w.request_id}"))
+        for w in built
+    ]
 
 
 @contextmanager
@@ -188,8 +211,9 @@ class RunFolderError(OSError):
         self.summary = summary
 
 
-def run_experiment(config: dict[str, Any], run_dir: str | Path,
-                   progress: bool = True) -> dict[str, Any]:
+def run_experiment(
+    config: dict[str, Any], run_dir: str | Path, progress: bool = True
+) -> dict[str, Any]:
     """Run one configuration into `run_dir`; return the summary (also in summary.json).
 
     A folder that cannot be written raises OSError: at the start, before any summary (so
@@ -230,8 +254,10 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
     def failed_writing(exc: BaseException) -> None:
         # A run whose folder could not be written whole did not end well, whatever it ran.
         nonlocal status, error
-        message = ("writing the run folder failed: "
-                   + "".join(traceback.format_exception_only(exc)).strip())
+        message = (
+            "writing the run folder failed: "
+            + "".join(traceback.format_exception_only(exc)).strip()
+        )
         if status == "failed":
             info.setdefault("finalize_errors", []).append(message)
         else:
@@ -257,7 +283,8 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             provenance.record_threads(run_dir / "provenance.json")
             # after load: a CPU probe runs at the engine's thread count (cached per machine)
             info["hardware"] = hardware.describe_for_run(
-                *hardware.resolve(hardware_cfg, info["engine"].get("device")))
+                *hardware.resolve(hardware_cfg, info["engine"].get("device"))
+            )
             if monitor is not None:  # after the probe, whose buffers are no part of the run
                 monitor.start(gpu_index_for(info["engine"].get("device")))
             tokenizer = getattr(backend, "tokenizer", None)
@@ -271,14 +298,18 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
                 if table == "steps" and not first_steps:
                     first_steps.append(row)
 
-            warm = warmup_requests(make_workload(config["workload"]), tokenizer, context_len,
-                                   run_cfg.warmup_requests)
+            warm = warmup_requests(
+                make_workload(config["workload"]), tokenizer, context_len, run_cfg.warmup_requests
+            )
             if warm:
                 shown.phase(f"warm-up: {len(warm)} requests")
                 Driver(backend, keep_first_step).run(warm)
             shown.start_requests(len(requests))
-            driver = Driver(backend, _tee(recorder.append, keep_first_step),
-                            on_request_done=lambda _: shown.request_done())
+            driver = Driver(
+                backend,
+                _tee(recorder.append, keep_first_step),
+                on_request_done=lambda _: shown.request_done(),
+            )
             concurrency = getattr(workload, "concurrency", None)
             info["closed_loop"] = concurrency is not None
             if profiler is not None:
@@ -290,9 +321,11 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
                 from harness.quality import run_quality
 
                 assert backend.engine is not None
-                info["quality"] = run_quality(backend.config.to_dict(),
-                                              LLM.from_engine(backend.engine),
-                                              asdict(run_cfg.quality))
+                info["quality"] = run_quality(
+                    backend.config.to_dict(),
+                    LLM.from_engine(backend.engine),
+                    asdict(run_cfg.quality),
+                )
             if first_steps:
                 step = first_steps[0]
                 info["first_step_s"] = step["end_s"] - step["start_s"]
@@ -330,8 +363,11 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             frames = exc.frames
             failed_writing(exc.cause)
         if monitor is not None:  # samples on the run's clock: seconds since the driver's t0
-            info["samples"] = guarded("samples", lambda: monitor.write(
-                run_dir, driver.t0 if driver is not None else None), writes=True)
+            info["samples"] = guarded(
+                "samples",
+                lambda: monitor.write(run_dir, driver.t0 if driver is not None else None),
+                writes=True,
+            )
             info["monitor"] = guarded("monitor", monitor.info)
         try:
             frames["steps"] = roofline.annotate_run(run_dir, frames["steps"], info)
@@ -344,15 +380,24 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
         requests = frames["requests"]
         if status == "complete" and len(requests) and (requests["status"] == "failed").all():
             first = requests.iloc[0]
-            status, error = "failed", (
-                f"every measured request failed ({len(requests)} of {len(requests)}); the "
-                f"first, {first['request_id']}: {first['error']}")
-        summary = {"status": status, "error": error,
-                   **summarize(frames, info, asdict(run_cfg.slo), run_cfg.window),
-                   "run_dir": str(run_dir),
-                   **{k: v for k, v in info.items() if k not in ("load_s", "cold_start_s",
-                                                                "harness_overhead_fraction",
-                                                                "samples")}}
+            status, error = (
+                "failed",
+                (
+                    f"every measured request failed ({len(requests)} of {len(requests)}); the "
+                    f"first, {first['request_id']}: {first['error']}"
+                ),
+            )
+        summary = {
+            "status": status,
+            "error": error,
+            **summarize(frames, info, asdict(run_cfg.slo), run_cfg.window),
+            "run_dir": str(run_dir),
+            **{
+                k: v
+                for k, v in info.items()
+                if k not in ("load_s", "cold_start_s", "harness_overhead_fraction", "samples")
+            },
+        }
         summary = _write_final_summary(recorder, summary)
     return summary
 

@@ -50,8 +50,9 @@ def latency_cdfs(latencies: pd.DataFrame) -> Figure:
     return fig
 
 
-def throughput_latency(points: pd.DataFrame, x: str, ys: Sequence[str],
-                       slo: dict[str, float | None]) -> Figure:
+def throughput_latency(
+    points: pd.DataFrame, x: str, ys: Sequence[str], slo: dict[str, float | None]
+) -> Figure:
     """Latency against achieved throughput, one line per series (columns series, x, *ys),
     points in offered-load order and labelled with their offered rate (offered_req_per_s);
     dashed lines at the SLO bounds (slo: {column: bound})."""
@@ -61,12 +62,22 @@ def throughput_latency(points: pd.DataFrame, x: str, ys: Sequence[str],
         for series, group in points.groupby("series", sort=False):
             ax.plot(group[x], group[y] * scale, marker="o", label=str(series))
             for _, point in group.iterrows():  # which offered rate each point is
-                ax.annotate(f"{point['offered_req_per_s']:.3g}/s", (point[x], point[y] * scale),
-                            fontsize=6, xytext=(3, 3), textcoords="offset points")
+                ax.annotate(
+                    f"{point['offered_req_per_s']:.3g}/s",
+                    (point[x], point[y] * scale),
+                    fontsize=6,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
         bound = slo.get(y)
         if bound is not None:
-            ax.axhline(bound * scale, color="red", linestyle="--", linewidth=1,
-                       label=f"SLO {bound * scale:g} {unit}")
+            ax.axhline(
+                bound * scale,
+                color="red",
+                linestyle="--",
+                linewidth=1,
+                label=f"SLO {bound * scale:g} {unit}",
+            )
         ax.set_xlabel(f"achieved {x}")
         ax.set_ylabel(f"{y} ({unit})")
         ax.grid(alpha=0.3)
@@ -81,12 +92,28 @@ def timeline(steps: pd.DataFrame) -> Figure:
     fig, (batch_ax, kv_ax) = _subplots(2, 1, figsize=(8, 5.2), sharex=True)
     for variant, group in steps.groupby("variant", sort=False):
         group = group.sort_values("end_s")
-        line = batch_ax.plot(group["end_s"], group["num_seqs"], drawstyle="steps-post",
-                             label=str(variant), linewidth=1)[0]
-        kv_ax.plot(group["end_s"], group["kv_bytes_used"] / 2**20, drawstyle="steps-post",
-                   color=line.get_color(), linewidth=1)
-        kv_ax.plot(group["end_s"], group["kv_bytes_reserved"] / 2**20, drawstyle="steps-post",
-                   color=line.get_color(), linewidth=1, linestyle=":")
+        line = batch_ax.plot(
+            group["end_s"],
+            group["num_seqs"],
+            drawstyle="steps-post",
+            label=str(variant),
+            linewidth=1,
+        )[0]
+        kv_ax.plot(
+            group["end_s"],
+            group["kv_bytes_used"] / 2**20,
+            drawstyle="steps-post",
+            color=line.get_color(),
+            linewidth=1,
+        )
+        kv_ax.plot(
+            group["end_s"],
+            group["kv_bytes_reserved"] / 2**20,
+            drawstyle="steps-post",
+            color=line.get_color(),
+            linewidth=1,
+            linestyle=":",
+        )
     batch_ax.set_ylabel("sequences in the step")
     kv_ax.set_ylabel("KV MiB (solid: used,\ndotted: reserved)")
     kv_ax.set_xlabel("time since the run started (s)")
@@ -97,8 +124,13 @@ def timeline(steps: pd.DataFrame) -> Figure:
     return fig
 
 
-def stacked_bars(parts: pd.DataFrame, xlabel: str, scale: float = 1.0,
-                 marks: pd.Series | None = None, mark_label: str = "") -> Figure:
+def stacked_bars(
+    parts: pd.DataFrame,
+    xlabel: str,
+    scale: float = 1.0,
+    marks: pd.Series | None = None,
+    mark_label: str = "",
+) -> Figure:
     """Horizontal stacked bars: one bar per row (the index, a variant), one segment per
     column (memory kinds, request phases); `marks` (same index) draws a tick on each bar."""
     fig, ax = _subplots(figsize=(9.5, 0.5 * len(parts) + 1.8))
@@ -110,8 +142,9 @@ def stacked_bars(parts: pd.DataFrame, xlabel: str, scale: float = 1.0,
         left += values
     if marks is not None:
         values = marks.reindex(parts.index).to_numpy(dtype=float) * scale
-        ax.scatter(values, labels, marker="|", s=400, color="black", zorder=3,
-                   label=mark_label or None)
+        ax.scatter(
+            values, labels, marker="|", s=400, color="black", zorder=3, label=mark_label or None
+        )
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the bars
@@ -122,8 +155,9 @@ def stacked_bars(parts: pd.DataFrame, xlabel: str, scale: float = 1.0,
 
 def samples_timeline(samples: pd.DataFrame, columns: Sequence[str]) -> Figure:
     """Monitor samples over time, one panel per column (columns variant, time_s, *columns)."""
-    fig, axes = _subplots(len(columns), 1, figsize=(8, 2.2 * len(columns) + 0.6),
-                             sharex=True, squeeze=False)
+    fig, axes = _subplots(
+        len(columns), 1, figsize=(8, 2.2 * len(columns) + 0.6), sharex=True, squeeze=False
+    )
     for ax, column in zip(axes[:, 0], columns, strict=True):
         in_bytes = column.endswith("_bytes")
         for variant, group in samples.groupby("variant", sort=False):
@@ -138,34 +172,52 @@ def samples_timeline(samples: pd.DataFrame, columns: Sequence[str]) -> Figure:
     return fig
 
 
-def roofline(points: pd.DataFrame, peak_flops: float | None,
-             bandwidth: float | None, overlap: float = 1.0) -> Figure:
+def roofline(
+    points: pd.DataFrame, peak_flops: float | None, bandwidth: float | None, overlap: float = 1.0
+) -> Figure:
     """Left: achieved FLOP/s against arithmetic intensity per step (columns variant,
     intensity, flops_per_s, prefill), under the hardware roofline when its peaks are known
     (and, for a spec that measured an overlap below 1, the curve `predicted_s` follows).
     Right: roofline-predicted against measured step time (columns predicted_s, measured_s)."""
-    has_prediction = {"predicted_s", "measured_s"} <= set(points.columns) and \
-        points["predicted_s"].notna().any()
-    fig, axes = _subplots(1, 2 if has_prediction else 1, figsize=(10 if has_prediction
-                                                                      else 5.5, 4),
-                             squeeze=False)
+    has_prediction = {"predicted_s", "measured_s"} <= set(points.columns) and points[
+        "predicted_s"
+    ].notna().any()
+    fig, axes = _subplots(
+        1, 2 if has_prediction else 1, figsize=(10 if has_prediction else 5.5, 4), squeeze=False
+    )
     ax = axes[0, 0]
     for variant, group in points.groupby("variant", sort=False):
         for prefill, marker in ((False, "o"), (True, "^")):
             part = group[group["prefill"] == prefill]
             if len(part):
-                ax.scatter(part["intensity"], part["flops_per_s"], s=10, marker=marker,
-                           alpha=0.6, label=f"{variant} ({'prefill' if prefill else 'decode'})")
+                ax.scatter(
+                    part["intensity"],
+                    part["flops_per_s"],
+                    s=10,
+                    marker=marker,
+                    alpha=0.6,
+                    label=f"{variant} ({'prefill' if prefill else 'decode'})",
+                )
     finite = points["intensity"][np.isfinite(points["intensity"]) & (points["intensity"] > 0)]
     if peak_flops and bandwidth and len(finite):
         lo, hi = finite.min() / 4, max(finite.max() * 4, 2 * peak_flops / bandwidth)
         grid = np.geomspace(lo, hi, 200)
-        ax.plot(grid, attainable_flops(grid, peak_flops, bandwidth), color="black",
-                linewidth=1.2, label="roofline")
+        ax.plot(
+            grid,
+            attainable_flops(grid, peak_flops, bandwidth),
+            color="black",
+            linewidth=1.2,
+            label="roofline",
+        )
         if overlap < 1.0:
-            ax.plot(grid, attainable_flops(grid, peak_flops, bandwidth, overlap), color="black",
-                    linewidth=1.0, linestyle="--",
-                    label=f"with the measured overlap {overlap:.2f} (predicted_s)")
+            ax.plot(
+                grid,
+                attainable_flops(grid, peak_flops, bandwidth, overlap),
+                color="black",
+                linewidth=1.0,
+                linestyle="--",
+                label=f"with the measured overlap {overlap:.2f} (predicted_s)",
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
@@ -175,13 +227,23 @@ def roofline(points: pd.DataFrame, peak_flops: float | None,
     if has_prediction:
         ax = axes[0, 1]
         for variant, group in points.groupby("variant", sort=False):
-            ax.scatter(group["predicted_s"] * 1e3, group["measured_s"] * 1e3, s=10, alpha=0.6,
-                       label=str(variant))
+            ax.scatter(
+                group["predicted_s"] * 1e3,
+                group["measured_s"] * 1e3,
+                s=10,
+                alpha=0.6,
+                label=str(variant),
+            )
         both = points[["predicted_s", "measured_s"]].to_numpy(dtype=float).ravel() * 1e3
         both = both[np.isfinite(both) & (both > 0)]
         if len(both):
-            ax.plot([both.min(), both.max()], [both.min(), both.max()], color="black",
-                    linewidth=1, label="measured = predicted")
+            ax.plot(
+                [both.min(), both.max()],
+                [both.min(), both.max()],
+                color="black",
+                linewidth=1,
+                label="measured = predicted",
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("roofline-predicted step time (ms)")
@@ -192,8 +254,7 @@ def roofline(points: pd.DataFrame, peak_flops: float | None,
     return fig
 
 
-def _subplots(rows: int = 1, cols: int = 1, *, figsize: tuple[float, float],
-              **kwargs: Any) -> Any:
+def _subplots(rows: int = 1, cols: int = 1, *, figsize: tuple[float, float], **kwargs: Any) -> Any:
     fig = Figure(figsize=figsize)
     return fig, fig.subplots(rows, cols, **kwargs)
 

@@ -66,18 +66,25 @@ def markdown(result: GateResult, title: str = "inferlab gate", all_rows: bool = 
     if with_job:
         header.insert(0, "job")
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    equal = [row for row in result.rows
-             if not all_rows and row.kind == "deterministic" and row.verdict == "pass"]
+    equal = [
+        row
+        for row in result.rows
+        if not all_rows and row.kind == "deterministic" and row.verdict == "pass"
+    ]
     equal_ids = {id(row) for row in equal}
     for row in result.rows:
         if id(row) in equal_ids:
             continue
         unit = REGISTRY[row.metric].unit if row.metric in REGISTRY else ""
         ci = f"[{row.ci[0]:.3f}, {row.ci[1]:.3f}]" if row.ci else "-"
-        cells = [f"`{row.metric}`" + (f" ({unit})" if unit else ""),
-                 _cell(row, row.baseline, row.n_baseline),
-                 _cell(row, row.candidate, row.n_candidate),
-                 f"{row.ratio:.3f}" if row.ratio is not None else "-", ci, _verdict_cell(row)]
+        cells = [
+            f"`{row.metric}`" + (f" ({unit})" if unit else ""),
+            _cell(row, row.baseline, row.n_baseline),
+            _cell(row, row.candidate, row.n_candidate),
+            f"{row.ratio:.3f}" if row.ratio is not None else "-",
+            ci,
+            _verdict_cell(row),
+        ]
         if with_job:
             cells.insert(0, row.job)
         lines.append("| " + " | ".join(cells) + " |")
@@ -87,13 +94,17 @@ def markdown(result: GateResult, title: str = "inferlab gate", all_rows: bool = 
         names = ", ".join(dict.fromkeys(row.metric for row in equal))
         lines += ["", f"Equal on both sides{where} ({len(equal)} counters): {names}."]
     mode = "paired ratios over A/B rounds" if result.paired else "ratios over runs"
-    lines += ["", f"ratio = candidate / baseline ({mode}); CI = bootstrap interval of the "
-                  "ratio; counters are compared exactly."]
+    lines += [
+        "",
+        f"ratio = candidate / baseline ({mode}); CI = bootstrap interval of the "
+        "ratio; counters are compared exactly.",
+    ]
     return "\n".join(lines)
 
 
-def gate_dirs(baseline: str | Path, candidate: str | Path, rules: GateRules,
-              ignore: set[str] | None = None) -> GateResult:
+def gate_dirs(
+    baseline: str | Path, candidate: str | Path, rules: GateRules, ignore: set[str] | None = None
+) -> GateResult:
     """Compare two runs, repeats folders or sweeps (unpaired)."""
     base = load_side(baseline, "a", ignore)
     cand = load_side(candidate, "b", ignore)
@@ -114,8 +125,13 @@ def gate_ab_dir(path: str | Path, rules: GateRules) -> GateResult:
     return compare_sides(load_side(path, "a"), load_side(path, "b"), rules, pairs=pairs)
 
 
-def emit(result: GateResult, markdown_out: str | None, json_out: str | None,
-         title: str = "inferlab gate", all_rows: bool = False) -> int:
+def emit(
+    result: GateResult,
+    markdown_out: str | None,
+    json_out: str | None,
+    title: str = "inferlab gate",
+    all_rows: bool = False,
+) -> int:
     text = markdown(result, title, all_rows)
     # the files first: a table that says "exit 0" must not be followed by a failed write
     if markdown_out:
@@ -128,22 +144,29 @@ def emit(result: GateResult, markdown_out: str | None, json_out: str | None,
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="inferlab gate", epilog=USAGE_EXAMPLES,
+        prog="inferlab gate",
+        epilog=USAGE_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Compare a candidate with a baseline (runs, runs with repeats, folders of "
-                    "runs, sweeps, A/B folders). `inferlab gate ab --help`: the A/B mode.")
+        "runs, sweeps, A/B folders). `inferlab gate ab --help`: the A/B mode.",
+    )
     parser.add_argument("--baseline", help="baseline run, repeats, sweep or A/B folder")
     parser.add_argument("--candidate", help="candidate run, repeats, sweep or A/B folder")
     parser.add_argument("--ab", metavar="DIR", help="re-gate a finished A/B folder (paired)")
     parser.add_argument("--rules", help="rules YAML merged over configs/gate/default.yaml")
     add_require_argument(parser)
-    parser.add_argument("--ignore-override", action="append", default=[], metavar="KEY",
-                        help="sweeps: leave this override key out of job matching "
-                             "(repeatable)")
+    parser.add_argument(
+        "--ignore-override",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="sweeps: leave this override key out of job matching (repeatable)",
+    )
     parser.add_argument("--markdown", metavar="FILE", help="also write the table here")
     parser.add_argument("--json", metavar="FILE", help="write the result as JSON here")
-    parser.add_argument("--all-rows", action="store_true",
-                        help="one table row per counter, equal ones included")
+    parser.add_argument(
+        "--all-rows", action="store_true", help="one table row per counter, equal ones included"
+    )
     return parser
 
 
@@ -160,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ab:
             result = gate_ab_dir(args.ab, rules)
         else:
-            result = gate_dirs(args.baseline, args.candidate, rules,
-                               set(args.ignore_override))
+            result = gate_dirs(args.baseline, args.candidate, rules, set(args.ignore_override))
         return emit(result, args.markdown, args.json, all_rows=args.all_rows)
     except (RulesError, InputError, ValueError) as exc:
         print(f"inferlab gate: error: {exc}", file=sys.stderr)
@@ -175,8 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception:  # a bug, not a verdict: CI reads exit 1 as a regression
         traceback.print_exc()
-        print("inferlab gate: internal error (the traceback above is a bug in the gate, "
-              "please report it); exit 2, not 1: nothing was decided", file=sys.stderr)
+        print(
+            "inferlab gate: internal error (the traceback above is a bug in the gate, "
+            "please report it); exit 2, not 1: nothing was decided",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -79,8 +79,13 @@ class GateResult:
         return EXIT_CODES[self.verdict]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "exit_code": self.exit_code, "paired": self.paired,
-                "warnings": self.warnings, "rows": [asdict(row) for row in self.rows]}
+        return {
+            "verdict": self.verdict,
+            "exit_code": self.exit_code,
+            "paired": self.paired,
+            "warnings": self.warnings,
+            "rows": [asdict(row) for row in self.rows],
+        }
 
 
 def _values(runs: Iterable[Run], metric: str) -> list[float]:
@@ -94,9 +99,19 @@ def _nonfinite(job: str, metric: str, kind: str, base: list[Run], cand: list[Run
         for run in runs:
             value = run.metrics.get(metric)
             if is_number(value) and not math.isfinite(value):
-                return Row(job, metric, kind, None, None, len(_values(base, metric)),
-                           len(_values(cand, metric)), None, None, "inconclusive",
-                           f"not a finite number ({value}) in {side} run {run.path}")
+                return Row(
+                    job,
+                    metric,
+                    kind,
+                    None,
+                    None,
+                    len(_values(base, metric)),
+                    len(_values(cand, metric)),
+                    None,
+                    None,
+                    "inconclusive",
+                    f"not a finite number ({value}) in {side} run {run.path}",
+                )
     return None
 
 
@@ -114,9 +129,16 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _timing_row(job: str, metric: str, kind: str, base: list[float], cand: list[float],
-                pairs: list[tuple[float, float]] | None, rules: GateRules,
-                note: str = "") -> Row:
+def _timing_row(
+    job: str,
+    metric: str,
+    kind: str,
+    base: list[float],
+    cand: list[float],
+    pairs: list[tuple[float, float]] | None,
+    rules: GateRules,
+    note: str = "",
+) -> Row:
     better = REGISTRY[metric].better
     n_base, n_cand = (len(pairs), len(pairs)) if pairs is not None else (len(base), len(cand))
     row = Row(job, metric, kind, None, None, n_base, n_cand, None, None, "inconclusive", note)
@@ -160,21 +182,46 @@ def _center(values: list[float], rules: GateRules) -> float:
     return product
 
 
-def _counter_row(job: str, metric: str, base: list[float], cand: list[float],
-                 pairs: list[tuple[float, float]] | None, rules: GateRules) -> Row | None:
+def _counter_row(
+    job: str,
+    metric: str,
+    base: list[float],
+    cand: list[float],
+    pairs: list[tuple[float, float]] | None,
+    rules: GateRules,
+) -> Row | None:
     if not base and not cand:
         return None
     better = REGISTRY[metric].better
     rel_tol, abs_tol = rules.tolerance_for(metric)
     if not base or not cand:
-        return Row(job, metric, "deterministic", base[0] if base else None,
-                   cand[0] if cand else None, len(base), len(cand), None, None, "missing",
-                   "absent in " + ("baseline" if not base else "candidate"), gates=False)
+        return Row(
+            job,
+            metric,
+            "deterministic",
+            base[0] if base else None,
+            cand[0] if cand else None,
+            len(base),
+            len(cand),
+            None,
+            None,
+            "missing",
+            "absent in " + ("baseline" if not base else "candidate"),
+            gates=False,
+        )
     if _varies(base, rel_tol, abs_tol) or _varies(cand, rel_tol, abs_tol):
         # Timing-dependent under this workload (e.g. steps under real-time arrivals): compare
         # it the way timings are compared rather than fail on noise.
-        return _timing_row(job, metric, "deterministic", base, cand, pairs, rules,
-                           note="varies between runs: compared statistically")
+        return _timing_row(
+            job,
+            metric,
+            "deterministic",
+            base,
+            cand,
+            pairs,
+            rules,
+            note="varies between runs: compared statistically",
+        )
     b, c = base[0], cand[0]
     ratio = c / b if b else None
     row = Row(job, metric, "deterministic", b, c, len(base), len(cand), ratio, None, "pass")
@@ -196,19 +243,45 @@ def _status_rows(job: str, base: Group, cand: Group, warnings: list[str]) -> lis
         for run in group.runs:
             warnings += [f"{side} run: {note}" for note in run.notes]
             if run.status != "complete":
-                warnings.append(f"{side} run {run.path} is {run.status}"
-                                f"{': ' + run.error if run.error else ''}; left out")
+                warnings.append(
+                    f"{side} run {run.path} is {run.status}"
+                    f"{': ' + run.error if run.error else ''}; left out"
+                )
     cand_failed = [r for r in cand.runs if r.status == "failed"]
     base_failed = [r for r in base.runs if r.status == "failed"]
     if cand_failed and not base_failed:
-        rows.append(Row(job, "status", "status", None, None, len(base.runs), len(cand.runs),
-                        None, None, "regression",
-                        f"{len(cand_failed)} candidate run(s) failed: {cand_failed[0].error}"))
+        rows.append(
+            Row(
+                job,
+                "status",
+                "status",
+                None,
+                None,
+                len(base.runs),
+                len(cand.runs),
+                None,
+                None,
+                "regression",
+                f"{len(cand_failed)} candidate run(s) failed: {cand_failed[0].error}",
+            )
+        )
     if not base.complete or not cand.complete:
         missing = "baseline" if not base.complete else "candidate"
-        rows.append(Row(job, "status", "status", None, None, len(base.complete),
-                        len(cand.complete), None, None, "inconclusive",
-                        f"no complete {missing} run"))
+        rows.append(
+            Row(
+                job,
+                "status",
+                "status",
+                None,
+                None,
+                len(base.complete),
+                len(cand.complete),
+                None,
+                None,
+                "inconclusive",
+                f"no complete {missing} run",
+            )
+        )
     return rows
 
 
@@ -217,45 +290,65 @@ def _names(metrics: list[str], limit: int = 8) -> str:
     return shown + (f" ... and {len(metrics) - limit} more" if len(metrics) > limit else "")
 
 
-def _one_sided(job: str, metrics: tuple[str, ...], base: list[Run],
-               cand: list[Run]) -> list[str]:
+def _one_sided(job: str, metrics: tuple[str, ...], base: list[Run], cand: list[Run]) -> list[str]:
     """Warnings naming the gated metrics that one side has and the other lacks: their rows are
     `missing` and do not gate (unless required), so the warning says what went unchecked."""
     where = f"job {job}: " if job else ""
-    has = {side: {m for m in metrics if _values(runs, m)}
-           for side, runs in (("baseline", base), ("candidate", cand))}
+    has = {
+        side: {m for m in metrics if _values(runs, m)}
+        for side, runs in (("baseline", base), ("candidate", cand))
+    }
     warnings = []
     for side, other in (("candidate", "baseline"), ("baseline", "candidate")):
         absent = [m for m in metrics if m in has[other] and m not in has[side]]
         if not absent:
             continue
         if not has[side]:
-            warnings.append(f"{where}the {side} runs hold none of the gated metrics "
-                            f"({len(absent)} present in the {other}: {_names(absent)})")
+            warnings.append(
+                f"{where}the {side} runs hold none of the gated metrics "
+                f"({len(absent)} present in the {other}: {_names(absent)})"
+            )
         else:
-            warnings.append(f"{where}gated metric(s) absent in the {side}, present in the "
-                            f"{other}: {_names(absent)}")
+            warnings.append(
+                f"{where}gated metric(s) absent in the {side}, present in the "
+                f"{other}: {_names(absent)}"
+            )
     return warnings
 
 
-def _require(job: str, rows: list[Row], base: list[Run], cand: list[Run],
-             rules: GateRules) -> None:
+def _require(job: str, rows: list[Row], base: list[Run], cand: list[Run], rules: GateRules) -> None:
     """A required metric absent (or null) in any complete run of either side makes its row
     gate as inconclusive; a regression found in the runs that have it still stands."""
     for metric in rules.required_metrics:
-        lacking = [(side, runs, [r for r in runs if not is_number(r.metrics.get(metric))])
-                   for side, runs in (("baseline", base), ("candidate", cand))]
+        lacking = [
+            (side, runs, [r for r in runs if not is_number(r.metrics.get(metric))])
+            for side, runs in (("baseline", base), ("candidate", cand))
+        ]
         found = next(((side, runs, bad) for side, runs, bad in lacking if bad), None)
         if found is None:
             continue
         side, runs, bad = found
-        note = (f"absent in {len(bad)} of {len(runs)} {side} run(s), e.g. "
-                f"{bad[0].path / 'summary.json'}")
+        note = (
+            f"absent in {len(bad)} of {len(runs)} {side} run(s), e.g. "
+            f"{bad[0].path / 'summary.json'}"
+        )
         row = next((r for r in rows if r.metric == metric), None)
         if row is None:
-            rows.append(Row(job, metric, REGISTRY[metric].kind, None, None,
-                            len(_values(base, metric)), len(_values(cand, metric)), None, None,
-                            "missing", note))
+            rows.append(
+                Row(
+                    job,
+                    metric,
+                    REGISTRY[metric].kind,
+                    None,
+                    None,
+                    len(_values(base, metric)),
+                    len(_values(cand, metric)),
+                    None,
+                    None,
+                    "missing",
+                    note,
+                )
+            )
         elif row.verdict == "missing":
             row.gates, row.note = True, note
         elif row.outcome != "regression":
@@ -263,22 +356,40 @@ def _require(job: str, rows: list[Row], base: list[Run], cand: list[Run],
             row.note = "; ".join(x for x in (note, row.note) if x)
 
 
-def _nothing_compared(job: str, rows: list[Row], base: list[Run], cand: list[Run],
-                      rules: GateRules) -> Row | None:
+def _nothing_compared(
+    job: str, rows: list[Row], base: list[Run], cand: list[Run], rules: GateRules
+) -> Row | None:
     if any(row.compared for row in rows):
         return None
     gated = rules.deterministic_metrics + rules.timing_metrics
-    empty = [side for side, runs in (("baseline", base), ("candidate", cand))
-             if not any(_values(runs, m) for m in gated)]
-    why = {0: "", 1: f" (the {' and '.join(empty)} runs hold none)",
-           2: " (neither side holds any)"}[len(empty)]
-    return Row(job, "status", "status", None, None, len(base), len(cand), None, None,
-               "inconclusive", f"nothing compared: none of the {len(gated)} gated metrics has "
-                               f"a value on both sides{why}")
+    empty = [
+        side
+        for side, runs in (("baseline", base), ("candidate", cand))
+        if not any(_values(runs, m) for m in gated)
+    ]
+    why = {
+        0: "",
+        1: f" (the {' and '.join(empty)} runs hold none)",
+        2: " (neither side holds any)",
+    }[len(empty)]
+    return Row(
+        job,
+        "status",
+        "status",
+        None,
+        None,
+        len(base),
+        len(cand),
+        None,
+        None,
+        "inconclusive",
+        f"nothing compared: none of the {len(gated)} gated metrics has a value on both sides{why}",
+    )
 
 
-def compare_groups(job: str, base: Group, cand: Group, rules: GateRules,
-                   pairs: list[tuple[Run, Run]] | None = None) -> tuple[list[Row], list[str]]:
+def compare_groups(
+    job: str, base: Group, cand: Group, rules: GateRules, pairs: list[tuple[Run, Run]] | None = None
+) -> tuple[list[Row], list[str]]:
     """Rows for one configuration; `pairs` (A/B rounds) switches timing to paired ratios."""
     warnings: list[str] = []
     rows = _status_rows(job, base, cand, warnings)
@@ -300,8 +411,14 @@ def compare_groups(job: str, base: Group, cand: Group, rules: GateRules,
     for metric in rules.deterministic_metrics:
         row = _nonfinite(job, metric, "deterministic", base.complete, cand.complete)
         if row is None:
-            row = _counter_row(job, metric, _values(base.complete, metric),
-                               _values(cand.complete, metric), paired_values(metric), rules)
+            row = _counter_row(
+                job,
+                metric,
+                _values(base.complete, metric),
+                _values(cand.complete, metric),
+                paired_values(metric),
+                rules,
+            )
         if row is not None:
             rows.append(row)
     for metric in rules.timing_metrics:
@@ -310,8 +427,11 @@ def compare_groups(job: str, base: Group, cand: Group, rules: GateRules,
         if row is not None:
             rows.append(row)
         elif base_values or cand_values:  # e.g. TPOT when every request makes one token
-            rows.append(_timing_row(job, metric, "timing", base_values, cand_values,
-                                    paired_values(metric), rules))
+            rows.append(
+                _timing_row(
+                    job, metric, "timing", base_values, cand_values, paired_values(metric), rules
+                )
+            )
     gated = rules.deterministic_metrics + rules.timing_metrics
     warnings += _one_sided(job, gated, base.complete, cand.complete)
     _require(job, rows, base.complete, cand.complete, rules)
@@ -334,14 +454,24 @@ def machine_of(run: Run) -> tuple[Any, ...] | None:
         return None
     cpu, gpu = prov.get("cpu"), prov.get("gpu")
     cpu, gpu = cpu if isinstance(cpu, dict) else {}, gpu if isinstance(gpu, dict) else {}
-    return tuple(_plain(v) for v in (prov.get("hostname_hash"), cpu.get("model"),
-                                     cpu.get("logical_cpus"), gpu.get("name"), gpu.get("count"),
-                                     prov.get("torch_num_threads")))
+    return tuple(
+        _plain(v)
+        for v in (
+            prov.get("hostname_hash"),
+            cpu.get("model"),
+            cpu.get("logical_cpus"),
+            gpu.get("name"),
+            gpu.get("count"),
+            prov.get("torch_num_threads"),
+        )
+    )
 
 
 def _describe_machines(machines: set[tuple[Any, ...]]) -> str:
-    return "; ".join(f"host {m[0]}, cpu {m[1]} x{m[2]}, gpu {m[3] or 'none'}, "
-                     f"torch threads {m[5]}" for m in sorted(machines, key=str))
+    return "; ".join(
+        f"host {m[0]}, cpu {m[1]} x{m[2]}, gpu {m[3] or 'none'}, torch threads {m[5]}"
+        for m in sorted(machines, key=str)
+    )
 
 
 def machine_warnings(base: Side, cand: Side) -> list[str]:
@@ -352,18 +482,26 @@ def machine_warnings(base: Side, cand: Side) -> list[str]:
     mb, mc = machines(base), machines(cand)
     if not mb or not mc or mb == mc:
         return []
-    return [f"baseline and candidate ran on different machines (provenance.json): baseline "
-            f"{_describe_machines(mb)}; candidate {_describe_machines(mc)}"]
+    return [
+        f"baseline and candidate ran on different machines (provenance.json): baseline "
+        f"{_describe_machines(mb)}; candidate {_describe_machines(mc)}"
+    ]
 
 
 def unknown_machines(base: Side, cand: Side) -> list[str]:
     """Complete runs whose machine cannot be told (no readable provenance.json)."""
-    return [str(run.path) for side in (base, cand) for group in side.groups.values()
-            for run in group.complete if machine_of(run) is None]
+    return [
+        str(run.path)
+        for side in (base, cand)
+        for group in side.groups.values()
+        for run in group.complete
+        if machine_of(run) is None
+    ]
 
 
-def apply_machine_rule(result: GateResult, rules: GateRules, different: bool,
-                       why: str = "different machines") -> None:
+def apply_machine_rule(
+    result: GateResult, rules: GateRules, different: bool, why: str = "different machines"
+) -> None:
     """Under `different_machine: inconclusive`, timing verdicts across machines are void (and
     so are they when a run's machine is unknown: the rule could not be checked)."""
     if not different or rules.different_machine != "inconclusive":
@@ -376,6 +514,7 @@ def apply_machine_rule(result: GateResult, rules: GateRules, different: bool,
 
 def config_differences(base: Side, cand: Side, limit: int = 8) -> list[str]:
     """The configuration keys that differ between the first runs of the two sides."""
+
     def first_config(side: Side) -> dict[str, Any] | None:
         for group in side.groups.values():
             for run in group.runs:
@@ -396,34 +535,47 @@ def config_differences(base: Side, cand: Side, limit: int = 8) -> list[str]:
     if a is None or b is None or len(base.groups) > 1:
         return []
     fa, fb = flat(a), flat(b)
-    diffs = [f"{key}: {fa.get(key)!r} -> {fb.get(key)!r}" for key in sorted(set(fa) | set(fb))
-             if fa.get(key) != fb.get(key)]
+    diffs = [
+        f"{key}: {fa.get(key)!r} -> {fb.get(key)!r}"
+        for key in sorted(set(fa) | set(fb))
+        if fa.get(key) != fb.get(key)
+    ]
     if len(diffs) > limit:
         diffs = [*diffs[:limit], f"... and {len(diffs) - limit} more"]
     return diffs
 
 
-def compare_sides(base: Side, cand: Side, rules: GateRules,
-                  pairs: list[tuple[Run, Run]] | None = None) -> GateResult:
+def compare_sides(
+    base: Side, cand: Side, rules: GateRules, pairs: list[tuple[Run, Run]] | None = None
+) -> GateResult:
     """Match groups (sweep jobs by their overrides) and compare each matched pair."""
     result = GateResult([], [*base.notes, *cand.notes], paired=pairs is not None)
     if (base.kind == "sweep") != (cand.kind == "sweep"):
-        sweep, other = ("baseline", "candidate") if base.kind == "sweep" else (
-            "candidate", "baseline")
-        raise ValueError(f"the {sweep} is a sweep but the {other} is not: compare a sweep "
-                         "with a sweep, or pick one job folder of it")
+        sweep, other = (
+            ("baseline", "candidate") if base.kind == "sweep" else ("candidate", "baseline")
+        )
+        raise ValueError(
+            f"the {sweep} is a sweep but the {other} is not: compare a sweep "
+            "with a sweep, or pick one job folder of it"
+        )
     matched = [key for key in base.groups if key in cand.groups]
     for key in base.groups:
         if key not in cand.groups:
-            result.warnings.append(f"baseline job {base.groups[key].label} ({list(key)}) has "
-                                   "no candidate job with the same overrides; skipped")
+            result.warnings.append(
+                f"baseline job {base.groups[key].label} ({list(key)}) has "
+                "no candidate job with the same overrides; skipped"
+            )
     for key in cand.groups:
         if key not in base.groups:
-            result.warnings.append(f"candidate job {cand.groups[key].label} ({list(key)}) "
-                                   "has no baseline job with the same overrides; skipped")
+            result.warnings.append(
+                f"candidate job {cand.groups[key].label} ({list(key)}) "
+                "has no baseline job with the same overrides; skipped"
+            )
     if not matched:
-        raise ValueError("no job of the baseline sweep matches a candidate job by its "
-                         "overrides (--ignore-override KEY leaves a key out of the matching)")
+        raise ValueError(
+            "no job of the baseline sweep matches a candidate job by its "
+            "overrides (--ignore-override KEY leaves a key out of the matching)"
+        )
     for key in matched:
         job = " ".join(key) if base.kind == "sweep" else ""
         rows, warnings = compare_groups(job, base.groups[key], cand.groups[key], rules, pairs)
@@ -434,7 +586,9 @@ def compare_sides(base: Side, cand: Side, rules: GateRules,
     apply_machine_rule(result, rules, bool(different))
     unknown = unknown_machines(base, cand)
     if unknown and rules.different_machine == "inconclusive":
-        result.warnings.append(f"{len(unknown)} run(s) have no readable provenance.json (e.g. "
-                               f"{unknown[0]}): their machine is unknown")
+        result.warnings.append(
+            f"{len(unknown)} run(s) have no readable provenance.json (e.g. "
+            f"{unknown[0]}): their machine is unknown"
+        )
         apply_machine_rule(result, rules, True, "machine unknown")
     return result

@@ -70,8 +70,9 @@ def _read_text(path: Path) -> str:
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not UTF-8 text (byte {exc.start}); a damaged or "
-                         "binary file?") from exc
+        raise InputError(
+            f"{path}: not UTF-8 text (byte {exc.start}); a damaged or binary file?"
+        ) from exc
     except OSError as exc:
         raise InputError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
 
@@ -84,8 +85,10 @@ def read_json_object(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column "
-                         f"{exc.colno}); truncated or damaged?") from exc
+        raise InputError(
+            f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column "
+            f"{exc.colno}); truncated or damaged?"
+        ) from exc
     except RecursionError as exc:
         raise InputError(f"{path}: JSON nested too deeply") from exc
     except ValueError as exc:  # e.g. an integer past Python's 4300-digit conversion limit
@@ -119,7 +122,7 @@ def _kind(value: Any) -> str:
 
 def _short(value: Any, limit: int = 60) -> str:
     text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def is_number(value: Any) -> bool:
@@ -134,25 +137,30 @@ def _metrics(summary: dict[str, Any], path: Path) -> dict[str, Any]:
     if metrics is None:
         return {}
     if not isinstance(metrics, dict):
-        raise InputError(f"{path}: `metrics` must be an object of metric names to numbers, "
-                         f"got {_kind(metrics)}")
+        raise InputError(
+            f"{path}: `metrics` must be an object of metric names to numbers, got {_kind(metrics)}"
+        )
     out = dict(metrics)
     for name, value in metrics.items():
         if name not in REGISTRY or value is None:
             continue
         if not is_number(value):
-            raise InputError(f"{path}: metrics.{name}: {_short(value)} is not a number "
-                             "(allowed: a number or null)")
+            raise InputError(
+                f"{path}: metrics.{name}: {_short(value)} is not a number "
+                "(allowed: a number or null)"
+            )
         try:
             out[name] = float(value)  # JSON integers have no bound; the comparison needs floats
         except OverflowError as exc:
-            raise InputError(f"{path}: metrics.{name}: an integer of {len(str(value))} digits "
-                             "is out of range") from exc
+            raise InputError(
+                f"{path}: metrics.{name}: an integer of {len(str(value))} digits is out of range"
+            ) from exc
     return out
 
 
-def _optional_mapping(path: Path, notes: list[str],
-                      reader: Callable[[Path], Any]) -> dict[str, Any] | None:
+def _optional_mapping(
+    path: Path, notes: list[str], reader: Callable[[Path], Any]
+) -> dict[str, Any] | None:
     """provenance.json and config.yaml only inform warnings: a damaged one is a note (the
     check it feeds is skipped for this run), not a reason to refuse the comparison."""
     if not path.exists():
@@ -175,8 +183,9 @@ def read_run(path: Path) -> Run:
     summary = read_json_object(summary_path)
     status = summary.get("status")
     if status is not None and not isinstance(status, str):
-        raise InputError(f"{summary_path}: `status` must be a string such as 'complete', "
-                         f"got {_kind(status)}")
+        raise InputError(
+            f"{summary_path}: `status` must be a string such as 'complete', got {_kind(status)}"
+        )
     status = status or "missing"
     if status == "running":  # a run that never wrote its final summary was cut short
         status = "incomplete"
@@ -184,18 +193,27 @@ def read_run(path: Path) -> Run:
     notes: list[str] = []
     metrics = _metrics(summary, summary_path)
     if status == "complete" and not any(name in REGISTRY for name in metrics):
-        held = ("absent" if "metrics" not in summary else "null" if summary["metrics"] is None
-                else "empty" if not metrics else "without any registry metric")
+        held = (
+            "absent"
+            if "metrics" not in summary
+            else "null"
+            if summary["metrics"] is None
+            else "empty"
+            if not metrics
+            else "without any registry metric"
+        )
         notes.append(f"{summary_path}: status complete but `metrics` is {held}")
     provenance = _optional_mapping(path / "provenance.json", notes, read_json_object)
     config = _optional_mapping(path / "config.yaml", notes, read_yaml)
-    return Run(path, status, None if error is None else str(error), metrics, provenance, config,
-               notes)
+    return Run(
+        path, status, None if error is None else str(error), metrics, provenance, config, notes
+    )
 
 
 def _repeat_dirs(path: Path) -> list[Path]:
-    found = [(int(m.group(1)), p) for p in path.iterdir()
-             if p.is_dir() and (m := _REPEAT.match(p.name))]
+    found = [
+        (int(m.group(1)), p) for p in path.iterdir() if p.is_dir() and (m := _REPEAT.match(p.name))
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -226,10 +244,11 @@ def _round_dir(value: Any, where: str) -> str | None:
     (never a path that leads out of it)."""
     if value is None or value == "":
         return None
-    if (not isinstance(value, str) or value in (".", "..") or "/" in value
-            or "\\" in value):
-        raise InputError(f"{where}: {_short(value)} is invalid; allowed: the name of a run "
-                         "folder inside the A/B folder (e.g. 'round-0-a')")
+    if not isinstance(value, str) or value in (".", "..") or "/" in value or "\\" in value:
+        raise InputError(
+            f"{where}: {_short(value)} is invalid; allowed: the name of a run "
+            "folder inside the A/B folder (e.g. 'round-0-a')"
+        )
     return value
 
 
@@ -244,10 +263,13 @@ def ab_rounds(path: Path) -> list[dict[str, Any]]:
     out = []
     for k, entry in enumerate(rounds):
         if not isinstance(entry, dict):
-            raise InputError(f"{ab_path}: rounds[{k}] must be an object with `a` and `b`, "
-                             f"got {_kind(entry)}")
-        names = {role: _round_dir(entry.get(role), f"{ab_path}: rounds[{k}].{role}")
-                 for role in ("a", "b")}
+            raise InputError(
+                f"{ab_path}: rounds[{k}] must be an object with `a` and `b`, got {_kind(entry)}"
+            )
+        names = {
+            role: _round_dir(entry.get(role), f"{ab_path}: rounds[{k}].{role}")
+            for role in ("a", "b")
+        }
         out.append({**entry, **names})
     return out
 
@@ -265,8 +287,10 @@ def read_overrides(job: Path) -> list[str]:
     if overrides is None:
         return []
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        raise InputError(f"{path}: expected a list of override strings such as "
-                         f"'engine.kv_cache=paged', got {_kind(overrides)}")
+        raise InputError(
+            f"{path}: expected a list of override strings such as "
+            f"'engine.kv_cache=paged', got {_kind(overrides)}"
+        )
     return overrides
 
 
@@ -287,22 +311,27 @@ def load_side(path: str | Path, role: str, ignore: set[str] | None = None) -> Si
         group = read_group(path, path.name)
         kind = "repeats" if len(group.runs) > 1 or _repeat_dirs(path) else "run"
         return Side(path, kind, {(): group})
-    children = sorted((p for p in path.iterdir() if p.is_dir() and _is_run_or_repeats(p)),
-                      key=_job_sort_key)
+    children = sorted(
+        (p for p in path.iterdir() if p.is_dir() and _is_run_or_repeats(p)), key=_job_sort_key
+    )
     jobs = [p for p in children if (p / ".hydra" / "overrides.yaml").exists()]
     if jobs:
         side = Side(path, "sweep", {})
         for job in jobs:
             key = override_key(read_overrides(job), ignore)
             if key in side.groups:
-                side.notes.append(f"{path}: jobs {side.groups[key].label} and {job.name} have "
-                                  f"the same overrides {list(key)}; using the first")
+                side.notes.append(
+                    f"{path}: jobs {side.groups[key].label} and {job.name} have "
+                    f"the same overrides {list(key)}; using the first"
+                )
                 continue
             side.groups[key] = read_group(job, job.name)
         return side
     if children:
         runs = [run for child in children for run in read_group(child, child.name).runs]
         return Side(path, "repeats", {(): Group(path.name, runs)})
-    raise InputError(f"{path}: not a run folder (summary.json), a run with repeats "
-                     "(repeat-k/), a folder of runs, a sweep (job folders with "
-                     f".hydra/overrides.yaml) or an A/B folder ({AB_FILE})")
+    raise InputError(
+        f"{path}: not a run folder (summary.json), a run with repeats "
+        "(repeat-k/), a folder of runs, a sweep (job folders with "
+        f".hydra/overrides.yaml) or an A/B folder ({AB_FILE})"
+    )

@@ -22,8 +22,14 @@ DIFFERENT_MACHINE = ("warn", "inconclusive")
 MAX_RESAMPLES = 1_000_000
 _SCHEMA: dict[str, Any] = {
     "metrics": {"timing": None, "deterministic": None, "exclude": None, "require": None},
-    "timing": {"statistic": None, "min_effect": None, "confidence": None, "resamples": None,
-               "min_samples": None, "seed": None},
+    "timing": {
+        "statistic": None,
+        "min_effect": None,
+        "confidence": None,
+        "resamples": None,
+        "min_samples": None,
+        "seed": None,
+    },
     "deterministic": {"rel_tol": None, "abs_tol": None, "neutral_change": None},
     "different_machine": None,
     "per_metric": None,
@@ -56,16 +62,28 @@ class GateRules:
         return own.get("rel_tol", self.rel_tol), own.get("abs_tol", self.abs_tol)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"metrics": {"timing": list(self.timing_metrics),
-                            "deterministic": list(self.deterministic_metrics),
-                            "require": list(self.required_metrics)},
-                "timing": {"statistic": self.bootstrap.statistic, "min_effect": self.min_effect,
-                           "confidence": self.bootstrap.confidence,
-                           "resamples": self.bootstrap.resamples,
-                           "min_samples": self.min_samples, "seed": self.bootstrap.seed},
-                "deterministic": {"rel_tol": self.rel_tol, "abs_tol": self.abs_tol,
-                                  "neutral_change": self.neutral_change},
-                "different_machine": self.different_machine, "per_metric": self.per_metric}
+        return {
+            "metrics": {
+                "timing": list(self.timing_metrics),
+                "deterministic": list(self.deterministic_metrics),
+                "require": list(self.required_metrics),
+            },
+            "timing": {
+                "statistic": self.bootstrap.statistic,
+                "min_effect": self.min_effect,
+                "confidence": self.bootstrap.confidence,
+                "resamples": self.bootstrap.resamples,
+                "min_samples": self.min_samples,
+                "seed": self.bootstrap.seed,
+            },
+            "deterministic": {
+                "rel_tol": self.rel_tol,
+                "abs_tol": self.abs_tol,
+                "neutral_change": self.neutral_change,
+            },
+            "different_machine": self.different_machine,
+            "per_metric": self.per_metric,
+        }
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -80,8 +98,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def _check_keys(values: Any, schema: dict[str, Any], where: str) -> None:
     if not isinstance(values, dict):
-        raise RulesError(f"{where}: expected a mapping with keys {sorted(schema)}, "
-                         f"got {values!r}")
+        raise RulesError(f"{where}: expected a mapping with keys {sorted(schema)}, got {values!r}")
     unknown = sorted(set(values) - set(schema))
     if unknown:
         raise RulesError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(schema)}")
@@ -90,24 +107,37 @@ def _check_keys(values: Any, schema: dict[str, Any], where: str) -> None:
             _check_keys(values[key], sub, f"{where}.{key}")
 
 
-def _number(value: Any, where: str, low: float, high: float | None = None,
-            low_open: bool = False, high_open: bool = False) -> float:
+def _number(
+    value: Any,
+    where: str,
+    low: float,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
     # nan fails every comparison below; inf is refused by name (an infinite tolerance would
     # make every counter equal: a check that cannot fail)
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (value > low if low_open else value >= low) and (
-            high is None or (value < high if high_open else value <= high))
+            high is None or (value < high if high_open else value <= high)
+        )
     if not ok:
         left, right = "(" if low_open else "[", ")" if high_open or high is None else "]"
-        raise RulesError(f"{where}: {value!r} is invalid; allowed: a number in "
-                         f"{left}{low}, {'inf' if high is None else high}{right}")
+        raise RulesError(
+            f"{where}: {value!r} is invalid; allowed: a number in "
+            f"{left}{low}, {'inf' if high is None else high}{right}"
+        )
     return float(value)
 
 
 def _integer(value: Any, where: str, low: int, high: int | None = None) -> int:
-    if (not isinstance(value, int) or isinstance(value, bool) or value < low
-            or (high is not None and value > high)):
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < low
+        or (high is not None and value > high)
+    ):
         allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise RulesError(f"{where}: {value!r} is invalid; allowed: an integer {allowed}")
     return value
@@ -120,8 +150,11 @@ def _choice(value: Any, where: str, allowed: tuple[str, ...]) -> str:
 
 
 def _metric_list(value: Any, where: str, kind: str) -> tuple[str, ...]:
-    candidates = [m.name for m in REGISTRY.values() if m.kind == kind
-                  and (kind == "deterministic" or m.better != "none")]
+    candidates = [
+        m.name
+        for m in REGISTRY.values()
+        if m.kind == kind and (kind == "deterministic" or m.better != "none")
+    ]
     if value == "all":
         return tuple(candidates)
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -131,11 +164,15 @@ def _metric_list(value: Any, where: str, kind: str) -> tuple[str, ...]:
         if metric is None:
             raise RulesError(f"{where}: unknown metric {name!r}; allowed: {candidates}")
         if metric.kind != kind:
-            raise RulesError(f"{where}: {name!r} is a {metric.kind} metric, not {kind}; "
-                             f"list it under rules.metrics.{metric.kind}")
+            raise RulesError(
+                f"{where}: {name!r} is a {metric.kind} metric, not {kind}; "
+                f"list it under rules.metrics.{metric.kind}"
+            )
         if metric.better == "none" and kind == "timing":
-            raise RulesError(f"{where}: {name!r} has no better direction (better: none), so "
-                             f"it cannot gate; allowed: {candidates}")
+            raise RulesError(
+                f"{where}: {name!r} has no better direction (better: none), so "
+                f"it cannot gate; allowed: {candidates}"
+            )
     return tuple(dict.fromkeys(value))
 
 
@@ -143,19 +180,21 @@ def _per_metric(value: Any, gated: set[str]) -> dict[str, dict[str, float]]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise RulesError(f"rules.per_metric: expected a mapping metric -> settings, "
-                         f"got {value!r}")
+        raise RulesError(f"rules.per_metric: expected a mapping metric -> settings, got {value!r}")
     out: dict[str, dict[str, float]] = {}
     for name, settings in value.items():
         where = f"rules.per_metric.{name}"
         metric = REGISTRY.get(name)
         if metric is None:
-            raise RulesError(f"{where}: unknown metric; allowed: the registry's names "
-                             "(docs/metrics.md)")
+            raise RulesError(
+                f"{where}: unknown metric; allowed: the registry's names (docs/metrics.md)"
+            )
         allowed = ("min_effect",) if metric.kind == "timing" else ("rel_tol", "abs_tol")
         if not isinstance(settings, dict) or set(settings) - set(allowed):
-            raise RulesError(f"{where}: {settings!r} is invalid; allowed keys for a "
-                             f"{metric.kind} metric: {list(allowed)}")
+            raise RulesError(
+                f"{where}: {settings!r} is invalid; allowed keys for a "
+                f"{metric.kind} metric: {list(allowed)}"
+            )
         out[name] = {}
         for key, number in settings.items():
             if key == "min_effect":
@@ -163,8 +202,10 @@ def _per_metric(value: Any, gated: set[str]) -> dict[str, dict[str, float]]:
             else:
                 out[name][key] = _number(number, f"{where}.{key}", 0.0)
         if name not in gated:
-            raise RulesError(f"{where}: {name!r} does not gate under these rules; add it to "
-                             f"rules.metrics.{metric.kind} or drop its settings")
+            raise RulesError(
+                f"{where}: {name!r} does not gate under these rules; add it to "
+                f"rules.metrics.{metric.kind} or drop its settings"
+            )
     return out
 
 
@@ -176,11 +217,15 @@ def _required(value: Any, where: str, gated: set[str]) -> tuple[str, ...]:
     for name in value:
         metric = REGISTRY.get(name)
         if metric is None:
-            raise RulesError(f"{where}: unknown metric {name!r}; allowed: a metric that gates "
-                             f"under these rules: {sorted(gated)}")
+            raise RulesError(
+                f"{where}: unknown metric {name!r}; allowed: a metric that gates "
+                f"under these rules: {sorted(gated)}"
+            )
         if name not in gated:
-            raise RulesError(f"{where}: {name!r} does not gate under these rules; add it to "
-                             f"rules.metrics.{metric.kind} (and out of rules.metrics.exclude)")
+            raise RulesError(
+                f"{where}: {name!r} does not gate under these rules; add it to "
+                f"rules.metrics.{metric.kind} (and out of rules.metrics.exclude)"
+            )
     return tuple(dict.fromkeys(value))
 
 
@@ -191,29 +236,39 @@ def parse_rules(values: dict[str, Any], require: tuple[str, ...] = ()) -> GateRu
     metrics, timing, det = values["metrics"], values["timing"], values["deterministic"]
     exclude = metrics.get("exclude") or []
     if not isinstance(exclude, list) or not all(isinstance(v, str) for v in exclude):
-        raise RulesError(f"rules.metrics.exclude: expected a list of metric names, "
-                         f"got {exclude!r}")
+        raise RulesError(f"rules.metrics.exclude: expected a list of metric names, got {exclude!r}")
     unknown = [name for name in exclude if name not in REGISTRY]
     if unknown:
         raise RulesError(f"rules.metrics.exclude: unknown metric(s) {unknown}")
-    timing_metrics = tuple(m for m in _metric_list(metrics["timing"], "rules.metrics.timing",
-                                                   "timing") if m not in exclude)
+    timing_metrics = tuple(
+        m
+        for m in _metric_list(metrics["timing"], "rules.metrics.timing", "timing")
+        if m not in exclude
+    )
     deterministic_metrics = tuple(
-        m for m in _metric_list(metrics["deterministic"], "rules.metrics.deterministic",
-                                "deterministic") if m not in exclude)
+        m
+        for m in _metric_list(
+            metrics["deterministic"], "rules.metrics.deterministic", "deterministic"
+        )
+        if m not in exclude
+    )
     gated = set(timing_metrics) | set(deterministic_metrics)
     if not gated:
-        raise RulesError("rules.metrics: no metric gates (rules.metrics.timing and "
-                         "rules.metrics.deterministic are empty, or all excluded), so the gate "
-                         "would compare nothing; name at least one metric")
+        raise RulesError(
+            "rules.metrics: no metric gates (rules.metrics.timing and "
+            "rules.metrics.deterministic are empty, or all excluded), so the gate "
+            "would compare nothing; name at least one metric"
+        )
     required = _required(metrics.get("require"), "rules.metrics.require", gated)
-    required += tuple(m for m in _required(list(require), "--require-metric", gated)
-                      if m not in required)
+    required += tuple(
+        m for m in _required(list(require), "--require-metric", gated) if m not in required
+    )
     statistic = _choice(timing["statistic"], "rules.timing.statistic", STATISTICS)
     bootstrap = BootstrapSettings(
         statistic=statistic,  # type: ignore[arg-type]
-        confidence=_number(timing["confidence"], "rules.timing.confidence", 0.5, 1.0,
-                           high_open=True),
+        confidence=_number(
+            timing["confidence"], "rules.timing.confidence", 0.5, 1.0, high_open=True
+        ),
         resamples=_integer(timing["resamples"], "rules.timing.resamples", 100, MAX_RESAMPLES),
         seed=_integer(timing["seed"], "rules.timing.seed", 0),
     )
@@ -221,15 +276,18 @@ def parse_rules(values: dict[str, Any], require: tuple[str, ...] = ()) -> GateRu
         timing_metrics=timing_metrics,
         deterministic_metrics=deterministic_metrics,
         bootstrap=bootstrap,
-        min_effect=_number(timing["min_effect"], "rules.timing.min_effect", 0.0, 1.0,
-                           high_open=True),
+        min_effect=_number(
+            timing["min_effect"], "rules.timing.min_effect", 0.0, 1.0, high_open=True
+        ),
         min_samples=_integer(timing["min_samples"], "rules.timing.min_samples", 2),
         rel_tol=_number(det["rel_tol"], "rules.deterministic.rel_tol", 0.0),
         abs_tol=_number(det["abs_tol"], "rules.deterministic.abs_tol", 0.0),
-        neutral_change=_choice(det["neutral_change"], "rules.deterministic.neutral_change",
-                               NEUTRAL_CHANGE),
-        different_machine=_choice(values["different_machine"], "rules.different_machine",
-                                  DIFFERENT_MACHINE),
+        neutral_change=_choice(
+            det["neutral_change"], "rules.deterministic.neutral_change", NEUTRAL_CHANGE
+        ),
+        different_machine=_choice(
+            values["different_machine"], "rules.different_machine", DIFFERENT_MACHINE
+        ),
         per_metric=_per_metric(values.get("per_metric"), gated),
         required_metrics=required,
     )
@@ -237,10 +295,15 @@ def parse_rules(values: dict[str, Any], require: tuple[str, ...] = ()) -> GateRu
 
 def add_require_argument(parser: argparse.ArgumentParser) -> None:
     """--require-metric, shared by `inferlab gate` and `inferlab gate ab`."""
-    parser.add_argument("--require-metric", action="append", default=[], metavar="NAME",
-                        help="a gated metric that must be present in every complete run of "
-                             "both sides, else exit 2 (repeatable; adds to the rules' "
-                             "metrics.require)")
+    parser.add_argument(
+        "--require-metric",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a gated metric that must be present in every complete run of "
+        "both sides, else exit 2 (repeatable; adds to the rules' "
+        "metrics.require)",
+    )
 
 
 def load_rules(path: str | Path | None = None, require: tuple[str, ...] = ()) -> GateRules:

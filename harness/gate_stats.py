@@ -80,15 +80,17 @@ def _interval(diffs: np.ndarray, confidence: float) -> tuple[float, float]:
     return float(np.exp(low)), float(np.exp(high))
 
 
-def bootstrap_ratio(baseline: Sequence[float], candidate: Sequence[float],
-                    settings: BootstrapSettings) -> RatioEstimate:
+def bootstrap_ratio(
+    baseline: Sequence[float], candidate: Sequence[float], settings: BootstrapSettings
+) -> RatioEstimate:
     """Unpaired: the ratio of the candidate's statistic to the baseline's, over runs."""
     base, cand = _logs(baseline, "baseline"), _logs(candidate, "candidate")
     rng = np.random.default_rng(settings.seed)
     base_idx = rng.integers(0, len(base), size=(settings.resamples, len(base)))
     cand_idx = rng.integers(0, len(cand), size=(settings.resamples, len(cand)))
-    diffs = (_center(cand[cand_idx], settings.statistic)
-             - _center(base[base_idx], settings.statistic))
+    diffs = _center(cand[cand_idx], settings.statistic) - _center(
+        base[base_idx], settings.statistic
+    )
     point = float(np.exp(_center(cand, settings.statistic) - _center(base, settings.statistic)))
     low, high = _interval(diffs, settings.confidence)
     return RatioEstimate(point, low, high, len(base), len(cand), paired=False)
@@ -105,13 +107,17 @@ def bootstrap_paired(ratios: Sequence[float], settings: BootstrapSettings) -> Ra
     return RatioEstimate(point, low, high, len(logs), len(logs), paired=True)
 
 
-def decide(estimate: RatioEstimate, better: Literal["lower", "higher"], min_effect: float,
-           min_samples: int) -> tuple[Verdict, str]:
+def decide(
+    estimate: RatioEstimate, better: Literal["lower", "higher"], min_effect: float, min_samples: int
+) -> tuple[Verdict, str]:
     """The verdict for one timing metric and a short reason (see the module docstring)."""
     n = min(estimate.n_baseline, estimate.n_candidate)
     if n < min_samples:
-        unit = ("round" if n == 1 else "rounds") if estimate.paired else (
-            "run per side" if n == 1 else "runs per side")
+        unit = (
+            ("round" if n == 1 else "rounds")
+            if estimate.paired
+            else ("run per side" if n == 1 else "runs per side")
+        )
         why = f"{n} {unit} < min_samples {min_samples}"
         if n == 1 and not estimate.paired:
             why = "one run per side: a timing comparison cannot be conclusive"

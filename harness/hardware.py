@@ -91,10 +91,13 @@ def spec_from_dict(values: dict[str, Any], where: str = "hardware") -> HardwareS
         raise ValueError(f"{where}.peak_flops: expected a mapping dtype -> FLOP/s, got {peaks!r}")
     overlap = values.get("overlap") or {}
     if not isinstance(overlap, dict) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
-            for v in overlap.values()):
-        raise ValueError(f"{where}.overlap: {overlap!r} is invalid; allowed: a mapping dtype -> "
-                         "a number in [0, 1]")
+        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+        for v in overlap.values()
+    ):
+        raise ValueError(
+            f"{where}.overlap: {overlap!r} is invalid; allowed: a mapping dtype -> "
+            "a number in [0, 1]"
+        )
     return HardwareSpec(
         name=str(values["name"]),
         memory_bandwidth=positive("memory_bandwidth", values["memory_bandwidth"]),
@@ -111,8 +114,11 @@ def load_spec_file(name: str) -> dict[str, Any]:
 
 def datasheet_specs() -> list[HardwareSpec]:
     """Every spec with datasheet values (all files but `auto` and `cpu`)."""
-    return [spec_from_dict(load_spec_file(n), f"configs/hardware/{n}.yaml")
-            for n in allowed_names() if n not in ("auto", "cpu")]
+    return [
+        spec_from_dict(load_spec_file(n), f"configs/hardware/{n}.yaml")
+        for n in allowed_names()
+        if n not in ("auto", "cpu")
+    ]
 
 
 def match_gpu(device_name: str) -> HardwareSpec | None:
@@ -150,8 +156,9 @@ def _bandwidths(probe_bytes: int, repeats: int) -> tuple[float, float]:
     return nbytes / read_s, 2 * nbytes / copy_s
 
 
-def _overlap(dtype: torch.dtype, peak_flops: float, bandwidth: float, weight_bytes: int,
-             repeats: int) -> float:
+def _overlap(
+    dtype: torch.dtype, peak_flops: float, bandwidth: float, weight_bytes: int, repeats: int
+) -> float:
     """How much of the shorter of compute and memory time a linear layer at the ridge point
     hides under the longer: (compute + memory - measured) / min(compute, memory), in [0, 1].
 
@@ -174,20 +181,27 @@ def _overlap(dtype: torch.dtype, peak_flops: float, bandwidth: float, weight_byt
     measured = _best_seconds(lambda: torch.nn.functional.linear(x, weight), repeats, 2.0)
     if PrepackedDenseMethod.supported(torch.device("cpu"), dtype):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        measured = min(measured, _best_seconds(
-            lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-            repeats, 2.0))
+        measured = min(
+            measured,
+            _best_seconds(
+                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                repeats,
+                2.0,
+            ),
+        )
         del packed
     if dtype == torch.float32 and native.load() is not None:
         panels = native.pack_linear_weight(weight)
-        measured = min(measured, _best_seconds(lambda: native.linear(x, panels, n), repeats,
-                                               2.0))
+        measured = min(measured, _best_seconds(lambda: native.linear(x, panels, n), repeats, 2.0))
     compute, memory = 2 * rows * n * n / peak_flops, n * n * size / bandwidth
     return min(1.0, max(0.0, (compute + memory - measured) / min(compute, memory)))
 
 
-def probe_cpu(probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
-              matmul_size: int = CPU_DEFAULTS["matmul_size"], repeats: int = 5) -> dict[str, Any]:
+def probe_cpu(
+    probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
+    matmul_size: int = CPU_DEFAULTS["matmul_size"],
+    repeats: int = 5,
+) -> dict[str, Any]:
     """Measure memory bandwidth, matmul FLOP/s and their overlap at torch's thread count.
 
     Bandwidth: the best of a read-only sum over `probe_bytes` of fp32 (bytes read / s) and a
@@ -197,8 +211,10 @@ def probe_cpu(probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
     a sample down.
     """
     if probe_bytes < 1 << 16 or matmul_size < 16:
-        raise ValueError(f"hardware: probe_bytes={probe_bytes} / matmul_size={matmul_size} "
-                         "too small; allowed: probe_bytes >= 65536, matmul_size >= 16")
+        raise ValueError(
+            f"hardware: probe_bytes={probe_bytes} / matmul_size={matmul_size} "
+            "too small; allowed: probe_bytes >= 65536, matmul_size >= 16"
+        )
     with torch.inference_mode():
         read_bw, copy_bw = _bandwidths(probe_bytes, repeats)
         flops: dict[str, float] = {}
@@ -207,12 +223,19 @@ def probe_cpu(probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
             dtype = getattr(torch, name)
             a = torch.randn(n, n).to(dtype)
             b = torch.randn(n, n).to(dtype)
-            flops[name] = 2 * n ** 3 / _best_seconds(lambda a=a, b=b: a @ b, repeats, 1.0)
+            flops[name] = 2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b, repeats, 1.0)
         bandwidth = max(read_bw, copy_bw)
-        overlap = {name: _overlap(getattr(torch, name), flops[name], bandwidth, probe_bytes,
-                                  repeats) for name in PROBE_DTYPES}
-    return {"memory_bandwidth": bandwidth, "read_bandwidth": read_bw, "copy_bandwidth": copy_bw,
-            "peak_flops": flops, "overlap": overlap}
+        overlap = {
+            name: _overlap(getattr(torch, name), flops[name], bandwidth, probe_bytes, repeats)
+            for name in PROBE_DTYPES
+        }
+    return {
+        "memory_bandwidth": bandwidth,
+        "read_bandwidth": read_bw,
+        "copy_bandwidth": copy_bw,
+        "peak_flops": flops,
+        "overlap": overlap,
+    }
 
 
 def cpu_model() -> str:
@@ -233,17 +256,24 @@ def cache_path(threads: int, cache_dir: Path | None = None) -> Path:
     return (cache_dir or default_cache_dir() / "hardware") / f"{key}.json"
 
 
-def cpu_spec(probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
-             matmul_size: int = CPU_DEFAULTS["matmul_size"], reprobe: bool = False,
-             cache_dir: Path | None = None) -> HardwareSpec:
+def cpu_spec(
+    probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
+    matmul_size: int = CPU_DEFAULTS["matmul_size"],
+    reprobe: bool = False,
+    cache_dir: Path | None = None,
+) -> HardwareSpec:
     """This CPU's measured spec at torch's current thread count, from the cache when a probe
     with the same settings was cached on this machine, else probed now (and cached)."""
     from harness.records import write_json_atomic
 
     threads = torch.get_num_threads()
     path = cache_path(threads, cache_dir)
-    settings = {"probe_bytes": int(probe_bytes), "matmul_size": int(matmul_size),
-                "threads": threads, "probe_version": PROBE_VERSION}
+    settings = {
+        "probe_bytes": int(probe_bytes),
+        "matmul_size": int(matmul_size),
+        "threads": threads,
+        "probe_version": PROBE_VERSION,
+    }
     cached = None
     if path.is_file() and not reprobe:
         try:
@@ -255,9 +285,14 @@ def cpu_spec(probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
     if cached is None:
         start = time.perf_counter()
         measured = probe_cpu(int(probe_bytes), int(matmul_size))
-        cached = {"settings": settings, "measured": measured, "cpu_model": cpu_model(),
-                  "host": socket.gethostname(), "probed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                  "probe_s": time.perf_counter() - start}
+        cached = {
+            "settings": settings,
+            "measured": measured,
+            "cpu_model": cpu_model(),
+            "host": socket.gethostname(),
+            "probed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "probe_s": time.perf_counter() - start,
+        }
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, cached)
         cached["from_cache"] = False
@@ -265,13 +300,19 @@ def cpu_spec(probe_bytes: int = CPU_DEFAULTS["probe_bytes"],
         cached["from_cache"] = True
     measured = cached["measured"]
     details = {k: v for k, v in cached.items() if k != "measured"}
-    details.update(cache_file=str(path), read_bandwidth=measured["read_bandwidth"],
-                   copy_bandwidth=measured["copy_bandwidth"])
-    return HardwareSpec(name="cpu", memory_bandwidth=float(measured["memory_bandwidth"]),
-                        peak_flops={k: float(v) for k, v in measured["peak_flops"].items()},
-                        overlap={k: float(v) for k, v in measured["overlap"].items()},
-                        source=f"measured on this machine ({threads} threads)",
-                        details=details)
+    details.update(
+        cache_file=str(path),
+        read_bandwidth=measured["read_bandwidth"],
+        copy_bandwidth=measured["copy_bandwidth"],
+    )
+    return HardwareSpec(
+        name="cpu",
+        memory_bandwidth=float(measured["memory_bandwidth"]),
+        peak_flops={k: float(v) for k, v in measured["peak_flops"].items()},
+        overlap={k: float(v) for k, v in measured["overlap"].items()},
+        source=f"measured on this machine ({threads} threads)",
+        details=details,
+    )
 
 
 # ---- resolving the `hardware` config --------------------------------------------------------
@@ -288,29 +329,35 @@ def validate_config(config: dict[str, Any] | str | None) -> dict[str, Any]:
     if name == "auto":
         unknown = sorted(set(config) - {"name"})
         if unknown:
-            raise ValueError(f"hardware: unknown key(s) {unknown} for hardware=auto; "
-                             "pick a spec (e.g. hardware=cpu) to set its values")
+            raise ValueError(
+                f"hardware: unknown key(s) {unknown} for hardware=auto; "
+                "pick a spec (e.g. hardware=cpu) to set its values"
+            )
     elif name == "cpu":
         unknown = sorted(set(config) - CPU_KEYS)
         if unknown:
-            raise ValueError(f"hardware: unknown key(s) {unknown}; allowed for cpu: "
-                             f"{sorted(CPU_KEYS)}")
+            raise ValueError(
+                f"hardware: unknown key(s) {unknown}; allowed for cpu: {sorted(CPU_KEYS)}"
+            )
         # checked here, not left to int()/bool(): bool("false") is True
         for key, low in (("probe_bytes", 1 << 16), ("matmul_size", 16)):
             value = config.get(key, CPU_DEFAULTS[key])
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"hardware.{key}: {value!r} is invalid; allowed: an integer "
-                                 f">= {low}")
+                raise ValueError(
+                    f"hardware.{key}: {value!r} is invalid; allowed: an integer >= {low}"
+                )
         if not isinstance(config.get("reprobe", False), bool):
-            raise ValueError(f"hardware.reprobe: {config['reprobe']!r} is invalid; allowed: "
-                             "true|false")
+            raise ValueError(
+                f"hardware.reprobe: {config['reprobe']!r} is invalid; allowed: true|false"
+            )
     else:  # a datasheet spec: the file's values, overridden by the config's
         spec_from_dict({**load_spec_file(name), **config})
     return config
 
 
-def resolve(config: dict[str, Any] | str | None, device: str | None,
-            cache_dir: Path | None = None) -> tuple[HardwareSpec | None, str | None]:
+def resolve(
+    config: dict[str, Any] | str | None, device: str | None, cache_dir: Path | None = None
+) -> tuple[HardwareSpec | None, str | None]:
     """(spec, note) for a run on `device` (the engine's, e.g. "cpu" or "cuda:0"; None for a
     remote backend). The spec is None, with the note saying why, when no peak applies."""
     config = validate_config(config)
@@ -322,16 +369,22 @@ def resolve(config: dict[str, Any] | str | None, device: str | None,
             device_name = torch.cuda.get_device_name(torch.device(device))
             spec = match_gpu(device_name)
             if spec is None:
-                return None, (f"hardware=auto: no spec in configs/hardware matches GPU "
-                              f"{device_name!r}; add one or pick hardware=<name>")
+                return None, (
+                    f"hardware=auto: no spec in configs/hardware matches GPU "
+                    f"{device_name!r}; add one or pick hardware=<name>"
+                )
             return spec, None
         name = "cpu"
         config = {"name": "cpu"}
     if name == "cpu":
-        settings = {**CPU_DEFAULTS, **{k: v for k, v in load_spec_file("cpu").items()
-                                       if k != "name"}, **config}
-        return cpu_spec(settings["probe_bytes"], settings["matmul_size"],
-                        bool(settings["reprobe"]), cache_dir), None
+        settings = {
+            **CPU_DEFAULTS,
+            **{k: v for k, v in load_spec_file("cpu").items() if k != "name"},
+            **config,
+        }
+        return cpu_spec(
+            settings["probe_bytes"], settings["matmul_size"], bool(settings["reprobe"]), cache_dir
+        ), None
     return spec_from_dict({**load_spec_file(name), **config}), None
 
 
@@ -340,4 +393,3 @@ def describe_for_run(spec: HardwareSpec | None, note: str | None) -> dict[str, A
     if spec is None:
         return {"name": None, "note": note}
     return spec.to_dict()
-

@@ -24,14 +24,21 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
 
 
-def kv_calc(model: str, overrides: dict[str, Any] | None, max_model_len: int | None,
-            dtype: str, device_memory_gib: float, gpu_memory_utilization: float = 0.9,
-            ) -> dict[str, Any]:
+def kv_calc(
+    model: str,
+    overrides: dict[str, Any] | None,
+    max_model_len: int | None,
+    dtype: str,
+    device_memory_gib: float,
+    gpu_memory_utilization: float = 0.9,
+) -> dict[str, Any]:
     cfg = resolve_model(model, overrides)
     name = DTYPE_ALIASES.get(str(dtype).lower())
     if name is None:
-        raise ConfigError(f"engine.dtype: {dtype!r} is invalid; allowed: "
-                          "auto|float32|bfloat16|float16 (aliases fp32|bf16|fp16)")
+        raise ConfigError(
+            f"engine.dtype: {dtype!r} is invalid; allowed: "
+            "auto|float32|bfloat16|float16 (aliases fp32|bf16|fp16)"
+        )
     if name == "auto":
         name = "bfloat16"  # what the engine uses on a GPU for dtype=auto
     element = DTYPE_BYTES[name]
@@ -43,8 +50,12 @@ def kv_calc(model: str, overrides: dict[str, Any] | None, max_model_len: int | N
     usable = int(device * gpu_memory_utilization) - weights
     mha_per_token = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * element
     return {
-        "model": model, "dtype": name, "max_model_len": max_len,
-        "layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "heads": cfg.num_heads,
+        "model": model,
+        "dtype": name,
+        "max_model_len": max_len,
+        "layers": cfg.num_layers,
+        "kv_heads": cfg.num_kv_heads,
+        "heads": cfg.num_heads,
         "head_dim": cfg.head_dim,
         "kv_bytes_per_token": per_token,
         "gqa_saving": mha_per_token / per_token,
@@ -62,21 +73,29 @@ def format_report(r: dict[str, Any]) -> str:
     def gib(x: int) -> str:
         return f"{x / GIB:,.2f} GiB ({x:,} B)"
 
-    window = (f"\n  (sliding window {r['sliding_window']}: with paged KV a sequence holds at "
-              f"most ~{r['sliding_window']} tokens of KV)") if r["sliding_window"] else ""
-    return "\n".join([
-        f"{r['model']} in {r['dtype']}, max_model_len={r['max_model_len']}",
-        f"  KV bytes per token     2 x {r['layers']} layers x {r['kv_heads']} kv_heads x "
-        f"{r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {r['kv_bytes_per_token']:,} B "
-        f"({r['kv_bytes_per_token'] / 1024:,.0f} KiB; GQA {r['heads']}/{r['kv_heads']} heads "
-        f"saves {r['gqa_saving']:.0f}x)",
-        f"  KV bytes per sequence  {gib(r['kv_bytes_per_sequence'])}",
-        f"  weight bytes           {gib(r['weight_bytes'])}",
-        f"  device memory          {gib(r['device_bytes'])} x {r['gpu_memory_utilization']}",
-        f"  left for KV            {gib(r['kv_budget_bytes'])}",
-        f"  sequences that fit     {r['max_sequences']:,} of {r['max_model_len']} tokens each"
-        + window,
-    ])
+    window = (
+        (
+            f"\n  (sliding window {r['sliding_window']}: with paged KV a sequence holds at "
+            f"most ~{r['sliding_window']} tokens of KV)"
+        )
+        if r["sliding_window"]
+        else ""
+    )
+    return "\n".join(
+        [
+            f"{r['model']} in {r['dtype']}, max_model_len={r['max_model_len']}",
+            f"  KV bytes per token     2 x {r['layers']} layers x {r['kv_heads']} kv_heads x "
+            f"{r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {r['kv_bytes_per_token']:,} B "
+            f"({r['kv_bytes_per_token'] / 1024:,.0f} KiB; GQA {r['heads']}/{r['kv_heads']} heads "
+            f"saves {r['gqa_saving']:.0f}x)",
+            f"  KV bytes per sequence  {gib(r['kv_bytes_per_sequence'])}",
+            f"  weight bytes           {gib(r['weight_bytes'])}",
+            f"  device memory          {gib(r['device_bytes'])} x {r['gpu_memory_utilization']}",
+            f"  left for KV            {gib(r['kv_budget_bytes'])}",
+            f"  sequences that fit     {r['max_sequences']:,} of {r['max_model_len']} tokens each"
+            + window,
+        ]
+    )
 
 
 def main(args: list[str]) -> int:
@@ -92,16 +111,23 @@ def main(args: list[str]) -> int:
             else:
                 rest.append(arg)
     except ValueError:
-        print(f"error: device_memory_gib: {value!r} is invalid; allowed: a number > 0",
-              file=sys.stderr)
+        print(
+            f"error: device_memory_gib: {value!r} is invalid; allowed: a number > 0",
+            file=sys.stderr,
+        )
         return 2
     cfg = OmegaConf.to_container(configs.compose(rest), resolve=True)
     assert isinstance(cfg, dict)
     model, engine = cfg["model"], cfg["engine"]
     try:
-        report = kv_calc(model.get("path") or model["name"], model.get("overrides"),
-                         engine.get("max_model_len"), engine.get("dtype", "auto"), device_gib,
-                         engine.get("gpu_memory_utilization", 0.9))
+        report = kv_calc(
+            model.get("path") or model["name"],
+            model.get("overrides"),
+            engine.get("max_model_len"),
+            engine.get("dtype", "auto"),
+            device_gib,
+            engine.get("gpu_memory_utilization", 0.9),
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -47,59 +47,159 @@ def _register_latency(base: str, stats: Iterable[str], what: str) -> None:
         register(f"{base}_{stat}_s", "s", "lower", "timing", f"{what}, {stat} over requests")
 
 
-_register_latency("ttft", ("mean", "p50", "p90", "p99"),
-                  "time to first token: first output token - arrival (queueing included)")
-_register_latency("tpot", ("mean", "p50", "p99"),
-                  "time per output token: (last - first token) / (N - 1), requests with N > 1")
+_register_latency(
+    "ttft",
+    ("mean", "p50", "p90", "p99"),
+    "time to first token: first output token - arrival (queueing included)",
+)
+_register_latency(
+    "tpot",
+    ("mean", "p50", "p99"),
+    "time per output token: (last - first token) / (N - 1), requests with N > 1",
+)
 _register_latency("e2e", ("mean", "p50", "p99"), "end-to-end latency: last token - arrival")
 _register_latency("queue", ("p50", "p99"), "queueing: first scheduled - arrival")
 for _stat in ("p50", "p90", "p99", "p999", "max"):
-    register(f"itl_{_stat}_s", "s", "lower", "timing",
-             f"inter-token latency, {_stat} over every gap between consecutive tokens (pooled)")
+    register(
+        f"itl_{_stat}_s",
+        "s",
+        "lower",
+        "timing",
+        f"inter-token latency, {_stat} over every gap between consecutive tokens (pooled)",
+    )
 register("itl_mean_s", "s", "lower", "timing", "inter-token latency, mean over all gaps")
 register("output_tok_per_s", "tok/s", "higher", "timing", "output tokens / run duration")
 register("input_tok_per_s", "tok/s", "higher", "timing", "prompt tokens / run duration")
-register("total_tok_per_s", "tok/s", "higher", "timing",
-         "(prompt + output tokens) / run duration")
+register("total_tok_per_s", "tok/s", "higher", "timing", "(prompt + output tokens) / run duration")
 register("req_per_s", "req/s", "higher", "timing", "completed requests / run duration")
 register("duration_s", "s", "none", "timing", "first arrival to last completion")
-register("offered_req_per_s", "req/s", "none", "deterministic",
-         "requests / arrival span, as the workload scheduled them (open loop, > 1 distinct time)")
-register("goodput_req_per_s", "req/s", "higher", "timing",
-         "completed requests meeting every configured SLO (ttft, tpot, e2e) / run duration")
-register("slo_attainment", "fraction", "higher", "timing",
-         "completed requests meeting every configured SLO / completed requests")
-register("send_lateness_p99_s", "s", "lower", "timing",
-         "p99 of sent - arrival: how late the driver handed requests over")
-register("saturation_req_per_s", "req/s", "higher", "timing",
-         "load sweep: the highest offered rate still served at >= 90% (sweep_summary.json)")
-register("kv_utilization_mean", "fraction", "higher", "deterministic",
-         "mean over steps of KV bytes holding tokens / KV bytes reserved (steps reserving any)")
-register("kv_utilization_at_peak", "fraction", "higher", "deterministic",
-         "KV bytes holding tokens / reserved, at the step reserving the most")
-register("max_concurrent_seqs", "seqs", "higher", "deterministic",
-         "most sequences holding KV memory at once")
-register("num_preemptions", "count", "lower", "deterministic",
-         "sequences preempted (KV dropped, recomputed later) during the run")
-register("prefix_cache_hit_rate", "fraction", "higher", "deterministic",
-         "prompt tokens served from the prefix cache / prompt tokens")
-register("kv_bytes_per_token", "B", "lower", "deterministic",
-         "KV bytes per token: 2 x layers x kv_heads x head_dim x bytes (+ scales)")
+register(
+    "offered_req_per_s",
+    "req/s",
+    "none",
+    "deterministic",
+    "requests / arrival span, as the workload scheduled them (open loop, > 1 distinct time)",
+)
+register(
+    "goodput_req_per_s",
+    "req/s",
+    "higher",
+    "timing",
+    "completed requests meeting every configured SLO (ttft, tpot, e2e) / run duration",
+)
+register(
+    "slo_attainment",
+    "fraction",
+    "higher",
+    "timing",
+    "completed requests meeting every configured SLO / completed requests",
+)
+register(
+    "send_lateness_p99_s",
+    "s",
+    "lower",
+    "timing",
+    "p99 of sent - arrival: how late the driver handed requests over",
+)
+register(
+    "saturation_req_per_s",
+    "req/s",
+    "higher",
+    "timing",
+    "load sweep: the highest offered rate still served at >= 90% (sweep_summary.json)",
+)
+register(
+    "kv_utilization_mean",
+    "fraction",
+    "higher",
+    "deterministic",
+    "mean over steps of KV bytes holding tokens / KV bytes reserved (steps reserving any)",
+)
+register(
+    "kv_utilization_at_peak",
+    "fraction",
+    "higher",
+    "deterministic",
+    "KV bytes holding tokens / reserved, at the step reserving the most",
+)
+register(
+    "max_concurrent_seqs",
+    "seqs",
+    "higher",
+    "deterministic",
+    "most sequences holding KV memory at once",
+)
+register(
+    "num_preemptions",
+    "count",
+    "lower",
+    "deterministic",
+    "sequences preempted (KV dropped, recomputed later) during the run",
+)
+register(
+    "prefix_cache_hit_rate",
+    "fraction",
+    "higher",
+    "deterministic",
+    "prompt tokens served from the prefix cache / prompt tokens",
+)
+register(
+    "kv_bytes_per_token",
+    "B",
+    "lower",
+    "deterministic",
+    "KV bytes per token: 2 x layers x kv_heads x head_dim x bytes (+ scales)",
+)
 register("weight_bytes", "B", "lower", "deterministic", "bytes of all model weights")
-register("linear_weight_bytes", "B", "lower", "deterministic",
-         "bytes of the blocks' linear layers (where weight quantization applies)")
-register("top1_agreement", "fraction", "higher", "deterministic",
-         "quality probe: argmax agrees with the fp32 reference (positions with a clear margin)")
-register("kl_mean", "nats", "lower", "deterministic",
-         "quality probe: mean KL(fp32 reference || this variant) of next-token distributions")
-register("max_abs_logit_error", "logit", "lower", "deterministic",
-         "quality probe: largest |logit - fp32 reference logit|")
-register("perplexity", "ppl", "lower", "deterministic",
-         "perplexity on the probe text (real checkpoints only)")
-register("kv_gather_fraction", "fraction", "none", "timing",
-         "share of forward time the CPU attention path spent copying K/V out of the cache")
-register("padding_fraction", "fraction", "lower", "deterministic",
-         "padding tokens / all tokens computed (prefill + decode + padding)")
+register(
+    "linear_weight_bytes",
+    "B",
+    "lower",
+    "deterministic",
+    "bytes of the blocks' linear layers (where weight quantization applies)",
+)
+register(
+    "top1_agreement",
+    "fraction",
+    "higher",
+    "deterministic",
+    "quality probe: argmax agrees with the fp32 reference (positions with a clear margin)",
+)
+register(
+    "kl_mean",
+    "nats",
+    "lower",
+    "deterministic",
+    "quality probe: mean KL(fp32 reference || this variant) of next-token distributions",
+)
+register(
+    "max_abs_logit_error",
+    "logit",
+    "lower",
+    "deterministic",
+    "quality probe: largest |logit - fp32 reference logit|",
+)
+register(
+    "perplexity",
+    "ppl",
+    "lower",
+    "deterministic",
+    "perplexity on the probe text (real checkpoints only)",
+)
+register(
+    "kv_gather_fraction",
+    "fraction",
+    "none",
+    "timing",
+    "share of forward time the CPU attention path spent copying K/V out of the cache",
+)
+register(
+    "padding_fraction",
+    "fraction",
+    "lower",
+    "deterministic",
+    "padding tokens / all tokens computed (prefill + decode + padding)",
+)
 register("num_requests", "count", "none", "deterministic", "requests in the measured run")
 register("num_completed", "count", "higher", "deterministic", "requests that finished")
 register("num_failed", "count", "lower", "deterministic", "requests that failed")
@@ -107,68 +207,185 @@ register("num_steps", "count", "lower", "deterministic", "engine steps in the me
 register("mean_batch_size", "seqs", "higher", "deterministic", "sequences per engine step")
 register("output_tokens_total", "tokens", "none", "deterministic", "output tokens generated")
 register("input_tokens_total", "tokens", "none", "deterministic", "prompt tokens processed")
-register("prefill_tokens_total", "tokens", "lower", "deterministic",
-         "tokens computed in prefill (recomputation included)")
+register(
+    "prefill_tokens_total",
+    "tokens",
+    "lower",
+    "deterministic",
+    "tokens computed in prefill (recomputation included)",
+)
 register("padding_tokens_total", "tokens", "lower", "deterministic", "padding tokens computed")
-register("kv_bytes_reserved_peak", "B", "lower", "deterministic",
-         "largest KV bytes reserved for live sequences at a step")
-register("kv_bytes_used_peak", "B", "none", "deterministic",
-         "largest KV bytes holding tokens at a step")
-register("cold_start_s", "s", "lower", "timing",
-         "model load (weights, tokenizer) plus the first engine step")
+register(
+    "kv_bytes_reserved_peak",
+    "B",
+    "lower",
+    "deterministic",
+    "largest KV bytes reserved for live sequences at a step",
+)
+register(
+    "kv_bytes_used_peak", "B", "none", "deterministic", "largest KV bytes holding tokens at a step"
+)
+register(
+    "cold_start_s",
+    "s",
+    "lower",
+    "timing",
+    "model load (weights, tokenizer) plus the first engine step",
+)
 register("load_s", "s", "lower", "timing", "backend load: model build, weights, tokenizer")
 # The monitor (harness/monitors.py, docs/monitoring.md): sampled, so all timing-kind.
 register("peak_rss_bytes", "B", "lower", "timing", "largest process RSS sampled (psutil)")
-register("cpu_util_mean", "fraction", "none", "timing",
-         "process CPU time / wall time / CPUs the process may use, time-weighted over samples")
-register("gpu_util_mean", "fraction", "higher", "timing",
-         "NVML GPU utilization (share of time a kernel ran), time-weighted over samples")
-register("peak_vram_bytes", "B", "lower", "timing",
-         "largest GPU memory in use sampled by NVML (whole device: CUDA context, others too)")
-register("energy_j", "J", "lower", "timing",
-         "GPU energy: difference of NVML's total-energy counter (else integrated power)")
-register("j_per_output_token", "J/tok", "lower", "timing",
-         "energy_j / output tokens completed in the same span")
-register("memory_weights_bytes", "B", "lower", "deterministic",
-         "memory breakdown: model weights (= weight_bytes)")
-register("memory_packed_weights_bytes", "B", "lower", "deterministic",
-         "memory breakdown: packed copies of the weights kept beside them for the CPU kernels "
-         "(= packed_weight_bytes; engine.prepack_weights)")
-register("memory_kv_pool_bytes", "B", "lower", "timing",
-         "memory breakdown: KV pool allocated at load (sized from free memory unless "
-         "engine.kv_cache_memory_bytes is set, so not deterministic)")
-register("memory_kv_reserved_bytes", "B", "lower", "deterministic",
-         "memory breakdown: peak KV bytes reserved for live sequences (= kv_bytes_reserved_peak)")
-register("memory_kv_used_bytes", "B", "none", "deterministic",
-         "memory breakdown: peak KV bytes holding tokens (= kv_bytes_used_peak)")
-register("memory_peak_bytes", "B", "lower", "timing",
-         "peak memory of the run: torch CUDA peak allocated (GPU); weights + RSS growth over "
-         "the post-load RSS (CPU)")
-register("memory_other_bytes", "B", "lower", "timing",
-         "memory breakdown: activations and workspace: GPU peak - weights - KV pool; CPU RSS "
-         "growth - KV in use (an upper bound; docs/monitoring.md)")
-register("mbu_decode_mean", "fraction", "higher", "timing",
-         "roofline: mean MBU over decode-only steps (docs/roofline.md)")
+register(
+    "cpu_util_mean",
+    "fraction",
+    "none",
+    "timing",
+    "process CPU time / wall time / CPUs the process may use, time-weighted over samples",
+)
+register(
+    "gpu_util_mean",
+    "fraction",
+    "higher",
+    "timing",
+    "NVML GPU utilization (share of time a kernel ran), time-weighted over samples",
+)
+register(
+    "peak_vram_bytes",
+    "B",
+    "lower",
+    "timing",
+    "largest GPU memory in use sampled by NVML (whole device: CUDA context, others too)",
+)
+register(
+    "energy_j",
+    "J",
+    "lower",
+    "timing",
+    "GPU energy: difference of NVML's total-energy counter (else integrated power)",
+)
+register(
+    "j_per_output_token",
+    "J/tok",
+    "lower",
+    "timing",
+    "energy_j / output tokens completed in the same span",
+)
+register(
+    "memory_weights_bytes",
+    "B",
+    "lower",
+    "deterministic",
+    "memory breakdown: model weights (= weight_bytes)",
+)
+register(
+    "memory_packed_weights_bytes",
+    "B",
+    "lower",
+    "deterministic",
+    "memory breakdown: packed copies of the weights kept beside them for the CPU kernels "
+    "(= packed_weight_bytes; engine.prepack_weights)",
+)
+register(
+    "memory_kv_pool_bytes",
+    "B",
+    "lower",
+    "timing",
+    "memory breakdown: KV pool allocated at load (sized from free memory unless "
+    "engine.kv_cache_memory_bytes is set, so not deterministic)",
+)
+register(
+    "memory_kv_reserved_bytes",
+    "B",
+    "lower",
+    "deterministic",
+    "memory breakdown: peak KV bytes reserved for live sequences (= kv_bytes_reserved_peak)",
+)
+register(
+    "memory_kv_used_bytes",
+    "B",
+    "none",
+    "deterministic",
+    "memory breakdown: peak KV bytes holding tokens (= kv_bytes_used_peak)",
+)
+register(
+    "memory_peak_bytes",
+    "B",
+    "lower",
+    "timing",
+    "peak memory of the run: torch CUDA peak allocated (GPU); weights + RSS growth over "
+    "the post-load RSS (CPU)",
+)
+register(
+    "memory_other_bytes",
+    "B",
+    "lower",
+    "timing",
+    "memory breakdown: activations and workspace: GPU peak - weights - KV pool; CPU RSS "
+    "growth - KV in use (an upper bound; docs/monitoring.md)",
+)
+register(
+    "mbu_decode_mean",
+    "fraction",
+    "higher",
+    "timing",
+    "roofline: mean MBU over decode-only steps (docs/roofline.md)",
+)
 register("mbu_mean", "fraction", "higher", "timing", "roofline: mean MBU over all steps")
-register("mfu_prefill_mean", "fraction", "higher", "timing",
-         "roofline: mean MFU over prefill-only steps")
+register(
+    "mfu_prefill_mean", "fraction", "higher", "timing", "roofline: mean MFU over prefill-only steps"
+)
 register("mfu_mean", "fraction", "higher", "timing", "roofline: mean MFU over all steps")
-register("roofline_decode_ratio_p50", "ratio", "lower", "timing",
-         "roofline: median of measured / predicted step time over decode-only steps")
-register("roofline_ratio_p50", "ratio", "lower", "timing",
-         "roofline: median of measured / predicted step time over all steps")
-register("mfu_overall", "fraction", "higher", "timing",
-         "roofline: the run's FLOPs / its summed step time / peak FLOP/s (time-weighted MFU)")
-register("roofline_fraction", "fraction", "higher", "timing",
-         "roofline: summed predicted / summed measured step time (share of the roofline's "
-         "speed reached)")
+register(
+    "roofline_decode_ratio_p50",
+    "ratio",
+    "lower",
+    "timing",
+    "roofline: median of measured / predicted step time over decode-only steps",
+)
+register(
+    "roofline_ratio_p50",
+    "ratio",
+    "lower",
+    "timing",
+    "roofline: median of measured / predicted step time over all steps",
+)
+register(
+    "mfu_overall",
+    "fraction",
+    "higher",
+    "timing",
+    "roofline: the run's FLOPs / its summed step time / peak FLOP/s (time-weighted MFU)",
+)
+register(
+    "roofline_fraction",
+    "fraction",
+    "higher",
+    "timing",
+    "roofline: summed predicted / summed measured step time (share of the roofline's "
+    "speed reached)",
+)
 for _cause in CAUSES:
-    register(f"itl_p99_{_cause}_s", "s", "lower", "timing",
-             f"ITL p99 over the gaps attributed to {_cause} (harness/phases.py)")
-    register(f"itl_spike_share_{_cause}", "fraction", "none", "timing",
-             f"share of the gaps >= the pooled ITL p99 attributed to {_cause}")
-register("harness_overhead_fraction", "fraction", "lower", "timing",
-         "driver's own work (event handling, rows, record sinks) / wall time of the run")
+    register(
+        f"itl_p99_{_cause}_s",
+        "s",
+        "lower",
+        "timing",
+        f"ITL p99 over the gaps attributed to {_cause} (harness/phases.py)",
+    )
+    register(
+        f"itl_spike_share_{_cause}",
+        "fraction",
+        "none",
+        "timing",
+        f"share of the gaps >= the pooled ITL p99 attributed to {_cause}",
+    )
+register(
+    "harness_overhead_fraction",
+    "fraction",
+    "lower",
+    "timing",
+    "driver's own work (event handling, rows, record sinks) / wall time of the run",
+)
 
 
 def _pct(values: np.ndarray, q: float) -> float | None:
@@ -222,15 +439,15 @@ def kv_summary(steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, Any]:
             utilization = reserving["kv_bytes_used"] / reserving["kv_bytes_reserved"]
             out["kv_utilization_mean"] = float(utilization.mean())
             peak = reserving.loc[reserving["kv_bytes_reserved"].idxmax()]
-            out["kv_utilization_at_peak"] = float(peak["kv_bytes_used"]
-                                                  / peak["kv_bytes_reserved"])
+            out["kv_utilization_at_peak"] = float(peak["kv_bytes_used"] / peak["kv_bytes_reserved"])
         if "num_running" in steps and steps["num_running"].notna().any():
             out["max_concurrent_seqs"] = int(steps["num_running"].max())
         out["num_preemptions"] = int(steps["num_preempted"].fillna(0).sum())
     prompt = requests["prompt_tokens"].fillna(0).sum() if len(requests) else 0
     if prompt:
         out["prefix_cache_hit_rate"] = float(
-            requests["cached_prompt_tokens"].fillna(0).sum() / prompt)
+            requests["cached_prompt_tokens"].fillna(0).sum() / prompt
+        )
     return out
 
 
@@ -246,10 +463,14 @@ def slo_met(requests: pd.DataFrame, slo: dict[str, float | None]) -> pd.Series:
     return ok
 
 
-def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame,
-                    run_info: dict[str, Any] | None = None,
-                    slo: dict[str, float | None] | None = None,
-                    span: tuple[float, float] | None = None) -> dict[str, Any]:
+def compute_summary(
+    requests: pd.DataFrame,
+    tokens: pd.DataFrame,
+    steps: pd.DataFrame,
+    run_info: dict[str, Any] | None = None,
+    slo: dict[str, float | None] | None = None,
+    span: tuple[float, float] | None = None,
+) -> dict[str, Any]:
     """The registered metrics of one run. Failed requests count, but stay out of latencies.
 
     With `span` (a measurement window [start, end]): latencies and counts cover the requests
@@ -284,8 +505,7 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
 
     all_ok = requests[requests["status"] == "ok"]
     if span is None:
-        duration = float(ok["last_token_s"].max() - requests["arrival_s"].min()) if len(ok) \
-            else 0.0
+        duration = float(ok["last_token_s"].max() - requests["arrival_s"].min()) if len(ok) else 0.0
         done, prefilled = ok, ok
         output_done = int(ok["output_tokens"].sum())
     else:
@@ -293,43 +513,50 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
         done = all_ok[all_ok["last_token_s"].between(*span)]
         prefilled = all_ok[all_ok["first_token_s"].between(*span)]
         in_span = tokens["time_s"].between(*span) & tokens["request_id"].isin(
-            set(all_ok["request_id"]))
+            set(all_ok["request_id"])
+        )
         output_done = int(in_span.sum())
     input_done = int(prefilled["prompt_tokens"].sum())
 
     def rate(x: float) -> float | None:
         return x / duration if duration > 0 else None
 
-    summary.update({
-        "duration_s": duration,
-        "output_tok_per_s": rate(output_done),
-        "input_tok_per_s": rate(input_done),
-        "total_tok_per_s": rate(input_done + output_done),
-        "req_per_s": rate(len(done)),
-        "num_requests": len(members),
-        "num_completed": len(ok),
-        "num_failed": int((members["status"] == "failed").sum()),
-        "output_tokens_total": int(members["output_tokens"].fillna(0).sum()),
-        "input_tokens_total": int(members["prompt_tokens"].fillna(0).sum()),
-        "num_steps": len(steps),
-        "mean_batch_size": float(steps["num_seqs"].mean()) if len(steps) else None,
-        "prefill_tokens_total": int(steps["prefill_tokens"].sum()) if len(steps) else 0,
-        "padding_tokens_total": int(steps["padding_tokens"].sum()) if len(steps) else 0,
-        "kv_bytes_reserved_peak": int(steps["kv_bytes_reserved"].max()) if len(steps) else 0,
-        "kv_bytes_used_peak": int(steps["kv_bytes_used"].max()) if len(steps) else 0,
-    })
+    summary.update(
+        {
+            "duration_s": duration,
+            "output_tok_per_s": rate(output_done),
+            "input_tok_per_s": rate(input_done),
+            "total_tok_per_s": rate(input_done + output_done),
+            "req_per_s": rate(len(done)),
+            "num_requests": len(members),
+            "num_completed": len(ok),
+            "num_failed": int((members["status"] == "failed").sum()),
+            "output_tokens_total": int(members["output_tokens"].fillna(0).sum()),
+            "input_tokens_total": int(members["prompt_tokens"].fillna(0).sum()),
+            "num_steps": len(steps),
+            "mean_batch_size": float(steps["num_seqs"].mean()) if len(steps) else None,
+            "prefill_tokens_total": int(steps["prefill_tokens"].sum()) if len(steps) else 0,
+            "padding_tokens_total": int(steps["padding_tokens"].sum()) if len(steps) else 0,
+            "kv_bytes_reserved_peak": int(steps["kv_bytes_reserved"].max()) if len(steps) else 0,
+            "kv_bytes_used_peak": int(steps["kv_bytes_used"].max()) if len(steps) else 0,
+        }
+    )
     # Offered load is what a clock scheduled: first turns of an open loop only (a closed loop's
     # and a follow-up turn's "arrival" is when the previous request finished).
     first_turns = members[members["turn"].fillna(0) == 0] if "turn" in members else members
     arrivals = first_turns["arrival_s"].dropna()
     arrival_span = float(arrivals.max() - arrivals.min()) if len(arrivals) > 1 else 0.0
     open_loop = not run_info.get("closed_loop", False)
-    summary["offered_req_per_s"] = (len(arrivals) - 1) / arrival_span \
-        if arrival_span > 0 and open_loop else None
+    summary["offered_req_per_s"] = (
+        (len(arrivals) - 1) / arrival_span if arrival_span > 0 and open_loop else None
+    )
     lateness = (members["sent_s"] - members["arrival_s"]).dropna().to_numpy(float)
     summary["send_lateness_p99_s"] = _pct(lateness, 99)
-    computed = summary["prefill_tokens_total"] + summary["padding_tokens_total"] + (
-        int(steps["decode_tokens"].sum()) if len(steps) else 0)
+    computed = (
+        summary["prefill_tokens_total"]
+        + summary["padding_tokens_total"]
+        + (int(steps["decode_tokens"].sum()) if len(steps) else 0)
+    )
     summary["padding_fraction"] = summary["padding_tokens_total"] / computed if computed else None
     summary.update(kv_summary(steps, members))
     summary.update(roofline_summary(steps))
@@ -340,12 +567,12 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
     if run_info.get("samples") is not None:  # the monitor's samples (harness/monitors.py)
         from harness.monitors import monitor_metrics, whole_run_span
 
-        summary.update(monitor_metrics(run_info, summary, span or whole_run_span(requests),
-                                       output_done))
+        summary.update(
+            monitor_metrics(run_info, summary, span or whole_run_span(requests), output_done)
+        )
     if slo and any(v is not None for v in slo.values()) and len(ok):
         summary["slo_attainment"] = float(slo_met(ok, slo).mean())
-        summary["goodput_req_per_s"] = rate(int(slo_met(done, slo).sum())) if len(done) \
-            else rate(0)
+        summary["goodput_req_per_s"] = rate(int(slo_met(done, slo).sum())) if len(done) else rate(0)
     for key in ("cold_start_s", "load_s", "harness_overhead_fraction"):
         if key in run_info:
             summary[key] = run_info[key]
@@ -358,8 +585,10 @@ def compute_summary(requests: pd.DataFrame, tokens: pd.DataFrame, steps: pd.Data
 def markdown_table() -> str:
     """The registry as the markdown table in docs/metrics.md (`python -m harness.metrics`)."""
     lines = ["| name | unit | better | kind | definition |", "|---|---|---|---|---|"]
-    lines += [f"| `{m.name}` | {m.unit} | {m.better} | {m.kind} | {m.description} |"
-              for m in REGISTRY.values()]
+    lines += [
+        f"| `{m.name}` | {m.unit} | {m.better} | {m.kind} | {m.description} |"
+        for m in REGISTRY.values()
+    ]
     return "\n".join(lines)
 
 

@@ -32,8 +32,15 @@ from engines.base import now_ns
 DEFAULT_INTERVAL_S = 0.05
 
 SAMPLE_COLUMNS = [
-    "time_s", "rss_bytes", "cpu_util", "gpu_util", "gpu_mem_used_bytes", "gpu_power_w",
-    "gpu_energy_j", "torch_cuda_allocated_bytes", "torch_cuda_reserved_bytes",
+    "time_s",
+    "rss_bytes",
+    "cpu_util",
+    "gpu_util",
+    "gpu_mem_used_bytes",
+    "gpu_power_w",
+    "gpu_energy_j",
+    "torch_cuda_allocated_bytes",
+    "torch_cuda_reserved_bytes",
 ]
 # Raw cumulative readings kept per sample and turned into rates / differences in `frame`.
 _CPU_SECONDS = "_cpu_seconds"
@@ -52,17 +59,25 @@ class MonitorConfig:
         values = dict(values or {})
         unknown = sorted(set(values) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"run.monitor: unknown key(s) {unknown}; allowed: "
-                             f"{sorted(cls.__dataclass_fields__)}")
+            raise ValueError(
+                f"run.monitor: unknown key(s) {unknown}; allowed: "
+                f"{sorted(cls.__dataclass_fields__)}"
+            )
         cfg = cls(**values)
         if not isinstance(cfg.enabled, bool):
-            raise ValueError(f"run.monitor.enabled: {cfg.enabled!r} is invalid; allowed: "
-                             "true|false")
+            raise ValueError(
+                f"run.monitor.enabled: {cfg.enabled!r} is invalid; allowed: true|false"
+            )
         interval = cfg.interval_s
-        if (isinstance(interval, bool) or not isinstance(interval, int | float)
-                or not 0.001 <= interval <= 60):
-            raise ValueError(f"run.monitor.interval_s: {interval!r} is invalid; allowed: a "
-                             "number of seconds in [0.001, 60]")
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not 0.001 <= interval <= 60
+        ):
+            raise ValueError(
+                f"run.monitor.interval_s: {interval!r} is invalid; allowed: a "
+                "number of seconds in [0.001, 60]"
+            )
         cfg.interval_s = float(interval)
         return cfg
 
@@ -176,8 +191,9 @@ class Monitor:
         process = self._psutil_process
         if process is None:
             return
-        self._readers.append((("rss_bytes",),
-                              lambda: {"rss_bytes": float(process.memory_info().rss)}))
+        self._readers.append(
+            (("rss_bytes",), lambda: {"rss_bytes": float(process.memory_info().rss)})
+        )
 
         def cpu_seconds() -> dict[str, float]:
             times = process.cpu_times()
@@ -188,8 +204,9 @@ class Monitor:
     def _add_gpu_readers(self) -> None:
         gpu_columns = "gpu_util, gpu_mem_used_bytes, gpu_power_w, gpu_energy_j"
         if self.gpu_index is None:
-            self.notes.append(f"{gpu_columns}, torch_cuda_*: not sampled: the engine runs on "
-                              "the CPU")
+            self.notes.append(
+                f"{gpu_columns}, torch_cuda_*: not sampled: the engine runs on the CPU"
+            )
             return
         self._add_torch_cuda_reader()
         try:
@@ -212,12 +229,18 @@ class Monitor:
 
         self._readers += [
             (("gpu_util",), utilization),
-            (("gpu_mem_used_bytes",),
-             lambda: {"gpu_mem_used_bytes": float(nvml.nvmlDeviceGetMemoryInfo(handle).used)}),
-            (("gpu_power_w",),
-             lambda: {"gpu_power_w": nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0}),
-            ((_ENERGY_MJ,),
-             lambda: {_ENERGY_MJ: float(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))}),
+            (
+                ("gpu_mem_used_bytes",),
+                lambda: {"gpu_mem_used_bytes": float(nvml.nvmlDeviceGetMemoryInfo(handle).used)},
+            ),
+            (
+                ("gpu_power_w",),
+                lambda: {"gpu_power_w": nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0},
+            ),
+            (
+                (_ENERGY_MJ,),
+                lambda: {_ENERGY_MJ: float(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))},
+            ),
         ]
 
     def _add_torch_cuda_reader(self) -> None:
@@ -225,8 +248,10 @@ class Monitor:
             import torch
 
             if not torch.cuda.is_available():
-                self.notes.append("torch_cuda_allocated_bytes, torch_cuda_reserved_bytes: "
-                                  "not sampled: torch has no CUDA")
+                self.notes.append(
+                    "torch_cuda_allocated_bytes, torch_cuda_reserved_bytes: "
+                    "not sampled: torch has no CUDA"
+                )
                 return
             device = torch.device("cuda", self.gpu_index)
             torch.cuda.reset_peak_memory_stats(device)
@@ -239,11 +264,12 @@ class Monitor:
             allocated = torch.cuda.max_memory_allocated(device)
             reserved = torch.cuda.max_memory_reserved(device)
             torch.cuda.reset_peak_memory_stats(device)
-            return {"torch_cuda_allocated_bytes": float(allocated),
-                    "torch_cuda_reserved_bytes": float(reserved)}
+            return {
+                "torch_cuda_allocated_bytes": float(allocated),
+                "torch_cuda_reserved_bytes": float(reserved),
+            }
 
-        self._readers.append((("torch_cuda_allocated_bytes", "torch_cuda_reserved_bytes"),
-                              peaks))
+        self._readers.append((("torch_cuda_allocated_bytes", "torch_cuda_reserved_bytes"), peaks))
 
     def _sample(self) -> None:
         with self._lock:  # the final sample (main thread) never overlaps the thread's
@@ -256,8 +282,9 @@ class Monitor:
                 except Exception as exc:  # degrade this source only
                     failed.append((columns, read))
                     names = ", ".join(_public(c) for c in columns)
-                    when = f"stopped after {len(self._rows)} samples" if self._rows \
-                        else "not sampled"
+                    when = (
+                        f"stopped after {len(self._rows)} samples" if self._rows else "not sampled"
+                    )
                     self.notes.append(f"{names}: {when}: {_why(exc)}")
             for entry in failed:
                 self._readers.remove(entry)
@@ -397,8 +424,12 @@ def energy_over(samples: pd.DataFrame, span: tuple[float, float]) -> float | Non
     return None
 
 
-def monitor_metrics(run_info: dict[str, Any], summary: dict[str, Any],
-                    span: tuple[float, float] | None, output_tokens: int) -> dict[str, Any]:
+def monitor_metrics(
+    run_info: dict[str, Any],
+    summary: dict[str, Any],
+    span: tuple[float, float] | None,
+    output_tokens: int,
+) -> dict[str, Any]:
     """The monitor's metrics and the memory breakdown over `span` (run time, seconds).
 
     `run_info` holds "samples" (the samples frame), "monitor" (Monitor.info()) and "engine"
@@ -418,14 +449,16 @@ def monitor_metrics(run_info: dict[str, Any], summary: dict[str, Any],
         out["peak_vram_bytes"] = _peak(rows["gpu_mem_used_bytes"])
         energy = energy_over(samples, span)
         out["energy_j"] = energy
-        out["j_per_output_token"] = energy / output_tokens if energy is not None and \
-            output_tokens > 0 else None
+        out["j_per_output_token"] = (
+            energy / output_tokens if energy is not None and output_tokens > 0 else None
+        )
         out.update(memory_breakdown(rows, facts, engine, summary))
     return {k: v for k, v in out.items() if v is not None and not _is_nan(v)}
 
 
-def memory_breakdown(rows: pd.DataFrame, facts: dict[str, Any], engine: dict[str, Any],
-                     summary: dict[str, Any]) -> dict[str, Any]:
+def memory_breakdown(
+    rows: pd.DataFrame, facts: dict[str, Any], engine: dict[str, Any], summary: dict[str, Any]
+) -> dict[str, Any]:
     """Weights (and their packed copies), KV pool / reserved / used, the run's peak, and the
     rest (activations and workspace); the peak is the sum of weights, packed copies, KV and
     the rest.

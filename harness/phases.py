@@ -26,8 +26,9 @@ CAUSES = ("decode", "prefill_in_step", "preemption")
 SPIKE_QUANTILE = 99.0  # a spike: a gap at or above the pooled p99
 
 
-def label_gaps(tokens: pd.DataFrame, steps: pd.DataFrame,
-               request_ids: Iterable[str] | None = None) -> pd.DataFrame:
+def label_gaps(
+    tokens: pd.DataFrame, steps: pd.DataFrame, request_ids: Iterable[str] | None = None
+) -> pd.DataFrame:
     """One row per inter-token gap: request_id, index (the later token), prev_step, step,
     gap_s and cause (one of CAUSES, or `unknown` when a step of the span is not recorded)."""
     columns = ["request_id", "index", "prev_step", "step", "gap_s", "cause"]
@@ -37,11 +38,15 @@ def label_gaps(tokens: pd.DataFrame, steps: pd.DataFrame,
         return pd.DataFrame(columns=columns)
     ordered = tokens.sort_values(["request_id", "index"])
     by_request = ordered.groupby("request_id", sort=False)
-    gaps = pd.DataFrame({
-        "request_id": ordered["request_id"], "index": ordered["index"],
-        "prev_step": by_request["step"].shift(), "step": ordered["step"],
-        "gap_s": by_request["time_s"].diff(),
-    }).dropna(subset=["gap_s"])
+    gaps = pd.DataFrame(
+        {
+            "request_id": ordered["request_id"],
+            "index": ordered["index"],
+            "prev_step": by_request["step"].shift(),
+            "step": ordered["step"],
+            "gap_s": by_request["time_s"].diff(),
+        }
+    ).dropna(subset=["gap_s"])
     gaps["prev_step"] = gaps["prev_step"].astype(int)
     # cumulative counts per step: a span (prev, step] holds cum[step] - cum[prev]
     table = steps.sort_values("step").set_index("step")
@@ -54,15 +59,17 @@ def label_gaps(tokens: pd.DataFrame, steps: pd.DataFrame,
         return end - start
 
     preempted_in, prefilled_in = in_span(preempted), in_span(prefilled)
-    cause = np.where(preempted_in > 0, "preemption",
-                     np.where(prefilled_in > 0, "prefill_in_step", "decode"))
+    cause = np.where(
+        preempted_in > 0, "preemption", np.where(prefilled_in > 0, "prefill_in_step", "decode")
+    )
     cause = np.where(np.isnan(preempted_in) | np.isnan(prefilled_in), "unknown", cause)
     gaps["cause"] = cause
     return gaps[columns].reset_index(drop=True)
 
 
-def itl_by_cause(tokens: pd.DataFrame, steps: pd.DataFrame,
-                 request_ids: Iterable[str]) -> dict[str, float | None]:
+def itl_by_cause(
+    tokens: pd.DataFrame, steps: pd.DataFrame, request_ids: Iterable[str]
+) -> dict[str, float | None]:
     """Per cause: the ITL p99 of its gaps (`itl_p99_<cause>_s`) and its share of the spikes,
     the gaps at or above the pooled p99 (`itl_spike_share_<cause>`). Empty without steps."""
     needed = {"step", "prefill_tokens", "num_preempted"}

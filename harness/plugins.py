@@ -8,13 +8,20 @@ import importlib
 from engines.plugins import REGISTRIES
 
 #: the modules whose import registers the entries
-REGISTERING_MODULES = ("engines.registry", "engines.builtin.attention",
-                       "engines.builtin.layers", "engines.builtin.kv_cache.sizing", "workloads")
+REGISTERING_MODULES = (
+    "engines.registry",
+    "engines.builtin.attention",
+    "engines.builtin.layers",
+    "engines.builtin.kv_cache.sizing",
+    "workloads",
+)
 
 
 def listing() -> str:
     for module in REGISTERING_MODULES:
         importlib.import_module(module)
     width = max(len(key) for key in REGISTRIES)
-    return "\n".join(f"{key:<{width}}  {'|'.join(registry.names())}"
-                     for key, registry in sorted(REGISTRIES.items()))
+    return "\n".join(
+        f"{key:<{width}}  {'|'.join(registry.names())}"
+        for key, registry in sorted(REGISTRIES.items())
+    )

@@ -27,8 +27,17 @@ STEP_PREFIX = "step:"  # the engine's record_function names: step:prefill, step:
 OUTSIDE = "outside_step"  # operators traced outside any engine step's model execution
 UNTRACED = "(step time outside any operator)"  # a step's own time minus its operators'
 WARMUP_STEPS = 1
-OPS_COLUMNS = ["phase", "phase_steps", "rank", "name", "calls", "self_cpu_s", "self_cpu_share",
-               "self_device_s", "self_device_share"]
+OPS_COLUMNS = [
+    "phase",
+    "phase_steps",
+    "rank",
+    "name",
+    "calls",
+    "self_cpu_s",
+    "self_cpu_share",
+    "self_device_s",
+    "self_device_share",
+]
 
 
 @dataclass
@@ -44,18 +53,21 @@ class ProfileConfig:
         values = dict(values or {})
         unknown = sorted(set(values) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"profiling: unknown key(s) {unknown}; allowed: "
-                             f"{sorted(cls.__dataclass_fields__)}")
+            raise ValueError(
+                f"profiling: unknown key(s) {unknown}; allowed: {sorted(cls.__dataclass_fields__)}"
+            )
         cfg = cls(**values)
         for name, low in (("start_step", 0), ("num_steps", 1), ("top_k", 1)):
             value = getattr(cfg, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"profiling.{name}: {value!r} is invalid; allowed: an integer "
-                                 f">= {low}")
+                raise ValueError(
+                    f"profiling.{name}: {value!r} is invalid; allowed: an integer >= {low}"
+                )
         for name in ("record_shapes", "with_stack"):
             if not isinstance(getattr(cfg, name), bool):
-                raise ValueError(f"profiling.{name}: {getattr(cfg, name)!r} is invalid; "
-                                 "allowed: true|false")
+                raise ValueError(
+                    f"profiling.{name}: {getattr(cfg, name)!r} is invalid; allowed: true|false"
+                )
         return cfg
 
 
@@ -101,10 +113,13 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._prof = profile(
             activities=activities,
-            schedule=schedule(wait=self.cfg.start_step, warmup=WARMUP_STEPS,
-                              active=self.cfg.num_steps, repeat=1),
+            schedule=schedule(
+                wait=self.cfg.start_step, warmup=WARMUP_STEPS, active=self.cfg.num_steps, repeat=1
+            ),
             on_trace_ready=self._on_trace_ready,
-            record_shapes=self.cfg.record_shapes, with_stack=self.cfg.with_stack)
+            record_shapes=self.cfg.record_shapes,
+            with_stack=self.cfg.with_stack,
+        )
         self._prof.start()
         observers.append(self.on_step)
         self._observers = observers
@@ -113,8 +128,9 @@ class StepProfiler:
         index = self.steps_seen
         self.steps_seen += 1
         if self._first_recorded <= index < self._first_recorded + self.cfg.num_steps:
-            self.recorded.append((record.step,
-                                  step_phase(record.num_prefill_seqs, record.num_decode_seqs)))
+            self.recorded.append(
+                (record.step, step_phase(record.num_prefill_seqs, record.num_decode_seqs))
+            )
         if self._prof is not None and not self._ready:
             self._prof.step()
 
@@ -133,10 +149,12 @@ class StepProfiler:
             if self._ready and prof is not None:
                 self._write(prof)
             elif prof is not None:
-                self.info = {"note": f"no step profiled: the run had {self.steps_seen} engine "
-                                     f"steps; the window starts at step {self._first_recorded} "
-                                     f"(profiling.start_step={self.cfg.start_step} + "
-                                     f"{WARMUP_STEPS} warm-up)"}
+                self.info = {
+                    "note": f"no step profiled: the run had {self.steps_seen} engine "
+                    f"steps; the window starts at step {self._first_recorded} "
+                    f"(profiling.start_step={self.cfg.start_step} + "
+                    f"{WARMUP_STEPS} warm-up)"
+                }
         except Exception as exc:  # never lose the run's summary to the profiler
             self.info = {"error": f"profile not written: {type(exc).__name__}: {exc}"}
         return self.info
@@ -153,16 +171,20 @@ class StepProfiler:
         table.to_csv(self.out_dir / "ops.csv", index=False)
         (self.out_dir / "ops.md").write_text(markdown(table, phase_steps, self.recorded))
         # paths relative to the run folder, which may move
-        self.info = {"dir": self.out_dir.name, "trace": f"{self.out_dir.name}/{trace.name}",
-                     "steps": [step for step, _ in self.recorded], "phase_steps": phase_steps,
-                     "activities": ["cpu"] + (["cuda"] if self.cuda else [])}
+        self.info = {
+            "dir": self.out_dir.name,
+            "trace": f"{self.out_dir.name}/{trace.name}",
+            "steps": [step for step, _ in self.recorded],
+            "phase_steps": phase_steps,
+            "activities": ["cpu"] + (["cuda"] if self.cuda else []),
+        }
 
 
 def _phase_of(event: Any) -> str:
     parent = event.cpu_parent
     while parent is not None:
         if parent.name.startswith(STEP_PREFIX):
-            return parent.name[len(STEP_PREFIX):]
+            return parent.name[len(STEP_PREFIX) :]
         parent = parent.cpu_parent
     return OUTSIDE
 
@@ -178,7 +200,7 @@ def operator_table(events: Any, phase_steps: dict[str, int], top_k: int) -> pd.D
         if name.startswith("ProfilerStep"):
             continue
         if name.startswith(STEP_PREFIX):
-            phase, name = name[len(STEP_PREFIX):], UNTRACED
+            phase, name = name[len(STEP_PREFIX) :], UNTRACED
         else:
             phase = _phase_of(event)
         entry = totals[(phase, name)]
@@ -195,30 +217,48 @@ def operator_table(events: Any, phase_steps: dict[str, int], top_k: int) -> pd.D
         key = 3 if device_total > 0 else 2
         ops.sort(key=lambda op: op[key], reverse=True)
         for rank, (name, calls, self_cpu, self_device) in enumerate(ops[:top_k], start=1):
-            rows.append({
-                "phase": phase, "phase_steps": phase_steps.get(phase, 0), "rank": rank,
-                "name": name, "calls": int(calls), "self_cpu_s": self_cpu,
-                "self_cpu_share": self_cpu / cpu_total, "self_device_s": self_device,
-                "self_device_share": self_device / device_total if device_total else None})
+            rows.append(
+                {
+                    "phase": phase,
+                    "phase_steps": phase_steps.get(phase, 0),
+                    "rank": rank,
+                    "name": name,
+                    "calls": int(calls),
+                    "self_cpu_s": self_cpu,
+                    "self_cpu_share": self_cpu / cpu_total,
+                    "self_device_s": self_device,
+                    "self_device_share": self_device / device_total if device_total else None,
+                }
+            )
     return pd.DataFrame(rows, columns=OPS_COLUMNS)
 
 
-def markdown(table: pd.DataFrame, phase_steps: dict[str, int],
-             recorded: list[tuple[int, str]]) -> str:
+def markdown(
+    table: pd.DataFrame, phase_steps: dict[str, int], recorded: list[tuple[int, str]]
+) -> str:
     steps = [step for step, _ in recorded]
     span = f"engine steps {steps[0]}-{steps[-1]}" if steps else "no engine steps"
-    lines = [f"# Top operators per phase ({span})", "",
-             "Self time: an operator's time minus its children's. "
-             f"`{UNTRACED}` is Python and bookkeeping in the step's model execution.", ""]
+    lines = [
+        f"# Top operators per phase ({span})",
+        "",
+        "Self time: an operator's time minus its children's. "
+        f"`{UNTRACED}` is Python and bookkeeping in the step's model execution.",
+        "",
+    ]
     for phase, rows in table.groupby("phase", sort=False):
         count = phase_steps.get(str(phase), 0)
-        lines += [f"## {phase} ({count} steps)" if phase != OUTSIDE else f"## {phase}", "",
-                  "| # | operator | calls | self CPU ms | CPU share | self device ms |",
-                  "|---:|---|---:|---:|---:|---:|"]
+        lines += [
+            f"## {phase} ({count} steps)" if phase != OUTSIDE else f"## {phase}",
+            "",
+            "| # | operator | calls | self CPU ms | CPU share | self device ms |",
+            "|---:|---|---:|---:|---:|---:|",
+        ]
         for row in rows.itertuples():
-            lines.append(f"| {row.rank} | `{row.name}` | {row.calls} | "
-                         f"{_ms(row.self_cpu_s)} | {row.self_cpu_share:.1%} | "
-                         f"{_ms(row.self_device_s) if row.self_device_share else '-'} |")
+            lines.append(
+                f"| {row.rank} | `{row.name}` | {row.calls} | "
+                f"{_ms(row.self_cpu_s)} | {row.self_cpu_share:.1%} | "
+                f"{_ms(row.self_device_s) if row.self_device_share else '-'} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -12,8 +12,9 @@ from tqdm import tqdm
 
 
 class RunProgress:
-    def __init__(self, enabled: bool, label: str = "", interval_s: float = 5.0,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self, enabled: bool, label: str = "", interval_s: float = 5.0, stream: TextIO | None = None
+    ) -> None:
         self.enabled = enabled
         self.label = label
         self.interval_s = interval_s
@@ -33,8 +34,9 @@ class RunProgress:
         if not self.enabled:
             return
         if self.terminal:
-            self._bar = tqdm(total=total, desc="requests", unit="req", delay=2.0, leave=False,
-                             file=self.stream)
+            self._bar = tqdm(
+                total=total, desc="requests", unit="req", delay=2.0, leave=False, file=self.stream
+            )
         else:
             self.phase(f"running {total} requests")
 
@@ -46,8 +48,7 @@ class RunProgress:
         now = time.monotonic()
         if self.enabled and not self.terminal and now - self._last_line >= self.interval_s:
             self._last_line = now
-            self.phase(f"requests {self._done}/{self._total} done, "
-                       f"{now - self._started:.0f} s")
+            self.phase(f"requests {self._done}/{self._total} done, {now - self._started:.0f} s")
 
     def close(self) -> None:
         if self._bar is not None:

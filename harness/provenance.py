@@ -16,15 +16,26 @@ import torch
 
 from harness.records import write_json_atomic
 
-PACKAGES = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "pandas",
-            "pyarrow", "hydra-core", "inferlab")
+PACKAGES = (
+    "torch",
+    "triton",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "pandas",
+    "pyarrow",
+    "hydra-core",
+    "inferlab",
+)
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                             timeout=5, check=True)
+        out = subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=5, check=True
+        )
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
@@ -43,8 +54,16 @@ def _cpu() -> dict[str, Any]:
             info["model"] = value.strip()
         elif key == "flags" and "flags" not in info:
             # The instruction-set extensions that decide which CPU kernels run.
-            wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8",
-                      "fma", "f16c")
+            wanted = (
+                "avx2",
+                "avx512f",
+                "avx512_bf16",
+                "avx512_vnni",
+                "amx_bf16",
+                "amx_int8",
+                "fma",
+                "f16c",
+            )
             info["flags"] = [f for f in value.split() if f in wanted]
     return info
 
@@ -53,8 +72,12 @@ def _gpu() -> dict[str, Any] | None:
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(0)
-    gpu: dict[str, Any] = {"name": props.name, "memory_bytes": props.total_memory,
-                           "count": torch.cuda.device_count(), "cuda": torch.version.cuda}
+    gpu: dict[str, Any] = {
+        "name": props.name,
+        "memory_bytes": props.total_memory,
+        "count": torch.cuda.device_count(),
+        "cuda": torch.version.cuda,
+    }
     try:
         import pynvml
 

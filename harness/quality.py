@@ -34,8 +34,10 @@ def prompt_logits(llm: LLM, prompts: Sequence[Sequence[int]]) -> list[torch.Tens
     previous = runner.logits_observer
     runner.logits_observer = observer
     try:
-        outputs = llm.generate([list(p) for p in prompts],
-                               SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        outputs = llm.generate(
+            [list(p) for p in prompts],
+            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        )
     finally:
         runner.logits_observer = previous
     result = []
@@ -49,8 +51,9 @@ def prompt_logits(llm: LLM, prompts: Sequence[Sequence[int]]) -> list[torch.Tens
     return result
 
 
-def quality_probe(reference: LLM, candidate: LLM, prompts: Sequence[Sequence[int]],
-                  min_margin: float = 0.1) -> dict[str, float | int | None]:
+def quality_probe(
+    reference: LLM, candidate: LLM, prompts: Sequence[Sequence[int]], min_margin: float = 0.1
+) -> dict[str, float | int | None]:
     """Compare next-token distributions position by position over every prompt.
 
     Returns ``kl_mean`` / ``kl_max`` (KL(ref || cand) in nats, float64 log-softmax over the
@@ -61,8 +64,10 @@ def quality_probe(reference: LLM, candidate: LLM, prompts: Sequence[Sequence[int
     """
     vocab = reference.tokenizer.vocab_size
     if candidate.tokenizer.vocab_size != vocab:
-        raise ValueError(f"quality probe: tokenizer vocabularies differ ({vocab} vs "
-                         f"{candidate.tokenizer.vocab_size})")
+        raise ValueError(
+            f"quality probe: tokenizer vocabularies differ ({vocab} vs "
+            f"{candidate.tokenizer.vocab_size})"
+        )
     ref = torch.cat(prompt_logits(reference, prompts))[:, :vocab].double()
     cand = torch.cat(prompt_logits(candidate, prompts))[:, :vocab].double()
     ref_lp = torch.log_softmax(ref, dim=-1)
@@ -95,7 +100,7 @@ def perplexity(llm: LLM, text: str, window: int | None = None) -> float:
     size = window or llm.engine.limits.max_model_len - 1
     if size < 2:
         raise ValueError("perplexity: window must be >= 2")
-    chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
+    chunks = [ids[i : i + size] for i in range(0, len(ids), size)]
     chunks = [c for c in chunks if len(c) >= 2]
     if not chunks:
         raise ValueError("perplexity: the text has fewer than 2 tokens")
@@ -116,8 +121,12 @@ def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[st
     real checkpoint (dummy weights make it meaningless)."""
     from engines.train_tiny import corpus_text
 
-    reference_options = {**engine_options, "dtype": "float32", "quantization": "none",
-                         "kv_cache_dtype": "auto"}
+    reference_options = {
+        **engine_options,
+        "dtype": "float32",
+        "quantization": "none",
+        "kv_cache_dtype": "auto",
+    }
     if engine_options.get("kv_cache") != "none" and engine_options.get("batching") != "static":
         # Prompts go in small chunks, so every chunk after the first attends to K/V read back
         # from the cache: the probe then sees what KV quantization costs, not only weights.
@@ -130,12 +139,13 @@ def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[st
     length = min(int(settings.get("prompt_len", 64)), candidate.engine.limits.max_model_len - 1)
     count = int(settings.get("num_prompts", 8))
     stride = max(1, (len(ids) - length) // max(1, count))
-    prompts = [ids[i * stride:i * stride + length] for i in range(count)]
-    result = quality_probe(reference, candidate, prompts,
-                           float(settings.get("min_margin", 0.1)))
+    prompts = [ids[i * stride : i * stride + length] for i in range(count)]
+    result = quality_probe(reference, candidate, prompts, float(settings.get("min_margin", 0.1)))
     out: dict[str, float | None] = {
-        "top1_agreement": result["top1_agreement"], "kl_mean": result["kl_mean"],
-        "max_abs_logit_error": result["max_abs_logit_error"]}
+        "top1_agreement": result["top1_agreement"],
+        "kl_mean": result["kl_mean"],
+        "max_abs_logit_error": result["max_abs_logit_error"],
+    }
     if candidate.engine.runner.weights_source == "checkpoint":
         out["perplexity"] = perplexity(candidate, text)
     return out

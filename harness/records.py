@@ -28,21 +28,65 @@ SCHEMA_VERSION = 1
 TABLES = ("requests", "tokens", "steps")
 
 REQUEST_COLUMNS = [
-    "request_id", "status", "error", "finish_reason", "arrival_s", "sent_s", "tokenized_s",
-    "scheduled_s", "first_token_s", "last_token_s", "finished_s", "prompt_tokens_requested",
-    "prompt_tokens", "output_tokens_requested", "output_tokens", "output_tokens_reported",
+    "request_id",
+    "status",
+    "error",
+    "finish_reason",
+    "arrival_s",
+    "sent_s",
+    "tokenized_s",
+    "scheduled_s",
+    "first_token_s",
+    "last_token_s",
+    "finished_s",
+    "prompt_tokens_requested",
+    "prompt_tokens",
+    "output_tokens_requested",
+    "output_tokens",
+    "output_tokens_reported",
     "num_prefill_chunks",
-    "num_preemptions", "cached_prompt_tokens", "prefix_group", "session_id", "turn",
-    "prefill_tokens_computed", "tokenize_s", "queue_s", "prefill_s", "decode_s", "detokenize_s",
+    "num_preemptions",
+    "cached_prompt_tokens",
+    "prefix_group",
+    "session_id",
+    "turn",
+    "prefill_tokens_computed",
+    "tokenize_s",
+    "queue_s",
+    "prefill_s",
+    "decode_s",
+    "detokenize_s",
 ]
 TOKEN_COLUMNS = ["request_id", "index", "step", "time_s", "token_id"]
 STEP_COLUMNS = [
-    "step", "start_s", "end_s", "num_seqs", "num_prefill_seqs", "num_decode_seqs",
-    "prefill_tokens", "decode_tokens", "padding_tokens", "num_waiting", "kv_bytes_reserved",
-    "kv_bytes_used", "num_preempted", "num_running", "kv_blocks_used", "forward_s",
-    "kv_gather_s", "logits_tokens", "attention_pairs", "kv_tokens_read", "kv_tokens_written",
+    "step",
+    "start_s",
+    "end_s",
+    "num_seqs",
+    "num_prefill_seqs",
+    "num_decode_seqs",
+    "prefill_tokens",
+    "decode_tokens",
+    "padding_tokens",
+    "num_waiting",
+    "kv_bytes_reserved",
+    "kv_bytes_used",
+    "num_preempted",
+    "num_running",
+    "kv_blocks_used",
+    "forward_s",
+    "kv_gather_s",
+    "logits_tokens",
+    "attention_pairs",
+    "kv_tokens_read",
+    "kv_tokens_written",
     # the roofline (harness/roofline.py), added when the run finishes; NaN where not applicable
-    "flops", "weight_bytes_read", "kv_bytes_read", "kv_bytes_written", "predicted_s", "mbu",
+    "flops",
+    "weight_bytes_read",
+    "kv_bytes_read",
+    "kv_bytes_written",
+    "predicted_s",
+    "mbu",
     "mfu",
 ]
 COLUMNS = {"requests": REQUEST_COLUMNS, "tokens": TOKEN_COLUMNS, "steps": STEP_COLUMNS}
@@ -63,6 +107,7 @@ def _replace_atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write to a temporary file in the same folder, then rename over the target."""
+
     def write(tmp: Path) -> None:
         with open(tmp, "w") as f:
             json.dump(data, f, indent=2, default=str)
@@ -94,8 +139,10 @@ class RunRecorder:
         self.flush_every = flush_every
         for table in TABLES:  # an earlier run's tables in this folder (resume) are stale
             (self.run_dir / f"{table}.parquet").unlink(missing_ok=True)
+        # kept open for the run's lifetime (closed in close()): no context manager fits
         self.files: dict[str, IO[str]] = {
-            t: open(self.run_dir / f"{t}.jsonl", "w") for t in TABLES  # noqa: SIM115
+            t: open(self.run_dir / f"{t}.jsonl", "w")  # noqa: SIM115
+            for t in TABLES
         }
         self.counts = dict.fromkeys(TABLES, 0)
         self._unflushed = 0
@@ -145,8 +192,9 @@ class RunRecorder:
         return frames
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        write_json_atomic(self.run_dir / "summary.json",
-                          {"schema_version": SCHEMA_VERSION, **summary})
+        write_json_atomic(
+            self.run_dir / "summary.json", {"schema_version": SCHEMA_VERSION, **summary}
+        )
 
 
 def read_jsonl(path: Path, columns: list[str]) -> pd.DataFrame:

@@ -45,23 +45,32 @@ def validate_repeats(value: Any) -> int:
 def repeat_command(overrides: list[str], run_dir: Path) -> list[str]:
     """The command line of one repeat: the job's overrides, one run, into `run_dir`."""
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "repeats"]
-    return [sys.executable, "-m", "harness.app", *kept, "repeats=1", "hydra.mode=RUN",
-            f"hydra.run.dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "harness.app",
+        *kept,
+        "repeats=1",
+        "hydra.mode=RUN",
+        f"hydra.run.dir={run_dir}",
+    ]
 
 
 def spread(values: list[float | None]) -> dict[str, Any]:
     """median, min, max, sample std and cv of the non-null values, and the values themselves."""
     numbers = np.array([v for v in values if v is not None], dtype=float)
     if not len(numbers):
-        return {"median": None, "min": None, "max": None, "std": None, "cv": None,
-                "values": values}
+        return {"median": None, "min": None, "max": None, "std": None, "cv": None, "values": values}
     std = float(numbers.std(ddof=1)) if len(numbers) > 1 else None
     mean = float(numbers.mean())
-    return {"median": _as_number(float(np.median(numbers)), values),
-            "min": _as_number(float(numbers.min()), values),
-            "max": _as_number(float(numbers.max()), values),
-            "std": std, "cv": std / mean if std is not None and mean != 0 else None,
-            "values": values}
+    return {
+        "median": _as_number(float(np.median(numbers)), values),
+        "min": _as_number(float(numbers.min()), values),
+        "max": _as_number(float(numbers.max()), values),
+        "std": std,
+        "cv": std / mean if std is not None and mean != 0 else None,
+        "values": values,
+    }
 
 
 def _as_number(x: float, values: list[float | None]) -> float | int:
@@ -80,8 +89,10 @@ def aggregate(summaries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str
     spreads: dict[str, Any] = {}
     for name in names:
         values = [(s.get("metrics") or {}).get(name) for s in summaries]
-        if any(v is not None and (isinstance(v, bool) or not isinstance(v, int | float))
-               for v in values):
+        if any(
+            v is not None and (isinstance(v, bool) or not isinstance(v, int | float))
+            for v in values
+        ):
             continue
         stats = spread(values)
         metrics[name] = stats["median"]
@@ -114,8 +125,13 @@ def _run_child(command: list[str]) -> tuple[int, str | None]:
         return child.returncode, interruption(exc)
 
 
-def run_repeats(config: dict[str, Any], overrides: list[str], run_dir: str | Path,
-                repeats: int, resume: bool = False) -> dict[str, Any]:
+def run_repeats(
+    config: dict[str, Any],
+    overrides: list[str],
+    run_dir: str | Path,
+    repeats: int,
+    resume: bool = False,
+) -> dict[str, Any]:
     """Run the configuration `repeats` times into run_dir/repeat-<k>/; return (and write)
     the folder's summary. With `resume`, complete repeats of the same config are kept."""
     from harness.sweep import completed_run  # sweep imports Hydra; keep this module light
@@ -131,19 +147,24 @@ def run_repeats(config: dict[str, Any], overrides: list[str], run_dir: str | Pat
     def write(status: str, error: str | None) -> dict[str, Any]:
         complete = [k for k in range(repeats) if statuses[k] == "complete"]
         metrics, spreads = aggregate([summaries[k] for k in complete])
-        summary = {"schema_version": SCHEMA_VERSION, "status": status, "error": error,
-                   "repeats": repeats, "repeat_status": statuses,
-                   "complete_repeats": complete, "metrics": metrics,
-                   "metrics_spread": spreads,
-                   "repeat_dirs": [f"{REPEAT_DIR_PREFIX}{k}" for k in range(repeats)],
-                   "run_dir": str(run_dir)}
+        summary = {
+            "schema_version": SCHEMA_VERSION,
+            "status": status,
+            "error": error,
+            "repeats": repeats,
+            "repeat_status": statuses,
+            "complete_repeats": complete,
+            "metrics": metrics,
+            "metrics_spread": spreads,
+            "repeat_dirs": [f"{REPEAT_DIR_PREFIX}{k}" for k in range(repeats)],
+            "run_dir": str(run_dir),
+        }
         try:
             write_json_atomic(run_dir / "summary.json", summary)
         except OSError as exc:  # a full disk: no stale `running` summary is left either
             with suppress(OSError):
                 (run_dir / "summary.json").unlink(missing_ok=True)
-            raise RunFolderError(f"{run_dir}: writing summary.json failed: {exc}",
-                                 summary) from exc
+            raise RunFolderError(f"{run_dir}: writing summary.json failed: {exc}", summary) from exc
         return summary
 
     write("running", None)

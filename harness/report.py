@@ -30,18 +30,44 @@ from harness.roofline import decode_only, measured_step_s, prefill_only
 from harness.table import format_value
 
 MAIN_METRICS = (
-    "num_completed", "num_failed", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
-    "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "output_tok_per_s", "req_per_s", "offered_req_per_s",
-    "goodput_req_per_s", "slo_attainment", "mean_batch_size", "kv_utilization_mean",
-    "num_preemptions", "prefix_cache_hit_rate", "mbu_decode_mean", "mfu_prefill_mean",
-    "peak_vram_bytes", "peak_rss_bytes", "gpu_util_mean", "cpu_util_mean", "energy_j",
+    "num_completed",
+    "num_failed",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "itl_p99_s",
+    "e2e_p50_s",
+    "e2e_p99_s",
+    "output_tok_per_s",
+    "req_per_s",
+    "offered_req_per_s",
+    "goodput_req_per_s",
+    "slo_attainment",
+    "mean_batch_size",
+    "kv_utilization_mean",
+    "num_preemptions",
+    "prefix_cache_hit_rate",
+    "mbu_decode_mean",
+    "mfu_prefill_mean",
+    "peak_vram_bytes",
+    "peak_rss_bytes",
+    "gpu_util_mean",
+    "cpu_util_mean",
+    "energy_j",
     "j_per_output_token",
 )
 SPREAD_METRICS = ("output_tok_per_s", "ttft_p50_s", "tpot_p50_s", "itl_p50_s", "e2e_p50_s")
 PHASES = ("tokenize_s", "queue_s", "prefill_s", "decode_s", "detokenize_s")
 ROOFLINE_COLUMNS = ("flops", "weight_bytes_read", "kv_bytes_read")
-SAMPLE_PLOTS = ("rss_bytes", "cpu_util", "gpu_util", "gpu_mem_used_bytes", "gpu_power_w",
-                "torch_cuda_allocated_bytes")
+SAMPLE_PLOTS = (
+    "rss_bytes",
+    "cpu_util",
+    "gpu_util",
+    "gpu_mem_used_bytes",
+    "gpu_power_w",
+    "torch_cuda_allocated_bytes",
+)
 RATE_HINTS = ("rate", "concurrency", "qps")
 
 
@@ -107,9 +133,11 @@ class Document:
                 out.append(_html_table(block.frame))
             elif block.kind == "figure":
                 data = base64.b64encode(block.path.read_bytes()).decode()
-                out.append(f'<figure><img alt="{html.escape(block.text)}" '
-                           f'src="data:image/png;base64,{data}"><figcaption>'
-                           f"{html.escape(block.text)}</figcaption></figure>")
+                out.append(
+                    f'<figure><img alt="{html.escape(block.text)}" '
+                    f'src="data:image/png;base64,{data}"><figcaption>'
+                    f"{html.escape(block.text)}</figcaption></figure>"
+                )
         return HTML_PAGE.format(title=html.escape(title), body="\n".join(out))
 
 
@@ -138,8 +166,9 @@ def _cell(value: Any) -> str:
 
 def _markdown_table(frame: pd.DataFrame) -> str:
     def row(cells: list[Any]) -> str:
-        return "| " + " | ".join(_cell(c).replace("|", "\\|").replace("\n", " ")
-                                 for c in cells) + " |"
+        return (
+            "| " + " | ".join(_cell(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+        )
 
     lines = [row(list(frame.columns)), "| " + " | ".join("---" for _ in frame.columns) + " |"]
     lines += [row(list(values)) for values in frame.itertuples(index=False)]
@@ -154,8 +183,10 @@ def _inline_html(text: str) -> str:
 
 def _html_table(frame: pd.DataFrame) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in values)
-                   + "</tr>" for values in frame.itertuples(index=False))
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in values) + "</tr>"
+        for values in frame.itertuples(index=False)
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -195,33 +226,42 @@ def _first_runs(res: Results) -> list[str]:
 def _limited(res: Results, doc: Document, run_ids: list[str]) -> list[str]:
     if len(run_ids) > figures.MAX_LINES:
         doc.note(f"Showing the first {figures.MAX_LINES} of {len(run_ids)} variants.")
-    return run_ids[:figures.MAX_LINES]
+    return run_ids[: figures.MAX_LINES]
 
 
 # sections ---------------------------------------------------------------------------------
 def section_overview(res: Results, doc: Document, paths: list[str]) -> None:
     runs = res.runs
     counts = runs["status"].value_counts()
-    doc.text(f"Source: {', '.join(f'`{p}`' for p in paths)}. {len(runs)} run(s), "
-             f"{runs['variant'].nunique()} variant(s); status: "
-             + ", ".join(f"{n} {status}" for status, n in counts.items()) + ".")
+    doc.text(
+        f"Source: {', '.join(f'`{p}`' for p in paths)}. {len(runs)} run(s), "
+        f"{runs['variant'].nunique()} variant(s); status: "
+        + ", ".join(f"{n} {status}" for status, n in counts.items())
+        + "."
+    )
     if res.swept:
         doc.text("Swept parameters: " + ", ".join(f"`{k}`" for k in res.swept) + ".")
     machines = runs["machine"].dropna().unique()
     commits = runs["git_commit"].dropna().unique()
     if len(machines):
-        doc.text("Machine: " + "; ".join(str(m) for m in machines) + ". Commit: "
-                 + ", ".join(str(c)[:12] for c in commits)
-                 + (" (uncommitted changes)" if runs["git_dirty"].fillna(False).any() else "")
-                 + ".")
+        doc.text(
+            "Machine: "
+            + "; ".join(str(m) for m in machines)
+            + ". Commit: "
+            + ", ".join(str(c)[:12] for c in commits)
+            + (" (uncommitted changes)" if runs["git_dirty"].fillna(False).any() else "")
+            + "."
+        )
     if len(machines) > 1 or runs["hostname_hash"].dropna().nunique() > 1:
         doc.note("These runs come from different machines: compare their timings with care.")
     invalid = runs[runs["window_valid"].eq(False)]
     if len(invalid):
-        doc.note(f"{len(invalid)} run(s) have a measurement window that is not valid (shorter "
-                 "than run.window asks, or no request completed inside it under overload): "
-                 "their throughputs are over the whole run, their latencies over the "
-                 "window's requests.")
+        doc.note(
+            f"{len(invalid)} run(s) have a measurement window that is not valid (shorter "
+            "than run.window asks, or no request completed inside it under overload): "
+            "their throughputs are over the whole run, their latencies over the "
+            "window's requests."
+        )
 
 
 def variant_table(res: Results) -> pd.DataFrame:
@@ -246,8 +286,10 @@ def section_variants(res: Results, doc: Document) -> None:
     table = variant_table(res)
     table.to_csv(doc.out_dir / "report_variants.csv", index=False)
     if (res.variants["runs"] > 1).any():
-        doc.text("With repeats each metric is the median over the complete runs; `_cv` columns "
-                 "give the coefficient of variation across them.")
+        doc.text(
+            "With repeats each metric is the median over the complete runs; `_cv` columns "
+            "give the coefficient of variation across them."
+        )
     shown = table.copy()
     for column in shown.columns:
         if column in MAIN_METRICS:
@@ -269,16 +311,27 @@ def section_latency(res: Results, doc: Document) -> None:
         return
     keep = set(_limited(res, doc, list(latencies["variant"].drop_duplicates())))
     latencies = latencies[latencies["variant"].isin(keep)]
-    doc.figure(figures.latency_cdfs(latencies), "latency_cdf",
-               "TTFT, ITL and E2E latency CDFs per variant (requests inside each run's "
-               "measurement window; repeats pooled).")
-    stats = (latencies.groupby(["variant", "latency"], sort=False)["value_s"]
-             .describe(percentiles=[0.5, 0.9, 0.99]).reset_index())
+    doc.figure(
+        figures.latency_cdfs(latencies),
+        "latency_cdf",
+        "TTFT, ITL and E2E latency CDFs per variant (requests inside each run's "
+        "measurement window; repeats pooled).",
+    )
+    stats = (
+        latencies.groupby(["variant", "latency"], sort=False)["value_s"]
+        .describe(percentiles=[0.5, 0.9, 0.99])
+        .reset_index()
+    )
     rows = []
     for _, row in stats.iterrows():
-        rows.append({"variant": row["variant"], "latency": row["latency"],
-                     "n": int(row["count"]),
-                     **{q: format_metric("x_s", row[q]) for q in ("50%", "90%", "99%", "max")}})
+        rows.append(
+            {
+                "variant": row["variant"],
+                "latency": row["latency"],
+                "n": int(row["count"]),
+                **{q: format_metric("x_s", row[q]) for q in ("50%", "90%", "99%", "max")},
+            }
+        )
     doc.table(pd.DataFrame(rows).rename(columns={"50%": "p50", "90%": "p90", "99%": "p99"}))
 
 
@@ -294,36 +347,66 @@ def section_load(res: Results, doc: Document) -> None:
     doc.heading("Throughput vs latency")
     variants = res.variants
     if "offered_req_per_s" not in variants or variants["offered_req_per_s"].dropna().nunique() < 2:
-        doc.note("Skipped: not a load sweep (needs variants at two or more offered request "
-                 "rates: open-loop arrivals, `offered_req_per_s`).")
+        doc.note(
+            "Skipped: not a load sweep (needs variants at two or more offered request "
+            "rates: open-loop arrivals, `offered_req_per_s`)."
+        )
         return
     x = "output_tok_per_s"
-    ys = [y for y in ("ttft_p99_s", "tpot_p99_s", "e2e_p99_s") if y in variants
-          and variants[y].notna().any()]
+    ys = [
+        y
+        for y in ("ttft_p99_s", "tpot_p99_s", "e2e_p99_s")
+        if y in variants and variants[y].notna().any()
+    ]
     rate_keys = [k for k in res.swept if any(h in k for h in RATE_HINTS)]
     series_keys = [k for k in res.swept if k not in rate_keys]
     points = variants.dropna(subset=["offered_req_per_s"]).sort_values("offered_req_per_s")
-    points = points.assign(series=points.apply(
-        lambda r: ", ".join(f"{k}={r[k]}" for k in series_keys) or "all", axis=1))
+    points = points.assign(
+        series=points.apply(
+            lambda r: ", ".join(f"{k}={r[k]}" for k in series_keys) or "all", axis=1
+        )
+    )
     slo = _slo(res)
-    bounds = {"ttft_p99_s": slo.get("ttft_s"), "tpot_p99_s": slo.get("tpot_s"),
-              "e2e_p99_s": slo.get("e2e_s")}
-    doc.figure(figures.throughput_latency(points, x, ys, bounds), "throughput_latency",
-               "p99 latency against achieved output throughput, one point per offered rate; "
-               "dashed: the SLO (run.slo).")
+    bounds = {
+        "ttft_p99_s": slo.get("ttft_s"),
+        "tpot_p99_s": slo.get("tpot_s"),
+        "e2e_p99_s": slo.get("e2e_s"),
+    }
+    doc.figure(
+        figures.throughput_latency(points, x, ys, bounds),
+        "throughput_latency",
+        "p99 latency against achieved output throughput, one point per offered rate; "
+        "dashed: the SLO (run.slo).",
+    )
     set_bounds = {k: v for k, v in slo.items() if v is not None}
-    doc.text("SLO: " + (", ".join(f"{k} <= {v}" for k, v in set_bounds.items())
-                        if set_bounds else "none set (run.slo)") + ".")
-    columns = ["series", "offered_req_per_s", "req_per_s", "output_tok_per_s", *ys,
-               "goodput_req_per_s", "slo_attainment"]
+    doc.text(
+        "SLO: "
+        + (
+            ", ".join(f"{k} <= {v}" for k, v in set_bounds.items())
+            if set_bounds
+            else "none set (run.slo)"
+        )
+        + "."
+    )
+    columns = [
+        "series",
+        "offered_req_per_s",
+        "req_per_s",
+        "output_tok_per_s",
+        *ys,
+        "goodput_req_per_s",
+        "slo_attainment",
+    ]
     table = points[[c for c in columns if c in points]].copy()
     for column in table.columns[1:]:
         table[column] = [format_metric(column, v) for v in table[column]]
     doc.table(table)
     for summary in _sweep_summaries(res):
         if summary.get("saturation_req_per_s"):
-            doc.text(f"Saturation: {summary['saturation_req_per_s']:g} req/s "
-                     f"({summary.get('saturation_definition', '')}).")
+            doc.text(
+                f"Saturation: {summary['saturation_req_per_s']:g} req/s "
+                f"({summary.get('saturation_definition', '')})."
+            )
         elif summary.get("saturation_note"):
             doc.text(f"Saturation: not found ({summary['saturation_note']}).")
         if summary.get("peak_req_per_s"):
@@ -350,14 +433,23 @@ def section_timeline(res: Results, doc: Document) -> None:
         return
     run_ids = _limited(res, doc, _first_runs(res))
     shown = res.join(steps[steps["run_id"].isin(run_ids)])
-    doc.figure(figures.timeline(shown), "timeline",
-               "Sequences per engine step and KV bytes (used, reserved) over time; the first "
-               "run of each variant.")
+    doc.figure(
+        figures.timeline(shown),
+        "timeline",
+        "Sequences per engine step and KV bytes (used, reserved) over time; the first "
+        "run of each variant.",
+    )
 
 
-MEMORY_ORDER = ("memory_weights_bytes", "memory_packed_weights_bytes", "memory_kv_pool_bytes",
-                "memory_kv_reserved_bytes", "memory_kv_used_bytes", "memory_other_bytes",
-                "memory_peak_bytes")
+MEMORY_ORDER = (
+    "memory_weights_bytes",
+    "memory_packed_weights_bytes",
+    "memory_kv_pool_bytes",
+    "memory_kv_reserved_bytes",
+    "memory_kv_used_bytes",
+    "memory_other_bytes",
+    "memory_peak_bytes",
+)
 
 
 def memory_parts(variants: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series | None]:
@@ -388,8 +480,11 @@ def memory_parts(variants: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series | None
     if (other := column("memory_other_bytes")) is not None:
         parts["other (activations, workspace)"] = other
     for name in frame.columns:
-        if (name.startswith("memory_") and name not in MEMORY_ORDER
-                and (extra := column(name)) is not None):
+        if (
+            name.startswith("memory_")
+            and name not in MEMORY_ORDER
+            and (extra := column(name)) is not None
+        ):
             parts[name.removeprefix("memory_").removesuffix("_bytes")] = extra
     return parts.clip(lower=0), column("memory_peak_bytes")
 
@@ -397,23 +492,29 @@ def memory_parts(variants: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series | None
 def section_memory(res: Results, doc: Document) -> None:
     doc.heading("Memory breakdown")
     variants = res.variants
-    present = [c for c in variants.columns if c.startswith("memory_")
-               and variants[c].notna().any()]
+    present = [c for c in variants.columns if c.startswith("memory_") and variants[c].notna().any()]
     if not present:
-        doc.note("Skipped: no memory breakdown recorded (summary metrics `memory_*`, from the "
-                 "monitor).")
+        doc.note(
+            "Skipped: no memory breakdown recorded (summary metrics `memory_*`, from the monitor)."
+        )
         return
     parts, peak = memory_parts(variants)
     if len(parts.columns):
-        doc.figure(figures.stacked_bars(parts / 2**20, "MiB",
-                                        marks=None if peak is None else peak / 2**20,
-                                        mark_label="peak of the run"), "memory",
-                   "Memory per variant: weights, their packed copies (CPU kernels), KV "
-                   "cache (in use, reserved but unused, the "
-                   "pool's free rest) and other (activations, workspace); black tick: the "
-                   "run's peak. On a CPU without kv_cache_prefault the KV pool is mapped "
-                   "lazily: its free part holds no pages, so the peak can sit below the bar "
-                   "(docs/monitoring.md).")
+        doc.figure(
+            figures.stacked_bars(
+                parts / 2**20,
+                "MiB",
+                marks=None if peak is None else peak / 2**20,
+                mark_label="peak of the run",
+            ),
+            "memory",
+            "Memory per variant: weights, their packed copies (CPU kernels), KV "
+            "cache (in use, reserved but unused, the "
+            "pool's free rest) and other (activations, workspace); black tick: the "
+            "run's peak. On a CPU without kv_cache_prefault the KV pool is mapped "
+            "lazily: its free part holds no pages, so the peak can sit below the bar "
+            "(docs/monitoring.md).",
+        )
     ordered = [c for c in MEMORY_ORDER if c in present]
     table = variants[["variant", *ordered, *[c for c in present if c not in ordered]]].copy()
     for name in table.columns[1:]:
@@ -430,8 +531,11 @@ def section_samples(res: Results, doc: Document) -> None:
         return
     run_ids = _limited(res, doc, _first_runs(res))
     shown = res.join(samples[samples["run_id"].isin(run_ids)])
-    doc.figure(figures.samples_timeline(shown, plots), "samples",
-               "Monitor samples over time; the first run of each variant.")
+    doc.figure(
+        figures.samples_timeline(shown, plots),
+        "samples",
+        "Monitor samples over time; the first run of each variant.",
+    )
 
 
 def section_phases(res: Results, doc: Document) -> None:
@@ -439,15 +543,21 @@ def section_phases(res: Results, doc: Document) -> None:
     requests = res.requests
     phases = [p for p in PHASES if p in requests and requests[p].notna().any()]
     if not phases:
-        doc.note("Skipped: no per-request phase times (requests columns "
-                 + ", ".join(PHASES) + ").")
+        doc.note(
+            "Skipped: no per-request phase times (requests columns " + ", ".join(PHASES) + ")."
+        )
         return
-    done = requests[(requests["status"] == "ok")
-                    & requests.get("in_window", pd.Series(True, index=requests.index))]
+    done = requests[
+        (requests["status"] == "ok")
+        & requests.get("in_window", pd.Series(True, index=requests.index))
+    ]
     done = res.join(done)
     means = done.groupby("variant", sort=False)[phases].mean()
-    doc.figure(figures.stacked_bars(means, "mean time per request (ms)", scale=1e3), "phases",
-               "Mean time per completed request in each phase, per variant.")
+    doc.figure(
+        figures.stacked_bars(means, "mean time per request (ms)", scale=1e3),
+        "phases",
+        "Mean time per completed request in each phase, per variant.",
+    )
     table = means.reset_index()
     e2e = (done["last_token_s"] - done["arrival_s"]).groupby(done["variant"], sort=False).mean()
     table["sum of phases"] = means.sum(axis=1).to_numpy()
@@ -462,8 +572,11 @@ def hardware_peaks(res: Results) -> tuple[float | None, float | None, str | None
     for run_id in res.runs["run_id"]:
         summary = res.summary(run_id)
         engine = summary.get("engine") or {}
-        candidates = [summary.get("hardware"), engine.get("hardware"),
-                      res.provenance(run_id).get("hardware")]
+        candidates = [
+            summary.get("hardware"),
+            engine.get("hardware"),
+            res.provenance(run_id).get("hardware"),
+        ]
         for spec in candidates:
             if isinstance(spec, dict):
                 dtype = str(engine.get("dtype") or "")
@@ -487,12 +600,23 @@ def hardware_overlap(res: Results) -> float:
 
 
 # the keys a hardware spec may use, with the factor to FLOP/s or B/s
-FLOPS_KEYS = {"peak_flops": 1.0, "peak_flops_per_s": 1.0, "flops_per_s": 1.0,
-              "peak_tflops": 1e12, "tflops": 1e12}
-BANDWIDTH_KEYS = {"memory_bandwidth": 1.0, "memory_bandwidth_bytes_per_s": 1.0,
-                  "bandwidth_bytes_per_s": 1.0, "mem_bandwidth": 1.0, "bandwidth": 1.0,
-                  "memory_bandwidth_gb_s": 1e9, "bandwidth_gb_s": 1e9,
-                  "memory_bandwidth_tb_s": 1e12}
+FLOPS_KEYS = {
+    "peak_flops": 1.0,
+    "peak_flops_per_s": 1.0,
+    "flops_per_s": 1.0,
+    "peak_tflops": 1e12,
+    "tflops": 1e12,
+}
+BANDWIDTH_KEYS = {
+    "memory_bandwidth": 1.0,
+    "memory_bandwidth_bytes_per_s": 1.0,
+    "bandwidth_bytes_per_s": 1.0,
+    "mem_bandwidth": 1.0,
+    "bandwidth": 1.0,
+    "memory_bandwidth_gb_s": 1e9,
+    "bandwidth_gb_s": 1e9,
+    "memory_bandwidth_tb_s": 1e12,
+}
 
 
 def _pick(spec: dict[str, Any], keys: dict[str, float], dtype: str) -> float | None:
@@ -512,19 +636,27 @@ def roofline_points(res: Results) -> pd.DataFrame:
     prefill-only (the steps of mbu_decode_mean and mfu_prefill_mean), and the
     roofline-predicted time next to the measured."""
     steps = res.steps
-    moved = sum(steps[c].fillna(0) for c in ("weight_bytes_read", "kv_bytes_read",
-                                              "kv_bytes_written") if c in steps)
+    moved = sum(
+        steps[c].fillna(0)
+        for c in ("weight_bytes_read", "kv_bytes_read", "kv_bytes_written")
+        if c in steps
+    )
     measured = measured_step_s(steps)
-    points = pd.DataFrame({"run_id": steps["run_id"], "intensity": steps["flops"] / moved,
-                           "flops_per_s": steps["flops"] / measured,
-                           "prefill": steps["prefill_tokens"].fillna(0) > 0,
-                           "decode_only": decode_only(steps), "prefill_only": prefill_only(steps),
-                           "measured_s": measured})
+    points = pd.DataFrame(
+        {
+            "run_id": steps["run_id"],
+            "intensity": steps["flops"] / moved,
+            "flops_per_s": steps["flops"] / measured,
+            "prefill": steps["prefill_tokens"].fillna(0) > 0,
+            "decode_only": decode_only(steps),
+            "prefill_only": prefill_only(steps),
+            "measured_s": measured,
+        }
+    )
     for column in ("predicted_s", "mbu", "mfu"):
         if column in steps:
             points[column] = steps[column]
-    points = points.replace([np.inf, -np.inf], np.nan).dropna(subset=["intensity",
-                                                                      "flops_per_s"])
+    points = points.replace([np.inf, -np.inf], np.nan).dropna(subset=["intensity", "flops_per_s"])
     return res.join(points[points["flops_per_s"] > 0])
 
 
@@ -532,8 +664,11 @@ def section_roofline(res: Results, doc: Document) -> None:
     doc.heading("Roofline")
     steps = res.steps
     if steps.empty or not all(c in steps and steps[c].notna().any() for c in ROOFLINE_COLUMNS):
-        doc.note("Skipped: no per-step roofline counters (steps columns "
-                 + ", ".join(ROOFLINE_COLUMNS) + ").")
+        doc.note(
+            "Skipped: no per-step roofline counters (steps columns "
+            + ", ".join(ROOFLINE_COLUMNS)
+            + ")."
+        )
         return
     points = roofline_points(res)
     if points.empty:
@@ -541,13 +676,20 @@ def section_roofline(res: Results, doc: Document) -> None:
         return
     run_ids = set(_limited(res, doc, _first_runs(res)))
     peak, bandwidth, name = hardware_peaks(res)
-    doc.figure(figures.roofline(points[points["run_id"].isin(run_ids)], peak, bandwidth,
-                                hardware_overlap(res)),
-               "roofline", "Per step: achieved FLOP/s against arithmetic intensity "
-               "(circles decode-only, triangles with prefill)"
-               + (f" under the roofline of {name or 'the recorded hardware'}" if peak and
-                  bandwidth else "; no hardware spec recorded, so no roofline drawn")
-               + "; and predicted against measured step time. The first run of each variant.")
+    doc.figure(
+        figures.roofline(
+            points[points["run_id"].isin(run_ids)], peak, bandwidth, hardware_overlap(res)
+        ),
+        "roofline",
+        "Per step: achieved FLOP/s against arithmetic intensity "
+        "(circles decode-only, triangles with prefill)"
+        + (
+            f" under the roofline of {name or 'the recorded hardware'}"
+            if peak and bandwidth
+            else "; no hardware spec recorded, so no roofline drawn"
+        )
+        + "; and predicted against measured step time. The first run of each variant.",
+    )
     rows = []
     for variant, group in points.groupby("variant", sort=False):
         decode, prefill = group[group["decode_only"]], group[group["prefill_only"]]
@@ -557,16 +699,18 @@ def section_roofline(res: Results, doc: Document) -> None:
         if "mfu" in group:
             row["MFU prefill (mean)"] = _fraction(prefill["mfu"].mean())
         if "predicted_s" in group:
-            ratio = (group["measured_s"] / group["predicted_s"]).replace([np.inf, -np.inf],
-                                                                         np.nan)
-            row["measured / predicted (median)"] = (f"{ratio.median():.2f}"
-                                                    if ratio.notna().any() else "-")
+            ratio = (group["measured_s"] / group["predicted_s"]).replace([np.inf, -np.inf], np.nan)
+            row["measured / predicted (median)"] = (
+                f"{ratio.median():.2f}" if ratio.notna().any() else "-"
+            )
         rows.append(row)
     doc.table(pd.DataFrame(rows))
-    doc.text("Over every step of every run of the variant (the summary's `mbu_decode_mean`, "
-             "`mfu_prefill_mean` and `roofline_ratio_p50` cover the measurement window): MBU "
-             "over decode-only steps, MFU over prefill-only steps, measured = `end_s - start_s` "
-             "(docs/roofline.md).")
+    doc.text(
+        "Over every step of every run of the variant (the summary's `mbu_decode_mean`, "
+        "`mfu_prefill_mean` and `roofline_ratio_p50` cover the measurement window): MBU "
+        "over decode-only steps, MFU over prefill-only steps, measured = `end_s - start_s` "
+        "(docs/roofline.md)."
+    )
 
 
 def _fraction(value: float) -> str:
@@ -575,8 +719,20 @@ def _fraction(value: float) -> str:
 
 def section_runs(res: Results, doc: Document) -> None:
     doc.heading("Runs")
-    columns = [c for c in ("run_id", "variant", "repeat", "round", "status", "duration_s",
-                           "num_completed", "config_hash") if c in res.runs]
+    columns = [
+        c
+        for c in (
+            "run_id",
+            "variant",
+            "repeat",
+            "round",
+            "status",
+            "duration_s",
+            "num_completed",
+            "config_hash",
+        )
+        if c in res.runs
+    ]
     table = res.runs[columns].copy()
     if "duration_s" in table:
         table["duration_s"] = [format_metric("duration_s", v) for v in table["duration_s"]]
@@ -584,13 +740,21 @@ def section_runs(res: Results, doc: Document) -> None:
 
 
 SECTIONS: tuple[Callable[[Results, Document], None], ...] = (
-    section_variants, section_latency, section_load, section_timeline, section_memory,
-    section_samples, section_phases, section_roofline, section_runs,
+    section_variants,
+    section_latency,
+    section_load,
+    section_timeline,
+    section_memory,
+    section_samples,
+    section_phases,
+    section_roofline,
+    section_runs,
 )
 
 
-def write_report(paths: list[str | Path], out_dir: str | Path,
-                 title: str | None = None) -> dict[str, Path]:
+def write_report(
+    paths: list[str | Path], out_dir: str | Path, title: str | None = None
+) -> dict[str, Path]:
     """Write report.md, report.html, report_variants.csv and the figures into `out_dir`."""
     res = load(*paths)
     out = Path(out_dir)
@@ -605,17 +769,22 @@ def write_report(paths: list[str | Path], out_dir: str | Path,
         section(res, doc)
     (out / "report.md").write_text(doc.markdown())
     (out / "report.html").write_text(doc.html(title))
-    return {"markdown": out / "report.md", "html": out / "report.html",
-            "variants": out / "report_variants.csv",
-            **{p.stem: p for p in doc.figures}}
+    return {
+        "markdown": out / "report.md",
+        "html": out / "report.html",
+        "variants": out / "report_variants.csv",
+        **{p.stem: p for p in doc.figures},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="inferlab report",
-        description="report.md and report.html (tables, figures) for run / sweep folders")
-    parser.add_argument("paths", nargs="+", help="run, sweep, repeats or A/B gate folders, "
-                        "or folders above them")
+        description="report.md and report.html (tables, figures) for run / sweep folders",
+    )
+    parser.add_argument(
+        "paths", nargs="+", help="run, sweep, repeats or A/B gate folders, or folders above them"
+    )
     parser.add_argument("--out", help="output folder (default: the one folder given)")
     parser.add_argument("--title", help="report title")
     args = parser.parse_args(argv)
@@ -627,8 +796,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"inferlab report: {exc}", file=sys.stderr)
         return 2
-    print(f"report: {written['markdown']}, {written['html']} "
-          f"({len(written) - 3} figure(s))")
+    print(f"report: {written['markdown']}, {written['html']} ({len(written) - 3} figure(s))")
     return 0
 
 

@@ -41,9 +41,17 @@ ID_COLUMNS = ["run_id", "variant", "path", "sweep", "job", "repeat", "round", "a
 PROVENANCE_COLUMNS = ["machine", "hostname_hash", "git_commit", "git_dirty", "config_hash"]
 SPREAD_STATS = ("median", "min", "max", "std", "cv")
 # samples.parquet (the monitor): the columns of an empty table when no run has one
-SAMPLE_COLUMNS = ["time_s", "rss_bytes", "cpu_util", "gpu_util", "gpu_mem_used_bytes",
-                  "gpu_power_w", "gpu_energy_j", "torch_cuda_allocated_bytes",
-                  "torch_cuda_reserved_bytes"]
+SAMPLE_COLUMNS = [
+    "time_s",
+    "rss_bytes",
+    "cpu_util",
+    "gpu_util",
+    "gpu_mem_used_bytes",
+    "gpu_power_w",
+    "gpu_energy_j",
+    "torch_cuda_allocated_bytes",
+    "torch_cuda_reserved_bytes",
+]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -113,8 +121,9 @@ def newest(root: str | Path = "results") -> Path | None:
     if not root.is_dir():
         return None
     candidates = [d for d in root.glob("*/*") if d.is_dir() and not d.name.startswith(".")]
-    candidates += [d for d in root.glob("*") if (d / "summary.json").is_file()
-                   or (d / "sweep.csv").is_file()]
+    candidates += [
+        d for d in root.glob("*") if (d / "summary.json").is_file() or (d / "sweep.csv").is_file()
+    ]
     with_runs = [d for d in candidates if next(d.rglob("summary.json"), None) is not None]
     return max(with_runs, key=lambda d: d.stat().st_mtime) if with_runs else None
 
@@ -146,9 +155,14 @@ def _natural(path: Path) -> tuple[tuple[int, int | str], ...]:
 def _find_run_dirs(root: Path) -> tuple[list[Path], list[Path]]:
     """(leaf run folders, folders aggregating repeats): folders holding summary.json, split by
     whether another summary.json lies below them."""
-    found = sorted({p.parent for p in root.rglob("summary.json")
-                    if not any(part.startswith(".") for part in p.relative_to(root).parts[:-1])},
-                   key=_natural)
+    found = sorted(
+        {
+            p.parent
+            for p in root.rglob("summary.json")
+            if not any(part.startswith(".") for part in p.relative_to(root).parts[:-1])
+        },
+        key=_natural,
+    )
     if (root / "summary.json").is_file() and root not in found:
         found.insert(0, root)
     parents = {d for d in found if any(o != d and d in o.parents for o in found)}
@@ -162,13 +176,19 @@ def _describe(leaf: Path, base: Path) -> _Run:
     if match := REPEAT_DIR.match(leaf.name):
         group, repeat = leaf.parent, int(match.group(1))
     run_id = leaf.relative_to(base).as_posix()
-    run = _Run(path=leaf, run_id=run_id, summary=summary, group_dir=group,
-               variant_key=group.as_posix(), repeat=repeat)
+    run = _Run(
+        path=leaf,
+        run_id=run_id,
+        summary=summary,
+        group_dir=group,
+        variant_key=group.as_posix(),
+        repeat=repeat,
+    )
     if match := AB_ROUND_DIR.match(group.name):
         run.round, run.arm = int(match.group(1)), match.group(2)
         run.variant_key = f"{group.parent.as_posix()}#{run.arm}"
         run.sweep = group.parent.name
-    elif ((group.parent / "multirun.yaml").is_file() or (group.parent / "sweep.csv").is_file()):
+    elif (group.parent / "multirun.yaml").is_file() or (group.parent / "sweep.csv").is_file():
         run.sweep = group.parent.name
         run.job = int(group.name) if group.name.isdigit() else group.name
     for folder in (group, leaf):
@@ -177,8 +197,7 @@ def _describe(leaf: Path, base: Path) -> _Run:
             run.overrides = _parse_overrides(overrides)
             break
     run.config = _read_yaml(leaf / "config.yaml") or _read_yaml(group / "config.yaml") or {}
-    run.provenance = (_read_json(leaf / "provenance.json")
-                      or _read_json(group / "provenance.json"))
+    run.provenance = _read_json(leaf / "provenance.json") or _read_json(group / "provenance.json")
     return run
 
 
@@ -217,11 +236,18 @@ class Results:
         for run in self._runs:
             summary = run.summary
             row: dict[str, Any] = {
-                "run_id": run.run_id, "variant": None, "path": str(run.path),
-                "sweep": run.sweep, "job": run.job, "repeat": run.repeat, "round": run.round,
-                "arm": run.arm, "variant_key": run.variant_key,
+                "run_id": run.run_id,
+                "variant": None,
+                "path": str(run.path),
+                "sweep": run.sweep,
+                "job": run.job,
+                "repeat": run.repeat,
+                "round": run.round,
+                "arm": run.arm,
+                "variant_key": run.variant_key,
                 **{k: run.overrides.get(k) for k in override_keys},
-                "status": summary.get("status", "missing"), "error": summary.get("error"),
+                "status": summary.get("status", "missing"),
+                "error": summary.get("error"),
             }
             row.update(summary.get("metrics") or {})
             rows.append(row)
@@ -317,8 +343,9 @@ class Results:
         wanted = list(columns or ["variant"])
         unknown = [c for c in wanted if c not in self.runs.columns]
         if unknown:
-            raise ValueError(f"join: unknown runs column(s) {unknown}; allowed: "
-                             f"{list(self.runs.columns)}")
+            raise ValueError(
+                f"join: unknown runs column(s) {unknown}; allowed: {list(self.runs.columns)}"
+            )
         return frame.merge(self.runs[["run_id", *wanted]], on="run_id", how="left")
 
     # per variant --------------------------------------------------------------------------
@@ -334,8 +361,14 @@ class Results:
                 for metric, stats in written.items():
                     # a repeat without this metric holds null: it is not a sample
                     values = [v for v in stats.get("values") or [] if v is not None]
-                    rows.append({"variant": variant, "metric": metric, "n": len(values),
-                                 **{s: stats.get(s) for s in SPREAD_STATS}})
+                    rows.append(
+                        {
+                            "variant": variant,
+                            "metric": metric,
+                            "n": len(values),
+                            **{s: stats.get(s) for s in SPREAD_STATS},
+                        }
+                    )
                 continue
             done = runs[runs["status"] == "complete"]
             if len(done) < 2:
@@ -346,10 +379,18 @@ class Results:
                     continue
                 mean = values.mean()
                 std = float(values.std(ddof=1))
-                rows.append({"variant": variant, "metric": metric, "n": len(values),
-                             "median": float(values.median()), "min": float(values.min()),
-                             "max": float(values.max()), "std": std,
-                             "cv": std / mean if mean else np.nan})
+                rows.append(
+                    {
+                        "variant": variant,
+                        "metric": metric,
+                        "n": len(values),
+                        "median": float(values.median()),
+                        "min": float(values.min()),
+                        "max": float(values.max()),
+                        "std": std,
+                        "cv": std / mean if mean else np.nan,
+                    }
+                )
         return pd.DataFrame(rows, columns=["variant", "metric", "n", *SPREAD_STATS])
 
     @cached_property
@@ -370,17 +411,26 @@ class Results:
             first = runs.iloc[0]
             done = runs[runs["status"] == "complete"]
             aggregate = self._aggregates.get(key)
-            row: dict[str, Any] = {"variant": first["variant"], "sweep": first["sweep"],
-                                   "job": first["job"], "arm": first["arm"],
-                                   **{k: first[k] for k in self.swept}, "runs": len(runs),
-                                   "complete": len(done)}
+            row: dict[str, Any] = {
+                "variant": first["variant"],
+                "sweep": first["sweep"],
+                "job": first["job"],
+                "arm": first["arm"],
+                **{k: first[k] for k in self.swept},
+                "runs": len(runs),
+                "complete": len(done),
+            }
             if aggregate is not None:
                 row["status"] = aggregate.get("status")
                 row.update(aggregate.get("metrics") or {})
             else:
-                row["status"] = ("complete" if len(done) == len(runs)
-                                 else runs["status"].iloc[-1] if len(runs) == 1
-                                 else "incomplete")
+                row["status"] = (
+                    "complete"
+                    if len(done) == len(runs)
+                    else runs["status"].iloc[-1]
+                    if len(runs) == 1
+                    else "incomplete"
+                )
                 source = done if len(done) else runs
                 for metric in self.metric_columns:
                     values = pd.to_numeric(source[metric], errors="coerce").dropna()
@@ -403,17 +453,27 @@ class Results:
         for run_id, reqs in requests.groupby("run_id", sort=False):
             per_request = per_request_latencies(reqs)
             for kind in ("ttft_s", "e2e_s"):
-                parts.append(pd.DataFrame({"run_id": run_id, "request_id": per_request[
-                    "request_id"], "latency": kind, "value_s": per_request[kind]}))
+                parts.append(
+                    pd.DataFrame(
+                        {
+                            "run_id": run_id,
+                            "request_id": per_request["request_id"],
+                            "latency": kind,
+                            "value_s": per_request[kind],
+                        }
+                    )
+                )
             run_tokens = tokens_by_run.get(run_id)
             if run_tokens is not None:
                 gaps = inter_token_latencies(run_tokens, per_request["request_id"])
-                parts.append(pd.DataFrame({"run_id": run_id, "request_id": None,
-                                           "latency": "itl_s", "value_s": gaps}))
+                parts.append(
+                    pd.DataFrame(
+                        {"run_id": run_id, "request_id": None, "latency": "itl_s", "value_s": gaps}
+                    )
+                )
         parts = [p for p in parts if len(p)]
         if not parts:
-            return pd.DataFrame(columns=["run_id", "variant", "request_id", "latency",
-                                         "value_s"])
+            return pd.DataFrame(columns=["run_id", "variant", "request_id", "latency", "value_s"])
         frame = self.join(pd.concat(parts, ignore_index=True))
         return frame[["run_id", "variant", "request_id", "latency", "value_s"]]
 

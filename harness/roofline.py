@@ -27,8 +27,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-ROOFLINE_COLUMNS = ("flops", "weight_bytes_read", "kv_bytes_read", "kv_bytes_written",
-                    "predicted_s", "mbu", "mfu")
+ROOFLINE_COLUMNS = (
+    "flops",
+    "weight_bytes_read",
+    "kv_bytes_read",
+    "kv_bytes_written",
+    "predicted_s",
+    "mbu",
+    "mfu",
+)
 COUNT_COLUMNS = ("logits_tokens", "attention_pairs", "kv_tokens_read", "kv_tokens_written")
 
 
@@ -52,13 +59,15 @@ class ModelShape:
         keys = ("linear_weight_bytes", "lm_head_bytes", "kv_bytes_per_token", "dtype")
         if not shape or any(engine.get(k) is None for k in keys):
             return None
-        return cls(block_linear_params=int(shape["block_linear_params"]),
-                   lm_head_params=int(shape["lm_head_params"]),
-                   attention_flops_per_pair=int(shape["attention_flops_per_pair"]),
-                   block_linear_bytes=int(engine["linear_weight_bytes"]),
-                   lm_head_bytes=int(engine["lm_head_bytes"]),
-                   kv_bytes_per_token=float(engine["kv_bytes_per_token"]),
-                   dtype=str(engine["dtype"]))
+        return cls(
+            block_linear_params=int(shape["block_linear_params"]),
+            lm_head_params=int(shape["lm_head_params"]),
+            attention_flops_per_pair=int(shape["attention_flops_per_pair"]),
+            block_linear_bytes=int(engine["linear_weight_bytes"]),
+            lm_head_bytes=int(engine["lm_head_bytes"]),
+            kv_bytes_per_token=float(engine["kv_bytes_per_token"]),
+            dtype=str(engine["dtype"]),
+        )
 
 
 def measured_step_s(steps: pd.DataFrame) -> pd.Series:
@@ -69,14 +78,18 @@ def measured_step_s(steps: pd.DataFrame) -> pd.Series:
 
 def step_costs(steps: pd.DataFrame, shape: ModelShape) -> pd.DataFrame:
     """FLOPs and bytes per step (float columns; NaN where the step lacks the counts)."""
+
     def col(name: str) -> pd.Series:
         return steps[name].astype(float) if name in steps else pd.Series(np.nan, steps.index)
 
     tokens = col("prefill_tokens") + col("decode_tokens") + col("padding_tokens").fillna(0)
     logits = col("logits_tokens")
-    flops = (2.0 * shape.block_linear_params * tokens + 2.0 * shape.lm_head_params * logits
-             + float(shape.attention_flops_per_pair) * col("attention_pairs"))
-    weights = (shape.block_linear_bytes * (tokens > 0) + shape.lm_head_bytes * (logits > 0))
+    flops = (
+        2.0 * shape.block_linear_params * tokens
+        + 2.0 * shape.lm_head_params * logits
+        + float(shape.attention_flops_per_pair) * col("attention_pairs")
+    )
+    weights = shape.block_linear_bytes * (tokens > 0) + shape.lm_head_bytes * (logits > 0)
     out = pd.DataFrame(index=steps.index)
     out["flops"] = flops
     out["weight_bytes_read"] = weights.astype(float).where(logits.notna())
@@ -92,16 +105,22 @@ def predicted_time(compute_s: Any, memory_s: Any, overlap: float) -> Any:
     return compute_s + memory_s - overlap * np.fmin(compute_s, memory_s)
 
 
-def attainable_flops(intensity: Any, peak_flops: float, bandwidth: float,
-                     overlap: float = 1.0) -> Any:
+def attainable_flops(
+    intensity: Any, peak_flops: float, bandwidth: float, overlap: float = 1.0
+) -> Any:
     """FLOP/s the roofline allows at an arithmetic intensity (FLOP per byte moved): the curve a
     roofline plot draws; min(peak, bandwidth x intensity) when overlap is 1."""
     intensity = np.asarray(intensity, dtype=float)
     return intensity / predicted_time(intensity / peak_flops, 1.0 / bandwidth, overlap)
 
 
-def add_roofline(steps: pd.DataFrame, shape: ModelShape, peak_flops: float | None,
-                 memory_bandwidth: float, overlap: float = 1.0) -> pd.DataFrame:
+def add_roofline(
+    steps: pd.DataFrame,
+    shape: ModelShape,
+    peak_flops: float | None,
+    memory_bandwidth: float,
+    overlap: float = 1.0,
+) -> pd.DataFrame:
     """`steps` with the roofline columns set (MFU and predicted_s NaN without a FLOP/s peak).
 
     `overlap` (the hardware spec's, 0..1): 1 is the standard roofline, max(compute, memory);
@@ -117,7 +136,8 @@ def add_roofline(steps: pd.DataFrame, shape: ModelShape, peak_flops: float | Non
     if peak_flops:
         compute_s = costs["flops"] / peak_flops
         out["predicted_s"] = predicted_time(compute_s, memory_s, overlap).where(
-            compute_s.notna() & memory_s.notna())
+            compute_s.notna() & memory_s.notna()
+        )
         out["mfu"] = costs["flops"] / measured / peak_flops
     else:
         out["predicted_s"] = np.nan
@@ -174,10 +194,10 @@ def roofline_summary(steps: pd.DataFrame) -> dict[str, float]:
     measured = measured_step_s(steps)
     timed = steps["mfu"].notna() & measured.notna()
     if timed.any():
-        out["mfu_overall"] = float((steps["mfu"] * measured)[timed].sum()
-                                   / measured[timed].sum())
+        out["mfu_overall"] = float((steps["mfu"] * measured)[timed].sum() / measured[timed].sum())
     predicted = steps["predicted_s"].notna() & measured.notna()
     if predicted.any():
-        out["roofline_fraction"] = float(steps.loc[predicted, "predicted_s"].sum()
-                                         / measured[predicted].sum())
+        out["roofline_fraction"] = float(
+            steps.loc[predicted, "predicted_s"].sum() / measured[predicted].sum()
+        )
     return out

@@ -63,7 +63,8 @@ def completed_run(run_dir: str | Path, config: dict[str, Any]) -> bool:
     if differing:
         raise ResumeMismatch(
             f"run.resume: {run_dir} holds a run of another configuration (it differs in "
-            f"{differing[:5]}); resume a sweep with the command that started it")
+            f"{differing[:5]}); resume a sweep with the command that started it"
+        )
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -81,8 +82,9 @@ def _parse_value(text: str) -> Any:
 def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = []
     jobs = [p for p in sweep_dir.iterdir() if (p / ".hydra" / "overrides.yaml").is_file()]
-    for job in sorted(jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit()
-                                           else 0, p.name)):
+    for job in sorted(
+        jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)
+    ):
         overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []
         row: dict[str, Any] = {"job": job.name}
         for override in overrides:
@@ -144,14 +146,18 @@ def saturation_summary(frame: pd.DataFrame) -> dict[str, Any]:
         note = "no complete job with an offered rate (open-loop arrivals)"
     elif rate is None:
         lowest = rows.iloc[0]
-        note = (f"every offered rate was past saturation: the lowest, "
-                f"{lowest['offered_req_per_s']:.4g} req/s, was served at "
-                f"{lowest['req_per_s']:.4g} req/s")
-    return {"saturation_req_per_s": rate,
-            "saturation_definition": f"highest offered rate with achieved >= "
-                                     f"{SATURATION_SERVED:.0%} of offered",
-            "saturation_note": note,
-            "peak_req_per_s": float(rows["req_per_s"].max()) if len(rows) else None}
+        note = (
+            f"every offered rate was past saturation: the lowest, "
+            f"{lowest['offered_req_per_s']:.4g} req/s, was served at "
+            f"{lowest['req_per_s']:.4g} req/s"
+        )
+    return {
+        "saturation_req_per_s": rate,
+        "saturation_definition": f"highest offered rate with achieved >= "
+        f"{SATURATION_SERVED:.0%} of offered",
+        "saturation_note": note,
+        "peak_req_per_s": float(rows["req_per_s"].max()) if len(rows) else None,
+    }
 
 
 def kv_speedup_curve(frame: pd.DataFrame) -> pd.DataFrame | None:
@@ -164,8 +170,9 @@ def kv_speedup_curve(frame: pd.DataFrame) -> pd.DataFrame | None:
     # a curve needs one context length per job; a swept range or distribution has none
     if not all(isinstance(v, int | float) for v in done["workload.input_len"]):
         return None
-    table = done.pivot_table(index="workload.input_len", columns="engine.kv_cache",
-                             values="tpot_p50_s")
+    table = done.pivot_table(
+        index="workload.input_len", columns="engine.kv_cache", values="tpot_p50_s"
+    )
     curve = pd.DataFrame({"context_len": table.index})
     for variant in table.columns:
         curve[f"tpot_p50_s_{variant}"] = table[variant].to_numpy()
@@ -181,9 +188,11 @@ def write_sweep_csv(sweep_dir: str | Path) -> pd.DataFrame:
     curve = kv_speedup_curve(frame) if len(frame) else None
     if curve is not None:
         curve.to_csv(sweep_dir / "kv_speedup.csv", index=False)
-    summary = {"num_jobs": len(frame),
-               "num_failed": int((frame.get("status") == "failed").sum()) if len(frame) else 0,
-               **saturation_summary(frame)}
+    summary = {
+        "num_jobs": len(frame),
+        "num_failed": int((frame.get("status") == "failed").sum()) if len(frame) else 0,
+        **saturation_summary(frame),
+    }
     write_json_atomic(sweep_dir / "sweep_summary.json", summary)
     return frame
 

@@ -33,24 +33,36 @@ class WindowConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> WindowConfig:
         if values is not None and not isinstance(values, dict):
-            raise ValueError(f"run.window: {values!r} is invalid; allowed: a mapping of "
-                             f"{sorted(cls.__dataclass_fields__)}")
+            raise ValueError(
+                f"run.window: {values!r} is invalid; allowed: a mapping of "
+                f"{sorted(cls.__dataclass_fields__)}"
+            )
         values = dict(values or {})
         unknown = sorted(set(values) - set(cls.__dataclass_fields__), key=str)
         if unknown:
-            raise ValueError(f"run.window: unknown key(s) {unknown}; allowed: "
-                             f"{sorted(cls.__dataclass_fields__)}")
+            raise ValueError(
+                f"run.window: unknown key(s) {unknown}; allowed: {sorted(cls.__dataclass_fields__)}"
+            )
         cfg = cls(**values)
         if not _is_number(cfg.skip_fraction) or not 0.0 <= cfg.skip_fraction < 1.0:
-            raise ValueError(f"run.window.skip_fraction: {cfg.skip_fraction!r} is invalid; "
-                             "allowed: a number in [0, 1)")
+            raise ValueError(
+                f"run.window.skip_fraction: {cfg.skip_fraction!r} is invalid; "
+                "allowed: a number in [0, 1)"
+            )
         if not _is_number(cfg.min_duration_s) or cfg.min_duration_s < 0:
-            raise ValueError(f"run.window.min_duration_s: {cfg.min_duration_s!r} is invalid; "
-                             "allowed: a number of seconds >= 0")
-        if (isinstance(cfg.min_requests, bool) or not isinstance(cfg.min_requests, int)
-                or cfg.min_requests < 0):
-            raise ValueError(f"run.window.min_requests: {cfg.min_requests!r} is invalid; "
-                             "allowed: an integer >= 0")
+            raise ValueError(
+                f"run.window.min_duration_s: {cfg.min_duration_s!r} is invalid; "
+                "allowed: a number of seconds >= 0"
+            )
+        if (
+            isinstance(cfg.min_requests, bool)
+            or not isinstance(cfg.min_requests, int)
+            or cfg.min_requests < 0
+        ):
+            raise ValueError(
+                f"run.window.min_requests: {cfg.min_requests!r} is invalid; "
+                "allowed: an integer >= 0"
+            )
         return cfg
 
 
@@ -62,8 +74,11 @@ def steady_state(requests: pd.DataFrame, cfg: WindowConfig) -> dict[str, Any]:
     sent = requests["sent_s"].dropna().sort_values()
     # offline (everything due at once), or a closed loop wider than the workload (every
     # request sent at the start): no ramp, no steady state to cut out
-    if (len(sent) < 2 or requests["arrival_s"].dropna().nunique() <= 1
-            or sent.iloc[-1] - sent.iloc[0] < 1e-3):
+    if (
+        len(sent) < 2
+        or requests["arrival_s"].dropna().nunique() <= 1
+        or sent.iloc[-1] - sent.iloc[0] < 1e-3
+    ):
         # offline: everything was due at once, so there is no ramp to skip
         start = float(requests["arrival_s"].min()) if len(requests) else 0.0
         last = requests["last_token_s"].max() if len(requests) else None
@@ -85,20 +100,38 @@ def steady_state(requests: pd.DataFrame, cfg: WindowConfig) -> dict[str, Any]:
         # overload: every request sent inside the window finishes after the last send, so a
         # rate over the window counts 0 requests beside a positive token rate
         reasons.append("no request completed inside the window")
-    return {"kind": kind, "start_s": start, "end_s": end, "num_requests": members,
-            "num_completed": int(completed.sum()), "valid": not reasons,
-            "reason": "; ".join(reasons) or None}
+    return {
+        "kind": kind,
+        "start_s": start,
+        "end_s": end,
+        "num_requests": members,
+        "num_completed": int(completed.sum()),
+        "valid": not reasons,
+        "reason": "; ".join(reasons) or None,
+    }
 
 
 #: Metrics that count events inside the window over its length. A window that is not valid
 #: gives them no meaning (under overload: 0 req/s while tokens flow), so `metrics` then holds
 #: the whole run's values, and `window.whole_run_metrics` names them.
-RATE_METRICS = ("duration_s", "req_per_s", "output_tok_per_s", "input_tok_per_s",
-                "total_tok_per_s", "goodput_req_per_s", "energy_j", "j_per_output_token")
+RATE_METRICS = (
+    "duration_s",
+    "req_per_s",
+    "output_tok_per_s",
+    "input_tok_per_s",
+    "total_tok_per_s",
+    "goodput_req_per_s",
+    "energy_j",
+    "j_per_output_token",
+)
 
 
-def summarize(frames: dict[str, pd.DataFrame], info: dict[str, Any],
-              slo: dict[str, float | None] | None, cfg: WindowConfig) -> dict[str, Any]:
+def summarize(
+    frames: dict[str, pd.DataFrame],
+    info: dict[str, Any],
+    slo: dict[str, float | None] | None,
+    cfg: WindowConfig,
+) -> dict[str, Any]:
     """`metrics` over the window, `metrics_whole_run` over everything, and the window itself.
     With a steady-state window that is not valid, the rates in `metrics` are the whole run's
     (listed under `window.whole_run_metrics`); latencies stay those of the window's requests."""
@@ -109,8 +142,9 @@ def summarize(frames: dict[str, pd.DataFrame], info: dict[str, Any],
     if window["kind"] == "whole_run":
         metrics = whole
     else:
-        metrics = compute_summary(requests, tokens, steps, info, slo,
-                                  span=(window["start_s"], window["end_s"]))
+        metrics = compute_summary(
+            requests, tokens, steps, info, slo, span=(window["start_s"], window["end_s"])
+        )
         if not window["valid"]:
             replaced = [name for name in RATE_METRICS if name in whole or name in metrics]
             for name in replaced:

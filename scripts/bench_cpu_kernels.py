@@ -54,8 +54,7 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def alternated_median_ms(passes: dict[str, Callable[[], object]],
-                         repeats: int) -> dict[str, float]:
+def alternated_median_ms(passes: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Each pass once to warm up, then `repeats` rounds of all of them in turn (the machine's
     drift hits every pass alike); the median ms of each."""
     for run in passes.values():
@@ -73,13 +72,19 @@ def matmuls(rows_list: list[int], repeats: int) -> list[tuple[int, float, float,
     """(rows, plain ms, oneDNN packed ms, engine GEMM ms) for a step's 49 matmuls."""
     cfg = PRESETS["small"]
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    per_layer = [(cfg.q_size + 2 * cfg.kv_size, hidden), (hidden, cfg.q_size),
-                 (2 * inter, hidden), (hidden, inter)]  # (out, in)
+    per_layer = [
+        (cfg.q_size + 2 * cfg.kv_size, hidden),
+        (hidden, cfg.q_size),
+        (2 * inter, hidden),
+        (hidden, inter),
+    ]  # (out, in)
     shapes = per_layer * cfg.num_layers + [(cfg.vocab_size, hidden)]
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=generator) * 0.02 for shape in shapes]
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PrepackedDenseMethod.PACK_FOR_ROWS)
-              for w in weights]
+    onednn = [
+        torch.ops.mkldnn._reorder_linear_weight(w, PrepackedDenseMethod.PACK_FOR_ROWS)
+        for w in weights
+    ]
     panels = [native.pack_linear_weight(w) for w in weights]
     out = []
     for rows in rows_list:
@@ -88,9 +93,11 @@ def matmuls(rows_list: list[int], repeats: int) -> list[tuple[int, float, float,
             "plain": lambda xs=xs: [F.linear(x, w) for x, w in zip(xs, weights, strict=True)],
             "onednn": lambda xs=xs: [
                 torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                for x, p in zip(xs, onednn, strict=True)],
-            "engine": lambda xs=xs: [native.linear(x, p, w.shape[0])
-                                     for x, p, w in zip(xs, panels, weights, strict=True)],
+                for x, p in zip(xs, onednn, strict=True)
+            ],
+            "engine": lambda xs=xs: [
+                native.linear(x, p, w.shape[0]) for x, p, w in zip(xs, panels, weights, strict=True)
+            ],
         }
         medians = alternated_median_ms(passes, repeats)
         out.append((rows, *medians.values()))
@@ -102,20 +109,28 @@ def attention(batch: int, keys: int, repeats: int) -> tuple[float, float]:
     heads, dim, layers = cfg.num_heads, cfg.head_dim, cfg.num_layers
     slot = keys + 64
     cpu = torch.device("cpu")
-    caches = [tuple(zeros((batch, slot, heads, dim), torch.float32, cpu, True).normal_()
-                    for _ in range(2)) for _ in range(layers)]
+    caches = [
+        tuple(
+            zeros((batch, slot, heads, dim), torch.float32, cpu, True).normal_() for _ in range(2)
+        )
+        for _ in range(layers)
+    ]
     q = torch.randn(batch, heads, dim)
     tables = torch.arange(batch, dtype=torch.int32).view(batch, 1)
     lens = torch.full((batch,), keys, dtype=torch.int32)
 
     def sdpa() -> None:
         for k, v in caches:
-            F.scaled_dot_product_attention(q.unsqueeze(2), k[:, :keys].transpose(1, 2),
-                                           v[:, :keys].transpose(1, 2), scale=dim ** -0.5)
+            F.scaled_dot_product_attention(
+                q.unsqueeze(2),
+                k[:, :keys].transpose(1, 2),
+                v[:, :keys].transpose(1, 2),
+                scale=dim**-0.5,
+            )
 
     def kernel() -> None:
         for k, v in caches:
-            native.decode_attention(q, k, v, tables, lens, dim ** -0.5, None, keys)
+            native.decode_attention(q, k, v, tables, lens, dim**-0.5, None, keys)
 
     return median_ms(sdpa, repeats), median_ms(kernel, repeats)
 
@@ -137,18 +152,19 @@ def prompt_attention(lengths: list[int], repeats: int) -> tuple[float, float]:
         for a, b in itertools.pairwise(bounds):
             # [1, h, n, d], as the dense path calls it (3-d inputs miss the flash kernel)
             out[a:b] = F.scaled_dot_product_attention(
-                *(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True,
-                scale=dim ** -0.5)[0].transpose(0, 1)
+                *(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, scale=dim**-0.5
+            )[0].transpose(0, 1)
 
     def kernel() -> None:
-        native.prefill_attention(q, k, v, starts, dim ** -0.5, None)
+        native.prefill_attention(q, k, v, starts, dim**-0.5, None)
 
     medians = alternated_median_ms({"sdpa": sdpa, "kernel": kernel}, repeats)
     return medians["sdpa"], medians["kernel"]
 
 
-def cold_and_hot(op: Callable[[], object], weight: torch.Tensor, x: torch.Tensor,
-                 repeats: int) -> tuple[float, float]:
+def cold_and_hot(
+    op: Callable[[], object], weight: torch.Tensor, x: torch.Tensor, repeats: int
+) -> tuple[float, float]:
     cold, hot = [], []
     for _ in range(repeats):
         F.linear(x, weight)  # streams 12 MB through the caches
@@ -184,43 +200,67 @@ def elementwise(rows: int, repeats: int) -> list[tuple[str, float, float, float,
         v_cache.index_copy_(0, slots, v.view(rows, heads, dim))
 
     ops = {
-        "add + RMSNorm": (lambda: F.rms_norm(x + residual, (hidden,), norm_w, eps=1e-6),
-                          lambda: native.rms_norm(x, norm_w, 1e-6, residual)),
-        "SiLU-and-multiply": (lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:],
-                              lambda: native.silu_and_mul(gate_up)),
-        "rotary + K/V store": (torch_rope,
-                               lambda: native.rope_and_cache(qkv, positions,
-                                                             rope.cos_sin_table, heads, heads,
-                                                             dim, k_cache, v_cache, slots)),
+        "add + RMSNorm": (
+            lambda: F.rms_norm(x + residual, (hidden,), norm_w, eps=1e-6),
+            lambda: native.rms_norm(x, norm_w, 1e-6, residual),
+        ),
+        "SiLU-and-multiply": (
+            lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:],
+            lambda: native.silu_and_mul(gate_up),
+        ),
+        "rotary + K/V store": (
+            torch_rope,
+            lambda: native.rope_and_cache(
+                qkv, positions, rope.cos_sin_table, heads, heads, dim, k_cache, v_cache, slots
+            ),
+        ),
     }
     out = []
     for name, (reference, kernel) in ops.items():
-        out.append((name, *cold_and_hot(reference, weight, x, repeats),
-                    *cold_and_hot(kernel, weight, x, repeats)))
+        out.append(
+            (
+                name,
+                *cold_and_hot(reference, weight, x, repeats),
+                *cold_and_hot(kernel, weight, x, repeats),
+            )
+        )
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,16,64", help="rows (tokens) for the elementwise ops")
-    parser.add_argument("--attention", default="1x48,16x48,64x48,64x200",
-                        help="sequences x keys for decode attention")
-    parser.add_argument("--prompts", default="15x0,4x512,1x2000",
-                        help="prompts x tokens for prompt attention (0 tokens: 64-192 each)")
+    parser.add_argument(
+        "--attention",
+        default="1x48,16x48,64x48,64x200",
+        help="sequences x keys for decode attention",
+    )
+    parser.add_argument(
+        "--prompts",
+        default="15x0,4x512,1x2000",
+        help="prompts x tokens for prompt attention (0 tokens: 64-192 each)",
+    )
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--gemm-rows", default="1,2,4,8,16,32,64,128,256,2000",
-                        help="input rows for the linear layers")
+    parser.add_argument(
+        "--gemm-rows",
+        default="1,2,4,8,16,32,64,128,256,2000",
+        help="input rows for the linear layers",
+    )
     parser.add_argument("--gemm-repeats", type=int, default=7)
     args = parser.parse_args()
     if native.load() is None:
         raise SystemExit(f"the C kernels did not build: {native.reason()}")
     print(f"{torch.get_num_threads()} threads")
-    print("\nlinear layers, a step's 49 matmuls (ms): plain  oneDNN packed  engine  "
-          "engine/oneDNN  engine/plain")
+    print(
+        "\nlinear layers, a step's 49 matmuls (ms): plain  oneDNN packed  engine  "
+        "engine/oneDNN  engine/plain"
+    )
     rows_list = [int(r) for r in args.gemm_rows.split(",")]
     for rows, plain, onednn, engine in matmuls(rows_list, args.gemm_repeats):
-        print(f"  {rows:5d} rows {plain:9.2f} {onednn:9.2f} {engine:9.2f} "
-              f"{engine / onednn:9.2f} {engine / plain:9.2f}")
+        print(
+            f"  {rows:5d} rows {plain:9.2f} {onednn:9.2f} {engine:9.2f} "
+            f"{engine / onednn:9.2f} {engine / plain:9.2f}"
+        )
     print("\ndecode attention, 12 layers (ms):  sdpa  C kernel  ratio")
     for item in args.attention.split(","):
         batch, keys = (int(v) for v in item.split("x"))
@@ -229,16 +269,22 @@ def main() -> None:
     print("\nprompt attention, one layer (ms):  sdpa  C kernel  ratio")
     for item in args.prompts.split(","):
         count, length = (int(v) for v in item.split("x"))
-        lengths = ([length] * count if length else  # 0: the vs_hf workload's 64-192 tokens
-                   [random.Random(i).randint(64, 192) for i in range(count)])
+        lengths = (
+            [length] * count
+            if length
+            # 0: the vs_hf workload's 64-192 tokens
+            else [random.Random(i).randint(64, 192) for i in range(count)]
+        )
         sdpa, kernel = prompt_attention(lengths, args.repeats)
         label = f"{count} x {length or '64-192'}"
         print(f"  {label:>10s} tokens {sdpa:8.2f} {kernel:9.2f} {kernel / sdpa:6.2f}")
     print("\nelementwise (us): torch after a matmul / hot, C kernel after a matmul / hot")
     for rows in (int(r) for r in args.rows.split(",")):
         for name, t_cold, t_hot, k_cold, k_hot in elementwise(rows, 10 * args.repeats):
-            print(f"  {rows:3d} rows {name:20s} {t_cold:7.1f} / {t_hot:6.1f}   "
-                  f"{k_cold:7.1f} / {k_hot:6.1f}")
+            print(
+                f"  {rows:3d} rows {name:20s} {t_cold:7.1f} / {t_hot:6.1f}   "
+                f"{k_cold:7.1f} / {k_hot:6.1f}"
+            )
 
 
 if __name__ == "__main__":

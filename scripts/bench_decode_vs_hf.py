@@ -32,16 +32,26 @@ def main() -> None:
     from engines.builtin.weights import dummy_state_dict
 
     dtype = getattr(torch, args.dtype)
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 8,
-              max_num_seqs=1)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.prompt_len + args.new_tokens + 8,
+        max_num_seqs=1,
+    )
     cfg = llm.engine.model_config
     hf_config = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
         max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings)
+        tie_word_embeddings=cfg.tie_word_embeddings,
+    )
     hf = LlamaForCausalLM(hf_config).to(dtype).eval()
     hf.load_state_dict(dummy_state_dict(cfg, llm.engine.config.seed, dtype), strict=True)
 
@@ -62,11 +72,12 @@ def main() -> None:
 
     # Same weights, same logits: check the engine's greedy tokens against HF's argmax over
     # the ids the engine may sample (a dummy model's vocabulary exceeds the tokenizer's).
-    got = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0,
-                                                ignore_eos=True))[0].token_ids
+    got = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[
+        0
+    ].token_ids
     with torch.inference_mode():
-        logits = hf(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1]
-    expected = logits[:, :llm.tokenizer.vocab_size].argmax(-1).tolist()
+        logits = hf(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1]
+    expected = logits[:, : llm.tokenizer.vocab_size].argmax(-1).tolist()
     print(f"greedy tokens identical to HF's argmax over 16 steps: {expected == got}")
 
     n = args.new_tokens
@@ -77,11 +88,15 @@ def main() -> None:
             decode = fn(n + 1) - fn(1)
             rates[name].append(n / decode)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"prompt={args.prompt_len} new_tokens={n} rounds={args.rounds}")
+    print(
+        f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} "
+        f"prompt={args.prompt_len} new_tokens={n} rounds={args.rounds}"
+    )
     for name, values in rates.items():
-        print(f"  {name:12s} median {med[name]:7.2f} tok/s   runs: "
-              + ", ".join(f"{v:.1f}" for v in values))
+        print(
+            f"  {name:12s} median {med[name]:7.2f} tok/s   runs: "
+            + ", ".join(f"{v:.1f}" for v in values)
+        )
     print(f"  ratio builtin / hf_generate (median): {med['builtin'] / med['hf_generate']:.2f}x")
 
 

@@ -40,9 +40,12 @@ FORMATS = {  # label -> (quantization, prepacked layout)
 def block_shapes(model: str) -> list[tuple[int, int]]:
     """(in, out) of every decoder-block linear layer, in forward order."""
     cfg = PRESETS[model]
-    per_layer = [(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, cfg.hidden_size),
-                 (cfg.hidden_size, 2 * cfg.intermediate_size),
-                 (cfg.intermediate_size, cfg.hidden_size)]
+    per_layer = [
+        (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size),
+        (cfg.q_size, cfg.hidden_size),
+        (cfg.hidden_size, 2 * cfg.intermediate_size),
+        (cfg.intermediate_size, cfg.hidden_size),
+    ]
     return per_layer * cfg.num_layers
 
 
@@ -52,7 +55,7 @@ def build(shapes: list[tuple[int, int]], quantization: str, prepack: str | None)
     for i, (fan_in, fan_out) in enumerate(shapes):
         layer = Linear(fan_in, fan_out, make_linear_method(quantization, 128, prepack))
         layer.name = f"block_linear_{i}"
-        weight = torch.randn(fan_out, fan_in, generator=generator) * fan_in ** -0.5
+        weight = torch.randn(fan_out, fan_in, generator=generator) * fan_in**-0.5
         layer.load(weight.to(torch.bfloat16))
         layers.append(layer)
     return layers
@@ -85,11 +88,15 @@ def main() -> None:
     args = parser.parse_args()
     shapes = block_shapes(args.model)
     threads = sorted(int(t) for t in args.threads.split(","))
-    print(f"{args.model}: {len(shapes)} block linear layers, bf16 activations; median of "
-          f"{args.repeats} passes\n")
-    print(f"{'format':<16}{'rows':>5}{'weight MiB':>12}"
-          + "".join(f"{f'{t}t ms':>10}{f'{t}t GB/s':>10}" for t in threads)
-          + f"{'speed-up':>10}")
+    print(
+        f"{args.model}: {len(shapes)} block linear layers, bf16 activations; median of "
+        f"{args.repeats} passes\n"
+    )
+    print(
+        f"{'format':<16}{'rows':>5}{'weight MiB':>12}"
+        + "".join(f"{f'{t}t ms':>10}{f'{t}t GB/s':>10}" for t in threads)
+        + f"{'speed-up':>10}"
+    )
     with torch.inference_mode():
         for label, (quantization, prepack) in FORMATS.items():
             layers = build(shapes, quantization, prepack)
@@ -100,8 +107,10 @@ def main() -> None:
                     torch.set_num_threads(count)
                     seconds.append(time_pass(layers, rows, args.repeats))
                 cells = "".join(f"{1e3 * s:>10.2f}{nbytes / s / 1e9:>10.1f}" for s in seconds)
-                print(f"{label:<16}{rows:>5}{nbytes / 2**20:>12.1f}{cells}"
-                      f"{seconds[0] / seconds[-1]:>10.2f}")
+                print(
+                    f"{label:<16}{rows:>5}{nbytes / 2**20:>12.1f}{cells}"
+                    f"{seconds[0] / seconds[-1]:>10.2f}"
+                )
             del layers
 
 

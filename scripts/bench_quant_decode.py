@@ -28,23 +28,32 @@ def main() -> None:
     args = parser.parse_args()
 
     prompt = list(range(10, 42))
+
     def build(variant: str) -> LLM:
         quantization, *flags = variant.split("+")
         unknown = set(flags) - {"head", "noprepack"}
         if unknown:
-            raise SystemExit(f"--variants: unknown flag(s) {sorted(unknown)} in {variant!r}; "
-                             "allowed: +head, +noprepack")
-        return LLM(args.model, dtype=args.dtype, quantization=quantization, max_model_len=256,
-                   max_num_seqs=1, quantization_group_size=args.group_size,
-                   quantize_lm_head="head" in flags, prepack_weights="noprepack" not in flags)
+            raise SystemExit(
+                f"--variants: unknown flag(s) {sorted(unknown)} in {variant!r}; "
+                "allowed: +head, +noprepack"
+            )
+        return LLM(
+            args.model,
+            dtype=args.dtype,
+            quantization=quantization,
+            max_model_len=256,
+            max_num_seqs=1,
+            quantization_group_size=args.group_size,
+            quantize_lm_head="head" in flags,
+            prepack_weights="noprepack" not in flags,
+        )
 
     engines = {v: build(v) for v in args.variants.split(",")}
 
     def decode_rate(llm: LLM) -> float:
         def timed(n: int) -> float:
             start = time.perf_counter()
-            llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0,
-                                                  ignore_eos=True))
+            llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
             return time.perf_counter() - start
 
         return args.new_tokens / (timed(args.new_tokens + 1) - timed(1))
@@ -56,13 +65,16 @@ def main() -> None:
         for v, llm in engines.items():
             rates[v].append(decode_rate(llm))
     base = statistics.median(rates[next(iter(rates))])
-    print(f"model={args.model} dtype={args.dtype} new_tokens={args.new_tokens} "
-          f"rounds={args.rounds}")
+    print(
+        f"model={args.model} dtype={args.dtype} new_tokens={args.new_tokens} rounds={args.rounds}"
+    )
     for v, values in rates.items():
         med = statistics.median(values)
         linear = engines[v].engine.runner.model.weight_bytes()["linear_weight_bytes"]
-        print(f"  {v:14s} {med:7.2f} tok/s  x{med / base:4.2f}   linear weights "
-              f"{linear / 2**20:8.1f} MiB   runs: " + ", ".join(f"{x:.1f}" for x in values))
+        print(
+            f"  {v:14s} {med:7.2f} tok/s  x{med / base:4.2f}   linear weights "
+            f"{linear / 2**20:8.1f} MiB   runs: " + ", ".join(f"{x:.1f}" for x in values)
+        )
 
 
 if __name__ == "__main__":

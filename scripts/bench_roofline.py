@@ -35,13 +35,24 @@ TARGET = 1.5
 
 def run_batch(args: argparse.Namespace, batch: int, threads: int, out: Path) -> dict[str, Any]:
     config = {
-        "engine": {"backend": "builtin", "dtype": args.dtype, "device": "cpu",
-                   "num_threads": threads, "max_num_seqs": batch,
-                   "max_model_len": args.prompt_len + args.decode_tokens + 8,
-                   "kv_cache": "contiguous", **args.engine_option},
+        "engine": {
+            "backend": "builtin",
+            "dtype": args.dtype,
+            "device": "cpu",
+            "num_threads": threads,
+            "max_num_seqs": batch,
+            "max_model_len": args.prompt_len + args.decode_tokens + 8,
+            "kv_cache": "contiguous",
+            **args.engine_option,
+        },
         "model": {"name": args.model},
-        "workload": {"type": "synthetic", "num_requests": batch, "input_len": args.prompt_len,
-                     "output_len": args.decode_tokens, "arrival": {"process": "offline"}},
+        "workload": {
+            "type": "synthetic",
+            "num_requests": batch,
+            "input_len": args.prompt_len,
+            "output_len": args.decode_tokens,
+            "arrival": {"process": "offline"},
+        },
         "hardware": {"name": "cpu"},
         "run": {"warmup_requests": args.warmup_requests},
     }
@@ -57,8 +68,9 @@ def run_batch(args: argparse.Namespace, batch: int, threads: int, out: Path) -> 
     predicted = float(decodes["predicted_s"].median())
     spec = summary["hardware"]
     compute = decodes["flops"] / spec["peak_flops"][summary["engine"]["dtype"]]
-    memory = (decodes["weight_bytes_read"] + decodes["kv_bytes_read"]
-              + decodes["kv_bytes_written"]) / spec["memory_bandwidth"]
+    memory = (
+        decodes["weight_bytes_read"] + decodes["kv_bytes_read"] + decodes["kv_bytes_written"]
+    ) / spec["memory_bandwidth"]
     compute_s, memory_s = float(compute.median()), float(memory.median())
     max_roofline_s = float(np.fmax(compute, memory).median())
     return {
@@ -85,16 +97,31 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="an engine option for every run, e.g. native_kernels=false "
-                             "(repeatable; values parsed as YAML)")
+    parser.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine option for every run, e.g. native_kernels=false "
+        "(repeatable; values parsed as YAML)",
+    )
     parser.add_argument("--warmup-requests", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for the engine and the probe (default: torch's)")
-    parser.add_argument("--no-reprobe", action="store_true",
-                        help="use the cached CPU probe instead of measuring it again first")
-    parser.add_argument("--out", default=None,
-                        help="folder for the run folders (default results/bench_roofline/<now>)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for the engine and the probe (default: torch's)",
+    )
+    parser.add_argument(
+        "--no-reprobe",
+        action="store_true",
+        help="use the cached CPU probe instead of measuring it again first",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="folder for the run folders (default results/bench_roofline/<now>)",
+    )
     args = parser.parse_args()
     options = {}
     for item in args.engine_option:
@@ -111,10 +138,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     spec = hardware.cpu_spec(reprobe=not args.no_reprobe)
-    print(f"cpu probe ({threads} threads, {spec.details['cache_file']}): "
-          f"memory bandwidth {spec.memory_bandwidth / 1e9:.1f} GB/s, "
-          + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s (overlap {spec.overlap_for(k):.2f})"
-                      for k, v in spec.peak_flops.items()))
+    print(
+        f"cpu probe ({threads} threads, {spec.details['cache_file']}): "
+        f"memory bandwidth {spec.memory_bandwidth / 1e9:.1f} GB/s, "
+        + ", ".join(
+            f"{k} {v / 1e9:.0f} GFLOP/s (overlap {spec.overlap_for(k):.2f})"
+            for k, v in spec.peak_flops.items()
+        )
+    )
     flops = spec.flops_for(args.dtype.replace("fp32", "float32").replace("bf16", "bfloat16"))
     if flops:
         print(f"ridge: {flops / spec.memory_bandwidth:.1f} FLOP/byte for {args.dtype}")
@@ -124,15 +155,19 @@ def main() -> None:
     rows = [run_batch(args, batch, threads, out) for batch in batches]
     table = pd.DataFrame(rows)
     table.to_csv(out / "bench_roofline.csv", index=False)
-    print(f"\n{args.model}, {args.dtype}, prompt {args.prompt_len}, {args.decode_tokens} decode "
-          f"tokens; medians over decode-only steps\n")
+    print(
+        f"\n{args.model}, {args.dtype}, prompt {args.prompt_len}, {args.decode_tokens} decode "
+        f"tokens; medians over decode-only steps\n"
+    )
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     batch1 = table[table["batch"] == 1]
     if len(batch1):
         print(f"\nbatch-1 decode MBU: {batch1['mbu'].iloc[0]:.3f}")
     worst = table.loc[(table["ratio"].apply(lambda r: max(r, 1 / r))).idxmax()]
-    print(f"within {TARGET}x at {int(table['within_target'].sum())}/{len(table)} batch sizes; "
-          f"worst: batch {int(worst['batch'])} ratio {worst['ratio']:.2f}")
+    print(
+        f"within {TARGET}x at {int(table['within_target'].sum())}/{len(table)} batch sizes; "
+        f"worst: batch {int(worst['batch'])} ratio {worst['ratio']:.2f}"
+    )
     print(f"run folders and bench_roofline.csv: {out}")
 
 

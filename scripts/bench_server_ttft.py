@@ -57,8 +57,7 @@ def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[in
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(count)]
 
 
-async def in_process_ttfts(backend: Any, prompts: list[list[int]],
-                           max_tokens: int) -> list[float]:
+async def in_process_ttfts(backend: Any, prompts: list[list[int]], max_tokens: int) -> list[float]:
     ttfts = []
     for i, prompt in enumerate(prompts):
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -76,8 +75,13 @@ async def server_ttfts(base_url: str, prompts: list[list[int]], max_tokens: int)
     ttfts = []
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
         for prompt in prompts:
-            payload = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True}
+            payload = {
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             sent = now_ns()
             first = None
             async with client.stream("POST", "/v1/completions", json=payload) as response:
@@ -90,19 +94,29 @@ async def server_ttfts(base_url: str, prompts: list[list[int]], max_tokens: int)
     return ttfts
 
 
-async def raw_server_ttfts(host: str, port: int, prompts: list[list[int]],
-                           max_tokens: int) -> list[float]:
+async def raw_server_ttfts(
+    host: str, port: int, prompts: list[list[int]], max_tokens: int
+) -> list[float]:
     """The same requests from a minimal HTTP/1.1 client on one keep-alive connection: what
     the server adds, without httpx's own per-request cost."""
     reader, writer = await asyncio.open_connection(host, port)
     ttfts = []
     try:
         for prompt in prompts:
-            body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                               "ignore_eos": True, "stream": True}).encode()
-            request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
-                       "Content-Type: application/json\r\n"
-                       f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+            body = json.dumps(
+                {
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+            ).encode()
+            request = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                "Content-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode() + body
             sent = now_ns()
             writer.write(request)
             buffer = b""
@@ -129,18 +143,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def loaded_ttfts(host: str, port: int, prompts: list[list[int]], max_tokens: int,
-                       background: int, background_tokens: int,
-                       ) -> tuple[list[tuple[float, float]], int]:
+async def loaded_ttfts(
+    host: str,
+    port: int,
+    prompts: list[list[int]],
+    max_tokens: int,
+    background: int,
+    background_tokens: int,
+) -> tuple[list[tuple[float, float]], int]:
     """(client TTFT, server TTFT) in ms per request, sent one at a time on a raw keep-alive
     connection while `background` long streams decode; and how many probes were dropped."""
     stop = asyncio.Event()
 
     async def decode_forever(index: int) -> None:
         reader, writer = await asyncio.open_connection(host, port)
-        body = json.dumps({"prompt": prompts[index % len(prompts)],
-                           "max_tokens": background_tokens, "temperature": 0,
-                           "ignore_eos": True, "stream": True}).encode()
+        body = json.dumps(
+            {
+                "prompt": prompts[index % len(prompts)],
+                "max_tokens": background_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode()
         try:
             while not stop.is_set():
                 writer.write(_post(host, body))
@@ -153,14 +178,21 @@ async def loaded_ttfts(host: str, port: int, prompts: list[list[int]], max_token
     async def ttft_sum_count() -> tuple[float, int]:
         # a connection of its own each time: a probe may outlast the keep-alive timeout
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(f"GET /metrics HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-                     .encode())
+        writer.write(f"GET /metrics HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
         text = (await reader.read()).decode().partition("\r\n\r\n")[2]
         writer.close()
-        total = float(re.search(r"^inferlab_time_to_first_token_seconds_sum (\S+)$", text,
-                                re.MULTILINE).group(1))  # type: ignore[union-attr]
-        count = int(float(re.search(r"^inferlab_time_to_first_token_seconds_count (\S+)$",
-                                    text, re.MULTILINE).group(1)))  # type: ignore[union-attr]
+        total = float(
+            re.search(
+                r"^inferlab_time_to_first_token_seconds_sum (\S+)$", text, re.MULTILINE
+            ).group(1)
+        )  # type: ignore[union-attr]
+        count = int(
+            float(
+                re.search(
+                    r"^inferlab_time_to_first_token_seconds_count (\S+)$", text, re.MULTILINE
+                ).group(1)
+            )
+        )  # type: ignore[union-attr]
         return total, count
 
     tasks = [asyncio.ensure_future(decode_forever(i)) for i in range(background)]
@@ -169,8 +201,15 @@ async def loaded_ttfts(host: str, port: int, prompts: list[list[int]], max_token
     try:
         await asyncio.sleep(2.0)  # every background stream past its first token
         for prompt in prompts:
-            body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                               "ignore_eos": True, "stream": True}).encode()
+            body = json.dumps(
+                {
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+            ).encode()
             before_sum, before_count = await ttft_sum_count()
             sent = now_ns()
             writer.write(_post(host, body))
@@ -195,15 +234,26 @@ async def loaded_ttfts(host: str, port: int, prompts: list[list[int]], max_token
 
 
 def _post(host: str, body: bytes) -> bytes:
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
-            "Content-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
-def start_server(overrides: list[str], port: int, cwd: Path = ROOT,
-                 timeout_s: float = 300) -> subprocess.Popen:
-    command = [sys.executable, "-m", "harness.cli", "serve", *overrides, "host=127.0.0.1",
-               f"port={port}", "log_level=warning"]
+def start_server(
+    overrides: list[str], port: int, cwd: Path = ROOT, timeout_s: float = 300
+) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "serve",
+        *overrides,
+        "host=127.0.0.1",
+        f"port={port}",
+        "log_level=warning",
+    ]
     process = subprocess.Popen(command, cwd=cwd)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -220,8 +270,13 @@ def start_server(overrides: list[str], port: int, cwd: Path = ROOT,
 
 
 def summary(name: str, ttfts: list[float]) -> dict[str, float]:
-    return {"name": name, "p50_ms": statistics.median(ttfts), "p90_ms": percentile(ttfts, 0.9),
-            "mean_ms": statistics.fmean(ttfts), "min_ms": min(ttfts)}
+    return {
+        "name": name,
+        "p50_ms": statistics.median(ttfts),
+        "p90_ms": percentile(ttfts, 0.9),
+        "mean_ms": statistics.fmean(ttfts),
+        "min_ms": min(ttfts),
+    }
 
 
 def main() -> int:
@@ -232,13 +287,22 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--background-streams", type=int, default=4,
-                        help="streams decoding during part 2 (0: skip part 2)")
-    parser.add_argument("--background-tokens", type=int, default=512,
-                        help="max_tokens of each background stream (restarted when done)")
+    parser.add_argument(
+        "--background-streams",
+        type=int,
+        default=4,
+        help="streams decoding during part 2 (0: skip part 2)",
+    )
+    parser.add_argument(
+        "--background-tokens",
+        type=int,
+        default=512,
+        help="max_tokens of each background stream (restarted when done)",
+    )
     parser.add_argument("--skip-batch1", action="store_true", help="run part 2 only")
-    parser.add_argument("--server-cwd", type=Path, default=ROOT,
-                        help="run `inferlab serve` from this checkout")
+    parser.add_argument(
+        "--server-cwd", type=Path, default=ROOT, help="run `inferlab serve` from this checkout"
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
 
@@ -248,9 +312,14 @@ def main() -> int:
     assert backend.engine is not None
     vocab = backend.engine.tokenizer.vocab_size
     prompts = make_prompts(args.warmup + args.requests, args.prompt_len, vocab, args.seed)
-    results: dict[str, Any] = {"overrides": args.overrides, "args": {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-        if k not in ("out", "overrides")}}
+    results: dict[str, Any] = {
+        "overrides": args.overrides,
+        "args": {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k not in ("out", "overrides")
+        },
+    }
     if not args.skip_batch1:
         in_process = asyncio.run(in_process_ttfts(backend, prompts, args.max_tokens))
     backend.close()  # free its memory before the server builds its own engine
@@ -259,40 +328,52 @@ def main() -> int:
     server = start_server(args.overrides, port, args.server_cwd)
     try:
         if not args.skip_batch1:
-            served = asyncio.run(server_ttfts(f"http://127.0.0.1:{port}", prompts,
-                                              args.max_tokens))
-            served_raw = asyncio.run(raw_server_ttfts("127.0.0.1", port, prompts,
-                                                      args.max_tokens))
+            served = asyncio.run(server_ttfts(f"http://127.0.0.1:{port}", prompts, args.max_tokens))
+            served_raw = asyncio.run(raw_server_ttfts("127.0.0.1", port, prompts, args.max_tokens))
         if args.background_streams:
-            pairs, dropped = asyncio.run(loaded_ttfts(
-                "127.0.0.1", port, prompts, args.max_tokens, args.background_streams,
-                args.background_tokens))
+            pairs, dropped = asyncio.run(
+                loaded_ttfts(
+                    "127.0.0.1",
+                    port,
+                    prompts,
+                    args.max_tokens,
+                    args.background_streams,
+                    args.background_tokens,
+                )
+            )
     finally:
         server.terminate()
         server.wait(timeout=60)
 
-    print(f"TTFT, prompt {args.prompt_len} tokens, max_tokens {args.max_tokens}, overrides: "
-          f"{' '.join(args.overrides) or '(defaults)'}; server from {args.server_cwd}")
+    print(
+        f"TTFT, prompt {args.prompt_len} tokens, max_tokens {args.max_tokens}, overrides: "
+        f"{' '.join(args.overrides) or '(defaults)'}; server from {args.server_cwd}"
+    )
     if not args.skip_batch1:
-        rows = [summary("in process", in_process[args.warmup:]),
-                summary("server, httpx client", served[args.warmup:]),
-                summary("server, raw client", served_raw[args.warmup:])]
+        rows = [
+            summary("in process", in_process[args.warmup :]),
+            summary("server, httpx client", served[args.warmup :]),
+            summary("server, raw client", served_raw[args.warmup :]),
+        ]
         delta = rows[1]["p50_ms"] - rows[0]["p50_ms"]
         delta_raw = rows[2]["p50_ms"] - rows[0]["p50_ms"]
         print(f"\n1. batch 1, {args.requests} requests")
         print_rows(rows)
         for name, value in (("httpx client", delta), ("raw client", delta_raw)):
             verdict = "meets" if value <= 5.0 else "misses"
-            print(f"server ({name}) - in process, p50: {value:+.2f} ms ({verdict} the 5 ms "
-                  "target)")
+            print(f"server ({name}) - in process, p50: {value:+.2f} ms ({verdict} the 5 ms target)")
         results.update(rows=rows, p50_delta_ms=delta, p50_delta_raw_ms=delta_raw)
     if args.background_streams:
-        kept = pairs[args.warmup:]
-        loaded = [summary("client (raw)", [c for c, _ in kept]),
-                  summary("server (/metrics)", [s for _, s in kept])]
+        kept = pairs[args.warmup :]
+        loaded = [
+            summary("client (raw)", [c for c, _ in kept]),
+            summary("server (/metrics)", [s for _, s in kept]),
+        ]
         gap = loaded[0]["p50_ms"] - loaded[1]["p50_ms"]
-        print(f"\n2. while {args.background_streams} streams decode: {len(kept)} requests "
-              f"({dropped} dropped: a background stream restarted meanwhile)")
+        print(
+            f"\n2. while {args.background_streams} streams decode: {len(kept)} requests "
+            f"({dropped} dropped: a background stream restarted meanwhile)"
+        )
         print_rows(loaded)
         verdict = "meets" if gap <= 5.0 else "misses"
         print(f"client - server, p50: {gap:+.2f} ms ({verdict} the 5 ms target)")
@@ -305,8 +386,10 @@ def main() -> int:
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(f"{'':22} {'p50 ms':>9} {'p90 ms':>9} {'mean ms':>9} {'min ms':>9}")
     for row in rows:
-        print(f"{row['name']:22} {row['p50_ms']:9.2f} {row['p90_ms']:9.2f} "
-              f"{row['mean_ms']:9.2f} {row['min_ms']:9.2f}")
+        print(
+            f"{row['name']:22} {row['p50_ms']:9.2f} {row['p90_ms']:9.2f} "
+            f"{row['mean_ms']:9.2f} {row['min_ms']:9.2f}"
+        )
 
 
 if __name__ == "__main__":

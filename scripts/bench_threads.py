@@ -54,15 +54,21 @@ def measure(model: str, threads: int | None, repeats: int) -> dict[str, object]:
 
     one = timed(["The quick brown fox jumps over the lazy dog"])
     batch = timed([f"Prompt number {i} about the sea" for i in range(8)])
-    return {"threads": llm.engine.platform.num_threads, "policy": engines.openmp.wait_policy(),
-            "one_request_s": statistics.median(one), "batch8_s": statistics.median(batch),
-            "one_all": one, "batch8_all": batch}
+    return {
+        "threads": llm.engine.platform.num_threads,
+        "policy": engines.openmp.wait_policy(),
+        "one_request_s": statistics.median(one),
+        "batch8_s": statistics.median(batch),
+        "one_all": one,
+        "batch8_all": batch,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="spin,passive,one",
-                        help=f"comma-separated, of {','.join(VARIANTS)}")
+    parser.add_argument(
+        "--variants", default="spin,passive,one", help=f"comma-separated, of {','.join(VARIANTS)}"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default="small")
@@ -78,20 +84,42 @@ def main() -> int:
     results: dict[str, list[dict[str, object]]] = {n: [] for n in names}
     for round_ in range(args.rounds):
         for name in names:
-            env = {k: v for k, v in os.environ.items()
-                   if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+            env = {
+                k: v
+                for k, v in os.environ.items()
+                if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+            }
             load = os.getloadavg()[0]
             child = subprocess.run(
-                [sys.executable, __file__, "--child", name, "--model", args.model,
-                 "--repeats", str(args.repeats)], cwd=REPO, env={**env, **VARIANTS[name][0]},
-                capture_output=True, text=True, check=True)
-            result = {"round": round_, "variant": name, "load_avg": load,
-                      **json.loads(child.stdout.splitlines()[-1])}
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    name,
+                    "--model",
+                    args.model,
+                    "--repeats",
+                    str(args.repeats),
+                ],
+                cwd=REPO,
+                env={**env, **VARIANTS[name][0]},
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            result = {
+                "round": round_,
+                "variant": name,
+                "load_avg": load,
+                **json.loads(child.stdout.splitlines()[-1]),
+            }
             results[name].append(result)
             print(json.dumps(result), flush=True)
     for name, rows in results.items():
-        print(f"{name:8s} one request {statistics.median(r['one_request_s'] for r in rows):6.2f}"
-              f" s   8 requests {statistics.median(r['batch8_s'] for r in rows):6.2f} s")
+        print(
+            f"{name:8s} one request {statistics.median(r['one_request_s'] for r in rows):6.2f}"
+            f" s   8 requests {statistics.median(r['batch8_s'] for r in rows):6.2f} s"
+        )
     return 0
 
 

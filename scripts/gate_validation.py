@@ -39,8 +39,10 @@ from harness.gate_rules import load_rules
 # The KV budget is pinned: on CPU it otherwise comes from the RAM free at load time, so
 # the contiguous cache's slot count, and with it num_steps and every other counter, would
 # change with whatever else the machine holds (2 GiB: 14 slots of 2048 fp32 tokens).
-GATE_WORKLOAD = ("model=small workload.num_requests=8 workload.output_len=32 "
-                 "run.warmup_requests=1 engine.kv_cache_memory_bytes=2147483648")
+GATE_WORKLOAD = (
+    "model=small workload.num_requests=8 workload.output_len=32 "
+    "run.warmup_requests=1 engine.kv_cache_memory_bytes=2147483648"
+)
 TARGET_RUN_S = 3.0
 
 
@@ -53,10 +55,17 @@ def step_delay_for(slowdown: float) -> float:
     return slowdown / (1.0 - slowdown)
 
 
-def one_gate(name: str, out: Path, candidate: list[str], args: argparse.Namespace,
-             rules: Any) -> dict[str, Any]:
-    plan = ABPlan(baseline=[], candidate=candidate, common=shlex.split(args.common),
-                  rounds=args.rounds, out=out / name, warmup_rounds=args.warmup_rounds)
+def one_gate(
+    name: str, out: Path, candidate: list[str], args: argparse.Namespace, rules: Any
+) -> dict[str, Any]:
+    plan = ABPlan(
+        baseline=[],
+        candidate=candidate,
+        common=shlex.split(args.common),
+        rounds=args.rounds,
+        out=out / name,
+        warmup_rounds=args.warmup_rounds,
+    )
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         code = run_ab(plan, rules)
@@ -70,14 +79,23 @@ def one_gate(name: str, out: Path, candidate: list[str], args: argparse.Namespac
         for side in "ab":
             summary = json.loads((plan.out / entry[side] / "summary.json").read_text())
             durations.append(summary["metrics"].get("duration_s"))
-    failing = [m for m, r in rows.items() if r["verdict"] not in ("pass", "improved", "missing",
-                                                                  "info") and r["gates"]]
-    return {"gate": name, "exit_code": code, "verdict": ab.get("verdict"),
-            "tok_per_s_ratio": tok.get("ratio"), "ci_low": ci[0], "ci_high": ci[1],
-            "measured_slowdown": 1 - tok["ratio"] if tok.get("ratio") else None,
-            "not_passing": " ".join(f"{m}:{rows[m]['verdict']}" for m in failing),
-            "run_duration_median_s": statistics.median(d for d in durations if d),
-            "gate_wall_s": wall}
+    failing = [
+        m
+        for m, r in rows.items()
+        if r["verdict"] not in ("pass", "improved", "missing", "info") and r["gates"]
+    ]
+    return {
+        "gate": name,
+        "exit_code": code,
+        "verdict": ab.get("verdict"),
+        "tok_per_s_ratio": tok.get("ratio"),
+        "ci_low": ci[0],
+        "ci_high": ci[1],
+        "measured_slowdown": 1 - tok["ratio"] if tok.get("ratio") else None,
+        "not_passing": " ".join(f"{m}:{rows[m]['verdict']}" for m in failing),
+        "run_duration_median_s": statistics.median(d for d in durations if d),
+        "gate_wall_s": wall,
+    }
 
 
 def calibrate(args: argparse.Namespace) -> int:
@@ -87,8 +105,10 @@ def calibrate(args: argparse.Namespace) -> int:
     out = Path(args.out) / "calibrate"
     for k in range(3):  # the first run in a process is cold; the gate runs warm ones
         summary = run_experiment(config, out / f"run-{k}", progress=False)
-        print(f"run {k}: {summary['status']}, duration_s {summary['metrics']['duration_s']:.2f} "
-              f"(target about {TARGET_RUN_S} s per run)")
+        print(
+            f"run {k}: {summary['status']}, duration_s {summary['metrics']['duration_s']:.2f} "
+            f"(target about {TARGET_RUN_S} s per run)"
+        )
     return 0
 
 
@@ -98,14 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9, help="A/B rounds per gate (9)")
     parser.add_argument("--allow-few-rounds", action="store_true")
     parser.add_argument("--warmup-rounds", type=int, default=1)
-    parser.add_argument("--slowdown", type=float, default=0.20,
-                        help="planted cut in output tokens/s (0.20)")
+    parser.add_argument(
+        "--slowdown", type=float, default=0.20, help="planted cut in output tokens/s (0.20)"
+    )
     parser.add_argument("--common", default=GATE_WORKLOAD, help="overrides of every run")
-    parser.add_argument("--out", default="results/gate_validation/"
-                        + time.strftime("%Y%m%d-%H%M%S"))
+    parser.add_argument(
+        "--out", default="results/gate_validation/" + time.strftime("%Y%m%d-%H%M%S")
+    )
     parser.add_argument("--csv", help="the CSV (default: <out>/gate_validation.csv)")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="only print the gate workload's seconds per run")
+    parser.add_argument(
+        "--calibrate", action="store_true", help="only print the gate workload's seconds per run"
+    )
     args = parser.parse_args(argv)
     if args.calibrate:
         return calibrate(args)
@@ -116,19 +139,25 @@ def main(argv: list[str] | None = None) -> int:
     rules = load_rules()
     delay = step_delay_for(args.slowdown)
     slow = [f"++engine.debug_step_delay_fraction={delay:.6g}"]
-    print(f"gate validation: {args.gates} A/A + {args.gates} planted {args.slowdown:.0%} "
-          f"slowdown (debug_step_delay_fraction={delay:.4g}), {args.rounds} rounds each, "
-          f"workload: {args.common}\nfolders: {out}", flush=True)
+    print(
+        f"gate validation: {args.gates} A/A + {args.gates} planted {args.slowdown:.0%} "
+        f"slowdown (debug_step_delay_fraction={delay:.4g}), {args.rounds} rounds each, "
+        f"workload: {args.common}\nfolders: {out}",
+        flush=True,
+    )
     rows = []
     for i in range(args.gates):
         for kind, candidate in (("aa", []), ("slow", slow)):
             row = {"kind": kind, **one_gate(f"{kind}-{i:02d}", out, candidate, args, rules)}
             rows.append(row)
             ratio = row["tok_per_s_ratio"]
-            print(f"{row['gate']}: {row['verdict']} (exit {row['exit_code']}), tok/s ratio "
-                  f"{ratio if ratio is None else round(ratio, 3)} CI [{row['ci_low']}, "
-                  f"{row['ci_high']}], run {row['run_duration_median_s']:.2f} s, gate "
-                  f"{row['gate_wall_s']:.0f} s {row['not_passing']}", flush=True)
+            print(
+                f"{row['gate']}: {row['verdict']} (exit {row['exit_code']}), tok/s ratio "
+                f"{ratio if ratio is None else round(ratio, 3)} CI [{row['ci_low']}, "
+                f"{row['ci_high']}], run {row['run_duration_median_s']:.2f} s, gate "
+                f"{row['gate_wall_s']:.0f} s {row['not_passing']}",
+                flush=True,
+            )
     csv_path = Path(args.csv) if args.csv else out / "gate_validation.csv"
     with csv_path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
@@ -141,18 +170,29 @@ def main(argv: list[str] | None = None) -> int:
     n = args.gates
     false_fail, aa_inconclusive = count("aa", 1), count("aa", 2)
     caught = count("slow", 1)
-    slowdowns = [r["measured_slowdown"] for r in rows
-                 if r["kind"] == "slow" and r["measured_slowdown"] is not None]
-    targets = {"A/A false failures = 0": false_fail == 0,
-               f"A/A inconclusive <= {3 * n // 20}": aa_inconclusive <= 3 * n // 20,
-               f"slowdown caught >= {n - n // 20}": caught >= n - n // 20}
-    print(f"\nA/A ({n}): {count('aa', 0)} pass, {false_fail} false failures, "
-          f"{aa_inconclusive} inconclusive")
+    slowdowns = [
+        r["measured_slowdown"]
+        for r in rows
+        if r["kind"] == "slow" and r["measured_slowdown"] is not None
+    ]
+    targets = {
+        "A/A false failures = 0": false_fail == 0,
+        f"A/A inconclusive <= {3 * n // 20}": aa_inconclusive <= 3 * n // 20,
+        f"slowdown caught >= {n - n // 20}": caught >= n - n // 20,
+    }
+    print(
+        f"\nA/A ({n}): {count('aa', 0)} pass, {false_fail} false failures, "
+        f"{aa_inconclusive} inconclusive"
+    )
     measured = f"{statistics.median(slowdowns):.1%}" if slowdowns else "n/a"
-    print(f"planted slowdown ({n}): {caught} caught, {count('slow', 0)} passed, "
-          f"{count('slow', 2)} inconclusive; measured tok/s cut (median): {measured}")
-    print(f"median run duration {statistics.median(r['run_duration_median_s'] for r in rows):.2f}"
-          f" s; median gate {statistics.median(r['gate_wall_s'] for r in rows):.0f} s")
+    print(
+        f"planted slowdown ({n}): {caught} caught, {count('slow', 0)} passed, "
+        f"{count('slow', 2)} inconclusive; measured tok/s cut (median): {measured}"
+    )
+    print(
+        f"median run duration {statistics.median(r['run_duration_median_s'] for r in rows):.2f}"
+        f" s; median gate {statistics.median(r['gate_wall_s'] for r in rows):.0f} s"
+    )
     for target, met in targets.items():
         print(f"target {target}: {'met' if met else 'NOT met'}")
     print(f"CSV: {csv_path}")

@@ -51,8 +51,7 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     serving = ServingEngine(backend, config)
     model_name = config.served_model_name or default_model_name(backend)
     created = int(time.time())
-    app = FastAPI(title="inferlab", version="1", docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="inferlab", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
     # a middleware added later runs earlier: the key is checked before the body's size, and
     # a request refused by either is answered before its body is read
@@ -64,7 +63,8 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     # Ids the tokenizer puts into any text by itself (BOS; some add EOS): a text or chat prompt
     # with nothing else is empty.
     added_ids = frozenset(serving.engine.tokenize("")) | {
-        i for i in (serving.engine.tokenizer.special.bos_id,) if i is not None}
+        i for i in (serving.engine.tokenizer.special.bos_id,) if i is not None
+    }
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -76,8 +76,10 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(error_body(message, "invalid_request_error", None,
-                                       str(exc.status_code)), exc.status_code)
+        return JSONResponse(
+            error_body(message, "invalid_request_error", None, str(exc.status_code)),
+            exc.status_code,
+        )
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -92,10 +94,15 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     @app.get("/v1/models/{model_id:path}")  # :path - a served name may hold "/" (org/model)
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != model_name:
-            raise APIError(f"The model `{model_id}` does not exist; this server serves "
-                           f"`{model_name}`", "model", "model_not_found", 404)
-        return ModelCard(id=model_name, created=created,
-                         max_model_len=serving.max_model_len).model_dump()
+            raise APIError(
+                f"The model `{model_id}` does not exist; this server serves `{model_name}`",
+                "model",
+                "model_not_found",
+                404,
+            )
+        return ModelCard(
+            id=model_name, created=created, max_model_len=serving.max_model_len
+        ).model_dump()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -110,8 +117,17 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
         requested = OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         max_tokens = [serving.check_prompt(ids, requested, "prompt") for ids in prompts]
         sampling = [_sampling(body, m) for m in max_tokens]
-        return await _respond(request, serving, body, "cmpl", prompts, sampling, arrived_ns,
-                              CompletionWriter, model_name)
+        return await _respond(
+            request,
+            serving,
+            body,
+            "cmpl",
+            prompts,
+            sampling,
+            arrived_ns,
+            CompletionWriter,
+            model_name,
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -124,12 +140,24 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
         except ValueError as exc:
             raise APIError(f"messages: {exc}", "messages", "invalid_value") from None
         _check_not_empty(prompt, added_ids, "messages")
-        requested, name = ((body.max_tokens, "max_tokens") if body.max_completion_tokens is None
-                           else (body.max_completion_tokens, "max_completion_tokens"))
+        requested, name = (
+            (body.max_tokens, "max_tokens")
+            if body.max_completion_tokens is None
+            else (body.max_completion_tokens, "max_completion_tokens")
+        )
         max_tokens = serving.check_prompt(prompt, requested, "messages", name)
         sampling = [_sampling(body, max_tokens, name)]
-        return await _respond(request, serving, body, "chatcmpl", [prompt], sampling,
-                              arrived_ns, ChatWriter, model_name)
+        return await _respond(
+            request,
+            serving,
+            body,
+            "chatcmpl",
+            [prompt],
+            sampling,
+            arrived_ns,
+            ChatWriter,
+            model_name,
+        )
 
     return app
 
@@ -143,35 +171,47 @@ async def _parse(request: Request, model: type[_SamplingFields]) -> Any:
 
 def _check_common(body: _SamplingFields, model_name: str) -> None:
     if body.model is not None and body.model != model_name:
-        raise APIError(f"The model `{body.model}` does not exist; this server serves "
-                       f"`{model_name}`", "model", "model_not_found")
+        raise APIError(
+            f"The model `{body.model}` does not exist; this server serves `{model_name}`",
+            "model",
+            "model_not_found",
+        )
     unsupported = body.unsupported()
     if unsupported is not None:
-        raise APIError(f"{unsupported}: unsupported by the built-in engine (value "
-                       f"{getattr(body, unsupported)!r}); leave it unset", unsupported,
-                       "unsupported_parameter")
+        raise APIError(
+            f"{unsupported}: unsupported by the built-in engine (value "
+            f"{getattr(body, unsupported)!r}); leave it unset",
+            unsupported,
+            "unsupported_parameter",
+        )
     if body.stream_options is not None and not body.stream:
-        raise APIError("stream_options: only allowed when stream is true", "stream_options",
-                       "invalid_value")
+        raise APIError(
+            "stream_options: only allowed when stream is true", "stream_options", "invalid_value"
+        )
     # Sample i of n seeds its generator with seed + i (inside an engine step, where an
     # overflow would fail every request in the batch), so the last one must fit too.
     last_sample = max(body.n or 1, 1) - 1
     if body.seed is not None and not -(2**63) <= body.seed <= 2**64 - 1 - last_sample:
-        raise APIError(f"seed: {body.seed} is out of range; allowed: an integer in "
-                       f"[-2**63, 2**64 - n] (n={last_sample + 1}: sample i uses seed + i)",
-                       "seed", "invalid_value")
+        raise APIError(
+            f"seed: {body.seed} is out of range; allowed: an integer in "
+            f"[-2**63, 2**64 - n] (n={last_sample + 1}: sample i uses seed + i)",
+            "seed",
+            "invalid_value",
+        )
 
 
-async def _completion_prompts(serving: ServingEngine, prompt: Any,
-                              added_ids: frozenset[int]) -> list[list[int]]:
+async def _completion_prompts(
+    serving: ServingEngine, prompt: Any, added_ids: frozenset[int]
+) -> list[list[int]]:
     if not isinstance(prompt, str) and isinstance(prompt[0], int):  # validated: all ids
         return [list(prompt)]
     prompts = []
     for i, p in enumerate([prompt] if isinstance(prompt, str) else prompt):
         if isinstance(p, str):
             ids = await serving.tokenize(p)
-            _check_not_empty(ids, added_ids, "prompt" if isinstance(prompt, str)
-                             else f"prompt[{i}]")
+            _check_not_empty(
+                ids, added_ids, "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
+            )
             prompts.append(ids)
         else:
             prompts.append(list(p))
@@ -183,13 +223,17 @@ def _check_not_empty(token_ids: list[int], added_ids: frozenset[int], where: str
     (its BOS) is empty: the engine would generate from BOS alone. A token-id prompt is taken
     as given."""
     if all(t in added_ids for t in token_ids):
-        raise APIError(f"{where}: the prompt is empty (it has no tokens besides the "
-                       f"{sorted(added_ids)} the tokenizer adds to any text)",
-                       where.split("[", 1)[0], "invalid_value")
+        raise APIError(
+            f"{where}: the prompt is empty (it has no tokens besides the "
+            f"{sorted(added_ids)} the tokenizer adds to any text)",
+            where.split("[", 1)[0],
+            "invalid_value",
+        )
 
 
-def _sampling(body: _SamplingFields, max_tokens: int,
-              max_tokens_param: str = "max_tokens") -> SamplingParams:
+def _sampling(
+    body: _SamplingFields, max_tokens: int, max_tokens_param: str = "max_tokens"
+) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -218,20 +262,35 @@ def _sampling(body: _SamplingFields, max_tokens: int,
 # ---- responses --------------------------------------------------------------------------------
 
 
-async def _respond(request: Request, serving: ServingEngine, body: _SamplingFields,
-                   prefix: str, prompts: list[list[int]], sampling: list[SamplingParams],
-                   arrival_ns: int, writer_type: type[Writer], model_name: str) -> Response:
+async def _respond(
+    request: Request,
+    serving: ServingEngine,
+    body: _SamplingFields,
+    prefix: str,
+    prompts: list[list[int]],
+    sampling: list[SamplingParams],
+    arrival_ns: int,
+    writer_type: type[Writer],
+    model_name: str,
+) -> Response:
     n = sampling[0].n
     serving.check_engine_accepts(prompts, sampling)
     admission = serving.admit(len(prompts) * n)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    writer = writer_type(request_id, int(time.time()), model_name, prompts, n,
-                         include_usage=bool(body.stream_options
-                                            and body.stream_options.include_usage),
-                         return_token_ids=body.return_token_ids,
-                         continuous_usage=bool(body.stream_options
-                                               and body.stream_options.include_usage
-                                               and body.stream_options.continuous_usage_stats))
+    writer = writer_type(
+        request_id,
+        int(time.time()),
+        model_name,
+        prompts,
+        n,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        return_token_ids=body.return_token_ids,
+        continuous_usage=bool(
+            body.stream_options
+            and body.stream_options.include_usage
+            and body.stream_options.continuous_usage_stats
+        ),
+    )
     pieces = serving.generate(request_id, prompts, sampling, arrival_ns, admission)
     if body.stream:
         return EventStreamResponse(event_stream(pieces, writer), on_close=admission.release)

@@ -33,15 +33,18 @@ class APIKeyAuth:
             await self.app(scope, receive, send)
             return
         given = _bearer_token(scope)
-        if given is not None and hmac.compare_digest(hashlib.sha256(given).digest(),
-                                                     self._digest):
+        if given is not None and hmac.compare_digest(hashlib.sha256(given).digest(), self._digest):
             await self.app(scope, receive, send)
             return
-        message = ("Incorrect API key provided" if given is not None else
-                   "You didn't provide an API key; send it in an Authorization header using "
-                   "Bearer auth (Authorization: Bearer YOUR_KEY)")
-        await send_error(send, 401, message, "invalid_api_key",
-                         headers=[(b"www-authenticate", b"Bearer")])
+        message = (
+            "Incorrect API key provided"
+            if given is not None
+            else "You didn't provide an API key; send it in an Authorization header using "
+            "Bearer auth (Authorization: Bearer YOUR_KEY)"
+        )
+        await send_error(
+            send, 401, message, "invalid_api_key", headers=[(b"www-authenticate", b"Bearer")]
+        )
 
 
 def _bearer_token(scope: Scope) -> bytes | None:

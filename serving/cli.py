@@ -51,7 +51,7 @@ server (defaults in brackets):
   host=ADDR [127.0.0.1]  port=N [8000]
   max_queue_len=N [1024]   requests admitted beyond engine.max_num_seqs; past it: HTTP 503
   served_model_name=NAME   the `model` clients must send [the model preset or path]
-  log_level={'|'.join(('critical', 'error', 'warning', 'info', 'debug', 'trace'))} [info]
+  log_level={"|".join(("critical", "error", "warning", "info", "debug", "trace"))} [info]
   access_log=true|false [false]
   shutdown_timeout_s=S [10]  after SIGTERM/SIGINT: how long running requests may finish
                              before they are aborted (streams get an error event); exit 0
@@ -91,12 +91,14 @@ def parse_args(argv: list[str]) -> tuple[ServerConfig, list[str]]:
             raise UsageError(
                 f"{key}: not an option of `inferlab serve`; allowed: {', '.join(SERVER_KEYS)}, "
                 f"or overrides of the config groups {', '.join(CONFIG_GROUPS)} "
-                "(e.g. model=tiny engine.kv_cache=paged)")
+                "(e.g. model=tiny engine.kv_cache=paged)"
+            )
     if "api_key" not in server and os.environ.get(API_KEY_ENV):
         key = os.environ[API_KEY_ENV]
         if key != key.strip():  # the key itself stays out of the message: it is a secret
-            raise UsageError(f"{API_KEY_ENV}: invalid; allowed: a key without surrounding "
-                             "whitespace")
+            raise UsageError(
+                f"{API_KEY_ENV}: invalid; allowed: a key without surrounding whitespace"
+            )
         server["api_key"] = key
     return ServerConfig.from_dict(server), overrides
 
@@ -118,8 +120,10 @@ def build_backend(argv: list[str]) -> tuple[BuiltinBackend, ServerConfig]:
     config = compose_config(overrides)
     engine = dict(config["engine"])
     if engine.get("backend", "builtin") != "builtin":
-        raise UsageError(f"engine.backend: {engine['backend']!r} cannot be served; "
-                         "`inferlab serve` runs the built-in engine (engine.backend=builtin)")
+        raise UsageError(
+            f"engine.backend: {engine['backend']!r} cannot be served; "
+            "`inferlab serve` runs the built-in engine (engine.backend=builtin)"
+        )
     check_checkpoint(config["model"])
     backend = registry.build_backend(engine, config["model"])
     assert isinstance(backend, BuiltinBackend)
@@ -137,12 +141,15 @@ def check_checkpoint(model: dict[str, Any]) -> None:
         return
     folder = Path(str(path))
     if not folder.exists():
-        raise UsageError(f"model.path: {folder} does not exist; allowed: a Hugging Face "
-                         "checkpoint folder (config.json, *.safetensors, tokenizer.json)")
-    if folder.is_dir() and not model.get("tokenizer") and not (folder / "tokenizer.json"
-                                                               ).is_file():
-        raise UsageError(f"model.path: {folder / 'tokenizer.json'} is missing; add the "
-                         "checkpoint's tokenizer.json, or name one with model.tokenizer=PATH")
+        raise UsageError(
+            f"model.path: {folder} does not exist; allowed: a Hugging Face "
+            "checkpoint folder (config.json, *.safetensors, tokenizer.json)"
+        )
+    if folder.is_dir() and not model.get("tokenizer") and not (folder / "tokenizer.json").is_file():
+        raise UsageError(
+            f"model.path: {folder / 'tokenizer.json'} is missing; add the "
+            "checkpoint's tokenizer.json, or name one with model.tokenizer=PATH"
+        )
 
 
 def warm_up(backend: BuiltinBackend) -> None:
@@ -151,8 +158,7 @@ def warm_up(backend: BuiltinBackend) -> None:
     from engines.sampling_params import SamplingParams
 
     assert backend.engine is not None
-    LLM.from_engine(backend.engine).generate("Hello", SamplingParams(max_tokens=2,
-                                                                     temperature=0.0))
+    LLM.from_engine(backend.engine).generate("Hello", SamplingParams(max_tokens=2, temperature=0.0))
 
 
 def explain(exc: Exception) -> str:
@@ -164,9 +170,16 @@ def explain(exc: Exception) -> str:
     if match is None:
         return message
     group, key = match.groups()
-    known = ([f.name for f in fields(EngineConfig) if f.name not in ("model", "model_overrides",
-                                                                     "tokenizer")] + ["backend"]
-             if group == "engine" else ["name", "path", "tokenizer", "overrides"])
+    known = (
+        [
+            f.name
+            for f in fields(EngineConfig)
+            if f.name not in ("model", "model_overrides", "tokenizer")
+        ]
+        + ["backend"]
+        if group == "engine"
+        else ["name", "path", "tokenizer", "overrides"]
+    )
     return f"{group}.{key}: unknown option; known {group} options: {', '.join(sorted(known))}"
 
 
@@ -176,8 +189,11 @@ def log_config(log_level: str) -> dict[str, Any]:
     from uvicorn.config import LOGGING_CONFIG
 
     config = copy.deepcopy(LOGGING_CONFIG)
-    config["loggers"]["inferlab"] = {"handlers": ["default"], "level": log_level.upper(),
-                                     "propagate": False}
+    config["loggers"]["inferlab"] = {
+        "handlers": ["default"],
+        "level": log_level.upper(),
+        "propagate": False,
+    }
     return config
 
 
@@ -197,9 +213,11 @@ def main(argv: list[str]) -> int:
         print(f"inferlab serve: {explain(exc)}", file=sys.stderr)
         return 2
     if server.api_key is None and not is_loopback(server.host):
-        print(f"inferlab serve: warning: listening on {server.host} without an API key: anyone "
-              f"who can reach the port can use the server (set {API_KEY_ENV} or api_key=)",
-              file=sys.stderr)
+        print(
+            f"inferlab serve: warning: listening on {server.host} without an API key: anyone "
+            f"who can reach the port can use the server (set {API_KEY_ENV} or api_key=)",
+            file=sys.stderr,
+        )
     try:
         backend.load()
         warm_up(backend)
@@ -220,14 +238,20 @@ def main(argv: list[str]) -> int:
     gc.collect()
     gc.freeze()
     serving = app.state.serving
-    uvicorn_server = Server(uvicorn_config(app, server, log_config=log_config(server.log_level)),
-                            serving, server.shutdown_timeout_s)
+    uvicorn_server = Server(
+        uvicorn_config(app, server, log_config=log_config(server.log_level)),
+        serving,
+        server.shutdown_timeout_s,
+    )
     facts = backend.describe()
     port = sock.getsockname()[1]
-    print(f"inferlab serve: {facts['model']} ({facts['architecture']}, {facts['dtype']}, "
-          f"{facts['device']}, kv_cache={facts['kv_cache']}, max_model_len="
-          f"{facts['max_model_len']}, max_num_seqs={facts['max_num_seqs']}) on "
-          f"http://{server.host}:{port}/v1", file=sys.stderr)
+    print(
+        f"inferlab serve: {facts['model']} ({facts['architecture']}, {facts['dtype']}, "
+        f"{facts['device']}, kv_cache={facts['kv_cache']}, max_model_len="
+        f"{facts['max_model_len']}, max_num_seqs={facts['max_num_seqs']}) on "
+        f"http://{server.host}:{port}/v1",
+        file=sys.stderr,
+    )
     try:
         uvicorn_server.run(sockets=[sock])
     finally:

@@ -41,43 +41,67 @@ class ServerConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ServerConfigError(f"server: unknown option(s) {unknown}; known options: "
-                                    f"{sorted(known)}")
+            raise ServerConfigError(
+                f"server: unknown option(s) {unknown}; known options: {sorted(known)}"
+            )
         return cls(**values).validate()
 
     def validate(self) -> ServerConfig:
         def fail(name: str, allowed: str) -> ServerConfigError:
-            return ServerConfigError(f"{name}: {getattr(self, name)!r} is invalid; "
-                                     f"allowed: {allowed}")
+            return ServerConfigError(
+                f"{name}: {getattr(self, name)!r} is invalid; allowed: {allowed}"
+            )
 
         if not isinstance(self.host, str) or not self.host:
             raise fail("host", "a host name or IP address, e.g. 127.0.0.1 or 0.0.0.0")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) \
-                or not 0 <= self.port <= 65535:
+        if (
+            isinstance(self.port, bool)
+            or not isinstance(self.port, int)
+            or not 0 <= self.port <= 65535
+        ):
             raise fail("port", "an integer in [0, 65535] (0: any free port)")
-        if isinstance(self.max_queue_len, bool) or not isinstance(self.max_queue_len, int) \
-                or self.max_queue_len < 0:
+        if (
+            isinstance(self.max_queue_len, bool)
+            or not isinstance(self.max_queue_len, int)
+            or self.max_queue_len < 0
+        ):
             raise fail("max_queue_len", "an integer >= 0")
         if self.served_model_name is not None and (
-                not isinstance(self.served_model_name, str) or not self.served_model_name):
+            not isinstance(self.served_model_name, str) or not self.served_model_name
+        ):
             raise fail("served_model_name", "null or a non-empty string")
         if self.log_level not in LOG_LEVELS:
             raise fail("log_level", "|".join(LOG_LEVELS))
         if not isinstance(self.access_log, bool):
             raise fail("access_log", "true|false")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key
-                                         or self.api_key != self.api_key.strip()):
+        if self.api_key is not None and (
+            not isinstance(self.api_key, str)
+            or not self.api_key
+            or self.api_key != self.api_key.strip()
+        ):
             # the value itself stays out of the message: it is a secret
-            raise ServerConfigError("api_key: invalid; allowed: null or a non-empty string "
-                                    "without surrounding whitespace")
-        if isinstance(self.max_body_bytes, bool) or not isinstance(self.max_body_bytes, int) \
-                or self.max_body_bytes < 1:
+            raise ServerConfigError(
+                "api_key: invalid; allowed: null or a non-empty string "
+                "without surrounding whitespace"
+            )
+        if (
+            isinstance(self.max_body_bytes, bool)
+            or not isinstance(self.max_body_bytes, int)
+            or self.max_body_bytes < 1
+        ):
             raise fail("max_body_bytes", "an integer >= 1 (bytes)")
-        for name, positive in (("shutdown_timeout_s", False), ("read_timeout_s", True),
-                               ("keep_alive_timeout_s", True)):
+        for name, positive in (
+            ("shutdown_timeout_s", False),
+            ("read_timeout_s", True),
+            ("keep_alive_timeout_s", True),
+        ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) \
-                    or not math.isfinite(value) or not (value > 0 if positive else value >= 0):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or not (value > 0 if positive else value >= 0)
+            ):
                 raise fail(name, f"a number of seconds {'>' if positive else '>='} 0")
             setattr(self, name, float(value))
         return self

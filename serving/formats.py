@@ -54,8 +54,11 @@ class Writer:
 
     def usage(self, completion_tokens: int) -> Usage:
         prompt_tokens = sum(len(p) for p in self.prompts)
-        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
     def response(self, choices: dict[int, ChoiceResult]) -> dict[str, Any]:
         raise NotImplementedError
@@ -89,89 +92,143 @@ class CompletionWriter(Writer):
     def response(self, choices: dict[int, ChoiceResult]) -> dict[str, Any]:
         ids = self.return_token_ids
         body = CompletionResponse(
-            id=self.request_id, created=self.created, model=self.model,
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
             usage=self.usage(sum(c.end.num_output_tokens for c in choices.values())),
-            choices=[CompletionChoice(index=i, text=c.end.text,
-                                      finish_reason=c.end.finish_reason,
-                                      prompt_token_ids=self.prompt_of(i) if ids else None,
-                                      token_ids=c.token_ids if ids else None)
-                     for i, c in sorted(choices.items())])
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text=c.end.text,
+                    finish_reason=c.end.finish_reason,
+                    prompt_token_ids=self.prompt_of(i) if ids else None,
+                    token_ids=c.token_ids if ids else None,
+                )
+                for i, c in sorted(choices.items())
+            ],
+        )
         return body.model_dump(exclude=None if ids else _CHOICE_IDS)
 
     def chunk(self, piece: ChoiceText | ChoiceEnd) -> str:
         first = self.first_chunk_of(piece)
         usage = self.count(piece)
         if isinstance(piece, ChoiceText):
-            choice = CompletionChoice(index=piece.index, text=piece.text,
-                                      token_ids=list(piece.token_ids))
+            choice = CompletionChoice(
+                index=piece.index, text=piece.text, token_ids=list(piece.token_ids)
+            )
         else:
-            choice = CompletionChoice(index=piece.index, text="",
-                                      finish_reason=piece.finish_reason, token_ids=[])
+            choice = CompletionChoice(
+                index=piece.index, text="", finish_reason=piece.finish_reason, token_ids=[]
+            )
         exclude: dict[str, Any] = {"usage": True} if not self.include_usage else {}
         if self.return_token_ids and first:
             choice.prompt_token_ids = self.prompt_of(piece.index)
         else:
-            exclude["choices"] = {"__all__": (
-                {"prompt_token_ids"} if self.return_token_ids
-                else {"prompt_token_ids", "token_ids"})}
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=[choice], usage=usage,
-                                  ).model_dump_json(exclude=exclude)
+            exclude["choices"] = {
+                "__all__": (
+                    {"prompt_token_ids"}
+                    if self.return_token_ids
+                    else {"prompt_token_ids", "token_ids"}
+                )
+            }
+        return CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            usage=usage,
+        ).model_dump_json(exclude=exclude)
 
     def usage_chunk(self, usage: Usage) -> str:
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=[], usage=usage).model_dump_json()
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage
+        ).model_dump_json()
 
 
 class ChatWriter(Writer):
     def response(self, choices: dict[int, ChoiceResult]) -> dict[str, Any]:
         ids = self.return_token_ids
         body = ChatCompletionResponse(
-            id=self.request_id, created=self.created, model=self.model,
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
             usage=self.usage(sum(c.end.num_output_tokens for c in choices.values())),
             prompt_token_ids=self.prompts[0] if ids else None,
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=c.end.text),
-                                finish_reason=c.end.finish_reason,
-                                token_ids=c.token_ids if ids else None)
-                     for i, c in sorted(choices.items())])
-        return body.model_dump(exclude=None if ids else {"prompt_token_ids": True,
-                                                          **_CHOICE_IDS})
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=c.end.text),
+                    finish_reason=c.end.finish_reason,
+                    token_ids=c.token_ids if ids else None,
+                )
+                for i, c in sorted(choices.items())
+            ],
+        )
+        return body.model_dump(exclude=None if ids else {"prompt_token_ids": True, **_CHOICE_IDS})
 
     def chunk(self, piece: ChoiceText | ChoiceEnd) -> str:
         first = self.first_chunk_of(piece)
         before = self.running_usage()  # the role chunk comes before the piece's tokens
         usage = self.count(piece)
         if isinstance(piece, ChoiceEnd):
-            return self._chunk(ChatChunkChoice(index=piece.index, delta=ChatDelta(),
-                                               finish_reason=piece.finish_reason, token_ids=[]),
-                               usage)
-        text = self._chunk(ChatChunkChoice(index=piece.index,
-                                           delta=ChatDelta(content=piece.text),
-                                           token_ids=list(piece.token_ids)), usage)
+            return self._chunk(
+                ChatChunkChoice(
+                    index=piece.index,
+                    delta=ChatDelta(),
+                    finish_reason=piece.finish_reason,
+                    token_ids=[],
+                ),
+                usage,
+            )
+        text = self._chunk(
+            ChatChunkChoice(
+                index=piece.index,
+                delta=ChatDelta(content=piece.text),
+                token_ids=list(piece.token_ids),
+            ),
+            usage,
+        )
         if not first:
             return text
         # OpenAI opens each choice with a role-only delta; it goes out in the same write as
         # the first token, so that a client's first chunk still marks the first token.
-        role = self._chunk(ChatChunkChoice(index=piece.index, token_ids=[],
-                                           delta=ChatDelta(role="assistant", content="")),
-                           before, prompt_token_ids=self.prompts[0])
+        role = self._chunk(
+            ChatChunkChoice(
+                index=piece.index, token_ids=[], delta=ChatDelta(role="assistant", content="")
+            ),
+            before,
+            prompt_token_ids=self.prompts[0],
+        )
         return f"{role}\n\ndata: {text}"
 
-    def _chunk(self, choice: ChatChunkChoice, usage: Usage | None,
-               prompt_token_ids: list[int] | None = None) -> str:
+    def _chunk(
+        self,
+        choice: ChatChunkChoice,
+        usage: Usage | None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
         exclude: dict[str, Any] = {"usage": True} if not self.include_usage else {}
         if not self.return_token_ids:
             exclude.update(_CHOICE_IDS)
         if not (self.return_token_ids and prompt_token_ids):
             exclude["prompt_token_ids"] = True
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
-                                   choices=[choice], prompt_token_ids=prompt_token_ids,
-                                   usage=usage).model_dump_json(exclude=exclude)
+        return ChatCompletionChunk(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[choice],
+            prompt_token_ids=prompt_token_ids,
+            usage=usage,
+        ).model_dump_json(exclude=exclude)
 
     def usage_chunk(self, usage: Usage) -> str:
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
-                                   choices=[], usage=usage,
-                                   ).model_dump_json(exclude={"prompt_token_ids"})
+        return ChatCompletionChunk(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=[],
+            usage=usage,
+        ).model_dump_json(exclude={"prompt_token_ids"})
 
 
 _CHOICE_IDS: dict[str, Any] = {"choices": {"__all__": {"prompt_token_ids", "token_ids"}}}

@@ -92,8 +92,9 @@ class ServingEngine:
         self.metrics = ServerMetrics(backend, lambda: self.in_flight)
         self.draining = False  # shutting down: admit nothing new
         self.shutdown_reason: str | None = None  # set when the rest is aborted
-        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
-                                                  thread_name_prefix="inferlab-tokenize")
+        self._tokenizer_pool = ThreadPoolExecutor(
+            TOKENIZER_THREADS, thread_name_prefix="inferlab-tokenize"
+        )
         self._tokenize_jobs = 0
 
     @property
@@ -125,37 +126,54 @@ class ServingEngine:
         engine = self.engine
         if self._tokenize_jobs >= self.capacity:
             self.metrics.requests_rejected.inc()
-            raise APIError(f"The server is overloaded: {self._tokenize_jobs} prompts are being "
-                           "tokenized. Retry later.", None, "server_overloaded", 503,
-                           "server_error")
+            raise APIError(
+                f"The server is overloaded: {self._tokenize_jobs} prompts are being "
+                "tokenized. Retry later.",
+                None,
+                "server_overloaded",
+                503,
+                "server_error",
+            )
         self._tokenize_jobs += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._tokenizer_pool, engine.tokenize, prompt)
+                self._tokenizer_pool, engine.tokenize, prompt
+            )
         finally:
             self._tokenize_jobs -= 1
 
     # ---- checks -------------------------------------------------------------------------------
 
-    def check_prompt(self, token_ids: list[int], max_tokens: int | None, param: str,
-                     max_tokens_param: str = "max_tokens") -> int:
+    def check_prompt(
+        self,
+        token_ids: list[int],
+        max_tokens: int | None,
+        param: str,
+        max_tokens_param: str = "max_tokens",
+    ) -> int:
         """Refuse a prompt the engine could never run; return the max_tokens to use
         (None: what the context has left, as vLLM does for chat)."""
         engine = self.engine
         max_len = self.max_model_len
         if not token_ids:
-            raise APIError(f"{param}: the prompt is empty (it has no tokens)", param,
-                           "invalid_value")
+            raise APIError(
+                f"{param}: the prompt is empty (it has no tokens)", param, "invalid_value"
+            )
         vocab = engine.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:  # C loops: this runs on the loop
             bad = [t for t in token_ids if not 0 <= t < vocab]
-            raise APIError(f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                           param, "invalid_value")
+            raise APIError(
+                f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                param,
+                "invalid_value",
+            )
         if len(token_ids) >= max_len:
             raise APIError(
                 f"This model's maximum context length is {max_len} tokens. However, your prompt "
-                f"has {len(token_ids)} tokens (at least one token must be generated).", param,
-                "context_length_exceeded")
+                f"has {len(token_ids)} tokens (at least one token must be generated).",
+                param,
+                "context_length_exceeded",
+            )
         if max_tokens is None:
             max_tokens = max_len - len(token_ids)
         if max_tokens >= 1 and len(token_ids) + max_tokens > max_len:
@@ -163,7 +181,10 @@ class ServingEngine:
                 f"This model's maximum context length is {max_len} tokens. However, you "
                 f"requested {len(token_ids) + max_tokens} tokens ({len(token_ids)} in the "
                 f"prompt, {max_tokens} for the completion). Please reduce the prompt or "
-                f"{max_tokens_param}.", max_tokens_param, "context_length_exceeded")
+                f"{max_tokens_param}.",
+                max_tokens_param,
+                "context_length_exceeded",
+            )
         try:
             # A paged pool smaller than the request fails now rather than readmitting forever.
             engine.check_fits(len(token_ids), max(max_tokens, 1))
@@ -171,8 +192,9 @@ class ServingEngine:
             raise APIError(str(exc), param, "context_length_exceeded") from None
         return max_tokens
 
-    def check_engine_accepts(self, prompts: Sequence[list[int]],
-                             sampling: Sequence[SamplingParams]) -> None:
+    def check_engine_accepts(
+        self, prompts: Sequence[list[int]], sampling: Sequence[SamplingParams]
+    ) -> None:
         """The engine's own admission checks, run before answering: what it would refuse at
         add_request (inside a 200 stream, too late) is a 400 now, naming the field."""
         for token_ids, params in zip(prompts, sampling, strict=True):
@@ -188,30 +210,44 @@ class ServingEngine:
         if self.draining:
             raise shutting_down()
         if num_sequences > self.capacity:
-            raise APIError(f"the request needs {num_sequences} sequences (prompts x n) but the "
-                           f"server admits at most {self.capacity} at once", "n",
-                           "invalid_value")
+            raise APIError(
+                f"the request needs {num_sequences} sequences (prompts x n) but the "
+                f"server admits at most {self.capacity} at once",
+                "n",
+                "invalid_value",
+            )
         if self.in_flight + num_sequences > self.capacity:
             self.metrics.requests_rejected.inc()
             raise APIError(
                 f"The server is overloaded: {self.in_flight} sequences are admitted, the limit "
-                f"is {self.capacity} (max_num_seqs + max_queue_len). Retry later.", None,
-                "server_overloaded", 503, "server_error")
+                f"is {self.capacity} (max_num_seqs + max_queue_len). Retry later.",
+                None,
+                "server_overloaded",
+                503,
+                "server_error",
+            )
         self.in_flight += num_sequences
         return Admission(self, num_sequences)
 
     # ---- generation ---------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompts: Sequence[list[int]],
-                       sampling: Sequence[SamplingParams], arrival_ns: int,
-                       admission: Admission) -> AsyncIterator[Piece]:
+    async def generate(
+        self,
+        request_id: str,
+        prompts: Sequence[list[int]],
+        sampling: Sequence[SamplingParams],
+        arrival_ns: int,
+        admission: Admission,
+    ) -> AsyncIterator[Piece]:
         """Run every prompt with its sampling parameters; choice index = prompt index x n +
         sample index, as OpenAI numbers them. Closing this stream aborts what is still running
         and frees its KV memory."""
         metrics = self.metrics
         n = sampling[0].n
-        streams = [self.backend.generate(GenerationRequest(f"{request_id}-{i}", ids, params))
-                   for i, (ids, params) in enumerate(zip(prompts, sampling, strict=True))]
+        streams = [
+            self.backend.generate(GenerationRequest(f"{request_id}-{i}", ids, params))
+            for i, (ids, params) in enumerate(zip(prompts, sampling, strict=True))
+        ]
         open_choices = len(prompts) * n
         first_token_seen = [False] * len(prompts)
         last_token_ns: dict[int, int] = {}
@@ -236,8 +272,12 @@ class ServingEngine:
                     metrics.request_success.inc(labels=(("finished_reason", event.finish_reason),))
                     if open_choices == 0:
                         metrics.e2e.observe((event.time_ns - arrival_ns) / 1e9)
-                    yield ChoiceEnd(prompt_index * n + event.index, event.finish_reason,
-                                    event.text, event.num_output_tokens)
+                    yield ChoiceEnd(
+                        prompt_index * n + event.index,
+                        event.finish_reason,
+                        event.text,
+                        event.num_output_tokens,
+                    )
                 elif isinstance(event, Failed):
                     open_choices = 0  # the backend has dropped the request
                     if self.shutdown_reason is not None and event.error == self.shutdown_reason:
@@ -248,9 +288,13 @@ class ServingEngine:
         finally:
             if open_choices:  # closed early: its client went away
                 metrics.requests_aborted.inc()
-                logger.info("%s: client disconnected after %d output tokens (%.2f s); request "
-                            "aborted, its KV cache freed", request_id, num_tokens,
-                            (now_ns() - arrival_ns) / 1e9)
+                logger.info(
+                    "%s: client disconnected after %d output tokens (%.2f s); request "
+                    "aborted, its KV cache freed",
+                    request_id,
+                    num_tokens,
+                    (now_ns() - arrival_ns) / 1e9,
+                )
             admission.release()
 
     # ---- shutdown -----------------------------------------------------------------------------
@@ -278,13 +322,19 @@ class ServingEngine:
 
 
 def shutting_down() -> APIError:
-    return APIError("The server is shutting down and admits no new requests; retry against "
-                    "another replica or after it restarts.", None, "server_shutting_down", 503,
-                    "server_error")
+    return APIError(
+        "The server is shutting down and admits no new requests; retry against "
+        "another replica or after it restarts.",
+        None,
+        "server_shutting_down",
+        503,
+        "server_error",
+    )
 
 
-async def _merge(streams: list[AsyncIterator[RequestEvent]],
-                 ) -> AsyncIterator[tuple[int, RequestEvent]]:
+async def _merge(
+    streams: list[AsyncIterator[RequestEvent]],
+) -> AsyncIterator[tuple[int, RequestEvent]]:
     """Interleave several request streams in arrival order, tagging each event with its
     stream's index; closing the merge closes (and so aborts) every stream."""
     if len(streams) == 1:  # the common case: no task, no hop

@@ -46,11 +46,14 @@ ABORT_FLUSH_S = 5.0
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port (not yet listening; uvicorn listens on it)."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                   proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
+        )
     except socket.gaierror as exc:
-        raise ServerConfigError(f"host: {host!r} is invalid: {exc.strerror}; allowed: a host "
-                                "name or IP address, e.g. 127.0.0.1 or 0.0.0.0") from None
+        raise ServerConfigError(
+            f"host: {host!r} is invalid: {exc.strerror}; allowed: a host "
+            "name or IP address, e.g. 127.0.0.1 or 0.0.0.0"
+        ) from None
     family, kind, proto, _, address = infos[0]
     # proto=IPPROTO_TCP matters: asyncio turns Nagle off (TCP_NODELAY) only on connections
     # whose socket says so, and Nagle with delayed ACKs holds each SSE chunk back ~40 ms.
@@ -60,9 +63,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        raise ServerConfigError(f"port: cannot listen on {host}:{port}: {exc.strerror} (is "
-                                "another server using it? choose another port=, or port=0 "
-                                "for any free one)") from None
+        raise ServerConfigError(
+            f"port: cannot listen on {host}:{port}: {exc.strerror} (is "
+            "another server using it? choose another port=, or port=0 "
+            "for any free one)"
+        ) from None
     return sock
 
 
@@ -109,17 +114,30 @@ class RequestClock:
             await self.app(scope, timed_receive, tracked_send)
         except ClientDisconnect:
             if not timed_out:
-                logger.info("%s %s from %s: client disconnected before its request body "
-                            "arrived", scope["method"], scope["path"], _client(scope))
+                logger.info(
+                    "%s %s from %s: client disconnected before its request body arrived",
+                    scope["method"],
+                    scope["path"],
+                    _client(scope),
+                )
                 return
         if timed_out:
-            logger.info("%s %s from %s: request body not received within read_timeout_s=%g "
-                        "s; connection closed", scope["method"], scope["path"], _client(scope),
-                        self.read_timeout_s)
+            logger.info(
+                "%s %s from %s: request body not received within read_timeout_s=%g "
+                "s; connection closed",
+                scope["method"],
+                scope["path"],
+                _client(scope),
+                self.read_timeout_s,
+            )
             if not started:
-                await send_error(send, 408, f"The request body did not arrive within "
-                                            f"{self.read_timeout_s:g} s", "request_timeout",
-                                 close=True)
+                await send_error(
+                    send,
+                    408,
+                    f"The request body did not arrive within {self.read_timeout_s:g} s",
+                    "request_timeout",
+                    close=True,
+                )
 
 
 def _client(scope: Scope) -> str:
@@ -136,8 +154,9 @@ def default_protocol() -> type[asyncio.Protocol]:
     return HttpToolsProtocol
 
 
-def header_timeout_protocol(header_timeout_s: float,
-                            base: type[Any] | None = None) -> type[asyncio.Protocol]:
+def header_timeout_protocol(
+    header_timeout_s: float, base: type[Any] | None = None
+) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (`base`, default: what "auto" picks), closing a connection whose
     request line and headers have not all arrived `header_timeout_s` after it opened, or after
     the first byte of its next request. Idle keep-alive connections are uvicorn's
@@ -191,8 +210,12 @@ def header_timeout_protocol(header_timeout_s: float,
         def _expire(self) -> None:
             self._header_timer = None
             if self._awaiting_headers and not self.transport.is_closing():
-                logger.info("connection from %s: no complete request headers within "
-                            "read_timeout_s=%g s; closed", _peer(self.client), header_timeout_s)
+                logger.info(
+                    "connection from %s: no complete request headers within "
+                    "read_timeout_s=%g s; closed",
+                    _peer(self.client),
+                    header_timeout_s,
+                )
                 self.transport.close()
 
     HeaderTimeoutProtocol.__name__ = f"HeaderTimeout{base.__name__}"
@@ -206,10 +229,12 @@ def _peer(client: tuple[str, int] | None) -> str:
 def uvicorn_config(app: ASGIApp, config: ServerConfig, **options: Any) -> uvicorn.Config:
     """uvicorn's settings for `config`: its log level, the timeouts, the shutdown grace."""
     settings: dict[str, Any] = dict(
-        log_level=config.log_level, access_log=config.access_log,
+        log_level=config.log_level,
+        access_log=config.access_log,
         http=header_timeout_protocol(config.read_timeout_s),
         timeout_keep_alive=config.keep_alive_timeout_s,
-        timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S)
+        timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
+    )
     settings.update(options)
     return uvicorn.Config(app, **settings)
 
@@ -218,8 +243,9 @@ class Server(uvicorn.Server):
     """uvicorn's server with a bounded graceful shutdown (see the module's docstring). A second
     signal stops at once, as with uvicorn."""
 
-    def __init__(self, config: uvicorn.Config, serving: ServingEngine,
-                 shutdown_timeout_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, serving: ServingEngine, shutdown_timeout_s: float
+    ) -> None:
         super().__init__(config)
         self.serving = serving
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -257,11 +283,17 @@ class Server(uvicorn.Server):
         serving, timeout = self.serving, self.shutdown_timeout_s
         try:
             serving.stop_admitting()
-            logger.info("shutting down: no new requests admitted; %d sequences in flight get "
-                        "up to shutdown_timeout_s=%g s to finish", serving.in_flight, timeout)
+            logger.info(
+                "shutting down: no new requests admitted; %d sequences in flight get "
+                "up to shutdown_timeout_s=%g s to finish",
+                serving.in_flight,
+                timeout,
+            )
             if not await serving.wait_idle(timeout):
-                reason = (f"the server is shutting down: the request did not finish within "
-                          f"shutdown_timeout_s={timeout:g} s")
+                reason = (
+                    f"the server is shutting down: the request did not finish within "
+                    f"shutdown_timeout_s={timeout:g} s"
+                )
                 self.aborted_at_shutdown = 0
                 flush_deadline = time.monotonic() + ABORT_FLUSH_S
                 # again while some remain: a request admitted just before the drain may reach
@@ -270,7 +302,10 @@ class Server(uvicorn.Server):
                     self.aborted_at_shutdown += await serving.abort_all(reason)
                     if await serving.wait_idle(0.25):
                         break
-                logger.warning("shutting down: aborted %d requests still running after %g s",
-                               self.aborted_at_shutdown, timeout)
+                logger.warning(
+                    "shutting down: aborted %d requests still running after %g s",
+                    self.aborted_at_shutdown,
+                    timeout,
+                )
         finally:
             self.should_exit = True

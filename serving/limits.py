@@ -56,8 +56,10 @@ class BodySizeLimit:
                 await self._refuse(send, f"more than {self.max_body_bytes} bytes (chunked)")
 
     async def _refuse(self, send: Send, size: str) -> None:
-        message = (f"The request body is {size}; this server accepts at most "
-                   f"{self.max_body_bytes} bytes (the server option max_body_bytes)")
+        message = (
+            f"The request body is {size}; this server accepts at most "
+            f"{self.max_body_bytes} bytes (the server option max_body_bytes)"
+        )
         # The rest of the body is never read, so the connection cannot carry another request.
         await send_error(send, 413, message, "request_too_large", close=True)
 

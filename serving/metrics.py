@@ -11,12 +11,48 @@ from engines.builtin.backend import BuiltinBackend, EngineStats
 from serving.prometheus import Counter, Gauge, Histogram, Registry
 
 FINISH_REASONS = ("stop", "length")  # aborts: inferlab_requests_aborted_total
-TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-               0.4, 0.5, 0.75, 1.0, 2.5)
-E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-               160.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
 class ServerMetrics:
@@ -24,50 +60,100 @@ class ServerMetrics:
         self.backend = backend
         r = self.registry = Registry()
 
-        r.add(Gauge("inferlab_num_requests_running",
-                    "Sequences the engine is running (holding KV memory).",
-                    lambda: self._stats().num_running))
-        r.add(Gauge("inferlab_num_requests_waiting",
-                    "Sequences queued in the engine, waiting for a slot or KV memory.",
-                    lambda: self._stats().num_waiting))
-        r.add(Gauge("inferlab_num_requests_admitted",
-                    "Sequences the server has admitted and not yet finished (the bound that "
-                    "max_queue_len sets).", in_flight))
-        r.add(Gauge("inferlab_kv_cache_usage_ratio",
-                    "KV cache memory reserved for live sequences over the pool's capacity "
-                    "(0 to 1).", lambda: _kv_usage(self._stats())))
-        r.add(Gauge("inferlab_kv_cache_reserved_bytes",
-                    "KV cache bytes reserved for live sequences.",
-                    lambda: self._stats().kv_bytes_reserved))
-        r.add(Gauge("inferlab_kv_cache_capacity_bytes", "KV cache pool size in bytes.",
-                    lambda: self._stats().kv_bytes_capacity))
-        self.prompt_tokens = r.add(Counter(
-            "inferlab_prompt_tokens_total", "Prompt tokens of requests that were prefilled."))
-        self.generation_tokens = r.add(Counter(
-            "inferlab_generation_tokens_total", "Output tokens generated."))
-        self.request_success = r.add(Counter(
-            "inferlab_request_success_total",
-            "Sequences (choices) finished, by finish reason.",
-            [(("finished_reason", reason),) for reason in FINISH_REASONS]))
-        self.requests_rejected = r.add(Counter(
-            "inferlab_requests_rejected_total",
-            "HTTP requests refused with 503 because the admission queue was full."))
-        self.requests_invalid = r.add(Counter(
-            "inferlab_requests_invalid_total", "HTTP requests refused with a 400 error."))
-        self.requests_aborted = r.add(Counter(
-            "inferlab_requests_aborted_total",
-            "Requests aborted before they finished (the client went away)."))
-        self.ttft = r.add(Histogram(
-            "inferlab_time_to_first_token_seconds",
-            "From the request's arrival at the server to its first output token.",
-            TTFT_BUCKETS))
-        self.itl = r.add(Histogram(
-            "inferlab_inter_token_latency_seconds",
-            "Between consecutive output tokens of one sequence.", ITL_BUCKETS))
-        self.e2e = r.add(Histogram(
-            "inferlab_e2e_request_latency_seconds",
-            "From the request's arrival at the server to its last sequence finishing.",
-            E2E_BUCKETS))
+        r.add(
+            Gauge(
+                "inferlab_num_requests_running",
+                "Sequences the engine is running (holding KV memory).",
+                lambda: self._stats().num_running,
+            )
+        )
+        r.add(
+            Gauge(
+                "inferlab_num_requests_waiting",
+                "Sequences queued in the engine, waiting for a slot or KV memory.",
+                lambda: self._stats().num_waiting,
+            )
+        )
+        r.add(
+            Gauge(
+                "inferlab_num_requests_admitted",
+                "Sequences the server has admitted and not yet finished (the bound that "
+                "max_queue_len sets).",
+                in_flight,
+            )
+        )
+        r.add(
+            Gauge(
+                "inferlab_kv_cache_usage_ratio",
+                "KV cache memory reserved for live sequences over the pool's capacity (0 to 1).",
+                lambda: _kv_usage(self._stats()),
+            )
+        )
+        r.add(
+            Gauge(
+                "inferlab_kv_cache_reserved_bytes",
+                "KV cache bytes reserved for live sequences.",
+                lambda: self._stats().kv_bytes_reserved,
+            )
+        )
+        r.add(
+            Gauge(
+                "inferlab_kv_cache_capacity_bytes",
+                "KV cache pool size in bytes.",
+                lambda: self._stats().kv_bytes_capacity,
+            )
+        )
+        self.prompt_tokens = r.add(
+            Counter(
+                "inferlab_prompt_tokens_total", "Prompt tokens of requests that were prefilled."
+            )
+        )
+        self.generation_tokens = r.add(
+            Counter("inferlab_generation_tokens_total", "Output tokens generated.")
+        )
+        self.request_success = r.add(
+            Counter(
+                "inferlab_request_success_total",
+                "Sequences (choices) finished, by finish reason.",
+                [(("finished_reason", reason),) for reason in FINISH_REASONS],
+            )
+        )
+        self.requests_rejected = r.add(
+            Counter(
+                "inferlab_requests_rejected_total",
+                "HTTP requests refused with 503 because the admission queue was full.",
+            )
+        )
+        self.requests_invalid = r.add(
+            Counter("inferlab_requests_invalid_total", "HTTP requests refused with a 400 error.")
+        )
+        self.requests_aborted = r.add(
+            Counter(
+                "inferlab_requests_aborted_total",
+                "Requests aborted before they finished (the client went away).",
+            )
+        )
+        self.ttft = r.add(
+            Histogram(
+                "inferlab_time_to_first_token_seconds",
+                "From the request's arrival at the server to its first output token.",
+                TTFT_BUCKETS,
+            )
+        )
+        self.itl = r.add(
+            Histogram(
+                "inferlab_inter_token_latency_seconds",
+                "Between consecutive output tokens of one sequence.",
+                ITL_BUCKETS,
+            )
+        )
+        self.e2e = r.add(
+            Histogram(
+                "inferlab_e2e_request_latency_seconds",
+                "From the request's arrival at the server to its last sequence finishing.",
+                E2E_BUCKETS,
+            )
+        )
 
     def _stats(self) -> EngineStats:
         thread = self.backend.engine_thread  # None once the backend is closed

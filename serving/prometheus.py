@@ -20,8 +20,7 @@ def _labels(labels: Labels, extra: tuple[str, str] | None = None) -> str:
     pairs = [*labels, extra] if extra else list(labels)
     if not pairs:
         return ""
-    escaped = (v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-               for _, v in pairs)
+    escaped = (v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"') for _, v in pairs)
     return "{" + ",".join(f'{k}="{v}"' for (k, _), v in zip(pairs, escaped, strict=True)) + "}"
 
 

@@ -29,8 +29,14 @@ from starlette.types import Send
 class APIError(Exception):
     """A request the server refuses, reported as OpenAI does: {"error": {...}}."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status_code: int = 400, error_type: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        status_code: int = 400,
+        error_type: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -42,21 +48,39 @@ class APIError(Exception):
         return error_body(self.message, self.error_type, self.param, self.code)
 
 
-def error_body(message: str, error_type: str = "invalid_request_error",
-               param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str,
+    error_type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-async def send_error(send: Send, status: int,
-                     message: str, code: str, *, close: bool = False,
-                     headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+async def send_error(
+    send: Send,
+    status: int,
+    message: str,
+    code: str,
+    *,
+    close: bool = False,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
     """An OpenAI-style error answered straight from ASGI middleware (before any route runs).
     `close`: the connection cannot carry another request (its body was not read to the end)."""
     payload = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode()),
-                            *([(b"connection", b"close")] if close else []), *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+                *([(b"connection", b"close")] if close else []),
+                *headers,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
@@ -81,8 +105,11 @@ def parse_request(raw: bytes, model: type[Request]) -> Request:
     except ValueError as exc:
         raise _unparseable(raw, str(exc)) from None
     if not isinstance(data, dict):
-        raise APIError(f"The request body must be a JSON object, got {type(data).__name__}",
-                       None, "invalid_json")
+        raise APIError(
+            f"The request body must be a JSON object, got {type(data).__name__}",
+            None,
+            "invalid_json",
+        )
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -109,25 +136,32 @@ def _unparseable(raw: bytes, reason: str) -> APIError:
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return APIError(f"We could not parse the JSON body of your request: it is not UTF-8 "
-                        f"(byte 0x{raw[exc.start]:02x} at offset {exc.start})", None,
-                        "invalid_json")
+        return APIError(
+            f"We could not parse the JSON body of your request: it is not UTF-8 "
+            f"(byte 0x{raw[exc.start]:02x} at offset {exc.start})",
+            None,
+            "invalid_json",
+        )
     if "surrogate" in reason or "hex escape" in reason:
         found = _surrogate_path(raw)
         if found is not None:
             path, in_key = found
             where = f"{path or 'the body'}: {'a key' if in_key else 'the value'}"
-            return APIError(f"{where} holds a lone UTF-16 surrogate (an escape such as "
-                            "\\ud800 without its pair), which is not Unicode text",
-                            path or None, "invalid_value")
+            return APIError(
+                f"{where} holds a lone UTF-16 surrogate (an escape such as "
+                "\\ud800 without its pair), which is not Unicode text",
+                path or None,
+                "invalid_value",
+            )
     elif "recursion limit" in reason:
         reason += f" (arrays and objects may nest at most {MAX_JSON_DEPTH} deep)"
     else:
         offset = _offset(raw, reason)
         if offset is not None and raw.startswith((b"NaN", b"Infinity"), offset):
             reason += " (NaN and Infinity are not JSON numbers)"
-    return APIError(f"We could not parse the JSON body of your request: {reason}", None,
-                    "invalid_json")
+    return APIError(
+        f"We could not parse the JSON body of your request: {reason}", None, "invalid_json"
+    )
 
 
 def _offset(raw: bytes, reason: str) -> int | None:
@@ -173,15 +207,19 @@ def api_error_from_validation(exc: ValidationError) -> APIError:
     param = _param_path(error["loc"])
     kind = error["type"]
     if kind == "extra_forbidden":
-        return APIError(f"Unrecognized request argument supplied: {param}", param,
-                        "unknown_parameter")
+        return APIError(
+            f"Unrecognized request argument supplied: {param}", param, "unknown_parameter"
+        )
     if kind == "missing":
         return APIError(f"{param}: a value is required", param, "missing_required_parameter")
     message = str(error["msg"]).removeprefix("Value error, ")
     if kind == "value_error":  # our own validators already name the field
         return APIError(message, param, "invalid_value")
-    return APIError(f"{param}: {message}; got {_short(error.get('input'))}", param,
-                    "invalid_type" if kind.endswith("_type") else "invalid_value")
+    return APIError(
+        f"{param}: {message}; got {_short(error.get('input'))}",
+        param,
+        "invalid_type" if kind.endswith("_type") else "invalid_value",
+    )
 
 
 def _param_path(loc: tuple[Any, ...]) -> str:
@@ -249,8 +287,10 @@ class _SamplingFields(_Strict):
         # the sampler turns top_k into a float; past 2**63 that overflows inside an engine
         # step and fails every request in the batch
         if value is not None and value >= 2**63:
-            raise ValueError(f"top_k: {_short(value)} is out of range; allowed: -1 or 0 (off), "
-                             "or an integer in [1, 2**63)")
+            raise ValueError(
+                f"top_k: {_short(value)} is out of range; allowed: -1 or 0 (off), "
+                "or an integer in [1, 2**63)"
+            )
         return value
 
     @field_validator("stop", mode="before")
@@ -264,8 +304,12 @@ class _SamplingFields(_Strict):
 
     def unsupported(self) -> str | None:
         """The first field set to a value the engine cannot honour, or None."""
-        neutral = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
-                   "min_p": (None, 0.0), "repetition_penalty": (None, 1.0)}
+        neutral = {
+            "presence_penalty": (None, 0.0),
+            "frequency_penalty": (None, 0.0),
+            "min_p": (None, 0.0),
+            "repetition_penalty": (None, 1.0),
+        }
         for name, allowed in neutral.items():
             if getattr(self, name) not in allowed:
                 return name
@@ -291,17 +335,21 @@ class CompletionRequest(_SamplingFields):
             texts = [value]
         elif kinds == {str}:
             texts = value
-        elif kinds == {int} or (kinds == {list} and all(value)
-                                and set(map(type, chain.from_iterable(value))) == {int}):
+        elif kinds == {int} or (
+            kinds == {list} and all(value) and set(map(type, chain.from_iterable(value))) == {int}
+        ):
             return value
         else:
-            raise ValueError("prompt: expected a string, a non-empty list of strings, a list "
-                             "of token ids, or a list of token-id lists")
+            raise ValueError(
+                "prompt: expected a string, a non-empty list of strings, a list "
+                "of token ids, or a list of token-id lists"
+            )
         empty = next((i for i, p in enumerate(texts) if not p), None)
         if empty is not None:  # a tokenizer would add BOS and make it look like a prompt
             where = "prompt" if isinstance(value, str) else f"prompt[{empty}]"
-            raise ValueError(f"{where}: the prompt is empty; allowed: a prompt with at least "
-                             "one token")
+            raise ValueError(
+                f"{where}: the prompt is empty; allowed: a prompt with at least one token"
+            )
         return value
 
     def unsupported(self) -> str | None:
@@ -332,29 +380,40 @@ class ChatMessage(_Strict):
         if value is None or isinstance(value, str):
             return value
         if isinstance(value, list) and all(
-                isinstance(p, dict) and isinstance(p.get("type"), str)
-                and isinstance(p.get("text", ""), str) for p in value):
+            isinstance(p, dict)
+            and isinstance(p.get("type"), str)
+            and isinstance(p.get("text", ""), str)
+            for p in value
+        ):
             # other part types (images, audio) are refused later, by name
             return [ContentPart(type=p["type"], text=p.get("text")) for p in value]
-        raise PydanticCustomError("invalid_type",
-                                  "expected a string or a list of content parts")
+        raise PydanticCustomError("invalid_type", "expected a string or a list of content parts")
 
     def text(self, index: int) -> str:
         """The message's text; only text content parts are supported."""
         if isinstance(self.content, str):
             return self.content
         if self.content is None:
-            raise APIError(f"messages[{index}].content: a string is required (tool calls are "
-                           "not supported)", f"messages[{index}].content", "unsupported_parameter")
+            raise APIError(
+                f"messages[{index}].content: a string is required (tool calls are not supported)",
+                f"messages[{index}].content",
+                "unsupported_parameter",
+            )
         pieces = []
         for j, part in enumerate(self.content):
             if part.type == "text" and part.text is None:
-                raise APIError(f"messages[{index}].content[{j}].text: required for a text part",
-                               f"messages[{index}].content[{j}].text", "missing_required_parameter")
+                raise APIError(
+                    f"messages[{index}].content[{j}].text: required for a text part",
+                    f"messages[{index}].content[{j}].text",
+                    "missing_required_parameter",
+                )
             if part.type != "text":
-                raise APIError(f"messages[{index}].content[{j}]: only text parts are supported, "
-                               f"got type {part.type!r}", f"messages[{index}].content[{j}].type",
-                               "unsupported_parameter")
+                raise APIError(
+                    f"messages[{index}].content[{j}]: only text parts are supported, "
+                    f"got type {part.type!r}",
+                    f"messages[{index}].content[{j}].type",
+                    "unsupported_parameter",
+                )
             pieces.append(part.text)
         return "".join(pieces)
 
@@ -383,8 +442,7 @@ class ChatCompletionRequest(_SamplingFields):
             return "logprobs"
         if self.top_logprobs is not None:
             return "top_logprobs"
-        for name in ("tools", "tool_choice", "functions", "function_call",
-                     "parallel_tool_calls"):
+        for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
             if getattr(self, name) not in (None, [], "none"):
                 return name
         if self.response_format not in (None, {"type": "text"}):
@@ -455,8 +513,7 @@ class ChatDelta(BaseModel):
     @model_serializer
     def _present_fields_only(self) -> dict[str, Any]:
         # A delta carries only what changed; the final chunk's delta is {}.
-        return {k: v for k, v in (("role", self.role), ("content", self.content))
-                if v is not None}
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -44,8 +44,12 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:  # also when this coroutine itself is cancelled
-        disconnected = watcher.done() and not watcher.cancelled() \
-            and watcher.exception() is None and not task.done()
+        disconnected = (
+            watcher.done()
+            and not watcher.cancelled()
+            and watcher.exception() is None
+            and not task.done()
+        )
         for pending in (task, watcher):
             pending.cancel()
         # let both unwind now; a cancellation of our own still propagates afterwards
@@ -61,10 +65,14 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None],
-                 **kwargs: Any) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                   **kwargs.pop("headers", {})}
+    def __init__(
+        self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: Any
+    ) -> None:
+        headers = {
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            **kwargs.pop("headers", {}),
+        }
         super().__init__(content, headers=headers, **kwargs)
         self.on_close = on_close
 

@@ -46,9 +46,12 @@ class RunningServer:
 
 
 @contextmanager
-def serve_in_thread(backend: BuiltinBackend, config: ServerConfig | None = None,
-                    startup_timeout_s: float = 30.0,
-                    **uvicorn_options: Any) -> Iterator[RunningServer]:
+def serve_in_thread(
+    backend: BuiltinBackend,
+    config: ServerConfig | None = None,
+    startup_timeout_s: float = 30.0,
+    **uvicorn_options: Any,
+) -> Iterator[RunningServer]:
     """Serve `backend` (loaded) until the block ends, then shut down as on SIGTERM; the backend
     stays open afterwards (its engine thread too). `uvicorn_options` override uvicorn's
     settings (e.g. `http=` another protocol class)."""
@@ -56,11 +59,18 @@ def serve_in_thread(backend: BuiltinBackend, config: ServerConfig | None = None,
     app = create_app(backend, config)
     sock = bind_socket("127.0.0.1", 0)  # the OS picks a free port; no race with other tests
     port = sock.getsockname()[1]
-    server = Server(uvicorn_config(app, config, **{
-        "log_level": "warning", "access_log": False, "lifespan": "off", **uvicorn_options}),
-        app.state.serving, config.shutdown_timeout_s)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
-                              name="inferlab-serve", daemon=True)
+    server = Server(
+        uvicorn_config(
+            app,
+            config,
+            **{"log_level": "warning", "access_log": False, "lifespan": "off", **uvicorn_options},
+        ),
+        app.state.serving,
+        config.shutdown_timeout_s,
+    )
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="inferlab-serve", daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + startup_timeout_s
     while not server.started:
@@ -91,8 +101,9 @@ class ServeProcess:
 
 
 @contextmanager
-def serve_process(args: list[str], log: Path,
-                  startup_timeout_s: float = 300.0) -> Iterator[ServeProcess]:
+def serve_process(
+    args: list[str], log: Path, startup_timeout_s: float = 300.0
+) -> Iterator[ServeProcess]:
     """`inferlab serve ARGS port=0` in a process of its own, its output in `log`, healthy when
     the block starts; killed at the end if still running. The port is the one it printed."""
     command = [sys.executable, "-m", "harness.cli", "serve", *args, "port=0"]
@@ -102,8 +113,10 @@ def serve_process(args: list[str], log: Path,
         deadline = time.monotonic() + startup_timeout_s
         while (match := _LISTENING.search(log.read_text(errors="replace"))) is None:
             if process.poll() is not None:
-                raise RuntimeError(f"inferlab serve exited with {process.returncode}:\n"
-                                   f"{log.read_text(errors='replace')}")
+                raise RuntimeError(
+                    f"inferlab serve exited with {process.returncode}:\n"
+                    f"{log.read_text(errors='replace')}"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError("inferlab serve did not start in time")
             time.sleep(0.1)
@@ -115,8 +128,9 @@ def serve_process(args: list[str], log: Path,
             except httpx.HTTPError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"inferlab serve did not become healthy:\n"
-                                   f"{log.read_text(errors='replace')}")
+                raise RuntimeError(
+                    f"inferlab serve did not become healthy:\n{log.read_text(errors='replace')}"
+                )
             time.sleep(0.1)
         yield ServeProcess(process, base_url, log)
     finally:

@@ -10,8 +10,9 @@ from engines.builtin.attention import AttentionMetadata
 from engines.builtin.kv_cache import LayerKVCache
 
 
-def shuffled_block_tables(seqs: list[tuple[int, int]], block_size: int,
-                          gen: torch.Generator) -> tuple[torch.Tensor, int]:
+def shuffled_block_tables(
+    seqs: list[tuple[int, int]], block_size: int, gen: torch.Generator
+) -> tuple[torch.Tensor, int]:
     """Block tables for seqs[i] = (context length, new tokens), the blocks handed out in a
     random order (so a table is not the identity), 3 blocks spare; and the pool's size."""
     need = [math.ceil(length / block_size) for length, _ in seqs]
@@ -23,9 +24,14 @@ def shuffled_block_tables(seqs: list[tuple[int, int]], block_size: int,
     return tables, num_blocks
 
 
-def step_metadata(seqs: list[tuple[int, int]], num_decodes: int, tables: torch.Tensor,
-                  block_size: int, window: int | None,
-                  device: str) -> tuple[torch.Tensor, AttentionMetadata]:
+def step_metadata(
+    seqs: list[tuple[int, int]],
+    num_decodes: int,
+    tables: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    device: str,
+) -> tuple[torch.Tensor, AttentionMetadata]:
     """The flat cache slot of each new token, and the step's metadata."""
     lens = [length for length, _ in seqs]
     qlens = [n for _, n in seqs]
@@ -34,21 +40,38 @@ def step_metadata(seqs: list[tuple[int, int]], num_decodes: int, tables: torch.T
         qsl.append(qsl[-1] + n)
     positions = torch.cat([torch.arange(length - n, length) for length, n in seqs])
     seq_index = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(qlens))
-    slots = (tables[seq_index, positions // block_size].long() * block_size
-             + positions % block_size).to(device)
+    slots = (
+        tables[seq_index, positions // block_size].long() * block_size + positions % block_size
+    ).to(device)
     meta = AttentionMetadata(
-        positions=positions.to(device), slot_mapping=slots,
+        positions=positions.to(device),
+        slot_mapping=slots,
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device), query_start_loc_host=qsl, seq_lens_host=lens,
-        num_decodes=num_decodes, max_seq_len=max(lens), block_size=block_size,
-        sliding_window=window, use_cache=True)
+        block_tables=tables.to(device),
+        query_start_loc_host=qsl,
+        seq_lens_host=lens,
+        num_decodes=num_decodes,
+        max_seq_len=max(lens),
+        block_size=block_size,
+        sliding_window=window,
+        use_cache=True,
+    )
     return slots, meta
 
 
-def make_batch(seqs: list[tuple[int, int]], num_decodes: int, block_size: int, num_heads: int,
-               num_kv_heads: int, head_dim: int, dtype: torch.dtype, window: int | None,
-               seed: int = 0, device: str = "cpu"):
+def make_batch(
+    seqs: list[tuple[int, int]],
+    num_decodes: int,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    window: int | None,
+    seed: int = 0,
+    device: str = "cpu",
+):
     """A packed step: seqs[i] = (context length after this step, new tokens), decodes first.
 
     Blocks are handed out in a random order (so block tables are not the identity), the
@@ -61,13 +84,17 @@ def make_batch(seqs: list[tuple[int, int]], num_decodes: int, block_size: int, n
         return torch.randn(*shape, generator=gen).to(dtype).to(device)
 
     tables, num_blocks = shuffled_block_tables(seqs, block_size, gen)
-    cache = LayerKVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                         torch.device(device))
+    cache = LayerKVCache(
+        num_blocks, block_size, num_kv_heads, head_dim, dtype, torch.device(device)
+    )
     cache.k.copy_(randn(*cache.k.shape))
     cache.v.copy_(randn(*cache.v.shape))
     slots, meta = step_metadata(seqs, num_decodes, tables, block_size, window, device)
     total = meta.query_start_loc_host[-1]
-    q, k, v = randn(total, num_heads, head_dim), randn(total, num_kv_heads, head_dim), \
-        randn(total, num_kv_heads, head_dim)
+    q, k, v = (
+        randn(total, num_heads, head_dim),
+        randn(total, num_kv_heads, head_dim),
+        randn(total, num_kv_heads, head_dim),
+    )
     cache.write(k, v, slots)
     return q, k, v, cache, meta

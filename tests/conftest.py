@@ -30,8 +30,9 @@ def make_tiny() -> Callable[..., LLM]:
     """A fresh `tiny`-preset engine (dummy weights, fp32, CPU) with small limits."""
 
     def make(**options: Any) -> LLM:
-        defaults: dict[str, Any] = dict(dtype="float32", device="cpu", max_model_len=256,
-                                        max_num_seqs=8)
+        defaults: dict[str, Any] = dict(
+            dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8
+        )
         return LLM(model="tiny", **{**defaults, **options})
 
     return make
@@ -59,12 +60,30 @@ def tiny_rate_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     there is a steady-state window; a TTFT SLO, so goodput is reported), shared read-only by
     the results, report and gate tests: copy it before changing anything."""
     sweep_dir = tmp_path_factory.mktemp("sweep")
-    overrides = ["model=tiny", "workload.num_requests=8", "workload.input_len=16",
-                 "workload.output_len=[4,12]", "run.warmup_requests=1",
-                 "workload.arrival.process=poisson", "workload.arrival.rate=100,400",
-                 "run.slo.ttft_s=0.5"]
-    done = subprocess.run([sys.executable, "-m", "harness.cli", "run", "-m", *overrides,
-                           f"hydra.sweep.dir={sweep_dir}"], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=240)
+    overrides = [
+        "model=tiny",
+        "workload.num_requests=8",
+        "workload.input_len=16",
+        "workload.output_len=[4,12]",
+        "run.warmup_requests=1",
+        "workload.arrival.process=poisson",
+        "workload.arrival.rate=100,400",
+        "run.slo.ttft_s=0.5",
+    ]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "run",
+            "-m",
+            *overrides,
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr
     return sweep_dir

@@ -25,13 +25,16 @@ def gaps(spec: dict, n: int = N, seed: int = 0) -> np.ndarray:
     return np.diff(times)
 
 
-@pytest.mark.parametrize(("spec", "cv"), [
-    ({"process": "poisson", "rate": 5.0}, 1.0),
-    ({"process": "poisson", "rate": 0.3}, 1.0),
-    ({"process": "gamma", "rate": 8.0, "burstiness": 0.25}, 2.0),
-    ({"process": "gamma", "rate": 8.0, "burstiness": 1.0}, 1.0),
-    ({"process": "gamma", "rate": 2.0, "burstiness": 4.0}, 0.5),
-])
+@pytest.mark.parametrize(
+    ("spec", "cv"),
+    [
+        ({"process": "poisson", "rate": 5.0}, 1.0),
+        ({"process": "poisson", "rate": 0.3}, 1.0),
+        ({"process": "gamma", "rate": 8.0, "burstiness": 0.25}, 2.0),
+        ({"process": "gamma", "rate": 8.0, "burstiness": 1.0}, 1.0),
+        ({"process": "gamma", "rate": 2.0, "burstiness": 4.0}, 0.5),
+    ],
+)
 def test_mean_rate_within_cv_derived_tolerance(spec: dict, cv: float) -> None:
     g = gaps(spec)
     rate = spec["rate"]
@@ -58,8 +61,12 @@ def test_gamma_cv_is_one_over_sqrt_burstiness(burstiness: float) -> None:
 
 
 def test_burstiness_orders_the_cv() -> None:
-    cvs = [np.std(g) / np.mean(g) for g in (
-        gaps({"process": "gamma", "rate": 1.0, "burstiness": b}, n=5000) for b in (0.2, 1, 5))]
+    cvs = [
+        np.std(g) / np.mean(g)
+        for g in (
+            gaps({"process": "gamma", "rate": 1.0, "burstiness": b}, n=5000) for b in (0.2, 1, 5)
+        )
+    ]
     assert cvs[0] > cvs[1] > cvs[2]
 
 
@@ -86,12 +93,15 @@ def test_ramp_moves_the_rate_linearly_from_start_to_end() -> None:
     np.testing.assert_allclose(np.diff(rates), 8.0 / 99)  # linear in the request index
     down = gaps({"process": "ramp", "start_rate": 10.0, "end_rate": 2.0}, n=11)
     assert np.all(np.diff(down) > 0)
-    assert gaps({"process": "ramp", "start_rate": 3.0, "end_rate": 5.0}, n=2)[0] == \
-        pytest.approx(1 / 3)
+    assert gaps({"process": "ramp", "start_rate": 3.0, "end_rate": 5.0}, n=2)[0] == pytest.approx(
+        1 / 3
+    )
 
 
-@pytest.mark.parametrize("spec", [{"process": "poisson", "rate": 2.0},
-                                  {"process": "gamma", "rate": 2.0, "burstiness": 0.5}])
+@pytest.mark.parametrize(
+    "spec",
+    [{"process": "poisson", "rate": 2.0}, {"process": "gamma", "rate": 2.0, "burstiness": 0.5}],
+)
 def test_seeds_reproduce_and_differ(spec: dict) -> None:
     a = arrival_times(spec, 50, np.random.default_rng(7))
     b = arrival_times(spec, 50, np.random.default_rng(7))
@@ -109,29 +119,38 @@ def test_workload_arrivals_are_seeded_and_closed_loop_exposes_concurrency() -> N
     assert times[0] == times[1] != times[2]
     assert a.info["offered_rate_rps"] == pytest.approx(19 / max(times[0]))
     assert a.concurrency is None
-    closed = SyntheticWorkload(num_requests=6, input_len=4, output_len=2,
-                               arrival={"process": "closed", "concurrency": 3})
+    closed = SyntheticWorkload(
+        num_requests=6, input_len=4, output_len=2, arrival={"process": "closed", "concurrency": 3}
+    )
     assert closed.concurrency == 3
     assert all(r.arrival_s == 0.0 for r in closed.build())
     assert SyntheticWorkload().concurrency is None  # default: offline
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    ({"process": "bursty"}, r"workload\.arrival\.process: 'bursty' is invalid; allowed: "
-                            r"offline\|poisson\|gamma\|constant\|ramp\|closed"),
-    ({"process": "poisson"}, r"workload\.arrival\.rate"),
-    ({"process": "poisson", "rate": 0}, r"workload\.arrival\.rate: 0 is invalid; allowed: "),
-    ({"process": "poisson", "rate": -1.0}, r"workload\.arrival\.rate"),
-    ({"process": "poisson", "rate": float("inf")}, r"workload\.arrival\.rate"),
-    ({"process": "poisson", "rate": "fast"}, r"workload\.arrival\.rate"),
-    ({"process": "gamma", "rate": 1.0, "burstiness": 0}, r"workload\.arrival\.burstiness"),
-    ({"process": "ramp", "start_rate": 1.0, "end_rate": 0}, r"workload\.arrival\.end_rate"),
-    ({"process": "closed", "concurrency": 0}, r"workload\.arrival\.concurrency: 0"),
-    ({"process": "closed", "concurrency": 2.5}, r"workload\.arrival\.concurrency"),
-    ({"process": "poisson", "rate": 1, "burstiness": 2},
-     r"workload\.arrival: unknown key\(s\) \['burstiness'\] for process poisson"),
-    ("poisson", r"workload\.arrival: 'poisson' is invalid"),
-])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {"process": "bursty"},
+            r"workload\.arrival\.process: 'bursty' is invalid; allowed: "
+            r"offline\|poisson\|gamma\|constant\|ramp\|closed",
+        ),
+        ({"process": "poisson"}, r"workload\.arrival\.rate"),
+        ({"process": "poisson", "rate": 0}, r"workload\.arrival\.rate: 0 is invalid; allowed: "),
+        ({"process": "poisson", "rate": -1.0}, r"workload\.arrival\.rate"),
+        ({"process": "poisson", "rate": float("inf")}, r"workload\.arrival\.rate"),
+        ({"process": "poisson", "rate": "fast"}, r"workload\.arrival\.rate"),
+        ({"process": "gamma", "rate": 1.0, "burstiness": 0}, r"workload\.arrival\.burstiness"),
+        ({"process": "ramp", "start_rate": 1.0, "end_rate": 0}, r"workload\.arrival\.end_rate"),
+        ({"process": "closed", "concurrency": 0}, r"workload\.arrival\.concurrency: 0"),
+        ({"process": "closed", "concurrency": 2.5}, r"workload\.arrival\.concurrency"),
+        (
+            {"process": "poisson", "rate": 1, "burstiness": 2},
+            r"workload\.arrival: unknown key\(s\) \['burstiness'\] for process poisson",
+        ),
+        ("poisson", r"workload\.arrival: 'poisson' is invalid"),
+    ],
+)
 def test_bad_specs_name_the_field_and_the_allowed_values(spec: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_arrival(spec)

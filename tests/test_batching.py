@@ -56,8 +56,9 @@ def run_events(llm: LLM, requests: list[tuple[str, list[int], SamplingParams]]):
 def alone() -> list[list[int]]:
     """Greedy tokens of each request run alone (continuous, contiguous KV)."""
     llm = make(max_num_seqs=1)
-    return [llm.generate(p, greedy(n))[0].token_ids for p, n in zip(PROMPTS, MAX_TOKENS,
-                                                                      strict=True)]
+    return [
+        llm.generate(p, greedy(n))[0].token_ids for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+    ]
 
 
 MODES = [
@@ -89,11 +90,18 @@ def test_every_mode_equals_each_request_alone(alone, options: dict[str, Any]) ->
 
 
 def test_seeded_sampling_is_the_same_in_every_mode() -> None:
-    params = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=n, seed=100 + i,
-                             ignore_eos=True) for i, n in enumerate(MAX_TOKENS)]
-    results = [[o.token_ids for o in make(max_num_seqs=3, **options).generate(PROMPTS, params)]
-               for options in (dict(), dict(batching="static"),
-                               dict(enable_chunked_prefill=True, max_num_batched_tokens=16))]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=n, seed=100 + i, ignore_eos=True)
+        for i, n in enumerate(MAX_TOKENS)
+    ]
+    results = [
+        [o.token_ids for o in make(max_num_seqs=3, **options).generate(PROMPTS, params)]
+        for options in (
+            dict(),
+            dict(batching="static"),
+            dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
+        )
+    ]
     assert results[0] == results[1] == results[2]
 
 
@@ -145,8 +153,10 @@ def test_static_padding_without_kv_cache() -> None:
 def test_static_admits_the_next_batch_only_when_the_whole_batch_finished() -> None:
     llm = make(batching="static", max_num_seqs=3)
     lens, outs = (6, 9, 4, 5, 7, 3, 8), (3, 8, 2, 4, 1, 6, 2)
-    requests = [(f"r{i}", [200 + i + j for j in range(n)], greedy(m))
-                for i, (n, m) in enumerate(zip(lens, outs, strict=True))]
+    requests = [
+        (f"r{i}", [200 + i + j for j in range(n)], greedy(m))
+        for i, (n, m) in enumerate(zip(lens, outs, strict=True))
+    ]
     events, records = run_events(llm, requests)
     scheduled = {e.request_id: e.step for e in events if isinstance(e, Scheduled)}
     finished = {e.request_id: e.step for e in events if isinstance(e, Finished)}
@@ -160,16 +170,23 @@ def test_static_admits_the_next_batch_only_when_the_whole_batch_finished() -> No
         previous = batches[i - 1]
         # admitted in the step after the previous batch's last member finished, not before
         assert scheduled[batch[0]] == max(finished[r] for r in previous) + 1
-        assert min(position[Scheduled, r] for r in batch) > max(position[Finished, r]
-                                                                for r in previous)
-        assert all(e.step >= scheduled[batch[0]] for e in events if e.request_id in batch
-                   and isinstance(e, (Scheduled, PrefillChunk, Tokens, Finished)))
+        assert min(position[Scheduled, r] for r in batch) > max(
+            position[Finished, r] for r in previous
+        )
+        assert all(
+            e.step >= scheduled[batch[0]]
+            for e in events
+            if e.request_id in batch and isinstance(e, (Scheduled, PrefillChunk, Tokens, Finished))
+        )
     # every step of a batch reserves every member's slot, finished or not
     bpt = kv_bytes_per_token(llm.engine.model_config, 4)
     slot = 256 * bpt
     for record in records:
-        batch = next(b for b in batches if scheduled[b[0]] <= record.step
-                     and record.step <= max(finished[r] for r in b))
+        batch = next(
+            b
+            for b in batches
+            if scheduled[b[0]] <= record.step and record.step <= max(finished[r] for r in b)
+        )
         last_step = max(finished[r] for r in batch)
         expected = 0 if record.step == last_step else len(batch) * slot
         assert record.kv_bytes_reserved == expected
@@ -259,11 +276,20 @@ def test_chunked_prefill_one_token_last_chunk_and_partial_admission() -> None:
     llm = make(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)
     # a: 5 tokens; b: 11 + 15 + 1 = 27 tokens (its last chunk is a single prompt token);
     # c waits until b's prefill leaves budget, then gets a partial first chunk.
-    requests = [("a", list(range(50, 55)), greedy(12)), ("b", list(range(60, 87)), greedy(4)),
-                ("c", list(range(90, 130)), greedy(3))]
+    requests = [
+        ("a", list(range(50, 55)), greedy(12)),
+        ("b", list(range(60, 87)), greedy(4)),
+        ("c", list(range(90, 130)), greedy(3)),
+    ]
     events, records = run_events(llm, requests)
-    chunks = {r: [(e.step, e.num_tokens) for e in events
-                  if isinstance(e, PrefillChunk) and e.request_id == r] for r in "abc"}
+    chunks = {
+        r: [
+            (e.step, e.num_tokens)
+            for e in events
+            if isinstance(e, PrefillChunk) and e.request_id == r
+        ]
+        for r in "abc"
+    }
     assert chunks["a"] == [(0, 5)]
     assert chunks["b"] == [(0, 11), (1, 15), (2, 1)]
     # step 2: a decodes (1), b's last chunk (1), c's first chunk takes the remaining 14
@@ -272,8 +298,10 @@ def test_chunked_prefill_one_token_last_chunk_and_partial_admission() -> None:
     record = next(r for r in records if r.step == 2)
     assert (record.prefill_tokens, record.decode_tokens) == (1 + 14, 1)
     alone = make(max_num_seqs=1)
-    outs = {r: [t for e in events if isinstance(e, Tokens) and e.request_id == r
-                for t in e.token_ids] for r in "abc"}
+    outs = {
+        r: [t for e in events if isinstance(e, Tokens) and e.request_id == r for t in e.token_ids]
+        for r in "abc"
+    }
     for request_id, prompt, params in requests:
         assert outs[request_id] == alone.generate(prompt, params)[0].token_ids
 
@@ -295,14 +323,21 @@ def test_chunked_prefill_budget_defaults_and_limits() -> None:
 # ---- configuration ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("options", "pattern"), [
-    (dict(batching="static", enable_chunked_prefill=True),
-     r"enable_chunked_prefill=true cannot be combined with engine\.batching=static"),
-    (dict(kv_cache="none", enable_chunked_prefill=True),
-     r"enable_chunked_prefill=true needs a KV cache, but engine\.kv_cache=none"),
-    (dict(enable_chunked_prefill="yes"), r"engine\.enable_chunked_prefill: 'yes' is invalid"),
-    (dict(batching="dynamic"), r"engine\.batching: 'dynamic' is invalid; allowed: static\|"),
-])
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        (
+            dict(batching="static", enable_chunked_prefill=True),
+            r"enable_chunked_prefill=true cannot be combined with engine\.batching=static",
+        ),
+        (
+            dict(kv_cache="none", enable_chunked_prefill=True),
+            r"enable_chunked_prefill=true needs a KV cache, but engine\.kv_cache=none",
+        ),
+        (dict(enable_chunked_prefill="yes"), r"engine\.enable_chunked_prefill: 'yes' is invalid"),
+        (dict(batching="dynamic"), r"engine\.batching: 'dynamic' is invalid; allowed: static\|"),
+    ],
+)
 def test_invalid_combinations_are_refused_by_name(options, pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         EngineConfig.from_dict({"model": "tiny", **options})
@@ -312,9 +347,9 @@ def test_invalid_combinations_are_refused_by_name(options, pattern: str) -> None
 
 def test_static_and_chunked_are_accepted() -> None:
     assert EngineConfig.from_dict({"batching": "static"}).batching == "static"
-    assert EngineConfig.from_dict({"enable_chunked_prefill": True,
-                                   "max_model_len": 4096,
-                                   "max_num_batched_tokens": 512}).enable_chunked_prefill
+    assert EngineConfig.from_dict(
+        {"enable_chunked_prefill": True, "max_model_len": 4096, "max_num_batched_tokens": 512}
+    ).enable_chunked_prefill
 
 
 # ---- logits against Hugging Face --------------------------------------------------------------
@@ -340,14 +375,19 @@ def hf_reference(tmp_path_factory: pytest.TempPathFactory):
     return get, parity
 
 
-@pytest.mark.parametrize(("kind", "options"), [
-    ("llama_gqa", dict(batching="static")),
-    ("llama_gqa", dict(batching="static", kv_cache="none")),
-    # window 8 < chunk 7..: chunks attend through the sliding window into the cache
-    ("mistral_swa", dict(enable_chunked_prefill=True, max_num_batched_tokens=7)),
-    ("qwen2", dict(enable_chunked_prefill=True, max_num_batched_tokens=10,
-                   attention_backend="torch")),
-])
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("llama_gqa", dict(batching="static")),
+        ("llama_gqa", dict(batching="static", kv_cache="none")),
+        # window 8 < chunk 7..: chunks attend through the sliding window into the cache
+        ("mistral_swa", dict(enable_chunked_prefill=True, max_num_batched_tokens=7)),
+        (
+            "qwen2",
+            dict(enable_chunked_prefill=True, max_num_batched_tokens=10, attention_backend="torch"),
+        ),
+    ],
+)
 def test_logits_match_hf(hf_reference, kind: str, options: dict[str, Any]) -> None:
     """Every real token's logits (padding rows are not shown to the observer) and the greedy
     continuation match HF's, with static padding and with prompts split into chunks."""
@@ -379,12 +419,15 @@ def test_preemption_with_a_token_capped_cache_keeps_outputs(alone, chunked: bool
         return free(seq_id)
 
     kv.can_allocate, kv.allocate, kv.free = capped_can_allocate, tracked_allocate, tracked_free
-    requests = [(str(i), p, greedy(n))
-                for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True))]
+    requests = [
+        (str(i), p, greedy(n)) for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True))
+    ]
     events, records = run_events(llm, requests)
     assert sum(r.num_preempted for r in records) > 0
-    outs = [[t for e in events if isinstance(e, Tokens) and e.request_id == str(i)
-             for t in e.token_ids] for i in range(len(PROMPTS))]
+    outs = [
+        [t for e in events if isinstance(e, Tokens) and e.request_id == str(i) for t in e.token_ids]
+        for i in range(len(PROMPTS))
+    ]
     assert outs == alone
     budget = llm.engine.limits.max_num_batched_tokens
     assert all(r.prefill_tokens + r.decode_tokens <= budget for r in records)

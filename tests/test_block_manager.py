@@ -23,8 +23,9 @@ BPT = 3  # bytes per token: any constant, so bytes are tokens scaled
 NULL = 0
 
 
-def make(num_blocks: int, block_size: int, caching: bool = False,
-         window: int | None = None) -> PagedKVCacheManager:
+def make(
+    num_blocks: int, block_size: int, caching: bool = False, window: int | None = None
+) -> PagedKVCacheManager:
     return PagedKVCacheManager(KVLayout(num_blocks, block_size, BPT), caching, window)
 
 
@@ -42,11 +43,16 @@ def _colliding_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
 
 
 class PagedMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(6, 20), block_size=st.integers(1, 4),
-                caching=st.booleans(), window=st.none() | st.integers(1, 10),
-                collide=st.booleans())
-    def setup(self, num_blocks: int, block_size: int, caching: bool, window: int | None,
-              collide: bool) -> None:
+    @initialize(
+        num_blocks=st.integers(6, 20),
+        block_size=st.integers(1, 4),
+        caching=st.booleans(),
+        window=st.none() | st.integers(1, 10),
+        collide=st.booleans(),
+    )
+    def setup(
+        self, num_blocks: int, block_size: int, caching: bool, window: int | None, collide: bool
+    ) -> None:
         self.original_hash = paged_module.hash_block_tokens
         if collide:
             paged_module.hash_block_tokens = _colliding_hash
@@ -92,8 +98,9 @@ class PagedMachine(RuleBasedStateMachine):
             for pos in range(kv.tokens_held[seq_id], total):
                 block = table[pos // self.bs]
                 assert block != NULL
-                self.memory.setdefault(block, [None] * self.bs)[pos % self.bs] = (
-                    tuple(tokens[:pos + 1]))
+                self.memory.setdefault(block, [None] * self.bs)[pos % self.bs] = tuple(
+                    tokens[: pos + 1]
+                )
             kv.commit(seq_id, total, tokens if with_ids else None)
         return True
 
@@ -103,8 +110,7 @@ class PagedMachine(RuleBasedStateMachine):
 
     # ---- rules ----------------------------------------------------------------------------
 
-    @rule(prompt=st.lists(st.integers(0, 1), min_size=1, max_size=12),
-          chunk=st.integers(1, 12))
+    @rule(prompt=st.lists(st.integers(0, 1), min_size=1, max_size=12), chunk=st.integers(1, 12))
     def add(self, prompt: list[int], chunk: int) -> None:
         seq_id = self._new_id()
         cached = self.kv.match_prefix(seq_id, prompt)
@@ -124,10 +130,14 @@ class PagedMachine(RuleBasedStateMachine):
         total = self.kv.tokens_held[seq_id] + new_tokens
         tokens = self.tokens[seq_id]
         if len(tokens) < total:  # decoding: sampled tokens join the sequence
-            tokens += data.draw(st.lists(st.integers(0, 1), min_size=total - len(tokens),
-                                         max_size=total - len(tokens)))
+            tokens += data.draw(
+                st.lists(
+                    st.integers(0, 1), min_size=total - len(tokens), max_size=total - len(tokens)
+                )
+            )
         if not self._grow(seq_id, total, write=True, with_ids=with_ids) and data.draw(
-                st.booleans()):
+            st.booleans()
+        ):
             self.kv.free(seq_id)  # preempted
             del self.tokens[seq_id]
 
@@ -145,7 +155,7 @@ class PagedMachine(RuleBasedStateMachine):
         child = self._new_id()
         self.kv.fork(parent, child)
         # Only the committed tokens are common; the rest is each one's own future.
-        self.tokens[child] = self.tokens[parent][:self.kv.tokens_held[parent]]
+        self.tokens[child] = self.tokens[parent][: self.kv.tokens_held[parent]]
 
     @precondition(lambda self: bool(self.tokens))
     @rule(data=st.data())
@@ -208,7 +218,7 @@ class PagedMachine(RuleBasedStateMachine):
                     assert self.window is not None
                     assert (pos // self.bs + 1) * self.bs <= held - self.window + 1
                     continue
-                assert self.memory[block][pos % self.bs] == tuple(tokens[:pos + 1])
+                assert self.memory[block][pos % self.bs] == tuple(tokens[: pos + 1])
 
     @invariant()
     def window_released(self) -> None:
@@ -220,8 +230,11 @@ class PagedMachine(RuleBasedStateMachine):
 
 
 PagedMachine.TestCase.settings = settings(
-    max_examples=250, stateful_step_count=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+    max_examples=250,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestPagedMachine = PagedMachine.TestCase
 
 

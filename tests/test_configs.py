@@ -85,8 +85,11 @@ def test_every_option_field_is_overridable_and_defaults_live_once(backend: str) 
     key of `engine=<backend>`, with the dataclass default, and can be set on the command line;
     the YAML file sets no option (presets live in variant/ and experiment/)."""
     entry = BACKENDS[backend]
-    defaults = {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)
-                for f in dataclasses.fields(entry.config) if f.name not in entry.model_fields}
+    defaults = {
+        f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)
+        for f in dataclasses.fields(entry.config)
+        if f.name not in entry.model_fields
+    }
     engine = composed(f"engine={backend}")["engine"]
     assert engine == {"backend": backend, **defaults}
     overrides = [f"engine.{name}={command_line_value(value)}" for name, value in defaults.items()]
@@ -96,9 +99,11 @@ def test_every_option_field_is_overridable_and_defaults_live_once(backend: str) 
 
 
 def test_a_key_without_a_field_and_a_value_of_the_wrong_type_name_the_key() -> None:
-    for override, key in [("engine.no_such_option=1", "no_such_option"),
-                          ("engine.max_num_seqs=many", "engine.max_num_seqs"),
-                          ("engine.native_kernels=maybe", "engine.native_kernels")]:
+    for override, key in [
+        ("engine.no_such_option=1", "no_such_option"),
+        ("engine.max_num_seqs=many", "engine.max_num_seqs"),
+        ("engine.native_kernels=maybe", "engine.native_kernels"),
+    ]:
         with pytest.raises(Exception, match=key):
             composed(override)
     assert composed("engine.native_kernels=false")["engine"]["native_kernels"] is False
@@ -115,7 +120,9 @@ def test_arrival_is_set_whole_or_key_by_key_as_the_docs_write_it() -> None:
     assert make_workload(whole).concurrency is None
     keys = composed("workload.arrival.process=closed", "workload.arrival.concurrency=4")
     assert make_workload(keys["workload"]).concurrency == 4
-    leftover = composed("workload.arrival={process: gamma, rate: 8, burstiness: 0.5}",
-                        "workload.arrival={process: poisson, rate: 2}")["workload"]
+    leftover = composed(
+        "workload.arrival={process: gamma, rate: 8, burstiness: 0.5}",
+        "workload.arrival={process: poisson, rate: 2}",
+    )["workload"]
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['burstiness'\] for process poisson"):
         make_workload(leftover)

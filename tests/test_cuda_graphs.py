@@ -44,15 +44,18 @@ def test_default_batch_sizes_follow_vllm() -> None:
     assert default_batch_sizes(1) == [1]
 
 
-@pytest.mark.parametrize(("option", "value", "message"), [
-    ("enforce_eager", "no", "engine.enforce_eager: 'no' is invalid; allowed: true|false"),
-    ("compile", 1, "engine.compile: 1 is invalid; allowed: true|false"),
-    ("cuda_graph_batch_sizes", [0, 4], "integers in [1, max_num_seqs=8]"),
-    ("cuda_graph_batch_sizes", [16], "integers in [1, max_num_seqs=8]"),
-    ("cuda_graph_batch_sizes", [], "a non-empty list"),
-    ("cuda_graph_batch_sizes", "8", "a non-empty list"),
-    ("cuda_graph_batch_sizes", [True], "a non-empty list"),
-])
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("enforce_eager", "no", "engine.enforce_eager: 'no' is invalid; allowed: true|false"),
+        ("compile", 1, "engine.compile: 1 is invalid; allowed: true|false"),
+        ("cuda_graph_batch_sizes", [0, 4], "integers in [1, max_num_seqs=8]"),
+        ("cuda_graph_batch_sizes", [16], "integers in [1, max_num_seqs=8]"),
+        ("cuda_graph_batch_sizes", [], "a non-empty list"),
+        ("cuda_graph_batch_sizes", "8", "a non-empty list"),
+        ("cuda_graph_batch_sizes", [True], "a non-empty list"),
+    ],
+)
 def test_bad_speed_options_are_refused(option: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("|", r"\|")):
         EngineConfig(max_num_seqs=8, **{option: value}).validate()
@@ -78,10 +81,14 @@ def test_enforce_eager_false_is_accepted_and_explained_on_cpu(make_tiny) -> None
 # ---- bucket padding, run eagerly (CPU: Triton interpreter) -------------------------------------
 
 
-@pytest.mark.parametrize("options", [
-    dict(kv_cache="contiguous"),
-    dict(kv_cache="paged", block_size=4, kv_cache_dtype="int8"),
-], ids=["contiguous", "paged-int8"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(kv_cache="contiguous"),
+        dict(kv_cache="paged", block_size=4, kv_cache_dtype="int8"),
+    ],
+    ids=["contiguous", "paged-int8"],
+)
 def test_padded_buckets_give_eager_tokens(options: dict) -> None:
     """Everything a replay does except the capture: decodes written into the static buffers,
     padded up to a bucket (padding rows: slot -1, length 0), the decode kernel sized for
@@ -91,8 +98,14 @@ def test_padded_buckets_give_eager_tokens(options: dict) -> None:
     pytest.importorskip("triton")
     from engines.builtin.attention.triton_backend import TritonAttention
 
-    common = dict(model="tiny", dtype="float32", device=TRITON_DEVICE, max_model_len=64,
-                  max_num_seqs=8, **options)
+    common = dict(
+        model="tiny",
+        dtype="float32",
+        device=TRITON_DEVICE,
+        max_model_len=64,
+        max_num_seqs=8,
+        **options,
+    )
     expected = greedy(LLM(**common, attention_backend="torch"), 5)
     llm = LLM(**common, attention_backend="triton")
     runner = llm.engine.runner
@@ -103,8 +116,11 @@ def test_padded_buckets_give_eager_tokens(options: dict) -> None:
     assert runner.decode_graphs.replays >= 5  # every decode-only step went through a bucket
     if options["kv_cache"] == "paged":  # no sequence owns the NULL block 0: padding rows
         for cache in runner.kv_caches:  # must not have stored anything there either
-            planes = [cache.k, cache.v, *((cache.k_scale, cache.v_scale)
-                                          if cache.quantized else ())]
+            planes = [
+                cache.k,
+                cache.v,
+                *((cache.k_scale, cache.v_scale) if cache.quantized else ()),
+            ]
             assert all(not plane[0].any() for plane in planes)
 
 
@@ -127,14 +143,25 @@ def test_compile_gives_eager_tokens_on_cpu(make_tiny) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("options", [
-    dict(kv_cache="contiguous"),
-    dict(kv_cache="paged", block_size=16),
-    dict(kv_cache="paged", block_size=16, kv_cache_dtype="int8"),
-], ids=["contiguous", "paged", "paged-int8"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(kv_cache="contiguous"),
+        dict(kv_cache="paged", block_size=16),
+        dict(kv_cache="paged", block_size=16, kv_cache_dtype="int8"),
+    ],
+    ids=["contiguous", "paged", "paged-int8"],
+)
 def test_cuda_graph_replay_gives_eager_tokens(options: dict) -> None:
-    common = dict(model="tiny", dtype="float32", device="cuda", max_model_len=256,
-                  max_num_seqs=8, attention_backend="triton", **options)
+    common = dict(
+        model="tiny",
+        dtype="float32",
+        device="cuda",
+        max_model_len=256,
+        max_num_seqs=8,
+        attention_backend="triton",
+        **options,
+    )
     eager = LLM(**common)
     graphed = LLM(**common, enforce_eager=False)
     facts = graphed.engine.describe()
@@ -149,8 +176,15 @@ def test_cuda_graph_replay_gives_eager_tokens(options: dict) -> None:
 
 @needs_cuda
 def test_cuda_graphs_with_chosen_buckets_and_compile() -> None:
-    common = dict(model="tiny", dtype="float32", device="cuda", max_model_len=256,
-                  max_num_seqs=8, attention_backend="triton", kv_cache="paged")
+    common = dict(
+        model="tiny",
+        dtype="float32",
+        device="cuda",
+        max_model_len=256,
+        max_num_seqs=8,
+        attention_backend="triton",
+        kv_cache="paged",
+    )
     expected = greedy(LLM(**common), 8)
     llm = LLM(**common, enforce_eager=False, cuda_graph_batch_sizes=[2, 8], compile=True)
     assert llm.engine.runner.decode_graphs.sizes == [2, 8]
@@ -160,5 +194,11 @@ def test_cuda_graphs_with_chosen_buckets_and_compile() -> None:
 @needs_cuda
 def test_cuda_graphs_refuse_the_dense_backend() -> None:
     with pytest.raises(ValueError, match="attention_backend=triton"):
-        LLM(model="tiny", device="cuda", max_model_len=256, max_num_seqs=8,
-            attention_backend="sdpa", enforce_eager=False)
+        LLM(
+            model="tiny",
+            device="cuda",
+            max_model_len=256,
+            max_num_seqs=8,
+            attention_backend="sdpa",
+            enforce_eager=False,
+        )

@@ -57,14 +57,16 @@ class ScriptedBackend(Backend):
             self.in_flight -= 1
 
 
-def item(rid: str, prompt: object, arrival: float = 0.0, follows: str | None = None,
-         max_tokens: int = 2) -> WorkloadRequest:
+def item(
+    rid: str, prompt: object, arrival: float = 0.0, follows: str | None = None, max_tokens: int = 2
+) -> WorkloadRequest:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return WorkloadRequest(GenerationRequest(rid, prompt, params), arrival, follows=follows)
 
 
-def run(backend: Backend, workload: list[WorkloadRequest],
-        concurrency: int | None = None) -> dict[str, dict]:
+def run(
+    backend: Backend, workload: list[WorkloadRequest], concurrency: int | None = None
+) -> dict[str, dict]:
     rows: dict[str, dict] = {}
 
     def sink(table: str, row: dict) -> None:
@@ -105,12 +107,13 @@ def test_sessions_send_follow_ups_after_the_turn_with_history() -> None:
     ]
     rows = run(backend, workload)
     assert backend.prompts["s0-t1"] == [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "xx"},
-        {"role": "user", "content": "more"}]
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "xx"},
+        {"role": "user", "content": "more"},
+    ]
     assert backend.prompts["ids-t1"] == [5, 6, 100, 101, 7]
     # the follow-up became due think time after the previous turn finished
-    assert rows["s0-t1"]["arrival_s"] == pytest.approx(rows["s0-t0"]["finished_s"] + 0.03,
-                                                       abs=1e-6)
+    assert rows["s0-t1"]["arrival_s"] == pytest.approx(rows["s0-t0"]["finished_s"] + 0.03, abs=1e-6)
     assert rows["s0-t1"]["sent_s"] >= rows["s0-t1"]["arrival_s"]
 
 
@@ -127,8 +130,11 @@ def test_follow_up_of_a_failed_turn_fails_and_orphans_are_refused() -> None:
 def test_sessions_on_the_engine_grow_the_prompt() -> None:
     backend = BuiltinBackend(EngineConfig(model="tiny"))
     backend.load()
-    rows = run(backend, [item("t0", [10, 11, 12], max_tokens=4),
-                         item("t1", [13, 14], follows="t0", max_tokens=3)], concurrency=1)
+    rows = run(
+        backend,
+        [item("t0", [10, 11, 12], max_tokens=4), item("t1", [13, 14], follows="t0", max_tokens=3)],
+        concurrency=1,
+    )
     assert rows["t0"]["prompt_tokens"] == 3
     assert rows["t1"]["prompt_tokens"] == 3 + 4 + 2  # previous prompt + reply + new message
     assert rows["t1"]["output_tokens"] == 3
@@ -137,6 +143,12 @@ def test_sessions_on_the_engine_grow_the_prompt() -> None:
 def test_every_turn_after_a_failed_turn_keeps_a_failed_row() -> None:
     backend = BuiltinBackend(EngineConfig(model="tiny", max_model_len=32))
     backend.load()
-    rows = run(backend, [item("t0", list(range(10, 60))), item("t1", [11], follows="t0"),
-                         item("t2", [12], follows="t1")])
+    rows = run(
+        backend,
+        [
+            item("t0", list(range(10, 60))),
+            item("t1", [11], follows="t0"),
+            item("t2", [12], follows="t1"),
+        ],
+    )
     assert [rows[r]["status"] for r in ("t0", "t1", "t2")] == ["failed"] * 3

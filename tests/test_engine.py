@@ -20,8 +20,10 @@ PROMPTS = [
     [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69],
     "x",
 ]
-CHAT = [{"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Write a line about the sea."}]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Write a line about the sea."},
+]
 
 
 def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
@@ -29,8 +31,7 @@ def greedy(max_tokens: int = 24, **kw) -> SamplingParams:
 
 
 def test_none_and_contiguous_give_identical_greedy_tokens(make_tiny) -> None:
-    outs = {kv: make_tiny(kv_cache=kv).generate(PROMPTS, greedy()) for kv in ("none",
-                                                                            "contiguous")}
+    outs = {kv: make_tiny(kv_cache=kv).generate(PROMPTS, greedy()) for kv in ("none", "contiguous")}
     for a, b in zip(outs["none"], outs["contiguous"], strict=True):
         assert a.finish_reason == b.finish_reason == "length"
         assert len(a.token_ids) == 24
@@ -90,22 +91,25 @@ def test_outputs_keep_input_order_and_metrics(tiny_llm: LLM) -> None:
 # ---- validation -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(max_tokens=1.5), "max_tokens"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=float("inf")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.01), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    (dict(top_k=2.5), "top_k"),
-    (dict(min_tokens=-1), "min_tokens"),
-    (dict(min_tokens=20, max_tokens=10), "min_tokens"),
-    (dict(n=0), "n"),
-    (dict(stop=[""]), "stop"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=1.5), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+        (dict(n=0), "n"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(kwargs, field: str) -> None:
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
         SamplingParams(**kwargs)
@@ -155,21 +159,32 @@ def test_rejected_batch_leaves_nothing_queued(make_tiny) -> None:
     assert max(steps) == 1  # nothing left over ran alongside
 
 
-@pytest.mark.parametrize(("options", "pattern"), [
-    (dict(model="no-such-preset"), r"model: 'no-such-preset' is neither a preset"),
-    (dict(foo=1), r"unknown option\(s\) \['foo'\]"),
-    (dict(enable_prefix_caching=True), r"enable_prefix_caching=true needs engine\.kv_cache=paged"),
-    (dict(quantization="int4", quantization_group_size=32),
-     r"layers\.0\.mlp\.down_proj.*not divisible by quantization_group_size=32"),
-    (dict(kv_cache="bogus"), r"engine\.kv_cache: 'bogus' is invalid; allowed: none\|contiguous"),
-    (dict(dtype="int3"), r"engine\.dtype"),
-    (dict(device="tpu"), r"engine\.device"),
-    (dict(max_num_seqs=0), r"engine\.max_num_seqs"),
-    (dict(max_model_len=0), r"engine\.max_model_len"),
-    (dict(max_model_len=4096), r"max_model_len=4096 exceeds .*max_position_embeddings=1024"),
-    (dict(model_overrides={"nope": 1}), r"model\.overrides: unknown field\(s\) \['nope'\]"),
-    (dict(kv_cache_memory_bytes=1000), r"kv_cache_memory_bytes: a budget of 1000 bytes"),
-])
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        (dict(model="no-such-preset"), r"model: 'no-such-preset' is neither a preset"),
+        (dict(foo=1), r"unknown option\(s\) \['foo'\]"),
+        (
+            dict(enable_prefix_caching=True),
+            r"enable_prefix_caching=true needs engine\.kv_cache=paged",
+        ),
+        (
+            dict(quantization="int4", quantization_group_size=32),
+            r"layers\.0\.mlp\.down_proj.*not divisible by quantization_group_size=32",
+        ),
+        (
+            dict(kv_cache="bogus"),
+            r"engine\.kv_cache: 'bogus' is invalid; allowed: none\|contiguous",
+        ),
+        (dict(dtype="int3"), r"engine\.dtype"),
+        (dict(device="tpu"), r"engine\.device"),
+        (dict(max_num_seqs=0), r"engine\.max_num_seqs"),
+        (dict(max_model_len=0), r"engine\.max_model_len"),
+        (dict(max_model_len=4096), r"max_model_len=4096 exceeds .*max_position_embeddings=1024"),
+        (dict(model_overrides={"nope": 1}), r"model\.overrides: unknown field\(s\) \['nope'\]"),
+        (dict(kv_cache_memory_bytes=1000), r"kv_cache_memory_bytes: a budget of 1000 bytes"),
+    ],
+)
 def test_bad_engine_options_name_the_issue(options, pattern: str) -> None:
     options = {"model": "tiny", "dtype": "float32", **options}
     with pytest.raises(ValueError, match=pattern):
@@ -198,11 +213,11 @@ def test_stop_string_truncates_text(tiny_llm: LLM) -> None:
     out = tiny_llm.generate(prompt, greedy(40, stop=[stop, "never-appears-anywhere"]))[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[:cut]
-    assert out.token_ids == full.token_ids[:len(out.token_ids)]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
     assert len(out.token_ids) < len(full.token_ids)
     kept = tiny_llm.generate(prompt, greedy(40, stop=[stop], include_stop_str_in_output=True))[0]
     assert kept.finish_reason == "stop"
-    assert kept.text == full.text[:cut + len(stop)]
+    assert kept.text == full.text[: cut + len(stop)]
     assert kept.token_ids == out.token_ids
 
 
@@ -223,7 +238,7 @@ def test_stop_string_streaming_never_leaks_stop_text(tiny_llm: LLM) -> None:
             elif isinstance(event, Finished):
                 finished = event
     assert finished is not None and finished.finish_reason == "stop"
-    assert "".join(deltas) == finished.text == full[:full.find(stop)]
+    assert "".join(deltas) == finished.text == full[: full.find(stop)]
 
 
 def test_stop_token_ids(tiny_llm: LLM) -> None:
@@ -232,7 +247,7 @@ def test_stop_token_ids(tiny_llm: LLM) -> None:
     first = full.index(target)
     out = tiny_llm.generate([400, 401, 402], greedy(20, stop_token_ids=[target]))[0]
     assert out.finish_reason == "stop"
-    assert out.token_ids == full[:first + 1]
+    assert out.token_ids == full[: first + 1]
 
 
 def test_eos_stops_unless_ignored(make_tiny) -> None:
@@ -244,7 +259,7 @@ def test_eos_stops_unless_ignored(make_tiny) -> None:
     assert eos in llm.engine.eos_ids
     stopped = llm.generate([500, 501], SamplingParams(temperature=0.0, max_tokens=10))[0]
     assert stopped.finish_reason == "stop"
-    assert stopped.token_ids == full[:full.index(eos) + 1]
+    assert stopped.token_ids == full[: full.index(eos) + 1]
     ignored = llm.generate([500, 501], greedy(10))[0]
     assert ignored.token_ids == full and ignored.finish_reason == "length"
 
@@ -326,9 +341,9 @@ def test_contiguous_kv_accounting(make_tiny) -> None:
 def test_kv_none_holds_nothing(make_tiny) -> None:
     llm = make_tiny(kv_cache="none")
     seen = []
-    llm.engine.step_observers.append(lambda r: seen.append((r.kv_bytes_reserved,
-                                                            r.kv_bytes_used,
-                                                            r.decode_tokens)))
+    llm.engine.step_observers.append(
+        lambda r: seen.append((r.kv_bytes_reserved, r.kv_bytes_used, r.decode_tokens))
+    )
     llm.generate(PROMPTS[:2], greedy(5))
     assert seen and all(s == (0, 0, 0) for s in seen)  # every step recomputes the context
 
@@ -336,25 +351,38 @@ def test_kv_none_holds_nothing(make_tiny) -> None:
 def test_describe_states_the_kv_budget_and_where_it_came_from(make_tiny, monkeypatch) -> None:
     """The CPU default comes from psutil's *available* memory (page cache counts), not free
     pages: with 2 GB available and almost nothing free, a quarter of the 2 GB."""
-    monkeypatch.setattr(platform.psutil, "virtual_memory", lambda: SimpleNamespace(
-        total=32 * 10**9, available=2 * 10**9, free=10**6))
+    monkeypatch.setattr(
+        platform.psutil,
+        "virtual_memory",
+        lambda: SimpleNamespace(total=32 * 10**9, available=2 * 10**9, free=10**6),
+    )
     monkeypatch.setattr(platform, "cgroup_memory_headroom", lambda: None)
     facts = make_tiny(max_num_seqs=2).engine.describe()
     assert facts["kv_budget_bytes"] == 5 * 10**8
-    assert facts["kv_budget_reason"] == ("min(4 GiB, 0.25 x 1.86 GiB available (psutil "
-                                         "available, after the weights were loaded))")
+    assert facts["kv_budget_reason"] == (
+        "min(4 GiB, 0.25 x 1.86 GiB available (psutil available, after the weights were loaded))"
+    )
     paged = make_tiny(max_num_seqs=2, kv_cache="paged").engine.describe()
-    assert paged["kv_budget_reason"].endswith("; capped at max_num_seqs=2 sequences of "
-                                              "max_model_len")
+    assert paged["kv_budget_reason"].endswith(
+        "; capped at max_num_seqs=2 sequences of max_model_len"
+    )
     given = make_tiny(max_num_seqs=2, kv_cache_memory_bytes=10**7).engine.describe()
     assert (given["kv_budget_bytes"], given["kv_budget_reason"]) == (
-        10**7, "engine.kv_cache_memory_bytes=10000000")
+        10**7,
+        "engine.kv_cache_memory_bytes=10000000",
+    )
 
 
 def test_a_budget_too_small_names_where_it_came_from(make_tiny, monkeypatch) -> None:
-    monkeypatch.setattr(platform.psutil, "virtual_memory", lambda: SimpleNamespace(
-        total=32 * 10**9, available=10**5, free=10**5))
+    monkeypatch.setattr(
+        platform.psutil,
+        "virtual_memory",
+        lambda: SimpleNamespace(total=32 * 10**9, available=10**5, free=10**5),
+    )
     monkeypatch.setattr(platform, "cgroup_memory_headroom", lambda: None)
-    with pytest.raises(ValueError, match=r"holds no sequence of max_model_len=256 .*budget: "
-                                         r"min\(4 GiB, 0.25 x 0.00 GiB available"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds no sequence of max_model_len=256 .*budget: "
+        r"min\(4 GiB, 0.25 x 0.00 GiB available",
+    ):
         make_tiny()

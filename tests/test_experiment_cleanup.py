@@ -11,11 +11,12 @@ from harness.experiment import run_experiment
 
 
 def test_the_engine_is_freed_when_the_run_returns(tmp_path: Path) -> None:
-    config = {"engine": {"dtype": "float32", "device": "cpu", "max_model_len": 64},
-              "model": {"name": "tiny"},
-              "workload": {"type": "synthetic", "num_requests": 2, "input_len": 8,
-                           "output_len": 3},
-              "run": {"warmup_requests": 0}}
+    config = {
+        "engine": {"dtype": "float32", "device": "cpu", "max_model_len": 64},
+        "model": {"name": "tiny"},
+        "workload": {"type": "synthetic", "num_requests": 2, "input_len": 8, "output_len": 3},
+        "run": {"warmup_requests": 0},
+    }
     gc.collect()
     gc.disable()  # only run_experiment's own collection may free cycles here
     try:

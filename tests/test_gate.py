@@ -27,6 +27,7 @@ def noisy(center: float, n: int, seed: int, cv: float = 0.02) -> list[float]:
 
 # ---- statistics ----------------------------------------------------------------------------
 
+
 def test_equal_distributions_pass() -> None:
     base, cand = noisy(100.0, 10, seed=1), noisy(100.0, 10, seed=2)
     estimate = bootstrap_ratio(base, cand, SETTINGS)
@@ -71,8 +72,9 @@ def test_too_few_samples_are_inconclusive() -> None:
 
 def test_noise_wider_than_the_effect_is_inconclusive() -> None:
     # 4% worse on average with 10% noise: the interval straddles the 5% threshold
-    estimate = bootstrap_ratio(noisy(100, 8, seed=11, cv=0.10), noisy(104, 8, seed=12, cv=0.10),
-                               SETTINGS)
+    estimate = bootstrap_ratio(
+        noisy(100, 8, seed=11, cv=0.10), noisy(104, 8, seed=12, cv=0.10), SETTINGS
+    )
     assert estimate.low < 1.05 < estimate.high
     assert decide(estimate, "lower", 0.05, 5)[0] == "inconclusive"
 
@@ -94,6 +96,7 @@ def test_ratios_need_positive_values() -> None:
 
 # ---- rules ---------------------------------------------------------------------------------
 
+
 def write_rules(tmp_path: Path, rules: Any) -> Path:
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump(rules))
@@ -109,33 +112,45 @@ def test_default_rules() -> None:
 
 
 def test_a_rules_file_is_merged_over_the_defaults(tmp_path: Path) -> None:
-    rules = load_rules(write_rules(tmp_path, {
-        "timing": {"min_effect": 0.05},
-        "metrics": {"timing": ["e2e_p99_s"], "exclude": ["num_steps"]},
-        "per_metric": {"e2e_p99_s": {"min_effect": 0.2}}}))
+    rules = load_rules(
+        write_rules(
+            tmp_path,
+            {
+                "timing": {"min_effect": 0.05},
+                "metrics": {"timing": ["e2e_p99_s"], "exclude": ["num_steps"]},
+                "per_metric": {"e2e_p99_s": {"min_effect": 0.2}},
+            },
+        )
+    )
     assert rules.min_effect == 0.05 and rules.min_samples == 5
     assert rules.timing_metrics == ("e2e_p99_s",)
     assert "num_steps" not in rules.deterministic_metrics
     assert rules.min_effect_for("e2e_p99_s") == 0.2
 
 
-@pytest.mark.parametrize("rules, message", [
-    ({"timing": {"min_efect": 0.1}}, r"rules\.timing: unknown key\(s\) \['min_efect'\]"),
-    ({"colour": 1}, r"rules: unknown key\(s\) \['colour'\]"),
-    ({"timing": {"min_effect": -0.1}}, r"rules\.timing\.min_effect: -0\.1 is invalid"),
-    ({"timing": {"confidence": 1.5}}, r"rules\.timing\.confidence: 1\.5 is invalid"),
-    ({"timing": {"statistic": "mean"}}, r"rules\.timing\.statistic: 'mean'.*geomean\|median"),
-    ({"timing": {"min_samples": 1}}, r"rules\.timing\.min_samples: 1 is invalid"),
-    ({"timing": {"resamples": "many"}}, r"rules\.timing\.resamples: 'many' is invalid"),
-    ({"metrics": {"timing": ["tok_per_sec"]}}, r"rules\.metrics\.timing: unknown metric"),
-    ({"metrics": {"timing": ["num_steps"]}}, r"'num_steps' is a deterministic metric"),
-    ({"metrics": {"timing": ["duration_s"]}}, r"no better direction"),
-    ({"deterministic": {"neutral_change": "ignore"}}, r"neutral_change.*regression\|warn"),
-    ({"different_machine": "fail"}, r"rules\.different_machine: 'fail'.*warn\|inconclusive"),
-    ({"per_metric": {"e2e_p99_s": {"min_effect": 0.2}}}, r"per_metric\.e2e_p99_s.*does not gate"),
-    ({"per_metric": {"num_steps": {"min_effect": 0.2}}}, r"per_metric\.num_steps.*rel_tol"),
-    ([1, 2], r"rules: .* must hold a mapping"),
-])
+@pytest.mark.parametrize(
+    "rules, message",
+    [
+        ({"timing": {"min_efect": 0.1}}, r"rules\.timing: unknown key\(s\) \['min_efect'\]"),
+        ({"colour": 1}, r"rules: unknown key\(s\) \['colour'\]"),
+        ({"timing": {"min_effect": -0.1}}, r"rules\.timing\.min_effect: -0\.1 is invalid"),
+        ({"timing": {"confidence": 1.5}}, r"rules\.timing\.confidence: 1\.5 is invalid"),
+        ({"timing": {"statistic": "mean"}}, r"rules\.timing\.statistic: 'mean'.*geomean\|median"),
+        ({"timing": {"min_samples": 1}}, r"rules\.timing\.min_samples: 1 is invalid"),
+        ({"timing": {"resamples": "many"}}, r"rules\.timing\.resamples: 'many' is invalid"),
+        ({"metrics": {"timing": ["tok_per_sec"]}}, r"rules\.metrics\.timing: unknown metric"),
+        ({"metrics": {"timing": ["num_steps"]}}, r"'num_steps' is a deterministic metric"),
+        ({"metrics": {"timing": ["duration_s"]}}, r"no better direction"),
+        ({"deterministic": {"neutral_change": "ignore"}}, r"neutral_change.*regression\|warn"),
+        ({"different_machine": "fail"}, r"rules\.different_machine: 'fail'.*warn\|inconclusive"),
+        (
+            {"per_metric": {"e2e_p99_s": {"min_effect": 0.2}}},
+            r"per_metric\.e2e_p99_s.*does not gate",
+        ),
+        ({"per_metric": {"num_steps": {"min_effect": 0.2}}}, r"per_metric\.num_steps.*rel_tol"),
+        ([1, 2], r"rules: .* must hold a mapping"),
+    ],
+)
 def test_bad_rules_name_the_field(tmp_path: Path, rules: Any, message: str) -> None:
     with pytest.raises(RulesError, match=message):
         load_rules(write_rules(tmp_path, rules))
@@ -148,21 +163,45 @@ def test_a_missing_rules_file_is_an_error(tmp_path: Path) -> None:
 
 # ---- synthetic run folders -----------------------------------------------------------------
 
-COUNTERS = {"num_steps": 40, "output_tokens_total": 320, "prefill_tokens_total": 768,
-            "kv_bytes_reserved_peak": 4096, "num_failed": 0}
+COUNTERS = {
+    "num_steps": 40,
+    "output_tokens_total": 320,
+    "prefill_tokens_total": 768,
+    "kv_bytes_reserved_peak": 4096,
+    "num_failed": 0,
+}
 
 
-def make_run(path: Path, tok_per_s: float, status: str = "complete", host: str = "h1",
-             **counters: Any) -> Path:
+def make_run(
+    path: Path, tok_per_s: float, status: str = "complete", host: str = "h1", **counters: Any
+) -> Path:
     path.mkdir(parents=True)
-    metrics = {**COUNTERS, **counters, "output_tok_per_s": tok_per_s,
-               "tpot_p50_s": 1.0 / tok_per_s, "ttft_p50_s": 10.0 / tok_per_s}
-    (path / "summary.json").write_text(json.dumps(
-        {"status": status, "error": "boom" if status == "failed" else None,
-         "metrics": metrics if status != "failed" else {}}))
-    (path / "provenance.json").write_text(json.dumps(
-        {"hostname_hash": host, "cpu": {"model": "cpu", "logical_cpus": 2}, "gpu": None,
-         "torch_num_threads": 1}))
+    metrics = {
+        **COUNTERS,
+        **counters,
+        "output_tok_per_s": tok_per_s,
+        "tpot_p50_s": 1.0 / tok_per_s,
+        "ttft_p50_s": 10.0 / tok_per_s,
+    }
+    (path / "summary.json").write_text(
+        json.dumps(
+            {
+                "status": status,
+                "error": "boom" if status == "failed" else None,
+                "metrics": metrics if status != "failed" else {},
+            }
+        )
+    )
+    (path / "provenance.json").write_text(
+        json.dumps(
+            {
+                "hostname_hash": host,
+                "cpu": {"model": "cpu", "logical_cpus": 2},
+                "gpu": None,
+                "torch_num_threads": 1,
+            }
+        )
+    )
     (path / "config.yaml").write_text(yaml.safe_dump({"engine": {"kv_cache": "contiguous"}}))
     return path
 
@@ -179,20 +218,28 @@ def run_gate(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def test_single_runs_gate_counters_but_not_timing(tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_single_runs_gate_counters_but_not_timing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     make_run(tmp_path / "base", 100.0)
     make_run(tmp_path / "cand", 50.0)
-    code, out = run_gate(capsys, "--baseline", str(tmp_path / "base"),
-                         "--candidate", str(tmp_path / "cand"))
+    code, out = run_gate(
+        capsys, "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand")
+    )
     assert code == 2  # halved throughput, but one run per side cannot be conclusive
     assert "INCONCLUSIVE (exit 2)" in out
     assert "| metric | baseline | candidate | ratio | CI | verdict |" in out
     assert "one run per side" in out and "| `output_tok_per_s` (tok/s) | 100 (n=1) |" in out
     assert "Equal on both sides (5 counters)" in out
     make_run(tmp_path / "worse", 100.0, prefill_tokens_total=900)
-    code, out = run_gate(capsys, "--baseline", str(tmp_path / "base"),
-                         "--candidate", str(tmp_path / "worse"), "--all-rows")
+    code, out = run_gate(
+        capsys,
+        "--baseline",
+        str(tmp_path / "base"),
+        "--candidate",
+        str(tmp_path / "worse"),
+        "--all-rows",
+    )
     assert code == 1
     assert "| `prefill_tokens_total` (tokens) | 768 | 900 | 1.172 | - | REGRESSION |" in out
     assert "| `num_steps` (count) | 40 | 40 | 1.000 | - | pass |" in out
@@ -202,12 +249,20 @@ def test_repeats_gate_timing(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     make_repeats(tmp_path / "base", 100.0, 6, seed=1)
     make_repeats(tmp_path / "same", 100.0, 6, seed=2)
     make_repeats(tmp_path / "slow", 80.0, 6, seed=3)
-    code, out = run_gate(capsys, "--baseline", str(tmp_path / "base"),
-                         "--candidate", str(tmp_path / "same"))
+    code, out = run_gate(
+        capsys, "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "same")
+    )
     assert code == 0, out
     json_path = tmp_path / "result.json"
-    code, out = run_gate(capsys, "--baseline", str(tmp_path / "base"),
-                         "--candidate", str(tmp_path / "slow"), "--json", str(json_path))
+    code, out = run_gate(
+        capsys,
+        "--baseline",
+        str(tmp_path / "base"),
+        "--candidate",
+        str(tmp_path / "slow"),
+        "--json",
+        str(json_path),
+    )
     assert code == 1
     result = json.loads(json_path.read_text())
     verdicts = {row["metric"]: row["verdict"] for row in result["rows"]}
@@ -216,121 +271,160 @@ def test_repeats_gate_timing(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert result["exit_code"] == 1 and not result["paired"]
 
 
-def test_a_folder_of_runs_counts_as_repeats(tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_folder_of_runs_counts_as_repeats(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     for k, value in enumerate(noisy(100, 5, seed=1)):
         make_run(tmp_path / "base" / str(k), value)
     for k, value in enumerate(noisy(100, 5, seed=2)):
         make_run(tmp_path / "cand" / f"run-{k}", value)
-    code, out = run_gate(capsys, "--baseline", str(tmp_path / "base"),
-                         "--candidate", str(tmp_path / "cand"))
+    code, out = run_gate(
+        capsys, "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand")
+    )
     assert code == 0, out
     assert "(n=5)" in out
 
 
-def make_job(sweep: Path, num: int, overrides: list[str], tok_per_s: float,
-             **counters: Any) -> None:
+def make_job(
+    sweep: Path, num: int, overrides: list[str], tok_per_s: float, **counters: Any
+) -> None:
     job = make_run(sweep / str(num), tok_per_s, **counters)
     (job / ".hydra").mkdir()
     (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
 
 
-def test_sweeps_match_jobs_by_overrides(tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_sweeps_match_jobs_by_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_job(tmp_path / "base", 0, ["engine.kv_cache=none"], 50.0, prefill_tokens_total=4000)
     make_job(tmp_path / "base", 1, ["engine.kv_cache=contiguous"], 100.0)
     make_job(tmp_path / "base", 2, ["engine.kv_cache=paged"], 100.0)
     # the candidate's jobs come in another order; its contiguous job got worse
-    make_job(tmp_path / "cand", 0, ["engine.kv_cache=contiguous", "run.name=pr"], 100.0,
-             num_steps=41)
-    make_job(tmp_path / "cand", 1, ["engine.kv_cache=none", "run.name=pr"], 50.0,
-             prefill_tokens_total=4000)
-    code, out = run_gate(capsys, "--baseline", str(tmp_path / "base"),
-                         "--candidate", str(tmp_path / "cand"), "--ignore-override", "run.name")
+    make_job(
+        tmp_path / "cand", 0, ["engine.kv_cache=contiguous", "run.name=pr"], 100.0, num_steps=41
+    )
+    make_job(
+        tmp_path / "cand",
+        1,
+        ["engine.kv_cache=none", "run.name=pr"],
+        50.0,
+        prefill_tokens_total=4000,
+    )
+    code, out = run_gate(
+        capsys,
+        "--baseline",
+        str(tmp_path / "base"),
+        "--candidate",
+        str(tmp_path / "cand"),
+        "--ignore-override",
+        "run.name",
+    )
     assert code == 1
     assert "| job | metric |" in out
     assert "| engine.kv_cache=contiguous | `num_steps` (count) | 40 | 41 |" in out
     assert "engine.kv_cache=none | `num_steps`" not in out  # equal, so collapsed
     assert "baseline job 2 (['engine.kv_cache=paged']) has no candidate job" in out
-    code = gate.main(["--baseline", str(tmp_path / "base"), "--candidate",
-                      str(tmp_path / "cand")])
+    code = gate.main(["--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand")])
     assert code == 2  # without --ignore-override no job matches
     assert "no job of the baseline sweep matches" in capsys.readouterr().err
 
 
-def test_different_machines_are_flagged(tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_different_machines_are_flagged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_repeats(tmp_path / "base", 100.0, 6, seed=1, host="h1")
     make_repeats(tmp_path / "cand", 100.0, 6, seed=2, host="h2")
-    code, out = run_gate(capsys, "--baseline", str(tmp_path / "base"),
-                         "--candidate", str(tmp_path / "cand"))
+    code, out = run_gate(
+        capsys, "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand")
+    )
     assert code == 0
     assert "- warning: baseline and candidate ran on different machines" in out
     rules = write_rules(tmp_path, {"different_machine": "inconclusive"})
-    code, out = run_gate(capsys, "--baseline", str(tmp_path / "base"),
-                         "--candidate", str(tmp_path / "cand"), "--rules", str(rules))
+    code, out = run_gate(
+        capsys,
+        "--baseline",
+        str(tmp_path / "base"),
+        "--candidate",
+        str(tmp_path / "cand"),
+        "--rules",
+        str(rules),
+    )
     assert code == 2 and "different machines (rules.different_machine" in out
 
 
-def test_a_failed_candidate_run_is_a_regression(tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_failed_candidate_run_is_a_regression(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     make_run(tmp_path / "base", 100.0)
     make_run(tmp_path / "cand", 100.0, status="failed")
-    code, out = run_gate(capsys, "--baseline", str(tmp_path / "base"),
-                         "--candidate", str(tmp_path / "cand"))
+    code, out = run_gate(
+        capsys, "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand")
+    )
     assert code == 1 and "candidate run(s) failed: boom" in out
-    code, out = run_gate(capsys, "--baseline", str(tmp_path / "cand"),
-                         "--candidate", str(tmp_path / "base"))
+    code, out = run_gate(
+        capsys, "--baseline", str(tmp_path / "cand"), "--candidate", str(tmp_path / "base")
+    )
     assert code == 2 and "no complete baseline run" in out
 
 
-def test_a_neutral_counter_change_follows_the_rules(tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_neutral_counter_change_follows_the_rules(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     make_run(tmp_path / "base", 100.0)
     make_run(tmp_path / "cand", 100.0, output_tokens_total=300)
     args = ["--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand")]
     code, out = run_gate(capsys, *args)
     assert code == 1 and "CHANGED: the runs did different work" in out
-    rules = write_rules(tmp_path, {"deterministic": {"neutral_change": "warn"},
-                                   "metrics": {"timing": []}})
+    rules = write_rules(
+        tmp_path, {"deterministic": {"neutral_change": "warn"}, "metrics": {"timing": []}}
+    )
     code, out = run_gate(capsys, *args, "--rules", str(rules))
     assert code == 0 and "changed (not gating): warning only" in out
 
 
-def test_bad_inputs_exit_2_with_a_message(tmp_path: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_inputs_exit_2_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "empty").mkdir()
     make_run(tmp_path / "run", 100.0)
-    code = gate.main(["--baseline", str(tmp_path / "empty"), "--candidate",
-                      str(tmp_path / "run")])
+    code = gate.main(["--baseline", str(tmp_path / "empty"), "--candidate", str(tmp_path / "run")])
     assert code == 2 and "not a run folder" in capsys.readouterr().err
     rules = write_rules(tmp_path, {"timing": {"seed": -1}})
-    code = gate.main(["--baseline", str(tmp_path / "run"), "--candidate",
-                      str(tmp_path / "run"), "--rules", str(rules)])
+    code = gate.main(
+        [
+            "--baseline",
+            str(tmp_path / "run"),
+            "--candidate",
+            str(tmp_path / "run"),
+            "--rules",
+            str(rules),
+        ]
+    )
     assert code == 2 and "rules.timing.seed: -1 is invalid" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         gate.main(["--baseline", str(tmp_path / "run")])
     assert exc.value.code == 2
 
 
-def test_ab_refuses_few_rounds_and_a_used_folder(tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_ab_refuses_few_rounds_and_a_used_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     base = ["gate", "ab", "--baseline", "", "--candidate", "engine.kv_cache=paged"]
     assert cli.main([*base, "--rounds", "3", "--out", str(tmp_path / "new")]) == 2
     assert "--rounds: 3 is fewer than 9" in capsys.readouterr().err
     make_run(tmp_path / "used", 1.0)
     assert cli.main([*base, "--out", str(tmp_path / "used")]) == 2
     assert "exists and is not an empty folder" in capsys.readouterr().err
-    assert cli.main([*base, "--candidate", "engine.kv_cache=nope",
-                      "--out", str(tmp_path / "new")]) == 2
+    assert (
+        cli.main([*base, "--candidate", "engine.kv_cache=nope", "--out", str(tmp_path / "new")])
+        == 2
+    )
     assert "engine.kv_cache: 'nope' is invalid" in capsys.readouterr().err
-    assert cli.main([*base, "--candidate", "engine.colour=red",
-                      "--out", str(tmp_path / "new")]) == 2
+    assert (
+        cli.main([*base, "--candidate", "engine.colour=red", "--out", str(tmp_path / "new")]) == 2
+    )
     assert "colour" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # nothing is created before the checks pass
 
 
 # ---- the planted slowdown ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("value", [-0.1, "0.25", True])
 def test_step_delay_is_validated(value: Any) -> None:
@@ -338,8 +432,7 @@ def test_step_delay_is_validated(value: Any) -> None:
         EngineConfig(debug_step_delay_fraction=value).validate()
 
 
-def test_step_delay_spins_inside_the_step(make_tiny: Any,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_step_delay_spins_inside_the_step(make_tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import engines.builtin.engine as engine_module
     from engines.sampling_params import SamplingParams
 

@@ -35,21 +35,29 @@ def test_every_spec_file_loads_and_validates() -> None:
 
 
 def test_unknown_name_lists_the_allowed_ones() -> None:
-    with pytest.raises(ValueError, match=r"hardware: 'tpu' is invalid; allowed: "
-                                         r"a100\|auto\|cpu\|h100\|h200\|l4"):
+    with pytest.raises(
+        ValueError,
+        match=r"hardware: 'tpu' is invalid; allowed: "
+        r"a100\|auto\|cpu\|h100\|h200\|l4",
+    ):
         hardware.validate_config("tpu")
     with pytest.raises(ValueError, match="allowed"):
         hardware.resolve({"name": None}, "cpu")
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"memory_bandwidth": -1}, r"hardware\.memory_bandwidth: -1 is invalid"),
-    ({"peak_flops": {"float32": "fast"}}, r"hardware\.peak_flops\.float32: 'fast' is invalid"),
-    ({"peak_flops": []}, r"hardware\.peak_flops: expected a mapping"),
-    ({"clock_ghz": 2.0}, r"unknown key\(s\) \['clock_ghz'\]"),
-    ({"overlap": {"bfloat16": 1.5}},
-     r"hardware\.overlap: .* allowed: a mapping dtype -> a number in \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"memory_bandwidth": -1}, r"hardware\.memory_bandwidth: -1 is invalid"),
+        ({"peak_flops": {"float32": "fast"}}, r"hardware\.peak_flops\.float32: 'fast' is invalid"),
+        ({"peak_flops": []}, r"hardware\.peak_flops: expected a mapping"),
+        ({"clock_ghz": 2.0}, r"unknown key\(s\) \['clock_ghz'\]"),
+        (
+            {"overlap": {"bfloat16": 1.5}},
+            r"hardware\.overlap: .* allowed: a mapping dtype -> a number in \[0, 1\]",
+        ),
+    ],
+)
 def test_bad_spec_values_name_the_field(values: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         hardware.validate_config({"name": "h100", **values})
@@ -62,18 +70,28 @@ def test_cpu_keys_are_checked() -> None:
         hardware.validate_config({"name": "auto", "reprobe": True})
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"reprobe": "false"}, r"hardware\.reprobe: 'false' is invalid; allowed: true\|false"),
-    ({"probe_bytes": "big"}, r"hardware\.probe_bytes: 'big' is invalid; allowed: an integer"),
-    ({"probe_bytes": 1024}, r"hardware\.probe_bytes: 1024 is invalid; allowed: an integer "
-                            r">= 65536"),
-    ({"matmul_size": 8.5}, r"hardware\.matmul_size: 8\.5 is invalid"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"reprobe": "false"}, r"hardware\.reprobe: 'false' is invalid; allowed: true\|false"),
+        ({"probe_bytes": "big"}, r"hardware\.probe_bytes: 'big' is invalid; allowed: an integer"),
+        (
+            {"probe_bytes": 1024},
+            r"hardware\.probe_bytes: 1024 is invalid; allowed: an integer "
+            r">= 65536",
+        ),
+        ({"matmul_size": 8.5}, r"hardware\.matmul_size: 8\.5 is invalid"),
+    ],
+)
 def test_cpu_values_are_checked_by_name(values: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         hardware.validate_config({"name": "cpu", **values})
-    assert hardware.validate_config({"name": "cpu", "reprobe": True, "probe_bytes": 1 << 20,
-                                     "matmul_size": 64})["reprobe"] is True
+    assert (
+        hardware.validate_config(
+            {"name": "cpu", "reprobe": True, "probe_bytes": 1 << 20, "matmul_size": 64}
+        )["reprobe"]
+        is True
+    )
 
 
 def test_overrides_replace_datasheet_values() -> None:
@@ -104,8 +122,9 @@ def test_auto_picks_by_device(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert spec is None and "remote" in note
     probed: list[dict] = []
 
-    def fake_cpu_spec(probe_bytes: int, matmul_size: int, reprobe: bool,
-                      cache_dir: Path | None) -> hardware.HardwareSpec:
+    def fake_cpu_spec(
+        probe_bytes: int, matmul_size: int, reprobe: bool, cache_dir: Path | None
+    ) -> hardware.HardwareSpec:
         probed.append({"probe_bytes": probe_bytes, "matmul_size": matmul_size})
         return hardware.HardwareSpec("cpu", 1e10, {"float32": 1e11})
 
@@ -131,8 +150,9 @@ def test_cpu_probe_is_positive_finite_and_cached(tmp_path: Path) -> None:
     assert again.memory_bandwidth == first.memory_bandwidth
     assert again.peak_flops == first.peak_flops and again.overlap == first.overlap
 
-    assert not hardware.cpu_spec(**TINY_PROBE, reprobe=True, cache_dir=tmp_path) \
-        .details["from_cache"]
+    assert not hardware.cpu_spec(**TINY_PROBE, reprobe=True, cache_dir=tmp_path).details[
+        "from_cache"
+    ]
     # other probe settings do not reuse a cached result
     other = hardware.cpu_spec(probe_bytes=2 << 20, matmul_size=64, cache_dir=tmp_path)
     assert not other.details["from_cache"]
@@ -148,14 +168,16 @@ def test_a_cache_from_an_older_probe_is_probed_again(tmp_path: Path) -> None:
     assert not again.details["from_cache"] and sorted(again.overlap) == sorted(first.overlap)
 
 
-@pytest.mark.parametrize(("measured", "expected"), [(1.0, 1.0), (1.5, 0.5), (2.0, 0.0),
-                                                     (3.0, 0.0), (0.5, 1.0)])
-def test_overlap_from_a_matmul_at_the_ridge(monkeypatch: pytest.MonkeyPatch, measured: float,
-                                            expected: float) -> None:
+@pytest.mark.parametrize(
+    ("measured", "expected"), [(1.0, 1.0), (1.5, 0.5), (2.0, 0.0), (3.0, 0.0), (0.5, 1.0)]
+)
+def test_overlap_from_a_matmul_at_the_ridge(
+    monkeypatch: pytest.MonkeyPatch, measured: float, expected: float
+) -> None:
     # peak 2e9 FLOP/s and 1e9 B/s: ridge 2 FLOP/byte; m fp32 rows over a 4 MB weight (1024 x
     # 1024) do m/2 FLOP/byte -> 4 rows, so compute = 2*4*1024^2 / 2e9 s and memory =
     # 4*1024^2 / 1e9 s: equal.
-    unit = 4 * 1024 ** 2 / 1e9
+    unit = 4 * 1024**2 / 1e9
     seen: list[tuple[int, ...]] = []
 
     def fake_best(fn: object, repeats: int, budget_s: float) -> float:
@@ -163,7 +185,7 @@ def test_overlap_from_a_matmul_at_the_ridge(monkeypatch: pytest.MonkeyPatch, mea
         return measured * unit
 
     monkeypatch.setattr(hardware, "_best_seconds", fake_best)
-    overlap = hardware._overlap(torch.float32, 2e9, 1e9, 4 * 1024 ** 2, repeats=1)
+    overlap = hardware._overlap(torch.float32, 2e9, 1e9, 4 * 1024**2, repeats=1)
     # torch's plain GEMM, oneDNN's prepacked one and the engine's own, where each is built
     gemms = 1 + torch.backends.mkldnn.is_available() + (native.load() is not None)
     assert len(seen) == gemms and set(seen) == {(4, 1024)}

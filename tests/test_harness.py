@@ -31,13 +31,23 @@ from harness.table import summary_table
 from workloads.request import WorkloadRequest
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["model=tiny", "workload.num_requests=6", "workload.input_len=[8,24]",
-        "workload.output_len=[3,12]", "run.warmup_requests=1"]
+TINY = [
+    "model=tiny",
+    "workload.num_requests=6",
+    "workload.input_len=[8,24]",
+    "workload.output_len=[3,12]",
+    "run.warmup_requests=1",
+]
 
 
 def inferlab(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +63,25 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_run_folder_has_every_file(tiny_run: Path) -> None:
-    for name in ("config.yaml", "provenance.json", "summary.json", "requests.parquet",
-                 "tokens.parquet", "steps.parquet"):
+    for name in (
+        "config.yaml",
+        "provenance.json",
+        "summary.json",
+        "requests.parquet",
+        "tokens.parquet",
+        "steps.parquet",
+    ):
         assert (tiny_run / name).is_file(), name
     provenance = json.loads((tiny_run / "provenance.json").read_text())
-    for key in ("git_commit", "packages", "cpu", "torch_num_threads", "gpu", "hostname_hash",
-                "config_hash"):
+    for key in (
+        "git_commit",
+        "packages",
+        "cpu",
+        "torch_num_threads",
+        "gpu",
+        "hostname_hash",
+        "config_hash",
+    ):
         assert key in provenance
     summary = json.loads((tiny_run / "summary.json").read_text())
     assert summary["status"] == "complete" and summary["schema_version"] == 1
@@ -80,8 +103,12 @@ def test_run_folder_values_are_consistent(tiny_run: Path) -> None:
     assert (requests["output_tokens"] == requests["output_tokens_requested"]).all()
     assert (requests["prompt_tokens"] == requests["prompt_tokens_requested"]).all()
     # event order per request: arrival <= sent <= scheduled <= first token <= last token
-    for col_a, col_b in (("arrival_s", "sent_s"), ("sent_s", "scheduled_s"),
-                         ("scheduled_s", "first_token_s"), ("first_token_s", "last_token_s")):
+    for col_a, col_b in (
+        ("arrival_s", "sent_s"),
+        ("sent_s", "scheduled_s"),
+        ("scheduled_s", "first_token_s"),
+        ("first_token_s", "last_token_s"),
+    ):
         assert (requests[col_a] <= requests[col_b]).all(), (col_a, col_b)
     per_request = tokens.groupby("request_id")["time_s"].agg(["min", "max", "count"])
     merged = requests.set_index("request_id").join(per_request)
@@ -100,9 +127,15 @@ def test_run_folder_values_are_consistent(tiny_run: Path) -> None:
 
 
 def test_sweep_writes_one_row_per_job_and_records_failures(tmp_path: Path) -> None:
-    result = inferlab("run", "-m", *TINY, "run.warmup_requests=0",
-                      "engine.kv_cache=none,contiguous", "engine.max_num_seqs=0,4",
-                      f"hydra.sweep.dir={tmp_path}")
+    result = inferlab(
+        "run",
+        "-m",
+        *TINY,
+        "run.warmup_requests=0",
+        "engine.kv_cache=none,contiguous",
+        "engine.max_num_seqs=0,4",
+        f"hydra.sweep.dir={tmp_path}",
+    )
     assert result.returncode == 0, result.stderr
     sweep = pd.read_csv(tmp_path / "sweep.csv")
     assert len(sweep) == 4
@@ -120,17 +153,18 @@ def test_sweep_writes_one_row_per_job_and_records_failures(tmp_path: Path) -> No
 
 
 def test_unknown_config_keys_are_named(tmp_path: Path) -> None:
-    result = inferlab("run", "model=tiny", "engine.no_such_option=1",
-                      f"hydra.run.dir={tmp_path}/a")
+    result = inferlab("run", "model=tiny", "engine.no_such_option=1", f"hydra.run.dir={tmp_path}/a")
     assert result.returncode != 0 and "no_such_option" in result.stderr
-    result = inferlab("run", "model=tiny", "+engine.no_such_option=1",
-                      f"hydra.run.dir={tmp_path}/b")
+    result = inferlab(
+        "run", "model=tiny", "+engine.no_such_option=1", f"hydra.run.dir={tmp_path}/b"
+    )
     assert result.returncode != 0
     assert "unknown option(s) ['no_such_option']" in result.stderr
     result = inferlab("run", "model=no_such_preset", f"hydra.run.dir={tmp_path}/c")
     assert result.returncode != 0 and "no_such_preset" in result.stderr
-    result = inferlab("run", "model=tiny", "engine.quantization=int4",
-                      f"hydra.run.dir={tmp_path}/d")
+    result = inferlab(
+        "run", "model=tiny", "engine.quantization=int4", f"hydra.run.dir={tmp_path}/d"
+    )
     assert result.returncode != 0 and "quantization_group_size=128" in result.stderr
 
 
@@ -138,10 +172,16 @@ def test_bad_requests_fail_alone(tmp_path: Path) -> None:
     backend = BuiltinBackend(EngineConfig(model="tiny", max_model_len=64))
     backend.load()
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prompts = {"good-1": [10, 11, 12], "empty": [], "too-long": list(range(10, 110)),
-               "good-2": "Shall I compare thee to a summer's day?"}
-    workload = [WorkloadRequest(GenerationRequest(rid, prompt, greedy), 0.0)
-                for rid, prompt in prompts.items()]
+    prompts = {
+        "good-1": [10, 11, 12],
+        "empty": [],
+        "too-long": list(range(10, 110)),
+        "good-2": "Shall I compare thee to a summer's day?",
+    }
+    workload = [
+        WorkloadRequest(GenerationRequest(rid, prompt, greedy), 0.0)
+        for rid, prompt in prompts.items()
+    ]
     recorder = RunRecorder(tmp_path)
     Driver(backend, recorder.append).run(workload)
     frames = recorder.finalize()
@@ -159,10 +199,24 @@ def test_bad_requests_fail_alone(tmp_path: Path) -> None:
 def test_interrupted_run_keeps_finished_rows(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harness.cli", "run", "model=tiny", "run.warmup_requests=0",
-         "workload.num_requests=40", "workload.input_len=8", "workload.output_len=[2,400]",
-         "engine.max_num_seqs=4", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "run",
+            "model=tiny",
+            "run.warmup_requests=0",
+            "workload.num_requests=40",
+            "workload.input_len=8",
+            "workload.output_len=[2,400]",
+            "engine.max_num_seqs=4",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     requests_jsonl = run_dir / "requests.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -183,26 +237,39 @@ def test_interrupted_run_keeps_finished_rows(tmp_path: Path) -> None:
     assert len(tokens) == requests["output_tokens"].sum()
 
 
-@pytest.mark.parametrize(("run", "named"), [
-    ({"foo": 1}, "run: unknown key(s) ['foo']; allowed: ['monitor', 'name', 'progress', "
-                 "'quality', 'resume', 'slo', 'warmup_requests', 'window']"),
-    ({"warmup_requests": -1}, "run.warmup_requests: -1 is invalid; allowed: an integer >= 0"),
-    ({"warmup_requests": 1.5}, "run.warmup_requests: 1.5 is invalid"),
-    ({"warmup_requests": "2"}, "run.warmup_requests: '2' is invalid"),
-    ({"warmup_requests": True}, "run.warmup_requests: True is invalid"),
-    ({"window": {"skip": 0.2}}, "run.window: unknown key(s) ['skip']; allowed: "
-                                "['min_duration_s', 'min_requests', 'skip_fraction']"),
-    ({"slo": {"ttft": 1.0}}, "run.slo: unknown key(s) ['ttft']; allowed: "
-                             "['e2e_s', 'tpot_s', 'ttft_s']"),
-    ({"slo": {"ttft_s": -1}}, "run.slo.ttft_s: -1 is invalid; allowed: null or a number of "
-                              "seconds > 0"),
-    ({"monitor": {"interval": 1}}, "run.monitor: unknown key(s) ['interval']"),
-    ({"monitor": "off"}, "run.monitor: 'off' is invalid; allowed: a mapping of"),
-    ({"quality": {"enable": True}}, "run.quality: unknown key(s) ['enable']"),
-    ({"quality": {"num_prompts": 0}}, "run.quality.num_prompts: 0 is invalid"),
-    ({"resume": "yes"}, "run.resume: 'yes' is invalid; allowed: true|false"),
-    ({"progress": 1}, "run.progress: 1 is invalid; allowed: true|false"),
-])
+@pytest.mark.parametrize(
+    ("run", "named"),
+    [
+        (
+            {"foo": 1},
+            "run: unknown key(s) ['foo']; allowed: ['monitor', 'name', 'progress', "
+            "'quality', 'resume', 'slo', 'warmup_requests', 'window']",
+        ),
+        ({"warmup_requests": -1}, "run.warmup_requests: -1 is invalid; allowed: an integer >= 0"),
+        ({"warmup_requests": 1.5}, "run.warmup_requests: 1.5 is invalid"),
+        ({"warmup_requests": "2"}, "run.warmup_requests: '2' is invalid"),
+        ({"warmup_requests": True}, "run.warmup_requests: True is invalid"),
+        (
+            {"window": {"skip": 0.2}},
+            "run.window: unknown key(s) ['skip']; allowed: "
+            "['min_duration_s', 'min_requests', 'skip_fraction']",
+        ),
+        (
+            {"slo": {"ttft": 1.0}},
+            "run.slo: unknown key(s) ['ttft']; allowed: ['e2e_s', 'tpot_s', 'ttft_s']",
+        ),
+        (
+            {"slo": {"ttft_s": -1}},
+            "run.slo.ttft_s: -1 is invalid; allowed: null or a number of seconds > 0",
+        ),
+        ({"monitor": {"interval": 1}}, "run.monitor: unknown key(s) ['interval']"),
+        ({"monitor": "off"}, "run.monitor: 'off' is invalid; allowed: a mapping of"),
+        ({"quality": {"enable": True}}, "run.quality: unknown key(s) ['enable']"),
+        ({"quality": {"num_prompts": 0}}, "run.quality.num_prompts: 0 is invalid"),
+        ({"resume": "yes"}, "run.resume: 'yes' is invalid; allowed: true|false"),
+        ({"progress": 1}, "run.progress: 1 is invalid; allowed: true|false"),
+    ],
+)
 def test_the_run_section_names_a_bad_key(run: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match="allowed") as error:
         RunConfig.from_dict(run)
@@ -228,22 +295,27 @@ def test_a_bad_run_key_exits_2_before_anything_runs(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: run: unknown key(s) ['foo']; allowed: ['monitor', 'name', 'progress', "
-        "'quality', 'resume', 'slo', 'warmup_requests', 'window']")
+        "'quality', 'resume', 'slo', 'warmup_requests', 'window']"
+    )
     assert not (tmp_path / "summary.json").exists()  # nothing started
 
 
 def test_the_table_marks_whole_run_values() -> None:
-    metrics = {"num_requests": 8, "output_tok_per_s": 120.0, "req_per_s": 2.5,
-               "ttft_p50_s": 0.25}
-    window = {"valid": False, "reason": "no request completed inside the window",
-              "whole_run_metrics": ["duration_s", "output_tok_per_s", "req_per_s"]}
+    metrics = {"num_requests": 8, "output_tok_per_s": 120.0, "req_per_s": 2.5, "ttft_p50_s": 0.25}
+    window = {
+        "valid": False,
+        "reason": "no request completed inside the window",
+        "whole_run_metrics": ["duration_s", "output_tok_per_s", "req_per_s"],
+    }
     lines = summary_table(metrics, window=window).splitlines()
-    assert lines == ["  num_requests      8",
-                     "  output_tok_per_s  120.00 tok/s *",
-                     "  req_per_s         2.50 req/s *",
-                     "  ttft_p50_s        250.00 ms",
-                     "  * over the whole run: the steady-state window is not valid (no request "
-                     "completed inside the window)"]
+    assert lines == [
+        "  num_requests      8",
+        "  output_tok_per_s  120.00 tok/s *",
+        "  req_per_s         2.50 req/s *",
+        "  ttft_p50_s        250.00 ms",
+        "  * over the whole run: the steady-state window is not valid (no request "
+        "completed inside the window)",
+    ]
     assert "*" not in summary_table(metrics, window={"valid": True, "whole_run_metrics": []})
 
 
@@ -251,8 +323,9 @@ class Refusing(BuiltinBackend):
     """The tiny engine behind a server that refuses some requests (an HTTP 500 per request)."""
 
     def __init__(self, refused: str) -> None:
-        super().__init__(EngineConfig(model="tiny", max_model_len=64, dtype="float32",
-                                      device="cpu"))
+        super().__init__(
+            EngineConfig(model="tiny", max_model_len=64, dtype="float32", device="cpu")
+        )
         self.refused = refused
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Any]:
@@ -263,21 +336,26 @@ class Refusing(BuiltinBackend):
 
 
 @pytest.mark.parametrize("refused", ["", "1"])
-def test_a_run_whose_every_request_failed_is_failed(refused: str, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_whose_every_request_failed_is_failed(
+    refused: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(experiment, "build_backend", lambda engine, model: Refusing(refused))
-    config = {"engine": {}, "model": {"name": "tiny"},
-              "workload": {"type": "synthetic", "num_requests": 4, "input_len": 8,
-                           "output_len": 3},
-              "run": {"warmup_requests": 0, "monitor": {"enabled": False}}}
+    config = {
+        "engine": {},
+        "model": {"name": "tiny"},
+        "workload": {"type": "synthetic", "num_requests": 4, "input_len": 8, "output_len": 3},
+        "run": {"warmup_requests": 0, "monitor": {"enabled": False}},
+    }
     summary = run_experiment(config, tmp_path, progress=False)
     metrics = summary["metrics"]
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["status"] == summary["status"]
     if refused == "":  # every request refused: the run did not measure anything
         assert summary["status"] == "failed"
-        assert summary["error"] == ("every measured request failed (4 of 4); the first, "
-                                    "req-0: RuntimeError: HTTP 500 for req-0: token ids refused")
+        assert summary["error"] == (
+            "every measured request failed (4 of 4); the first, "
+            "req-0: RuntimeError: HTTP 500 for req-0: token ids refused"
+        )
         assert (metrics["num_failed"], metrics["num_completed"]) == (4, 0)
     else:  # one of four refused: a complete run that counts it
         assert summary["status"] == "complete" and summary["error"] is None

@@ -32,9 +32,12 @@ def drive(backend: HFBackend, requests: list[GenerationRequest]) -> list[list]:
 
 
 def greedy_requests(prompts=PROMPTS) -> list[GenerationRequest]:
-    return [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS[i],
-                                                         temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    return [
+        GenerationRequest(
+            f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, ignore_eos=True)
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
 def builtin_tokens(model: str, prompts=PROMPTS) -> list[list[int]]:
@@ -85,17 +88,23 @@ def test_static_batches_report_steps_and_padding() -> None:
     assert prefill.prefill_tokens == sum(lengths)
     assert prefill.padding_tokens == 3 * max(lengths) - sum(lengths)
     # rows past their own max_tokens still compute: static batching's padding
-    assert [s.decode_tokens for s in steps[1:]] == [3, 3, 3, 3, 2, 1][:len(steps) - 1]
-    assert [s.padding_tokens for s in steps[1:]] == [0, 0, 0, 0, 1, 2][:len(steps) - 1]
+    assert [s.decode_tokens for s in steps[1:]] == [3, 3, 3, 3, 2, 1][: len(steps) - 1]
+    assert [s.padding_tokens for s in steps[1:]] == [0, 0, 0, 0, 1, 2][: len(steps) - 1]
 
 
 def test_checkpoint_folder_matches_builtin(tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     backend = HFBackend.from_config({"model": str(tmp_path), "mode": "generate"})
     backend.load()
@@ -107,35 +116,41 @@ def test_checkpoint_folder_matches_builtin(tmp_path: Path) -> None:
 
 
 def test_bad_options_name_the_field() -> None:
-    with pytest.raises(ConfigError, match=r"engine.mode: 'beam' is invalid; allowed: "
-                                          r"generate\|generate_batch"):
+    with pytest.raises(
+        ConfigError,
+        match=r"engine.mode: 'beam' is invalid; allowed: "
+        r"generate\|generate_batch",
+    ):
         HFBackend.from_config({"mode": "beam"})
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['kv_cache'\]"):
         HFBackend.from_config({"kv_cache": "paged"})
     # wrong types name the field too (they used to be TypeErrors or slip through)
     for options, message in [
-            ({"max_model_len": "abc"}, "engine.max_model_len: 'abc' is invalid; allowed: "
-                                       "null or an integer >= 2"),
-            ({"num_threads": 1.5}, "engine.num_threads: 1.5 is invalid"),
-            ({"max_num_seqs": True}, "engine.max_num_seqs: True is invalid"),
-            ({"seed": "0"}, "engine.seed: '0' is invalid; allowed: an integer"),
-            ({"device": "tpu"}, "engine.device: 'tpu' is invalid; allowed: auto|cpu|cuda")]:
+        (
+            {"max_model_len": "abc"},
+            "engine.max_model_len: 'abc' is invalid; allowed: null or an integer >= 2",
+        ),
+        ({"num_threads": 1.5}, "engine.num_threads: 1.5 is invalid"),
+        ({"max_num_seqs": True}, "engine.max_num_seqs: True is invalid"),
+        ({"seed": "0"}, "engine.seed: '0' is invalid; allowed: an integer"),
+        ({"device": "tpu"}, "engine.device: 'tpu' is invalid; allowed: auto|cpu|cuda"),
+    ]:
         with pytest.raises(ConfigError) as info:
             HFBackend.from_config(options)
         assert message in str(info.value)
 
 
 def test_unsupported_request_fails_alone() -> None:
-    backend = HFBackend.from_config({"model": "tiny", "mode": "generate_batch",
-                                     "max_model_len": 64})
+    backend = HFBackend.from_config(
+        {"model": "tiny", "mode": "generate_batch", "max_model_len": 64}
+    )
     backend.load()
-    sampled = GenerationRequest("sampled", [5, 6, 7], SamplingParams(max_tokens=4,
-                                                                     temperature=0.8))
-    too_long = GenerationRequest("long", list(range(5, 70)),
-                                 SamplingParams(max_tokens=4, temperature=0.0))
+    sampled = GenerationRequest("sampled", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.8))
+    too_long = GenerationRequest(
+        "long", list(range(5, 70)), SamplingParams(max_tokens=4, temperature=0.0)
+    )
     try:
-        sampled_events, long_events, *good = drive(
-            backend, [sampled, too_long, *greedy_requests()])
+        sampled_events, long_events, *good = drive(backend, [sampled, too_long, *greedy_requests()])
     finally:
         backend.close()
     assert isinstance(sampled_events[-1], Failed)
@@ -164,8 +179,14 @@ def test_harness_run_through_hf(tmp_path: Path) -> None:
     config = {
         "engine": {"backend": "hf", "mode": "generate", "max_num_seqs": 4, "dtype": "float32"},
         "model": {"name": "tiny"},
-        "workload": {"type": "synthetic", "num_requests": 6, "input_len": [8, 16],
-                     "output_len": 6, "ignore_eos": True, "temperature": 0.0},
+        "workload": {
+            "type": "synthetic",
+            "num_requests": 6,
+            "input_len": [8, 16],
+            "output_len": 6,
+            "ignore_eos": True,
+            "temperature": 0.0,
+        },
         "run": {"warmup_requests": 1},
     }
     summary = run_experiment(config, tmp_path, progress=False)

@@ -37,14 +37,28 @@ MAX_TOKENS = (32, 40, 34, 36)
 # Logits must agree to this fraction of the logits' scale (fp32 everywhere).
 RTOL_SCALE = 1e-4
 
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               # 64 < 256: with head_dim 16 the wavelengths span the high, medium (blended)
-               # and low (scaled) bands of Llama-3.1 scaling.
-               "original_max_position_embeddings": 64}
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 50000.0,
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # 64 < 256: with head_dim 16 the wavelengths span the high, medium (blended)
+    # and low (scaled) bands of Llama-3.1 scaling.
+    "original_max_position_embeddings": 64,
+}
 
 SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     # head_dim 32 with 4 heads: q/k/v are wider than hidden_size (head_dim read from config)
@@ -52,8 +66,10 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_gqa": ("LlamaConfig", dict(rms_norm_eps=1e-5)),
     "llama_mqa": ("LlamaConfig", dict(num_key_value_heads=1)),
     "llama3_rope": ("LlamaConfig", dict(rope_parameters=LLAMA3_ROPE)),
-    "llama_linear_rope": ("LlamaConfig", dict(rope_parameters={
-        "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "llama_linear_rope": (
+        "LlamaConfig",
+        dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    ),
     "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
     "mistral_swa": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", dict()),
@@ -64,8 +80,16 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 # Weight / prompt seed per variant; hf_reference asserts that its greedy steps have no near-ties.
-SEEDS = {"llama_mha": 0, "llama_gqa": 1, "llama_mqa": 2, "llama3_rope": 3, "llama_linear_rope": 4,
-         "llama_tied": 1, "mistral_swa": 2, "qwen2": 0}
+SEEDS = {
+    "llama_mha": 0,
+    "llama_gqa": 1,
+    "llama_mqa": 2,
+    "llama3_rope": 3,
+    "llama_linear_rope": 4,
+    "llama_tied": 1,
+    "mistral_swa": 2,
+    "qwen2": 0,
+}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -136,9 +160,16 @@ def hf_reference(model: torch.nn.Module, folder: Path, prompts: list[list[int]])
     model.generation_config = copy.deepcopy(saved)
     model.generation_config.eos_token_id = None
     try:
-        outs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=int),
-                               do_sample=False, max_new_tokens=new, pad_token_id=0)
-                for p in prompts]
+        outs = [
+            model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=int),
+                do_sample=False,
+                max_new_tokens=new,
+                pad_token_id=0,
+            )
+            for p in prompts
+        ]
     finally:
         model.generation_config = saved
     for prompt, out in zip(prompts, outs, strict=True):
@@ -147,12 +178,12 @@ def hf_reference(model: torch.nn.Module, folder: Path, prompts: list[list[int]])
         logits = model(torch.tensor([seq])).logits[0].float()
         # No near-ties: a top-2 gap above twice the logits tolerance means that logits within
         # tolerance cannot pick another greedy token (if this fails, pick another seed).
-        top2 = logits[len(prompt) - 1:-1].topk(2, dim=-1).values
+        top2 = logits[len(prompt) - 1 : -1].topk(2, dim=-1).values
         margin = float((top2[:, 0] - top2[:, 1]).min())
         assert margin > 2 * RTOL_SCALE * float(logits.std()), f"near-tie in greedy: {margin}"
         # The reference is self-consistent: cached greedy generate == argmax of the full forward.
-        teacher = logits[len(prompt) - 1:-1].argmax(-1).tolist()
-        assert teacher == seq[len(prompt):], "HF generate disagrees with its own forward"
+        teacher = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+        assert teacher == seq[len(prompt) :], "HF generate disagrees with its own forward"
         ref.sequences.append(seq)
         ref.logits.append(logits)
     return ref
@@ -187,8 +218,13 @@ class EngineRun:
 
 def run_engine(ref: Reference, folder: Path | None = None, **options: Any) -> EngineRun:
     """Generate the batch together; compare every logits row with HF on the fly."""
-    llm = LLM(model=str(folder or ref.folder), dtype="float32", max_num_seqs=3,
-              max_model_len=128, **options)
+    llm = LLM(
+        model=str(folder or ref.folder),
+        dtype="float32",
+        max_num_seqs=3,
+        max_model_len=128,
+        **options,
+    )
     assert llm.tokenizer.vocab_size == VOCAB
     index = {tuple(p): i for i, p in enumerate(ref.prompts)}
     run = EngineRun(outputs=[])
@@ -202,7 +238,7 @@ def run_engine(ref: Reference, folder: Path | None = None, **options: Any) -> En
             seq, hf = ref.sequences[i], ref.logits[i]
             for j in range(item.num_new_tokens):
                 pos = item.num_computed_before + j
-                if item.seq.token_ids[:pos + 1] != seq[:pos + 1]:
+                if item.seq.token_ids[: pos + 1] != seq[: pos + 1]:
                     run.diverged.append((i, pos))  # greedy already went another way
                 else:
                     err = (logits[row] - hf[pos]).abs().max().item()
@@ -222,7 +258,7 @@ def check_against_hf(ref: Reference, run: EngineRun) -> None:
     for i, (prompt, out) in enumerate(zip(ref.prompts, run.outputs, strict=True)):
         assert out.error is None
         assert out.finish_reason == "length"
-        expected = ref.sequences[i][len(prompt):len(prompt) + MAX_TOKENS[i]]
+        expected = ref.sequences[i][len(prompt) : len(prompt) + MAX_TOKENS[i]]
         assert out.token_ids == expected, f"prompt {i}: greedy tokens differ from HF"
     assert not run.diverged
     for i, prompt in enumerate(ref.prompts):
@@ -232,7 +268,8 @@ def check_against_hf(ref: Reference, run: EngineRun) -> None:
     scale = max(float(lg.std()) for lg in ref.logits)
     assert scale > 0.5, f"logits std {scale} is too small for a meaningful comparison"
     assert run.max_error <= RTOL_SCALE * scale, (
-        f"max |engine - HF| logits = {run.max_error:.3g} (logits std {scale:.3g})")
+        f"max |engine - HF| logits = {run.max_error:.3g} (logits std {scale:.3g})"
+    )
 
 
 # ---- parity -------------------------------------------------------------------------------
@@ -277,14 +314,14 @@ def test_greedy_through_eos(reference) -> None:
     through it exactly like HF, and without ignore_eos the request stops right there."""
     ref = reference("llama_mqa", seed=0)
     eos = 2
-    generated = ref.sequences[0][len(ref.prompts[0]):]
-    assert eos in generated[:MAX_TOKENS[0] - 1]
+    generated = ref.sequences[0][len(ref.prompts[0]) :]
+    assert eos in generated[: MAX_TOKENS[0] - 1]
     check_against_hf(ref, run_engine(ref))
     llm = LLM(model=str(ref.folder), dtype="float32", max_model_len=128)
     assert eos in llm.engine.eos_ids
     out = llm.generate(ref.prompts[0], SamplingParams(temperature=0.0, max_tokens=32))[0]
     assert out.finish_reason == "stop"
-    assert out.token_ids == generated[:generated.index(eos) + 1]
+    assert out.token_ids == generated[: generated.index(eos) + 1]
 
 
 def test_sharded_checkpoint(reference, tmp_path: Path) -> None:
@@ -331,8 +368,12 @@ def _set(**values: Any):
 
 
 def _yarn(cfg: dict[str, Any]) -> None:
-    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                              "original_max_position_embeddings": 64}
+    cfg["rope_parameters"] = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
 
 
 def _legacy_yarn(cfg: dict[str, Any]) -> None:
@@ -341,21 +382,28 @@ def _legacy_yarn(cfg: dict[str, Any]) -> None:
     cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0}
 
 
-@pytest.mark.parametrize(("kind", "edit", "names"), [
-    ("llama_gqa", _set(hidden_act="gelu"), ["hidden_act", "gelu"]),
-    ("llama_gqa", _set(mlp_bias=True), ["mlp_bias"]),
-    ("llama_gqa", _yarn, ["rope", "yarn"]),
-    ("llama_gqa", _legacy_yarn, ["rope", "yarn"]),
-    ("llama_gqa", _set(architectures=["GPTNeoXForCausalLM"]), ["architecture",
-                                                               "GPTNeoXForCausalLM"]),
-    ("llama_gqa", _set(quantization_config={"quant_method": "gptq"}), ["quantization_config"]),
-    ("qwen2", _set(use_sliding_window=True, sliding_window=8), ["use_sliding_window"]),
-    ("llama_gqa", _set(attention_bias=True), ["attention_bias"]),
-    ("llama_gqa", _set(sliding_window=8), ["sliding_window"]),
-    ("llama_gqa", _set(pretraining_tp=2), ["pretraining_tp"]),
-])
-def test_unsupported_checkpoint_feature_is_named(reference, tmp_path: Path, kind: str, edit,
-                                                 names: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("kind", "edit", "names"),
+    [
+        ("llama_gqa", _set(hidden_act="gelu"), ["hidden_act", "gelu"]),
+        ("llama_gqa", _set(mlp_bias=True), ["mlp_bias"]),
+        ("llama_gqa", _yarn, ["rope", "yarn"]),
+        ("llama_gqa", _legacy_yarn, ["rope", "yarn"]),
+        (
+            "llama_gqa",
+            _set(architectures=["GPTNeoXForCausalLM"]),
+            ["architecture", "GPTNeoXForCausalLM"],
+        ),
+        ("llama_gqa", _set(quantization_config={"quant_method": "gptq"}), ["quantization_config"]),
+        ("qwen2", _set(use_sliding_window=True, sliding_window=8), ["use_sliding_window"]),
+        ("llama_gqa", _set(attention_bias=True), ["attention_bias"]),
+        ("llama_gqa", _set(sliding_window=8), ["sliding_window"]),
+        ("llama_gqa", _set(pretraining_tp=2), ["pretraining_tp"]),
+    ],
+)
+def test_unsupported_checkpoint_feature_is_named(
+    reference, tmp_path: Path, kind: str, edit, names: list[str]
+) -> None:
     folder = _edited_copy(reference(kind).folder, tmp_path / "edited", edit)
     with pytest.raises(UnsupportedCheckpointError) as info:
         LLM(model=str(folder), dtype="float32")
@@ -363,12 +411,15 @@ def test_unsupported_checkpoint_feature_is_named(reference, tmp_path: Path, kind
         assert name in str(info.value)
 
 
-@pytest.mark.parametrize(("kind", "drop"), [
-    ("llama_gqa", "model.layers.1.mlp.down_proj.weight"),
-    ("llama_gqa", "model.layers.0.self_attn.k_proj.weight"),  # one part of the fused q/k/v
-    ("llama_gqa", "lm_head.weight"),
-    ("qwen2", "model.layers.0.self_attn.v_proj.bias"),
-])
+@pytest.mark.parametrize(
+    ("kind", "drop"),
+    [
+        ("llama_gqa", "model.layers.1.mlp.down_proj.weight"),
+        ("llama_gqa", "model.layers.0.self_attn.k_proj.weight"),  # one part of the fused q/k/v
+        ("llama_gqa", "lm_head.weight"),
+        ("qwen2", "model.layers.0.self_attn.v_proj.bias"),
+    ],
+)
 def test_missing_tensor_is_named(reference, tmp_path: Path, kind: str, drop: str) -> None:
     src = reference(kind).folder
     folder = tmp_path / "missing"

@@ -40,10 +40,22 @@ def test_gqa_and_dtype_scale_kv_bytes() -> None:
 
 
 def test_cli_prints_the_report() -> None:
-    out = subprocess.run([sys.executable, "-m", "harness.cli", "kv-calc", "model=llama3-8b",
-                          "engine.max_model_len=8192", "engine.dtype=fp16",
-                          "device_memory_gib=80"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "kv-calc",
+            "model=llama3-8b",
+            "engine.max_model_len=8192",
+            "engine.dtype=fp16",
+            "device_memory_gib=80",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "131,072 B" in out.stdout and "1.00 GiB" in out.stdout
     assert "sequences that fit     57" in out.stdout  # 0.9 x 80 GiB - weights
@@ -54,11 +66,15 @@ def test_cli_prints_the_report() -> None:
 GB = 10**9
 
 
-def fake_memory(monkeypatch: pytest.MonkeyPatch, available: int, free: int,
-                total: int = 32 * GB) -> None:
+def fake_memory(
+    monkeypatch: pytest.MonkeyPatch, available: int, free: int, total: int = 32 * GB
+) -> None:
     """psutil reports `available` (free + reclaimable page cache) and `free` pages; no cgroup."""
-    monkeypatch.setattr(platform.psutil, "virtual_memory",
-                        lambda: SimpleNamespace(total=total, available=available, free=free))
+    monkeypatch.setattr(
+        platform.psutil,
+        "virtual_memory",
+        lambda: SimpleNamespace(total=total, available=available, free=free),
+    )
     monkeypatch.setattr(platform, "cgroup_memory_headroom", lambda: None)
 
 
@@ -80,17 +96,22 @@ def test_the_default_experiment_fits_a_machine_with_4_gb_available(monkeypatch) 
     model = resolve_model(config.model, config.model_overrides)
     max_model_len = config.max_model_len or model.max_position_embeddings
     assert max_model_len == 2048
-    per_token = round(kv_bytes_per_token(model, kv_element_bytes(torch.float32, model.head_dim,
-                                                                 config.kv_cache_dtype)))
+    per_token = round(
+        kv_bytes_per_token(
+            model, kv_element_bytes(torch.float32, model.head_dim, config.kv_cache_dtype)
+        )
+    )
     one_sequence = max_model_len * per_token
     weights = 2 * model.num_parameters() * 4  # fp32, plus the packed copy (an upper bound)
     fake_memory(monkeypatch, available=4 * GB - weights, free=int(1.6 * GB) - weights)
     budget, reason = platform.Platform(torch.device("cpu")).kv_budget(
-        config.kv_cache_memory_bytes, weights, config.gpu_memory_utilization, one_sequence)
+        config.kv_cache_memory_bytes, weights, config.gpu_memory_utilization, one_sequence
+    )
     assert budget // one_sequence >= 1, (budget, one_sequence, reason)
     assert budget == int(0.25 * (4 * GB - weights))
-    assert reason.startswith(f"min(4 GiB, 0.25 x {(4 * GB - weights) / 2**30:.2f} GiB "
-                             "available (psutil available")
+    assert reason.startswith(
+        f"min(4 GiB, 0.25 x {(4 * GB - weights) / 2**30:.2f} GiB available (psutil available"
+    )
 
 
 def test_budget_is_a_quarter_of_available_up_to_4_gib(monkeypatch) -> None:
@@ -115,10 +136,10 @@ def test_a_cgroup_limit_below_available_sets_the_budget(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
-def test_cgroup_headroom_counts_reclaimable_cache_as_free(version: str, tmp_path: Path,
-                                                         monkeypatch) -> None:
-    monkeypatch.setattr(platform.psutil, "virtual_memory",
-                        lambda: SimpleNamespace(total=64 * GB))
+def test_cgroup_headroom_counts_reclaimable_cache_as_free(
+    version: str, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setattr(platform.psutil, "virtual_memory", lambda: SimpleNamespace(total=64 * GB))
     if version == "v2":
         (tmp_path / "memory.max").write_text(f"{8 * GB}\n")
         (tmp_path / "memory.current").write_text(f"{5 * GB}\n")
@@ -130,6 +151,7 @@ def test_cgroup_headroom_counts_reclaimable_cache_as_free(version: str, tmp_path
         (tmp_path / "memory/memory.stat").write_text(f"cache {2 * GB}\ntotal_inactive_file {GB}\n")
     assert platform.cgroup_memory_headroom(tmp_path) == 4 * GB
     (tmp_path / ("memory.max" if version == "v2" else "memory/memory.limit_in_bytes")).write_text(
-        "max\n" if version == "v2" else "9223372036854771712\n")  # how each says "no limit"
+        "max\n" if version == "v2" else "9223372036854771712\n"
+    )  # how each says "no limit"
     assert platform.cgroup_memory_headroom(tmp_path) is None
     assert platform.cgroup_memory_headroom(tmp_path / "absent") is None

@@ -25,8 +25,9 @@ def rss_growth(make: Callable[[], object]) -> tuple[object, int]:
 
 def test_prefault_maps_every_page_now_lazy_maps_none() -> None:
     shape = (64, 1024, 1024 // 4)  # 64 MiB of float32
-    eager, eager_growth = rss_growth(lambda: zeros(shape, torch.float32, torch.device("cpu"),
-                                                   prefault=True))
+    eager, eager_growth = rss_growth(
+        lambda: zeros(shape, torch.float32, torch.device("cpu"), prefault=True)
+    )
     lazy, lazy_growth = rss_growth(lambda: zeros(shape, torch.float32, torch.device("cpu")))
     assert eager_growth >= 56 * MIB
     assert lazy_growth <= 8 * MIB
@@ -37,8 +38,9 @@ def test_prefault_maps_every_page_now_lazy_maps_none() -> None:
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_a_prefaulted_cache_is_zeroed_and_writable(quantized: bool) -> None:
-    cache = LayerKVCache(4, 8, 2, 16, torch.bfloat16, torch.device("cpu"), quantized=quantized,
-                         prefault=True)
+    cache = LayerKVCache(
+        4, 8, 2, 16, torch.bfloat16, torch.device("cpu"), quantized=quantized, prefault=True
+    )
     assert not cache.k.float().any() and not cache.v.float().any()
     k = torch.randn(3, 2, 16, dtype=torch.bfloat16)
     v = torch.randn(3, 2, 16, dtype=torch.bfloat16)
@@ -52,17 +54,34 @@ def test_a_prefaulted_cache_is_zeroed_and_writable(quantized: bool) -> None:
 
 
 def test_prefault_is_checked_by_name() -> None:
-    with pytest.raises(ConfigError, match=r"engine\.kv_cache_prefault: 'yes' is invalid; "
-                                          r"allowed: true\|false"):
+    with pytest.raises(
+        ConfigError,
+        match=r"engine\.kv_cache_prefault: 'yes' is invalid; "
+        r"allowed: true\|false",
+    ):
         EngineConfig(kv_cache_prefault="yes").validate()  # type: ignore[arg-type]
 
 
 def test_default_paged_pool_on_cpu_holds_what_all_slots_can_fill() -> None:
-    llm = LLM(model="tiny", dtype="float32", device="cpu", kv_cache="paged", block_size=16,
-              max_model_len=100, max_num_seqs=3)
+    llm = LLM(
+        model="tiny",
+        dtype="float32",
+        device="cpu",
+        kv_cache="paged",
+        block_size=16,
+        max_model_len=100,
+        max_num_seqs=3,
+    )
     # 3 slots x ceil(100 / 16) = 21 blocks, plus the null block
     assert llm.engine.kv.layout.num_blocks == 3 * 7 + 1
-    pinned = LLM(model="tiny", dtype="float32", device="cpu", kv_cache="paged", block_size=16,
-                 max_model_len=100, max_num_seqs=3,
-                 kv_cache_memory_bytes=40 * 16 * llm.engine.kv.layout.bytes_per_token)
+    pinned = LLM(
+        model="tiny",
+        dtype="float32",
+        device="cpu",
+        kv_cache="paged",
+        block_size=16,
+        max_model_len=100,
+        max_num_seqs=3,
+        kv_cache_memory_bytes=40 * 16 * llm.engine.kv.layout.bytes_per_token,
+    )
     assert pinned.engine.kv.layout.num_blocks == 40 + 1  # an explicit budget is taken as given

@@ -27,8 +27,9 @@ def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n)
 
 
-def run(prompts: list[list[int]], max_tokens: list[int], n: int = 1,
-        **options: object) -> tuple[list[list[list[int]]], list[StepRecord], LLM]:
+def run(
+    prompts: list[list[int]], max_tokens: list[int], n: int = 1, **options: object
+) -> tuple[list[list[list[int]]], list[StepRecord], LLM]:
     llm = LLM("tiny", dtype="float32", **options)  # type: ignore[arg-type]
     steps: list[StepRecord] = []
     llm.engine.step_observers.append(steps.append)
@@ -40,8 +41,7 @@ def run(prompts: list[list[int]], max_tokens: list[int], n: int = 1,
 @pytest.fixture(scope="module")
 def reference() -> list[list[list[int]]]:
     """Each prompt alone, no KV cache: the plain path."""
-    return [run([p], [m], kv_cache="none")[0][0] for p, m in zip(PROMPTS, MAX_TOKENS,
-                                                                  strict=True)]
+    return [run([p], [m], kv_cache="none")[0][0] for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
 
 
 VARIANTS = {
@@ -51,8 +51,12 @@ VARIANTS = {
     "paged_bs1": dict(kv_cache="paged", block_size=1),
     "paged_bs7": dict(kv_cache="paged", block_size=7),
     "paged_prefix": dict(kv_cache="paged", enable_prefix_caching=True),
-    "paged_prefix_chunked": dict(kv_cache="paged", enable_prefix_caching=True,
-                                 enable_chunked_prefill=True, max_num_batched_tokens=24),
+    "paged_prefix_chunked": dict(
+        kv_cache="paged",
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=24,
+    ),
     "paged_sdpa_small_batch": dict(kv_cache="paged", max_num_seqs=2),
     "paged_torch": dict(kv_cache="paged", attention_backend="torch"),
     # auto is the C decode kernel on CPU; sdpa is what it replaced, kept as a backend
@@ -60,13 +64,22 @@ VARIANTS = {
     "contiguous_sdpa": dict(kv_cache="contiguous", attention_backend="sdpa"),
     # 40 blocks of 4 tokens: the first three prompts fill the pool exactly, so the first
     # decode that crosses a block boundary preempts the newest sequence (recomputed later)
-    "paged_preempt": dict(kv_cache="paged", block_size=4,
-                          kv_cache_memory_bytes=40 * 4 * TINY_BYTES_PER_TOKEN),
-    "paged_prefix_preempt": dict(kv_cache="paged", block_size=4, enable_prefix_caching=True,
-                                 kv_cache_memory_bytes=40 * 4 * TINY_BYTES_PER_TOKEN),
-    "paged_chunked_preempt": dict(kv_cache="paged", block_size=4, enable_chunked_prefill=True,
-                                  max_num_batched_tokens=16,
-                                  kv_cache_memory_bytes=40 * 4 * TINY_BYTES_PER_TOKEN),
+    "paged_preempt": dict(
+        kv_cache="paged", block_size=4, kv_cache_memory_bytes=40 * 4 * TINY_BYTES_PER_TOKEN
+    ),
+    "paged_prefix_preempt": dict(
+        kv_cache="paged",
+        block_size=4,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=40 * 4 * TINY_BYTES_PER_TOKEN,
+    ),
+    "paged_chunked_preempt": dict(
+        kv_cache="paged",
+        block_size=4,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        kv_cache_memory_bytes=40 * 4 * TINY_BYTES_PER_TOKEN,
+    ),
 }
 
 
@@ -100,10 +113,14 @@ def test_prefix_cache_hits_shared_blocks_and_never_the_last_token() -> None:
     assert seqs[0].cached_prompt_tokens == 16  # the last prompt token is always computed
 
 
-@pytest.mark.parametrize("options", [
-    dict(kv_cache="contiguous"), dict(kv_cache="paged"),
-    dict(kv_cache="paged", enable_prefix_caching=True),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(kv_cache="contiguous"),
+        dict(kv_cache="paged"),
+        dict(kv_cache="paged", enable_prefix_caching=True),
+    ],
+)
 def test_parallel_sampling_greedy_samples_equal_n1(options: dict, reference) -> None:
     outputs, _, _ = run(PROMPTS[:3], MAX_TOKENS[:3], n=3, **options)
     for out, ref in zip(outputs, reference[:3], strict=True):
@@ -118,8 +135,9 @@ def test_parallel_sampling_shares_prompt_blocks_and_copies_on_write() -> None:
     steps: list[StepRecord] = []
     llm.engine.step_observers.append(steps.append)
     prompt = list(range(100, 140))  # 40 tokens: 2 full blocks and a partial third
-    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=4,
-                                                ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=4, ignore_eos=True)
+    )[0]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # the samples diverged
     assert len(copies) == 3  # each child copies the shared partial block once
     # after the fork: 4 sequences on 2 shared full blocks + 4 own partial blocks
@@ -131,17 +149,20 @@ def test_parallel_sampling_shares_prompt_blocks_and_copies_on_write() -> None:
 def test_sliding_window_and_head_counts(window: int, kv_heads: int) -> None:
     overrides = {"sliding_window": window, "num_kv_heads": kv_heads}
     ref, _, _ = run(PROMPTS[:4], MAX_TOKENS[:4], kv_cache="none", model_overrides=overrides)
-    for options in (dict(kv_cache="contiguous"),
-                    dict(kv_cache="paged", block_size=4),
-                    dict(kv_cache="paged", block_size=4, enable_chunked_prefill=True,
-                         max_num_batched_tokens=12)):
-        got, steps, llm = run(PROMPTS[:4], MAX_TOKENS[:4], model_overrides=overrides,
-                              **options)
+    for options in (
+        dict(kv_cache="contiguous"),
+        dict(kv_cache="paged", block_size=4),
+        dict(
+            kv_cache="paged", block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=12
+        ),
+    ):
+        got, steps, llm = run(PROMPTS[:4], MAX_TOKENS[:4], model_overrides=overrides, **options)
         assert got == ref, options
     # paged KV per sequence stops growing at the window
     long_prompt = list(range(100, 180))
-    _, steps, llm = run([long_prompt], [40], model_overrides=overrides, kv_cache="paged",
-                        block_size=4)
+    _, steps, llm = run(
+        [long_prompt], [40], model_overrides=overrides, kv_cache="paged", block_size=4
+    )
     bound = (-(-window // 4) + 2) * 4 * llm.engine.kv.layout.bytes_per_token
     assert max(s.kv_bytes_reserved for s in steps) <= bound
 
@@ -152,8 +173,9 @@ def test_paged_memory_is_used_and_contiguous_is_reserved() -> None:
     tokens = [20] * len(prompts)
     results = {}
     for kv in ("contiguous", "paged"):
-        _, steps, _ = run(prompts, tokens, kv_cache=kv, kv_cache_memory_bytes=budget,
-                          max_model_len=256)
+        _, steps, _ = run(
+            prompts, tokens, kv_cache=kv, kv_cache_memory_bytes=budget, max_model_len=256
+        )
         reserving = [s for s in steps if s.kv_bytes_reserved]
         utilization = sum(s.kv_bytes_used / s.kv_bytes_reserved for s in reserving)
         results[kv] = (utilization / len(reserving), max(s.num_running for s in steps))
@@ -163,16 +185,25 @@ def test_paged_memory_is_used_and_contiguous_is_reserved() -> None:
 
 
 def test_request_that_can_never_fit_fails_with_the_reason() -> None:
-    llm = LLM("tiny", dtype="float32", kv_cache="paged",
-              kv_cache_memory_bytes=4 * 16 * TINY_BYTES_PER_TOKEN)
+    llm = LLM(
+        "tiny",
+        dtype="float32",
+        kv_cache="paged",
+        kv_cache_memory_bytes=4 * 16 * TINY_BYTES_PER_TOKEN,
+    )
     with pytest.raises(ValueError, match="can never run"):
         llm.generate([list(range(100, 150))], greedy(40))
 
 
 def test_contiguous_ring_buffer_stops_growing_at_the_window() -> None:
     overrides = {"sliding_window": 16}
-    _, steps, llm = run([list(range(100, 180))], [30], kv_cache="contiguous",
-                        model_overrides=overrides, max_model_len=512)
+    _, steps, llm = run(
+        [list(range(100, 180))],
+        [30],
+        kv_cache="contiguous",
+        model_overrides=overrides,
+        max_model_len=512,
+    )
     assert llm.engine.kv.ring and llm.engine.kv.layout.block_size == 16
     per_token = llm.engine.kv.layout.bytes_per_token
     assert max(s.kv_bytes_reserved for s in steps) == 16 * per_token
@@ -187,8 +218,14 @@ def test_a_request_that_cannot_start_fails_instead_of_spinning() -> None:
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("options", [dict(kv_cache="paged"), dict(kv_cache="contiguous"),
-                                     dict(kv_cache="paged", model_overrides={"sliding_window": 8})])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(kv_cache="paged"),
+        dict(kv_cache="contiguous"),
+        dict(kv_cache="paged", model_overrides={"sliding_window": 8}),
+    ],
+)
 def test_decodes_of_very_different_lengths(options: dict) -> None:
     # One long context among short ones: the dense path attends per sequence instead of
     # padding every gather to the longest (see DenseAttention._decode); tokens must not change.
@@ -200,15 +237,20 @@ def test_decodes_of_very_different_lengths(options: dict) -> None:
 
 def test_forks_beyond_max_num_seqs_wait_instead_of_overflowing() -> None:
     llm = LLM("tiny", dtype="float32", kv_cache="paged", max_num_seqs=2)
-    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(n=4, temperature=1.0, max_tokens=4,
-                                                          ignore_eos=True, seed=1))[0]
+    out = llm.generate(
+        [[1, 2, 3, 4, 5]],
+        SamplingParams(n=4, temperature=1.0, max_tokens=4, ignore_eos=True, seed=1),
+    )[0]
     assert out.error is None and [len(o.token_ids) for o in out.outputs] == [4, 4, 4, 4]
 
 
-@pytest.mark.parametrize("options", [
-    dict(kv_cache="paged", kv_cache_memory_bytes=8 * 16 * TINY_BYTES_PER_TOKEN),
-    dict(kv_cache="contiguous", model_overrides={"sliding_window": 4}),  # a ring buffer
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(kv_cache="paged", kv_cache_memory_bytes=8 * 16 * TINY_BYTES_PER_TOKEN),
+        dict(kv_cache="contiguous", model_overrides={"sliding_window": 4}),  # a ring buffer
+    ],
+)
 def test_static_batches_with_paged_and_ring_caches_match_continuous(options: dict) -> None:
     # a short prompt queued before a long one: padding must neither need room nor clobber K/V
     prompts, tokens = [list(range(10, 20)), list(range(10, 110))], [5, 10]

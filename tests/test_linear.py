@@ -30,7 +30,8 @@ def test_prepacked_equals_f_linear(dtype: torch.dtype, shape: tuple[int, ...]) -
 
 
 def test_prepacked_without_onednn_bf16_keeps_the_plain_weight(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A CPU without native bf16 conversion (AVX2 only: oneDNN's bf16 reorder raises there)
     keeps no packed copy and multiplies through F.linear, with the same result."""
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
@@ -46,10 +47,12 @@ def test_prepacked_without_onednn_bf16_keeps_the_plain_weight(
 
 
 # rows through the engine's GEMM (flattened); one row goes to torch's GEMV, faster there
-@pytest.mark.parametrize(("shape", "kernel_rows"),
-                         [((1, 48), None), ((5, 48), 5), ((2, 3, 48), 6), ((0, 48), 0)])
-def test_panels_equal_f_linear(shape: tuple[int, ...], kernel_rows: int | None,
-                               monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("shape", "kernel_rows"), [((1, 48), None), ((5, 48), 5), ((2, 3, 48), 6), ((0, 48), 0)]
+)
+def test_panels_equal_f_linear(
+    shape: tuple[int, ...], kernel_rows: int | None, monkeypatch
+) -> None:
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(80, 48, generator=gen), torch.randn(80, generator=gen)
     layer = Linear(48, 80, PanelDenseMethod(), bias=True)
@@ -99,23 +102,29 @@ def test_engine_tokens_do_not_depend_on_prepacking(native_kernels: bool) -> None
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     runs = {}
     for prepack in (False, True):
-        llm = LLM("tiny", dtype="float32", prepack_weights=prepack,
-                  native_kernels=native_kernels)
+        llm = LLM("tiny", dtype="float32", prepack_weights=prepack, native_kernels=native_kernels)
         facts = llm.engine.describe()
         assert facts["prepacked_weights"] is prepack
-        assert facts["prepacked_layout"] == (None if not prepack else
-                                             "panels" if native_kernels else "onednn")
+        assert facts["prepacked_layout"] == (
+            None if not prepack else "panels" if native_kernels else "onednn"
+        )
         runs[prepack] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     assert runs[True] == runs[False]
 
 
 @pytest.mark.parametrize("quantize_lm_head", [False, True])
-def test_a_tied_lm_head_is_the_embedding_through_the_packed_kernel(quantize_lm_head: bool,
-                                                                   monkeypatch) -> None:
+def test_a_tied_lm_head_is_the_embedding_through_the_packed_kernel(
+    quantize_lm_head: bool, monkeypatch
+) -> None:
     """A tied head shares the embedding's storage (no second plain copy, counted once), stays
     unquantized, and multiplies through the panels like the other dense layers."""
-    llm = LLM("tiny", dtype="float32", model_overrides={"tie_word_embeddings": True},
-              quantization="int8", quantize_lm_head=quantize_lm_head)
+    llm = LLM(
+        "tiny",
+        dtype="float32",
+        model_overrides={"tie_word_embeddings": True},
+        quantization="int8",
+        quantize_lm_head=quantize_lm_head,
+    )
     model = llm.engine.runner.model
     head = model.lm_head
     assert isinstance(head.method, PanelDenseMethod)
@@ -123,8 +132,9 @@ def test_a_tied_lm_head_is_the_embedding_through_the_packed_kernel(quantize_lm_h
     sizes = model.weight_bytes()
     assert sizes["lm_head_bytes"] == sizes["embedding_bytes"]
     norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
-    assert sizes["weight_bytes"] == (sizes["linear_weight_bytes"] + sizes["embedding_bytes"]
-                                     + norms)
+    assert sizes["weight_bytes"] == (
+        sizes["linear_weight_bytes"] + sizes["embedding_bytes"] + norms
+    )
     hidden = torch.randn(5, model.config.hidden_size)
     calls = []
     kernel = native.linear

@@ -61,8 +61,14 @@ class VirtualClock:
 # joins in step 3 and fails in step 4 after two tokens; r2 prefills in step 5 and stops after
 # one token; step 6 preempts a sequence (another request's, not recorded here).
 #           step: (start ms, end ms, prefill tokens, decode tokens, preempted)
-STEPS = {1: (3.0, 10.125, 7, 0, 0), 2: (10.125, 15.25, 8, 1, 0), 3: (15.25, 20.5, 14, 1, 0),
-         4: (20.5, 22.0, 0, 3, 0), 5: (22.0, 30.0, 5, 1, 0), 6: (30.0, 50.0, 0, 1, 1)}
+STEPS = {
+    1: (3.0, 10.125, 7, 0, 0),
+    2: (10.125, 15.25, 8, 1, 0),
+    3: (15.25, 20.5, 14, 1, 0),
+    4: (20.5, 22.0, 0, 3, 0),
+    5: (22.0, 30.0, 5, 1, 0),
+    6: (30.0, 50.0, 0, 1, 1),
+}
 
 
 def script() -> dict[str, list[RequestEvent]]:
@@ -70,20 +76,36 @@ def script() -> dict[str, list[RequestEvent]]:
         return [Tokens(rid, s, ms(STEPS[s][1]), (100 + s,), "x") for s in steps]
 
     return {
-        "r0": [Arrived("r0", -1, ms(0.0)), Tokenized("r0", -1, ms(0.5), 7),
-               Scheduled("r0", 1, ms(3.0)), PrefillChunk("r0", 1, ms(3.0), 7, 0),
-               *tokens("r0", [1, 2, 3, 4]),
-               Finished("r0", 4, ms(22.0), "length", 7, 4, detokenize_ns=250_000)],
-        "r1": [Tokenized("r1", 0, ms(2.75), 16), Scheduled("r1", 2, ms(10.125)),
-               PrefillChunk("r1", 2, ms(10.125), 8, 0), PrefillChunk("r1", 3, ms(15.25), 8, 8),
-               *tokens("r1", [3, 4, 5, 6]),
-               Finished("r1", 6, ms(50.0), "length", 16, 4, detokenize_ns=400_000)],
-        "r2": [Tokenized("r2", 0, ms(4.5), 5), Scheduled("r2", 5, ms(22.0)),
-               PrefillChunk("r2", 5, ms(22.0), 5, 0), *tokens("r2", [5]),
-               Finished("r2", 5, ms(30.0), "stop", 5, 1, detokenize_ns=100_000)],
-        "r3": [Tokenized("r3", 0, ms(6.25), 6), Scheduled("r3", 3, ms(15.25)),
-               PrefillChunk("r3", 3, ms(15.25), 6, 0), *tokens("r3", [3, 4]),
-               Failed("r3", 4, ms(22.0), "scripted failure")],
+        "r0": [
+            Arrived("r0", -1, ms(0.0)),
+            Tokenized("r0", -1, ms(0.5), 7),
+            Scheduled("r0", 1, ms(3.0)),
+            PrefillChunk("r0", 1, ms(3.0), 7, 0),
+            *tokens("r0", [1, 2, 3, 4]),
+            Finished("r0", 4, ms(22.0), "length", 7, 4, detokenize_ns=250_000),
+        ],
+        "r1": [
+            Tokenized("r1", 0, ms(2.75), 16),
+            Scheduled("r1", 2, ms(10.125)),
+            PrefillChunk("r1", 2, ms(10.125), 8, 0),
+            PrefillChunk("r1", 3, ms(15.25), 8, 8),
+            *tokens("r1", [3, 4, 5, 6]),
+            Finished("r1", 6, ms(50.0), "length", 16, 4, detokenize_ns=400_000),
+        ],
+        "r2": [
+            Tokenized("r2", 0, ms(4.5), 5),
+            Scheduled("r2", 5, ms(22.0)),
+            PrefillChunk("r2", 5, ms(22.0), 5, 0),
+            *tokens("r2", [5]),
+            Finished("r2", 5, ms(30.0), "stop", 5, 1, detokenize_ns=100_000),
+        ],
+        "r3": [
+            Tokenized("r3", 0, ms(6.25), 6),
+            Scheduled("r3", 3, ms(15.25)),
+            PrefillChunk("r3", 3, ms(15.25), 6, 0),
+            *tokens("r3", [3, 4]),
+            Failed("r3", 4, ms(22.0), "scripted failure"),
+        ],
     }
 
 
@@ -107,12 +129,23 @@ class ScriptedBackend(Backend):
         if not self.steps_sent:  # the step records, once, through the step observers
             self.steps_sent = True
             for step, (start, end, prefill, decode, preempted) in STEPS.items():
-                self.emit_step(StepRecord(
-                    step=step, start_ns=ms(start), end_ns=ms(end), num_seqs=2,
-                    num_prefill_seqs=int(prefill > 0), num_decode_seqs=decode,
-                    prefill_tokens=prefill, decode_tokens=decode, padding_tokens=0,
-                    num_waiting=0, kv_bytes_reserved=0, kv_bytes_used=0,
-                    num_preempted=preempted))
+                self.emit_step(
+                    StepRecord(
+                        step=step,
+                        start_ns=ms(start),
+                        end_ns=ms(end),
+                        num_seqs=2,
+                        num_prefill_seqs=int(prefill > 0),
+                        num_decode_seqs=decode,
+                        prefill_tokens=prefill,
+                        decode_tokens=decode,
+                        padding_tokens=0,
+                        num_waiting=0,
+                        kv_bytes_reserved=0,
+                        kv_bytes_used=0,
+                        num_preempted=preempted,
+                    )
+                )
         for event in self.events[request.request_id]:
             await asyncio.sleep(0)  # other requests' events interleave, as in a real run
             yield event
@@ -122,8 +155,10 @@ class ScriptedBackend(Backend):
 def scripted_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     run_dir = tmp_path_factory.mktemp("fidelity")
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    workload = [WorkloadRequest(GenerationRequest(rid, [1, 2, 3], params), arrival)
-                for rid, arrival in ARRIVALS_S.items()]
+    workload = [
+        WorkloadRequest(GenerationRequest(rid, [1, 2, 3], params), arrival)
+        for rid, arrival in ARRIVALS_S.items()
+    ]
     clock = VirtualClock(T0)
     recorder = RunRecorder(run_dir)
     driver = Driver(ScriptedBackend(), recorder.append, clock=clock, sleep=clock.sleep)
@@ -190,8 +225,14 @@ def test_window_over_scripted_sends(scripted_run: dict) -> None:
 def test_phase_columns_are_exact(scripted_run: dict) -> None:
     requests = scripted_run["frames"]["requests"].set_index("request_id")
     on_disk = pd.read_parquet(scripted_run["run_dir"] / "requests.parquet")
-    assert {"tokenize_s", "queue_s", "prefill_s", "decode_s", "detokenize_s",
-            "prefill_tokens_computed"} <= set(on_disk.columns)
+    assert {
+        "tokenize_s",
+        "queue_s",
+        "prefill_s",
+        "decode_s",
+        "detokenize_s",
+        "prefill_tokens_computed",
+    } <= set(on_disk.columns)
     expected_ms = {  # tokenize, queue, prefill, decode, detokenize
         "r0": (0.5, 2.5, 7.125, 11.875, 0.25),
         "r1": (0.75, 7.375, 10.375, 29.5, 0.4),

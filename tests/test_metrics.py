@@ -12,24 +12,74 @@ from harness.records import REQUEST_COLUMNS, STEP_COLUMNS
 def frames() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     # a: arrives 0.0, tokens at 0.5, 0.6, 0.8 (N = 3); b: arrives 0.2, tokens at 1.2, 1.5;
     # c: failed; d: finished with no token (aborted at once)
-    requests = pd.DataFrame([
-        {"request_id": "a", "status": "ok", "arrival_s": 0.0, "scheduled_s": 0.1,
-         "first_token_s": 0.5, "last_token_s": 0.8, "prompt_tokens": 10, "output_tokens": 3},
-        {"request_id": "b", "status": "ok", "arrival_s": 0.2, "scheduled_s": 0.4,
-         "first_token_s": 1.2, "last_token_s": 1.5, "prompt_tokens": 20, "output_tokens": 2},
-        {"request_id": "c", "status": "failed", "arrival_s": 0.3, "scheduled_s": None,
-         "first_token_s": None, "last_token_s": None, "prompt_tokens": None, "output_tokens": 0,
-         "error": "prompt: empty"},
-        {"request_id": "d", "status": "ok", "arrival_s": 0.1, "scheduled_s": 0.2,
-         "first_token_s": None, "last_token_s": None, "prompt_tokens": 5, "output_tokens": 0},
-    ]).reindex(columns=REQUEST_COLUMNS)
-    tokens = pd.DataFrame({"request_id": ["a", "a", "a", "b", "b"], "index": [0, 1, 2, 0, 1],
-                           "step": [1, 2, 3, 4, 5], "time_s": [0.5, 0.6, 0.8, 1.2, 1.5],
-                           "token_id": [1, 2, 3, 4, 5]})
-    steps = pd.DataFrame([{"step": i, "num_seqs": n, "prefill_tokens": p, "decode_tokens": d,
-                           "padding_tokens": 0, "kv_bytes_reserved": 100, "kv_bytes_used": u}
-                          for i, n, p, d, u in [(1, 1, 10, 0, 10), (2, 2, 20, 1, 40),
-                                                (3, 1, 0, 1, 30)]]).reindex(columns=STEP_COLUMNS)
+    requests = pd.DataFrame(
+        [
+            {
+                "request_id": "a",
+                "status": "ok",
+                "arrival_s": 0.0,
+                "scheduled_s": 0.1,
+                "first_token_s": 0.5,
+                "last_token_s": 0.8,
+                "prompt_tokens": 10,
+                "output_tokens": 3,
+            },
+            {
+                "request_id": "b",
+                "status": "ok",
+                "arrival_s": 0.2,
+                "scheduled_s": 0.4,
+                "first_token_s": 1.2,
+                "last_token_s": 1.5,
+                "prompt_tokens": 20,
+                "output_tokens": 2,
+            },
+            {
+                "request_id": "c",
+                "status": "failed",
+                "arrival_s": 0.3,
+                "scheduled_s": None,
+                "first_token_s": None,
+                "last_token_s": None,
+                "prompt_tokens": None,
+                "output_tokens": 0,
+                "error": "prompt: empty",
+            },
+            {
+                "request_id": "d",
+                "status": "ok",
+                "arrival_s": 0.1,
+                "scheduled_s": 0.2,
+                "first_token_s": None,
+                "last_token_s": None,
+                "prompt_tokens": 5,
+                "output_tokens": 0,
+            },
+        ]
+    ).reindex(columns=REQUEST_COLUMNS)
+    tokens = pd.DataFrame(
+        {
+            "request_id": ["a", "a", "a", "b", "b"],
+            "index": [0, 1, 2, 0, 1],
+            "step": [1, 2, 3, 4, 5],
+            "time_s": [0.5, 0.6, 0.8, 1.2, 1.5],
+            "token_id": [1, 2, 3, 4, 5],
+        }
+    )
+    steps = pd.DataFrame(
+        [
+            {
+                "step": i,
+                "num_seqs": n,
+                "prefill_tokens": p,
+                "decode_tokens": d,
+                "padding_tokens": 0,
+                "kv_bytes_reserved": 100,
+                "kv_bytes_used": u,
+            }
+            for i, n, p, d, u in [(1, 1, 10, 0, 10), (2, 2, 20, 1, 40), (3, 1, 0, 1, 30)]
+        ]
+    ).reindex(columns=STEP_COLUMNS)
     return requests, tokens, steps
 
 
@@ -82,8 +132,12 @@ def test_goodput_padding_offered_rate_and_window() -> None:
     assert s["goodput_req_per_s"] == pytest.approx(1 / 1.5)
     assert s["offered_req_per_s"] == pytest.approx(3 / 0.3)  # 4 arrivals over 0.3 s
     assert s["padding_fraction"] == 0.0
-    out = summarize({"requests": requests, "tokens": tokens, "steps": steps}, {}, None,
-                    WindowConfig(skip_fraction=0.25, min_requests=5))
+    out = summarize(
+        {"requests": requests, "tokens": tokens, "steps": steps},
+        {},
+        None,
+        WindowConfig(skip_fraction=0.25, min_requests=5),
+    )
     window = out["window"]
     # sends in order: 0.0 (a), 0.1 (d), 0.2 (b), 0.3 (c): skip the first quarter
     assert window["kind"] == "steady_state" and window["start_s"] == 0.1
@@ -112,14 +166,23 @@ def test_a_window_no_request_completed_in_gives_the_whole_runs_rates() -> None:
     requests, tokens, steps = frames()
     requests["sent_s"] = requests["arrival_s"]
     assert compute_summary(requests, tokens, steps, span=(0.1, 0.3))["req_per_s"] == 0.0
-    out = summarize({"requests": requests, "tokens": tokens, "steps": steps}, {}, None,
-                    WindowConfig(skip_fraction=0.25))
+    out = summarize(
+        {"requests": requests, "tokens": tokens, "steps": steps},
+        {},
+        None,
+        WindowConfig(skip_fraction=0.25),
+    )
     window, m, whole = out["window"], out["metrics"], out["metrics_whole_run"]
     assert (window["kind"], window["start_s"], window["end_s"]) == ("steady_state", 0.1, 0.3)
     assert window["valid"] is False and window["num_completed"] == 0
     assert window["reason"] == "no request completed inside the window"
-    for name in ("duration_s", "req_per_s", "output_tok_per_s", "input_tok_per_s",
-                 "total_tok_per_s"):
+    for name in (
+        "duration_s",
+        "req_per_s",
+        "output_tok_per_s",
+        "input_tok_per_s",
+        "total_tok_per_s",
+    ):
         assert name in window["whole_run_metrics"]
         assert m[name] == whole[name], name
     assert m["req_per_s"] == pytest.approx(3 / 1.5) and m["duration_s"] == pytest.approx(1.5)
@@ -133,8 +196,12 @@ def test_a_valid_window_keeps_its_own_rates() -> None:
     requests, tokens, steps = frames()
     requests["sent_s"] = requests["arrival_s"]
     requests.loc[requests["request_id"] == "c", "sent_s"] = 1.0  # window [0.1, 1.0]: a inside
-    out = summarize({"requests": requests, "tokens": tokens, "steps": steps}, {}, None,
-                    WindowConfig(skip_fraction=0.25))
+    out = summarize(
+        {"requests": requests, "tokens": tokens, "steps": steps},
+        {},
+        None,
+        WindowConfig(skip_fraction=0.25),
+    )
     window = out["window"]
     assert window["valid"] is True and window["num_completed"] == 1
     assert window["whole_run_metrics"] == []
@@ -142,14 +209,17 @@ def test_a_valid_window_keeps_its_own_rates() -> None:
     assert out["metrics_whole_run"]["req_per_s"] == pytest.approx(3 / 1.5)
 
 
-@pytest.mark.parametrize(("values", "named"), [
-    ({"skip": 0.2}, "unknown key(s) ['skip']"),
-    ({"skip_fraction": "half"}, "run.window.skip_fraction: 'half' is invalid"),
-    ({"min_duration_s": -1}, "run.window.min_duration_s: -1 is invalid"),
-    ({"min_requests": 2.5}, "run.window.min_requests: 2.5 is invalid"),
-    ({"min_requests": True}, "run.window.min_requests: True is invalid"),
-    (3, "run.window: 3 is invalid; allowed: a mapping of"),
-])
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"skip": 0.2}, "unknown key(s) ['skip']"),
+        ({"skip_fraction": "half"}, "run.window.skip_fraction: 'half' is invalid"),
+        ({"min_duration_s": -1}, "run.window.min_duration_s: -1 is invalid"),
+        ({"min_requests": 2.5}, "run.window.min_requests: 2.5 is invalid"),
+        ({"min_requests": True}, "run.window.min_requests: True is invalid"),
+        (3, "run.window: 3 is invalid; allowed: a mapping of"),
+    ],
+)
 def test_window_config_names_the_bad_key(values: object, named: str) -> None:
     from harness.window import WindowConfig
 

@@ -32,8 +32,14 @@ from harness.monitors import (
 )
 
 GPU_COLUMNS = ["gpu_util", "gpu_mem_used_bytes", "gpu_power_w", "gpu_energy_j"]
-MONITOR_METRICS = ["peak_vram_bytes", "gpu_util_mean", "energy_j", "j_per_output_token",
-                   "peak_rss_bytes", "cpu_util_mean"]
+MONITOR_METRICS = [
+    "peak_vram_bytes",
+    "gpu_util_mean",
+    "energy_j",
+    "j_per_output_token",
+    "peak_rss_bytes",
+    "cpu_util_mean",
+]
 
 
 def busy(seconds: float) -> None:
@@ -131,12 +137,15 @@ def test_nvml_unavailable_is_a_note_not_a_crash(monkeypatch: pytest.MonkeyPatch)
     frame = sample_for(monitor, 0.05, gpu_index=0)
     assert frame[GPU_COLUMNS].isna().all().all()
     assert frame["rss_bytes"].notna().all()
-    assert any("NVML unavailable: NVMLError: NVML Shared Library Not Found" in n
-               for n in monitor.info()["notes"])
+    assert any(
+        "NVML unavailable: NVMLError: NVML Shared Library Not Found" in n
+        for n in monitor.info()["notes"]
+    )
 
 
 def test_missing_gpu_with_failing_shutdown_is_a_note_not_a_crash(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     class NoSuchGPU(FakeNVML):
         def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
             raise NVMLError("Invalid Argument")
@@ -148,8 +157,9 @@ def test_missing_gpu_with_failing_shutdown_is_a_note_not_a_crash(
     monitor = Monitor(interval_s=0.01)
     frame = sample_for(monitor, 0.03, gpu_index=3)
     assert frame[GPU_COLUMNS].isna().all().all() and frame["rss_bytes"].notna().all()
-    assert any("NVML has no GPU 3: NVMLError: Invalid Argument" in n
-               for n in monitor.info()["notes"])
+    assert any(
+        "NVML has no GPU 3: NVMLError: Invalid Argument" in n for n in monitor.info()["notes"]
+    )
 
 
 def test_fake_nvml_gives_known_columns_and_exact_energy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,8 +223,10 @@ def test_a_reader_that_fails_mid_run_keeps_its_earlier_samples() -> None:
     power = frame["gpu_power_w"]
     assert power.iloc[:3].eq(100.0).all() and power.iloc[3:].isna().all()
     assert calls["n"] == 4  # dropped after the failure, not retried every sample
-    assert any("gpu_power_w: stopped after 3 samples: RuntimeError: device went away" in n
-               for n in monitor.info()["notes"])
+    assert any(
+        "gpu_power_w: stopped after 3 samples: RuntimeError: device went away" in n
+        for n in monitor.info()["notes"]
+    )
 
 
 class DeniedProcess:
@@ -229,8 +241,7 @@ class DeniedProcess:
 
 
 def test_psutil_failures_degrade_per_column(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(monitors, "import_psutil",
-                        lambda: SimpleNamespace(Process=DeniedProcess))
+    monkeypatch.setattr(monitors, "import_psutil", lambda: SimpleNamespace(Process=DeniedProcess))
     monitor = Monitor(interval_s=0.01)
     monitor.mark_before_load()
     frame = sample_for(monitor, 0.05, gpu_index=None)
@@ -239,8 +250,9 @@ def test_psutil_failures_degrade_per_column(monkeypatch: pytest.MonkeyPatch) -> 
     notes = " | ".join(monitor.info()["notes"])
     assert "rss_bytes: not sampled: AccessDenied" in notes
     assert "cpu_util: not sampled: NotImplementedError: cpu_times is not supported" in notes
-    metrics = monitor_metrics({"samples": frame, "monitor": monitor.info()}, {},
-                              (0.0, float(frame["time_s"].max())), 10)
+    metrics = monitor_metrics(
+        {"samples": frame, "monitor": monitor.info()}, {}, (0.0, float(frame["time_s"].max())), 10
+    )
     assert not set(MONITOR_METRICS) & set(metrics)  # nothing measured, nothing reported
 
 
@@ -263,9 +275,11 @@ def handmade_samples(**columns: list[float]) -> pd.DataFrame:
 
 
 def test_span_metrics_weight_each_interval_by_its_overlap() -> None:
-    samples = handmade_samples(cpu_util=[np.nan, 0.2, 0.4, 0.6],
-                               rss_bytes=[100.0, 300.0, 200.0, 900.0],
-                               gpu_energy_j=[0.0, 10.0, 30.0, 60.0])
+    samples = handmade_samples(
+        cpu_util=[np.nan, 0.2, 0.4, 0.6],
+        rss_bytes=[100.0, 300.0, 200.0, 900.0],
+        gpu_energy_j=[0.0, 10.0, 30.0, 60.0],
+    )
     run_info = {"samples": samples, "monitor": {}}
     metrics = monitor_metrics(run_info, {}, (0.5, 2.5), output_tokens=4)
     # intervals (0,1], (1,2], (2,3] overlap the span by 0.5, 1, 0.5
@@ -284,10 +298,15 @@ def test_memory_breakdown_gpu_and_cpu() -> None:
     kv = {"kv_bytes_reserved_peak": 800, "kv_bytes_used_peak": 300}
     gpu = handmade_samples(torch_cuda_allocated_bytes=[6000.0, 6500.0, 6100.0, 6000.0])
     out = memory_breakdown(gpu, {}, engine, kv)
-    assert out == {"memory_weights_bytes": 1000, "memory_packed_weights_bytes": None,
-                   "memory_kv_pool_bytes": 5000,
-                   "memory_kv_reserved_bytes": 800, "memory_kv_used_bytes": 300,
-                   "memory_peak_bytes": 6500, "memory_other_bytes": 500}
+    assert out == {
+        "memory_weights_bytes": 1000,
+        "memory_packed_weights_bytes": None,
+        "memory_kv_pool_bytes": 5000,
+        "memory_kv_reserved_bytes": 800,
+        "memory_kv_used_bytes": 300,
+        "memory_peak_bytes": 6500,
+        "memory_other_bytes": 500,
+    }
     cpu = handmade_samples(rss_bytes=[10_000.0, 10_900.0, 10_500.0, 10_400.0])
     out = memory_breakdown(cpu, {"rss_after_load_bytes": 10_000}, engine, kv)
     # growth 900 above the post-load RSS: 300 of KV in use, 600 other
@@ -308,12 +327,15 @@ def test_memory_breakdown_gpu_and_cpu() -> None:
     assert out["memory_peak_bytes"] == 1000 + 400 + 5000 + 900
 
 
-@pytest.mark.parametrize(("values", "field"), [
-    ({"interval_s": 0}, "run.monitor.interval_s"),
-    ({"interval_s": "fast"}, "run.monitor.interval_s"),
-    ({"enabled": "yes"}, "run.monitor.enabled"),
-    ({"rate": 10}, "run.monitor: unknown key(s) ['rate']"),
-])
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"interval_s": 0}, "run.monitor.interval_s"),
+        ({"interval_s": "fast"}, "run.monitor.interval_s"),
+        ({"enabled": "yes"}, "run.monitor.enabled"),
+        ({"rate": 10}, "run.monitor: unknown key(s) ['rate']"),
+    ],
+)
 def test_monitor_config_errors_name_the_field(values: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match="allowed") as info:
         MonitorConfig.from_dict(values)
@@ -321,11 +343,21 @@ def test_monitor_config_errors_name_the_field(values: dict[str, Any], field: str
 
 
 def tiny_config(*overrides: str) -> dict[str, Any]:
-    cfg = configs.compose([
-        "model=tiny", "workload.num_requests=4", "workload.input_len=[8,24]",
-        "workload.output_len=[3,12]", "run.warmup_requests=1", "run.progress=false",
-        "engine.kv_cache_memory_bytes=4000000", "engine.device=cpu", "hardware=h100",
-        "run.monitor.interval_s=0.01", *overrides])
+    cfg = configs.compose(
+        [
+            "model=tiny",
+            "workload.num_requests=4",
+            "workload.input_len=[8,24]",
+            "workload.output_len=[3,12]",
+            "run.warmup_requests=1",
+            "run.progress=false",
+            "engine.kv_cache_memory_bytes=4000000",
+            "engine.device=cpu",
+            "hardware=h100",
+            "run.monitor.interval_s=0.01",
+            *overrides,
+        ]
+    )
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
     return config
@@ -347,18 +379,17 @@ def test_tiny_run_writes_samples_and_metrics(tmp_path: Path) -> None:
     for metrics in (on_disk["metrics"], on_disk["metrics_whole_run"]):
         # a peak over the window (or the run) is one of the sampled values; memory freed
         # after the first sample can leave the window's peak below that sample
-        assert samples["rss_bytes"].min() <= metrics["peak_rss_bytes"] \
-            <= samples["rss_bytes"].max()
+        assert samples["rss_bytes"].min() <= metrics["peak_rss_bytes"] <= samples["rss_bytes"].max()
         assert 0 < metrics["cpu_util_mean"] <= 1.05
         assert metrics["memory_weights_bytes"] == on_disk["engine"]["weight_bytes"]
-        assert metrics["memory_packed_weights_bytes"] == \
-            on_disk["engine"]["packed_weight_bytes"]
+        assert metrics["memory_packed_weights_bytes"] == on_disk["engine"]["packed_weight_bytes"]
         assert metrics["memory_kv_used_bytes"] == metrics["kv_bytes_used_peak"]
         assert metrics["memory_kv_reserved_bytes"] == metrics["kv_bytes_reserved_peak"]
         assert metrics["memory_kv_pool_bytes"] == on_disk["engine"]["kv_pool_bytes"]
         # no GPU here: those metrics are missing, not zero
-        assert not {"peak_vram_bytes", "gpu_util_mean", "energy_j",
-                    "j_per_output_token"} & set(metrics)
+        assert not {"peak_vram_bytes", "gpu_util_mean", "energy_j", "j_per_output_token"} & set(
+            metrics
+        )
 
 
 def test_monitor_disabled_writes_no_samples(tmp_path: Path) -> None:
@@ -370,8 +401,7 @@ def test_monitor_disabled_writes_no_samples(tmp_path: Path) -> None:
 
 def test_failed_run_still_writes_samples(tmp_path: Path) -> None:
     # fails after the model loaded and the monitor started: the finally block stops it
-    summary = run_experiment(tiny_config("workload.type=bogus"), tmp_path,
-                             progress=False)
+    summary = run_experiment(tiny_config("workload.type=bogus"), tmp_path, progress=False)
     assert summary["status"] == "failed"
     samples = pd.read_parquet(tmp_path / "samples.parquet")
     assert len(samples) >= 2 and samples["rss_bytes"].notna().all()
@@ -379,7 +409,6 @@ def test_failed_run_still_writes_samples(tmp_path: Path) -> None:
 
 
 def test_bad_monitor_config_fails_the_run_naming_the_field(tmp_path: Path) -> None:
-    summary = run_experiment(tiny_config("run.monitor.interval_s=-1"), tmp_path,
-                             progress=False)
+    summary = run_experiment(tiny_config("run.monitor.interval_s=-1"), tmp_path, progress=False)
     assert summary["status"] == "failed"
     assert "run.monitor.interval_s" in summary["error"]

@@ -25,14 +25,24 @@ from harness.records import load_table, write_json_atomic
 REPO = Path(__file__).resolve().parents[1]
 # Long enough to be caught mid-way: 40 requests of up to 400 tokens, 8 at a time (the
 # seeded lengths let two of the first eight finish within about 50 steps).
-LONG_RUN = ["model=tiny", "run.warmup_requests=0", "workload.num_requests=40",
-            "workload.input_len=8", "workload.output_len=[2,400]", "engine.max_num_seqs=8"]
+LONG_RUN = [
+    "model=tiny",
+    "run.warmup_requests=0",
+    "workload.num_requests=40",
+    "workload.input_len=8",
+    "workload.output_len=[2,400]",
+    "engine.max_num_seqs=8",
+]
 
 
 def start_run(run_dir: Path, *overrides: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "harness.app", *overrides,
-                             f"hydra.run.dir={run_dir}"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "harness.app", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_rows(proc: subprocess.Popen[str], jsonl: Path, rows: int) -> None:
@@ -63,8 +73,9 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     """Two runs started together (to save time), each killed once it has request rows: one
     with SIGINT (Ctrl-C), one with SIGKILL. signal name -> (run folder, exit code)."""
     root = tmp_path_factory.mktemp("killed")
-    procs = {name: (root / name, start_run(root / name, *LONG_RUN))
-             for name in ("SIGINT", "SIGKILL")}
+    procs = {
+        name: (root / name, start_run(root / name, *LONG_RUN)) for name in ("SIGINT", "SIGKILL")
+    }
     out = {}
     for name, (run_dir, proc) in procs.items():
         wait_for_rows(proc, run_dir / "requests.jsonl", 2)
@@ -101,8 +112,7 @@ def test_sigkill_leaves_rows_and_a_summary_still_running(killed_runs) -> None:
         f.write('{"request_id": "torn')
     assert len(load_table(run_dir, "requests")) == len(requests)
     # the killed run's rows still give its metrics
-    summary = compute_summary(requests, load_table(run_dir, "tokens"),
-                              load_table(run_dir, "steps"))
+    summary = compute_summary(requests, load_table(run_dir, "tokens"), load_table(run_dir, "steps"))
     assert summary["num_completed"] == len(requests) and summary["ttft_p50_s"] > 0
 
 
@@ -125,11 +135,24 @@ def test_failed_requests_are_counted_and_kept_out_of_latencies(tmp_path: Path) -
     longer fits max_model_len and fails; the run completes and counts them."""
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "harness.app", "model=tiny", "engine.max_model_len=64",
-         "workload.num_requests=6", "workload.input_len=30", "workload.output_len=4",
-         "workload.sessions={num_turns: 2, think_time_s: 0}", "run.warmup_requests=0",
-         f"hydra.run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "harness.app",
+            "model=tiny",
+            "engine.max_model_len=64",
+            "workload.num_requests=6",
+            "workload.input_len=30",
+            "workload.output_len=4",
+            "workload.sessions={num_turns: 2, think_time_s: 0}",
+            "run.warmup_requests=0",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "complete"
@@ -168,27 +191,30 @@ def test_sigterm_stops_a_series_of_repeats(tmp_path: Path) -> None:
     assert not (run_dir / "repeat-1").exists()
 
 
-TINY_CONFIG = {"engine": {"dtype": "float32", "device": "cpu", "max_model_len": 64},
-               "model": {"name": "tiny"},
-               "workload": {"type": "synthetic", "num_requests": 3, "input_len": 8,
-                            "output_len": 3},
-               "run": {"warmup_requests": 0, "monitor": {"enabled": False}}}
+TINY_CONFIG = {
+    "engine": {"dtype": "float32", "device": "cpu", "max_model_len": 64},
+    "model": {"name": "tiny"},
+    "workload": {"type": "synthetic", "num_requests": 3, "input_len": 8, "output_len": 3},
+    "run": {"warmup_requests": 0, "monitor": {"enabled": False}},
+}
 
 
 def disk_full(path: object) -> OSError:
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
-def test_a_full_disk_while_finalizing_fails_the_run(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_disk_while_finalizing_fails_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def to_parquet(self: pd.DataFrame, path: object, *args: object, **kwargs: object) -> None:
         raise disk_full(path)
 
     monkeypatch.setattr(pd.DataFrame, "to_parquet", to_parquet)
     summary = run_experiment(TINY_CONFIG, tmp_path, progress=False)
     assert summary["status"] == "failed"
-    assert summary["error"].startswith("writing the run folder failed: OSError: [Errno 28] "
-                                       "No space left on device")
+    assert summary["error"].startswith(
+        "writing the run folder failed: OSError: [Errno 28] No space left on device"
+    )
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
     # no table was written whole, so none is there: readers take the JSONL rows, all of them
     assert not list(tmp_path.glob("*.parquet")) and not list(tmp_path.glob(".*"))
@@ -196,7 +222,8 @@ def test_a_full_disk_while_finalizing_fails_the_run(tmp_path: Path,
 
 
 def test_a_full_disk_for_the_summary_too_leaves_no_running_summary(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = records.write_json_atomic
     written: list[str] = []
 
@@ -212,13 +239,16 @@ def test_a_full_disk_for_the_summary_too_leaves_no_running_summary(
     assert written[-1] == "running"
     assert not (tmp_path / "summary.json").exists()  # nothing says the run is still going
     message = str(error.value)
-    assert message == (f"{tmp_path}: writing summary.json failed: OSError: [Errno 28] No space "
-                       f"left on device: '{tmp_path / 'summary.json'}'")
+    assert message == (
+        f"{tmp_path}: writing summary.json failed: OSError: [Errno 28] No space "
+        f"left on device: '{tmp_path / 'summary.json'}'"
+    )
     assert error.value.summary["status"] == "failed"
 
 
 def test_the_summary_written_on_a_second_try_says_why_it_failed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = records.write_json_atomic
     failures = iter([disk_full("summary.json")])
 
@@ -240,8 +270,20 @@ def test_an_unwritable_run_folder_is_one_line_and_exit_1(tmp_path: Path) -> None
     run_dir = tmp_path / "run"
     (run_dir / "summary.json").mkdir(parents=True)
     result = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "run", "model=tiny", "workload.num_requests=2",
-         f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "run",
+            "model=tiny",
+            "workload.num_requests=2",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -286,10 +328,25 @@ raise SystemExit(main(["run", *sys.argv[2:], f"hydra.sweep.dir={sweep}"]))
 def test_a_sweep_job_that_finds_the_disk_full_is_a_failed_row(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = subprocess.run(
-        [sys.executable, "-c", INJECT_FULL_DISK, str(sweep), "-m", "model=tiny",
-         "workload.num_requests=2", "workload.input_len=8", "workload.output_len=2",
-         "run.warmup_requests=0", "run.monitor.enabled=false", "workload.seed=0,1,2"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-c",
+            INJECT_FULL_DISK,
+            str(sweep),
+            "-m",
+            "model=tiny",
+            "workload.num_requests=2",
+            "workload.input_len=8",
+            "workload.output_len=2",
+            "run.warmup_requests=0",
+            "run.monitor.enabled=false",
+            "workload.seed=0,1,2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr  # a failing job never stops a sweep
     assert "Traceback" not in result.stderr
     rows = pd.read_csv(sweep / "sweep.csv").set_index("job")

@@ -60,9 +60,14 @@ class ScriptedServer:
     arrival timestamps are exactly the script's. No read is sent before `expected` requests
     have arrived, so every send happens at the same fake instant."""
 
-    def __init__(self, clock: FakeClock, script: Callable[[dict[str, Any]], Reply],
-                 expected: int = 1, models: list[dict[str, Any]] | None = None,
-                 pages: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        clock: FakeClock,
+        script: Callable[[dict[str, Any]], Reply],
+        expected: int = 1,
+        models: list[dict[str, Any]] | None = None,
+        pages: dict[str, Any] | None = None,
+    ) -> None:
         self.clock = clock
         self.script = script
         self.expected = expected
@@ -84,10 +89,12 @@ class ScriptedServer:
         self.bodies.append(body)
         reply = self.script(body)
         if reply.status >= 400 or reply.content_type == "application/json":
-            return httpx.Response(reply.status, content=reply.body,
-                                  headers={"content-type": "application/json"})
-        return httpx.Response(200, content=self._stream(reply),
-                              headers={"content-type": "text/event-stream"})
+            return httpx.Response(
+                reply.status, content=reply.body, headers={"content-type": "application/json"}
+            )
+        return httpx.Response(
+            200, content=self._stream(reply), headers={"content-type": "text/event-stream"}
+        )
 
     async def _stream(self, reply: Reply) -> AsyncIterator[bytes]:
         for _ in range(10_000):
@@ -110,8 +117,9 @@ def fixture_reads(name: str) -> list[bytes]:
 
 def backend_for(scripted: ScriptedServer, clock: FakeClock, **options: Any) -> OpenAIBackend:
     options = {"base_url": "http://scripted/v1", "check_server": False, **options}
-    backend = OpenAIBackend(OpenAIConfig.from_config(options, TINY), TINY, clock=clock,
-                            transport=scripted.transport)
+    backend = OpenAIBackend(
+        OpenAIConfig.from_config(options, TINY), TINY, clock=clock, transport=scripted.transport
+    )
     backend.load()
     return backend
 
@@ -126,11 +134,19 @@ def collect(backend: OpenAIBackend, *requests: GenerationRequest) -> dict[str, l
     return {r.request_id: events for r, events in zip(requests, asyncio.run(run()), strict=True)}
 
 
-def request(rid: str = "r0", prompt: Any = (5, 6, 7), max_tokens: int = 4,
-            ignore_eos: bool = True, **sampling: Any) -> GenerationRequest:
+def request(
+    rid: str = "r0",
+    prompt: Any = (5, 6, 7),
+    max_tokens: int = 4,
+    ignore_eos: bool = True,
+    **sampling: Any,
+) -> GenerationRequest:
     prompt = list(prompt) if isinstance(prompt, tuple) else prompt
-    return GenerationRequest(rid, prompt, SamplingParams(
-        max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0, **sampling))
+    return GenerationRequest(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0, **sampling),
+    )
 
 
 def of(events: list[Any], kind: type) -> list[Any]:
@@ -141,13 +157,18 @@ def of(events: list[Any], kind: type) -> list[Any]:
 
 
 def test_sse_parser_follows_the_event_stream_rules() -> None:
-    stream = (b": ping\r\nevent: update\r\ndata: a\r\ndata:  b\r\nid: 7\r\n\r\n"
-              b"data: one\rdata: two\r\rdata: [DONE]\n\nerror: {\"code\": 500}\n\n"
-              b"data: tail")
+    stream = (
+        b": ping\r\nevent: update\r\ndata: a\r\ndata:  b\r\nid: 7\r\n\r\n"
+        b'data: one\rdata: two\r\rdata: [DONE]\n\nerror: {"code": 500}\n\n'
+        b"data: tail"
+    )
     parser = SSEParser()
     events = parser.feed(stream) + parser.close()
     assert [(e.event, e.data, e.id) for e in events[:3]] == [
-        ("update", "a\n b", "7"), ("message", "one\ntwo", "7"), ("message", "[DONE]", "7")]
+        ("update", "a\n b", "7"),
+        ("message", "one\ntwo", "7"),
+        ("message", "[DONE]", "7"),
+    ]
     # (the last event id persists until a new `id:` line, as the standard says)
     assert events[2].is_done
     assert events[3].extra == {"error": '{"code": 500}'} and events[3].data == ""
@@ -155,15 +176,17 @@ def test_sse_parser_follows_the_event_stream_rules() -> None:
 
 
 def test_sse_parser_gives_the_same_events_however_the_bytes_are_cut() -> None:
-    stream = ("data: {\"text\": \"caf\u00e9 \u2014 \u6771\u4eac\"}\r\n\r\n"
-              "data: x\r\rdata: y\n\n: c\ndata: [DONE]\r\n\r\n").encode()
+    stream = (
+        'data: {"text": "caf\u00e9 \u2014 \u6771\u4eac"}\r\n\r\n'
+        "data: x\r\rdata: y\n\n: c\ndata: [DONE]\r\n\r\n"
+    ).encode()
     whole = SSEParser().feed(stream)
     assert len(whole) == 4 and "\u6771\u4eac" in whole[0].data
     for size in (1, 2, 3, 5, 7):
         parser = SSEParser()
         events = []
         for start in range(0, len(stream), size):
-            events += parser.feed(stream[start:start + size])
+            events += parser.feed(stream[start : start + size])
         assert [(e.event, e.data) for e in events] == [(e.event, e.data) for e in whole]
 
 
@@ -185,30 +208,129 @@ class Case:
 
 
 CASES = [
-    Case("vllm_completions_usage.sse", "vllm", "completions", "none",
-         [(279,), (3363,), (315,), (3177,)], [" the", " city", " of", " light"],
-         "length", 3, 4, True),
-    Case("vllm_chat_usage.sse", "vllm", "chat", "none", [(9906,), (1070, 0), (2650,)],
-         ["Hello", " there!", " How"], "length", 11, 4, True),
-    Case("vllm_completions_nousage.sse", "vllm", "completions", "none",
-         [(UNKNOWN_TOKEN_ID,)] * 3, [" the", " city", "."], "stop", 3, 3, False),
-    Case("sglang_completions_usage.sse", "sglang", "completions", "none",
-         [(9843,), (5304,), (264,)], [" Once", " upon", " a"], "length", 5, 3, True),
-    Case("sglang_chat_nousage.sse", "sglang", "chat", "auto", None, ["Paris", " is", "."],
-         "stop", None, 3, False),
+    Case(
+        "vllm_completions_usage.sse",
+        "vllm",
+        "completions",
+        "none",
+        [(279,), (3363,), (315,), (3177,)],
+        [" the", " city", " of", " light"],
+        "length",
+        3,
+        4,
+        True,
+    ),
+    Case(
+        "vllm_chat_usage.sse",
+        "vllm",
+        "chat",
+        "none",
+        [(9906,), (1070, 0), (2650,)],
+        ["Hello", " there!", " How"],
+        "length",
+        11,
+        4,
+        True,
+    ),
+    Case(
+        "vllm_completions_nousage.sse",
+        "vllm",
+        "completions",
+        "none",
+        [(UNKNOWN_TOKEN_ID,)] * 3,
+        [" the", " city", "."],
+        "stop",
+        3,
+        3,
+        False,
+    ),
+    Case(
+        "sglang_completions_usage.sse",
+        "sglang",
+        "completions",
+        "none",
+        [(9843,), (5304,), (264,)],
+        [" Once", " upon", " a"],
+        "length",
+        5,
+        3,
+        True,
+    ),
+    Case(
+        "sglang_chat_nousage.sse",
+        "sglang",
+        "chat",
+        "auto",
+        None,
+        ["Paris", " is", "."],
+        "stop",
+        None,
+        3,
+        False,
+    ),
     # TGI counts the EOS token, sent as the empty closing chunk: one token per chunk matches
-    Case("tgi_chat_usage.sse", "tgi", "chat", "none", [(UNKNOWN_TOKEN_ID,)] * 3,
-         ["OK", "!", ""], "stop", 39, 3, True),
-    Case("tgi_completions_nousage.sse", "tgi", "completions", "auto", None,
-         [" Deep", " learning", " is"], "stop", None, 0, False),
-    Case("llamacpp_chat_usage.sse", "llamacpp", "chat", "none", [(UNKNOWN_TOKEN_ID,)] * 2,
-         ["Hi", " there"], "length", 9, 2, True),
-    Case("llamacpp_completions_nousage.sse", "llamacpp", "completions", "none",
-         [(UNKNOWN_TOKEN_ID,)] * 3, [" Paris", " is", " big"], "length", 3, 3, False),
+    Case(
+        "tgi_chat_usage.sse",
+        "tgi",
+        "chat",
+        "none",
+        [(UNKNOWN_TOKEN_ID,)] * 3,
+        ["OK", "!", ""],
+        "stop",
+        39,
+        3,
+        True,
+    ),
+    Case(
+        "tgi_completions_nousage.sse",
+        "tgi",
+        "completions",
+        "auto",
+        None,
+        [" Deep", " learning", " is"],
+        "stop",
+        None,
+        0,
+        False,
+    ),
+    Case(
+        "llamacpp_chat_usage.sse",
+        "llamacpp",
+        "chat",
+        "none",
+        [(UNKNOWN_TOKEN_ID,)] * 2,
+        ["Hi", " there"],
+        "length",
+        9,
+        2,
+        True,
+    ),
+    Case(
+        "llamacpp_completions_nousage.sse",
+        "llamacpp",
+        "completions",
+        "none",
+        [(UNKNOWN_TOKEN_ID,)] * 3,
+        [" Paris", " is", " big"],
+        "length",
+        3,
+        3,
+        False,
+    ),
     # one chunk per token and no usage: counted one per chunk (its dialect's rule), even with
     # a tokenizer at hand whose pieces would give another count
-    Case("llama_cpp_python_completions.sse", "llama_cpp_python", "completions", "auto",
-         [(UNKNOWN_TOKEN_ID,)] * 4, ["'s", " rays", ",", " which"], "length", None, 4, False),
+    Case(
+        "llama_cpp_python_completions.sse",
+        "llama_cpp_python",
+        "completions",
+        "auto",
+        [(UNKNOWN_TOKEN_ID,)] * 4,
+        ["'s", " rays", ",", " which"],
+        "length",
+        None,
+        4,
+        False,
+    ),
 ]
 WHOLE_TOKENS = 4  # in llama_cpp_python_completions.sse
 
@@ -219,8 +341,7 @@ def test_fixture_stream_becomes_the_right_events(case: Case) -> None:
     reads = fixture_reads(case.fixture)
     times = [T0 + (k + 1) * 8 * TICK for k in range(len(reads))]
     server = ScriptedServer(clock, lambda body: Reply(list(zip(times, reads, strict=True))))
-    backend = backend_for(server, clock, server=case.server, api=case.api,
-                          tokenizer=case.tokenizer)
+    backend = backend_for(server, clock, server=case.server, api=case.api, tokenizer=case.tokenizer)
     ids_taken = case.api == "completions" and DIALECTS[case.server].token_prompts
     prompt: Any = [5, 6, 7] if ids_taken else "Hi"
     events = collect(backend, request(prompt=prompt, max_tokens=4))["r0"]
@@ -229,17 +350,24 @@ def test_fixture_stream_becomes_the_right_events(case: Case) -> None:
     tokens = of(events, Tokens)
     assert [t.text for t in tokens] == case.texts
     tok = default_tokenizer()
-    expected_ids = case.token_ids or [tuple(tok.encode(t, add_special_tokens=False))
-                                      for t in case.texts]
+    expected_ids = case.token_ids or [
+        tuple(tok.encode(t, add_special_tokens=False)) for t in case.texts
+    ]
     assert [t.token_ids for t in tokens] == expected_ids
     # each token event carries the arrival time of the read that held its chunk
-    data_of = ["\n".join(line for line in r.decode().splitlines() if not line.startswith(":"))
-               for r in reads]
+    data_of = [
+        "\n".join(line for line in r.decode().splitlines() if not line.startswith(":"))
+        for r in reads
+    ]
     for t in tokens:
         text = json.dumps(t.text)
-        read = next(k for k, d in enumerate(data_of)
-                    if any(f'"{key}":{space}{text}' in d
-                           for key in ("text", "content") for space in ("", " ")))
+        read = next(
+            k
+            for k, d in enumerate(data_of)
+            if any(
+                f'"{key}":{space}{text}' in d for key in ("text", "content") for space in ("", " ")
+            )
+        )
         assert t.time_ns == times[read]
     [finished] = of(events, Finished)
     assert events[-1] is finished and not of(events, Failed)
@@ -248,8 +376,7 @@ def test_fixture_stream_becomes_the_right_events(case: Case) -> None:
     counted = sum(len(ids) for ids in expected_ids)
     assert finished.num_output_tokens == (case.output_tokens if case.usage else counted)
     if case.prompt_tokens is None:  # no usage: the client counted the prompt itself
-        expected_prompt = (len(tok.encode(prompt)) if isinstance(prompt, str)
-                           else len(prompt))
+        expected_prompt = len(tok.encode(prompt)) if isinstance(prompt, str) else len(prompt)
         if case.api == "chat":
             expected_prompt = len(tok.encode_chat([{"role": "user", "content": prompt}]))
     else:
@@ -268,17 +395,23 @@ def test_fixture_stream_becomes_the_right_events(case: Case) -> None:
 def per_token_stream(texts: list[str], usage: int | None) -> list[tuple[int, bytes]]:
     """A completions stream with one chunk per token (text may be empty: held-back bytes or a
     skipped special token), a separate empty closing chunk, then usage (as inferlab serve)."""
-    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return f"data: {json.dumps({'object': 'text_completion', 'choices': choices, **extra})}" \
-            "\n\n".encode()
 
-    pieces = [(T0 + (k + 1) * TICK, event([{"index": 0, "text": t, "finish_reason": None}]))
-              for k, t in enumerate(texts)]
+    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return (
+            f"data: {json.dumps({'object': 'text_completion', 'choices': choices, **extra})}"
+            "\n\n".encode()
+        )
+
+    pieces = [
+        (T0 + (k + 1) * TICK, event([{"index": 0, "text": t, "finish_reason": None}]))
+        for k, t in enumerate(texts)
+    ]
     end = T0 + (len(texts) + 1) * TICK
     closing = event([{"index": 0, "text": "", "finish_reason": "length"}])
     if usage is not None:
-        closing += event([], usage={"prompt_tokens": 3, "completion_tokens": usage,
-                                    "total_tokens": 3 + usage})
+        closing += event(
+            [], usage={"prompt_tokens": 3, "completion_tokens": usage, "total_tokens": 3 + usage}
+        )
     return [*pieces, (end, closing + b"data: [DONE]\n\n")]
 
 
@@ -290,10 +423,18 @@ def test_without_ids_the_rule_matching_usage_counts_each_chunk() -> None:
     assert by_tokenizer not in (len(texts), len(texts) + 1)
     for usage, tokenizer, rule, expected in [
         (len(texts), "auto", "chunk", [(UNKNOWN_TOKEN_ID,)] * 4),  # one per chunk matches
-        (by_tokenizer, "auto", "tokenizer",
-         [tuple(tok.encode(t, add_special_tokens=False)) for t in texts if t]),
-        (None, "auto", "tokenizer",  # no usage: the tokenizer
-         [tuple(tok.encode(t, add_special_tokens=False)) for t in texts if t]),
+        (
+            by_tokenizer,
+            "auto",
+            "tokenizer",
+            [tuple(tok.encode(t, add_special_tokens=False)) for t in texts if t],
+        ),
+        (
+            None,
+            "auto",
+            "tokenizer",  # no usage: the tokenizer
+            [tuple(tok.encode(t, add_special_tokens=False)) for t in texts if t],
+        ),
         (None, "none", "nonempty_chunk", [(UNKNOWN_TOKEN_ID,)] * 3),
     ]:
         clock = FakeClock()
@@ -305,8 +446,9 @@ def test_without_ids_the_rule_matching_usage_counts_each_chunk() -> None:
         held = [T0 + (k + 1) * TICK for k, t in enumerate(texts) if t or rule == "chunk"]
         assert [t.time_ns for t in tokens] == held  # each chunk keeps its arrival time
         [finished] = of(events, Finished)
-        assert finished.num_output_tokens == (usage if usage is not None
-                                              else sum(len(i) for i in expected))
+        assert finished.num_output_tokens == (
+            usage if usage is not None else sum(len(i) for i in expected)
+        )
         assert backend.stats.snapshot()["requests_by_count_rule"] == {rule: 1}
 
 
@@ -315,12 +457,20 @@ def test_parallel_samples_finish_once_each() -> None:
         return f"data: {json.dumps(payload)}\n\n".encode()
 
     def choice(index: int, text: str, ids: list[int], finish: str | None = None) -> bytes:
-        return event({"object": "text_completion", "choices": [
-            {"index": index, "text": text, "token_ids": ids, "finish_reason": finish}]})
+        return event(
+            {
+                "object": "text_completion",
+                "choices": [
+                    {"index": index, "text": text, "token_ids": ids, "finish_reason": finish}
+                ],
+            }
+        )
 
-    reads = [(T0 + TICK, choice(0, " a", [1]) + choice(1, " b", [2])),
-             (T0 + 2 * TICK, choice(1, " c", [3], "length")),
-             (T0 + 3 * TICK, choice(0, " d", [4], "stop") + b"data: [DONE]\n\n")]
+    reads = [
+        (T0 + TICK, choice(0, " a", [1]) + choice(1, " b", [2])),
+        (T0 + 2 * TICK, choice(1, " c", [3], "length")),
+        (T0 + 3 * TICK, choice(0, " d", [4], "stop") + b"data: [DONE]\n\n"),
+    ]
     clock = FakeClock()
     server = ScriptedServer(clock, lambda b: Reply(reads))
     events = collect(backend_for(server, clock), request(max_tokens=2, n=2))["r0"]
@@ -328,19 +478,25 @@ def test_parallel_samples_finish_once_each() -> None:
     by_index = {i: [t.token_ids for t in of(events, Tokens) if t.index == i] for i in (0, 1)}
     assert by_index == {0: [(1,), (4,)], 1: [(2,), (3,)]}
     finished = {f.index: f for f in of(events, Finished)}
-    assert {i: (f.finish_reason, f.num_output_tokens, f.text) for i, f in finished.items()} \
-        == {0: ("stop", 2, " a d"), 1: ("length", 2, " b c")}
+    assert {i: (f.finish_reason, f.num_output_tokens, f.text) for i, f in finished.items()} == {
+        0: ("stop", 2, " a d"),
+        1: ("length", 2, " b c"),
+    }
 
 
 # ---- errors: each fails its own request ---------------------------------------------------
 
 
-@pytest.mark.parametrize("fixture,status,needle", [
-    ("vllm_http_400.json", 400, "maximum context length is 2048 tokens"),
-    ("tgi_http_422.json", 422, "Input validation error"),
-])
-def test_http_error_fails_the_request_with_status_and_body(fixture: str, status: int,
-                                                           needle: str) -> None:
+@pytest.mark.parametrize(
+    "fixture,status,needle",
+    [
+        ("vllm_http_400.json", 400, "maximum context length is 2048 tokens"),
+        ("tgi_http_422.json", 422, "Input validation error"),
+    ],
+)
+def test_http_error_fails_the_request_with_status_and_body(
+    fixture: str, status: int, needle: str
+) -> None:
     clock = FakeClock()
     body = (FIXTURES / fixture).read_bytes()
     server = ScriptedServer(clock, lambda b: Reply(status=status, body=body))
@@ -352,18 +508,24 @@ def test_http_error_fails_the_request_with_status_and_body(fixture: str, status:
     assert backend.stats.snapshot()["requests_failed"] == 1
 
 
-@pytest.mark.parametrize("fixture,server_name,needle", [
-    ("vllm_stream_error.sse", "vllm", "InternalServerError 500: The engine died unexpectedly."),
-    ("llamacpp_stream_error.sse", "llamacpp", "server_error 500: the context is full"),
-])
-def test_error_event_mid_stream_fails_the_request(fixture: str, server_name: str,
-                                                  needle: str) -> None:
+@pytest.mark.parametrize(
+    "fixture,server_name,needle",
+    [
+        ("vllm_stream_error.sse", "vllm", "InternalServerError 500: The engine died unexpectedly."),
+        ("llamacpp_stream_error.sse", "llamacpp", "server_error 500: the context is full"),
+    ],
+)
+def test_error_event_mid_stream_fails_the_request(
+    fixture: str, server_name: str, needle: str
+) -> None:
     clock = FakeClock()
     reads = fixture_reads(fixture)
-    server = ScriptedServer(clock, lambda b: Reply([(T0 + (k + 1) * TICK, r)
-                                                    for k, r in enumerate(reads)]))
-    events = collect(backend_for(server, clock, server=server_name, tokenizer="none"),
-                     request())["r0"]
+    server = ScriptedServer(
+        clock, lambda b: Reply([(T0 + (k + 1) * TICK, r) for k, r in enumerate(reads)])
+    )
+    events = collect(backend_for(server, clock, server=server_name, tokenizer="none"), request())[
+        "r0"
+    ]
     assert len(of(events, Tokens)) == 1 and not of(events, Finished)
     [failed] = of(events, Failed)
     assert events[-1] is failed and needle in failed.error
@@ -380,11 +542,15 @@ def test_timeout_and_truncated_stream_fail_with_a_reason() -> None:
         return Reply([(T0 + TICK, reads[0])])  # closes after one chunk, no finish, no [DONE]
 
     server = ScriptedServer(clock, script, expected=2)
-    out = collect(backend_for(server, clock, timeout_s=5), request("slow", prompt=(1,)),
-                  request("cut", prompt=(2,)))
+    out = collect(
+        backend_for(server, clock, timeout_s=5),
+        request("slow", prompt=(1,)),
+        request("cut", prompt=(2,)),
+    )
     assert "timeout (engine.timeout_s=5)" in of(out["slow"], Failed)[0].error
     assert of(out["cut"], Failed)[0].error == (
-        "stream closed (no [DONE]) without a finish_reason after 1 tokens")
+        "stream closed (no [DONE]) without a finish_reason after 1 tokens"
+    )
     for events in out.values():  # the token that did arrive is kept, at its own time
         assert [(t.token_ids, t.time_ns) for t in of(events, Tokens)] == [((279,), T0 + TICK)]
         assert isinstance(events[-1], Failed) and not of(events, Finished)
@@ -408,8 +574,12 @@ def data(payload: dict[str, Any]) -> bytes:
 
 
 def completion_chunk(text: str, finish: str | None = None) -> bytes:
-    return data({"object": "text_completion",
-                 "choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+    return data(
+        {
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+        }
+    )
 
 
 def at(*reads: bytes) -> list[tuple[int, bytes]]:
@@ -420,32 +590,62 @@ FAILURE_SHAPES: dict[str, tuple[Reply, str]] = {
     # llama-cpp-python cuts a stream for the next request: [DONE] and no finish_reason
     "done_without_finish_reason": (
         Reply(at(*fixture_reads("llama_cpp_python_interrupted.sse"))),
-        "stream ended without a finish_reason after 4 tokens"),
+        "stream ended without a finish_reason after 4 tokens",
+    ),
     "closed_mid_stream": (
-        Reply(at(completion_chunk(" a")), raise_after=httpx.RemoteProtocolError(
-            "peer closed connection without sending complete message body")),
-        "HTTP error on POST http://scripted/v1/completions: RemoteProtocolError: peer closed"),
+        Reply(
+            at(completion_chunk(" a")),
+            raise_after=httpx.RemoteProtocolError(
+                "peer closed connection without sending complete message body"
+            ),
+        ),
+        "HTTP error on POST http://scripted/v1/completions: RemoteProtocolError: peer closed",
+    ),
     "closed_without_done": (
         Reply(at(completion_chunk(" a"), completion_chunk(" b"))),
-        "stream closed (no [DONE]) without a finish_reason after 2 tokens"),
+        "stream closed (no [DONE]) without a finish_reason after 2 tokens",
+    ),
     "http_500": (
-        Reply(status=500, body=b'{"error":{"message":"list index out of range",'
-                               b'"type":"internal_server_error"}}'),
-        'HTTP 500 from POST http://scripted/v1/completions: {"error":{"message":"list index'),
+        Reply(
+            status=500,
+            body=b'{"error":{"message":"list index out of range","type":"internal_server_error"}}',
+        ),
+        'HTTP 500 from POST http://scripted/v1/completions: {"error":{"message":"list index',
+    ),
     "error_event": (
-        Reply(at(completion_chunk(" a"), data({"error": {
-            "message": "out of memory", "type": "InternalServerError", "code": 500}}),
-            b"data: [DONE]\n\n")),
-        "server error in stream: InternalServerError 500: out of memory"),
+        Reply(
+            at(
+                completion_chunk(" a"),
+                data(
+                    {
+                        "error": {
+                            "message": "out of memory",
+                            "type": "InternalServerError",
+                            "code": 500,
+                        }
+                    }
+                ),
+                b"data: [DONE]\n\n",
+            )
+        ),
+        "server error in stream: InternalServerError 500: out of memory",
+    ),
     "not_streamed_without_finish_reason": (
-        Reply(content_type="application/json", body=json.dumps({
-            "object": "text_completion",
-            "choices": [{"index": 0, "text": " a b", "finish_reason": None}]}).encode()),
-        "response (not streamed) without a finish_reason after 1 tokens"),
+        Reply(
+            content_type="application/json",
+            body=json.dumps(
+                {
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "text": " a b", "finish_reason": None}],
+                }
+            ).encode(),
+        ),
+        "response (not streamed) without a finish_reason after 1 tokens",
+    ),
     "malformed_chunk": (
-        Reply(at(data({"object": "text_completion", "choices": ["a"]}),
-                 b"data: [DONE]\n\n")),
-        "server error in stream: malformed SSE data (AttributeError"),
+        Reply(at(data({"object": "text_completion", "choices": ["a"]}), b"data: [DONE]\n\n")),
+        "server error in stream: malformed SSE data (AttributeError",
+    ),
 }
 
 
@@ -453,8 +653,11 @@ FAILURE_SHAPES: dict[str, tuple[Reply, str]] = {
 def test_every_unfinished_answer_is_a_failed_request(shape: str) -> None:
     reply, needle = FAILURE_SHAPES[shape]
     clock = FakeClock()
-    server = ScriptedServer(clock, lambda b: reply if b["prompt"][0] == ord("x")
-                            else vllm_stream("a", SCHEDULE["a"], 6), expected=2)
+    server = ScriptedServer(
+        clock,
+        lambda b: reply if b["prompt"][0] == ord("x") else vllm_stream("a", SCHEDULE["a"], 6),
+        expected=2,
+    )
     backend = backend_for(server, clock, tokenizer="none")
     frames = run_driver(backend, workload(["a", "x"]), clock)
     requests = frames["requests"].set_index("request_id")
@@ -486,54 +689,73 @@ def test_an_interrupting_server_at_concurrency_two_fails_every_cut_stream() -> N
     items = workload(list("abcdefgh"))
     rows: dict[str, list[dict[str, Any]]] = {"requests": [], "tokens": [], "steps": []}
     Driver(backend, lambda table, row: rows[table].append(row), clock=clock).run(
-        items, concurrency=2)
+        items, concurrency=2
+    )
     requests = pd.DataFrame(rows["requests"], columns=COLUMNS["requests"])
     assert (requests["status"] == "failed").sum() == 7
     failed = requests[requests["status"] == "failed"]
     assert set(failed["error"]) == {"stream ended without a finish_reason after 4 tokens"}
     [ok] = requests[requests["status"] == "ok"].itertuples()
     assert ok.finish_reason == "length" and ok.output_tokens == WHOLE_TOKENS
-    summary = compute_summary(requests, pd.DataFrame(rows["tokens"], columns=COLUMNS["tokens"]),
-                              pd.DataFrame(rows["steps"], columns=COLUMNS["steps"]))
+    summary = compute_summary(
+        requests,
+        pd.DataFrame(rows["tokens"], columns=COLUMNS["tokens"]),
+        pd.DataFrame(rows["steps"], columns=COLUMNS["steps"]),
+    )
     assert (summary["num_completed"], summary["num_failed"]) == (1, 7)
 
 
 def test_a_whole_json_answer_with_a_finish_reason_is_a_success() -> None:
     clock = FakeClock()
     answers = {
-        "completions": {"object": "text_completion", "choices": [
-            {"index": 0, "text": " a b", "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}},
-        "chat": {"object": "chat.completion", "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": " a b"},
-             "finish_reason": "stop"}]},
+        "completions": {
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": " a b", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        },
+        "chat": {
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": " a b"},
+                    "finish_reason": "stop",
+                }
+            ],
+        },
     }
     for api, answer in answers.items():
-        server = ScriptedServer(clock, lambda b, a=answer: Reply(
-            content_type="application/json", body=json.dumps(a).encode()))
+        server = ScriptedServer(
+            clock,
+            lambda b, a=answer: Reply(content_type="application/json", body=json.dumps(a).encode()),
+        )
         clock.now = T0 + 5 * TICK  # the answer arrives at once: every token at this time
-        events = collect(backend_for(server, clock, api=api, tokenizer="auto"),
-                         request(prompt="Hi"))["r0"]
+        events = collect(
+            backend_for(server, clock, api=api, tokenizer="auto"), request(prompt="Hi")
+        )["r0"]
         [finished] = of(events, Finished)
         assert not of(events, Failed) and finished.text == " a b"
         assert finished.finish_reason == answer["choices"][0]["finish_reason"]
         tokens = of(events, Tokens)
         assert {t.time_ns for t in tokens} == {T0 + 5 * TICK}
         usage = answer.get("usage")
-        assert finished.num_output_tokens == (usage["completion_tokens"] if usage
-                                              else sum(len(t.token_ids) for t in tokens))
+        assert finished.num_output_tokens == (
+            usage["completion_tokens"] if usage else sum(len(t.token_ids) for t in tokens)
+        )
 
 
 # ---- request dialects ---------------------------------------------------------------------
 
 
-def sent_body(server_name: str, api: str = "completions", prompt: Any = (5, 6, 7),
-              **sampling: Any) -> dict[str, Any]:
+def sent_body(
+    server_name: str, api: str = "completions", prompt: Any = (5, 6, 7), **sampling: Any
+) -> dict[str, Any]:
     clock = FakeClock()
     reads = fixture_reads("vllm_completions_usage.sse")
     server = ScriptedServer(clock, lambda b: Reply([(T0 + TICK, b"".join(reads))]))
-    backend = backend_for(server, clock, server=server_name, api=api, tokenizer="auto",
-                          extra_body={"priority": 3})
+    backend = backend_for(
+        server, clock, server=server_name, api=api, tokenizer="auto", extra_body={"priority": 3}
+    )
     collect(backend, request(prompt=prompt, max_tokens=4, **sampling))
     [body] = server.bodies
     assert body["model"] == "tiny" and body["stream"] is True and body["priority"] == 3
@@ -564,8 +786,16 @@ def test_tgi_and_generic_send_only_what_they_accept() -> None:
     assert body["prompt"] == tok.decode([5, 6, 7], skip_special_tokens=False)  # text only
     assert "ignore_eos" not in body and "top_p" not in body and "top_k" not in body
     generic = sent_body("generic", top_k=3)
-    assert set(generic) == {"model", "stream", "prompt", "max_tokens", "temperature", "top_p",
-                            "stream_options", "priority"}
+    assert set(generic) == {
+        "model",
+        "stream",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stream_options",
+        "priority",
+    }
 
 
 def test_llama_cpp_python_gets_text_and_min_tokens_and_its_samplers_off() -> None:
@@ -576,7 +806,11 @@ def test_llama_cpp_python_gets_text_and_min_tokens_and_its_samplers_off() -> Non
     # no ignore_eos and n_predict there; min_tokens masks its EOS until max_tokens are out
     assert body["min_tokens"] == body["max_tokens"] == 4
     assert (body["top_k"], body["top_p"], body["min_p"], body["repeat_penalty"]) == (
-        0, 1.0, 0.0, 1.0)
+        0,
+        1.0,
+        0.0,
+        1.0,
+    )
     assert not {"n_predict", "ignore_eos", "return_token_ids"} & set(body)
     assert "min_tokens" not in sent_body("llama_cpp_python", ignore_eos=False)
 
@@ -585,7 +819,8 @@ def test_chat_api_sends_messages_and_completions_renders_chat_prompts() -> None:
     messages = [{"role": "user", "content": "Hi"}]
     assert sent_body("vllm", api="chat", prompt=messages)["messages"] == messages
     assert sent_body("vllm", api="chat", prompt="Hey")["messages"] == [
-        {"role": "user", "content": "Hey"}]
+        {"role": "user", "content": "Hey"}
+    ]
     tok = default_tokenizer()
     assert sent_body("vllm", prompt=messages)["prompt"] == tok.encode_chat(messages)
     assert sent_body("tgi", prompt=messages)["prompt"] == tok.apply_chat_template(messages)
@@ -597,8 +832,7 @@ def test_dropped_sampling_fields_are_counted() -> None:
     server = ScriptedServer(clock, lambda b: Reply([(T0 + TICK, b"".join(reads))]))
     backend = backend_for(server, clock, server="tgi", api="chat")
     collect(backend, request(prompt="Hi", top_k=4))
-    assert backend.stats.snapshot()["dropped_sampling_fields"] == {"top_k": 1,
-                                                                   "ignore_eos": 1}
+    assert backend.stats.snapshot()["dropped_sampling_fields"] == {"top_k": 1, "ignore_eos": 1}
 
 
 # ---- exact metrics through the real driver --------------------------------------------------
@@ -606,22 +840,37 @@ def test_dropped_sampling_fields_are_counted() -> None:
 
 def vllm_stream(rid: str, chunks: list[tuple[int, list[int]]], prompt_len: int) -> Reply:
     """A vLLM completions stream: (tick, token ids) per chunk, the last one finishing."""
+
     def event(payload: dict[str, Any]) -> bytes:
         return f"data: {json.dumps(payload)}\n\n".encode()
 
     pieces = []
     for k, (tick, ids) in enumerate(chunks):
         last = k == len(chunks) - 1
-        choice = {"index": 0, "text": "".join(f" t{i}" for i in ids), "logprobs": None,
-                  "finish_reason": "length" if last else None, "token_ids": ids}
-        pieces.append((T0 + tick * TICK, event({"id": rid, "object": "text_completion",
-                                                "choices": [choice]})))
+        choice = {
+            "index": 0,
+            "text": "".join(f" t{i}" for i in ids),
+            "logprobs": None,
+            "finish_reason": "length" if last else None,
+            "token_ids": ids,
+        }
+        pieces.append(
+            (T0 + tick * TICK, event({"id": rid, "object": "text_completion", "choices": [choice]}))
+        )
     end = T0 + (chunks[-1][0] + 1) * TICK
     total = sum(len(ids) for _, ids in chunks)
-    usage = {"prompt_tokens": prompt_len, "completion_tokens": total,
-             "total_tokens": prompt_len + total}
-    pieces.append((end, event({"id": rid, "object": "text_completion", "choices": [],
-                               "usage": usage}) + b"data: [DONE]\n\n"))
+    usage = {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": total,
+        "total_tokens": prompt_len + total,
+    }
+    pieces.append(
+        (
+            end,
+            event({"id": rid, "object": "text_completion", "choices": [], "usage": usage})
+            + b"data: [DONE]\n\n",
+        )
+    )
     return Reply(pieces)
 
 
@@ -636,8 +885,9 @@ def workload(ids: list[str]) -> list[WorkloadRequest]:
     return [WorkloadRequest(request(rid, prompt=[ord(rid)] * 6), 0.0, 6) for rid in ids]
 
 
-def run_driver(backend: OpenAIBackend, items: list[WorkloadRequest],
-               clock: FakeClock) -> dict[str, pd.DataFrame]:
+def run_driver(
+    backend: OpenAIBackend, items: list[WorkloadRequest], clock: FakeClock
+) -> dict[str, pd.DataFrame]:
     rows: dict[str, list[dict[str, Any]]] = {"requests": [], "tokens": [], "steps": []}
     # the driver's clock is the backend's, as in a real run (both engines.base.now_ns)
     Driver(backend, lambda table, row: rows[table].append(row), clock=clock).run(items)
@@ -646,13 +896,17 @@ def run_driver(backend: OpenAIBackend, items: list[WorkloadRequest],
 
 def test_metrics_on_a_scripted_server_are_exact() -> None:
     clock = FakeClock()
-    server = ScriptedServer(clock, lambda b: (
-        lambda rid: vllm_stream(rid, SCHEDULE[rid], 6))(chr(b["prompt"][0])), expected=3)
+    server = ScriptedServer(
+        clock,
+        lambda b: (lambda rid: vllm_stream(rid, SCHEDULE[rid], 6))(chr(b["prompt"][0])),
+        expected=3,
+    )
     backend = backend_for(server, clock)
     frames = run_driver(backend, workload(["a", "b", "c"]), clock)
     requests = frames["requests"].set_index("request_id")
-    seconds = {rid: [tick / 512 for tick, ids in chunks for _ in ids]
-               for rid, chunks in SCHEDULE.items()}
+    seconds = {
+        rid: [tick / 512 for tick, ids in chunks for _ in ids] for rid, chunks in SCHEDULE.items()
+    }
     for rid, times in seconds.items():
         row = requests.loc[rid]
         assert row["status"] == "ok" and row["finish_reason"] == "length"
@@ -729,20 +983,24 @@ def test_warmup_requests_stay_out_of_the_client_figures() -> None:
 # ---- configuration and the server check ---------------------------------------------------
 
 
-@pytest.mark.parametrize("options,needle", [
-    ({"api": "responses"}, "engine.api: 'responses' is invalid; allowed: completions|chat"),
-    ({"server": "ollama"}, "allowed: vllm|sglang|tgi|llamacpp|llama_cpp_python|generic|auto"),
-    ({"server": "auto", "check_server": False}, "'auto' asks the server which it is at load"),
-    ({"base_url": "localhost:8000"}, "engine.base_url"),
-    ({"timeout_s": 0}, "engine.timeout_s: 0 is invalid"),
-    ({"max_connections": 0}, "engine.max_connections: 0 is invalid; allowed: an integer >= 1"),
-    ({"api_key_env": "sk-12345"}, "the NAME of an environment variable"),
-    ({"api_key_env": "INFERLAB_TEST_UNSET_KEY"}, "INFERLAB_TEST_UNSET_KEY is not set"),
-    ({"include_usage": "yes"}, "engine.include_usage: 'yes' is invalid; allowed: true|false"),
-    ({"batching": "static"}, "unknown option(s) ['batching']"),
-])
-def test_bad_options_name_the_field_and_the_allowed_values(options: dict[str, Any],
-                                                           needle: str) -> None:
+@pytest.mark.parametrize(
+    "options,needle",
+    [
+        ({"api": "responses"}, "engine.api: 'responses' is invalid; allowed: completions|chat"),
+        ({"server": "ollama"}, "allowed: vllm|sglang|tgi|llamacpp|llama_cpp_python|generic|auto"),
+        ({"server": "auto", "check_server": False}, "'auto' asks the server which it is at load"),
+        ({"base_url": "localhost:8000"}, "engine.base_url"),
+        ({"timeout_s": 0}, "engine.timeout_s: 0 is invalid"),
+        ({"max_connections": 0}, "engine.max_connections: 0 is invalid; allowed: an integer >= 1"),
+        ({"api_key_env": "sk-12345"}, "the NAME of an environment variable"),
+        ({"api_key_env": "INFERLAB_TEST_UNSET_KEY"}, "INFERLAB_TEST_UNSET_KEY is not set"),
+        ({"include_usage": "yes"}, "engine.include_usage: 'yes' is invalid; allowed: true|false"),
+        ({"batching": "static"}, "unknown option(s) ['batching']"),
+    ],
+)
+def test_bad_options_name_the_field_and_the_allowed_values(
+    options: dict[str, Any], needle: str
+) -> None:
     with pytest.raises(OpenAIConfigError, match=None) as info:
         OpenAIConfig.from_config(options, TINY)
     assert needle in str(info.value)
@@ -752,8 +1010,11 @@ def test_load_checks_the_server_and_sends_the_key(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("INFERLAB_TEST_KEY", "sk-test-123")
     clock = FakeClock()
     reads = fixture_reads("vllm_completions_usage.sse")
-    server = ScriptedServer(clock, lambda b: Reply([(T0 + TICK, b"".join(reads))]),
-                            models=[{"id": "tiny", "object": "model", "max_model_len": 512}])
+    server = ScriptedServer(
+        clock,
+        lambda b: Reply([(T0 + TICK, b"".join(reads))]),
+        models=[{"id": "tiny", "object": "model", "max_model_len": 512}],
+    )
     backend = backend_for(server, clock, check_server=True, api_key_env="INFERLAB_TEST_KEY")
     facts = backend.describe()
     assert facts["max_model_len"] == 512 and facts["server_models"] == ["tiny"]
@@ -774,30 +1035,49 @@ DETECTIONS = [
     ("auto", "vllm", {}, "vllm", "vllm"),
     ("auto", "inferlab", {}, "vllm", "vllm"),
     ("auto", "sglang", {}, "sglang", "sglang"),
-    ("auto", "someone", {"/openapi.json": {"info": {"title": "\U0001f999 llama.cpp Python API"}}},
-     "llama_cpp_python", "llama_cpp_python"),
+    (
+        "auto",
+        "someone",
+        {"/openapi.json": {"info": {"title": "\U0001f999 llama.cpp Python API"}}},
+        "llama_cpp_python",
+        "llama_cpp_python",
+    ),
     ("auto", "system", {"/info": {"router": "text-generation-router"}}, "tgi", "tgi"),
     ("auto", "openai", {}, "generic", None),
     ("vllm", "me", {}, "vllm", "llama_cpp_python"),  # a named server is used as named
 ]
 
 
-@pytest.mark.parametrize("requested,owner,pages,used,detected", DETECTIONS,
-                         ids=[f"{d[0]}-{d[1]}" for d in DETECTIONS])
+@pytest.mark.parametrize(
+    "requested,owner,pages,used,detected", DETECTIONS, ids=[f"{d[0]}-{d[1]}" for d in DETECTIONS]
+)
 def test_the_server_that_answers_picks_the_dialect(
-        requested: str, owner: str, pages: dict[str, Any], used: str, detected: str | None,
-        caplog: pytest.LogCaptureFixture) -> None:
+    requested: str,
+    owner: str,
+    pages: dict[str, Any],
+    used: str,
+    detected: str | None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     clock = FakeClock()
     reads = fixture_reads("llama_cpp_python_completions.sse")
-    server = ScriptedServer(clock, lambda b: Reply(at(*reads)), pages=pages,
-                            models=[{**LLAMA_CPP_PYTHON_CARD, "owned_by": owner}])
+    server = ScriptedServer(
+        clock,
+        lambda b: Reply(at(*reads)),
+        pages=pages,
+        models=[{**LLAMA_CPP_PYTHON_CARD, "owned_by": owner}],
+    )
     with caplog.at_level("INFO", logger="engines.openai.backend"):
         backend = backend_for(server, clock, check_server=True, server=requested)
     facts = backend.describe()
     assert (facts["server"], facts["server_requested"], facts["server_detected"]) == (
-        used, requested, detected)
-    assert facts["server_detection"].startswith("GET http://scripted" if detected
-                                                else "no known signature")
+        used,
+        requested,
+        detected,
+    )
+    assert facts["server_detection"].startswith(
+        "GET http://scripted" if detected else "no known signature"
+    )
     assert backend.dialect is DIALECTS[used]
     collect(backend, request())
     [body] = server.bodies
@@ -806,8 +1086,10 @@ def test_the_server_that_answers_picks_the_dialect(
         assert any("answers as llama_cpp_python" in r.getMessage() for r in caplog.records)
     # only a dialect that is being chosen asks for pages beyond /v1/models
     asked = {r.url.path for r in server.requests if r.method == "GET"}
-    assert asked <= ({"/v1/models"} | (set(pages) | {"/openapi.json", "/info"}
-                                       if requested in ("auto", "llamacpp") else set()))
+    assert asked <= (
+        {"/v1/models"}
+        | (set(pages) | {"/openapi.json", "/info"} if requested in ("auto", "llamacpp") else set())
+    )
     if requested == "vllm":
         assert asked == {"/v1/models"}
 

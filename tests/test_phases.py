@@ -31,23 +31,48 @@ def tokens_frame(rows: list[tuple[str, int, int, float]]) -> pd.DataFrame:
 
 
 def test_gap_labels_follow_the_steps_they_span() -> None:
-    steps = steps_frame([(1, 10, 0), (2, 0, 0), (3, 5, 0), (4, 0, 0), (5, 0, 1), (6, 4, 0),
-                         (7, 0, 0), (8, 0, 0), (9, 3, 1)])
-    tokens = tokens_frame([
-        ("a", 0, 1, 0.10), ("a", 1, 2, 0.11), ("a", 2, 3, 0.15), ("a", 3, 4, 0.16),
-        # b: out of the batch in steps 5 and 6 (preempted in 5, recomputed in 6)
-        ("b", 0, 3, 0.15), ("b", 1, 4, 0.16), ("b", 2, 6, 0.40),
-        # c: a gap over steps 7-8 with only decodes; then step 9 prefills and preempts
-        ("c", 0, 6, 0.40), ("c", 1, 8, 0.45), ("c", 2, 9, 0.60),
-        # d: its second token's step is not in the steps table
-        ("d", 0, 8, 0.45), ("d", 1, 11, 0.70),
-    ])
+    steps = steps_frame(
+        [
+            (1, 10, 0),
+            (2, 0, 0),
+            (3, 5, 0),
+            (4, 0, 0),
+            (5, 0, 1),
+            (6, 4, 0),
+            (7, 0, 0),
+            (8, 0, 0),
+            (9, 3, 1),
+        ]
+    )
+    tokens = tokens_frame(
+        [
+            ("a", 0, 1, 0.10),
+            ("a", 1, 2, 0.11),
+            ("a", 2, 3, 0.15),
+            ("a", 3, 4, 0.16),
+            # b: out of the batch in steps 5 and 6 (preempted in 5, recomputed in 6)
+            ("b", 0, 3, 0.15),
+            ("b", 1, 4, 0.16),
+            ("b", 2, 6, 0.40),
+            # c: a gap over steps 7-8 with only decodes; then step 9 prefills and preempts
+            ("c", 0, 6, 0.40),
+            ("c", 1, 8, 0.45),
+            ("c", 2, 9, 0.60),
+            # d: its second token's step is not in the steps table
+            ("d", 0, 8, 0.45),
+            ("d", 1, 11, 0.70),
+        ]
+    )
     gaps = label_gaps(tokens.sample(frac=1.0, random_state=0), steps)  # any row order
     labels = {(r.request_id, r.index): r.cause for r in gaps.itertuples()}
     assert labels == {
-        ("a", 1): "decode", ("a", 2): "prefill_in_step", ("a", 3): "decode",
-        ("b", 1): "decode", ("b", 2): "preemption",
-        ("c", 1): "decode", ("c", 2): "preemption",  # preemption wins over prefill
+        ("a", 1): "decode",
+        ("a", 2): "prefill_in_step",
+        ("a", 3): "decode",
+        ("b", 1): "decode",
+        ("b", 2): "preemption",
+        ("c", 1): "decode",
+        ("c", 2): "preemption",  # preemption wins over prefill
         ("d", 1): "unknown",
     }
     by_key = gaps.set_index(["request_id", "index"])
@@ -66,8 +91,7 @@ def test_itl_by_cause_reports_p99_and_spike_shares() -> None:
         time += 0.009 if step % 10 == 0 else 0.001
         tokens.append(("r", step - 1, step, time))
     out = itl_by_cause(tokens_frame(tokens), steps, ["r"])
-    assert set(out) == {f"itl_p99_{c}_s" for c in CAUSES} | {
-        f"itl_spike_share_{c}" for c in CAUSES}
+    assert set(out) == {f"itl_p99_{c}_s" for c in CAUSES} | {f"itl_spike_share_{c}" for c in CAUSES}
     assert set(out) <= set(REGISTRY)
     assert out["itl_p99_decode_s"] == pytest.approx(0.001)
     assert out["itl_p99_prefill_in_step_s"] == pytest.approx(0.009)
@@ -82,8 +106,9 @@ def test_engine_reports_detokenize_time() -> None:
     llm = LLM(model="tiny", dtype="float32", max_model_len=128)
     engine = llm.engine
     engine.add_request("text", [10, 11, 12], SamplingParams(max_tokens=6, ignore_eos=True))
-    engine.add_request("ids", [10, 11, 12], SamplingParams(max_tokens=6, ignore_eos=True,
-                                                           detokenize=False))
+    engine.add_request(
+        "ids", [10, 11, 12], SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False)
+    )
     finished: dict[str, Finished] = {}
     while engine.has_unfinished_requests():
         finished.update({e.request_id: e for e in engine.step() if isinstance(e, Finished)})
@@ -99,18 +124,34 @@ TINY_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x kv_heads x head_dim x fp32
 def preempting_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pd.DataFrame]:
     """Chunked prefill (16-token budget) and a 40-block pool of 4 tokens: long prompts are
     split, and decodes that outgrow the pool preempt and recompute."""
-    config = EngineConfig(model="tiny", dtype="float32", kv_cache="paged", block_size=4,
-                          enable_chunked_prefill=True, max_num_batched_tokens=16,
-                          kv_cache_memory_bytes=40 * 4 * TINY_BYTES_PER_TOKEN)
+    config = EngineConfig(
+        model="tiny",
+        dtype="float32",
+        kv_cache="paged",
+        block_size=4,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        kv_cache_memory_bytes=40 * 4 * TINY_BYTES_PER_TOKEN,
+    )
     backend = BuiltinBackend(config)
     backend.load()
-    prompts = [list(range(100, 151)), list(range(200, 237)), list(range(300, 368)),
-               [11, 12, 13], list(range(400, 470))]
+    prompts = [
+        list(range(100, 151)),
+        list(range(200, 237)),
+        list(range(300, 368)),
+        [11, 12, 13],
+        list(range(400, 470)),
+    ]
     max_tokens = [12, 5, 20, 9, 16]
     workload = [
-        WorkloadRequest(GenerationRequest(f"r{i}", prompt, SamplingParams(
-            max_tokens=m, temperature=0.0, ignore_eos=True)), 0.0)
-        for i, (prompt, m) in enumerate(zip(prompts, max_tokens, strict=True))]
+        WorkloadRequest(
+            GenerationRequest(
+                f"r{i}", prompt, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+            ),
+            0.0,
+        )
+        for i, (prompt, m) in enumerate(zip(prompts, max_tokens, strict=True))
+    ]
     recorder = RunRecorder(tmp_path_factory.mktemp("phases"))
     Driver(backend, recorder.append).run(workload)
     backend.close()
@@ -134,12 +175,17 @@ def test_phase_columns_of_a_real_run_add_up(preempting_run: dict[str, pd.DataFra
     assert (requests["num_prefill_chunks"] > 1).any()
     preempted = requests["num_preemptions"] > 0
     assert preempted.any(), "the pool was meant to force preemption"
-    assert (requests.loc[preempted, "prefill_tokens_computed"]
-            > requests.loc[preempted, "prompt_tokens"]).all()
-    assert (requests.loc[~preempted, "prefill_tokens_computed"]
-            == requests.loc[~preempted, "prompt_tokens"]).all()
-    assert requests["prefill_tokens_computed"].sum() == preempting_run["steps"][
-        "prefill_tokens"].sum()
+    assert (
+        requests.loc[preempted, "prefill_tokens_computed"]
+        > requests.loc[preempted, "prompt_tokens"]
+    ).all()
+    assert (
+        requests.loc[~preempted, "prefill_tokens_computed"]
+        == requests.loc[~preempted, "prompt_tokens"]
+    ).all()
+    assert (
+        requests["prefill_tokens_computed"].sum() == preempting_run["steps"]["prefill_tokens"].sum()
+    )
 
 
 def test_gap_labels_of_a_real_run(preempting_run: dict[str, pd.DataFrame]) -> None:

@@ -11,8 +11,13 @@ from harness.plugins import listing
 def test_every_plug_point_is_listed_with_its_entries() -> None:
     lines = dict(line.split(maxsplit=1) for line in listing().splitlines())
     assert lines["engine.backend"] == "builtin|hf|openai"
-    assert lines["engine.attention_backend"].split("|") == ["auto", "torch", "sdpa", "triton",
-                                                            "cpu"]
+    assert lines["engine.attention_backend"].split("|") == [
+        "auto",
+        "torch",
+        "sdpa",
+        "triton",
+        "cpu",
+    ]
     assert lines["engine.quantization"] == "none|int8|int4"
     assert lines["engine.kv_cache"] == "none|contiguous|paged"
     assert lines["workload.type"] == "synthetic|trace|prompts"
@@ -26,8 +31,11 @@ def test_an_unknown_name_names_the_key_and_the_allowed_values() -> None:
     def two() -> None: ...
 
     assert registry.get("one") == 1 and registry["two"] is two and list(registry) == ["one", "two"]
-    with pytest.raises(ValueError, match=r"test.plug_point: 'three' is invalid; allowed: "
-                                         r"auto\|one\|two"):
+    with pytest.raises(
+        ValueError,
+        match=r"test.plug_point: 'three' is invalid; allowed: "
+        r"auto\|one\|two",
+    ):
         registry.get("three")
     with pytest.raises(ValueError, match="registered twice"):
         registry.add("one", 2)

@@ -27,8 +27,14 @@ from harness.profiling import (
 )
 
 # torch's GEMMs, and the engine's own (fp32 on CPU with its C kernels)
-MATMULS = {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm",
-           "inferlab::linear_f32"}
+MATMULS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::linear",
+    "aten::matmul",
+    "aten::bmm",
+    "inferlab::linear_f32",
+}
 
 
 def trace_names(path: Path) -> set[str]:
@@ -42,11 +48,13 @@ def test_step_phase() -> None:
     assert step_phase(1, 3) == "mixed"
 
 
-def test_engine_steps_are_attributed_to_their_phase(make_tiny: Callable[..., LLM],
-                                                    tmp_path: Path) -> None:
+def test_engine_steps_are_attributed_to_their_phase(
+    make_tiny: Callable[..., LLM], tmp_path: Path
+) -> None:
     engine = make_tiny().engine
-    profiler = StepProfiler(ProfileConfig(start_step=0, num_steps=50, top_k=50),
-                            tmp_path / "profile")
+    profiler = StepProfiler(
+        ProfileConfig(start_step=0, num_steps=50, top_k=50), tmp_path / "profile"
+    )
     profiler.attach(engine.step_observers)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
 
@@ -103,19 +111,31 @@ def test_steps_are_annotated_under_any_profiler(make_tiny: Callable[..., LLM]) -
 
 
 def tiny_config(*overrides: str) -> dict[str, Any]:
-    cfg = configs.compose([
-        "model=tiny", "workload.num_requests=4", "workload.input_len=[8,24]",
-        "workload.output_len=8", "run.warmup_requests=1", "run.progress=false",
-        "engine.kv_cache_memory_bytes=4000000", "engine.max_num_seqs=2", "engine.device=cpu",
-        "hardware=h100", "profile=true", *overrides])
+    cfg = configs.compose(
+        [
+            "model=tiny",
+            "workload.num_requests=4",
+            "workload.input_len=[8,24]",
+            "workload.output_len=8",
+            "run.warmup_requests=1",
+            "run.progress=false",
+            "engine.kv_cache_memory_bytes=4000000",
+            "engine.max_num_seqs=2",
+            "engine.device=cpu",
+            "hardware=h100",
+            "profile=true",
+            *overrides,
+        ]
+    )
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
     return config
 
 
 def test_profile_true_on_a_tiny_run(tmp_path: Path) -> None:
-    summary = run_experiment(tiny_config("profiling.start_step=1", "profiling.num_steps=6"),
-                             tmp_path, progress=False)
+    summary = run_experiment(
+        tiny_config("profiling.start_step=1", "profiling.num_steps=6"), tmp_path, progress=False
+    )
     assert summary["status"] == "complete", summary["error"]
     info = summary["profile"]
     assert len(info["steps"]) == 6 and sum(info["phase_steps"].values()) == 6
@@ -131,22 +151,25 @@ def test_profile_true_on_a_tiny_run(tmp_path: Path) -> None:
 
 
 def test_run_shorter_than_the_window_says_so(tmp_path: Path) -> None:
-    summary = run_experiment(tiny_config("profiling.start_step=1000"), tmp_path,
-                             progress=False)
+    summary = run_experiment(tiny_config("profiling.start_step=1000"), tmp_path, progress=False)
     assert summary["status"] == "complete"
     assert "no step profiled" in summary["profile"]["note"]
     assert not (tmp_path / "profile" / "trace.json.gz").exists()
 
 
-@pytest.mark.parametrize(("config", "field"), [
-    ({"profile": "yes"}, "profile: 'yes' is invalid"),
-    ({"profile": True, "profiling": {"num_steps": 0}}, "profiling.num_steps"),
-    ({"profile": True, "profiling": {"start_step": -1}}, "profiling.start_step"),
-    ({"profile": True, "profiling": {"record_shapes": "no"}}, "profiling.record_shapes"),
-    ({"profile": True, "profiling": {"steps": 3}}, "profiling: unknown key(s) ['steps']"),
-])
-def test_profile_config_errors_name_the_field(config: dict[str, Any], field: str,
-                                              tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"profile": "yes"}, "profile: 'yes' is invalid"),
+        ({"profile": True, "profiling": {"num_steps": 0}}, "profiling.num_steps"),
+        ({"profile": True, "profiling": {"start_step": -1}}, "profiling.start_step"),
+        ({"profile": True, "profiling": {"record_shapes": "no"}}, "profiling.record_shapes"),
+        ({"profile": True, "profiling": {"steps": 3}}, "profiling: unknown key(s) ['steps']"),
+    ],
+)
+def test_profile_config_errors_name_the_field(
+    config: dict[str, Any], field: str, tmp_path: Path
+) -> None:
     with pytest.raises(ValueError, match="allowed") as info:
         profiler_from_config(config, tmp_path)
     assert field in str(info.value)

@@ -18,8 +18,12 @@ def test_lines_without_a_terminal(monkeypatch) -> None:
     for _ in range(4):  # t = 1, 6, 7, 12.5: a line at 6 and at 12.5
         shown.request_done()
     shown.close()
-    assert out.getvalue().splitlines() == ["loading", "running 4 requests",
-                                           "requests 2/4 done, 6 s", "requests 4/4 done, 12 s"]
+    assert out.getvalue().splitlines() == [
+        "loading",
+        "running 4 requests",
+        "requests 2/4 done, 6 s",
+        "requests 4/4 done, 12 s",
+    ]
 
 
 def test_nothing_when_off() -> None:

@@ -16,8 +16,18 @@ from harness.quality import perplexity, quality_probe, run_quality
 transformers = pytest.importorskip("transformers")
 
 # Small enough to train in a few seconds, trained enough that its logits carry signal.
-TINY = dict(steps=60, seed=0, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
-            seq_len=64, batch=8, lr=3e-3)
+TINY = dict(
+    steps=60,
+    seed=0,
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    intermediate=128,
+    seq_len=64,
+    batch=8,
+    lr=3e-3,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +38,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def prompts(trained: Path) -> list[list[int]]:
     ids = LLM(model=str(trained), dtype="float32").tokenizer.encode(
-        corpus_text(), add_special_tokens=False)
-    return [ids[i:i + 40] for i in range(0, 40 * 6, 40)]
+        corpus_text(), add_special_tokens=False
+    )
+    return [ids[i : i + 40] for i in range(0, 40 * 6, 40)]
 
 
 def test_train_tiny_is_deterministic_and_learns(trained: Path, tmp_path: Path) -> None:
@@ -52,14 +63,13 @@ def test_engine_greedy_matches_hf(trained: Path, prompts: list[list[int]]) -> No
     assert llm.engine.runner.weights_source == "checkpoint"
     hf = transformers.AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
     n = 12
-    outs = llm.generate(prompts[:3], SamplingParams(max_tokens=n, temperature=0.0,
-                                                   ignore_eos=True))
+    outs = llm.generate(prompts[:3], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts[:3], outs, strict=True):
         ids = list(prompt)
         with torch.no_grad():
             for _ in range(n):
                 ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-        assert out.token_ids == ids[len(prompt):]
+        assert out.token_ids == ids[len(prompt) :]
 
 
 def test_probe_identical_engines(trained: Path, prompts: list[list[int]]) -> None:
@@ -80,8 +90,9 @@ def test_probe_bf16_small_and_broken_large(trained: Path, prompts: list[list[int
     broken = LLM(model=str(trained), dtype="float32", model_overrides={"rope_theta": 30.0})
     bad = quality_probe(ref, broken, prompts)
     assert bad["kl_mean"] > 20 * bf16["kl_mean"]
-    dummy = quality_probe(ref, LLM(model=str(trained), dtype="float32", load_format="dummy"),
-                          prompts)
+    dummy = quality_probe(
+        ref, LLM(model=str(trained), dtype="float32", load_format="dummy"), prompts
+    )
     assert dummy["kl_mean"] > 1.0
     assert dummy["top1_agreement"] < 0.5
 
@@ -110,19 +121,28 @@ def test_cached_model_and_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert cached_tiny_model(**{**small, "seed": 1}) != first
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    assert cli.main(["train-tiny", "--text", str(text), "--out", str(tmp_path / "cli"),
-                     "--steps", "2"]) == 0
+    assert (
+        cli.main(
+            ["train-tiny", "--text", str(text), "--out", str(tmp_path / "cli"), "--steps", "2"]
+        )
+        == 0
+    )
     LLM(model=str(tmp_path / "cli"), dtype="float32")  # loads in the engine
 
 
 def test_run_quality_sees_the_int8_kv_cache() -> None:
     results = {}
     for kv_dtype in ("auto", "int8"):
-        options = {"model": "tiny", "dtype": "float32", "kv_cache": "paged",
-                   "kv_cache_dtype": kv_dtype}
+        options = {
+            "model": "tiny",
+            "dtype": "float32",
+            "kv_cache": "paged",
+            "kv_cache_dtype": kv_dtype,
+        }
         candidate = LLM(**options)
-        results[kv_dtype] = run_quality(candidate.engine.config.to_dict(), candidate,
-                                        {"num_prompts": 2, "prompt_len": 48})
+        results[kv_dtype] = run_quality(
+            candidate.engine.config.to_dict(), candidate, {"num_prompts": 2, "prompt_len": 48}
+        )
     assert results["auto"]["kl_mean"] == 0.0  # fp32 against fp32: the same numbers
     assert results["int8"]["kl_mean"] > 0.0  # chunks read the quantized cache back
     assert "perplexity" not in results["int8"]  # dummy weights: no perplexity

@@ -19,8 +19,9 @@ from engines.builtin.layers.quant import Int4Method, Int8Method
 EPS = 1e-6  # float32 rounding of the scale arithmetic
 
 
-def make_layer(method, out: int, inn: int, dtype=torch.float32, seed: int = 0,
-               bias: bool = False) -> tuple[Linear, torch.Tensor]:
+def make_layer(
+    method, out: int, inn: int, dtype=torch.float32, seed: int = 0, bias: bool = False
+) -> tuple[Linear, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(out, inn, generator=gen) * 0.05).to(dtype)
     b = torch.randn(out, generator=gen).to(dtype) if bias else None
@@ -61,13 +62,20 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("method", "out", "inn"), [
-    (Int8Method(), 64, 128), (Int8Method(), 96, 200),
-    (Int4Method(32), 64, 128), (Int4Method(64), 48, 256), (Int4Method(128), 32, 384),
-    (Int4Method(32), 24, 64),  # not packable: dequantize path
-])
-def test_kernels_match_the_dequantized_reference(method, out: int, inn: int,
-                                                 dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("method", "out", "inn"),
+    [
+        (Int8Method(), 64, 128),
+        (Int8Method(), 96, 200),
+        (Int4Method(32), 64, 128),
+        (Int4Method(64), 48, 256),
+        (Int4Method(128), 32, 384),
+        (Int4Method(32), 24, 64),  # not packable: dequantize path
+    ],
+)
+def test_kernels_match_the_dequantized_reference(
+    method, out: int, inn: int, dtype: torch.dtype
+) -> None:
     layer, _ = make_layer(method, out, inn, dtype=dtype, bias=True)
     x = torch.randn(3, 5, inn).to(dtype)
     y = layer(x)
@@ -90,8 +98,11 @@ def test_make_linear_method() -> None:
     assert isinstance(make_linear_method("int8"), Int8Method)
     method = make_linear_method("int4", 64)
     assert isinstance(method, Int4Method) and method.group_size == 64
-    with pytest.raises(ValueError, match=r"engine.quantization: 'fp8' is invalid; allowed: "
-                                         r"none\|int8\|int4"):
+    with pytest.raises(
+        ValueError,
+        match=r"engine.quantization: 'fp8' is invalid; allowed: "
+        r"none\|int8\|int4",
+    ):
         make_linear_method("fp8")
 
 
@@ -99,13 +110,23 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["Hello, world! The quick brown fox", [100, 200, 300]]
 
 
-@pytest.mark.parametrize(("options"), [
-    dict(quantization="int8"),
-    dict(quantization="int4", quantization_group_size=32,
-         model_overrides={"intermediate_size": 192}),
-    dict(quantization="int4", quantization_group_size=64, quantize_lm_head=True,
-         model_overrides={"intermediate_size": 192}),
-])
+@pytest.mark.parametrize(
+    ("options"),
+    [
+        dict(quantization="int8"),
+        dict(
+            quantization="int4",
+            quantization_group_size=32,
+            model_overrides={"intermediate_size": 192},
+        ),
+        dict(
+            quantization="int4",
+            quantization_group_size=64,
+            quantize_lm_head=True,
+            model_overrides={"intermediate_size": 192},
+        ),
+    ],
+)
 def test_engine_generates_reproducibly(make_tiny, options) -> None:
     runs = []
     for _ in range(2):
@@ -120,24 +141,34 @@ def test_engine_generates_reproducibly(make_tiny, options) -> None:
     model = llm.engine.runner.model
     head = model.lm_head
     assert head is not None
-    assert head.method.name == (options["quantization"] if options.get("quantize_lm_head")
-                                else "none")
-    assert all(m.method.name == options["quantization"]
-               for n, m in model.linear_layers().items() if n.startswith("layers."))
+    assert head.method.name == (
+        options["quantization"] if options.get("quantize_lm_head") else "none"
+    )
+    assert all(
+        m.method.name == options["quantization"]
+        for n, m in model.linear_layers().items()
+        if n.startswith("layers.")
+    )
 
 
 def test_int4_on_a_dimension_no_group_divides_names_the_layer(make_tiny) -> None:
     # tiny's intermediate_size is 176 = 16 x 11: down_proj's input fits no int4 group size.
-    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj.*in=176.*not divisible "
-                                         r"by quantization_group_size=32"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.0\.mlp\.down_proj.*in=176.*not divisible "
+        r"by quantization_group_size=32",
+    ):
         make_tiny(quantization="int4", quantization_group_size=32)
     with pytest.raises(ValueError, match=r"use quantization_group_size=32\|64$"):  # the hint
         Linear(192, 16, Int4Method(128)).load(torch.zeros(16, 192))
 
 
 def test_config_validates_the_new_options() -> None:
-    with pytest.raises(ConfigError, match=r"quantization_group_size: 48 is invalid; "
-                                          r"allowed: 32\|64\|128"):
+    with pytest.raises(
+        ConfigError,
+        match=r"quantization_group_size: 48 is invalid; "
+        r"allowed: 32\|64\|128",
+    ):
         EngineConfig.from_dict({"quantization": "int4", "quantization_group_size": 48})
     with pytest.raises(ConfigError, match="quantize_lm_head"):
         EngineConfig.from_dict({"quantize_lm_head": "yes"})
@@ -149,11 +180,21 @@ def test_small_linear_bytes_shrink() -> None:
     """On the `small` shape: int8 <= 0.52x and int4 (group 128) <= 0.30x of bf16 dense bytes."""
     built = {}
     for quant in ("int8", "int4"):
-        llm = LLM(model="small", dtype="bfloat16", device="cpu", max_model_len=64,
-                  max_num_seqs=1, quantization=quant, kv_cache_memory_bytes=1 << 24)
+        llm = LLM(
+            model="small",
+            dtype="bfloat16",
+            device="cpu",
+            max_model_len=64,
+            max_num_seqs=1,
+            quantization=quant,
+            kv_cache_memory_bytes=1 << 24,
+        )
         model = llm.engine.runner.model
-        params = sum(m.in_features * m.out_features for n, m in model.linear_layers().items()
-                     if n.startswith("layers."))
+        params = sum(
+            m.in_features * m.out_features
+            for n, m in model.linear_layers().items()
+            if n.startswith("layers.")
+        )
         built[quant] = model.weight_bytes()["linear_weight_bytes"] / (params * 2)
         assert model.lm_head is None or model.lm_head.method.name == "none"
         del llm

@@ -68,8 +68,9 @@ INT8_SHAPES = [(32, 64, {}), (64, 128, SMALL), (40, 40, SMALL)]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize(("n", "k", "tiles"), INT8_SHAPES)
-def test_int8_matmul_matches_dequantized_reference(n: int, k: int, tiles: dict, m: int,
-                                                   dtype: torch.dtype) -> None:
+def test_int8_matmul_matches_dequantized_reference(
+    n: int, k: int, tiles: dict, m: int, dtype: torch.dtype
+) -> None:
     method = Int8Method()
     layer = make_layer(method, n, k, dtype)
     x = _x(m, k, dtype)
@@ -78,15 +79,20 @@ def test_int8_matmul_matches_dequantized_reference(n: int, k: int, tiles: dict, 
 
 
 # (group, N, K, tile overrides): groups 32/64/128; N=40 ragged; K=96 with 64-wide K tiles
-INT4_SHAPES = [(32, 32, 96, {}), (64, 48, 128, SMALL), (128, 40, 256, SMALL),
-               (32, 40, 64, dict(block_n=32, block_k=16))]
+INT4_SHAPES = [
+    (32, 32, 96, {}),
+    (64, 48, 128, SMALL),
+    (128, 40, 256, SMALL),
+    (32, 40, 64, dict(block_n=32, block_k=16)),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize(("group", "n", "k", "tiles"), INT4_SHAPES)
-def test_int4_matmul_matches_dequantized_reference(group: int, n: int, k: int, tiles: dict,
-                                                   m: int, dtype: torch.dtype) -> None:
+def test_int4_matmul_matches_dequantized_reference(
+    group: int, n: int, k: int, tiles: dict, m: int, dtype: torch.dtype
+) -> None:
     method = PlainInt4(group)
     layer = make_layer(method, n, k, dtype)
     assert not layer.int4_packed and layer.qweight.shape == (n, k // 2)
@@ -109,12 +115,12 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
         quant_triton.int8_matmul(_x(2, 48, torch.float32), layer.qweight, layer.scales)
     with pytest.raises(ValueError, match="dtype"):
-        quant_triton.int8_matmul(_x(2, 64, torch.float32).double(), layer.qweight,
-                                 layer.scales)
+        quant_triton.int8_matmul(_x(2, 64, torch.float32).double(), layer.qweight, layer.scales)
     layer4 = make_layer(PlainInt4(32), 32, 64, torch.float32)
     with pytest.raises(ValueError, match="scales_and_zeros must be"):
-        quant_triton.int4_matmul(_x(2, 64, torch.float32), layer4.qweight,
-                                 layer4.scales_and_zeros[:1], 32)
+        quant_triton.int4_matmul(
+            _x(2, 64, torch.float32), layer4.qweight, layer4.scales_and_zeros[:1], 32
+        )
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layers only dispatch to Triton on CUDA")
@@ -123,8 +129,10 @@ def test_bad_inputs_are_refused() -> None:
 def test_layers_dispatch_to_triton_on_cuda(method, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     layer = Linear(128, 48, method, bias=True)
-    layer.load((torch.randn(48, 128, generator=gen) * 0.05).to(dtype).cuda(),
-               torch.randn(48, generator=gen).to(dtype).cuda())
+    layer.load(
+        (torch.randn(48, 128, generator=gen) * 0.05).to(dtype).cuda(),
+        torch.randn(48, generator=gen).to(dtype).cuda(),
+    )
     x = _x(3 * 5, 128, dtype).reshape(3, 5, 128)
     y = layer(x)
     ref = x.float() @ method.dequantize(layer).T + layer.bias.float()

@@ -16,13 +16,23 @@ import yaml
 from harness.repeats import aggregate, repeat_command, validate_repeats
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["model=tiny", "workload.num_requests=2", "workload.input_len=8",
-        "workload.output_len=3", "run.warmup_requests=0"]
+TINY = [
+    "model=tiny",
+    "workload.num_requests=2",
+    "workload.input_len=8",
+    "workload.output_len=3",
+    "run.warmup_requests=0",
+]
 
 
 def inferlab_run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "harness.cli", "run", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def read_summary(run_dir: Path) -> dict:
@@ -37,17 +47,25 @@ def test_validate_repeats_names_the_field() -> None:
 
 
 def test_repeat_command_runs_one_repeat_into_its_folder(tmp_path: Path) -> None:
-    command = repeat_command(["model=tiny", "repeats=3", "+repeats=3", "run.resume=true"],
-                             tmp_path / "repeat-1")
+    command = repeat_command(
+        ["model=tiny", "repeats=3", "+repeats=3", "run.resume=true"], tmp_path / "repeat-1"
+    )
     assert command[:3] == [sys.executable, "-m", "harness.app"]
-    assert command[3:] == ["model=tiny", "run.resume=true", "repeats=1", "hydra.mode=RUN",
-                           f"hydra.run.dir={tmp_path / 'repeat-1'}"]
+    assert command[3:] == [
+        "model=tiny",
+        "run.resume=true",
+        "repeats=1",
+        "hydra.mode=RUN",
+        f"hydra.run.dir={tmp_path / 'repeat-1'}",
+    ]
 
 
 def test_aggregate_medians_and_spread() -> None:
-    summaries = [{"metrics": {"ttft_p50_s": 1.0, "num_steps": 4, "note": "x", "goodput": None}},
-                 {"metrics": {"ttft_p50_s": 3.0, "num_steps": 4, "note": "y", "goodput": None}},
-                 {"metrics": {"ttft_p50_s": 2.0, "num_steps": 5, "note": "z", "goodput": 1.0}}]
+    summaries = [
+        {"metrics": {"ttft_p50_s": 1.0, "num_steps": 4, "note": "x", "goodput": None}},
+        {"metrics": {"ttft_p50_s": 3.0, "num_steps": 4, "note": "y", "goodput": None}},
+        {"metrics": {"ttft_p50_s": 2.0, "num_steps": 5, "note": "z", "goodput": 1.0}},
+    ]
     metrics, spread = aggregate(summaries)
     assert metrics == {"ttft_p50_s": 2.0, "num_steps": 4, "goodput": 1.0}  # no text metrics
     ttft = spread["ttft_p50_s"]
@@ -76,8 +94,9 @@ def test_repeats_run_in_fresh_processes_and_summarize(repeated: Path) -> None:
     for k, child in enumerate(repeat_summaries):
         assert child["status"] == "complete"
         # each repeat was its own `python -m harness.app` command line: Hydra recorded it
-        overrides = yaml.safe_load((repeated / f"repeat-{k}" / ".hydra" / "overrides.yaml")
-                                   .read_text())
+        overrides = yaml.safe_load(
+            (repeated / f"repeat-{k}" / ".hydra" / "overrides.yaml").read_text()
+        )
         assert "repeats=1" in overrides and "model=tiny" in overrides
         assert child["metrics"]["load_s"] > 0  # each process loaded the model itself
     spread = summary["metrics_spread"]
@@ -107,8 +126,9 @@ def test_resume_reruns_only_unfinished_repeats(repeated: Path) -> None:
 def test_repeats_inside_a_sweep(tmp_path: Path) -> None:
     """Each job folder holds its repeats; a failing job stops at its first repeat, is
     recorded as failed, and the sweep goes on."""
-    result = inferlab_run("-m", *TINY, "repeats=2", "engine.max_num_seqs=0,2",
-                          f"hydra.sweep.dir={tmp_path}")
+    result = inferlab_run(
+        "-m", *TINY, "repeats=2", "engine.max_num_seqs=0,2", f"hydra.sweep.dir={tmp_path}"
+    )
     assert result.returncode == 0, result.stderr
     sweep = pd.read_csv(tmp_path / "sweep.csv").set_index("engine.max_num_seqs")
     assert sweep.loc[0, "status"] == "failed"

@@ -25,8 +25,15 @@ from harness.report import (
 )
 from harness.results import load
 
-ROOFLINE = ["flops", "weight_bytes_read", "kv_bytes_read", "kv_bytes_written", "predicted_s",
-            "mbu", "mfu"]
+ROOFLINE = [
+    "flops",
+    "weight_bytes_read",
+    "kv_bytes_read",
+    "kv_bytes_written",
+    "predicted_s",
+    "mbu",
+    "mfu",
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +65,9 @@ def edit_summary(run: Path, edit: object) -> None:
     (run / "summary.json").write_text(json.dumps(summary))
 
 
-def test_report_writes_markdown_html_and_figures(sweep: Path, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_writes_markdown_html_and_figures(
+    sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "report"
     assert cli.main(["report", str(sweep), "--out", str(out)]) == 0
     assert "report.md" in capsys.readouterr().out
@@ -74,8 +82,9 @@ def test_report_writes_markdown_html_and_figures(sweep: Path, tmp_path: Path,
     assert variants["workload.arrival.rate"].tolist() == [100, 400]
     for job in jobs(sweep):
         metrics = json.loads((job / "summary.json").read_text())["metrics"]
-        row = variants[variants["variant"] == f"workload.arrival.rate="
-                       f"{[100, 400][int(job.name)]}"].iloc[0]
+        row = variants[
+            variants["variant"] == f"workload.arrival.rate={[100, 400][int(job.name)]}"
+        ].iloc[0]
         assert row["ttft_p50_s"] == pytest.approx(metrics["ttft_p50_s"], rel=1e-12)
         assert row["output_tok_per_s"] == pytest.approx(metrics["output_tok_per_s"], rel=1e-12)
         for name in ("ttft_p50_s", "tpot_p50_s", "e2e_p99_s"):
@@ -94,22 +103,49 @@ def test_sections_render_from_their_columns(sweep: Path, tmp_path: Path) -> None
     planted = tmp_path / "planted"
     shutil.copytree(sweep, planted)
     for job in jobs(planted):
-        edit_table(job, "requests", tokenize_s=0.001, queue_s=0.002, prefill_s=0.010,
-                   decode_s=0.020, detokenize_s=0.0005)
-        edit_table(job, "steps", flops=2e9, weight_bytes_read=1e9, kv_bytes_read=0.0,
-                   kv_bytes_written=0.0, mbu=0.5, mfu=0.25,
-                   predicted_s=lambda f: (f["end_s"] - f["start_s"]) / 2)
-        pd.DataFrame({"time_s": [0.0, 0.05, 0.1], "rss_bytes": [2**30, 2**30 + 2**20, 2**30],
-                      "cpu_util": [0.5, 1.0, 0.75]}).to_parquet(job / "samples.parquet")
+        edit_table(
+            job,
+            "requests",
+            tokenize_s=0.001,
+            queue_s=0.002,
+            prefill_s=0.010,
+            decode_s=0.020,
+            detokenize_s=0.0005,
+        )
+        edit_table(
+            job,
+            "steps",
+            flops=2e9,
+            weight_bytes_read=1e9,
+            kv_bytes_read=0.0,
+            kv_bytes_written=0.0,
+            mbu=0.5,
+            mfu=0.25,
+            predicted_s=lambda f: (f["end_s"] - f["start_s"]) / 2,
+        )
+        pd.DataFrame(
+            {
+                "time_s": [0.0, 0.05, 0.1],
+                "rss_bytes": [2**30, 2**30 + 2**20, 2**30],
+                "cpu_util": [0.5, 1.0, 0.75],
+            }
+        ).to_parquet(job / "samples.parquet")
 
         def plant(summary: dict) -> None:
             summary["metrics"].update(
-                memory_weights_bytes=3 * 2**20, memory_packed_weights_bytes=2**21,
+                memory_weights_bytes=3 * 2**20,
+                memory_packed_weights_bytes=2**21,
                 memory_kv_pool_bytes=4 * 2**20,
-                memory_kv_reserved_bytes=2**20, memory_kv_used_bytes=2**19,
-                memory_other_bytes=2**20, memory_peak_bytes=6 * 2**20)
-            summary["hardware"] = {"name": "testchip", "peak_flops": {"float32": 1e12},
-                                   "memory_bandwidth": 1e11}
+                memory_kv_reserved_bytes=2**20,
+                memory_kv_used_bytes=2**19,
+                memory_other_bytes=2**20,
+                memory_peak_bytes=6 * 2**20,
+            )
+            summary["hardware"] = {
+                "name": "testchip",
+                "peak_flops": {"float32": 1e12},
+                "memory_bandwidth": 1e11,
+            }
 
         edit_summary(job, plant)
     out = tmp_path / "report"
@@ -118,31 +154,50 @@ def test_sections_render_from_their_columns(sweep: Path, tmp_path: Path) -> None
     assert "Skipped" not in markdown
     for figure in ("memory", "samples", "phases", "roofline"):
         assert (out / f"{figure}.png").is_file(), figure
-    phase_row = next(line for line in markdown.splitlines()
-                     if line.startswith("| workload.arrival.rate=100 | 1.00 ms"))
-    assert cells(phase_row)[1:7] == ["1.00 ms", "2.00 ms", "10.00 ms", "20.00 ms",
-                                           "0.50 ms", "33.50 ms"]
-    roofline_row = next(line for line in markdown.splitlines()
-                        if line.startswith("| workload.arrival.rate=400 |") and "50.0%" in line)
+    phase_row = next(
+        line
+        for line in markdown.splitlines()
+        if line.startswith("| workload.arrival.rate=100 | 1.00 ms")
+    )
+    assert cells(phase_row)[1:7] == [
+        "1.00 ms",
+        "2.00 ms",
+        "10.00 ms",
+        "20.00 ms",
+        "0.50 ms",
+        "33.50 ms",
+    ]
+    roofline_row = next(
+        line
+        for line in markdown.splitlines()
+        if line.startswith("| workload.arrival.rate=400 |") and "50.0%" in line
+    )
     assert cells(roofline_row)[2:5] == ["50.0%", "25.0%", "2.00"]
     assert "roofline of testchip" in markdown
-    assert ("| workload.arrival.rate=100 | 3.00 MiB | 2.00 MiB | 4.00 MiB | 1.00 MiB "
-            "| 512.00 KiB | 1.00 MiB | 6.00 MiB |") in markdown
+    assert (
+        "| workload.arrival.rate=100 | 3.00 MiB | 2.00 MiB | 4.00 MiB | 1.00 MiB "
+        "| 512.00 KiB | 1.00 MiB | 6.00 MiB |"
+    ) in markdown
     res = load(planted)
     parts, peak = memory_parts(res.variants)
     assert parts.iloc[0].tolist() == [3 * 2**20, 2**21, 2**19, 2**19, 3 * 2**20, 2**20]
     assert peak.iloc[0] == 6 * 2**20
 
 
-def test_sections_without_their_columns_are_skipped_with_a_note(sweep: Path,
-                                                                 tmp_path: Path) -> None:
+def test_sections_without_their_columns_are_skipped_with_a_note(
+    sweep: Path, tmp_path: Path
+) -> None:
     bare = tmp_path / "bare"
     shutil.copytree(sweep / "0", bare)
     edit_table(bare, "requests", **dict.fromkeys(PHASES))
     edit_table(bare, "steps", **dict.fromkeys(ROOFLINE))
     (bare / "samples.parquet").unlink(missing_ok=True)
-    edit_summary(bare, lambda s: s["metrics"].update(
-        {k: None for k in list(s["metrics"]) if k.startswith("memory_")}))
+    edit_summary(
+        bare,
+        lambda s: s["metrics"].update(
+            {k: None for k in list(s["metrics"]) if k.startswith("memory_")}
+        ),
+    )
     assert cli.main(["report", str(bare)]) == 0
     markdown = (bare / "report.md").read_text()
     skipped = [line for line in markdown.splitlines() if line.startswith("*Skipped:")]
@@ -157,13 +212,28 @@ def test_repeats_add_spread_columns(sweep: Path, tmp_path: Path) -> None:
     for k in range(3):
         shutil.copytree(sweep / "0", repeats / f"repeat-{k}")
         values.append(100.0 + 10 * k)
-        edit_summary(repeats / f"repeat-{k}",
-                     lambda s, v=values[-1]: s["metrics"].update(output_tok_per_s=v))
-    (repeats / "summary.json").write_text(json.dumps({
-        "status": "complete", "repeats": 3, "metrics": {"output_tok_per_s": 110.0},
-        "metrics_spread": {"output_tok_per_s": {"median": 110.0, "min": 100.0, "max": 120.0,
-                                                "std": 10.0, "cv": 10.0 / 110.0,
-                                                "values": values}}}))
+        edit_summary(
+            repeats / f"repeat-{k}", lambda s, v=values[-1]: s["metrics"].update(output_tok_per_s=v)
+        )
+    (repeats / "summary.json").write_text(
+        json.dumps(
+            {
+                "status": "complete",
+                "repeats": 3,
+                "metrics": {"output_tok_per_s": 110.0},
+                "metrics_spread": {
+                    "output_tok_per_s": {
+                        "median": 110.0,
+                        "min": 100.0,
+                        "max": 120.0,
+                        "std": 10.0,
+                        "cv": 10.0 / 110.0,
+                        "values": values,
+                    }
+                },
+            }
+        )
+    )
     out = tmp_path / "report"
     assert cli.main(["report", str(repeats), "--out", str(out)]) == 0
     variants = pd.read_csv(out / "report_variants.csv")
@@ -172,8 +242,9 @@ def test_repeats_add_spread_columns(sweep: Path, tmp_path: Path) -> None:
     assert "9.1%" in (out / "report.md").read_text()
 
 
-def test_bad_arguments_are_named(tmp_path: Path, sweep: Path,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_are_named(
+    tmp_path: Path, sweep: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert cli.main(["report", str(tmp_path / "missing")]) == 2
     assert "is not a folder" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -201,16 +272,31 @@ class StubResults:
 
 def test_roofline_section_uses_the_metric_definitions(tmp_path: Path) -> None:
     # a prefill-only, a mixed and a decode-only step; the forward is half of each step
-    steps = pd.DataFrame({
-        "start_s": [0.0, 1.0, 2.0], "end_s": [1.0, 2.0, 4.0], "forward_s": [0.5, 0.5, 1.0],
-        "num_prefill_seqs": [1, 1, 0], "num_decode_seqs": [0, 1, 2],
-        "prefill_tokens": [10, 5, 0], "decode_tokens": [0, 1, 2],
-        "flops": [4e9, 2e9, 1e8], "weight_bytes_read": [1e9, 1e9, 1e9],
-        "kv_bytes_read": [0.0, 1e6, 2e6], "kv_bytes_written": [1e7, 6e6, 2e6],
-        "predicted_s": [0.5, 0.25, 1.0], "mbu": [0.1, 0.9, 0.2], "mfu": [0.4, 0.9, 0.01]})
-    res = StubResults(steps, {"engine": {"dtype": "float32"},
-                              "hardware": {"name": "chip", "peak_flops": {"float32": 1e10},
-                                           "memory_bandwidth": 1e9}})
+    steps = pd.DataFrame(
+        {
+            "start_s": [0.0, 1.0, 2.0],
+            "end_s": [1.0, 2.0, 4.0],
+            "forward_s": [0.5, 0.5, 1.0],
+            "num_prefill_seqs": [1, 1, 0],
+            "num_decode_seqs": [0, 1, 2],
+            "prefill_tokens": [10, 5, 0],
+            "decode_tokens": [0, 1, 2],
+            "flops": [4e9, 2e9, 1e8],
+            "weight_bytes_read": [1e9, 1e9, 1e9],
+            "kv_bytes_read": [0.0, 1e6, 2e6],
+            "kv_bytes_written": [1e7, 6e6, 2e6],
+            "predicted_s": [0.5, 0.25, 1.0],
+            "mbu": [0.1, 0.9, 0.2],
+            "mfu": [0.4, 0.9, 0.01],
+        }
+    )
+    res = StubResults(
+        steps,
+        {
+            "engine": {"dtype": "float32"},
+            "hardware": {"name": "chip", "peak_flops": {"float32": 1e10}, "memory_bandwidth": 1e9},
+        },
+    )
     points = roofline_points(res)  # type: ignore[arg-type]
     # measured = end_s - start_s, as MBU / MFU / predicted_s are defined
     assert points["measured_s"].tolist() == [1.0, 1.0, 2.0]
@@ -223,8 +309,7 @@ def test_roofline_section_uses_the_metric_definitions(tmp_path: Path) -> None:
 
 
 def test_roofline_peak_is_the_runs_own_dtype() -> None:
-    spec = {"name": "chip", "peak_flops": {"float32": 1e12, "int8": 8e12},
-            "memory_bandwidth": 1e11}
+    spec = {"name": "chip", "peak_flops": {"float32": 1e12, "int8": 8e12}, "memory_bandwidth": 1e11}
     res = StubResults(pd.DataFrame(), {"engine": {"dtype": "bfloat16"}, "hardware": spec})
     # no bfloat16 peak: no compute roof, never another dtype's
     assert hardware_peaks(res) == (None, 1e11, "chip")  # type: ignore[arg-type]
@@ -232,6 +317,8 @@ def test_roofline_peak_is_the_runs_own_dtype() -> None:
     assert hardware_peaks(res) == (1e12, 1e11, "chip")  # type: ignore[arg-type]
     # no measured overlap: the standard roofline; a measured one, for the run's dtype
     assert hardware_overlap(res) == 1.0  # type: ignore[arg-type]
-    measured = StubResults(pd.DataFrame(), {"engine": {"dtype": "float32"},
-                                           "hardware": {**spec, "overlap": {"float32": 0.1}}})
+    measured = StubResults(
+        pd.DataFrame(),
+        {"engine": {"dtype": "float32"}, "hardware": {**spec, "overlap": {"float32": 0.1}}},
+    )
     assert hardware_overlap(measured) == 0.1  # type: ignore[arg-type]

@@ -23,21 +23,23 @@ def sweep(tiny_rate_sweep: Path) -> Path:
 
 
 def summaries(sweep: Path) -> dict[str, dict]:
-    return {job.name: json.loads((job / "summary.json").read_text())
-            for job in sorted(sweep.iterdir()) if (job / "summary.json").is_file()}
+    return {
+        job.name: json.loads((job / "summary.json").read_text())
+        for job in sorted(sweep.iterdir())
+        if (job / "summary.json").is_file()
+    }
 
 
 def test_sweep_gives_the_rows_of_sweep_csv_plus_provenance(sweep: Path) -> None:
     res = load(sweep)
     runs = res.runs
     assert len(runs) == 2
-    assert list(runs.columns[:len(ID_COLUMNS)]) == ID_COLUMNS
+    assert list(runs.columns[: len(ID_COLUMNS)]) == ID_COLUMNS
     assert runs["run_id"].tolist() == [f"{sweep.name}/0", f"{sweep.name}/1"]
     assert runs["job"].tolist() == [0, 1] and runs["sweep"].eq(sweep.name).all()
     assert res.swept == ["workload.arrival.rate"]
     assert runs["workload.arrival.rate"].tolist() == [100, 400]
-    assert runs["variant"].tolist() == ["workload.arrival.rate=100",
-                                        "workload.arrival.rate=400"]
+    assert runs["variant"].tolist() == ["workload.arrival.rate=100", "workload.arrival.rate=400"]
     provenance = json.loads((sweep / "0" / "provenance.json").read_text())
     assert runs.loc[0, "config_hash"] == provenance["config_hash"]
     assert runs.loc[0, "git_commit"] == provenance["git_commit"]
@@ -80,8 +82,11 @@ def test_latencies_are_the_ones_the_metrics_describe(sweep: Path) -> None:
     assert set(latencies["latency"]) == {"ttft_s", "itl_s", "e2e_s"}
     for _, run in res.runs.iterrows():
         mine = latencies[latencies["run_id"] == run["run_id"]]
-        for latency, metric in (("ttft_s", "ttft_p50_s"), ("e2e_s", "e2e_p50_s"),
-                                ("itl_s", "itl_p50_s")):
+        for latency, metric in (
+            ("ttft_s", "ttft_p50_s"),
+            ("e2e_s", "e2e_p50_s"),
+            ("itl_s", "itl_p50_s"),
+        ):
             values = mine.loc[mine["latency"] == latency, "value_s"]
             assert np.percentile(values, 50) == pytest.approx(run[metric], rel=1e-12)
         requests = res.requests[res.requests["run_id"] == run["run_id"]]
@@ -107,9 +112,11 @@ def test_an_interrupted_run_loads_from_its_jsonl_rows(sweep: Path, tmp_path: Pat
     kept = (run / "requests.jsonl").read_text().splitlines()[:5]
     (run / "requests.jsonl").write_text("\n".join(kept) + '\n{"request_id": "torn')
     summary = json.loads((run / "summary.json").read_text())
-    (run / "summary.json").write_text(json.dumps({"status": "incomplete",
-                                                  "error": "interrupted: SIGTERM",
-                                                  "metrics": summary["metrics"]}))
+    (run / "summary.json").write_text(
+        json.dumps(
+            {"status": "incomplete", "error": "interrupted: SIGTERM", "metrics": summary["metrics"]}
+        )
+    )
     res = load(run)
     row = res.runs.iloc[0]
     assert row["status"] == "incomplete" and row["error"] == "interrupted: SIGTERM"
@@ -135,14 +142,24 @@ def test_repeats_and_ab_folders(sweep: Path, tmp_path: Path) -> None:
         summary = json.loads(path.read_text())
         summary["metrics"]["output_tok_per_s"] = throughputs[-1]
         path.write_text(json.dumps(summary))
-    spread = {"median": float(np.median(throughputs)), "min": min(throughputs),
-              "max": max(throughputs), "std": float(np.std(throughputs, ddof=1)),
-              "cv": float(np.std(throughputs, ddof=1) / np.mean(throughputs)),
-              "values": throughputs}
-    (repeats / "summary.json").write_text(json.dumps({
-        "status": "complete", "repeats": 3,
-        "metrics": {"output_tok_per_s": spread["median"]},
-        "metrics_spread": {"output_tok_per_s": spread}}))
+    spread = {
+        "median": float(np.median(throughputs)),
+        "min": min(throughputs),
+        "max": max(throughputs),
+        "std": float(np.std(throughputs, ddof=1)),
+        "cv": float(np.std(throughputs, ddof=1) / np.mean(throughputs)),
+        "values": throughputs,
+    }
+    (repeats / "summary.json").write_text(
+        json.dumps(
+            {
+                "status": "complete",
+                "repeats": 3,
+                "metrics": {"output_tok_per_s": spread["median"]},
+                "metrics_spread": {"output_tok_per_s": spread},
+            }
+        )
+    )
     res = load(repeats)
     assert res.runs["repeat"].tolist() == [0, 1, 2]
     assert res.runs["variant"].nunique() == 1 and len(res.variants) == 1
@@ -162,8 +179,10 @@ def test_repeats_and_ab_folders(sweep: Path, tmp_path: Path) -> None:
     assert res.runs["arm"].tolist() == ["a", "b"] * 3
     # the arms differ in their config: that names them
     assert res.swept == ["workload.arrival.rate"]
-    assert set(res.variants["variant"]) == {"workload.arrival.rate=100",
-                                            "workload.arrival.rate=400"}
+    assert set(res.variants["variant"]) == {
+        "workload.arrival.rate=100",
+        "workload.arrival.rate=400",
+    }
     computed = res.spread[res.spread["metric"] == "ttft_p50_s"]
     assert computed["n"].tolist() == [3, 3] and (computed["std"] < 1e-12).all()
 

@@ -16,15 +16,33 @@ import pytest
 from harness.sweep import ResumeMismatch, completed_run
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["model=tiny", "workload.num_requests=2", "workload.input_len=8",
-        "workload.output_len=3", "run.warmup_requests=0"]
+TINY = [
+    "model=tiny",
+    "workload.num_requests=2",
+    "workload.input_len=8",
+    "workload.output_len=3",
+    "run.warmup_requests=0",
+]
 SWEEP = [*TINY, "engine.max_num_seqs=0,1,2,4"]  # job 0 fails: max_num_seqs must be >= 1
 
 
 def sweep(sweep_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "harness.cli", "run", "-m", *SWEEP, *extra,
-                           f"hydra.sweep.dir={sweep_dir}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "run",
+            "-m",
+            *SWEEP,
+            *extra,
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +65,7 @@ def test_resume_skips_complete_jobs_and_reruns_the_rest(swept: Path) -> None:
     # job 1 complete (kept); job 2 as an interrupted job leaves it; job 3 never ran
     kept = (swept / "1" / "summary.json").read_bytes()
     summary_2 = swept / "2" / "summary.json"
-    summary_2.write_text(json.dumps({**json.loads(summary_2.read_text()),
-                                     "status": "incomplete"}))
+    summary_2.write_text(json.dumps({**json.loads(summary_2.read_text()), "status": "incomplete"}))
     shutil.rmtree(swept / "3")
     (swept / "sweep.csv").unlink()
     result = sweep(swept, "run.resume=true")
@@ -67,9 +84,23 @@ def test_resume_skips_complete_jobs_and_reruns_the_rest(swept: Path) -> None:
 def test_resume_refuses_a_folder_of_another_configuration(swept: Path) -> None:
     before = {p: p.read_bytes() for p in swept.glob("*/summary.json")}
     result = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "run", "-m", *TINY, "workload.output_len=5",
-         "engine.max_num_seqs=0,1", "run.resume=true", f"hydra.sweep.dir={swept}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "run",
+            "-m",
+            *TINY,
+            "workload.output_len=5",
+            "engine.max_num_seqs=0,1",
+            "run.resume=true",
+            f"hydra.sweep.dir={swept}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert "run.resume:" in result.stderr and "workload.output_len" in result.stderr
     assert {p: p.read_bytes() for p in swept.glob("*/summary.json")} == before

@@ -29,30 +29,51 @@ from harness.roofline import (
 )
 
 # A hand-computable shape: every constant small and distinct.
-SHAPE = ModelShape(block_linear_params=100, lm_head_params=50, attention_flops_per_pair=8,
-                   block_linear_bytes=400, lm_head_bytes=200, kv_bytes_per_token=16,
-                   dtype="float32")
+SHAPE = ModelShape(
+    block_linear_params=100,
+    lm_head_params=50,
+    attention_flops_per_pair=8,
+    block_linear_bytes=400,
+    lm_head_bytes=200,
+    kv_bytes_per_token=16,
+    dtype="float32",
+)
 
 
 def steps_frame(*rows: dict) -> pd.DataFrame:
-    base = {"start_s": 0.0, "end_s": 1.0, "num_prefill_seqs": 0, "num_decode_seqs": 0,
-            "prefill_tokens": 0, "decode_tokens": 0, "padding_tokens": 0, "logits_tokens": 0,
-            "attention_pairs": 0, "kv_tokens_read": 0, "kv_tokens_written": 0}
+    base = {
+        "start_s": 0.0,
+        "end_s": 1.0,
+        "num_prefill_seqs": 0,
+        "num_decode_seqs": 0,
+        "prefill_tokens": 0,
+        "decode_tokens": 0,
+        "padding_tokens": 0,
+        "logits_tokens": 0,
+        "attention_pairs": 0,
+        "kv_tokens_read": 0,
+        "kv_tokens_written": 0,
+    }
     return pd.DataFrame([{**base, **row} for row in rows])
 
 
 # ---- the counts the engine records ---------------------------------------------------------
 
 
-def brute_force_counts(rows: list[tuple[int, int, int]], window: int | None,
-                       retains: bool) -> dict[str, int]:
+def brute_force_counts(
+    rows: list[tuple[int, int, int]], window: int | None, retains: bool
+) -> dict[str, int]:
     pairs = read = written = 0
     for start, queries, real in rows:
         for position in range(start, start + queries):
             keys = range(0, position + 1)
             pairs += sum(1 for j in keys if window is None or position - j < window)
-        cached = {j for p in range(start, start + queries) for j in range(start)
-                  if window is None or p - j < window}
+        cached = {
+            j
+            for p in range(start, start + queries)
+            for j in range(start)
+            if window is None or p - j < window
+        }
         read += len(cached) if retains else 0
         written += real if retains else 0
     return {"attention_pairs": pairs, "kv_tokens_read": read, "kv_tokens_written": written}
@@ -65,9 +86,12 @@ def test_roofline_counts_match_brute_force(window: int | None, retains: bool) ->
     scheduled = [(0, 5, 0), (7, 1, 0), (12, 4, 2), (3, 1, 0), (0, 1, 0)]
     padding_rows = [(9, 1), (0, 3)]  # static batching: (start, tokens), nothing stored
     plan = SimpleNamespace(
-        scheduled=[SimpleNamespace(num_computed_before=c, num_new_tokens=n,
-                                   num_padding_tokens=p) for c, n, p in scheduled],
-        padding_rows=[SimpleNamespace(start=s, num_tokens=n) for s, n in padding_rows])
+        scheduled=[
+            SimpleNamespace(num_computed_before=c, num_new_tokens=n, num_padding_tokens=p)
+            for c, n, p in scheduled
+        ],
+        padding_rows=[SimpleNamespace(start=s, num_tokens=n) for s, n in padding_rows],
+    )
     rows = [(c, n + p, n) for c, n, p in scheduled] + [(s, n, 0) for s, n in padding_rows]
     assert roofline_counts(plan, window, retains) == brute_force_counts(rows, window, retains)
 
@@ -75,8 +99,7 @@ def test_roofline_counts_match_brute_force(window: int | None, retains: bool) ->
 def record_steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[StepRecord]:
     records: list[StepRecord] = []
     llm.engine.step_observers.append(records.append)
-    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                         ignore_eos=True))
+    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return records
 
 
@@ -123,19 +146,39 @@ def test_chunked_middle_chunk_computes_no_logits(make_tiny: Callable[..., LLM]) 
 def test_costs_follow_the_formula() -> None:
     steps = steps_frame(
         # a decode step of 2 sequences
-        {"num_decode_seqs": 2, "decode_tokens": 2, "logits_tokens": 2, "attention_pairs": 10,
-         "kv_tokens_read": 8, "kv_tokens_written": 2},
+        {
+            "num_decode_seqs": 2,
+            "decode_tokens": 2,
+            "logits_tokens": 2,
+            "attention_pairs": 10,
+            "kv_tokens_read": 8,
+            "kv_tokens_written": 2,
+        },
         # a middle prefill chunk: no logits, so no LM head FLOPs or bytes
-        {"num_prefill_seqs": 1, "prefill_tokens": 4, "attention_pairs": 26,
-         "kv_tokens_read": 4, "kv_tokens_written": 4},
+        {
+            "num_prefill_seqs": 1,
+            "prefill_tokens": 4,
+            "attention_pairs": 26,
+            "kv_tokens_read": 4,
+            "kv_tokens_written": 4,
+        },
         # static batching: 1 real decode + 1 padding decode; padding is computed
-        {"num_decode_seqs": 1, "decode_tokens": 1, "padding_tokens": 1, "logits_tokens": 1,
-         "attention_pairs": 6, "kv_tokens_read": 5, "kv_tokens_written": 1},
+        {
+            "num_decode_seqs": 1,
+            "decode_tokens": 1,
+            "padding_tokens": 1,
+            "logits_tokens": 1,
+            "attention_pairs": 6,
+            "kv_tokens_read": 5,
+            "kv_tokens_written": 1,
+        },
     )
     costs = step_costs(steps, SHAPE)
-    assert costs["flops"].tolist() == [2 * 100 * 2 + 2 * 50 * 2 + 8 * 10,
-                                       2 * 100 * 4 + 8 * 26,
-                                       2 * 100 * 2 + 2 * 50 * 1 + 8 * 6]
+    assert costs["flops"].tolist() == [
+        2 * 100 * 2 + 2 * 50 * 2 + 8 * 10,
+        2 * 100 * 4 + 8 * 26,
+        2 * 100 * 2 + 2 * 50 * 1 + 8 * 6,
+    ]
     assert costs["weight_bytes_read"].tolist() == [400 + 200, 400, 400 + 200]
     assert costs["kv_bytes_read"].tolist() == [8 * 16, 4 * 16, 5 * 16]
     assert costs["kv_bytes_written"].tolist() == [2 * 16, 4 * 16, 1 * 16]
@@ -143,8 +186,16 @@ def test_costs_follow_the_formula() -> None:
 
 def test_mbu_mfu_and_prediction() -> None:
     steps = steps_frame(
-        {"num_decode_seqs": 2, "decode_tokens": 2, "logits_tokens": 2, "attention_pairs": 10,
-         "kv_tokens_read": 8, "kv_tokens_written": 2, "start_s": 1.0, "end_s": 3.0},
+        {
+            "num_decode_seqs": 2,
+            "decode_tokens": 2,
+            "logits_tokens": 2,
+            "attention_pairs": 10,
+            "kv_tokens_read": 8,
+            "kv_tokens_written": 2,
+            "start_s": 1.0,
+            "end_s": 3.0,
+        },
     )
     out = add_roofline(steps, SHAPE, peak_flops=100.0, memory_bandwidth=1000.0)
     flops, moved = 680.0, 600 + 128 + 32
@@ -165,7 +216,8 @@ def test_mbu_mfu_and_prediction() -> None:
 
 
 def test_engine_shape_counts_blocks_and_head_not_the_embedding(
-        make_tiny: Callable[..., LLM]) -> None:
+    make_tiny: Callable[..., LLM],
+) -> None:
     engine = make_tiny().engine
     info, cfg = engine.describe(), engine.model_config
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
@@ -180,11 +232,13 @@ def test_engine_shape_counts_blocks_and_head_not_the_embedding(
     decode = steps_frame({"num_decode_seqs": 1, "decode_tokens": 1, "logits_tokens": 1})
     read = step_costs(decode, shape)["weight_bytes_read"].iloc[0]
     assert read == shape.block_linear_bytes + shape.lm_head_bytes
-    assert read == info["weight_bytes"] - info["embedding_bytes"] - 4 * h * (2 * cfg.num_layers
-                                                                             + 1)  # norms
+    assert read == info["weight_bytes"] - info["embedding_bytes"] - 4 * h * (
+        2 * cfg.num_layers + 1
+    )  # norms
 
     tied = ModelShape.from_engine_info(
-        make_tiny(model_overrides={"tie_word_embeddings": True}).engine.describe())
+        make_tiny(model_overrides={"tie_word_embeddings": True}).engine.describe()
+    )
     assert tied is not None
     # a tied head reads the embedding table in full, once, as the LM head
     assert tied.lm_head_bytes == info["embedding_bytes"]
@@ -248,16 +302,24 @@ def test_annotate_without_a_spec_leaves_nan(tmp_path: Path) -> None:
 
 
 def tiny_run_config(hardware: dict) -> dict:
-    return {"engine": {"backend": "builtin", "dtype": "float32", "device": "cpu",
-                       "max_model_len": 128, "max_num_seqs": 4},
-            "model": {"name": "tiny"},
-            "workload": {"type": "synthetic", "num_requests": 4, "input_len": 12,
-                         "output_len": 5},
-            "hardware": hardware, "run": {"warmup_requests": 0}}
+    return {
+        "engine": {
+            "backend": "builtin",
+            "dtype": "float32",
+            "device": "cpu",
+            "max_model_len": 128,
+            "max_num_seqs": 4,
+        },
+        "model": {"name": "tiny"},
+        "workload": {"type": "synthetic", "num_requests": 4, "input_len": 12, "output_len": 5},
+        "hardware": hardware,
+        "run": {"warmup_requests": 0},
+    }
 
 
-def test_tiny_run_writes_columns_and_metrics(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_run_writes_columns_and_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("INFERLAB_CACHE_DIR", str(tmp_path / "cache"))
     config = tiny_run_config({"name": "cpu", "probe_bytes": 1 << 20, "matmul_size": 64})
     summary = run_experiment(config, tmp_path / "run", progress=False)
@@ -272,34 +334,45 @@ def test_tiny_run_writes_columns_and_metrics(tmp_path: Path,
     shape = ModelShape.from_engine_info(summary["engine"])
     assert shape is not None
     hardware = summary["hardware"]
-    expected = add_roofline(steps, shape, hardware["peak_flops"]["float32"],
-                            hardware["memory_bandwidth"], hardware["overlap"]["float32"])
+    expected = add_roofline(
+        steps,
+        shape,
+        hardware["peak_flops"]["float32"],
+        hardware["memory_bandwidth"],
+        hardware["overlap"]["float32"],
+    )
     pd.testing.assert_frame_equal(steps, expected)
     first_decode = steps[steps["num_decode_seqs"] == 4].iloc[0]
     assert first_decode["kv_tokens_read"] == 4 * 12
     metrics = summary["metrics"]
-    for name in ("mbu_decode_mean", "mfu_prefill_mean", "mfu_mean", "mbu_mean",
-                 "roofline_decode_ratio_p50", "roofline_ratio_p50", "mfu_overall",
-                 "roofline_fraction"):
+    for name in (
+        "mbu_decode_mean",
+        "mfu_prefill_mean",
+        "mfu_mean",
+        "mbu_mean",
+        "roofline_decode_ratio_p50",
+        "roofline_ratio_p50",
+        "mfu_overall",
+        "roofline_fraction",
+    ):
         assert metrics[name] > 0, name
 
 
 def test_unknown_hardware_fails_the_run_by_name(tmp_path: Path) -> None:
-    summary = run_experiment(tiny_run_config({"name": "tpu-v5"}), tmp_path / "run",
-                             progress=False)
+    summary = run_experiment(tiny_run_config({"name": "tpu-v5"}), tmp_path / "run", progress=False)
     assert summary["status"] == "failed"
-    assert "hardware: 'tpu-v5' is invalid; allowed: a100|auto|cpu|h100|h200|l4" \
-        in summary["error"]
+    assert "hardware: 'tpu-v5' is invalid; allowed: a100|auto|cpu|h100|h200|l4" in summary["error"]
 
 
 def test_attainable_flops_is_the_roofline_curve_predicted_s_follows() -> None:
     peak, bandwidth = 100e9, 10e9  # ridge at 10 FLOP/byte
     intensity = np.array([1.0, 10.0, 1000.0])
     # overlap 1: the standard min(peak, bandwidth x intensity)
-    np.testing.assert_allclose(attainable_flops(intensity, peak, bandwidth),
-                               [10e9, 100e9, 100e9])
+    np.testing.assert_allclose(attainable_flops(intensity, peak, bandwidth), [10e9, 100e9, 100e9])
     # overlap 0: compute and memory time add; at the ridge each takes half: half the peak
-    np.testing.assert_allclose(attainable_flops(intensity, peak, bandwidth, 0.0),
-                               [1 / (0.01e-9 + 0.1e-9), 50e9, 1000 / (10e-9 + 0.1e-9)])
+    np.testing.assert_allclose(
+        attainable_flops(intensity, peak, bandwidth, 0.0),
+        [1 / (0.01e-9 + 0.1e-9), 50e9, 1000 / (10e-9 + 0.1e-9)],
+    )
     # the same formula as a step's predicted_s
     assert predicted_time(2.0, 3.0, 0.25) == 3.0 + 0.75 * 2.0

@@ -13,8 +13,13 @@ from engines.builtin.sampler import Sampler, SamplingBatch, apply_top_k_top_p
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.25])
 
 
-def batch_of(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             suppress: dict[int, list[int]] | None = None) -> SamplingBatch:
+def batch_of(
+    rows: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    suppress: dict[int, list[int]] | None = None,
+) -> SamplingBatch:
     suppress = suppress or {}
     return SamplingBatch(
         temperature=torch.full((rows,), temperature),
@@ -43,7 +48,8 @@ def assert_matches(samples: torch.Tensor, probs: torch.Tensor) -> None:
             continue
         sigma = math.sqrt(n * p * (1 - p))
         assert abs(counts[i] - n * p) <= 5 * sigma, (
-            f"token {i}: {int(counts[i])} draws, expected {n * p:.0f} ± {5 * sigma:.0f}")
+            f"token {i}: {int(counts[i])} draws, expected {n * p:.0f} ± {5 * sigma:.0f}"
+        )
 
 
 # ---- top-k / top-p masks ------------------------------------------------------------------
@@ -70,8 +76,15 @@ def test_top_k_restricts_sampled_support() -> None:
 
 # probabilities [0.5, 0.3, 0.15, 0.05] (order shuffled below): the smallest set of top tokens
 # whose mass reaches p, computed by hand.
-NUCLEUS = [(0.45, {0}), (0.75, {0, 1}), (0.79, {0, 1}), (0.81, {0, 1, 2}), (0.9, {0, 1, 2}),
-           (0.97, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})]
+NUCLEUS = [
+    (0.45, {0}),
+    (0.75, {0, 1}),
+    (0.79, {0, 1}),
+    (0.81, {0, 1, 2}),
+    (0.9, {0, 1, 2}),
+    (0.97, {0, 1, 2, 3}),
+    (1.0, {0, 1, 2, 3}),
+]
 
 
 @pytest.mark.parametrize(("top_p", "expected"), NUCLEUS)
@@ -88,8 +101,9 @@ def test_top_k_then_top_p_per_row() -> None:
     (vLLM's order): after k=2, [0.5, 0.3] becomes [0.625, 0.375]."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(4, -1)
-    masked = apply_top_k_top_p(logits, torch.tensor([2, 2, 0, 3]),
-                               torch.tensor([0.6, 0.7, 0.6, 1.0]))
+    masked = apply_top_k_top_p(
+        logits, torch.tensor([2, 2, 0, 3]), torch.tensor([0.6, 0.7, 0.6, 1.0])
+    )
     kept = [set(torch.nonzero(r.isfinite()).flatten().tolist()) for r in masked]
     assert kept == [{0}, {0, 1}, {0, 1}, {0, 1, 2}]
 
@@ -123,10 +137,12 @@ def test_suppressed_ids_are_never_drawn() -> None:
     best = int(LOGITS.argmax())
     n = 5000
     samples = Sampler(0, torch.device("cpu"))(
-        LOGITS.expand(n, -1).clone(), batch_of(n, suppress={r: [best, 6] for r in range(n)}))
+        LOGITS.expand(n, -1).clone(), batch_of(n, suppress={r: [best, 6] for r in range(n)})
+    )
     assert best not in samples.tolist() and 6 not in samples.tolist()
-    greedy = Sampler(0, torch.device("cpu"))(LOGITS.unsqueeze(0).clone(),
-                                             batch_of(1, temperature=0.0, suppress={0: [best]}))
+    greedy = Sampler(0, torch.device("cpu"))(
+        LOGITS.unsqueeze(0).clone(), batch_of(1, temperature=0.0, suppress={0: [best]})
+    )
     assert int(greedy[0]) == int(LOGITS.topk(2).indices[1])
 
 
@@ -149,12 +165,18 @@ def test_seeded_request_ignores_batch_composition(make_tiny) -> None:
     alone = llm.generate(prompt, sampled(seed=1234))[0].token_ids
     assert len(alone) == 16
     others = ["Some other prompt", [50, 51], "and a third one that is a bit longer than that"]
-    batch_first = llm.generate([prompt, *others],
-                               [sampled(seed=1234), sampled(), sampled(seed=9),
-                                SamplingParams(temperature=0.0, max_tokens=5)])[0].token_ids
-    batch_last = llm.generate([*others, prompt],
-                              [sampled(top_k=5), sampled(40), sampled(top_p=0.5),
-                               sampled(seed=1234)])[-1].token_ids
+    batch_first = llm.generate(
+        [prompt, *others],
+        [
+            sampled(seed=1234),
+            sampled(),
+            sampled(seed=9),
+            SamplingParams(temperature=0.0, max_tokens=5),
+        ],
+    )[0].token_ids
+    batch_last = llm.generate(
+        [*others, prompt], [sampled(top_k=5), sampled(40), sampled(top_p=0.5), sampled(seed=1234)]
+    )[-1].token_ids
     # a fresh engine (its shared generator not advanced by the batches above); the engine seed
     # stays the same since it also seeds the preset's dummy weights
     fresh = make_tiny().generate(prompt, sampled(seed=1234))[0].token_ids
@@ -165,6 +187,7 @@ def test_seeded_request_ignores_batch_composition(make_tiny) -> None:
 def test_a_top_k_beyond_any_vocabulary_is_top_k_off(tiny_llm: LLM) -> None:
     """top_k=10**400 is a valid integer: it keeps every token, as top_k=0 does, rather than
     failing the step when it is converted for the batch (OverflowError)."""
+
     def sample(top_k: int) -> list[int]:
         params = SamplingParams(max_tokens=5, temperature=1.0, top_k=top_k, seed=7)
         return tiny_llm.generate([[3, 4, 5]], params)[0].outputs[0].token_ids
@@ -173,8 +196,7 @@ def test_a_top_k_beyond_any_vocabulary_is_top_k_off(tiny_llm: LLM) -> None:
 
 
 def test_different_seeds_differ(tiny_llm: LLM) -> None:
-    outs = tiny_llm.generate([[700, 701, 702, 703]] * 4,
-                             [sampled(seed=s) for s in (1, 2, 3, 1)])
+    outs = tiny_llm.generate([[700, 701, 702, 703]] * 4, [sampled(seed=s) for s in (1, 2, 3, 1)])
     tokens = [tuple(o.token_ids) for o in outs]
     assert tokens[0] == tokens[3]
     assert len(set(tokens)) == 3
@@ -192,10 +214,14 @@ def test_unseeded_requests_follow_the_engine_seed(make_tiny) -> None:
 
 @pytest.mark.parametrize("max_tokens", [1, 7, 33])
 def test_ignore_eos_gives_exact_lengths(tiny_llm: LLM, max_tokens: int) -> None:
-    outs = tiny_llm.generate(["one", [900, 901], "three three three"],
-                             [sampled(max_tokens, top_k=50), sampled(max_tokens),
-                              SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                             ignore_eos=True)])
+    outs = tiny_llm.generate(
+        ["one", [900, 901], "three three three"],
+        [
+            sampled(max_tokens, top_k=50),
+            sampled(max_tokens),
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        ],
+    )
     for out in outs:
         assert len(out.token_ids) == max_tokens
         assert out.finish_reason == "length"
@@ -203,11 +229,13 @@ def test_ignore_eos_gives_exact_lengths(tiny_llm: LLM, max_tokens: int) -> None:
 
 def test_ignore_eos_continues_past_eos(make_tiny) -> None:
     llm = make_tiny()
-    full = llm.generate([910, 911], SamplingParams(temperature=0.0, max_tokens=12,
-                                                   ignore_eos=True))[0].token_ids
+    full = llm.generate(
+        [910, 911], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )[0].token_ids
     llm = make_tiny(model_overrides={"eos_token_ids": [full[0]]})
-    out = llm.generate([910, 911], SamplingParams(temperature=0.0, max_tokens=12,
-                                                  ignore_eos=True))[0]
+    out = llm.generate([910, 911], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[
+        0
+    ]
     assert out.token_ids == full and out.finish_reason == "length"
 
 
@@ -216,12 +244,16 @@ def test_min_tokens_defers_stop_token(tiny_llm: LLM, min_tokens: int) -> None:
     prompt = [920, 921, 922]
     first = tiny_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12))[0]
     stop_id = first.token_ids[0]  # the greedy next token
-    stopped = tiny_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12,
-                                                       stop_token_ids=[stop_id]))[0]
+    stopped = tiny_llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id])
+    )[0]
     assert stopped.token_ids == [stop_id] and stopped.finish_reason == "stop"
-    out = tiny_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12,
-                                                   stop_token_ids=[stop_id],
-                                                   min_tokens=min_tokens))[0]
+    out = tiny_llm.generate(
+        prompt,
+        SamplingParams(
+            temperature=0.0, max_tokens=12, stop_token_ids=[stop_id], min_tokens=min_tokens
+        ),
+    )[0]
     assert len(out.token_ids) >= min_tokens
     assert stop_id not in out.token_ids[:min_tokens]
     if stop_id in out.token_ids:  # once allowed again, it stops the request
@@ -237,25 +269,30 @@ def test_min_tokens_defers_eos(make_tiny) -> None:
     eos = greedy.token_ids[0]
     llm = make_tiny(model_overrides={"eos_token_ids": [eos]})
     assert llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids == [eos]
-    for params in (SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5),
-                   SamplingParams(temperature=1.0, max_tokens=8, min_tokens=5, seed=0)):
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5),
+        SamplingParams(temperature=1.0, max_tokens=8, min_tokens=5, seed=0),
+    ):
         out = llm.generate(prompt, params)[0]
         assert len(out.token_ids) >= 5
         assert eos not in out.token_ids[:5]
 
 
-@pytest.mark.parametrize(("field", "kwargs", "allowed"), [
-    ("max_tokens", {"max_tokens": 0}, "an integer >= 1"),
-    ("temperature", {"temperature": float("nan")}, "a number >= 0"),
-    ("top_p", {"top_p": 0.0}, "a number in (0, 1]"),
-    ("top_k", {"top_k": -2}, "-1 or 0 (disabled)"),
-    ("min_tokens", {"max_tokens": 4, "min_tokens": 5}, "an integer in [0, max_tokens=4]"),
-    ("n", {"n": 0}, "an integer >= 1"),
-    # sample i of n is seeded seed + i: the last one must still be a valid generator seed
-    ("seed", {"seed": 2 ** 64 - 1, "n": 2}, "[-2^63, 2^64 - n] (n=2)"),
-    ("seed", {"seed": -(2 ** 63) - 1}, "[-2^63, 2^64 - n]"),
-    ("stop", {"stop": [""]}, "a list of non-empty strings"),
-])
+@pytest.mark.parametrize(
+    ("field", "kwargs", "allowed"),
+    [
+        ("max_tokens", {"max_tokens": 0}, "an integer >= 1"),
+        ("temperature", {"temperature": float("nan")}, "a number >= 0"),
+        ("top_p", {"top_p": 0.0}, "a number in (0, 1]"),
+        ("top_k", {"top_k": -2}, "-1 or 0 (disabled)"),
+        ("min_tokens", {"max_tokens": 4, "min_tokens": 5}, "an integer in [0, max_tokens=4]"),
+        ("n", {"n": 0}, "an integer >= 1"),
+        # sample i of n is seeded seed + i: the last one must still be a valid generator seed
+        ("seed", {"seed": 2**64 - 1, "n": 2}, "[-2^63, 2^64 - n] (n=2)"),
+        ("seed", {"seed": -(2**63) - 1}, "[-2^63, 2^64 - n]"),
+        ("stop", {"stop": [""]}, "a list of non-empty strings"),
+    ],
+)
 def test_invalid_sampling_params_name_the_field(field: str, kwargs: dict, allowed: str) -> None:
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}: .* allowed: ") as info:
         SamplingParams(**kwargs)
@@ -263,4 +300,4 @@ def test_invalid_sampling_params_name_the_field(field: str, kwargs: dict, allowe
 
 
 def test_largest_seed_for_n_samples_is_accepted() -> None:
-    assert SamplingParams(seed=2 ** 64 - 2, n=2).seed == 2 ** 64 - 2
+    assert SamplingParams(seed=2**64 - 2, n=2).seed == 2**64 - 2

@@ -26,12 +26,20 @@ from serving import cli as serve_cli
 from serving.auth import is_loopback
 from serving.testing import RunningServer, serve_in_thread
 
-OPTIONS: dict[str, Any] = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8,
-                               kv_cache="paged", kv_cache_memory_bytes=2 << 20)
+OPTIONS: dict[str, Any] = dict(
+    dtype="float32",
+    device="cpu",
+    max_model_len=256,
+    max_num_seqs=8,
+    kv_cache="paged",
+    kv_cache_memory_bytes=2 << 20,
+)
 PROMPT = "The quick brown fox jumps over"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-MESSAGES = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Name a colour."}]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a colour."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +98,11 @@ def assert_error(response: httpx.Response, status: int, param: str | None, code:
 def usage_of(expected: list[Any]) -> dict[str, int]:
     prompt = len(expected[0].prompt_token_ids)
     completion = sum(len(o.token_ids) for r in expected for o in r.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 # ---- completions ------------------------------------------------------------------------------
@@ -104,19 +115,31 @@ def test_completion_greedy_matches_engine(client: httpx.Client, direct: LLM) -> 
     body = client.post("/v1/completions", json=payload).json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["model"] == "tiny"
-    assert body["choices"] == [{"index": 0, "text": expected[0].text, "logprobs": None,
-                                "finish_reason": expected[0].finish_reason}]
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "text": expected[0].text,
+            "logprobs": None,
+            "finish_reason": expected[0].finish_reason,
+        }
+    ]
     assert body["usage"] == usage_of(expected)
 
-    chunks = stream(client, "/v1/completions",
-                    {**payload, "stream_options": {"include_usage": True}})
+    chunks = stream(
+        client, "/v1/completions", {**payload, "stream_options": {"include_usage": True}}
+    )
     *token_chunks, finish, usage = chunks
     assert len(token_chunks) == len(expected[0].token_ids)  # one chunk per token
     assert "".join(c["choices"][0]["text"] for c in token_chunks) == expected[0].text
-    assert all(c["choices"][0]["finish_reason"] is None and c["usage"] is None
-               for c in token_chunks)
-    assert finish["choices"][0] == {"index": 0, "text": "", "logprobs": None,
-                                    "finish_reason": expected[0].finish_reason}
+    assert all(
+        c["choices"][0]["finish_reason"] is None and c["usage"] is None for c in token_chunks
+    )
+    assert finish["choices"][0] == {
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": expected[0].finish_reason,
+    }
     assert usage["choices"] == [] and usage["usage"] == usage_of(expected)
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["object"] == "text_completion"
 
@@ -144,30 +167,39 @@ def test_seeded_parallel_sampling_matches_engine(client: httpx.Client, direct: L
     assert streamed == texts
 
 
-@pytest.mark.parametrize("prompts", [["Hello there", "Once upon"], [[5, 6, 7, 8, 9], [42, 43]]],
-                         ids=["texts", "token-id-lists"])
-def test_several_prompts_match_engine(client: httpx.Client, direct: LLM,
-                                      prompts: list[Any]) -> None:
+@pytest.mark.parametrize(
+    "prompts",
+    [["Hello there", "Once upon"], [[5, 6, 7, 8, 9], [42, 43]]],
+    ids=["texts", "token-id-lists"],
+)
+def test_several_prompts_match_engine(
+    client: httpx.Client, direct: LLM, prompts: list[Any]
+) -> None:
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     expected = [direct.generate(p, greedy)[0] for p in prompts]
-    body = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 6,
-                                                "temperature": 0}).json()
+    body = client.post(
+        "/v1/completions", json={"prompt": prompts, "max_tokens": 6, "temperature": 0}
+    ).json()
     assert [c["index"] for c in body["choices"]] == [0, 1]
     assert [c["text"] for c in body["choices"]] == [e.text for e in expected]
     prompt_tokens = sum(len(e.prompt_token_ids) for e in expected)
     completion_tokens = sum(len(e.token_ids) for e in expected)
-    assert body["usage"] == {"prompt_tokens": prompt_tokens,
-                             "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens}
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def test_stop_string_and_exact_lengths_match_engine(client: httpx.Client, direct: LLM) -> None:
-    free = direct.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.0,
-                                                  ignore_eos=True))[0].text
+    free = direct.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[
+        0
+    ].text
     stop = free[4:7]
     assert stop.strip(), f"pick a visible stop string from {free!r}"
-    expected = direct.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.0,
-                                                      stop=[stop]))[0]
+    expected = direct.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.0, stop=[stop]))[
+        0
+    ]
     assert expected.finish_reason == "stop"
     payload = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stop": stop}
     body = client.post("/v1/completions", json=payload).json()
@@ -177,8 +209,13 @@ def test_stop_string_and_exact_lengths_match_engine(client: httpx.Client, direct
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected.text
 
     # ignore_eos + min_tokens: benchmark clients' way of asking for an exact length
-    exact = {"prompt": PROMPT, "max_tokens": 20, "min_tokens": 20, "ignore_eos": True,
-             "temperature": 0}
+    exact = {
+        "prompt": PROMPT,
+        "max_tokens": 20,
+        "min_tokens": 20,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     body = client.post("/v1/completions", json=exact).json()
     assert body["usage"]["completion_tokens"] == 20
     assert body["choices"][0]["finish_reason"] == "length"
@@ -193,14 +230,14 @@ def test_return_token_ids_as_vllm_sends_them(client: httpx.Client, direct: LLM) 
         body = client.post(path, json=payload).json()
         choice = body["choices"][0]
         assert choice["token_ids"] == want.token_ids
-        prompt_ids = choice["prompt_token_ids"] if path == COMPLETIONS else \
-            body["prompt_token_ids"]
+        prompt_ids = choice["prompt_token_ids"] if path == COMPLETIONS else body["prompt_token_ids"]
         assert prompt_ids == want.prompt_token_ids
 
         chunks = stream(client, path, payload)
         assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want.token_ids
-        first = [c for c in chunks if "prompt_token_ids" in c or
-                 "prompt_token_ids" in c["choices"][0]]
+        first = [
+            c for c in chunks if "prompt_token_ids" in c or "prompt_token_ids" in c["choices"][0]
+        ]
         assert len(first) == 1 and first[0] is chunks[0]  # only in the first chunk
         where = chunks[0] if path == CHAT else chunks[0]["choices"][0]
         assert where["prompt_token_ids"] == want.prompt_token_ids
@@ -215,9 +252,14 @@ def test_chat_matches_engine(client: httpx.Client, direct: LLM) -> None:
 
     body = client.post("/v1/chat/completions", json=payload).json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
-    assert body["choices"] == [{"index": 0, "logprobs": None,
-                                "message": {"role": "assistant", "content": expected[0].text},
-                                "finish_reason": expected[0].finish_reason}]
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "logprobs": None,
+            "message": {"role": "assistant", "content": expected[0].text},
+            "finish_reason": expected[0].finish_reason,
+        }
+    ]
     assert body["usage"] == usage_of(expected)
 
     # content as a list of text parts is the same conversation
@@ -225,8 +267,9 @@ def test_chat_matches_engine(client: httpx.Client, direct: LLM) -> None:
     body = client.post("/v1/chat/completions", json={**payload, "messages": parts}).json()
     assert body["choices"][0]["message"]["content"] == expected[0].text
 
-    chunks = stream(client, "/v1/chat/completions",
-                    {**payload, "stream_options": {"include_usage": True}})
+    chunks = stream(
+        client, "/v1/chat/completions", {**payload, "stream_options": {"include_usage": True}}
+    )
     role, *token_chunks, finish, usage = chunks
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -238,9 +281,10 @@ def test_chat_matches_engine(client: httpx.Client, direct: LLM) -> None:
 
 
 def test_chat_max_completion_tokens(client: httpx.Client) -> None:
-    body = client.post("/v1/chat/completions",
-                       json={"messages": MESSAGES, "max_completion_tokens": 3,
-                             "ignore_eos": True}).json()
+    body = client.post(
+        "/v1/chat/completions",
+        json={"messages": MESSAGES, "max_completion_tokens": 3, "ignore_eos": True},
+    ).json()
     assert body["usage"]["completion_tokens"] == 3
 
 
@@ -258,8 +302,12 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (COMPLETIONS, {"prompt": "hi", "top_k": -2}, "top_k", "invalid_value"),
     (COMPLETIONS, {"prompt": "hi", "n": 0}, "n", "invalid_value"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
-    (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, "min_tokens",
-     "invalid_value"),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "max_tokens": 2, "min_tokens": 5},
+        "min_tokens",
+        "invalid_value",
+    ),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": "5"}, "max_tokens", "invalid_type"),
     (COMPLETIONS, {"prompt": "hi", "stream": "yes"}, "stream", "invalid_type"),
     (COMPLETIONS, {"prompt": "hi", "stop": [1]}, "stop", "invalid_value"),
@@ -271,42 +319,76 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (COMPLETIONS, {"prompt": "hi", "bogus": 1}, "bogus", "unknown_parameter"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 1}, "logprobs", "unsupported_parameter"),
     (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
-    (COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty",
-     "unsupported_parameter"),
-    (COMPLETIONS, {"prompt": "hi", "stream_options": {"include_usage": True}},
-     "stream_options", "invalid_value"),
-    (COMPLETIONS, {"prompt": "hi", "stream": True, "stream_options": {"other": 1}},
-     "stream_options.other", "unknown_parameter"),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "presence_penalty": 0.5},
+        "presence_penalty",
+        "unsupported_parameter",
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        "stream_options",
+        "invalid_value",
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "stream": True, "stream_options": {"other": 1}},
+        "stream_options.other",
+        "unknown_parameter",
+    ),
     (CHAT, {"messages": []}, "messages", "invalid_value"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages", "invalid_value"),
     (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content", "unsupported_parameter"),
-    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
-     "invalid_type"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
     (CHAT, {"messages": USER, "logprobs": True}, "logprobs", "unsupported_parameter"),
-    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools",
-     "unsupported_parameter"),
-    (CHAT, {"messages": USER, "max_completion_tokens": 1000}, "max_completion_tokens",
-     "context_length_exceeded"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    (
+        CHAT,
+        {"messages": USER, "max_completion_tokens": 1000},
+        "max_completion_tokens",
+        "context_length_exceeded",
+    ),
     (CHAT, {"messages": USER, "model": "other"}, "model", "model_not_found"),
-    (CHAT, {"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens",
-     "invalid_value"),
+    (
+        CHAT,
+        {"messages": USER, "max_completion_tokens": 0},
+        "max_completion_tokens",
+        "invalid_value",
+    ),
     # sample 1 would seed with 2**64, which overflowed inside an engine step and failed every
     # request running beside it
     (COMPLETIONS, {"prompt": "hi", "seed": 2**64 - 1, "n": 2}, "seed", "invalid_value"),
     # hostile bodies (issue 15): each of these was a 500 (or a 200) before
     (COMPLETIONS, b'{"prompt": "\\ud800"}', "prompt", "invalid_value"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "a\\udc00"}]}', "messages[0].content",
-     "invalid_value"),
-    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
-     "messages[0].content[0].text", "invalid_value"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}]}',
-     "messages[0].name", "invalid_value"),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "a\\udc00"}]}',
+        "messages[0].content",
+        "invalid_value",
+    ),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+        "messages[0].content[0].text",
+        "invalid_value",
+    ),
+    (
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}]}',
+        "messages[0].name",
+        "invalid_value",
+    ),
     (COMPLETIONS, b'{"prompt": "hi", "\\ud800": 1}', None, "invalid_value"),
     (COMPLETIONS, b'{"prompt": "hi", "model": "\\ud800"}', "model", "invalid_value"),
     (COMPLETIONS, b"[" * 1000 + b"]" * 1000, None, "invalid_json"),
     (COMPLETIONS, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "invalid_json"),
-    (CHAT, b'{"messages": [], "tools": ' + b'{"a": ' * 1000 + b"1" + b"}" * 1001, None,
-     "invalid_json"),
+    (
+        CHAT,
+        b'{"messages": [], "tools": ' + b'{"a": ' * 1000 + b"1" + b"}" * 1001,
+        None,
+        "invalid_json",
+    ),
     (COMPLETIONS, b'{"prompt": "\xff\xfe"}', None, "invalid_json"),
     (COMPLETIONS, b"\xff\xfe{\x00}\x00", None, "invalid_json"),  # UTF-16
     (COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', None, "invalid_json"),
@@ -323,16 +405,24 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("path", "payload", "param", "code"), ERROR_CASES,
-                         ids=[f"{p.rsplit('/', 1)[-1]}-{c}-{param}" for p, _, param, c
-                              in ERROR_CASES])
-def test_bad_requests_get_400_with_openai_error(client: httpx.Client, server: RunningServer,
-                                                path: str, payload: Any, param: str | None,
-                                                code: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "payload", "param", "code"),
+    ERROR_CASES,
+    ids=[f"{p.rsplit('/', 1)[-1]}-{c}-{param}" for p, _, param, c in ERROR_CASES],
+)
+def test_bad_requests_get_400_with_openai_error(
+    client: httpx.Client,
+    server: RunningServer,
+    path: str,
+    payload: Any,
+    param: str | None,
+    code: str,
+) -> None:
     for streaming in (False, True):
         if isinstance(payload, bytes):
-            response = client.post(path, content=payload,
-                                   headers={"content-type": "application/json"})
+            response = client.post(
+                path, content=payload, headers={"content-type": "application/json"}
+            )
         else:
             body = dict(payload)
             if streaming and "stream" not in body and "stream_options" not in body:
@@ -343,22 +433,29 @@ def test_bad_requests_get_400_with_openai_error(client: httpx.Client, server: Ru
 
 
 def test_largest_seed_for_n_is_served(client: httpx.Client) -> None:
-    body = client.post(COMPLETIONS, json={"prompt": PROMPT, "seed": 2**64 - 2, "n": 2,
-                                          "max_tokens": 2, "temperature": 1.0}).json()
+    body = client.post(
+        COMPLETIONS,
+        json={"prompt": PROMPT, "seed": 2**64 - 2, "n": 2, "max_tokens": 2, "temperature": 1.0},
+    ).json()
     assert [c["index"] for c in body["choices"]] == [0, 1], body
 
 
 def test_n_on_a_static_batching_server_is_refused_before_the_stream() -> None:
-    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS,
-                                                     "kv_cache": "contiguous",
-                                                     "batching": "static"}))
+    backend = BuiltinBackend(
+        EngineConfig.from_dict(
+            {"model": "tiny", **OPTIONS, "kv_cache": "contiguous", "batching": "static"}
+        )
+    )
     backend.load()
     try:
-        with serve_in_thread(backend) as running, \
-                httpx.Client(base_url=running.base_url, timeout=60) as static_client:
+        with (
+            serve_in_thread(backend) as running,
+            httpx.Client(base_url=running.base_url, timeout=60) as static_client,
+        ):
             for stream_it in (False, True):
-                response = static_client.post(COMPLETIONS, json={
-                    "prompt": "hi", "n": 2, "max_tokens": 2, "stream": stream_it})
+                response = static_client.post(
+                    COMPLETIONS, json={"prompt": "hi", "n": 2, "max_tokens": 2, "stream": stream_it}
+                )
                 assert_error(response, 400, "n", "invalid_value")
                 assert "engine.batching=static" in response.json()["error"]["message"]
             ok = static_client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})
@@ -401,7 +498,8 @@ def test_models_health_and_unknown_route(client: httpx.Client) -> None:
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     assert [(m["id"], m["object"], m["max_model_len"]) for m in models["data"]] == [
-        ("tiny", "model", 256)]
+        ("tiny", "model", 256)
+    ]
     assert client.get("/health").status_code == 200
     response = client.get("/v1/nothing")
     assert response.status_code == 404
@@ -419,16 +517,23 @@ def test_continuous_usage_stats_as_vllm_sends_them(client: httpx.Client, path: s
     """guidellm and AIPerf ask for usage in every chunk (vLLM's extension); each chunk's usage
     counts the tokens sent so far, the last chunk the whole request."""
     prompt = {"prompt": PROMPT} if path == COMPLETIONS else {"messages": MESSAGES}
-    payload = {**prompt, "max_tokens": 5, "ignore_eos": True, "return_token_ids": True,
-               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    payload = {
+        **prompt,
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     *chunks, last = stream(client, path, payload)
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
     sent = 0
     for chunk in chunks:
         sent += len(chunk["choices"][0]["token_ids"])
-        assert chunk["usage"] == {"prompt_tokens": last["usage"]["prompt_tokens"],
-                                  "completion_tokens": sent,
-                                  "total_tokens": last["usage"]["prompt_tokens"] + sent}
+        assert chunk["usage"] == {
+            "prompt_tokens": last["usage"]["prompt_tokens"],
+            "completion_tokens": sent,
+            "total_tokens": last["usage"]["prompt_tokens"] + sent,
+        }
     assert sent == 5
     # continuous_usage_stats rides on include_usage, as in vLLM
     payload["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
@@ -436,9 +541,11 @@ def test_continuous_usage_stats_as_vllm_sends_them(client: httpx.Client, path: s
 
 
 def test_chat_content_may_be_empty_where_the_template_writes_the_roles(
-        client: httpx.Client) -> None:
-    body = client.post(CHAT, json={"messages": [{"role": "user", "content": ""}],
-                                   "max_tokens": 2}).json()
+    client: httpx.Client,
+) -> None:
+    body = client.post(
+        CHAT, json={"messages": [{"role": "user", "content": ""}], "max_tokens": 2}
+    ).json()
     assert body["usage"]["prompt_tokens"] > 1, body  # role markers: not an empty prompt
 
 
@@ -448,16 +555,24 @@ def test_a_chat_that_renders_to_nothing_is_an_empty_prompt() -> None:
     assert backend.engine is not None
     # a checkpoint template that writes the contents alone (the tiny tokenizer's writes roles)
     backend.engine.tokenizer._chat_template = (
-        "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
     try:
-        with serve_in_thread(backend) as running, \
-                httpx.Client(base_url=running.base_url, timeout=60) as plain:
+        with (
+            serve_in_thread(backend) as running,
+            httpx.Client(base_url=running.base_url, timeout=60) as plain,
+        ):
             empty = [{"role": "system", "content": ""}, {"role": "user", "content": ""}]
             for stream_it in (False, True):
-                assert_error(plain.post(CHAT, json={"messages": empty, "stream": stream_it}),
-                             400, "messages", "invalid_value")
-            ok = plain.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}],
-                                        "max_tokens": 2})
+                assert_error(
+                    plain.post(CHAT, json={"messages": empty, "stream": stream_it}),
+                    400,
+                    "messages",
+                    "invalid_value",
+                )
+            ok = plain.post(
+                CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            )
             assert ok.status_code == 200, ok.text
     finally:
         backend.close()
@@ -474,7 +589,7 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read(client: httpx.Client) 
         assert time.perf_counter() - started < 5.0
         assert_error(response, 413, None, "request_too_large")
         assert "8388608 bytes" in response.json()["error"]["message"]
-    pieces = iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)])
+    pieces = iter([big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20)])
     chunked = client.post(CHAT, content=pieces, headers=headers)  # no Content-Length
     assert "content-length" not in chunked.request.headers
     assert_error(chunked, 413, None, "request_too_large")
@@ -491,8 +606,9 @@ BODY_LIMIT = 4096
 def guarded() -> Iterator[RunningServer]:
     backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
     backend.load()
-    config = ServerConfig(api_key=API_KEY, max_body_bytes=BODY_LIMIT,
-                          served_model_name="org/tiny-chat")
+    config = ServerConfig(
+        api_key=API_KEY, max_body_bytes=BODY_LIMIT, served_model_name="org/tiny-chat"
+    )
     with serve_in_thread(backend, config) as running:
         yield running
     backend.close()
@@ -500,12 +616,21 @@ def guarded() -> Iterator[RunningServer]:
 
 def test_api_key_guards_every_v1_route(guarded: RunningServer) -> None:
     prompt = {"prompt": "Hi", "max_tokens": 2}
-    routes = [("GET", "/v1/models", None), ("GET", "/v1/models/org/tiny-chat", None),
-              ("POST", COMPLETIONS, prompt), ("POST", CHAT, {"messages": USER}),
-              ("GET", "/v1/no-such-route", None)]  # 401, not 404: no route map for strangers
-    refused = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {API_KEY}x"},
-               {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"},
-               {"X-Api-Key": API_KEY}]
+    routes = [
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/models/org/tiny-chat", None),
+        ("POST", COMPLETIONS, prompt),
+        ("POST", CHAT, {"messages": USER}),
+        ("GET", "/v1/no-such-route", None),
+    ]  # 401, not 404: no route map for strangers
+    refused = [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Bearer {API_KEY}x"},
+        {"Authorization": API_KEY},
+        {"Authorization": f"Basic {API_KEY}"},
+        {"X-Api-Key": API_KEY},
+    ]
     with httpx.Client(base_url=guarded.base_url, timeout=60) as c:
         for method, path, payload in routes:
             for headers in refused:
@@ -531,16 +656,19 @@ def test_models_retrieve_with_a_slash_in_the_name(guarded: RunningServer) -> Non
 def test_the_body_limit_is_exact(guarded: RunningServer) -> None:
     auth = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
     with httpx.Client(base_url=guarded.base_url, timeout=60, headers=auth) as c:
+
         def body(size: int) -> bytes:  # a short prompt padded with JSON whitespace
             head = b'{"max_tokens": 1, "prompt": "Hi"'
             return head + b" " * (size - len(head) - 1) + b"}"
 
         at_limit = c.post(COMPLETIONS, content=body(BODY_LIMIT))
         assert at_limit.status_code == 200, at_limit.text
-        assert_error(c.post(COMPLETIONS, content=body(BODY_LIMIT + 1)), 413, None,
-                     "request_too_large")
-        chunked = c.post(COMPLETIONS, content=iter([body(BODY_LIMIT + 1)[:100],
-                                                    body(BODY_LIMIT + 1)[100:]]))
+        assert_error(
+            c.post(COMPLETIONS, content=body(BODY_LIMIT + 1)), 413, None, "request_too_large"
+        )
+        chunked = c.post(
+            COMPLETIONS, content=iter([body(BODY_LIMIT + 1)[:100], body(BODY_LIMIT + 1)[100:]])
+        )
         assert_error(chunked, 413, None, "request_too_large")
         ok = c.post(COMPLETIONS, content=iter([body(BODY_LIMIT)[:100], body(BODY_LIMIT)[100:]]))
         assert ok.status_code == 200, ok.text
@@ -580,28 +708,36 @@ def parse_prometheus(text: str) -> tuple[dict[str, str], Samples]:
         assert key not in samples, f"duplicate sample {line!r}"
         samples[key] = float(value)
     for family in (f for f, kind in types.items() if kind == "histogram"):
-        buckets = sorted(((float(dict(labels)["le"]), v) for (n, labels), v in samples.items()
-                          if n == f"{family}_bucket"))
+        buckets = sorted(
+            (
+                (float(dict(labels)["le"]), v)
+                for (n, labels), v in samples.items()
+                if n == f"{family}_bucket"
+            )
+        )
         counts = [v for _, v in buckets]
         assert buckets[-1][0] == math.inf and counts == sorted(counts), family
         assert buckets[-1][1] == samples[(f"{family}_count", frozenset())], family
     return types, samples
 
 
-def test_metrics_prometheus_text_and_counters_move(client: httpx.Client,
-                                                   server: RunningServer) -> None:
+def test_metrics_prometheus_text_and_counters_move(
+    client: httpx.Client, server: RunningServer
+) -> None:
     def scrape() -> Samples:
         response = client.get("/metrics")
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
         types, samples = parse_prometheus(response.text)
-        for name, kind in [("inferlab_num_requests_running", "gauge"),
-                           ("inferlab_num_requests_waiting", "gauge"),
-                           ("inferlab_kv_cache_usage_ratio", "gauge"),
-                           ("inferlab_prompt_tokens_total", "counter"),
-                           ("inferlab_generation_tokens_total", "counter"),
-                           ("inferlab_time_to_first_token_seconds", "histogram"),
-                           ("inferlab_inter_token_latency_seconds", "histogram")]:
+        for name, kind in [
+            ("inferlab_num_requests_running", "gauge"),
+            ("inferlab_num_requests_waiting", "gauge"),
+            ("inferlab_kv_cache_usage_ratio", "gauge"),
+            ("inferlab_prompt_tokens_total", "counter"),
+            ("inferlab_generation_tokens_total", "counter"),
+            ("inferlab_time_to_first_token_seconds", "histogram"),
+            ("inferlab_inter_token_latency_seconds", "histogram"),
+        ]:
             assert types.get(name) == kind, name
         return samples
 
@@ -609,8 +745,9 @@ def test_metrics_prometheus_text_and_counters_move(client: httpx.Client,
         return samples[(name, frozenset(labels.items()))]
 
     before = scrape()
-    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 7,
-                                                "ignore_eos": True}).json()
+    body = client.post(
+        "/v1/completions", json={"prompt": PROMPT, "max_tokens": 7, "ignore_eos": True}
+    ).json()
     client.post("/v1/completions", json={"prompt": PROMPT, "top_p": 5})  # a 400
     after = scrape()
 
@@ -635,35 +772,54 @@ def test_metrics_prometheus_text_and_counters_move(client: httpx.Client,
 
 
 def test_serve_options_compose_like_run() -> None:
-    backend, config = serve_cli.build_backend([
-        "model=tiny", "engine.kv_cache=paged", "variant=chunked", "port=9001",
-        "max_queue_len=5", "served_model_name=my-model", "server.host=0.0.0.0"])
+    backend, config = serve_cli.build_backend(
+        [
+            "model=tiny",
+            "engine.kv_cache=paged",
+            "variant=chunked",
+            "port=9001",
+            "max_queue_len=5",
+            "served_model_name=my-model",
+            "server.host=0.0.0.0",
+        ]
+    )
     assert backend.config.kv_cache == "paged" and backend.config.enable_chunked_prefill
     assert backend.config.model == "tiny"
     assert (config.host, config.port, config.max_queue_len, config.served_model_name) == (
-        "0.0.0.0", 9001, 5, "my-model")
+        "0.0.0.0",
+        9001,
+        5,
+        "my-model",
+    )
     _, config = serve_cli.build_backend(["model=tiny"])
     assert (config.host, config.port, config.served_model_name) == ("127.0.0.1", 8000, "tiny")
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["workload.num_requests=3"], "workload.num_requests: not an option of `inferlab serve`"),
-    (["justaword"], "'justaword': expected key=value"),
-    (["port=abc"], "port: 'abc' is invalid; allowed: an integer in [0, 65535]"),
-    (["port=70000"], "port: 70000 is invalid"),
-    (["max_queue_len=-1"], "max_queue_len: -1 is invalid; allowed: an integer >= 0"),
-    (["log_level=loud"], "log_level: 'loud' is invalid; allowed: critical|error"),
-    (["engine.kv_cache=foo"], "engine.kv_cache: 'foo' is invalid; allowed: none|contiguous|paged"),
-    (["engine.bogus=1"], "engine.bogus: unknown option; known engine options: "),
-    (["model=nope"], "Could not find 'model/nope'"),
-    (["model=hf"], "model.path"),
-    (["engine.backend=hf"], "engine.backend: 'hf' cannot be served"),
-    (["api_key= k"], "api_key: invalid; allowed: null or a non-empty string"),
-    (["max_body_bytes=0"], "max_body_bytes: 0 is invalid; allowed: an integer >= 1"),
-    (["max_body_bytes=8MB"], "max_body_bytes: '8MB' is invalid"),
-])
-def test_serve_refuses_bad_options(argv: list[str], message: str,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["workload.num_requests=3"], "workload.num_requests: not an option of `inferlab serve`"),
+        (["justaword"], "'justaword': expected key=value"),
+        (["port=abc"], "port: 'abc' is invalid; allowed: an integer in [0, 65535]"),
+        (["port=70000"], "port: 70000 is invalid"),
+        (["max_queue_len=-1"], "max_queue_len: -1 is invalid; allowed: an integer >= 0"),
+        (["log_level=loud"], "log_level: 'loud' is invalid; allowed: critical|error"),
+        (
+            ["engine.kv_cache=foo"],
+            "engine.kv_cache: 'foo' is invalid; allowed: none|contiguous|paged",
+        ),
+        (["engine.bogus=1"], "engine.bogus: unknown option; known engine options: "),
+        (["model=nope"], "Could not find 'model/nope'"),
+        (["model=hf"], "model.path"),
+        (["engine.backend=hf"], "engine.backend: 'hf' cannot be served"),
+        (["api_key= k"], "api_key: invalid; allowed: null or a non-empty string"),
+        (["max_body_bytes=0"], "max_body_bytes: 0 is invalid; allowed: an integer >= 1"),
+        (["max_body_bytes=8MB"], "max_body_bytes: '8MB' is invalid"),
+    ],
+)
+def test_serve_refuses_bad_options(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert serve_cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("inferlab serve: ") and message in err, err
@@ -677,7 +833,7 @@ def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     config, _ = serve_cli.parse_args(["model=tiny"])
     assert config.api_key == "env-key" and "env-key" not in repr(config)
     assert serve_cli.parse_args(["api_key=given"])[0].api_key == "given"  # the option wins
-    assert serve_cli.parse_args(["api_key=null"])[0].api_key is None      # or turns it off
+    assert serve_cli.parse_args(["api_key=null"])[0].api_key is None  # or turns it off
     assert serve_cli.parse_args(["api_key=12345"])[0].api_key == "12345"  # kept as text
     monkeypatch.setenv("INFERLAB_API_KEY", "key\n")
     with pytest.raises(serve_cli.UsageError, match="INFERLAB_API_KEY: invalid") as refused:
@@ -685,12 +841,21 @@ def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "key" not in str(refused.value).replace("INFERLAB_API_KEY", "").replace("a key", "")
 
 
-@pytest.mark.parametrize(("argv", "warned"), [
-    (["host=0.0.0.0"], True), (["host=127.0.0.1"], False), (["host=localhost"], False),
-    (["host=0.0.0.0", "api_key=k"], False)])
-def test_a_public_address_without_a_key_warns_once(argv: list[str], warned: bool,
-                                                   monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "warned"),
+    [
+        (["host=0.0.0.0"], True),
+        (["host=127.0.0.1"], False),
+        (["host=localhost"], False),
+        (["host=0.0.0.0", "api_key=k"], False),
+    ],
+)
+def test_a_public_address_without_a_key_warns_once(
+    argv: list[str],
+    warned: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.delenv("INFERLAB_API_KEY", raising=False)
 
     def stop(self: BuiltinBackend) -> None:
@@ -705,10 +870,20 @@ def test_a_public_address_without_a_key_warns_once(argv: list[str], warned: bool
         assert warnings[0].startswith("inferlab serve: warning: listening on 0.0.0.0")
 
 
-@pytest.mark.parametrize(("host", "loopback"), [
-    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("[::1]", True),
-    ("localhost", True), ("0.0.0.0", False), ("::", False), ("10.1.2.3", False),
-    ("my-host", False)])
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.1.2.3", False),
+        ("my-host", False),
+    ],
+)
 def test_is_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
 
@@ -718,12 +893,27 @@ def test_inferlab_serve_command_end_to_end() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "harness.cli", "serve", "model=tiny",
-               "engine.kv_cache=paged", "engine.max_model_len=128", "engine.device=cpu",
-               "engine.num_threads=1", f"port={port}", "log_level=warning",
-               "served_model_name=tiny-served"]
-    process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "serve",
+        "model=tiny",
+        "engine.kv_cache=paged",
+        "engine.max_model_len=128",
+        "engine.device=cpu",
+        "engine.num_threads=1",
+        f"port={port}",
+        "log_level=warning",
+        "served_model_name=tiny-served",
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -737,10 +927,11 @@ def test_inferlab_serve_command_end_to_end() -> None:
                 time.sleep(0.2)
         with httpx.Client(base_url=base_url, timeout=30) as client:
             assert client.get("/v1/models").json()["data"][0]["id"] == "tiny-served"
-            payload = {"model": "tiny-served", "prompt": "Hi", "max_tokens": 3,
-                       "ignore_eos": True}
-            assert client.post("/v1/completions", json=payload).json()["usage"][
-                "completion_tokens"] == 3
+            payload = {"model": "tiny-served", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+            assert (
+                client.post("/v1/completions", json=payload).json()["usage"]["completion_tokens"]
+                == 3
+            )
             chunks = stream(client, "/v1/completions", payload)
             assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 3 + ["length"]
     finally:

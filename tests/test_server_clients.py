@@ -24,12 +24,20 @@ from engines.builtin.backend import BuiltinBackend
 from serving import ServerConfig
 from serving.testing import RunningServer, serve_in_thread
 
-OPTIONS: dict[str, Any] = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8,
-                               kv_cache="paged", kv_cache_memory_bytes=2 << 20)
+OPTIONS: dict[str, Any] = dict(
+    dtype="float32",
+    device="cpu",
+    max_model_len=256,
+    max_num_seqs=8,
+    kv_cache="paged",
+    kv_cache_memory_bytes=2 << 20,
+)
 API_KEY = "sk-inferlab-test"
 PROMPT = "The quick brown fox jumps over"
-MESSAGES: list[Any] = [{"role": "system", "content": "Be brief."},
-                       {"role": "user", "content": "Name a colour."}]
+MESSAGES: list[Any] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a colour."},
+]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 
@@ -44,8 +52,9 @@ def server() -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def client(server: RunningServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0,
-                       timeout=60) as c:
+    with openai.OpenAI(
+        base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60
+    ) as c:
         yield c
 
 
@@ -62,35 +71,60 @@ def test_sdk_completions(client: openai.OpenAI, direct: LLM) -> None:
     got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0)
     assert isinstance(got, openai.types.Completion)
     assert [(c.index, c.text, c.finish_reason) for c in got.choices] == [
-        (0, want.text, want.finish_reason)]
+        (0, want.text, want.finish_reason)
+    ]
     assert got.usage is not None
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (
-        len(want.prompt_token_ids), len(want.token_ids))
+        len(want.prompt_token_ids),
+        len(want.token_ids),
+    )
 
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     assert chunks[-1].choices == [] and chunks[-1].usage == got.usage
 
     # vLLM's fields through extra_body: an exact output length
-    exact = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12,
-                                      extra_body={"min_tokens": 12, "ignore_eos": True})
+    exact = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        extra_body={"min_tokens": 12, "ignore_eos": True},
+    )
     assert exact.usage is not None and exact.usage.completion_tokens == 12
 
 
 def test_sdk_chat(client: openai.OpenAI, direct: LLM) -> None:
     want = direct.generate(MESSAGES, GREEDY)[0]
-    got = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10,
-                                         temperature=0)
+    got = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=10, temperature=0
+    )
     choice = got.choices[0]
     assert (choice.message.role, choice.message.content, choice.finish_reason) == (
-        "assistant", want.text, want.finish_reason)
+        "assistant",
+        want.text,
+        want.finish_reason,
+    )
     assert got.usage is not None and got.usage.completion_tokens == len(want.token_ids)
 
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_completion_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_completion_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
@@ -103,8 +137,7 @@ def test_sdk_parallel_sampling(client: openai.OpenAI, direct: LLM) -> None:
     got = client.completions.create(model="tiny", prompt=PROMPT, **params)  # type: ignore
     assert [(c.index, c.text) for c in got.choices] == list(enumerate(want))
     streamed = ["", ""]
-    for chunk in client.completions.create(model="tiny", prompt=PROMPT, stream=True,
-                                           **params):  # type: ignore[call-overload]
+    for chunk in client.completions.create(model="tiny", prompt=PROMPT, stream=True, **params):  # type: ignore[call-overload]
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert streamed == want
@@ -115,13 +148,15 @@ def test_sdk_concurrent_streams(server: RunningServer, direct: LLM) -> None:
     want = [direct.generate(p, GREEDY)[0].text for p in prompts]
 
     async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
-        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=10,
-                                                 temperature=0, stream=True)
+        stream = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream])
 
     async def main() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY,
-                                      max_retries=0, timeout=60) as client:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60
+        ) as client:
             return list(await asyncio.gather(*(one(client, p) for p in prompts)))
 
     assert asyncio.run(main()) == want
@@ -136,19 +171,39 @@ def test_sdk_models(client: openai.OpenAI) -> None:
     assert (missing.value.code, missing.value.param) == ("model_not_found", "model")
 
 
-@pytest.mark.parametrize(("kwargs", "error", "code", "param"), [
-    (dict(prompt=PROMPT, temperature=-1), openai.BadRequestError, "invalid_value",
-     "temperature"),
-    (dict(prompt=""), openai.BadRequestError, "invalid_value", "prompt"),
-    (dict(prompt=PROMPT, max_tokens=1000), openai.BadRequestError, "context_length_exceeded",
-     "max_tokens"),
-    (dict(prompt=PROMPT, extra_body={"bogus": 1}), openai.BadRequestError,
-     "unknown_parameter", "bogus"),
-    (dict(prompt=PROMPT, model="gpt-4"), openai.BadRequestError, "model_not_found", "model"),
-    (dict(prompt="x" * (9 << 20)), openai.APIStatusError, "request_too_large", None),
-])
-def test_sdk_errors(client: openai.OpenAI, kwargs: dict[str, Any], error: type[Exception],
-                    code: str, param: str | None) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "error", "code", "param"),
+    [
+        (
+            dict(prompt=PROMPT, temperature=-1),
+            openai.BadRequestError,
+            "invalid_value",
+            "temperature",
+        ),
+        (dict(prompt=""), openai.BadRequestError, "invalid_value", "prompt"),
+        (
+            dict(prompt=PROMPT, max_tokens=1000),
+            openai.BadRequestError,
+            "context_length_exceeded",
+            "max_tokens",
+        ),
+        (
+            dict(prompt=PROMPT, extra_body={"bogus": 1}),
+            openai.BadRequestError,
+            "unknown_parameter",
+            "bogus",
+        ),
+        (dict(prompt=PROMPT, model="gpt-4"), openai.BadRequestError, "model_not_found", "model"),
+        (dict(prompt="x" * (9 << 20)), openai.APIStatusError, "request_too_large", None),
+    ],
+)
+def test_sdk_errors(
+    client: openai.OpenAI,
+    kwargs: dict[str, Any],
+    error: type[Exception],
+    code: str,
+    param: str | None,
+) -> None:
     with pytest.raises(error) as raised:
         client.completions.create(**{"model": "tiny", "max_tokens": 4, **kwargs})
     exc = raised.value
@@ -159,9 +214,10 @@ def test_sdk_errors(client: openai.OpenAI, kwargs: dict[str, Any], error: type[E
 
 def test_sdk_api_key(server: RunningServer) -> None:
     for key in ("wrong", API_KEY + "x"):
-        with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key,
-                           max_retries=0) as stranger, \
-                pytest.raises(openai.AuthenticationError) as refused:
+        with (
+            openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0) as stranger,
+            pytest.raises(openai.AuthenticationError) as refused,
+        ):
             stranger.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
         assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
 
@@ -176,12 +232,19 @@ def write_tokenizer(backend: BuiltinBackend, folder: Path) -> Path:
     tokenizer = backend.engine.tokenizer
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.backend.save(str(folder / "tokenizer.json"))
-    names = {i: tokenizer.backend.id_to_token(i) for i in (tokenizer.special.bos_id,
-                                                             tokenizer.special.eos_ids[0])}
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": names[tokenizer.special.bos_id],
-        "eos_token": names[tokenizer.special.eos_ids[0]]}))
+    names = {
+        i: tokenizer.backend.id_to_token(i)
+        for i in (tokenizer.special.bos_id, tokenizer.special.eos_ids[0])
+    }
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": names[tokenizer.special.bos_id],
+                "eos_token": names[tokenizer.special.eos_ids[0]],
+            }
+        )
+    )
     return folder
 
 
@@ -192,22 +255,37 @@ def test_guidellm_every_request_succeeds(server: RunningServer, tmp_path: Path) 
     tokenizer = write_tokenizer(server.serving.backend, tmp_path / "tokenizer")
     out = tmp_path / "guidellm.json"
     command = [
-        sys.executable, "-m", "guidellm", "run",
-        "--backend", f"kind=openai_http,target={server.base_url},model=tiny,api_key={API_KEY}",
-        "--profile", "kind=synchronous",
-        "--constraint", f"kind=max_requests,count={num_requests}",
-        "--data", f"kind=synthetic_text,prompt_tokens=16,output_tokens={output_tokens}",
-        "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
-        "--output", f"kind=json,path={out}",
-        "--disable-console-interactive"]
+        sys.executable,
+        "-m",
+        "guidellm",
+        "run",
+        "--backend",
+        f"kind=openai_http,target={server.base_url},model=tiny,api_key={API_KEY}",
+        "--profile",
+        "kind=synchronous",
+        "--constraint",
+        f"kind=max_requests,count={num_requests}",
+        "--data",
+        f"kind=synthetic_text,prompt_tokens=16,output_tokens={output_tokens}",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={tokenizer}",
+        "--output",
+        f"kind=json,path={out}",
+        "--disable-console-interactive",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     benchmark = json.loads(out.read_text())["benchmarks"][0]
     requests = benchmark["requests"]
     assert benchmark["scheduler_metrics"]["requests_made"] == {
-        "successful": num_requests, "errored": 0, "incomplete": 0, "total": num_requests}
+        "successful": num_requests,
+        "errored": 0,
+        "incomplete": 0,
+        "total": num_requests,
+    }
     assert not requests["errored"] and not requests["incomplete"]
     for request in requests["successful"]:
         sent = json.loads(request["request_args"])["body"]
@@ -230,21 +308,50 @@ def test_aiperf_every_request_succeeds(server: RunningServer, tmp_path: Path) ->
     tokenizer = write_tokenizer(server.serving.backend, tmp_path / "tokenizer")
     out = tmp_path / "aiperf"
     command = [
-        str(AIPERF), "profile", "--model", "tiny", "--url", server.base_url, "--api-key", API_KEY,
-        "--endpoint-type", "chat", "--streaming",
-        "--request-count", str(num_requests), "--concurrency", "2",
-        "--isl", "16", "--osl", str(output_tokens), "--extra-inputs", "ignore_eos:true",
+        str(AIPERF),
+        "profile",
+        "--model",
+        "tiny",
+        "--url",
+        server.base_url,
+        "--api-key",
+        API_KEY,
+        "--endpoint-type",
+        "chat",
+        "--streaming",
+        "--request-count",
+        str(num_requests),
+        "--concurrency",
+        "2",
+        "--isl",
+        "16",
+        "--osl",
+        str(output_tokens),
+        "--extra-inputs",
+        "ignore_eos:true",
         # random token ids: the default sonnet corpus costs ~6 s of tokenizing before the run
-        "--tokenizer", str(tokenizer), "--prompt-corpus", "random", "--random-seed", "0",
-        "--use-server-token-count", "--ui-type", "none", "--no-gpu-telemetry",
-        "--artifact-dir", str(out)]
+        "--tokenizer",
+        str(tokenizer),
+        "--prompt-corpus",
+        "random",
+        "--random-seed",
+        "0",
+        "--use-server-token-count",
+        "--ui-type",
+        "none",
+        "--no-gpu-telemetry",
+        "--artifact-dir",
+        str(out),
+    ]
     # Offline mode would make aiperf 0.13 look a local tokenizer folder up in the hub cache (and
     # fail); a local path is loaded without the network anyway. Its dataset files stay in tmp.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    }
     env.update(AIPERF_DATASET_MMAP_BASE_PATH=str(tmp_path), AIPERF_DATASET_MMAP_CACHE_ENABLED="0")
-    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     summary = json.loads((out / "profile_export_aiperf.json").read_text())

@@ -22,26 +22,46 @@ from engines.builtin.backend import BuiltinBackend
 from serving import ServerConfig
 from serving.testing import RunningServer, serve_in_thread
 
-OPTIONS: dict[str, Any] = dict(dtype="float32", device="cpu", max_model_len=48, max_num_seqs=4,
-                               kv_cache="paged", kv_cache_memory_bytes=1 << 20, num_threads=1)
+OPTIONS: dict[str, Any] = dict(
+    dtype="float32",
+    device="cpu",
+    max_model_len=48,
+    max_num_seqs=4,
+    kv_cache="paged",
+    kv_cache_memory_bytes=1 << 20,
+    num_threads=1,
+)
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 # About 20 s on two shared cores; INFERLAB_FUZZ_EXAMPLES=5000 for a deeper search by hand.
 # deadline=None: a request's time is the server's, not the test's.
-FUZZ = settings(max_examples=int(os.environ.get("INFERLAB_FUZZ_EXAMPLES", "300")), deadline=None,
-                database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=int(os.environ.get("INFERLAB_FUZZ_EXAMPLES", "300")),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 # ---- strategies -------------------------------------------------------------------------------
 
 # text with lone surrogates (json.dumps writes them as \ud800 escapes), and ordinary text
-texts = st.one_of(st.text(max_size=12),
-                  st.text(st.characters(codec=None, categories=["Cs", "Ll", "Nd", "Zs", "So"]),
-                          max_size=6))
-numbers = st.one_of(st.integers(-3, 70), st.integers(), st.integers(-(2**70), 2**70),
-                    st.integers(10**300, 10**400), st.floats(), st.floats(-2, 2))
+texts = st.one_of(
+    st.text(max_size=12),
+    st.text(st.characters(codec=None, categories=["Cs", "Ll", "Nd", "Zs", "So"]), max_size=6),
+)
+numbers = st.one_of(
+    st.integers(-3, 70),
+    st.integers(),
+    st.integers(-(2**70), 2**70),
+    st.integers(10**300, 10**400),
+    st.floats(),
+    st.floats(-2, 2),
+)
 scalars = st.one_of(st.none(), st.booleans(), numbers, texts)
-anything = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
-                        | st.dictionaries(texts, inner, max_size=3), max_leaves=8)
+anything = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
+    max_leaves=8,
+)
 
 
 def field(plausible: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -50,14 +70,24 @@ def field(plausible: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 
 
 token_ids = st.lists(st.one_of(st.integers(0, 300), st.integers()), min_size=0, max_size=6)
-prompts = st.one_of(texts, st.lists(texts, max_size=3), token_ids,
-                    st.lists(token_ids, max_size=3))
-content = st.one_of(texts, st.none(), st.lists(st.fixed_dictionaries(
-    {"type": st.sampled_from(["text", "image_url", ""])}, optional={"text": field(texts)}),
-    max_size=2))
+prompts = st.one_of(texts, st.lists(texts, max_size=3), token_ids, st.lists(token_ids, max_size=3))
+content = st.one_of(
+    texts,
+    st.none(),
+    st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "image_url", ""])}, optional={"text": field(texts)}
+        ),
+        max_size=2,
+    ),
+)
 message = st.fixed_dictionaries(
-    {"role": field(st.sampled_from(["user", "user", "system", "assistant", "wizard"])),
-     "content": field(content)}, optional={"name": field(texts)})
+    {
+        "role": field(st.sampled_from(["user", "user", "system", "assistant", "wizard"])),
+        "content": field(content),
+    },
+    optional={"name": field(texts)},
+)
 # Every field a request may hold; a body is a valid request with a few of these added, so that a
 # strange value in one field reaches the code behind the checks of all the others.
 FIELDS = {
@@ -70,9 +100,15 @@ FIELDS = {
     "seed": field(st.integers(-(2**64), 2**65)),
     "stop": field(st.one_of(texts, st.lists(texts, max_size=3))),
     "stream": field(st.booleans()),
-    "stream_options": field(st.fixed_dictionaries({}, optional={
-        "include_usage": field(st.booleans()),
-        "continuous_usage_stats": field(st.booleans())})),
+    "stream_options": field(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "include_usage": field(st.booleans()),
+                "continuous_usage_stats": field(st.booleans()),
+            },
+        )
+    ),
     "min_tokens": field(st.integers(-1, 70)),
     "ignore_eos": field(st.booleans()),
     "stop_token_ids": field(token_ids),
@@ -82,11 +118,18 @@ FIELDS = {
     "logit_bias": field(st.dictionaries(texts, numbers, max_size=2)),
     "user": field(texts),
 }
-COMPLETION_FIELDS = {**FIELDS, "echo": field(st.booleans()), "logprobs": field(st.none()),
-                     "best_of": field(st.integers(-1, 3))}
-CHAT_FIELDS = {**FIELDS, "max_completion_tokens": field(st.integers(-2, 60)),
-               "response_format": field(st.just({"type": "text"})),
-               "tools": field(st.lists(anything, max_size=1))}
+COMPLETION_FIELDS = {
+    **FIELDS,
+    "echo": field(st.booleans()),
+    "logprobs": field(st.none()),
+    "best_of": field(st.integers(-1, 3)),
+}
+CHAT_FIELDS = {
+    **FIELDS,
+    "max_completion_tokens": field(st.integers(-2, 60)),
+    "response_format": field(st.just({"type": "text"})),
+    "tools": field(st.lists(anything, max_size=1)),
+}
 
 
 @st.composite
@@ -114,16 +157,20 @@ def broken_bytes(draw: st.DrawFn) -> tuple[str, bytes]:
     if kind == "raw":
         return route, draw(st.binary(max_size=64))
     if kind == "utf8":
-        valid = json.dumps({"prompt": "Hello there", "messages": [{"role": "user",
-                                                                   "content": "Hi"}]}).encode()
+        valid = json.dumps(
+            {"prompt": "Hello there", "messages": [{"role": "user", "content": "Hi"}]}
+        ).encode()
         at = draw(st.integers(0, len(valid)))
         junk = draw(st.binary(min_size=1, max_size=4).filter(lambda b: max(b) >= 0x80))
         return route, valid[:at] + junk + valid[at:]
     depth = draw(st.one_of(st.integers(1, 300), st.integers(300, 100_000)))
     opener, closer = draw(st.sampled_from([(b"[", b"]"), (b'{"a": ', b"}")]))
     nested = opener * depth + b"1" + closer * depth
-    where = draw(st.sampled_from([b"%s", b'{"prompt": %s}', b'{"messages": %s}',
-                                  b'{"prompt": "hi", "tools": %s}']))
+    where = draw(
+        st.sampled_from(
+            [b"%s", b'{"prompt": %s}', b'{"messages": %s}', b'{"prompt": "hi", "tools": %s}']
+        )
+    )
     return route, where.replace(b"%s", nested)
 
 
@@ -146,8 +193,9 @@ def client(server: RunningServer) -> Iterator[httpx.Client]:
 
 
 def check(client: httpx.Client, route: str, body: bytes) -> None:
-    with client.stream("POST", route, content=body,
-                       headers={"content-type": "application/json"}) as response:
+    with client.stream(
+        "POST", route, content=body, headers={"content-type": "application/json"}
+    ) as response:
         text = response.read().decode()
     assert response.status_code < 500, (response.status_code, text, body[:300])
     if response.status_code >= 400:
@@ -163,15 +211,17 @@ def check(client: httpx.Client, route: str, body: bytes) -> None:
 
 @FUZZ
 @given(case=bodies())
-def test_request_shaped_bodies_never_fail_the_server(client: httpx.Client,
-                                                     case: tuple[str, bytes]) -> None:
+def test_request_shaped_bodies_never_fail_the_server(
+    client: httpx.Client, case: tuple[str, bytes]
+) -> None:
     check(client, *case)
 
 
 @FUZZ
 @given(case=broken_bytes())
-def test_broken_bytes_and_deep_nesting_never_fail_the_server(client: httpx.Client,
-                                                             case: tuple[str, bytes]) -> None:
+def test_broken_bytes_and_deep_nesting_never_fail_the_server(
+    client: httpx.Client, case: tuple[str, bytes]
+) -> None:
     check(client, *case)
 
 

@@ -33,10 +33,18 @@ from serving.testing import ServeProcess, serve_in_thread, serve_process
 
 READ_TIMEOUT_S = 1.0
 SHUTDOWN_TIMEOUT_S = 1.0
-SERVE_ARGS = ["model=tiny", "engine.kv_cache=paged", "engine.kv_cache_memory_bytes=16777216",
-              "engine.max_model_len=1024", "engine.device=cpu", "engine.num_threads=1",
-              f"read_timeout_s={READ_TIMEOUT_S}", f"shutdown_timeout_s={SHUTDOWN_TIMEOUT_S}",
-              "keep_alive_timeout_s=1", "log_level=info"]
+SERVE_ARGS = [
+    "model=tiny",
+    "engine.kv_cache=paged",
+    "engine.kv_cache_memory_bytes=16777216",
+    "engine.max_model_len=1024",
+    "engine.device=cpu",
+    "engine.num_threads=1",
+    f"read_timeout_s={READ_TIMEOUT_S}",
+    f"shutdown_timeout_s={SHUTDOWN_TIMEOUT_S}",
+    "keep_alive_timeout_s=1",
+    "log_level=info",
+]
 SLACK_S = 5.0  # scheduling slack on a busy 2-core machine
 
 
@@ -49,8 +57,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 
 def metrics(base_url: str) -> dict[str, float]:
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    return {name: float(value) for name, value in
-            re.findall(r"^([a-z_]+) (\S+)$", text, re.MULTILINE)}
+    return {
+        name: float(value) for name, value in re.findall(r"^([a-z_]+) (\S+)$", text, re.MULTILINE)
+    }
 
 
 def wait_for(condition: Any, timeout_s: float = 30.0) -> bool:
@@ -65,12 +74,17 @@ def wait_for(condition: Any, timeout_s: float = 30.0) -> bool:
 def http_request(path: str, payload: dict[str, Any] | None = None) -> bytes:
     body = b"" if payload is None else json.dumps(payload).encode()
     method = "GET" if payload is None else "POST"
-    return (f"{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    return (
+        f"{method} {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
-async def open_stream(address: tuple[str, int], payload: dict[str, Any], chunks: int,
-                      ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+async def open_stream(
+    address: tuple[str, int],
+    payload: dict[str, Any],
+    chunks: int,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
     """A raw streaming request, read until `chunks` SSE events arrived."""
     reader, writer = await asyncio.open_connection(*address)
     writer.write(http_request("/v1/completions", {**payload, "stream": True}))
@@ -97,29 +111,43 @@ def test_disconnects_log_one_line_each_no_traceback_no_leak(served: ServeProcess
     before = metrics(served.base_url)
 
     async def run() -> None:
-        streams = await asyncio.gather(*(open_stream(address, long, 2)
-                                         for _ in range(num_streams)))
+        streams = await asyncio.gather(*(open_stream(address, long, 2) for _ in range(num_streams)))
         plain = []
         for _ in range(num_plain):
             reader, writer = await asyncio.open_connection(*address)
             writer.write(http_request("/v1/completions", long))
             plain.append((reader, writer))
         # every request is generating (past admission, in the engine) before its client leaves
-        running = await asyncio.to_thread(wait_for, lambda: (
-            m := metrics(served.base_url))["inferlab_num_requests_running"]
-            + m["inferlab_num_requests_waiting"] == num_streams + num_plain)
+        running = await asyncio.to_thread(
+            wait_for,
+            lambda: (
+                (m := metrics(served.base_url))["inferlab_num_requests_running"]
+                + m["inferlab_num_requests_waiting"]
+                == num_streams + num_plain
+            ),
+        )
         assert running, metrics(served.base_url)
         for _, writer, *_ in [*streams, *plain]:
             writer.close()
 
     asyncio.run(run())
     total = num_streams + num_plain
-    assert wait_for(lambda: metrics(served.base_url)["inferlab_requests_aborted_total"]
-                    - before["inferlab_requests_aborted_total"] == total), metrics(
-        served.base_url)
-    assert wait_for(lambda: (m := metrics(served.base_url))["inferlab_num_requests_admitted"]
-                    == m["inferlab_num_requests_running"] == m["inferlab_num_requests_waiting"]
-                    == m["inferlab_kv_cache_reserved_bytes"] == 0), metrics(served.base_url)
+    assert wait_for(
+        lambda: (
+            metrics(served.base_url)["inferlab_requests_aborted_total"]
+            - before["inferlab_requests_aborted_total"]
+            == total
+        )
+    ), metrics(served.base_url)
+    assert wait_for(
+        lambda: (
+            (m := metrics(served.base_url))["inferlab_num_requests_admitted"]
+            == m["inferlab_num_requests_running"]
+            == m["inferlab_num_requests_waiting"]
+            == m["inferlab_kv_cache_reserved_bytes"]
+            == 0
+        )
+    ), metrics(served.base_url)
     log = served.log_text()
     assert "Traceback" not in log, log
     assert "ERROR" not in log, log
@@ -143,13 +171,17 @@ def closed_after(address: tuple[str, int], send: bytes, wait_s: float) -> tuple[
         return time.monotonic() - started, received
 
 
-@pytest.mark.parametrize(("what", "send"), [
-    ("nothing", b""),
-    ("half the headers", b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Le"),
-    ("headers, half the body", http_request("/v1/completions", {"prompt": "hello there"})[:-8]),
-])
-def test_half_sent_requests_are_dropped_after_read_timeout(served: ServeProcess, what: str,
-                                                           send: bytes) -> None:
+@pytest.mark.parametrize(
+    ("what", "send"),
+    [
+        ("nothing", b""),
+        ("half the headers", b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Le"),
+        ("headers, half the body", http_request("/v1/completions", {"prompt": "hello there"})[:-8]),
+    ],
+)
+def test_half_sent_requests_are_dropped_after_read_timeout(
+    served: ServeProcess, what: str, send: bytes
+) -> None:
     # before: the server held such a connection for good (socket.timeout here)
     elapsed, received = closed_after(address_of(served.base_url), send, 30.0)
     assert READ_TIMEOUT_S * 0.9 <= elapsed <= READ_TIMEOUT_S + SLACK_S, (what, elapsed)
@@ -175,18 +207,21 @@ def test_header_and_body_deadlines_with_either_http_parser(base: str) -> None:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as protocol
     else:
         protocol = H11Protocol
-    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", "device": "cpu",
-                                                     "max_model_len": 128}))
+    backend = BuiltinBackend(
+        EngineConfig.from_dict({"model": "tiny", "device": "cpu", "max_model_len": 128})
+    )
     backend.load()
     config = ServerConfig(read_timeout_s=READ_TIMEOUT_S)
     try:
-        with serve_in_thread(backend, config,
-                             http=header_timeout_protocol(READ_TIMEOUT_S, protocol)) as running:
+        with serve_in_thread(
+            backend, config, http=header_timeout_protocol(READ_TIMEOUT_S, protocol)
+        ) as running:
             address = address_of(running.base_url)
             elapsed, received = closed_after(address, b"GET /health HTTP/1.1\r\nHo", 30.0)
             assert received == b"" and elapsed <= READ_TIMEOUT_S + SLACK_S
             elapsed, received = closed_after(
-                address, http_request("/v1/completions", {"prompt": "hi"})[:-4], 30.0)
+                address, http_request("/v1/completions", {"prompt": "hi"})[:-4], 30.0
+            )
             assert received.startswith(b"HTTP/1.1 408 ") and elapsed <= READ_TIMEOUT_S + SLACK_S
             # a whole request on a kept-alive connection is not cut: the deadline is per part
             with socket.create_connection(address, timeout=30) as sock:
@@ -217,14 +252,26 @@ def test_idle_keep_alive_connection_is_closed(served: ServeProcess) -> None:
 
 def sse_events(raw: bytes) -> list[str]:
     """The `data:` payloads of a chunked SSE response (chunk sizes dropped)."""
-    return [line.removeprefix("data: ") for line in raw.decode(errors="replace").splitlines()
-            if line.startswith("data: ")]
+    return [
+        line.removeprefix("data: ")
+        for line in raw.decode(errors="replace").splitlines()
+        if line.startswith("data: ")
+    ]
 
 
 def test_drain_finishes_short_requests_aborts_long_ones_frees_kv() -> None:
-    backend = BuiltinBackend(EngineConfig.from_dict({
-        "model": "tiny", "dtype": "float32", "device": "cpu", "max_model_len": 1024,
-        "kv_cache": "paged", "kv_cache_memory_bytes": 16 << 20}))
+    backend = BuiltinBackend(
+        EngineConfig.from_dict(
+            {
+                "model": "tiny",
+                "dtype": "float32",
+                "device": "cpu",
+                "max_model_len": 1024,
+                "kv_cache": "paged",
+                "kv_cache_memory_bytes": 16 << 20,
+            }
+        )
+    )
     backend.load()
     engine_step = backend.engine.step
 
@@ -245,8 +292,9 @@ def test_drain_finishes_short_requests_aborts_long_ones_frees_kv() -> None:
                 short_reader, short_writer, short_head = await open_stream(address, short, 1)
                 async with httpx.AsyncClient(base_url=running.base_url, timeout=30) as client:
                     plain = asyncio.ensure_future(client.post("/v1/completions", json=long))
-                    assert await asyncio.to_thread(wait_for, lambda: running.serving.engine_thread
-                                                   .stats.num_running == 3)
+                    assert await asyncio.to_thread(
+                        wait_for, lambda: running.serving.engine_thread.stats.num_running == 3
+                    )
                     running.server.request_shutdown()
                     assert await asyncio.to_thread(wait_for, lambda: running.serving.draining)
                     refused = await client.post("/v1/completions", json=short)
@@ -255,8 +303,12 @@ def test_drain_finishes_short_requests_aborts_long_ones_frees_kv() -> None:
                     cut = await plain
                 long_writer.close()
                 short_writer.close()
-                return (long_head + rest[0], short_head, short_head + rest[1],
-                        [refused, health, cut])
+                return (
+                    long_head + rest[0],
+                    short_head,
+                    short_head + rest[1],
+                    [refused, health, cut],
+                )
 
             long_raw, short_head, short_raw, (refused, health, cut) = asyncio.run(run())
             running.thread.join(30)
@@ -306,13 +358,19 @@ def test_sigterm_with_30_streams_exits_0_within_shutdown_timeout(served: ServePr
         streams_done = time.monotonic() - sent
         returncode = await asyncio.to_thread(served.process.wait, 60)
         exited = time.monotonic() - sent
-        return ([head + raw for (_, _, head), raw in zip(streams, raws, strict=True)],
-                streams_done, returncode, exited)
+        return (
+            [head + raw for (_, _, head), raw in zip(streams, raws, strict=True)],
+            streams_done,
+            returncode,
+            exited,
+        )
 
     raws, streams_done, returncode, exited = asyncio.run(run())
     log = served.log_text()
-    print(f"\nSIGTERM with 30 streams in flight: streams ended after {streams_done:.2f} s, "
-          f"the process exited after {exited:.2f} s (shutdown_timeout_s={SHUTDOWN_TIMEOUT_S})")
+    print(
+        f"\nSIGTERM with 30 streams in flight: streams ended after {streams_done:.2f} s, "
+        f"the process exited after {exited:.2f} s (shutdown_timeout_s={SHUTDOWN_TIMEOUT_S})"
+    )
     assert returncode == 0, log
     assert SHUTDOWN_TIMEOUT_S <= exited <= SHUTDOWN_TIMEOUT_S + SLACK_S + 5, log
     for raw in raws:
@@ -333,14 +391,22 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama checkpoint (dummy weights, the project tokenizer) in Hugging Face layout."""
     folder = tmp_path_factory.mktemp("checkpoint")
     cfg = resolve_model("tiny")
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "max_position_embeddings": 256,
-        "tie_word_embeddings": cfg.tie_word_embeddings}))
-    save_file(dummy_state_dict(cfg), str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.intermediate_size,
+                "num_hidden_layers": cfg.num_layers,
+                "num_attention_heads": cfg.num_heads,
+                "num_key_value_heads": cfg.num_kv_heads,
+                "max_position_embeddings": 256,
+                "tie_word_embeddings": cfg.tie_word_embeddings,
+            }
+        )
+    )
+    save_file(dummy_state_dict(cfg), str(folder / "model.safetensors"), metadata={"format": "pt"})
     default_tokenizer().backend.save(str(folder / "tokenizer.json"))
     return folder
 
@@ -359,34 +425,43 @@ def broken_copy(checkpoint: Path, tmp_path: Path, file: str, content: bytes | No
 
 def test_the_good_checkpoint_loads(checkpoint: Path) -> None:
     """The broken copies below differ from this one only in the file each breaks."""
-    backend, _ = serve_cli.build_backend(["model=hf", f"model.path={checkpoint}",
-                                          "engine.device=cpu"])
+    backend, _ = serve_cli.build_backend(
+        ["model=hf", f"model.path={checkpoint}", "engine.device=cpu"]
+    )
     backend.load()
     backend.close()
 
 
-@pytest.mark.parametrize(("file", "content", "says"), [
-    ("model.safetensors", b"not a safetensors file" * 8, "not a readable safetensors file"),
-    ("model.safetensors", b"", "not a readable safetensors file"),
-    ("config.json", None, "no config.json"),
-    ("config.json", b"{not json", "not valid JSON"),
-    ("config.json", b"[1, 2]", "expected a JSON object, got list"),
-    ("tokenizer.json", None, "is missing"),
-    ("tokenizer.json", b"{broken", "is not a valid tokenizer.json"),
-])
+@pytest.mark.parametrize(
+    ("file", "content", "says"),
+    [
+        ("model.safetensors", b"not a safetensors file" * 8, "not a readable safetensors file"),
+        ("model.safetensors", b"", "not a readable safetensors file"),
+        ("config.json", None, "no config.json"),
+        ("config.json", b"{not json", "not valid JSON"),
+        ("config.json", b"[1, 2]", "expected a JSON object, got list"),
+        ("tokenizer.json", None, "is missing"),
+        ("tokenizer.json", b"{broken", "is not a valid tokenizer.json"),
+    ],
+)
 def test_startup_error_is_one_line_naming_the_file(
-        checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], file: str,
-        content: bytes | None, says: str) -> None:
+    checkpoint: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    file: str,
+    content: bytes | None,
+    says: str,
+) -> None:
     folder = broken_copy(checkpoint, tmp_path, file, content)
-    assert serve_cli.main(["model=hf", f"model.path={folder}", "engine.device=cpu",
-                           "port=0"]) == 2
+    assert serve_cli.main(["model=hf", f"model.path={folder}", "engine.device=cpu", "port=0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("inferlab serve: "), err
     assert str(folder / file) in err and says in err, err
 
 
-def test_startup_error_for_a_missing_path(tmp_path: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_startup_error_for_a_missing_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     missing = tmp_path / "nowhere"
     assert serve_cli.main(["model=hf", f"model.path={missing}", "port=0"]) == 2
     err = capsys.readouterr().err

@@ -25,9 +25,14 @@ from engines.builtin.kv_cache import PagedKVCacheManager
 from serving import ServerConfig
 from serving.testing import RunningServer, serve_in_thread, serve_process
 
-OPTIONS: dict[str, Any] = dict(dtype="float32", device="cpu", max_model_len=1024,
-                               max_num_seqs=256, kv_cache="paged",
-                               kv_cache_memory_bytes=16 << 20)
+OPTIONS: dict[str, Any] = dict(
+    dtype="float32",
+    device="cpu",
+    max_model_len=1024,
+    max_num_seqs=256,
+    kv_cache="paged",
+    kv_cache_memory_bytes=16 << 20,
+)
 NUM_STREAMS = 200
 MAX_TOKENS = 8
 
@@ -72,8 +77,14 @@ def assert_idle_and_no_kv_leaked(server: RunningServer) -> None:
 
 async def read_stream(client: httpx.AsyncClient, prompt: str) -> tuple[str, int, dict[str, Any]]:
     """(text, number of token chunks, usage) of one streaming completion."""
-    payload = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     text, chunks, usage, done = "", 0, None, False
     async with client.stream("POST", "/v1/completions", json=payload) as response:
         assert response.status_code == 200, await response.aread()
@@ -107,10 +118,10 @@ def test_200_concurrent_streams_every_token_no_leak(server: RunningServer) -> No
 
     async def run_all() -> list[Any]:
         limits = httpx.Limits(max_connections=NUM_STREAMS + 8)
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=60,
-                                     limits=limits) as client:
-            return await asyncio.gather(*(read_stream(client, p) for p in prompts),
-                                        return_exceptions=True)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60, limits=limits) as client:
+            return await asyncio.gather(
+                *(read_stream(client, p) for p in prompts), return_exceptions=True
+            )
 
     batch_sizes: list[int] = []
     server.serving.backend.step_observers.append(lambda step: batch_sizes.append(step.num_seqs))
@@ -121,9 +132,11 @@ def test_200_concurrent_streams_every_token_no_leak(server: RunningServer) -> No
     assert not failures, f"{len(failures)} of {NUM_STREAMS} failed, first: {failures[0]!r}"
     for (text, chunks, usage), want in zip(results, expected, strict=True):
         assert chunks == MAX_TOKENS  # every token arrived as its own chunk
-        assert usage == {"prompt_tokens": len(want.prompt_token_ids),
-                         "completion_tokens": MAX_TOKENS,
-                         "total_tokens": len(want.prompt_token_ids) + MAX_TOKENS}
+        assert usage == {
+            "prompt_tokens": len(want.prompt_token_ids),
+            "completion_tokens": MAX_TOKENS,
+            "total_tokens": len(want.prompt_token_ids) + MAX_TOKENS,
+        }
         assert text == want.text
     assert elapsed < 60, f"{NUM_STREAMS} streams took {elapsed:.1f} s"
     assert_idle_and_no_kv_leaked(server)
@@ -136,11 +149,12 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server: RunningServer) -> Non
     metrics = server.serving.metrics
     aborted_before = metrics.requests_aborted.get()
     generated_before = metrics.generation_tokens.get()
-    payload = {"prompt": "A long story:", "max_tokens": 1000, "ignore_eos": True,
-               "stream": True}
+    payload = {"prompt": "A long story:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
 
-    with httpx.Client(base_url=server.base_url, timeout=30) as client, \
-            client.stream("POST", "/v1/completions", json=payload) as response:
+    with (
+        httpx.Client(base_url=server.base_url, timeout=30) as client,
+        client.stream("POST", "/v1/completions", json=payload) as response,
+    ):
         lines = response.iter_lines()
         received = [line for line, _ in zip(filter(None, lines), range(3), strict=False)]
         assert len(received) == 3 and all(line.startswith("data: ") for line in received)
@@ -163,7 +177,8 @@ def test_disconnect_of_a_non_streaming_request_aborts_it(server: RunningServer) 
         async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
             request = asyncio.ensure_future(client.post("/v1/completions", json=payload))
             assert await asyncio.to_thread(
-                wait_until, lambda: server.serving.engine.kv.num_blocks_in_use > 0)
+                wait_until, lambda: server.serving.engine.kv.num_blocks_in_use > 0
+            )
             request.cancel()  # closes the connection
             with pytest.raises(asyncio.CancelledError):
                 await request
@@ -177,23 +192,30 @@ def test_overload_gets_503_then_recovers() -> None:
     options = {**OPTIONS, "max_num_seqs": 2}
     with start(options, ServerConfig(max_queue_len=1)) as server:  # admits 3 sequences
         metrics = server.serving.metrics
-        long = {"prompt": "Tell me everything.", "max_tokens": 1000, "ignore_eos": True,
-                "stream": True}
+        long = {
+            "prompt": "Tell me everything.",
+            "max_tokens": 1000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.Client(base_url=server.base_url, timeout=30) as client:
-            with client.stream("POST", "/v1/completions", json=long) as first, \
-                    client.stream("POST", "/v1/completions", json=long) as second, \
-                    client.stream("POST", "/v1/completions", json=long) as queued:
+            with (
+                client.stream("POST", "/v1/completions", json=long) as first,
+                client.stream("POST", "/v1/completions", json=long) as second,
+                client.stream("POST", "/v1/completions", json=long) as queued,
+            ):
                 assert [r.status_code for r in (first, second, queued)] == [200, 200, 200]
                 assert server.serving.in_flight == 3
-                for body in ({"prompt": "one more"},
-                             {"prompt": "one more", "stream": True},
-                             {"prompt": ["two", "prompts"]}):
+                for body in (
+                    {"prompt": "one more"},
+                    {"prompt": "one more", "stream": True},
+                    {"prompt": ["two", "prompts"]},
+                ):
                     refused = client.post("/v1/completions", json=body)
                     assert refused.status_code == 503
                     assert refused.headers["retry-after"] == "1"
                     error = refused.json()["error"]
-                    assert (error["type"], error["code"]) == ("server_error",
-                                                              "server_overloaded")
+                    assert (error["type"], error["code"]) == ("server_error", "server_overloaded")
                     assert set(error) == {"message", "type", "param", "code"}
                 assert metrics.requests_rejected.get() == 3
                 # a request larger than the server could ever admit is the client's error
@@ -248,8 +270,10 @@ def test_the_engine_kernels_run_without_the_gil() -> None:
         worker.join()
     finally:
         torch.set_num_threads(threads)
-    print(f"\nGEMMs of {min(durations) * 1e3:.0f}-{max(durations) * 1e3:.0f} ms in a thread; "
-          f"the Python thread's longest stall {max(gaps) * 1e3:.1f} ms")
+    print(
+        f"\nGEMMs of {min(durations) * 1e3:.0f}-{max(durations) * 1e3:.0f} ms in a thread; "
+        f"the Python thread's longest stall {max(gaps) * 1e3:.1f} ms"
+    )
     assert max(gaps) < min(durations) / 2, (max(gaps), durations)
 
 
@@ -278,8 +302,10 @@ def test_requests_are_read_and_timed_while_the_engine_steps() -> None:
 
             async def run() -> tuple[list[float], list[float]]:
                 gaps, health = [], []
-                async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client, \
-                        client.stream("POST", "/v1/completions", json=long) as background:
+                async with (
+                    httpx.AsyncClient(base_url=server.base_url, timeout=60) as client,
+                    client.stream("POST", "/v1/completions", json=long) as background,
+                ):
                     lines = background.aiter_lines()
                     while not (await anext(lines)).startswith("data: {"):
                         pass  # the long stream is decoding
@@ -291,8 +317,7 @@ def test_requests_are_read_and_timed_while_the_engine_steps() -> None:
                         before_sum, before_count = ttft.sum, ttft.count
                         sent = time.perf_counter()
                         first = None
-                        async with client.stream("POST", "/v1/completions",
-                                                 json=probe) as response:
+                        async with client.stream("POST", "/v1/completions", json=probe) as response:
                             async for line in response.aiter_lines():
                                 if first is None and line.startswith("data: {"):
                                     first = time.perf_counter()
@@ -303,9 +328,11 @@ def test_requests_are_read_and_timed_while_the_engine_steps() -> None:
             gaps, health = asyncio.run(run())
     finally:
         backend.close()
-    print(f"\nclient TTFT - server TTFT, median {statistics.median(gaps) * 1e3:.1f} ms; "
-          f"/health median {statistics.median(health) * 1e3:.1f} ms ({step_s * 1e3:.0f} ms "
-          "steps)")
+    print(
+        f"\nclient TTFT - server TTFT, median {statistics.median(gaps) * 1e3:.1f} ms; "
+        f"/health median {statistics.median(health) * 1e3:.1f} ms ({step_s * 1e3:.0f} ms "
+        "steps)"
+    )
     assert statistics.median(gaps) < step_s / 4, gaps
     assert statistics.median(health) < step_s / 4, health
 
@@ -335,8 +362,11 @@ print(json.dumps(probes), flush=True)
 
 def server_metrics(base_url: str) -> dict[str, float]:
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-            if line and not line.startswith("#") and "{" not in line}
+    return {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#") and "{" not in line
+    }
 
 
 def test_health_stays_fast_under_300_streams_disconnects_and_huge_prompts(tmp_path) -> None:
@@ -346,19 +376,32 @@ def test_health_stays_fast_under_300_streams_disconnects_and_huge_prompts(tmp_pa
     whole time. The figures are printed; the bound is one a busy 2-core machine meets with
     room to spare (before: 0.6-1.4 s under load, 35.7 s behind one 15 MB prompt)."""
     num_streams, max_tokens = 300, 24
-    args = ["model=tiny", "engine.kv_cache=paged", "engine.kv_cache_memory_bytes=33554432",
-            "engine.max_model_len=1024", "engine.max_num_seqs=256", "engine.device=cpu",
-            "engine.num_threads=1", "max_queue_len=256", "log_level=warning"]
+    args = [
+        "model=tiny",
+        "engine.kv_cache=paged",
+        "engine.kv_cache_memory_bytes=33554432",
+        "engine.max_model_len=1024",
+        "engine.max_num_seqs=256",
+        "engine.device=cpu",
+        "engine.num_threads=1",
+        "max_queue_len=256",
+        "log_level=warning",
+    ]
     with serve_process(args, tmp_path / "server.log") as served:
         host, port = served.base_url.removeprefix("http://").rsplit(":", 1)
-        prober = subprocess.Popen([sys.executable, "-c", PROBER, host, port],
-                                  stdout=subprocess.PIPE, text=True)
+        prober = subprocess.Popen(
+            [sys.executable, "-c", PROBER, host, port], stdout=subprocess.PIPE, text=True
+        )
         try:
             assert prober.stdout is not None and prober.stdout.readline() == "ready\n"
 
             async def one(client: httpx.AsyncClient, i: int) -> str:
-                payload = {"prompt": f"Request {i} says hello", "max_tokens": max_tokens,
-                           "ignore_eos": True, "stream": True}
+                payload = {
+                    "prompt": f"Request {i} says hello",
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
                 async with client.stream("POST", "/v1/completions", json=payload) as response:
                     assert response.status_code == 200, await response.aread()
                     chunks, done = 0, False
@@ -375,9 +418,10 @@ def test_health_stays_fast_under_300_streams_disconnects_and_huge_prompts(tmp_pa
                 like httpx sends it all first, and fails once the server has closed)."""
                 body = b'{"prompt": "' + b"x" * (15 << 20) + b'"}'
                 reader, writer = await asyncio.open_connection(host, int(port))
-                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: "
-                             b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
-                             + body[:1 << 20])
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: "
+                    b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[: 1 << 20]
+                )
                 status = int((await reader.readline()).split()[1])
                 writer.close()
                 return status
@@ -385,16 +429,19 @@ def test_health_stays_fast_under_300_streams_disconnects_and_huge_prompts(tmp_pa
             async def huge(client: httpx.AsyncClient) -> tuple[int, int]:
                 long_text = {"prompt": "All work and no play. " * 48_000, "max_tokens": 4}
                 tokenized, refused = await asyncio.gather(
-                    client.post("/v1/completions", json=long_text), too_big())
+                    client.post("/v1/completions", json=long_text), too_big()
+                )
                 return tokenized.status_code, refused
 
             async def run() -> tuple[list[Any], tuple[int, int]]:
                 limits = httpx.Limits(max_connections=num_streams + 16)
-                async with httpx.AsyncClient(base_url=served.base_url, timeout=300,
-                                             limits=limits) as client:
+                async with httpx.AsyncClient(
+                    base_url=served.base_url, timeout=300, limits=limits
+                ) as client:
                     big = asyncio.ensure_future(huge(client))
                     results = await asyncio.gather(
-                        *(one(client, i) for i in range(num_streams)), return_exceptions=True)
+                        *(one(client, i) for i in range(num_streams)), return_exceptions=True
+                    )
                     return results, await big
 
             load_start = time.monotonic()
@@ -404,18 +451,29 @@ def test_health_stays_fast_under_300_streams_disconnects_and_huge_prompts(tmp_pa
             prober.terminate()
             output = prober.communicate(timeout=60)[0]
         assert prober.returncode == 0, output
-        assert wait_until(lambda: (m := server_metrics(served.base_url))[
-            "inferlab_num_requests_admitted"] == m["inferlab_num_requests_running"]
-            == m["inferlab_num_requests_waiting"] == m["inferlab_kv_cache_reserved_bytes"] == 0,
-            timeout_s=30), server_metrics(served.base_url)
+        assert wait_until(
+            lambda: (
+                (m := server_metrics(served.base_url))["inferlab_num_requests_admitted"]
+                == m["inferlab_num_requests_running"]
+                == m["inferlab_num_requests_waiting"]
+                == m["inferlab_kv_cache_reserved_bytes"]
+                == 0
+            ),
+            timeout_s=30,
+        ), server_metrics(served.base_url)
         aborted = server_metrics(served.base_url)["inferlab_requests_aborted_total"]
         log = served.log_text()
-    probes = [latency for started, latency in json.loads(output.splitlines()[-1])
-              if load_start <= started <= load_end]
+    probes = [
+        latency
+        for started, latency in json.loads(output.splitlines()[-1])
+        if load_start <= started <= load_end
+    ]
     p50, p99 = percentile(probes, 0.5), percentile(probes, 0.99)
-    print(f"\n/health during {num_streams} streams ({num_streams // 5} disconnects, a 1 MB "
-          f"prompt, a 15 MB body) over {load_end - load_start:.1f} s: {len(probes)} probes, "
-          f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {max(probes) * 1e3:.1f} ms")
+    print(
+        f"\n/health during {num_streams} streams ({num_streams // 5} disconnects, a 1 MB "
+        f"prompt, a 15 MB body) over {load_end - load_start:.1f} s: {len(probes)} probes, "
+        f"p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {max(probes) * 1e3:.1f} ms"
+    )
     assert [r for r in results if isinstance(r, BaseException)] == []
     assert results.count("left") == num_streams // 5
     assert results.count("done") == num_streams - num_streams // 5

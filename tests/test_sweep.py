@@ -25,12 +25,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_kv_speedup_curve_per_context_length() -> None:
-    frame = pd.DataFrame({
-        "engine.kv_cache": ["none", "contiguous", "none", "contiguous"],
-        "workload.input_len": [32, 32, 128, 128],
-        "tpot_p50_s": [0.04, 0.02, 0.16, 0.02],
-        "status": ["complete"] * 4,
-    })
+    frame = pd.DataFrame(
+        {
+            "engine.kv_cache": ["none", "contiguous", "none", "contiguous"],
+            "workload.input_len": [32, 32, 128, 128],
+            "tpot_p50_s": [0.04, 0.02, 0.16, 0.02],
+            "status": ["complete"] * 4,
+        }
+    )
     curve = kv_speedup_curve(frame)
     assert curve is not None
     assert curve["context_len"].tolist() == [32, 128]
@@ -39,36 +41,49 @@ def test_kv_speedup_curve_per_context_length() -> None:
 
 def test_kv_speedup_curve_skips_swept_length_ranges() -> None:
     # a [low, high] range is a distribution, not a context length: no curve, no crash
-    frame = pd.DataFrame({
-        "engine.kv_cache": ["none", "contiguous"],
-        "workload.input_len": [[8, 24], [8, 24]],
-        "tpot_p50_s": [0.04, 0.02],
-        "status": ["complete"] * 2,
-    })
+    frame = pd.DataFrame(
+        {
+            "engine.kv_cache": ["none", "contiguous"],
+            "workload.input_len": [[8, 24], [8, 24]],
+            "tpot_p50_s": [0.04, 0.02],
+            "status": ["complete"] * 2,
+        }
+    )
     assert kv_speedup_curve(frame) is None
 
 
 def test_saturation_rate_is_the_highest_rate_still_served() -> None:
-    frame = pd.DataFrame({"offered_req_per_s": [1.0, 2.0, 4.0, 8.0],
-                          "req_per_s": [1.0, 1.95, 3.0, 3.1]})
+    frame = pd.DataFrame(
+        {"offered_req_per_s": [1.0, 2.0, 4.0, 8.0], "req_per_s": [1.0, 1.95, 3.0, 3.1]}
+    )
     assert saturation_rate(frame) == 2.0
 
 
 def test_saturation_counts_only_complete_jobs() -> None:
     # a failed job's rates measured nothing of the configuration
-    frame = pd.DataFrame({"offered_req_per_s": [1.0, 2.0, 4.0, 8.0],
-                          "req_per_s": [1.0, 1.95, 3.0, 8.0],
-                          "status": ["complete", "complete", "complete", "failed"]})
+    frame = pd.DataFrame(
+        {
+            "offered_req_per_s": [1.0, 2.0, 4.0, 8.0],
+            "req_per_s": [1.0, 1.95, 3.0, 8.0],
+            "status": ["complete", "complete", "complete", "failed"],
+        }
+    )
     assert saturation_rate(frame) == 2.0
 
 
 def test_saturation_past_every_offered_rate_is_null_and_says_why() -> None:
-    frame = pd.DataFrame({"offered_req_per_s": [50.0, 400.0], "req_per_s": [1.1, 1.3],
-                          "status": ["complete", "complete"]})
+    frame = pd.DataFrame(
+        {
+            "offered_req_per_s": [50.0, 400.0],
+            "req_per_s": [1.1, 1.3],
+            "status": ["complete", "complete"],
+        }
+    )
     summary = saturation_summary(frame)
     assert summary["saturation_req_per_s"] is None
-    assert summary["saturation_note"] == ("every offered rate was past saturation: the lowest, "
-                                          "50 req/s, was served at 1.1 req/s")
+    assert summary["saturation_note"] == (
+        "every offered rate was past saturation: the lowest, 50 req/s, was served at 1.1 req/s"
+    )
     assert summary["peak_req_per_s"] == 1.3
     served = saturation_summary(frame.assign(req_per_s=[49.0, 1.3]))
     assert served["saturation_req_per_s"] == 50.0 and served["saturation_note"] is None
@@ -90,11 +105,26 @@ def test_a_rate_sweep_past_saturation_reports_whole_run_throughput(tmp_path: Pat
     # engine's first steps, so none can complete inside the steady-state window (it ends at
     # the last send, and every request needs 8 steps)
     done = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "run", "-m", "model=tiny",
-         "workload.num_requests=8", "workload.input_len=8", "workload.output_len=8",
-         "run.warmup_requests=0", "workload.arrival.process=poisson",
-         "workload.arrival.rate=4,10000", f"hydra.sweep.dir={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "run",
+            "-m",
+            "model=tiny",
+            "workload.num_requests=8",
+            "workload.input_len=8",
+            "workload.output_len=8",
+            "run.warmup_requests=0",
+            "workload.arrival.process=poisson",
+            "workload.arrival.rate=4,10000",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     summary = json.loads((tmp_path / "1" / "summary.json").read_text())
     assert summary["status"] == "complete", summary["error"]
@@ -104,10 +134,11 @@ def test_a_rate_sweep_past_saturation_reports_whole_run_throughput(tmp_path: Pat
     assert metrics["req_per_s"] == summary["metrics_whole_run"]["req_per_s"] > 0
     assert metrics["output_tok_per_s"] == summary["metrics_whole_run"]["output_tok_per_s"] > 0
     # the printed table marks the whole-run values and says why
-    job_1 = done.stdout[done.stdout.index("job 1:"):]
+    job_1 = done.stdout[done.stdout.index("job 1:") :]
     assert re.search(r"req_per_s +[0-9.,]+ req/s \*\n", job_1), job_1
-    assert "* over the whole run: the steady-state window is not valid (no request completed" \
-        in job_1
+    assert (
+        "* over the whole run: the steady-state window is not valid (no request completed" in job_1
+    )
     sweep = pd.read_csv(tmp_path / "sweep.csv").set_index("job")
     assert (sweep["req_per_s"] > 0).all()
     # 10000 req/s is far past what a CPU serves: not served, and the saturation estimate

@@ -19,18 +19,21 @@ from engines.builtin import platform as plat
 from harness import provenance
 
 REPO = Path(__file__).resolve().parents[1]
-SHOW_POLICY = ("import engines.openmp, json; "
-               "print(json.dumps(engines.openmp.wait_policy()))")
+SHOW_POLICY = "import engines.openmp, json; print(json.dumps(engines.openmp.wait_policy()))"
 
 
 def python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     """A fresh interpreter (libgomp reads its variables once, when loaded), with
     OMP_DISPLAY_ENV=VERBOSE so that libgomp prints the settings it took."""
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                            text=True, timeout=300,
-                            env={**clean, "OMP_DISPLAY_ENV": "VERBOSE", **env})
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**clean, "OMP_DISPLAY_ENV": "VERBOSE", **env},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return result
 
@@ -41,7 +44,10 @@ def test_openmp_threads_sleep_instead_of_spinning_by_default() -> None:
     result = python(f"import engines.builtin; {SHOW_POLICY}")
     assert "GOMP_SPINCOUNT = '0'" in result.stderr  # what libgomp itself took
     assert json.loads(result.stdout.splitlines()[-1]) == {
-        "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None, "source": "inferlab default"}
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "GOMP_SPINCOUNT": None,
+        "source": "inferlab default",
+    }
 
 
 def test_the_users_own_policy_is_kept() -> None:

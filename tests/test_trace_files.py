@@ -47,8 +47,18 @@ def mooncake_lines() -> list[str]:
 
 
 def fields(requests: list[Any]) -> list[tuple[Any, ...]]:
-    return [(r.request.request_id, r.request.prompt, r.arrival_s, r.prompt_tokens_requested,
-             r.request.sampling.max_tokens, r.request.prefix_group, r.follows) for r in requests]
+    return [
+        (
+            r.request.request_id,
+            r.request.prompt,
+            r.arrival_s,
+            r.prompt_tokens_requested,
+            r.request.sampling.max_tokens,
+            r.request.prefix_group,
+            r.follows,
+        )
+        for r in requests
+    ]
 
 
 def gzipped(tmp_path: Path, source: Path) -> Path:
@@ -60,22 +70,26 @@ def gzipped(tmp_path: Path, source: Path) -> Path:
 # ---- .gz is read transparently --------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("source", "options"), [
-    (AZURE, {"format": "azure", "num_requests": 300, "input_scale": 0.05}),
-    (MOONCAKE, {"format": "mooncake", "input_scale": 0.01, "start_s": 60, "end_s": 600}),
-])
-def test_gz_traces_replay_like_the_plain_file(tmp_path: Path, tok: Tokenizer, source: Path,
-                                              options: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("source", "options"),
+    [
+        (AZURE, {"format": "azure", "num_requests": 300, "input_scale": 0.05}),
+        (MOONCAKE, {"format": "mooncake", "input_scale": 0.01, "start_s": 60, "end_s": 600}),
+    ],
+)
+def test_gz_traces_replay_like_the_plain_file(
+    tmp_path: Path, tok: Tokenizer, source: Path, options: dict[str, Any]
+) -> None:
     plain = TraceWorkload(path=str(source), **options)
     packed = TraceWorkload(path=str(gzipped(tmp_path, source)), **options)
     assert fields(packed.build(tok)) == fields(plain.build(tok))
     assert packed.info["rows_read"] == plain.info["rows_read"] > 0
 
 
-@pytest.mark.parametrize(("source", "fmt"), [(SHAREGPT, "sharegpt"), (MT_BENCH, "mt_bench"),
-                                             (SONNET, "text")])
-def test_gz_prompt_sets_read_like_the_plain_file(tmp_path: Path, source: Path,
-                                                 fmt: str) -> None:
+@pytest.mark.parametrize(
+    ("source", "fmt"), [(SHAREGPT, "sharegpt"), (MT_BENCH, "mt_bench"), (SONNET, "text")]
+)
+def test_gz_prompt_sets_read_like_the_plain_file(tmp_path: Path, source: Path, fmt: str) -> None:
     plain = load_prompt_set(source, fmt)
     packed = load_prompt_set(gzipped(tmp_path, source), fmt)
     assert packed.items == plain.items and len(plain.items) > 50
@@ -83,8 +97,10 @@ def test_gz_prompt_sets_read_like_the_plain_file(tmp_path: Path, source: Path,
 
 # ---- binary, compressed, wrongly encoded -----------------------------------------------------
 
-AZURE_HEAD = ("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-              "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109\n")
+AZURE_HEAD = (
+    "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109\n"
+)
 
 
 def _zip() -> bytes:
@@ -92,40 +108,69 @@ def _zip() -> bytes:
 
 
 BAD_FILES: list[tuple[str, str, Callable[[], bytes], str]] = [
-    ("gzip data without .gz", "t.csv", lambda: gzip.compress(AZURE_HEAD.encode()),
-     r"looks gzip-compressed .*name it t\.csv\.gz"),
-    ("a .gz name on plain text", "t.csv.gz", lambda: AZURE_HEAD.encode(),
-     r"is named \.gz but is not gzip-compressed"),
-    ("truncated gzip", "t.csv.gz", lambda: gzip.compress(AZURE_HEAD.encode() * 300)[:-40],
-     r"the gzip data is truncated or corrupt"),
+    (
+        "gzip data without .gz",
+        "t.csv",
+        lambda: gzip.compress(AZURE_HEAD.encode()),
+        r"looks gzip-compressed .*name it t\.csv\.gz",
+    ),
+    (
+        "a .gz name on plain text",
+        "t.csv.gz",
+        lambda: AZURE_HEAD.encode(),
+        r"is named \.gz but is not gzip-compressed",
+    ),
+    (
+        "truncated gzip",
+        "t.csv.gz",
+        lambda: gzip.compress(AZURE_HEAD.encode() * 300)[:-40],
+        r"the gzip data is truncated or corrupt",
+    ),
     ("zip", "t.zip", _zip, r"is a zip archive .*unzip it"),
-    ("bzip2", "t.csv.bz2", lambda: bz2.compress(AZURE_HEAD.encode()),
-     r"looks bzip2-compressed"),
+    ("bzip2", "t.csv.bz2", lambda: bz2.compress(AZURE_HEAD.encode()), r"looks bzip2-compressed"),
     ("xz", "t.csv.xz", lambda: lzma.compress(AZURE_HEAD.encode()), r"looks xz-compressed"),
     ("zstd", "t.csv.zst", lambda: b"(\xb5/\xfd" + bytes(range(1, 60)), r"looks zstd-compressed"),
     ("parquet", "t.parquet", lambda: b"PAR1" + bytes(range(1, 60)), r"is a Parquet file"),
-    ("gzip of a gzip", "t.csv.gz", lambda: gzip.compress(gzip.compress(AZURE_HEAD.encode())),
-     r"the gzip stream holds gzip-compressed data"),
-    ("UTF-16 with a BOM", "t.csv", lambda: AZURE_HEAD.encode("utf-16"),
-     r"is UTF-16 text .*convert it to UTF-8"),
-    ("UTF-16 without a BOM", "t.csv", lambda: AZURE_HEAD.encode("utf-16-le"),
-     r"line 1: binary data \(a NUL byte at column 2\)"),
+    (
+        "gzip of a gzip",
+        "t.csv.gz",
+        lambda: gzip.compress(gzip.compress(AZURE_HEAD.encode())),
+        r"the gzip stream holds gzip-compressed data",
+    ),
+    (
+        "UTF-16 with a BOM",
+        "t.csv",
+        lambda: AZURE_HEAD.encode("utf-16"),
+        r"is UTF-16 text .*convert it to UTF-8",
+    ),
+    (
+        "UTF-16 without a BOM",
+        "t.csv",
+        lambda: AZURE_HEAD.encode("utf-16-le"),
+        r"line 1: binary data \(a NUL byte at column 2\)",
+    ),
     ("binary", "t.csv", lambda: bytes(range(256)) * 20, r"line 1: binary data \(a NUL byte"),
-    ("latin-1 in the middle", "t.csv",
-     lambda: AZURE_HEAD.encode() + "2023-11-16 18:15:51.0,3,4 café\n".encode("latin-1"),
-     r"line 4: not UTF-8 text \(byte 0xe9 at column 30\)"),
-    ("zeroed block after the first 4 kB", "t.csv",
-     lambda: AZURE_HEAD.encode() * 60 + bytes(512) + b"\n",
-     r"line 181: binary data \(a NUL byte at column 1\), not UTF-8 text"),
+    (
+        "latin-1 in the middle",
+        "t.csv",
+        lambda: AZURE_HEAD.encode() + "2023-11-16 18:15:51.0,3,4 café\n".encode("latin-1"),
+        r"line 4: not UTF-8 text \(byte 0xe9 at column 30\)",
+    ),
+    (
+        "zeroed block after the first 4 kB",
+        "t.csv",
+        lambda: AZURE_HEAD.encode() * 60 + bytes(512) + b"\n",
+        r"line 181: binary data \(a NUL byte at column 1\), not UTF-8 text",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("case", "name", "content", "message"), BAD_FILES,
-                         ids=[c[0] for c in BAD_FILES])
-def test_binary_compressed_and_misencoded_traces_are_named(tmp_path: Path, case: str,
-                                                           name: str,
-                                                           content: Callable[[], bytes],
-                                                           message: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "name", "content", "message"), BAD_FILES, ids=[c[0] for c in BAD_FILES]
+)
+def test_binary_compressed_and_misencoded_traces_are_named(
+    tmp_path: Path, case: str, name: str, content: Callable[[], bytes], message: str
+) -> None:
     path = tmp_path / name
     path.write_bytes(content())
     with pytest.raises(ValueError, match=message) as excinfo:
@@ -134,18 +179,31 @@ def test_binary_compressed_and_misencoded_traces_are_named(tmp_path: Path, case:
     assert not isinstance(excinfo.value, UnicodeDecodeError)
 
 
-@pytest.mark.parametrize(("fmt", "name", "content", "message"), [
-    ("sharegpt", "s.json", lambda: gzip.compress(SHAREGPT.read_bytes()),
-     r"looks gzip-compressed"),
-    ("sharegpt", "s.json", lambda: SHAREGPT.read_text().encode("utf-16"), r"is UTF-16 text"),
-    ("mt_bench", "m.jsonl",
-     lambda: MT_BENCH.read_bytes().replace(b"\n", "\n{\"q\": \"caf\u00e9\"}\n".encode(
-         "latin-1"), 1), r"line 2: not UTF-8 text"),
-    ("text", "p.txt", lambda: "first prompt\nsecond\n".encode("utf-16-le"), r"binary data"),
-    ("text", "p.txt", lambda: b"first prompt\ncaf\xe9\n", r"line 2: not UTF-8 text"),
-])
-def test_bad_prompt_files_are_named(tmp_path: Path, fmt: str, name: str,
-                                    content: Callable[[], bytes], message: str) -> None:
+@pytest.mark.parametrize(
+    ("fmt", "name", "content", "message"),
+    [
+        (
+            "sharegpt",
+            "s.json",
+            lambda: gzip.compress(SHAREGPT.read_bytes()),
+            r"looks gzip-compressed",
+        ),
+        ("sharegpt", "s.json", lambda: SHAREGPT.read_text().encode("utf-16"), r"is UTF-16 text"),
+        (
+            "mt_bench",
+            "m.jsonl",
+            lambda: MT_BENCH.read_bytes().replace(
+                b"\n", '\n{"q": "caf\u00e9"}\n'.encode("latin-1"), 1
+            ),
+            r"line 2: not UTF-8 text",
+        ),
+        ("text", "p.txt", lambda: "first prompt\nsecond\n".encode("utf-16-le"), r"binary data"),
+        ("text", "p.txt", lambda: b"first prompt\ncaf\xe9\n", r"line 2: not UTF-8 text"),
+    ],
+)
+def test_bad_prompt_files_are_named(
+    tmp_path: Path, fmt: str, name: str, content: Callable[[], bytes], message: str
+) -> None:
     path = tmp_path / name
     path.write_bytes(content())
     with pytest.raises(ValueError, match=message) as excinfo:
@@ -156,20 +214,40 @@ def test_bad_prompt_files_are_named(tmp_path: Path, fmt: str, name: str,
 # ---- damaged rows: an error at the line, never a short workload ----------------------------
 
 
-@pytest.mark.parametrize(("case", "damage", "message"), [
-    ("cut line", lambda line: line[:25].encode(), "line 4: invalid JSON"),
-    ("latin-1 text", lambda line: line.replace("}", ', "m": "caf\u00e9"}').encode("latin-1"),
-     r"line 4: not UTF-8 text"),
-    ("NUL bytes", lambda line: bytes(len(line)), "line 4: binary data (a NUL byte at column 1)"),
-    ("two records on one line", lambda line: (line + line).encode(),
-     "line 4: invalid JSON (Extra data"),
-    ("null", lambda line: b"null", "line 4: expected a JSON object, got 'null'"),
-    ("deep nesting", lambda line: b"[" * 100_000 + b"]" * 100_000,
-     "line 4: JSON nested too deeply"),
-])
+@pytest.mark.parametrize(
+    ("case", "damage", "message"),
+    [
+        ("cut line", lambda line: line[:25].encode(), "line 4: invalid JSON"),
+        (
+            "latin-1 text",
+            lambda line: line.replace("}", ', "m": "caf\u00e9"}').encode("latin-1"),
+            r"line 4: not UTF-8 text",
+        ),
+        (
+            "NUL bytes",
+            lambda line: bytes(len(line)),
+            "line 4: binary data (a NUL byte at column 1)",
+        ),
+        (
+            "two records on one line",
+            lambda line: (line + line).encode(),
+            "line 4: invalid JSON (Extra data",
+        ),
+        ("null", lambda line: b"null", "line 4: expected a JSON object, got 'null'"),
+        (
+            "deep nesting",
+            lambda line: b"[" * 100_000 + b"]" * 100_000,
+            "line 4: JSON nested too deeply",
+        ),
+    ],
+)
 def test_a_damaged_jsonl_line_in_the_middle_is_an_error_at_its_line(
-        tmp_path: Path, mooncake_lines: list[str], case: str,
-        damage: Callable[[str], bytes], message: str) -> None:
+    tmp_path: Path,
+    mooncake_lines: list[str],
+    case: str,
+    damage: Callable[[str], bytes],
+    message: str,
+) -> None:
     rows = [line.encode() for line in mooncake_lines[:8]]
     rows[3] = damage(mooncake_lines[3])
     path = tmp_path / "m.jsonl"
@@ -179,19 +257,31 @@ def test_a_damaged_jsonl_line_in_the_middle_is_an_error_at_its_line(
     assert f"{path}: {message}" in str(excinfo.value)
 
 
-@pytest.mark.parametrize(("case", "damage", "message"), [
-    ("extra field", lambda row: row + ",7", r"line 5: 4 fields where the header has 3"),
-    ("missing field", lambda row: row.rsplit(",", 1)[0],
-     r"line 5: field 'GeneratedTokens': missing value \(the row has 2 of the header's 3"),
-    ("unbalanced quote", lambda row: '"' + row,
-     r"line 5: a quoted field opened on this line runs to line 9"),
-    ("huge length", lambda row: row.rsplit(",", 2)[0] + ",1" + "0" * 30 + ",5",
-     r"line 5: field 'ContextTokens': '1000000000000000000000000000000' is more than "
-     r"2147483647 tokens"),
-])
-def test_a_damaged_csv_row_is_an_error_at_its_line(tmp_path: Path, azure_lines: list[str],
-                                                   case: str, damage: Callable[[str], str],
-                                                   message: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "damage", "message"),
+    [
+        ("extra field", lambda row: row + ",7", r"line 5: 4 fields where the header has 3"),
+        (
+            "missing field",
+            lambda row: row.rsplit(",", 1)[0],
+            r"line 5: field 'GeneratedTokens': missing value \(the row has 2 of the header's 3",
+        ),
+        (
+            "unbalanced quote",
+            lambda row: '"' + row,
+            r"line 5: a quoted field opened on this line runs to line 9",
+        ),
+        (
+            "huge length",
+            lambda row: row.rsplit(",", 2)[0] + ",1" + "0" * 30 + ",5",
+            r"line 5: field 'ContextTokens': '1000000000000000000000000000000' is more than "
+            r"2147483647 tokens",
+        ),
+    ],
+)
+def test_a_damaged_csv_row_is_an_error_at_its_line(
+    tmp_path: Path, azure_lines: list[str], case: str, damage: Callable[[str], str], message: str
+) -> None:
     rows = azure_lines[:9]
     rows[4] = damage(rows[4])
     path = tmp_path / "a.csv"
@@ -202,14 +292,17 @@ def test_a_damaged_csv_row_is_an_error_at_its_line(tmp_path: Path, azure_lines: 
 
 def test_a_row_short_of_a_column_the_replay_ignores_is_still_an_error(tmp_path: Path) -> None:
     path = tmp_path / "b.csv"
-    path.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
-                    "5,ChatGPT,472,18,490,Conversation log\n45,ChatGPT,1087,20,1107\n")
+    path.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "5,ChatGPT,472,18,490,Conversation log\n45,ChatGPT,1087,20,1107\n"
+    )
     with pytest.raises(ValueError, match=r"b\.csv: line 3: field 'Log Type': missing value"):
         load_trace(path, "burstgpt")
 
 
-def test_the_wrong_format_gets_a_hint(tmp_path: Path, azure_lines: list[str],
-                                      mooncake_lines: list[str]) -> None:
+def test_the_wrong_format_gets_a_hint(
+    tmp_path: Path, azure_lines: list[str], mooncake_lines: list[str]
+) -> None:
     jsonl = tmp_path / "m.jsonl"
     jsonl.write_text("\n".join(mooncake_lines[:3]) + "\n")
     with pytest.raises(ValueError, match="this looks like JSON Lines: use format=mooncake"):
@@ -220,8 +313,9 @@ def test_the_wrong_format_gets_a_hint(tmp_path: Path, azure_lines: list[str],
         load_trace(table, "mooncake")
 
 
-def test_a_line_without_end_is_refused_not_read_forever(tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_line_without_end_is_refused_not_read_forever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(trace_files, "MAX_LINE_BYTES", 1 << 20)
     path = tmp_path / "one.jsonl"
     path.write_bytes(b"{" * (3 << 20))
@@ -229,9 +323,9 @@ def test_a_line_without_end_is_refused_not_read_forever(tmp_path: Path,
         load_trace(path, "mooncake")
 
 
-def test_blank_lines_bom_and_crlf_read_like_the_plain_file(tmp_path: Path,
-                                                           azure_lines: list[str],
-                                                           mooncake_lines: list[str]) -> None:
+def test_blank_lines_bom_and_crlf_read_like_the_plain_file(
+    tmp_path: Path, azure_lines: list[str], mooncake_lines: list[str]
+) -> None:
     azure = tmp_path / "a.csv"
     azure.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(azure_lines[:50]).encode() + b"\r\n")
     plain = tmp_path / "p.csv"
@@ -265,18 +359,24 @@ def finishes(action: Callable[[], Any], seconds: float = 60.0) -> Any:
     return outcome[0]
 
 
-@pytest.mark.parametrize(("make", "kind"), [
-    (lambda tmp: tmp, "is a directory"),
-    (lambda tmp: (os.mkfifo(tmp / "fifo"), tmp / "fifo")[1], r"is a FIFO \(named pipe\)"),
-    (lambda tmp: Path("/dev/zero"), "is a character device"),
-])
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (lambda tmp: tmp, "is a directory"),
+        (lambda tmp: (os.mkfifo(tmp / "fifo"), tmp / "fifo")[1], r"is a FIFO \(named pipe\)"),
+        (lambda tmp: Path("/dev/zero"), "is a character device"),
+    ],
+)
 def test_a_directory_fifo_or_device_is_named_and_never_read(
-        tmp_path: Path, make: Callable[[Path], Path], kind: str) -> None:
+    tmp_path: Path, make: Callable[[Path], Path], kind: str
+) -> None:
     path = make(tmp_path)
-    for action in (lambda: TraceWorkload(path=str(path)).validate(),
-                   lambda: load_trace(path, "azure"),
-                   lambda: PromptsWorkload(path=str(path), format="text").validate(),
-                   lambda: load_prompt_set(path, "text")):
+    for action in (
+        lambda: TraceWorkload(path=str(path)).validate(),
+        lambda: load_trace(path, "azure"),
+        lambda: PromptsWorkload(path=str(path), format="text").validate(),
+        lambda: load_prompt_set(path, "text"),
+    ):
         error = finishes(action)
         assert isinstance(error, ValueError) and str(path) in str(error)
         assert kind.replace("\\", "") in str(error).replace("\\", "")
@@ -302,8 +402,9 @@ def test_a_text_corpus_is_read_like_a_prompt_file(tmp_path: Path, tok: Tokenizer
     zipped = SyntheticWorkload(num_requests=4, input_len=20, prompt="text", corpus=str(packed))
     assert fields(zipped.build(tok)) == fields(plain.build(tok))
     latin = tmp_path / "c.txt"
-    latin.write_bytes("Shall I compare thee\nto a summer\u2019s d\u00e9y".encode("latin-1",
-                                                                                  "replace"))
+    latin.write_bytes(
+        "Shall I compare thee\nto a summer\u2019s d\u00e9y".encode("latin-1", "replace")
+    )
     with pytest.raises(ValueError, match=r"c\.txt: line 2: not UTF-8 text"):
         SyntheticWorkload(num_requests=1, prompt="text", corpus=str(latin)).build(tok)
 
@@ -318,4 +419,7 @@ def test_mt_bench_and_text_keep_their_line_numbers(tmp_path: Path) -> None:
     text.write_bytes(b"\xef\xbb\xbfone\r\n\r\ntwo\nthree")
     items = load_prompt_set(text, "text").items
     assert [(i.item_id, i.turns) for i in items] == [
-        ("line1", ("one",)), ("line3", ("two",)), ("line4", ("three",))]
+        ("line1", ("one",)),
+        ("line3", ("two",)),
+        ("line4", ("three",)),
+    ]

@@ -61,7 +61,12 @@ def same(a: Trace, b: Trace) -> None:
     assert np.array_equal(a.output_lens, b.output_lens)
     assert [a.hash_ids(i) for i in range(len(a))] == [b.hash_ids(i) for i in range(len(b))]
     assert (a.rows_read, a.skipped, a.first_timestamp_s, a.last_timestamp_s, a.read_to_end) == (
-        b.rows_read, b.skipped, b.first_timestamp_s, b.last_timestamp_s, b.read_to_end)
+        b.rows_read,
+        b.skipped,
+        b.first_timestamp_s,
+        b.last_timestamp_s,
+        b.read_to_end,
+    )
 
 
 def fresh(path: Path, fmt: str, **options: Any) -> Trace:
@@ -77,7 +82,8 @@ def fresh(path: Path, fmt: str, **options: Any) -> Trace:
 
 @pytest.mark.parametrize(("path", "fmt"), [(AZURE, "azure"), (MOONCAKE, "mooncake")])
 def test_fast_path_equals_the_row_by_row_reference_on_the_shared_traces(
-        monkeypatch: pytest.MonkeyPatch, paths: dict[str, int], path: Path, fmt: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, paths: dict[str, int], path: Path, fmt: str
+) -> None:
     fast = fresh(path, fmt)
     assert paths["fast"] >= 1 and paths["reference"] == 0  # the clean traces take the fast path
     reference_only(monkeypatch)
@@ -111,8 +117,9 @@ def test_mooncake_values_match_an_independent_reading(paths: dict[str, int]) -> 
 
 
 @pytest.mark.parametrize(("path", "fmt"), [(AZURE, "azure"), (MOONCAKE, "mooncake")])
-def test_chunk_boundaries_change_nothing(monkeypatch: pytest.MonkeyPatch, path: Path,
-                                         fmt: str) -> None:
+def test_chunk_boundaries_change_nothing(
+    monkeypatch: pytest.MonkeyPatch, path: Path, fmt: str
+) -> None:
     whole = fresh(path, fmt)
     monkeypatch.setattr(trace_files, "CHUNK_BYTES", 7001)  # hundreds of cuts, odd places
     monkeypatch.setattr(trace_files, "FIRST_CHUNK_BYTES", 333)
@@ -123,7 +130,8 @@ def test_chunk_boundaries_change_nothing(monkeypatch: pytest.MonkeyPatch, path: 
 
 
 def test_rows_the_fast_path_declines_are_read_by_the_reference(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, paths: dict[str, int]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, paths: dict[str, int]
+) -> None:
     lines = AZURE.read_text().splitlines()
     # A quoted value, a length with a space before it and a blank line, in the middle: those
     # chunks go row by row, the others column-wise; together they read as the clean file does.
@@ -143,47 +151,106 @@ def test_rows_the_fast_path_declines_are_read_by_the_reference(
 
 
 # What a damaged or odd trace may hold: the fast path must decline it or agree exactly.
-ODD = ["", " ", "\t", "\r", "\n", "\r\n", '"', ",", ".", "-", "+", "0", "9", "e", "Z", "T",
-       "null", "true", "NaN", "Infinity", "1e400", "\x1c", "\u00a0", "\u0663", "{", "}", "[",
-       "]", ":", '"timestamp"', "1.5", "0x10", "1_0", "99999999999999999999", "2023-02-30",
-       "24:00:00", ":60", ".0", "  ", "\ufeff", "\u2028"]
+ODD = [
+    "",
+    " ",
+    "\t",
+    "\r",
+    "\n",
+    "\r\n",
+    '"',
+    ",",
+    ".",
+    "-",
+    "+",
+    "0",
+    "9",
+    "e",
+    "Z",
+    "T",
+    "null",
+    "true",
+    "NaN",
+    "Infinity",
+    "1e400",
+    "\x1c",
+    "\u00a0",
+    "\u0663",
+    "{",
+    "}",
+    "[",
+    "]",
+    ":",
+    '"timestamp"',
+    "1.5",
+    "0x10",
+    "1_0",
+    "99999999999999999999",
+    "2023-02-30",
+    "24:00:00",
+    ":60",
+    ".0",
+    "  ",
+    "\ufeff",
+    "\u2028",
+]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(fmt=st.sampled_from(["azure", "burstgpt", "mooncake"]),
-       start=st.integers(1, 5000), count=st.integers(1, 8), newline=st.booleans(),
-       edits=st.lists(st.tuples(st.floats(0, 1), st.sampled_from(ODD), st.integers(0, 2)),
-                      max_size=3),
-       previous=st.sampled_from([None, 0.0, 1.7e9, 1e12]))
+@given(
+    fmt=st.sampled_from(["azure", "burstgpt", "mooncake"]),
+    start=st.integers(1, 5000),
+    count=st.integers(1, 8),
+    newline=st.booleans(),
+    edits=st.lists(st.tuples(st.floats(0, 1), st.sampled_from(ODD), st.integers(0, 2)), max_size=3),
+    previous=st.sampled_from([None, 0.0, 1.7e9, 1e12]),
+)
 def test_fast_path_declines_or_agrees_with_the_reference(
-        fmt: str, start: int, count: int, newline: bool,
-        edits: list[tuple[float, str, int]], previous: float | None) -> None:
+    fmt: str,
+    start: int,
+    count: int,
+    newline: bool,
+    edits: list[tuple[float, str, int]],
+    previous: float | None,
+) -> None:
     source = MOONCAKE if fmt == "mooncake" else AZURE
     lines = _lines(source)
-    rows = lines[start:start + count]
+    rows = lines[start : start + count]
     if fmt == "burstgpt":  # a numeric time column: seconds since the first row
-        rows = [f"{i * 0.5},{line.split(',')[1]},{int(line.split(',')[2]) % 3}"
-                for i, line in enumerate(rows)]
+        rows = [
+            f"{i * 0.5},{line.split(',')[1]},{int(line.split(',')[2]) % 3}"
+            for i, line in enumerate(rows)
+        ]
     text = "\n".join(rows) + ("\n" if newline else "")
     for where, piece, cut in edits:
         at = int(where * len(text))
-        text = text[:at] + piece + text[at + cut:]
+        text = text[:at] + piece + text[at + cut :]
     data = text.encode()
     layout = traces._LAYOUTS[fmt]
-    header = (lines[0].split(",") if fmt == "azure" else
-              ["Timestamp", "Request tokens", "Response tokens"] if fmt == "burstgpt" else None)
+    header = (
+        lines[0].split(",")
+        if fmt == "azure"
+        else ["Timestamp", "Request tokens", "Response tokens"]
+        if fmt == "burstgpt"
+        else None
+    )
     if header is not None:
-        fast = trace_arrow.csv_columns(data, header, layout, previous, traces._UNIT_SCALE,
-                                       traces.MAX_TOKENS)
+        fast = trace_arrow.csv_columns(
+            data, header, layout, previous, traces._UNIT_SCALE, traces.MAX_TOKENS
+        )
     else:
-        fast = trace_arrow.jsonl_columns(data, layout, previous, traces._UNIT_SCALE,
-                                         traces.MAX_TOKENS, traces.MOONCAKE_BLOCK)
+        fast = trace_arrow.jsonl_columns(
+            data, layout, previous, traces._UNIT_SCALE, traces.MAX_TOKENS, traces.MOONCAKE_BLOCK
+        )
     event("declined" if fast is None else "parsed column-wise")
     if fast is None:
         return
     chunk = Chunk(data, 2, True)
-    records = (traces._csv_records("t", chunk, header) if header is not None
-               else traces._jsonl_records("t", chunk))
+    records = (
+        traces._csv_records("t", chunk, header)
+        if header is not None
+        else traces._jsonl_records("t", chunk)
+    )
     got_lines, reference = traces._rows("t", records, layout, previous)  # must not raise
     assert got_lines.tolist() == list(range(2, 2 + len(fast.input_lens)))
     for a, b in zip(fast, reference, strict=True):
@@ -218,8 +285,9 @@ def long_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_num_requests_reads_only_the_first_rows(long_trace: Path, tok: Tokenizer,
-                                                paths: dict[str, int]) -> None:
+def test_num_requests_reads_only_the_first_rows(
+    long_trace: Path, tok: Tokenizer, paths: dict[str, int]
+) -> None:
     assert long_trace.stat().st_size > 2 * trace_files.CHUNK_BYTES
     w = TraceWorkload(path=str(long_trace), num_requests=10, input_scale=0.1)
     reqs = w.build(tok)
@@ -227,15 +295,15 @@ def test_num_requests_reads_only_the_first_rows(long_trace: Path, tok: Tokenizer
     assert w.info["rows_read"] == 10 and w.info["rows_usable"] == 10
     assert w.info["read_to_end"] is False and w.info["trace_span_s"] is None
     expected = fresh(AZURE, "azure", limit=10)
-    assert [r.arrival_s for r in reqs] == (expected.timestamps_s
-                                          - expected.timestamps_s[0]).tolist()
+    assert [r.arrival_s for r in reqs] == (
+        expected.timestamps_s - expected.timestamps_s[0]
+    ).tolist()
     # the damaged last line is real: reading the whole trace reaches it
     with pytest.raises(ValueError, match=rf"{long_trace}: line {14 * 19366 + 2}: "):
         TraceWorkload(path=str(long_trace), num_requests=None).build(tok)
 
 
-def test_the_window_is_pushed_down(long_trace: Path, tok: Tokenizer,
-                                   paths: dict[str, int]) -> None:
+def test_the_window_is_pushed_down(long_trace: Path, tok: Tokenizer, paths: dict[str, int]) -> None:
     # 2 days and 10 minutes in: the first row at or past end_s ends the read
     start = 2 * 86400 + 600.0
     w = TraceWorkload(path=str(long_trace), start_s=start, end_s=start + 60, input_scale=0.01)
@@ -246,13 +314,15 @@ def test_the_window_is_pushed_down(long_trace: Path, tok: Tokenizer,
     inside = (since >= 600) & (since < 660)
     assert len(reqs) == int(inside.sum()) > 10
     assert [r.prompt_tokens_requested for r in reqs] == [
-        max(1, round(n * 0.01)) for n in full.input_lens[inside]]
+        max(1, round(n * 0.01)) for n in full.input_lens[inside]
+    ]
     assert w.info["read_to_end"] is False
     assert 2 * 19366 < w.info["rows_read"] < 3 * 19366
     assert chunks_read == 4  # 64 kB, 256 kB, 1 MB and 4 MB hold the first 2.2 days
     later = TraceWorkload(path=str(long_trace), start_s=start, num_requests=5).build(tok)
     assert [r.arrival_s for r in later] == pytest.approx(
-        (full.timestamps_s[inside][:5] - full.timestamps_s[inside][0]).tolist())
+        (full.timestamps_s[inside][:5] - full.timestamps_s[inside][0]).tolist()
+    )
 
 
 def test_read_to_end_says_whether_the_end_of_the_file_was_reached() -> None:
@@ -265,8 +335,11 @@ def test_read_to_end_says_whether_the_end_of_the_file_was_reached() -> None:
 def test_an_empty_window_inside_the_trace_says_so(tmp_path: Path, tok: Tokenizer) -> None:
     path = tmp_path / "gap.csv"
     path.write_text("Timestamp,Request tokens,Response tokens\n0,5,1\n1,5,1\n100,5,1\n200,5,1\n")
-    with pytest.raises(ValueError, match=r"workload\.start_s: 10\.0 is invalid; allowed: a "
-                       r"window .* no usable row of the trace lies in it"):
+    with pytest.raises(
+        ValueError,
+        match=r"workload\.start_s: 10\.0 is invalid; allowed: a "
+        r"window .* no usable row of the trace lies in it",
+    ):
         TraceWorkload(path=str(path), format="burstgpt", start_s=10.0, end_s=50.0).build(tok)
     with pytest.raises(ValueError, match=r"the trace spans 0 to 200\.000 s"):
         TraceWorkload(path=str(path), format="burstgpt", start_s=500.0).build(tok)
@@ -277,6 +350,9 @@ def test_an_empty_window_inside_the_trace_says_so(tmp_path: Path, tok: Tokenizer
 def test_scaling_past_the_token_limit_is_an_error(tmp_path: Path, tok: Tokenizer) -> None:
     path = tmp_path / "t.csv"
     path.write_text("Timestamp,Request tokens,Response tokens\n0,2000000000,1\n")
-    with pytest.raises(ValueError, match=r"workload\.input_scale: 4\.0 is invalid; allowed: "
-                       r"a scale that keeps every length within 2147483647 tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"workload\.input_scale: 4\.0 is invalid; allowed: "
+        r"a scale that keeps every length within 2147483647 tokens",
+    ):
         TraceWorkload(path=str(path), format="burstgpt", input_scale=4.0).build(tok)

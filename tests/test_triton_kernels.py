@@ -67,8 +67,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 # ---- batch construction -------------------------------------------------------------------
 
 
-
-
 # ---- cache write --------------------------------------------------------------------------
 
 
@@ -114,16 +112,26 @@ def test_decode_kernel_matches_reference(config) -> None:
     dt, bs, h, kvh, d, window = config
     dtype = DTYPES[dt]
     seqs = [(1, 1), (7, 1), (33, 1), (100, 1)]
-    q, _, _, cache, meta = make_batch(seqs, 4, bs, h, kvh, d, dtype, window, seed=bs + h,
-                                      device=DEVICE)
-    scale = d ** -0.5
-    expected = paged_reference.decode_attention(q, cache.k, cache.v, meta.block_tables,
-                                                meta.seq_lens, scale, window)
+    q, _, _, cache, meta = make_batch(
+        seqs, 4, bs, h, kvh, d, dtype, window, seed=bs + h, device=DEVICE
+    )
+    scale = d**-0.5
+    expected = paged_reference.decode_attention(
+        q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, window
+    )
     for partition_size in (32, 512):  # split-K with a reduce, and the single-partition path
-        out = triton_kernels.decode_attention(q, cache.k, cache.v, meta.block_tables,
-                                              meta.seq_lens, scale, window,
-                                              max_seq_len=meta.max_seq_len,
-                                              partition_size=partition_size, block_n=16)
+        out = triton_kernels.decode_attention(
+            q,
+            cache.k,
+            cache.v,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            window,
+            max_seq_len=meta.max_seq_len,
+            partition_size=partition_size,
+            block_n=16,
+        )
         assert_close(out, expected, dtype)
 
 
@@ -136,15 +144,26 @@ def test_prefill_kernel_matches_reference(config) -> None:
     dtype = DTYPES[dt]
     # whole prompts (n == length), chunks with earlier context (n < length), a 1-token chunk
     seqs = [(1, 1), (7, 7), (33, 17), (40, 1), (37, 37)]
-    q, _, _, cache, meta = make_batch(seqs, 0, bs, h, kvh, d, dtype, window, seed=bs * h,
-                                      device=DEVICE)
-    scale = d ** -0.5
-    expected = paged_reference.prefill_attention(q, cache.k, cache.v, meta.block_tables,
-                                                 meta.query_start_loc, meta.seq_lens, scale,
-                                                 window)
-    out = triton_kernels.prefill_attention(q, cache.k, cache.v, meta.block_tables,
-                                           meta.query_start_loc, meta.seq_lens, scale, window,
-                                           max_query_len=37, block_m=16, block_n=16)
+    q, _, _, cache, meta = make_batch(
+        seqs, 0, bs, h, kvh, d, dtype, window, seed=bs * h, device=DEVICE
+    )
+    scale = d**-0.5
+    expected = paged_reference.prefill_attention(
+        q, cache.k, cache.v, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window
+    )
+    out = triton_kernels.prefill_attention(
+        q,
+        cache.k,
+        cache.v,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scale,
+        window,
+        max_query_len=37,
+        block_m=16,
+        block_n=16,
+    )
     assert_close(out, expected, dtype)
 
 
@@ -157,19 +176,37 @@ def test_backend_matches_dense_attention_on_mixed_batch(config) -> None:
     dtype = DTYPES[dt]
     decodes = [(1, 1), (45, 1), (100, 1)]
     prefills = [(33, 33), (50, 17), (5, 5), (70, 3)]
-    q, k, v, cache, meta = make_batch(decodes + prefills, len(decodes), bs, h, kvh, d, dtype,
-                                      window, seed=7 * bs + d, device=DEVICE)
-    scale = d ** -0.5
+    q, k, v, cache, meta = make_batch(
+        decodes + prefills,
+        len(decodes),
+        bs,
+        h,
+        kvh,
+        d,
+        dtype,
+        window,
+        seed=7 * bs + d,
+        device=DEVICE,
+    )
+    scale = d**-0.5
     out = TritonAttention(**SMALL)(q, k, v, cache, meta, scale)
     dense = DenseAttention("torch", reference_kernel)(q, k, v, cache, meta, scale)
     assert_close(out, dense, dtype)
     nd = meta.num_decodes
-    ref = paged_reference.prefill_attention(q, cache.k, cache.v, meta.block_tables,
-                                            meta.query_start_loc, meta.seq_lens, scale, window,
-                                            first_seq=nd)
-    ref[:nd] = paged_reference.decode_attention(q[:nd], cache.k, cache.v,
-                                                meta.block_tables[:nd], meta.seq_lens[:nd],
-                                                scale, window)
+    ref = paged_reference.prefill_attention(
+        q,
+        cache.k,
+        cache.v,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scale,
+        window,
+        first_seq=nd,
+    )
+    ref[:nd] = paged_reference.decode_attention(
+        q[:nd], cache.k, cache.v, meta.block_tables[:nd], meta.seq_lens[:nd], scale, window
+    )
     assert_close(out, ref, dtype)
 
 
@@ -179,50 +216,76 @@ def test_backend_default_tiles(kind: str) -> None:
     kernel, a contiguous-layout block (block_size = max_model_len, not a power of two)."""
     seqs = [(3, 1), (200, 1)] if kind == "decodes_only" else [(150, 150), (90, 20)]
     nd = len(seqs) if kind == "decodes_only" else 0
-    q, k, v, cache, meta = make_batch(seqs, nd, 200, 4, 2, 16, torch.float32, None, seed=3,
-                                      device=DEVICE)
+    q, k, v, cache, meta = make_batch(
+        seqs, nd, 200, 4, 2, 16, torch.float32, None, seed=3, device=DEVICE
+    )
     out = make_attention("triton")(q, k, v, cache, meta, 0.25)
     dense = make_attention("sdpa")(q, k, v, cache, meta, 0.25)
     assert_close(out, dense, torch.float32)
 
 
 def test_unsupported_inputs_are_refused_clearly() -> None:
-    q, k, v, cache, meta = make_batch([(5, 1)], 1, 4, 2, 2, 16, torch.float32, None,
-                                      device=DEVICE)
+    q, k, v, cache, meta = make_batch([(5, 1)], 1, 4, 2, 2, 16, torch.float32, None, device=DEVICE)
     with pytest.raises(RuntimeError, match="kv_cache=none"):
         TritonAttention()(q, k, v, None, meta, 1.0)
     with pytest.raises(ValueError, match="block_n: must be a power of two >= 16"):
-        triton_kernels.decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens,
-                                        1.0, block_n=24)
+        triton_kernels.decode_attention(
+            q, cache.k, cache.v, meta.block_tables, meta.seq_lens, 1.0, block_n=24
+        )
     with pytest.raises(ValueError, match="partition_size: 40 is not a multiple"):
-        triton_kernels.decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens,
-                                        1.0, partition_size=40, block_n=16)
+        triton_kernels.decode_attention(
+            q,
+            cache.k,
+            cache.v,
+            meta.block_tables,
+            meta.seq_lens,
+            1.0,
+            partition_size=40,
+            block_n=16,
+        )
     with pytest.raises(ValueError, match="KV heads"):  # 3 query heads over 2 KV heads
-        triton_kernels.decode_attention(q[:, :1].repeat(1, 3, 1), cache.k, cache.v,
-                                        meta.block_tables, meta.seq_lens, 1.0)
+        triton_kernels.decode_attention(
+            q[:, :1].repeat(1, 3, 1), cache.k, cache.v, meta.block_tables, meta.seq_lens, 1.0
+        )
     with pytest.raises(ValueError, match="KV heads"):  # head_dim mismatch
-        triton_kernels.prefill_attention(q[..., :8], cache.k, cache.v, meta.block_tables,
-                                         meta.query_start_loc, meta.seq_lens, 1.0,
-                                         max_query_len=1)
+        triton_kernels.prefill_attention(
+            q[..., :8],
+            cache.k,
+            cache.v,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            1.0,
+            max_query_len=1,
+        )
 
 
 # ---- end to end ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options", [
-    dict(kv_cache="contiguous"),
-    dict(kv_cache="contiguous", enable_chunked_prefill=True, max_num_batched_tokens=16,
-         model_overrides={"sliding_window": 8}),
-    dict(kv_cache="paged", block_size=4, enable_prefix_caching=True),
-], ids=["contiguous", "chunked-swa", "paged-prefix-cache"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(kv_cache="contiguous"),
+        dict(
+            kv_cache="contiguous",
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=16,
+            model_overrides={"sliding_window": 8},
+        ),
+        dict(kv_cache="paged", block_size=4, enable_prefix_caching=True),
+    ],
+    ids=["contiguous", "chunked-swa", "paged-prefix-cache"],
+)
 def test_engine_greedy_tokens_match_sdpa(options) -> None:
     """Greedy tokens of the whole engine with attention_backend=triton equal sdpa's. The
     prompts are run twice, so with prefix caching the second round prefills only the
     uncached tails, over cached keys."""
     prompts = [[11, 12, 13, 14, 15], list(range(100, 123)), list(range(500, 540))]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    common = dict(model="tiny", dtype="float32", device=DEVICE, max_model_len=64,
-                  max_num_seqs=4, **options)
+    common = dict(
+        model="tiny", dtype="float32", device=DEVICE, max_model_len=64, max_num_seqs=4, **options
+    )
 
     def run(llm: LLM) -> list[list[int]]:
         return [o.token_ids for _ in range(2) for o in llm.generate(prompts, params)]
@@ -230,8 +293,10 @@ def test_engine_greedy_tokens_match_sdpa(options) -> None:
     expected = run(LLM(**common, attention_backend="sdpa"))
     try:
         llm = LLM(**common, attention_backend="triton")
-        assert all(isinstance(layer.attn.backend, TritonAttention)
-                   for layer in llm.engine.runner.model.layers)
+        assert all(
+            isinstance(layer.attn.backend, TritonAttention)
+            for layer in llm.engine.runner.model.layers
+        )
     except ConfigError as e:  # the engine option is not switched on yet: swap the backend in
         assert "not implemented yet" in str(e)
         llm = LLM(**common, attention_backend="sdpa")

@@ -59,9 +59,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
 
 
-def make_int8_batch(seqs: list[tuple[int, int]], num_decodes: int, block_size: int,
-                    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    window: int | None, seed: int = 0):
+def make_int8_batch(
+    seqs: list[tuple[int, int]],
+    num_decodes: int,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    window: int | None,
+    seed: int = 0,
+):
     """A packed step over an INT8 cache: seqs[i] = (context length after the step, new
     tokens), decodes first. Blocks are handed out in a shuffled order and every slot starts
     with random quantized values (so a read past a sequence's end would show); this step's
@@ -76,8 +84,9 @@ def make_int8_batch(seqs: list[tuple[int, int]], num_decodes: int, block_size: i
         return x.to(dtype).to(DEVICE)
 
     tables, num_blocks = shuffled_block_tables(seqs, block_size, gen)
-    cache = LayerKVCache(num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                         torch.device(DEVICE), quantized=True)
+    cache = LayerKVCache(
+        num_blocks, block_size, num_kv_heads, head_dim, dtype, torch.device(DEVICE), quantized=True
+    )
     shape = (num_blocks * block_size, num_kv_heads, head_dim)
     full_k, full_v = randn(*shape), randn(*shape)
     every_slot = torch.arange(num_blocks * block_size, device=DEVICE)
@@ -85,8 +94,11 @@ def make_int8_batch(seqs: list[tuple[int, int]], num_decodes: int, block_size: i
 
     slots, meta = step_metadata(seqs, num_decodes, tables, block_size, window, DEVICE)
     total = meta.query_start_loc_host[-1]
-    q, k, v = randn(total, num_heads, head_dim), randn(total, num_kv_heads, head_dim), \
-        randn(total, num_kv_heads, head_dim)
+    q, k, v = (
+        randn(total, num_heads, head_dim),
+        randn(total, num_kv_heads, head_dim),
+        randn(total, num_kv_heads, head_dim),
+    )
     TritonAttention.write_kv(k, v, cache, slots)
     full_k[slots], full_v[slots] = k, v
     full = (full_k.view(cache.k.shape), full_v.view(cache.v.shape))
@@ -95,8 +107,10 @@ def make_int8_batch(seqs: list[tuple[int, int]], num_decodes: int, block_size: i
 
 def dequantized(cache: LayerKVCache) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache as the dense path reads it: values x scales, in the compute dtype."""
-    return (dequantize_int8(cache.k, cache.k_scale, cache.dtype),
-            dequantize_int8(cache.v, cache.v_scale, cache.dtype))
+    return (
+        dequantize_int8(cache.k, cache.k_scale, cache.dtype),
+        dequantize_int8(cache.v, cache.v_scale, cache.dtype),
+    )
 
 
 # ---- cache write --------------------------------------------------------------------------
@@ -104,8 +118,9 @@ def dequantized(cache: LayerKVCache) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("head_dim", [16, 48])
-def test_write_kernel_stores_the_bits_the_torch_write_stores(dtype: torch.dtype,
-                                                             head_dim: int) -> None:
+def test_write_kernel_stores_the_bits_the_torch_write_stores(
+    dtype: torch.dtype, head_dim: int
+) -> None:
     gen = torch.Generator().manual_seed(head_dim)
     num_blocks, block_size, kvh, t = 6, 4, 2, 13
     mag = torch.logspace(-3, 2, t).view(t, 1, 1)
@@ -118,11 +133,13 @@ def test_write_kernel_stores_the_bits_the_torch_write_stores(dtype: torch.dtype,
     k, v = k.to(DEVICE), v.to(DEVICE)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(DEVICE)
 
-    torch_cache = LayerKVCache(num_blocks, block_size, kvh, head_dim, dtype,
-                               torch.device(DEVICE), quantized=True)
+    torch_cache = LayerKVCache(
+        num_blocks, block_size, kvh, head_dim, dtype, torch.device(DEVICE), quantized=True
+    )
     torch_cache.write(k, v, slots)
-    triton_cache = TritonKVCache(num_blocks, block_size, kvh, head_dim, dtype,
-                                 torch.device(DEVICE), quantized=True)
+    triton_cache = TritonKVCache(
+        num_blocks, block_size, kvh, head_dim, dtype, torch.device(DEVICE), quantized=True
+    )
     padded = torch.cat([k, k[:2]]), torch.cat([v, v[:2]])
     # two padding rows (slot -1) must be skipped, not written anywhere
     triton_cache.write(*padded, torch.cat([slots, torch.full((2,), -1, device=DEVICE)]))
@@ -140,13 +157,19 @@ def test_int8_cache_needs_its_scales() -> None:
     with pytest.raises(ValueError, match="int8 KV cache needs both scale planes"):
         triton_kernels.write_kv(k, k, cache.k, cache.v, slots)
     with pytest.raises(ValueError, match="k_scale: expected a floating"):
-        triton_kernels.write_kv(k, k, cache.k, cache.v, slots, k_scale=cache.k_scale[:1],
-                                v_scale=cache.v_scale)
+        triton_kernels.write_kv(
+            k, k, cache.k, cache.v, slots, k_scale=cache.k_scale[:1], v_scale=cache.v_scale
+        )
     q = torch.randn(1, 1, 16, device=DEVICE)
     with pytest.raises(ValueError, match="int8 KV cache needs both scale planes"):
-        triton_kernels.decode_attention(q, cache.k, cache.v,
-                                        torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
-                                        torch.ones(1, dtype=torch.int32, device=DEVICE), 1.0)
+        triton_kernels.decode_attention(
+            q,
+            cache.k,
+            cache.v,
+            torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+            torch.ones(1, dtype=torch.int32, device=DEVICE),
+            1.0,
+        )
 
 
 # ---- attention over an INT8 cache ------------------------------------------------------------
@@ -156,17 +179,29 @@ def test_int8_cache_needs_its_scales() -> None:
 def test_decode_kernel_reads_int8_like_the_reference(config) -> None:
     dt, bs, h, kvh, d, window = config
     dtype = DTYPES[dt]
-    q, _, _, cache, meta, _ = make_int8_batch([(1, 1), (7, 1), (33, 1), (100, 1)], 4, bs, h,
-                                              kvh, d, dtype, window, seed=bs + h)
-    scale = d ** -0.5
+    q, _, _, cache, meta, _ = make_int8_batch(
+        [(1, 1), (7, 1), (33, 1), (100, 1)], 4, bs, h, kvh, d, dtype, window, seed=bs + h
+    )
+    scale = d**-0.5
     k_deq, v_deq = dequantized(cache)
-    expected = paged_reference.decode_attention(q, k_deq, v_deq, meta.block_tables,
-                                                meta.seq_lens, scale, window)
+    expected = paged_reference.decode_attention(
+        q, k_deq, v_deq, meta.block_tables, meta.seq_lens, scale, window
+    )
     for partition_size in (32, 512):  # split-K with a reduce, and the single-partition path
         out = triton_kernels.decode_attention(
-            q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, window,
-            max_seq_len=meta.max_seq_len, partition_size=partition_size, block_n=16,
-            k_scale=cache.k_scale, v_scale=cache.v_scale)
+            q,
+            cache.k,
+            cache.v,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            window,
+            max_seq_len=meta.max_seq_len,
+            partition_size=partition_size,
+            block_n=16,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
+        )
         assert_close(out, expected, dtype)
 
 
@@ -175,17 +210,27 @@ def test_prefill_kernel_reads_int8_like_the_reference(config) -> None:
     dt, bs, h, kvh, d, window = config
     dtype = DTYPES[dt]
     seqs = [(1, 1), (7, 7), (33, 17), (40, 1), (37, 37)]
-    q, _, _, cache, meta, _ = make_int8_batch(seqs, 0, bs, h, kvh, d, dtype, window,
-                                              seed=bs * h)
-    scale = d ** -0.5
+    q, _, _, cache, meta, _ = make_int8_batch(seqs, 0, bs, h, kvh, d, dtype, window, seed=bs * h)
+    scale = d**-0.5
     k_deq, v_deq = dequantized(cache)
-    expected = paged_reference.prefill_attention(q, k_deq, v_deq, meta.block_tables,
-                                                 meta.query_start_loc, meta.seq_lens, scale,
-                                                 window)
+    expected = paged_reference.prefill_attention(
+        q, k_deq, v_deq, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window
+    )
     out = triton_kernels.prefill_attention(
-        q, cache.k, cache.v, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-        window, max_query_len=37, block_m=16, block_n=16, k_scale=cache.k_scale,
-        v_scale=cache.v_scale)
+        q,
+        cache.k,
+        cache.v,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scale,
+        window,
+        max_query_len=37,
+        block_m=16,
+        block_n=16,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+    )
     assert_close(out, expected, dtype)
 
 
@@ -196,26 +241,39 @@ def test_backend_matches_dense_path_on_int8_mixed_batch(config) -> None:
     dt, bs, h, kvh, d, window = config
     dtype = DTYPES[dt]
     seqs = [(1, 1), (45, 1), (100, 1), (33, 33), (50, 17), (5, 5), (70, 3)]
-    q, k, v, cache, meta, _ = make_int8_batch(seqs, 3, bs, h, kvh, d, dtype, window,
-                                              seed=7 * bs + d)
-    scale = d ** -0.5
+    q, k, v, cache, meta, _ = make_int8_batch(
+        seqs, 3, bs, h, kvh, d, dtype, window, seed=7 * bs + d
+    )
+    scale = d**-0.5
     out = TritonAttention(**SMALL)(q, k, v, cache, meta, scale)
     dense = DenseAttention("torch", reference_kernel)(q, k, v, cache, meta, scale)
     # dense prefills attend to this step's own fresh (unquantized) K/V when a prompt has no
     # earlier context; the kernels always read the cache. Compare rows that read the cache.
     qsl = meta.query_start_loc_host
-    from_cache = [r for i in range(meta.num_seqs) if i < meta.num_decodes
-                  or meta.seq_lens_host[i] != qsl[i + 1] - qsl[i]
-                  for r in range(qsl[i], qsl[i + 1])]
+    from_cache = [
+        r
+        for i in range(meta.num_seqs)
+        if i < meta.num_decodes or meta.seq_lens_host[i] != qsl[i + 1] - qsl[i]
+        for r in range(qsl[i], qsl[i + 1])
+    ]
     assert len(from_cache) > 3
     assert_close(out[from_cache], dense[from_cache], dtype)
     k_deq, v_deq = dequantized(cache)
     nd = meta.num_decodes
-    ref = paged_reference.prefill_attention(q, k_deq, v_deq, meta.block_tables,
-                                            meta.query_start_loc, meta.seq_lens, scale, window,
-                                            first_seq=nd)
-    ref[:nd] = paged_reference.decode_attention(q[:nd], k_deq, v_deq, meta.block_tables[:nd],
-                                                meta.seq_lens[:nd], scale, window)
+    ref = paged_reference.prefill_attention(
+        q,
+        k_deq,
+        v_deq,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scale,
+        window,
+        first_seq=nd,
+    )
+    ref[:nd] = paged_reference.decode_attention(
+        q[:nd], k_deq, v_deq, meta.block_tables[:nd], meta.seq_lens[:nd], scale, window
+    )
     assert_close(out, ref, dtype)
 
 
@@ -227,14 +285,26 @@ def test_decode_error_vs_full_precision_is_bounded() -> None:
     dtype, bs, h, kvh, d = torch.float32, 16, 4, 2, 32
     lens = [5, 40, 100]
     q, _, _, cache, meta, (full_k, full_v) = make_int8_batch(
-        [(n, 1) for n in lens], 3, bs, h, kvh, d, dtype, None, seed=11)
-    scale = d ** -0.5
+        [(n, 1) for n in lens], 3, bs, h, kvh, d, dtype, None, seed=11
+    )
+    scale = d**-0.5
     out = triton_kernels.decode_attention(
-        q, cache.k, cache.v, meta.block_tables, meta.seq_lens, scale, None,
-        max_seq_len=max(lens), partition_size=32, block_n=16, k_scale=cache.k_scale,
-        v_scale=cache.v_scale)
-    exact = paged_reference.decode_attention(q, full_k, full_v, meta.block_tables,
-                                             meta.seq_lens, scale)
+        q,
+        cache.k,
+        cache.v,
+        meta.block_tables,
+        meta.seq_lens,
+        scale,
+        None,
+        max_seq_len=max(lens),
+        partition_size=32,
+        block_n=16,
+        k_scale=cache.k_scale,
+        v_scale=cache.v_scale,
+    )
+    exact = paged_reference.decode_attention(
+        q, full_k, full_v, meta.block_tables, meta.seq_lens, scale
+    )
     k_deq, v_deq = dequantized(cache)
     groups = h // kvh
     for b, length in enumerate(lens):
@@ -244,8 +314,9 @@ def test_decode_error_vs_full_precision_is_bounded() -> None:
         values = full_v.view(-1, kvh, d)[slots].repeat_interleave(groups, 1)
         values_q = v_deq.view(-1, kvh, d)[slots].repeat_interleave(groups, 1)
         score_err = (torch.einsum("hd,lhd->hl", q[b], keys_q - keys) * scale).abs().amax(1)
-        bound = ((values_q - values).abs().amax(dim=(0, 2))
-                 + torch.expm1(2 * score_err) * values.abs().amax(dim=(0, 2)))  # [h]
+        bound = (values_q - values).abs().amax(dim=(0, 2)) + torch.expm1(
+            2 * score_err
+        ) * values.abs().amax(dim=(0, 2))  # [h]
         err = (out[b] - exact[b]).abs().amax(dim=-1)  # [h]
         assert (err <= bound + 1e-5).all(), (b, err, bound)
         assert (err > 0).any()  # the cache really is quantized
@@ -254,27 +325,42 @@ def test_decode_error_vs_full_precision_is_bounded() -> None:
 # ---- end to end ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options", [
-    dict(kv_cache="contiguous"),
-    dict(kv_cache="paged", block_size=4, enable_prefix_caching=True),
-    dict(kv_cache="paged", block_size=8, enable_chunked_prefill=True, max_num_batched_tokens=16),
-], ids=["contiguous", "paged-prefix-cache", "paged-chunked"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(kv_cache="contiguous"),
+        dict(kv_cache="paged", block_size=4, enable_prefix_caching=True),
+        dict(
+            kv_cache="paged", block_size=8, enable_chunked_prefill=True, max_num_batched_tokens=16
+        ),
+    ],
+    ids=["contiguous", "paged-prefix-cache", "paged-chunked"],
+)
 def test_engine_greedy_tokens_triton_int8_equal_torch_int8(options) -> None:
     """attention_backend=triton and attention_backend=torch over an INT8 KV cache: the same
     greedy tokens. (Both store identical INT8 bits; only float rounding differs.) Prompts run
     twice, so prefix caching serves the second round's prompts from cached INT8 blocks."""
     prompts = [[11, 12, 13, 14, 15], list(range(100, 123)), list(range(500, 540))]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    common = dict(model="tiny", dtype="float32", device=DEVICE, max_model_len=64,
-                  max_num_seqs=4, kv_cache_dtype="int8", **options)
+    common = dict(
+        model="tiny",
+        dtype="float32",
+        device=DEVICE,
+        max_model_len=64,
+        max_num_seqs=4,
+        kv_cache_dtype="int8",
+        **options,
+    )
 
     def run(llm: LLM) -> list[list[int]]:
         return [o.token_ids for _ in range(2) for o in llm.generate(prompts, params)]
 
     expected = run(LLM(**common, attention_backend="torch"))
     llm = LLM(**common, attention_backend="triton")
-    assert all(isinstance(layer.attn.backend, TritonAttention)
-               and layer.attn.cache.quantized for layer in llm.engine.runner.model.layers)
+    assert all(
+        isinstance(layer.attn.backend, TritonAttention) and layer.attn.cache.quantized
+        for layer in llm.engine.runner.model.layers
+    )
     for layer in llm.engine.runner.model.layers:
         layer.attn.backend = TritonAttention(**SMALL)  # small tiles: several partitions
     assert run(llm) == expected
@@ -283,8 +369,14 @@ def test_engine_greedy_tokens_triton_int8_equal_torch_int8(options) -> None:
 def test_ring_cache_is_still_refused_with_int8() -> None:
     """A sliding-window model's contiguous cache is a rotated ring, which the kernels cannot
     address through block tables: the step fails with the reason (INT8 or not)."""
-    llm = LLM(model="tiny", dtype="float32", device=DEVICE, max_model_len=64,
-              kv_cache_dtype="int8", attention_backend="triton",
-              model_overrides={"sliding_window": 8})
+    llm = LLM(
+        model="tiny",
+        dtype="float32",
+        device=DEVICE,
+        max_model_len=64,
+        kv_cache_dtype="int8",
+        attention_backend="triton",
+        model_overrides={"sliding_window": 8},
+    )
     [out] = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert out.error is not None and "rotated ring" in out.error

@@ -44,8 +44,9 @@ def from_config(options: Mapping[str, Any]) -> Any:
     known = config_keys(cls)
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ValueError(f"workload: unknown key(s) {unknown} for type {kind}; "
-                         f"allowed: {sorted(known)}")
+        raise ValueError(
+            f"workload: unknown key(s) {unknown} for type {kind}; allowed: {sorted(known)}"
+        )
     return cls(**options).validate()
 
 

@@ -50,8 +50,11 @@ def parse_arrival(spec: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"process": process}
     for key in _KEYS[process][1:]:
         if key not in spec:
-            raise invalid(f"arrival.{key}", None, f"a value (process {process} needs "
-                          f"{list(_KEYS[process][1:])})")
+            raise invalid(
+                f"arrival.{key}",
+                None,
+                f"a value (process {process} needs {list(_KEYS[process][1:])})",
+            )
         if key == "concurrency":
             out[key] = check_int("arrival.concurrency", spec[key], 1)
         else:  # rates and burstiness: positive, finite

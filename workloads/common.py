@@ -31,8 +31,11 @@ def is_int(value: Any) -> bool:
 
 
 def is_number(value: Any) -> bool:
-    return (is_int(value) or isinstance(value, (float, np.floating))) and not isinstance(
-        value, bool) and math.isfinite(float(value))
+    return (
+        (is_int(value) or isinstance(value, (float, np.floating)))
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
 
 
 def check_int(field: str, value: Any, minimum: int = 0, allow_none: bool = False) -> int | None:
@@ -44,8 +47,9 @@ def check_int(field: str, value: Any, minimum: int = 0, allow_none: bool = False
     return int(value)
 
 
-def check_number(field: str, value: Any, minimum: float = 0.0, *, strict: bool = False,
-                 allow_none: bool = False) -> float | None:
+def check_number(
+    field: str, value: Any, minimum: float = 0.0, *, strict: bool = False, allow_none: bool = False
+) -> float | None:
     """A finite number >= minimum (> minimum when strict)."""
     if value is None and allow_none:
         return None
@@ -79,8 +83,9 @@ def check_mapping(field: str, value: Any, allowed: str) -> dict[str, Any]:
 def check_keys(field: str, spec: Mapping[str, Any], known: tuple[str, ...], what: str) -> None:
     unknown = sorted(set(spec) - set(known))
     if unknown:
-        raise ValueError(f"workload.{field}: unknown key(s) {unknown} for {what}; "
-                         f"allowed: {sorted(known)}")
+        raise ValueError(
+            f"workload.{field}: unknown key(s) {unknown} for {what}; allowed: {sorted(known)}"
+        )
 
 
 def resolve_path(field: str, path: Any) -> Path:
@@ -101,25 +106,43 @@ def resolve_path(field: str, path: Any) -> Path:
             check_regular_file(p)
         except ValueError as exc:
             raise ValueError(f"workload.{field}: {exc}") from None
-    raise FileNotFoundError(f"workload.{field}: no file at {path} (looked in the working "
-                            f"directory {Path.cwd()} and the repository root {REPO_ROOT})")
+    raise FileNotFoundError(
+        f"workload.{field}: no file at {path} (looked in the working "
+        f"directory {Path.cwd()} and the repository root {REPO_ROOT})"
+    )
 
 
-def make_sampling(max_tokens: int, temperature: float, ignore_eos: bool,
-                  extra: Mapping[str, Any]) -> SamplingParams:
-    return SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature),
-                          ignore_eos=ignore_eos, **dict(extra))
+def make_sampling(
+    max_tokens: int, temperature: float, ignore_eos: bool, extra: Mapping[str, Any]
+) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=int(max_tokens),
+        temperature=float(temperature),
+        ignore_eos=ignore_eos,
+        **dict(extra),
+    )
 
 
-def make_request(workload: Any, request_id: str, prompt: Prompt, prompt_tokens: int,
-                 output_len: int, arrival_s: float, *, prefix_group: str | None = None,
-                 session_id: str | None = None, turn: int = 0,
-                 follows: str | None = None) -> WorkloadRequest:
+def make_request(
+    workload: Any,
+    request_id: str,
+    prompt: Prompt,
+    prompt_tokens: int,
+    output_len: int,
+    arrival_s: float,
+    *,
+    prefix_group: str | None = None,
+    session_id: str | None = None,
+    turn: int = 0,
+    follows: str | None = None,
+) -> WorkloadRequest:
     """One WorkloadRequest with the workload's sampling settings and max_tokens=output_len."""
-    sampling = make_sampling(output_len, workload.temperature, workload.ignore_eos,
-                             workload.sampling)
-    request = GenerationRequest(request_id, prompt, sampling, prefix_group=prefix_group,
-                                session_id=session_id, turn=turn)
+    sampling = make_sampling(
+        output_len, workload.temperature, workload.ignore_eos, workload.sampling
+    )
+    request = GenerationRequest(
+        request_id, prompt, sampling, prefix_group=prefix_group, session_id=session_id, turn=turn
+    )
     return WorkloadRequest(request, float(arrival_s), int(prompt_tokens), follows)
 
 
@@ -129,8 +152,9 @@ def check_sampling_options(temperature: Any, ignore_eos: Any, sampling: Any) -> 
     extra = check_mapping("sampling", sampling, "a mapping of SamplingParams fields")
     clash = sorted({"max_tokens", "temperature", "ignore_eos"} & set(extra))
     if clash:
-        raise invalid("sampling", extra, f"SamplingParams fields other than {clash} "
-                      "(the workload sets those)")
+        raise invalid(
+            "sampling", extra, f"SamplingParams fields other than {clash} (the workload sets those)"
+        )
     try:  # let SamplingParams judge the rest, but report it under the workload's name
         make_sampling(1, float(temperature), bool(ignore_eos), extra)
     except (TypeError, ValueError) as exc:
@@ -165,7 +189,8 @@ def check_common(workload: Any) -> None:
 def length_totals(inputs: np.ndarray, outputs: np.ndarray) -> dict[str, Any]:
     n = len(inputs)
     return {
-        "input_tokens_total": int(np.sum(inputs)), "output_tokens_total": int(np.sum(outputs)),
+        "input_tokens_total": int(np.sum(inputs)),
+        "output_tokens_total": int(np.sum(outputs)),
         "input_len_mean": float(np.mean(inputs)) if n else None,
         "output_len_mean": float(np.mean(outputs)) if n else None,
     }

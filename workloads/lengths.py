@@ -41,8 +41,7 @@ _DIST_KEYS = {
     "lognormal": ("dist", "mean", "sigma"),
     "empirical": ("dist", "path", "format", "field", "columns"),
 }
-_ALLOWED = ("an integer >= 1, a range [low, high], or a mapping with dist: "
-            + "|".join(LENGTH_DISTS))
+_ALLOWED = "an integer >= 1, a range [low, high], or a mapping with dist: " + "|".join(LENGTH_DISTS)
 
 
 class LengthSpec:
@@ -146,28 +145,40 @@ def _empirical(field: str, spec: dict[str, Any]) -> LengthSpec:
     trace = load_trace(path, fmt, columns)
     values = (trace.input_lens if which == "input" else trace.output_lens).tolist()
     if not values:
-        raise invalid(f"{field}.path", str(path), f"a trace with usable rows (skipped: "
-                      f"{trace.skipped})")
-    return LengthSpec(field, "empirical", path=str(path), format=fmt, which=which,
-                      values=tuple(values))
+        raise invalid(
+            f"{field}.path", str(path), f"a trace with usable rows (skipped: {trace.skipped})"
+        )
+    return LengthSpec(
+        field, "empirical", path=str(path), format=fmt, which=which, values=tuple(values)
+    )
 
 
-def clip_to_context(inputs: np.ndarray, outputs: np.ndarray,
-                    context_len: int | None) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+def clip_to_context(
+    inputs: np.ndarray, outputs: np.ndarray, context_len: int | None
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """Apply the clipping rule (module docstring); return clipped copies and the counts."""
     inputs = np.asarray(inputs, dtype=np.int64).copy()
     outputs = np.asarray(outputs, dtype=np.int64).copy()
-    info: dict[str, Any] = {"context_len": context_len, "clipped_output": 0,
-                            "clipped_input": 0, "clipped_requests": 0}
+    info: dict[str, Any] = {
+        "context_len": context_len,
+        "clipped_output": 0,
+        "clipped_input": 0,
+        "clipped_requests": 0,
+    }
     if context_len is None:
         return inputs, outputs, info
     if not is_int(context_len) or context_len < 2:
-        raise ValueError(f"context_len: {context_len!r} is invalid; allowed: an integer >= 2 "
-                         "(one prompt and one output token)")
+        raise ValueError(
+            f"context_len: {context_len!r} is invalid; allowed: an integer >= 2 "
+            "(one prompt and one output token)"
+        )
     out_clipped = outputs > context_len - 1
     outputs = np.minimum(outputs, context_len - 1)
     in_clipped = inputs > context_len - outputs
     inputs = np.minimum(inputs, context_len - outputs)
-    info.update(clipped_output=int(out_clipped.sum()), clipped_input=int(in_clipped.sum()),
-                clipped_requests=int((out_clipped | in_clipped).sum()))
+    info.update(
+        clipped_output=int(out_clipped.sum()),
+        clipped_input=int(in_clipped.sum()),
+        clipped_requests=int((out_clipped | in_clipped).sum()),
+    )
     return inputs, outputs, info

@@ -54,8 +54,9 @@ def _sharegpt(path: str) -> tuple[list[PromptItem], int, Counter[str]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: line {exc.lineno}: invalid JSON ({exc.msg}, column "
-                         f"{exc.colno})") from exc
+        raise ValueError(
+            f"{path}: line {exc.lineno}: invalid JSON ({exc.msg}, column {exc.colno})"
+        ) from exc
     except RecursionError as exc:
         raise ValueError(f"{path}: invalid JSON (nested too deeply)") from exc
     if not isinstance(data, list):
@@ -68,10 +69,14 @@ def _sharegpt(path: str) -> tuple[list[PromptItem], int, Counter[str]]:
         if not isinstance(turns, list):
             raise ValueError(f"{where}: field 'conversations': expected a list of turns")
         for t, turn in enumerate(turns):
-            if not (isinstance(turn, dict) and isinstance(turn.get("from"), str)
-                    and isinstance(turn.get("value"), str)):
-                raise ValueError(f"{where}: field 'conversations[{t}]': expected "
-                                 "{\"from\": str, \"value\": str}")
+            if not (
+                isinstance(turn, dict)
+                and isinstance(turn.get("from"), str)
+                and isinstance(turn.get("value"), str)
+            ):
+                raise ValueError(
+                    f'{where}: field \'conversations[{t}]\': expected {{"from": str, "value": str}}'
+                )
         first = next((t for t, turn in enumerate(turns) if turn["from"] in _USER_ROLES), None)
         if first is None:
             skipped["no_human_turn"] += 1
@@ -96,8 +101,9 @@ def _mt_bench(path: str) -> tuple[list[PromptItem], int, Counter[str]]:
         try:
             record: Any = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: line {line}: invalid JSON ({exc.msg}, column "
-                             f"{exc.colno})") from exc
+            raise ValueError(
+                f"{path}: line {line}: invalid JSON ({exc.msg}, column {exc.colno})"
+            ) from exc
         except RecursionError as exc:
             raise ValueError(f"{path}: line {line}: invalid JSON (nested too deeply)") from exc
         where = f"{path}: line {line}"
@@ -106,14 +112,23 @@ def _mt_bench(path: str) -> tuple[list[PromptItem], int, Counter[str]]:
         if "question_id" not in record:
             raise ValueError(f"{where}: field 'question_id': missing value")
         turns = record.get("turns")
-        if not (isinstance(turns, list) and turns
-                and all(isinstance(t, str) and t.strip() for t in turns)):
-            raise ValueError(f"{where}: field 'turns': expected a non-empty list of "
-                             "non-empty strings")
+        if not (
+            isinstance(turns, list)
+            and turns
+            and all(isinstance(t, str) and t.strip() for t in turns)
+        ):
+            raise ValueError(
+                f"{where}: field 'turns': expected a non-empty list of non-empty strings"
+            )
         category = record.get("category")
         read += 1
-        items.append(PromptItem(str(record["question_id"]), tuple(turns),
-                                category=category if isinstance(category, str) else None))
+        items.append(
+            PromptItem(
+                str(record["question_id"]),
+                tuple(turns),
+                category=category if isinstance(category, str) else None,
+            )
+        )
     if read == 0:
         raise ValueError(f"{path}: line 1: empty file (no JSON lines)")
     return items, read, Counter()

@@ -81,8 +81,11 @@ class PromptsWorkload:
         check_bool("shuffle", self.shuffle)
         check_bool("chat", self.chat, allow_none=True)
         if self.format == "mt_bench" and self.chat is False:
-            raise invalid("chat", self.chat, "true or null for format mt_bench (its turns "
-                          "are a chat conversation)")
+            raise invalid(
+                "chat",
+                self.chat,
+                "true or null for format mt_bench (its turns are a chat conversation)",
+            )
         check_number("think_time_s", self.think_time_s, 0.0)
         parse_arrival(self.arrival)
         check_common(self)
@@ -99,8 +102,9 @@ class PromptsWorkload:
             k += 1
         return plan
 
-    def build(self, tokenizer: Tokenizer | None = None,
-              context_len: int | None = None) -> list[WorkloadRequest]:
+    def build(
+        self, tokenizer: Tokenizer | None = None, context_len: int | None = None
+    ) -> list[WorkloadRequest]:
         self.validate()
         tok = tokenizer_or_default(tokenizer)
         path = resolve_path("path", self.path)
@@ -121,8 +125,9 @@ class PromptsWorkload:
         used_reference = 0
         for i, (_, turn, item) in enumerate(plan):
             if self.use_reference_output and item.reference_output and turn == 0:
-                outputs[i] = max(1, len(tok.encode(item.reference_output,
-                                                   add_special_tokens=False)))
+                outputs[i] = max(
+                    1, len(tok.encode(item.reference_output, add_special_tokens=False))
+                )
                 used_reference += 1
         clipped_inputs, outputs, clip_info = clip_to_context(inputs, outputs, context_len)
         roots = [i for i, (_, turn, _) in enumerate(plan) if turn == 0]
@@ -132,7 +137,7 @@ class PromptsWorkload:
         for i, (k, turn, _) in enumerate(plan):
             text = texts[i]
             if clipped_inputs[i] < inputs[i]:  # too long for the context: keep the head
-                text = tok.decode(ids[i][:int(clipped_inputs[i])])
+                text = tok.decode(ids[i][: int(clipped_inputs[i])])
             prompt: Any = [{"role": "user", "content": text}] if self.sends_chat else text
             if sessions:
                 rid, sid = f"{self.id_prefix}-s{k}-t{turn}", f"{self.id_prefix}-s{k}"
@@ -140,17 +145,36 @@ class PromptsWorkload:
             else:
                 rid, sid, follows = f"{self.id_prefix}-{i}", None, None
             arrival = self.think_time_s if turn else start_of[i]
-            requests.append(make_request(self, rid, prompt, int(clipped_inputs[i]),
-                                         int(outputs[i]), arrival, session_id=sid, turn=turn,
-                                         follows=follows))
+            requests.append(
+                make_request(
+                    self,
+                    rid,
+                    prompt,
+                    int(clipped_inputs[i]),
+                    int(outputs[i]),
+                    arrival,
+                    session_id=sid,
+                    turn=turn,
+                    follows=follows,
+                )
+            )
         self.info = {
-            "type": "prompts", "path": str(path), "format": self.format,
-            "tokenizer": tok.name, "items_read": pset.items_read,
-            "items_skipped": dict(pset.skipped), "items_usable": len(items),
-            "requests": n, "sessions": len(roots) if sessions else None,
+            "type": "prompts",
+            "path": str(path),
+            "format": self.format,
+            "tokenizer": tok.name,
+            "items_read": pset.items_read,
+            "items_skipped": dict(pset.skipped),
+            "items_usable": len(items),
+            "requests": n,
+            "sessions": len(roots) if sessions else None,
             "passes": -(-len({k for k, _, _ in plan}) // len(items)) if plan else 0,
-            "chat": self.sends_chat, "reference_output_lens_used": used_reference,
-            "arrival": parse_arrival(self.arrival), "concurrency": self.concurrency,
-            **span_info(starts), **length_totals(clipped_inputs, outputs), **clip_info,
+            "chat": self.sends_chat,
+            "reference_output_lens_used": used_reference,
+            "arrival": parse_arrival(self.arrival),
+            "concurrency": self.concurrency,
+            **span_info(starts),
+            **length_totals(clipped_inputs, outputs),
+            **clip_info,
         }
         return requests

@@ -33,8 +33,9 @@ class TokenSource:
         self.kind = kind
         self.corpus_path = corpus or DEFAULT_CORPUS
         # Random prompts avoid special ids, which would change what the prompt means.
-        self.allowed = np.setdiff1d(np.arange(tokenizer.vocab_size),
-                                    np.array(sorted(tokenizer.special_ids), dtype=np.int64))
+        self.allowed = np.setdiff1d(
+            np.arange(tokenizer.vocab_size), np.array(sorted(tokenizer.special_ids), dtype=np.int64)
+        )
         self._corpus: np.ndarray | None = None
         self._corpus_len = 0
         self._starts = np.zeros(1, dtype=np.int64)
@@ -47,7 +48,7 @@ class TokenSource:
             return rng.choice(self.allowed, size=n)
         corpus = self._corpus_ids(n)
         start = int(rng.choice(self._starts))  # any word start: the corpus is tiled
-        return corpus[start:start + n]
+        return corpus[start : start + n]
 
     def render(self, ids: np.ndarray | list[int]) -> list[int] | str:
         # tolist() gives Python ints in one C loop: millions of ids for long traces.
@@ -57,17 +58,15 @@ class TokenSource:
     def _corpus_ids(self, n: int) -> np.ndarray:
         if self._corpus is None:
             text = read_text(self.corpus_path)  # .gz too; binary or non-UTF-8: named
-            ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False),
-                             dtype=np.int64)
+            ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
             if len(ids) == 0:
                 raise ValueError(f"workload.corpus: {self.corpus_path} holds no text")
             self._corpus, self._corpus_len = ids, len(ids)
             self._starts = self._word_starts(ids)
         # Tile the corpus so a window of n tokens fits from every start (long prompts wrap).
         while len(self._corpus) < self._corpus_len + n:
-            self._corpus = np.concatenate([self._corpus, self._corpus[:self._corpus_len]])
+            self._corpus = np.concatenate([self._corpus, self._corpus[: self._corpus_len]])
         return self._corpus
-
 
     def _word_starts(self, ids: np.ndarray) -> np.ndarray:
         """Positions where a word begins, so windows do not open with a word fragment."""
@@ -96,8 +95,9 @@ class BlockTokens:
             self._cache[block_id] = self.source.tokens(self.block_len, rng)
         return self._cache[block_id]
 
-    def prompt(self, block_ids: tuple[int, ...], length: int,
-               rng: np.random.Generator) -> np.ndarray:
+    def prompt(
+        self, block_ids: tuple[int, ...], length: int, rng: np.random.Generator
+    ) -> np.ndarray:
         """The blocks in order, truncated to `length`; if rounding left them short, the tail
         is filled with tokens from `rng` (unique to the request)."""
         needed = -(-length // self.block_len)

@@ -80,16 +80,20 @@ class SyntheticWorkload:
         if self.shared_prefix is not None:
             _, prefix_len = self._prefix()
             if input_spec.kind in ("fixed", "uniform") and prefix_len > input_spec.low:
-                raise invalid("shared_prefix.prefix_len", prefix_len,
-                              f"an integer in [1, {input_spec.low}] (input_len includes the "
-                              "prefix, so prefix_len <= the smallest input_len)")
+                raise invalid(
+                    "shared_prefix.prefix_len",
+                    prefix_len,
+                    f"an integer in [1, {input_spec.low}] (input_len includes the "
+                    "prefix, so prefix_len <= the smallest input_len)",
+                )
         if self.sessions is not None:
             self._sessions()
         return self
 
     def _prefix(self) -> tuple[int, int]:
-        spec = check_mapping("shared_prefix", self.shared_prefix,
-                             "null or {num_groups: G, prefix_len: P}")
+        spec = check_mapping(
+            "shared_prefix", self.shared_prefix, "null or {num_groups: G, prefix_len: P}"
+        )
         check_keys("shared_prefix", spec, ("num_groups", "prefix_len"), "shared_prefix")
         groups = check_int("shared_prefix.num_groups", spec.get("num_groups"), 1)
         prefix_len = check_int("shared_prefix.prefix_len", spec.get("prefix_len"), 1)
@@ -97,16 +101,16 @@ class SyntheticWorkload:
         return groups, prefix_len
 
     def _sessions(self) -> tuple[int, float]:
-        spec = check_mapping("sessions", self.sessions,
-                             "null or {num_turns: T, think_time_s: x}")
+        spec = check_mapping("sessions", self.sessions, "null or {num_turns: T, think_time_s: x}")
         check_keys("sessions", spec, ("num_turns", "think_time_s"), "sessions")
         turns = check_int("sessions.num_turns", spec.get("num_turns"), 1)
         think = check_number("sessions.think_time_s", spec.get("think_time_s", 0.0), 0.0)
         assert turns is not None and think is not None
         return turns, think
 
-    def build(self, tokenizer: Tokenizer | None = None,
-              context_len: int | None = None) -> list[WorkloadRequest]:
+    def build(
+        self, tokenizer: Tokenizer | None = None, context_len: int | None = None
+    ) -> list[WorkloadRequest]:
         self.validate()
         tok = tokenizer_or_default(tokenizer)
         length_rng, prompt_rng, arrival_rng = rng_streams(self.seed, 3)
@@ -121,8 +125,11 @@ class SyntheticWorkload:
         inputs[raise_mask] = prefix_len
         inputs, outputs, clip_info = clip_to_context(inputs, outputs, context_len)
         starts = arrival_times(self.arrival, num_sessions, arrival_rng)
-        source = TokenSource(tok, self.prompt, resolve_path("corpus", self.corpus)
-                             if self.corpus is not None else None)
+        source = TokenSource(
+            tok,
+            self.prompt,
+            resolve_path("corpus", self.corpus) if self.corpus is not None else None,
+        )
         prefixes = [source.tokens(prefix_len, prompt_rng) for _ in range(groups)]
         requests = []
         for i in range(n):
@@ -141,14 +148,32 @@ class SyntheticWorkload:
                 rid, sid = f"{self.id_prefix}-s{session}-t{turn}", f"{self.id_prefix}-s{session}"
                 follows = f"{self.id_prefix}-s{session}-t{turn - 1}" if turn else None
             arrival = think if turn else starts[session]
-            requests.append(make_request(
-                self, rid, source.render(ids), own, int(outputs[i]), arrival,
-                prefix_group=group, session_id=sid, turn=turn, follows=follows))
+            requests.append(
+                make_request(
+                    self,
+                    rid,
+                    source.render(ids),
+                    own,
+                    int(outputs[i]),
+                    arrival,
+                    prefix_group=group,
+                    session_id=sid,
+                    turn=turn,
+                    follows=follows,
+                )
+            )
         self.info = {
-            "type": "synthetic", "requests": n, "sessions": num_sessions if self.sessions else None,
-            "prompt": self.prompt, "tokenizer": tok.name, "arrival": parse_arrival(self.arrival),
-            "concurrency": self.concurrency, **span_info(starts), **length_totals(inputs, outputs),
-            "prefix_groups": groups or None, "raised_to_prefix_len": int(raise_mask.sum()),
+            "type": "synthetic",
+            "requests": n,
+            "sessions": num_sessions if self.sessions else None,
+            "prompt": self.prompt,
+            "tokenizer": tok.name,
+            "arrival": parse_arrival(self.arrival),
+            "concurrency": self.concurrency,
+            **span_info(starts),
+            **length_totals(inputs, outputs),
+            "prefix_groups": groups or None,
+            "raised_to_prefix_len": int(raise_mask.sum()),
             **clip_info,
         }
         return requests

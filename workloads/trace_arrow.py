@@ -45,8 +45,9 @@ def line_count(data: bytes) -> int:
 
 
 def _all_match(array: pa.Array, pattern: str) -> bool:
-    return array.null_count == 0 and bool(pc.all(pc.match_substring_regex(array, pattern))
-                                          .as_py() is not False)
+    return array.null_count == 0 and bool(
+        pc.all(pc.match_substring_regex(array, pattern)).as_py() is not False
+    )
 
 
 def _datetimes(array: pa.Array) -> np.ndarray | None:
@@ -60,6 +61,7 @@ def _datetimes(array: pa.Array) -> np.ndarray | None:
     # The reference adds int(fraction) / 10 ** len(fraction) to whole seconds; the fraction
     # in nanoseconds over 1e9 is the same rational number, so it rounds to the same float.
     return (ns // 10**9).astype(np.float64) + (ns % 10**9) / 1e9
+
 
 def _floats(array: pa.Array, pattern: str | None) -> np.ndarray | None:
     """float64 values of a CSV string column (matching pattern) or a JSON number column."""
@@ -92,8 +94,9 @@ def _lengths(array: pa.Array, max_tokens: int) -> np.ndarray | None:
     return values.astype(np.int64)
 
 
-def _hash_ids(array: pa.Array, input_lens: np.ndarray,
-              block: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _hash_ids(
+    array: pa.Array, input_lens: np.ndarray, block: int
+) -> tuple[np.ndarray, np.ndarray] | None:
     if not pa.types.is_list(array.type) or array.null_count:
         return None
     values = array.flatten()
@@ -107,8 +110,14 @@ def _hash_ids(array: pa.Array, input_lens: np.ndarray,
     return offsets, ids
 
 
-def _columns(table: pa.Table, layout: Any, previous_s: float | None, scale: dict[str, float],
-             max_tokens: int, block: int) -> Columns | None:
+def _columns(
+    table: pa.Table,
+    layout: Any,
+    previous_s: float | None,
+    scale: dict[str, float],
+    max_tokens: int,
+    block: int,
+) -> Columns | None:
     times = None
     if layout.timestamp:
         times = _times(table.column(layout.timestamp).combine_chunks(), layout.unit, scale)
@@ -128,20 +137,29 @@ def _columns(table: pa.Table, layout: Any, previous_s: float | None, scale: dict
     return Columns(times, inputs, outputs, *(hashes or (None, None)))
 
 
-def csv_columns(data: bytes, header: list[str], layout: Any, previous_s: float | None,
-                scale: dict[str, float], max_tokens: int) -> Columns | None:
+def csv_columns(
+    data: bytes,
+    header: list[str],
+    layout: Any,
+    previous_s: float | None,
+    scale: dict[str, float],
+    max_tokens: int,
+) -> Columns | None:
     """Columns of a chunk of CSV data rows (no header), or None: parse it row by row."""
     if b'"' in data or data.count(b"\r") != data.count(b"\r\n"):
         return None  # quoting and bare CR line ends: left to Python's csv module
-    needed = list(dict.fromkeys(c for c in (layout.timestamp, layout.input_len,
-                                            layout.output_len) if c))
+    needed = list(
+        dict.fromkeys(c for c in (layout.timestamp, layout.input_len, layout.output_len) if c)
+    )
     try:
         table = pa_csv.read_csv(
             io.BytesIO(data),
             read_options=pa_csv.ReadOptions(column_names=header, use_threads=False),
             parse_options=pa_csv.ParseOptions(ignore_empty_lines=False),
             convert_options=pa_csv.ConvertOptions(
-                include_columns=needed, column_types=dict.fromkeys(needed, pa.string())))
+                include_columns=needed, column_types=dict.fromkeys(needed, pa.string())
+            ),
+        )
     except (pa.ArrowException, ValueError):  # a ragged row, say: the reference names it
         return None
     if table.num_rows != line_count(data):
@@ -149,8 +167,14 @@ def csv_columns(data: bytes, header: list[str], layout: Any, previous_s: float |
     return _columns(table, layout, previous_s, scale, max_tokens, 0)
 
 
-def jsonl_columns(data: bytes, layout: Any, previous_s: float | None,
-                  scale: dict[str, float], max_tokens: int, block: int) -> Columns | None:
+def jsonl_columns(
+    data: bytes,
+    layout: Any,
+    previous_s: float | None,
+    scale: dict[str, float],
+    max_tokens: int,
+    block: int,
+) -> Columns | None:
     """Columns of a chunk of JSON lines, or None: parse it row by row."""
     framed = b"\n" + (data if data.endswith(b"\n") else data + b"\n")
     if (b"null" in data and _NULL_LINE.search(framed)) or _BLANK_LINE.search(framed):
@@ -158,8 +182,7 @@ def jsonl_columns(data: bytes, layout: Any, previous_s: float | None,
     fields: dict[str, pa.DataType] = {}
     roles = [(layout.input_len, pa.float64()), (layout.output_len, pa.float64())]
     if layout.timestamp:
-        roles.append((layout.timestamp,
-                      pa.string() if layout.unit == "datetime" else pa.float64()))
+        roles.append((layout.timestamp, pa.string() if layout.unit == "datetime" else pa.float64()))
     if layout.hash_ids:
         roles.append((layout.hash_ids, pa.list_(pa.int64())))
     for name, kind in roles:
@@ -169,8 +192,10 @@ def jsonl_columns(data: bytes, layout: Any, previous_s: float | None,
         table = pa_json.read_json(
             io.BytesIO(data),
             read_options=pa_json.ReadOptions(use_threads=False, block_size=len(data) + 1),
-            parse_options=pa_json.ParseOptions(explicit_schema=pa.schema(list(fields.items())),
-                                               unexpected_field_behavior="ignore"))
+            parse_options=pa_json.ParseOptions(
+                explicit_schema=pa.schema(list(fields.items())), unexpected_field_behavior="ignore"
+            ),
+        )
     except (pa.ArrowException, ValueError):
         return None
     if table.num_rows != line_count(data):  # `{...}{...}` on one line reads as two rows

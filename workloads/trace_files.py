@@ -36,20 +36,34 @@ _BOM = b"\xef\xbb\xbf"
 _MAGIC: tuple[tuple[bytes, str, str], ...] = (
     (b"\x1f\x8b", "gzip-compressed", "name it {name}.gz to read it compressed, or gunzip it"),
     (b"PK\x03\x04", "a zip archive", "unzip it (only gzip, named .gz, is read compressed)"),
-    (b"(\xb5/\xfd", "zstd-compressed",
-     "decompress it (zstd -d) or recompress it with gzip and name it .gz"),
-    (b"BZh", "bzip2-compressed",
-     "decompress it (bunzip2) or recompress it with gzip and name it .gz"),
-    (b"\xfd7zXZ\x00", "xz-compressed",
-     "decompress it (unxz) or recompress it with gzip and name it .gz"),
-    (b"\x04\x22\x4d\x18", "lz4-compressed",
-     "decompress it (lz4 -d) or recompress it with gzip and name it .gz"),
+    (
+        b"(\xb5/\xfd",
+        "zstd-compressed",
+        "decompress it (zstd -d) or recompress it with gzip and name it .gz",
+    ),
+    (
+        b"BZh",
+        "bzip2-compressed",
+        "decompress it (bunzip2) or recompress it with gzip and name it .gz",
+    ),
+    (
+        b"\xfd7zXZ\x00",
+        "xz-compressed",
+        "decompress it (unxz) or recompress it with gzip and name it .gz",
+    ),
+    (
+        b"\x04\x22\x4d\x18",
+        "lz4-compressed",
+        "decompress it (lz4 -d) or recompress it with gzip and name it .gz",
+    ),
     (b"7z\xbc\xaf\x27\x1c", "a 7z archive", "extract it (only gzip, named .gz, is read)"),
     (b"PAR1", "a Parquet file", "convert it to CSV or JSON Lines"),
 )
 _WIDE_TEXT: tuple[tuple[bytes, str], ...] = (  # UTF-32 first: its LE BOM starts like UTF-16's
-    (b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
-    (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"),
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe", "UTF-16"),
+    (b"\xfe\xff", "UTF-16"),
 )
 
 
@@ -59,9 +73,13 @@ def file_error(path: str | Path, problem: str, line: int | None = None) -> Value
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -91,13 +109,17 @@ def _sniff(path: str | Path, head: bytes, compressed: bool) -> None:
             if compressed:
                 raise file_error(path, f"the gzip stream holds {what} data, not text; {advice}")
             look = f"looks {what}" if what.endswith("compressed") else f"is {what}"
-            raise file_error(path, f"{look} (it starts with bytes {magic.hex(' ')}), not "
-                             f"text; {advice}")
+            raise file_error(
+                path, f"{look} (it starts with bytes {magic.hex(' ')}), not text; {advice}"
+            )
     for bom, encoding in _WIDE_TEXT:
         if head.startswith(bom):
-            raise file_error(path, f"is {encoding} text (it starts with the byte-order mark "
-                             f"{bom!r}); convert it to UTF-8, e.g. iconv -f {encoding} "
-                             "-t UTF-8")
+            raise file_error(
+                path,
+                f"is {encoding} text (it starts with the byte-order mark "
+                f"{bom!r}); convert it to UTF-8, e.g. iconv -f {encoding} "
+                "-t UTF-8",
+            )
 
 
 class _Reader:
@@ -130,8 +152,11 @@ def open_data(path: str | Path) -> Iterator[_Reader]:
         if compressed and not magic:
             raise file_error(path, "is named .gz but is empty (0 bytes, no gzip data)")
         if compressed and magic != b"\x1f\x8b":
-            raise file_error(path, "is named .gz but is not gzip-compressed (it does not start "
-                             "with the gzip bytes 1f 8b); rename it without .gz if it is text")
+            raise file_error(
+                path,
+                "is named .gz but is not gzip-compressed (it does not start "
+                "with the gzip bytes 1f 8b); rename it without .gz if it is text",
+            )
         raw.seek(0)
         head = _Reader(path, raw, compressed).read(_SNIFF_BYTES)  # what is inside, if gzip
         _sniff(path, head, compressed)
@@ -151,17 +176,24 @@ def decode(path: str | Path, chunk: Chunk) -> str:
     nul = chunk.data.find(b"\x00")
     if nul >= 0:  # text never holds NUL; binary data or a zero-filled (damaged) block does
         column = nul - (chunk.data.rfind(b"\n", 0, nul) + 1) + 1
-        raise file_error(path, f"binary data (a NUL byte at column {column}), not UTF-8 text "
-                         "(a binary or damaged file, or UTF-16 without a byte-order mark?)",
-                         chunk.first_line + chunk.data.count(b"\n", 0, nul))
+        raise file_error(
+            path,
+            f"binary data (a NUL byte at column {column}), not UTF-8 text "
+            "(a binary or damaged file, or UTF-16 without a byte-order mark?)",
+            chunk.first_line + chunk.data.count(b"\n", 0, nul),
+        )
     try:
         return chunk.data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = chunk.first_line + chunk.data.count(b"\n", 0, exc.start)
         column = exc.start - (chunk.data.rfind(b"\n", 0, exc.start) + 1) + 1
-        bad = chunk.data[exc.start:exc.start + 1].hex()
-        raise file_error(path, f"not UTF-8 text (byte 0x{bad} at column {column}); re-encode "
-                         "the file as UTF-8, e.g. iconv -f latin1 -t UTF-8", line) from exc
+        bad = chunk.data[exc.start : exc.start + 1].hex()
+        raise file_error(
+            path,
+            f"not UTF-8 text (byte 0x{bad} at column {column}); re-encode "
+            "the file as UTF-8, e.g. iconv -f latin1 -t UTF-8",
+            line,
+        ) from exc
 
 
 def _record_end(data: bytes, quoted: bool) -> int:
@@ -179,8 +211,9 @@ def _record_end(data: bytes, quoted: bool) -> int:
     return int(newlines[-1]) + 1 if len(newlines) else 0
 
 
-def chunks(path: str | Path, reader: _Reader, quoted: bool = False,
-           size: int | None = None) -> Iterator[Chunk]:
+def chunks(
+    path: str | Path, reader: _Reader, quoted: bool = False, size: int | None = None
+) -> Iterator[Chunk]:
     """The file in pieces of up to about `size` bytes (default CHUNK_BYTES), cut after a
     newline that ends a record; each piece's bytes are checked to be UTF-8.
 
@@ -199,10 +232,16 @@ def chunks(path: str | Path, reader: _Reader, quoted: bool = False,
         end = len(data) if not following else _record_end(data, quoted)
         if end == 0:
             if len(data) > MAX_LINE_BYTES:
-                what = ("a quoted field that does not close (a stray double quote?)"
-                        if quoted and data.count(b'"') % 2 else "no line break")
-                raise file_error(path, f"{what} in {MAX_LINE_BYTES >> 20} MiB: not a "
-                                 "line-oriented text file?", line)
+                what = (
+                    "a quoted field that does not close (a stray double quote?)"
+                    if quoted and data.count(b'"') % 2
+                    else "no line break"
+                )
+                raise file_error(
+                    path,
+                    f"{what} in {MAX_LINE_BYTES >> 20} MiB: not a line-oriented text file?",
+                    line,
+                )
             carry, block = data, following
             continue
         chunk = Chunk(data[:end], line, not following)

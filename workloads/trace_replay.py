@@ -85,8 +85,9 @@ class TraceWorkload:
         if self.format in ("csv", "jsonl"):
             parse_columns("columns", self.columns or {})
         elif self.columns:
-            raise invalid("columns", self.columns, f"null for format {self.format} (its "
-                          "columns are fixed)")
+            raise invalid(
+                "columns", self.columns, f"null for format {self.format} (its columns are fixed)"
+            )
         check_int("num_requests", self.num_requests, 0, allow_none=True)
         for name in ("time_scale", "input_scale", "output_scale"):
             check_number(name, getattr(self, name), 0.0, strict=True)
@@ -112,28 +113,48 @@ class TraceWorkload:
                 inside &= since < self.end_s
             rows = rows[inside]
             if not len(rows) and self.num_requests != 0:
-                where = (f"the trace spans 0 to {_span(trace):.3f} s" if trace.read_to_end
-                         else "no usable row of the trace lies in it")
-                raise invalid("start_s", self.start_s, f"a window [start_s, end_s) that holds "
-                              f"rows (end_s={self.end_s}; {where})")
-        return rows if self.num_requests is None else rows[:self.num_requests]
+                where = (
+                    f"the trace spans 0 to {_span(trace):.3f} s"
+                    if trace.read_to_end
+                    else "no usable row of the trace lies in it"
+                )
+                raise invalid(
+                    "start_s",
+                    self.start_s,
+                    f"a window [start_s, end_s) that holds rows (end_s={self.end_s}; {where})",
+                )
+        return rows if self.num_requests is None else rows[: self.num_requests]
 
-    def build(self, tokenizer: Tokenizer | None = None,
-              context_len: int | None = None) -> list[WorkloadRequest]:
+    def build(
+        self, tokenizer: Tokenizer | None = None, context_len: int | None = None
+    ) -> list[WorkloadRequest]:
         self.validate()
         tok = tokenizer_or_default(tokenizer)
         path = resolve_path("path", self.path)
         generic = self.format in ("csv", "jsonl")
         columns = parse_columns("columns", self.columns or {}) if generic else None
-        if columns is not None and columns["timestamp"] is None and (
-                self.start_s or self.end_s is not None):
-            raise invalid("start_s", self.start_s, "0 with end_s null (this trace has no "
-                          "timestamp column)")
-        trace = load_trace(path, self.format, columns, start_s=self.start_s, end_s=self.end_s,
-                           limit=self.num_requests)
+        if (
+            columns is not None
+            and columns["timestamp"] is None
+            and (self.start_s or self.end_s is not None)
+        ):
+            raise invalid(
+                "start_s", self.start_s, "0 with end_s null (this trace has no timestamp column)"
+            )
+        trace = load_trace(
+            path,
+            self.format,
+            columns,
+            start_s=self.start_s,
+            end_s=self.end_s,
+            limit=self.num_requests,
+        )
         if not len(trace) and self.num_requests != 0 and trace.read_to_end:
-            raise invalid("path", str(path), f"a trace with usable rows ({trace.rows_read} "
-                          f"read, skipped: {trace.skipped})")
+            raise invalid(
+                "path",
+                str(path),
+                f"a trace with usable rows ({trace.rows_read} read, skipped: {trace.skipped})",
+            )
         selected = self._select(trace)
         (prompt_rng,) = rng_streams(self.seed, 1)
         inputs = _scaled("input_scale", trace.input_lens[selected], self.input_scale)
@@ -151,8 +172,11 @@ class TraceWorkload:
             arrivals = (times - times[0]) / self.time_scale
         else:
             arrivals = np.zeros(len(selected))
-        source = TokenSource(tok, self.prompt, resolve_path("corpus", self.corpus)
-                             if self.corpus is not None else None)
+        source = TokenSource(
+            tok,
+            self.prompt,
+            resolve_path("corpus", self.corpus) if self.corpus is not None else None,
+        )
         block_len = max(1, round(MOONCAKE_BLOCK * self.input_scale))
         blocks = BlockTokens(source, self.seed, block_len) if self.format == "mooncake" else None
         requests = []
@@ -164,20 +188,39 @@ class TraceWorkload:
                 group = str(hash_ids[0]) if hash_ids else None
             else:
                 ids, group = source.tokens(own, prompt_rng), None
-            requests.append(make_request(self, f"{self.id_prefix}-{i}", source.render(ids), own,
-                                         int(outputs[i]), float(arrivals[i]),
-                                         prefix_group=group))
+            requests.append(
+                make_request(
+                    self,
+                    f"{self.id_prefix}-{i}",
+                    source.render(ids),
+                    own,
+                    int(outputs[i]),
+                    float(arrivals[i]),
+                    prefix_group=group,
+                )
+            )
         self.info = {
-            "type": "trace", "path": str(path), "format": self.format, "prompt": self.prompt,
-            "tokenizer": tok.name, "rows_read": trace.rows_read,
-            "rows_skipped": dict(trace.skipped), "rows_usable": len(trace),
-            "read_to_end": trace.read_to_end, "requests": len(selected),
-            "trace_span_s": _span(trace) if trace.read_to_end else None, "window_s": [
-                self.start_s, self.end_s], "time_scale": self.time_scale,
-            "input_scale": self.input_scale, "output_scale": self.output_scale,
-            "clipped_max_input_len": clipped_in, "clipped_max_output_len": clipped_out,
+            "type": "trace",
+            "path": str(path),
+            "format": self.format,
+            "prompt": self.prompt,
+            "tokenizer": tok.name,
+            "rows_read": trace.rows_read,
+            "rows_skipped": dict(trace.skipped),
+            "rows_usable": len(trace),
+            "read_to_end": trace.read_to_end,
+            "requests": len(selected),
+            "trace_span_s": _span(trace) if trace.read_to_end else None,
+            "window_s": [self.start_s, self.end_s],
+            "time_scale": self.time_scale,
+            "input_scale": self.input_scale,
+            "output_scale": self.output_scale,
+            "clipped_max_input_len": clipped_in,
+            "clipped_max_output_len": clipped_out,
             "block_len": block_len if blocks is not None else None,
-            **span_info(arrivals), **length_totals(inputs, outputs), **clip_info,
+            **span_info(arrivals),
+            **length_totals(inputs, outputs),
+            **clip_info,
         }
         return requests
 
@@ -185,9 +228,13 @@ class TraceWorkload:
 def _scaled(field_name: str, lengths: np.ndarray, scale: float) -> np.ndarray:
     scaled = np.maximum(np.rint(np.asarray(lengths, dtype=float) * scale), 1)
     if len(scaled) and scaled.max() > MAX_TOKENS:
-        raise invalid(field_name, scale, f"a scale that keeps every length within {MAX_TOKENS} "
-                      f"tokens (a length of {int(lengths[int(np.argmax(scaled))])} becomes "
-                      f"{scaled.max():.0f})")
+        raise invalid(
+            field_name,
+            scale,
+            f"a scale that keeps every length within {MAX_TOKENS} "
+            f"tokens (a length of {int(lengths[int(np.argmax(scaled))])} becomes "
+            f"{scaled.max():.0f})",
+        )
     return scaled.astype(np.int64)
 
 

@@ -87,18 +87,25 @@ class Trace:
     def hash_ids(self, i: int) -> tuple[int, ...]:
         if self.hash_offsets is None or self.hash_values is None:
             return ()
-        return tuple(self.hash_values[self.hash_offsets[i]:self.hash_offsets[i + 1]].tolist())
+        return tuple(self.hash_values[self.hash_offsets[i] : self.hash_offsets[i + 1]].tolist())
 
     @property
     def rows(self) -> tuple[TraceRow, ...]:
         """The usable rows as objects (convenient for small traces; the columns are cheaper)."""
         times = self.timestamps_s.tolist() if self.timestamps_s is not None else None
-        return tuple(TraceRow(int(line), times[i] if times is not None else None, int(a),
-                              int(b), self.hash_ids(i))
-                     for i, (line, a, b) in enumerate(zip(self.lines.tolist(),
-                                                          self.input_lens.tolist(),
-                                                          self.output_lens.tolist(),
-                                                          strict=True)))
+        return tuple(
+            TraceRow(
+                int(line), times[i] if times is not None else None, int(a), int(b), self.hash_ids(i)
+            )
+            for i, (line, a, b) in enumerate(
+                zip(
+                    self.lines.tolist(),
+                    self.input_lens.tolist(),
+                    self.output_lens.tolist(),
+                    strict=True,
+                )
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -114,8 +121,7 @@ class _Layout:
 _LAYOUTS = {
     "azure": _Layout("csv", "TIMESTAMP", "datetime", "ContextTokens", "GeneratedTokens"),
     "burstgpt": _Layout("csv", "Timestamp", "s", "Request tokens", "Response tokens"),
-    "mooncake": _Layout("jsonl", "timestamp", "ms", "input_length", "output_length",
-                        "hash_ids"),
+    "mooncake": _Layout("jsonl", "timestamp", "ms", "input_length", "output_length", "hash_ids"),
 }
 
 
@@ -123,22 +129,37 @@ def parse_columns(field_name: str, value: Any) -> dict[str, Any]:
     """Validate a csv/jsonl `columns` mapping; missing keys take the defaults below."""
     spec = check_mapping(field_name, value, "a mapping with keys " + "|".join(COLUMN_KEYS))
     check_keys(field_name, spec, COLUMN_KEYS, "a trace column mapping")
-    out = {"timestamp": "timestamp", "input_len": "input_len", "output_len": "output_len",
-           "timestamp_unit": "s", **spec}
+    out = {
+        "timestamp": "timestamp",
+        "input_len": "input_len",
+        "output_len": "output_len",
+        "timestamp_unit": "s",
+        **spec,
+    }
     for key in ("input_len", "output_len"):
         if not isinstance(out[key], str) or not out[key]:
             raise invalid(f"{field_name}.{key}", out[key], "a column name")
-    if out["timestamp"] is not None and (not isinstance(out["timestamp"], str)
-                                         or not out["timestamp"]):
-        raise invalid(f"{field_name}.timestamp", out["timestamp"],
-                      "a column name, or null for a trace without times")
+    if out["timestamp"] is not None and (
+        not isinstance(out["timestamp"], str) or not out["timestamp"]
+    ):
+        raise invalid(
+            f"{field_name}.timestamp",
+            out["timestamp"],
+            "a column name, or null for a trace without times",
+        )
     check_choice(f"{field_name}.timestamp_unit", out["timestamp_unit"], TIMESTAMP_UNITS)
     return out
 
 
-def load_trace(path: str | Path, fmt: str, columns: Mapping[str, Any] | None = None, *,
-               start_s: float = 0.0, end_s: float | None = None,
-               limit: int | None = None) -> Trace:
+def load_trace(
+    path: str | Path,
+    fmt: str,
+    columns: Mapping[str, Any] | None = None,
+    *,
+    start_s: float = 0.0,
+    end_s: float | None = None,
+    limit: int | None = None,
+) -> Trace:
     """Read a trace up to the rows asked for (cached per file version and request).
 
     With the defaults every row is read. Otherwise reading stops at the end of the chunk
@@ -154,17 +175,32 @@ def load_trace(path: str | Path, fmt: str, columns: Mapping[str, Any] | None = N
         cols = tuple(sorted(parse_columns("columns", columns or {}).items()))
     elif columns:
         raise invalid("columns", dict(columns), f"null for format {fmt} (its columns are fixed)")
-    return _load(str(p.resolve()), stat.st_mtime_ns, stat.st_size, fmt, cols, float(start_s),
-                 None if end_s is None else float(end_s), limit)
+    return _load(
+        str(p.resolve()),
+        stat.st_mtime_ns,
+        stat.st_size,
+        fmt,
+        cols,
+        float(start_s),
+        None if end_s is None else float(end_s),
+        limit,
+    )
 
 
 @functools.lru_cache(maxsize=4)
-def _load(path: str, _mtime: int, _size: int, fmt: str, cols: tuple[tuple[str, Any], ...] | None,
-          start_s: float, end_s: float | None, limit: int | None) -> Trace:
+def _load(
+    path: str,
+    _mtime: int,
+    _size: int,
+    fmt: str,
+    cols: tuple[tuple[str, Any], ...] | None,
+    start_s: float,
+    end_s: float | None,
+    limit: int | None,
+) -> Trace:
     if cols is not None:
         c = dict(cols)
-        layout = _Layout(fmt, c["timestamp"], c["timestamp_unit"], c["input_len"],
-                         c["output_len"])
+        layout = _Layout(fmt, c["timestamp"], c["timestamp_unit"], c["input_len"], c["output_len"])
     else:
         layout = _LAYOUTS[fmt]
     parts: list[tuple[np.ndarray, trace_arrow.Columns]] = []
@@ -201,14 +237,23 @@ def _head(columns: trace_arrow.Columns, n: int) -> trace_arrow.Columns:
     """The first n rows."""
     offsets = columns.hash_offsets
     if offsets is None or columns.hash_values is None:
-        return trace_arrow.Columns(*(c[:n] if c is not None else None for c in columns[:3]),
-                                   None, None)
-    return trace_arrow.Columns(*(c[:n] if c is not None else None for c in columns[:3]),
-                               offsets[:n + 1], columns.hash_values[:offsets[n]])
+        return trace_arrow.Columns(
+            *(c[:n] if c is not None else None for c in columns[:3]), None, None
+        )
+    return trace_arrow.Columns(
+        *(c[:n] if c is not None else None for c in columns[:3]),
+        offsets[: n + 1],
+        columns.hash_values[: offsets[n]],
+    )
 
 
-def _trace(path: str, fmt: str, parts: list[tuple[np.ndarray, trace_arrow.Columns]],
-           t0: float | None, read_to_end: bool) -> Trace:
+def _trace(
+    path: str,
+    fmt: str,
+    parts: list[tuple[np.ndarray, trace_arrow.Columns]],
+    t0: float | None,
+    read_to_end: bool,
+) -> Trace:
     lines = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
 
     def joined(i: int) -> np.ndarray:
@@ -217,8 +262,11 @@ def _trace(path: str, fmt: str, parts: list[tuple[np.ndarray, trace_arrow.Column
     inputs, outputs = joined(1), joined(2)
     times = joined(0).astype(np.float64) if parts and parts[0][1][0] is not None else None
     zero_in, zero_out = inputs == 0, (outputs == 0) & (inputs > 0)
-    skipped = {k: int(v.sum()) for k, v in (("zero_input_len", zero_in),
-                                            ("zero_output_len", zero_out)) if v.any()}
+    skipped = {
+        k: int(v.sum())
+        for k, v in (("zero_input_len", zero_in), ("zero_output_len", zero_out))
+        if v.any()
+    }
     keep = ~(zero_in | zero_out)
     offsets = values = None
     if parts and parts[0][1].hash_offsets is not None:
@@ -227,13 +275,26 @@ def _trace(path: str, fmt: str, parts: list[tuple[np.ndarray, trace_arrow.Column
         values = values[np.repeat(keep, counts)]  # the ids of the kept rows, in order
         offsets = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
     last = float(times[-1]) if times is not None and len(times) else None
-    return Trace(path, fmt, lines[keep], times[keep] if times is not None else None,
-                 inputs[keep], outputs[keep], offsets, values, len(lines), skipped,
-                 t0 if times is not None and len(times) else None, last, read_to_end)
+    return Trace(
+        path,
+        fmt,
+        lines[keep],
+        times[keep] if times is not None else None,
+        inputs[keep],
+        outputs[keep],
+        offsets,
+        values,
+        len(lines),
+        skipped,
+        t0 if times is not None and len(times) else None,
+        last,
+        read_to_end,
+    )
 
 
-def _parsed(path: str, reader: Any,
-            layout: _Layout) -> Iterator[tuple[np.ndarray, trace_arrow.Columns, bool]]:
+def _parsed(
+    path: str, reader: Any, layout: _Layout
+) -> Iterator[tuple[np.ndarray, trace_arrow.Columns, bool]]:
     """(lines, columns, last chunk?) per chunk, every row checked; emptiness is an error."""
     previous: float | None = None
     header: list[str] | None = None
@@ -243,17 +304,24 @@ def _parsed(path: str, reader: Any,
             header, chunk = _csv_header(path, chunk, layout)
         if not chunk.data:
             continue
-        fast = (trace_arrow.csv_columns(chunk.data, header, layout, previous, _UNIT_SCALE,
-                                        MAX_TOKENS) if header is not None else
-                trace_arrow.jsonl_columns(chunk.data, layout, previous, _UNIT_SCALE,
-                                          MAX_TOKENS, MOONCAKE_BLOCK))
+        fast = (
+            trace_arrow.csv_columns(chunk.data, header, layout, previous, _UNIT_SCALE, MAX_TOKENS)
+            if header is not None
+            else trace_arrow.jsonl_columns(
+                chunk.data, layout, previous, _UNIT_SCALE, MAX_TOKENS, MOONCAKE_BLOCK
+            )
+        )
         if fast is not None:
-            lines = np.arange(chunk.first_line, chunk.first_line + len(fast.input_lens),
-                              dtype=np.int64)
+            lines = np.arange(
+                chunk.first_line, chunk.first_line + len(fast.input_lens), dtype=np.int64
+            )
             columns = fast
         else:
-            records = (_csv_records(path, chunk, header) if header is not None
-                       else _jsonl_records(path, chunk))
+            records = (
+                _csv_records(path, chunk, header)
+                if header is not None
+                else _jsonl_records(path, chunk)
+            )
             lines, columns = _rows(path, records, layout, previous)
         if len(lines):
             rows += len(lines)
@@ -264,12 +332,19 @@ def _parsed(path: str, reader: Any,
         needed = [c for c in (layout.timestamp, layout.input_len, layout.output_len) if c]
         raise _error(path, 1, None, f"empty file (expected a header row with {needed})")
     if rows == 0:
-        raise (_error(path, 2, None, "no data rows after the header") if layout.kind == "csv"
-               else _error(path, 1, None, "empty file (no JSON lines)"))
+        raise (
+            _error(path, 2, None, "no data rows after the header")
+            if layout.kind == "csv"
+            else _error(path, 1, None, "empty file (no JSON lines)")
+        )
 
 
-def _rows(path: str, records: Iterator[tuple[int, dict[str, Any]]], layout: _Layout,
-          previous: float | None) -> tuple[np.ndarray, trace_arrow.Columns]:
+def _rows(
+    path: str,
+    records: Iterator[tuple[int, dict[str, Any]]],
+    layout: _Layout,
+    previous: float | None,
+) -> tuple[np.ndarray, trace_arrow.Columns]:
     """Row-by-row parse (the reference): the same columns, or the exact error."""
     lines: list[int] = []
     times: list[float] = []
@@ -281,9 +356,13 @@ def _rows(path: str, records: Iterator[tuple[int, dict[str, Any]]], layout: _Lay
         row = _parse_row(path, line, record, layout)
         if row.timestamp_s is not None:
             if previous is not None and row.timestamp_s < previous:
-                raise _error(path, line, layout.timestamp,
-                             f"{record.get(layout.timestamp)!r} is earlier than the previous "
-                             "row's time (rows must be sorted by time)")
+                raise _error(
+                    path,
+                    line,
+                    layout.timestamp,
+                    f"{record.get(layout.timestamp)!r} is earlier than the previous "
+                    "row's time (rows must be sorted by time)",
+                )
             previous = row.timestamp_s
             times.append(row.timestamp_s)
         lines.append(line)
@@ -297,7 +376,11 @@ def _rows(path: str, records: Iterator[tuple[int, dict[str, Any]]], layout: _Lay
         values = np.asarray(hashes, dtype=np.int64)
     return np.asarray(lines, dtype=np.int64), trace_arrow.Columns(
         np.asarray(times, dtype=np.float64) if layout.timestamp else None,
-        np.asarray(inputs, dtype=np.int64), np.asarray(outputs, dtype=np.int64), offsets, values)
+        np.asarray(inputs, dtype=np.int64),
+        np.asarray(outputs, dtype=np.int64),
+        offsets,
+        values,
+    )
 
 
 def _error(path: str, line: int, field_name: str | None, problem: str) -> ValueError:
@@ -321,8 +404,9 @@ def _csv_header(path: str, chunk: Chunk, layout: _Layout) -> tuple[list[str], Ch
     return header, Chunk(chunk.data[end:], chunk.first_line + 1, chunk.last)
 
 
-def _csv_records(path: str, chunk: Chunk,
-                 header: list[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+def _csv_records(
+    path: str, chunk: Chunk, header: list[str]
+) -> Iterator[tuple[int, dict[str, Any]]]:
     reader = csv.reader(io.StringIO(decode(path, chunk), newline=""))
     while True:
         start = chunk.first_line + reader.line_num  # the line the next record begins on
@@ -331,21 +415,37 @@ def _csv_records(path: str, chunk: Chunk,
         except StopIteration:
             return
         except csv.Error as exc:
-            raise _error(path, chunk.first_line + reader.line_num - 1, None,
-                         f"not valid CSV ({exc})") from exc
+            raise _error(
+                path, chunk.first_line + reader.line_num - 1, None, f"not valid CSV ({exc})"
+            ) from exc
         if not row:
             continue  # a blank line, as Python's DictReader skips it
         line = chunk.first_line + reader.line_num - 1
         if len(row) != len(header) and line > start:
-            raise _error(path, start, None, f"a quoted field opened on this line runs to line "
-                         f"{line}, leaving {len(row)} field(s) where the header has "
-                         f"{len(header)}: an unbalanced double quote?")
+            raise _error(
+                path,
+                start,
+                None,
+                f"a quoted field opened on this line runs to line "
+                f"{line}, leaving {len(row)} field(s) where the header has "
+                f"{len(header)}: an unbalanced double quote?",
+            )
         if len(row) < len(header):
-            raise _error(path, line, header[len(row)], f"missing value (the row has "
-                         f"{len(row)} of the header's {len(header)} fields: a cut row?)")
+            raise _error(
+                path,
+                line,
+                header[len(row)],
+                f"missing value (the row has "
+                f"{len(row)} of the header's {len(header)} fields: a cut row?)",
+            )
         if len(row) > len(header):
-            raise _error(path, line, None, f"{len(row)} fields where the header has "
-                         f"{len(header)}: a stray comma, or a comma in an unquoted value?")
+            raise _error(
+                path,
+                line,
+                None,
+                f"{len(row)} fields where the header has "
+                f"{len(header)}: a stray comma, or a comma in an unquoted value?",
+            )
         yield line, dict(zip(header, row, strict=True))
 
 
@@ -360,8 +460,9 @@ def _jsonl_records(path: str, chunk: Chunk) -> Iterator[tuple[int, dict[str, Any
             hint = ""
             if line == 1 and "," in text and not text.lstrip().startswith(("{", "[")):
                 hint = "; this looks like CSV: use format=azure, burstgpt or csv"
-            raise _error(path, line, None, f"invalid JSON ({exc.msg}, column "
-                         f"{exc.colno}){hint}") from exc
+            raise _error(
+                path, line, None, f"invalid JSON ({exc.msg}, column {exc.colno}){hint}"
+            ) from exc
         except RecursionError as exc:
             raise _error(path, line, None, "JSON nested too deeply") from exc
         if not isinstance(record, dict):
@@ -403,8 +504,13 @@ def _length(path: str, line: int, name: str, value: Any) -> int:
     if number < 0:
         raise _error(path, line, name, f"{value!r} is negative")
     if number > MAX_TOKENS:
-        raise _error(path, line, name, f"{value!r} is more than {MAX_TOKENS} tokens (the most "
-                     "a length may be; a corrupt value?)")
+        raise _error(
+            path,
+            line,
+            name,
+            f"{value!r} is more than {MAX_TOKENS} tokens (the most "
+            "a length may be; a corrupt value?)",
+        )
     return int(number)
 
 
@@ -412,8 +518,9 @@ def _timestamp(path: str, line: int, name: str, value: Any, unit: str) -> float:
     if unit == "datetime":
         match = _DATETIME.fullmatch(str(value).strip())
         if not match:
-            raise _error(path, line, name, f"{value!r} is not a YYYY-MM-DD HH:MM:SS[.fraction] "
-                         "timestamp")
+            raise _error(
+                path, line, name, f"{value!r} is not a YYYY-MM-DD HH:MM:SS[.fraction] timestamp"
+            )
         date, clock, fraction = match.groups()
         try:
             base = datetime.strptime(f"{date} {clock}", "%Y-%m-%d %H:%M:%S")
@@ -433,10 +540,17 @@ def _timestamp(path: str, line: int, name: str, value: Any, unit: str) -> float:
 
 def _hash_ids(path: str, line: int, name: str, value: Any, input_len: int) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(
-            isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**63 for h in value):
-        raise _error(path, line, name, "expected a list of non-negative integer block ids "
-                     "(below 2^63)")
+        isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**63 for h in value
+    ):
+        raise _error(
+            path, line, name, "expected a list of non-negative integer block ids (below 2^63)"
+        )
     if len(value) * MOONCAKE_BLOCK < input_len:
-        raise _error(path, line, name, f"{len(value)} block(s) of {MOONCAKE_BLOCK} tokens "
-                     f"cannot cover an input of {input_len} tokens")
+        raise _error(
+            path,
+            line,
+            name,
+            f"{len(value)} block(s) of {MOONCAKE_BLOCK} tokens "
+            f"cannot cover an input of {input_len} tokens",
+        )
     return tuple(value)

@@ -1,8 +1,8 @@
 """The built-in inference engine: a complete, transparent Llama-family engine.
 
-    from engines.builtin import LLM, SamplingParams
-    llm = LLM(model="tiny", kv_cache="contiguous")
-    out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+from engines.builtin import LLM, SamplingParams
+llm = LLM(model="tiny", kv_cache="contiguous")
+out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
 """
 
 from engines.builtin.config import EngineConfig
@@ -10,5 +10,11 @@ from engines.builtin.engine import LLMEngine
 from engines.builtin.llm import LLM, CompletionOutput, RequestOutput
 from engines.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput",
-           "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]

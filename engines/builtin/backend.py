@@ -84,19 +84,23 @@ class BuiltinBackend(Backend):
 
     # ---- on the caller's event loop ---------------------------------------------------------
 
-    async def _generate_on_loop(self, request: GenerationRequest,
-                                ) -> AsyncIterator[RequestEvent]:
+    async def _generate_on_loop(
+        self,
+        request: GenerationRequest,
+    ) -> AsyncIterator[RequestEvent]:
         assert self.engine is not None, "load() first"
         self._ensure_loop()
         queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self._queues[request.request_id] = queue
         try:
             try:
-                self.engine.add_request(request.request_id, request.prompt, request.sampling,
-                                        priority=request.priority)
+                self.engine.add_request(
+                    request.request_id, request.prompt, request.sampling, priority=request.priority
+                )
             except (ValueError, TypeError) as exc:
-                yield Failed(request.request_id, self.engine.scheduler.step_counter, now_ns(),
-                             str(exc))
+                yield Failed(
+                    request.request_id, self.engine.scheduler.step_counter, now_ns(), str(exc)
+                )
                 return
             assert self._wake is not None
             self._wake.set()
@@ -136,8 +140,14 @@ class BuiltinBackend(Backend):
                 events = []
                 for request_id in list(self._queues):
                     engine.abort_request(request_id)
-                    events.append(Failed(request_id, engine.scheduler.step_counter, now_ns(),
-                                         f"engine error: {type(exc).__name__}: {exc}"))
+                    events.append(
+                        Failed(
+                            request_id,
+                            engine.scheduler.step_counter,
+                            now_ns(),
+                            f"engine error: {type(exc).__name__}: {exc}",
+                        )
+                    )
             for event in events:
                 queue = self._queues.get(event.request_id)
                 if queue is not None:
@@ -191,8 +201,11 @@ class _Outbox:
     scheduled: bool = False  # a drain is on its way
     cond: threading.Condition = field(default_factory=threading.Condition)
 
-    def put(self, items: list[tuple[asyncio.Queue[RequestEvent], RequestEvent]],
-            stopping: threading.Event) -> bool:
+    def put(
+        self,
+        items: list[tuple[asyncio.Queue[RequestEvent], RequestEvent]],
+        stopping: threading.Event,
+    ) -> bool:
         """Hand `items` to the loop (engine thread); False if the loop is gone."""
         with self.cond:
             if not self._wait(self.max_steps - 1, stopping):
@@ -267,8 +280,9 @@ class EngineThread:
     on the event-loop path.
     """
 
-    def __init__(self, engine: LLMEngine, max_requests: int = 1 << 16,
-                 max_unread_steps: int = 1) -> None:
+    def __init__(
+        self, engine: LLMEngine, max_requests: int = 1 << 16, max_unread_steps: int = 1
+    ) -> None:
         self.engine = engine
         self.max_requests = max_requests
         self.max_unread_steps = max_unread_steps
@@ -330,8 +344,12 @@ class EngineThread:
             yield Failed(request_id, -1, now_ns(), "the engine is shut down")
             return
         if not self._slots.acquire(blocking=False):
-            yield Failed(request_id, -1, now_ns(), f"the engine thread holds its limit of "
-                         f"{self.max_requests} requests")
+            yield Failed(
+                request_id,
+                -1,
+                now_ns(),
+                f"the engine thread holds its limit of {self.max_requests} requests",
+            )
             return
         queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         outbox = self._outbox(asyncio.get_running_loop())
@@ -383,8 +401,7 @@ class EngineThread:
             try:
                 events = engine.step()
             except Exception as exc:  # the engine is in doubt: fail what is open, not hang
-                self._fail(list(self._sinks),
-                           f"engine error: {type(exc).__name__}: {exc}")
+                self._fail(list(self._sinks), f"engine error: {type(exc).__name__}: {exc}")
                 events = []
             self._deliver(events)
             self._publish_stats()
@@ -398,20 +415,23 @@ class EngineThread:
         for command in commands:
             command()
 
-    def _add(self, request: GenerationRequest, outbox: _Outbox,
-             queue: asyncio.Queue[RequestEvent]) -> None:
+    def _add(
+        self, request: GenerationRequest, outbox: _Outbox, queue: asyncio.Queue[RequestEvent]
+    ) -> None:
         engine = self.engine
         sink = _Sink(outbox, queue, request.sampling.n)
         if self._stopping.is_set():
-            self._post(sink, [Failed(request.request_id, -1, now_ns(),
-                                     "the engine is shut down")])
+            self._post(sink, [Failed(request.request_id, -1, now_ns(), "the engine is shut down")])
             return
         try:
-            engine.add_request(request.request_id, request.prompt, request.sampling,
-                               priority=request.priority)
+            engine.add_request(
+                request.request_id, request.prompt, request.sampling, priority=request.priority
+            )
         except (ValueError, TypeError) as exc:
-            self._post(sink, [Failed(request.request_id, engine.scheduler.step_counter,
-                                     now_ns(), str(exc))])
+            self._post(
+                sink,
+                [Failed(request.request_id, engine.scheduler.step_counter, now_ns(), str(exc))],
+            )
             return
         self._sinks[request.request_id] = sink
 
@@ -429,8 +449,9 @@ class EngineThread:
             if engine.has_request(request_id):
                 engine.abort_request(request_id)
             if sink is not None:
-                failed.append((sink, Failed(request_id, engine.scheduler.step_counter,
-                                            now_ns(), reason)))
+                failed.append(
+                    (sink, Failed(request_id, engine.scheduler.step_counter, now_ns(), reason))
+                )
         self._send(failed)
 
     def _deliver(self, events: list[RequestEvent]) -> None:
@@ -454,11 +475,11 @@ class EngineThread:
 
     def _send(self, routed: list[tuple[_Sink, RequestEvent]]) -> None:
         """One hand-over per loop for all of `routed`."""
-        batches: dict[int, tuple[_Outbox, list[tuple[asyncio.Queue[RequestEvent],
-                                                     RequestEvent]]]] = {}
+        batches: dict[
+            int, tuple[_Outbox, list[tuple[asyncio.Queue[RequestEvent], RequestEvent]]]
+        ] = {}
         for sink, event in routed:
-            batches.setdefault(id(sink.outbox), (sink.outbox, []))[1].append(
-                (sink.queue, event))
+            batches.setdefault(id(sink.outbox), (sink.outbox, []))[1].append((sink.queue, event))
         for outbox, items in batches.values():
             if not outbox.put(items, self._stopping):
                 self._drop_loop(outbox)
@@ -474,5 +495,9 @@ class EngineThread:
     def _publish_stats(self) -> None:
         engine = self.engine
         scheduler = engine.scheduler
-        self.stats = EngineStats(len(scheduler.running), len(scheduler.waiting),
-                                 engine.kv.bytes_reserved(), engine.kv.layout.pool_bytes)
+        self.stats = EngineStats(
+            len(scheduler.running),
+            len(scheduler.waiting),
+            engine.kv.bytes_reserved(),
+            engine.kv.layout.pool_bytes,
+        )

@@ -13,16 +13,20 @@ from typing import Any
 import torch
 
 DTYPE_ALIASES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
     "auto": "auto",
 }
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # option -> {value: the issue that implements it}; refused with that message until then.
-NOT_YET = {
-}
+NOT_YET = {}
 CHOICES = {
     "kv_cache": ("none", "contiguous", "paged"),
     "batching": ("static", "continuous"),
@@ -126,34 +130,57 @@ class EngineConfig:
         for name in ("max_num_seqs", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise fail(name, "an integer >= 1")
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                     "num_threads"):
+        for name in (
+            "max_model_len",
+            "max_num_batched_tokens",
+            "kv_cache_memory_bytes",
+            "num_threads",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise fail(name, "null or an integer >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise fail("gpu_memory_utilization", "a number in (0, 1]")
-        if (isinstance(self.debug_step_delay_fraction, bool)
-                or not isinstance(self.debug_step_delay_fraction, int | float)
-                or not self.debug_step_delay_fraction >= 0.0):
+        if (
+            isinstance(self.debug_step_delay_fraction, bool)
+            or not isinstance(self.debug_step_delay_fraction, int | float)
+            or not self.debug_step_delay_fraction >= 0.0
+        ):
             raise fail("debug_step_delay_fraction", "a number >= 0")
-        if (isinstance(self.quantization_group_size, bool)
-                or self.quantization_group_size not in (32, 64, 128)):
+        if isinstance(self.quantization_group_size, bool) or self.quantization_group_size not in (
+            32,
+            64,
+            128,
+        ):
             raise fail("quantization_group_size", "32|64|128")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "quantize_lm_head",
-                     "enforce_eager", "compile", "prepack_weights", "kv_cache_prefault",
-                     "native_kernels"):
+        for name in (
+            "enable_chunked_prefill",
+            "enable_prefix_caching",
+            "quantize_lm_head",
+            "enforce_eager",
+            "compile",
+            "prepack_weights",
+            "kv_cache_prefault",
+            "native_kernels",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "true|false")
         sizes = self.cuda_graph_batch_sizes
         if sizes is not None:
-            if (isinstance(sizes, str | bytes) or not hasattr(sizes, "__iter__")
-                    or not list(sizes)
-                    or any(isinstance(n, bool) or not isinstance(n, int) or not
-                           1 <= n <= self.max_num_seqs for n in sizes)):
-                raise fail("cuda_graph_batch_sizes",
-                           f"null or a non-empty list of integers in [1, max_num_seqs="
-                           f"{self.max_num_seqs}]")
+            if (
+                isinstance(sizes, str | bytes)
+                or not hasattr(sizes, "__iter__")
+                or not list(sizes)
+                or any(
+                    isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_num_seqs
+                    for n in sizes
+                )
+            ):
+                raise fail(
+                    "cuda_graph_batch_sizes",
+                    f"null or a non-empty list of integers in [1, max_num_seqs="
+                    f"{self.max_num_seqs}]",
+                )
             self.cuda_graph_batch_sizes = sorted(set(sizes))
         if self.enable_chunked_prefill and self.batching == "static":
             raise ConfigError(
@@ -173,11 +200,16 @@ class EngineConfig:
                 f"are shared between sequences), not kv_cache={self.kv_cache}"
             )
         if self.enable_prefix_caching and self.batching == "static":
-            raise ConfigError("engine.enable_prefix_caching=true is not combined with "
-                              "engine.batching=static; use batching=continuous")
-        if (not self.enable_chunked_prefill and self.max_model_len
-                and self.max_num_batched_tokens
-                and self.max_num_batched_tokens < self.max_model_len):
+            raise ConfigError(
+                "engine.enable_prefix_caching=true is not combined with "
+                "engine.batching=static; use batching=continuous"
+            )
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len
+            and self.max_num_batched_tokens
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             raise ConfigError(
                 f"engine.max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
                 f"engine.max_model_len={self.max_model_len}: without chunked prefill a whole "

@@ -59,7 +59,7 @@ def pad_decode_rows(arrays: dict[str, np.ndarray], start: int, end: int) -> None
     arrays["positions"][start:end] = 0
     arrays["slots"][start:end] = -1
     arrays["seq_lens"][start:end] = 0
-    arrays["qsl"][start + 1:end + 1] = np.arange(start + 1, end + 1)
+    arrays["qsl"][start + 1 : end + 1] = np.arange(start + 1, end + 1)
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -75,13 +75,17 @@ def graphs_unavailable_reason(runner: ModelRunner) -> str | None:
     if runner.device.type != "cuda":
         return f"device is {runner.device.type}: CUDA graphs need a CUDA device"
     if config.attention_backend != "triton":
-        return (f"attention_backend={config.attention_backend}: the dense path's K/V gather "
-                "changes shape every step; CUDA graphs need attention_backend=triton")
+        return (
+            f"attention_backend={config.attention_backend}: the dense path's K/V gather "
+            "changes shape every step; CUDA graphs need attention_backend=triton"
+        )
     if config.kv_cache == "none":
         return "kv_cache=none: every step recomputes the whole context (no decode steps)"
     if runner.ring:
-        return ("a sliding-window model's contiguous ring cache (the Triton kernels do not "
-                "read it); use kv_cache=paged")
+        return (
+            "a sliding-window model's contiguous ring cache (the Triton kernels do not "
+            "read it); use kv_cache=paged"
+        )
     return None
 
 
@@ -102,8 +106,10 @@ class DecodeGraphs:
         self.capture = capture
         self.sizes = sorted({n for n in batch_sizes if n <= limit})
         if not self.sizes:
-            raise ValueError(f"engine.cuda_graph_batch_sizes: {batch_sizes} has no size "
-                             f"<= {limit} (the most decodes a step can hold)")
+            raise ValueError(
+                f"engine.cuda_graph_batch_sizes: {batch_sizes} has no size "
+                f"<= {limit} (the most decodes a step can hold)"
+            )
         self.buckets: dict[int, _Bucket] = {}
         self.replays = 0  # decode steps served by a bucket (tests and describe())
         pool = None
@@ -145,7 +151,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             positions=dev["positions"][:size],
             slot_mapping=dev["slots"][:size],
-            query_start_loc=dev["qsl"][:size + 1],
+            query_start_loc=dev["qsl"][: size + 1],
             seq_lens=dev["seq_lens"][:size],
             block_tables=dev["block_tables"][:size],
             query_start_loc_host=list(range(size + 1)),
@@ -161,7 +167,7 @@ class DecodeGraphs:
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
         model = self.runner.model
         bucket.meta.per_step.clear()  # derived from the previous step's values
-        hidden = model(self.runner.inputs.device["input_ids"][:bucket.size], bucket.meta)
+        hidden = model(self.runner.inputs.device["input_ids"][: bucket.size], bucket.meta)
         return model.compute_logits(hidden)
 
     def _capture(self, bucket: _Bucket, pool: object | None) -> object:

@@ -74,8 +74,9 @@ class LLMEngine:
         self.platform = Platform.create(config.device, config.num_threads)
         self.model_config = resolve_model(config.model, config.model_overrides)
         self.tokenizer = tokenizer_for_model(self.config.model, self.config.tokenizer)
-        self.dtype = (self.platform.default_dtype() if config.dtype == "auto"
-                      else TORCH_DTYPES[config.dtype])
+        self.dtype = (
+            self.platform.default_dtype() if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
+        )
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
             raise ValueError(
                 f"tokenizer {self.tokenizer.name} has {self.tokenizer.vocab_size} ids but the "
@@ -98,11 +99,20 @@ class LLMEngine:
                 f"engine.max_model_len={max_model_len}; without chunked prefill a whole "
                 "prompt must fit in one step"
             )
-        self.eos_ids = sorted(set(self.tokenizer.special.eos_ids)
-                              | set(self.model_config.eos_token_ids))
-        self.runner = ModelRunner(self.model_config, config, self.platform, self.dtype,
-                                  max_model_len, batched, config.max_num_seqs,
-                                  self.tokenizer.vocab_size, self.eos_ids)
+        self.eos_ids = sorted(
+            set(self.tokenizer.special.eos_ids) | set(self.model_config.eos_token_ids)
+        )
+        self.runner = ModelRunner(
+            self.model_config,
+            config,
+            self.platform,
+            self.dtype,
+            max_model_len,
+            batched,
+            config.max_num_seqs,
+            self.tokenizer.vocab_size,
+            self.eos_ids,
+        )
         self.kv_budget_reason = ""  # where the KV budget came from, set with the budget
         self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len)
         self.runner.allocate_kv_cache(self.kv)
@@ -121,18 +131,27 @@ class LLMEngine:
         weight_bytes = self.runner.model.weight_bytes()["weight_bytes"]
 
         def budget_for(one_sequence_bytes: int) -> tuple[int, str]:
-            return self.platform.kv_budget(config.kv_cache_memory_bytes, weight_bytes,
-                                           config.gpu_memory_utilization, one_sequence_bytes)
+            return self.platform.kv_budget(
+                config.kv_cache_memory_bytes,
+                weight_bytes,
+                config.gpu_memory_utilization,
+                one_sequence_bytes,
+            )
 
-        sized = KV_MANAGERS.get(config.kv_cache)(KVSizing(
-            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            block_size=config.block_size,
-            bytes_per_token=round(kv_bytes_per_token(cfg, element)),
-            sliding_window=cfg.sliding_window,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes, on_cuda=self.platform.is_cuda,
-            budget_for=budget_for))
+        sized = KV_MANAGERS.get(config.kv_cache)(
+            KVSizing(
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_model_len,
+                block_size=config.block_size,
+                bytes_per_token=round(kv_bytes_per_token(cfg, element)),
+                sliding_window=cfg.sliding_window,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                enable_prefix_caching=config.enable_prefix_caching,
+                kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                on_cuda=self.platform.is_cuda,
+                budget_for=budget_for,
+            )
+        )
         self.kv_budget_reason = sized.reason
         return sized.manager, sized.max_num_seqs, sized.budget_bytes
 
@@ -184,11 +203,16 @@ class LLMEngine:
     def _roofline_shape(self) -> dict[str, int]:
         """Per-token constants of the roofline's FLOP count (harness/roofline.py)."""
         cfg, model = self.model_config, self.runner.model
-        blocks = sum(m.in_features * m.out_features
-                     for name, m in model.linear_layers().items() if name.startswith("layers."))
-        return {"block_linear_params": blocks,
-                "lm_head_params": cfg.hidden_size * cfg.vocab_size,
-                "attention_flops_per_pair": 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim}
+        blocks = sum(
+            m.in_features * m.out_features
+            for name, m in model.linear_layers().items()
+            if name.startswith("layers.")
+        )
+        return {
+            "block_linear_params": blocks,
+            "lm_head_params": cfg.hidden_size * cfg.vocab_size,
+            "attention_flops_per_pair": 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
+        }
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -199,11 +223,19 @@ class LLMEngine:
             return self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)  # type: ignore[arg-type]
-        raise ValueError("prompt: expected a string, a list of token ids or a list of chat "
-                         f"messages, got {type(prompt).__name__}")
+        raise ValueError(
+            "prompt: expected a string, a list of token ids or a list of chat "
+            f"messages, got {type(prompt).__name__}"
+        )
 
-    def add_request(self, request_id: str, prompt: Prompt, sampling: SamplingParams | None = None,
-                    arrival_ns: int | None = None, priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        arrival_ns: int | None = None,
+        priority: int = 0,
+    ) -> None:
         """Tokenize and queue a request; raises ValueError (naming the field) if it is invalid."""
         arrival_ns = self.platform.now_ns() if arrival_ns is None else arrival_ns
         sampling = sampling or SamplingParams()
@@ -220,9 +252,10 @@ class LLMEngine:
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         step = self.scheduler.step_counter
-        self._pending_events += [Arrived(request_id, step, arrival_ns),
-                                 Tokenized(request_id, step, self.platform.now_ns(),
-                                           len(token_ids))]
+        self._pending_events += [
+            Arrived(request_id, step, arrival_ns),
+            Tokenized(request_id, step, self.platform.now_ns(), len(token_ids)),
+        ]
 
     def check_request(self, token_ids: list[int], sampling: SamplingParams) -> None:
         """Every check `add_request` makes, without queueing anything: a frontend (the
@@ -230,20 +263,26 @@ class LLMEngine:
         the field."""
         sampling.validate()
         if sampling.n > 1 and self.config.batching == "static":
-            raise ValueError(f"SamplingParams.n: {sampling.n} needs parallel sampling, which "
-                             "engine.batching=static does not do; allowed: 1 (or "
-                             "engine.batching=continuous)")
+            raise ValueError(
+                f"SamplingParams.n: {sampling.n} needs parallel sampling, which "
+                "engine.batching=static does not do; allowed: 1 (or "
+                "engine.batching=continuous)"
+            )
         max_len = self.limits.max_model_len
         if not token_ids:
             raise ValueError("prompt: empty (it has no tokens)")
         if len(token_ids) >= max_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens do not fit max_model_len="
-                             f"{max_len} (at least one token must be generated)")
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens do not fit max_model_len="
+                f"{max_len} (at least one token must be generated)"
+            )
         self.check_fits(len(token_ids), sampling.max_tokens)
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
+            raise ValueError(
+                f"prompt: token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {self.model_config.vocab_size})"
+            )
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """A request whose KV can never fit the pool, even alone, fails now with the reason
@@ -261,7 +300,8 @@ class LLMEngine:
                 f"prompt: {num_prompt_tokens} prompt tokens + max_tokens={max_tokens} need "
                 f"{needed} KV blocks of {layout.block_size} tokens, but the whole pool has "
                 f"{layout.num_blocks - 1} (engine.kv_cache_memory_bytes); the request can never "
-                "run")
+                "run"
+            )
 
     def abort_request(self, request_id: str) -> None:
         """Abort every sample of the request and free its KV memory."""
@@ -270,8 +310,9 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq, "abort")
-            self._pending_events.append(self._finished(seq, self.scheduler.step_counter,
-                                                       self.platform.now_ns()))
+            self._pending_events.append(
+                self._finished(seq, self.scheduler.step_counter, self.platform.now_ns())
+            )
 
     def has_request(self, request_id: str) -> bool:
         """Is any sample of the request still in the engine?"""
@@ -293,9 +334,15 @@ class LLMEngine:
                 seq = self.scheduler.waiting[0]
                 self.scheduler.finish(seq, "error")
                 self.sequences.pop(seq.key, None)
-                events.append(Failed(seq.request_id, plan.step, start,
-                                     f"cannot be scheduled: {seq.num_tokens} tokens do not fit "
-                                     "the KV cache or max_num_batched_tokens even alone"))
+                events.append(
+                    Failed(
+                        seq.request_id,
+                        plan.step,
+                        start,
+                        f"cannot be scheduled: {seq.num_tokens} tokens do not fit "
+                        "the KV cache or max_num_batched_tokens even alone",
+                    )
+                )
             return events
         for seq in plan.preempted:
             events.append(Preempted(seq.request_id, plan.step, start, "kv cache full"))
@@ -304,11 +351,19 @@ class LLMEngine:
                 events.append(Scheduled(seq.request_id, plan.step, start))
         for item in plan.scheduled:
             if item.is_prefill:
-                events.append(PrefillChunk(item.seq.request_id, plan.step, start,
-                                           item.num_new_tokens, item.num_computed_before))
+                events.append(
+                    PrefillChunk(
+                        item.seq.request_id,
+                        plan.step,
+                        start,
+                        item.num_new_tokens,
+                        item.num_computed_before,
+                    )
+                )
         # rows whose logits the LM head computes (counted before their tokens are added)
-        logits_tokens = (sum(1 for item in plan.scheduled if item.samples)
-                         if self.step_observers else 0)
+        logits_tokens = (
+            sum(1 for item in plan.scheduled if item.samples) if self.step_observers else 0
+        )
         try:
             with _profiled(plan):
                 tokens = self.runner.execute(plan, self.kv)
@@ -318,12 +373,16 @@ class LLMEngine:
         finished = self._postprocess(plan, tokens)
         end = self.platform.now_ns()
         if self.config.debug_step_delay_fraction > 0:  # a planted slowdown (docs/gate.md)
-            end = _busy_wait_until(end + (end - start) * self.config.debug_step_delay_fraction,
-                                   self.platform.now_ns)
+            end = _busy_wait_until(
+                end + (end - start) * self.config.debug_step_delay_fraction, self.platform.now_ns
+            )
         for key, delta in finished.items():
             seq = self.sequences[key]
-            events.append(Tokens(seq.request_id, plan.step, end, (seq.token_ids[-1],), delta,
-                                 seq.sample_index))
+            events.append(
+                Tokens(
+                    seq.request_id, plan.step, end, (seq.token_ids[-1],), delta, seq.sample_index
+                )
+            )
             if seq.is_finished:
                 events.append(self._finished(seq, plan.step, end))
                 del self.sequences[key]
@@ -346,8 +405,9 @@ class LLMEngine:
             reason = None
             if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
                 reason = "stop" if seq.num_output_tokens >= p.min_tokens else None
-            if reason is None and (seq.num_output_tokens >= p.max_tokens
-                                   or seq.num_tokens >= max_len):
+            if reason is None and (
+                seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_len
+            ):
                 reason = "length"
             delta = ""
             if seq.detok is not None:
@@ -355,16 +415,20 @@ class LLMEngine:
                 seq.text += seq.detok.step(token)  # type: ignore[attr-defined]
                 if reason is not None:
                     seq.text += seq.detok.flush()  # type: ignore[attr-defined]
-                self._detokenize_ns[seq.key] = (self._detokenize_ns.get(seq.key, 0)
-                                                + now_ns() - detok_start)
+                self._detokenize_ns[seq.key] = (
+                    self._detokenize_ns.get(seq.key, 0) + now_ns() - detok_start
+                )
                 if p.stop:
                     hit = self._find_stop(seq)
                     if hit is not None:
                         seq.text, reason = hit, "stop"
-                holdback = 0 if reason or p.include_stop_str_in_output else (
-                    max((len(s) for s in p.stop), default=1) - 1)
+                holdback = (
+                    0
+                    if reason or p.include_stop_str_in_output
+                    else (max((len(s) for s in p.stop), default=1) - 1)
+                )
                 visible = max(seq.emitted, len(seq.text) - holdback)
-                delta = seq.text[seq.emitted:visible]
+                delta = seq.text[seq.emitted : visible]
                 seq.emitted = visible
             if reason is not None:
                 self.scheduler.finish(seq, reason)
@@ -377,16 +441,24 @@ class LLMEngine:
         cache cannot hold now waits and recomputes its prompt instead."""
         children = []
         for index in range(1, parent.pending_forks + 1):
-            child = Sequence(parent.request_id, parent.prompt_token_ids, parent.sampling,
-                             parent.arrival_ns, parent.priority, sample_index=index)
+            child = Sequence(
+                parent.request_id,
+                parent.prompt_token_ids,
+                parent.sampling,
+                parent.arrival_ns,
+                parent.priority,
+                sample_index=index,
+            )
             child.first_scheduled_step = parent.first_scheduled_step
             child.cached_prompt_tokens = parent.cached_prompt_tokens
             if parent.sampling.seed is not None:
                 child.generator = torch.Generator(self.platform.device).manual_seed(
-                    parent.sampling.seed + index)
+                    parent.sampling.seed + index
+                )
             if parent.detok is not None:
-                child.detok = self.tokenizer.new_stream(parent.prompt_token_ids,
-                                                        parent.sampling.skip_special_tokens)
+                child.detok = self.tokenizer.new_stream(
+                    parent.prompt_token_ids, parent.sampling.skip_special_tokens
+                )
             self.sequences[child.key] = child
             self.scheduler.fork(parent, child)
             children.append(child)
@@ -406,13 +478,22 @@ class LLMEngine:
         if best is None:
             return None
         index, stop = best
-        return seq.text[:index + len(stop)] if p.include_stop_str_in_output else seq.text[:index]
+        return seq.text[: index + len(stop)] if p.include_stop_str_in_output else seq.text[:index]
 
     def _finished(self, seq: Sequence, step: int, time_ns: int) -> Finished:
-        return Finished(seq.request_id, step, time_ns, seq.finish_reason or "abort",
-                        seq.num_prompt_tokens, seq.num_output_tokens, seq.cached_prompt_tokens,
-                        seq.num_preemptions, seq.text, seq.sample_index,
-                        self._detokenize_ns.pop(seq.key, 0))
+        return Finished(
+            seq.request_id,
+            step,
+            time_ns,
+            seq.finish_reason or "abort",
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.cached_prompt_tokens,
+            seq.num_preemptions,
+            seq.text,
+            seq.sample_index,
+            self._detokenize_ns.pop(seq.key, 0),
+        )
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestEvent]:
         now = self.platform.now_ns()
@@ -422,8 +503,14 @@ class LLMEngine:
             self.scheduler.finish(seq, "error")
             self.sequences.pop(seq.key, None)
             self._detokenize_ns.pop(seq.key, None)
-            events.append(Failed(seq.request_id, plan.step, now,
-                                 f"engine step failed: {type(exc).__name__}: {exc}"))
+            events.append(
+                Failed(
+                    seq.request_id,
+                    plan.step,
+                    now,
+                    f"engine step failed: {type(exc).__name__}: {exc}",
+                )
+            )
         return events
 
     def _record_step(self, plan: StepPlan, start: int, end: int, logits_tokens: int) -> None:
@@ -431,12 +518,19 @@ class LLMEngine:
             return
         num_decodes = plan.num_decodes
         record = StepRecord(
-            step=plan.step, start_ns=start, end_ns=end,
-            num_seqs=len(plan.scheduled), num_prefill_seqs=len(plan.scheduled) - num_decodes,
-            num_decode_seqs=num_decodes, prefill_tokens=plan.num_prefill_tokens,
-            decode_tokens=plan.num_decode_tokens, padding_tokens=plan.padding_tokens,
-            num_waiting=plan.num_waiting, kv_bytes_reserved=self.kv.bytes_reserved(),
-            kv_bytes_used=self.kv.bytes_used(), num_preempted=len(plan.preempted),
+            step=plan.step,
+            start_ns=start,
+            end_ns=end,
+            num_seqs=len(plan.scheduled),
+            num_prefill_seqs=len(plan.scheduled) - num_decodes,
+            num_decode_seqs=num_decodes,
+            prefill_tokens=plan.num_prefill_tokens,
+            decode_tokens=plan.num_decode_tokens,
+            padding_tokens=plan.padding_tokens,
+            num_waiting=plan.num_waiting,
+            kv_bytes_reserved=self.kv.bytes_reserved(),
+            kv_bytes_used=self.kv.bytes_used(),
+            num_preempted=len(plan.preempted),
             num_running=len(self.scheduler.running),
             kv_blocks_used=self.kv.num_blocks_in_use,
             forward_ns=self.runner.last_forward_ns,
@@ -462,8 +556,10 @@ def roofline_counts(plan: StepPlan, window: int | None, retains_kv: bool) -> dic
     """What the step's attention must touch: (query, key) pairs attended (causal, within the
     sliding window), cached tokens read, tokens stored. Every computed row counts, static
     batching's padding included; padding K/V are never stored."""
-    rows = [(s.num_computed_before, s.num_new_tokens + s.num_padding_tokens, s.num_new_tokens)
-            for s in plan.scheduled]
+    rows = [
+        (s.num_computed_before, s.num_new_tokens + s.num_padding_tokens, s.num_new_tokens)
+        for s in plan.scheduled
+    ]
     rows += [(r.start, r.num_tokens, 0) for r in plan.padding_rows]
     pairs = read = written = 0
     for start, queries, real in rows:

@@ -85,9 +85,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 priority: Seq[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        priority: Seq[int] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids or chat messages); outputs in input order."""
         if isinstance(prompts, str) or _is_single_token_list(prompts) or _is_chat(prompts):
             prompts = [prompts]  # type: ignore[list-item]
@@ -97,20 +100,22 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} "
-                                 "prompts; give one, or one per prompt")
+                raise ValueError(
+                    f"sampling_params: {len(params)} given for {len(prompts)} "
+                    "prompts; give one, or one per prompt"
+                )
         engine = self.engine
         outputs: dict[str, RequestOutput] = {}
         order = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 request_id = str(next(self._ids))
-                engine.add_request(request_id, prompt, p,
-                                   priority=priority[i] if priority else 0)
+                engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
                 seq = engine.sequences[request_id]
                 samples = [CompletionOutput(i) for i in range(p.n)]
-                outputs[request_id] = RequestOutput(request_id, list(seq.prompt_token_ids),
-                                                    samples, RequestMetrics(seq.arrival_ns))
+                outputs[request_id] = RequestOutput(
+                    request_id, list(seq.prompt_token_ids), samples, RequestMetrics(seq.arrival_ns)
+                )
                 order.append(request_id)
         except Exception:
             # An invalid prompt rejects the whole call: drop the requests queued before it.

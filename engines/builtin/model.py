@@ -27,16 +27,16 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, linear,
-                               bias=cfg.attention_bias)
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = Linear(
+            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, linear, bias=cfg.attention_bias
+        )
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, linear)
         self.backend = backend
         self.cache: LayerKVCache | None = None  # set by the model runner
         self.native = False  # rotary + K/V store through the C kernel (use_native_kernels)
 
-    def forward(self, x: torch.Tensor, rotation: Rotation,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         cache = self.cache if meta.use_cache else None
         if self.native and self._native_can_store(qkv, cache, meta):
@@ -46,12 +46,15 @@ class Attention(nn.Module):
         out = self.backend(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
-    def _rotate_and_store(self, qkv: torch.Tensor, rotation: Rotation,
-                          cache: LayerKVCache | None, meta: AttentionMetadata
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _rotate_and_store(
+        self,
+        qkv: torch.Tensor,
+        rotation: Rotation,
+        cache: LayerKVCache | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
-                          rotation)
+        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rotation)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if cache is not None:
@@ -63,29 +66,47 @@ class Attention(nn.Module):
         return q, k, v
 
     @staticmethod
-    def _native_can_store(qkv: torch.Tensor, cache: LayerKVCache | None,
-                          meta: AttentionMetadata) -> bool:
+    def _native_can_store(
+        qkv: torch.Tensor, cache: LayerKVCache | None, meta: AttentionMetadata
+    ) -> bool:
         """The C kernel rotates fp32 rows in place and stores every row's K/V as write()
         would (no INT8, no static batching's unstored padding rows, no cache class with its
         own write)."""
         if not native.takes(qkv):
             return False
         # an unquantized cache holds the compute dtype, contiguous by construction
-        return cache is None or (meta.write_index is None and not cache.quantized
-                                 and cache.stores_by_slot and cache.dtype == torch.float32)
+        return cache is None or (
+            meta.write_index is None
+            and not cache.quantized
+            and cache.stores_by_slot
+            and cache.dtype == torch.float32
+        )
 
-    def _rotate_and_store_native(self, qkv: torch.Tensor, rotation: Rotation,
-                                 cache: LayerKVCache | None, meta: AttentionMetadata
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        native.rope_and_cache(qkv, rotation.positions, rotation.table, self.num_heads,
-                              self.num_kv_heads, self.head_dim,
-                              None if cache is None else cache.k,
-                              None if cache is None else cache.v, meta.slot_mapping,
-                              max_position=meta.max_seq_len - 1)
+    def _rotate_and_store_native(
+        self,
+        qkv: torch.Tensor,
+        rotation: Rotation,
+        cache: LayerKVCache | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        native.rope_and_cache(
+            qkv,
+            rotation.positions,
+            rotation.table,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            None if cache is None else cache.k,
+            None if cache is None else cache.v,
+            meta.slot_mapping,
+            max_position=meta.max_seq_len - 1,
+        )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return (q.view(-1, self.num_heads, self.head_dim),
-                k.view(-1, self.num_kv_heads, self.head_dim),
-                v.view(-1, self.num_kv_heads, self.head_dim))
+        return (
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            v.view(-1, self.num_kv_heads, self.head_dim),
+        )
 
 
 class MLP(nn.Module):
@@ -112,8 +133,13 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, linear)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotation: Rotation,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output, still to be added to the residual stream
         (None before the first layer, where x is the embeddings); returns this layer's MLP
         output and the stream. Each residual add is done by the norm after it, so with the C
@@ -129,23 +155,32 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearMethod, backend: DenseAttention,
-                 max_positions: int, device: torch.device,
-                 lm_head_method: LinearMethod | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        linear: LinearMethod,
+        backend: DenseAttention,
+        max_positions: int,
+        device: torch.device,
+        lm_head_method: LinearMethod | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _freeze=True)
         # Built on `device` even when the rest is created on "meta" and filled by the loader.
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
-                                    cfg.rope_scaling, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, linear, backend)
-                                    for _ in range(cfg.num_layers))
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, linear, backend) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # `lm_head_method`: how the LM head is kept (None: like the other linear layers). A tied
         # model's head is loaded from the embedding table (the same tensor where the method
         # keeps the weight as it is), so that it multiplies through its method's kernel too.
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size,
-                              linear if lm_head_method is None else lm_head_method)
+        self.lm_head = Linear(
+            cfg.hidden_size, cfg.vocab_size, linear if lm_head_method is None else lm_head_method
+        )
         for name, module in self.linear_layers().items():
             module.name = name
 
@@ -177,15 +212,24 @@ class Transformer(nn.Module):
         """Bytes of weights a forward reads: all of them, the blocks' linear layers, embedding,
         LM head; and the packed copies kept beside them for the CPU kernels (resident memory,
         not read on top: `prepack_weights`)."""
-        linear = sum(m.weight_bytes() for name, m in self.linear_layers().items()
-                     if name.startswith("layers."))
+        linear = sum(
+            m.weight_bytes()
+            for name, m in self.linear_layers().items()
+            if name.startswith("layers.")
+        )
         embed = self.embed.weight.numel() * self.embed.weight.element_size()
         head = self.lm_head.weight_bytes()
-        norms = sum(p.numel() * p.element_size() for n, p in self.named_parameters()
-                    if "norm" in n)
-        tied = (self.lm_head.weight is not None  # one table, counted once
-                and self.lm_head.weight.data_ptr() == self.embed.weight.data_ptr())
+        norms = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if "norm" in n)
+        tied = (
+            self.lm_head.weight is not None  # one table, counted once
+            and self.lm_head.weight.data_ptr() == self.embed.weight.data_ptr()
+        )
         total = linear + embed + norms + (0 if tied else head)
         packed = sum(m.packed_bytes() for m in self.linear_layers().values())
-        return {"weight_bytes": total, "linear_weight_bytes": linear,
-                "embedding_bytes": embed, "lm_head_bytes": head, "packed_weight_bytes": packed}
+        return {
+            "weight_bytes": total,
+            "linear_weight_bytes": linear,
+            "embedding_bytes": embed,
+            "lm_head_bytes": head,
+            "packed_weight_bytes": packed,
+        }

@@ -40,8 +40,16 @@ class ModelConfig:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"model.{name}: {getattr(self, name)!r} is invalid; {allowed}")
 
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise bad(name, "allowed: an integer >= 1")
         if self.num_heads % self.num_kv_heads:
@@ -52,8 +60,10 @@ class ModelConfig:
             raise bad("sliding_window", "allowed: null or an integer >= 1")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise bad("rope_scaling", f"rope_type {rope_type!r} is not one of "
-                      f"{'|'.join(SUPPORTED_ROPE_TYPES)}")
+            raise bad(
+                "rope_scaling",
+                f"rope_type {rope_type!r} is not one of {'|'.join(SUPPORTED_ROPE_TYPES)}",
+            )
 
     @property
     def q_size(self) -> int:
@@ -97,24 +107,69 @@ def _llama(**kw: Any) -> ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     # Tests: a few thousand parameters per layer; vocab covers the default tokenizer.
-    "tiny": _llama(vocab_size=4096, hidden_size=64, intermediate_size=176, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024),
+    "tiny": _llama(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=176,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+    ),
     # CPU experiments: ~110M parameters; the LM head is ~22% of the weights read per token.
-    "small": _llama(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
-                    num_heads=12, num_kv_heads=12, head_dim=64, max_position_embeddings=2048),
-    "tinyllama-1.1b": _llama(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                             num_layers=22, num_heads=32, num_kv_heads=4, head_dim=64,
-                             rms_norm_eps=1e-5, max_position_embeddings=2048,
-                             bos_token_id=1, eos_token_ids=(2,)),
-    "llama3-8b": _llama(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-                        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
-                        bos_token_id=128000, eos_token_ids=(128001, 128009)),
-    "mistral-7b": ModelConfig(architecture="MistralForCausalLM", vocab_size=32000,
-                              hidden_size=4096, intermediate_size=14336, num_layers=32,
-                              num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                              max_position_embeddings=32768, sliding_window=4096,
-                              bos_token_id=1, eos_token_ids=(2,)),
+    "small": _llama(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        head_dim=64,
+        max_position_embeddings=2048,
+    ),
+    "tinyllama-1.1b": _llama(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_layers=22,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    ),
+    "llama3-8b": _llama(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128009),
+    ),
+    "mistral-7b": ModelConfig(
+        architecture="MistralForCausalLM",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=32768,
+        sliding_window=4096,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    ),
 }
 
 
@@ -156,12 +211,19 @@ def from_hf_config(path: str | Path) -> ModelConfig:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UnsupportedCheckpointError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
-        raise UnsupportedCheckpointError(f"{where}: expected a JSON object, got "
-                                         f"{type(cfg).__name__}")
+        raise UnsupportedCheckpointError(
+            f"{where}: expected a JSON object, got {type(cfg).__name__}"
+        )
     archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else {
-        "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"
-    }.get(cfg.get("model_type", ""), "")
+    arch = (
+        archs[0]
+        if archs
+        else {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+        }.get(cfg.get("model_type", ""), "")
+    )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedCheckpointError(
             f"{where}: architecture {arch or cfg.get('model_type')!r} is not supported; "

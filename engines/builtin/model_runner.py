@@ -36,9 +36,18 @@ PAD_TOKEN_ID = 0
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, platform: Platform,
-                 dtype: torch.dtype, max_model_len: int, max_num_batched_tokens: int,
-                 max_num_seqs: int, sample_vocab_size: int, eos_ids: list[int]) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        platform: Platform,
+        dtype: torch.dtype,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        sample_vocab_size: int,
+        eos_ids: list[int],
+    ) -> None:
         self.model_config = model_config
         self.config = config
         self.platform = platform
@@ -50,8 +59,9 @@ class ModelRunner:
 
         # the C kernels: CPU float32, not under torch.compile (a ctypes call would split its
         # graph; inductor fuses the elementwise ops itself)
-        self.native_kernels_reason = native.off_reason(config.native_kernels, config.compile,
-                                                       self.device, dtype)
+        self.native_kernels_reason = native.off_reason(
+            config.native_kernels, config.compile, self.device, dtype
+        )
         self.native_kernels = self.native_kernels_reason is None
         # torch.compile cannot lower the prepacked ops (inductor packs weights its own way)
         self.prepacked: str | None = None  # the packed layout of dense CPU weights
@@ -61,19 +71,31 @@ class ModelRunner:
             elif PrepackedDenseMethod.supported(self.device, dtype):
                 self.prepacked = "onednn"
         # `auto` resolved for this device: what describe() reports
-        self.attention_backend = resolve_attention(config.attention_backend, self.device, dtype,
-                                                   config.kv_cache_dtype, config.native_kernels)
+        self.attention_backend = resolve_attention(
+            config.attention_backend,
+            self.device,
+            dtype,
+            config.kv_cache_dtype,
+            config.native_kernels,
+        )
         with torch.device("meta"):
-            linear = make_linear_method(config.quantization, config.quantization_group_size,
-                                        self.prepacked)
+            linear = make_linear_method(
+                config.quantization, config.quantization_group_size, self.prepacked
+            )
             # The LM head stays dense unless quantize_lm_head asks otherwise; a tied head is
             # the embedding table itself, so it always does.
             quantized_head = config.quantize_lm_head and not model_config.tie_word_embeddings
-            lm_head = linear if quantized_head else make_linear_method(
-                "none", prepack=self.prepacked)
-            self.model = Transformer(model_config, linear,
-                                     make_attention(self.attention_backend),
-                                     max_model_len, self.device, lm_head_method=lm_head)
+            lm_head = (
+                linear if quantized_head else make_linear_method("none", prepack=self.prepacked)
+            )
+            self.model = Transformer(
+                model_config,
+                linear,
+                make_attention(self.attention_backend),
+                max_model_len,
+                self.device,
+                lm_head_method=lm_head,
+            )
         self.model.eval()
         self._load_weights()
         self.model.use_native_kernels(self.native_kernels)
@@ -101,7 +123,8 @@ class ModelRunner:
     def _load_weights(self) -> None:
         cfg, config = self.model_config, self.config
         use_dummy = config.load_format == "dummy" or (
-            config.load_format == "auto" and not _is_checkpoint(config.model))
+            config.load_format == "auto" and not _is_checkpoint(config.model)
+        )
         if use_dummy:
             tensors = dummy_state_dict(cfg, config.seed, self.dtype, self.device).items()
         else:
@@ -114,22 +137,29 @@ class ModelRunner:
         self.ring = bool(getattr(kv, "ring", False))
         self.block_size = layout.block_size
         self.max_blocks_per_seq = max(1, -(-self.max_model_len // layout.block_size))
-        self.inputs = StepInputs(self.max_num_batched_tokens, self.max_num_seqs,
-                                 self.max_blocks_per_seq, self.device)
+        self.inputs = StepInputs(
+            self.max_num_batched_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.device
+        )
         self.kv_caches = []
         cache_class = LayerKVCache
         if self.config.attention_backend == "triton":
             # the Triton write kernel (quantizing in-kernel for INT8; skips padding slots)
             from engines.builtin.attention.triton_backend import TritonKVCache
+
             cache_class = TritonKVCache
         for layer in self.model.layers:
             cache = None
             if layout.num_blocks:
-                cache = cache_class(layout.num_blocks, layout.block_size,
-                                     self.model_config.num_kv_heads, self.model_config.head_dim,
-                                     self.dtype, self.device,
-                                     quantized=self.config.kv_cache_dtype == "int8",
-                                     prefault=self.config.kv_cache_prefault)
+                cache = cache_class(
+                    layout.num_blocks,
+                    layout.block_size,
+                    self.model_config.num_kv_heads,
+                    self.model_config.head_dim,
+                    self.dtype,
+                    self.device,
+                    quantized=self.config.kv_cache_dtype == "int8",
+                    prefault=self.config.kv_cache_prefault,
+                )
                 self.kv_caches.append(cache)
             layer.attn.cache = cache
         self._setup_speed()
@@ -148,8 +178,10 @@ class ModelRunner:
             with torch.inference_mode():
                 self.decode_graphs = DecodeGraphs(self, sizes, capture=True)
         elif self.device.type == "cuda":
-            raise ValueError(f"engine.enforce_eager=false asks for CUDA graphs, but {reason}; "
-                             "or set engine.enforce_eager=true")
+            raise ValueError(
+                f"engine.enforce_eager=false asks for CUDA graphs, but {reason}; "
+                "or set engine.enforce_eager=true"
+            )
         else:  # accepted and ignored, so one config runs on CPU and GPU machines alike
             self.cuda_graphs_note = f"not used: {reason}"
 
@@ -170,9 +202,9 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def prepare(self, plan: StepPlan, kv: KVCacheManager) -> tuple[torch.Tensor,
-                                                                    AttentionMetadata,
-                                                                    torch.Tensor]:
+    def prepare(
+        self, plan: StepPlan, kv: KVCacheManager
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Pack the plan into rows: real decodes, static batching's padding decodes, real
         prefills (each followed by its padding tokens, if any), then padding-only rows. Padding
         tokens are pad id 0 at the positions after their row's real tokens; they are computed
@@ -186,14 +218,26 @@ class ModelRunner:
         # (seq_id, first position, real tokens, padding tokens) per row, in packing order
         rows: list[tuple[int, int, list[int], int]] = []
         for s in items[:num_decodes]:
-            rows.append((s.seq.seq_id, s.num_computed_before,
-                         s.seq.token_ids[s.num_computed_before:s.num_computed_before + 1], 0))
+            rows.append(
+                (
+                    s.seq.seq_id,
+                    s.num_computed_before,
+                    s.seq.token_ids[s.num_computed_before : s.num_computed_before + 1],
+                    0,
+                )
+            )
         for r in pad_decodes:
             rows.append((r.seq.seq_id, r.start, [], 1))
         for s in items[num_decodes:]:
             start = s.num_computed_before
-            rows.append((s.seq.seq_id, start,
-                         s.seq.token_ids[start:start + s.num_new_tokens], s.num_padding_tokens))
+            rows.append(
+                (
+                    s.seq.seq_id,
+                    start,
+                    s.seq.token_ids[start : start + s.num_new_tokens],
+                    s.num_padding_tokens,
+                )
+            )
         for r in pad_rows:
             rows.append((r.seq.seq_id, r.start, [], r.num_tokens))
 
@@ -222,14 +266,14 @@ class ModelRunner:
         host = inputs.host_arrays()  # waits until the previous step's upload has left them
         host["input_ids"][:n] = token_ids
         host["positions"][:n] = positions
-        host["qsl"][:num_seqs + 1] = qsl
+        host["qsl"][: num_seqs + 1] = qsl
         host["seq_lens"][:num_seqs] = seq_lens
         if use_cache:
             tables = host["block_tables"][:num_seqs]
             tables[:] = 0
             for row, r in enumerate(rows):
                 table = kv.block_table(r[0])
-                tables[row, :len(table)] = table
+                tables[row, : len(table)] = table
             bs = self.block_size
             # Padding (static batching) is computed but its K/V never stored: nothing reads it,
             # and a padded row may reach past the blocks its sequence owns.
@@ -249,16 +293,22 @@ class ModelRunner:
         # Real rows in plan order: decodes are rows 0..num_decodes-1, prefills follow the
         # padding decodes. A sampling row's logits are at its last real token.
         first_prefill = num_decodes + len(pad_decodes)
-        real_rows = [*range(num_decodes),
-                     *range(first_prefill, first_prefill + len(items) - num_decodes)]
+        real_rows = [
+            *range(num_decodes),
+            *range(first_prefill, first_prefill + len(items) - num_decodes),
+        ]
         sample_rows = [row for row, s in zip(real_rows, items, strict=True) if s.samples]
         num_sampled = len(sample_rows)
-        host["logits_indices"][:num_sampled] = (qsl[:-1][sample_rows]
-                                                + real_lens[sample_rows] - 1)
+        host["logits_indices"][:num_sampled] = qsl[:-1][sample_rows] + real_lens[sample_rows] - 1
         self._graph_size = None
         graphs = self.decode_graphs
-        if (graphs is not None and self.logits_observer is None and not pads
-                and num_decodes == num_seqs == num_sampled and write_index is None):
+        if (
+            graphs is not None
+            and self.logits_observer is None
+            and not pads
+            and num_decodes == num_seqs == num_sampled
+            and write_index is None
+        ):
             self._graph_size = graphs.bucket_for(num_seqs)
             if self._graph_size is not None:  # rows num_seqs.. of the bucket are padding
                 pad_decode_rows(host, num_seqs, self._graph_size)
@@ -268,7 +318,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             positions=dev["positions"][:n],
             slot_mapping=dev["slots"][:n],
-            query_start_loc=dev["qsl"][:num_seqs + 1],
+            query_start_loc=dev["qsl"][: num_seqs + 1],
             seq_lens=dev["seq_lens"][:num_seqs],
             block_tables=dev["block_tables"][:num_seqs],
             query_start_loc_host=qsl.tolist(),
@@ -311,22 +361,26 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache.copy_blocks(src, dst)
 
-    def _forward_and_sample(self, plan: StepPlan, input_ids: torch.Tensor,
-                            meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+    def _forward_and_sample(
+        self,
+        plan: StepPlan,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
         if self._graph_size is not None:  # prepare() chose a bucket and padded the rows
             assert self.decode_graphs is not None
             logits = self.decode_graphs.run(self._graph_size, meta.num_seqs)
         else:
             hidden = self.model(input_ids, meta)
             if self.logits_observer is not None:
-                real = (hidden if self._real_token_index is None
-                        else hidden[self._real_token_index])
+                real = hidden if self._real_token_index is None else hidden[self._real_token_index]
                 self.logits_observer(plan, self.model.compute_logits(real).float())
             if logits_indices.numel() == 0:
                 return torch.empty(0, dtype=torch.int64)
             logits = self.model.compute_logits(hidden[logits_indices])
         # Ids past the tokenizer's vocabulary (a dummy model's padding rows) are never sampled.
-        logits = logits[:, :self.sample_vocab_size]
+        logits = logits[:, : self.sample_vocab_size]
         seqs = [s.seq for s in plan.scheduled if s.samples]
         if any(seq.pending_forks for seq in seqs):
             # Parallel sampling: the first token of each of a request's n samples is drawn
@@ -349,9 +403,11 @@ def _check_compile_works(device: torch.device) -> None:
         probe = torch.compile(lambda x: x * 2.0 + 1.0, dynamic=False)
         probe(torch.ones(4, device=device))
     except Exception as e:
-        raise ValueError(f"engine.compile=true: torch.compile does not work on {device.type} "
-                         f"here ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                         "use engine.compile=false") from e
+        raise ValueError(
+            f"engine.compile=true: torch.compile does not work on {device.type} "
+            f"here ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            "use engine.compile=false"
+        ) from e
 
 
 def _is_checkpoint(model: str) -> bool:

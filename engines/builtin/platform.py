@@ -58,8 +58,10 @@ class Platform:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"engine.device: {device!r} requested but CUDA is not available; "
-                             "allowed here: cpu|auto")
+            raise ValueError(
+                f"engine.device: {device!r} requested but CUDA is not available; "
+                "allowed here: cpu|auto"
+            )
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         else:  # torch's default counts the machine's cores, not those this process may use
@@ -101,11 +103,19 @@ class Platform:
                 "torch_reserved_bytes": torch.cuda.memory_reserved(self.device),
             }
         memory = psutil.virtual_memory()
-        return {"device_total_bytes": memory.total, "device_free_bytes": memory.free,
-                "device_available_bytes": memory.available}
+        return {
+            "device_total_bytes": memory.total,
+            "device_free_bytes": memory.free,
+            "device_available_bytes": memory.available,
+        }
 
-    def kv_budget(self, requested: int | None, weight_bytes: int, gpu_memory_utilization: float,
-                  one_sequence_bytes: int) -> tuple[int, str]:
+    def kv_budget(
+        self,
+        requested: int | None,
+        weight_bytes: int,
+        gpu_memory_utilization: float,
+        one_sequence_bytes: int,
+    ) -> tuple[int, str]:
         """Bytes the KV cache may take, and why that many: the explicit budget, else a share
         of device memory. `one_sequence_bytes`: what one sequence of max_model_len needs."""
         if requested is not None:
@@ -118,7 +128,8 @@ class Platform:
             used = total - stats["device_free_bytes"]
             return max(0, int((usable - used) * 0.9)), (
                 f"0.9 x (gpu_memory_utilization {gpu_memory_utilization} x {_gib(total)} - "
-                f"{_gib(used)} in use, weights {_gib(weight_bytes)} included)")
+                f"{_gib(used)} in use, weights {_gib(weight_bytes)} included)"
+            )
         return cpu_kv_budget(stats["device_available_bytes"], one_sequence_bytes)
 
 
@@ -137,9 +148,14 @@ def cgroup_memory_headroom(root: Path = CGROUP_ROOT) -> int | None:
     """Bytes this process's memory cgroup (v2, else v1) still allows: its limit minus its
     usage, reclaimable file cache not counted as used; None without a limit."""
     for limit_file, usage_file, stat_file, inactive_key in (
-            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
-            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
-             "total_inactive_file")):
+        ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+        (
+            "memory/memory.limit_in_bytes",
+            "memory/memory.usage_in_bytes",
+            "memory/memory.stat",
+            "total_inactive_file",
+        ),
+    ):
         try:
             limit_text = (root / limit_file).read_text().strip()
             usage = int((root / usage_file).read_text())
@@ -162,18 +178,31 @@ def cpu_kv_budget(available: int, one_sequence_bytes: int) -> tuple[int, str]:
     if headroom is not None and headroom < available:
         available, source = headroom, "cgroup memory limit headroom"
     budget = int(min(CPU_KV_MAX_BYTES, available * CPU_KV_SHARE))
-    why = (f"min(4 GiB, {CPU_KV_SHARE} x {_gib(available)} available ({source}, after the "
-           "weights were loaded))")
+    why = (
+        f"min(4 GiB, {CPU_KV_SHARE} x {_gib(available)} available ({source}, after the "
+        "weights were loaded))"
+    )
     if budget < one_sequence_bytes <= available // 2:
         budget = one_sequence_bytes
-        why += (f", raised to one sequence of max_model_len ({_gib(one_sequence_bytes)}), "
-                "under half of what is available")
+        why += (
+            f", raised to one sequence of max_model_len ({_gib(one_sequence_bytes)}), "
+            "under half of what is available"
+        )
     return budget, why
 
 
 #: what the threading libraries read from the environment, recorded when set
-THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND",
-              "OMP_PLACES", "OMP_DYNAMIC", "MKL_NUM_THREADS", "KMP_BLOCKTIME", "KMP_AFFINITY")
+THREAD_ENV = (
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "GOMP_SPINCOUNT",
+    "OMP_PROC_BIND",
+    "OMP_PLACES",
+    "OMP_DYNAMIC",
+    "MKL_NUM_THREADS",
+    "KMP_BLOCKTIME",
+    "KMP_AFFINITY",
+)
 
 
 def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
@@ -207,8 +236,11 @@ def available_cpus() -> tuple[int, str]:
 def _parallel_info() -> dict[str, int]:
     """omp_get_max_threads() and mkl_get_max_threads() as torch reports them."""
     found = re.findall(r"(\w+)\(\) : (\d+)", torch.__config__.parallel_info())
-    return {name: int(value) for name, value in found
-            if name in ("omp_get_max_threads", "mkl_get_max_threads")}
+    return {
+        name: int(value)
+        for name, value in found
+        if name in ("omp_get_max_threads", "mkl_get_max_threads")
+    }
 
 
 def thread_facts() -> dict[str, Any]:

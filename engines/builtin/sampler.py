@@ -33,8 +33,9 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
 
     @classmethod
-    def from_sequences(cls, seqs: Seq[Sequence], eos_ids: Seq[int],
-                       device: torch.device) -> SamplingBatch:
+    def from_sequences(
+        cls, seqs: Seq[Sequence], eos_ids: Seq[int], device: torch.device
+    ) -> SamplingBatch:
         params = [s.sampling for s in seqs]
         suppress_rows, suppress_ids = [], []
         for row, seq in enumerate(seqs):
@@ -45,9 +46,14 @@ class SamplingBatch:
         # One host-to-device copy for the three per-row parameters; float64 holds the
         # float32 values and the integer top_k exactly (capped: a top_k past the vocabulary
         # keeps every token, and 10**400 would not even convert to a float).
-        table = torch.tensor([[p.temperature for p in params],
-                              [float(min(max(p.top_k, 0), TOP_K_CAP)) for p in params],
-                              [p.top_p for p in params]], dtype=torch.float64).to(device)
+        table = torch.tensor(
+            [
+                [p.temperature for p in params],
+                [float(min(max(p.top_k, 0), TOP_K_CAP)) for p in params],
+                [p.top_p for p in params],
+            ],
+            dtype=torch.float64,
+        ).to(device)
         return cls(
             temperature=table[0].float(),
             top_k=table[1].long(),
@@ -61,8 +67,9 @@ class SamplingBatch:
         )
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Mask logits outside each row's top-k and top-p support with -inf."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     vocab = logits.shape[-1]
@@ -88,9 +95,12 @@ class Sampler:
         logits = logits.float()
         # every (row, id) to mask in one indexed write (ids past the sampled vocabulary are
         # never drawn anyway)
-        pairs = [(row, i) for row, ids in zip(batch.suppress_rows, batch.suppress_ids,
-                                               strict=True)
-                 for i in ids if i < logits.shape[-1]]
+        pairs = [
+            (row, i)
+            for row, ids in zip(batch.suppress_rows, batch.suppress_ids, strict=True)
+            for i in ids
+            if i < logits.shape[-1]
+        ]
         if pairs:
             index = torch.tensor(pairs, dtype=torch.int64).T.to(logits.device)
             logits[index[0], index[1]] = float("-inf")
@@ -100,8 +110,11 @@ class Sampler:
         temperature = batch.temperature.clamp(min=1e-5).unsqueeze(-1)
         logits = logits / temperature
         if batch.any_top_k or batch.any_top_p:
-            logits = apply_top_k_top_p(logits, batch.top_k if batch.any_top_k else None,
-                                       batch.top_p if batch.any_top_p else None)
+            logits = apply_top_k_top_p(
+                logits,
+                batch.top_k if batch.any_top_k else None,
+                batch.top_p if batch.any_top_p else None,
+            )
         probs = logits.softmax(dim=-1)
         race = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, gen in enumerate(batch.generators):

@@ -46,8 +46,11 @@ class ScheduledSequence:
     def is_decode(self) -> bool:
         """One new token on top of a cached context, past the prompt (a one-token last chunk
         of a prompt is still prefill)."""
-        return (self.num_new_tokens == 1 and self.num_computed_before > 0
-                and self.num_computed_before >= self.seq.num_prompt_tokens)
+        return (
+            self.num_new_tokens == 1
+            and self.num_computed_before > 0
+            and self.num_computed_before >= self.seq.num_prompt_tokens
+        )
 
     @property
     def is_prefill(self) -> bool:
@@ -115,8 +118,14 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int | None = None,
+    ) -> None:
         self.config = config
         self.max_model_len = max_model_len or config.max_model_len
         self.kv = kv
@@ -182,8 +191,9 @@ class Scheduler:
         scheduled: set[Sequence] = set()
 
         def is_decode(seq: Sequence) -> bool:
-            return (seq.num_tokens - seq.num_computed_tokens == 1
-                    and seq.num_computed_tokens >= max(1, seq.num_prompt_tokens))
+            return seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_computed_tokens >= max(
+                1, seq.num_prompt_tokens
+            )
 
         # Running decodes first (one token each), then running sequences still in prefill
         # (chunked prefill's partial prompts; with kv_cache=none every running sequence).
@@ -241,20 +251,23 @@ class Scheduler:
             return
         # The batch decodes; finished members compute padding in their rows.
         if self.kv.retains_kv:
-            plan.scheduled = [ScheduledSequence(seq, 1, seq.num_computed_tokens)
-                              for seq in self.running]
-            plan.padding_rows = [PaddingRow(seq, 1, seq.num_tokens - 1) for seq in self.batch
-                                 if seq.is_finished]
+            plan.scheduled = [
+                ScheduledSequence(seq, 1, seq.num_computed_tokens) for seq in self.running
+            ]
+            plan.padding_rows = [
+                PaddingRow(seq, 1, seq.num_tokens - 1) for seq in self.batch if seq.is_finished
+            ]
         else:
             # No KV cache: every row recomputes its context, padded to the longest one.
             width = max(seq.num_tokens for seq in self.running)
-            plan.scheduled = [ScheduledSequence(seq, seq.num_tokens, 0,
-                                                width - seq.num_tokens)
-                              for seq in self.running]
-            plan.padding_rows = [PaddingRow(seq, width, 0) for seq in self.batch
-                                 if seq.is_finished]
-        plan.padding_tokens = (sum(s.num_padding_tokens for s in plan.scheduled)
-                               + sum(r.num_tokens for r in plan.padding_rows))
+            plan.scheduled = [
+                ScheduledSequence(seq, seq.num_tokens, 0, width - seq.num_tokens)
+                for seq in self.running
+            ]
+            plan.padding_rows = [PaddingRow(seq, width, 0) for seq in self.batch if seq.is_finished]
+        plan.padding_tokens = sum(s.num_padding_tokens for s in plan.scheduled) + sum(
+            r.num_tokens for r in plan.padding_rows
+        )
 
     def _admit_static_batch(self, plan: StepPlan) -> None:
         """Up to max_num_seqs waiting sequences, in queue order, while the KV cache can reserve
@@ -288,9 +301,14 @@ class Scheduler:
         for seq in batch:
             self.waiting.remove(seq)
             self._admit(seq, plan)
-            plan.scheduled.append(ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens,
-                                                    seq.num_computed_tokens,
-                                                    longest - seq.num_tokens))
+            plan.scheduled.append(
+                ScheduledSequence(
+                    seq,
+                    seq.num_tokens - seq.num_computed_tokens,
+                    seq.num_computed_tokens,
+                    longest - seq.num_tokens,
+                )
+            )
         self.batch = batch
         plan.padding_tokens = sum(s.num_padding_tokens for s in plan.scheduled)
 

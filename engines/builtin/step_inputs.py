@@ -17,8 +17,9 @@ class StepInputs:
     Sections, in buffer order; the upload copies the prefix up to the last block-table row in
     use (token sections whole: 24 bytes x max_num_batched_tokens, small next to a launch)."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device
+    ) -> None:
         sections: list[tuple[str, np.dtype, tuple[int, ...]]] = [
             ("qsl", np.dtype(np.int32), (max_seqs + 1,)),
             ("seq_lens", np.dtype(np.int32), (max_seqs,)),
@@ -34,17 +35,21 @@ class StepInputs:
             end += -(-int(np.prod(shape)) * dtype.itemsize // 8) * 8  # keep 8-byte alignment
         self.device_bytes = torch.zeros(end, dtype=torch.uint8, device=device)
         self.same_memory = device.type == "cpu"
-        self.host_bytes = self.device_bytes if self.same_memory else torch.zeros(
-            end, dtype=torch.uint8, pin_memory=True)
+        self.host_bytes = (
+            self.device_bytes
+            if self.same_memory
+            else torch.zeros(end, dtype=torch.uint8, pin_memory=True)
+        )
         self.device: dict[str, torch.Tensor] = {}
         self._host: dict[str, np.ndarray] = {}
         host_np = self.host_bytes.numpy()
         for name, dtype, shape in sections:
             start, size = offsets[name], int(np.prod(shape)) * dtype.itemsize
-            self._host[name] = host_np[start:start + size].view(dtype).reshape(shape)
+            self._host[name] = host_np[start : start + size].view(dtype).reshape(shape)
             torch_dtype = torch.int32 if dtype == np.int32 else torch.int64
-            self.device[name] = self.device_bytes[start:start + size].view(torch_dtype).view(
-                shape)
+            self.device[name] = (
+                self.device_bytes[start : start + size].view(torch_dtype).view(shape)
+            )
         self._tables_offset = offsets["block_tables"]
         self._table_row_bytes = max_blocks * 4
         self._uploaded: torch.cuda.Event | None = None

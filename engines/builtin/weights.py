@@ -48,8 +48,12 @@ def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def dummy_state_dict(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                     device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def dummy_state_dict(
+    cfg: ModelConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
     """Seeded random weights under Hugging Face names.
 
     Normal(0, 0.02) like Hugging Face's initialiser; the projections that write into the
@@ -76,8 +80,10 @@ def checkpoint_files(path: str | Path) -> list[Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             files = sorted({path / f for f in weight_map.values()})
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{index}: not a valid safetensors index (a JSON object with a "
-                             f"'weight_map' of tensor name -> file): {exc!r}") from None
+            raise ValueError(
+                f"{index}: not a valid safetensors index (a JSON object with a "
+                f"'weight_map' of tensor name -> file): {exc!r}"
+            ) from None
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -107,18 +113,26 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _FUSED = {
-    "self_attn.q_proj": ("attn.qkv_proj", 0, 3), "self_attn.k_proj": ("attn.qkv_proj", 1, 3),
+    "self_attn.q_proj": ("attn.qkv_proj", 0, 3),
+    "self_attn.k_proj": ("attn.qkv_proj", 1, 3),
     "self_attn.v_proj": ("attn.qkv_proj", 2, 3),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0, 2), "mlp.up_proj": ("mlp.gate_up_proj", 1, 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0, 2),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1, 2),
 }
 _PLAIN = {
-    "self_attn.o_proj": "attn.o_proj", "mlp.down_proj": "mlp.down_proj",
-    "input_layernorm": "input_norm", "post_attention_layernorm": "post_attn_norm",
+    "self_attn.o_proj": "attn.o_proj",
+    "mlp.down_proj": "mlp.down_proj",
+    "input_layernorm": "input_norm",
+    "post_attention_layernorm": "post_attn_norm",
 }
 
 
-def load_weights(model: Transformer, tensors: Iterable[tuple[str, torch.Tensor]],
-                 dtype: torch.dtype, device: torch.device) -> None:
+def load_weights(
+    model: Transformer,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     """Map Hugging Face tensors into the model, fusing q/k/v and gate/up on the way."""
     cfg = model.config
     expected = hf_parameter_shapes(cfg)
@@ -154,11 +168,15 @@ def load_weights(model: Transformer, tensors: Iterable[tuple[str, torch.Tensor]]
         if name not in expected:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue  # some tied checkpoints still store a copy
-            raise ValueError(f"checkpoint tensor {name!r} is not part of a "
-                             f"{cfg.architecture} with this config (an unsupported feature?)")
+            raise ValueError(
+                f"checkpoint tensor {name!r} is not part of a "
+                f"{cfg.architecture} with this config (an unsupported feature?)"
+            )
         if tuple(tensor.shape) != expected[name]:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {expected[name]}")
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {expected[name]}"
+            )
         seen.add(name)
         if name == "model.embed_tokens.weight":
             put("embed", "weight", tensor)
@@ -188,7 +206,8 @@ def load_weights(model: Transformer, tensors: Iterable[tuple[str, torch.Tensor]]
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise MissingWeightsError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
     if pending_weight or pending_bias:
-        raise MissingWeightsError(f"incomplete weight/bias pairs: "
-                                  f"{sorted(pending_weight) + sorted(pending_bias)}")
+        raise MissingWeightsError(
+            f"incomplete weight/bias pairs: {sorted(pending_weight) + sorted(pending_bias)}"
+        )
     if cfg.tie_word_embeddings:
         model.lm_head.load(model.embed.weight.data)

@@ -92,22 +92,34 @@ class HFBackend(Backend):
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             self.device = torch.device(cfg.device)
-        dtype_name = cfg.dtype if cfg.dtype != "auto" else (
-            "bfloat16" if self.device.type == "cuda" else "float32")
+        dtype_name = (
+            cfg.dtype
+            if cfg.dtype != "auto"
+            else ("bfloat16" if self.device.type == "cuda" else "float32")
+        )
         self.dtype = TORCH_DTYPES[dtype_name]
         if Path(cfg.model).is_dir() and cfg.model_overrides:
-            raise ValueError("model.overrides: not supported with engine=hf and a checkpoint "
-                             "folder (transformers loads the folder's config.json as it is)")
+            raise ValueError(
+                "model.overrides: not supported with engine=hf and a checkpoint "
+                "folder (transformers loads the folder's config.json as it is)"
+            )
         self.model, self.model_config = load_hf_model(
-            cfg.model, cfg.model_overrides, self.dtype, self.device, cfg.seed,
-            cfg.attn_implementation)
+            cfg.model,
+            cfg.model_overrides,
+            self.dtype,
+            self.device,
+            cfg.seed,
+            cfg.attn_implementation,
+        )
         self.tokenizer = tokenizer_for_model(cfg.model, cfg.tokenizer)
         mc = self.model_config
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        self.max_model_len = min(
+            cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
         self.eos_ids = sorted(set(self.tokenizer.special.eos_ids) | set(mc.eos_token_ids))
-        self.pad_id = self.tokenizer.special.pad_id if self.tokenizer.special.pad_id \
-            is not None else 0
+        self.pad_id = (
+            self.tokenizer.special.pad_id if self.tokenizer.special.pad_id is not None else 0
+        )
 
     def _start_continuous_batching(self) -> None:
         """Started with the first request, not at load: while its generation thread is alive,
@@ -125,14 +137,21 @@ class HFBackend(Backend):
         tokens = min(cfg.max_num_seqs * self.max_model_len, DEFAULT_KV_POOL_BYTES // kv_per_token)
         self._manager = self.model.init_continuous_batching(
             generation_config=GenerationConfig(
-                do_sample=False, eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id,
+                do_sample=False,
+                eos_token_id=self.eos_ids or None,
+                pad_token_id=self.pad_id,
                 # the built-in engine never samples ids past the tokenizer's vocabulary
-                suppress_tokens=list(range(self.tokenizer.vocab_size, mc.vocab_size)) or None),
+                suppress_tokens=list(range(self.tokenizer.vocab_size, mc.vocab_size)) or None,
+            ),
             continuous_batching_config=ContinuousBatchingConfig(
-                max_requests_per_batch=cfg.max_num_seqs, page_size=cfg.block_size,
+                max_requests_per_batch=cfg.max_num_seqs,
+                page_size=cfg.block_size,
                 num_blocks=max(1, math.ceil(tokens / cfg.block_size)),
-                max_batch_tokens=max(2048, self.max_model_len), use_cuda_graph=False,
-                allow_block_sharing=False, seed=cfg.seed),
+                max_batch_tokens=max(2048, self.max_model_len),
+                use_cuda_graph=False,
+                allow_block_sharing=False,
+                seed=cfg.seed,
+            ),
         )
         self._manager.start()
 
@@ -141,11 +160,17 @@ class HFBackend(Backend):
         mc = self.model_config
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return {
-            "backend": self.name, "mode": self.config.mode, "model": self.config.model,
-            "architecture": mc.architecture, "dtype": str(self.dtype).removeprefix("torch."),
-            "device": str(self.device), "max_num_seqs": self.config.max_num_seqs,
-            "max_model_len": self.max_model_len, "num_parameters": mc.num_parameters(),
-            "weight_bytes": weight_bytes, "attn_implementation": self.config.attn_implementation,
+            "backend": self.name,
+            "mode": self.config.mode,
+            "model": self.config.model,
+            "architecture": mc.architecture,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_model_len": self.max_model_len,
+            "num_parameters": mc.num_parameters(),
+            "weight_bytes": weight_bytes,
+            "attn_implementation": self.config.attn_implementation,
             "transformers": __import__("transformers").__version__,
             "torch_threads": torch.get_num_threads(),
         }
@@ -162,29 +187,39 @@ class HFBackend(Backend):
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)  # type: ignore[arg-type]
         else:
-            raise ValueError("prompt: expected a string, a list of token ids or a list of chat "
-                             f"messages, got {type(prompt).__name__}")
+            raise ValueError(
+                "prompt: expected a string, a list of token ids or a list of chat "
+                f"messages, got {type(prompt).__name__}"
+            )
         if not ids:
             raise ValueError("prompt: empty (it has no tokens)")
         if len(ids) + request.sampling.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens + max_tokens "
-                             f"{request.sampling.max_tokens} exceed max_model_len="
-                             f"{self.max_model_len}")
+            raise ValueError(
+                f"prompt: {len(ids)} tokens + max_tokens "
+                f"{request.sampling.max_tokens} exceed max_model_len="
+                f"{self.max_model_len}"
+            )
         return ids
 
     def _check_supported(self, sampling: SamplingParams) -> None:
         if sampling.n != 1:
             raise ValueError("SamplingParams.n: engine=hf supports n=1 only")
         if sampling.stop or sampling.stop_token_ids:
-            raise ValueError("SamplingParams.stop: stop strings/ids are not supported by "
-                             "engine=hf (use max_tokens / EOS)")
+            raise ValueError(
+                "SamplingParams.stop: stop strings/ids are not supported by "
+                "engine=hf (use max_tokens / EOS)"
+            )
         if self.config.mode == "generate_batch":
             if not sampling.greedy:
-                raise ValueError("SamplingParams.temperature: engine.mode=generate_batch runs "
-                                 "greedy decoding only (temperature=0); use mode=generate")
+                raise ValueError(
+                    "SamplingParams.temperature: engine.mode=generate_batch runs "
+                    "greedy decoding only (temperature=0); use mode=generate"
+                )
             if sampling.min_tokens and not sampling.ignore_eos:
-                raise ValueError("SamplingParams.min_tokens: not supported by "
-                                 "mode=generate_batch; use ignore_eos for exact lengths")
+                raise ValueError(
+                    "SamplingParams.min_tokens: not supported by "
+                    "mode=generate_batch; use ignore_eos for exact lengths"
+                )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestEvent]:
         assert self.model is not None, "load() first"
@@ -205,8 +240,11 @@ class HFBackend(Backend):
         def emit(event: RequestEvent) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        detok = self.tokenizer.new_stream(ids, sampling.skip_special_tokens) \
-            if sampling.detokenize else None
+        detok = (
+            self.tokenizer.new_stream(ids, sampling.skip_special_tokens)
+            if sampling.detokenize
+            else None
+        )
         pending = _Pending(request.request_id, ids, sampling, detok, emit)
         if self.config.mode == "generate_batch":
             if self._manager is None:
@@ -237,9 +275,17 @@ class HFBackend(Backend):
 
     def _finish(self, pending: _Pending, reason: str, time: int, step: int) -> None:
         pending.done = True
-        pending.emit(Finished(pending.request_id, step, time, reason, len(pending.token_ids),
-                              len(pending.output),
-                              text=pending.detok.text if pending.detok else ""))
+        pending.emit(
+            Finished(
+                pending.request_id,
+                step,
+                time,
+                reason,
+                len(pending.token_ids),
+                len(pending.output),
+                text=pending.detok.text if pending.detok else "",
+            )
+        )
 
     # ---- mode=generate: static batches ---------------------------------------------------
 
@@ -263,8 +309,14 @@ class HFBackend(Backend):
                 for pending in batch:
                     if not pending.done:
                         pending.done = True
-                        pending.emit(Failed(pending.request_id, self._step, now_ns(),
-                                            f"hf generate: {type(exc).__name__}: {exc}"))
+                        pending.emit(
+                            Failed(
+                                pending.request_id,
+                                self._step,
+                                now_ns(),
+                                f"hf generate: {type(exc).__name__}: {exc}",
+                            )
+                        )
 
     def _next_batch(self) -> list[_Pending]:
         """The oldest waiting request and the next ones decoding the same way (one
@@ -304,22 +356,29 @@ class HFBackend(Backend):
         if sampling.greedy:
             options["do_sample"] = False
         else:
-            options.update(do_sample=True, temperature=sampling.temperature,
-                           top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0
-                           else None)
+            options.update(
+                do_sample=True,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else None,
+            )
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
         streamer = _StepStreamer(self, batch, width)
         start = now_ns()
         for pending in batch:
             pending.emit(Scheduled(pending.request_id, self._step, start))
-            pending.emit(PrefillChunk(pending.request_id, self._step, start,
-                                      len(pending.token_ids), 0))
+            pending.emit(
+                PrefillChunk(pending.request_id, self._step, start, len(pending.token_ids), 0)
+            )
         streamer.last_ns = start
         self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, streamer=streamer,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            streamer=streamer,
             logits_processor=LogitsProcessorList([_MaskPast(self.tokenizer.vocab_size)]),
-            **options)
+            **options,
+        )
         end = now_ns()
         for pending in batch:  # EOS reached by every row before its max_tokens, or aborted
             if not pending.done:
@@ -338,8 +397,9 @@ class HFBackend(Backend):
                 return
             if output.error:
                 pending.done = True
-                queue.put_nowait(Failed(pending.request_id, -1, now_ns(),
-                                        f"hf generate_batch: {output.error}"))
+                queue.put_nowait(
+                    Failed(pending.request_id, -1, now_ns(), f"hf generate_batch: {output.error}")
+                )
                 return
             times = output.timestamps or []
             if seen == 0 and output.generated_tokens:
@@ -350,26 +410,45 @@ class HFBackend(Backend):
                 token = output.generated_tokens[i]
                 pending.output.append(token)
                 time = int(times[i] * 1e9) if i < len(times) else now_ns()
-                queue.put_nowait(Tokens(pending.request_id, -1, time, (token,),
-                                        self._text(pending, token)))
+                queue.put_nowait(
+                    Tokens(pending.request_id, -1, time, (token,), self._text(pending, token))
+                )
             seen = len(output.generated_tokens)
             if output.is_finished():
                 reason = "length" if seen >= sampling.max_tokens else "stop"
                 pending.done = True
-                queue.put_nowait(Finished(
-                    pending.request_id, -1, int(times[-1] * 1e9) if times else now_ns(), reason,
-                    len(pending.token_ids), seen,
-                    text=pending.detok.text if pending.detok else ""))
+                queue.put_nowait(
+                    Finished(
+                        pending.request_id,
+                        -1,
+                        int(times[-1] * 1e9) if times else now_ns(),
+                        reason,
+                        len(pending.token_ids),
+                        seen,
+                        text=pending.detok.text if pending.detok else "",
+                    )
+                )
 
         manager.register_result_handler(pending.request_id, on_output)
         eos = -1 if sampling.ignore_eos or not self.eos_ids else self.eos_ids
-        added = manager.add_request(pending.token_ids, request_id=pending.request_id,
-                                    max_new_tokens=sampling.max_tokens, streaming=True,
-                                    record_timestamps=True, eos_token_id=eos)
+        added = manager.add_request(
+            pending.token_ids,
+            request_id=pending.request_id,
+            max_new_tokens=sampling.max_tokens,
+            streaming=True,
+            record_timestamps=True,
+            eos_token_id=eos,
+        )
         if added is None:
             pending.done = True
-            queue.put_nowait(Failed(pending.request_id, -1, now_ns(),
-                                    "hf generate_batch: the manager refused the request"))
+            queue.put_nowait(
+                Failed(
+                    pending.request_id,
+                    -1,
+                    now_ns(),
+                    "hf generate_batch: the manager refused the request",
+                )
+            )
 
     def close(self) -> None:
         if self._loop_task is not None:
@@ -394,7 +473,7 @@ class _MaskPast:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if scores.shape[-1] > self.vocab_size:
-            scores[:, self.vocab_size:] = -math.inf
+            scores[:, self.vocab_size :] = -math.inf
         return scores
 
 
@@ -420,23 +499,32 @@ class _StepStreamer:
         prefill = self.steps_done == 1
         real_prompt = sum(len(p.token_ids) for p in self.batch)
         record = StepRecord(
-            step=step, start_ns=self.last_ns, end_ns=now, num_seqs=len(self.batch),
+            step=step,
+            start_ns=self.last_ns,
+            end_ns=now,
+            num_seqs=len(self.batch),
             num_prefill_seqs=len(self.batch) if prefill else 0,
             num_decode_seqs=0 if prefill else len(self.batch),
             prefill_tokens=real_prompt if prefill else 0,
             decode_tokens=0 if prefill else len(live),
-            padding_tokens=(self.width * len(self.batch) - real_prompt) if prefill
+            padding_tokens=(self.width * len(self.batch) - real_prompt)
+            if prefill
             else len(self.batch) - len(live),
-            num_waiting=len(backend._waiting), kv_bytes_reserved=0, kv_bytes_used=0,
-            num_running=len(self.batch), forward_ns=now - self.last_ns)
+            num_waiting=len(backend._waiting),
+            kv_bytes_reserved=0,
+            kv_bytes_used=0,
+            num_running=len(self.batch),
+            forward_ns=now - self.last_ns,
+        )
         # observers run on the event loop, not this thread; the step is reported before its
         # tokens so a run never ends with its last step unrecorded
         assert backend._loop is not None
         backend._loop.call_soon_threadsafe(backend.emit_step, record)
         for pending, token in live:
             pending.output.append(token)
-            pending.emit(Tokens(pending.request_id, step, now, (token,),
-                                backend._text(pending, token)))
+            pending.emit(
+                Tokens(pending.request_id, step, now, (token,), backend._text(pending, token))
+            )
             s = pending.sampling
             n = len(pending.output)
             if n >= s.max_tokens:

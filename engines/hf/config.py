@@ -33,14 +33,16 @@ class HFConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(f"engine (backend=hf): unknown option(s) {unknown}; "
-                              f"known options: {sorted(known)}")
+            raise ConfigError(
+                f"engine (backend=hf): unknown option(s) {unknown}; known options: {sorted(known)}"
+            )
         return cls(**values).validate()
 
     def validate(self) -> HFConfig:
         def bad(name: str, allowed: str) -> ConfigError:
-            return ConfigError(f"engine.{name}: {getattr(self, name)!r} is invalid; "
-                               f"allowed: {allowed}")
+            return ConfigError(
+                f"engine.{name}: {getattr(self, name)!r} is invalid; allowed: {allowed}"
+            )
 
         if self.mode not in MODES:
             raise bad("mode", "|".join(MODES))
@@ -51,14 +53,22 @@ class HFConfig:
         self.dtype = DTYPE_ALIASES[self.dtype]
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             raise bad("device", "auto|cpu|cuda|cuda:N")
-        for name, low in (("max_num_seqs", 1), ("block_size", 1), ("max_model_len", 2),
-                          ("num_threads", 1), ("seed", None)):
+        for name, low in (
+            ("max_num_seqs", 1),
+            ("block_size", 1),
+            ("max_model_len", 2),
+            ("num_threads", 1),
+            ("seed", None),
+        ):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "num_threads"):
                 continue
             # bool is an int to Python; "abc" < 2 would be a TypeError naming nothing
-            if isinstance(value, bool) or not isinstance(value, int) or (
-                    low is not None and value < low):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or (low is not None and value < low)
+            ):
                 optional = "null or " if name in ("max_model_len", "num_threads") else ""
                 raise bad(name, f"{optional}an integer" + (f" >= {low}" if low else ""))
         return self

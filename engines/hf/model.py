@@ -18,17 +18,26 @@ def hf_config(cfg: ModelConfig):  # -> transformers.PretrainedConfig
     import transformers
 
     if cfg.architecture not in ARCHITECTURES:
-        raise ValueError(f"model.architecture: {cfg.architecture!r} has no transformers "
-                         f"counterpart here; allowed: {'|'.join(ARCHITECTURES)}")
+        raise ValueError(
+            f"model.architecture: {cfg.architecture!r} has no transformers "
+            f"counterpart here; allowed: {'|'.join(ARCHITECTURES)}"
+        )
     common = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
-                         **(cfg.rope_scaling or {})},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            **(cfg.rope_scaling or {}),
+        },
         bos_token_id=cfg.bos_token_id,
         eos_token_id=list(cfg.eos_token_ids) or None,
     )
@@ -36,12 +45,21 @@ def hf_config(cfg: ModelConfig):  # -> transformers.PretrainedConfig
         return transformers.LlamaConfig(attention_bias=cfg.attention_bias, **common)
     if cfg.architecture == "MistralForCausalLM":
         return transformers.MistralConfig(sliding_window=cfg.sliding_window, **common)
-    return transformers.Qwen2Config(use_sliding_window=cfg.sliding_window is not None,
-                                    sliding_window=cfg.sliding_window, **common)
+    return transformers.Qwen2Config(
+        use_sliding_window=cfg.sliding_window is not None,
+        sliding_window=cfg.sliding_window,
+        **common,
+    )
 
 
-def load_hf_model(model: str, overrides: dict, dtype: torch.dtype, device: torch.device,
-                  seed: int, attn_implementation: str) -> tuple[torch.nn.Module, ModelConfig]:
+def load_hf_model(
+    model: str,
+    overrides: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    attn_implementation: str,
+) -> tuple[torch.nn.Module, ModelConfig]:
     """A checkpoint folder through `from_pretrained` (local files only), or a preset with
     the built-in engine's seeded dummy weights loaded strictly."""
     import transformers
@@ -49,7 +67,8 @@ def load_hf_model(model: str, overrides: dict, dtype: torch.dtype, device: torch
     cfg = resolve_model(model, overrides)
     if Path(model).is_dir():
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            model, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation)
+            model, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+        )
     else:
         config = hf_config(cfg)
         config._attn_implementation = attn_implementation

@@ -67,9 +67,13 @@ log = logging.getLogger(__name__)
 class OpenAIBackend(Backend):
     name = "openai"
 
-    def __init__(self, config: OpenAIConfig, model: dict[str, Any] | None = None,
-                 clock: Callable[[], int] = now_ns,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        config: OpenAIConfig,
+        model: dict[str, Any] | None = None,
+        clock: Callable[[], int] = now_ns,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         super().__init__()
         self.config = config.validate()
         self.model_group = dict(model or {})
@@ -101,8 +105,10 @@ class OpenAIBackend(Backend):
             except RuntimeError:
                 self._server_info = asyncio.run(self._probe())
             else:
-                raise RuntimeError("OpenAIBackend.load() runs its server check with "
-                                   "asyncio.run: call it outside a running event loop")
+                raise RuntimeError(
+                    "OpenAIBackend.load() runs its server check with "
+                    "asyncio.run: call it outside a running event loop"
+                )
         self._choose_dialect()
 
     def _choose_dialect(self) -> None:
@@ -111,13 +117,23 @@ class OpenAIBackend(Backend):
         self.dialect = DIALECTS[choose_dialect(requested, detected)]
         evidence = self._server_info.get("evidence")
         if self.dialect.name != requested:
-            log.info("engine.server=%s: using the %s dialect (%s)", requested,
-                     self.dialect.name, evidence or "no server answered as a known one")
+            log.info(
+                "engine.server=%s: using the %s dialect (%s)",
+                requested,
+                self.dialect.name,
+                evidence or "no server answered as a known one",
+            )
         elif detected is not None and detected != requested:
-            log.warning("engine.server=%s, but the server at %s answers as %s (%s); its "
-                        "requests may be refused or come back short. Set engine.server=%s, "
-                        "or engine.server=auto", requested, self.config.base_url, detected,
-                        evidence, detected)
+            log.warning(
+                "engine.server=%s, but the server at %s answers as %s (%s); its "
+                "requests may be refused or come back short. Set engine.server=%s, "
+                "or engine.server=auto",
+                requested,
+                self.config.base_url,
+                detected,
+                evidence,
+                detected,
+            )
 
     def close(self) -> None:
         # The pool belongs to the event loop that made it (the driver runs one loop per
@@ -128,10 +144,14 @@ class OpenAIBackend(Backend):
         cfg = self.config
         max_model_len = cfg.max_model_len or self._server_info.get("max_model_len")
         ids_asked = cfg.request_token_ids and bool(self.dialect.token_id_fields)
-        fallback = ("the tokenizer over each chunk's text" if self.tokenizer is not None
-                    else "one token per non-empty chunk (no tokenizer)")
-        counting = (("server token ids; else " if ids_asked else "")
-                    + f"the rule that matches the usage count; else {fallback}")
+        fallback = (
+            "the tokenizer over each chunk's text"
+            if self.tokenizer is not None
+            else "one token per non-empty chunk (no tokenizer)"
+        )
+        counting = (
+            "server token ids; else " if ids_asked else ""
+        ) + f"the rule that matches the usage count; else {fallback}"
         return {
             "backend": self.name,
             "base_url": cfg.base_url,
@@ -142,8 +162,11 @@ class OpenAIBackend(Backend):
             # what the server said it is at load (None: not asked, or not a known server)
             "server_detected": self._server_info.get("detected"),
             "server_detection": self._server_info.get("evidence")
-            or ("not asked (engine.check_server=false)" if not cfg.check_server
-                else "no known signature (servers.SIGNATURES)"),
+            or (
+                "not asked (engine.check_server=false)"
+                if not cfg.check_server
+                else "no known signature (servers.SIGNATURES)"
+            ),
             "max_model_len": max_model_len,
             "exact_output_length": self.dialect.forces_length,
             "token_counting": counting,
@@ -162,8 +185,12 @@ class OpenAIBackend(Backend):
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestEvent]:
         rid, clock = request.request_id, self.clock
         sampling = request.sampling
-        tally = RequestTally(rid, sampling.max_tokens, sampling.ignore_eos,
-                             dropped_fields=tuple(self.dialect.refused(sampling)))
+        tally = RequestTally(
+            rid,
+            sampling.max_tokens,
+            sampling.ignore_eos,
+            dropped_fields=tuple(self.dialect.refused(sampling)),
+        )
         build_start = time.perf_counter_ns()
         try:
             path, body = self._request_body(request)
@@ -172,8 +199,13 @@ class OpenAIBackend(Backend):
             yield Failed(rid, NO_STEP, clock(), f"request not sent: {exc}")
             return
         tally.build_ns = time.perf_counter_ns() - build_start
-        state = _StreamState(request, body.get("messages", body.get("prompt")), self.tokenizer,
-                             tally, self.dialect.count_rule)
+        state = _StreamState(
+            request,
+            body.get("messages", body.get("prompt")),
+            self.tokenizer,
+            tally,
+            self.dialect.count_rule,
+        )
         state.sent_ns = clock()
         yield Arrived(rid, NO_STEP, state.sent_ns)
         url = f"{self.config.base_url}{path}"
@@ -181,8 +213,9 @@ class OpenAIBackend(Backend):
             async with self._http().stream("POST", url, json=body) as response:
                 if response.status_code >= 400:
                     text = (await response.aread()).decode("utf-8", errors="replace")
-                    for event in state.fail(clock(), f"HTTP {response.status_code} from "
-                                                     f"POST {url}: {text[:2000]}"):
+                    for event in state.fail(
+                        clock(), f"HTTP {response.status_code} from POST {url}: {text[:2000]}"
+                    ):
                         yield event
                     return
                 if response.headers.get("content-type", "").startswith("application/json"):
@@ -215,12 +248,16 @@ class OpenAIBackend(Backend):
                         for event in state.end_of_stream(closed):
                             yield event
         except httpx.TimeoutException as exc:
-            for event in state.fail(clock(), f"timeout (engine.timeout_s={self.config.timeout_s})"
-                                             f" on POST {url}: {type(exc).__name__} {exc}"):
+            for event in state.fail(
+                clock(),
+                f"timeout (engine.timeout_s={self.config.timeout_s})"
+                f" on POST {url}: {type(exc).__name__} {exc}",
+            ):
                 yield event
         except httpx.HTTPError as exc:
-            for event in state.fail(clock(), f"HTTP error on POST {url}: "
-                                             f"{type(exc).__name__}: {exc}"):
+            for event in state.fail(
+                clock(), f"HTTP error on POST {url}: {type(exc).__name__}: {exc}"
+            ):
                 yield event
         finally:
             # also reached when the consumer stops early: that request counts as failed
@@ -247,15 +284,18 @@ class OpenAIBackend(Backend):
         if isinstance(prompt, str):
             return prompt
         if _is_chat(prompt):
-            tok = self._need_tokenizer("chat messages with engine.api=completions (the chat "
-                                       "template is applied client-side; or use api=chat)")
+            tok = self._need_tokenizer(
+                "chat messages with engine.api=completions (the chat "
+                "template is applied client-side; or use api=chat)"
+            )
             if self.dialect.token_prompts:
                 return tok.encode_chat(prompt)
             return tok.apply_chat_template(prompt)
         if self.dialect.token_prompts:
             return [int(t) for t in prompt]
-        tok = self._need_tokenizer(f"a token-id prompt with engine.server={self.dialect.name} "
-                                   "(it takes text prompts only)")
+        tok = self._need_tokenizer(
+            f"a token-id prompt with engine.server={self.dialect.name} (it takes text prompts only)"
+        )
         return tok.decode(prompt, skip_special_tokens=False)
 
     def _messages(self, prompt: Any) -> list[dict[str, str]]:
@@ -268,8 +308,10 @@ class OpenAIBackend(Backend):
 
     def _need_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
-            raise ValueError(f"{what} needs a tokenizer; set engine.tokenizer to a "
-                             "tokenizer.json file or folder (it is none now)")
+            raise ValueError(
+                f"{what} needs a tokenizer; set engine.tokenizer to a "
+                "tokenizer.json file or folder (it is none now)"
+            )
         return self.tokenizer
 
     # ---- HTTP ---------------------------------------------------------------------------------
@@ -283,8 +325,9 @@ class OpenAIBackend(Backend):
 
     def _new_client(self) -> httpx.AsyncClient:
         cfg = self.config
-        limits = httpx.Limits(max_connections=cfg.max_connections,
-                              max_keepalive_connections=cfg.max_connections)
+        limits = httpx.Limits(
+            max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections
+        )
         transport = self._transport or httpx.AsyncHTTPTransport(limits=limits)
         headers = {"Accept": "text/event-stream"}
         key = cfg.api_key()
@@ -304,11 +347,14 @@ class OpenAIBackend(Backend):
             try:
                 response = await client.get(url, timeout=min(cfg.timeout_s, 30.0))
             except httpx.HTTPError as exc:
-                raise ConnectionError(f"engine.base_url: cannot reach GET {url}: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+                raise ConnectionError(
+                    f"engine.base_url: cannot reach GET {url}: {type(exc).__name__}: {exc}"
+                ) from exc
             if response.status_code >= 400 and response.status_code != 404:
-                raise ConnectionError(f"engine.base_url: GET {url} answered HTTP "
-                                      f"{response.status_code}: {response.text[:500]}")
+                raise ConnectionError(
+                    f"engine.base_url: GET {url} answered HTTP "
+                    f"{response.status_code}: {response.text[:500]}"
+                )
             cards: list[dict[str, Any]] | None = None
             if response.status_code != 404:  # not every server lists its models
                 try:
@@ -320,12 +366,16 @@ class OpenAIBackend(Backend):
             if cards is not None:
                 models = [c.get("id") for c in cards]
                 if models and cfg.model not in models:
-                    raise ValueError(f"engine.model: {cfg.model!r} is not served at "
-                                     f"{cfg.base_url}; it serves: {models}")
+                    raise ValueError(
+                        f"engine.model: {cfg.model!r} is not served at "
+                        f"{cfg.base_url}; it serves: {models}"
+                    )
                 card = next((c for c in cards if c.get("id") == cfg.model), {})
                 length = card.get("max_model_len")
-                info = {"models": models,
-                        "max_model_len": length if isinstance(length, int) else None}
+                info = {
+                    "models": models,
+                    "max_model_len": length if isinstance(length, int) else None,
+                }
             # pages beyond /models are asked for only where the answer picks the dialect
             deep = cfg.server == "auto" or cfg.server in FAMILIES
             detected = await self._detect(client, cards or [], deep)
@@ -333,22 +383,25 @@ class OpenAIBackend(Backend):
             info["detected"], info["evidence"] = detected
         return info
 
-    async def _detect(self, client: httpx.AsyncClient, cards: list[dict[str, Any]],
-                      deep: bool) -> tuple[str, str] | None:
+    async def _detect(
+        self, client: httpx.AsyncClient, cards: list[dict[str, Any]], deep: bool
+    ) -> tuple[str, str] | None:
         """The first of `SIGNATURES` the server matches: (dialect, what it answered)."""
         root = self.config.base_url.removesuffix("/v1")
         pages: dict[str, Any] = {}
         for sig in SIGNATURES:
             if sig.where == "models":
                 if any(_field(card, sig.field) == sig.value for card in cards):
-                    return sig.server, (f"GET {self.config.base_url}/models: "
-                                        f"{sig.field}={sig.value!r}")
+                    return sig.server, (
+                        f"GET {self.config.base_url}/models: {sig.field}={sig.value!r}"
+                    )
                 continue
             if not deep:
                 continue
             if sig.where not in pages:
-                pages[sig.where] = await _get_json(client, root + sig.where,
-                                                   min(self.config.timeout_s, 10.0))
+                pages[sig.where] = await _get_json(
+                    client, root + sig.where, min(self.config.timeout_s, 10.0)
+                )
             if _field(pages[sig.where], sig.field) == sig.value:
                 return sig.server, f"GET {root}{sig.where}: {sig.field}={sig.value!r}"
         return None
@@ -386,9 +439,14 @@ class _StreamState:
     `[DONE]` or a closed connection before that is a failure that says how many tokens came.
     """
 
-    def __init__(self, request: GenerationRequest, sent_prompt: Any,
-                 tokenizer: Tokenizer | None, tally: RequestTally,
-                 count_rule: str | None = None) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        sent_prompt: Any,
+        tokenizer: Tokenizer | None,
+        tally: RequestTally,
+        count_rule: str | None = None,
+    ) -> None:
         self.request = request
         self.sent_prompt = sent_prompt  # as sent: text, token ids or chat messages
         self.tokenizer = tokenizer
@@ -425,8 +483,9 @@ class _StreamState:
                 return self._finish(arrived)
         return []
 
-    def end_of_stream(self, closed: int, how: str = "stream closed (no [DONE])"
-                      ) -> list[RequestEvent]:
+    def end_of_stream(
+        self, closed: int, how: str = "stream closed (no [DONE])"
+    ) -> list[RequestEvent]:
         """The answer ended without [DONE]: fine if every choice said it finished."""
         if None not in self.finish_reasons:
             return self._finish(closed)
@@ -444,11 +503,19 @@ class _StreamState:
         self.ended = self.failed = True
         events = self._tokens(self._rule())
         missing = [i for i, r in enumerate(self.finish_reasons) if r is None]
-        which = f" (choice(s) {missing} of {len(self.finish_reasons)})" \
-            if len(self.finish_reasons) > 1 else ""
-        events.append(Failed(self.request.request_id, NO_STEP, at,
-                             f"{how} without a finish_reason after {sum(self.counts)} "
-                             f"tokens{which}"))
+        which = (
+            f" (choice(s) {missing} of {len(self.finish_reasons)})"
+            if len(self.finish_reasons) > 1
+            else ""
+        )
+        events.append(
+            Failed(
+                self.request.request_id,
+                NO_STEP,
+                at,
+                f"{how} without a finish_reason after {sum(self.counts)} tokens{which}",
+            )
+        )
         return events
 
     # ---- counting -----------------------------------------------------------------------------
@@ -480,13 +547,19 @@ class _StreamState:
             rule = "tokenizer" if self.tokenizer is not None else "nonempty_chunk"
         if rule == "tokenizer":
             assert self.tokenizer is not None
-            return tuple(self.tokenizer.encode(delta.text, add_special_tokens=False)) \
-                if delta.text else ()
+            return (
+                tuple(self.tokenizer.encode(delta.text, add_special_tokens=False))
+                if delta.text
+                else ()
+            )
         if rule == "nonempty_chunk":
             counted = bool(delta.text)
         elif rule == "chunk":  # per-token streams that close with a separate, empty chunk
-            counted = delta.has_text and not delta.role_only and not (
-                delta.finish_reason is not None and not delta.text)
+            counted = (
+                delta.has_text
+                and not delta.role_only
+                and not (delta.finish_reason is not None and not delta.text)
+            )
         else:  # "chunk_with_final": per-token streams whose empty last chunk is the EOS token
             counted = delta.has_text and not delta.role_only
         return (UNKNOWN_TOKEN_ID,) if counted else ()
@@ -522,9 +595,18 @@ class _StreamState:
         for index, count in enumerate(self.counts):
             output = usage_output if single and isinstance(usage_output, int) else count
             reason = self.finish_reasons[index]
-            events.append(Finished(
-                rid, NO_STEP, at, normalize_finish_reason(reason) if reason else "unknown",
-                prompt_tokens or 0, output, text=self.texts[index], index=index))
+            events.append(
+                Finished(
+                    rid,
+                    NO_STEP,
+                    at,
+                    normalize_finish_reason(reason) if reason else "unknown",
+                    prompt_tokens or 0,
+                    output,
+                    text=self.texts[index],
+                    index=index,
+                )
+            )
         return events
 
     def _count_prompt(self) -> int | None:

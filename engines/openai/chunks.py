@@ -81,14 +81,16 @@ def _chunk(payload: dict[str, Any]) -> Chunk:
             text = delta.get("content")
         ids = choice.get("token_ids")
         finish_reason = choice.get("finish_reason") or None
-        chunk.choices.append(ChoiceDelta(
-            index=int(choice.get("index") or 0),
-            text=str(text or ""),
-            token_ids=tuple(int(i) for i in ids) if isinstance(ids, list) else None,
-            finish_reason=str(finish_reason) if finish_reason is not None else None,
-            has_text=text is not None,
-            role_only=bool(delta.get("role")) and not text and finish_reason is None,
-        ))
+        chunk.choices.append(
+            ChoiceDelta(
+                index=int(choice.get("index") or 0),
+                text=str(text or ""),
+                token_ids=tuple(int(i) for i in ids) if isinstance(ids, list) else None,
+                finish_reason=str(finish_reason) if finish_reason is not None else None,
+                has_text=text is not None,
+                role_only=bool(delta.get("role")) and not text and finish_reason is None,
+            )
+        )
     usage = payload.get("usage")
     if isinstance(usage, dict):
         chunk.usage = usage

@@ -46,7 +46,8 @@ class OpenAIConfig:
         if unknown:
             raise OpenAIConfigError(
                 f"engine (backend=openai): unknown option(s) {unknown}; known options: "
-                f"{sorted(known)}")
+                f"{sorted(known)}"
+            )
         config = cls(**options)
         if config.model is None:
             config.model = model.get("path") or model.get("name")
@@ -58,10 +59,12 @@ class OpenAIConfig:
     def validate(self) -> OpenAIConfig:
         def fail(name: str, allowed: str) -> OpenAIConfigError:
             return OpenAIConfigError(
-                f"engine.{name}: {getattr(self, name)!r} is invalid; allowed: {allowed}")
+                f"engine.{name}: {getattr(self, name)!r} is invalid; allowed: {allowed}"
+            )
 
         if not isinstance(self.base_url, str) or not self.base_url.startswith(
-                ("http://", "https://")):
+            ("http://", "https://")
+        ):
             raise fail("base_url", "an http:// or https:// URL, e.g. http://127.0.0.1:8000/v1")
         if not isinstance(self.model, str) or not self.model:
             raise fail("model", "the served model name (a non-empty string)")
@@ -73,20 +76,31 @@ class OpenAIConfig:
             raise OpenAIConfigError(
                 "engine.server: 'auto' asks the server which it is at load; it needs "
                 "engine.check_server=true (or name the server: "
-                f"{'|'.join(s for s in SERVERS if s != 'auto')})")
+                f"{'|'.join(s for s in SERVERS if s != 'auto')})"
+            )
         if self.api_key_env is not None:
             if not isinstance(self.api_key_env, str) or not self.api_key_env.isidentifier():
-                raise fail("api_key_env", "null or the NAME of an environment variable "
-                                          "(e.g. OPENAI_API_KEY), never the key itself")
+                raise fail(
+                    "api_key_env",
+                    "null or the NAME of an environment variable "
+                    "(e.g. OPENAI_API_KEY), never the key itself",
+                )
             if self.api_key_env not in os.environ:
                 raise OpenAIConfigError(
                     f"engine.api_key_env: the environment variable {self.api_key_env} is not "
-                    "set; export it, or set engine.api_key_env=null for a server without keys")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) \
-                or not 0 < self.timeout_s < float("inf"):
+                    "set; export it, or set engine.api_key_env=null for a server without keys"
+                )
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, int | float)
+            or not 0 < self.timeout_s < float("inf")
+        ):
             raise fail("timeout_s", "a number of seconds > 0")
-        if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int) \
-                or self.max_connections < 1:
+        if (
+            isinstance(self.max_connections, bool)
+            or not isinstance(self.max_connections, int)
+            or self.max_connections < 1
+        ):
             raise fail("max_connections", "an integer >= 1")
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise fail("tokenizer", "auto|none|a tokenizer.json file or folder")
@@ -94,8 +108,10 @@ class OpenAIConfig:
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "true|false")
         if self.max_model_len is not None and (
-                isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int)
-                or self.max_model_len < 1):
+            isinstance(self.max_model_len, bool)
+            or not isinstance(self.max_model_len, int)
+            or self.max_model_len < 1
+        ):
             raise fail("max_model_len", "null or an integer >= 1")
         if not isinstance(self.extra_body, dict):
             raise fail("extra_body", "a mapping of extra JSON fields, e.g. {top_k: 20}")

@@ -34,8 +34,11 @@ FieldsFn = Callable[[SamplingParams], dict[str, Any]]
 
 def _openai_fields(sampling: SamplingParams) -> dict[str, Any]:
     """The fields OpenAI's own API defines, which every server accepts."""
-    body: dict[str, Any] = {"max_tokens": sampling.max_tokens,
-                            "temperature": sampling.temperature, "top_p": sampling.top_p}
+    body: dict[str, Any] = {
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+    }
     if sampling.seed is not None:
         body["seed"] = sampling.seed
     if sampling.stop:
@@ -122,27 +125,56 @@ class Dialect:
     def refused(self, sampling: SamplingParams) -> list[str]:
         """The non-default sampling fields of `sampling` this server would silently drop."""
         defaults = SamplingParams()
-        return [name for name in self.unsupported
-                if getattr(sampling, name) != getattr(defaults, name)]
+        return [
+            name for name in self.unsupported if getattr(sampling, name) != getattr(defaults, name)
+        ]
 
 
 DIALECTS: dict[str, Dialect] = {
     "vllm": Dialect("vllm", _vllm_fields, True, {"return_token_ids": True}, True, ()),
-    "sglang": Dialect("sglang", _sglang_fields, True, {"return_token_ids": True}, True,
-                      ("include_stop_str_in_output",)),
-    "llamacpp": Dialect("llamacpp", _llamacpp_fields, True, {}, True,
-                        ("min_tokens", "stop_token_ids", "include_stop_str_in_output")),
+    "sglang": Dialect(
+        "sglang",
+        _sglang_fields,
+        True,
+        {"return_token_ids": True},
+        True,
+        ("include_stop_str_in_output",),
+    ),
+    "llamacpp": Dialect(
+        "llamacpp",
+        _llamacpp_fields,
+        True,
+        {},
+        True,
+        ("min_tokens", "stop_token_ids", "include_stop_str_in_output"),
+    ),
     # llama-cpp-python's server (`python -m llama_cpp.server`): `prompt` is text only (token
     # ids are refused), no usage in streams, one chunk per token then an empty finishing chunk
     "llama_cpp_python": Dialect(
-        "llama_cpp_python", _llama_cpp_python_fields, False, {}, True,
-        ("n", "stop_token_ids", "include_stop_str_in_output"), count_rule="chunk"),
-    "tgi": Dialect("tgi", _tgi_fields, False, {}, False,
-                   ("top_k", "min_tokens", "ignore_eos", "stop_token_ids",
-                    "include_stop_str_in_output")),
-    "generic": Dialect("generic", _openai_fields, True, {}, False,
-                       ("top_k", "min_tokens", "ignore_eos", "stop_token_ids",
-                        "include_stop_str_in_output")),
+        "llama_cpp_python",
+        _llama_cpp_python_fields,
+        False,
+        {},
+        True,
+        ("n", "stop_token_ids", "include_stop_str_in_output"),
+        count_rule="chunk",
+    ),
+    "tgi": Dialect(
+        "tgi",
+        _tgi_fields,
+        False,
+        {},
+        False,
+        ("top_k", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output"),
+    ),
+    "generic": Dialect(
+        "generic",
+        _openai_fields,
+        True,
+        {},
+        False,
+        ("top_k", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output"),
+    ),
 }
 
 
@@ -167,8 +199,7 @@ SIGNATURES: tuple[Signature, ...] = (
     Signature("sglang", "models", "owned_by", "sglang"),
     Signature("llamacpp", "models", "owned_by", "llamacpp"),
     Signature("llama_cpp_python", "models", "owned_by", "me"),
-    Signature("llama_cpp_python", "/openapi.json", "info.title",
-              "\U0001f999 llama.cpp Python API"),
+    Signature("llama_cpp_python", "/openapi.json", "info.title", "\U0001f999 llama.cpp Python API"),
     Signature("tgi", "/info", "router", "text-generation-router"),
 )
 # A requested dialect that stands for several servers: the one detected among them is used.
@@ -186,8 +217,13 @@ def choose_dialect(requested: str, detected: str | None) -> str:
 
 
 # Finish reasons outside OpenAI's vocabulary, mapped onto the harness's "length" | "stop".
-FINISH_REASONS = {"eos_token": "stop", "stop_sequence": "stop", "eos": "stop", "word": "stop",
-                  "limit": "length"}
+FINISH_REASONS = {
+    "eos_token": "stop",
+    "stop_sequence": "stop",
+    "eos": "stop",
+    "word": "stop",
+    "limit": "length",
+}
 
 
 def normalize_finish_reason(reason: str) -> str:

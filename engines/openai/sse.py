@@ -57,7 +57,7 @@ class SSEParser:
             cr = buffer.find(b"\r", start, lf if lf >= 0 else length)
             if cr >= 0:
                 end, next_start = cr, cr + 1
-                if next_start < length and buffer[next_start:next_start + 1] == b"\n":
+                if next_start < length and buffer[next_start : next_start + 1] == b"\n":
                     next_start += 1
                 elif next_start == length:
                     self._skip_lf = True
@@ -104,7 +104,6 @@ class SSEParser:
         return None
 
     def _dispatch(self) -> SSEEvent:
-        event = SSEEvent("\n".join(self._data), self._event or "message", self._id,
-                         self._extra)
+        event = SSEEvent("\n".join(self._data), self._event or "message", self._id, self._extra)
         self._data, self._event, self._extra, self._has_fields = [], "", {}, False
         return event

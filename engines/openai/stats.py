@@ -80,22 +80,34 @@ class ClientStats:
     def _refresh(self) -> None:
         chunks = len(self._overhead)
         requests = self._totals["requests_finished"] + self._totals["requests_failed"]
-        self.live.update({
-            **{k: self._totals.get(k, 0) for k in (
-                "requests_finished", "requests_failed", "output_tokens_requested",
-                "output_tokens_counted", "output_tokens_usage", "requests_with_usage",
-                "requests_usage_count_mismatch", "requests_shorter_than_requested",
-                "ignore_eos_requests_not_exact")},
-            "chunks": chunks,
-            "chunks_by_token_source": dict(self._sources),
-            "requests_by_count_rule": dict(self._rules),
-            "dropped_sampling_fields": dict(self._dropped),
-            "client_overhead_s_total": self._overhead_sum / 1e9,
-            "client_overhead_per_chunk_mean_us": self._overhead_sum / chunks / 1e3
-            if chunks else None,
-            "client_overhead_per_chunk_max_us": self._overhead_max / 1e3 if chunks else None,
-            "request_build_mean_us": self._build_sum / requests / 1e3 if requests else None,
-        })
+        self.live.update(
+            {
+                **{
+                    k: self._totals.get(k, 0)
+                    for k in (
+                        "requests_finished",
+                        "requests_failed",
+                        "output_tokens_requested",
+                        "output_tokens_counted",
+                        "output_tokens_usage",
+                        "requests_with_usage",
+                        "requests_usage_count_mismatch",
+                        "requests_shorter_than_requested",
+                        "ignore_eos_requests_not_exact",
+                    )
+                },
+                "chunks": chunks,
+                "chunks_by_token_source": dict(self._sources),
+                "requests_by_count_rule": dict(self._rules),
+                "dropped_sampling_fields": dict(self._dropped),
+                "client_overhead_s_total": self._overhead_sum / 1e9,
+                "client_overhead_per_chunk_mean_us": self._overhead_sum / chunks / 1e3
+                if chunks
+                else None,
+                "client_overhead_per_chunk_max_us": self._overhead_max / 1e3 if chunks else None,
+                "request_build_mean_us": self._build_sum / requests / 1e3 if requests else None,
+            }
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """`live` plus per-chunk overhead percentiles (computed now, over every chunk)."""

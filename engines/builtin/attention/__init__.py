@@ -12,8 +12,9 @@ from engines.builtin.attention.metadata import AttentionMetadata
 from engines.plugins import Registry
 
 #: `engine.attention_backend` -> a function making the backend (heavy ones imported on use).
-ATTENTION_BACKENDS = Registry[Callable[[], DenseAttention]]("engine.attention_backend",
-                                                           extra_values=("auto",))
+ATTENTION_BACKENDS = Registry[Callable[[], DenseAttention]](
+    "engine.attention_backend", extra_values=("auto",)
+)
 ATTENTION_BACKENDS.add("torch", lambda: DenseAttention("torch", reference_kernel))
 ATTENTION_BACKENDS.add("sdpa", lambda: DenseAttention("sdpa", sdpa_kernel))
 
@@ -24,8 +25,10 @@ def _triton_attention() -> DenseAttention:
     try:
         from engines.builtin.attention.triton_backend import TritonAttention
     except ImportError as e:
-        raise ValueError(f"engine.attention_backend: 'triton' needs the triton package ({e}); "
-                         "available without it: auto|torch|sdpa|cpu") from e
+        raise ValueError(
+            f"engine.attention_backend: 'triton' needs the triton package ({e}); "
+            "available without it: auto|torch|sdpa|cpu"
+        ) from e
     return TritonAttention()
 
 
@@ -36,17 +39,29 @@ def _cpu_attention() -> DenseAttention:
     return CpuAttention()
 
 
-def resolve_attention(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
-                      kv_cache_dtype: str = "auto", native_kernels: bool = True) -> str:
+def resolve_attention(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    kv_cache_dtype: str = "auto",
+    native_kernels: bool = True,
+) -> str:
     """`auto`: the engine's C decode kernel where it would run (CPU, float32 K/V, the kernels
     built, `native_kernels`), else sdpa. `cpu` is refused off the CPU."""
     if name == "cpu" and device.type != "cpu":
-        raise ValueError(f"engine.attention_backend: 'cpu' runs on the CPU only, not on "
-                         f"{device}; available there: auto|torch|sdpa|triton")
+        raise ValueError(
+            f"engine.attention_backend: 'cpu' runs on the CPU only, not on "
+            f"{device}; available there: auto|torch|sdpa|triton"
+        )
     if name != "auto":
         return name
-    if (native_kernels and device.type == "cpu" and dtype == torch.float32
-            and kv_cache_dtype != "int8" and native.load() is not None):
+    if (
+        native_kernels
+        and device.type == "cpu"
+        and dtype == torch.float32
+        and kv_cache_dtype != "int8"
+        and native.load() is not None
+    ):
         return "cpu"
     return "sdpa"
 
@@ -55,5 +70,10 @@ def make_attention(name: str) -> DenseAttention:
     return ATTENTION_BACKENDS.get(name)()
 
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "DenseAttention", "make_attention",
-           "resolve_attention"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionMetadata",
+    "DenseAttention",
+    "make_attention",
+    "resolve_attention",
+]

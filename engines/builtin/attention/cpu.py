@@ -31,23 +31,39 @@ from engines.builtin.kv_cache.storage import LayerKVCache
 class CpuAttention(DenseAttention):
     def __init__(self) -> None:
         if native.load() is None:
-            raise ValueError("engine.attention_backend: 'cpu' needs the engine's C kernels, "
-                             f"which could not be built here ({native.reason()}); "
-                             "available without them: auto|torch|sdpa")
+            raise ValueError(
+                "engine.attention_backend: 'cpu' needs the engine's C kernels, "
+                f"which could not be built here ({native.reason()}); "
+                "available without them: auto|torch|sdpa"
+            )
         super().__init__("cpu", sdpa_kernel)
 
-    def _prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  cache: LayerKVCache | None, meta: AttentionMetadata, scale: float,
-                  out: torch.Tensor) -> None:
-        if (not self._whole_prompts(meta)
-                or not all(t.dtype == torch.float32 and t.stride(2) == 1
-                           and t.stride(1) == t.shape[2] for t in (q, k, v))):
+    def _prefills(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache | None,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        if not self._whole_prompts(meta) or not all(
+            t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+            for t in (q, k, v)
+        ):
             super()._prefills(q, k, v, cache, meta, scale, out)
             return
         first = meta.query_start_loc_host[meta.num_decodes]
-        native.prefill_attention(q[first:], k[first:], v[first:],
-                                 meta.per_step["prompt_starts"], scale, meta.sliding_window,
-                                 out=out[first:])
+        native.prefill_attention(
+            q[first:],
+            k[first:],
+            v[first:],
+            meta.per_step["prompt_starts"],
+            scale,
+            meta.sliding_window,
+            out=out[first:],
+        )
 
     @staticmethod
     def _whole_prompts(meta: AttentionMetadata) -> bool:
@@ -55,15 +71,19 @@ class CpuAttention(DenseAttention):
         tokens); if so, their row bounds go to meta.per_step["prompt_starts"] for the kernel."""
         if "prompt_starts" not in meta.per_step:
             nd, qsl = meta.num_decodes, meta.query_start_loc_host
-            whole = all(qsl[i + 1] - qsl[i] == meta.seq_lens_host[i]
-                        for i in range(nd, meta.num_seqs))
+            whole = all(
+                qsl[i + 1] - qsl[i] == meta.seq_lens_host[i] for i in range(nd, meta.num_seqs)
+            )
             meta.per_step["prompt_starts"] = (
-                torch.tensor([b - qsl[nd] for b in qsl[nd:meta.num_seqs + 1]],
-                             dtype=torch.int32) if whole else None)
+                torch.tensor([b - qsl[nd] for b in qsl[nd : meta.num_seqs + 1]], dtype=torch.int32)
+                if whole
+                else None
+            )
         return meta.per_step["prompt_starts"] is not None
 
-    def _decode(self, q: torch.Tensor, cache: LayerKVCache | None, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, cache: LayerKVCache | None, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         assert cache is not None, "single-token decodes need a KV cache"
         # resolve_attention keeps this backend on the CPU; the cache's dtype is static
         if cache.quantized or cache.dtype != torch.float32 or q.dtype != torch.float32:
@@ -75,5 +95,13 @@ class CpuAttention(DenseAttention):
                 meta.per_step["ring_lens"] = seq_lens.clamp(max=meta.block_size)
             seq_lens, window = meta.per_step["ring_lens"], None
             longest = min(longest, meta.block_size)
-        return native.decode_attention(q, cache.k, cache.v, meta.block_tables[:nd], seq_lens,
-                                       scale, window, max_seq_len=longest)
+        return native.decode_attention(
+            q,
+            cache.k,
+            cache.v,
+            meta.block_tables[:nd],
+            seq_lens,
+            scale,
+            window,
+            max_seq_len=longest,
+        )

@@ -18,12 +18,19 @@ from engines.builtin.attention.metadata import AttentionMetadata
 from engines.builtin.kv_cache.storage import LayerKVCache
 
 # q [B, h, n, d], k/v [B, kvh, L, d], mask [B or 1, 1, n, L] (True = attend) or None -> [B, h, n, d]
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float, bool],
-                  torch.Tensor]
+Kernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float, bool], torch.Tensor
+]
 
 
-def reference_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
+def reference_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
@@ -36,15 +43,23 @@ def reference_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
-def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
+def sdpa_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                          scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
 
 
-def _window_mask(query_pos: torch.Tensor, length: int, seq_lens: torch.Tensor | None,
-                 window: int | None) -> torch.Tensor:
+def _window_mask(
+    query_pos: torch.Tensor, length: int, seq_lens: torch.Tensor | None, window: int | None
+) -> torch.Tensor:
     """[..., n, L] mask: causal, within each sequence's length, within the sliding window."""
     keys = torch.arange(length, device=query_pos.device)
     mask = keys <= query_pos.unsqueeze(-1)
@@ -65,8 +80,9 @@ class InPlaceDecode:
     mask: torch.Tensor | None  # [B, 1, 1, L] in block order; None: every key is visible
 
 
-def plan_in_place_decode(meta: AttentionMetadata, cache: LayerKVCache, nd: int,
-                         length: int) -> InPlaceDecode | None:
+def plan_in_place_decode(
+    meta: AttentionMetadata, cache: LayerKVCache, nd: int, length: int
+) -> InPlaceDecode | None:
     """None when the cache cannot be read in place or the decodes' blocks are not one range."""
     if not cache.readable_in_place(length):
         return None
@@ -83,14 +99,14 @@ def plan_in_place_decode(meta: AttentionMetadata, cache: LayerKVCache, nd: int,
     return InPlaceDecode(first, order, decode_mask(meta, nd, length, lens))
 
 
-def decode_mask(meta: AttentionMetadata, nd: int, length: int,
-                lens: torch.Tensor) -> torch.Tensor | None:
+def decode_mask(
+    meta: AttentionMetadata, nd: int, length: int, lens: torch.Tensor
+) -> torch.Tensor | None:
     """[B, 1, 1, L] (True = attend) for decodes padded to `length` keys, rows in the order of
     `lens`; None when every key is visible: all contexts `length` long and no window."""
     if meta.sliding_window is None and len(set(meta.seq_lens_host[:nd])) == 1:
         return None
-    return _window_mask((lens - 1).view(nd, 1), length, lens,
-                        meta.sliding_window).unsqueeze(1)
+    return _window_mask((lens - 1).view(nd, 1), length, lens, meta.sliding_window).unsqueeze(1)
 
 
 class DenseAttention:
@@ -98,9 +114,15 @@ class DenseAttention:
         self.name = name
         self.kernel = kernel
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 cache: LayerKVCache | None, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache | None,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """q [T, h, d], k/v [T, kvh, d] for this step's tokens -> [T, h, d]."""
         nd = meta.num_decodes
         if nd and nd == meta.num_seqs:
@@ -111,18 +133,27 @@ class DenseAttention:
         self._prefills(q, k, v, cache, meta, scale, out)
         return out
 
-    def _prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  cache: LayerKVCache | None, meta: AttentionMetadata, scale: float,
-                  out: torch.Tensor) -> None:
+    def _prefills(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache | None,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
         """The step's prefills (rows past the decodes) into `out`, one call per sequence."""
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
         for i in range(meta.num_decodes, meta.num_seqs):
             start, end = qsl[i], qsl[i + 1]
-            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end],
-                                           lens[i], i, cache, meta, scale)
+            out[start:end] = self._prefill(
+                q[start:end], k[start:end], v[start:end], lens[i], i, cache, meta, scale
+            )
 
-    def _decode(self, q: torch.Tensor, cache: LayerKVCache | None, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, cache: LayerKVCache | None, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         assert cache is not None, "single-token decodes need a KV cache"
         nd = q.shape[0]
         if meta.ring:  # every slot of the ring is inside the window; only fill varies
@@ -132,8 +163,9 @@ class DenseAttention:
             if len(set(filled)) > 1:
                 lens = torch.tensor(filled, device=q.device)
                 mask = (torch.arange(max(filled), device=q.device) < lens[:, None])[:, None, None]
-            out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                              mask, scale, False)
+            out = self.kernel(
+                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale, False
+            )
             return out.squeeze(2)
         lengths = meta.seq_lens_host[:nd]
         length = max(lengths)
@@ -143,17 +175,30 @@ class DenseAttention:
         if nd > 1 and 2 * sum(lengths) < nd * length:
             # Contexts of very different lengths: padding every gather to the longest would
             # copy and attend mostly padding, so each sequence attends to its own context.
-            return torch.cat([self._decode_one(q[i:i + 1], cache, meta, i, scale)
-                              for i in range(nd)])
+            return torch.cat(
+                [self._decode_one(q[i : i + 1], cache, meta, i, scale) for i in range(nd)]
+            )
         keys, values = cache.gather(meta.block_tables[:nd], length, meta.block_size)
         if "decode_mask" not in meta.per_step:
             meta.per_step["decode_mask"] = decode_mask(meta, nd, length, meta.seq_lens[:nd].long())
-        out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                          meta.per_step["decode_mask"], scale, False)
+        out = self.kernel(
+            q.unsqueeze(2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            meta.per_step["decode_mask"],
+            scale,
+            False,
+        )
         return out.squeeze(2)
 
-    def _decode_in_place(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
-                         length: int, scale: float) -> torch.Tensor | None:
+    def _decode_in_place(
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        length: int,
+        scale: float,
+    ) -> torch.Tensor | None:
         """Decodes whose contexts each fit one block (the contiguous layout: one slot per
         sequence) and whose blocks form one range are attended through a view of the cache,
         with no gather: the queries are put in block order and the outputs put back.
@@ -171,40 +216,65 @@ class DenseAttention:
         keys, values = cache.block_range_view(plan.first, nd, length)
         if plan.order is not None:
             q = torch.empty_like(q).index_copy_(0, plan.order, q)
-        out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                          plan.mask, scale, False).squeeze(2)
+        out = self.kernel(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), plan.mask, scale, False
+        ).squeeze(2)
         return out if plan.order is None else out[plan.order]
 
-    def _decode_one(self, q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
-                    index: int, scale: float) -> torch.Tensor:
+    def _decode_one(
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        index: int,
+        scale: float,
+    ) -> torch.Tensor:
         length = meta.seq_lens_host[index]
-        keys, values = cache.gather(meta.block_tables[index:index + 1], length, meta.block_size)
+        keys, values = cache.gather(meta.block_tables[index : index + 1], length, meta.block_size)
         mask = None
         if meta.sliding_window is not None:
             query_pos = torch.tensor([[length - 1]], device=q.device)
             mask = _window_mask(query_pos, length, None, meta.sliding_window).unsqueeze(1)
-        out = self.kernel(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                          mask, scale, False)
+        out = self.kernel(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale, False
+        )
         return out.squeeze(2)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
-                 index: int, cache: LayerKVCache | None, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        length: int,
+        index: int,
+        cache: LayerKVCache | None,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         n = q.shape[0]
         if meta.ring and n != length:
-            raise ValueError("a contiguous ring-buffer KV cache cannot serve a prefill on top "
-                             "of cached context (chunked prefill); use kv_cache=paged")
+            raise ValueError(
+                "a contiguous ring-buffer KV cache cannot serve a prefill on top "
+                "of cached context (chunked prefill); use kv_cache=paged"
+            )
         if n == length or cache is None:
             keys, values = k, v  # no earlier context: attend to this chunk's own keys
         else:
-            keys, values = cache.gather(meta.block_tables[index:index + 1], length,
-                                        meta.block_size)
+            keys, values = cache.gather(
+                meta.block_tables[index : index + 1], length, meta.block_size
+            )
             keys, values = keys[0], values[0]
         causal, mask = True, None
         if meta.sliding_window is not None or n != length:
             causal = False
             query_pos = torch.arange(length - n, length, device=q.device)
             mask = _window_mask(query_pos, length, None, meta.sliding_window)
-        out = self.kernel(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-                          values.transpose(0, 1).unsqueeze(0), mask, scale, causal)
+        out = self.kernel(
+            q.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            mask,
+            scale,
+            causal,
+        )
         return out[0].transpose(0, 1)

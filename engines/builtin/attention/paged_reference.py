@@ -13,8 +13,13 @@ from __future__ import annotations
 import torch
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Store k/v [T, kv_heads, d] at their flat slots; slots < 0 (padding) are skipped."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
@@ -28,8 +33,14 @@ def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> to
     return block_table.long()[pos // block_size] * block_size + pos % block_size
 
 
-def attend(q: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           scale: float, window: int | None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    query_pos: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     """q [n, h, d] at positions query_pos [n] over keys/values [L, kvh, d] at positions
     0..L-1, causal and windowed, in fp32 -> [n, h, d] in q's dtype."""
     groups = q.shape[1] // keys.shape[1]
@@ -45,9 +56,15 @@ def attend(q: torch.Tensor, query_pos: torch.Tensor, keys: torch.Tensor, values:
     return out.to(q.dtype)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     sliding_window: int | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """One query token per sequence, q [B, h, d], at position seq_lens[b] - 1 -> [B, h, d]."""
     block_size = k_cache.shape[1]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
@@ -56,14 +73,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     for b, length in enumerate(seq_lens.tolist()):
         slots = context_slots(block_tables[b], length, block_size)
         pos = torch.tensor([length - 1], device=q.device)
-        out[b] = attend(q[b:b + 1], pos, flat_k[slots], flat_v[slots], scale, sliding_window)[0]
+        out[b] = attend(q[b : b + 1], pos, flat_k[slots], flat_v[slots], scale, sliding_window)[0]
     return out
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                      first_seq: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    first_seq: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Packed queries q [T, h, d]: sequence s's tokens are rows query_start_loc[s]:[s+1], at
     positions seq_lens[s] - n .. seq_lens[s] - 1 (a whole prompt, a chunk of one, or the
     uncached tail after a prefix-cache hit); they attend to positions 0..their own through the
@@ -79,6 +104,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         start, end = qsl[s], qsl[s + 1]
         pos = torch.arange(length - (end - start), length, device=q.device)
         slots = context_slots(block_tables[s], length, block_size)
-        out[start:end] = attend(q[start:end], pos, flat_k[slots], flat_v[slots], scale,
-                                sliding_window)
+        out[start:end] = attend(
+            q[start:end], pos, flat_k[slots], flat_v[slots], scale, sliding_window
+        )
     return out

@@ -24,28 +24,39 @@ from engines.builtin.kv_cache.storage import LayerKVCache
 class TritonAttention:
     name = "triton"
 
-    def __init__(self, partition_size: int = triton_kernels.DEFAULT_PARTITION_SIZE,
-                 decode_block_n: int = triton_kernels.DEFAULT_DECODE_BLOCK_N,
-                 prefill_block_m: int = triton_kernels.DEFAULT_PREFILL_BLOCK_M,
-                 prefill_block_n: int = triton_kernels.DEFAULT_PREFILL_BLOCK_N) -> None:
+    def __init__(
+        self,
+        partition_size: int = triton_kernels.DEFAULT_PARTITION_SIZE,
+        decode_block_n: int = triton_kernels.DEFAULT_DECODE_BLOCK_N,
+        prefill_block_m: int = triton_kernels.DEFAULT_PREFILL_BLOCK_M,
+        prefill_block_n: int = triton_kernels.DEFAULT_PREFILL_BLOCK_N,
+    ) -> None:
         self.partition_size = partition_size
         self.decode_block_n = decode_block_n
         self.prefill_block_m = prefill_block_m
         self.prefill_block_n = prefill_block_n
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 cache: LayerKVCache | None, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache | None,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """q [T, h, d] (k/v [T, kvh, d], already in the cache) -> [T, h, d]."""
         if cache is None or not meta.use_cache:
             raise RuntimeError(
                 "attention_backend=triton reads K/V from the KV cache, but this step has none "
-                "(kv_cache=none); use kv_cache=contiguous|paged, or attention_backend=sdpa")
+                "(kv_cache=none); use kv_cache=contiguous|paged, or attention_backend=sdpa"
+            )
         if meta.ring:
             raise RuntimeError(
                 "attention_backend=triton reads positions through block tables, but a "
                 "sliding-window model's contiguous cache is a rotated ring; use kv_cache=paged "
-                "(which releases blocks outside the window) or attention_backend=sdpa")
+                "(which releases blocks outside the window) or attention_backend=sdpa"
+            )
         self._check_device(q)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -53,21 +64,44 @@ class TritonAttention:
         scales = _scales(cache)
         if nd:
             triton_kernels.decode_attention(
-                q[:nd], cache.k, cache.v, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                meta.sliding_window, max_seq_len=max(lens[:nd]), out=out[:nd],
-                partition_size=self.partition_size, block_n=self.decode_block_n, **scales)
+                q[:nd],
+                cache.k,
+                cache.v,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                scale,
+                meta.sliding_window,
+                max_seq_len=max(lens[:nd]),
+                out=out[:nd],
+                partition_size=self.partition_size,
+                block_n=self.decode_block_n,
+                **scales,
+            )
         if meta.num_seqs > nd:
             qsl = meta.query_start_loc_host
             max_query_len = max(qsl[i + 1] - qsl[i] for i in range(nd, meta.num_seqs))
             triton_kernels.prefill_attention(
-                q, cache.k, cache.v, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                scale, meta.sliding_window, max_query_len=max_query_len, first_seq=nd,
-                out=out, block_m=self.prefill_block_m, block_n=self.prefill_block_n, **scales)
+                q,
+                cache.k,
+                cache.v,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                scale,
+                meta.sliding_window,
+                max_query_len=max_query_len,
+                first_seq=nd,
+                out=out,
+                block_m=self.prefill_block_m,
+                block_n=self.prefill_block_n,
+                **scales,
+            )
         return out
 
     @staticmethod
-    def write_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                 slot_mapping: torch.Tensor) -> None:
+    def write_kv(
+        k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, slot_mapping: torch.Tensor
+    ) -> None:
         """The Triton equivalent of `cache.write(k, v, slot_mapping)` (slots < 0 skipped)."""
         triton_kernels.write_kv(k, v, cache.k, cache.v, slot_mapping, **_scales(cache))
 
@@ -77,7 +111,8 @@ class TritonAttention:
             raise RuntimeError(
                 f"attention_backend=triton: tensors are on {q.device}, and Triton kernels run "
                 "on CUDA only; use device=cuda, or attention_backend=sdpa on CPU (tests: set "
-                "TRITON_INTERPRET=1 before triton kernels are imported)")
+                "TRITON_INTERPRET=1 before triton kernels are imported)"
+            )
 
 
 def _scales(cache: LayerKVCache) -> dict[str, torch.Tensor]:

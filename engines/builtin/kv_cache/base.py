@@ -54,8 +54,7 @@ class KVCacheManager(ABC):
     def bytes_reserved(self) -> int:
         """Bytes set aside for live sequences."""
 
-    def commit(self, seq_id: int, num_tokens: int,
-               token_ids: Sequence[int] | None = None) -> None:
+    def commit(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         """Record that the sequence's cache now holds its first `num_tokens` tokens
         (`token_ids`: all of its tokens, for managers that hash full blocks)."""
         self.tokens_held[seq_id] = num_tokens

@@ -121,8 +121,9 @@ class BlockPool:
                 return block
         return None
 
-    def register(self, block: int, block_hash: int, token_ids: tuple[int, ...],
-                 parent: int | None) -> int:
+    def register(
+        self, block: int, block_hash: int, token_ids: tuple[int, ...], parent: int | None
+    ) -> int:
         """Record the content of a block that just became full; return its content id.
 
         A block already registered (shared through a fork or a hit) keeps its id. If another

@@ -27,8 +27,10 @@ class ContiguousKVCacheManager(KVCacheManager):
 
     def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
         if num_tokens > self.layout.block_size and not self.ring:
-            raise ValueError(f"{num_tokens} tokens exceed the {self.layout.block_size}-token "
-                             "region of a contiguous KV slot")
+            raise ValueError(
+                f"{num_tokens} tokens exceed the {self.layout.block_size}-token "
+                "region of a contiguous KV slot"
+            )
         if seq_id in self.block_tables:
             return []
         if not self.free_slots:

@@ -60,8 +60,12 @@ class PagedKVCacheManager(KVCacheManager):
     hits return to the cache). Blocks the window releases in ``commit`` are not reported.
     """
 
-    def __init__(self, layout: KVLayout, enable_prefix_caching: bool = False,
-                 sliding_window: int | None = None) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        enable_prefix_caching: bool = False,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__(layout)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError("sliding_window must be >= 1")
@@ -88,8 +92,11 @@ class PagedKVCacheManager(KVCacheManager):
         if num_tokens <= held:
             return []
         end = min(len(table), _cdiv(num_tokens, self.block_size))
-        return [i for i in range(held // self.block_size, end)
-                if table[i] != NULL_BLOCK and self.pool.ref_counts[table[i]] > 1]
+        return [
+            i
+            for i in range(held // self.block_size, end)
+            if table[i] != NULL_BLOCK and self.pool.ref_counts[table[i]] > 1
+        ]
 
     def _blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         table = self.block_tables.get(seq_id, [])
@@ -101,8 +108,10 @@ class PagedKVCacheManager(KVCacheManager):
 
     def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
         if not self.can_allocate(seq_id, num_tokens):
-            raise RuntimeError(f"cannot fit {num_tokens} tokens of sequence {seq_id} in the "
-                               f"{self.pool.num_free} free KV blocks")
+            raise RuntimeError(
+                f"cannot fit {num_tokens} tokens of sequence {seq_id} in the "
+                f"{self.pool.num_free} free KV blocks"
+            )
         table = self.block_tables.setdefault(seq_id, [])
         held = self.tokens_held.setdefault(seq_id, 0)
         new_blocks = []
@@ -156,14 +165,14 @@ class PagedKVCacheManager(KVCacheManager):
 
     # ---- writes -----------------------------------------------------------------------------
 
-    def commit(self, seq_id: int, num_tokens: int,
-               token_ids: Sequence[int] | None = None) -> None:
+    def commit(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         """The cache holds the sequence's first `num_tokens` tokens; `token_ids` (the
         sequence's tokens, at least that many) lets prefix caching hash the full blocks."""
         table = self.block_tables.get(seq_id, [])
         if num_tokens > len(table) * self.block_size:
-            raise ValueError(f"sequence {seq_id}: {num_tokens} tokens committed beyond its "
-                             f"{len(table)} blocks")
+            raise ValueError(
+                f"sequence {seq_id}: {num_tokens} tokens committed beyond its {len(table)} blocks"
+            )
         held = self.tokens_held.get(seq_id, 0)
         bs = self.block_size
         for index in range(held // bs, _cdiv(num_tokens, bs)):
@@ -172,20 +181,21 @@ class PagedKVCacheManager(KVCacheManager):
         self.tokens_held[seq_id] = num_tokens
         if self.enable_prefix_caching and token_ids is not None:
             if len(token_ids) < num_tokens:
-                raise ValueError(f"sequence {seq_id}: {len(token_ids)} token ids for "
-                                 f"{num_tokens} committed tokens")
+                raise ValueError(
+                    f"sequence {seq_id}: {len(token_ids)} token ids for "
+                    f"{num_tokens} committed tokens"
+                )
             self._register_full_blocks(seq_id, num_tokens, token_ids)
         if self.sliding_window is not None:
             self._release_outside_window(seq_id, num_tokens)
 
-    def _register_full_blocks(self, seq_id: int, num_tokens: int,
-                              token_ids: Sequence[int]) -> None:
+    def _register_full_blocks(self, seq_id: int, num_tokens: int, token_ids: Sequence[int]) -> None:
         table = self.block_tables[seq_id]
         hashes = self._hashes.setdefault(seq_id, [])
         content_ids = self._content_ids.setdefault(seq_id, [])
         bs = self.block_size
         for index in range(len(hashes), num_tokens // bs):
-            tokens = tuple(token_ids[index * bs:(index + 1) * bs])
+            tokens = tuple(token_ids[index * bs : (index + 1) * bs])
             parent_hash = hashes[-1] if hashes else ROOT_HASH
             parent = content_ids[-1] if content_ids else None
             block_hash = hash_block_tokens(parent_hash, tokens)
@@ -220,14 +230,15 @@ class PagedKVCacheManager(KVCacheManager):
         if not self.enable_prefix_caching:
             return 0
         if self.block_tables.get(seq_id):
-            raise ValueError(f"sequence {seq_id} already has blocks; match_prefix is for new "
-                             "sequences")
+            raise ValueError(
+                f"sequence {seq_id} already has blocks; match_prefix is for new sequences"
+            )
         bs = self.block_size
         table = self.block_tables.setdefault(seq_id, [])
         hashes = self._hashes.setdefault(seq_id, [])
         content_ids = self._content_ids.setdefault(seq_id, [])
         for index in range((len(token_ids) - 1) // bs):
-            tokens = tuple(token_ids[index * bs:(index + 1) * bs])
+            tokens = tuple(token_ids[index * bs : (index + 1) * bs])
             parent_hash = hashes[-1] if hashes else ROOT_HASH
             parent = content_ids[-1] if content_ids else None
             block_hash = hash_block_tokens(parent_hash, tokens)

@@ -47,8 +47,9 @@ KV_MANAGERS = Registry[Callable[[KVSizing], SizedKV]]("engine.kv_cache")
 @KV_MANAGERS.register("none")
 def no_kv_cache(s: KVSizing) -> SizedKV:
     """Recompute the whole context every step: no memory, no limit but max_num_seqs."""
-    return SizedKV(NoKVCacheManager(s.bytes_per_token), s.max_num_seqs, 0,
-                   "kv_cache=none: no KV cache")
+    return SizedKV(
+        NoKVCacheManager(s.bytes_per_token), s.max_num_seqs, 0, "kv_cache=none: no KV cache"
+    )
 
 
 @KV_MANAGERS.register("contiguous")
@@ -66,7 +67,8 @@ def contiguous_kv_cache(s: KVSizing) -> SizedKV:
         raise ValueError(
             f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds no sequence of "
             f"max_model_len={s.max_model_len} ({per_seq} bytes each; budget: {reason}); "
-            "raise the budget or lower engine.max_model_len")
+            "raise the budget or lower engine.max_model_len"
+        )
     layout = KVLayout(num_blocks=slots, block_size=region, bytes_per_token=s.bytes_per_token)
     return SizedKV(ContiguousKVCacheManager(layout, ring=ring), slots, budget, reason)
 
@@ -89,8 +91,10 @@ def paged_kv_cache(s: KVSizing) -> SizedKV:
     if usable < 1:
         raise ValueError(
             f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds no KV block of "
-            f"block_size={s.block_size} ({block_bytes} bytes each; budget: {reason})")
-    layout = KVLayout(num_blocks=usable + 1, block_size=s.block_size,
-                      bytes_per_token=s.bytes_per_token)
+            f"block_size={s.block_size} ({block_bytes} bytes each; budget: {reason})"
+        )
+    layout = KVLayout(
+        num_blocks=usable + 1, block_size=s.block_size, bytes_per_token=s.bytes_per_token
+    )
     manager = PagedKVCacheManager(layout, s.enable_prefix_caching, s.sliding_window)
     return SizedKV(manager, s.max_num_seqs, budget, reason)

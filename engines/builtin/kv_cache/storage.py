@@ -14,8 +14,9 @@ import torch
 from engines.base import now_ns
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-          prefault: bool = False) -> torch.Tensor:
+def zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool = False
+) -> torch.Tensor:
     """Zero-filled KV memory. Zeros, not empty: batched decode reads (and masks) positions past
     a short sequence's end, and garbage there could be NaN, which a zero attention weight does
     not cancel.
@@ -76,9 +77,17 @@ class LayerKVCache:
     #: write does more (or other) says False
     stores_by_slot = True
 
-    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, quantized: bool = False,
-                 prefault: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantized: bool = False,
+        prefault: bool = False,
+    ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.dtype = dtype
         self.quantized = quantized
@@ -100,8 +109,9 @@ class LayerKVCache:
         self.k.view(-1, *self.k.shape[2:]).index_copy_(0, slot_mapping, k)
         self.v.view(-1, *self.v.shape[2:]).index_copy_(0, slot_mapping, v)
 
-    def gather(self, block_tables: torch.Tensor, length: int,
-               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, block_tables: torch.Tensor, length: int, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the first `length` positions of each sequence: [B, length, kv_heads, d].
 
         On CPU the dense attention path copies the context out of the cache; with paged blocks
@@ -115,11 +125,13 @@ class LayerKVCache:
             blocks = block_tables[:, 0]
             out = [p[blocks, :length] for p in planes]
         else:
-            blocks = block_tables[:, :-(-length // block_size)]
+            blocks = block_tables[:, : -(-length // block_size)]
             out = [p[blocks].flatten(1, 2)[:, :length] for p in planes]
         if self.quantized:
-            out = [dequantize_int8(out[0], out[2], self.dtype),
-                   dequantize_int8(out[1], out[3], self.dtype)]
+            out = [
+                dequantize_int8(out[0], out[2], self.dtype),
+                dequantize_int8(out[1], out[3], self.dtype),
+            ]
         self.gather_ns += now_ns() - start
         return out[0], out[1]
 
@@ -128,12 +140,13 @@ class LayerKVCache:
         dequantizing), not past one block."""
         return not self.quantized and length <= self.block_size
 
-    def block_range_view(self, first: int, count: int,
-                         length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_range_view(
+        self, first: int, count: int, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of blocks [first, first + count), first `length` positions, as views into the
         cache (no copy): [count, length, kv_heads, d]. Needs `readable_in_place(length)`."""
         assert self.readable_in_place(length)
-        return self.k[first:first + count, :length], self.v[first:first + count, :length]
+        return self.k[first : first + count, :length], self.v[first : first + count, :length]
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write: blocks `src` into blocks `dst`, scale planes included."""

@@ -13,8 +13,9 @@ from engines.builtin.layers.linear import (
 )
 
 
-def make_linear_method(quantization: str, group_size: int = 128,
-                       prepack: str | None = None) -> LinearMethod:
+def make_linear_method(
+    quantization: str, group_size: int = 128, prepack: str | None = None
+) -> LinearMethod:
     """The method for `engine.quantization`; `group_size` is used by group-wise methods;
     `prepack` ("panels" or "onednn") keeps unquantized CPU weights also in that packed
     layout, for the engine's own GEMM or oneDNN's."""

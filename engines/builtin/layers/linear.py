@@ -58,8 +58,7 @@ class DenseMethod(LinearMethod):
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-        layer.bias = None if bias is None else nn.Parameter(bias.contiguous(),
-                                                            requires_grad=False)
+        layer.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -67,8 +66,9 @@ class DenseMethod(LinearMethod):
     def weight_bytes(self, layer: Linear) -> int:
         # what a forward reads: one copy of the weight (and the bias), whatever packed copy
         # a subclass keeps beside it
-        return sum(t.numel() * t.element_size() for t in (layer.weight, layer.bias)
-                   if t is not None)
+        return sum(
+            t.numel() * t.element_size() for t in (layer.weight, layer.bias) if t is not None
+        )
 
 
 class PrepackedDenseMethod(DenseMethod):
@@ -89,8 +89,11 @@ class PrepackedDenseMethod(DenseMethod):
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().load(layer, weight, bias)
-        packed = (torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, self.PACK_FOR_ROWS)
-                  if self.supported(layer.weight.device, layer.weight.dtype) else None)
+        packed = (
+            torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, self.PACK_FOR_ROWS)
+            if self.supported(layer.weight.device, layer.weight.dtype)
+            else None
+        )
         layer.register_buffer("packed_weight", packed, persistent=False)
 
     def packed_bytes(self, layer: Linear) -> int:
@@ -100,11 +103,13 @@ class PrepackedDenseMethod(DenseMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // layer.in_features
-        if (layer.packed_weight is None
-                or (rows <= self.PLAIN_FP32_MAX_ROWS and x.dtype == torch.float32)):
+        if layer.packed_weight is None or (
+            rows <= self.PLAIN_FP32_MAX_ROWS and x.dtype == torch.float32
+        ):
             return F.linear(x, layer.weight, layer.bias)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, layer.in_features),
-                                               layer.packed_weight, layer.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.reshape(rows, layer.in_features), layer.packed_weight, layer.bias, "none", [], ""
+        )
         return y.reshape(*x.shape[:-1], layer.out_features)
 
     @staticmethod
@@ -113,8 +118,9 @@ class PrepackedDenseMethod(DenseMethod):
             return False
         # oneDNN packs bf16 only where the CPU converts it natively (AVX-512 BW/VL/DQ or
         # AVX-NE-CONVERT); elsewhere the reorder raises, and the plain weight is the path
-        return dtype == torch.float32 or (dtype == torch.bfloat16
-                                          and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return dtype == torch.float32 or (
+            dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
 
 
 class PanelDenseMethod(DenseMethod):
@@ -137,27 +143,31 @@ class PanelDenseMethod(DenseMethod):
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().load(layer, weight, bias)
-        layer.register_buffer("panels", native.pack_linear_weight(layer.weight.data),
-                              persistent=False)
+        layer.register_buffer(
+            "panels", native.pack_linear_weight(layer.weight.data), persistent=False
+        )
 
     def packed_bytes(self, layer: Linear) -> int:
         return layer.panels.numel() * layer.panels.element_size()
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(layer.in_features, 1)
-        if (rows > self.MAX_ROWS or rows == 1 or not native.takes(x)
-                or x.requires_grad):  # the kernel has no backward
+        if (
+            rows > self.MAX_ROWS or rows == 1 or not native.takes(x) or x.requires_grad
+        ):  # the kernel has no backward
             return F.linear(x, layer.weight, layer.bias)
-        y = native.linear(x.reshape(-1, layer.in_features), layer.panels, layer.out_features,
-                          layer.bias)
+        y = native.linear(
+            x.reshape(-1, layer.in_features), layer.panels, layer.out_features, layer.bias
+        )
         return y.reshape(*x.shape[:-1], layer.out_features)
 
 
 class Linear(nn.Module):
     """A linear layer that is empty until `load` is called with its weight."""
 
-    def __init__(self, in_features: int, out_features: int, method: LinearMethod,
-                 bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, method: LinearMethod, bias: bool = False
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -169,8 +179,10 @@ class Linear(nn.Module):
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"weight of shape {tuple(weight.shape)} does not fit a linear layer "
-                             f"of [{self.out_features}, {self.in_features}]")
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} does not fit a linear layer "
+                f"of [{self.out_features}, {self.in_features}]"
+            )
         if self.has_bias != (bias is not None):
             raise ValueError(f"bias expected: {self.has_bias}, given: {bias is not None}")
         self.method.load(self, weight, bias)
@@ -188,5 +200,7 @@ class Linear(nn.Module):
         return self.method.apply(self, x)
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, bias={self.has_bias}, "
-                f"method={self.method.name}")
+        return (
+            f"in={self.in_features}, out={self.out_features}, bias={self.has_bias}, "
+            f"method={self.method.name}"
+        )

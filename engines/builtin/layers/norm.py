@@ -16,12 +16,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.native = False  # the engine's C kernel for CPU float32 (use_native_kernels)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`: (norm(x + residual), x + residual), the decoder's residual
         add and the next norm in one call (one pass of the C kernel when `native`)."""
-        if self.native and native.takes(x, self.weight, *(() if residual is None
-                                                          else (residual,))):
+        if self.native and native.takes(x, self.weight, *(() if residual is None else (residual,))):
             out = native.rms_norm(x, self.weight, self.eps, residual)  # residual += x in place
             return out if residual is None else (out, residual)
         if residual is not None:

@@ -76,20 +76,26 @@ class Int8Method(LinearMethod):
 
     def use_kernel(self, layer: Linear, x: torch.Tensor) -> bool:
         # torch 2.13's bfloat16 path reads past the row (segfaults) unless in % 16 == 0.
-        return (x.device.type == "cpu" and _has_op("_weight_int8pack_mm")
-                and (x.dtype == torch.float32
-                     or (x.dtype in (torch.bfloat16, torch.float16)
-                         and layer.in_features % 16 == 0)))
+        return (
+            x.device.type == "cpu"
+            and _has_op("_weight_int8pack_mm")
+            and (
+                x.dtype == torch.float32
+                or (x.dtype in (torch.bfloat16, torch.float16) and layer.in_features % 16 == 0)
+            )
+        )
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype in _TRITON_DTYPES:
             from engines.builtin.layers.quant_triton import int8_matmul
+
             y = int8_matmul(_flat(x), layer.qweight, layer.scales)
             y = y.reshape(*x.shape[:-1], layer.out_features)
             return y if layer.bias is None else y + layer.bias
         if self.use_kernel(layer, x):
-            y = torch.ops.aten._weight_int8pack_mm(_flat(x), layer.qweight,
-                                                   layer.scales.to(x.dtype))
+            y = torch.ops.aten._weight_int8pack_mm(
+                _flat(x), layer.qweight, layer.scales.to(x.dtype)
+            )
             y = y.reshape(*x.shape[:-1], layer.out_features)
             return y if layer.bias is None else y + layer.bias
         return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
@@ -107,15 +113,20 @@ class Int4Method(LinearMethod):
 
     def __init__(self, group_size: int = 128) -> None:
         if group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"engine.quantization_group_size: {group_size!r} is invalid; "
-                             f"allowed: {'|'.join(map(str, INT4_GROUP_SIZES))}")
+            raise ValueError(
+                f"engine.quantization_group_size: {group_size!r} is invalid; "
+                f"allowed: {'|'.join(map(str, INT4_GROUP_SIZES))}"
+            )
         self.group_size = group_size
 
     def check(self, layer: Linear) -> None:
         if layer.in_features % self.group_size:
             divisors = [g for g in INT4_GROUP_SIZES if layer.in_features % g == 0]
-            hint = (f"use quantization_group_size={'|'.join(map(str, divisors))}" if divisors
-                    else "no int4 group size (32|64|128) divides it; use quantization=int8")
+            hint = (
+                f"use quantization_group_size={'|'.join(map(str, divisors))}"
+                if divisors
+                else "no int4 group size (32|64|128) divides it; use quantization=int8"
+            )
             raise ValueError(
                 f"engine.quantization=int4: {_layer_label(layer)} has in_features="
                 f"{layer.in_features}, which is not divisible by quantization_group_size="
@@ -124,9 +135,12 @@ class Int4Method(LinearMethod):
 
     @staticmethod
     def packable(layer: Linear) -> bool:
-        return (_has_op("_convert_weight_to_int4pack_for_cpu")
-                and _has_op("_weight_int4pack_mm_for_cpu")
-                and layer.out_features % 16 == 0 and layer.in_features % (16 * _INNER_K_TILES) == 0)
+        return (
+            _has_op("_convert_weight_to_int4pack_for_cpu")
+            and _has_op("_weight_int4pack_mm_for_cpu")
+            and layer.out_features % 16 == 0
+            and layer.in_features % (16 * _INNER_K_TILES) == 0
+        )
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.check(layer)
@@ -143,8 +157,9 @@ class Int4Method(LinearMethod):
         scales_and_zeros = scales_and_zeros.transpose(0, 1).contiguous().to(weight.dtype)
         packed = self.packable(layer) and weight.device.type == "cpu"
         if packed:
-            qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(),
-                                                                         _INNER_K_TILES)
+            qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q.contiguous(), _INNER_K_TILES
+            )
         else:  # plain nibbles: even column in the low 4 bits, odd column in the high 4 bits
             qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
         layer.int4_packed = packed
@@ -154,7 +169,8 @@ class Int4Method(LinearMethod):
 
     def _kernel(self, layer: Linear, x2d: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2d, layer.qweight, self.group_size, layer.scales_and_zeros.to(x2d.dtype))
+            x2d, layer.qweight, self.group_size, layer.scales_and_zeros.to(x2d.dtype)
+        )
 
     def dequantize(self, layer: Linear) -> torch.Tensor:
         """The weight the stored form represents, [out, in] in float32."""
@@ -163,19 +179,24 @@ class Int4Method(LinearMethod):
         if layer.int4_packed:  # torch's tile layout is opaque: read it back through the kernel
             eye = torch.eye(k, dtype=torch.float32, device=layer.qweight.device)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
-                eye, layer.qweight, g, sz.contiguous()).T.contiguous()
+                eye, layer.qweight, g, sz.contiguous()
+            ).T.contiguous()
         q = torch.stack([layer.qweight & 0xF, layer.qweight >> 4], dim=-1).reshape(out, k)
         scale = sz[..., 0].T.repeat_interleave(g, dim=1)  # [out, k]
         zero = sz[..., 1].T.repeat_interleave(g, dim=1)
         return (q.float() - 8) * scale + zero
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.int4_packed and x.device.type == "cpu" and x.dtype in (
-                torch.float32, torch.bfloat16, torch.float16):
+        if (
+            layer.int4_packed
+            and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        ):
             y = self._kernel(layer, _flat(x)).reshape(*x.shape[:-1], layer.out_features)
             return y if layer.bias is None else y + layer.bias
         if x.is_cuda and not layer.int4_packed and x.dtype in _TRITON_DTYPES:
             from engines.builtin.layers.quant_triton import int4_matmul
+
             y = int4_matmul(_flat(x), layer.qweight, layer.scales_and_zeros, self.group_size)
             y = y.reshape(*x.shape[:-1], layer.out_features)
             return y if layer.bias is None else y + layer.bias

@@ -39,10 +39,22 @@ def interpreting() -> bool:
 
 @triton.jit
 def _int8_matmul_kernel(
-    x_ptr, q_ptr, scale_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_qn, stride_qk, stride_ym, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qn,
+    stride_qk,
+    stride_ym,
+    stride_yn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -56,26 +68,49 @@ def _int8_matmul_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        q = tl.load(q_ptr + offs_n[None, :] * stride_qn + ks[:, None] * stride_qk,
-                    mask=mask_n[None, :] & mask_k[:, None], other=0)  # [BLOCK_K, BLOCK_N]
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        q = tl.load(
+            q_ptr + offs_n[None, :] * stride_qn + ks[:, None] * stride_qk,
+            mask=mask_n[None, :] & mask_k[:, None],
+            other=0,
+        )  # [BLOCK_K, BLOCK_N]
         w = q.to(tl.float32).to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
     scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     acc = acc * scale[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
-             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 @triton.jit
 def _int4_matmul_kernel(
-    x_ptr, q_ptr, sz_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_qn, stride_qk, stride_sg, stride_sn, stride_sc,
-    stride_ym, stride_yn,
+    x_ptr,
+    q_ptr,
+    sz_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qn,
+    stride_qk,
+    stride_sg,
+    stride_sn,
+    stride_sc,
+    stride_ym,
+    stride_yn,
     GROUP_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -89,19 +124,28 @@ def _int4_matmul_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
         mask_w = mask_n[None, :] & mask_k[:, None]  # [BLOCK_K, BLOCK_N]
-        byte = tl.load(q_ptr + offs_n[None, :] * stride_qn + (ks[:, None] // 2) * stride_qk,
-                       mask=mask_w, other=0).to(tl.int32)
+        byte = tl.load(
+            q_ptr + offs_n[None, :] * stride_qn + (ks[:, None] // 2) * stride_qk,
+            mask=mask_w,
+            other=0,
+        ).to(tl.int32)
         q = (byte >> ((ks[:, None] % 2) * 4)) & 0xF
         sz = sz_ptr + (ks[:, None] // GROUP_SIZE) * stride_sg + offs_n[None, :] * stride_sn
         scale = tl.load(sz, mask=mask_w, other=0.0).to(tl.float32)
         zero = tl.load(sz + stride_sc, mask=mask_w, other=0.0).to(tl.float32)
         w = ((q.to(tl.float32) - 8.0) * scale + zero).to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
-             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 # ---- launchers ------------------------------------------------------------------------------
@@ -128,31 +172,60 @@ def _grid(m: int, n: int, block_m: int, block_n: int) -> tuple[int, int]:
     return (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *,
-                block_m: int | None = None, block_n: int = 64,
-                block_k: int = 64) -> torch.Tensor:
+def int8_matmul(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (q int8 [N, K] * scale [N, None]).T, in x's dtype."""
     n, k = q.shape
     _check(x, k, "int8_matmul")
     if q.dtype != torch.int8 or scale.shape != (n,):
-        raise ValueError(f"int8_matmul: q must be int8 [N, K] and scale [N]; got {q.dtype} "
-                         f"{tuple(q.shape)} and {tuple(scale.shape)}")
+        raise ValueError(
+            f"int8_matmul: q must be int8 [N, K] and scale [N]; got {q.dtype} "
+            f"{tuple(q.shape)} and {tuple(scale.shape)}"
+        )
     m = x.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     bm = block_m or _tile(m, 64)
     _int8_matmul_kernel[_grid(m, n, bm, block_n)](
-        x, q, scale, y, m, n, k,
-        x.stride(0), x.stride(1), q.stride(0), q.stride(1), y.stride(0), y.stride(1),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=_dot_precision(x.dtype),
+        x,
+        q,
+        scale,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        q.stride(0),
+        q.stride(1),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_M=bm,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PRECISION=_dot_precision(x.dtype),
     )
     return y
 
 
-def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor,
-                group_size: int, *, block_m: int | None = None, block_n: int = 64,
-                block_k: int = 64) -> torch.Tensor:
+def int4_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    *,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W.T for plain-nibble INT4 weights.
 
     qweight: uint8 [N, K/2] (column 2j in the low nibble of byte j, 2j+1 in the high one);
@@ -162,11 +235,15 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.
     k = 2 * half_k
     _check(x, k, "int4_matmul")
     if qweight.dtype != torch.uint8 or k % group_size:
-        raise ValueError(f"int4_matmul: qweight must be uint8 [N, K/2] with K % group_size == 0;"
-                         f" got {qweight.dtype} {tuple(qweight.shape)}, group {group_size}")
+        raise ValueError(
+            f"int4_matmul: qweight must be uint8 [N, K/2] with K % group_size == 0;"
+            f" got {qweight.dtype} {tuple(qweight.shape)}, group {group_size}"
+        )
     if scales_and_zeros.shape != (k // group_size, n, 2):
-        raise ValueError(f"int4_matmul: scales_and_zeros must be [{k // group_size}, {n}, 2], "
-                         f"got {tuple(scales_and_zeros.shape)}")
+        raise ValueError(
+            f"int4_matmul: scales_and_zeros must be [{k // group_size}, {n}, 2], "
+            f"got {tuple(scales_and_zeros.shape)}"
+        )
     m = x.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -174,10 +251,26 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.
     bm = block_m or _tile(m, 64)
     sz = scales_and_zeros
     _int4_matmul_kernel[_grid(m, n, bm, block_n)](
-        x, qweight, sz, y, m, n, k,
-        x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1),
-        sz.stride(0), sz.stride(1), sz.stride(2), y.stride(0), y.stride(1),
-        GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+        x,
+        qweight,
+        sz,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        qweight.stride(0),
+        qweight.stride(1),
+        sz.stride(0),
+        sz.stride(1),
+        sz.stride(2),
+        y.stride(0),
+        y.stride(1),
+        GROUP_SIZE=group_size,
+        BLOCK_M=bm,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
         DOT_PRECISION=_dot_precision(x.dtype),
     )
     return y

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     rope_type = (scaling or {}).get("rope_type", "default")
@@ -35,15 +36,22 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
 class RotaryEmbedding(nn.Module):
     """The cos|sin table of RoPE over every position; `apply_rotary` rotates q and k."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
         positions = torch.arange(max_positions, dtype=torch.float32, device=device)
         angles = torch.outer(positions, inv_freq)
         # cos|sin side by side so one gather per step serves both.
-        self.register_buffer("cos_sin_table", torch.cat([angles.cos(), angles.sin()], dim=-1),
-                             persistent=False)
+        self.register_buffer(
+            "cos_sin_table", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False
+        )
 
     def rotation(self, positions: torch.Tensor) -> Rotation:
         """The rotation at `positions`, shared by every layer of a step."""

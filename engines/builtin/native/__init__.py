@@ -26,21 +26,61 @@ import torch
 
 from engines.builtin.native.cache import FLAGS, SOURCE, NativeUnavailable, build, cache_dir
 
-__all__ = ["FLAGS", "SOURCE", "Layout", "cache_dir", "info", "layout", "load", "off_reason",
-           "open_library", "reason"]
+__all__ = [
+    "FLAGS",
+    "SOURCE",
+    "Layout",
+    "cache_dir",
+    "info",
+    "layout",
+    "load",
+    "off_reason",
+    "open_library",
+    "reason",
+]
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {  # function -> argument types (all return void)
-    "decode_attention_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
-                             _I64, _F32, _I64, _I64, _PTR],
+    "decode_attention_f32": [
+        _PTR,
+        _I64,
+        _PTR,
+        _PTR,
+        _PTR,
+        _I64,
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _F32,
+        _I64,
+        _I64,
+        _PTR,
+    ],
     "add_rms_norm_f32": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _I64],
     "silu_and_mul_f32": [_PTR, _PTR, _I64, _I64, _I64],
-    "rope_and_cache_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
-                           _I64],
+    "rope_and_cache_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64],
     "pack_linear_weight_f32": [_PTR, _I64, _I64, _PTR, _I64],
     "linear_f32": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
-    "prefill_attention_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
-                              _F32, _I64, _I64, _PTR],
+    "prefill_attention_f32": [
+        _PTR,
+        _I64,
+        _PTR,
+        _I64,
+        _PTR,
+        _I64,
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _F32,
+        _I64,
+        _I64,
+        _PTR,
+    ],
 }
 
 log = logging.getLogger(__name__)
@@ -82,8 +122,9 @@ def load() -> ctypes.CDLL | None:
         _state["reason"] = None
     except Exception as e:  # whatever stops the build or the load, the engine runs without it
         lib = None
-        _state["reason"] = str(e) if isinstance(e, NativeUnavailable) else (
-            f"{type(e).__name__}: {e}")
+        _state["reason"] = (
+            str(e) if isinstance(e, NativeUnavailable) else (f"{type(e).__name__}: {e}")
+        )
         log.warning("the engine's C kernels are off, torch ops instead: %s", _state["reason"])
     _state["lib"] = lib
     _state["built"] = built
@@ -109,16 +150,19 @@ def info(load_now: bool = True) -> dict[str, Any]:
     if load_now:
         load()
     built, kernel_layout = _state.get("built"), _state.get("layout")
-    return {"loaded": _state.get("lib") is not None,
-            "isa": None if kernel_layout is None else kernel_layout.isa,
-            "library": None if built is None else str(built.path),
-            "sha256": None if built is None else built.sha256,
-            "cache": None if built is None else built.how,
-            "reason": _state.get("reason")}
+    return {
+        "loaded": _state.get("lib") is not None,
+        "isa": None if kernel_layout is None else kernel_layout.isa,
+        "library": None if built is None else str(built.path),
+        "sha256": None if built is None else built.sha256,
+        "cache": None if built is None else built.how,
+        "reason": _state.get("reason"),
+    }
 
 
-def off_reason(enabled: bool, compile: bool, device: torch.device,
-               dtype: torch.dtype) -> str | None:
+def off_reason(
+    enabled: bool, compile: bool, device: torch.device, dtype: torch.dtype
+) -> str | None:
     """Why an engine with these settings runs without the kernels; None when it uses them."""
     if not enabled:
         return "engine.native_kernels=false"
@@ -157,25 +201,47 @@ def takes(*tensors: torch.Tensor) -> bool:
 
 
 def _indices(name: str, t: torch.Tensor, dtype: torch.dtype, length: int) -> None:
-    if (t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous()
-            or t.dim() != 1 or t.shape[0] < length):
-        raise ValueError(f"{name}: expected a contiguous CPU {dtype} vector of >= {length} "
-                         f"entries, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if (
+        t.dtype != dtype
+        or t.device.type != "cpu"
+        or not t.is_contiguous()
+        or t.dim() != 1
+        or t.shape[0] < length
+    ):
+        raise ValueError(
+            f"{name}: expected a contiguous CPU {dtype} vector of >= {length} "
+            f"entries, got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """RMSNorm over the last dimension of x [T, N]. With `residual`, normalizes x + residual
     and leaves that sum in `residual` (in place): the residual stream for the next block."""
     others = () if residual is None else (residual,)
-    if (not takes(x, weight, *others) or x.dim() != 2 or weight.shape != x.shape[1:]
-            or any(r.shape != x.shape for r in others)):
-        raise ValueError("rms_norm: x [T, N], weight [N] and residual [T, N] must be "
-                         "contiguous CPU float32")
+    if (
+        not takes(x, weight, *others)
+        or x.dim() != 2
+        or weight.shape != x.shape[1:]
+        or any(r.shape != x.shape for r in others)
+    ):
+        raise ValueError(
+            "rms_norm: x [T, N], weight [N] and residual [T, N] must be contiguous CPU float32"
+        )
     out = torch.empty_like(x)
     rows, width = x.shape
-    _run("add_rms_norm_f32", x.data_ptr(), None if residual is None else residual.data_ptr(),
-         weight.data_ptr(), out.data_ptr(), rows, width, eps, torch.get_num_threads())
+    _run(
+        "add_rms_norm_f32",
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        width,
+        eps,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -184,36 +250,60 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     rows transposed (panels[p, k, j] = weight[P p + j, k]; the last panel zero-padded), with
     P = `layout().panel`, the panel width this build's kernel takes."""
     if not takes(weight) or weight.dim() != 2:
-        raise ValueError("pack_linear_weight: weight must be a contiguous CPU float32 [N, K], "
-                         f"got {weight.dtype} {tuple(weight.shape)}")
+        raise ValueError(
+            "pack_linear_weight: weight must be a contiguous CPU float32 [N, K], "
+            f"got {weight.dtype} {tuple(weight.shape)}"
+        )
     out_features, in_features = weight.shape
     panel = layout().panel
     panels = weight.new_empty(-(-out_features // panel), in_features, panel)
-    _run("pack_linear_weight_f32", weight.data_ptr(), out_features, in_features,
-         panels.data_ptr(), torch.get_num_threads())
+    _run(
+        "pack_linear_weight_f32",
+        weight.data_ptr(),
+        out_features,
+        in_features,
+        panels.data_ptr(),
+        torch.get_num_threads(),
+    )
     return panels
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [T, K] @ weight^T (+ bias [out_features]) -> [T, out_features], with the weight as
     `pack_linear_weight` packed it."""
     others = () if bias is None else (bias,)
     sizes = layout()
     panel, row_block = sizes.panel, sizes.row_block
-    if (not takes(x, panels, *others) or x.dim() != 2 or panels.dim() != 3
-            or panels.shape[1:] != (x.shape[1], panel)
-            or panels.shape[0] != -(-out_features // panel)
-            or any(b.shape != (out_features,) for b in others)):
-        raise ValueError(f"linear: x [T, K], panels [ceil({out_features} / {panel}), K, "
-                         f"{panel}] and bias [{out_features}] must be contiguous CPU float32, "
-                         f"got {tuple(x.shape)} and {tuple(panels.shape)}")
+    if (
+        not takes(x, panels, *others)
+        or x.dim() != 2
+        or panels.dim() != 3
+        or panels.shape[1:] != (x.shape[1], panel)
+        or panels.shape[0] != -(-out_features // panel)
+        or any(b.shape != (out_features,) for b in others)
+    ):
+        raise ValueError(
+            f"linear: x [T, K], panels [ceil({out_features} / {panel}), K, "
+            f"{panel}] and bias [{out_features}] must be contiguous CPU float32, "
+            f"got {tuple(x.shape)} and {tuple(panels.shape)}"
+        )
     rows, width = x.shape
     out = x.new_empty(rows, out_features)
     packed_x = x.new_empty(-(-rows // row_block) * row_block * width)
-    _run("linear_f32", x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-         out.data_ptr(), packed_x.data_ptr(), rows, width, out_features,
-         torch.get_num_threads())
+    _run(
+        "linear_f32",
+        x.data_ptr(),
+        panels.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        packed_x.data_ptr(),
+        rows,
+        width,
+        out_features,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -223,15 +313,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError("silu_and_mul: gate_up must be a contiguous CPU float32 [T, 2I]")
     rows, width = gate_up.shape
     out = gate_up.new_empty(rows, width // 2)
-    _run("silu_and_mul_f32", gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
-         torch.get_num_threads())
+    _run(
+        "silu_and_mul_f32",
+        gate_up.data_ptr(),
+        out.data_ptr(),
+        rows,
+        width // 2,
+        torch.get_num_threads(),
+    )
     return out
 
 
-def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
-                   heads: int, kv_heads: int, head_dim: int, k_cache: torch.Tensor | None,
-                   v_cache: torch.Tensor | None, slots: torch.Tensor | None,
-                   max_position: int | None = None) -> None:
+def rope_and_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    table: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    slots: torch.Tensor | None,
+    max_position: int | None = None,
+) -> None:
     """In place on qkv [T, (heads + 2 kv_heads) head_dim]: rotary embedding of the query and
     key heads at `positions` (int64) from `table` [max_positions, head_dim] (cos | sin halves);
     then, with a cache, each token's K and V stored at its flat slot (int64; < 0: not stored)
@@ -239,13 +343,22 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tens
     the caller knows it (else read from `positions`); slots are range-checked only then."""
     tokens = qkv.shape[0]
     caches = () if k_cache is None else (k_cache, v_cache)
-    if (not takes(qkv, table, *caches) or qkv.dim() != 2 or table.dim() != 2  # type: ignore[arg-type]
-            or head_dim % 2 or table.shape[1] != head_dim
-            or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim
-            or any(c.shape[-2:] != (kv_heads, head_dim) or c.shape != k_cache.shape  # type: ignore[union-attr]
-                   for c in caches)):
-        raise ValueError("rope_and_cache: unsupported tensors (contiguous CPU float32 qkv "
-                         "[T, (h + 2 kvh) d], table [positions, d], caches [..., kvh, d])")
+    if (
+        not takes(qkv, table, *caches)
+        or qkv.dim() != 2
+        or table.dim() != 2  # type: ignore[arg-type]
+        or head_dim % 2
+        or table.shape[1] != head_dim
+        or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim
+        or any(
+            c.shape[-2:] != (kv_heads, head_dim) or c.shape != k_cache.shape  # type: ignore[union-attr]
+            for c in caches
+        )
+    ):
+        raise ValueError(
+            "rope_and_cache: unsupported tensors (contiguous CPU float32 qkv "
+            "[T, (h + 2 kvh) d], table [positions, d], caches [..., kvh, d])"
+        )
     _indices("rope_and_cache positions", positions, torch.int64, tokens)
     if tokens == 0:
         return
@@ -257,21 +370,41 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tens
         if int(positions.min()) < 0:
             raise ValueError("rope_and_cache: negative position")
         if k_cache is not None and int(slots[:tokens].max()) >= k_cache.numel() // (  # type: ignore[index]
-                kv_heads * head_dim):
+            kv_heads * head_dim
+        ):
             raise ValueError("rope_and_cache: a slot past the cache")
     if max_position >= table.shape[0]:
-        raise ValueError(f"rope_and_cache: position {max_position} past the rotary table "
-                         f"({table.shape[0]} positions)")
-    _run("rope_and_cache_f32", qkv.data_ptr(), qkv.stride(0), positions.data_ptr(),
-         table.data_ptr(), None if k_cache is None else k_cache.data_ptr(),
-         None if v_cache is None else v_cache.data_ptr(),
-         None if slots is None else slots.data_ptr(), tokens, heads, kv_heads, head_dim,
-         torch.get_num_threads())
+        raise ValueError(
+            f"rope_and_cache: position {max_position} past the rotary table "
+            f"({table.shape[0]} positions)"
+        )
+    _run(
+        "rope_and_cache_f32",
+        qkv.data_ptr(),
+        qkv.stride(0),
+        positions.data_ptr(),
+        table.data_ptr(),
+        None if k_cache is None else k_cache.data_ptr(),
+        None if v_cache is None else v_cache.data_ptr(),
+        None if slots is None else slots.data_ptr(),
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+        torch.get_num_threads(),
+    )
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     window: int | None, max_seq_len: int | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
     """One query per sequence over its cached keys, read in place from the blocks.
 
     q [B, h, d] float32 (rows may be strided, heads and d contiguous); k_cache/v_cache
@@ -284,36 +417,68 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, block_size, kv_heads, kdim = k_cache.shape
     if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
         raise TypeError("decode_attention: q and the KV cache must be float32")
-    if (kdim != dim or heads % kv_heads or q.stride(1) != dim or q.stride(2) != 1
-            or q.device.type != "cpu" or v_cache.shape != k_cache.shape
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1
-            or block_tables.shape[0] < batch):
-        raise ValueError("decode_attention: unsupported shapes, strides or dtypes: q "
-                         f"{tuple(q.shape)}/{q.stride()}, cache {tuple(k_cache.shape)}, "
-                         f"tables {block_tables.dtype} {tuple(block_tables.shape)}")
+    if (
+        kdim != dim
+        or heads % kv_heads
+        or q.stride(1) != dim
+        or q.stride(2) != 1
+        or q.device.type != "cpu"
+        or v_cache.shape != k_cache.shape
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or block_tables.dtype != torch.int32
+        or block_tables.stride(1) != 1
+        or block_tables.shape[0] < batch
+    ):
+        raise ValueError(
+            "decode_attention: unsupported shapes, strides or dtypes: q "
+            f"{tuple(q.shape)}/{q.stride()}, cache {tuple(k_cache.shape)}, "
+            f"tables {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
     _indices("decode_attention seq_lens", seq_lens, torch.int32, batch)
     out = torch.empty(batch, heads, dim, dtype=q.dtype)
     if batch == 0:
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens[:batch].max())
-        blocks = block_tables[:batch, :-(-max_seq_len // block_size)]
+        blocks = block_tables[:batch, : -(-max_seq_len // block_size)]
         if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= k_cache.shape[0]):
             raise ValueError("decode_attention: a block id past the cache")
     if max_seq_len > block_tables.shape[1] * block_size:
-        raise ValueError(f"decode_attention: a context of {max_seq_len} tokens exceeds the "
-                         f"block tables ({block_tables.shape[1]} x {block_size})")
-    _run("decode_attention_f32", q.data_ptr(), q.stride(0), k_cache.data_ptr(),
-         v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-         seq_lens.data_ptr(), batch, heads, kv_heads, dim, block_size, scale, window or 0,
-         torch.get_num_threads(), out.data_ptr())
+        raise ValueError(
+            f"decode_attention: a context of {max_seq_len} tokens exceeds the "
+            f"block tables ({block_tables.shape[1]} x {block_size})"
+        )
+    _run(
+        "decode_attention_f32",
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        batch,
+        heads,
+        kv_heads,
+        dim,
+        block_size,
+        scale,
+        window or 0,
+        torch.get_num_threads(),
+        out.data_ptr(),
+    )
     return out
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-                      scale: float, window: int | None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    starts: torch.Tensor,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention of whole prompts over their own keys (no cached context).
 
     q [T, h, d], k/v [T, kvh, d] float32 on the CPU, heads and d contiguous (token strides
@@ -323,23 +488,48 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts:
     tokens, heads, dim = q.shape
     if not (q.dtype == k.dtype == v.dtype == torch.float32):
         raise TypeError("prefill_attention: q, k and v must be float32")
-    if (k.shape != v.shape or k.shape[0] != tokens or k.shape[2] != dim or heads % k.shape[1]
-            or any(t.device.type != "cpu" or t.stride(2) != 1 or t.stride(1) != dim
-                   for t in (q, k, v))):
-        raise ValueError("prefill_attention: unsupported shapes or strides: q "
-                         f"{tuple(q.shape)}/{q.stride()}, k {tuple(k.shape)}/{k.stride()}, "
-                         f"v {tuple(v.shape)}/{v.stride()}")
+    if (
+        k.shape != v.shape
+        or k.shape[0] != tokens
+        or k.shape[2] != dim
+        or heads % k.shape[1]
+        or any(t.device.type != "cpu" or t.stride(2) != 1 or t.stride(1) != dim for t in (q, k, v))
+    ):
+        raise ValueError(
+            "prefill_attention: unsupported shapes or strides: q "
+            f"{tuple(q.shape)}/{q.stride()}, k {tuple(k.shape)}/{k.stride()}, "
+            f"v {tuple(v.shape)}/{v.stride()}"
+        )
     _indices("prefill_attention starts", starts, torch.int32, 1)
     bounds = starts.tolist()
     if bounds[0] != 0 or bounds[-1] != tokens or any(a > b for a, b in itertools.pairwise(bounds)):
-        raise ValueError(f"prefill_attention: starts must ascend from 0 to {tokens}, got "
-                         f"{bounds[:4]}...{bounds[-1:]}")
+        raise ValueError(
+            f"prefill_attention: starts must ascend from 0 to {tokens}, got "
+            f"{bounds[:4]}...{bounds[-1:]}"
+        )
     if out is None:
         out = torch.empty(tokens, heads, dim, dtype=q.dtype)
     elif not takes(out) or out.shape != q.shape:
-        raise ValueError(f"prefill_attention: out must be a contiguous CPU float32 "
-                         f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
-    _run("prefill_attention_f32", q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
-         v.data_ptr(), v.stride(0), starts.data_ptr(), len(bounds) - 1, heads, k.shape[1], dim,
-         scale, window or 0, torch.get_num_threads(), out.data_ptr())
+        raise ValueError(
+            f"prefill_attention: out must be a contiguous CPU float32 "
+            f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}"
+        )
+    _run(
+        "prefill_attention_f32",
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        starts.data_ptr(),
+        len(bounds) - 1,
+        heads,
+        k.shape[1],
+        dim,
+        scale,
+        window or 0,
+        torch.get_num_threads(),
+        out.data_ptr(),
+    )
     return out

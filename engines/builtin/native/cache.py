@@ -29,8 +29,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # exact GCC 12 would not turn a clamp (exp_f32's) into a blend without AVX-512's masks, so
 # that on AVX2 the SiLU and both softmax loops ran one float at a time. Values are unchanged
 # (no reassociation, no contraction: that is -ffast-math, never used here).
-FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
-         "-std=c11")
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 LOCK_TIMEOUT_S = 300.0  # waiting for another process's build; a build takes ~0.3-3 s
 BUILD_TIMEOUT_S = 240.0
 
@@ -73,13 +72,17 @@ def _cpu_flags() -> str:
 
 def _key(cc: str) -> str:
     try:
-        probe = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True,
-                               timeout=60)
+        probe = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, check=True, timeout=60
+        )
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"the C compiler {cc!r} does not answer --version: {e}") from e
     version = (probe.stdout or probe.stderr).strip().splitlines()[:1]
-    return hashlib.sha256("\n".join([SOURCE.read_text(), cc, *version, " ".join(FLAGS),
-                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()
+    return hashlib.sha256(
+        "\n".join(
+            [SOURCE.read_text(), cc, *version, " ".join(FLAGS), platform.machine(), _cpu_flags()]
+        ).encode()
+    ).hexdigest()
 
 
 def check_private(path: Path) -> None:
@@ -89,12 +92,14 @@ def check_private(path: Path) -> None:
     if info.st_uid != os.getuid():
         raise NativeUnavailable(
             f"refused the kernel cache {path}: owned by uid {info.st_uid}, not by this user "
-            f"(uid {os.getuid()}); set INFERLAB_CACHE_DIR to a folder of your own")
+            f"(uid {os.getuid()}); set INFERLAB_CACHE_DIR to a folder of your own"
+        )
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise NativeUnavailable(
             f"refused the kernel cache {path}: writable by group or others (mode "
             f"{stat.S_IMODE(info.st_mode):#o}); `chmod go-w` it or set INFERLAB_CACHE_DIR to "
-            "a folder only you can write")
+            "a folder only you can write"
+        )
 
 
 def _sha256(path: Path) -> str:
@@ -135,8 +140,12 @@ def _compile(cc: str, target: Path) -> str:
     record_tmp = tmp + ".json"
     try:
         try:
-            result = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-                                    capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            result = subprocess.run(
+                [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=BUILD_TIMEOUT_S,
+            )
         except subprocess.TimeoutExpired as e:
             raise NativeUnavailable(f"{cc} did not finish in {BUILD_TIMEOUT_S:.0f} s") from e
         if result.returncode != 0:
@@ -144,9 +153,16 @@ def _compile(cc: str, target: Path) -> str:
             raise NativeUnavailable(f"{cc} failed (exit {result.returncode}): {detail}")
         os.chmod(tmp, 0o644)  # mkstemp's 0600: readable by whoever may read the folder
         digest = _sha256(Path(tmp))
-        Path(record_tmp).write_text(json.dumps(
-            {"size": os.path.getsize(tmp), "sha256": digest, "compiler": cc,
-             "flags": list(FLAGS)}))
+        Path(record_tmp).write_text(
+            json.dumps(
+                {
+                    "size": os.path.getsize(tmp),
+                    "sha256": digest,
+                    "compiler": cc,
+                    "flags": list(FLAGS),
+                }
+            )
+        )
         os.replace(tmp, target)
         os.replace(record_tmp, _record_path(target))
     finally:
@@ -173,26 +189,29 @@ def build() -> Built:
     try:
         lock.acquire()
     except Timeout as e:
-        raise NativeUnavailable(f"waited {LOCK_TIMEOUT_S:.0f} s for another process's build "
-                                f"of the kernels ({folder / '.lock'})") from e
+        raise NativeUnavailable(
+            f"waited {LOCK_TIMEOUT_S:.0f} s for another process's build "
+            f"of the kernels ({folder / '.lock'})"
+        ) from e
     except OSError as e:  # a read-only cache (a prebuilt image) serves if its build verifies
         problem = _problem(target)
         if problem is None:
             return Built(target, _recorded_sha256(target), "cached (read-only, unlocked)")
-        raise NativeUnavailable(f"cannot lock the kernel cache {folder} ({e}) and it holds no "
-                                f"usable build ({problem})") from e
+        raise NativeUnavailable(
+            f"cannot lock the kernel cache {folder} ({e}) and it holds no usable build ({problem})"
+        ) from e
     try:
         problem = _problem(target)
         if problem is None:
             return Built(target, _recorded_sha256(target), "cached")
         if problem != "not built yet":
-            log.warning("rebuilding the C kernels: the cached %s is refused (%s)", target,
-                        problem)
+            log.warning("rebuilding the C kernels: the cached %s is refused (%s)", target, problem)
         for stale in folder.glob(".build-*"):  # left by a builder that was killed
             stale.unlink(missing_ok=True)
         digest = _compile(cc, target)
-        return Built(target, digest,
-                     "built" if problem == "not built yet" else f"rebuilt: {problem}")
+        return Built(
+            target, digest, "built" if problem == "not built yet" else f"rebuilt: {problem}"
+        )
     except OSError as e:
         raise NativeUnavailable(f"cannot write the kernel cache {folder}: {e}") from e
     finally:
