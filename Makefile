@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-dev setup-peer setup-aiperf demo test lint clean
+.PHONY: setup setup-dev setup-peer setup-aiperf demo test test-fast check lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,8 +67,19 @@ demo: setup
 test: setup-dev setup-peer setup-aiperf
 	$(BIN)/python -m pytest -q
 
-lint: setup-dev
+# The quick subset while editing: no test marked slow (end-to-end runs in subprocesses, live
+# servers), peer (llama-cpp-python) or gpu.
+test-fast: setup-dev
+	$(BIN)/python -m pytest -q -m "not slow and not peer and not gpu"
+
+# Lint, formatting and types: ruff's rules, ruff format's style, mypy's default checks
+# ([tool.mypy] in pyproject.toml); .ci/run runs it before the tests.
+check: setup-dev
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+lint: check
 
 clean:
 	rm -rf $(VENV) $(AIPERF_VENV) .pytest_cache .ruff_cache

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeGuard, cast
 
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
@@ -78,7 +78,8 @@ def compose_config(overrides: list[str], code: Path = REPO) -> dict[str, Any]:
         raise ABError(f"{code}: not an inferlab checkout (no configs/config.yaml)")
     try:
         cfg = configs.compose(overrides, config_dir)
-        config = OmegaConf.to_container(cfg, resolve=True)
+        # a composed DictConfig's container: a dict with the YAML's str keys
+        config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     except (HydraException, OmegaConfBaseException) as exc:
         raise ABError(f"overrides {overrides}: {exc}") from exc
     assert isinstance(config, dict)
@@ -192,7 +193,7 @@ def paired_ratios(a_dir: Path, b_dir: Path) -> dict[str, float]:
         except InputError:  # the gate at the end names the file; the log line just omits it
             return {}
 
-    def usable(value: Any) -> bool:
+    def usable(value: Any) -> TypeGuard[float]:
         return is_number(value) and math.isfinite(value) and value > 0
 
     ma, mb = metrics(a_dir), metrics(b_dir)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -26,7 +26,8 @@ from harness.table import summary_table
 def _run(cfg: DictConfig) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    config = OmegaConf.to_container(cfg, resolve=True)
+    # a composed DictConfig's container: a dict with the YAML's str keys
+    config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     assert isinstance(config, dict)
     try:  # the edge: a bad `run` key or repeats stops here, before anything loads
         repeats = validate_repeats(config.get("repeats", 1))

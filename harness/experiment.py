@@ -246,6 +246,7 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             recorder.close()
         raise
     run_cfg = RunConfig()  # until the config's own is read: the window and SLO defaults
+    info: dict[str, Any]  # the summary's extra keys: JSON-like values
     status, error, info, backend = "complete", None, {}, None
     shown = RunProgress(progress)
     monitor: Monitor | None = None

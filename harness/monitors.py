@@ -244,6 +244,7 @@ class Monitor:
         ]
 
     def _add_torch_cuda_reader(self) -> None:
+        assert self.gpu_index is not None  # called only by _add_gpu_readers, past its None check
         try:
             import torch
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 import torch
@@ -209,12 +209,14 @@ def operator_table(events: Any, phase_steps: dict[str, int], top_k: int) -> pd.D
         entry[2] += getattr(event, "self_device_time_total", 0.0) / 1e6
     rows = []
     for phase in (*PHASES, OUTSIDE):
-        ops = [(name, *v) for (p, name), v in totals.items() if p == phase]
+        ops: list[tuple[str, float, float, float]] = [
+            (name, v[0], v[1], v[2]) for (p, name), v in totals.items() if p == phase
+        ]
         if not ops:
             continue
         cpu_total = sum(op[2] for op in ops) or 1.0
         device_total = sum(op[3] for op in ops)
-        key = 3 if device_total > 0 else 2
+        key: Literal[2, 3] = 3 if device_total > 0 else 2
         ops.sort(key=lambda op: op[key], reverse=True)
         for rank, (name, calls, self_cpu, self_device) in enumerate(ops[:top_k], start=1):
             rows.append(

@@ -117,7 +117,7 @@ def record_threads(path: Path) -> None:
 
 
 def collect(config: dict[str, Any]) -> dict[str, Any]:
-    versions = {}
+    versions: dict[str, str | None] = {}
     for package in PACKAGES:
         try:
             versions[package] = metadata.version(package)

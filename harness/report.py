@@ -117,6 +117,7 @@ class Document:
             elif block.kind == "table":
                 out.append(_markdown_table(block.frame))
             elif block.kind == "figure":
+                assert block.path is not None  # figure() gives each figure block its path
                 out.append(f"![{block.text}]({block.path.name})\n\n{block.text}")
         return "\n\n".join(out) + "\n"
 
@@ -132,6 +133,7 @@ class Document:
             elif block.kind == "table":
                 out.append(_html_table(block.frame))
             elif block.kind == "figure":
+                assert block.path is not None  # figure() gives each figure block its path
                 data = base64.b64encode(block.path.read_bytes()).decode()
                 out.append(
                     f'<figure><img alt="{html.escape(block.text)}" '

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -238,7 +238,7 @@ class ServingEngine:
         sampling: Sequence[SamplingParams],
         arrival_ns: int,
         admission: Admission,
-    ) -> AsyncIterator[Piece]:
+    ) -> AsyncGenerator[Piece, None]:
         """Run every prompt with its sampling parameters; choice index = prompt index x n +
         sample index, as OpenAI numbers them. Closing this stream aborts what is still running
         and frees its KV memory."""

@@ -167,7 +167,7 @@ def header_timeout_protocol(
         _header_timer: asyncio.TimerHandle | None = None
         _awaiting_headers = True
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._arm()
 

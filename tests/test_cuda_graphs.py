@@ -142,6 +142,7 @@ def test_compile_gives_eager_tokens_on_cpu(make_tiny) -> None:
 # ---- on a CUDA GPU -----------------------------------------------------------------------------
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(
     "options",
@@ -174,6 +175,7 @@ def test_cuda_graph_replay_gives_eager_tokens(options: dict) -> None:
         assert graphs.replays > before
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_graphs_with_chosen_buckets_and_compile() -> None:
     common = dict(
@@ -191,6 +193,7 @@ def test_cuda_graphs_with_chosen_buckets_and_compile() -> None:
     assert greedy(llm, 8) == expected
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_graphs_refuse_the_dense_backend() -> None:
     with pytest.raises(ValueError, match="attention_backend=triton"):

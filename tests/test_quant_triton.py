@@ -123,6 +123,7 @@ def test_bad_inputs_are_refused() -> None:
         )
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layers only dispatch to Triton on CUDA")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("method", [Int8Method(), PlainInt4(64)])

@@ -52,8 +52,8 @@ class TokenSource:
 
     def render(self, ids: np.ndarray | list[int]) -> list[int] | str:
         # tolist() gives Python ints in one C loop: millions of ids for long traces.
-        ids = np.asarray(ids, dtype=np.int64).tolist()
-        return ids if self.kind == "random_ids" else self.tokenizer.decode(ids)
+        values: list[int] = np.asarray(ids, dtype=np.int64).tolist()
+        return values if self.kind == "random_ids" else self.tokenizer.decode(values)
 
     def _corpus_ids(self, n: int) -> np.ndarray:
         if self._corpus is None:

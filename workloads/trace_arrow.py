@@ -137,6 +137,11 @@ def _columns(
     return Columns(times, inputs, outputs, *(hashes or (None, None)))
 
 
+#: pyarrow's readers drop a UTF-8 byte-order mark at the start of what they are given, as a
+#: file's; at the start of a later chunk it is a stray character the row parser refuses.
+BOM = "\ufeff".encode()
+
+
 def csv_columns(
     data: bytes,
     header: list[str],
@@ -146,8 +151,8 @@ def csv_columns(
     max_tokens: int,
 ) -> Columns | None:
     """Columns of a chunk of CSV data rows (no header), or None: parse it row by row."""
-    if b'"' in data or data.count(b"\r") != data.count(b"\r\n"):
-        return None  # quoting and bare CR line ends: left to Python's csv module
+    if b'"' in data or data.count(b"\r") != data.count(b"\r\n") or BOM in data:
+        return None  # quoting, bare CR line ends, a stray BOM: left to Python's csv module
     needed = list(
         dict.fromkeys(c for c in (layout.timestamp, layout.input_len, layout.output_len) if c)
     )
@@ -178,6 +183,8 @@ def jsonl_columns(
     """Columns of a chunk of JSON lines, or None: parse it row by row."""
     framed = b"\n" + (data if data.endswith(b"\n") else data + b"\n")
     if (b"null" in data and _NULL_LINE.search(framed)) or _BLANK_LINE.search(framed):
+        return None
+    if BOM in data:
         return None
     fields: dict[str, pa.DataType] = {}
     roles = [(layout.input_len, pa.float64()), (layout.output_len, pa.float64())]

@@ -127,7 +127,9 @@ class _Reader:
 
     def __init__(self, path: str | Path, raw: BinaryIO, compressed: bool) -> None:
         self.path = path
-        self.stream: BinaryIO = gzip.GzipFile(fileobj=raw, mode="rb") if compressed else raw
+        self.stream: BinaryIO | gzip.GzipFile = (
+            gzip.GzipFile(fileobj=raw, mode="rb") if compressed else raw
+        )
 
     def read(self, size: int) -> bytes:
         try:

@@ -236,15 +236,15 @@ def _load(
 def _head(columns: trace_arrow.Columns, n: int) -> trace_arrow.Columns:
     """The first n rows."""
     offsets = columns.hash_offsets
-    if offsets is None or columns.hash_values is None:
-        return trace_arrow.Columns(
-            *(c[:n] if c is not None else None for c in columns[:3]), None, None
-        )
-    return trace_arrow.Columns(
-        *(c[:n] if c is not None else None for c in columns[:3]),
-        offsets[: n + 1],
-        columns.hash_values[: offsets[n]],
+    times = columns.timestamps_s
+    first = (
+        times[:n] if times is not None else None,
+        columns.input_lens[:n],
+        columns.output_lens[:n],
     )
+    if offsets is None or columns.hash_values is None:
+        return trace_arrow.Columns(*first, None, None)
+    return trace_arrow.Columns(*first, offsets[: n + 1], columns.hash_values[: offsets[n]])
 
 
 def _trace(
@@ -270,7 +270,11 @@ def _trace(
     keep = ~(zero_in | zero_out)
     offsets = values = None
     if parts and parts[0][1].hash_offsets is not None:
-        counts = np.concatenate([np.diff(p[1].hash_offsets) for p in parts])
+        diffs = []
+        for _, part in parts:
+            assert part.hash_offsets is not None  # one layout: every part has hash ids or none
+            diffs.append(np.diff(part.hash_offsets))
+        counts = np.concatenate(diffs)
         values = np.concatenate([p[1].hash_values for p in parts])
         values = values[np.repeat(keep, counts)]  # the ids of the kept rows, in order
         offsets = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
@@ -356,6 +360,7 @@ def _rows(
         row = _parse_row(path, line, record, layout)
         if row.timestamp_s is not None:
             if previous is not None and row.timestamp_s < previous:
+                assert layout.timestamp is not None  # a row has a time only from a time column
                 raise _error(
                     path,
                     line,

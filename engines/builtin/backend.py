@@ -443,7 +443,7 @@ class EngineThread:
     def _fail(self, request_ids: list[str], reason: str) -> None:
         """End these requests with `Failed(reason)` and free their KV memory."""
         engine = self.engine
-        failed = []
+        failed: list[tuple[_Sink, RequestEvent]] = []
         for request_id in request_ids:
             sink = self._sinks.pop(request_id, None)
             if engine.has_request(request_id):

@@ -26,7 +26,7 @@ DTYPE_ALIASES = {
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # option -> {value: the issue that implements it}; refused with that message until then.
-NOT_YET = {}
+NOT_YET: dict[str, dict[str, int]] = {}
 CHOICES = {
     "kv_cache": ("none", "contiguous", "paged"),
     "batching": ("static", "continuous"),

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import torch
@@ -35,8 +35,12 @@ import torch
 from engines.builtin.attention import AttentionMetadata
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache import LayerKVCache
-from engines.builtin.model import Transformer
+from engines.builtin.model import DecoderLayer, Transformer
+from engines.builtin.model_config import ModelConfig
 from engines.builtin.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # what CUDAGraph.pool() returns
 
 
 class ModelRunner(Protocol):
@@ -48,6 +52,9 @@ class ModelRunner(Protocol):
     max_num_seqs: int
     max_num_batched_tokens: int
     model: Transformer
+    model_config: ModelConfig
+    max_model_len: int
+    block_size: int  # set with the KV cache, before graphs are captured
     inputs: StepInputs
     kv_caches: list[LayerKVCache]
 
@@ -170,7 +177,7 @@ class DecodeGraphs:
         hidden = model(self.runner.inputs.device["input_ids"][: bucket.size], bucket.meta)
         return model.compute_logits(hidden)
 
-    def _capture(self, bucket: _Bucket, pool: object | None) -> object:
+    def _capture(self, bucket: _Bucket, pool: _POOL_HANDLE | None) -> _POOL_HANDLE:
         """Warm up (compiles the Triton kernels; no launch may compile during capture), then
         record the bucket's forward. Returns the memory pool the graphs share."""
         inputs = self.runner.inputs
@@ -207,7 +214,8 @@ def compile_model(runner: ModelRunner) -> None:
     step). Attention and the KV-cache write run eagerly between compiled pieces. Inductor
     needs a working C++ compiler on CPU (Triton on CUDA); a failure surfaces on the first
     step as an error naming engine.compile."""
-    for layer in runner.model.layers:
+    for module in runner.model.layers:
+        layer = cast(DecoderLayer, module)  # ModuleList iterates as Module
         layer.attn.backend = _EagerAttention(layer.attn.backend)
     for cache in runner.kv_caches:
         cache.write = torch.compiler.disable(cache.write)  # type: ignore[method-assign]

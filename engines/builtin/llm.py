@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 from engines.base import Failed, Finished, Prompt, Tokens
 from engines.builtin.config import EngineConfig
@@ -92,23 +92,25 @@ class LLM:
         priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids or chat messages); outputs in input order."""
+        prompt_list: list[Prompt]
         if isinstance(prompts, str) or _is_single_token_list(prompts) or _is_chat(prompts):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            prompt_list = [prompts]
+        else:  # not one prompt, so a sequence of them
+            prompt_list = list(cast(Seq[Prompt], prompts))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
+            if len(params) != len(prompt_list):
                 raise ValueError(
-                    f"sampling_params: {len(params)} given for {len(prompts)} "
+                    f"sampling_params: {len(params)} given for {len(prompt_list)} "
                     "prompts; give one, or one per prompt"
                 )
         engine = self.engine
         outputs: dict[str, RequestOutput] = {}
         order = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):
                 request_id = str(next(self._ids))
                 engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
                 seq = engine.sequences[request_id]
@@ -145,9 +147,9 @@ class LLM:
         return [outputs[r] for r in order]
 
 
-def _is_single_token_list(x: object) -> bool:
+def _is_single_token_list(x: object) -> TypeGuard[list[int]]:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
 
 
-def _is_chat(x: object) -> bool:
+def _is_chat(x: object) -> TypeGuard[list[dict[str, str]]]:
     return isinstance(x, list) and bool(x) and all(isinstance(m, dict) for m in x)

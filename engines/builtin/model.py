@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.builtin import native
-from engines.builtin.attention import AttentionMetadata, DenseAttention
+from engines.builtin.attention import AttentionBackend, AttentionMetadata
 from engines.builtin.kv_cache import LayerKVCache
 from engines.builtin.layers.linear import Linear, LinearMethod
 from engines.builtin.layers.norm import RMSNorm
@@ -22,7 +22,7 @@ from engines.builtin.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearMethod, backend: DenseAttention) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearMethod, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -126,7 +126,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearMethod, backend: DenseAttention) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearMethod, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, linear, backend)
@@ -159,7 +159,7 @@ class Transformer(nn.Module):
         self,
         cfg: ModelConfig,
         linear: LinearMethod,
-        backend: DenseAttention,
+        backend: AttentionBackend,
         max_positions: int,
         device: torch.device,
         lm_head_method: LinearMethod | None = None,

@@ -5,7 +5,8 @@ that reached the end of their known tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import cast
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from engines.builtin.cuda_graphs import (
 from engines.builtin.kv_cache import KVCacheManager, LayerKVCache
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import PrepackedDenseMethod
-from engines.builtin.model import Transformer
+from engines.builtin.model import DecoderLayer, Transformer
 from engines.builtin.model_config import ModelConfig
 from engines.builtin.platform import Platform
 from engines.builtin.sampler import Sampler, SamplingBatch
@@ -125,6 +126,7 @@ class ModelRunner:
         use_dummy = config.load_format == "dummy" or (
             config.load_format == "auto" and not _is_checkpoint(config.model)
         )
+        tensors: Iterable[tuple[str, torch.Tensor]]
         if use_dummy:
             tensors = dummy_state_dict(cfg, config.seed, self.dtype, self.device).items()
         else:
@@ -147,7 +149,8 @@ class ModelRunner:
             from engines.builtin.attention.triton_backend import TritonKVCache
 
             cache_class = TritonKVCache
-        for layer in self.model.layers:
+        for module in self.model.layers:
+            layer = cast(DecoderLayer, module)  # ModuleList iterates as Module
             cache = None
             if layout.num_blocks:
                 cache = cache_class(
@@ -271,8 +274,8 @@ class ModelRunner:
         if use_cache:
             tables = host["block_tables"][:num_seqs]
             tables[:] = 0
-            for row, r in enumerate(rows):
-                table = kv.block_table(r[0])
+            for row, entry in enumerate(rows):
+                table = kv.block_table(entry[0])
                 tables[row, : len(table)] = table
             bs = self.block_size
             # Padding (static batching) is computed but its K/V never stored: nothing reads it,

@@ -430,10 +430,12 @@ def _load_default() -> Tokenizer:
         _write_atomic(path, text)
         backend = _Backend.from_str(text)
     ids = {t: backend.token_to_id(t) for t in SPECIAL_TOKENS}
+    eos, end = ids["<|eos|>"], ids["<|end|>"]
+    assert eos is not None and end is not None  # trained in as special tokens
     return Tokenizer(
         backend,
         name=f"inferlab-bpe-{key[:8]}",
-        special=SpecialTokens(ids["<|bos|>"], (ids["<|eos|>"], ids["<|end|>"]), ids["<|pad|>"]),
+        special=SpecialTokens(ids["<|bos|>"], (eos, end), ids["<|pad|>"]),
         chat_template=DEFAULT_CHAT_TEMPLATE,
     )
 

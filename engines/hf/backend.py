@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +47,9 @@ from engines.hf.config import HFConfig
 from engines.hf.model import load_hf_model
 from engines.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from engines.hf.model import CausalLM
+
 # generate_batch: the KV pool when nothing bounds it better (max_num_seqs x max_model_len)
 DEFAULT_KV_POOL_BYTES = 4 << 30
 
@@ -68,7 +71,7 @@ class HFBackend(Backend):
     def __init__(self, config: HFConfig) -> None:
         super().__init__()
         self.config = config.validate()
-        self.model: torch.nn.Module | None = None
+        self.model: CausalLM | None = None
         self.tokenizer: Tokenizer | None = None
         self._waiting: deque[_Pending] = deque()
         self._wake: asyncio.Event | None = None
@@ -128,6 +131,7 @@ class HFBackend(Backend):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+        assert self.model is not None and self.tokenizer is not None  # load() ran before
         cfg, mc = self.config, self.model_config
         # Its INFO lines (flash-attention advice, cache sizes) would flood every run's output,
         # and it warns that suppress_tokens "might not be supported": the tests check it is.
@@ -323,7 +327,8 @@ class HFBackend(Backend):
         `generate` call takes one set of sampling options), up to max_num_seqs."""
         first = self._waiting[0]
         key = _decode_key(first.sampling)
-        batch, rest = [], deque()
+        batch: list[_Pending] = []
+        rest: deque[_Pending] = deque()
         while self._waiting:
             pending = self._waiting.popleft()
             if pending.done:

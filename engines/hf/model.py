@@ -4,11 +4,19 @@ built-in engine runs (its dummy state dict is already under Hugging Face names).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engines.builtin.model_config import ModelConfig, resolve_model
 from engines.builtin.weights import dummy_state_dict
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedModel
+
+    class CausalLM(PreTrainedModel, GenerationMixin):
+        """What AutoModelForCausalLM loads: a PreTrainedModel with `generate`."""
+
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -22,7 +30,7 @@ def hf_config(cfg: ModelConfig):  # -> transformers.PretrainedConfig
             f"model.architecture: {cfg.architecture!r} has no transformers "
             f"counterpart here; allowed: {'|'.join(ARCHITECTURES)}"
         )
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -59,7 +67,7 @@ def load_hf_model(
     device: torch.device,
     seed: int,
     attn_implementation: str,
-) -> tuple[torch.nn.Module, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     """A checkpoint folder through `from_pretrained` (local files only), or a preset with
     the built-in engine's seeded dummy weights loaded strictly."""
     import transformers
@@ -74,4 +82,6 @@ def load_hf_model(
         config._attn_implementation = attn_implementation
         hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
         hf.load_state_dict(dummy_state_dict(cfg, seed, dtype), strict=True)
-    return hf.to(device).eval(), cfg
+    # PreTrainedModel.to is wrapped with functools.wraps, whose stub (typeshed's _Wrapped)
+    # does not bind `self` for a method, so mypy takes `device` for `self`
+    return hf.to(device).eval(), cfg  # type: ignore[arg-type]

@@ -7,12 +7,17 @@ from collections.abc import Callable
 import torch
 
 from engines.builtin import native
-from engines.builtin.attention.dense import DenseAttention, reference_kernel, sdpa_kernel
+from engines.builtin.attention.dense import (
+    AttentionBackend,
+    DenseAttention,
+    reference_kernel,
+    sdpa_kernel,
+)
 from engines.builtin.attention.metadata import AttentionMetadata
 from engines.plugins import Registry
 
 #: `engine.attention_backend` -> a function making the backend (heavy ones imported on use).
-ATTENTION_BACKENDS = Registry[Callable[[], DenseAttention]](
+ATTENTION_BACKENDS = Registry[Callable[[], AttentionBackend]](
     "engine.attention_backend", extra_values=("auto",)
 )
 ATTENTION_BACKENDS.add("torch", lambda: DenseAttention("torch", reference_kernel))
@@ -20,7 +25,7 @@ ATTENTION_BACKENDS.add("sdpa", lambda: DenseAttention("sdpa", sdpa_kernel))
 
 
 @ATTENTION_BACKENDS.register("triton")
-def _triton_attention() -> DenseAttention:
+def _triton_attention() -> AttentionBackend:
     """Imported on first use, so the package works where triton is not installed."""
     try:
         from engines.builtin.attention.triton_backend import TritonAttention
@@ -66,12 +71,13 @@ def resolve_attention(
     return "sdpa"
 
 
-def make_attention(name: str) -> DenseAttention:
+def make_attention(name: str) -> AttentionBackend:
     return ATTENTION_BACKENDS.get(name)()
 
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "AttentionBackend",
     "AttentionMetadata",
     "DenseAttention",
     "make_attention",

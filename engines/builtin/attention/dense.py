@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,24 @@ from engines.builtin.kv_cache.storage import LayerKVCache
 Kernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float, bool], torch.Tensor
 ]
+
+
+class AttentionBackend(Protocol):
+    """What a model layer calls: DenseAttention (and CpuAttention), TritonAttention, and
+    torch.compile's eager wrapper (cuda_graphs._EagerAttention)."""
+
+    name: str
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache | None,
+        meta: AttentionMetadata,
+        scale: float,
+        /,
+    ) -> torch.Tensor: ...
 
 
 def reference_kernel(
@@ -90,9 +109,8 @@ def plan_in_place_decode(
     first = int(blocks.min())
     if int(blocks.max()) - first + 1 != nd:
         return None
-    order: torch.Tensor | None = (blocks - first).long()
-    if bool((order == torch.arange(nd, device=blocks.device)).all()):
-        order = None
+    relative = (blocks - first).long()
+    order = None if bool((relative == torch.arange(nd, device=blocks.device)).all()) else relative
     lens = meta.seq_lens[:nd].long()
     if order is not None:
         lens = torch.empty_like(lens).index_copy_(0, order, lens)

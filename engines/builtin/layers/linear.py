@@ -61,6 +61,7 @@ class DenseMethod(LinearMethod):
         layer.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        assert layer.weight is not None  # set by load(), which runs before any forward
         return F.linear(x, layer.weight, layer.bias)
 
     def weight_bytes(self, layer: Linear) -> int:
@@ -89,6 +90,7 @@ class PrepackedDenseMethod(DenseMethod):
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().load(layer, weight, bias)
+        assert layer.weight is not None  # just set by DenseMethod.load
         packed = (
             torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, self.PACK_FOR_ROWS)
             if self.supported(layer.weight.device, layer.weight.dtype)
@@ -106,6 +108,7 @@ class PrepackedDenseMethod(DenseMethod):
         if layer.packed_weight is None or (
             rows <= self.PLAIN_FP32_MAX_ROWS and x.dtype == torch.float32
         ):
+            assert layer.weight is not None  # set by load(), which runs before any forward
             return F.linear(x, layer.weight, layer.bias)
         y = torch.ops.mkldnn._linear_pointwise(
             x.reshape(rows, layer.in_features), layer.packed_weight, layer.bias, "none", [], ""
@@ -143,6 +146,7 @@ class PanelDenseMethod(DenseMethod):
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().load(layer, weight, bias)
+        assert layer.weight is not None  # just set by DenseMethod.load
         layer.register_buffer(
             "panels", native.pack_linear_weight(layer.weight.data), persistent=False
         )
@@ -155,6 +159,7 @@ class PanelDenseMethod(DenseMethod):
         if (
             rows > self.MAX_ROWS or rows == 1 or not native.takes(x) or x.requires_grad
         ):  # the kernel has no backward
+            assert layer.weight is not None  # set by load(), which runs before any forward
             return F.linear(x, layer.weight, layer.bias)
         y = native.linear(
             x.reshape(-1, layer.in_features), layer.panels, layer.out_features, layer.bias
@@ -164,6 +169,16 @@ class PanelDenseMethod(DenseMethod):
 
 class Linear(nn.Module):
     """A linear layer that is empty until `load` is called with its weight."""
+
+    # Buffers and attributes the methods set at load (nn.Module keeps buffers in _buffers;
+    # these annotations give them their types): PrepackedDenseMethod, PanelDenseMethod,
+    # Int8Method, Int4Method.
+    packed_weight: torch.Tensor | None
+    panels: torch.Tensor
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    int4_packed: bool
 
     def __init__(
         self, in_features: int, out_features: int, method: LinearMethod, bias: bool = False

@@ -36,6 +36,8 @@ def rope_inv_freq(
 class RotaryEmbedding(nn.Module):
     """The cos|sin table of RoPE over every position; `apply_rotary` rotates q and k."""
 
+    cos_sin_table: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(
         self,
         head_dim: int,

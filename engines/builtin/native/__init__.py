@@ -114,7 +114,7 @@ def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None (see `reason()`). Built once per machine, loaded once per
     process, and only after the cached library matched the size and hash of its build."""
     if "lib" in _state:
-        return _state["lib"]  # type: ignore[no-any-return]
+        return _state["lib"]
     lib, built, kernel_layout = None, None, None
     try:
         built = build()
@@ -135,13 +135,13 @@ def load() -> ctypes.CDLL | None:
 def layout() -> Layout:
     """The loaded library's instruction set and GEMM layout (raises where it is not loaded)."""
     _lib()
-    return _state["layout"]  # type: ignore[no-any-return]
+    return _state["layout"]
 
 
 def reason() -> str | None:
     """Why `load()` returned None (None when it did not)."""
     load()
-    return _state["reason"]  # type: ignore[no-any-return]
+    return _state["reason"]
 
 
 def info(load_now: bool = True) -> dict[str, Any]:
@@ -346,7 +346,7 @@ def rope_and_cache(
     if (
         not takes(qkv, table, *caches)
         or qkv.dim() != 2
-        or table.dim() != 2  # type: ignore[arg-type]
+        or table.dim() != 2
         or head_dim % 2
         or table.shape[1] != head_dim
         or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim
