@@ -43,6 +43,7 @@ from engines.base import (
     Tokens,
     now_ns,
 )
+from harness.interrupts import deferred
 from workloads.request import WorkloadRequest
 
 RowSink = Callable[[str, dict[str, Any]], None]
@@ -286,9 +287,10 @@ class Driver:
 
     def _emit(self, trace: RequestTrace) -> None:
         began = time.perf_counter_ns()
-        for row in trace.token_rows:
-            self.sink("tokens", row)
-        self.sink("requests", trace.row(self.t0))
+        with deferred():  # a request's rows are written whole, never cut by Ctrl-C/SIGTERM
+            for row in trace.token_rows:
+                self.sink("tokens", row)
+            self.sink("requests", trace.row(self.t0))
         if self.on_request_done is not None:
             self.on_request_done(trace)
         self.overhead_ns += time.perf_counter_ns() - began

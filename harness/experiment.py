@@ -4,10 +4,9 @@ warm up, drive the measured workload, and leave a complete (or honestly partial)
 from __future__ import annotations
 
 import gc
-import signal
 import traceback
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Iterable
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from engines.builtin.backend import BuiltinBackend
 from engines.registry import build_backend
 from harness import hardware, provenance, roofline
 from harness.driver import Driver
+from harness.interrupts import interruption, interrupts
 from harness.monitors import Monitor, MonitorConfig, gpu_index_for
 from harness.profiling import profiler_from_config
 from harness.progress import RunProgress
@@ -178,30 +178,6 @@ def warmup_requests(
     ]
 
 
-@contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    # SIGTERM behaves like Ctrl-C: KeyboardInterrupt is what asyncio propagates out of
-    # the event loop from any task, so the run stops, keeps its rows and says so.
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def interruption(exc: KeyboardInterrupt) -> str:
-    """`interrupted: SIGINT` or `interrupted: SIGTERM`. Ctrl-C's KeyboardInterrupt carries no
-    message (asyncio re-raises a bare one); the SIGTERM handler's names its signal."""
-    return f"interrupted: {str(exc) or 'SIGINT'}"
-
-
 class RunFolderError(OSError):
     """The run folder could not be written, not even a failed summary.json. `summary` is what
     it would have held; no `running` summary is left behind where it could be removed."""
@@ -265,7 +241,7 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             status, error = "failed", message if error is None else f"{message} ({error})"
 
     try:
-        with sigterm_interrupts():
+        with interrupts():
             run_cfg = RunConfig.from_dict(config.get("run"))
             hardware_cfg = hardware.validate_config(config.get("hardware"))
             monitor_cfg = run_cfg.monitor

@@ -28,7 +28,8 @@ import numpy as np
 import yaml
 
 from harness import provenance
-from harness.experiment import RunFolderError, interruption, sigterm_interrupts
+from harness.experiment import RunFolderError
+from harness.interrupts import interruption, interrupts
 from harness.records import SCHEMA_VERSION, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +170,7 @@ def run_repeats(
 
     write("running", None)
     child_config = {**config, "repeats": 1}
-    with sigterm_interrupts():
+    with interrupts():
         for k in range(repeats):
             child_dir = run_dir / f"{REPEAT_DIR_PREFIX}{k}"
             try:

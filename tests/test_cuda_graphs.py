@@ -18,6 +18,8 @@ from engines.builtin.config import ConfigError, EngineConfig
 from engines.builtin.cuda_graphs import DecodeGraphs, default_batch_sizes
 from engines.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 TRITON_DEVICE = os.environ.get("INFERLAB_TRITON_DEVICE", "cpu")  # see tests/conftest.py
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -6,8 +6,12 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import pytest
+
 from engines.builtin.engine import LLMEngine
 from harness.experiment import run_experiment
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 
 def test_the_engine_is_freed_when_the_run_returns(tmp_path: Path) -> None:

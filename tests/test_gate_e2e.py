@@ -13,6 +13,8 @@ from harness import cli, gate
 from harness.ab import compose_config
 from harness.experiment import run_experiment
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "model=tiny",

@@ -30,6 +30,8 @@ from harness.repeats import validate_repeats
 from harness.table import summary_table
 from workloads.request import WorkloadRequest
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "model=tiny",

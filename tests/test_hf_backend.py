@@ -159,6 +159,7 @@ def test_unsupported_request_fails_alone() -> None:
     assert all(isinstance(events[-1], Finished) for events in good)
 
 
+@pytest.mark.slow
 def test_generate_batch_starts_its_thread_with_the_first_request() -> None:
     """Not at load: the harness probes the CPU right after load, and torch work on the main
     thread ran at about half speed while transformers' generation thread was alive."""

@@ -26,6 +26,8 @@ from engines.builtin import LLM, SamplingParams
 from engines.builtin.model_config import UnsupportedCheckpointError, from_hf_config
 from engines.builtin.weights import MissingWeightsError
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 4096

@@ -39,6 +39,7 @@ def test_gqa_and_dtype_scale_kv_bytes() -> None:
     assert mha["kv_bytes_per_token"] == 2 * half["kv_bytes_per_token"]
 
 
+@pytest.mark.slow
 def test_cli_prints_the_report() -> None:
     out = subprocess.run(
         [

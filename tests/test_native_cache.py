@@ -22,6 +22,8 @@ from engines.builtin.config import EngineConfig
 from engines.builtin.engine import LLMEngine
 from engines.builtin.native import cache
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -22,6 +22,8 @@ from harness.experiment import RunFolderError, run_experiment
 from harness.metrics import compute_summary
 from harness.records import load_table, write_json_atomic
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 # Long enough to be caught mid-way: 40 requests of up to 400 tokens, 8 at a time (the
 # seeded lengths let two of the first eight finish within about 50 steps).

@@ -29,6 +29,8 @@ from engines.registry import build_backend
 from engines.sampling_params import SamplingParams
 from harness.experiment import make_workload, run_experiment
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = [
     "model=tiny",

@@ -13,6 +13,8 @@ from engines.builtin import LLM, SamplingParams
 from engines.train_tiny import cached_tiny_model, corpus_text, train_tiny
 from harness.quality import perplexity, quality_probe, run_quality
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 transformers = pytest.importorskip("transformers")
 
 # Small enough to train in a few seconds, trained enough that its logits carry signal.

@@ -15,6 +15,8 @@ import yaml
 
 from harness.repeats import aggregate, repeat_command, validate_repeats
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "model=tiny",

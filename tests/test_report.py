@@ -25,6 +25,8 @@ from harness.report import (
 )
 from harness.results import load
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 ROOFLINE = [
     "flops",
     "weight_bytes_read",

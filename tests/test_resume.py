@@ -15,6 +15,8 @@ import pytest
 
 from harness.sweep import ResumeMismatch, completed_run
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "model=tiny",

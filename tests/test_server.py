@@ -888,6 +888,7 @@ def test_is_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
 
 
+@pytest.mark.slow
 def test_inferlab_serve_command_end_to_end() -> None:
     """The real command in its own process: starts, serves, stops cleanly on SIGTERM."""
     with socket.socket() as sock:

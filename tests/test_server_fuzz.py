@@ -22,6 +22,8 @@ from engines.builtin.backend import BuiltinBackend
 from serving import ServerConfig
 from serving.testing import RunningServer, serve_in_thread
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 OPTIONS: dict[str, Any] = dict(
     dtype="float32",
     device="cpu",

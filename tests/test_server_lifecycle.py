@@ -31,6 +31,8 @@ from serving import ServerConfig
 from serving import cli as serve_cli
 from serving.testing import ServeProcess, serve_in_thread, serve_process
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 READ_TIMEOUT_S = 1.0
 SHUTDOWN_TIMEOUT_S = 1.0
 SERVE_ARGS = [

@@ -25,6 +25,8 @@ from engines.builtin.kv_cache import PagedKVCacheManager
 from serving import ServerConfig
 from serving.testing import RunningServer, serve_in_thread, serve_process
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 OPTIONS: dict[str, Any] = dict(
     dtype="float32",
     device="cpu",

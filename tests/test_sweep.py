@@ -21,6 +21,8 @@ from harness.sweep import (
     sweep_rows,
 )
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 
 

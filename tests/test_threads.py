@@ -18,6 +18,8 @@ from engines.builtin import native
 from engines.builtin import platform as plat
 from harness import provenance
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 SHOW_POLICY = "import engines.openmp, json; print(json.dumps(engines.openmp.wait_policy()))"
 

@@ -70,6 +70,7 @@ def gzipped(tmp_path: Path, source: Path) -> Path:
 # ---- .gz is read transparently --------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "options"),
     [

@@ -138,6 +138,7 @@ def test_decode_kernel_matches_reference(config) -> None:
 # ---- prefill ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)
 def test_prefill_kernel_matches_reference(config) -> None:
     dt, bs, h, kvh, d, window = config
@@ -170,6 +171,7 @@ def test_prefill_kernel_matches_reference(config) -> None:
 # ---- the backend against the dense path -----------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)
 def test_backend_matches_dense_attention_on_mixed_batch(config) -> None:
     dt, bs, h, kvh, d, window = config
@@ -263,6 +265,7 @@ def test_unsupported_inputs_are_refused_clearly() -> None:
 # ---- end to end ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
     [

@@ -32,6 +32,8 @@ from engines.builtin.kv_cache import LayerKVCache
 from engines.builtin.kv_cache.storage import dequantize_int8, quantize_int8
 from engines.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
 DEVICE = os.environ.get("INFERLAB_TRITON_DEVICE", "cpu")  # see tests/conftest.py
 assert DEVICE != "cpu" or triton_kernels.interpreting(), "Triton interpreter not active"
 
