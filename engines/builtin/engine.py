@@ -36,7 +36,7 @@ from engines.builtin.config import TORCH_DTYPES, EngineConfig
 from engines.builtin.kv_cache import KVCacheManager
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes
-from engines.builtin.model_config import kv_bytes_per_token, resolve_model
+from engines.builtin.model_config import ceil_div, kv_bytes_per_token, resolve_model
 from engines.builtin.model_runner import ModelRunner
 from engines.builtin.platform import Platform
 from engines.builtin.scheduler import Scheduler, StepPlan
@@ -294,7 +294,7 @@ class LLMEngine:
         window = self.model_config.sliding_window
         if window is not None:  # released blocks come back while the sequence runs
             longest = min(longest, window + 2 * layout.block_size)
-        needed = -(-longest // layout.block_size)
+        needed = ceil_div(longest, layout.block_size)
         if needed > layout.num_blocks - 1:
             raise ValueError(
                 f"prompt: {num_prompt_tokens} prompt tokens + max_tokens={max_tokens} need "

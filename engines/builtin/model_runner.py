@@ -25,7 +25,7 @@ from engines.builtin.kv_cache import KVCacheManager, LayerKVCache
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import PrepackedDenseMethod
 from engines.builtin.model import DecoderLayer, Transformer
-from engines.builtin.model_config import ModelConfig
+from engines.builtin.model_config import ModelConfig, ceil_div
 from engines.builtin.platform import Platform
 from engines.builtin.sampler import Sampler, SamplingBatch
 from engines.builtin.scheduler import StepPlan
@@ -138,7 +138,7 @@ class ModelRunner:
         layout = kv.layout
         self.ring = bool(getattr(kv, "ring", False))
         self.block_size = layout.block_size
-        self.max_blocks_per_seq = max(1, -(-self.max_model_len // layout.block_size))
+        self.max_blocks_per_seq = max(1, ceil_div(self.max_model_len, layout.block_size))
         self.inputs = StepInputs(
             self.max_num_batched_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.device
         )

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from engines.builtin.kv_cache.base import KVCacheManager, KVLayout
 from engines.builtin.kv_cache.block_pool import NULL_BLOCK, BlockPool
+from engines.builtin.model_config import ceil_div
 
 #: The parent hash of a prompt's first block. A constant rather than None: hash(None) depends
 #: on the process before Python 3.12, and block hashes should not.
@@ -29,10 +30,6 @@ def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     block's token ids and its parent's content id (see `BlockPool.lookup`), so a collision
     costs a comparison, never a wrong hit."""
     return hash((parent_hash, token_ids))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PagedKVCacheManager(KVCacheManager):
@@ -91,7 +88,7 @@ class PagedKVCacheManager(KVCacheManager):
         held = self.tokens_held.get(seq_id, 0)
         if num_tokens <= held:
             return []
-        end = min(len(table), _cdiv(num_tokens, self.block_size))
+        end = min(len(table), ceil_div(num_tokens, self.block_size))
         return [
             i
             for i in range(held // self.block_size, end)
@@ -100,7 +97,7 @@ class PagedKVCacheManager(KVCacheManager):
 
     def _blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         table = self.block_tables.get(seq_id, [])
-        grow = max(0, _cdiv(num_tokens, self.block_size) - len(table))
+        grow = max(0, ceil_div(num_tokens, self.block_size) - len(table))
         return grow + len(self._shared_to_write(seq_id, num_tokens))
 
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
@@ -125,7 +122,7 @@ class PagedKVCacheManager(KVCacheManager):
             self.pool.decref(src)  # still owned by the others: it was shared
             table[index] = dst
             new_blocks.append(dst)
-        while len(table) < _cdiv(num_tokens, self.block_size):
+        while len(table) < ceil_div(num_tokens, self.block_size):
             block = self.pool.allocate()
             table.append(block)
             new_blocks.append(block)
@@ -175,7 +172,7 @@ class PagedKVCacheManager(KVCacheManager):
             )
         held = self.tokens_held.get(seq_id, 0)
         bs = self.block_size
-        for index in range(held // bs, _cdiv(num_tokens, bs)):
+        for index in range(held // bs, ceil_div(num_tokens, bs)):
             if table[index] != NULL_BLOCK:
                 self.pool.record_fill(table[index], min(bs, num_tokens - index * bs))
         self.tokens_held[seq_id] = num_tokens
