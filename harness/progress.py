@@ -45,8 +45,10 @@ class RunProgress:
         if self._bar is not None:
             self._bar.update()
             return
+        if not self.enabled or self.terminal:
+            return
         now = time.monotonic()
-        if self.enabled and not self.terminal and now - self._last_line >= self.interval_s:
+        if now - self._last_line >= self.interval_s:
             self._last_line = now
             self.phase(f"requests {self._done}/{self._total} done, {now - self._started:.0f} s")
 
