@@ -122,7 +122,7 @@ class StepRecord:
     kv_blocks_used: int = 0
     forward_ns: int = 0  # device time of the model forward and sampling within the step
     kv_gather_ns: int = 0  # of which copying K/V out of the cache (CPU dense attention)
-    # For the roofline (harness/roofline.py); padding rows count as computed.
+    # For the roofline (harness/measuring/roofline.py); padding rows count as computed.
     logits_tokens: int = 0  # rows whose logits the LM head computed
     attention_pairs: int = 0  # (query, key) pairs attended, summed over the step's queries
     kv_tokens_read: int = 0  # cached tokens whose K/V the step's sequences read

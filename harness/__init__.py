@@ -1,0 +1,11 @@
+"""The harness: runs workloads against a backend, measures, gates and reports.
+
+Sub-packages, lowest first: `run_folder` (the one module that knows a run folder's layout),
+`measuring`, `running`, then `gating` and `reporting`; `cli` dispatches the `inferlab`
+commands."""
+
+from pathlib import Path
+
+# The checkout this harness is imported from: provenance asks git here, repeats and A/B
+# workers import from here.
+SOURCE_ROOT = Path(__file__).resolve().parents[1]

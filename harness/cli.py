@@ -33,13 +33,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "run":
-        from harness import app
+        from harness.running import app
 
         sys.argv = [f"{sys.argv[0]} run", *rest]
         app.main()
         return 0
     if command == "kv-calc":
-        from harness import kv_calc
+        from harness.measuring import kv_calc
 
         return kv_calc.main(rest)
     if command == "train-tiny":
@@ -51,17 +51,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_cli.main(rest)
     if command == "report":
-        from harness import report
+        from harness.reporting import report
 
         return report.main(rest)
     if command == "gate" and rest[:1] == ["ab"]:  # runs A/B rounds, then gates them
-        from harness import ab
+        from harness.gating import ab
 
         return ab.main(rest[1:])
     if command == "gate":
-        from harness import gate
+        from harness.gating import cli as gate_cli
 
-        return gate.main(rest)
+        return gate_cli.main(rest)
     if command == "list":
         from harness import plugins
 

@@ -26,9 +26,9 @@ import pandas as pd
 import torch
 import yaml
 
-from harness import hardware
-from harness.experiment import run_experiment
-from harness.roofline import decode_only, measured_step_s
+from harness.measuring import hardware
+from harness.measuring.roofline import decode_only, measured_step_s
+from harness.running.experiment import run_experiment
 
 TARGET = 1.5
 

@@ -31,8 +31,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.ab import ABPlan, compose_config, run_ab
-from harness.gate_rules import load_rules
+from harness.gating.ab import ABPlan, compose_config, run_ab
+from harness.gating.rules import load_rules
 
 # About 3 s of measured run time per run on a quiet 2-core CPU (small preset, 8 requests of
 # 64-128 prompt tokens and 32 output tokens, offline); check with --calibrate.
@@ -99,7 +99,7 @@ def one_gate(
 
 
 def calibrate(args: argparse.Namespace) -> int:
-    from harness.experiment import run_experiment
+    from harness.running.experiment import run_experiment
 
     config = compose_config(shlex.split(args.common))
     out = Path(args.out) / "calibrate"

@@ -14,8 +14,8 @@ import configs
 from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
 from engines.registry import BACKENDS, build_backend
-from harness.experiment import make_workload
-from harness.window import WindowConfig
+from harness.running.experiment import make_workload
+from harness.running.window import WindowConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"

@@ -21,7 +21,7 @@ from engines.base import (
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
 from engines.sampling_params import SamplingParams
-from harness.driver import Driver
+from harness.running.driver import Driver
 from workloads.request import WorkloadRequest
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engines.builtin.engine import LLMEngine
-from harness.experiment import run_experiment
+from harness.running.experiment import run_experiment
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 

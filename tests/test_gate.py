@@ -13,9 +13,10 @@ import pytest
 import yaml
 
 from engines.builtin.config import ConfigError, EngineConfig
-from harness import cli, gate
-from harness.gate_rules import RulesError, load_rules
-from harness.gate_stats import BootstrapSettings, bootstrap_paired, bootstrap_ratio, decide
+from harness import cli
+from harness.gating import cli as gate
+from harness.gating.rules import RulesError, load_rules
+from harness.gating.stats import BootstrapSettings, bootstrap_paired, bootstrap_ratio, decide
 
 SETTINGS = BootstrapSettings(statistic="geomean", confidence=0.95, resamples=4000, seed=7)
 

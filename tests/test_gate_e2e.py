@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, gate
-from harness.ab import compose_config
-from harness.experiment import run_experiment
+from harness import cli
+from harness.gating import cli as gate
+from harness.gating.ab import compose_config
+from harness.running.experiment import run_experiment
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 

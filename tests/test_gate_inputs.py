@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from harness import ab, cli, gate
+from harness import SOURCE_ROOT, cli
+from harness.gating import ab
+from harness.gating import cli as gate
 
 GOOD = {
     "num_steps": 40,
@@ -582,7 +584,7 @@ def test_the_command_line_exits_2_on_a_damaged_summary(tmp_path: Path) -> None:
 
 
 def test_ab_worker_garbage_reply_is_a_failed_run(tmp_path: Path) -> None:
-    worker = ab.Worker("a", tmp_path / "worker-a.log", ab.REPO)
+    worker = ab.Worker("a", tmp_path / "worker-a.log", SOURCE_ROOT)
     worker.process = subprocess.Popen(
         [sys.executable, "-c", "print('hello')"],
         stdin=subprocess.PIPE,

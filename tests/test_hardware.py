@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 import configs
 from engines.builtin import native
-from harness import hardware
+from harness.measuring import hardware
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY_PROBE = {"probe_bytes": 1 << 20, "matmul_size": 64}

@@ -21,13 +21,13 @@ from engines.base import GenerationRequest
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
 from engines.sampling_params import SamplingParams
-from harness import experiment
-from harness.driver import Driver
-from harness.experiment import RunConfig, run_experiment
-from harness.metrics import REGISTRY, compute_summary
-from harness.records import RunRecorder, load_table
-from harness.repeats import validate_repeats
-from harness.table import summary_table
+from harness.measuring.metrics import REGISTRY, compute_summary
+from harness.run_folder import RunRecorder, load_table
+from harness.running import experiment
+from harness.running.driver import Driver
+from harness.running.experiment import RunConfig, run_experiment
+from harness.running.repeats import validate_repeats
+from harness.running.table import summary_table
 from workloads.request import WorkloadRequest
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out

@@ -15,7 +15,7 @@ from engines.builtin import LLM
 from engines.builtin.config import ConfigError
 from engines.hf.backend import HFBackend
 from engines.sampling_params import SamplingParams
-from harness.experiment import run_experiment
+from harness.running.experiment import run_experiment
 
 PROMPTS = [list(range(5, 12)), list(range(40, 52)), [7, 8, 9]]
 MAX_TOKENS = [5, 6, 7]

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from harness.interrupts import deferred, interruption, interrupts
+from harness.running.interrupts import deferred, interruption, interrupts
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -26,9 +26,9 @@ from engines.base import (
     Tokens,
 )
 from engines.sampling_params import SamplingParams
-from harness.driver import Driver
-from harness.records import RunRecorder
-from harness.window import WindowConfig, summarize
+from harness.run_folder import RunRecorder
+from harness.running.driver import Driver
+from harness.running.window import WindowConfig, summarize
 from workloads.request import WorkloadRequest
 
 T0 = 7_000_000_000  # the virtual clock's start (ns); every time below is relative to it

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from harness.metrics import REGISTRY, compute_summary
-from harness.records import REQUEST_COLUMNS, STEP_COLUMNS
+from harness.measuring.metrics import REGISTRY, compute_summary
+from harness.run_folder import REQUEST_COLUMNS, STEP_COLUMNS
 
 
 def frames() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -118,11 +118,13 @@ def test_docs_list_every_registered_metric() -> None:
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
     missing = [name for name in REGISTRY if f"`{name}`" not in docs]
-    assert not missing, f"regenerate the table with `python -m harness.metrics`: {missing}"
+    assert not missing, (
+        f"regenerate the table with `python -m harness.measuring.metrics`: {missing}"
+    )
 
 
 def test_goodput_padding_offered_rate_and_window() -> None:
-    from harness.window import WindowConfig, summarize
+    from harness.running.window import WindowConfig, summarize
 
     requests, tokens, steps = frames()
     requests["sent_s"] = requests["arrival_s"]
@@ -161,7 +163,7 @@ def test_window_rates_count_events_inside_the_window() -> None:
 def test_a_window_no_request_completed_in_gives_the_whole_runs_rates() -> None:
     # overload: all four requests are sent by 0.3 s, the first completes at 0.8 s; over the
     # window [0.1, 0.3] alone the run would read 0 req/s and 0 tok/s
-    from harness.window import WindowConfig, summarize
+    from harness.running.window import WindowConfig, summarize
 
     requests, tokens, steps = frames()
     requests["sent_s"] = requests["arrival_s"]
@@ -191,7 +193,7 @@ def test_a_window_no_request_completed_in_gives_the_whole_runs_rates() -> None:
 
 
 def test_a_valid_window_keeps_its_own_rates() -> None:
-    from harness.window import WindowConfig, summarize
+    from harness.running.window import WindowConfig, summarize
 
     requests, tokens, steps = frames()
     requests["sent_s"] = requests["arrival_s"]
@@ -221,7 +223,7 @@ def test_a_valid_window_keeps_its_own_rates() -> None:
     ],
 )
 def test_window_config_names_the_bad_key(values: object, named: str) -> None:
-    from harness.window import WindowConfig
+    from harness.running.window import WindowConfig
 
     with pytest.raises(ValueError, match="allowed") as error:
         WindowConfig.from_dict(values)  # type: ignore[arg-type]

@@ -19,10 +19,9 @@ from omegaconf import OmegaConf
 
 import configs
 from engines.base import now_ns
-from harness import monitors
-from harness.experiment import run_experiment
-from harness.metrics import REGISTRY
-from harness.monitors import (
+from harness.measuring import monitors
+from harness.measuring.metrics import REGISTRY
+from harness.measuring.monitors import (
     SAMPLE_COLUMNS,
     Monitor,
     MonitorConfig,
@@ -30,6 +29,7 @@ from harness.monitors import (
     memory_breakdown,
     monitor_metrics,
 )
+from harness.running.experiment import run_experiment
 
 GPU_COLUMNS = ["gpu_util", "gpu_mem_used_bytes", "gpu_power_w", "gpu_energy_j"]
 MONITOR_METRICS = [

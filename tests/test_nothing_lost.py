@@ -17,10 +17,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness import records
-from harness.experiment import RunFolderError, run_experiment
-from harness.metrics import compute_summary
-from harness.records import load_table, write_json_atomic
+from harness import run_folder
+from harness.measuring.metrics import compute_summary
+from harness.run_folder import load_table, write_json_atomic
+from harness.running.experiment import RunFolderError, run_experiment
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
@@ -39,7 +39,7 @@ LONG_RUN = [
 
 def start_run(run_dir: Path, *overrides: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "harness.app", *overrides, f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "harness.running.app", *overrides, f"hydra.run.dir={run_dir}"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -140,7 +140,7 @@ def test_failed_requests_are_counted_and_kept_out_of_latencies(tmp_path: Path) -
         [
             sys.executable,
             "-m",
-            "harness.app",
+            "harness.running.app",
             "model=tiny",
             "engine.max_model_len=64",
             "workload.num_requests=6",
@@ -226,7 +226,7 @@ def test_a_full_disk_while_finalizing_fails_the_run(
 def test_a_full_disk_for_the_summary_too_leaves_no_running_summary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = records.write_json_atomic
+    real = run_folder.write_json_atomic
     written: list[str] = []
 
     def write_json_atomic(path: Path, data: dict) -> None:  # only `running` still fits
@@ -235,7 +235,7 @@ def test_a_full_disk_for_the_summary_too_leaves_no_running_summary(
         written.append(data.get("status", ""))
         real(path, data)
 
-    monkeypatch.setattr(records, "write_json_atomic", write_json_atomic)
+    monkeypatch.setattr(run_folder, "write_json_atomic", write_json_atomic)
     with pytest.raises(RunFolderError) as error:
         run_experiment(TINY_CONFIG, tmp_path, progress=False)
     assert written[-1] == "running"
@@ -251,7 +251,7 @@ def test_a_full_disk_for_the_summary_too_leaves_no_running_summary(
 def test_the_summary_written_on_a_second_try_says_why_it_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = records.write_json_atomic
+    real = run_folder.write_json_atomic
     failures = iter([disk_full("summary.json")])
 
     def write_json_atomic(path: Path, data: dict) -> None:
@@ -259,7 +259,7 @@ def test_the_summary_written_on_a_second_try_says_why_it_failed(
             raise exc
         real(path, data)
 
-    monkeypatch.setattr(records, "write_json_atomic", write_json_atomic)
+    monkeypatch.setattr(run_folder, "write_json_atomic", write_json_atomic)
     summary = run_experiment(TINY_CONFIG, tmp_path, progress=False)
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["status"] == summary["status"] == "failed"
@@ -297,10 +297,10 @@ def test_an_unwritable_run_folder_is_one_line_and_exit_1(tmp_path: Path) -> None
 INJECT_FULL_DISK = """
 import errno, os, sys
 import pandas as pd
-from harness import records
+from harness import run_folder
 
 sweep = sys.argv[1]
-real_parquet, real_json = pd.DataFrame.to_parquet, records.write_json_atomic
+real_parquet, real_json = pd.DataFrame.to_parquet, run_folder.write_json_atomic
 
 
 def full(path):
@@ -320,7 +320,7 @@ def write_json_atomic(path, data):  # job 1's final summary does not fit either
 
 
 pd.DataFrame.to_parquet = to_parquet
-records.write_json_atomic = write_json_atomic
+run_folder.write_json_atomic = write_json_atomic
 from harness.cli import main
 
 raise SystemExit(main(["run", *sys.argv[2:], f"hydra.sweep.dir={sweep}"]))

@@ -23,9 +23,9 @@ from engines.openai.config import OpenAIConfig, OpenAIConfigError
 from engines.openai.servers import DIALECTS
 from engines.openai.sse import SSEParser
 from engines.sampling_params import SamplingParams
-from harness.driver import Driver
-from harness.metrics import compute_summary
-from harness.records import COLUMNS
+from harness.measuring.metrics import compute_summary
+from harness.run_folder import COLUMNS
+from harness.running.driver import Driver
 from workloads.request import WorkloadRequest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sse"

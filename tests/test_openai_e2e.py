@@ -27,7 +27,7 @@ from engines.builtin.llm import LLM
 from engines.openai.backend import OpenAIBackend
 from engines.registry import build_backend
 from engines.sampling_params import SamplingParams
-from harness.experiment import make_workload, run_experiment
+from harness.running.experiment import make_workload, run_experiment
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 

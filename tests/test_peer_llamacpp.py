@@ -37,7 +37,7 @@ from engines.base import GenerationRequest
 from engines.openai.backend import OpenAIBackend
 from engines.registry import build_backend
 from engines.sampling_params import SamplingParams
-from harness.experiment import run_experiment
+from harness.running.experiment import run_experiment
 
 pytestmark = pytest.mark.peer
 

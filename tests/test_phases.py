@@ -13,10 +13,10 @@ from engines.builtin import LLM
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
 from engines.sampling_params import SamplingParams
-from harness.driver import Driver
-from harness.metrics import REGISTRY, compute_summary
-from harness.phases import CAUSES, itl_by_cause, label_gaps
-from harness.records import RunRecorder
+from harness.measuring.metrics import REGISTRY, compute_summary
+from harness.measuring.phases import CAUSES, itl_by_cause, label_gaps
+from harness.run_folder import RunRecorder
+from harness.running.driver import Driver
 from workloads.request import WorkloadRequest
 
 

@@ -16,8 +16,7 @@ from omegaconf import OmegaConf
 import configs
 from engines.builtin import LLM
 from engines.sampling_params import SamplingParams
-from harness.experiment import run_experiment
-from harness.profiling import (
+from harness.measuring.profiling import (
     OPS_COLUMNS,
     UNTRACED,
     ProfileConfig,
@@ -25,6 +24,7 @@ from harness.profiling import (
     profiler_from_config,
     step_phase,
 )
+from harness.running.experiment import run_experiment
 
 # torch's GEMMs, and the engine's own (fp32 on CPU with its C kernels)
 MATMULS = {

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import io
 
-from harness.progress import RunProgress
+from harness.running.progress import RunProgress
 
 
 def test_lines_without_a_terminal(monkeypatch) -> None:
     clock = iter([0.0, 1.0, 6.0, 7.0, 12.5])
-    monkeypatch.setattr("harness.progress.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("harness.running.progress.time.monotonic", lambda: next(clock))
     out = io.StringIO()
     shown = RunProgress(True, interval_s=5.0, stream=out)
     shown.phase("loading")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from engines.builtin import LLM, SamplingParams
 from engines.train_tiny import cached_tiny_model, corpus_text, train_tiny
-from harness.quality import perplexity, quality_probe, run_quality
+from harness.measuring.quality import perplexity, quality_probe, run_quality
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 

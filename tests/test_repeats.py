@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from harness.repeats import aggregate, repeat_command, validate_repeats
+from harness.running.repeats import aggregate, repeat_command, validate_repeats
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
@@ -52,7 +52,7 @@ def test_repeat_command_runs_one_repeat_into_its_folder(tmp_path: Path) -> None:
     command = repeat_command(
         ["model=tiny", "repeats=3", "+repeats=3", "run.resume=true"], tmp_path / "repeat-1"
     )
-    assert command[:3] == [sys.executable, "-m", "harness.app"]
+    assert command[:3] == [sys.executable, "-m", "harness.running.app"]
     assert command[3:] == [
         "model=tiny",
         "run.resume=true",
@@ -95,7 +95,7 @@ def test_repeats_run_in_fresh_processes_and_summarize(repeated: Path) -> None:
     repeat_summaries = [read_summary(repeated / f"repeat-{k}") for k in range(2)]
     for k, child in enumerate(repeat_summaries):
         assert child["status"] == "complete"
-        # each repeat was its own `python -m harness.app` command line: Hydra recorded it
+        # each repeat was its own `python -m harness.running.app` command line: Hydra recorded it
         overrides = yaml.safe_load(
             (repeated / f"repeat-{k}" / ".hydra" / "overrides.yaml").read_text()
         )

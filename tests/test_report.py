@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from harness import cli
-from harness.report import (
+from harness.reporting.report import (
     PHASES,
     Document,
     format_metric,
@@ -23,7 +23,7 @@ from harness.report import (
     roofline_points,
     section_roofline,
 )
-from harness.results import load
+from harness.reporting.results import load
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 

@@ -1,5 +1,5 @@
-"""harness.results.load on a real tiny sweep, one run of it, an interrupted run (JSONL only),
-and the repeats and A/B layouts (built from the sweep's run folders)."""
+"""harness.reporting.results.load on a real tiny sweep, one run of it, an interrupted run (JSONL
+only), and the repeats and A/B layouts (built from the sweep's run folders)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness.records import TABLES
-from harness.results import ID_COLUMNS, load, newest
+from harness.reporting.results import ID_COLUMNS, load, newest
+from harness.run_folder import TABLES
 
 
 # two variants, by Poisson rate (conftest.tiny_rate_sweep)

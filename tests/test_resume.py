@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.sweep import ResumeMismatch, completed_run
+from harness.running.sweep import ResumeMismatch, completed_run
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 

@@ -15,9 +15,7 @@ import pytest
 from engines.base import StepRecord
 from engines.builtin import LLM, SamplingParams
 from engines.builtin.engine import roofline_counts
-from harness.experiment import run_experiment
-from harness.records import STEP_COLUMNS
-from harness.roofline import (
+from harness.measuring.roofline import (
     ROOFLINE_COLUMNS,
     ModelShape,
     add_roofline,
@@ -27,6 +25,8 @@ from harness.roofline import (
     roofline_summary,
     step_costs,
 )
+from harness.run_folder import STEP_COLUMNS
+from harness.running.experiment import run_experiment
 
 # A hand-computable shape: every constant small and distinct.
 SHAPE = ModelShape(

@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.results import load
-from harness.sweep import (
+from harness.reporting.results import load
+from harness.running.sweep import (
     kv_speedup_curve,
     note_unrecorded,
     saturation_rate,

@@ -16,7 +16,7 @@ import torch
 
 from engines.builtin import native
 from engines.builtin import platform as plat
-from harness import provenance
+from harness.measuring import provenance
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 

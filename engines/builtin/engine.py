@@ -58,7 +58,7 @@ class EngineLimits:
 
 
 def _profiled(plan: StepPlan) -> AbstractContextManager[Any]:
-    """Names a step's model execution `step:<phase>` for harness/profiling.py while a
+    """Names a step's model execution `step:<phase>` for harness/measuring/profiling.py while a
     torch profiler runs; otherwise a no-op costing one flag check."""
     if not torch.autograd._profiler_enabled():
         return nullcontext()
@@ -201,7 +201,7 @@ class LLMEngine:
         }
 
     def _roofline_shape(self) -> dict[str, int]:
-        """Per-token constants of the roofline's FLOP count (harness/roofline.py)."""
+        """Per-token constants of the roofline's FLOP count (harness/measuring/roofline.py)."""
         cfg, model = self.model_config, self.runner.model
         blocks = sum(
             m.in_features * m.out_features

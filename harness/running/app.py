@@ -17,10 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, before Hydra composes)
-from harness.experiment import RunConfig, RunFolderError, run_experiment
-from harness.repeats import run_repeats, validate_repeats
-from harness.sweep import ResumeMismatch, completed_run, note_unrecorded, write_sweep_csv
-from harness.table import summary_table
+from harness.running.experiment import RunConfig, RunFolderError, run_experiment
+from harness.running.repeats import run_repeats, validate_repeats
+from harness.running.sweep import ResumeMismatch, completed_run, note_unrecorded, write_sweep_csv
+from harness.running.table import summary_table
 
 
 def _run(cfg: DictConfig) -> dict[str, Any]:

@@ -6,8 +6,9 @@ workloads) is imported from CODE_DIR, which lets the two sides of an A/B job run
 
 Protocol (JSON lines): the worker writes {"ready": true, "pid": ...} once its imports are
 done, then for each line {"config": {...}, "run_dir": "..."} read from stdin it runs
-harness.experiment.run_experiment and writes {"status", "error", "wall_s"}. Anything else the
-run prints goes to stderr, so stdout carries nothing but replies.
+run_experiment and writes {"status", "error", "wall_s"}. Anything else the run prints goes to
+stderr, so stdout carries nothing but replies. A checkout from before the harness sub-packages
+(harness/experiment.py) is run too, so that a pull request can be gated against such a base.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ def main(argv: list[str]) -> int:
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # C-level and Python prints land on stderr, never in the reply channel
     sys.stdout = sys.stderr
-    from harness.experiment import run_experiment
+    try:
+        from harness.running.experiment import run_experiment
+    except ModuleNotFoundError:  # a checkout from before harness/running/
+        from harness.experiment import run_experiment  # type: ignore[no-redef]
 
     replies.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     for line in sys.stdin:

@@ -1,6 +1,6 @@
 """Repeats: one configuration run N times, each in a fresh process, and its spread.
 
-`inferlab run repeats=N ...` (N > 1) starts `python -m harness.app` N times in turn with the
+`inferlab run repeats=N ...` (N > 1) starts `python -m harness.running.app` N times in turn with the
 same overrides, `repeats=1` and `hydra.run.dir=<run_dir>/repeat-<k>`: a fresh interpreter
 each time, so allocator state, caches, JIT and thread pools do not carry over from one repeat
 to the next. The folder's own summary.json (written atomically after every repeat) holds the
@@ -27,12 +27,12 @@ from typing import Any
 import numpy as np
 import yaml
 
-from harness import provenance
-from harness.experiment import RunFolderError
-from harness.interrupts import interruption, interrupts
-from harness.records import SCHEMA_VERSION, write_json_atomic
+from harness import SOURCE_ROOT
+from harness.measuring import provenance
+from harness.run_folder import SCHEMA_VERSION, write_json_atomic
+from harness.running.experiment import RunFolderError
+from harness.running.interrupts import interruption, interrupts
 
-REPO = Path(__file__).resolve().parents[1]
 REPEAT_DIR_PREFIX = "repeat-"
 CHILD_STOP_TIMEOUT_S = 120.0  # how long an interrupted repeat gets to write its summary
 
@@ -49,7 +49,7 @@ def repeat_command(overrides: list[str], run_dir: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "harness.app",
+        "harness.running.app",
         *kept,
         "repeats=1",
         "hydra.mode=RUN",
@@ -112,7 +112,7 @@ def _read_summary(run_dir: Path) -> dict[str, Any]:
 def _run_child(command: list[str]) -> tuple[int, str | None]:
     """Run one repeat to its end; (exit code, interruption or None)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE_ROOT), env.get("PYTHONPATH")) if p)
     child = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         return child.wait(), None
@@ -135,7 +135,7 @@ def run_repeats(
 ) -> dict[str, Any]:
     """Run the configuration `repeats` times into run_dir/repeat-<k>/; return (and write)
     the folder's summary. With `resume`, complete repeats of the same config are kept."""
-    from harness.sweep import completed_run  # sweep imports Hydra; keep this module light
+    from harness.running.sweep import completed_run  # sweep imports Hydra; keep this module light
 
     repeats = validate_repeats(repeats)
     run_dir = Path(run_dir).resolve()

@@ -13,7 +13,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from harness.records import write_json_atomic
+from harness.run_folder import write_json_atomic
 
 #: Overrides that say how to run, not what: no column in sweep.csv, ignored by resume.
 HOW_TO_RUN_KEYS = {"run.resume", "run.progress"}
@@ -127,7 +127,7 @@ def saturation_rate(frame: pd.DataFrame) -> float | None:
     Past saturation the engine falls behind: requests queue, achieved throughput flattens
     and latency grows without bound. The achieved rate of a run whose steady-state window is
     not valid (under heavy overload none completes inside it) is its whole run's
-    (harness/window.py), never a window's 0. None when no complete job has an offered rate,
+    (harness/running/window.py), never a window's 0. None when no complete job has an offered rate,
     or when even the lowest offered rate was not served.
     """
     rows = _rate_points(frame)

@@ -15,8 +15,8 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from harness.phases import CAUSES, itl_by_cause
-from harness.roofline import roofline_summary
+from harness.measuring.phases import CAUSES, itl_by_cause
+from harness.measuring.roofline import roofline_summary
 
 Better = Literal["lower", "higher", "none"]
 Kind = Literal["deterministic", "timing"]
@@ -233,7 +233,7 @@ register(
     "model load (weights, tokenizer) plus the first engine step",
 )
 register("load_s", "s", "lower", "timing", "backend load: model build, weights, tokenizer")
-# The monitor (harness/monitors.py, docs/monitoring.md): sampled, so all timing-kind.
+# The monitor (harness/measuring/monitors.py, docs/monitoring.md): sampled, so all timing-kind.
 register("peak_rss_bytes", "B", "lower", "timing", "largest process RSS sampled (psutil)")
 register(
     "cpu_util_mean",
@@ -370,7 +370,7 @@ for _cause in CAUSES:
         "s",
         "lower",
         "timing",
-        f"ITL p99 over the gaps attributed to {_cause} (harness/phases.py)",
+        f"ITL p99 over the gaps attributed to {_cause} (harness/measuring/phases.py)",
     )
     register(
         f"itl_spike_share_{_cause}",
@@ -564,8 +564,8 @@ def compute_summary(
         if run_info.get("engine", {}).get(key) is not None:
             summary[key] = run_info["engine"][key]
     summary.update(run_info.get("quality") or {})
-    if run_info.get("samples") is not None:  # the monitor's samples (harness/monitors.py)
-        from harness.monitors import monitor_metrics, whole_run_span
+    if run_info.get("samples") is not None:  # the monitor's samples (harness/measuring/monitors.py)
+        from harness.measuring.monitors import monitor_metrics, whole_run_span
 
         summary.update(
             monitor_metrics(run_info, summary, span or whole_run_span(requests), output_done)
@@ -583,7 +583,7 @@ def compute_summary(
 
 
 def markdown_table() -> str:
-    """The registry as the markdown table in docs/metrics.md (`python -m harness.metrics`)."""
+    """The registry as docs/metrics.md's markdown table (`python -m harness.measuring.metrics`)."""
     lines = ["| name | unit | better | kind | definition |", "|---|---|---|---|---|"]
     lines += [
         f"| `{m.name}` | {m.unit} | {m.better} | {m.kind} | {m.description} |"

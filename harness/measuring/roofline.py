@@ -171,7 +171,7 @@ def prefill_only(steps: pd.DataFrame) -> pd.Series:
 
 
 def roofline_summary(steps: pd.DataFrame) -> dict[str, float]:
-    """Run metrics from the per-step columns (registered in harness/metrics.py)."""
+    """Run metrics from the per-step columns (registered in harness/measuring/metrics.py)."""
     if steps.empty or "mbu" not in steps or not steps["mbu"].notna().any():
         return {}
     out: dict[str, float] = {}

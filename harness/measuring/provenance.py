@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from harness.records import write_json_atomic
+from harness import SOURCE_ROOT
+from harness.run_folder import write_json_atomic
 
 PACKAGES = (
     "torch",
@@ -28,13 +29,12 @@ PACKAGES = (
     "hydra-core",
     "inferlab",
 )
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(
-            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=5, check=True
+            ["git", *args], cwd=SOURCE_ROOT, capture_output=True, text=True, timeout=5, check=True
         )
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):

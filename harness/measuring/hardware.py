@@ -24,7 +24,9 @@ from typing import Any
 import torch
 import yaml
 
-SPEC_DIR = Path(__file__).resolve().parents[1] / "configs" / "hardware"
+from configs import CONFIG_DIR
+
+SPEC_DIR = CONFIG_DIR / "hardware"
 SPEC_KEYS = {"name", "source", "device_names", "memory_bandwidth", "peak_flops", "overlap"}
 CPU_KEYS = {"name", "probe_bytes", "matmul_size", "reprobe"}
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
@@ -264,7 +266,7 @@ def cpu_spec(
 ) -> HardwareSpec:
     """This CPU's measured spec at torch's current thread count, from the cache when a probe
     with the same settings was cached on this machine, else probed now (and cached)."""
-    from harness.records import write_json_atomic
+    from harness.run_folder import write_json_atomic
 
     threads = torch.get_num_threads()
     path = cache_path(threads, cache_dir)

@@ -12,7 +12,7 @@ this order (the first that holds):
 
 For consecutive steps the span is just the producing step. The per-request phase columns
 (tokenize_s, queue_s, prefill_s, decode_s, detokenize_s) are built by the driver
-(harness/driver.py); this module explains the decode phase's outliers.
+(harness/running/driver.py); this module explains the decode phase's outliers.
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from harness import figures
-from harness.metrics import REGISTRY
-from harness.results import Results, load
-from harness.roofline import decode_only, measured_step_s, prefill_only
-from harness.table import format_value
+from harness.measuring.metrics import REGISTRY
+from harness.measuring.roofline import decode_only, measured_step_s, prefill_only
+from harness.reporting import figures
+from harness.reporting.results import Results, load
+from harness.running.table import format_value
 
 MAIN_METRICS = (
     "num_completed",

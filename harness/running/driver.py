@@ -43,7 +43,7 @@ from engines.base import (
     Tokens,
     now_ns,
 )
-from harness.interrupts import deferred
+from harness.running.interrupts import deferred
 from workloads.request import WorkloadRequest
 
 RowSink = Callable[[str, dict[str, Any]], None]

@@ -17,14 +17,14 @@ import workloads
 from engines.base import now_ns
 from engines.builtin.backend import BuiltinBackend
 from engines.registry import build_backend
-from harness import hardware, provenance, roofline
-from harness.driver import Driver
-from harness.interrupts import interruption, interrupts
-from harness.monitors import Monitor, MonitorConfig, gpu_index_for
-from harness.profiling import profiler_from_config
-from harness.progress import RunProgress
-from harness.records import RunRecorder, TablesNotWritten, write_json_atomic
-from harness.window import WindowConfig, summarize
+from harness.measuring import hardware, provenance, roofline
+from harness.measuring.monitors import Monitor, MonitorConfig, gpu_index_for
+from harness.measuring.profiling import profiler_from_config
+from harness.run_folder import RunRecorder, TablesNotWritten, write_json_atomic
+from harness.running.driver import Driver
+from harness.running.interrupts import interruption, interrupts
+from harness.running.progress import RunProgress
+from harness.running.window import WindowConfig, summarize
 from workloads import WorkloadRequest
 
 
@@ -89,7 +89,7 @@ class SloConfig:
 
 @dataclass(frozen=True)
 class QualityConfig:
-    """`run.quality`: the quality probe (harness/quality.py)."""
+    """`run.quality`: the quality probe (harness/measuring/quality.py)."""
 
     enabled: bool = False
     num_prompts: int = 8
@@ -295,7 +295,7 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             info["harness_overhead_fraction"] = driver.overhead_fraction
             if run_cfg.quality.enabled and isinstance(backend, BuiltinBackend):
                 from engines.builtin import LLM
-                from harness.quality import run_quality
+                from harness.measuring.quality import run_quality
 
                 assert backend.engine is not None
                 info["quality"] = run_quality(

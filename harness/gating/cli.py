@@ -16,10 +16,10 @@ import sys
 import traceback
 from pathlib import Path
 
-from harness.gate_compare import GateResult, Row, compare_sides, config_differences
-from harness.gate_inputs import AB_FILE, InputError, ab_rounds, load_side, read_run
-from harness.gate_rules import GateRules, RulesError, add_require_argument, load_rules
-from harness.metrics import REGISTRY
+from harness.gating.compare import GateResult, Row, compare_sides, config_differences
+from harness.gating.inputs import AB_FILE, InputError, ab_rounds, load_side, read_run
+from harness.gating.rules import GateRules, RulesError, add_require_argument, load_rules
+from harness.measuring.metrics import REGISTRY
 
 USAGE_EXAMPLES = """examples:
   inferlab gate --baseline results/main --candidate results/pr

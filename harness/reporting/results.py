@@ -1,6 +1,6 @@
 """The results API: every run under some folders as tidy pandas tables, for notebooks and reports.
 
-    from harness.results import load
+    from harness.reporting.results import load
     res = load("results/sweeps/2025-01-01_12-00-00_default")
     res.runs          # one row per run folder: ids, swept parameters, status, metrics, provenance
     res.variants      # one row per variant (a sweep job, an A/B arm): repeats pooled (medians)
@@ -28,8 +28,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from harness import sweep
-from harness.records import COLUMNS, read_jsonl
+from harness.run_folder import COLUMNS, read_jsonl
+from harness.running import sweep
 
 # overrides that say how to run, not what: not columns (as in sweep.csv)
 HOW_TO_RUN_KEYS: set[str] = set(getattr(sweep, "HOW_TO_RUN_KEYS", ()))
@@ -443,7 +443,7 @@ class Results:
         """Long table of per-request TTFT and E2E and per-gap ITL of completed requests:
         run_id, variant, request_id, latency (ttft_s|itl_s|e2e_s), value_s. With `window`,
         only requests inside each run's measurement window: the ones its metrics describe."""
-        from harness.metrics import inter_token_latencies, per_request_latencies
+        from harness.measuring.metrics import inter_token_latencies, per_request_latencies
 
         requests, tokens = self.requests, self.tokens
         if window and "in_window" in requests:

@@ -4,8 +4,8 @@ Figures are built without pyplot, so nothing here picks a backend or keeps figur
 saving renders with Agg (no display needed, as on a CI machine), and in a notebook the
 returned Figure displays inline.
 
-The callers (harness.report, notebooks) prepare the data; these only draw it. Every figure has
-one line (or bar, or point set) per variant, labelled with the variant.
+The callers (harness.reporting.report, notebooks) prepare the data; these only draw it. Every
+figure has one line (or bar, or point set) per variant, labelled with the variant.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from harness.roofline import attainable_flops
+from harness.measuring.roofline import attainable_flops
 
 LATENCY_TITLES = {"ttft_s": "TTFT", "itl_s": "ITL", "e2e_s": "E2E latency"}
 MAX_LINES = 10  # beyond this a legend is unreadable; callers say which variants were left out

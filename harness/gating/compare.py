@@ -5,7 +5,7 @@ Deterministic counters (kind `deterministic` in the metric registry) are compare
 equal within a tight tolerance passes; worse in the registry's `better` direction is a
 regression, better is an improvement; a change in a counter with no direction is `changed`
 (a regression unless the rules say warn). Timing metrics are compared as ratios with a
-bootstrap interval over runs (harness.gate_stats).
+bootstrap interval over runs (harness.gating.stats).
 
 The gate never passes on nothing: a configuration where no gated metric has a value on both
 sides gets an inconclusive `status` row, a gated metric present on one side only is a warning,
@@ -20,10 +20,10 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.gate_inputs import Group, Run, Side, is_number
-from harness.gate_rules import GateRules
-from harness.gate_stats import RatioEstimate, bootstrap_paired, bootstrap_ratio, decide
-from harness.metrics import REGISTRY
+from harness.gating.inputs import Group, Run, Side, is_number
+from harness.gating.rules import GateRules
+from harness.gating.stats import RatioEstimate, bootstrap_paired, bootstrap_ratio, decide
+from harness.measuring.metrics import REGISTRY
 
 EXIT_CODES = {"pass": 0, "regression": 1, "inconclusive": 2}
 

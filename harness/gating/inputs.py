@@ -20,7 +20,7 @@ from typing import Any, TypeGuard
 
 import yaml
 
-from harness.metrics import REGISTRY
+from harness.measuring.metrics import REGISTRY
 
 AB_FILE = "ab.json"
 _REPEAT = re.compile(r"^repeat-(\d+)$")

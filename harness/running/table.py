@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.metrics import REGISTRY
+from harness.measuring.metrics import REGISTRY
 
 HEADLINE = (
     "num_requests",

@@ -11,10 +11,11 @@ from typing import Any
 
 import yaml
 
-from harness.gate_stats import STATISTICS, BootstrapSettings
-from harness.metrics import REGISTRY
+from configs import CONFIG_DIR
+from harness.gating.stats import STATISTICS, BootstrapSettings
+from harness.measuring.metrics import REGISTRY
 
-DEFAULT_RULES = Path(__file__).resolve().parents[1] / "configs" / "gate" / "default.yaml"
+DEFAULT_RULES = CONFIG_DIR / "gate" / "default.yaml"
 NEUTRAL_CHANGE = ("regression", "warn")
 DIFFERENT_MACHINE = ("warn", "inconclusive")
 # A bound on memory, not on precision: the bootstrap holds resamples x runs indices and values

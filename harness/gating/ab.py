@@ -6,7 +6,7 @@ odd), so a drift in machine speed, or an advantage of running second, falls on b
 equally. Each run is a normal run folder (round-<k>-a/, round-<k>-b/); ab.json records the
 plan, every round with its paired ratios, and the verdict, and is rewritten after each round.
 
-Isolation: each side runs in its own long-lived worker process (harness.ab_worker), started
+Isolation: each side runs in its own long-lived worker process (harness.gating.ab_worker), started
 once. A and B never share a process, so nothing one configuration leaves behind (torch's
 global thread count, allocator and kernel caches, imported modules) can reach the other, yet
 the start-up cost (interpreter and torch import, seconds on a small CPU) is paid once per side
@@ -35,14 +35,14 @@ from typing import IO, Any, TypeGuard, cast
 
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
-from harness.gate_inputs import AB_FILE, InputError, is_number, read_run
-from harness.gate_rules import GateRules, RulesError, add_require_argument, load_rules
-from harness.metrics import REGISTRY
-from harness.records import write_json_atomic
+from harness import SOURCE_ROOT
+from harness.gating.inputs import AB_FILE, InputError, is_number, read_run
+from harness.gating.rules import GateRules, RulesError, add_require_argument, load_rules
+from harness.measuring.metrics import REGISTRY
+from harness.run_folder import write_json_atomic
 
 MIN_ROUNDS = 9
 ISOLATION = ("worker", "process")
-REPO = Path(__file__).resolve().parents[1]
 WORKER_SOURCE = Path(__file__).with_name("ab_worker.py")
 
 
@@ -59,14 +59,14 @@ class ABPlan:
     out: Path
     warmup_rounds: int = 1
     isolation: str = "worker"
-    baseline_code: Path = REPO  # the checkout each side's runs import (and compose from)
-    candidate_code: Path = REPO
+    baseline_code: Path = SOURCE_ROOT  # the checkout each side's runs import (and compose from)
+    candidate_code: Path = SOURCE_ROOT
 
     def code(self, side: str) -> Path:
         return self.baseline_code if side == "a" else self.candidate_code
 
 
-def compose_config(overrides: list[str], code: Path = REPO) -> dict[str, Any]:
+def compose_config(overrides: list[str], code: Path = SOURCE_ROOT) -> dict[str, Any]:
     """The run configuration `inferlab run <overrides>` would get in the checkout `code`
     (Hydra's compose API over code/configs, config_name "config")."""
     from hydra.errors import HydraException
@@ -89,7 +89,7 @@ def compose_config(overrides: list[str], code: Path = REPO) -> dict[str, Any]:
 def precheck(config: dict[str, Any], side: str) -> None:
     """Refuse a configuration that could only fail, before any round runs."""
     from engines.builtin.config import EngineConfig
-    from harness.experiment import make_workload
+    from harness.running.experiment import make_workload
 
     if int(config.get("repeats", 1) or 1) != 1:
         raise ABError(
@@ -213,7 +213,7 @@ class ABRunner:
             "b": compose_config([*plan.common, *plan.candidate], plan.candidate_code),
         }
         for side, name in (("a", "baseline"), ("b", "candidate")):
-            if plan.code(side).resolve() == REPO:  # another checkout's options may differ
+            if plan.code(side).resolve() == SOURCE_ROOT:  # another checkout's options may differ
                 precheck(self.configs[side], name)
         self.workers = {
             side: Worker(side, plan.out / f"worker-{side}.log", plan.code(side)) for side in "ab"
@@ -272,7 +272,7 @@ class ABRunner:
 
     def run(self) -> int:
         """Warm-up rounds, then the rounds; returns the exit code (0, 1, 2; 130 if stopped)."""
-        from harness.gate import emit, gate_ab_dir
+        from harness.gating.cli import emit, gate_ab_dir
 
         plan = self.plan
         self._save()
@@ -402,14 +402,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--baseline-code",
-        default=str(REPO),
+        default=str(SOURCE_ROOT),
         metavar="DIR",
         help="the checkout the baseline runs (default: this one), e.g. a "
         "worktree of the main branch",
     )
     parser.add_argument(
         "--candidate-code",
-        default=str(REPO),
+        default=str(SOURCE_ROOT),
         metavar="DIR",
         help="the checkout the candidate runs (default: this one)",
     )
@@ -445,9 +445,11 @@ def plan_from_args(args: argparse.Namespace) -> ABPlan:
     codes = {}
     for side in ("baseline", "candidate"):
         code = Path(getattr(args, f"{side}_code")).resolve()
-        if not (code / "harness" / "experiment.py").is_file():
+        layouts = ("running/experiment.py", "experiment.py")  # today's, before the sub-packages
+        if not any((code / "harness" / layout).is_file() for layout in layouts):
             raise ABError(
-                f"--{side}-code: {code} is not an inferlab checkout (no harness/experiment.py)"
+                f"--{side}-code: {code} is not an inferlab checkout "
+                "(no harness/running/experiment.py)"
             )
         codes[side] = code
     return ABPlan(

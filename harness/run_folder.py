@@ -80,7 +80,8 @@ STEP_COLUMNS = [
     "attention_pairs",
     "kv_tokens_read",
     "kv_tokens_written",
-    # the roofline (harness/roofline.py), added when the run finishes; NaN where not applicable
+    # the roofline (harness/measuring/roofline.py), added when the run finishes; NaN where it
+    # does not apply
     "flops",
     "weight_bytes_read",
     "kv_bytes_read",

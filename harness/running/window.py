@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.metrics import compute_summary
+from harness.measuring.metrics import compute_summary
 
 
 @dataclass
