@@ -1,4 +1,5 @@
-"""The run folder: rows appended as the run goes, parquet and a summary at the end.
+"""The run folder: its layout, and every read and write of it. Nothing else in the project
+spells a run folder's file names; everything asks this module.
 
 Layout (schema version in `SCHEMA_VERSION`):
 
@@ -7,22 +8,78 @@ Layout (schema version in `SCHEMA_VERSION`):
     requests.jsonl      one row per request, appended as each finishes   -> requests.parquet
     tokens.jsonl        one row per output token                         -> tokens.parquet
     steps.jsonl         one row per engine step                          -> steps.parquet
+    samples.parquet     the monitors' samples (memory, GPU)
     summary.json        status, metrics, engine facts; written atomically
+    profile/            with `profile=true`: the torch profiler's trace and op tables
+    repeat-<k>/         a run with `repeats` > 1: one run folder per repeat
+
+A sweep folder holds one job folder per variant (a run folder plus Hydra's
+.hydra/overrides.yaml), multirun.yaml, sweep.csv, sweep_summary.json and, for a
+KV-cache sweep over context lengths, kv_speedup.csv; an A/B folder holds ab.json and one run
+folder per round and side (round-<k>-a/, round-<k>-b/; warmup-<k>-a/ ... not gated).
 
 A run that is interrupted or crashes keeps its JSONL rows, and its summary says
 `"status": "incomplete"` or `"failed"`; `load_table` reads parquet or, failing that, JSONL.
+Readers come in two kinds: strict ones (`read_json_object`, `read_yaml`, `read_overrides`)
+raise UnreadableFile naming the file and what is wrong, for the gate; lenient ones
+(`read_summary`, `read_config`, ...) return None for a missing or damaged file, for reports and
+resume checks that skip what they cannot use.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import pandas as pd
+import yaml
+
+CONFIG_FILE = "config.yaml"
+PROVENANCE_FILE = "provenance.json"
+SUMMARY_FILE = "summary.json"
+SAMPLES_FILE = "samples.parquet"
+PROFILE_DIR = "profile"
+AB_FILE = "ab.json"
+SWEEP_TABLE_FILE = "sweep.csv"
+SWEEP_SUMMARY_FILE = "sweep_summary.json"
+KV_SPEEDUP_FILE = "kv_speedup.csv"
+MULTIRUN_FILE = "multirun.yaml"
+OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
+REPEAT_DIR = re.compile(r"^repeat-(\d+)$")
+AB_ROUND_DIR = re.compile(r"^round-(\d+)-([ab])$")
+
+
+def repeat_dir(run_dir: Path, k: int) -> Path:
+    return run_dir / f"repeat-{k}"
+
+
+def ab_round_dir(ab_dir: Path, k: int, side: str, kind: str = "round") -> Path:
+    """Round k's run of side a or b; kind "warmup" for the rounds that are not gated."""
+    return ab_dir / f"{kind}-{k}-{side}"
+
+
+def table_path(run_dir: Path, table: str, suffix: str) -> Path:
+    """A table's file: suffix "jsonl" (rows as they come) or "parquet" (written at the end)."""
+    return run_dir / f"{table}.{suffix}"
+
+
+def has_summary(folder: Path) -> bool:
+    # exists(), not is_file(): a summary.json that is not a file is reported, not skipped
+    return (folder / SUMMARY_FILE).exists()
+
+
+def is_sweep_job(folder: Path) -> bool:
+    return (folder / OVERRIDES_FILE).is_file()
+
+
+def is_sweep(folder: Path) -> bool:
+    return (folder / MULTIRUN_FILE).is_file() or (folder / SWEEP_TABLE_FILE).is_file()
+
 
 SCHEMA_VERSION = 1
 TABLES = ("requests", "tokens", "steps")
@@ -93,7 +150,7 @@ STEP_COLUMNS = [
 COLUMNS = {"requests": REQUEST_COLUMNS, "tokens": TOKEN_COLUMNS, "steps": STEP_COLUMNS}
 
 
-def _replace_atomic(path: Path, write: Callable[[Path], None]) -> None:
+def _replace_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """`write` a temporary file in the same folder, then rename it over `path`: a reader sees
     the old file or the new one, never half of one (a full disk, a crash mid-write)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -121,6 +178,28 @@ def write_parquet_atomic(frame: pd.DataFrame, path: Path) -> None:
     _replace_atomic(path, lambda tmp: frame.to_parquet(tmp, index=False))
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    _replace_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    write_json_atomic(run_dir / SUMMARY_FILE, {"schema_version": SCHEMA_VERSION, **summary})
+
+
+def write_provenance(run_dir: Path, provenance: dict[str, Any]) -> None:
+    write_json_atomic(run_dir / PROVENANCE_FILE, provenance)
+
+
+def write_config(run_dir: Path, config: dict[str, Any]) -> None:
+    write_text_atomic(run_dir / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False))
+
+
+def remove_summary(run_dir: Path) -> None:
+    """A summary about to be rewritten goes first, so that a crash before the rewrite does not
+    leave the old one claiming a finished run."""
+    (run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+
+
 class TablesNotWritten(Exception):
     """Finalizing could not write the run's tables (a full disk, an unwritable folder).
     `cause` is the first OSError; `frames` the tables as read back from the JSONL rows."""
@@ -139,10 +218,10 @@ class RunRecorder:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.flush_every = flush_every
         for table in TABLES:  # an earlier run's tables in this folder (resume) are stale
-            (self.run_dir / f"{table}.parquet").unlink(missing_ok=True)
+            table_path(self.run_dir, table, "parquet").unlink(missing_ok=True)
         # kept open for the run's lifetime (closed in close()): no context manager fits
         self.files: dict[str, IO[str]] = {
-            t: open(self.run_dir / f"{t}.jsonl", "w")  # noqa: SIM115
+            t: open(table_path(self.run_dir, t, "jsonl"), "w")  # noqa: SIM115
             for t in TABLES
         }
         self.counts = dict.fromkeys(TABLES, 0)
@@ -182,10 +261,10 @@ class RunRecorder:
             errors.append(exc)
         frames = {}
         for table in TABLES:
-            frame = read_jsonl(self.run_dir / f"{table}.jsonl", COLUMNS[table])
+            frame = read_jsonl(table_path(self.run_dir, table, "jsonl"), COLUMNS[table])
             frames[table] = frame
             try:
-                write_parquet_atomic(frame, self.run_dir / f"{table}.parquet")
+                write_parquet_atomic(frame, table_path(self.run_dir, table, "parquet"))
             except OSError as exc:
                 errors.append(exc)
         if errors:
@@ -193,9 +272,7 @@ class RunRecorder:
         return frames
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        write_json_atomic(
-            self.run_dir / "summary.json", {"schema_version": SCHEMA_VERSION, **summary}
-        )
+        write_summary(self.run_dir, summary)
 
 
 def read_jsonl(path: Path, columns: list[str]) -> pd.DataFrame:
@@ -220,7 +297,134 @@ def read_jsonl(path: Path, columns: list[str]) -> pd.DataFrame:
 def load_table(run_dir: str | Path, table: str) -> pd.DataFrame:
     """A run's table from parquet, or from the JSONL rows of an unfinished run."""
     run_dir = Path(run_dir)
-    parquet = run_dir / f"{table}.parquet"
+    parquet = table_path(run_dir, table, "parquet")
     if parquet.is_file():
         return pd.read_parquet(parquet)
-    return read_jsonl(run_dir / f"{table}.jsonl", COLUMNS[table])
+    return read_jsonl(table_path(run_dir, table, "jsonl"), COLUMNS[table])
+
+
+class UnreadableFile(ValueError):
+    """A run-folder file that is missing, damaged or not what the harness writes; the message
+    names the file."""
+
+
+def json_kind(value: Any) -> str:
+    """A JSON value's type in JSON's words, for error messages."""
+    if value is None:
+        return "null"
+    names = {bool: "a boolean", str: "a string", list: "a list", dict: "an object"}
+    for kind, name in names.items():
+        if isinstance(value, kind):
+            return f"{name} ({short_json(value)})"
+    return f"a number ({value!r})" if isinstance(value, int | float) else type(value).__name__
+
+
+def short_json(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        what = "is a folder, not a file" if path.is_dir() else "no such file"
+        raise UnreadableFile(f"{path}: {what}")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnreadableFile(
+            f"{path}: not UTF-8 text (byte {exc.start}); a damaged or binary file?"
+        ) from exc
+    except OSError as exc:
+        raise UnreadableFile(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object (summary.json, ab.json, provenance.json)."""
+    text = _read_text(path)
+    if not text.strip():
+        raise UnreadableFile(f"{path}: empty file; expected a JSON object")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UnreadableFile(
+            f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column "
+            f"{exc.colno}); truncated or damaged?"
+        ) from exc
+    except RecursionError as exc:
+        raise UnreadableFile(f"{path}: JSON nested too deeply") from exc
+    except ValueError as exc:  # e.g. an integer past Python's 4300-digit conversion limit
+        raise UnreadableFile(f"{path}: not usable JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise UnreadableFile(f"{path}: expected a JSON object, got {json_kind(value)}")
+    return value
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file (config.yaml, .hydra/overrides.yaml), parsed safely."""
+    text = _read_text(path)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UnreadableFile(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from exc
+    except RecursionError as exc:
+        raise UnreadableFile(f"{path}: YAML nested too deeply") from exc
+
+
+def read_overrides(job: Path) -> list[str]:
+    """A sweep job's Hydra overrides (.hydra/overrides.yaml: a list of `key=value` strings)."""
+    path = job / OVERRIDES_FILE
+    overrides = read_yaml(path)
+    if overrides is None:
+        return []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise UnreadableFile(
+            f"{path}: expected a list of override strings such as "
+            f"'engine.kv_cache=paged', got {json_kind(overrides)}"
+        )
+    return overrides
+
+
+def override_values(overrides: list[str]) -> dict[str, Any]:
+    """`key=value` strings as {key: value}: the value parsed as YAML (`8` an int, `[1,2]` a
+    list, text that is not YAML kept as text), Hydra's +/++/~ prefixes dropped from the key."""
+    values = {}
+    for override in overrides:
+        key, _, text = override.partition("=")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        values[key.lstrip("+~")] = value
+    return values
+
+
+def _lenient(read: Callable[[Path], Any], path: Path) -> Any:
+    try:
+        return read(path)
+    except (UnreadableFile, RecursionError):
+        return None
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The run's summary, or None when it is missing or damaged."""
+    return _lenient(read_json_object, run_dir / SUMMARY_FILE)
+
+
+def read_provenance(run_dir: Path) -> dict[str, Any] | None:
+    return _lenient(read_json_object, run_dir / PROVENANCE_FILE)
+
+
+def read_config(run_dir: Path) -> dict[str, Any] | None:
+    """The run's resolved configuration, or None when it is missing, damaged or not a mapping."""
+    config = _lenient(read_yaml, run_dir / CONFIG_FILE)
+    return config if isinstance(config, dict) else None
+
+
+def read_sweep_summary(sweep_dir: Path) -> dict[str, Any] | None:
+    return _lenient(read_json_object, sweep_dir / SWEEP_SUMMARY_FILE)
+
+
+def read_sweep_overrides(job: Path) -> dict[str, Any] | None:
+    """A sweep job's overrides as {key: value}, or None when it has no readable overrides."""
+    overrides = _lenient(read_overrides, job)
+    return None if overrides is None else override_values(overrides)

@@ -70,7 +70,7 @@ def copy_checkout(dest: Path) -> Path:
     (dest / "configs" / "model" / "tiny-copy.yaml").write_text(
         (REPO / "configs" / "model" / "tiny.yaml").read_text()
     )
-    with (dest / "harness" / "provenance.py").open("a") as handle:
+    with (dest / "harness" / "measuring" / "provenance.py").open("a") as handle:
         handle.write(
             "\n_collect = collect\n\n\ndef collect(config):\n"
             "    return {**_collect(config), 'code_marker': 'copy'}\n"

@@ -230,9 +230,10 @@ def test_a_full_disk_for_the_summary_too_leaves_no_running_summary(
     written: list[str] = []
 
     def write_json_atomic(path: Path, data: dict) -> None:  # only `running` still fits
-        if path.name == "summary.json" and data.get("status") != "running":
-            raise disk_full(path)
-        written.append(data.get("status", ""))
+        if path.name == "summary.json":
+            if data.get("status") != "running":
+                raise disk_full(path)
+            written.append(data["status"])
         real(path, data)
 
     monkeypatch.setattr(run_folder, "write_json_atomic", write_json_atomic)

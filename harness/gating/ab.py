@@ -36,10 +36,15 @@ from typing import IO, Any, TypeGuard, cast
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
 from harness import SOURCE_ROOT
-from harness.gating.inputs import AB_FILE, InputError, is_number, read_run
+from harness.gating.inputs import is_number, read_run
 from harness.gating.rules import GateRules, RulesError, add_require_argument, load_rules
 from harness.measuring.metrics import REGISTRY
-from harness.run_folder import write_json_atomic
+from harness.run_folder import (
+    AB_FILE,
+    UnreadableFile,
+    ab_round_dir,
+    write_json_atomic,
+)
 
 MIN_ROUNDS = 9
 ISOLATION = ("worker", "process")
@@ -190,7 +195,7 @@ def paired_ratios(a_dir: Path, b_dir: Path) -> dict[str, float]:
     def metrics(path: Path) -> dict[str, Any]:
         try:
             return read_run(path).metrics
-        except InputError:  # the gate at the end names the file; the log line just omits it
+        except UnreadableFile:  # the gate at the end names the file; the log line just omits it
             return {}
 
     def usable(value: Any) -> TypeGuard[float]:
@@ -251,9 +256,9 @@ class ABRunner:
         order = round_order(k)
         entry: dict[str, Any] = {"round": k, "order": list(order)}
         for side in order:
-            name = f"{prefix}-{k}-{side}"
-            reply = self._run(side, self.plan.out / name)
-            entry[side] = name
+            run_dir = ab_round_dir(self.plan.out, k, side, prefix)
+            reply = self._run(side, run_dir)
+            entry[side] = run_dir.name
             entry[f"{side}_status"] = reply["status"]
             entry[f"{side}_wall_s"] = reply.get("wall_s")
             if reply.get("error"):
@@ -478,7 +483,7 @@ def main(argv: list[str]) -> int:
         plan = plan_from_args(args)
         rules = load_rules(args.rules, tuple(args.require_metric))
         return run_ab(plan, rules)
-    except (ABError, RulesError, InputError) as exc:
+    except (ABError, RulesError, UnreadableFile) as exc:
         print(f"inferlab gate ab: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # --out cannot be created or written

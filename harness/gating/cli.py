@@ -17,9 +17,10 @@ import traceback
 from pathlib import Path
 
 from harness.gating.compare import GateResult, Row, compare_sides, config_differences
-from harness.gating.inputs import AB_FILE, InputError, ab_rounds, load_side, read_run
+from harness.gating.inputs import InputError, ab_rounds, load_side, read_run
 from harness.gating.rules import GateRules, RulesError, add_require_argument, load_rules
 from harness.measuring.metrics import REGISTRY
+from harness.run_folder import AB_FILE
 
 USAGE_EXAMPLES = """examples:
   inferlab gate --baseline results/main --candidate results/pr

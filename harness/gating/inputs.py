@@ -11,22 +11,30 @@ A side is any of (docs/gate.md):
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-import yaml
-
 from harness.measuring.metrics import REGISTRY
+from harness.run_folder import (
+    AB_FILE,
+    CONFIG_FILE,
+    PROVENANCE_FILE,
+    REPEAT_DIR,
+    SUMMARY_FILE,
+    UnreadableFile,
+    has_summary,
+    is_sweep_job,
+    json_kind,
+    read_json_object,
+    read_overrides,
+    read_yaml,
+    short_json,
+)
 
-AB_FILE = "ab.json"
-_REPEAT = re.compile(r"^repeat-(\d+)$")
 
-
-class InputError(ValueError):
+class InputError(UnreadableFile):
     """A folder the gate cannot read as a run, repeats, sweep or A/B folder, or a file in it
     that is not what the harness writes."""
 
@@ -62,69 +70,6 @@ class Side:
     notes: list[str] = field(default_factory=list)
 
 
-def _read_text(path: Path) -> str:
-    """A file's text; anything that keeps it from being read is an InputError naming it."""
-    if not path.is_file():
-        what = "is a folder, not a file" if path.is_dir() else "no such file"
-        raise InputError(f"{path}: {what}")
-    try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(
-            f"{path}: not UTF-8 text (byte {exc.start}); a damaged or binary file?"
-        ) from exc
-    except OSError as exc:
-        raise InputError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON file that must hold an object (summary.json, ab.json, provenance.json)."""
-    text = _read_text(path)
-    if not text.strip():
-        raise InputError(f"{path}: empty file; expected a JSON object")
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(
-            f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column "
-            f"{exc.colno}); truncated or damaged?"
-        ) from exc
-    except RecursionError as exc:
-        raise InputError(f"{path}: JSON nested too deeply") from exc
-    except ValueError as exc:  # e.g. an integer past Python's 4300-digit conversion limit
-        raise InputError(f"{path}: not usable JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise InputError(f"{path}: expected a JSON object, got {_kind(value)}")
-    return value
-
-
-def read_yaml(path: Path) -> Any:
-    """A YAML file (config.yaml, .hydra/overrides.yaml), parsed safely."""
-    text = _read_text(path)
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise InputError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from exc
-    except RecursionError as exc:
-        raise InputError(f"{path}: YAML nested too deeply") from exc
-
-
-def _kind(value: Any) -> str:
-    """A JSON value's type in JSON's words, for error messages."""
-    if value is None:
-        return "null"
-    names = {bool: "a boolean", str: "a string", list: "a list", dict: "an object"}
-    for kind, name in names.items():
-        if isinstance(value, kind):
-            return f"{name} ({_short(value)})"
-    return f"a number ({value!r})" if isinstance(value, int | float) else type(value).__name__
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def is_number(value: Any) -> TypeGuard[int | float]:
     """A metric value the gate can compare: an int or float (finite or not), never a bool."""
     return isinstance(value, int | float) and not isinstance(value, bool)
@@ -138,7 +83,8 @@ def _metrics(summary: dict[str, Any], path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(metrics, dict):
         raise InputError(
-            f"{path}: `metrics` must be an object of metric names to numbers, got {_kind(metrics)}"
+            f"{path}: `metrics` must be an object of metric names to numbers, "
+            f"got {json_kind(metrics)}"
         )
     out = dict(metrics)
     for name, value in metrics.items():
@@ -146,7 +92,7 @@ def _metrics(summary: dict[str, Any], path: Path) -> dict[str, Any]:
             continue
         if not is_number(value):
             raise InputError(
-                f"{path}: metrics.{name}: {_short(value)} is not a number "
+                f"{path}: metrics.{name}: {short_json(value)} is not a number "
                 "(allowed: a number or null)"
             )
         try:
@@ -167,24 +113,24 @@ def _optional_mapping(
         return None
     try:
         value = reader(path)
-    except InputError as exc:
+    except UnreadableFile as exc:
         notes.append(f"{exc}; not used")
         return None
     if not isinstance(value, dict):
-        notes.append(f"{path}: expected a mapping, got {_kind(value)}; not used")
+        notes.append(f"{path}: expected a mapping, got {json_kind(value)}; not used")
         return None
     return value
 
 
 def read_run(path: Path) -> Run:
-    summary_path = path / "summary.json"
+    summary_path = path / SUMMARY_FILE
     if not summary_path.exists():  # a run cut short before its first summary: left out
         return Run(path, "missing", f"no summary.json in {path}", {}, None, None)
     summary = read_json_object(summary_path)
     status = summary.get("status")
     if status is not None and not isinstance(status, str):
         raise InputError(
-            f"{summary_path}: `status` must be a string such as 'complete', got {_kind(status)}"
+            f"{summary_path}: `status` must be a string such as 'complete', got {json_kind(status)}"
         )
     status = status or "missing"
     if status == "running":  # a run that never wrote its final summary was cut short
@@ -203,8 +149,8 @@ def read_run(path: Path) -> Run:
             else "without any registry metric"
         )
         notes.append(f"{summary_path}: status complete but `metrics` is {held}")
-    provenance = _optional_mapping(path / "provenance.json", notes, read_json_object)
-    config = _optional_mapping(path / "config.yaml", notes, read_yaml)
+    provenance = _optional_mapping(path / PROVENANCE_FILE, notes, read_json_object)
+    config = _optional_mapping(path / CONFIG_FILE, notes, read_yaml)
     return Run(
         path, status, None if error is None else str(error), metrics, provenance, config, notes
     )
@@ -212,7 +158,9 @@ def read_run(path: Path) -> Run:
 
 def _repeat_dirs(path: Path) -> list[Path]:
     found = [
-        (int(m.group(1)), p) for p in path.iterdir() if p.is_dir() and (m := _REPEAT.match(p.name))
+        (int(m.group(1)), p)
+        for p in path.iterdir()
+        if p.is_dir() and (m := REPEAT_DIR.match(p.name))
     ]
     return [p for _, p in sorted(found)]
 
@@ -246,7 +194,7 @@ def _round_dir(value: Any, where: str) -> str | None:
         return None
     if not isinstance(value, str) or value in (".", "..") or "/" in value or "\\" in value:
         raise InputError(
-            f"{where}: {_short(value)} is invalid; allowed: the name of a run "
+            f"{where}: {short_json(value)} is invalid; allowed: the name of a run "
             "folder inside the A/B folder (e.g. 'round-0-a')"
         )
     return value
@@ -259,12 +207,12 @@ def ab_rounds(path: Path) -> list[dict[str, Any]]:
     ab = read_json_object(ab_path)
     rounds = ab.get("rounds", [])
     if not isinstance(rounds, list):
-        raise InputError(f"{ab_path}: `rounds` must be a list of rounds, got {_kind(rounds)}")
+        raise InputError(f"{ab_path}: `rounds` must be a list of rounds, got {json_kind(rounds)}")
     out = []
     for k, entry in enumerate(rounds):
         if not isinstance(entry, dict):
             raise InputError(
-                f"{ab_path}: rounds[{k}] must be an object with `a` and `b`, got {_kind(entry)}"
+                f"{ab_path}: rounds[{k}] must be an object with `a` and `b`, got {json_kind(entry)}"
             )
         names = {
             role: _round_dir(entry.get(role), f"{ab_path}: rounds[{k}].{role}")
@@ -280,23 +228,8 @@ def load_ab_side(path: Path, role: str) -> Side:
     return Side(path, "ab", {(): Group(f"{role} side of {path.name}", runs)})
 
 
-def read_overrides(job: Path) -> list[str]:
-    """A sweep job's Hydra overrides (.hydra/overrides.yaml: a list of `key=value` strings)."""
-    path = job / ".hydra" / "overrides.yaml"
-    overrides = read_yaml(path)
-    if overrides is None:
-        return []
-    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        raise InputError(
-            f"{path}: expected a list of override strings such as "
-            f"'engine.kv_cache=paged', got {_kind(overrides)}"
-        )
-    return overrides
-
-
 def _is_run_or_repeats(path: Path) -> bool:
-    # exists(), not is_file(): a summary.json that is not a file is reported, not skipped
-    return (path / "summary.json").exists() or bool(_repeat_dirs(path))
+    return has_summary(path) or bool(_repeat_dirs(path))
 
 
 def load_side(path: str | Path, role: str, ignore: set[str] | None = None) -> Side:
@@ -307,14 +240,14 @@ def load_side(path: str | Path, role: str, ignore: set[str] | None = None) -> Si
         raise InputError(f"{path}: {'not a folder' if path.exists() else 'no such folder'}")
     if (path / AB_FILE).exists():
         return load_ab_side(path, role)
-    if (path / "summary.json").exists():
+    if has_summary(path):
         group = read_group(path, path.name)
         kind = "repeats" if len(group.runs) > 1 or _repeat_dirs(path) else "run"
         return Side(path, kind, {(): group})
     children = sorted(
         (p for p in path.iterdir() if p.is_dir() and _is_run_or_repeats(p)), key=_job_sort_key
     )
-    jobs = [p for p in children if (p / ".hydra" / "overrides.yaml").exists()]
+    jobs = [p for p in children if is_sweep_job(p)]
     if jobs:
         side = Side(path, "sweep", {})
         for job in jobs:

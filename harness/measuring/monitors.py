@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from engines.base import now_ns
+from harness.run_folder import SAMPLES_FILE, write_parquet_atomic
 
 #: 20 Hz: NVML refreshes utilization and power over windows of about 1/6 s to 1 s, so faster
 #: sampling adds little; slower sampling misses RSS and allocator peaks of short runs. A sample
@@ -334,7 +335,7 @@ class Monitor:
         origin = t0_ns or (self._times_ns[0] if self._times_ns else 0)
         frame = self.frame(origin)
         try:
-            frame.to_parquet(Path(run_dir) / "samples.parquet", index=False)
+            write_parquet_atomic(frame, Path(run_dir) / SAMPLES_FILE)
         except Exception as exc:  # the summary matters more than this file
             self.notes.append(f"samples.parquet not written: {_why(exc)}")
         return frame

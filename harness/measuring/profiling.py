@@ -21,6 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from engines.base import Backend, StepRecord
+from harness.run_folder import PROFILE_DIR
 
 PHASES = ("prefill", "decode", "mixed")
 STEP_PREFIX = "step:"  # the engine's record_function names: step:prefill, step:decode, ...
@@ -77,7 +78,7 @@ def profiler_from_config(config: dict[str, Any], run_dir: str | Path) -> StepPro
     if not isinstance(enabled, bool):
         raise ValueError(f"profile: {enabled!r} is invalid; allowed: true|false")
     cfg = ProfileConfig.from_dict(config.get("profiling"))
-    return StepProfiler(cfg, Path(run_dir) / "profile") if enabled else None
+    return StepProfiler(cfg, Path(run_dir) / PROFILE_DIR) if enabled else None
 
 
 def step_phase(num_prefill_seqs: int, num_decode_seqs: int) -> str:

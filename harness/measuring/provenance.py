@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from harness import SOURCE_ROOT
-from harness.run_folder import write_json_atomic
+from harness.run_folder import read_provenance, write_provenance
 
 PACKAGES = (
     "torch",
@@ -102,18 +102,15 @@ def threads() -> dict[str, Any]:
     return thread_facts()
 
 
-def record_threads(path: Path) -> None:
+def record_threads(run_dir: Path) -> None:
     """Rewrite `threads` in a run's provenance.json once the engine has set its threads (the
     file is written before the engine loads); a missing or unreadable file is left alone."""
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return
-    if not isinstance(record, dict):
+    record = read_provenance(run_dir)
+    if record is None:
         return
     record["threads"] = threads()
     record["torch_num_threads"] = record["threads"]["torch_intra_op"]
-    write_json_atomic(path, record)
+    write_provenance(run_dir, record)
 
 
 def collect(config: dict[str, Any]) -> dict[str, Any]:

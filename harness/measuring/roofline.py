@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from harness.run_folder import table_path, write_parquet_atomic
+
 ROOFLINE_COLUMNS = (
     "flops",
     "weight_bytes_read",
@@ -158,7 +160,7 @@ def annotate_run(run_dir: str | Path, steps: pd.DataFrame, info: dict[str, Any])
     peak = (hardware.get("peak_flops") or {}).get(shape.dtype)
     overlap = float((hardware.get("overlap") or {}).get(shape.dtype, 1.0))
     steps = add_roofline(steps, shape, peak, float(bandwidth), overlap)
-    steps.to_parquet(Path(run_dir) / "steps.parquet", index=False)
+    write_parquet_atomic(steps, table_path(Path(run_dir), "steps", "parquet"))
     return steps
 
 

@@ -27,6 +27,7 @@ from harness.measuring.metrics import REGISTRY
 from harness.measuring.roofline import decode_only, measured_step_s, prefill_only
 from harness.reporting import figures
 from harness.reporting.results import Results, load
+from harness.run_folder import read_sweep_summary
 from harness.running.table import format_value
 
 MAIN_METRICS = (
@@ -416,14 +417,13 @@ def section_load(res: Results, doc: Document) -> None:
 
 
 def _sweep_summaries(res: Results) -> list[dict[str, Any]]:
-    import json
 
     folders = {Path(p).parent for p in res.runs.loc[res.runs["sweep"].notna(), "path"]}
     out = []
     for folder in sorted(folders):
-        path = folder / "sweep_summary.json"
-        if path.is_file():
-            out.append(json.loads(path.read_text()))
+        summary = read_sweep_summary(folder)
+        if summary is not None:
+            out.append(summary)
     return out
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -26,17 +25,27 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import yaml
 
-from harness.run_folder import COLUMNS, read_jsonl
+from harness.run_folder import (
+    AB_ROUND_DIR,
+    COLUMNS,
+    REPEAT_DIR,
+    SUMMARY_FILE,
+    is_sweep,
+    is_sweep_job,
+    read_config,
+    read_jsonl,
+    read_provenance,
+    read_summary,
+    read_sweep_overrides,
+    table_path,
+)
 from harness.running import sweep
 
 # overrides that say how to run, not what: not columns (as in sweep.csv)
 HOW_TO_RUN_KEYS: set[str] = set(getattr(sweep, "HOW_TO_RUN_KEYS", ()))
 
 BIG_TABLES = ("requests", "tokens", "steps", "samples")
-REPEAT_DIR = re.compile(r"^repeat-(\d+)$")
-AB_ROUND_DIR = re.compile(r"^round-(\d+)-([ab])$")
 ID_COLUMNS = ["run_id", "variant", "path", "sweep", "job", "repeat", "round", "arm"]
 PROVENANCE_COLUMNS = ["machine", "hostname_hash", "git_commit", "git_dirty", "config_hash"]
 SPREAD_STATS = ("median", "min", "max", "std", "cv")
@@ -52,21 +61,6 @@ SAMPLE_COLUMNS = [
     "torch_cuda_allocated_bytes",
     "torch_cuda_reserved_bytes",
 ]
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _read_yaml(path: Path) -> Any:
-    try:
-        return yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return None
 
 
 def _hashable(value: Any) -> Any:
@@ -89,22 +83,15 @@ def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _parse_overrides(path: Path) -> dict[str, Any]:
-    """Hydra's task overrides of a job (`key=value` lines), values parsed as YAML, like
-    sweep.csv does; Hydra's own settings (hydra.*) are left out."""
-    overrides = _read_yaml(path) or []
-    out: dict[str, Any] = {}
-    for override in overrides:
-        key, _, text = str(override).partition("=")
-        key = key.lstrip("+~")
-        if key.startswith("hydra.") or key == "hydra" or key in HOW_TO_RUN_KEYS:
-            continue
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
-        out[key] = _hashable(value)
-    return out
+def _task_overrides(job: Path) -> dict[str, Any]:
+    """A job's overrides as sweep.csv shows them, without Hydra's own (hydra.*) and the keys
+    that only say how to run."""
+    values = read_sweep_overrides(job) or {}
+    return {
+        key: _hashable(value)
+        for key, value in values.items()
+        if not (key.startswith("hydra.") or key == "hydra" or key in HOW_TO_RUN_KEYS)
+    }
 
 
 def _machine(provenance: dict[str, Any]) -> str | None:
@@ -121,10 +108,8 @@ def newest(root: str | Path = "results") -> Path | None:
     if not root.is_dir():
         return None
     candidates = [d for d in root.glob("*/*") if d.is_dir() and not d.name.startswith(".")]
-    candidates += [
-        d for d in root.glob("*") if (d / "summary.json").is_file() or (d / "sweep.csv").is_file()
-    ]
-    with_runs = [d for d in candidates if next(d.rglob("summary.json"), None) is not None]
+    candidates += [d for d in root.glob("*") if (d / SUMMARY_FILE).is_file() or is_sweep(d)]
+    with_runs = [d for d in candidates if next(d.rglob(SUMMARY_FILE), None) is not None]
     return max(with_runs, key=lambda d: d.stat().st_mtime) if with_runs else None
 
 
@@ -158,12 +143,12 @@ def _find_run_dirs(root: Path) -> tuple[list[Path], list[Path]]:
     found = sorted(
         {
             p.parent
-            for p in root.rglob("summary.json")
+            for p in root.rglob(SUMMARY_FILE)
             if not any(part.startswith(".") for part in p.relative_to(root).parts[:-1])
         },
         key=_natural,
     )
-    if (root / "summary.json").is_file() and root not in found:
+    if (root / SUMMARY_FILE).is_file() and root not in found:
         found.insert(0, root)
     parents = {d for d in found if any(o != d and d in o.parents for o in found)}
     return [d for d in found if d not in parents], sorted(parents, key=_natural)
@@ -171,7 +156,7 @@ def _find_run_dirs(root: Path) -> tuple[list[Path], list[Path]]:
 
 def _describe(leaf: Path, base: Path) -> _Run:
     """Where `leaf` sits; its run_id is its path from `base` (the loaded folders' parent)."""
-    summary = _read_json(leaf / "summary.json")
+    summary = read_summary(leaf) or {}
     group, repeat = leaf, None
     if match := REPEAT_DIR.match(leaf.name):
         group, repeat = leaf.parent, int(match.group(1))
@@ -188,16 +173,15 @@ def _describe(leaf: Path, base: Path) -> _Run:
         run.round, run.arm = int(match.group(1)), match.group(2)
         run.variant_key = f"{group.parent.as_posix()}#{run.arm}"
         run.sweep = group.parent.name
-    elif (group.parent / "multirun.yaml").is_file() or (group.parent / "sweep.csv").is_file():
+    elif is_sweep(group.parent):
         run.sweep = group.parent.name
         run.job = int(group.name) if group.name.isdigit() else group.name
     for folder in (group, leaf):
-        overrides = folder / ".hydra" / "overrides.yaml"
-        if overrides.is_file():
-            run.overrides = _parse_overrides(overrides)
+        if is_sweep_job(folder):
+            run.overrides = _task_overrides(folder)
             break
-    run.config = _read_yaml(leaf / "config.yaml") or _read_yaml(group / "config.yaml") or {}
-    run.provenance = _read_json(leaf / "provenance.json") or _read_json(group / "provenance.json")
+    run.config = read_config(leaf) or read_config(group) or {}
+    run.provenance = read_provenance(leaf) or read_provenance(group) or {}
     return run
 
 
@@ -505,7 +489,7 @@ def _known_columns(name: str) -> list[str]:
 
 
 def _load_run_table(run_dir: Path, name: str) -> pd.DataFrame:
-    parquet, jsonl = run_dir / f"{name}.parquet", run_dir / f"{name}.jsonl"
+    parquet, jsonl = table_path(run_dir, name, "parquet"), table_path(run_dir, name, "jsonl")
     if parquet.is_file():
         try:
             return pd.read_parquet(parquet)
@@ -541,7 +525,7 @@ def load(*paths: str | Path) -> Results:
         if not leaves:
             raise FileNotFoundError(f"load: no run folder (summary.json) under {given}")
         for parent in parents:
-            aggregates[parent.as_posix()] = _read_json(parent / "summary.json")
+            aggregates[parent.as_posix()] = read_summary(parent) or {}
         for leaf in leaves:
             if leaf not in seen:
                 seen.add(leaf)

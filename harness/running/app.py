@@ -5,7 +5,6 @@ sweep root."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -17,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, before Hydra composes)
+from harness.run_folder import read_summary
 from harness.running.experiment import RunConfig, RunFolderError, run_experiment
 from harness.running.repeats import run_repeats, validate_repeats
 from harness.running.sweep import ResumeMismatch, completed_run, note_unrecorded, write_sweep_csv
@@ -45,7 +45,7 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
         raise SystemExit(2) from exc
     if done:
         print(f"{label}skipped (already complete) -> {run_dir}")
-        return json.loads((run_dir / "summary.json").read_text())
+        return read_summary(run_dir) or {}
     try:
         if repeats > 1:
             summary = run_repeats(

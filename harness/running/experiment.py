@@ -11,8 +11,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 import workloads
 from engines.base import now_ns
 from engines.builtin.backend import BuiltinBackend
@@ -20,7 +18,14 @@ from engines.registry import build_backend
 from harness.measuring import hardware, provenance, roofline
 from harness.measuring.monitors import Monitor, MonitorConfig, gpu_index_for
 from harness.measuring.profiling import profiler_from_config
-from harness.run_folder import RunRecorder, TablesNotWritten, write_json_atomic
+from harness.run_folder import (
+    RunRecorder,
+    TablesNotWritten,
+    remove_summary,
+    table_path,
+    write_config,
+    write_provenance,
+)
 from harness.running.driver import Driver
 from harness.running.interrupts import interruption, interrupts
 from harness.running.progress import RunProgress
@@ -214,8 +219,8 @@ def _backend_label(config: dict[str, Any]) -> str:
 def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any]:
     recorder = RunRecorder(run_dir)
     try:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        write_json_atomic(run_dir / "provenance.json", provenance.collect(config))
+        write_config(run_dir, config)
+        write_provenance(run_dir, provenance.collect(config))
         recorder.write_summary({"status": "running"})
     except OSError:  # an unwritable folder: nothing ran, nothing claims to be running
         with suppress(OSError):
@@ -257,7 +262,7 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             shown.phase(f"loaded in {info['load_s']:.1f} s")
             info["engine"] = backend.describe()
             # the threads as the engine set them at load (provenance.json predates the load)
-            provenance.record_threads(run_dir / "provenance.json")
+            provenance.record_threads(run_dir)
             # after load: a CPU probe runs at the engine's thread count (cached per machine)
             info["hardware"] = hardware.describe_for_run(
                 *hardware.resolve(hardware_cfg, info["engine"].get("device"))
@@ -353,7 +358,7 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             if isinstance(exc, OSError):  # steps.parquet may be torn mid-rewrite
                 failed_writing(exc)
                 with suppress(OSError):  # readers fall back to steps.jsonl, the same rows
-                    (run_dir / "steps.parquet").unlink(missing_ok=True)
+                    table_path(run_dir, "steps", "parquet").unlink(missing_ok=True)
         requests = frames["requests"]
         if status == "complete" and len(requests) and (requests["status"] == "failed").all():
             first = requests.iloc[0]
@@ -398,7 +403,7 @@ def _write_final_summary(recorder: RunRecorder, summary: dict[str, Any]) -> dict
     except OSError:
         pass
     with suppress(OSError):  # a stale `running` would say the run is still going
-        (recorder.run_dir / "summary.json").unlink(missing_ok=True)
+        remove_summary(recorder.run_dir)
     raise RunFolderError(f"{recorder.run_dir}: {message}", failed)
 
 

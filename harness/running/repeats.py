@@ -15,7 +15,6 @@ to the running repeat and waits for it to write its rows and summary.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -25,15 +24,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from harness import SOURCE_ROOT
 from harness.measuring import provenance
-from harness.run_folder import SCHEMA_VERSION, write_json_atomic
+from harness.run_folder import (
+    read_summary,
+    remove_summary,
+    repeat_dir,
+    write_config,
+    write_provenance,
+    write_summary,
+)
 from harness.running.experiment import RunFolderError
 from harness.running.interrupts import interruption, interrupts
 
-REPEAT_DIR_PREFIX = "repeat-"
 CHILD_STOP_TIMEOUT_S = 120.0  # how long an interrupted repeat gets to write its summary
 
 
@@ -101,14 +105,6 @@ def aggregate(summaries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str
     return metrics, spreads
 
 
-def _read_summary(run_dir: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _run_child(command: list[str]) -> tuple[int, str | None]:
     """Run one repeat to its end; (exit code, interruption or None)."""
     env = dict(os.environ)
@@ -140,8 +136,8 @@ def run_repeats(
     repeats = validate_repeats(repeats)
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    write_json_atomic(run_dir / "provenance.json", provenance.collect(config))
+    write_config(run_dir, config)
+    write_provenance(run_dir, provenance.collect(config))
     statuses: list[str] = ["not run"] * repeats
     summaries: list[dict[str, Any]] = [{} for _ in range(repeats)]
 
@@ -149,7 +145,6 @@ def run_repeats(
         complete = [k for k in range(repeats) if statuses[k] == "complete"]
         metrics, spreads = aggregate([summaries[k] for k in complete])
         summary = {
-            "schema_version": SCHEMA_VERSION,
             "status": status,
             "error": error,
             "repeats": repeats,
@@ -157,14 +152,14 @@ def run_repeats(
             "complete_repeats": complete,
             "metrics": metrics,
             "metrics_spread": spreads,
-            "repeat_dirs": [f"{REPEAT_DIR_PREFIX}{k}" for k in range(repeats)],
+            "repeat_dirs": [repeat_dir(run_dir, k).name for k in range(repeats)],
             "run_dir": str(run_dir),
         }
         try:
-            write_json_atomic(run_dir / "summary.json", summary)
+            write_summary(run_dir, summary)
         except OSError as exc:  # a full disk: no stale `running` summary is left either
             with suppress(OSError):
-                (run_dir / "summary.json").unlink(missing_ok=True)
+                remove_summary(run_dir)
             raise RunFolderError(f"{run_dir}: writing summary.json failed: {exc}", summary) from exc
         return summary
 
@@ -172,7 +167,7 @@ def run_repeats(
     child_config = {**config, "repeats": 1}
     with interrupts():
         for k in range(repeats):
-            child_dir = run_dir / f"{REPEAT_DIR_PREFIX}{k}"
+            child_dir = repeat_dir(run_dir, k)
             try:
                 code, interrupted = 0, None
                 if not (resume and completed_run(child_dir, child_config)):
@@ -180,7 +175,7 @@ def run_repeats(
                     code, interrupted = _run_child(repeat_command(overrides, child_dir))
             except KeyboardInterrupt as exc:  # between two repeats
                 interrupted = interruption(exc)
-            summaries[k] = _read_summary(child_dir)
+            summaries[k] = read_summary(child_dir) or {}
             if interrupted:
                 statuses[k] = "incomplete"
                 return write("incomplete", f"repeat {k}: {interrupted}")

@@ -4,7 +4,6 @@ configuration is skipped, every other one (incomplete, failed, missing) runs aga
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,17 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from harness.run_folder import write_json_atomic
+from harness.run_folder import (
+    KV_SPEEDUP_FILE,
+    SWEEP_SUMMARY_FILE,
+    SWEEP_TABLE_FILE,
+    is_sweep_job,
+    read_config,
+    read_summary,
+    read_sweep_overrides,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 #: Overrides that say how to run, not what: no column in sweep.csv, ignored by resume.
 HOW_TO_RUN_KEYS = {"run.resume", "run.progress"}
@@ -55,48 +64,33 @@ def completed_run(run_dir: str | Path, config: dict[str, Any]) -> bool:
     run (of any status) of another configuration: skipping it would report the wrong thing,
     running over it would destroy another variant's record."""
     run_dir = Path(run_dir)
-    try:
-        stored = yaml.safe_load((run_dir / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
+    stored = read_config(run_dir)
+    if stored is None:
         return False  # never started (or not a run folder): run it
-    differing = _differences(_comparable(stored or {}), _comparable(config))
+    differing = _differences(_comparable(stored), _comparable(config))
     if differing:
         raise ResumeMismatch(
             f"run.resume: {run_dir} holds a run of another configuration (it differs in "
             f"{differing[:5]}); resume a sweep with the command that started it"
         )
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return isinstance(summary, dict) and summary.get("status") == "complete"
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
+    summary = read_summary(run_dir)
+    return summary is not None and summary.get("status") == "complete"
 
 
 def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = []
-    jobs = [p for p in sweep_dir.iterdir() if (p / ".hydra" / "overrides.yaml").is_file()]
+    jobs = [p for p in sweep_dir.iterdir() if is_sweep_job(p)]
     for job in sorted(
         jobs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)
     ):
-        overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []
         row: dict[str, Any] = {"job": job.name}
-        for override in overrides:
-            key, _, value = override.partition("=")
-            if key.lstrip("+~") not in HOW_TO_RUN_KEYS:
-                row[key.lstrip("+~")] = _parse_value(value)
-        summary_file = job / "summary.json"
+        overrides = read_sweep_overrides(job) or {}
+        row.update({k: v for k, v in overrides.items() if k not in HOW_TO_RUN_KEYS})
         unrecorded = _UNRECORDED.get(job.resolve())
+        summary = read_summary(job)
         if unrecorded is not None:
             row["status"], row["error"] = "failed", unrecorded
-        elif summary_file.is_file():
-            summary = json.loads(summary_file.read_text())
+        elif summary is not None:
             row["status"] = summary.get("status")
             row["error"] = summary.get("error")
             row.update(summary.get("metrics") or {})
@@ -184,16 +178,16 @@ def kv_speedup_curve(frame: pd.DataFrame) -> pd.DataFrame | None:
 def write_sweep_csv(sweep_dir: str | Path) -> pd.DataFrame:
     sweep_dir = Path(sweep_dir)
     frame = pd.DataFrame(sweep_rows(sweep_dir))
-    frame.to_csv(sweep_dir / "sweep.csv", index=False)
+    write_text_atomic(sweep_dir / SWEEP_TABLE_FILE, frame.to_csv(index=False))
     curve = kv_speedup_curve(frame) if len(frame) else None
     if curve is not None:
-        curve.to_csv(sweep_dir / "kv_speedup.csv", index=False)
+        write_text_atomic(sweep_dir / KV_SPEEDUP_FILE, curve.to_csv(index=False))
     summary = {
         "num_jobs": len(frame),
         "num_failed": int((frame.get("status") == "failed").sum()) if len(frame) else 0,
         **saturation_summary(frame),
     }
-    write_json_atomic(sweep_dir / "sweep_summary.json", summary)
+    write_json_atomic(sweep_dir / SWEEP_SUMMARY_FILE, summary)
     return frame
 
 
@@ -204,4 +198,4 @@ class SweepTable(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         if sweep_dir.is_dir():
             frame = write_sweep_csv(sweep_dir)
-            print(f"sweep: {len(frame)} job(s) -> {sweep_dir / 'sweep.csv'}")
+            print(f"sweep: {len(frame)} job(s) -> {sweep_dir / SWEEP_TABLE_FILE}")
