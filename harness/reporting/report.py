@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import base64
-import html
+import functools
 import math
 import sys
 from collections.abc import Callable
@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import numpy as np
 import pandas as pd
 
@@ -123,42 +124,35 @@ class Document:
         return "\n\n".join(out) + "\n"
 
     def html(self, title: str) -> str:
-        out = []
+        blocks: list[dict[str, Any]] = []
         for block in self.blocks:
-            if block.kind == "heading":
-                out.append(f"<h{block.level}>{html.escape(block.text)}</h{block.level}>")
-            elif block.kind == "text":
-                out.append(f"<p>{_inline_html(block.text)}</p>")
-            elif block.kind == "note":
-                out.append(f'<p class="note">{_inline_html(block.text)}</p>')
-            elif block.kind == "table":
-                out.append(_html_table(block.frame))
+            item: dict[str, Any] = {"kind": block.kind, "text": block.text, "level": block.level}
+            if block.kind == "table":
+                assert block.frame is not None  # table() gives each table block its frame
+                item["header"] = [str(c) for c in block.frame.columns]
+                item["rows"] = [
+                    [_cell(v) for v in values] for values in block.frame.itertuples(index=False)
+                ]
             elif block.kind == "figure":
                 assert block.path is not None  # figure() gives each figure block its path
-                data = base64.b64encode(block.path.read_bytes()).decode()
-                out.append(
-                    f'<figure><img alt="{html.escape(block.text)}" '
-                    f'src="data:image/png;base64,{data}"><figcaption>'
-                    f"{html.escape(block.text)}</figcaption></figure>"
-                )
-        return HTML_PAGE.format(title=html.escape(title), body="\n".join(out))
+                item["png"] = base64.b64encode(block.path.read_bytes()).decode()
+            blocks.append(item)
+        return _templates().get_template("report.html.j2").render(title=title, blocks=blocks)
 
 
-HTML_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; max-width: 70rem; margin: 2rem auto;
-       padding: 0 1rem; color: #222; }}
-table {{ border-collapse: collapse; font-size: 0.85rem; margin: 0.5rem 0 1rem; }}
-th, td {{ border: 1px solid #ccc; padding: 0.25rem 0.5rem; text-align: right; }}
-th {{ background: #f3f3f3; }} td:first-child, th:first-child {{ text-align: left; }}
-figure {{ margin: 1rem 0; }} img {{ max-width: 100%; }} figcaption {{ color: #555; }}
-.note {{ color: #777; font-style: italic; }} code {{ background: #f3f3f3; }}
-</style></head>
-<body>
-{body}
-</body></html>
-"""
+@functools.cache
+def _templates() -> jinja2.Environment:
+    # Autoescape on: titles, cells and captions come from run names, overrides and metric
+    # values, none of them trusted markup. StrictUndefined: a misspelt field in the template
+    # fails loudly instead of rendering empty.
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader(__package__ or "harness", "templates"),
+        autoescape=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+    )
 
 
 def _cell(value: Any) -> str:
@@ -176,21 +170,6 @@ def _markdown_table(frame: pd.DataFrame) -> str:
     lines = [row(list(frame.columns)), "| " + " | ".join("---" for _ in frame.columns) + " |"]
     lines += [row(list(values)) for values in frame.itertuples(index=False)]
     return "\n".join(lines)
-
-
-def _inline_html(text: str) -> str:
-    """Escape, then turn `code` spans into <code> (the only Markdown the texts use)."""
-    parts = html.escape(text).split("`")
-    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
-
-
-def _html_table(frame: pd.DataFrame) -> str:
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in values) + "</tr>"
-        for values in frame.itertuples(index=False)
-    )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 # formatting -------------------------------------------------------------------------------
