@@ -12,7 +12,7 @@ counts n (per side, or A/B rounds) the script counts, over seeded trials,
   interval lies wholly below 1 (detected), and, at 20%, how often the gate says regression.
 
 Both methods get the same data and the same number of resamples. "ours" is
-harness.gate_stats (bootstrap_paired / bootstrap_ratio, the gate's own code); "BCa" is
+harness.gating.stats (bootstrap_paired / bootstrap_ratio, the gate's own code); "BCa" is
 scipy.stats.bootstrap(method="BCa") on the same log values and statistic (geometric mean).
 
 Noise models (log of a run's tokens/s, sigma = --sigma):
@@ -49,7 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.gate_stats import (
+from harness.gating.stats import (
     BootstrapSettings,
     RatioEstimate,
     bootstrap_paired,

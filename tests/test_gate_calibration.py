@@ -1,6 +1,6 @@
 """The gate's bootstrap keeps the calibration that chose it over scipy's BCa
 (scripts/bootstrap_calibration.py, docs/benchmarks.md): a small seeded A/A and
-planted-slowdown simulation through harness.gate_stats, with bounds around the measured rates.
+planted-slowdown simulation through harness.gating.stats, with bounds around the measured rates.
 
 Lognormal run noise (sd 5% of the log, the noisier of the two gate validations); 600 trials per
 case, so a rate's Monte Carlo sd is about 1.2 points and every bound is 3-4 sd from the rate
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.gate_stats import (
+from harness.gating.stats import (
     BootstrapSettings,
     RatioEstimate,
     bootstrap_paired,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from harness.report import Document
+from harness.reporting.report import Document
 
 HOSTILE = '<script>alert("x")</script>'
 

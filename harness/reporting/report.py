@@ -146,7 +146,7 @@ def _templates() -> jinja2.Environment:
     # values, none of them trusted markup. StrictUndefined: a misspelt field in the template
     # fails loudly instead of rendering empty.
     return jinja2.Environment(
-        loader=jinja2.PackageLoader(__package__ or "harness", "templates"),
+        loader=jinja2.PackageLoader("harness.reporting", "templates"),
         autoescape=True,
         trim_blocks=True,
         lstrip_blocks=True,
