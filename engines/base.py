@@ -16,6 +16,12 @@ from typing import Any
 
 from engines.sampling_params import SamplingParams
 
+
+class ConfigError(ValueError):
+    """A backend option has a value the backend cannot take; the message names the key and the
+    allowed values."""
+
+
 now_ns: Callable[[], int] = time.perf_counter_ns
 
 ChatMessages = list[dict[str, str]]

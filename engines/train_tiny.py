@@ -3,7 +3,7 @@
 The dummy presets have random weights, so their logits carry no signal: a quantization or
 dtype change cannot be judged on them. This trains a small real model (Hugging Face
 ``LlamaForCausalLM``, fp32, CPU) on a text file (default: the shipped corpus
-``engines/builtin/data/*.txt``) with the project's default tokenizer, and saves a checkpoint
+``models/data/*.txt``) with the project's default tokenizer, and saves a checkpoint
 folder the engine loads with ``LLM(model=folder)``: ``config.json``, ``model.safetensors``,
 ``tokenizer.json`` and ``train_log.json``.
 
@@ -70,7 +70,7 @@ def train_tiny(
     """Train and save a tiny Llama; returns the checkpoint folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engines.builtin.tokenizer import default_tokenizer
+    from models.tokenizer import default_tokenizer
 
     start = time.perf_counter()
     tok = default_tokenizer()
@@ -145,7 +145,7 @@ def train_tiny(
 
 
 def cache_key(text_path: str | Path | None = None, **params: Any) -> str:
-    from engines.builtin.tokenizer import default_tokenizer
+    from models.tokenizer import default_tokenizer
 
     settings = {**DEFAULTS, **params}
     h = hashlib.sha256(corpus_text(text_path).encode())
@@ -156,7 +156,7 @@ def cache_key(text_path: str | Path | None = None, **params: Any) -> str:
 
 def cached_tiny_model(text_path: str | Path | None = None, **params: Any) -> Path:
     """Train once per (text, settings, tokenizer) into the cache dir; reuse it afterwards."""
-    from engines.builtin.tokenizer import cache_dir
+    from models.cache import cache_dir
 
     out = cache_dir() / f"tiny-trained-{cache_key(text_path, **params)}"
     if (out / "config.json").is_file():

@@ -41,7 +41,7 @@ from engines.builtin import native
 from engines.builtin.kv_cache.storage import zeros
 from engines.builtin.layers.linear import PrepackedDenseMethod
 from engines.builtin.layers.rotary import RotaryEmbedding, apply_rotary
-from engines.builtin.model_config import PRESETS
+from models.config import PRESETS
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:

@@ -29,7 +29,7 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engines.builtin import LLM, SamplingParams
-    from engines.builtin.weights import dummy_state_dict
+    from models.weights import dummy_state_dict
 
     dtype = getattr(torch, args.dtype)
     llm = LLM(

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import Linear
-from engines.builtin.model_config import PRESETS
+from models.config import PRESETS
 
 FORMATS = {  # label -> (quantization, prepacked layout)
     "bf16 plain": ("none", None),

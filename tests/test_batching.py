@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 
-from engines.base import Finished, PrefillChunk, Scheduled, StepRecord, Tokens
+from engines.base import ConfigError, Finished, PrefillChunk, Scheduled, StepRecord, Tokens
 from engines.builtin import LLM, EngineConfig, SamplingParams
-from engines.builtin.config import ConfigError
-from engines.builtin.model_config import kv_bytes_per_token
 from engines.builtin.scheduler import StepPlan
+from models.config import kv_bytes_per_token
 
 BASE: dict[str, Any] = dict(dtype="float32", device="cpu", max_model_len=256)
 # Mixed prompt lengths (5..90 tokens) and output lengths, more requests than max_num_seqs.

@@ -13,8 +13,9 @@ import os
 import pytest
 import torch
 
+from engines.base import ConfigError
 from engines.builtin import LLM
-from engines.builtin.config import ConfigError, EngineConfig
+from engines.builtin.config import EngineConfig
 from engines.builtin.cuda_graphs import DecodeGraphs, default_batch_sizes
 from engines.sampling_params import SamplingParams
 

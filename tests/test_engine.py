@@ -8,10 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from engines.base import Finished, Tokens
+from engines.base import ConfigError, Finished, Tokens
 from engines.builtin import LLM, EngineConfig, SamplingParams, platform
-from engines.builtin.config import ConfigError
-from engines.builtin.model_config import kv_bytes_per_token
+from models.config import kv_bytes_per_token
 
 PROMPTS = [
     "Hello, world! The quick brown fox",

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
-from engines.builtin.config import ConfigError, EngineConfig
+from engines.base import ConfigError
+from engines.builtin.config import EngineConfig
 from harness import cli
 from harness.gating import cli as gate
 from harness.gating.rules import RulesError, load_rules

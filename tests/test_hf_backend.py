@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.base import Failed, Finished, GenerationRequest, StepRecord, Tokens
+from engines.base import ConfigError, Failed, Finished, GenerationRequest, StepRecord, Tokens
 from engines.builtin import LLM
-from engines.builtin.config import ConfigError
 from engines.hf.backend import HFBackend
 from engines.sampling_params import SamplingParams
 from harness.running.experiment import run_experiment

@@ -23,8 +23,8 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
 from engines.builtin import LLM, SamplingParams
-from engines.builtin.model_config import UnsupportedCheckpointError, from_hf_config
 from engines.builtin.weights import MissingWeightsError
+from models.config import UnsupportedCheckpointError, from_hf_config
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 

@@ -16,8 +16,8 @@ import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
 from engines.builtin import platform
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache.storage import kv_element_bytes
-from engines.builtin.model_config import kv_bytes_per_token, resolve_model
 from harness.measuring.kv_calc import GIB, kv_calc
+from models.config import kv_bytes_per_token, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
 

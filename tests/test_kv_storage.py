@@ -9,7 +9,8 @@ import psutil
 import pytest
 import torch
 
-from engines.builtin.config import ConfigError, EngineConfig
+from engines.base import ConfigError
+from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache.storage import LayerKVCache, zeros
 from engines.builtin.llm import LLM
 

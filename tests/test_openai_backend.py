@@ -17,7 +17,6 @@ import pandas as pd
 import pytest
 
 from engines.base import Arrived, Failed, Finished, GenerationRequest, Tokenized, Tokens
-from engines.builtin.tokenizer import default_tokenizer
 from engines.openai.backend import UNKNOWN_TOKEN_ID, OpenAIBackend
 from engines.openai.config import OpenAIConfig, OpenAIConfigError
 from engines.openai.servers import DIALECTS
@@ -26,6 +25,7 @@ from engines.sampling_params import SamplingParams
 from harness.measuring.metrics import compute_summary
 from harness.run_folder import COLUMNS
 from harness.running.driver import Driver
+from models.tokenizer import default_tokenizer
 from workloads.request import WorkloadRequest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sse"

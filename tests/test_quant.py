@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines.base import ConfigError
 from engines.builtin import LLM, EngineConfig, SamplingParams
-from engines.builtin.config import ConfigError
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import DenseMethod, Linear
 from engines.builtin.layers.quant import Int4Method, Int8Method

@@ -24,9 +24,9 @@ from safetensors.torch import save_file
 from engines.builtin import EngineConfig
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.kv_cache import PagedKVCacheManager
-from engines.builtin.model_config import resolve_model
-from engines.builtin.tokenizer import default_tokenizer
-from engines.builtin.weights import dummy_state_dict
+from models.config import resolve_model
+from models.tokenizer import default_tokenizer
+from models.weights import dummy_state_dict
 from serving import ServerConfig
 from serving import cli as serve_cli
 from serving.testing import ServeProcess, serve_in_thread, serve_process

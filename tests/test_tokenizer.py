@@ -1,4 +1,4 @@
-"""Tests for engines.builtin.tokenizer: default BPE, HF folders, chat templates, streaming."""
+"""Tests for models.tokenizer: default BPE, HF folders, chat templates, streaming."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-import engines.builtin.tokenizer as tkz
-from engines.builtin.tokenizer import (
+import models.tokenizer as tkz
+from models.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     PLAIN_CHAT_TEMPLATE,
     SPECIAL_TOKENS,

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from engines.builtin.tokenizer import Tokenizer, default_tokenizer
+from models.tokenizer import Tokenizer, default_tokenizer
 from workloads import PromptsWorkload, SyntheticWorkload, TraceWorkload, trace_files
 from workloads.prompt_sets import load_prompt_set
 from workloads.traces import load_trace

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from engines.builtin.tokenizer import Tokenizer, default_tokenizer
+from models.tokenizer import Tokenizer, default_tokenizer
 from workloads import TraceWorkload, trace_arrow, trace_files, traces
 from workloads.trace_files import Chunk
 from workloads.traces import Trace, load_trace

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines.builtin.tokenizer import Tokenizer, default_tokenizer
+from models.tokenizer import Tokenizer, default_tokenizer
 from workloads import PromptsWorkload, SyntheticWorkload, TraceWorkload
 from workloads.prompt_sets import load_prompt_set
 from workloads.traces import load_trace

@@ -21,6 +21,7 @@ DEVICE = os.environ.get("INFERLAB_TRITON_DEVICE", "cpu")  # see tests/conftest.p
 
 from attention_batches import make_batch  # noqa: E402  (tests/ is on the path)
 
+from engines.base import ConfigError  # noqa: E402
 from engines.builtin import LLM  # noqa: E402
 from engines.builtin.attention import (  # noqa: E402
     DenseAttention,
@@ -30,7 +31,6 @@ from engines.builtin.attention import (  # noqa: E402
     triton_kernels,
 )
 from engines.builtin.attention.triton_backend import TritonAttention  # noqa: E402
-from engines.builtin.config import ConfigError  # noqa: E402
 from engines.builtin.kv_cache import LayerKVCache  # noqa: E402
 from engines.sampling_params import SamplingParams  # noqa: E402
 

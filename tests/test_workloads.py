@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from engines.builtin.tokenizer import default_tokenizer
+from models.tokenizer import default_tokenizer
 from workloads import (
     WORKLOAD_TYPES,
     SyntheticWorkload,

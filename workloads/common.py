@@ -91,7 +91,7 @@ def check_keys(field: str, spec: Mapping[str, Any], known: tuple[str, ...], what
 def resolve_path(field: str, path: Any) -> Path:
     """A file path as given (relative to the working directory), else relative to the repo root.
 
-    The fallback lets configs name shipped files (`engines/builtin/data/sonnets.txt`) whatever
+    The fallback lets configs name shipped files (`models/data/sonnets.txt`) whatever
     directory `inferlab run` was started from.
     """
     if not isinstance(path, (str, Path)) or not str(path):

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from engines.builtin.tokenizer import Tokenizer, default_tokenizer
+from models.tokenizer import Tokenizer, default_tokenizer
 from workloads.common import REPO_ROOT
 from workloads.trace_files import read_text
 
-DEFAULT_CORPUS = REPO_ROOT / "engines/builtin/data/sonnets.txt"
+DEFAULT_CORPUS = REPO_ROOT / "models/data/sonnets.txt"
 PROMPT_KINDS = ("random_ids", "text")
 
 

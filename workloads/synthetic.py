@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.builtin.tokenizer import Tokenizer
+from models.tokenizer import Tokenizer
 from workloads.arrivals import arrival_times, concurrency_of, parse_arrival
 from workloads.common import (
     check_choice,

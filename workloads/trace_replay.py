@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.builtin.tokenizer import Tokenizer
+from models.tokenizer import Tokenizer
 from workloads.common import (
     check_choice,
     check_common,

@@ -10,20 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-import torch
-
-DTYPE_ALIASES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "float": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-    "auto": "auto",
-}
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from engines.base import ConfigError
+from models.dtypes import DTYPE_ALIASES
 
 # option -> {value: the issue that implements it}; refused with that message until then.
 NOT_YET: dict[str, dict[str, int]] = {}
@@ -35,10 +23,6 @@ CHOICES = {
     "attention_backend": ("auto", "torch", "sdpa", "cpu", "triton"),
     "load_format": ("auto", "dummy", "safetensors"),
 }
-
-
-class ConfigError(ValueError):
-    """An engine option has a value the engine cannot take."""
 
 
 @dataclass

@@ -36,8 +36,8 @@ from engines.builtin.attention import AttentionMetadata
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache import LayerKVCache
 from engines.builtin.model import DecoderLayer, Transformer
-from engines.builtin.model_config import ModelConfig
 from engines.builtin.step_inputs import StepInputs
+from models.config import ModelConfig
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # what CUDAGraph.pool() returns

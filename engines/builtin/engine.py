@@ -32,17 +32,18 @@ from engines.base import (
     now_ns,
 )
 from engines.builtin import native
-from engines.builtin.config import TORCH_DTYPES, EngineConfig
+from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache import KVCacheManager
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes
-from engines.builtin.model_config import ceil_div, kv_bytes_per_token, resolve_model
 from engines.builtin.model_runner import ModelRunner
 from engines.builtin.platform import Platform
 from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
-from engines.builtin.tokenizer import tokenizer_for_model
 from engines.sampling_params import SamplingParams
+from models.config import ceil_div, kv_bytes_per_token, resolve_model
+from models.dtypes import TORCH_DTYPES
+from models.tokenizer import tokenizer_for_model
 
 #: max_num_batched_tokens when chunked prefill is on and none is given: vLLM v1's default for
 #: online serving, which bounds how long a step (and so a running decode) can stall.

@@ -18,7 +18,7 @@ from engines.builtin.kv_cache import LayerKVCache
 from engines.builtin.layers.linear import Linear, LinearMethod
 from engines.builtin.layers.norm import RMSNorm
 from engines.builtin.layers.rotary import RotaryEmbedding, Rotation, apply_rotary
-from engines.builtin.model_config import ModelConfig
+from models.config import ModelConfig
 
 
 class Attention(nn.Module):

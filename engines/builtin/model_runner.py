@@ -25,12 +25,13 @@ from engines.builtin.kv_cache import KVCacheManager, LayerKVCache
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import PrepackedDenseMethod
 from engines.builtin.model import DecoderLayer, Transformer
-from engines.builtin.model_config import ModelConfig, ceil_div
 from engines.builtin.platform import Platform
 from engines.builtin.sampler import Sampler, SamplingBatch
 from engines.builtin.scheduler import StepPlan
 from engines.builtin.step_inputs import StepInputs
-from engines.builtin.weights import dummy_state_dict, iter_checkpoint, load_weights
+from engines.builtin.weights import load_weights
+from models.config import ModelConfig, ceil_div
+from models.weights import dummy_state_dict, iter_checkpoint
 
 #: The token id of static batching's padding (its compute is real, its output is dropped).
 PAD_TOKEN_ID = 0

@@ -41,11 +41,11 @@ from engines.base import (
     Tokens,
     now_ns,
 )
-from engines.builtin.config import TORCH_DTYPES
-from engines.builtin.tokenizer import Tokenizer, tokenizer_for_model
 from engines.hf.config import HFConfig
 from engines.hf.model import load_hf_model
 from engines.sampling_params import SamplingParams
+from models.dtypes import TORCH_DTYPES
+from models.tokenizer import Tokenizer, tokenizer_for_model
 
 if TYPE_CHECKING:
     from engines.hf.model import CausalLM

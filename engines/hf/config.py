@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from engines.builtin.config import DTYPE_ALIASES, ConfigError
+from engines.base import ConfigError
+from models.dtypes import DTYPE_ALIASES
 
 MODES = ("generate", "generate_batch")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engines.builtin.model_config import ModelConfig, resolve_model
-from engines.builtin.weights import dummy_state_dict
+from models.config import ModelConfig, resolve_model
+from models.weights import dummy_state_dict
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin, PreTrainedModel

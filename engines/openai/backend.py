@@ -39,7 +39,6 @@ from engines.base import (
     Tokens,
     now_ns,
 )
-from engines.builtin.tokenizer import Tokenizer, default_tokenizer, load_tokenizer
 from engines.openai.chunks import ChoiceDelta, Chunk, decode_event, decode_response
 from engines.openai.config import OpenAIConfig
 from engines.openai.servers import (
@@ -51,6 +50,7 @@ from engines.openai.servers import (
 )
 from engines.openai.sse import SSEParser
 from engines.openai.stats import ClientStats, RequestTally
+from models.tokenizer import Tokenizer, default_tokenizer, load_tokenizer
 
 UNKNOWN_TOKEN_ID = -1  # a chunk counted as one token whose id the client cannot know
 NO_STEP = -1  # HTTP has no engine steps
@@ -627,7 +627,7 @@ def _is_chat(prompt: Any) -> bool:
 def resolve_tokenizer(setting: str, model: dict[str, Any]) -> Tokenizer | None:
     """engine.tokenizer: none -> None; a path -> that tokenizer; auto -> the model group's
     tokenizer, its checkpoint folder's, the built-in BPE for a built-in preset, else None."""
-    from engines.builtin.model_config import PRESETS
+    from models.config import PRESETS
 
     if setting == "none":
         return None

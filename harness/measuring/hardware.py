@@ -251,7 +251,7 @@ def cpu_model() -> str:
 
 
 def cache_path(threads: int, cache_dir: Path | None = None) -> Path:
-    from engines.builtin.tokenizer import cache_dir as default_cache_dir
+    from models.cache import cache_dir as default_cache_dir
 
     key = f"{socket.gethostname()}-{cpu_model()}-{threads}t"
     key = re.sub(r"[^A-Za-z0-9_.-]+", "_", key)

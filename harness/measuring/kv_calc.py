@@ -17,8 +17,9 @@ from omegaconf import OmegaConf
 
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
-from engines.builtin.config import DTYPE_ALIASES, ConfigError
-from engines.builtin.model_config import kv_bytes_per_token, resolve_model
+from engines.base import ConfigError
+from models.config import kv_bytes_per_token, resolve_model
+from models.dtypes import DTYPE_ALIASES
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30

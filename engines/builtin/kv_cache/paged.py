@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from engines.builtin.kv_cache.base import KVCacheManager, KVLayout
 from engines.builtin.kv_cache.block_pool import NULL_BLOCK, BlockPool
-from engines.builtin.model_config import ceil_div
+from models.config import ceil_div
 
 #: The parent hash of a prompt's first block. A constant rather than None: hash(None) depends
 #: on the process before Python 3.12, and block hashes should not.

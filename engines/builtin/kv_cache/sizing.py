@@ -11,8 +11,8 @@ from engines.builtin.kv_cache.base import KVCacheManager, KVLayout
 from engines.builtin.kv_cache.contiguous import ContiguousKVCacheManager
 from engines.builtin.kv_cache.none import NoKVCacheManager
 from engines.builtin.kv_cache.paged import PagedKVCacheManager
-from engines.builtin.model_config import ceil_div
 from engines.plugins import Registry
+from models.config import ceil_div
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class Built:
 
 
 def cache_dir() -> Path:
-    from engines.builtin.tokenizer import cache_dir as inferlab_cache_dir
+    from models.cache import cache_dir as inferlab_cache_dir
 
     return inferlab_cache_dir() / "native"
 

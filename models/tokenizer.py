@@ -5,7 +5,7 @@ Everything runs through the Hugging Face ``tokenizers`` library; nothing here im
 
 Default tokenizer
     ``load_tokenizer(None)`` / ``default_tokenizer()`` give a byte-level BPE trained by the
-    project on ``engines/builtin/data/*.txt`` (sorted by name) with a target vocabulary of 4096.
+    project on ``models/data/*.txt`` (sorted by name) with a target vocabulary of 4096.
     The corpus is small, so merges may run out before that (about 3.9k today): the real size is
     ``Tokenizer.vocab_size``. Ids 0..6 are the special tokens
     ``<|bos|> <|eos|> <|pad|> <|system|> <|user|> <|assistant|> <|end|>``; ids 7..262 are the
@@ -39,7 +39,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -51,6 +50,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
+
+from models.cache import cache_dir, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -368,13 +369,6 @@ def default_tokenizer() -> Tokenizer:
     return load_tokenizer(None)
 
 
-def cache_dir() -> Path:
-    if env := os.environ.get("INFERLAB_CACHE_DIR"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "inferlab"
-
-
 def _trainer_params() -> dict[str, Any]:
     return {
         "model": "bpe",
@@ -441,21 +435,10 @@ def _load_default() -> Tokenizer:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    # Readers see either no file or a complete one, so concurrent processes may race freely.
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            "w", encoding="utf-8", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False
-        ) as f:
-            tmp = f.name
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a shared cache should be readable
-        os.replace(tmp, path)
+        write_text_atomic(path, text)
     except OSError as e:
         logger.warning("cannot cache tokenizer at %s (%s); using it from memory", path, e)
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
 
 
 def _post_processor_bos(backend: _Backend) -> int | None:

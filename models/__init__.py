@@ -1,0 +1,4 @@
+"""What a model is, shared by every backend, the workloads and the harness: its architecture
+(config.py: ModelConfig, the presets, Hugging Face config.json), its tokenizer, its weight files
+(weights.py: safetensors checkpoints, seeded dummy weights under Hugging Face names), dtype names
+and the on-disk cache. Nothing here runs a model; engines/ do."""

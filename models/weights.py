@@ -1,0 +1,100 @@
+"""Weight files: safetensors checkpoints (one file, or shards with an index) and seeded dummy
+weights under the names a Hugging Face `LlamaForCausalLM` checkpoint uses, so that the very same
+tensors can be handed to the built-in engine and to transformers for side-by-side comparisons.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from models.config import ModelConfig
+
+
+def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            shapes[p + f"self_attn.{name}.weight"] = (out, h)
+            if cfg.attention_bias:
+                shapes[p + f"self_attn.{name}.bias"] = (out,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def dummy_state_dict(
+    cfg: ModelConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Seeded random weights under Hugging Face names.
+
+    Normal(0, 0.02) like Hugging Face's initialiser; the projections that write into the
+    residual stream (o_proj, down_proj) are scaled by 1/sqrt(2 x layers) so the residual stays
+    O(1) however deep the model is, and norms start at one.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    residual_std = 0.02 / math.sqrt(2 * cfg.num_layers)
+    state = {}
+    for name, shape in hf_parameter_shapes(cfg).items():
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            state[name] = torch.ones(shape, dtype=dtype, device=device)
+            continue
+        std = residual_std if ("o_proj" in name or "down_proj" in name) else 0.02
+        state[name] = torch.randn(shape, generator=gen, dtype=dtype, device=device) * std
+    return state
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({path / f for f in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(
+                f"{index}: not a valid safetensors index (a JSON object with a "
+                f"'weight_map' of tensor name -> file): {exc!r}"
+            ) from None
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        other = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = f" (found {other}: only safetensors are supported)" if other else ""
+        raise FileNotFoundError(f"model.path: no *.safetensors weights in {path}{hint}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"model.path: shards named in the index are missing: {missing}")
+    return files
+
+
+def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(path):
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except SafetensorError as exc:
+            raise ValueError(f"{file}: not a readable safetensors file ({exc})") from None
+        with handle as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                try:
+                    tensor = f.get_tensor(name)
+                except SafetensorError as exc:
+                    raise ValueError(f"{file}: tensor {name!r} cannot be read ({exc})") from None
+                yield name, tensor
