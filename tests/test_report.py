@@ -13,12 +13,12 @@ import pandas as pd
 import pytest
 
 from harness import cli
+from harness.measuring.roofline import Roof
 from harness.reporting.report import (
     PHASES,
     Document,
     format_metric,
-    hardware_overlap,
-    hardware_peaks,
+    hardware_roof,
     memory_parts,
     roofline_points,
     section_roofline,
@@ -314,13 +314,16 @@ def test_roofline_peak_is_the_runs_own_dtype() -> None:
     spec = {"name": "chip", "peak_flops": {"float32": 1e12, "int8": 8e12}, "memory_bandwidth": 1e11}
     res = StubResults(pd.DataFrame(), {"engine": {"dtype": "bfloat16"}, "hardware": spec})
     # no bfloat16 peak: no compute roof, never another dtype's
-    assert hardware_peaks(res) == (None, 1e11, "chip")  # type: ignore[arg-type]
+    assert hardware_roof(res) == Roof("chip", None, 1e11, 1.0)  # type: ignore[arg-type]
     res = StubResults(pd.DataFrame(), {"engine": {"dtype": "float32"}, "hardware": spec})
-    assert hardware_peaks(res) == (1e12, 1e11, "chip")  # type: ignore[arg-type]
     # no measured overlap: the standard roofline; a measured one, for the run's dtype
-    assert hardware_overlap(res) == 1.0  # type: ignore[arg-type]
+    assert hardware_roof(res) == Roof("chip", 1e12, 1e11, 1.0)  # type: ignore[arg-type]
     measured = StubResults(
         pd.DataFrame(),
         {"engine": {"dtype": "float32"}, "hardware": {**spec, "overlap": {"float32": 0.1}}},
     )
-    assert hardware_overlap(measured) == 0.1  # type: ignore[arg-type]
+    assert hardware_roof(measured) == Roof("chip", 1e12, 1e11, 0.1)  # type: ignore[arg-type]
+    # one spelling: a spec in other words (peak_tflops, bandwidth_gb_s) is no spec
+    other = {"name": "chip", "peak_tflops": {"float32": 1.0}, "bandwidth_gb_s": 100}
+    res = StubResults(pd.DataFrame(), {"engine": {"dtype": "float32"}, "hardware": other})
+    assert hardware_roof(res) is None  # type: ignore[arg-type]

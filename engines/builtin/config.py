@@ -13,8 +13,6 @@ from typing import Any
 from engines.base import ConfigError
 from models.dtypes import DTYPE_ALIASES
 
-# option -> {value: the issue that implements it}; refused with that message until then.
-NOT_YET: dict[str, dict[str, int]] = {}
 CHOICES = {
     "kv_cache": ("none", "contiguous", "paged"),
     "batching": ("static", "continuous"),
@@ -100,12 +98,6 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise fail(name, "|".join(allowed))
-            issue = NOT_YET.get(name, {}).get(value)
-            if issue is not None:
-                raise ConfigError(
-                    f"engine.{name}={value} is not implemented yet (issue {issue} adds it); "
-                    f"available now: {'|'.join(v for v in allowed if v not in NOT_YET[name])}"
-                )
         if str(self.dtype).lower() not in DTYPE_ALIASES:
             raise fail("dtype", "auto|float32|bfloat16|float16 (aliases fp32|bf16|fp16)")
         self.dtype = DTYPE_ALIASES[str(self.dtype).lower()]

@@ -147,19 +147,46 @@ def add_roofline(
     return out
 
 
+@dataclass(frozen=True)
+class Roof:
+    """A recorded hardware spec (HardwareSpec.to_dict(), as summary.json holds it) read for one
+    compute dtype: the one spelling of its keys, for the run's annotation and for reports."""
+
+    name: str | None
+    peak_flops: float | None  # FLOP/s for the dtype; None when the spec has no figure for it
+    memory_bandwidth: float | None  # bytes/s
+    overlap: float  # 1 (the standard roofline) when the spec measured none for the dtype
+
+    @classmethod
+    def of(cls, spec: Any, dtype: str) -> Roof | None:
+        if not isinstance(spec, dict):
+            return None
+        dtype = dtype.removeprefix("torch.")
+        peaks = spec.get("peak_flops")
+        overlaps = spec.get("overlap")
+        return cls(
+            name=spec.get("name"),
+            peak_flops=_positive(peaks.get(dtype) if isinstance(peaks, dict) else None),
+            memory_bandwidth=_positive(spec.get("memory_bandwidth")),
+            overlap=float(overlaps.get(dtype, 1.0)) if isinstance(overlaps, dict) else 1.0,
+        )
+
+
+def _positive(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    return float(value) if ok else None
+
+
 def annotate_run(run_dir: str | Path, steps: pd.DataFrame, info: dict[str, Any]) -> pd.DataFrame:
     """Add the roofline columns to a finished run's steps and rewrite its steps.parquet.
 
     Needs the engine's shape (`info["engine"]`) and the hardware spec (`info["hardware"]`);
     without either, or without steps, the columns stay NaN and nothing is rewritten."""
     shape = ModelShape.from_engine_info(info.get("engine"))
-    hardware = info.get("hardware") or {}
-    bandwidth = hardware.get("memory_bandwidth")
-    if shape is None or not bandwidth or steps.empty:
+    roof = None if shape is None else Roof.of(info.get("hardware"), shape.dtype)
+    if shape is None or roof is None or roof.memory_bandwidth is None or steps.empty:
         return steps
-    peak = (hardware.get("peak_flops") or {}).get(shape.dtype)
-    overlap = float((hardware.get("overlap") or {}).get(shape.dtype, 1.0))
-    steps = add_roofline(steps, shape, peak, float(bandwidth), overlap)
+    steps = add_roofline(steps, shape, roof.peak_flops, roof.memory_bandwidth, roof.overlap)
     write_parquet_atomic(steps, table_path(Path(run_dir), "steps", "parquet"))
     return steps
 

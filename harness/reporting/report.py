@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from harness.measuring.metrics import REGISTRY
-from harness.measuring.roofline import decode_only, measured_step_s, prefill_only
+from harness.measuring.roofline import Roof, decode_only, measured_step_s, prefill_only
 from harness.reporting import figures
 from harness.reporting.results import Results, load
 from harness.run_folder import read_sweep_summary
@@ -548,65 +548,14 @@ def section_phases(res: Results, doc: Document) -> None:
     doc.table(table)
 
 
-def hardware_peaks(res: Results) -> tuple[float | None, float | None, str | None]:
-    """(peak FLOP/s, memory bandwidth B/s, name) of the hardware spec a run recorded."""
+def hardware_roof(res: Results) -> Roof | None:
+    """The hardware spec the first run that recorded one measured on, for its compute dtype."""
     for run_id in res.runs["run_id"]:
         summary = res.summary(run_id)
-        engine = summary.get("engine") or {}
-        candidates = [
-            summary.get("hardware"),
-            engine.get("hardware"),
-            res.provenance(run_id).get("hardware"),
-        ]
-        for spec in candidates:
-            if isinstance(spec, dict):
-                dtype = str(engine.get("dtype") or "")
-                flops = _pick(spec, FLOPS_KEYS, dtype)
-                bandwidth = _pick(spec, BANDWIDTH_KEYS, dtype)
-                if flops or bandwidth:
-                    return flops, bandwidth, spec.get("name")
-    return None, None, None
-
-
-def hardware_overlap(res: Results) -> float:
-    """The recorded spec's measured compute/memory overlap for the run's dtype (1, the
-    standard roofline, when the spec has none: datasheet GPUs)."""
-    for run_id in res.runs["run_id"]:
-        summary = res.summary(run_id)
-        spec = summary.get("hardware")
-        if isinstance(spec, dict):
-            dtype = str((summary.get("engine") or {}).get("dtype") or "")
-            return float((spec.get("overlap") or {}).get(dtype, 1.0))
-    return 1.0
-
-
-# the keys a hardware spec may use, with the factor to FLOP/s or B/s
-FLOPS_KEYS = {
-    "peak_flops": 1.0,
-    "peak_flops_per_s": 1.0,
-    "flops_per_s": 1.0,
-    "peak_tflops": 1e12,
-    "tflops": 1e12,
-}
-BANDWIDTH_KEYS = {
-    "memory_bandwidth": 1.0,
-    "memory_bandwidth_bytes_per_s": 1.0,
-    "bandwidth_bytes_per_s": 1.0,
-    "mem_bandwidth": 1.0,
-    "bandwidth": 1.0,
-    "memory_bandwidth_gb_s": 1e9,
-    "bandwidth_gb_s": 1e9,
-    "memory_bandwidth_tb_s": 1e12,
-}
-
-
-def _pick(spec: dict[str, Any], keys: dict[str, float], dtype: str) -> float | None:
-    for key, factor in keys.items():
-        value = spec.get(key)
-        if isinstance(value, dict):  # per dtype: only the run's own (another's roof is wrong)
-            value = value.get(dtype.removeprefix("torch.")) if dtype else None
-        if isinstance(value, (int, float)) and value > 0:
-            return float(value) * factor
+        dtype = str((summary.get("engine") or {}).get("dtype") or "")
+        roof = Roof.of(summary.get("hardware"), dtype)
+        if roof is not None and (roof.peak_flops or roof.memory_bandwidth):
+            return roof
     return None
 
 
@@ -656,16 +605,17 @@ def section_roofline(res: Results, doc: Document) -> None:
         doc.note("Skipped: no step with FLOPs and a measured time.")
         return
     run_ids = set(_limited(res, doc, _first_runs(res)))
-    peak, bandwidth, name = hardware_peaks(res)
+    roof = hardware_roof(res)
+    peak, bandwidth = (roof.peak_flops, roof.memory_bandwidth) if roof else (None, None)
     doc.figure(
         figures.roofline(
-            points[points["run_id"].isin(run_ids)], peak, bandwidth, hardware_overlap(res)
+            points[points["run_id"].isin(run_ids)], peak, bandwidth, roof.overlap if roof else 1.0
         ),
         "roofline",
         "Per step: achieved FLOP/s against arithmetic intensity "
         "(circles decode-only, triangles with prefill)"
         + (
-            f" under the roofline of {name or 'the recorded hardware'}"
+            f" under the roofline of {(roof and roof.name) or 'the recorded hardware'}"
             if peak and bandwidth
             else "; no hardware spec recorded, so no roofline drawn"
         )
