@@ -38,7 +38,6 @@ ROOFLINE_COLUMNS = (
     "mbu",
     "mfu",
 )
-COUNT_COLUMNS = ("logits_tokens", "attention_pairs", "kv_tokens_read", "kv_tokens_written")
 
 
 @dataclass(frozen=True)
