@@ -126,8 +126,9 @@ class HFBackend(Backend):
 
     def _start_continuous_batching(self) -> None:
         """Started with the first request, not at load: while its generation thread is alive,
-        torch work on the main thread runs at about half speed on a 2-core CPU (the harness's
-        hardware probe, which runs after load, measured 117 instead of 287 GFLOP/s)."""
+        torch work on the main thread runs at about half speed on a 2-core CPU, the hardware
+        probe that runs after load included (docs/benchmarks.md, "Figures behind design
+        choices")."""
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 

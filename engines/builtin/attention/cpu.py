@@ -7,15 +7,12 @@ torch's CPU SDPA serves a decode one (sequence, head) GEMV pair at a time over K
 reads 256 bytes at a time, 3 KB apart; the kernel walks each sequence's positions and reads
 all its heads' K (then V) of a position as one contiguous run, with no gather for paged
 blocks, no permutation for out-of-order blocks and no mask for unequal lengths (it stops at
-each sequence's length). Measured on the 2-core dev VM, 12 layers of the small preset
-(`scripts/bench_cpu_kernels.py`): batch 16 x 48 keys 2.8 vs 3.6 ms, batch 64 x 200 keys 57
-vs 75 ms.
+each sequence's length); docs/benchmarks.md ("CPU kernels") has the times against sdpa,
+from `scripts/bench_cpu_kernels.py`.
 
 For prompts, torch's CPU flash attention runs one call per prompt; the kernel
 (`prefill_attention_f32`: two small GEMMs per tile of 32 queries) takes all of the step's
-prompts in one call. One layer on that Xeon (scripts/bench_cpu_kernels.py, outputs written
-back into the packed rows on both sides): 0.55x sdpa's time for 15 prompts of 64-192 tokens,
-0.53x for 4 of 512, 0.77x for one of 1,000, 0.84x for one of 2,000.
+prompts in one call, which pays most where a step holds many short prompts (same section).
 """
 
 from __future__ import annotations

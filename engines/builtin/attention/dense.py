@@ -221,8 +221,8 @@ class DenseAttention:
         sequence) and whose blocks form one range are attended through a view of the cache,
         with no gather: the queries are put in block order and the outputs put back.
 
-        A gather copies every context on every layer of every step (~100 MB per layer at
-        batch 64 x 256 tokens on the small preset, 30-40 ms), more than the attention itself.
+        A gather copies every context on every layer of every step, which costs more than the
+        attention itself (docs/benchmarks.md, "Figures behind design choices").
         None when the blocks are not one range or the cache cannot be read in place.
         """
         nd = q.shape[0]

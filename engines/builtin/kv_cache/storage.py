@@ -22,14 +22,14 @@ def zeros(
     not cancel.
 
     On CPU the OS backs memory page by page at first write, and a first write costs far more
-    than a later one (a 6 MB prefill K write: ~12-20 ms instead of 0.5 on the 2-core dev VM).
-    `prefault` maps every page now (~0.3 s per GiB), as a GPU's memory is there once
+    than a later one (20-40x for a prefill's K write; docs/benchmarks.md, "Figures behind
+    design choices"). `prefault` maps every page now, as a GPU's memory is there once
     allocated, so that no measured step pays for it; without it the pages come lazily from
     calloc (through numpy): a large reservation costs nothing until written. Prefaulted
     memory asks for transparent huge pages first (madvise: in THP's "madvise" mode, the
     default on many distributions, only regions that ask get them): decode attention streams
-    the whole cache every step, and with 2 MB pages instead of 4 KB it reads ~10% faster here
-    (18.9 vs 17.2 GB/s, batch 64 x 200 keys of the small preset), its TLB misses gone.
+    the whole cache every step, and with 2 MB pages instead of 4 KB it reads faster, its TLB
+    misses gone (same section).
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -78,9 +78,8 @@ class PrepackedDenseMethod(DenseMethod):
     torch's CPU GEMM re-packs the weight on every call when the input has several rows, which
     makes a decode step at batch 4-64 cost 1.5-2.5x the batch-1 step although it reads the
     same bytes. The packed copy is made once at load. Up to 3 fp32 rows (batch 1-3 decode)
-    run fastest on the plain weight (measured on a 2-core Xeon, the small preset's matmuls,
-    plain vs packed: 17 vs 19 ms at one row, 19 vs 21 at two, 34 vs 22 at four); bf16 is
-    fastest packed at any batch.
+    run fastest on the plain weight; bf16 is fastest packed at any batch (docs/benchmarks.md,
+    "Figures behind design choices").
     Costs a second copy of the weights in memory (not read twice: one copy serves each call).
     """
 
