@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache import KVCacheManager
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes
+from engines.builtin.limits import EngineLimits, token_limits
 from engines.builtin.model_runner import ModelRunner
 from engines.builtin.platform import Platform
 from engines.builtin.scheduler import Scheduler, StepPlan
@@ -44,18 +44,6 @@ from engines.sampling_params import SamplingParams
 from models.config import ceil_div, kv_bytes_per_token, resolve_model
 from models.dtypes import TORCH_DTYPES
 from models.tokenizer import tokenizer_for_model
-
-#: max_num_batched_tokens when chunked prefill is on and none is given: vLLM v1's default for
-#: online serving, which bounds how long a step (and so a running decode) can stall.
-DEFAULT_CHUNKED_BATCHED_TOKENS = 2048
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    kv_budget_bytes: int
 
 
 def _profiled(plan: StepPlan) -> AbstractContextManager[Any]:
@@ -84,41 +72,25 @@ class LLMEngine:
                 f"model's vocab_size is {self.model_config.vocab_size}; use a model whose "
                 "vocabulary covers the tokenizer"
             )
-        max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"engine.max_model_len={max_model_len} exceeds the model's "
-                f"max_position_embeddings={self.model_config.max_position_embeddings}"
-            )
-        if config.enable_chunked_prefill:  # prompts longer than the budget are split
-            batched = config.max_num_batched_tokens or DEFAULT_CHUNKED_BATCHED_TOKENS
-        else:
-            batched = config.max_num_batched_tokens or max(max_model_len, 2048)
-        if batched < max_model_len and not config.enable_chunked_prefill:
-            raise ValueError(
-                f"engine.max_num_batched_tokens={batched} is smaller than "
-                f"engine.max_model_len={max_model_len}; without chunked prefill a whole "
-                "prompt must fit in one step"
-            )
+        max_model_len, batched = token_limits(config, self.model_config)
         self.eos_ids = sorted(
             set(self.tokenizer.special.eos_ids) | set(self.model_config.eos_token_ids)
         )
+        # the model and its weights first: the KV pool is sized from the memory they leave
         self.runner = ModelRunner(
             self.model_config,
             config,
             self.platform,
             self.dtype,
             max_model_len,
-            batched,
-            config.max_num_seqs,
             self.tokenizer.vocab_size,
             self.eos_ids,
         )
         self.kv_budget_reason = ""  # where the KV budget came from, set with the budget
         self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len)
-        self.runner.allocate_kv_cache(self.kv)
         self.limits = EngineLimits(max_model_len, max_num_seqs, batched, budget)
-        self.scheduler = Scheduler(config, self.kv, max_num_seqs, batched, max_model_len)
+        self.runner.allocate_kv_cache(self.kv, self.limits)
+        self.scheduler = Scheduler(config, self.kv, self.limits)
         self.sequences: dict[str, Sequence] = {}
         self.step_observers: list[StepObserver] = []
         self._pending_events: list[RequestEvent] = []

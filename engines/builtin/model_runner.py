@@ -24,6 +24,7 @@ from engines.builtin.cuda_graphs import (
 from engines.builtin.kv_cache import KVCacheManager, LayerKVCache
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import PrepackedDenseMethod
+from engines.builtin.limits import EngineLimits
 from engines.builtin.model import DecoderLayer, Transformer
 from engines.builtin.platform import Platform
 from engines.builtin.sampler import Sampler, SamplingBatch
@@ -45,11 +46,11 @@ class ModelRunner:
         platform: Platform,
         dtype: torch.dtype,
         max_model_len: int,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
         sample_vocab_size: int,
         eos_ids: list[int],
     ) -> None:
+        """`max_model_len` sizes the model's rotary table now; the other limits are known once
+        the KV pool is sized (from the weights loaded here) and come with `allocate_kv_cache`."""
         self.model_config = model_config
         self.config = config
         self.platform = platform
@@ -111,9 +112,9 @@ class ModelRunner:
         self.logits_observer: Callable[[StepPlan, torch.Tensor], None] | None = None
 
         # Preallocated step inputs at the largest step (each step uses a prefix), allocated
-        # with the KV cache, which sets the block tables' width.
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
+        # with the KV cache, which sets the block tables' width; so are the limits below.
+        self.max_num_batched_tokens = 0
+        self.max_num_seqs = 0
         self.inputs: StepInputs  # allocate_kv_cache
         self.max_blocks_per_seq = 1
         self._graph_size: int | None = None  # the CUDA graph bucket serving this step
@@ -135,7 +136,14 @@ class ModelRunner:
         load_weights(self.model, tensors, self.dtype, self.device)
         self.weights_source = "dummy" if use_dummy else "checkpoint"
 
-    def allocate_kv_cache(self, kv: KVCacheManager) -> None:
+    def allocate_kv_cache(self, kv: KVCacheManager, limits: EngineLimits) -> None:
+        if limits.max_model_len != self.max_model_len:
+            raise ValueError(
+                f"limits.max_model_len={limits.max_model_len} differs from the model's "
+                f"max_model_len={self.max_model_len} this runner was built for"
+            )
+        self.max_num_batched_tokens = limits.max_num_batched_tokens
+        self.max_num_seqs = limits.max_num_seqs
         layout = kv.layout
         self.ring = bool(getattr(kv, "ring", False))
         self.block_size = layout.block_size
@@ -178,7 +186,7 @@ class ModelRunner:
             return
         reason = graphs_unavailable_reason(self)
         if reason is None:
-            sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_num_seqs)
+            sizes = config.cuda_graph_batch_sizes or default_batch_sizes(self.max_num_seqs)
             with torch.inference_mode():
                 self.decode_graphs = DecodeGraphs(self, sizes, capture=True)
         elif self.device.type == "cuda":

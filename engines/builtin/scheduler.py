@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache import KVCacheManager
+from engines.builtin.limits import EngineLimits
 from engines.builtin.sequence import Sequence, SequenceStatus
 
 
@@ -122,15 +123,13 @@ class Scheduler:
         self,
         config: EngineConfig,
         kv: KVCacheManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int | None = None,
+        limits: EngineLimits,
     ) -> None:
         self.config = config
-        self.max_model_len = max_model_len or config.max_model_len
         self.kv = kv
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = limits.max_model_len
+        self.max_num_seqs = limits.max_num_seqs
+        self.max_num_batched_tokens = limits.max_num_batched_tokens
         self.static = config.batching == "static"
         self.chunked = config.enable_chunked_prefill
         self.prefix_caching = config.enable_prefix_caching
@@ -280,9 +279,7 @@ class Scheduler:
         for seq in self.waiting:
             if len(batch) == self.max_num_seqs:
                 break
-            most = seq.num_prompt_tokens + seq.sampling.max_tokens
-            if self.max_model_len:
-                most = min(most, self.max_model_len)
+            most = min(seq.num_prompt_tokens + seq.sampling.max_tokens, self.max_model_len)
             most = max(most, seq.num_tokens)
             new_width = max(width, seq.num_tokens if self.kv.retains_kv else most)
             if batch and (len(batch) + 1) * new_width > self.max_num_batched_tokens:
