@@ -114,7 +114,7 @@ def test_engine_reports_detokenize_time() -> None:
         finished.update({e.request_id: e for e in engine.step() if isinstance(e, Finished)})
     assert finished["text"].detokenize_ns > 0
     assert finished["ids"].detokenize_ns == 0
-    assert not engine._detokenize_ns  # nothing left behind
+    assert not engine.output.detokenize_ns  # nothing left behind
 
 
 TINY_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x kv_heads x head_dim x fp32, K and V

@@ -14,7 +14,7 @@ import pytest
 
 from engines.base import StepRecord
 from engines.builtin import LLM, SamplingParams
-from engines.builtin.engine import roofline_counts
+from engines.builtin.step_stats import roofline_counts
 from harness.measuring.roofline import (
     ROOFLINE_COLUMNS,
     ModelShape,

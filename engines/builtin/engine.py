@@ -1,10 +1,10 @@
 """LLMEngine: requests in, one step at a time, typed events out.
 
-    add_request -> (tokenize) -> Scheduler.schedule -> ModelRunner.execute -> postprocess
+    add_request -> (tokenize) -> Scheduler.schedule -> ModelRunner.execute -> OutputProcessor
     (append the sampled token, detokenize incrementally, check stop conditions) -> events
 
 Every event carries the step that produced it and a timestamp from the platform's one clock.
-Each step's plan and counters are handed to `step_observers` as a `StepRecord`.
+Each step's plan and counters are handed to `step_observers` as a `StepRecord` (step_stats.py).
 """
 
 from __future__ import annotations
@@ -18,17 +18,13 @@ import torch
 from engines.base import (
     Arrived,
     Failed,
-    Finished,
     Preempted,
     PrefillChunk,
     Prompt,
     RequestEvent,
     Scheduled,
     StepObserver,
-    StepRecord,
     Tokenized,
-    Tokens,
-    now_ns,
 )
 from engines.builtin import native
 from engines.builtin.config import EngineConfig
@@ -37,9 +33,11 @@ from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes
 from engines.builtin.limits import EngineLimits, token_limits
 from engines.builtin.model_runner import ModelRunner
+from engines.builtin.output_processor import OutputProcessor, seeded_generator
 from engines.builtin.platform import Platform
 from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
+from engines.builtin.step_stats import logits_rows, step_record
 from engines.sampling_params import SamplingParams
 from models.config import ceil_div, kv_bytes_per_token, resolve_model
 from models.dtypes import TORCH_DTYPES
@@ -92,9 +90,16 @@ class LLMEngine:
         self.runner.allocate_kv_cache(self.kv, self.limits)
         self.scheduler = Scheduler(config, self.kv, self.limits)
         self.sequences: dict[str, Sequence] = {}
+        self.output = OutputProcessor(
+            self.tokenizer,
+            self.scheduler,
+            self.sequences,
+            self.eos_ids,
+            max_model_len,
+            self.platform.device,
+        )
         self.step_observers: list[StepObserver] = []
         self._pending_events: list[RequestEvent] = []
-        self._detokenize_ns: dict[str, int] = {}  # per sequence key, reported in Finished
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -218,10 +223,8 @@ class LLMEngine:
         self.check_request(token_ids, sampling)
         seq = Sequence(request_id, token_ids, sampling, arrival_ns, priority)
         seq.pending_forks = sampling.n - 1
-        if sampling.seed is not None:
-            seq.generator = torch.Generator(self.platform.device).manual_seed(sampling.seed)
-        if sampling.detokenize:
-            seq.detok = self.tokenizer.new_stream(token_ids, sampling.skip_special_tokens)
+        seq.generator = seeded_generator(sampling.seed, self.platform.device)
+        self.output.add(seq)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         step = self.scheduler.step_counter
@@ -284,7 +287,7 @@ class LLMEngine:
                 continue
             self.scheduler.finish(seq, "abort")
             self._pending_events.append(
-                self._finished(seq, self.scheduler.step_counter, self.platform.now_ns())
+                self.output.finished(seq, self.scheduler.step_counter, self.platform.now_ns())
             )
 
     def has_request(self, request_id: str) -> bool:
@@ -334,139 +337,35 @@ class LLMEngine:
                     )
                 )
         # rows whose logits the LM head computes (counted before their tokens are added)
-        logits_tokens = (
-            sum(1 for item in plan.scheduled if item.samples) if self.step_observers else 0
-        )
+        logits_tokens = logits_rows(plan) if self.step_observers else 0
         try:
             with _profiled(plan):
                 tokens = self.runner.execute(plan, self.kv)
         except Exception as exc:  # a failed step fails its requests, not the engine
             return events + self._fail_step(plan, exc)
         self.scheduler.complete_step(plan)
-        finished = self._postprocess(plan, tokens)
+        deltas = self.output.process(plan, tokens)
         end = self.platform.now_ns()
         if self.config.debug_step_delay_fraction > 0:  # a planted slowdown (docs/gate.md)
             end = _busy_wait_until(
                 end + (end - start) * self.config.debug_step_delay_fraction, self.platform.now_ns
             )
-        for key, delta in finished.items():
-            seq = self.sequences[key]
-            events.append(
-                Tokens(
-                    seq.request_id, plan.step, end, (seq.token_ids[-1],), delta, seq.sample_index
-                )
+        events += self.output.events(deltas, plan.step, end)
+        if self.step_observers:
+            record = step_record(
+                plan,
+                start,
+                end,
+                logits_tokens,
+                self.kv,
+                len(self.scheduler.running),
+                self.runner.last_forward_ns,
+                self.runner.last_gather_ns,
+                self.model_config.sliding_window,
             )
-            if seq.is_finished:
-                events.append(self._finished(seq, plan.step, end))
-                del self.sequences[key]
-        self._record_step(plan, start, end, logits_tokens)
+            for observer in self.step_observers:
+                observer(record)
         return events
-
-    def _postprocess(self, plan: StepPlan, tokens: list[int]) -> dict[str, str]:
-        """Append each sampled token, detokenize, check stops. Returns key -> text delta."""
-        out: dict[str, str] = {}
-        sampled: list[Sequence] = []
-        for item in plan.scheduled:
-            if item.samples:
-                sampled.append(item.seq)
-                sampled += self._fork(item.seq)
-        max_len = self.limits.max_model_len
-        eos = self.eos_ids
-        for seq, token in zip(sampled, tokens, strict=True):
-            seq.token_ids.append(token)
-            p = seq.sampling
-            reason = None
-            if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
-                reason = "stop" if seq.num_output_tokens >= p.min_tokens else None
-            if reason is None and (
-                seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_len
-            ):
-                reason = "length"
-            delta = ""
-            if seq.detok is not None:
-                detok_start = now_ns()
-                seq.text += seq.detok.step(token)  # type: ignore[attr-defined]
-                if reason is not None:
-                    seq.text += seq.detok.flush()  # type: ignore[attr-defined]
-                self._detokenize_ns[seq.key] = (
-                    self._detokenize_ns.get(seq.key, 0) + now_ns() - detok_start
-                )
-                if p.stop:
-                    hit = self._find_stop(seq)
-                    if hit is not None:
-                        seq.text, reason = hit, "stop"
-                holdback = (
-                    0
-                    if reason or p.include_stop_str_in_output
-                    else (max((len(s) for s in p.stop), default=1) - 1)
-                )
-                visible = max(seq.emitted, len(seq.text) - holdback)
-                delta = seq.text[seq.emitted : visible]
-                seq.emitted = visible
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            out[seq.key] = delta
-        return out
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Parallel sampling: at the parent's first sampled token, one sequence per extra
-        sample, sharing the prompt's KV (copy-on-write where they diverge). A fork the KV
-        cache cannot hold now waits and recomputes its prompt instead."""
-        children = []
-        for index in range(1, parent.pending_forks + 1):
-            child = Sequence(
-                parent.request_id,
-                parent.prompt_token_ids,
-                parent.sampling,
-                parent.arrival_ns,
-                parent.priority,
-                sample_index=index,
-            )
-            child.first_scheduled_step = parent.first_scheduled_step
-            child.cached_prompt_tokens = parent.cached_prompt_tokens
-            if parent.sampling.seed is not None:
-                child.generator = torch.Generator(self.platform.device).manual_seed(
-                    parent.sampling.seed + index
-                )
-            if parent.detok is not None:
-                child.detok = self.tokenizer.new_stream(
-                    parent.prompt_token_ids, parent.sampling.skip_special_tokens
-                )
-            self.sequences[child.key] = child
-            self.scheduler.fork(parent, child)
-            children.append(child)
-        parent.pending_forks = 0
-        return children
-
-    def _find_stop(self, seq: Sequence) -> str | None:
-        """The text truncated at the first stop string, or None when none occurs."""
-        p = seq.sampling
-        window = max(len(s) for s in p.stop) + 16
-        search_from = max(0, seq.emitted - window)
-        best = None
-        for stop in p.stop:
-            index = seq.text.find(stop, search_from)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        if best is None:
-            return None
-        index, stop = best
-        return seq.text[: index + len(stop)] if p.include_stop_str_in_output else seq.text[:index]
-
-    def _finished(self, seq: Sequence, step: int, time_ns: int) -> Finished:
-        return Finished(
-            seq.request_id,
-            step,
-            time_ns,
-            seq.finish_reason or "abort",
-            seq.num_prompt_tokens,
-            seq.num_output_tokens,
-            seq.cached_prompt_tokens,
-            seq.num_preemptions,
-            seq.text,
-            seq.sample_index,
-            self._detokenize_ns.pop(seq.key, 0),
-        )
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestEvent]:
         now = self.platform.now_ns()
@@ -475,7 +374,7 @@ class LLMEngine:
             seq = item.seq
             self.scheduler.finish(seq, "error")
             self.sequences.pop(seq.key, None)
-            self._detokenize_ns.pop(seq.key, None)
+            self.output.forget(seq)
             events.append(
                 Failed(
                     seq.request_id,
@@ -486,34 +385,6 @@ class LLMEngine:
             )
         return events
 
-    def _record_step(self, plan: StepPlan, start: int, end: int, logits_tokens: int) -> None:
-        if not self.step_observers:
-            return
-        num_decodes = plan.num_decodes
-        record = StepRecord(
-            step=plan.step,
-            start_ns=start,
-            end_ns=end,
-            num_seqs=len(plan.scheduled),
-            num_prefill_seqs=len(plan.scheduled) - num_decodes,
-            num_decode_seqs=num_decodes,
-            prefill_tokens=plan.num_prefill_tokens,
-            decode_tokens=plan.num_decode_tokens,
-            padding_tokens=plan.padding_tokens,
-            num_waiting=plan.num_waiting,
-            kv_bytes_reserved=self.kv.bytes_reserved(),
-            kv_bytes_used=self.kv.bytes_used(),
-            num_preempted=len(plan.preempted),
-            num_running=len(self.scheduler.running),
-            kv_blocks_used=self.kv.num_blocks_in_use,
-            forward_ns=self.runner.last_forward_ns,
-            kv_gather_ns=self.runner.last_gather_ns,
-            logits_tokens=logits_tokens,
-            **roofline_counts(plan, self.model_config.sliding_window, self.kv.retains_kv),
-        )
-        for observer in self.step_observers:
-            observer(record)
-
 
 def _busy_wait_until(deadline_ns: float, now_ns: Callable[[], int]) -> int:
     """Spin, not sleep: an idle CPU loses its caches and clock to the rest of the machine, so
@@ -523,25 +394,3 @@ def _busy_wait_until(deadline_ns: float, now_ns: Callable[[], int]) -> int:
     while now < deadline_ns:
         now = now_ns()
     return now
-
-
-def roofline_counts(plan: StepPlan, window: int | None, retains_kv: bool) -> dict[str, int]:
-    """What the step's attention must touch: (query, key) pairs attended (causal, within the
-    sliding window), cached tokens read, tokens stored. Every computed row counts, static
-    batching's padding included; padding K/V are never stored."""
-    rows = [
-        (s.num_computed_before, s.num_new_tokens + s.num_padding_tokens, s.num_new_tokens)
-        for s in plan.scheduled
-    ]
-    rows += [(r.start, r.num_tokens, 0) for r in plan.padding_rows]
-    pairs = read = written = 0
-    for start, queries, real in rows:
-        # query i (0-based) of the row sees start + i + 1 keys, at most `window`
-        first, last = start + 1, start + queries
-        capped = 0 if window is None else max(0, last - max(window, first - 1))
-        uncapped = queries - capped
-        pairs += uncapped * first + uncapped * (uncapped - 1) // 2 + capped * (window or 0)
-        if retains_kv:
-            read += start if window is None else min(start, window - 1)
-            written += real
-    return {"attention_pairs": pairs, "kv_tokens_read": read, "kv_tokens_written": written}

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engines.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engines.builtin.tokenizer import DetokenizerStream
 
 _ids = itertools.count()
 
@@ -45,7 +49,7 @@ class Sequence:
     # (text is held back while it could still be the start of a stop string).
     text: str = ""
     emitted: int = 0
-    detok: object | None = None
+    detok: DetokenizerStream | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -1,0 +1,177 @@
+"""Output processing: what the engine does with a step's sampled tokens.
+
+    sampled tokens -> forks for parallel sampling (n > 1) -> append -> detokenize incrementally
+    -> stop tokens, EOS, length, stop strings -> text deltas -> Tokens / Finished events
+
+vLLM's OutputProcessor does the same after its engine core; here it runs in the engine's step,
+between the model runner and the step's end timestamp (so detokenization is inside the step's
+timing, and each request's detokenize time is reported in its Finished event).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engines.base import Finished, RequestEvent, Tokens, now_ns
+from engines.builtin.scheduler import Scheduler, StepPlan
+from engines.builtin.sequence import Sequence
+from engines.builtin.tokenizer import Tokenizer
+
+
+def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    """A sequence's own RNG when its request has a seed (reproducible whatever else runs)."""
+    return None if seed is None else torch.Generator(device).manual_seed(seed)
+
+
+class OutputProcessor:
+    """Turns sampled tokens into sequence state, text and events. Shares the engine's
+    `sequences` (key -> Sequence): forks are added to it, finished sequences removed."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        scheduler: Scheduler,
+        sequences: dict[str, Sequence],
+        eos_ids: list[int],
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.sequences = sequences
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.device = device
+        self.detokenize_ns: dict[str, int] = {}  # per sequence key, reported in Finished
+
+    def add(self, seq: Sequence) -> None:
+        """Give a new sequence its detokenizer (when its request wants text)."""
+        if seq.sampling.detokenize:
+            seq.detok = self.tokenizer.new_stream(
+                seq.prompt_token_ids, seq.sampling.skip_special_tokens
+            )
+
+    def process(self, plan: StepPlan, tokens: list[int]) -> dict[str, str]:
+        """Append each sampled token (one per sampling sequence of `plan`, in plan order, the
+        first token of each fork included), detokenize, check stops; finish what stopped.
+        Returns key -> the text delta to stream (held back while it may start a stop string)."""
+        out: dict[str, str] = {}
+        sampled: list[Sequence] = []
+        for item in plan.scheduled:
+            if item.samples:
+                sampled.append(item.seq)
+                sampled += self._fork(item.seq)
+        max_len = self.max_model_len
+        eos = self.eos_ids
+        for seq, token in zip(sampled, tokens, strict=True):
+            seq.token_ids.append(token)
+            p = seq.sampling
+            reason = None
+            if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
+                reason = "stop" if seq.num_output_tokens >= p.min_tokens else None
+            if reason is None and (
+                seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_len
+            ):
+                reason = "length"
+            delta = ""
+            if seq.detok is not None:
+                detok_start = now_ns()
+                seq.text += seq.detok.step(token)
+                if reason is not None:
+                    seq.text += seq.detok.flush()
+                self.detokenize_ns[seq.key] = (
+                    self.detokenize_ns.get(seq.key, 0) + now_ns() - detok_start
+                )
+                if p.stop:
+                    hit = _find_stop(seq)
+                    if hit is not None:
+                        seq.text, reason = hit, "stop"
+                holdback = (
+                    0
+                    if reason or p.include_stop_str_in_output
+                    else (max((len(s) for s in p.stop), default=1) - 1)
+                )
+                visible = max(seq.emitted, len(seq.text) - holdback)
+                delta = seq.text[seq.emitted : visible]
+                seq.emitted = visible
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            out[seq.key] = delta
+        return out
+
+    def events(self, deltas: dict[str, str], step: int, time_ns: int) -> list[RequestEvent]:
+        """The step's Tokens events (and Finished for what stopped), stamped `time_ns`; a
+        finished sequence leaves `sequences`."""
+        events: list[RequestEvent] = []
+        for key, delta in deltas.items():
+            seq = self.sequences[key]
+            events.append(
+                Tokens(seq.request_id, step, time_ns, (seq.token_ids[-1],), delta, seq.sample_index)
+            )
+            if seq.is_finished:
+                events.append(self.finished(seq, step, time_ns))
+                del self.sequences[key]
+        return events
+
+    def finished(self, seq: Sequence, step: int, time_ns: int) -> Finished:
+        return Finished(
+            seq.request_id,
+            step,
+            time_ns,
+            seq.finish_reason or "abort",
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.cached_prompt_tokens,
+            seq.num_preemptions,
+            seq.text,
+            seq.sample_index,
+            self.detokenize_ns.pop(seq.key, 0),
+        )
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence that ends without a Finished event (failed): drop what was kept for it."""
+        self.detokenize_ns.pop(seq.key, None)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Parallel sampling: at the parent's first sampled token, one sequence per extra
+        sample, sharing the prompt's KV (copy-on-write where they diverge). A fork the KV
+        cache cannot hold now waits and recomputes its prompt instead."""
+        children = []
+        for index in range(1, parent.pending_forks + 1):
+            child = Sequence(
+                parent.request_id,
+                parent.prompt_token_ids,
+                parent.sampling,
+                parent.arrival_ns,
+                parent.priority,
+                sample_index=index,
+            )
+            child.first_scheduled_step = parent.first_scheduled_step
+            child.cached_prompt_tokens = parent.cached_prompt_tokens
+            if parent.sampling.seed is not None:
+                child.generator = seeded_generator(parent.sampling.seed + index, self.device)
+            if parent.detok is not None:
+                child.detok = self.tokenizer.new_stream(
+                    parent.prompt_token_ids, parent.sampling.skip_special_tokens
+                )
+            self.sequences[child.key] = child
+            self.scheduler.fork(parent, child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
+
+
+def _find_stop(seq: Sequence) -> str | None:
+    """The text truncated at the first stop string, or None when none occurs."""
+    p = seq.sampling
+    window = max(len(s) for s in p.stop) + 16
+    search_from = max(0, seq.emitted - window)
+    best = None
+    for stop in p.stop:
+        index = seq.text.find(stop, search_from)
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    if best is None:
+        return None
+    index, stop = best
+    return seq.text[: index + len(stop)] if p.include_stop_str_in_output else seq.text[:index]

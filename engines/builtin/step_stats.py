@@ -1,0 +1,72 @@
+"""What the engine reports about its steps: the per-step `StepRecord` handed to step observers,
+with the roofline's counts."""
+
+from __future__ import annotations
+
+from engines.base import StepRecord
+from engines.builtin.kv_cache import KVCacheManager
+from engines.builtin.scheduler import StepPlan
+
+
+def logits_rows(plan: StepPlan) -> int:
+    """Rows whose logits the LM head computes: one per sampling sequence. Count before the
+    step's tokens are appended (which moves where a sequence ends)."""
+    return sum(1 for item in plan.scheduled if item.samples)
+
+
+def step_record(
+    plan: StepPlan,
+    start_ns: int,
+    end_ns: int,
+    logits_tokens: int,
+    kv: KVCacheManager,
+    num_running: int,
+    forward_ns: int,
+    kv_gather_ns: int,
+    sliding_window: int | None,
+) -> StepRecord:
+    """The record of a step as it was executed; KV figures as of its end."""
+    num_decodes = plan.num_decodes
+    return StepRecord(
+        step=plan.step,
+        start_ns=start_ns,
+        end_ns=end_ns,
+        num_seqs=len(plan.scheduled),
+        num_prefill_seqs=len(plan.scheduled) - num_decodes,
+        num_decode_seqs=num_decodes,
+        prefill_tokens=plan.num_prefill_tokens,
+        decode_tokens=plan.num_decode_tokens,
+        padding_tokens=plan.padding_tokens,
+        num_waiting=plan.num_waiting,
+        kv_bytes_reserved=kv.bytes_reserved(),
+        kv_bytes_used=kv.bytes_used(),
+        num_preempted=len(plan.preempted),
+        num_running=num_running,
+        kv_blocks_used=kv.num_blocks_in_use,
+        forward_ns=forward_ns,
+        kv_gather_ns=kv_gather_ns,
+        logits_tokens=logits_tokens,
+        **roofline_counts(plan, sliding_window, kv.retains_kv),
+    )
+
+
+def roofline_counts(plan: StepPlan, window: int | None, retains_kv: bool) -> dict[str, int]:
+    """What the step's attention must touch: (query, key) pairs attended (causal, within the
+    sliding window), cached tokens read, tokens stored. Every computed row counts, static
+    batching's padding included; padding K/V are never stored."""
+    rows = [
+        (s.num_computed_before, s.num_new_tokens + s.num_padding_tokens, s.num_new_tokens)
+        for s in plan.scheduled
+    ]
+    rows += [(r.start, r.num_tokens, 0) for r in plan.padding_rows]
+    pairs = read = written = 0
+    for start, queries, real in rows:
+        # query i (0-based) of the row sees start + i + 1 keys, at most `window`
+        first, last = start + 1, start + queries
+        capped = 0 if window is None else max(0, last - max(window, first - 1))
+        uncapped = queries - capped
+        pairs += uncapped * first + uncapped * (uncapped - 1) // 2 + capped * (window or 0)
+        if retains_kv:
+            read += start if window is None else min(start, window - 1)
+            written += real
+    return {"attention_pairs": pairs, "kv_tokens_read": read, "kv_tokens_written": written}
