@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engines.builtin.backend import BuiltinBackend, EngineStats
+from engines.builtin.backend import BuiltinBackend
+from engines.builtin.step_stats import EngineGauges
 from serving.prometheus import Counter, Gauge, Histogram, Registry
 
 FINISH_REASONS = ("stop", "length")  # aborts: inferlab_requests_aborted_total
@@ -100,7 +101,7 @@ class ServerMetrics:
             Gauge(
                 "inferlab_kv_cache_capacity_bytes",
                 "KV cache pool size in bytes.",
-                lambda: self._stats().kv_bytes_capacity,
+                lambda: self._stats().kv_pool_bytes,
             )
         )
         self.prompt_tokens = r.add(
@@ -155,14 +156,14 @@ class ServerMetrics:
             )
         )
 
-    def _stats(self) -> EngineStats:
+    def _stats(self) -> EngineGauges:
         thread = self.backend.engine_thread  # None once the backend is closed
-        return EngineStats() if thread is None else thread.stats
+        return EngineGauges() if thread is None else thread.stats
 
     def render(self) -> str:
         return self.registry.render()
 
 
-def _kv_usage(stats: EngineStats) -> float:
-    capacity = stats.kv_bytes_capacity
+def _kv_usage(stats: EngineGauges) -> float:
+    capacity = stats.kv_pool_bytes
     return stats.kv_bytes_reserved / capacity if capacity else 0.0

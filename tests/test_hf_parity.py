@@ -2,8 +2,8 @@
 
 Each architecture variant is built as a real `transformers` model with enlarged random weights,
 saved with `save_pretrained` (safetensors) and loaded by the engine from the folder. The engine's
-logits at every prefill position and every decode step (seen through the model runner's
-`logits_observer`) must match HF's no-cache forward over the same tokens, and its greedy
+logits at every prefill position and every decode step (seen through the engine's
+`add_logits_observer`) must match HF's no-cache forward over the same tokens, and its greedy
 continuation of a mixed-length batch must equal HF's greedy `generate` on each prompt alone.
 """
 
@@ -250,7 +250,7 @@ def run_engine(ref: Reference, folder: Path | None = None, **options: Any) -> En
         run.rows += row
         assert row == logits.shape[0]
 
-    llm.engine.runner.logits_observer = observer
+    llm.engine.add_logits_observer(observer)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     run.outputs = llm.generate(ref.prompts, params)
     return run

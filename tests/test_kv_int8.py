@@ -28,7 +28,7 @@ def test_int8_cache_attention_is_close_to_full_precision(kv_cache: str) -> None:
     for dtype in ("auto", "int8"):
         llm = LLM("tiny", dtype="float32", kv_cache=kv_cache, kv_cache_dtype=dtype)
         logits: list[torch.Tensor] = []
-        llm.engine.runner.logits_observer = lambda plan, lg, out=logits: out.append(lg)
+        llm.engine.add_logits_observer(lambda plan, lg, out=logits: out.append(lg))
         llm.generate(
             [list(range(100, 160))], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         )

@@ -36,6 +36,7 @@ from engines.base import (
 )
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import LLMEngine
+from engines.builtin.step_stats import EngineGauges
 
 T = TypeVar("T")
 
@@ -98,9 +99,7 @@ class BuiltinBackend(Backend):
                     request.request_id, request.prompt, request.sampling, priority=request.priority
                 )
             except (ValueError, TypeError) as exc:
-                yield Failed(
-                    request.request_id, self.engine.scheduler.step_counter, now_ns(), str(exc)
-                )
+                yield Failed(request.request_id, self.engine.step_counter, now_ns(), str(exc))
                 return
             assert self._wake is not None
             self._wake.set()
@@ -143,7 +142,7 @@ class BuiltinBackend(Backend):
                     events.append(
                         Failed(
                             request_id,
-                            engine.scheduler.step_counter,
+                            engine.step_counter,
                             now_ns(),
                             f"engine error: {type(exc).__name__}: {exc}",
                         )
@@ -164,17 +163,6 @@ class BuiltinBackend(Backend):
 
 
 # ---- the engine in a thread of its own ------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """Engine state as of the end of the last step or command, published by the engine thread
-    for readers on other threads (the server's /metrics)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_bytes_reserved: int = 0
-    kv_bytes_capacity: int = 0
 
 
 #: Events an event loop hands to request queues per turn. 300 streams on 2 cores, /health
@@ -286,7 +274,9 @@ class EngineThread:
         self.engine = engine
         self.max_requests = max_requests
         self.max_unread_steps = max_unread_steps
-        self.stats = EngineStats()
+        # the engine's gauges as of the end of the last step or command, published for readers
+        # on other threads (the server's /metrics): a frozen object, replaced whole
+        self.stats = EngineGauges()
         self._commands: list[Callable[[], None]] = []
         self._commands_lock = threading.Lock()
         self._wake = threading.Event()
@@ -430,7 +420,7 @@ class EngineThread:
         except (ValueError, TypeError) as exc:
             self._post(
                 sink,
-                [Failed(request.request_id, engine.scheduler.step_counter, now_ns(), str(exc))],
+                [Failed(request.request_id, engine.step_counter, now_ns(), str(exc))],
             )
             return
         self._sinks[request.request_id] = sink
@@ -449,9 +439,7 @@ class EngineThread:
             if engine.has_request(request_id):
                 engine.abort_request(request_id)
             if sink is not None:
-                failed.append(
-                    (sink, Failed(request_id, engine.scheduler.step_counter, now_ns(), reason))
-                )
+                failed.append((sink, Failed(request_id, engine.step_counter, now_ns(), reason)))
         self._send(failed)
 
     def _deliver(self, events: list[RequestEvent]) -> None:
@@ -493,11 +481,4 @@ class EngineThread:
                 del self._outboxes[outbox.loop]
 
     def _publish_stats(self) -> None:
-        engine = self.engine
-        scheduler = engine.scheduler
-        self.stats = EngineStats(
-            len(scheduler.running),
-            len(scheduler.waiting),
-            engine.kv.bytes_reserved(),
-            engine.kv.layout.pool_bytes,
-        )
+        self.stats = self.engine.gauges()

@@ -5,6 +5,8 @@
 
 Every event carries the step that produced it and a timestamp from the platform's one clock.
 Each step's plan and counters are handed to `step_observers` as a `StepRecord` (step_stats.py).
+What others may read or hook between steps is public: `limits`, `gauges()`, `weights_source`,
+`step_counter`, `add_logits_observer`; the scheduler, runner and KV manager are the engine's own.
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ from engines.builtin.kv_cache import KVCacheManager
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes
 from engines.builtin.limits import EngineLimits, token_limits
-from engines.builtin.model_runner import ModelRunner
+from engines.builtin.model_runner import LogitsObserver, ModelRunner
 from engines.builtin.output_processor import OutputProcessor, seeded_generator
 from engines.builtin.platform import Platform
 from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
-from engines.builtin.step_stats import logits_rows, step_record
+from engines.builtin.step_stats import EngineGauges, logits_rows, step_record
 from engines.sampling_params import SamplingParams
 from models.config import ceil_div, kv_bytes_per_token, resolve_model
 from models.dtypes import TORCH_DTYPES
@@ -142,7 +144,7 @@ class LLMEngine:
             "architecture": self.model_config.architecture,
             "model_config": self.model_config.to_dict(),
             "num_parameters": self.model_config.num_parameters(),
-            "weights": self.runner.weights_source,
+            "weights": self.weights_source,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.platform.device),
             "num_threads": self.platform.num_threads,
@@ -191,6 +193,40 @@ class LLMEngine:
             "lm_head_params": cfg.hidden_size * cfg.vocab_size,
             "attention_flops_per_pair": 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
         }
+
+    # ---- what others may read or hook ---------------------------------------------------------
+
+    @property
+    def weights_source(self) -> str:
+        """Where the loaded weights came from: "checkpoint" or "dummy"."""
+        return self.runner.weights_source
+
+    @property
+    def step_counter(self) -> int:
+        """The number the next step will carry (events stamped between steps carry it)."""
+        return self.scheduler.step_counter
+
+    def gauges(self) -> EngineGauges:
+        """Engine state now, between steps: a frozen snapshot other threads may keep."""
+        layout = self.kv.layout
+        return EngineGauges(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_bytes_reserved=self.kv.bytes_reserved(),
+            kv_pool_bytes=layout.pool_bytes,
+            kv_blocks_used=self.kv.num_blocks_in_use,
+            kv_num_blocks=layout.num_blocks,
+            step=self.scheduler.step_counter,
+        )
+
+    def add_logits_observer(self, observer: LogitsObserver) -> None:
+        """Call `observer(plan, logits)` on every step with the float32 logits of every token
+        the step computes (model_runner.LogitsObserver). Slows steps while registered."""
+        self.runner.logits_observers.append(observer)
+
+    def remove_logits_observer(self, observer: LogitsObserver) -> None:
+        """Undo `add_logits_observer` (ValueError if `observer` is not registered)."""
+        self.runner.logits_observers.remove(observer)
 
     # ---- requests ---------------------------------------------------------------------------
 

@@ -34,6 +34,14 @@ from engines.builtin.weights import load_weights
 from models.config import ModelConfig, ceil_div
 from models.weights import dummy_state_dict, iter_checkpoint
 
+#: Called on every step with the float32 logits of every real token the step computed
+#: ([tokens, vocab], packed in plan order: `plan.scheduled[i]` owns `num_new_tokens` rows;
+#: padding left out). For parity tests and the quality probe: while one is registered
+#: (`LLMEngine.add_logits_observer`) the LM head runs over every token and decode steps do not
+#: replay CUDA graphs, so it costs speed.
+LogitsObserver = Callable[[StepPlan, torch.Tensor], None]
+
+
 #: The token id of static batching's padding (its compute is real, its output is dropped).
 PAD_TOKEN_ID = 0
 
@@ -107,9 +115,9 @@ class ModelRunner:
         self.last_forward_ns = 0  # model forward + sampling of the last step, device time
         self.last_gather_ns = 0  # of which gathering K/V out of the cache (dense attention)
         self.kv_caches: list[LayerKVCache] = []
-        # Sees the logits of every token of every step (packed, plan order): for parity tests
-        # and the quality probe. None in normal runs, where only sampled rows are computed.
-        self.logits_observer: Callable[[StepPlan, torch.Tensor], None] | None = None
+        # See the logits of every token of every step (LLMEngine.add_logits_observer). Empty
+        # in normal runs, where only sampled rows are computed.
+        self.logits_observers: list[LogitsObserver] = []
 
         # Preallocated step inputs at the largest step (each step uses a prefix), allocated
         # with the KV cache, which sets the block tables' width; so are the limits below.
@@ -316,7 +324,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (
             graphs is not None
-            and self.logits_observer is None
+            and not self.logits_observers
             and not pads
             and num_decodes == num_seqs == num_sampled
             and write_index is None
@@ -385,9 +393,11 @@ class ModelRunner:
             logits = self.decode_graphs.run(self._graph_size, meta.num_seqs)
         else:
             hidden = self.model(input_ids, meta)
-            if self.logits_observer is not None:
+            if self.logits_observers:
                 real = hidden if self._real_token_index is None else hidden[self._real_token_index]
-                self.logits_observer(plan, self.model.compute_logits(real).float())
+                every = self.model.compute_logits(real).float()
+                for observer in self.logits_observers:
+                    observer(plan, every)
             if logits_indices.numel() == 0:
                 return torch.empty(0, dtype=torch.int64)
             logits = self.model.compute_logits(hidden[logits_indices])

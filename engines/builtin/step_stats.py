@@ -1,11 +1,28 @@
-"""What the engine reports about its steps: the per-step `StepRecord` handed to step observers,
-with the roofline's counts."""
+"""What the engine reports about its steps and its state: the per-step `StepRecord` handed to
+step observers (with the roofline's counts), and `EngineGauges`, the snapshot a server's
+metrics read between steps."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from engines.base import StepRecord
 from engines.builtin.kv_cache import KVCacheManager
 from engines.builtin.scheduler import StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class EngineGauges:
+    """Engine state as of the end of the last step (`LLMEngine.gauges()`). Frozen, so a copy
+    published by the engine thread can be read from any thread (the server's /metrics)."""
+
+    num_running: int = 0  # sequences holding KV memory
+    num_waiting: int = 0  # queued, not admitted yet (preempted ones included)
+    kv_bytes_reserved: int = 0
+    kv_pool_bytes: int = 0  # the pool allocated at load (0 for kv_cache=none)
+    kv_blocks_used: int = 0
+    kv_num_blocks: int = 0
+    step: int = 0  # the engine's step counter: the number the next step will carry
 
 
 def logits_rows(plan: StepPlan) -> int:

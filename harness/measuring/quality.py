@@ -1,7 +1,8 @@
 """Quality probes: how far a candidate engine's next-token distributions drift from a reference.
 
-Both read the model runner's ``logits_observer`` (float32 logits for every packed token of every
-step), so one prefill step (``max_tokens=1``, greedy) gives the logits at every prompt position.
+Both register a logits observer (``LLMEngine.add_logits_observer``: float32 logits for every
+packed token of every step), so one prefill step (``max_tokens=1``, greedy) gives the logits at
+every prompt position.
 Only the tokenizer's vocabulary ``logits[:, :tokenizer.vocab_size]`` counts (a checkpoint may
 pad its embedding rows). See docs/quality.md.
 """
@@ -18,7 +19,6 @@ from engines.builtin import LLM, SamplingParams
 
 def prompt_logits(llm: LLM, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """float32 logits [len(prompt), vocab] at every position of every prompt (one prefill)."""
-    runner = llm.engine.runner
     captured: dict[str, dict[int, torch.Tensor]] = {}
 
     def observer(plan, logits: torch.Tensor) -> None:
@@ -31,15 +31,14 @@ def prompt_logits(llm: LLM, prompts: Sequence[Sequence[int]]) -> list[torch.Tens
                     rows[pos] = logits[row].detach().to("cpu", copy=True)
                 row += 1
 
-    previous = runner.logits_observer
-    runner.logits_observer = observer
+    llm.engine.add_logits_observer(observer)
     try:
         outputs = llm.generate(
             [list(p) for p in prompts],
             SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
         )
     finally:
-        runner.logits_observer = previous
+        llm.engine.remove_logits_observer(observer)
     result = []
     for prompt, out in zip(prompts, outputs, strict=True):
         if out.error is not None:
@@ -146,6 +145,6 @@ def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[st
         "kl_mean": result["kl_mean"],
         "max_abs_logit_error": result["max_abs_logit_error"],
     }
-    if candidate.engine.runner.weights_source == "checkpoint":
+    if candidate.engine.weights_source == "checkpoint":
         out["perplexity"] = perplexity(candidate, text)
     return out
