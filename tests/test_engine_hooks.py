@@ -1,19 +1,24 @@
 """The engine's public surface for code outside it: logits observers, the gauges snapshot, the
-limits it hands its scheduler and runner."""
+limits it hands its scheduler and runner, and the planted slowdown applied from outside (a
+`SlowedEngine` built only when engine.debug_step_delay_fraction > 0)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
+import itertools
+import math
 from typing import Any
 
 import pytest
 import torch
 
-from engines.base import GenerationRequest, Tokens
-from engines.builtin import SamplingParams
+from engines.base import GenerationRequest, StepRecord, Tokens
+from engines.builtin import LLMEngine, SamplingParams
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
+from engines.builtin.planted_slowdown import SlowedEngine, build_engine
 from engines.builtin.scheduler import StepPlan
 from engines.builtin.step_stats import EngineGauges
 
@@ -144,3 +149,49 @@ def test_scheduler_and_runner_take_the_engines_limits(make_tiny: Any) -> None:
     assert engine.runner.inputs.device["seq_lens"].shape == (3,)  # step buffers: what can run
     outs = llm.generate([[10 + i, 20] for i in range(5)], greedy(4))
     assert all(o.finish_reason == "length" for o in outs)
+
+
+# ---- the planted slowdown -------------------------------------------------------------------
+
+
+def ticking_clock(engine: LLMEngine, tick: int = 1000) -> None:
+    """The engine's clock, made to advance `tick` ns per reading: step spans become exact."""
+    counter = itertools.count(10**9, tick)
+    engine.platform.now_ns = lambda: next(counter)  # type: ignore[method-assign]
+
+
+def step_spans(engine: LLMEngine) -> list[int]:
+    records: list[StepRecord] = []
+    engine.step_observers.append(records.append)
+    engine.add_request("r", [10, 11, 12], greedy(3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [r.end_ns - r.start_ns for r in records]
+
+
+def test_build_engine_plants_the_slowdown_only_when_asked() -> None:
+    assert type(build_engine(EngineConfig(**TINY))) is LLMEngine
+    slowed = build_engine(EngineConfig(**TINY, debug_step_delay_fraction=0.5))
+    assert isinstance(slowed, SlowedEngine) and slowed.delay_fraction == 0.5
+    with pytest.raises(ValueError, match="debug_step_delay_fraction"):
+        build_engine(EngineConfig(**TINY, debug_step_delay_fraction=-1.0))
+
+
+@pytest.mark.parametrize("fraction", [0.25, 1.0, 3.0])
+def test_slowed_engine_stretches_each_step_by_the_fraction(fraction: float) -> None:
+    plain = build_engine(EngineConfig(**TINY))
+    slowed = build_engine(EngineConfig(**TINY, debug_step_delay_fraction=fraction))
+    ticking_clock(plain)
+    ticking_clock(slowed)
+    work = step_spans(plain)
+    assert work == [1000] * 3  # start and end: one tick apart
+    # the wait ends at the first reading at or past end + fraction x (end - start)
+    assert step_spans(slowed) == [1000 * (1 + math.ceil(fraction))] * 3
+
+
+def test_plain_engine_step_never_reads_the_delay() -> None:
+    engine = build_engine(EngineConfig(**TINY))
+    ticking_clock(engine)
+    engine.config.debug_step_delay_fraction = 3.0  # too late: only build_engine reads it
+    assert step_spans(engine) == [1000] * 3
+    assert "debug_step_delay" not in inspect.getsource(LLMEngine)

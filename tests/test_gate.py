@@ -435,17 +435,17 @@ def test_step_delay_is_validated(value: Any) -> None:
 
 
 def test_step_delay_spins_inside_the_step(make_tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import engines.builtin.engine as engine_module
+    import engines.builtin.planted_slowdown as slowdown_module
     from engines.sampling_params import SamplingParams
 
-    real_wait = engine_module._busy_wait_until
+    real_wait = slowdown_module._busy_wait_until
     deadlines: list[float] = []
 
     def record(deadline_ns: float, now_ns: Any) -> int:
         deadlines.append(deadline_ns)
         return real_wait(deadline_ns, now_ns)
 
-    monkeypatch.setattr(engine_module, "_busy_wait_until", record)
+    monkeypatch.setattr(slowdown_module, "_busy_wait_until", record)
     llm = make_tiny(debug_step_delay_fraction=0.5)
     steps: list[Any] = []
     llm.engine.step_observers.append(steps.append)

@@ -36,6 +36,7 @@ from engines.base import (
 )
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import LLMEngine
+from engines.builtin.planted_slowdown import build_engine
 from engines.builtin.step_stats import EngineGauges
 
 T = TypeVar("T")
@@ -54,7 +55,7 @@ class BuiltinBackend(Backend):
         self.engine_thread: EngineThread | None = None
 
     def load(self) -> None:
-        self.engine = LLMEngine(self.config)
+        self.engine = build_engine(self.config)
         self.engine.step_observers.append(self.emit_step)
 
     @property

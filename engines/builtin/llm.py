@@ -10,6 +10,7 @@ from typing import Any, TypeGuard, cast
 from engines.base import Failed, Finished, Prompt, Tokens
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import LLMEngine
+from engines.builtin.planted_slowdown import build_engine
 from engines.sampling_params import SamplingParams
 
 
@@ -70,7 +71,7 @@ class LLM:
     """`LLM(model="small", kv_cache="contiguous", dtype="float32", ...)`: any engine option."""
 
     def __init__(self, model: str = "tiny", **options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_dict({"model": model, **options}))
+        self.engine = build_engine(EngineConfig.from_dict({"model": model, **options}))
         self._ids = itertools.count()
 
     @classmethod
