@@ -70,7 +70,7 @@ def main() -> None:
     )
     for v, values in rates.items():
         med = statistics.median(values)
-        linear = engines[v].engine.runner.model.weight_bytes()["linear_weight_bytes"]
+        linear = engines[v].engine.describe()["linear_weight_bytes"]
         print(
             f"  {v:14s} {med:7.2f} tok/s  x{med / base:4.2f}   linear weights "
             f"{linear / 2**20:8.1f} MiB   runs: " + ", ".join(f"{x:.1f}" for x in values)
