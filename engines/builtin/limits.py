@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.model_config import ModelConfig
+from models.config import ModelConfig
 
 #: max_num_batched_tokens when chunked prefill is on and none is given: vLLM v1's default for
 #: online serving, which bounds how long a step (and so a running decode) can stall.

@@ -15,7 +15,7 @@ import torch
 from engines.base import Finished, RequestEvent, Tokens, now_ns
 from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
-from engines.builtin.tokenizer import Tokenizer
+from models.tokenizer import Tokenizer
 
 
 def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator | None:

@@ -12,7 +12,7 @@ import torch
 from engines.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engines.builtin.tokenizer import DetokenizerStream
+    from models.tokenizer import DetokenizerStream
 
 _ids = itertools.count()
 

@@ -8,11 +8,12 @@ Protocol (JSON lines): the worker writes {"ready": true, "pid": ...} once its im
 done, then for each line {"config": {...}, "run_dir": "..."} read from stdin it runs
 run_experiment and writes {"status", "error", "wall_s"}. Anything else the run prints goes to
 stderr, so stdout carries nothing but replies. A checkout from before the harness sub-packages
-(harness/experiment.py) is run too, so that a pull request can be gated against such a base.
+(harness/running/experiment.py) is run too, so that a pull request can be gated against such a base.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -27,9 +28,10 @@ def main(argv: list[str]) -> int:
     os.dup2(2, 1)  # C-level and Python prints land on stderr, never in the reply channel
     sys.stdout = sys.stderr
     try:
-        from harness.running.experiment import run_experiment
+        experiment = importlib.import_module("harness.running.experiment")
     except ModuleNotFoundError:  # a checkout from before harness/running/
-        from harness.experiment import run_experiment  # type: ignore[no-redef]
+        experiment = importlib.import_module("harness.experiment")
+    run_experiment = experiment.run_experiment
 
     replies.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     for line in sys.stdin:
