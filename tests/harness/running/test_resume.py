@@ -1,0 +1,121 @@
+"""Sweep resume: `run.resume=true` on an existing sweep folder skips complete jobs, re-runs
+failed, incomplete and missing ones, rewrites sweep.csv; and refuses a folder that holds
+another configuration. A failing variant is recorded as failed and the sweep goes on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.running.sweep import ResumeMismatch, completed_run
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = [
+    "model=tiny",
+    "workload.num_requests=2",
+    "workload.input_len=8",
+    "workload.output_len=3",
+    "run.warmup_requests=0",
+]
+SWEEP = [*TINY, "engine.max_num_seqs=0,1,2,4"]  # job 0 fails: max_num_seqs must be >= 1
+
+
+def sweep(sweep_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "run",
+            "-m",
+            *SWEEP,
+            *extra,
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    sweep_dir = tmp_path_factory.mktemp("sweep")
+    result = sweep(sweep_dir)
+    assert result.returncode == 0, result.stderr
+    return sweep_dir
+
+
+def test_failed_variant_is_recorded_and_the_sweep_goes_on(swept: Path) -> None:
+    table = pd.read_csv(swept / "sweep.csv")
+    assert list(table["status"]) == ["failed", "complete", "complete", "complete"]
+    assert "engine.max_num_seqs" in table.loc[0, "error"]
+    assert table.loc[1:, "output_tokens_total"].eq(6).all()
+    assert json.loads((swept / "sweep_summary.json").read_text())["num_failed"] == 1
+
+
+def test_resume_skips_complete_jobs_and_reruns_the_rest(swept: Path) -> None:
+    # job 1 complete (kept); job 2 as an interrupted job leaves it; job 3 never ran
+    kept = (swept / "1" / "summary.json").read_bytes()
+    summary_2 = swept / "2" / "summary.json"
+    summary_2.write_text(json.dumps({**json.loads(summary_2.read_text()), "status": "incomplete"}))
+    shutil.rmtree(swept / "3")
+    (swept / "sweep.csv").unlink()
+    result = sweep(swept, "run.resume=true")
+    assert result.returncode == 0, result.stderr
+    assert "job 0: failed" in result.stdout
+    assert "job 1: skipped (already complete)" in result.stdout
+    assert "job 2: complete" in result.stdout and "job 3: complete" in result.stdout
+    assert (swept / "1" / "summary.json").read_bytes() == kept
+    table = pd.read_csv(swept / "sweep.csv")
+    assert list(table["job"]) == [0, 1, 2, 3]
+    assert list(table["status"]) == ["failed", "complete", "complete", "complete"]
+    assert "run.resume" not in table.columns  # how to run, not what was run
+    assert table.loc[1:, "output_tokens_total"].eq(6).all()
+
+
+def test_resume_refuses_a_folder_of_another_configuration(swept: Path) -> None:
+    before = {p: p.read_bytes() for p in swept.glob("*/summary.json")}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "run",
+            "-m",
+            *TINY,
+            "workload.output_len=5",
+            "engine.max_num_seqs=0,1",
+            "run.resume=true",
+            f"hydra.sweep.dir={swept}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert "run.resume:" in result.stderr and "workload.output_len" in result.stderr
+    assert {p: p.read_bytes() for p in swept.glob("*/summary.json")} == before
+
+
+def test_completed_run_compares_the_stored_configuration(tmp_path: Path) -> None:
+    config = {"engine": {"max_num_seqs": 2}, "run": {"resume": True, "progress": True}}
+    assert completed_run(tmp_path / "missing", config) is False
+    (tmp_path / "config.yaml").write_text("engine: {max_num_seqs: 2}\nrun: {resume: false}\n")
+    assert completed_run(tmp_path, config) is False  # no summary yet
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "failed"}))
+    assert completed_run(tmp_path, config) is False
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "complete"}))
+    assert completed_run(tmp_path, config) is True  # run.resume / run.progress ignored
+    with pytest.raises(ResumeMismatch, match=r"engine\.max_num_seqs"):
+        completed_run(tmp_path, {**config, "engine": {"max_num_seqs": 4}})
