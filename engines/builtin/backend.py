@@ -166,10 +166,9 @@ class BuiltinBackend(Backend):
 # ---- the engine in a thread of its own ------------------------------------------------------
 
 
-#: Events an event loop hands to request queues per turn. 300 streams on 2 cores, /health
-#: probed every 10 ms (tests/serving/test_server_load.py), p99: all of a step at once 55 ms (two
-#: runs), 32 a turn 30-33 ms, 16 a turn 27 ms; 8 a turn (without the big prompts) 13 ms
-#: against 16 ms at 32, but the streams took 8.2 s against 7.1 s.
+#: Events an event loop hands to request queues per turn: small enough that a busy loop still
+#: answers /health promptly, large enough not to slow the streams (docs/benchmarks.md,
+#: "Figures behind design choices").
 DRAIN_SLICE = 16
 
 
