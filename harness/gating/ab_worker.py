@@ -21,17 +21,18 @@ import time
 
 
 def main(argv: list[str]) -> int:
+    module = "harness.running.experiment"
     if argv:  # the side's checkout comes first; the working directory must not shadow it
         code = os.path.abspath(argv[0])
         sys.path[:] = [code, *(p for p in sys.path if p not in ("", os.getcwd(), code))]
+        # Decided by the checkout's files, not by trying the import: an installed inferlab's
+        # finder would serve a module the checkout lacks, mixing two versions in one run.
+        if not os.path.isfile(os.path.join(code, "harness", "running", "experiment.py")):
+            module = "harness.experiment"  # a checkout from before harness/running/
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # C-level and Python prints land on stderr, never in the reply channel
     sys.stdout = sys.stderr
-    try:
-        experiment = importlib.import_module("harness.running.experiment")
-    except ModuleNotFoundError:  # a checkout from before harness/running/
-        experiment = importlib.import_module("harness.experiment")
-    run_experiment = experiment.run_experiment
+    run_experiment = importlib.import_module(module).run_experiment
 
     replies.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     for line in sys.stdin:

@@ -596,6 +596,30 @@ def test_ab_worker_garbage_reply_is_a_failed_run(tmp_path: Path) -> None:
     assert reply["status"] == "failed" and "replied 'hello\\n', not a JSON object" in reply["error"]
 
 
+@pytest.mark.parametrize("layout", ["harness/running/experiment.py", "harness/experiment.py"])
+def test_ab_worker_runs_a_checkout_of_either_harness_layout(tmp_path: Path, layout: str) -> None:
+    """A base from before the harness sub-packages (harness/experiment.py) can be gated against;
+    the worker must import the run from that checkout alone, never fill a module the checkout
+    lacks from the installed inferlab."""
+    code = tmp_path / "checkout"
+    module = code / layout
+    for folder in [module.parent, *module.parent.parents]:
+        if folder == code:
+            break
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "__init__.py").write_text("")
+    module.write_text(
+        "def run_experiment(config, run_dir, progress):\n"
+        f"    return {{'status': 'complete', 'error': {layout!r}}}\n"
+    )
+    worker = ab.Worker("a", tmp_path / "worker-a.log", code)
+    worker.start()
+    worker.wait_ready()
+    reply = worker.run({}, tmp_path / "run")
+    worker.close()
+    assert reply["status"] == "complete" and reply["error"] == layout
+
+
 def test_paired_ratios_skip_damaged_and_non_finite_values(tmp_path: Path) -> None:
     a = write_run(
         tmp_path / "a", {"output_tok_per_s": 100.0, "tpot_p50_s": 0.01, "ttft_p50_s": float("inf")}
