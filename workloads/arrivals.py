@@ -18,7 +18,9 @@ r_i = A + (Z - A) * (i - 1) / (n - 2), so the first gap is at A and the last at 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,14 +38,39 @@ _KEYS = {
 }
 
 
+@dataclass
+class Arrival:
+    """The `workload.arrival` config block: every process's keys, None where the process does
+    not use them, so that `workload.arrival={process: poisson, rate: 8}` (a mapping merged
+    into this block may not add keys) and `workload.arrival.rate=8` both work. Its defaults
+    are the arrival default of every workload type (offline)."""
+
+    process: str = "offline"
+    rate: float | None = None
+    burstiness: float | None = None
+    start_rate: float | None = None
+    end_rate: float | None = None
+    concurrency: int | None = None
+
+
+def default_arrival() -> dict[str, Any]:
+    """A workload dataclass's default `arrival`: Arrival()'s keys as a mapping (Python callers
+    pass the keys they use). The field's metadata names Arrival as its config schema:
+
+        arrival: dict[str, Any] | None = field(
+            default_factory=default_arrival, metadata={"schema": Arrival}
+        )
+    """
+    return dataclasses.asdict(Arrival())
+
+
 def parse_arrival(spec: Any) -> dict[str, Any]:
     """Validate an arrival spec (None means offline); return it with numbers normalized."""
     if spec is None:
         return {"process": "offline"}
     if not isinstance(spec, Mapping):
         raise invalid("arrival", spec, "a mapping with process: " + "|".join(PROCESSES))
-    # unset keys: the config schema lists every process's keys (null where unused), so that
-    # `workload.arrival={process: poisson, rate: 8}` and `workload.arrival.rate=8` both work
+    # unset keys: the config block (Arrival) lists every process's keys, None where unused
     spec = {key: value for key, value in spec.items() if value is not None}
     process = check_choice("arrival.process", spec.get("process", "offline"), PROCESSES)
     check_keys("arrival", spec, _KEYS[process], f"process {process}")

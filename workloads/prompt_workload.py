@@ -22,7 +22,13 @@ from typing import Any
 import numpy as np
 
 from models.tokenizer import Tokenizer
-from workloads.arrivals import arrival_times, concurrency_of, parse_arrival
+from workloads.arrivals import (
+    Arrival,
+    arrival_times,
+    concurrency_of,
+    default_arrival,
+    parse_arrival,
+)
 from workloads.common import (
     check_bool,
     check_choice,
@@ -52,7 +58,9 @@ class PromptsWorkload:
     shuffle: bool = False
     chat: bool | None = None  # None: true for mt_bench, false otherwise
     think_time_s: float = 0.0  # multi-turn: pause after a turn finishes
-    arrival: dict[str, Any] | None = field(default_factory=lambda: {"process": "offline"})
+    arrival: dict[str, Any] | None = field(  # arrival spec (workloads/arrivals.py)
+        default_factory=default_arrival, metadata={"schema": Arrival}
+    )
     seed: int = 0
     ignore_eos: bool = True
     temperature: float = 0.0

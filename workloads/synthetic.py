@@ -25,7 +25,13 @@ from typing import Any
 import numpy as np
 
 from models.tokenizer import Tokenizer
-from workloads.arrivals import arrival_times, concurrency_of, parse_arrival
+from workloads.arrivals import (
+    Arrival,
+    arrival_times,
+    concurrency_of,
+    default_arrival,
+    parse_arrival,
+)
 from workloads.common import (
     check_choice,
     check_common,
@@ -57,7 +63,9 @@ class SyntheticWorkload:
     temperature: float = 0.0
     id_prefix: str = "req"
     sampling: dict[str, Any] = field(default_factory=dict)  # extra SamplingParams fields
-    arrival: dict[str, Any] | None = field(default_factory=lambda: {"process": "offline"})
+    arrival: dict[str, Any] | None = field(  # arrival spec (workloads/arrivals.py)
+        default_factory=default_arrival, metadata={"schema": Arrival}
+    )
     shared_prefix: dict[str, Any] | None = None  # {num_groups, prefix_len}
     sessions: dict[str, Any] | None = None  # {num_turns, think_time_s}
 

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, before Hydra composes)
+import workloads  # noqa: F401  (the workload groups' schemas, likewise)
 from harness.run_folder import read_summary
 from harness.running.experiment import RunConfig, RunFolderError, run_experiment
 from harness.running.repeats import run_repeats, validate_repeats
