@@ -16,6 +16,9 @@ from engines.hf.config import HFConfig
 from engines.registry import BACKENDS, build_backend
 from harness.running.experiment import make_workload
 from harness.running.window import WindowConfig
+from workloads import WORKLOAD_TYPES
+from workloads.arrivals import _KEYS as ARRIVAL_KEYS
+from workloads.arrivals import Arrival
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
@@ -75,7 +78,12 @@ def test_workload_configs_compose_and_validate(workload: str) -> None:
 
 
 def command_line_value(value: object) -> str:
-    """A value as Hydra's override grammar reads it back (JSON's null/true/[..] and {} fit)."""
+    """A value as Hydra's override grammar reads it back: JSON's, but a mapping's keys bare."""
+    if isinstance(value, dict):
+        items = ", ".join(f"{key}: {command_line_value(item)}" for key, item in value.items())
+        return "{" + items + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(command_line_value, value)) + "]"
     return json.dumps(value)
 
 
@@ -114,7 +122,7 @@ def test_a_key_without_a_field_and_a_value_of_the_wrong_type_name_the_key() -> N
 
 def test_arrival_is_set_whole_or_key_by_key_as_the_docs_write_it() -> None:
     """`workload.arrival={...}` needed `++` (a mapping merged into {process: offline} may not
-    add keys); every process's key is now in the YAML, null where unused."""
+    add keys); every process's key is in the arrival block (Arrival), null where unused."""
     whole = composed("workload.arrival={process: poisson, rate: 8}")["workload"]
     assert make_workload(whole).arrival == {**whole["arrival"], "process": "poisson", "rate": 8}
     assert make_workload(whole).concurrency is None
@@ -126,3 +134,152 @@ def test_arrival_is_set_whole_or_key_by_key_as_the_docs_write_it() -> None:
     )["workload"]
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['burstiness'\] for process poisson"):
         make_workload(leftover)
+
+
+# ---- the workload dataclasses are the workload groups' schemas ------------------------------
+
+SONNETS = "models/data/sonnets.txt"
+
+#: for every field of every workload type, a value other than its default (valid together)
+NON_DEFAULT: dict[str, dict[str, object]] = {
+    "synthetic": {
+        "num_requests": 3,
+        "input_len": [10, 20],
+        "output_len": 7,
+        "prompt": "text",
+        "corpus": SONNETS,
+        "seed": 5,
+        "ignore_eos": False,
+        "temperature": 0.5,
+        "id_prefix": "x",
+        "sampling": {"top_k": 5},
+        "arrival": {"process": "closed", "concurrency": 3},
+        "shared_prefix": {"num_groups": 2, "prefix_len": 8},
+        "sessions": {"num_turns": 2, "think_time_s": 0.5},
+    },
+    "prompts": {
+        "path": str(TRACES / "mt_bench_questions.jsonl"),
+        "format": "mt_bench",
+        "num_requests": 3,
+        "output_len": 9,
+        "use_reference_output": False,
+        "shuffle": True,
+        "chat": True,
+        "think_time_s": 0.5,
+        "arrival": {"process": "poisson", "rate": 2.5},
+        "seed": 5,
+        "ignore_eos": False,
+        "temperature": 0.5,
+        "id_prefix": "p",
+        "sampling": {"top_k": 5},
+    },
+    "trace": {
+        "path": str(TRACES / "AzureLLMInferenceTrace_conv.csv"),
+        "format": "csv",
+        "columns": {
+            "timestamp": "TIMESTAMP",
+            "input_len": "ContextTokens",
+            "output_len": "GeneratedTokens",
+            "timestamp_unit": "datetime",
+        },
+        "num_requests": 3,
+        "time_scale": 2.0,
+        "start_s": 1.0,
+        "end_s": 100.0,
+        "input_scale": 0.5,
+        "output_scale": 0.25,
+        "max_input_len": 100,
+        "max_output_len": 50,
+        "prompt": "text",
+        "corpus": SONNETS,
+        "seed": 5,
+        "ignore_eos": False,
+        "temperature": 0.5,
+        "id_prefix": "t",
+        "sampling": {"top_k": 5},
+    },
+}
+
+
+def field_defaults(cls: type) -> dict[str, object]:
+    return {
+        f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)
+        for f in dataclasses.fields(cls)
+    }
+
+
+def restates(value: object, default: object) -> list[str]:
+    """The keys of a preset's value that only repeat the default (a mapping key by key)."""
+    if isinstance(value, dict) and isinstance(default, dict):
+        return [
+            f"{key}.{inner}" if inner else key
+            for key, item in value.items()
+            if key in default
+            for inner in restates(item, default[key])
+        ]
+    return [""] if value == default else []
+
+
+@pytest.mark.parametrize("kind", sorted(WORKLOAD_TYPES))
+def test_every_workload_field_is_overridable_and_reaches_the_workload(kind: str) -> None:
+    """Each field of the workload type's dataclass is a key of its config group, set on the
+    command line to a value other than its default, and that value reaches the validated
+    workload (a field added without a value in NON_DEFAULT fails here)."""
+    defaults = field_defaults(WORKLOAD_TYPES[kind])
+    values = NON_DEFAULT[kind]
+    assert set(values) == set(defaults)
+    overrides = [f"workload={kind}"]
+    for name, value in values.items():
+        assert value != defaults[name], name
+        # a mapping adds keys to an empty one only with `++` (docs/workloads.md, Hydra note)
+        force = "++" if defaults[name] == {} else ""
+        overrides.append(f"{force}workload.{name}={command_line_value(value)}")
+    workload = make_workload(composed(*overrides)["workload"])
+    assert isinstance(workload, WORKLOAD_TYPES[kind])
+    for name, value in values.items():
+        got = getattr(workload, name)
+        if name == "arrival":  # the block: every process's key, null where unused
+            got = {key: item for key, item in got.items() if item is not None}
+        assert got == value, name
+
+
+@pytest.mark.parametrize("preset", names("workload"))
+def test_workload_presets_extend_a_schema_and_set_only_what_they_choose(preset: str) -> None:
+    """A preset names its type's schema and sets only fields of that type, each to a value
+    other than the dataclass default (the defaults live once, in the dataclass)."""
+    shipped = yaml.safe_load((CONFIGS / "workload" / f"{preset}.yaml").read_text())
+    schema = shipped.pop("defaults")[0]
+    kind = schema.removesuffix("_schema")
+    assert kind in WORKLOAD_TYPES, schema
+    defaults = {"type": kind, **field_defaults(WORKLOAD_TYPES[kind])}
+    assert set(shipped) <= set(defaults), f"keys without a field: {set(shipped) - set(defaults)}"
+    for key, value in shipped.items():
+        assert not restates(value, defaults[key]), f"workload/{preset}.yaml restates {key}"
+    expected = {
+        **defaults,
+        **{
+            key: {**defaults[key], **value} if isinstance(defaults[key], dict) else value
+            for key, value in shipped.items()
+        },
+    }
+    assert composed(f"workload={preset}")["workload"] == expected
+
+
+def test_the_arrival_block_holds_every_process_key() -> None:
+    assert {f.name for f in dataclasses.fields(Arrival)} == {
+        key for keys in ARRIVAL_KEYS.values() for key in keys
+    }
+
+
+def test_a_workload_key_without_a_field_and_a_value_of_the_wrong_type_name_the_key() -> None:
+    for override, key in [
+        ("workload.no_such_key=1", "workload.no_such_key"),
+        ("workload.time_scale=2", "workload.time_scale"),  # trace's, not synthetic's
+        ("workload.num_requests=many", "workload.num_requests"),
+        ("workload.arrival.rate=fast", "workload.arrival.rate"),
+        ("workload.arrival.no_such_key=1", "workload.arrival.no_such_key"),
+    ]:
+        with pytest.raises(Exception, match=key):
+            composed(override)
+    with pytest.raises(ValueError, match=r"workload\.arrival\.rate: 0\.0 is invalid"):
+        make_workload(composed("workload.arrival={process: poisson, rate: 0}")["workload"])

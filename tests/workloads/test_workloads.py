@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+from omegaconf import OmegaConf
 
+import configs
 from models.tokenizer import default_tokenizer
 from workloads import (
     WORKLOAD_TYPES,
@@ -321,10 +321,10 @@ def test_workload_types_contract(tmp_path) -> None:
 
 
 def test_shipped_configs_build(tmp_path) -> None:
-    config_dir = Path(__file__).resolve().parents[2] / "configs" / "workload"
-    for name in ("synthetic", "trace", "prompts"):
-        options = yaml.safe_load((config_dir / f"{name}.yaml").read_text())
-        assert options["type"] == name
+    for name in ("synthetic", "trace", "prompts"):  # each extends its type's schema
+        options = OmegaConf.to_container(configs.compose([f"workload={name}"]).workload)
+        assert isinstance(options, dict) and options["type"] == name
         assert set(options) - {"type"} == set(config_keys(WORKLOAD_TYPES[name]))
-    synthetic = yaml.safe_load((config_dir / "synthetic.yaml").read_text())
+    synthetic = OmegaConf.to_container(configs.compose([]).workload)
+    assert isinstance(synthetic, dict)
     assert len(from_config(synthetic).build()) == synthetic["num_requests"]
