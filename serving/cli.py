@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 import configs
+import workloads  # noqa: F401  (the workload groups' schemas, for compose)
 from engines import registry
 from engines.builtin.backend import BuiltinBackend
 from serving.auth import API_KEY_ENV, is_loopback

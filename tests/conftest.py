@@ -20,6 +20,8 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import engines.registry  # noqa: E402, F401  (the config groups' schemas, for configs.compose)
+import workloads  # noqa: E402, F401
 from engines.builtin import LLM  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -35,6 +35,7 @@ from typing import IO, Any, TypeGuard, cast
 
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
+import workloads  # noqa: F401  (the workload groups' schemas, for compose)
 from harness import SOURCE_ROOT
 from harness.gating.inputs import is_number, read_run
 from harness.gating.rules import GateRules, RulesError, add_require_argument, load_rules
@@ -74,7 +75,6 @@ class ABPlan:
 def compose_config(overrides: list[str], code: Path = SOURCE_ROOT) -> dict[str, Any]:
     """The run configuration `inferlab run <overrides>` would get in the checkout `code`
     (Hydra's compose API over code/configs, config_name "config")."""
-    from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -85,7 +85,7 @@ def compose_config(overrides: list[str], code: Path = SOURCE_ROOT) -> dict[str, 
         cfg = configs.compose(overrides, config_dir)
         # a composed DictConfig's container: a dict with the YAML's str keys
         config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
-    except (HydraException, OmegaConfBaseException) as exc:
+    except (configs.ComposeError, OmegaConfBaseException) as exc:
         raise ABError(f"overrides {overrides}: {exc}") from exc
     assert isinstance(config, dict)
     return config

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
+import workloads  # noqa: F401  (the workload groups' schemas, for compose)
 from engines.base import ConfigError
 from models.config import kv_bytes_per_token, resolve_model
 from models.dtypes import DTYPE_ALIASES
@@ -117,7 +118,11 @@ def main(args: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    cfg = OmegaConf.to_container(configs.compose(rest), resolve=True)
+    try:
+        cfg = OmegaConf.to_container(configs.compose(rest), resolve=True)
+    except configs.ComposeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     assert isinstance(cfg, dict)
     model, engine = cfg["model"], cfg["engine"]
     try:
