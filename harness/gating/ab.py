@@ -46,6 +46,7 @@ from harness.run_folder import (
     ab_round_dir,
     write_json_atomic,
 )
+from harness.running import config_schema  # noqa: F401  (the run section's, for compose)
 
 MIN_ROUNDS = 9
 ISOLATION = ("worker", "process")

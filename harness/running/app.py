@@ -18,6 +18,7 @@ import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, before Hydra composes)
 import workloads  # noqa: F401  (the workload groups' schemas, likewise)
 from harness.run_folder import read_summary
+from harness.running import config_schema  # noqa: F401  (the primary config's, likewise)
 from harness.running.experiment import RunConfig, RunFolderError, run_experiment
 from harness.running.repeats import run_repeats, validate_repeats
 from harness.running.sweep import ResumeMismatch, completed_run, note_unrecorded, write_sweep_csv

@@ -71,7 +71,8 @@ def _number(name: str, value: Any, what: str, positive: bool = False) -> float:
 
 @dataclass(frozen=True)
 class SloConfig:
-    """`run.slo`: the bounds goodput counts against, in seconds (None: not bounded)."""
+    """`run.slo`: the bounds goodput counts against, in seconds (None: not bounded); goodput
+    counts completed requests meeting every bound that is set."""
 
     ttft_s: float | None = None
     tpot_s: float | None = None
@@ -94,13 +95,14 @@ class SloConfig:
 
 @dataclass(frozen=True)
 class QualityConfig:
-    """`run.quality`: the quality probe (harness/measuring/quality.py)."""
+    """`run.quality`: the quality probe (harness/measuring/quality.py), this engine against the
+    fp32 unquantized one on the same weights."""
 
     enabled: bool = False
     num_prompts: int = 8
     prompt_len: int = 64
-    text: str | None = None
-    min_margin: float = 0.1
+    text: str | None = None  # text file for the probe and perplexity (None: the shipped corpus)
+    min_margin: float = 0.1  # top-1 agreement counts positions whose reference margin exceeds it
 
     @classmethod
     def from_dict(cls, values: Any) -> QualityConfig:
@@ -133,11 +135,14 @@ class RunConfig:
     """The `run` section, validated once at the edge: an unknown key or a bad value is an
     error that names it and the allowed values, before anything is loaded or written."""
 
-    name: str = "default"
-    resume: bool = False
-    warmup_requests: int = 0
+    name: str = "default"  # the run folder's name ends with it
+    resume: bool = False  # skip a run (or sweep job) whose folder already holds a complete run
+    warmup_requests: int = 0  # run first, left out of every metric (config.yaml sets 2)
+    # phase lines on stderr (loading, warm-up, running), then a bar on a terminal or, without
+    # one (make, CI logs), a line every 5 s; False: silent until the summary
     progress: bool = True
-    window: WindowConfig = field(default_factory=WindowConfig)
+    window: WindowConfig = field(default_factory=WindowConfig)  # docs/metrics.md
+    # a background sampler -> samples.parquet, memory/energy metrics (docs/monitoring.md)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     quality: QualityConfig = field(default_factory=QualityConfig)
     slo: SloConfig = field(default_factory=SloConfig)

@@ -26,8 +26,8 @@ from harness.measuring.metrics import compute_summary
 
 @dataclass
 class WindowConfig:
-    skip_fraction: float = 0.1
-    min_duration_s: float = 0.0
+    skip_fraction: float = 0.1  # the first 10% of sends are ramp-up
+    min_duration_s: float = 0.0  # a shorter window is reported as not valid (as MLPerf does)
     min_requests: int = 0
 
     @classmethod

@@ -285,3 +285,64 @@ def test_a_workload_key_without_a_field_and_a_value_of_the_wrong_type_name_the_k
             composed(override)
     with pytest.raises(ValueError, match=r"workload\.arrival\.rate: 0\.0 is invalid"):
         make_workload(composed("workload.arrival={process: poisson, rate: 0}")["workload"])
+
+
+def leaves(value: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(value, dict):
+        return {
+            k: v for key, item in value.items() for k, v in leaves(item, f"{prefix}{key}.").items()
+        }
+    return {prefix.rstrip("."): value}
+
+
+def other_value(key: str, default: object) -> object:
+    """A valid value that is not the default, for the run and profiling keys."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 1
+    if isinstance(default, float):
+        return default + 0.25
+    if key == "run.quality.text":
+        return str(CONFIGS / "config.yaml")  # a path: any text file
+    if default is None:  # the SLO bounds
+        return 0.5
+    assert isinstance(default, str), key
+    return default + "-other"
+
+
+def test_every_run_and_profiling_key_is_overridable_and_defaults_live_once() -> None:
+    """The primary config's own sections are the dataclasses that validate them (RunConfig
+    and its window/monitor/quality/slo, ProfileConfig; harness.running.config_schema): every
+    field is a key with the dataclass default, a non-default value on the command line reaches
+    the validated dataclass, and config.yaml sets only keys that have a field, to values that
+    differ from the default (its presets)."""
+    from harness.measuring.profiling import ProfileConfig
+    from harness.running.config_schema import ExperimentSchema
+    from harness.running.experiment import RunConfig
+
+    schema = OmegaConf.to_container(OmegaConf.structured(ExperimentSchema))
+    assert isinstance(schema, dict)
+    plain = composed()
+    expected = leaves({k: schema[k] for k in ("repeats", "profile", "run", "profiling")})
+    shipped = yaml.safe_load((CONFIGS / "config.yaml").read_text())
+    presets = leaves({k: v for k, v in shipped.items() if k not in ("defaults", "hydra")})
+    assert set(presets) <= set(expected), (
+        f"config.yaml keys without a field: {set(presets) - set(expected)}"
+    )
+    restated = [key for key, value in presets.items() if value == expected[key]]
+    assert not restated, f"config.yaml restates the dataclass defaults of {restated}"
+    composed_leaves = leaves({k: plain[k] for k in ("repeats", "profile", "run", "profiling")})
+    assert composed_leaves == {**expected, **presets}
+    for key, default in expected.items():
+        value = other_value(key, default)
+        cfg = composed(f"{key}={command_line_value(value)}")
+        section, _, rest = key.partition(".")
+        if section == "run":
+            validated: object = dataclasses.asdict(RunConfig.from_dict(cfg["run"]))
+        elif section == "profiling":
+            validated = dataclasses.asdict(ProfileConfig.from_dict(cfg["profiling"]))
+        else:
+            validated = {rest: cfg[section]} if rest else cfg[section]
+        got = leaves(validated).get(rest, validated) if rest else validated
+        assert got == value, (key, got, value)
