@@ -17,7 +17,7 @@ import platform
 import re
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,7 @@ from configs import CONFIG_DIR
 
 SPEC_DIR = CONFIG_DIR / "hardware"
 SPEC_KEYS = {"name", "source", "device_names", "memory_bandwidth", "peak_flops", "overlap"}
-CPU_KEYS = {"name", "probe_bytes", "matmul_size", "reprobe"}
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
-CPU_DEFAULTS: dict[str, Any] = {"probe_bytes": 256 << 20, "matmul_size": 1024, "reprobe": False}
 PROBE_VERSION = 4  # bumped when the probe measures something new: older caches are re-probed
 
 
@@ -57,6 +55,34 @@ class HardwareSpec:
         out = asdict(self)
         out["device_names"] = list(self.device_names)
         return out
+
+
+@dataclass
+class CpuProbeConfig:
+    """hardware=cpu: this machine's peaks, measured on the spot (cpu_spec); the schema of
+    configs/hardware/cpu.yaml (`hardware/cpu_schema`)."""
+
+    name: str = "cpu"
+    probe_bytes: int = 256 << 20  # bandwidth probe (one fp32 tensor), overlap probe weight
+    matmul_size: int = 1024  # FLOP/s probe: square matmuls of this size
+    reprobe: bool = False  # measure again instead of reading the cached result
+
+
+CPU_KEYS = {f.name for f in fields(CpuProbeConfig)}
+CPU_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in fields(CpuProbeConfig) if f.name != "name"
+}
+
+
+def register_config_schema() -> None:
+    """configs/hardware/cpu.yaml extends `hardware/cpu_schema`; the group's other files are
+    datasheet specs (data, read by load_spec_file), not options."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="hardware", name="cpu_schema", node=CpuProbeConfig)
+
+
+register_config_schema()
 
 
 def allowed_names() -> list[str]:
@@ -379,11 +405,7 @@ def resolve(
         name = "cpu"
         config = {"name": "cpu"}
     if name == "cpu":
-        settings = {
-            **CPU_DEFAULTS,
-            **{k: v for k, v in load_spec_file("cpu").items() if k != "name"},
-            **config,
-        }
+        settings = {**CPU_DEFAULTS, **config}
         return cpu_spec(
             settings["probe_bytes"], settings["matmul_size"], bool(settings["reprobe"]), cache_dir
         ), None

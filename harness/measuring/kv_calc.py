@@ -19,6 +19,7 @@ import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
 import workloads  # noqa: F401  (the workload groups' schemas, for compose)
 from engines.base import ConfigError
+from harness.measuring import hardware  # noqa: F401  (hardware=cpu's schema, for compose)
 from models.config import kv_bytes_per_token, resolve_model
 from models.dtypes import DTYPE_ALIASES
 

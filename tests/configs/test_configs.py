@@ -346,3 +346,20 @@ def test_every_run_and_profiling_key_is_overridable_and_defaults_live_once() -> 
             validated = {rest: cfg[section]} if rest else cfg[section]
         got = leaves(validated).get(rest, validated) if rest else validated
         assert got == value, (key, got, value)
+
+
+def test_hardware_cpu_options_live_once_in_their_dataclass() -> None:
+    """hardware=cpu's probe options are CpuProbeConfig's fields (cpu.yaml sets none), each
+    overridable, and what the probe is run with."""
+    from harness.measuring.hardware import CpuProbeConfig, validate_config
+
+    defaults = dataclasses.asdict(CpuProbeConfig())
+    assert composed("hardware=cpu")["hardware"] == defaults
+    shipped = yaml.safe_load((CONFIGS / "hardware" / "cpu.yaml").read_text())
+    assert set(shipped) == {"defaults"}, f"hardware/cpu.yaml sets {set(shipped) - {'defaults'}}"
+    changed = {"probe_bytes": 1 << 20, "matmul_size": 64, "reprobe": True}
+    overrides = [f"hardware.{key}={command_line_value(value)}" for key, value in changed.items()]
+    hardware = composed("hardware=cpu", *overrides)["hardware"]
+    assert validate_config(hardware) == {**defaults, **changed}
+    with pytest.raises(configs.ComposeError, match=r"^hardware\.matmul_size: Value 'big'"):
+        composed("hardware=cpu", "hardware.matmul_size=big")
