@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "engines" / "builtin" / "data"
+from models.tokenizer import CORPUS_DIR
+
 DEFAULTS: dict[str, Any] = dict(
     steps=200,
     seed=0,
@@ -50,7 +51,7 @@ def corpus_text(text_path: str | Path | None = None) -> str:
     """The training text: the file given, else the shipped corpus (sorted by name, joined)."""
     if text_path is not None:
         return Path(text_path).read_text(encoding="utf-8")
-    return "\n".join(p.read_text(encoding="utf-8") for p in sorted(DATA_DIR.glob("*.txt")))
+    return "\n".join(p.read_text(encoding="utf-8") for p in sorted(CORPUS_DIR.glob("*.txt")))
 
 
 def train_tiny(

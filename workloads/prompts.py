@@ -12,11 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from models.tokenizer import Tokenizer, default_tokenizer
-from workloads.common import REPO_ROOT
+from models.tokenizer import CORPUS_DIR, Tokenizer, default_tokenizer
 from workloads.trace_files import read_text
 
-DEFAULT_CORPUS = REPO_ROOT / "models/data/sonnets.txt"
+DEFAULT_CORPUS = CORPUS_DIR / "sonnets.txt"
 PROMPT_KINDS = ("random_ids", "text")
 
 

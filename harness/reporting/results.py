@@ -198,7 +198,13 @@ def _swept(frame: pd.DataFrame, columns: Iterable[str]) -> list[str]:
 
 
 def _label(row: pd.Series, keys: list[str]) -> str:
-    return ", ".join(f"{k}={row[k]}" for k in keys if pd.notna(row[k]))
+    return ", ".join(f"{k}={_shown(row[k])}" for k in keys if pd.notna(row[k]))
+
+
+def _shown(value: Any) -> Any:
+    """A whole float as its integer (`rate=100`, not `rate=100.0`: a typed config stores the
+    rate 100 as a float)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 class Results:
