@@ -34,8 +34,18 @@ def compose(overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> Any:
 
 
 def _reason(exc: BaseException) -> str:
-    """One line: `full_key: what is wrong` from OmegaConf's cause, else Hydra's own words."""
+    """One line: `full_key: what is wrong` from OmegaConf's cause (an unknown key of a schema
+    with the schema's keys), else Hydra's own words."""
+    import dataclasses
+
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
     cause = exc.__cause__ or exc
+    schema = getattr(cause, "object_type", None)
+    unknown = isinstance(cause, ConfigAttributeError | ConfigKeyError)
+    if unknown and dataclasses.is_dataclass(schema) and getattr(cause, "full_key", None):
+        allowed = "|".join(sorted(f.name for f in dataclasses.fields(schema)))
+        return f"{cause.full_key}: unknown key; allowed: {allowed}"  # type: ignore[attr-defined]
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     key = next(
         (line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None

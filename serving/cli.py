@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import gc
 import os
-import re
 import sys
 import traceback
 from dataclasses import fields
@@ -162,28 +161,6 @@ def warm_up(backend: BuiltinBackend) -> None:
     LLM.from_engine(backend.engine).generate("Hello", SamplingParams(max_tokens=2, temperature=0.0))
 
 
-def explain(exc: Exception) -> str:
-    """The error, with the known options when Hydra refused an unknown key."""
-    from engines.builtin.config import EngineConfig
-
-    message = str(exc)
-    match = re.match(r"Could not override '(engine|model)\.([^']+)'", message)
-    if match is None:
-        return message
-    group, key = match.groups()
-    known = (
-        [
-            f.name
-            for f in fields(EngineConfig)
-            if f.name not in ("model", "model_overrides", "tokenizer")
-        ]
-        + ["backend"]
-        if group == "engine"
-        else ["name", "path", "tokenizer", "overrides"]
-    )
-    return f"{group}.{key}: unknown option; known {group} options: {', '.join(sorted(known))}"
-
-
 def log_config(log_level: str) -> dict[str, Any]:
     """uvicorn's logging setup, plus the server's own one-line messages (`inferlab.serve`:
     disconnects, timeouts, shutdown) through the same handler and format."""
@@ -211,7 +188,7 @@ def main(argv: list[str]) -> int:
         backend, server = build_backend(argv)
         sock = bind_socket(server.host, server.port)
     except (ValueError, ServerConfigError, HydraException, OmegaConfBaseException) as exc:
-        print(f"inferlab serve: {explain(exc)}", file=sys.stderr)
+        print(f"inferlab serve: {exc}", file=sys.stderr)
         return 2
     if server.api_key is None and not is_loopback(server.host):
         print(
@@ -269,5 +246,5 @@ def load_error(exc: Exception) -> str:
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         return f"{exc.filename}: {exc.strerror}"
     if isinstance(exc, ValueError | OSError):
-        return explain(exc)
+        return str(exc)
     return f"cannot load the model: {type(exc).__name__}: {exc}".splitlines()[0]

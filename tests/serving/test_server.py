@@ -808,7 +808,7 @@ def test_serve_options_compose_like_run() -> None:
             ["engine.kv_cache=foo"],
             "engine.kv_cache: 'foo' is invalid; allowed: none|contiguous|paged",
         ),
-        (["engine.bogus=1"], "engine.bogus: unknown option; known engine options: "),
+        (["engine.bogus=1"], "engine.bogus: unknown key; allowed: attention_backend|backend|"),
         (["model=nope"], "Could not find 'model/nope'"),
         (["model=hf"], "model.path"),
         (["engine.backend=hf"], "engine.backend: 'hf' cannot be served"),
