@@ -29,6 +29,18 @@ Builder = Callable[[Options, Options], Backend]
 MODEL_FIELDS = ("model", "model_overrides", "tokenizer")
 
 
+@dataclass
+class ModelChoice:
+    """The `model` group: the model every backend runs; configs/model/*.yaml are its presets
+    (the schema `model/model_schema`)."""
+
+    name: str = "???"  # required: a preset (models/config.py), hf, or tiny-trained
+    path: str | None = None  # a local Hugging Face checkpoint folder (model=hf)
+    tokenizer: str | None = None  # None: the checkpoint's tokenizer, else the built-in BPE
+    # any ModelConfig field, e.g. {num_kv_heads: 1, sliding_window: 256}
+    overrides: Any = dataclasses.field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class BackendEntry:
     name: str
@@ -77,7 +89,7 @@ def build_backend(engine: Options, model: Options) -> Backend:
     composed `engine` and `model` groups. Bad values raise ValueError naming the key."""
     options = dict(engine)
     entry = BACKENDS.get(options.pop("backend", "builtin"))
-    known_model_keys = {"name", "path", "tokenizer", "overrides"}
+    known_model_keys = {f.name for f in dataclasses.fields(ModelChoice)}
     unknown = sorted(set(model) - known_model_keys)
     if unknown:
         raise ValueError(f"model: unknown key(s) {unknown}; allowed: {sorted(known_model_keys)}")
@@ -128,12 +140,14 @@ def _openai(options: Options, model: Options) -> Backend:
 
 def register_config_schemas() -> None:
     """Store each backend's schema in Hydra's ConfigStore as `engine/<name>_schema` (what
-    configs/engine/<name>.yaml extends); call before composing (idempotent)."""
+    configs/engine/<name>.yaml extends), and the model group's, `model/model_schema`; call
+    before composing (idempotent)."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
     for entry in BACKENDS.values():
         store.store(group="engine", name=f"{entry.name}_schema", node=entry.schema())
+    store.store(group="model", name="model_schema", node=ModelChoice)
 
 
 register_config_schemas()

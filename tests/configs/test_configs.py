@@ -363,3 +363,20 @@ def test_hardware_cpu_options_live_once_in_their_dataclass() -> None:
     assert validate_config(hardware) == {**defaults, **changed}
     with pytest.raises(configs.ComposeError, match=r"^hardware\.matmul_size: Value 'big'"):
         composed("hardware=cpu", "hardware.matmul_size=big")
+
+
+@pytest.mark.parametrize("model", names("model"))
+def test_model_presets_set_only_what_they_choose(model: str) -> None:
+    """The model group's keys and defaults are ModelChoice's (engines/registry.py); a preset
+    names its model (model=hf also requires a path) and restates no default."""
+    from engines.registry import ModelChoice
+
+    defaults = dataclasses.asdict(ModelChoice())
+    shipped = yaml.safe_load((CONFIGS / "model" / f"{model}.yaml").read_text())
+    chosen = {k: v for k, v in shipped.items() if k != "defaults"}
+    assert set(chosen) <= set(defaults) and chosen["name"] == model
+    assert not [k for k, v in chosen.items() if v == defaults[k]], chosen
+    if model != "hf":
+        assert composed(f"model={model}")["model"] == {**defaults, **chosen}
+    overrides = ["model.path=/some/folder", "model.tokenizer=/some/tokenizer.json"]
+    assert composed(f"model={model}", *overrides)["model"]["tokenizer"] == "/some/tokenizer.json"
