@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from models.gguf import gguf_hf_config
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -214,6 +216,12 @@ def from_hf_config(path: str | Path) -> ModelConfig:
         raise UnsupportedCheckpointError(
             f"{where}: expected a JSON object, got {type(cfg).__name__}"
         )
+    return from_hf_dict(cfg, where)
+
+
+def from_hf_dict(cfg: dict[str, Any], where: str) -> ModelConfig:
+    """A Llama-family ModelConfig from config.json's fields (`where` names the source in
+    errors): a checkpoint folder's, or a GGUF file's metadata in those terms (models.gguf)."""
     archs = cfg.get("architectures") or []
     arch = (
         archs[0]
@@ -287,15 +295,17 @@ def from_hf_config(path: str | Path) -> ModelConfig:
 
 
 def resolve_model(model: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
-    """A preset name or a checkpoint folder -> ModelConfig."""
+    """A preset name, a checkpoint folder or a GGUF file -> ModelConfig."""
     name = str(model)
     if name in PRESETS:
         return PRESETS[name].with_overrides(overrides)
+    if name.endswith(".gguf") and Path(name).is_file():
+        return from_hf_dict(gguf_hf_config(name), name).with_overrides(overrides)
     if Path(name).exists():
         return from_hf_config(name).with_overrides(overrides)
     raise ValueError(
-        f"model: {name!r} is neither a preset ({'|'.join(PRESETS)}) nor an existing "
-        "checkpoint folder"
+        f"model: {name!r} is neither a preset ({'|'.join(PRESETS)}), an existing "
+        "checkpoint folder nor a .gguf file"
     )
 
 

@@ -52,6 +52,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
 
 from models.cache import cache_dir, write_text_atomic
+from models.gguf import is_gguf, tokenizer_folder
 
 logger = logging.getLogger(__name__)
 
@@ -355,9 +356,12 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
 
 def tokenizer_for_model(model: str, tokenizer: str | None = None) -> Tokenizer:
     """The tokenizer a model runs with: `tokenizer` when given, else the checkpoint folder's
-    tokenizer.json, else the project's default BPE (every backend picks it the same way)."""
+    tokenizer.json (or the one a GGUF file's metadata holds), else the project's default BPE
+    (every backend picks it the same way)."""
     if tokenizer:
         return load_tokenizer(tokenizer)
+    if is_gguf(model):
+        return load_tokenizer(tokenizer_folder(model))
     folder = Path(model)
     if folder.is_dir() and (folder / "tokenizer.json").is_file():
         return load_tokenizer(folder)

@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig
+from models.gguf import is_gguf, iter_gguf_tensors
 
 
 def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -86,6 +87,10 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 
 def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) of a safetensors folder, or of a GGUF file (dequantized)."""
+    if is_gguf(path):
+        yield from iter_gguf_tensors(path)
+        return
     for file in checkpoint_files(path):
         try:
             handle = safe_open(str(file), framework="pt")

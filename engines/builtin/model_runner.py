@@ -32,6 +32,7 @@ from engines.builtin.scheduler import StepPlan
 from engines.builtin.step_inputs import StepInputs
 from engines.builtin.weights import load_weights
 from models.config import ModelConfig, ceil_div
+from models.gguf import is_gguf
 from models.weights import dummy_state_dict, iter_checkpoint
 
 #: Called on every step with the float32 logits of every real token the step computed
@@ -435,4 +436,4 @@ def _check_compile_works(device: torch.device) -> None:
 def _is_checkpoint(model: str) -> bool:
     from pathlib import Path
 
-    return Path(model).is_dir()
+    return Path(model).is_dir() or is_gguf(model)

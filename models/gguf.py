@@ -1,0 +1,234 @@
+"""GGUF files (llama.cpp's, Ollama's) as checkpoints: the model's config from the file's
+metadata in config.json's terms, and its tensors under Hugging Face names, dequantized to fp32.
+
+llama.cpp's converter permutes the rows of q_proj and k_proj so that its rotary embedding
+rotates adjacent pairs; the engine (like Hugging Face) rotates the two halves of each head, so
+those rows are put back. Dequantization is the `gguf` package's (numpy, every type llama.cpp
+writes: F32/F16/BF16, Q8_0, Q4_0, Q4_1, the K-quants...).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class UnsupportedGGUFError(ValueError):
+    """A GGUF file the engine cannot run; the message names the file or the key."""
+
+
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_TOP = re.compile(r"(\w+)\.(weight|bias)$")
+
+
+def _reader(path: str | Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise UnsupportedGGUFError(f"{path}: not a readable GGUF file ({exc})") from None
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def hf_config(reader: Any) -> dict[str, Any]:
+    """The file's metadata as the fields of a Hugging Face config.json."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise UnsupportedGGUFError(
+            f"general.architecture {arch!r} is not supported; supported: llama"
+        )
+    names = {t.name for t in reader.tensors}
+    heads = _field(reader, "llama.attention.head_count")
+    vocab = _field(reader, "llama.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": _field(reader, "llama.embedding_length"),
+        "intermediate_size": _field(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": _field(reader, "llama.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, "llama.attention.head_count_kv", heads),
+        "rms_norm_eps": _field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _field(reader, "llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": _field(reader, "llama.context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if _field(reader, "llama.rope.scaling.type") not in (None, "none"):
+        raise UnsupportedGGUFError("llama.rope.scaling.type: rope scaling is not supported")
+    return config
+
+
+def gguf_hf_config(path: str | Path) -> dict[str, Any]:
+    return hf_config(_reader(path))
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotated halves)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def hf_name(name: str) -> str | None:
+    """A GGUF tensor name under Hugging Face's name, or None for one the model does not use
+    (e.g. rope_freqs, which the engine computes)."""
+    if match := _LAYER.match(name):
+        layer, part, kind = match.groups()
+        hf = _LAYER_TENSORS.get(part)
+        return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
+    if match := _TOP.match(name):
+        part, kind = match.groups()
+        hf = _TOP_TENSORS.get(part)
+        return None if hf is None else f"{hf}.{kind}"
+    return None
+
+
+def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, fp32 tensor) for every tensor the model uses."""
+    import gguf
+
+    reader = _reader(path)
+    config = hf_config(reader)
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise UnsupportedGGUFError(
+                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which "
+                f"cannot be dequantized ({exc})"
+            ) from None
+        array = np.array(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape)))
+        part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if part in heads and name.endswith(".weight"):
+            array = _unpermute(array, heads[part])
+        yield name, torch.from_numpy(np.ascontiguousarray(array))  # a copy: the file is mapped
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf") and Path(path).is_file()
+
+
+#: llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) this builds exactly: byte-level BPE,
+#: with digits split one by one first where the model was trained so.
+_DIGIT_SPLIT = {"smollm": True, "gpt2": False, "default": False}
+
+
+def write_hf_tokenizer(path: str | Path, folder: Path) -> None:
+    """tokenizer.json and tokenizer_config.json (special tokens, chat template, add_bos) of a
+    GGUF file's byte-level BPE vocabulary (tokenizer.ggml.model `gpt2`), built with
+    `tokenizers` from the vocabulary, merges and token types in the file's metadata."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    reader = _reader(path)
+    kind = _field(reader, "tokenizer.ggml.model")
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    if kind != "gpt2" or pre not in _DIGIT_SPLIT:
+        raise UnsupportedGGUFError(
+            f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported; "
+            f"supported: gpt2 with {'|'.join(_DIGIT_SPLIT)}"
+        )
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type"))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    backend = Tokenizer(
+        models.BPE(
+            vocab={token: i for i, token in enumerate(tokens)},
+            merges=merges,
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if _DIGIT_SPLIT[pre]
+        else byte_level
+    )
+    backend.decoder = decoders.ByteLevel()
+    control = 3  # llama.cpp's token types: 1 normal, 3 control, 4 user-defined
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == control
+        ]
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    backend.save(str(folder / "tokenizer.json"))
+
+    def token(key: str) -> str | None:
+        index = _field(reader, key)
+        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
+
+    config = {
+        "bos_token": token("tokenizer.ggml.bos_token_id"),
+        "eos_token": token("tokenizer.ggml.eos_token_id"),
+        "pad_token": token("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def tokenizer_folder(path: str | Path) -> Path:
+    """A Hugging Face tokenizer folder for the GGUF file, built once into the shared cache
+    (keyed by the file's path, size and modification time) and reused."""
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    from models.cache import cache_dir
+
+    stat = Path(path).stat()
+    key = f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    folder = cache_dir() / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (folder / "tokenizer_config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".building-"))
+    try:
+        write_hf_tokenizer(path, staging)
+        os.replace(staging, folder)  # whole or not at all; a racing builder's copy is as good
+    except OSError:
+        if not (folder / "tokenizer_config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
