@@ -9,14 +9,20 @@ writes: F32/F16/BF16, Q8_0, Q4_0, Q4_1, the K-quants...).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from models.cache import cache_dir
 
 
 class UnsupportedGGUFError(ValueError):
@@ -209,13 +215,6 @@ def write_hf_tokenizer(path: str | Path, folder: Path) -> None:
 def tokenizer_folder(path: str | Path) -> Path:
     """A Hugging Face tokenizer folder for the GGUF file, built once into the shared cache
     (keyed by the file's path, size and modification time) and reused."""
-    import hashlib
-    import os
-    import shutil
-    import tempfile
-
-    from models.cache import cache_dir
-
     stat = Path(path).stat()
     key = f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     folder = cache_dir() / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:16]
