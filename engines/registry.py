@@ -21,6 +21,7 @@ from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
 from engines.openai.config import OpenAIConfig
 from engines.plugins import Registry
+from models.packaged import PACKAGED_MODELS, packaged_model_path
 
 Options = dict[str, Any]
 Builder = Callable[[Options, Options], Backend]
@@ -34,8 +35,10 @@ class ModelChoice:
     """The `model` group: the model every backend runs; configs/model/*.yaml are its presets
     (the schema `model/model_schema`)."""
 
-    name: str = "???"  # required: a preset (models/config.py), hf, or tiny-trained
-    path: str | None = None  # a local Hugging Face checkpoint folder (model=hf)
+    # required: a preset (models/config.py), a packaged model (models/packaged.py), hf, or
+    # tiny-trained
+    name: str = "???"
+    path: str | None = None  # model=hf: a local Hugging Face checkpoint folder or .gguf file
     tokenizer: str | None = None  # None: the checkpoint's tokenizer, else the built-in BPE
     # any ModelConfig field, e.g. {num_kv_heads: 1, sliding_window: 256}
     overrides: Any = dataclasses.field(default_factory=dict)
@@ -109,6 +112,8 @@ def _weights_from_model_group(options: Options, model: Options) -> Options:
         from engines.train_tiny import cached_tiny_model
 
         options["model"] = str(cached_tiny_model())
+    elif options["model"] in PACKAGED_MODELS:  # a real model a pip package ships
+        options["model"] = str(packaged_model_path(options["model"]))
     options["model_overrides"] = dict(model.get("overrides") or {})
     options["tokenizer"] = model.get("tokenizer")
     return options

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from models.gguf import gguf_hf_config
+from models.packaged import PACKAGED_MODELS, packaged_model_path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -295,17 +296,19 @@ def from_hf_dict(cfg: dict[str, Any], where: str) -> ModelConfig:
 
 
 def resolve_model(model: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
-    """A preset name, a checkpoint folder or a GGUF file -> ModelConfig."""
+    """A preset name, a packaged model, a checkpoint folder or a GGUF file -> ModelConfig."""
     name = str(model)
     if name in PRESETS:
         return PRESETS[name].with_overrides(overrides)
+    if name in PACKAGED_MODELS:
+        name = str(packaged_model_path(name))
     if name.endswith(".gguf") and Path(name).is_file():
         return from_hf_dict(gguf_hf_config(name), name).with_overrides(overrides)
     if Path(name).exists():
         return from_hf_config(name).with_overrides(overrides)
     raise ValueError(
-        f"model: {name!r} is neither a preset ({'|'.join(PRESETS)}), an existing "
-        "checkpoint folder nor a .gguf file"
+        f"model: {name!r} is neither a preset ({'|'.join([*PRESETS, *PACKAGED_MODELS])}), "
+        "an existing checkpoint folder nor a .gguf file"
     )
 
 
