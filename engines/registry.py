@@ -21,7 +21,6 @@ from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
 from engines.openai.config import OpenAIConfig
 from engines.plugins import Registry
-from models.packaged import PACKAGED_MODELS, packaged_model_path
 
 Options = dict[str, Any]
 Builder = Callable[[Options, Options], Backend]
@@ -112,8 +111,6 @@ def _weights_from_model_group(options: Options, model: Options) -> Options:
         from engines.train_tiny import cached_tiny_model
 
         options["model"] = str(cached_tiny_model())
-    elif options["model"] in PACKAGED_MODELS:  # a real model a pip package ships
-        options["model"] = str(packaged_model_path(options["model"]))
     options["model_overrides"] = dict(model.get("overrides") or {})
     options["tokenizer"] = model.get("tokenizer")
     return options

@@ -63,11 +63,16 @@ def convert_to_hf(src: str | Path, dst: str | Path, dtype: str = "float32") -> P
     folder.mkdir(parents=True, exist_ok=True)
     # Shards are written as they fill, then named once their count is known.
     written: list[tuple[Path, list[str]]] = []
-    for i, shard in enumerate(_shards(iter_gguf_tensors(src), HF_DTYPES[dtype])):
-        path = folder / f"model-part-{i:05d}.safetensors.tmp"
-        save_file(shard, str(path), metadata={"format": "pt"})
-        path.chmod(0o644)  # safetensors creates it owner-only, unlike the folder's other files
-        written.append((path, list(shard)))
+    try:
+        for i, shard in enumerate(_shards(iter_gguf_tensors(src), HF_DTYPES[dtype])):
+            path = folder / f"model-part-{i:05d}.safetensors.tmp"
+            written.append((path, list(shard)))
+            save_file(shard, str(path), metadata={"format": "pt"})
+            path.chmod(0o644)  # safetensors creates it owner-only, unlike the other files
+    except BaseException:  # a full disk or ^C leaves no partial shard behind
+        for path, _ in written:
+            path.unlink(missing_ok=True)
+        raise
     if len(written) == 1:  # the plain name transformers looks for first
         written[0][0].replace(folder / "model.safetensors")
     else:
@@ -113,17 +118,29 @@ def convert_to_gguf(src: str | Path, dst: str | Path, kind: str = "f16") -> Path
                 continue
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+        # Tensor infos first, then the data one tensor at a time: memory stays near one tensor.
+        kinds = {}
+        for tensor in reader.tensors:
+            shape = tuple(reversed(tensor.shape.tolist()))
+            kinds[tensor.name] = target if len(shape) > 1 else gguf.GGMLQuantizationType.F32
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, kinds[tensor.name])
+            writer.add_tensor_info(
+                tensor.name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
+                raw_dtype=kinds[tensor.name],
+            )  # fmt: skip
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
         for tensor in reader.tensors:
             array = np.asarray(
                 gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32
             ).reshape(tuple(reversed(tensor.shape.tolist())))
-            kind_here = target if array.ndim > 1 else gguf.GGMLQuantizationType.F32
-            writer.add_tensor(tensor.name, _encode(array, kind_here), raw_dtype=kind_here)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
+            writer.write_tensor_data(_encode(array, kinds[tensor.name]).view(np.uint8))
         writer.close()
+    except BaseException:  # a full disk or ^C leaves no partial file behind
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(out)
     return out
 
@@ -159,7 +176,7 @@ def main(argv: list[str]) -> int:
             out = convert_to_gguf(args.src, args.dst, args.dtype or "f16")
         else:
             out = convert_to_hf(args.src, args.dst, args.dtype or "float32")
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # bad input, an unwritable or full destination
         print(f"inferlab convert: {exc}", file=sys.stderr)
         return 2
     print(out)

@@ -12,6 +12,7 @@ from typing import Any
 
 from engines.base import ConfigError
 from models.dtypes import DTYPE_ALIASES
+from models.packaged import model_location
 
 CHOICES = {
     "kv_cache": ("none", "contiguous", "paged"),
@@ -26,7 +27,8 @@ CHOICES = {
 @dataclass
 class EngineConfig:
     # what to run
-    model: str = "tiny"  # a preset name or a Hugging Face checkpoint folder
+    # a preset, a packaged model, a Hugging Face checkpoint folder or a .gguf file
+    model: str = "tiny"
     model_overrides: dict[str, Any] = field(default_factory=dict)
     tokenizer: str | None = None  # None: the checkpoint's tokenizer, else the built-in BPE
     load_format: str = "auto"  # auto: checkpoint weights for a folder, dummy for a preset
@@ -92,6 +94,7 @@ class EngineConfig:
             value = getattr(self, name)
             return ConfigError(f"engine.{name}: {value!r} is invalid; allowed: {allowed}")
 
+        self.model = model_location(self.model)  # a packaged model's file
         if self.quantization is None:
             self.quantization = "none"
         for name, allowed in CHOICES.items():

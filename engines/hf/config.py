@@ -7,6 +7,7 @@ from typing import Any
 
 from engines.base import ConfigError
 from models.dtypes import DTYPE_ALIASES
+from models.packaged import model_location
 
 MODES = ("generate", "generate_batch")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -14,7 +15,8 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
 @dataclass
 class HFConfig:
-    model: str = "tiny"  # a built-in preset (its dummy weights) or a checkpoint folder
+    # a built-in preset (its dummy weights), a packaged model, a checkpoint folder or .gguf file
+    model: str = "tiny"
     model_overrides: dict[str, Any] = field(default_factory=dict)
     tokenizer: str | None = None
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
@@ -45,6 +47,7 @@ class HFConfig:
                 f"engine.{name}: {getattr(self, name)!r} is invalid; allowed: {allowed}"
             )
 
+        self.model = model_location(self.model)  # a packaged model's file
         if self.mode not in MODES:
             raise bad("mode", "|".join(MODES))
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:

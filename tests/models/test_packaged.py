@@ -33,3 +33,12 @@ def test_a_package_without_the_file_says_so(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setitem(packaged.PACKAGED_MODELS, "no-file", no_file)
     with pytest.raises(PackagedModelMissingError, match=r"model=no-file: .* no \*\.gguf file"):
         resolve_model("no-file")
+
+
+@pytest.mark.parametrize("backend", ["builtin", "hf"])
+def test_every_backend_loads_the_packaged_file_not_dummy_weights(backend: str) -> None:
+    from engines.builtin.config import EngineConfig
+    from engines.hf.config import HFConfig
+
+    config = {"builtin": EngineConfig, "hf": HFConfig}[backend].from_dict({"model": "smollm2-135m"})
+    assert config.model == str(packaged_model_path("smollm2-135m"))
