@@ -214,6 +214,9 @@ def test_a_harness_run_has_records_and_no_failures(tmp_path: Path) -> None:
             f"workload.output_len={output_len}",
             f"workload.num_requests={n}",
             "run.warmup_requests=1",
+            "run.quality.enabled=true",
+            "run.quality.num_prompts=2",
+            "run.quality.prompt_len=32",
             "run.progress=false",
             "run.monitor.enabled=false",
         ]
@@ -239,6 +242,13 @@ def test_a_harness_run_has_records_and_no_failures(tmp_path: Path) -> None:
     assert (requests["output_tokens"] == output_len).all()
     steps = pd.read_parquet(tmp_path / "run" / "steps.parquet")
     assert steps["num_decode_seqs"].max() > 1  # requests overlapped in steps
+    # the quality probe reads llama.cpp's logits against the built-in engine's fp32 on the
+    # same file (Q4_1 weights dequantized): close, not equal (llama.cpp's Q4_1 matmuls
+    # quantize activations to 8 bits)
+    quality = summary["quality"]
+    print(quality)
+    assert quality["top1_agreement"] >= 0.9 and 0 < quality["kl_mean"] < 0.05
+    assert 1 < quality["perplexity"] < 100
 
 
 def test_bad_input_gives_one_line_errors(tmp_path: Path) -> None:
