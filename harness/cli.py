@@ -12,6 +12,8 @@ commands:
   train-tiny [--text FILE] [--out DIR] [--steps N] [--seed S]
                        train a tiny real Llama on CPU (cached) for quality checks
   serve [overrides...] an OpenAI-compatible HTTP server on the built-in engine
+  convert SRC.gguf DST [--dtype T]
+                       a GGUF file -> a Hugging Face folder, or a .gguf re-encoded (f16...)
   report DIR           report.md + report.html (tables, figures) for a run or sweep folder
   gate ...             compare a candidate with a baseline: exit 0 pass, 1 regression,
                        2 inconclusive (`inferlab gate --help`)
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from serving import cli as serve_cli
 
         return serve_cli.main(rest)
+    if command == "convert":
+        from models import gguf_convert
+
+        return gguf_convert.main(rest)
     if command == "report":
         from harness.reporting import report
 

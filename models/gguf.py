@@ -49,7 +49,7 @@ _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP = re.compile(r"(\w+)\.(weight|bias)$")
 
 
-def _reader(path: str | Path) -> Any:
+def open_gguf(path: str | Path) -> Any:
     import gguf
 
     try:
@@ -94,7 +94,7 @@ def hf_config(reader: Any) -> dict[str, Any]:
 
 
 def gguf_hf_config(path: str | Path) -> dict[str, Any]:
-    return hf_config(_reader(path))
+    return hf_config(open_gguf(path))
 
 
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -125,7 +125,7 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, fp32 tensor) for every tensor the model uses."""
     import gguf
 
-    reader = _reader(path)
+    reader = open_gguf(path)
     config = hf_config(reader)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     for tensor in reader.tensors:
@@ -161,7 +161,7 @@ def write_hf_tokenizer(path: str | Path, folder: Path) -> None:
     `tokenizers` from the vocabulary, merges and token types in the file's metadata."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    reader = _reader(path)
+    reader = open_gguf(path)
     kind = _field(reader, "tokenizer.ggml.model")
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     if kind != "gpt2" or pre not in _DIGIT_SPLIT:

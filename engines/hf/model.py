@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from models.config import ModelConfig, resolve_model
+from models.gguf import is_gguf
 from models.weights import dummy_state_dict
 
 if TYPE_CHECKING:
@@ -68,14 +69,23 @@ def load_hf_model(
     seed: int,
     attn_implementation: str,
 ) -> tuple[CausalLM, ModelConfig]:
-    """A checkpoint folder through `from_pretrained` (local files only), or a preset with
-    the built-in engine's seeded dummy weights loaded strictly."""
+    """A checkpoint folder or a GGUF file through `from_pretrained` (local files only; a GGUF
+    file by transformers' own loader, which dequantizes it), or a preset with the built-in
+    engine's seeded dummy weights loaded strictly."""
     import transformers
 
     cfg = resolve_model(model, overrides)
     if Path(model).is_dir():
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             model, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+        )
+    elif is_gguf(model):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(Path(model).parent),
+            gguf_file=Path(model).name,
+            dtype=dtype,
+            local_files_only=True,
+            attn_implementation=attn_implementation,
         )
     else:
         config = hf_config(cfg)

