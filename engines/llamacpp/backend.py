@@ -41,7 +41,7 @@ from engines.base import (
     now_ns,
 )
 from engines.llamacpp.config import LlamaCppConfig
-from engines.llamacpp.runner import BatchToken, LlamaCppRunner, check_gguf
+from engines.llamacpp.runner import BatchToken, LlamaCppRunner, check_gguf, converted
 from engines.sampling_params import SamplingParams
 from models.tokenizer import Tokenizer, tokenizer_for_model
 
@@ -96,7 +96,9 @@ class LlamaCppBackend(Backend):
 
     def load(self) -> None:
         cfg = self.config
-        path = check_gguf(cfg.model)
+        source = check_gguf(cfg.model)
+        path = converted(source, cfg.gguf_type) if cfg.gguf_type else source
+        self.gguf_file = path
         threads = cfg.num_threads or torch.get_num_threads()
         self.runner = LlamaCppRunner(
             path,
@@ -118,7 +120,9 @@ class LlamaCppBackend(Backend):
         cfg = self.config
         return {
             "backend": self.name,
-            "model": cfg.model,
+            "model": cfg.model,  # the model group's file (the quality probe's reference)
+            "gguf_type": cfg.gguf_type,
+            "gguf_file": str(self.gguf_file),  # the file llama.cpp runs
             "device": "cpu",
             "max_num_seqs": cfg.max_num_seqs,
             "max_model_len": self.max_model_len,

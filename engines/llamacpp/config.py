@@ -8,6 +8,9 @@ from typing import Any
 from engines.base import ConfigError
 
 FLASH_ATTN = ("auto", "on", "off")
+# the model file's tensors re-encoded first (`inferlab convert`, cached): an equal-precision
+# llama.cpp row (f32/f16/bf16) or another of its formats on the same weights
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 
 
 @dataclass
@@ -17,6 +20,9 @@ class LlamaCppConfig:
     model: str = "smollm2-135m"
     model_overrides: dict[str, Any] = field(default_factory=dict)
     tokenizer: str | None = None
+    # null: run the file as it is; else one of GGUF_TYPES: its tensors re-encoded to that type
+    # (dequantized from the file, so the same weights), converted once into the cache
+    gguf_type: str | None = None
     # None: torch's thread count, the one the built-in engine runs with by default, so the two
     # compute with the same number of cores
     num_threads: int | None = None
@@ -53,6 +59,8 @@ class LlamaCppConfig:
 
         if self.flash_attn not in FLASH_ATTN:
             raise bad("flash_attn", "|".join(FLASH_ATTN))
+        if self.gguf_type is not None and self.gguf_type not in GGUF_TYPES:
+            raise bad("gguf_type", "null|" + "|".join(GGUF_TYPES))
         for name, low, optional in (
             ("num_threads", 1, True),
             ("num_threads_batch", 1, True),
