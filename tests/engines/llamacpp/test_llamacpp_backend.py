@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
@@ -39,6 +40,7 @@ from engines.base import (
 from engines.llamacpp.backend import LlamaCppBackend
 from engines.registry import build_backend
 from engines.sampling_params import SamplingParams
+from engines.train_tiny import corpus_text
 from harness.running.experiment import run_experiment
 from models.packaged import packaged_model_path
 
@@ -203,6 +205,8 @@ def test_prompt_logits_agree_with_decoding(
 def test_a_harness_run_has_records_and_no_failures(tmp_path: Path) -> None:
     gguf_path()
     n, output_len = 6, 10
+    text = tmp_path / "probe.txt"  # a few hundred tokens: perplexity over all of them
+    text.write_text(corpus_text(None)[:1500])
     cfg = configs.compose(
         [
             "engine=llamacpp",
@@ -217,6 +221,7 @@ def test_a_harness_run_has_records_and_no_failures(tmp_path: Path) -> None:
             "run.quality.enabled=true",
             "run.quality.num_prompts=2",
             "run.quality.prompt_len=32",
+            f"run.quality.text={text}",
             "run.progress=false",
             "run.monitor.enabled=false",
         ]
@@ -235,8 +240,6 @@ def test_a_harness_run_has_records_and_no_failures(tmp_path: Path) -> None:
         4,
     )
     assert "Q4_1" in engine["model_desc"]
-    import pandas as pd
-
     requests = pd.read_parquet(tmp_path / "run" / "requests.parquet")
     assert (requests["status"] == "ok").all()
     assert (requests["output_tokens"] == output_len).all()
@@ -246,7 +249,6 @@ def test_a_harness_run_has_records_and_no_failures(tmp_path: Path) -> None:
     # same file (Q4_1 weights dequantized): close, not equal (llama.cpp's Q4_1 matmuls
     # quantize activations to 8 bits)
     quality = summary["quality"]
-    print(quality)
     assert quality["top1_agreement"] >= 0.9 and 0 < quality["kl_mean"] < 0.05
     assert 1 < quality["perplexity"] < 100
 
