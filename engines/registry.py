@@ -19,6 +19,7 @@ from typing import Any
 from engines.base import Backend
 from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
+from engines.llamacpp.config import LlamaCppConfig
 from engines.openai.config import OpenAIConfig
 from engines.plugins import Registry
 
@@ -130,6 +131,14 @@ def _hf(options: Options, model: Options) -> Backend:
     from engines.hf.backend import HFBackend
 
     return HFBackend.from_config(_weights_from_model_group(options, model))
+
+
+@register_backend("llamacpp", LlamaCppConfig, MODEL_FIELDS)
+def _llamacpp(options: Options, model: Options) -> Backend:
+    """llama.cpp in process (llama-cpp-python) on a GGUF file."""
+    from engines.llamacpp.backend import LlamaCppBackend
+
+    return LlamaCppBackend.from_config(_weights_from_model_group(options, model))
 
 
 @register_backend("openai", OpenAIConfig)

@@ -10,7 +10,8 @@ pad its embedding rows). See docs/quality.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -67,8 +68,21 @@ def quality_probe(
             f"quality probe: tokenizer vocabularies differ ({vocab} vs "
             f"{candidate.tokenizer.vocab_size})"
         )
-    ref = torch.cat(prompt_logits(reference, prompts))[:, :vocab].double()
-    cand = torch.cat(prompt_logits(candidate, prompts))[:, :vocab].double()
+    return compare_logits(
+        prompt_logits(reference, prompts), prompt_logits(candidate, prompts), vocab, min_margin
+    )
+
+
+def compare_logits(
+    reference: Sequence[torch.Tensor],
+    candidate: Sequence[torch.Tensor],
+    vocab: int,
+    min_margin: float = 0.1,
+) -> dict[str, float | int | None]:
+    """`quality_probe`'s comparison of two engines' logits [positions, >= vocab] per prompt,
+    for engines that give logits another way (a backend's `prompt_logits`)."""
+    ref = torch.cat(list(reference))[:, :vocab].double()
+    cand = torch.cat(list(candidate))[:, :vocab].double()
     ref_lp = torch.log_softmax(ref, dim=-1)
     cand_lp = torch.log_softmax(cand, dim=-1)
     kl = (ref_lp.exp() * (ref_lp - cand_lp)).sum(dim=-1).clamp_min(0.0)
@@ -95,17 +109,32 @@ def perplexity(llm: LLM, text: str, window: int | None = None) -> float:
     (default: the engine's ``max_model_len - 1``, room for the one sampled token); each window
     is one prompt, and its first token is context only (no prediction crosses a window edge).
     """
-    ids = llm.tokenizer.encode(text, add_special_tokens=False)
-    size = window or llm.engine.limits.max_model_len - 1
+    return perplexity_of(
+        lambda chunks: prompt_logits(llm, chunks),
+        llm.tokenizer,
+        text,
+        window or llm.engine.limits.max_model_len - 1,
+    )
+
+
+def perplexity_of(
+    logits_of: Callable[[list[list[int]]], Sequence[torch.Tensor]],
+    tokenizer: Any,
+    text: str,
+    window: int,
+) -> float:
+    """`perplexity` for any source of prompt logits (`logits_of(prompts)`)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    size = window
     if size < 2:
         raise ValueError("perplexity: window must be >= 2")
     chunks = [ids[i : i + size] for i in range(0, len(ids), size)]
     chunks = [c for c in chunks if len(c) >= 2]
     if not chunks:
         raise ValueError("perplexity: the text has fewer than 2 tokens")
-    vocab = llm.tokenizer.vocab_size
+    vocab = tokenizer.vocab_size
     total, count = 0.0, 0
-    for chunk, logits in zip(chunks, prompt_logits(llm, chunks), strict=True):
+    for chunk, logits in zip(chunks, logits_of(chunks), strict=True):
         lp = torch.log_softmax(logits[:-1, :vocab].double(), dim=-1)
         targets = torch.tensor(chunk[1:])
         total -= float(lp.gather(1, targets[:, None]).sum())
@@ -148,3 +177,58 @@ def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[st
     if candidate.engine.weights_source == "checkpoint":
         out["perplexity"] = perplexity(candidate, text)
     return out
+
+
+@runtime_checkable
+class LogitsBackend(Protocol):
+    """A backend the probe can read without the built-in engine's logits observer: it gives
+    float32 logits at every prompt position itself (engine=llamacpp)."""
+
+    tokenizer: Any
+
+    def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+def run_quality_of_backend(backend: LogitsBackend, settings: dict) -> dict[str, Any]:
+    """`run.quality` for a backend with `prompt_logits`: its logits against the built-in
+    engine's float32, unquantized ones on the same model file (describe()['model']), over the
+    same windows of the probe text as `run_quality`; the reference prefills in 16-token
+    chunks as there. Perplexity too: a GGUF file holds real weights."""
+    from engines.train_tiny import corpus_text
+
+    facts = backend.describe()
+    max_model_len = int(facts["max_model_len"])
+    reference = LLM(
+        model=str(facts["model"]),
+        dtype="float32",
+        max_model_len=max_model_len,
+        max_num_seqs=8,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+    )
+    if reference.tokenizer.vocab_size != backend.tokenizer.vocab_size:
+        raise ValueError("quality probe: the reference's tokenizer is not the backend's")
+    text = corpus_text(settings.get("text"))
+    ids = backend.tokenizer.encode(text, add_special_tokens=False)
+    length = min(int(settings.get("prompt_len", 64)), max_model_len - 1)
+    count = int(settings.get("num_prompts", 8))
+    stride = max(1, (len(ids) - length) // max(1, count))
+    prompts = [ids[i * stride : i * stride + length] for i in range(count)]
+    vocab = backend.tokenizer.vocab_size
+    result = compare_logits(
+        prompt_logits(reference, prompts),
+        backend.prompt_logits(prompts),
+        vocab,
+        float(settings.get("min_margin", 0.1)),
+    )
+    return {
+        "top1_agreement": result["top1_agreement"],
+        "kl_mean": result["kl_mean"],
+        "max_abs_logit_error": result["max_abs_logit_error"],
+        # the weights are a real checkpoint (a GGUF file): perplexity means something
+        "perplexity": perplexity_of(
+            backend.prompt_logits, backend.tokenizer, text, max_model_len - 1
+        ),
+    }

@@ -313,6 +313,13 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
                     LLM.from_engine(backend.engine),
                     asdict(run_cfg.quality),
                 )
+            elif run_cfg.quality.enabled and hasattr(backend, "prompt_logits"):
+                # a backend that gives logits itself (engine=llamacpp), against the built-in
+                # engine's float32 on the same model file
+                from harness.measuring.quality import LogitsBackend, run_quality_of_backend
+
+                assert isinstance(backend, LogitsBackend)
+                info["quality"] = run_quality_of_backend(backend, asdict(run_cfg.quality))
             if first_steps:
                 step = first_steps[0]
                 info["first_step_s"] = step["end_s"] - step["start_s"]

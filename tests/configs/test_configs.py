@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 import configs
 from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
+from engines.llamacpp.config import LlamaCppConfig
 from engines.registry import BACKENDS, build_backend
 from harness.running.experiment import make_workload
 from harness.running.window import WindowConfig
@@ -33,7 +34,7 @@ def names(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 
 
-ENGINE_CONFIGS = {"builtin": EngineConfig, "hf": HFConfig}
+ENGINE_CONFIGS = {"builtin": EngineConfig, "hf": HFConfig, "llamacpp": LlamaCppConfig}
 
 
 def check(cfg: dict) -> None:

@@ -1,0 +1,461 @@
+"""`engine=llamacpp`: llama.cpp in process, through llama-cpp-python's low-level API, on a GGUF
+file (the same file the built-in engine dequantizes for model=smollm2-135m).
+
+Scheduling is this module's, computing is llama.cpp's (engines/llamacpp/runner.py). Every step
+is one `llama_decode` call: a decode token of each running sequence first, then prompt chunks
+of newly admitted ones within `max_num_batched_tokens`, up to `max_num_seqs` sequences at once
+(continuous batching, as llama.cpp's server slots do). Prompts are tokenized by the tokenizer
+the built-in engine builds from the same file (models.gguf), so both see the same token ids.
+
+The step runs in a worker thread (ctypes releases the GIL while llama.cpp computes); between
+steps the event loop admits arrivals, frees aborted sequences and hands out the step's events,
+whose timestamps are taken in the worker as soon as a step's tokens are sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engines.base import (
+    TERMINAL_EVENTS,
+    Arrived,
+    Backend,
+    Failed,
+    Finished,
+    GenerationRequest,
+    PrefillChunk,
+    RequestEvent,
+    Scheduled,
+    StepRecord,
+    Tokenized,
+    Tokens,
+    now_ns,
+)
+from engines.llamacpp.config import LlamaCppConfig
+from engines.llamacpp.runner import BatchToken, LlamaCppRunner, check_gguf, converted
+from engines.sampling_params import SamplingParams
+from models.tokenizer import Tokenizer, tokenizer_for_model
+
+
+@dataclass(eq=False)
+class _Seq:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    detok: Any  # DetokenizerStream | None
+    queue: asyncio.Queue[RequestEvent]
+    seed: int
+    seq_id: int = -1  # llama.cpp's sequence id while it holds KV cells
+    computed: int = 0  # prompt tokens in the KV cache
+    output: list[int] = field(default_factory=list)
+    sampler: Any = None  # llama.cpp's sampler chain (non-greedy only)
+    scheduled: bool = False
+    done: bool = False  # finished, failed or aborted
+
+
+@dataclass
+class _Planned:
+    seq: _Seq
+    num_tokens: int
+    prefill: bool
+    row: int | None  # the batch row whose logits sample the next token; None mid-prompt
+
+
+class LlamaCppBackend(Backend):
+    name = "llamacpp"
+
+    def __init__(self, config: LlamaCppConfig) -> None:
+        super().__init__()
+        self.config = config.validate()
+        self.runner: LlamaCppRunner | None = None
+        self.tokenizer: Tokenizer | None = None
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._free_ids: list[int] = []
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        # one worker: llama.cpp's context is not thread-safe, and steps run one at a time
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp-step")
+        self._step = 0
+        self._seeds = np.random.default_rng(config.seed)
+
+    @classmethod
+    def from_config(cls, options: dict[str, Any]) -> LlamaCppBackend:
+        return cls(LlamaCppConfig.from_dict(options))
+
+    # ---- load ----------------------------------------------------------------------------
+
+    def load(self) -> None:
+        cfg = self.config
+        source = check_gguf(cfg.model)
+        path = converted(source, cfg.gguf_type) if cfg.gguf_type else source
+        self.gguf_file = path
+        threads = cfg.num_threads or torch.get_num_threads()
+        self.runner = LlamaCppRunner(
+            path,
+            num_seqs=cfg.max_num_seqs,
+            seq_len=cfg.max_model_len,
+            batch_tokens=cfg.max_num_batched_tokens,
+            threads=threads,
+            threads_batch=cfg.num_threads_batch or threads,
+            flash_attn=cfg.flash_attn,
+        )
+        self.max_model_len = self.runner.seq_len
+        self.tokenizer = tokenizer_for_model(str(path), None)
+        self.eos_ids = frozenset(self.tokenizer.special.eos_ids)
+        self._free_ids = list(range(cfg.max_num_seqs))[::-1]
+        self._kv_per_token = self.runner.kv_bytes_per_token()
+
+    def describe(self) -> dict[str, Any]:
+        assert self.runner is not None, "load() first"
+        cfg = self.config
+        return {
+            "backend": self.name,
+            "model": cfg.model,  # the model group's file (the quality probe's reference)
+            "gguf_type": cfg.gguf_type,
+            "gguf_file": str(self.gguf_file),  # the file llama.cpp runs
+            "device": "cpu",
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "flash_attn": cfg.flash_attn,
+            "kv_cache_bytes": self.runner.n_ctx * self._kv_per_token,
+            **self.runner.describe(),
+            "torch_threads": torch.get_num_threads(),
+        }
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def _tokenize(self, request: GenerationRequest) -> list[int]:
+        """The built-in engine's rules (LLMEngine.tokenize and check_request)."""
+        assert self.tokenizer is not None and self.runner is not None
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)  # type: ignore[arg-type]
+        else:
+            raise ValueError(
+                "prompt: expected a string, a list of token ids or a list of chat "
+                f"messages, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("prompt: empty (it has no tokens)")
+        if len(ids) + request.sampling.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens + max_tokens {request.sampling.max_tokens} exceed "
+                f"max_model_len={self.max_model_len}"
+            )
+        bad = [t for t in ids if not 0 <= t < self.runner.n_vocab]
+        if bad:
+            raise ValueError(
+                f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {self.runner.n_vocab})"
+            )
+        return ids
+
+    @staticmethod
+    def _check_supported(sampling: SamplingParams) -> None:
+        sampling.validate()
+        if sampling.n != 1:
+            raise ValueError(f"SamplingParams.n: {sampling.n} is invalid; allowed: 1")
+        if sampling.stop:
+            raise ValueError(
+                "SamplingParams.stop: stop strings are not supported by engine=llamacpp; "
+                "allowed: [] (stop_token_ids, EOS and max_tokens are)"
+            )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestEvent]:
+        assert self.runner is not None and self.tokenizer is not None, "load() first"
+        arrival = now_ns()
+        try:
+            self._check_supported(request.sampling)
+            ids = self._tokenize(request)
+        except (ValueError, TypeError) as exc:
+            yield Failed(request.request_id, -1, now_ns(), str(exc))
+            return
+        yield Arrived(request.request_id, -1, arrival)
+        yield Tokenized(request.request_id, -1, now_ns(), len(ids))
+        sampling = request.sampling
+        seq = _Seq(
+            request.request_id,
+            ids,
+            sampling,
+            self.tokenizer.new_stream(ids, sampling.skip_special_tokens)
+            if sampling.detokenize
+            else None,
+            asyncio.Queue(),
+            sampling.seed if sampling.seed is not None else int(self._seeds.integers(2**32)),
+        )
+        self._waiting.append(seq)
+        self._ensure_loop()
+        assert self._wake is not None
+        self._wake.set()
+        try:
+            while True:
+                event = await seq.queue.get()
+                yield event
+                if isinstance(event, TERMINAL_EVENTS):
+                    return
+        finally:
+            seq.done = True  # the consumer went away early: freed at the next step boundary
+
+    # ---- the step loop (on the event loop; compute in the worker) -------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            self._release([s for s in self._running if s.done])
+            self._admit()
+            if not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan, tokens = self._plan()
+            start = now_ns()
+            try:
+                sampled, forward_ns, end = await loop.run_in_executor(
+                    self._executor, self._execute, plan, tokens
+                )
+                self._after_step(plan, tokens, sampled, start, end, forward_ns)
+            except Exception as exc:  # fail this step's sequences, keep serving the rest
+                failed = now_ns()
+                for item in plan:
+                    self._end(
+                        item.seq,
+                        Failed(
+                            item.seq.request_id,
+                            self._step,
+                            failed,
+                            f"llama.cpp: {type(exc).__name__}: {exc}",
+                        ),
+                    )
+            self._step += 1
+
+    def _admit(self) -> None:
+        while self._waiting and self._free_ids:
+            seq = self._waiting.popleft()
+            if seq.done:
+                continue  # aborted while waiting
+            seq.seq_id = self._free_ids.pop()
+            if not seq.sampling.greedy:
+                assert self.runner is not None
+                s = seq.sampling
+                seq.sampler = self.runner.new_sampler(s.temperature, s.top_k, s.top_p, seq.seed)
+            self._running.append(seq)
+
+    def _plan(self) -> tuple[list[_Planned], list[BatchToken]]:
+        """This step's batch: every decoding sequence's last token, then prompt chunks in
+        admission order while the token budget lasts."""
+        budget = self.config.max_num_batched_tokens
+        plan: list[_Planned] = []
+        tokens: list[BatchToken] = []
+        for seq in self._running:
+            if seq.computed == len(seq.prompt):
+                pos = len(seq.prompt) + len(seq.output) - 1
+                plan.append(_Planned(seq, 1, False, len(tokens)))
+                tokens.append(BatchToken(seq.seq_id, seq.output[-1], pos, True))
+        budget -= len(tokens)
+        for seq in self._running:
+            left = len(seq.prompt) - seq.computed
+            if left == 0 or budget == 0:
+                continue
+            n = min(left, budget)
+            last = n == left  # the prompt's end: its last row's logits give the first token
+            end = seq.computed + n
+            for pos in range(seq.computed, end):
+                tokens.append(BatchToken(seq.seq_id, seq.prompt[pos], pos, last and pos == end - 1))
+            plan.append(_Planned(seq, n, True, len(tokens) - 1 if last else None))
+            budget -= n
+        return plan, tokens
+
+    def _execute(
+        self, plan: list[_Planned], tokens: list[BatchToken]
+    ) -> tuple[dict[int, int], int, int]:
+        """In the worker: one llama_decode, then a token for every row with logits. Returns
+        the tokens by row, the decode's time and the moment the tokens existed."""
+        runner = self.runner
+        assert runner is not None and self.tokenizer is not None
+        start = now_ns()
+        runner.decode(tokens)
+        forward_ns = now_ns() - start
+        vocab = self.tokenizer.vocab_size
+        sampled: dict[int, int] = {}
+        for item in plan:
+            if item.row is None:
+                continue
+            seq, logits = item.seq, runner.logits(item.row)
+            # the built-in engine's rules: no id past the tokenizer's vocabulary, and no EOS
+            # or stop token before min_tokens
+            if vocab < runner.n_vocab:
+                logits[vocab:] = -math.inf
+            s = seq.sampling
+            if not s.ignore_eos and len(seq.output) < s.min_tokens:
+                banned = [t for t in (*self.eos_ids, *s.stop_token_ids) if t < runner.n_vocab]
+                logits[banned] = -math.inf
+            if seq.sampler is None:
+                sampled[item.row] = int(np.argmax(logits))
+            else:
+                sampled[item.row] = runner.sample(seq.sampler, item.row)
+        return sampled, forward_ns, now_ns()
+
+    def _after_step(
+        self,
+        plan: list[_Planned],
+        tokens: list[BatchToken],
+        sampled: dict[int, int],
+        start: int,
+        end: int,
+        forward_ns: int,
+    ) -> None:
+        step = self._step
+        prefill = [p for p in plan if p.prefill]
+        # the step is reported before its tokens so a run never ends with its last step
+        # unrecorded
+        kv_read = sum(p.seq.computed + p.num_tokens + len(p.seq.output) for p in plan)
+        self.emit_step(
+            StepRecord(
+                step=step,
+                start_ns=start,
+                end_ns=end,
+                num_seqs=len(plan),
+                num_prefill_seqs=len(prefill),
+                num_decode_seqs=len(plan) - len(prefill),
+                prefill_tokens=sum(p.num_tokens for p in prefill),
+                decode_tokens=len(plan) - len(prefill),
+                padding_tokens=0,
+                num_waiting=sum(1 for s in self._waiting if not s.done),
+                kv_bytes_reserved=self.runner.n_ctx * self._kv_per_token if self.runner else 0,
+                kv_bytes_used=self._kv_per_token
+                * sum(s.computed + len(s.output) for s in self._running),
+                num_running=len(self._running),
+                forward_ns=forward_ns,
+                logits_tokens=len(sampled),
+                attention_pairs=sum(t.pos + 1 for t in tokens),
+                kv_tokens_read=kv_read,
+                kv_tokens_written=len(tokens),
+            )
+        )
+        for item in plan:
+            seq = item.seq
+            if seq.done:  # aborted during the step: freed at the next boundary
+                continue
+            if not seq.scheduled:
+                seq.scheduled = True
+                seq.queue.put_nowait(Scheduled(seq.request_id, step, start))
+            if item.prefill:
+                seq.queue.put_nowait(
+                    PrefillChunk(seq.request_id, step, end, item.num_tokens, seq.computed)
+                )
+                seq.computed += item.num_tokens
+            if item.row is None:
+                continue
+            token = sampled[item.row]
+            seq.output.append(token)
+            seq.queue.put_nowait(
+                Tokens(seq.request_id, step, end, (token,), self._text(seq, token))
+            )
+            s, n = seq.sampling, len(seq.output)
+            if n >= s.max_tokens:
+                self._finish(seq, "length", end, step)
+            elif (
+                not s.ignore_eos
+                and n >= s.min_tokens
+                and (token in self.eos_ids or token in s.stop_token_ids)
+            ):
+                self._finish(seq, "stop", end, step)
+
+    def _text(self, seq: _Seq, token: int) -> str:
+        assert self.tokenizer is not None
+        if seq.detok is None or token >= self.tokenizer.vocab_size:
+            return ""
+        return seq.detok.step(token)
+
+    def _finish(self, seq: _Seq, reason: str, time: int, step: int) -> None:
+        self._end(
+            seq,
+            Finished(
+                seq.request_id,
+                step,
+                time,
+                reason,
+                len(seq.prompt),
+                len(seq.output),
+                text=seq.detok.text if seq.detok else "",
+            ),
+        )
+
+    def _end(self, seq: _Seq, event: RequestEvent) -> None:
+        if not seq.done:
+            seq.queue.put_nowait(event)
+        seq.done = True
+        self._release([seq])
+
+    def _release(self, seqs: list[_Seq]) -> None:
+        """Free the KV cells and sampler of finished or aborted sequences (between steps)."""
+        runner = self.runner
+        for seq in seqs:
+            if seq not in self._running:
+                continue
+            self._running.remove(seq)
+            if runner is not None:
+                runner.free_seq(seq.seq_id)
+                if seq.sampler is not None:
+                    runner.free_sampler(seq.sampler)
+                    seq.sampler = None
+            self._free_ids.append(seq.seq_id)
+            seq.seq_id = -1
+
+    # ---- quality probe ---------------------------------------------------------------------
+
+    def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """float32 logits [len(prompt), vocab] at every position of every prompt, one prompt
+        at a time in chunks of max_num_batched_tokens (the quality probe's input; see
+        harness/measuring/quality.py). Call while no request runs."""
+        runner = self.runner
+        assert runner is not None, "load() first"
+        if self._running:
+            raise RuntimeError("prompt_logits: requests are running")
+        seq_id, chunk = 0, self.config.max_num_batched_tokens
+        out = []
+        for prompt in prompts:
+            if len(prompt) > self.max_model_len:
+                raise ValueError(
+                    f"prompt: {len(prompt)} tokens exceed max_model_len={self.max_model_len}"
+                )
+            rows = []
+            try:
+                for begin in range(0, len(prompt), chunk):
+                    part = prompt[begin : begin + chunk]
+                    runner.decode(
+                        [BatchToken(seq_id, t, begin + i, True) for i, t in enumerate(part)]
+                    )
+                    rows += [torch.from_numpy(runner.logits(i).copy()) for i in range(len(part))]
+            finally:
+                runner.free_seq(seq_id)
+            out.append(torch.stack(rows))
+        return out
+
+    def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._executor.shutdown(wait=True, cancel_futures=True)  # no decode left in flight
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
