@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from engines.base import ConfigError
+from models.packaged import model_location
 
 FLASH_ATTN = ("auto", "on", "off")
 # the model file's tensors re-encoded first (`inferlab convert`, cached): an equal-precision
@@ -57,6 +58,7 @@ class LlamaCppConfig:
                 f"engine.{name}: {getattr(self, name)!r} is invalid; allowed: {allowed}"
             )
 
+        self.model = model_location(self.model)  # a packaged model's file
         if self.flash_attn not in FLASH_ATTN:
             raise bad("flash_attn", "|".join(FLASH_ATTN))
         if self.gguf_type is not None and self.gguf_type not in GGUF_TYPES:

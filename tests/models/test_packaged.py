@@ -35,10 +35,12 @@ def test_a_package_without_the_file_says_so(monkeypatch: pytest.MonkeyPatch) -> 
         resolve_model("no-file")
 
 
-@pytest.mark.parametrize("backend", ["builtin", "hf"])
+@pytest.mark.parametrize("backend", ["builtin", "hf", "llamacpp"])
 def test_every_backend_loads_the_packaged_file_not_dummy_weights(backend: str) -> None:
     from engines.builtin.config import EngineConfig
     from engines.hf.config import HFConfig
+    from engines.llamacpp.config import LlamaCppConfig
 
-    config = {"builtin": EngineConfig, "hf": HFConfig}[backend].from_dict({"model": "smollm2-135m"})
+    configs = {"builtin": EngineConfig, "hf": HFConfig, "llamacpp": LlamaCppConfig}
+    config = configs[backend].from_dict({"model": "smollm2-135m"})
     assert config.model == str(packaged_model_path("smollm2-135m"))
