@@ -203,10 +203,15 @@ class _EagerAttention:
     def __init__(self, inner: Callable[..., torch.Tensor]) -> None:
         self.inner = inner
         self.name = getattr(inner, "name", type(inner).__name__)
+        # wrapped here, not by a decorator: torch.compiler.disable imports torch._dynamo
+        # (seconds), which every process importing the engine would pay, compiled or not
+        self._eager = torch.compiler.disable(self._inner_call)
 
-    @torch.compiler.disable
-    def __call__(self, *args: object) -> torch.Tensor:
+    def _inner_call(self, *args: object) -> torch.Tensor:
         return self.inner(*args)
+
+    def __call__(self, *args: object) -> torch.Tensor:
+        return self._eager(*args)
 
 
 def compile_model(runner: ModelRunner) -> None:

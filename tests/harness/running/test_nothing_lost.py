@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 
+import configs
 from harness import run_folder
 from harness.measuring.metrics import compute_summary
 from harness.run_folder import load_table, write_json_atomic
@@ -134,28 +136,25 @@ def test_summary_replacement_is_atomic(tmp_path: Path) -> None:
 
 def test_failed_requests_are_counted_and_kept_out_of_latencies(tmp_path: Path) -> None:
     """Two-turn sessions on a 64-token context: every second turn (history + new part) no
-    longer fits max_model_len and fails; the run completes and counts them."""
+    longer fits max_model_len and fails; the run completes and counts them. (In this process,
+    composed as `inferlab run` composes it: the run's accounting is checked, not the command.)"""
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness.running.app",
-            "model=tiny",
-            "engine.max_model_len=64",
-            "workload.num_requests=6",
-            "workload.input_len=30",
-            "workload.output_len=4",
-            "workload.sessions={num_turns: 2, think_time_s: 0}",
-            "run.warmup_requests=0",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    config = OmegaConf.to_container(
+        configs.compose(
+            [
+                "model=tiny",
+                "engine.max_model_len=64",
+                "workload.num_requests=6",
+                "workload.input_len=30",
+                "workload.output_len=4",
+                "workload.sessions={num_turns: 2, think_time_s: 0}",
+                "run.warmup_requests=0",
+            ]
+        ),
+        resolve=True,
     )
-    assert result.returncode == 0, result.stderr
+    assert isinstance(config, dict)
+    assert run_experiment(config, run_dir, progress=False)["status"] == "complete"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "complete"
     metrics = summary["metrics_whole_run"]

@@ -80,12 +80,21 @@ def test_aggregate_medians_and_spread() -> None:
 
 
 @pytest.fixture(scope="module")
-def repeated(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("repeats") / "run"
-    result = inferlab_run(*TINY, "repeats=2", f"hydra.run.dir={run_dir}")
+def swept(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One sweep of two jobs with repeats=2 (every `inferlab run` costs a process per repeat):
+    job 0 (max_num_seqs=0) fails, job 1 is the repeated run the other tests read."""
+    sweep_dir = tmp_path_factory.mktemp("repeats") / "sweep"
+    result = inferlab_run(
+        "-m", *TINY, "repeats=2", "engine.max_num_seqs=0,2", f"hydra.sweep.dir={sweep_dir}"
+    )
     assert result.returncode == 0, result.stderr
     assert "repeat 1/2" in result.stdout and "repeat 2/2" in result.stdout
-    return run_dir
+    return sweep_dir
+
+
+@pytest.fixture(scope="module")
+def repeated(swept: Path) -> Path:
+    return swept / "1"
 
 
 def test_repeats_run_in_fresh_processes_and_summarize(repeated: Path) -> None:
@@ -111,34 +120,37 @@ def test_repeats_run_in_fresh_processes_and_summarize(repeated: Path) -> None:
     assert (repeated / "config.yaml").is_file() and (repeated / "provenance.json").is_file()
 
 
+def test_repeats_inside_a_sweep(swept: Path) -> None:
+    """Each job folder holds its repeats; a failing job stops at its first repeat, is
+    recorded as failed, and the sweep goes on."""
+    sweep = pd.read_csv(swept / "sweep.csv").set_index("engine.max_num_seqs")
+    assert sweep.loc[0, "status"] == "failed"
+    assert "repeat 0" in sweep.loc[0, "error"] and "engine.max_num_seqs" in sweep.loc[0, "error"]
+    assert read_summary(swept / "0")["repeat_status"] == ["failed", "not run"]
+    assert not (swept / "0" / "repeat-1").exists()
+    assert sweep.loc[2, "status"] == "complete"
+    job = read_summary(swept / "1")
+    assert sorted(p.name for p in (swept / "1").glob("repeat-*")) == ["repeat-0", "repeat-1"]
+    assert sweep.loc[2, "ttft_p50_s"] == pytest.approx(job["metrics"]["ttft_p50_s"])
+    assert len(job["metrics_spread"]["ttft_p50_s"]["values"]) == 2
+
+
 def test_resume_reruns_only_unfinished_repeats(repeated: Path) -> None:
+    """Last: it rewrites the job folder the tests above read."""
     first = (repeated / "repeat-0" / "summary.json").read_bytes()
     # what a series interrupted in its second repeat leaves: both summaries say incomplete
     for folder in (repeated / "repeat-1", repeated):
         interrupted = {**read_summary(folder), "status": "incomplete"}
         (folder / "summary.json").write_text(json.dumps(interrupted))
-    result = inferlab_run(*TINY, "repeats=2", "run.resume=true", f"hydra.run.dir={repeated}")
+    result = inferlab_run(
+        *TINY,
+        "repeats=2",
+        "engine.max_num_seqs=2",  # the job's configuration, resumed as a run of its own
+        "run.resume=true",
+        f"hydra.run.dir={repeated}",
+    )
     assert result.returncode == 0, result.stderr
     assert "repeat 1/2" not in result.stdout and "repeat 2/2" in result.stdout
     assert (repeated / "repeat-0" / "summary.json").read_bytes() == first
     assert read_summary(repeated / "repeat-1")["status"] == "complete"
     assert read_summary(repeated)["status"] == "complete"
-
-
-def test_repeats_inside_a_sweep(tmp_path: Path) -> None:
-    """Each job folder holds its repeats; a failing job stops at its first repeat, is
-    recorded as failed, and the sweep goes on."""
-    result = inferlab_run(
-        "-m", *TINY, "repeats=2", "engine.max_num_seqs=0,2", f"hydra.sweep.dir={tmp_path}"
-    )
-    assert result.returncode == 0, result.stderr
-    sweep = pd.read_csv(tmp_path / "sweep.csv").set_index("engine.max_num_seqs")
-    assert sweep.loc[0, "status"] == "failed"
-    assert "repeat 0" in sweep.loc[0, "error"] and "engine.max_num_seqs" in sweep.loc[0, "error"]
-    assert read_summary(tmp_path / "0")["repeat_status"] == ["failed", "not run"]
-    assert not (tmp_path / "0" / "repeat-1").exists()
-    assert sweep.loc[2, "status"] == "complete"
-    job = read_summary(tmp_path / "1")
-    assert sorted(p.name for p in (tmp_path / "1").glob("repeat-*")) == ["repeat-0", "repeat-1"]
-    assert sweep.loc[2, "ttft_p50_s"] == pytest.approx(job["metrics"]["ttft_p50_s"])
-    assert len(job["metrics_spread"]["ttft_p50_s"]["values"]) == 2
