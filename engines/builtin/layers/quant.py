@@ -15,7 +15,8 @@ INT4 (asymmetric, per group of g input columns, round to nearest), two zero-poin
   float (default; llama.cpp's Q4_1, torchao's tinygemm layout with a FLOAT zero-point domain):
     lo = min(w), hi = max(w) of the group (the range is NOT widened to include 0),
     scale = (hi - lo) / 15,  q = clamp(round((w - lo) / scale), 0, 15),  w ~= q * scale + lo.
-  int (integer zero point, as AWQ / GPTQ store it), with the range widened to include 0:
+  int (an integer zero point, the form AWQ / GPTQ checkpoints store; here the range is
+    widened to include 0, so 0 is a grid point):
     scale = (max - min) / 15,  z = clamp(round(-min / scale), 0, 15),
     q = clamp(round(w / scale) + z, 0, 15),  w ~= (q - z) * scale.
 torch's int4 kernels dequantize as (q - 8) * scale + zero with a float `zero`, so both store
@@ -56,11 +57,6 @@ _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _has_op(name: str) -> bool:
     return hasattr(torch.ops.aten, name)
-
-
-def _layer_label(layer: Linear) -> str:
-    name = getattr(layer, "name", "") or "<unnamed>"
-    return f"layer {name!r} [out={layer.out_features}, in={layer.in_features}]"
 
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:
