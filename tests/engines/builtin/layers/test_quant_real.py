@@ -71,14 +71,17 @@ def fp32_models(gguf_path: Path) -> tuple[LLM, LLM]:
     options: dict[str, Any] = dict(
         dtype="float32", max_model_len=512, max_num_seqs=4, kv_cache_prefault=False
     )
+    # the file's path: LLM("smollm2-135m") would build the config from it but dummy weights
+    path = str(gguf_path)
     return (
-        LLM("smollm2-135m", **options),
-        LLM("smollm2-135m", **options, quantization="int4", quantization_group_size=32),
+        LLM(path, **options),
+        LLM(path, **options, quantization="int4", quantization_group_size=32),
     )
 
 
 def test_int4_g32_float_in_fp32_computes_what_fp32_does(fp32_models: tuple[LLM, LLM]) -> None:
     dense, int4 = fp32_models
+    assert dense.engine.weights_source == int4.engine.weights_source == "checkpoint"
     assert int4.engine.describe()["linear_methods"]["layers.*.mlp.down_proj"] == (
         "int4 g32 zero_point=float"
     )
