@@ -165,9 +165,10 @@ def test_unknown_config_keys_are_named(tmp_path: Path) -> None:
     result = inferlab("run", "model=no_such_preset", f"hydra.run.dir={tmp_path}/c")
     assert result.returncode != 0 and "no_such_preset" in result.stderr
     result = inferlab(
-        "run", "model=tiny", "engine.quantization=int4", f"hydra.run.dir={tmp_path}/d"
+        "run", "model=tiny", "engine.quantization_zero_point=half", f"hydra.run.dir={tmp_path}/d"
     )
-    assert result.returncode != 0 and "quantization_group_size=128" in result.stderr
+    assert result.returncode != 0
+    assert "engine.quantization_zero_point: 'half' is invalid; allowed: float|int" in result.stderr
 
 
 def test_bad_requests_fail_alone(tmp_path: Path) -> None:
