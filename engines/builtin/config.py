@@ -18,6 +18,7 @@ CHOICES = {
     "kv_cache": ("none", "contiguous", "paged"),
     "batching": ("static", "continuous"),
     "quantization": ("none", "int8", "int4"),
+    "quantization_zero_point": ("float", "int"),
     "kv_cache_dtype": ("auto", "int8"),
     "attention_backend": ("auto", "torch", "sdpa", "cpu", "triton"),
     "load_format": ("auto", "dummy", "safetensors"),
@@ -57,7 +58,12 @@ class EngineConfig:
     # kernels and weights
     attention_backend: str = "auto"
     quantization: str = "none"
-    quantization_group_size: int = 128  # int4: input columns per scale/zero (32|64|128)
+    # int4: input columns per scale/zero (32|64|128); a layer it does not divide gets the
+    # largest smaller one that does (docs/engine_options.md)
+    quantization_group_size: int = 128
+    # int4: float (a float minimum per group, as llama.cpp's Q4_1) or int (an integer zero
+    # point with the range widened to include 0); engines/builtin/layers/quant.py
+    quantization_zero_point: str = "float"
     quantize_lm_head: bool = False  # quantize the (untied) LM head too; false keeps it dense
     # CPU, unquantized fp32/bf16: keep a oneDNN-packed copy of each linear weight (2x the
     # dense weight memory) so multi-row matmuls skip torch's per-call re-packing

@@ -171,6 +171,11 @@ class LLMEngine:
             "enable_chunked_prefill": self.config.enable_chunked_prefill,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "quantization": self.config.quantization,
+            # int4's options as asked; what each layer got (a group size fitted to its input
+            # size, or the INT8 fallback) is in linear_methods
+            "quantization_group_size": self.config.quantization_group_size,
+            "quantization_zero_point": self.config.quantization_zero_point,
+            "linear_methods": self.runner.model.linear_methods(),
             "kv_cache_dtype": self.config.kv_cache_dtype,
             # pages mapped at load (CPU); False: first writes fault them in during the run
             "kv_cache_prefault": self.config.kv_cache_prefault and not self.platform.is_cuda,

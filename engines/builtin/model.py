@@ -208,6 +208,25 @@ class Transformer(nn.Module):
     def linear_layers(self) -> dict[str, Linear]:
         return {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
 
+    def linear_methods(self) -> dict[str, str]:
+        """How each linear layer is kept, for describe(): layer name -> its method's own words
+        (e.g. "int4 g64 zero_point=float"); layers that every block keeps alike are one entry,
+        `layers.*.<name>`, so a per-layer group size or fallback shows without 30 copies."""
+        kept: dict[str, dict[int, str]] = {}
+        for name, m in self.linear_layers().items():
+            head, _, rest = name.partition(".")
+            index, _, tail = rest.partition(".")
+            key, at = (f"layers.*.{tail}", int(index)) if head == "layers" else (name, -1)
+            kept.setdefault(key, {})[at] = m.method.describe(m)
+        out: dict[str, str] = {}
+        for key, per_layer in kept.items():
+            if len(set(per_layer.values())) == 1:
+                out[key] = next(iter(per_layer.values()))
+            else:  # blocks differ: one entry per block
+                for at, desc in sorted(per_layer.items()):
+                    out[key.replace("*", str(at))] = desc
+        return out
+
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of weights a forward reads: all of them, the blocks' linear layers, embedding,
         LM head; and the packed copies kept beside them for the CPU kernels (resident memory,

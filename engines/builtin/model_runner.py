@@ -92,7 +92,10 @@ class ModelRunner:
         )
         with torch.device("meta"):
             linear = make_linear_method(
-                config.quantization, config.quantization_group_size, self.prepacked
+                config.quantization,
+                config.quantization_group_size,
+                self.prepacked,
+                config.quantization_zero_point,
             )
             # The LM head stays dense unless quantize_lm_head asks otherwise; a tied head is
             # the embedding table itself, so it always does.

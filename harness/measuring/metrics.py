@@ -173,6 +173,13 @@ register(
     "quality probe: mean KL(fp32 reference || this variant) of next-token distributions",
 )
 register(
+    "quality_positions",
+    "positions",
+    "none",
+    "deterministic",
+    "quality probe: prompt positions top1_agreement counts (reference margin > min_margin)",
+)
+register(
     "max_abs_logit_error",
     "logit",
     "lower",
@@ -184,7 +191,7 @@ register(
     "ppl",
     "lower",
     "deterministic",
-    "perplexity on the probe text (real checkpoints only)",
+    "quality probe: perplexity over the probe's prompts (real checkpoints only)",
 )
 register(
     "kv_gather_fraction",

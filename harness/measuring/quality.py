@@ -10,12 +10,16 @@ pad its embedding rows). See docs/quality.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from engines.builtin import LLM, SamplingParams
+from engines.train_tiny import corpus_text
+from workloads.common import REPO_ROOT
+from workloads.prompt_sets import load_prompt_set
 
 
 def prompt_logits(llm: LLM, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -60,7 +64,9 @@ def quality_probe(
     tokenizer vocabulary), ``top1_agreement`` (fraction of positions whose argmax agrees, only
     over positions where the reference's top-1 minus top-2 logit exceeds ``min_margin``: near
     ties flip on rounding noise and say nothing; None if no position qualifies),
-    ``max_abs_logit_error``, ``positions``, ``counted_positions`` and ``excluded_positions``.
+    ``max_abs_logit_error``, ``positions``, ``counted_positions`` and ``excluded_positions``;
+    and ``perplexity`` / ``reference_perplexity``: exp(mean NLL) of each prompt's next tokens
+    (within the prompt) under the candidate / the reference, from the same logits.
     """
     vocab = reference.tokenizer.vocab_size
     if candidate.tokenizer.vocab_size != vocab:
@@ -69,20 +75,25 @@ def quality_probe(
             f"{candidate.tokenizer.vocab_size})"
         )
     return compare_logits(
-        prompt_logits(reference, prompts), prompt_logits(candidate, prompts), vocab, min_margin
+        prompt_logits(reference, prompts),
+        prompt_logits(candidate, prompts),
+        prompts,
+        vocab,
+        min_margin,
     )
 
 
 def compare_logits(
-    reference: Sequence[torch.Tensor],
-    candidate: Sequence[torch.Tensor],
+    ref_rows: Sequence[torch.Tensor],
+    cand_rows: Sequence[torch.Tensor],
+    prompts: Sequence[Sequence[int]],
     vocab: int,
     min_margin: float = 0.1,
 ) -> dict[str, float | int | None]:
-    """`quality_probe`'s comparison of two engines' logits [positions, >= vocab] per prompt,
-    for engines that give logits another way (a backend's `prompt_logits`)."""
-    ref = torch.cat(list(reference))[:, :vocab].double()
-    cand = torch.cat(list(candidate))[:, :vocab].double()
+    """`quality_probe`'s comparison of two sources' logits [len(prompt), >= vocab] per prompt,
+    also for engines that give logits another way (a backend's `prompt_logits`)."""
+    ref = torch.cat(list(ref_rows))[:, :vocab].double()
+    cand = torch.cat(list(cand_rows))[:, :vocab].double()
     ref_lp = torch.log_softmax(ref, dim=-1)
     cand_lp = torch.log_softmax(cand, dim=-1)
     kl = (ref_lp.exp() * (ref_lp - cand_lp)).sum(dim=-1).clamp_min(0.0)
@@ -99,7 +110,20 @@ def compare_logits(
         "counted_positions": n_counted,
         "excluded_positions": int(ref.shape[0]) - n_counted,
         "min_margin": min_margin,
+        "perplexity": _prompts_perplexity(cand_rows, prompts, vocab),
+        "reference_perplexity": _prompts_perplexity(ref_rows, prompts, vocab),
     }
+
+
+def _prompts_perplexity(
+    logits: Sequence[torch.Tensor], prompts: Sequence[Sequence[int]], vocab: int
+) -> float:
+    total, count = 0.0, 0
+    for rows, prompt in zip(logits, prompts, strict=True):
+        lp = torch.log_softmax(rows[:-1, :vocab].double(), dim=-1)
+        total -= float(lp.gather(1, torch.tensor(prompt[1:])[:, None]).sum())
+        count += len(prompt) - 1
+    return math.exp(total / count) if count else math.nan
 
 
 def perplexity(llm: LLM, text: str, window: int | None = None) -> float:
@@ -109,32 +133,17 @@ def perplexity(llm: LLM, text: str, window: int | None = None) -> float:
     (default: the engine's ``max_model_len - 1``, room for the one sampled token); each window
     is one prompt, and its first token is context only (no prediction crosses a window edge).
     """
-    return perplexity_of(
-        lambda chunks: prompt_logits(llm, chunks),
-        llm.tokenizer,
-        text,
-        window or llm.engine.limits.max_model_len - 1,
-    )
-
-
-def perplexity_of(
-    logits_of: Callable[[list[list[int]]], Sequence[torch.Tensor]],
-    tokenizer: Any,
-    text: str,
-    window: int,
-) -> float:
-    """`perplexity` for any source of prompt logits (`logits_of(prompts)`)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    size = window
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    size = window or llm.engine.limits.max_model_len - 1
     if size < 2:
         raise ValueError("perplexity: window must be >= 2")
     chunks = [ids[i : i + size] for i in range(0, len(ids), size)]
     chunks = [c for c in chunks if len(c) >= 2]
     if not chunks:
         raise ValueError("perplexity: the text has fewer than 2 tokens")
-    vocab = tokenizer.vocab_size
+    vocab = llm.tokenizer.vocab_size
     total, count = 0.0, 0
-    for chunk, logits in zip(chunks, logits_of(chunks), strict=True):
+    for chunk, logits in zip(chunks, prompt_logits(llm, chunks), strict=True):
         lp = torch.log_softmax(logits[:-1, :vocab].double(), dim=-1)
         targets = torch.tensor(chunk[1:])
         total -= float(lp.gather(1, targets[:, None]).sum())
@@ -142,40 +151,94 @@ def perplexity_of(
     return math.exp(total / count)
 
 
+def prompt_set_format(path: str) -> str:
+    """A prompt-set file's format from its name: ShareGPT (.json), MT-Bench (.jsonl), else
+    one prompt per line (a .gz suffix is looked through)."""
+    name = path.removesuffix(".gz")
+    if name.endswith(".json"):
+        return "sharegpt"
+    return "mt_bench" if name.endswith(".jsonl") else "text"
+
+
+def prompt_set_texts(path: str, count: int) -> list[str]:
+    """`count` conversations spread evenly over a prompt set, each as one text: the user turns
+    and (ShareGPT files that keep it) the reply that followed, joined by blank lines."""
+    items = load_prompt_set(path, prompt_set_format(path)).items
+    picked = [items[i * len(items) // count] for i in range(min(count, len(items)))]
+    return [
+        "\n\n".join([*item.turns, *([item.reference_output] if item.reference_output else [])])
+        for item in picked
+    ]
+
+
+def _resolve(path: str) -> str:
+    """As given (relative to the working directory), else relative to the repository root, so
+    configs can name shipped files (data/traces/...) from anywhere."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return str(p)
+    if not p.is_absolute() and (REPO_ROOT / p).is_file():
+        return str(REPO_ROOT / p)
+    raise FileNotFoundError(
+        f"run.quality.prompt_sets: no file at {path} (looked in the working directory "
+        f"{Path.cwd()} and the repository root {REPO_ROOT})"
+    )
+
+
+def probe_prompts(tokenizer: Any, max_model_len: int, settings: dict) -> list[list[int]]:
+    """The probe's prompts: `num_prompts` windows of `prompt_len` tokens spread over the text,
+    then `num_prompts` from each of `prompt_sets` cut to at most `prompt_len` tokens."""
+    text = corpus_text(settings.get("text"))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    length = min(int(settings.get("prompt_len", 64)), max_model_len - 1)
+    count = int(settings.get("num_prompts", 8))
+    stride = max(1, (len(ids) - length) // max(1, count))
+    prompts = [ids[i * stride : i * stride + length] for i in range(count)]
+    for path in settings.get("prompt_sets") or []:
+        for chat in prompt_set_texts(_resolve(path), count):
+            tokens = tokenizer.encode(chat, add_special_tokens=False)[:length]
+            if len(tokens) >= 2:
+                prompts.append(tokens)
+    return prompts
+
+
 def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[str, float | None]:
     """The probe a run asks for with `run.quality.enabled`: the measured engine's options
-    against the float32, unquantized engine on the same weights, over windows of a text
-    (prefilled in chunks, so cached K/V is read back); perplexity too when the weights are a
-    real checkpoint (dummy weights make it meaningless)."""
-    from engines.train_tiny import corpus_text
-
+    against the float32, unquantized engine on the same weights, over windows of a text and
+    prompts of the `prompt_sets` (prefilled in chunks, so cached K/V is read back); perplexity
+    over those prompts too when the weights are a real checkpoint (dummy weights make it
+    meaningless)."""
     reference_options = {
         **engine_options,
         "dtype": "float32",
         "quantization": "none",
         "kv_cache_dtype": "auto",
+        "kv_cache_prefault": False,  # not timed: no need to map the whole pool up front
     }
     if engine_options.get("kv_cache") != "none" and engine_options.get("batching") != "static":
         # Prompts go in small chunks, so every chunk after the first attends to K/V read back
         # from the cache: the probe then sees what KV quantization costs, not only weights.
-        chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16}
+        chunked = {
+            "enable_chunked_prefill": True,
+            "max_num_batched_tokens": 16,
+            "kv_cache_prefault": False,
+        }
         reference_options.update(chunked)
         candidate = LLM(**{**engine_options, **chunked})
     reference = LLM(**reference_options)
-    text = corpus_text(settings.get("text"))
-    ids = candidate.tokenizer.encode(text, add_special_tokens=False)
-    length = min(int(settings.get("prompt_len", 64)), candidate.engine.limits.max_model_len - 1)
-    count = int(settings.get("num_prompts", 8))
-    stride = max(1, (len(ids) - length) // max(1, count))
-    prompts = [ids[i * stride : i * stride + length] for i in range(count)]
+    prompts = probe_prompts(candidate.tokenizer, candidate.engine.limits.max_model_len, settings)
     result = quality_probe(reference, candidate, prompts, float(settings.get("min_margin", 0.1)))
     out: dict[str, float | None] = {
         "top1_agreement": result["top1_agreement"],
         "kl_mean": result["kl_mean"],
         "max_abs_logit_error": result["max_abs_logit_error"],
+        "quality_positions": result["counted_positions"],
     }
     if candidate.engine.weights_source == "checkpoint":
-        out["perplexity"] = perplexity(candidate, text)
+        # over the probe's prompts, from the logits just compared (a whole-text pass in
+        # 16-token chunks takes minutes on a real model): comparable between variants, and
+        # it sees the KV cache read back as the probe does
+        out["perplexity"] = result["perplexity"]
     return out
 
 
@@ -191,13 +254,11 @@ class LogitsBackend(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
-def run_quality_of_backend(backend: LogitsBackend, settings: dict) -> dict[str, Any]:
+def run_quality_of_backend(backend: LogitsBackend, settings: dict) -> dict[str, float | None]:
     """`run.quality` for a backend with `prompt_logits`: its logits against the built-in
     engine's float32, unquantized ones on the same model file (describe()['model']), over the
-    same windows of the probe text as `run_quality`; the reference prefills in 16-token
-    chunks as there. Perplexity too: a GGUF file holds real weights."""
-    from engines.train_tiny import corpus_text
-
+    probe's prompts, the reference prefilling in 16-token chunks as in `run_quality`; perplexity
+    too (a GGUF file holds real weights)."""
     facts = backend.describe()
     max_model_len = int(facts["max_model_len"])
     reference = LLM(
@@ -207,19 +268,16 @@ def run_quality_of_backend(backend: LogitsBackend, settings: dict) -> dict[str, 
         max_num_seqs=8,
         enable_chunked_prefill=True,
         max_num_batched_tokens=16,
+        kv_cache_prefault=False,
     )
-    if reference.tokenizer.vocab_size != backend.tokenizer.vocab_size:
-        raise ValueError("quality probe: the reference's tokenizer is not the backend's")
-    text = corpus_text(settings.get("text"))
-    ids = backend.tokenizer.encode(text, add_special_tokens=False)
-    length = min(int(settings.get("prompt_len", 64)), max_model_len - 1)
-    count = int(settings.get("num_prompts", 8))
-    stride = max(1, (len(ids) - length) // max(1, count))
-    prompts = [ids[i * stride : i * stride + length] for i in range(count)]
     vocab = backend.tokenizer.vocab_size
+    if reference.tokenizer.vocab_size != vocab:
+        raise ValueError("quality probe: the reference's tokenizer is not the backend's")
+    prompts = probe_prompts(backend.tokenizer, max_model_len, settings)
     result = compare_logits(
         prompt_logits(reference, prompts),
         backend.prompt_logits(prompts),
+        prompts,
         vocab,
         float(settings.get("min_margin", 0.1)),
     )
@@ -227,8 +285,6 @@ def run_quality_of_backend(backend: LogitsBackend, settings: dict) -> dict[str, 
         "top1_agreement": result["top1_agreement"],
         "kl_mean": result["kl_mean"],
         "max_abs_logit_error": result["max_abs_logit_error"],
-        # the weights are a real checkpoint (a GGUF file): perplexity means something
-        "perplexity": perplexity_of(
-            backend.prompt_logits, backend.tokenizer, text, max_model_len - 1
-        ),
+        "quality_positions": result["counted_positions"],
+        "perplexity": result["perplexity"],
     }

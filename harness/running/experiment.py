@@ -102,6 +102,9 @@ class QualityConfig:
     num_prompts: int = 8
     prompt_len: int = 64
     text: str | None = None  # text file for the probe and perplexity (None: the shipped corpus)
+    # prompt-set files (ShareGPT .json, MT-Bench .jsonl, else one prompt per line), each adding
+    # num_prompts prompts of real chat text to the probe (harness/measuring/quality.py)
+    prompt_sets: list[str] = field(default_factory=list)
     min_margin: float = 0.1  # top-1 agreement counts positions whose reference margin exceeds it
 
     @classmethod
@@ -113,6 +116,14 @@ class QualityConfig:
             raise ValueError(
                 f"run.quality.text: {text!r} is invalid; allowed: null or the path of a text file"
             )
+        prompt_sets = given.get("prompt_sets", defaults.prompt_sets)
+        if isinstance(prompt_sets, str | bytes) or not (
+            isinstance(prompt_sets, list | tuple) and all(isinstance(p, str) for p in prompt_sets)
+        ):
+            raise ValueError(
+                f"run.quality.prompt_sets: {prompt_sets!r} is invalid; allowed: a list of paths "
+                "of prompt-set files (ShareGPT .json, MT-Bench .jsonl, or one prompt per line)"
+            )
         return cls(
             enabled=_flag("run.quality.enabled", given.get("enabled", defaults.enabled)),
             num_prompts=_integer(
@@ -122,6 +133,7 @@ class QualityConfig:
                 "run.quality.prompt_len", given.get("prompt_len", defaults.prompt_len), 2
             ),
             text=text,
+            prompt_sets=list(prompt_sets),
             min_margin=_number(
                 "run.quality.min_margin",
                 given.get("min_margin", defaults.min_margin),

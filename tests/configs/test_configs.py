@@ -306,6 +306,8 @@ def other_value(key: str, default: object) -> object:
         return default + 0.25
     if key == "run.quality.text":
         return str(CONFIGS / "config.yaml")  # a path: any text file
+    if key == "run.quality.prompt_sets":
+        return ["data/traces/mt_bench_questions.jsonl"]
     if default is None:  # the SLO bounds
         return 0.5
     assert isinstance(default, str), key

@@ -14,9 +14,13 @@ from engines.builtin.layers.linear import (
 
 
 def make_linear_method(
-    quantization: str, group_size: int = 128, prepack: str | None = None
+    quantization: str,
+    group_size: int = 128,
+    prepack: str | None = None,
+    zero_point: str = "float",
 ) -> LinearMethod:
-    """The method for `engine.quantization`; `group_size` is used by group-wise methods;
+    """The method for `engine.quantization`; `group_size` and `zero_point` are used by
+    group-wise methods (int4);
     `prepack` ("panels" or "onednn") keeps unquantized CPU weights also in that packed
     layout, for the engine's own GEMM or oneDNN's."""
     if quantization == "none" and prepack is not None:
@@ -24,7 +28,7 @@ def make_linear_method(
         if prepack not in packed:
             raise ValueError(f"prepack: {prepack!r}; allowed: panels|onednn")
         return packed[prepack]()
-    return LINEAR_METHODS.get(quantization).create(group_size)
+    return LINEAR_METHODS.get(quantization).create(group_size, zero_point)
 
 
 __all__ = ["LINEAR_METHODS", "LinearMethod", "make_linear_method"]

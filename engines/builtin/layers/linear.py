@@ -24,9 +24,14 @@ class LinearMethod(ABC):
     name: str = "abstract"
 
     @classmethod
-    def create(cls, group_size: int) -> LinearMethod:
-        """An instance for the engine's options (group-wise methods take `group_size`)."""
+    def create(cls, group_size: int, zero_point: str = "float") -> LinearMethod:
+        """An instance for the engine's options (group-wise methods take `group_size` and
+        `zero_point`)."""
         return cls()
+
+    def describe(self, layer: Linear) -> str:
+        """How this layer is kept, for describe()["linear_methods"] (e.g. "int4 g64 ...")."""
+        return self.name
 
     @abstractmethod
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -171,13 +176,14 @@ class Linear(nn.Module):
 
     # Buffers and attributes the methods set at load (nn.Module keeps buffers in _buffers;
     # these annotations give them their types): PrepackedDenseMethod, PanelDenseMethod,
-    # Int8Method, Int4Method.
+    # Int8Method, Int4Method (`group_size`: the one this layer got, quant.int4_group_size).
     packed_weight: torch.Tensor | None
     panels: torch.Tensor
     qweight: torch.Tensor
     scales: torch.Tensor
     scales_and_zeros: torch.Tensor
     int4_packed: bool
+    group_size: int
 
     def __init__(
         self, in_features: int, out_features: int, method: LinearMethod, bias: bool = False

@@ -10,14 +10,31 @@ INT8 (symmetric, per output row):  scale = max|w| / 127,  q = clamp(round(w / sc
     scales in x's dtype (float32, bfloat16, float16 on CPU; the 16-bit paths need K % 16 == 0
     -- bfloat16 with other K crashes in torch 2.13 -- so other K take the dequantize path).
 
-INT4 (asymmetric, per group of `group_size` input columns, round to nearest): with the group's
-range widened to include 0,  scale = (max - min) / 15,  z = clamp(round(-min / scale), 0, 15),
-q = clamp(round(w / scale) + z, 0, 15),  w ~= (q - z) * scale.  torch's int4 kernels dequantize
-as (q - 8) * scale + zero with a float `zero`, so we store zero = (8 - z) * scale, which is the
-same weight. Kernels: aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K], inner_k_tiles)
+INT4 (asymmetric, per group of g input columns, round to nearest), two zero-point schemes
+(`engine.quantization_zero_point`):
+  float (default; llama.cpp's Q4_1, torchao's tinygemm layout with a FLOAT zero-point domain):
+    lo = min(w), hi = max(w) of the group (the range is NOT widened to include 0),
+    scale = (hi - lo) / 15,  q = clamp(round((w - lo) / scale), 0, 15),  w ~= q * scale + lo.
+  int (an integer zero point, the form AWQ / GPTQ checkpoints store; here the range is
+    widened to include 0, so 0 is a grid point):
+    scale = (max - min) / 15,  z = clamp(round(-min / scale), 0, 15),
+    q = clamp(round(w / scale) + z, 0, 15),  w ~= (q - z) * scale.
+torch's int4 kernels dequantize as (q - 8) * scale + zero with a float `zero`, so both store
+zero = lo + 8 * scale (float) or zero = (8 - z) * scale (int): the same buffers, kernels and
+speed, only the numbers differ. The float scheme rounds q against the scale and zero as
+stored (rounded to their dtype), so the grid the kernels dequantize is the one q was fitted to.
+Re-quantizing Q4_1 weights (blocks of 32, every block spans its 16 levels) with float / g32 gives
+back their q exactly; the grid moves only by the rounding of scale and zero to their dtype.
+Kernels: aten._convert_weight_to_int4pack_for_cpu(q int32 [N, K], inner_k_tiles)
 -> uint8 [N, K/2], and aten._weight_int4pack_mm_for_cpu(x [M, K], packed, group_size,
-scales_and_zeros [K/group, N, 2]) with scales_and_zeros in x's dtype. The packing needs
-N % 16 == 0; other shapes keep plain nibbles (two per byte) and take the dequantize path.
+scales_and_zeros [K/group, N, 2]) with scales_and_zeros in x's dtype (it refuses others, so
+they are stored in the compute dtype). The packing needs N % 16 == 0; other shapes keep plain
+nibbles (two per byte) and take the dequantize path.
+
+Group size per layer: the largest of 32|64|128 that is <= `quantization_group_size` and divides
+the layer's in_features (SmolLM2's 576 with 128 asked -> 64). Where none divides, the layer is
+quantized INT8 per channel instead (llama.cpp falls back to another type the same way); both
+are reported per layer by `describe()["linear_methods"]`.
 """
 
 from __future__ import annotations
@@ -40,11 +57,6 @@ _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _has_op(name: str) -> bool:
     return hasattr(torch.ops.aten, name)
-
-
-def _layer_label(layer: Linear) -> str:
-    name = getattr(layer, "name", "") or "<unnamed>"
-    return f"layer {name!r} [out={layer.out_features}, in={layer.in_features}]"
 
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:
@@ -101,37 +113,75 @@ class Int8Method(LinearMethod):
         return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
 
 
+INT4_ZERO_POINTS = ("float", "int")
+
+
+def int4_group_size(in_features: int, requested: int) -> int | None:
+    """The group size a layer of `in_features` inputs gets: the largest allowed one that is at
+    most `requested` and divides it (never coarser than asked); None if none divides."""
+    fits = [g for g in INT4_GROUP_SIZES if g <= requested and in_features % g == 0]
+    return max(fits) if fits else None
+
+
+def quantize_int4(
+    w: torch.Tensor, group_size: int, zero_point: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int32 [out, in] in 0..15, scales_and_zeros [in/g, out, 2] in `dtype`) with
+    W ~= (q - 8) * scale + zero per group (torch's int4 convention); see the module docstring."""
+    out, k = w.shape
+    w = w.float().reshape(out, k // group_size, group_size)
+    if zero_point == "float":
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        scale = _nonzero(((hi - lo) / 15).to(dtype)).float()  # [out, k/g]
+        zero = (lo + 8 * scale).to(dtype).float()  # stored as is: q is fitted to this grid
+        q = torch.round((w - (zero - 8 * scale)[..., None]) / scale[..., None])
+        q = torch.clamp(q, 0, 15)
+    elif zero_point == "int":
+        lo = w.amin(dim=-1).clamp(max=0)
+        hi = w.amax(dim=-1).clamp(min=0)
+        scale = _nonzero(((hi - lo) / 15).to(dtype)).float()  # [out, k/g]
+        z = torch.clamp(torch.round(-lo / scale), 0, 15)
+        q = torch.clamp(torch.round(w / scale[..., None]) + z[..., None], 0, 15)
+        zero = (8 - z) * scale  # torch's convention: w = (q - 8) * scale + zero
+    else:
+        raise ValueError(
+            f"engine.quantization_zero_point: {zero_point!r} is invalid; "
+            f"allowed: {'|'.join(INT4_ZERO_POINTS)}"
+        )
+    scales_and_zeros = torch.stack([scale, zero], dim=-1)  # [out, k/g, 2]
+    return (
+        q.reshape(out, k).to(torch.int32),
+        scales_and_zeros.transpose(0, 1).contiguous().to(dtype),
+    )
+
+
 @LINEAR_METHODS.register("int4")
 class Int4Method(LinearMethod):
-    """Asymmetric group-wise INT4 weights (round to nearest), packed two per byte."""
+    """Asymmetric group-wise INT4 weights (round to nearest), packed two per byte; a float or
+    an integer zero point; each layer's group size fitted to its input size."""
 
     name = "int4"
 
     @classmethod
-    def create(cls, group_size: int) -> LinearMethod:
-        return cls(group_size)
+    def create(cls, group_size: int, zero_point: str = "float") -> LinearMethod:
+        return cls(group_size, zero_point)
 
-    def __init__(self, group_size: int = 128) -> None:
+    def __init__(self, group_size: int = 128, zero_point: str = "float") -> None:
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(
                 f"engine.quantization_group_size: {group_size!r} is invalid; "
                 f"allowed: {'|'.join(map(str, INT4_GROUP_SIZES))}"
             )
-        self.group_size = group_size
-
-    def check(self, layer: Linear) -> None:
-        if layer.in_features % self.group_size:
-            divisors = [g for g in INT4_GROUP_SIZES if layer.in_features % g == 0]
-            hint = (
-                f"use quantization_group_size={'|'.join(map(str, divisors))}"
-                if divisors
-                else "no int4 group size (32|64|128) divides it; use quantization=int8"
-            )
+        if zero_point not in INT4_ZERO_POINTS:
             raise ValueError(
-                f"engine.quantization=int4: {_layer_label(layer)} has in_features="
-                f"{layer.in_features}, which is not divisible by quantization_group_size="
-                f"{self.group_size}; {hint}"
+                f"engine.quantization_zero_point: {zero_point!r} is invalid; "
+                f"allowed: {'|'.join(INT4_ZERO_POINTS)}"
             )
+        self.group_size = group_size
+        self.zero_point = zero_point
+
+    def describe(self, layer: Linear) -> str:
+        return f"int4 g{layer.group_size} zero_point={self.zero_point}"
 
     @staticmethod
     def packable(layer: Linear) -> bool:
@@ -143,18 +193,16 @@ class Int4Method(LinearMethod):
         )
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.check(layer)
-        out, k, g = layer.out_features, layer.in_features, self.group_size
-        w = weight.float().reshape(out, k // g, g)
-        lo = w.amin(dim=-1).clamp(max=0)
-        hi = w.amax(dim=-1).clamp(min=0)
-        scale = _nonzero(((hi - lo) / 15).to(weight.dtype)).float()  # [out, k/g]
-        zero = torch.clamp(torch.round(-lo / scale), 0, 15)
-        q = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, 15)
-        q = q.reshape(out, k).to(torch.int32)
-        # torch's convention: w = (q - 8) * scale + zero_f  ->  zero_f = (8 - z) * scale
-        scales_and_zeros = torch.stack([scale, (8 - zero) * scale], dim=-1)  # [out, k/g, 2]
-        scales_and_zeros = scales_and_zeros.transpose(0, 1).contiguous().to(weight.dtype)
+        group = int4_group_size(layer.in_features, self.group_size)
+        if group is None:  # no allowed group divides it: this layer is INT8 (describe() says)
+            layer.method = Int8Fallback(
+                f"no int4 group size <= {self.group_size} of "
+                f"{'|'.join(map(str, INT4_GROUP_SIZES))} divides in_features={layer.in_features}"
+            )
+            layer.method.load(layer, weight, bias)
+            return
+        layer.group_size = group
+        q, scales_and_zeros = quantize_int4(weight, group, self.zero_point, weight.dtype)
         packed = self.packable(layer) and weight.device.type == "cpu"
         if packed:
             qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -169,12 +217,12 @@ class Int4Method(LinearMethod):
 
     def _kernel(self, layer: Linear, x2d: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2d, layer.qweight, self.group_size, layer.scales_and_zeros.to(x2d.dtype)
+            x2d, layer.qweight, layer.group_size, layer.scales_and_zeros.to(x2d.dtype)
         )
 
     def dequantize(self, layer: Linear) -> torch.Tensor:
         """The weight the stored form represents, [out, in] in float32."""
-        out, k, g = layer.out_features, layer.in_features, self.group_size
+        out, k, g = layer.out_features, layer.in_features, layer.group_size
         sz = layer.scales_and_zeros.float()  # [k/g, out, 2]
         if layer.int4_packed:  # torch's tile layout is opaque: read it back through the kernel
             eye = torch.eye(k, dtype=torch.float32, device=layer.qweight.device)
@@ -197,7 +245,17 @@ class Int4Method(LinearMethod):
         if x.is_cuda and not layer.int4_packed and x.dtype in _TRITON_DTYPES:
             from engines.builtin.layers.quant_triton import int4_matmul
 
-            y = int4_matmul(_flat(x), layer.qweight, layer.scales_and_zeros, self.group_size)
+            y = int4_matmul(_flat(x), layer.qweight, layer.scales_and_zeros, layer.group_size)
             y = y.reshape(*x.shape[:-1], layer.out_features)
             return y if layer.bias is None else y + layer.bias
         return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
+
+
+class Int8Fallback(Int8Method):
+    """INT8 per channel for a layer `engine.quantization=int4` cannot group; says why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def describe(self, layer: Linear) -> str:
+        return f"int8 (int4 fallback: {self.reason})"

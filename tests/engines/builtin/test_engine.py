@@ -168,8 +168,8 @@ def test_rejected_batch_leaves_nothing_queued(make_tiny) -> None:
             r"enable_prefix_caching=true needs engine\.kv_cache=paged",
         ),
         (
-            dict(quantization="int4", quantization_group_size=32),
-            r"layers\.0\.mlp\.down_proj.*not divisible by quantization_group_size=32",
+            dict(quantization="int4", quantization_zero_point="half"),
+            r"engine\.quantization_zero_point: 'half' is invalid; allowed: float\|int",
         ),
         (
             dict(kv_cache="bogus"),

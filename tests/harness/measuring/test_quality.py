@@ -11,7 +11,14 @@ from safetensors.torch import load_file
 
 from engines.builtin import LLM, SamplingParams
 from engines.train_tiny import cached_tiny_model, corpus_text, train_tiny
-from harness.measuring.quality import perplexity, quality_probe, run_quality
+from harness.measuring.quality import (
+    perplexity,
+    probe_prompts,
+    prompt_set_format,
+    prompt_set_texts,
+    quality_probe,
+    run_quality,
+)
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
@@ -82,6 +89,12 @@ def test_probe_identical_engines(trained: Path, prompts: list[list[int]]) -> Non
     assert r["top1_agreement"] == 1.0
     assert r["positions"] == sum(map(len, prompts))
     assert r["counted_positions"] + r["excluded_positions"] == r["positions"]
+    # the probe's perplexity: each prompt's next tokens, as perplexity() of that one window
+    assert r["perplexity"] == r["reference_perplexity"]
+    one = quality_probe(a, b, prompts[:1])
+    text = a.tokenizer.decode(prompts[0])
+    assert a.tokenizer.encode(text, add_special_tokens=False) == list(prompts[0])
+    assert one["perplexity"] == pytest.approx(perplexity(a, text), rel=1e-9)
 
 
 def test_probe_bf16_small_and_broken_large(trained: Path, prompts: list[list[int]]) -> None:
@@ -148,3 +161,23 @@ def test_run_quality_sees_the_int8_kv_cache() -> None:
     assert results["auto"]["kl_mean"] == 0.0  # fp32 against fp32: the same numbers
     assert results["int8"]["kl_mean"] > 0.0  # chunks read the quantized cache back
     assert "perplexity" not in results["int8"]  # dummy weights: no perplexity
+
+
+def test_probe_prompts_add_real_chat_text_from_prompt_sets() -> None:
+    traces = Path(__file__).resolve().parents[3] / "data" / "traces"
+    sets = [str(traces / "sharegpt_v3_filtered_500.json"), str(traces / "mt_bench_questions.jsonl")]
+    assert [prompt_set_format(p) for p in sets] == ["sharegpt", "mt_bench"]
+    assert prompt_set_format("prompts.txt.gz") == "text"
+    llm = LLM(model="tiny", dtype="float32", max_model_len=128)
+    settings = {"num_prompts": 3, "prompt_len": 40, "prompt_sets": sets}
+    prompts = probe_prompts(llm.tokenizer, llm.engine.limits.max_model_len, settings)
+    assert len(prompts) == 3 * 3 and all(2 <= len(p) <= 40 for p in prompts)
+    chats = prompt_set_texts(sets[0], 3)
+    assert chats[0].startswith("How to stop automatic updates")  # items 0, 166, 333 of 500
+    # MT-Bench: both turns of a question
+    assert "\n\n" in prompt_set_texts(sets[1], 1)[0]
+    assert prompts[3] == llm.tokenizer.encode(chats[0], add_special_tokens=False)[:40]
+    assert (
+        prompts[6]
+        == llm.tokenizer.encode(prompt_set_texts(sets[1], 3)[0], add_special_tokens=False)[:40]
+    )

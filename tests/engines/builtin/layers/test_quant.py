@@ -1,8 +1,11 @@
-"""Weight-only quantized linear layers (issue 5): INT8 per-channel and INT4 group-wise.
+"""Weight-only quantized linear layers (issues 5, 17): INT8 per-channel and INT4 group-wise,
+with a float (Q4_1-like) or an integer zero point.
 
-Round trips stay within the half-step bound of each scheme, the packed CPU kernels agree with
-the dequantize-then-matmul reference, the engine generates with either method, the stored
-bytes shrink as the formats promise, and impossible shapes are refused by layer name.
+Round trips stay within the half-step bound of each scheme, the float scheme re-quantizes
+Q4_1-style weights exactly, the packed CPU kernels agree with a float64
+dequantize-then-matmul reference, the engine generates with either method, the stored bytes
+shrink as the formats promise, a group size that does not divide a layer is fitted per layer
+(or falls back to INT8 where none divides), and describe() says which.
 """
 
 from __future__ import annotations
@@ -14,7 +17,13 @@ from engines.base import ConfigError
 from engines.builtin import LLM, EngineConfig, SamplingParams
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import DenseMethod, Linear
-from engines.builtin.layers.quant import Int4Method, Int8Method
+from engines.builtin.layers.quant import (
+    Int4Method,
+    Int8Fallback,
+    Int8Method,
+    int4_group_size,
+    quantize_int4,
+)
 
 EPS = 1e-6  # float32 rounding of the scale arithmetic
 
@@ -40,12 +49,13 @@ def test_int8_round_trip_within_half_a_step(out: int, inn: int) -> None:
     assert (err <= layer.scales[:, None] / 2 + EPS).all()
 
 
+@pytest.mark.parametrize("zero_point", ["float", "int"])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("out", [64, 40])  # 40: not packable (N % 16), plain-nibble path
-def test_int4_round_trip_within_half_a_step(group: int, out: int) -> None:
-    method = Int4Method(group)
+def test_int4_round_trip_within_half_a_step(group: int, out: int, zero_point: str) -> None:
+    method = Int4Method(group, zero_point)
     layer, w = make_layer(method, out, 256)
-    assert layer.int4_packed == (out % 16 == 0)
+    assert layer.int4_packed == (out % 16 == 0) and layer.group_size == group
     scale = layer.scales_and_zeros[..., 0].T.repeat_interleave(group, dim=1)  # [out, in]
     err = (w - method.dequantize(layer)).abs()
     assert (err <= scale / 2 + EPS).all()
@@ -54,10 +64,73 @@ def test_int4_round_trip_within_half_a_step(group: int, out: int) -> None:
     levels = (method.dequantize(layer) - zero) / scale + 8
     assert torch.allclose(levels, levels.round(), atol=1e-3)
     assert levels.min() >= -1e-3 and levels.max() <= 15 + 1e-3
+    if zero_point == "float":  # each group's min and max are grid points: levels 0 and 15
+        groups = levels.reshape(out, -1, group)
+        assert torch.allclose(groups.amin(-1), torch.zeros(()), atol=1e-3)
+        assert torch.allclose(groups.amax(-1), torch.full((), 15.0), atol=1e-3)
 
 
-# Kernel vs reference: float32 is exact up to summation order (rtol 1e-4 of the output's scale);
-# bfloat16 rounds x and the output to 8 mantissa bits, so allow 2% of the output's max |y|.
+def test_float_zero_point_is_closer_on_groups_away_from_zero() -> None:
+    """A group of all-positive weights: the integer scheme widens the range to 0 and spends
+    levels there; the float minimum spends all 16 on the group's own range."""
+    w = 1.0 + 0.1 * torch.rand(16, 64, generator=torch.Generator().manual_seed(0))
+    errors = {}
+    for zero_point in ("float", "int"):
+        method = Int4Method(32, zero_point)
+        layer = Linear(64, 16, method)
+        layer.load(w)
+        errors[zero_point] = float((w - method.dequantize(layer)).abs().max())
+    # float: half a step of 0.1 / 15; int: half a step of 1.1 / 15
+    assert errors["float"] <= 0.1 / 30 + EPS < 1.1 / 30 - EPS
+    assert errors["int"] > 0.1 / 30
+
+
+def q4_1_weight(out: int, inn: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w fp32, q) as llama.cpp's Q4_1 stores them: blocks of 32 with an fp16 scale d and
+    minimum m, every block spanning all 16 levels (its min is level 0, its max level 15), and
+    w = q * d + m computed in fp32 (as gguf's dequantize does)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = out * inn // 32
+    q = torch.randint(0, 16, (blocks, 32), generator=gen)
+    q[:, 0], q[:, 1] = 0, 15  # the extremes, then shuffled within the block
+    q = torch.gather(q, 1, torch.argsort(torch.rand(blocks, 32, generator=gen), dim=1))
+    d = (0.002 + 0.01 * torch.rand(blocks, 1, generator=gen)).half().float()
+    m = (-d * (4 + 8 * torch.rand(blocks, 1, generator=gen))).half().float()
+    return (q * d + m).reshape(out, inn), q.reshape(out, inn)
+
+
+def test_requantizing_q4_1_weights_is_lossless() -> None:
+    w, q_orig = q4_1_weight(64, 256)
+    step = w.reshape(-1, 32).amax(-1) - w.reshape(-1, 32).amin(-1)  # 15 d per block
+    for dtype, bound in ((torch.float32, 1e-6), (torch.float16, 2**-10), (torch.bfloat16, 2**-7)):
+        q, sz = quantize_int4(w, 32, "float", dtype)
+        assert torch.equal(q, q_orig)  # the same levels: only scale and zero round
+        scale = sz[..., 0].float().T.repeat_interleave(32, dim=1)
+        zero = sz[..., 1].float().T.repeat_interleave(32, dim=1)
+        err = ((q - 8) * scale + zero - w).abs().reshape(-1, 32).amax(-1)
+        # the storage dtype's rounding of scale and zero, as a fraction of a level (d = step/15)
+        assert (err <= bound * step).all(), (dtype, float((err / (step / 15)).max()))
+    # and the layer (packed CPU kernel layout) dequantizes to the very same weight in fp32
+    method = Int4Method(32, "float")
+    layer = Linear(256, 64, method)
+    layer.load(w)
+    assert (method.dequantize(layer) - w).abs().max() <= 1e-6
+
+
+def test_integer_zero_point_does_not_requantize_q4_1_exactly() -> None:
+    """Why the float scheme exists: the integer zero point moves Q4_1's grid."""
+    w, _ = q4_1_weight(64, 256)
+    method = Int4Method(32, "int")
+    layer = Linear(256, 64, method)
+    layer.load(w)
+    d = (w.reshape(-1, 32).amax(-1) - w.reshape(-1, 32).amin(-1)) / 15
+    err = (method.dequantize(layer) - w).abs().reshape(-1, 32).amax(-1)
+    assert float((err / d).max()) > 0.1
+
+
+# Kernel vs a float64 reference (the stored weight dequantized, x and y in float64): float32 is
+# exact up to summation order (1e-4 of the output's scale); bfloat16 rounds x and the output to
+# 8 mantissa bits, so allow 2% of the output's max |y|.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
@@ -68,9 +141,13 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
         (Int8Method(), 64, 128),
         (Int8Method(), 96, 200),
         (Int4Method(32), 64, 128),
+        (Int4Method(32, "int"), 64, 128),
         (Int4Method(64), 48, 256),
+        (Int4Method(64, "int"), 48, 256),
         (Int4Method(128), 32, 384),
+        (Int4Method(128), 32, 576),  # 576 = 9 x 64: the layer gets group 64
         (Int4Method(32), 24, 64),  # not packable: dequantize path
+        (Int4Method(32, "int"), 24, 64),
     ],
 )
 def test_kernels_match_the_dequantized_reference(
@@ -80,8 +157,22 @@ def test_kernels_match_the_dequantized_reference(
     x = torch.randn(3, 5, inn).to(dtype)
     y = layer(x)
     assert y.shape == (3, 5, out) and y.dtype == dtype
-    ref = x.float() @ method.dequantize(layer).T + layer.bias.float()
-    assert (y.float() - ref).abs().max() <= TOL[dtype] * ref.abs().max()
+    ref = x.double() @ method.dequantize(layer).double().T + layer.bias.double()
+    assert (y.double() - ref).abs().max() <= TOL[dtype] * ref.abs().max()
+
+
+def test_dequantize_reads_the_packed_layout_back() -> None:
+    """The packed layer's dequantize (read back through the kernel) equals the plain
+    arithmetic on quantize_int4's q, scales and zeros, in both schemes."""
+    for zero_point in ("float", "int"):
+        method = Int4Method(64, zero_point)
+        layer, w = make_layer(method, 32, 128)
+        assert layer.int4_packed
+        q, sz = quantize_int4(w, 64, zero_point, torch.float32)
+        scale = sz[..., 0].T.repeat_interleave(64, dim=1)
+        zero = sz[..., 1].T.repeat_interleave(64, dim=1)
+        expected = (q.double() - 8) * scale.double() + zero.double()
+        assert (method.dequantize(layer).double() - expected).abs().max() <= 1e-6
 
 
 def test_weight_bytes_are_the_stored_bytes() -> None:
@@ -98,6 +189,13 @@ def test_make_linear_method() -> None:
     assert isinstance(make_linear_method("int8"), Int8Method)
     method = make_linear_method("int4", 64)
     assert isinstance(method, Int4Method) and method.group_size == 64
+    assert method.zero_point == "float"  # the default: it wins on quality (docs/quality.md)
+    method = make_linear_method("int4", 32, zero_point="int")
+    assert isinstance(method, Int4Method) and method.zero_point == "int"
+    with pytest.raises(
+        ValueError, match=r"engine.quantization_zero_point: 'fp' is invalid; allowed: float\|int"
+    ):
+        make_linear_method("int4", 32, zero_point="fp")
     with pytest.raises(
         ValueError,
         match=r"engine.quantization: 'fp8' is invalid; allowed: "
@@ -117,6 +215,12 @@ PROMPTS = ["Hello, world! The quick brown fox", [100, 200, 300]]
         dict(
             quantization="int4",
             quantization_group_size=32,
+            model_overrides={"intermediate_size": 192},
+        ),
+        dict(
+            quantization="int4",
+            quantization_group_size=32,
+            quantization_zero_point="int",
             model_overrides={"intermediate_size": 192},
         ),
         dict(
@@ -151,16 +255,35 @@ def test_engine_generates_reproducibly(make_tiny, options) -> None:
     )
 
 
-def test_int4_on_a_dimension_no_group_divides_names_the_layer(make_tiny) -> None:
-    # tiny's intermediate_size is 176 = 16 x 11: down_proj's input fits no int4 group size.
-    with pytest.raises(
-        ValueError,
-        match=r"layers\.0\.mlp\.down_proj.*in=176.*not divisible "
-        r"by quantization_group_size=32",
-    ):
-        make_tiny(quantization="int4", quantization_group_size=32)
-    with pytest.raises(ValueError, match=r"use quantization_group_size=32\|64$"):  # the hint
-        Linear(192, 16, Int4Method(128)).load(torch.zeros(16, 192))
+def test_group_size_per_layer() -> None:
+    # the largest allowed group <= the one asked that divides in_features; None if none does
+    assert int4_group_size(576, 128) == 64 and int4_group_size(576, 64) == 64
+    assert int4_group_size(576, 32) == 32 and int4_group_size(1536, 128) == 128
+    assert int4_group_size(96, 128) == 32 and int4_group_size(176, 128) is None
+    layer = Linear(576, 16, Int4Method(128))
+    layer.load(torch.randn(16, 576))
+    assert layer.group_size == 64 and layer.scales_and_zeros.shape == (9, 16, 2)
+    assert layer.method.describe(layer) == "int4 g64 zero_point=float"
+
+
+def test_int4_where_no_group_divides_falls_back_to_int8_and_says_so(make_tiny) -> None:
+    # tiny's intermediate_size is 176 = 16 x 11: down_proj's input fits no int4 group size;
+    # hidden 64 takes group 64 when 128 is asked.
+    llm = make_tiny(quantization="int4", quantization_group_size=128)
+    model = llm.engine.runner.model
+    down = model.layers[0].mlp.down_proj
+    assert isinstance(down.method, Int8Fallback) and down.qweight.dtype == torch.int8
+    methods = llm.engine.describe()["linear_methods"]
+    assert methods == {
+        "layers.*.attn.qkv_proj": "int4 g64 zero_point=float",
+        "layers.*.attn.o_proj": "int4 g64 zero_point=float",
+        "layers.*.mlp.gate_up_proj": "int4 g64 zero_point=float",
+        "layers.*.mlp.down_proj": "int8 (int4 fallback: no int4 group size <= 128 of "
+        "32|64|128 divides in_features=176)",
+        "lm_head": "none",
+    }
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert all(len(o.token_ids) == 12 for o in outs)
 
 
 def test_config_validates_the_new_options() -> None:
@@ -172,8 +295,14 @@ def test_config_validates_the_new_options() -> None:
         EngineConfig.from_dict({"quantization": "int4", "quantization_group_size": 48})
     with pytest.raises(ConfigError, match="quantize_lm_head"):
         EngineConfig.from_dict({"quantize_lm_head": "yes"})
+    with pytest.raises(
+        ConfigError,
+        match=r"^engine.quantization_zero_point: 'asym' is invalid; allowed: float\|int$",
+    ):
+        EngineConfig.from_dict({"quantization": "int4", "quantization_zero_point": "asym"})
     config = EngineConfig.from_dict({"quantization": "int4", "quantization_group_size": 32})
     assert config.quantization == "int4" and not config.quantize_lm_head
+    assert config.quantization_zero_point == "float"
 
 
 def test_small_linear_bytes_shrink() -> None:

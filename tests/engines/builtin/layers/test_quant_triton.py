@@ -87,13 +87,14 @@ INT4_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("zero_point", ["float", "int"])  # the same kernel serves both
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize(("group", "n", "k", "tiles"), INT4_SHAPES)
 def test_int4_matmul_matches_dequantized_reference(
-    group: int, n: int, k: int, tiles: dict, m: int, dtype: torch.dtype
+    group: int, n: int, k: int, tiles: dict, m: int, dtype: torch.dtype, zero_point: str
 ) -> None:
-    method = PlainInt4(group)
+    method = PlainInt4(group, zero_point)
     layer = make_layer(method, n, k, dtype)
     assert not layer.int4_packed and layer.qweight.shape == (n, k // 2)
     x = _x(m, k, dtype)
@@ -126,7 +127,7 @@ def test_bad_inputs_are_refused() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layers only dispatch to Triton on CUDA")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("method", [Int8Method(), PlainInt4(64)])
+@pytest.mark.parametrize("method", [Int8Method(), PlainInt4(64), PlainInt4(64, "int")])
 def test_layers_dispatch_to_triton_on_cuda(method, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     layer = Linear(128, 48, method, bias=True)
