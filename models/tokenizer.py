@@ -185,6 +185,20 @@ class Tokenizer:
             documents=None,
         )
 
+    def encode_prompt(self, prompt: object) -> list[int]:
+        """A request's prompt as token ids, the same way in every backend: text, a list of
+        token ids as given, or chat messages through the chat template."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.encode_chat(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise ValueError(
+            "prompt: expected a string, a list of token ids or a list of chat "
+            f"messages, got {type(prompt).__name__}"
+        )
+
     def encode_chat(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:

@@ -90,3 +90,15 @@ def tiny_rate_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert done.returncode == 0, done.stderr
     return sweep_dir
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real model the tests run (model=smollm2-135m): its GGUF file, installed by
+    `make setup-real` (make test does it); absent, the test fails naming that target."""
+    from models.packaged import PackagedModelMissingError, packaged_model_path
+
+    try:
+        return packaged_model_path("smollm2-135m")
+    except PackagedModelMissingError as exc:
+        pytest.fail(f"{exc} (make test installs it)")

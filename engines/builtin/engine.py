@@ -235,16 +235,7 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)  # type: ignore[arg-type]
-        raise ValueError(
-            "prompt: expected a string, a list of token ids or a list of chat "
-            f"messages, got {type(prompt).__name__}"
-        )
+        return self.tokenizer.encode_prompt(prompt)
 
     def add_request(
         self,

