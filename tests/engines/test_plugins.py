@@ -10,7 +10,7 @@ from harness.plugins import listing
 
 def test_every_plug_point_is_listed_with_its_entries() -> None:
     lines = dict(line.split(maxsplit=1) for line in listing().splitlines())
-    assert lines["engine.backend"] == "builtin|hf|openai"
+    assert lines["engine.backend"] == "builtin|hf|llamacpp|openai"
     assert lines["engine.attention_backend"].split("|") == [
         "auto",
         "torch",
