@@ -42,6 +42,18 @@ class GenerationRequest:
     turn: int = 0
 
 
+def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """The length rule of backends that cannot shorten a request: a prompt has tokens, and
+    the prompt plus max_tokens fit max_model_len; else a ValueError naming `prompt`."""
+    if not num_prompt_tokens:
+        raise ValueError("prompt: empty (it has no tokens)")
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt: {num_prompt_tokens} tokens + max_tokens {max_tokens} exceed "
+            f"max_model_len={max_model_len}"
+        )
+
+
 # ---- events -------------------------------------------------------------------------------
 
 

@@ -22,8 +22,6 @@ import argparse
 import hashlib
 import json
 import math
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -157,23 +155,12 @@ def cache_key(text_path: str | Path | None = None, **params: Any) -> str:
 
 def cached_tiny_model(text_path: str | Path | None = None, **params: Any) -> Path:
     """Train once per (text, settings, tokenizer) into the cache dir; reuse it afterwards."""
-    from models.cache import cache_dir
+    from models.cache import build_folder_once, cache_dir
 
     out = cache_dir() / f"tiny-trained-{cache_key(text_path, **params)}"
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        train_tiny(text_path, tmp, **{**DEFAULTS, **params})
-        try:
-            tmp.rename(out)  # atomic; a concurrent trainer may have won the race
-        except OSError:
-            if not (out / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return build_folder_once(
+        out, "config.json", lambda tmp: train_tiny(text_path, tmp, **{**DEFAULTS, **params})
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

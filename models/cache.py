@@ -3,8 +3,11 @@ model, native kernels, hardware calibration): $INFERLAB_CACHE_DIR, else ~/.cache
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -35,3 +38,31 @@ def write_text_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def file_key(path: str | os.PathLike[str]) -> str:
+    """A short digest naming one version of a file: its resolved path, size and modification
+    time (what a cache entry derived from the file is keyed by)."""
+    stat = Path(path).stat()
+    key = f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def build_folder_once(folder: Path, marker: str, build: Callable[[Path], object]) -> Path:
+    """`folder`, built by `build(staging)` in a staging folder beside it and renamed into place
+    unless `folder/marker` already exists: readers see it whole or not at all, and when
+    processes race, the first rename wins and the others' copies (as good) are dropped."""
+    if (folder / marker).is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        build(staging)
+        try:
+            staging.rename(folder)
+        except OSError:
+            if not (folder / marker).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder

@@ -9,12 +9,8 @@ writes: F32/F16/BF16, Q8_0, Q4_0, Q4_1, the K-quants...).
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.cache import cache_dir
+from models.cache import build_folder_once, cache_dir, file_key
 
 
 class UnsupportedGGUFError(ValueError):
@@ -215,19 +211,7 @@ def write_hf_tokenizer(path: str | Path, folder: Path) -> None:
 def tokenizer_folder(path: str | Path) -> Path:
     """A Hugging Face tokenizer folder for the GGUF file, built once into the shared cache
     (keyed by the file's path, size and modification time) and reused."""
-    stat = Path(path).stat()
-    key = f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    folder = cache_dir() / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:16]
-    if (folder / "tokenizer_config.json").is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".building-"))
-    try:
-        write_hf_tokenizer(path, staging)
-        os.replace(staging, folder)  # whole or not at all; a racing builder's copy is as good
-    except OSError:
-        if not (folder / "tokenizer_config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+    folder = cache_dir() / "gguf-tokenizers" / file_key(path)
+    return build_folder_once(
+        folder, "tokenizer_config.json", lambda out: write_hf_tokenizer(path, out)
+    )

@@ -39,6 +39,7 @@ from engines.base import (
     StepRecord,
     Tokenized,
     Tokens,
+    check_prompt_length,
     now_ns,
 )
 from engines.hf.config import HFConfig
@@ -185,14 +186,7 @@ class HFBackend(Backend):
     def _tokenize(self, request: GenerationRequest) -> list[int]:
         assert self.tokenizer is not None
         ids = self.tokenizer.encode_prompt(request.prompt)
-        if not ids:
-            raise ValueError("prompt: empty (it has no tokens)")
-        if len(ids) + request.sampling.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens + max_tokens "
-                f"{request.sampling.max_tokens} exceed max_model_len="
-                f"{self.max_model_len}"
-            )
+        check_prompt_length(len(ids), request.sampling.max_tokens, self.max_model_len)
         return ids
 
     def _check_supported(self, sampling: SamplingParams) -> None:

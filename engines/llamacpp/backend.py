@@ -38,6 +38,7 @@ from engines.base import (
     StepRecord,
     Tokenized,
     Tokens,
+    check_prompt_length,
     now_ns,
 )
 from engines.llamacpp.config import LlamaCppConfig
@@ -139,13 +140,7 @@ class LlamaCppBackend(Backend):
         """The built-in engine's rules (LLMEngine.tokenize and check_request)."""
         assert self.tokenizer is not None and self.runner is not None
         ids = self.tokenizer.encode_prompt(request.prompt)
-        if not ids:
-            raise ValueError("prompt: empty (it has no tokens)")
-        if len(ids) + request.sampling.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens + max_tokens {request.sampling.max_tokens} exceed "
-                f"max_model_len={self.max_model_len}"
-            )
+        check_prompt_length(len(ids), request.sampling.max_tokens, self.max_model_len)
         bad = [t for t in ids if not 0 <= t < self.runner.n_vocab]
         if bad:
             raise ValueError(

@@ -10,7 +10,6 @@ one is dropped with `llama_memory_seq_rm` while the others go on (continuous bat
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,13 +51,10 @@ def converted(path: Path, gguf_type: str) -> Path:
     """`path` with its tensors re-encoded to `gguf_type` (models.gguf_convert, the code behind
     `inferlab convert SRC.gguf DST.gguf`), built once into the shared cache, keyed by the
     source file's path, size and modification time, and reused."""
-    from models.cache import cache_dir
+    from models.cache import cache_dir, file_key
     from models.gguf_convert import convert_to_gguf
 
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{gguf_type}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    out = cache_dir() / "gguf-converted" / f"{path.stem}-{gguf_type}-{digest}.gguf"
+    out = cache_dir() / "gguf-converted" / f"{path.stem}-{gguf_type}-{file_key(path)}.gguf"
     if not out.is_file():  # convert_to_gguf writes a temporary file and renames it
         convert_to_gguf(path, out, gguf_type)
     return out
