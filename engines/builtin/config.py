@@ -19,6 +19,7 @@ CHOICES = {
     "batching": ("static", "continuous"),
     "quantization": ("none", "int8", "int4"),
     "quantization_zero_point": ("float", "int"),
+    "quantization_activations": ("float", "int8"),
     "kv_cache_dtype": ("auto", "int8"),
     "attention_backend": ("auto", "torch", "sdpa", "cpu", "triton"),
     "load_format": ("auto", "dummy", "safetensors"),
@@ -64,7 +65,13 @@ class EngineConfig:
     # int4: float (a float minimum per group, as llama.cpp's Q4_1) or int (an integer zero
     # point with the range widened to include 0); engines/builtin/layers/quant.py
     quantization_zero_point: str = "float"
-    quantize_lm_head: bool = False  # quantize the (untied) LM head too; false keeps it dense
+    # int4 on CPU with the engine's C kernels: float (weight-only: activations stay in the
+    # compute dtype) or int8 (decode rows quantized per block of 32 and integer dot products,
+    # llama.cpp's Q4_1 x Q8_1: ~2.5x faster per matmul on one core, not weight-only)
+    quantization_activations: str = "float"
+    # quantize the LM head too (a tied one: a quantized copy of the embedding table, which the
+    # lookup keeps reading); false keeps it dense
+    quantize_lm_head: bool = False
     # CPU, unquantized fp32/bf16: keep a oneDNN-packed copy of each linear weight (2x the
     # dense weight memory) so multi-row matmuls skip torch's per-call re-packing
     prepack_weights: bool = True
@@ -73,6 +80,10 @@ class EngineConfig:
     # store, and attention_backend=auto resolving to the C decode kernel; false: torch ops
     # (an explicit attention_backend=cpu still uses its kernel)
     native_kernels: bool = True
+    # CPU float32 with the C kernels: run each decode-only step's decoder layers as one call
+    # into them (engines/builtin/decode_program.py: the same kernels without ~0.5 ms of Python
+    # a layer); false: module by module. describe()["native_decode_program"] says which
+    native_decode_program: bool = True
     # test instrument: busy-wait this fraction of each step's duration inside the step (a planted
     # slowdown for validating the regression gate; docs/gate.md)
     debug_step_delay_fraction: float = 0.0
@@ -147,6 +158,7 @@ class EngineConfig:
             "prepack_weights",
             "kv_cache_prefault",
             "native_kernels",
+            "native_decode_program",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise fail(name, "true|false")

@@ -175,6 +175,7 @@ class LLMEngine:
             # size, or the INT8 fallback) is in linear_methods
             "quantization_group_size": self.config.quantization_group_size,
             "quantization_zero_point": self.config.quantization_zero_point,
+            "quantization_activations": self.config.quantization_activations,
             "linear_methods": self.runner.model.linear_methods(),
             "kv_cache_dtype": self.config.kv_cache_dtype,
             # pages mapped at load (CPU); False: first writes fault them in during the run

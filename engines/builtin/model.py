@@ -8,6 +8,8 @@ reads the context back through the attention backend.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,17 @@ from engines.builtin.layers.linear import Linear, LinearMethod
 from engines.builtin.layers.norm import RMSNorm
 from engines.builtin.layers.rotary import RotaryEmbedding, Rotation, apply_rotary
 from models.config import ModelConfig
+
+
+class LayerProgram(Protocol):
+    """Runs the decoder layers of the steps it `takes` some other way than module by module
+    (decode_program.DecodeProgram: one call into the C kernels); same results."""
+
+    def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool: ...
+
+    def run(
+        self, x: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class Attention(nn.Module):
@@ -183,10 +196,15 @@ class Transformer(nn.Module):
         )
         for name, module in self.linear_layers().items():
             module.name = name
+        self.layer_program: LayerProgram | None = None  # set by the model runner
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)
+        program = self.layer_program
+        if program is not None and program.takes(x, meta):
+            x, stream = program.run(x, meta)
+            return self.norm(x, stream)[0]
         rotation = self.rope.rotation(meta.positions)
         residual = None
         for layer in self.layers:

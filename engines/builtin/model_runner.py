@@ -21,6 +21,7 @@ from engines.builtin.cuda_graphs import (
     graphs_unavailable_reason,
     pad_decode_rows,
 )
+from engines.builtin.decode_program import DecodeProgram, unavailable_reason
 from engines.builtin.kv_cache import KVCacheManager, LayerKVCache
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import PrepackedDenseMethod
@@ -75,6 +76,10 @@ class ModelRunner:
             config.native_kernels, config.compile, self.device, dtype
         )
         self.native_kernels = self.native_kernels_reason is None
+        # the INT8/INT4 kernels take any float dtype (they compute in float32)
+        self.native_quant_reason = native.off_reason(
+            config.native_kernels, config.compile, self.device, None
+        )
         # torch.compile cannot lower the prepacked ops (inductor packs weights its own way)
         self.prepacked: str | None = None  # the packed layout of dense CPU weights
         if config.prepack_weights and not config.compile:
@@ -96,12 +101,15 @@ class ModelRunner:
                 config.quantization_group_size,
                 self.prepacked,
                 config.quantization_zero_point,
+                config.quantization_activations,
+                self.native_quant_reason,
             )
-            # The LM head stays dense unless quantize_lm_head asks otherwise; a tied head is
-            # the embedding table itself, so it always does.
-            quantized_head = config.quantize_lm_head and not model_config.tie_word_embeddings
+            # The LM head stays dense unless quantize_lm_head asks otherwise (a tied head is
+            # then a quantized copy of the embedding table).
             lm_head = (
-                linear if quantized_head else make_linear_method("none", prepack=self.prepacked)
+                linear
+                if config.quantize_lm_head
+                else make_linear_method("none", prepack=self.prepacked)
             )
             self.model = Transformer(
                 model_config,
@@ -186,7 +194,24 @@ class ModelRunner:
                 )
                 self.kv_caches.append(cache)
             layer.attn.cache = cache
+        self._setup_layer_program()
         self._setup_speed()
+
+    def _setup_layer_program(self) -> None:
+        """The decode program (decode_program.py) where the engine's options and layers allow."""
+        if not self.config.native_decode_program:
+            self.layer_program_reason: str | None = "engine.native_decode_program=false"
+        elif not self.native_kernels or self.config.compile:
+            self.layer_program_reason = (
+                "engine.compile=true" if self.config.compile else self.native_kernels_reason
+            )
+        else:
+            self.layer_program_reason = unavailable_reason(self.model)
+        self.model.layer_program = (
+            DecodeProgram(self.model, self.block_size)
+            if self.layer_program_reason is None
+            else None
+        )
 
     def _setup_speed(self) -> None:
         """torch.compile, then CUDA graphs (which then record the compiled forward)."""
@@ -217,6 +242,9 @@ class ModelRunner:
             "compile": self.config.compile,
             "prepacked_weights": self.prepacked is not None,
             "prepacked_layout": self.prepacked,
+            # decode steps' layers in one call into the C kernels, or why not
+            "native_decode_program": self.model.layer_program is not None,
+            "native_decode_program_reason": self.layer_program_reason,
             "cuda_graphs": graphs is not None,
             "cuda_graph_batch_sizes": graphs.sizes if graphs is not None else [],
         }

@@ -18,9 +18,12 @@ def make_linear_method(
     group_size: int = 128,
     prepack: str | None = None,
     zero_point: str = "float",
+    activations: str = "float",
+    native_reason: str | None = "not requested",
 ) -> LinearMethod:
-    """The method for `engine.quantization`; `group_size` and `zero_point` are used by
-    group-wise methods (int4);
+    """The method for `engine.quantization`; `group_size`, `zero_point` and `activations` are
+    used by group-wise methods (int4); quantized methods multiply through the engine's C
+    kernels where `native_reason` is None (else it says why not);
     `prepack` ("panels" or "onednn") keeps unquantized CPU weights also in that packed
     layout, for the engine's own GEMM or oneDNN's."""
     if quantization == "none" and prepack is not None:
@@ -28,7 +31,9 @@ def make_linear_method(
         if prepack not in packed:
             raise ValueError(f"prepack: {prepack!r}; allowed: panels|onednn")
         return packed[prepack]()
-    return LINEAR_METHODS.get(quantization).create(group_size, zero_point)
+    return LINEAR_METHODS.get(quantization).create(
+        group_size, zero_point, activations, native_reason
+    )
 
 
 __all__ = ["LINEAR_METHODS", "LinearMethod", "make_linear_method"]

@@ -24,9 +24,16 @@ class LinearMethod(ABC):
     name: str = "abstract"
 
     @classmethod
-    def create(cls, group_size: int, zero_point: str = "float") -> LinearMethod:
+    def create(
+        cls,
+        group_size: int,
+        zero_point: str = "float",
+        activations: str = "float",
+        native_reason: str | None = None,
+    ) -> LinearMethod:
         """An instance for the engine's options (group-wise methods take `group_size` and
-        `zero_point`)."""
+        `zero_point`, INT4 `activations`; quantized methods multiply through the engine's C
+        kernels where `native_reason` is None, and say why not otherwise)."""
         return cls()
 
     def describe(self, layer: Linear) -> str:
@@ -176,14 +183,17 @@ class Linear(nn.Module):
 
     # Buffers and attributes the methods set at load (nn.Module keeps buffers in _buffers;
     # these annotations give them their types): PrepackedDenseMethod, PanelDenseMethod,
-    # Int8Method, Int4Method (`group_size`: the one this layer got, quant.int4_group_size).
+    # Int8Method, Int4Method (`group_size`: the one this layer got, quant.int4_group_size;
+    # `native`: kept in the layout of the engine's C kernels, which multiply it).
     packed_weight: torch.Tensor | None
     panels: torch.Tensor
     qweight: torch.Tensor
     scales: torch.Tensor
+    mins: torch.Tensor
     scales_and_zeros: torch.Tensor
     int4_packed: bool
     group_size: int
+    native: bool
 
     def __init__(
         self, in_features: int, out_features: int, method: LinearMethod, bias: bool = False
@@ -194,6 +204,7 @@ class Linear(nn.Module):
         self.has_bias = bias
         self.method = method
         self.name = ""  # its path in the model, for error messages (set by the Transformer)
+        self.native = False
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
 

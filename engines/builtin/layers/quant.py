@@ -1,9 +1,17 @@
 """Weight-only quantized linear methods: INT8 per-output-channel and INT4 group-wise.
 
 Both quantize the full-precision weight once, at load, and keep activations in the compute
-dtype. On CPU they multiply with torch's packed kernels; elsewhere (or where a kernel does not
-take the shape) they dequantize the weight and multiply densely, which gives the same numbers.
-On CUDA, Triton kernels (quant_triton.py) dequantize the weight tile in registers instead.
+dtype. Which kernel multiplies (`describe()` says per layer, and why):
+- CPU with the engine's C kernels (native/quant.py, quant_kernels.c; `engine.native_kernels`,
+  any float dtype): the weights are packed in the layout those kernels stream; decode rows
+  through fused multiply-adds on weights widened in registers (INT4 also with INT8 activations,
+  `engine.quantization_activations=int8`, llama.cpp's scheme), prefill through dequantized
+  tiles and the float32 GEMM.
+- CPU without them: torch's packed kernels (below), which are 3-11x slower than a float32
+  linear at one row in float32 and hundreds of times slower at prefill (docs/benchmarks.md).
+- elsewhere (or where a kernel does not take the shape): dequantize the weight and multiply
+  densely, which gives the same numbers; on CUDA, Triton kernels (quant_triton.py) dequantize
+  the weight tile in registers instead.
 
 INT8 (symmetric, per output row):  scale = max|w| / 127,  q = clamp(round(w / scale), -127, 127),
     w ~= q * scale.  Kernel: aten._weight_int8pack_mm(x [M, K], q int8 [N, K], scales [N]),
@@ -45,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.builtin.layers.linear import LINEAR_METHODS, LinearMethod
+from engines.builtin.native import quant as native_quant
 
 if TYPE_CHECKING:
     from engines.builtin.layers.linear import Linear
@@ -68,18 +77,63 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+NOT_REQUESTED = "not requested (a method built without the engine's kernel choice)"
+
+
+class QuantMethod(LinearMethod):
+    """What INT8 and INT4 share: which CPU kernel multiplies (`native_reason` None: the
+    engine's C kernels, else why not), decided when the engine builds the method."""
+
+    bits = 0
+
+    def __init__(self, native_reason: str | None = NOT_REQUESTED) -> None:
+        self.native_reason = native_reason
+
+    def uses_native(self, weight: torch.Tensor) -> bool:
+        return self.native_reason is None and weight.device.type == "cpu"
+
+    def kernel(self, layer: Linear) -> str:
+        """The kernel this layer multiplies through, and why, for describe()."""
+        if layer.native:
+            return native_quant.describe_kernel(self.bits, getattr(self, "activations", "float"))
+        return f"torch: {self.torch_kernel(layer)} (engine C kernels off: {self.native_reason})"
+
+    def torch_kernel(self, layer: Linear) -> str:
+        raise NotImplementedError
+
+    @staticmethod
+    def float_bias(layer: Linear) -> torch.Tensor | None:
+        return None if layer.bias is None else layer.bias.float().contiguous()
+
+
 @LINEAR_METHODS.register("int8")
-class Int8Method(LinearMethod):
-    """Symmetric per-output-channel INT8 weights; scales in the compute dtype."""
+class Int8Method(QuantMethod):
+    """Symmetric per-output-channel INT8 weights; scales in the compute dtype (float32 for the
+    engine's C kernels)."""
 
     name = "int8"
+    bits = 8
+
+    @classmethod
+    def create(
+        cls,
+        group_size: int,
+        zero_point: str = "float",
+        activations: str = "float",
+        native_reason: str | None = NOT_REQUESTED,
+    ) -> LinearMethod:
+        return cls(native_reason)
+
+    def describe(self, layer: Linear) -> str:
+        return f"int8; kernel {self.kernel(layer)}"
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         w = weight.float()
         scale = _nonzero((w.abs().amax(dim=1) / 127).to(weight.dtype))
         q = torch.clamp(torch.round(w / scale.float()[:, None]), -127, 127).to(torch.int8)
+        layer.native = self.uses_native(weight)
         layer.register_buffer("qweight", q.contiguous())
-        layer.register_buffer("scales", scale.contiguous())
+        layer.register_buffer("scales", (scale.float() if layer.native else scale).contiguous())
         layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     def dequantize(self, layer: Linear) -> torch.Tensor:
@@ -97,7 +151,15 @@ class Int8Method(LinearMethod):
             )
         )
 
+    def torch_kernel(self, layer: Linear) -> str:
+        return "_weight_int8pack_mm (float32; bf16/fp16 with in_features % 16 == 0)"
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.native and x.device.type == "cpu" and not x.requires_grad:
+            y = native_quant.int8_linear(
+                _flat(x), layer.qweight, layer.scales, self.float_bias(layer)
+            )
+            return y.reshape(*x.shape[:-1], layer.out_features)
         if x.is_cuda and x.dtype in _TRITON_DTYPES:
             from engines.builtin.layers.quant_triton import int8_matmul
 
@@ -155,18 +217,36 @@ def quantize_int4(
     )
 
 
+ACTIVATIONS = native_quant.ACTIVATIONS
+
+
 @LINEAR_METHODS.register("int4")
-class Int4Method(LinearMethod):
+class Int4Method(QuantMethod):
     """Asymmetric group-wise INT4 weights (round to nearest), packed two per byte; a float or
-    an integer zero point; each layer's group size fitted to its input size."""
+    an integer zero point; each layer's group size fitted to its input size. `activations`:
+    float, or int8 (the engine's C kernels quantize decode rows per block of 32)."""
 
     name = "int4"
+    bits = 4
 
     @classmethod
-    def create(cls, group_size: int, zero_point: str = "float") -> LinearMethod:
-        return cls(group_size, zero_point)
+    def create(
+        cls,
+        group_size: int,
+        zero_point: str = "float",
+        activations: str = "float",
+        native_reason: str | None = NOT_REQUESTED,
+    ) -> LinearMethod:
+        return cls(group_size, zero_point, activations, native_reason)
 
-    def __init__(self, group_size: int = 128, zero_point: str = "float") -> None:
+    def __init__(
+        self,
+        group_size: int = 128,
+        zero_point: str = "float",
+        activations: str = "float",
+        native_reason: str | None = NOT_REQUESTED,
+    ) -> None:
+        super().__init__(native_reason)
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(
                 f"engine.quantization_group_size: {group_size!r} is invalid; "
@@ -177,11 +257,17 @@ class Int4Method(LinearMethod):
                 f"engine.quantization_zero_point: {zero_point!r} is invalid; "
                 f"allowed: {'|'.join(INT4_ZERO_POINTS)}"
             )
+        if activations not in ACTIVATIONS:
+            raise ValueError(
+                f"engine.quantization_activations: {activations!r} is invalid; "
+                f"allowed: {'|'.join(ACTIVATIONS)}"
+            )
         self.group_size = group_size
         self.zero_point = zero_point
+        self.activations = activations
 
     def describe(self, layer: Linear) -> str:
-        return f"int4 g{layer.group_size} zero_point={self.zero_point}"
+        return f"int4 g{layer.group_size} zero_point={self.zero_point}; kernel {self.kernel(layer)}"
 
     @staticmethod
     def packable(layer: Linear) -> bool:
@@ -192,17 +278,33 @@ class Int4Method(LinearMethod):
             and layer.in_features % (16 * _INNER_K_TILES) == 0
         )
 
+    def torch_kernel(self, layer: Linear) -> str:
+        if layer.int4_packed:
+            return "_weight_int4pack_mm_for_cpu"
+        return "dequantize + dense matmul (torch's int4 packing needs out_features % 16 == 0)"
+
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         group = int4_group_size(layer.in_features, self.group_size)
         if group is None:  # no allowed group divides it: this layer is INT8 (describe() says)
             layer.method = Int8Fallback(
                 f"no int4 group size <= {self.group_size} of "
-                f"{'|'.join(map(str, INT4_GROUP_SIZES))} divides in_features={layer.in_features}"
+                f"{'|'.join(map(str, INT4_GROUP_SIZES))} divides in_features={layer.in_features}",
+                self.native_reason,
             )
             layer.method.load(layer, weight, bias)
             return
         layer.group_size = group
         q, scales_and_zeros = quantize_int4(weight, group, self.zero_point, weight.dtype)
+        layer.native = self.uses_native(weight)
+        layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        if layer.native:  # W = q * scale + min, all float32 (native/quant.py's layout)
+            sz = scales_and_zeros.float().transpose(0, 1)  # [out, k/g, 2]
+            scale = sz[..., 0].contiguous()
+            layer.register_buffer("qweight", native_quant.pack_int4(q))
+            layer.register_buffer("scales", scale)
+            layer.register_buffer("mins", (sz[..., 1] - 8 * scale).contiguous())
+            layer.int4_packed = False
+            return
         packed = self.packable(layer) and weight.device.type == "cpu"
         if packed:
             qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -213,7 +315,6 @@ class Int4Method(LinearMethod):
         layer.int4_packed = packed
         layer.register_buffer("qweight", qweight.contiguous())
         layer.register_buffer("scales_and_zeros", scales_and_zeros)
-        layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     def _kernel(self, layer: Linear, x2d: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -223,6 +324,9 @@ class Int4Method(LinearMethod):
     def dequantize(self, layer: Linear) -> torch.Tensor:
         """The weight the stored form represents, [out, in] in float32."""
         out, k, g = layer.out_features, layer.in_features, layer.group_size
+        if layer.native:
+            q = native_quant.unpack_int4(layer.qweight).float().reshape(out, k // g, g)
+            return (q * layer.scales[..., None] + layer.mins[..., None]).reshape(out, k)
         sz = layer.scales_and_zeros.float()  # [k/g, out, 2]
         if layer.int4_packed:  # torch's tile layout is opaque: read it back through the kernel
             eye = torch.eye(k, dtype=torch.float32, device=layer.qweight.device)
@@ -235,6 +339,17 @@ class Int4Method(LinearMethod):
         return (q.float() - 8) * scale + zero
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.native and x.device.type == "cpu" and not x.requires_grad:
+            y = native_quant.int4_linear(
+                _flat(x),
+                layer.qweight,
+                layer.scales,
+                layer.mins,
+                layer.group_size,
+                self.float_bias(layer),
+                self.activations,
+            )
+            return y.reshape(*x.shape[:-1], layer.out_features)
         if (
             layer.int4_packed
             and x.device.type == "cpu"
@@ -254,8 +369,9 @@ class Int4Method(LinearMethod):
 class Int8Fallback(Int8Method):
     """INT8 per channel for a layer `engine.quantization=int4` cannot group; says why."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, native_reason: str | None = NOT_REQUESTED) -> None:
+        super().__init__(native_reason)
         self.reason = reason
 
     def describe(self, layer: Linear) -> str:
-        return f"int8 (int4 fallback: {self.reason})"
+        return f"int8 (int4 fallback: {self.reason}); kernel {self.kernel(layer)}"

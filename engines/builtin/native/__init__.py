@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from engines.builtin.native.cache import FLAGS, SOURCE, NativeUnavailable, build, cache_dir
+from engines.builtin.native.cache import FLAGS, SOURCES, NativeUnavailable, build, cache_dir
 
 __all__ = [
     "FLAGS",
-    "SOURCE",
+    "SOURCES",
     "Layout",
     "cache_dir",
     "info",
@@ -64,6 +64,10 @@ SIGNATURES = {  # function -> argument types (all return void)
     "rope_and_cache_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64],
     "pack_linear_weight_f32": [_PTR, _I64, _I64, _PTR, _I64],
     "linear_f32": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+    # quant_kernels.c (wrapped by native/quant.py)
+    "q4_linear_f32": [_PTR] * 6 + [_I64] * 7,
+    "q4_linear_q8_f32": [_PTR] * 6 + [_I64] * 7,
+    "q8_linear_f32": [_PTR] * 5 + [_I64] * 6,
     "prefill_attention_f32": [
         _PTR,
         _I64,
@@ -105,6 +109,12 @@ def open_library(path: str | Path) -> tuple[ctypes.CDLL, Layout]:
         fn.argtypes, fn.restype = argtypes, None
     lib.kernel_isa.argtypes, lib.kernel_isa.restype = [], ctypes.c_char_p
     lib.linear_layout.argtypes, lib.linear_layout.restype = [_PTR], None
+    for name in ("quant_paths", "quant_q8_activation_paths"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int64
+    # decode_layers.c (engines/builtin/decode_program.py): 0, or -1 without scratch memory
+    program_args: list[Any] = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR]
+    lib.decode_layers_f32.argtypes = [*program_args, _I64]
+    lib.decode_layers_f32.restype = ctypes.c_int64
     sizes = (ctypes.c_int64 * 2)()
     lib.linear_layout(ctypes.addressof(sizes))
     return lib, Layout(lib.kernel_isa().decode(), sizes[0], sizes[1])
@@ -161,16 +171,17 @@ def info(load_now: bool = True) -> dict[str, Any]:
 
 
 def off_reason(
-    enabled: bool, compile: bool, device: torch.device, dtype: torch.dtype
+    enabled: bool, compile: bool, device: torch.device, dtype: torch.dtype | None
 ) -> str | None:
-    """Why an engine with these settings runs without the kernels; None when it uses them."""
+    """Why an engine with these settings runs without the kernels; None when it uses them.
+    `dtype` None: kernels that take any float dtype (the INT8/INT4 linears)."""
     if not enabled:
         return "engine.native_kernels=false"
     if compile:
         return "engine.compile=true (inductor fuses these ops itself)"
     if device.type != "cpu":
         return f"device {device} (the kernels are CPU-only)"
-    if dtype != torch.float32:
+    if dtype is not None and dtype != torch.float32:
         return f"dtype {str(dtype).removeprefix('torch.')} (the kernels are float32-only)"
     return reason()
 
@@ -182,16 +193,15 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def _run(kernel: str, *args: object) -> None:
+def _run(kernel: str, *args: object) -> Any:
     """Call a kernel; while torch.profiler records, inside a range named `inferlab::<kernel>`,
     so that profiles (profile/ops.md) list the C kernels as operators of their own (the range
     costs ~7 us a call, so only then)."""
     fn = getattr(_lib(), kernel)
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function(f"inferlab::{kernel}"):
-            fn(*args)
-    else:
-        fn(*args)
+            return fn(*args)
+    return fn(*args)
 
 
 def takes(*tensors: torch.Tensor) -> bool:

@@ -24,7 +24,10 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FOLDER = Path(__file__).parent
+# the library's C files (cpu_kernels.c, quant_kernels.c) and the headers they share
+SOURCES = tuple(sorted(FOLDER.glob("*.c")))
+HEADERS = tuple(sorted(FOLDER.glob("*.h")))
 # -fno-trapping-math: no kernel reads the floating-point exception flags, and with them kept
 # exact GCC 12 would not turn a clamp (exp_f32's) into a blend without AVX-512's masks, so
 # that on AVX2 the SiLU and both softmax loops ran one float at a time. Values are unchanged
@@ -80,7 +83,14 @@ def _key(cc: str) -> str:
     version = (probe.stdout or probe.stderr).strip().splitlines()[:1]
     return hashlib.sha256(
         "\n".join(
-            [SOURCE.read_text(), cc, *version, " ".join(FLAGS), platform.machine(), _cpu_flags()]
+            [
+                *(p.read_text() for p in (*SOURCES, *HEADERS)),
+                cc,
+                *version,
+                " ".join(FLAGS),
+                platform.machine(),
+                _cpu_flags(),
+            ]
         ).encode()
     ).hexdigest()
 
@@ -141,7 +151,7 @@ def _compile(cc: str, target: Path) -> str:
     try:
         try:
             result = subprocess.run(
-                [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                [cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=BUILD_TIMEOUT_S,

@@ -4,11 +4,9 @@
  * torch has already loaded, so torch and these kernels share one thread pool. */
 
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX512F__) || defined(__FMA__)
-#include <immintrin.h>
-#endif
+
+#include "kernels.h"
 
 /* e^x for x in float32, vectorizable (libm's expf is a call per element): Cody-Waite range
  * reduction x = k ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial for e^r (within about
@@ -233,75 +231,6 @@ void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions
     }
 }
 
-/* The GEMM's register block, per instruction set, chosen when the library is compiled
- * (-march=native; the cache key holds the CPU's flags). VEC floats fill one vector register;
- * the block is ROW_BLOCK input rows x PANEL output columns (PANEL_VECS vectors), kept in
- * ROW_BLOCK x PANEL_VECS registers that must leave room for the PANEL_VECS weight loads and
- * a broadcast:
- * - AVX-512 (32 registers of 16 floats): 8 x 32, 16 accumulators; per step of k 2 weight
- *   loads, 8 broadcasts and 16 fused multiply-adds. Written and tuned on Xeons (the figures
- *   in the comments below are theirs).
- * - AVX / AVX2 (16 registers of 8 floats): 6 x 16, 12 accumulators, 2 weight loads and a
- *   broadcast, 15 registers (the Haswell/Zen micro-kernel shape of BLIS and OpenBLAS). The
- *   8 x 32 block needs 32 of them there and spilled every step: on a 2-core Zen 3 EPYC the
- *   small preset's 49 matmuls took 2.4x oneDNN's time at 8 rows and 8-9x at 128-2,000.
- * - anything else (SSE, NEON: 4 floats, 16 or more registers): 4 x 8, 8 accumulators.
- * The packed layouts follow (panels of PANEL weight rows, input blocks of ROW_BLOCK rows);
- * Python reads them from linear_layout, so that the packing and its callers agree. */
-#if defined(__AVX512F__)
-#define KERNEL_ISA "avx512"
-#define VEC 16
-#define ROW_BLOCK 8
-#define PANEL_VECS 2
-#elif defined(__AVX__)
-#if defined(__AVX2__) && defined(__FMA__)
-#define KERNEL_ISA "avx2"
-#else
-#define KERNEL_ISA "avx"
-#endif
-#define VEC 8
-#define ROW_BLOCK 6
-#define PANEL_VECS 2
-#else
-#define KERNEL_ISA "portable"
-#define VEC 4
-#define ROW_BLOCK 4
-#define PANEL_VECS 2
-#endif
-#define PANEL (PANEL_VECS * VEC)
-
-/* VEC floats: GCC/clang vector extensions, one register of the widest kind the build has */
-typedef float vec __attribute__((vector_size(VEC * 4)));
-typedef float vec_unaligned __attribute__((vector_size(VEC * 4), aligned(4)));
-
-static inline vec load_vec(const float *p) { return *(const vec_unaligned *)p; }
-
-static inline void store_vec(float *p, vec v) { *(vec_unaligned *)p = v; }
-
-/* *p in all lanes (a load that broadcasts: no shuffle taking an FMA port) */
-static inline vec broadcast_vec(const float *p) {
-    const float s = *p;
-#if VEC == 16
-    return (vec){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
-#elif VEC == 8
-    return (vec){s, s, s, s, s, s, s, s};
-#else
-    return (vec){s, s, s, s};
-#endif
-}
-
-/* a * b + c in one rounding. Spelled out because -std=c11 forbids the compiler to contract
- * a * b + c on its own (which rope_and_cache_f32 relies on). */
-static inline vec fma_vec(vec a, vec b, vec c) {
-#if defined(__AVX512F__)
-    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    return a * b + c;
-#endif
-}
-
 /* The packed layout of this build's linear_f32: out[0] = PANEL (weight rows per panel),
  * out[1] = ROW_BLOCK (input rows per packed block); and the instruction set it was built for. */
 void linear_layout(int64_t *out) {
@@ -399,18 +328,16 @@ DEFINE_PANEL_KERNEL(panel_kernel_full, ROW_BLOCK, ROW_BLOCK, PANEL_VECS)
 #define panel_kernel_full panel_kernel_4
 #endif
 
-/* Blocks [b0, b1) of the packed input times panel p: y's rows ROW_BLOCK b0 .. min(.. b1, M). */
-static void linear_panel(const float *xp, const float *panels, const float *bias, float *y,
-                         int64_t M, int64_t K, int64_t N, int64_t p, int64_t b0, int64_t b1) {
-    const float *panel = panels + p * K * PANEL;
+void gemm_panel(const float *xp, const float *panel, const float *next_panel,
+                const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t n0,
+                int64_t b0, int64_t b1) {
     /* the next panel, a panel's PANEL x 4 x K bytes spread over the (b1 - b0) x K steps of
-     * this one (none after the last panel) */
-    const int64_t last = p + 1 == (N + PANEL - 1) / PANEL;
-    const char *next = (const char *)(last ? panel : panel + K * PANEL);
-    const int64_t lines = last ? 0 : PANEL * (int64_t)sizeof(float) * K / 64;
+     * this one */
+    const char *next = (const char *)(next_panel == NULL ? panel : next_panel);
+    const int64_t lines = next_panel == NULL ? 0 : PANEL * (int64_t)sizeof(float) * K / 64;
     const int64_t per_lines = (b1 - b0) * K;
     int64_t credit = 0;
-    const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+    const int64_t cols = N - n0 < PANEL ? N - n0 : PANEL;
     for (int64_t b = b0; b < b1; b++) {
         float out[ROW_BLOCK * PANEL];
         const int64_t rows = M - b * ROW_BLOCK < ROW_BLOCK ? M - b * ROW_BLOCK : ROW_BLOCK;
@@ -446,6 +373,17 @@ static void linear_panel(const float *xp, const float *panels, const float *bias
 
 /* y [M, N] = x [M, K] w^T (+ bias [N]) with w packed by pack_linear_weight_f32; x and y
  * contiguous; xp: room for x packed, ceil(M / ROW_BLOCK) x ROW_BLOCK x K floats. */
+void pack_gemm_input(const float *x, float *xp, int64_t M, int64_t K) {
+    const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t i = 0; i < ROW_BLOCK; i++) {
+                const int64_t m = b * ROW_BLOCK + i;
+                xp[(b * K + k) * ROW_BLOCK + i] = m < M ? x[m * K + k] : 0.0f;
+            }
+}
+
 void linear_f32(const float *x, const float *panels, const float *bias, float *y, float *xp,
                 int64_t M, int64_t K, int64_t N, int64_t threads) {
     if (M <= 0 || N <= 0) return;
@@ -453,18 +391,15 @@ void linear_f32(const float *x, const float *panels, const float *bias, float *y
     const int64_t count = (N + PANEL - 1) / PANEL;
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++)
-            for (int64_t k = 0; k < K; k++)
-                for (int64_t i = 0; i < ROW_BLOCK; i++) {
-                    const int64_t m = b * ROW_BLOCK + i;
-                    xp[(b * K + k) * ROW_BLOCK + i] = m < M ? x[m * K + k] : 0.0f;
-                }
+        pack_gemm_input(x, xp, M, K);
         for (int64_t b0 = 0; b0 < blocks; b0 += LINEAR_PASS_BLOCKS) {
             const int64_t b1 = b0 + LINEAR_PASS_BLOCKS < blocks ? b0 + LINEAR_PASS_BLOCKS : blocks;
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < count; p++)
-                linear_panel(xp, panels, bias, y, M, K, N, p, b0, b1);
+            for (int64_t p = 0; p < count; p++) {
+                const float *panel = panels + p * K * PANEL;
+                gemm_panel(xp, panel, p + 1 < count ? panel + K * PANEL : NULL, bias, y, M, K,
+                           N, p * PANEL, b0, b1);
+            }
         }
     }
 }

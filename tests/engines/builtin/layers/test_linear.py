@@ -112,18 +112,15 @@ def test_engine_tokens_do_not_depend_on_prepacking(native_kernels: bool) -> None
     assert runs[True] == runs[False]
 
 
-@pytest.mark.parametrize("quantize_lm_head", [False, True])
-def test_a_tied_lm_head_is_the_embedding_through_the_packed_kernel(
-    quantize_lm_head: bool, monkeypatch
-) -> None:
+def test_a_tied_lm_head_is_the_embedding_through_the_packed_kernel(monkeypatch) -> None:
     """A tied head shares the embedding's storage (no second plain copy, counted once), stays
-    unquantized, and multiplies through the panels like the other dense layers."""
+    unquantized unless quantize_lm_head asks, and multiplies through the panels like the other
+    dense layers."""
     llm = LLM(
         "tiny",
         dtype="float32",
         model_overrides={"tie_word_embeddings": True},
         quantization="int8",
-        quantize_lm_head=quantize_lm_head,
     )
     model = llm.engine.runner.model
     head = model.lm_head
@@ -142,3 +139,32 @@ def test_a_tied_lm_head_is_the_embedding_through_the_packed_kernel(
     logits = model.compute_logits(hidden)
     assert calls == [model.config.vocab_size]
     torch.testing.assert_close(logits, F.linear(hidden, model.embed.weight))
+
+
+def test_a_tied_lm_head_quantized_is_a_copy_of_the_embedding() -> None:
+    """quantize_lm_head on a tied model: the head multiplies a quantized copy of the embedding
+    table (the lookup keeps the float table), through the engine's INT8 kernel; both counted."""
+    llm = LLM(
+        "tiny",
+        dtype="float32",
+        model_overrides={"tie_word_embeddings": True},
+        quantization="int8",
+        quantize_lm_head=True,
+    )
+    model = llm.engine.runner.model
+    head = model.lm_head
+    assert head.method.name == "int8" and head.native and head.weight is None
+    vocab, hidden = model.embed.weight.shape
+    sizes = model.weight_bytes()
+    assert sizes["lm_head_bytes"] == vocab * hidden + vocab * 4  # int8 values, float32 scales
+    assert sizes["weight_bytes"] == (
+        sizes["linear_weight_bytes"]
+        + sizes["embedding_bytes"]
+        + sizes["lm_head_bytes"]
+        + sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
+    )
+    x = torch.randn(3, hidden)
+    expected = x.double() @ head.method.dequantize(head).double().T
+    torch.testing.assert_close(model.compute_logits(x).double(), expected, rtol=0, atol=1e-4)
+    err = head.method.dequantize(head) - model.embed.weight
+    assert float(err.abs().max()) <= float(head.scales.max()) / 2 + 1e-6

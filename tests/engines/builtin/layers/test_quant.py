@@ -10,8 +10,11 @@ shrink as the formats promise, a group size that does not divide a layer is fitt
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from dequantized_twin import dequantized_twin_tokens
 
 from engines.base import ConfigError
 from engines.builtin import LLM, EngineConfig, SamplingParams
@@ -24,6 +27,7 @@ from engines.builtin.layers.quant import (
     int4_group_size,
     quantize_int4,
 )
+from engines.builtin.native import quant as native_quant
 
 EPS = 1e-6  # float32 rounding of the scale arithmetic
 
@@ -150,10 +154,15 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
         (Int4Method(32, "int"), 24, 64),
     ],
 )
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 def test_kernels_match_the_dequantized_reference(
-    method, out: int, inn: int, dtype: torch.dtype
+    method, out: int, inn: int, dtype: torch.dtype, native: bool
 ) -> None:
+    method = copy.copy(method)  # the parameter is shared by every case
+    if native:
+        method.native_reason = None  # the engine's C kernels (torch's when not set)
     layer, _ = make_layer(method, out, inn, dtype=dtype, bias=True)
+    assert layer.native == native
     x = torch.randn(3, 5, inn).to(dtype)
     y = layer(x)
     assert y.shape == (3, 5, out) and y.dtype == dtype
@@ -263,7 +272,10 @@ def test_group_size_per_layer() -> None:
     layer = Linear(576, 16, Int4Method(128))
     layer.load(torch.randn(16, 576))
     assert layer.group_size == 64 and layer.scales_and_zeros.shape == (9, 16, 2)
-    assert layer.method.describe(layer) == "int4 g64 zero_point=float"
+    assert layer.method.describe(layer).startswith(
+        "int4 g64 zero_point=float; kernel torch: _weight_int4pack_mm_for_cpu (engine C "
+        "kernels off: not requested"
+    )
 
 
 def test_int4_where_no_group_divides_falls_back_to_int8_and_says_so(make_tiny) -> None:
@@ -274,14 +286,16 @@ def test_int4_where_no_group_divides_falls_back_to_int8_and_says_so(make_tiny) -
     down = model.layers[0].mlp.down_proj
     assert isinstance(down.method, Int8Fallback) and down.qweight.dtype == torch.int8
     methods = llm.engine.describe()["linear_methods"]
+    kernel = "; kernel " + native_quant.describe_kernel(4)
     assert methods == {
-        "layers.*.attn.qkv_proj": "int4 g64 zero_point=float",
-        "layers.*.attn.o_proj": "int4 g64 zero_point=float",
-        "layers.*.mlp.gate_up_proj": "int4 g64 zero_point=float",
+        "layers.*.attn.qkv_proj": "int4 g64 zero_point=float" + kernel,
+        "layers.*.attn.o_proj": "int4 g64 zero_point=float" + kernel,
+        "layers.*.mlp.gate_up_proj": "int4 g64 zero_point=float" + kernel,
         "layers.*.mlp.down_proj": "int8 (int4 fallback: no int4 group size <= 128 of "
-        "32|64|128 divides in_features=176)",
+        "32|64|128 divides in_features=176); kernel " + native_quant.describe_kernel(8),
         "lm_head": "none",
     }
+    assert kernel.startswith("; kernel native: <= 16 rows float FMA")
     outs = llm.generate(PROMPTS, GREEDY)
     assert all(len(o.token_ids) == 12 for o in outs)
 
@@ -295,6 +309,13 @@ def test_config_validates_the_new_options() -> None:
         EngineConfig.from_dict({"quantization": "int4", "quantization_group_size": 48})
     with pytest.raises(ConfigError, match="quantize_lm_head"):
         EngineConfig.from_dict({"quantize_lm_head": "yes"})
+    with pytest.raises(
+        ConfigError,
+        match=r"^engine.quantization_activations: 'int4' is invalid; allowed: float\|int8$",
+    ):
+        EngineConfig.from_dict({"quantization": "int4", "quantization_activations": "int4"})
+    with pytest.raises(ConfigError, match="native_decode_program"):
+        EngineConfig.from_dict({"native_decode_program": 1})
     with pytest.raises(
         ConfigError,
         match=r"^engine.quantization_zero_point: 'asym' is invalid; allowed: float\|int$",
@@ -328,3 +349,35 @@ def test_small_linear_bytes_shrink() -> None:
         assert model.lm_head is None or model.lm_head.method.name == "none"
         del llm
     assert built["int8"] <= 0.52 and built["int4"] <= 0.30, built
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(quantization="int8", quantize_lm_head=True),
+        dict(quantization="int4", quantization_group_size=32, quantize_lm_head=True),
+        dict(quantization="int4", quantization_group_size=128, quantization_zero_point="int"),
+    ],
+    ids=["int8", "int4-g32", "int4-g128-int"],
+)
+def test_greedy_tokens_equal_the_dequantized_float32_model(preset: str, options) -> None:
+    """The engine's kernels compute what the weights they store represent: its greedy tokens
+    are the dequantize-then-float32 model's, through prefill (tiles) and decode (rows)."""
+    overrides = {"num_layers": 2} if preset == "small" else {"intermediate_size": 192}
+    llm = LLM(
+        preset,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        model_overrides=overrides,
+        **options,
+    )
+    quantized = [
+        m for m in llm.engine.runner.model.linear_layers().values() if m.method.name != "none"
+    ]
+    assert quantized and all(m.native for m in quantized)  # the engine's C kernels
+    prompts = [list(range(3, 40)), [9, 8, 7], list(range(100, 120))]  # prefill > 16 rows too
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    assert dequantized_twin_tokens(llm, prompts, params) == expected

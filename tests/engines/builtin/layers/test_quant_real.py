@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from dequantized_twin import dequantized_twin_tokens
 
 from engines.builtin import LLM, SamplingParams
 from engines.builtin.layers.quant import quantize_int4
@@ -78,8 +79,8 @@ def fp32_models(gguf_path: Path) -> tuple[LLM, LLM]:
 def test_int4_g32_float_in_fp32_computes_what_fp32_does(fp32_models: tuple[LLM, LLM]) -> None:
     dense, int4 = fp32_models
     assert dense.engine.weights_source == int4.engine.weights_source == "checkpoint"
-    assert int4.engine.describe()["linear_methods"]["layers.*.mlp.down_proj"] == (
-        "int4 g32 zero_point=float"
+    assert int4.engine.describe()["linear_methods"]["layers.*.mlp.down_proj"].startswith(
+        "int4 g32 zero_point=float; kernel native"
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     expected = [o.token_ids for o in dense.generate(PROMPTS, greedy)]
@@ -89,3 +90,20 @@ def test_int4_g32_float_in_fp32_computes_what_fp32_does(fp32_models: tuple[LLM, 
     result = quality_probe(dense, int4, prompts)
     # Only summation order differs (the packed int4 kernel vs the dense GEMM)
     assert result["top1_agreement"] == 1.0 and float(result["kl_mean"] or 0) < 1e-5, result
+
+
+def test_int8_greedy_tokens_equal_the_dequantized_float32_model(gguf_path: Path) -> None:
+    llm = LLM(
+        str(gguf_path),
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=4,
+        kv_cache_prefault=False,
+        quantization="int8",
+        quantize_lm_head=True,  # the tied head: a quantized copy of the embedding table
+    )
+    methods = llm.engine.describe()["linear_methods"]
+    assert methods["lm_head"].startswith("int8; kernel native")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    assert dequantized_twin_tokens(llm, PROMPTS, greedy) == expected

@@ -21,6 +21,7 @@ from engines.builtin.attention import (
 )
 from engines.builtin.layers.rotary import RotaryEmbedding, apply_rotary
 from engines.builtin.native import cache as native_cache
+from engines.builtin.native import quant as native_quant
 
 
 def test_the_kernels_build_here() -> None:
@@ -419,7 +420,7 @@ def test_every_instruction_set_build_matches_torch(
     flags = [f"-march={march}" if f == "-march=native" else f for f in native.FLAGS]
     library = tmp_path / f"kernels-{isa}.so"
     subprocess.run(
-        [native_cache.compiler(), *flags, "-o", str(library), str(native.SOURCE), "-lm"],
+        [native_cache.compiler(), *flags, "-o", str(library), *map(str, native.SOURCES), "-lm"],
         check=True,
         capture_output=True,
     )
@@ -455,6 +456,24 @@ def test_every_instruction_set_build_matches_torch(
         out = native.prefill_attention(q, k, v, starts, dim**-0.5, window)
         expected = reference_prefill(q, k, v, lengths, dim**-0.5, window)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # the INT8/INT4 kernels at every vector width this build has (x86-64: the generic
+    # vector code without SSE4.1's widening; sandybridge: 8 floats without AVX2's)
+    for path in native_quant.paths():
+        for rows in (1, 3, 40):
+            q4 = torch.randint(0, 16, (21, 128), generator=gen, dtype=torch.int32)
+            scales, mins = torch.rand(21, 2, generator=gen), -torch.rand(21, 2, generator=gen)
+            w4 = q4.double().reshape(21, 2, 64) * scales.double()[..., None]
+            w4 = (w4 + mins.double()[..., None]).reshape(21, 128)
+            q8 = torch.randint(-127, 128, (21, 45), generator=gen, dtype=torch.int8)
+            x4, x8 = torch.randn(rows, 128, generator=gen), torch.randn(rows, 45, generator=gen)
+            got4 = native_quant.int4_linear(
+                x4, native_quant.pack_int4(q4), scales, mins, 64, path=path
+            )
+            torch.testing.assert_close(got4.double(), x4.double() @ w4.T, rtol=1e-5, atol=1e-4)
+            got8 = native_quant.int8_linear(x8, q8, torch.ones(21), path=path)
+            torch.testing.assert_close(
+                got8.double(), x8.double() @ q8.double().T, rtol=1e-5, atol=1e-3
+            )
 
 
 def test_linear_edge_shapes_and_non_finite_rows() -> None:
@@ -583,7 +602,15 @@ def test_engine_tokens_with_and_without_native_kernels(options: dict, monkeypatc
     outputs = {}
     for enabled in (False, True):
         calls.clear()
-        llm = LLM("tiny", dtype="float32", native_kernels=enabled, **options)
+        # layer by layer: the decode program calls the same kernels from C
+        # (tests/engines/builtin/test_decode_program.py)
+        llm = LLM(
+            "tiny",
+            dtype="float32",
+            native_kernels=enabled,
+            native_decode_program=False,
+            **options,
+        )
         assert llm.engine.describe()["native_kernels"] is enabled
         outputs[enabled] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         expected = set(kernels)

@@ -1,0 +1,231 @@
+"""A decode step's decoder layers as one call into the engine's C kernels (native/decode_layers.c).
+
+Layer by layer, the model's modules call ~9 C kernels each from Python; the Python around them
+(module calls, argument checks, views) costs ~0.5 ms a layer on a 2-core Zen 3, more than the
+layer's own matmuls at batch 1 on a SmolLM2-135M-sized model with INT4 weights: 30 layers, ~15
+ms a step, about llama.cpp's whole step there. The program is the CPU's answer to a CUDA graph:
+the layers' weights, caches and shapes go into C structs once (after the KV cache exists), and
+each decode step is one call that runs the same kernels, in the same order, on the same values.
+Quantized layers give bit-identical results either way; dense ones multiply through the
+engine's GEMM at every row count (layer by layer, one row takes torch's GEMV), so their logits
+agree to float32 rounding (tests/engines/builtin/test_decode_program.py).
+
+It runs a step when every row is a single-token decode over a float32 cache written by slot
+(not a sliding-window ring, not static batching's padded rows); other steps, and engines it
+cannot take (`unavailable_reason`), go layer by layer. `engine.native_decode_program=false`
+turns it off; describe()["native_decode_program"] says whether it is used, or why not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from engines.builtin import native
+from engines.builtin.attention.cpu import CpuAttention
+from engines.builtin.attention.metadata import AttentionMetadata
+from engines.builtin.layers.linear import Linear, PanelDenseMethod
+from engines.builtin.layers.quant import Int4Method, Int8Method
+from engines.builtin.native import quant as native_quant
+
+if TYPE_CHECKING:
+    from engines.builtin.model import DecoderLayer, Transformer
+
+_PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+DENSE, INT8, INT4, INT4_A8 = 0, 1, 2, 3  # decode_layers.c's PROGRAM_*
+
+
+class ProgramLinear(ctypes.Structure):
+    _fields_ = [
+        ("kind", _I64),
+        ("weight", _PTR),
+        ("scale", _PTR),
+        ("minv", _PTR),
+        ("bias", _PTR),
+        ("in_features", _I64),
+        ("out_features", _I64),
+        ("group_size", _I64),
+    ]
+
+
+class ProgramLayer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _PTR),
+        ("post_attn_norm", _PTR),
+        ("qkv", ProgramLinear),
+        ("o", ProgramLinear),
+        ("gate_up", ProgramLinear),
+        ("down", ProgramLinear),
+        ("k_cache", _PTR),
+        ("v_cache", _PTR),
+    ]
+
+
+class ProgramShape(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _I64),
+        ("heads", _I64),
+        ("kv_heads", _I64),
+        ("head_dim", _I64),
+        ("intermediate", _I64),
+        ("block_size", _I64),
+        ("window", _I64),
+        ("rows_max", _I64),
+        ("eps", _F32),
+        ("scale", _F32),
+        ("rope_table", _PTR),
+    ]
+
+
+def _ptr(t: torch.Tensor | None, keep: list[torch.Tensor] | None = None) -> int | None:
+    """t's address; `keep` holds t, so that the address stays valid while the program lives
+    (a layer loaded again after the program was built would otherwise free what it reads)."""
+    if t is None:
+        return None
+    if keep is not None:
+        keep.append(t)
+    return t.data_ptr()
+
+
+def _linear_problem(layer: Linear) -> str | None:
+    method = layer.method
+    if isinstance(method, PanelDenseMethod):
+        return None
+    if isinstance(method, Int8Method | Int4Method) and layer.native:
+        return None
+    return f"{layer.name} is kept as {method.describe(layer)!r}"
+
+
+def _program_linear(layer: Linear, keep: list[torch.Tensor]) -> ProgramLinear:
+    method = layer.method
+    bias = _ptr(None if layer.bias is None else layer.bias.data, keep)
+    shape = (layer.in_features, layer.out_features)
+    if isinstance(method, PanelDenseMethod):
+        return ProgramLinear(DENSE, _ptr(layer.panels, keep), None, None, bias, *shape, 0)
+    weight, scales = _ptr(layer.qweight, keep), _ptr(layer.scales, keep)
+    if isinstance(method, Int4Method):
+        kind = INT4_A8 if method.activations == "int8" else INT4
+        mins = _ptr(layer.mins, keep)
+        return ProgramLinear(kind, weight, scales, mins, bias, *shape, layer.group_size)
+    return ProgramLinear(INT8, weight, scales, None, bias, *shape, 0)
+
+
+def unavailable_reason(model: Transformer) -> str | None:
+    """Why the program cannot run this model's layers (None: it can)."""
+    if native.load() is None:
+        return f"the engine's C kernels are unavailable: {native.reason()}"
+    cfg = model.config
+    for module in model.layers:
+        layer: DecoderLayer = module  # type: ignore[assignment]
+        attn = layer.attn
+        if not isinstance(attn.backend, CpuAttention):
+            return f"attention backend {attn.backend.name!r} (the program runs the C kernel's)"
+        cache = attn.cache
+        if cache is None:
+            return "no KV cache (kv_cache=none)"
+        if cache.quantized or cache.dtype != torch.float32 or not cache.stores_by_slot:
+            return "the KV cache is not float32 stored by slot (kv_cache_dtype=int8?)"
+        for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            problem = _linear_problem(linear)
+            if problem is not None:
+                return problem
+        norms = (layer.input_norm.weight, layer.post_attn_norm.weight)
+        if any(not native.takes(w) for w in norms):
+            return "norm weights are not float32"
+    if model.rope.cos_sin_table.dtype != torch.float32 or cfg.num_layers == 0:
+        return "no float32 rotary table or no layers"
+    return None
+
+
+class DecodeProgram:
+    """The model's decoder layers as C structs, run by `run` for decode-only steps."""
+
+    def __init__(self, model: Transformer, block_size: int) -> None:
+        """Reads the layers' tensors as they are now: a layer loaded again afterwards needs a
+        new program (the model runner builds it once the KV cache exists)."""
+        cfg = model.config
+        first: DecoderLayer = model.layers[0]  # type: ignore[assignment]
+        self.keep: list[torch.Tensor] = []  # every tensor the structs point into
+        self.table_positions = model.rope.cos_sin_table.shape[0]
+        self.block_size = block_size
+        self.shape = ProgramShape(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            block_size,
+            cfg.sliding_window or 0,
+            native_quant.ROWS_MAX,
+            first.input_norm.eps,
+            first.attn.scale,
+            _ptr(model.rope.cos_sin_table, self.keep),
+        )
+        layers = []
+        for module in model.layers:
+            layer: DecoderLayer = module  # type: ignore[assignment]
+            attn, mlp = layer.attn, layer.mlp
+            assert attn.cache is not None  # unavailable_reason said so
+            layers.append(
+                ProgramLayer(
+                    _ptr(layer.input_norm.weight, self.keep),
+                    _ptr(layer.post_attn_norm.weight, self.keep),
+                    *(
+                        _program_linear(linear, self.keep)
+                        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                    ),
+                    _ptr(attn.cache.k, self.keep),
+                    _ptr(attn.cache.v, self.keep),
+                )
+            )
+        self.layers = (ProgramLayer * len(layers))(*layers)
+
+    def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the program runs: single-token decodes only, written by
+        slot (no ring, no padding rows), float32 rows."""
+        return (
+            meta.num_decodes == meta.num_seqs == x.shape[0] > 0
+            and meta.use_cache
+            and not meta.ring
+            and meta.write_index is None
+            and x.dtype == torch.float32
+        )
+
+    def run(self, x: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers on the embeddings x [T, hidden] -> (last MLP output, residual stream)."""
+        rows = x.shape[0]
+        # the checks the modules' kernel wrappers make, once per step
+        if meta.max_seq_len > self.table_positions:
+            raise ValueError(
+                f"decode program: position {meta.max_seq_len - 1} past the rotary table "
+                f"({self.table_positions} positions)"
+            )
+        tables = meta.block_tables
+        if meta.max_seq_len > tables.shape[1] * self.block_size or tables.stride(1) != 1:
+            raise ValueError(
+                f"decode program: a context of {meta.max_seq_len} tokens exceeds the block "
+                f"tables ({tables.shape[1]} x {self.block_size})"
+            )
+        self.shape.window = meta.sliding_window or 0
+        x = x.contiguous()
+        residual = torch.zeros_like(x)  # residual += embeddings: the embeddings exactly
+        status = native._run(
+            "decode_layers_f32",
+            ctypes.byref(self.shape),
+            self.layers,
+            len(self.layers),
+            x.data_ptr(),
+            residual.data_ptr(),
+            rows,
+            meta.positions.data_ptr(),
+            meta.slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            meta.seq_lens.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("decode program: could not allocate its scratch memory")
+        return x, residual

@@ -1,0 +1,144 @@
+/* What the engine's C kernels share (cpu_kernels.c: attention, norms, the float32 GEMM;
+ * quant_kernels.c: the INT8/INT4 linear kernels): the vector type of this build's widest
+ * registers and the GEMM's register block, and the GEMM's panel routine, which the quantized
+ * kernels run on weight tiles they dequantize. */
+#ifndef INFERLAB_KERNELS_H
+#define INFERLAB_KERNELS_H
+
+#include <stdint.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h> /* what a function may use depends on the build's -march */
+/* The kernels decode_layers.c chains (cpu_kernels.c, quant_kernels.c; Python calls each too). */
+void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
+                      int64_t T, int64_t N, float eps, int64_t threads);
+void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions,
+                        const float *table, float *k_cache, float *v_cache,
+                        const int64_t *slots, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                        int64_t threads);
+void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                          const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                          const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                          int64_t BS, float scale, int64_t window, int64_t threads,
+                          float *out);
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I, int64_t threads);
+void linear_f32(const float *x, const float *panels, const float *bias, float *y, float *xp,
+                int64_t M, int64_t K, int64_t N, int64_t threads);
+void q8_linear_f32(const float *x, const int8_t *q, const float *scale, const float *bias,
+                   float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
+                   int64_t threads);
+void q4_linear_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
+                   const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
+                   int64_t rows_max, int64_t path, int64_t threads);
+void q4_linear_q8_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
+                      const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
+                      int64_t rows_max, int64_t path, int64_t threads);
+
+#endif
+
+/* The GEMM's register block, per instruction set, chosen when the library is compiled
+ * (-march=native; the cache key holds the CPU's flags). VEC floats fill one vector register;
+ * the block is ROW_BLOCK input rows x PANEL output columns (PANEL_VECS vectors), kept in
+ * ROW_BLOCK x PANEL_VECS registers that must leave room for the PANEL_VECS weight loads and
+ * a broadcast:
+ * - AVX-512 (32 registers of 16 floats): 8 x 32, 16 accumulators; per step of k 2 weight
+ *   loads, 8 broadcasts and 16 fused multiply-adds. Written and tuned on Xeons (the figures
+ *   in the comments below are theirs).
+ * - AVX / AVX2 (16 registers of 8 floats): 6 x 16, 12 accumulators, 2 weight loads and a
+ *   broadcast, 15 registers (the Haswell/Zen micro-kernel shape of BLIS and OpenBLAS). The
+ *   8 x 32 block needs 32 of them there and spilled every step: on a 2-core Zen 3 EPYC the
+ *   small preset's 49 matmuls took 2.4x oneDNN's time at 8 rows and 8-9x at 128-2,000.
+ * - anything else (SSE, NEON: 4 floats, 16 or more registers): 4 x 8, 8 accumulators.
+ * The packed layouts follow (panels of PANEL weight rows, input blocks of ROW_BLOCK rows);
+ * Python reads them from linear_layout, so that the packing and its callers agree. */
+#if defined(__AVX512F__)
+#define KERNEL_ISA "avx512"
+#define VEC 16
+#define ROW_BLOCK 8
+#define PANEL_VECS 2
+#elif defined(__AVX__)
+#if defined(__AVX2__) && defined(__FMA__)
+#define KERNEL_ISA "avx2"
+#else
+#define KERNEL_ISA "avx"
+#endif
+#define VEC 8
+#define ROW_BLOCK 6
+#define PANEL_VECS 2
+#else
+#define KERNEL_ISA "portable"
+#define VEC 4
+#define ROW_BLOCK 4
+#define PANEL_VECS 2
+#endif
+#define PANEL (PANEL_VECS * VEC)
+
+/* VEC floats: GCC/clang vector extensions, one register of the widest kind the build has */
+typedef float vec __attribute__((vector_size(VEC * 4)));
+typedef float vec_unaligned __attribute__((vector_size(VEC * 4), aligned(4)));
+
+static inline vec load_vec(const float *p) { return *(const vec_unaligned *)p; }
+
+static inline void store_vec(float *p, vec v) { *(vec_unaligned *)p = v; }
+
+/* *p in all lanes (a load that broadcasts: no shuffle taking an FMA port) */
+static inline vec broadcast_vec(const float *p) {
+    const float s = *p;
+#if VEC == 16
+    return (vec){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+#elif VEC == 8
+    return (vec){s, s, s, s, s, s, s, s};
+#else
+    return (vec){s, s, s, s};
+#endif
+}
+
+/* a * b + c in one rounding. Spelled out because -std=c11 forbids the compiler to contract
+ * a * b + c on its own (which rope_and_cache_f32 relies on). */
+static inline vec fma_vec(vec a, vec b, vec c) {
+#if defined(__AVX512F__)
+    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+/* y's rows ROW_BLOCK b0 .. min(ROW_BLOCK b1, M) - 1, columns n0 .. n0 + PANEL - 1 (those
+ * below N), = the packed input's blocks [b0, b1) times `panel` ([K][PANEL], a weight tile of
+ * PANEL rows transposed) (+ bias[n0 ..] when not NULL); `next`: the panel to prefetch while
+ * this one runs (NULL: none). */
+void gemm_panel(const float *xp, const float *panel, const float *next, const float *bias,
+                float *y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t b0, int64_t b1);
+
+/* x [M, K] -> xp, blocks of ROW_BLOCK rows [ceil(M / ROW_BLOCK)][K][ROW_BLOCK] (the last one
+ * zero-padded), the layout gemm_panel reads; inside a parallel region, the blocks split among
+ * its threads. */
+void pack_gemm_input(const float *x, float *xp, int64_t M, int64_t K);
+
+/* The kernels decode_layers.c chains (cpu_kernels.c, quant_kernels.c; Python calls each too). */
+void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
+                      int64_t T, int64_t N, float eps, int64_t threads);
+void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions,
+                        const float *table, float *k_cache, float *v_cache,
+                        const int64_t *slots, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                        int64_t threads);
+void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                          const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                          const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                          int64_t BS, float scale, int64_t window, int64_t threads,
+                          float *out);
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I, int64_t threads);
+void linear_f32(const float *x, const float *panels, const float *bias, float *y, float *xp,
+                int64_t M, int64_t K, int64_t N, int64_t threads);
+void q8_linear_f32(const float *x, const int8_t *q, const float *scale, const float *bias,
+                   float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
+                   int64_t threads);
+void q4_linear_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
+                   const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
+                   int64_t rows_max, int64_t path, int64_t threads);
+void q4_linear_q8_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
+                      const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
+                      int64_t rows_max, int64_t path, int64_t threads);
+
+#endif

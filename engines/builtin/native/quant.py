@@ -1,0 +1,190 @@
+"""The engine's INT8 and INT4 linear kernels (quant_kernels.c) from Python: the weight layouts
+they stream, and y = x W^T (+ bias) for float32, bfloat16 or float16 inputs.
+
+Layouts (made once, at load, by engines/builtin/layers/quant.py):
+- INT8: q int8 [N, K], scales float32 [N]: W = q * scale per row.
+- INT4: nibbles uint8 [N, K / 2] (`pack_int4`: per block of 32 inputs, byte j holds input j in
+  its low 4 bits and input 16 + j in its high ones, llama.cpp's order), scales and mins float32
+  [N, K / g]: W = q * scale + min per group of g inputs (g a multiple of 32).
+
+Which kernel runs (quant_kernels.c says how each works):
+- up to ROWS_MAX input rows (decode up to batch 16): the rows kernels, at the widest vector
+  width this build has (`widest_path()`), or the one `path` forces (tests run each);
+- more rows (prefill): a weight tile dequantized to float32 and the float32 GEMM's panel kernel.
+INT4 takes `activations="int8"` too: each input row quantized per block of 32 values and integer
+dot products (llama.cpp's Q4_1 x Q8_1 scheme) in the rows kernels; the float tile kernel above
+ROWS_MAX rows either way.
+
+Other input dtypes are converted to float32 on the way in and back on the way out: the kernels
+read weights, which dominate, and compute in float32 whatever the activations' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engines.builtin import native
+
+# Rows up to which the rows kernels beat dequantize-tile + GEMM: SmolLM2's gate/up projection
+# (K 576, N 3,072) on a 2-core Zen 3, 1 and 2 threads: INT4 rows 1.1-1.5 ms vs tile 1.5-2.0 ms at
+# 8 rows, 1.5-1.9 vs 1.4-2.0 ms at 16, 2.5-4.4 vs 1.7-3.2 ms at 32 (INT8 alike).
+ROWS_MAX = 16
+
+# quant_kernels.c's QUANT_PATH_*: the rows kernels' vector width
+PATHS = {"auto": 0, "portable": 1, "vec4": 2, "vec8": 3, "vec16": 4}
+ACTIVATIONS = ("float", "int8")
+_WIDTH_NAMES = {"vec4": "4 floats", "vec8": "8 floats, AVX2", "vec16": "16 floats, AVX-512"}
+
+
+def _available(mask: int) -> list[str]:
+    return [name for name, bit in PATHS.items() if bit and mask & (1 << bit)]
+
+
+def paths(activations: str = "float") -> list[str]:
+    """The rows-kernel paths this build can run, narrowest first (for `path`)."""
+    lib = native._lib()
+    if activations == "int8":
+        return _available(lib.quant_q8_activation_paths())
+    return _available(lib.quant_paths())
+
+
+def widest_path(activations: str = "float") -> str:
+    """The path `path="auto"` runs."""
+    return paths(activations)[-1]
+
+
+def describe_kernel(bits: int, activations: str = "float") -> str:
+    """How this build multiplies by an INT`bits` layer, for describe()["linear_methods"]."""
+    path = widest_path(activations)
+    if bits == 4 and activations == "int8":
+        rows = "int8 activations, integer dot products" + (
+            " (AVX2)" if path != "portable" else " (portable)"
+        )
+    else:
+        rows = f"float FMA ({_WIDTH_NAMES.get(path, path)})"
+    return f"native: <= {ROWS_MAX} rows {rows}; more rows dequantized tiles + the float32 GEMM"
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] integers 0..15 (K a multiple of 32) -> the kernels' nibbles [N, K / 2]."""
+    out_features, in_features = q.shape
+    if in_features % 32:
+        raise ValueError(f"pack_int4: in_features={in_features} is not a multiple of 32")
+    halves = q.to(torch.uint8).reshape(out_features, in_features // 32, 2, 16)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out_features, -1).contiguous()
+
+
+def unpack_int4(nibbles: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: [N, K / 2] -> q [N, K] (uint8)."""
+    out_features = nibbles.shape[0]
+    blocks = nibbles.reshape(out_features, -1, 1, 16)
+    return torch.cat([blocks & 15, blocks >> 4], dim=2).reshape(out_features, -1)
+
+
+def _float_input(x: torch.Tensor, in_features: int, name: str) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != in_features or x.device.type != "cpu":
+        raise ValueError(
+            f"{name}: x must be a CPU [rows, {in_features}] tensor, got "
+            f"{tuple(x.shape)} on {x.device}"
+        )
+    return x.to(torch.float32).contiguous()
+
+
+def _path(path: str, activations: str = "float") -> int:
+    if path == "auto":  # every call in the engine: no lookup
+        return 0
+    if path not in paths(activations):
+        raise ValueError(
+            f"path: {path!r} is not available in this build; allowed: "
+            f"auto|{'|'.join(paths(activations))}"
+        )
+    return PATHS[path]
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or not t.is_cpu:
+        raise ValueError(
+            f"{name}: expected a contiguous CPU {dtype} {shape}, got {t.dtype} {tuple(t.shape)}"
+        )
+
+
+def int4_linear(
+    x: torch.Tensor,
+    nibbles: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    activations: str = "float",
+    path: str = "auto",
+    rows_max: int = ROWS_MAX,
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias [N]) -> [M, N] in x's dtype, W as the INT4 layout above.
+    `rows_max`: the most rows the rows kernels take (0: always the tile kernel)."""
+    out_features, half = nibbles.shape
+    in_features = 2 * half
+    if group_size % 32 or in_features % group_size:
+        raise ValueError(
+            f"int4_linear: group_size={group_size} must be a multiple of 32 that divides "
+            f"in_features={in_features}"
+        )
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations: {activations!r}; allowed: {'|'.join(ACTIVATIONS)}")
+    groups = in_features // group_size
+    _check("int4_linear nibbles", nibbles, torch.uint8, (out_features, half))
+    _check("int4_linear scales", scales, torch.float32, (out_features, groups))
+    _check("int4_linear mins", mins, torch.float32, (out_features, groups))
+    if bias is not None:
+        _check("int4_linear bias", bias, torch.float32, (out_features,))
+    x32 = _float_input(x, in_features, "int4_linear")
+    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
+    native._run(
+        "q4_linear_q8_f32" if activations == "int8" else "q4_linear_f32",
+        x32.data_ptr(),
+        nibbles.data_ptr(),
+        scales.data_ptr(),
+        mins.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        x32.shape[0],
+        in_features,
+        out_features,
+        group_size,
+        rows_max,
+        _path(path, activations),
+        torch.get_num_threads(),
+    )
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def int8_linear(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    path: str = "auto",
+    rows_max: int = ROWS_MAX,
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias [N]) -> [M, N] in x's dtype, W as the INT8 layout above."""
+    out_features, in_features = q.shape
+    _check("int8_linear q", q, torch.int8, (out_features, in_features))
+    _check("int8_linear scales", scales, torch.float32, (out_features,))
+    if bias is not None:
+        _check("int8_linear bias", bias, torch.float32, (out_features,))
+    x32 = _float_input(x, in_features, "int8_linear")
+    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
+    native._run(
+        "q8_linear_f32",
+        x32.data_ptr(),
+        q.data_ptr(),
+        scales.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        x32.shape[0],
+        in_features,
+        out_features,
+        rows_max,
+        _path(path),
+        torch.get_num_threads(),
+    )
+    return y if x.dtype == torch.float32 else y.to(x.dtype)

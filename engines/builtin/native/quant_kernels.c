@@ -1,0 +1,440 @@
+/* INT8 and INT4 weight-only linear layers: y [M, N] = x [M, K] W^T (+ bias [N]), with W kept
+ * quantized in the layouts below (packed once, at load, by engines/builtin/layers/quant.py) and
+ * the input in float32. Tested against float64 dequantize-then-matmul
+ * (tests/test_quant_kernels.py).
+ *
+ * Layouts (W's rows contiguous):
+ * - INT8: q int8 [N][K], scale float [N]:  W[n, k] = q[n, k] scale[n].
+ * - INT4: nibbles uint8 [N][K / 2] in blocks of 32 weights (16 bytes): byte j of a block holds
+ *   its weight j in the low 4 bits and weight 16 + j in the high 4 bits (llama.cpp's Q4_0/Q4_1
+ *   order: one load gives QW weights of each half, with a mask and a shift); a scale and a
+ *   minimum (float) per group of g inputs (g a multiple of 32):
+ *   W[n, k] = q[n, k] scale[n, k / g] + min[n, k / g]. An integer zero point z is the same form
+ *   with min = -z scale.
+ *
+ * Two kernels per format, `rows_max` choosing (Python passes its measured crossover):
+ * - M <= rows_max (decode, small batches): the rows kernels (quant_rows.h). Each thread takes a
+ *   range of W's rows and streams them once; the weights are widened to float and multiplied
+ *   into up to 2 input rows at a time with fused multiply-adds (the dequantized weight never
+ *   leaves the registers). The INT4 minimum's term, min * (sum of the group's inputs), takes
+ *   each group's input sum, computed once per call.
+ * - more rows (prefill): per panel of PANEL weight rows, dequantize them into a [K][PANEL] float
+ *   tile (a thread's own, cache-resident) and run the float32 GEMM's panel kernel on it
+ *   (gemm_panel, cpu_kernels.c), once per pass of the GEMM over the input's rows. Never a
+ *   per-row op: the dequantization is paid once per 128 input rows.
+ *
+ * `path` forces the rows kernels' vector width (QUANT_PATH_*; 0: the widest this build has),
+ * so that tests run every one the machine can: the portable scalar loops, 4 floats (SSE, NEON),
+ * 8 (AVX2) and 16 (AVX-512, only where the build targets it). The library is compiled on the
+ * machine that runs it (-march=native), so the widest is this CPU's. */
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+enum {
+    QUANT_PATH_AUTO = 0,
+    QUANT_PATH_PORTABLE = 1,
+    QUANT_PATH_VEC4 = 2,
+    QUANT_PATH_VEC8 = 3,
+    QUANT_PATH_VEC16 = 4,
+};
+
+#define QW 4
+#define QSUFFIX _vec4
+#include "quant_rows.h"
+#undef QW
+#undef QSUFFIX
+
+#if VEC >= 8
+#define QW 8
+#define QSUFFIX _vec8
+#include "quant_rows.h"
+#undef QW
+#undef QSUFFIX
+#endif
+
+#if VEC >= 16
+#define QW 16
+#define QSUFFIX _vec16
+#include "quant_rows.h"
+#undef QW
+#undef QSUFFIX
+#endif
+
+/* Bit p set: path p callable in this build (the portable one always is). */
+int64_t quant_paths(void) {
+    int64_t paths = (1 << QUANT_PATH_PORTABLE) | (1 << QUANT_PATH_VEC4);
+#if VEC >= 8
+    paths |= 1 << QUANT_PATH_VEC8;
+#endif
+#if VEC >= 16
+    paths |= 1 << QUANT_PATH_VEC16;
+#endif
+    return paths;
+}
+
+static int64_t widest_path(void) {
+#if VEC >= 16
+    return QUANT_PATH_VEC16;
+#elif VEC >= 8
+    return QUANT_PATH_VEC8;
+#else
+    return QUANT_PATH_VEC4;
+#endif
+}
+
+/* The portable rows kernels: plain loops, the reference the vector ones must match. */
+static void q4_rows_portable(const float *x, const uint8_t *nib, const float *scale,
+                             const float *minv, const float *xsum, const float *bias, float *y,
+                             int64_t M, int64_t K, int64_t N, int64_t g, int64_t n0, int64_t n1) {
+    const int64_t groups = K / g;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            float total = bias != NULL ? bias[n] : 0.0f;
+            for (int64_t gi = 0; gi < groups; gi++) {
+                float acc = 0.0f;
+                for (int64_t k = gi * g; k < (gi + 1) * g; k++) {
+                    const uint8_t byte = nib[n * (K / 2) + (k / 32) * 16 + k % 16];
+                    acc += (float)(k % 32 < 16 ? byte & 15 : byte >> 4) * xm[k];
+                }
+                total += scale[n * groups + gi] * acc + minv[n * groups + gi] * xsum[m * groups + gi];
+            }
+            y[m * N + n] = total;
+        }
+}
+
+static void q8_rows_portable(const float *x, const int8_t *q, const float *scale,
+                             const float *bias, float *y, int64_t M, int64_t K, int64_t N,
+                             int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc += (float)q[n * K + k] * x[m * K + k];
+            y[m * N + n] = acc * scale[n] + (bias != NULL ? bias[n] : 0.0f);
+        }
+}
+
+/* INT4 weights times INT8 activations (llama.cpp's Q4_1 x Q8_1): each input row quantized per
+ * block of 32 values, dx = max|x| / 127, xq = round(x 127 / max|x|) (half to even), and each
+ * block's integer dot product sum(q xq) exact in int32, scaled by scale dx once per block:
+ * y[n] = sum_b scale dx_b sum(q xq) + sum_groups min sum(dx xq). About half the instructions
+ * of widening the nibbles to float (a block is one byte multiply-add, one pair add, one
+ * conversion and one fused multiply-add per input row), so it is faster wherever the float
+ * kernel is compute-bound (one or two cores). */
+typedef struct {
+    int8_t *xq;  /* [M][K] */
+    float *dx;   /* [M][K / 32] */
+    float *sx;   /* [M][K / g]: sum over the group of dx xq */
+} QuantizedRows;
+
+static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int64_t g, QuantizedRows *out) {
+    const int64_t blocks = K / 32, groups = K / g;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t gi = 0; gi < groups; gi++) out->sx[m * groups + gi] = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *xb = x + m * K + b * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+            int32_t total = 0;
+            for (int i = 0; i < 32; i++) {
+                const int8_t v = (int8_t)nearbyintf(xb[i] * inv);
+                out->xq[m * K + b * 32 + i] = v;
+                total += v;
+            }
+            out->dx[m * blocks + b] = d;
+            out->sx[m * groups + (b * 32) / g] += d * (float)total;
+        }
+    }
+}
+
+static void q4q8_rows_portable(const QuantizedRows *xr, const uint8_t *nib, const float *scale,
+                               const float *minv, const float *bias, float *y, int64_t M,
+                               int64_t K, int64_t N, int64_t g, int64_t n0, int64_t n1) {
+    const int64_t blocks = K / 32, groups = K / g;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float total = bias != NULL ? bias[n] : 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint8_t *bytes = nib + n * (K / 2) + b * 16;
+                const int8_t *xq = xr->xq + m * K + b * 32;
+                int32_t dot = 0;
+                for (int i = 0; i < 16; i++)
+                    dot += (bytes[i] & 15) * xq[i] + (bytes[i] >> 4) * xq[16 + i];
+                total += scale[n * groups + (b * 32) / g] * xr->dx[m * blocks + b] * (float)dot;
+            }
+            for (int64_t gi = 0; gi < groups; gi++)
+                total += minv[n * groups + gi] * xr->sx[m * groups + gi];
+            y[m * N + n] = total;
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* acc[r][c] += scale dx * sum(q xq) of block b for R input rows. */
+static inline __attribute__((always_inline)) void q4q8_block_avx2(
+    const int R, const QuantizedRows *xr, int64_t K, int64_t blocks, const uint8_t *nib,
+    int64_t b, __m256 s, const int c, __m256 acc[4][2]) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)(nib + b * 16));
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask),
+                                       _mm_and_si128(packed, mask));
+    for (int r = 0; r < R; r++) {
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(xr->xq + r * K + b * 32));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), _mm256_set1_epi16(1));
+        const __m256 d = _mm256_mul_ps(s, _mm256_broadcast_ss(xr->dx + r * blocks + b));
+        acc[r][c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), acc[r][c]);
+    }
+}
+
+static inline __attribute__((always_inline)) void q4q8_row_avx2(
+    const int R, const QuantizedRows *xr, int64_t K, const uint8_t *nib, const float *scale,
+    const float *minv, int64_t groups, int64_t group_shift, float *out) {
+    const int64_t blocks = K / 32;
+    __m256 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) { /* two chains: consecutive blocks' sums independent */
+        q4q8_block_avx2(R, xr, K, blocks, nib, b, _mm256_broadcast_ss(scale + (b >> group_shift)),
+                        0, acc);
+        q4q8_block_avx2(R, xr, K, blocks, nib, b + 1,
+                        _mm256_broadcast_ss(scale + ((b + 1) >> group_shift)), 1, acc);
+    }
+    if (b < blocks)
+        q4q8_block_avx2(R, xr, K, blocks, nib, b, _mm256_broadcast_ss(scale + (b >> group_shift)),
+                        0, acc);
+    for (int r = 0; r < R; r++) {
+        const __m256 sum = _mm256_add_ps(acc[r][0], acc[r][1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        float m = 0.0f;
+        for (int64_t gi = 0; gi < groups; gi++) m += minv[gi] * xr->sx[r * groups + gi];
+        out[r] = _mm_cvtss_f32(h) + m;
+    }
+}
+
+static void q4q8_rows_avx2(const QuantizedRows *xr, const uint8_t *nib, const float *scale,
+                           const float *minv, const float *bias, float *y, int64_t M, int64_t K,
+                           int64_t N, int64_t g, int64_t n0, int64_t n1) {
+    const int64_t groups = K / g, blocks = K / 32;
+    int64_t group_shift = 0;
+    while ((32 << group_shift) < g) group_shift++;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wn = nib + n * (K / 2);
+        const float *sn = scale + n * groups, *mn = minv + n * groups;
+        const float bn = bias != NULL ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m += 4) {
+            float out[4];
+            const QuantizedRows rows = {xr->xq + m * K, xr->dx + m * blocks, xr->sx + m * groups};
+            switch (M - m < 4 ? M - m : 4) {
+            case 1: q4q8_row_avx2(1, &rows, K, wn, sn, mn, groups, group_shift, out); break;
+            case 2: q4q8_row_avx2(2, &rows, K, wn, sn, mn, groups, group_shift, out); break;
+            case 3: q4q8_row_avx2(3, &rows, K, wn, sn, mn, groups, group_shift, out); break;
+            default: q4q8_row_avx2(4, &rows, K, wn, sn, mn, groups, group_shift, out); break;
+            }
+            for (int64_t r = 0; r < 4 && m + r < M; r++) y[(m + r) * N + n] = out[r] + bn;
+        }
+    }
+}
+#endif
+
+/* Bit p set: an INT8-activation path: the portable one, and AVX2's where the build has it. */
+int64_t quant_q8_activation_paths(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return (1 << QUANT_PATH_PORTABLE) | (1 << QUANT_PATH_VEC8);
+#else
+    return 1 << QUANT_PATH_PORTABLE;
+#endif
+}
+
+static void nan_fill(float *y, int64_t count) {
+    for (int64_t i = 0; i < count; i++) y[i] = NAN;
+}
+
+/* W's rows split among the threads in runs of 4 (whole cache lines of y's columns for most
+ * shapes); each thread's rows are one contiguous stream of the packed weight. */
+#define ROWS_CHUNK 4
+
+/* The widest rows-kernel width's functions, for the tile kernels' dequantization. */
+#if VEC >= 16
+#define WIDEST(name) name##_vec16
+#elif VEC >= 8
+#define WIDEST(name) name##_vec8
+#else
+#define WIDEST(name) name##_vec4
+#endif
+
+/* W's rows n0 .. n0 + PANEL - 1 into tile [K][PANEL] (rows past N: zeros): each row
+ * dequantized with vector instructions into `rows` [PANEL][K] (bits: 4 or 8), then transposed
+ * from cache (writing the tile's columns straight from the packed weights took 3-4x as long). */
+static void dequantize_panel(int bits, const void *w, const float *scale, const float *minv,
+                             int64_t K, int64_t N, int64_t g, int64_t n0, float *rows,
+                             float *tile) {
+    for (int64_t j = 0; j < PANEL; j++) {
+        const int64_t n = n0 + j;
+        float *row = rows + j * K;
+        if (n >= N) {
+            for (int64_t k = 0; k < K; k++) row[k] = 0.0f;
+        } else if (bits == 4) {
+            WIDEST(q4_dequantize_row)((const uint8_t *)w + n * (K / 2), scale + n * (K / g),
+                                      minv + n * (K / g), K, g, row);
+        } else {
+            WIDEST(q8_dequantize_row)((const int8_t *)w + n * K, scale[n], K, row);
+        }
+    }
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t j = 0; j < PANEL; j++) tile[k * PANEL + j] = rows[j * K + k];
+}
+
+/* Input rows one pass of the tile kernels takes (as linear_f32's): the packed rows stay in
+ * cache while the panels go by, and each panel is dequantized once per pass. */
+#define TILE_PASS_BLOCKS (128 / ROW_BLOCK)
+
+/* The tile path of both formats: `bits` 4 or 8 picks the dequantization. */
+static void quant_tiles(int bits, const float *x, const void *w, const float *scale,
+                        const float *minv, const float *bias, float *y, int64_t M, int64_t K,
+                        int64_t N, int64_t g, int64_t threads) {
+    const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t count = (N + PANEL - 1) / PANEL;
+    float *xp = malloc(sizeof(float) * blocks * ROW_BLOCK * K);
+    if (xp == NULL) { /* out of memory: NaN outputs, never a wrong number */
+        nan_fill(y, M * N);
+        return;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *tile = malloc(sizeof(float) * 2 * K * PANEL); /* the tile, then its rows */
+        pack_gemm_input(x, xp, M, K);
+        for (int64_t b0 = 0; b0 < blocks; b0 += TILE_PASS_BLOCKS) {
+            const int64_t b1 = b0 + TILE_PASS_BLOCKS < blocks ? b0 + TILE_PASS_BLOCKS : blocks;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < count; p++) {
+                if (tile == NULL) {
+#pragma omp atomic write
+                    failed = 1;
+                    continue;
+                }
+                dequantize_panel(bits, w, scale, minv, K, N, g, p * PANEL, tile + K * PANEL,
+                                 tile);
+                gemm_panel(xp, tile, NULL, bias, y, M, K, N, p * PANEL, b0, b1);
+            }
+        }
+        free(tile);
+    }
+    free(xp);
+    if (failed) nan_fill(y, M * N);
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for an INT4 W (layout above), group size g. */
+void q4_linear_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
+                   const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
+                   int64_t rows_max, int64_t path, int64_t threads) {
+    if (M <= 0 || N <= 0) return;
+    if (M > rows_max) {
+        quant_tiles(4, x, nib, scale, minv, bias, y, M, K, N, g, threads);
+        return;
+    }
+    const int64_t groups = K / g;
+    float *xsum = malloc(sizeof(float) * M * groups);
+    if (xsum == NULL) {
+        nan_fill(y, M * N);
+        return;
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t gi = 0; gi < groups; gi++) {
+            float s = 0.0f;
+            for (int64_t k = gi * g; k < (gi + 1) * g; k++) s += x[m * K + k];
+            xsum[m * groups + gi] = s;
+        }
+    if (path == QUANT_PATH_AUTO) path = widest_path();
+    const int64_t chunks = (N + ROWS_CHUNK - 1) / ROWS_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * ROWS_CHUNK, n1 = n0 + ROWS_CHUNK < N ? n0 + ROWS_CHUNK : N;
+        switch (path) {
+#if VEC >= 16
+        case QUANT_PATH_VEC16:
+            q4_rows_vec16(x, nib, scale, minv, xsum, bias, y, M, K, N, g, n0, n1);
+            break;
+#endif
+#if VEC >= 8
+        case QUANT_PATH_VEC8:
+            q4_rows_vec8(x, nib, scale, minv, xsum, bias, y, M, K, N, g, n0, n1);
+            break;
+#endif
+        case QUANT_PATH_VEC4:
+            q4_rows_vec4(x, nib, scale, minv, xsum, bias, y, M, K, N, g, n0, n1);
+            break;
+        default:
+            q4_rows_portable(x, nib, scale, minv, xsum, bias, y, M, K, N, g, n0, n1);
+        }
+    }
+    free(xsum);
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for an INT8 W (layout above). */
+void q8_linear_f32(const float *x, const int8_t *q, const float *scale, const float *bias,
+                   float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
+                   int64_t threads) {
+    if (M <= 0 || N <= 0) return;
+    if (M > rows_max) {
+        quant_tiles(8, x, q, scale, NULL, bias, y, M, K, N, 0, threads);
+        return;
+    }
+    if (path == QUANT_PATH_AUTO) path = widest_path();
+    const int64_t chunks = (N + ROWS_CHUNK - 1) / ROWS_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * ROWS_CHUNK, n1 = n0 + ROWS_CHUNK < N ? n0 + ROWS_CHUNK : N;
+        switch (path) {
+#if VEC >= 16
+        case QUANT_PATH_VEC16: q8_rows_vec16(x, q, scale, bias, y, M, K, N, n0, n1); break;
+#endif
+#if VEC >= 8
+        case QUANT_PATH_VEC8: q8_rows_vec8(x, q, scale, bias, y, M, K, N, n0, n1); break;
+#endif
+        case QUANT_PATH_VEC4: q8_rows_vec4(x, q, scale, bias, y, M, K, N, n0, n1); break;
+        default: q8_rows_portable(x, q, scale, bias, y, M, K, N, n0, n1);
+        }
+    }
+}
+
+/* As q4_linear_f32, with each input row quantized to INT8 per block of 32 where the rows kernel
+ * runs (M <= rows_max; more rows take the float tile kernel). `path`: QUANT_PATH_PORTABLE, or
+ * QUANT_PATH_VEC8 (AVX2; also AUTO and VEC16 where the build has AVX2). */
+void q4_linear_q8_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
+                      const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
+                      int64_t rows_max, int64_t path, int64_t threads) {
+    if (M <= 0 || N <= 0) return;
+    if (M > rows_max) {
+        quant_tiles(4, x, nib, scale, minv, bias, y, M, K, N, g, threads);
+        return;
+    }
+    QuantizedRows xr = {malloc((size_t)(M * K)), malloc(sizeof(float) * M * (K / 32)),
+                        malloc(sizeof(float) * M * (K / g))};
+    if (xr.xq == NULL || xr.dx == NULL || xr.sx == NULL) {
+        nan_fill(y, M * N);
+    } else {
+        quantize_rows_q8(x, M, K, g, &xr);
+        const int64_t chunks = (N + ROWS_CHUNK - 1) / ROWS_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t n0 = c * ROWS_CHUNK, n1 = n0 + ROWS_CHUNK < N ? n0 + ROWS_CHUNK : N;
+#if defined(__AVX2__) && defined(__FMA__)
+            if (path != QUANT_PATH_PORTABLE && path != QUANT_PATH_VEC4) {
+                q4q8_rows_avx2(&xr, nib, scale, minv, bias, y, M, K, N, g, n0, n1);
+                continue;
+            }
+#endif
+            q4q8_rows_portable(&xr, nib, scale, minv, bias, y, M, K, N, g, n0, n1);
+        }
+    }
+    free(xr.xq);
+    free(xr.dx);
+    free(xr.sx);
+}

@@ -1,0 +1,268 @@
+/* The few-rows (decode) INT8 and INT4 kernels of quant_kernels.c at one vector width: QW floats
+ * per vector, function names suffixed with QSUFFIX. quant_kernels.c includes this file once per
+ * width the build has (4, 8 and, with AVX-512, 16 floats), so that every width the machine can
+ * run is callable and testable, not only its widest. GCC/clang vector extensions: the same text
+ * is SSE/NEON, AVX2 or AVX-512 code by QW. */
+
+#define QCAT2(a, b) a##b
+#define QCAT(a, b) QCAT2(a, b)
+#define QFN(name) QCAT(name, QSUFFIX)
+
+typedef float QFN(fvec) __attribute__((vector_size(QW * 4)));
+typedef float QFN(fvec_u) __attribute__((vector_size(QW * 4), aligned(4)));
+typedef uint8_t QFN(bvec_u) __attribute__((vector_size(QW), aligned(1)));
+typedef int8_t QFN(svec_u) __attribute__((vector_size(QW), aligned(1)));
+
+static inline QFN(fvec) QFN(loadf)(const float *p) { return *(const QFN(fvec_u) *)p; }
+
+/* a * b + c in one rounding (-std=c11 forbids the compiler to contract it on its own) */
+static inline QFN(fvec) QFN(fma)(QFN(fvec) a, QFN(fvec) b, QFN(fvec) c) {
+#if QW == 16
+    return (QFN(fvec))_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif QW == 8 && defined(__FMA__)
+    return (QFN(fvec))_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif QW == 4 && defined(__FMA__)
+    return (QFN(fvec))_mm_fmadd_ps((__m128)a, (__m128)b, (__m128)c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline float QFN(hsum)(QFN(fvec) v) {
+    float s = 0.0f;
+    for (int i = 0; i < QW; i++) s += v[i];
+    return s;
+}
+
+typedef int32_t QFN(ivec) __attribute__((vector_size(QW * 4)));
+
+/* Widening bytes to floats with the instruction set's zero/sign extension (vpmovzxbd and
+ * vcvtdq2ps); GCC 12 turns __builtin_convertvector from bytes to floats into one scalar
+ * conversion per element, 3-5x slower. Generic vectors (NEON, SSE without 4.1) elsewhere. */
+#if (QW == 16 && defined(__AVX512F__)) || (QW == 8 && defined(__AVX2__)) ||                     \
+    (QW == 4 && defined(__SSE4_1__))
+#define QX86 1
+#else
+#define QX86 0
+#endif
+
+/* The 32 weights of an INT4 block as 32 / QW float vectors, in order (the low nibbles are
+ * weights 0-15, the high ones 16-31). */
+static inline __attribute__((always_inline)) void QFN(q4_unpack)(const uint8_t *bytes,
+                                                                 QFN(fvec) w[32 / QW]) {
+#if QX86
+    const __m128i packed = _mm_loadu_si128((const __m128i *)bytes);
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i halves[2] = {_mm_and_si128(packed, mask),
+                               _mm_and_si128(_mm_srli_epi16(packed, 4), mask)};
+    for (int h = 0; h < 2; h++)
+        for (int v = 0; v < 16 / QW; v++) {
+#if QW == 16
+            w[h] = (QFN(fvec))_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[h]));
+#elif QW == 8
+            w[h * 2 + v] = (QFN(fvec))_mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(v ? _mm_unpackhi_epi64(halves[h], halves[h]) : halves[h]));
+#else
+            __m128i part = halves[h];
+            if (v == 1) part = _mm_srli_si128(part, 4);
+            if (v == 2) part = _mm_srli_si128(part, 8);
+            if (v == 3) part = _mm_srli_si128(part, 12);
+            w[h * 4 + v] = (QFN(fvec))_mm_cvtepi32_ps(_mm_cvtepu8_epi32(part));
+#endif
+        }
+#else
+    for (int v = 0; v < 16 / QW; v++) {
+        const QFN(bvec_u) packed = *(const QFN(bvec_u) *)(bytes + v * QW);
+        w[v] = __builtin_convertvector(
+            __builtin_convertvector(packed & 15, QFN(ivec)), QFN(fvec));
+        w[16 / QW + v] = __builtin_convertvector(
+            __builtin_convertvector(packed >> 4, QFN(ivec)), QFN(fvec));
+    }
+#endif
+}
+
+/* QW INT8 weights as floats. */
+static inline QFN(fvec) QFN(q8_widen)(const int8_t *q) {
+#if QX86 && QW == 16
+    return (QFN(fvec))_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+#elif QX86 && QW == 8
+    return (QFN(fvec))_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+#elif QX86
+    int32_t word;
+    memcpy(&word, q, 4);
+    return (QFN(fvec))_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(word)));
+#else
+    return __builtin_convertvector(
+        __builtin_convertvector(*(const QFN(svec_u) *)q, QFN(ivec)), QFN(fvec));
+#endif
+}
+
+/* Accumulators per input row: enough independent chains of fused multiply-adds to cover their
+ * latency. The same for every R, so that a row's sums are added in the same order whatever
+ * rows share its call: bit-identical results across batch splits. With 4 chains a row, two
+ * rows' worth stay in the 16 registers below AVX-512 (four rows spilled). */
+#define QACC 4
+#define QROWS 2
+
+/* acc[r][.] += one block of 32 INT4 weights (starting at input k0) times input row r's
+ * values; each product on chain (base + its place in the block) of QACC. */
+static inline __attribute__((always_inline)) void QFN(q4_block)(const int R, const float *x,
+                                                                int64_t K, const uint8_t *nib,
+                                                                int64_t k0, const int base,
+                                                                QFN(fvec) acc[QROWS][QACC]) {
+    QFN(fvec) w[32 / QW];
+    QFN(q4_unpack)(nib + k0 / 2, w);
+    for (int v = 0; v < 32 / QW; v++)
+        for (int r = 0; r < R; r++)
+            acc[r][(base + v) % QACC] =
+                QFN(fma)(w[v], QFN(loadf)(x + r * K + k0 + v * QW), acc[r][(base + v) % QACC]);
+}
+
+/* out[r] = sum_k W[n, k] x[r][k] for R input rows (row stride K) and one INT4 weight row: its
+ * nibbles `nib` (K / 32 blocks of 16 bytes), scale and minimum per group of g inputs. `xsum`:
+ * each input row's sum per group (R x groups), for the minimum's term. Per 16 weights: one load
+ * of QW bytes per QW weights of each half, a mask or a shift, a widening to float, one fused
+ * multiply-add per input row; a group's sum is scaled once, at its end. */
+/* total[r][t] += scale[gi] * (group gi's sum of W x[r]): one group of the row below. */
+static inline __attribute__((always_inline)) void QFN(q4_group)(
+    const int R, const float *x, int64_t K, const uint8_t *nib, const float *scale, int64_t g,
+    int64_t gi, const int t, QFN(fvec) total[QROWS][2]) {
+    QFN(fvec) acc[QROWS][QACC];
+    for (int r = 0; r < R; r++)
+        for (int a = 0; a < QACC; a++) acc[r][a] = (QFN(fvec)){0};
+    /* blocks in pairs, the second's sums on the other chains (an AVX-512 block has one
+     * vector per half: two chains a block) */
+    const int64_t blocks_per_group = g / 32;
+    for (int64_t b = 0; b < blocks_per_group; b += 2) {
+        const int64_t k0 = (gi * blocks_per_group + b) * 32;
+        QFN(q4_block)(R, x, K, nib, k0, 0, acc);
+        if (b + 1 < blocks_per_group) QFN(q4_block)(R, x, K, nib, k0 + 32, 2, acc);
+    }
+    const QFN(fvec) s = (QFN(fvec)){0} + scale[gi];
+    for (int r = 0; r < R; r++) {
+        QFN(fvec) sum = acc[r][0];
+        for (int a = 1; a < QACC; a++) sum += acc[r][a];
+        total[r][t] = QFN(fma)(s, sum, total[r][t]);
+    }
+}
+
+static inline __attribute__((always_inline)) void QFN(q4_row)(
+    const int R, const float *x, int64_t K, const uint8_t *nib, const float *scale,
+    const float *minv, const float *xsum, int64_t groups, int64_t g, float *out) {
+    /* groups in pairs onto two totals: the scaled sums' chain of dependent fused
+     * multiply-adds, one a group, is half as long */
+    QFN(fvec) total[QROWS][2];
+    for (int r = 0; r < R; r++) total[r][0] = total[r][1] = (QFN(fvec)){0};
+    int64_t gi = 0;
+    for (; gi + 2 <= groups; gi += 2) {
+        QFN(q4_group)(R, x, K, nib, scale, g, gi, 0, total);
+        QFN(q4_group)(R, x, K, nib, scale, g, gi + 1, 1, total);
+    }
+    if (gi < groups) QFN(q4_group)(R, x, K, nib, scale, g, gi, 0, total);
+    for (int r = 0; r < R; r++) {
+        /* the minimum's term, sum over groups of min * (the group's input sum), by vectors */
+        const float *xs = xsum + r * groups;
+        QFN(fvec) mv = (QFN(fvec)){0};
+        int64_t i = 0;
+        for (; i + QW <= groups; i += QW)
+            mv = QFN(fma)(QFN(loadf)(minv + i), QFN(loadf)(xs + i), mv);
+        float m = QFN(hsum)(mv);
+        for (; i < groups; i++) m += minv[i] * xs[i];
+        out[r] = QFN(hsum)(total[r][0] + total[r][1]) + m;
+    }
+}
+
+/* out[r] = sum_k q[k] x[r][k] for R input rows and one INT8 weight row (unscaled). */
+static inline __attribute__((always_inline)) void QFN(q8_row)(const int R, const float *x,
+                                                              int64_t K, const int8_t *q,
+                                                              float *out) {
+    QFN(fvec) acc[QROWS][QACC];
+    for (int r = 0; r < R; r++)
+        for (int a = 0; a < QACC; a++) acc[r][a] = (QFN(fvec)){0};
+    int64_t k = 0;
+    for (; k + QACC * QW <= K; k += QACC * QW)
+        for (int a = 0; a < QACC; a++) {
+            const int8_t *qa = q + k + a * QW;
+            const QFN(fvec) w = QFN(q8_widen)(qa);
+            for (int r = 0; r < R; r++)
+                acc[r][a] = QFN(fma)(w, QFN(loadf)(x + r * K + k + a * QW), acc[r][a]);
+        }
+    for (; k + QW <= K; k += QW) {
+        const QFN(fvec) w = QFN(q8_widen)(q + k);
+        for (int r = 0; r < R; r++) acc[r][0] = QFN(fma)(w, QFN(loadf)(x + r * K + k), acc[r][0]);
+    }
+    for (int r = 0; r < R; r++) {
+        QFN(fvec) sum = acc[r][0];
+        for (int a = 1; a < QACC; a++) sum += acc[r][a];
+        float s = QFN(hsum)(sum);
+        for (int64_t t = k; t < K; t++) s += (float)q[t] * x[r * K + t];
+        out[r] = s;
+    }
+}
+
+/* out[k] = W[n, k] for one INT4 weight row (the tile kernels' dequantization). */
+static inline void QFN(q4_dequantize_row)(const uint8_t *nib, const float *scale, const float *minv,
+                                   int64_t K, int64_t g, float *out) {
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        QFN(fvec) w[32 / QW];
+        QFN(q4_unpack)(nib + k0 / 2, w);
+        const QFN(fvec) s = (QFN(fvec)){0} + scale[k0 / g], mn = (QFN(fvec)){0} + minv[k0 / g];
+        for (int v = 0; v < 32 / QW; v++)
+            *(QFN(fvec_u) *)(out + k0 + v * QW) = QFN(fma)(w[v], s, mn);
+    }
+}
+
+/* out[k] = W[n, k] for one INT8 weight row. */
+static inline void QFN(q8_dequantize_row)(const int8_t *q, float scale, int64_t K, float *out) {
+    const QFN(fvec) s = (QFN(fvec)){0} + scale;
+    int64_t k = 0;
+    for (; k + QW <= K; k += QW) *(QFN(fvec_u) *)(out + k) = QFN(q8_widen)(q + k) * s;
+    for (; k < K; k++) out[k] = (float)q[k] * scale;
+}
+
+/* y[m, n] for W's rows [n0, n1) and all M input rows, QROWS at a time: each weight row is
+ * read from memory once and from the first level of cache by the other groups of inputs. */
+static void QFN(q4_rows)(const float *x, const uint8_t *nib, const float *scale,
+                         const float *minv, const float *xsum, const float *bias, float *y,
+                         int64_t M, int64_t K, int64_t N, int64_t g, int64_t n0, int64_t n1) {
+    const int64_t groups = K / g;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wn = nib + n * (K / 2);
+        const float *sn = scale + n * groups, *mn = minv + n * groups;
+        const float b = bias != NULL ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m += QROWS) {
+            float out[QROWS];
+            const float *xm = x + m * K, *xs = xsum + m * groups;
+            if (M - m == 1)
+                QFN(q4_row)(1, xm, K, wn, sn, mn, xs, groups, g, out);
+            else
+                QFN(q4_row)(QROWS, xm, K, wn, sn, mn, xs, groups, g, out);
+            for (int64_t r = 0; r < QROWS && m + r < M; r++) y[(m + r) * N + n] = out[r] + b;
+        }
+    }
+}
+
+static void QFN(q8_rows)(const float *x, const int8_t *q, const float *scale, const float *bias,
+                         float *y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *wn = q + n * K;
+        const float b = bias != NULL ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m += QROWS) {
+            float out[QROWS];
+            const float *xm = x + m * K;
+            if (M - m == 1)
+                QFN(q8_row)(1, xm, K, wn, out);
+            else
+                QFN(q8_row)(QROWS, xm, K, wn, out);
+            for (int64_t r = 0; r < QROWS && m + r < M; r++)
+                y[(m + r) * N + n] = out[r] * scale[n] + b;
+        }
+    }
+}
+
+#undef QACC
+#undef QROWS
+#undef QX86
+#undef QFN
+#undef QCAT
+#undef QCAT2

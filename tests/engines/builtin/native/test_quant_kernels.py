@@ -1,0 +1,163 @@
+"""The engine's INT8 / INT4 linear kernels (quant_kernels.c, native/quant.py) against float64
+dequantize-then-matmul: every vector width this machine runs, the rows (decode) and tile
+(prefill) kernels, odd shapes, every group size, 1-4 threads; INT8 activations against their
+own fake-quantized reference; results bit-identical whatever rows share a call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.builtin import native
+from engines.builtin.native import quant as native_quant
+
+PATHS = native_quant.paths()  # e.g. portable, vec4, vec8 here; vec16 on AVX-512 machines
+ROW_COUNTS = (1, 2, 3, 5, 16, 17, 130)  # rows kernels up to 16, tiles above
+
+
+def random_int4(out_features: int, in_features: int, group: int, gen: torch.Generator):
+    q = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.int32)
+    groups = in_features // group
+    scales = torch.rand(out_features, groups, generator=gen) * 0.1 + 1e-3
+    mins = -torch.rand(out_features, groups, generator=gen) * 0.8
+    w = q.double().reshape(out_features, groups, group) * scales.double()[..., None]
+    w = (w + mins.double()[..., None]).reshape(out_features, in_features)
+    return native_quant.pack_int4(q), scales, mins, w
+
+
+def random_int8(out_features: int, in_features: int, gen: torch.Generator):
+    q = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = torch.rand(out_features, generator=gen) * 0.01 + 1e-4
+    return q, scales, q.double() * scales.double()[:, None]
+
+
+def fake_quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """The INT8 activations the kernel multiplies: per block of 32, round(x 127 / max|x|)
+    (half to even) times max|x| / 127, all in float32 as the kernel computes them."""
+    rows, width = x.shape
+    blocks = x.reshape(rows, width // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv).double() * (amax / 127.0).double()).reshape(rows, width)
+
+
+def assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = expected.abs().max().item() or 1.0
+    torch.testing.assert_close(got.double() / scale, expected / scale, rtol=0, atol=3e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_kernels_match_float64_dequantize_then_matmul(path: str, group: int) -> None:
+    gen = torch.Generator().manual_seed(group)
+    # N not a multiple of any register block or of the threads' runs of rows; K from one group
+    for in_features, out_features in [(group, 3), (2 * group, 17), (4 * group, 97)]:
+        nibbles, scales, mins, w = random_int4(out_features, in_features, group, gen)
+        bias = torch.randn(out_features, generator=gen)
+        for rows in ROW_COUNTS:
+            x = torch.randn(rows, in_features, generator=gen)
+            expected = x.double() @ w.T + bias.double()
+            for threads in (1, 3):
+                torch.set_num_threads(threads)
+                got = native_quant.int4_linear(x, nibbles, scales, mins, group, bias, path=path)
+                assert_matches(got, expected)
+    torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_int8_kernels_match_float64_dequantize_then_matmul(path: str) -> None:
+    gen = torch.Generator().manual_seed(8)
+    for in_features, out_features in [(1, 1), (7, 5), (37, 33), (200, 97)]:  # odd K too
+        q, scales, w = random_int8(out_features, in_features, gen)
+        for rows in ROW_COUNTS:
+            x = torch.randn(rows, in_features, generator=gen)
+            for threads in (1, 4):
+                torch.set_num_threads(threads)
+                got = native_quant.int8_linear(x, q, scales, path=path)
+                assert_matches(got, x.double() @ w.T)
+            with_bias = native_quant.int8_linear(x, q, scales, torch.ones(out_features))
+            assert_matches(with_bias, x.double() @ w.T + 1.0)
+    torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("path", native_quant.paths("int8"))
+def test_int8_activations_match_their_fake_quantized_reference(path: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    for group, in_features, out_features in [(32, 64, 3), (64, 576, 97), (128, 256, 40)]:
+        nibbles, scales, mins, w = random_int4(out_features, in_features, group, gen)
+        for rows in (1, 2, 4, 5, 16):
+            x = torch.randn(rows, in_features, generator=gen)
+            x[0, 32:64] = 0.0  # an all-zero block: scale 0, no division by it
+            got = native_quant.int4_linear(
+                x, nibbles, scales, mins, group, activations="int8", path=path
+            )
+            assert_matches(got, fake_quantized_activations(x) @ w.T)
+            # and near the weight-only product: the activations' rounding, not a wrong sum
+            exact = x.double() @ w.T
+            assert (got.double() - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_rows_are_bit_identical_whatever_rows_share_the_call(activations: str) -> None:
+    """Batch invariance: a request's logits must not depend on its neighbours in a decode
+    batch. Within each kernel (rows <= ROWS_MAX, or tiles above) every row is summed in the
+    same order whatever the other rows are."""
+    gen = torch.Generator().manual_seed(3)
+    nibbles, scales, mins, _ = random_int4(96, 256, 32, gen)
+    q8, s8, _ = random_int8(96, 256, gen)
+    x = torch.randn(native_quant.ROWS_MAX, 256, generator=gen)
+
+    def int4(rows: torch.Tensor) -> torch.Tensor:
+        return native_quant.int4_linear(rows, nibbles, scales, mins, 32, activations=activations)
+
+    whole4, whole8 = int4(x), native_quant.int8_linear(x, q8, s8)
+    for start, stop in [(0, 1), (3, 4), (5, 8), (2, 15)]:
+        assert torch.equal(int4(x[start:stop]), whole4[start:stop])
+        assert torch.equal(native_quant.int8_linear(x[start:stop], q8, s8), whole8[start:stop])
+    tall = torch.randn(200, 256, generator=gen)  # the tile kernel: any split above ROWS_MAX
+    whole = native_quant.int8_linear(tall, q8, s8)
+    assert torch.equal(native_quant.int8_linear(tall[50:90], q8, s8), whole[50:90])
+
+
+def test_bf16_and_fp16_inputs_compute_in_float32() -> None:
+    gen = torch.Generator().manual_seed(1)
+    nibbles, scales, mins, w = random_int4(48, 128, 64, gen)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(3, 128, generator=gen).to(dtype)
+        got = native_quant.int4_linear(x, nibbles, scales, mins, 64)
+        assert got.dtype == dtype
+        expected = x.double() @ w.T
+        assert (got.double() - expected).abs().max() <= 0.01 * expected.abs().max()
+
+
+def test_pack_and_unpack_int4_round_trip() -> None:
+    q = torch.randint(0, 16, (5, 96), dtype=torch.int32)
+    packed = native_quant.pack_int4(q)
+    assert packed.shape == (5, 48) and packed.dtype == torch.uint8
+    # llama.cpp's order: byte j of a block holds inputs j (low bits) and 16 + j (high bits)
+    assert int(packed[0, 0]) == int(q[0, 0]) | (int(q[0, 16]) << 4)
+    assert torch.equal(native_quant.unpack_int4(packed), q.to(torch.uint8))
+
+
+def test_bad_arguments_name_the_problem() -> None:
+    nibbles, scales, mins, _ = random_int4(8, 64, 32, torch.Generator().manual_seed(0))
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="group_size=48"):
+        native_quant.int4_linear(x, nibbles, scales, mins, 48)
+    with pytest.raises(ValueError, match=r"activations: 'int4'; allowed: float\|int8"):
+        native_quant.int4_linear(x, nibbles, scales, mins, 32, activations="int4")
+    with pytest.raises(ValueError, match="path: 'vec64' is not available"):
+        native_quant.int4_linear(x, nibbles, scales, mins, 32, path="vec64")
+    with pytest.raises(ValueError, match=r"x must be a CPU \[rows, 64\]"):
+        native_quant.int4_linear(torch.randn(2, 32), nibbles, scales, mins, 32)
+    with pytest.raises(ValueError, match="int4_linear scales"):
+        native_quant.int4_linear(x, nibbles, scales.double(), mins, 32)
+    with pytest.raises(ValueError, match="pack_int4: in_features=40"):
+        native_quant.pack_int4(torch.zeros(2, 40, dtype=torch.int32))
+
+
+def test_every_path_the_build_reports_is_one_this_cpu_runs() -> None:
+    widest = native.layout().isa
+    expected = {"avx512": "vec16", "avx2": "vec8", "avx": "vec8", "portable": "vec4"}[widest]
+    assert native_quant.widest_path() == expected
+    assert PATHS[0] == "portable" and "vec4" in PATHS

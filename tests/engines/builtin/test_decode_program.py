@@ -1,0 +1,124 @@
+"""The decode program (engines/builtin/decode_program.py): a decode step's layers in one call
+into the C kernels must compute what the modules compute layer by layer: bit-identical logits
+for quantized layers (the same kernels on the same values), float32 rounding for dense ones
+(the GEMM instead of torch's GEMV at one row); identical greedy tokens either way. Steps it
+does not take (prefills, rings, an INT8 KV cache) go layer by layer, and describe() says
+whether it runs and why not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engines.builtin import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+# three requests at once, so decode steps hold 1-3 rows, next to prefill steps
+PROMPTS = [list(range(5, 12)), list(range(40, 80)), [7, 7, 7]]
+WIDER = {"intermediate_size": 192}  # int4 g32 divides every layer
+
+
+def run(
+    make_tiny, program: bool, **options: Any
+) -> tuple[list[list[int]], list[torch.Tensor], int]:
+    """Greedy tokens, every step's logits, and how many steps the program ran."""
+    llm: LLM = make_tiny(native_decode_program=program, **options)
+    logits: list[torch.Tensor] = []
+    llm.engine.add_logits_observer(lambda plan, every: logits.append(every.clone()))
+    program_steps = []
+    if program:  # count the steps it ran
+        layer_program = llm.engine.runner.model.layer_program
+        original = layer_program.run
+        layer_program.run = lambda x, meta: program_steps.append(1) or original(x, meta)
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    facts = llm.engine.describe()
+    assert facts["native_decode_program"] is program, facts["native_decode_program_reason"]
+    return tokens, logits, len(program_steps)
+
+
+@pytest.mark.parametrize(
+    ("options", "exact"),
+    [
+        (dict(quantization="int8"), True),
+        (dict(quantization="int4", quantization_group_size=32, model_overrides=WIDER), True),
+        (
+            dict(
+                quantization="int4",
+                quantization_group_size=32,
+                quantization_activations="int8",
+                quantize_lm_head=True,
+                model_overrides=WIDER,
+            ),
+            True,
+        ),
+        # Qwen2's q/k/v biases, a sliding window over paged blocks, INT8 fallback layers
+        (
+            dict(
+                quantization="int4",
+                quantization_group_size=64,
+                kv_cache="paged",
+                model_overrides={"attention_bias": True, "sliding_window": 6},
+            ),
+            True,
+        ),
+        (dict(), False),  # dense: the panel GEMM at one row instead of torch's GEMV
+        (dict(kv_cache="paged", block_size=4), False),
+    ],
+)
+def test_the_program_computes_what_the_modules_compute(make_tiny, options, exact) -> None:
+    tokens, logits, program_steps = run(make_tiny, True, **options)
+    expected_tokens, expected_logits, _ = run(make_tiny, False, **options)
+    assert tokens == expected_tokens
+    assert program_steps == len(logits) - 1  # every step but the one prefill
+    assert len(logits) == len(expected_logits) == GREEDY.max_tokens
+    for got, expected in zip(logits, expected_logits, strict=True):
+        if exact:
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        (dict(kv_cache_dtype="int8"), "attention backend 'sdpa'"),  # auto: no C kernel
+        (dict(kv_cache_dtype="int8", attention_backend="cpu"), "KV cache is not float32"),
+        (dict(attention_backend="torch"), "attention backend 'torch'"),
+        (dict(dtype="bfloat16"), "dtype bfloat16"),
+        (dict(native_kernels=False), "engine.native_kernels=false"),
+        (dict(prepack_weights=False), "kept as 'none'"),
+        (dict(kv_cache="none"), "no KV cache"),
+    ],
+)
+def test_engines_it_cannot_take_run_layer_by_layer_and_say_why(make_tiny, options, reason) -> None:
+    llm = make_tiny(**options)
+    facts = llm.engine.describe()
+    assert facts["native_decode_program"] is False
+    assert reason in facts["native_decode_program_reason"]
+    assert len(llm.generate(PROMPTS[:1], GREEDY)[0].token_ids) == 10
+
+
+def test_a_ring_step_goes_layer_by_layer(make_tiny) -> None:
+    """Contiguous KV with a sliding window keeps a ring of slots: not the program's layout;
+    those steps take the modules, and the tokens are the same as with no program."""
+    options: dict[str, Any] = dict(
+        quantization="int8", kv_cache="contiguous", model_overrides={"sliding_window": 4}
+    )
+    tokens, _, program_steps = run(make_tiny, True, **options)
+    assert program_steps == 0 and tokens == run(make_tiny, False, **options)[0]
+
+
+def test_a_layer_loaded_again_keeps_the_old_program_memory_alive(make_tiny) -> None:
+    """The program points into the tensors it was built from; loading a layer again must not
+    free them under it (a crash), and a new program reads the new weights."""
+    llm = make_tiny(quantization="int8")
+    runner = llm.engine.runner
+    layer = runner.model.layers[0].mlp.down_proj
+    old = layer.qweight
+    layer.load(torch.zeros(layer.out_features, layer.in_features))
+    assert any(t is old for t in runner.model.layer_program.keep)
+    llm.generate(PROMPTS[:1], GREEDY)  # reads the old weights, from memory still held
+    runner._setup_layer_program()
+    assert any(t is layer.qweight for t in runner.model.layer_program.keep)
