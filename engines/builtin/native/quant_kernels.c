@@ -34,6 +34,14 @@
 
 #include "kernels.h"
 
+/* Bytes ahead of the weight stream the rows kernels prefetch: a thread's weight rows are one
+ * contiguous stream, and with the hardware prefetcher alone one core streamed INT8 decode at
+ * ~6 GB/s here (SmolLM2's gate/up projection, 1 thread: 0.233 ms a call without, 0.182 ms
+ * with 2 KB ahead; 1 KB and 4 KB alike; INT4 with INT8 activations 0.184 -> 0.169 ms). */
+#ifndef QPREFETCH
+#define QPREFETCH 2048
+#endif
+
 enum {
     QUANT_PATH_AUTO = 0,
     QUANT_PATH_PORTABLE = 1,
@@ -137,9 +145,16 @@ static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int64_t g, Qu
         for (int64_t gi = 0; gi < groups; gi++) out->sx[m * groups + gi] = 0.0f;
         for (int64_t b = 0; b < blocks; b++) {
             const float *xb = x + m * K + b * 32;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+            float amax = 0.0f, poison = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                amax = fmaxf(amax, fabsf(xb[i]));
+                poison += xb[i] * 0.0f; /* NaN when any value is NaN or infinite */
+            }
+            /* a non-finite input makes the row's outputs NaN (its scale NaN, its values 0: a
+             * NaN converted to int8 would be undefined), never a wrong number */
+            const int finite = poison == 0.0f;
+            const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+            const float d = finite ? amax / 127.0f : NAN;
             int32_t total = 0;
             for (int i = 0; i < 32; i++) {
                 const int8_t v = (int8_t)nearbyintf(xb[i] * inv);
@@ -198,6 +213,7 @@ static inline __attribute__((always_inline)) void q4q8_row_avx2(
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= blocks; b += 2) { /* two chains: consecutive blocks' sums independent */
+        __builtin_prefetch(nib + b * 16 + QPREFETCH, 0, 0);
         q4q8_block_avx2(R, xr, K, blocks, nib, b, _mm256_broadcast_ss(scale + (b >> group_shift)),
                         0, acc);
         q4q8_block_avx2(R, xr, K, blocks, nib, b + 1,

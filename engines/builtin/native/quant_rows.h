@@ -104,6 +104,7 @@ static inline QFN(fvec) QFN(q8_widen)(const int8_t *q) {
 #define QACC 4
 #define QROWS 2
 
+
 /* acc[r][.] += one block of 32 INT4 weights (starting at input k0) times input row r's
  * values; each product on chain (base + its place in the block) of QACC. */
 static inline __attribute__((always_inline)) void QFN(q4_block)(const int R, const float *x,
@@ -135,6 +136,7 @@ static inline __attribute__((always_inline)) void QFN(q4_group)(
     const int64_t blocks_per_group = g / 32;
     for (int64_t b = 0; b < blocks_per_group; b += 2) {
         const int64_t k0 = (gi * blocks_per_group + b) * 32;
+        __builtin_prefetch(nib + k0 / 2 + QPREFETCH, 0, 0);
         QFN(q4_block)(R, x, K, nib, k0, 0, acc);
         if (b + 1 < blocks_per_group) QFN(q4_block)(R, x, K, nib, k0 + 32, 2, acc);
     }
@@ -180,13 +182,15 @@ static inline __attribute__((always_inline)) void QFN(q8_row)(const int R, const
     for (int r = 0; r < R; r++)
         for (int a = 0; a < QACC; a++) acc[r][a] = (QFN(fvec)){0};
     int64_t k = 0;
-    for (; k + QACC * QW <= K; k += QACC * QW)
+    for (; k + QACC * QW <= K; k += QACC * QW) {
+        __builtin_prefetch(q + k + QPREFETCH, 0, 0);
         for (int a = 0; a < QACC; a++) {
             const int8_t *qa = q + k + a * QW;
             const QFN(fvec) w = QFN(q8_widen)(qa);
             for (int r = 0; r < R; r++)
                 acc[r][a] = QFN(fma)(w, QFN(loadf)(x + r * K + k + a * QW), acc[r][a]);
         }
+    }
     for (; k + QW <= K; k += QW) {
         const QFN(fvec) w = QFN(q8_widen)(q + k);
         for (int r = 0; r < R; r++) acc[r][0] = QFN(fma)(w, QFN(loadf)(x + r * K + k), acc[r][0]);

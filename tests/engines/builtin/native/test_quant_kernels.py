@@ -161,3 +161,19 @@ def test_every_path_the_build_reports_is_one_this_cpu_runs() -> None:
     expected = {"avx512": "vec16", "avx2": "vec8", "avx": "vec8", "portable": "vec4"}[widest]
     assert native_quant.widest_path() == expected
     assert PATHS[0] == "portable" and "vec4" in PATHS
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("rows", [5, 40])  # the rows kernels and the tile kernel
+def test_a_non_finite_input_row_stays_in_its_row(activations: str, rows: int) -> None:
+    gen = torch.Generator().manual_seed(9)
+    nibbles, scales, mins, _ = random_int4(24, 64, 32, gen)
+    q8, s8, _ = random_int8(24, 64, gen)
+    x = torch.randn(rows, 64, generator=gen)
+    x[1, 3], x[3, 40] = float("nan"), float("inf")
+    y4 = native_quant.int4_linear(x, nibbles, scales, mins, 32, activations=activations)
+    y8 = native_quant.int8_linear(x, q8, s8)
+    finite = [r for r in range(rows) if r not in (1, 3)]
+    for y in (y4, y8):
+        assert not y[1].isfinite().any() and not y[3].isfinite().any()
+        assert y[finite].isfinite().all()
