@@ -12,7 +12,7 @@ from engines.builtin import native
 from engines.builtin.native import quant as native_quant
 
 PATHS = native_quant.paths()  # e.g. portable, vec4, vec8 here; vec16 on AVX-512 machines
-ROW_COUNTS = (1, 2, 3, 5, 16, 17, 130)  # rows kernels up to 16, tiles above
+ROW_COUNTS = (1, 2, 3, 5, 16, 17, 130, 300)  # rows kernels up to 16, tiles above (passes of 256)
 
 
 def random_int4(out_features: int, in_features: int, group: int, gen: torch.Generator):
