@@ -89,6 +89,16 @@ class QuantMethod(LinearMethod):
     def __init__(self, native_reason: str | None = NOT_REQUESTED) -> None:
         self.native_reason = native_reason
 
+    @classmethod
+    def create(
+        cls,
+        group_size: int,
+        zero_point: str = "float",
+        activations: str = "float",
+        native_reason: str | None = NOT_REQUESTED,
+    ) -> LinearMethod:
+        return cls(native_reason)
+
     def uses_native(self, weight: torch.Tensor) -> bool:
         return self.native_reason is None and weight.device.type == "cpu"
 
@@ -113,16 +123,6 @@ class Int8Method(QuantMethod):
 
     name = "int8"
     bits = 8
-
-    @classmethod
-    def create(
-        cls,
-        group_size: int,
-        zero_point: str = "float",
-        activations: str = "float",
-        native_reason: str | None = NOT_REQUESTED,
-    ) -> LinearMethod:
-        return cls(native_reason)
 
     def describe(self, layer: Linear) -> str:
         return f"int8; kernel {self.kernel(layer)}"

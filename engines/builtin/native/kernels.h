@@ -1,38 +1,14 @@
 /* What the engine's C kernels share (cpu_kernels.c: attention, norms, the float32 GEMM;
- * quant_kernels.c: the INT8/INT4 linear kernels): the vector type of this build's widest
- * registers and the GEMM's register block, and the GEMM's panel routine, which the quantized
- * kernels run on weight tiles they dequantize. */
+ * quant_kernels.c: the INT8/INT4 linear kernels; decode_layers.c: a decode step's layers):
+ * the vector type of this build's widest registers and the GEMM's register block, the GEMM's
+ * panel routine, which the quantized kernels run on weight tiles they dequantize, and the
+ * kernels decode_layers.c chains. */
 #ifndef INFERLAB_KERNELS_H
 #define INFERLAB_KERNELS_H
 
 #include <stdint.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h> /* what a function may use depends on the build's -march */
-/* The kernels decode_layers.c chains (cpu_kernels.c, quant_kernels.c; Python calls each too). */
-void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
-                      int64_t T, int64_t N, float eps, int64_t threads);
-void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions,
-                        const float *table, float *k_cache, float *v_cache,
-                        const int64_t *slots, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                        int64_t threads);
-void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
-                          const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
-                          const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                          int64_t BS, float scale, int64_t window, int64_t threads,
-                          float *out);
-void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I, int64_t threads);
-void linear_f32(const float *x, const float *panels, const float *bias, float *y, float *xp,
-                int64_t M, int64_t K, int64_t N, int64_t threads);
-void q8_linear_f32(const float *x, const int8_t *q, const float *scale, const float *bias,
-                   float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
-                   int64_t threads);
-void q4_linear_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
-                   const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
-                   int64_t rows_max, int64_t path, int64_t threads);
-void q4_linear_q8_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
-                      const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
-                      int64_t rows_max, int64_t path, int64_t threads);
-
 #endif
 
 /* The GEMM's register block, per instruction set, chosen when the library is compiled
