@@ -149,6 +149,11 @@ class EngineConfig:
             128,
         ):
             raise fail("quantization_group_size", "32|64|128")
+        if self.quantization_activations == "int8" and self.quantization != "int4":
+            raise ConfigError(
+                "engine.quantization_activations: 'int8' is for quantization=int4 (INT4 weights "
+                f"times INT8 activations); with quantization={self.quantization!r} allowed: float"
+            )
         for name in (
             "enable_chunked_prefill",
             "enable_prefix_caching",

@@ -314,6 +314,8 @@ def test_config_validates_the_new_options() -> None:
         match=r"^engine.quantization_activations: 'int4' is invalid; allowed: float\|int8$",
     ):
         EngineConfig.from_dict({"quantization": "int4", "quantization_activations": "int4"})
+    with pytest.raises(ConfigError, match="'int8' is for quantization=int4"):
+        EngineConfig.from_dict({"quantization": "int8", "quantization_activations": "int8"})
     with pytest.raises(ConfigError, match="native_decode_program"):
         EngineConfig.from_dict({"native_decode_program": 1})
     with pytest.raises(
