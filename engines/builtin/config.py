@@ -18,7 +18,7 @@ CHOICES = {
     "kv_cache": ("none", "contiguous", "paged"),
     "batching": ("static", "continuous"),
     "quantization": ("none", "int8", "int4"),
-    "quantization_zero_point": ("float", "int"),
+    "quantization_zero_point": ("float", "int", "symmetric"),
     "quantization_activations": ("float", "int8"),
     "kv_cache_dtype": ("auto", "int8"),
     "attention_backend": ("auto", "torch", "sdpa", "cpu", "triton"),
@@ -62,8 +62,9 @@ class EngineConfig:
     # int4: input columns per scale/zero (32|64|128); a layer it does not divide gets the
     # largest smaller one that does (docs/engine_options.md)
     quantization_group_size: int = 128
-    # int4: float (a float minimum per group, as llama.cpp's Q4_1) or int (an integer zero
-    # point with the range widened to include 0); engines/builtin/layers/quant.py
+    # int4: float (a float minimum per group, as llama.cpp's Q4_1), int (an integer zero
+    # point with the range widened to include 0) or symmetric (no zero point, llama.cpp's
+    # Q4_0); engines/builtin/layers/quant.py
     quantization_zero_point: str = "float"
     # int4 on CPU with the engine's C kernels: float (weight-only: activations stay in the
     # compute dtype) or int8 (decode rows quantized per block of 32 and integer dot products,

@@ -27,6 +27,8 @@ INT4 (asymmetric, per group of g input columns, round to nearest), two zero-poin
     widened to include 0, so 0 is a grid point):
     scale = (max - min) / 15,  z = clamp(round(-min / scale), 0, 15),
     q = clamp(round(w / scale) + z, 0, 15),  w ~= (q - z) * scale.
+  symmetric (llama.cpp's Q4_0: no zero point; the group's value of largest magnitude, p,
+    is level 0): scale = p / -8,  q = min(floor(w / scale + 8.5), 15),  w ~= (q - 8) * scale.
 torch's int4 kernels dequantize as (q - 8) * scale + zero with a float `zero`, so both store
 zero = lo + 8 * scale (float) or zero = (8 - z) * scale (int): the same buffers, kernels and
 speed, only the numbers differ. The float scheme rounds q against the scale and zero as
@@ -175,7 +177,7 @@ class Int8Method(QuantMethod):
         return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
 
 
-INT4_ZERO_POINTS = ("float", "int")
+INT4_ZERO_POINTS = ("float", "int", "symmetric")
 
 
 def int4_group_size(in_features: int, requested: int) -> int | None:
@@ -198,6 +200,11 @@ def quantize_int4(
         zero = (lo + 8 * scale).to(dtype).float()  # stored as is: q is fitted to this grid
         q = torch.round((w - (zero - 8 * scale)[..., None]) / scale[..., None])
         q = torch.clamp(q, 0, 15)
+    elif zero_point == "symmetric":
+        peak = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+        scale = _nonzero((peak / -8).to(dtype)).float()  # [out, k/g]; negative when peak > 0
+        q = torch.clamp(torch.floor(w / scale[..., None] + 8.5), 0, 15)
+        zero = torch.zeros_like(scale)  # torch's convention: w = (q - 8) * scale + 0
     elif zero_point == "int":
         lo = w.amin(dim=-1).clamp(max=0)
         hi = w.amax(dim=-1).clamp(min=0)

@@ -121,6 +121,26 @@ def test_requantizing_q4_1_weights_is_lossless() -> None:
     assert (method.dequantize(layer) - w).abs().max() <= 1e-6
 
 
+def test_symmetric_requantizes_q4_0_weights_and_stays_within_a_step() -> None:
+    """Q4_0-style weights ((q - 8) d per block of 32, the peak at level 0) come back exactly;
+    on any weights the error is within half a step except at the clamped end (level 15 is
+    7/8 of the peak on the other side), within one step there."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (16, 64), generator=gen)
+    q[:, ::32] = 0  # each block's peak
+    d = -(torch.rand(16, 2, generator=gen) + 0.5) / 8
+    w = ((q - 8).float().reshape(16, 2, 32) * d[..., None]).reshape(16, 64)
+    got, sz = quantize_int4(w, 32, "symmetric", torch.float32)
+    assert torch.equal(got, q.to(torch.int32)) and not sz[..., 1].any()  # no zero point
+    for native in (False, True):
+        method = Int4Method(32, "symmetric", native_reason=None if native else "torch")
+        layer, w = make_layer(method, 48, 128)
+        step = layer.scales.abs() if native else layer.scales_and_zeros[..., 0].T.abs()
+        err = (method.dequantize(layer) - w).abs().reshape(48, 4, 32).amax(-1)
+        assert (err <= step + EPS).all()
+        assert float((err / step).median()) <= 0.5 + EPS
+
+
 def test_integer_zero_point_does_not_requantize_q4_1_exactly() -> None:
     """Why the float scheme exists: the integer zero point moves Q4_1's grid."""
     w, _ = q4_1_weight(64, 256)
@@ -202,7 +222,8 @@ def test_make_linear_method() -> None:
     method = make_linear_method("int4", 32, zero_point="int")
     assert isinstance(method, Int4Method) and method.zero_point == "int"
     with pytest.raises(
-        ValueError, match=r"engine.quantization_zero_point: 'fp' is invalid; allowed: float\|int"
+        ValueError,
+        match=r"engine.quantization_zero_point: 'fp' is invalid; allowed: float\|int\|symmetric",
     ):
         make_linear_method("int4", 32, zero_point="fp")
     with pytest.raises(
@@ -320,7 +341,7 @@ def test_config_validates_the_new_options() -> None:
         EngineConfig.from_dict({"native_decode_program": 1})
     with pytest.raises(
         ConfigError,
-        match=r"^engine.quantization_zero_point: 'asym' is invalid; allowed: float\|int$",
+        match=r"^engine.quantization_zero_point: 'asym' is invalid; allowed: float\|int\|symmetric$",
     ):
         EngineConfig.from_dict({"quantization": "int4", "quantization_zero_point": "asym"})
     config = EngineConfig.from_dict({"quantization": "int4", "quantization_group_size": 32})
@@ -360,8 +381,9 @@ def test_small_linear_bytes_shrink() -> None:
         dict(quantization="int8", quantize_lm_head=True),
         dict(quantization="int4", quantization_group_size=32, quantize_lm_head=True),
         dict(quantization="int4", quantization_group_size=128, quantization_zero_point="int"),
+        dict(quantization="int4", quantization_group_size=64, quantization_zero_point="symmetric"),
     ],
-    ids=["int8", "int4-g32", "int4-g128-int"],
+    ids=["int8", "int4-g32", "int4-g128-int", "int4-g64-symmetric"],
 )
 def test_greedy_tokens_equal_the_dequantized_float32_model(preset: str, options) -> None:
     """The engine's kernels compute what the weights they store represent: its greedy tokens
