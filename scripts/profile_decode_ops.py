@@ -5,9 +5,12 @@
 
 For each dtype:quantization variant: one warm-up request, then `--new-tokens` decode steps of
 one request under torch.profiler; prints the operators with the most self CPU time per decode
-step (ms) and their share, and the step's wall time. The int4 matmul is
-`aten::_weight_int4pack_mm_for_cpu`; dense fp32 linears are `aten::addmm`/`aten::mm` or oneDNN's
-packed `mkldnn` linear (engine.prepack_weights).
+step (ms) and their share, and the step's wall time. On CPU the INT8/INT4 matmuls are the engine's C kernels
+(`inferlab::q4_linear_f32`, `inferlab::q8_linear_f32`; torch's `aten::_weight_int4pack_mm_for_cpu`
+without them); dense fp32 linears are `aten::addmm`/`aten::mm`, the engine's
+`inferlab::linear_f32` or oneDNN's packed `mkldnn` linear (engine.prepack_weights). In float32
+with the C kernels a decode step's layers run as one call, `inferlab::decode_layers_f32` (the
+decode program); `--layer-by-layer` turns it off to see each kernel.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument(
+        "--layer-by-layer",
+        action="store_true",
+        help="engine.native_decode_program=false: each kernel a call of its own",
+    )
     args = parser.parse_args()
     prompt = list(range(1000, 1064))
     for variant in args.variants.split(","):
@@ -40,6 +48,7 @@ def main() -> None:
             num_threads=args.threads,
             max_model_len=512,
             max_num_seqs=1,
+            native_decode_program=not args.layer_by_layer,
         )
         params = SamplingParams(max_tokens=args.new_tokens + 1, temperature=0.0, ignore_eos=True)
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
