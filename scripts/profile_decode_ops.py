@@ -5,12 +5,13 @@
 
 For each dtype:quantization variant: one warm-up request, then `--new-tokens` decode steps of
 one request under torch.profiler; prints the operators with the most self CPU time per decode
-step (ms) and their share, and the step's wall time. On CPU the INT8/INT4 matmuls are the engine's C kernels
-(`inferlab::q4_linear_f32`, `inferlab::q8_linear_f32`; torch's `aten::_weight_int4pack_mm_for_cpu`
-without them); dense fp32 linears are `aten::addmm`/`aten::mm`, the engine's
-`inferlab::linear_f32` or oneDNN's packed `mkldnn` linear (engine.prepack_weights). In float32
-with the C kernels a decode step's layers run as one call, `inferlab::decode_layers_f32` (the
-decode program); `--layer-by-layer` turns it off to see each kernel.
+step (ms) and their share, and the step's wall time. On CPU the INT8/INT4 matmuls are the
+engine's C kernels (`inferlab::q4_linear_f32`, `inferlab::q8_linear_f32`; torch's
+`aten::_weight_int4pack_mm_for_cpu` without them); dense fp32 linears are
+`aten::addmm`/`aten::mm`, the engine's `inferlab::linear_f32` or oneDNN's packed `mkldnn` linear
+(engine.prepack_weights). In float32 with the C kernels a decode step's layers run as one call,
+`inferlab::decode_layers_f32` (the decode program); `--layer-by-layer` turns it off to see each
+kernel.
 """
 
 from __future__ import annotations
