@@ -110,6 +110,9 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(FORMATS))
+    parser.add_argument(
+        "--formats", default=None, help="comma-separated labels of --dtype's formats (default all)"
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     shapes = block_shapes(args.model)
@@ -124,8 +127,13 @@ def main() -> None:
         + f"{'speed-up':>10}"
     )
     with torch.inference_mode():
-        for label, fmt in FORMATS[args.dtype].items():
-            layers = build(shapes, dtype, fmt)
+        formats = FORMATS[args.dtype]
+        chosen = args.formats.split(",") if args.formats else list(formats)
+        unknown = sorted(set(chosen) - set(formats))
+        if unknown:
+            raise SystemExit(f"--formats: unknown {unknown}; allowed: {','.join(formats)}")
+        for label in chosen:
+            layers = build(shapes, dtype, formats[label])
             nbytes = sum(layer.weight_bytes() for layer in layers)
             for rows in (int(r) for r in args.rows.split(",")):
                 seconds = []
