@@ -8,6 +8,7 @@ weights: tests/models/test_gguf_convert.py, on a tiny file with this one's keys 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -39,10 +40,15 @@ def converted(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 @pytest.fixture(scope="module")
 def reference(gguf_path: Path):  # transformers model and tokenizer
+    import gguf
     import transformers  # the dev extra's
 
-    # engine=hf's loader: transformers' own GGUF loader (from_pretrained with gguf_file=)
-    model, _ = load_hf_model(str(gguf_path), {}, torch.float32, torch.device("cpu"), 0, "sdpa")
+    # engine=hf's loader: transformers' own GGUF loader (from_pretrained with gguf_file=). It
+    # asks gguf for the tensor-name map (every name of all 30 blocks) once per submodule, ~400
+    # times (~10 s); the map is a pure function of (architecture, block count): built once.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        model, _ = load_hf_model(str(gguf_path), {}, torch.float32, torch.device("cpu"), 0, "sdpa")
     assert type(model).__name__ == "LlamaForCausalLM"
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name
