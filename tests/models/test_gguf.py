@@ -118,8 +118,9 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
 def test_greedy_fp32_generation_matches_transformers(
     gguf_path: Path, converted: Path, reference
 ) -> None:
-    """Every KV layout, chunked prefill and prefix caching, 8 sequences batched and one at a
-    time, from the GGUF file and from its converted folder: transformers' tokens, each."""
+    """Every KV layout, chunked prefill and prefix caching, 8 sequences batched and three of
+    them (a short one, the chat and the 600-token one) one at a time, from the GGUF file and
+    from its converted folder: transformers' tokens, each."""
     model, tokenizer = reference
     long_prompt = (CORPUS_DIR / "sonnets.txt").read_text()[:2600]  # ~600 tokens
     chat = tokenizer.apply_chat_template(
@@ -152,8 +153,11 @@ def test_greedy_fp32_generation_matches_transformers(
     ]
     for path, options in runs:
         llm = LLM(model=str(path), dtype="float32", max_model_len=1024, **options)
-        # without a cache every step recomputes the whole sequence: the short prompts only
-        cases = [i for i, p in enumerate(prompts) if options["kv_cache"] != "none" or len(p) < 200]
+        cases = list(range(len(prompts)))
+        if options["kv_cache"] == "none":  # every step recomputes the whole sequence
+            cases = [i for i, p in enumerate(prompts) if len(p) < 200]  # the short prompts
+        elif options.get("max_num_seqs") == 1:  # each step of batch 1 reads all the weights
+            cases = [0, 2, 3]  # a short prompt, the 600-token one, the chat (88 steps -> 33)
         outputs = llm.generate([prompts[i] for i in cases], params)
         got = [o.outputs[0].token_ids for o in outputs]
         assert got == [expected[i] for i in cases], (path.name, options)
