@@ -13,9 +13,9 @@ if TRITON_DEVICE == "cpu":
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Literal  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -93,12 +93,36 @@ def tiny_rate_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
+def smollm2_gguf() -> Iterator[Path]:
     """The real model the tests run (model=smollm2-135m): its GGUF file, installed by
-    `make setup-real` (make test does it); absent, the test fails naming that target."""
+    `make setup-real` (make test does it); absent, the test fails naming that target.
+
+    While the session runs, the file is parsed once: gguf.GGUFReader reads every one of its
+    ~100k vocabulary and merge strings into numpy views (~5 s, more on a busy machine) and each
+    open repeated that (the config, the weights, the converters, transformers' loader). Every
+    reader of this version of the file (path, size, modification time) gets the same read-only
+    reader; any other file, or another mode, gets a fresh one."""
+    import gguf
+
     from models.packaged import PackagedModelMissingError, packaged_model_path
 
     try:
-        return packaged_model_path("smollm2-135m")
+        path = packaged_model_path("smollm2-135m")
     except PackagedModelMissingError as exc:
         pytest.fail(f"{exc} (make test installs it)")
+    fresh_reader = gguf.GGUFReader
+    parsed: dict[tuple[int, int], Any] = {}
+
+    def reader(file: str | os.PathLike[str], mode: Literal["r", "r+", "c"] = "r") -> Any:
+        if mode != "r" or Path(file).resolve() != path.resolve():
+            return fresh_reader(file, mode)
+        stat = path.stat()
+        version = (stat.st_size, stat.st_mtime_ns)
+        if version not in parsed:
+            parsed.clear()
+            parsed[version] = fresh_reader(file, mode)
+        return parsed[version]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        yield path

@@ -179,7 +179,14 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _freeze=True)
+        # the loader fills the table: `_weight` skips the random init, which on "meta" goes
+        # through torch's Python reference ops and imports torch._dynamo (seconds, per process)
+        self.embed = nn.Embedding(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
+            _freeze=True,
+        )
         # Built on `device` even when the rest is created on "meta" and filled by the loader.
         self.rope = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device

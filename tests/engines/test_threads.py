@@ -24,26 +24,59 @@ REPO = Path(__file__).resolve().parents[2]
 SHOW_POLICY = "import engines.openmp, json; print(json.dumps(engines.openmp.wait_policy()))"
 
 
-def python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """A fresh interpreter (libgomp reads its variables once, when loaded), with
-    OMP_DISPLAY_ENV=VERBOSE so that libgomp prints the settings it took."""
+IMPORT_ENGINE = f"import engines.builtin; {SHOW_POLICY}"
+#: name -> (code, environment) of each fresh interpreter the tests below read
+INTERPRETERS: dict[str, tuple[str, dict[str, str]]] = {
+    "default": (IMPORT_ENGINE, {}),
+    "OMP_WAIT_POLICY=ACTIVE": (IMPORT_ENGINE, {"OMP_WAIT_POLICY": "ACTIVE"}),
+    "GOMP_SPINCOUNT=1000": (IMPORT_ENGINE, {"GOMP_SPINCOUNT": "1000"}),
+    "torch first": (f"import torch; {IMPORT_ENGINE}", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def interpreters() -> dict[str, subprocess.CompletedProcess[str]]:
+    """Each of INTERPRETERS in a fresh interpreter (libgomp reads its variables once, when
+    loaded), with OMP_DISPLAY_ENV=VERBOSE so that libgomp prints the settings it took; all
+    started at once (each spends seconds importing torch)."""
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**clean, "OMP_DISPLAY_ENV": "VERBOSE", **env},
-    )
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**clean, "OMP_DISPLAY_ENV": "VERBOSE", **env},
+        )
+        for name, (code, env) in INTERPRETERS.items()
+    }
+    results = {}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=300)
+            results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def python(
+    interpreters: dict[str, subprocess.CompletedProcess[str]], name: str
+) -> subprocess.CompletedProcess[str]:
+    """The named interpreter's run, which must have succeeded."""
+    result = interpreters[name]
     assert result.returncode == 0, result.stderr[-2000:]
     return result
 
 
-def test_openmp_threads_sleep_instead_of_spinning_by_default() -> None:
+def test_openmp_threads_sleep_instead_of_spinning_by_default(interpreters) -> None:
     """libgomp's default spins 300,000 turns at every barrier, holding a core that a
     descheduled partner needs; a step runs hundreds of parallel regions."""
-    result = python(f"import engines.builtin; {SHOW_POLICY}")
+    result = python(interpreters, "default")
     assert "GOMP_SPINCOUNT = '0'" in result.stderr  # what libgomp itself took
     assert json.loads(result.stdout.splitlines()[-1]) == {
         "OMP_WAIT_POLICY": "PASSIVE",
@@ -52,17 +85,17 @@ def test_openmp_threads_sleep_instead_of_spinning_by_default() -> None:
     }
 
 
-def test_the_users_own_policy_is_kept() -> None:
-    result = python(f"import engines.builtin; {SHOW_POLICY}", OMP_WAIT_POLICY="ACTIVE")
+def test_the_users_own_policy_is_kept(interpreters) -> None:
+    result = python(interpreters, "OMP_WAIT_POLICY=ACTIVE")
     assert "OMP_WAIT_POLICY = 'ACTIVE'" in result.stderr
     assert json.loads(result.stdout.splitlines()[-1])["source"] == "environment"
-    result = python(f"import engines.builtin; {SHOW_POLICY}", GOMP_SPINCOUNT="1000")
+    result = python(interpreters, "GOMP_SPINCOUNT=1000")
     assert "GOMP_SPINCOUNT = '1000'" in result.stderr
     assert json.loads(result.stdout.splitlines()[-1])["OMP_WAIT_POLICY"] is None
 
 
-def test_too_late_is_said_when_torch_came_first() -> None:
-    result = python(f"import torch; import engines.builtin; {SHOW_POLICY}")
+def test_too_late_is_said_when_torch_came_first(interpreters) -> None:
+    result = python(interpreters, "torch first")
     assert "GOMP_SPINCOUNT = '300000'" in result.stderr
     policy = json.loads(result.stdout.splitlines()[-1])
     assert policy["OMP_WAIT_POLICY"] is None and "torch imported first" in policy["source"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import models.packaged as packaged
@@ -10,8 +12,8 @@ from models.config import resolve_model
 from models.packaged import PackagedModel, PackagedModelMissingError, packaged_model_path
 
 
-def test_smollm2_resolves_to_the_installed_gguf() -> None:
-    path = packaged_model_path("smollm2-135m")
+def test_smollm2_resolves_to_the_installed_gguf(smollm2_gguf: Path) -> None:
+    path = packaged_model_path("smollm2-135m")  # smollm2_gguf: the file's parse, shared
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90e6
     cfg = resolve_model("smollm2-135m")
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (576, 30, 9, 3)

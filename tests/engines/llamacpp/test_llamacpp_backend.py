@@ -97,7 +97,7 @@ def tokens_of(events: list[RequestEvent]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def one_seq() -> Iterator[LlamaCppBackend]:
+def one_seq(smollm2_gguf: Path) -> Iterator[LlamaCppBackend]:
     gguf_path()
     backend = backend_of(max_num_seqs=1, flash_attn="on")
     yield backend
@@ -202,8 +202,8 @@ def test_prompt_logits_agree_with_decoding(
 
 
 @pytest.mark.slow
-def test_a_harness_run_has_records_and_no_failures(tmp_path: Path) -> None:
-    gguf_path()
+def test_a_harness_run_has_records_and_no_failures(tmp_path: Path, smollm2_gguf: Path) -> None:
+    gguf_path()  # the quality probe's reference reads the file's parse smollm2_gguf shares
     n, output_len = 6, 10
     text = tmp_path / "probe.txt"  # a few hundred tokens: perplexity over all of them
     text.write_text(corpus_text(None)[:1500])

@@ -57,6 +57,27 @@ def inferlab(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[st
     )
 
 
+def inferlab_started(*args: str) -> subprocess.Popen[str]:
+    """`inferlab ARGS` started, not awaited: independent commands run side by side (each
+    process spends seconds importing)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finished(proc: subprocess.Popen[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("run")
@@ -160,9 +181,15 @@ def test_sweep_writes_one_row_per_job_and_records_failures(tmp_path: Path) -> No
 
 
 def test_unknown_config_keys_are_named(tmp_path: Path) -> None:
+    unknown = inferlab_started(
+        "run", "model=tiny", "engine.no_such_option=1", f"hydra.run.dir={tmp_path}/a"
+    )
+    invalid = inferlab_started(
+        "run", "model=tiny", "engine.quantization_zero_point=half", f"hydra.run.dir={tmp_path}/d"
+    )
+    unknown_result, invalid_result = finished(unknown), finished(invalid)
     # the command: a key Hydra refuses stops `inferlab run`, named
-    result = inferlab("run", "model=tiny", "engine.no_such_option=1", f"hydra.run.dir={tmp_path}/a")
-    assert result.returncode != 0 and "no_such_option" in result.stderr
+    assert unknown_result.returncode != 0 and "no_such_option" in unknown_result.stderr
     # the composition and the engine build `inferlab run` does, in this process (a process
     # each costs ~10 s of imports): a key added with + reaches the engine, which names it
     added = OmegaConf.to_container(
@@ -173,11 +200,9 @@ def test_unknown_config_keys_are_named(tmp_path: Path) -> None:
         build_backend(added["engine"], added["model"])
     with pytest.raises(ComposeError, match="'model/no_such_preset'"):
         configs.compose(["model=no_such_preset"])
-    result = inferlab(
-        "run", "model=tiny", "engine.quantization_zero_point=half", f"hydra.run.dir={tmp_path}/d"
-    )
-    assert result.returncode != 0
-    assert "engine.quantization_zero_point: 'half' is invalid; allowed: float|int" in result.stderr
+    assert invalid_result.returncode != 0
+    message = "engine.quantization_zero_point: 'half' is invalid; allowed: float|int"
+    assert message in invalid_result.stderr
 
 
 def test_bad_requests_fail_alone(tmp_path: Path) -> None:

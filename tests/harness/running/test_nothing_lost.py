@@ -74,19 +74,26 @@ def check_rows_consistent(run_dir: Path) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, int]]:
-    """Two runs started together (to save time), each killed once it has request rows: one
-    with SIGINT (Ctrl-C), one with SIGKILL. signal name -> (run folder, exit code)."""
+    """Three runs started together (to save time), each sent its signal once it has request
+    rows: one with SIGINT (Ctrl-C), one with SIGKILL, and a series of repeats=3 with SIGTERM
+    once its first repeat has rows. signal name -> (run folder, exit code)."""
     root = tmp_path_factory.mktemp("killed")
-    procs = {
-        name: (root / name, start_run(root / name, *LONG_RUN)) for name in ("SIGINT", "SIGKILL")
+    runs = {  # signal -> (run folder, the JSONL file to watch, extra overrides)
+        "SIGINT": (root / "SIGINT", root / "SIGINT" / "requests.jsonl", ()),
+        "SIGKILL": (root / "SIGKILL", root / "SIGKILL" / "requests.jsonl", ()),
+        "SIGTERM": (
+            root / "series",
+            root / "series" / "repeat-0" / "requests.jsonl",
+            ("repeats=3",),
+        ),
     }
-    out = {}
-    for name, (run_dir, proc) in procs.items():
-        wait_for_rows(proc, run_dir / "requests.jsonl", 2)
+    procs = {
+        name: start_run(run_dir, *LONG_RUN, *extra) for name, (run_dir, _, extra) in runs.items()
+    }
+    for name, proc in procs.items():
+        wait_for_rows(proc, runs[name][1], 2)
         proc.send_signal(getattr(signal, name))
-    for name, (run_dir, proc) in procs.items():
-        out[name] = (run_dir, proc.wait(timeout=120))
-    return out
+    return {name: (runs[name][0], proc.wait(timeout=120)) for name, proc in procs.items()}
 
 
 def test_sigint_leaves_rows_and_an_incomplete_summary(killed_runs) -> None:
@@ -174,14 +181,11 @@ def test_failed_requests_are_counted_and_kept_out_of_latencies(tmp_path: Path) -
     assert metrics["req_per_s"] == pytest.approx(3 / duration)
 
 
-def test_sigterm_stops_a_series_of_repeats(tmp_path: Path) -> None:
+def test_sigterm_stops_a_series_of_repeats(killed_runs) -> None:
     """The series passes the signal on to the running repeat, which keeps its rows; both
     summaries say incomplete and no further repeat starts."""
-    run_dir = tmp_path / "run"
-    proc = start_run(run_dir, *LONG_RUN, "repeats=3")
-    wait_for_rows(proc, run_dir / "repeat-0" / "requests.jsonl", 2)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 130
+    run_dir, code = killed_runs["SIGTERM"]
+    assert code == 130
     series = json.loads((run_dir / "summary.json").read_text())
     assert series["status"] == "incomplete"
     assert series["repeat_status"] == ["incomplete", "not run", "not run"]

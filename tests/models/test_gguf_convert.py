@@ -1,0 +1,164 @@
+"""`inferlab convert SRC.gguf DST.gguf` (models.gguf_convert.convert_to_gguf) on a tiny synthetic
+GGUF file written here with the `gguf` package's GGUFWriter: a 2-layer llama (hidden 64) with
+the metadata keys and value types of SmolLM2-135M-Instruct's file (strings, string and int32
+arrays, uint32, float32, bool) and its tensor types (Q8_0 embedding, Q4_1 linear layers, F32
+norms), a few KB. Re-encoding touches every tensor and key the same way whatever their size,
+so the behaviour is checked here in a fraction of a second; tests/models/test_gguf.py keeps the
+real file's parity checks (config, tokenizer, generation, the converted folder)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness.cli import main as inferlab
+from models.gguf import open_gguf
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A llama GGUF with SmolLM2's keys and tensor types at toy sizes (seeded weights)."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    tokens = SPECIAL + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    for key, value in {
+        "general.type": "model",
+        "general.name": "Tiny Synthetic",
+        "general.organization": "inferlab-tests",
+        "general.finetune": "none",
+        "general.basename": "tiny",
+        "general.size_label": "50K",
+        "general.license": "apache-2.0",
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.chat_template": CHAT_TEMPLATE,
+    }.items():
+        writer.add_string(key, value)
+    writer.add_array("general.languages", ["en"])
+    for key, number in {
+        "llama.block_count": LAYERS,
+        "llama.context_length": 256,
+        "llama.embedding_length": HIDDEN,
+        "llama.feed_forward_length": FFN,
+        "llama.attention.head_count": HEADS,
+        "llama.attention.head_count_kv": KV_HEADS,
+        "general.file_type": int(gguf.LlamaFileType.MOSTLY_Q4_1),
+        "llama.vocab_size": len(tokens),
+        "llama.rope.dimension_count": HIDDEN // HEADS,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.padding_token_id": 2,
+        "general.quantization_version": 2,
+    }.items():
+        writer.add_uint32(key, number)
+    writer.add_float32("llama.rope.freq_base", 100000.0)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_bool("tokenizer.ggml.add_space_prefix", False)
+    writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    control, normal = int(gguf.TokenType.CONTROL), int(gguf.TokenType.NORMAL)
+    writer.add_array(
+        "tokenizer.ggml.token_type", [control if t in SPECIAL else normal for t in tokens]
+    )
+    writer.add_array("tokenizer.ggml.merges", MERGES)
+
+    rng = np.random.default_rng(0)
+    q8, q4, f32 = (gguf.GGMLQuantizationType[n] for n in ("Q8_0", "Q4_1", "F32"))
+
+    def add(name: str, shape: tuple[int, ...], kind: gguf.GGMLQuantizationType) -> None:
+        values = rng.standard_normal(shape).astype(np.float32) * 0.1
+        if kind == f32:
+            writer.add_tensor(name, values + 1.0)  # norm weights sit near 1
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+
+    add("token_embd.weight", (len(tokens), HIDDEN), q8)
+    head_dim = HIDDEN // HEADS
+    for i in range(LAYERS):
+        add(f"blk.{i}.attn_norm.weight", (HIDDEN,), f32)
+        add(f"blk.{i}.ffn_down.weight", (HIDDEN, FFN), q4)
+        add(f"blk.{i}.ffn_gate.weight", (FFN, HIDDEN), q4)
+        add(f"blk.{i}.ffn_up.weight", (FFN, HIDDEN), q4)
+        add(f"blk.{i}.ffn_norm.weight", (HIDDEN,), f32)
+        add(f"blk.{i}.attn_k.weight", (KV_HEADS * head_dim, HIDDEN), q4)
+        add(f"blk.{i}.attn_output.weight", (HIDDEN, HIDDEN), q4)
+        add(f"blk.{i}.attn_q.weight", (HIDDEN, HIDDEN), q4)
+        add(f"blk.{i}.attn_v.weight", (KV_HEADS * head_dim, HIDDEN), q4)
+    add("output_norm.weight", (HIDDEN,), f32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-q4_1.gguf")
+
+
+def test_the_tiny_file_has_the_real_files_kinds(tiny_gguf: Path) -> None:
+    """What the re-encoding below must carry over: every value type SmolLM2's file uses and
+    its three tensor types, 1-D and 2-D."""
+    import gguf
+
+    reader = open_gguf(tiny_gguf)
+    kinds = {tuple(t.name for t in field.types) for field in reader.fields.values()}
+    assert kinds >= {("STRING",), ("ARRAY", "STRING"), ("ARRAY", "INT32"), ("UINT32",),
+                     ("FLOAT32",), ("BOOL",)}  # fmt: skip
+    assert {t.tensor_type for t in reader.tensors} == {
+        gguf.GGMLQuantizationType.Q8_0,
+        gguf.GGMLQuantizationType.Q4_1,
+        gguf.GGMLQuantizationType.F32,
+    }
+    assert reader.fields["tokenizer.chat_template"].contents() == CHAT_TEMPLATE
+
+
+def test_reencoded_gguf_keeps_metadata_and_weights(tiny_gguf: Path, tmp_path: Path) -> None:
+    import gguf
+
+    out = tmp_path / "tiny-f16.gguf"
+    assert inferlab(["convert", str(tiny_gguf), str(out), "--dtype", "f16"]) == 0
+    source, copy = open_gguf(tiny_gguf), open_gguf(out)
+    skip = {"general.file_type"}
+    assert {k for k in source.fields if not k.startswith("GGUF.")} == {
+        k for k in copy.fields if not k.startswith("GGUF.")
+    }
+    for key, field in source.fields.items():
+        if not key.startswith("GGUF.") and key not in skip:
+            assert copy.fields[key].contents() == field.contents(), key
+    assert copy.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_F16)
+    originals = {t.name: t for t in source.tensors}
+    assert sorted(originals) == sorted(t.name for t in copy.tensors)
+    for tensor in copy.tensors:
+        want = gguf.quants.dequantize(
+            originals[tensor.name].data, originals[tensor.name].tensor_type
+        )
+        got = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        kind = tensor.tensor_type.name
+        assert kind == ("F16" if len(tensor.shape) > 1 else "F32"), tensor.name
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-6, err_msg=tensor.name)
+
+
+def test_convert_refuses_bad_input(
+    tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert inferlab(["convert", str(tmp_path / "missing.gguf"), str(tmp_path / "out")]) == 2
+    assert "src: " in capsys.readouterr().err
+    assert inferlab(["convert", str(tiny_gguf), str(tmp_path / "x.gguf"), "--dtype", "q3"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype: 'q3' is invalid" in err and "q4_1" in err and "\n" not in err.strip()
+    assert not (tmp_path / "x.gguf").exists()
