@@ -108,6 +108,8 @@ class QuantMethod(LinearMethod):
         """The kernel this layer multiplies through, and why, for describe()."""
         if layer.native:
             return native_quant.describe_kernel(self.bits, getattr(self, "activations", "float"))
+        if layer.qweight.is_cuda:
+            return "Triton dequantize-matmul (quant_triton.py)"
         return f"torch: {self.torch_kernel(layer)} (engine C kernels off: {self.native_reason})"
 
     def torch_kernel(self, layer: Linear) -> str:
