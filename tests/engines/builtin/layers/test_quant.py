@@ -341,7 +341,8 @@ def test_config_validates_the_new_options() -> None:
         EngineConfig.from_dict({"native_decode_program": 1})
     with pytest.raises(
         ConfigError,
-        match=r"^engine.quantization_zero_point: 'asym' is invalid; allowed: float\|int\|symmetric$",
+        match=r"^engine.quantization_zero_point: 'asym' is invalid; "
+        r"allowed: float\|int\|symmetric$",
     ):
         EngineConfig.from_dict({"quantization": "int4", "quantization_zero_point": "asym"})
     config = EngineConfig.from_dict({"quantization": "int4", "quantization_group_size": 32})
