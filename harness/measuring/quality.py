@@ -212,6 +212,7 @@ def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[st
         **engine_options,
         "dtype": "float32",
         "quantization": "none",
+        "quantization_activations": "float",  # int8 only goes with quantized weights
         "kv_cache_dtype": "auto",
         "kv_cache_prefault": False,  # not timed: no need to map the whole pool up front
     }

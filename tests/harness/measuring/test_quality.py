@@ -181,3 +181,21 @@ def test_probe_prompts_add_real_chat_text_from_prompt_sets() -> None:
         prompts[6]
         == llm.tokenizer.encode(prompt_set_texts(sets[1], 3)[0], add_special_tokens=False)[:40]
     )
+
+
+def test_run_quality_of_int4_with_int8_activations_builds_its_float_reference() -> None:
+    """The reference drops the quantization and the options that only go with it (INT8
+    activations need INT4 weights), and the probe sees the weights' and activations' error."""
+    options = {
+        "model": "tiny",
+        "dtype": "float32",
+        "quantization": "int4",
+        "quantization_group_size": 32,
+        "quantization_activations": "int8",
+        "model_overrides": {"intermediate_size": 192},
+    }
+    candidate = LLM(**options)
+    result = run_quality(
+        candidate.engine.config.to_dict(), candidate, {"num_prompts": 2, "prompt_len": 48}
+    )
+    assert result["kl_mean"] is not None and result["kl_mean"] > 0.0
