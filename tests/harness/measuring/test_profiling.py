@@ -92,8 +92,12 @@ def test_engine_steps_are_attributed_to_their_phase(
         assert UNTRACED in set(rows["name"])
         assert (rows["self_cpu_s"] >= 0).all() and rows["self_cpu_share"].sum() <= 1 + 1e-9
         assert (rows["phase_steps"] == phases.count(phase)).all()
+        if phase == "decode" and engine.describe()["native_decode_program"]:
+            # a decode step's layers: one call into the C kernels (the decode program)
+            assert "inferlab::decode_layers_f32" in set(rows["name"])
         # every profiled step runs the same layers: one call per step at least
-        assert rows[rows["name"].isin(MATMULS)]["calls"].max() >= phases.count(phase)
+        per_step = MATMULS | {"inferlab::linear_f32", "inferlab::decode_layers_f32"}
+        assert rows[rows["name"].isin(per_step)]["calls"].max() >= phases.count(phase)
     markdown = (out / "ops.md").read_text()
     for phase in ("prefill", "decode", "mixed"):
         assert f"## {phase} ({phases.count(phase)} steps)" in markdown
