@@ -47,6 +47,7 @@ class ProgramLinear(ctypes.Structure):
         ("in_features", _I64),
         ("out_features", _I64),
         ("group_size", _I64),
+        ("rows_max", _I64),
     ]
 
 
@@ -72,7 +73,6 @@ class ProgramShape(ctypes.Structure):
         ("intermediate", _I64),
         ("block_size", _I64),
         ("window", _I64),
-        ("rows_max", _I64),
         ("eps", _F32),
         ("scale", _F32),
         ("rope_table", _PTR),
@@ -103,13 +103,14 @@ def _program_linear(layer: Linear, keep: list[torch.Tensor]) -> ProgramLinear:
     bias = _ptr(None if layer.bias is None else layer.bias.data, keep)
     shape = (layer.in_features, layer.out_features)
     if isinstance(method, PanelDenseMethod):
-        return ProgramLinear(DENSE, _ptr(layer.panels, keep), None, None, bias, *shape, 0)
+        return ProgramLinear(DENSE, _ptr(layer.panels, keep), None, None, bias, *shape, 0, 0)
     weight, scales = _ptr(layer.qweight, keep), _ptr(layer.scales, keep)
     if isinstance(method, Int4Method):
         kind = INT4_A8 if method.activations == "int8" else INT4
         mins = _ptr(layer.mins, keep)
-        return ProgramLinear(kind, weight, scales, mins, bias, *shape, layer.group_size)
-    return ProgramLinear(INT8, weight, scales, None, bias, *shape, 0)
+        rows_max = native_quant.rows_max(4, method.activations)
+        return ProgramLinear(kind, weight, scales, mins, bias, *shape, layer.group_size, rows_max)
+    return ProgramLinear(INT8, weight, scales, None, bias, *shape, 0, native_quant.rows_max(8))
 
 
 def unavailable_reason(model: Transformer) -> str | None:
@@ -158,7 +159,6 @@ class DecodeProgram:
             cfg.intermediate_size,
             block_size,
             cfg.sliding_window or 0,
-            native_quant.ROWS_MAX,
             first.input_norm.eps,
             first.attn.scale,
             _ptr(model.rope.cos_sin_table, self.keep),

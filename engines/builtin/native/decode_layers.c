@@ -24,6 +24,7 @@ typedef struct {
     const float *minv;  /* int4 [N][K / g] */
     const float *bias;  /* [N] or NULL */
     int64_t in_features, out_features, group_size;
+    int64_t rows_max;   /* quantized: the most rows the rows kernels take (native/quant.py) */
 } ProgramLinear;
 
 typedef struct {
@@ -33,14 +34,15 @@ typedef struct {
 } ProgramLayer;
 
 typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, window, rows_max;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size, window;
     float eps, scale;
     const float *rope_table; /* [positions, head_dim] (cos | sin halves) */
 } ProgramShape;
 
 static void program_linear(const ProgramLinear *l, const float *x, float *y, float *xp,
-                           int64_t T, int64_t rows_max, int64_t threads) {
+                           int64_t T, int64_t threads) {
     const int64_t K = l->in_features, N = l->out_features, g = l->group_size;
+    const int64_t rows_max = l->rows_max;
     switch (l->kind) {
     case PROGRAM_DENSE: linear_f32(x, l->weight, l->bias, y, xp, T, K, N, threads); break;
     case PROGRAM_INT8:
@@ -76,18 +78,18 @@ int64_t decode_layers_f32(const ProgramShape *s, const ProgramLayer *layers, int
     for (int64_t l = 0; l < L; l++) {
         const ProgramLayer *layer = layers + l;
         add_rms_norm_f32(x, residual, layer->input_norm, h, T, s->hidden, s->eps, threads);
-        program_linear(&layer->qkv, h, qkv, xp, T, s->rows_max, threads);
+        program_linear(&layer->qkv, h, qkv, xp, T, threads);
         rope_and_cache_f32(qkv, qkv_width, positions, s->rope_table, layer->k_cache,
                            layer->v_cache, slots, T, s->heads, s->kv_heads, s->head_dim,
                            threads);
         decode_attention_f32(qkv, qkv_width, layer->k_cache, layer->v_cache, block_tables,
                              bt_stride, seq_lens, T, s->heads, s->kv_heads, s->head_dim,
                              s->block_size, s->scale, s->window, threads, attn);
-        program_linear(&layer->o, attn, x, xp, T, s->rows_max, threads);
+        program_linear(&layer->o, attn, x, xp, T, threads);
         add_rms_norm_f32(x, residual, layer->post_attn_norm, h, T, s->hidden, s->eps, threads);
-        program_linear(&layer->gate_up, h, gate_up, xp, T, s->rows_max, threads);
+        program_linear(&layer->gate_up, h, gate_up, xp, T, threads);
         silu_and_mul_f32(gate_up, act, T, s->intermediate, threads);
-        program_linear(&layer->down, act, x, xp, T, s->rows_max, threads);
+        program_linear(&layer->down, act, x, xp, T, threads);
     }
     free(scratch);
     return 0;

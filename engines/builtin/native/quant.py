@@ -8,12 +8,14 @@ Layouts (made once, at load, by engines/builtin/layers/quant.py):
   [N, K / g]: W = q * scale + min per group of g inputs (g a multiple of 32).
 
 Which kernel runs (quant_kernels.c says how each works):
-- up to ROWS_MAX input rows (decode up to batch 16): the rows kernels, at the widest vector
-  width this build has (`widest_path()`), or the one `path` forces (tests run each);
-- more rows (prefill): a weight tile dequantized to float32 and the float32 GEMM's panel kernel.
+- up to `rows_max(bits, activations)` input rows (decode, small batches): the rows kernels, at
+  the widest vector width this build has (`widest_path()`), or the one `path` forces (tests run
+  each);
+- more rows (prefill, larger batches): a weight tile dequantized to float32 and the float32
+  GEMM's panel kernel.
 INT4 takes `activations="int8"` too: each input row quantized per block of 32 values and integer
 dot products (llama.cpp's Q4_1 x Q8_1 scheme) in the rows kernels; the float tile kernel above
-ROWS_MAX rows either way.
+its crossover either way.
 
 Other input dtypes are converted to float32 on the way in and back on the way out: the kernels
 read weights, which dominate, and compute in float32 whatever the activations' dtype.
@@ -25,10 +27,14 @@ import torch
 
 from engines.builtin import native
 
-# Rows up to which the rows kernels beat dequantize-tile + GEMM: SmolLM2's gate/up projection
-# (K 576, N 3,072) on a 2-core Zen 3, 1 and 2 threads: INT4 rows 1.1-1.5 ms vs tile 1.5-2.0 ms at
-# 8 rows, 1.5-1.9 vs 1.4-2.0 ms at 16, 2.5-4.4 vs 1.7-3.2 ms at 32 (INT8 alike).
-ROWS_MAX = 16
+# Rows up to which the rows kernels beat dequantize-tile + GEMM, per (bits, activations): the
+# rows kernels widen the weights once per pair of input rows, the tile kernel once per call, so
+# the cheaper the widening (INT8 < INT4 with INT8 activations < INT4 nibbles to floats) the
+# later the tile wins. SmolLM2-135M's four block linears on a 2-core Zen 3, 1 and 2 threads
+# (scripts/bench_quant_crossover.py), rows / tile time: INT4 0.95 / 0.80 at 4 rows, 1.44 / 1.12
+# at 6; INT4 + INT8 activations 0.87 / 0.86 at 8, 1.06 / 1.14 at 12; INT8 1.03 / 0.97 at 12,
+# 1.37 / 0.96 at 16.
+ROWS_MAX = {(8, "float"): 12, (4, "float"): 4, (4, "int8"): 8}
 
 # quant_kernels.c's QUANT_PATH_*: the rows kernels' vector width
 PATHS = {"auto": 0, "portable": 1, "vec4": 2, "vec8": 3, "vec16": 4}
@@ -53,6 +59,11 @@ def widest_path(activations: str = "float") -> str:
     return paths(activations)[-1]
 
 
+def rows_max(bits: int, activations: str = "float") -> int:
+    """The most input rows an INT`bits` layer multiplies through the rows kernels."""
+    return ROWS_MAX[bits, activations]
+
+
 def describe_kernel(bits: int, activations: str = "float") -> str:
     """How this build multiplies by an INT`bits` layer, for describe()["linear_methods"]."""
     path = widest_path(activations)
@@ -62,7 +73,10 @@ def describe_kernel(bits: int, activations: str = "float") -> str:
         )
     else:
         rows = f"float FMA ({_WIDTH_NAMES.get(path, path)})"
-    return f"native: <= {ROWS_MAX} rows {rows}; more rows dequantized tiles + the float32 GEMM"
+    return (
+        f"native: <= {rows_max(bits, activations)} rows {rows}; "
+        "more rows dequantized tiles + the float32 GEMM"
+    )
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -117,10 +131,11 @@ def int4_linear(
     bias: torch.Tensor | None = None,
     activations: str = "float",
     path: str = "auto",
-    rows_max: int = ROWS_MAX,
+    max_rows: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias [N]) -> [M, N] in x's dtype, W as the INT4 layout above.
-    `rows_max`: the most rows the rows kernels take (0: always the tile kernel)."""
+    `max_rows`: the most rows the rows kernels take (0: always the tile kernel; None: the
+    measured crossover, `rows_max`)."""
     out_features, half = nibbles.shape
     in_features = 2 * half
     if group_size % 32 or in_features % group_size:
@@ -150,7 +165,7 @@ def int4_linear(
         in_features,
         out_features,
         group_size,
-        rows_max,
+        rows_max(4, activations) if max_rows is None else max_rows,
         _path(path, activations),
         torch.get_num_threads(),
     )
@@ -163,9 +178,10 @@ def int8_linear(
     scales: torch.Tensor,
     bias: torch.Tensor | None = None,
     path: str = "auto",
-    rows_max: int = ROWS_MAX,
+    max_rows: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias [N]) -> [M, N] in x's dtype, W as the INT8 layout above."""
+    """x [M, K] @ W^T (+ bias [N]) -> [M, N] in x's dtype, W as the INT8 layout above
+    (`max_rows` as for `int4_linear`)."""
     out_features, in_features = q.shape
     _check("int8_linear q", q, torch.int8, (out_features, in_features))
     _check("int8_linear scales", scales, torch.float32, (out_features,))
@@ -183,7 +199,7 @@ def int8_linear(
         x32.shape[0],
         in_features,
         out_features,
-        rows_max,
+        rows_max(8) if max_rows is None else max_rows,
         _path(path),
         torch.get_num_threads(),
     )

@@ -5,6 +5,8 @@ own fake-quantized reference; results bit-identical whatever rows share a call."
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -12,7 +14,13 @@ from engines.builtin import native
 from engines.builtin.native import quant as native_quant
 
 PATHS = native_quant.paths()  # e.g. portable, vec4, vec8 here; vec16 on AVX-512 machines
-ROW_COUNTS = (1, 2, 3, 5, 16, 17, 130, 300)  # rows kernels up to 16, tiles above (passes of 256)
+ROW_COUNTS = (1, 2, 3, 5, 16, 17, 130, 300)  # tiles in passes of 256 rows above 256
+
+
+def kernels(rows: int) -> tuple[int, ...]:
+    """`max_rows` values that run each kernel on `rows` rows: the rows kernels (up to 16 rows,
+    past every format's crossover) and the tile kernel (0)."""
+    return (16, 0) if rows <= 16 else (0,)
 
 
 def random_int4(out_features: int, in_features: int, group: int, gen: torch.Generator):
@@ -57,9 +65,11 @@ def test_int4_kernels_match_float64_dequantize_then_matmul(path: str, group: int
         for rows in ROW_COUNTS:
             x = torch.randn(rows, in_features, generator=gen)
             expected = x.double() @ w.T + bias.double()
-            for threads in (1, 3):
+            for threads, max_rows in itertools.product((1, 3), kernels(rows)):
                 torch.set_num_threads(threads)
-                got = native_quant.int4_linear(x, nibbles, scales, mins, group, bias, path=path)
+                got = native_quant.int4_linear(
+                    x, nibbles, scales, mins, group, bias, path=path, max_rows=max_rows
+                )
                 assert_matches(got, expected)
     torch.set_num_threads(2)
 
@@ -71,9 +81,9 @@ def test_int8_kernels_match_float64_dequantize_then_matmul(path: str) -> None:
         q, scales, w = random_int8(out_features, in_features, gen)
         for rows in ROW_COUNTS:
             x = torch.randn(rows, in_features, generator=gen)
-            for threads in (1, 4):
+            for threads, max_rows in itertools.product((1, 4), kernels(rows)):
                 torch.set_num_threads(threads)
-                got = native_quant.int8_linear(x, q, scales, path=path)
+                got = native_quant.int8_linear(x, q, scales, path=path, max_rows=max_rows)
                 assert_matches(got, x.double() @ w.T)
             with_bias = native_quant.int8_linear(x, q, scales, torch.ones(out_features))
             assert_matches(with_bias, x.double() @ w.T + 1.0)
@@ -89,7 +99,7 @@ def test_int8_activations_match_their_fake_quantized_reference(path: str) -> Non
             x = torch.randn(rows, in_features, generator=gen)
             x[0, 32:64] = 0.0  # an all-zero block: scale 0, no division by it
             got = native_quant.int4_linear(
-                x, nibbles, scales, mins, group, activations="int8", path=path
+                x, nibbles, scales, mins, group, activations="int8", path=path, max_rows=16
             )
             assert_matches(got, fake_quantized_activations(x) @ w.T)
             # and near the weight-only product: the activations' rounding, not a wrong sum
@@ -100,23 +110,27 @@ def test_int8_activations_match_their_fake_quantized_reference(path: str) -> Non
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_rows_are_bit_identical_whatever_rows_share_the_call(activations: str) -> None:
     """Batch invariance: a request's logits must not depend on its neighbours in a decode
-    batch. Within each kernel (rows <= ROWS_MAX, or tiles above) every row is summed in the
-    same order whatever the other rows are."""
+    batch. Within each kernel (rows up to the format's crossover, or tiles above) every row is
+    summed in the same order whatever the other rows are."""
     gen = torch.Generator().manual_seed(3)
     nibbles, scales, mins, _ = random_int4(96, 256, 32, gen)
     q8, s8, _ = random_int8(96, 256, gen)
-    x = torch.randn(native_quant.ROWS_MAX, 256, generator=gen)
 
     def int4(rows: torch.Tensor) -> torch.Tensor:
         return native_quant.int4_linear(rows, nibbles, scales, mins, 32, activations=activations)
 
-    whole4, whole8 = int4(x), native_quant.int8_linear(x, q8, s8)
-    for start, stop in [(0, 1), (3, 4), (5, 8), (2, 15)]:
-        assert torch.equal(int4(x[start:stop]), whole4[start:stop])
-        assert torch.equal(native_quant.int8_linear(x[start:stop], q8, s8), whole8[start:stop])
-    tall = torch.randn(200, 256, generator=gen)  # the tile kernel: any split above ROWS_MAX
-    whole = native_quant.int8_linear(tall, q8, s8)
-    assert torch.equal(native_quant.int8_linear(tall[50:90], q8, s8), whole[50:90])
+    def int8(rows: torch.Tensor) -> torch.Tensor:
+        return native_quant.int8_linear(rows, q8, s8)
+
+    crossovers = [(int4, native_quant.rows_max(4, activations)), (int8, native_quant.rows_max(8))]
+    for linear, rows_max in crossovers:
+        x = torch.randn(rows_max, 256, generator=gen)
+        whole = linear(x)
+        for start, stop in [(0, 1), (1, 2), (rows_max - 3, rows_max - 1), (1, rows_max)]:
+            assert torch.equal(linear(x[start:stop]), whole[start:stop])
+        tall = torch.randn(200, 256, generator=gen)  # the tile kernel: any split above
+        whole = linear(tall)
+        assert torch.equal(linear(tall[50:90]), whole[50:90])
 
 
 def test_bf16_and_fp16_inputs_compute_in_float32() -> None:
