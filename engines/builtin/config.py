@@ -20,6 +20,7 @@ CHOICES = {
     "quantization": ("none", "int8", "int4"),
     "quantization_zero_point": ("float", "int", "symmetric"),
     "quantization_activations": ("float", "int8"),
+    "lm_head_quantization": ("same", "int8"),
     "kv_cache_dtype": ("auto", "int8"),
     "attention_backend": ("auto", "torch", "sdpa", "cpu", "triton"),
     "load_format": ("auto", "dummy", "safetensors"),
@@ -73,6 +74,10 @@ class EngineConfig:
     # quantize the LM head too (a tied one: a quantized copy of the embedding table, which the
     # lookup keeps reading); false keeps it dense
     quantize_lm_head: bool = False
+    # with quantize_lm_head: same (the layers' method) or int8 (per output channel whatever the
+    # layers use: llama.cpp's GGUFs keep Q4 layers beside a Q8_0 head, which costs a fraction
+    # of INT4's top-1 agreement)
+    lm_head_quantization: str = "same"
     # CPU, unquantized fp32/bf16: keep a oneDNN-packed copy of each linear weight (2x the
     # dense weight memory) so multi-row matmuls skip torch's per-call re-packing
     prepack_weights: bool = True
@@ -154,6 +159,11 @@ class EngineConfig:
             raise ConfigError(
                 "engine.quantization_activations: 'int8' is for quantization=int4 (INT4 weights "
                 f"times INT8 activations); with quantization={self.quantization!r} allowed: float"
+            )
+        if self.lm_head_quantization != "same" and self.quantize_lm_head is not True:
+            raise ConfigError(
+                f"engine.lm_head_quantization: {self.lm_head_quantization!r} applies to a "
+                "quantized LM head; set engine.quantize_lm_head=true, or allowed here: same"
             )
         for name in (
             "enable_chunked_prefill",

@@ -106,11 +106,14 @@ class ModelRunner:
             )
             # The LM head stays dense unless quantize_lm_head asks otherwise (a tied head is
             # then a quantized copy of the embedding table).
-            lm_head = (
-                linear
-                if config.quantize_lm_head
-                else make_linear_method("none", prepack=self.prepacked)
-            )
+            if not config.quantize_lm_head:
+                lm_head = make_linear_method("none", prepack=self.prepacked)
+            elif config.lm_head_quantization == "same":
+                lm_head = linear
+            else:
+                lm_head = make_linear_method(
+                    config.lm_head_quantization, native_reason=self.native_quant_reason
+                )
             self.model = Transformer(
                 model_config,
                 linear,

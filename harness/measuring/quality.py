@@ -213,15 +213,20 @@ def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[st
         "dtype": "float32",
         "quantization": "none",
         "quantization_activations": "float",  # int8 only goes with quantized weights
+        "quantize_lm_head": False,
+        "lm_head_quantization": "same",
         "kv_cache_dtype": "auto",
         "kv_cache_prefault": False,  # not timed: no need to map the whole pool up front
     }
     if engine_options.get("kv_cache") != "none" and engine_options.get("batching") != "static":
         # Prompts go in small chunks, so every chunk after the first attends to K/V read back
         # from the cache: the probe then sees what KV quantization costs, not only weights.
+        # Steps of 4 rows multiply through the kernels decode uses (on CPU the quantized rows
+        # kernels run up to 4-12 rows, tiles above: engines/builtin/native/quant.py), so the
+        # probe sees decode's numerics (INT8 activations, say), not only prefill's.
         chunked = {
             "enable_chunked_prefill": True,
-            "max_num_batched_tokens": 16,
+            "max_num_batched_tokens": 4,
             "kv_cache_prefault": False,
         }
         reference_options.update(chunked)

@@ -337,6 +337,14 @@ def test_config_validates_the_new_options() -> None:
         EngineConfig.from_dict({"quantization": "int4", "quantization_activations": "int4"})
     with pytest.raises(ConfigError, match="'int8' is for quantization=int4"):
         EngineConfig.from_dict({"quantization": "int8", "quantization_activations": "int8"})
+    with pytest.raises(
+        ConfigError,
+        match=r"^engine.lm_head_quantization: 'int8' applies to a quantized LM head; set "
+        r"engine.quantize_lm_head=true, or allowed here: same$",
+    ):
+        EngineConfig.from_dict({"quantization": "int4", "lm_head_quantization": "int8"})
+    with pytest.raises(ConfigError, match=r"lm_head_quantization: 'int4' is invalid; allowed"):
+        EngineConfig.from_dict({"quantize_lm_head": True, "lm_head_quantization": "int4"})
     with pytest.raises(ConfigError, match="native_decode_program"):
         EngineConfig.from_dict({"native_decode_program": 1})
     with pytest.raises(
@@ -383,8 +391,14 @@ def test_small_linear_bytes_shrink() -> None:
         dict(quantization="int4", quantization_group_size=32, quantize_lm_head=True),
         dict(quantization="int4", quantization_group_size=128, quantization_zero_point="int"),
         dict(quantization="int4", quantization_group_size=64, quantization_zero_point="symmetric"),
+        dict(
+            quantization="int4",
+            quantization_group_size=32,
+            quantize_lm_head=True,
+            lm_head_quantization="int8",
+        ),
     ],
-    ids=["int8", "int4-g32", "int4-g128-int", "int4-g64-symmetric"],
+    ids=["int8", "int4-g32", "int4-g128-int", "int4-g64-symmetric", "int4-g32-int8-head"],
 )
 def test_greedy_tokens_equal_the_dequantized_float32_model(preset: str, options) -> None:
     """The engine's kernels compute what the weights they store represent: its greedy tokens
@@ -402,6 +416,11 @@ def test_greedy_tokens_equal_the_dequantized_float32_model(preset: str, options)
         m for m in llm.engine.runner.model.linear_layers().values() if m.method.name != "none"
     ]
     assert quantized and all(m.native for m in quantized)  # the engine's C kernels
+    head = llm.engine.runner.model.lm_head
+    assert head is not None and head.method.name == options.get(
+        "lm_head_quantization",
+        options["quantization"] if options.get("quantize_lm_head") else "none",
+    )
     prompts = [list(range(3, 40)), [9, 8, 7], list(range(100, 120))]  # prefill > 16 rows too
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     expected = [o.token_ids for o in llm.generate(prompts, params)]
