@@ -109,6 +109,10 @@ class Finished(RequestEvent):
     text: str = ""
     index: int = 0  # which sample; a request with n samples finishes n times
     detokenize_ns: int = 0  # time this sample spent turning token ids into text, summed
+    # speculative decoding: steps that verified drafts, drafts proposed, drafts kept
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +149,11 @@ class StepRecord:
     attention_pairs: int = 0  # (query, key) pairs attended, summed over the step's queries
     kv_tokens_read: int = 0  # cached tokens whose K/V the step's sequences read
     kv_tokens_written: int = 0  # tokens whose K/V the step stored
+    # Speculative decoding: drafts the step verified and kept, and the proposer's time before
+    # the step (the verification itself is in forward_ns).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    draft_ns: int = 0
 
 
 StepObserver = Callable[[StepRecord], None]

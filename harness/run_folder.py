@@ -113,6 +113,10 @@ REQUEST_COLUMNS = [
     "prefill_s",
     "decode_s",
     "detokenize_s",
+    # speculative decoding (built-in engine): steps that verified drafts, drafts, drafts kept
+    "spec_steps",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
 ]
 TOKEN_COLUMNS = ["request_id", "index", "step", "time_s", "token_id"]
 STEP_COLUMNS = [
@@ -137,6 +141,10 @@ STEP_COLUMNS = [
     "attention_pairs",
     "kv_tokens_read",
     "kv_tokens_written",
+    # speculative decoding: drafts verified and kept this step, the proposer's time before it
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "draft_s",
     # the roofline (harness/measuring/roofline.py), added when the run finishes; NaN where it
     # does not apply
     "flops",

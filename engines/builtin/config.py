@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from engines.base import ConfigError
+from engines.builtin.spec_decode import PROPOSERS, SpeculativeConfig
 from models.dtypes import DTYPE_ALIASES
 from models.packaged import model_location
 
@@ -90,6 +91,10 @@ class EngineConfig:
     # into them (engines/builtin/decode_program.py: the same kernels without ~0.5 ms of Python
     # a layer); false: module by module. describe()["native_decode_program"] says which
     native_decode_program: bool = True
+    # speculative decoding, vLLM's keys: {method: ngram | draft_model, num_speculative_tokens,
+    # prompt_lookup_min/max (ngram), model / dtype / quantization (the draft)}; null: off
+    # (engines/builtin/spec_decode, docs/engine_options.md)
+    speculative_config: Any = None  # typed Any: Hydra cannot merge a mapping into a None dict
     # test instrument: busy-wait this fraction of each step's duration inside the step (a planted
     # slowdown for validating the regression gate; docs/gate.md)
     debug_step_delay_fraction: float = 0.0
@@ -111,6 +116,12 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` as its typed form (validated), or None when off."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config, PROPOSERS.names())
 
     def validate(self) -> EngineConfig:
         def fail(name: str, allowed: str) -> ConfigError:
@@ -195,6 +206,14 @@ class EngineConfig:
                     f"{self.max_num_seqs}]",
                 )
             self.cuda_graph_batch_sizes = sorted(set(sizes))
+        if self.speculative_config is not None:
+            spec = SpeculativeConfig.from_dict(self.speculative_config, PROPOSERS.names())
+            if self.batching == "static":
+                raise ConfigError(
+                    "engine.speculative_config needs engine.batching=continuous: a static "
+                    "batch decodes one padded token per row and step; or speculative_config=null"
+                )
+            self.speculative_config = spec.to_dict()
         if self.enable_chunked_prefill and self.batching == "static":
             raise ConfigError(
                 "engine.enable_chunked_prefill=true cannot be combined with "

@@ -18,6 +18,7 @@ import torch
 
 from engines.base import (
     Arrived,
+    ConfigError,
     Failed,
     Preempted,
     PrefillChunk,
@@ -38,6 +39,7 @@ from engines.builtin.output_processor import OutputProcessor, seeded_generator
 from engines.builtin.platform import Platform
 from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
+from engines.builtin.spec_decode import PROPOSERS, Proposal, Proposer
 from engines.builtin.step_stats import EngineGauges, logits_rows, step_record
 from engines.sampling_params import SamplingParams
 from models.config import ceil_div, kv_bytes_per_token, resolve_model
@@ -101,6 +103,21 @@ class LLMEngine:
         )
         self.step_observers: list[StepObserver] = []
         self._pending_events: list[RequestEvent] = []
+        self.proposer = self._make_proposer()
+        self.last_draft_ns = 0  # the proposer's time before the last step
+
+    def _make_proposer(self) -> Proposer | None:
+        spec = self.config.speculative()
+        if spec is None:
+            return None
+        if self.runner.ring:
+            raise ConfigError(
+                "engine.speculative_config: verifying drafts writes K/V ahead of what a "
+                "sequence keeps, which a sliding-window ring (kv_cache=contiguous on a model "
+                f"with sliding_window={self.model_config.sliding_window}) would wrap over; use "
+                "kv_cache=paged, or speculative_config=null"
+            )
+        return PROPOSERS.get(spec.method)(spec)
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -177,6 +194,9 @@ class LLMEngine:
             "quantization_zero_point": self.config.quantization_zero_point,
             "quantization_activations": self.config.quantization_activations,
             "linear_methods": self.runner.model.linear_methods(),
+            # speculative decoding: vLLM's keys, validated (null: off), and the proposer's facts
+            "speculative_config": self.config.speculative_config,
+            "proposer": None if self.proposer is None else self.proposer.describe(),
             "kv_cache_dtype": self.config.kv_cache_dtype,
             # pages mapped at load (CPU); False: first writes fault them in during the run
             "kv_cache_prefault": self.config.kv_cache_prefault and not self.platform.is_cuda,
@@ -334,7 +354,8 @@ class LLMEngine:
     def step(self) -> list[RequestEvent]:
         events, self._pending_events = self._pending_events, []
         start = self.platform.now_ns()
-        plan = self.scheduler.schedule()
+        proposals = self._propose() if self.proposer is not None else {}
+        plan = self.scheduler.schedule(proposals)
         if plan.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
                 # Nothing runs, so nothing will free memory or budget: the request at the head
@@ -375,10 +396,10 @@ class LLMEngine:
                 tokens = self.runner.execute(plan, self.kv)
         except Exception as exc:  # a failed step fails its requests, not the engine
             return events + self._fail_step(plan, exc)
-        self.scheduler.complete_step(plan)
-        deltas = self.output.process(plan, tokens)
+        self.scheduler.complete_step(plan, _kept_drafts(plan, tokens))
+        new_tokens = self.output.process(plan, tokens)
         end = self._end_step(start)
-        events += self.output.events(deltas, plan.step, end)
+        events += self.output.events(new_tokens, plan.step, end)
         if self.step_observers:
             record = step_record(
                 plan,
@@ -390,10 +411,33 @@ class LLMEngine:
                 self.runner.last_forward_ns,
                 self.runner.last_gather_ns,
                 self.model_config.sliding_window,
+                self.last_draft_ns,
             )
             for observer in self.step_observers:
                 observer(record)
         return events
+
+    def _propose(self) -> dict[int, Proposal]:
+        """Drafts for every running sequence past its first sampled token whose next step
+        reaches its end, each capped so that the step cannot pass max_tokens or
+        max_model_len; seq_id -> proposal (those with drafts only)."""
+        seqs, limits = [], []
+        max_len = self.limits.max_model_len
+        retains = self.kv.retains_kv
+        for seq in self.scheduler.running:
+            if seq.num_output_tokens == 0 or (
+                retains and seq.num_tokens - seq.num_computed_tokens != 1
+            ):
+                continue
+            room = min(seq.sampling.max_tokens - seq.num_output_tokens, max_len - seq.num_tokens)
+            if room > 1:
+                seqs.append(seq)
+                limits.append(room - 1)  # the verification adds one token of its own
+        assert self.proposer is not None
+        began = self.platform.now_ns()
+        proposals = self.proposer.propose(seqs, limits) if seqs else []
+        self.last_draft_ns = self.platform.now_ns() - began
+        return {seq.seq_id: p for seq, p in zip(seqs, proposals, strict=True) if p.token_ids}
 
     def _end_step(self, start_ns: int) -> int:
         """The step's end timestamp, taken once its output is processed. A seam for test
@@ -417,3 +461,24 @@ class LLMEngine:
                 )
             )
         return events
+
+
+def _kept_drafts(plan: StepPlan, tokens: list[list[int]]) -> dict[int, list[int]]:
+    """seq_id -> the drafts verification kept, for the step's speculative rows (`tokens`: the
+    runner's new tokens per sampling sequence, forks included); counts them per sequence."""
+    kept: dict[int, list[int]] = {}
+    rows = iter(tokens)
+    for item in plan.scheduled:
+        if not item.samples:
+            continue
+        new = next(rows)
+        for _ in range(item.seq.pending_forks):
+            next(rows)
+        if item.proposal is not None:
+            seq = item.seq
+            kept[seq.seq_id] = new[:-1]
+            seq.spec_steps += 1
+            seq.spec_draft_tokens += item.num_draft_tokens
+            seq.spec_accepted_tokens += len(new) - 1
+            plan.num_accepted_tokens += len(new) - 1
+    return kept

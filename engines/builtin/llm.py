@@ -21,6 +21,10 @@ class RequestMetrics:
     first_token_ns: int | None = None
     finished_ns: int | None = None
     token_times_ns: list[int] = field(default_factory=list)
+    # speculative decoding, over every sample: steps that verified drafts, drafts, drafts kept
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -143,6 +147,9 @@ class LLM:
                     sample.finish_reason = event.finish_reason
                     sample.text = event.text
                     out.metrics.finished_ns = event.time_ns
+                    out.metrics.spec_steps += event.spec_steps
+                    out.metrics.spec_draft_tokens += event.spec_draft_tokens
+                    out.metrics.spec_accepted_tokens += event.spec_accepted_tokens
                 elif isinstance(event, Failed):
                     out.error = event.error
         return [outputs[r] for r in order]

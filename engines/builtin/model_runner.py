@@ -30,6 +30,8 @@ from engines.builtin.model import DecoderLayer, Transformer
 from engines.builtin.platform import Platform
 from engines.builtin.sampler import Sampler, SamplingBatch
 from engines.builtin.scheduler import StepPlan
+from engines.builtin.spec_decode.proposer import Proposal
+from engines.builtin.spec_decode.rejection_sampler import verify
 from engines.builtin.step_inputs import StepInputs
 from engines.builtin.weights import load_weights
 from models.config import ModelConfig, ceil_div
@@ -273,25 +275,12 @@ class ModelRunner:
         # (seq_id, first position, real tokens, padding tokens) per row, in packing order
         rows: list[tuple[int, int, list[int], int]] = []
         for s in items[:num_decodes]:
-            rows.append(
-                (
-                    s.seq.seq_id,
-                    s.num_computed_before,
-                    s.seq.token_ids[s.num_computed_before : s.num_computed_before + 1],
-                    0,
-                )
-            )
+            rows.append((s.seq.seq_id, s.num_computed_before, s.new_token_ids, 0))
         for r in pad_decodes:
             rows.append((r.seq.seq_id, r.start, [], 1))
         for s in items[num_decodes:]:
-            start = s.num_computed_before
             rows.append(
-                (
-                    s.seq.seq_id,
-                    start,
-                    s.seq.token_ids[start : start + s.num_new_tokens],
-                    s.num_padding_tokens,
-                )
+                (s.seq.seq_id, s.num_computed_before, s.new_token_ids, s.num_padding_tokens)
             )
         for r in pad_rows:
             rows.append((r.seq.seq_id, r.start, [], r.num_tokens))
@@ -352,9 +341,25 @@ class ModelRunner:
             *range(num_decodes),
             *range(first_prefill, first_prefill + len(items) - num_decodes),
         ]
-        sample_rows = [row for row, s in zip(real_rows, items, strict=True) if s.samples]
+        # A sampling row's logits are at its last real token; a speculative row's at its last
+        # own token and at each of its drafts (the last 1 + drafts real tokens).
+        sampling = [
+            (row, s.num_draft_tokens) for row, s in zip(real_rows, items, strict=True) if s.samples
+        ]
+        sample_rows = [row for row, _ in sampling]
         num_sampled = len(sample_rows)
-        host["logits_indices"][:num_sampled] = qsl[:-1][sample_rows] + real_lens[sample_rows] - 1
+        ends = qsl[:-1][sample_rows] + real_lens[sample_rows]
+        indices: list[int] | np.ndarray
+        if plan.num_draft_tokens:
+            indices = [
+                end - 1 - back
+                for end, (_, drafts) in zip(ends.tolist(), sampling, strict=True)
+                for back in range(drafts, -1, -1)
+            ]
+        else:
+            indices = ends - 1
+        num_logits = len(indices)
+        host["logits_indices"][:num_logits] = indices
         self._graph_size = None
         graphs = self.decode_graphs
         if (
@@ -386,7 +391,7 @@ class ModelRunner:
             ring=self.ring,
             write_index=write_index,
         )
-        logits_indices = dev["logits_indices"][:num_sampled]
+        logits_indices = dev["logits_indices"][:num_logits]
         self._real_token_index = None
         if plan.padding_tokens:
             real = offsets < real_lens[seq_index]
@@ -394,17 +399,17 @@ class ModelRunner:
         return dev["input_ids"][:n], meta, logits_indices
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, kv: KVCacheManager) -> list[int]:
-        """Run the plan; return one sampled token per sequence that samples, in plan order."""
+    def execute(self, plan: StepPlan, kv: KVCacheManager) -> list[list[int]]:
+        """Run the plan; return the new tokens of each sequence that samples, in plan order
+        (one each, or a speculative row's kept drafts and one more)."""
         input_ids, meta, logits_indices = self.prepare(plan, kv)
         if plan.copied_blocks:
             self.copy_blocks(plan.copied_blocks)
         for cache in self.kv_caches:
             cache.gather_ns = 0
         self.forward_timer.start()
-        tokens = self._forward_and_sample(plan, input_ids, meta, logits_indices)
+        result = self._forward_and_sample(plan, input_ids, meta, logits_indices)
         self.forward_timer.stop()
-        result = tokens.tolist()  # the step's one device-to-host sync
         self.last_forward_ns = self.forward_timer.elapsed_ns()
         self.last_gather_ns = sum(cache.gather_ns for cache in self.kv_caches)
         return result
@@ -422,7 +427,7 @@ class ModelRunner:
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> list[list[int]]:
         if self._graph_size is not None:  # prepare() chose a bucket and padded the rows
             assert self.decode_graphs is not None
             logits = self.decode_graphs.run(self._graph_size, meta.num_seqs)
@@ -434,23 +439,35 @@ class ModelRunner:
                 for observer in self.logits_observers:
                     observer(plan, every)
             if logits_indices.numel() == 0:
-                return torch.empty(0, dtype=torch.int64)
+                return []
             logits = self.model.compute_logits(hidden[logits_indices])
         # Ids past the tokenizer's vocabulary (a dummy model's padding rows) are never sampled.
         logits = logits[:, : self.sample_vocab_size]
-        seqs = [s.seq for s in plan.scheduled if s.samples]
-        if any(seq.pending_forks for seq in seqs):
+        items = [s for s in plan.scheduled if s.samples]
+        copies = [1 + s.seq.pending_forks for s in items]
+        if any(n > 1 for n in copies):
             # Parallel sampling: the first token of each of a request's n samples is drawn
             # from the same prompt logits; the engine forks a sequence for each extra one.
-            rows = [i for i, seq in enumerate(seqs) for _ in range(1 + seq.pending_forks)]
+            rows, start = [], 0
+            for item, n in zip(items, copies, strict=True):
+                count = 1 + item.num_draft_tokens
+                rows += list(range(start, start + count)) * n
+                start += count
             logits = logits[rows]
-            seqs = [seqs[i] for i in rows]
+        seqs = [s.seq for s, n in zip(items, copies, strict=True) for _ in range(n)]
+        if plan.num_draft_tokens:
+            proposals = [
+                s.proposal or Proposal([])
+                for s, n in zip(items, copies, strict=True)
+                for _ in range(n)
+            ]
+            return verify(logits, seqs, proposals, self.sampler, self.eos_ids)
         if all(s.sampling.temperature == 0.0 and not s.sampling.min_tokens for s in seqs):
             tokens = logits.argmax(dim=-1)
         else:
             batch = SamplingBatch.from_sequences(seqs, self.eos_ids, self.device)
             tokens = self.sampler(logits, batch)
-        return tokens
+        return [[token] for token in tokens.tolist()]  # the step's one device-to-host sync
 
 
 def _check_compile_works(device: torch.device) -> None:

@@ -51,63 +51,75 @@ class OutputProcessor:
                 seq.prompt_token_ids, seq.sampling.skip_special_tokens
             )
 
-    def process(self, plan: StepPlan, tokens: list[int]) -> dict[str, str]:
-        """Append each sampled token (one per sampling sequence of `plan`, in plan order, the
-        first token of each fork included), detokenize, check stops; finish what stopped.
-        Returns key -> the text delta to stream (held back while it may start a stop string)."""
-        out: dict[str, str] = {}
+    def process(self, plan: StepPlan, tokens: list[list[int]]) -> dict[str, list[tuple[int, str]]]:
+        """Append each sequence's new tokens (one list per sampling sequence of `plan`, in plan
+        order, the first token of each fork included; several with speculative decoding),
+        detokenize, check stops after every token; finish what stopped, dropping the tokens
+        after a stop. Returns key -> [(token, text delta to stream)] (text held back while it
+        may start a stop string)."""
+        out: dict[str, list[tuple[int, str]]] = {}
         sampled: list[Sequence] = []
         for item in plan.scheduled:
             if item.samples:
                 sampled.append(item.seq)
                 sampled += self._fork(item.seq)
-        max_len = self.max_model_len
-        eos = self.eos_ids
-        for seq, token in zip(sampled, tokens, strict=True):
-            seq.token_ids.append(token)
-            p = seq.sampling
-            reason = None
-            if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
-                reason = "stop" if seq.num_output_tokens >= p.min_tokens else None
-            if reason is None and (
-                seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_len
-            ):
-                reason = "length"
-            delta = ""
-            if seq.detok is not None:
-                detok_start = now_ns()
-                seq.text += seq.detok.step(token)
-                if reason is not None:
-                    seq.text += seq.detok.flush()
-                self.detokenize_ns[seq.key] = (
-                    self.detokenize_ns.get(seq.key, 0) + now_ns() - detok_start
-                )
-                if p.stop:
-                    hit = _find_stop(seq)
-                    if hit is not None:
-                        seq.text, reason = hit, "stop"
-                holdback = (
-                    0
-                    if reason or p.include_stop_str_in_output
-                    else (max((len(s) for s in p.stop), default=1) - 1)
-                )
-                visible = max(seq.emitted, len(seq.text) - holdback)
-                delta = seq.text[seq.emitted : visible]
-                seq.emitted = visible
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            out[seq.key] = delta
+        for seq, new_tokens in zip(sampled, tokens, strict=True):
+            appended = out[seq.key] = []
+            for token in new_tokens:
+                appended.append((token, self._append(seq, token)))
+                if seq.is_finished:
+                    break
         return out
 
-    def events(self, deltas: dict[str, str], step: int, time_ns: int) -> list[RequestEvent]:
-        """The step's Tokens events (and Finished for what stopped), stamped `time_ns`; a
+    def _append(self, seq: Sequence, token: int) -> str:
+        """One token: append, detokenize, check the stop conditions; returns its text delta."""
+        seq.token_ids.append(token)
+        p = seq.sampling
+        reason = None
+        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+            reason = "stop" if seq.num_output_tokens >= p.min_tokens else None
+        if reason is None and (
+            seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        delta = ""
+        if seq.detok is not None:
+            detok_start = now_ns()
+            seq.text += seq.detok.step(token)
+            if reason is not None:
+                seq.text += seq.detok.flush()
+            self.detokenize_ns[seq.key] = (
+                self.detokenize_ns.get(seq.key, 0) + now_ns() - detok_start
+            )
+            if p.stop:
+                hit = _find_stop(seq)
+                if hit is not None:
+                    seq.text, reason = hit, "stop"
+            holdback = (
+                0
+                if reason or p.include_stop_str_in_output
+                else (max((len(s) for s in p.stop), default=1) - 1)
+            )
+            visible = max(seq.emitted, len(seq.text) - holdback)
+            delta = seq.text[seq.emitted : visible]
+            seq.emitted = visible
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return delta
+
+    def events(
+        self, new_tokens: dict[str, list[tuple[int, str]]], step: int, time_ns: int
+    ) -> list[RequestEvent]:
+        """The step's Tokens events, one per token (a speculative step's kept drafts arrive
+        together: same step, same time), and Finished for what stopped, stamped `time_ns`; a
         finished sequence leaves `sequences`."""
         events: list[RequestEvent] = []
-        for key, delta in deltas.items():
+        for key, appended in new_tokens.items():
             seq = self.sequences[key]
-            events.append(
-                Tokens(seq.request_id, step, time_ns, (seq.token_ids[-1],), delta, seq.sample_index)
-            )
+            for token, delta in appended:
+                events.append(
+                    Tokens(seq.request_id, step, time_ns, (token,), delta, seq.sample_index)
+                )
             if seq.is_finished:
                 events.append(self.finished(seq, step, time_ns))
                 del self.sequences[key]
@@ -126,6 +138,9 @@ class OutputProcessor:
             seq.text,
             seq.sample_index,
             self.detokenize_ns.pop(seq.key, 0),
+            seq.spec_steps,
+            seq.spec_draft_tokens,
+            seq.spec_accepted_tokens,
         )
 
     def forget(self, seq: Sequence) -> None:

@@ -34,13 +34,20 @@ class SamplingBatch:
 
     @classmethod
     def from_sequences(
-        cls, seqs: Seq[Sequence], eos_ids: Seq[int], device: torch.device
+        cls,
+        seqs: Seq[Sequence],
+        eos_ids: Seq[int],
+        device: torch.device,
+        offsets: Seq[int] | None = None,
     ) -> SamplingBatch:
+        """One row per sequence; `offsets[row]`: output tokens the row's token comes after
+        beyond the sequence's own (speculative decoding scores positions past drafts)."""
         params = [s.sampling for s in seqs]
         suppress_rows, suppress_ids = [], []
         for row, seq in enumerate(seqs):
             p = seq.sampling
-            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+            ahead = 0 if offsets is None else offsets[row]
+            if p.min_tokens and seq.num_output_tokens + ahead < p.min_tokens:
                 suppress_rows.append(row)
                 suppress_ids.append(list(eos_ids) + list(p.stop_token_ids))
         # One host-to-device copy for the three per-row parameters; float64 holds the
@@ -92,6 +99,26 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [B, V] -> token ids [B]."""
+        logits = self.masked(logits, batch)
+        greedy_tokens = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy_tokens
+        sampled = self.race(self._processed(logits, batch), batch.generators)
+        return torch.where(batch.temperature == 0.0, greedy_tokens, sampled)
+
+    def distributions(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logits [B, V] -> the distribution each row samples from [B, V]: min_tokens' masks,
+        temperature, top-k, top-p; a greedy row's is one-hot at its argmax (speculative
+        decoding's rejection sampler verifies drafts against these)."""
+        logits = self.masked(logits, batch)
+        greedy = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        if batch.all_greedy:
+            return greedy
+        probs = self._processed(logits, batch)
+        return torch.where((batch.temperature == 0.0).unsqueeze(-1), greedy, probs)
+
+    def masked(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """float32 logits with EOS / stop ids masked on rows short of min_tokens."""
         logits = logits.float()
         # every (row, id) to mask in one indexed write (ids past the sampled vocabulary are
         # never drawn anyway)
@@ -104,9 +131,9 @@ class Sampler:
         if pairs:
             index = torch.tensor(pairs, dtype=torch.int64).T.to(logits.device)
             logits[index[0], index[1]] = float("-inf")
-        greedy_tokens = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            return greedy_tokens
+        return logits
+
+    def _processed(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         temperature = batch.temperature.clamp(min=1e-5).unsqueeze(-1)
         logits = logits / temperature
         if batch.any_top_k or batch.any_top_p:
@@ -115,11 +142,15 @@ class Sampler:
                 batch.top_k if batch.any_top_k else None,
                 batch.top_p if batch.any_top_p else None,
             )
-        probs = logits.softmax(dim=-1)
-        race = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, gen in enumerate(batch.generators):
+        return logits.softmax(dim=-1)
+
+    def race(self, weights: torch.Tensor, generators: Seq[torch.Generator | None]) -> torch.Tensor:
+        """A draw per row in proportion to `weights` [B, V] (non-negative, unnormalized):
+        the argmax of weights / q with q ~ Exp(1), each row's q from its own generator when it
+        has one."""
+        race = torch.empty_like(weights).exponential_(generator=self.generator)
+        for i, gen in enumerate(generators):
             if gen is not None:
                 race[i].exponential_(generator=gen)
         race.clamp_(min=torch.finfo(race.dtype).tiny)  # Exp(1) can draw an exact 0
-        sampled = (probs / race).argmax(dim=-1)
-        return torch.where(batch.temperature == 0.0, greedy_tokens, sampled)
+        return (weights / race).argmax(dim=-1)

@@ -25,12 +25,14 @@ in `StepPlan.padding_tokens` (see `PaddingRow` and `ScheduledSequence.num_paddin
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache import KVCacheManager
 from engines.builtin.limits import EngineLimits
 from engines.builtin.sequence import Sequence, SequenceStatus
+from engines.builtin.spec_decode.proposer import Proposal
 
 
 @dataclass
@@ -42,6 +44,20 @@ class ScheduledSequence:
     #: row (right padding to the batch's longest row). Causal attention keeps them out of the
     #: real tokens' results, and they are never sampled.
     num_padding_tokens: int = 0
+    #: Speculative decoding: the drafts this step verifies, computed after the sequence's last
+    #: token (they are the last `num_draft_tokens` of `num_new_tokens`). None: no drafts.
+    proposal: Proposal | None = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return 0 if self.proposal is None else len(self.proposal.token_ids)
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        """The tokens this step computes: the sequence's next ones, then any drafts."""
+        start = self.num_computed_before
+        own = self.seq.token_ids[start : start + self.num_new_tokens - self.num_draft_tokens]
+        return own if self.proposal is None else own + self.proposal.token_ids
 
     @property
     def is_decode(self) -> bool:
@@ -60,7 +76,8 @@ class ScheduledSequence:
     @property
     def samples(self) -> bool:
         """Does this step reach the end of the sequence's known tokens (so a token is drawn)?"""
-        return self.num_computed_before + self.num_new_tokens == self.seq.num_tokens
+        own = self.num_new_tokens - self.num_draft_tokens
+        return self.num_computed_before + own == self.seq.num_tokens
 
 
 @dataclass
@@ -95,6 +112,7 @@ class StepPlan:
     padding_rows: list[PaddingRow] = field(default_factory=list)  # static batching only
     padding_tokens: int = 0
     num_waiting: int = 0
+    num_accepted_tokens: int = 0  # speculative decoding: drafts kept, known after the step
 
     @property
     def is_empty(self) -> bool:
@@ -111,6 +129,12 @@ class StepPlan:
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decodes
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Speculative drafts this step verifies (counted in num_prefill_tokens: a verifying
+        row computes several tokens over its cached context, as a prefill chunk does)."""
+        return sum(s.num_draft_tokens for s in self.scheduled)
 
     @property
     def num_tokens(self) -> int:
@@ -170,20 +194,22 @@ class Scheduler:
 
     # ---- planning ---------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, proposals: Mapping[int, Proposal] | None = None) -> StepPlan:
+        """The next step's plan; `proposals` (seq_id -> drafts, speculative decoding) extend
+        running decodes by their drafts where the budget and the KV cache allow."""
         plan = StepPlan(step=self.step_counter, freed_blocks=self._freed_since_last_plan)
         self._freed_since_last_plan = []
         if self.static:
             self._schedule_static(plan)
         else:
-            self._schedule_continuous(plan)
+            self._schedule_continuous(plan, proposals or {})
         plan.num_waiting = len(self.waiting)
         plan.copied_blocks = self.kv.take_copies()  # copy-on-write, done before the forward
         if plan.scheduled:
             self.step_counter += 1
         return plan
 
-    def _schedule_continuous(self, plan: StepPlan) -> None:
+    def _schedule_continuous(self, plan: StepPlan, proposals: Mapping[int, Proposal]) -> None:
         budget = self.max_num_batched_tokens
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
@@ -214,9 +240,17 @@ class Scheduler:
                         break
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
+                # drafts extend a row that reaches the sequence's end (a decode; with
+                # kv_cache=none, its whole context)
+                proposal = proposals.get(seq.seq_id)
+                if proposal is not None and seq.num_computed_tokens + num_new == seq.num_tokens:
+                    proposal = self._fit_drafts(seq, proposal, budget - num_new)
+                    num_new += 0 if proposal is None else len(proposal.token_ids)
+                else:
+                    proposal = None
                 self._allocate(seq, seq.num_computed_tokens + num_new, plan)
                 budget -= num_new
-                item = ScheduledSequence(seq, num_new, seq.num_computed_tokens)
+                item = ScheduledSequence(seq, num_new, seq.num_computed_tokens, proposal=proposal)
                 (decodes if item.is_decode else prefills).append(item)
                 scheduled.add(seq)
 
@@ -243,6 +277,19 @@ class Scheduler:
             prefills.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens))
 
         plan.scheduled = decodes + prefills
+
+    def _fit_drafts(self, seq: Sequence, proposal: Proposal, budget: int) -> Proposal | None:
+        """The proposal cut to what the token budget and the free KV memory take beyond the
+        decode's own token (drafts never preempt anyone); None when no draft fits."""
+        keep = min(len(proposal.token_ids), budget)
+        while keep and not self.kv.can_allocate(seq.seq_id, seq.num_tokens + keep):
+            keep -= 1
+        if keep == 0:
+            return None
+        if keep == len(proposal.token_ids):
+            return proposal
+        probs = None if proposal.probs is None else proposal.probs[:keep]
+        return Proposal(proposal.token_ids[:keep], probs)
 
     def _schedule_static(self, plan: StepPlan) -> None:
         if not self.running:
@@ -359,11 +406,22 @@ class Scheduler:
         plan.preempted.append(seq)
         self._requeue_first(seq)
 
-    def complete_step(self, plan: StepPlan) -> None:
-        """Advance each scheduled sequence past the tokens this step computed."""
+    def complete_step(self, plan: StepPlan, kept_drafts: Mapping[int, list[int]]) -> None:
+        """Advance each scheduled sequence past the tokens this step computed and kept:
+        `kept_drafts` (seq_id -> the drafts verification kept, speculative rows only). The K/V
+        of rejected drafts are dropped: the sequence's count stops before them, and with paged
+        KV the blocks they alone occupy go back to the pool. Prefix-cache hashes cover kept
+        tokens only."""
         retains = self.kv.retains_kv
         for item in plan.scheduled:
             seq = item.seq
             computed = item.num_computed_before + item.num_new_tokens
+            tokens = seq.token_ids
+            if item.proposal is not None:
+                kept = kept_drafts.get(seq.seq_id, [])
+                computed -= item.num_draft_tokens - len(kept)
+                tokens = tokens + kept
             seq.num_computed_tokens = computed if retains else 0
-            self.kv.commit(seq.seq_id, computed, seq.token_ids)
+            self.kv.commit(seq.seq_id, computed, tokens)
+            if item.proposal is not None:
+                self._freed_since_last_plan += self.kv.truncate(seq.seq_id, computed)

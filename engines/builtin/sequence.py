@@ -40,6 +40,10 @@ class Sequence:
     first_scheduled_step: int | None = None
     num_preemptions: int = 0
     cached_prompt_tokens: int = 0
+    #: Speculative decoding: steps that verified drafts, drafts proposed, drafts kept.
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     generator: torch.Generator | None = None  # per-request RNG when sampling.seed is set
     #: Parallel sampling (n > 1): which of the request's samples this is, and how many more
     #: samples its first sampling step still has to draw (each becomes a forked sequence).

@@ -15,7 +15,7 @@ class StepInputs:
     their addresses for the engine's lifetime (CUDA graphs read them on replay).
 
     Sections, in buffer order; the upload copies the prefix up to the last block-table row in
-    use (token sections whole: 24 bytes x max_num_batched_tokens, small next to a launch)."""
+    use (token sections whole: 32 bytes x max_num_batched_tokens, small next to a launch)."""
 
     def __init__(
         self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device
@@ -23,7 +23,8 @@ class StepInputs:
         sections: list[tuple[str, np.dtype, tuple[int, ...]]] = [
             ("qsl", np.dtype(np.int32), (max_seqs + 1,)),
             ("seq_lens", np.dtype(np.int32), (max_seqs,)),
-            ("logits_indices", np.dtype(np.int64), (max_seqs,)),
+            # one per sampling row, or 1 + drafts per speculative row: at most every token
+            ("logits_indices", np.dtype(np.int64), (max(max_tokens, max_seqs),)),
             ("input_ids", np.dtype(np.int64), (max_tokens,)),
             ("positions", np.dtype(np.int64), (max_tokens,)),
             ("slots", np.dtype(np.int64), (max_tokens,)),

@@ -26,9 +26,10 @@ class EngineGauges:
 
 
 def logits_rows(plan: StepPlan) -> int:
-    """Rows whose logits the LM head computes: one per sampling sequence. Count before the
-    step's tokens are appended (which moves where a sequence ends)."""
-    return sum(1 for item in plan.scheduled if item.samples)
+    """Rows whose logits the LM head computes: one per sampling sequence, and one per draft it
+    verifies. Count before the step's tokens are appended (which moves where a sequence
+    ends)."""
+    return sum(1 + item.num_draft_tokens for item in plan.scheduled if item.samples)
 
 
 def step_record(
@@ -41,6 +42,7 @@ def step_record(
     forward_ns: int,
     kv_gather_ns: int,
     sliding_window: int | None,
+    draft_ns: int = 0,
 ) -> StepRecord:
     """The record of a step as it was executed; KV figures as of its end."""
     num_decodes = plan.num_decodes
@@ -63,6 +65,9 @@ def step_record(
         forward_ns=forward_ns,
         kv_gather_ns=kv_gather_ns,
         logits_tokens=logits_tokens,
+        spec_draft_tokens=plan.num_draft_tokens,
+        spec_accepted_tokens=plan.num_accepted_tokens,
+        draft_ns=draft_ns,
         **roofline_counts(plan, sliding_window, kv.retains_kv),
     )
 

@@ -137,6 +137,27 @@ register(
     "sequences preempted (KV dropped, recomputed later) during the run",
 )
 register(
+    "spec_acceptance_rate",
+    "fraction",
+    "higher",
+    "deterministic",
+    "speculative decoding: drafts the target kept / drafts it verified",
+)
+register(
+    "spec_mean_accepted_length",
+    "tokens",
+    "higher",
+    "deterministic",
+    "speculative decoding: tokens a verifying step gives a sequence (kept drafts + 1), mean",
+)
+register(
+    "spec_draft_time_fraction",
+    "fraction",
+    "lower",
+    "timing",
+    "speculative decoding: the proposer's time / the steps' time",
+)
+register(
     "prefix_cache_hit_rate",
     "fraction",
     "higher",
@@ -458,6 +479,24 @@ def kv_summary(steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, Any]:
     return out
 
 
+def spec_summary(steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, Any]:
+    """Speculative decoding's counts, where the run verified any drafts."""
+    if "spec_draft_tokens" not in requests or not requests["spec_draft_tokens"].fillna(0).sum():
+        return {}
+    drafts = float(requests["spec_draft_tokens"].fillna(0).sum())
+    kept = float(requests["spec_accepted_tokens"].fillna(0).sum())
+    verifies = float(requests["spec_steps"].fillna(0).sum())
+    out = {
+        "spec_acceptance_rate": kept / drafts,
+        "spec_mean_accepted_length": (kept + verifies) / verifies,
+    }
+    if len(steps) and "draft_s" in steps:
+        step_time = float((steps["end_s"] - steps["start_s"]).sum())
+        if step_time > 0:
+            out["spec_draft_time_fraction"] = float(steps["draft_s"].fillna(0).sum()) / step_time
+    return out
+
+
 def slo_met(requests: pd.DataFrame, slo: dict[str, float | None]) -> pd.Series:
     """Per completed request: does it meet every SLO that is set (ttft_s, tpot_s, e2e_s)?"""
     lat = per_request_latencies(requests).set_index("request_id")
@@ -566,6 +605,7 @@ def compute_summary(
     )
     summary["padding_fraction"] = summary["padding_tokens_total"] / computed if computed else None
     summary.update(kv_summary(steps, members))
+    summary.update(spec_summary(steps, members))
     summary.update(roofline_summary(steps))
     for key in ("kv_bytes_per_token", "weight_bytes", "linear_weight_bytes"):
         if run_info.get("engine", {}).get(key) is not None:

@@ -69,6 +69,9 @@ class RequestTrace:
     cached_prompt_tokens: int = 0
     prefill_tokens_computed: int = 0  # over every chunk, recomputation after preemption too
     detokenize_ns: int | None = None
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
     token_rows: list[dict[str, Any]] = field(default_factory=list)
@@ -114,6 +117,9 @@ class RequestTrace:
             "detokenize_s": None
             if self.detokenize_ns is None or not ok
             else self.detokenize_ns / 1e9,
+            "spec_steps": self.spec_steps,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
             "prefix_group": request.prefix_group,
             "session_id": request.session_id,
             "turn": request.turn,
@@ -272,6 +278,9 @@ class Driver:
                         trace.prompt_tokens = event.num_prompt_tokens
                     # n samples finish n times: their decoding time adds up
                     trace.detokenize_ns = (trace.detokenize_ns or 0) + event.detokenize_ns
+                    trace.spec_steps += event.spec_steps
+                    trace.spec_draft_tokens += event.spec_draft_tokens
+                    trace.spec_accepted_tokens += event.spec_accepted_tokens
                 elif isinstance(event, Failed):
                     trace.finished_ns = event.time_ns
                     trace.error = event.error
@@ -319,6 +328,9 @@ class Driver:
             "attention_pairs": record.attention_pairs,
             "kv_tokens_read": record.kv_tokens_read,
             "kv_tokens_written": record.kv_tokens_written,
+            "spec_draft_tokens": record.spec_draft_tokens,
+            "spec_accepted_tokens": record.spec_accepted_tokens,
+            "draft_s": record.draft_ns / 1e9,
         }
         self.sink("steps", row)
         self.overhead_ns += time.perf_counter_ns() - began

@@ -59,6 +59,12 @@ class KVCacheManager(ABC):
         (`token_ids`: all of its tokens, for managers that hash full blocks)."""
         self.tokens_held[seq_id] = num_tokens
 
+    def truncate(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Keep room for the sequence's first `num_tokens` tokens only (speculative decoding's
+        rejected drafts); return the freed block ids. Slots past them need no reset: the
+        sequence's count stops before them, and its next tokens overwrite them."""
+        return []
+
     def match_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
         """Adopt cached blocks holding a prefix of `token_ids`; return the tokens covered."""
         return 0

@@ -143,6 +143,17 @@ class PagedKVCacheManager(KVCacheManager):
         # prefixes from the end and the shared heads survive longest.
         return [b for b in reversed(table) if b != NULL_BLOCK and self.pool.decref(b)]
 
+    def truncate(self, seq_id: int, num_tokens: int) -> list[int]:
+        table = self.block_tables.get(seq_id, [])
+        keep = ceil_div(num_tokens, self.block_size)
+        if self.tokens_held.get(seq_id, 0) > num_tokens:
+            raise ValueError(
+                f"sequence {seq_id}: cannot truncate to {num_tokens} tokens below the "
+                f"{self.tokens_held[seq_id]} committed"
+            )
+        dropped, table[keep:] = table[keep:], []
+        return [b for b in reversed(dropped) if b != NULL_BLOCK and self.pool.decref(b)]
+
     def can_fork(self, parent_id: int, child_id: int) -> bool:
         return True  # the child shares the parent's blocks; copies come later, on write
 

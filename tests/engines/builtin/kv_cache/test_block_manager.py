@@ -93,16 +93,20 @@ class PagedMachine(RuleBasedStateMachine):
             self.memory[dst] = list(self.memory[src])
         assert kv.take_copies() == []
         if write:
-            tokens = self.tokens[seq_id]
-            table = kv.block_table(seq_id)
-            for pos in range(kv.tokens_held[seq_id], total):
-                block = table[pos // self.bs]
-                assert block != NULL
-                self.memory.setdefault(block, [None] * self.bs)[pos % self.bs] = tuple(
-                    tokens[: pos + 1]
-                )
-            kv.commit(seq_id, total, tokens if with_ids else None)
+            self._write(seq_id, total)
+            kv.commit(seq_id, total, self.tokens[seq_id] if with_ids else None)
         return True
+
+    def _write(self, seq_id: int, total: int) -> None:
+        """The K/V of the sequence's tokens from its committed count up to `total`."""
+        tokens = self.tokens[seq_id]
+        table = self.kv.block_table(seq_id)
+        for pos in range(self.kv.tokens_held[seq_id], total):
+            block = table[pos // self.bs]
+            assert block != NULL
+            self.memory.setdefault(block, [None] * self.bs)[pos % self.bs] = tuple(
+                tokens[: pos + 1]
+            )
 
     def _new_id(self) -> int:
         self.next_id += 1
@@ -147,6 +151,27 @@ class PagedMachine(RuleBasedStateMachine):
         """Allocate ahead without writing (static batching reserves a final length)."""
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
         self._grow(seq_id, self.kv.tokens_held[seq_id] + ahead, write=False)
+
+    @precondition(lambda self: bool(self.tokens))
+    @rule(data=st.data(), drafts=st.integers(1, 6), kept=st.integers(0, 6))
+    def speculate(self, data: st.DataObject, drafts: int, kept: int) -> None:
+        """Speculative decoding: write a token and its drafts, keep `kept` of the drafts, give
+        back the blocks only rejected drafts occupied."""
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        kept = min(kept, drafts)
+        held = self.kv.tokens_held[seq_id]
+        new = data.draw(st.lists(st.integers(0, 1), min_size=1 + drafts, max_size=1 + drafts))
+        self.tokens[seq_id] = self.tokens[seq_id][:held] + new
+        if not self._grow(seq_id, held + 1 + drafts, write=False):
+            return
+        self._write(seq_id, held + 1 + drafts)
+        self.tokens[seq_id] = self.tokens[seq_id][: held + 1 + kept]
+        self.kv.commit(seq_id, held + 1 + kept, self.tokens[seq_id])
+        table = list(self.kv.block_table(seq_id))
+        freed = self.kv.truncate(seq_id, held + 1 + kept)
+        assert len(self.kv.block_table(seq_id)) == -(-(held + 1 + kept) // self.bs)
+        assert all(self.kv.pool.ref_counts[b] == 0 for b in freed)
+        assert set(freed) <= set(table) - {NULL}
 
     @precondition(lambda self: bool(self.tokens))
     @rule(data=st.data())

@@ -1,0 +1,46 @@
+"""What a speculative proposer is: given running sequences, a few tokens each is likely to
+generate next, for the target model to verify in one pass. Proposers register by the name
+`engine.speculative_config.method` takes, like every other plug point."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engines.builtin.sequence import Sequence
+from engines.builtin.spec_decode.config import SpeculativeConfig
+from engines.plugins import Registry
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one sequence. `probs` [len(token_ids), vocab]: the distribution each
+    was drawn from (a draft model's, after the request's temperature / top-k / top-p); None
+    when the proposer is deterministic (n-gram lookup: each draft's probability is 1)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Proposer(ABC):
+    name: str = ""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+
+    @abstractmethod
+    def propose(self, seqs: Seq[Sequence], limits: Seq[int]) -> list[Proposal]:
+        """Up to `limits[i]` draft tokens for `seqs[i]` (each past its last token)."""
+
+    @abstractmethod
+    def release(self, seq: Sequence) -> None:
+        """Forget what is kept for `seq` (finished, aborted or preempted)."""
+
+    def describe(self) -> dict[str, object]:
+        return {}
+
+
+PROPOSERS = Registry[type[Proposer]]("engine.speculative_config.method")

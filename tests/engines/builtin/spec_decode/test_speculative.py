@@ -1,0 +1,161 @@
+"""Speculative decoding in the engine: greedy output is token for token the output without it,
+for every KV mode, batch sizes 1 and 8, chunked prefill, preemption, n > 1, stop conditions and
+max_tokens edges; rejected drafts leave no KV behind; bad settings are clear errors."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from engines.base import ConfigError
+from engines.builtin import LLM, SamplingParams
+from engines.builtin.config import EngineConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts with a repeated stretch, so lookups find something to propose."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        stretch = [rng.randrange(10, 4000) for _ in range(6)]
+        out.append([rng.randrange(10, 4000) for _ in range(5)] + stretch * 3)
+    return out
+
+
+def run(make_tiny: Any, batch: list[list[int]], params: SamplingParams, **options: Any):
+    llm = make_tiny(**options)
+    outs = llm.generate(batch, params)
+    return llm, outs
+
+
+KV_MODES = [
+    dict(kv_cache="contiguous"),
+    dict(kv_cache="paged", block_size=4),
+    dict(kv_cache="paged", block_size=4, enable_prefix_caching=True),
+    dict(kv_cache="paged", block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=24),
+    dict(kv_cache="none"),
+]
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("kv", KV_MODES, ids=["contiguous", "paged", "prefix", "chunked", "none"])
+def test_greedy_output_equals_decoding_without_speculation(make_tiny, kv, batch_size) -> None:
+    batch = prompts(batch_size)
+    if kv.get("enable_prefix_caching"):
+        batch = batch + batch[:1]  # a hit on cached blocks too
+    _, plain = run(make_tiny, batch, GREEDY, **kv)
+    llm, spec = run(make_tiny, batch, GREEDY, speculative_config=NGRAM, **kv)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    drafts = sum(o.metrics.spec_draft_tokens for o in spec)
+    kept = sum(o.metrics.spec_accepted_tokens for o in spec)
+    assert 0 < kept < drafts  # both paths ran: drafts kept and drafts rejected
+    if batch_size == 8 and kv.get("kv_cache") == "paged":
+        assert llm.engine.kv.num_blocks_in_use == 0  # every rollback gave its blocks back
+
+
+def test_preemption_and_parallel_samples(make_tiny) -> None:
+    """A KV pool too small for the batch preempts sequences mid-speculation; n = 2 samples
+    fork after the prompt and speculate each on its own."""
+    batch = prompts(6, seed=1)
+    small = dict(kv_cache="paged", block_size=4, kv_cache_memory_bytes=60 * 4 * 2 * 64 * 4)
+    _, plain = run(make_tiny, batch, GREEDY, **small)
+    llm, spec = run(make_tiny, batch, GREEDY, speculative_config=NGRAM, **small)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert llm.engine.kv.num_blocks_in_use == 0
+    two = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2)
+    _, plain = run(make_tiny, batch[:2], two, kv_cache="paged")
+    _, spec = run(make_tiny, batch[:2], two, kv_cache="paged", speculative_config=NGRAM)
+    assert [[s.token_ids for s in o.outputs] for o in spec] == [
+        [s.token_ids for s in o.outputs] for o in plain
+    ]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 17])
+def test_max_tokens_is_never_exceeded(make_tiny, max_tokens: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    _, plain = run(make_tiny, prompts(4), params)
+    _, spec = run(make_tiny, prompts(4), params, speculative_config=NGRAM)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(len(o.token_ids) == max_tokens and o.finish_reason == "length" for o in spec)
+
+
+def test_a_stop_inside_a_kept_run_ends_the_sequence_there(make_tiny) -> None:
+    """Stop ids and stop strings taken from the plain output, at a position where the
+    speculative run keeps several drafts in one step: output and text end at the stop."""
+    batch = prompts(4, seed=2)
+    _, plain = run(make_tiny, batch, GREEDY)
+    for out in plain:
+        stop_id = out.token_ids[20]
+        params = SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[stop_id])
+        _, (ref,) = run(make_tiny, [out.prompt_token_ids], params)
+        _, (got,) = run(make_tiny, [out.prompt_token_ids], params, speculative_config=NGRAM)
+        assert got.token_ids == ref.token_ids and got.finish_reason == ref.finish_reason == "stop"
+        stop_text = ref.text[len(ref.text) // 2 :][:3] if ref.text else ""
+        if stop_text.strip():
+            params = SamplingParams(temperature=0.0, max_tokens=48, stop=[stop_text])
+            _, (ref,) = run(make_tiny, [out.prompt_token_ids], params)
+            _, (got,) = run(make_tiny, [out.prompt_token_ids], params, speculative_config=NGRAM)
+            assert (got.text, got.finish_reason) == (ref.text, ref.finish_reason)
+
+
+def test_sampling_with_a_seed_is_reproducible(make_tiny) -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32, seed=7, ignore_eos=True)
+    _, first = run(make_tiny, prompts(3), params, speculative_config=NGRAM)
+    _, second = run(make_tiny, prompts(3), params, speculative_config=NGRAM)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert all(len(o.token_ids) == 32 for o in first)
+
+
+def test_events_give_each_kept_token_its_own_tokens_event(make_tiny) -> None:
+    """Several Tokens events in one step, one token each, with the step's end time: ITL shows
+    speculation's bursts as zero gaps."""
+    llm = make_tiny(speculative_config=NGRAM)
+    from engines.base import Tokens
+
+    llm.engine.add_request("a", prompts(1)[0], GREEDY)
+    per_step: dict[int, list[Tokens]] = {}
+    while llm.engine.has_unfinished_requests():
+        for event in llm.engine.step():
+            if isinstance(event, Tokens):
+                assert len(event.token_ids) == 1
+                per_step.setdefault(event.step, []).append(event)
+    bursts = [events for events in per_step.values() if len(events) > 1]
+    assert bursts and all(len({e.time_ns for e in events}) == 1 for events in bursts)
+    assert sum(len(events) for events in per_step.values()) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens: 0 .*>= 1"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, r"method: 'medusa' .*allowed: ngram"),
+        ({"method": "ngram"}, r"num_speculative_tokens: missing"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5},
+            r"prompt_lookup_min: 5 is larger than prompt_lookup_max=4",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, r"unknown key\(s\) \['k'\]"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "tiny"}, r"model: 'tiny'"),
+        ("ngram", r"speculative_config: 'ngram' is invalid"),
+    ],
+)
+def test_bad_settings_are_clear_errors(options: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_dict({"speculative_config": options})
+
+
+def test_combinations_it_cannot_serve_are_refused() -> None:
+    with pytest.raises(ConfigError, match="batching=continuous"):
+        EngineConfig.from_dict({"speculative_config": NGRAM, "batching": "static"})
+    with pytest.raises(ConfigError, match="sliding-window ring"):
+        LLM(
+            "tiny",
+            kv_cache="contiguous",
+            model_overrides={"sliding_window": 16},
+            speculative_config=NGRAM,
+        )
