@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from engines.base import ConfigError
-from engines.builtin.spec_decode import PROPOSERS, SpeculativeConfig
+from engines.builtin.spec_decode.config import SpeculativeConfig
 from models.dtypes import DTYPE_ALIASES
 from models.packaged import model_location
 
@@ -121,7 +121,7 @@ class EngineConfig:
         """`speculative_config` as its typed form (validated), or None when off."""
         if self.speculative_config is None:
             return None
-        return SpeculativeConfig.from_dict(self.speculative_config, PROPOSERS.names())
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def validate(self) -> EngineConfig:
         def fail(name: str, allowed: str) -> ConfigError:
@@ -207,7 +207,7 @@ class EngineConfig:
                 )
             self.cuda_graph_batch_sizes = sorted(set(sizes))
         if self.speculative_config is not None:
-            spec = SpeculativeConfig.from_dict(self.speculative_config, PROPOSERS.names())
+            spec = SpeculativeConfig.from_dict(self.speculative_config)
             if self.batching == "static":
                 raise ConfigError(
                     "engine.speculative_config needs engine.batching=continuous: a static "

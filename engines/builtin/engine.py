@@ -12,6 +12,7 @@ What others may read or hook between steps is public: `limits`, `gauges()`, `wei
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ from engines.builtin.output_processor import OutputProcessor, seeded_generator
 from engines.builtin.platform import Platform
 from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
-from engines.builtin.spec_decode import PROPOSERS, Proposal, Proposer
+from engines.builtin.spec_decode.methods import PROPOSERS
+from engines.builtin.spec_decode.proposer import Proposal, Proposer, ProposerContext
 from engines.builtin.step_stats import EngineGauges, logits_rows, step_record
 from engines.sampling_params import SamplingParams
 from models.config import ceil_div, kv_bytes_per_token, resolve_model
@@ -117,7 +119,14 @@ class LLMEngine:
                 f"with sliding_window={self.model_config.sliding_window}) would wrap over; use "
                 "kv_cache=paged, or speculative_config=null"
             )
-        return PROPOSERS.get(spec.method)(spec)
+        context = ProposerContext(
+            self.runner.sample_vocab_size,
+            self.model_config.vocab_size,
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            self.config.kv_cache,
+            lambda overrides: LLMEngine(replace(self.config, **overrides)),
+        )
+        return PROPOSERS.get(spec.method)(spec, context)
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -335,6 +344,8 @@ class LLMEngine:
         """Abort every sample of the request and free its KV memory."""
         for seq in [s for s in self.sequences.values() if s.request_id == request_id]:
             del self.sequences[seq.key]
+            if self.proposer is not None:
+                self.proposer.release(seq)
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq, "abort")
@@ -398,6 +409,10 @@ class LLMEngine:
             return events + self._fail_step(plan, exc)
         self.scheduler.complete_step(plan, _kept_drafts(plan, tokens))
         new_tokens = self.output.process(plan, tokens)
+        if self.proposer is not None:
+            for item in plan.scheduled:
+                if item.seq.is_finished:
+                    self.proposer.release(item.seq)
         end = self._end_step(start)
         events += self.output.events(new_tokens, plan.step, end)
         if self.step_observers:
@@ -452,6 +467,8 @@ class LLMEngine:
             self.scheduler.finish(seq, "error")
             self.sequences.pop(seq.key, None)
             self.output.forget(seq)
+            if self.proposer is not None:
+                self.proposer.release(seq)
             events.append(
                 Failed(
                     seq.request_id,

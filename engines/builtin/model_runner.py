@@ -408,11 +408,21 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache.gather_ns = 0
         self.forward_timer.start()
-        result = self._forward_and_sample(plan, input_ids, meta, logits_indices)
+        logits = self._logits(plan, input_ids, meta, logits_indices)
+        result = self._sample(plan, logits) if logits is not None else []
         self.forward_timer.stop()
         self.last_forward_ns = self.forward_timer.elapsed_ns()
         self.last_gather_ns = sum(cache.gather_ns for cache in self.kv_caches)
         return result
+
+    @torch.inference_mode()
+    def execute_logits(self, plan: StepPlan, kv: KVCacheManager) -> torch.Tensor:
+        """Run the plan (no drafts, no forks); return the logits of each sequence that samples,
+        in plan order, over the tokenizer's vocabulary: a draft model's proposer samples from
+        them with the requests' own parameters."""
+        input_ids, meta, logits_indices = self.prepare(plan, kv)
+        logits = self._logits(plan, input_ids, meta, logits_indices)
+        return logits if logits is not None else torch.empty(0, self.sample_vocab_size)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: give a sequence its own copy of a shared, partially filled block."""
@@ -421,13 +431,15 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache.copy_blocks(src, dst)
 
-    def _forward_and_sample(
+    def _logits(
         self,
         plan: StepPlan,
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
-    ) -> list[list[int]]:
+    ) -> torch.Tensor | None:
+        """The forward pass; the logits at `logits_indices` (None when the step samples
+        nothing), over the tokenizer's vocabulary."""
         if self._graph_size is not None:  # prepare() chose a bucket and padded the rows
             assert self.decode_graphs is not None
             logits = self.decode_graphs.run(self._graph_size, meta.num_seqs)
@@ -439,10 +451,12 @@ class ModelRunner:
                 for observer in self.logits_observers:
                     observer(plan, every)
             if logits_indices.numel() == 0:
-                return []
+                return None
             logits = self.model.compute_logits(hidden[logits_indices])
         # Ids past the tokenizer's vocabulary (a dummy model's padding rows) are never sampled.
-        logits = logits[:, : self.sample_vocab_size]
+        return logits[:, : self.sample_vocab_size]
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[list[int]]:
         items = [s for s in plan.scheduled if s.samples]
         copies = [1 + s.seq.pending_forks for s in items]
         if any(n > 1 for n in copies):

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from engines.base import ConfigError
 
+# The registered proposers' names (spec_decode/methods.py; a test keeps the two equal), checked
+# here because the configuration is validated before any engine module is loaded.
+METHODS = ("ngram", "draft_model")
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # a registered proposer (spec_decode.PROPOSERS): ngram, draft_model
+    method: str  # a registered proposer: ngram | draft_model
     num_speculative_tokens: int  # k: tokens proposed, and verified by one target pass
     # ngram: the longest and shortest suffix of the sequence looked up earlier in it
     prompt_lookup_max: int = 4
@@ -23,12 +27,9 @@ class SpeculativeConfig:
     quantization: str | None = None
 
     @classmethod
-    def from_dict(
-        cls, values: Mapping[str, Any] | SpeculativeConfig, methods: Collection[str]
-    ) -> SpeculativeConfig:
-        """Validated; `methods`: the registered proposers' names."""
+    def from_dict(cls, values: Mapping[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
         if isinstance(values, SpeculativeConfig):
-            return values.validate(methods)
+            return values.validate()
         if not isinstance(values, Mapping):
             raise ConfigError(
                 f"engine.speculative_config: {values!r} is invalid; allowed: null or a mapping "
@@ -43,17 +44,17 @@ class SpeculativeConfig:
         for key in ("method", "num_speculative_tokens"):
             if key not in values:
                 raise ConfigError(f"engine.speculative_config.{key}: missing (required)")
-        return cls(**dict(values)).validate(methods)
+        return cls(**dict(values)).validate()
 
-    def validate(self, methods: Collection[str]) -> SpeculativeConfig:
+    def validate(self) -> SpeculativeConfig:
         def fail(key: str, allowed: str) -> ConfigError:
             return ConfigError(
                 f"engine.speculative_config.{key}: {getattr(self, key)!r} is invalid; "
                 f"allowed: {allowed}"
             )
 
-        if self.method not in methods:
-            raise fail("method", "|".join(methods))
+        if self.method not in METHODS:
+            raise fail("method", "|".join(METHODS))
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

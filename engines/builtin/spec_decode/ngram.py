@@ -10,7 +10,7 @@ from collections.abc import Sequence as Seq
 
 from engines.builtin.sequence import Sequence
 from engines.builtin.spec_decode.config import SpeculativeConfig
-from engines.builtin.spec_decode.proposer import PROPOSERS, Proposal, Proposer
+from engines.builtin.spec_decode.proposer import PROPOSERS, Proposal, Proposer, ProposerContext
 
 _ITEM = array("i").itemsize  # token ids as C ints: a match must start on an item boundary
 
@@ -41,8 +41,8 @@ def lookup(tokens: Seq[int], min_n: int, max_n: int, k: int) -> list[int]:
 class NgramProposer(Proposer):
     name = "ngram"
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext) -> None:
+        super().__init__(config, context)
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 

@@ -5,8 +5,10 @@ generate next, for the target model to verify in one pass. Proposers register by
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,10 +27,23 @@ class Proposal:
     probs: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a proposer may use of the target engine, which it never imports."""
+
+    sample_vocab_size: int  # token ids the target samples: the tokenizer's
+    model_vocab_size: int  # rows of the target's LM head (the tokenizer's, or padded)
+    encode: Callable[[str], list[int]]  # the target's tokenizer
+    kv_cache: str  # the target's KV layout (engine.kv_cache)
+    # an engine of the same machinery with the target's options and these overrides (a draft
+    # model's: its own model, dtype, quantization and KV cache)
+    build_engine: Callable[[dict[str, Any]], Any]
+
+
 class Proposer(ABC):
     name: str = ""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext) -> None:
         self.k = config.num_speculative_tokens
 
     @abstractmethod

@@ -10,7 +10,8 @@ import torch
 
 from engines.builtin.sampler import Sampler
 from engines.builtin.sequence import Sequence
-from engines.builtin.spec_decode import Proposal, rejection_sampler
+from engines.builtin.spec_decode import rejection_sampler
+from engines.builtin.spec_decode.proposer import Proposal
 from engines.builtin.spec_decode.rejection_sampler import verify
 from engines.sampling_params import SamplingParams
 

@@ -14,6 +14,16 @@ from engines.builtin import LLM, SamplingParams
 from engines.builtin.config import EngineConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+# A draft that mostly agrees with its target: the same dummy weights in float32 drafting for
+# the target's INT4 copy (their argmax differs now and then: kept runs and rejections both)
+DRAFT = {
+    "method": "draft_model",
+    "num_speculative_tokens": 4,
+    "model": "tiny",
+    "quantization": "none",
+}
+DRAFTED_TARGET = {"quantization": "int4", "quantization_group_size": 32}
+PROPOSERS = {"ngram": (NGRAM, {}), "draft": (DRAFT, DRAFTED_TARGET)}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 
@@ -42,20 +52,27 @@ KV_MODES = [
 ]
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("kv", KV_MODES, ids=["contiguous", "paged", "prefix", "chunked", "none"])
-def test_greedy_output_equals_decoding_without_speculation(make_tiny, kv, batch_size) -> None:
+def test_greedy_output_equals_decoding_without_speculation(
+    make_tiny, kv, batch_size, proposer
+) -> None:
+    spec, target = PROPOSERS[proposer]
     batch = prompts(batch_size)
     if kv.get("enable_prefix_caching"):
         batch = batch + batch[:1]  # a hit on cached blocks too
-    _, plain = run(make_tiny, batch, GREEDY, **kv)
-    llm, spec = run(make_tiny, batch, GREEDY, speculative_config=NGRAM, **kv)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    drafts = sum(o.metrics.spec_draft_tokens for o in spec)
-    kept = sum(o.metrics.spec_accepted_tokens for o in spec)
+    _, plain = run(make_tiny, batch, GREEDY, **kv, **target)
+    llm, out = run(make_tiny, batch, GREEDY, speculative_config=spec, **kv, **target)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    drafts = sum(o.metrics.spec_draft_tokens for o in out)
+    kept = sum(o.metrics.spec_accepted_tokens for o in out)
     assert 0 < kept < drafts  # both paths ran: drafts kept and drafts rejected
-    if batch_size == 8 and kv.get("kv_cache") == "paged":
+    if kv.get("kv_cache") == "paged":
         assert llm.engine.kv.num_blocks_in_use == 0  # every rollback gave its blocks back
+    draft = llm.engine.proposer
+    if proposer == "draft":  # the draft's cache is released with each finished sequence
+        assert not draft.mirrors and draft.kv.num_blocks_in_use == 0
 
 
 def test_preemption_and_parallel_samples(make_tiny) -> None:
@@ -103,12 +120,17 @@ def test_a_stop_inside_a_kept_run_ends_the_sequence_there(make_tiny) -> None:
             assert (got.text, got.finish_reason) == (ref.text, ref.finish_reason)
 
 
-def test_sampling_with_a_seed_is_reproducible(make_tiny) -> None:
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_sampling_with_a_seed_is_reproducible(make_tiny, proposer: str) -> None:
+    spec, target = PROPOSERS[proposer]
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32, seed=7, ignore_eos=True)
-    _, first = run(make_tiny, prompts(3), params, speculative_config=NGRAM)
-    _, second = run(make_tiny, prompts(3), params, speculative_config=NGRAM)
+    _, first = run(make_tiny, prompts(3), params, speculative_config=spec, **target)
+    _, second = run(make_tiny, prompts(3), params, speculative_config=spec, **target)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert all(len(o.token_ids) == 32 for o in first)
+    if proposer == "draft":  # q close to p: most sampled drafts are kept
+        kept = sum(o.metrics.spec_accepted_tokens for o in first)
+        assert kept > 0.5 * sum(o.metrics.spec_draft_tokens for o in first)
 
 
 def test_events_give_each_kept_token_its_own_tokens_event(make_tiny) -> None:
@@ -147,6 +169,22 @@ def test_events_give_each_kept_token_its_own_tokens_event(make_tiny) -> None:
 def test_bad_settings_are_clear_errors(options: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_dict({"speculative_config": options})
+
+
+def test_a_draft_must_share_the_targets_tokenizer_and_fit_its_vocabulary() -> None:
+    with pytest.raises(
+        ConfigError, match=r"speculative_config.model: 'small' has vocab_size=32000"
+    ):
+        LLM("tiny", speculative_config={**DRAFT, "model": "small"}, max_model_len=64)
+    with pytest.raises(ConfigError, match=r"speculative_config.model: missing"):
+        EngineConfig.from_dict(
+            {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}}
+        )
+
+
+def test_a_draft_with_another_tokenizer_is_refused(smollm2_gguf) -> None:
+    with pytest.raises(ConfigError, match=r"does not share the target's tokenizer"):
+        LLM("tiny", speculative_config={**DRAFT, "model": str(smollm2_gguf)}, max_model_len=64)
 
 
 def test_combinations_it_cannot_serve_are_refused() -> None:

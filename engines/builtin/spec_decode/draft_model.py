@@ -1,0 +1,209 @@
+"""A draft model's proposals (vLLM's `draft_model` method): a smaller model sharing the
+target's tokenizer, run by the same engine machinery with its own KV cache, decodes k tokens
+a step itself; their distributions go to the rejection sampler with them.
+
+Kept in step with the target, per sequence, before each proposal: the draft's cache is cut
+back to the longest prefix it computed on tokens the target kept (the rollback after
+rejections), the tokens it has not computed go through in one pass (the prompt the first
+time; afterwards the target's own last token and any kept draft the draft did not compute),
+and k single-token steps draw the drafts with the request's temperature / top-k / top-p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from engines.base import ConfigError
+from engines.builtin.sampler import SamplingBatch
+from engines.builtin.scheduler import ScheduledSequence, StepPlan
+from engines.builtin.sequence import Sequence
+from engines.builtin.spec_decode.config import SpeculativeConfig
+from engines.builtin.spec_decode.proposer import PROPOSERS, Proposal, Proposer, ProposerContext
+
+# text whose encoding must be the same under both tokenizers (words, digits, quotes, accents,
+# code, whitespace): a cheap check that the draft shares the target's tokenizer
+_PROBE = 'The quick brown fox said "naïve" 42 times.\n\tdef f(x):\n        return x ** 2 # ok'
+
+
+@PROPOSERS.register("draft_model")
+class DraftModelProposer(Proposer):
+    name = "draft_model"
+
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext) -> None:
+        super().__init__(config, context)
+        overrides: dict[str, Any] = {
+            "model": config.model,
+            "model_overrides": {},
+            "speculative_config": None,
+            "enable_prefix_caching": False,  # its cache holds drafts the target may reject
+            "kv_cache_prefault": False,
+            # its own cache in the target's layout; contiguous where the target keeps none
+            "kv_cache": "contiguous" if context.kv_cache == "none" else context.kv_cache,
+        }
+        if config.dtype is not None:
+            overrides["dtype"] = config.dtype
+        if config.quantization is not None:
+            overrides.update(
+                quantization=config.quantization,
+                quantization_activations="float",
+                quantize_lm_head=False,
+                lm_head_quantization="same",
+            )
+        self.model = config.model
+        self.engine = context.build_engine(overrides)
+        engine = self.engine
+        if engine.runner.ring:
+            raise ConfigError(
+                f"engine.speculative_config.model: {config.model!r} has a sliding window, whose "
+                "contiguous ring cannot roll back rejected drafts; use engine.kv_cache=paged"
+            )
+        draft_ids = engine.tokenizer.encode(_PROBE, add_special_tokens=False)
+        if (
+            engine.runner.sample_vocab_size != context.sample_vocab_size
+            or draft_ids != context.encode(_PROBE)
+        ):
+            raise ConfigError(
+                f"engine.speculative_config.model: {config.model!r} does not share the target's "
+                f"tokenizer ({engine.tokenizer.name}, {engine.runner.sample_vocab_size} ids, vs "
+                f"{context.sample_vocab_size} ids); a draft must propose the target's token ids"
+            )
+        if engine.model_config.vocab_size > context.model_vocab_size:
+            raise ConfigError(
+                f"engine.speculative_config.model: {config.model!r} has vocab_size="
+                f"{engine.model_config.vocab_size}, larger than the target's "
+                f"{context.model_vocab_size}; allowed: at most the target's"
+            )
+        self.runner, self.kv = engine.runner, engine.kv
+        self.max_batched = engine.limits.max_num_batched_tokens
+        self.mirrors: dict[int, Sequence] = {}  # target seq_id -> the draft's copy
+
+    def describe(self) -> dict[str, object]:
+        facts = self.engine.describe()
+        keys = ("model", "dtype", "quantization", "kv_cache", "num_parameters", "weight_bytes")
+        return {f"draft_{key}": facts.get(key) for key in keys}
+
+    def release(self, seq: Sequence) -> None:
+        mirror = self.mirrors.pop(seq.seq_id, None)
+        if mirror is not None:
+            self.kv.free(mirror.seq_id)
+
+    def propose(self, seqs: Seq[Sequence], limits: Seq[int]) -> list[Proposal]:
+        mirrors = [self._sync(seq) for seq in seqs]
+        logits = self._catch_up(mirrors)  # [len(seqs), V], after each sequence's last token
+        counts = [min(self.k, limit) for limit in limits]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        dists: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = [i for i, count in enumerate(counts) if count > 0 and mirrors[i] is not None]
+        rows = active
+        while active:
+            tokens, q = self._draw(logits, [seqs[i] for i in rows], len(drafts[rows[0]]))
+            for row, i in enumerate(rows):
+                drafts[i].append(tokens[row])
+                if q is not None:
+                    dists[i].append(q[row])
+            active = [i for i in active if len(drafts[i]) < counts[i]]
+            if not active:
+                break
+            items = []
+            for i in active:
+                mirror = mirrors[i]
+                assert mirror is not None
+                mirror.token_ids.append(drafts[i][-1])
+                items.append(ScheduledSequence(mirror, 1, mirror.num_computed_tokens))
+            rows, logits = self._run_or_stop(items, active)
+            active = rows
+        return [
+            Proposal(d, torch.stack(q) if q and len(q) == len(d) else None)
+            for d, q in zip(drafts, dists, strict=True)
+        ]
+
+    # ---- keeping the draft's cache in step ---------------------------------------------------
+
+    def _sync(self, seq: Sequence) -> Sequence | None:
+        """The draft's copy of `seq`, its cache cut back to the prefix it computed on the
+        sequence's tokens (never the last one, whose logits the drafts start from)."""
+        mirror = self.mirrors.get(seq.seq_id)
+        if mirror is None:
+            mirror = Sequence(seq.request_id, seq.prompt_token_ids, seq.sampling, seq.arrival_ns)
+            self.mirrors[seq.seq_id] = mirror
+        valid = 0
+        limit = min(mirror.num_computed_tokens, seq.num_tokens - 1)
+        ours, theirs = mirror.token_ids, seq.token_ids
+        while valid < limit and ours[valid] == theirs[valid]:
+            valid += 1
+        if valid < mirror.num_computed_tokens:
+            self.kv.commit(mirror.seq_id, valid)
+            self.kv.truncate(mirror.seq_id, valid)
+        mirror.num_computed_tokens = valid
+        mirror.token_ids = list(theirs)
+        if not self.kv.can_allocate(mirror.seq_id, mirror.num_tokens):
+            self.release(seq)  # the draft's pool is full: no drafts for this one this step
+            return None
+        return mirror
+
+    def _catch_up(self, mirrors: Seq[Sequence | None]) -> torch.Tensor:
+        """Compute every token the draft has not seen, in passes of at most the token budget;
+        the logits after each sequence's last token (zeros for a skipped one)."""
+        out: dict[int, torch.Tensor] = {}
+        pending = [i for i, m in enumerate(mirrors) if m is not None]
+        while pending:
+            budget, items, rows = self.max_batched, [], []
+            for i in pending:
+                mirror = mirrors[i]
+                assert mirror is not None
+                take = min(mirror.num_tokens - mirror.num_computed_tokens, budget)
+                if take == 0:
+                    break
+                items.append(ScheduledSequence(mirror, take, mirror.num_computed_tokens))
+                rows.append(i)
+                budget -= take
+            logits = self._run(items)
+            sampled = [i for i, item in zip(rows, items, strict=True) if item.samples]
+            out.update(zip(sampled, logits, strict=True))
+            pending = [i for i in pending if i not in out]
+        vocab = self.runner.sample_vocab_size
+        return torch.stack([out.get(i, torch.zeros(vocab)) for i in range(len(mirrors))])
+
+    def _run_or_stop(
+        self, items: list[ScheduledSequence], rows: list[int]
+    ) -> tuple[list[int], torch.Tensor]:
+        """One decode step of the drafts; rows whose cache cannot grow stop drafting."""
+        fits = [self.kv.can_allocate(s.seq.seq_id, s.seq.num_tokens) for s in items]
+        kept = [item for item, ok in zip(items, fits, strict=True) if ok]
+        return [row for row, ok in zip(rows, fits, strict=True) if ok], self._run(kept)
+
+    def _run(self, items: list[ScheduledSequence]) -> torch.Tensor:
+        """Run one step of the draft on these rows; the logits of the rows that sample, in
+        the items' order."""
+        if not items:
+            return torch.empty(0, self.runner.sample_vocab_size)
+        order = sorted(range(len(items)), key=lambda i: not items[i].is_decode)  # decodes first
+        plan = StepPlan(step=0, scheduled=[items[i] for i in order])
+        for item in items:
+            self.kv.allocate(item.seq.seq_id, item.num_computed_before + item.num_new_tokens)
+        logits = self.runner.execute_logits(plan, self.kv)
+        for item in items:
+            computed = item.num_computed_before + item.num_new_tokens
+            self.kv.commit(item.seq.seq_id, computed)
+            item.seq.num_computed_tokens = computed
+        position = {index: row for row, index in enumerate(i for i in order if items[i].samples)}
+        wanted = [position[i] for i in range(len(items)) if items[i].samples]
+        return logits[wanted]
+
+    def _draw(
+        self, logits: torch.Tensor, seqs: Seq[Sequence], ahead: int
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """A draft per row, with each request's sampling parameters (`ahead`: drafts already
+        drawn, for min_tokens); their distributions, or None when every row is greedy (a
+        greedy draft is the argmax: q is one-hot)."""
+        sampler = self.runner.sampler
+        batch = SamplingBatch.from_sequences(
+            seqs, self.runner.eos_ids, logits.device, [ahead] * len(seqs)
+        )
+        if batch.all_greedy:
+            return sampler.masked(logits, batch).argmax(-1).tolist(), None
+        q = sampler.distributions(logits, batch)
+        return sampler.race(q, [s.generator for s in seqs]).tolist(), q
