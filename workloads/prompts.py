@@ -1,8 +1,10 @@
 """Prompt token sources: random non-special token ids, or windows of a text corpus's tokens.
 
 Both hand out token ids; `render` turns them into what the request carries: the ids themselves
-(random_ids: exact lengths) or their decoded text (text: the engine re-tokenizes, so the length
-it sees can differ by a token or two at window edges).
+(random_ids: exact lengths), their decoded text (text: the engine re-tokenizes, so the length
+it sees can differ by a token or two at window edges), or a chat asking to repeat that text
+(repeat: the output overlaps the prompt, what speculative decoding's n-gram lookup feeds on;
+the instruction and the chat template add a few dozen tokens to the window's).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from models.tokenizer import CORPUS_DIR, Tokenizer, default_tokenizer
 from workloads.trace_files import read_text
 
 DEFAULT_CORPUS = CORPUS_DIR / "sonnets.txt"
-PROMPT_KINDS = ("random_ids", "text")
+PROMPT_KINDS = ("random_ids", "text", "repeat")
+REPEAT_INSTRUCTION = "Repeat the following text exactly, and nothing else:\n\n"
 
 
 def tokenizer_or_default(tokenizer: Tokenizer | None) -> Tokenizer:
@@ -49,10 +52,15 @@ class TokenSource:
         start = int(rng.choice(self._starts))  # any word start: the corpus is tiled
         return corpus[start : start + n]
 
-    def render(self, ids: np.ndarray | list[int]) -> list[int] | str:
+    def render(self, ids: np.ndarray | list[int]) -> list[int] | str | list[dict[str, str]]:
         # tolist() gives Python ints in one C loop: millions of ids for long traces.
         values: list[int] = np.asarray(ids, dtype=np.int64).tolist()
-        return values if self.kind == "random_ids" else self.tokenizer.decode(values)
+        if self.kind == "random_ids":
+            return values
+        text = self.tokenizer.decode(values)
+        if self.kind == "repeat":
+            return [{"role": "user", "content": REPEAT_INSTRUCTION + text}]
+        return text
 
     def _corpus_ids(self, n: int) -> np.ndarray:
         if self._corpus is None:
