@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 import signal
 import socket
@@ -241,6 +242,34 @@ def test_return_token_ids_as_vllm_sends_them(client: httpx.Client, direct: LLM) 
         assert len(first) == 1 and first[0] is chunks[0]  # only in the first chunk
         where = chunks[0] if path == CHAT else chunks[0]["choices"][0]
         assert where["prompt_token_ids"] == want.prompt_token_ids
+
+
+def test_a_speculating_server_streams_every_kept_token(direct: LLM) -> None:
+    """Speculative decoding behind the server: a step's kept drafts stream as one chunk per
+    token, and the text and token ids are the engine's without speculation."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    options = {**OPTIONS, "speculative_config": ngram}
+    rng = random.Random(2)
+    stretch = [rng.randrange(10, 4000) for _ in range(6)]
+    prompt = [rng.randrange(10, 4000) for _ in range(5)] + stretch * 3  # lookups find drafts
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+    want = direct.generate([prompt], greedy)[0]
+    speculated = LLM(model="tiny", **options).generate([prompt], greedy)[0].metrics
+    assert speculated.spec_accepted_tokens > 1  # some step streams a burst
+    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **options}))
+    backend.load()
+    try:
+        with (
+            serve_in_thread(backend, ServerConfig()) as running,
+            httpx.Client(base_url=running.base_url, timeout=60) as client,
+        ):
+            payload = {"prompt": prompt, "max_tokens": 40, "temperature": 0}
+            chunks = stream(client, COMPLETIONS, {**payload, "return_token_ids": True})
+    finally:
+        backend.close()
+    *token_chunks, _finish = chunks
+    assert [c["choices"][0]["token_ids"] for c in token_chunks] == [[t] for t in want.token_ids]
+    assert "".join(c["choices"][0]["text"] for c in token_chunks) == want.text
 
 
 # ---- chat -------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from workloads import (
     from_config,
     parse_length,
 )
+from workloads.prompts import REPEAT_INSTRUCTION
 
 
 def test_random_id_prompts_have_exact_lengths_and_no_special_ids() -> None:
@@ -59,6 +60,21 @@ def test_text_prompts_come_from_the_corpus(tmp_path) -> None:
         words = {"the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog.", "dog"}
         assert set(r.request.prompt.split()) <= words
         assert abs(len(tok.encode(r.request.prompt, add_special_tokens=False)) - 16) <= 2
+
+
+def test_repeat_prompts_ask_to_repeat_the_same_windows(tmp_path) -> None:
+    """prompt=repeat: the text prompt=text draws, in a chat asking for it back (output that
+    overlaps the prompt, for speculative decoding)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 50)
+    tok = default_tokenizer()
+
+    def build(kind: str) -> list:
+        workload = SyntheticWorkload(num_requests=3, input_len=16, prompt=kind, corpus=str(corpus))
+        return [r.request.prompt for r in workload.build(tok)]
+
+    for text, chat in zip(build("text"), build("repeat"), strict=True):
+        assert chat == [{"role": "user", "content": REPEAT_INSTRUCTION + text}]
 
 
 @pytest.mark.parametrize(
