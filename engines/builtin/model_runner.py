@@ -140,6 +140,7 @@ class ModelRunner:
         # with the KV cache, which sets the block tables' width; so are the limits below.
         self.max_num_batched_tokens = 0
         self.max_num_seqs = 0
+        self.max_rows = 0  # rows a step may pack (allocate_kv_cache)
         self.inputs: StepInputs  # allocate_kv_cache
         self.max_blocks_per_seq = 1
         self._graph_size: int | None = None  # the CUDA graph bucket serving this step
@@ -173,8 +174,17 @@ class ModelRunner:
         self.ring = bool(getattr(kv, "ring", False))
         self.block_size = layout.block_size
         self.max_blocks_per_seq = max(1, ceil_div(self.max_model_len, layout.block_size))
+        # rows a step packs: one per sequence, or with speculative decoding one per token of
+        # a verifying sequence (prepare's `as_decodes`)
+        spec = self.config.speculative()
+        self.max_rows = self.max_num_seqs
+        if spec is not None:
+            self.max_rows = min(
+                self.max_num_seqs * (1 + spec.num_speculative_tokens),
+                max(self.max_num_batched_tokens, self.max_num_seqs),
+            )
         self.inputs = StepInputs(
-            self.max_num_batched_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.device
+            self.max_num_batched_tokens, self.max_rows, self.max_blocks_per_seq, self.device
         )
         self.kv_caches = []
         cache_class = LayerKVCache
@@ -274,6 +284,23 @@ class ModelRunner:
         pad_rows = [r for r in pads if not r.is_decode]
         # (seq_id, first position, real tokens, padding tokens) per row, in packing order
         rows: list[tuple[int, int, list[int], int]] = []
+        # Speculative rows among decodes only: each token becomes a one-token decode row over
+        # its sequence's blocks (the step writes every token's K/V before attending, so the
+        # row at position p sees the keys up to p: causal, as a prefill chunk would). The
+        # step then runs as a decode step: the decode kernels, the decode program, graphs.
+        as_decodes = (
+            bool(plan.num_draft_tokens)
+            and kv.retains_kv
+            and not pads
+            and plan.num_tokens <= self.max_rows
+            and all(s.is_decode or s.proposal is not None for s in items)
+        )
+        if as_decodes:
+            for s in items:
+                start = s.num_computed_before
+                rows += [(s.seq.seq_id, start + i, [t], 0) for i, t in enumerate(s.new_token_ids)]
+            num_decodes = len(rows)
+            items = []  # every row is packed
         for s in items[:num_decodes]:
             rows.append((s.seq.seq_id, s.num_computed_before, s.new_token_ids, 0))
         for r in pad_decodes:
@@ -334,30 +361,35 @@ class ModelRunner:
                 write_index = torch.as_tensor(np.flatnonzero(keep), device=self.device)
             host["slots"][:n] = slots
 
-        # Real rows in plan order: decodes are rows 0..num_decodes-1, prefills follow the
-        # padding decodes. A sampling row's logits are at its last real token.
-        first_prefill = num_decodes + len(pad_decodes)
-        real_rows = [
-            *range(num_decodes),
-            *range(first_prefill, first_prefill + len(items) - num_decodes),
-        ]
-        # A sampling row's logits are at its last real token; a speculative row's at its last
-        # own token and at each of its drafts (the last 1 + drafts real tokens).
-        sampling = [
-            (row, s.num_draft_tokens) for row, s in zip(real_rows, items, strict=True) if s.samples
-        ]
-        sample_rows = [row for row, _ in sampling]
-        num_sampled = len(sample_rows)
-        ends = qsl[:-1][sample_rows] + real_lens[sample_rows]
         indices: list[int] | np.ndarray
-        if plan.num_draft_tokens:
-            indices = [
-                end - 1 - back
-                for end, (_, drafts) in zip(ends.tolist(), sampling, strict=True)
-                for back in range(drafts, -1, -1)
-            ]
+        if as_decodes:  # every row samples: its own token's logits
+            indices = np.arange(num_tokens)
+            num_sampled = num_seqs
         else:
+            # Real rows in plan order: decodes are rows 0..num_decodes-1, prefills follow the
+            # padding decodes. A sampling row's logits are at its last real token; a
+            # speculative row's at its last own token and at each of its drafts.
+            items = plan.scheduled
+            first_prefill = num_decodes + len(pad_decodes)
+            real_rows = [
+                *range(num_decodes),
+                *range(first_prefill, first_prefill + len(items) - num_decodes),
+            ]
+            sampling = [
+                (row, s.num_draft_tokens)
+                for row, s in zip(real_rows, items, strict=True)
+                if s.samples
+            ]
+            sample_rows = [row for row, _ in sampling]
+            num_sampled = len(sample_rows)
+            ends = qsl[:-1][sample_rows] + real_lens[sample_rows]
             indices = ends - 1
+            if plan.num_draft_tokens:
+                indices = [
+                    end - 1 - back
+                    for end, (_, drafts) in zip(ends.tolist(), sampling, strict=True)
+                    for back in range(drafts, -1, -1)
+                ]
         num_logits = len(indices)
         host["logits_indices"][:num_logits] = indices
         self._graph_size = None
