@@ -124,6 +124,7 @@ class LLMEngine:
             self.model_config.vocab_size,
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
             self.config.kv_cache,
+            self.limits.max_model_len,
             lambda overrides: LLMEngine(replace(self.config, **overrides)),
         )
         return PROPOSERS.get(spec.method)(spec, context)
@@ -374,6 +375,8 @@ class LLMEngine:
                 seq = self.scheduler.waiting[0]
                 self.scheduler.finish(seq, "error")
                 self.sequences.pop(seq.key, None)
+                if self.proposer is not None:
+                    self.proposer.release(seq)
                 events.append(
                     Failed(
                         seq.request_id,
@@ -386,6 +389,8 @@ class LLMEngine:
             return events
         for seq in plan.preempted:
             events.append(Preempted(seq.request_id, plan.step, start, "kv cache full"))
+            if self.proposer is not None:  # its draft state waits in memory otherwise
+                self.proposer.release(seq)
         for seq in plan.admitted:
             if seq.first_scheduled_step == plan.step and seq.num_preemptions == 0:
                 events.append(Scheduled(seq.request_id, plan.step, start))

@@ -240,17 +240,9 @@ class Scheduler:
                         break
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
-                # drafts extend a row that reaches the sequence's end (a decode; with
-                # kv_cache=none, its whole context)
-                proposal = proposals.get(seq.seq_id)
-                if proposal is not None and seq.num_computed_tokens + num_new == seq.num_tokens:
-                    proposal = self._fit_drafts(seq, proposal, budget - num_new)
-                    num_new += 0 if proposal is None else len(proposal.token_ids)
-                else:
-                    proposal = None
                 self._allocate(seq, seq.num_computed_tokens + num_new, plan)
                 budget -= num_new
-                item = ScheduledSequence(seq, num_new, seq.num_computed_tokens, proposal=proposal)
+                item = ScheduledSequence(seq, num_new, seq.num_computed_tokens)
                 (decodes if item.is_decode else prefills).append(item)
                 scheduled.add(seq)
 
@@ -276,7 +268,21 @@ class Scheduler:
             budget -= num_new
             prefills.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens))
 
-        plan.scheduled = decodes + prefills
+        # Last, drafts (speculative decoding) extend rows that reach their sequence's end (a
+        # decode; with kv_cache=none its whole context), in the budget and KV memory left:
+        # they never take what any sequence's own tokens need.
+        for item in decodes + prefills:
+            proposal = proposals.get(item.seq.seq_id)
+            if proposal is None or not item.samples or item.seq in plan.admitted:
+                continue
+            fitted = self._fit_drafts(item.seq, proposal, budget)
+            if fitted is not None:
+                item.proposal = fitted
+                item.num_new_tokens += len(fitted.token_ids)
+                budget -= len(fitted.token_ids)
+                self._allocate(item.seq, item.num_computed_before + item.num_new_tokens, plan)
+        plan.scheduled = [s for s in decodes if s.is_decode]  # decodes first: the runner packs
+        plan.scheduled += [s for s in decodes if not s.is_decode] + prefills
 
     def _fit_drafts(self, seq: Sequence, proposal: Proposal, budget: int) -> Proposal | None:
         """The proposal cut to what the token budget and the free KV memory take beyond the

@@ -107,7 +107,9 @@ def plan_in_place_decode(
         return None
     blocks = meta.block_tables[:nd, 0]
     first = int(blocks.min())
-    if int(blocks.max()) - first + 1 != nd:
+    # one block per row: a range of nd distinct blocks (speculative verification gives a
+    # sequence's rows the same block, which a range with gaps could otherwise hide)
+    if int(blocks.max()) - first + 1 != nd or int(torch.unique(blocks).numel()) != nd:
         return None
     relative = (blocks - first).long()
     order = None if bool((relative == torch.arange(nd, device=blocks.device)).all()) else relative

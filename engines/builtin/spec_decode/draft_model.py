@@ -42,6 +42,7 @@ class DraftModelProposer(Proposer):
             "kv_cache_prefault": False,
             # its own cache in the target's layout; contiguous where the target keeps none
             "kv_cache": "contiguous" if context.kv_cache == "none" else context.kv_cache,
+            "max_model_len": context.max_model_len,
         }
         if config.dtype is not None:
             overrides["dtype"] = config.dtype
@@ -53,7 +54,12 @@ class DraftModelProposer(Proposer):
                 lm_head_quantization="same",
             )
         self.model = config.model
-        self.engine = context.build_engine(overrides)
+        try:
+            self.engine = context.build_engine(overrides)
+        except ValueError as error:  # ConfigError too: name the draft, not the target
+            raise ConfigError(
+                f"engine.speculative_config.model: {config.model!r} cannot be the draft: {error}"
+            ) from error
         engine = self.engine
         if engine.runner.ring:
             raise ConfigError(
@@ -91,30 +97,27 @@ class DraftModelProposer(Proposer):
             self.kv.free(mirror.seq_id)
 
     def propose(self, seqs: Seq[Sequence], limits: Seq[int]) -> list[Proposal]:
-        mirrors = [self._sync(seq) for seq in seqs]
-        logits = self._catch_up(mirrors)  # [len(seqs), V], after each sequence's last token
         counts = [min(self.k, limit) for limit in limits]
+        mirrors = {i: self._sync(seq) for i, seq in enumerate(seqs) if counts[i] > 0}
+        last = self._catch_up(mirrors)  # index -> logits after the sequence's last token
         drafts: list[list[int]] = [[] for _ in seqs]
         dists: list[list[torch.Tensor]] = [[] for _ in seqs]
-        active = [i for i, count in enumerate(counts) if count > 0 and mirrors[i] is not None]
-        rows = active
-        while active:
+        rows = [i for i in mirrors if i in last]
+        logits = torch.stack([last[i] for i in rows]) if rows else None
+        while rows and logits is not None:
             tokens, q = self._draw(logits, [seqs[i] for i in rows], len(drafts[rows[0]]))
             for row, i in enumerate(rows):
                 drafts[i].append(tokens[row])
                 if q is not None:
                     dists[i].append(q[row])
-            active = [i for i in active if len(drafts[i]) < counts[i]]
-            if not active:
-                break
-            items = []
-            for i in active:
-                mirror = mirrors[i]
-                assert mirror is not None
-                mirror.token_ids.append(drafts[i][-1])
-                items.append(ScheduledSequence(mirror, 1, mirror.num_computed_tokens))
-            rows, logits = self._run_or_stop(items, active)
-            active = rows
+            rows = [i for i in rows if len(drafts[i]) < counts[i]]
+            for i in rows:
+                mirrors[i].token_ids.append(drafts[i][-1])
+            ran = self._run(
+                {i: ScheduledSequence(mirrors[i], 1, mirrors[i].num_computed_tokens) for i in rows}
+            )
+            rows = list(ran)  # a row whose cache could not grow stops drafting
+            logits = torch.stack(list(ran.values())) if ran else None
         return [
             Proposal(d, torch.stack(q) if q and len(q) == len(d) else None)
             for d, q in zip(drafts, dists, strict=True)
@@ -122,7 +125,7 @@ class DraftModelProposer(Proposer):
 
     # ---- keeping the draft's cache in step ---------------------------------------------------
 
-    def _sync(self, seq: Sequence) -> Sequence | None:
+    def _sync(self, seq: Sequence) -> Sequence:
         """The draft's copy of `seq`, its cache cut back to the prefix it computed on the
         sequence's tokens (never the last one, whose logits the drafts start from)."""
         mirror = self.mirrors.get(seq.seq_id)
@@ -139,59 +142,56 @@ class DraftModelProposer(Proposer):
             self.kv.truncate(mirror.seq_id, valid)
         mirror.num_computed_tokens = valid
         mirror.token_ids = list(theirs)
-        if not self.kv.can_allocate(mirror.seq_id, mirror.num_tokens):
-            self.release(seq)  # the draft's pool is full: no drafts for this one this step
-            return None
         return mirror
 
-    def _catch_up(self, mirrors: Seq[Sequence | None]) -> torch.Tensor:
+    def _catch_up(self, mirrors: dict[int, Sequence]) -> dict[int, torch.Tensor]:
         """Compute every token the draft has not seen, in passes of at most the token budget;
-        the logits after each sequence's last token (zeros for a skipped one)."""
+        index -> the logits after the sequence's last token (a sequence whose cache cannot
+        grow is left out: no drafts for it this step)."""
         out: dict[int, torch.Tensor] = {}
-        pending = [i for i, m in enumerate(mirrors) if m is not None]
+        pending = list(mirrors)
         while pending:
-            budget, items, rows = self.max_batched, [], []
+            budget, items = self.max_batched, {}
             for i in pending:
                 mirror = mirrors[i]
-                assert mirror is not None
                 take = min(mirror.num_tokens - mirror.num_computed_tokens, budget)
                 if take == 0:
                     break
-                items.append(ScheduledSequence(mirror, take, mirror.num_computed_tokens))
-                rows.append(i)
+                items[i] = ScheduledSequence(mirror, take, mirror.num_computed_tokens)
                 budget -= take
-            logits = self._run(items)
-            sampled = [i for i, item in zip(rows, items, strict=True) if item.samples]
-            out.update(zip(sampled, logits, strict=True))
-            pending = [i for i in pending if i not in out]
-        vocab = self.runner.sample_vocab_size
-        return torch.stack([out.get(i, torch.zeros(vocab)) for i in range(len(mirrors))])
+            out.update(self._run(items))
+            # left: rows the budget did not reach and rows partly computed; a row whose cache
+            # could not grow did not advance and is dropped
+            pending = [
+                i
+                for i in pending
+                if i not in out
+                and (
+                    i not in items or mirrors[i].num_computed_tokens > items[i].num_computed_before
+                )
+            ]
+        return out
 
-    def _run_or_stop(
-        self, items: list[ScheduledSequence], rows: list[int]
-    ) -> tuple[list[int], torch.Tensor]:
-        """One decode step of the drafts; rows whose cache cannot grow stop drafting."""
-        fits = [self.kv.can_allocate(s.seq.seq_id, s.seq.num_tokens) for s in items]
-        kept = [item for item, ok in zip(items, fits, strict=True) if ok]
-        return [row for row, ok in zip(rows, fits, strict=True) if ok], self._run(kept)
-
-    def _run(self, items: list[ScheduledSequence]) -> torch.Tensor:
-        """Run one step of the draft on these rows; the logits of the rows that sample, in
-        the items' order."""
-        if not items:
-            return torch.empty(0, self.runner.sample_vocab_size)
-        order = sorted(range(len(items)), key=lambda i: not items[i].is_decode)  # decodes first
-        plan = StepPlan(step=0, scheduled=[items[i] for i in order])
-        for item in items:
-            self.kv.allocate(item.seq.seq_id, item.num_computed_before + item.num_new_tokens)
+    def _run(self, items: dict[int, ScheduledSequence]) -> dict[int, torch.Tensor]:
+        """One step of the draft over the rows whose cache can grow (allocated in order, so
+        that each sees what the earlier ones took); index -> logits for those that sample."""
+        fitting = {}
+        for i, item in items.items():
+            total = item.num_computed_before + item.num_new_tokens
+            if self.kv.can_allocate(item.seq.seq_id, total):
+                self.kv.allocate(item.seq.seq_id, total)
+                fitting[i] = item
+        if not fitting:
+            return {}
+        order = sorted(fitting, key=lambda i: not fitting[i].is_decode)  # decodes first
+        plan = StepPlan(step=0, scheduled=[fitting[i] for i in order])
         logits = self.runner.execute_logits(plan, self.kv)
-        for item in items:
+        for item in fitting.values():
             computed = item.num_computed_before + item.num_new_tokens
             self.kv.commit(item.seq.seq_id, computed)
             item.seq.num_computed_tokens = computed
-        position = {index: row for row, index in enumerate(i for i in order if items[i].samples)}
-        wanted = [position[i] for i in range(len(items)) if items[i].samples]
-        return logits[wanted]
+        sampled = [i for i in order if fitting[i].samples]
+        return dict(zip(sampled, logits, strict=True))
 
     def _draw(
         self, logits: torch.Tensor, seqs: Seq[Sequence], ahead: int

@@ -35,6 +35,7 @@ class ProposerContext:
     model_vocab_size: int  # rows of the target's LM head (the tokenizer's, or padded)
     encode: Callable[[str], list[int]]  # the target's tokenizer
     kv_cache: str  # the target's KV layout (engine.kv_cache)
+    max_model_len: int  # the target's: a draft must serve sequences as long
     # an engine of the same machinery with the target's options and these overrides (a draft
     # model's: its own model, dtype, quantization and KV cache)
     build_engine: Callable[[dict[str, Any]], Any]

@@ -197,3 +197,83 @@ def test_combinations_it_cannot_serve_are_refused() -> None:
             model_overrides={"sliding_window": 16},
             speculative_config=NGRAM,
         )
+
+
+class Oracle:
+    """A proposer that drafts the plain run's next token for one request only: every draft is
+    right, so every one must be kept, whatever reads the cache. One draft a step: two rows of
+    one sequence beside a gap in the others' slots look like a range of distinct blocks."""
+
+    def __init__(self, reference: dict[str, list[int]], request_id: str) -> None:
+        self.reference, self.request_id = reference, request_id
+
+    def propose(self, seqs, limits):
+        from engines.builtin.spec_decode.proposer import Proposal
+
+        return [
+            Proposal(
+                self.reference[s.request_id][s.num_output_tokens : s.num_output_tokens + 1]
+                if s.request_id == self.request_id
+                else []
+            )
+            for s in seqs
+        ]
+
+
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "cpu"])
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+def test_right_drafts_are_all_kept_by_every_attention_backend(make_tiny, backend, kv) -> None:
+    """Verification rows of one sequence share its blocks: an attention path that reads the
+    cache in place must not mistake them for other sequences' (review of issue 19: the dense
+    in-place decode read two rows from one slot)."""
+    rng = random.Random(0)
+    batch = [[rng.randrange(10, 4000) for _ in range(8)] for _ in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 3, 30)]
+    options = dict(attention_backend=backend, kv_cache=kv, block_size=64, max_model_len=64)
+    plain = make_tiny(**options).generate(batch, params)
+    llm = make_tiny(speculative_config=NGRAM, **options)
+    llm.engine.proposer.propose = Oracle({o.request_id: o.token_ids for o in plain}, "0").propose
+    out = llm.generate(batch, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert 0 < out[0].metrics.spec_draft_tokens == out[0].metrics.spec_accepted_tokens
+
+
+def test_a_draft_pool_smaller_than_the_targets_only_drafts_less(make_tiny) -> None:
+    """A float32 draft for a bfloat16 target in the same KV bytes has half the blocks: rows
+    whose draft cache cannot grow go without drafts, never fail."""
+    batch = prompts(8)
+    options = dict(
+        dtype="bfloat16",
+        kv_cache="paged",
+        block_size=4,
+        max_model_len=64,
+        kv_cache_memory_bytes=320 * 256,
+    )
+    spec = {**DRAFT, "dtype": "float32", "quantization": None}
+    plain = make_tiny(**options).generate(batch, SamplingParams(temperature=0.0, max_tokens=20))
+    llm = make_tiny(speculative_config=spec, **options)
+    assert llm.engine.proposer.kv.num_free_blocks < llm.engine.kv.num_free_blocks
+    out = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=20))
+    assert all(o.error is None for o in out)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    assert sum(o.metrics.spec_accepted_tokens for o in out) > 0
+
+
+def test_drafts_never_preempt_a_sequence(make_tiny) -> None:
+    """With one free block left, a decode's drafts give way to another decode's own token."""
+    from engines.builtin.spec_decode.proposer import Proposal
+
+    llm = make_tiny(
+        kv_cache="paged", block_size=4, max_model_len=64, kv_cache_memory_bytes=40 * 4 * 512
+    )
+    engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine.add_request("A", [11, 12, 13, 14, 15, 16], params)
+    engine.add_request("B", [21, 22, 23, 24, 25, 26, 27], params)
+    engine.step()
+    a, b = engine.scheduler.running
+    while not (b.num_computed_tokens % 4 == 0 and a.num_computed_tokens % 4 != 0):
+        engine.step()  # until B's next token needs a new block and A's does not
+    engine.kv.allocate(999, (engine.kv.num_free_blocks - 1) * 4)  # one free block left
+    plan = engine.scheduler.schedule({a.seq_id: Proposal([5, 6, 7, 8])})
+    assert not plan.preempted
+    assert [s.seq.request_id for s in plan.scheduled] == ["A", "B"]
