@@ -12,9 +12,7 @@ rows / tile: below 1 the rows kernels win. Run it on an idle machine.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_cpu_kernels import median_ms
 from bench_linear_kernels import block_shapes
 
 from engines.builtin.native import quant as native_quant
@@ -30,17 +29,6 @@ FORMATS = {"int4": (4, "float"), "int4 a8": (4, "int8"), "int8": (8, "float")}
 # SmolLM2-135M's block (hidden 576, intermediate 1,536, 9 heads and 3 KV heads of 64): the real
 # model issue 18's targets are set on, which has no dummy preset
 SMOLLM2_BLOCK = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def block_pass(bits: int, activations: str, shapes: list[tuple[int, int]], rows: int):
