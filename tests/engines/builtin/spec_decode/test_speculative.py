@@ -277,3 +277,10 @@ def test_drafts_never_preempt_a_sequence(make_tiny) -> None:
     plan = engine.scheduler.schedule({a.seq_id: Proposal([5, 6, 7, 8])})
     assert not plan.preempted
     assert [s.seq.request_id for s in plan.scheduled] == ["A", "B"]
+
+
+def test_the_methods_the_config_accepts_are_the_registered_proposers() -> None:
+    from engines.builtin.spec_decode.config import METHODS
+    from engines.builtin.spec_decode.methods import PROPOSERS
+
+    assert sorted(METHODS) == sorted(PROPOSERS.names())
