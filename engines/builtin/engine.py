@@ -345,8 +345,7 @@ class LLMEngine:
         """Abort every sample of the request and free its KV memory."""
         for seq in [s for s in self.sequences.values() if s.request_id == request_id]:
             del self.sequences[seq.key]
-            if self.proposer is not None:
-                self.proposer.release(seq)
+            self._release_drafts(seq)
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq, "abort")
@@ -375,8 +374,7 @@ class LLMEngine:
                 seq = self.scheduler.waiting[0]
                 self.scheduler.finish(seq, "error")
                 self.sequences.pop(seq.key, None)
-                if self.proposer is not None:
-                    self.proposer.release(seq)
+                self._release_drafts(seq)
                 events.append(
                     Failed(
                         seq.request_id,
@@ -389,8 +387,7 @@ class LLMEngine:
             return events
         for seq in plan.preempted:
             events.append(Preempted(seq.request_id, plan.step, start, "kv cache full"))
-            if self.proposer is not None:  # its draft state waits in memory otherwise
-                self.proposer.release(seq)
+            self._release_drafts(seq)
         for seq in plan.admitted:
             if seq.first_scheduled_step == plan.step and seq.num_preemptions == 0:
                 events.append(Scheduled(seq.request_id, plan.step, start))
@@ -412,12 +409,13 @@ class LLMEngine:
                 tokens = self.runner.execute(plan, self.kv)
         except Exception as exc:  # a failed step fails its requests, not the engine
             return events + self._fail_step(plan, exc)
-        self.scheduler.complete_step(plan, _kept_drafts(plan, tokens))
+        kept = _kept_drafts(plan, tokens) if plan.num_draft_tokens else {}
+        self.scheduler.complete_step(plan, kept)
         new_tokens = self.output.process(plan, tokens)
         if self.proposer is not None:
             for item in plan.scheduled:
                 if item.seq.is_finished:
-                    self.proposer.release(item.seq)
+                    self._release_drafts(item.seq)
         end = self._end_step(start)
         events += self.output.events(new_tokens, plan.step, end)
         if self.step_observers:
@@ -459,6 +457,12 @@ class LLMEngine:
         self.last_draft_ns = self.platform.now_ns() - began
         return {seq.seq_id: p for seq, p in zip(seqs, proposals, strict=True) if p.token_ids}
 
+    def _release_drafts(self, seq: Sequence) -> None:
+        """A sequence that finished, failed or lost its KV: the proposer forgets its state
+        (a draft model's cache holds it otherwise)."""
+        if self.proposer is not None:
+            self.proposer.release(seq)
+
     def _end_step(self, start_ns: int) -> int:
         """The step's end timestamp, taken once its output is processed. A seam for test
         instruments: the planted slowdown (planted_slowdown.py) spins here, inside the step."""
@@ -472,8 +476,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "error")
             self.sequences.pop(seq.key, None)
             self.output.forget(seq)
-            if self.proposer is not None:
-                self.proposer.release(seq)
+            self._release_drafts(seq)
             events.append(
                 Failed(
                     seq.request_id,

@@ -300,17 +300,17 @@ class ModelRunner:
                 start = s.num_computed_before
                 rows += [(s.seq.seq_id, start + i, [t], 0) for i, t in enumerate(s.new_token_ids)]
             num_decodes = len(rows)
-            items = []  # every row is packed
-        for s in items[:num_decodes]:
-            rows.append((s.seq.seq_id, s.num_computed_before, s.new_token_ids, 0))
-        for r in pad_decodes:
-            rows.append((r.seq.seq_id, r.start, [], 1))
-        for s in items[num_decodes:]:
-            rows.append(
-                (s.seq.seq_id, s.num_computed_before, s.new_token_ids, s.num_padding_tokens)
-            )
-        for r in pad_rows:
-            rows.append((r.seq.seq_id, r.start, [], r.num_tokens))
+        else:
+            for s in items[:num_decodes]:
+                rows.append((s.seq.seq_id, s.num_computed_before, s.new_token_ids, 0))
+            for r in pad_decodes:
+                rows.append((r.seq.seq_id, r.start, [], 1))
+            for s in items[num_decodes:]:
+                rows.append(
+                    (s.seq.seq_id, s.num_computed_before, s.new_token_ids, s.num_padding_tokens)
+                )
+            for r in pad_rows:
+                rows.append((r.seq.seq_id, r.start, [], r.num_tokens))
 
         num_seqs = len(rows)
         real_lens = np.fromiter((len(r[2]) for r in rows), np.int64, num_seqs)
@@ -369,7 +369,6 @@ class ModelRunner:
             # Real rows in plan order: decodes are rows 0..num_decodes-1, prefills follow the
             # padding decodes. A sampling row's logits are at its last real token; a
             # speculative row's at its last own token and at each of its drafts.
-            items = plan.scheduled
             first_prefill = num_decodes + len(pad_decodes)
             real_rows = [
                 *range(num_decodes),
