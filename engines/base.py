@@ -154,6 +154,9 @@ class StepRecord:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     draft_ns: int = 0
+    # per draft position 1, 2, ...: the verifying rows that proposed / kept a draft there
+    spec_drafts_by_position: tuple[int, ...] = ()
+    spec_accepted_by_position: tuple[int, ...] = ()
 
 
 StepObserver = Callable[[StepRecord], None]
@@ -181,6 +184,10 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""
+
+    def start_measuring(self) -> None:  # noqa: B027 - optional hook
+        """Called once, after any warm-up, before the measured requests: a backend that reads
+        counters kept elsewhere (a server's /metrics) takes its starting values here."""
 
     def describe(self) -> dict[str, Any]:
         """Facts worth recording in the run folder (model shape, byte counts, options)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +35,8 @@ class ModelChoice:
     """The `model` group: the model every backend runs; configs/model/*.yaml are its presets
     (the schema `model/model_schema`)."""
 
-    # required: a preset (models/config.py), a packaged model (models/packaged.py), hf, or
-    # tiny-trained
+    # required: a preset (models/config.py), a packaged model (models/packaged.py), hf, or a
+    # trained one (engines/train_tiny.py: tiny-trained, tiny-trained-large)
     name: str = "???"
     path: str | None = None  # model=hf: a local Hugging Face checkpoint folder or .gguf file
     tokenizer: str | None = None  # None: the checkpoint's tokenizer, else the built-in BPE
@@ -107,11 +107,12 @@ def _weights_from_model_group(options: Options, model: Options) -> Options:
             "folder with config.json and *.safetensors)"
         )
     options = dict(options)
-    options["model"] = model.get("path") or model["name"]
-    if options["model"] == "tiny-trained":  # a small model with learned weights, cached
-        from engines.train_tiny import cached_tiny_model
+    from engines.train_tiny import trained_model_location  # small models with learned weights
 
-        options["model"] = str(cached_tiny_model())
+    options["model"] = trained_model_location(model.get("path") or model["name"])
+    draft = options.get("speculative_config")
+    if isinstance(draft, Mapping) and isinstance(draft.get("model"), str):
+        options["speculative_config"] = {**draft, "model": trained_model_location(draft["model"])}
     options["model_overrides"] = dict(model.get("overrides") or {})
     options["tokenizer"] = model.get("tokenizer")
     return options

@@ -145,6 +145,9 @@ STEP_COLUMNS = [
     "spec_draft_tokens",
     "spec_accepted_tokens",
     "draft_s",
+    # lists, per draft position 1, 2, ...: verifying rows that proposed / kept a draft there
+    "spec_drafts_by_position",
+    "spec_accepted_by_position",
     # the roofline (harness/measuring/roofline.py), added when the run finishes; NaN where it
     # does not apply
     "flops",

@@ -1,12 +1,14 @@
 """What /metrics exports: engine state as the engine thread last published it (read at scrape
 time, never from the engine itself, which another thread steps), and token counters and
-latency histograms updated as requests stream. Names follow vLLM's, with the `inferlab_` prefix
-(docs/serving.md has the crosswalk)."""
+latency histograms updated as requests stream, and speculative decoding's counters as the
+engine thread reports steps. Names follow vLLM's, with the `inferlab_` prefix (docs/serving.md
+has the crosswalk)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from engines.base import StepRecord
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.step_stats import EngineGauges
 from serving.prometheus import Counter, Gauge, Histogram, Registry
@@ -156,12 +158,63 @@ class ServerMetrics:
             )
         )
 
+        self.spec_positions = _spec_positions(backend)
+        if self.spec_positions:
+            self.spec_drafts = r.add(
+                Counter(
+                    "inferlab_spec_decode_num_drafts_total",
+                    "Speculative decoding: verifying rows (a sequence's drafts checked in a step).",
+                )
+            )
+            self.spec_draft_tokens = r.add(
+                Counter("inferlab_spec_decode_num_draft_tokens_total", "Drafts proposed.")
+            )
+            self.spec_accepted_tokens = r.add(
+                Counter("inferlab_spec_decode_num_accepted_tokens_total", "Drafts kept.")
+            )
+            positions = [(("position", str(i)),) for i in range(self.spec_positions)]
+            self.spec_drafts_per_pos = r.add(
+                Counter(
+                    "inferlab_spec_decode_num_draft_tokens_per_pos_total",
+                    "Drafts proposed at each position (0: the first draft).",
+                    positions,
+                )
+            )
+            self.spec_accepted_per_pos = r.add(
+                Counter(
+                    "inferlab_spec_decode_num_accepted_tokens_per_pos_total",
+                    "Drafts kept at each position (0: the first draft).",
+                    positions,
+                )
+            )
+            backend.step_observers.append(self.observe_step)
+
+    def observe_step(self, record: StepRecord) -> None:
+        """Speculative decoding's counters, from each step the engine thread reports."""
+        if not record.spec_draft_tokens:
+            return
+        self.spec_drafts.inc(record.spec_drafts_by_position[0])
+        self.spec_draft_tokens.inc(record.spec_draft_tokens)
+        self.spec_accepted_tokens.inc(record.spec_accepted_tokens)
+        for counter, counts in (
+            (self.spec_drafts_per_pos, record.spec_drafts_by_position),
+            (self.spec_accepted_per_pos, record.spec_accepted_by_position),
+        ):
+            for i, count in enumerate(counts):
+                counter.inc(count, (("position", str(i)),))
+
     def _stats(self) -> EngineGauges:
         thread = self.backend.engine_thread  # None once the backend is closed
         return EngineGauges() if thread is None else thread.stats
 
     def render(self) -> str:
         return self.registry.render()
+
+
+def _spec_positions(backend: BuiltinBackend) -> int:
+    """k, the draft positions to count; 0 without speculative decoding."""
+    spec = backend.config.speculative()
+    return spec.num_speculative_tokens if spec is not None else 0
 
 
 def _kv_usage(stats: EngineGauges) -> float:

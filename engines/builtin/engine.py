@@ -505,5 +505,5 @@ def _kept_drafts(plan: StepPlan, tokens: list[list[int]]) -> dict[int, list[int]
             seq.spec_steps += 1
             seq.spec_draft_tokens += item.num_draft_tokens
             seq.spec_accepted_tokens += len(new) - 1
-            plan.num_accepted_tokens += len(new) - 1
+            plan.spec_rounds.append((item.num_draft_tokens, len(new) - 1))
     return kept

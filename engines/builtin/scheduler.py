@@ -112,7 +112,8 @@ class StepPlan:
     padding_rows: list[PaddingRow] = field(default_factory=list)  # static batching only
     padding_tokens: int = 0
     num_waiting: int = 0
-    num_accepted_tokens: int = 0  # speculative decoding: drafts kept, known after the step
+    # speculative decoding, known after the step: per verifying row, (drafts, drafts kept)
+    spec_rounds: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -135,6 +136,10 @@ class StepPlan:
         """Speculative drafts this step verifies (counted in num_prefill_tokens: a verifying
         row computes several tokens over its cached context, as a prefill chunk does)."""
         return sum(s.num_draft_tokens for s in self.scheduled)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(kept for _, kept in self.spec_rounds)
 
     @property
     def num_tokens(self) -> int:

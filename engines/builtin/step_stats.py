@@ -67,9 +67,17 @@ def step_record(
         logits_tokens=logits_tokens,
         spec_draft_tokens=plan.num_draft_tokens,
         spec_accepted_tokens=plan.num_accepted_tokens,
+        spec_drafts_by_position=by_position([drafts for drafts, _ in plan.spec_rounds]),
+        spec_accepted_by_position=by_position([kept for _, kept in plan.spec_rounds]),
         draft_ns=draft_ns,
         **roofline_counts(plan, sliding_window, kv.retains_kv),
     )
+
+
+def by_position(lengths: list[int]) -> tuple[int, ...]:
+    """Runs of drafts (proposed or kept) -> how many reached each position 1, 2, ...: a kept
+    run of 3 counts at positions 1, 2 and 3."""
+    return tuple(sum(1 for n in lengths if n > i) for i in range(max(lengths, default=0)))
 
 
 def roofline_counts(plan: StepPlan, window: int | None, retains_kv: bool) -> dict[str, int]:

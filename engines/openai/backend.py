@@ -41,6 +41,7 @@ from engines.base import (
 )
 from engines.openai.chunks import ChoiceDelta, Chunk, decode_event, decode_response
 from engines.openai.config import OpenAIConfig
+from engines.openai.server_metrics import SpecDecodeCounters, metrics_url, parse_spec_decode
 from engines.openai.servers import (
     DIALECTS,
     FAMILIES,
@@ -86,6 +87,8 @@ class OpenAIBackend(Backend):
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._server_info: dict[str, Any] = {}
+        self._spec_at_start: SpecDecodeCounters | None = None
+        self._measuring = False
 
     @classmethod
     def from_config(cls, options: dict[str, Any], model: dict[str, Any]) -> OpenAIBackend:
@@ -135,6 +138,30 @@ class OpenAIBackend(Backend):
                 detected,
             )
 
+    def start_measuring(self) -> None:
+        self._spec_at_start = self._read_spec_decode()
+        self._measuring = True
+
+    def _metrics_url(self) -> str | None:
+        url = self.config.metrics_url
+        if url == "auto":
+            return metrics_url(self.config.base_url)
+        return None if url == "none" else url
+
+    def _read_spec_decode(self) -> SpecDecodeCounters | None:
+        """The server's speculative-decoding counters now; None where its /metrics has none
+        or cannot be read (a server without the page is not an error)."""
+        url = self._metrics_url()
+        if url is None:
+            return None
+        try:
+            response = httpx.get(url, timeout=min(self.config.timeout_s, 10.0))
+            response.raise_for_status()
+            return parse_spec_decode(response.text)
+        except (httpx.HTTPError, ValueError) as error:  # ValueError: not Prometheus text
+            log.info("engine.metrics_url=%s: no speculative-decoding counters (%s)", url, error)
+            return None
+
     def close(self) -> None:
         # The pool belongs to the event loop that made it (the driver runs one loop per
         # workload); that loop is gone by now, so its sockets close with it.
@@ -178,7 +205,17 @@ class OpenAIBackend(Backend):
             # updated in place as requests end, so the summary written after the run has
             # the whole run's figures (warm-up excluded)
             "client": self.stats.live,
+            "metrics_url": self._metrics_url(),
+            "server_spec_decode": self._spec_decode_during_run(),
         }
+
+    def _spec_decode_during_run(self) -> dict[str, Any] | None:
+        """The server's speculative-decoding counts over the measured requests (None before
+        they start, or where the server has no such counters)."""
+        if not self._measuring:
+            return None
+        now = self._read_spec_decode()
+        return None if now is None else now.since(self._spec_at_start).to_dict()
 
     # ---- one request --------------------------------------------------------------------------
 

@@ -38,6 +38,9 @@ class OpenAIConfig:
     check_server: bool = True  # load() asks GET /models: reachable, model served, context
     max_model_len: int | None = None  # None: what /models reports (vLLM, SGLang), else unknown
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
+    # the server's Prometheus page, read before and after the measured requests for its
+    # speculative-decoding counters: auto (base_url's root + /metrics) | none | a URL
+    metrics_url: str = "auto"
 
     @classmethod
     def from_config(cls, options: dict[str, Any], model: dict[str, Any]) -> OpenAIConfig:
@@ -115,6 +118,11 @@ class OpenAIConfig:
             raise fail("max_model_len", "null or an integer >= 1")
         if not isinstance(self.extra_body, dict):
             raise fail("extra_body", "a mapping of extra JSON fields, e.g. {top_k: 20}")
+        if not isinstance(self.metrics_url, str) or not (
+            self.metrics_url in ("auto", "none")
+            or self.metrics_url.startswith(("http://", "https://"))
+        ):
+            raise fail("metrics_url", "auto|none|an http:// or https:// URL of /metrics")
         self.base_url = self.base_url.rstrip("/")
         return self
 

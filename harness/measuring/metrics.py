@@ -150,6 +150,17 @@ register(
     "deterministic",
     "speculative decoding: tokens a verifying step gives a sequence (kept drafts + 1), mean",
 )
+# vLLM's per-position acceptance, made conditional: ngram proposes fewer than k drafts when its
+# match runs out, so a position's rate counts only the rows that proposed a draft there.
+SPEC_POSITIONS = 8
+for _position in range(1, SPEC_POSITIONS + 1):
+    register(
+        f"spec_acceptance_rate_pos{_position}",
+        "fraction",
+        "higher",
+        "deterministic",
+        f"speculative decoding: of the drafts proposed at position {_position}, the share kept",
+    )
 register(
     "spec_draft_time_fraction",
     "fraction",
@@ -385,6 +396,29 @@ register(
     "roofline: the run's FLOPs / its summed step time / peak FLOP/s (time-weighted MFU)",
 )
 register(
+    "mbu_verify_mean",
+    "fraction",
+    "higher",
+    "timing",
+    "roofline: mean MBU over speculative decoding's verifying steps",
+)
+register(
+    "roofline_verify_ratio_p50",
+    "ratio",
+    "lower",
+    "timing",
+    "roofline: median of measured / predicted step time over verifying steps",
+)
+for _steps in ("decode", "verify"):
+    register(
+        f"flops_per_byte_{_steps}_mean",
+        "FLOP/B",
+        "none",
+        "deterministic",
+        f"roofline: mean arithmetic intensity (FLOPs / bytes moved) of the {_steps} steps"
+        + (" (k+1 tokens a sequence, the weights read once)" if _steps == "verify" else ""),
+    )
+register(
     "roofline_fraction",
     "fraction",
     "higher",
@@ -490,11 +524,46 @@ def spec_summary(steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, Any]:
         "spec_acceptance_rate": kept / drafts,
         "spec_mean_accepted_length": (kept + verifies) / verifies,
     }
+    proposed, accepted = (
+        _sum_lists(steps[column]) if column in steps else np.zeros(0)
+        for column in ("spec_drafts_by_position", "spec_accepted_by_position")
+    )
+    for i in range(min(len(proposed), SPEC_POSITIONS)):
+        kept_here = accepted[i] if i < len(accepted) else 0.0
+        out[f"spec_acceptance_rate_pos{i + 1}"] = float(kept_here / proposed[i])
     if len(steps) and "draft_s" in steps:
         step_time = float((steps["end_s"] - steps["start_s"]).sum())
         if step_time > 0:
             out["spec_draft_time_fraction"] = float(steps["draft_s"].fillna(0).sum()) / step_time
     return out
+
+
+def server_spec_summary(counts: dict[str, Any] | None) -> dict[str, Any]:
+    """The same metrics from a server's own counters over the run (engine=openai: vLLM's
+    `spec_decode` series, engines/openai/server_metrics.py). A position's rate is over the
+    drafts proposed there where the server counts them (inferlab serve), else over every
+    verifying row (vLLM, whose draft models always propose k)."""
+    if not counts or not counts.get("num_draft_tokens"):
+        return {}
+    drafts, kept = counts["num_drafts"], counts["num_accepted_tokens"]
+    out = {"spec_acceptance_rate": kept / counts["num_draft_tokens"]}
+    if drafts:
+        out["spec_mean_accepted_length"] = 1 + kept / drafts
+    proposed = counts.get("num_draft_tokens_per_pos") or []
+    for i, kept_here in enumerate(counts.get("num_accepted_tokens_per_pos", [])[:SPEC_POSITIONS]):
+        denominator = proposed[i] if i < len(proposed) else drafts
+        if denominator:
+            out[f"spec_acceptance_rate_pos{i + 1}"] = kept_here / denominator
+    return out
+
+
+def _sum_lists(column: pd.Series) -> np.ndarray:
+    """Element-wise sum of a column of count lists of varying lengths (None where absent)."""
+    rows = [np.asarray(v, dtype=float) for v in column if isinstance(v, list | np.ndarray)]
+    total = np.zeros(max((len(r) for r in rows), default=0))
+    for row in rows:
+        total[: len(row)] += row
+    return total
 
 
 def slo_met(requests: pd.DataFrame, slo: dict[str, float | None]) -> pd.Series:
@@ -605,7 +674,10 @@ def compute_summary(
     )
     summary["padding_fraction"] = summary["padding_tokens_total"] / computed if computed else None
     summary.update(kv_summary(steps, members))
-    summary.update(spec_summary(steps, members))
+    summary.update(
+        spec_summary(steps, members)
+        or server_spec_summary(run_info.get("engine", {}).get("server_spec_decode"))
+    )
     summary.update(roofline_summary(steps))
     for key in ("kv_bytes_per_token", "weight_bytes", "linear_weight_bytes"):
         if run_info.get("engine", {}).get(key) is not None:

@@ -194,8 +194,15 @@ def decode_only(steps: pd.DataFrame) -> pd.Series:
     return (steps["num_prefill_seqs"] == 0) & (steps["num_decode_seqs"] > 0)
 
 
+def verifying(steps: pd.DataFrame) -> pd.Series:
+    """Steps that verified speculative drafts (whose rows count as prefill tokens)."""
+    if "spec_draft_tokens" not in steps:
+        return pd.Series(False, index=steps.index)
+    return steps["spec_draft_tokens"].fillna(0) > 0
+
+
 def prefill_only(steps: pd.DataFrame) -> pd.Series:
-    return (steps["num_decode_seqs"] == 0) & (steps["prefill_tokens"] > 0)
+    return (steps["num_decode_seqs"] == 0) & (steps["prefill_tokens"] > 0) & ~verifying(steps)
 
 
 def roofline_summary(steps: pd.DataFrame) -> dict[str, float]:
@@ -217,6 +224,14 @@ def roofline_summary(steps: pd.DataFrame) -> dict[str, float]:
     put("mfu_mean", steps["mfu"], "mean")
     put("roofline_decode_ratio_p50", ratio[decodes], "median")
     put("roofline_ratio_p50", ratio, "median")
+    verifies = verifying(steps)
+    put("mbu_verify_mean", steps.loc[verifies, "mbu"], "mean")
+    put("roofline_verify_ratio_p50", ratio[verifies], "median")
+    if set(ROOFLINE_COLUMNS[:4]) <= set(steps.columns):  # flops and the three byte terms
+        moved = steps["weight_bytes_read"] + steps["kv_bytes_read"] + steps["kv_bytes_written"]
+        intensity = steps["flops"] / moved.where(moved > 0)
+        put("flops_per_byte_decode_mean", intensity[decodes], "mean")
+        put("flops_per_byte_verify_mean", intensity[verifies], "mean")
     # Time-weighted over the run: what a workload's throughput reached, where the per-step
     # means above weigh a 5 ms step like a 2 s one.
     measured = measured_step_s(steps)

@@ -254,6 +254,30 @@ def roofline(
     return fig
 
 
+def speculative_speedups(points: pd.DataFrame, axis: str) -> Figure:
+    """Speculative decoding's speed-up in output tokens/s over no speculation: against the load
+    (`axis`: concurrency or batch size), one line per series, and against the acceptance rate,
+    one point per variant (columns series, speedup, spec_acceptance_rate and `axis`)."""
+    fig, (load_ax, accept_ax) = _subplots(1, 2, figsize=(10, 3.8))
+    for series, group in points.groupby("series", sort=False):
+        group = group.sort_values(axis)
+        (line,) = load_ax.plot(group[axis], group["speedup"], marker="o", label=str(series))
+        accept_ax.scatter(
+            group["spec_acceptance_rate"], group["speedup"], color=line.get_color(), s=18
+        )
+    for ax in (load_ax, accept_ax):
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_ylabel("speed-up (output tok/s vs no speculation)")
+        ax.grid(alpha=0.3)
+    load_ax.set_xlabel(axis)
+    if (points[axis] > 0).all():  # concurrency doubles from point to point
+        load_ax.set_xscale("log", base=2)
+    load_ax.legend(fontsize=6)
+    accept_ax.set_xlabel("acceptance rate (drafts kept / proposed)")
+    fig.tight_layout()
+    return fig
+
+
 def _subplots(rows: int = 1, cols: int = 1, *, figsize: tuple[float, float], **kwargs: Any) -> Any:
     fig = Figure(figsize=figsize)
     return fig, fig.subplots(rows, cols, **kwargs)

@@ -26,7 +26,7 @@ import pandas as pd
 
 from harness.measuring.metrics import REGISTRY
 from harness.measuring.roofline import Roof, decode_only, measured_step_s, prefill_only
-from harness.reporting import figures
+from harness.reporting import figures, speculative
 from harness.reporting.results import Results, load
 from harness.run_folder import read_sweep_summary
 from harness.running.table import format_value
@@ -670,10 +670,46 @@ def section_runs(res: Results, doc: Document) -> None:
     doc.table(table.dropna(axis=1, how="all"))
 
 
+def section_speculative(res: Results, doc: Document) -> None:
+    variants = res.variants
+    if "spec_acceptance_rate" not in variants or variants["spec_acceptance_rate"].isna().all():
+        return  # nothing speculated: the section is left out, not noted as skipped
+    doc.heading("Speculative decoding")
+    table = speculative.speedups(res)
+    if table.empty:
+        doc.note(
+            "Skipped: needs variants with and without `engine.speculative_config` that share "
+            "their other swept settings."
+        )
+        return
+    axis = speculative.load_axis(res)
+    series = [c for c in table.columns if c not in speculative.MEASURED and c != axis]
+    points = table.assign(
+        series=table[series].astype(str).agg(", ".join, axis=1) if series else "all"
+    )
+    doc.figure(
+        figures.speculative_speedups(points, axis),
+        "speculative_speedup",
+        f"Output tokens/s with speculation over the same settings without it: against {axis} "
+        "(left; dashed: no gain) and against the acceptance rate (right).",
+    )
+    shown = table.copy()
+    for column in ("speedup", "tpot_speedup"):
+        shown[column] = [f"{v:.2f}x" if pd.notna(v) else "-" for v in shown[column]]
+    for column in shown.columns:
+        metric = "output_tok_per_s" if column == "baseline_tok_per_s" else column
+        if metric in REGISTRY:
+            shown[column] = [format_metric(metric, v) for v in shown[column]]
+    doc.table(shown.fillna("-"))
+    doc.text("Where speculation stops paying (speed-up in tokens/s below 1):")
+    doc.table(speculative.stops_paying(table, axis).fillna("never, in the loads measured"))
+
+
 SECTIONS: tuple[Callable[[Results, Document], None], ...] = (
     section_variants,
     section_latency,
     section_load,
+    section_speculative,
     section_timeline,
     section_memory,
     section_samples,

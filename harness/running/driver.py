@@ -331,6 +331,8 @@ class Driver:
             "spec_draft_tokens": record.spec_draft_tokens,
             "spec_accepted_tokens": record.spec_accepted_tokens,
             "draft_s": record.draft_ns / 1e9,
+            "spec_drafts_by_position": list(record.spec_drafts_by_position),
+            "spec_accepted_by_position": list(record.spec_accepted_by_position),
         }
         self.sink("steps", row)
         self.overhead_ns += time.perf_counter_ns() - began

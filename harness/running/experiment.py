@@ -313,6 +313,7 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             info["closed_loop"] = concurrency is not None
             if profiler is not None:
                 profiler.attach(backend, cuda=str(info["engine"].get("device")).startswith("cuda"))
+            backend.start_measuring()
             driver.run(requests, concurrency=concurrency)
             info["harness_overhead_fraction"] = driver.overhead_fraction
             if run_cfg.quality.enabled and isinstance(backend, BuiltinBackend):

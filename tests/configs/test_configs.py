@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
 from omegaconf import OmegaConf
 
 import configs
+from engines import train_tiny
 from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
 from engines.llamacpp.config import LlamaCppConfig
@@ -37,13 +39,20 @@ def names(group: str) -> list[str]:
 ENGINE_CONFIGS = {"builtin": EngineConfig, "hf": HFConfig, "llamacpp": LlamaCppConfig}
 
 
+def untrained(model: str) -> str:
+    return "tiny" if model in train_tiny.TRAINED_MODELS else model
+
+
 def check(cfg: dict) -> None:
     engine = dict(cfg["engine"])
     backend = engine.pop("backend")
     if backend in ENGINE_CONFIGS:  # in-process engines validate their options on their own
         ENGINE_CONFIGS[backend].from_dict({**engine, "model": "tiny"})
-    if cfg["model"]["name"] not in ("hf", "tiny-trained"):  # those need a folder / training
-        build_backend(cfg["engine"], cfg["model"])  # validates without loading
+    if cfg["model"]["name"] != "hf":  # it needs a folder
+        # validates without loading; trained models stand in as the preset of the same
+        # architecture (training one takes minutes)
+        with mock.patch.object(train_tiny, "trained_model_location", untrained):
+            build_backend(cfg["engine"], cfg["model"])
     make_workload(cfg["workload"])
     WindowConfig.from_dict(cfg["run"]["window"])
 
@@ -383,3 +392,22 @@ def test_model_presets_set_only_what_they_choose(model: str) -> None:
         assert composed(f"model={model}")["model"] == {**defaults, **chosen}
     overrides = ["model.path=/some/folder", "model.tokenizer=/some/tokenizer.json"]
     assert composed(f"model={model}", *overrides)["model"]["tokenizer"] == "/some/tokenizer.json"
+
+
+def test_trained_models_resolve_to_their_folders_as_target_and_as_draft() -> None:
+    from engines.registry import _weights_from_model_group
+
+    def folder(model: str) -> str:
+        return f"/cache/{model}" if model in train_tiny.TRAINED_MODELS else model
+
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": "tiny-trained"}
+    with mock.patch.object(train_tiny, "trained_model_location", folder):
+        options = _weights_from_model_group(
+            {"speculative_config": spec}, {"name": "tiny-trained-large"}
+        )
+        assert options["model"] == "/cache/tiny-trained-large"
+        assert options["speculative_config"] == {**spec, "model": "/cache/tiny-trained"}
+        other = _weights_from_model_group(
+            {"speculative_config": {**spec, "model": "tiny"}}, {"name": "tiny"}
+        )
+        assert (other["model"], other["speculative_config"]["model"]) == ("tiny", "tiny")

@@ -58,13 +58,17 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     """`inferlab serve` in its own process; yields its base URL (…/v1)."""
+    yield from serving(ENGINE)
+
+
+def serving(engine: list[str]) -> Iterator[str]:
     port = free_port()
     command = [
         sys.executable,
         "-m",
         "harness.cli",
         "serve",
-        *ENGINE,
+        *engine,
         "host=127.0.0.1",
         f"port={port}",
         "log_level=warning",
@@ -205,3 +209,41 @@ def test_harness_workload_through_inferlab_serve_matches_the_engine(
     texts = asyncio.run(collect_text())
     backend.close()
     assert texts == [reference.text for reference in expected]
+
+
+SPECULATIVE = [
+    *ENGINE,
+    "engine.speculative_config={method:ngram,num_speculative_tokens:3,prompt_lookup_min:1}",
+]
+
+
+def test_the_servers_speculative_counters_sit_beside_its_latency(tmp_path: Path) -> None:
+    """inferlab serve with n-gram speculation exports vLLM's spec_decode counters (inferlab_
+    prefix); engine=openai reads them before and after the measured requests, so the run's
+    acceptance is the server's own, warm-up left out: equal to what the built-in engine
+    counts for the same greedy workload in process."""
+    workload = [
+        "workload.num_requests=4",
+        "workload.input_len=24",
+        "workload.output_len=24",
+        "workload.arrival.process=closed",
+        "workload.arrival.concurrency=1",
+        "run.warmup_requests=1",
+        "run.progress=false",
+    ]
+    in_process = run_experiment(composed(*SPECULATIVE, *workload), tmp_path / "builtin")
+    assert in_process["status"] == "complete", in_process.get("error")
+    expected = in_process["metrics_whole_run"]
+    assert expected["spec_acceptance_rate"] > 0
+    for base_url in serving(SPECULATIVE):
+        config = composed("engine=openai", "model=tiny", f"engine.base_url={base_url}", *workload)
+        summary = run_experiment(config, tmp_path / "openai", progress=False)
+    assert summary["status"] == "complete", summary.get("error")
+    counts = summary["engine"]["server_spec_decode"]
+    assert counts["server"] == "inferlab"
+    requests = pd.read_parquet(tmp_path / "builtin" / "requests.parquet")
+    assert counts["num_draft_tokens"] == requests["spec_draft_tokens"].sum()
+    assert counts["num_accepted_tokens"] == requests["spec_accepted_tokens"].sum()
+    metrics = summary["metrics_whole_run"]
+    for name in ("spec_acceptance_rate", "spec_mean_accepted_length", "spec_acceptance_rate_pos1"):
+        assert metrics[name] == pytest.approx(expected[name]), name

@@ -376,3 +376,27 @@ def test_attainable_flops_is_the_roofline_curve_predicted_s_follows() -> None:
     )
     # the same formula as a step's predicted_s
     assert predicted_time(2.0, 3.0, 0.25) == 3.0 + 0.75 * 2.0
+
+
+def test_verifying_steps_are_summarized_apart_from_prefills() -> None:
+    """A step that verified drafts counts its tokens as prefill tokens; it must not enter the
+    prefill-only means, and gets its own MBU, ratio and FLOPs per byte."""
+    steps = steps_frame(
+        {"num_prefill_seqs": 1, "prefill_tokens": 20},
+        {"num_decode_seqs": 1, "decode_tokens": 1},
+        {"num_prefill_seqs": 1, "prefill_tokens": 5, "spec_draft_tokens": 4},
+    )
+    steps["spec_draft_tokens"] = steps["spec_draft_tokens"].fillna(0)
+    steps["mbu"] = [0.2, 0.5, 0.6]
+    steps["mfu"] = [0.9, 0.01, 0.05]
+    steps["predicted_s"] = [0.5, 0.5, 0.25]
+    steps["flops"] = [40e9, 2e9, 10e9]
+    steps["weight_bytes_read"] = [1e9, 1e9, 1e9]
+    steps["kv_bytes_read"] = [0.0, 0.0, 0.0]
+    steps["kv_bytes_written"] = [0.0, 0.0, 0.0]
+    out = roofline_summary(steps)
+    assert out["mfu_prefill_mean"] == pytest.approx(0.9)  # the verifying step left out
+    assert out["mbu_verify_mean"] == pytest.approx(0.6)
+    assert out["roofline_verify_ratio_p50"] == pytest.approx(4.0)  # 1 s measured / 0.25
+    assert out["flops_per_byte_verify_mean"] == pytest.approx(10.0)
+    assert out["flops_per_byte_decode_mean"] == pytest.approx(2.0)

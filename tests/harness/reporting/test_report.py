@@ -327,3 +327,50 @@ def test_roofline_peak_is_the_runs_own_dtype() -> None:
     other = {"name": "chip", "peak_tflops": {"float32": 1.0}, "bandwidth_gb_s": 100}
     res = StubResults(pd.DataFrame(), {"engine": {"dtype": "float32"}, "hardware": other})
     assert hardware_roof(res) is None  # type: ignore[arg-type]
+
+
+def test_speculative_section_pairs_each_variant_with_its_baseline(tmp_path: Path) -> None:
+    """A sweep of speculation off / ngram x two concurrencies: each ngram variant is divided by
+    the variant without speculation at its own concurrency (read from the run configs)."""
+    sweep = tmp_path / "sweep"
+    code = cli.main(
+        [
+            "run",
+            "-m",
+            "model=tiny",
+            "engine.speculative_config=null,{method:ngram,num_speculative_tokens:3,"
+            "prompt_lookup_min:1}",
+            "workload.arrival.process=closed",
+            "workload.arrival.concurrency=1,2",
+            "workload.num_requests=4",
+            "workload.input_len=16",
+            "workload.output_len=16",
+            "run.warmup_requests=0",
+            "run.progress=false",
+            f"hydra.sweep.dir={sweep}",
+        ]
+    )
+    assert code == 0
+    from harness.reporting import speculative
+
+    res = load(sweep)
+    table = speculative.speedups(res).set_index("workload.arrival.concurrency")
+    assert list(table["speculation"]) == ["ngram k=3", "ngram k=3"]
+    variants = res.variants.set_index("variant")
+    for concurrency, row in table.iterrows():
+        base = variants[
+            (variants["workload.arrival.concurrency"] == concurrency)
+            & variants["spec_acceptance_rate"].isna()
+        ]["output_tok_per_s"]
+        assert row["baseline_tok_per_s"] == base.item()
+        assert row["speedup"] == pytest.approx(row["output_tok_per_s"] / base.item())
+        assert row["spec_acceptance_rate"] > 0
+    paths = cli_report(sweep, tmp_path / "report")
+    markdown = paths.read_text()
+    assert "## Speculative decoding" in markdown and "speculative_speedup.png" in markdown
+    assert "Where speculation stops paying" in markdown
+
+
+def cli_report(folder: Path, out: Path) -> Path:
+    assert cli.main(["report", str(folder), "--out", str(out)]) == 0
+    return out / "report.md"

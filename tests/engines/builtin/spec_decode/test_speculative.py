@@ -284,3 +284,32 @@ def test_the_methods_the_config_accepts_are_the_registered_proposers() -> None:
     from engines.builtin.spec_decode.methods import PROPOSERS
 
     assert sorted(METHODS) == sorted(PROPOSERS.names())
+
+
+def test_step_records_count_drafts_by_position(make_tiny) -> None:
+    """Per position, the rows that proposed a draft there and kept it: position 1 counts every
+    verifying row, counts never grow with the position, and they add up to the step's drafts
+    and kept drafts, and over the run to the requests' counters."""
+    llm = make_tiny(speculative_config=NGRAM)
+    records = []
+    llm.engine.step_observers.append(records.append)
+    out = llm.generate(prompts(4), GREEDY)
+    verifying = [r for r in records if r.spec_draft_tokens]
+    assert verifying and any(r.spec_accepted_tokens for r in verifying)
+    for r in records:
+        assert sum(r.spec_drafts_by_position) == r.spec_draft_tokens
+        assert sum(r.spec_accepted_by_position) == r.spec_accepted_tokens
+        for counts in (r.spec_drafts_by_position, r.spec_accepted_by_position):
+            assert list(counts) == sorted(counts, reverse=True)
+        assert all(
+            kept <= drafted
+            for kept, drafted in zip(
+                r.spec_accepted_by_position, r.spec_drafts_by_position, strict=False
+            )
+        )
+    assert sum(r.spec_drafts_by_position[0] for r in verifying) == sum(
+        o.metrics.spec_steps for o in out
+    )
+    assert sum(r.spec_accepted_tokens for r in records) == sum(
+        o.metrics.spec_accepted_tokens for o in out
+    )

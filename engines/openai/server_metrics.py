@@ -1,0 +1,101 @@
+"""A server's own speculative-decoding counters, read from its Prometheus `/metrics`.
+
+Read once before the measured requests and once after; the difference is the run's. Series
+names are data: vLLM's (`vllm:spec_decode_*`) and `inferlab serve`'s (the same names with the
+`inferlab_` prefix). Counters are summed over every label set but `position` (vLLM labels each
+engine and model). Parsed with prometheus_client's reference parser.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# prefix -> whose names; each counter is <prefix>spec_decode_<name>_total
+SERVER_PREFIXES = {"vllm:": "vllm", "inferlab_": "inferlab"}
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+PER_POSITION = ("num_draft_tokens_per_pos", "num_accepted_tokens_per_pos")
+
+
+@dataclass(frozen=True)
+class SpecDecodeCounters:
+    server: str  # whose names matched: vllm | inferlab
+    num_drafts: float  # verifying rows: a sequence's drafts checked in one step
+    num_draft_tokens: float
+    num_accepted_tokens: float
+    # position 0, 1, ... (vLLM has no drafts-per-position series: empty for it)
+    num_draft_tokens_per_pos: tuple[float, ...]
+    num_accepted_tokens_per_pos: tuple[float, ...]
+
+    def since(self, before: SpecDecodeCounters | None) -> SpecDecodeCounters:
+        """The counts between `before` (a scrape at the start) and this one."""
+        if before is None:
+            return self
+
+        def minus(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+            return tuple(x - (b[i] if i < len(b) else 0.0) for i, x in enumerate(a))
+
+        return SpecDecodeCounters(
+            self.server,
+            self.num_drafts - before.num_drafts,
+            self.num_draft_tokens - before.num_draft_tokens,
+            self.num_accepted_tokens - before.num_accepted_tokens,
+            minus(self.num_draft_tokens_per_pos, before.num_draft_tokens_per_pos),
+            minus(self.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "server": self.server,
+            **{name: getattr(self, name) for name in COUNTERS},
+            **{name: list(getattr(self, name)) for name in PER_POSITION},
+        }
+
+
+def metrics_url(base_url: str) -> str:
+    """Where an OpenAI-compatible server serves /metrics: its root, not under /v1."""
+    parts = urlsplit(base_url)
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return urlunsplit((parts.scheme, parts.netloc, f"{path}/metrics", "", ""))
+
+
+def parse_spec_decode(text: str) -> SpecDecodeCounters | None:
+    """The speculative-decoding counters in a /metrics page; None where it has none."""
+    totals: dict[str, float] = defaultdict(float)
+    per_pos: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    server = None
+    for family in text_string_to_metric_families(text):
+        for prefix, who in SERVER_PREFIXES.items():
+            stem = f"{prefix}spec_decode_"
+            if not family.name.startswith(stem):
+                continue
+            name = family.name[len(stem) :]
+            for sample in family.samples:
+                if sample.name != f"{family.name}_total":  # _created and the like
+                    continue
+                server = who
+                if name in PER_POSITION and "position" in sample.labels:
+                    per_pos[name][int(sample.labels["position"])] += sample.value
+                elif name in COUNTERS:
+                    totals[name] += sample.value
+    if server is None or "num_draft_tokens" not in totals:
+        return None
+
+    def positions(name: str) -> tuple[float, ...]:
+        counts = per_pos.get(name, {})
+        return tuple(counts.get(i, 0.0) for i in range(max(counts, default=-1) + 1))
+
+    return SpecDecodeCounters(
+        server,
+        totals["num_drafts"],
+        totals["num_draft_tokens"],
+        totals["num_accepted_tokens"],
+        positions("num_draft_tokens_per_pos"),
+        positions("num_accepted_tokens_per_pos"),
+    )
