@@ -113,10 +113,13 @@ REQUEST_COLUMNS = [
     "prefill_s",
     "decode_s",
     "detokenize_s",
-    # speculative decoding (built-in engine): steps that verified drafts, drafts, drafts kept
+    # speculative decoding (built-in engine): steps that verified drafts, drafts, drafts kept;
+    # kept / drafts, and (kept + steps) / steps: the tokens a verifying step gave the request
     "spec_steps",
     "spec_draft_tokens",
     "spec_accepted_tokens",
+    "spec_acceptance_rate",
+    "spec_mean_accepted_length",
 ]
 TOKEN_COLUMNS = ["request_id", "index", "step", "time_s", "token_id"]
 STEP_COLUMNS = [

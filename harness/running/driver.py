@@ -120,6 +120,13 @@ class RequestTrace:
             "spec_steps": self.spec_steps,
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_acceptance_rate": self.spec_accepted_tokens / self.spec_draft_tokens
+            if self.spec_draft_tokens
+            else None,
+            "spec_mean_accepted_length": (self.spec_accepted_tokens + self.spec_steps)
+            / self.spec_steps
+            if self.spec_steps
+            else None,
             "prefix_group": request.prefix_group,
             "session_id": request.session_id,
             "turn": request.turn,

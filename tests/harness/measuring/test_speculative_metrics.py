@@ -55,6 +55,14 @@ def test_acceptance_by_position_from_the_steps_table(spec_run: tuple[Path, dict]
     expected = [kept[i] / proposed[i] for i in range(K) if proposed[i]]
     assert rates[: len(expected)] == pytest.approx(expected)
     assert all(rate is None for rate in rates[len(expected) :])  # no drafts past k
+    per_request = requests["spec_accepted_tokens"] / requests["spec_draft_tokens"]
+    assert requests["spec_acceptance_rate"].to_numpy() == pytest.approx(
+        per_request.to_numpy(), nan_ok=True
+    )
+    lengths = (requests["spec_accepted_tokens"] + requests["spec_steps"]) / requests["spec_steps"]
+    assert requests["spec_mean_accepted_length"].to_numpy() == pytest.approx(
+        lengths.to_numpy(), nan_ok=True
+    )
     # pooled over positions, the per-position counts give the overall rate
     assert metrics["spec_acceptance_rate"] == pytest.approx(kept.sum() / proposed.sum())
 
