@@ -94,7 +94,7 @@ def stops_paying(table: pd.DataFrame, axis: str) -> pd.DataFrame:
             {
                 **dict(zip(series, values, strict=True)),
                 "loads_measured": ", ".join(f"{v:g}" for v in group[axis]),
-                "speedup_below_1_from": losing[axis].iloc[0] if len(losing) else None,
+                "speedup_below_1_from": f"{losing[axis].iloc[0]:g}" if len(losing) else None,
             }
         )
     return pd.DataFrame(rows)
