@@ -145,9 +145,39 @@ class DraftModelProposer(Proposer):
         return mirror
 
     def _catch_up(self, mirrors: dict[int, Sequence]) -> dict[int, torch.Tensor]:
-        """Compute every token the draft has not seen, in passes of at most the token budget;
-        index -> the logits after the sequence's last token (a sequence whose cache cannot
-        grow is left out: no drafts for it this step)."""
+        """Compute every token the draft has not seen; index -> the logits after the sequence's
+        last token (a sequence whose cache cannot grow is left out: no drafts for it this
+        step). A few tokens past the prompt (the target's own token, and the last draft when
+        every draft was kept) go through as one-token decode steps, which take the decode
+        kernels and the decode program; a 2-token chunk would take the prefill path, measured
+        4.6 ms against 1 ms a decode step for tiny-trained-draft. The rest (the prompt) goes in
+        passes of at most the token budget."""
+        short = {
+            i: m
+            for i, m in mirrors.items()
+            if m.num_computed_tokens >= m.num_prompt_tokens
+            and m.num_tokens - m.num_computed_tokens <= self.k + 1
+        }
+        out = self._catch_up_as_decodes(short)
+        out.update(self._catch_up_in_chunks({i: m for i, m in mirrors.items() if i not in short}))
+        return out
+
+    def _catch_up_as_decodes(self, mirrors: dict[int, Sequence]) -> dict[int, torch.Tensor]:
+        out: dict[int, torch.Tensor] = {}
+        pending = {i: m for i, m in mirrors.items() if m.num_tokens > m.num_computed_tokens}
+        while pending:
+            ran = {i: ScheduledSequence(m, 1, m.num_computed_tokens) for i, m in pending.items()}
+            out.update(self._run(ran))
+            # a row whose cache could not grow did not advance: it drafts nothing this step
+            pending = {
+                i: m
+                for i, m in pending.items()
+                if m.num_computed_tokens > ran[i].num_computed_before
+                and m.num_tokens > m.num_computed_tokens
+            }
+        return out
+
+    def _catch_up_in_chunks(self, mirrors: dict[int, Sequence]) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         pending = list(mirrors)
         while pending:
