@@ -109,10 +109,11 @@ class Finished(RequestEvent):
     text: str = ""
     index: int = 0  # which sample; a request with n samples finishes n times
     detokenize_ns: int = 0  # time this sample spent turning token ids into text, summed
-    # speculative decoding: steps that verified drafts, drafts proposed, drafts kept
-    spec_steps: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
+    # speculative decoding: steps that verified drafts, drafts proposed, drafts kept (None:
+    # a backend that does not say, such as an HTTP server)
+    spec_steps: int | None = None
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""`inferlab train-tiny`: train a tiny Llama-shaped model on CPU in about a minute.
+"""`inferlab train-tiny`: train a small Llama-shaped model on CPU (a minute for tiny-trained).
 
 The dummy presets have random weights, so their logits carry no signal: a quantization or
 dtype change cannot be judged on them. This trains a small real model (Hugging Face
@@ -94,6 +94,9 @@ def train_tiny(
 
     from models.tokenizer import default_tokenizer
 
+    for name, value in (("steps", steps), ("batch", batch), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"train-tiny: {name}={value!r} is invalid; allowed: an integer >= 1")
     start = time.perf_counter()
     tok = default_tokenizer()
     ids = np.asarray(tok.encode(corpus_text(text_path), add_special_tokens=False), np.int64)
@@ -186,6 +189,13 @@ def cached_tiny_model(text_path: str | Path | None = None, **params: Any) -> Pat
     )
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is invalid; allowed: an integer >= 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="inferlab train-tiny", description=__doc__.split("\n\n")[0]
@@ -198,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(TRAINED_MODELS),
         help="which shape (default: tiny-trained)",
     )
-    parser.add_argument("--steps", type=int, help="training steps (default: the model's)")
+    parser.add_argument(
+        "--steps", type=_positive, help="training steps, >= 1 (default: the model's)"
+    )
     parser.add_argument("--seed", type=int, help=f"default: {DEFAULTS['seed']}")
     args = parser.parse_args(argv)
     params = dict(TRAINED_MODELS[args.model])

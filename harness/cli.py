@@ -9,8 +9,9 @@ USAGE = """usage: inferlab <command> [args]
 commands:
   run [overrides...]   run an experiment (Hydra app; -m for sweeps, --help for the config)
   kv-calc [overrides]  KV bytes per token and sequence, weights, sequences that fit
-  train-tiny [--text FILE] [--out DIR] [--steps N] [--seed S]
-                       train a tiny real Llama on CPU (cached) for quality checks
+  train-tiny [--model NAME] [--text FILE] [--out DIR] [--steps N] [--seed S]
+                       train a small real Llama on CPU (cached): tiny-trained for quality
+                       checks, tiny-trained-large / -draft for speculative decoding
   serve [overrides...] an OpenAI-compatible HTTP server on the built-in engine
   convert SRC.gguf DST [--dtype T]
                        a GGUF file -> a Hugging Face folder, or a .gguf re-encoded (f16...)

@@ -147,9 +147,9 @@ class LLM:
                     sample.finish_reason = event.finish_reason
                     sample.text = event.text
                     out.metrics.finished_ns = event.time_ns
-                    out.metrics.spec_steps += event.spec_steps
-                    out.metrics.spec_draft_tokens += event.spec_draft_tokens
-                    out.metrics.spec_accepted_tokens += event.spec_accepted_tokens
+                    out.metrics.spec_steps += event.spec_steps or 0
+                    out.metrics.spec_draft_tokens += event.spec_draft_tokens or 0
+                    out.metrics.spec_accepted_tokens += event.spec_accepted_tokens or 0
                 elif isinstance(event, Failed):
                     out.error = event.error
         return [outputs[r] for r in order]

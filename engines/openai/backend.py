@@ -210,12 +210,21 @@ class OpenAIBackend(Backend):
         }
 
     def _spec_decode_during_run(self) -> dict[str, Any] | None:
-        """The server's speculative-decoding counts over the measured requests (None before
-        they start, or where the server has no such counters)."""
-        if not self._measuring:
+        """The server's speculative-decoding counts over the measured requests; None before
+        they start, where either read found no counters (a failed first read must not pass
+        the server's lifetime totals off as the run's), or where a counter went down."""
+        before = self._spec_at_start
+        if not self._measuring or before is None:
             return None
         now = self._read_spec_decode()
-        return None if now is None else now.since(self._spec_at_start).to_dict()
+        run = None if now is None else now.since(before)
+        if now is not None and run is None:
+            log.warning(
+                "engine.metrics_url=%s: the server's speculative-decoding counters went down "
+                "during the run (a restart?); its counts are left out",
+                self._metrics_url(),
+            )
+        return None if run is None else run.to_dict()
 
     # ---- one request --------------------------------------------------------------------------
 

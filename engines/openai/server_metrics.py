@@ -19,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 SERVER_PREFIXES = {"vllm:": "vllm", "inferlab_": "inferlab"}
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 PER_POSITION = ("num_draft_tokens_per_pos", "num_accepted_tokens_per_pos")
+# positions read from a `position` label; a larger one (a broken or hostile server) is ignored
+MAX_POSITIONS = 64
 
 
 @dataclass(frozen=True)
@@ -31,15 +33,14 @@ class SpecDecodeCounters:
     num_draft_tokens_per_pos: tuple[float, ...]
     num_accepted_tokens_per_pos: tuple[float, ...]
 
-    def since(self, before: SpecDecodeCounters | None) -> SpecDecodeCounters:
-        """The counts between `before` (a scrape at the start) and this one."""
-        if before is None:
-            return self
+    def since(self, before: SpecDecodeCounters) -> SpecDecodeCounters | None:
+        """The counts between `before` (a read at the start) and this one; None where any
+        counter went down (the server restarted, or another process behind the URL)."""
 
         def minus(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
             return tuple(x - (b[i] if i < len(b) else 0.0) for i, x in enumerate(a))
 
-        return SpecDecodeCounters(
+        run = SpecDecodeCounters(
             self.server,
             self.num_drafts - before.num_drafts,
             self.num_draft_tokens - before.num_draft_tokens,
@@ -47,6 +48,12 @@ class SpecDecodeCounters:
             minus(self.num_draft_tokens_per_pos, before.num_draft_tokens_per_pos),
             minus(self.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos),
         )
+        counts = [
+            *(getattr(run, name) for name in COUNTERS),
+            *run.num_draft_tokens_per_pos,
+            *run.num_accepted_tokens_per_pos,
+        ]
+        return None if self.server != before.server or min(counts) < 0 else run
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -81,7 +88,9 @@ def parse_spec_decode(text: str) -> SpecDecodeCounters | None:
                     continue
                 server = who
                 if name in PER_POSITION and "position" in sample.labels:
-                    per_pos[name][int(sample.labels["position"])] += sample.value
+                    position = sample.labels["position"]
+                    if position.isdigit() and int(position) < MAX_POSITIONS:
+                        per_pos[name][int(position)] += sample.value
                 elif name in COUNTERS:
                     totals[name] += sample.value
     if server is None or "num_draft_tokens" not in totals:

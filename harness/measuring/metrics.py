@@ -141,7 +141,7 @@ register(
     "fraction",
     "higher",
     "deterministic",
-    "speculative decoding: drafts the target kept / drafts it verified",
+    "speculative decoding: drafts the target kept / drafts it verified (over the steps)",
 )
 register(
     "spec_mean_accepted_length",
@@ -513,28 +513,26 @@ def kv_summary(steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, Any]:
     return out
 
 
-def spec_summary(steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, Any]:
-    """Speculative decoding's counts, where the run verified any drafts."""
-    if "spec_draft_tokens" not in requests or not requests["spec_draft_tokens"].fillna(0).sum():
+def spec_summary(steps: pd.DataFrame) -> dict[str, Any]:
+    """Speculative decoding's counts over the steps (those of the window, when there is one:
+    every figure over the same span), where any drafts were verified."""
+    if "spec_draft_tokens" not in steps or not steps["spec_draft_tokens"].fillna(0).sum():
         return {}
-    drafts = float(requests["spec_draft_tokens"].fillna(0).sum())
-    kept = float(requests["spec_accepted_tokens"].fillna(0).sum())
-    verifies = float(requests["spec_steps"].fillna(0).sum())
-    out = {
-        "spec_acceptance_rate": kept / drafts,
-        "spec_mean_accepted_length": (kept + verifies) / verifies,
-    }
+    drafts = float(steps["spec_draft_tokens"].fillna(0).sum())
+    kept = float(steps["spec_accepted_tokens"].fillna(0).sum())
     proposed, accepted = (
         _sum_lists(steps[column]) if column in steps else np.zeros(0)
         for column in ("spec_drafts_by_position", "spec_accepted_by_position")
     )
+    out = {"spec_acceptance_rate": kept / drafts}
+    if len(proposed):  # position 1 counts every verifying row
+        out["spec_mean_accepted_length"] = (kept + proposed[0]) / proposed[0]
     for i in range(min(len(proposed), SPEC_POSITIONS)):
         kept_here = accepted[i] if i < len(accepted) else 0.0
         out[f"spec_acceptance_rate_pos{i + 1}"] = float(kept_here / proposed[i])
-    if len(steps) and "draft_s" in steps:
-        step_time = float((steps["end_s"] - steps["start_s"]).sum())
-        if step_time > 0:
-            out["spec_draft_time_fraction"] = float(steps["draft_s"].fillna(0).sum()) / step_time
+    step_time = float((steps["end_s"] - steps["start_s"]).sum())
+    if "draft_s" in steps and step_time > 0:
+        out["spec_draft_time_fraction"] = float(steps["draft_s"].fillna(0).sum()) / step_time
     return out
 
 
@@ -675,7 +673,7 @@ def compute_summary(
     summary["padding_fraction"] = summary["padding_tokens_total"] / computed if computed else None
     summary.update(kv_summary(steps, members))
     summary.update(
-        spec_summary(steps, members)
+        spec_summary(steps)
         or server_spec_summary(run_info.get("engine", {}).get("server_spec_decode"))
     )
     summary.update(roofline_summary(steps))

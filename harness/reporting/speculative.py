@@ -8,6 +8,7 @@ its name, so any sweep that has both kinds of runs is paired: `experiment=specul
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -29,13 +30,26 @@ MEASURED = (
 
 
 def speculation(config: dict[str, Any]) -> str:
-    """ "off", or the method, k and draft model a run speculated with."""
+    """ "off", or every setting a run speculated with: the method, k, the lookup's suffix
+    lengths or the draft model and its dtype / quantization."""
     spec = (config.get("engine") or {}).get("speculative_config")
     if not spec:
         return "off"
     label = f"{spec.get('method')} k={spec.get('num_speculative_tokens')}"
-    model = spec.get("model")
-    return f"{label} ({str(model).rsplit('/', 1)[-1]})" if model else label
+    if spec.get("method") == "ngram":
+        lookup = f"{spec.get('prompt_lookup_max', 4)}..{spec.get('prompt_lookup_min', 2)}"
+        return f"{label} lookup {lookup}"
+    model = str(spec.get("model")).rsplit("/", 1)[-1]  # a checkpoint folder: its name
+    extra = [str(spec[key]) for key in ("dtype", "quantization") if spec.get(key)]
+    return f"{label} ({', '.join([model, *extra])})"
+
+
+def _without_speculation(config: dict[str, Any]) -> str:
+    """What a run would be without speculation: its engine and model settings but
+    speculative_config, so a speculating variant pairs only with a baseline that differs
+    from it in nothing else (not an int8 run beside a float32 one)."""
+    engine = {k: v for k, v in (config.get("engine") or {}).items() if k != "speculative_config"}
+    return json.dumps({"engine": engine, "model": config.get("model")}, sort_keys=True, default=str)
 
 
 def load_axis(res: Results) -> str:
@@ -52,14 +66,15 @@ def speedups(res: Results) -> pd.DataFrame:
     if variants.empty or "output_tok_per_s" not in variants:
         return pd.DataFrame()
     first_run = res.runs.groupby("variant", sort=False)["run_id"].first()
+    configs = [res.config(first_run[v]) for v in variants["variant"]]
     variants = variants.assign(
-        speculation=[speculation(res.config(first_run[v])) for v in variants["variant"]]
+        speculation=[speculation(c) for c in configs],
+        without_speculation=[_without_speculation(c) for c in configs],
     )
     context = [k for k in res.swept if k != "variant" and not k.startswith(SPEC_KEY)]
     rows = []
-    groups = variants.groupby(context, sort=False, dropna=False) if context else [((), variants)]
-    for _, group in groups:
-        base = group[group["speculation"] == "off"]
+    for _, group in variants.groupby([*context, "without_speculation"], sort=False, dropna=False):
+        base = group[(group["speculation"] == "off") & (group["status"] == "complete")]
         if base.empty:
             continue
         base = base.iloc[0]

@@ -69,9 +69,9 @@ class RequestTrace:
     cached_prompt_tokens: int = 0
     prefill_tokens_computed: int = 0  # over every chunk, recomputation after preemption too
     detokenize_ns: int | None = None
-    spec_steps: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
+    spec_steps: int | None = None  # None: the backend does not say
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
     token_rows: list[dict[str, Any]] = field(default_factory=list)
@@ -120,10 +120,10 @@ class RequestTrace:
             "spec_steps": self.spec_steps,
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
-            "spec_acceptance_rate": self.spec_accepted_tokens / self.spec_draft_tokens
+            "spec_acceptance_rate": (self.spec_accepted_tokens or 0) / self.spec_draft_tokens
             if self.spec_draft_tokens
             else None,
-            "spec_mean_accepted_length": (self.spec_accepted_tokens + self.spec_steps)
+            "spec_mean_accepted_length": ((self.spec_accepted_tokens or 0) + self.spec_steps)
             / self.spec_steps
             if self.spec_steps
             else None,
@@ -285,9 +285,14 @@ class Driver:
                         trace.prompt_tokens = event.num_prompt_tokens
                     # n samples finish n times: their decoding time adds up
                     trace.detokenize_ns = (trace.detokenize_ns or 0) + event.detokenize_ns
-                    trace.spec_steps += event.spec_steps
-                    trace.spec_draft_tokens += event.spec_draft_tokens
-                    trace.spec_accepted_tokens += event.spec_accepted_tokens
+                    if event.spec_steps is not None:  # n samples finish n times: add up
+                        trace.spec_steps = (trace.spec_steps or 0) + event.spec_steps
+                        trace.spec_draft_tokens = (trace.spec_draft_tokens or 0) + (
+                            event.spec_draft_tokens or 0
+                        )
+                        trace.spec_accepted_tokens = (trace.spec_accepted_tokens or 0) + (
+                            event.spec_accepted_tokens or 0
+                        )
                 elif isinstance(event, Failed):
                     trace.finished_ns = event.time_ns
                     trace.error = event.error

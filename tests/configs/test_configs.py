@@ -411,3 +411,10 @@ def test_trained_models_resolve_to_their_folders_as_target_and_as_draft() -> Non
             {"speculative_config": {**spec, "model": "tiny"}}, {"name": "tiny"}
         )
         assert (other["model"], other["speculative_config"]["model"]) == ("tiny", "tiny")
+
+
+def test_train_tiny_refuses_a_step_count_below_one() -> None:
+    with pytest.raises(ValueError, match=r"train-tiny: steps=0 is invalid; allowed: an integer"):
+        train_tiny.train_tiny(None, "/nonexistent", steps=0)
+    with pytest.raises(SystemExit):
+        train_tiny.main(["--model", "tiny-trained-draft", "--steps", "-5"])

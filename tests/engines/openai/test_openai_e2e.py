@@ -244,6 +244,9 @@ def test_the_servers_speculative_counters_sit_beside_its_latency(tmp_path: Path)
     requests = pd.read_parquet(tmp_path / "builtin" / "requests.parquet")
     assert counts["num_draft_tokens"] == requests["spec_draft_tokens"].sum()
     assert counts["num_accepted_tokens"] == requests["spec_accepted_tokens"].sum()
+    # per request the client cannot know: null, not 0 (the server drafted)
+    through_server = pd.read_parquet(tmp_path / "openai" / "requests.parquet")
+    assert through_server[["spec_steps", "spec_draft_tokens"]].isna().all().all()
     metrics = summary["metrics_whole_run"]
     for name in ("spec_acceptance_rate", "spec_mean_accepted_length", "spec_acceptance_rate_pos1"):
         assert metrics[name] == pytest.approx(expected[name]), name

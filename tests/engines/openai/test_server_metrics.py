@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 
+from engines.openai import backend as openai_backend
+from engines.openai.backend import OpenAIBackend
 from engines.openai.config import OpenAIConfig, OpenAIConfigError
-from engines.openai.server_metrics import metrics_url, parse_spec_decode
+from engines.openai.server_metrics import MAX_POSITIONS, metrics_url, parse_spec_decode
 from harness.measuring.metrics import server_spec_summary
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "prometheus" / "vllm_spec_decode.txt"
@@ -34,8 +37,9 @@ def test_the_runs_counts_are_the_difference_of_two_reads() -> None:
         .replace(" 2100.0", " 2300.0")
         .replace('position="0"} 900.0', 'position="0"} 990.0')
     )
-    assert after is not None
+    assert after is not None and before is not None
     run = after.since(before)
+    assert run is not None
     assert (run.num_drafts, run.num_draft_tokens, run.num_accepted_tokens) == (0, 300, 200)
     assert run.num_accepted_tokens_per_pos == (90, 0, 0)
 
@@ -75,3 +79,57 @@ def test_metrics_url_is_the_servers_root(base_url: str, expected: str) -> None:
 def test_a_bad_metrics_url_is_named() -> None:
     with pytest.raises(OpenAIConfigError, match=r"engine.metrics_url: 'ftp://x' .*auto\|none"):
         OpenAIConfig(model="m", metrics_url="ftp://x").validate()
+
+
+def test_counters_that_went_down_give_no_counts() -> None:
+    """A server restarted between the two reads: its counters start over, and a difference
+    would be negative; nothing is reported rather than nonsense."""
+    text = FIXTURE.read_text()
+    before = parse_spec_decode(text)
+    after = parse_spec_decode(text.replace(" 1000.0", " 10.0"))
+    assert before is not None and after is not None
+    assert after.since(before) is None
+
+
+def test_a_position_label_past_the_cap_is_ignored() -> None:
+    page = FIXTURE.read_text() + (
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="100000000"} 1.0\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="x"} 1.0\n'
+    )
+    counters = parse_spec_decode(page)
+    assert counters is not None and counters.num_accepted_tokens_per_pos == (1400, 1050, 750)
+    assert MAX_POSITIONS >= 8
+
+
+def backend_reading(pages: list[str | None], monkeypatch: pytest.MonkeyPatch) -> OpenAIBackend:
+    """An engine=openai backend whose /metrics reads answer `pages` in turn (None: HTTP 500)."""
+    answers = iter(pages)
+
+    def get(url: str, timeout: float) -> httpx.Response:
+        page = next(answers)
+        request = httpx.Request("GET", url)
+        if page is None:
+            return httpx.Response(500, text="boom", request=request)
+        return httpx.Response(200, text=page, request=request)
+
+    monkeypatch.setattr(openai_backend.httpx, "get", get)
+    return OpenAIBackend(OpenAIConfig(model="m"))
+
+
+def test_the_run_gets_the_servers_counts_between_the_two_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    text = FIXTURE.read_text()
+    backend = backend_reading([text, text.replace(" 3000.0", " 3100.0")], monkeypatch)
+    assert backend.describe()["server_spec_decode"] is None  # before the measured requests
+    backend.start_measuring()
+    counts = backend.describe()["server_spec_decode"]
+    assert counts["server"] == "vllm" and counts["num_draft_tokens"] == 100
+
+
+def test_a_failed_first_read_gives_no_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Else the server's lifetime totals would pass for the run's."""
+    text = FIXTURE.read_text()
+    backend = backend_reading([None, text], monkeypatch)
+    backend.start_measuring()
+    assert backend.describe()["server_spec_decode"] is None

@@ -355,7 +355,7 @@ def test_speculative_section_pairs_each_variant_with_its_baseline(tmp_path: Path
 
     res = load(sweep)
     table = speculative.speedups(res).set_index("workload.arrival.concurrency")
-    assert list(table["speculation"]) == ["ngram k=3", "ngram k=3"]
+    assert list(table["speculation"]) == ["ngram k=3 lookup 4..1"] * 2
     variants = res.variants.set_index("variant")
     for concurrency, row in table.iterrows():
         base = variants[
@@ -374,3 +374,23 @@ def test_speculative_section_pairs_each_variant_with_its_baseline(tmp_path: Path
 def cli_report(folder: Path, out: Path) -> Path:
     assert cli.main(["report", str(folder), "--out", str(out)]) == 0
     return out / "report.md"
+
+
+def test_a_speculating_variant_pairs_only_with_the_same_engine_without_it(
+    tmp_path: Path,
+) -> None:
+    """variant=int8,fp32,ngram_k2: ngram_k2 computes in float32 like fp32, so fp32 is its
+    baseline, whichever comes first in the sweep (hostile-user pass: it was int8's)."""
+    sweep = tmp_path / "sweep"
+    args = ["run", "-m", "model=tiny", "variant=int8,fp32,ngram_k2"]
+    args += ["workload.num_requests=2", "workload.input_len=8", "workload.output_len=8"]
+    args += ["run.warmup_requests=0", "run.progress=false", f"hydra.sweep.dir={sweep}"]
+    assert cli.main(args) == 0
+    from harness.reporting import speculative
+
+    res = load(sweep)
+    [row] = speculative.speedups(res).to_dict("records")
+    variants = res.variants.set_index("variant")["output_tok_per_s"]
+    fp32 = variants[[v for v in variants.index if "fp32" in v]].item()
+    assert row["speculation"] == "ngram k=2 lookup 4..1"
+    assert row["baseline_tok_per_s"] == fp32
