@@ -36,7 +36,7 @@ class ModelChoice:
     (the schema `model/model_schema`)."""
 
     # required: a preset (models/config.py), a packaged model (models/packaged.py), hf, or a
-    # trained one (engines/train_tiny.py: tiny-trained, tiny-trained-large)
+    # trained one (engines/train_tiny.py TRAINED_MODELS: tiny-trained, tiny-trained-large, ...)
     name: str = "???"
     path: str | None = None  # model=hf: a local Hugging Face checkpoint folder or .gguf file
     tokenizer: str | None = None  # None: the checkpoint's tokenizer, else the built-in BPE
