@@ -380,7 +380,9 @@ def test_tiny_run_writes_samples_and_metrics(tmp_path: Path) -> None:
         # a peak over the window (or the run) is one of the sampled values; memory freed
         # after the first sample can leave the window's peak below that sample
         assert samples["rss_bytes"].min() <= metrics["peak_rss_bytes"] <= samples["rss_bytes"].max()
-        assert 0 < metrics["cpu_util_mean"] <= 1.05
+        # process CPU time ticks in 10 ms steps: a window of a few tens of ms can see none
+        # (a clean-clone CI run did); the whole run's is checked positive below
+        assert 0 <= metrics["cpu_util_mean"] <= 1.05
         assert metrics["memory_weights_bytes"] == on_disk["engine"]["weight_bytes"]
         assert metrics["memory_packed_weights_bytes"] == on_disk["engine"]["packed_weight_bytes"]
         assert metrics["memory_kv_used_bytes"] == metrics["kv_bytes_used_peak"]
@@ -390,6 +392,7 @@ def test_tiny_run_writes_samples_and_metrics(tmp_path: Path) -> None:
         assert not {"peak_vram_bytes", "gpu_util_mean", "energy_j", "j_per_output_token"} & set(
             metrics
         )
+    assert on_disk["metrics_whole_run"]["cpu_util_mean"] > 0
 
 
 def test_monitor_disabled_writes_no_samples(tmp_path: Path) -> None:
