@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import calendar
 import csv
+import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from workloads.traces import Trace, load_trace
 
 TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
 AZURE = TRACES / "AzureLLMInferenceTrace_conv.csv"
-MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl"
+MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl.gz"
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_azure_values_match_an_independent_reading(paths: dict[str, int]) -> Non
 
 def test_mooncake_values_match_an_independent_reading(paths: dict[str, int]) -> None:
     trace = fresh(MOONCAKE, "mooncake")
-    rows = [json.loads(line) for line in MOONCAKE.read_text().splitlines()]
+    rows = [json.loads(line) for line in _lines(MOONCAKE)]
     assert paths["fast"] >= 1 and paths["reference"] == 0
     assert trace.timestamps_s.tolist() == [r["timestamp"] * 1e-3 for r in rows]
     assert trace.input_lens.tolist() == [r["input_length"] for r in rows]
@@ -267,7 +268,10 @@ _LINES: dict[Path, list[str]] = {}
 
 def _lines(path: Path) -> list[str]:
     if path not in _LINES:
-        _LINES[path] = path.read_text().splitlines()
+        data = path.read_bytes()
+        _LINES[path] = (
+            (gzip.decompress(data) if path.suffix == ".gz" else data).decode().splitlines()
+        )
     return _LINES[path]
 
 

@@ -3,6 +3,7 @@ BurstGPT and generic csv/jsonl, and malformed files that must fail with file, li
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
@@ -18,7 +19,7 @@ from workloads.traces import load_trace
 
 TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
 AZURE = TRACES / "AzureLLMInferenceTrace_conv.csv"
-MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl"
+MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl.gz"
 SHAREGPT = TRACES / "sharegpt_v3_filtered_500.json"
 MT_BENCH = TRACES / "mt_bench_questions.jsonl"
 SONNET = TRACES / "vllm_sonnet.txt"
@@ -547,7 +548,8 @@ def test_trace_settings_name_the_field(tmp_path: Path, options: dict, message: s
 
 
 def test_shipped_traces_are_the_published_bytes(shared: Path) -> None:
-    """data/traces holds byte-for-byte copies (README: origins, licences, SHA-256 of each)."""
+    """data/traces holds byte-for-byte copies (README: origins, licences, SHA-256 of each; a
+    gzip-compressed one's is the published file's, after decompression)."""
     readme = (shared / "README.md").read_text(encoding="utf-8")
     listed = dict(
         line.split()[::-1]
@@ -556,4 +558,6 @@ def test_shipped_traces_are_the_published_bytes(shared: Path) -> None:
     )
     assert sorted(listed) == sorted(p.name for p in shared.iterdir() if p.name != "README.md")
     for name, digest in listed.items():
-        assert hashlib.sha256((shared / name).read_bytes()).hexdigest() == digest, name
+        data = (shared / name).read_bytes()
+        published = gzip.decompress(data) if name.endswith(".gz") else data
+        assert hashlib.sha256(published).hexdigest() == digest, name
