@@ -158,8 +158,8 @@ class ServerMetrics:
             )
         )
 
-        self.spec_positions = _spec_positions(backend)
-        if self.spec_positions:
+        spec_positions = _spec_positions(backend)
+        if spec_positions:
             self.spec_drafts = r.add(
                 Counter(
                     "inferlab_spec_decode_num_drafts_total",
@@ -172,7 +172,7 @@ class ServerMetrics:
             self.spec_accepted_tokens = r.add(
                 Counter("inferlab_spec_decode_num_accepted_tokens_total", "Drafts kept.")
             )
-            positions = [(("position", str(i)),) for i in range(self.spec_positions)]
+            positions = [(("position", str(i)),) for i in range(spec_positions)]
             self.spec_drafts_per_pos = r.add(
                 Counter(
                     "inferlab_spec_decode_num_draft_tokens_per_pos_total",
