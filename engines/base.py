@@ -158,6 +158,12 @@ class StepRecord:
     # per draft position 1, 2, ...: the verifying rows that proposed / kept a draft there
     spec_drafts_by_position: tuple[int, ...] = ()
     spec_accepted_by_position: tuple[int, ...] = ()
+    # Tensor parallelism (rank 0's view): time in the forward's collectives (all-reduces, the
+    # logits gather) and the bytes it contributed to them; the step's broadcast to the ranks
+    comm_ns: int = 0
+    comm_bytes: int = 0
+    broadcast_ns: int = 0
+    broadcast_bytes: int = 0
 
 
 StepObserver = Callable[[StepRecord], None]
@@ -189,6 +195,11 @@ class Backend(ABC):
     def start_measuring(self) -> None:  # noqa: B027 - optional hook
         """Called once, after any warm-up, before the measured requests: a backend that reads
         counters kept elsewhere (a server's /metrics) takes its starting values here."""
+
+    def failure(self) -> str | None:
+        """Why the backend can serve no more requests (a tensor-parallel rank died), or None.
+        A run whose backend failed this way fails, whatever requests completed before."""
+        return None
 
     def describe(self) -> dict[str, Any]:
         """Facts worth recording in the run folder (model shape, byte counts, options)."""

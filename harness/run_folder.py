@@ -151,6 +151,12 @@ STEP_COLUMNS = [
     # lists, per draft position 1, 2, ...: verifying rows that proposed / kept a draft there
     "spec_drafts_by_position",
     "spec_accepted_by_position",
+    # tensor parallelism, rank 0's view: time in the forward's collectives (all-reduces, the
+    # logits gather) and the bytes it sent into them; the step's broadcast to the other ranks
+    "comm_s",
+    "comm_bytes",
+    "broadcast_s",
+    "broadcast_bytes",
     # the roofline (harness/measuring/roofline.py), added when the run finishes; NaN where it
     # does not apply
     "flops",

@@ -154,12 +154,17 @@ class BuiltinBackend(Backend):
                     queue.put_nowait(event)
             await asyncio.sleep(0)  # let arrivals and consumers run between steps
 
+    def failure(self) -> str | None:
+        return None if self.engine is None else self.engine.failure
+
     def close(self) -> None:
         if self.engine_thread is not None:
             self.engine_thread.stop()
             self.engine_thread = None
         if self._loop_task is not None:
             self._loop_task.cancel()
+        if self.engine is not None:
+            self.engine.close()  # ends its other tensor-parallel ranks, if any
         self.engine = None
 
 

@@ -41,6 +41,12 @@ class EngineConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     num_threads: int | None = None  # CPU intra-op threads; None keeps torch's default
+    # tensor parallelism (vLLM's name): the model split over this many ranks, each a process
+    # with its own device (CPU: threads of its own, num_threads each); rank 0 spawns the
+    # others, or joins those torchrun started (docs/parallelism.md)
+    tensor_parallel_size: int = 1
+    # a collective that takes longer than this fails the engine (a rank died or hung)
+    tensor_parallel_timeout_s: float = 60.0
     # limits
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
@@ -140,7 +146,7 @@ class EngineConfig:
         self.dtype = DTYPE_ALIASES[str(self.dtype).lower()]
         if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
             raise fail("device", "auto|cpu|cuda|cuda:N")
-        for name in ("max_num_seqs", "block_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise fail(name, "an integer >= 1")
         for name in (
@@ -152,6 +158,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise fail(name, "null or an integer >= 1")
+        timeout = self.tensor_parallel_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise fail("tensor_parallel_timeout_s", "a number of seconds > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise fail("gpu_memory_utilization", "a number in (0, 1]")
         if (

@@ -3,6 +3,11 @@
     add_request -> (tokenize) -> Scheduler.schedule -> ModelRunner.execute -> OutputProcessor
     (append the sampled token, detokenize incrementally, check stop conditions) -> events
 
+With `tensor_parallel_size` N > 1 this engine is rank 0 of N (distributed/): it owns the
+scheduler, the tokenizer and the events; its runner sends each packed step to the other ranks,
+which run the same forward on their shards. A rank that dies or hangs ends the engine
+(`failure`, EngineDeadError) within `tensor_parallel_timeout_s`.
+
 Every event carries the step that produced it and a timestamp from the platform's one clock.
 Each step's plan and counters are handed to `step_observers` as a `StepRecord` (step_stats.py).
 What others may read or hook between steps is public: `limits`, `gauges()`, `weights_source`,
@@ -31,6 +36,16 @@ from engines.base import (
 )
 from engines.builtin import native
 from engines.builtin.config import EngineConfig
+from engines.builtin.distributed.group import TensorParallelError
+from engines.builtin.distributed.launch import (
+    STARTUP_TIMEOUT_S,
+    Peers,
+    rank_device,
+    serve_if_worker_rank,
+    start_peers,
+)
+from engines.builtin.distributed.shard import shard_for
+from engines.builtin.distributed.worker import EngineMessage
 from engines.builtin.kv_cache import KVCacheManager
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes
@@ -59,12 +74,22 @@ def _profiled(plan: StepPlan) -> AbstractContextManager[Any]:
     return torch.profiler.record_function(f"step:{phase}")
 
 
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (a tensor-parallel rank died or hung); `failure` says why."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
+        tp_size = config.tensor_parallel_size
+        if tp_size > 1 and serve_if_worker_rank():
+            # torchrun started this process as a rank other than 0: it has served rank 0's
+            # engines until rank 0 ended them, and has nothing else to do
+            raise SystemExit(0)
         self.config = config
-        self.platform = Platform.create(config.device, config.num_threads)
+        self.platform = Platform.create(rank_device(config.device, 0, tp_size), config.num_threads)
         self.model_config = resolve_model(config.model, config.model_overrides)
+        shard_for(self.model_config, 0, tp_size)  # a model N does not split fails before any start
         self.tokenizer = tokenizer_for_model(self.config.model, self.config.tokenizer)
         self.dtype = (
             self.platform.default_dtype() if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
@@ -79,20 +104,47 @@ class LLMEngine:
         self.eos_ids = sorted(
             set(self.tokenizer.special.eos_ids) | set(self.model_config.eos_token_ids)
         )
-        # the model and its weights first: the KV pool is sized from the memory they leave
-        self.runner = ModelRunner(
-            self.model_config,
-            config,
-            self.platform,
-            self.dtype,
-            max_model_len,
-            self.tokenizer.vocab_size,
-            self.eos_ids,
-        )
-        self.kv_budget_reason = ""  # where the KV budget came from, set with the budget
-        self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len)
-        self.limits = EngineLimits(max_model_len, max_num_seqs, batched, budget)
-        self.runner.allocate_kv_cache(self.kv, self.limits)
+        self.failure: str | None = None  # why the engine cannot go on (EngineDeadError)
+        self.peers: Peers | None = None  # the other tensor-parallel ranks
+        if tp_size > 1:
+            self.peers = start_peers(
+                tp_size,
+                self.platform.device,
+                config.tensor_parallel_timeout_s,
+                EngineMessage(
+                    config.to_dict(),
+                    str(self.dtype).removeprefix("torch."),
+                    max_model_len,
+                    self.tokenizer.vocab_size,
+                ),
+            )
+        try:
+            # the model and its weights first: the KV pool is sized from the memory they leave
+            self.runner = ModelRunner(
+                self.model_config,
+                config,
+                self.platform,
+                self.dtype,
+                max_model_len,
+                self.tokenizer.vocab_size,
+                self.eos_ids,
+                tp=None if self.peers is None else self.peers.tp,
+            )
+            self.kv_budget_reason = ""  # where the KV budget came from, set with the budget
+            self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len)
+            self.limits = EngineLimits(max_model_len, max_num_seqs, batched, budget)
+            ring = bool(getattr(self.kv, "ring", False))
+            if self.peers is not None:
+                # the other ranks take it once their shards are loaded
+                self.peers.channel.send(
+                    ("kv", self.kv.layout, ring, self.limits),
+                    timeout_s=max(config.tensor_parallel_timeout_s, STARTUP_TIMEOUT_S),
+                )
+                self.runner.peers = self.peers.channel
+            self.runner.allocate_kv_cache(self.kv.layout, ring, self.limits)
+        except BaseException:
+            self.close()
+            raise
         self.scheduler = Scheduler(config, self.kv, self.limits)
         self.sequences: dict[str, Sequence] = {}
         self.output = OutputProcessor(
@@ -132,17 +184,25 @@ class LLMEngine:
     # ---- construction -----------------------------------------------------------------------
 
     def _make_kv_manager(self, max_model_len: int) -> tuple[KVCacheManager, int, int]:
-        cfg, config = self.model_config, self.config
+        config, shard = self.config, self.runner.model.shard
+        # this rank's K/V heads: the pool, its budget and its blocks are per device
+        cfg = replace(self.model_config, num_kv_heads=shard.num_kv_heads)
         element = kv_element_bytes(self.dtype, cfg.head_dim, config.kv_cache_dtype)
         weight_bytes = self.runner.model.weight_bytes()["weight_bytes"]
 
         def budget_for(one_sequence_bytes: int) -> tuple[int, str]:
-            return self.platform.kv_budget(
+            budget, reason = self.platform.kv_budget(
                 config.kv_cache_memory_bytes,
                 weight_bytes,
                 config.gpu_memory_utilization,
                 one_sequence_bytes,
             )
+            shared_host = not self.platform.is_cuda and config.kv_cache_memory_bytes is None
+            if shard.size > 1 and shared_host:
+                # the ranks share this host's memory: each takes its part of the default
+                budget //= shard.size
+                reason += f", / {shard.size} tensor-parallel ranks sharing the host"
+            return budget, reason
 
         sized = KV_MANAGERS.get(config.kv_cache)(
             KVSizing(
@@ -174,6 +234,9 @@ class LLMEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.platform.device),
             "num_threads": self.platform.num_threads,
+            # weights and KV figures below are per rank (each rank holds its shard)
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "tensor_parallel": self._tensor_parallel_facts(),
             "tokenizer": self.tokenizer.name,
             "tokenizer_vocab_size": self.tokenizer.vocab_size,
             "kv_cache": self.config.kv_cache,
@@ -215,6 +278,25 @@ class LLMEngine:
             "roofline_shape": self._roofline_shape(),
         }
 
+    def _tensor_parallel_facts(self) -> dict[str, Any] | None:
+        if self.peers is None:
+            return None
+        shard = self.runner.model.shard
+        return {
+            "launcher": self.peers.launcher,
+            "backend": self.peers.backend,
+            "heads_per_rank": shard.num_heads,
+            "kv_heads_per_rank": shard.num_kv_heads,
+            "kv_heads_replicated": shard.kv_replicated,
+            "vocab_per_rank": shard.vocab_per_rank,
+            "timeout_s": self.config.tensor_parallel_timeout_s,
+        }
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks (idempotent; nothing to do with one rank)."""
+        if self.peers is not None:
+            self.peers.close(failed=self.failure is not None)
+
     def _roofline_shape(self) -> dict[str, int]:
         """Per-token constants of the roofline's FLOP count (harness/measuring/roofline.py)."""
         cfg, model = self.model_config, self.runner.model
@@ -225,8 +307,8 @@ class LLMEngine:
         )
         return {
             "block_linear_params": blocks,
-            "lm_head_params": cfg.hidden_size * cfg.vocab_size,
-            "attention_flops_per_pair": 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
+            "lm_head_params": model.lm_head.in_features * model.lm_head.out_features,
+            "attention_flops_per_pair": 4 * cfg.num_layers * model.shard.num_heads * cfg.head_dim,
         }
 
     # ---- what others may read or hook ---------------------------------------------------------
@@ -277,6 +359,8 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Tokenize and queue a request; raises ValueError (naming the field) if it is invalid."""
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
         arrival_ns = self.platform.now_ns() if arrival_ns is None else arrival_ns
         sampling = sampling or SamplingParams()
         if request_id in self.sequences:
@@ -363,6 +447,8 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestEvent]:
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
         events, self._pending_events = self._pending_events, []
         start = self.platform.now_ns()
         proposals = self._propose() if self.proposer is not None else {}
@@ -407,6 +493,11 @@ class LLMEngine:
         try:
             with _profiled(plan):
                 tokens = self.runner.execute(plan, self.kv)
+        except TensorParallelError as exc:  # the ranks have parted: the engine is over
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self.close()
+            self._fail_step(plan, exc)
+            raise EngineDeadError(self.failure) from exc
         except Exception as exc:  # a failed step fails its requests, not the engine
             return events + self._fail_step(plan, exc)
         kept = _kept_drafts(plan, tokens) if plan.num_draft_tokens else {}
@@ -430,6 +521,8 @@ class LLMEngine:
                 self.runner.last_gather_ns,
                 self.model_config.sliding_window,
                 self.last_draft_ns,
+                self.runner.last_comm,
+                self.runner.last_broadcast,
             )
             for observer in self.step_observers:
                 observer(record)

@@ -4,6 +4,11 @@ Shapes: the step's new tokens are packed into one dimension T (no batch padding)
 come from one fused projection, gate and up from another; the loader fills them from the
 checkpoint's separate tensors. Attention writes this step's K/V into the layer's cache, then
 reads the context back through the attention backend.
+
+Under tensor parallelism (distributed/shard.py) each rank builds the same modules at its
+shard's sizes (its heads, its slice of the MLP and of the vocabulary); the model's only other
+concession is one `tp.all_reduce` after o_proj, down_proj and the embedding, and a gather of
+the LM head's slices. With one rank both do nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from torch import nn
 
 from engines.builtin import native
 from engines.builtin.attention import AttentionBackend, AttentionMetadata
+from engines.builtin.distributed.group import TPGroup
+from engines.builtin.distributed.shard import TPShard, shard_for
 from engines.builtin.kv_cache import LayerKVCache
 from engines.builtin.layers.linear import Linear, LinearMethod
 from engines.builtin.layers.norm import RMSNorm
@@ -35,16 +42,25 @@ class LayerProgram(Protocol):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearMethod, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        linear: LinearMethod,
+        backend: AttentionBackend,
+        shard: TPShard,
+        tp: TPGroup,
+    ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.q_size = shard.num_heads * cfg.head_dim
+        self.kv_size = shard.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = Linear(
-            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, linear, bias=cfg.attention_bias
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, linear, bias=cfg.attention_bias
         )
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, linear)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, linear)  # row-parallel
+        self.tp = tp
         self.backend = backend
         self.cache: LayerKVCache | None = None  # set by the model runner
         self.native = False  # rotary + K/V store through the C kernel (use_native_kernels)
@@ -57,7 +73,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self._rotate_and_store(qkv, rotation, cache, meta)
         out = self.backend(q, k, v, cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
     def _rotate_and_store(
         self,
@@ -123,28 +139,57 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearMethod) -> None:
+    def __init__(self, cfg: ModelConfig, linear: LinearMethod, shard: TPShard, tp: TPGroup) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, linear)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, linear)
+        self.intermediate = shard.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, linear)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, linear)  # row-parallel
+        self.tp = tp
         self.native = False  # SiLU-and-multiply through the C kernel (use_native_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.native and native.takes(gate_up):
-            return self.down_proj(native.silu_and_mul(gate_up))
+            return self.tp.all_reduce(self.down_proj(native.silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table's rows [vocab_start, vocab_start + rows) of the padded vocabulary;
+    a token outside them looks up zeros, and the all-reduce adds the one rank's row that has
+    it. The loader fills `weight`; `_weight` skips nn.Embedding's random init, which on "meta"
+    goes through torch's Python reference ops and imports torch._dynamo (seconds, per process)."""
+
+    def __init__(self, shard: TPShard, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.start, self.rows = shard.vocab_start, shard.vocab_per_rank
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0.0))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearMethod, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        linear: LinearMethod,
+        backend: AttentionBackend,
+        shard: TPShard,
+        tp: TPGroup,
+    ) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, linear, backend)
+        self.attn = Attention(cfg, linear, backend, shard, tp)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, linear)
+        self.mlp = MLP(cfg, linear, shard, tp)
 
     def forward(
         self,
@@ -176,30 +221,30 @@ class Transformer(nn.Module):
         max_positions: int,
         device: torch.device,
         lm_head_method: LinearMethod | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
+        """`tp`: this rank's tensor-parallel group (None: one rank, the whole model)."""
         super().__init__()
         self.config = cfg
-        # the loader fills the table: `_weight` skips the random init, which on "meta" goes
-        # through torch's Python reference ops and imports torch._dynamo (seconds, per process)
-        self.embed = nn.Embedding(
-            cfg.vocab_size,
-            cfg.hidden_size,
-            _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
-            _freeze=True,
-        )
+        self.tp = tp or TPGroup()
+        self.shard = shard_for(cfg, self.tp.rank, self.tp.size)
+        shard = self.shard
+        self.embed = VocabParallelEmbedding(shard, cfg.hidden_size, self.tp)
         # Built on `device` even when the rest is created on "meta" and filled by the loader.
         self.rope = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, linear, backend) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, linear, backend, shard, self.tp) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # `lm_head_method`: how the LM head is kept (None: like the other linear layers). A tied
         # model's head is loaded from the embedding table (the same tensor where the method
         # keeps the weight as it is), so that it multiplies through its method's kernel too.
         self.lm_head = Linear(
-            cfg.hidden_size, cfg.vocab_size, linear if lm_head_method is None else lm_head_method
+            cfg.hidden_size,
+            shard.vocab_per_rank,
+            linear if lm_head_method is None else lm_head_method,
         )
         for name, module in self.linear_layers().items():
             module.name = name
@@ -227,8 +272,11 @@ class Transformer(nn.Module):
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.native = enabled
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the (padded) vocabulary; under tensor parallelism on rank 0 only (the
+        other ranks' slices are gathered there; they get None)."""
+        logits = self.tp.gather_last_dim(self.lm_head(hidden))
+        return None if logits is None else logits[..., : self.config.vocab_size]
 
     def linear_layers(self) -> dict[str, Linear]:
         return {name: m for name, m in self.named_modules() if isinstance(m, Linear)}

@@ -1,11 +1,16 @@
 """The model runner executes a step plan: it packs the scheduled tokens (and static batching's
 padding), fills the attention metadata into preallocated buffers (one host-to-device copy per
 step), runs the model (or replays a CUDA graph for a decode step), and samples the sequences
-that reached the end of their known tokens."""
+that reached the end of their known tokens.
+
+Under tensor parallelism rank 0's runner packs the step (`PackedStep`) and sends it to the
+other ranks' runners (`peers`), which run the same forward on their shards from it
+(`execute_packed`); only rank 0 gets the logits and samples."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
@@ -22,7 +27,8 @@ from engines.builtin.cuda_graphs import (
     pad_decode_rows,
 )
 from engines.builtin.decode_program import DecodeProgram, unavailable_reason
-from engines.builtin.kv_cache import KVCacheManager, LayerKVCache
+from engines.builtin.distributed.group import ControlChannel, TPGroup
+from engines.builtin.kv_cache import KVCacheManager, KVLayout, LayerKVCache
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import PrepackedDenseMethod
 from engines.builtin.limits import EngineLimits
@@ -50,6 +56,29 @@ LogitsObserver = Callable[[StepPlan, torch.Tensor], None]
 PAD_TOKEN_ID = 0
 
 
+@dataclass
+class PackedStep:
+    """A step as prepare() packed it into the host buffers: what the forward needs besides
+    them. Rank 0 sends it, with the buffers' used parts (`arrays`), to the other ranks."""
+
+    num_tokens: int
+    num_logits: int
+    num_decodes: int  # rows the attention treats as decodes (static batching's padding too)
+    query_start_loc: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]
+    use_cache: bool
+    write_index: np.ndarray | None = None  # packed rows whose K/V are stored (None: all)
+    real_token_index: np.ndarray | None = None  # packed rows that are not padding (None: all)
+    graph_size: int | None = None  # the CUDA graph bucket that serves the step
+    copied_blocks: list[tuple[int, int]] = field(default_factory=list)
+    observe: bool = False  # every real token's logits too (logits observers)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -60,9 +89,11 @@ class ModelRunner:
         max_model_len: int,
         sample_vocab_size: int,
         eos_ids: list[int],
+        tp: TPGroup | None = None,
     ) -> None:
         """`max_model_len` sizes the model's rotary table now; the other limits are known once
-        the KV pool is sized (from the weights loaded here) and come with `allocate_kv_cache`."""
+        the KV pool is sized (from the weights loaded here) and come with `allocate_kv_cache`.
+        `tp`: this rank's tensor-parallel group (None: one rank)."""
         self.model_config = model_config
         self.config = config
         self.platform = platform
@@ -123,7 +154,11 @@ class ModelRunner:
                 max_model_len,
                 self.device,
                 lm_head_method=lm_head,
+                tp=tp,
             )
+        self.tp = self.model.tp
+        # rank 0 of several: where each packed step goes before it runs (set by the engine)
+        self.peers: ControlChannel | None = None
         self.model.eval()
         self._load_weights()
         self.model.use_native_kernels(self.native_kernels)
@@ -131,6 +166,9 @@ class ModelRunner:
         self.forward_timer = platform.timer()
         self.last_forward_ns = 0  # model forward + sampling of the last step, device time
         self.last_gather_ns = 0  # of which gathering K/V out of the cache (dense attention)
+        # tensor parallelism: the last step's (ns, bytes) in collectives and in its broadcast
+        self.last_comm = (0, 0)
+        self.last_broadcast = (0, 0)
         self.kv_caches: list[LayerKVCache] = []
         # See the logits of every token of every step (LLMEngine.add_logits_observer). Empty
         # in normal runs, where only sampled rows are computed.
@@ -143,9 +181,7 @@ class ModelRunner:
         self.max_rows = 0  # rows a step may pack (allocate_kv_cache)
         self.inputs: StepInputs  # allocate_kv_cache
         self.max_blocks_per_seq = 1
-        self._graph_size: int | None = None  # the CUDA graph bucket serving this step
         self.ring = False
-        self._real_token_index: torch.Tensor | None = None  # packed rows of real tokens
         self.decode_graphs: DecodeGraphs | None = None  # set up with the KV cache
         self.cuda_graphs_note: str | None = None  # why graphs were asked for but not used
 
@@ -162,7 +198,9 @@ class ModelRunner:
         load_weights(self.model, tensors, self.dtype, self.device)
         self.weights_source = "dummy" if use_dummy else "checkpoint"
 
-    def allocate_kv_cache(self, kv: KVCacheManager, limits: EngineLimits) -> None:
+    def allocate_kv_cache(self, layout: KVLayout, ring: bool, limits: EngineLimits) -> None:
+        """The pool the KV manager's `layout` describes (its blocks of this rank's K/V heads);
+        `ring`: a sliding window's contiguous ring."""
         if limits.max_model_len != self.max_model_len:
             raise ValueError(
                 f"limits.max_model_len={limits.max_model_len} differs from the model's "
@@ -170,8 +208,7 @@ class ModelRunner:
             )
         self.max_num_batched_tokens = limits.max_num_batched_tokens
         self.max_num_seqs = limits.max_num_seqs
-        layout = kv.layout
-        self.ring = bool(getattr(kv, "ring", False))
+        self.ring = ring
         self.block_size = layout.block_size
         self.max_blocks_per_seq = max(1, ceil_div(self.max_model_len, layout.block_size))
         # rows a step packs: one per sequence, or with speculative decoding one per token of
@@ -200,7 +237,7 @@ class ModelRunner:
                 cache = cache_class(
                     layout.num_blocks,
                     layout.block_size,
-                    self.model_config.num_kv_heads,
+                    layer.attn.num_kv_heads,
                     self.model_config.head_dim,
                     self.dtype,
                     self.device,
@@ -216,6 +253,11 @@ class ModelRunner:
         """The decode program (decode_program.py) where the engine's options and layers allow."""
         if not self.config.native_decode_program:
             self.layer_program_reason: str | None = "engine.native_decode_program=false"
+        elif self.tp.size > 1:
+            self.layer_program_reason = (
+                "engine.tensor_parallel_size > 1: the layers all-reduce between the kernels "
+                "that the program runs in one call"
+            )
         elif not self.native_kernels or self.config.compile:
             self.layer_program_reason = (
                 "engine.compile=true" if self.config.compile else self.native_kernels_reason
@@ -272,11 +314,16 @@ class ModelRunner:
     def prepare(
         self, plan: StepPlan, kv: KVCacheManager
     ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Pack the plan into rows: real decodes, static batching's padding decodes, real
-        prefills (each followed by its padding tokens, if any), then padding-only rows. Padding
-        tokens are pad id 0 at the positions after their row's real tokens; they are computed
-        (the cost static batching pays) but their K/V are never stored and they are never
-        sampled."""
+        """The step's device inputs: the packed token ids, their attention metadata and the
+        rows whose logits are sampled."""
+        return self._device_inputs(self._pack(plan, kv))
+
+    def _pack(self, plan: StepPlan, kv: KVCacheManager) -> PackedStep:
+        """Pack the plan into rows in the host buffers: real decodes, static batching's padding
+        decodes, real prefills (each followed by its padding tokens, if any), then padding-only
+        rows. Padding tokens are pad id 0 at the positions after their row's real tokens; they
+        are computed (the cost static batching pays) but their K/V are never stored and they
+        are never sampled."""
         items = plan.scheduled
         num_decodes = plan.num_decodes
         pads = plan.padding_rows
@@ -358,7 +405,7 @@ class ModelRunner:
                 blocks = np.minimum(positions // bs, self.max_blocks_per_seq - 1)
                 slots = tables[seq_index, blocks].astype(np.int64) * bs + positions % bs
             if not keep.all():
-                write_index = torch.as_tensor(np.flatnonzero(keep), device=self.device)
+                write_index = np.flatnonzero(keep)
             host["slots"][:n] = slots
 
         indices: list[int] | np.ndarray
@@ -391,7 +438,19 @@ class ModelRunner:
                 ]
         num_logits = len(indices)
         host["logits_indices"][:num_logits] = indices
-        self._graph_size = None
+        packed = PackedStep(
+            num_tokens=n,
+            num_logits=num_logits,
+            num_decodes=num_decodes + len(pad_decodes),
+            query_start_loc=qsl.tolist(),
+            seq_lens=seq_lens.tolist(),
+            use_cache=use_cache,
+            write_index=write_index,
+            copied_blocks=plan.copied_blocks,
+            observe=bool(self.logits_observers),
+        )
+        if plan.padding_tokens:
+            packed.real_token_index = np.flatnonzero(offsets < real_lens[seq_index])
         graphs = self.decode_graphs
         if (
             graphs is not None
@@ -400,59 +459,97 @@ class ModelRunner:
             and num_decodes == num_seqs == num_sampled
             and write_index is None
         ):
-            self._graph_size = graphs.bucket_for(num_seqs)
-            if self._graph_size is not None:  # rows num_seqs.. of the bucket are padding
-                pad_decode_rows(host, num_seqs, self._graph_size)
-        inputs.upload(use_cache, num_seqs)  # the step's one host-to-device copy
-        dev = inputs.device
+            packed.graph_size = graphs.bucket_for(num_seqs)
+            if packed.graph_size is not None:  # rows num_seqs.. of the bucket are padding
+                pad_decode_rows(host, num_seqs, packed.graph_size)
+        return packed
 
+    def _device_inputs(
+        self, packed: PackedStep
+    ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        n, num_seqs = packed.num_tokens, packed.num_seqs
+        self.inputs.upload(packed.use_cache, num_seqs)  # the step's one host-to-device copy
+        dev = self.inputs.device
+        write_index = packed.write_index
         meta = AttentionMetadata(
             positions=dev["positions"][:n],
             slot_mapping=dev["slots"][:n],
             query_start_loc=dev["qsl"][: num_seqs + 1],
             seq_lens=dev["seq_lens"][:num_seqs],
             block_tables=dev["block_tables"][:num_seqs],
-            query_start_loc_host=qsl.tolist(),
-            seq_lens_host=seq_lens.tolist(),
-            num_decodes=num_decodes + len(pad_decodes),
-            max_seq_len=int(seq_lens.max()),
+            query_start_loc_host=packed.query_start_loc,
+            seq_lens_host=packed.seq_lens,
+            num_decodes=packed.num_decodes,
+            max_seq_len=max(packed.seq_lens),
             block_size=self.block_size,
             sliding_window=self.model_config.sliding_window,
-            use_cache=use_cache,
+            use_cache=packed.use_cache,
             ring=self.ring,
-            write_index=write_index,
+            write_index=None
+            if write_index is None
+            else torch.as_tensor(write_index, device=self.device),
         )
-        logits_indices = dev["logits_indices"][:num_logits]
-        self._real_token_index = None
-        if plan.padding_tokens:
-            real = offsets < real_lens[seq_index]
-            self._real_token_index = torch.as_tensor(np.flatnonzero(real), device=self.device)
-        return dev["input_ids"][:n], meta, logits_indices
+        return dev["input_ids"][:n], meta, dev["logits_indices"][: packed.num_logits]
+
+    # ---- tensor parallelism: the step's message to the other ranks --------------------------
+
+    def _message(self, packed: PackedStep) -> PackedStep:
+        """`packed` with the used parts of the host buffers, for the other ranks."""
+        host, n, rows = self.inputs.host_arrays(), packed.num_tokens, packed.num_seqs
+        used = {
+            "logits_indices": packed.num_logits,
+            "input_ids": n,
+            "positions": n,
+            **({"slots": n, "block_tables": rows} if packed.use_cache else {}),
+        }
+        packed.arrays = {name: host[name][:count].copy() for name, count in used.items()}
+        return packed
+
+    @torch.inference_mode()
+    def execute_packed(self, packed: PackedStep) -> None:
+        """Another rank's share of a step rank 0 packed: the same forward on this rank's
+        shards, and the same collectives; rank 0 alone samples."""
+        host = self.inputs.host_arrays()
+        for name, values in packed.arrays.items():
+            host[name][: len(values)] = values
+        host["qsl"][: packed.num_seqs + 1] = packed.query_start_loc
+        host["seq_lens"][: packed.num_seqs] = packed.seq_lens
+        input_ids, meta, logits_indices = self._device_inputs(packed)
+        if packed.copied_blocks:
+            self.copy_blocks(packed.copied_blocks)
+        self._logits(None, packed, input_ids, meta, logits_indices)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, kv: KVCacheManager) -> list[list[int]]:
         """Run the plan; return the new tokens of each sequence that samples, in plan order
         (one each, or a speculative row's kept drafts and one more)."""
-        input_ids, meta, logits_indices = self.prepare(plan, kv)
+        packed = self._pack(plan, kv)
+        if self.peers is not None:
+            self.peers.send(("step", self._message(packed)))
+            self.last_broadcast = (self.peers.last_ns, self.peers.last_bytes)
+        input_ids, meta, logits_indices = self._device_inputs(packed)
         if plan.copied_blocks:
             self.copy_blocks(plan.copied_blocks)
         for cache in self.kv_caches:
             cache.gather_ns = 0
         self.forward_timer.start()
-        logits = self._logits(plan, input_ids, meta, logits_indices)
+        logits = self._logits(plan, packed, input_ids, meta, logits_indices)
         result = self._sample(plan, logits) if logits is not None else []
         self.forward_timer.stop()
         self.last_forward_ns = self.forward_timer.elapsed_ns()
         self.last_gather_ns = sum(cache.gather_ns for cache in self.kv_caches)
+        self.last_comm = self.tp.take_counters()
         return result
 
     @torch.inference_mode()
     def execute_logits(self, plan: StepPlan, kv: KVCacheManager) -> torch.Tensor:
         """Run the plan (no drafts, no forks); return the logits of each sequence that samples,
         in plan order, over the tokenizer's vocabulary: a draft model's proposer samples from
-        them with the requests' own parameters."""
-        input_ids, meta, logits_indices = self.prepare(plan, kv)
-        logits = self._logits(plan, input_ids, meta, logits_indices)
+        them with the requests' own parameters. One rank only (a draft model's engine)."""
+        assert self.peers is None, "execute_logits runs on one rank"
+        packed = self._pack(plan, kv)
+        input_ids, meta, logits_indices = self._device_inputs(packed)
+        logits = self._logits(plan, packed, input_ids, meta, logits_indices)
         return logits if logits is not None else torch.empty(0, self.sample_vocab_size)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -464,28 +561,32 @@ class ModelRunner:
 
     def _logits(
         self,
-        plan: StepPlan,
+        plan: StepPlan | None,
+        packed: PackedStep,
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor | None:
         """The forward pass; the logits at `logits_indices` (None when the step samples
-        nothing), over the tokenizer's vocabulary."""
-        if self._graph_size is not None:  # prepare() chose a bucket and padded the rows
+        nothing, and on every tensor-parallel rank but 0), over the tokenizer's vocabulary.
+        Every rank makes the same calls in the same order (each holds a collective)."""
+        if packed.graph_size is not None:  # _pack() chose a bucket and padded the rows
             assert self.decode_graphs is not None
-            logits = self.decode_graphs.run(self._graph_size, meta.num_seqs)
+            logits: torch.Tensor | None = self.decode_graphs.run(packed.graph_size, meta.num_seqs)
         else:
             hidden = self.model(input_ids, meta)
-            if self.logits_observers:
-                real = hidden if self._real_token_index is None else hidden[self._real_token_index]
-                every = self.model.compute_logits(real).float()
-                for observer in self.logits_observers:
-                    observer(plan, every)
-            if logits_indices.numel() == 0:
+            if packed.observe:
+                index = packed.real_token_index  # padding rows left out
+                real = hidden if index is None else hidden[torch.from_numpy(index).to(self.device)]
+                every = self.model.compute_logits(real)
+                if every is not None and plan is not None:
+                    for observer in self.logits_observers:
+                        observer(plan, every.float())
+            if packed.num_logits == 0:
                 return None
             logits = self.model.compute_logits(hidden[logits_indices])
         # Ids past the tokenizer's vocabulary (a dummy model's padding rows) are never sampled.
-        return logits[:, : self.sample_vocab_size]
+        return None if logits is None else logits[:, : self.sample_vocab_size]
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[list[int]]:
         items = [s for s in plan.scheduled if s.samples]

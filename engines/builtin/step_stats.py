@@ -43,8 +43,12 @@ def step_record(
     kv_gather_ns: int,
     sliding_window: int | None,
     draft_ns: int = 0,
+    comm: tuple[int, int] = (0, 0),
+    broadcast: tuple[int, int] = (0, 0),
 ) -> StepRecord:
-    """The record of a step as it was executed; KV figures as of its end."""
+    """The record of a step as it was executed; KV figures as of its end. `comm`, `broadcast`:
+    (ns, bytes) of the step's collectives and of its broadcast to the other tensor-parallel
+    ranks."""
     num_decodes = plan.num_decodes
     return StepRecord(
         step=plan.step,
@@ -70,6 +74,10 @@ def step_record(
         spec_drafts_by_position=by_position([drafts for drafts, _ in plan.spec_rounds]),
         spec_accepted_by_position=by_position([kept for _, kept in plan.spec_rounds]),
         draft_ns=draft_ns,
+        comm_ns=comm[0],
+        comm_bytes=comm[1],
+        broadcast_ns=broadcast[0],
+        broadcast_bytes=broadcast[1],
         **roofline_counts(plan, sliding_window, kv.retains_kv),
     )
 

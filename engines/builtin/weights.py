@@ -1,5 +1,12 @@
 """The loader that maps Hugging Face tensor names (a checkpoint's, or models.weights' dummy
-ones) into the engine's fused layout."""
+ones) into the engine's fused layout, keeping a tensor-parallel rank's shard of each.
+
+Sharding happens here, at load, in host memory, one full tensor at a time, before anything
+reaches the device: column-parallel tensors (q/k/v, gate/up, embedding, LM head) are cut to the
+rank's rows; row-parallel ones (o_proj, down_proj) go whole to `Linear.load` with the rank's
+columns, so that a quantized method computes its scales from the full rows first (an INT8 row's
+scale is its maximum over all inputs, which no single shard sees).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
+from engines.builtin.distributed.shard import TPShard
 from engines.builtin.model import Transformer
 from models.weights import hf_parameter_shapes
 
@@ -27,9 +35,8 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0, 2),
     "mlp.up_proj": ("mlp.gate_up_proj", 1, 2),
 }
+_ROW_PARALLEL = {"self_attn.o_proj": "attn.o_proj", "mlp.down_proj": "mlp.down_proj"}
 _PLAIN = {
-    "self_attn.o_proj": "attn.o_proj",
-    "mlp.down_proj": "mlp.down_proj",
     "input_layernorm": "input_norm",
     "post_attention_layernorm": "post_attn_norm",
 }
@@ -42,13 +49,15 @@ def load_weights(
     device: torch.device,
 ) -> None:
     """Map Hugging Face tensors into the model, fusing q/k/v and gate/up on the way."""
-    cfg = model.config
+    cfg, shard = model.config, model.shard
     expected = hf_parameter_shapes(cfg)
     seen: set[str] = set()
     pending: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     modules = dict(model.named_modules())
 
-    def put(module_path: str, kind: str, tensor: torch.Tensor) -> None:
+    def put(
+        module_path: str, kind: str, tensor: torch.Tensor, columns: slice | None = None
+    ) -> None:
         module = modules[module_path]
         tensor = tensor.to(device=device, dtype=dtype)
         if hasattr(module, "load"):  # a Linear: its method decides the storage
@@ -57,7 +66,7 @@ def load_weights(
                 if module.has_bias and bias is None:
                     pending_weight[module_path] = tensor
                     return
-                module.load(tensor, bias)
+                module.load(tensor, bias, columns)
             else:
                 weight = pending_weight.pop(module_path, None)
                 if weight is None:
@@ -87,11 +96,11 @@ def load_weights(
             )
         seen.add(name)
         if name == "model.embed_tokens.weight":
-            put("embed", "weight", tensor)
+            put("embed", "weight", shard.vocab_rows(tensor))
         elif name == "model.norm.weight":
             put("norm", "weight", tensor)
         elif name == "lm_head.weight":
-            put("lm_head", "weight", tensor)
+            put("lm_head", "weight", shard.vocab_rows(tensor))
         else:
             match = _LAYER.fullmatch(name)
             assert match is not None
@@ -101,11 +110,13 @@ def load_weights(
             if stem in _FUSED:
                 target, index, parts = _FUSED[stem]
                 group = pending.setdefault(prefix + target + "." + kind, {})
-                group[index] = {"t": tensor}
+                group[index] = {"t": tensor[_rows(shard, stem)]}
                 if len(group) == parts:
                     fused = torch.cat([group[i]["t"] for i in range(parts)], dim=0)
                     del pending[prefix + target + "." + kind]
                     put(prefix + target, kind, fused)
+            elif stem in _ROW_PARALLEL:
+                put(prefix + _ROW_PARALLEL[stem], kind, tensor, _columns(shard, stem))
             else:
                 put(prefix + _PLAIN[stem], kind, tensor)
 
@@ -119,3 +130,19 @@ def load_weights(
         )
     if cfg.tie_word_embeddings:
         model.lm_head.load(model.embed.weight.data)
+
+
+def _rows(shard: TPShard, stem: str) -> slice:
+    """The rows of a column-parallel tensor (a fused part) that `shard` keeps."""
+    if stem == "self_attn.q_proj":
+        return shard.q_rows()
+    if stem in ("self_attn.k_proj", "self_attn.v_proj"):
+        return shard.kv_rows()
+    return shard.mlp_rows()  # gate, up
+
+
+def _columns(shard: TPShard, stem: str) -> slice | None:
+    """The input columns of a row-parallel tensor that `shard` keeps (None: all, one rank)."""
+    if shard.size == 1:
+        return None
+    return shard.q_rows() if stem == "self_attn.o_proj" else shard.mlp_rows()

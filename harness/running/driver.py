@@ -345,6 +345,10 @@ class Driver:
             "draft_s": record.draft_ns / 1e9,
             "spec_drafts_by_position": list(record.spec_drafts_by_position),
             "spec_accepted_by_position": list(record.spec_accepted_by_position),
+            "comm_s": record.comm_ns / 1e9,
+            "comm_bytes": record.comm_bytes,
+            "broadcast_s": record.broadcast_ns / 1e9,
+            "broadcast_bytes": record.broadcast_bytes,
         }
         self.sink("steps", row)
         self.overhead_ns += time.perf_counter_ns() - began

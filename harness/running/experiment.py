@@ -315,6 +315,9 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
                 profiler.attach(backend, cuda=str(info["engine"].get("device")).startswith("cuda"))
             backend.start_measuring()
             driver.run(requests, concurrency=concurrency)
+            failure = backend.failure()
+            if failure is not None:  # the requests after it failed one by one; so does the run
+                raise RuntimeError(f"the backend failed during the run: {failure}")
             info["harness_overhead_fraction"] = driver.overhead_fraction
             if run_cfg.quality.enabled and isinstance(backend, BuiltinBackend):
                 from engines.builtin import LLM

@@ -44,6 +44,15 @@ class LinearMethod(ABC):
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Take a full-precision [out, in] weight and keep it in this method's format."""
 
+    def load_columns(
+        self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None, columns: slice
+    ) -> None:
+        """A row-parallel shard: keep `columns` of the full [out, in] `weight` (tensor
+        parallelism). Quantized as if the whole weight were loaded and then cut, so that each
+        rank multiplies by exactly the numbers one rank would; for a method whose numbers
+        depend on each column alone (dense), that is cutting first."""
+        self.load(layer, weight[:, columns], bias)
+
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """y = x @ W^T + b for x of shape [..., in]."""
@@ -208,15 +217,23 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
 
-    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        if tuple(weight.shape) != (self.out_features, self.in_features):
+    def load(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, columns: slice | None = None
+    ) -> None:
+        """`columns`: a row-parallel shard's input columns of the full `weight` (None: all)."""
+        kept = weight.shape[1] if columns is None else len(range(weight.shape[1])[columns])
+        if (weight.shape[0], kept) != (self.out_features, self.in_features):
             raise ValueError(
                 f"weight of shape {tuple(weight.shape)} does not fit a linear layer "
                 f"of [{self.out_features}, {self.in_features}]"
+                + ("" if columns is None else f" (columns {columns.start}:{columns.stop})")
             )
         if self.has_bias != (bias is not None):
             raise ValueError(f"bias expected: {self.has_bias}, given: {bias is not None}")
-        self.method.load(self, weight, bias)
+        if columns is None:
+            self.method.load(self, weight, bias)
+        else:
+            self.method.load_columns(self, weight, bias, columns)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for t in (*self.parameters(recurse=False), *self.buffers(recurse=False))]

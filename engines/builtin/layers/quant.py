@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from engines.base import ConfigError
 from engines.builtin.layers.linear import LINEAR_METHODS, LinearMethod
 from engines.builtin.native import quant as native_quant
 
@@ -132,9 +133,16 @@ class Int8Method(QuantMethod):
         return f"int8; kernel {self.kernel(layer)}"
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.load_columns(layer, weight, bias, slice(None))
+
+    def load_columns(
+        self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None, columns: slice
+    ) -> None:
+        # each row's scale is its maximum over ALL inputs, whichever columns this rank keeps
         w = weight.float()
         scale = _nonzero((w.abs().amax(dim=1) / 127).to(weight.dtype))
-        q = torch.clamp(torch.round(w / scale.float()[:, None]), -127, 127).to(torch.int8)
+        q = torch.clamp(torch.round(w[:, columns] / scale.float()[:, None]), -127, 127)
+        q = q.to(torch.int8)
         layer.native = self.uses_native(weight)
         layer.register_buffer("qweight", q.contiguous())
         layer.register_buffer("scales", (scale.float() if layer.native else scale).contiguous())
@@ -293,15 +301,35 @@ class Int4Method(QuantMethod):
         return "dequantize + dense matmul (torch's int4 packing needs out_features % 16 == 0)"
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        group = int4_group_size(layer.in_features, self.group_size)
+        self.load_columns(layer, weight, bias, slice(None))
+
+    def load_columns(
+        self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None, columns: slice
+    ) -> None:
+        # Groups run along the inputs and are quantized independently, so a shard's groups
+        # are the whole weight's exactly when they are fitted to the full width and none
+        # straddles the shard's edges.
+        full_width = weight.shape[1]
+        group = int4_group_size(full_width, self.group_size)
         if group is None:  # no allowed group divides it: this layer is INT8 (describe() says)
             layer.method = Int8Fallback(
                 f"no int4 group size <= {self.group_size} of "
-                f"{'|'.join(map(str, INT4_GROUP_SIZES))} divides in_features={layer.in_features}",
+                f"{'|'.join(map(str, INT4_GROUP_SIZES))} divides in_features={full_width}",
                 self.native_reason,
             )
-            layer.method.load(layer, weight, bias)
+            layer.method.load_columns(layer, weight, bias, columns)
             return
+        first, last, _ = columns.indices(full_width)
+        if first % group or last % group:
+            raise ConfigError(
+                f"engine.quantization_group_size: groups of {group} inputs straddle the "
+                f"tensor-parallel shards of {layer.name or 'a row-parallel layer'} (its "
+                f"{full_width} inputs split into {last - first}-column shards); allowed: a group "
+                f"size that divides {last - first} (engine.quantization_group_size "
+                f"{'|'.join(str(g) for g in INT4_GROUP_SIZES if (last - first) % g == 0) or '-'}),"
+                " or another engine.tensor_parallel_size"
+            )
+        weight = weight[:, columns]
         layer.group_size = group
         q, scales_and_zeros = quantize_int4(weight, group, self.zero_point, weight.dtype)
         layer.native = self.uses_native(weight)

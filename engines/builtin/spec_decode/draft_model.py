@@ -43,6 +43,7 @@ class DraftModelProposer(Proposer):
             # its own cache in the target's layout; contiguous where the target keeps none
             "kv_cache": "contiguous" if context.kv_cache == "none" else context.kv_cache,
             "max_model_len": context.max_model_len,
+            "tensor_parallel_size": 1,  # a small draft runs on rank 0 alone (vLLM's default)
         }
         if config.dtype is not None:
             overrides["dtype"] = config.dtype

@@ -1,0 +1,251 @@
+"""Rank 0's side of tensor parallelism: start the other ranks (or join those torchrun started),
+and end them.
+
+Two ways to get ranks:
+- spawn (the default): rank 0 starts N-1 worker processes itself (`python -m
+  engines.builtin.distributed`: a fresh interpreter, so scripts need no `__main__`
+  guard), on this host, over a free loopback port;
+- torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT): every
+  process runs the same command; rank 0 goes on as the engine, the others become workers as
+  soon as they build an engine (`LLMEngine` or `inferlab run` call `serve_if_worker_rank`).
+  This is the multi-node path: the ranks may be on several machines.
+
+Three process groups: the world (gloo; start-up only), the control group (gloo, no deadline:
+rank 0's messages, `ControlChannel`) and the compute group (gloo on CPU, NCCL on CUDA; the
+model's collectives, with `engine.tensor_parallel_timeout_s` as their deadline, so a hung rank
+fails the step instead of hanging it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engines.base import ConfigError
+from engines.builtin.distributed.group import ControlChannel, TensorParallelError, TPGroup
+
+#: The control group's deadline: a worker waits this long for rank 0's next message (an idle
+#: engine sends none). Rank 0 dying ends the wait at once (its connections close).
+CONTROL_TIMEOUT = timedelta(days=365)
+#: How long rank 0 waits for the ranks to join (spawned workers import torch first) and to
+#: load their shards.
+STARTUP_TIMEOUT_S = 300.0
+TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_rank() -> tuple[int, int] | None:
+    """(rank, world size) set by torchrun (or a launcher like it), None otherwise."""
+    if not all(key in os.environ for key in TORCHRUN_KEYS):
+        return None
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        return None
+
+
+def compute_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: str, rank: int, size: int) -> str:
+    """The device of `rank`: CPU for every rank, or one CUDA device each (torchrun: the
+    process's LOCAL_RANK; spawn: the configured index plus the rank)."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if "LOCAL_RANK" in os.environ and launched_rank() is not None:
+        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    base = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count()
+    if base + size > count:
+        raise ConfigError(
+            f"engine.tensor_parallel_size: {size} ranks need {size} CUDA devices from "
+            f"cuda:{base}; this machine has {count}; allowed: 1.."
+            f"{max(1, count - base)} (or start the ranks with torchrun on several machines)"
+        )
+    return f"cuda:{base + rank}"
+
+
+_CONTROL_GROUP: Any = None
+
+
+def control_group() -> Any:
+    """This process's control group (made once per process: every rank makes it right after
+    the world is up, in the same order)."""
+    global _CONTROL_GROUP
+    if _CONTROL_GROUP is None:
+        _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return _CONTROL_GROUP
+
+
+def init_world(rank: int, size: int, init_method: str = "env://") -> None:
+    global _CONTROL_GROUP
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+        )
+        _CONTROL_GROUP = None
+    control_group()
+
+
+def new_compute_group(backend: str, timeout_s: float) -> Any:
+    return dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+@dataclass
+class Peers:
+    """Rank 0's handle on the other ranks: the group its model calls, the channel its runner
+    sends steps on, and the workers it spawned (none under torchrun)."""
+
+    size: int
+    launcher: str  # "spawn" | "torchrun"
+    backend: str  # the compute group's: gloo | nccl
+    channel: ControlChannel
+    tp: TPGroup
+    processes: list[Any] = field(default_factory=list)
+    closed: bool = False
+
+    def describe_failure(self) -> str:
+        """What is known about the other ranks, for an error message."""
+        if self.launcher == "torchrun":
+            return "ranks started by torchrun: see their output for the failure"
+        states = []
+        for rank, process in enumerate(self.processes, start=1):
+            code = process.poll()
+            if code is None:
+                states.append(
+                    f"rank {rank} still running (hung, or slower than "
+                    f"engine.tensor_parallel_timeout_s={self.channel.timeout_s:g})"
+                )
+            elif code < 0:
+                states.append(f"rank {rank} killed by {signal.Signals(-code).name}")
+            else:
+                states.append(f"rank {rank} exited with code {code}")
+        return "workers: " + ", ".join(states)
+
+    def close(self, failed: bool = False) -> None:
+        """End the engine on every rank: spawned workers exit (killed if they do not within a
+        few seconds, or at once when the ranks have `failed`), torchrun's go back to waiting
+        for the next engine."""
+        if self.closed:
+            return
+        self.closed = True
+        if not failed:
+            with contextlib.suppress(TensorParallelError):  # a rank is gone: ended below
+                message = ("exit",) if self.launcher == "spawn" else ("close",)
+                self.channel.send(message, timeout_s=min(self.channel.timeout_s, 5.0))
+        if self.launcher == "spawn":
+            for process in self.processes:
+                try:
+                    process.wait(timeout=0 if failed else 5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=5)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        elif self.tp.group is not None:
+            dist.destroy_process_group(self.tp.group)
+
+
+def start_peers(size: int, device: torch.device, timeout_s: float, engine: dict[str, Any]) -> Peers:
+    """Start (or join) the other `size - 1` ranks, send them `engine` (what they build), and
+    make the compute group with them."""
+    launched = launched_rank()
+    processes: list[Any] = []
+    if launched is not None:
+        rank, world = launched
+        if world != size:
+            raise ConfigError(
+                f"engine.tensor_parallel_size: {size}, but torchrun started WORLD_SIZE={world} "
+                f"ranks; allowed: {world} (one engine spans every rank torchrun started)"
+            )
+        assert rank == 0, "ranks other than 0 serve as workers (serve_if_worker_rank)"
+        init_world(0, size)
+        launcher = "torchrun"
+        _end_torchrun_workers_at_exit()
+    else:
+        if dist.is_initialized():
+            raise ConfigError(
+                "engine.tensor_parallel_size > 1: this process already has a torch.distributed "
+                "world that torchrun did not start; start the ranks with torchrun, or use "
+                "tensor_parallel_size=1"
+            )
+        with socket.socket() as probe:  # a free port; the race with other binders is benign
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        init_method = f"tcp://127.0.0.1:{port}"
+        for rank in range(1, size):
+            command = [sys.executable, "-m", "engines.builtin.distributed"]
+            processes.append(subprocess.Popen([*command, str(rank), str(size), init_method]))
+        try:
+            init_world(0, size, init_method)
+        except BaseException:
+            for process in processes:
+                process.kill()
+            raise
+        launcher = "spawn"
+    channel = ControlChannel(0, control_group(), timeout_s=timeout_s)
+    peers = Peers(size, launcher, compute_backend(device), channel, TPGroup())
+    peers.processes = processes
+    channel.describe_failure = peers.describe_failure
+    try:
+        channel.send(("engine", engine), timeout_s=STARTUP_TIMEOUT_S)
+        group = new_compute_group(peers.backend, timeout_s)
+    except BaseException:
+        peers.close()
+        raise
+    peers.tp = TPGroup(0, size, group, peers.describe_failure)
+    # an engine never closed ends its ranks when this process exits normally (a killed one's
+    # ranks see its connections close, and exit)
+    atexit.register(_close_at_exit, weakref.ref(peers))
+    return peers
+
+
+_ENDING_TORCHRUN_WORKERS = False
+
+
+def _end_torchrun_workers_at_exit() -> None:
+    """torchrun's other ranks serve one engine after another; they end with rank 0's process
+    (registered before the first engine's close hook: atexit runs last in, first out)."""
+    global _ENDING_TORCHRUN_WORKERS
+    if not _ENDING_TORCHRUN_WORKERS:
+        _ENDING_TORCHRUN_WORKERS = True
+
+        def end() -> None:
+            with contextlib.suppress(TensorParallelError):
+                ControlChannel(0, control_group()).send(("exit",))
+
+        atexit.register(end)
+
+
+def _close_at_exit(ref: weakref.ref[Peers]) -> None:
+    peers = ref()
+    if peers is not None:
+        peers.close()
+
+
+def serve_if_worker_rank() -> bool:
+    """In a process torchrun started as a rank other than 0: serve as a tensor-parallel worker
+    until rank 0 ends (then return True: the caller exits). Elsewhere return False at once."""
+    launched = launched_rank()
+    if launched is None or launched[0] == 0 or launched[1] < 2:
+        return False
+    from engines.builtin.distributed import worker
+
+    worker.serve(*launched)
+    return True

@@ -1,0 +1,119 @@
+"""A tensor-parallel rank other than 0: it builds the engine's model shard that rank 0 names and
+runs each step rank 0 packs, until told to stop.
+
+    ("engine", EngineMessage)  build the runner (load this rank's shard) in a new compute group
+    ("kv", layout, ring, limits)  allocate this rank's KV pool (same blocks as rank 0's)
+    ("step", PackedStep)       run the step's forward on this rank's shard
+    ("close",)                 drop the engine; wait for the next (torchrun: one per engine)
+    ("exit",)                  end the process
+
+A worker that fails prints why and exits at once: its closed connections end rank 0's
+collective with an error instead of leaving it waiting for the deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from engines.builtin.distributed.group import ControlChannel, TPGroup
+from engines.builtin.distributed.launch import (
+    compute_backend,
+    control_group,
+    init_world,
+    new_compute_group,
+    rank_device,
+)
+
+
+@dataclass(frozen=True)
+class EngineMessage:
+    """What a worker needs to build its runner as rank 0 built its own."""
+
+    config: dict[str, Any]  # EngineConfig.to_dict(), validated on rank 0
+    dtype: str
+    max_model_len: int
+    sample_vocab_size: int
+
+
+def spawned_main(rank: int, size: int, init_method: str) -> None:
+    """The entry point of a worker rank 0 spawned. Ctrl-C reaches the whole process group:
+    rank 0 alone decides what it means, and ends the workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        init_world(rank, size, init_method)
+        serve(rank, size)
+    except BaseException:
+        _die()
+    os._exit(0)  # skip interpreter teardown: nothing is left to flush
+
+
+def serve(rank: int, size: int) -> None:
+    """Serve engines until rank 0 says exit (torchrun's ranks come here from the CLI)."""
+    try:
+        init_world(rank, size)
+        channel = ControlChannel(rank, control_group())
+        while True:
+            message = channel.receive()
+            if message[0] == "exit":
+                return
+            if message[0] == "engine":
+                _serve_engine(rank, size, channel, message[1])
+    except BaseException:
+        _die()
+
+
+def _serve_engine(rank: int, size: int, channel: ControlChannel, spec: EngineMessage) -> None:
+    # imported here: the engine's modules import this package
+    from engines.builtin.config import EngineConfig
+    from engines.builtin.model_runner import ModelRunner
+    from engines.builtin.platform import Platform
+    from models.config import resolve_model
+    from models.dtypes import TORCH_DTYPES
+
+    config = EngineConfig(**spec.config)
+    platform = Platform.create(rank_device(config.device, rank, size), config.num_threads)
+    group = new_compute_group(compute_backend(platform.device), config.tensor_parallel_timeout_s)
+    try:
+        runner = ModelRunner(
+            resolve_model(config.model, config.model_overrides),
+            config,
+            platform,
+            TORCH_DTYPES[spec.dtype],
+            spec.max_model_len,
+            spec.sample_vocab_size,
+            [],
+            tp=TPGroup(rank, size, group),
+        )
+        while True:
+            message = channel.receive()
+            kind = message[0]
+            if kind == "step":
+                runner.execute_packed(message[1])
+            elif kind == "kv":
+                runner.allocate_kv_cache(*message[1:])
+            elif kind == "close":
+                return
+            elif kind == "exit":
+                raise SystemExit(0)
+            else:
+                raise ValueError(f"unknown message {kind!r} from rank 0")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+
+
+def _die() -> None:
+    exc = sys.exc_info()[1]
+    if isinstance(exc, SystemExit) and not exc.code:
+        os._exit(0)
+    print(f"inferlab tensor-parallel worker (pid {os.getpid()}) failed:", file=sys.stderr)
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)
