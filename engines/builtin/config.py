@@ -41,6 +41,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     num_threads: int | None = None  # CPU intra-op threads; None keeps torch's default
+    tensor_parallel_size: int = 1
     # limits
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
