@@ -8,7 +8,9 @@ USAGE = """usage: inferlab <command> [args]
 
 commands:
   run [overrides...]   run an experiment (Hydra app; -m for sweeps, --help for the config)
-  kv-calc [overrides]  KV bytes per token and sequence, weights, sequences that fit
+  kv-calc [overrides]  KV bytes per token and sequence, weights, sequences that fit; per GPU
+                       with engine.tensor_parallel_size=N (N1,N2,...: a table), and the
+                       predicted decode step with hardware=h100|h200|a100|l4|cpu
   train-tiny [--model NAME] [--text FILE] [--out DIR] [--steps N] [--seed S]
                        train a small real Llama on CPU (cached): tiny-trained for quality
                        checks, tiny-trained-large / -draft for speculative decoding
@@ -26,6 +28,7 @@ examples:
   inferlab run -m engine.kv_cache=none,contiguous model=tiny
   inferlab kv-calc model=llama3-8b engine.max_model_len=8192 engine.dtype=fp16 \
       device_memory_gib=80
+  inferlab kv-calc model=llama3-70b hardware=h100 engine.tensor_parallel_size=1,2,4,8
 """
 
 

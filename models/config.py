@@ -158,6 +158,22 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=128000,
         eos_token_ids=(128001, 128009),
     ),
+    # Llama 3 70B's shape (~70.6B parameters): the tensor-parallel planning preset (`inferlab
+    # kv-calc`, docs/parallelism.md); in bf16 its weights alone (~131 GiB) exceed one 80 GB GPU.
+    "llama3-70b": _llama(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128009),
+    ),
     "mistral-7b": ModelConfig(
         architecture="MistralForCausalLM",
         vocab_size=32000,

@@ -2,17 +2,20 @@
 
 A spec is a memory bandwidth (bytes/s), peak FLOP/s per compute dtype, and per dtype how far
 the machine overlaps computing with moving bytes (1: fully, the standard roofline's max(); 0:
-one after the other, their sum). GPU specs are the public datasheet values in
+one after the other, their sum); optionally the device's memory capacity and its interconnect
+(the per-GPU bus bandwidth an all-reduce reaches in one direction, and the latency per ring
+step; harness/measuring/comm.py uses them). GPU specs are the public datasheet values in
 `configs/hardware/<name>.yaml` (dense, no sparsity; overlap 1). `cpu` is measured on this
 machine by `probe_cpu` (a large sum and copy for bandwidth, square matmuls for FLOP/s, a matmul
-at the ridge point for the overlap, at the engine's thread count) and cached per machine so
-runs do not re-probe. `auto` picks the spec from the engine's device. docs/roofline.md has the
-details.
+at the ridge point for the overlap, at the engine's thread count; a 2-process gloo all-reduce
+over loopback for the link) and cached per machine so runs do not re-probe. `auto` picks the
+spec from the engine's device. docs/roofline.md has the details.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 import re
 import socket
@@ -21,15 +24,27 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import yaml
 
 from configs import CONFIG_DIR
+from harness.measuring.link_probe import LINK_BACKEND, LINK_SIZES, LINK_WORLD_SIZE, probe_link
 
 SPEC_DIR = CONFIG_DIR / "hardware"
-SPEC_KEYS = {"name", "source", "device_names", "memory_bandwidth", "peak_flops", "overlap"}
+SPEC_KEYS = {
+    "name",
+    "source",
+    "device_names",
+    "memory_bandwidth",
+    "peak_flops",
+    "overlap",
+    "memory_bytes",
+    "link_bandwidth",
+    "link_latency",
+}
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
-PROBE_VERSION = 4  # bumped when the probe measures something new: older caches are re-probed
+PROBE_VERSION = 5  # bumped when the probe measures something new: older caches are re-probed
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,12 @@ class HardwareSpec:
     # compute dtype -> 0..1: how much of the shorter of compute and memory time hides under the
     # longer (1, the standard roofline, for a dtype not listed)
     overlap: dict[str, float] = field(default_factory=dict)
+    memory_bytes: int | None = None  # the device's memory capacity; None: not stated
+    # the interconnect, for tensor parallelism's collectives (harness/measuring/comm.py): the
+    # per-device bus bandwidth an all-reduce reaches, one direction (bytes/s; nccl-tests'
+    # busbw), and the latency of one ring step (s). None: not stated (or not measured)
+    link_bandwidth: float | None = None
+    link_latency: float | None = None
 
     def flops_for(self, dtype: str) -> float | None:
         """Peak FLOP/s for a compute dtype (torch's name, "torch." prefix optional)."""
@@ -105,14 +126,21 @@ def spec_from_dict(values: dict[str, Any], where: str = "hardware") -> HardwareS
         if key not in values:
             raise ValueError(f"{where}.{key}: required")
 
-    def positive(key: str, value: Any) -> float:
+    def number(key: str, value: Any, zero_ok: bool = False, unit: str = "") -> float:
+        """A finite number > 0 (>= 0 with zero_ok); a bool is not one."""
         try:
-            number = float(value)
+            x = float("nan") if isinstance(value, bool) else float(value)
         except (TypeError, ValueError):
-            number = float("nan")
-        if not number > 0 or number == float("inf"):
-            raise ValueError(f"{where}.{key}: {value!r} is invalid; allowed: a number > 0")
-        return number
+            x = float("nan")
+        if not (math.isfinite(x) and (x >= 0 if zero_ok else x > 0)):
+            bound = "a number >= 0" if zero_ok else "a number > 0"
+            raise ValueError(f"{where}.{key}: {value!r} is invalid; allowed: {bound}{unit}")
+        return x
+
+    def optional(key: str, unit: str, zero_ok: bool = False) -> float | None:
+        """An optional key: absent or null is None (not stated), else checked."""
+        value = values.get(key)
+        return None if value is None else number(key, value, zero_ok, unit)
 
     peaks = values["peak_flops"]
     if not isinstance(peaks, dict) or not peaks:
@@ -128,12 +156,19 @@ def spec_from_dict(values: dict[str, Any], where: str = "hardware") -> HardwareS
         )
     return HardwareSpec(
         name=str(values["name"]),
-        memory_bandwidth=positive("memory_bandwidth", values["memory_bandwidth"]),
-        peak_flops={str(k): positive(f"peak_flops.{k}", v) for k, v in peaks.items()},
+        memory_bandwidth=number("memory_bandwidth", values["memory_bandwidth"]),
+        peak_flops={str(k): number(f"peak_flops.{k}", v) for k, v in peaks.items()},
         source=str(values.get("source", "")),
         device_names=tuple(values.get("device_names") or ()),
         overlap={str(k): float(v) for k, v in overlap.items()},
+        memory_bytes=_as_int(optional("memory_bytes", " (bytes)")),  # a capacity: whole bytes
+        link_bandwidth=optional("link_bandwidth", " (bytes/s)"),
+        link_latency=optional("link_latency", " (seconds per hop)", zero_ok=True),
     )
+
+
+def _as_int(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def load_spec_file(name: str) -> dict[str, Any]:
@@ -230,13 +265,15 @@ def probe_cpu(
     matmul_size: int = CPU_DEFAULTS["matmul_size"],
     repeats: int = 5,
 ) -> dict[str, Any]:
-    """Measure memory bandwidth, matmul FLOP/s and their overlap at torch's thread count.
+    """Measure memory bandwidth, matmul FLOP/s and their overlap at torch's thread count, and
+    the link a gloo all-reduce between two processes reaches.
 
     Bandwidth: the best of a read-only sum over `probe_bytes` of fp32 (bytes read / s) and a
     copy of it (bytes read + written / s). FLOP/s: the best of `repeats` square matmuls of
     `matmul_size` per dtype (2 n^3 FLOPs each). Overlap per dtype: `_overlap` over a weight of
     `probe_bytes`. Best-of, because a peak is what the machine can do; noise only ever slows
-    a sample down.
+    a sample down. The link: `link_probe.probe_link` (link_bandwidth and link_latency, or
+    link_error with the reason it could not be measured; the rest stands either way).
     """
     if probe_bytes < 1 << 16 or matmul_size < 16:
         raise ValueError(
@@ -263,6 +300,8 @@ def probe_cpu(
         "copy_bandwidth": copy_bw,
         "peak_flops": flops,
         "overlap": overlap,
+        # after the rest, in processes of its own: the ranks start once this one is idle
+        **probe_link(),
     }
 
 
@@ -300,7 +339,8 @@ def cpu_spec(
         "probe_bytes": int(probe_bytes),
         "matmul_size": int(matmul_size),
         "threads": threads,
-        "probe_version": PROBE_VERSION,
+        "probe_version": PROBE_VERSION,  # 5: the link, so a cache without it is probed again
+        "link": {"backend": LINK_BACKEND, "world_size": LINK_WORLD_SIZE, "sizes": list(LINK_SIZES)},
     }
     cached = None
     if path.is_file() and not reprobe:
@@ -333,6 +373,11 @@ def cpu_spec(
         read_bandwidth=measured["read_bandwidth"],
         copy_bandwidth=measured["copy_bandwidth"],
     )
+    # the link's raw times, or why it could not be measured (its keys are then None)
+    for key in ("link_probe", "link_error"):
+        if key in measured:
+            details[key] = measured[key]
+    link_bandwidth, link_latency = measured.get("link_bandwidth"), measured.get("link_latency")
     return HardwareSpec(
         name="cpu",
         memory_bandwidth=float(measured["memory_bandwidth"]),
@@ -340,6 +385,9 @@ def cpu_spec(
         overlap={k: float(v) for k, v in measured["overlap"].items()},
         source=f"measured on this machine ({threads} threads)",
         details=details,
+        memory_bytes=int(psutil.virtual_memory().total),  # read, not measured: not cached
+        link_bandwidth=None if link_bandwidth is None else float(link_bandwidth),
+        link_latency=None if link_latency is None else float(link_latency),
     )
 
 

@@ -1,30 +1,59 @@
-"""`inferlab kv-calc`: the seeds' memory arithmetic for any model shape, before running it.
+"""`inferlab kv-calc`: the seeds' memory arithmetic for any model shape, before running it, and
+with `engine.tensor_parallel_size` and `hardware=`, a plan per GPU with a predicted decode step.
 
     inferlab kv-calc model=llama3-8b engine.max_model_len=8192 engine.dtype=float16 \\
         device_memory_gib=80
+    inferlab kv-calc model=llama3-70b hardware=h100 engine.dtype=bf16 \\
+        engine.tensor_parallel_size=1,2,4,8      # one row per size (and per hardware=a,b)
 
 KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element; a
 sequence of max_model_len tokens holds that many times it; what is left of the device's
 memory (times gpu_memory_utilization) after the weights holds that many sequences.
+
+Over N GPUs (models/tensor_parallel.py: Megatron's layout) each device holds its share of the
+weights (the split layers / N, the norms whole, the embedding and LM head split by vocabulary
+padded to a multiple of N) and of every token's KV (its kv_heads: num_kv_heads / N, or one
+replicated head when N exceeds num_kv_heads). With a hardware spec, the decode step at the
+largest batch that fits (sequences of `context_len` tokens, at most engine.max_num_seqs) is
+predicted per device by the roofline's own cost formulas (harness/measuring/roofline.py: the
+FLOPs and bytes a step of that batch and context has, max(compute, memory) with the spec's
+overlap), plus the step's collectives (harness/measuring/comm.py: 2 all-reduces per layer and 1
+after the embedding, the logits gather), not overlapped with the compute or each other.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Any
 
+import pandas as pd
 from omegaconf import OmegaConf
 
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
 import workloads  # noqa: F401  (the workload groups' schemas, for compose)
 from engines.base import ConfigError
-from harness.measuring import hardware  # noqa: F401  (hardware=cpu's schema, for compose)
-from models.config import kv_bytes_per_token, resolve_model
+from harness.measuring import hardware  # (also hardware=cpu's schema, for compose)
+from harness.measuring.comm import tp_decode_comm_bytes, tp_decode_comm_seconds
+from harness.measuring.hardware import HardwareSpec
+from harness.measuring.roofline import ModelShape, predicted_time, step_costs
+from models.config import ModelConfig, kv_bytes_per_token, resolve_model
 from models.dtypes import DTYPE_ALIASES
+from models.tensor_parallel import (
+    TP_KEY,
+    allowed_tp_sizes,
+    kv_bytes_per_token_per_rank,
+    rank_params,
+    tp_shard,
+)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
+DEFAULT_DEVICE_GIB = 80.0  # without device_memory_gib= or a spec that states its memory
+# the command's own keys (not config keys), and the keys that take a comma-separated list
+OWN_KEYS = ("device_memory_gib", "context_len")
+LIST_KEYS = ("hardware", TP_KEY)
 
 
 def kv_calc(
@@ -32,9 +61,18 @@ def kv_calc(
     overrides: dict[str, Any] | None,
     max_model_len: int | None,
     dtype: str,
-    device_memory_gib: float,
+    device_memory_gib: float | None = None,
     gpu_memory_utilization: float = 0.9,
+    tensor_parallel_size: int = 1,
+    spec: HardwareSpec | None = None,
+    context_len: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> dict[str, Any]:
+    """The memory plan (and with `spec`, the predicted decode step) as a flat dict.
+
+    Device memory: `device_memory_gib` when given, else the spec's `memory_bytes`, else 80 GiB.
+    Every per-device figure is for one of `tensor_parallel_size` GPUs; at 1 they are the
+    model's own."""
     cfg = resolve_model(model, overrides)
     name = DTYPE_ALIASES.get(str(dtype).lower())
     if name is None:
@@ -46,13 +84,31 @@ def kv_calc(
         name = "bfloat16"  # what the engine uses on a GPU for dtype=auto
     element = DTYPE_BYTES[name]
     max_len = max_model_len or cfg.max_position_embeddings
+    context = max_len if context_len is None else context_len
+    if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= max_len:
+        raise ValueError(
+            f"context_len: {context_len!r} is invalid; allowed: an integer in [1, {max_len}] "
+            "(at most max_model_len)"
+        )
+    shard = tp_shard(cfg, tensor_parallel_size)
+    params = rank_params(cfg, shard)
     per_token = kv_bytes_per_token(cfg, element)
+    per_token_device = kv_bytes_per_token_per_rank(cfg, shard, element)
     per_seq = per_token * max_len
     weights = cfg.num_parameters() * element
-    device = int(device_memory_gib * GIB)
-    usable = int(device * gpu_memory_utilization) - weights
+    weights_device = params.total * element
+    if device_memory_gib is not None:
+        device = int(device_memory_gib * GIB)
+    elif spec is not None and spec.memory_bytes:
+        device = spec.memory_bytes
+    else:
+        device = int(DEFAULT_DEVICE_GIB * GIB)
+    usable = int(device * gpu_memory_utilization) - weights_device
+    budget = max(0, usable)
+    capacity = int(budget // per_token_device)
+    fit = capacity // max_len
     mha_per_token = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * element
-    return {
+    report: dict[str, Any] = {
         "model": model,
         "dtype": name,
         "max_model_len": max_len,
@@ -67,15 +123,147 @@ def kv_calc(
         "weight_bytes": weights,
         "device_bytes": device,
         "gpu_memory_utilization": gpu_memory_utilization,
-        "kv_budget_bytes": max(0, usable),
-        "max_sequences": max(0, usable // per_seq),
+        "kv_budget_bytes": budget,  # per device
+        "max_sequences": fit,
+        # tensor parallelism: one device's share
+        "tensor_parallel_size": shard.world_size,
+        "allowed_tensor_parallel_sizes": allowed_tp_sizes(cfg),
+        "heads_per_device": shard.heads,
+        "kv_heads_per_device": shard.kv_heads,
+        "kv_replicas": shard.kv_replicas,
+        "intermediate_per_device": shard.intermediate,
+        "vocab_per_device": shard.vocab,
+        "padded_vocab": shard.padded_vocab,
+        "vocab_size": cfg.vocab_size,
+        "weight_bytes_per_device": weights_device,
+        "kv_bytes_per_token_per_device": per_token_device,
+        "weights_fit": usable > 0,
+        "usable_bytes": int(device * gpu_memory_utilization),
+        "kv_capacity_tokens": capacity,  # per device, and so for the whole group
+        "context_len": context,
+        "hardware": None if spec is None else spec.name,
+    }
+    batch = capacity // context
+    report["batch"] = batch if max_num_seqs is None else min(batch, max_num_seqs)
+    report["batch_bound"] = "max_num_seqs" if report["batch"] < batch else "kv"
+    report["max_num_seqs"] = max_num_seqs
+    report.update(_predict(cfg, shard.world_size, element, name, spec, report))
+    return report
+
+
+def _predict(
+    cfg: ModelConfig,
+    world_size: int,
+    element: int,
+    dtype: str,
+    spec: HardwareSpec | None,
+    r: dict[str, Any],
+) -> dict[str, Any]:
+    """The decode step of r["batch"] sequences of r["context_len"] tokens on one device: the
+    roofline's FLOPs and bytes for it (roofline.step_costs over a one-row step), its predicted
+    time, and the collectives; empty without a spec or a batch."""
+    batch, context = r["batch"], r["context_len"]
+    if spec is None or batch < 1:
+        return {}
+    shard = tp_shard(cfg, world_size)
+    params = rank_params(cfg, shard)
+    shape = ModelShape(
+        block_linear_params=params.block_linear,
+        lm_head_params=params.lm_head_rows,
+        attention_flops_per_pair=4 * cfg.num_layers * shard.heads * cfg.head_dim,
+        block_linear_bytes=(params.block_linear + params.block_bias) * element,
+        lm_head_bytes=params.lm_head_rows * element,
+        kv_bytes_per_token=r["kv_bytes_per_token_per_device"],
+        dtype=dtype,
+    )
+    # each sequence has `context` tokens cached and decodes one more: it reads them (at most
+    # window - 1 with a sliding window), attends to them and itself, and writes its own K/V
+    window = cfg.sliding_window
+    read = context if window is None else min(context, window - 1)
+    pairs = context + 1 if window is None else min(context + 1, window)
+    step = pd.DataFrame(
+        [
+            {
+                "prefill_tokens": 0,
+                "decode_tokens": batch,
+                "padding_tokens": 0,
+                "logits_tokens": batch,
+                "attention_pairs": batch * pairs,
+                "kv_tokens_read": batch * read,
+                "kv_tokens_written": batch,
+            }
+        ]
+    )
+    costs = step_costs(step, shape).iloc[0]
+    moved = costs["weight_bytes_read"] + costs["kv_bytes_read"] + costs["kv_bytes_written"]
+    memory_s = float(moved / spec.memory_bandwidth)
+    peak = spec.flops_for(dtype)
+    compute_s = None if peak is None else float(costs["flops"] / peak)
+    compute_memory_s = (
+        memory_s
+        if compute_s is None
+        else float(predicted_time(compute_s, memory_s, spec.overlap_for(dtype)))
+    )
+    comm = tp_decode_comm_bytes(cfg, batch, element, world_size)
+    has_link = spec.link_bandwidth is not None and spec.link_latency is not None
+    comm_s: float | None = 0.0
+    if comm.total_bytes and has_link:
+        assert spec.link_bandwidth is not None and spec.link_latency is not None
+        comm_s = tp_decode_comm_seconds(comm, spec.link_bandwidth, spec.link_latency)
+    elif comm.total_bytes:
+        comm_s = None  # the spec states no link: communication is not counted
+    step_s = compute_memory_s + (comm_s or 0.0)
+    return {
+        "flops_per_device": float(costs["flops"]),
+        "weight_bytes_read_per_device": float(costs["weight_bytes_read"]),
+        "kv_bytes_moved_per_device": float(costs["kv_bytes_read"] + costs["kv_bytes_written"]),
+        "memory_bandwidth": spec.memory_bandwidth,
+        "peak_flops": peak,
+        "overlap": spec.overlap_for(dtype),
+        "link_bandwidth": spec.link_bandwidth,
+        "link_latency": spec.link_latency,
+        "memory_s": memory_s,
+        "compute_s": compute_s,
+        "allreduces": comm.allreduces,
+        "allreduce_bytes": comm.allreduce_bytes,
+        "gather_bytes": comm.gather_bytes,
+        "comm_s": comm_s,
+        "step_s": step_s,
+        "tokens_per_s": batch / step_s,
     }
 
 
-def format_report(r: dict[str, Any]) -> str:
-    def gib(x: int) -> str:
-        return f"{x / GIB:,.2f} GiB ({x:,} B)"
+# ---- output ---------------------------------------------------------------------------------
 
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:,.2f} GiB ({int(x):,} B)"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.2f} ms"
+
+
+def _rate(x: float) -> str:
+    return f"{x / 1e12:,.2f} TB/s" if x >= 1e12 else f"{x / 1e9:,.1f} GB/s"
+
+
+def _kv_heads(r: dict[str, Any]) -> str:
+    if r["kv_replicas"] > 1:
+        return f"{r['kv_heads_per_device']} (replicated on {r['kv_replicas']})"
+    return f"{r['kv_heads_per_device']}"
+
+
+def _no_fit(r: dict[str, Any]) -> str:
+    larger = [n for n in r["allowed_tensor_parallel_sizes"] if n > r["tensor_parallel_size"]]
+    return (
+        f"none: the weights per device ({r['weight_bytes_per_device'] / GIB:,.2f} GiB) do not "
+        f"fit in {r['gpu_memory_utilization']} x {r['device_bytes'] / GIB:,.2f} GiB"
+        + (f"; try {TP_KEY}={'|'.join(map(str, larger))}" if larger else "")
+    )
+
+
+def format_report(r: dict[str, Any]) -> str:
     window = (
         (
             f"\n  (sliding window {r['sliding_window']}: with paged KV a sequence holds at "
@@ -84,59 +272,239 @@ def format_report(r: dict[str, Any]) -> str:
         if r["sliding_window"]
         else ""
     )
-    return "\n".join(
-        [
-            f"{r['model']} in {r['dtype']}, max_model_len={r['max_model_len']}",
-            f"  KV bytes per token     2 x {r['layers']} layers x {r['kv_heads']} kv_heads x "
-            f"{r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {r['kv_bytes_per_token']:,} B "
-            f"({r['kv_bytes_per_token'] / 1024:,.0f} KiB; GQA {r['heads']}/{r['kv_heads']} heads "
-            f"saves {r['gqa_saving']:.0f}x)",
-            f"  KV bytes per sequence  {gib(r['kv_bytes_per_sequence'])}",
-            f"  weight bytes           {gib(r['weight_bytes'])}",
-            f"  device memory          {gib(r['device_bytes'])} x {r['gpu_memory_utilization']}",
-            f"  left for KV            {gib(r['kv_budget_bytes'])}",
-            f"  sequences that fit     {r['max_sequences']:,} of {r['max_model_len']} tokens each"
-            + window,
+    n = r["tensor_parallel_size"]
+    title = f"{r['model']} in {r['dtype']}, max_model_len={r['max_model_len']}"
+    if n > 1:
+        title += f", {TP_KEY}={n}"
+    if r["hardware"]:
+        title += f", hardware={r['hardware']}"
+    lines = [
+        title,
+        f"  KV bytes per token     2 x {r['layers']} layers x {r['kv_heads']} kv_heads x "
+        f"{r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {r['kv_bytes_per_token']:,} B "
+        f"({r['kv_bytes_per_token'] / 1024:,.0f} KiB; GQA {r['heads']}/{r['kv_heads']} heads "
+        f"saves {r['gqa_saving']:.0f}x)",
+        f"  KV bytes per sequence  {_gib(r['kv_bytes_per_sequence'])}",
+        f"  weight bytes           {_gib(r['weight_bytes'])}",
+    ]
+    if n > 1:
+        per_token = r["kv_bytes_per_token_per_device"]
+        vocab = f"vocab {r['vocab_per_device']:,} of {r['padded_vocab']:,}" + (
+            f" (padded from {r['vocab_size']:,})" if r["padded_vocab"] != r["vocab_size"] else ""
+        )
+        lines += [
+            f"  per device (1 of {n})    {r['heads_per_device']} heads, {_kv_heads(r)} kv_heads, "
+            f"intermediate {r['intermediate_per_device']:,}, {vocab}",
+            f"    weight bytes         {_gib(r['weight_bytes_per_device'])}",
+            f"    KV bytes per token   2 x {r['layers']} layers x {r['kv_heads_per_device']} "
+            f"kv_heads x {r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {per_token:,} B "
+            f"({per_token / 1024:,.0f} KiB)",
         ]
+    lines.append(
+        f"  device memory          {_gib(r['device_bytes'])} x {r['gpu_memory_utilization']}"
+    )
+    if not r["weights_fit"]:
+        lines.append(f"  left for KV            {_no_fit(r)}")
+        return "\n".join(lines)
+    lines += [
+        f"  left for KV            {_gib(r['kv_budget_bytes'])}",
+        f"  sequences that fit     {r['max_sequences']:,} of {r['max_model_len']} tokens each"
+        + window,
+    ]
+    if n == 1 and not r["hardware"]:
+        return "\n".join(lines)  # the seeds' arithmetic, as it always printed
+    lines.insert(
+        -1,
+        f"  KV capacity            {r['kv_capacity_tokens']:,} tokens"
+        + (" (each device holds its share of every token)" if n > 1 else ""),
+    )
+    if not r["hardware"]:
+        lines.append("  (pick hardware=h100|h200|a100|l4|cpu for the predicted decode step)")
+        return "\n".join(lines)
+    if r["batch"] < 1:
+        lines.append(f"  decode step            no sequence of {r['context_len']} tokens fits")
+        return "\n".join(lines)
+    bound = (
+        f"engine.max_num_seqs={r['max_num_seqs']}"
+        if r["batch_bound"] == "max_num_seqs"
+        else "the KV capacity"
+    )
+    lines += [
+        f"  decode step            batch {r['batch']:,} (by {bound}) x {r['context_len']:,} "
+        "tokens of context, per device:",
+        f"    memory               {_ms(r['memory_s'])}  (weights "
+        f"{r['weight_bytes_read_per_device'] / GIB:,.2f} GiB + KV "
+        f"{r['kv_bytes_moved_per_device'] / GIB:,.2f} GiB at {_rate(r['memory_bandwidth'])})",
+        f"    compute              {_ms(r['compute_s'])}"
+        + (
+            f"  ({r['flops_per_device'] / 1e12:,.2f} TFLOP at "
+            f"{r['peak_flops'] / 1e12:,.1f} TFLOP/s {r['dtype']})"
+            if r["peak_flops"]
+            else f"  (the spec has no peak for {r['dtype']}: not counted)"
+        ),
+    ]
+    if n > 1:
+        if r["comm_s"] is None:
+            comm = "-  (the spec states no link_bandwidth / link_latency: not counted)"
+        else:
+            comm = (
+                f"{_ms(r['comm_s'])}  ({r['allreduces']} all-reduces of "
+                f"{r['allreduce_bytes'] / 2**20:,.2f} MiB + the logits gather, "
+                f"{r['gather_bytes'] / 2**20:,.2f} MiB, at {_rate(r['link_bandwidth'])}, "
+                f"{r['link_latency'] * 1e6:,.2f} us per hop; not overlapped)"
+            )
+        lines.append(f"    communication        {comm}")
+    lines += [
+        f"    step                 {_ms(r['step_s'])} = {_step_formula([r])}"
+        + (" + communication" if n > 1 else "")
+        + (f" (overlap {r['overlap']:.2f})" if r["overlap"] != 1 else ""),
+        f"    throughput           {r['tokens_per_s']:,.0f} tokens/s "
+        f"({r['tokens_per_s'] / n:,.0f} per GPU)",
+    ]
+    return "\n".join(lines)
+
+
+TABLE_COLUMNS = (
+    "hardware",
+    "tp",
+    "kv heads/GPU",
+    "weights/GPU",
+    "KV/token/GPU",
+    "KV tokens",
+    "seqs fit",
+    "batch",
+    "memory",
+    "compute",
+    "comm",
+    "step",
+    "tokens/s",
+    "tokens/s/GPU",
+)
+
+
+def _row(r: dict[str, Any]) -> tuple[list[str], str]:
+    """A table row's cells, and the message that stands for the rest when there are none."""
+    n = r["tensor_parallel_size"]
+    kv_heads = str(r["kv_heads_per_device"]) + (
+        f" (x{r['kv_replicas']})" if r["kv_replicas"] > 1 else ""
+    )
+    cells = [
+        r["hardware"] or "-",
+        str(n),
+        kv_heads,
+        f"{r['weight_bytes_per_device'] / GIB:,.2f} GiB",
+        f"{r['kv_bytes_per_token_per_device'] / 1024:,.0f} KiB",
+    ]
+    if not r["weights_fit"]:
+        return cells, "weights do not fit"
+    cells += [
+        f"{r['kv_capacity_tokens']:,}",
+        f"{r['max_sequences']:,}",
+        f"{r['batch']:,}" + ("*" if r["batch_bound"] == "max_num_seqs" else ""),
+    ]
+    if "step_s" not in r:
+        return cells, ("" if r["hardware"] else "(no hardware: no step time)")
+    cells += [
+        _ms(r["memory_s"]),
+        _ms(r["compute_s"]),
+        _ms(r["comm_s"] if n > 1 else 0.0),
+        _ms(r["step_s"]),
+        f"{r['tokens_per_s']:,.0f}",
+        f"{r['tokens_per_s'] / n:,.0f}",
+    ]
+    return cells, ""
+
+
+def _step_formula(reports: list[dict[str, Any]]) -> str:
+    if all(r.get("overlap", 1.0) == 1.0 for r in reports):
+        return "max(memory, compute)"
+    # a measured spec (cpu) that does not hide one under the other: the roofline's own formula
+    return "max(memory, compute) + (1 - overlap) x min(memory, compute)"
+
+
+def format_table(reports: list[dict[str, Any]]) -> str:
+    """One row per (hardware, tensor_parallel_size); a row whose weights do not fit says so
+    in place of its remaining columns."""
+    first = reports[0]
+    rows = [(list(TABLE_COLUMNS), ""), *(_row(r) for r in reports)]
+    widths = [max(len(c[i]) for c, _ in rows if i < len(c)) for i in range(len(TABLE_COLUMNS))]
+
+    def line(cells: list[str], message: str) -> str:
+        padded = [c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(cells)]
+        return "  ".join([*padded, message] if message else padded).rstrip()
+
+    capped = any(r["batch_bound"] == "max_num_seqs" for r in reports if r["weights_fit"])
+    notes = [
+        f"{first['model']} in {first['dtype']}, context {first['context_len']:,} tokens "
+        f"(max_model_len {first['max_model_len']:,}), gpu_memory_utilization "
+        f"{first['gpu_memory_utilization']}, max_num_seqs {first['max_num_seqs']}",
+        "per GPU; batch: the sequences of that context the KV capacity holds"
+        + (" (* capped by engine.max_num_seqs)" if capped else "")
+        + f"; step = {_step_formula(reports)} + comm, not overlapped",
+    ]
+    return "\n".join([*notes, "", *(line(cells, message) for cells, message in rows)])
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+
+def _split_args(args: list[str]) -> tuple[dict[str, Any], dict[str, list[str]], list[str]]:
+    """(the command's own values, the list-valued keys' values, the remaining overrides)."""
+    own: dict[str, Any] = {"device_memory_gib": None, "context_len": None}
+    lists: dict[str, list[str]] = {}
+    rest = []
+    for arg in args:
+        key, _, value = arg.partition("=")
+        bare = key.lstrip("+")
+        if bare == "device_memory_gib":
+            try:
+                own[bare] = float(value)
+            except ValueError:
+                own[bare] = float("nan")
+            if not own[bare] > 0:
+                raise ValueError(f"device_memory_gib: {value!r} is invalid; allowed: a number > 0")
+        elif bare == "context_len":
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"context_len: {value!r} is invalid; allowed: an integer >= 1")
+            own[bare] = int(value)
+        elif bare in LIST_KEYS and "," in value:
+            lists[key] = [v.strip() for v in value.split(",") if v.strip()]
+        else:
+            rest.append(arg)
+    return own, lists, rest
+
+
+def plan(overrides: list[str], own: dict[str, Any]) -> dict[str, Any]:
+    """kv_calc for one composed config (`inferlab kv-calc`'s overrides)."""
+    cfg = OmegaConf.to_container(configs.compose(overrides), resolve=True)
+    assert isinstance(cfg, dict)
+    model, engine = cfg["model"], cfg["engine"]
+    hw = hardware.validate_config(cfg.get("hardware"))
+    spec = None if hw["name"] == "auto" else hardware.resolve(hw, None)[0]
+    return kv_calc(
+        model.get("path") or model["name"],
+        model.get("overrides"),
+        engine.get("max_model_len"),
+        engine.get("dtype", "auto"),
+        own["device_memory_gib"],
+        engine.get("gpu_memory_utilization", 0.9),
+        # the field of engines/builtin/config.py's EngineConfig; 1 for a backend without it
+        tensor_parallel_size=engine.get("tensor_parallel_size", 1),
+        spec=spec,
+        context_len=own["context_len"],
+        max_num_seqs=engine.get("max_num_seqs"),
     )
 
 
 def main(args: list[str]) -> int:
-    device_gib = 80.0
-    rest = []
     try:
-        for arg in args:
-            key, _, value = arg.partition("=")
-            if key.lstrip("+") == "device_memory_gib":
-                device_gib = float(value)
-                if not device_gib > 0:
-                    raise ValueError
-            else:
-                rest.append(arg)
-    except ValueError:
-        print(
-            f"error: device_memory_gib: {value!r} is invalid; allowed: a number > 0",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        cfg = OmegaConf.to_container(configs.compose(rest), resolve=True)
-    except configs.ComposeError as exc:
+        own, lists, rest = _split_args(args)
+        # hardware outermost: the rows of one GPU together, by tensor_parallel_size
+        keys = sorted(lists, key=lambda k: LIST_KEYS.index(k.lstrip("+")))
+        combos = itertools.product(*([f"{k}={v}" for v in lists[k]] for k in keys))
+        reports = [plan([*rest, *combo], own) for combo in combos]
+    except (configs.ComposeError, ValueError) as exc:  # each names its key
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    assert isinstance(cfg, dict)
-    model, engine = cfg["model"], cfg["engine"]
-    try:
-        report = kv_calc(
-            model.get("path") or model["name"],
-            model.get("overrides"),
-            engine.get("max_model_len"),
-            engine.get("dtype", "auto"),
-            device_gib,
-            engine.get("gpu_memory_utilization", 0.9),
-        )
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_report(report))
+    print(format_report(reports[0]) if not lists else format_table(reports))
     return 0

@@ -13,10 +13,26 @@ from omegaconf import OmegaConf
 
 import configs
 from engines.builtin import native
-from harness.measuring import hardware
+from harness.measuring import hardware, link_probe
+from harness.measuring.comm import allreduce_seconds
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 TINY_PROBE = {"probe_bytes": 1 << 20, "matmul_size": 64}
+FAKE_LINK = {"link_bandwidth": 2e9, "link_latency": 5e-5, "link_probe": {"backend": "fake"}}
+
+
+@pytest.fixture
+def fake_link(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The CPU probe without its 2-process link probe (a real one runs in the link tests):
+    fixed link figures; the list counts the calls."""
+    calls: list[int] = []
+
+    def fake() -> dict:
+        calls.append(1)
+        return dict(FAKE_LINK)
+
+    monkeypatch.setattr(hardware, "probe_link", fake)
+    return calls
 
 
 def test_every_spec_file_loads_and_validates() -> None:
@@ -32,6 +48,19 @@ def test_every_spec_file_loads_and_validates() -> None:
         assert spec.flops_for("torch.bfloat16") > spec.flops_for("float32")
     assert specs["h200"].memory_bandwidth == 4.8e12
     assert specs["h100"].flops_for("bfloat16") == 989.5e12
+
+
+def test_specs_state_memory_and_the_link_one_direction_of_the_datasheet_figure() -> None:
+    specs = {spec.name: spec for spec in hardware.datasheet_specs()}
+    gib = 1 << 30
+    memory = {name: spec.memory_bytes for name, spec in specs.items()}
+    assert memory == {"h100": 80 * gib, "h200": 141 * gib, "a100": 80 * gib, "l4": 24 * gib}
+    # NVLink 4 900 GB/s, NVLink 3 600 GB/s, PCIe Gen4 x16 64 GB/s: both directions together
+    bandwidth = {name: spec.link_bandwidth for name, spec in specs.items()}
+    assert bandwidth == {"h100": 450e9, "h200": 450e9, "a100": 300e9, "l4": 32e9}
+    for spec in specs.values():
+        assert spec.link_latency is not None and 0 < spec.link_latency < 1e-5  # a few us
+        assert spec.to_dict()["link_bandwidth"] == spec.link_bandwidth  # recorded per run
 
 
 def test_unknown_name_lists_the_allowed_ones() -> None:
@@ -56,6 +85,15 @@ def test_unknown_name_lists_the_allowed_ones() -> None:
             {"overlap": {"bfloat16": 1.5}},
             r"hardware\.overlap: .* allowed: a mapping dtype -> a number in \[0, 1\]",
         ),
+        ({"link_bandwidth": 0}, r"hardware\.link_bandwidth: 0 is invalid; allowed: a number > 0"),
+        ({"link_bandwidth": "fast"}, r"hardware\.link_bandwidth: 'fast' is invalid"),
+        (
+            {"link_latency": -1e-6},
+            r"hardware\.link_latency: -1e-06 is invalid; allowed: a number >= 0",
+        ),
+        ({"link_latency": True}, r"hardware\.link_latency: True is invalid"),
+        ({"memory_bytes": -5}, r"hardware\.memory_bytes: -5 is invalid; allowed: a number > 0"),
+        ({"memory_bandwidth": float("inf")}, r"hardware\.memory_bandwidth: inf is invalid"),
     ],
 )
 def test_bad_spec_values_name_the_field(values: dict, message: str) -> None:
@@ -99,6 +137,11 @@ def test_overrides_replace_datasheet_values() -> None:
     assert note is None and spec is not None
     assert spec.memory_bandwidth == 2.5e11
     assert spec.flops_for("bfloat16") == 121.0e12  # the rest from the file
+    spec, _ = hardware.resolve({"name": "h100", "link_bandwidth": 3.6e11, "link_latency": 0}, None)
+    assert spec is not None and (spec.link_bandwidth, spec.link_latency) == (3.6e11, 0.0)
+    # the link keys are optional: null leaves them unstated
+    spec, _ = hardware.resolve({"name": "h100", "link_bandwidth": None}, None)
+    assert spec is not None and spec.link_bandwidth is None and spec.link_latency == 1.1e-6
 
 
 def test_gpu_names_match_exactly() -> None:
@@ -134,7 +177,7 @@ def test_auto_picks_by_device(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert probed == [{"probe_bytes": 256 << 20, "matmul_size": 1024}]  # cpu.yaml's settings
 
 
-def test_cpu_probe_is_positive_finite_and_cached(tmp_path: Path) -> None:
+def test_cpu_probe_is_positive_finite_and_cached(tmp_path: Path, fake_link: list[int]) -> None:
     first = hardware.cpu_spec(**TINY_PROBE, cache_dir=tmp_path)
     assert first.name == "cpu" and not first.details["from_cache"]
     values = [first.memory_bandwidth, *first.peak_flops.values()]
@@ -145,10 +188,15 @@ def test_cpu_probe_is_positive_finite_and_cached(tmp_path: Path) -> None:
     cache_files = list(tmp_path.glob("*.json"))
     assert len(cache_files) == 1 and f"-{torch.get_num_threads()}t" in cache_files[0].name
 
+    assert (first.link_bandwidth, first.link_latency) == (2e9, 5e-5)
+    assert first.details["link_probe"] == {"backend": "fake"} and len(fake_link) == 1
+    assert first.memory_bytes is not None and first.memory_bytes > 1 << 28  # this machine's RAM
+
     again = hardware.cpu_spec(**TINY_PROBE, cache_dir=tmp_path)
-    assert again.details["from_cache"]
+    assert again.details["from_cache"] and len(fake_link) == 1  # the link cached with the rest
     assert again.memory_bandwidth == first.memory_bandwidth
     assert again.peak_flops == first.peak_flops and again.overlap == first.overlap
+    assert (again.link_bandwidth, again.link_latency) == (2e9, 5e-5)
 
     assert not hardware.cpu_spec(**TINY_PROBE, reprobe=True, cache_dir=tmp_path).details[
         "from_cache"
@@ -158,7 +206,7 @@ def test_cpu_probe_is_positive_finite_and_cached(tmp_path: Path) -> None:
     assert not other.details["from_cache"]
 
 
-def test_a_cache_from_an_older_probe_is_probed_again(tmp_path: Path) -> None:
+def test_a_cache_from_an_older_probe_is_probed_again(tmp_path: Path, fake_link: list[int]) -> None:
     first = hardware.cpu_spec(**TINY_PROBE, cache_dir=tmp_path)
     path = Path(first.details["cache_file"])
     cached = json.loads(path.read_text())
@@ -166,6 +214,79 @@ def test_a_cache_from_an_older_probe_is_probed_again(tmp_path: Path) -> None:
     path.write_text(json.dumps(cached))
     again = hardware.cpu_spec(**TINY_PROBE, cache_dir=tmp_path)
     assert not again.details["from_cache"] and sorted(again.overlap) == sorted(first.overlap)
+    # a version-4 cache (before the link was measured) is not read as a spec without a link
+    cached = json.loads(path.read_text())
+    cached["settings"]["probe_version"] = 4
+    del cached["settings"]["link"], cached["measured"]["link_bandwidth"]
+    del cached["measured"]["link_latency"], cached["measured"]["link_probe"]
+    path.write_text(json.dumps(cached))
+    calls = len(fake_link)
+    again = hardware.cpu_spec(**TINY_PROBE, cache_dir=tmp_path)
+    assert not again.details["from_cache"] and len(fake_link) == calls + 1
+    assert again.link_bandwidth == 2e9
+
+
+def test_a_link_that_cannot_be_measured_leaves_its_keys_unset_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hardware, "probe_link", lambda: {"link_error": "no loopback"})
+    spec = hardware.cpu_spec(**TINY_PROBE, cache_dir=tmp_path)
+    assert spec.link_bandwidth is None and spec.link_latency is None
+    assert spec.details["link_error"] == "no loopback"
+    assert spec.memory_bandwidth > 0  # the rest of the probe stands
+
+
+# ---- the link probe: a real 2-process gloo all-reduce over loopback --------------------------
+
+
+def test_the_link_probe_measures_a_gloo_allreduce_between_two_processes() -> None:
+    measured = link_probe.probe_link()
+    assert "link_error" not in measured, measured.get("link_error")
+    raw = measured["link_probe"]
+    assert raw["backend"] == "gloo" and raw["world_size"] == 2
+    assert raw["sizes"] == list(link_probe.LINK_SIZES)
+    assert all(math.isfinite(t) and 0 < t < 1.0 for t in raw["seconds"])
+    # the largest message takes longer than the smallest: bytes cost time
+    assert raw["seconds"][-1] > raw["seconds"][0]
+    assert 1e6 < measured["link_bandwidth"] < 1e13  # bytes/s through loopback
+    assert 0 <= measured["link_latency"] < 0.1
+    # the fit is the ring model through the smallest message and the one with the largest
+    # bus bandwidth: it reproduces both
+    predict = [
+        allreduce_seconds(b, 2, measured["link_bandwidth"], measured["link_latency"])
+        for b in raw["sizes"]
+    ]
+    large = raw["busbw"].index(max(raw["busbw"]))
+    assert raw["busbw"][large] == pytest.approx(raw["sizes"][large] / raw["seconds"][large])
+    assert predict[large] == pytest.approx(raw["seconds"][large])
+    if measured["link_latency"] > 0:  # else clipped at 0: the line passed below the origin
+        assert predict[0] == pytest.approx(raw["seconds"][0])
+    assert raw["probe_s"] < 30
+
+
+def test_the_link_fit_inverts_the_ring_model() -> None:
+    sizes = [4096, 65536, 1 << 20, 4 << 20]
+    for n, bandwidth, latency in [(2, 3e9, 2e-5), (4, 100e9, 1e-6)]:
+        seconds = [allreduce_seconds(b, n, bandwidth, latency) for b in sizes]
+        fitted = link_probe.fit_link(sizes, seconds, n)
+        assert fitted["link_bandwidth"] == pytest.approx(bandwidth)
+        assert fitted["link_latency"] == pytest.approx(latency)
+    # noise that makes the large message no slower than the small: its plain busbw, and the
+    # latency what is left of the small one's time
+    fitted = link_probe.fit_link([4096, 1 << 20], [2e-4, 1e-4], 2)
+    assert fitted["link_bandwidth"] == pytest.approx((1 << 20) / 1e-4)
+    assert fitted["link_latency"] == pytest.approx((2e-4 - 4096 / fitted["link_bandwidth"]) / 2)
+    with pytest.raises(ValueError, match="fit_link"):
+        link_probe.fit_link([4096], [1e-4], 2)
+
+
+def test_the_link_probe_reports_failures_instead_of_raising(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(link_probe.sys, "executable", "/bin/false")  # every rank exits 1
+    assert link_probe.probe_link()["link_error"].startswith("rank 0 exited with 1")
+    monkeypatch.setattr(link_probe.sys, "executable", "/no/such/python")
+    assert "FileNotFoundError" in link_probe.probe_link()["link_error"]
 
 
 @pytest.mark.parametrize(

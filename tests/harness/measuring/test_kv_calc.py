@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +18,10 @@ import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
 from engines.builtin import platform
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache.storage import kv_element_bytes
-from harness.measuring.kv_calc import GIB, kv_calc
+from harness.measuring import hardware
+from harness.measuring.hardware import HardwareSpec
+from harness.measuring.kv_calc import GIB, format_report, kv_calc
+from harness.measuring.kv_calc import main as kv_calc_main
 from models.config import kv_bytes_per_token, resolve_model
 
 REPO = Path(__file__).resolve().parents[3]
@@ -60,6 +65,174 @@ def test_cli_prints_the_report() -> None:
     assert out.returncode == 0, out.stderr
     assert "131,072 B" in out.stdout and "1.00 GiB" in out.stdout
     assert "sequences that fit     57" in out.stdout  # 0.9 x 80 GiB - weights
+
+
+# ---- tensor parallelism: the plan per device -------------------------------------------------
+
+H100 = hardware.spec_from_dict(hardware.load_spec_file("h100"))
+
+
+def test_llama3_70b_over_4_gpus_per_device() -> None:
+    r = kv_calc("llama3-70b", None, 8192, "bf16", 80, tensor_parallel_size=4)
+    # per layer and rank: q/k/v 8192 x (16 + 2 x 2) x 128, o 2048 x 8192, gate/up/down
+    # 3 x 8192 x 7168; the norms whole; embedding and LM head 128256 / 4 rows of 8192
+    layer = 8192 * (16 + 4) * 128 + 2048 * 8192 + 3 * 8192 * 7168
+    params = 80 * layer + (80 * 2 + 1) * 8192 + 2 * 32064 * 8192
+    assert r["weight_bytes_per_device"] == 2 * params == 35_278_831_616
+    assert r["weight_bytes"] == 2 * 70_553_706_496  # the whole model, as before
+    assert (r["heads_per_device"], r["kv_heads_per_device"], r["kv_replicas"]) == (16, 2, 1)
+    assert r["kv_bytes_per_token_per_device"] == 2 * 80 * 2 * 128 * 2 == 81_920
+    budget = int(80 * GIB * 0.9) - 35_278_831_616
+    assert r["weights_fit"] and r["kv_budget_bytes"] == budget
+    assert r["kv_capacity_tokens"] == budget // 81_920
+    assert r["max_sequences"] == budget // (81_920 * 8192) == 62
+    assert "step_s" not in r  # no hardware, no prediction
+
+
+def test_kv_heads_beyond_the_size_are_replicated() -> None:
+    r = kv_calc("llama3-8b", None, 8192, "bf16", 80, tensor_parallel_size=16)
+    assert (r["kv_heads_per_device"], r["kv_replicas"]) == (1, 2)
+    assert r["kv_bytes_per_token_per_device"] == 2 * 32 * 1 * 128 * 2  # as at 8 GPUs
+    eight = kv_calc("llama3-8b", None, 8192, "bf16", 80, tensor_parallel_size=8)
+    assert r["kv_bytes_per_token_per_device"] == eight["kv_bytes_per_token_per_device"]
+    assert r["weight_bytes_per_device"] < eight["weight_bytes_per_device"]
+
+
+def test_weights_that_do_not_fit_are_said_so_not_a_negative_budget() -> None:
+    r = kv_calc("llama3-70b", None, 8192, "bf16", spec=H100, max_num_seqs=256)
+    assert r["device_bytes"] == 80 * GIB  # the spec's memory
+    assert not r["weights_fit"] and r["kv_budget_bytes"] == 0 and r["max_sequences"] == 0
+    assert "step_s" not in r
+    text = format_report(r)
+    assert "left for KV            none: the weights per device (131.42 GiB) do not fit" in text
+    assert "try engine.tensor_parallel_size=2|4|8|16|32|64" in text
+    assert "-" not in text.split("left for KV")[1].split("try")[0]  # no negative figure
+
+
+def test_device_memory_comes_from_the_spec_unless_given() -> None:
+    h200 = hardware.spec_from_dict(hardware.load_spec_file("h200"))
+    assert kv_calc("llama3-8b", None, 8192, "bf16", spec=h200)["device_bytes"] == 141 * GIB
+    assert kv_calc("llama3-8b", None, 8192, "bf16", 100, spec=h200)["device_bytes"] == 100 * GIB
+    assert kv_calc("llama3-8b", None, 8192, "bf16")["device_bytes"] == 80 * GIB  # no spec
+
+
+def test_the_predicted_decode_step_by_hand() -> None:
+    """tiny over 2 devices, 4 sequences of 512 tokens, on a made-up spec, every term by hand."""
+    spec = HardwareSpec(
+        "made-up",
+        memory_bandwidth=1e9,
+        peak_flops={"bfloat16": 1e12},
+        memory_bytes=GIB,
+        link_bandwidth=1e8,
+        link_latency=1e-5,
+    )
+    r = kv_calc(
+        "tiny", None, 1024, "bf16", None, tensor_parallel_size=2, spec=spec,
+        context_len=512, max_num_seqs=4,
+    )  # fmt: skip
+    assert (r["batch"], r["batch_bound"]) == (4, "max_num_seqs")
+    # per rank: 2 heads, 1 kv head of 16, intermediate 88, 2048 vocab rows of 64, 2 layers
+    linear = 2 * (64 * (32 + 32) + 32 * 64 + 3 * 64 * 88)
+    head = 2048 * 64
+    weights_read = (linear + head) * 2  # the embedding's gather is not a read of the table
+    kv_token = 2 * 2 * 1 * 16 * 2
+    kv_moved = 4 * 512 * kv_token + 4 * kv_token  # read the context, write the new token
+    assert r["weight_bytes_read_per_device"] == weights_read
+    assert r["kv_bytes_moved_per_device"] == kv_moved
+    memory_s = (weights_read + kv_moved) / 1e9
+    flops = 2 * linear * 4 + 2 * head * 4 + 4 * 2 * 2 * 16 * (4 * 513)
+    assert r["flops_per_device"] == flops
+    compute_s = flops / 1e12
+    # 5 all-reduces (2 layers x 2 + the embedding) of 4 x 64 x 2 bytes, 2 hops each; a gather
+    # of 4 x 4096 float32 logits, 1 hop
+    comm_s = 5 * (512 / 1e8 + 2 * 1e-5) + (0.5 * 4 * 4096 * 4 / 1e8 + 1e-5)
+    assert r["memory_s"] == pytest.approx(memory_s)
+    assert r["compute_s"] == pytest.approx(compute_s)
+    assert r["comm_s"] == pytest.approx(comm_s)
+    assert r["step_s"] == pytest.approx(max(memory_s, compute_s) + comm_s)
+    assert r["tokens_per_s"] == pytest.approx(4 / (max(memory_s, compute_s) + comm_s))
+    # a spec without a link: the step leaves communication out, and says so
+    unlinked = replace(spec, link_bandwidth=None, link_latency=None)
+    r = kv_calc(
+        "tiny", None, 1024, "bf16", None, tensor_parallel_size=2, spec=unlinked,
+        context_len=512, max_num_seqs=4,
+    )  # fmt: skip
+    assert r["comm_s"] is None and r["step_s"] == pytest.approx(max(memory_s, compute_s))
+    assert "not counted" in format_report(r)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = kv_calc_main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_keeps_its_single_gpu_report(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["model=llama3-8b", "engine.max_model_len=8192", "engine.dtype=fp16"]
+    code, out, _ = run_cli(capsys, *args, "device_memory_gib=80")
+    assert code == 0
+    assert out == (
+        "llama3-8b in float16, max_model_len=8192\n"
+        "  KV bytes per token     2 x 32 layers x 8 kv_heads x 128 x 2 B = 131,072 B (128 KiB; "
+        "GQA 32/8 heads saves 4x)\n"
+        "  KV bytes per sequence  1.00 GiB (1,073,741,824 B)\n"
+        "  weight bytes           14.96 GiB (16,060,522,496 B)\n"
+        "  device memory          80.00 GiB (85,899,345,920 B) x 0.9\n"
+        "  left for KV            57.04 GiB (61,248,888,832 B)\n"
+        "  sequences that fit     57 of 8192 tokens each\n"
+    )
+
+
+def test_cli_table_one_row_per_size(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(
+        capsys, "model=llama3-70b", "hardware=h100,h200", "engine.tensor_parallel_size=1,2,4,8"
+    )
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("hardware"))
+    rows = [line.split() for line in lines[header + 1 :]]
+    assert [(row[0], row[1]) for row in rows] == [
+        (gpu, tp) for gpu in ("h100", "h200") for tp in ("1", "2", "4", "8")
+    ]
+    # 70B in bf16 fits on neither a single H100 nor a single H200
+    assert lines[header + 1].endswith("weights do not fit")
+    assert lines[header + 5].endswith("weights do not fit")
+    # the h100, 4-GPU row is kv_calc's figures
+    r = kv_calc("llama3-70b", None, None, "auto", tensor_parallel_size=4, spec=H100,
+                max_num_seqs=256)  # fmt: skip
+    assert rows[2][2:6] == ["2", "32.86", "GiB", "80"]
+    assert f"{r['kv_capacity_tokens']:,}" == rows[2][7] and f"{r['batch']:,}" == rows[2][9]
+    assert rows[2][-2:] == [f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / 4:,.0f}"]
+    assert f"{r['step_s'] * 1e3:,.2f}" in rows[2]
+    # more GPUs hold more KV: the capacity grows with the size
+    capacity = [int(row[7].replace(",", "")) for row in rows[1:4]]
+    assert capacity == sorted(capacity) and capacity[0] < capacity[-1]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["model=small", "engine.tensor_parallel_size=3"],
+            r"engine\.tensor_parallel_size: 3 is invalid .*; allowed: 1\|2\|4$",
+        ),
+        (
+            ["model=small", "engine.tensor_parallel_size=1,3"],
+            r"engine\.tensor_parallel_size: 3 is invalid .*; allowed: 1\|2\|4$",
+        ),
+        (["model=small", "context_len=0"], r"context_len: '0' is invalid"),
+        (["model=small", "context_len=4096"], r"context_len: 4096 is invalid; .*\[1, 2048\]"),
+        (["model=small", "device_memory_gib=-1"], r"device_memory_gib: '-1' is invalid"),
+        (["model=small", "hardware=tpu"], r"Could not find 'hardware/tpu'"),
+        (["model=small", "hardware=h100,tpu"], r"Could not find 'hardware/tpu'"),
+    ],
+)
+def test_cli_errors_name_the_key(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2 and out == ""
+    assert re.search(message, err.strip().removeprefix("error: ")), err
 
 
 # ---- the engine's default KV budget on CPU (engines/builtin/platform.py) ---------------------

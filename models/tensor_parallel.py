@@ -1,0 +1,129 @@
+"""Tensor parallelism's shape arithmetic: which sizes a model allows and what one rank holds.
+
+The layout is Megatron's. Per decoder layer the q/k/v and gate/up projections are
+column-parallel (each rank holds 1/N of their output rows) and o_proj and down_proj are
+row-parallel (1/N of their input columns, each followed by one all-reduce of the hidden
+states); attention heads are split over the ranks, the norms are replicated. The embedding is
+vocab-parallel (1/N of the rows, then an all-reduce) and the LM head column-parallel (1/N of
+the vocabulary, then a gather of the logits); the vocabulary is padded up to a multiple of N so
+that every rank holds the same number of rows.
+
+KV heads are split like the query heads when N divides num_kv_heads; when N is a multiple of
+num_kv_heads each rank keeps the one KV head its query heads read (each KV head is then
+replicated on N / num_kv_heads ranks); any other N cannot be laid out. N must also divide
+num_heads and intermediate_size.
+
+This module is pure shape arithmetic, shared by whoever needs it (the planner in
+harness/measuring/kv_calc.py, the engine): no torch, no devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from models.config import ModelConfig, ceil_div
+
+TP_KEY = "engine.tensor_parallel_size"
+
+
+def _layout_ok(model: ModelConfig, n: int) -> bool:
+    return (
+        model.num_heads % n == 0
+        and model.intermediate_size % n == 0
+        and (model.num_kv_heads % n == 0 or n % model.num_kv_heads == 0)
+    )
+
+
+def allowed_tp_sizes(model: ModelConfig) -> list[int]:
+    """Every tensor-parallel size the layout allows: the divisors of num_heads that also divide
+    intermediate_size and either divide num_kv_heads or are a multiple of it."""
+    return [n for n in range(1, model.num_heads + 1) if _layout_ok(model, n)]
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """What one of `world_size` ranks holds of each split dimension."""
+
+    world_size: int
+    heads: int  # query heads per rank
+    kv_heads: int  # KV heads per rank: num_kv_heads / N, or 1 when replicated
+    kv_replicas: int  # ranks holding each KV head: 1 when split, N / num_kv_heads when not
+    intermediate: int  # MLP width per rank
+    vocab: int  # embedding and LM-head rows per rank: padded_vocab / N
+    padded_vocab: int  # the vocabulary rounded up to a multiple of N
+
+    @property
+    def kv_replicated(self) -> bool:
+        return self.kv_replicas > 1
+
+
+def tp_shard(model: ModelConfig, world_size: Any, key: str = TP_KEY) -> TPShard:
+    """The per-rank shape for `world_size` ranks; a ValueError naming `key` and the allowed
+    sizes when the layout cannot split this model that way."""
+    allowed = allowed_tp_sizes(model)
+    valid = isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1
+    if not valid or not _layout_ok(model, world_size):
+        raise ValueError(
+            f"{key}: {world_size!r} is invalid for this model (num_heads={model.num_heads}, "
+            f"num_kv_heads={model.num_kv_heads}, intermediate_size={model.intermediate_size}: "
+            "it must divide num_heads and intermediate_size, and divide num_kv_heads or be a "
+            f"multiple of it); allowed: {'|'.join(map(str, allowed))}"
+        )
+    n = world_size
+    split = model.num_kv_heads % n == 0
+    padded = ceil_div(model.vocab_size, n) * n
+    return TPShard(
+        world_size=n,
+        heads=model.num_heads // n,
+        kv_heads=model.num_kv_heads // n if split else 1,
+        kv_replicas=1 if split else n // model.num_kv_heads,
+        intermediate=model.intermediate_size // n,
+        vocab=padded // n,
+        padded_vocab=padded,
+    )
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """The parameters one rank holds, by kind (all layers together)."""
+
+    block_linear: int  # the blocks' matmul weights: q/k/v, o, gate/up, down
+    block_bias: int  # the q/k/v biases (attention_bias models), split with their rows
+    norms: int  # every RMSNorm weight, replicated on each rank
+    embedding: int  # the rank's rows of the vocab-parallel embedding
+    lm_head: int  # the rank's rows of the column-parallel LM head; 0 when tied
+
+    @property
+    def total(self) -> int:
+        return self.block_linear + self.block_bias + self.norms + self.embedding + self.lm_head
+
+    @property
+    def lm_head_rows(self) -> int:
+        """The LM head's weights a rank reads per step: its own or, tied, the embedding's."""
+        return self.lm_head or self.embedding
+
+
+def rank_params(model: ModelConfig, shard: TPShard) -> RankParams:
+    """Per-rank parameters; at world_size 1 they add up to model.num_parameters()."""
+    hidden = model.hidden_size
+    q = shard.heads * model.head_dim
+    kv = shard.kv_heads * model.head_dim
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * shard.intermediate
+    bias = (q + 2 * kv) if model.attention_bias else 0
+    embedding = shard.vocab * hidden
+    return RankParams(
+        block_linear=model.num_layers * per_layer,
+        block_bias=model.num_layers * bias,
+        norms=model.num_layers * 2 * hidden + hidden,
+        embedding=embedding,
+        lm_head=0 if model.tie_word_embeddings else embedding,
+    )
+
+
+def kv_bytes_per_token_per_rank(
+    model: ModelConfig, shard: TPShard, bytes_per_element: float
+) -> float:
+    """2 (K and V) x layers x the rank's KV heads x head_dim x bytes: what one token's KV
+    costs on each rank (a replicated KV head is stored on every rank that reads it)."""
+    return 2 * model.num_layers * shard.kv_heads * model.head_dim * bytes_per_element
