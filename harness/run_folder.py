@@ -164,6 +164,7 @@ STEP_COLUMNS = [
     "kv_bytes_read",
     "kv_bytes_written",
     "predicted_s",
+    "predicted_comm_s",  # of which the tensor-parallel collectives on the link
     "mbu",
     "mfu",
 ]

@@ -298,17 +298,25 @@ class LLMEngine:
             self.peers.close(failed=self.failure is not None)
 
     def _roofline_shape(self) -> dict[str, int]:
-        """Per-token constants of the roofline's FLOP count (harness/measuring/roofline.py)."""
+        """Per-token constants of the roofline's FLOP count and of its communication
+        (harness/measuring/roofline.py)."""
         cfg, model = self.model_config, self.runner.model
         blocks = sum(
             m.in_features * m.out_features
             for name, m in model.linear_layers().items()
             if name.startswith("layers.")
         )
+        element = self.dtype.itemsize
+        parallel = model.shard.size > 1
         return {
+            # this rank's share: its heads, its slice of the MLP and of the vocabulary
             "block_linear_params": blocks,
             "lm_head_params": model.lm_head.in_features * model.lm_head.out_features,
             "attention_flops_per_pair": 4 * cfg.num_layers * model.shard.num_heads * cfg.head_dim,
+            # tensor parallelism's collectives: o_proj's, down_proj's, the embedding's
+            "allreduces_per_step": 2 * cfg.num_layers + 1 if parallel else 0,
+            "hidden_bytes_per_token": cfg.hidden_size * element,
+            "logits_bytes_per_row": model.shard.layout.padded_vocab * element,
         }
 
     # ---- what others may read or hook ---------------------------------------------------------

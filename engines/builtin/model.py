@@ -22,7 +22,7 @@ from torch import nn
 from engines.builtin import native
 from engines.builtin.attention import AttentionBackend, AttentionMetadata
 from engines.builtin.distributed.group import TPGroup
-from engines.builtin.distributed.shard import TPShard, shard_for
+from engines.builtin.distributed.shard import RankShard, shard_for
 from engines.builtin.kv_cache import LayerKVCache
 from engines.builtin.layers.linear import Linear, LinearMethod
 from engines.builtin.layers.norm import RMSNorm
@@ -47,7 +47,7 @@ class Attention(nn.Module):
         cfg: ModelConfig,
         linear: LinearMethod,
         backend: AttentionBackend,
-        shard: TPShard,
+        shard: RankShard,
         tp: TPGroup,
     ) -> None:
         super().__init__()
@@ -139,7 +139,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearMethod, shard: TPShard, tp: TPGroup) -> None:
+    def __init__(
+        self, cfg: ModelConfig, linear: LinearMethod, shard: RankShard, tp: TPGroup
+    ) -> None:
         super().__init__()
         self.intermediate = shard.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, linear)
@@ -161,7 +163,7 @@ class VocabParallelEmbedding(nn.Module):
     it. The loader fills `weight`; `_weight` skips nn.Embedding's random init, which on "meta"
     goes through torch's Python reference ops and imports torch._dynamo (seconds, per process)."""
 
-    def __init__(self, shard: TPShard, hidden_size: int, tp: TPGroup) -> None:
+    def __init__(self, shard: RankShard, hidden_size: int, tp: TPGroup) -> None:
         super().__init__()
         self.start, self.rows = shard.vocab_start, shard.vocab_per_rank
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
@@ -182,7 +184,7 @@ class DecoderLayer(nn.Module):
         cfg: ModelConfig,
         linear: LinearMethod,
         backend: AttentionBackend,
-        shard: TPShard,
+        shard: RankShard,
         tp: TPGroup,
     ) -> None:
         super().__init__()

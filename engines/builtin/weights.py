@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from engines.builtin.distributed.shard import TPShard
+from engines.builtin.distributed.shard import RankShard
 from engines.builtin.model import Transformer
 from models.weights import hf_parameter_shapes
 
@@ -132,7 +132,7 @@ def load_weights(
         model.lm_head.load(model.embed.weight.data)
 
 
-def _rows(shard: TPShard, stem: str) -> slice:
+def _rows(shard: RankShard, stem: str) -> slice:
     """The rows of a column-parallel tensor (a fused part) that `shard` keeps."""
     if stem == "self_attn.q_proj":
         return shard.q_rows()
@@ -141,7 +141,7 @@ def _rows(shard: TPShard, stem: str) -> slice:
     return shard.mlp_rows()  # gate, up
 
 
-def _columns(shard: TPShard, stem: str) -> slice | None:
+def _columns(shard: RankShard, stem: str) -> slice | None:
     """The input columns of a row-parallel tensor that `shard` keeps (None: all, one rank)."""
     if shard.size == 1:
         return None

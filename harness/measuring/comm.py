@@ -16,8 +16,9 @@ busbw (busbw = algbw x 2(N-1)/N for an all-reduce), so one number serves every N
 
 A decode step of a Megatron-style tensor-parallel model (models/tensor_parallel.py) all-reduces
 the hidden states twice per layer (after o_proj and after down_proj) and once after the
-vocab-parallel embedding, each batch x hidden x element bytes, and gathers the float32 logits
-(batch x padded vocab x 4 bytes) from the column-parallel LM head.
+vocab-parallel embedding, each batch x hidden x element bytes, and gathers the logits (batch x
+padded vocab x element bytes: the engine gathers them in the compute dtype) from the
+column-parallel LM head.
 
 Pure functions: no torch, no devices.
 """
@@ -28,8 +29,6 @@ from dataclasses import dataclass
 
 from models.config import ModelConfig
 from models.tensor_parallel import tp_shard
-
-LOGITS_BYTES = 4  # the gathered logits are float32 whatever the compute dtype
 
 
 def _check(world_size: int, link_bandwidth: float, link_latency: float, nbytes: float) -> None:
@@ -77,7 +76,7 @@ class DecodeComm:
     world_size: int
     allreduces: int  # 2 per layer (o_proj, down_proj) + 1 (the embedding)
     allreduce_bytes: int  # each: batch x hidden x element bytes
-    gather_bytes: int  # the logits, assembled: batch x padded vocab x 4 (float32)
+    gather_bytes: int  # the logits, assembled: batch x padded vocab x element bytes
 
     @property
     def total_bytes(self) -> int:
@@ -97,7 +96,7 @@ def tp_decode_comm_bytes(
         world_size=world_size,
         allreduces=2 * model.num_layers + 1,
         allreduce_bytes=batch * model.hidden_size * element_bytes,
-        gather_bytes=batch * shard.padded_vocab * LOGITS_BYTES,
+        gather_bytes=batch * shard.padded_vocab * element_bytes,
     )
 
 

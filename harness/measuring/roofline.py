@@ -9,11 +9,16 @@ For each step (a `steps` row) and the model's shape (the engine's `describe()`):
     kv_bytes_read    = kv_tokens_read * kv_bytes_per_token
     kv_bytes_written = kv_tokens_written * kv_bytes_per_token
     predicted_s      = max(compute_s, memory_s) + (1 - overlap[dtype]) * min(compute_s, memory_s)
+                       + predicted_comm_s
                        compute_s = flops / peak_flops[dtype]; memory_s = bytes / memory_bandwidth
+    predicted_comm_s = under tensor parallelism (N ranks), the step's collectives on the spec's
+                       link, not overlapped: (2 x layers + 1) all-reduces of tokens x hidden
+                       and the gather of logits_tokens x padded vocab (harness/measuring/comm.py)
     mbu              = bytes / measured_s / memory_bandwidth
     mfu              = flops / measured_s / peak_flops[dtype]
 
-where tokens = prefill + decode + padding tokens computed, bytes = the three byte columns, and
+where tokens = prefill + decode + padding tokens computed, bytes = the three byte columns (per
+rank under tensor parallelism: each rank's shard, and its FLOPs), and
 measured_s = end_s - start_s, the whole step as the engine's clock saw it (scheduling, input
 preparation, forward, sampling, detokenization). docs/roofline.md explains each choice.
 """
@@ -27,6 +32,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from harness.measuring.comm import allreduce_seconds, gather_seconds
 from harness.run_folder import table_path, write_parquet_atomic
 
 ROOFLINE_COLUMNS = (
@@ -37,6 +43,7 @@ ROOFLINE_COLUMNS = (
     "predicted_s",
     "mbu",
     "mfu",
+    "predicted_comm_s",
 )
 
 
@@ -51,6 +58,12 @@ class ModelShape:
     lm_head_bytes: int  # as stored
     kv_bytes_per_token: float  # all layers, K and V, scales included
     dtype: str  # the compute dtype, e.g. "float32"
+    # tensor parallelism: N ranks, each step's all-reduces of tokens x hidden_bytes_per_token
+    # and the gather of logits rows x logits_bytes_per_row (the assembled row)
+    tensor_parallel_size: int = 1
+    allreduces_per_step: int = 0
+    hidden_bytes_per_token: int = 0
+    logits_bytes_per_row: int = 0
 
     @classmethod
     def from_engine_info(cls, engine: dict[str, Any] | None) -> ModelShape | None:
@@ -68,6 +81,10 @@ class ModelShape:
             lm_head_bytes=int(engine["lm_head_bytes"]),
             kv_bytes_per_token=float(engine["kv_bytes_per_token"]),
             dtype=str(engine["dtype"]),
+            tensor_parallel_size=int(engine.get("tensor_parallel_size") or 1),
+            allreduces_per_step=int(shape.get("allreduces_per_step", 0)),
+            hidden_bytes_per_token=int(shape.get("hidden_bytes_per_token", 0)),
+            logits_bytes_per_row=int(shape.get("logits_bytes_per_row", 0)),
         )
 
 
@@ -99,6 +116,30 @@ def step_costs(steps: pd.DataFrame, shape: ModelShape) -> pd.DataFrame:
     return out
 
 
+def comm_seconds(
+    steps: pd.DataFrame, shape: ModelShape, link_bandwidth: float, link_latency: float
+) -> pd.Series:
+    """Each step's collectives on the link, one after the other (0 with one rank)."""
+    n = shape.tensor_parallel_size
+    if n == 1:
+        return pd.Series(0.0, steps.index)
+    tokens = (
+        steps["prefill_tokens"] + steps["decode_tokens"] + steps["padding_tokens"].fillna(0)
+    ).astype(float)
+    logits = steps["logits_tokens"].astype(float)
+    return pd.Series(
+        [
+            (t > 0)
+            * shape.allreduces_per_step
+            * allreduce_seconds(t * shape.hidden_bytes_per_token, n, link_bandwidth, link_latency)
+            + (r > 0)
+            * gather_seconds(r * shape.logits_bytes_per_row, n, link_bandwidth, link_latency)
+            for t, r in zip(tokens.fillna(0), logits.fillna(0), strict=True)
+        ],
+        steps.index,
+    ).where(tokens.notna() & logits.notna())
+
+
 def predicted_time(compute_s: Any, memory_s: Any, overlap: float) -> Any:
     """The roofline's time for work needing `compute_s` at peak FLOP/s and `memory_s` at peak
     bandwidth: max of the two plus the part of the smaller one the machine does not overlap
@@ -121,11 +162,13 @@ def add_roofline(
     peak_flops: float | None,
     memory_bandwidth: float,
     overlap: float = 1.0,
+    link: tuple[float, float] | None = None,
 ) -> pd.DataFrame:
     """`steps` with the roofline columns set (MFU and predicted_s NaN without a FLOP/s peak).
 
     `overlap` (the hardware spec's, 0..1): 1 is the standard roofline, max(compute, memory);
-    0 adds them, for a machine that does one after the other."""
+    0 adds them, for a machine that does one after the other. `link`: the spec's (bandwidth,
+    latency), for a tensor-parallel run's collectives (predicted_s NaN without it)."""
     out = steps.copy()
     costs = step_costs(steps, shape)
     for column in costs:
@@ -134,9 +177,13 @@ def add_roofline(
     memory_s = total_bytes / memory_bandwidth
     measured = measured_step_s(steps)
     out["mbu"] = total_bytes / measured / memory_bandwidth
+    comm_s = pd.Series(np.nan if shape.tensor_parallel_size > 1 else 0.0, steps.index)
+    if link is not None and shape.tensor_parallel_size > 1:
+        comm_s = comm_seconds(steps, shape, *link)
+    out["predicted_comm_s"] = comm_s
     if peak_flops:
         compute_s = costs["flops"] / peak_flops
-        out["predicted_s"] = predicted_time(compute_s, memory_s, overlap).where(
+        out["predicted_s"] = (predicted_time(compute_s, memory_s, overlap) + comm_s).where(
             compute_s.notna() & memory_s.notna()
         )
         out["mfu"] = costs["flops"] / measured / peak_flops
@@ -155,6 +202,7 @@ class Roof:
     peak_flops: float | None  # FLOP/s for the dtype; None when the spec has no figure for it
     memory_bandwidth: float | None  # bytes/s
     overlap: float  # 1 (the standard roofline) when the spec measured none for the dtype
+    link: tuple[float, float] | None = None  # (bytes/s, s per hop) between devices, if known
 
     @classmethod
     def of(cls, spec: Any, dtype: str) -> Roof | None:
@@ -168,7 +216,14 @@ class Roof:
             peak_flops=_positive(peaks.get(dtype) if isinstance(peaks, dict) else None),
             memory_bandwidth=_positive(spec.get("memory_bandwidth")),
             overlap=float(overlaps.get(dtype, 1.0)) if isinstance(overlaps, dict) else 1.0,
+            link=_link(spec),
         )
+
+
+def _link(spec: dict[str, Any]) -> tuple[float, float] | None:
+    bandwidth, latency = _positive(spec.get("link_bandwidth")), spec.get("link_latency")
+    ok = isinstance(latency, int | float) and not isinstance(latency, bool) and latency >= 0
+    return (bandwidth, float(latency)) if bandwidth is not None and ok else None
 
 
 def _positive(value: Any) -> float | None:
@@ -185,7 +240,9 @@ def annotate_run(run_dir: str | Path, steps: pd.DataFrame, info: dict[str, Any])
     roof = None if shape is None else Roof.of(info.get("hardware"), shape.dtype)
     if shape is None or roof is None or roof.memory_bandwidth is None or steps.empty:
         return steps
-    steps = add_roofline(steps, shape, roof.peak_flops, roof.memory_bandwidth, roof.overlap)
+    steps = add_roofline(
+        steps, shape, roof.peak_flops, roof.memory_bandwidth, roof.overlap, roof.link
+    )
     write_parquet_atomic(steps, table_path(Path(run_dir), "steps", "parquet"))
     return steps
 

@@ -229,6 +229,9 @@ def _end_torchrun_workers_at_exit() -> None:
         def end() -> None:
             with contextlib.suppress(TensorParallelError):
                 ControlChannel(0, control_group()).send(("exit",))
+            # before the interpreter's teardown, which would destroy gloo's threads running
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
         atexit.register(end)
 

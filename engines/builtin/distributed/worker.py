@@ -62,6 +62,7 @@ def serve(rank: int, size: int) -> None:
         while True:
             message = channel.receive()
             if message[0] == "exit":
+                dist.destroy_process_group()  # before teardown, which would abort gloo's threads
                 return
             if message[0] == "engine":
                 _serve_engine(rank, size, channel, message[1])

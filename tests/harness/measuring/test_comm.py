@@ -42,10 +42,10 @@ def test_a_decode_step_all_reduces_twice_per_layer_plus_the_embedding() -> None:
     comm = tp_decode_comm_bytes(cfg, 32, 2, 8)
     assert comm.allreduces == 2 * 80 + 1
     assert comm.allreduce_bytes == 32 * 8192 * 2
-    assert comm.gather_bytes == 32 * 128256 * 4  # float32 logits, whatever the dtype
-    assert comm.total_bytes == 161 * 32 * 8192 * 2 + 32 * 128256 * 4
+    assert comm.gather_bytes == 32 * 128256 * 2  # in the compute dtype (bf16 here)
+    assert comm.total_bytes == 161 * 32 * 8192 * 2 + 32 * 128256 * 2
     expected = 161 * (2 * 7 / 8 * 32 * 8192 * 2 / 450e9 + 14 * 1e-6) + (
-        7 / 8 * 32 * 128256 * 4 / 450e9 + 7 * 1e-6
+        7 / 8 * 32 * 128256 * 2 / 450e9 + 7 * 1e-6
     )
     assert tp_decode_comm_seconds(comm, 450e9, 1e-6) == pytest.approx(expected)
 

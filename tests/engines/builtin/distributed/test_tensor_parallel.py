@@ -155,7 +155,8 @@ def test_per_rank_weight_bytes_are_the_shard_exactly(checkpoint, kind: str) -> N
 
 
 def test_a_model_the_ranks_do_not_divide_is_refused_before_any_start() -> None:
-    with pytest.raises(ConfigError, match=r"engine\.tensor_parallel_size: 3 .*allowed: 1\|2\|4"):
+    refused = r"engine\.tensor_parallel_size: 3 is invalid.*allowed: 1\|2\|4"
+    with pytest.raises(ConfigError, match=refused):
         LLM(model="tiny", tensor_parallel_size=3)
 
 
