@@ -102,6 +102,9 @@ class ServingEngine:
         engine = self.backend.engine
         if engine is None:
             raise APIError("the engine is shut down", None, "engine_closed", 503, "server_error")
+        if engine.failure is not None:  # a tensor-parallel rank died: nothing can run
+            failed = f"the engine has failed: {engine.failure}"
+            raise APIError(failed, None, "engine_failed", 503, "server_error")
         return engine
 
     @property

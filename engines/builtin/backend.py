@@ -35,7 +35,7 @@ from engines.base import (
     now_ns,
 )
 from engines.builtin.config import EngineConfig
-from engines.builtin.engine import LLMEngine
+from engines.builtin.engine import EngineDeadError, LLMEngine
 from engines.builtin.planted_slowdown import build_engine
 from engines.builtin.step_stats import EngineGauges
 
@@ -99,7 +99,7 @@ class BuiltinBackend(Backend):
                 self.engine.add_request(
                     request.request_id, request.prompt, request.sampling, priority=request.priority
                 )
-            except (ValueError, TypeError) as exc:
+            except (ValueError, TypeError, EngineDeadError) as exc:
                 yield Failed(request.request_id, self.engine.step_counter, now_ns(), str(exc))
                 return
             assert self._wake is not None
@@ -422,7 +422,7 @@ class EngineThread:
             engine.add_request(
                 request.request_id, request.prompt, request.sampling, priority=request.priority
             )
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, EngineDeadError) as exc:
             self._post(
                 sink,
                 [Failed(request.request_id, engine.step_counter, now_ns(), str(exc))],

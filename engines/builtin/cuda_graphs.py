@@ -88,6 +88,11 @@ def graphs_unavailable_reason(runner: ModelRunner) -> str | None:
         )
     if config.kv_cache == "none":
         return "kv_cache=none: every step recomputes the whole context (no decode steps)"
+    if config.tensor_parallel_size > 1:
+        return (
+            "engine.tensor_parallel_size > 1: the graphs do not capture the collectives yet "
+            "(the other ranks would have to replay theirs in step)"
+        )
     if runner.ring:
         return (
             "a sliding-window model's contiguous ring cache (the Triton kernels do not "

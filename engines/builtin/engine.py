@@ -40,6 +40,7 @@ from engines.builtin.distributed.group import TensorParallelError
 from engines.builtin.distributed.launch import (
     STARTUP_TIMEOUT_S,
     Peers,
+    processes_per_host,
     rank_device,
     serve_if_worker_rank,
     start_peers,
@@ -87,7 +88,9 @@ class LLMEngine:
             # engines until rank 0 ended them, and has nothing else to do
             raise SystemExit(0)
         self.config = config
-        self.platform = Platform.create(rank_device(config.device, 0, tp_size), config.num_threads)
+        self.platform = Platform.create(
+            rank_device(config.device, 0, tp_size), config.num_threads, processes_per_host(tp_size)
+        )
         self.model_config = resolve_model(config.model, config.model_overrides)
         shard_for(self.model_config, 0, tp_size)  # a model N does not split fails before any start
         self.tokenizer = tokenizer_for_model(self.config.model, self.config.tokenizer)

@@ -170,7 +170,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
+        if self.tp.group is None:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.rows)

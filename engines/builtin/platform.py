@@ -54,7 +54,11 @@ class Platform:
     device: torch.device
 
     @classmethod
-    def create(cls, device: str = "auto", num_threads: int | None = None) -> Platform:
+    def create(
+        cls, device: str = "auto", num_threads: int | None = None, processes_per_host: int = 1
+    ) -> Platform:
+        """`processes_per_host`: engine processes sharing this host's CPUs (tensor-parallel
+        ranks), among which the default thread count is divided."""
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -66,6 +70,7 @@ class Platform:
             torch.set_num_threads(num_threads)
         else:  # torch's default counts the machine's cores, not those this process may use
             cpus, _ = available_cpus()
+            cpus = max(1, cpus // processes_per_host)
             if torch.get_num_threads() > cpus:
                 torch.set_num_threads(cpus)
         return cls(torch.device(device))

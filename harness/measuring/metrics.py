@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from harness.measuring.phases import CAUSES, itl_by_cause
-from harness.measuring.roofline import roofline_summary
+from harness.measuring.roofline import decode_only, prefill_only, roofline_summary
 
 Better = Literal["lower", "higher", "none"]
 Kind = Literal["deterministic", "timing"]
@@ -182,7 +182,39 @@ register(
     "deterministic",
     "KV bytes per token: 2 x layers x kv_heads x head_dim x bytes (+ scales)",
 )
-register("weight_bytes", "B", "lower", "deterministic", "bytes of all model weights")
+register(
+    "weight_bytes",
+    "B",
+    "lower",
+    "deterministic",
+    "bytes of all model weights (per rank under tensor parallelism: its shard)",
+)
+for _name, _what in (
+    ("comm_share", "all steps"),
+    ("comm_share_decode", "decode-only steps"),
+    ("comm_share_prefill", "prefill-only steps"),
+):
+    register(
+        _name,
+        "fraction",
+        "lower",
+        "timing",
+        f"tensor parallelism: time in the forward's collectives / step time, {_what}",
+    )
+register(
+    "broadcast_share",
+    "fraction",
+    "lower",
+    "timing",
+    "tensor parallelism: time broadcasting each step's inputs to the ranks / step time",
+)
+register(
+    "comm_bytes_decode_mean",
+    "B",
+    "lower",
+    "deterministic",
+    "tensor parallelism: bytes rank 0 sends into a decode step's collectives, mean",
+)
 register(
     "linear_weight_bytes",
     "B",
@@ -536,6 +568,30 @@ def spec_summary(steps: pd.DataFrame) -> dict[str, Any]:
     return out
 
 
+def comm_summary(steps: pd.DataFrame) -> dict[str, Any]:
+    """Tensor parallelism's communication as a share of step time, over all steps and over
+    decode-only and prefill-only ones, where any was measured (rank 0's view)."""
+    if "comm_s" not in steps or not steps["comm_s"].fillna(0).sum():
+        return {}
+    seconds = (steps["end_s"] - steps["start_s"]).astype(float)
+    out: dict[str, Any] = {}
+    for name, rows in (
+        ("comm_share", seconds.notna()),
+        ("comm_share_decode", decode_only(steps)),
+        ("comm_share_prefill", prefill_only(steps)),
+    ):
+        total = float(seconds[rows].sum())
+        if total > 0:
+            out[name] = float(steps.loc[rows, "comm_s"].fillna(0).sum()) / total
+    total = float(seconds.sum())
+    if "broadcast_s" in steps and total > 0:
+        out["broadcast_share"] = float(steps["broadcast_s"].fillna(0).sum()) / total
+    decodes = steps.loc[decode_only(steps), "comm_bytes"].dropna()
+    if len(decodes):
+        out["comm_bytes_decode_mean"] = float(decodes.mean())
+    return out
+
+
 def server_spec_summary(counts: dict[str, Any] | None) -> dict[str, Any]:
     """The same metrics from a server's own counters over the run (engine=openai: vLLM's
     `spec_decode` series, engines/openai/server_metrics.py). A position's rate is over the
@@ -677,6 +733,8 @@ def compute_summary(
         or server_spec_summary(run_info.get("engine", {}).get("server_spec_decode"))
     )
     summary.update(roofline_summary(steps))
+    summary.update(comm_summary(steps))
+    # per rank under tensor parallelism (each holds its shard)
     for key in ("kv_bytes_per_token", "weight_bytes", "linear_weight_bytes"):
         if run_info.get("engine", {}).get(key) is not None:
             summary[key] = run_info["engine"][key]

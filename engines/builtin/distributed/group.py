@@ -2,9 +2,11 @@
 
 `TPGroup` is what the model calls: one all-reduce after each row-parallel layer and after the
 vocabulary-parallel embedding, one gather of the LM head's vocabulary slices. It counts the time
-and bytes of each, so every step reports what communication cost. A group of one does nothing
-and costs nothing. `ControlChannel` carries rank 0's messages (the engine to build, each step's
-packed inputs) to the other ranks: one broadcast per step when the message is small.
+and bytes of each, so every step reports what communication cost. Without a process group (one
+rank, the usual case) they do nothing and cost nothing; a process group of one (the GPU check's
+NCCL world of one) runs them for real. `ControlChannel` carries rank 0's messages (the engine
+to build, each step's packed inputs) to the other ranks: one broadcast per step when the
+message is small.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
-        if self.size == 1:
+        if self.group is None:
             return x
         self._timed(lambda: dist.all_reduce(x, group=self.group), x, "all-reduce")
         return x
@@ -56,7 +58,7 @@ class TPGroup:
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `x` [..., n] concatenated along the last dimension, on rank 0 (None
         elsewhere): the LM head's vocabulary slices, for rank 0's sampler."""
-        if self.size == 1:
+        if self.group is None:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else None

@@ -55,6 +55,13 @@ def launched_rank() -> tuple[int, int] | None:
         return None
 
 
+def processes_per_host(size: int) -> int:
+    """Ranks sharing this host: all of them when spawned, torchrun's LOCAL_WORLD_SIZE else."""
+    if launched_rank() is not None and "LOCAL_WORLD_SIZE" in os.environ:
+        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    return size
+
+
 def compute_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

@@ -28,6 +28,7 @@ from engines.builtin.distributed.launch import (
     control_group,
     init_world,
     new_compute_group,
+    processes_per_host,
     rank_device,
 )
 
@@ -79,7 +80,9 @@ def _serve_engine(rank: int, size: int, channel: ControlChannel, spec: EngineMes
     from models.dtypes import TORCH_DTYPES
 
     config = EngineConfig(**spec.config)
-    platform = Platform.create(rank_device(config.device, rank, size), config.num_threads)
+    platform = Platform.create(
+        rank_device(config.device, rank, size), config.num_threads, processes_per_host(size)
+    )
     group = new_compute_group(compute_backend(platform.device), config.tensor_parallel_timeout_s)
     try:
         runner = ModelRunner(

@@ -144,8 +144,8 @@ def test_the_predicted_decode_step_by_hand() -> None:
     assert r["flops_per_device"] == flops
     compute_s = flops / 1e12
     # 5 all-reduces (2 layers x 2 + the embedding) of 4 x 64 x 2 bytes, 2 hops each; a gather
-    # of 4 x 4096 float32 logits, 1 hop
-    comm_s = 5 * (512 / 1e8 + 2 * 1e-5) + (0.5 * 4 * 4096 * 4 / 1e8 + 1e-5)
+    # of 4 x 4096 bf16 logits (the compute dtype), 1 hop
+    comm_s = 5 * (512 / 1e8 + 2 * 1e-5) + (0.5 * 4 * 4096 * 2 / 1e8 + 1e-5)
     assert r["memory_s"] == pytest.approx(memory_s)
     assert r["compute_s"] == pytest.approx(compute_s)
     assert r["comm_s"] == pytest.approx(comm_s)
