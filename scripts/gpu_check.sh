@@ -24,6 +24,11 @@ INFERLAB_TRITON_DEVICE=cuda $PY -m pytest tests/engines/builtin/attention/test_t
     tests/engines/builtin/test_cuda_graphs.py -q 2>&1 \
     | tee "$OUT/pytest_triton_cuda.txt"
 
+# 1b. Tensor parallelism's NCCL path: the model's collectives on a real NCCL world of one (one
+#     GPU lends no second rank; tests/engines/builtin/distributed/ covers two ranks on gloo).
+$PY -m pytest tests/engines/builtin/distributed/test_tp_group.py -q 2>&1 \
+    | tee "$OUT/pytest_tp_nccl.txt"
+
 # 2. A short matrix on the llama3-8b shape (dummy weights, bf16): attention backend x KV
 #    layout on one mixed workload; sweep.csv has throughput, TTFT/TPOT, KV utilization.
 $PY -m harness.cli run -m model=llama3-8b engine.device=cuda engine.dtype=bf16 \

@@ -400,3 +400,40 @@ def test_verifying_steps_are_summarized_apart_from_prefills() -> None:
     assert out["roofline_verify_ratio_p50"] == pytest.approx(4.0)  # 1 s measured / 0.25
     assert out["flops_per_byte_verify_mean"] == pytest.approx(10.0)
     assert out["flops_per_byte_decode_mean"] == pytest.approx(2.0)
+
+
+# ---- tensor parallelism: the link ------------------------------------------------------------
+
+TP_SHAPE = ModelShape(
+    **{
+        **asdict(SHAPE),
+        "tensor_parallel_size": 2,
+        "allreduces_per_step": 5,
+        "hidden_bytes_per_token": 256,
+        "logits_bytes_per_row": 1000,
+    }
+)
+
+
+def test_a_tensor_parallel_step_adds_its_collectives_on_the_link() -> None:
+    steps = steps_frame(
+        {"prefill_tokens": 3, "logits_tokens": 1, "num_prefill_seqs": 1},
+        {"decode_tokens": 2, "logits_tokens": 2, "num_decode_seqs": 2},
+        {},  # nothing computed: nothing moves
+    )
+    bandwidth, latency = 1e8, 1e-5
+    out = add_roofline(steps, TP_SHAPE, 1e9, 1e9, 1.0, (bandwidth, latency))
+    base = add_roofline(steps, SHAPE, 1e9, 1e9, 1.0)
+    # N = 2: an all-reduce moves its message once (2(N-1)/N) in 2 hops, a gather half the
+    # assembled rows in 1 hop
+    expected = [
+        5 * (3 * 256 / bandwidth + 2 * latency) + (0.5 * 1000 / bandwidth + latency),
+        5 * (2 * 256 / bandwidth + 2 * latency) + (0.5 * 2000 / bandwidth + latency),
+        0.0,
+    ]
+    np.testing.assert_allclose(out["predicted_comm_s"], expected)
+    np.testing.assert_allclose(out["predicted_s"], base["predicted_s"] + expected)
+    assert (base["predicted_comm_s"] == 0).all()  # one rank: nothing to add
+    # without the link's figures the prediction of a tensor-parallel step is unknown
+    unlinked = add_roofline(steps, TP_SHAPE, 1e9, 1e9, 1.0, None)
+    assert unlinked["predicted_s"].isna().all() and unlinked["mbu"].notna().any()

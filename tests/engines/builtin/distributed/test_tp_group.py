@@ -93,3 +93,15 @@ def test_a_world_of_one_runs_every_collective_and_changes_nothing(world_of_one) 
     ns, sent = group.take_counters()
     assert ns > 0 and sent > 0
     torch.testing.assert_close(with_group, logits_of(None, device), rtol=0, atol=0)
+
+
+def test_more_ranks_than_cuda_devices_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engines.base import ConfigError
+    from engines.builtin.distributed.launch import rank_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert rank_device("cuda", 0, 1) == "cuda:0"
+    with pytest.raises(ConfigError, match=r"engine\.tensor_parallel_size: 2 ranks need 2 CUDA"):
+        rank_device("cuda", 0, 2)
+    assert rank_device("cpu", 1, 2) == "cpu"
