@@ -98,6 +98,18 @@ CASES = {
     ),
     "int8": ("llama_gqa", {"quantization": "int8", "kv_cache": "paged"}),
     "int4": ("llama_gqa", {"quantization": "int4", "quantization_group_size": 32}),
+    # rank 0 drafts and verifies; the other ranks run the verifying rows like any others
+    "ngram_speculation": (
+        "llama_gqa",
+        {
+            "kv_cache": "paged",
+            "speculative_config": {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_min": 1,
+            },
+        },
+    ),
 }
 
 
