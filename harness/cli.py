@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command in ("run", "serve"):
-        from engines.builtin.distributed.launch import serve_if_worker_rank
+        from engines.builtin.distributed.worker import serve_if_worker_rank
 
         # torchrun started this process as a rank other than 0 of a tensor-parallel engine:
         # it serves rank 0's engines and writes nothing of its own (docs/parallelism.md)

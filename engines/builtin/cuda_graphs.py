@@ -180,7 +180,9 @@ class DecodeGraphs:
         model = self.runner.model
         bucket.meta.per_step.clear()  # derived from the previous step's values
         hidden = model(self.runner.inputs.device["input_ids"][: bucket.size], bucket.meta)
-        return model.compute_logits(hidden)
+        logits = model.compute_logits(hidden)
+        assert logits is not None  # one rank: graphs are off under tensor parallelism
+        return logits
 
     def _capture(self, bucket: _Bucket, pool: _POOL_HANDLE | None) -> _POOL_HANDLE:
         """Warm up (compiles the Triton kernels; no launch may compile during capture), then

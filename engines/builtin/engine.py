@@ -42,11 +42,10 @@ from engines.builtin.distributed.launch import (
     Peers,
     processes_per_host,
     rank_device,
-    serve_if_worker_rank,
     start_peers,
 )
 from engines.builtin.distributed.shard import shard_for
-from engines.builtin.distributed.worker import EngineMessage
+from engines.builtin.distributed.worker import EngineMessage, serve_if_worker_rank
 from engines.builtin.kv_cache import KVCacheManager
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes

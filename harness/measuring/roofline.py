@@ -222,8 +222,9 @@ class Roof:
 
 def _link(spec: dict[str, Any]) -> tuple[float, float] | None:
     bandwidth, latency = _positive(spec.get("link_bandwidth")), spec.get("link_latency")
-    ok = isinstance(latency, int | float) and not isinstance(latency, bool) and latency >= 0
-    return (bandwidth, float(latency)) if bandwidth is not None and ok else None
+    if bandwidth is None or isinstance(latency, bool) or not isinstance(latency, int | float):
+        return None
+    return (bandwidth, float(latency)) if latency >= 0 else None
 
 
 def _positive(value: Any) -> float | None:

@@ -1,7 +1,8 @@
-"""`python -m engines.builtin.distributed RANK SIZE INIT_METHOD`: a worker rank 0 spawned."""
+"""`python -m engines.builtin.distributed RANK SIZE PORT`: a worker rank 0 spawned (PORT: rank
+0's store on loopback)."""
 
 import sys
 
 from engines.builtin.distributed.worker import spawned_main
 
-spawned_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+spawned_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

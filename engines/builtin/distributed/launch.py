@@ -4,10 +4,11 @@ and end them.
 Two ways to get ranks:
 - spawn (the default): rank 0 starts N-1 worker processes itself (`python -m
   engines.builtin.distributed`: a fresh interpreter, so scripts need no `__main__`
-  guard), on this host, over a free loopback port;
+  guard), on this host, over loopback;
 - torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT): every
   process runs the same command; rank 0 goes on as the engine, the others become workers as
-  soon as they build an engine (`LLMEngine` or `inferlab run` call `serve_if_worker_rank`).
+  soon as they build an engine (`LLMEngine` or `inferlab run` call
+  `worker.serve_if_worker_rank`).
   This is the multi-node path: the ranks may be on several machines.
 
 Three process groups: the world (gloo; start-up only), the control group (gloo, no deadline:
@@ -22,9 +23,9 @@ import atexit
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
+import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -43,6 +44,8 @@ CONTROL_TIMEOUT = timedelta(days=365)
 #: load their shards.
 STARTUP_TIMEOUT_S = 300.0
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: A spawned worker: this Python, the package's __main__, then RANK SIZE PORT.
+WORKER_COMMAND = [sys.executable, "-m", "engines.builtin.distributed"]
 
 
 def launched_rank() -> tuple[int, int] | None:
@@ -96,18 +99,64 @@ def control_group() -> Any:
     return _CONTROL_GROUP
 
 
-def init_world(rank: int, size: int, init_method: str = "env://") -> None:
+def init_world(rank: int, size: int, store: Any = None) -> None:
+    """Join the world (`store`: the spawning rank 0's; None: torchrun's environment)."""
     global _CONTROL_GROUP
     if not dist.is_initialized():
         dist.init_process_group(
             "gloo",
-            init_method=init_method,
+            init_method=None if store is not None else "env://",
+            store=store,
             rank=rank,
             world_size=size,
             timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
         )
         _CONTROL_GROUP = None
     control_group()
+
+
+def store_client(port: int) -> Any:
+    """A spawned worker's connection to rank 0's store."""
+    return dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
+    )
+
+
+def joined_key(rank: int) -> str:
+    return f"inferlab/joined/{rank}"
+
+
+def _spawn_world(size: int) -> list[subprocess.Popen[bytes]]:
+    """Start ranks 1.. as fresh interpreters and make the world with them. Rank 0 hosts the
+    store on a port the OS picks; each worker checks in there before the world forms, so a
+    worker that dies while starting (an import error, no memory) is an error at once, with its
+    exit code, rather than a wait for the start-up deadline."""
+    timeout = timedelta(seconds=STARTUP_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
+    processes = [
+        subprocess.Popen([*WORKER_COMMAND, str(rank), str(size), str(store.port)])
+        for rank in range(1, size)
+    ]
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not store.check([joined_key(rank) for rank in range(1, size)]):
+            for rank, process in enumerate(processes, start=1):
+                if process.poll() is not None:
+                    raise TensorParallelError(
+                        f"tensor-parallel worker rank {rank} exited with code "
+                        f"{process.returncode} while starting (its output is above)"
+                    )
+            if time.monotonic() > deadline:
+                raise TensorParallelError(
+                    f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:g} s"
+                )
+            time.sleep(0.05)
+        init_world(0, size, store)
+    except BaseException:
+        for process in processes:
+            process.kill()
+        raise
+    return processes
 
 
 def new_compute_group(backend: str, timeout_s: float) -> Any:
@@ -133,7 +182,10 @@ class Peers:
             return "ranks started by torchrun: see their output for the failure"
         states = []
         for rank, process in enumerate(self.processes, start=1):
-            code = process.poll()
+            try:  # a rank that was just killed may take a moment to be reaped
+                code = process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                code = None
             if code is None:
                 states.append(
                     f"rank {rank} still running (hung, or slower than "
@@ -169,11 +221,11 @@ class Peers:
             dist.destroy_process_group(self.tp.group)
 
 
-def start_peers(size: int, device: torch.device, timeout_s: float, engine: dict[str, Any]) -> Peers:
+def start_peers(size: int, device: torch.device, timeout_s: float, engine: Any) -> Peers:
     """Start (or join) the other `size - 1` ranks, send them `engine` (what they build), and
     make the compute group with them."""
     launched = launched_rank()
-    processes: list[Any] = []
+    processes: list[subprocess.Popen[bytes]] = []
     if launched is not None:
         rank, world = launched
         if world != size:
@@ -192,19 +244,7 @@ def start_peers(size: int, device: torch.device, timeout_s: float, engine: dict[
                 "world that torchrun did not start; start the ranks with torchrun, or use "
                 "tensor_parallel_size=1"
             )
-        with socket.socket() as probe:  # a free port; the race with other binders is benign
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        init_method = f"tcp://127.0.0.1:{port}"
-        for rank in range(1, size):
-            command = [sys.executable, "-m", "engines.builtin.distributed"]
-            processes.append(subprocess.Popen([*command, str(rank), str(size), init_method]))
-        try:
-            init_world(0, size, init_method)
-        except BaseException:
-            for process in processes:
-                process.kill()
-            raise
+        processes = _spawn_world(size)
         launcher = "spawn"
     channel = ControlChannel(0, control_group(), timeout_s=timeout_s)
     peers = Peers(size, launcher, compute_backend(device), channel, TPGroup())
@@ -247,15 +287,3 @@ def _close_at_exit(ref: weakref.ref[Peers]) -> None:
     peers = ref()
     if peers is not None:
         peers.close()
-
-
-def serve_if_worker_rank() -> bool:
-    """In a process torchrun started as a rank other than 0: serve as a tensor-parallel worker
-    until rank 0 ends (then return True: the caller exits). Elsewhere return False at once."""
-    launched = launched_rank()
-    if launched is None or launched[0] == 0 or launched[1] < 2:
-        return False
-    from engines.builtin.distributed import worker
-
-    worker.serve(*launched)
-    return True

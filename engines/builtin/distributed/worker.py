@@ -27,9 +27,12 @@ from engines.builtin.distributed.launch import (
     compute_backend,
     control_group,
     init_world,
+    joined_key,
+    launched_rank,
     new_compute_group,
     processes_per_host,
     rank_device,
+    store_client,
 )
 
 
@@ -43,16 +46,28 @@ class EngineMessage:
     sample_vocab_size: int
 
 
-def spawned_main(rank: int, size: int, init_method: str) -> None:
+def spawned_main(rank: int, size: int, port: int) -> None:
     """The entry point of a worker rank 0 spawned. Ctrl-C reaches the whole process group:
     rank 0 alone decides what it means, and ends the workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        init_world(rank, size, init_method)
+        store = store_client(port)
+        store.set(joined_key(rank), "1")
+        init_world(rank, size, store)
         serve(rank, size)
     except BaseException:
         _die()
     os._exit(0)  # skip interpreter teardown: nothing is left to flush
+
+
+def serve_if_worker_rank() -> bool:
+    """In a process torchrun started as a rank other than 0: serve as a tensor-parallel worker
+    until rank 0 ends (then return True: the caller exits). Elsewhere return False at once."""
+    launched = launched_rank()
+    if launched is None or launched[0] == 0 or launched[1] < 2:
+        return False
+    serve(*launched)
+    return True
 
 
 def serve(rank: int, size: int) -> None:

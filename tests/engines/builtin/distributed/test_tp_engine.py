@@ -60,16 +60,25 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
 
 def generate(folder: Path, tp: int, prompts: list[list[int]], **options: Any):
-    """Greedy tokens of each prompt, the logits rows observed, and the engine's describe()."""
+    """Greedy tokens of each prompt, the logits rows observed, the engine's describe() and the
+    sequences preempted. `kv_blocks=B`: a KV pool of B blocks (of 16 tokens) on every rank."""
+    blocks = options.pop("kv_blocks", None)
+    if blocks is not None:  # each rank's K/V heads: the same blocks take 1/tp of the bytes
+        config = transformers.AutoConfig.from_pretrained(folder)
+        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads // tp * 16 * 4
+        options["kv_cache_memory_bytes"] = blocks * 16 * per_token
     llm = LLM(model=str(folder), tensor_parallel_size=tp, **{**ONE_THREAD, **options})
     rows: list[torch.Tensor] = []
+    preempted: list[int] = []
     llm.engine.add_logits_observer(lambda plan, logits: rows.append(logits.clone()))
+    llm.engine.step_observers.append(lambda record: preempted.append(record.num_preempted))
     try:
         params = [
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS
         ]
         outputs = llm.generate(prompts, params)
-        return [o.token_ids for o in outputs], torch.cat(rows), llm.engine.describe()
+        facts = llm.engine.describe()
+        return [o.token_ids for o in outputs], torch.cat(rows), facts, sum(preempted)
     finally:
         llm.engine.close()
 
@@ -96,6 +105,9 @@ CASES = {
             "block_size": 8,
         },
     ),
+    # a pool of 6 blocks cannot hold the four sequences at once: some are preempted and
+    # recomputed, on every rank alike (the block tables come with each step)
+    "paged_preemption": ("llama_gqa", {"kv_cache": "paged", "kv_blocks": 6}),
     "int8": ("llama_gqa", {"quantization": "int8", "kv_cache": "paged"}),
     "int4": ("llama_gqa", {"quantization": "int4", "quantization_group_size": 32}),
     # rank 0 drafts and verifies; the other ranks run the verifying rows like any others
@@ -123,10 +135,13 @@ def test_two_ranks_give_the_greedy_tokens_of_one(checkpoint, case: str) -> None:
         if options.get("enable_prefix_caching")
         else parity.make_prompts(seed)
     )
-    one, logits_one, _ = generate(folder, 1, prompts, **options)
-    two, logits_two, facts = generate(folder, 2, prompts, **options)
+    one, logits_one, facts_one, preempted_one = generate(folder, 1, prompts, **options)
+    two, logits_two, facts, preempted_two = generate(folder, 2, prompts, **options)
     assert facts["tensor_parallel"]["backend"] == "gloo", kind_case
     assert two == one
+    if "kv_blocks" in options:
+        assert facts["kv_num_blocks"] == facts_one["kv_num_blocks"] < 10
+        assert preempted_two == preempted_one > 0
     assert logits_two.shape == logits_one.shape
     scale = float(logits_one.std())
     assert float((logits_two - logits_one).abs().max()) < 1e-4 * scale
@@ -296,3 +311,16 @@ def test_torchrun_world_must_match_the_setting(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError, match=r"engine\.tensor_parallel_size: 2.*WORLD_SIZE=4"):
         LLM(model="tiny", tensor_parallel_size=2)
+
+
+def test_a_worker_that_cannot_start_fails_the_engine_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engines.builtin.distributed import launch
+    from engines.builtin.distributed.group import TensorParallelError
+
+    monkeypatch.setattr(launch, "WORKER_COMMAND", ["false"])  # exits 1 before joining
+    began = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 exited with code 1 while starting"):
+        LLM(model="tiny", tensor_parallel_size=2, num_threads=1)
+    assert time.monotonic() - began < 30  # not the 300 s start-up deadline
