@@ -35,8 +35,12 @@ class TPGroup:
         size: int = 1,
         group: Any = None,
         describe_failure: Callable[[], str] | None = None,
+        measure: bool = True,
     ) -> None:
+        """`measure`: count each collective's time and bytes (rank 0, which reports steps;
+        the other ranks would only pile up CUDA events nobody reads)."""
         self.rank, self.size, self.group = rank, size, group
+        self.measure = measure
         # what the launcher knows about the other ranks when a collective fails (exit codes)
         self.describe_failure = describe_failure or (lambda: "")
         self.comm_ns = 0  # time in collectives since the last take_counters()
@@ -81,6 +85,9 @@ class TPGroup:
         self.comm_bytes += x.numel() * x.element_size()
         self.comm_calls += 1
         try:
+            if not self.measure:
+                op()
+                return
             if x.is_cuda and not torch.cuda.is_current_stream_capturing():
                 start, end = (
                     torch.cuda.Event(enable_timing=True),

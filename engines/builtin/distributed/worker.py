@@ -108,7 +108,7 @@ def _serve_engine(rank: int, size: int, channel: ControlChannel, spec: EngineMes
             spec.max_model_len,
             spec.sample_vocab_size,
             [],
-            tp=TPGroup(rank, size, group),
+            tp=TPGroup(rank, size, group, measure=False),
         )
         while True:
             message = channel.receive()
