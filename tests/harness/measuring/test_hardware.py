@@ -258,7 +258,10 @@ def test_the_link_probe_measures_a_gloo_allreduce_between_two_processes() -> Non
     ]
     large = raw["busbw"].index(max(raw["busbw"]))
     assert raw["busbw"][large] == pytest.approx(raw["sizes"][large] / raw["seconds"][large])
-    assert predict[large] == pytest.approx(raw["seconds"][large])
+    if raw["seconds"][large] > raw["seconds"][0]:
+        assert predict[large] == pytest.approx(raw["seconds"][large])
+    else:  # noise made the large message no slower: the bandwidth is its plain busbw
+        assert measured["link_bandwidth"] == pytest.approx(raw["busbw"][large])
     if measured["link_latency"] > 0:  # else clipped at 0: the line passed below the origin
         assert predict[0] == pytest.approx(raw["seconds"][0])
     assert raw["probe_s"] < 30
