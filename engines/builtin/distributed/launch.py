@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -43,6 +44,9 @@ CONTROL_TIMEOUT = timedelta(days=365)
 #: load their shards.
 STARTUP_TIMEOUT_S = 300.0
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: How long a failed collective's message waits for a rank's exit to be known (see
+#: Peers.describe_failure); a hung rank costs this much more before the engine fails.
+EXIT_GRACE_S = 2.0
 
 
 def launched_rank() -> tuple[int, int] | None:
@@ -132,7 +136,13 @@ class Peers:
         if self.launcher == "torchrun":
             return "ranks started by torchrun: see their output for the failure"
         states = []
+        # A killed rank's connections close before the kernel lets its exit be collected, so
+        # the collective can fail before poll() sees the exit: wait a moment before calling a
+        # rank that is still there hung.
+        deadline = time.monotonic() + EXIT_GRACE_S
         for rank, process in enumerate(self.processes, start=1):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             code = process.poll()
             if code is None:
                 states.append(
