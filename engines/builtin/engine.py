@@ -45,7 +45,7 @@ from engines.builtin.distributed.launch import (
     serve_if_worker_rank,
     start_peers,
 )
-from engines.builtin.distributed.shard import shard_for
+from engines.builtin.distributed.shard import check_int4_groups, shard_for
 from engines.builtin.distributed.worker import EngineMessage
 from engines.builtin.kv_cache import KVCacheManager
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
@@ -92,7 +92,11 @@ class LLMEngine:
             rank_device(config.device, 0, tp_size), config.num_threads, processes_per_host(tp_size)
         )
         self.model_config = resolve_model(config.model, config.model_overrides)
-        shard_for(self.model_config, 0, tp_size)  # a model N does not split fails before any start
+        # a model N does not split, or INT4 groups that would straddle its shards, fail
+        # before any rank starts
+        shard = shard_for(self.model_config, 0, tp_size)
+        if config.quantization == "int4":
+            check_int4_groups(self.model_config, shard, config.quantization_group_size)
         self.tokenizer = tokenizer_for_model(self.config.model, self.config.tokenizer)
         self.dtype = (
             self.platform.default_dtype() if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
