@@ -515,6 +515,13 @@ class LLMEngine:
             raise EngineDeadError(self.failure) from exc
         except Exception as exc:  # a failed step fails its requests, not the engine
             return events + self._fail_step(plan, exc)
+        except BaseException as exc:
+            if self.peers is not None:
+                # Ctrl-C inside the step: the other ranks are left in its collectives, where
+                # they can take no message (close would wait out its timeouts on them)
+                self.failure = f"{type(exc).__name__} during a step: the ranks are out of step"
+                self.close()
+            raise
         kept = _kept_drafts(plan, tokens) if plan.num_draft_tokens else {}
         self.scheduler.complete_step(plan, kept)
         new_tokens = self.output.process(plan, tokens)
