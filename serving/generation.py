@@ -283,8 +283,14 @@ class ServingEngine:
                     )
                 elif isinstance(event, Failed):
                     open_choices = 0  # the backend has dropped the request
+                    engine = self.backend.engine
                     if self.shutdown_reason is not None and event.error == self.shutdown_reason:
                         yield GenerationFailed(event.error, "server_shutting_down", 503)
+                    elif engine is not None and engine.failure is not None:
+                        # the engine died under this request (a tensor-parallel rank is gone):
+                        # the same 503 as every request after it gets, not a 500 of its own
+                        failed = f"the engine has failed: {engine.failure}"
+                        yield GenerationFailed(failed, "engine_failed", 503)
                     else:
                         yield GenerationFailed(f"generation failed: {event.error}")
                     return

@@ -27,6 +27,9 @@ CHOICES = {
     "load_format": ("auto", "dummy", "safetensors"),
 }
 
+#: The longest engine.tensor_parallel_timeout_s: a year (the ranks' idle wait, too).
+MAX_TIMEOUT_S = 365 * 24 * 3600
+
 
 @dataclass
 class EngineConfig:
@@ -159,8 +162,15 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise fail(name, "null or an integer >= 1")
         timeout = self.tensor_parallel_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            raise fail("tensor_parallel_timeout_s", "a number of seconds > 0")
+        # bounded: every rank turns it into a timedelta (inf overflows it) for its groups
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout <= MAX_TIMEOUT_S
+        ):
+            raise fail(
+                "tensor_parallel_timeout_s", f"a number of seconds > 0 and <= {MAX_TIMEOUT_S}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise fail("gpu_memory_utilization", "a number in (0, 1]")
         if (

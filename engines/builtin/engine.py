@@ -44,7 +44,7 @@ from engines.builtin.distributed.launch import (
     rank_device,
     start_peers,
 )
-from engines.builtin.distributed.shard import shard_for
+from engines.builtin.distributed.shard import check_int4_groups, shard_for
 from engines.builtin.distributed.worker import EngineMessage, serve_if_worker_rank
 from engines.builtin.kv_cache import KVCacheManager
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
@@ -91,7 +91,11 @@ class LLMEngine:
             rank_device(config.device, 0, tp_size), config.num_threads, processes_per_host(tp_size)
         )
         self.model_config = resolve_model(config.model, config.model_overrides)
-        shard_for(self.model_config, 0, tp_size)  # a model N does not split fails before any start
+        # a model N does not split, or INT4 groups that would straddle its shards, fail
+        # before any rank starts
+        shard = shard_for(self.model_config, 0, tp_size)
+        if config.quantization == "int4":
+            check_int4_groups(self.model_config, shard, config.quantization_group_size)
         self.tokenizer = tokenizer_for_model(self.config.model, self.config.tokenizer)
         self.dtype = (
             self.platform.default_dtype() if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
@@ -510,6 +514,13 @@ class LLMEngine:
             raise EngineDeadError(self.failure) from exc
         except Exception as exc:  # a failed step fails its requests, not the engine
             return events + self._fail_step(plan, exc)
+        except BaseException as exc:
+            if self.peers is not None:
+                # Ctrl-C inside the step: the other ranks are left in its collectives, where
+                # they can take no message (close would wait out its timeouts on them)
+                self.failure = f"{type(exc).__name__} during a step: the ranks are out of step"
+                self.close()
+            raise
         kept = _kept_drafts(plan, tokens) if plan.num_draft_tokens else {}
         self.scheduler.complete_step(plan, kept)
         new_tokens = self.output.process(plan, tokens)

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from engines.builtin import EngineConfig
 from engines.builtin.backend import BuiltinBackend
+from engines.builtin.distributed.group import TensorParallelError
 from engines.builtin.kv_cache import PagedKVCacheManager
 from models.config import resolve_model
 from models.tokenizer import default_tokenizer
@@ -345,6 +346,41 @@ def test_drain_finishes_short_requests_aborts_long_ones_frees_kv() -> None:
         assert running.serving.in_flight == 0
     finally:
         backend.close()
+
+
+def test_the_request_the_engine_dies_under_gets_the_503_of_a_failed_engine() -> None:
+    # a tensor-parallel rank dying mid-step, as the engine sees it (its step raises
+    # EngineDeadError and keeps the reason): that request, the next ones and /health all get
+    # 503 engine_failed
+    backend = BuiltinBackend(
+        EngineConfig.from_dict({"model": "tiny", "device": "cpu", "max_model_len": 128})
+    )
+    backend.load()
+    engine = backend.engine
+    assert engine is not None
+
+    def rank_lost(*args: Any) -> Any:
+        raise TensorParallelError("tensor-parallel all-reduce failed: rank 1 killed by SIGKILL")
+
+    engine.runner.execute = rank_lost  # type: ignore[method-assign]
+    payload = {"prompt": "hello", "max_tokens": 4}
+    try:
+        with (
+            serve_in_thread(backend, ServerConfig()) as running,
+            httpx.Client(base_url=running.base_url, timeout=30) as client,
+        ):
+            responses = [
+                client.post("/v1/completions", json=payload),
+                client.post("/v1/completions", json=payload),
+                client.get("/health"),
+            ]
+    finally:
+        backend.close()
+    for response in responses:
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "engine_failed"
+        assert "rank 1 killed by SIGKILL" in error["message"]
 
 
 def test_sigterm_with_30_streams_exits_0_within_shutdown_timeout(served: ServeProcess) -> None:

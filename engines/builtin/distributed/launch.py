@@ -46,6 +46,9 @@ STARTUP_TIMEOUT_S = 300.0
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: A spawned worker: this Python, the package's __main__, then RANK SIZE PORT.
 WORKER_COMMAND = [sys.executable, "-m", "engines.builtin.distributed"]
+#: How long a failed collective's message waits for a rank's exit to be known (see
+#: Peers.describe_failure); a hung rank costs this much more before the engine fails.
+EXIT_GRACE_S = 2.0
 
 
 def launched_rank() -> tuple[int, int] | None:
@@ -181,11 +184,14 @@ class Peers:
         if self.launcher == "torchrun":
             return "ranks started by torchrun: see their output for the failure"
         states = []
+        # A killed rank's connections close before the kernel lets its exit be collected, so
+        # the collective can fail before poll() sees the exit: wait a moment before calling a
+        # rank that is still there hung.
+        deadline = time.monotonic() + EXIT_GRACE_S
         for rank, process in enumerate(self.processes, start=1):
-            try:  # a rank that was just killed may take a moment to be reaped
-                code = process.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                code = None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            code = process.poll()
             if code is None:
                 states.append(
                     f"rank {rank} still running (hung, or slower than "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.base import ConfigError
+from engines.builtin.layers.quant import int4_group_size, int4_straddle_error
 from models.config import ModelConfig
 from models.tensor_parallel import TPShard, tp_shard
 
@@ -90,3 +91,19 @@ def shard_for(cfg: ModelConfig, rank: int, size: int) -> RankShard:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return RankShard(rank, layout, cfg.head_dim, cfg.num_kv_heads)
+
+
+def check_int4_groups(cfg: ModelConfig, shard: RankShard, group_size: int) -> None:
+    """A ConfigError when an INT4 layer's groups would straddle the shards: the same check the
+    weight loader makes (LinearMethod.load_columns), made before any rank starts. Only the
+    row-parallel layers split their inputs, along which the groups run."""
+    if shard.size == 1:
+        return
+    row_parallel = {
+        "attn.o_proj": (cfg.num_heads * cfg.head_dim, shard.num_heads * cfg.head_dim),
+        "mlp.down_proj": (cfg.intermediate_size, shard.intermediate_size),
+    }
+    for name, (full_width, shard_width) in row_parallel.items():
+        group = int4_group_size(full_width, group_size)
+        if group is not None and shard_width % group:  # None: the layer falls back to INT8
+            raise int4_straddle_error(f"layers.*.{name}", full_width, shard_width, group)

@@ -197,6 +197,19 @@ def int4_group_size(in_features: int, requested: int) -> int | None:
     return max(fits) if fits else None
 
 
+def int4_straddle_error(name: str, full_width: int, shard_width: int, group: int) -> ConfigError:
+    """The error for a row-parallel layer `name` whose `group`-input INT4 groups would straddle
+    its tensor-parallel shards of `shard_width` columns (the engine checks before it starts any
+    rank: engines/builtin/distributed/shard.py)."""
+    fitting = "|".join(str(g) for g in INT4_GROUP_SIZES if shard_width % g == 0) or "-"
+    return ConfigError(
+        f"engine.quantization_group_size: groups of {group} inputs straddle the "
+        f"tensor-parallel shards of {name} (its {full_width} inputs split into "
+        f"{shard_width}-column shards); allowed: a group size that divides {shard_width} "
+        f"(engine.quantization_group_size {fitting}), or another engine.tensor_parallel_size"
+    )
+
+
 def quantize_int4(
     w: torch.Tensor, group_size: int, zero_point: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,13 +334,8 @@ class Int4Method(QuantMethod):
             return
         first, last, _ = columns.indices(full_width)
         if first % group or last % group:
-            raise ConfigError(
-                f"engine.quantization_group_size: groups of {group} inputs straddle the "
-                f"tensor-parallel shards of {layer.name or 'a row-parallel layer'} (its "
-                f"{full_width} inputs split into {last - first}-column shards); allowed: a group "
-                f"size that divides {last - first} (engine.quantization_group_size "
-                f"{'|'.join(str(g) for g in INT4_GROUP_SIZES if (last - first) % g == 0) or '-'}),"
-                " or another engine.tensor_parallel_size"
+            raise int4_straddle_error(
+                layer.name or "a row-parallel layer", full_width, last - first, group
             )
         weight = weight[:, columns]
         layer.group_size = group

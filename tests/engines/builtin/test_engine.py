@@ -182,6 +182,15 @@ def test_rejected_batch_leaves_nothing_queued(make_tiny) -> None:
         (dict(max_model_len=4096), r"max_model_len=4096 exceeds .*max_position_embeddings=1024"),
         (dict(model_overrides={"nope": 1}), r"model\.overrides: unknown field\(s\) \['nope'\]"),
         (dict(kv_cache_memory_bytes=1000), r"kv_cache_memory_bytes: a budget of 1000 bytes"),
+        # refused before any rank starts (a timedelta of inf seconds overflows in every rank)
+        *(
+            (
+                dict(tensor_parallel_size=2, tensor_parallel_timeout_s=value),
+                rf"engine\.tensor_parallel_timeout_s: {value} is invalid; allowed: a number of "
+                r"seconds > 0 and <= 31536000",
+            )
+            for value in (float("inf"), 1e15, float("nan"), 0)
+        ),
     ],
 )
 def test_bad_engine_options_name_the_issue(options, pattern: str) -> None:

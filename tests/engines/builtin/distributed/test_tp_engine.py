@@ -239,6 +239,25 @@ def test_closing_the_engine_ends_its_workers() -> None:
     assert worker.wait(timeout=15) == 0
 
 
+def test_ctrl_c_inside_a_step_ends_the_workers_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(model="tiny", tensor_parallel_size=2, num_threads=1)
+    (worker,) = worker_processes(llm)
+    llm.generate("hello", PROMPT)
+    assert llm.engine.peers is not None
+
+    def interrupted(x: torch.Tensor) -> torch.Tensor:
+        raise KeyboardInterrupt  # rank 0 stops after the step went out: rank 1 is inside it
+
+    monkeypatch.setattr(llm.engine.peers.tp, "all_reduce", interrupted)
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate("hello again", PROMPT)
+    llm.engine.close()  # what a run does next; it used to wait ~10 s on the busy worker
+    assert worker.wait(timeout=15) is not None
+    assert time.monotonic() - began < 4
+    assert "out of step" in str(llm.engine.failure)
+
+
 TORCHRUN_SCRIPT = """
 import json
 from engines.builtin import LLM, SamplingParams
