@@ -163,7 +163,11 @@ class LLMEngine:
         )
         self.step_observers: list[StepObserver] = []
         self._pending_events: list[RequestEvent] = []
-        self.proposer = self._make_proposer()
+        try:
+            self.proposer = self._make_proposer()
+        except BaseException:  # a draft the engine cannot use: end the ranks started for it
+            self.close()
+            raise
         self.last_draft_ns = 0  # the proposer's time before the last step
 
     def _make_proposer(self) -> Proposer | None:

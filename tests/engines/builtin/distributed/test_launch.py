@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 import engines.builtin.engine as engine_module
 from engines.base import ConfigError
@@ -49,3 +50,18 @@ def test_int4_groups_that_straddle_the_shards_are_refused_before_any_rank_starts
         r"32\)",
     ):
         LLM(model="tiny", tensor_parallel_size=2, quantization="int4", quantization_group_size=64)
+
+
+def test_a_failure_after_the_ranks_started_ends_them() -> None:
+    # the speculative proposer is refused once the model is loaded (a sliding-window ring
+    # cannot hold drafts): the workers and the world must go with the engine, or every later
+    # tensor-parallel engine of the process (a sweep's next job) is refused
+    with pytest.raises(ConfigError, match=r"engine\.speculative_config: .*sliding-window ring"):
+        LLM(
+            model="tiny",
+            tensor_parallel_size=2,
+            num_threads=1,
+            model_overrides={"sliding_window": 8},
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
+    assert not dist.is_initialized()
