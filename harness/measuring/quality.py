@@ -217,8 +217,18 @@ def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[st
         "lm_head_quantization": "same",
         "kv_cache_dtype": "auto",
         "kv_cache_prefault": False,  # not timed: no need to map the whole pool up front
+        # one rank: the truth has no all-reduce, and a second engine of several ranks cannot
+        # start while the measured one's torch.distributed world is up (one per process)
+        "tensor_parallel_size": 1,
     }
-    if engine_options.get("kv_cache") != "none" and engine_options.get("batching") != "static":
+    # For the same reason a tensor-parallel candidate is the measured engine itself, its
+    # prompts prefilled whole rather than in chunks.
+    tensor_parallel = engine_options.get("tensor_parallel_size", 1) > 1
+    if (
+        engine_options.get("kv_cache") != "none"
+        and engine_options.get("batching") != "static"
+        and not tensor_parallel
+    ):
         # Prompts go in small chunks, so every chunk after the first attends to K/V read back
         # from the cache: the probe then sees what KV quantization costs, not only weights.
         # Steps of 4 rows multiply through the kernels decode uses (on CPU the quantized rows

@@ -199,3 +199,18 @@ def test_run_quality_of_int4_with_int8_activations_builds_its_float_reference() 
         candidate.engine.config.to_dict(), candidate, {"num_prompts": 2, "prompt_len": 48}
     )
     assert result["kl_mean"] is not None and result["kl_mean"] > 0.0
+
+
+def test_run_quality_of_a_tensor_parallel_engine() -> None:
+    """The reference runs on one rank, the candidate is the measured engine: no second
+    tensor-parallel engine (a second torch.distributed world) in the process."""
+    candidate = LLM(model="tiny", dtype="float32", tensor_parallel_size=2, num_threads=1)
+    try:
+        result = run_quality(
+            candidate.engine.config.to_dict(), candidate, {"num_prompts": 2, "prompt_len": 48}
+        )
+    finally:
+        candidate.engine.close()
+    # float32 on two ranks against one: the all-reduce's summation order only
+    assert result["top1_agreement"] == 1.0
+    assert result["kl_mean"] is not None and result["kl_mean"] < 1e-6
