@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-dev setup-real setup-peer setup-aiperf demo test test-fast check lint clean
+.PHONY: setup setup-dev setup-real setup-peer setup-aiperf setup-launchers demo test test-fast check lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,12 @@ $(AIPERF_VENV)/.installed:
 	$(AIPERF_VENV)/bin/pip install --quiet "aiperf==$(AIPERF)"
 	touch $@
 
+# The launcher extras (docs/scaling.md), which tests/harness/running/test_launchers.py drives:
+# Ray is the large one (about 200 MB with its dependencies).
+$(VENV)/.installed-launchers: $(VENV)/.installed-dev
+	$(BIN)/pip install --quiet -e ".[joblib,ray,slurm]"
+	touch $@
+
 setup: $(VENV)/.installed
 
 setup-dev: $(VENV)/.installed-dev
@@ -70,10 +76,12 @@ setup-peer: $(VENV)/.installed-peer
 
 setup-aiperf: $(AIPERF_VENV)/.installed
 
+setup-launchers: $(VENV)/.installed-launchers
+
 demo: setup
 	$(BIN)/inferlab run
 
-test: setup-dev setup-real setup-peer setup-aiperf
+test: setup-dev setup-real setup-peer setup-aiperf setup-launchers
 	$(BIN)/python -m pytest -q
 
 # The quick subset while editing: no test marked slow (end-to-end runs in subprocesses, live

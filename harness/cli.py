@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         from harness.running import app
 
         sys.argv = [f"{sys.argv[0]} run", *rest]
-        app.main()
+        app.cli()
         return 0
     if command == "kv-calc":
         from harness.measuring import kv_calc

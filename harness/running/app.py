@@ -20,6 +20,14 @@ import workloads  # noqa: F401  (the workload groups' schemas, likewise)
 from harness.run_folder import read_summary
 from harness.running import config_schema  # noqa: F401  (the primary config's, likewise)
 from harness.running.experiment import RunConfig, RunFolderError, run_experiment
+from harness.running.launching import (
+    ARCHIVE_KEY,
+    launched_job,
+    launcher_name,
+    missing_launcher,
+    pack_folder,
+    read_launch_record,
+)
 from harness.running.repeats import run_repeats, validate_repeats
 from harness.running.sweep import ResumeMismatch, completed_run, note_unrecorded, write_sweep_csv
 from harness.running.table import summary_table
@@ -47,14 +55,22 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
         raise SystemExit(2) from exc
     if done:
         print(f"{label}skipped (already complete) -> {run_dir}")
-        return read_summary(run_dir) or {}
+        return _gathered(read_summary(run_dir) or {}, run_dir, hydra_cfg, multirun)
     try:
-        if repeats > 1:
-            summary = run_repeats(
-                config, list(hydra_cfg.overrides.task), run_dir, repeats, resume=resume
-            )
-        else:
-            summary = run_experiment(config, run_dir, progress=run_cfg.progress)
+        with launched_job(hydra_cfg, config) as job:
+            if repeats > 1:
+                summary = run_repeats(
+                    config,
+                    list(hydra_cfg.overrides.task),
+                    run_dir,
+                    repeats,
+                    resume=resume,
+                    provenance_extra=job.provenance(),
+                )
+            else:
+                summary = run_experiment(
+                    config, run_dir, progress=run_cfg.progress, provenance_extra=job.provenance()
+                )
     except OSError as exc:  # the folder cannot be written (a full disk, no permission)
         error = (
             str(exc)
@@ -78,13 +94,33 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
         if multirun:
             write_sweep_csv(Path(hydra_cfg.sweep.dir))
         raise SystemExit(130)
+    return _gathered(summary, run_dir, hydra_cfg, multirun)
+
+
+def _gathered(
+    summary: dict[str, Any], run_dir: Path, hydra_cfg: Any, multirun: bool
+) -> dict[str, Any]:
+    """The job's return value: its summary, and its folder where the launching host cannot see
+    it (the sweeper writes it there; harness/running/launching.py)."""
+    launched = multirun and launcher_name(hydra_cfg.launcher) != "basic"
+    if launched and read_launch_record(Path(hydra_cfg.sweep.dir)) is None:
+        return {**summary, ARCHIVE_KEY: pack_folder(run_dir)}
     return summary
 
 
 @hydra.main(version_base="1.3", config_path=str(configs.CONFIG_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
-    _run(cfg)
+def main(cfg: DictConfig) -> dict[str, Any]:
+    return _run(cfg)  # a sweep job's return value reaches the sweeper
+
+
+def cli() -> None:
+    """`inferlab run`: a launcher whose plugin is not installed is one line, not Hydra's list."""
+    missing = missing_launcher(sys.argv[1:])
+    if missing is not None:
+        print(f"error: {missing}", file=sys.stderr)
+        raise SystemExit(2)
+    main()
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -210,15 +210,19 @@ class RunFolderError(OSError):
 
 
 def run_experiment(
-    config: dict[str, Any], run_dir: str | Path, progress: bool = True
+    config: dict[str, Any],
+    run_dir: str | Path,
+    progress: bool = True,
+    provenance_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run one configuration into `run_dir`; return the summary (also in summary.json).
+    `provenance_extra`: keys added to provenance.json (a sweep job's placement).
 
     A folder that cannot be written raises OSError: at the start, before any summary (so
     nothing claims to be running), or RunFolderError when not even a failed summary.json
     could be written at the end."""
     try:
-        return _run(config, Path(run_dir), progress)
+        return _run(config, Path(run_dir), progress, provenance_extra or {})
     finally:
         # The engine sits in reference cycles (generator frames, closures) that refcounting
         # does not free: collect them once the run's frame is gone, or the next run in this
@@ -233,11 +237,13 @@ def _backend_label(config: dict[str, Any]) -> str:
     return f"the {engine.get('backend', 'builtin')} backend, model {name}"
 
 
-def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any]:
+def _run(
+    config: dict[str, Any], run_dir: Path, progress: bool, provenance_extra: dict[str, Any]
+) -> dict[str, Any]:
     recorder = RunRecorder(run_dir)
     try:
         write_config(run_dir, config)
-        write_provenance(run_dir, provenance.collect(config))
+        write_provenance(run_dir, {**provenance.collect(config), **provenance_extra})
         recorder.write_summary({"status": "running"})
     except OSError:  # an unwritable folder: nothing ran, nothing claims to be running
         with suppress(OSError):

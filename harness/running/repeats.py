@@ -128,6 +128,7 @@ def run_repeats(
     run_dir: str | Path,
     repeats: int,
     resume: bool = False,
+    provenance_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the configuration `repeats` times into run_dir/repeat-<k>/; return (and write)
     the folder's summary. With `resume`, complete repeats of the same config are kept."""
@@ -137,7 +138,7 @@ def run_repeats(
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(run_dir, config)
-    write_provenance(run_dir, provenance.collect(config))
+    write_provenance(run_dir, {**provenance.collect(config), **(provenance_extra or {})})
     statuses: list[str] = ["not run"] * repeats
     summaries: list[dict[str, Any]] = [{} for _ in range(repeats)]
 

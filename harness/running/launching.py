@@ -1,0 +1,236 @@
+"""Sweeps on Hydra's launcher plugins (joblib, Ray, submitit; docs/scaling.md): which launcher
+runs a job and how many jobs it runs at once, the sweep folder's launch record, a job folder
+carried back to the launching host, and the rows of jobs whose process died.
+
+The launching host writes `.launch.json` into the sweep folder before any job starts. A job
+that cannot see it runs on a host without the launching host's filesystem: it returns its
+whole run folder (a tar.gz in its return value) and the sweeper writes it under the sweep
+folder there, so that sweep.csv, resume, `inferlab report` and `inferlab gate` find every job
+where the basic launcher would have put it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import socket
+import tarfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.run_folder import SUMMARY_FILE, read_summary, write_json_atomic, write_text_atomic
+
+LAUNCH_FILE = ".launch.json"
+ARCHIVE_KEY = "_run_folder_tar_gz"  # in a job's return value, popped by the sweeper
+
+#: hydra/launcher=<name> -> (the plugin's module, the extra that installs it)
+LAUNCHER_EXTRAS = {
+    "joblib": ("hydra_plugins.hydra_joblib_launcher", "joblib"),
+    "ray": ("hydra_plugins.hydra_ray_launcher", "ray"),
+    "submitit_local": ("hydra_plugins.hydra_submitit_launcher", "slurm"),
+    "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "slurm"),
+}
+
+_LAUNCHER_CLASSES = {
+    "BasicLauncher": "basic",
+    "JoblibLauncher": "joblib",
+    "RayLauncher": "ray",
+    "LocalLauncher": "submitit_local",
+    "SlurmLauncher": "submitit_slurm",
+}
+
+
+def missing_launcher(overrides: list[str]) -> str | None:
+    """The one-line error for a `hydra/launcher=<name>` whose plugin is not installed."""
+    for override in overrides:
+        key, _, name = override.partition("=")
+        if key.lstrip("+~") != "hydra/launcher" or name not in LAUNCHER_EXTRAS:
+            continue
+        module, extra = LAUNCHER_EXTRAS[name]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            return (
+                f"hydra/launcher={name} needs the optional extra `{extra}`: "
+                f"pip install -e '.[{extra}]' (or make setup-launchers)"
+            )
+    return None
+
+
+def launcher_name(launcher_cfg: Any) -> str:
+    """basic | joblib | ray | submitit_local | submitit_slurm, or the class of another plugin."""
+    target = str((launcher_cfg or {}).get("_target_") or "BasicLauncher")
+    cls = target.rsplit(".", 1)[-1]
+    return _LAUNCHER_CLASSES.get(cls, cls)
+
+
+def _positive(value: Any) -> int | None:
+    return (
+        int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    )
+
+
+def cores_per_job(launcher_cfg: Any, host_cores: int, num_jobs: int | None) -> int:
+    """The cores one job gets: what the launcher allots a job where it says (Ray's num_cpus,
+    submitit's cpus_per_task), else the host's cores over the jobs it runs at once."""
+    cfg = launcher_cfg or {}
+    name = launcher_name(cfg)
+    at_once: int | None = None
+    if name == "joblib":
+        n_jobs = int(cfg.get("n_jobs") or 1)
+        at_once = n_jobs if n_jobs > 0 else max(1, (os.cpu_count() or 1) + 1 + n_jobs)
+    elif name == "ray":
+        remote = (cfg.get("ray") or {}).get("remote") or {}
+        per_task = remote.get("num_cpus")
+        return max(1, min(host_cores, int(per_task) if per_task else 1))
+    elif name.startswith("submitit"):
+        per_task = _positive(cfg.get("cpus_per_task"))
+        if per_task:
+            return min(host_cores, per_task)
+        at_once = _positive(cfg.get("array_parallelism"))
+    if num_jobs:
+        at_once = min(at_once or num_jobs, num_jobs)
+    return max(1, host_cores // max(1, at_once or 1))
+
+
+@dataclass
+class LaunchRecord:
+    """The sweep folder's .launch.json."""
+
+    host: str
+    token: str
+    launcher: str
+    num_jobs: int
+    started_unix: float
+
+
+def write_launch_record(sweep_dir: Path, launcher: str, num_jobs: int) -> LaunchRecord:
+    record = LaunchRecord(socket.gethostname(), uuid.uuid4().hex, launcher, num_jobs, time.time())
+    write_json_atomic(sweep_dir / LAUNCH_FILE, record.__dict__)
+    return record
+
+
+def read_launch_record(sweep_dir: Path) -> LaunchRecord | None:
+    """None where the file is absent: the job runs on a host without the sweep folder."""
+    try:
+        return LaunchRecord(**json.loads((sweep_dir / LAUNCH_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def pack_folder(folder: Path) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tar.add(folder, arcname=".")
+    return buffer.getvalue()
+
+
+def unpack_folder(archive: bytes, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        tar.extractall(folder, filter="data")  # no absolute paths, links out, devices
+
+
+FINAL_STATUSES = ("complete", "failed", "incomplete")
+
+
+def _alive_here(job_dir: Path) -> bool:
+    """Is the job's process (its provenance's placement) still running on this host?"""
+    try:
+        placement = json.loads((job_dir / "provenance.json").read_text()).get("placement") or {}
+        if placement.get("node") != socket.gethostname():
+            return False
+        os.kill(int(placement["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return True
+
+
+def settle_jobs(job_dirs: list[Path], error: str, poll_s: float = 1.0) -> list[Path]:
+    """After the launcher gave up on a batch (`error`): wait for the jobs of the batch that are
+    still running on this host, then record every job without a final summary as failed with
+    the reason, so that sweep.csv has its row and resume runs it again. Returns those jobs."""
+    while any(_pending(d) and _alive_here(d) for d in job_dirs):
+        time.sleep(poll_s)
+    failed = []
+    for job_dir in job_dirs:
+        if not _pending(job_dir):
+            continue
+        summary = read_summary(job_dir) or {}
+        started = summary.get("status") == "running"
+        reason = (
+            "the job's process ended before its run did"
+            if started
+            else "the job did not start or its folder never reached this host"
+        )
+        failed.append(job_dir)
+        job_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(
+            job_dir / SUMMARY_FILE,
+            {**summary, "status": "failed", "error": f"{reason}: {error}", "metrics": {}},
+        )
+    return failed
+
+
+def _pending(job_dir: Path) -> bool:
+    summary = read_summary(job_dir)
+    return summary is None or summary.get("status") not in FINAL_STATUSES
+
+
+def write_job_overrides(job_dir: Path, overrides: list[str]) -> None:
+    """A job folder's .hydra/overrides.yaml (as Hydra writes it), for a job that never started:
+    its sweep.csv row needs its overrides."""
+    import yaml
+
+    path = job_dir / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, yaml.safe_dump(list(overrides)))
+
+
+def gpus_per_job(config: dict[str, Any], visible: list[str]) -> int:
+    """GPUs a job of this configuration uses: its tensor-parallel ranks on a CUDA device."""
+    engine = config.get("engine") or {}
+    if engine.get("backend", "builtin") not in ("builtin", "hf"):
+        return 0  # a client (openai) or llama.cpp on the CPU
+    device = str(engine.get("device") or "auto")
+    if device.startswith("cuda") or (device == "auto" and visible):
+        return int(engine.get("tensor_parallel_size") or 1)
+    return 0
+
+
+@contextmanager
+def launched_job(hydra_cfg: Any, config: dict[str, Any]) -> Iterator[JobOnLauncher]:
+    """A sweep job's placement (claimed and pinned for the duration) when the launcher runs
+    jobs side by side."""
+    name = launcher_name(hydra_cfg.launcher)
+    if name == "basic":
+        yield JobOnLauncher(name, None)
+        return
+    from harness.running import placement
+
+    record = read_launch_record(Path(hydra_cfg.sweep.dir))
+    cores = cores_per_job(
+        hydra_cfg.launcher, len(placement.allowed_cores()), record.num_jobs if record else None
+    )
+    gpus = gpus_per_job(config, placement.visible_gpus())
+    with placement.job_placement(name, cores, gpus) as where:
+        yield JobOnLauncher(name, where.as_record())
+
+
+@dataclass
+class JobOnLauncher:
+    launcher: str
+    placement: dict[str, Any] | None  # provenance.json's `placement`
+
+    def provenance(self) -> dict[str, Any]:
+        return {} if self.placement is None else {"placement": self.placement}

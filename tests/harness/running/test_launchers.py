@@ -1,0 +1,243 @@
+"""Sweeps on Hydra's launcher plugins: a local Ray cluster and submitit_local give what the
+basic launcher gives; a job killed on a worker is a failed row that resume finishes; jobs get
+disjoint cores (or say they share); a run folder travels back where the sweep folder is not;
+a launcher whose extra is missing is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import OmegaConf
+
+from harness.running import launching, placement
+from harness.running.sweep import sweep_rows
+
+REPO = Path(__file__).resolve().parents[3]
+TINY_JOB = [
+    "model=tiny",
+    "workload.num_requests=2",
+    "workload.input_len=8",
+    "workload.output_len=4",
+    "run.warmup_requests=0",
+    "run.progress=false",
+]
+
+
+def sweep(sweep_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "-m", *TINY_JOB, *overrides,
+         f"hydra.sweep.dir={sweep_dir}"],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def layout(sweep_dir: Path) -> dict[str, list[str]]:
+    """Each job folder's files, and the sweep folder's own, less a launcher's private state."""
+    out = {".": sorted(p.name for p in sweep_dir.iterdir() if p.is_file())}
+    for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()):
+        out[job.name] = sorted(str(p.relative_to(job)) for p in job.rglob("*") if p.is_file())
+    return out
+
+
+@pytest.mark.slow
+def test_a_ray_sweep_equals_the_basic_launchers(tmp_path: Path) -> None:
+    grid = ["engine.kv_cache=none,paged", "workload.output_len=3,4"]
+    sweep(tmp_path / "basic", *grid)
+    sweep(tmp_path / "ray", *grid, "hydra/launcher=ray", "+hydra.launcher.ray.init.num_cpus=2")
+    assert layout(tmp_path / "ray") == layout(tmp_path / "basic")
+    basic = pd.read_csv(tmp_path / "basic" / "sweep.csv")
+    ray = pd.read_csv(tmp_path / "ray" / "sweep.csv")
+    assert list(ray.columns) == list(basic.columns)
+    keys = ["job", "engine.kv_cache", "workload.output_len", "status"]
+    assert ray[keys].equals(basic[keys]) and len(ray) == 4
+    assert set(ray["status"]) == {"complete"}
+    placements = [
+        json.loads((tmp_path / "ray" / str(j) / "provenance.json").read_text())["placement"]
+        for j in range(4)
+    ]
+    assert {p["launcher"] for p in placements} == {"ray"}
+    assert all(p["node"] and p["pid"] > 0 and len(p["cores"]) == 1 for p in placements)
+    # Ray runs two at a time (num_cpus=2, one per task): their claims never overlap
+    assert not any(p["shared_cores"] for p in placements)
+    for side in ("basic", "ray"):
+        report = subprocess.run(
+            [sys.executable, "-m", "harness.cli", "report", str(tmp_path / side)],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert report.returncode == 0, report.stderr[-2000:]
+    assert "report.md" in layout(tmp_path / "ray")["."]
+    assert layout(tmp_path / "ray") == layout(tmp_path / "basic")
+
+
+def _wait_for(predicate: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.2)
+
+
+def _status(job: Path) -> str | None:
+    try:
+        return json.loads((job / "summary.json").read_text()).get("status")
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.slow
+def test_a_job_killed_under_submitit_is_a_failed_row_and_resume_finishes_it(
+    tmp_path: Path,
+) -> None:
+    # job 1 decodes for seconds (model=small), long enough to be killed in the middle
+    grid = ["model=tiny,small", "workload.output_len=200", "hydra/launcher=submitit_local"]
+    command = [sys.executable, "-m", "harness.cli", "run", "-m", *TINY_JOB, *grid,
+               f"hydra.sweep.dir={tmp_path}"]  # fmt: skip
+    launcher = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    job = tmp_path / "1"
+    _wait_for(lambda: _status(job) == "running", 120)
+    pid = json.loads((job / "provenance.json").read_text())["placement"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    out, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, out[-3000:]
+    rows = pd.read_csv(tmp_path / "sweep.csv")
+    assert list(rows["status"]) == ["complete", "failed"]
+    assert "the job's process ended before its run did" in rows["error"][1]
+    assert "UncompletedJobError" in rows["error"][1]  # the launcher's own account
+
+    first = (tmp_path / "0" / "summary.json").read_text()
+    resumed = subprocess.run(
+        [*command, "run.resume=true"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (tmp_path / "0" / "summary.json").read_text() == first  # skipped, not run again
+    assert list(pd.read_csv(tmp_path / "sweep.csv")["status"]) == ["complete", "complete"]
+
+
+def test_jobs_the_launcher_lost_keep_their_rows(tmp_path: Path) -> None:
+    # a node lost under Ray: neither job's folder reached this host (no summary, no
+    # overrides), the sweeper knows only the launcher's error and each job's overrides
+    job_dirs = [tmp_path / "0", tmp_path / "1"]
+    failed = launching.settle_jobs(job_dirs, "NodeDiedError: node 10.0.0.7 is gone", poll_s=0.01)
+    assert failed == job_dirs
+    for job_dir, value in zip(job_dirs, ("none", "paged"), strict=True):
+        launching.write_job_overrides(job_dir, [f"engine.kv_cache={value}"])
+    rows = sweep_rows(tmp_path)
+    assert [r["engine.kv_cache"] for r in rows] == ["none", "paged"]
+    assert all(r["status"] == "failed" and "NodeDiedError" in r["error"] for r in rows)
+    assert all("did not start or its folder never reached this host" in r["error"] for r in rows)
+
+
+def test_a_run_folder_travels_back_to_the_launching_host(tmp_path: Path) -> None:
+    """A job on a host without the sweep folder returns its folder; the sweeper writes it."""
+    from hydra_plugins.inferlab_sweeper.inferlab_sweeper import InferlabSweeper
+
+    remote = tmp_path / "remote" / "3"  # the job's host: no .launch.json above its folder
+    (remote / ".hydra").mkdir(parents=True)
+    (remote / ".hydra" / "overrides.yaml").write_text("- engine.kv_cache=paged\n")
+    (remote / "summary.json").write_text(json.dumps({"status": "complete", "metrics": {"x": 1}}))
+    (remote / "requests.parquet").write_bytes(b"PAR1 rows")
+    assert launching.read_launch_record(remote.parent) is None
+
+    result = JobReturn()
+    result.status = JobStatus.COMPLETED
+    result.return_value = {
+        "status": "complete",
+        launching.ARCHIVE_KEY: launching.pack_folder(remote),
+    }
+    result.hydra_cfg = OmegaConf.create({"hydra": {"sweep": {"subdir": "3"}}})
+    home = tmp_path / "home"
+    InferlabSweeper(max_batch_size=None)._gather(result, home)
+    assert launching.ARCHIVE_KEY not in result.return_value
+    assert (home / "3" / "requests.parquet").read_bytes() == b"PAR1 rows"
+    [row] = sweep_rows(home)
+    assert row["status"] == "complete" and row["engine.kv_cache"] == "paged" and row["x"] == 1
+
+
+def test_jobs_claim_disjoint_cores_and_gpus_and_say_when_they_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(placement.LOCK_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(placement, "allowed_cores", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(placement, "_pin_threads", lambda cores: None)
+    gpus = ["0", "1"]
+    with (
+        placement.job_placement("joblib", 2, 1, gpus) as a,
+        placement.job_placement("joblib", 2, 1, gpus) as b,
+    ):
+        assert set(a.cores).isdisjoint(b.cores) and len(a.cores) == len(b.cores) == 2
+        assert a.gpus != b.gpus and not (a.shared_cores or b.shared_gpus or b.warning)
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == b.gpus[0]
+        with placement.job_placement("joblib", 2, 1, gpus) as c:
+            assert len(c.cores) == 2 and c.shared_cores == c.cores
+            assert c.shared_gpus == c.gpus and "shares cores" in (c.warning or "")
+    assert "warning: this timing job shares cores [0, 1] and GPUs ['0']" in capsys.readouterr().err
+    # released: the next job gets the first cores again
+    with placement.job_placement("joblib", 2, 0, gpus) as d:
+        assert d.cores == [0, 1] and d.gpus == []
+    with (
+        pytest.raises(RuntimeError, match="needs 2 GPU"),
+        placement.job_placement("ray", 1, 2, ["0"]),
+    ):
+        pass
+
+
+def test_a_job_is_pinned_to_its_cores_and_let_go_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(placement.LOCK_DIR_ENV, str(tmp_path))
+    before = os.sched_getaffinity(0)
+    with placement.job_placement("submitit_local", 1, 0, []) as where:
+        assert os.sched_getaffinity(0) == set(where.cores) and len(where.cores) == 1
+    assert os.sched_getaffinity(0) == before
+
+
+def test_cores_per_job_follow_the_launchers_own_settings() -> None:
+    def cfg(target: str, **keys: Any) -> dict[str, Any]:
+        return {"_target_": f"hydra_plugins.x.{target}", **keys}
+
+    assert launching.cores_per_job(cfg("JoblibLauncher", n_jobs=2), 16, 10) == 8
+    assert launching.cores_per_job(cfg("JoblibLauncher", n_jobs=4), 16, 2) == 8  # 2 jobs at once
+    assert launching.cores_per_job(cfg("RayLauncher", ray={"remote": {"num_cpus": 3}}), 16, 9) == 3
+    assert launching.cores_per_job(cfg("RayLauncher", ray={"remote": {}}), 16, 9) == 1
+    assert launching.cores_per_job(cfg("SlurmLauncher", cpus_per_task=6), 64, 2) == 6
+    assert launching.cores_per_job(cfg("LocalLauncher", cpus_per_task=None), 16, 4) == 4
+    tp2 = {"engine": {"backend": "builtin", "device": "auto", "tensor_parallel_size": 2}}
+    assert launching.gpus_per_job(tp2, ["0", "1"]) == 2
+    assert launching.gpus_per_job(tp2, []) == 0  # auto on a host without GPUs: the CPU
+    assert launching.gpus_per_job({"engine": {"backend": "openai"}}, ["0"]) == 0
+
+
+def test_a_missing_launcher_extra_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = launching.importlib.util.find_spec
+    monkeypatch.setattr(
+        launching.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "hydra_plugins.hydra_ray_launcher" else real(name, *a),
+    )
+    message = launching.missing_launcher(["model=tiny", "hydra/launcher=ray"])
+    assert message is not None and "\n" not in message
+    assert "pip install -e '.[ray]'" in message
+    assert launching.missing_launcher(["hydra/launcher=joblib"]) is None
+    assert launching.missing_launcher(["hydra/launcher=basic"]) is None
+    from harness import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["run", "model=tiny", "hydra/launcher=ray"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
