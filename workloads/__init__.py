@@ -3,7 +3,8 @@
 `WORKLOAD_TYPES` (a registry, engines/plugins.py) maps the config's `workload.type` to a
 dataclass whose fields are exactly the config keys. Each has `validate() -> self`,
 `build(tokenizer, context_len=None) -> list[WorkloadRequest]`, an `info` dict filled by build,
-and `concurrency` (C for a closed loop, else None).
+`concurrency` (C for a closed loop, else None) and `max_concurrency` (an open loop's cap on the
+requests in flight, else None).
 
 The dataclass is also the schema of its `workload` config group: importing this package puts
 `workload/<type>_schema` in Hydra's ConfigStore, which configs/workload/*.yaml extend, so the

@@ -10,6 +10,12 @@
                                               from A (first gap) to Z (last gap)
   {process: closed, concurrency: C}           all at 0; the driver keeps C requests in flight
 
+Every open-loop process (all but closed) also takes `max_concurrency: M` (default null, no
+cap), as vLLM's `bench serve --request-rate R --max-concurrency M`: the times stay as drawn,
+and the driver sends a request that arrives while M are in flight once one of them finishes
+(harness/running/driver.py); the wait shows as its lateness (sent - arrival). A closed loop
+refuses it: its concurrency already is the number in flight.
+
 The first request always arrives at 0 and request i at the sum of the first i gaps, so n
 requests span n - 1 gaps (vLLM's benchmark also sends its first request at once). For ramp,
 gap i (i = 1 .. n-1, between requests i-1 and i) is 1 / r_i with
@@ -28,12 +34,14 @@ import numpy as np
 from workloads.common import check_choice, check_int, check_keys, check_number, invalid
 
 PROCESSES = ("offline", "poisson", "gamma", "constant", "ramp", "closed")
+_CAP = "max_concurrency"
+# each process's keys: `process`, then the ones it needs, then the optional cap
 _KEYS = {
-    "offline": ("process",),
-    "poisson": ("process", "rate"),
-    "gamma": ("process", "rate", "burstiness"),
-    "constant": ("process", "rate"),
-    "ramp": ("process", "start_rate", "end_rate"),
+    "offline": ("process", _CAP),
+    "poisson": ("process", "rate", _CAP),
+    "gamma": ("process", "rate", "burstiness", _CAP),
+    "constant": ("process", "rate", _CAP),
+    "ramp": ("process", "start_rate", "end_rate", _CAP),
     "closed": ("process", "concurrency"),
 }
 
@@ -51,6 +59,7 @@ class Arrival:
     start_rate: float | None = None
     end_rate: float | None = None
     concurrency: int | None = None
+    max_concurrency: int | None = None
 
 
 def default_arrival() -> dict[str, Any]:
@@ -73,19 +82,26 @@ def parse_arrival(spec: Any) -> dict[str, Any]:
     # unset keys: the config block (Arrival) lists every process's keys, None where unused
     spec = {key: value for key, value in spec.items() if value is not None}
     process = check_choice("arrival.process", spec.get("process", "offline"), PROCESSES)
+    if process == "closed" and _CAP in spec:
+        open_loops = "|".join(p for p in PROCESSES if p != "closed")
+        raise invalid(
+            f"arrival.{_CAP}",
+            spec[_CAP],
+            f"null with process closed (its concurrency already is the number in flight; "
+            f"{_CAP} caps an open loop: process {open_loops})",
+        )
     check_keys("arrival", spec, _KEYS[process], f"process {process}")
     out: dict[str, Any] = {"process": process}
-    for key in _KEYS[process][1:]:
+    needed = [key for key in _KEYS[process][1:] if key != _CAP]
+    for key in needed:
         if key not in spec:
-            raise invalid(
-                f"arrival.{key}",
-                None,
-                f"a value (process {process} needs {list(_KEYS[process][1:])})",
-            )
+            raise invalid(f"arrival.{key}", None, f"a value (process {process} needs {needed})")
         if key == "concurrency":
             out[key] = check_int("arrival.concurrency", spec[key], 1)
         else:  # rates and burstiness: positive, finite
             out[key] = check_number(f"arrival.{key}", spec[key], 0.0, strict=True)
+    if _CAP in spec:  # optional: unset is no cap
+        out[_CAP] = check_int(f"arrival.{_CAP}", spec[_CAP], 1)
     return out
 
 
@@ -93,6 +109,11 @@ def concurrency_of(spec: Any) -> int | None:
     """C for a closed loop, None for every open-loop process."""
     parsed = parse_arrival(spec)
     return parsed["concurrency"] if parsed["process"] == "closed" else None
+
+
+def max_concurrency_of(spec: Any) -> int | None:
+    """An open loop's cap on the requests in flight (None: no cap, or a closed loop)."""
+    return parse_arrival(spec).get(_CAP)
 
 
 def arrival_times(spec: Any, n: int, rng: np.random.Generator) -> np.ndarray:

@@ -27,6 +27,7 @@ from workloads.arrivals import (
     arrival_times,
     concurrency_of,
     default_arrival,
+    max_concurrency_of,
     parse_arrival,
 )
 from workloads.common import (
@@ -73,6 +74,10 @@ class PromptsWorkload:
     @property
     def concurrency(self) -> int | None:
         return concurrency_of(self.arrival)
+
+    @property
+    def max_concurrency(self) -> int | None:
+        return max_concurrency_of(self.arrival)
 
     @property
     def sends_chat(self) -> bool:

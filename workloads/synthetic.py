@@ -30,6 +30,7 @@ from workloads.arrivals import (
     arrival_times,
     concurrency_of,
     default_arrival,
+    max_concurrency_of,
     parse_arrival,
 )
 from workloads.common import (
@@ -75,6 +76,10 @@ class SyntheticWorkload:
     @property
     def concurrency(self) -> int | None:
         return concurrency_of(self.arrival)
+
+    @property
+    def max_concurrency(self) -> int | None:
+        return max_concurrency_of(self.arrival)
 
     def validate(self) -> SyntheticWorkload:
         check_int("num_requests", self.num_requests, 0)

@@ -4,7 +4,9 @@ Selection: rows whose time since the trace's first row t lies in [start_s, end_s
 scaling), then the first num_requests of those; the file is read only as far as that
 selection reaches (workloads/traces.py), so `info` counts the rows read. Request i arrives at
 (t_i - t_first) / time_scale, where t_first is the first selected row's time, so the run starts
-with its first request and time_scale = 10 replays ten times faster.
+with its first request and time_scale = 10 replays ten times faster. The replay is an open
+loop; `max_concurrency` caps the requests in flight as it does for an arrival process
+(workloads/arrivals.py): a request arriving while that many are in flight waits for one.
 
 Lengths: max(1, round(length * scale)), then max_input_len / max_output_len, then the
 context clipping rule of workloads/lengths.py.
@@ -57,6 +59,8 @@ class TraceWorkload:
     time_scale: float = 1.0  # speed-up factor
     start_s: float = 0.0  # window on the trace's own clock, before scaling
     end_s: float | None = None
+    # the open loop's cap on the requests in flight (workloads/arrivals.py); None: no cap
+    max_concurrency: int | None = None
     input_scale: float = 1.0
     output_scale: float = 1.0
     max_input_len: int | None = None
@@ -95,6 +99,7 @@ class TraceWorkload:
         end = check_number("end_s", self.end_s, 0.0, allow_none=True)
         if end is not None and end <= self.start_s:
             raise invalid("end_s", self.end_s, f"null or a number > start_s ({self.start_s})")
+        check_int("max_concurrency", self.max_concurrency, 1, allow_none=True)
         check_int("max_input_len", self.max_input_len, 1, allow_none=True)
         check_int("max_output_len", self.max_output_len, 1, allow_none=True)
         check_choice("prompt", self.prompt, PROMPT_KINDS)

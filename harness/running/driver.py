@@ -1,15 +1,18 @@
 """The driver sends each workload request to the backend at its arrival time and turns the
 events that come back into request, token and step rows.
 
-Open loop (default): each request is sent at its arrival time, whatever is in flight. Closed
-loop (`concurrency=C`): C requests are kept in flight; the next is sent when one finishes.
-Multi-turn sessions: a request that `follows` another is sent its `arrival_s` (think time)
-after that turn finished, with the conversation so far prepended to its prompt.
+Open loop (default): each request is sent at its arrival time, whatever is in flight. Capped
+open loop (`max_concurrency=M`, vLLM's `--request-rate R --max-concurrency M`): at most M
+requests are in flight; one that arrives while M are waits for a free slot (first come, first
+served) and is sent when one frees. Closed loop (`concurrency=C`): C requests are kept in
+flight; the next is sent when one finishes. Multi-turn sessions: a request that `follows`
+another is due its `arrival_s` (think time) after that turn finished, with the conversation so
+far prepended to its prompt; under a cap each turn waits for a slot of its own.
 
 Times in the rows are seconds since the run's start (`t0`), all from the backend's one clock.
 Arrival is the time the workload asked for (for a closed loop or a follow-up turn: the moment
 it became due); `sent_s` is when the request was actually handed over (their difference is the
-driver's lateness, recorded, never hidden).
+driver's lateness, recorded, never hidden; under a cap it includes the wait for a slot).
 
 Phase columns partition a request's life (docs/run_folder.md): lateness (sent - arrival),
 `tokenize_s` (tokenized - sent), `queue_s` (scheduled - tokenized), `prefill_s` (first token -
@@ -28,6 +31,7 @@ import asyncio
 import time
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -152,19 +156,39 @@ class Driver:
         self.t0 = 0
         self.overhead_ns = 0  # the driver's own work, perf_counter_ns, accumulated
         self.wall_ns = 0  # the whole drive, perf_counter_ns
+        self.slots: asyncio.Semaphore | None = None  # a capped open loop's, per run
 
     @property
     def overhead_fraction(self) -> float | None:
         """The driver's own work (events, rows, sinks) / the run's wall time."""
         return self.overhead_ns / self.wall_ns if self.wall_ns > 0 else None
 
-    def run(self, workload: list[WorkloadRequest], concurrency: int | None = None) -> int:
-        """Drive the workload to completion; return t0 (ns) for relative times."""
-        if concurrency is not None and concurrency < 1:
-            raise ValueError(f"concurrency: {concurrency} is invalid; allowed: an integer >= 1")
-        return asyncio.run(self._run(workload, concurrency))
+    def run(
+        self,
+        workload: list[WorkloadRequest],
+        concurrency: int | None = None,
+        max_concurrency: int | None = None,
+    ) -> int:
+        """Drive the workload to completion; return t0 (ns) for relative times.
 
-    async def _run(self, workload: list[WorkloadRequest], concurrency: int | None) -> int:
+        `concurrency`: a closed loop of that many; `max_concurrency`: an open loop's cap on
+        the requests in flight (None: none)."""
+        for name, value in (("concurrency", concurrency), ("max_concurrency", max_concurrency)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: {value} is invalid; allowed: an integer >= 1")
+        if concurrency is not None and max_concurrency is not None:
+            raise ValueError(
+                f"max_concurrency: {max_concurrency} is invalid; allowed: None with a closed "
+                f"loop (concurrency={concurrency} already is the number in flight)"
+            )
+        return asyncio.run(self._run(workload, concurrency, max_concurrency))
+
+    async def _run(
+        self,
+        workload: list[WorkloadRequest],
+        concurrency: int | None,
+        max_concurrency: int | None,
+    ) -> int:
         ids = {w.request_id for w in workload}
         orphans = [w.request_id for w in workload if w.follows and w.follows not in ids]
         if orphans:
@@ -176,6 +200,9 @@ class Driver:
             if w.follows:
                 self.followers[w.follows].append(w)
         roots = sorted((w for w in workload if not w.follows), key=lambda w: w.arrival_s)
+        # asyncio's Semaphore wakes its waiters in the order they came and lets no newcomer
+        # past one still waiting, so the slots go first come, first served
+        self.slots = asyncio.Semaphore(max_concurrency) if max_concurrency is not None else None
         wall_start = time.perf_counter_ns()
         self.t0 = self.clock()
         observer = self._on_step
@@ -238,6 +265,11 @@ class Driver:
             self._fail_session(follower, now, f"previous turn {item.request_id} failed")
 
     async def _one(self, item: WorkloadRequest, arrival_ns: int) -> RequestTrace:
+        """Send `item` once a slot is free (at once without a cap), holding it until the end."""
+        async with self.slots if self.slots is not None else nullcontext():
+            return await self._send(item, arrival_ns)
+
+    async def _send(self, item: WorkloadRequest, arrival_ns: int) -> RequestTrace:
         trace = RequestTrace(item, arrival_ns, sent_ns=self.clock())
         request_id = item.request_id
         try:

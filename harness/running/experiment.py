@@ -316,11 +316,13 @@ def _run(
                 on_request_done=lambda _: shown.request_done(),
             )
             concurrency = getattr(workload, "concurrency", None)
+            max_concurrency = getattr(workload, "max_concurrency", None)
             info["closed_loop"] = concurrency is not None
+            info["workload"]["max_concurrency"] = max_concurrency
             if profiler is not None:
                 profiler.attach(backend, cuda=str(info["engine"].get("device")).startswith("cuda"))
             backend.start_measuring()
-            driver.run(requests, concurrency=concurrency)
+            driver.run(requests, concurrency=concurrency, max_concurrency=max_concurrency)
             failure = backend.failure()
             if failure is not None:  # the requests after it failed one by one; so does the run
                 raise RuntimeError(f"the backend failed during the run: {failure}")

@@ -140,6 +140,12 @@ def test_arrival_is_set_whole_or_key_by_key_as_the_docs_write_it() -> None:
     assert make_workload(whole).concurrency is None
     keys = composed("workload.arrival.process=closed", "workload.arrival.concurrency=4")
     assert make_workload(keys["workload"]).concurrency == 4
+    capped = composed(
+        "workload.arrival.process=constant",
+        "workload.arrival.rate=8",
+        "workload.arrival.max_concurrency=2",
+    )
+    assert make_workload(capped["workload"]).max_concurrency == 2
     leftover = composed(
         "workload.arrival={process: gamma, rate: 8, burstiness: 0.5}",
         "workload.arrival={process: poisson, rate: 2}",
@@ -178,7 +184,7 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "shuffle": True,
         "chat": True,
         "think_time_s": 0.5,
-        "arrival": {"process": "poisson", "rate": 2.5},
+        "arrival": {"process": "poisson", "rate": 2.5, "max_concurrency": 2},
         "seed": 5,
         "ignore_eos": False,
         "temperature": 0.5,
@@ -198,6 +204,7 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "time_scale": 2.0,
         "start_s": 1.0,
         "end_s": 100.0,
+        "max_concurrency": 2,
         "input_scale": 0.5,
         "output_scale": 0.25,
         "max_input_len": 100,
@@ -290,6 +297,7 @@ def test_a_workload_key_without_a_field_and_a_value_of_the_wrong_type_name_the_k
         ("workload.num_requests=many", "workload.num_requests"),
         ("workload.arrival.rate=fast", "workload.arrival.rate"),
         ("workload.arrival.no_such_key=1", "workload.arrival.no_such_key"),
+        ("workload.arrival.max_concurrency=x", "workload.arrival.max_concurrency"),
     ]:
         with pytest.raises(configs.ComposeError, match=f"^{key}: "):
             composed(override)

@@ -1,4 +1,5 @@
-"""Arrival processes: rates and burstiness within statistical tolerances, seeds, spec errors.
+"""Arrival processes: rates and burstiness within statistical tolerances, seeds, the open
+loop's cap on the requests in flight, spec errors.
 
 Tolerances come from each process's coefficient of variation (CV), never fixed percentages:
 with n gaps of mean 1/rate and CV c, the sample mean gap has standard error c / (rate sqrt(n)),
@@ -13,8 +14,8 @@ import math
 import numpy as np
 import pytest
 
-from workloads import SyntheticWorkload
-from workloads.arrivals import arrival_times, concurrency_of, parse_arrival
+from workloads import PromptsWorkload, SyntheticWorkload, TraceWorkload
+from workloads.arrivals import arrival_times, concurrency_of, max_concurrency_of, parse_arrival
 
 N = 20_000  # requests; N - 1 gaps
 
@@ -156,3 +157,90 @@ def test_bad_specs_name_the_field_and_the_allowed_values(spec: object, message: 
         parse_arrival(spec)
     with pytest.raises(ValueError, match=message):
         SyntheticWorkload(arrival=spec).validate()  # type: ignore[arg-type]
+
+
+OPEN_LOOPS = [
+    {"process": "offline"},
+    {"process": "poisson", "rate": 4.0},
+    {"process": "gamma", "rate": 4.0, "burstiness": 0.5},
+    {"process": "constant", "rate": 4.0},
+    {"process": "ramp", "start_rate": 1.0, "end_rate": 4.0},
+]
+
+
+@pytest.mark.parametrize("spec", OPEN_LOOPS, ids=lambda spec: spec["process"])
+def test_every_open_loop_takes_a_cap_that_leaves_its_times_alone(spec: dict) -> None:
+    capped = {**spec, "max_concurrency": 3}
+    assert parse_arrival(capped) == {**parse_arrival(spec), "max_concurrency": 3}
+    assert max_concurrency_of(capped) == 3 and concurrency_of(capped) is None
+    assert max_concurrency_of(spec) is None
+    assert max_concurrency_of({**spec, "max_concurrency": None}) is None  # the block's unset
+    np.testing.assert_array_equal(
+        arrival_times(capped, 30, np.random.default_rng(3)),
+        arrival_times(spec, 30, np.random.default_rng(3)),
+    )
+    workload = SyntheticWorkload(num_requests=4, input_len=4, output_len=2, arrival=capped)
+    assert workload.max_concurrency == 3 and workload.concurrency is None
+    assert workload.validate().build() and workload.info["arrival"]["max_concurrency"] == 3
+
+
+def test_workload_types_expose_the_cap() -> None:
+    assert SyntheticWorkload().max_concurrency is None  # default: offline, no cap
+    closed = SyntheticWorkload(arrival={"process": "closed", "concurrency": 2})
+    assert closed.max_concurrency is None and closed.concurrency == 2
+    prompts = PromptsWorkload(arrival={"process": "poisson", "rate": 1.0, "max_concurrency": 2})
+    assert prompts.max_concurrency == 2
+    # a trace's times are its arrival process: the cap is a key of the trace workload
+    assert TraceWorkload().max_concurrency is None
+    assert TraceWorkload(max_concurrency=5).max_concurrency == 5
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {"process": "poisson", "rate": 1, "max_concurrency": 0},
+            r"workload\.arrival\.max_concurrency: 0 is invalid; allowed: an integer >= 1$",
+        ),
+        (
+            {"process": "constant", "rate": 1, "max_concurrency": -1},
+            r"workload\.arrival\.max_concurrency: -1 is invalid; allowed: an integer >= 1$",
+        ),
+        (
+            {"process": "offline", "max_concurrency": "x"},
+            r"workload\.arrival\.max_concurrency: 'x' is invalid; allowed: an integer >= 1$",
+        ),
+        (
+            {"process": "gamma", "rate": 1, "burstiness": 2, "max_concurrency": 2.5},
+            r"workload\.arrival\.max_concurrency: 2\.5 is invalid",
+        ),
+        (
+            {"process": "ramp", "start_rate": 1, "end_rate": 2, "max_concurrency": True},
+            r"workload\.arrival\.max_concurrency: True is invalid",
+        ),
+        (
+            {"process": "closed", "concurrency": 4, "max_concurrency": 2},
+            r"workload\.arrival\.max_concurrency: 2 is invalid; allowed: null with process "
+            r"closed \(its concurrency already is the number in flight; max_concurrency caps an "
+            r"open loop: process offline\|poisson\|gamma\|constant\|ramp\)$",
+        ),
+    ],
+)
+def test_bad_caps_name_the_field_and_the_allowed_values(spec: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_arrival(spec)
+    with pytest.raises(ValueError, match=message):
+        SyntheticWorkload(arrival=spec).validate()
+    with pytest.raises(ValueError, match=message):
+        PromptsWorkload(path="models/data/sonnets.txt", format="text", arrival=spec).validate()
+
+
+@pytest.mark.parametrize("value", [0, -1, "x", 1.5])
+def test_a_bad_trace_cap_names_the_field(value: object) -> None:
+    trace = TraceWorkload(path="data/traces/AzureLLMInferenceTrace_conv.csv", max_concurrency=1)
+    assert trace.validate().max_concurrency == 1
+    trace.max_concurrency = value  # type: ignore[assignment]
+    with pytest.raises(
+        ValueError, match=rf"workload\.max_concurrency: {value!r} is invalid; allowed: an integer"
+    ):
+        trace.validate()

@@ -1,11 +1,14 @@
-"""The driver: open and closed loops, multi-turn sessions, lateness, against a scripted backend
-and the built-in engine."""
+"""The driver: open, capped and closed loops, multi-turn sessions, lateness, against a scripted
+backend (in real time, or in virtual time for exact times) and the built-in engine."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import selectors
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 
 from engines.base import (
@@ -21,7 +24,7 @@ from engines.base import (
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
 from engines.sampling_params import SamplingParams
-from harness.running.driver import Driver
+from harness.running.driver import Clock, Driver
 from workloads.request import WorkloadRequest
 
 
@@ -30,9 +33,10 @@ class ScriptedBackend(Backend):
 
     name = "scripted"
 
-    def __init__(self, service_s: float = 0.02) -> None:
+    def __init__(self, service_s: float = 0.02, clock: Clock = now_ns) -> None:
         super().__init__()
         self.service_s = service_s
+        self.clock = clock
         self.in_flight = 0
         self.max_in_flight = 0
         self.prompts: dict[str, object] = {}
@@ -47,12 +51,12 @@ class ScriptedBackend(Backend):
         rid = request.request_id
         try:
             n = len(request.prompt)
-            yield Tokenized(rid, 0, now_ns(), n)
-            yield Scheduled(rid, 0, now_ns())
+            yield Tokenized(rid, 0, self.clock(), n)
+            yield Scheduled(rid, 0, self.clock())
             await asyncio.sleep(self.service_s)
             count = request.sampling.max_tokens
-            yield Tokens(rid, 1, now_ns(), tuple(range(100, 100 + count)), "x" * count)
-            yield Finished(rid, 1, now_ns(), "length", n, count, text="x" * count)
+            yield Tokens(rid, 1, self.clock(), tuple(range(100, 100 + count)), "x" * count)
+            yield Finished(rid, 1, self.clock(), "length", n, count, text="x" * count)
         finally:
             self.in_flight -= 1
 
@@ -65,7 +69,11 @@ def item(
 
 
 def run(
-    backend: Backend, workload: list[WorkloadRequest], concurrency: int | None = None
+    backend: Backend,
+    workload: list[WorkloadRequest],
+    concurrency: int | None = None,
+    max_concurrency: int | None = None,
+    clock: Clock = now_ns,
 ) -> dict[str, dict]:
     rows: dict[str, dict] = {}
 
@@ -73,7 +81,9 @@ def run(
         if table == "requests":
             rows[row["request_id"]] = row
 
-    Driver(backend, sink).run(workload, concurrency=concurrency)
+    Driver(backend, sink, clock=clock).run(
+        workload, concurrency=concurrency, max_concurrency=max_concurrency
+    )
     return rows
 
 
@@ -152,3 +162,139 @@ def test_every_turn_after_a_failed_turn_keeps_a_failed_row() -> None:
         ],
     )
     assert [rows[r]["status"] for r in ("t0", "t1", "t2")] == ["failed"] * 3
+
+
+# ---- virtual time: exact times for the capped open loop ------------------------------------
+
+
+class _SkippingSelector(selectors.DefaultSelector):
+    """Never waits for a timer: when nothing is ready it moves the virtual clock to the next
+    one (the `timeout` the event loop asks to wait)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def select(self, timeout: float | None = None) -> Any:
+        events = super().select(0 if timeout is not None else None)
+        if not events and timeout:
+            self.now += timeout
+        return events
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop whose time starts at 0 and jumps to the next timer whenever every task
+    waits, so asyncio.sleep (the driver's and the backend's) takes no real time and the rows
+    hold exactly the scripted times."""
+
+    def __init__(self) -> None:
+        self.selector = _SkippingSelector()
+        super().__init__(self.selector)
+
+    def time(self) -> float:
+        return self.selector.now
+
+
+def virtual_ns() -> int:
+    """The running loop's clock in ns: the driver's and the scripted backend's clock."""
+    return round(asyncio.get_running_loop().time() * 1e9)
+
+
+@pytest.fixture
+def virtual_time() -> Iterator[Clock]:
+    """Driver.run's asyncio.run gets a VirtualTimeLoop; yields the clock to give the driver."""
+
+    class Policy(asyncio.DefaultEventLoopPolicy):
+        def new_event_loop(self) -> asyncio.AbstractEventLoop:
+            return VirtualTimeLoop()
+
+    before = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(Policy())
+    try:
+        yield virtual_ns
+    finally:
+        asyncio.set_event_loop_policy(before)
+
+
+def most_in_flight(rows: dict[str, dict]) -> int:
+    """The most requests in flight at once by the rows (sent, finished), a finish at the
+    instant of a send counting as before it."""
+    events = sorted(
+        [(r["sent_s"], 1) for r in rows.values()] + [(r["finished_s"], -1) for r in rows.values()],
+        key=lambda event: (event[0], event[1]),
+    )
+    count = peak = 0
+    for _, step in events:
+        count += step
+        peak = max(peak, count)
+    return peak
+
+
+def test_a_cap_makes_arrivals_wait_for_a_slot_first_come_first_served(
+    virtual_time: Clock,
+) -> None:
+    """Rate 4 (a request every 0.25 s), 0.75 s each, at most 2 in flight."""
+    backend = ScriptedBackend(service_s=0.75, clock=virtual_time)
+    workload = [item(f"r{i}", [1], arrival=i * 0.25) for i in range(6)]
+    rows = run(backend, workload, max_concurrency=2, clock=virtual_time)
+    # r2 arrives at 0.5 with r0 and r1 in flight and takes r0's slot at 0.75; r3 (0.75) comes
+    # after r2 and takes r1's at 1.0; r4 (1.0) gets r2's at 1.5, r5 (1.25) r3's at 1.75
+    sent = {"r0": 0.0, "r1": 0.25, "r2": 0.75, "r3": 1.0, "r4": 1.5, "r5": 1.75}
+    for rid, row in rows.items():
+        assert row["arrival_s"] == int(rid[1]) * 0.25  # the schedule, untouched by the wait
+        assert row["sent_s"] == sent[rid]
+        assert row["finished_s"] == sent[rid] + 0.75
+    assert backend.max_in_flight == 2 and most_in_flight(rows) == 2
+    uncapped = run(ScriptedBackend(0.75, virtual_time), workload, clock=virtual_time)
+    assert [r["sent_s"] for r in uncapped.values()] == [i * 0.25 for i in range(6)]
+    assert most_in_flight(uncapped) == 3
+
+
+def test_under_a_cap_every_turn_waits_for_a_slot_of_its_own(virtual_time: Clock) -> None:
+    backend = ScriptedBackend(service_s=0.5, clock=virtual_time)
+    workload = [
+        item("s0-t0", [1]),
+        item("s0-t1", [2], arrival=0.125, follows="s0-t0"),  # due 0.5 + 0.125
+        item("s1-t0", [3], arrival=0.25),
+    ]
+    rows = run(backend, workload, max_concurrency=1, clock=virtual_time)
+    # s1-t0 waits for s0-t0's slot (0.5); s0-t1, due at 0.625, for s1-t0's (1.0)
+    assert [(r["arrival_s"], r["sent_s"]) for r in rows.values()] == [
+        (0.0, 0.0),
+        (0.25, 0.5),
+        (0.625, 1.0),
+    ]
+    assert list(rows) == ["s0-t0", "s1-t0", "s0-t1"]
+    assert backend.prompts["s0-t1"] == [1, 100, 101, 2]  # the history, as without a cap
+    assert backend.max_in_flight == 1
+
+
+def test_a_cap_that_never_binds_changes_no_row(virtual_time: Clock) -> None:
+    """Poisson arrivals and two-turn sessions: rows with a cap of 1000 equal those without."""
+    arrivals = np.cumsum(np.random.default_rng(0).exponential(0.01, size=20))
+    workload = []
+    for i, arrival in enumerate(arrivals):
+        workload.append(item(f"s{i}-t0", [1, 2], arrival=float(arrival)))
+        workload.append(item(f"s{i}-t1", [3], arrival=0.005, follows=f"s{i}-t0"))
+    rows = [
+        run(ScriptedBackend(0.03, virtual_time), workload, max_concurrency=cap, clock=virtual_time)
+        for cap in (None, 1000)
+    ]
+    assert len(rows[0]) == 40 and list(rows[0].items()) == list(rows[1].items())
+    assert most_in_flight(rows[0]) > 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_concurrency": 0}, r"^max_concurrency: 0 is invalid; allowed: an integer >= 1$"),
+        ({"max_concurrency": -1}, r"^max_concurrency: -1 is invalid; allowed: an integer >= 1$"),
+        (
+            {"concurrency": 2, "max_concurrency": 4},
+            r"^max_concurrency: 4 is invalid; allowed: None with a closed loop",
+        ),
+    ],
+)
+def test_the_driver_refuses_a_bad_cap(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Driver(ScriptedBackend(), lambda table, row: None).run([item("r", [1])], **options)
