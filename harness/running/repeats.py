@@ -11,6 +11,11 @@ A repeat that fails stops the series (a broken configuration fails every time); 
 interrupted one (Ctrl-C, SIGTERM) stops it too and the summary says `incomplete`. Children
 run in their own session, so a Ctrl-C reaches this process only, which passes one SIGINT on
 to the running repeat and waits for it to write its rows and summary.
+
+In a sweep on a launcher that runs jobs side by side (joblib, Ray, submitit; docs/scaling.md)
+the sweeper makes each repeat a job of its own, into the same repeat-<k>/ folders, so repeats
+spread over the workers like any other job; every repeat runs, and the folder's summary is
+written once they have (summarize_launched_repeats).
 """
 
 from __future__ import annotations
@@ -47,15 +52,19 @@ def validate_repeats(value: Any) -> int:
     return value
 
 
+def one_repeat(overrides: list[str]) -> list[str]:
+    """A job's overrides for one of its repeats: the same, with `repeats=1`."""
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "repeats"]
+    return [*kept, "repeats=1"]
+
+
 def repeat_command(overrides: list[str], run_dir: Path) -> list[str]:
     """The command line of one repeat: the job's overrides, one run, into `run_dir`."""
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "repeats"]
     return [
         sys.executable,
         "-m",
         "harness.running.app",
-        *kept,
-        "repeats=1",
+        *one_repeat(overrides),
         "hydra.mode=RUN",
         f"hydra.run.dir={run_dir}",
     ]
@@ -105,6 +114,52 @@ def aggregate(summaries: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str
     return metrics, spreads
 
 
+def write_repeats_summary(
+    run_dir: Path,
+    statuses: list[str],
+    summaries: list[dict[str, Any]],
+    status: str,
+    error: str | None,
+) -> dict[str, Any]:
+    """Write (and return) the folder's summary.json over its repeats' statuses and summaries."""
+    repeats = len(statuses)
+    complete = [k for k in range(repeats) if statuses[k] == "complete"]
+    metrics, spreads = aggregate([summaries[k] for k in complete])
+    summary = {
+        "status": status,
+        "error": error,
+        "repeats": repeats,
+        "repeat_status": statuses,
+        "complete_repeats": complete,
+        "metrics": metrics,
+        "metrics_spread": spreads,
+        "repeat_dirs": [repeat_dir(run_dir, k).name for k in range(repeats)],
+        "run_dir": str(run_dir),
+    }
+    try:
+        write_summary(run_dir, summary)
+    except OSError as exc:  # a full disk: no stale `running` summary is left either
+        with suppress(OSError):
+            remove_summary(run_dir)
+        raise RunFolderError(f"{run_dir}: writing summary.json failed: {exc}", summary) from exc
+    return summary
+
+
+def summarize_launched_repeats(run_dir: Path, repeats: int) -> dict[str, Any]:
+    """The summary of repeats a launcher ran side by side (each a job of the sweep, into
+    run_dir/repeat-<k>/): every repeat ran, so the folder is complete only if all are, else
+    it takes the first unfinished repeat's status and error."""
+    summaries = [read_summary(repeat_dir(run_dir, k)) or {} for k in range(repeats)]
+    statuses = [s.get("status") or "failed" for s in summaries]
+    statuses = ["failed" if s == "running" else s for s in statuses]
+    bad = next((k for k in range(repeats) if statuses[k] != "complete"), None)
+    if bad is None:
+        return write_repeats_summary(run_dir, statuses, summaries, "complete", None)
+    error = summaries[bad].get("error") or "no summary.json"
+    status = "incomplete" if statuses[bad] == "incomplete" else "failed"
+    return write_repeats_summary(run_dir, statuses, summaries, status, f"repeat {bad}: {error}")
+
+
 def _run_child(command: list[str]) -> tuple[int, str | None]:
     """Run one repeat to its end; (exit code, interruption or None)."""
     env = dict(os.environ)
@@ -143,26 +198,7 @@ def run_repeats(
     summaries: list[dict[str, Any]] = [{} for _ in range(repeats)]
 
     def write(status: str, error: str | None) -> dict[str, Any]:
-        complete = [k for k in range(repeats) if statuses[k] == "complete"]
-        metrics, spreads = aggregate([summaries[k] for k in complete])
-        summary = {
-            "status": status,
-            "error": error,
-            "repeats": repeats,
-            "repeat_status": statuses,
-            "complete_repeats": complete,
-            "metrics": metrics,
-            "metrics_spread": spreads,
-            "repeat_dirs": [repeat_dir(run_dir, k).name for k in range(repeats)],
-            "run_dir": str(run_dir),
-        }
-        try:
-            write_summary(run_dir, summary)
-        except OSError as exc:  # a full disk: no stale `running` summary is left either
-            with suppress(OSError):
-                remove_summary(run_dir)
-            raise RunFolderError(f"{run_dir}: writing summary.json failed: {exc}", summary) from exc
-        return summary
+        return write_repeats_summary(run_dir, statuses, summaries, status, error)
 
     write("running", None)
     child_config = {**config, "repeats": 1}

@@ -16,7 +16,7 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -25,7 +25,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf, open_dict
 
+from harness.measuring import provenance
+from harness.run_folder import read_config, repeat_dir, write_config, write_provenance
 from harness.running import launching
+from harness.running.repeats import one_repeat, summarize_launched_repeats
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,36 @@ class InferlabSweeperConf:
 ConfigStore.instance().store(
     group="hydra/sweeper", name="inferlab", node=InferlabSweeperConf, provider="inferlab"
 )
+
+
+@dataclass
+class Job:
+    """One job to launch: its overrides and run folder; `of`: the grid's job it is a repeat of."""
+
+    overrides: list[str]
+    folder: Path
+    of: Optional["Job"] = None
+
+
+def _write_hydra_files(folder: Path, first: Path, overrides: list[str], repeats: int) -> None:
+    """The .hydra/config.yaml and hydra.yaml Hydra would have written for the job whose
+    repeats ran as jobs: its first repeat's, with the job's own repeats, overrides and folder."""
+    if not (first / "config.yaml").is_file() or not (first / "hydra.yaml").is_file():
+        return
+    config = OmegaConf.load(first / "config.yaml")
+    hydra_cfg = OmegaConf.load(first / "hydra.yaml")
+    with open_dict(config), open_dict(hydra_cfg):
+        config.repeats = repeats
+        hydra_cfg.hydra.overrides.task = list(overrides)
+        hydra_cfg.hydra.runtime.output_dir = str(folder.resolve())
+        hydra_cfg.hydra.sweep.subdir = str(PurePosixPath(hydra_cfg.hydra.sweep.subdir).parent)
+    OmegaConf.save(config, folder / ".hydra" / "config.yaml")
+    OmegaConf.save(hydra_cfg, folder / ".hydra" / "hydra.yaml")
+
+
+def _quoted(value: str) -> str:
+    """A Hydra override value quoted (a folder name may hold `=` or `,`)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 class InferlabSweeper(BasicSweeper):
@@ -61,25 +94,75 @@ class InferlabSweeper(BasicSweeper):
             sum(len(batch) for batch in self.overrides),
         )
         returns: list[Any] = []
-        initial_job_idx = 0
+        first_job = 0  # the job numbers the basic launcher would give
+        launched = 0
         while not self.is_done():
-            batch = self.get_job_batch()
+            batch = [list(o) for o in self.get_job_batch()]
             self.validate_batch_is_legal(batch)
+            jobs = self._expand_repeats(batch, first_job, sweep_dir)
             try:
-                results = self.launcher.launch(batch, initial_job_idx=initial_job_idx)
+                results = self.launcher.launch(
+                    [j.overrides for j in jobs], initial_job_idx=launched
+                )
             except Exception as exc:  # the launcher lost a job: record the batch's, go on
                 error = " ".join("".join(traceback.format_exception_only(exc)).split())
                 error = error if len(error) <= 400 else error[:400] + " ..."
                 log.error(f"the launcher stopped on a batch: {error}")
-                self._settle(batch, initial_job_idx, sweep_dir, error)
+                self._settle(jobs, error)
                 results = []
             for result in results:
                 self._gather(result, sweep_dir)
                 if result.status == JobStatus.FAILED:  # the task raised: Hydra's behaviour
                     _ = result.return_value
-            initial_job_idx += len(batch)
+            self._summarize_repeats(jobs)
+            first_job += len(batch)
+            launched += len(jobs)
             returns.append(results)
         return returns
+
+    def _expand_repeats(self, batch: list[list[str]], first_job: int, sweep_dir: Path) -> list[Job]:
+        """The jobs to launch for a batch of the grid. A job with repeats=N > 1 becomes N jobs,
+        one per repeat-<k>/ folder (harness/running/repeats.py), when the launcher runs jobs
+        side by side; the basic launcher keeps running them in turn, each in a fresh process.
+        Every job's folder is then given explicitly: the launcher's job numbers no longer
+        match the grid's."""
+        assert self.config is not None
+        grid = [Job(o, self._job_dir(o, first_job + i, sweep_dir)) for i, o in enumerate(batch)]
+        counts = [self._repeats(job.overrides) for job in grid]
+        parallel = launching.launcher_name(self.config.hydra.launcher) != "basic"
+        if not parallel or all(n == 1 for n in counts):
+            return grid
+        jobs = []
+        for job, n in zip(grid, counts, strict=True):
+            runs = [
+                Job(one_repeat(job.overrides), repeat_dir(job.folder, k), job) for k in range(n)
+            ]
+            for run in runs if n > 1 else [job]:
+                subdir = str(run.folder.relative_to(sweep_dir))
+                run.overrides = [*run.overrides, f"hydra.sweep.subdir={_quoted(subdir)}"]
+                jobs.append(run)
+        return jobs
+
+    def _repeats(self, overrides: list[str]) -> int:
+        assert self.hydra_context is not None and self.config is not None
+        job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        return int(job_cfg.get("repeats") or 1)
+
+    def _summarize_repeats(self, jobs: list[Job]) -> None:
+        """The folder of each job whose repeats ran as jobs: its overrides, config and summary,
+        as `run_repeats` writes them."""
+        parents: dict[Path, Job] = {j.of.folder: j.of for j in jobs if j.of is not None}
+        for folder, parent in parents.items():
+            n = sum(1 for j in jobs if j.of is parent)
+            launching.write_job_overrides(folder, parent.overrides)
+            _write_hydra_files(folder, repeat_dir(folder, 0) / ".hydra", parent.overrides, n)
+            first = read_config(repeat_dir(folder, 0))
+            if first is not None:
+                config = {**first, "repeats": n}
+                write_config(folder, config)
+                write_provenance(folder, provenance.collect(config))
+            summary = summarize_launched_repeats(folder, n)
+            log.info(f"job {folder.name}: {summary['status']} ({n} repeats)")
 
     def _job_dir(self, overrides: list[str], num: int, sweep_dir: Path) -> Path:
         assert self.hydra_context is not None and self.config is not None
@@ -88,12 +171,11 @@ class InferlabSweeper(BasicSweeper):
             job_cfg.hydra.job.num = num
         return sweep_dir / str(job_cfg.hydra.sweep.subdir)
 
-    def _settle(self, batch: list[list[str]], first: int, sweep_dir: Path, error: str) -> None:
-        dirs = [self._job_dir(o, first + i, sweep_dir) for i, o in enumerate(batch)]
+    def _settle(self, jobs: list[Job], error: str) -> None:
         time.sleep(0.5)  # let a job that was ending finish its summary
-        failed = launching.settle_jobs(dirs, error)
-        for job_dir, overrides in zip(dirs, batch, strict=True):
-            launching.write_job_overrides(job_dir, overrides)
+        failed = launching.settle_jobs([j.folder for j in jobs], error)
+        for job in jobs:
+            launching.write_job_overrides(job.folder, job.overrides)
         for job_dir in failed:
             log.error(f"job {job_dir.name}: failed ({error})")
 

@@ -81,6 +81,30 @@ def test_a_ray_sweep_equals_the_basic_launchers(tmp_path: Path) -> None:
     assert layout(tmp_path / "ray") == layout(tmp_path / "basic")
 
 
+@pytest.mark.slow
+def test_repeats_spread_over_the_launchers_workers(tmp_path: Path) -> None:
+    grid = ["engine.kv_cache=none,paged", "repeats=2"]
+    sweep(tmp_path / "basic", *grid)
+    sweep(tmp_path / "joblib", *grid, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+    without_logs = {
+        k: [f for f in v if not f.endswith(".log")] for k, v in layout(tmp_path / "basic").items()
+    }
+    assert {
+        k: [f for f in v if not f.endswith(".log")] for k, v in layout(tmp_path / "joblib").items()
+    } == without_logs
+    for job in ("0", "1"):
+        summary = json.loads((tmp_path / "joblib" / job / "summary.json").read_text())
+        assert summary["status"] == "complete" and summary["repeat_status"] == ["complete"] * 2
+        assert len(summary["metrics_spread"]["ttft_p50_s"]["values"]) == 2
+        for k in (0, 1):  # each repeat was a job of the launcher (a subprocess has no placement)
+            record = json.loads(
+                (tmp_path / "joblib" / job / f"repeat-{k}" / "provenance.json").read_text()
+            )
+            assert record["placement"]["launcher"] == "joblib"
+    rows = pd.read_csv(tmp_path / "joblib" / "sweep.csv")
+    assert list(rows["repeats"]) == [2, 2] and set(rows["status"]) == {"complete"}
+
+
 def _wait_for(predicate: Any, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
