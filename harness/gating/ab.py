@@ -29,14 +29,14 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeGuard, cast
 
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
 import workloads  # noqa: F401  (the workload groups' schemas, for compose)
-from harness import SOURCE_ROOT
+from harness import SOURCE_ROOT, source_env
 from harness.gating.inputs import is_number, read_run
 from harness.gating.rules import GateRules, RulesError, add_require_argument, load_rules
 from harness.measuring.metrics import REGISTRY
@@ -47,6 +47,7 @@ from harness.run_folder import (
     write_json_atomic,
 )
 from harness.running import config_schema  # noqa: F401  (the run section's, for compose)
+from harness.running.launching import LAUNCHER_EXTRAS, missing_launcher
 
 MIN_ROUNDS = 9
 ISOLATION = ("worker", "process")
@@ -68,9 +69,29 @@ class ABPlan:
     isolation: str = "worker"
     baseline_code: Path = SOURCE_ROOT  # the checkout each side's runs import (and compose from)
     candidate_code: Path = SOURCE_ROOT
+    launcher: str | None = None  # a Hydra launcher that runs the rounds as jobs (ab_rounds.py)
+    launcher_options: list[str] = field(default_factory=list)  # its overrides (hydra.launcher.*)
 
     def code(self, side: str) -> Path:
         return self.baseline_code if side == "a" else self.candidate_code
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ABPlan:
+        paths = ("out", "baseline_code", "candidate_code")
+        fields: dict[str, Any] = {k: Path(v) if k in paths else v for k, v in data.items()}
+        return cls(**fields)
+
+
+PLAN_FILE = "ab_plan.json"
+LAUNCHER_FOLDER = "launcher"  # the Hydra multirun's own folder and log, inside the A/B folder
+
+
+def round_file(out: Path, k: int) -> Path:
+    """Round k's record, written by the job that ran it under a launcher."""
+    return out / f"round-{k}.json"
 
 
 def compose_config(overrides: list[str], code: Path = SOURCE_ROOT) -> dict[str, Any]:
@@ -212,9 +233,17 @@ def paired_ratios(a_dir: Path, b_dir: Path) -> dict[str, float]:
 
 
 class ABRunner:
-    def __init__(self, plan: ABPlan, rules: GateRules, log: IO[str] | None = None) -> None:
+    def __init__(
+        self,
+        plan: ABPlan,
+        rules: GateRules,
+        log: IO[str] | None = None,
+        configs: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        """`configs`: each side's composed configuration, when composed already (a round job
+        of a launcher runs inside a Hydra app, where Hydra cannot compose again)."""
         self.plan, self.rules, self.log = plan, rules, log
-        self.configs = {
+        self.configs = configs or {
             "a": compose_config([*plan.common, *plan.baseline], plan.baseline_code),
             "b": compose_config([*plan.common, *plan.candidate], plan.candidate_code),
         }
@@ -283,31 +312,9 @@ class ABRunner:
         plan = self.plan
         self._save()
         try:
-            if plan.isolation == "worker":
-                for worker in self.workers.values():
-                    worker.start()
-                for worker in self.workers.values():
-                    worker.wait_ready()
-            for k in range(plan.warmup_rounds):
-                entry = self._round(k, "warmup")
-                self.record["warmup"].append(entry)
-                self._save()
-                if stopped := self._stopped(entry, "warm-up"):
-                    return stopped
-            for k in range(plan.rounds):
-                start = time.perf_counter()
-                entry = self._round(k, "round")
-                self.record["rounds"].append(entry)
-                self._save()
-                ratio = entry.get("ratios", {}).get("output_tok_per_s")
-                self._say(
-                    f"round {k + 1}/{plan.rounds} ({''.join(entry['order'])}, "
-                    f"{time.perf_counter() - start:.1f} s): a {entry.get('a_status')}, "
-                    f"b {entry.get('b_status')}"
-                    + (f", output_tok_per_s b/a = {ratio:.3f}" if ratio else "")
-                )
-                if stopped := self._stopped(entry, f"round {k}"):
-                    return stopped
+            stopped = self._run_launched() if plan.launcher else self._run_in_turn()
+            if stopped is not None:
+                return stopped
         except ABError as exc:  # a worker that cannot start
             self.record.update(status="stopped", stop_reason=str(exc))
             self._save()
@@ -318,8 +325,7 @@ class ABRunner:
             self._say(f"interrupted; the finished rounds are in {plan.out}")
             return 130
         finally:
-            for worker in self.workers.values():
-                worker.close()
+            self._close_workers()
         result = gate_ab_dir(plan.out, self.rules)
         self.record.update(
             status="complete",
@@ -329,6 +335,111 @@ class ABRunner:
         )
         self._save()
         return emit(result, str(plan.out / "gate.md"), None, title="inferlab gate ab")
+
+    def _start_workers(self) -> None:
+        if self.plan.isolation == "worker":
+            for worker in self.workers.values():
+                worker.start()
+            for worker in self.workers.values():
+                worker.wait_ready()
+
+    def _close_workers(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+
+    def _run_in_turn(self) -> int | None:
+        plan = self.plan
+        self._start_workers()
+        for k in range(plan.warmup_rounds):
+            entry = self._round(k, "warmup")
+            self.record["warmup"].append(entry)
+            self._save()
+            if stopped := self._stopped(entry, "warm-up"):
+                return stopped
+        for k in range(plan.rounds):
+            start = time.perf_counter()
+            entry = self._round(k, "round")
+            self.record["rounds"].append(entry)
+            self._save()
+            self._say_round(entry, time.perf_counter() - start)
+            if stopped := self._stopped(entry, f"round {k}"):
+                return stopped
+        return None
+
+    def _say_round(self, entry: dict[str, Any], wall_s: float) -> None:
+        ratio = entry.get("ratios", {}).get("output_tok_per_s")
+        self._say(
+            f"round {entry['round'] + 1}/{self.plan.rounds} ({''.join(entry['order'])}, "
+            f"{wall_s:.1f} s): a {entry.get('a_status')}, b {entry.get('b_status')}"
+            + (f", output_tok_per_s b/a = {ratio:.3f}" if ratio else "")
+        )
+
+    def run_one_round(self, k: int) -> dict[str, Any]:
+        """Round k alone, as a launcher's job runs it: this job's own workers, its warm-up runs
+        (warmup-<k * W + w>-<side>), then the round. Returns {"warmup": [...], "round": ...}."""
+        plan = self.plan
+        for side, worker in self.workers.items():  # rounds run side by side: a log each
+            worker.log_path = plan.out / f"worker-{side}-round-{k}.log"
+        try:
+            self._start_workers()
+            warmups = []
+            for w in range(plan.warmup_rounds):
+                warmups.append(self._round(k * plan.warmup_rounds + w, "warmup"))
+                if self._failed(warmups[-1]):
+                    return {"warmup": warmups, "round": None}
+            return {"warmup": warmups, "round": self._round(k, "round")}
+        finally:
+            self._close_workers()
+
+    @staticmethod
+    def _failed(entry: dict[str, Any]) -> bool:
+        return any(entry.get(f"{side}_status") not in (None, "complete") for side in "ab")
+
+    def _run_launched(self) -> int | None:
+        """Every round as a job of the launcher (ab_rounds.py), then their records in order."""
+        plan = self.plan
+        plan_file = plan.out / PLAN_FILE
+        write_json_atomic(plan_file, {"plan": plan.to_json(), "configs": self.configs})
+        rounds = ",".join(str(k) for k in range(plan.rounds))
+        command = [
+            sys.executable, "-m", "harness.gating.ab_rounds", "-m",
+            f"hydra/launcher={plan.launcher}", *plan.launcher_options,
+            f"plan={plan_file}", f"round={rounds}",
+            f"hydra.sweep.dir={plan.out / LAUNCHER_FOLDER}",
+        ]  # fmt: skip
+        self._say(f"{plan.rounds} rounds as jobs of hydra/launcher={plan.launcher}")
+        start = time.perf_counter()
+        log_path = plan.out / f"{LAUNCHER_FOLDER}.log"
+        with log_path.open("w") as log:
+            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=source_env())
+        self._say(
+            f"the launcher ended (exit code {done.returncode}, {time.perf_counter() - start:.1f} s)"
+        )
+        for k in range(plan.rounds):
+            try:
+                result = json.loads(round_file(plan.out, k).read_text())
+            except (OSError, ValueError):
+                result = {"warmup": [], "round": None}
+            self.record["warmup"] += result["warmup"]
+            entry = result["round"]
+            if entry is None:
+                lost = next((w for w in result["warmup"] if self._failed(w)), None)
+                entry = lost or {
+                    "round": k,
+                    "order": list(round_order(k)),
+                    "a": ab_round_dir(plan.out, k, "a").name,
+                    "a_status": "failed",
+                    "a_error": f"the launcher did not run round {k} (exit code "
+                    f"{done.returncode}; see {log_path})",
+                }
+            else:
+                entry["placement"] = result.get("placement")
+                self._say_round(entry, result.get("wall_s") or 0.0)
+            self.record["rounds"].append(entry)
+            self._save()
+            if stopped := self._stopped(entry, f"round {k}"):
+                return stopped
+        return None
 
     def _stopped(self, entry: dict[str, Any], label: str) -> int | None:
         """A failed run ends the job: the baseline's failure is inconclusive (exit 2), the
@@ -419,6 +530,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="the checkout the candidate runs (default: this one)",
     )
+    parser.add_argument(
+        "--launcher",
+        choices=sorted(LAUNCHER_EXTRAS),
+        help="run the rounds as jobs of this Hydra launcher, each round on its own device "
+        "slot, both sides on the same one (docs/scaling.md); default: in turn, here",
+    )
+    parser.add_argument(
+        "--launcher-options",
+        default="",
+        metavar="OVERRIDES",
+        help='the launcher\'s Hydra overrides, e.g. "hydra.launcher.n_jobs=2"',
+    )
     parser.add_argument("--out", required=True, help="the A/B folder to create")
     parser.add_argument("--rules", help="rules YAML merged over configs/gate/default.yaml")
     add_require_argument(parser)
@@ -442,9 +565,12 @@ def plan_from_args(args: argparse.Namespace) -> ABPlan:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ABError(f"--out: {out} exists and is not an empty folder; choose a new one")
+    if args.launcher and (missing := missing_launcher([f"hydra/launcher={args.launcher}"])):
+        raise ABError(f"--launcher: {missing}")
     try:
         split = {
-            name: shlex.split(getattr(args, name)) for name in ("baseline", "candidate", "common")
+            name: shlex.split(getattr(args, name))
+            for name in ("baseline", "candidate", "common", "launcher_options")
         }
     except ValueError as exc:
         raise ABError(f"overrides: cannot split {exc}") from exc
@@ -468,6 +594,8 @@ def plan_from_args(args: argparse.Namespace) -> ABPlan:
         args.isolation,
         codes["baseline"],
         codes["candidate"],
+        args.launcher,
+        split["launcher_options"],
     )
 
 

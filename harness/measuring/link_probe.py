@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import SOURCE_ROOT
+from harness import source_env
 
 LINK_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)  # bytes: 4 KiB..4 MiB
 LINK_WORLD_SIZE = 2
@@ -120,9 +120,7 @@ def fit_link(sizes: list[int], seconds: list[float], world_size: int) -> dict[st
 
 
 def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # the same checkout as the caller's, whatever the installed copy
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE_ROOT), env.get("PYTHONPATH")) if p)
+    env = source_env()  # the same checkout as the caller's, whatever the installed copy
     env["OMP_NUM_THREADS"] = "1"  # one thread per rank, from the first import on
     if "GLOO_SOCKET_IFNAME" not in env and Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback, not whatever the host name resolves to

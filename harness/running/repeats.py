@@ -20,7 +20,6 @@ written once they have (summarize_launched_repeats).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from harness import SOURCE_ROOT
+from harness import source_env
 from harness.measuring import provenance
 from harness.run_folder import (
     read_summary,
@@ -162,9 +161,7 @@ def summarize_launched_repeats(run_dir: Path, repeats: int) -> dict[str, Any]:
 
 def _run_child(command: list[str]) -> tuple[int, str | None]:
     """Run one repeat to its end; (exit code, interruption or None)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE_ROOT), env.get("PYTHONPATH")) if p)
-    child = subprocess.Popen(command, env=env, start_new_session=True)
+    child = subprocess.Popen(command, env=source_env(), start_new_session=True)
     try:
         return child.wait(), None
     except KeyboardInterrupt as exc:

@@ -105,6 +105,35 @@ def test_repeats_spread_over_the_launchers_workers(tmp_path: Path) -> None:
     assert list(rows["repeats"]) == [2, 2] and set(rows["status"]) == {"complete"}
 
 
+@pytest.mark.slow
+def test_ab_rounds_run_as_launcher_jobs_each_paired_on_one_slot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from harness import cli
+
+    out = tmp_path / "ab"
+    code = cli.main(
+        ["gate", "ab", "--baseline", "", "--candidate", "engine.kv_cache=paged",
+         "--common", " ".join(TINY_JOB), "--rounds", "3", "--allow-few-rounds",
+         "--launcher", "joblib", "--launcher-options", "hydra.launcher.n_jobs=2",
+         "--out", str(out)]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 2, printed  # 3 rounds: too few to decide timing
+    ab = json.loads((out / "ab.json").read_text())
+    assert ab["status"] == "complete" and len(ab["rounds"]) == 3
+    assert [r["order"] for r in ab["rounds"]] == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert len(ab["warmup"]) == 3  # one warm-up per round job: its workers are its own
+    for entry in ab["rounds"]:
+        assert entry["a_status"] == entry["b_status"] == "complete" and entry["ratios"]
+        slot = entry["placement"]
+        assert slot["launcher"] == "joblib" and len(slot["cores"]) == 1
+        for side in "ab":  # both sides ran in that job's workers, on its core
+            record = json.loads((out / entry[side] / "provenance.json").read_text())
+            assert record["threads"]["affinity"] == slot["cores"]
+    assert "paired ratios over A/B rounds" in printed
+
+
 def _wait_for(predicate: Any, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
