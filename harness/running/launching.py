@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.run_folder import SUMMARY_FILE, read_summary, write_json_atomic, write_text_atomic
+from hydra.types import RunMode
+
+from harness.run_folder import read_summary, write_json_atomic, write_summary, write_text_atomic
 
 LAUNCH_FILE = ".launch.json"
 ARCHIVE_KEY = "_run_folder_tar_gz"  # in a job's return value, popped by the sweeper
@@ -96,6 +98,8 @@ def cores_per_job(launcher_cfg: Any, host_cores: int, num_jobs: int | None) -> i
         per_task = _positive(cfg.get("cpus_per_task"))
         if per_task:
             return min(host_cores, per_task)
+        if name == "submitit_slurm":  # the job's process sees its own allocation only
+            return host_cores
         at_once = _positive(cfg.get("array_parallelism"))
     if num_jobs:
         at_once = min(at_once or num_jobs, num_jobs)
@@ -174,9 +178,8 @@ def settle_jobs(job_dirs: list[Path], error: str, poll_s: float = 1.0) -> list[P
         )
         failed.append(job_dir)
         job_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(
-            job_dir / SUMMARY_FILE,
-            {**summary, "status": "failed", "error": f"{reason}: {error}", "metrics": {}},
+        write_summary(
+            job_dir, {**summary, "status": "failed", "error": f"{reason}: {error}", "metrics": {}}
         )
     return failed
 
@@ -213,7 +216,7 @@ def launched_job(hydra_cfg: Any, config: dict[str, Any]) -> Iterator[JobOnLaunch
     """A sweep job's placement (claimed and pinned for the duration) when the launcher runs
     jobs side by side."""
     name = launcher_name(hydra_cfg.launcher)
-    if name == "basic":
+    if name == "basic" or hydra_cfg.mode != RunMode.MULTIRUN:  # one job at a time
         yield JobOnLauncher(name, None)
         return
     from harness.running import placement

@@ -267,6 +267,7 @@ def test_cores_per_job_follow_the_launchers_own_settings() -> None:
     assert launching.cores_per_job(cfg("RayLauncher", ray={"remote": {"num_cpus": 3}}), 16, 9) == 3
     assert launching.cores_per_job(cfg("RayLauncher", ray={"remote": {}}), 16, 9) == 1
     assert launching.cores_per_job(cfg("SlurmLauncher", cpus_per_task=6), 64, 2) == 6
+    assert launching.cores_per_job(cfg("SlurmLauncher", cpus_per_task=None), 8, 4) == 8
     assert launching.cores_per_job(cfg("LocalLauncher", cpus_per_task=None), 16, 4) == 4
     tp2 = {"engine": {"backend": "builtin", "device": "auto", "tensor_parallel_size": 2}}
     assert launching.gpus_per_job(tp2, ["0", "1"]) == 2
