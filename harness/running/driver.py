@@ -17,6 +17,10 @@ scheduled), `decode_s` (last - first token); they add up to the end-to-end laten
 `detokenize_s` is the engine's own measure of text decoding, which happens inside the prefill
 and decode steps (a part of them, not a further phase).
 
+A run may be given its start `t0` (a moment on the driver's clock, normally just ahead): the
+driver waits for it, so that several drivers in other processes start together and their rows
+share one time origin (harness/running/clients.py).
+
 The clock and the sleep are injectable so a scripted backend can drive the driver in virtual
 time. The driver also times its own work (event handling, building rows, the sinks it feeds)
 with `time.perf_counter_ns`, whatever the clock: `overhead_ns` against the run's `wall_ns`.
@@ -158,13 +162,21 @@ class Driver:
         """The driver's own work (events, rows, sinks) / the run's wall time."""
         return self.overhead_ns / self.wall_ns if self.wall_ns > 0 else None
 
-    def run(self, workload: list[WorkloadRequest], concurrency: int | None = None) -> int:
-        """Drive the workload to completion; return t0 (ns) for relative times."""
+    def run(
+        self,
+        workload: list[WorkloadRequest],
+        concurrency: int | None = None,
+        t0: int | None = None,
+    ) -> int:
+        """Drive the workload to completion; return t0 (ns) for relative times. `t0`: start
+        then (on this driver's clock) rather than now."""
         if concurrency is not None and concurrency < 1:
             raise ValueError(f"concurrency: {concurrency} is invalid; allowed: an integer >= 1")
-        return asyncio.run(self._run(workload, concurrency))
+        return asyncio.run(self._run(workload, concurrency, t0))
 
-    async def _run(self, workload: list[WorkloadRequest], concurrency: int | None) -> int:
+    async def _run(
+        self, workload: list[WorkloadRequest], concurrency: int | None, t0: int | None = None
+    ) -> int:
         ids = {w.request_id for w in workload}
         orphans = [w.request_id for w in workload if w.follows and w.follows not in ids]
         if orphans:
@@ -176,8 +188,10 @@ class Driver:
             if w.follows:
                 self.followers[w.follows].append(w)
         roots = sorted((w for w in workload if not w.follows), key=lambda w: w.arrival_s)
+        if t0 is not None and t0 > self.clock():
+            await self.sleep((t0 - self.clock()) / 1e9)
         wall_start = time.perf_counter_ns()
-        self.t0 = self.clock()
+        self.t0 = self.clock() if t0 is None else t0
         observer = self._on_step
         self.backend.step_observers.append(observer)
         tasks: list[asyncio.Task[None]] = []
