@@ -34,7 +34,6 @@ backend (connection pool, event loop, CPU time) running the ordinary Driver over
 from __future__ import annotations
 
 import functools
-import gc
 import multiprocessing
 import os
 import signal
@@ -50,6 +49,7 @@ from typing import Any
 
 from engines.base import Backend, now_ns
 from engines.registry import build_backend
+from harness.running import heap
 from harness.running.driver import Driver, RequestTrace, RowSink
 from harness.running.interrupts import deferred, interrupts
 from workloads.request import WorkloadRequest
@@ -167,27 +167,23 @@ def client_main(
         try:
             backend = build_backend(engine, model)
             backend.load()
-            # A fresh process holds a million objects from its imports (torch among them): its
-            # first full collection, mid-run, stalled every request ~150 ms (measured).
-            # Collected once now and frozen, later collections walk only the run's objects.
-            gc.collect()
-            gc.freeze()
-            conn.send(("ready", {"pid": os.getpid(), "host": socket.gethostname()}))
-            while True:
-                message = conn.recv()
-                if message[0] == "clock":
-                    conn.send(("clock", now_ns()))
-                elif message[0] == "start":
-                    t0 = message[1]
-                    break
-                else:  # "stop" before the start
-                    return
-            driver = Driver(backend, _RowSender(conn))
-            try:
-                driver.run(share, concurrency=concurrency, t0=t0)
-                end = "done"
-            except KeyboardInterrupt:
-                end = "interrupted"
+            with heap.frozen():  # before the start: a fresh process's first collection is long
+                conn.send(("ready", {"pid": os.getpid(), "host": socket.gethostname()}))
+                while True:
+                    message = conn.recv()
+                    if message[0] == "clock":
+                        conn.send(("clock", now_ns()))
+                    elif message[0] == "start":
+                        t0 = message[1]
+                        break
+                    else:  # "stop" before the start
+                        return
+                driver = Driver(backend, _RowSender(conn))
+                try:
+                    driver.run(share, concurrency=concurrency, t0=t0)
+                    end = "done"
+                except KeyboardInterrupt:
+                    end = "interrupted"
             conn.send((end, _figures(backend, driver), getattr(backend, "stats", None)))
             backend.close()
         except BaseException as exc:

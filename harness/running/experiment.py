@@ -26,6 +26,7 @@ from harness.run_folder import (
     write_config,
     write_provenance,
 )
+from harness.running import heap
 from harness.running.clients import ClientPool
 from harness.running.driver import Driver
 from harness.running.interrupts import interruption, interrupts
@@ -342,7 +343,8 @@ def _run(config: dict[str, Any], run_dir: Path, progress: bool) -> dict[str, Any
             if profiler is not None:
                 profiler.attach(backend, cuda=str(info["engine"].get("device")).startswith("cuda"))
             backend.start_measuring()
-            driver.run(requests, concurrency=concurrency)
+            with heap.frozen():
+                driver.run(requests, concurrency=concurrency)
             failure = backend.failure()
             if failure is not None:  # the requests after it failed one by one; so does the run
                 raise RuntimeError(f"the backend failed during the run: {failure}")
