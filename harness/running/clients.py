@@ -176,8 +176,8 @@ def client_main(
                     elif message[0] == "start":
                         t0 = message[1]
                         break
-                    else:  # "stop" before the start
-                        return
+                    else:
+                        raise ValueError(f"unexpected message from the launcher: {message[0]!r}")
                 driver = Driver(backend, _RowSender(conn))
                 try:
                     driver.run(share, concurrency=concurrency, t0=t0)
@@ -297,8 +297,9 @@ class ClientPool:
 
     def _clock_of(self, client: _Client) -> int:
         try:
-            client.conn.send(("clock",))
-            kind, reading = client.conn.recv()
+            with deferred():  # an answer is taken whole, or the pipe loses its framing
+                client.conn.send(("clock",))
+                kind, reading = client.conn.recv()
         except (EOFError, OSError):
             client.process.join(timeout=5)
             raise RuntimeError(f"{client.name()} died before the start") from None
