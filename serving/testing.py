@@ -107,6 +107,16 @@ def serve_process(
     """`inferlab serve ARGS port=0` in a process of its own, its output in `log`, healthy when
     the block starts; killed at the end if still running. The port is the one it printed."""
     command = [sys.executable, "-m", "harness.cli", "serve", *args, "port=0"]
+    with serve_command(command, log, startup_timeout_s) as process:
+        yield process
+
+
+@contextmanager
+def serve_command(
+    command: list[str], log: Path, startup_timeout_s: float = 300.0
+) -> Iterator[ServeProcess]:
+    """A server process that prints `inferlab serve: ... on http://HOST:PORT/v1` once it
+    listens (`inferlab serve`, serving/scripted_server.py): as serve_process."""
     with log.open("wb") as sink:
         process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
     try:

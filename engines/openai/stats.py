@@ -77,6 +77,19 @@ class ClientStats:
                     t["requests_usage_count_mismatch"] += 1
         self._refresh()
 
+    def merge(self, other: ClientStats) -> None:
+        """Add another client's figures to these (`run.num_clients` > 1: each client process
+        has its own backend; the run's `engine.client` is all of them together)."""
+        self._overhead.extend(other._overhead)
+        self._overhead_sum += other._overhead_sum
+        self._overhead_max = max(self._overhead_max, other._overhead_max)
+        self._build_sum += other._build_sum
+        self._totals.update(other._totals)
+        self._sources.update(other._sources)
+        self._rules.update(other._rules)
+        self._dropped.update(other._dropped)
+        self._refresh()
+
     def _refresh(self) -> None:
         chunks = len(self._overhead)
         requests = self._totals["requests_finished"] + self._totals["requests_failed"]

@@ -19,7 +19,7 @@ import engines.registry  # noqa: F401  (the engine groups' schemas, before Hydra
 import workloads  # noqa: F401  (the workload groups' schemas, likewise)
 from harness.run_folder import read_summary
 from harness.running import config_schema  # noqa: F401  (the primary config's, likewise)
-from harness.running.experiment import RunConfig, RunFolderError, run_experiment
+from harness.running.experiment import RunFolderError, run_config, run_experiment
 from harness.running.launching import (
     ARCHIVE_KEY,
     launched_job,
@@ -41,7 +41,7 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
     assert isinstance(config, dict)
     try:  # the edge: a bad `run` key or repeats stops here, before anything loads
         repeats = validate_repeats(config.get("repeats", 1))
-        run_cfg = RunConfig.from_dict(config.get("run"))
+        run_cfg = run_config(config)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc

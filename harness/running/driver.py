@@ -20,6 +20,10 @@ scheduled), `decode_s` (last - first token); they add up to the end-to-end laten
 `detokenize_s` is the engine's own measure of text decoding, which happens inside the prefill
 and decode steps (a part of them, not a further phase).
 
+A run may be given its start `t0` (a moment on the driver's clock, normally just ahead): the
+driver waits for it, so that several drivers in other processes start together and their rows
+share one time origin (harness/running/clients.py).
+
 The clock and the sleep are injectable so a scripted backend can drive the driver in virtual
 time. The driver also times its own work (event handling, building rows, the sinks it feeds)
 with `time.perf_counter_ns`, whatever the clock: `overhead_ns` against the run's `wall_ns`.
@@ -168,11 +172,13 @@ class Driver:
         workload: list[WorkloadRequest],
         concurrency: int | None = None,
         max_concurrency: int | None = None,
+        t0: int | None = None,
     ) -> int:
         """Drive the workload to completion; return t0 (ns) for relative times.
 
         `concurrency`: a closed loop of that many; `max_concurrency`: an open loop's cap on
-        the requests in flight (None: none)."""
+        the requests in flight (None: none); `t0`: start then (on this driver's clock) rather
+        than now."""
         for name, value in (("concurrency", concurrency), ("max_concurrency", max_concurrency)):
             if value is not None and value < 1:
                 raise ValueError(f"{name}: {value} is invalid; allowed: an integer >= 1")
@@ -181,13 +187,14 @@ class Driver:
                 f"max_concurrency: {max_concurrency} is invalid; allowed: None with a closed "
                 f"loop (concurrency={concurrency} already is the number in flight)"
             )
-        return asyncio.run(self._run(workload, concurrency, max_concurrency))
+        return asyncio.run(self._run(workload, concurrency, max_concurrency, t0))
 
     async def _run(
         self,
         workload: list[WorkloadRequest],
         concurrency: int | None,
         max_concurrency: int | None,
+        t0: int | None = None,
     ) -> int:
         ids = {w.request_id for w in workload}
         orphans = [w.request_id for w in workload if w.follows and w.follows not in ids]
@@ -203,8 +210,10 @@ class Driver:
         # asyncio's Semaphore wakes its waiters in the order they came and lets no newcomer
         # past one still waiting, so the slots go first come, first served
         self.slots = asyncio.Semaphore(max_concurrency) if max_concurrency is not None else None
+        if t0 is not None and t0 > self.clock():
+            await self.sleep((t0 - self.clock()) / 1e9)
         wall_start = time.perf_counter_ns()
-        self.t0 = self.clock()
+        self.t0 = self.clock() if t0 is None else t0
         observer = self._on_step
         self.backend.step_observers.append(observer)
         tasks: list[asyncio.Task[None]] = []

@@ -26,6 +26,8 @@ from harness.run_folder import (
     write_config,
     write_provenance,
 )
+from harness.running import heap
+from harness.running.clients import ClientPool
 from harness.running.driver import Driver
 from harness.running.interrupts import interruption, interrupts
 from harness.running.progress import RunProgress
@@ -158,6 +160,9 @@ class RunConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     quality: QualityConfig = field(default_factory=QualityConfig)
     slo: SloConfig = field(default_factory=SloConfig)
+    # N > 1: the requests are sent from N client processes (engine=openai only), each with its
+    # own connection pool and event loop (harness/running/clients.py, docs/scaling.md)
+    num_clients: int = 1
 
     @classmethod
     def from_dict(cls, values: Any) -> RunConfig:
@@ -179,7 +184,28 @@ class RunConfig:
             ),
             quality=QualityConfig.from_dict(given.get("quality")),
             slo=SloConfig.from_dict(given.get("slo")),
+            num_clients=_integer(
+                "run.num_clients", given.get("num_clients", defaults.num_clients), 1
+            ),
         )
+
+
+#: the backends that `run.num_clients` > 1 can split over client processes: HTTP clients of a
+#: server that every process can reach (an in-process engine would load N models)
+MANY_CLIENT_BACKENDS = ("openai",)
+
+
+def run_config(config: dict[str, Any]) -> RunConfig:
+    """The `run` section, checked whole and against the engine (`run.num_clients`)."""
+    run_cfg = RunConfig.from_dict(config.get("run"))
+    backend = (config.get("engine") or {}).get("backend", "builtin")
+    if run_cfg.num_clients > 1 and backend not in MANY_CLIENT_BACKENDS:
+        raise ValueError(
+            f"engine.backend: {backend!r} cannot run with run.num_clients="
+            f"{run_cfg.num_clients}; allowed: {'|'.join(MANY_CLIENT_BACKENDS)} (client "
+            "processes of one server), or run.num_clients=1"
+        )
+    return run_cfg
 
 
 def make_workload(workload: dict[str, Any]) -> Any:
@@ -270,7 +296,7 @@ def _run(
 
     try:
         with interrupts():
-            run_cfg = RunConfig.from_dict(config.get("run"))
+            run_cfg = run_config(config)
             hardware_cfg = hardware.validate_config(config.get("hardware"))
             monitor_cfg = run_cfg.monitor
             profiler = profiler_from_config(config, run_dir)
@@ -310,10 +336,13 @@ def _run(
                 shown.phase(f"warm-up: {len(warm)} requests")
                 Driver(backend, keep_first_step).run(warm)
             shown.start_requests(len(requests))
-            driver = Driver(
-                backend,
-                _tee(recorder.append, keep_first_step),
-                on_request_done=lambda _: shown.request_done(),
+            sink = _tee(recorder.append, keep_first_step)
+            driver = (
+                ClientPool(
+                    config, run_cfg.num_clients, backend, sink, lambda _: shown.request_done()
+                )
+                if run_cfg.num_clients > 1
+                else Driver(backend, sink, on_request_done=lambda _: shown.request_done())
             )
             concurrency = getattr(workload, "concurrency", None)
             max_concurrency = getattr(workload, "max_concurrency", None)
@@ -322,7 +351,8 @@ def _run(
             if profiler is not None:
                 profiler.attach(backend, cuda=str(info["engine"].get("device")).startswith("cuda"))
             backend.start_measuring()
-            driver.run(requests, concurrency=concurrency, max_concurrency=max_concurrency)
+            with heap.frozen():
+                driver.run(requests, concurrency=concurrency, max_concurrency=max_concurrency)
             failure = backend.failure()
             if failure is not None:  # the requests after it failed one by one; so does the run
                 raise RuntimeError(f"the backend failed during the run: {failure}")
@@ -366,6 +396,8 @@ def _run(
                     failed_writing(exc)
                 return None
 
+        if isinstance(driver, ClientPool):  # also after a client died or Ctrl-C
+            info.update(driver.info)
         if profiler is not None:
             info["profile"] = guarded("profiler", profiler.finish, writes=True)
         if monitor is not None:

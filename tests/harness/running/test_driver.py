@@ -106,6 +106,19 @@ def test_open_loop_sends_at_arrival_times_and_records_lateness() -> None:
         assert 0 <= row["sent_s"] - row["arrival_s"] < 0.02  # lateness, recorded
 
 
+@pytest.mark.parametrize("concurrency", [None, 1])
+def test_a_given_t0_is_waited_for_and_is_the_rows_origin(concurrency: int | None) -> None:
+    """Drivers in several processes start together (run.num_clients): each waits for the
+    shared t0, and its rows count from it."""
+    rows: dict[str, dict] = {}
+    driver = Driver(ScriptedBackend(service_s=0.001), lambda t, row: rows.update({t: row}))
+    t0 = now_ns() + 50_000_000
+    assert driver.run([item("r0", [1], 0.01)], concurrency=concurrency, t0=t0) == t0
+    sent_s = rows["requests"]["sent_s"]
+    assert sent_s >= (0.01 if concurrency is None else 0.0)  # not before t0 (+ its arrival)
+    assert sent_s < 0.04  # counted from t0, not from the call 50 ms before it
+
+
 def test_sessions_send_follow_ups_after_the_turn_with_history() -> None:
     backend = ScriptedBackend()
     chat = [{"role": "user", "content": "hi"}]
