@@ -77,6 +77,8 @@ def test_many_clients_need_engine_openai() -> None:
 def test_a_closed_loop_needs_a_slot_per_client() -> None:
     assert split_concurrency(5, 2) == [3, 2]
     assert split_concurrency(None, 3) == [None, None, None]
+    with pytest.raises(ValueError, match=r"^workload\.arrival\.max_concurrency: 1 is invalid"):
+        split_concurrency(1, 2, "workload.arrival.max_concurrency")
     with pytest.raises(ValueError) as error:
         split_concurrency(1, 2)
     assert str(error.value) == (
@@ -252,6 +254,32 @@ def test_merged_itl_and_ttft_are_the_servers_send_times(
     extra = client_ttft - server_ttft
     assert (server_ttft >= TTFT_MS / 1e3 - 1e-4).all()
     assert extra.min() >= -uncertainty_s - 1e-4 and extra.median() <= 0.01, extra.describe()
+
+
+@pytest.mark.slow
+def test_a_rate_with_a_cap_holds_over_all_clients(scripted: ServeProcess, tmp_path: Path) -> None:
+    # 200 req/s of ~60 ms requests would keep about 12 in flight; the cap of 2, one per
+    # client, keeps 2
+    config = scripted_config(
+        scripted,
+        "workload.num_requests=10",
+        "workload.output_len=8",
+        "workload.arrival={process: poisson, rate: 200, max_concurrency: 2}",
+    )
+    summary = run_experiment(config, tmp_path, progress=False)
+    assert summary["status"] == "complete", summary["error"]
+    assert [c["max_concurrency"] for c in summary["clients"]] == [1, 1]
+    requests = load_table(tmp_path, "requests")
+    events = sorted(
+        [(t, 1) for t in requests["sent_s"]] + [(t, -1) for t in requests["finished_s"]],
+        key=lambda e: (e[0], e[1]),  # a finish before a send at the same instant
+    )
+    in_flight = peak = 0
+    for _, step in events:
+        in_flight += step
+        peak = max(peak, in_flight)
+    assert peak == 2
+    assert (requests["sent_s"] - requests["arrival_s"]).max() > 0.05  # requests waited
 
 
 @pytest.mark.slow
