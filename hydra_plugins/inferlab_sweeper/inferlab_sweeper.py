@@ -50,7 +50,8 @@ class Job:
     """One job to launch: its overrides and run folder; `of`: the grid's job it is a repeat of."""
 
     overrides: list[str]
-    folder: Path
+    folder: Optional[Path]  # noqa: UP045  (None: not composed yet, under the basic launcher)
+    num: int  # the grid's job number
     of: Optional["Job"] = None
 
 
@@ -108,7 +109,7 @@ class InferlabSweeper(BasicSweeper):
                 error = " ".join("".join(traceback.format_exception_only(exc)).split())
                 error = error if len(error) <= 400 else error[:400] + " ..."
                 log.error(f"the launcher stopped on a batch: {error}")
-                self._settle(jobs, error)
+                self._settle(jobs, sweep_dir, error)
                 results = []
             for result in results:
                 self._gather(result, sweep_dir)
@@ -127,31 +128,34 @@ class InferlabSweeper(BasicSweeper):
         Every job's folder is then given explicitly: the launcher's job numbers no longer
         match the grid's."""
         assert self.config is not None
-        grid = [Job(o, self._job_dir(o, first_job + i, sweep_dir)) for i, o in enumerate(batch)]
-        counts = [self._repeats(job.overrides) for job in grid]
-        parallel = launching.launcher_name(self.config.hydra.launcher) != "basic"
-        if not parallel or all(n == 1 for n in counts):
+        if launching.launcher_name(self.config.hydra.launcher) == "basic":
+            # no composing here (a sweep of hundreds of jobs): folders only if ever needed
+            return [Job(o, None, first_job + i) for i, o in enumerate(batch)]
+        grid, counts = [], []
+        for i, overrides in enumerate(batch):
+            folder, repeats = self._job_plan(overrides, first_job + i, sweep_dir)
+            grid.append(Job(overrides, folder, first_job + i))
+            counts.append(repeats)
+        if all(n == 1 for n in counts):
             return grid
         jobs = []
         for job, n in zip(grid, counts, strict=True):
+            assert job.folder is not None
             runs = [
-                Job(one_repeat(job.overrides), repeat_dir(job.folder, k), job) for k in range(n)
+                Job(one_repeat(job.overrides), repeat_dir(job.folder, k), job.num, job)
+                for k in range(n)
             ]
             for run in runs if n > 1 else [job]:
+                assert run.folder is not None
                 subdir = str(run.folder.relative_to(sweep_dir))
                 run.overrides = [*run.overrides, f"hydra.sweep.subdir={_quoted(subdir)}"]
                 jobs.append(run)
         return jobs
 
-    def _repeats(self, overrides: list[str]) -> int:
-        assert self.hydra_context is not None and self.config is not None
-        job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
-        return int(job_cfg.get("repeats") or 1)
-
     def _summarize_repeats(self, jobs: list[Job]) -> None:
         """The folder of each job whose repeats ran as jobs: its overrides, config and summary,
         as `run_repeats` writes them."""
-        parents: dict[Path, Job] = {j.of.folder: j.of for j in jobs if j.of is not None}
+        parents = {j.of.folder: j.of for j in jobs if j.of is not None and j.of.folder is not None}
         for folder, parent in parents.items():
             n = sum(1 for j in jobs if j.of is parent)
             launching.write_job_overrides(folder, parent.overrides)
@@ -164,17 +168,23 @@ class InferlabSweeper(BasicSweeper):
             summary = summarize_launched_repeats(folder, n)
             log.info(f"job {folder.name}: {summary['status']} ({n} repeats)")
 
-    def _job_dir(self, overrides: list[str], num: int, sweep_dir: Path) -> Path:
+    def _job_plan(self, overrides: list[str], num: int, sweep_dir: Path) -> tuple[Path, int]:
+        """(its run folder, its repeats) of job `num` of the grid, from its composed config."""
         assert self.hydra_context is not None and self.config is not None
         job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         with open_dict(job_cfg):
             job_cfg.hydra.job.num = num
-        return sweep_dir / str(job_cfg.hydra.sweep.subdir)
+        return sweep_dir / str(job_cfg.hydra.sweep.subdir), int(job_cfg.get("repeats") or 1)
 
-    def _settle(self, jobs: list[Job], error: str) -> None:
+    def _settle(self, jobs: list[Job], sweep_dir: Path, error: str) -> None:
         time.sleep(0.5)  # let a job that was ending finish its summary
-        failed = launching.settle_jobs([j.folder for j in jobs], error)
         for job in jobs:
+            if job.folder is None:
+                job.folder = self._job_plan(job.overrides, job.num, sweep_dir)[0]
+        folders = [j.folder for j in jobs if j.folder is not None]
+        failed = launching.settle_jobs(folders, error)
+        for job in jobs:
+            assert job.folder is not None
             launching.write_job_overrides(job.folder, job.overrides)
         for job_dir in failed:
             log.error(f"job {job_dir.name}: failed ({error})")
