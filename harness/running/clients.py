@@ -53,6 +53,7 @@ from engines.registry import build_backend
 from harness.running import heap
 from harness.running.driver import Driver, RequestTrace, RowSink
 from harness.running.interrupts import deferred, interrupts
+from harness.running.ray_clients import ClientMain, RayTask, start_ray_clients
 from workloads.request import WorkloadRequest
 
 CLOCK_ROUNDS = 16  # ping-pongs per client; the shortest round trip is kept
@@ -160,11 +161,14 @@ def client_main(
     share: list[WorkloadRequest],
     limits: dict[str, int | None],
     conn: Connection,
+    ignore_sigint: bool = True,
 ) -> None:
     """One client process: build and load its backend, answer clock readings until the start,
-    then drive its share from the t0 it was sent, sending rows as requests finish."""
+    then drive its share from the t0 it was sent, sending rows as requests finish.
+    `ignore_sigint`: False in a Ray task, which Ray stops with a KeyboardInterrupt."""
     with interrupts():  # SIGTERM from the launcher: stop like an interrupted run
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if ignore_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             backend = build_backend(engine, model)
             backend.load()
@@ -198,12 +202,36 @@ def client_main(
 # ---- the launcher -------------------------------------------------------------------------------
 
 
+def start_processes(
+    main: ClientMain,
+    engine: dict[str, Any],
+    model: dict[str, Any],
+    shares: list[list[WorkloadRequest]],
+    limits: list[dict[str, int | None]],
+) -> list[tuple[BaseProcess, Connection]]:
+    """Each share's client as a local process (spawn), with its end of a pipe."""
+    context = multiprocessing.get_context("spawn")
+    started: list[tuple[BaseProcess, Connection]] = []
+    for index, share in enumerate(shares):
+        ours, theirs = context.Pipe()
+        process = context.Process(
+            target=main,
+            args=(engine, model, share, limits[index], theirs),
+            name=f"inferlab-client-{index}",
+            daemon=True,  # never outlives the launcher
+        )
+        process.start()
+        theirs.close()  # the client's end lives in the client: its exit ends the pipe
+        started.append((process, ours))
+    return started
+
+
 @dataclass
 class _Client:
     index: int
     share: list[WorkloadRequest]
     limits: dict[str, int | None]  # its share of concurrency / max_concurrency
-    process: BaseProcess
+    process: BaseProcess | RayTask
     conn: Connection
     pending: dict[str, WorkloadRequest]  # its requests that have no row yet
     info: dict[str, Any] = field(default_factory=dict)
@@ -221,8 +249,9 @@ class _Client:
         if self.end == "error":
             return f"failed: {self.error}"
         if self.end == "interrupted":
-            return "was interrupted (SIGTERM)"
-        return f"died (exit code {self.process.exitcode})"
+            return "was interrupted (the launcher stopped it)"
+        failure = getattr(self.process, "failure", None)  # a Ray task's own account
+        return f"died ({failure})" if failure else f"died (exit code {self.process.exitcode})"
 
 
 class ClientPool:
@@ -237,7 +266,9 @@ class ClientPool:
         backend: Backend,
         sink: RowSink,
         on_request_done: Callable[[dict[str, Any]], None] | None = None,
+        on_ray: bool = False,
     ) -> None:
+        self.on_ray = on_ray  # the clients are Ray tasks (harness/running/ray_clients.py)
         self.engine = dict(config["engine"])
         self.model = dict(config.get("model") or {})
         self.num_clients = num_clients
@@ -265,23 +296,19 @@ class ClientPool:
         limits = [
             {"concurrency": c, "max_concurrency": m} for c, m in zip(closed, caps, strict=True)
         ]
-        context = multiprocessing.get_context("spawn")
+        shares = split_requests(workload, n)
         clients: list[_Client] = []
         interrupted = False
         launched = time.monotonic()
         try:
-            for index, share in enumerate(split_requests(workload, n)):
-                ours, theirs = context.Pipe()
-                process = context.Process(
-                    target=client_main,
-                    args=(self.engine, self.model, share, limits[index], theirs),
-                    name=f"inferlab-client-{index}",
-                    daemon=True,  # never outlives the launcher
-                )
-                process.start()
-                theirs.close()  # the client's end lives in the client: its exit ends the pipe
-                pending = {w.request_id: w for w in share}
-                clients.append(_Client(index, share, limits[index], process, ours, pending))
+            started: list[tuple[BaseProcess | RayTask, Connection]] = []
+            if self.on_ray:
+                started += start_ray_clients(client_main, self.engine, self.model, shares, limits)
+            else:
+                started += start_processes(client_main, self.engine, self.model, shares, limits)
+            for index, (process, conn) in enumerate(started):
+                pending = {w.request_id: w for w in shares[index]}
+                clients.append(_Client(index, shares[index], limits[index], process, conn, pending))
             self._serve(clients, lambda: all(c.ready or c.closed for c in clients), launched)
             unready = [c for c in clients if not c.ready]
             if unready:  # nothing was sent yet: the run fails as a backend that cannot load

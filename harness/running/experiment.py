@@ -60,6 +60,12 @@ def _integer(name: str, value: Any, low: int) -> int:
     return value
 
 
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name}: {value!r} is invalid; allowed: {'|'.join(allowed)}")
+    return str(value)
+
+
 def _number(name: str, value: Any, what: str, positive: bool = False) -> float:
     if (
         isinstance(value, bool)
@@ -163,6 +169,9 @@ class RunConfig:
     # N > 1: the requests are sent from N client processes (engine=openai only), each with its
     # own connection pool and event loop (harness/running/clients.py, docs/scaling.md)
     num_clients: int = 1
+    # where the clients run: local processes, or Ray tasks on the cluster `ray.init()` joins
+    # (RAY_ADDRESS, else a local one), which connect back to this process over TCP
+    clients_on: str = "processes"
 
     @classmethod
     def from_dict(cls, values: Any) -> RunConfig:
@@ -187,8 +196,13 @@ class RunConfig:
             num_clients=_integer(
                 "run.num_clients", given.get("num_clients", defaults.num_clients), 1
             ),
+            clients_on=_choice(
+                "run.clients_on", given.get("clients_on", defaults.clients_on), CLIENTS_ON
+            ),
         )
 
+
+CLIENTS_ON = ("processes", "ray")
 
 #: the backends that `run.num_clients` > 1 can split over client processes: HTTP clients of a
 #: server that every process can reach (an in-process engine would load N models)
@@ -339,7 +353,12 @@ def _run(
             sink = _tee(recorder.append, keep_first_step)
             driver = (
                 ClientPool(
-                    config, run_cfg.num_clients, backend, sink, lambda _: shown.request_done()
+                    config,
+                    run_cfg.num_clients,
+                    backend,
+                    sink,
+                    lambda _: shown.request_done(),
+                    on_ray=run_cfg.clients_on == "ray",
                 )
                 if run_cfg.num_clients > 1
                 else Driver(backend, sink, on_request_done=lambda _: shown.request_done())

@@ -74,6 +74,12 @@ def test_many_clients_need_engine_openai() -> None:
     assert run_config({"engine": {"backend": "openai"}, "run": {"num_clients": 3}}).num_clients
 
 
+def test_clients_run_on_processes_or_ray() -> None:
+    with pytest.raises(ValueError) as error:
+        RunConfig.from_dict({"clients_on": "k8s"})
+    assert str(error.value) == "run.clients_on: 'k8s' is invalid; allowed: processes|ray"
+
+
 def test_a_closed_loop_needs_a_slot_per_client() -> None:
     assert split_concurrency(5, 2) == [3, 2]
     assert split_concurrency(None, 3) == [None, None, None]
@@ -280,6 +286,36 @@ def test_a_rate_with_a_cap_holds_over_all_clients(scripted: ServeProcess, tmp_pa
         peak = max(peak, in_flight)
     assert peak == 2
     assert (requests["sent_s"] - requests["arrival_s"]).max() > 0.05  # requests waited
+
+
+@pytest.mark.slow
+def test_clients_as_ray_tasks_make_the_same_table(scripted: ServeProcess, tmp_path: Path) -> None:
+    import ray
+
+    config = scripted_config(
+        scripted,
+        "workload.num_requests=6",
+        "workload.output_len=8",
+        "workload.arrival={process: poisson, rate: 20}",
+        "run.clients_on=ray",
+    )
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=78643200)
+    try:
+        summary = run_experiment(config, tmp_path, progress=False)
+    finally:
+        ray.shutdown()
+    assert summary["status"] == "complete", summary["error"]
+    clients = summary["clients"]
+    assert [c["status"] for c in clients] == ["done", "done"]
+    assert sum(c["requests"] for c in clients) == 6
+    assert all(c["clock_offset_uncertainty_us"] is not None for c in clients)
+    requests = load_table(tmp_path, "requests")
+    assert set(requests["request_id"]) == workload_ids(config)
+    assert (requests["output_tokens"] == 8).all() and (requests["status"] == "ok").all()
+    tokens = with_send_times(load_table(tmp_path, "tokens"), read_log(scripted.base_url))
+    client_gaps = tokens.groupby("request_id")["time_s"].diff().dropna()
+    server_gaps = tokens.groupby("request_id")["sent_ns"].diff().dropna() / 1e9
+    assert (client_gaps - server_gaps).abs().median() <= 0.002
 
 
 @pytest.mark.slow
