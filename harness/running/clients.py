@@ -41,7 +41,7 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -53,6 +53,7 @@ from engines.registry import build_backend
 from harness.running import heap
 from harness.running.driver import Driver, RequestTrace, RowSink
 from harness.running.interrupts import deferred, interrupts
+from workloads import WORKLOAD_TYPES, config_keys
 from workloads.request import WorkloadRequest
 
 CLOCK_ROUNDS = 16  # ping-pongs per client; the shortest round trip is kept
@@ -125,6 +126,25 @@ def split_concurrency(
             f"allowed: an integer >= {n} (each client keeps at least one request in flight)"
         )
     return [concurrency // n + (i < concurrency % n) for i in range(n)]
+
+
+def cap_key(workload: Mapping[str, Any]) -> str:
+    """The config key of an open loop's cap on the requests in flight, for error messages: a
+    workload type with its own `max_concurrency` (a trace replay, whose times are its own)
+    takes it at the top, the others in their arrival block."""
+    kind = workload.get("type", "synthetic")
+    own = kind in WORKLOAD_TYPES and "max_concurrency" in config_keys(WORKLOAD_TYPES.get(kind))
+    return "workload.max_concurrency" if own else "workload.arrival.max_concurrency"
+
+
+def client_limits(
+    concurrency: int | None, max_concurrency: int | None, n: int, workload: Mapping[str, Any]
+) -> list[dict[str, int | None]]:
+    """Each client's share of a closed loop's C and of an open loop's cap (`workload`: the
+    workload's config, which names the cap's key); ValueError when one is below N."""
+    closed = split_concurrency(concurrency, n)
+    caps = split_concurrency(max_concurrency, n, cap_key(workload))
+    return [{"concurrency": c, "max_concurrency": m} for c, m in zip(closed, caps, strict=True)]
 
 
 # ---- the client process -------------------------------------------------------------------------
@@ -240,6 +260,7 @@ class ClientPool:
     ) -> None:
         self.engine = dict(config["engine"])
         self.model = dict(config.get("model") or {})
+        self.workload = dict(config.get("workload") or {})
         self.num_clients = num_clients
         self.backend = backend  # the launcher's: its ClientStats get every client's
         self.sink = sink
@@ -260,11 +281,7 @@ class ClientPool:
         max_concurrency: int | None = None,
     ) -> int:
         n = self.num_clients
-        closed = split_concurrency(concurrency, n)
-        caps = split_concurrency(max_concurrency, n, "workload.arrival.max_concurrency")
-        limits = [
-            {"concurrency": c, "max_concurrency": m} for c, m in zip(closed, caps, strict=True)
-        ]
+        limits = client_limits(concurrency, max_concurrency, n, self.workload)
         context = multiprocessing.get_context("spawn")
         clients: list[_Client] = []
         interrupted = False

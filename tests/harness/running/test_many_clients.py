@@ -87,6 +87,36 @@ def test_a_closed_loop_needs_a_slot_per_client() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["workload.arrival={process: closed, concurrency: 1}"], "workload.arrival.concurrency"),
+        (
+            ["workload.arrival={process: poisson, rate: 5, max_concurrency: 1}"],
+            "workload.arrival.max_concurrency",
+        ),
+        (  # a trace replay takes its cap at the top of the workload: the error names that key
+            [
+                "workload=trace",
+                "workload.path=data/traces/AzureLLMInferenceTrace_conv.csv",
+                "workload.max_concurrency=1",
+            ],
+            "workload.max_concurrency",
+        ),
+    ],
+)
+def test_too_few_slots_for_the_clients_stop_the_run_at_the_edge(
+    overrides: list[str], key: str
+) -> None:
+    # checked with the `run` section, before the server is asked or warmed up, and named by
+    # the key the user set
+    config = composed("engine=openai", "model=tiny", "run.num_clients=2", *overrides)
+    with pytest.raises(ValueError) as error:
+        run_config(config)
+    assert str(error.value).startswith(f"{key}: 1 is invalid with run.num_clients=2; ")
+    assert run_config({**config, "run": {**config["run"], "num_clients": 1}}).num_clients == 1
+
+
 def test_sessions_stay_whole_and_are_dealt_in_arrival_order() -> None:
     config = composed(
         "model=tiny",
