@@ -5,8 +5,10 @@ a launcher whose extra is missing is one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -132,6 +134,62 @@ def test_ab_rounds_run_as_launcher_jobs_each_paired_on_one_slot(
             record = json.loads((out / entry[side] / "provenance.json").read_text())
             assert record["threads"]["affinity"] == slot["cores"]
     assert "paired ratios over A/B rounds" in printed
+
+
+def test_ab_launcher_options_it_refuses_are_its_error_not_a_failed_baseline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from harness import cli
+
+    out = tmp_path / "ab"
+    code = cli.main(
+        ["gate", "ab", "--baseline", "", "--candidate", "engine.kv_cache=paged",
+         "--common", " ".join(TINY_JOB), "--rounds", "2", "--allow-few-rounds",
+         "--launcher", "joblib", "--launcher-options", "hydra.launcher.n_jobs=two",
+         "--out", str(out)]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "failed" not in captured.out and "baseline" not in captured.out
+    error = captured.err.strip().splitlines()[-1]
+    assert error.startswith("inferlab gate ab: error: --launcher joblib: the launcher ran no round")
+    assert "Value 'two' of type 'str' could not be converted to Integer" in error
+    ab = json.loads((out / "ab.json").read_text())
+    assert ab["status"] == "stopped" and ab["rounds"] == [] and "verdict" not in ab
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+def test_sigterm_to_gate_ab_stops_the_launchers_workers_too(tmp_path: Path) -> None:
+    # each run lasts ~3 s (4 requests at 1/s), so the rounds are running when the signal comes
+    common = [*TINY_JOB, "workload.num_requests=4", "workload.arrival={process: constant, rate: 1}"]
+    out = tmp_path / "ab"
+    gate = subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", "gate", "ab", "--baseline", "",
+         "--candidate", "engine.kv_cache=paged", "--common", shlex.join(common),
+         "--rounds", "2", "--allow-few-rounds", "--launcher", "joblib",
+         "--launcher-options", "hydra.launcher.n_jobs=2", "--out", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its group: every process the gate and its launcher start
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: any(out.glob("warmup-*-*/summary.json")), 180)
+        gate.send_signal(signal.SIGTERM)  # the gate alone, as a CI runner's timeout sends it
+        printed, _ = gate.communicate(timeout=120)
+        assert gate.returncode == 130, printed[-3000:]
+        assert json.loads((out / "ab.json").read_text())["status"] == "incomplete"
+        # the launcher's worker processes ended with it: none goes on running rounds
+        _wait_for(lambda: _group_gone(gate.pid), 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(gate.pid, signal.SIGKILL)
 
 
 def _wait_for(predicate: Any, timeout: float) -> None:
