@@ -15,12 +15,13 @@ import importlib.util
 import io
 import json
 import os
+import signal
 import socket
 import tarfile
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,16 +148,22 @@ def unpack_folder(archive: bytes, folder: Path) -> None:
 FINAL_STATUSES = ("complete", "failed", "incomplete")
 
 
-def _alive_here(job_dir: Path) -> bool:
-    """Is the job's process (its provenance's placement) still running on this host?"""
+def _pid_here(job_dir: Path) -> int | None:
+    """The job's process (its provenance's placement) when it still runs on this host."""
     try:
         placement = json.loads((job_dir / "provenance.json").read_text()).get("placement") or {}
         if placement.get("node") != socket.gethostname():
-            return False
-        os.kill(int(placement["pid"]), 0)
+            return None
+        pid = int(placement["pid"])
+        os.kill(pid, 0)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-    return True
+        return None
+    return pid
+
+
+def _alive_here(job_dir: Path) -> bool:
+    """Is the job's process (its provenance's placement) still running on this host?"""
+    return _pid_here(job_dir) is not None
 
 
 def settle_jobs(job_dirs: list[Path], error: str, poll_s: float = 1.0) -> list[Path]:
@@ -182,6 +189,41 @@ def settle_jobs(job_dirs: list[Path], error: str, poll_s: float = 1.0) -> list[P
             job_dir, {**summary, "status": "failed", "error": f"{reason}: {error}", "metrics": {}}
         )
     return failed
+
+
+STOP_TIMEOUT_S = 30.0  # after Ctrl-C, how long the jobs get to end as interrupted runs
+
+
+def stop_jobs(
+    job_dirs: list[Path], reason: str, timeout_s: float = STOP_TIMEOUT_S, poll_s: float = 0.2
+) -> list[Path]:
+    """After Ctrl-C or SIGTERM in the launching process (`reason`: `interrupted: SIGINT`): a
+    SIGTERM to each job of the batch still running on this host, which stops it as it stops
+    a run (its rows kept, its summary `incomplete`), a wait for them (cut short by a second
+    Ctrl-C), then every job that started and has no final summary, its process gone (a
+    launcher ends its workers on Ctrl-C: joblib at once) or on another host, is recorded
+    `incomplete` with the reason. A job that never started keeps no folder, as under the
+    basic launcher. Resume runs all of them again. Returns the jobs recorded here."""
+    for job_dir in job_dirs:
+        pid = _pid_here(job_dir) if _pending(job_dir) else None
+        if pid is not None:
+            with suppress(OSError):  # it ended meanwhile
+                os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and any(_pending(d) and _alive_here(d) for d in job_dirs):
+            time.sleep(poll_s)
+    except KeyboardInterrupt:  # a second Ctrl-C: record them as they are
+        pass
+    recorded = []
+    for job_dir in job_dirs:
+        summary = read_summary(job_dir)
+        if summary is None or summary.get("status") in FINAL_STATUSES:
+            continue
+        recorded.append(job_dir)
+        error = f"{reason}: the sweep was stopped before this job ended"
+        write_summary(job_dir, {**summary, "status": "incomplete", "error": error, "metrics": {}})
+    return recorded
 
 
 def _pending(job_dir: Path) -> bool:

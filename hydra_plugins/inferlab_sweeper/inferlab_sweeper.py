@@ -7,17 +7,21 @@ launcher does:
 - when the launcher gives up on a batch (a worker killed, out of memory, a node lost: joblib,
   Ray and submitit raise for the whole batch), the jobs still running on this host are waited
   for and every job without a final summary gets a failed one with the launcher's error, so it
-  is a row of sweep.csv and resume (`run.resume=true`) runs it again. The other batches go on.
+  is a row of sweep.csv and resume (`run.resume=true`) runs it again. The other batches go on;
+- Ctrl-C or SIGTERM while a launcher runs a batch stops the batch's jobs, records the ones that
+  started as incomplete, writes sweep.csv and exits with 130, as the basic launcher does.
 """
 
 # no `from __future__ import annotations`: Hydra imports plugins without registering them in
 # sys.modules, where dataclasses look string annotations up
 import logging
+import sys
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
@@ -26,9 +30,17 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf, open_dict
 
 from harness.measuring import provenance
-from harness.run_folder import read_config, repeat_dir, write_config, write_provenance
+from harness.run_folder import (
+    SWEEP_TABLE_FILE,
+    read_config,
+    repeat_dir,
+    write_config,
+    write_provenance,
+)
 from harness.running import launching
+from harness.running.interrupts import interruption, interrupts
 from harness.running.repeats import one_repeat, summarize_launched_repeats
+from harness.running.sweep import write_sweep_csv
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +98,16 @@ class InferlabSweeper(BasicSweeper):
             parser.parse_overrides(params_conf), self.max_batch_size
         )
         sweep_dir = Path(self.config.hydra.sweep.dir)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        launching.write_launch_record(
-            sweep_dir,
-            launching.launcher_name(self.config.hydra.launcher),
-            sum(len(batch) for batch in self.overrides),
-        )
+        name = launching.launcher_name(self.config.hydra.launcher)
+        try:
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+            launching.write_launch_record(
+                sweep_dir, name, sum(len(batch) for batch in self.overrides)
+            )
+        except OSError as exc:  # read-only, no permission, a full disk: one line, as for a run
+            print(f"error: {sweep_dir}: the sweep folder cannot be written: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
         returns: list[Any] = []
         first_job = 0  # the job numbers the basic launcher would give
         launched = 0
@@ -101,9 +116,14 @@ class InferlabSweeper(BasicSweeper):
             self.validate_batch_is_legal(batch)
             jobs = self._expand_repeats(batch, first_job, sweep_dir)
             try:
-                results = self.launcher.launch(
-                    [j.overrides for j in jobs], initial_job_idx=launched
-                )
+                # a launcher that runs jobs elsewhere: SIGTERM stops the sweep as Ctrl-C does
+                # (the basic launcher's job, running here, takes both signals itself)
+                with interrupts() if name != "basic" else nullcontext():
+                    results = self.launcher.launch(
+                        [j.overrides for j in jobs], initial_job_idx=launched
+                    )
+            except KeyboardInterrupt as exc:
+                self._interrupted(jobs, sweep_dir, interruption(exc))
             except Exception as exc:  # the launcher lost a job: record the batch's, go on
                 error = " ".join("".join(traceback.format_exception_only(exc)).split())
                 error = error if len(error) <= 400 else error[:400] + " ..."
@@ -178,6 +198,24 @@ class InferlabSweeper(BasicSweeper):
             launching.write_job_overrides(job.folder, job.overrides)
         for job_dir in failed:
             log.error(f"job {job_dir.name}: failed ({error})")
+
+    def _interrupted(self, jobs: list[Job], sweep_dir: Path, reason: str) -> NoReturn:
+        """Ctrl-C or SIGTERM while the launcher ran a batch: the batch's jobs are stopped and
+        recorded `incomplete`, sweep.csv is written, and the sweep ends with exit code 130,
+        as under the basic launcher; `run.resume=true` finishes it."""
+        for job_dir in launching.stop_jobs([j.folder for j in jobs], reason):
+            log.error(f"job {job_dir.relative_to(sweep_dir)}: incomplete ({reason})")
+        for job in jobs:
+            if job.folder.is_dir():  # started: its row needs its overrides
+                launching.write_job_overrides(job.folder, job.overrides)
+        self._summarize_repeats([j for j in jobs if j.of is None or j.of.folder.is_dir()])
+        frame = write_sweep_csv(sweep_dir)
+        print(
+            f"sweep {reason}: {len(frame)} job(s) -> {sweep_dir / SWEEP_TABLE_FILE}; the same "
+            "command with run.resume=true runs the jobs that are not complete",
+            file=sys.stderr,
+        )
+        raise SystemExit(130)
 
     def _gather(self, result: JobReturn, sweep_dir: Path) -> None:
         if result.status != JobStatus.COMPLETED or not isinstance(result.return_value, dict):

@@ -10,8 +10,10 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -250,6 +252,79 @@ def test_jobs_the_launcher_lost_keep_their_rows(tmp_path: Path) -> None:
     assert [r["engine.kv_cache"] for r in rows] == ["none", "paged"]
     assert all(r["status"] == "failed" and "NodeDiedError" in r["error"] for r in rows)
     assert all("did not start or its folder never reached this host" in r["error"] for r in rows)
+
+
+def test_an_interrupted_sweep_stops_its_jobs_and_records_them_incomplete(tmp_path: Path) -> None:
+    # job 0 still runs here (a process that ends on SIGTERM), job 1 is complete, job 2 ran on
+    # a worker the launcher already ended, job 3 never started (no folder: no row, as under
+    # the basic launcher)
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    threading.Thread(target=running.wait, daemon=True).start()  # reaped, as a launcher does
+    here = socket.gethostname()
+    for job, status, pid in (
+        ("0", "running", running.pid),
+        ("1", "complete", 0),
+        ("2", "running", 0),
+    ):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "summary.json").write_text(json.dumps({"status": status, "metrics": {}}))
+        placement = {"node": here, "pid": pid or 2**22 + 1}  # 0: a pid above Linux's pid_max
+        (tmp_path / job / "provenance.json").write_text(json.dumps({"placement": placement}))
+    jobs = [tmp_path / str(k) for k in range(4)]
+    start = time.monotonic()
+    recorded = launching.stop_jobs(jobs, "interrupted: SIGINT", timeout_s=60, poll_s=0.05)
+    assert time.monotonic() - start < 30 and running.returncode == -signal.SIGTERM
+    assert recorded == [jobs[0], jobs[2]]
+    for job in (jobs[0], jobs[2]):
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["status"] == "incomplete"
+        assert summary["error"].startswith("interrupted: SIGINT: the sweep was stopped")
+    assert _status(jobs[1]) == "complete" and not jobs[3].exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_launched_sweep_stops_its_jobs_and_writes_its_table(tmp_path: Path) -> None:
+    # each job lasts ~3 s (4 requests at 1/s): both are running when the signal comes
+    command = [sys.executable, "-m", "harness.cli", "run", "-m", *TINY_JOB,
+               "workload.num_requests=4", "workload.arrival={process: constant, rate: 1}",
+               "engine.kv_cache=none,paged", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+               f"hydra.sweep.dir={tmp_path}"]  # fmt: skip
+    launcher = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its group: the launcher and its workers
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: all(_status(tmp_path / j) == "running" for j in "01"), 180)
+        launcher.send_signal(signal.SIGTERM)  # the launching process alone
+        printed, _ = launcher.communicate(timeout=120)
+        assert launcher.returncode == 130, printed[-3000:]
+        assert "sweep interrupted: SIGTERM: 2 job(s)" in printed
+        rows = pd.read_csv(tmp_path / "sweep.csv")
+        assert list(rows["status"]) == ["incomplete", "incomplete"]
+        assert all(error.startswith("interrupted: SIGTERM") for error in rows["error"])
+        _wait_for(lambda: _group_gone(launcher.pid), 30)  # joblib's workers ended with it
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    resumed = subprocess.run(
+        [*command, "run.resume=true"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert list(pd.read_csv(tmp_path / "sweep.csv")["status"]) == ["complete", "complete"]
+
+
+def test_a_sweep_folder_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")  # as a read-only or full filesystem would, mkdir fails
+    done = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "-m", *TINY_JOB,
+         f"hydra.sweep.dir={tmp_path / 'file' / 'sweep'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        f"error: {tmp_path / 'file' / 'sweep'}: the sweep folder cannot be written: "
+        f"[Errno 20] Not a directory: '{tmp_path / 'file' / 'sweep'}'"
+    )
 
 
 def test_a_run_folder_travels_back_to_the_launching_host(tmp_path: Path) -> None:
