@@ -147,6 +147,17 @@ def unpack_folder(archive: bytes, folder: Path) -> None:
 
 FINAL_STATUSES = ("complete", "failed", "incomplete")
 
+#: The errors with which a launcher gives up on a batch because a job's process or node was
+#: lost (joblib/loky, submitit, Ray), by class name: the launchers are optional extras. A job's
+#: own exception is its JobReturn, not one of these.
+LOST_JOB_ERRORS = ("BrokenProcessPool", "UncompletedJobError", "RayError")
+
+
+def lost_a_job(exc: BaseException) -> bool:
+    """Did the launcher raise because it lost a job (else it could not run the batch at all:
+    n_jobs=0, no SLURM, a Ray cluster it cannot reach)?"""
+    return any(cls.__name__ in LOST_JOB_ERRORS for cls in type(exc).__mro__)
+
 
 def _pid_here(job_dir: Path) -> int | None:
     """The job's process (its provenance's placement) when it still runs on this host."""

@@ -7,7 +7,8 @@ launcher does:
 - when the launcher gives up on a batch (a worker killed, out of memory, a node lost: joblib,
   Ray and submitit raise for the whole batch), the jobs still running on this host are waited
   for and every job without a final summary gets a failed one with the launcher's error, so it
-  is a row of sweep.csv and resume (`run.resume=true`) runs it again. The other batches go on;
+  is a row of sweep.csv and resume (`run.resume=true`) runs it again. The other batches go on.
+  Any other error of the launcher (its options, a cluster it cannot reach) stops the sweep;
 - Ctrl-C or SIGTERM while a launcher runs a batch stops the batch's jobs, records the ones that
   started as incomplete, writes sweep.csv and exits with 130, as the basic launcher does.
 """
@@ -124,9 +125,12 @@ class InferlabSweeper(BasicSweeper):
                     )
             except KeyboardInterrupt as exc:
                 self._interrupted(jobs, sweep_dir, interruption(exc))
-            except Exception as exc:  # the launcher lost a job: record the batch's, go on
+            except Exception as exc:
                 error = " ".join("".join(traceback.format_exception_only(exc)).split())
                 error = error if len(error) <= 400 else error[:400] + " ..."
+                if not launching.lost_a_job(exc):
+                    self._launcher_failed(jobs, sweep_dir, name, error)
+                # the launcher lost a job: record the batch's, go on
                 log.error(f"the launcher stopped on a batch: {error}")
                 self._settle(jobs, error)
                 results = []
@@ -198,6 +202,17 @@ class InferlabSweeper(BasicSweeper):
             launching.write_job_overrides(job.folder, job.overrides)
         for job_dir in failed:
             log.error(f"job {job_dir.name}: failed ({error})")
+
+    def _launcher_failed(self, jobs: list[Job], sweep_dir: Path, name: str, error: str) -> NoReturn:
+        """The launcher could not run the batch (options it refuses, such as n_jobs=0; no
+        SLURM; a Ray cluster it cannot reach): every batch would fail alike, so the sweep
+        stops with its error. Jobs of the batch that started are recorded first."""
+        started = [j for j in jobs if j.folder.is_dir()]
+        if started:
+            self._settle(started, error)
+            write_sweep_csv(sweep_dir)
+        print(f"error: hydra/launcher={name} could not run the sweep: {error}", file=sys.stderr)
+        raise SystemExit(1)
 
     def _interrupted(self, jobs: list[Job], sweep_dir: Path, reason: str) -> NoReturn:
         """Ctrl-C or SIGTERM while the launcher ran a batch: the batch's jobs are stopped and

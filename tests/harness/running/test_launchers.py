@@ -313,6 +313,29 @@ def test_sigterm_to_a_launched_sweep_stops_its_jobs_and_writes_its_table(tmp_pat
     assert list(pd.read_csv(tmp_path / "sweep.csv")["status"]) == ["complete", "complete"]
 
 
+def test_a_launcher_that_cannot_run_the_sweep_stops_it_with_its_error(tmp_path: Path) -> None:
+    # not a lost job (that is a failed row, and the sweep goes on): joblib refuses n_jobs=0
+    # for every batch alike, so the sweep stops with exit 1 and the launcher's own words
+    done = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "-m", *TINY_JOB,
+         "engine.kv_cache=none,paged", "hydra/launcher=joblib", "hydra.launcher.n_jobs=0",
+         f"hydra.sweep.dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: hydra/launcher=joblib could not run the sweep: "
+        "ValueError: n_jobs == 0 in Parallel has no meaning"
+    )
+    assert not (tmp_path / "0").exists() and not (tmp_path / "sweep.csv").exists()
+    from joblib.externals.loky.process_executor import TerminatedWorkerError
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    lost = [TerminatedWorkerError("SIGKILL"), UncompletedJobError("x"), FailedJobError("x")]
+    assert all(launching.lost_a_job(exc) for exc in lost)
+    assert not launching.lost_a_job(RuntimeError('Could not detect "srun"'))
+
+
 def test_a_sweep_folder_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")  # as a read-only or full filesystem would, mkdir fails
     done = subprocess.run(
