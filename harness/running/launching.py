@@ -69,6 +69,22 @@ def missing_launcher(overrides: list[str]) -> str | None:
     return None
 
 
+def ray_joins_its_cluster(launcher: Any) -> None:
+    """Hydra's Ray launcher gives ray.init an object store size (75 MB, for the small local
+    cluster it starts), which ray.init refuses when it connects to an existing cluster
+    (`hydra.launcher.ray.init.address`, or RAY_ADDRESS): that cluster sized its own. Left
+    unset there, so that the documented `hydra.launcher.ray.init.address=ray://head:10001`
+    connects. An object store size given explicitly is kept."""
+    from omegaconf import open_dict
+
+    init = getattr(getattr(launcher, "ray_cfg", None), "init", None)
+    if init is None or "object_store_memory" in init:
+        return
+    if init.get("address") or os.environ.get("RAY_ADDRESS"):
+        with open_dict(init):
+            init.object_store_memory = None  # the launcher's setdefault keeps it None
+
+
 def launcher_name(launcher_cfg: Any) -> str:
     """basic | joblib | ray | submitit_local | submitit_slurm, or the class of another plugin."""
     target = str((launcher_cfg or {}).get("_target_") or "BasicLauncher")

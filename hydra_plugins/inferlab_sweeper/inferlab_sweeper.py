@@ -109,6 +109,8 @@ class InferlabSweeper(BasicSweeper):
         except OSError as exc:  # read-only, no permission, a full disk: one line, as for a run
             print(f"error: {sweep_dir}: the sweep folder cannot be written: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
+        if name == "ray":
+            launching.ray_joins_its_cluster(self.launcher)
         returns: list[Any] = []
         first_job = 0  # the job numbers the basic launcher would give
         launched = 0

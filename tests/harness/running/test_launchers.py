@@ -431,6 +431,31 @@ def test_cores_per_job_follow_the_launchers_own_settings() -> None:
     assert launching.gpus_per_job({"engine": {"backend": "openai"}}, ["0"]) == 0
 
 
+def test_ray_connects_to_an_existing_cluster_without_sizing_its_object_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Hydra's Ray launcher gives ray.init a 75 MB object store, which ray.init refuses with an
+    # address ("When connecting to an existing cluster, object_store_memory must not be
+    # provided"): the sweeper leaves it unset there, so the launcher's setdefault keeps None
+    from hydra_plugins.hydra_ray_launcher.ray_launcher import RayLauncher
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cluster = RayLauncher(ray=OmegaConf.create({"init": {"address": "ray://head:10001"}}))
+    launching.ray_joins_its_cluster(cluster)
+    assert cluster.ray_cfg.init.setdefault("object_store_memory", 78643200) is None
+    local = RayLauncher(ray=OmegaConf.create({"init": {"address": None}}))
+    launching.ray_joins_its_cluster(local)  # a local cluster keeps the launcher's size
+    assert local.ray_cfg.init.setdefault("object_store_memory", 78643200) == 78643200
+    sized = RayLauncher(ray=OmegaConf.create({"init": {"address": "auto"}}))
+    sized.ray_cfg.init.object_store_memory = 10**9
+    launching.ray_joins_its_cluster(sized)  # given explicitly: kept
+    assert sized.ray_cfg.init.object_store_memory == 10**9
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # ray.init reads the address there
+    by_env = RayLauncher(ray=OmegaConf.create({"init": {"address": None}}))
+    launching.ray_joins_its_cluster(by_env)
+    assert by_env.ray_cfg.init.object_store_memory is None
+
+
 def test_a_missing_launcher_extra_is_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
