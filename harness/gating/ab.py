@@ -49,7 +49,7 @@ from harness.run_folder import (
 )
 from harness.running import config_schema  # noqa: F401  (the run section's, for compose)
 from harness.running.interrupts import interrupts
-from harness.running.launching import LAUNCHER_EXTRAS, missing_launcher
+from harness.running.launching import LAUNCHER_EXTRAS, missing_launcher, ray_cluster_overrides
 
 MIN_ROUNDS = 9
 ISOLATION = ("worker", "process")
@@ -407,6 +407,7 @@ class ABRunner:
         command = [
             sys.executable, "-m", "harness.gating.ab_rounds", "-m",
             f"hydra/launcher={plan.launcher}", *plan.launcher_options,
+            *ray_cluster_overrides(plan.launcher, plan.launcher_options),
             f"plan={plan_file}", f"round={rounds}",
             f"hydra.sweep.dir={plan.out / LAUNCHER_FOLDER}",
         ]  # fmt: skip

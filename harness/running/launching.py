@@ -85,6 +85,18 @@ def ray_joins_its_cluster(launcher: Any) -> None:
             init.object_store_memory = None  # the launcher's setdefault keeps it None
 
 
+def ray_cluster_overrides(launcher: str | None, options: list[str]) -> list[str]:
+    """What ray_joins_its_cluster does, as an override for a Ray launcher that another Hydra
+    app's sweeper runs (`gate ab --launcher ray --launcher-options ...`, ab_rounds.py)."""
+    given = {o.partition("=")[0].lstrip("+~"): o.partition("=")[2] for o in options}
+    address = given.get("hydra.launcher.ray.init.address", "null") not in ("", "null")
+    if launcher != "ray" or "hydra.launcher.ray.init.object_store_memory" in given:
+        return []
+    if address or os.environ.get("RAY_ADDRESS"):
+        return ["+hydra.launcher.ray.init.object_store_memory=null"]
+    return []
+
+
 def launcher_name(launcher_cfg: Any) -> str:
     """basic | joblib | ray | submitit_local | submitit_slurm, or the class of another plugin."""
     target = str((launcher_cfg or {}).get("_target_") or "BasicLauncher")

@@ -456,6 +456,21 @@ def test_ray_connects_to_an_existing_cluster_without_sizing_its_object_store(
     assert by_env.ray_cfg.init.object_store_memory is None
 
 
+def test_gate_ab_rounds_on_a_ray_cluster_leave_the_object_store_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    address = ["hydra.launcher.ray.init.address=ray://head:10001"]
+    null = ["+hydra.launcher.ray.init.object_store_memory=null"]
+    assert launching.ray_cluster_overrides("ray", address) == null
+    assert launching.ray_cluster_overrides("ray", ["+hydra.launcher.ray.init.num_cpus=2"]) == []
+    sized = [*address, "+hydra.launcher.ray.init.object_store_memory=1000000000"]
+    assert launching.ray_cluster_overrides("ray", sized) == []
+    assert launching.ray_cluster_overrides("joblib", address) == []
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert launching.ray_cluster_overrides("ray", []) == null
+
+
 def test_a_missing_launcher_extra_is_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
