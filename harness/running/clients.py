@@ -41,8 +41,8 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable, Mapping
-from contextlib import suppress
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -217,6 +217,26 @@ def client_main(
 
 # ---- the launcher -------------------------------------------------------------------------------
 
+#: multiprocessing's own start methods: a spawned child knows them
+_STDLIB_START_METHODS = (None, "fork", "spawn", "forkserver")
+
+
+@contextmanager
+def _spawn_from_any_process() -> Iterator[None]:
+    """A spawned child re-applies its parent's default start method before anything else. In
+    a joblib worker (a sweep on hydra/launcher=joblib) that default is "loky", which a fresh
+    interpreter does not know: every client would die at once ("cannot find context for
+    'loky'"). So the default is "spawn" while a client starts, then what it was."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    if before in _STDLIB_START_METHODS:
+        yield
+        return
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(before, force=True)
+
 
 @dataclass
 class _Client:
@@ -295,7 +315,8 @@ class ClientPool:
                     name=f"inferlab-client-{index}",
                     daemon=True,  # never outlives the launcher
                 )
-                process.start()
+                with _spawn_from_any_process():
+                    process.start()
                 theirs.close()  # the client's end lives in the client: its exit ends the pipe
                 pending = {w.request_id: w for w in share}
                 clients.append(_Client(index, share, limits[index], process, ours, pending))

@@ -403,3 +403,22 @@ def test_ctrl_c_stops_every_client_and_the_run_is_incomplete(
             os.kill(client["pid"], 0)
     assert np.isfinite(summary["metrics"]["ttft_p50_s"])
     assert json.loads((tmp_path / "summary.json").read_text())["clients_t0_ns"] > 0
+
+
+@pytest.mark.slow
+def test_many_clients_run_in_a_joblib_sweeps_job(scripted: ServeProcess, tmp_path: Path) -> None:
+    # A joblib worker's default start method is "loky", which a spawned client did not know:
+    # every client died at once ("cannot find context for 'loky'") and the job failed
+    # (n_jobs=2: with 1, joblib runs the job in the launching process).
+    done = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "-m", "engine=openai",
+         f"engine.base_url={scripted.base_url}/v1", "engine.model=scripted", "model=tiny",
+         "workload.num_requests=4", "workload.input_len=8", "workload.output_len=4",
+         "run.warmup_requests=0", "run.progress=false", "run.num_clients=2",
+         "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = read_summary(tmp_path / "0")
+    assert summary is not None and summary["status"] == "complete", summary
+    assert [c["status"] for c in summary["clients"]] == ["done", "done"]
