@@ -117,7 +117,7 @@ class InferlabSweeper(BasicSweeper):
         while not self.is_done():
             batch = [list(o) for o in self.get_job_batch()]
             self.validate_batch_is_legal(batch)
-            jobs = self._expand_repeats(batch, first_job, sweep_dir)
+            jobs = self._expand_repeats(batch, first_job, sweep_dir, launched != first_job)
             try:
                 # a launcher that runs jobs elsewhere: SIGTERM stops the sweep as Ctrl-C does
                 # (the basic launcher's job, running here, takes both signals itself)
@@ -146,17 +146,20 @@ class InferlabSweeper(BasicSweeper):
             returns.append(results)
         return returns
 
-    def _expand_repeats(self, batch: list[list[str]], first_job: int, sweep_dir: Path) -> list[Job]:
+    def _expand_repeats(
+        self, batch: list[list[str]], first_job: int, sweep_dir: Path, renumbered: bool
+    ) -> list[Job]:
         """The jobs to launch for a batch of the grid. A job with repeats=N > 1 becomes N jobs,
         one per repeat-<k>/ folder (harness/running/repeats.py), when the launcher runs jobs
         side by side; the basic launcher keeps running them in turn, each in a fresh process.
         Every job's folder is then given explicitly: the launcher's job numbers no longer
-        match the grid's."""
+        match the grid's. So it is in every later batch (`renumbered`: an earlier batch's
+        repeats were jobs), whose job numbers the launcher counts on from all it launched."""
         assert self.config is not None
         grid = [Job(o, self._job_dir(o, first_job + i, sweep_dir)) for i, o in enumerate(batch)]
         counts = [self._repeats(job.overrides) for job in grid]
         parallel = launching.launcher_name(self.config.hydra.launcher) != "basic"
-        if not parallel or all(n == 1 for n in counts):
+        if not parallel or (all(n == 1 for n in counts) and not renumbered):
             return grid
         jobs = []
         for job, n in zip(grid, counts, strict=True):

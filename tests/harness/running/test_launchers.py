@@ -110,6 +110,20 @@ def test_repeats_spread_over_the_launchers_workers(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_batches_after_repeats_ran_as_jobs_keep_the_grids_job_folders(tmp_path: Path) -> None:
+    # batch 1's two jobs of 2 repeats were 4 launcher jobs; batch 2's jobs are still 2 and 3
+    # (they were 4 and 5: the launcher numbers on from all it launched)
+    grid = ["repeats=2,1", "engine.kv_cache=none,paged", "hydra.sweeper.max_batch_size=2"]
+    sweep(tmp_path / "basic", *grid)
+    sweep(tmp_path / "joblib", *grid, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+    assert sorted(layout(tmp_path / "joblib")) == [".", "0", "1", "2", "3"]
+    rows = pd.read_csv(tmp_path / "joblib" / "sweep.csv")
+    basic = pd.read_csv(tmp_path / "basic" / "sweep.csv")
+    keys = ["job", "repeats", "engine.kv_cache", "status"]
+    assert rows[keys].equals(basic[keys]) and set(rows["status"]) == {"complete"}
+
+
+@pytest.mark.slow
 def test_ab_rounds_run_as_launcher_jobs_each_paired_on_one_slot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
