@@ -50,6 +50,9 @@ SWEEP_SUMMARY_FILE = "sweep_summary.json"
 KV_SPEEDUP_FILE = "kv_speedup.csv"
 MULTIRUN_FILE = "multirun.yaml"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
+#: Overrides that say how to run, not what: no column in sweep.csv, ignored by resume, by the
+#: report's variants and by the gate's matching of sweep jobs (a resumed job is the same job).
+HOW_TO_RUN_KEYS = frozenset({"run.resume", "run.progress"})
 REPEAT_DIR = re.compile(r"^repeat-(\d+)$")
 AB_ROUND_DIR = re.compile(r"^round-(\d+)-([ab])$")
 

@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -47,7 +48,8 @@ from harness.run_folder import (
     write_json_atomic,
 )
 from harness.running import config_schema  # noqa: F401  (the run section's, for compose)
-from harness.running.launching import LAUNCHER_EXTRAS, missing_launcher
+from harness.running.interrupts import interrupts
+from harness.running.launching import LAUNCHER_EXTRAS, missing_launcher, ray_cluster_overrides
 
 MIN_ROUNDS = 9
 ISOLATION = ("worker", "process")
@@ -312,7 +314,8 @@ class ABRunner:
         plan = self.plan
         self._save()
         try:
-            stopped = self._run_launched() if plan.launcher else self._run_in_turn()
+            with interrupts():  # SIGTERM stops the job as Ctrl-C does
+                stopped = self._run_launched() if plan.launcher else self._run_in_turn()
             if stopped is not None:
                 return stopped
         except ABError as exc:  # a worker that cannot start
@@ -404,6 +407,7 @@ class ABRunner:
         command = [
             sys.executable, "-m", "harness.gating.ab_rounds", "-m",
             f"hydra/launcher={plan.launcher}", *plan.launcher_options,
+            *ray_cluster_overrides(plan.launcher, plan.launcher_options),
             f"plan={plan_file}", f"round={rounds}",
             f"hydra.sweep.dir={plan.out / LAUNCHER_FOLDER}",
         ]  # fmt: skip
@@ -411,10 +415,26 @@ class ABRunner:
         start = time.perf_counter()
         log_path = plan.out / f"{LAUNCHER_FOLDER}.log"
         with log_path.open("w") as log:
-            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=source_env())
+            launcher = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=source_env()
+            )
+            try:
+                returncode = launcher.wait()
+            except KeyboardInterrupt:
+                _stop_launcher(launcher)
+                raise
         self._say(
-            f"the launcher ended (exit code {done.returncode}, {time.perf_counter() - start:.1f} s)"
+            f"the launcher ended (exit code {returncode}, {time.perf_counter() - start:.1f} s)"
         )
+        if returncode != 0 and not any(
+            round_file(plan.out, k).exists() for k in range(plan.rounds)
+        ):
+            # no round ran: a bad --launcher-options, or a launcher that cannot start; no run
+            # failed, so no side is blamed
+            raise ABError(
+                f"--launcher {plan.launcher}: the launcher ran no round (exit code {returncode})"
+                f": {_launcher_error(log_path)} (see {log_path})"
+            )
         for k in range(plan.rounds):
             try:
                 result = json.loads(round_file(plan.out, k).read_text())
@@ -430,7 +450,7 @@ class ABRunner:
                     "a": ab_round_dir(plan.out, k, "a").name,
                     "a_status": "failed",
                     "a_error": f"the launcher did not run round {k} (exit code "
-                    f"{done.returncode}; see {log_path})",
+                    f"{returncode}; see {log_path})",
                 }
             else:
                 entry["placement"] = result.get("placement")
@@ -471,6 +491,38 @@ class ABRunner:
             f"{label}: the {who} run {self.plan.out / entry[side]} {status}: {error}"
         )
         return code
+
+
+LAUNCHER_STOP_TIMEOUT_S = 60.0  # after Ctrl-C, how long the launcher gets to stop its jobs
+
+
+def _stop_launcher(launcher: subprocess.Popen[bytes]) -> None:
+    """Ctrl-C or SIGTERM while the launcher runs the rounds: SIGINT to it, so that it stops its
+    workers as on a Ctrl-C of its own (joblib ends its worker processes, Ray its local
+    cluster), then SIGKILL if it has not ended in time or on a second Ctrl-C. Killing it at
+    once would leave its workers running rounds after the gate said it stopped."""
+    launcher.send_signal(signal.SIGINT)
+    try:
+        launcher.wait(timeout=LAUNCHER_STOP_TIMEOUT_S)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):  # a second Ctrl-C: now
+        launcher.kill()
+        launcher.wait()
+
+
+def _launcher_error(log_path: Path) -> str:
+    """The launcher's own error, from its log: the last lines that say something (Hydra's
+    config errors, a traceback's exception), joined."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "its log cannot be read"
+    said = [
+        line.strip()
+        for line in lines
+        if line.strip() and not line.startswith("Set the environment variable HYDRA_FULL_ERROR")
+    ]
+    error = " ".join(said[-4:]) or "nothing in its log"
+    return error if len(error) <= 400 else "... " + error[-400:]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ from harness.measuring.metrics import REGISTRY
 from harness.run_folder import (
     AB_FILE,
     CONFIG_FILE,
+    HOW_TO_RUN_KEYS,
     PROVENANCE_FILE,
     REPEAT_DIR,
     SUMMARY_FILE,
@@ -174,11 +175,13 @@ def read_group(path: Path, label: str) -> Group:
 
 
 def override_key(overrides: list[str], ignore: set[str]) -> tuple[str, ...]:
-    """A job's identity across sweeps: its overrides, minus ignored keys, in a fixed order."""
+    """A job's identity across sweeps: its overrides, minus ignored keys and those that only
+    say how to run (a job resumed with run.resume=true is the job the other side ran), in a
+    fixed order."""
     kept = []
     for override in overrides:
         key = override.partition("=")[0].lstrip("+~")
-        if key not in ignore:
+        if key not in ignore and key not in HOW_TO_RUN_KEYS:
             kept.append(f"{key}={override.partition('=')[2]}")
     return tuple(sorted(kept))
 

@@ -41,8 +41,8 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -54,6 +54,7 @@ from harness.running import heap
 from harness.running.driver import Driver, RequestTrace, RowSink
 from harness.running.interrupts import deferred, interrupts
 from harness.running.ray_clients import ClientMain, RayTask, start_ray_clients
+from workloads import WORKLOAD_TYPES, config_keys
 from workloads.request import WorkloadRequest
 
 CLOCK_ROUNDS = 16  # ping-pongs per client; the shortest round trip is kept
@@ -126,6 +127,25 @@ def split_concurrency(
             f"allowed: an integer >= {n} (each client keeps at least one request in flight)"
         )
     return [concurrency // n + (i < concurrency % n) for i in range(n)]
+
+
+def cap_key(workload: Mapping[str, Any]) -> str:
+    """The config key of an open loop's cap on the requests in flight, for error messages: a
+    workload type with its own `max_concurrency` (a trace replay, whose times are its own)
+    takes it at the top, the others in their arrival block."""
+    kind = workload.get("type", "synthetic")
+    own = kind in WORKLOAD_TYPES and "max_concurrency" in config_keys(WORKLOAD_TYPES.get(kind))
+    return "workload.max_concurrency" if own else "workload.arrival.max_concurrency"
+
+
+def client_limits(
+    concurrency: int | None, max_concurrency: int | None, n: int, workload: Mapping[str, Any]
+) -> list[dict[str, int | None]]:
+    """Each client's share of a closed loop's C and of an open loop's cap (`workload`: the
+    workload's config, which names the cap's key); ValueError when one is below N."""
+    closed = split_concurrency(concurrency, n)
+    caps = split_concurrency(max_concurrency, n, cap_key(workload))
+    return [{"concurrency": c, "max_concurrency": m} for c, m in zip(closed, caps, strict=True)]
 
 
 # ---- the client process -------------------------------------------------------------------------
@@ -201,6 +221,26 @@ def client_main(
 
 # ---- the launcher -------------------------------------------------------------------------------
 
+#: multiprocessing's own start methods: a spawned child knows them
+_STDLIB_START_METHODS = (None, "fork", "spawn", "forkserver")
+
+
+@contextmanager
+def _spawn_from_any_process() -> Iterator[None]:
+    """A spawned child re-applies its parent's default start method before anything else. In
+    a joblib worker (a sweep on hydra/launcher=joblib) that default is "loky", which a fresh
+    interpreter does not know: every client would die at once ("cannot find context for
+    'loky'"). So the default is "spawn" while a client starts, then what it was."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    if before in _STDLIB_START_METHODS:
+        yield
+        return
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(before, force=True)
+
 
 def start_processes(
     main: ClientMain,
@@ -220,7 +260,8 @@ def start_processes(
             name=f"inferlab-client-{index}",
             daemon=True,  # never outlives the launcher
         )
-        process.start()
+        with _spawn_from_any_process():
+            process.start()
         theirs.close()  # the client's end lives in the client: its exit ends the pipe
         started.append((process, ours))
     return started
@@ -271,6 +312,7 @@ class ClientPool:
         self.on_ray = on_ray  # the clients are Ray tasks (harness/running/ray_clients.py)
         self.engine = dict(config["engine"])
         self.model = dict(config.get("model") or {})
+        self.workload = dict(config.get("workload") or {})
         self.num_clients = num_clients
         self.backend = backend  # the launcher's: its ClientStats get every client's
         self.sink = sink
@@ -291,11 +333,7 @@ class ClientPool:
         max_concurrency: int | None = None,
     ) -> int:
         n = self.num_clients
-        closed = split_concurrency(concurrency, n)
-        caps = split_concurrency(max_concurrency, n, "workload.arrival.max_concurrency")
-        limits = [
-            {"concurrency": c, "max_concurrency": m} for c, m in zip(closed, caps, strict=True)
-        ]
+        limits = client_limits(concurrency, max_concurrency, n, self.workload)
         shares = split_requests(workload, n)
         clients: list[_Client] = []
         interrupted = False

@@ -27,7 +27,7 @@ from harness.run_folder import (
     write_provenance,
 )
 from harness.running import heap
-from harness.running.clients import ClientPool
+from harness.running.clients import ClientPool, client_limits
 from harness.running.driver import Driver
 from harness.running.interrupts import interruption, interrupts
 from harness.running.progress import RunProgress
@@ -210,7 +210,8 @@ MANY_CLIENT_BACKENDS = ("openai",)
 
 
 def run_config(config: dict[str, Any]) -> RunConfig:
-    """The `run` section, checked whole and against the engine (`run.num_clients`)."""
+    """The `run` section, checked whole and against the engine and the workload's in-flight
+    limits (`run.num_clients`)."""
     run_cfg = RunConfig.from_dict(config.get("run"))
     backend = (config.get("engine") or {}).get("backend", "builtin")
     if run_cfg.num_clients > 1 and backend not in MANY_CLIENT_BACKENDS:
@@ -218,6 +219,18 @@ def run_config(config: dict[str, Any]) -> RunConfig:
             f"engine.backend: {backend!r} cannot run with run.num_clients="
             f"{run_cfg.num_clients}; allowed: {'|'.join(MANY_CLIENT_BACKENDS)} (client "
             "processes of one server), or run.num_clients=1"
+        )
+    if run_cfg.num_clients > 1 and isinstance(config.get("workload"), dict):
+        # here, before the server is asked or warmed up, not once the clients are due to start
+        try:
+            workload = make_workload(config["workload"])
+        except ValueError:  # the run reports the workload's own error where it always did
+            return run_cfg
+        client_limits(
+            getattr(workload, "concurrency", None),
+            getattr(workload, "max_concurrency", None),
+            run_cfg.num_clients,
+            config["workload"],
         )
     return run_cfg
 

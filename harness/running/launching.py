@@ -15,12 +15,13 @@ import importlib.util
 import io
 import json
 import os
+import signal
 import socket
 import tarfile
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,34 @@ def missing_launcher(overrides: list[str]) -> str | None:
                 f"pip install -e '.[{extra}]' (or make setup-launchers)"
             )
     return None
+
+
+def ray_joins_its_cluster(launcher: Any) -> None:
+    """Hydra's Ray launcher gives ray.init an object store size (75 MB, for the small local
+    cluster it starts), which ray.init refuses when it connects to an existing cluster
+    (`hydra.launcher.ray.init.address`, or RAY_ADDRESS): that cluster sized its own. Left
+    unset there, so that the documented `hydra.launcher.ray.init.address=ray://head:10001`
+    connects. An object store size given explicitly is kept."""
+    from omegaconf import open_dict
+
+    init = getattr(getattr(launcher, "ray_cfg", None), "init", None)
+    if init is None or "object_store_memory" in init:
+        return
+    if init.get("address") or os.environ.get("RAY_ADDRESS"):
+        with open_dict(init):
+            init.object_store_memory = None  # the launcher's setdefault keeps it None
+
+
+def ray_cluster_overrides(launcher: str | None, options: list[str]) -> list[str]:
+    """What ray_joins_its_cluster does, as an override for a Ray launcher that another Hydra
+    app's sweeper runs (`gate ab --launcher ray --launcher-options ...`, ab_rounds.py)."""
+    given = {o.partition("=")[0].lstrip("+~"): o.partition("=")[2] for o in options}
+    address = given.get("hydra.launcher.ray.init.address", "null") not in ("", "null")
+    if launcher != "ray" or "hydra.launcher.ray.init.object_store_memory" in given:
+        return []
+    if address or os.environ.get("RAY_ADDRESS"):
+        return ["+hydra.launcher.ray.init.object_store_memory=null"]
+    return []
 
 
 def launcher_name(launcher_cfg: Any) -> str:
@@ -146,17 +175,34 @@ def unpack_folder(archive: bytes, folder: Path) -> None:
 
 FINAL_STATUSES = ("complete", "failed", "incomplete")
 
+#: The errors with which a launcher gives up on a batch because a job's process or node was
+#: lost (joblib/loky, submitit, Ray), by class name: the launchers are optional extras. A job's
+#: own exception is its JobReturn, not one of these.
+LOST_JOB_ERRORS = ("BrokenProcessPool", "UncompletedJobError", "RayError")
 
-def _alive_here(job_dir: Path) -> bool:
-    """Is the job's process (its provenance's placement) still running on this host?"""
+
+def lost_a_job(exc: BaseException) -> bool:
+    """Did the launcher raise because it lost a job (else it could not run the batch at all:
+    n_jobs=0, no SLURM, a Ray cluster it cannot reach)?"""
+    return any(cls.__name__ in LOST_JOB_ERRORS for cls in type(exc).__mro__)
+
+
+def _pid_here(job_dir: Path) -> int | None:
+    """The job's process (its provenance's placement) when it still runs on this host."""
     try:
         placement = json.loads((job_dir / "provenance.json").read_text()).get("placement") or {}
         if placement.get("node") != socket.gethostname():
-            return False
-        os.kill(int(placement["pid"]), 0)
+            return None
+        pid = int(placement["pid"])
+        os.kill(pid, 0)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-    return True
+        return None
+    return pid
+
+
+def _alive_here(job_dir: Path) -> bool:
+    """Is the job's process (its provenance's placement) still running on this host?"""
+    return _pid_here(job_dir) is not None
 
 
 def settle_jobs(job_dirs: list[Path], error: str, poll_s: float = 1.0) -> list[Path]:
@@ -182,6 +228,41 @@ def settle_jobs(job_dirs: list[Path], error: str, poll_s: float = 1.0) -> list[P
             job_dir, {**summary, "status": "failed", "error": f"{reason}: {error}", "metrics": {}}
         )
     return failed
+
+
+STOP_TIMEOUT_S = 30.0  # after Ctrl-C, how long the jobs get to end as interrupted runs
+
+
+def stop_jobs(
+    job_dirs: list[Path], reason: str, timeout_s: float = STOP_TIMEOUT_S, poll_s: float = 0.2
+) -> list[Path]:
+    """After Ctrl-C or SIGTERM in the launching process (`reason`: `interrupted: SIGINT`): a
+    SIGTERM to each job of the batch still running on this host, which stops it as it stops
+    a run (its rows kept, its summary `incomplete`), a wait for them (cut short by a second
+    Ctrl-C), then every job that started and has no final summary, its process gone (a
+    launcher ends its workers on Ctrl-C: joblib at once) or on another host, is recorded
+    `incomplete` with the reason. A job that never started keeps no folder, as under the
+    basic launcher. Resume runs all of them again. Returns the jobs recorded here."""
+    for job_dir in job_dirs:
+        pid = _pid_here(job_dir) if _pending(job_dir) else None
+        if pid is not None:
+            with suppress(OSError):  # it ended meanwhile
+                os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and any(_pending(d) and _alive_here(d) for d in job_dirs):
+            time.sleep(poll_s)
+    except KeyboardInterrupt:  # a second Ctrl-C: record them as they are
+        pass
+    recorded = []
+    for job_dir in job_dirs:
+        summary = read_summary(job_dir)
+        if summary is None or summary.get("status") in FINAL_STATUSES:
+            continue
+        recorded.append(job_dir)
+        error = f"{reason}: the sweep was stopped before this job ended"
+        write_summary(job_dir, {**summary, "status": "incomplete", "error": error, "metrics": {}})
+    return recorded
 
 
 def _pending(job_dir: Path) -> bool:

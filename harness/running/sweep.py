@@ -13,6 +13,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from harness.run_folder import (
+    HOW_TO_RUN_KEYS,
     KV_SPEEDUP_FILE,
     SWEEP_SUMMARY_FILE,
     SWEEP_TABLE_FILE,
@@ -23,9 +24,6 @@ from harness.run_folder import (
     write_json_atomic,
     write_text_atomic,
 )
-
-#: Overrides that say how to run, not what: no column in sweep.csv, ignored by resume.
-HOW_TO_RUN_KEYS = {"run.resume", "run.progress"}
 
 
 class ResumeMismatch(ValueError):

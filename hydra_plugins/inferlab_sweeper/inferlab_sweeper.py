@@ -8,16 +8,21 @@ launcher does:
   Ray and submitit raise for the whole batch), the jobs still running on this host are waited
   for and every job without a final summary gets a failed one with the launcher's error, so it
   is a row of sweep.csv and resume (`run.resume=true`) runs it again. The other batches go on.
+  Any other error of the launcher (its options, a cluster it cannot reach) stops the sweep;
+- Ctrl-C or SIGTERM while a launcher runs a batch stops the batch's jobs, records the ones that
+  started as incomplete, writes sweep.csv and exits with 130, as the basic launcher does.
 """
 
 # no `from __future__ import annotations`: Hydra imports plugins without registering them in
 # sys.modules, where dataclasses look string annotations up
 import logging
+import sys
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
@@ -26,9 +31,17 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf, open_dict
 
 from harness.measuring import provenance
-from harness.run_folder import read_config, repeat_dir, write_config, write_provenance
+from harness.run_folder import (
+    SWEEP_TABLE_FILE,
+    read_config,
+    repeat_dir,
+    write_config,
+    write_provenance,
+)
 from harness.running import launching
+from harness.running.interrupts import interruption, interrupts
 from harness.running.repeats import one_repeat, summarize_launched_repeats
+from harness.running.sweep import write_sweep_csv
 
 log = logging.getLogger(__name__)
 
@@ -87,27 +100,40 @@ class InferlabSweeper(BasicSweeper):
             parser.parse_overrides(params_conf), self.max_batch_size
         )
         sweep_dir = Path(self.config.hydra.sweep.dir)
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        launching.write_launch_record(
-            sweep_dir,
-            launching.launcher_name(self.config.hydra.launcher),
-            sum(len(batch) for batch in self.overrides),
-        )
+        name = launching.launcher_name(self.config.hydra.launcher)
+        try:
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+            launching.write_launch_record(
+                sweep_dir, name, sum(len(batch) for batch in self.overrides)
+            )
+        except OSError as exc:  # read-only, no permission, a full disk: one line, as for a run
+            print(f"error: {sweep_dir}: the sweep folder cannot be written: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+        if name == "ray":
+            launching.ray_joins_its_cluster(self.launcher)
         returns: list[Any] = []
         first_job = 0  # the job numbers the basic launcher would give
         launched = 0
         while not self.is_done():
             batch = [list(o) for o in self.get_job_batch()]
             self.validate_batch_is_legal(batch)
-            jobs = self._expand_repeats(batch, first_job, sweep_dir)
+            jobs = self._expand_repeats(batch, first_job, sweep_dir, launched != first_job)
             try:
-                results = self.launcher.launch(
-                    [j.overrides for j in jobs], initial_job_idx=launched
-                )
-            except Exception as exc:  # the launcher lost a job: record the batch's, go on
+                # a launcher that runs jobs elsewhere: SIGTERM stops the sweep as Ctrl-C does
+                # (the basic launcher's job, running here, takes both signals itself)
+                with interrupts() if name != "basic" else nullcontext():
+                    results = self.launcher.launch(
+                        [j.overrides for j in jobs], initial_job_idx=launched
+                    )
+            except KeyboardInterrupt as exc:
+                self._interrupted(jobs, sweep_dir, interruption(exc))
+            except Exception as exc:
                 error = " ".join("".join(traceback.format_exception_only(exc)).split())
                 error = error if len(error) <= 400 else error[:400] + " ..."
+                if not launching.lost_a_job(exc):
+                    self._launcher_failed(jobs, sweep_dir, name, error)
+                # the launcher lost a job: record the batch's, go on
                 log.error(f"the launcher stopped on a batch: {error}")
                 self._settle(jobs, sweep_dir, error)
                 results = []
@@ -121,12 +147,15 @@ class InferlabSweeper(BasicSweeper):
             returns.append(results)
         return returns
 
-    def _expand_repeats(self, batch: list[list[str]], first_job: int, sweep_dir: Path) -> list[Job]:
+    def _expand_repeats(
+        self, batch: list[list[str]], first_job: int, sweep_dir: Path, renumbered: bool
+    ) -> list[Job]:
         """The jobs to launch for a batch of the grid. A job with repeats=N > 1 becomes N jobs,
         one per repeat-<k>/ folder (harness/running/repeats.py), when the launcher runs jobs
         side by side; the basic launcher keeps running them in turn, each in a fresh process.
         Every job's folder is then given explicitly: the launcher's job numbers no longer
-        match the grid's."""
+        match the grid's. So it is in every later batch (`renumbered`: an earlier batch's
+        repeats were jobs), whose job numbers the launcher counts on from all it launched."""
         assert self.config is not None
         if launching.launcher_name(self.config.hydra.launcher) == "basic":
             # no composing here (a sweep of hundreds of jobs): folders only if ever needed
@@ -136,7 +165,7 @@ class InferlabSweeper(BasicSweeper):
             folder, repeats = self._job_plan(overrides, first_job + i, sweep_dir)
             grid.append(Job(overrides, folder, first_job + i))
             counts.append(repeats)
-        if all(n == 1 for n in counts):
+        if all(n == 1 for n in counts) and not renumbered:
             return grid
         jobs = []
         for job, n in zip(grid, counts, strict=True):
@@ -176,18 +205,54 @@ class InferlabSweeper(BasicSweeper):
             job_cfg.hydra.job.num = num
         return sweep_dir / str(job_cfg.hydra.sweep.subdir), int(job_cfg.get("repeats") or 1)
 
-    def _settle(self, jobs: list[Job], sweep_dir: Path, error: str) -> None:
-        time.sleep(0.5)  # let a job that was ending finish its summary
+    def _folders(self, jobs: list[Job], sweep_dir: Path) -> list[Path]:
+        """Each job's run folder, composed now where it was not yet (the basic launcher's)."""
         for job in jobs:
             if job.folder is None:
                 job.folder = self._job_plan(job.overrides, job.num, sweep_dir)[0]
-        folders = [j.folder for j in jobs if j.folder is not None]
-        failed = launching.settle_jobs(folders, error)
+        return [j.folder for j in jobs if j.folder is not None]
+
+    def _settle(self, jobs: list[Job], sweep_dir: Path, error: str) -> None:
+        time.sleep(0.5)  # let a job that was ending finish its summary
+        failed = launching.settle_jobs(self._folders(jobs, sweep_dir), error)
         for job in jobs:
             assert job.folder is not None
             launching.write_job_overrides(job.folder, job.overrides)
         for job_dir in failed:
             log.error(f"job {job_dir.name}: failed ({error})")
+
+    def _launcher_failed(self, jobs: list[Job], sweep_dir: Path, name: str, error: str) -> NoReturn:
+        """The launcher could not run the batch (options it refuses, such as n_jobs=0; no
+        SLURM; a Ray cluster it cannot reach): every batch would fail alike, so the sweep
+        stops with its error. Jobs of the batch that started are recorded first."""
+        started = [
+            j for j, f in zip(jobs, self._folders(jobs, sweep_dir), strict=True) if f.is_dir()
+        ]
+        if started:
+            self._settle(started, sweep_dir, error)
+            write_sweep_csv(sweep_dir)
+        print(f"error: hydra/launcher={name} could not run the sweep: {error}", file=sys.stderr)
+        raise SystemExit(1)
+
+    def _interrupted(self, jobs: list[Job], sweep_dir: Path, reason: str) -> NoReturn:
+        """Ctrl-C or SIGTERM while the launcher ran a batch: the batch's jobs are stopped and
+        recorded `incomplete`, sweep.csv is written, and the sweep ends with exit code 130,
+        as under the basic launcher; `run.resume=true` finishes it."""
+        for job_dir in launching.stop_jobs(self._folders(jobs, sweep_dir), reason):
+            log.error(f"job {job_dir.relative_to(sweep_dir)}: incomplete ({reason})")
+        for job in jobs:
+            if job.folder is not None and job.folder.is_dir():  # started: its row needs them
+                launching.write_job_overrides(job.folder, job.overrides)
+        self._summarize_repeats(
+            [j for j in jobs if j.of is None or (j.of.folder is not None and j.of.folder.is_dir())]
+        )
+        frame = write_sweep_csv(sweep_dir)
+        print(
+            f"sweep {reason}: {len(frame)} job(s) -> {sweep_dir / SWEEP_TABLE_FILE}; the same "
+            "command with run.resume=true runs the jobs that are not complete",
+            file=sys.stderr,
+        )
+        raise SystemExit(130)
 
     def _gather(self, result: JobReturn, sweep_dir: Path) -> None:
         if result.status != JobStatus.COMPLETED or not isinstance(result.return_value, dict):

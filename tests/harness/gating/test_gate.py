@@ -329,6 +329,25 @@ def test_sweeps_match_jobs_by_overrides(tmp_path: Path, capsys: pytest.CaptureFi
     assert "no job of the baseline sweep matches" in capsys.readouterr().err
 
 
+def test_a_resumed_sweep_matches_the_sweep_it_repeats(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A job that `run.resume=true` ran again (a launcher lost it) records that override; the
+    # job is still the same configuration, as sweep.csv and the report already treat it.
+    make_job(tmp_path / "base", 0, ["engine.kv_cache=none"], 50.0)
+    make_job(tmp_path / "base", 1, ["engine.kv_cache=paged"], 100.0)
+    make_job(tmp_path / "cand", 0, ["engine.kv_cache=none"], 50.0)
+    make_job(tmp_path / "cand", 1, ["engine.kv_cache=paged", "run.resume=True"], 100.0)
+    make_job(tmp_path / "cand", 2, ["engine.kv_cache=contiguous", "run.progress=false"], 90.0)
+    make_job(tmp_path / "base", 2, ["engine.kv_cache=contiguous"], 90.0)
+    code, out = run_gate(
+        capsys, "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand")
+    )
+    assert code == 2, out  # matched; one run per side cannot decide timing
+    assert "has no candidate job" not in out and "has no baseline job" not in out
+    assert "one run per side" in out
+
+
 def test_different_machines_are_flagged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     make_repeats(tmp_path / "base", 100.0, 6, seed=1, host="h1")
     make_repeats(tmp_path / "cand", 100.0, 6, seed=2, host="h2")

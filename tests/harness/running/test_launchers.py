@@ -5,11 +5,15 @@ a launcher whose extra is missing is one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -106,6 +110,20 @@ def test_repeats_spread_over_the_launchers_workers(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_batches_after_repeats_ran_as_jobs_keep_the_grids_job_folders(tmp_path: Path) -> None:
+    # batch 1's two jobs of 2 repeats were 4 launcher jobs; batch 2's jobs are still 2 and 3
+    # (they were 4 and 5: the launcher numbers on from all it launched)
+    grid = ["repeats=2,1", "engine.kv_cache=none,paged", "hydra.sweeper.max_batch_size=2"]
+    sweep(tmp_path / "basic", *grid)
+    sweep(tmp_path / "joblib", *grid, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+    assert sorted(layout(tmp_path / "joblib")) == [".", "0", "1", "2", "3"]
+    rows = pd.read_csv(tmp_path / "joblib" / "sweep.csv")
+    basic = pd.read_csv(tmp_path / "basic" / "sweep.csv")
+    keys = ["job", "repeats", "engine.kv_cache", "status"]
+    assert rows[keys].equals(basic[keys]) and set(rows["status"]) == {"complete"}
+
+
+@pytest.mark.slow
 def test_ab_rounds_run_as_launcher_jobs_each_paired_on_one_slot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -132,6 +150,62 @@ def test_ab_rounds_run_as_launcher_jobs_each_paired_on_one_slot(
             record = json.loads((out / entry[side] / "provenance.json").read_text())
             assert record["threads"]["affinity"] == slot["cores"]
     assert "paired ratios over A/B rounds" in printed
+
+
+def test_ab_launcher_options_it_refuses_are_its_error_not_a_failed_baseline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from harness import cli
+
+    out = tmp_path / "ab"
+    code = cli.main(
+        ["gate", "ab", "--baseline", "", "--candidate", "engine.kv_cache=paged",
+         "--common", " ".join(TINY_JOB), "--rounds", "2", "--allow-few-rounds",
+         "--launcher", "joblib", "--launcher-options", "hydra.launcher.n_jobs=two",
+         "--out", str(out)]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "failed" not in captured.out and "baseline" not in captured.out
+    error = captured.err.strip().splitlines()[-1]
+    assert error.startswith("inferlab gate ab: error: --launcher joblib: the launcher ran no round")
+    assert "Value 'two' of type 'str' could not be converted to Integer" in error
+    ab = json.loads((out / "ab.json").read_text())
+    assert ab["status"] == "stopped" and ab["rounds"] == [] and "verdict" not in ab
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+def test_sigterm_to_gate_ab_stops_the_launchers_workers_too(tmp_path: Path) -> None:
+    # each run lasts ~3 s (4 requests at 1/s), so the rounds are running when the signal comes
+    common = [*TINY_JOB, "workload.num_requests=4", "workload.arrival={process: constant, rate: 1}"]
+    out = tmp_path / "ab"
+    gate = subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", "gate", "ab", "--baseline", "",
+         "--candidate", "engine.kv_cache=paged", "--common", shlex.join(common),
+         "--rounds", "2", "--allow-few-rounds", "--launcher", "joblib",
+         "--launcher-options", "hydra.launcher.n_jobs=2", "--out", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its group: every process the gate and its launcher start
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: any(out.glob("warmup-*-*/summary.json")), 180)
+        gate.send_signal(signal.SIGTERM)  # the gate alone, as a CI runner's timeout sends it
+        printed, _ = gate.communicate(timeout=120)
+        assert gate.returncode == 130, printed[-3000:]
+        assert json.loads((out / "ab.json").read_text())["status"] == "incomplete"
+        # the launcher's worker processes ended with it: none goes on running rounds
+        _wait_for(lambda: _group_gone(gate.pid), 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(gate.pid, signal.SIGKILL)
 
 
 def _wait_for(predicate: Any, timeout: float) -> None:
@@ -192,6 +266,102 @@ def test_jobs_the_launcher_lost_keep_their_rows(tmp_path: Path) -> None:
     assert [r["engine.kv_cache"] for r in rows] == ["none", "paged"]
     assert all(r["status"] == "failed" and "NodeDiedError" in r["error"] for r in rows)
     assert all("did not start or its folder never reached this host" in r["error"] for r in rows)
+
+
+def test_an_interrupted_sweep_stops_its_jobs_and_records_them_incomplete(tmp_path: Path) -> None:
+    # job 0 still runs here (a process that ends on SIGTERM), job 1 is complete, job 2 ran on
+    # a worker the launcher already ended, job 3 never started (no folder: no row, as under
+    # the basic launcher)
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    threading.Thread(target=running.wait, daemon=True).start()  # reaped, as a launcher does
+    here = socket.gethostname()
+    for job, status, pid in (
+        ("0", "running", running.pid),
+        ("1", "complete", 0),
+        ("2", "running", 0),
+    ):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "summary.json").write_text(json.dumps({"status": status, "metrics": {}}))
+        placement = {"node": here, "pid": pid or 2**22 + 1}  # 0: a pid above Linux's pid_max
+        (tmp_path / job / "provenance.json").write_text(json.dumps({"placement": placement}))
+    jobs = [tmp_path / str(k) for k in range(4)]
+    start = time.monotonic()
+    recorded = launching.stop_jobs(jobs, "interrupted: SIGINT", timeout_s=60, poll_s=0.05)
+    assert time.monotonic() - start < 30 and running.returncode == -signal.SIGTERM
+    assert recorded == [jobs[0], jobs[2]]
+    for job in (jobs[0], jobs[2]):
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["status"] == "incomplete"
+        assert summary["error"].startswith("interrupted: SIGINT: the sweep was stopped")
+    assert _status(jobs[1]) == "complete" and not jobs[3].exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_launched_sweep_stops_its_jobs_and_writes_its_table(tmp_path: Path) -> None:
+    # each job lasts ~3 s (4 requests at 1/s): both are running when the signal comes
+    command = [sys.executable, "-m", "harness.cli", "run", "-m", *TINY_JOB,
+               "workload.num_requests=4", "workload.arrival={process: constant, rate: 1}",
+               "engine.kv_cache=none,paged", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+               f"hydra.sweep.dir={tmp_path}"]  # fmt: skip
+    launcher = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its group: the launcher and its workers
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: all(_status(tmp_path / j) == "running" for j in "01"), 180)
+        launcher.send_signal(signal.SIGTERM)  # the launching process alone
+        printed, _ = launcher.communicate(timeout=120)
+        assert launcher.returncode == 130, printed[-3000:]
+        assert "sweep interrupted: SIGTERM: 2 job(s)" in printed
+        rows = pd.read_csv(tmp_path / "sweep.csv")
+        assert list(rows["status"]) == ["incomplete", "incomplete"]
+        assert all(error.startswith("interrupted: SIGTERM") for error in rows["error"])
+        _wait_for(lambda: _group_gone(launcher.pid), 30)  # joblib's workers ended with it
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    resumed = subprocess.run(
+        [*command, "run.resume=true"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert list(pd.read_csv(tmp_path / "sweep.csv")["status"]) == ["complete", "complete"]
+
+
+def test_a_launcher_that_cannot_run_the_sweep_stops_it_with_its_error(tmp_path: Path) -> None:
+    # not a lost job (that is a failed row, and the sweep goes on): joblib refuses n_jobs=0
+    # for every batch alike, so the sweep stops with exit 1 and the launcher's own words
+    done = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "-m", *TINY_JOB,
+         "engine.kv_cache=none,paged", "hydra/launcher=joblib", "hydra.launcher.n_jobs=0",
+         f"hydra.sweep.dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: hydra/launcher=joblib could not run the sweep: "
+        "ValueError: n_jobs == 0 in Parallel has no meaning"
+    )
+    assert not (tmp_path / "0").exists() and not (tmp_path / "sweep.csv").exists()
+    from joblib.externals.loky.process_executor import TerminatedWorkerError
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    lost = [TerminatedWorkerError("SIGKILL"), UncompletedJobError("x"), FailedJobError("x")]
+    assert all(launching.lost_a_job(exc) for exc in lost)
+    assert not launching.lost_a_job(RuntimeError('Could not detect "srun"'))
+
+
+def test_a_sweep_folder_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")  # as a read-only or full filesystem would, mkdir fails
+    done = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "-m", *TINY_JOB,
+         f"hydra.sweep.dir={tmp_path / 'file' / 'sweep'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        f"error: {tmp_path / 'file' / 'sweep'}: the sweep folder cannot be written: "
+        f"[Errno 20] Not a directory: '{tmp_path / 'file' / 'sweep'}'"
+    )
 
 
 def test_a_run_folder_travels_back_to_the_launching_host(tmp_path: Path) -> None:
@@ -273,6 +443,46 @@ def test_cores_per_job_follow_the_launchers_own_settings() -> None:
     assert launching.gpus_per_job(tp2, ["0", "1"]) == 2
     assert launching.gpus_per_job(tp2, []) == 0  # auto on a host without GPUs: the CPU
     assert launching.gpus_per_job({"engine": {"backend": "openai"}}, ["0"]) == 0
+
+
+def test_ray_connects_to_an_existing_cluster_without_sizing_its_object_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Hydra's Ray launcher gives ray.init a 75 MB object store, which ray.init refuses with an
+    # address ("When connecting to an existing cluster, object_store_memory must not be
+    # provided"): the sweeper leaves it unset there, so the launcher's setdefault keeps None
+    from hydra_plugins.hydra_ray_launcher.ray_launcher import RayLauncher
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cluster = RayLauncher(ray=OmegaConf.create({"init": {"address": "ray://head:10001"}}))
+    launching.ray_joins_its_cluster(cluster)
+    assert cluster.ray_cfg.init.setdefault("object_store_memory", 78643200) is None
+    local = RayLauncher(ray=OmegaConf.create({"init": {"address": None}}))
+    launching.ray_joins_its_cluster(local)  # a local cluster keeps the launcher's size
+    assert local.ray_cfg.init.setdefault("object_store_memory", 78643200) == 78643200
+    sized = RayLauncher(ray=OmegaConf.create({"init": {"address": "auto"}}))
+    sized.ray_cfg.init.object_store_memory = 10**9
+    launching.ray_joins_its_cluster(sized)  # given explicitly: kept
+    assert sized.ray_cfg.init.object_store_memory == 10**9
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # ray.init reads the address there
+    by_env = RayLauncher(ray=OmegaConf.create({"init": {"address": None}}))
+    launching.ray_joins_its_cluster(by_env)
+    assert by_env.ray_cfg.init.object_store_memory is None
+
+
+def test_gate_ab_rounds_on_a_ray_cluster_leave_the_object_store_to_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    address = ["hydra.launcher.ray.init.address=ray://head:10001"]
+    null = ["+hydra.launcher.ray.init.object_store_memory=null"]
+    assert launching.ray_cluster_overrides("ray", address) == null
+    assert launching.ray_cluster_overrides("ray", ["+hydra.launcher.ray.init.num_cpus=2"]) == []
+    sized = [*address, "+hydra.launcher.ray.init.object_store_memory=1000000000"]
+    assert launching.ray_cluster_overrides("ray", sized) == []
+    assert launching.ray_cluster_overrides("joblib", address) == []
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert launching.ray_cluster_overrides("ray", []) == null
 
 
 def test_a_missing_launcher_extra_is_one_line(

@@ -93,6 +93,36 @@ def test_a_closed_loop_needs_a_slot_per_client() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["workload.arrival={process: closed, concurrency: 1}"], "workload.arrival.concurrency"),
+        (
+            ["workload.arrival={process: poisson, rate: 5, max_concurrency: 1}"],
+            "workload.arrival.max_concurrency",
+        ),
+        (  # a trace replay takes its cap at the top of the workload: the error names that key
+            [
+                "workload=trace",
+                "workload.path=data/traces/AzureLLMInferenceTrace_conv.csv",
+                "workload.max_concurrency=1",
+            ],
+            "workload.max_concurrency",
+        ),
+    ],
+)
+def test_too_few_slots_for_the_clients_stop_the_run_at_the_edge(
+    overrides: list[str], key: str
+) -> None:
+    # checked with the `run` section, before the server is asked or warmed up, and named by
+    # the key the user set
+    config = composed("engine=openai", "model=tiny", "run.num_clients=2", *overrides)
+    with pytest.raises(ValueError) as error:
+        run_config(config)
+    assert str(error.value).startswith(f"{key}: 1 is invalid with run.num_clients=2; ")
+    assert run_config({**config, "run": {**config["run"], "num_clients": 1}}).num_clients == 1
+
+
 def test_sessions_stay_whole_and_are_dealt_in_arrival_order() -> None:
     config = composed(
         "model=tiny",
@@ -409,3 +439,22 @@ def test_ctrl_c_stops_every_client_and_the_run_is_incomplete(
             os.kill(client["pid"], 0)
     assert np.isfinite(summary["metrics"]["ttft_p50_s"])
     assert json.loads((tmp_path / "summary.json").read_text())["clients_t0_ns"] > 0
+
+
+@pytest.mark.slow
+def test_many_clients_run_in_a_joblib_sweeps_job(scripted: ServeProcess, tmp_path: Path) -> None:
+    # A joblib worker's default start method is "loky", which a spawned client did not know:
+    # every client died at once ("cannot find context for 'loky'") and the job failed
+    # (n_jobs=2: with 1, joblib runs the job in the launching process).
+    done = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "-m", "engine=openai",
+         f"engine.base_url={scripted.base_url}/v1", "engine.model=scripted", "model=tiny",
+         "workload.num_requests=4", "workload.input_len=8", "workload.output_len=4",
+         "run.warmup_requests=0", "run.progress=false", "run.num_clients=2",
+         "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = read_summary(tmp_path / "0")
+    assert summary is not None and summary["status"] == "complete", summary
+    assert [c["status"] for c in summary["clients"]] == ["done", "done"]
