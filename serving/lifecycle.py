@@ -43,8 +43,9 @@ GRACE_AFTER_DRAIN_S = 5
 ABORT_FLUSH_S = 5.0
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (not yet listening; uvicorn listens on it)."""
+def bind_socket(host: str, port: int, port_option: str = "port=") -> socket.socket:
+    """A TCP socket bound to host:port (not yet listening; uvicorn listens on it);
+    `port_option`: how the error tells the user to choose another port."""
     try:
         infos = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
@@ -63,9 +64,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
+        zero = f"{port_option}0" if port_option.endswith("=") else f"{port_option} 0"
         raise ServerConfigError(
             f"port: cannot listen on {host}:{port}: {exc.strerror} (is "
-            "another server using it? choose another port=, or port=0 "
+            f"another server using it? choose another {port_option}, or {zero} "
             "for any free one)"
         ) from None
     return sock

@@ -42,6 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engines.base import now_ns
+from serving.config import ServerConfigError
 from serving.formats import ChatWriter, CompletionWriter, Writer, collect, event_stream
 from serving.generation import ChoiceEnd, ChoiceText, Piece
 from serving.lifecycle import bind_socket
@@ -231,8 +232,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.ttft_ms < 0 or args.itl_ms < 0 or (args.output_tokens or 0) < 0:
         parser.error("--ttft-ms, --itl-ms and --output-tokens must be >= 0")
+    if not 0 <= args.port <= 65535:  # the socket layer would take it modulo 65536
+        parser.error(f"--port: {args.port} is invalid; allowed: 0..65535 (0: any free port)")
     script = Script(args.ttft_ms, args.itl_ms, args.output_tokens, args.model, args.max_model_len)
-    sock = bind_socket(args.host, args.port)
+    try:
+        sock = bind_socket(args.host, args.port, port_option="--port")
+    except ServerConfigError as exc:  # the port is taken, the host unknown: one line
+        parser.error(str(exc))
     host, port = sock.getsockname()[:2]
     print(
         f"inferlab serve: scripted server (TTFT {script.ttft_ms} ms, ITL {script.itl_ms} ms) "

@@ -79,8 +79,12 @@ def visible_gpus() -> list[str]:
         return []
 
 
-def _try_lock(path: Path) -> IO[str] | None:
-    handle = path.open("a")
+def _try_lock(path: Path) -> IO[bytes] | None:
+    # Read-only, created readable by all: flock needs no write access, and the lock files are
+    # shared with other users' jobs on the host (opening another user's 0644 file for writing
+    # failed with PermissionError, which crashed every job of the second user)
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    handle = os.fdopen(fd, "rb")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -89,13 +93,23 @@ def _try_lock(path: Path) -> IO[str] | None:
     return handle
 
 
+def _shared_dir(folder: Path) -> None:
+    """The lock folder, writable by every user like /tmp (sticky: each removes only its own
+    files), so that another user's job can add the lock file of a core not claimed yet."""
+    if folder.is_dir():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with suppress(OSError):  # created by another user meanwhile: theirs to set
+        folder.chmod(0o1777)
+
+
 def _claim(
     names: list[str], wanted: int, prefix: str, stack: ExitStack
 ) -> tuple[list[str], list[str]]:
     """(claimed, shared): the first `wanted` free names, topped up with busy ones when too
     few are free. Claims last as long as `stack`."""
     folder = lock_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    _shared_dir(folder)
     claimed: list[str] = []
     for name in names:
         if len(claimed) == wanted:

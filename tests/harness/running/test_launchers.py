@@ -418,6 +418,42 @@ def test_jobs_claim_disjoint_cores_and_gpus_and_say_when_they_share(
         pass
 
 
+def test_claims_work_across_users_of_the_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The lock folder and files are shared by every user's jobs: the folder is writable by
+    # all (sticky, like /tmp), a lock file is readable by all and opened read-only (flock
+    # needs no more). Another user's lock file, which we may read and not write, is claimed:
+    # opening it for writing raised PermissionError and crashed the job.
+    folder = tmp_path / "locks"
+    monkeypatch.setenv(placement.LOCK_DIR_ENV, str(folder))
+    monkeypatch.setattr(placement, "allowed_cores", lambda: [0, 1])
+    monkeypatch.setattr(placement, "_pin_threads", lambda cores: None)
+    with placement.job_placement("joblib", 1, 0, []) as first:
+        assert first.cores == [0]
+    assert folder.stat().st_mode & 0o7777 == 0o1777
+    assert (folder / "cpu-0.lock").stat().st_mode & 0o777 == 0o644
+    real_open, real_path_open = os.open, Path.open
+
+    def theirs(path: Any, flags: int, *args: Any) -> int:  # as another user's 0644 file
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_APPEND):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    def theirs_too(path: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if set(mode) & set("wax+"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_path_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(placement.os, "open", theirs)
+    monkeypatch.setattr(Path, "open", theirs_too)
+    with (
+        placement.job_placement("joblib", 1, 0, []) as a,
+        placement.job_placement("joblib", 1, 0, []) as b,
+    ):
+        assert (a.cores, b.cores) == ([0], [1]) and not (a.shared_cores or b.shared_cores)
+
+
 def test_a_job_is_pinned_to_its_cores_and_let_go_after(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
