@@ -14,10 +14,12 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import multiprocessing
 import os
 import signal
 import socket
 import tarfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -292,23 +294,55 @@ def gpus_per_job(config: dict[str, Any], visible: list[str]) -> int:
     return 0
 
 
+ORPHAN_POLL_S = 2.0
+_jobs_here = 0  # jobs running in this process (its main thread starts and ends them)
+_watching_parent = False
+
+
+def _exit_when_orphaned(parent: int, poll_s: float) -> None:
+    """Once the launching process is gone (SIGKILL, the OOM killer) and no job runs here, end
+    this worker process: loky's idle workers would otherwise wait for work for good. A job
+    running when it went finishes first (a complete job is kept)."""
+    while True:
+        time.sleep(poll_s)
+        if os.getppid() != parent and _jobs_here == 0:
+            os._exit(0)
+
+
+def _watch_parent(poll_s: float = ORPHAN_POLL_S) -> None:
+    global _watching_parent
+    # None in the launching process itself (joblib runs a job there with n_jobs=1): its own
+    # parent, a shell, may well go
+    parent = multiprocessing.parent_process()
+    if not _watching_parent and parent is not None and parent.pid is not None:
+        _watching_parent = True
+        threading.Thread(target=_exit_when_orphaned, args=(parent.pid, poll_s), daemon=True).start()
+
+
 @contextmanager
 def launched_job(hydra_cfg: Any, config: dict[str, Any]) -> Iterator[JobOnLauncher]:
     """A sweep job's placement (claimed and pinned for the duration) when the launcher runs
     jobs side by side."""
+    global _jobs_here
     name = launcher_name(hydra_cfg.launcher)
     if name == "basic" or hydra_cfg.mode != RunMode.MULTIRUN:  # one job at a time
         yield JobOnLauncher(name, None)
         return
     from harness.running import placement
 
+    if name == "joblib":  # its workers are children of the launching process
+        _watch_parent()
     record = read_launch_record(Path(hydra_cfg.sweep.dir))
     cores = cores_per_job(
         hydra_cfg.launcher, len(placement.allowed_cores()), record.num_jobs if record else None
     )
     gpus = gpus_per_job(config, placement.visible_gpus())
-    with placement.job_placement(name, cores, gpus) as where:
-        yield JobOnLauncher(name, where.as_record())
+    _jobs_here += 1
+    try:
+        with placement.job_placement(name, cores, gpus) as where:
+            yield JobOnLauncher(name, where.as_record())
+    finally:
+        _jobs_here -= 1
 
 
 @dataclass

@@ -364,6 +364,40 @@ def test_a_sweep_folder_that_cannot_be_written_is_one_line(tmp_path: Path) -> No
     )
 
 
+@pytest.mark.slow
+def test_joblib_workers_end_after_their_launcher_was_killed(tmp_path: Path) -> None:
+    # SIGKILL (the OOM killer) gives the launching process no say: its joblib workers finish
+    # the jobs they run (complete jobs are kept for resume), then end instead of idling for good
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", "run", "-m", *TINY_JOB,
+         "workload.num_requests=4", "workload.arrival={process: constant, rate: 1}",
+         "engine.kv_cache=none,paged", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+         f"hydra.sweep.dir={tmp_path}"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: all(_status(tmp_path / j) == "running" for j in "01"), 180)
+        launcher.kill()
+        launcher.wait()
+        _wait_for(lambda: _group_gone(launcher.pid), 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert [_status(tmp_path / j) for j in "01"] == ["complete", "complete"]
+
+
+def test_the_launching_process_never_watches_its_own_parent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # joblib runs a job in the launching process itself with n_jobs=1: whose parent (a shell
+    # closed under nohup) going away must not end the sweep between two jobs
+    monkeypatch.setattr(launching, "_watching_parent", False)
+    started: list[Any] = []
+    monkeypatch.setattr(launching.threading, "Thread", lambda **kw: started.append(kw))
+    launching._watch_parent(poll_s=0.01)
+    assert started == [] and launching._watching_parent is False
+
+
 def test_a_run_folder_travels_back_to_the_launching_host(tmp_path: Path) -> None:
     """A job on a host without the sweep folder returns its folder; the sweeper writes it."""
     from hydra_plugins.inferlab_sweeper.inferlab_sweeper import InferlabSweeper
