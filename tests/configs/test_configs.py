@@ -325,6 +325,8 @@ def other_value(key: str, default: object) -> object:
         return str(CONFIGS / "config.yaml")  # a path: any text file
     if key == "run.quality.prompt_sets":
         return ["data/traces/mt_bench_questions.jsonl"]
+    if key == "run.clients_on":
+        return "ray"
     if default is None:  # the SLO bounds
         return 0.5
     assert isinstance(default, str), key
