@@ -123,19 +123,23 @@ def test_batches_after_repeats_ran_as_jobs_keep_the_grids_job_folders(tmp_path: 
     assert rows[keys].equals(basic[keys]) and set(rows["status"]) == {"complete"}
 
 
+def gate_ab_on_joblib(out: Path, rounds: int, launcher_options: str) -> int:
+    """`inferlab gate ab` of the tiny job against its paged-KV twin, rounds on joblib."""
+    from harness import cli
+
+    return cli.main(
+        ["gate", "ab", "--baseline", "", "--candidate", "engine.kv_cache=paged",
+         "--common", " ".join(TINY_JOB), "--rounds", str(rounds), "--allow-few-rounds",
+         "--launcher", "joblib", "--launcher-options", launcher_options, "--out", str(out)]
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_ab_rounds_run_as_launcher_jobs_each_paired_on_one_slot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from harness import cli
-
     out = tmp_path / "ab"
-    code = cli.main(
-        ["gate", "ab", "--baseline", "", "--candidate", "engine.kv_cache=paged",
-         "--common", " ".join(TINY_JOB), "--rounds", "3", "--allow-few-rounds",
-         "--launcher", "joblib", "--launcher-options", "hydra.launcher.n_jobs=2",
-         "--out", str(out)]
-    )  # fmt: skip
+    code = gate_ab_on_joblib(out, 3, "hydra.launcher.n_jobs=2")
     printed = capsys.readouterr().out
     assert code == 2, printed  # 3 rounds: too few to decide timing
     ab = json.loads((out / "ab.json").read_text())
@@ -155,15 +159,8 @@ def test_ab_rounds_run_as_launcher_jobs_each_paired_on_one_slot(
 def test_ab_launcher_options_it_refuses_are_its_error_not_a_failed_baseline(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from harness import cli
-
     out = tmp_path / "ab"
-    code = cli.main(
-        ["gate", "ab", "--baseline", "", "--candidate", "engine.kv_cache=paged",
-         "--common", " ".join(TINY_JOB), "--rounds", "2", "--allow-few-rounds",
-         "--launcher", "joblib", "--launcher-options", "hydra.launcher.n_jobs=two",
-         "--out", str(out)]
-    )  # fmt: skip
+    code = gate_ab_on_joblib(out, 2, "hydra.launcher.n_jobs=two")
     captured = capsys.readouterr()
     assert code == 2
     assert "failed" not in captured.out and "baseline" not in captured.out
