@@ -382,7 +382,7 @@ def test_tiny_run_writes_samples_and_metrics(tmp_path: Path) -> None:
         assert samples["rss_bytes"].min() <= metrics["peak_rss_bytes"] <= samples["rss_bytes"].max()
         # process CPU time ticks in 10 ms steps: a window of a few tens of ms can see none
         # (a clean-clone CI run did), or one tick more than it used (1.25 seen in another);
-        # the whole run's is checked positive below
+        # the CPU column is checked positive below
         shortest_s = float(samples["time_s"].diff().dropna().min())
         tick_over = 0.01 / (shortest_s * on_disk["monitor"]["cpus"])
         assert 0 <= metrics["cpu_util_mean"] <= 1.05 + tick_over
@@ -395,7 +395,9 @@ def test_tiny_run_writes_samples_and_metrics(tmp_path: Path) -> None:
         assert not {"peak_vram_bytes", "gpu_util_mean", "energy_j", "j_per_output_token"} & set(
             metrics
         )
-    assert on_disk["metrics_whole_run"]["cpu_util_mean"] > 0
+    # this run's requests last a few ms, under one 10 ms tick, so even the whole run's mean
+    # can be 0 (a clean-clone CI run saw it); loading the model before t0 takes ~100 ms
+    assert samples["cpu_util"].max() > 0
 
 
 def test_monitor_disabled_writes_no_samples(tmp_path: Path) -> None:
