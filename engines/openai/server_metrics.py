@@ -63,13 +63,19 @@ class SpecDecodeCounters:
         }
 
 
-def metrics_url(base_url: str) -> str:
-    """Where an OpenAI-compatible server serves /metrics: its root, not under /v1."""
+def server_root(base_url: str) -> str:
+    """http://host:port/v1 -> http://host:port: where a server has /metrics and vLLM's
+    profiler endpoints, not under /v1."""
     parts = urlsplit(base_url)
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
-    return urlunsplit((parts.scheme, parts.netloc, f"{path}/metrics", "", ""))
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+def metrics_url(base_url: str) -> str:
+    """Where an OpenAI-compatible server serves /metrics."""
+    return f"{server_root(base_url)}/metrics"
 
 
 def parse_spec_decode(text: str) -> SpecDecodeCounters | None:

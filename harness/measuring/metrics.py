@@ -304,6 +304,66 @@ register(
     "model load (weights, tokenizer) plus the first engine step",
 )
 register("load_s", "s", "lower", "timing", "backend load: model build, weights, tokenizer")
+# A server's own /metrics, scraped during engine=openai runs (harness/measuring/server_scrape.py,
+# docs/interop.md): the difference of its counters and histograms between the scrapes that
+# bracket the run; percentiles estimated from the buckets as Prometheus' histogram_quantile.
+for _quantity, _what in (
+    ("ttft", "server's TTFT (its arrival -> first token)"),
+    ("itl", "server's inter-token latency"),
+    ("tpot", "server's per-request time per output token"),
+    ("e2e", "server's end-to-end latency (its arrival -> finished)"),
+    ("queue_time", "server's queue time"),
+):
+    register(f"server_{_quantity}_mean_s", "s", "lower", "timing", f"{_what}, mean")
+    for _p in (50, 90, 99):
+        register(
+            f"server_{_quantity}_p{_p}_s",
+            "s",
+            "lower",
+            "timing",
+            f"{_what}, p{_p} estimated from its histogram's buckets",
+        )
+register(
+    "ttft_outside_server_mean_s",
+    "s",
+    "lower",
+    "timing",
+    "client TTFT from the send minus the server's TTFT, means: connection, request and first "
+    "chunk's trips, HTTP parsing before the server's clock starts",
+)
+for _quantity, _what in (
+    ("prompt_tokens", "prompt tokens the server prefilled"),
+    ("generation_tokens", "output tokens the server generated"),
+    ("num_preemptions", "sequences the server preempted"),
+    ("requests_finished", "requests the server finished"),
+):
+    register(f"server_{_quantity}", "count", "none", "deterministic", f"{_what} during the run")
+register(
+    "server_prefix_cache_hit_rate",
+    "fraction",
+    "higher",
+    "timing",
+    "server's prefix-cache hits / lookups (tokens) during the run",
+)
+register(
+    "server_kv_cache_usage_peak",
+    "fraction",
+    "lower",
+    "timing",
+    "largest KV cache usage the server reported (0 to 1)",
+)
+for _gauge, _what in (("running", "in the server's running batch"), ("waiting", "queued")):
+    register(
+        f"server_num_requests_{_gauge}_mean",
+        "requests",
+        "none",
+        "timing",
+        f"requests {_what}, time-weighted mean of the scrapes",
+    )
+    register(
+        f"server_num_requests_{_gauge}_peak", "requests", "none", "timing", f"most requests {_what}"
+    )
+
 # The monitor (harness/measuring/monitors.py, docs/monitoring.md): sampled, so all timing-kind.
 register("peak_rss_bytes", "B", "lower", "timing", "largest process RSS sampled (psutil)")
 register(
@@ -745,6 +805,14 @@ def compute_summary(
         summary.update(
             monitor_metrics(run_info, summary, span or whole_run_span(requests), output_done)
         )
+    if "server_ttft_mean_s" in summary and len(ok):
+        # the server's TTFT starts when its HTTP handler saw the request; the client's (from
+        # the send) also holds connecting, the request's trip, and the first chunk's trip
+        from_send = (ok["first_token_s"] - ok["sent_s"]).dropna()
+        if len(from_send):
+            summary["ttft_outside_server_mean_s"] = (
+                float(from_send.mean()) - summary["server_ttft_mean_s"]
+            )
     if slo and any(v is not None for v in slo.values()) and len(ok):
         summary["slo_attainment"] = float(slo_met(ok, slo).mean())
         summary["goodput_req_per_s"] = rate(int(slo_met(done, slo).sum())) if len(done) else rate(0)

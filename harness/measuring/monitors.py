@@ -25,12 +25,21 @@ import numpy as np
 import pandas as pd
 
 from engines.base import now_ns
-from harness.run_folder import SAMPLES_FILE, write_parquet_atomic
+from harness.measuring.server_scrape import (
+    SERVER_COLUMNS,
+    DcgmScrape,
+    ServerScrape,
+    server_figures,
+)
+from harness.run_folder import SAMPLES_FILE, SERVER_METRICS_FILE, write_parquet_atomic
 
 #: 20 Hz: NVML refreshes utilization and power over windows of about 1/6 s to 1 s, so faster
 #: sampling adds little; slower sampling misses RSS and allocator peaks of short runs. A sample
 #: costs tens of microseconds of mostly GIL-free calls (<0.1% of one core at this rate).
 DEFAULT_INTERVAL_S = 0.05
+#: A server's page is tens of kB (vLLM: ~1,500 samples); parsing it takes milliseconds of the
+#: client's GIL, so once a second, plus a scrape at the measured run's start and end.
+DEFAULT_SERVER_INTERVAL_S = 1.0
 
 SAMPLE_COLUMNS = [
     "time_s",
@@ -42,6 +51,7 @@ SAMPLE_COLUMNS = [
     "gpu_energy_j",
     "torch_cuda_allocated_bytes",
     "torch_cuda_reserved_bytes",
+    *SERVER_COLUMNS,
 ]
 # Raw cumulative readings kept per sample and turned into rates / differences in `frame`.
 _CPU_SECONDS = "_cpu_seconds"
@@ -51,9 +61,24 @@ Reader = Callable[[], dict[str, float]]
 
 
 @dataclass
+class _Source:
+    columns: tuple[str, ...]
+    read: Reader
+    every_ns: int = 0  # 0: every sample; else at most this often, and when forced
+    due_ns: int = 0
+
+
+@dataclass
 class MonitorConfig:
     enabled: bool = True
     interval_s: float = DEFAULT_INTERVAL_S
+    # engine=openai: scrape the server's /metrics (engine.metrics_url) this often, and at the
+    # measured run's start and end; false: never
+    server_metrics: bool = True
+    server_interval_s: float = DEFAULT_SERVER_INTERVAL_S
+    # a remote server's GPU: an NVIDIA dcgm-exporter's /metrics, and the GPU's `gpu` label
+    dcgm_url: str | None = None
+    dcgm_gpu: int = 0
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> MonitorConfig:
@@ -65,10 +90,6 @@ class MonitorConfig:
                 f"{sorted(cls.__dataclass_fields__)}"
             )
         cfg = cls(**values)
-        if not isinstance(cfg.enabled, bool):
-            raise ValueError(
-                f"run.monitor.enabled: {cfg.enabled!r} is invalid; allowed: true|false"
-            )
         interval = cfg.interval_s
         if (
             isinstance(interval, bool)
@@ -80,7 +101,44 @@ class MonitorConfig:
                 "number of seconds in [0.001, 60]"
             )
         cfg.interval_s = float(interval)
+        for key in ("enabled", "server_metrics"):
+            if not isinstance(getattr(cfg, key), bool):
+                raise ValueError(
+                    f"run.monitor.{key}: {getattr(cfg, key)!r} is invalid; allowed: true|false"
+                )
+        server_interval = cfg.server_interval_s
+        if (
+            isinstance(server_interval, bool)
+            or not isinstance(server_interval, int | float)
+            or not 0.05 <= server_interval <= 3600
+        ):
+            raise ValueError(
+                f"run.monitor.server_interval_s: {server_interval!r} is invalid; allowed: a "
+                "number of seconds in [0.05, 3600]"
+            )
+        cfg.server_interval_s = float(server_interval)
+        if cfg.dcgm_url is not None and not (
+            isinstance(cfg.dcgm_url, str) and cfg.dcgm_url.startswith(("http://", "https://"))
+        ):
+            raise ValueError(
+                f"run.monitor.dcgm_url: {cfg.dcgm_url!r} is invalid; allowed: null or an "
+                "http:// or https:// URL of a dcgm-exporter's /metrics"
+            )
+        if isinstance(cfg.dcgm_gpu, bool) or not isinstance(cfg.dcgm_gpu, int) or cfg.dcgm_gpu < 0:
+            raise ValueError(
+                f"run.monitor.dcgm_gpu: {cfg.dcgm_gpu!r} is invalid; allowed: a GPU index >= 0 "
+                "(the exporter's `gpu` label)"
+            )
         return cfg
+
+
+def watch_servers(monitor: Monitor, config: MonitorConfig, metrics_url: str | None) -> None:
+    """Have `monitor` scrape the backend's server (its /metrics, where the backend names one)
+    and a dcgm-exporter, as `config` says."""
+    if config.server_metrics and metrics_url:
+        monitor.watch_server(ServerScrape(metrics_url), config.server_interval_s)
+    if config.dcgm_url:
+        monitor.watch_dcgm(DcgmScrape(config.dcgm_url, config.dcgm_gpu))
 
 
 def import_nvml() -> ModuleType:
@@ -131,7 +189,9 @@ class Monitor:
         self.notes: list[str] = []
         self.cpus = _cpu_count()
         self.rss_before_load_bytes: int | None = None
-        self._readers: list[tuple[tuple[str, ...], Reader]] = []
+        self._readers: list[_Source] = []
+        self.server: ServerScrape | None = None
+        self.dcgm: DcgmScrape | None = None
         self._rows: list[dict[str, float]] = []
         self._times_ns: list[int] = []
         self._stop = threading.Event()
@@ -139,6 +199,7 @@ class Monitor:
         self._nvml: ModuleType | None = None
         self._lock = threading.Lock()
         self._psutil_process: Any = None
+        self.server_series: pd.DataFrame | None = None  # set by write(): the scraped series
         try:
             self._psutil_process = import_psutil().Process(os.getpid())
         except Exception as exc:  # every failure is a note, never a crash
@@ -155,13 +216,34 @@ class Monitor:
         except Exception:  # the rss reader notes it when it fails too
             self.rss_before_load_bytes = None
 
+    def watch_server(self, scrape: ServerScrape, interval_s: float) -> None:
+        """Also scrape a server's /metrics every `interval_s` (call before start)."""
+        self.server = scrape
+        self._readers.append(
+            _Source((f"server_* (from {scrape.url})",), scrape.read, int(interval_s * 1e9))
+        )
+
+    def watch_dcgm(self, scrape: DcgmScrape) -> None:
+        """Read the GPU columns from a dcgm-exporter instead of NVML (call before start)."""
+        self.dcgm = scrape
+        self._readers.append(
+            _Source(("gpu_util", "gpu_mem_used_bytes", "gpu_power_w", _ENERGY_MJ), scrape.read)
+        )
+
     def start(self, gpu_index: int | None = None) -> None:
         """Sample now and then every interval; `gpu_index` (see gpu_index_for) picks the GPU,
         None samples none."""
         self.gpu_index = gpu_index
         self._add_process_readers()
-        self._add_gpu_readers()
-        self._sample()
+        if self.dcgm is None:
+            self._add_gpu_readers()
+        else:
+            self.gpu_index = None
+            self.notes.append(
+                f"gpu_util, gpu_mem_used_bytes, gpu_power_w, gpu_energy_j: from the "
+                f"dcgm-exporter at {self.dcgm.url}, GPU {self.dcgm.gpu}"
+            )
+        self._sample(force=True)
         self._thread = threading.Thread(target=self._loop, name="inferlab-monitor", daemon=True)
         self._thread.start()
 
@@ -172,11 +254,17 @@ class Monitor:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        self._sample()
+        self._sample(force=True)
         if self._nvml is not None:
             with contextlib.suppress(Exception):  # nothing left to read anyway
                 self._nvml.nvmlShutdown()
             self._nvml = None
+
+    def sample_now(self) -> None:
+        """A sample of every source now (the measured run's start: the server's counters
+        there leave the warm-up out)."""
+        if self._thread is not None:
+            self._sample(force=True)
 
     def _loop(self) -> None:
         deadline = now_ns() + int(self.interval_s * 1e9)
@@ -193,14 +281,14 @@ class Monitor:
         if process is None:
             return
         self._readers.append(
-            (("rss_bytes",), lambda: {"rss_bytes": float(process.memory_info().rss)})
+            _Source(("rss_bytes",), lambda: {"rss_bytes": float(process.memory_info().rss)})
         )
 
         def cpu_seconds() -> dict[str, float]:
             times = process.cpu_times()
             return {_CPU_SECONDS: float(times.user + times.system)}
 
-        self._readers.append(((_CPU_SECONDS,), cpu_seconds))
+        self._readers.append(_Source((_CPU_SECONDS,), cpu_seconds))
 
     def _add_gpu_readers(self) -> None:
         gpu_columns = "gpu_util, gpu_mem_used_bytes, gpu_power_w, gpu_energy_j"
@@ -229,16 +317,16 @@ class Monitor:
             return {"gpu_util": nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0}
 
         self._readers += [
-            (("gpu_util",), utilization),
-            (
+            _Source(("gpu_util",), utilization),
+            _Source(
                 ("gpu_mem_used_bytes",),
                 lambda: {"gpu_mem_used_bytes": float(nvml.nvmlDeviceGetMemoryInfo(handle).used)},
             ),
-            (
+            _Source(
                 ("gpu_power_w",),
                 lambda: {"gpu_power_w": nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0},
             ),
-            (
+            _Source(
                 (_ENERGY_MJ,),
                 lambda: {_ENERGY_MJ: float(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))},
             ),
@@ -271,19 +359,24 @@ class Monitor:
                 "torch_cuda_reserved_bytes": float(reserved),
             }
 
-        self._readers.append((("torch_cuda_allocated_bytes", "torch_cuda_reserved_bytes"), peaks))
+        self._readers.append(
+            _Source(("torch_cuda_allocated_bytes", "torch_cuda_reserved_bytes"), peaks)
+        )
 
-    def _sample(self) -> None:
+    def _sample(self, force: bool = False) -> None:
         with self._lock:  # the final sample (main thread) never overlaps the thread's
             time_ns = now_ns()
             row: dict[str, float] = {}
             failed = []
-            for columns, read in self._readers:
+            for source in self._readers:
+                if source.every_ns and not force and time_ns < source.due_ns:
+                    continue
+                source.due_ns = time_ns + source.every_ns
                 try:
-                    row.update(read())
+                    row.update(source.read())
                 except Exception as exc:  # degrade this source only
-                    failed.append((columns, read))
-                    names = ", ".join(_public(c) for c in columns)
+                    failed.append(source)
+                    names = ", ".join(_public(c) for c in source.columns)
                     when = (
                         f"stopped after {len(self._rows)} samples" if self._rows else "not sampled"
                     )
@@ -327,6 +420,7 @@ class Monitor:
             "rss_before_load_bytes": self.rss_before_load_bytes,
             "rss_after_load_bytes": int(rss[0]) if rss and rss[0] is not None else None,
             "notes": list(self.notes),
+            **({"server": self.server.info()} if self.server is not None else {}),
         }
 
     def write(self, run_dir: str | Path, t0_ns: int | None) -> pd.DataFrame:
@@ -338,6 +432,12 @@ class Monitor:
             write_parquet_atomic(frame, Path(run_dir) / SAMPLES_FILE)
         except Exception as exc:  # the summary matters more than this file
             self.notes.append(f"samples.parquet not written: {_why(exc)}")
+        if self.server is not None and self.server.num_scrapes:
+            self.server_series = self.server.series(origin)
+            try:
+                write_parquet_atomic(self.server_series, Path(run_dir) / SERVER_METRICS_FILE)
+            except Exception as exc:
+                self.notes.append(f"{SERVER_METRICS_FILE} not written: {_why(exc)}")
         return frame
 
 
@@ -455,6 +555,10 @@ def monitor_metrics(
             energy / output_tokens if energy is not None and output_tokens > 0 else None
         )
         out.update(memory_breakdown(rows, facts, engine, summary))
+        series = run_info.get("server_series")
+        server = (facts.get("server") or {}).get("server")
+        if series is not None and server is not None:
+            out.update(server_figures(series, samples, server, span))
     return {k: v for k, v in out.items() if v is not None and not _is_nan(v)}
 
 

@@ -14,10 +14,12 @@ from typing import Any
 import workloads
 from engines.base import now_ns
 from engines.builtin.backend import BuiltinBackend
+from engines.openai.server_metrics import server_root
 from engines.registry import build_backend
 from harness.measuring import hardware, provenance, roofline
-from harness.measuring.monitors import Monitor, MonitorConfig, gpu_index_for
-from harness.measuring.profiling import profiler_from_config
+from harness.measuring.monitors import Monitor, MonitorConfig, gpu_index_for, watch_servers
+from harness.measuring.profiling import StepProfiler, profiler_from_config
+from harness.measuring.server_profile import ServerProfiler
 from harness.run_folder import (
     RunRecorder,
     TablesNotWritten,
@@ -307,7 +309,8 @@ def _run(
     status, error, info, backend = "complete", None, {}, None
     shown = RunProgress(progress)
     monitor: Monitor | None = None
-    profiler, driver = None, None
+    profiler: StepProfiler | ServerProfiler | None = None
+    driver = None
 
     def failed_writing(exc: BaseException) -> None:
         # A run whose folder could not be written whole did not end well, whatever it ran.
@@ -344,6 +347,7 @@ def _run(
                 *hardware.resolve(hardware_cfg, info["engine"].get("device"))
             )
             if monitor is not None:  # after the probe, whose buffers are no part of the run
+                watch_servers(monitor, monitor_cfg, info["engine"].get("metrics_url"))
                 monitor.start(gpu_index_for(info["engine"].get("device")))
             tokenizer = getattr(backend, "tokenizer", None)
             context_len = info["engine"].get("max_model_len")
@@ -380,9 +384,14 @@ def _run(
             max_concurrency = getattr(workload, "max_concurrency", None)
             info["closed_loop"] = concurrency is not None
             info["workload"]["max_concurrency"] = max_concurrency
+            if profiler is not None and info["engine"].get("base_url"):
+                # a server backend: its engine is in another process, which profiles itself
+                profiler = ServerProfiler(server_root(info["engine"]["base_url"]))
             if profiler is not None:
                 profiler.attach(backend, cuda=str(info["engine"].get("device")).startswith("cuda"))
             backend.start_measuring()
+            if monitor is not None:  # the server's counters here leave the warm-up out
+                monitor.sample_now()
             with heap.frozen():
                 driver.run(requests, concurrency=concurrency, max_concurrency=max_concurrency)
             failure = backend.failure()
@@ -451,6 +460,7 @@ def _run(
                 writes=True,
             )
             info["monitor"] = guarded("monitor", monitor.info)
+            info["server_series"] = monitor.server_series
         try:
             frames["steps"] = roofline.annotate_run(run_dir, frames["steps"], info)
         except Exception as exc:
@@ -477,7 +487,14 @@ def _run(
             **{
                 k: v
                 for k, v in info.items()
-                if k not in ("load_s", "cold_start_s", "harness_overhead_fraction", "samples")
+                if k
+                not in (
+                    "load_s",
+                    "cold_start_s",
+                    "harness_overhead_fraction",
+                    "samples",
+                    "server_series",
+                )
             },
         }
         summary = _write_final_summary(recorder, summary)

@@ -171,6 +171,7 @@ def test_harness_workload_through_inferlab_serve_matches_the_engine(
     assert (requests["finish_reason"] == "length").all()
     assert (requests["prompt_tokens"] == INPUT_LEN).all()  # the server's usage
     assert (requests["first_token_s"] > requests["sent_s"]).all()
+    server_side_view_is_the_measured_requests(tmp_path / "run", summary, requests)
     client = engine["client"]
     assert client["requests_finished"] == NUM_REQUESTS  # the warm-up request left out
     assert client["requests_with_usage"] == NUM_REQUESTS
@@ -209,6 +210,52 @@ def test_harness_workload_through_inferlab_serve_matches_the_engine(
     texts = asyncio.run(collect_text())
     backend.close()
     assert texts == [reference.text for reference in expected]
+
+
+def server_side_view_is_the_measured_requests(
+    run: Path, summary: dict[str, Any], requests: pd.DataFrame
+) -> None:
+    """The server's /metrics, scraped around the measured requests: its counters count
+    exactly them (the warm-up request left out), its TTFT sits inside the client's."""
+    assert summary["monitor"]["server"]["server"] == "inferlab"
+    metrics = summary["metrics_whole_run"]
+    assert metrics["server_requests_finished"] == NUM_REQUESTS
+    assert metrics["server_generation_tokens"] == NUM_REQUESTS * OUTPUT_LEN
+    assert metrics["server_prompt_tokens"] == NUM_REQUESTS * INPUT_LEN
+    from_send = (requests["first_token_s"] - requests["sent_s"]).mean()
+    assert 0 < metrics["server_ttft_mean_s"] < from_send
+    assert metrics["ttft_outside_server_mean_s"] == pytest.approx(
+        from_send - metrics["server_ttft_mean_s"]
+    )
+    assert metrics["server_e2e_mean_s"] > metrics["server_ttft_mean_s"]
+    assert 0 <= metrics["server_num_requests_running_peak"] <= 1  # one request at a time
+    samples = pd.read_parquet(run / "samples.parquet")
+    # counters since the first scrape, which came before the warm-up request
+    assert samples["server_generation_tokens"].max() == (NUM_REQUESTS + 1) * OUTPUT_LEN
+    series = pd.read_parquet(run / "server_metrics.parquet")
+    assert list(series.columns) == ["time_s", "name", "labels", "value"]
+    assert "inferlab_generation_tokens_total" in set(series["name"])
+
+
+def test_profile_against_a_server_that_does_not_profile_keeps_the_run(
+    server: str, tmp_path: Path
+) -> None:
+    config = composed(
+        "engine=openai",
+        "model=tiny",
+        f"engine.base_url={server}",
+        "workload.num_requests=2",
+        "workload.output_len=4",
+        "run.warmup_requests=0",
+        "run.progress=false",
+        "profile=true",
+    )
+    summary = run_experiment(config, tmp_path, progress=False)
+    assert summary["status"] == "complete", summary.get("error")
+    profile = summary["profile"]
+    assert profile["server"] == server.removesuffix("/v1")
+    assert profile["error"].startswith("the server did not start profiling: HTTP 4")
+    assert not (tmp_path / "profile").exists()  # the client's process was not profiled
 
 
 SPECULATIVE = [

@@ -25,6 +25,7 @@ from harness.measuring.monitors import (
     SAMPLE_COLUMNS,
     Monitor,
     MonitorConfig,
+    _Source,
     gpu_index_for,
     memory_breakdown,
     monitor_metrics,
@@ -218,7 +219,7 @@ def test_a_reader_that_fails_mid_run_keeps_its_earlier_samples() -> None:
             raise RuntimeError("device went away")
         return {"gpu_power_w": 100.0}
 
-    monitor._readers.append((("gpu_power_w",), flaky))
+    monitor._readers.append(_Source(("gpu_power_w",), flaky))
     frame = sample_for(monitor, 0.15, gpu_index=None)
     power = frame["gpu_power_w"]
     assert power.iloc[:3].eq(100.0).all() and power.iloc[3:].isna().all()
@@ -334,6 +335,10 @@ def test_memory_breakdown_gpu_and_cpu() -> None:
         ({"interval_s": "fast"}, "run.monitor.interval_s"),
         ({"enabled": "yes"}, "run.monitor.enabled"),
         ({"rate": 10}, "run.monitor: unknown key(s) ['rate']"),
+        ({"server_metrics": "on"}, "run.monitor.server_metrics"),
+        ({"server_interval_s": 0.001}, "run.monitor.server_interval_s"),
+        ({"dcgm_url": "localhost:9400"}, "run.monitor.dcgm_url"),
+        ({"dcgm_gpu": -1}, "run.monitor.dcgm_gpu"),
     ],
 )
 def test_monitor_config_errors_name_the_field(values: dict[str, Any], field: str) -> None:
