@@ -334,10 +334,16 @@ register(
 for _quantity, _what in (
     ("prompt_tokens", "prompt tokens the server prefilled"),
     ("generation_tokens", "output tokens the server generated"),
-    ("num_preemptions", "sequences the server preempted"),
     ("requests_finished", "requests the server finished"),
 ):
     register(f"server_{_quantity}", "count", "none", "deterministic", f"{_what} during the run")
+register(
+    "server_num_preemptions",
+    "count",
+    "lower",
+    "timing",
+    "sequences the server preempted during the run",
+)
 register(
     "server_prefix_cache_hit_rate",
     "fraction",

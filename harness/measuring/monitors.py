@@ -26,6 +26,7 @@ import pandas as pd
 
 from engines.base import now_ns
 from harness.measuring.server_scrape import (
+    SCRAPE_INDEX,
     SERVER_COLUMNS,
     DcgmScrape,
     ServerScrape,
@@ -138,7 +139,7 @@ def watch_servers(monitor: Monitor, config: MonitorConfig, metrics_url: str | No
     if config.server_metrics and metrics_url:
         monitor.watch_server(ServerScrape(metrics_url), config.server_interval_s)
     if config.dcgm_url:
-        monitor.watch_dcgm(DcgmScrape(config.dcgm_url, config.dcgm_gpu))
+        monitor.watch_dcgm(DcgmScrape(config.dcgm_url, config.dcgm_gpu), config.server_interval_s)
 
 
 def import_nvml() -> ModuleType:
@@ -223,12 +224,13 @@ class Monitor:
             _Source((f"server_* (from {scrape.url})",), scrape.read, int(interval_s * 1e9))
         )
 
-    def watch_dcgm(self, scrape: DcgmScrape) -> None:
-        """Read the GPU columns from a dcgm-exporter instead of NVML (call before start)."""
+    def watch_dcgm(self, scrape: DcgmScrape, interval_s: float) -> None:
+        """Read the GPU columns from a dcgm-exporter every `interval_s` instead of NVML (call
+        before start). The exporter refreshes its counters every few seconds; parsing its page
+        each sample would only take the client's GIL."""
         self.dcgm = scrape
-        self._readers.append(
-            _Source(("gpu_util", "gpu_mem_used_bytes", "gpu_power_w", _ENERGY_MJ), scrape.read)
-        )
+        columns = ("gpu_util", "gpu_mem_used_bytes", "gpu_power_w", _ENERGY_MJ)
+        self._readers.append(_Source(columns, scrape.read, int(interval_s * 1e9)))
 
     def start(self, gpu_index: int | None = None) -> None:
         """Sample now and then every interval; `gpu_index` (see gpu_index_for) picks the GPU,
@@ -404,6 +406,14 @@ class Monitor:
             busy = raw[_CPU_SECONDS].diff().to_numpy()
             with np.errstate(divide="ignore", invalid="ignore"):
                 out["cpu_util"] = np.where(wall > 0, busy / wall / self.cpus, np.nan)
+        if SCRAPE_INDEX in raw and self.server is not None:
+            scraped = self.server.parse()[0]
+            pages = raw[SCRAPE_INDEX]
+            at = pages.notna().to_numpy()
+            for column in SERVER_COLUMNS:
+                values = np.full(len(out), np.nan)
+                values[at] = scraped[column].to_numpy()[pages[at].astype(int)]
+                out[column] = values
         if _ENERGY_MJ in raw and raw[_ENERGY_MJ].notna().any():
             first = raw[_ENERGY_MJ].dropna().iloc[0]
             out["gpu_energy_j"] = (raw[_ENERGY_MJ] - first) / 1000.0
@@ -547,7 +557,10 @@ def monitor_metrics(
         rows, weights = _overlap(samples, span)
         out["peak_rss_bytes"] = _peak(rows["rss_bytes"])
         out["cpu_util_mean"] = _weighted_mean(rows["cpu_util"], weights)
-        out["gpu_util_mean"] = _weighted_mean(rows["gpu_util"], weights)
+        # read only every server interval from a dcgm-exporter: each read weighs the time
+        # since the previous read, not since the previous row
+        gpu_rows, gpu_weights = _overlap(samples[["time_s", "gpu_util"]].dropna(), span)
+        out["gpu_util_mean"] = _weighted_mean(gpu_rows["gpu_util"], gpu_weights)
         out["peak_vram_bytes"] = _peak(rows["gpu_mem_used_bytes"])
         energy = energy_over(samples, span)
         out["energy_j"] = energy

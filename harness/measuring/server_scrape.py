@@ -2,10 +2,11 @@
 
 `ServerScrape.read` is a monitor reader (harness/measuring/monitors.py) run every
 `run.monitor.server_interval_s`, at the measured run's start and at its end. Each scrape:
-- keeps every series of the page, change-encoded (a row when a value differs from the previous
-  scrape's; one `SCRAPE_SERIES` row per scrape with the GET's duration), for
-  `server_metrics.parquet`, so any series can be read back at any scrape;
-- returns the canonical gauges and counters (server_names.py) as `server_*` columns of
+- fetches and keeps the page; after the run, `parse` reads them all;
+- every series goes to `server_metrics.parquet`, change-encoded (a row when a value differs
+  from the previous scrape's; one `SCRAPE_SERIES` row per scrape with the GET's duration), so
+  any series can be read back at any scrape;
+- the canonical gauges and counters (server_names.py) become `server_*` columns of
   `samples.parquet`, counters since the first scrape.
 
 `server_figures` turns the kept series into the run's figures over a span: the histograms' and
@@ -17,9 +18,11 @@ Pages are parsed with prometheus_client's reference parser. docs/interop.md.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +42,8 @@ from harness.measuring.server_names import (
 
 SERVER_COLUMNS = [f"server_{q.name}" for q in QUANTITIES.values() if q.kind in ("gauge", "counter")]
 SERVER_SERIES_COLUMNS = ["time_s", "name", "labels", "value"]
+# the monitor's private column: which kept page a sample row scraped
+SCRAPE_INDEX = "_server_scrape"
 # one row per scrape: how long the GET took (s); also marks every scrape's time
 SCRAPE_SERIES = "inferlab_scrape_duration_seconds"
 # histogram figures: these percentiles, estimated as Prometheus' histogram_quantile does
@@ -48,10 +53,17 @@ Sample = tuple[str, str, float]  # name, labels (JSON, sorted keys), value
 Fetch = Callable[[str, float], str]
 
 
-def http_get(url: str, timeout_s: float) -> str:
-    response = httpx.get(url, timeout=timeout_s)
-    response.raise_for_status()
-    return response.text
+def http_fetcher() -> Fetch:
+    """GET with one kept client: a new httpx client per request costs ~20 ms of CPU (its SSL
+    context), which the client process would pay every scrape."""
+    client = httpx.Client()
+
+    def get(url: str, timeout_s: float) -> str:
+        response = client.get(url, timeout=timeout_s)
+        response.raise_for_status()
+        return response.text
+
+    return get
 
 
 def parse_page(text: str) -> list[Sample]:
@@ -117,9 +129,11 @@ class Histogram:
 def quantities(samples: Iterable[Sample], server: str) -> dict[str, Any]:
     """The canonical quantities in `samples`: floats for gauges and counters (label sets
     combined), Histograms for histograms."""
-    by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
+    wanted = _names_read(server)
+    by_name: dict[str, list[tuple[str, float]]] = {}
     for name, labels, value in samples:
-        by_name.setdefault(name, []).append((json.loads(labels), value))
+        if name in wanted:
+            by_name.setdefault(name, []).append((labels, value))
     present = set(by_name)
     out: dict[str, Any] = {}
     for quantity, candidates in SERVER_NAMES[server].items():
@@ -137,10 +151,23 @@ def quantities(samples: Iterable[Sample], server: str) -> dict[str, Any]:
     return out
 
 
-def _histogram(by_name: dict[str, list[tuple[dict[str, str], float]]], base: str) -> Histogram:
+@functools.cache
+def _names_read(server: str) -> frozenset[str]:
+    """The sample names `quantities` reads for `server` (histograms: their three series)."""
+    names = set()
+    for quantity, candidates in SERVER_NAMES[server].items():
+        for name in candidates:
+            if QUANTITIES[quantity].kind == "histogram":
+                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+            else:
+                names.add(name)
+    return frozenset(names)
+
+
+def _histogram(by_name: dict[str, list[tuple[str, float]]], base: str) -> Histogram:
     buckets: dict[float, float] = {}
     for labels, value in by_name.get(f"{base}_bucket", []):
-        bound = float(labels.get("le", "nan"))
+        bound = float(json.loads(labels).get("le", "nan"))
         if not math.isnan(bound):
             buckets[bound] = buckets.get(bound, 0.0) + value
     bounds = tuple(sorted(buckets))
@@ -150,54 +177,83 @@ def _histogram(by_name: dict[str, list[tuple[dict[str, str], float]]], base: str
 
 
 class ServerScrape:
-    """Scrapes one server's /metrics as a monitor reader; keeps the series it saw."""
+    """Scrapes one server's /metrics as a monitor reader. During the run a scrape only fetches
+    and keeps the page (compressed): parsing a vLLM-sized page takes ~15 ms of pure Python,
+    which would hold the GIL the client's event loop needs. `parse` reads them all after."""
 
-    def __init__(self, url: str, timeout_s: float = 2.0, fetch: Fetch = http_get) -> None:
+    def __init__(self, url: str, timeout_s: float = 2.0, fetch: Fetch | None = None) -> None:
         self.url = url
         self.timeout_s = timeout_s
-        self.fetch = fetch
+        self.fetch = fetch or http_fetcher()
         self.server: str | None = None
-        self.num_scrapes = 0
         self.failures: list[str] = []
-        self._rows: list[tuple[int, str, str, float]] = []  # time_ns, name, labels, value
-        self._last: dict[tuple[str, str], float] = {}
-        self._first_counters: dict[str, float] = {}
+        self._pages: list[tuple[int, float, bytes]] = []  # time_ns, GET seconds, zlib text
+        self._parsed: tuple[pd.DataFrame, pd.DataFrame] | None = None
+
+    @property
+    def num_scrapes(self) -> int:
+        return len(self._pages)
 
     def read(self) -> dict[str, float]:
         start = now_ns()
         began = time.perf_counter()
         try:
-            samples = parse_page(self.fetch(self.url, self.timeout_s))
+            text = self.fetch(self.url, self.timeout_s)
         except Exception as exc:
-            if not self.num_scrapes:  # nothing there: the monitor notes it and stops asking
+            if not self._pages:  # nothing there: the monitor notes it and stops asking
                 raise
-            attempt = self.num_scrapes + len(self.failures) + 1
+            attempt = len(self._pages) + len(self.failures) + 1
             self.failures.append(f"scrape {attempt}: {type(exc).__name__}: {exc}")
             return {}
         took = time.perf_counter() - began
-        if self.server is None:
-            self.server = detect_server(name for name, _, _ in samples)
+        if self.server is None:  # once, when the monitor starts: before the warm-up
+            self.server = detect_server(name for name, _, _ in parse_page(text))
             if self.server is None:
-                raise ValueError(f"{self.url}: no series of a known server ({DETECT_ORDER})")
-        self.num_scrapes += 1
-        self._rows.append((start, SCRAPE_SERIES, "{}", took))
-        for name, labels, value in samples:
-            if self._last.get((name, labels)) != value:
-                self._last[(name, labels)] = value
-                self._rows.append((start, name, labels, value))
-        row: dict[str, float] = {}
-        for quantity, value in quantities(samples, self.server).items():
-            kind = QUANTITIES[quantity].kind
-            if kind == "gauge":
-                row[f"server_{quantity}"] = value
-            elif kind == "counter":
-                first = self._first_counters.setdefault(quantity, value)
-                row[f"server_{quantity}"] = value - first
-        return row
+                raise ValueError(f"{self.url}: no series of a known server {DETECT_ORDER}")
+        self._pages.append((start, took, zlib.compress(text.encode(), 1)))
+        self._parsed = None
+        # the monitor's row points at this page; `columns` fills it in after the run
+        return {SCRAPE_INDEX: float(len(self._pages) - 1)}
+
+    def parse(self) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """Every page parsed: the `server_*` columns per scrape (counters since the first),
+        and the series change-encoded (time_ns, name, labels, value)."""
+        if self._parsed is not None:
+            return self._parsed
+        assert self.server is not None or not self._pages
+        columns: list[dict[str, float]] = []
+        rows: list[tuple[int, str, str, float]] = []
+        last: dict[tuple[str, str], float] = {}
+        first_counters: dict[str, float] = {}
+        for time_ns, took, packed in self._pages:
+            try:
+                samples = parse_page(zlib.decompress(packed).decode())
+            except ValueError as exc:  # one torn page: its row stays empty
+                self.failures.append(f"a page not parsed: {exc}")
+                columns.append({})
+                continue
+            rows.append((time_ns, SCRAPE_SERIES, "{}", took))
+            for name, labels, value in samples:
+                if last.get((name, labels)) != value:
+                    last[(name, labels)] = value
+                    rows.append((time_ns, name, labels, value))
+            row: dict[str, float] = {}
+            for quantity, value in quantities(samples, self.server or "").items():
+                kind = QUANTITIES[quantity].kind
+                if kind == "gauge":
+                    row[f"server_{quantity}"] = value
+                elif kind == "counter":
+                    row[f"server_{quantity}"] = value - first_counters.setdefault(quantity, value)
+            columns.append(row)
+        self._parsed = (
+            pd.DataFrame(columns, index=range(len(columns)), columns=SERVER_COLUMNS, dtype=float),
+            pd.DataFrame(rows, columns=["time_ns", "name", "labels", "value"]),
+        )
+        return self._parsed
 
     def series(self, t0_ns: int) -> pd.DataFrame:
         """The kept series: `time_s` on the run's clock, change-encoded (docs/interop.md)."""
-        frame = pd.DataFrame(self._rows, columns=["time_ns", "name", "labels", "value"])
+        frame = self.parse()[1].copy()
         frame.insert(0, "time_s", (frame.pop("time_ns") - t0_ns) / 1e9)
         return frame[SERVER_SERIES_COLUMNS]
 
@@ -216,9 +272,10 @@ class DcgmScrape:
     monitor's GPU columns (a server's GPU on another machine)."""
 
     def __init__(
-        self, url: str, gpu: int = 0, timeout_s: float = 2.0, fetch: Fetch = http_get
+        self, url: str, gpu: int = 0, timeout_s: float = 2.0, fetch: Fetch | None = None
     ) -> None:
-        self.url, self.gpu, self.timeout_s, self.fetch = url, gpu, timeout_s, fetch
+        self.url, self.gpu, self.timeout_s = url, gpu, timeout_s
+        self.fetch = fetch or http_fetcher()
 
     def read(self) -> dict[str, float]:
         row: dict[str, float] = {}

@@ -12,6 +12,7 @@ import pytest
 
 from harness.measuring.monitors import Monitor
 from harness.measuring.server_scrape import (
+    SCRAPE_INDEX,
     SCRAPE_SERIES,
     DcgmScrape,
     Histogram,
@@ -150,7 +151,7 @@ def vllm_page(running: float, generated: float, ttft_counts: tuple[int, int, int
     return "\n".join(lines) + "\n"
 
 
-def test_scrape_keeps_changed_series_and_counters_since_the_first() -> None:
+def test_scrape_keeps_pages_and_parses_them_after_the_run() -> None:
     scrape = ServerScrape(
         "http://server/metrics",
         fetch=scripted(
@@ -162,14 +163,20 @@ def test_scrape_keeps_changed_series_and_counters_since_the_first() -> None:
             ]
         ),
     )
-    first = scrape.read()
-    assert first == {"server_num_requests_running": 0.0, "server_generation_tokens": 0.0}
-    assert scrape.read() == {"server_num_requests_running": 4.0, "server_generation_tokens": 60.0}
-    assert scrape.read() == {}  # a failed scrape after the first: counted, the run goes on
-    assert scrape.read()["server_generation_tokens"] == 100.0
+    # during the run a scrape only points the monitor's row at its page
+    assert [scrape.read() for _ in range(4)] == [
+        {SCRAPE_INDEX: 0.0},
+        {SCRAPE_INDEX: 1.0},
+        {},  # a failed scrape after the first: counted, the run goes on
+        {SCRAPE_INDEX: 2.0},
+    ]
     info = scrape.info()
     assert info["server"] == "vllm" and info["num_scrapes"] == 3 and info["failed_scrapes"] == 1
     assert "connection reset" in info["first_failures"][0]
+    columns, _ = scrape.parse()
+    assert columns["server_num_requests_running"].tolist() == [0.0, 4.0, 4.0]
+    assert columns["server_generation_tokens"].tolist() == [0.0, 60.0, 100.0]  # since the first
+    assert columns["server_kv_cache_usage"].isna().all()  # not on the page
     series = scrape.series(t0_ns=0)
     assert (series["name"] == SCRAPE_SERIES).sum() == 3
     running = series[series["name"] == "vllm:num_requests_running"]
@@ -186,7 +193,9 @@ def test_the_first_scrape_failing_is_an_error_for_the_monitor() -> None:
 
 def figures_of(pages: list[str], times: list[float], span: tuple[float, float]) -> dict[str, Any]:
     scrape = ServerScrape("http://server/metrics", fetch=scripted(list(pages)))
-    rows = [scrape.read() for _ in pages]
+    for _ in pages:
+        scrape.read()
+    rows = scrape.parse()[0].to_dict("records")
     series = scrape.series(t0_ns=0)
     # one time per scrape, in order: replace the wall clock's with the script's
     order = {t: i for i, t in enumerate(sorted(series["time_s"].unique()))}
@@ -256,4 +265,25 @@ def test_a_server_without_metrics_is_a_note() -> None:
     assert any(
         "server_* (from http://server/metrics): not sampled: OSError: 404 Not Found" in note
         for note in monitor.info()["notes"]
+    )
+
+
+def test_dcgm_fills_the_monitors_gpu_columns_instead_of_nvml() -> None:
+    energy = iter(range(1_000_000, 10_000_000, 500_000))  # +500 J per read
+
+    def fetch(url: str, timeout_s: float) -> str:
+        return page("dcgm.txt").replace("123456789", str(next(energy)))
+
+    monitor = Monitor(interval_s=0.01)
+    monitor.watch_dcgm(DcgmScrape("http://dcgm:9400/metrics", gpu=0, fetch=fetch), 0.001)
+    monitor.start(gpu_index=0)
+    monitor.stop()
+    frame = monitor.frame(t0_ns=0)
+    assert frame["gpu_util"].tolist() == pytest.approx([0.87] * len(frame))
+    assert (frame["gpu_mem_used_bytes"] == 71680 * 2**20).all()
+    assert list(frame["gpu_energy_j"]) == [500.0 * i for i in range(len(frame))]
+    info = monitor.info()
+    assert info["gpu_index"] is None  # NVML not asked: the GPU is the exporter's
+    assert any(
+        "from the dcgm-exporter at http://dcgm:9400/metrics, GPU 0" in n for n in info["notes"]
     )
