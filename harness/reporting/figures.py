@@ -161,9 +161,10 @@ def samples_timeline(samples: pd.DataFrame, columns: Sequence[str]) -> Figure:
     for ax, column in zip(axes[:, 0], columns, strict=True):
         in_bytes = column.endswith("_bytes")
         for variant, group in samples.groupby("variant", sort=False):
-            group = group.sort_values("time_s")
+            # a source read less often than every sample (a server's scrapes) is NaN between
+            group = group[["time_s", column]].dropna().sort_values("time_s")
             values = group[column] / 2**20 if in_bytes else group[column]
-            ax.plot(group["time_s"], values, label=str(variant), linewidth=1)
+            ax.plot(group["time_s"], values, label=str(variant), linewidth=1, marker=".")
         ax.set_ylabel(column.replace("_bytes", " (MiB)") if in_bytes else column)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("time since the run started (s)")

@@ -58,6 +58,12 @@ MAIN_METRICS = (
     "cpu_util_mean",
     "energy_j",
     "j_per_output_token",
+    # engine=openai: the server's own view (docs/interop.md)
+    "server_ttft_p50_s",
+    "server_itl_p50_s",
+    "ttft_outside_server_mean_s",
+    "server_num_requests_running_mean",
+    "server_kv_cache_usage_peak",
 )
 SPREAD_METRICS = ("output_tok_per_s", "ttft_p50_s", "tpot_p50_s", "itl_p50_s", "e2e_p50_s")
 PHASES = ("tokenize_s", "queue_s", "prefill_s", "decode_s", "detokenize_s")
@@ -69,6 +75,9 @@ SAMPLE_PLOTS = (
     "gpu_mem_used_bytes",
     "gpu_power_w",
     "torch_cuda_allocated_bytes",
+    "server_num_requests_running",
+    "server_num_requests_waiting",
+    "server_kv_cache_usage",
 )
 RATE_HINTS = ("rate", "concurrency", "qps")
 
