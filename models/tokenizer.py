@@ -150,6 +150,21 @@ class Tokenizer:
         """The underlying ``tokenizers.Tokenizer`` (for batch encoding or inspection)."""
         return self._backend
 
+    def save_pretrained(self, folder: str | os.PathLike[str]) -> Path:
+        """A Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json), so that a
+        client (guidellm, AIPerf, transformers) counts in this tokenizer's tokens offline."""
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(out / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self._bos_token,
+            "eos_token": self._eos_token,
+            "chat_template": self._chat_template,
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        return out
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = _encode_ids(self._backend, text, add_special_tokens)
         bos = self.special.bos_id

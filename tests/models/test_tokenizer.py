@@ -440,3 +440,15 @@ def test_invalid_tokenizer_file(tmp_path: Path) -> None:
     bad.write_text("{}")
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         load_tokenizer(bad)
+
+
+def test_saved_folder_loads_in_transformers_with_the_same_ids(tmp_path: Path) -> None:
+    """What guidellm and AIPerf load to size prompts in the served model's tokens."""
+    from transformers import AutoTokenizer
+
+    ours = default_tokenizer()
+    folder = ours.save_pretrained(tmp_path / "tok")
+    theirs = AutoTokenizer.from_pretrained(str(folder))
+    text = "The quick brown fox jumps over the lazy dog, twice: 1, 2."
+    assert theirs(text)["input_ids"] == ours.encode(text)
+    assert theirs.eos_token_id == ours.special.eos_ids[0]
