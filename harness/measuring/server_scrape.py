@@ -167,7 +167,10 @@ def _names_read(server: str) -> frozenset[str]:
 def _histogram(by_name: dict[str, list[tuple[str, float]]], base: str) -> Histogram:
     buckets: dict[float, float] = {}
     for labels, value in by_name.get(f"{base}_bucket", []):
-        bound = float(json.loads(labels).get("le", "nan"))
+        try:
+            bound = float(json.loads(labels).get("le", "nan"))
+        except ValueError:  # not a bound: a broken page's bucket, left out
+            continue
         if not math.isnan(bound):
             buckets[bound] = buckets.get(bound, 0.0) + value
     bounds = tuple(sorted(buckets))
@@ -228,8 +231,8 @@ class ServerScrape:
         for time_ns, took, packed in self._pages:
             try:
                 samples = parse_page(zlib.decompress(packed).decode())
-            except ValueError as exc:  # one torn page: its row stays empty
-                self.failures.append(f"a page not parsed: {exc}")
+            except Exception as exc:  # one torn page (any parser error): its row stays empty
+                self.failures.append(f"a page not parsed: {type(exc).__name__}: {exc}")
                 columns.append({})
                 continue
             rows.append((time_ns, SCRAPE_SERIES, "{}", took))

@@ -287,3 +287,19 @@ def test_dcgm_fills_the_monitors_gpu_columns_instead_of_nvml() -> None:
     assert any(
         "from the dcgm-exporter at http://dcgm:9400/metrics, GPU 0" in n for n in info["notes"]
     )
+
+
+def test_broken_pages_after_the_first_leave_their_rows_empty() -> None:
+    good = vllm_page(1, 10, (1, 0, 0))
+    broken_bound = good.replace('le="0.1"', 'le="ten"')
+    scrape = ServerScrape(
+        "http://server/metrics",
+        fetch=scripted([good, "<html>502 Bad Gateway</html>", broken_bound]),
+    )
+    for _ in range(3):
+        scrape.read()
+    columns, _ = scrape.parse()
+    assert columns["server_num_requests_running"].tolist()[0] == 1.0
+    assert columns.iloc[1].isna().all()  # the HTML page
+    assert columns["server_num_requests_running"].tolist()[2] == 1.0  # the bucket left out
+    assert any("a page not parsed: ValueError" in f for f in scrape.info()["first_failures"])

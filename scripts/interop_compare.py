@@ -1,0 +1,269 @@
+"""One workload against one `inferlab serve`, measured by the lab, by guidellm and by AIPerf
+(their results imported with `inferlab import`), with the server's own TTFT/ITL scraped from
+its /metrics around each tool's run: the table of docs/interop.md "Three clients, one server".
+
+    .venv/bin/python scripts/interop_compare.py [--out results/interop] [--requests 32]
+
+The server runs pinned to core 0 with one thread, the clients on the other cores, one tool at
+a time: closed loop, `--concurrency` streams, `--input-len` prompt tokens (the served model's
+tokenizer, written to a folder for the external tools), `--output-len` output tokens each,
+completions API, streaming. Writes compare.csv and compare.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pandas as pd
+
+from harness.measuring.server_scrape import Histogram, parse_page, quantities
+from models.tokenizer import default_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
+SERVED = "small"
+# the table's columns: (label, summary metric); the server's come from its histograms
+CLIENT_METRICS = (
+    ("TTFT mean", "ttft_mean_s"),
+    ("TTFT p50", "ttft_p50_s"),
+    ("TTFT p99", "ttft_p99_s"),
+    ("ITL mean", "itl_mean_s"),
+    ("ITL p50", "itl_p50_s"),
+    ("TPOT mean", "tpot_mean_s"),
+    ("E2E mean", "e2e_mean_s"),
+    ("output tok/s", "output_tok_per_s"),
+    ("requests", "num_completed"),
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(port: int, cores: set[int], log: Path) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "serve",
+        f"model={SERVED}",
+        "engine.dtype=float32",
+        "engine.num_threads=1",
+        "engine.max_num_seqs=8",
+        "host=127.0.0.1",
+        f"port={port}",
+        "log_level=warning",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores),
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"inferlab serve exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("inferlab serve did not become healthy in 300 s")
+
+
+def server_view(root: str) -> dict[str, Any]:
+    return quantities(parse_page(httpx.get(f"{root}/metrics", timeout=10).text), "inferlab")
+
+
+def server_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float | None]:
+    """The server's TTFT and ITL over one tool's run: its histograms' differences."""
+    out: dict[str, float | None] = {}
+    for quantity in ("ttft", "itl", "e2e"):
+        run: Histogram | None = after[quantity].minus(before[quantity])
+        out[f"server_{quantity}_mean_s"] = run.mean() if run else None
+        out[f"server_{quantity}_p50_s"] = run.quantile(0.5) if run else None
+    out["server_requests_finished"] = after["requests_finished"] - before["requests_finished"]
+    return out
+
+
+def run_lab(base: str, out: Path, args: argparse.Namespace) -> Path:
+    folder = out / "lab"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "run",
+            "engine=openai",
+            f"engine.base_url={base}/v1",
+            f"model={SERVED}",
+            "engine.api=completions",
+            f"workload.num_requests={args.requests}",
+            f"workload.input_len={args.input_len}",
+            f"workload.output_len={args.output_len}",
+            "workload.arrival.process=closed",
+            f"workload.arrival.concurrency={args.concurrency}",
+            "run.warmup_requests=0",
+            "run.progress=false",
+            f"hydra.run.dir={folder}",
+        ],
+        cwd=ROOT,
+        check=True,
+    )
+    return folder
+
+
+def run_guidellm(base: str, out: Path, tokenizer: Path, args: argparse.Namespace) -> Path:
+    result = out / "guidellm.json"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "guidellm",
+            "run",
+            "--backend",
+            f"kind=openai_http,target={base},model={SERVED},request_format=/v1/completions",
+            "--profile",
+            f"kind=concurrent,streams={args.concurrency}",
+            "--constraint",
+            f"kind=max_requests,count={args.requests}",
+            "--data",
+            f"kind=synthetic_text,prompt_tokens={args.input_len},output_tokens={args.output_len}",
+            "--tokenizer",
+            f"kind=huggingface_auto,model={tokenizer}",
+            "--output",
+            f"kind=json,path={result}",
+            "--disable-console-interactive",
+        ],
+        cwd=out,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        check=True,
+    )
+    return result
+
+
+def run_aiperf(base: str, out: Path, tokenizer: Path, args: argparse.Namespace) -> Path:
+    folder = out / "aiperf"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    }
+    env.update(AIPERF_DATASET_MMAP_BASE_PATH=str(out), AIPERF_DATASET_MMAP_CACHE_ENABLED="0")
+    subprocess.run(
+        [
+            str(AIPERF),
+            "profile",
+            "--model",
+            SERVED,
+            "--url",
+            base,
+            "--endpoint-type",
+            "completions",
+            "--streaming",
+            "--request-count",
+            str(args.requests),
+            "--concurrency",
+            str(args.concurrency),
+            "--isl",
+            str(args.input_len),
+            "--osl",
+            str(args.output_len),
+            "--extra-inputs",
+            "ignore_eos:true",
+            "--tokenizer",
+            str(tokenizer),
+            "--prompt-corpus",
+            "random",
+            "--random-seed",
+            "0",
+            "--use-server-token-count",
+            "--ui-type",
+            "none",
+            "--no-gpu-telemetry",
+            "--no-server-metrics",
+            "--artifact-dir",
+            str(folder),
+        ],
+        cwd=out,
+        env=env,
+        check=True,
+    )
+    return folder / "profile_export_aiperf.json"
+
+
+def imported(result: Path, folder: Path) -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "harness.cli", "import", str(result), "--out", str(folder)],
+        cwd=ROOT,
+        check=True,
+    )
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "interop")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    args = parser.parse_args()
+    out: Path = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = default_tokenizer().save_pretrained(out / "tokenizer")
+    cores = os.sched_getaffinity(0)
+    server_cores = {min(cores)}
+    client_cores = cores - server_cores or cores
+    port = free_port()
+    root = f"http://127.0.0.1:{port}"
+    server = start_server(port, server_cores, out / "server.log")
+    os.sched_setaffinity(0, client_cores)  # the tools, started from here, inherit it
+    rows = []
+    try:
+        for _ in range(2):  # warm the server before any tool measures it
+            httpx.post(
+                f"{root}/v1/completions",
+                json={"model": SERVED, "prompt": "warm up", "max_tokens": 8},
+                timeout=120,
+            ).raise_for_status()
+        for tool in ("lab", "guidellm", "aiperf"):
+            before = server_view(root)
+            if tool == "lab":
+                folder = run_lab(root, out, args)
+            elif tool == "guidellm":
+                folder = imported(run_guidellm(root, out, tokenizer, args), out / "guidellm")
+            else:
+                folder = imported(run_aiperf(root, out, tokenizer, args), out / "aiperf-run")
+            after = server_view(root)
+            metrics = json.loads((folder / "summary.json").read_text())["metrics"]
+            row: dict[str, Any] = {"measured by": tool}
+            row.update({label: metrics.get(name) for label, name in CLIENT_METRICS})
+            row.update(server_figures(before, after))
+            rows.append(row)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    table = pd.DataFrame(rows)
+    table.to_csv(out / "compare.csv", index=False)
+    (out / "compare.md").write_text(table.to_markdown(index=False, floatfmt=".4g") + "\n")
+    print(table.to_markdown(index=False, floatfmt=".4g"))
+
+
+if __name__ == "__main__":
+    main()
