@@ -272,7 +272,7 @@ class ServingEngine:
                     yield ChoiceText(index, event.text, event.token_ids)
                 elif isinstance(event, Finished):
                     open_choices -= 1
-                    metrics.request_success.inc(labels=(("finished_reason", event.finish_reason),))
+                    metrics.request_success.inc(finished_reason=event.finish_reason)
                     if open_choices == 0:
                         metrics.e2e.observe((event.time_ns - arrival_ns) / 1e9)
                     yield ChoiceEnd(
