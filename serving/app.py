@@ -40,16 +40,11 @@ from serving.sse import ClientDisconnected, EventStreamResponse, unless_disconne
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default; chat defaults to the context left
 
 
-def default_model_name(backend: BuiltinBackend) -> str:
-    assert backend.engine is not None
-    return str(backend.engine.config.model)
-
-
 def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> FastAPI:
     """The app over `backend`, which must be loaded; the caller owns (and closes) it."""
     config = config or ServerConfig()
     serving = ServingEngine(backend, config)
-    model_name = config.served_model_name or default_model_name(backend)
+    model_name = serving.model_name
     created = int(time.time())
     app = FastAPI(title="inferlab", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
