@@ -24,6 +24,8 @@ from serving.formats import ChatWriter, CompletionWriter, Writer, collect, event
 from serving.generation import ServingEngine
 from serving.lifecycle import RequestClock, arrival_ns
 from serving.limits import BodySizeLimit
+from serving.profiler import EngineProfiler
+from serving.profiler import not_enabled as profiler_not_enabled
 from serving.prometheus import CONTENT_TYPE
 from serving.protocol import (
     APIError,
@@ -103,6 +105,16 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
+    # vLLM's profiler endpoints (serving/profiler.py); a request body (vllm bench sends one) is
+    # ignored
+    @app.post("/start_profile")
+    async def start_profile() -> dict[str, Any]:
+        return await _profiler(serving).start()
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> dict[str, Any]:
+        return await _profiler(serving).stop()
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrived_ns = arrival_ns(request.scope)
@@ -155,6 +167,13 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
         )
 
     return app
+
+
+def _profiler(serving: ServingEngine) -> EngineProfiler:
+    if serving.profiler is None:
+        raise profiler_not_enabled()
+    serving.check_serving()  # the engine thread must be there to run the profiler's commands
+    return serving.profiler
 
 
 # ---- request checks ---------------------------------------------------------------------------

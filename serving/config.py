@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from serving.metric_names import NAME_SETS
@@ -40,6 +41,9 @@ class ServerConfig:
     #: The names /metrics exports every metric under: ours, vLLM's (so that its Grafana
     #: dashboards work), or both.
     metrics_names: tuple[str, ...] = NAME_SETS
+    #: Where POST /stop_profile writes torch.profiler traces (vLLM's VLLM_TORCH_PROFILER_DIR;
+    #: created when profiling starts); None: the profiler endpoints answer 404.
+    profile_dir: str | None = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ServerConfig:
@@ -95,6 +99,12 @@ class ServerConfig:
             or self.max_body_bytes < 1
         ):
             raise fail("max_body_bytes", "an integer >= 1 (bytes)")
+        if self.profile_dir is not None and (
+            not isinstance(self.profile_dir, str)
+            or not self.profile_dir
+            or (Path(self.profile_dir).exists() and not Path(self.profile_dir).is_dir())
+        ):
+            raise fail("profile_dir", "null or a folder's path (created if missing), not a file")
         names = self.metrics_names
         if isinstance(names, str):  # metrics_names=vllm: a list of one
             names = (names,)

@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
+from pathlib import Path
 
 from engines.base import (
     Failed,
@@ -32,6 +33,7 @@ from engines.builtin.engine import LLMEngine
 from engines.sampling_params import SamplingParams
 from serving.config import ServerConfig
 from serving.metrics import ServerMetrics
+from serving.profiler import EngineProfiler
 from serving.protocol import APIError
 from serving.request_metrics import RequestObserver
 
@@ -95,6 +97,14 @@ class ServingEngine:
         self.model_name = config.served_model_name or str(backend.engine.config.model)
         self.metrics = ServerMetrics(
             backend, lambda: self.in_flight, self.model_name, config.metrics_names
+        )
+        #: POST /start_profile and /stop_profile (serving/profiler.py); None without profile_dir
+        self.profiler = (
+            None
+            if config.profile_dir is None
+            else EngineProfiler(
+                self.engine_thread, Path(config.profile_dir), backend.engine.platform.is_cuda
+            )
         )
         self.draining = False  # shutting down: admit nothing new
         self.shutdown_reason: str | None = None  # set when the rest is aborted
@@ -314,6 +324,10 @@ class ServingEngine:
         return await asyncio.wrap_future(self.engine_thread.abort_all(reason))
 
     def close(self) -> None:
+        """After the server stopped, before the backend closes (the engine thread runs): a
+        profile still running is stopped and written."""
+        if self.profiler is not None:
+            self.profiler.close()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
