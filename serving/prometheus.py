@@ -61,6 +61,9 @@ class Series:
         self._children: dict[tuple[str, ...], list[Any]] = {}
         for values in label_values:  # declared up front: exported at 0 before the first event
             self._targets(tuple(values))
+        # without labels of its own, the children once and for all: inc and observe run per
+        # token on the event loop
+        self._unlabeled = None if self.label_names else self._targets(())
 
     def _targets(self, values: tuple[str, ...]) -> list[Any]:
         children = self._children.get(values)
@@ -77,12 +80,17 @@ class Series:
             raise ValueError(f"labels {sorted(labels)}; expected {list(self.label_names)}")
         return tuple(str(labels[name]) for name in self.label_names)
 
+    def _children_for(self, labels: Mapping[str, str]) -> list[Any]:
+        if self._unlabeled is not None and not labels:
+            return self._unlabeled
+        return self._targets(self._values(labels))
+
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        for child in self._targets(self._values(labels)):
+        for child in self._children_for(labels):
             child.inc(amount)
 
     def observe(self, value: float, **labels: str) -> None:
-        for child in self._targets(self._values(labels)):
+        for child in self._children_for(labels):
             child.observe(value)
 
     # ---- reading back (tests, benchmarks): what the first name exports -------------------------
