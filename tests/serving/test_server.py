@@ -832,6 +832,8 @@ def test_serve_options_compose_like_run() -> None:
         ("[vllm,inferlab]", ("vllm", "inferlab")),
     ]:
         assert serve_cli.parse_args([f"metrics_names={value}"])[0].metrics_names == names
+    assert config.profile_dir is None  # the profiler endpoints are off unless asked for
+    assert serve_cli.parse_args(["profile_dir=profiles/1"])[0].profile_dir == "profiles/1"
 
 
 @pytest.mark.parametrize(
