@@ -24,6 +24,8 @@ from serving.formats import ChatWriter, CompletionWriter, Writer, collect, event
 from serving.generation import ServingEngine
 from serving.lifecycle import RequestClock, arrival_ns
 from serving.limits import BodySizeLimit
+from serving.profiler import EngineProfiler
+from serving.profiler import not_enabled as profiler_not_enabled
 from serving.prometheus import CONTENT_TYPE
 from serving.protocol import (
     APIError,
@@ -40,16 +42,11 @@ from serving.sse import ClientDisconnected, EventStreamResponse, unless_disconne
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default; chat defaults to the context left
 
 
-def default_model_name(backend: BuiltinBackend) -> str:
-    assert backend.engine is not None
-    return str(backend.engine.config.model)
-
-
 def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> FastAPI:
     """The app over `backend`, which must be loaded; the caller owns (and closes) it."""
     config = config or ServerConfig()
     serving = ServingEngine(backend, config)
-    model_name = config.served_model_name or default_model_name(backend)
+    model_name = serving.model_name
     created = int(time.time())
     app = FastAPI(title="inferlab", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
@@ -108,6 +105,16 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
+    # vLLM's profiler endpoints (serving/profiler.py); a request body (vllm bench sends one) is
+    # ignored
+    @app.post("/start_profile")
+    async def start_profile() -> dict[str, Any]:
+        return await _profiler(serving).start()
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> dict[str, Any]:
+        return await _profiler(serving).stop()
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrived_ns = arrival_ns(request.scope)
@@ -160,6 +167,13 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
         )
 
     return app
+
+
+def _profiler(serving: ServingEngine) -> EngineProfiler:
+    if serving.profiler is None:
+        raise profiler_not_enabled()
+    serving.check_serving()  # the engine thread must be there to run the profiler's commands
+    return serving.profiler
 
 
 # ---- request checks ---------------------------------------------------------------------------

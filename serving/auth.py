@@ -1,9 +1,10 @@
 """API keys: `APIKeyAuth`, pure ASGI middleware, as `vllm serve --api-key` does.
 
-Every request whose path starts with /v1 must carry `Authorization: Bearer <key>`; anything
-else gets 401 with OpenAI's error body (code `invalid_api_key`) before the request is read any
-further, unknown /v1 routes included (a 404 would tell a stranger which routes exist).
-/health and /metrics stay open for probes and scrapers.
+Every request whose path starts with /v1, and the profiler's (which write files on the
+server), must carry `Authorization: Bearer <key>`; anything else gets 401 with OpenAI's error
+body (code `invalid_api_key`) before the request is read any further, unknown /v1 routes
+included (a 404 would tell a stranger which routes exist). /health and /metrics stay open for
+probes and scrapers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from serving.protocol import send_error
 #: The environment variable `inferlab serve` reads the key from when `api_key=` is not given.
 API_KEY_ENV = "INFERLAB_API_KEY"
 PROTECTED_PREFIX = "/v1"
+PROTECTED_PATHS = ("/start_profile", "/stop_profile")
 
 
 class APIKeyAuth:
@@ -29,7 +31,8 @@ class APIKeyAuth:
         self._digest = hashlib.sha256(api_key.encode()).digest()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if not path.startswith(PROTECTED_PREFIX) and path not in PROTECTED_PATHS:
             await self.app(scope, receive, send)
             return
         given = _bearer_token(scope)

@@ -5,7 +5,8 @@
 Engine and model options are composed from configs/ exactly as `inferlab run` composes them
 (`model=...`, `engine.<option>=...`, `variant=...`); the server's own options are bare keys
 (`host`, `port`, `max_queue_len`, `served_model_name`, `log_level`, `access_log`,
-`shutdown_timeout_s`, `read_timeout_s`, `keep_alive_timeout_s`, `api_key`, `max_body_bytes`).
+`shutdown_timeout_s`, `read_timeout_s`, `keep_alive_timeout_s`, `api_key`, `max_body_bytes`,
+`metrics_names`, `profile_dir`).
 The API key may come from INFERLAB_API_KEY instead (it then stays out of `ps` listings).
 
 Anything that stops the start (a bad option, a checkpoint file that cannot be read, a port in
@@ -36,12 +37,13 @@ from serving.config import ServerConfig, ServerConfigError
 CONFIG_GROUPS = ("engine", "model", "variant")  # what a server's config may override
 SERVER_KEYS = tuple(f.name for f in fields(ServerConfig))
 # kept as typed (a name may be "123")
-TEXT_KEYS = ("host", "served_model_name", "log_level", "api_key")
+TEXT_KEYS = ("host", "served_model_name", "log_level", "api_key", "profile_dir")
 
 USAGE = f"""usage: inferlab serve [key=value ...]
 
 An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics) on the built-in engine. docs/serving.md has the details.
+/metrics; /start_profile and /stop_profile with profile_dir) on the built-in engine.
+docs/serving.md has the details.
 
 engine and model (composed from configs/, as in `inferlab run`):
   model=tiny|small|tinyllama-1.1b|llama3-8b|mistral-7b|tiny-trained|hf (model.path=DIR)
@@ -60,6 +62,11 @@ server (defaults in brackets):
   api_key=KEY [${API_KEY_ENV}, else none]  /v1/* requests must send
                              `Authorization: Bearer KEY` (401 otherwise); api_key=null: none
   max_body_bytes=N [8388608] larger request bodies get HTTP 413 unread
+  metrics_names=[inferlab,vllm] [both]  the names /metrics exports: inferlab_*, vLLM's
+                             vllm:* (its Grafana dashboards work), or both
+  profile_dir=DIR [none]     POST /start_profile and /stop_profile run torch.profiler on
+                             the engine and write a Chrome trace into DIR (vLLM's
+                             VLLM_TORCH_PROFILER_DIR); without it they answer 404
 
 example:
   inferlab serve model=tiny engine.kv_cache=paged port=8000

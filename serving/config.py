@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
+
+from serving.metric_names import NAME_SETS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -35,6 +38,12 @@ class ServerConfig:
     #: prompt a context holds (128k tokens: ~0.5 MB of text, ~1 MB as token ids), small enough
     #: to parse in tens of milliseconds.
     max_body_bytes: int = 8 << 20
+    #: The names /metrics exports every metric under: ours, vLLM's (so that its Grafana
+    #: dashboards work), or both.
+    metrics_names: tuple[str, ...] = NAME_SETS
+    #: Where POST /stop_profile writes torch.profiler traces (vLLM's VLLM_TORCH_PROFILER_DIR;
+    #: created when profiling starts); None: the profiler endpoints answer 404.
+    profile_dir: str | None = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ServerConfig:
@@ -90,6 +99,27 @@ class ServerConfig:
             or self.max_body_bytes < 1
         ):
             raise fail("max_body_bytes", "an integer >= 1 (bytes)")
+        if self.profile_dir is not None and (
+            not isinstance(self.profile_dir, str)
+            or not self.profile_dir
+            or (Path(self.profile_dir).exists() and not Path(self.profile_dir).is_dir())
+        ):
+            raise fail("profile_dir", "null or a folder's path (created if missing), not a file")
+        names = self.metrics_names
+        if isinstance(names, str):  # metrics_names=vllm: a list of one
+            names = (names,)
+        if (
+            not isinstance(names, list | tuple)
+            or not names
+            or any(n not in NAME_SETS for n in names)
+            or len(set(names)) != len(names)
+        ):
+            raise fail(
+                "metrics_names",
+                f"a non-empty list of distinct names from {'|'.join(NAME_SETS)}, "
+                "e.g. [inferlab,vllm]",
+            )
+        self.metrics_names = tuple(names)
         for name, positive in (
             ("shutdown_timeout_s", False),
             ("read_timeout_s", True),

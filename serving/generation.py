@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
+from pathlib import Path
 
 from engines.base import (
     Failed,
@@ -32,7 +33,9 @@ from engines.builtin.engine import LLMEngine
 from engines.sampling_params import SamplingParams
 from serving.config import ServerConfig
 from serving.metrics import ServerMetrics
+from serving.profiler import EngineProfiler
 from serving.protocol import APIError
+from serving.request_metrics import RequestObserver
 
 logger = logging.getLogger("inferlab.serve")
 
@@ -89,7 +92,20 @@ class ServingEngine:
         self.config = config
         self.engine_thread: EngineThread = backend.start_engine_thread()
         self.in_flight = 0  # sequences admitted and not yet finished
-        self.metrics = ServerMetrics(backend, lambda: self.in_flight)
+        assert backend.engine is not None
+        #: the `model` requests must name, and vLLM's `model_name` label on /metrics
+        self.model_name = config.served_model_name or str(backend.engine.config.model)
+        self.metrics = ServerMetrics(
+            backend, lambda: self.in_flight, self.model_name, config.metrics_names
+        )
+        #: POST /start_profile and /stop_profile (serving/profiler.py); None without profile_dir
+        self.profiler = (
+            None
+            if config.profile_dir is None
+            else EngineProfiler(
+                self.engine_thread, Path(config.profile_dir), backend.engine.platform.is_cuda
+            )
+        )
         self.draining = False  # shutting down: admit nothing new
         self.shutdown_reason: str | None = None  # set when the rest is aborted
         self._tokenizer_pool = ThreadPoolExecutor(
@@ -245,36 +261,18 @@ class ServingEngine:
         """Run every prompt with its sampling parameters; choice index = prompt index x n +
         sample index, as OpenAI numbers them. Closing this stream aborts what is still running
         and frees its KV memory."""
-        metrics = self.metrics
         n = sampling[0].n
         streams = [
             self.backend.generate(GenerationRequest(f"{request_id}-{i}", ids, params))
             for i, (ids, params) in enumerate(zip(prompts, sampling, strict=True))
         ]
-        open_choices = len(prompts) * n
-        first_token_seen = [False] * len(prompts)
-        last_token_ns: dict[int, int] = {}
-        num_tokens = 0
+        observed = RequestObserver(self.metrics, prompts, sampling, arrival_ns)
         try:
             async for prompt_index, event in _merge(streams):
+                observed.observe(prompt_index, event)
                 if isinstance(event, Tokens):
-                    index = prompt_index * n + event.index
-                    if not first_token_seen[prompt_index]:
-                        first_token_seen[prompt_index] = True
-                        metrics.ttft.observe((event.time_ns - arrival_ns) / 1e9)
-                        metrics.prompt_tokens.inc(len(prompts[prompt_index]))
-                    previous = last_token_ns.get(index)
-                    if previous is not None:
-                        metrics.itl.observe((event.time_ns - previous) / 1e9)
-                    last_token_ns[index] = event.time_ns
-                    metrics.generation_tokens.inc(len(event.token_ids))
-                    num_tokens += len(event.token_ids)
-                    yield ChoiceText(index, event.text, event.token_ids)
+                    yield ChoiceText(prompt_index * n + event.index, event.text, event.token_ids)
                 elif isinstance(event, Finished):
-                    open_choices -= 1
-                    metrics.request_success.inc(labels=(("finished_reason", event.finish_reason),))
-                    if open_choices == 0:
-                        metrics.e2e.observe((event.time_ns - arrival_ns) / 1e9)
                     yield ChoiceEnd(
                         prompt_index * n + event.index,
                         event.finish_reason,
@@ -282,7 +280,6 @@ class ServingEngine:
                         event.num_output_tokens,
                     )
                 elif isinstance(event, Failed):
-                    open_choices = 0  # the backend has dropped the request
                     engine = self.backend.engine
                     if self.shutdown_reason is not None and event.error == self.shutdown_reason:
                         yield GenerationFailed(event.error, "server_shutting_down", 503)
@@ -295,13 +292,13 @@ class ServingEngine:
                         yield GenerationFailed(f"generation failed: {event.error}")
                     return
         finally:
-            if open_choices:  # closed early: its client went away
-                metrics.requests_aborted.inc()
+            if observed.open_choices:  # closed early: its client went away
+                self.metrics.requests_aborted.inc()
                 logger.info(
                     "%s: client disconnected after %d output tokens (%.2f s); request "
                     "aborted, its KV cache freed",
                     request_id,
-                    num_tokens,
+                    observed.num_tokens,
                     (now_ns() - arrival_ns) / 1e9,
                 )
             admission.release()
@@ -327,6 +324,10 @@ class ServingEngine:
         return await asyncio.wrap_future(self.engine_thread.abort_all(reason))
 
     def close(self) -> None:
+        """After the server stopped, before the backend closes (the engine thread runs): a
+        profile still running is stopped and written."""
+        if self.profiler is not None:
+            self.profiler.close()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -1,193 +1,131 @@
-"""What /metrics exports: engine state as the engine thread last published it (read at scrape
-time, never from the engine itself, which another thread steps), and token counters and
-latency histograms updated as requests stream, and speculative decoding's counters as the
-engine thread reports steps. Names follow vLLM's, with the `inferlab_` prefix (docs/serving.md
-has the crosswalk)."""
+"""What /metrics exports, built from the table in serving/metric_names.py under the naming sets
+the server was started with (`metrics_names`: `inferlab_*`, vLLM's `vllm:*`, or both), and
+where each value comes from:
+
+- engine state (running, waiting, KV use, preemptions, prefix-cache lookups) from the snapshot
+  the engine thread publishes after every step, read at scrape time, never from the engine
+  itself, which another thread steps;
+- token counters and per-request histograms, updated as requests stream
+  (serving/request_metrics.py);
+- speculative decoding's counters from each step the engine thread reports.
+
+Every name of one quantity is updated by the same call, so its values are equal whatever the
+naming; only histogram bounds differ (inferlab_'s are finer at the low end; vLLM's are
+vLLM's).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Literal
 
 from engines.base import StepRecord
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.step_stats import EngineGauges
-from serving.prometheus import Counter, Gauge, Histogram, Registry
+from serving.metric_names import (
+    ENGINE_INDEX,
+    METRICS,
+    NAME_SETS,
+    MetricSpec,
+    resolve,
+)
+from serving.prometheus import (
+    CollectorRegistry,
+    Naming,
+    ScrapeCollector,
+    Scraped,
+    Series,
+    render,
+)
 
 FINISH_REASONS = ("stop", "length")  # aborts: inferlab_requests_aborted_total
-TTFT_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-ITL_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
-E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
 class ServerMetrics:
-    def __init__(self, backend: BuiltinBackend, in_flight: Callable[[], int]) -> None:
+    """The server's metrics. Each attribute below is one quantity of the table, under every
+    name the server exports it with (none: it counts nothing)."""
+
+    prompt_tokens: Series
+    generation_tokens: Series
+    request_success: Series
+    requests_rejected: Series
+    requests_invalid: Series
+    requests_aborted: Series
+    ttft: Series
+    itl: Series
+    e2e: Series
+    queue_time: Series
+    prefill_time: Series
+    decode_time: Series
+    inference_time: Series
+    request_prompt_tokens: Series
+    request_generation_tokens: Series
+    request_max_num_generation_tokens: Series
+    request_params_n: Series
+    request_params_max_tokens: Series
+    spec_drafts: Series
+    spec_draft_tokens: Series
+    spec_accepted_tokens: Series
+    spec_accepted_per_pos: Series
+    spec_drafts_per_pos: Series
+
+    def __init__(
+        self,
+        backend: BuiltinBackend,
+        in_flight: Callable[[], int],
+        model_name: str,
+        name_sets: Sequence[str] = NAME_SETS,
+    ) -> None:
+        assert backend.engine is not None, "load() first"
         self.backend = backend
-        r = self.registry = Registry()
-
-        r.add(
-            Gauge(
-                "inferlab_num_requests_running",
-                "Sequences the engine is running (holding KV memory).",
-                lambda: self._stats().num_running,
-            )
-        )
-        r.add(
-            Gauge(
-                "inferlab_num_requests_waiting",
-                "Sequences queued in the engine, waiting for a slot or KV memory.",
-                lambda: self._stats().num_waiting,
-            )
-        )
-        r.add(
-            Gauge(
-                "inferlab_num_requests_admitted",
-                "Sequences the server has admitted and not yet finished (the bound that "
-                "max_queue_len sets).",
-                in_flight,
-            )
-        )
-        r.add(
-            Gauge(
-                "inferlab_kv_cache_usage_ratio",
-                "KV cache memory reserved for live sequences over the pool's capacity (0 to 1).",
-                lambda: _kv_usage(self._stats()),
-            )
-        )
-        r.add(
-            Gauge(
-                "inferlab_kv_cache_reserved_bytes",
-                "KV cache bytes reserved for live sequences.",
-                lambda: self._stats().kv_bytes_reserved,
-            )
-        )
-        r.add(
-            Gauge(
-                "inferlab_kv_cache_capacity_bytes",
-                "KV cache pool size in bytes.",
-                lambda: self._stats().kv_pool_bytes,
-            )
-        )
-        self.prompt_tokens = r.add(
-            Counter(
-                "inferlab_prompt_tokens_total", "Prompt tokens of requests that were prefilled."
-            )
-        )
-        self.generation_tokens = r.add(
-            Counter("inferlab_generation_tokens_total", "Output tokens generated.")
-        )
-        self.request_success = r.add(
-            Counter(
-                "inferlab_request_success_total",
-                "Sequences (choices) finished, by finish reason.",
-                [(("finished_reason", reason),) for reason in FINISH_REASONS],
-            )
-        )
-        self.requests_rejected = r.add(
-            Counter(
-                "inferlab_requests_rejected_total",
-                "HTTP requests refused with 503 because the admission queue was full.",
-            )
-        )
-        self.requests_invalid = r.add(
-            Counter("inferlab_requests_invalid_total", "HTTP requests refused with a 400 error.")
-        )
-        self.requests_aborted = r.add(
-            Counter(
-                "inferlab_requests_aborted_total",
-                "Requests aborted before they finished (the client went away).",
-            )
-        )
-        self.ttft = r.add(
-            Histogram(
-                "inferlab_time_to_first_token_seconds",
-                "From the request's arrival at the server to its first output token.",
-                TTFT_BUCKETS,
-            )
-        )
-        self.itl = r.add(
-            Histogram(
-                "inferlab_inter_token_latency_seconds",
-                "Between consecutive output tokens of one sequence.",
-                ITL_BUCKETS,
-            )
-        )
-        self.e2e = r.add(
-            Histogram(
-                "inferlab_e2e_request_latency_seconds",
-                "From the request's arrival at the server to its last sequence finishing.",
-                E2E_BUCKETS,
-            )
-        )
-
+        self.in_flight = in_flight
+        self.model_name = model_name
+        self.name_sets = tuple(name_sets)
+        self.registry = CollectorRegistry()
+        engine = backend.engine
+        self.max_model_len = engine.limits.max_model_len
         spec_positions = _spec_positions(backend)
-        if spec_positions:
-            self.spec_drafts = r.add(
-                Counter(
-                    "inferlab_spec_decode_num_drafts_total",
-                    "Speculative decoding: verifying rows (a sequence's drafts checked in a step).",
-                )
-            )
-            self.spec_draft_tokens = r.add(
-                Counter("inferlab_spec_decode_num_draft_tokens_total", "Drafts proposed.")
-            )
-            self.spec_accepted_tokens = r.add(
-                Counter("inferlab_spec_decode_num_accepted_tokens_total", "Drafts kept.")
-            )
-            positions = [(("position", str(i)),) for i in range(spec_positions)]
-            self.spec_drafts_per_pos = r.add(
-                Counter(
-                    "inferlab_spec_decode_num_draft_tokens_per_pos_total",
-                    "Drafts proposed at each position (0: the first draft).",
-                    positions,
-                )
-            )
-            self.spec_accepted_per_pos = r.add(
-                Counter(
-                    "inferlab_spec_decode_num_accepted_tokens_per_pos_total",
-                    "Drafts kept at each position (0: the first draft).",
-                    positions,
-                )
-            )
+        features = {
+            "spec_decode": spec_positions > 0,
+            "prefix_caching": bool(engine.config.enable_prefix_caching),
+        }
+        scraped: list[Scraped] = []
+        for spec in METRICS:
+            exported = spec.needs is None or features[spec.needs]
+            namings = self.namings(spec) if exported else []
+            if spec.scraped:
+                kind: Literal["counter", "gauge"] = "counter" if spec.kind == "counter" else "gauge"
+                if namings:
+                    scraped.append(Scraped(spec.key, kind, spec.help, namings))
+                continue
+            assert spec.key in type(self).__annotations__, f"{spec.key}: no attribute to update it"
+            setattr(self, spec.key, self._series(spec, namings, spec_positions))
+        self.registry.register(ScrapeCollector(scraped, self._scrape))
+        if features["spec_decode"]:
             backend.step_observers.append(self.observe_step)
+
+    def namings(self, spec: MetricSpec) -> list[Naming]:
+        """The names `spec` is exported under, in this server's naming sets."""
+        namings = []
+        if "inferlab" in self.name_sets:
+            namings.append(Naming(spec.inferlab, {}, resolve(spec.buckets, self.max_model_len)))
+        if "vllm" in self.name_sets:
+            labels = {"model_name": self.model_name, "engine": ENGINE_INDEX}
+            buckets = resolve(spec.vllm_buckets, self.max_model_len)
+            namings += [Naming(name, labels, buckets) for name in spec.vllm]
+        return namings
+
+    def _series(self, spec: MetricSpec, namings: list[Naming], spec_positions: int) -> Series:
+        # label values known in advance are exported at 0 before the first event, as vLLM does
+        values: Iterable[Sequence[str]] = ()
+        if spec.labels == ("finished_reason",):
+            values = [(reason,) for reason in FINISH_REASONS]
+        elif spec.labels == ("position",):
+            values = [(str(i),) for i in range(spec_positions)]
+        kind: Literal["counter", "histogram"] = (
+            "histogram" if spec.kind == "histogram" else "counter"
+        )
+        return Series(self.registry, kind, spec.help, namings, spec.labels, values)
 
     def observe_step(self, record: StepRecord) -> None:
         """Speculative decoding's counters, from each step the engine thread reports."""
@@ -201,22 +139,34 @@ class ServerMetrics:
             (self.spec_accepted_per_pos, record.spec_accepted_by_position),
         ):
             for i, count in enumerate(counts):
-                counter.inc(count, (("position", str(i)),))
+                counter.inc(count, position=str(i))
 
     def _stats(self) -> EngineGauges:
         thread = self.backend.engine_thread  # None once the backend is closed
         return EngineGauges() if thread is None else thread.stats
 
-    def render(self) -> str:
-        return self.registry.render()
+    def _scrape(self) -> dict[str, float]:
+        """The values read at scrape time (the `scraped` rows of the table), from one snapshot
+        of the engine."""
+        stats = self._stats()
+        capacity = stats.kv_pool_bytes
+        return {
+            "num_requests_running": stats.num_running,
+            "num_requests_waiting": stats.num_waiting,
+            "num_requests_admitted": self.in_flight(),
+            "kv_cache_usage": stats.kv_bytes_reserved / capacity if capacity else 0.0,
+            "kv_cache_reserved_bytes": stats.kv_bytes_reserved,
+            "kv_cache_capacity_bytes": capacity,
+            "num_preemptions": stats.num_preemptions,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+        }
+
+    def render(self) -> bytes:
+        return render(self.registry)
 
 
 def _spec_positions(backend: BuiltinBackend) -> int:
     """k, the draft positions to count; 0 without speculative decoding."""
     spec = backend.config.speculative()
     return spec.num_speculative_tokens if spec is not None else 0
-
-
-def _kv_usage(stats: EngineGauges) -> float:
-    capacity = stats.kv_pool_bytes
-    return stats.kv_bytes_reserved / capacity if capacity else 0.0

@@ -352,6 +352,9 @@ class LLMEngine:
             kv_blocks_used=self.kv.num_blocks_in_use,
             kv_num_blocks=layout.num_blocks,
             step=self.scheduler.step_counter,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
         )
 
     def add_logits_observer(self, observer: LogitsObserver) -> None:

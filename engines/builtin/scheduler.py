@@ -169,6 +169,12 @@ class Scheduler:
         self.batch: list[Sequence] = []
         self.step_counter = 0
         self._freed_since_last_plan: list[int] = []
+        # Cumulative since load, for a server's /metrics (vLLM's num_preemptions,
+        # prefix_cache_queries and prefix_cache_hits): recompute preemptions, and, with prefix
+        # caching, the tokens each admission from the queue looked up and found cached.
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # ---- queue ------------------------------------------------------------------------------
 
@@ -267,6 +273,9 @@ class Scheduler:
                 break
             if seq.first_scheduled_step is None:
                 seq.cached_prompt_tokens = cached
+            if self.prefix_caching:  # counted once admitted: a lookup given back is retried
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += cached
             self.waiting.pop(0)
             self._allocate(seq, total, plan)
             self._admit(seq, plan)
@@ -414,6 +423,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         plan.preempted.append(seq)
         self._requeue_first(seq)
 

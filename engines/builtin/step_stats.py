@@ -23,6 +23,11 @@ class EngineGauges:
     kv_blocks_used: int = 0
     kv_num_blocks: int = 0
     step: int = 0  # the engine's step counter: the number the next step will carry
+    # cumulative since load (Scheduler's counters): recompute preemptions; with prefix caching,
+    # tokens looked up at admission and of those found cached
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 def logits_rows(plan: StepPlan) -> int:

@@ -3,7 +3,9 @@
 Read once before the measured requests and once after; the difference is the run's. Series
 names are data: vLLM's (`vllm:spec_decode_*`) and `inferlab serve`'s (the same names with the
 `inferlab_` prefix). Counters are summed over every label set but `position` (vLLM labels each
-engine and model). Parsed with prometheus_client's reference parser.
+engine and model). A page with both (`inferlab serve` exports its counters under both names)
+is read under one of them, `inferlab_` first (it also counts drafts per position), never summed
+across the two. Parsed with prometheus_client's reference parser.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# prefix -> whose names; each counter is <prefix>spec_decode_<name>_total
-SERVER_PREFIXES = {"vllm:": "vllm", "inferlab_": "inferlab"}
+# prefix -> whose names, in the order a page with both is read; each counter is
+# <prefix>spec_decode_<name>_total
+SERVER_PREFIXES = {"inferlab_": "inferlab", "vllm:": "vllm"}
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 PER_POSITION = ("num_draft_tokens_per_pos", "num_accepted_tokens_per_pos")
 # positions read from a `position` label; a larger one (a broken or hostile server) is ignored
@@ -80,9 +83,10 @@ def metrics_url(base_url: str) -> str:
 
 def parse_spec_decode(text: str) -> SpecDecodeCounters | None:
     """The speculative-decoding counters in a /metrics page; None where it has none."""
-    totals: dict[str, float] = defaultdict(float)
-    per_pos: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    server = None
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    per_pos: dict[str, dict[str, dict[int, float]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(float))
+    )
     for family in text_string_to_metric_families(text):
         for prefix, who in SERVER_PREFIXES.items():
             stem = f"{prefix}spec_decode_"
@@ -92,25 +96,27 @@ def parse_spec_decode(text: str) -> SpecDecodeCounters | None:
             for sample in family.samples:
                 if sample.name != f"{family.name}_total":  # _created and the like
                     continue
-                server = who
                 if name in PER_POSITION and "position" in sample.labels:
                     position = sample.labels["position"]
                     if position.isdigit() and int(position) < MAX_POSITIONS:
-                        per_pos[name][int(position)] += sample.value
+                        per_pos[who][name][int(position)] += sample.value
                 elif name in COUNTERS:
-                    totals[name] += sample.value
-    if server is None or "num_draft_tokens" not in totals:
+                    totals[who][name] += sample.value
+    server = next(
+        (who for who in SERVER_PREFIXES.values() if "num_draft_tokens" in totals[who]), None
+    )
+    if server is None:
         return None
 
     def positions(name: str) -> tuple[float, ...]:
-        counts = per_pos.get(name, {})
+        counts = per_pos[server].get(name, {})
         return tuple(counts.get(i, 0.0) for i in range(max(counts, default=-1) + 1))
 
     return SpecDecodeCounters(
         server,
-        totals["num_drafts"],
-        totals["num_draft_tokens"],
-        totals["num_accepted_tokens"],
+        totals[server]["num_drafts"],
+        totals[server]["num_draft_tokens"],
+        totals[server]["num_accepted_tokens"],
         positions("num_draft_tokens_per_pos"),
         positions("num_accepted_tokens_per_pos"),
     )

@@ -737,16 +737,19 @@ def parse_prometheus(text: str) -> tuple[dict[str, str], Samples]:
         assert key not in samples, f"duplicate sample {line!r}"
         samples[key] = float(value)
     for family in (f for f, kind in types.items() if kind == "histogram"):
-        buckets = sorted(
-            (
-                (float(dict(labels)["le"]), v)
-                for (n, labels), v in samples.items()
-                if n == f"{family}_bucket"
-            )
-        )
-        counts = [v for _, v in buckets]
-        assert buckets[-1][0] == math.inf and counts == sorted(counts), family
-        assert buckets[-1][1] == samples[(f"{family}_count", frozenset())], family
+        # per series: vLLM's names carry model_name and engine labels
+        series: dict[frozenset[tuple[str, str]], list[tuple[float, float]]] = {}
+        for (n, labels), v in samples.items():
+            if n == f"{family}_bucket":
+                le = dict(labels)["le"]
+                series.setdefault(labels - {("le", le)}, []).append((float(le), v))
+        assert series, f"{family} has no buckets"
+        for labels, buckets in series.items():
+            buckets.sort()
+            counts = [v for _, v in buckets]
+            assert buckets[-1][0] == math.inf and counts == sorted(counts), family
+            assert buckets[-1][1] == samples[(f"{family}_count", labels)], family
+            assert (f"{family}_sum", labels) in samples, family
     return types, samples
 
 
@@ -822,6 +825,15 @@ def test_serve_options_compose_like_run() -> None:
     )
     _, config = serve_cli.build_backend(["model=tiny"])
     assert (config.host, config.port, config.served_model_name) == ("127.0.0.1", 8000, "tiny")
+    assert config.metrics_names == ("inferlab", "vllm")  # both by default
+    for value, names in [
+        ("[vllm]", ("vllm",)),
+        ("vllm", ("vllm",)),
+        ("[vllm,inferlab]", ("vllm", "inferlab")),
+    ]:
+        assert serve_cli.parse_args([f"metrics_names={value}"])[0].metrics_names == names
+    assert config.profile_dir is None  # the profiler endpoints are off unless asked for
+    assert serve_cli.parse_args(["profile_dir=profiles/1"])[0].profile_dir == "profiles/1"
 
 
 @pytest.mark.parametrize(
@@ -844,6 +856,13 @@ def test_serve_options_compose_like_run() -> None:
         (["api_key= k"], "api_key: invalid; allowed: null or a non-empty string"),
         (["max_body_bytes=0"], "max_body_bytes: 0 is invalid; allowed: an integer >= 1"),
         (["max_body_bytes=8MB"], "max_body_bytes: '8MB' is invalid"),
+        (
+            ["metrics_names=[prometheus]"],
+            "metrics_names: ['prometheus'] is invalid; allowed: a non-empty list of distinct "
+            "names from inferlab|vllm",
+        ),
+        (["metrics_names=[]"], "metrics_names: [] is invalid"),
+        (["metrics_names=[vllm,vllm]"], "metrics_names: ['vllm', 'vllm'] is invalid"),
     ],
 )
 def test_serve_refuses_bad_options(

@@ -423,6 +423,8 @@ def test_preemption_with_a_token_capped_cache_keeps_outputs(alone, chunked: bool
     ]
     events, records = run_events(llm, requests)
     assert sum(r.num_preempted for r in records) > 0
+    # the running count a server's /metrics reads (vLLM's num_preemptions)
+    assert llm.engine.gauges().num_preemptions == sum(r.num_preempted for r in records)
     outs = [
         [t for e in events if isinstance(e, Tokens) and e.request_id == str(i) for t in e.token_ids]
         for i in range(len(PROMPTS))

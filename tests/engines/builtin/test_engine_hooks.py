@@ -89,6 +89,9 @@ def test_gauges_match_the_scheduler_and_the_kv_cache(make_tiny: Any, kv_cache: s
             kv_blocks_used=kv.num_blocks_in_use,
             kv_num_blocks=kv.layout.num_blocks,
             step=engine.scheduler.step_counter,
+            num_preemptions=engine.scheduler.num_preemptions,
+            prefix_cache_queries=engine.scheduler.prefix_cache_queries,
+            prefix_cache_hits=engine.scheduler.prefix_cache_hits,
         )
 
     idle = engine.gauges()
@@ -109,6 +112,28 @@ def test_gauges_match_the_scheduler_and_the_kv_cache(make_tiny: Any, kv_cache: s
     assert (max(r for _, _, r in states) > 0) == (kv_cache != "none")
     with pytest.raises(dataclasses.FrozenInstanceError):
         engine.gauges().num_running = 5  # type: ignore[misc]
+
+
+def test_prefix_cache_counters_count_each_admissions_lookup(make_tiny: Any) -> None:
+    """With prefix caching, every admission adds its tokens to the queries and its cached
+    ones to the hits (vLLM's prefix_cache_queries / prefix_cache_hits); without, neither
+    moves."""
+    prompt = list(range(300, 332))  # 32 tokens: 2 full blocks of 16
+    cached = make_tiny(kv_cache="paged", enable_prefix_caching=True)
+    plain = make_tiny(kv_cache="paged")
+    for llm in (cached, plain):
+        llm.generate([prompt], greedy(2))
+        first = llm.engine.gauges()
+        llm.generate([prompt], greedy(2))
+        second = llm.engine.gauges()
+        if llm is plain:
+            assert (second.prefix_cache_queries, second.prefix_cache_hits) == (0, 0)
+            continue
+        assert (first.prefix_cache_queries, first.prefix_cache_hits) == (32, 0)
+        # the repeat finds its first block cached (the last prompt token is always computed)
+        assert second.prefix_cache_queries - first.prefix_cache_queries == 32
+        assert second.prefix_cache_hits - first.prefix_cache_hits == 16
+        assert second.num_preemptions == 0
 
 
 def test_engine_thread_publishes_the_engines_gauges() -> None:

@@ -57,6 +57,30 @@ def test_server_counts_give_the_engine_metrics() -> None:
     assert "spec_acceptance_rate_pos4" not in metrics
 
 
+def test_a_page_with_both_names_is_read_once() -> None:
+    """inferlab serve exports each counter under its inferlab_ name and vLLM's: the two are one
+    count, read under inferlab_ (which also counts drafts per position), never summed."""
+    vllm_page = FIXTURE.read_text()
+    ours = "\n".join(
+        line.replace("vllm:", "inferlab_")
+        for line in vllm_page.splitlines()
+        if 'engine="0"' in line or line.startswith("#")
+    )
+    ours += (
+        "\n# TYPE inferlab_spec_decode_num_draft_tokens_per_pos_total counter\n"
+        'inferlab_spec_decode_num_draft_tokens_per_pos_total{position="0"} 1000.0\n'
+    )
+    counters = parse_spec_decode(vllm_page + ours)
+    assert counters is not None and counters.server == "inferlab"
+    assert (counters.num_drafts, counters.num_draft_tokens, counters.num_accepted_tokens) == (
+        1000,
+        3000,
+        2100,
+    )
+    assert counters.num_draft_tokens_per_pos == (1000,)
+    assert counters.num_accepted_tokens_per_pos == (900, 700, 500)
+
+
 def test_a_page_without_the_counters_gives_none() -> None:
     page = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1\n"
     assert parse_spec_decode(page) is None

@@ -1,0 +1,420 @@
+"""/metrics under both naming sets: the page parses with prometheus_client's reference parser,
+every metric of serving/metric_names.py is there under its inferlab_ name and vLLM's with equal
+values, counters and histograms move by exactly what known requests did (each request counted
+once), engine counters (preemptions, prefix-cache hits) are exported, `metrics_names` selects
+the names, and every series vLLM's Grafana dashboard queries is served. A real uvicorn server
+on loopback, model=tiny."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engines.builtin import EngineConfig
+from engines.builtin.backend import BuiltinBackend
+from serving import ServerConfig
+from serving.metric_names import ENGINE_INDEX, METRICS, MetricSpec
+from serving.testing import RunningServer, serve_in_thread
+
+OPTIONS: dict[str, Any] = dict(
+    dtype="float32",
+    device="cpu",
+    max_model_len=256,
+    max_num_seqs=8,
+    kv_cache="paged",
+    kv_cache_memory_bytes=2 << 20,
+    enable_prefix_caching=True,
+)
+SERVED = "tiny-served"
+COMPLETIONS = "/v1/completions"
+Key = tuple[str, frozenset[tuple[str, str]]]
+
+# What the vLLM Grafana dashboard (vllm-project/vllm,
+# examples/observability/prometheus_grafana/grafana.json) queries, each with
+# {model_name="$model_name"}: every one is something the engine produces.
+DASHBOARD_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:kv_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
+    backend.load()
+    with serve_in_thread(backend, ServerConfig(served_model_name=SERVED)) as running:
+        yield running
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        yield c
+
+
+def scrape(client: httpx.Client) -> tuple[dict[str, str], dict[Key, float]]:
+    """(family name -> type, sample -> value), read with prometheus_client's parser."""
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    types: dict[str, str] = {}
+    samples: dict[Key, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        assert family.name not in types, f"{family.name} twice"
+        types[family.name] = family.type
+        for sample in family.samples:
+            key = (sample.name, frozenset(sample.labels.items()))
+            assert key not in samples, f"duplicate sample {key}"
+            samples[key] = sample.value
+    assert not any(name.endswith("_created") for name, _ in samples)  # filtered out
+    return types, samples
+
+
+def family_of(name: str) -> str:
+    """The family prometheus_client's parser files a counter under (without `_total`)."""
+    return name.removesuffix("_total")
+
+
+def of(samples: dict[Key, float], name: str, vllm: bool = False) -> dict[Key, float]:
+    """The samples of metric `name` (its _total / _bucket / _sum / _count too), keyed by suffix
+    and labels; vLLM's model_name and engine labels are checked and dropped."""
+    family = family_of(name)
+    found = {}
+    for (sample, labels), value in samples.items():
+        suffix = sample[len(family) :]
+        if not sample.startswith(family) or suffix not in (
+            "",
+            "_total",
+            "_bucket",
+            "_sum",
+            "_count",
+        ):
+            continue
+        label_map = dict(labels)
+        if vllm:
+            assert (label_map.pop("model_name"), label_map.pop("engine")) == (SERVED, ENGINE_INDEX)
+        found[(suffix, frozenset(label_map.items()))] = value
+    return found
+
+
+def value(samples: dict[Key, float], name: str, suffix: str = "", **labels: str) -> float:
+    """One sample of an inferlab_ metric."""
+    return samples[(family_of(name) + suffix, frozenset(labels.items()))]
+
+
+def exported(spec: MetricSpec, spec_decode: bool = False) -> bool:
+    return spec.needs is None or spec.needs == "prefix_caching" or spec_decode
+
+
+def assert_names_agree(samples: dict[Key, float], specs: list[MetricSpec]) -> None:
+    """Every vLLM name of each metric has exactly the inferlab_ name's values; histograms
+    agree on count, sum and every bound the two share."""
+    for spec in specs:
+        ours = of(samples, spec.inferlab)
+        assert ours, spec.inferlab
+        for name in spec.vllm:
+            theirs = of(samples, name, vllm=True)
+            assert theirs, name
+            if spec.kind != "histogram":
+                assert theirs == ours, name
+                continue
+            shared = {k for k in ours if k[0] != "_bucket"} | (
+                {k for k in ours if k[0] == "_bucket"} & set(theirs)
+            )
+            assert len(shared) > 3, name  # count, sum, +Inf and some bound in common
+            assert {k: theirs[k] for k in shared} == {k: ours[k] for k in shared}, name
+
+
+def complete(client: httpx.Client, **payload: Any) -> dict[str, Any]:
+    response = client.post(COMPLETIONS, json=payload)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+# ---- both names, equal values -------------------------------------------------------------------
+
+
+def test_every_metric_under_both_names_with_equal_values(client: httpx.Client) -> None:
+    _, before = scrape(client)
+    complete(client, prompt="Once upon a time", max_tokens=6, ignore_eos=True)
+    complete(client, prompt=list(range(700, 740)), max_tokens=3, ignore_eos=True)
+    complete(client, prompt=list(range(700, 740)), max_tokens=3, ignore_eos=True)  # a hit
+    complete(client, prompt="Hi", max_tokens=4, n=2, temperature=1.0, seed=3)
+    types, samples = scrape(client)
+    specs = [spec for spec in METRICS if exported(spec)]
+    for spec in specs:  # every name, with its type
+        for name in (spec.inferlab, *spec.vllm):
+            assert types.get(family_of(name)) == spec.kind, name
+    assert not any(s.needs == "spec_decode" and family_of(s.inferlab) in types for s in METRICS)
+    assert_names_agree(samples, specs)
+    # the check above compared real values, not zeros
+
+    def moved(name: str, suffix: str) -> float:
+        return value(samples, name, suffix) - value(before, name, suffix)
+
+    assert moved("inferlab_generation_tokens_total", "_total") == 6 + 3 + 3 + 8
+    assert moved("inferlab_prefix_cache_hits_total", "_total") > 0
+    assert moved("inferlab_request_queue_time_seconds", "_count") == 4
+
+
+def test_the_vllm_dashboards_series_are_served(client: httpx.Client) -> None:
+    complete(client, prompt="Hello", max_tokens=2)
+    _, samples = scrape(client)
+    served = {name for (name, labels) in samples if ("model_name", SERVED) in labels}
+    assert not [name for name in DASHBOARD_SERIES if name not in served]
+    # bounds as vLLM's: a dashboard's heatmaps and quantiles read them
+    ttft = {
+        dict(labels)["le"]
+        for name, labels in samples
+        if name == "vllm:time_to_first_token_seconds_bucket"
+    }
+    assert {"0.001", "0.005", "160.0", "640.0", "2560.0", "+Inf"} <= ttft
+    e2e = {
+        dict(labels)["le"]
+        for name, labels in samples
+        if name == "vllm:e2e_request_latency_seconds_bucket"
+    }
+    assert {"0.3", "0.8", "7680.0"} <= e2e
+    prompt = {
+        dict(labels)["le"]
+        for name, labels in samples
+        if name == "vllm:request_prompt_tokens_bucket"
+    }
+    assert prompt == {
+        "1.0",
+        "2.0",
+        "5.0",
+        "10.0",
+        "20.0",
+        "50.0",
+        "100.0",
+        "200.0",
+        "+Inf",
+    }  # to 256
+
+
+# ---- what known requests move ----------------------------------------------------------------
+
+
+def test_counters_and_histograms_move_by_what_the_requests_did(client: httpx.Client) -> None:
+    def moved(
+        before: dict[Key, float], after: dict[Key, float], name: str, suffix: str, **labels: str
+    ) -> float:
+        return value(after, name, suffix, **labels) - value(before, name, suffix, **labels)
+
+    # one prompt, one choice, exactly 7 tokens
+    _, before = scrape(client)
+    body = complete(client, prompt="The quick brown fox", max_tokens=7, ignore_eos=True)
+    _, after = scrape(client)
+    prompt_tokens = body["usage"]["prompt_tokens"]
+    assert moved(before, after, "inferlab_prompt_tokens_total", "_total") == prompt_tokens
+    assert moved(before, after, "inferlab_generation_tokens_total", "_total") == 7
+    assert (
+        moved(before, after, "inferlab_request_success_total", "_total", finished_reason="length")
+        == 1
+    )
+    assert moved(before, after, "inferlab_inter_token_latency_seconds", "_count") == 6
+    for name in (  # once per request
+        "inferlab_time_to_first_token_seconds",
+        "inferlab_e2e_request_latency_seconds",
+        "inferlab_request_queue_time_seconds",
+        "inferlab_request_prefill_time_seconds",
+        "inferlab_request_decode_time_seconds",
+        "inferlab_request_inference_time_seconds",
+        "inferlab_request_prompt_tokens",
+        "inferlab_request_generation_tokens",
+        "inferlab_request_max_num_generation_tokens",
+        "inferlab_request_params_n",
+        "inferlab_request_params_max_tokens",
+    ):
+        assert moved(before, after, name, "_count") == 1, name
+    for name, total in [
+        ("inferlab_request_prompt_tokens", prompt_tokens),
+        ("inferlab_request_generation_tokens", 7),
+        ("inferlab_request_max_num_generation_tokens", 7),
+        ("inferlab_request_params_n", 1),
+        ("inferlab_request_params_max_tokens", 7),
+    ]:
+        assert moved(before, after, name, "_sum") == total, name
+
+    def seconds(name: str) -> float:
+        return moved(before, after, name, "_sum")
+
+    # the phases add up: decode = the ITLs of its one sequence, inference = prefill + decode,
+    # and the whole request (from its arrival at the server) holds them all
+    decode = seconds("inferlab_request_decode_time_seconds")
+    assert decode == pytest.approx(seconds("inferlab_inter_token_latency_seconds"), rel=1e-6)
+    inference = seconds("inferlab_request_inference_time_seconds")
+    assert inference == pytest.approx(seconds("inferlab_request_prefill_time_seconds") + decode)
+    assert seconds("inferlab_e2e_request_latency_seconds") >= inference
+    assert seconds("inferlab_time_to_first_token_seconds") >= seconds(
+        "inferlab_request_prefill_time_seconds"
+    )
+    assert 0 < decode < seconds("inferlab_e2e_request_latency_seconds")
+
+    # n=2: two sequences finish, one prompt
+    before = after
+    body = complete(client, prompt="Hello", max_tokens=5, n=2, temperature=1.0, seed=1)
+    _, after = scrape(client)
+    lengths = [5, 5] if all(c["finish_reason"] == "length" for c in body["choices"]) else None
+    assert (
+        moved(before, after, "inferlab_request_success_total", "_total", finished_reason="length")
+        + moved(before, after, "inferlab_request_success_total", "_total", finished_reason="stop")
+        == 2
+    )
+    assert moved(before, after, "inferlab_request_generation_tokens", "_count") == 2
+    assert (
+        moved(before, after, "inferlab_request_generation_tokens", "_sum")
+        == body["usage"]["completion_tokens"]
+    )
+    for name in (
+        "inferlab_time_to_first_token_seconds",
+        "inferlab_request_max_num_generation_tokens",
+        "inferlab_request_queue_time_seconds",
+        "inferlab_e2e_request_latency_seconds",
+    ):
+        assert moved(before, after, name, "_count") == 1, name
+    assert moved(before, after, "inferlab_request_params_n", "_sum") == 2
+    if lengths:
+        assert moved(before, after, "inferlab_request_max_num_generation_tokens", "_sum") == 5
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache(client: httpx.Client) -> None:
+    prompt = list(range(900, 940))  # 40 tokens: 2 full blocks of 16, then 8
+    _, first = scrape(client)
+    complete(client, prompt=prompt, max_tokens=2, ignore_eos=True)
+    _, second = scrape(client)
+    complete(client, prompt=prompt, max_tokens=2, ignore_eos=True)
+    _, third = scrape(client)
+
+    def moved(before: dict[Key, float], after: dict[Key, float], name: str) -> float:
+        return value(after, name, "_total") - value(before, name, "_total")
+
+    assert moved(first, second, "inferlab_prefix_cache_queries_total") == 40
+    assert moved(first, second, "inferlab_prefix_cache_hits_total") == 0  # never seen
+    assert moved(second, third, "inferlab_prefix_cache_queries_total") == 40
+    assert moved(second, third, "inferlab_prefix_cache_hits_total") == 32  # its full blocks
+    assert of(third, "vllm:prefix_cache_hits_total", vllm=True) == of(
+        third, "inferlab_prefix_cache_hits_total"
+    )
+
+
+# ---- engine counters -------------------------------------------------------------------------
+
+
+def test_preemptions_are_counted_under_both_names() -> None:
+    """A KV pool too small for four long sequences at once: the engine preempts, and /metrics
+    exports exactly the engine's count."""
+    options = {**OPTIONS, "enable_prefix_caching": False, "kv_cache_memory_bytes": 12 * 8192}
+    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **options}))
+    backend.load()
+    assert backend.engine is not None and backend.engine.kv.layout.num_blocks <= 13
+    payload = {"prompt": list(range(50, 60)), "max_tokens": 60, "ignore_eos": True}
+
+    async def run(base_url: str) -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
+            responses = await asyncio.gather(*(c.post(COMPLETIONS, json=payload) for _ in range(4)))
+        assert [r.status_code for r in responses] == [200] * 4
+
+    try:
+        with (
+            serve_in_thread(backend, ServerConfig(served_model_name=SERVED)) as running,
+            httpx.Client(base_url=running.base_url, timeout=60) as c,
+        ):
+            asyncio.run(run(running.base_url))
+            types, samples = scrape(c)
+            engine_count = running.serving.engine_thread.stats.num_preemptions
+    finally:
+        backend.close()
+    assert engine_count > 0
+    assert value(samples, "inferlab_num_preemptions_total", "_total") == engine_count
+    assert of(samples, "vllm:num_preemptions_total", vllm=True) == of(
+        samples, "inferlab_num_preemptions_total"
+    )
+    # no prefix caching: its counters are absent, not zeros
+    assert "inferlab_prefix_cache_hits" not in types and "vllm:prefix_cache_hits" not in types
+
+
+def test_speculative_decoding_counters_under_both_names() -> None:
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    options = {**OPTIONS, "enable_prefix_caching": False, "speculative_config": ngram}
+    rng = random.Random(2)
+    stretch = [rng.randrange(10, 4000) for _ in range(6)]
+    prompt = [rng.randrange(10, 4000) for _ in range(5)] + stretch * 3  # lookups find drafts
+    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **options}))
+    backend.load()
+    try:
+        with (
+            serve_in_thread(backend, ServerConfig(served_model_name=SERVED)) as running,
+            httpx.Client(base_url=running.base_url, timeout=60) as c,
+        ):
+            complete(c, prompt=prompt, max_tokens=30, temperature=0)
+            types, samples = scrape(c)
+    finally:
+        backend.close()
+    specs = [spec for spec in METRICS if spec.needs == "spec_decode"]
+    assert_names_agree(samples, specs)
+    assert value(samples, "inferlab_spec_decode_num_accepted_tokens_total", "_total") > 0
+    # drafts per position: ours only (vLLM has no such series)
+    assert "inferlab_spec_decode_num_draft_tokens_per_pos" in types
+    assert not any(name.startswith("vllm:spec_decode_num_draft_tokens_per_pos") for name in types)
+
+
+# ---- the option ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("names", [("vllm",), ("inferlab",)])
+def test_metrics_names_selects_the_names(names: tuple[str, ...]) -> None:
+    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
+    backend.load()
+    try:
+        with (
+            serve_in_thread(
+                backend, ServerConfig(served_model_name=SERVED, metrics_names=names)
+            ) as running,
+            httpx.Client(base_url=running.base_url, timeout=60) as c,
+        ):
+            complete(c, prompt="Hello", max_tokens=3, ignore_eos=True)
+            types, samples = scrape(c)
+    finally:
+        backend.close()
+    prefixes = {"vllm:" if name.startswith("vllm:") else "inferlab_" for name in types}
+    assert prefixes == {"vllm:" if names == ("vllm",) else "inferlab_"}
+    if names == ("vllm",):
+        expected = {family_of(n) for spec in METRICS if exported(spec) for n in spec.vllm}
+        assert set(types) == expected
+        assert value_any(samples, "vllm:generation_tokens_total") == 3
+    else:
+        expected = {family_of(spec.inferlab) for spec in METRICS if exported(spec)}
+        assert set(types) == expected
+        assert value(samples, "inferlab_generation_tokens_total", "_total") == 3
+
+
+def value_any(samples: dict[Key, float], name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
