@@ -141,20 +141,33 @@ def _count(metric: MetricValue | None) -> float | None:
     return None if metric is None or isinstance(metric.value, list) else float(metric.value)
 
 
-def read_records(path: Path) -> tuple[pd.DataFrame, list[float], int]:
-    """The profiling phase's records as the lab's rows (rebased to the first credit), their
-    pooled chunk gaps (seconds) and the number of cancelled records left out."""
+def read_records(path: Path) -> tuple[pd.DataFrame, list[float], int, bool]:
+    """The profiling phase's records as the lab's rows (seconds from the first credit, or the
+    first start without credits), their pooled chunk gaps (seconds), the number of cancelled
+    records left out, and whether every record has its credit (the scheduled arrival)."""
     documents = parse_json_documents(path, read_text(path))
-    rows, gaps, cancelled = [], [], 0
+    records = []
+    cancelled = 0
     for number, document in enumerate(documents, 1):
         record = validate(Record, document, path, f"an AIPerf record (line {number})")
-        meta = record.metadata
-        if meta.benchmark_phase not in (None, "profiling"):
+        if record.metadata.benchmark_phase not in (None, "profiling"):
             continue  # warm-up requests stay out, as the lab's warm-up does
-        if meta.was_cancelled:
+        if record.metadata.was_cancelled:
             cancelled += 1
             continue
-        sent = meta.request_start_ns / 1e9
+        records.append((number, record))
+    if not records:
+        raise InteropError(f"{path}: no record of the profiling phase")
+    credits_known = all(r.metadata.credit_issued_ns is not None for _, r in records)
+    # rebased in integer nanoseconds: epoch seconds as floats keep only ~0.2 us
+    t0 = min(
+        (r.metadata.credit_issued_ns or 0) if credits_known else r.metadata.request_start_ns
+        for _, r in records
+    )
+    rows, gaps = [], []
+    for number, record in records:
+        meta = record.metadata
+        sent = (meta.request_start_ns - t0) / 1e9
         ttft = _seconds(record.metrics.get("time_to_first_token"), "time_to_first_token", path)
         latency = _seconds(record.metrics.get("request_latency"), "request_latency", path)
         ok = record.error is None
@@ -163,11 +176,13 @@ def read_records(path: Path) -> tuple[pd.DataFrame, list[float], int]:
                 "request_id": meta.x_request_id or str(meta.session_num or number - 1),
                 "status": "ok" if ok else "failed",
                 "error": None if ok else record.error.message if record.error else None,
-                "arrival_s": None if meta.credit_issued_ns is None else meta.credit_issued_ns / 1e9,
+                "arrival_s": (meta.credit_issued_ns - t0) / 1e9
+                if credits_known and meta.credit_issued_ns is not None
+                else sent,
                 "sent_s": sent,
                 "first_token_s": sent + ttft if ok and ttft is not None else None,
                 "last_token_s": sent + latency if ok and latency is not None else None,
-                "finished_s": meta.request_end_ns / 1e9,
+                "finished_s": (meta.request_end_ns - t0) / 1e9,
                 "prompt_tokens": _count(record.metrics.get("input_sequence_length")),
                 "output_tokens": _count(record.metrics.get("output_sequence_length")),
             }
@@ -175,19 +190,8 @@ def read_records(path: Path) -> tuple[pd.DataFrame, list[float], int]:
         chunks = record.metrics.get("inter_chunk_latency")
         if ok and chunks is not None and isinstance(chunks.value, list):
             gaps += [float(g) * SECONDS_PER_UNIT.get(chunks.unit, 1e-3) for g in chunks.value]
-    frame = pd.DataFrame(rows)
-    if frame.empty:
-        raise InteropError(f"{path}: no record of the profiling phase")
-    return frame, gaps, cancelled
-
-
-def rebase(frame: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
-    arrival_known = bool(frame["arrival_s"].notna().all())
-    if not arrival_known:
-        frame["arrival_s"] = frame["sent_s"]
-    times = ["arrival_s", "sent_s", "first_token_s", "last_token_s", "finished_s"]
-    frame[times] = frame[times].astype(float) - float(frame["arrival_s"].min())
-    return frame.sort_values(["arrival_s", "request_id"]).reset_index(drop=True), arrival_known
+    frame = pd.DataFrame(rows).sort_values(["arrival_s", "request_id"]).reset_index(drop=True)
+    return frame, gaps, cancelled, credits_known
 
 
 def put_summary(run: ImportedRun, stats: dict[str, Stat], path: Path) -> None:
@@ -291,7 +295,7 @@ def import_export(path: Path, content: Any, kind: str) -> list[ImportedRun]:
     records = None
     if kind == "jsonl" or records_path.is_file():
         source = path if kind == "jsonl" else records_path
-        records, gaps, cancelled = read_records(source)
+        records, gaps, cancelled, arrival_known = read_records(source)
         if source not in files:
             files.append(source)
         valid, failed = value_of(stats, "request_count"), value_of(stats, "error_request_count")
@@ -307,7 +311,6 @@ def import_export(path: Path, content: Any, kind: str) -> list[ImportedRun]:
             )
             records = None
         else:
-            records, arrival_known = rebase(records)
             run.requests = records
             put_request_metrics(
                 run,

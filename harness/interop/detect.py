@@ -47,6 +47,8 @@ def result_file(path: Path) -> Path:
 
 def read_content(path: Path) -> Content:
     text = read_text(path)
+    if not text.strip():
+        raise InteropError(f"{path}: empty file; expected a result file of {', '.join(FORMATS)}")
     suffix = path.suffix.lower()
     if suffix == ".csv":
         return Content("csv", [], text)

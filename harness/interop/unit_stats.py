@@ -17,11 +17,14 @@ from harness.interop.sources import csv_sections, describe
 from harness.measuring.metrics import REGISTRY
 
 SECONDS_PER_UNIT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0}
-DISPLAY = re.compile(r"^(?P<name>.*?)(?: \((?P<unit>[^()]*)\))?$")
+# `Name (unit)`: a unit is a word or words over slashes (ms, tokens/sec/user, %) or genai-perf's
+# `per sec`; other parentheses are part of the name (`Completed Requests (Success + Error)`)
+DISPLAY = re.compile(r"^(?P<name>.*?)(?: \((?P<unit>[A-Za-z%]+(?:/[A-Za-z]+)*|per [a-z]+)\))?$")
 #: display names whose tag is not the name itself (AIPerf's totals)
 TAG_ALIASES = {
     "total_input_sequence_length": "total_isl",
     "total_output_sequence_length": "total_osl",
+    "completed_requests_success_error": "completed_request_count",
 }
 
 
