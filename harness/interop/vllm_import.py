@@ -160,7 +160,9 @@ def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) 
             continue
         run.put(name, value / 1000, Definition(key, metric == "tpot", NOTES[metric]))
     failed = result.failed or 0
-    every_request = "" if failed == 0 else "successful requests only (the lab: every request)"
+    # older files have no `failed`: then vLLM's totals cannot be told to be every request's
+    none_failed = result.failed == 0
+    every_request = "" if none_failed else "successful requests only (the lab: every request)"
     run.put("num_completed", result.completed, Definition("completed", True))
     if result.failed is not None:
         run.put("num_failed", failed, Definition("failed", True))
@@ -168,12 +170,12 @@ def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) 
     run.put(
         "input_tokens_total",
         result.total_input_tokens,
-        Definition("total_input_tokens", failed == 0, every_request),
+        Definition("total_input_tokens", none_failed, every_request),
     )
     run.put(
         "output_tokens_total",
         result.total_output_tokens,
-        Definition("total_output_tokens", failed == 0, every_request),
+        Definition("total_output_tokens", none_failed, every_request),
     )
     if result.duration > 0:
         run.put("duration_s", result.duration, Definition("duration", False, VLLM_DURATION))
