@@ -20,6 +20,12 @@ commands:
   report DIR           report.md + report.html (tables, figures) for a run or sweep folder
   gate ...             compare a candidate with a baseline: exit 0 pass, 1 regression,
                        2 inconclusive (`inferlab gate --help`)
+  export RUN [--format vllm] [--out FILE]
+                       a run as `vllm bench serve --save-result` JSON (vLLM's keys, units
+                       and definitions; a sweep: each run) (docs/interop.md)
+  import FILE [--out DIR] [--format auto|vllm|guidellm|aiperf|genai-perf|llmperf]
+                       another tool's result file as a run folder that report and gate
+                       compare with the lab's runs (docs/interop.md)
   list                 every plug point (config key) and what is registered for it
 
 examples:
@@ -29,6 +35,8 @@ examples:
   inferlab kv-calc model=llama3-8b engine.max_model_len=8192 engine.dtype=fp16 \
       device_memory_gib=80
   inferlab kv-calc model=llama3-70b hardware=h100 engine.tensor_parallel_size=1,2,4,8
+  inferlab export results/runs/<run> --out vllm.json
+  inferlab import profile_export_aiperf.json --out results/imported/aiperf-c2
 """
 
 
@@ -79,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         from harness.gating import cli as gate_cli
 
         return gate_cli.main(rest)
+    if command == "export":
+        from harness.interop import cli as interop_cli
+
+        return interop_cli.export_main(rest)
+    if command == "import":
+        from harness.interop import cli as interop_cli
+
+        return interop_cli.import_main(rest)
     if command == "list":
         from harness import plugins
 

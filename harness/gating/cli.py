@@ -16,7 +16,13 @@ import sys
 import traceback
 from pathlib import Path
 
-from harness.gating.compare import GateResult, Row, compare_sides, config_differences
+from harness.gating.compare import (
+    GateResult,
+    Row,
+    compare_sides,
+    config_differences,
+    definition_warnings,
+)
 from harness.gating.inputs import InputError, ab_rounds, load_side, read_run
 from harness.gating.rules import GateRules, RulesError, add_require_argument, load_rules
 from harness.measuring.metrics import REGISTRY
@@ -113,6 +119,7 @@ def gate_dirs(
     differences = config_differences(base, cand)
     if differences:
         result.warnings.insert(0, "configuration differs: " + "; ".join(differences))
+    result.warnings += definition_warnings(base, cand, result)
     return result
 
 

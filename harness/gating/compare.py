@@ -592,3 +592,27 @@ def compare_sides(
         )
         apply_machine_rule(result, rules, True, "machine unknown")
     return result
+
+
+def definition_warnings(base: Side, cand: Side, result: GateResult) -> list[str]:
+    """The compared metrics that an imported run (`inferlab import`) says its tool defines
+    differently from the lab (summary.json `definitions`, docs/interop.md): named, so that a
+    ratio of two definitions is not read as a change of the system."""
+    compared = {row.metric for row in result.rows if row.compared}
+    warnings = []
+    for role, side in (("baseline", base), ("candidate", cand)):
+        names = sorted(
+            {
+                name
+                for group in side.groups.values()
+                for run in group.complete
+                for name in run.defined_differently & compared
+            }
+        )
+        if names:
+            warnings.append(
+                f"the {role} holds imported runs whose tool defines {', '.join(names)} "
+                "differently from the lab (their summary.json definitions): those ratios "
+                "compare two definitions"
+            )
+    return warnings

@@ -49,6 +49,9 @@ class Run:
     provenance: dict[str, Any] | None
     config: dict[str, Any] | None
     notes: list[str] = field(default_factory=list)  # optional files that could not be used
+    # metrics an imported run (inferlab import) says another tool defines differently from the
+    # lab (summary.json definitions, same_as_lab false)
+    defined_differently: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -152,8 +155,21 @@ def read_run(path: Path) -> Run:
         notes.append(f"{summary_path}: status complete but `metrics` is {held}")
     provenance = _optional_mapping(path / PROVENANCE_FILE, notes, read_json_object)
     config = _optional_mapping(path / CONFIG_FILE, notes, read_yaml)
+    definitions = summary.get("definitions")
+    differently = {
+        name
+        for name, definition in (definitions.items() if isinstance(definitions, dict) else ())
+        if isinstance(definition, dict) and definition.get("same_as_lab") is False
+    }
     return Run(
-        path, status, None if error is None else str(error), metrics, provenance, config, notes
+        path,
+        status,
+        None if error is None else str(error),
+        metrics,
+        provenance,
+        config,
+        notes,
+        differently,
     )
 
 

@@ -16,11 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engines.builtin import LLM, EngineConfig, SamplingParams
 from engines.builtin.backend import BuiltinBackend
+from harness import cli
+from harness.run_folder import load_table, read_summary
 from serving import ServerConfig
 from serving.testing import RunningServer, serve_in_thread
 
@@ -227,6 +231,40 @@ def test_sdk_api_key(server: RunningServer) -> None:
 # ---- guidellm ---------------------------------------------------------------------------------
 
 
+def server_counts(server: RunningServer) -> dict[str, float]:
+    """What the server has seen so far (its Prometheus counters): finished sequences, prompt
+    and generated tokens."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def total(name: str) -> float:
+        return sum(s.value for s in samples if s.name == name)
+
+    return {
+        "requests": total("inferlab_request_success_total"),
+        "prompt_tokens": total("inferlab_prompt_tokens_total"),
+        "output_tokens": total("inferlab_generation_tokens_total"),
+    }
+
+
+def check_import_matches_server(
+    source: Path, out: Path, before: dict[str, float], after: dict[str, float]
+) -> dict[str, Any]:
+    """`inferlab import` of a client's result file: its request and token counts are what the
+    server saw in between; returns the imported summary."""
+    assert cli.main(["import", str(source), "--out", str(out)]) == 0
+    summary = read_summary(out)
+    assert summary is not None and summary["status"] == "complete"
+    metrics, seen = summary["metrics"], {k: after[k] - before[k] for k in after}
+    assert metrics["num_completed"] == seen["requests"]
+    assert metrics["input_tokens_total"] == seen["prompt_tokens"]
+    assert metrics["output_tokens_total"] == seen["output_tokens"]
+    requests = load_table(out, "requests")
+    assert len(requests) == seen["requests"] and (requests["status"] == "ok").all()
+    assert requests["output_tokens"].sum() == seen["output_tokens"]
+    return summary
+
+
 def write_tokenizer(backend: BuiltinBackend, folder: Path) -> Path:
     """The served model's tokenizer as a Hugging Face folder, so that a client sizes prompts
     in the server's own tokens without downloading anything."""
@@ -276,10 +314,12 @@ def test_guidellm_every_request_succeeds(server: RunningServer, tmp_path: Path) 
         "--disable-console-interactive",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    before = server_counts(server)
     run = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    after = server_counts(server)
     benchmark = json.loads(out.read_text())["benchmarks"][0]
     requests = benchmark["requests"]
     assert benchmark["scheduler_metrics"]["requests_made"] == {
@@ -293,6 +333,10 @@ def test_guidellm_every_request_succeeds(server: RunningServer, tmp_path: Path) 
         sent = json.loads(request["request_args"])["body"]
         assert sent["stream"] and sent["stream_options"]["continuous_usage_stats"]
         assert request["output_metrics"]["text_tokens"] == output_tokens  # the server's usage
+    # its report, imported, counts what the server saw
+    imported = check_import_matches_server(out, tmp_path / "imported", before, after)
+    assert imported["imported"]["tool"] == "guidellm"
+    assert imported["metrics"]["num_completed"] == num_requests
 
 
 # ---- AIPerf ------------------------------------------------------------------------------------
@@ -351,10 +395,12 @@ def test_aiperf_every_request_succeeds(server: RunningServer, tmp_path: Path) ->
         k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     }
     env.update(AIPERF_DATASET_MMAP_BASE_PATH=str(tmp_path), AIPERF_DATASET_MMAP_CACHE_ENABLED="0")
+    before = server_counts(server)
     run = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    after = server_counts(server)
 
     summary = json.loads((out / "profile_export_aiperf.json").read_text())
     assert summary["is_complete"] and not summary["was_cancelled"]
@@ -372,3 +418,9 @@ def test_aiperf_every_request_succeeds(server: RunningServer, tmp_path: Path) ->
     scraped = json.loads((out / "server_metrics_export.json").read_text())["metrics"]
     [latency] = scraped["inferlab_e2e_request_latency_seconds"]["series"]
     assert latency["stats"]["count"] == num_requests
+
+    # its exports (summary and per-request records), imported, count what the server saw
+    imported = check_import_matches_server(out, tmp_path / "imported", before, after)
+    assert imported["imported"]["tool"] == "aiperf"
+    assert imported["metrics"]["num_completed"] == num_requests
+    assert imported["definitions"]["ttft_p50_s"]["same_as_lab"]  # from AIPerf's credits

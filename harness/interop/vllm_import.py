@@ -1,0 +1,313 @@
+"""`vllm bench serve --save-result` JSON (one result, or one per line with --append-result)
+into the lab's terms.
+
+With `--save-detailed` the file holds every request (start time, client queue time, TTFT,
+latency, chunk gaps, lengths, error): the lab then computes its own metrics over those rows
+(recompute.py), with the scheduled arrival = start - queue time (vLLM's `queue_times`, present
+in current versions), and the ITL statistics from the chunk gaps. vLLM's own aggregates fill
+what the rows do not give, each with its definition (docs/metrics.md, crosswalk):
+
+- `*_ttft_ms`, `*_e2el_ms`: from the send, not the scheduled arrival; E2EL ends at the last
+  chunk;
+- `*_tpot_ms`: (latency - TTFT) / (N - 1), N > 1: the lab's TPOT;
+- `*_itl_ms`: one gap per streamed chunk (the lab: one per token);
+- throughputs over vLLM's duration (benchmark start -> every request done, failed ones
+  included; the lab: first arrival -> last completion); token totals of successful requests;
+- a statistic over no sample is written as 0 by vLLM (`np.mean(x or 0)`): read as absent.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, ConfigDict
+
+from harness.interop.errors import InteropError
+from harness.interop.imported import Definition, ImportedRun
+from harness.interop.recompute import put_chunk_itl, put_request_metrics, without_times
+from harness.interop.sources import validate
+from harness.interop.vllm_format import LAB_PREFIX, STAT_KEY, arrival_from_traffic
+from harness.measuring.metrics import REGISTRY
+
+FORMAT = "vllm bench serve --save-result JSON"
+WHAT = "a vllm bench serve result (--save-result JSON)"
+FROM_SEND = "from the send, not the scheduled arrival (vLLM's start_time)"
+VLLM_DURATION = "over vLLM's duration: benchmark start -> every request done (failed included)"
+NOTES = {
+    "ttft": FROM_SEND,
+    "tpot": "(latency - TTFT) / (N - 1), N > 1, N from the server's usage (else re-tokenized)",
+    "itl": "one gap per streamed chunk (the lab: one per token, 0 within a multi-token event)",
+    "e2el": FROM_SEND + "; ends at the last streamed chunk",
+}
+
+
+class VllmResult(BaseModel):
+    """The keys the lab reads; everything else (statistics, metadata) passes as extra keys.
+    Lists are per request, in dispatch order."""
+
+    model_config = ConfigDict(extra="allow")
+
+    duration: float
+    completed: int
+    total_input_tokens: int
+    request_throughput: float
+    failed: int | None = None
+    total_output_tokens: int | None = None
+    output_throughput: float | None = None
+    total_token_throughput: float | None = None
+    request_goodput: float | None = None
+    date: str | None = None
+    backend: str | None = None
+    label: str | None = None
+    model_id: str | None = None
+    tokenizer_id: str | None = None
+    num_prompts: int | None = None
+    request_rate: float | str | None = None
+    burstiness: float | None = None
+    max_concurrency: int | None = None
+    input_lens: list[int] | None = None
+    output_lens: list[int | None] | None = None
+    ttfts: list[float | None] | None = None
+    itls: list[list[float]] | None = None
+    latencies: list[float | None] | None = None
+    start_times: list[float | None] | None = None
+    queue_times: list[float | None] | None = None
+    errors: list[str | None] | None = None
+    spec_decode_acceptance_rate: float | None = None
+    spec_decode_acceptance_length: float | None = None
+
+
+def request_frame(result: VllmResult, path: Path) -> tuple[pd.DataFrame, bool, bool] | None:
+    """The per-request rows of a --save-detailed result (lab columns), whether they carry the
+    scheduled arrival (queue_times) and a common clock (start_times); None without them."""
+    if result.ttfts is None or (result.latencies is None and result.itls is None):
+        return None
+    n = len(result.ttfts)
+    lists = {
+        name: value
+        for name in (
+            "input_lens",
+            "output_lens",
+            "itls",
+            "latencies",
+            "start_times",
+            "queue_times",
+            "errors",
+        )
+        if (value := getattr(result, name)) is not None
+    }
+    for name, value in lists.items():
+        if len(value) != n:
+            raise InteropError(
+                f"{path}: not {WHAT}: '{name}' has {len(value)} entries, 'ttfts' {n}"
+            )
+    ttft = np.array([t or 0.0 for t in result.ttfts], dtype=float)
+    if result.latencies is not None:
+        latency = np.array([t or 0.0 for t in result.latencies], dtype=float)
+    else:  # older versions keep no latencies: the last chunk is the first plus its gaps
+        latency = ttft + np.array([sum(g) for g in result.itls or [[]] * n], dtype=float)
+    errors = result.errors or [""] * n
+    ok = np.array([not e for e in errors]) & (ttft > 0)
+    timeline = result.start_times is not None and all(s is not None for s in result.start_times)
+    start = np.array(result.start_times, dtype=float) if timeline else np.zeros(n)
+    queue = np.array([q or 0.0 for q in result.queue_times or [0.0] * n], dtype=float)
+    arrival = start - queue
+    t0 = float(arrival.min()) if timeline else 0.0
+    outputs = result.output_lens or [None] * n
+    rows = pd.DataFrame(
+        {
+            "request_id": [str(i) for i in range(n)],
+            "status": np.where(ok, "ok", "failed"),
+            "error": [None if o else (e or "failed") for o, e in zip(ok, errors, strict=True)],
+            "arrival_s": arrival - t0,
+            "sent_s": start - t0,
+            "first_token_s": np.where(ok, start + ttft - t0, np.nan),
+            "last_token_s": np.where(ok, start + latency - t0, np.nan),
+            "finished_s": np.where(ok, start + latency - t0, np.nan),
+            "prompt_tokens": result.input_lens if result.input_lens is not None else [None] * n,
+            "output_tokens": [o if k else 0 for o, k in zip(outputs, ok, strict=True)],
+        }
+    )
+    return rows, result.queue_times is not None and timeline, timeline
+
+
+def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) -> None:
+    """vLLM's own statistics and totals, where the rows gave nothing."""
+    measured = result.completed > 0
+    for key, value in extra.items():
+        match = STAT_KEY.match(key)
+        if not match:
+            if _numeric(value) and key not in CONSUMED_EXTRAS:
+                run.leave_out(key)  # a figure the lab has no name for (probe_*, diffusion_*...)
+            continue
+        if not isinstance(value, int | float):
+            continue
+        stat, percentile, metric = match.groups()
+        lab = LAB_PREFIX.get(metric)
+        if lab is None or stat == "std":
+            run.leave_out(key)
+            continue
+        name = f"{lab}_mean_s" if stat == "mean" else f"{lab}_p{(percentile or '50')}_s"
+        name = name.replace(".", "")  # p99.9 -> p999
+        if name not in REGISTRY:
+            run.leave_out(key)
+            continue
+        if not measured or value == 0:  # 0: vLLM's placeholder for a statistic with no sample
+            continue
+        run.put(name, value / 1000, Definition(key, metric == "tpot", NOTES[metric]))
+    failed = result.failed or 0
+    # older files have no `failed`: then vLLM's totals cannot be told to be every request's
+    none_failed = result.failed == 0
+    every_request = "" if none_failed else "successful requests only (the lab: every request)"
+    run.put("num_completed", result.completed, Definition("completed", True))
+    if result.failed is not None:
+        run.put("num_failed", failed, Definition("failed", True))
+        run.put("num_requests", result.completed + failed, Definition("completed + failed", True))
+    run.put(
+        "input_tokens_total",
+        result.total_input_tokens,
+        Definition("total_input_tokens", none_failed, every_request),
+    )
+    run.put(
+        "output_tokens_total",
+        result.total_output_tokens,
+        Definition("total_output_tokens", none_failed, every_request),
+    )
+    if result.duration > 0:
+        run.put("duration_s", result.duration, Definition("duration", False, VLLM_DURATION))
+        run.put(
+            "input_tok_per_s",
+            result.total_input_tokens / result.duration,
+            Definition("total_input_tokens / duration", False, VLLM_DURATION),
+        )
+    for key, name in (
+        ("request_throughput", "req_per_s"),
+        ("output_throughput", "output_tok_per_s"),
+        ("total_token_throughput", "total_tok_per_s"),
+    ):
+        run.put(name, getattr(result, key), Definition(key, False, VLLM_DURATION))
+    goodput = result.request_goodput
+    if goodput is None:  # benchmark_serving.py spelt the key with a colon
+        goodput = extra.get("request_goodput:")
+    run.put(
+        "goodput_req_per_s",
+        goodput,
+        Definition(
+            "request_goodput",
+            False,
+            "SLOs (--goodput, ms) on TTFT and E2EL from the send, TPOT 0 for N <= 1; "
+            + VLLM_DURATION,
+        ),
+    )
+    if result.spec_decode_acceptance_rate is not None:
+        run.put(
+            "spec_acceptance_rate",
+            result.spec_decode_acceptance_rate / 100,  # vLLM writes a percentage
+            Definition(
+                "spec_decode_acceptance_rate", True, "the server's counters over the run, in %"
+            ),
+        )
+    run.put(
+        "spec_mean_accepted_length",
+        result.spec_decode_acceptance_length,
+        Definition("spec_decode_acceptance_length", True, "1 + accepted / drafts"),
+    )
+    for position, rate in enumerate(extra.get("spec_decode_per_position_acceptance_rates") or []):
+        if f"spec_acceptance_rate_pos{position + 1}" in REGISTRY:
+            run.put(
+                f"spec_acceptance_rate_pos{position + 1}",
+                rate,
+                Definition(
+                    f"spec_decode_per_position_acceptance_rates[{position}]",
+                    True,
+                    "accepted at the position / drafts (vLLM's draft models propose k every "
+                    "step, so every draft has the position)",
+                ),
+            )
+
+
+#: extra keys read above (not statistics, but not unmapped either)
+CONSUMED_EXTRAS = frozenset({"request_goodput:", "spec_decode_per_position_acceptance_rates"})
+
+
+def _numeric(value: Any) -> bool:
+    """A number, or a list of numbers (a figure, as opposed to metadata text)."""
+    if isinstance(value, list):
+        return bool(value) and all(isinstance(v, int | float) for v in value)
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def config_of(result: VllmResult, extra: dict[str, Any]) -> dict[str, Any]:
+    settings = result.model_dump(include={"request_rate", "burstiness", "max_concurrency"})
+    settings.update({k: extra[k] for k in extra if k.startswith("ramp_up_")})
+    arrival = arrival_from_traffic(settings)
+    workload: dict[str, Any] = {"num_requests": result.num_prompts}
+    if arrival:
+        workload["arrival"] = arrival
+    return {
+        "source": {"tool": "vllm", "backend": result.backend, "label": result.label},
+        "model": {"name": result.model_id, "tokenizer": result.tokenizer_id},
+        "workload": workload,
+    }
+
+
+def import_result(data: Any, path: Path, index: int | None) -> ImportedRun:
+    result = validate(VllmResult, data, path, WHAT)
+    extra = dict(result.model_extra or {})
+    run = ImportedRun(
+        tool="vllm",
+        format=FORMAT,
+        files=[path],
+        label=None if index is None else f"result {index}",
+    )
+    # vLLM's file records no vLLM version: the `date` says when it ran
+    run.notes.append(f"vllm bench serve result of {result.date or 'an unknown date'}")
+    detailed = request_frame(result, path)
+    if detailed is not None:
+        rows, arrival_known, timeline = detailed
+        # without start times each row's clock is its own send: no timeline to write
+        run.requests = rows if timeline else without_times(rows)
+        ok = int((rows["status"] == "ok").sum())
+        if ok != result.completed:
+            run.notes.append(
+                f"the per-request lists hold {ok} successful requests, 'completed' says "
+                f"{result.completed}: the lab's figures come from the lists"
+            )
+        put_request_metrics(
+            run,
+            rows,
+            arrival="send - vLLM's client queue time (queue_times)" if arrival_known else None,
+            timeline=timeline,
+            tokens="as vLLM counts them (the server's usage, else re-tokenized text)",
+        )
+        gaps = [
+            g
+            for gaps, k in zip(result.itls or [], rows["status"] == "ok", strict=False)
+            if k
+            for g in gaps
+        ]
+        put_chunk_itl(run, np.array(gaps, dtype=float), "itls")
+    put_aggregates(run, result, extra)
+    run.config = config_of(result, extra)
+    return run
+
+
+def import_file(documents: list[Any], path: Path) -> list[ImportedRun]:
+    """Every result in the file (several when vLLM appended them, --append-result)."""
+    if len(documents) == 1:
+        return [import_result(documents[0], path, None)]
+    return [import_result(doc, path, k) for k, doc in enumerate(documents)]
+
+
+def looks_like(data: Any) -> bool:
+    return (
+        isinstance(data, dict)
+        and "completed" in data
+        and "duration" in data
+        and isinstance(data.get("request_throughput"), int | float)
+        and not math.isnan(float(data.get("duration") or 0))
+    )
