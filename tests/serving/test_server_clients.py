@@ -269,23 +269,7 @@ def write_tokenizer(backend: BuiltinBackend, folder: Path) -> Path:
     """The served model's tokenizer as a Hugging Face folder, so that a client sizes prompts
     in the server's own tokens without downloading anything."""
     assert backend.engine is not None
-    tokenizer = backend.engine.tokenizer
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.backend.save(str(folder / "tokenizer.json"))
-    names = {
-        i: tokenizer.backend.id_to_token(i)
-        for i in (tokenizer.special.bos_id, tokenizer.special.eos_ids[0])
-    }
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": names[tokenizer.special.bos_id],
-                "eos_token": names[tokenizer.special.eos_ids[0]],
-            }
-        )
-    )
-    return folder
+    return backend.engine.tokenizer.save_pretrained(folder)
 
 
 def test_guidellm_every_request_succeeds(server: RunningServer, tmp_path: Path) -> None:

@@ -258,6 +258,30 @@ def test_profile_against_a_server_that_does_not_profile_keeps_the_run(
     assert not (tmp_path / "profile").exists()  # the client's process was not profiled
 
 
+def test_profile_calls_the_servers_profiler_around_the_measured_requests(tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    for base_url in serving([*ENGINE, f"profile_dir={traces}"]):
+        config = composed(
+            "engine=openai",
+            "model=tiny",
+            f"engine.base_url={base_url}",
+            "workload.num_requests=2",
+            "workload.output_len=4",
+            "run.warmup_requests=1",
+            "run.progress=false",
+            "profile=true",
+        )
+        summary = run_experiment(config, tmp_path / "run", progress=False)
+    assert summary["status"] == "complete", summary.get("error")
+    profile = summary["profile"]
+    assert "error" not in profile, profile
+    assert profile["start_profile"].startswith("HTTP 200")
+    # the server says where it wrote the trace, on its side
+    [trace] = list(traces.iterdir())
+    assert profile["stop_profile"].startswith("HTTP 200") and str(trace) in profile["stop_profile"]
+    assert trace.stat().st_size > 0
+
+
 SPECULATIVE = [
     *ENGINE,
     "engine.speculative_config={method:ngram,num_speculative_tokens:3,prompt_lookup_min:1}",
