@@ -2,7 +2,7 @@
 (their results imported with `inferlab import`), with the server's own TTFT/ITL scraped from
 its /metrics around each tool's run: the table of docs/interop.md "Three clients, one server".
 
-    .venv/bin/python scripts/interop_compare.py [--out results/interop] [--requests 32]
+    .venv/bin/python scripts/interop_compare.py [--out results/interop] [--concurrency 1]
 
 The server runs pinned to core 0 with one thread, the clients on the other cores, one tool at
 a time: closed loop, `--concurrency` streams, `--input-len` prompt tokens (the served model's
@@ -26,6 +26,7 @@ import httpx
 import pandas as pd
 
 from harness.measuring.server_scrape import Histogram, parse_page, quantities
+from harness.run_folder import load_table
 from models.tokenizer import default_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,7 +221,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "interop")
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     args = parser.parse_args()
@@ -251,9 +252,14 @@ def main() -> None:
             else:
                 folder = imported(run_aiperf(root, out, tokenizer, args), out / "aiperf-run")
             after = server_view(root)
-            metrics = json.loads((folder / "summary.json").read_text())["metrics"]
+            summary = json.loads((folder / "summary.json").read_text())
+            # every request, as the tools count them (the lab's `metrics` may be a window)
+            metrics = summary.get("metrics_whole_run") or summary["metrics"]
             row: dict[str, Any] = {"measured by": tool}
             row.update({label: metrics.get(name) for label, name in CLIENT_METRICS})
+            requests = load_table(folder, "requests")
+            ok = requests[requests["status"] == "ok"]
+            row["TTFT from send mean"] = float((ok["first_token_s"] - ok["sent_s"]).mean())
             row.update(server_figures(before, after))
             rows.append(row)
     finally:
