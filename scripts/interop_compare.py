@@ -93,7 +93,7 @@ def server_view(root: str) -> dict[str, Any]:
     return quantities(parse_page(httpx.get(f"{root}/metrics", timeout=10).text), "inferlab")
 
 
-def server_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float | None]:
+def server_run_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float | None]:
     """The server's TTFT and ITL over one tool's run: its histograms' differences."""
     out: dict[str, float | None] = {}
     for quantity in ("ttft", "itl", "e2e"):
@@ -260,7 +260,7 @@ def main() -> None:
             requests = load_table(folder, "requests")
             ok = requests[requests["status"] == "ok"]
             row["TTFT from send mean"] = float((ok["first_token_s"] - ok["sent_s"]).mean())
-            row.update(server_figures(before, after))
+            row.update(server_run_figures(before, after))
             rows.append(row)
     finally:
         server.terminate()
