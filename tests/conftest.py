@@ -11,6 +11,7 @@ TRITON_DEVICE = os.environ.get("INFERLAB_TRITON_DEVICE", "cpu")
 if TRITON_DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
+import asyncio  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
@@ -45,6 +46,17 @@ def make_tiny() -> Callable[..., LLM]:
 def tiny_llm() -> LLM:
     """One shared contiguous-KV `tiny` engine for tests that only run generate to completion."""
     return LLM(model="tiny", dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8)
+
+
+@pytest.fixture(autouse=True)
+def _asyncio_default_loop_policy() -> Iterator[None]:
+    """Importing guidellm installs uvloop's policy for the whole process, and uvloop's
+    millisecond timers wake a sleep up to 1 ms early: the driver tests' send times then read
+    early. Whatever a test installs is undone after it."""
+    policy = asyncio.get_event_loop_policy()
+    yield
+    if asyncio.get_event_loop_policy() is not policy:
+        asyncio.set_event_loop_policy(policy)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -327,6 +327,8 @@ def other_value(key: str, default: object) -> object:
         return ["data/traces/mt_bench_questions.jsonl"]
     if key == "run.clients_on":
         return "ray"
+    if key == "run.monitor.dcgm_url":
+        return "http://gpu-host:9400/metrics"
     if default is None:  # the SLO bounds
         return 0.5
     assert isinstance(default, str), key
