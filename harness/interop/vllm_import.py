@@ -231,7 +231,9 @@ def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) 
 
 
 #: extra keys read above (not statistics, but not unmapped either)
-CONSUMED_EXTRAS = frozenset({"request_goodput:", "spec_decode_per_position_acceptance_rates"})
+CONSUMED_EXTRAS = frozenset(
+    {"request_goodput:", "spec_decode_per_position_acceptance_rates", "inferlab_status"}
+)
 
 
 def _numeric(value: Any) -> bool:
@@ -266,6 +268,10 @@ def import_result(data: Any, path: Path, index: int | None) -> ImportedRun:
     )
     # vLLM's file records no vLLM version: the `date` says when it ran
     run.notes.append(f"vllm bench serve result of {result.date or 'an unknown date'}")
+    status = extra.get("inferlab_status")  # `inferlab export` of a run that did not finish
+    if isinstance(status, str) and not status.startswith("complete"):
+        run.status = "incomplete"
+        run.notes.append(f"exported by inferlab from a run that did not finish: {status}")
     detailed = request_frame(result, path)
     if detailed is not None:
         rows, arrival_known, timeline = detailed
