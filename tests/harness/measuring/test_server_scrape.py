@@ -303,3 +303,30 @@ def test_broken_pages_after_the_first_leave_their_rows_empty() -> None:
     assert columns.iloc[1].isna().all()  # the HTML page
     assert columns["server_num_requests_running"].tolist()[2] == 1.0  # the bucket left out
     assert any("a page not parsed: ValueError" in f for f in scrape.info()["first_failures"])
+
+
+def test_a_server_restarted_during_the_run_gives_no_counter_figures() -> None:
+    """Counters that fell mid-run (the server restarted) were subtracted as if they had not:
+    `server_*` columns went negative and the summary's figures counted whatever the new
+    server had done since (here 50 tokens and 7 TTFTs where the run's requests made more)."""
+    pages = [
+        vllm_page(1, 100, (5, 0, 0)),  # the measured run's start
+        vllm_page(4, 130, (6, 2, 0)),
+        vllm_page(2, 20, (1, 0, 0)),  # restarted: counting again from 0
+        vllm_page(2, 150, (3, 4, 0)),  # the end: above the start's values again
+    ]
+    figures = figures_of(pages, [0.0, 1.0, 2.0, 3.0], span=(0.0, 3.0))
+    assert not any(k in figures for k in ("server_generation_tokens", "server_ttft_mean_s"))
+    assert figures["server_num_requests_running_peak"] == 4  # gauges hold
+    # a span that ends before the restart is measured as before
+    before = figures_of(pages, [0.0, 1.0, 2.0, 3.0], span=(0.0, 1.0))
+    assert before["server_generation_tokens"] == 30
+    assert before["server_ttft_mean_s"] == pytest.approx(0.05)
+    # the columns carry what the old server had counted: they never count backwards
+    scrape = ServerScrape("http://server/metrics", fetch=scripted(list(pages)))
+    for _ in pages:
+        scrape.read()
+    assert scrape.parse()[0]["server_generation_tokens"].tolist() == [0.0, 30.0, 50.0, 180.0]
+    assert scrape.info()["counter_resets"] == [
+        "scrape 3: generation_tokens fell from 130 to 20 (the server restarted?)"
+    ]
