@@ -33,6 +33,7 @@ import pandas as pd
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.base import now_ns
+from engines.openai.server_metrics import MAX_PAGE_BYTES, get_page
 from harness.measuring.server_names import (
     DCGM_COLUMNS,
     DETECT_ORDER,
@@ -53,15 +54,15 @@ Sample = tuple[str, str, float]  # name, labels (JSON, sorted keys), value
 Fetch = Callable[[str, float], str]
 
 
-def http_fetcher() -> Fetch:
+def http_fetcher(max_bytes: int = MAX_PAGE_BYTES) -> Fetch:
     """GET with one kept client: a new httpx client per request costs ~20 ms of CPU (its SSL
-    context), which the client process would pay every scrape."""
+    context), which the client process would pay every scrape. `timeout_s` bounds the whole
+    GET (a page trickling in does not hold the scrape), and a page over `max_bytes` is an
+    error (engines.openai.server_metrics.get_page)."""
     client = httpx.Client()
 
     def get(url: str, timeout_s: float) -> str:
-        response = client.get(url, timeout=timeout_s)
-        response.raise_for_status()
-        return response.text
+        return get_page(client, url, timeout_s, max_bytes)
 
     return get
 
