@@ -345,7 +345,14 @@ def json_kind(value: Any) -> str:
 
 
 def short_json(value: Any, limit: int = 60) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    if isinstance(value, str):
+        text = repr(value[: limit + 3])
+    else:  # encoded lazily: a huge value (a YAML alias bomb) costs only its first characters
+        text = ""
+        for chunk in json.JSONEncoder(default=str).iterencode(value):
+            text += chunk
+            if len(text) > limit:
+                break
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

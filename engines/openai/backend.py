@@ -41,7 +41,12 @@ from engines.base import (
 )
 from engines.openai.chunks import ChoiceDelta, Chunk, decode_event, decode_response
 from engines.openai.config import OpenAIConfig
-from engines.openai.server_metrics import SpecDecodeCounters, metrics_url, parse_spec_decode
+from engines.openai.server_metrics import (
+    SpecDecodeCounters,
+    get_page,
+    metrics_url,
+    parse_spec_decode,
+)
 from engines.openai.servers import (
     DIALECTS,
     FAMILIES,
@@ -155,9 +160,9 @@ class OpenAIBackend(Backend):
         if url is None:
             return None
         try:
-            response = httpx.get(url, timeout=min(self.config.timeout_s, 10.0))
-            response.raise_for_status()
-            return parse_spec_decode(response.text)
+            with httpx.Client() as client:
+                text = get_page(client, url, min(self.config.timeout_s, 10.0))
+            return parse_spec_decode(text)
         except (httpx.HTTPError, ValueError) as error:  # ValueError: not Prometheus text
             log.info("engine.metrics_url=%s: no speculative-decoding counters (%s)", url, error)
             return None

@@ -10,11 +10,13 @@ across the two. Parsed with prometheus_client's reference parser.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 # prefix -> whose names, in the order a page with both is read; each counter is
@@ -64,6 +66,31 @@ class SpecDecodeCounters:
             **{name: getattr(self, name) for name in COUNTERS},
             **{name: list(getattr(self, name)) for name in PER_POSITION},
         }
+
+
+#: The most a /metrics page may hold: a vLLM page is ~100 kB; one far larger is not a
+#: metrics page.
+MAX_PAGE_BYTES = 32 * 1024 * 1024
+
+
+def get_page(
+    client: httpx.Client, url: str, timeout_s: float, max_bytes: int = MAX_PAGE_BYTES
+) -> str:
+    """GET a /metrics page, `timeout_s` bounding the whole GET and not only each read: a page
+    that trickles in (a byte a second never trips httpx's read timeout) would otherwise hold
+    the caller, and the run with it, for as long as the server likes. Raises httpx.HTTPError
+    (a refusal, an error status, a timeout) or ValueError (a page over `max_bytes`)."""
+    deadline = time.monotonic() + timeout_s
+    with client.stream("GET", url, timeout=timeout_s) as response:
+        response.raise_for_status()
+        body = bytearray()
+        for chunk in response.iter_bytes():
+            body += chunk
+            if len(body) > max_bytes:
+                raise ValueError(f"{url}: a page over {max_bytes} bytes; not read further")
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout(f"{url}: the page took over {timeout_s:g} s; not read")
+        return body.decode(response.encoding or "utf-8", errors="replace")
 
 
 def server_root(base_url: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -512,6 +513,11 @@ def apply_machine_rule(
             row.note = f"{why} (rules.different_machine: inconclusive)"
 
 
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxdict = 2, 4, 4
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 80
+
+
 def config_differences(base: Side, cand: Side, limit: int = 8) -> list[str]:
     """The configuration keys that differ between the first runs of the two sides."""
 
@@ -535,8 +541,9 @@ def config_differences(base: Side, cand: Side, limit: int = 8) -> list[str]:
     if a is None or b is None or len(base.groups) > 1:
         return []
     fa, fb = flat(a), flat(b)
+    shown = _SHORT_REPR.repr  # bounded: a long list (or a YAML alias bomb) is not printed whole
     diffs = [
-        f"{key}: {fa.get(key)!r} -> {fb.get(key)!r}"
+        f"{key}: {shown(fa.get(key))} -> {shown(fb.get(key))}"
         for key in sorted(set(fa) | set(fb))
         if fa.get(key) != fb.get(key)
     ]

@@ -102,6 +102,7 @@ def export_main(argv: list[str]) -> int:
         percentiles = check_percentiles(args.metric_percentiles)
         root = Path(args.run)
         folders = run_folders(root)
+        exported = 0
         for folder in folders:
             if args.out is None:
                 out = folder / EXPORT_FILE
@@ -110,12 +111,25 @@ def export_main(argv: list[str]) -> int:
             else:  # sweep 3/repeat-0 -> OUT/3-repeat-0.json
                 name = "-".join(folder.relative_to(root).parts) or root.name
                 out = Path(args.out) / f"{name}.json"
-            result = vllm_result(folder, metrics, percentiles, detailed=not args.summary_only)
+            try:
+                result = vllm_result(folder, metrics, percentiles, detailed=not args.summary_only)
+            except InteropError as exc:
+                if len(folders) == 1:
+                    raise
+                # a sweep's failed job (no request measured) does not stop its other runs
+                print(f"inferlab export: skipped: {exc}", file=sys.stderr)
+                continue
             write_json(out, result)
+            exported += 1
+            status = result.get("inferlab_status")
             print(
                 f"export: {out} ({result['completed']} completed, {result['failed']} failed "
-                f"of {result['num_prompts']} requests)"
+                f"of {result['num_prompts']} requests"
+                + (f"; the run did not finish: {status}" if status else "")
+                + ")"
             )
+        if not exported:
+            raise InteropError(f"{root}: none of its {len(folders)} runs could be exported")
         return 0
 
     return _guarded("inferlab export", run)

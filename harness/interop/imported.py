@@ -13,12 +13,16 @@ from typing import Any
 
 import pandas as pd
 
+from harness.interop.errors import InteropError
 from harness.measuring.metrics import REGISTRY
 
 #: The Definition.source of a metric the lab computed itself from the file's per-request rows.
 FROM_REQUESTS = "per-request rows (recomputed by the lab)"
 #: Units whose values are whole numbers (stored as integers, as the lab's own runs store them).
 INTEGER_UNITS = frozenset({"count", "tokens"})
+#: Metrics that may be below 0: a request sent before its scheduled arrival (a tool's clock
+#: jitter) is early, not bad input.
+MAY_BE_NEGATIVE = frozenset({"send_lateness_p99_s"})
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,11 @@ class ImportedRun:
         value: importers put the figures they trust most first (the lab's own computation over
         per-request rows), then fill the rest from the file's aggregates. A missing, null or
         non-finite value is left absent, never stored as 0. A value for a metric that already
-        has one is not used; its source is listed in `superseded`. True when recorded."""
+        has one is not used; its source is listed in `superseded`. True when recorded.
+
+        A negative value is bad input (every figure an import records is a time, a count, a
+        rate or a fraction): an InteropError naming the file and the value's source, not a
+        negative latency or count in summary.json."""
         if metric not in REGISTRY:
             raise AssertionError(f"{metric!r} is not a registered metric")
         if value is None:
@@ -70,6 +78,11 @@ class ImportedRun:
         number = float(value)
         if not math.isfinite(number):
             return False
+        if number < 0 and metric not in MAY_BE_NEGATIVE:
+            raise InteropError(
+                f"{self.files[0]}: {definition.source}: gives {metric} = {number:g}; a "
+                f"negative {REGISTRY[metric].unit} value is not a measurement"
+            )
         self.metrics[metric] = (
             int(number)
             if REGISTRY[metric].unit in INTEGER_UNITS and number.is_integer()

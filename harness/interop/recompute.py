@@ -14,6 +14,7 @@ import re
 import numpy as np
 import pandas as pd
 
+from harness.interop.errors import InteropError
 from harness.interop.imported import FROM_REQUESTS, Definition, ImportedRun
 from harness.measuring.metrics import REGISTRY, compute_summary
 from harness.run_folder import COLUMNS, REQUEST_COLUMNS
@@ -64,6 +65,33 @@ def _empty(table: str) -> pd.DataFrame:
     return pd.DataFrame({column: pd.Series(dtype="float64") for column in COLUMNS[table]})
 
 
+def check_rows(run: ImportedRun, rows: pd.DataFrame) -> None:
+    """An InteropError naming the file and the first request whose figures are no measurement:
+    a negative token count, an infinite time, or a successful request's first token before its
+    arrival or send, or its last token before its first (the lab's latencies would be
+    negative)."""
+    problems = [
+        (rows["prompt_tokens"] < 0, "a negative prompt token count"),
+        (rows["output_tokens"] < 0, "a negative output token count"),
+        (rows[list(TIME_COLUMNS)].abs().eq(np.inf).any(axis=1), "an infinite time"),
+    ]
+    ok = rows["status"] == "ok"
+    first, last = rows["first_token_s"], rows["last_token_s"]
+    problems += [
+        (ok & (first < rows["sent_s"]), "its first token before its send"),
+        (ok & (first < rows["arrival_s"]), "its first token before its scheduled arrival"),
+        (ok & (last < first), "its last token before its first"),
+    ]
+    for bad, what in problems:
+        if bad.any():
+            k = int(np.flatnonzero(bad.to_numpy())[0])
+            request = rows["request_id"].iloc[k]
+            raise InteropError(
+                f"{run.files[0]}: request {request if pd.notna(request) else k}: {what} "
+                "(the per-request data is damaged)"
+            )
+
+
 def put_request_metrics(
     run: ImportedRun,
     rows: pd.DataFrame,
@@ -83,6 +111,7 @@ def put_request_metrics(
     computed. `tokens` says how the tool counts tokens; `last_token` what the rows'
     `last_token_s` is when it is not the last streamed token (TPOT and E2E then differ)."""
     rows = request_rows(rows)
+    check_rows(run, rows)
     summary = compute_summary(rows, _empty("tokens"), _empty("steps"))
     # a token count the file lacks for a completed request would sum as 0: leave its totals
     # and rates absent instead
@@ -147,6 +176,11 @@ def put_chunk_itl(run: ImportedRun, gaps_s: np.ndarray, source: str, note: str =
     the lab takes them."""
     if not len(gaps_s):
         return
+    if not np.isfinite(gaps_s).all() or (gaps_s < 0).any():
+        bad = gaps_s[~(np.isfinite(gaps_s) & (gaps_s >= 0))][0]
+        raise InteropError(
+            f"{run.files[0]}: {source}: a chunk gap of {bad:g} s (negative or not finite)"
+        )
     for name in ITL_METRICS:
         stat = name.removeprefix("itl_").removesuffix("_s")
         if stat == "mean":

@@ -41,6 +41,7 @@ from harness.run_folder import (
     SUMMARY_FILE,
     load_table,
     read_config,
+    read_summary,
     table_path,
 )
 
@@ -230,6 +231,11 @@ def vllm_result(
         "num_prompts": len(outputs),
         "inferlab_run": str(run_dir),  # vLLM's --metadata KEY=VALUE land at this level
     }
+    summary = read_summary(run_dir) or {}
+    status, error = summary.get("status"), summary.get("error")
+    if status != "complete":  # vLLM writes only finished benchmarks: say this one is not
+        status = status if isinstance(status, str) else "no summary.json"
+        result["inferlab_status"] = f"{status}: {error}" if isinstance(error, str) else status
     arrival = dict(workload.get("arrival") or {"process": "offline"})
     if workload.get("max_concurrency") is not None:  # a trace workload's cap
         arrival.setdefault("max_concurrency", workload["max_concurrency"])

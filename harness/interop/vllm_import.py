@@ -111,12 +111,12 @@ def request_frame(result: VllmResult, path: Path) -> tuple[pd.DataFrame, bool, b
     else:  # older versions keep no latencies: the last chunk is the first plus its gaps
         latency = ttft + np.array([sum(g) for g in result.itls or [[]] * n], dtype=float)
     errors = result.errors or [""] * n
-    ok = np.array([not e for e in errors]) & (ttft > 0)
+    ok = np.array([not e for e in errors], dtype=bool) & (ttft > 0)  # bool: also for no row
     timeline = result.start_times is not None and all(s is not None for s in result.start_times)
     start = np.array(result.start_times, dtype=float) if timeline else np.zeros(n)
     queue = np.array([q or 0.0 for q in result.queue_times or [0.0] * n], dtype=float)
     arrival = start - queue
-    t0 = float(arrival.min()) if timeline else 0.0
+    t0 = float(arrival.min()) if timeline and n else 0.0
     outputs = result.output_lens or [None] * n
     rows = pd.DataFrame(
         {
@@ -231,7 +231,9 @@ def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) 
 
 
 #: extra keys read above (not statistics, but not unmapped either)
-CONSUMED_EXTRAS = frozenset({"request_goodput:", "spec_decode_per_position_acceptance_rates"})
+CONSUMED_EXTRAS = frozenset(
+    {"request_goodput:", "spec_decode_per_position_acceptance_rates", "inferlab_status"}
+)
 
 
 def _numeric(value: Any) -> bool:
@@ -266,6 +268,10 @@ def import_result(data: Any, path: Path, index: int | None) -> ImportedRun:
     )
     # vLLM's file records no vLLM version: the `date` says when it ran
     run.notes.append(f"vllm bench serve result of {result.date or 'an unknown date'}")
+    status = extra.get("inferlab_status")  # `inferlab export` of a run that did not finish
+    if isinstance(status, str) and not status.startswith("complete"):
+        run.status = "incomplete"
+        run.notes.append(f"exported by inferlab from a run that did not finish: {status}")
     detailed = request_frame(result, path)
     if detailed is not None:
         rows, arrival_known, timeline = detailed
@@ -304,10 +310,12 @@ def import_file(documents: list[Any], path: Path) -> list[ImportedRun]:
 
 
 def looks_like(data: Any) -> bool:
+    duration = data.get("duration") if isinstance(data, dict) else None
     return (
         isinstance(data, dict)
         and "completed" in data
+        # a duration of the wrong type is told as vLLM's, then named by the schema check
+        and (not isinstance(duration, int | float) or not math.isnan(duration))
         and "duration" in data
         and isinstance(data.get("request_throughput"), int | float)
-        and not math.isnan(float(data.get("duration") or 0))
     )

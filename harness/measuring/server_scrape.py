@@ -33,6 +33,7 @@ import pandas as pd
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.base import now_ns
+from engines.openai.server_metrics import MAX_PAGE_BYTES, get_page
 from harness.measuring.server_names import (
     DCGM_COLUMNS,
     DETECT_ORDER,
@@ -53,15 +54,15 @@ Sample = tuple[str, str, float]  # name, labels (JSON, sorted keys), value
 Fetch = Callable[[str, float], str]
 
 
-def http_fetcher() -> Fetch:
+def http_fetcher(max_bytes: int = MAX_PAGE_BYTES) -> Fetch:
     """GET with one kept client: a new httpx client per request costs ~20 ms of CPU (its SSL
-    context), which the client process would pay every scrape."""
+    context), which the client process would pay every scrape. `timeout_s` bounds the whole
+    GET (a page trickling in does not hold the scrape), and a page over `max_bytes` is an
+    error (engines.openai.server_metrics.get_page)."""
     client = httpx.Client()
 
     def get(url: str, timeout_s: float) -> str:
-        response = client.get(url, timeout=timeout_s)
-        response.raise_for_status()
-        return response.text
+        return get_page(client, url, timeout_s, max_bytes)
 
     return get
 
@@ -191,6 +192,7 @@ class ServerScrape:
         self.server: str | None = None
         self.failures: list[str] = []
         self._pages: list[tuple[int, float, bytes]] = []  # time_ns, GET seconds, zlib text
+        self.resets: list[str] = []  # counters that fell between scrapes (a restart), by parse
         self._parsed: tuple[pd.DataFrame, pd.DataFrame] | None = None
 
     @property
@@ -228,7 +230,12 @@ class ServerScrape:
         rows: list[tuple[int, str, str, float]] = []
         last: dict[tuple[str, str], float] = {}
         first_counters: dict[str, float] = {}
-        for time_ns, took, packed in self._pages:
+        # a counter that falls started again from 0 (a restarted server): what it had counted
+        # is carried, as Prometheus' increase() does, so the columns never count backwards
+        previous: dict[str, float] = {}
+        carried: dict[str, float] = {}
+        self.resets = []
+        for number, (time_ns, took, packed) in enumerate(self._pages):
             try:
                 samples = parse_page(zlib.decompress(packed).decode())
             except Exception as exc:  # one torn page (any parser error): its row stays empty
@@ -246,7 +253,15 @@ class ServerScrape:
                 if kind == "gauge":
                     row[f"server_{quantity}"] = value
                 elif kind == "counter":
-                    row[f"server_{quantity}"] = value - first_counters.setdefault(quantity, value)
+                    if value < previous.get(quantity, value):
+                        carried[quantity] = carried.get(quantity, 0.0) + previous[quantity]
+                        self.resets.append(
+                            f"scrape {number + 1}: {quantity} fell from {previous[quantity]:g} "
+                            f"to {value:g} (the server restarted?)"
+                        )
+                    previous[quantity] = value
+                    total = value + carried.get(quantity, 0.0)
+                    row[f"server_{quantity}"] = total - first_counters.setdefault(quantity, total)
             columns.append(row)
         self._parsed = (
             pd.DataFrame(columns, index=range(len(columns)), columns=SERVER_COLUMNS, dtype=float),
@@ -267,6 +282,7 @@ class ServerScrape:
             "num_scrapes": self.num_scrapes,
             "failed_scrapes": len(self.failures),
             "first_failures": self.failures[:5],
+            **({"counter_resets": self.resets[:5]} if self.resets else {}),
         }
 
 
@@ -324,6 +340,10 @@ def server_figures(
     then = quantities(state_at(series, first), server)
     now = quantities(state_at(series, last), server)
     out: dict[str, Any] = {}
+    if fell_between(series, server, first, last):
+        # a restarted server's counters and histograms started again: their differences
+        # between the bracketing scrapes count neither the run nor anything else
+        now, then = _gauges(now), _gauges(then)
     for quantity in ("ttft", "itl", "tpot", "e2e", "queue_time"):
         if quantity not in now or quantity not in then:
             continue
@@ -354,6 +374,28 @@ def server_figures(
         if quantity != "kv_cache_usage":
             out[f"{column}_mean"] = _step_mean(inside[["time_s", column]].dropna(), first, last)
     return {k: v for k, v in out.items() if v is not None}
+
+
+def fell_between(series: pd.DataFrame, server: str, start: float, end: float) -> bool:
+    """Whether a counter or a histogram's count or bucket of `server` fell from one scrape to
+    the next in (start, end]: the server restarted (or a label set went away)."""
+    names: set[str] = set()
+    for quantity, candidates in SERVER_NAMES[server].items():
+        kind = QUANTITIES[quantity].kind
+        if kind == "counter":
+            names.update(candidates)
+        elif kind == "histogram":
+            names.update(n + suffix for n in candidates for suffix in ("_count", "_bucket"))
+    rows = series[series["name"].isin(names) & (series["time_s"] <= end)]
+    if rows.empty:
+        return False
+    rows = rows.sort_values("time_s", kind="stable")
+    change = rows.groupby(["name", "labels"], sort=False)["value"].diff()
+    return bool(((change < 0) & (rows["time_s"] > start)).any())
+
+
+def _gauges(values: dict[str, Any]) -> dict[str, Any]:
+    return {q: v for q, v in values.items() if QUANTITIES[q].kind == "gauge"}
 
 
 def _step_mean(points: pd.DataFrame, start: float, end: float) -> float | None:

@@ -129,14 +129,15 @@ def backend_reading(pages: list[str | None], monkeypatch: pytest.MonkeyPatch) ->
     """An engine=openai backend whose /metrics reads answer `pages` in turn (None: HTTP 500)."""
     answers = iter(pages)
 
-    def get(url: str, timeout: float) -> httpx.Response:
+    def get(client: httpx.Client, url: str, timeout_s: float) -> str:
         page = next(answers)
-        request = httpx.Request("GET", url)
         if page is None:
-            return httpx.Response(500, text="boom", request=request)
-        return httpx.Response(200, text=page, request=request)
+            request = httpx.Request("GET", url)
+            response = httpx.Response(500, text="boom", request=request)
+            raise httpx.HTTPStatusError("boom", request=request, response=response)
+        return page
 
-    monkeypatch.setattr(openai_backend.httpx, "get", get)
+    monkeypatch.setattr(openai_backend, "get_page", get)
     return OpenAIBackend(OpenAIConfig(model="m"))
 
 

@@ -631,3 +631,23 @@ def test_paired_ratios_skip_damaged_and_non_finite_values(tmp_path: Path) -> Non
     assert ratios == pytest.approx({"output_tok_per_s": 0.9, "tpot_p50_s": 1.1})
     (b / "summary.json").write_text("[1]")
     assert ab.paired_ratios(a, b) == {}  # today: AttributeError out of the A/B job
+
+
+def test_a_huge_configuration_value_is_shown_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A configuration difference names the key and a bounded picture of the values: an
+    imported run's config.yaml may hold whatever the tool's file held (a YAML alias bomb
+    expands to hundreds of megabytes when printed whole)."""
+    rules = counters_only(tmp_path)
+    base, cand = write_run(tmp_path / "a"), write_run(tmp_path / "b")
+    leaf = ["lol"] * 9
+    for _ in range(7):  # 9**8 strings when expanded
+        leaf = [leaf] * 9
+    (base / "config.yaml").write_text(yaml.safe_dump({"source": {"bomb": leaf}}))
+    (cand / "config.yaml").write_text(yaml.safe_dump({"source": {"bomb": None}}))
+    code, out, _ = inferlab_gate(capsys, *sides(base, cand), "--rules", rules)
+    assert code == 0, out
+    [line] = [line for line in out.splitlines() if "configuration differs" in line]
+    assert "source.bomb: [[[...]" in line and line.endswith("-> None")
+    assert len(line) < 300

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli
+from harness.run_folder import short_json
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 DETAILED = json.loads((FIXTURES / "vllm" / "detailed.json").read_text())
@@ -154,3 +155,86 @@ def test_default_output_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     [folder] = (tmp_path / "results" / "imported").iterdir()
     assert folder.name.endswith("_vllm_my-run")
     assert (folder / "summary.json").is_file() and (folder / "requests.parquet").is_file()
+
+
+def bad_guidellm_aggregate() -> str:
+    """A guidellm report whose requests are sampled (so its aggregates are read) with a
+    negative mean TTFT."""
+    report = json.loads((FIXTURES / "guidellm" / "benchmarks.json").read_text())
+    benchmark = report["benchmarks"][0]
+    benchmark["requests"]["successful"] = benchmark["requests"]["successful"][:2]
+    benchmark["metrics"]["time_to_first_token_ms"]["successful"]["mean"] = -5.0
+    return json.dumps(report)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (  # a duration of the wrong type was an internal error in telling the tool
+            bad_vllm(duration="fast"),
+            "r.json: not a vllm bench serve result (--save-result JSON): key 'duration': "
+            "Input should be a valid number",
+        ),
+        (  # negative numbers made negative latencies, counts and rates in summary.json
+            bad_vllm(queue_times=[-100.0, 0.01, 0.0, 0.02]),
+            "r.json: request 0: its first token before its scheduled arrival",
+        ),
+        (bad_vllm(latencies=[-0.2, 0.26, 0.0, 0.14]), "r.json: request 0: its last token before"),
+        (bad_vllm(output_lens=[-5, 6, 0, 4]), "r.json: request 0: a negative output token count"),
+        (bad_vllm(input_lens=[-32, 48, 40, 16]), "r.json: request 0: a negative prompt token"),
+        (bad_vllm(itls=[[-1.0], [0.04], [], [0.03]]), "r.json: itls: a chunk gap of -1 s"),
+        (
+            bad_vllm(spec_decode_acceptance_rate=-50.0),
+            "r.json: spec_decode_acceptance_rate: gives spec_acceptance_rate = -0.5; a "
+            "negative fraction value is not a measurement",
+        ),
+        (
+            bad_guidellm_aggregate(),
+            "r.json: time_to_first_token_ms.successful.mean: gives ttft_mean_s = -0.005",
+        ),
+    ],
+)
+def test_bad_values_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, expected: str
+) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(content)
+    out = tmp_path / "out"
+    assert cli.main(["import", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inferlab import: error: ") and err.count("\n") == 1, err
+    assert expected in err
+    assert not out.exists()
+
+
+def test_a_result_of_zero_requests(tmp_path: Path) -> None:
+    """`--save-detailed` lists with no entry (num_prompts 0) were an internal error."""
+    empty: dict[str, object] = {
+        k: [] for k, v in DETAILED.items() if isinstance(v, list) and k != "itls"
+    }
+    path = tmp_path / "r.json"
+    path.write_text(
+        bad_vllm(
+            **empty,
+            itls=[],
+            num_prompts=0,
+            completed=0,
+            failed=0,
+            total_input_tokens=0,
+            total_output_tokens=0,
+            duration=0.0,
+            request_throughput=0.0,
+        )
+    )
+    assert cli.main(["import", str(path), "--out", str(tmp_path / "out")]) == 0
+    metrics = json.loads((tmp_path / "out" / "summary.json").read_text())["metrics"]
+    assert metrics["num_requests"] == metrics["num_completed"] == 0
+    assert "ttft_mean_s" not in metrics
+
+
+def test_short_json_encodes_only_what_it_shows() -> None:
+    class Unprintable:
+        def __str__(self) -> str:
+            raise AssertionError("encoded past the part shown")
+
+    assert short_json([0] * 100 + [Unprintable()]) == ("[" + "0, " * 20)[:57] + "..."

@@ -212,3 +212,44 @@ def test_not_a_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "no run folder (requests.parquet or requests.jsonl) in it" in capsys.readouterr().err
     assert cli.main(["export", str(tmp_path / "missing")]) == 2
     assert f"{tmp_path / 'missing'}: no such folder" in capsys.readouterr().err
+
+
+def test_a_sweep_with_a_failed_job_exports_the_others(
+    lab_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job that failed before any request (a sweep keeps it as a row with its error) stopped
+    the whole export, so no job of the sweep could be exported."""
+    sweep = tmp_path / "sweep"
+    failed = sweep / "0"
+    failed.mkdir(parents=True)
+    (failed / "requests.jsonl").write_text("")
+    (failed / "summary.json").write_text(json.dumps({"status": "failed", "error": "boom"}))
+    shutil.copytree(lab_run, sweep / "1")
+    out = tmp_path / "out"
+    assert cli.main(["export", str(sweep), "--out", str(out)]) == 0
+    assert [p.name for p in out.iterdir()] == ["1.json"]
+    assert f"skipped: {failed}: no measured request" in capsys.readouterr().err
+    shutil.copytree(failed, sweep / "1", dirs_exist_ok=True)  # nothing to export: an error
+    (sweep / "1" / "requests.parquet").unlink()
+    assert cli.main(["export", str(sweep), "--out", str(tmp_path / "none")]) == 2
+    assert "none of its 2 runs could be exported" in capsys.readouterr().err
+
+
+def test_a_run_that_did_not_finish_says_so(
+    lab_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An interrupted run's export read as a finished vLLM benchmark of fewer prompts; its
+    status now travels in the file (and back through `inferlab import`)."""
+    run = tmp_path / "run"
+    shutil.copytree(lab_run, run)
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update(status="incomplete", error="interrupted: SIGINT")
+    (run / "summary.json").write_text(json.dumps(summary))
+    result = export(run, tmp_path / "vllm.json")
+    assert result["inferlab_status"] == "incomplete: interrupted: SIGINT"
+    assert "the run did not finish: incomplete: interrupted: SIGINT" in capsys.readouterr().out
+    assert cli.main(["import", str(tmp_path / "vllm.json"), "--out", str(tmp_path / "in")]) == 0
+    imported = json.loads((tmp_path / "in" / "summary.json").read_text())
+    assert imported["status"] == "incomplete"
+    assert "inferlab_status" not in imported["unmapped"]
+    assert "inferlab_status" not in export(lab_run, tmp_path / "complete.json")

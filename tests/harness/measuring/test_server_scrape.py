@@ -4,9 +4,14 @@ a monitor reader, and the run's figures between the scrapes that bracket it."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pandas as pd
 import pytest
 
@@ -18,6 +23,7 @@ from harness.measuring.server_scrape import (
     Histogram,
     ServerScrape,
     detect_server,
+    http_fetcher,
     parse_page,
     quantities,
     server_figures,
@@ -303,3 +309,87 @@ def test_broken_pages_after_the_first_leave_their_rows_empty() -> None:
     assert columns.iloc[1].isna().all()  # the HTML page
     assert columns["server_num_requests_running"].tolist()[2] == 1.0  # the bucket left out
     assert any("a page not parsed: ValueError" in f for f in scrape.info()["first_failures"])
+
+
+def test_a_server_restarted_during_the_run_gives_no_counter_figures() -> None:
+    """Counters that fell mid-run (the server restarted) were subtracted as if they had not:
+    `server_*` columns went negative and the summary's figures counted whatever the new
+    server had done since (here 50 tokens and 7 TTFTs where the run's requests made more)."""
+    pages = [
+        vllm_page(1, 100, (5, 0, 0)),  # the measured run's start
+        vllm_page(4, 130, (6, 2, 0)),
+        vllm_page(2, 20, (1, 0, 0)),  # restarted: counting again from 0
+        vllm_page(2, 150, (3, 4, 0)),  # the end: above the start's values again
+    ]
+    figures = figures_of(pages, [0.0, 1.0, 2.0, 3.0], span=(0.0, 3.0))
+    assert not any(k in figures for k in ("server_generation_tokens", "server_ttft_mean_s"))
+    assert figures["server_num_requests_running_peak"] == 4  # gauges hold
+    # a span that ends before the restart is measured as before
+    before = figures_of(pages, [0.0, 1.0, 2.0, 3.0], span=(0.0, 1.0))
+    assert before["server_generation_tokens"] == 30
+    assert before["server_ttft_mean_s"] == pytest.approx(0.05)
+    # the columns carry what the old server had counted: they never count backwards
+    scrape = ServerScrape("http://server/metrics", fetch=scripted(list(pages)))
+    for _ in pages:
+        scrape.read()
+    assert scrape.parse()[0]["server_generation_tokens"].tolist() == [0.0, 30.0, 50.0, 180.0]
+    assert scrape.info()["counter_resets"] == [
+        "scrape 3: generation_tokens fell from 130 to 20 (the server restarted?)"
+    ]
+
+
+class _Misbehaving(BaseHTTPRequestHandler):
+    """/trickle: a page sent a byte every 0.2 s (each read well inside any read timeout);
+    /huge: a page of 2 MB; anything else: a small vLLM page."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        body = vllm_page(1, 10, (1, 0, 0)).encode()
+        if self.path == "/huge":
+            body = b"# TYPE junk gauge\n" + b"junk 1\n" * 300_000 + body
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(10**6 if self.path == "/trickle" else len(body)))
+        self.end_headers()
+        if self.path != "/trickle":
+            self.wfile.write(body)
+            return
+        for _ in range(200):
+            try:
+                self.wfile.write(b"#")
+                self.wfile.flush()
+            except OSError:
+                return
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def misbehaving() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Misbehaving)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_page_that_trickles_in_or_is_huge_is_a_failed_scrape(misbehaving: str) -> None:
+    """httpx's timeout bounds each read, not the GET: a page trickling in a byte at a time
+    held the scrape (and the run: the monitor's last scrape, the backend's spec-decode read)
+    for as long as the server went on; a page of any size was read whole and kept."""
+    fetch = http_fetcher(max_bytes=1_000_000)
+    assert "vllm:num_requests_running" in fetch(f"{misbehaving}/good", 1.0)
+    began = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout, match=r"the page took over 0\.5 s"):
+        fetch(f"{misbehaving}/trickle", 0.5)
+    assert time.monotonic() - began < 2.0
+    with pytest.raises(ValueError, match="a page over 1000000 bytes"):
+        fetch(f"{misbehaving}/huge", 5.0)
+    # the monitor: the first scrape failing is a note; later ones are counted failures
+    scrape = ServerScrape(f"{misbehaving}/trickle", timeout_s=0.5)
+    with pytest.raises(httpx.ReadTimeout):
+        scrape.read()
