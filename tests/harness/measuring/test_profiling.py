@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
+import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from harness.measuring.profiling import (
     profiler_from_config,
     step_phase,
 )
+from harness.measuring.server_profile import ServerProfiler
 from harness.running.experiment import run_experiment
 
 # torch's GEMMs, and the engine's own (fp32 on CPU with its C kernels)
@@ -182,3 +186,55 @@ def test_profile_config_errors_name_the_field(
 def test_profile_off_is_none(tmp_path: Path) -> None:
     assert profiler_from_config({"profile": False}, tmp_path) is None
     assert profiler_from_config({}, tmp_path) is None
+
+
+class _ProfilerEndpoints(BaseHTTPRequestHandler):
+    """/trickle/start_profile: an answer sent a byte every 0.1 s (each read well inside any
+    read timeout); /big/start_profile: a 1 MB answer; else a short JSON answer."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = b"x" * 1_000_000 if self.path.startswith("/big") else b'{"status":"ok"}'
+        trickle = self.path.startswith("/trickle")
+        self.send_response(200)
+        self.send_header("Content-Length", str(10**6 if trickle else len(body)))
+        self.end_headers()
+        if not trickle:
+            self.wfile.write(body)
+            return
+        for _ in range(300):
+            try:
+                self.wfile.write(b"x")
+                self.wfile.flush()
+            except OSError:
+                return
+            time.sleep(0.1)
+
+
+def test_a_server_profiler_answering_slowly_does_not_hold_the_run() -> None:
+    """httpx's timeout bounds each read, not the POST: a /start_profile answer trickling in
+    held the run before its first measured request for as long as the server went on."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ProfilerEndpoints)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    root = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        slow = ServerProfiler(f"{root}/trickle", timeout_s=0.5)
+        began = time.monotonic()
+        slow.attach([])
+        assert time.monotonic() - began < 2.0
+        assert not slow.started
+        assert slow.info["error"].startswith("the server did not start profiling: ReadTimeout")
+        big = ServerProfiler(f"{root}/big", timeout_s=5.0)
+        big.attach([])
+        assert big.started and len(big.info["start_profile"]) == len("HTTP 200: ") + 2000
+        fine = ServerProfiler(root, timeout_s=5.0)
+        fine.attach([])
+        assert fine.finish()["stop_profile"] == 'HTTP 200: {"status":"ok"}'
+    finally:
+        server.shutdown()
+        server.server_close()
