@@ -38,8 +38,8 @@ from harness.run_folder import SAMPLES_FILE, SERVER_METRICS_FILE, write_parquet_
 #: sampling adds little; slower sampling misses RSS and allocator peaks of short runs. A sample
 #: costs tens of microseconds of mostly GIL-free calls (<0.1% of one core at this rate).
 DEFAULT_INTERVAL_S = 0.05
-#: A server's page is tens of kB (vLLM: ~1,500 samples); parsing it takes milliseconds of the
-#: client's GIL, so once a second, plus a scrape at the measured run's start and end.
+#: A server's page is tens of kB (vLLM: ~1,500 samples), kept for parsing after the run: once
+#: a second bounds that work and the memory, plus a scrape at the measured run's start and end.
 DEFAULT_SERVER_INTERVAL_S = 1.0
 
 SAMPLE_COLUMNS = [
