@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ import pandas as pd
 from harness.measuring.server_scrape import Histogram, parse_page, quantities
 from harness.run_folder import load_table
 from models.tokenizer import default_tokenizer
+from serving.testing import serve_command as serve_command_process
 
 ROOT = Path(__file__).resolve().parents[1]
 AIPERF = ROOT / ".venv-aiperf" / "bin" / "aiperf"
@@ -46,14 +45,12 @@ CLIENT_METRICS = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_server(port: int, cores: set[int], log: Path) -> subprocess.Popen[bytes]:
-    command = [
+def serve_command(core: int) -> list[str]:
+    """`inferlab serve` pinned to `core` (taskset), one thread, on the port it picks."""
+    return [
+        "taskset",
+        "-c",
+        str(core),
         sys.executable,
         "-m",
         "harness.cli",
@@ -63,30 +60,9 @@ def start_server(port: int, cores: set[int], log: Path) -> subprocess.Popen[byte
         "engine.num_threads=1",
         "engine.max_num_seqs=8",
         "host=127.0.0.1",
-        f"port={port}",
+        "port=0",
         "log_level=warning",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        preexec_fn=lambda: os.sched_setaffinity(0, cores),
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"inferlab serve exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("inferlab serve did not become healthy in 300 s")
 
 
 def server_view(root: str) -> dict[str, Any]:
@@ -229,14 +205,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = default_tokenizer().save_pretrained(out / "tokenizer")
     cores = os.sched_getaffinity(0)
-    server_cores = {min(cores)}
-    client_cores = cores - server_cores or cores
-    port = free_port()
-    root = f"http://127.0.0.1:{port}"
-    server = start_server(port, server_cores, out / "server.log")
-    os.sched_setaffinity(0, client_cores)  # the tools, started from here, inherit it
+    server_core = min(cores)
+    os.environ["OMP_NUM_THREADS"] = "1"
     rows = []
-    try:
+    with serve_command_process(serve_command(server_core), out / "server.log") as server:
+        root = server.base_url
+        # the tools, started from here, inherit the other cores
+        os.sched_setaffinity(0, cores - {server_core} or cores)
         for _ in range(2):  # warm the server before any tool measures it
             httpx.post(
                 f"{root}/v1/completions",
@@ -262,9 +237,6 @@ def main() -> None:
             row["TTFT from send mean"] = float((ok["first_token_s"] - ok["sent_s"]).mean())
             row.update(server_run_figures(before, after))
             rows.append(row)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     table = pd.DataFrame(rows)
     table.to_csv(out / "compare.csv", index=False)
     (out / "compare.md").write_text(table.to_markdown(index=False, floatfmt=".4g") + "\n")
