@@ -49,7 +49,12 @@ from harness.run_folder import (
 )
 from harness.running import config_schema  # noqa: F401  (the run section's, for compose)
 from harness.running.interrupts import interrupts
-from harness.running.launching import LAUNCHER_EXTRAS, missing_launcher, ray_cluster_overrides
+from harness.running.launching import (
+    LAUNCHER_EXTRAS,
+    missing_launcher,
+    ray_cluster_overrides,
+    ray_connection_hint,
+)
 
 MIN_ROUNDS = 9
 ISOLATION = ("worker", "process")
@@ -431,9 +436,11 @@ class ABRunner:
         ):
             # no round ran: a bad --launcher-options, or a launcher that cannot start; no run
             # failed, so no side is blamed
+            error = _launcher_error(log_path)
+            hint = ray_connection_hint(error) if plan.launcher == "ray" else ""
             raise ABError(
                 f"--launcher {plan.launcher}: the launcher ran no round (exit code {returncode})"
-                f": {_launcher_error(log_path)} (see {log_path})"
+                f": {error}{hint} (see {log_path})"
             )
         for k in range(plan.rounds):
             try:

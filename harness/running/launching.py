@@ -87,6 +87,19 @@ def ray_joins_its_cluster(launcher: Any) -> None:
             init.object_store_memory = None  # the launcher's setdefault keeps it None
 
 
+def ray_connection_hint(error: str) -> str:
+    """What to try when Ray could not join a cluster: `ray start` turns on token
+    authentication by default since Ray 2.59, and a client joins such a cluster only with
+    RAY_AUTH_MODE=token in its own environment (Ray then reads ~/.ray/auth_token or
+    RAY_AUTH_TOKEN). Ray's own error says only that it failed to connect."""
+    if "Failed to connect to Ray cluster" not in error or os.environ.get("RAY_AUTH_MODE"):
+        return ""
+    return (
+        "; if the cluster uses token authentication (`ray start`'s default since Ray 2.59), "
+        "set RAY_AUTH_MODE=token here too, with its token in ~/.ray/auth_token or RAY_AUTH_TOKEN"
+    )
+
+
 def ray_cluster_overrides(launcher: str | None, options: list[str]) -> list[str]:
     """What ray_joins_its_cluster does, as an override for a Ray launcher that another Hydra
     app's sweeper runs (`gate ab --launcher ray --launcher-options ...`, ab_rounds.py)."""

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
+from harness.running.launching import ray_connection_hint
 from workloads.request import WorkloadRequest
 
 #: client_main's signature: (engine, model, share, limits, connection, ignore_sigint)
@@ -109,7 +110,12 @@ def start_ray_clients(
             "run.clients_on=ray needs the optional extra `ray`: pip install -e '.[ray]'"
         ) from None
     if not ray.is_initialized():
-        ray.init()  # RAY_ADDRESS when set (Ray's own variable), else a local cluster
+        try:
+            ray.init()  # RAY_ADDRESS when set (Ray's own variable), else a local cluster
+        except ConnectionError as exc:
+            raise RuntimeError(
+                f"run.clients_on=ray: {exc}{ray_connection_hint(str(exc))}"
+            ) from None
     authkey = secrets.token_bytes(32)
     listener = Listener((ray.util.get_node_ip_address(), 0), authkey=authkey)
     remote = ray.remote(num_cpus=1)(_client_task)

@@ -231,7 +231,10 @@ class InferlabSweeper(BasicSweeper):
         if started:
             self._settle(started, sweep_dir, error)
             write_sweep_csv(sweep_dir)
-        print(f"error: hydra/launcher={name} could not run the sweep: {error}", file=sys.stderr)
+        hint = launching.ray_connection_hint(error) if name == "ray" else ""
+        print(
+            f"error: hydra/launcher={name} could not run the sweep: {error}{hint}", file=sys.stderr
+        )
         raise SystemExit(1)
 
     def _interrupted(self, jobs: list[Job], sweep_dir: Path, reason: str) -> NoReturn:

@@ -537,6 +537,52 @@ def test_ray_connects_to_an_existing_cluster_without_sizing_its_object_store(
     assert by_env.ray_cfg.init.object_store_memory is None
 
 
+@pytest.mark.slow
+def test_a_sweep_joins_a_running_ray_cluster_with_token_authentication(tmp_path: Path) -> None:
+    # a cluster started apart (`ray start --head`, with token authentication, the default of
+    # `ray start` since Ray 2.59), joined by address: the jobs run as its tasks
+    ray_bin = Path(sys.executable).with_name("ray")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
+    env = {**os.environ, **auth}
+    env.pop("RAY_ADDRESS", None)
+    temp_dir = Path("/tmp") / f"inferlab-ray-{port}"  # Ray's socket paths must stay short
+    subprocess.run(
+        [ray_bin, "start", "--head", f"--port={port}", "--num-cpus=2", f"--temp-dir={temp_dir}",
+         "--include-dashboard=false", "--disable-usage-stats"],
+        env=env, check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "harness.cli", "run", "-m", *TINY_JOB,
+             "engine.kv_cache=contiguous,paged", "hydra/launcher=ray",
+             f"hydra.launcher.ray.init.address=127.0.0.1:{port}", f"hydra.sweep.dir={tmp_path}"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = pd.read_csv(tmp_path / "sweep.csv")
+        assert list(rows["status"]) == ["complete", "complete"]
+        for job in ("0", "1"):
+            placed = json.loads((tmp_path / job / "provenance.json").read_text())["placement"]
+            assert placed["launcher"] == "ray" and placed["node"] == socket.gethostname()
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        subprocess.run(["rm", "-rf", str(temp_dir)], check=False)
+
+
+def test_a_cluster_ray_cannot_join_names_token_authentication(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    refused = "ConnectionError: Failed to connect to Ray cluster at 10.0.0.1:6379"
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert "set RAY_AUTH_MODE=token here too" in launching.ray_connection_hint(refused)
+    assert launching.ray_connection_hint("ValueError: n_jobs == 0") == ""
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # set already: not the cause
+    assert launching.ray_connection_hint(refused) == ""
+
+
 def test_gate_ab_rounds_on_a_ray_cluster_leave_the_object_store_to_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
