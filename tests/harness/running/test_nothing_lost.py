@@ -49,16 +49,27 @@ def start_run(run_dir: Path, *overrides: str) -> subprocess.Popen[str]:
     )
 
 
-def wait_for_rows(proc: subprocess.Popen[str], jsonl: Path, rows: int) -> None:
+def signal_each_once_it_has_rows(
+    procs: dict[str, subprocess.Popen[str]], jsonl: dict[str, Path], rows: int
+) -> None:
+    """Send each run its signal (its name) as soon as its own JSONL has `rows` rows. All are
+    watched at once: waiting for one run after another let a later run finish before it was
+    reached, on a busy machine."""
+    pending = dict(procs)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if jsonl.is_file() and len(jsonl.read_text().splitlines()) >= rows:
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before it could be killed: {proc.stderr.read()}")
+    while pending:
+        for name, proc in list(pending.items()):
+            path = jsonl[name]
+            if path.is_file() and len(path.read_text().splitlines()) >= rows:
+                proc.send_signal(getattr(signal, name))
+                del pending[name]
+            elif proc.poll() is not None:
+                pytest.fail(f"run {name} ended before it could be killed: {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            for proc in pending.values():
+                proc.kill()
+            pytest.fail(f"no request rows within 120 s: {sorted(pending)}")
         time.sleep(0.05)
-    proc.kill()
-    pytest.fail("no request rows within 120 s")
 
 
 def check_rows_consistent(run_dir: Path) -> pd.DataFrame:
@@ -90,9 +101,7 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     procs = {
         name: start_run(run_dir, *LONG_RUN, *extra) for name, (run_dir, _, extra) in runs.items()
     }
-    for name, proc in procs.items():
-        wait_for_rows(proc, runs[name][1], 2)
-        proc.send_signal(getattr(signal, name))
+    signal_each_once_it_has_rows(procs, {name: run[1] for name, run in runs.items()}, 2)
     return {name: (runs[name][0], proc.wait(timeout=120)) for name, proc in procs.items()}
 
 
