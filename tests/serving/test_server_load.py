@@ -7,6 +7,8 @@ while 300 streams run and clients come and go. model=tiny, paged KV."""
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import json
 import statistics
 import subprocess
@@ -253,30 +255,38 @@ def test_the_engine_kernels_run_without_the_gil() -> None:
     try:
         panels = native.pack_linear_weight(torch.randn(4096, 2048))
         x = torch.randn(64, 2048)
-        durations: list[float] = []
+        multiplications: list[tuple[float, float]] = []
 
         def multiply() -> None:
-            for _ in range(6):
+            for _ in range(8):
                 started = time.perf_counter()
                 native.linear(x, panels, 4096)
-                durations.append(time.perf_counter() - started)
+                multiplications.append((started, time.perf_counter()))
 
         worker = threading.Thread(target=multiply)
-        gaps, last = [], time.perf_counter()
+        ticks: list[float] = []
         worker.start()
         while worker.is_alive():
             sum(range(100))  # Python work: needs the GIL
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+            ticks.append(time.perf_counter())
         worker.join()
     finally:
         torch.set_num_threads(threads)
-    print(
-        f"\nGEMMs of {min(durations) * 1e3:.0f}-{max(durations) * 1e3:.0f} ms in a thread; "
-        f"the Python thread's longest stall {max(gaps) * 1e3:.1f} ms"
-    )
-    assert max(gaps) < min(durations) / 2, (max(gaps), durations)
+    # A kernel holding the GIL stalls the Python thread for most of each multiplication (a
+    # ctypes.PyDLL call: ~75% of it, the rest being the switch interval around the call).
+    # Judged per multiplication, so that the OS taking a thread's core away now and then on a
+    # shared machine (which flaked a whole-run criterion) fails none on its own.
+    shares = [_longest_stall_share(ticks, a, b) for a, b in multiplications]
+    print(f"\nGEMMs of {[round((b - a) * 1e3) for a, b in multiplications]} ms in a thread; "
+          f"the longest stall in each: {[round(x, 2) for x in shares]}")  # fmt: skip
+    assert sum(share < 0.5 for share in shares) >= len(shares) // 2, shares
+
+
+def _longest_stall_share(ticks: list[float], start: float, end: float) -> float:
+    """The longest time between the Python thread's ticks within [start, end], as a share."""
+    first, last = bisect.bisect_right(ticks, start), bisect.bisect_left(ticks, end)
+    points = [start, *ticks[first:last], end]
+    return max(b - a for a, b in itertools.pairwise(points)) / (end - start)
 
 
 def test_requests_are_read_and_timed_while_the_engine_steps() -> None:
