@@ -121,6 +121,8 @@ def export_main(argv: list[str]) -> int:
 
     def run() -> int:
         metrics = _percentile_metrics(args.percentile_metrics)
+        if args.out is not None:
+            _given_out(args.out, "a file or folder path")
         percentiles = check_percentiles(args.metric_percentiles)
         root = Path(args.run)
         folders = run_folders(root)
@@ -189,6 +191,13 @@ def _import_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _given_out(out: str, allowed: str) -> Path:
+    """`--out ""` (an unset shell variable) wrote to the default place, as if not given."""
+    if not out.strip():
+        raise InteropError(f"--out: {out!r} is invalid; allowed: {allowed} (or no --out)")
+    return Path(out)
+
+
 def _default_out(tool: str, source: Path, now: datetime) -> Path:
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", source.stem) or "result"
     return IMPORT_ROOT / f"{now.astimezone().strftime('%Y-%m-%d_%H-%M-%S')}_{tool}_{name}"
@@ -200,6 +209,7 @@ def import_main(argv: list[str]) -> int:
     def run() -> int:
         if args.format != "auto" and args.format not in FORMATS:
             raise InteropError(f"--format: {args.format!r} is invalid; allowed: auto|{ALLOWED}")
+        given_out = None if args.out is None else _given_out(args.out, "a folder path")
         runs = load(Path(args.file), args.format)
         if args.benchmark is not None:
             if not 0 <= args.benchmark < len(runs):
@@ -209,7 +219,7 @@ def import_main(argv: list[str]) -> int:
                 )
             runs = [runs[args.benchmark]]
         now = datetime.now(timezone.utc)
-        out = Path(args.out) if args.out else _default_out(runs[0].tool, runs[0].files[0], now)
+        out = given_out or _default_out(runs[0].tool, runs[0].files[0], now)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise InteropError(f"--out: {out} exists and is not an empty folder; choose another")
         targets = [out] if len(runs) == 1 else [out / f"benchmark-{k}" for k in range(len(runs))]

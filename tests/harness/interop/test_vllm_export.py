@@ -296,3 +296,15 @@ def test_out_folder_of_a_sweep_never_writes_over_a_runs_file(
     assert cli.main(["export", str(sweep), "--out", str(sweep / "0")]) == 2
     assert "--out: " in capsys.readouterr().err
     assert not (sweep / "0" / "0.json").exists()  # none written, not the first few
+
+
+def test_an_empty_out_is_an_error(
+    lab_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)  # where a file named " " was written
+    assert cli.main(["export", str(lab_run), "--out", " "]) == 2
+    assert "--out: ' ' is invalid; allowed: a file or folder path" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
