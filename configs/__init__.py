@@ -7,6 +7,7 @@ of the project's: the engines and workloads sit above it)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,22 +31,28 @@ def compose(overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> Any:
         with initialize_config_dir(version_base="1.3", config_dir=str(config_dir)):
             return hydra_compose(config_name="config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ComposeError(_reason(exc)) from exc
+        raise ComposeError(reason(exc)) from exc
 
 
-def _reason(exc: BaseException) -> str:
+def reason(exc: BaseException) -> str:
     """One line: `full_key: what is wrong` from OmegaConf's cause (an unknown key of a schema
-    with the schema's keys), else Hydra's own words."""
+    with the schema's keys; a value of the wrong type with what the schema's field allows),
+    else Hydra's own words."""
     import dataclasses
 
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     cause = exc.__cause__ or exc
     schema = getattr(cause, "object_type", None)
+    full_key = getattr(cause, "full_key", None)
     unknown = isinstance(cause, ConfigAttributeError | ConfigKeyError)
-    if unknown and dataclasses.is_dataclass(schema) and getattr(cause, "full_key", None):
+    if unknown and dataclasses.is_dataclass(schema) and full_key:
         allowed = "|".join(sorted(f.name for f in dataclasses.fields(schema)))
-        return f"{cause.full_key}: unknown key; allowed: {allowed}"  # type: ignore[attr-defined]
+        return f"{full_key}: unknown key; allowed: {allowed}"
+    if isinstance(cause, ValidationError) and dataclasses.is_dataclass(schema) and full_key:
+        wrong_type = _wrong_type(str(cause), schema, str(full_key).rsplit(".", 1)[-1])
+        if wrong_type is not None:
+            return f"{full_key}: {wrong_type}"
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     key = next(
         (line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None
@@ -58,3 +65,50 @@ def _reason(exc: BaseException) -> str:
         known = [o.strip() for o in options.split("Config search path")[0].split() if o.strip()]
         return f"{' '.join(head.split())} (allowed {group.strip()}: {'|'.join(known)})"
     return " ".join(str(exc).split())
+
+
+# OmegaConf's words for a value its node's type refuses: "Value 'abc' of type 'str' could not
+# be converted to Float", "Value 'maybe' is not a valid bool (type str)", "Invalid value 'x',
+# expected one of [A, B]", "Cannot convert 'list' to string: '[1]'"
+_REFUSED_VALUE = re.compile(
+    r"[Vv]alue '(.*?)'(?: of type '| is not a valid |, expected one of )"
+    r"|Cannot convert '\w+' to string: '(.*)'"
+)
+
+
+def _wrong_type(message: str, schema: Any, field_name: str) -> str | None:
+    """`'abc' is invalid; allowed: a number`, the project's words for a value of the wrong
+    type, from the schema's type of the field; None when the message or the type is not one
+    this knows (Hydra's own words are said then)."""
+    import typing
+
+    found = _REFUSED_VALUE.search(message)
+    try:
+        hint = typing.get_type_hints(schema).get(field_name)
+    except Exception:  # a schema whose annotations do not resolve (another package's)
+        return None
+    allowed = _allowed_values(hint)
+    if found is None or allowed is None:
+        return None
+    value = found.group(1) if found.group(1) is not None else found.group(2)
+    return f"{value!r} is invalid; allowed: {allowed}"
+
+
+def _allowed_values(hint: Any) -> str | None:
+    """What a value of type `hint` may be, in a config error's words."""
+    import enum
+    import types
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        kinds = [_allowed_values(a) for a in args if a is not type(None)]
+        if not kinds or None in kinds:
+            return None
+        either = " or ".join(typing.cast(list[str], kinds))
+        return f"null or {either}" if type(None) in args else either
+    if origin is typing.Literal:
+        return "|".join(str(a) for a in args)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "|".join(member.name for member in hint)
+    return {bool: "true|false", int: "an integer", float: "a number", str: "a string"}.get(hint)

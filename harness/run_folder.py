@@ -88,6 +88,50 @@ def is_sweep(folder: Path) -> bool:
 SCHEMA_VERSION = 1
 TABLES = ("requests", "tokens", "steps")
 
+
+#: The files a run folder (and a sweep, repeats or A/B folder above runs) writes for itself;
+#: anything else in it (an export, the user's notes) is not the run's, and may be written over.
+OWN_FILES = frozenset(
+    {
+        CONFIG_FILE,
+        PROVENANCE_FILE,
+        SUMMARY_FILE,
+        SAMPLES_FILE,
+        SERVER_METRICS_FILE,
+        AB_FILE,
+        SWEEP_TABLE_FILE,
+        SWEEP_SUMMARY_FILE,
+        KV_SPEEDUP_FILE,
+        MULTIRUN_FILE,
+    }
+    | {f"{table}.{suffix}" for table in TABLES for suffix in ("jsonl", "parquet")}
+)
+#: Folders inside a run folder that hold only the run's own files.
+OWN_DIRS = frozenset({str(OVERRIDES_FILE.parent), PROFILE_DIR})
+
+
+def _holds_own_files(folder: Path, besides: Path | None = None) -> bool:
+    """Whether `folder` holds a run's own file (other than `besides`): a run, sweep, repeats
+    or A/B folder."""
+    return (folder / OVERRIDES_FILE.parent).is_dir() or any(
+        (folder / name).exists() for name in OWN_FILES if folder / name != besides
+    )
+
+
+def run_folder_owning(path: Path) -> Path | None:
+    """The run (or sweep, repeats, A/B) folder whose own file `path` is, or None: a writer of
+    a file the user names (`inferlab export --out`) asks, so as not to replace a run's
+    summary.json or tables. A lone summary.json in a folder of nothing else is not a run's (an
+    earlier export may be named so)."""
+    path = Path(path).resolve()  # a link to a run's file is that file
+    if path.name in OWN_FILES and _holds_own_files(path.parent, besides=path):
+        return path.parent
+    for folder in path.parents:
+        if folder.name in OWN_DIRS and _holds_own_files(folder.parent):
+            return folder.parent
+    return None
+
+
 REQUEST_COLUMNS = [
     "request_id",
     "status",

@@ -24,6 +24,7 @@ from harness.interop.errors import InteropError
 from harness.interop.vllm_export import check_percentiles, run_folders, vllm_result, write_json
 from harness.interop.vllm_format import EXPORT_PERCENTILE_METRICS, PERCENTILE_METRICS
 from harness.interop.write import write_imported_run
+from harness.run_folder import run_folder_owning
 
 EXPORT_FILE = "vllm_bench_serve.json"
 IMPORT_ROOT = Path("results") / "imported"
@@ -94,23 +95,44 @@ def _percentile_metrics(text: str) -> tuple[str, ...]:
     return metrics
 
 
+def _export_file(folder: Path, root: Path, out: str | None, several: bool) -> Path:
+    if out is None:
+        return folder / EXPORT_FILE
+    if not several and folder == root:
+        return Path(out)
+    # sweep 3/repeat-0 -> OUT/3-repeat-0.json
+    name = "-".join(folder.relative_to(root).parts) or root.name
+    return Path(out) / f"{name}.json"
+
+
+def _refuse_a_run_file(out: Path) -> None:
+    """`--out RUN/summary.json` replaced the run's own summary (or a table, its config...)
+    with the export, so that the run folder could no longer be read."""
+    owner = run_folder_owning(out)
+    if owner is not None:
+        raise InteropError(
+            f"--out: {out} is a file of the run folder {owner} and would be written over; "
+            f"allowed: a file that is not one of a run folder's own ({EXPORT_FILE} is not)"
+        )
+
+
 def export_main(argv: list[str]) -> int:
     args = _export_parser().parse_args(argv)
 
     def run() -> int:
         metrics = _percentile_metrics(args.percentile_metrics)
+        if args.out is not None:
+            _given_out(args.out, "a file or folder path")
         percentiles = check_percentiles(args.metric_percentiles)
         root = Path(args.run)
         folders = run_folders(root)
+        outs = [
+            _export_file(folder, root, args.out, several=len(folders) > 1) for folder in folders
+        ]
+        for out in outs:  # before anything is written: none or all
+            _refuse_a_run_file(out)
         exported = 0
-        for folder in folders:
-            if args.out is None:
-                out = folder / EXPORT_FILE
-            elif len(folders) == 1 and folder == root:
-                out = Path(args.out)
-            else:  # sweep 3/repeat-0 -> OUT/3-repeat-0.json
-                name = "-".join(folder.relative_to(root).parts) or root.name
-                out = Path(args.out) / f"{name}.json"
+        for folder, out in zip(folders, outs, strict=True):
             try:
                 result = vllm_result(folder, metrics, percentiles, detailed=not args.summary_only)
             except InteropError as exc:
@@ -169,6 +191,13 @@ def _import_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _given_out(out: str, allowed: str) -> Path:
+    """`--out ""` (an unset shell variable) wrote to the default place, as if not given."""
+    if not out.strip():
+        raise InteropError(f"--out: {out!r} is invalid; allowed: {allowed} (or no --out)")
+    return Path(out)
+
+
 def _default_out(tool: str, source: Path, now: datetime) -> Path:
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", source.stem) or "result"
     return IMPORT_ROOT / f"{now.astimezone().strftime('%Y-%m-%d_%H-%M-%S')}_{tool}_{name}"
@@ -180,6 +209,7 @@ def import_main(argv: list[str]) -> int:
     def run() -> int:
         if args.format != "auto" and args.format not in FORMATS:
             raise InteropError(f"--format: {args.format!r} is invalid; allowed: auto|{ALLOWED}")
+        given_out = None if args.out is None else _given_out(args.out, "a folder path")
         runs = load(Path(args.file), args.format)
         if args.benchmark is not None:
             if not 0 <= args.benchmark < len(runs):
@@ -189,7 +219,7 @@ def import_main(argv: list[str]) -> int:
                 )
             runs = [runs[args.benchmark]]
         now = datetime.now(timezone.utc)
-        out = Path(args.out) if args.out else _default_out(runs[0].tool, runs[0].files[0], now)
+        out = given_out or _default_out(runs[0].tool, runs[0].files[0], now)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise InteropError(f"--out: {out} exists and is not an empty folder; choose another")
         targets = [out] if len(runs) == 1 else [out / f"benchmark-{k}" for k in range(len(runs))]

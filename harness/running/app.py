@@ -5,14 +5,17 @@ sweep root."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, before Hydra composes)
@@ -114,12 +117,24 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 
 def cli() -> None:
-    """`inferlab run`: a launcher whose plugin is not installed is one line, not Hydra's list."""
+    """`inferlab run`: a launcher whose plugin is not installed, and a config that does not
+    compose (a value of the wrong type, `run.monitor.server_interval_s=abc`; an unknown key
+    or group option), are one line naming the key, exit 2, not Hydra's multi-line report."""
     missing = missing_launcher(sys.argv[1:])
     if missing is not None:
         print(f"error: {missing}", file=sys.stderr)
         raise SystemExit(2)
-    main()
+    # Hydra prints a composition error itself and exits 1, unless HYDRA_FULL_ERROR lets it
+    # through; one set by the user keeps Hydra's full report
+    full_report = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as exc:
+        if full_report:
+            raise
+        print(f"error: {configs.reason(exc)}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

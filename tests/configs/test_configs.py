@@ -119,8 +119,22 @@ def test_every_option_field_is_overridable_and_defaults_live_once(backend: str) 
 def test_a_key_without_a_field_and_a_value_of_the_wrong_type_name_the_key() -> None:
     for override, message in [
         ("engine.no_such_option=1", "engine.no_such_option: unknown key; allowed: attention_"),
-        ("engine.max_num_seqs=many", "engine.max_num_seqs: Value 'many' of type 'str' could not"),
-        ("engine.native_kernels=maybe", "engine.native_kernels: Value 'maybe' is not a valid"),
+        (
+            "engine.max_num_seqs=many",
+            "engine.max_num_seqs: 'many' is invalid; allowed: an integer$",
+        ),
+        (
+            "engine.native_kernels=maybe",
+            "engine.native_kernels: 'maybe' is invalid; allowed: true\\|false$",
+        ),
+        (
+            "engine.num_threads=x",
+            "engine.num_threads: 'x' is invalid; allowed: null or an integer$",
+        ),
+        (
+            "workload.num_requests=1.5",
+            "workload.num_requests: '1.5' is invalid; allowed: an integer$",
+        ),
         ("model=nope", r"In 'config': Could not find 'model/nope' \(allowed 'model': hf\|"),
     ]:  # one line naming the key, not Hydra's "Error merging override ..."
         with pytest.raises(configs.ComposeError, match=f"^{message}") as error:
@@ -130,6 +144,33 @@ def test_a_key_without_a_field_and_a_value_of_the_wrong_type_name_the_key() -> N
     added = composed("+engine.no_such_option=1")  # '+' adds it; the backend refuses it
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['no_such_option'\]"):
         build_backend(added["engine"], added["model"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("run.monitor.server_interval_s=abc", "'abc' is invalid; allowed: a number"),
+        ("run.monitor.interval_s=1s", "'1s' is invalid; allowed: a number"),
+        ("run.monitor.server_metrics=maybe", "'maybe' is invalid; allowed: true|false"),
+        ("run.monitor.enabled=maybe", "'maybe' is invalid; allowed: true|false"),
+        ("run.monitor.dcgm_gpu=x", "'x' is invalid; allowed: an integer"),
+        ("run.monitor.dcgm_url=[1]", "'[1]' is invalid; allowed: null or a string"),
+        ("run.window.skip_fraction=x", "'x' is invalid; allowed: a number"),
+        ("run.slo.ttft_s=abc", "'abc' is invalid; allowed: null or a number"),
+        ("run.quality.num_prompts=many", "'many' is invalid; allowed: an integer"),
+        ("run.warmup_requests=1.5", "'1.5' is invalid; allowed: an integer"),
+        ("repeats=two", "'two' is invalid; allowed: an integer"),
+    ],
+)
+def test_a_run_value_of_the_wrong_type_is_one_line_naming_the_key(
+    override: str, message: str
+) -> None:
+    """A wrongly typed `run.monitor.*` (or other nested run section) value was Hydra's
+    multi-line "Error merging override" report, not the project's one line."""
+    key = override.split("=", 1)[0]
+    with pytest.raises(configs.ComposeError) as error:
+        composed(override)
+    assert str(error.value) == f"{key}: {message}"
 
 
 def test_arrival_is_set_whole_or_key_by_key_as_the_docs_write_it() -> None:
@@ -385,7 +426,10 @@ def test_hardware_cpu_options_live_once_in_their_dataclass() -> None:
     overrides = [f"hardware.{key}={command_line_value(value)}" for key, value in changed.items()]
     hardware = composed("hardware=cpu", *overrides)["hardware"]
     assert validate_config(hardware) == {**defaults, **changed}
-    with pytest.raises(configs.ComposeError, match=r"^hardware\.matmul_size: Value 'big'"):
+    with pytest.raises(
+        configs.ComposeError,
+        match=r"^hardware\.matmul_size: 'big' is invalid; allowed: an integer$",
+    ):
         composed("hardware=cpu", "hardware.matmul_size=big")
 
 

@@ -18,8 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engines.builtin import EngineConfig
 from engines.builtin.backend import BuiltinBackend
+from harness.measuring.server_scrape import parse_page, quantities
 from serving import ServerConfig
-from serving.metric_names import ENGINE_INDEX, METRICS, MetricSpec
+from serving.metric_names import ENGINE_INDEX, METRICS, MetricSpec, resolve
+from serving.prometheus import CollectorRegistry, Naming, Series, render
 from serving.testing import RunningServer, serve_in_thread
 
 OPTIONS: dict[str, Any] = dict(
@@ -418,3 +420,22 @@ def test_metrics_names_selects_the_names(names: tuple[str, ...]) -> None:
 
 def value_any(samples: dict[Key, float], name: str) -> float:
     return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def test_inferlabs_ttft_bounds_resolve_a_cpu_sized_ttft() -> None:
+    """inferlab_'s TTFT bounds went from 0.1 straight to 0.25 s, so server_ttft_p50_s of a CPU
+    run's TTFTs (0.1 to 0.2 s) was 0.175 s whatever they were; vLLM's own bounds stay vLLM's."""
+    [spec] = [s for s in METRICS if s.key == "ttft"]
+    bounds = resolve(spec.buckets, OPTIONS["max_model_len"])
+    for ttft in (0.12, 0.15, 0.18):  # the bucket holding it is at most 50 ms wide
+        upper = min(b for b in bounds if b >= ttft)
+        lower = max((b for b in bounds if b < ttft), default=0.0)
+        assert upper - lower <= 0.05 + 1e-9, (ttft, lower, upper)
+    registry = CollectorRegistry()
+    series = Series(registry, "histogram", spec.help, [Naming(spec.inferlab, {}, bounds)])
+    for ttft in (0.11, 0.12, 0.13):
+        series.observe(ttft)
+    scraped = quantities(parse_page(render(registry).decode()), "inferlab")["ttft"]
+    assert scraped.quantile(0.5) == pytest.approx(0.12, abs=0.01)  # 0.175 before
+    assert set(resolve(spec.vllm_buckets, 256)) >= {0.1, 0.25, 0.5, 0.75, 1.0, 2560.0}
+    assert not set(resolve(spec.vllm_buckets, 256)) & {0.15, 0.2, 0.3, 0.4, 0.6, 0.8}

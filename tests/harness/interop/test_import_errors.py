@@ -238,3 +238,17 @@ def test_short_json_encodes_only_what_it_shows() -> None:
             raise AssertionError("encoded past the part shown")
 
     assert short_json([0] * 100 + [Unprintable()]) == ("[" + "0, " * 20)[:57] + "..."
+
+
+@pytest.mark.parametrize("out", ["", "  "])
+def test_an_empty_output_folder_is_an_error_not_the_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], out: str
+) -> None:
+    """`--out ""` (an unset shell variable) wrote to results/imported/..., as without --out."""
+    monkeypatch.chdir(tmp_path)
+    source = FIXTURES / "vllm" / "detailed.json"
+    assert cli.main(["import", str(source), "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    allowed = "allowed: a folder path (or no --out)"
+    assert err == f"inferlab import: error: --out: {out!r} is invalid; {allowed}"
+    assert not (tmp_path / "results").exists()

@@ -253,3 +253,58 @@ def test_a_run_that_did_not_finish_says_so(
     assert imported["status"] == "incomplete"
     assert "inferlab_status" not in imported["unmapped"]
     assert "inferlab_status" not in export(lab_run, tmp_path / "complete.json")
+
+
+@pytest.mark.parametrize(
+    "own_file",
+    ["summary.json", "requests.parquet", "tokens.parquet", "provenance.json", "config.yaml"],
+)
+def test_out_never_writes_over_a_run_folders_own_file(
+    lab_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], own_file: str
+) -> None:
+    """`--out RUN/summary.json` replaced the run's own summary with the export, and the run
+    folder could no longer be read; now it is refused, naming --out, and nothing is written."""
+    run = tmp_path / "run"
+    shutil.copytree(lab_run, run)
+    before = (run / own_file).read_bytes()
+    assert cli.main(["export", str(run), "--out", str(run / own_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert err.startswith(f"inferlab export: error: --out: {run / own_file} is a file of the run")
+    assert (run / own_file).read_bytes() == before
+
+
+def test_out_may_write_over_an_earlier_export(lab_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(lab_run, run)
+    for out in (run / "vllm_bench_serve.json", run / "exports" / "summary.json"):
+        first = export(run, out)
+        assert export(run, out, "--summary-only") != first  # written over
+    lone = tmp_path / "elsewhere" / "summary.json"  # a folder of no run: an export's name
+    export(run, lone)
+    export(run, lone)
+
+
+def test_out_folder_of_a_sweep_never_writes_over_a_runs_file(
+    lab_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sweep exported into one of its own runs, where a job's name is a run file's."""
+    sweep = tmp_path / "sweep"
+    for job in ("0", "summary"):
+        shutil.copytree(lab_run, sweep / job)
+    (sweep / "multirun.yaml").write_text("{}\n")
+    assert cli.main(["export", str(sweep), "--out", str(sweep / "0")]) == 2
+    assert "--out: " in capsys.readouterr().err
+    assert not (sweep / "0" / "0.json").exists()  # none written, not the first few
+
+
+def test_an_empty_out_is_an_error(
+    lab_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)  # where a file named " " was written
+    assert cli.main(["export", str(lab_run), "--out", " "]) == 2
+    assert "--out: ' ' is invalid; allowed: a file or folder path" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -337,6 +337,20 @@ def test_a_bad_run_key_exits_2_before_anything_runs(tmp_path: Path) -> None:
     assert not (tmp_path / "summary.json").exists()  # nothing started
 
 
+def test_a_wrongly_typed_run_value_exits_2_in_one_line(tmp_path: Path) -> None:
+    """`inferlab run run.monitor.server_interval_s=abc` printed Hydra's multi-line merge
+    report and exited 1; now one line naming the key and the allowed values, exit 2, as a
+    bad `run` value, and nothing started."""
+    result = inferlab(
+        "run", "model=tiny", "run.monitor.server_interval_s=abc", f"hydra.run.dir={tmp_path}"
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: run.monitor.server_interval_s: 'abc' is invalid; allowed: a number"
+    )
+    assert not tmp_path.exists() or not (tmp_path / "summary.json").exists()
+
+
 def test_the_table_marks_whole_run_values() -> None:
     metrics = {"num_requests": 8, "output_tok_per_s": 120.0, "req_per_s": 2.5, "ttft_p50_s": 0.25}
     window = {
