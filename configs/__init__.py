@@ -62,7 +62,9 @@ def reason(exc: BaseException) -> str:
     if "Available options" in str(exc):  # an unknown group option: list the known ones
         head, _, rest = str(exc).partition("Available options in")
         group, _, options = rest.partition(":")
-        known = [o.strip() for o in options.split("Config search path")[0].split() if o.strip()]
+        listed = options.split("Config search path")[0].split()
+        # `<name>_schema` entries are the ConfigStore's typed schemas, not choices
+        known = [o for o in listed if not o.endswith("_schema")]
         return f"{' '.join(head.split())} (allowed {group.strip()}: {'|'.join(known)})"
     return " ".join(str(exc).split())
 

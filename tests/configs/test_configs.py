@@ -136,10 +136,11 @@ def test_a_key_without_a_field_and_a_value_of_the_wrong_type_name_the_key() -> N
             "workload.num_requests: '1.5' is invalid; allowed: an integer$",
         ),
         ("model=nope", r"In 'config': Could not find 'model/nope' \(allowed 'model': hf\|"),
+        ("engine=nope", r"In 'config': .* \(allowed 'engine': builtin\|hf\|llamacpp\|openai\)$"),
     ]:  # one line naming the key, not Hydra's "Error merging override ..."
         with pytest.raises(configs.ComposeError, match=f"^{message}") as error:
             composed(override)
-        assert "\n" not in str(error.value)
+        assert "\n" not in str(error.value) and "_schema" not in str(error.value)
     assert composed("engine.native_kernels=false")["engine"]["native_kernels"] is False
     added = composed("+engine.no_such_option=1")  # '+' adds it; the backend refuses it
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['no_such_option'\]"):
