@@ -7,6 +7,7 @@ are refused with the issue that brings them, never silently ignored.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -147,7 +148,8 @@ class EngineConfig:
         if str(self.dtype).lower() not in DTYPE_ALIASES:
             raise fail("dtype", "auto|float32|bfloat16|float16 (aliases fp32|bf16|fp16)")
         self.dtype = DTYPE_ALIASES[str(self.dtype).lower()]
-        if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
+        device = str(self.device)
+        if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device)):
             raise fail("device", "auto|cpu|cuda|cuda:N")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

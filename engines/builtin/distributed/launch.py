@@ -77,10 +77,17 @@ def rank_device(device: str, rank: int, size: int) -> str:
     process's LOCAL_RANK; spawn: the configured index plus the rank)."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return "cpu"
+    if not torch.cuda.is_available():
+        return device  # Platform.create refuses it, naming engine.device
     if "LOCAL_RANK" in os.environ and launched_rank() is not None:
         return f"cuda:{int(os.environ['LOCAL_RANK'])}"
     base = int(device.partition(":")[2] or 0)
     count = torch.cuda.device_count()
+    if base >= count:  # the device itself is missing, whatever the ranks
+        raise ConfigError(
+            f"engine.device: {device!r} is not on this machine ({count} CUDA devices); "
+            "allowed: auto|cpu|cuda|" + "|".join(f"cuda:{index}" for index in range(count))
+        )
     if base + size > count:
         raise ConfigError(
             f"engine.tensor_parallel_size: {size} ranks need {size} CUDA devices from "

@@ -132,3 +132,23 @@ def test_compiled_collectives_do_not_recompile_as_the_counters_grow(
         for _ in range(3):
             torch.testing.assert_close(compiled(x), torch.full((4,), 3.0))
     assert group.comm_calls == 3
+
+
+def test_a_missing_cuda_device_is_refused_as_engine_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # one rank asked for a GPU that is not there: the fault is engine.device, which the error
+    # used to leave out, blaming engine.tensor_parallel_size=1 ("allowed: 1..1")
+    from engines.base import ConfigError
+    from engines.builtin import LLM
+    from engines.builtin.distributed.launch import rank_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^engine\.device: 'cuda' requested but CUDA is not"):
+        LLM(model="tiny", device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"^engine\.device: 'cuda:1' is not on this machine"):
+        rank_device("cuda:1", 0, 1)
+    with pytest.raises(ConfigError, match=r"^engine\.device: 'cuda:x' is invalid"):
+        LLM(model="tiny", device="cuda:x")
