@@ -30,6 +30,10 @@ CHOICES = {
 
 #: The longest engine.tensor_parallel_timeout_s: a year (the ranks' idle wait, too).
 MAX_TIMEOUT_S = 365 * 24 * 3600
+#: The shortest: the compute group's rendezvous and every step's collectives wait on a rank
+#: that is still busy (loading, or finishing its share of a step); under a second they fail a
+#: healthy engine (under a microsecond the timedelta is 0 and the group cannot even form).
+MIN_TIMEOUT_S = 1
 
 
 @dataclass
@@ -168,10 +172,11 @@ class EngineConfig:
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
-            or not 0 < timeout <= MAX_TIMEOUT_S
+            or not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S
         ):
             raise fail(
-                "tensor_parallel_timeout_s", f"a number of seconds > 0 and <= {MAX_TIMEOUT_S}"
+                "tensor_parallel_timeout_s",
+                f"a number of seconds >= {MIN_TIMEOUT_S} and <= {MAX_TIMEOUT_S}",
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise fail("gpu_memory_utilization", "a number in (0, 1]")

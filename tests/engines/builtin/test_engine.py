@@ -182,14 +182,15 @@ def test_rejected_batch_leaves_nothing_queued(make_tiny) -> None:
         (dict(max_model_len=4096), r"max_model_len=4096 exceeds .*max_position_embeddings=1024"),
         (dict(model_overrides={"nope": 1}), r"model\.overrides: unknown field\(s\) \['nope'\]"),
         (dict(kv_cache_memory_bytes=1000), r"kv_cache_memory_bytes: a budget of 1000 bytes"),
-        # refused before any rank starts (a timedelta of inf seconds overflows in every rank)
+        # refused before any rank starts (a timedelta of inf seconds overflows in every rank;
+        # one under a second fails a healthy engine's first collectives, or its start)
         *(
             (
                 dict(tensor_parallel_size=2, tensor_parallel_timeout_s=value),
                 rf"engine\.tensor_parallel_timeout_s: {value} is invalid; allowed: a number of "
-                r"seconds > 0 and <= 31536000",
+                r"seconds >= 1 and <= 31536000",
             )
-            for value in (float("inf"), 1e15, float("nan"), 0)
+            for value in (float("inf"), 1e15, float("nan"), 0, 1e-7, 0.5)
         ),
     ],
 )
