@@ -44,7 +44,7 @@ CONTROL_TIMEOUT = timedelta(days=365)
 #: load their shards.
 STARTUP_TIMEOUT_S = 300.0
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-#: A spawned worker: this Python, the package's __main__, then RANK SIZE PORT.
+#: A spawned worker: this Python, the package's __main__, then RANK SIZE PORT PARENT_PID.
 WORKER_COMMAND = [sys.executable, "-m", "engines.builtin.distributed"]
 #: How long a failed collective's message waits for a rank's exit to be known (see
 #: Peers.describe_failure); a hung rank costs this much more before the engine fails.
@@ -144,7 +144,7 @@ def _spawn_world(size: int) -> list[subprocess.Popen[bytes]]:
     timeout = timedelta(seconds=STARTUP_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
     processes = [
-        subprocess.Popen([*WORKER_COMMAND, str(rank), str(size), str(store.port)])
+        subprocess.Popen([*WORKER_COMMAND, str(rank), str(size), str(store.port), str(os.getpid())])
         for rank in range(1, size)
     ]
     try:
