@@ -61,6 +61,17 @@ def launched_rank() -> tuple[int, int] | None:
         return None
 
 
+def check_launched_rank(rank: int, world: int) -> None:
+    """A ConfigError for a RANK outside WORLD_SIZE: that rank would wait for a world that
+    never forms until the start-up deadline, saying nothing (a stale or mistyped variable)."""
+    if not 0 <= rank < world:
+        raise ConfigError(
+            f"RANK={rank} is outside WORLD_SIZE={world} (with MASTER_ADDR and MASTER_PORT they "
+            "make this process a tensor-parallel rank started by torchrun); allowed: RANK "
+            f"0..{max(0, world - 1)} with WORLD_SIZE >= 1, or unset the four variables"
+        )
+
+
 def processes_per_host(size: int) -> int:
     """Ranks sharing this host: all of them when spawned, torchrun's LOCAL_WORLD_SIZE else."""
     if launched_rank() is not None and "LOCAL_WORLD_SIZE" in os.environ:
@@ -241,6 +252,7 @@ def start_peers(size: int, device: torch.device, timeout_s: float, engine: Any) 
     processes: list[subprocess.Popen[bytes]] = []
     if launched is not None:
         rank, world = launched
+        check_launched_rank(rank, world)
         if world != size:
             raise ConfigError(
                 f"engine.tensor_parallel_size: {size}, but torchrun started WORLD_SIZE={world} "

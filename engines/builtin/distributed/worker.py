@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from engines.builtin.distributed.group import ControlChannel, TPGroup
 from engines.builtin.distributed.launch import (
+    check_launched_rank,
     compute_backend,
     control_group,
     init_world,
@@ -92,9 +93,21 @@ def serve_if_worker_rank() -> bool:
     """In a process torchrun started as a rank other than 0: serve as a tensor-parallel worker
     until rank 0 ends (then return True: the caller exits). Elsewhere return False at once."""
     launched = launched_rank()
-    if launched is None or launched[0] == 0 or launched[1] < 2:
+    if launched is None:
         return False
-    serve(*launched)
+    rank, world = launched
+    check_launched_rank(rank, world)
+    if rank == 0 or world < 2:
+        return False
+    # it waits for rank 0, possibly long (it may not have started yet): say why
+    print(
+        f"inferlab: RANK={rank} of WORLD_SIZE={world} (torchrun's environment): a "
+        f"tensor-parallel worker of rank 0 at {os.environ['MASTER_ADDR']}:"
+        f"{os.environ['MASTER_PORT']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    serve(rank, world)
     return True
 
 

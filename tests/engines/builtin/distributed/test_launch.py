@@ -4,6 +4,7 @@ says about the ranks rank 0 spawned, and what is refused before any rank starts.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -115,3 +116,27 @@ def exited(pid: int) -> bool:
             return stat.read().rpartition(")")[2].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+@pytest.mark.parametrize("rank", ["2", "-1"])
+def test_a_rank_outside_the_world_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], rank: str
+) -> None:
+    # stale or mistyped torchrun variables: the process used to wait silently for a world
+    # that never forms, until the start-up deadline (300 s)
+    from harness import cli
+
+    for key, value in (
+        ("RANK", rank),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "1"),
+    ):
+        monkeypatch.setenv(key, value)
+    refused = rf"RANK={rank} is outside WORLD_SIZE=2 .*allowed: RANK 0\.\.1"
+    began = time.monotonic()
+    assert cli.main(["run", "model=tiny"]) == 2
+    assert re.match(rf"error: {refused}", capsys.readouterr().err)
+    with pytest.raises(ConfigError, match=refused):
+        LLM(model="tiny", tensor_parallel_size=2)
+    assert time.monotonic() - began < 10
