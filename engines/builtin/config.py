@@ -156,7 +156,9 @@ class EngineConfig:
         if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device)):
             raise fail("device", "auto|cpu|cuda|cuda:N")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            value = getattr(self, name)
+            # a bool is an int to Python: True would pass as 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise fail(name, "an integer >= 1")
         for name in (
             "max_model_len",

@@ -178,6 +178,11 @@ def test_rejected_batch_leaves_nothing_queued(make_tiny) -> None:
         (dict(dtype="int3"), r"engine\.dtype"),
         (dict(device="tpu"), r"engine\.device"),
         (dict(max_num_seqs=0), r"engine\.max_num_seqs"),
+        (dict(max_num_seqs=True), r"engine\.max_num_seqs: True is invalid; allowed: an integer"),
+        (
+            dict(tensor_parallel_size=True),
+            r"engine\.tensor_parallel_size: True is invalid; allowed: an integer >= 1",
+        ),
         (dict(max_model_len=0), r"engine\.max_model_len"),
         (dict(max_model_len=4096), r"max_model_len=4096 exceeds .*max_position_embeddings=1024"),
         (dict(model_overrides={"nope": 1}), r"model\.overrides: unknown field\(s\) \['nope'\]"),
