@@ -47,12 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command in ("run", "serve"):
+        from engines.base import ConfigError
         from engines.builtin.distributed.worker import serve_if_worker_rank
 
         # torchrun started this process as a rank other than 0 of a tensor-parallel engine:
         # it serves rank 0's engines and writes nothing of its own (docs/parallelism.md)
-        if serve_if_worker_rank():
-            return 0
+        try:
+            if serve_if_worker_rank():
+                return 0
+        except ConfigError as exc:  # torchrun's variables make no rank
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if command == "run":
         from harness.running import app
 

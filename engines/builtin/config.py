@@ -7,6 +7,7 @@ are refused with the issue that brings them, never silently ignored.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -29,6 +30,10 @@ CHOICES = {
 
 #: The longest engine.tensor_parallel_timeout_s: a year (the ranks' idle wait, too).
 MAX_TIMEOUT_S = 365 * 24 * 3600
+#: The shortest: the compute group's rendezvous and every step's collectives wait on a rank
+#: that is still busy (loading, or finishing its share of a step); under a second they fail a
+#: healthy engine (under a microsecond the timedelta is 0 and the group cannot even form).
+MIN_TIMEOUT_S = 1
 
 
 @dataclass
@@ -147,10 +152,13 @@ class EngineConfig:
         if str(self.dtype).lower() not in DTYPE_ALIASES:
             raise fail("dtype", "auto|float32|bfloat16|float16 (aliases fp32|bf16|fp16)")
         self.dtype = DTYPE_ALIASES[str(self.dtype).lower()]
-        if not (self.device in ("auto", "cpu", "cuda") or str(self.device).startswith("cuda:")):
+        device = str(self.device)
+        if not (device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device)):
             raise fail("device", "auto|cpu|cuda|cuda:N")
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            value = getattr(self, name)
+            # a bool is an int to Python: True would pass as 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise fail(name, "an integer >= 1")
         for name in (
             "max_model_len",
@@ -166,10 +174,11 @@ class EngineConfig:
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, int | float)
-            or not 0 < timeout <= MAX_TIMEOUT_S
+            or not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S
         ):
             raise fail(
-                "tensor_parallel_timeout_s", f"a number of seconds > 0 and <= {MAX_TIMEOUT_S}"
+                "tensor_parallel_timeout_s",
+                f"a number of seconds >= {MIN_TIMEOUT_S} and <= {MAX_TIMEOUT_S}",
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise fail("gpu_memory_utilization", "a number in (0, 1]")

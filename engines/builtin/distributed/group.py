@@ -54,16 +54,27 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns it."""
-        if self.group is None:
+        if self.group is None:  # checked outside the compiled-out part: one rank, no break
             return x
-        self._timed(lambda: dist.all_reduce(x, group=self.group), x, "all-reduce")
-        return x
+        return self._all_reduce(x)
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `x` [..., n] concatenated along the last dimension, on rank 0 (None
         elsewhere): the LM head's vocabulary slices, for rank 0's sampler."""
         if self.group is None:
             return x
+        return self._gather_last_dim(x)
+
+    # Both run outside torch.compile's graphs (engine.compile=true): traced, the counters
+    # (plain ints) become guards on their values, and every step would recompile the model
+    # until dynamo's limit, after which it runs eagerly.
+    @torch.compiler.disable
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self._timed(lambda: dist.all_reduce(x, group=self.group), x, "all-reduce")
+        return x
+
+    @torch.compiler.disable
+    def _gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else None
         self._timed(

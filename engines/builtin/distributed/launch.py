@@ -44,7 +44,7 @@ CONTROL_TIMEOUT = timedelta(days=365)
 #: load their shards.
 STARTUP_TIMEOUT_S = 300.0
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-#: A spawned worker: this Python, the package's __main__, then RANK SIZE PORT.
+#: A spawned worker: this Python, the package's __main__, then RANK SIZE PORT PARENT_PID.
 WORKER_COMMAND = [sys.executable, "-m", "engines.builtin.distributed"]
 #: How long a failed collective's message waits for a rank's exit to be known (see
 #: Peers.describe_failure); a hung rank costs this much more before the engine fails.
@@ -59,6 +59,17 @@ def launched_rank() -> tuple[int, int] | None:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except ValueError:
         return None
+
+
+def check_launched_rank(rank: int, world: int) -> None:
+    """A ConfigError for a RANK outside WORLD_SIZE: that rank would wait for a world that
+    never forms until the start-up deadline, saying nothing (a stale or mistyped variable)."""
+    if not 0 <= rank < world:
+        raise ConfigError(
+            f"RANK={rank} is outside WORLD_SIZE={world} (with MASTER_ADDR and MASTER_PORT they "
+            "make this process a tensor-parallel rank started by torchrun); allowed: RANK "
+            f"0..{max(0, world - 1)} with WORLD_SIZE >= 1, or unset the four variables"
+        )
 
 
 def processes_per_host(size: int) -> int:
@@ -77,10 +88,17 @@ def rank_device(device: str, rank: int, size: int) -> str:
     process's LOCAL_RANK; spawn: the configured index plus the rank)."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return "cpu"
+    if not torch.cuda.is_available():
+        return device  # Platform.create refuses it, naming engine.device
     if "LOCAL_RANK" in os.environ and launched_rank() is not None:
         return f"cuda:{int(os.environ['LOCAL_RANK'])}"
     base = int(device.partition(":")[2] or 0)
     count = torch.cuda.device_count()
+    if base >= count:  # the device itself is missing, whatever the ranks
+        raise ConfigError(
+            f"engine.device: {device!r} is not on this machine ({count} CUDA devices); "
+            "allowed: auto|cpu|cuda|" + "|".join(f"cuda:{index}" for index in range(count))
+        )
     if base + size > count:
         raise ConfigError(
             f"engine.tensor_parallel_size: {size} ranks need {size} CUDA devices from "
@@ -137,7 +155,7 @@ def _spawn_world(size: int) -> list[subprocess.Popen[bytes]]:
     timeout = timedelta(seconds=STARTUP_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
     processes = [
-        subprocess.Popen([*WORKER_COMMAND, str(rank), str(size), str(store.port)])
+        subprocess.Popen([*WORKER_COMMAND, str(rank), str(size), str(store.port), str(os.getpid())])
         for rank in range(1, size)
     ]
     try:
@@ -234,6 +252,7 @@ def start_peers(size: int, device: torch.device, timeout_s: float, engine: Any) 
     processes: list[subprocess.Popen[bytes]] = []
     if launched is not None:
         rank, world = launched
+        check_launched_rank(rank, world)
         if world != size:
             raise ConfigError(
                 f"engine.tensor_parallel_size: {size}, but torchrun started WORLD_SIZE={world} "

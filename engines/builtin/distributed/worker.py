@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from engines.builtin.distributed.group import ControlChannel, TPGroup
 from engines.builtin.distributed.launch import (
+    check_launched_rank,
     compute_backend,
     control_group,
     init_world,
@@ -46,10 +49,11 @@ class EngineMessage:
     sample_vocab_size: int
 
 
-def spawned_main(rank: int, size: int, port: int) -> None:
-    """The entry point of a worker rank 0 spawned. Ctrl-C reaches the whole process group:
-    rank 0 alone decides what it means, and ends the workers."""
+def spawned_main(rank: int, size: int, port: int, parent_pid: int) -> None:
+    """The entry point of a worker rank 0 (process `parent_pid`) spawned. Ctrl-C reaches the
+    whole process group: rank 0 alone decides what it means, and ends the workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent(parent_pid)
     try:
         store = store_client(port)
         store.set(joined_key(rank), "1")
@@ -60,13 +64,50 @@ def spawned_main(rank: int, size: int, port: int) -> None:
     os._exit(0)  # skip interpreter teardown: nothing is left to flush
 
 
+#: How often a spawned worker checks that rank 0 is still there.
+PARENT_POLL_S = 0.5
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this worker once rank 0's process is gone (this process is then re-parented).
+    Rank 0's closed connections end a collective or a wait for its next message at once, but
+    not the store client's connection attempts while starting (STARTUP_TIMEOUT_S) nor the
+    load of a shard: a rank 0 killed then (SIGKILL, the OOM killer) left its worker running
+    for minutes."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        print(
+            f"inferlab tensor-parallel worker (pid {os.getpid()}): rank 0 (pid {parent_pid}) "
+            "is gone; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    threading.Thread(target=watch, name="inferlab-rank0-watch", daemon=True).start()
+
+
 def serve_if_worker_rank() -> bool:
     """In a process torchrun started as a rank other than 0: serve as a tensor-parallel worker
     until rank 0 ends (then return True: the caller exits). Elsewhere return False at once."""
     launched = launched_rank()
-    if launched is None or launched[0] == 0 or launched[1] < 2:
+    if launched is None:
         return False
-    serve(*launched)
+    rank, world = launched
+    check_launched_rank(rank, world)
+    if rank == 0 or world < 2:
+        return False
+    # it waits for rank 0, possibly long (it may not have started yet): say why
+    print(
+        f"inferlab: RANK={rank} of WORLD_SIZE={world} (torchrun's environment): a "
+        f"tensor-parallel worker of rank 0 at {os.environ['MASTER_ADDR']}:"
+        f"{os.environ['MASTER_PORT']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    serve(rank, world)
     return True
 
 

@@ -178,18 +178,24 @@ def test_rejected_batch_leaves_nothing_queued(make_tiny) -> None:
         (dict(dtype="int3"), r"engine\.dtype"),
         (dict(device="tpu"), r"engine\.device"),
         (dict(max_num_seqs=0), r"engine\.max_num_seqs"),
+        (dict(max_num_seqs=True), r"engine\.max_num_seqs: True is invalid; allowed: an integer"),
+        (
+            dict(tensor_parallel_size=True),
+            r"engine\.tensor_parallel_size: True is invalid; allowed: an integer >= 1",
+        ),
         (dict(max_model_len=0), r"engine\.max_model_len"),
         (dict(max_model_len=4096), r"max_model_len=4096 exceeds .*max_position_embeddings=1024"),
         (dict(model_overrides={"nope": 1}), r"model\.overrides: unknown field\(s\) \['nope'\]"),
         (dict(kv_cache_memory_bytes=1000), r"kv_cache_memory_bytes: a budget of 1000 bytes"),
-        # refused before any rank starts (a timedelta of inf seconds overflows in every rank)
+        # refused before any rank starts (a timedelta of inf seconds overflows in every rank;
+        # one under a second fails a healthy engine's first collectives, or its start)
         *(
             (
                 dict(tensor_parallel_size=2, tensor_parallel_timeout_s=value),
                 rf"engine\.tensor_parallel_timeout_s: {value} is invalid; allowed: a number of "
-                r"seconds > 0 and <= 31536000",
+                r"seconds >= 1 and <= 31536000",
             )
-            for value in (float("inf"), 1e15, float("nan"), 0)
+            for value in (float("inf"), 1e15, float("nan"), 0, 1e-7, 0.5)
         ),
     ],
 )

@@ -3,8 +3,13 @@ says about the ranks rank 0 spawned, and what is refused before any rank starts.
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -14,7 +19,7 @@ import engines.builtin.engine as engine_module
 from engines.base import ConfigError
 from engines.builtin import LLM
 from engines.builtin.distributed.group import ControlChannel, TPGroup
-from engines.builtin.distributed.launch import Peers
+from engines.builtin.distributed.launch import WORKER_COMMAND, Peers
 
 
 def test_a_rank_whose_exit_lags_its_closed_connection_is_named_killed() -> None:
@@ -65,3 +70,73 @@ def test_a_failure_after_the_ranks_started_ends_them() -> None:
             speculative_config={"method": "ngram", "num_speculative_tokens": 2},
         )
     assert not dist.is_initialized()
+
+
+#: A stand-in for rank 0: spawns a worker as rank 0 does, prints its pid, then waits to be
+#: killed (argv: the worker's command, then the port of a store nobody hosts)
+RANK_ZERO = """
+import os, subprocess, sys, time
+command, port = sys.argv[1:-1], sys.argv[-1]
+worker = subprocess.Popen([*command, "1", "2", port, str(os.getpid())])
+print(worker.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_whose_rank_0_is_killed_while_it_starts_exits() -> None:
+    # rank 0 killed before its worker reached the store: the worker used to retry connecting
+    # for the start-up deadline (300 s), outliving the run
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    rank_zero = subprocess.Popen(
+        [sys.executable, "-c", RANK_ZERO, *WORKER_COMMAND, str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert rank_zero.stdout is not None
+    worker = int(rank_zero.stdout.readline())
+    try:
+        rank_zero.kill()
+        rank_zero.wait()
+        deadline = time.monotonic() + 20  # the worker imports torch first
+        while not exited(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert exited(worker), "the worker outlived its rank 0"
+    finally:
+        if not exited(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def exited(pid: int) -> bool:
+    """Gone, or a zombie its new parent (init, a subreaper) has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("rank", ["2", "-1"])
+def test_a_rank_outside_the_world_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], rank: str
+) -> None:
+    # stale or mistyped torchrun variables: the process used to wait silently for a world
+    # that never forms, until the start-up deadline (300 s)
+    from harness import cli
+
+    for key, value in (
+        ("RANK", rank),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "1"),
+    ):
+        monkeypatch.setenv(key, value)
+    refused = rf"RANK={rank} is outside WORLD_SIZE=2 .*allowed: RANK 0\.\.1"
+    began = time.monotonic()
+    assert cli.main(["run", "model=tiny"]) == 2
+    assert re.match(rf"error: {refused}", capsys.readouterr().err)
+    with pytest.raises(ConfigError, match=refused):
+        LLM(model="tiny", tensor_parallel_size=2)
+    assert time.monotonic() - began < 10

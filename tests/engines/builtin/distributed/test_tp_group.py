@@ -105,3 +105,50 @@ def test_more_ranks_than_cuda_devices_is_refused_by_name(monkeypatch: pytest.Mon
     with pytest.raises(ConfigError, match=r"engine\.tensor_parallel_size: 2 ranks need 2 CUDA"):
         rank_device("cuda", 0, 2)
     assert rank_device("cpu", 1, 2) == "cpu"
+
+
+class AllReduced(torch.nn.Module):
+    """A row-parallel layer's shape of call: the group held by the module, as in the model."""
+
+    def __init__(self, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(x * 2.0) + 1.0
+
+
+@pytest.mark.parametrize("measure", [True, False])
+@pytest.mark.parametrize("world_of_one", BACKENDS[:1], indirect=True)
+def test_compiled_collectives_do_not_recompile_as_the_counters_grow(
+    world_of_one, measure: bool
+) -> None:
+    # engine.compile=true: dynamo used to trace into the counters (plain ints on a module's
+    # attribute), guard on their values and recompile every step until its limit
+    group = TPGroup(0, 1, world_of_one, measure=measure)
+    compiled = torch.compile(AllReduced(group), backend="eager", dynamic=True)
+    x = torch.ones(4)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), torch.full((4,), 3.0))
+    assert group.comm_calls == 3
+
+
+def test_a_missing_cuda_device_is_refused_as_engine_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # one rank asked for a GPU that is not there: the fault is engine.device, which the error
+    # used to leave out, blaming engine.tensor_parallel_size=1 ("allowed: 1..1")
+    from engines.base import ConfigError
+    from engines.builtin import LLM
+    from engines.builtin.distributed.launch import rank_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^engine\.device: 'cuda' requested but CUDA is not"):
+        LLM(model="tiny", device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"^engine\.device: 'cuda:1' is not on this machine"):
+        rank_device("cuda:1", 0, 1)
+    with pytest.raises(ConfigError, match=r"^engine\.device: 'cuda:x' is invalid"):
+        LLM(model="tiny", device="cuda:x")
