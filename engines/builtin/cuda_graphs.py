@@ -231,4 +231,5 @@ def compile_model(runner: ModelRunner) -> None:
         layer.attn.backend = _EagerAttention(layer.attn.backend)
     for cache in runner.kv_caches:
         cache.write = torch.compiler.disable(cache.write)  # type: ignore[method-assign]
+    runner.model.tp.keep_out_of_compiled_graphs()
     runner.model.forward = torch.compile(runner.model.forward, dynamic=True)  # type: ignore[method-assign]

@@ -65,15 +65,19 @@ class TPGroup:
             return x
         return self._gather_last_dim(x)
 
-    # Both run outside torch.compile's graphs (engine.compile=true): traced, the counters
-    # (plain ints) become guards on their values, and every step would recompile the model
-    # until dynamo's limit, after which it runs eagerly.
-    @torch.compiler.disable
+    def keep_out_of_compiled_graphs(self) -> None:
+        """Run the collectives outside torch.compile's graphs (engine.compile=true): traced,
+        the counters (plain ints) become guards on their values, and every step would
+        recompile the model until dynamo's limit, after which it runs eagerly. Wrapped here,
+        not by decorators: torch.compiler.disable imports torch._dynamo (a second or more),
+        which every process importing the engine would pay, compiled or not."""
+        self._all_reduce = torch.compiler.disable(self._all_reduce)  # type: ignore[method-assign]
+        self._gather_last_dim = torch.compiler.disable(self._gather_last_dim)  # type: ignore[method-assign]
+
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self._timed(lambda: dist.all_reduce(x, group=self.group), x, "all-reduce")
         return x
 
-    @torch.compiler.disable
     def _gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else None

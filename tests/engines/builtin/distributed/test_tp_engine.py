@@ -231,6 +231,26 @@ def test_a_worker_that_dies_or_hangs_fails_the_engine_within_the_timeout(how: st
     assert worker.poll() is not None
 
 
+def test_compiled_ranks_give_the_tokens_of_one_without_recompiling(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # engine.compile=true: the collectives ran inside the compiled graphs, where dynamo guarded
+    # on TPGroup's counters (plain ints) and recompiled the forward every step until its limit
+    # (8), then ran it eagerly, on the worker rank
+    prompts = ["hello world this is", "a", "the quick brown fox jumps over"]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    plain = LLM(model="tiny", num_threads=1)
+    expected = [o.token_ids for o in plain.generate(prompts, greedy)]
+    plain.engine.close()
+    llm = LLM(model="tiny", tensor_parallel_size=2, num_threads=1, compile=True)
+    try:
+        for _ in range(2):
+            assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+    finally:
+        llm.engine.close()
+    assert "recompile_limit" not in capfd.readouterr().err
+
+
 def test_closing_the_engine_ends_its_workers() -> None:
     llm = LLM(model="tiny", tensor_parallel_size=2, num_threads=1)
     (worker,) = worker_processes(llm)

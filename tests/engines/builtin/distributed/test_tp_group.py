@@ -107,33 +107,6 @@ def test_more_ranks_than_cuda_devices_is_refused_by_name(monkeypatch: pytest.Mon
     assert rank_device("cpu", 1, 2) == "cpu"
 
 
-class AllReduced(torch.nn.Module):
-    """A row-parallel layer's shape of call: the group held by the module, as in the model."""
-
-    def __init__(self, tp: TPGroup) -> None:
-        super().__init__()
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(x * 2.0) + 1.0
-
-
-@pytest.mark.parametrize("measure", [True, False])
-@pytest.mark.parametrize("world_of_one", BACKENDS[:1], indirect=True)
-def test_compiled_collectives_do_not_recompile_as_the_counters_grow(
-    world_of_one, measure: bool
-) -> None:
-    # engine.compile=true: dynamo used to trace into the counters (plain ints on a module's
-    # attribute), guard on their values and recompile every step until its limit
-    group = TPGroup(0, 1, world_of_one, measure=measure)
-    compiled = torch.compile(AllReduced(group), backend="eager", dynamic=True)
-    x = torch.ones(4)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for _ in range(3):
-            torch.testing.assert_close(compiled(x), torch.full((4,), 3.0))
-    assert group.comm_calls == 3
-
-
 def test_a_missing_cuda_device_is_refused_as_engine_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
