@@ -116,6 +116,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return _run(cfg)  # a sweep job's return value reaches the sweeper
 
 
+#: The user's HYDRA_FULL_ERROR, for the processes a run starts (cli() sets its own).
+USER_HYDRA_FULL_ERROR = "INFERLAB_USER_HYDRA_FULL_ERROR"
+
+
 def cli() -> None:
     """`inferlab run`: a launcher whose plugin is not installed, and a config that does not
     compose (a value of the wrong type, `run.monitor.server_interval_s=abc`; an unknown key
@@ -125,16 +129,25 @@ def cli() -> None:
         print(f"error: {missing}", file=sys.stderr)
         raise SystemExit(2)
     # Hydra prints a composition error itself and exits 1, unless HYDRA_FULL_ERROR lets it
-    # through; one set by the user keeps Hydra's full report
-    full_report = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    # through; one set by the user keeps Hydra's full report. The user's setting travels to
+    # the processes this run starts (repeats, launched jobs), which see ours in
+    # HYDRA_FULL_ERROR, and ours is undone after, for callers in this process (tests).
+    saved = {key: os.environ.get(key) for key in ("HYDRA_FULL_ERROR", USER_HYDRA_FULL_ERROR)}
+    user_setting = os.environ.setdefault(USER_HYDRA_FULL_ERROR, saved["HYDRA_FULL_ERROR"] or "")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()
     except (HydraException, OmegaConfBaseException) as exc:
-        if full_report:
+        if user_setting == "1":
             raise
         print(f"error: {configs.reason(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 if __name__ == "__main__":

@@ -351,6 +351,31 @@ def test_a_wrongly_typed_run_value_exits_2_in_one_line(tmp_path: Path) -> None:
     assert not tmp_path.exists() or not (tmp_path / "summary.json").exists()
 
 
+def test_inferlab_run_in_process_leaves_hydras_error_setting_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `inferlab run` lets Hydra's errors through (HYDRA_FULL_ERROR=1) to say them in one
+    # line; left set in a caller's process, every later `inferlab run` it started took it for
+    # the user's and printed Hydra's whole report (exit 1): seen in the test suite
+    from harness import cli
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.delenv("INFERLAB_USER_HYDRA_FULL_ERROR", raising=False)
+    before = dict(os.environ)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["run", "model=tiny", "run.monitor.dcgm_gpu=x", f"hydra.run.dir={tmp_path}"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: run.monitor.dcgm_gpu: 'x' is invalid; allowed: an integer"
+    )
+    assert dict(os.environ) == before
+    # the user's own HYDRA_FULL_ERROR=1 keeps Hydra's full report
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(Exception, match=r"Error merging override run\.monitor\.dcgm_gpu=x"):
+        cli.main(["run", "model=tiny", "run.monitor.dcgm_gpu=x", f"hydra.run.dir={tmp_path}"])
+    assert os.environ["HYDRA_FULL_ERROR"] == "1"
+
+
 def test_the_table_marks_whole_run_values() -> None:
     metrics = {"num_requests": 8, "output_tok_per_s": 120.0, "req_per_s": 2.5, "ttft_p50_s": 0.25}
     window = {
