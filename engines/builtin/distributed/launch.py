@@ -124,14 +124,23 @@ def init_world(rank: int, size: int, store: Any = None) -> None:
     """Join the world (`store`: the spawning rank 0's; None: torchrun's environment)."""
     global _CONTROL_GROUP
     if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo",
-            init_method=None if store is not None else "env://",
-            store=store,
-            rank=rank,
-            world_size=size,
-            timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
-        )
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=None if store is not None else "env://",
+                store=store,
+                rank=rank,
+                world_size=size,
+                timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+            )
+        except dist.DistNetworkError as exc:
+            if store is None and rank == 0 and "EADDRINUSE" in str(exc):
+                raise ConfigError(
+                    f"MASTER_PORT={os.environ.get('MASTER_PORT')}: the port is in use on "
+                    "this host, and rank 0 (this process) serves the ranks' store on it; "
+                    "allowed: a free port (torchrun --master-port)"
+                ) from None
+            raise
         _CONTROL_GROUP = None
     control_group()
 

@@ -140,3 +140,19 @@ def test_a_rank_outside_the_world_is_refused_by_name(
     with pytest.raises(ConfigError, match=refused):
         LLM(model="tiny", tensor_parallel_size=2)
     assert time.monotonic() - began < 10
+
+
+def test_a_master_port_in_use_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun's rank 0 serves the store on MASTER_PORT: one in use was a DistNetworkError
+    # (EADDRINUSE) that never named the variable
+    from engines.builtin.distributed.launch import init_world
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+            monkeypatch.setenv(key, value)
+        with pytest.raises(ConfigError, match=rf"^MASTER_PORT={port}: the port is in use"):
+            init_world(0, 2)
+    assert not dist.is_initialized()
