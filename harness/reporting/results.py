@@ -150,7 +150,11 @@ def _find_run_dirs(root: Path) -> tuple[list[Path], list[Path]]:
     )
     if (root / SUMMARY_FILE).is_file() and root not in found:
         found.insert(0, root)
-    parents = {d for d in found if any(o != d and d in o.parents for o in found)}
+    # a folder is a parent when it is an ancestor of another found folder: collected by
+    # walking each folder's ancestors (linear in the folders, so a sweep of thousands of jobs
+    # does not take minutes as comparing every pair did)
+    found_set = set(found)
+    parents = {a for d in found for a in d.parents if a in found_set}
     return [d for d in found if d not in parents], sorted(parents, key=_natural)
 
 

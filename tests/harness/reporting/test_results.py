@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -213,3 +214,19 @@ def test_newest_finds_the_latest_result_folder(tmp_path: Path, sweep: Path) -> N
     assert newest(tmp_path / "results") == sweep_copy
     os.utime(run, (3e9, 3e9))
     assert newest(tmp_path / "results") == run
+
+
+def test_thousands_of_run_folders_are_found_in_linear_time(tmp_path: Path) -> None:
+    # finding which run folders hold others compared every pair: 3000 jobs took minutes
+    from harness.reporting.results import _find_run_dirs
+
+    for job in range(3000):
+        (tmp_path / str(job)).mkdir()
+        (tmp_path / str(job) / "summary.json").write_text("{}")
+    (tmp_path / "7" / "repeat-0").mkdir()
+    (tmp_path / "7" / "repeat-0" / "summary.json").write_text("{}")
+    started = time.perf_counter()
+    leaves, parents = _find_run_dirs(tmp_path)
+    assert time.perf_counter() - started < 5
+    assert len(leaves) == 3000 and parents == [tmp_path / "7"]
+    assert tmp_path / "7" / "repeat-0" in leaves and tmp_path / "7" not in leaves
