@@ -31,12 +31,14 @@ from harness.run_folder import (
     COLUMNS,
     REPEAT_DIR,
     SUMMARY_FILE,
+    UnreadableFile,
     is_sweep,
     is_sweep_job,
+    json_kind,
     read_config,
+    read_json_object,
     read_jsonl,
     read_provenance,
-    read_summary,
     read_sweep_overrides,
     table_path,
 )
@@ -113,6 +115,29 @@ def newest(root: str | Path = "results") -> Path | None:
     return max(with_runs, key=lambda d: d.stat().st_mtime) if with_runs else None
 
 
+# summary.json fields the loader and the report read as objects
+SUMMARY_OBJECTS = ("metrics", "window", "engine", "hardware", "metrics_spread")
+
+
+def _read_usable_summary(folder: Path) -> tuple[dict[str, Any], str | None]:
+    """(summary.json, None), or ({}, why it cannot be used) for a summary that is damaged or
+    not what the harness writes, so that the run is reported as unreadable (naming the file)
+    while every other run is still reported."""
+    path = folder / SUMMARY_FILE
+    try:
+        summary = read_json_object(path)
+    except UnreadableFile as exc:
+        return {}, str(exc)
+    status = summary.get("status")
+    if status is not None and not isinstance(status, str):
+        return {}, f"{path}: `status` must be a string such as 'complete', got {json_kind(status)}"
+    for key in SUMMARY_OBJECTS:
+        value = summary.get(key)
+        if value is not None and not isinstance(value, dict):
+            return {}, f"{path}: `{key}` must be an object, got {json_kind(value)}"
+    return summary, None
+
+
 @dataclass
 class _Run:
     """One leaf run folder (the one holding tables) and where it sits."""
@@ -122,6 +147,7 @@ class _Run:
     summary: dict[str, Any]
     group_dir: Path  # the folder whose runs are repeats of one variant
     variant_key: str
+    summary_error: str | None = None  # why summary.json cannot be used, naming it
     sweep: str | None = None
     job: Any = None
     repeat: int | None = None
@@ -160,7 +186,7 @@ def _find_run_dirs(root: Path) -> tuple[list[Path], list[Path]]:
 
 def _describe(leaf: Path, base: Path) -> _Run:
     """Where `leaf` sits; its run_id is its path from `base` (the loaded folders' parent)."""
-    summary = read_summary(leaf) or {}
+    summary, summary_error = _read_usable_summary(leaf)
     group, repeat = leaf, None
     if match := REPEAT_DIR.match(leaf.name):
         group, repeat = leaf.parent, int(match.group(1))
@@ -171,6 +197,7 @@ def _describe(leaf: Path, base: Path) -> _Run:
         summary=summary,
         group_dir=group,
         variant_key=group.as_posix(),
+        summary_error=summary_error,
         repeat=repeat,
     )
     if match := AB_ROUND_DIR.match(group.name):
@@ -240,8 +267,8 @@ class Results:
                 "arm": run.arm,
                 "variant_key": run.variant_key,
                 **{k: run.overrides.get(k) for k in override_keys},
-                "status": summary.get("status", "missing"),
-                "error": summary.get("error"),
+                "status": "unreadable" if run.summary_error else summary.get("status", "missing"),
+                "error": run.summary_error or summary.get("error"),
             }
             row.update(summary.get("metrics") or {})
             rows.append(row)
@@ -353,8 +380,13 @@ class Results:
             written = (self._aggregates.get(key) or {}).get("metrics_spread") or {}
             if written:
                 for metric, stats in written.items():
+                    if not isinstance(stats, dict):  # hand-edited: not a spread to show
+                        continue
                     # a repeat without this metric holds null: it is not a sample
-                    values = [v for v in stats.get("values") or [] if v is not None]
+                    values = stats.get("values")
+                    values = (
+                        [v for v in values if v is not None] if isinstance(values, list) else []
+                    )
                     rows.append(
                         {
                             "variant": variant,
@@ -535,7 +567,9 @@ def load(*paths: str | Path) -> Results:
         if not leaves:
             raise FileNotFoundError(f"load: no run folder (summary.json) under {given}")
         for parent in parents:
-            aggregates[parent.as_posix()] = read_summary(parent) or {}
+            aggregate, problem = _read_usable_summary(parent)
+            if problem is None:  # else the variant's figures come from its runs
+                aggregates[parent.as_posix()] = aggregate
         for leaf in leaves:
             if leaf not in seen:
                 seen.add(leaf)

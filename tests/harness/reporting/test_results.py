@@ -230,3 +230,30 @@ def test_thousands_of_run_folders_are_found_in_linear_time(tmp_path: Path) -> No
     assert time.perf_counter() - started < 5
     assert len(leaves) == 3000 and parents == [tmp_path / "7"]
     assert tmp_path / "7" / "repeat-0" in leaves and tmp_path / "7" not in leaves
+
+
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        ("", "empty file"),
+        ('{"status": "compl', "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"status": "complete", "metrics": [1, 2]}', "`metrics` must be an object"),
+        ('{"status": "complete", "window": "x"}', "`window` must be an object"),
+        ('{"status": 5}', "`status` must be a string"),
+    ],
+)
+def test_a_damaged_summary_is_reported_as_unreadable_beside_the_others(
+    sweep: Path, tmp_path: Path, damage: str, why: str
+) -> None:
+    # a summary.json with the wrong types crashed the loader (a traceback for the whole
+    # sweep), and an unparseable one showed as status 'missing' with no word on why
+    copy = tmp_path / "sweep"
+    shutil.copytree(sweep, copy)
+    (copy / "1" / "summary.json").write_text(damage)
+    res = load(copy)
+    runs = res.runs.set_index("job")
+    assert runs.loc[1, "status"] == "unreadable"
+    assert str(copy / "1" / "summary.json") in runs.loc[1, "error"] and why in runs.loc[1, "error"]
+    assert runs.loc[0, "status"] == "complete" and runs.loc[0, "ttft_p50_s"] > 0
+    assert len(res.variants) == 2 and len(res.requests)
