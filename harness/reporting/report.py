@@ -772,6 +772,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"inferlab report: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # --out is a file, or a folder that cannot be written (or is full)
+        where = exc.filename or out
+        print(
+            f"inferlab report: --out {out}: cannot write {where}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
     print(f"report: {written['markdown']}, {written['html']} ({len(written) - 3} figure(s))")
     return 0
 

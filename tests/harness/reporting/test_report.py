@@ -394,3 +394,19 @@ def test_a_speculating_variant_pairs_only_with_the_same_engine_without_it(
     fp32 = variants[[v for v in variants.index if "fp32" in v]].item()
     assert row["speculation"] == "ngram k=2 lookup 4..1"
     assert row["baseline_tok_per_s"] == fp32
+
+
+def test_an_out_that_cannot_be_written_is_named(
+    tmp_path: Path, sweep: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --out naming a file (or a folder that cannot be written) ended in a Python traceback
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for out in (a_file, a_file / "report"):
+        assert cli.main(["report", str(sweep), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert (
+            err.startswith(f"inferlab report: --out {out}: cannot write") and "Traceback" not in err
+        )
+        assert len(err.strip().splitlines()) == 1
+    assert a_file.read_text() == "mine"
