@@ -353,9 +353,11 @@ def read_jsonl(path: Path, columns: list[str]) -> pd.DataFrame:
                 if not line:
                     continue
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError:
                     break  # a torn last line of a killed run
+                if isinstance(row, dict):  # a line that is not a row (hand-edited) is skipped
+                    rows.append(row)
     frame = pd.DataFrame(rows)
     for column in columns:
         if column not in frame:

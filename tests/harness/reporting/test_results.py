@@ -257,3 +257,16 @@ def test_a_damaged_summary_is_reported_as_unreadable_beside_the_others(
     assert str(copy / "1" / "summary.json") in runs.loc[1, "error"] and why in runs.loc[1, "error"]
     assert runs.loc[0, "status"] == "complete" and runs.loc[0, "ttft_p50_s"] > 0
     assert len(res.variants) == 2 and len(res.requests)
+
+
+def test_jsonl_lines_that_are_not_rows_are_skipped(sweep: Path, tmp_path: Path) -> None:
+    # a JSONL line holding a list, a string or a number made pandas raise (a traceback)
+    copy = tmp_path / "run"
+    shutil.copytree(sweep / "0", copy)
+    for table in TABLES:
+        (copy / f"{table}.parquet").unlink()
+        kept = (copy / f"{table}.jsonl").read_text()
+        (copy / f"{table}.jsonl").write_text('[1, 2]\n"text"\n5\nnull\n' + kept)
+    res = load(copy)
+    assert len(res.requests) == res.runs.loc[0, "num_requests"]
+    assert len(res.tokens) and len(res.steps)
