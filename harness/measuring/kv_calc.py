@@ -83,6 +83,15 @@ def kv_calc(
     if name == "auto":
         name = "bfloat16"  # what the engine uses on a GPU for dtype=auto
     element = DTYPE_BYTES[name]
+    # checked here, not left to context_len's check: a bad max_model_len (0 or negative) was
+    # silently replaced, or reported as a bad context_len the user never gave
+    if max_model_len is not None and (
+        isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1
+    ):
+        raise ValueError(
+            f"engine.max_model_len: {max_model_len!r} is invalid; allowed: an integer >= 1 "
+            "(or null: the model's max_position_embeddings)"
+        )
     max_len = max_model_len or cfg.max_position_embeddings
     context = max_len if context_len is None else context_len
     if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= max_len:

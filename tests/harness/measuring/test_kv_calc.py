@@ -223,6 +223,8 @@ def test_cli_table_one_row_per_size(capsys: pytest.CaptureFixture[str]) -> None:
         (["model=small", "context_len=0"], r"context_len: '0' is invalid"),
         (["model=small", "context_len=4096"], r"context_len: 4096 is invalid; .*\[1, 2048\]"),
         (["model=small", "device_memory_gib=-1"], r"device_memory_gib: '-1' is invalid"),
+        (["model=small", "engine.max_model_len=-1"], r"engine\.max_model_len: -1 is invalid"),
+        (["model=small", "engine.max_model_len=0"], r"engine\.max_model_len: 0 is invalid"),
         (["model=small", "hardware=tpu"], r"Could not find 'hardware/tpu'"),
         (["model=small", "hardware=h100,tpu"], r"Could not find 'hardware/tpu'"),
     ],
