@@ -217,6 +217,12 @@ class LlamaCppRunner:
     def free_seq(self, seq_id: int) -> None:
         self.lib.llama_memory_seq_rm(self.memory, seq_id, -1, -1)
 
+    def move_seq(self, src: int, dst: int) -> None:
+        """Sequence `src`'s KV cells become free sequence `dst`'s; with one stream per
+        sequence llama.cpp copies the stream's buffer at the next decode."""
+        self.lib.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        self.lib.llama_memory_seq_rm(self.memory, src, -1, -1)
+
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.memory, True)
 
