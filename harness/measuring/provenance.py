@@ -41,6 +41,22 @@ def _git(*args: str) -> str | None:
         return None
 
 
+#: The instruction-set extensions that decide which CPU kernels run (the lab's and llama.cpp's).
+ISA_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512bw",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_bf16",
+    "amx_int8",
+    "amx_tile",
+    "fma",
+    "f16c",
+)
+
+
 def _cpu() -> dict[str, Any]:
     info: dict[str, Any] = {"machine": platform.machine(), "logical_cpus": os.cpu_count()}
     try:
@@ -53,18 +69,7 @@ def _cpu() -> dict[str, Any]:
         if key == "model name" and "model" not in info:
             info["model"] = value.strip()
         elif key == "flags" and "flags" not in info:
-            # The instruction-set extensions that decide which CPU kernels run.
-            wanted = (
-                "avx2",
-                "avx512f",
-                "avx512_bf16",
-                "avx512_vnni",
-                "amx_bf16",
-                "amx_int8",
-                "fma",
-                "f16c",
-            )
-            info["flags"] = [f for f in value.split() if f in wanted]
+            info["flags"] = [f for f in value.split() if f in ISA_FLAGS]
     return info
 
 
@@ -87,6 +92,34 @@ def _gpu() -> dict[str, Any] | None:
     except Exception:
         pass
     return gpu
+
+
+def _compiler_version(cc: str | None) -> str | None:
+    if cc is None:
+        return None
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next(iter((out.stdout or out.stderr).splitlines()), None)
+
+
+def isa() -> dict[str, Any]:
+    """How each side of a CPU comparison was compiled: the lab's C kernels (-march=native on
+    this CPU) and, where `make setup-peer` built it, llama.cpp (engines/llamacpp/peer_build.py;
+    an engine=llamacpp run's engine.system_info says what that build uses)."""
+    from engines.builtin.native import cache
+    from engines.llamacpp.peer_build import build_record
+
+    cc = cache.compiler()
+    lab = {"compiler": _compiler_version(cc), "flags": list(cache.FLAGS)}
+    peer = build_record()
+    if peer is not None:
+        peer = {
+            **{k: peer.get(k) for k in ("version", "isa", "cmake_args", "compiler")},
+            "cpu_flags": [f for f in peer.get("cpu_flags") or [] if f in ISA_FLAGS],
+        }
+    return {"lab_kernels": lab, "llama_cpp": peer}
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -130,6 +163,7 @@ def collect(config: dict[str, Any]) -> dict[str, Any]:
         "torch_num_threads": torch.get_num_threads(),
         "threads": threads(),  # as at collection; record_threads() updates it after load
         "gpu": _gpu(),
+        "isa": isa(),
         "hostname_hash": hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12],
         "os": platform.platform(),
         "config_hash": config_hash(config),
