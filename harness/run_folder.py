@@ -506,3 +506,23 @@ def read_sweep_overrides(job: Path) -> dict[str, Any] | None:
     """A sweep job's overrides as {key: value}, or None when it has no readable overrides."""
     overrides = _lenient(read_overrides, job)
     return None if overrides is None else override_values(overrides)
+
+
+def runs_written_in(folder: Path, sweep: bool = False) -> list[str]:
+    """What in `folder` a run (or, with `sweep`, a sweep) started into it would write over:
+    the own files and folders of a run, sweep, repeats or A/B folder already there, and the
+    subfolders that hold runs where the new one would write them (its repeat-<k>/, or a
+    sweep's jobs). Empty when the folder is new, empty, or holds nothing of a run's (an
+    export, the user's notes)."""
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:  # absent, or not a folder: nothing of a run's is in it
+        return []
+
+    def is_runs(entry: Path) -> bool:
+        if entry.name in OWN_FILES | OWN_DIRS:
+            return True
+        below = sweep or REPEAT_DIR.match(entry.name) is not None
+        return below and entry.is_dir() and _holds_own_files(entry)
+
+    return [entry.name for entry in entries if is_runs(entry)]

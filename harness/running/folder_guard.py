@@ -1,0 +1,70 @@
+"""Before Hydra writes anything: a run or sweep folder that already holds a run, or that cannot
+be written, is one line and exit code 2.
+
+Hydra writes .hydra/ into `hydra.run.dir` (and the run then its config.yaml, summary.json and
+tables) whatever is there, so a run started again into a finished run's folder replaced it
+without a word, and a sweep run again into its own folder re-ran and rewrote every job. The
+rule (docs/run_folder.md): a folder that holds a run is written into only with
+`run.resume=true`, which keeps what is complete and runs the rest again. Hydra's callbacks
+turn an exception into a warning; SystemExit is not an Exception, so it stops the command.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from harness.run_folder import read_summary, runs_written_in
+
+SHOWN_NAMES = 5
+
+
+def folder_problem(folder: Path, key: str, sweep: bool, resume: bool) -> str | None:
+    """Why a run (`sweep`: a sweep) may not be written into `folder`, the value of config
+    key `key`, or None: it is a file, it holds a run and `resume` is off, or it cannot be
+    made or written. A folder that can be is made."""
+    if folder.exists() and not folder.is_dir():
+        return f"{key}: {folder} exists and is not a folder; allowed: a folder that holds no run"
+    written = [] if resume else runs_written_in(folder, sweep)
+    if written:
+        names = ", ".join(written[:SHOWN_NAMES])
+        if len(written) > SHOWN_NAMES:
+            names += f" and {len(written) - SHOWN_NAMES} more"
+        status = (read_summary(folder) or {}).get("status")
+        what = ("a sweep" if sweep else "a run") + (f" ({status})" if status else "")
+        return (
+            f"{key}: {folder} already holds {what}: {names}; nothing was written. Add "
+            "run.resume=true to keep what is complete and run the rest again, or choose a "
+            f"new folder ({key}=NEW, or leave {key} out for a new dated one)"
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return f"{key}: {folder} cannot be written: {exc.strerror or exc}"
+    return None
+
+
+def _refuse_unwritable(config: DictConfig, key: str, sweep: bool) -> None:
+    folder = Path(str(OmegaConf.select(config, key)))
+    resume = OmegaConf.select(config, "run.resume", default=False) is True
+    problem = folder_problem(folder, key, sweep, resume)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+class RunFolderGuard(Callback):
+    """Hydra callback (config.yaml): checks the run or sweep folder before Hydra writes it."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _refuse_unwritable(config, "hydra.run.dir", sweep=False)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _refuse_unwritable(config, "hydra.sweep.dir", sweep=True)
