@@ -53,7 +53,7 @@ MULTIRUN_FILE = "multirun.yaml"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 #: Overrides that say how to run, not what: no column in sweep.csv, ignored by resume, by the
 #: report's variants and by the gate's matching of sweep jobs (a resumed job is the same job).
-HOW_TO_RUN_KEYS = frozenset({"run.resume", "run.progress"})
+HOW_TO_RUN_KEYS = frozenset({"run.resume", "run.progress", "run.allow_failed_jobs"})
 REPEAT_DIR = re.compile(r"^repeat-(\d+)$")
 AB_ROUND_DIR = re.compile(r"^round-(\d+)-([ab])$")
 

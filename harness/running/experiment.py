@@ -158,7 +158,11 @@ class RunConfig:
     error that names it and the allowed values, before anything is loaded or written."""
 
     name: str = "default"  # the run folder's name ends with it
-    resume: bool = False  # skip a run (or sweep job) whose folder already holds a complete run
+    # skip a run (or sweep job) whose folder already holds a complete run, and run the others
+    # again; without it a folder that holds a run is refused (harness/running/folder_guard.py)
+    resume: bool = False
+    # a sweep with a failed job exits 1 (so CI notices) unless this is true
+    allow_failed_jobs: bool = False
     warmup_requests: int = 0  # run first, left out of every metric (config.yaml sets 2)
     # phase lines on stderr (loading, warm-up, running), then a bar on a terminal or, without
     # one (make, CI logs), a line every 5 s; False: silent until the summary
@@ -185,6 +189,9 @@ class RunConfig:
         return cls(
             name=str(name),
             resume=_flag("run.resume", given.get("resume", defaults.resume)),
+            allow_failed_jobs=_flag(
+                "run.allow_failed_jobs", given.get("allow_failed_jobs", defaults.allow_failed_jobs)
+            ),
             warmup_requests=_integer(
                 "run.warmup_requests", given.get("warmup_requests", defaults.warmup_requests), 0
             ),

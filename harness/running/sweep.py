@@ -4,13 +4,15 @@ configuration is skipped, every other one (incomplete, failed, missing) runs aga
 
 from __future__ import annotations
 
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import yaml
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from harness.run_folder import (
     HOW_TO_RUN_KEYS,
@@ -189,11 +191,45 @@ def write_sweep_csv(sweep_dir: str | Path) -> pd.DataFrame:
     return frame
 
 
+def unfinished_jobs(frame: pd.DataFrame) -> list[str]:
+    """One line per job of sweep.csv that did not complete: its job, status and error."""
+    if not len(frame) or "status" not in frame:
+        return []
+    lines = []
+    for _, row in frame[frame["status"] != "complete"].iterrows():
+        error = row.get("error")
+        reason = f": {' '.join(str(error).split())[:200]}" if isinstance(error, str) else ""
+        lines.append(f"job {row['job']} {row['status']}{reason}")
+    return lines
+
+
 class SweepTable(Callback):
-    """Hydra callback: after a multirun, tabulate every job into sweep.csv."""
+    """Hydra callback: after a multirun, tabulate every job into sweep.csv, and exit 1 when a
+    job did not complete (unless `run.allow_failed_jobs=true`), so that CI notices. Hydra
+    turns an exception of a callback into a warning and exit 0, so an error here (a full
+    disk) is printed and exits 1 here."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        if sweep_dir.is_dir():
+        if not sweep_dir.is_dir():
+            return
+        try:
             frame = write_sweep_csv(sweep_dir)
-            print(f"sweep: {len(frame)} job(s) -> {sweep_dir / SWEEP_TABLE_FILE}")
+        except Exception as exc:
+            if not isinstance(exc, OSError):  # a bug, not the disk: its traceback too
+                traceback.print_exc()
+            print(f"error: {sweep_dir}: sweep.csv cannot be written: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+        print(f"sweep: {len(frame)} job(s) -> {sweep_dir / SWEEP_TABLE_FILE}")
+        unfinished = unfinished_jobs(frame)
+        if not unfinished:
+            return
+        allowed = OmegaConf.select(config, "run.allow_failed_jobs", default=False) is True
+        print(
+            f"sweep: {len(unfinished)} of {len(frame)} job(s) did not complete"
+            + ("" if allowed else " (exit 1; run.allow_failed_jobs=true exits 0)")
+            + "".join(f"\n  {line}" for line in unfinished),
+            file=sys.stderr,
+        )
+        if not allowed:
+            raise SystemExit(1)

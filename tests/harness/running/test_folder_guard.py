@@ -1,7 +1,7 @@
 """Nothing a run made is written over: `inferlab run` into a folder that holds a run, or a
 sweep into a sweep folder, is refused before Hydra writes anything (exit 2, naming
 run.resume), unless `run.resume=true`; a run or sweep folder that is a file or cannot be made
-is one line, exit 2."""
+is one line, exit 2; a sweep whose sweep.csv cannot be written exits 1."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from harness.run_folder import runs_written_in
 from harness.running.folder_guard import folder_problem
+from harness.running.sweep import SweepTable
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = [
@@ -108,3 +109,16 @@ def test_what_counts_as_a_run_already_there(tmp_path: Path) -> None:
     problem = folder_problem(folder, "hydra.run.dir", sweep=False, resume=False)
     assert problem is not None and "config.yaml, repeat-0" in problem
     assert folder_problem(folder, "hydra.run.dir", sweep=False, resume=True) is None
+
+
+def test_a_sweep_table_that_cannot_be_written_fails_the_sweep(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hydra turns a callback's exception into a warning: a sweep whose sweep.csv could not
+    be written (a full disk) exited 0."""
+    (tmp_path / "sweep.csv").mkdir()  # os.replace onto a folder: IsADirectoryError
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    with pytest.raises(SystemExit) as stopped:
+        SweepTable().on_multirun_end(config)
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path}: sweep.csv cannot be written: ")

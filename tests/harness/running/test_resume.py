@@ -1,6 +1,7 @@
 """Sweep resume: `run.resume=true` on an existing sweep folder skips complete jobs, re-runs
 failed, incomplete and missing ones, rewrites sweep.csv; and refuses a folder that holds
-another configuration. A failing variant is recorded as failed and the sweep goes on."""
+another configuration. A failing variant is recorded as failed and the sweep goes on, then
+exits 1 (unless `run.allow_failed_jobs=true`) so that CI notices."""
 
 from __future__ import annotations
 
@@ -51,7 +52,10 @@ def sweep(sweep_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 def swept(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sweep_dir = tmp_path_factory.mktemp("sweep")
     result = sweep(sweep_dir)
-    assert result.returncode == 0, result.stderr
+    # every job ran; job 0 failed, so the sweep says so and exits 1 (it exited 0)
+    assert result.returncode == 1, result.stderr
+    assert "sweep: 1 of 4 job(s) did not complete (exit 1;" in result.stderr
+    assert "job 0 failed: " in result.stderr and "engine.max_num_seqs" in result.stderr
     return sweep_dir
 
 
@@ -70,8 +74,9 @@ def test_resume_skips_complete_jobs_and_reruns_the_rest(swept: Path) -> None:
     summary_2.write_text(json.dumps({**json.loads(summary_2.read_text()), "status": "incomplete"}))
     shutil.rmtree(swept / "3")
     (swept / "sweep.csv").unlink()
-    result = sweep(swept, "run.resume=true")
-    assert result.returncode == 0, result.stderr
+    result = sweep(swept, "run.resume=true", "run.allow_failed_jobs=true")
+    assert result.returncode == 0, result.stderr  # job 0 still fails: allowed
+    assert "sweep: 1 of 4 job(s) did not complete\n  job 0 failed: " in result.stderr
     assert "job 0: failed" in result.stdout
     assert "job 1: skipped (already complete)" in result.stdout
     assert "job 2: complete" in result.stdout and "job 3: complete" in result.stdout
@@ -79,7 +84,8 @@ def test_resume_skips_complete_jobs_and_reruns_the_rest(swept: Path) -> None:
     table = pd.read_csv(swept / "sweep.csv")
     assert list(table["job"]) == [0, 1, 2, 3]
     assert list(table["status"]) == ["failed", "complete", "complete", "complete"]
-    assert "run.resume" not in table.columns  # how to run, not what was run
+    # how to run, not what was run
+    assert "run.resume" not in table.columns and "run.allow_failed_jobs" not in table.columns
     assert table.loc[1:, "output_tokens_total"].eq(6).all()
 
 
