@@ -203,7 +203,7 @@ def test_header_and_body_deadlines_with_either_http_parser(base: str) -> None:
     """uvicorn runs httptools' parser when installed, else h11's; the deadlines hold on both."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    from serving.lifecycle import header_timeout_protocol
+    from serving.request_head import header_timeout_protocol
 
     if base == "httptools":
         pytest.importorskip("httptools")  # the dev environment has it (through guidellm)
