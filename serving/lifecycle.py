@@ -29,7 +29,7 @@ from engines.base import now_ns
 from serving.config import ServerConfig, ServerConfigError
 from serving.generation import ServingEngine
 from serving.protocol import send_error
-from serving.request_head import header_timeout_protocol
+from serving.request_head import request_head_protocol
 
 logger = logging.getLogger("inferlab.serve")
 
@@ -145,11 +145,14 @@ def _client(scope: Scope) -> str:
 
 
 def uvicorn_config(app: ASGIApp, config: ServerConfig, **options: Any) -> uvicorn.Config:
-    """uvicorn's settings for `config`: its log level, the timeouts, the shutdown grace."""
+    """uvicorn's settings for `config`: its log level, the timeouts, the request head's bounds,
+    the shutdown grace."""
     settings: dict[str, Any] = dict(
         log_level=config.log_level,
         access_log=config.access_log,
-        http=header_timeout_protocol(config.read_timeout_s),
+        http=request_head_protocol(config),
+        # h11's own bound on a head (16 KiB by default, refused with 400): the same as ours
+        h11_max_incomplete_event_size=config.max_header_bytes,
         timeout_keep_alive=config.keep_alive_timeout_s,
         timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
     )

@@ -833,6 +833,9 @@ def test_serve_options_compose_like_run() -> None:
     ]:
         assert serve_cli.parse_args([f"metrics_names={value}"])[0].metrics_names == names
     assert config.profile_dir is None  # the profiler endpoints are off unless asked for
+    assert (config.max_header_bytes, config.max_header_count) == (65536, 100)
+    parsed = serve_cli.parse_args(["max_header_bytes=8192", "max_header_count=50"])[0]
+    assert (parsed.max_header_bytes, parsed.max_header_count) == (8192, 50)
     assert serve_cli.parse_args(["profile_dir=profiles/1"])[0].profile_dir == "profiles/1"
 
 
@@ -856,6 +859,8 @@ def test_serve_options_compose_like_run() -> None:
         (["api_key= k"], "api_key: invalid; allowed: null or a non-empty string"),
         (["max_body_bytes=0"], "max_body_bytes: 0 is invalid; allowed: an integer >= 1"),
         (["max_body_bytes=8MB"], "max_body_bytes: '8MB' is invalid"),
+        (["max_header_bytes=0"], "max_header_bytes: 0 is invalid; allowed: an integer >= 1"),
+        (["max_header_count=many"], "max_header_count: 'many' is invalid; allowed: an integer"),
         (
             ["metrics_names=[prometheus]"],
             "metrics_names: ['prometheus'] is invalid; allowed: a non-empty list of distinct "
