@@ -34,6 +34,7 @@ from serving.protocol import (
     ModelCard,
     ModelList,
     _SamplingFields,
+    check_json_content_type,
     error_body,
     parse_request,
 )
@@ -182,6 +183,7 @@ def _profiler(serving: ServingEngine) -> EngineProfiler:
 
 
 async def _parse(request: Request, model: type[_SamplingFields]) -> Any:
+    check_json_content_type(request.headers.get("content-type"))  # before the body is read
     return parse_request(await request.body(), model)
 
 
