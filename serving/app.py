@@ -23,7 +23,7 @@ from serving.config import ServerConfig
 from serving.formats import ChatWriter, CompletionWriter, Writer, collect, event_stream
 from serving.generation import ServingEngine
 from serving.lifecycle import RequestClock, arrival_ns
-from serving.limits import BodySizeLimit
+from serving.limits import BodySizeLimit, HeaderCountLimit
 from serving.profiler import EngineProfiler
 from serving.profiler import not_enabled as profiler_not_enabled
 from serving.prometheus import CONTENT_TYPE
@@ -34,6 +34,7 @@ from serving.protocol import (
     ModelCard,
     ModelList,
     _SamplingFields,
+    check_json_content_type,
     error_body,
     parse_request,
 )
@@ -55,8 +56,10 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     app.add_middleware(BodySizeLimit, max_body_bytes=config.max_body_bytes)
     if config.api_key is not None:
         app.add_middleware(APIKeyAuth, api_key=config.api_key)
-    # outermost: a request's arrival (where the server's TTFT starts) is stamped first thing
+    # a request's arrival (where the server's TTFT starts) is stamped first thing
     app.add_middleware(RequestClock, read_timeout_s=config.read_timeout_s)
+    # outermost: a request with too many header fields is refused before anything looks at them
+    app.add_middleware(HeaderCountLimit, max_header_count=config.max_header_count)
     # Ids the tokenizer puts into any text by itself (BOS; some add EOS): a text or chat prompt
     # with nothing else is empty.
     added_ids = frozenset(serving.engine.tokenize("")) | {
@@ -180,6 +183,7 @@ def _profiler(serving: ServingEngine) -> EngineProfiler:
 
 
 async def _parse(request: Request, model: type[_SamplingFields]) -> Any:
+    check_json_content_type(request.headers.get("content-type"))  # before the body is read
     return parse_request(await request.body(), model)
 
 

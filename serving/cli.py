@@ -6,7 +6,7 @@ Engine and model options are composed from configs/ exactly as `inferlab run` co
 (`model=...`, `engine.<option>=...`, `variant=...`); the server's own options are bare keys
 (`host`, `port`, `max_queue_len`, `served_model_name`, `log_level`, `access_log`,
 `shutdown_timeout_s`, `read_timeout_s`, `keep_alive_timeout_s`, `api_key`, `max_body_bytes`,
-`metrics_names`, `profile_dir`).
+`max_header_bytes`, `max_header_count`, `metrics_names`, `profile_dir`).
 The API key may come from INFERLAB_API_KEY instead (it then stays out of `ps` listings).
 
 Anything that stops the start (a bad option, a checkpoint file that cannot be read, a port in
@@ -62,6 +62,8 @@ server (defaults in brackets):
   api_key=KEY [${API_KEY_ENV}, else none]  /v1/* requests must send
                              `Authorization: Bearer KEY` (401 otherwise); api_key=null: none
   max_body_bytes=N [8388608] larger request bodies get HTTP 413 unread
+  max_header_bytes=N [65536] a larger request line and headers get HTTP 431 unread
+  max_header_count=N [100]   more header fields get HTTP 431
   metrics_names=[inferlab,vllm] [both]  the names /metrics exports: inferlab_*, vLLM's
                              vllm:* (its Grafana dashboards work), or both
   profile_dir=DIR [none]     POST /start_profile and /stop_profile run torch.profiler on

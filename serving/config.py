@@ -38,6 +38,13 @@ class ServerConfig:
     #: prompt a context holds (128k tokens: ~0.5 MB of text, ~1 MB as token ids), small enough
     #: to parse in tens of milliseconds.
     max_body_bytes: int = 8 << 20
+    #: A request line and headers over this many bytes get 431 after at most that many are
+    #: read (serving/request_head.py). 64 KiB: nginx refuses past 32 KiB, Apache past 100
+    #: lines of 8 KiB; the openai SDK sends under 1 KiB.
+    max_header_bytes: int = 64 << 10
+    #: More header fields than this get 431 (serving/limits.py); Apache's limit. The openai
+    #: SDK sends 17.
+    max_header_count: int = 100
     #: The names /metrics exports every metric under: ours, vLLM's (so that its Grafana
     #: dashboards work), or both.
     metrics_names: tuple[str, ...] = NAME_SETS
@@ -93,12 +100,14 @@ class ServerConfig:
                 "api_key: invalid; allowed: null or a non-empty string "
                 "without surrounding whitespace"
             )
-        if (
-            isinstance(self.max_body_bytes, bool)
-            or not isinstance(self.max_body_bytes, int)
-            or self.max_body_bytes < 1
+        for name, allowed in (
+            ("max_body_bytes", "an integer >= 1 (bytes)"),
+            ("max_header_bytes", "an integer >= 1 (bytes)"),
+            ("max_header_count", "an integer >= 1"),
         ):
-            raise fail("max_body_bytes", "an integer >= 1 (bytes)")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise fail(name, allowed)
         if self.profile_dir is not None and (
             not isinstance(self.profile_dir, str)
             or not self.profile_dir

@@ -5,10 +5,8 @@ timeouts for requests that never finish arriving, and a bounded graceful shutdow
   error at once, not after the load.
 - `RequestClock` (ASGI middleware): stamps each request's arrival, the moment the app first sees
   it (its headers have arrived), which is where the server's TTFT starts; gives its body
-  `read_timeout_s` to arrive, else answers 408 and closes the connection.
-- `header_timeout_protocol`: uvicorn's HTTP protocol with the same deadline for the request
-  line and headers (uvicorn has none: a client that sent half its headers held a connection
-  forever).
+  `read_timeout_s` to arrive, else answers 408 and closes the connection (the request line and
+  headers have the same deadline: serving/request_head.py).
 - `Server`: uvicorn's server whose SIGTERM/SIGINT stops admitting (new requests get 503), lets
   running requests finish for at most `shutdown_timeout_s`, then aborts the rest (a stream
   gets a final error event), frees their KV memory and exits with status 0.
@@ -23,16 +21,15 @@ import time
 from types import FrameType
 from typing import Any
 
-import h11
 import uvicorn
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engines.base import now_ns
 from serving.config import ServerConfig, ServerConfigError
 from serving.generation import ServingEngine
 from serving.protocol import send_error
+from serving.request_head import request_head_protocol
 
 logger = logging.getLogger("inferlab.serve")
 
@@ -147,93 +144,15 @@ def _client(scope: Scope) -> str:
     return f"{client[0]}:{client[1]}" if client else "?"
 
 
-def default_protocol() -> type[asyncio.Protocol]:
-    """The HTTP/1.1 protocol uvicorn's "auto" picks: httptools' when installed, else h11's."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:
-        return H11Protocol
-    return HttpToolsProtocol
-
-
-def header_timeout_protocol(
-    header_timeout_s: float, base: type[Any] | None = None
-) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol (`base`, default: what "auto" picks), closing a connection whose
-    request line and headers have not all arrived `header_timeout_s` after it opened, or after
-    the first byte of its next request. Idle keep-alive connections are uvicorn's
-    `timeout_keep_alive`; the body is RequestClock's."""
-    base = base or default_protocol()
-
-    class HeaderTimeoutProtocol(base):  # type: ignore[valid-type, misc]
-        _header_timer: asyncio.TimerHandle | None = None
-        _awaiting_headers = True
-
-        def connection_made(self, transport: asyncio.Transport) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            if self._awaiting_headers and self._header_timer is None:
-                self._arm()  # the first bytes of a next request on a kept-alive connection
-            super().data_received(data)
-
-        # the headers are in: h11 has left IDLE, or httptools called back
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.conn.their_state is not h11.IDLE:
-                self._headers_done()
-
-        def on_headers_complete(self) -> None:
-            super().on_headers_complete()
-            self._headers_done()
-
-        def on_response_complete(self) -> None:
-            self._awaiting_headers = True
-            super().on_response_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _headers_done(self) -> None:
-            self._awaiting_headers = False
-            self._disarm()
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._header_timer = self.loop.call_later(header_timeout_s, self._expire)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _expire(self) -> None:
-            self._header_timer = None
-            if self._awaiting_headers and not self.transport.is_closing():
-                logger.info(
-                    "connection from %s: no complete request headers within "
-                    "read_timeout_s=%g s; closed",
-                    _peer(self.client),
-                    header_timeout_s,
-                )
-                self.transport.close()
-
-    HeaderTimeoutProtocol.__name__ = f"HeaderTimeout{base.__name__}"
-    return HeaderTimeoutProtocol
-
-
-def _peer(client: tuple[str, int] | None) -> str:
-    return f"{client[0]}:{client[1]}" if client else "?"
-
-
 def uvicorn_config(app: ASGIApp, config: ServerConfig, **options: Any) -> uvicorn.Config:
-    """uvicorn's settings for `config`: its log level, the timeouts, the shutdown grace."""
+    """uvicorn's settings for `config`: its log level, the timeouts, the request head's bounds,
+    the shutdown grace."""
     settings: dict[str, Any] = dict(
         log_level=config.log_level,
         access_log=config.access_log,
-        http=header_timeout_protocol(config.read_timeout_s),
+        http=request_head_protocol(config),
+        # h11's own bound on a head (16 KiB by default, refused with 400): the same as ours
+        h11_max_incomplete_event_size=config.max_header_bytes,
         timeout_keep_alive=config.keep_alive_timeout_s,
         timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
     )

@@ -1,9 +1,12 @@
-"""The request-body size limit: `BodySizeLimit`, pure ASGI middleware.
+"""Request size limits, pure ASGI middleware: `BodySizeLimit` and `HeaderCountLimit` (the size
+of the request line and headers is bounded before the app, in serving/request_head.py).
 
 A body over `max_body_bytes` is refused with 413 before it is parsed, and before it is even read
 when its Content-Length says so; a chunked body (no Content-Length) is counted as it arrives and
 refused the moment it passes the limit. Without it a client could make the server buffer and
-parse any amount of JSON (uvicorn has no limit of its own).
+parse any amount of JSON (uvicorn has no limit of its own). A request with more than
+`max_header_count` header fields is refused with 431 (neither uvicorn nor its parsers count them;
+10,000 small headers were served).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.protocol import send_error
+from serving.request_head import TOO_LARGE_CODE
 
 
 class BodyTooLarge(Exception):
@@ -72,3 +76,23 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None  # the HTTP parser refuses a malformed one before the app runs
     return None
+
+
+class HeaderCountLimit:
+    """Refuses HTTP requests with more than `max_header_count` header fields with 431 and
+    OpenAI's error body; the body is never read, so the connection is closed."""
+
+    def __init__(self, app: ASGIApp, max_header_count: int) -> None:
+        self.app = app
+        self.max_header_count = max_header_count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        count = len(scope["headers"]) if scope["type"] == "http" else 0
+        if count <= self.max_header_count:
+            await self.app(scope, receive, send)
+            return
+        message = (
+            f"The request has {count} header fields; this server accepts at most "
+            f"{self.max_header_count} (the server option max_header_count)"
+        )
+        await send_error(send, 431, message, TOO_LARGE_CODE, close=True)

@@ -94,6 +94,28 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _POSITION = re.compile(r"at line (\d+) column (\d+)$")
 
 
+JSON_MEDIA_TYPE = "application/json"
+
+
+def check_json_content_type(content_type: str | None) -> None:
+    """A JSON body must say so (`application/json`, parameters such as `; charset=utf-8`
+    allowed), else 415. A web page can POST `text/plain`, a form or a typeless Blob to another
+    origin without a CORS preflight; were such a body parsed, any site a user visits could
+    drive a key-less server on localhost. `application/json` needs the preflight, which this
+    server never grants."""
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type == JSON_MEDIA_TYPE:
+        return
+    received = "no Content-Type" if content_type is None else f"Content-Type {content_type!r}"
+    raise APIError(
+        f"The request has {received}; the body must be JSON, sent with "
+        f"Content-Type: {JSON_MEDIA_TYPE}",
+        None,
+        "unsupported_media_type",
+        415,
+    )
+
+
 def parse_request(raw: bytes, model: type[Request]) -> Request:
     """A request body parsed and validated, or an APIError (400) that says what is wrong and,
     where it can, names the field. Strict RFC 8259 JSON: UTF-8, no NaN/Infinity, no lone

@@ -461,6 +461,40 @@ def test_bad_requests_get_400_with_openai_error(
     assert server.serving.in_flight == 0
 
 
+def test_a_json_body_must_say_application_json(client: httpx.Client, server: RunningServer) -> None:
+    """A web page can POST text/plain (or a typeless Blob, or a form) to another origin without
+    a CORS preflight, so a body is read only when it says it is JSON: any site a user visits
+    could otherwise drive a key-less localhost server. Before, every type was parsed (200)."""
+    completion = json.dumps({"prompt": "Hi", "max_tokens": 1})
+    chat = json.dumps({"messages": USER, "max_tokens": 1})
+    refused = [
+        "text/plain;charset=UTF-8",  # a browser's fetch(url, {method: "POST", body: "..."})
+        "application/x-www-form-urlencoded",  # curl -d, an HTML form
+        "multipart/form-data; boundary=x",
+        "application/jsonl",
+        "",
+        None,  # no Content-Type: a Blob body without a type
+    ]
+    for path, body in ((COMPLETIONS, completion), (CHAT, chat)):
+        for content_type in refused:
+            headers = {} if content_type is None else {"content-type": content_type}
+            response = client.post(
+                path, content=body, headers={**headers, "origin": "https://x.example"}
+            )
+            assert_error(response, 415, None, "unsupported_media_type")
+            message = response.json()["error"]["message"]
+            said = "no Content-Type" if content_type is None else f"Content-Type {content_type!r}"
+            assert said in message and "application/json" in message, message
+        for content_type in (
+            "application/json",
+            "application/json; charset=utf-8",
+            "Application/JSON",
+        ):
+            ok = client.post(path, content=body, headers={"content-type": content_type})
+            assert ok.status_code == 200, (content_type, ok.text)
+    assert server.serving.in_flight == 0
+
+
 def test_largest_seed_for_n_is_served(client: httpx.Client) -> None:
     body = client.post(
         COMPLETIONS,
@@ -833,6 +867,9 @@ def test_serve_options_compose_like_run() -> None:
     ]:
         assert serve_cli.parse_args([f"metrics_names={value}"])[0].metrics_names == names
     assert config.profile_dir is None  # the profiler endpoints are off unless asked for
+    assert (config.max_header_bytes, config.max_header_count) == (65536, 100)
+    parsed = serve_cli.parse_args(["max_header_bytes=8192", "max_header_count=50"])[0]
+    assert (parsed.max_header_bytes, parsed.max_header_count) == (8192, 50)
     assert serve_cli.parse_args(["profile_dir=profiles/1"])[0].profile_dir == "profiles/1"
 
 
@@ -856,6 +893,8 @@ def test_serve_options_compose_like_run() -> None:
         (["api_key= k"], "api_key: invalid; allowed: null or a non-empty string"),
         (["max_body_bytes=0"], "max_body_bytes: 0 is invalid; allowed: an integer >= 1"),
         (["max_body_bytes=8MB"], "max_body_bytes: '8MB' is invalid"),
+        (["max_header_bytes=0"], "max_header_bytes: 0 is invalid; allowed: an integer >= 1"),
+        (["max_header_count=many"], "max_header_count: 'many' is invalid; allowed: an integer"),
         (
             ["metrics_names=[prometheus]"],
             "metrics_names: ['prometheus'] is invalid; allowed: a non-empty list of distinct "

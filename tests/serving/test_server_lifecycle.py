@@ -203,7 +203,7 @@ def test_header_and_body_deadlines_with_either_http_parser(base: str) -> None:
     """uvicorn runs httptools' parser when installed, else h11's; the deadlines hold on both."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    from serving.lifecycle import header_timeout_protocol
+    from serving.request_head import request_head_protocol
 
     if base == "httptools":
         pytest.importorskip("httptools")  # the dev environment has it (through guidellm)
@@ -217,7 +217,7 @@ def test_header_and_body_deadlines_with_either_http_parser(base: str) -> None:
     config = ServerConfig(read_timeout_s=READ_TIMEOUT_S)
     try:
         with serve_in_thread(
-            backend, config, http=header_timeout_protocol(READ_TIMEOUT_S, protocol)
+            backend, config, http=request_head_protocol(config, protocol)
         ) as running:
             address = address_of(running.base_url)
             elapsed, received = closed_after(address, b"GET /health HTTP/1.1\r\nHo", 30.0)
