@@ -164,7 +164,8 @@ def test_sweep_writes_one_row_per_job_and_records_failures(tmp_path: Path) -> No
         "engine.max_num_seqs=0,4",
         f"hydra.sweep.dir={tmp_path}",
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # every job ran; two failed
+    assert "sweep: 2 of 4 job(s) did not complete" in result.stderr
     sweep = pd.read_csv(tmp_path / "sweep.csv")
     assert len(sweep) == 4
     assert {"engine.kv_cache", "engine.max_num_seqs", "status", "ttft_p50_s"} <= set(sweep.columns)
@@ -279,8 +280,9 @@ def test_interrupted_run_keeps_finished_rows(tmp_path: Path) -> None:
     [
         (
             {"foo": 1},
-            "run: unknown key(s) ['foo']; allowed: ['clients_on', 'monitor', 'name', "
-            "'num_clients', 'progress', 'quality', 'resume', 'slo', 'warmup_requests', 'window']",
+            "run: unknown key(s) ['foo']; allowed: ['allow_failed_jobs', 'clients_on', "
+            "'monitor', 'name', 'num_clients', 'progress', 'quality', 'resume', 'slo', "
+            "'warmup_requests', 'window']",
         ),
         ({"warmup_requests": -1}, "run.warmup_requests: -1 is invalid; allowed: an integer >= 0"),
         ({"warmup_requests": 1.5}, "run.warmup_requests: 1.5 is invalid"),
@@ -331,8 +333,9 @@ def test_a_bad_run_key_exits_2_before_anything_runs(tmp_path: Path) -> None:
     result = inferlab("run", "model=tiny", "+run.foo=1", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "error: run: unknown key(s) ['foo']; allowed: ['clients_on', 'monitor', 'name', "
-        "'num_clients', 'progress', 'quality', 'resume', 'slo', 'warmup_requests', 'window']"
+        "error: run: unknown key(s) ['foo']; allowed: ['allow_failed_jobs', 'clients_on', "
+        "'monitor', 'name', 'num_clients', 'progress', 'quality', 'resume', 'slo', "
+        "'warmup_requests', 'window']"
     )
     assert not (tmp_path / "summary.json").exists()  # nothing started
 

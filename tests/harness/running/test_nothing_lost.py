@@ -281,7 +281,9 @@ def test_the_summary_written_on_a_second_try_says_why_it_failed(
 
 
 def test_an_unwritable_run_folder_is_one_line_and_exit_1(tmp_path: Path) -> None:
-    # summary.json cannot be created where a folder of that name stands, root or not
+    # summary.json cannot be created where a folder of that name stands, root or not;
+    # run.resume=true: without it the folder is refused before the run, as one that holds a
+    # run's file (test_folder_guard.py)
     run_dir = tmp_path / "run"
     (run_dir / "summary.json").mkdir(parents=True)
     result = subprocess.run(
@@ -292,6 +294,7 @@ def test_an_unwritable_run_folder_is_one_line_and_exit_1(tmp_path: Path) -> None
             "run",
             "model=tiny",
             "workload.num_requests=2",
+            "run.resume=true",
             f"hydra.run.dir={run_dir}",
         ],
         cwd=REPO,
@@ -362,7 +365,9 @@ def test_a_sweep_job_that_finds_the_disk_full_is_a_failed_row(tmp_path: Path) ->
         text=True,
         timeout=300,
     )
-    assert result.returncode == 0, result.stderr  # a failing job never stops a sweep
+    # a failing job never stops a sweep; it exits 1 once every job ran
+    assert result.returncode == 1, result.stderr
+    assert "sweep: 2 of 3 job(s) did not complete" in result.stderr
     assert "Traceback" not in result.stderr
     rows = pd.read_csv(sweep / "sweep.csv").set_index("job")
     assert rows["status"].tolist() == ["failed", "failed", "complete"]
