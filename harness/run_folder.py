@@ -39,6 +39,8 @@ from typing import IO, Any
 import pandas as pd
 import yaml
 
+from models.files import SETTINGS, UserFileError, read_input_bytes
+
 CONFIG_FILE = "config.yaml"
 PROVENANCE_FILE = "provenance.json"
 SUMMARY_FILE = "summary.json"
@@ -422,17 +424,20 @@ def short_json(value: Any, limit: int = 60) -> str:
 
 
 def _read_text(path: Path) -> str:
-    if not path.is_file():
-        what = "is a folder, not a file" if path.is_dir() else "no such file"
-        raise UnreadableFile(f"{path}: {what}")
+    if path.is_dir():
+        raise UnreadableFile(f"{path}: is a folder, not a file")
+    if not (path.exists() or path.is_symlink()):
+        raise UnreadableFile(f"{path}: no such file")
+    try:  # a FIFO or a device (a summary.json linked to /dev/zero) is refused, not read
+        data = read_input_bytes(path, SETTINGS)
+    except UserFileError as exc:
+        raise UnreadableFile(str(exc)) from exc
     try:
-        return path.read_bytes().decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UnreadableFile(
             f"{path}: not UTF-8 text (byte {exc.start}); a damaged or binary file?"
         ) from exc
-    except OSError as exc:
-        raise UnreadableFile(f"{path}: cannot be read: {exc.strerror or exc}") from exc
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
