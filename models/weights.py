@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig
+from models.files import SETTINGS, read_input_text
 from models.gguf import is_gguf, iter_gguf_tensors
 
 
@@ -66,8 +67,9 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
+        text = read_input_text(index, SETTINGS)
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = json.loads(text)["weight_map"]
             files = sorted({path / f for f in weight_map.values()})
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(
