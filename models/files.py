@@ -1,5 +1,5 @@
 """Files the user names on the command line or in a config: read only when they are regular
-files of a bounded size.
+files of a bounded size, and (for the commands that write models) written only where nothing is.
 
 Reading: a FIFO blocks until someone writes into it and a device such as /dev/zero never ends,
 so anything but a regular file is refused, naming the file, before it is opened. Each kind of
@@ -7,6 +7,11 @@ file has a size limit (`SETTINGS`, `RESULT`, `DATA`) far above the real files of
 far below what would exhaust memory; the environment variable INFERLAB_MAX_INPUT_BYTES (bytes,
 or with a K, M, G or T suffix) replaces every limit. Streaming readers (traces read in chunks)
 count the bytes as they go with `check_size`.
+
+Writing: `check_model_output` keeps `inferlab convert` and `inferlab train-tiny` from replacing a
+model that is already there (the user's own checkpoint has the very file names they write)
+unless asked with --force. (The other commands' outputs are checked by the harness's
+`harness.run_folder.refuse_run_file`, which alone knows a run folder's files.)
 
 These live in models/, the lowest layer, so that workloads/ and engines/ use the same checks as
 the harness.
@@ -130,3 +135,20 @@ def read_input_text(path: str | Path, kind: FileKind) -> str:
         raise UserFileError(
             f"{path}: not UTF-8 text (byte {exc.start}); a binary or damaged file?"
         ) from exc
+
+
+def check_model_output(path: str | Path, option: str, folder: bool, force: bool) -> None:
+    """Where a command writes a model (`folder`: a folder it fills, else one file): a path
+    where nothing is, or an empty folder; with `force` (--force) also one that holds a model
+    already. A file where a folder is to go is refused either way (it is not removed)."""
+    p = Path(path)
+    there = p.exists() or p.is_symlink()
+    if folder and there and not p.is_dir():
+        raise UserFileError(f"{option}: {path} exists and is not a folder; name a folder")
+    if not there or force or (folder and not any(p.iterdir())):
+        return
+    what = "a folder that is not empty" if folder else "a file" if p.exists() else "a link"
+    raise UserFileError(
+        f"{option}: {path} exists ({what}) and would be written over; give --force to "
+        "replace what is there, or name a path that does not exist"
+    )
