@@ -215,6 +215,8 @@ def import_main(argv: list[str]) -> int:
         targets = [out] if len(runs) == 1 else [out / f"benchmark-{k}" for k in range(len(runs))]
         for imported, target in zip(runs, targets, strict=True):
             write_imported_run(imported, target, now)
+            for warning in imported.warnings:
+                print(f"inferlab import: warning: {warning}", file=sys.stderr)
             differ = sum(not d.same_as_lab for d in imported.definitions.values())
             rows = 0 if imported.requests is None else len(imported.requests)
             version = f" {imported.tool_version}" if imported.tool_version else ""
