@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig
-from models.files import SETTINGS, read_input_text
+from models.files import SETTINGS, check_regular_file, read_input_text
 from models.gguf import is_gguf, iter_gguf_tensors
 
 
@@ -82,6 +82,9 @@ def checkpoint_files(path: str | Path) -> list[Path]:
         other = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = f" (found {other}: only safetensors are supported)" if other else ""
         raise FileNotFoundError(f"model.path: no *.safetensors weights in {path}{hint}")
+    for file in files:
+        if file.exists() and not file.is_file():  # a FIFO or a device: named, never mapped
+            check_regular_file(file)
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"model.path: shards named in the index are missing: {missing}")

@@ -145,6 +145,17 @@ def test_a_safetensors_index_is_bounded(tmp_path: Path, monkeypatch: pytest.Monk
         checkpoint_files(tmp_path)
 
 
+def test_a_weights_file_that_is_a_fifo_is_named(tmp_path: Path) -> None:
+    """A model.safetensors that is a FIFO was reported as a missing shard."""
+    os.mkfifo(tmp_path / "model.safetensors")
+    error = ends_within(lambda: checkpoint_files(tmp_path))
+    assert isinstance(error, UserFileError)
+    assert (
+        str(error)
+        == f"{tmp_path / 'model.safetensors'}: is a FIFO (named pipe), not a regular file"
+    )
+
+
 def test_train_tiny_refuses_dev_zero_as_its_text(tmp_path: Path) -> None:
     """`inferlab train-tiny --text /dev/zero` (and the quality probe's run.quality.text, read
     the same way) read until memory ran out."""
