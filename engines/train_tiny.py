@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.files import DATA, UserFileError, check_model_output, read_input_text
 from models.tokenizer import CORPUS_DIR
 
 DEFAULTS: dict[str, Any] = dict(
@@ -69,9 +71,10 @@ def trained_model_location(model: str) -> str:
 
 
 def corpus_text(text_path: str | Path | None = None) -> str:
-    """The training text: the file given, else the shipped corpus (sorted by name, joined)."""
+    """The training text: the file given (a regular file within the limit for text: not a
+    FIFO or /dev/zero), else the shipped corpus (sorted by name, joined)."""
     if text_path is not None:
-        return Path(text_path).read_text(encoding="utf-8")
+        return read_input_text(text_path, DATA)
     return "\n".join(p.read_text(encoding="utf-8") for p in sorted(CORPUS_DIR.glob("*.txt")))
 
 
@@ -196,12 +199,20 @@ def _positive(text: str) -> int:
     return value
 
 
+def _error(message: str) -> int:
+    print(f"inferlab train-tiny: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="inferlab train-tiny", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--text", help="training text file (default: the shipped corpus)")
     parser.add_argument("--out", help="output folder (default: the cache, reused if present)")
+    parser.add_argument(
+        "--force", action="store_true", help="write over an --out folder that is not empty"
+    )
     parser.add_argument(
         "--model",
         default="tiny-trained",
@@ -215,10 +226,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     params = dict(TRAINED_MODELS[args.model])
     params.update({k: v for k, v in (("steps", args.steps), ("seed", args.seed)) if v is not None})
-    if args.out:
-        out = train_tiny(args.text, args.out, **{**DEFAULTS, **params})
-    else:
-        out = cached_tiny_model(args.text, **params)
+    try:  # before training: a checkpoint already there is replaced only when asked
+        if args.out:
+            check_model_output(args.out, "--out", folder=True, force=args.force)
+    except UserFileError as exc:
+        return _error(str(exc))
+    try:
+        if args.out:
+            out = train_tiny(args.text, args.out, **{**DEFAULTS, **params})
+        else:
+            out = cached_tiny_model(args.text, **params)
+    except UserFileError as exc:  # --text missing, not a regular file, too large, not UTF-8
+        return _error(f"--text: {exc}")
+    except OSError as exc:  # the model could not be written (an unwritable --out, a full disk)
+        return _error(f"{exc.filename or args.out}: cannot be written: {exc.strerror or exc}")
     log = json.loads((out / "train_log.json").read_text())
     print(
         f"{out}\n  steps {log['steps']}  loss {log['first_loss']:.3f} -> "

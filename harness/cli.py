@@ -11,12 +11,13 @@ commands:
   kv-calc [overrides]  KV bytes per token and sequence, weights, sequences that fit; per GPU
                        with engine.tensor_parallel_size=N (N1,N2,...: a table), and the
                        predicted decode step with hardware=h100|h200|a100|l4|cpu
-  train-tiny [--model NAME] [--text FILE] [--out DIR] [--steps N] [--seed S]
+  train-tiny [--model NAME] [--text FILE] [--out DIR [--force]] [--steps N] [--seed S]
                        train a small real Llama on CPU (cached): tiny-trained for quality
                        checks, tiny-trained-large / -draft for speculative decoding
   serve [overrides...] an OpenAI-compatible HTTP server on the built-in engine
-  convert SRC.gguf DST [--dtype T]
-                       a GGUF file -> a Hugging Face folder, or a .gguf re-encoded (f16...)
+  convert SRC.gguf DST [--dtype T] [--force]
+                       a GGUF file -> a Hugging Face folder, or a .gguf re-encoded (f16...);
+                       an existing DST is replaced only with --force
   report DIR           report.md + report.html (tables, figures) for a run or sweep folder
   gate ...             compare a candidate with a baseline: exit 0 pass, 1 regression,
                        2 inconclusive (`inferlab gate --help`)

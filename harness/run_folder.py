@@ -39,6 +39,8 @@ from typing import IO, Any
 import pandas as pd
 import yaml
 
+from models.files import SETTINGS, UserFileError, read_input_bytes
+
 CONFIG_FILE = "config.yaml"
 PROVENANCE_FILE = "provenance.json"
 SUMMARY_FILE = "summary.json"
@@ -119,17 +121,36 @@ def _holds_own_files(folder: Path, besides: Path | None = None) -> bool:
 
 
 def run_folder_owning(path: Path) -> Path | None:
-    """The run (or sweep, repeats, A/B) folder whose own file `path` is, or None: a writer of
-    a file the user names (`inferlab export --out`) asks, so as not to replace a run's
-    summary.json or tables. A lone summary.json in a folder of nothing else is not a run's (an
-    earlier export may be named so)."""
-    path = Path(path).resolve()  # a link to a run's file is that file
+    """The run (or sweep, repeats, A/B) folder whose own file `path` is, or None. A lone
+    summary.json in a folder of nothing else is not a run's (an earlier export may be named
+    so)."""
+    path = Path(path).resolve()  # a link to a run's file is that file; so is a linked folder
     if path.name in OWN_FILES and _holds_own_files(path.parent, besides=path):
         return path.parent
     for folder in path.parents:
         if folder.name in OWN_DIRS and _holds_own_files(folder.parent):
             return folder.parent
     return None
+
+
+class RunFileRefused(ValueError):
+    """A file (or folder) the user named for a command's output is one of a run folder's own."""
+
+
+def refuse_run_file(path: Path, option: str) -> None:
+    """The one check before a command writes where the user said (`gate --json`, `export
+    --out`, `report --out`...): a run folder's own file, or a link to one, is refused, so that
+    the run stays readable; any other file is written over (an earlier output of the same
+    command). The rule is in docs/run_folder.md."""
+    owner = run_folder_owning(path)
+    if owner is None:
+        return
+    target = Path(path).resolve()
+    which = "" if target == Path(os.path.abspath(path)) else f" (that is {target})"
+    raise RunFileRefused(
+        f"{option}: {path}{which} is a file of the run folder {owner} and would be written "
+        "over; allowed: a path that is not one of a run folder's own files (docs/run_folder.md)"
+    )
 
 
 REQUEST_COLUMNS = [
@@ -403,17 +424,20 @@ def short_json(value: Any, limit: int = 60) -> str:
 
 
 def _read_text(path: Path) -> str:
-    if not path.is_file():
-        what = "is a folder, not a file" if path.is_dir() else "no such file"
-        raise UnreadableFile(f"{path}: {what}")
+    if path.is_dir():
+        raise UnreadableFile(f"{path}: is a folder, not a file")
+    if not (path.exists() or path.is_symlink()):
+        raise UnreadableFile(f"{path}: no such file")
+    try:  # a FIFO or a device (a summary.json linked to /dev/zero) is refused, not read
+        data = read_input_bytes(path, SETTINGS)
+    except UserFileError as exc:
+        raise UnreadableFile(str(exc)) from exc
     try:
-        return path.read_bytes().decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UnreadableFile(
             f"{path}: not UTF-8 text (byte {exc.start}); a damaged or binary file?"
         ) from exc
-    except OSError as exc:
-        raise UnreadableFile(f"{path}: cannot be read: {exc.strerror or exc}") from exc
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from models.files import SETTINGS, UserFileError, read_input_text
 from models.gguf import gguf_hf_config
 from models.packaged import PACKAGED_MODELS, packaged_model_path
 
@@ -226,8 +227,10 @@ def from_hf_config(path: str | Path) -> ModelConfig:
         raise FileNotFoundError(f"model.path: no config.json at {config_file}")
     where = str(config_file)
     try:
-        cfg = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        cfg = json.loads(read_input_text(config_file, SETTINGS))
+    except UserFileError as exc:  # not UTF-8, or larger than a config.json can be
+        raise UnsupportedCheckpointError(str(exc)) from None
+    except json.JSONDecodeError as exc:
         raise UnsupportedCheckpointError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise UnsupportedCheckpointError(

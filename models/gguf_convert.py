@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.files import check_model_output
 from models.gguf import (
     hf_config,
     is_gguf,
@@ -168,10 +169,18 @@ def main(argv: list[str]) -> int:
         help=f"folder: {'|'.join(HF_DTYPES)} (default float32); "
         f".gguf: {'|'.join(GGUF_TYPES)} (default f16)",
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="write over a DST that exists (a .gguf file, or a folder that is not empty)",
+    )
     args = parser.parse_args(argv)
     try:
         if not is_gguf(args.src):
             raise ValueError(f"src: {args.src!r} is not an existing .gguf file")
+        # a DST folder of the user's own checkpoint has the very names written here
+        # (config.json, model.safetensors, tokenizer.json): replaced only when asked
+        check_model_output(args.dst, "dst", folder=not args.dst.endswith(".gguf"), force=args.force)
         if args.dst.endswith(".gguf"):
             out = convert_to_gguf(args.src, args.dst, args.dtype or "f16")
         else:

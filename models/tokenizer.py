@@ -52,6 +52,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
 
 from models.cache import cache_dir, write_text_atomic
+from models.files import SETTINGS, check_size, read_input_text
 from models.gguf import is_gguf, tokenizer_folder
 
 logger = logging.getLogger(__name__)
@@ -335,6 +336,7 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
             f"tokenizer path {str(p)!r} does not exist (expected a tokenizer.json file or a "
             "folder containing tokenizer.json)"
         )
+    check_size(file, file.stat().st_size, SETTINGS)  # `tokenizers` reads it whole
     try:
         backend = _Backend.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
@@ -351,7 +353,7 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default", template[0].get("template") if template else None)
     if folder and (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        template = read_input_text(folder / "chat_template.jinja", SETTINGS)
 
     bos_token, eos_token, pad_token = (
         _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")
@@ -504,7 +506,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_input_text(path, SETTINGS))
     except json.JSONDecodeError as e:
         raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from e
     return data if isinstance(data, dict) else {}

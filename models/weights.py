@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from models.config import ModelConfig
+from models.files import SETTINGS, check_regular_file, read_input_text
 from models.gguf import is_gguf, iter_gguf_tensors
 
 
@@ -66,8 +67,9 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
+        text = read_input_text(index, SETTINGS)
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = json.loads(text)["weight_map"]
             files = sorted({path / f for f in weight_map.values()})
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(
@@ -80,6 +82,9 @@ def checkpoint_files(path: str | Path) -> list[Path]:
         other = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
         hint = f" (found {other}: only safetensors are supported)" if other else ""
         raise FileNotFoundError(f"model.path: no *.safetensors weights in {path}{hint}")
+    for file in files:
+        if file.exists() and not file.is_file():  # a FIFO or a device: named, never mapped
+            check_regular_file(file)
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"model.path: shards named in the index are missing: {missing}")

@@ -15,8 +15,8 @@ import numpy as np
 
 from engines.base import GenerationRequest, Prompt
 from engines.sampling_params import SamplingParams
+from models.files import check_regular_file
 from workloads.request import WorkloadRequest
-from workloads.trace_files import check_regular_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

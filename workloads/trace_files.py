@@ -5,7 +5,9 @@ file (a directory, a FIFO, a device such as /dev/zero, which would never end), a
 file, compressed data without the `.gz` suffix (or zip, zstd, bzip2, xz, lz4, 7z data, which
 are not read directly), a `.gz` name on data that is not gzip, Parquet, UTF-16/UTF-32 text,
 binary data (NUL bytes) and bytes that are not UTF-8 (both named by line), gzip data that is
-truncated or corrupt, and a "line" longer than MAX_LINE_BYTES (a binary or one-line file).
+truncated or corrupt, a "line" longer than MAX_LINE_BYTES (a binary or one-line file), and
+more data than the limit for data files (models/files.py: 4 GiB after gunzip, or
+INFERLAB_MAX_INPUT_BYTES).
 
 `chunks` hands out the file in pieces of about CHUNK_BYTES that end on a record boundary, each
 with the number of its first line, so readers can stop after the first pieces and still name
@@ -15,8 +17,6 @@ exact lines.
 from __future__ import annotations
 
 import gzip
-import os
-import stat
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+
+from models.files import DATA, check_regular_file, check_size, max_input_bytes
 
 CHUNK_BYTES = 4 << 20  # what one read hands to the parsers; a few MB parse in milliseconds
 FIRST_CHUNK_BYTES = 64 << 10
@@ -72,34 +74,6 @@ def file_error(path: str | Path, problem: str, line: int | None = None) -> Value
     return ValueError(f"{path}: {where}{problem}")
 
 
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def check_regular_file(path: str | Path) -> os.stat_result:
-    """The file's stat, or a ValueError if it is missing or not a regular file.
-
-    Devices and FIFOs are refused before they are opened: /dev/zero never ends and a FIFO
-    blocks until someone writes to it.
-    """
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise file_error(path, f"cannot open it ({exc.strerror})") from exc
-    if not stat.S_ISREG(st.st_mode):
-        raise file_error(path, f"is {_kind(st.st_mode)}, not a regular file")
-    return st
-
-
 def _sniff(path: str | Path, head: bytes, compressed: bool) -> None:
     """Refuse compressed data, archives and UTF-16/32 text by their first bytes (NUL bytes
     and other non-UTF-8 bytes are found, by line, as the file is decoded)."""
@@ -123,28 +97,37 @@ def _sniff(path: str | Path, head: bytes, compressed: bool) -> None:
 
 
 class _Reader:
-    """Reads the raw or gunzipped bytes, turning read failures into ValueErrors."""
+    """Reads the raw or gunzipped bytes, turning read failures into ValueErrors, and no more
+    than the limit for data files (models/files.py), counted after gunzip: a small .gz can
+    hold gigabytes."""
 
     def __init__(self, path: str | Path, raw: BinaryIO, compressed: bool) -> None:
         self.path = path
         self.stream: BinaryIO | gzip.GzipFile = (
             gzip.GzipFile(fileobj=raw, mode="rb") if compressed else raw
         )
+        self.limit = max_input_bytes(DATA)
+        self.total = 0
 
     def read(self, size: int) -> bytes:
         try:
-            return self.stream.read(size)
+            data = self.stream.read(min(size, self.limit + 1 - self.total))
         except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
             raise file_error(self.path, f"the gzip data is truncated or corrupt ({exc})") from exc
         except OSError as exc:
             raise file_error(self.path, f"read failed ({exc.strerror or exc})") from exc
+        self.total += len(data)
+        check_size(self.path, self.total, DATA, read_so_far=True)
+        return data
 
 
 @contextmanager
 def open_data(path: str | Path) -> Iterator[_Reader]:
     """The file's bytes (gunzipped for a `.gz` name) after the checks in the module doc."""
-    check_regular_file(path)
     compressed = str(path).lower().endswith(".gz")
+    size = check_regular_file(path).st_size
+    if not compressed:  # refused at once, rather than after reading up to the limit
+        check_size(path, size, DATA)
     try:
         raw = open(path, "rb")  # noqa: SIM115 - the with below closes it
     except OSError as exc:

@@ -36,9 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from models.files import check_regular_file
 from workloads import trace_arrow
 from workloads.common import check_choice, check_keys, check_mapping, invalid
-from workloads.trace_files import Chunk, check_regular_file, chunks, decode, open_data
+from workloads.trace_files import Chunk, chunks, decode, open_data
 
 TRACE_FORMATS = ("azure", "mooncake", "burstgpt", "csv", "jsonl")
 TIMESTAMP_UNITS = ("s", "ms", "us", "datetime")

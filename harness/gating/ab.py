@@ -43,8 +43,10 @@ from harness.gating.rules import GateRules, RulesError, add_require_argument, lo
 from harness.measuring.metrics import REGISTRY
 from harness.run_folder import (
     AB_FILE,
+    RunFileRefused,
     UnreadableFile,
     ab_round_dir,
+    refuse_run_file,
     write_json_atomic,
 )
 from harness.running import config_schema  # noqa: F401  (the run section's, for compose)
@@ -622,6 +624,7 @@ def plan_from_args(args: argparse.Namespace) -> ABPlan:
     if args.warmup_rounds < 0:
         raise ABError(f"--warmup-rounds: {args.warmup_rounds} is invalid; allowed: an integer >= 0")
     out = Path(args.out)
+    refuse_run_file(out, "--out")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ABError(f"--out: {out} exists and is not an empty folder; choose a new one")
     if args.launcher and (missing := missing_launcher([f"hydra/launcher={args.launcher}"])):
@@ -671,7 +674,7 @@ def main(argv: list[str]) -> int:
         plan = plan_from_args(args)
         rules = load_rules(args.rules, tuple(args.require_metric))
         return run_ab(plan, rules)
-    except (ABError, RulesError, UnreadableFile) as exc:
+    except (ABError, RulesError, UnreadableFile, RunFileRefused) as exc:
         print(f"inferlab gate ab: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # --out cannot be created or written

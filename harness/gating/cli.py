@@ -26,7 +26,7 @@ from harness.gating.compare import (
 from harness.gating.inputs import InputError, ab_rounds, load_side, read_run
 from harness.gating.rules import GateRules, RulesError, add_require_argument, load_rules
 from harness.measuring.metrics import REGISTRY
-from harness.run_folder import AB_FILE
+from harness.run_folder import AB_FILE, refuse_run_file
 
 USAGE_EXAMPLES = """examples:
   inferlab gate --baseline results/main --candidate results/pr
@@ -141,6 +141,9 @@ def emit(
     all_rows: bool = False,
 ) -> int:
     text = markdown(result, title, all_rows)
+    for option, out in (("--markdown", markdown_out), ("--json", json_out)):
+        if out:  # both checked before either is written
+            refuse_run_file(Path(out), option)
     # the files first: a table that says "exit 0" must not be followed by a failed write
     if markdown_out:
         Path(markdown_out).write_text(text + "\n")

@@ -14,6 +14,7 @@ import yaml
 from configs import CONFIG_DIR
 from harness.gating.stats import STATISTICS, BootstrapSettings
 from harness.measuring.metrics import REGISTRY
+from models.files import SETTINGS, UserFileError, read_input_bytes
 
 DEFAULT_RULES = CONFIG_DIR / "gate" / "default.yaml"
 NEUTRAL_CHANGE = ("regression", "warn")
@@ -314,14 +315,14 @@ def load_rules(path: str | Path | None = None, require: tuple[str, ...] = ()) ->
     if path is None:
         return parse_rules(defaults, require)
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise RulesError(f"--rules: {path} is not a file")
-    try:
-        user = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    try:  # a regular file of a bounded size: /dev/zero or a FIFO is refused, not read
+        user = yaml.safe_load(read_input_bytes(path, SETTINGS).decode("utf-8"))
+    except UserFileError as exc:
+        raise RulesError(f"--rules: {exc}") from exc
     except UnicodeDecodeError as exc:
         raise RulesError(f"--rules: {path} is not UTF-8 text (byte {exc.start})") from exc
-    except OSError as exc:
-        raise RulesError(f"--rules: {path} cannot be read: {exc.strerror or exc}") from exc
     except yaml.YAMLError as exc:
         raise RulesError(f"--rules: {path} is not valid YAML: {exc}") from exc
     except RecursionError as exc:

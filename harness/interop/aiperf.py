@@ -318,6 +318,10 @@ def import_export(path: Path, content: Any, kind: str) -> list[ImportedRun]:
                 arrival=ARRIVAL if arrival_known else None,
                 tokens="as AIPerf counts them (the server's usage with --use-server-token-count, "
                 "else its tokenizer)",
+                sources={
+                    "first_token_s": "time_to_first_token",
+                    "last_token_s": "request_latency",
+                },
             )
             put_chunk_itl(run, np.array(gaps, dtype=float), "records' inter_chunk_latency")
     if kind == "csv":

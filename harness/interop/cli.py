@@ -24,7 +24,7 @@ from harness.interop.errors import InteropError
 from harness.interop.vllm_export import check_percentiles, run_folders, vllm_result, write_json
 from harness.interop.vllm_format import EXPORT_PERCENTILE_METRICS, PERCENTILE_METRICS
 from harness.interop.write import write_imported_run
-from harness.run_folder import run_folder_owning
+from harness.run_folder import RunFileRefused, refuse_run_file
 
 EXPORT_FILE = "vllm_bench_serve.json"
 IMPORT_ROOT = Path("results") / "imported"
@@ -33,7 +33,7 @@ IMPORT_ROOT = Path("results") / "imported"
 def _guarded(prog: str, body: Callable[[], int]) -> int:
     try:
         return body()
-    except InteropError as exc:
+    except (InteropError, RunFileRefused) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
     except OSError as exc:  # an unreadable folder, an unwritable output
         where = f"{exc.filename}: " if exc.filename else ""
@@ -105,17 +105,6 @@ def _export_file(folder: Path, root: Path, out: str | None, several: bool) -> Pa
     return Path(out) / f"{name}.json"
 
 
-def _refuse_a_run_file(out: Path) -> None:
-    """`--out RUN/summary.json` replaced the run's own summary (or a table, its config...)
-    with the export, so that the run folder could no longer be read."""
-    owner = run_folder_owning(out)
-    if owner is not None:
-        raise InteropError(
-            f"--out: {out} is a file of the run folder {owner} and would be written over; "
-            f"allowed: a file that is not one of a run folder's own ({EXPORT_FILE} is not)"
-        )
-
-
 def export_main(argv: list[str]) -> int:
     args = _export_parser().parse_args(argv)
 
@@ -130,7 +119,7 @@ def export_main(argv: list[str]) -> int:
             _export_file(folder, root, args.out, several=len(folders) > 1) for folder in folders
         ]
         for out in outs:  # before anything is written: none or all
-            _refuse_a_run_file(out)
+            refuse_run_file(out, "--out")
         exported = 0
         for folder, out in zip(folders, outs, strict=True):
             try:
@@ -220,11 +209,14 @@ def import_main(argv: list[str]) -> int:
             runs = [runs[args.benchmark]]
         now = datetime.now(timezone.utc)
         out = given_out or _default_out(runs[0].tool, runs[0].files[0], now)
+        refuse_run_file(out, "--out")
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise InteropError(f"--out: {out} exists and is not an empty folder; choose another")
         targets = [out] if len(runs) == 1 else [out / f"benchmark-{k}" for k in range(len(runs))]
         for imported, target in zip(runs, targets, strict=True):
             write_imported_run(imported, target, now)
+            for warning in imported.warnings:
+                print(f"inferlab import: warning: {warning}", file=sys.stderr)
             differ = sum(not d.same_as_lab for d in imported.definitions.values())
             rows = 0 if imported.requests is None else len(imported.requests)
             version = f" {imported.tool_version}" if imported.tool_version else ""

@@ -348,6 +348,10 @@ def import_benchmark(report: Report, k: int, path: Path) -> ImportedRun:
             frame,
             arrival=ARRIVAL if arrival_known else None,
             tokens="as guidellm counts them (the server's usage, else streamed iterations)",
+            sources={
+                "first_token_s": "first_token_iteration",
+                "last_token_s": "last_token_iteration",
+            },
         )
     put_aggregates(run, benchmark)
     run.config = config_of(report, benchmark)

@@ -56,6 +56,11 @@ class ImportedRun:
     requests: pd.DataFrame | None = None  # the lab's `requests` columns
     config: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # per-request values the import could not use, by the file's field: {field: requests};
+    # each also a warning (printed on stderr) saying how many, which field, why, and what the
+    # import did instead
+    unusable_values: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     def put(self, metric: str, value: Any, definition: Definition) -> bool:
         """Record `metric` (a registry name, in the registry's unit) unless it already has a
@@ -90,6 +95,12 @@ class ImportedRun:
         )
         self.definitions[metric] = definition
         return True
+
+    def warn_unusable(self, source_field: str, count: int, why: str) -> None:
+        """`count` requests whose `source_field` held no usable value (`why`: what it held and
+        what the import did instead), counted in summary.json and said on stderr."""
+        self.unusable_values[source_field] = self.unusable_values.get(source_field, 0) + count
+        self.warnings.append(f"{self.files[0]}: {count} request(s): '{source_field}' {why}")
 
     def leave_out(self, *source_keys: str) -> None:
         """Source metrics the lab has no counterpart for (listed in summary.json `unmapped`)."""

@@ -213,6 +213,7 @@ def import_results(path: Path, data: Any) -> list[ImportedRun]:
             timeline=False,
             tokens="as LLMPerf counts them (output re-tokenized with its Llama tokenizer)",
             last_token="the stream's end (end_to_end_latency_s)",
+            sources={"first_token_s": "ttft_s", "last_token_s": "end_to_end_latency_s"},
         )
     if summary is not None:
         put_summary(run, summary)

@@ -92,6 +92,27 @@ def check_rows(run: ImportedRun, rows: pd.DataFrame) -> None:
             )
 
 
+#: the statistics a successful request's first / last token time goes into
+NEEDS_TIME = {"first_token_s": "TTFT, TPOT", "last_token_s": "E2E, TPOT"}
+
+
+def say_missing_times(run: ImportedRun, rows: pd.DataFrame, sources: dict[str, str]) -> None:
+    """Successful requests without a first or last token time count as completed but are left
+    out of the statistics that need it: said and counted (run.warn_unusable, by the file's
+    field in `sources`). A file that records the time for no request (a tool run without
+    streaming) is not damaged, and is not warned about."""
+    done = rows[rows["status"] == "ok"]
+    for column, statistics in NEEDS_TIME.items():
+        missing = done[column].isna()
+        if missing.any() and not missing.all():
+            run.warn_unusable(
+                sources.get(column, column),
+                int(missing.sum()),
+                f"is missing or NaN for a successful request: counted as completed, left out "
+                f"of the {statistics} statistics",
+            )
+
+
 def put_request_metrics(
     run: ImportedRun,
     rows: pd.DataFrame,
@@ -100,6 +121,7 @@ def put_request_metrics(
     timeline: bool = True,
     tokens: str = "as the file counts them",
     last_token: str | None = None,
+    sources: dict[str, str] | None = None,
 ) -> None:
     """The lab's request metrics over `rows` (the lab's request columns: status, arrival_s,
     sent_s, first_token_s, last_token_s, prompt_tokens, output_tokens), into `run`.
@@ -109,9 +131,12 @@ def put_request_metrics(
     is the send: latencies then run from the send. With `timeline` False the rows' times are
     each request's own (from its send: no common clock), so only latencies and counts are
     computed. `tokens` says how the tool counts tokens; `last_token` what the rows'
-    `last_token_s` is when it is not the last streamed token (TPOT and E2E then differ)."""
+    `last_token_s` is when it is not the last streamed token (TPOT and E2E then differ);
+    `sources` the file's fields for `first_token_s` and `last_token_s`, to name them where a
+    successful request lacks one."""
     rows = request_rows(rows)
     check_rows(run, rows)
+    say_missing_times(run, rows, sources or {})
     summary = compute_summary(rows, _empty("tokens"), _empty("steps"))
     # a token count the file lacks for a completed request would sum as 0: leave its totals
     # and rates absent instead

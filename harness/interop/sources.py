@@ -16,21 +16,26 @@ from pydantic import BaseModel, ValidationError
 
 from harness.interop.errors import InteropError
 from harness.run_folder import json_kind, short_json
+from models.files import RESULT, UserFileError, read_input_bytes
 
 Model = TypeVar("Model", bound=BaseModel)
 
 
 def read_text(path: Path) -> str:
+    """A result file whole: a regular file (a FIFO or /dev/zero is refused, not read for ever)
+    of at most the limit for result files (models/files.py)."""
     if not path.exists():
         raise InteropError(f"{path}: no such file")
     if path.is_dir():
         raise InteropError(f"{path}: is a folder, not a result file")
     try:
-        return path.read_bytes().decode("utf-8")
+        data = read_input_bytes(path, RESULT)
+    except UserFileError as exc:
+        raise InteropError(str(exc)) from exc
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InteropError(f"{path}: not UTF-8 text (byte {exc.start}); a binary file?") from exc
-    except OSError as exc:
-        raise InteropError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
 
 
 def parse_json(path: Path, text: str) -> Any:

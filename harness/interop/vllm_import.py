@@ -19,6 +19,7 @@ what the rows do not give, each with its definition (docs/metrics.md, crosswalk)
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +82,66 @@ class VllmResult(BaseModel):
     spec_decode_acceptance_length: float | None = None
 
 
-def request_frame(result: VllmResult, path: Path) -> tuple[pd.DataFrame, bool, bool] | None:
+def _numbers(values: list[float | None]) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+
+def _entry(raw: float | None, value: float) -> str:
+    """What one unusable entry holds, in words."""
+    if raw is None:
+        return "null"
+    if np.isnan(value):
+        return "NaN"
+    return "infinite" if np.isinf(value) else "0 or negative"
+
+
+def _held(raw: list[float | None], values: np.ndarray, where: np.ndarray) -> str:
+    """What the entries at `where` held, counted: "NaN (2), null (1)"."""
+    kinds = Counter(_entry(raw[k], values[k]) for k in np.flatnonzero(where))
+    return ", ".join(f"{kind} ({count})" for kind, count in kinds.items())
+
+
+def _failed_without_error(
+    run: ImportedRun, name: str, raw: list[float | None], values: np.ndarray, bad: np.ndarray
+) -> list[str | None]:
+    """Requests vLLM records no error for, whose `name` entry is no usable time: counted as
+    failed, said (run.warn_unusable), and each row's error says why."""
+    if bad.any():
+        run.warn_unusable(
+            name,
+            int(bad.sum()),
+            f"is {_held(raw, values, bad)} with no error recorded: counted as failed "
+            "(vLLM writes NaN for some requests)",
+        )
+    return [
+        f"vLLM's {name} entry is {_entry(raw[k], values[k])}, with no error recorded"
+        if bad[k]
+        else None
+        for k in range(len(bad))
+    ]
+
+
+def _finite_times(run: ImportedRun, name: str, raw: list[float | None] | None) -> bool:
+    """Whether a list of per-request clock readings (start_times, queue_times) is there with
+    no NaN or infinity (nulls aside): one would make every request's time NaN, so the list is
+    then not used, and that is said."""
+    if raw is None:
+        return False
+    values = _numbers(raw)
+    bad = ~np.isfinite(values) & np.array([v is not None for v in raw], dtype=bool)
+    if bad.any():
+        run.warn_unusable(
+            name, int(bad.sum()), f"is {_held(raw, values, bad)}: the list is not used"
+        )
+    return not bad.any()
+
+
+def request_frame(
+    result: VllmResult, path: Path, run: ImportedRun
+) -> tuple[pd.DataFrame, bool, bool] | None:
     """The per-request rows of a --save-detailed result (lab columns), whether they carry the
-    scheduled arrival (queue_times) and a common clock (start_times); None without them."""
+    scheduled arrival (queue_times) and a common clock (start_times); None without them.
+    Values the lab cannot use are said and counted in `run` (warn_unusable)."""
     if result.ttfts is None or (result.latencies is None and result.itls is None):
         return None
     n = len(result.ttfts)
@@ -105,16 +163,32 @@ def request_frame(result: VllmResult, path: Path) -> tuple[pd.DataFrame, bool, b
             raise InteropError(
                 f"{path}: not {WHAT}: '{name}' has {len(value)} entries, 'ttfts' {n}"
             )
-    ttft = np.array([t or 0.0 for t in result.ttfts], dtype=float)
+    ttft = _numbers(result.ttfts)
     if result.latencies is not None:
-        latency = np.array([t or 0.0 for t in result.latencies], dtype=float)
+        latency = _numbers(result.latencies)
     else:  # older versions keep no latencies: the last chunk is the first plus its gaps
         latency = ttft + np.array([sum(g) for g in result.itls or [[]] * n], dtype=float)
     errors = result.errors or [""] * n
-    ok = np.array([not e for e in errors], dtype=bool) & (ttft > 0)  # bool: also for no row
-    timeline = result.start_times is not None and all(s is not None for s in result.start_times)
-    start = np.array(result.start_times, dtype=float) if timeline else np.zeros(n)
-    queue = np.array([q or 0.0 for q in result.queue_times or [0.0] * n], dtype=float)
+    # vLLM records a failed request with its error and a TTFT of 0 (files without `errors`:
+    # the TTFT of 0 alone)
+    failed = np.array([bool(e) for e in errors], dtype=bool)  # bool: also for no row
+    if result.errors is None:
+        failed |= ttft == 0
+    no_ttft = ~failed & ~(np.isfinite(ttft) & (ttft > 0))
+    ttft_errors = _failed_without_error(run, "ttfts", result.ttfts, ttft, no_ttft)
+    no_latency = ~failed & ~no_ttft & ~np.isfinite(latency)
+    latency_errors = (
+        _failed_without_error(run, "latencies", result.latencies, latency, no_latency)
+        if result.latencies is not None
+        else [None] * n
+    )
+    ok = ~failed & ~no_ttft & ~no_latency
+    timeline = _finite_times(run, "start_times", result.start_times) and all(
+        s is not None for s in result.start_times or []
+    )
+    start = _numbers(result.start_times or []) if timeline else np.zeros(n)
+    queued = _finite_times(run, "queue_times", result.queue_times)
+    queue = np.nan_to_num(_numbers(result.queue_times or [])) if queued else np.zeros(n)
     arrival = start - queue
     t0 = float(arrival.min()) if timeline and n else 0.0
     outputs = result.output_lens or [None] * n
@@ -122,7 +196,12 @@ def request_frame(result: VllmResult, path: Path) -> tuple[pd.DataFrame, bool, b
         {
             "request_id": [str(i) for i in range(n)],
             "status": np.where(ok, "ok", "failed"),
-            "error": [None if o else (e or "failed") for o, e in zip(ok, errors, strict=True)],
+            "error": [
+                None if k else (e or why_ttft or why_latency or "failed")
+                for k, e, why_ttft, why_latency in zip(
+                    ok, errors, ttft_errors, latency_errors, strict=True
+                )
+            ],
             "arrival_s": arrival - t0,
             "sent_s": start - t0,
             "first_token_s": np.where(ok, start + ttft - t0, np.nan),
@@ -132,7 +211,7 @@ def request_frame(result: VllmResult, path: Path) -> tuple[pd.DataFrame, bool, b
             "output_tokens": [o if k else 0 for o, k in zip(outputs, ok, strict=True)],
         }
     )
-    return rows, result.queue_times is not None and timeline, timeline
+    return rows, queued and timeline, timeline
 
 
 def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) -> None:
@@ -272,7 +351,7 @@ def import_result(data: Any, path: Path, index: int | None) -> ImportedRun:
     if isinstance(status, str) and not status.startswith("complete"):
         run.status = "incomplete"
         run.notes.append(f"exported by inferlab from a run that did not finish: {status}")
-    detailed = request_frame(result, path)
+    detailed = request_frame(result, path, run)
     if detailed is not None:
         rows, arrival_known, timeline = detailed
         # without start times each row's clock is its own send: no timeline to write
@@ -289,6 +368,7 @@ def import_result(data: Any, path: Path, index: int | None) -> ImportedRun:
             arrival="send - vLLM's client queue time (queue_times)" if arrival_known else None,
             timeline=timeline,
             tokens="as vLLM counts them (the server's usage, else re-tokenized text)",
+            sources={"first_token_s": "ttfts", "last_token_s": "latencies"},
         )
         gaps = [
             g

@@ -32,6 +32,8 @@ def summary_of(run: ImportedRun) -> dict[str, Any]:
         "unmapped": list(run.unmapped),
         "superseded": list(run.superseded),
         "notes": list(run.notes),
+        "unusable_values": dict(run.unusable_values),
+        "warnings": list(run.warnings),
     }
 
 

@@ -28,7 +28,7 @@ from harness.measuring.metrics import REGISTRY
 from harness.measuring.roofline import Roof, decode_only, measured_step_s, prefill_only
 from harness.reporting import figures, speculative
 from harness.reporting.results import Results, load
-from harness.run_folder import read_sweep_summary
+from harness.run_folder import read_sweep_summary, refuse_run_file
 from harness.running.table import format_value
 
 MAIN_METRICS = (
@@ -80,6 +80,7 @@ SAMPLE_PLOTS = (
     "server_kv_cache_usage",
 )
 RATE_HINTS = ("rate", "concurrency", "qps")
+MARKDOWN_FILE, HTML_FILE, VARIANTS_FILE = "report.md", "report.html", "report_variants.csv"
 
 
 # the document -----------------------------------------------------------------------------
@@ -110,8 +111,15 @@ class Document:
     def table(self, frame: pd.DataFrame) -> None:
         self.blocks.append(Block("table", frame=frame))
 
+    def output(self, name: str) -> Path:
+        """The file `name` in the report's folder, once it is known not to be a run's own
+        (a report.md left there as a link to a run's summary.json)."""
+        path = self.out_dir / name
+        refuse_run_file(path, "--out")
+        return path
+
     def figure(self, fig: Any, name: str, caption: str) -> None:
-        path = self.out_dir / f"{name}.png"
+        path = self.output(f"{name}.png")
         figures.save(fig, str(path))
         self.figures.append(path)
         self.blocks.append(Block("figure", caption, path=path))
@@ -275,7 +283,7 @@ def variant_table(res: Results) -> pd.DataFrame:
 def section_variants(res: Results, doc: Document) -> None:
     doc.heading("Variants")
     table = variant_table(res)
-    table.to_csv(doc.out_dir / "report_variants.csv", index=False)
+    table.to_csv(doc.output(VARIANTS_FILE), index=False)
     if (res.variants["runs"] > 1).any():
         doc.text(
             "With repeats each metric is the median over the complete runs; `_cv` columns "
@@ -734,8 +742,9 @@ def write_report(
     """Write report.md, report.html, report_variants.csv and the figures into `out_dir`."""
     res = load(*paths)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     doc = Document(out)
+    files = [doc.output(name) for name in (MARKDOWN_FILE, HTML_FILE, VARIANTS_FILE)]
+    out.mkdir(parents=True, exist_ok=True)
     title = title or f"inferlab report: {', '.join(Path(p).name for p in paths)}"
     doc.heading(title, level=1)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -743,12 +752,13 @@ def write_report(
     section_overview(res, doc, [str(p) for p in paths])
     for section in SECTIONS:
         section(res, doc)
-    (out / "report.md").write_text(doc.markdown())
-    (out / "report.html").write_text(doc.html(title))
+    markdown_file, html_file, variants_file = files
+    markdown_file.write_text(doc.markdown())
+    html_file.write_text(doc.html(title))
     return {
-        "markdown": out / "report.md",
-        "html": out / "report.html",
-        "variants": out / "report_variants.csv",
+        "markdown": markdown_file,
+        "html": html_file,
+        "variants": variants_file,
         **{p.stem: p for p in doc.figures},
     }
 

@@ -162,3 +162,53 @@ def test_convert_refuses_bad_input(
     err = capsys.readouterr().err
     assert "--dtype: 'q3' is invalid" in err and "q4_1" in err and "\n" not in err.strip()
     assert not (tmp_path / "x.gguf").exists()
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_convert_writes_over_nothing_unless_forced(
+    tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inferlab convert m.gguf ~/models/Llama` replaced the config.json, model.safetensors
+    and tokenizer.json of the checkpoint already in that folder (they are the very names a
+    converted folder has), and `convert m.gguf old.gguf` replaced old.gguf; each is now
+    refused, naming DST and --force, exit 2, unless --force asks for it."""
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (checkpoint / name).write_text(f"the user's own {name}")
+    old = tmp_path / "old.gguf"
+    old.write_bytes(b"the user's own gguf")
+    run = tmp_path / "run"  # a run folder's own files, directly and through links
+    run.mkdir()
+    for name in ("summary.json", "config.yaml", "requests.parquet"):
+        (run / name).write_text(name)
+    (tmp_path / "linked.gguf").symlink_to(run / "summary.json")
+    (tmp_path / "linked-run").symlink_to(run)
+    before = {folder: _snapshot(folder) for folder in (checkpoint, run)}
+    for dst in (
+        checkpoint,
+        old,
+        tmp_path / "linked.gguf",
+        run / "summary.json",
+        run / "config.yaml",
+        tmp_path / "linked-run" / "summary.json",
+    ):
+        assert inferlab(["convert", str(tiny_gguf), str(dst)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"inferlab convert: dst: {dst} exists") and err.count("\n") == 1
+    assert {folder: _snapshot(folder) for folder in (checkpoint, run)} == before
+    assert old.read_bytes() == b"the user's own gguf"
+    assert (tmp_path / "linked.gguf").is_symlink()
+
+    assert inferlab(["convert", str(tiny_gguf), str(old), "--force"]) == 0
+    assert open_gguf(old).tensors  # replaced, as asked
+    assert inferlab(["convert", str(tiny_gguf), str(tmp_path / "linked.gguf"), "--force"]) == 0
+    assert not (tmp_path / "linked.gguf").is_symlink()  # the link is replaced, not its target
+    assert _snapshot(run) == before[run]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert inferlab(["convert", str(tiny_gguf), str(empty)]) == 0  # an empty folder is fine
+    assert (empty / "config.json").is_file()

@@ -330,6 +330,32 @@ def test_a_line_without_end_is_refused_not_read_forever(
         load_trace(path, "mooncake")
 
 
+@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "gz"])
+def test_a_trace_or_prompt_set_over_the_limit_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, azure_lines: list[str], compressed: bool
+) -> None:
+    """A trace had no size bound: a file of many gigabytes (or a small .gz that unpacks to
+    them) was read to its end. Over the limit (INFERLAB_MAX_INPUT_BYTES here; counted after
+    gunzip) it is refused, naming the file, the limit and how to raise it."""
+    data = ("\n".join(azure_lines[:2000]) + "\n").encode()
+    path = tmp_path / ("a.csv.gz" if compressed else "a.csv")
+    path.write_bytes(gzip.compress(data) if compressed else data)
+    assert len(data) > 40 << 10
+    if compressed:  # the file is under the limit, what it unpacks to is not
+        assert path.stat().st_size < 40 << 10
+    monkeypatch.setenv("INFERLAB_MAX_INPUT_BYTES", "40K")
+    for action in (lambda: load_trace(path, "azure"), lambda: load_prompt_set(path, "text")):
+        with pytest.raises(ValueError) as exc:
+            action()
+        assert str(exc.value).startswith(f"{path}: ")
+        assert "the 40 KiB allowed for a trace, prompt set or text; to read it, raise the " in (
+            str(exc.value)
+        )
+        assert "INFERLAB_MAX_INPUT_BYTES" in str(exc.value)
+    monkeypatch.delenv("INFERLAB_MAX_INPUT_BYTES")
+    assert len(load_trace(path, "azure")) == 1999
+
+
 def test_blank_lines_bom_and_crlf_read_like_the_plain_file(
     tmp_path: Path, azure_lines: list[str], mooncake_lines: list[str]
 ) -> None:

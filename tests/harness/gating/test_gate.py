@@ -5,12 +5,15 @@ planted-slowdown engine option."""
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import yaml
+from bounded_cli import run_inferlab
 
 from engines.base import ConfigError
 from engines.builtin.config import EngineConfig
@@ -161,6 +164,48 @@ def test_bad_rules_name_the_field(tmp_path: Path, rules: Any, message: str) -> N
 def test_a_missing_rules_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(RulesError, match=r"--rules: .* is not a file"):
         load_rules(tmp_path / "nope.yaml")
+
+
+def test_a_rules_file_over_the_limit_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rules file is read whole: one of gigabytes (a log given by mistake) was read into
+    memory and parsed; it is refused by its size, naming the limit and how to raise it."""
+    rules = write_rules(tmp_path, {"timing": {"min_effect": 0.05, "min_samples": 5}})
+    monkeypatch.setenv("INFERLAB_MAX_INPUT_BYTES", "16")
+    with pytest.raises(RulesError) as exc:
+        load_rules(rules)
+    assert str(exc.value) == (
+        f"--rules: {rules}: {rules.stat().st_size} bytes is more than the 16 bytes allowed "
+        "for a settings file; to read it, raise the limit with the environment variable "
+        "INFERLAB_MAX_INPUT_BYTES (e.g. INFERLAB_MAX_INPUT_BYTES=8G)"
+    )
+    monkeypatch.delenv("INFERLAB_MAX_INPUT_BYTES")
+    assert load_rules(rules).min_effect == 0.05
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (lambda tmp: Path("/dev/zero"), "a character device"),
+        (lambda tmp: (os.mkfifo(tmp / "rules.yaml"), tmp / "rules.yaml")[1], "a FIFO"),
+    ],
+    ids=["/dev/zero", "fifo"],
+)
+def test_a_device_or_fifo_as_rules_is_refused(
+    tmp_path: Path, make: Callable[[Path], Path], kind: str
+) -> None:
+    run = make_run(tmp_path / "run", 100.0)
+    rules = make(tmp_path)
+    done = run_inferlab(
+        "gate", "--baseline", str(run), "--candidate", str(run), "--rules", str(rules)
+    )
+    assert done.returncode == 2
+    assert done.stderr == (
+        f"inferlab gate: error: --rules: {rules}: is {kind}"
+        + (" (named pipe)" if kind == "a FIFO" else "")
+        + ", not a regular file\n"
+    )
 
 
 # ---- synthetic run folders -----------------------------------------------------------------

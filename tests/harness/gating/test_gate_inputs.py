@@ -407,6 +407,28 @@ def test_a_summary_that_is_a_folder(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert code == 2 and f"{tmp_path / 'bad' / 'summary.json'}: is a folder, not a file" in err
 
 
+def test_a_summary_over_the_limit_or_not_a_regular_file_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run folder's JSON and YAML are read whole: a summary.json of gigabytes was read into
+    memory; a summary.json that links to a device was reported as 'no such file'."""
+    good = write_run(tmp_path / "good")
+    big = write_run(tmp_path / "big")
+    monkeypatch.setenv("INFERLAB_MAX_INPUT_BYTES", "64")
+    code, _, err = inferlab_gate(capsys, *sides(good, big))
+    assert code == 2
+    assert err.startswith(f"inferlab gate: error: {good / 'summary.json'}: ")
+    assert "bytes is more than the 64 bytes allowed for a settings file; to read it, raise " in err
+    monkeypatch.delenv("INFERLAB_MAX_INPUT_BYTES")
+    (big / "summary.json").unlink()
+    (big / "summary.json").symlink_to("/dev/zero")
+    code, _, err = inferlab_gate(capsys, *sides(good, big))
+    assert code == 2
+    assert err == (
+        f"inferlab gate: error: {big / 'summary.json'}: is a character device, not a regular file\n"
+    )
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("metric", ["num_steps", "output_tok_per_s"])
 def test_non_finite_metric_values_are_inconclusive(

@@ -119,6 +119,21 @@ def test_records_alone_with_an_error_and_a_warmup(tmp_path: Path) -> None:
     assert run.metrics["ttft_p50_s"] > np.median(ttft) / 1000  # from the credit, not the send
 
 
+def test_a_record_without_its_ttft_is_said_and_counted(tmp_path: Path) -> None:
+    """A successful record whose time_to_first_token is NaN (or absent) was silently left out
+    of the TTFT statistics; that is now a warning and a count (`unusable_values`)."""
+    lines = records()
+    lines[3]["metrics"]["time_to_first_token"]["value"] = float("nan")
+    path = tmp_path / "profile_export.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = import_one(path)
+    assert run.unusable_values == {"time_to_first_token": 1}
+    assert run.warnings == [
+        f"{path}: 1 request(s): 'time_to_first_token' is missing or NaN for a successful "
+        "request: counted as completed, left out of the TTFT, TPOT statistics"
+    ]
+
+
 def test_records_that_do_not_match_the_summary_are_not_used(tmp_path: Path) -> None:
     shutil.copy(SUMMARY, tmp_path)
     lines = RECORDS.read_text().splitlines()[:5]

@@ -120,3 +120,20 @@ def test_llmperf_stray_text_entries(tmp_path: Path) -> None:
     run = import_one(path)
     assert run.metrics["num_requests"] == 5
     assert any("2 text entries" in note for note in run.notes)
+
+
+def test_llmperf_a_nan_ttft_is_said_and_counted(tmp_path: Path) -> None:
+    """A successful response with a NaN ttft_s was silently left out of the TTFT statistics
+    while it counted as completed; that is now a warning and a count (`unusable_values`)."""
+    responses = json.loads(RESPONSES.read_text())
+    responses[0]["ttft_s"] = float("nan")
+    path = tmp_path / RESPONSES.name
+    path.write_text(json.dumps(responses))
+    run = import_one(path)
+    assert run.unusable_values == {"ttft_s": 1}
+    assert run.warnings == [
+        f"{path}: 1 request(s): 'ttft_s' is missing or NaN for a successful request: counted "
+        "as completed, left out of the TTFT, TPOT statistics"
+    ]
+    assert run.metrics["num_completed"] == 4
+    assert import_one(RESPONSES).unusable_values == {}

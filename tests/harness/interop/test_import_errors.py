@@ -5,10 +5,13 @@ nothing written."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from bounded_cli import run_inferlab
 
 from harness import cli
 from harness.run_folder import short_json
@@ -252,3 +255,45 @@ def test_an_empty_output_folder_is_an_error_not_the_default(
     allowed = "allowed: a folder path (or no --out)"
     assert err == f"inferlab import: error: --out: {out!r} is invalid; {allowed}"
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda tmp: Path("/dev/zero"), "/dev/zero: is a character device, not a regular file"),
+        (lambda tmp: (os.mkfifo(tmp / "r.json"), tmp / "r.json")[1], "is a FIFO (named pipe)"),
+    ],
+    ids=["/dev/zero", "fifo"],
+)
+def test_a_device_or_fifo_is_refused_not_read(
+    tmp_path: Path, make: Callable[[Path], Path], expected: str
+) -> None:
+    """`inferlab import /dev/zero --format vllm` read until the OOM killer ended it (13.8 GB);
+    a FIFO blocked for ever. Both are refused, naming the file, before a byte is read."""
+    path = make(tmp_path)
+    done = run_inferlab("import", str(path), "--format", "vllm", "--out", str(tmp_path / "out"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("inferlab import: error: ") and expected in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_result_file_over_the_limit_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = FIXTURES / "vllm" / "detailed.json"
+    monkeypatch.setenv("INFERLAB_MAX_INPUT_BYTES", "1K")  # the fixture is 1488 bytes
+    assert cli.main(["import", str(source), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"inferlab import: error: {source}: 1.45 KiB is more than the 1 KiB allowed for a "
+        "result file; to read it, raise the limit with the environment variable "
+        "INFERLAB_MAX_INPUT_BYTES (e.g. INFERLAB_MAX_INPUT_BYTES=8G)\n"
+    )
+    monkeypatch.setenv("INFERLAB_MAX_INPUT_BYTES", "lots")
+    assert cli.main(["import", str(source), "--out", str(tmp_path / "out")]) == 2
+    assert "INFERLAB_MAX_INPUT_BYTES: 'lots' is invalid; allowed: a number of bytes" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setenv("INFERLAB_MAX_INPUT_BYTES", "2K")
+    assert cli.main(["import", str(source), "--out", str(tmp_path / "out")]) == 0

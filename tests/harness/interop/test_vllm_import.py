@@ -160,3 +160,54 @@ def test_written_rows_round_trip_through_parquet(tmp_path: Path) -> None:
     assert summary["metrics"]["num_completed"] == 3
     assert summary["definitions"]["itl_p50_s"]["same_as_lab"] is False
     assert summary["imported"]["tool"] == "vllm"
+
+
+def test_a_nan_ttft_is_said_and_counted_not_silently_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM writes NaN into its JSON for some entries: a request with no error but a NaN TTFT
+    was silently turned into a failed one. It is still counted as failed (it has no first token
+    time), but now a warning on stderr says how many, which field and why, summary.json counts
+    them (`unusable_values`), and the row's error says what its entry held."""
+    from harness import cli
+
+    data = json.loads((VLLM / "detailed.json").read_text())
+    data["ttfts"][1] = float("nan")
+    data["latencies"][3] = None
+    path = tmp_path / "nan.json"
+    path.write_text(json.dumps(data))  # json.dumps writes NaN, as vLLM's json.dump does
+    out = tmp_path / "run"
+    assert cli.main(["import", str(path), "--out", str(out)]) == 0
+    assert capsys.readouterr().err == (
+        f"inferlab import: warning: {path}: 1 request(s): 'ttfts' is NaN (1) with no error "
+        "recorded: counted as failed (vLLM writes NaN for some requests)\n"
+        f"inferlab import: warning: {path}: 1 request(s): 'latencies' is null (1) with no "
+        "error recorded: counted as failed (vLLM writes NaN for some requests)\n"
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["unusable_values"] == {"ttfts": 1, "latencies": 1}
+    assert len(summary["warnings"]) == 2
+    assert summary["metrics"]["num_completed"] == 1 and summary["metrics"]["num_failed"] == 3
+    rows = pd.read_parquet(out / "requests.parquet").set_index("request_id")
+    assert rows.loc["1", "error"] == "vLLM's ttfts entry is NaN, with no error recorded"
+    assert rows.loc["3", "error"] == "vLLM's latencies entry is null, with no error recorded"
+    assert rows.loc["2", "error"] == data["errors"][2]  # vLLM's own failure, unchanged
+
+
+def test_a_nan_start_time_leaves_the_timeline_out_and_says_so(tmp_path: Path) -> None:
+    """One NaN in start_times made every request's time NaN (t0 = NaN)."""
+    data = json.loads((VLLM / "detailed.json").read_text())
+    data["start_times"][0] = float("nan")
+    data["queue_times"][2] = float("inf")
+    path = tmp_path / "nan.json"
+    path.write_text(json.dumps(data))
+    run = import_one(path)
+    assert run.unusable_values == {"start_times": 1, "queue_times": 1}
+    assert run.warnings == [
+        f"{path}: 1 request(s): 'start_times' is NaN (1): the list is not used",
+        f"{path}: 1 request(s): 'queue_times' is infinite (1): the list is not used",
+    ]
+    assert run.requests is not None and run.requests["sent_s"].isna().all()
+    assert np.isfinite(run.metrics["ttft_mean_s"])
+    clean = import_one(VLLM / "detailed.json")
+    assert clean.unusable_values == {} and clean.warnings == []

@@ -145,6 +145,27 @@ def test_cached_model_and_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     LLM(model=str(tmp_path / "cli"), dtype="float32")  # loads in the engine
 
 
+def test_train_tiny_writes_over_a_model_only_when_forced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`train-tiny --out FOLDER` replaced the config.json and model.safetensors of the
+    checkpoint in FOLDER; it is now refused before training, naming --out and --force."""
+    from harness import cli
+
+    out = tmp_path / "checkpoint"
+    out.mkdir()
+    (out / "model.safetensors").write_text("the user's own weights")
+    assert cli.main(["train-tiny", "--steps", "1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"inferlab train-tiny: --out: {out} exists (a folder that is not empty) and would be "
+        "written over; give --force to replace what is there, or name a path that does not "
+        "exist\n"
+    )
+    assert (out / "model.safetensors").read_text() == "the user's own weights"
+    assert cli.main(["train-tiny", "--steps", "1", "--out", str(out), "--force"]) == 0
+    LLM(model=str(out), dtype="float32")  # replaced, as asked
+
+
 def test_run_quality_sees_the_int8_kv_cache() -> None:
     results = {}
     for kv_dtype in ("auto", "int8"):

@@ -1,0 +1,133 @@
+"""Every command that writes where the user says refuses a run folder's own file (the one
+guard, harness.run_folder.refuse_run_file; docs/run_folder.md "Files the commands write"):
+named directly, through a link to it, or through a linked folder. Exit 2, one line naming the
+option, and the run folder byte for byte as it was. `train-tiny` (and `convert`,
+tests/models/test_gguf_convert.py), below the harness, refuse any --out that exists instead."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from harness import cli
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+VLLM_RESULT = FIXTURES / "vllm" / "detailed.json"
+
+
+@pytest.fixture(scope="module")
+def imported_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real run folder (summary.json, requests.parquet, provenance.json, config.yaml),
+    imported from a vLLM result: made in a moment, without a model."""
+    run = tmp_path_factory.mktemp("guard") / "run"
+    assert cli.main(["import", str(VLLM_RESULT), "--out", str(run)]) == 0
+    return run
+
+
+@pytest.fixture
+def run(imported_run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(imported_run, copy)
+    return copy
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+#: the run's own file a target reaches, and how: (name, make(tmp, run) -> the path given)
+TARGETS: dict[str, Callable[[Path, Path], Path]] = {
+    "summary.json": lambda tmp, run: run / "summary.json",
+    "requests.parquet": lambda tmp, run: run / "requests.parquet",
+    "config.yaml": lambda tmp, run: run / "config.yaml",
+    "a link to summary.json": lambda tmp, run: _link(tmp / "result.json", run / "summary.json"),
+    "summary.json in a linked folder": lambda tmp, run: _link(tmp / "linked", run) / "summary.json",
+    "a new file in profile/": lambda tmp, run: run / "profile" / "gate.json",
+}
+
+
+def _link(link: Path, target: Path) -> Path:
+    link.symlink_to(target)
+    return link
+
+
+#: each command's argv writing to `out`; `other` is a second run folder to read
+WRITERS: dict[str, Callable[[Path, Path], list[str]]] = {
+    "gate --markdown": lambda other, out: [
+        "gate", "--baseline", str(other), "--candidate", str(other), "--markdown", str(out)
+    ],
+    "gate --json": lambda other, out: [
+        "gate", "--baseline", str(other), "--candidate", str(other), "--json", str(out)
+    ],
+    "export --out": lambda other, out: ["export", str(other), "--out", str(out)],
+    "import --out": lambda other, out: ["import", str(VLLM_RESULT), "--out", str(out)],
+    "report --out": lambda other, out: ["report", str(other), "--out", str(out)],
+    "train-tiny --out": lambda other, out: ["train-tiny", "--steps", "1", "--out", str(out)],
+    "gate ab --out": lambda other, out: [
+        "gate", "ab", "--baseline", "", "--candidate", "engine.kv_cache=paged", "--out", str(out)
+    ],
+}  # fmt: skip
+
+
+#: train-tiny knows no run folder: a new folder inside a run's profile/ replaces nothing there
+CASES = [
+    (writer, target)
+    for writer in WRITERS
+    for target in TARGETS
+    if (writer, target) != ("train-tiny --out", "a new file in profile/")
+]
+
+
+@pytest.mark.parametrize(("writer", "target"), CASES)
+def test_no_writer_writes_over_a_run_folders_own_file(
+    imported_run: Path,
+    run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    writer: str,
+    target: str,
+) -> None:
+    """`gate --json RUN/summary.json` wrote the gate's result over the run's summary (the
+    next gate said "not valid JSON"); `train-tiny --out RUN/summary.json` trained, then ended
+    in a traceback; a run's file reached through a link was written over."""
+    (run / "profile").mkdir()
+    before = snapshot(run)
+    out = TARGETS[target](tmp_path, run)
+    assert cli.main(WRITERS[writer](imported_run, out)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert "--out" in err or writer.split()[-1] in err
+    assert snapshot(run) == before
+    assert not (run / "profile" / "gate.json").exists()
+
+
+def test_an_earlier_output_is_written_over(
+    imported_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The other half of the rule: a file that is no run's own, such as the gate's JSON of an
+    earlier gate, is replaced (as export replaces an earlier export)."""
+    out = tmp_path / "gate.json"
+    out.write_text("an earlier gate\n")
+    gate = ["gate", "--baseline", str(imported_run), "--candidate", str(imported_run)]
+    assert cli.main([*gate, "--json", str(out), "--markdown", str(tmp_path / "gate.md")]) == 2
+    assert json.loads(out.read_text())["verdict"] == "inconclusive"
+    assert (tmp_path / "gate.md").read_text().startswith("## inferlab gate: INCONCLUSIVE")
+
+
+def test_report_never_writes_through_a_link_in_its_out_folder(
+    imported_run: Path, run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A report.md (or figure) in --out that links to a run's summary.json was written
+    through, replacing the summary with the report."""
+    before = snapshot(run)
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "report.md").symlink_to(run / "summary.json")
+    assert cli.main(["report", str(imported_run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--out: " in err and "is a file of the run folder" in err
+    assert snapshot(run) == before
