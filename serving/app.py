@@ -24,7 +24,7 @@ from serving.formats import ChatWriter, CompletionWriter, Writer, collect, event
 from serving.generation import ServingEngine
 from serving.lifecycle import RequestClock, arrival_ns
 from serving.limits import BodySizeLimit, HeaderCountLimit
-from serving.profiler import EngineProfiler
+from serving.profiler import EngineProfiler, refuse_cross_origin
 from serving.profiler import not_enabled as profiler_not_enabled
 from serving.prometheus import CONTENT_TYPE
 from serving.protocol import (
@@ -111,12 +111,12 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     # vLLM's profiler endpoints (serving/profiler.py); a request body (vllm bench sends one) is
     # ignored
     @app.post("/start_profile")
-    async def start_profile() -> dict[str, Any]:
-        return await _profiler(serving).start()
+    async def start_profile(request: Request) -> dict[str, Any]:
+        return await _profiler(serving, request).start()
 
     @app.post("/stop_profile")
-    async def stop_profile() -> dict[str, Any]:
-        return await _profiler(serving).stop()
+    async def stop_profile(request: Request) -> dict[str, Any]:
+        return await _profiler(serving, request).stop()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -172,9 +172,10 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     return app
 
 
-def _profiler(serving: ServingEngine) -> EngineProfiler:
+def _profiler(serving: ServingEngine, request: Request) -> EngineProfiler:
     if serving.profiler is None:
         raise profiler_not_enabled()
+    refuse_cross_origin(request.headers.get("origin"), request.headers.get("host"))
     serving.check_serving()  # the engine thread must be there to run the profiler's commands
     return serving.profiler
 

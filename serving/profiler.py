@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -51,6 +52,22 @@ def not_enabled() -> APIError:
         None,
         "profiler_not_enabled",
         404,
+    )
+
+
+def refuse_cross_origin(origin: str | None, host: str | None) -> None:
+    """The endpoints take no body, so a web page can POST to them without a CORS preflight,
+    and a server on localhost is in reach of every page its user opens. Browsers name the
+    page's origin in `Origin`; command-line clients (vllm bench, the harness) send none. A
+    request from a page of another origin is refused (403)."""
+    if origin is None or urlsplit(origin).netloc == (host or ""):
+        return
+    raise APIError(
+        f"The profiler endpoints refuse requests from web pages of other origins (Origin: "
+        f"{origin}); call them from a command-line client",
+        None,
+        "cross_origin_refused",
+        403,
     )
 
 

@@ -159,3 +159,24 @@ def test_profile_dir_must_be_a_folder(tmp_path: Path) -> None:
     with pytest.raises(ServerConfigError, match="profile_dir: '' is invalid"):
         ServerConfig(profile_dir="").validate()
     assert ServerConfig(profile_dir=str(tmp_path / "new")).validate().profile_dir
+
+
+def test_a_web_page_of_another_origin_cannot_start_the_profiler(
+    backend: BuiltinBackend, tmp_path: Path
+) -> None:
+    """The endpoints take no body, so a page the user opens could POST to a localhost server
+    with profile_dir without a CORS preflight, and start (or stop) the profiler."""
+    out = tmp_path / "profiles"
+    with (
+        serve_in_thread(backend, ServerConfig(profile_dir=str(out))) as server,
+        httpx.Client(base_url=server.base_url, timeout=60) as client,
+    ):
+        for endpoint in ("/start_profile", "/stop_profile"):
+            refused = client.post(endpoint, headers={"Origin": "https://example.com"})
+            assert_error(refused, 403, "cross_origin_refused", "https://example.com")
+        assert not out.exists()  # nothing started
+        # a page of the server's own origin, and clients that send no Origin, are served
+        own = server.base_url.rstrip("/")
+        started = client.post("/start_profile", headers={"Origin": own})
+        assert started.status_code == 200, started.text
+        assert client.post("/stop_profile").status_code == 200
