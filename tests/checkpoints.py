@@ -1,6 +1,6 @@
 """Tiny checkpoints written on the spot. A Hugging Face folder: the `tiny` preset's shape in
 config.json, its dummy weights in model.safetensors and the project tokenizer in
-tokenizer.json, with any config.json key changed or one weight set to NaN (the hostile inputs
+tokenizer.json, with any config.json key changed or a weight set to NaN or inf (the hostile inputs
 the loader and the engine must refuse). A GGUF file: a 2-layer llama with the metadata keys and
 value types of SmolLM2-135M-Instruct's file and its tensor types, a few KB."""
 
@@ -34,16 +34,16 @@ def tiny_config_json() -> dict[str, Any]:
 
 
 def write_tiny_checkpoint(
-    folder: Path, config: dict[str, Any] | None = None, nan_weight: str | None = None
+    folder: Path, config: dict[str, Any] | None = None, poisoned: dict[str, float] | None = None
 ) -> Path:
-    """`config`: config.json's keys to change; `nan_weight`: a tensor whose first element is
-    made NaN."""
+    """`config`: config.json's keys to change; `poisoned`: tensor name -> the value its first
+    element is set to (NaN, inf)."""
     folder.mkdir(parents=True, exist_ok=True)
     # Python's json writes (and reads) NaN and Infinity, as a hand-edited file may hold them
     (folder / "config.json").write_text(json.dumps({**tiny_config_json(), **(config or {})}))
     weights = dummy_state_dict(resolve_model("tiny"))
-    if nan_weight is not None:
-        weights[nan_weight].view(-1)[0] = float("nan")
+    for name, value in (poisoned or {}).items():
+        weights[name].view(-1)[0] = value
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     default_tokenizer().backend.save(str(folder / "tokenizer.json"))
     return folder
