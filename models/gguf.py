@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from models.cache import build_folder_once, cache_dir, file_key
+from models.gguf_header import GGUFHeaderError, check_gguf_header
 
 
 class UnsupportedGGUFError(ValueError):
@@ -49,14 +50,24 @@ def open_gguf(path: str | Path) -> Any:
     import gguf
 
     try:
+        check_gguf_header(path)  # the reader trusts the header's counts and lengths
         return gguf.GGUFReader(str(path))
+    except GGUFHeaderError as exc:  # it names the file and the field
+        raise UnsupportedGGUFError(str(exc)) from None
     except (ValueError, OSError) as exc:
         raise UnsupportedGGUFError(f"{path}: not a readable GGUF file ({exc})") from None
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except UnicodeDecodeError:  # the header check reads names and strings, not array items
+        raise UnsupportedGGUFError(
+            f"{reader.data.filename}: {key}: holds a string that is not valid UTF-8"
+        ) from None
 
 
 #: config.json's keys -> the llama metadata keys of a GGUF file they are read from.
@@ -84,8 +95,9 @@ def hf_config(reader: Any) -> dict[str, Any]:
         )
     names = {t.name for t in reader.tensors}
     config = {hf: _field(reader, key) for hf, key in GGUF_KEYS.items()}
+    if config["vocab_size"] is None:
+        config["vocab_size"] = len(_field(reader, "tokenizer.ggml.tokens", []))
     defaults = {
-        "vocab_size": len(_field(reader, "tokenizer.ggml.tokens", [])),
         "num_key_value_heads": config["num_attention_heads"],
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
