@@ -237,5 +237,8 @@ def tokenizer_folder(path: str | Path) -> Path:
     (keyed by the file's path, size and modification time) and reused."""
     folder = cache_dir() / "gguf-tokenizers" / file_key(path)
     return build_folder_once(
-        folder, "tokenizer_config.json", lambda out: write_hf_tokenizer(path, out)
+        folder,
+        "tokenizer_config.json",
+        lambda out: write_hf_tokenizer(path, out),
+        "GGUF tokenizer cache",
     )
