@@ -19,7 +19,7 @@ HEADER_BYTES = 24  # magic, version, tensor count, key count
 MIN_KEY_BYTES = 8 + 4 + 1  # an empty name, a value type, a one-byte value
 MIN_TENSOR_BYTES = 8 + 4 + 4 + 8  # an empty name, no dimensions, a type, an offset
 MAX_DIMS = 4  # GGML_MAX_DIMS
-STRING, ARRAY = 8, 9
+UINT32, STRING, ARRAY = 4, 8, 9
 #: The size of each fixed-size value type (GGUFValueType: UINT8 ... FLOAT64).
 SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 DEFAULT_ALIGNMENT = 32
@@ -139,8 +139,8 @@ def _walk(header: _Walker) -> None:
         name = header.string(f"key #{index}'s name")
         kind = header.number("I", f"key {name!r}: its value type")
         value = header.value(kind, f"key {name!r}")
-        if name == "general.alignment" and isinstance(value, int) and value > 0:
-            alignment = value
+        if name == "general.alignment" and kind == UINT32 and value > 0 and not value & (value - 1):
+            alignment = value  # the reader refuses any other, after this check
     infos = [_tensor_info(header, index) for index in range(tensors)]
     data_start = -(-header.offset // alignment) * alignment
     for name, offset, nbytes in infos:

@@ -59,14 +59,19 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_gguf(path: Path, metadata: dict[str, int | float] | None = None) -> Path:
+def write_tiny_gguf(
+    path: Path, metadata: dict[str, int | float] | None = None, alignment: int | None = None
+) -> Path:
     """A llama GGUF with SmolLM2's keys and tensor types at toy sizes (seeded weights);
-    `metadata`: numeric keys to change (llama.context_length, ...), each of its own type."""
+    `metadata`: numeric keys to change (llama.context_length, ...), each of its own type;
+    `alignment`: general.alignment (default: none, the format's 32)."""
     import gguf
     from tokenizers import pre_tokenizers
 
     tokens = SPECIAL + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
     writer = gguf.GGUFWriter(str(path), arch="llama")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
     for key, value in {
         "general.type": "model",
         "general.name": "Tiny Synthetic",

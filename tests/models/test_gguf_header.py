@@ -183,3 +183,16 @@ def test_a_vocabulary_string_that_is_not_utf8_is_named(
     assert str(refused.value) == (
         f"{path}: tokenizer.ggml.tokens: holds a string that is not valid UTF-8"
     )
+
+
+def test_the_files_own_alignment_places_the_tensor_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """general.alignment 4096 puts the data further in than the default 32: a file cut inside
+    its last tensor is still caught, and the whole file still passes."""
+    path = write_tiny_gguf(tmp_path / "aligned.gguf", alignment=4096)
+    assert cli.main(["kv-calc", "model=hf", f"model.path={path}"]) == 0
+    capsys.readouterr()
+    path.write_bytes(path.read_bytes()[:-3900])  # past its padding, into its data
+    assert cli.main(["kv-calc", "model=hf", f"model.path={path}"]) == 2
+    assert "tensor 'output_norm.weight': its data (256 bytes" in capsys.readouterr().err
