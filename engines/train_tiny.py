@@ -188,7 +188,10 @@ def cached_tiny_model(text_path: str | Path | None = None, **params: Any) -> Pat
 
     out = cache_dir() / f"tiny-trained-{cache_key(text_path, **params)}"
     return build_folder_once(
-        out, "config.json", lambda tmp: train_tiny(text_path, tmp, **{**DEFAULTS, **params})
+        out,
+        "config.json",
+        lambda tmp: train_tiny(text_path, tmp, **{**DEFAULTS, **params}),
+        "trained-model cache",
     )
 
 

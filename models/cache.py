@@ -1,14 +1,32 @@
 """The on-disk cache every part of the lab shares (the default tokenizer, the tiny trained
-model, native kernels, hardware calibration): $INFERLAB_CACHE_DIR, else ~/.cache/inferlab."""
+model, GGUF tokenizers and conversions, native kernels, hardware calibration):
+$INFERLAB_CACHE_DIR, else ~/.cache/inferlab.
+
+One trust rule for everything read from it (`check_trusted`): the entry, and every folder from
+the cache's root down to it, must be owned by this user and writable by no one else. Whoever
+can write an entry chooses what the lab loads: a tokenizer, weights, a calibration, or a
+shared library that runs in every process. An entry that breaks the rule is refused, never
+read and never rebuilt in place (another user could replace the rebuild too); the error
+names it and the fix. Everything the cache makes is made so that it keeps the rule, whatever
+the umask (a user-private-group umask of 002 makes files group-writable).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+FOLDER_MODE = 0o755  # masked by the umask as usual, but never group- or other-writable
+
+
+class UntrustedCacheError(ValueError):
+    """A cache entry (or a folder above it) that someone other than this user could have
+    written; the message names it and how to fix it."""
 
 
 def cache_dir() -> Path:
@@ -18,10 +36,74 @@ def cache_dir() -> Path:
     return Path(base) / "inferlab"
 
 
+def check_trusted(path: Path, what: str, root: Path | None = None) -> Path:
+    """`path`, once it and each folder from `root` (default: the cache's) down to it that
+    exists is owned by this user and not writable by group or others; UntrustedCacheError
+    naming the first that is not, and `what` it is, otherwise. A `path` outside `root` is
+    checked alone. What does not exist yet is left for this user to make."""
+    root = cache_dir() if root is None else root
+    try:
+        inside = path.relative_to(root)
+    except ValueError:
+        chain = [path]
+    else:
+        chain = [root, *(root / Path(*inside.parts[: i + 1]) for i in range(len(inside.parts)))]
+    for entry in chain:
+        _check_entry(entry, what)
+    return path
+
+
+def check_trusted_tree(folder: Path, what: str) -> Path:
+    """`check_trusted` for `folder` and for everything inside it."""
+    check_trusted(folder, what)
+    for parent, folders, files in os.walk(folder):
+        for name in [*folders, *files]:
+            _check_entry(Path(parent) / name, what)
+    return folder
+
+
+def _check_entry(entry: Path, what: str) -> None:
+    try:
+        info = entry.stat()
+    except (FileNotFoundError, NotADirectoryError):  # nothing there to read
+        return
+    if info.st_uid != os.getuid():
+        raise UntrustedCacheError(
+            f"refused the {what} {entry}: owned by uid {info.st_uid}, not by this user "
+            f"(uid {os.getuid()}); set INFERLAB_CACHE_DIR to a folder of your own"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UntrustedCacheError(
+            f"refused the {what} {entry}: writable by group or others (mode "
+            f"{stat.S_IMODE(info.st_mode):#o}); `chmod go-w {entry}` or set INFERLAB_CACHE_DIR "
+            "to a folder only you can write"
+        )
+
+
+def make_folder(folder: Path) -> None:
+    """`mkdir -p` whose new levels are FOLDER_MODE (Path.mkdir(parents=True) makes the
+    parents it adds group-writable under a umask of 002)."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for level in reversed(missing):
+        level.mkdir(mode=FOLDER_MODE, exist_ok=True)  # exists: another process made it first
+
+
+def drop_group_write(path: Path) -> None:
+    """Clear the group and other write bits of `path` and of everything inside it."""
+    entries = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for entry in entries:
+        mode = stat.S_IMODE(entry.lstat().st_mode)
+        if mode & 0o022 and not entry.is_symlink():
+            entry.chmod(mode & ~0o022)
+
+
 def write_text_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     """Readers see no file or a complete one, so concurrent processes may race to fill the
     cache. `mode`: mkstemp makes files owner-only; a shared cache should be readable."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(path.parent)
     with tempfile.NamedTemporaryFile(
         "w", encoding="utf-8", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False
     ) as f:
@@ -48,16 +130,21 @@ def file_key(path: str | os.PathLike[str]) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def build_folder_once(folder: Path, marker: str, build: Callable[[Path], object]) -> Path:
+def build_folder_once(
+    folder: Path, marker: str, build: Callable[[Path], object], what: str
+) -> Path:
     """`folder`, built by `build(staging)` in a staging folder beside it and renamed into place
     unless `folder/marker` already exists: readers see it whole or not at all, and when
-    processes race, the first rename wins and the others' copies (as good) are dropped."""
+    processes race, the first rename wins and the others' copies (as good) are dropped.
+    `folder` and all it holds must keep the trust rule (`what` names it in the error)."""
+    check_trusted(folder, what)
     if (folder / marker).is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
+        return check_trusted_tree(folder, what)
+    make_folder(folder.parent)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         build(staging)
+        drop_group_write(staging)  # what `build` wrote with the umask's modes
         try:
             staging.rename(folder)
         except OSError:

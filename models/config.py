@@ -8,16 +8,139 @@ checkpoint's config and refuses, by name, anything the engine does not implement
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from models.files import SETTINGS, UserFileError, read_input_text
-from models.gguf import gguf_hf_config
+from models.gguf import GGUF_KEYS, gguf_hf_config
 from models.packaged import PACKAGED_MODELS, packaged_model_path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+#: The largest value each size may take: past every released model (vocabularies to ~256K,
+#: hidden sizes to ~25K, ~126 layers, contexts to ~10M positions), and small enough that a
+#: slip (max_position_embeddings 1e12) is refused before the engine sizes a buffer by it.
+SIZE_LIMITS = {
+    "vocab_size": 1 << 24,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20,
+    "num_layers": 1 << 12,
+    "num_heads": 1 << 12,
+    "num_kv_heads": 1 << 12,
+    "head_dim": 1 << 12,
+    "max_position_embeddings": 1 << 24,
+}
+#: The rope_scaling parameters the rotary embedding reads, per rope_type.
+ROPE_PARAMETERS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+class ModelFieldError(ValueError):
+    """A ModelConfig field's value the engine cannot run; `field`, `value` and `reason` let a
+    caller say it in the terms of the file the value came from."""
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        self.field, self.value, self.reason = field, value, reason
+        super().__init__(f"model.{field}: {self.shown} is invalid; {reason}")
+
+    @property
+    def shown(self) -> str:
+        """The value as the error shows it: its repr, cut short (a 400-digit rope_theta)."""
+        try:
+            text = repr(self.value)
+        except ValueError:  # an integer past Python's limit for printing one
+            return "an integer of more than 4300 digits"
+        return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past float's range
+        return False
+
+
+def check_size(name: str, value: Any) -> int:
+    """`value` of the size field `name`: an integer in [1, SIZE_LIMITS[name]]."""
+    limit = SIZE_LIMITS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise ModelFieldError(name, value, f"allowed: an integer in [1, {limit}]")
+    return value
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_model_fields(values: Mapping[str, Any]) -> None:
+    """Every rule a ModelConfig's values must meet (ModelFieldError names the first field that
+    breaks one): sizes are integers in [1, SIZE_LIMITS], that divide where the model splits
+    them; the norm's epsilon and rope's parameters finite numbers > 0; flags booleans."""
+    for name in SIZE_LIMITS:
+        check_size(name, values[name])
+    if values["num_heads"] % values["num_kv_heads"]:
+        raise ModelFieldError(
+            "num_kv_heads",
+            values["num_kv_heads"],
+            f"it must divide the number of attention heads ({values['num_heads']})",
+        )
+    if values["head_dim"] % 2:
+        raise ModelFieldError("head_dim", values["head_dim"], "rotary embeddings need an even one")
+    for name in ("rms_norm_eps", "rope_theta"):
+        if not _is_number(values[name]) or values[name] <= 0:
+            raise ModelFieldError(name, values[name], "allowed: a finite number > 0")
+    for name in ("attention_bias", "tie_word_embeddings"):
+        if not isinstance(values[name], bool):
+            raise ModelFieldError(name, values[name], "allowed: true|false")
+    window, longest = values["sliding_window"], SIZE_LIMITS["max_position_embeddings"]
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= longest
+    ):
+        raise ModelFieldError(
+            "sliding_window", window, f"allowed: null or an integer in [1, {longest}]"
+        )
+    if values["bos_token_id"] is not None and not _is_token_id(values["bos_token_id"]):
+        raise ModelFieldError(
+            "bos_token_id", values["bos_token_id"], "allowed: null or an integer >= 0"
+        )
+    eos = values["eos_token_ids"]
+    if not isinstance(eos, tuple) or not all(_is_token_id(i) for i in eos):
+        raise ModelFieldError("eos_token_ids", eos, "allowed: integers >= 0")
+    _check_rope_scaling(values["rope_scaling"])
+
+
+def _check_rope_scaling(scaling: Any) -> None:
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise ModelFieldError("rope_scaling", scaling, "allowed: null or a mapping")
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelFieldError(
+            "rope_scaling",
+            scaling,
+            f"rope_type {rope_type!r} is not one of {'|'.join(SUPPORTED_ROPE_TYPES)}",
+        )
+    for key in ROPE_PARAMETERS.get(rope_type, ()):
+        if not _is_number(scaling.get(key)) or scaling[key] <= 0:
+            raise ModelFieldError(
+                f"rope_scaling.{key}",
+                scaling.get(key),
+                f"allowed: a finite number > 0 ({rope_type} scaling needs it)",
+            )
+    if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ModelFieldError(
+            "rope_scaling.high_freq_factor",
+            scaling["high_freq_factor"],
+            f"it must be greater than low_freq_factor ({scaling['low_freq_factor']})",
+        )
 
 
 @dataclass(frozen=True)
@@ -41,33 +164,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"model.{name}: {getattr(self, name)!r} is invalid; {allowed}")
-
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise bad(name, "allowed: an integer >= 1")
-        if self.num_heads % self.num_kv_heads:
-            raise bad("num_kv_heads", f"it must divide num_heads={self.num_heads}")
-        if self.head_dim % 2:
-            raise bad("head_dim", "rotary embeddings need an even head_dim")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise bad("sliding_window", "allowed: null or an integer >= 1")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise bad(
-                "rope_scaling",
-                f"rope_type {rope_type!r} is not one of {'|'.join(SUPPORTED_ROPE_TYPES)}",
-            )
+        check_model_fields({f.name: getattr(self, f.name) for f in fields(self)})
 
     @property
     def q_size(self) -> int:
@@ -197,17 +294,28 @@ class UnsupportedCheckpointError(ValueError):
     """The checkpoint asks for something the engine does not implement."""
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+#: ModelConfig fields under another name in config.json (the others keep theirs).
+HF_KEYS = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "eos_token_ids": "eos_token_id",
+}
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
     # transformers >= 5 writes `rope_parameters` (theta inside); older versions write
     # `rope_theta` and `rope_scaling` side by side.
     params = cfg.get("rope_parameters")
     if params is None:
-        theta = float(cfg.get("rope_theta", 10000.0))
+        theta = cfg.get("rope_theta", 10000.0)
         scaling = cfg.get("rope_scaling")
+    elif not isinstance(params, dict):
+        raise ModelFieldError("rope_parameters", params, "allowed: a mapping")
     else:
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    if scaling is not None:
+    if isinstance(scaling, dict):
         scaling = dict(scaling)
         rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -217,6 +325,25 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             )
         scaling = None if rope_type == "default" else {"rope_type": rope_type, **scaling}
     return theta, scaling
+
+
+def non_finite_number(value: Any, path: str = "") -> tuple[str, float] | None:
+    """(where, value) of the first NaN or infinity in a JSON-like value (Python's json reads
+    NaN and Infinity, and turns 1e999 into inf), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    items: Any = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list | tuple)
+        else ()
+    )
+    for key, item in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        if (found := non_finite_number(item, where)) is not None:
+            return found
+    return None
 
 
 def from_hf_config(path: str | Path) -> ModelConfig:
@@ -230,7 +357,7 @@ def from_hf_config(path: str | Path) -> ModelConfig:
         cfg = json.loads(read_input_text(config_file, SETTINGS))
     except UserFileError as exc:  # not UTF-8, or larger than a config.json can be
         raise UnsupportedCheckpointError(str(exc)) from None
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # not JSON; also an integer of more digits than Python reads
         raise UnsupportedCheckpointError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise UnsupportedCheckpointError(
@@ -239,9 +366,35 @@ def from_hf_config(path: str | Path) -> ModelConfig:
     return from_hf_dict(cfg, where)
 
 
-def from_hf_dict(cfg: dict[str, Any], where: str) -> ModelConfig:
+def from_hf_dict(
+    cfg: dict[str, Any], where: str, source_keys: Mapping[str, str] | None = None
+) -> ModelConfig:
     """A Llama-family ModelConfig from config.json's fields (`where` names the source in
-    errors): a checkpoint folder's, or a GGUF file's metadata in those terms (models.gguf)."""
+    errors): a checkpoint folder's, or a GGUF file's metadata in those terms (models.gguf;
+    `source_keys`: config.json's key -> the key the source holds it under, for the errors).
+
+    A value the engine cannot run (NaN or infinity anywhere, a wrong type, a size out of
+    range or one that does not divide) is refused with `where`, the key and what is allowed."""
+
+    def key(name: str) -> str:
+        hf = HF_KEYS.get(name, name)
+        return (source_keys or {}).get(hf, hf)
+
+    if (found := non_finite_number(cfg)) is not None:
+        path, value = found
+        head, dot, rest = path.partition(".")
+        raise UnsupportedCheckpointError(
+            f"{where}: {key(head)}{dot}{rest}: {value!r} is invalid; allowed: a finite number"
+        )
+    try:
+        return _from_hf_dict(cfg, where, key)
+    except ModelFieldError as exc:
+        raise UnsupportedCheckpointError(
+            f"{where}: {key(exc.field)}: {exc.shown} is invalid; {exc.reason}"
+        ) from None
+
+
+def _from_hf_dict(cfg: dict[str, Any], where: str, key: Callable[[str], str]) -> ModelConfig:
     archs = cfg.get("architectures") or []
     arch = (
         archs[0]
@@ -287,31 +440,54 @@ def from_hf_dict(cfg: dict[str, Any], where: str) -> ModelConfig:
         raise UnsupportedCheckpointError(f"{where}: sliding_window on a Llama model is unexpected")
 
     theta, scaling = _rope_from_hf(cfg)
-    heads = cfg["num_attention_heads"]
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     try:
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            sliding_window=sliding_window,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+        heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+        values = {
+            "architecture": arch,
+            "vocab_size": cfg["vocab_size"],
+            "hidden_size": hidden,
+            "intermediate_size": cfg["intermediate_size"],
+            "num_layers": cfg["num_hidden_layers"],
+            "num_heads": heads,
+            "num_kv_heads": _or(cfg.get("num_key_value_heads"), heads),
+            "head_dim": cfg.get("head_dim"),
+            "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+            "rope_theta": theta,
+            "rope_scaling": scaling,
+            "max_position_embeddings": cfg.get("max_position_embeddings", 2048),
+            "attention_bias": _flag(cfg, "attention_bias", arch == "Qwen2ForCausalLM"),
+            "sliding_window": sliding_window,
+            "tie_word_embeddings": _flag(cfg, "tie_word_embeddings", False),
+            "bos_token_id": cfg.get("bos_token_id"),
+            "eos_token_ids": _eos_ids(cfg.get("eos_token_id")),
+        }
     except KeyError as missing:
         raise UnsupportedCheckpointError(f"{where}: required field {missing} is missing") from None
+    if values["head_dim"] is None:  # the heads split the hidden size
+        if check_size("hidden_size", hidden) % check_size("num_heads", heads):
+            raise UnsupportedCheckpointError(
+                f"{where}: {key('hidden_size')}: {hidden} is invalid; it must be a multiple of "
+                f"{key('num_heads')} ({heads})"
+            )
+        values["head_dim"] = hidden // heads
+    check_model_fields(values)
+    return ModelConfig(
+        **{**values, "rms_norm_eps": float(values["rms_norm_eps"]), "rope_theta": float(theta)}
+    )
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _flag(cfg: dict[str, Any], name: str, default: bool) -> Any:
+    """A boolean key (absent: `default`; null: false, as transformers reads it)."""
+    value = cfg.get(name, default)
+    return False if value is None else value
+
+
+def _eos_ids(eos: Any) -> Any:
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
 
 def resolve_model(model: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
@@ -322,7 +498,7 @@ def resolve_model(model: str | Path, overrides: dict[str, Any] | None = None) ->
     if name in PACKAGED_MODELS:
         name = str(packaged_model_path(name))
     if name.endswith(".gguf") and Path(name).is_file():
-        return from_hf_dict(gguf_hf_config(name), name).with_overrides(overrides)
+        return from_hf_dict(gguf_hf_config(name), name, GGUF_KEYS).with_overrides(overrides)
     if Path(name).exists():
         return from_hf_config(name).with_overrides(overrides)
     raise ValueError(

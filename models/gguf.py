@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from models.cache import build_folder_once, cache_dir, file_key
+from models.gguf_header import GGUFHeaderError, check_gguf_header
 
 
 class UnsupportedGGUFError(ValueError):
@@ -49,14 +50,40 @@ def open_gguf(path: str | Path) -> Any:
     import gguf
 
     try:
+        check_gguf_header(path)  # the reader trusts the header's counts and lengths
         return gguf.GGUFReader(str(path))
+    except GGUFHeaderError as exc:  # it names the file and the field
+        raise UnsupportedGGUFError(str(exc)) from None
     except (ValueError, OSError) as exc:
         raise UnsupportedGGUFError(f"{path}: not a readable GGUF file ({exc})") from None
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    try:
+        return field.contents()
+    except UnicodeDecodeError:  # the header check reads names and strings, not array items
+        raise UnsupportedGGUFError(
+            f"{reader.data.filename}: {key}: holds a string that is not valid UTF-8"
+        ) from None
+
+
+#: config.json's keys -> the llama metadata keys of a GGUF file they are read from.
+GGUF_KEYS = {
+    "vocab_size": "llama.vocab_size",
+    "hidden_size": "llama.embedding_length",
+    "intermediate_size": "llama.feed_forward_length",
+    "num_hidden_layers": "llama.block_count",
+    "num_attention_heads": "llama.attention.head_count",
+    "num_key_value_heads": "llama.attention.head_count_kv",
+    "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon",
+    "rope_theta": "llama.rope.freq_base",
+    "max_position_embeddings": "llama.context_length",
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+}
 
 
 def hf_config(reader: Any) -> dict[str, Any]:
@@ -67,22 +94,19 @@ def hf_config(reader: Any) -> dict[str, Any]:
             f"general.architecture {arch!r} is not supported; supported: llama"
         )
     names = {t.name for t in reader.tensors}
-    heads = _field(reader, "llama.attention.head_count")
-    vocab = _field(reader, "llama.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    config = {hf: _field(reader, key) for hf, key in GGUF_KEYS.items()}
+    if config["vocab_size"] is None:
+        config["vocab_size"] = len(_field(reader, "tokenizer.ggml.tokens", []))
+    defaults = {
+        "num_key_value_heads": config["num_attention_heads"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+    }
     config = {
         "architectures": ["LlamaForCausalLM"],
-        "vocab_size": vocab,
-        "hidden_size": _field(reader, "llama.embedding_length"),
-        "intermediate_size": _field(reader, "llama.feed_forward_length"),
-        "num_hidden_layers": _field(reader, "llama.block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _field(reader, "llama.attention.head_count_kv", heads),
-        "rms_norm_eps": _field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": _field(reader, "llama.rope.freq_base", 10000.0),
-        "max_position_embeddings": _field(reader, "llama.context_length", 2048),
+        **{hf: defaults.get(hf) if value is None else value for hf, value in config.items()},
         "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
     if _field(reader, "llama.rope.scaling.type") not in (None, "none"):
         raise UnsupportedGGUFError("llama.rope.scaling.type: rope scaling is not supported")
@@ -213,5 +237,8 @@ def tokenizer_folder(path: str | Path) -> Path:
     (keyed by the file's path, size and modification time) and reused."""
     folder = cache_dir() / "gguf-tokenizers" / file_key(path)
     return build_folder_once(
-        folder, "tokenizer_config.json", lambda out: write_hf_tokenizer(path, out)
+        folder,
+        "tokenizer_config.json",
+        lambda out: write_hf_tokenizer(path, out),
+        "GGUF tokenizer cache",
     )

@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.config import from_hf_dict
 from models.files import check_model_output
 from models.gguf import (
+    GGUF_KEYS,
     hf_config,
     is_gguf,
     iter_gguf_tensors,
@@ -59,7 +61,7 @@ def convert_to_hf(src: str | Path, dst: str | Path, dtype: str = "float32") -> P
 
     if dtype not in HF_DTYPES:
         raise ValueError(f"--dtype: {dtype!r} is invalid; allowed: {'|'.join(HF_DTYPES)}")
-    config = {**hf_config(open_gguf(src)), "model_type": "llama", "torch_dtype": dtype}
+    config = {**_runnable_config(open_gguf(src), src), "model_type": "llama", "torch_dtype": dtype}
     folder = Path(dst)
     folder.mkdir(parents=True, exist_ok=True)
     # Shards are written as they fill, then named once their count is known.
@@ -103,7 +105,7 @@ def convert_to_gguf(src: str | Path, dst: str | Path, kind: str = "f16") -> Path
                          f"{'|'.join(GGUF_TYPES)}")  # fmt: skip
     target = gguf.GGMLQuantizationType[GGUF_TYPES[kind]]
     reader = open_gguf(src)
-    hf_config(reader)  # refuses an architecture the lab cannot run before writing anything
+    _runnable_config(reader, src)  # refuses a model the lab cannot run before writing anything
     arch = reader.fields["general.architecture"].contents()
     out = Path(dst)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -144,6 +146,14 @@ def convert_to_gguf(src: str | Path, dst: str | Path, kind: str = "f16") -> Path
         raise
     tmp.replace(out)
     return out
+
+
+def _runnable_config(reader: Any, src: str | Path) -> dict[str, Any]:
+    """The file's config.json fields, once the engine's loader accepts them: a metadata value
+    it would refuse (NaN, a size out of range) is refused before anything is written."""
+    config = hf_config(reader)
+    from_hf_dict(config, str(src), GGUF_KEYS)
+    return config
 
 
 def _encode(array: np.ndarray, kind: Any) -> np.ndarray:

@@ -51,7 +51,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors,
 from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
 
-from models.cache import cache_dir, write_text_atomic
+from models.cache import cache_dir, check_trusted, write_text_atomic
 from models.files import SETTINGS, check_size, read_input_text
 from models.gguf import is_gguf, tokenizer_folder
 
@@ -448,7 +448,7 @@ def _load_default() -> Tokenizer:
     for data in corpus:  # length-prefixed so moving bytes between files changes the key
         digest.update(len(data).to_bytes(8, "little") + data)
     key = digest.hexdigest()[:16]
-    path = cache_dir() / f"tokenizer-{key}.json"
+    path = check_trusted(cache_dir() / f"tokenizer-{key}.json", "tokenizer cache")
     backend = None
     if path.is_file():
         try:

@@ -31,11 +31,14 @@ def is_int(value: Any) -> bool:
 
 
 def is_number(value: Any) -> bool:
-    return (
-        (is_int(value) or isinstance(value, (float, np.floating)))
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
+    """A finite number that float arithmetic can hold (an integer past float's range made
+    float() raise OverflowError)."""
+    if not (is_int(value) or isinstance(value, (float, np.floating))) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def check_int(field: str, value: Any, minimum: int = 0, allow_none: bool = False) -> int | None:

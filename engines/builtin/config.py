@@ -180,14 +180,18 @@ class EngineConfig:
                 "tensor_parallel_timeout_s",
                 f"a number of seconds >= {MIN_TIMEOUT_S} and <= {MAX_TIMEOUT_S}",
             )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if (
+            isinstance(self.gpu_memory_utilization, bool)
+            or not isinstance(self.gpu_memory_utilization, int | float)
+            or not 0.0 < self.gpu_memory_utilization <= 1.0  # also refuses NaN
+        ):
             raise fail("gpu_memory_utilization", "a number in (0, 1]")
         if (
             isinstance(self.debug_step_delay_fraction, bool)
             or not isinstance(self.debug_step_delay_fraction, int | float)
-            or not self.debug_step_delay_fraction >= 0.0
+            or not 0.0 <= self.debug_step_delay_fraction < float("inf")  # inf: spin forever
         ):
-            raise fail("debug_step_delay_fraction", "a number >= 0")
+            raise fail("debug_step_delay_fraction", "a finite number >= 0")
         if isinstance(self.quantization_group_size, bool) or self.quantization_group_size not in (
             32,
             64,

@@ -34,7 +34,7 @@ from engines.builtin.layers.linear import PrepackedDenseMethod
 from engines.builtin.limits import EngineLimits
 from engines.builtin.model import DecoderLayer, Transformer
 from engines.builtin.platform import Platform
-from engines.builtin.sampler import Sampler, SamplingBatch
+from engines.builtin.sampler import Sampler, SamplingBatch, non_finite_logits
 from engines.builtin.scheduler import StepPlan
 from engines.builtin.spec_decode.proposer import Proposal
 from engines.builtin.spec_decode.rejection_sampler import verify
@@ -589,6 +589,9 @@ class ModelRunner:
         return None if logits is None else logits[:, : self.sample_vocab_size]
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[list[int]]:
+        """The new tokens of each sampling sequence; NonFiniteLogitsError if the logits hold
+        NaN or infinity (one reduction, read back with the tokens)."""
+        finite = torch.isfinite(logits).all()
         items = [s for s in plan.scheduled if s.samples]
         copies = [1 + s.seq.pending_forks for s in items]
         if any(n > 1 for n in copies):
@@ -607,13 +610,19 @@ class ModelRunner:
                 for s, n in zip(items, copies, strict=True)
                 for _ in range(n)
             ]
+            if not bool(finite):  # verification reads its tokens back more than once anyway
+                raise non_finite_logits(logits, plan.step)
             return verify(logits, seqs, proposals, self.sampler, self.eos_ids)
         if all(s.sampling.temperature == 0.0 and not s.sampling.min_tokens for s in seqs):
             tokens = logits.argmax(dim=-1)
         else:
             batch = SamplingBatch.from_sequences(seqs, self.eos_ids, self.device)
             tokens = self.sampler(logits, batch)
-        return [[token] for token in tokens.tolist()]  # the step's one device-to-host sync
+        # the step's one device-to-host sync: the tokens, and whether the logits were finite
+        *ids, all_finite = torch.cat([tokens, finite.view(1).to(tokens.dtype)]).tolist()
+        if not all_finite:
+            raise non_finite_logits(logits, plan.step)
+        return [[token] for token in ids]
 
 
 def _check_compile_works(device: torch.device) -> None:

@@ -17,6 +17,20 @@ from engines.builtin.sequence import Sequence
 TOP_K_CAP = 2**31  # past any vocabulary: the same as top-k off
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """The logits a step samples from hold NaN or infinity: whatever it sampled would be
+    noise (argmax over NaN is token 0), so the step fails with this instead."""
+
+
+def non_finite_logits(logits: torch.Tensor, step: int) -> NonFiniteLogitsError:
+    """The error for logits found non-finite (the caller's one reduction found them; this
+    looks closer, only on that path)."""
+    kind = "NaN" if bool(logits.isnan().any()) else "inf"
+    return NonFiniteLogitsError(
+        f"non-finite logits ({kind}) at step {step}: the model's weights or config produce {kind}"
+    )
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling parameters as tensors, built once per step."""

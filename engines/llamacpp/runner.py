@@ -51,12 +51,15 @@ def converted(path: Path, gguf_type: str) -> Path:
     """`path` with its tensors re-encoded to `gguf_type` (models.gguf_convert, the code behind
     `inferlab convert SRC.gguf DST.gguf`), built once into the shared cache, keyed by the
     source file's path, size and modification time, and reused."""
-    from models.cache import cache_dir, file_key
+    from models.cache import cache_dir, check_trusted, drop_group_write, file_key, make_folder
     from models.gguf_convert import convert_to_gguf
 
     out = cache_dir() / "gguf-converted" / f"{path.stem}-{gguf_type}-{file_key(path)}.gguf"
+    check_trusted(out, "converted GGUF cache")
     if not out.is_file():  # convert_to_gguf writes a temporary file and renames it
+        make_folder(out.parent)
         convert_to_gguf(path, out, gguf_type)
+        drop_group_write(out)
     return out
 
 

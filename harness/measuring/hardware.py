@@ -332,9 +332,13 @@ def cpu_spec(
     """This CPU's measured spec at torch's current thread count, from the cache when a probe
     with the same settings was cached on this machine, else probed now (and cached)."""
     from harness.run_folder import write_json_atomic
+    from models.cache import cache_dir as default_cache_dir
+    from models.cache import check_trusted, make_folder
 
     threads = torch.get_num_threads()
     path = cache_path(threads, cache_dir)
+    # the root the trust rule starts from: the cache's, or the folder a caller (a test) gave
+    check_trusted(path, "hardware calibration cache", cache_dir or default_cache_dir())
     settings = {
         "probe_bytes": int(probe_bytes),
         "matmul_size": int(matmul_size),
@@ -361,7 +365,7 @@ def cpu_spec(
             "probed_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "probe_s": time.perf_counter() - start,
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(path.parent)
         write_json_atomic(path, cached)
         cached["from_cache"] = False
     else:

@@ -51,6 +51,7 @@ from models.tensor_parallel import (
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
 DEFAULT_DEVICE_GIB = 80.0  # without device_memory_gib= or a spec that states its memory
+MAX_DEVICE_GIB = float(1 << 20)  # 1 PiB: past any device's or host's memory
 # the command's own keys (not config keys), and the keys that take a comma-separated list
 OWN_KEYS = ("device_memory_gib", "context_len")
 LIST_KEYS = ("hardware", TP_KEY)
@@ -91,6 +92,26 @@ def kv_calc(
         raise ValueError(
             f"engine.max_model_len: {max_model_len!r} is invalid; allowed: an integer >= 1 "
             "(or null: the model's max_position_embeddings)"
+        )
+    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"engine.max_model_len: {max_model_len} is invalid; allowed: an integer in [1, "
+            f"{cfg.max_position_embeddings}] (the model's max_position_embeddings)"
+        )
+    if (
+        isinstance(gpu_memory_utilization, bool)
+        or not isinstance(gpu_memory_utilization, int | float)
+        or not 0 < gpu_memory_utilization <= 1  # also refuses NaN
+    ):
+        raise ValueError(
+            f"engine.gpu_memory_utilization: {gpu_memory_utilization!r} is invalid; allowed: "
+            "a number in (0, 1]"
+        )
+    if max_num_seqs is not None and (
+        isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1
+    ):
+        raise ValueError(
+            f"engine.max_num_seqs: {max_num_seqs!r} is invalid; allowed: an integer >= 1"
         )
     max_len = max_model_len or cfg.max_position_embeddings
     context = max_len if context_len is None else context_len
@@ -470,11 +491,17 @@ def _split_args(args: list[str]) -> tuple[dict[str, Any], dict[str, list[str]], 
                 own[bare] = float(value)
             except ValueError:
                 own[bare] = float("nan")
-            if not own[bare] > 0:
-                raise ValueError(f"device_memory_gib: {value!r} is invalid; allowed: a number > 0")
+            if not 0 < own[bare] <= MAX_DEVICE_GIB:  # also refuses NaN and inf (1e309)
+                raise ValueError(
+                    f"device_memory_gib: {value!r} is invalid; allowed: a number in "
+                    f"(0, {MAX_DEVICE_GIB:.0f}]"
+                )
         elif bare == "context_len":
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"context_len: {value!r} is invalid; allowed: an integer >= 1")
+            # ASCII digits, and few enough that int() takes them (it refuses 4300 and more)
+            if not (value.isascii() and value.isdigit() and len(value) <= 18) or int(value) < 1:
+                raise ValueError(
+                    f"context_len: {value!r} is invalid; allowed: an integer in [1, max_model_len]"
+                )
             own[bare] = int(value)
         elif bare in LIST_KEYS and "," in value:
             lists[key] = [v.strip() for v in value.split(",") if v.strip()]

@@ -4,6 +4,7 @@ warm up, drive the measured workload, and leave a complete (or honestly partial)
 from __future__ import annotations
 
 import gc
+import math
 import traceback
 from collections.abc import Iterable
 from contextlib import suppress
@@ -72,11 +73,14 @@ def _number(name: str, value: Any, what: str, positive: bool = False) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
-        or value < 0
+        or not 0 <= value < math.inf  # also refuses NaN (every comparison with it is false)
         or (positive and value == 0)
     ):
         raise ValueError(f"{name}: {value!r} is invalid; allowed: {what}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer past float's range
+        raise ValueError(f"{name}: {value!r} is invalid; allowed: {what}") from None
 
 
 @dataclass(frozen=True)

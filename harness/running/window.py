@@ -16,6 +16,7 @@ are the whole run's, and the window says which (`whole_run_metrics`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +68,12 @@ class WindowConfig:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite int or float (NaN passed `< 0` checks: every comparison with it is false)."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and -math.inf < value < math.inf
+    )
 
 
 def steady_state(requests: pd.DataFrame, cfg: WindowConfig) -> dict[str, Any]:

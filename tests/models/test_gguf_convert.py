@@ -1,10 +1,11 @@
 """`inferlab convert SRC.gguf DST.gguf` (models.gguf_convert.convert_to_gguf) on a tiny synthetic
-GGUF file written here with the `gguf` package's GGUFWriter: a 2-layer llama (hidden 64) with
-the metadata keys and value types of SmolLM2-135M-Instruct's file (strings, string and int32
-arrays, uint32, float32, bool) and its tensor types (Q8_0 embedding, Q4_1 linear layers, F32
-norms), a few KB. Re-encoding touches every tensor and key the same way whatever their size,
-so the behaviour is checked here in a fraction of a second; tests/models/test_gguf.py keeps the
-real file's parity checks (config, tokenizer, generation, the converted folder)."""
+GGUF file written with the `gguf` package's GGUFWriter (tests/checkpoints.py): a 2-layer llama
+(hidden 64) with the metadata keys and value types of SmolLM2-135M-Instruct's file (strings,
+string and int32 arrays, uint32, float32, bool) and its tensor types (Q8_0 embedding, Q4_1
+linear layers, F32 norms), a few KB. Re-encoding touches every tensor and key the same way
+whatever their size, so the behaviour is checked here in a fraction of a second;
+tests/models/test_gguf.py keeps the real file's parity checks (config, tokenizer, generation,
+the converted folder)."""
 
 from __future__ import annotations
 
@@ -12,97 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoints import CHAT_TEMPLATE, write_tiny_gguf
 
 from harness.cli import main as inferlab
 from models.gguf import open_gguf
-
-HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["Ġ t", "h e", "Ġt he"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def write_tiny_gguf(path: Path) -> Path:
-    """A llama GGUF with SmolLM2's keys and tensor types at toy sizes (seeded weights)."""
-    import gguf
-    from tokenizers import pre_tokenizers
-
-    tokens = SPECIAL + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
-    writer = gguf.GGUFWriter(str(path), arch="llama")
-    for key, value in {
-        "general.type": "model",
-        "general.name": "Tiny Synthetic",
-        "general.organization": "inferlab-tests",
-        "general.finetune": "none",
-        "general.basename": "tiny",
-        "general.size_label": "50K",
-        "general.license": "apache-2.0",
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "smollm",
-        "tokenizer.chat_template": CHAT_TEMPLATE,
-    }.items():
-        writer.add_string(key, value)
-    writer.add_array("general.languages", ["en"])
-    for key, number in {
-        "llama.block_count": LAYERS,
-        "llama.context_length": 256,
-        "llama.embedding_length": HIDDEN,
-        "llama.feed_forward_length": FFN,
-        "llama.attention.head_count": HEADS,
-        "llama.attention.head_count_kv": KV_HEADS,
-        "general.file_type": int(gguf.LlamaFileType.MOSTLY_Q4_1),
-        "llama.vocab_size": len(tokens),
-        "llama.rope.dimension_count": HIDDEN // HEADS,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.unknown_token_id": 0,
-        "tokenizer.ggml.padding_token_id": 2,
-        "general.quantization_version": 2,
-    }.items():
-        writer.add_uint32(key, number)
-    writer.add_float32("llama.rope.freq_base", 100000.0)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_bool("tokenizer.ggml.add_space_prefix", False)
-    writer.add_bool("tokenizer.ggml.add_bos_token", False)
-    writer.add_array("tokenizer.ggml.tokens", tokens)
-    control, normal = int(gguf.TokenType.CONTROL), int(gguf.TokenType.NORMAL)
-    writer.add_array(
-        "tokenizer.ggml.token_type", [control if t in SPECIAL else normal for t in tokens]
-    )
-    writer.add_array("tokenizer.ggml.merges", MERGES)
-
-    rng = np.random.default_rng(0)
-    q8, q4, f32 = (gguf.GGMLQuantizationType[n] for n in ("Q8_0", "Q4_1", "F32"))
-
-    def add(name: str, shape: tuple[int, ...], kind: gguf.GGMLQuantizationType) -> None:
-        values = rng.standard_normal(shape).astype(np.float32) * 0.1
-        if kind == f32:
-            writer.add_tensor(name, values + 1.0)  # norm weights sit near 1
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
-
-    add("token_embd.weight", (len(tokens), HIDDEN), q8)
-    head_dim = HIDDEN // HEADS
-    for i in range(LAYERS):
-        add(f"blk.{i}.attn_norm.weight", (HIDDEN,), f32)
-        add(f"blk.{i}.ffn_down.weight", (HIDDEN, FFN), q4)
-        add(f"blk.{i}.ffn_gate.weight", (FFN, HIDDEN), q4)
-        add(f"blk.{i}.ffn_up.weight", (FFN, HIDDEN), q4)
-        add(f"blk.{i}.ffn_norm.weight", (HIDDEN,), f32)
-        add(f"blk.{i}.attn_k.weight", (KV_HEADS * head_dim, HIDDEN), q4)
-        add(f"blk.{i}.attn_output.weight", (HIDDEN, HIDDEN), q4)
-        add(f"blk.{i}.attn_q.weight", (HIDDEN, HIDDEN), q4)
-        add(f"blk.{i}.attn_v.weight", (KV_HEADS * head_dim, HIDDEN), q4)
-    add("output_norm.weight", (HIDDEN,), f32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture(scope="module")

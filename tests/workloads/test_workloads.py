@@ -85,6 +85,9 @@ def test_repeat_prompts_ask_to_repeat_the_same_windows(tmp_path) -> None:
         ("input_len", "long", "workload.input_len"),
         ("prompt", "poetry", "workload.prompt"),
         ("num_requests", -1, "workload.num_requests"),
+        # finite, but past float's range: float() raised OverflowError
+        ("temperature", 10**400, "workload.temperature"),
+        ("temperature", float("nan"), "workload.temperature"),
         ("corpus", "/no/such/file.txt", "workload.corpus"),
     ],
 )

@@ -16,13 +16,15 @@ import logging
 import os
 import platform
 import shutil
-import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock, Timeout
+
+from models.cache import cache_dir as inferlab_cache_dir
+from models.cache import make_folder
 
 FOLDER = Path(__file__).parent
 # the library's C files (cpu_kernels.c, quant_kernels.c) and the headers they share
@@ -51,8 +53,6 @@ class Built:
 
 
 def cache_dir() -> Path:
-    from models.cache import cache_dir as inferlab_cache_dir
-
     return inferlab_cache_dir() / "native"
 
 
@@ -96,20 +96,15 @@ def _key(cc: str) -> str:
 
 
 def check_private(path: Path) -> None:
-    """Refuse a cache folder or file that someone else could write: whoever can replace the
-    library runs code in every process that loads it."""
-    info = path.stat()
-    if info.st_uid != os.getuid():
-        raise NativeUnavailable(
-            f"refused the kernel cache {path}: owned by uid {info.st_uid}, not by this user "
-            f"(uid {os.getuid()}); set INFERLAB_CACHE_DIR to a folder of your own"
-        )
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise NativeUnavailable(
-            f"refused the kernel cache {path}: writable by group or others (mode "
-            f"{stat.S_IMODE(info.st_mode):#o}); `chmod go-w` it or set INFERLAB_CACHE_DIR to "
-            "a folder only you can write"
-        )
+    """Refuse a cache folder or file that someone else could write (the lab's one trust rule,
+    models.cache.check_trusted): whoever can replace the library runs code in every process
+    that loads it."""
+    from models.cache import UntrustedCacheError, check_trusted
+
+    try:
+        check_trusted(path, "kernel cache")
+    except UntrustedCacheError as exc:
+        raise NativeUnavailable(str(exc)) from None
 
 
 def _sha256(path: Path) -> str:
@@ -126,6 +121,7 @@ def _problem(target: Path) -> str | None:
     if not target.exists():
         return "not built yet"
     check_private(target)
+    check_private(record_path)
     try:
         record = json.loads(record_path.read_text())
         size, digest = int(record["size"]), str(record["sha256"])
@@ -173,6 +169,7 @@ def _compile(cc: str, target: Path) -> str:
                 }
             )
         )
+        os.chmod(record_tmp, 0o644)  # not the umask's: it is read as part of the build
         os.replace(tmp, target)
         os.replace(record_tmp, _record_path(target))
     finally:
@@ -191,7 +188,8 @@ def build() -> Built:
     folder = cache_dir()
     target = folder / f"cpu_kernels-{_key(cc)[:16]}.so"
     try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_folder(folder.parent)
+        folder.mkdir(exist_ok=True, mode=0o700)
     except OSError as e:
         raise NativeUnavailable(f"cannot create the kernel cache {folder}: {e}") from e
     check_private(folder)

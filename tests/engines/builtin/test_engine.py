@@ -184,6 +184,18 @@ def test_rejected_batch_leaves_nothing_queued(make_tiny) -> None:
             r"engine\.tensor_parallel_size: True is invalid; allowed: an integer >= 1",
         ),
         (dict(max_model_len=0), r"engine\.max_model_len"),
+        *(
+            (
+                dict(debug_step_delay_fraction=value),
+                rf"engine\.debug_step_delay_fraction: {value} is invalid; allowed: a finite "
+                "number >= 0",
+            )
+            for value in (float("inf"), float("nan"))
+        ),
+        (
+            dict(gpu_memory_utilization=float("nan")),
+            r"engine\.gpu_memory_utilization: nan is invalid; allowed: a number in \(0, 1\]",
+        ),
         (dict(max_model_len=4096), r"max_model_len=4096 exceeds .*max_position_embeddings=1024"),
         (dict(model_overrides={"nope": 1}), r"model\.overrides: unknown field\(s\) \['nope'\]"),
         (dict(kv_cache_memory_bytes=1000), r"kv_cache_memory_bytes: a budget of 1000 bytes"),

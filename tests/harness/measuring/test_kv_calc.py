@@ -223,6 +223,37 @@ def test_cli_table_one_row_per_size(capsys: pytest.CaptureFixture[str]) -> None:
         (["model=small", "context_len=0"], r"context_len: '0' is invalid"),
         (["model=small", "context_len=4096"], r"context_len: 4096 is invalid; .*\[1, 2048\]"),
         (["model=small", "device_memory_gib=-1"], r"device_memory_gib: '-1' is invalid"),
+        # numbers past any real machine, NaN and inf: one line naming the range, not an
+        # OverflowError traceback (1e308 GiB in bytes is inf)
+        *(
+            (
+                ["model=small", f"device_memory_gib={value}"],
+                rf"^device_memory_gib: '{value}' is invalid; allowed: a number in \(0, 1048576\]$",
+            )
+            for value in ("1e308", "inf", "nan", "2e6")
+        ),
+        *(
+            (
+                ["model=small", f"engine.gpu_memory_utilization={value}"],
+                rf"^engine\.gpu_memory_utilization: {shown} is invalid; allowed: a number in "
+                r"\(0, 1\]$",
+            )
+            for value, shown in (
+                ("1e308", r"1e\+308"),
+                ("nan", "nan"),
+                ("inf", "inf"),
+                ("0", "0.0"),
+            )
+        ),
+        (
+            ["model=small", "context_len=99999999999999999999999"],
+            r"^context_len: '9+' is invalid; allowed: an integer in \[1, max_model_len\]$",
+        ),
+        (
+            ["model=small", "engine.max_model_len=99999999999"],
+            r"^engine\.max_model_len: 99999999999 is invalid; allowed: an integer in \[1, 2048\]",
+        ),
+        (["model=small", "engine.max_num_seqs=0"], r"^engine\.max_num_seqs: 0 is invalid"),
         (["model=small", "engine.max_model_len=-1"], r"engine\.max_model_len: -1 is invalid"),
         (["model=small", "engine.max_model_len=0"], r"engine\.max_model_len: 0 is invalid"),
         (["model=small", "hardware=tpu"], r"Could not find 'hardware/tpu'"),

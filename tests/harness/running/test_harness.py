@@ -301,6 +301,16 @@ def test_interrupted_run_keeps_finished_rows(tmp_path: Path) -> None:
             {"slo": {"ttft_s": -1}},
             "run.slo.ttft_s: -1 is invalid; allowed: null or a number of seconds > 0",
         ),
+        # NaN passed `value < 0`, inf every bound
+        *(
+            ({"slo": {"ttft_s": value}}, f"run.slo.ttft_s: {value!r} is invalid")
+            for value in (float("nan"), float("inf"), 10**400)
+        ),
+        *(
+            ({"window": {"min_duration_s": value}}, f"run.window.min_duration_s: {value!r}")
+            for value in (float("nan"), float("inf"))
+        ),
+        ({"quality": {"min_margin": float("nan")}}, "run.quality.min_margin: nan is invalid"),
         ({"monitor": {"interval": 1}}, "run.monitor: unknown key(s) ['interval']"),
         ({"monitor": "off"}, "run.monitor: 'off' is invalid; allowed: a mapping of"),
         ({"quality": {"enable": True}}, "run.quality: unknown key(s) ['enable']"),

@@ -112,7 +112,14 @@ def test_a_damaged_library_is_rebuilt(
 
 
 @pytest.mark.parametrize(
-    "who", ["world-writable folder", "group-writable library", "another user's folder"]
+    "who",
+    [
+        "world-writable folder",
+        "group-writable library",
+        "another user's folder",
+        "another user's build record",
+        "world-writable cache root",
+    ],
 )
 def test_a_cache_others_can_write_is_refused(
     who: str, good_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -124,6 +131,12 @@ def test_a_cache_others_can_write_is_refused(
     elif who == "group-writable library":
         library.chmod(0o664)
         expected = "writable by group or others (mode 0o664)"
+    elif who == "another user's build record":  # its size and hash vouch for the library
+        os.chown(library.with_name(library.name + ".json"), 12345, -1)
+        expected = "owned by uid 12345, not by this user"
+    elif who == "world-writable cache root":  # INFERLAB_CACHE_DIR itself
+        library.parent.parent.chmod(0o777)
+        expected = f"{library.parent.parent}: writable by group or others (mode 0o777)"
     else:  # the folder is ours; to the check it belongs to someone else
         me = os.getuid()
         monkeypatch.setattr(cache.os, "getuid", lambda: me + 1)

@@ -1,0 +1,144 @@
+"""Tiny checkpoints written on the spot. A Hugging Face folder: the `tiny` preset's shape in
+config.json, its dummy weights in model.safetensors and the project tokenizer in
+tokenizer.json, with any config.json key changed or a weight set to NaN or inf (the hostile inputs
+the loader and the engine must refuse). A GGUF file: a 2-layer llama with the metadata keys and
+value types of SmolLM2-135M-Instruct's file and its tensor types, a few KB."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.torch import save_file
+
+from models.config import resolve_model
+from models.tokenizer import default_tokenizer
+from models.weights import dummy_state_dict
+
+
+def tiny_config_json() -> dict[str, Any]:
+    cfg = resolve_model("tiny")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+    }
+
+
+def write_tiny_checkpoint(
+    folder: Path, config: dict[str, Any] | None = None, poisoned: dict[str, float] | None = None
+) -> Path:
+    """`config`: config.json's keys to change; `poisoned`: tensor name -> the value its first
+    element is set to (NaN, inf)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    # Python's json writes (and reads) NaN and Infinity, as a hand-edited file may hold them
+    (folder / "config.json").write_text(json.dumps({**tiny_config_json(), **(config or {})}))
+    weights = dummy_state_dict(resolve_model("tiny"))
+    for name, value in (poisoned or {}).items():
+        weights[name].view(-1)[0] = value
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    default_tokenizer().backend.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_gguf(
+    path: Path, metadata: dict[str, int | float] | None = None, alignment: int | None = None
+) -> Path:
+    """A llama GGUF with SmolLM2's keys and tensor types at toy sizes (seeded weights);
+    `metadata`: numeric keys to change (llama.context_length, ...), each of its own type;
+    `alignment`: general.alignment (default: none, the format's 32)."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    tokens = SPECIAL + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    for key, value in {
+        "general.type": "model",
+        "general.name": "Tiny Synthetic",
+        "general.organization": "inferlab-tests",
+        "general.finetune": "none",
+        "general.basename": "tiny",
+        "general.size_label": "50K",
+        "general.license": "apache-2.0",
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.chat_template": CHAT_TEMPLATE,
+    }.items():
+        writer.add_string(key, value)
+    writer.add_array("general.languages", ["en"])
+    numbers = {
+        "llama.block_count": LAYERS,
+        "llama.context_length": 256,
+        "llama.embedding_length": HIDDEN,
+        "llama.feed_forward_length": FFN,
+        "llama.attention.head_count": HEADS,
+        "llama.attention.head_count_kv": KV_HEADS,
+        "general.file_type": int(gguf.LlamaFileType.MOSTLY_Q4_1),
+        "llama.vocab_size": len(tokens),
+        "llama.rope.dimension_count": HIDDEN // HEADS,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.padding_token_id": 2,
+        "general.quantization_version": 2,
+    }
+    floats = {"llama.rope.freq_base": 100000.0, "llama.attention.layer_norm_rms_epsilon": 1e-5}
+    for key, value in {**numbers, **floats, **(metadata or {})}.items():
+        (writer.add_float32 if key in floats else writer.add_uint32)(key, value)
+    writer.add_bool("tokenizer.ggml.add_space_prefix", False)
+    writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    control, normal = int(gguf.TokenType.CONTROL), int(gguf.TokenType.NORMAL)
+    writer.add_array(
+        "tokenizer.ggml.token_type", [control if t in SPECIAL else normal for t in tokens]
+    )
+    writer.add_array("tokenizer.ggml.merges", MERGES)
+
+    rng = np.random.default_rng(0)
+    q8, q4, f32 = (gguf.GGMLQuantizationType[n] for n in ("Q8_0", "Q4_1", "F32"))
+
+    def add(name: str, shape: tuple[int, ...], kind: gguf.GGMLQuantizationType) -> None:
+        values = rng.standard_normal(shape).astype(np.float32) * 0.1
+        if kind == f32:
+            writer.add_tensor(name, values + 1.0)  # norm weights sit near 1
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+
+    add("token_embd.weight", (len(tokens), HIDDEN), q8)
+    head_dim = HIDDEN // HEADS
+    for i in range(LAYERS):
+        add(f"blk.{i}.attn_norm.weight", (HIDDEN,), f32)
+        add(f"blk.{i}.ffn_down.weight", (HIDDEN, FFN), q4)
+        add(f"blk.{i}.ffn_gate.weight", (FFN, HIDDEN), q4)
+        add(f"blk.{i}.ffn_up.weight", (FFN, HIDDEN), q4)
+        add(f"blk.{i}.ffn_norm.weight", (HIDDEN,), f32)
+        add(f"blk.{i}.attn_k.weight", (KV_HEADS * head_dim, HIDDEN), q4)
+        add(f"blk.{i}.attn_output.weight", (HIDDEN, HIDDEN), q4)
+        add(f"blk.{i}.attn_q.weight", (HIDDEN, HIDDEN), q4)
+        add(f"blk.{i}.attn_v.weight", (KV_HEADS * head_dim, HIDDEN), q4)
+    add("output_norm.weight", (HIDDEN,), f32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

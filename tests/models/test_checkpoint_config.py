@@ -1,0 +1,161 @@
+"""A checkpoint's config.json (or a GGUF file's metadata) holding a value the engine cannot run
+is refused at load, in one line naming the file, the key and what is allowed: NaN or infinity
+anywhere (Python's json reads them), a wrong type, a size out of range or one that does not
+divide. Before, a NaN rms_norm_eps ran to a "complete" run of all-zero token ids,
+max_position_embeddings 10**12 tried to allocate terabytes and hidden_size "576" was a bare
+TypeError."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from checkpoints import tiny_config_json, write_tiny_checkpoint, write_tiny_gguf
+
+from harness import cli
+from models.config import ModelFieldError, UnsupportedCheckpointError, resolve_model
+
+NAN, INF = float("nan"), float("inf")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        ({"rms_norm_eps": NAN}, "rms_norm_eps: nan is invalid; allowed: a finite number"),
+        ({"rope_theta": INF}, "rope_theta: inf is invalid; allowed: a finite number"),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": NAN}},
+            "rope_scaling.factor: nan is invalid; allowed: a finite number",
+        ),
+        ({"initializer_range": -INF}, "initializer_range: -inf is invalid"),  # unused, still
+        (
+            {"max_position_embeddings": 10**12},
+            "max_position_embeddings: 1000000000000 is invalid; allowed: an integer in "
+            "[1, 16777216]",
+        ),
+        (
+            {"max_position_embeddings": 1e12},
+            "max_position_embeddings: 1000000000000.0 is invalid; allowed: an integer",
+        ),
+        ({"hidden_size": "576"}, "hidden_size: '576' is invalid; allowed: an integer in [1, "),
+        ({"num_hidden_layers": 2.0}, "num_hidden_layers: 2.0 is invalid; allowed: an integer"),
+        ({"intermediate_size": 0}, "intermediate_size: 0 is invalid; allowed: an integer in"),
+        ({"vocab_size": -1}, "vocab_size: -1 is invalid; allowed: an integer in [1, "),
+        (
+            {"hidden_size": 66},
+            "hidden_size: 66 is invalid; it must be a multiple of num_attention_heads (4)",
+        ),
+        (
+            {"num_key_value_heads": 3},
+            "num_key_value_heads: 3 is invalid; it must divide the number of attention heads (4)",
+        ),
+        ({"rms_norm_eps": 0}, "rms_norm_eps: 0 is invalid; allowed: a finite number > 0"),
+        ({"rope_theta": "1e4"}, "rope_theta: '1e4' is invalid; allowed: a finite number > 0"),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": 0}},
+            "rope_scaling.factor: 0 is invalid; allowed: a finite number > 0 (linear scaling",
+        ),
+        (
+            {"tie_word_embeddings": "false"},
+            "tie_word_embeddings: 'false' is invalid; allowed: true|false",
+        ),
+        ({"eos_token_id": "2"}, "eos_token_id: ('2',) is invalid; allowed: integers >= 0"),
+    ],
+)
+def test_an_impossible_config_value_is_refused_naming_file_and_key(
+    tmp_path: Path, edit: dict[str, Any], says: str
+) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**tiny_config_json(), **edit}))
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        resolve_model(str(folder))
+    message = str(refused.value)
+    assert message.startswith(f"{folder / 'config.json'}: {says}"), message
+    assert "\n" not in message
+
+
+def test_the_unedited_config_loads(tmp_path: Path) -> None:
+    """The refused configs above differ from this one only in the key each edits."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(tiny_config_json()))
+    assert resolve_model(str(folder)) == resolve_model("tiny").with_overrides(
+        {"max_position_embeddings": 256}
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"rms_norm_eps": NAN}, "model.rms_norm_eps: nan is invalid; allowed: a finite number > 0"),
+        (
+            {"max_position_embeddings": 10**12},
+            "model.max_position_embeddings: 1000000000000 is invalid; allowed: an integer in",
+        ),
+        ({"sliding_window": "4"}, "model.sliding_window: '4' is invalid; allowed: null or an"),
+    ],
+)
+def test_model_overrides_meet_the_same_rules(overrides: dict[str, Any], says: str) -> None:
+    with pytest.raises(ModelFieldError, match="^" + says.replace("(", r"\(").replace("[", r"\[")):
+        resolve_model("tiny", overrides)
+
+
+def test_inferlab_run_on_a_nan_config_fails_with_the_reason(tmp_path: Path) -> None:
+    """Before: a run marked complete, with a throughput, of all-zero token ids. (A process of
+    its own: Hydra's logging setup would outlive an in-process run.)"""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", {"rms_norm_eps": NAN})
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "model=hf", f"model.path={folder}",
+         "workload.num_requests=2", "run.warmup_requests=0", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    reason = f"{folder / 'config.json'}: rms_norm_eps: nan is invalid; allowed: a finite number"
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].endswith(reason), result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].endswith(reason), summary
+    assert summary["metrics"]["output_tok_per_s"] is None
+
+
+@pytest.mark.parametrize(
+    ("metadata", "says"),
+    [
+        (
+            {"llama.attention.layer_norm_rms_epsilon": NAN},
+            "llama.attention.layer_norm_rms_epsilon: nan is invalid; allowed: a finite number",
+        ),
+        (
+            {"llama.context_length": 2**32 - 1},
+            "llama.context_length: 4294967295 is invalid; allowed: an integer in [1, 16777216]",
+        ),
+        (
+            {"llama.attention.head_count": 3},
+            "llama.embedding_length: 64 is invalid; it must be a multiple of "
+            "llama.attention.head_count (3)",
+        ),
+        (
+            {"llama.attention.head_count_kv": 3},
+            "llama.attention.head_count_kv: 3 is invalid; it must divide the number of "
+            "attention heads (4)",
+        ),
+    ],
+)
+def test_an_impossible_gguf_metadata_value_is_refused_naming_file_and_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], metadata: dict[str, Any], says: str
+) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", metadata)
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        resolve_model(str(path))
+    assert str(refused.value) == f"{path}: {says}"
+    # `inferlab convert` refuses it too, before writing anything
+    assert cli.main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"inferlab convert: {path}: {says}\n"
+    assert not (tmp_path / "out").exists()
+    resolve_model(str(write_tiny_gguf(tmp_path / "good.gguf")))  # the unedited file loads
