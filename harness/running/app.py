@@ -92,7 +92,9 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
     if summary["status"] == "failed":
         print(f"error: {summary['error']}", file=sys.stderr)
         if not multirun:  # a sweep records the failed job and goes on
-            raise SystemExit(1)
+            # 2: the engine or the model's files refused the configuration, as for any
+            # config error; 1: the run itself failed
+            raise SystemExit(2 if summary.get("error_kind") == "config" else 1)
     if summary["status"] == "incomplete":  # Ctrl-C or SIGTERM stops a sweep too
         if multirun:
             write_sweep_csv(Path(hydra_cfg.sweep.dir))

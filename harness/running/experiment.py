@@ -318,6 +318,9 @@ def _run(
     run_cfg = RunConfig()  # until the config's own is read: the window and SLO defaults
     info: dict[str, Any]  # the summary's extra keys: JSON-like values
     status, error, info, backend = "complete", None, {}, None
+    # until the workload is built: a ValueError is the configuration refused (an option out
+    # of range, a checkpoint's config.json), not a failure of the run
+    setting_up = True
     shown = RunProgress(progress)
     monitor: Monitor | None = None
     profiler: StepProfiler | ServerProfiler | None = None
@@ -364,6 +367,7 @@ def _run(
             context_len = info["engine"].get("max_model_len")
             workload = make_workload(config["workload"])
             requests = workload.build(tokenizer, context_len)
+            setting_up = False
             info["workload"] = dict(getattr(workload, "info", {}) or {})
             first_steps: list[dict[str, Any]] = []
 
@@ -434,6 +438,8 @@ def _run(
         status, error = "incomplete", interruption(exc)
     except Exception as exc:  # recorded, then re-raised by the caller if it wants
         status, error = "failed", "".join(traceback.format_exception_only(exc)).strip()
+        if setting_up and isinstance(exc, ValueError):
+            info["error_kind"] = "config"
         info["traceback"] = traceback.format_exc()
     finally:
         # Each clean-up step is guarded: whatever fails, the rows are kept and summary.json

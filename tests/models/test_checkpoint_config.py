@@ -117,10 +117,11 @@ def test_inferlab_run_on_a_nan_config_fails_with_the_reason(tmp_path: Path) -> N
         cwd=REPO, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     reason = f"{folder / 'config.json'}: rms_norm_eps: nan is invalid; allowed: a finite number"
-    assert result.returncode != 0
+    assert result.returncode == 2  # the configuration refused at load (was exit 1)
     assert result.stderr.strip().splitlines()[-1].endswith(reason), result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].endswith(reason), summary
+    assert summary["error_kind"] == "config"
     assert summary["metrics"]["output_tok_per_s"] is None
 
 

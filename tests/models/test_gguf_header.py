@@ -164,7 +164,7 @@ def test_inferlab_run_on_a_damaged_header_fails_naming_the_field(
         cwd=REPO, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     reason = f"{path}: tensor count 4294967295 does not fit the file ({size} bytes)"
-    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith(reason), result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].endswith(reason), summary
