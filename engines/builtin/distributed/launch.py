@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from engines.base import ConfigError
+from engines.builtin.distributed.environment import launched
 from engines.builtin.distributed.group import ControlChannel, TensorParallelError, TPGroup
 
 #: The control group's deadline: a worker waits this long for rank 0's next message (an idle
@@ -43,7 +44,6 @@ CONTROL_TIMEOUT = timedelta(days=365)
 #: How long rank 0 waits for the ranks to join (spawned workers import torch first) and to
 #: load their shards.
 STARTUP_TIMEOUT_S = 300.0
-TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: A spawned worker: this Python, the package's __main__, then RANK SIZE PORT PARENT_PID.
 WORKER_COMMAND = [sys.executable, "-m", "engines.builtin.distributed"]
 #: How long a failed collective's message waits for a rank's exit to be known (see
@@ -52,30 +52,17 @@ EXIT_GRACE_S = 2.0
 
 
 def launched_rank() -> tuple[int, int] | None:
-    """(rank, world size) set by torchrun (or a launcher like it), None otherwise."""
-    if not all(key in os.environ for key in TORCHRUN_KEYS):
-        return None
-    try:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    except ValueError:
-        return None
-
-
-def check_launched_rank(rank: int, world: int) -> None:
-    """A ConfigError for a RANK outside WORLD_SIZE: that rank would wait for a world that
-    never forms until the start-up deadline, saying nothing (a stale or mistyped variable)."""
-    if not 0 <= rank < world:
-        raise ConfigError(
-            f"RANK={rank} is outside WORLD_SIZE={world} (with MASTER_ADDR and MASTER_PORT they "
-            "make this process a tensor-parallel rank started by torchrun); allowed: RANK "
-            f"0..{max(0, world - 1)} with WORLD_SIZE >= 1, or unset the four variables"
-        )
+    """(rank, world size) set by torchrun (or a launcher like it), None otherwise; a
+    ConfigError for a variable with a value it does not allow (environment.launched)."""
+    me = launched()
+    return None if me is None else (me.rank, me.world_size)
 
 
 def processes_per_host(size: int) -> int:
     """Ranks sharing this host: all of them when spawned, torchrun's LOCAL_WORLD_SIZE else."""
-    if launched_rank() is not None and "LOCAL_WORLD_SIZE" in os.environ:
-        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    me = launched()
+    if me is not None and me.local_world_size is not None:
+        return me.local_world_size
     return size
 
 
@@ -90,8 +77,9 @@ def rank_device(device: str, rank: int, size: int) -> str:
         return "cpu"
     if not torch.cuda.is_available():
         return device  # Platform.create refuses it, naming engine.device
-    if "LOCAL_RANK" in os.environ and launched_rank() is not None:
-        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    me = launched()
+    if me is not None and me.local_rank is not None:
+        return f"cuda:{me.local_rank}"
     base = int(device.partition(":")[2] or 0)
     count = torch.cuda.device_count()
     if base >= count:  # the device itself is missing, whatever the ranks
@@ -257,17 +245,16 @@ class Peers:
 def start_peers(size: int, device: torch.device, timeout_s: float, engine: Any) -> Peers:
     """Start (or join) the other `size - 1` ranks, send them `engine` (what they build), and
     make the compute group with them."""
-    launched = launched_rank()
+    me = launched()
     processes: list[subprocess.Popen[bytes]] = []
-    if launched is not None:
-        rank, world = launched
-        check_launched_rank(rank, world)
-        if world != size:
+    if me is not None:
+        if me.world_size != size:
             raise ConfigError(
-                f"engine.tensor_parallel_size: {size}, but torchrun started WORLD_SIZE={world} "
-                f"ranks; allowed: {world} (one engine spans every rank torchrun started)"
+                f"engine.tensor_parallel_size: {size}, but torchrun started WORLD_SIZE="
+                f"{me.world_size} ranks; allowed: {me.world_size} (one engine spans every "
+                "rank torchrun started)"
             )
-        assert rank == 0, "ranks other than 0 serve as workers (serve_if_worker_rank)"
+        assert me.rank == 0, "ranks other than 0 serve as workers (serve_if_worker_rank)"
         init_world(0, size)
         launcher = "torchrun"
         _end_torchrun_workers_at_exit()

@@ -24,14 +24,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from engines.builtin.distributed.environment import launched
 from engines.builtin.distributed.group import ControlChannel, TPGroup
 from engines.builtin.distributed.launch import (
-    check_launched_rank,
     compute_backend,
     control_group,
     init_world,
     joined_key,
-    launched_rank,
     new_compute_group,
     processes_per_host,
     rank_device,
@@ -92,18 +91,16 @@ def _exit_with_parent(parent_pid: int) -> None:
 def serve_if_worker_rank() -> bool:
     """In a process torchrun started as a rank other than 0: serve as a tensor-parallel worker
     until rank 0 ends (then return True: the caller exits). Elsewhere return False at once."""
-    launched = launched_rank()
-    if launched is None:
+    me = launched()
+    if me is None:
         return False
-    rank, world = launched
-    check_launched_rank(rank, world)
+    rank, world = me.rank, me.world_size
     if rank == 0 or world < 2:
         return False
     # it waits for rank 0, possibly long (it may not have started yet): say why
     print(
         f"inferlab: RANK={rank} of WORLD_SIZE={world} (torchrun's environment): a "
-        f"tensor-parallel worker of rank 0 at {os.environ['MASTER_ADDR']}:"
-        f"{os.environ['MASTER_PORT']}",
+        f"tensor-parallel worker of rank 0 at {me.master_addr}:{me.master_port}",
         file=sys.stderr,
         flush=True,
     )

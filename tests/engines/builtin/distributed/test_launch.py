@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -159,8 +160,62 @@ def test_a_master_port_in_use_is_refused_by_name() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env = {**os.environ, **torchrun_env(0, 2, port)}
         done = subprocess.run(
             [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
         )
     assert done.stdout.startswith(f"MASTER_PORT={port}: the port is in use"), done.stderr[-2000:]
+
+
+def torchrun_env(rank: int, world: int, port: int | str) -> dict[str, str]:
+    """The variables torchrun sets in rank `rank`'s process."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+@pytest.mark.parametrize(
+    "key, value, allowed",
+    [
+        ("MASTER_PORT", "notaport", "an integer 1..65535"),
+        ("MASTER_PORT", "0", "an integer 1..65535"),
+        ("MASTER_PORT", "70000", "an integer 1..65535"),
+        ("WORLD_SIZE", "two", "an integer >= 1"),
+        ("WORLD_SIZE", "0", "an integer >= 1"),
+        ("RANK", "x", "an integer"),
+        ("LOCAL_RANK", "x", "an integer >= 0"),
+        ("LOCAL_WORLD_SIZE", "0", "an integer >= 1"),
+    ],
+)
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_torchrun_variable_that_is_not_a_number_it_allows_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    key: str,
+    value: str,
+    allowed: str,
+    rank: str,
+) -> None:
+    # MASTER_PORT=notaport was `ValueError: invalid literal for int()` from deep in
+    # torch.distributed; RANK=x made `inferlab run` spawn ranks of its own, ignoring torchrun's
+    from harness import cli
+
+    for name, setting in {**torchrun_env(int(rank), 2, 29500), key: value}.items():
+        monkeypatch.setenv(name, setting)
+    refused = rf"{key}: '{value}' is invalid; allowed: {allowed} \(a torchrun variable\)"
+    run = ["run", "model=tiny", "engine.tensor_parallel_size=2", f"hydra.run.dir={tmp_path}"]
+    assert cli.main(run) == 2
+    assert re.fullmatch(rf"error: {refused}.*\n", capsys.readouterr().err)
+    with pytest.raises(ConfigError, match=refused):
+        LLM(model="tiny", tensor_parallel_size=2)
+
+
+def test_an_empty_master_addr_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, setting in {**torchrun_env(0, 2, 29500), "MASTER_ADDR": " "}.items():
+        monkeypatch.setenv(name, setting)
+    with pytest.raises(ConfigError, match=r"^MASTER_ADDR: ' ' is invalid; allowed: the host"):
+        LLM(model="tiny", tensor_parallel_size=2)
