@@ -11,6 +11,8 @@ Two ways to get ranks:
   `worker.serve_if_worker_rank`).
   This is the multi-node path: the ranks may be on several machines.
 
+Either way the ranks check in at rank 0's store before the world forms (rendezvous.py).
+
 Three process groups: the world (gloo; start-up only), the control group (gloo, no deadline:
 rank 0's messages, `ControlChannel`) and the compute group (gloo on CPU, NCCL on CUDA; the
 model's collectives, with `engine.tensor_parallel_timeout_s` as their deadline, so a hung rank
@@ -35,15 +37,19 @@ import torch
 import torch.distributed as dist
 
 from engines.base import ConfigError
-from engines.builtin.distributed.environment import launched
+from engines.builtin.distributed.environment import LaunchedRank, launched
 from engines.builtin.distributed.group import ControlChannel, TensorParallelError, TPGroup
+from engines.builtin.distributed.rendezvous import (
+    STARTUP_TIMEOUT_S,
+    connect,
+    gather,
+    host_store,
+    join,
+)
 
 #: The control group's deadline: a worker waits this long for rank 0's next message (an idle
 #: engine sends none). Rank 0 dying ends the wait at once (its connections close).
 CONTROL_TIMEOUT = timedelta(days=365)
-#: How long rank 0 waits for the ranks to join (spawned workers import torch first) and to
-#: load their shards.
-STARTUP_TIMEOUT_S = 300.0
 #: A spawned worker: this Python, the package's __main__, then RANK SIZE PORT PARENT_PID.
 WORKER_COMMAND = [sys.executable, "-m", "engines.builtin.distributed"]
 #: How long a failed collective's message waits for a rank's exit to be known (see
@@ -109,39 +115,58 @@ def control_group() -> Any:
 
 
 def init_world(rank: int, size: int, store: Any = None) -> None:
-    """Join the world (`store`: the spawning rank 0's; None: torchrun's environment)."""
+    """Join the world: `store` is the spawning rank 0's, on which the ranks have already
+    checked in (rendezvous.gather / join); None: torchrun's ranks, which check in at
+    MASTER_ADDR:MASTER_PORT first."""
     global _CONTROL_GROUP
     if not dist.is_initialized():
-        try:
-            dist.init_process_group(
-                "gloo",
-                init_method=None if store is not None else "env://",
-                store=store,
-                rank=rank,
-                world_size=size,
-                timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
-            )
-        except dist.DistNetworkError as exc:
-            if store is None and rank == 0 and "EADDRINUSE" in str(exc):
-                raise ConfigError(
-                    f"MASTER_PORT={os.environ.get('MASTER_PORT')}: the port is in use on "
-                    "this host, and rank 0 (this process) serves the ranks' store on it; "
-                    "allowed: a free port (torchrun --master-port)"
-                ) from None
-            raise
+        if store is None:
+            store = _torchrun_rendezvous(rank, size)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+        )
         _CONTROL_GROUP = None
     control_group()
 
 
-def store_client(port: int) -> Any:
-    """A spawned worker's connection to rank 0's store."""
-    return dist.TCPStore(
-        "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
+def _torchrun_rendezvous(rank: int, size: int) -> Any:
+    """The store of torchrun's ranks, once every rank has checked in on it: rank 0 hosts it
+    at MASTER_ADDR:MASTER_PORT (torchrun's agent does, when it says so:
+    TORCHELASTIC_USE_AGENT_STORE, as torch's env:// does)."""
+    me = launched()
+    assert me is not None and (me.rank, me.world_size) == (rank, size)
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        store = _host_master_port(me)
+    else:
+        store = connect(me.master_addr, me.master_port, me.where)
+    # torchrun's agent keeps its store over restarts of the ranks: one attempt's keys apart
+    attempt = (
+        f"inferlab/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     )
+    store = dist.PrefixStore(attempt, store)
+    if rank == 0:
+        gather(store, size, me.where, notice=True)
+    else:
+        join(store, rank, size, me.where)
+    return store
 
 
-def joined_key(rank: int) -> str:
-    return f"inferlab/joined/{rank}"
+def _host_master_port(me: LaunchedRank) -> Any:
+    try:
+        return host_store(me.master_addr, me.master_port, me.world_size)
+    except dist.DistNetworkError as exc:
+        if "EADDRINUSE" in str(exc):
+            raise ConfigError(
+                f"MASTER_PORT={me.master_port}: the port is in use on this host, and rank 0 "
+                "(this process) serves the ranks' store on it; allowed: a free port "
+                "(torchrun --master-port)"
+            ) from None
+        raise
 
 
 def _spawn_world(size: int) -> list[subprocess.Popen[bytes]]:
@@ -149,32 +174,34 @@ def _spawn_world(size: int) -> list[subprocess.Popen[bytes]]:
     store on a port the OS picks; each worker checks in there before the world forms, so a
     worker that dies while starting (an import error, no memory) is an error at once, with its
     exit code, rather than a wait for the start-up deadline."""
-    timeout = timedelta(seconds=STARTUP_TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
+    store = host_store("127.0.0.1", 0, size)
     processes = [
         subprocess.Popen([*WORKER_COMMAND, str(rank), str(size), str(store.port), str(os.getpid())])
         for rank in range(1, size)
     ]
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not store.check([joined_key(rank) for rank in range(1, size)]):
-            for rank, process in enumerate(processes, start=1):
-                if process.poll() is not None:
-                    raise TensorParallelError(
-                        f"tensor-parallel worker rank {rank} exited with code "
-                        f"{process.returncode} while starting (its output is above)"
-                    )
-            if time.monotonic() > deadline:
+
+    def watch() -> None:
+        for rank, process in enumerate(processes, start=1):
+            if process.poll() is not None:
                 raise TensorParallelError(
-                    f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:g} s"
+                    f"tensor-parallel worker rank {rank} exited with code "
+                    f"{process.returncode} while starting (its output is above)"
                 )
-            time.sleep(0.05)
+
+    try:
+        gather(store, size, f"127.0.0.1:{store.port}", watch)
         init_world(0, size, store)
     except BaseException:
         for process in processes:
             process.kill()
+            process.wait()
         raise
     return processes
+
+
+def store_client(port: int) -> Any:
+    """A spawned worker's connection to rank 0's store, on this host."""
+    return connect("127.0.0.1", port, f"127.0.0.1:{port}")
 
 
 def new_compute_group(backend: str, timeout_s: float) -> Any:

@@ -24,18 +24,19 @@ from typing import Any
 
 import torch.distributed as dist
 
+from engines.base import ConfigError
 from engines.builtin.distributed.environment import launched
-from engines.builtin.distributed.group import ControlChannel, TPGroup
+from engines.builtin.distributed.group import ControlChannel, TensorParallelError, TPGroup
 from engines.builtin.distributed.launch import (
     compute_backend,
     control_group,
     init_world,
-    joined_key,
     new_compute_group,
     processes_per_host,
     rank_device,
     store_client,
 )
+from engines.builtin.distributed.rendezvous import join
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def spawned_main(rank: int, size: int, port: int, parent_pid: int) -> None:
     _exit_with_parent(parent_pid)
     try:
         store = store_client(port)
-        store.set(joined_key(rank), "1")
+        join(store, rank, size, f"127.0.0.1:{port}")
         init_world(rank, size, store)
         serve(rank, size)
     except BaseException:
@@ -109,9 +110,11 @@ def serve_if_worker_rank() -> bool:
 
 
 def serve(rank: int, size: int) -> None:
-    """Serve engines until rank 0 says exit (torchrun's ranks come here from the CLI)."""
+    """Serve engines until rank 0 says exit (torchrun's ranks come here from the CLI). Joining
+    the world may raise (a ConfigError: the ranks' WORLD_SIZEs differ; TensorParallelError:
+    rank 0 never came); once in it, a failure ends the process."""
+    init_world(rank, size)
     try:
-        init_world(rank, size)
         channel = ControlChannel(rank, control_group())
         while True:
             message = channel.receive()
@@ -170,7 +173,11 @@ def _die() -> None:
     exc = sys.exc_info()[1]
     if isinstance(exc, SystemExit) and not exc.code:
         os._exit(0)
-    print(f"inferlab tensor-parallel worker (pid {os.getpid()}) failed:", file=sys.stderr)
-    traceback.print_exc()
+    said = f"inferlab tensor-parallel worker (pid {os.getpid()}) failed:"
+    if isinstance(exc, (ConfigError, TensorParallelError)):
+        print(f"{said} {exc}", file=sys.stderr)  # the reason is the message
+    else:
+        print(said, file=sys.stderr)
+        traceback.print_exc()
     sys.stderr.flush()
     os._exit(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -219,3 +220,101 @@ def test_an_empty_master_addr_is_refused_by_name(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setenv(name, setting)
     with pytest.raises(ConfigError, match=r"^MASTER_ADDR: ' ' is invalid; allowed: the host"):
         LLM(model="tiny", tensor_parallel_size=2)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def inferlab_run(env: dict[str, str], run_dir: Path, tp: int = 2) -> subprocess.Popen[str]:
+    """`inferlab run` of the tiny model at tensor_parallel_size `tp`, with `env` on top."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "run",
+            "model=tiny",
+            f"engine.tensor_parallel_size={tp}",
+            "engine.num_threads=1",
+            "workload.num_requests=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def read_until(stream: Any, wanted: str, timeout_s: float) -> str:
+    """What `stream` says until a line containing `wanted` (or the timeout, or its end)."""
+    said = ""
+    deadline = time.monotonic() + timeout_s
+    while wanted not in said and time.monotonic() < deadline:
+        ready, _, _ = select.select([stream], [], [], 0.2)
+        if ready:
+            line = stream.readline()
+            if not line:
+                break
+            said += line
+    return said
+
+
+@pytest.mark.slow
+def test_a_torchrun_rank_0_without_its_peers_says_what_it_waits_for_and_stops_on_ctrl_c(
+    tmp_path: Path,
+) -> None:
+    # it used to wait 300 s inside init_process_group, silently, where Ctrl-C did not reach
+    port = free_port()
+    rank_zero = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from engines.builtin import LLM\n"
+            "LLM(model='tiny', tensor_parallel_size=2, num_threads=1)\n",
+        ],
+        env={**os.environ, **torchrun_env(0, 2, port)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert rank_zero.stderr is not None
+    try:
+        said = read_until(rank_zero.stderr, "rank 0 waits", timeout_s=120)
+        assert (
+            f"inferlab: rank 0 waits for 1 of 1 ranks of WORLD_SIZE=2 at "
+            f"MASTER_ADDR:MASTER_PORT=127.0.0.1:{port} (not joined: rank 1)"
+        ) in said, said
+        rank_zero.send_signal(signal.SIGINT)
+        rank_zero.wait(timeout=60)  # not the 300 s deadline
+        assert "KeyboardInterrupt" in rank_zero.stderr.read()
+    finally:
+        rank_zero.kill()
+        rank_zero.wait()
+
+
+@pytest.mark.slow
+def test_ranks_launched_with_different_world_sizes_are_refused_by_name(tmp_path: Path) -> None:
+    # each waited for a world that never forms, until the start-up deadline (300 s)
+    port = free_port()
+    ranks = [
+        inferlab_run(torchrun_env(0, 2, port), tmp_path / "rank0"),
+        inferlab_run(torchrun_env(1, 3, port), tmp_path / "rank1"),
+    ]
+    try:
+        said = [rank.communicate(timeout=120)[1] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    mismatch = (
+        f"WORLD_SIZE differs between the ranks at MASTER_ADDR:MASTER_PORT=127.0.0.1:{port}: rank "
+        "0 has WORLD_SIZE=2, rank 1 WORLD_SIZE=3; allowed: the same WORLD_SIZE for every rank"
+    )
+    # rank 1 is refused before it serves (exit 2); rank 0 while it loads its engine, which
+    # `inferlab run` records as a failed run (exit 1), as any error of the engine's load
+    for rank, err, code in zip(ranks, said, (1, 2), strict=True):
+        assert rank.returncode == code, err[-3000:]
+        assert mismatch in err, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
