@@ -2,9 +2,9 @@
 and end them.
 
 Two ways to get ranks:
-- spawn (the default): rank 0 starts N-1 worker processes itself (`python -m
-  engines.builtin.distributed`: a fresh interpreter, so scripts need no `__main__`
-  guard), on this host, over loopback;
+- spawn (the default): rank 0 starts N-1 worker processes itself (WORKER_COMMAND: a fresh
+  interpreter, so scripts need no `__main__` guard, importing inferlab from rank 0's folder),
+  on this host, over loopback;
 - torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT): every
   process runs the same command; rank 0 goes on as the engine, the others become workers as
   soon as they build an engine (`LLMEngine` or `inferlab run` call
@@ -31,11 +31,13 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+import engines
 from engines.base import ConfigError
 from engines.builtin.distributed.environment import LaunchedRank, launched
 from engines.builtin.distributed.group import ControlChannel, TensorParallelError, TPGroup
@@ -50,8 +52,18 @@ from engines.builtin.distributed.rendezvous import (
 #: The control group's deadline: a worker waits this long for rank 0's next message (an idle
 #: engine sends none). Rank 0 dying ends the wait at once (its connections close).
 CONTROL_TIMEOUT = timedelta(days=365)
-#: A spawned worker: this Python, the package's __main__, then RANK SIZE PORT PARENT_PID.
-WORKER_COMMAND = [sys.executable, "-m", "engines.builtin.distributed"]
+#: The folder this process imports inferlab's packages from (it holds engines/): a spawned
+#: worker imports them from there too, whatever its sys.path would find first.
+CODE_ROOT = str(Path(engines.__file__).resolve().parent.parent)
+#: A spawned worker: this Python, then CODE_ROOT RANK SIZE PORT PARENT_PID. `-c` and not `-m`:
+#: `-m` would look in the current folder and PYTHONPATH before CODE_ROOT, where another copy
+#: of inferlab (a pip-installed one, another checkout) may be.
+WORKER_COMMAND = [
+    sys.executable,
+    "-c",
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from engines.builtin.distributed.worker import spawned_main; spawned_main(sys.argv[1:])",
+]
 #: How long a failed collective's message waits for a rank's exit to be known (see
 #: Peers.describe_failure); a hung rank costs this much more before the engine fails.
 EXIT_GRACE_S = 2.0
@@ -176,7 +188,9 @@ def _spawn_world(size: int) -> list[subprocess.Popen[bytes]]:
     exit code, rather than a wait for the start-up deadline."""
     store = host_store("127.0.0.1", 0, size)
     processes = [
-        subprocess.Popen([*WORKER_COMMAND, str(rank), str(size), str(store.port), str(os.getpid())])
+        subprocess.Popen(
+            [*WORKER_COMMAND, CODE_ROOT, str(rank), str(size), str(store.port), str(os.getpid())]
+        )
         for rank in range(1, size)
     ]
 

@@ -28,6 +28,7 @@ from engines.base import ConfigError
 from engines.builtin.distributed.environment import launched
 from engines.builtin.distributed.group import ControlChannel, TensorParallelError, TPGroup
 from engines.builtin.distributed.launch import (
+    CODE_ROOT,
     compute_backend,
     control_group,
     init_world,
@@ -37,6 +38,10 @@ from engines.builtin.distributed.launch import (
     store_client,
 )
 from engines.builtin.distributed.rendezvous import join
+
+
+class WrongCodeError(RuntimeError):
+    """A spawned worker imported inferlab from another folder than its rank 0."""
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,15 @@ class EngineMessage:
     sample_vocab_size: int
 
 
-def spawned_main(rank: int, size: int, port: int, parent_pid: int) -> None:
-    """The entry point of a worker rank 0 (process `parent_pid`) spawned. Ctrl-C reaches the
-    whole process group: rank 0 alone decides what it means, and ends the workers."""
+def spawned_main(argv: list[str]) -> None:
+    """The entry point of a worker rank 0 spawned: argv is CODE_ROOT RANK SIZE PORT PARENT_PID
+    (launch.WORKER_COMMAND), CODE_ROOT the folder rank 0 imports inferlab from. Ctrl-C reaches
+    the whole process group: rank 0 alone decides what it means, and ends the workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    root, rank, size, port, parent_pid = argv[0], *map(int, argv[1:5])
     _exit_with_parent(parent_pid)
     try:
+        check_same_code(root)
         store = store_client(port)
         join(store, rank, size, f"127.0.0.1:{port}")
         init_world(rank, size, store)
@@ -62,6 +70,18 @@ def spawned_main(rank: int, size: int, port: int, parent_pid: int) -> None:
     except BaseException:
         _die()
     os._exit(0)  # skip interpreter teardown: nothing is left to flush
+
+
+def check_same_code(root: str) -> None:
+    """Raise WrongCodeError unless this process imported inferlab from `root`, rank 0's
+    folder: ranks running different copies of the engine would split and run the model
+    differently, and fail (or worse, agree) in ways nobody could read."""
+    if os.path.realpath(root) != os.path.realpath(CODE_ROOT):
+        raise WrongCodeError(
+            f"this worker imported inferlab's engines from {CODE_ROOT}, but rank 0 runs the "
+            f"copy in {root}; every rank must run the same code (is another copy of inferlab "
+            "installed, or first on PYTHONPATH?)"
+        )
 
 
 #: How often a spawned worker checks that rank 0 is still there.
@@ -174,7 +194,7 @@ def _die() -> None:
     if isinstance(exc, SystemExit) and not exc.code:
         os._exit(0)
     said = f"inferlab tensor-parallel worker (pid {os.getpid()}) failed:"
-    if isinstance(exc, (ConfigError, TensorParallelError)):
+    if isinstance(exc, (ConfigError, TensorParallelError, WrongCodeError)):
         print(f"{said} {exc}", file=sys.stderr)  # the reason is the message
     else:
         print(said, file=sys.stderr)

@@ -23,6 +23,8 @@ from engines.builtin import LLM
 from engines.builtin.distributed.group import ControlChannel, TPGroup
 from engines.builtin.distributed.launch import WORKER_COMMAND, Peers
 
+CHECKOUT = Path(__file__).parents[4]
+
 
 def test_a_rank_whose_exit_lags_its_closed_connection_is_named_killed() -> None:
     # A SIGKILLed rank's sockets close before its exit can be collected: rank 0's collective
@@ -78,8 +80,9 @@ def test_a_failure_after_the_ranks_started_ends_them() -> None:
 #: killed (argv: the worker's command, then the port of a store nobody hosts)
 RANK_ZERO = """
 import os, subprocess, sys, time
+from engines.builtin.distributed.launch import CODE_ROOT
 command, port = sys.argv[1:-1], sys.argv[-1]
-worker = subprocess.Popen([*command, "1", "2", port, str(os.getpid())])
+worker = subprocess.Popen([*command, CODE_ROOT, "1", "2", port, str(os.getpid())])
 print(worker.pid, flush=True)
 time.sleep(600)
 """
@@ -318,3 +321,59 @@ def test_ranks_launched_with_different_world_sizes_are_refused_by_name(tmp_path:
         assert rank.returncode == code, err[-3000:]
         assert mismatch in err, err[-3000:]
         assert "Traceback" not in err, err[-3000:]
+
+
+FROM_ELSEWHERE = """
+import sys
+sys.path.insert(0, {root!r})  # this checkout, put first by hand
+from engines.builtin import LLM, SamplingParams
+llm = LLM(model="tiny", tensor_parallel_size=2, num_threads=1)
+outs = llm.generate("hello there", SamplingParams(temperature=0.0, max_tokens=4))
+print("TOKENS", outs[0].token_ids, flush=True)
+llm.engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_workers_import_the_code_of_a_script_that_put_its_checkout_on_sys_path(
+    tmp_path: Path,
+) -> None:
+    # The script runs from another folder, with another copy of inferlab importable (here: on
+    # PYTHONPATH, as a pip-installed one is in site-packages): the workers, started with
+    # `python -m engines.builtin.distributed`, imported that copy, not the script's.
+    other = tmp_path / "other"
+    for package in ("engines", "engines/builtin", "engines/builtin/distributed"):
+        (other / package).mkdir(parents=True)
+        (other / package / "__init__.py").write_text("")
+    for module in ("__main__.py", "worker.py"):
+        (other / "engines/builtin/distributed" / module).write_text(
+            "raise SystemExit('imported the other copy of inferlab')\n"
+        )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    script = elsewhere / "script.py"
+    script.write_text(FROM_ELSEWHERE.format(root=str(CHECKOUT)))
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=elsewhere,
+        env={**os.environ, "PYTHONPATH": str(other)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TOKENS" in done.stdout
+    assert "other copy" not in done.stderr
+
+
+def test_a_worker_that_imported_another_copy_of_inferlab_says_so() -> None:
+    from engines.builtin.distributed.launch import CODE_ROOT
+    from engines.builtin.distributed.worker import WrongCodeError, check_same_code
+
+    check_same_code(CODE_ROOT)
+    with pytest.raises(
+        WrongCodeError,
+        match=rf"^this worker imported inferlab's engines from {CODE_ROOT}, but rank 0 runs the "
+        r"copy in /elsewhere; every rank must run the same code",
+    ):
+        check_same_code("/elsewhere")
