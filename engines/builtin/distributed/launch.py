@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -261,11 +262,15 @@ class Peers:
 
     def close(self, failed: bool = False) -> None:
         """End the engine on every rank: spawned workers exit (killed if they do not within a
-        few seconds, or at once when the ranks have `failed`), torchrun's go back to waiting
-        for the next engine."""
+        few seconds, or at once when the ranks have `failed`), and the world rank 0 made for
+        them goes; torchrun's go back to waiting for the next engine, in torchrun's world.
+        Idempotent."""
+        global _open
         if self.closed:
             return
         self.closed = True
+        if _open is self:
+            _open = None
         if not failed:
             with contextlib.suppress(TensorParallelError):  # a rank is gone: ended below
                 message = ("exit",) if self.launcher == "spawn" else ("close",)
@@ -283,9 +288,18 @@ class Peers:
             dist.destroy_process_group(self.tp.group)
 
 
-def start_peers(size: int, device: torch.device, timeout_s: float, engine: Any) -> Peers:
+#: This process's open tensor-parallel engine's ranks: one at a time (a spawned engine's ranks
+#: hold the process's torch.distributed world; torchrun's serve one engine at a time).
+_open: Peers | None = None
+
+
+def start_peers(
+    size: int, device: torch.device, timeout_s: float, engine: Any, owner: object
+) -> Peers:
     """Start (or join) the other `size - 1` ranks, send them `engine` (what they build), and
-    make the compute group with them."""
+    make the compute group with them. They end with `owner` (the engine): when it closes them,
+    when it is garbage-collected, or when the process exits."""
+    _refuse_a_second_engine(size)
     me = launched()
     processes: list[subprocess.Popen[bytes]] = []
     if me is not None:
@@ -319,23 +333,38 @@ def start_peers(size: int, device: torch.device, timeout_s: float, engine: Any) 
         peers.close()
         raise
     peers.tp = TPGroup(0, size, group, peers.describe_failure)
-    # an engine never closed ends its ranks when this process exits normally (a killed one's
-    # ranks see its connections close, and exit)
-    atexit.register(_close_at_exit, weakref.ref(peers))
+    global _open
+    _open = peers
+    # finalize runs at the exit of the process too (a killed one's ranks see its connections
+    # close, and exit)
+    weakref.finalize(owner, peers.close)
     return peers
+
+
+def _refuse_a_second_engine(size: int) -> None:
+    if _open is not None:
+        gc.collect()  # an engine dropped in a reference cycle: its finalizer closes it
+    if _open is not None:
+        raise ConfigError(
+            f"engine.tensor_parallel_size: {size}, but another tensor-parallel engine of this "
+            "process is still open (its ranks hold the process's torch.distributed world); "
+            "close it first: llm.close(), or build it in `with LLM(...) as llm:`; allowed: "
+            "one open tensor-parallel engine per process"
+        )
 
 
 _ENDING_TORCHRUN_WORKERS = False
 
 
 def _end_torchrun_workers_at_exit() -> None:
-    """torchrun's other ranks serve one engine after another; they end with rank 0's process
-    (registered before the first engine's close hook: atexit runs last in, first out)."""
+    """torchrun's other ranks serve one engine after another; they end with rank 0's process."""
     global _ENDING_TORCHRUN_WORKERS
     if not _ENDING_TORCHRUN_WORKERS:
         _ENDING_TORCHRUN_WORKERS = True
 
         def end() -> None:
+            if _open is not None:  # whichever runs first, this or the engine's finalizer
+                _open.close()
             with contextlib.suppress(TensorParallelError):
                 ControlChannel(0, control_group()).send(("exit",))
             # before the interpreter's teardown, which would destroy gloo's threads running
@@ -343,9 +372,3 @@ def _end_torchrun_workers_at_exit() -> None:
                 dist.destroy_process_group()
 
         atexit.register(end)
-
-
-def _close_at_exit(ref: weakref.ref[Peers]) -> None:
-    peers = ref()
-    if peers is not None:
-        peers.close()
