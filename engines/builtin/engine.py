@@ -168,7 +168,7 @@ class LLMEngine:
                 self.runner.peers = self.peers.channel
             self.runner.allocate_kv_cache(self.kv.layout, ring, self.limits)
         except BaseException:
-            self._end_ranks()
+            self._end_ranks(abandon=True)
             raise
         self.scheduler = Scheduler(config, self.kv, self.limits)
         self.sequences: dict[str, Sequence] = {}
@@ -185,7 +185,7 @@ class LLMEngine:
         try:
             self.proposer = self._make_proposer()
         except BaseException:  # a draft the engine cannot use: end the ranks started for it
-            self._end_ranks()
+            self._end_ranks(abandon=True)
             raise
         self.last_draft_ns = 0  # the proposer's time before the last step
 
@@ -352,10 +352,12 @@ class LLMEngine:
                 "LLM to generate again"
             )
 
-    def _end_ranks(self) -> None:
-        """End the other tensor-parallel ranks (nothing to do with one rank)."""
+    def _end_ranks(self, abandon: bool = False) -> None:
+        """End the other tensor-parallel ranks (nothing to do with one rank). `abandon`: they
+        may be busy (loading their shards while rank 0 failed or was interrupted): spawned
+        workers are killed at once rather than asked to exit."""
         if self.peers is not None:
-            self.peers.close(failed=self.failure is not None)
+            self.peers.close(failed=abandon or self.failure is not None)
 
     def _roofline_shape(self) -> dict[str, int]:
         """Per-token constants of the roofline's FLOP count and of its communication

@@ -262,9 +262,9 @@ class Peers:
 
     def close(self, failed: bool = False) -> None:
         """End the engine on every rank: spawned workers exit (killed if they do not within a
-        few seconds, or at once when the ranks have `failed`), and the world rank 0 made for
-        them goes; torchrun's go back to waiting for the next engine, in torchrun's world.
-        Idempotent."""
+        few seconds, or at once when the ranks have `failed` or cannot listen: rank 0 stopped
+        while they load), and the world rank 0 made for them goes; torchrun's go back to
+        waiting for the next engine, in torchrun's world. Idempotent."""
         global _open
         if self.closed:
             return
@@ -330,7 +330,7 @@ def start_peers(
         channel.send(("engine", engine), timeout_s=STARTUP_TIMEOUT_S)
         group = new_compute_group(peers.backend, timeout_s)
     except BaseException:
-        peers.close()
+        peers.close(failed=True)
         raise
     peers.tp = TPGroup(0, size, group, peers.describe_failure)
     global _open
