@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command in ("run", "serve"):
         from engines.base import ConfigError
+        from engines.builtin.distributed.group import TensorParallelError
         from engines.builtin.distributed.worker import serve_if_worker_rank
 
         # torchrun started this process as a rank other than 0 of a tensor-parallel engine:
@@ -59,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:  # torchrun's variables make no rank
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        except TensorParallelError as exc:  # rank 0 never came, or went while starting
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # Ctrl-C while it waits for rank 0
+            print("inferlab: interrupted", file=sys.stderr)
+            return 130
     if command == "run":
         from harness.running import app
 

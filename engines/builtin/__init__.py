@@ -6,14 +6,16 @@ out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
 """
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.engine import LLMEngine
+from engines.builtin.engine import EngineClosedError, EngineDeadError, LLMEngine
 from engines.builtin.llm import LLM, CompletionOutput, RequestOutput
 from engines.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EngineClosedError",
     "EngineConfig",
+    "EngineDeadError",
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",

@@ -38,12 +38,12 @@ from engines.builtin import native
 from engines.builtin.config import EngineConfig
 from engines.builtin.distributed.group import TensorParallelError
 from engines.builtin.distributed.launch import (
-    STARTUP_TIMEOUT_S,
     Peers,
     processes_per_host,
     rank_device,
     start_peers,
 )
+from engines.builtin.distributed.rendezvous import STARTUP_TIMEOUT_S
 from engines.builtin.distributed.shard import check_int4_groups, shard_for
 from engines.builtin.distributed.worker import EngineMessage, serve_if_worker_rank
 from engines.builtin.kv_cache import KVCacheManager
@@ -78,9 +78,29 @@ class EngineDeadError(RuntimeError):
     """The engine cannot go on (a tensor-parallel rank died or hung); `failure` says why."""
 
 
+class EngineClosedError(EngineDeadError):
+    """The engine was closed (`close()`, the end of an LLM's `with` block)."""
+
+
+#: What a closed engine lets go of: the model and its weights, the KV cache, the requests, the
+#: draft model (their memory is freed once nothing else holds them).
+_RELEASED_AT_CLOSE = (
+    "runner",
+    "kv",
+    "scheduler",
+    "output",
+    "sequences",
+    "proposer",
+    "_pending_events",
+)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
+        self.closed = False
+        self.failure: str | None = None  # why the engine cannot go on (EngineDeadError)
+        self.peers: Peers | None = None  # the other tensor-parallel ranks
         tp_size = config.tensor_parallel_size
         if tp_size > 1 and serve_if_worker_rank():
             # torchrun started this process as a rank other than 0: it has served rank 0's
@@ -110,8 +130,6 @@ class LLMEngine:
         self.eos_ids = sorted(
             set(self.tokenizer.special.eos_ids) | set(self.model_config.eos_token_ids)
         )
-        self.failure: str | None = None  # why the engine cannot go on (EngineDeadError)
-        self.peers: Peers | None = None  # the other tensor-parallel ranks
         if tp_size > 1:
             self.peers = start_peers(
                 tp_size,
@@ -123,6 +141,7 @@ class LLMEngine:
                     max_model_len,
                     self.tokenizer.vocab_size,
                 ),
+                owner=self,
             )
         try:
             # the model and its weights first: the KV pool is sized from the memory they leave
@@ -149,7 +168,7 @@ class LLMEngine:
                 self.runner.peers = self.peers.channel
             self.runner.allocate_kv_cache(self.kv.layout, ring, self.limits)
         except BaseException:
-            self.close()
+            self._end_ranks(abandon=True)
             raise
         self.scheduler = Scheduler(config, self.kv, self.limits)
         self.sequences: dict[str, Sequence] = {}
@@ -166,7 +185,7 @@ class LLMEngine:
         try:
             self.proposer = self._make_proposer()
         except BaseException:  # a draft the engine cannot use: end the ranks started for it
-            self.close()
+            self._end_ranks(abandon=True)
             raise
         self.last_draft_ns = 0  # the proposer's time before the last step
 
@@ -233,6 +252,7 @@ class LLMEngine:
 
     def describe(self) -> dict[str, Any]:
         """Facts about the loaded engine, for run folders and reports."""
+        self._ensure_not_closed()
         layout = self.kv.layout
         return {
             "engine": "builtin",
@@ -303,9 +323,41 @@ class LLMEngine:
         }
 
     def close(self) -> None:
-        """End the other tensor-parallel ranks (idempotent; nothing to do with one rank)."""
+        """Release the engine: its other tensor-parallel ranks end (spawned workers exit, and
+        the torch.distributed world made for them goes), the draft model's engine closes, and
+        the model, its weights and the KV cache are let go. Idempotent; afterwards every call
+        that would run the engine raises EngineClosedError. An engine that is dropped
+        instead ends its ranks when it is garbage-collected, or when the process exits."""
+        if self.closed:
+            return
+        self.closed = True
+        self._end_ranks()
+        proposer = self.__dict__.get("proposer")
+        if proposer is not None:
+            proposer.close()
+        for name in _RELEASED_AT_CLOSE:
+            self.__dict__.pop(name, None)
+        self.step_observers = []
+
+    def ensure_open(self) -> None:
+        """Raise EngineClosedError after close(), EngineDeadError after a failure."""
+        self._ensure_not_closed()
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+
+    def _ensure_not_closed(self) -> None:
+        if self.closed:
+            raise EngineClosedError(
+                "the engine is closed (close(), or the end of its `with` block); build a new "
+                "LLM to generate again"
+            )
+
+    def _end_ranks(self, abandon: bool = False) -> None:
+        """End the other tensor-parallel ranks (nothing to do with one rank). `abandon`: they
+        may be busy (loading their shards while rank 0 failed or was interrupted): spawned
+        workers are killed at once rather than asked to exit."""
         if self.peers is not None:
-            self.peers.close(failed=self.failure is not None)
+            self.peers.close(failed=abandon or self.failure is not None)
 
     def _roofline_shape(self) -> dict[str, int]:
         """Per-token constants of the roofline's FLOP count and of its communication
@@ -334,15 +386,18 @@ class LLMEngine:
     @property
     def weights_source(self) -> str:
         """Where the loaded weights came from: "checkpoint" or "dummy"."""
+        self._ensure_not_closed()
         return self.runner.weights_source
 
     @property
     def step_counter(self) -> int:
         """The number the next step will carry (events stamped between steps carry it)."""
+        self._ensure_not_closed()
         return self.scheduler.step_counter
 
     def gauges(self) -> EngineGauges:
         """Engine state now, between steps: a frozen snapshot other threads may keep."""
+        self._ensure_not_closed()
         layout = self.kv.layout
         return EngineGauges(
             num_running=len(self.scheduler.running),
@@ -360,10 +415,12 @@ class LLMEngine:
     def add_logits_observer(self, observer: LogitsObserver) -> None:
         """Call `observer(plan, logits)` on every step with the float32 logits of every token
         the step computes (model_runner.LogitsObserver). Slows steps while registered."""
+        self._ensure_not_closed()
         self.runner.logits_observers.append(observer)
 
     def remove_logits_observer(self, observer: LogitsObserver) -> None:
         """Undo `add_logits_observer` (ValueError if `observer` is not registered)."""
+        self._ensure_not_closed()
         self.runner.logits_observers.remove(observer)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -380,8 +437,7 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Tokenize and queue a request; raises ValueError (naming the field) if it is invalid."""
-        if self.failure is not None:
-            raise EngineDeadError(self.failure)
+        self.ensure_open()
         arrival_ns = self.platform.now_ns() if arrival_ns is None else arrival_ns
         sampling = sampling or SamplingParams()
         if request_id in self.sequences:
@@ -404,6 +460,7 @@ class LLMEngine:
         """Every check `add_request` makes, without queueing anything: a frontend (the
         server) calls it to refuse a request before it answers. Raises ValueError naming
         the field."""
+        self._ensure_not_closed()
         sampling.validate()
         if sampling.n > 1 and self.config.batching == "static":
             raise ValueError(
@@ -448,6 +505,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Abort every sample of the request and free its KV memory."""
+        self._ensure_not_closed()
         for seq in [s for s in self.sequences.values() if s.request_id == request_id]:
             del self.sequences[seq.key]
             self._release_drafts(seq)
@@ -460,16 +518,17 @@ class LLMEngine:
 
     def has_request(self, request_id: str) -> bool:
         """Is any sample of the request still in the engine?"""
+        self._ensure_not_closed()
         return any(seq.request_id == request_id for seq in self.sequences.values())
 
     def has_unfinished_requests(self) -> bool:
+        self._ensure_not_closed()
         return self.scheduler.has_unfinished()
 
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestEvent]:
-        if self.failure is not None:
-            raise EngineDeadError(self.failure)
+        self.ensure_open()
         events, self._pending_events = self._pending_events, []
         start = self.platform.now_ns()
         proposals = self._propose() if self.proposer is not None else {}
@@ -516,7 +575,7 @@ class LLMEngine:
                 tokens = self.runner.execute(plan, self.kv)
         except TensorParallelError as exc:  # the ranks have parted: the engine is over
             self.failure = f"{type(exc).__name__}: {exc}"
-            self.close()
+            self._end_ranks()
             self._fail_step(plan, exc)
             raise EngineDeadError(self.failure) from exc
         except Exception as exc:  # a failed step fails its requests, not the engine
@@ -526,7 +585,7 @@ class LLMEngine:
                 # Ctrl-C inside the step: the other ranks are left in its collectives, where
                 # they can take no message (close would wait out its timeouts on them)
                 self.failure = f"{type(exc).__name__} during a step: the ranks are out of step"
-                self.close()
+                self._end_ranks()
             raise
         kept = _kept_drafts(plan, tokens) if plan.num_draft_tokens else {}
         self.scheduler.complete_step(plan, kept)

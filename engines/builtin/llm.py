@@ -72,11 +72,27 @@ class RequestOutput:
 
 
 class LLM:
-    """`LLM(model="small", kv_cache="contiguous", dtype="float32", ...)`: any engine option."""
+    """`LLM(model="small", kv_cache="contiguous", dtype="float32", ...)`: any engine option.
+
+    `close()` (or `with LLM(...) as llm:`) releases the engine: its tensor-parallel ranks, the
+    draft model, the weights and the KV cache; a second LLM of the same process then starts
+    as the first did. An LLM that is dropped instead releases them when it is
+    garbage-collected, or when the process exits."""
 
     def __init__(self, model: str = "tiny", **options: Any) -> None:
         self.engine = build_engine(EngineConfig.from_dict({"model": model, **options}))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Release the engine (LLMEngine.close); idempotent. Later calls to generate raise
+        EngineClosedError."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -97,6 +113,7 @@ class LLM:
         priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids or chat messages); outputs in input order."""
+        self.engine.ensure_open()
         prompt_list: list[Prompt]
         if isinstance(prompts, str) or _is_single_token_list(prompts) or _is_chat(prompts):
             prompt_list = [prompts]

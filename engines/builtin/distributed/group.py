@@ -128,6 +128,8 @@ def failure(what: str, exc: BaseException, ranks: str) -> TensorParallelError:
 #: A step's message fits this many bytes in most steps: one broadcast. A larger one (a long
 #: prefill's token ids) takes a second broadcast of the rest.
 FIRST_BROADCAST_BYTES = 16 << 10
+#: How often rank 0 looks whether the ranks took a start-up message (what bounds Ctrl-C's delay)
+POLL_S = 0.01
 _LENGTH_BYTES = 8
 
 
@@ -154,9 +156,12 @@ class ControlChannel:
 
     def send(self, message: Any, timeout_s: float | None = None) -> None:
         """Send `message` to every other rank; `timeout_s` (default: the channel's) for a
-        message the ranks take only after work of their own (loading their shards)."""
+        message the ranks take only after work of their own (loading their shards): that wait
+        is a poll in Python, which Ctrl-C stops at once (a step's waits in C++, which is
+        quicker, and which Ctrl-C reaches only when it ends)."""
         assert self.rank == 0, "only rank 0 sends"
         deadline = timedelta(seconds=self.timeout_s if timeout_s is None else timeout_s)
+        poll = timeout_s is not None
         began = time.perf_counter_ns()
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         body = len(data)
@@ -166,10 +171,10 @@ class ControlChannel:
         first[_LENGTH_BYTES : _LENGTH_BYTES + head] = torch.frombuffer(
             bytearray(data[:head]), dtype=torch.uint8
         )
-        self._broadcast(first, deadline)
+        self._broadcast(first, deadline, poll)
         if body > head:
             rest = torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8)
-            self._broadcast(rest, deadline)
+            self._broadcast(rest, deadline, poll)
         self.last_ns = time.perf_counter_ns() - began
         self.last_bytes = FIRST_BROADCAST_BYTES + max(0, body - head)
 
@@ -185,13 +190,24 @@ class ControlChannel:
             data += rest.numpy().tobytes()
         return pickle.loads(data)
 
-    def _broadcast(self, tensor: torch.Tensor, deadline: timedelta | None = None) -> None:
+    def _broadcast(
+        self, tensor: torch.Tensor, deadline: timedelta | None = None, poll: bool = False
+    ) -> None:
         try:
             if deadline is None:  # a receiver: wait for as long as rank 0 is there
                 dist.broadcast(tensor, src=0, group=self.group)
-            else:
-                work = dist.broadcast(tensor, src=0, group=self.group, async_op=True)
-                assert work is not None
-                work.wait(timeout=deadline)
+                return
+            work = dist.broadcast(tensor, src=0, group=self.group, async_op=True)
+            assert work is not None
+            if poll:
+                ends = time.monotonic() + deadline.total_seconds()
+                while not work.is_completed():
+                    if time.monotonic() > ends:
+                        raise RuntimeError(
+                            f"the ranks did not take the message within "
+                            f"{deadline.total_seconds():g} s"
+                        )
+                    time.sleep(POLL_S)
+            work.wait(timeout=deadline)
         except RuntimeError as exc:
             raise failure("tensor-parallel broadcast", exc, self.describe_failure()) from exc

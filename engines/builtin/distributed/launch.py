@@ -2,14 +2,16 @@
 and end them.
 
 Two ways to get ranks:
-- spawn (the default): rank 0 starts N-1 worker processes itself (`python -m
-  engines.builtin.distributed`: a fresh interpreter, so scripts need no `__main__`
-  guard), on this host, over loopback;
+- spawn (the default): rank 0 starts N-1 worker processes itself (WORKER_COMMAND: a fresh
+  interpreter, so scripts need no `__main__` guard, importing inferlab from rank 0's folder),
+  on this host, over loopback;
 - torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT): every
   process runs the same command; rank 0 goes on as the engine, the others become workers as
   soon as they build an engine (`LLMEngine` or `inferlab run` call
   `worker.serve_if_worker_rank`).
   This is the multi-node path: the ranks may be on several machines.
+
+Either way the ranks check in at rank 0's store before the world forms (rendezvous.py).
 
 Three process groups: the world (gloo; start-up only), the control group (gloo, no deadline:
 rank 0's messages, `ControlChannel`) and the compute group (gloo on CPU, NCCL on CUDA; the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -29,53 +32,56 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+import engines
 from engines.base import ConfigError
+from engines.builtin.distributed.environment import LaunchedRank, launched
 from engines.builtin.distributed.group import ControlChannel, TensorParallelError, TPGroup
+from engines.builtin.distributed.rendezvous import (
+    STARTUP_TIMEOUT_S,
+    connect,
+    gather,
+    host_store,
+    join,
+)
 
 #: The control group's deadline: a worker waits this long for rank 0's next message (an idle
 #: engine sends none). Rank 0 dying ends the wait at once (its connections close).
 CONTROL_TIMEOUT = timedelta(days=365)
-#: How long rank 0 waits for the ranks to join (spawned workers import torch first) and to
-#: load their shards.
-STARTUP_TIMEOUT_S = 300.0
-TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-#: A spawned worker: this Python, the package's __main__, then RANK SIZE PORT PARENT_PID.
-WORKER_COMMAND = [sys.executable, "-m", "engines.builtin.distributed"]
+#: The folder this process imports inferlab's packages from (it holds engines/): a spawned
+#: worker imports them from there too, whatever its sys.path would find first.
+CODE_ROOT = str(Path(engines.__file__).resolve().parent.parent)
+#: A spawned worker: this Python, then CODE_ROOT RANK SIZE PORT PARENT_PID. `-c` and not `-m`:
+#: `-m` would look in the current folder and PYTHONPATH before CODE_ROOT, where another copy
+#: of inferlab (a pip-installed one, another checkout) may be.
+WORKER_COMMAND = [
+    sys.executable,
+    "-c",
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from engines.builtin.distributed.worker import spawned_main; spawned_main(sys.argv[1:])",
+]
 #: How long a failed collective's message waits for a rank's exit to be known (see
 #: Peers.describe_failure); a hung rank costs this much more before the engine fails.
 EXIT_GRACE_S = 2.0
 
 
 def launched_rank() -> tuple[int, int] | None:
-    """(rank, world size) set by torchrun (or a launcher like it), None otherwise."""
-    if not all(key in os.environ for key in TORCHRUN_KEYS):
-        return None
-    try:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    except ValueError:
-        return None
-
-
-def check_launched_rank(rank: int, world: int) -> None:
-    """A ConfigError for a RANK outside WORLD_SIZE: that rank would wait for a world that
-    never forms until the start-up deadline, saying nothing (a stale or mistyped variable)."""
-    if not 0 <= rank < world:
-        raise ConfigError(
-            f"RANK={rank} is outside WORLD_SIZE={world} (with MASTER_ADDR and MASTER_PORT they "
-            "make this process a tensor-parallel rank started by torchrun); allowed: RANK "
-            f"0..{max(0, world - 1)} with WORLD_SIZE >= 1, or unset the four variables"
-        )
+    """(rank, world size) set by torchrun (or a launcher like it), None otherwise; a
+    ConfigError for a variable with a value it does not allow (environment.launched)."""
+    me = launched()
+    return None if me is None else (me.rank, me.world_size)
 
 
 def processes_per_host(size: int) -> int:
     """Ranks sharing this host: all of them when spawned, torchrun's LOCAL_WORLD_SIZE else."""
-    if launched_rank() is not None and "LOCAL_WORLD_SIZE" in os.environ:
-        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    me = launched()
+    if me is not None and me.local_world_size is not None:
+        return me.local_world_size
     return size
 
 
@@ -90,8 +96,9 @@ def rank_device(device: str, rank: int, size: int) -> str:
         return "cpu"
     if not torch.cuda.is_available():
         return device  # Platform.create refuses it, naming engine.device
-    if "LOCAL_RANK" in os.environ and launched_rank() is not None:
-        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    me = launched()
+    if me is not None and me.local_rank is not None:
+        return f"cuda:{me.local_rank}"
     base = int(device.partition(":")[2] or 0)
     count = torch.cuda.device_count()
     if base >= count:  # the device itself is missing, whatever the ranks
@@ -121,39 +128,58 @@ def control_group() -> Any:
 
 
 def init_world(rank: int, size: int, store: Any = None) -> None:
-    """Join the world (`store`: the spawning rank 0's; None: torchrun's environment)."""
+    """Join the world: `store` is the spawning rank 0's, on which the ranks have already
+    checked in (rendezvous.gather / join); None: torchrun's ranks, which check in at
+    MASTER_ADDR:MASTER_PORT first."""
     global _CONTROL_GROUP
     if not dist.is_initialized():
-        try:
-            dist.init_process_group(
-                "gloo",
-                init_method=None if store is not None else "env://",
-                store=store,
-                rank=rank,
-                world_size=size,
-                timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
-            )
-        except dist.DistNetworkError as exc:
-            if store is None and rank == 0 and "EADDRINUSE" in str(exc):
-                raise ConfigError(
-                    f"MASTER_PORT={os.environ.get('MASTER_PORT')}: the port is in use on "
-                    "this host, and rank 0 (this process) serves the ranks' store on it; "
-                    "allowed: a free port (torchrun --master-port)"
-                ) from None
-            raise
+        if store is None:
+            store = _torchrun_rendezvous(rank, size)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+        )
         _CONTROL_GROUP = None
     control_group()
 
 
-def store_client(port: int) -> Any:
-    """A spawned worker's connection to rank 0's store."""
-    return dist.TCPStore(
-        "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
+def _torchrun_rendezvous(rank: int, size: int) -> Any:
+    """The store of torchrun's ranks, once every rank has checked in on it: rank 0 hosts it
+    at MASTER_ADDR:MASTER_PORT (torchrun's agent does, when it says so:
+    TORCHELASTIC_USE_AGENT_STORE, as torch's env:// does)."""
+    me = launched()
+    assert me is not None and (me.rank, me.world_size) == (rank, size)
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        store = _host_master_port(me)
+    else:
+        store = connect(me.master_addr, me.master_port, me.where)
+    # torchrun's agent keeps its store over restarts of the ranks: one attempt's keys apart
+    attempt = (
+        f"inferlab/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     )
+    store = dist.PrefixStore(attempt, store)
+    if rank == 0:
+        gather(store, size, me.where, notice=True)
+    else:
+        join(store, rank, size, me.where)
+    return store
 
 
-def joined_key(rank: int) -> str:
-    return f"inferlab/joined/{rank}"
+def _host_master_port(me: LaunchedRank) -> Any:
+    try:
+        return host_store(me.master_addr, me.master_port, me.world_size)
+    except dist.DistNetworkError as exc:
+        if "EADDRINUSE" in str(exc):
+            raise ConfigError(
+                f"MASTER_PORT={me.master_port}: the port is in use on this host, and rank 0 "
+                "(this process) serves the ranks' store on it; allowed: a free port "
+                "(torchrun --master-port)"
+            ) from None
+        raise
 
 
 def _spawn_world(size: int) -> list[subprocess.Popen[bytes]]:
@@ -161,32 +187,36 @@ def _spawn_world(size: int) -> list[subprocess.Popen[bytes]]:
     store on a port the OS picks; each worker checks in there before the world forms, so a
     worker that dies while starting (an import error, no memory) is an error at once, with its
     exit code, rather than a wait for the start-up deadline."""
-    timeout = timedelta(seconds=STARTUP_TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
+    store = host_store("127.0.0.1", 0, size)
     processes = [
-        subprocess.Popen([*WORKER_COMMAND, str(rank), str(size), str(store.port), str(os.getpid())])
+        subprocess.Popen(
+            [*WORKER_COMMAND, CODE_ROOT, str(rank), str(size), str(store.port), str(os.getpid())]
+        )
         for rank in range(1, size)
     ]
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not store.check([joined_key(rank) for rank in range(1, size)]):
-            for rank, process in enumerate(processes, start=1):
-                if process.poll() is not None:
-                    raise TensorParallelError(
-                        f"tensor-parallel worker rank {rank} exited with code "
-                        f"{process.returncode} while starting (its output is above)"
-                    )
-            if time.monotonic() > deadline:
+
+    def watch() -> None:
+        for rank, process in enumerate(processes, start=1):
+            if process.poll() is not None:
                 raise TensorParallelError(
-                    f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:g} s"
+                    f"tensor-parallel worker rank {rank} exited with code "
+                    f"{process.returncode} while starting (its output is above)"
                 )
-            time.sleep(0.05)
+
+    try:
+        gather(store, size, f"127.0.0.1:{store.port}", watch)
         init_world(0, size, store)
     except BaseException:
         for process in processes:
             process.kill()
+            process.wait()
         raise
     return processes
+
+
+def store_client(port: int) -> Any:
+    """A spawned worker's connection to rank 0's store, on this host."""
+    return connect("127.0.0.1", port, f"127.0.0.1:{port}")
 
 
 def new_compute_group(backend: str, timeout_s: float) -> Any:
@@ -232,11 +262,15 @@ class Peers:
 
     def close(self, failed: bool = False) -> None:
         """End the engine on every rank: spawned workers exit (killed if they do not within a
-        few seconds, or at once when the ranks have `failed`), torchrun's go back to waiting
-        for the next engine."""
+        few seconds, or at once when the ranks have `failed` or cannot listen: rank 0 stopped
+        while they load), and the world rank 0 made for them goes; torchrun's go back to
+        waiting for the next engine, in torchrun's world. Idempotent."""
+        global _open
         if self.closed:
             return
         self.closed = True
+        if _open is self:
+            _open = None
         if not failed:
             with contextlib.suppress(TensorParallelError):  # a rank is gone: ended below
                 message = ("exit",) if self.launcher == "spawn" else ("close",)
@@ -254,20 +288,28 @@ class Peers:
             dist.destroy_process_group(self.tp.group)
 
 
-def start_peers(size: int, device: torch.device, timeout_s: float, engine: Any) -> Peers:
+#: This process's open tensor-parallel engine's ranks: one at a time (a spawned engine's ranks
+#: hold the process's torch.distributed world; torchrun's serve one engine at a time).
+_open: Peers | None = None
+
+
+def start_peers(
+    size: int, device: torch.device, timeout_s: float, engine: Any, owner: object
+) -> Peers:
     """Start (or join) the other `size - 1` ranks, send them `engine` (what they build), and
-    make the compute group with them."""
-    launched = launched_rank()
+    make the compute group with them. They end with `owner` (the engine): when it closes them,
+    when it is garbage-collected, or when the process exits."""
+    _refuse_a_second_engine(size)
+    me = launched()
     processes: list[subprocess.Popen[bytes]] = []
-    if launched is not None:
-        rank, world = launched
-        check_launched_rank(rank, world)
-        if world != size:
+    if me is not None:
+        if me.world_size != size:
             raise ConfigError(
-                f"engine.tensor_parallel_size: {size}, but torchrun started WORLD_SIZE={world} "
-                f"ranks; allowed: {world} (one engine spans every rank torchrun started)"
+                f"engine.tensor_parallel_size: {size}, but torchrun started WORLD_SIZE="
+                f"{me.world_size} ranks; allowed: {me.world_size} (one engine spans every "
+                "rank torchrun started)"
             )
-        assert rank == 0, "ranks other than 0 serve as workers (serve_if_worker_rank)"
+        assert me.rank == 0, "ranks other than 0 serve as workers (serve_if_worker_rank)"
         init_world(0, size)
         launcher = "torchrun"
         _end_torchrun_workers_at_exit()
@@ -288,26 +330,41 @@ def start_peers(size: int, device: torch.device, timeout_s: float, engine: Any) 
         channel.send(("engine", engine), timeout_s=STARTUP_TIMEOUT_S)
         group = new_compute_group(peers.backend, timeout_s)
     except BaseException:
-        peers.close()
+        peers.close(failed=True)
         raise
     peers.tp = TPGroup(0, size, group, peers.describe_failure)
-    # an engine never closed ends its ranks when this process exits normally (a killed one's
-    # ranks see its connections close, and exit)
-    atexit.register(_close_at_exit, weakref.ref(peers))
+    global _open
+    _open = peers
+    # finalize runs at the exit of the process too (a killed one's ranks see its connections
+    # close, and exit)
+    weakref.finalize(owner, peers.close)
     return peers
+
+
+def _refuse_a_second_engine(size: int) -> None:
+    if _open is not None:
+        gc.collect()  # an engine dropped in a reference cycle: its finalizer closes it
+    if _open is not None:
+        raise ConfigError(
+            f"engine.tensor_parallel_size: {size}, but another tensor-parallel engine of this "
+            "process is still open (its ranks hold the process's torch.distributed world); "
+            "close it first: llm.close(), or build it in `with LLM(...) as llm:`; allowed: "
+            "one open tensor-parallel engine per process"
+        )
 
 
 _ENDING_TORCHRUN_WORKERS = False
 
 
 def _end_torchrun_workers_at_exit() -> None:
-    """torchrun's other ranks serve one engine after another; they end with rank 0's process
-    (registered before the first engine's close hook: atexit runs last in, first out)."""
+    """torchrun's other ranks serve one engine after another; they end with rank 0's process."""
     global _ENDING_TORCHRUN_WORKERS
     if not _ENDING_TORCHRUN_WORKERS:
         _ENDING_TORCHRUN_WORKERS = True
 
         def end() -> None:
+            if _open is not None:  # whichever runs first, this or the engine's finalizer
+                _open.close()
             with contextlib.suppress(TensorParallelError):
                 ControlChannel(0, control_group()).send(("exit",))
             # before the interpreter's teardown, which would destroy gloo's threads running
@@ -315,9 +372,3 @@ def _end_torchrun_workers_at_exit() -> None:
                 dist.destroy_process_group()
 
         atexit.register(end)
-
-
-def _close_at_exit(ref: weakref.ref[Peers]) -> None:
-    peers = ref()
-    if peers is not None:
-        peers.close()

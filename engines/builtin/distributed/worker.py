@@ -24,19 +24,24 @@ from typing import Any
 
 import torch.distributed as dist
 
-from engines.builtin.distributed.group import ControlChannel, TPGroup
+from engines.base import ConfigError
+from engines.builtin.distributed.environment import launched
+from engines.builtin.distributed.group import ControlChannel, TensorParallelError, TPGroup
 from engines.builtin.distributed.launch import (
-    check_launched_rank,
+    CODE_ROOT,
     compute_backend,
     control_group,
     init_world,
-    joined_key,
-    launched_rank,
     new_compute_group,
     processes_per_host,
     rank_device,
     store_client,
 )
+from engines.builtin.distributed.rendezvous import join
+
+
+class WrongCodeError(RuntimeError):
+    """A spawned worker imported inferlab from another folder than its rank 0."""
 
 
 @dataclass(frozen=True)
@@ -49,19 +54,34 @@ class EngineMessage:
     sample_vocab_size: int
 
 
-def spawned_main(rank: int, size: int, port: int, parent_pid: int) -> None:
-    """The entry point of a worker rank 0 (process `parent_pid`) spawned. Ctrl-C reaches the
-    whole process group: rank 0 alone decides what it means, and ends the workers."""
+def spawned_main(argv: list[str]) -> None:
+    """The entry point of a worker rank 0 spawned: argv is CODE_ROOT RANK SIZE PORT PARENT_PID
+    (launch.WORKER_COMMAND), CODE_ROOT the folder rank 0 imports inferlab from. Ctrl-C reaches
+    the whole process group: rank 0 alone decides what it means, and ends the workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    root, rank, size, port, parent_pid = argv[0], *map(int, argv[1:5])
     _exit_with_parent(parent_pid)
     try:
+        check_same_code(root)
         store = store_client(port)
-        store.set(joined_key(rank), "1")
+        join(store, rank, size, f"127.0.0.1:{port}")
         init_world(rank, size, store)
         serve(rank, size)
     except BaseException:
         _die()
     os._exit(0)  # skip interpreter teardown: nothing is left to flush
+
+
+def check_same_code(root: str) -> None:
+    """Raise WrongCodeError unless this process imported inferlab from `root`, rank 0's
+    folder: ranks running different copies of the engine would split and run the model
+    differently, and fail (or worse, agree) in ways nobody could read."""
+    if os.path.realpath(root) != os.path.realpath(CODE_ROOT):
+        raise WrongCodeError(
+            f"this worker imported inferlab's engines from {CODE_ROOT}, but rank 0 runs the "
+            f"copy in {root}; every rank must run the same code (is another copy of inferlab "
+            "installed, or first on PYTHONPATH?)"
+        )
 
 
 #: How often a spawned worker checks that rank 0 is still there.
@@ -92,18 +112,16 @@ def _exit_with_parent(parent_pid: int) -> None:
 def serve_if_worker_rank() -> bool:
     """In a process torchrun started as a rank other than 0: serve as a tensor-parallel worker
     until rank 0 ends (then return True: the caller exits). Elsewhere return False at once."""
-    launched = launched_rank()
-    if launched is None:
+    me = launched()
+    if me is None:
         return False
-    rank, world = launched
-    check_launched_rank(rank, world)
+    rank, world = me.rank, me.world_size
     if rank == 0 or world < 2:
         return False
     # it waits for rank 0, possibly long (it may not have started yet): say why
     print(
         f"inferlab: RANK={rank} of WORLD_SIZE={world} (torchrun's environment): a "
-        f"tensor-parallel worker of rank 0 at {os.environ['MASTER_ADDR']}:"
-        f"{os.environ['MASTER_PORT']}",
+        f"tensor-parallel worker of rank 0 at {me.master_addr}:{me.master_port}",
         file=sys.stderr,
         flush=True,
     )
@@ -112,9 +130,11 @@ def serve_if_worker_rank() -> bool:
 
 
 def serve(rank: int, size: int) -> None:
-    """Serve engines until rank 0 says exit (torchrun's ranks come here from the CLI)."""
+    """Serve engines until rank 0 says exit (torchrun's ranks come here from the CLI). Joining
+    the world may raise (a ConfigError: the ranks' WORLD_SIZEs differ; TensorParallelError:
+    rank 0 never came); once in it, a failure ends the process."""
+    init_world(rank, size)
     try:
-        init_world(rank, size)
         channel = ControlChannel(rank, control_group())
         while True:
             message = channel.receive()
@@ -173,7 +193,11 @@ def _die() -> None:
     exc = sys.exc_info()[1]
     if isinstance(exc, SystemExit) and not exc.code:
         os._exit(0)
-    print(f"inferlab tensor-parallel worker (pid {os.getpid()}) failed:", file=sys.stderr)
-    traceback.print_exc()
+    said = f"inferlab tensor-parallel worker (pid {os.getpid()}) failed:"
+    if isinstance(exc, (ConfigError, TensorParallelError, WrongCodeError)):
+        print(f"{said} {exc}", file=sys.stderr)  # the reason is the message
+    else:
+        print(said, file=sys.stderr)
+        traceback.print_exc()
     sys.stderr.flush()
     os._exit(1)

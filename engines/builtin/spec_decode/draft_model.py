@@ -61,6 +61,17 @@ class DraftModelProposer(Proposer):
             raise ConfigError(
                 f"engine.speculative_config.model: {config.model!r} cannot be the draft: {error}"
             ) from error
+        try:
+            self._check_draft(config, context)
+        except BaseException:
+            self.engine.close()
+            raise
+        engine = self.engine
+        self.runner, self.kv = engine.runner, engine.kv
+        self.max_batched = engine.limits.max_num_batched_tokens
+        self.mirrors: dict[int, Sequence] = {}  # target seq_id -> the draft's copy
+
+    def _check_draft(self, config: SpeculativeConfig, context: ProposerContext) -> None:
         engine = self.engine
         if engine.runner.ring:
             raise ConfigError(
@@ -83,9 +94,13 @@ class DraftModelProposer(Proposer):
                 f"{engine.model_config.vocab_size}, larger than the target's "
                 f"{context.model_vocab_size}; allowed: at most the target's"
             )
-        self.runner, self.kv = engine.runner, engine.kv
-        self.max_batched = engine.limits.max_num_batched_tokens
-        self.mirrors: dict[int, Sequence] = {}  # target seq_id -> the draft's copy
+
+    def close(self) -> None:
+        """Close the draft model's engine and let go of its model and KV cache."""
+        self.engine.close()
+        self.mirrors.clear()
+        self.__dict__.pop("runner", None)
+        self.__dict__.pop("kv", None)
 
     def describe(self) -> dict[str, object]:
         facts = self.engine.describe()

@@ -58,5 +58,9 @@ class Proposer(ABC):
     def describe(self) -> dict[str, object]:
         return {}
 
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the proposer holds (a draft model's engine); its engine's close()
+        calls it."""
+
 
 PROPOSERS = Registry[type[Proposer]]("engine.speculative_config.method")

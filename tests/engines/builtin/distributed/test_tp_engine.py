@@ -277,6 +277,98 @@ def test_ctrl_c_inside_a_step_ends_the_workers_at_once(monkeypatch: pytest.Monke
     assert "out of step" in str(llm.engine.failure)
 
 
+#: A spawned worker whose shard takes two minutes to load: rank 0, stopped meanwhile, must not
+#: wait for it
+SLOW_LOADING_WORKER = [
+    sys.executable,
+    "-c",
+    "import sys, time; sys.path.insert(0, sys.argv[1])\n"
+    "import engines.builtin.model_runner as model_runner\n"
+    "class Loading:\n"
+    "    def __init__(self, *args, **kwargs):\n"
+    "        time.sleep(120)\n"
+    "model_runner.ModelRunner = Loading\n"
+    "from engines.builtin.distributed.worker import spawned_main\n"
+    "spawned_main(sys.argv[1:])\n",
+]
+
+
+@pytest.fixture
+def slow_loading_workers(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen]:
+    """The workers rank 0 spawns, each loading for two minutes."""
+    from engines.builtin.distributed import launch
+
+    spawned: list[subprocess.Popen] = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if list(args[0][:3]) == SLOW_LOADING_WORKER:  # not a compiler the load runs
+                spawned.append(self)
+
+    monkeypatch.setattr(launch, "WORKER_COMMAND", SLOW_LOADING_WORKER)
+    monkeypatch.setattr(launch.subprocess, "Popen", Recorded)
+    return spawned
+
+
+def test_ctrl_c_while_rank_0_loads_ends_the_loading_workers_at_once(
+    monkeypatch: pytest.MonkeyPatch, slow_loading_workers: list[subprocess.Popen]
+) -> None:
+    # it took 10 s: rank 0 asked the workers to exit, which a loading worker cannot hear
+    # (5 s), then waited for them to exit (5 s), then killed them
+    import torch.distributed as dist
+
+    import engines.builtin.engine as engine_module
+
+    interrupted: list[float] = []
+
+    class Interrupted:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            interrupted.append(time.monotonic())
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_module, "ModelRunner", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        LLM(model="tiny", tensor_parallel_size=2, num_threads=1)
+    stopped_in = time.monotonic() - interrupted[0]
+    assert [worker.poll() for worker in slow_loading_workers] == [-signal.SIGKILL]
+    assert not dist.is_initialized()
+    assert stopped_in < 4
+
+
+def test_ctrl_c_while_rank_0_waits_for_the_workers_to_load_stops_it_at_once(
+    monkeypatch: pytest.MonkeyPatch, slow_loading_workers: list[subprocess.Popen]
+) -> None:
+    # rank 0, loaded first, waited for the workers inside gloo (C++), where Ctrl-C reached it
+    # only when they had loaded, or after the start-up deadline (300 s)
+    import threading
+
+    import torch.distributed as dist
+
+    from engines.builtin.distributed.group import ControlChannel
+
+    interrupted: list[float] = []
+    send = ControlChannel.send
+
+    def send_then_ctrl_c(self: ControlChannel, message: Any, timeout_s: float | None = None):
+        if message[0] == "kv":  # rank 0 has loaded; the workers take it once they have
+
+            def ctrl_c() -> None:
+                interrupted.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGINT)
+
+            threading.Timer(0.5, ctrl_c).start()
+        return send(self, message, timeout_s)
+
+    monkeypatch.setattr(ControlChannel, "send", send_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        LLM(model="tiny", tensor_parallel_size=2, num_threads=1)
+    stopped_in = time.monotonic() - interrupted[0]
+    assert [worker.poll() for worker in slow_loading_workers] == [-signal.SIGKILL]
+    assert not dist.is_initialized()
+    assert stopped_in < 4
+
+
 TORCHRUN_SCRIPT = """
 import json
 from engines.builtin import LLM, SamplingParams
