@@ -36,8 +36,13 @@ from typing import Any
 
 DISTRIBUTION = "llama-cpp-python"
 RECORD_FILE = "llama_cpp_build.json"
-# no multimodal library: the lab runs text models only, and it is a third of the build
-COMMON_ARGS = ("-DLLAVA_BUILD=OFF",)
+# No multimodal library: the lab runs text models only, and it is a third of the build.
+# No OpenMP: llama.cpp's own thread pool (spin, then sleep), as in builds without OpenMP. An
+# OpenMP build shares the process's libgomp with torch (one soname), which engine=llamacpp
+# runs under the lab's OMP_WAIT_POLICY=PASSIVE (engines/openmp.py): every graph then woke a
+# sleeping thread, and a batch-1 decode step at 2 threads took 20.1 ms instead of 7.7 ms
+# (SmolLM2-135M Q4_1, 2-core Zen 4 EPYC; the OpenMP build with libgomp's own spinning 8.2 ms).
+COMMON_ARGS = ("-DLLAVA_BUILD=OFF", "-DGGML_OPENMP=OFF")
 PORTABLE_ARGS = (
     "-DGGML_NATIVE=OFF",
     "-DGGML_AVX2=ON",
