@@ -87,7 +87,7 @@ def _compiler_version() -> str:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             out = subprocess.run([name, "--version"], capture_output=True, text=True, check=False)
-            return (out.stdout or out.stderr).strip().splitlines()[0]
+            return next(iter((out.stdout or out.stderr).splitlines()), f"{name}: no version")
     return "no C compiler found"
 
 

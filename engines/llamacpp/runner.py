@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 
 SETUP_HINT = (
-    "engine=llamacpp needs llama-cpp-python: run `make setup-peer` (it builds llama.cpp "
-    "with portable CMAKE_ARGS; or `pip install -e .[llamacpp]` with the Makefile's "
-    "LLAMA_CMAKE_ARGS as CMAKE_ARGS)"
+    "engine=llamacpp needs llama-cpp-python: run `make setup-peer` (it builds llama.cpp for "
+    "this CPU: python -m engines.llamacpp.peer_build)"
 )
 
 GGUF_MAGIC = b"GGUF"
