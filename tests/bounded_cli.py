@@ -1,14 +1,18 @@
 """`inferlab ...` in a child process that cannot hang or swamp the machine: for the tests that
 hand it /dev/zero or a FIFO, where a regression would read for ever (until the OOM killer) or
 block for ever. The child's address space is capped, so reading /dev/zero whole ends in a
-MemoryError within seconds, and a FIFO that blocks ends at the timeout as a failed test."""
+MemoryError within seconds, and a FIFO that blocks ends at the timeout as a failed test.
+`finishes_within` bounds a call in the test's own process the same way (in time only)."""
 
 from __future__ import annotations
 
 import resource
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,3 +38,21 @@ def run_inferlab(*args: str, env: dict[str, str] | None = None) -> subprocess.Co
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"inferlab {' '.join(args)} did not end in {TIMEOUT_S} s (blocked reading?)")
+
+
+def finishes_within(action: Callable[[], Any], seconds: float = 60.0) -> Any:
+    """The action's exception (or None); the test fails, rather than hangs, if it blocks."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            action()
+            outcome.append(None)
+        except Exception as exc:  # handed to the test, which checks it
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert outcome, f"still running after {seconds} s (reading a device or a FIFO?)"
+    return outcome[0]

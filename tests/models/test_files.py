@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-from bounded_cli import run_inferlab
+from bounded_cli import finishes_within, run_inferlab
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
@@ -29,24 +27,6 @@ from models.files import (
 )
 from models.tokenizer import load_tokenizer
 from models.weights import checkpoint_files
-
-
-def ends_within(action: Callable[[], Any], seconds: float = 30.0) -> Any:
-    """The action's exception (or None); the test fails, rather than hangs, if it blocks."""
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            action()
-            outcome.append(None)
-        except Exception as exc:  # handed to the test, which checks it
-            outcome.append(exc)
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    assert outcome, f"still running after {seconds} s (reading a device or a FIFO?)"
-    return outcome[0]
 
 
 @pytest.mark.parametrize(
@@ -66,7 +46,7 @@ def test_only_regular_files_are_read(
     tmp_path: Path, make: Callable[[Path], Path], message: str
 ) -> None:
     path = make(tmp_path)
-    error = ends_within(lambda: read_input_bytes(path, SETTINGS))
+    error = finishes_within(lambda: read_input_bytes(path, SETTINGS))
     assert isinstance(error, UserFileError) and str(error).endswith(message)
 
 
@@ -148,7 +128,7 @@ def test_a_safetensors_index_is_bounded(tmp_path: Path, monkeypatch: pytest.Monk
 def test_a_weights_file_that_is_a_fifo_is_named(tmp_path: Path) -> None:
     """A model.safetensors that is a FIFO was reported as a missing shard."""
     os.mkfifo(tmp_path / "model.safetensors")
-    error = ends_within(lambda: checkpoint_files(tmp_path))
+    error = finishes_within(lambda: checkpoint_files(tmp_path))
     assert isinstance(error, UserFileError)
     assert (
         str(error)

@@ -19,15 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
-from safetensors.torch import save_file
+from checkpoints import write_tiny_checkpoint
 
 from engines.builtin import EngineConfig
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.distributed.group import TensorParallelError
 from engines.builtin.kv_cache import PagedKVCacheManager
-from models.config import resolve_model
-from models.tokenizer import default_tokenizer
-from models.weights import dummy_state_dict
 from serving import ServerConfig
 from serving import cli as serve_cli
 from serving.testing import ServeProcess, serve_in_thread, serve_process
@@ -427,26 +424,7 @@ def test_sigterm_with_30_streams_exits_0_within_shutdown_timeout(served: ServePr
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama checkpoint (dummy weights, the project tokenizer) in Hugging Face layout."""
-    folder = tmp_path_factory.mktemp("checkpoint")
-    cfg = resolve_model("tiny")
-    (folder / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "vocab_size": cfg.vocab_size,
-                "hidden_size": cfg.hidden_size,
-                "intermediate_size": cfg.intermediate_size,
-                "num_hidden_layers": cfg.num_layers,
-                "num_attention_heads": cfg.num_heads,
-                "num_key_value_heads": cfg.num_kv_heads,
-                "max_position_embeddings": 256,
-                "tie_word_embeddings": cfg.tie_word_embeddings,
-            }
-        )
-    )
-    save_file(dummy_state_dict(cfg), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    default_tokenizer().backend.save(str(folder / "tokenizer.json"))
-    return folder
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("checkpoint"))
 
 
 def broken_copy(checkpoint: Path, tmp_path: Path, file: str, content: bytes | None) -> Path:

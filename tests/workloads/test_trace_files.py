@@ -10,12 +10,12 @@ import gzip
 import json
 import lzma
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bounded_cli import finishes_within
 
 from models.tokenizer import Tokenizer, default_tokenizer
 from workloads import PromptsWorkload, SyntheticWorkload, TraceWorkload, trace_files
@@ -374,24 +374,6 @@ def test_blank_lines_bom_and_crlf_read_like_the_plain_file(
 # ---- paths that are not files ---------------------------------------------------------------
 
 
-def finishes(action: Callable[[], Any], seconds: float = 60.0) -> Any:
-    """The action's exception (or None), failing the test if it has not ended in time."""
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            action()
-            outcome.append(None)
-        except Exception as exc:  # handed to the test, which checks it
-            outcome.append(exc)
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    assert outcome, f"still running after {seconds} s (reading a device or a FIFO?)"
-    return outcome[0]
-
-
 @pytest.mark.parametrize(
     ("make", "kind"),
     [
@@ -410,7 +392,7 @@ def test_a_directory_fifo_or_device_is_named_and_never_read(
         lambda: PromptsWorkload(path=str(path), format="text").validate(),
         lambda: load_prompt_set(path, "text"),
     ):
-        error = finishes(action)
+        error = finishes_within(action)
         assert isinstance(error, ValueError) and str(path) in str(error)
         assert kind.replace("\\", "") in str(error).replace("\\", "")
 
@@ -424,7 +406,7 @@ def test_an_unreadable_file_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(trace_files, "open", refuse, raising=False)
     for action in (lambda: load_trace(path, "azure"), lambda: load_prompt_set(path, "text")):
-        error = finishes(action)
+        error = finishes_within(action)
         assert isinstance(error, ValueError)
         assert str(error) == f"{path}: cannot open it (Permission denied)"
 
