@@ -494,7 +494,9 @@ def test_ab_refuses_few_rounds_and_a_used_folder(
 
 @pytest.mark.parametrize("value", [-0.1, "0.25", True])
 def test_step_delay_is_validated(value: Any) -> None:
-    with pytest.raises(ConfigError, match=r"engine\.debug_step_delay_fraction: .* a number >= 0"):
+    with pytest.raises(
+        ConfigError, match=r"engine\.debug_step_delay_fraction: .* a finite number >= 0"
+    ):
         EngineConfig(debug_step_delay_fraction=value).validate()
 
 
