@@ -44,6 +44,7 @@ TARGETS: dict[str, Callable[[Path, Path], Path]] = {
     "summary.json": lambda tmp, run: run / "summary.json",
     "requests.parquet": lambda tmp, run: run / "requests.parquet",
     "config.yaml": lambda tmp, run: run / "config.yaml",
+    "app.log": lambda tmp, run: run / "app.log",  # Hydra's log of the run
     "a link to summary.json": lambda tmp, run: _link(tmp / "result.json", run / "summary.json"),
     "summary.json in a linked folder": lambda tmp, run: _link(tmp / "linked", run) / "summary.json",
     "a new file in profile/": lambda tmp, run: run / "profile" / "gate.json",
@@ -93,8 +94,10 @@ def test_no_writer_writes_over_a_run_folders_own_file(
 ) -> None:
     """`gate --json RUN/summary.json` wrote the gate's result over the run's summary (the
     next gate said "not valid JSON"); `train-tiny --out RUN/summary.json` trained, then ended
-    in a traceback; a run's file reached through a link was written over."""
+    in a traceback; a run's file reached through a link was written over; `export --out
+    RUN/app.log` replaced the run's log with the export."""
     (run / "profile").mkdir()
+    (run / "app.log").write_text("[2026-01-01 00:00:00,000][harness][WARNING] - the run's log\n")
     before = snapshot(run)
     out = TARGETS[target](tmp_path, run)
     assert cli.main(WRITERS[writer](imported_run, out)) == 2
