@@ -350,7 +350,7 @@ def from_hf_config(path: str | Path) -> ModelConfig:
     """Parse `path/config.json` (or a config.json file) of a Llama-family checkpoint."""
     path = Path(path)
     config_file = path / "config.json" if path.is_dir() else path
-    if not config_file.is_file():
+    if not config_file.exists():
         raise FileNotFoundError(f"model.path: no config.json at {config_file}")
     where = str(config_file)
     try:

@@ -438,7 +438,9 @@ def _run(
         status, error = "incomplete", interruption(exc)
     except Exception as exc:  # recorded, then re-raised by the caller if it wants
         status, error = "failed", "".join(traceback.format_exception_only(exc)).strip()
-        if setting_up and isinstance(exc, ValueError):
+        # a path the configuration names that is not there (a checkpoint folder without its
+        # config.json, a trace file) is a configuration error like a value out of range
+        if setting_up and isinstance(exc, ValueError | FileNotFoundError):
             info["error_kind"] = "config"
         info["traceback"] = traceback.format_exc()
     finally:
