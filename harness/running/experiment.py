@@ -341,6 +341,10 @@ def _run(
     try:
         with interrupts():
             run_cfg = run_config(config)
+            if run_cfg.quality.enabled:
+                from harness.measuring.quality import check_inputs
+
+                check_inputs(asdict(run_cfg.quality))
             hardware_cfg = hardware.validate_config(config.get("hardware"))
             monitor_cfg = run_cfg.monitor
             profiler = profiler_from_config(config, run_dir)
