@@ -145,6 +145,25 @@ def test_a_safetensors_index_is_bounded(tmp_path: Path, monkeypatch: pytest.Monk
         checkpoint_files(tmp_path)
 
 
+DEEP_JSON = "[" * 100_000  # nested past Python's recursion limit
+
+
+def test_a_deeply_nested_settings_file_is_named_not_a_recursion_error(tmp_path: Path) -> None:
+    """config.json, tokenizer_config.json or a safetensors index of 100,000 `[` ended a run in
+    'RecursionError: maximum recursion depth exceeded' (exit 1; kv-calc: a traceback)."""
+    (tmp_path / "config.json").write_text(DEEP_JSON)
+    with pytest.raises(UnsupportedCheckpointError, match=r"config\.json: not valid JSON \(nested"):
+        from_hf_config(tmp_path)
+    (tmp_path / "tok").mkdir()
+    folder = _tokenizer_folder(tmp_path / "tok")
+    (folder / "tokenizer_config.json").write_text(DEEP_JSON)
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json' is not valid JSON: nested"):
+        load_tokenizer(folder)
+    (tmp_path / "model.safetensors.index.json").write_text(DEEP_JSON)
+    with pytest.raises(ValueError, match=r"index\.json: not a valid safetensors index .*Recursion"):
+        checkpoint_files(tmp_path)
+
+
 def test_a_weights_file_that_is_a_fifo_is_named(tmp_path: Path) -> None:
     """A model.safetensors that is a FIFO was reported as a missing shard."""
     os.mkfifo(tmp_path / "model.safetensors")
