@@ -122,7 +122,12 @@ def read_input_bytes(path: str | Path, kind: FileKind) -> bytes:
     limit = max_input_bytes(kind)
     try:
         with open(path, "rb") as f:
-            data = f.read(limit + 1)  # no more, should the file have grown since
+            # read(n) allocates n bytes first: a limit of 1T was a MemoryError on every file,
+            # and one past 2^63 an OverflowError. The size stat gave, then what it grew since,
+            # in chunks, to at most the limit and one byte more.
+            data = f.read(min(limit, st.st_size) + 1)
+            while len(data) <= limit and (more := f.read(min(1 << 20, limit + 1 - len(data)))):
+                data += more
     except OSError as exc:
         raise UserFileError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
     check_size(path, len(data), kind, read_so_far=True)

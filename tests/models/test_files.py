@@ -98,6 +98,36 @@ def test_the_limits_and_the_one_variable_that_replaces_them(
             read_input_text(path, RESULT)
 
 
+@pytest.mark.parametrize("limit", ["1T", "8T", "99999999999999999999999999T"])
+def test_a_limit_past_any_file_reads_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str
+) -> None:
+    """INFERLAB_MAX_INPUT_BYTES=1T (the T suffix it documents) made every read a MemoryError
+    (read(n) allocates n bytes first), and a limit past 2^63 an OverflowError."""
+    path = tmp_path / "t.json"
+    path.write_text('{"a": 1}')
+    monkeypatch.setenv("INFERLAB_MAX_INPUT_BYTES", limit)
+    assert read_input_text(path, RESULT) == '{"a": 1}'
+
+
+def test_a_file_that_grew_since_its_size_was_taken_is_read_to_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "t.txt"
+    path.write_text("abc")
+    real_stat = os.stat
+
+    def stale_stat(p: object, *args: object, **kwargs: object) -> os.stat_result:
+        st = real_stat(p, *args, **kwargs)  # type: ignore[arg-type]
+        return os.stat_result((st.st_mode, *st[1:6], 1, *st[7:]))  # st_size 1: it grew since
+
+    monkeypatch.setattr(os, "stat", stale_stat)
+    assert read_input_text(path, DATA) == "abc"
+    monkeypatch.setenv("INFERLAB_MAX_INPUT_BYTES", "2")
+    with pytest.raises(UserFileError, match=r"t\.txt: holds more than the 2 bytes allowed"):
+        read_input_text(path, DATA)
+
+
 def test_text_that_is_not_utf8_is_named(tmp_path: Path) -> None:
     path = tmp_path / "t.txt"
     path.write_bytes(b"ok\xff")
