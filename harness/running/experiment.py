@@ -446,6 +446,9 @@ def _run(
         # config.json, a trace file) is a configuration error like a value out of range
         if setting_up and isinstance(exc, ValueError | FileNotFoundError):
             info["error_kind"] = "config"
+            # its message names the key or file and what is allowed, as the errors refused
+            # while composing do; the exception's class is no news to the user
+            error = str(exc) or error
         info["traceback"] = traceback.format_exc()
     finally:
         # Each clean-up step is guarded: whatever fails, the rows are kept and summary.json

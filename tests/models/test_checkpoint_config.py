@@ -119,7 +119,9 @@ def test_inferlab_run_on_a_nan_config_fails_with_the_reason(tmp_path: Path) -> N
     )  # fmt: skip
     reason = f"{folder / 'config.json'}: rms_norm_eps: nan is invalid; allowed: a finite number"
     assert result.returncode == 2  # the configuration refused at load (was exit 1)
-    assert result.stderr.strip().splitlines()[-1].endswith(reason), result.stderr
+    # the project's form, as at composition: no 'models.config.UnsupportedCheckpointError: '
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {folder / 'config.json'}: ") and line.endswith(reason), line
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].endswith(reason), summary
     assert summary["error_kind"] == "config"
