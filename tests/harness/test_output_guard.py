@@ -197,3 +197,30 @@ def test_a_failed_write_names_the_option_and_the_file(
     err = capsys.readouterr().err.strip()
     option = writer.split()[-1]
     assert f"{option}: /dev/full: cannot be written: No space left on device" in err
+
+
+@pytest.mark.parametrize("name", ["report.md", "report.html", "latency_cdf.png"])
+def test_a_fifo_in_the_report_folder_is_named_not_waited_on(
+    imported_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """`report --out DIR` whose report.md (or a figure) was a FIFO blocked for ever."""
+    out = tmp_path / "report"
+    out.mkdir()
+    os.mkfifo(out / name)
+    done = threading.Event()
+
+    def unblock() -> None:  # should it block: a reader after 20 s lets the test end
+        if not done.wait(20):
+            os.close(os.open(out / name, os.O_RDONLY | os.O_NONBLOCK))
+
+    watchdog = threading.Thread(target=unblock)
+    watchdog.start()
+    try:
+        code = cli.main(["report", str(imported_run), "--out", str(out)])
+    finally:
+        done.set()
+        watchdog.join()
+    assert code == 2
+    err = capsys.readouterr().err
+    fifo = "is a FIFO (named pipe), not a regular file"
+    assert err == f"inferlab report: --out: {out / name}: {fifo}\n"
