@@ -104,7 +104,10 @@ def train_tiny(
     tok = default_tokenizer()
     ids = np.asarray(tok.encode(corpus_text(text_path), add_special_tokens=False), np.int64)
     if len(ids) <= seq_len + 1:
-        raise ValueError(f"train-tiny: the text has {len(ids)} tokens; need > {seq_len + 1}")
+        raise UserFileError(
+            f"{text_path or CORPUS_DIR}: {len(ids)} tokens; allowed: a text of more than "
+            f"{seq_len + 1} tokens (one training window)"
+        )
     vocab = -(-tok.vocab_size // 64) * 64
     bos = tok.special.bos_id
     eos = tok.special.eos_ids[0] if tok.special.eos_ids else None
@@ -202,6 +205,22 @@ def _positive(text: str) -> int:
     return value
 
 
+#: what both torch.manual_seed and numpy's generators take
+MAX_SEED = 2**64 - 1
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid; allowed: an integer in [0, 2**64 - 1]"
+        )
+    return value
+
+
 def _error(message: str) -> int:
     print(f"inferlab train-tiny: {message}", file=sys.stderr)
     return 2
@@ -225,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--steps", type=_positive, help="training steps, >= 1 (default: the model's)"
     )
-    parser.add_argument("--seed", type=int, help=f"default: {DEFAULTS['seed']}")
+    parser.add_argument("--seed", type=_seed, help=f"default: {DEFAULTS['seed']}")
     args = parser.parse_args(argv)
     params = dict(TRAINED_MODELS[args.model])
     params.update({k: v for k, v in (("steps", args.steps), ("seed", args.seed)) if v is not None})

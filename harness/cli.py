@@ -47,6 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    try:
+        return _dispatch(command, rest)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling: while torch imports
+        print("inferlab: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(command: str, rest: list[str]) -> int:
     if command in ("run", "serve"):
         from engines.base import ConfigError
         from engines.builtin.distributed.group import TensorParallelError

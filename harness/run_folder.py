@@ -52,6 +52,8 @@ SWEEP_TABLE_FILE = "sweep.csv"
 SWEEP_SUMMARY_FILE = "sweep_summary.json"
 KV_SPEEDUP_FILE = "kv_speedup.csv"
 MULTIRUN_FILE = "multirun.yaml"
+#: Hydra's log of the run (`<job name>.log`; the job is harness/running/app.py's)
+JOB_LOG_FILE = "app.log"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 #: Overrides that say how to run, not what: no column in sweep.csv, ignored by resume, by the
 #: report's variants and by the gate's matching of sweep jobs (a resumed job is the same job).
@@ -105,6 +107,7 @@ OWN_FILES = frozenset(
         SWEEP_SUMMARY_FILE,
         KV_SPEEDUP_FILE,
         MULTIRUN_FILE,
+        JOB_LOG_FILE,
     }
     | {f"{table}.{suffix}" for table in TABLES for suffix in ("jsonl", "parquet")}
 )

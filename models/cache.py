@@ -80,6 +80,12 @@ def _check_entry(entry: Path, what: str) -> None:
         )
 
 
+class CacheFolderError(OSError, ValueError):
+    """A cache folder that cannot be made (INFERLAB_CACHE_DIR names a file, a read-only place):
+    an OSError to the callers that go on without the cache (the kernels), a configuration
+    error (ValueError) to the commands, in one line naming the folder and the fix."""
+
+
 def make_folder(folder: Path) -> None:
     """`mkdir -p` whose new levels are FOLDER_MODE (Path.mkdir(parents=True) makes the
     parents it adds group-writable under a umask of 002)."""
@@ -88,7 +94,13 @@ def make_folder(folder: Path) -> None:
         missing.append(folder)
         folder = folder.parent
     for level in reversed(missing):
-        level.mkdir(mode=FOLDER_MODE, exist_ok=True)  # exists: another process made it first
+        try:
+            level.mkdir(mode=FOLDER_MODE, exist_ok=True)  # exists: another made it first
+        except OSError as exc:
+            raise CacheFolderError(
+                f"cannot make the cache folder {level}: {exc.strerror or exc}; set "
+                "INFERLAB_CACHE_DIR to a folder you can write"
+            ) from exc
 
 
 def drop_group_write(path: Path) -> None:

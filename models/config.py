@@ -350,7 +350,7 @@ def from_hf_config(path: str | Path) -> ModelConfig:
     """Parse `path/config.json` (or a config.json file) of a Llama-family checkpoint."""
     path = Path(path)
     config_file = path / "config.json" if path.is_dir() else path
-    if not config_file.is_file():
+    if not config_file.exists():
         raise FileNotFoundError(f"model.path: no config.json at {config_file}")
     where = str(config_file)
     try:
@@ -359,6 +359,8 @@ def from_hf_config(path: str | Path) -> ModelConfig:
         raise UnsupportedCheckpointError(str(exc)) from None
     except ValueError as exc:  # not JSON; also an integer of more digits than Python reads
         raise UnsupportedCheckpointError(f"{where}: not valid JSON ({exc})") from None
+    except RecursionError:  # arrays or objects nested past Python's recursion limit
+        raise UnsupportedCheckpointError(f"{where}: not valid JSON (nested too deeply)") from None
     if not isinstance(cfg, dict):
         raise UnsupportedCheckpointError(
             f"{where}: expected a JSON object, got {type(cfg).__name__}"

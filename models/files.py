@@ -8,7 +8,9 @@ far below what would exhaust memory; the environment variable INFERLAB_MAX_INPUT
 or with a K, M, G or T suffix) replaces every limit. Streaming readers (traces read in chunks)
 count the bytes as they go with `check_size`.
 
-Writing: `check_model_output` keeps `inferlab convert` and `inferlab train-tiny` from replacing a
+Writing: `write_output_text` writes a command's output where the user said without blocking on
+a FIFO that no process reads (a pipe with a reader, `--json >(jq .)` or `/dev/stdout`, works),
+and `check_model_output` keeps `inferlab convert` and `inferlab train-tiny` from replacing a
 model that is already there (the user's own checkpoint has the very file names they write)
 unless asked with --force. (The other commands' outputs are checked by the harness's
 `harness.run_folder.refuse_run_file`, which alone knows a run folder's files.)
@@ -19,6 +21,7 @@ the harness.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -119,7 +122,12 @@ def read_input_bytes(path: str | Path, kind: FileKind) -> bytes:
     limit = max_input_bytes(kind)
     try:
         with open(path, "rb") as f:
-            data = f.read(limit + 1)  # no more, should the file have grown since
+            # read(n) allocates n bytes first: a limit of 1T was a MemoryError on every file,
+            # and one past 2^63 an OverflowError. The size stat gave, then what it grew since,
+            # in chunks, to at most the limit and one byte more.
+            data = f.read(min(limit, st.st_size) + 1)
+            while len(data) <= limit and (more := f.read(min(1 << 20, limit + 1 - len(data)))):
+                data += more
     except OSError as exc:
         raise UserFileError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
     check_size(path, len(data), kind, read_so_far=True)
@@ -152,3 +160,25 @@ def check_model_output(path: str | Path, option: str, folder: bool, force: bool)
         f"{option}: {path} exists ({what}) and would be written over; give --force to "
         "replace what is there, or name a path that does not exist"
     )
+
+
+def write_output_text(path: str | Path, text: str, option: str) -> None:
+    """Write `text` to the file `option` names, replacing it. Opening a FIFO for writing waits
+    until a process opens it for reading, for ever if none does: it is opened without waiting,
+    and a FIFO that nothing reads is an error. Any other failure (a folder, a full disk) is a
+    UserFileError naming the option and the file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise UserFileError(
+                f"{option}: {path}: a FIFO (named pipe) that no process reads; start its "
+                "reader first, or name a regular file"
+            ) from exc
+        raise UserFileError(f"{option}: {path}: cannot be written: {exc.strerror}") from exc
+    try:
+        os.set_blocking(fd, True)  # a pipe whose reader is slow is waited for
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        raise UserFileError(f"{option}: {path}: cannot be written: {exc.strerror}") from exc

@@ -143,9 +143,16 @@ def _walk(header: _Walker) -> None:
             alignment = value  # the reader refuses any other, after this check
     infos = [_tensor_info(header, index) for index in range(tensors)]
     data_start = -(-header.offset // alignment) * alignment
+    expected = 0  # each tensor's data follows the last, padded to the alignment (llama.cpp's rule)
     for name, offset, nbytes in infos:
         if data_start + offset + nbytes > header.size:
             raise header.fail(f"tensor {name!r}: its data ({nbytes} bytes at offset {offset})")
+        if offset != expected:  # misaligned, or over another tensor's data: wrong weights
+            raise GGUFHeaderError(
+                f"{header.path}: tensor {name!r}: its data offset {offset} is not where the "
+                f"tensors before it end ({expected}, padded to the alignment {alignment})"
+            )
+        expected += -(-nbytes // alignment) * alignment
 
 
 def _tensor_info(header: _Walker, index: int) -> tuple[str, int, int]:

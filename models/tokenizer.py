@@ -509,6 +509,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         data = json.loads(read_input_text(path, SETTINGS))
     except json.JSONDecodeError as e:
         raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from e
+    except RecursionError:  # nested past Python's recursion limit
+        raise ValueError(f"{str(path)!r} is not valid JSON: nested too deeply") from None
     return data if isinstance(data, dict) else {}
 
 

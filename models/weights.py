@@ -71,7 +71,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
         try:
             weight_map = json.loads(text)["weight_map"]
             files = sorted({path / f for f in weight_map.values()})
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise ValueError(
                 f"{index}: not a valid safetensors index (a JSON object with a "
                 f"'weight_map' of tensor name -> file): {exc!r}"

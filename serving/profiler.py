@@ -15,6 +15,7 @@ the file. With tensor parallelism, only rank 0 (the server's process) is profile
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import time
@@ -59,16 +60,32 @@ def refuse_cross_origin(origin: str | None, host: str | None) -> None:
     """The endpoints take no body, so a web page can POST to them without a CORS preflight,
     and a server on localhost is in reach of every page its user opens. Browsers name the
     page's origin in `Origin`; command-line clients (vllm bench, the harness) send none. A
-    request from a page of another origin is refused (403)."""
-    if origin is None or urlsplit(origin).netloc == (host or ""):
+    request from a page of another origin is refused (403). So is one whose origin matches a
+    `Host` that is a name other than localhost: a page of evil.example whose name the attacker
+    then points at 127.0.0.1 (DNS rebinding) is of the same origin as the server it reaches.
+    An IP address or localhost cannot be re-pointed, and this server serves no pages."""
+    netloc = urlsplit(origin).netloc if origin is not None else None
+    if origin is None or (netloc == (host or "") and not _rebindable(netloc)):
         return
     raise APIError(
         f"The profiler endpoints refuse requests from web pages of other origins (Origin: "
-        f"{origin}); call them from a command-line client",
+        f"{origin}, Host: {host}); call them from a command-line client",
         None,
         "cross_origin_refused",
         403,
     )
+
+
+def _rebindable(netloc: str) -> bool:
+    """Whether a host name could be made to point at this server (DNS rebinding)."""
+    name = urlsplit(f"//{netloc}").hostname
+    if name is None or name == "localhost":
+        return name is None
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return True
+    return False
 
 
 class EngineProfiler:

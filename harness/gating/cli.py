@@ -27,6 +27,7 @@ from harness.gating.inputs import InputError, ab_rounds, load_side, read_run
 from harness.gating.rules import GateRules, RulesError, add_require_argument, load_rules
 from harness.measuring.metrics import REGISTRY
 from harness.run_folder import AB_FILE, refuse_run_file
+from models.files import write_output_text
 
 USAGE_EXAMPLES = """examples:
   inferlab gate --baseline results/main --candidate results/pr
@@ -146,9 +147,10 @@ def emit(
             refuse_run_file(Path(out), option)
     # the files first: a table that says "exit 0" must not be followed by a failed write
     if markdown_out:
-        Path(markdown_out).write_text(text + "\n")
+        write_output_text(markdown_out, text + "\n", "--markdown")
     if json_out:
-        Path(json_out).write_text(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+        result_json = json.dumps(result.to_dict(), indent=2, default=str) + "\n"
+        write_output_text(json_out, result_json, "--json")
     print(text)
     return result.exit_code
 

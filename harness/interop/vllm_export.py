@@ -44,6 +44,7 @@ from harness.run_folder import (
     read_summary,
     table_path,
 )
+from models.files import UserFileError, write_output_text
 
 NO_TOKEN_ERROR = "no output token (vLLM counts a request without a streamed chunk as failed)"
 
@@ -294,9 +295,12 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
     an infinite burstiness is written as Python writes it (Infinity)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result) + "\n")
     except OSError as exc:
         raise InteropError(f"{path}: cannot be written: {exc.strerror or exc}") from exc
+    try:
+        write_output_text(path, json.dumps(result) + "\n", "--out")
+    except UserFileError as exc:
+        raise InteropError(str(exc)) from exc
 
 
 def check_percentiles(text: str) -> list[float]:

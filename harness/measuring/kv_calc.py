@@ -510,11 +510,29 @@ def _split_args(args: list[str]) -> tuple[dict[str, Any], dict[str, list[str]], 
     return own, lists, rest
 
 
+#: engine options that change the bytes of weights or KV, which kv-calc does not model: any
+#: other value than these was planned as unquantized, a silently wrong plan
+UNMODELLED = {"quantization": "none", "kv_cache_dtype": "auto"}
+
+
+def _refuse_unmodelled(engine: dict[str, Any]) -> None:
+    for key, plain in UNMODELLED.items():
+        value = engine.get(key, plain)
+        if value != plain:
+            raise ValueError(
+                f"engine.{key}: {value!r} is not planned by kv-calc, which counts weights and "
+                f"KV in engine.dtype; allowed: {plain} (a run reports the bytes of a "
+                "quantized model or KV cache: weight_bytes and kv_bytes_per_token in "
+                "summary.json)"
+            )
+
+
 def plan(overrides: list[str], own: dict[str, Any]) -> dict[str, Any]:
     """kv_calc for one composed config (`inferlab kv-calc`'s overrides)."""
     cfg = OmegaConf.to_container(configs.compose(overrides), resolve=True)
     assert isinstance(cfg, dict)
     model, engine = cfg["model"], cfg["engine"]
+    _refuse_unmodelled(engine)
     hw = hardware.validate_config(cfg.get("hardware"))
     spec = None if hw["name"] == "auto" else hardware.resolve(hw, None)[0]
     return kv_calc(

@@ -18,6 +18,7 @@ import torch
 
 from engines.builtin import LLM, SamplingParams
 from engines.train_tiny import corpus_text
+from models.files import UserFileError, check_regular_file
 from workloads.common import REPO_ROOT
 from workloads.prompt_sets import load_prompt_set
 
@@ -171,13 +172,34 @@ def prompt_set_texts(path: str, count: int) -> list[str]:
     ]
 
 
+def check_inputs(settings: dict) -> None:
+    """`run.quality`'s files, before the run: the probe reads them after the benchmark, so a
+    path that is missing, a FIFO or /dev/zero, or an empty text, failed the run only after all
+    of it had run (exit 1). A ValueError naming the key and the file."""
+    text = settings.get("text")
+    if text is not None:
+        try:
+            if check_regular_file(text).st_size == 0:
+                raise UserFileError(f"{text}: empty; the probe takes its prompts from it")
+        except UserFileError as exc:
+            raise ValueError(f"run.quality.text: {exc}") from None
+    for index, path in enumerate(settings.get("prompt_sets") or []):
+        try:
+            check_regular_file(_resolve(path))
+        except (FileNotFoundError, UserFileError) as exc:
+            where = f"run.quality.prompt_sets[{index}]"
+            message = str(exc).removeprefix("run.quality.prompt_sets: ")
+            raise ValueError(f"{where}: {message}") from None
+
+
 def _resolve(path: str) -> str:
     """As given (relative to the working directory), else relative to the repository root, so
-    configs can name shipped files (data/traces/...) from anywhere."""
+    configs can name shipped files (data/traces/...) from anywhere. What is there but is not a
+    regular file is returned, for its reader to name."""
     p = Path(path).expanduser()
-    if p.is_file():
+    if p.exists():
         return str(p)
-    if not p.is_absolute() and (REPO_ROOT / p).is_file():
+    if not p.is_absolute() and (REPO_ROOT / p).exists():
         return str(REPO_ROOT / p)
     raise FileNotFoundError(
         f"run.quality.prompt_sets: no file at {path} (looked in the working directory "

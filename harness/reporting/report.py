@@ -30,6 +30,7 @@ from harness.reporting import figures, speculative
 from harness.reporting.results import Results, load
 from harness.run_folder import read_sweep_summary, refuse_run_file
 from harness.running.table import format_value
+from models.files import UserFileError, check_regular_file
 
 MAIN_METRICS = (
     "num_completed",
@@ -116,6 +117,11 @@ class Document:
         (a report.md left there as a link to a run's summary.json)."""
         path = self.out_dir / name
         refuse_run_file(path, "--out")
+        if path.exists():  # a FIFO there blocked the report for ever, a device took it
+            try:
+                check_regular_file(path)
+            except UserFileError as exc:
+                raise UserFileError(f"--out: {exc}") from None
         return path
 
     def figure(self, fig: Any, name: str, caption: str) -> None:

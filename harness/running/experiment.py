@@ -341,6 +341,10 @@ def _run(
     try:
         with interrupts():
             run_cfg = run_config(config)
+            if run_cfg.quality.enabled:
+                from harness.measuring.quality import check_inputs
+
+                check_inputs(asdict(run_cfg.quality))
             hardware_cfg = hardware.validate_config(config.get("hardware"))
             monitor_cfg = run_cfg.monitor
             profiler = profiler_from_config(config, run_dir)
@@ -438,8 +442,13 @@ def _run(
         status, error = "incomplete", interruption(exc)
     except Exception as exc:  # recorded, then re-raised by the caller if it wants
         status, error = "failed", "".join(traceback.format_exception_only(exc)).strip()
-        if setting_up and isinstance(exc, ValueError):
+        # a path the configuration names that is not there (a checkpoint folder without its
+        # config.json, a trace file) is a configuration error like a value out of range
+        if setting_up and isinstance(exc, ValueError | FileNotFoundError):
             info["error_kind"] = "config"
+            # its message names the key or file and what is allowed, as the errors refused
+            # while composing do; the exception's class is no news to the user
+            error = str(exc) or error
         info["traceback"] = traceback.format_exc()
     finally:
         # Each clean-up step is guarded: whatever fails, the rows are kept and summary.json

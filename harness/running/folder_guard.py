@@ -52,9 +52,16 @@ def folder_problem(folder: Path, key: str, sweep: bool, resume: bool) -> str | N
 
 
 def _refuse_unwritable(config: DictConfig, key: str, sweep: bool) -> None:
-    folder = Path(str(OmegaConf.select(config, key)))
+    value = str(OmegaConf.select(config, key))
     resume = OmegaConf.select(config, "run.resume", default=False) is True
-    problem = folder_problem(folder, key, sweep, resume)
+    # an empty value (`hydra.run.dir=$OUT` with OUT unset) is the current folder to Path: the
+    # run's files went in among the user's own
+    problem = (
+        f"{key}: {value!r} is invalid; allowed: a folder's path (an empty one would put the "
+        f"run's files in the current folder, {Path.cwd()})"
+        if not value.strip()
+        else folder_problem(Path(value), key, sweep, resume)
+    )
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)

@@ -7,7 +7,10 @@ tests/models/test_gguf_convert.py), below the harness, refuse any --out that exi
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +47,7 @@ TARGETS: dict[str, Callable[[Path, Path], Path]] = {
     "summary.json": lambda tmp, run: run / "summary.json",
     "requests.parquet": lambda tmp, run: run / "requests.parquet",
     "config.yaml": lambda tmp, run: run / "config.yaml",
+    "app.log": lambda tmp, run: run / "app.log",  # Hydra's log of the run
     "a link to summary.json": lambda tmp, run: _link(tmp / "result.json", run / "summary.json"),
     "summary.json in a linked folder": lambda tmp, run: _link(tmp / "linked", run) / "summary.json",
     "a new file in profile/": lambda tmp, run: run / "profile" / "gate.json",
@@ -93,8 +97,10 @@ def test_no_writer_writes_over_a_run_folders_own_file(
 ) -> None:
     """`gate --json RUN/summary.json` wrote the gate's result over the run's summary (the
     next gate said "not valid JSON"); `train-tiny --out RUN/summary.json` trained, then ended
-    in a traceback; a run's file reached through a link was written over."""
+    in a traceback; a run's file reached through a link was written over; `export --out
+    RUN/app.log` replaced the run's log with the export."""
     (run / "profile").mkdir()
+    (run / "app.log").write_text("[2026-01-01 00:00:00,000][harness][WARNING] - the run's log\n")
     before = snapshot(run)
     out = TARGETS[target](tmp_path, run)
     assert cli.main(WRITERS[writer](imported_run, out)) == 2
@@ -131,3 +137,90 @@ def test_report_never_writes_through_a_link_in_its_out_folder(
     err = capsys.readouterr().err
     assert "--out: " in err and "is a file of the run folder" in err
     assert snapshot(run) == before
+
+
+#: the writers that write one file where the user says
+FILE_WRITERS = ["gate --markdown", "gate --json", "export --out"]
+
+
+@pytest.mark.parametrize("writer", FILE_WRITERS)
+def test_a_fifo_nothing_reads_is_an_error_not_a_hang(
+    imported_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], writer: str
+) -> None:
+    """`gate --json FIFO` (and --markdown, export --out) blocked for ever in open() when no
+    process read the FIFO. (Should it block, a reader opened after 20 s lets the test end.)"""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def unblock() -> None:
+        if not done.wait(20):
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+
+    watchdog = threading.Thread(target=unblock)
+    watchdog.start()
+    try:
+        code = cli.main(WRITERS[writer](imported_run, fifo))
+    finally:
+        done.set()
+        watchdog.join()
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    option = writer.split()[-1]
+    assert f"{option}: {fifo}: a FIFO (named pipe) that no process reads" in err
+
+
+@pytest.mark.parametrize("writer", FILE_WRITERS)
+def test_a_pipe_with_a_reader_gets_the_output(
+    imported_run: Path, tmp_path: Path, writer: str
+) -> None:
+    """What the FIFO check must keep working: `--json >(jq .)`, `--json /dev/stdout | ...`."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
+    reader.start()
+    time.sleep(0.2)  # the reader waits in open() for the writer
+    code = cli.main(WRITERS[writer](imported_run, fifo))
+    reader.join(timeout=30)
+    assert code in (0, 2)  # the gate of a run with itself is inconclusive (2)
+    assert received and received[0].strip(), received
+
+
+@pytest.mark.parametrize("writer", FILE_WRITERS)
+def test_a_failed_write_names_the_option_and_the_file(
+    imported_run: Path, capsys: pytest.CaptureFixture[str], writer: str
+) -> None:
+    """`gate --json /dev/full` said only `inferlab gate: error: No space left on device`."""
+    assert cli.main(WRITERS[writer](imported_run, Path("/dev/full"))) == 2
+    err = capsys.readouterr().err.strip()
+    option = writer.split()[-1]
+    assert f"{option}: /dev/full: cannot be written: No space left on device" in err
+
+
+@pytest.mark.parametrize("name", ["report.md", "report.html", "latency_cdf.png"])
+def test_a_fifo_in_the_report_folder_is_named_not_waited_on(
+    imported_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """`report --out DIR` whose report.md (or a figure) was a FIFO blocked for ever."""
+    out = tmp_path / "report"
+    out.mkdir()
+    os.mkfifo(out / name)
+    done = threading.Event()
+
+    def unblock() -> None:  # should it block: a reader after 20 s lets the test end
+        if not done.wait(20):
+            os.close(os.open(out / name, os.O_RDONLY | os.O_NONBLOCK))
+
+    watchdog = threading.Thread(target=unblock)
+    watchdog.start()
+    try:
+        code = cli.main(["report", str(imported_run), "--out", str(out)])
+    finally:
+        done.set()
+        watchdog.join()
+    assert code == 2
+    err = capsys.readouterr().err
+    fifo = "is a FIFO (named pipe), not a regular file"
+    assert err == f"inferlab report: --out: {out / name}: {fifo}\n"

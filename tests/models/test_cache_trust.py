@@ -168,3 +168,21 @@ def test_kv_calc_on_an_untrusted_cache_is_one_line(
     err = capsys.readouterr().err
     assert err.startswith(f"error: refused the hardware calibration cache {cache}: writable")
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_cache_that_cannot_be_made_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    """INFERLAB_CACHE_DIR naming a file (or a read-only place): kv-calc hardware=cpu ended in
+    a NotADirectoryError traceback, and inferlab run failed with it, exit 1."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    root = a_file if where == "a file" else a_file / "cache"
+    monkeypatch.setenv("INFERLAB_CACHE_DIR", str(root))
+    with pytest.raises(ValueError, match=r"set INFERLAB_CACHE_DIR to a folder you can write$"):
+        make_folder(root / "hardware")
+    assert inferlab(["kv-calc", "model=tiny", "hardware=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot make the cache folder {root}") and err.count("\n") == 1
+    assert a_file.read_text() == "mine"

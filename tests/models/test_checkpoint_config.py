@@ -8,6 +8,7 @@ TypeError."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -118,11 +119,44 @@ def test_inferlab_run_on_a_nan_config_fails_with_the_reason(tmp_path: Path) -> N
     )  # fmt: skip
     reason = f"{folder / 'config.json'}: rms_norm_eps: nan is invalid; allowed: a finite number"
     assert result.returncode == 2  # the configuration refused at load (was exit 1)
-    assert result.stderr.strip().splitlines()[-1].endswith(reason), result.stderr
+    # the project's form, as at composition: no 'models.config.UnsupportedCheckpointError: '
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {folder / 'config.json'}: ") and line.endswith(reason), line
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].endswith(reason), summary
     assert summary["error_kind"] == "config"
     assert summary["metrics"]["output_tok_per_s"] is None
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda tmp: tmp, "model.path: no config.json at {tmp}/config.json"),
+        (
+            lambda tmp: os.mkfifo(tmp / "config.json") or tmp,
+            "{tmp}/config.json: is a FIFO (named pipe), not a regular file",
+        ),
+    ],
+    ids=["no config.json", "config.json a FIFO"],
+)
+def test_inferlab_run_on_a_folder_without_a_config_is_a_configuration_error(
+    tmp_path: Path, make: Any, says: str
+) -> None:
+    """Before: exit 1, a failed run ('FileNotFoundError: model.path: no config.json at ...'),
+    where every other configuration the loader refuses exits 2; a config.json that is a FIFO
+    was reported as missing."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    make(folder)
+    result = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "model=hf", f"model.path={folder}",
+         "workload.num_requests=2", "run.warmup_requests=0", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(says.format(tmp=folder))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error_kind"] == "config"
 
 
 @pytest.mark.parametrize(

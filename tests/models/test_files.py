@@ -78,6 +78,36 @@ def test_the_limits_and_the_one_variable_that_replaces_them(
             read_input_text(path, RESULT)
 
 
+@pytest.mark.parametrize("limit", ["1T", "8T", "99999999999999999999999999T"])
+def test_a_limit_past_any_file_reads_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str
+) -> None:
+    """INFERLAB_MAX_INPUT_BYTES=1T (the T suffix it documents) made every read a MemoryError
+    (read(n) allocates n bytes first), and a limit past 2^63 an OverflowError."""
+    path = tmp_path / "t.json"
+    path.write_text('{"a": 1}')
+    monkeypatch.setenv("INFERLAB_MAX_INPUT_BYTES", limit)
+    assert read_input_text(path, RESULT) == '{"a": 1}'
+
+
+def test_a_file_that_grew_since_its_size_was_taken_is_read_to_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "t.txt"
+    path.write_text("abc")
+    real_stat = os.stat
+
+    def stale_stat(p: object, *args: object, **kwargs: object) -> os.stat_result:
+        st = real_stat(p, *args, **kwargs)  # type: ignore[arg-type]
+        return os.stat_result((st.st_mode, *st[1:6], 1, *st[7:]))  # st_size 1: it grew since
+
+    monkeypatch.setattr(os, "stat", stale_stat)
+    assert read_input_text(path, DATA) == "abc"
+    monkeypatch.setenv("INFERLAB_MAX_INPUT_BYTES", "2")
+    with pytest.raises(UserFileError, match=r"t\.txt: holds more than the 2 bytes allowed"):
+        read_input_text(path, DATA)
+
+
 def test_text_that_is_not_utf8_is_named(tmp_path: Path) -> None:
     path = tmp_path / "t.txt"
     path.write_bytes(b"ok\xff")
@@ -122,6 +152,25 @@ def test_a_safetensors_index_is_bounded(tmp_path: Path, monkeypatch: pytest.Monk
     assert checkpoint_files(tmp_path) == [tmp_path / "model-00001-of-00001.safetensors"]
     monkeypatch.setenv("INFERLAB_MAX_INPUT_BYTES", "64")
     with pytest.raises(UserFileError, match=r"index\.json: .* allowed for a settings file"):
+        checkpoint_files(tmp_path)
+
+
+DEEP_JSON = "[" * 100_000  # nested past Python's recursion limit
+
+
+def test_a_deeply_nested_settings_file_is_named_not_a_recursion_error(tmp_path: Path) -> None:
+    """config.json, tokenizer_config.json or a safetensors index of 100,000 `[` ended a run in
+    'RecursionError: maximum recursion depth exceeded' (exit 1; kv-calc: a traceback)."""
+    (tmp_path / "config.json").write_text(DEEP_JSON)
+    with pytest.raises(UnsupportedCheckpointError, match=r"config\.json: not valid JSON \(nested"):
+        from_hf_config(tmp_path)
+    (tmp_path / "tok").mkdir()
+    folder = _tokenizer_folder(tmp_path / "tok")
+    (folder / "tokenizer_config.json").write_text(DEEP_JSON)
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json' is not valid JSON: nested"):
+        load_tokenizer(folder)
+    (tmp_path / "model.safetensors.index.json").write_text(DEEP_JSON)
+    with pytest.raises(ValueError, match=r"index\.json: not a valid safetensors index .*Recursion"):
         checkpoint_files(tmp_path)
 
 

@@ -106,6 +106,20 @@ CASES: list[tuple[str, Patch, str]] = [
         "fit the file ({size} bytes)",
     ),
     (
+        # inside the file, but not where the tensors before it end: the weights were read from
+        # the wrong bytes (here NaN logits, a failed run; other bytes: wrong numbers, silently)
+        "tensor data offset misaligned",
+        put("<Q", lambda r: tensor_at(r, "blk.0.attn_norm.weight")[1], 3),
+        "tensor 'blk.0.attn_norm.weight': its data offset 3 is not where the tensors before it "
+        "end (17824, padded to the alignment 32)",
+    ),
+    (
+        "tensor data offset over another tensor",
+        put("<Q", lambda r: tensor_at(r, "output_norm.weight")[1], 0),
+        "tensor 'output_norm.weight': its data offset 0 is not where the tensors before it end "
+        "(64928, padded to the alignment 32)",
+    ),
+    (
         "header cut short",
         lambda data, reader: data[:20],
         "the GGUF header (24 bytes) does not fit the file (20 bytes)",

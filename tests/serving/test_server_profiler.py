@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -179,4 +180,13 @@ def test_a_web_page_of_another_origin_cannot_start_the_profiler(
         own = server.base_url.rstrip("/")
         started = client.post("/start_profile", headers={"Origin": own})
         assert started.status_code == 200, started.text
+        assert client.post("/stop_profile").status_code == 200
+        # DNS rebinding: a page of evil.example, its name re-pointed at 127.0.0.1, has the
+        # origin of the Host it sends; it started the profiler (200)
+        port = urlsplit(own).port
+        rebound = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}
+        refused = client.post("/start_profile", headers=rebound)
+        assert_error(refused, 403, "cross_origin_refused", "http://evil.example")
+        localhost = {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"}
+        assert client.post("/start_profile", headers=localhost).status_code == 200
         assert client.post("/stop_profile").status_code == 200

@@ -44,6 +44,7 @@ from engines.builtin.distributed.environment import LaunchedRank, launched
 from engines.builtin.distributed.group import ControlChannel, TensorParallelError, TPGroup
 from engines.builtin.distributed.rendezvous import (
     STARTUP_TIMEOUT_S,
+    check_own_address,
     connect,
     gather,
     host_store,
@@ -170,6 +171,7 @@ def _torchrun_rendezvous(rank: int, size: int) -> Any:
 
 
 def _host_master_port(me: LaunchedRank) -> Any:
+    check_own_address(me.master_addr)
     try:
         return host_store(me.master_addr, me.master_port, me.world_size)
     except dist.DistNetworkError as exc:

@@ -56,6 +56,34 @@ def host_store(host: str, port: int, size: int) -> Any:
     )
 
 
+def _unknown_host(host: str) -> ConfigError:
+    return ConfigError(
+        f"MASTER_ADDR: {host!r} is not a known host; allowed: the host name or IP address of "
+        "rank 0's machine"
+    )
+
+
+def check_own_address(host: str) -> None:
+    """Rank 0 serves the store on MASTER_ADDR and connects to it itself; a TCPStore waits for
+    that connection in C++ (no Ctrl-C, a stack trace logged per attempt, for the whole start-up
+    deadline). So MASTER_ADDR must name this machine: an address it can bind."""
+    try:
+        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        raise _unknown_host(host) from None
+    for family, kind, _, _, address in addresses:
+        try:
+            with socket.socket(family, kind) as probe:
+                probe.bind((address[0], 0, *address[2:]))
+            return
+        except OSError:
+            continue
+    raise ConfigError(
+        f"MASTER_ADDR: {host!r} is not an address of this machine, where rank 0 runs and "
+        "serves the ranks' store; allowed: this machine's host name or one of its addresses"
+    )
+
+
 def connect(host: str, port: int, where: str) -> Any:
     """A client of rank 0's store at host:port, which may not be up yet. A TCPStore client
     retries inside C++ (no Ctrl-C) and logs a stack trace per failed attempt: a plain socket
@@ -66,10 +94,7 @@ def connect(host: str, port: int, where: str) -> Any:
             socket.create_connection((host, port), timeout=1.0).close()
             break
         except socket.gaierror:
-            raise ConfigError(
-                f"MASTER_ADDR: {host!r} is not a known host; allowed: the host name or IP "
-                "address of rank 0's machine"
-            ) from None
+            raise _unknown_host(host) from None
         except OSError:
             if time.monotonic() > deadline:
                 raise TensorParallelError(

@@ -257,6 +257,16 @@ def test_cli_table_one_row_per_size(capsys: pytest.CaptureFixture[str]) -> None:
         (["model=small", "engine.max_model_len=-1"], r"engine\.max_model_len: -1 is invalid"),
         (["model=small", "engine.max_model_len=0"], r"engine\.max_model_len: 0 is invalid"),
         (["model=small", "hardware=tpu"], r"Could not find 'hardware/tpu'"),
+        # planned as unquantized weights and a 2-byte KV cache, without a word
+        (
+            ["model=llama3-8b", "engine.quantization=int4"],
+            r"^engine\.quantization: 'int4' is not planned by kv-calc, .*; allowed: none ",
+        ),
+        (
+            ["model=llama3-8b", "engine.kv_cache_dtype=int8"],
+            r"^engine\.kv_cache_dtype: 'int8' is not planned by kv-calc, .*; allowed: auto ",
+        ),
+        (["model=small", "variant=int8"], r"^engine\.quantization: 'int8' is not planned"),
         (["model=small", "hardware=h100,tpu"], r"Could not find 'hardware/tpu'"),
     ],
 )

@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from harness.run_folder import runs_written_in
-from harness.running.folder_guard import folder_problem
+from harness.running.folder_guard import RunFolderGuard, folder_problem
 from harness.running.sweep import SweepTable
 
 REPO = Path(__file__).resolve().parents[3]
@@ -122,3 +122,24 @@ def test_a_sweep_table_that_cannot_be_written_fails_the_sweep(
         SweepTable().on_multirun_end(config)
     assert stopped.value.code == 1
     assert capsys.readouterr().err.startswith(f"error: {tmp_path}: sweep.csv cannot be written: ")
+
+
+@pytest.mark.parametrize("key", ["hydra.run.dir", "hydra.sweep.dir"])
+def test_an_empty_run_folder_is_refused_not_the_current_folder(
+    key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hydra.run.dir=$OUT` with OUT unset: Path("") is ".", and the run's config.yaml,
+    summary.json and tables went into the current folder, among the user's own files."""
+    monkeypatch.chdir(tmp_path)
+    section = key.split(".")[1]
+    config = OmegaConf.create({"hydra": {section: {"dir": ""}}, "run": {"resume": True}})
+    guard = RunFolderGuard()
+    start = guard.on_run_start if section == "run" else guard.on_multirun_start
+    with pytest.raises(SystemExit) as exited:
+        start(config)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {key}: '' is invalid; allowed: a folder's path (an empty one would put the "
+        f"run's files in the current folder, {tmp_path})"
+    )
+    assert list(tmp_path.iterdir()) == []

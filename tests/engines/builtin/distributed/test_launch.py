@@ -171,6 +171,34 @@ def test_a_master_port_in_use_is_refused_by_name() -> None:
     assert done.stdout.startswith(f"MASTER_PORT={port}: the port is in use"), done.stderr[-2000:]
 
 
+@pytest.mark.parametrize(
+    "address, refused",
+    [
+        ("nonexistent.invalid", "is not a known host"),
+        ("192.0.2.1", "is not an address of this machine"),  # TEST-NET-1: no machine's
+    ],
+)
+def test_a_master_addr_that_is_not_rank_0s_machine_is_refused_by_name(
+    address: str, refused: str
+) -> None:
+    # rank 0's TCPStore connects to its own store at MASTER_ADDR: an unknown host printed two
+    # C++ stack traces and waited ~7 min, deaf to SIGTERM and Ctrl-C; an address of another
+    # machine waited silently. (In a fresh process, as the test above.)
+    script = (
+        "from engines.base import ConfigError\n"
+        "from engines.builtin.distributed.launch import init_world\n"
+        "try:\n"
+        "    init_world(0, 2)\n"
+        "except ConfigError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, **torchrun_env(0, 2, free_port()), "MASTER_ADDR": address}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.startswith(f"MASTER_ADDR: {address!r} {refused}"), done.stderr[-2000:]
+
+
 def torchrun_env(rank: int, world: int, port: int | str) -> dict[str, str]:
     """The variables torchrun sets in rank `rank`'s process."""
     return {

@@ -1,0 +1,42 @@
+"""`inferlab train-tiny`'s plain mistakes are one line and exit 2, before any training: a
+--seed neither torch nor numpy takes, and a --text too short to train on, were tracebacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness import cli
+
+
+@pytest.mark.parametrize("seed", ["-1", "18446744073709551616", "99999999999999999999999"])
+def test_a_seed_out_of_range_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], seed: str
+) -> None:
+    """--seed -1 was numpy's 'ValueError: expected non-negative integer' and 10**23 torch's
+    'Overflow when unpacking long long', each a traceback, exit 1."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["train-tiny", "--steps", "1", "--seed", seed, "--out", str(tmp_path / "m")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"inferlab train-tiny: error: argument --seed: '{seed}' is invalid; allowed: an "
+        "integer in [0, 2**64 - 1]"
+    )
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_text_too_short_to_train_on_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty --text was 'ValueError: train-tiny: the text has 1 tokens; need > 129', a
+    traceback, exit 1."""
+    text = tmp_path / "empty.txt"
+    text.write_text("\n")
+    out = tmp_path / "m"
+    assert cli.main(["train-tiny", "--steps", "1", "--text", str(text), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"inferlab train-tiny: --text: {text}: 1 tokens; allowed: a text of more than 129 "
+        "tokens (one training window)\n"
+    )
