@@ -205,6 +205,8 @@ class Tokenizer:
         """A request's prompt as token ids, the same way in every backend: text, a list of
         token ids as given, or chat messages through the chat template."""
         if isinstance(prompt, str):
+            if not prompt:  # it would encode to BOS alone and generate from nothing
+                raise ValueError("prompt: empty; allowed: a prompt with at least one token")
             return self.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             return self.encode_chat(prompt)

@@ -126,6 +126,9 @@ def test_bad_prompts_name_the_issue(make_tiny) -> None:
     llm = make_tiny(max_model_len=32)
     with pytest.raises(ValueError, match="prompt: empty"):
         llm.generate([[]], greedy())
+    # '' tokenizes to BOS alone; the server refuses it too rather than generate from nothing
+    with pytest.raises(ValueError, match="prompt: empty"):
+        llm.generate("", greedy())
     with pytest.raises(ValueError, match=r"prompt: 32 tokens .*max_model_len=32"):
         llm.generate([list(range(10, 42))], greedy())
     with pytest.raises(ValueError, match=r"outside the vocabulary"):
