@@ -256,7 +256,7 @@ def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) 
         result.total_output_tokens,
         Definition("total_output_tokens", none_failed, every_request),
     )
-    if result.duration > 0:
+    if usable_duration(result, run):
         run.put("duration_s", result.duration, Definition("duration", False, VLLM_DURATION))
         run.put(
             "input_tok_per_s",
@@ -380,6 +380,24 @@ def import_result(data: Any, path: Path, index: int | None) -> ImportedRun:
     put_aggregates(run, result, extra)
     run.config = config_of(result, extra)
     return run
+
+
+def usable_duration(result: VllmResult, run: ImportedRun) -> bool:
+    """Whether vLLM's `duration` can be reported and divided by. vLLM computes
+    request_throughput = completed / duration, so a duration that disagrees with it (an edited
+    or corrupted file: 1e308, 0) is said, not used; a negative one is no measurement."""
+    duration, where = result.duration, run.files[0]
+    if duration < 0:
+        raise InteropError(f"{where}: duration: {duration:g}; a negative time is not a measurement")
+    rate = result.completed / duration if 0 < duration < math.inf else None
+    if rate is not None and math.isclose(rate, result.request_throughput, rel_tol=0.01):
+        return True
+    run.warnings.append(
+        f"{where}: 'duration' is {duration:g} s, but completed / duration = "
+        f"{'undefined' if rate is None else f'{rate:g}'} where the file's request_throughput is "
+        f"{result.request_throughput:g}/s: duration_s and input_tok_per_s are not reported"
+    )
+    return False
 
 
 def import_file(documents: list[Any], path: Path) -> list[ImportedRun]:

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from harness.interop.detect import load
+from harness.interop.errors import InteropError
 from harness.interop.imported import FROM_REQUESTS, ImportedRun
 
 VLLM = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
@@ -145,6 +146,32 @@ def test_zero_statistics_are_vllms_placeholders(tmp_path: Path) -> None:
     run = import_one(path)
     assert not any(name.split("_")[0] in ("ttft", "tpot", "itl", "e2e") for name in run.metrics)
     assert (run.metrics["num_completed"], run.metrics["num_failed"]) == (0, 4)
+
+
+@pytest.mark.parametrize("duration", [0, 1e308])
+def test_a_duration_its_rates_contradict_is_said_not_reported(
+    tmp_path: Path, duration: float
+) -> None:
+    """vLLM's request_throughput is completed / duration: a duration that disagrees (0, or
+    1e308 from an edited file) was reported (1e308 s) or dropped without a word (0)."""
+    data = json.loads((VLLM / "summary_only.json").read_text())
+    data["duration"] = duration
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    run = import_one(path)
+    assert "duration_s" not in run.metrics and "input_tok_per_s" not in run.metrics
+    assert run.metrics["req_per_s"] == data["request_throughput"]  # vLLM's, as given
+    [warning] = run.warnings
+    assert f"'duration' is {duration:g} s" in warning and "not reported" in warning
+
+
+def test_a_negative_duration_is_refused(tmp_path: Path) -> None:
+    data = json.loads((VLLM / "summary_only.json").read_text())
+    data["duration"] = -3.0
+    path = tmp_path / "negative.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InteropError, match=r"negative.json: duration: -3; a negative time"):
+        import_one(path)
 
 
 def test_written_rows_round_trip_through_parquet(tmp_path: Path) -> None:
