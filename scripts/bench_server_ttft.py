@@ -44,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from engines.base import GenerationRequest, Tokens, now_ns  # noqa: E402
 from engines.sampling_params import SamplingParams  # noqa: E402
+from harness.run_folder import RunFileRefused, refuse_run_file  # noqa: E402
+from models.files import write_output_text  # noqa: E402
 from serving.cli import build_backend, warm_up  # noqa: E402
 
 
@@ -305,6 +307,11 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
+    if args.out is not None:  # checked before the measurement, not after it
+        try:
+            refuse_run_file(args.out, "--out")
+        except RunFileRefused as exc:
+            parser.error(str(exc))
 
     backend, _ = build_backend(args.overrides)
     backend.load()
@@ -379,7 +386,7 @@ def main() -> int:
         print(f"client - server, p50: {gap:+.2f} ms ({verdict} the 5 ms target)")
         results.update(loaded_rows=loaded, loaded_p50_gap_ms=gap, loaded_dropped=dropped)
     if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+        write_output_text(args.out, json.dumps(results, indent=2), "--out")
     return 0
 
 

@@ -42,9 +42,10 @@ sys.path.insert(0, str(ROOT))
 import configs  # noqa: E402
 import engines.registry  # noqa: E402, F401  (the config groups' schemas, for compose)
 import workloads  # noqa: E402, F401
-from harness.run_folder import load_table  # noqa: E402
+from harness.run_folder import RunFileRefused, load_table, refuse_run_file  # noqa: E402
 from harness.running import config_schema  # noqa: E402, F401
 from harness.running.experiment import run_experiment  # noqa: E402
+from models.files import write_output_text  # noqa: E402
 from serving.scripted_server import read_log, scripted_process, with_send_times  # noqa: E402
 
 COLUMNS = (
@@ -139,6 +140,11 @@ def main() -> None:
     parser.add_argument("--max-connections", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=None, help="also write the points (JSON)")
     args = parser.parse_args()
+    if args.out is not None:  # checked before the measurement, not after it
+        try:
+            refuse_run_file(args.out, "--out")
+        except RunFileRefused as exc:
+            parser.error(str(exc))
     if args.lateness_ms is None:
         args.lateness_ms = 2 * args.itl_ms
     rates = [float(r) for r in args.rates.split(",")]
@@ -172,7 +178,7 @@ def main() -> None:
     )
     print(table(points))
     if args.out is not None:
-        args.out.write_text(json.dumps(points, indent=2))
+        write_output_text(args.out, json.dumps(points, indent=2), "--out")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -224,3 +226,20 @@ def test_a_fifo_in_the_report_folder_is_named_not_waited_on(
     err = capsys.readouterr().err
     fifo = "is a FIFO (named pipe), not a regular file"
     assert err == f"inferlab report: --out: {out / name}: {fifo}\n"
+
+
+@pytest.mark.parametrize("script", ["bench_server_ttft.py", "client_ceiling.py"])
+def test_benchmark_scripts_refuse_a_run_file_before_they_measure(run: Path, script: str) -> None:
+    """scripts/bench_server_ttft.py --out RUN/summary.json measured for minutes, then wrote its
+    JSON over the run's summary; it is now refused before anything runs (argparse's exit 2)."""
+    before = snapshot(run)
+    script_path = Path(__file__).resolve().parents[2] / "scripts" / script
+    done = subprocess.run(
+        [sys.executable, str(script_path), "--out", str(run / "summary.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"error: --out: {run / 'summary.json'} is a file of the run folder" in done.stderr
+    assert snapshot(run) == before
