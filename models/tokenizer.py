@@ -52,7 +52,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
 
 from models.cache import cache_dir, check_trusted, write_text_atomic
-from models.files import SETTINGS, check_size, read_input_text
+from models.files import SETTINGS, check_regular_file, check_size, read_input_text
 from models.gguf import is_gguf, tokenizer_folder
 
 logger = logging.getLogger(__name__)
@@ -325,13 +325,16 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
     p = Path(path)
     if p.is_dir():
         folder, file = p, p / "tokenizer.json"
-        if not file.is_file():
+        if os.path.lexists(file):  # a FIFO, a folder or a dangling link: named, never opened
+            check_regular_file(file)
+        else:
             raise FileNotFoundError(
                 f"tokenizer folder {str(p)!r} has no tokenizer.json (the Hugging Face fast-"
                 "tokenizer file is required; a slow-only folder can be converted with "
                 "transformers' AutoTokenizer(...).save_pretrained())"
             )
-    elif p.is_file():
+    elif os.path.lexists(p):
+        check_regular_file(p)
         folder, file = None, p
     else:
         raise FileNotFoundError(
@@ -396,7 +399,8 @@ def tokenizer_for_model(model: str, tokenizer: str | None = None) -> Tokenizer:
     if is_gguf(model):
         return load_tokenizer(tokenizer_folder(model))
     folder = Path(model)
-    if folder.is_dir() and (folder / "tokenizer.json").is_file():
+    # lexists: a tokenizer.json that is there but is not a file is an error, not a fallback
+    if folder.is_dir() and os.path.lexists(folder / "tokenizer.json"):
         return load_tokenizer(folder)
     return default_tokenizer()
 
