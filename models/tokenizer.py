@@ -17,7 +17,8 @@ Default tokenizer
     is encoded as that special token, as Hugging Face tokenizers do.
 
 Chat templates
-    Templates are Jinja, rendered in a sandbox with ``trim_blocks``/``lstrip_blocks`` like
+    Templates are Jinja, rendered in a bounded sandbox (models/chat_template.py: steps,
+    sizes and output have limits) with ``trim_blocks``/``lstrip_blocks`` like
     ``transformers``, and get ``messages``, ``add_generation_prompt``, ``bos_token``,
     ``eos_token``, ``tools=None``, ``documents=None`` and ``raise_exception``. The default
     tokenizer (and any tokenizer holding its role tokens but no template) uses::
@@ -41,17 +42,15 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
 
 from models.cache import cache_dir, check_trusted, write_text_atomic
+from models.chat_template import render_template
 from models.files import SETTINGS, check_regular_file, check_size, read_input_text
 from models.gguf import is_gguf, tokenizer_folder
 
@@ -192,7 +191,8 @@ class Tokenizer:
     ) -> str:
         is_default = self._chat_template == DEFAULT_CHAT_TEMPLATE
         _validate_messages(messages, _CHAT_ROLES if is_default else None)
-        return _compile_template(self._chat_template).render(
+        return render_template(
+            self._chat_template,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._bos_token or "",
@@ -548,32 +548,3 @@ def _validate_messages(messages: object, roles: tuple[str, ...] | None) -> None:
             raise ValueError(
                 f"messages[{i}] has role {m['role']!r}; allowed roles: {', '.join(roles)}"
             )
-
-
-def _raise_exception(message: str) -> None:
-    raise ValueError(f"chat template error: {message}")
-
-
-def _tojson(
-    value: object,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Same signature as transformers' filter, which templates rely on; Jinja's own tojson
-    # escapes HTML characters instead.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-@functools.cache
-def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
