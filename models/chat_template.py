@@ -18,6 +18,7 @@ import json
 import sys
 from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -92,6 +93,17 @@ def compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def check_template(source: str, where: str | Path) -> None:
+    """Compile it now, so that a template that does not parse is refused at load, naming
+    where it came from, rather than failing every chat request."""
+    try:
+        compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(
+            f"{where}: the chat template does not parse (line {exc.lineno}: {exc.message})"
+        ) from None
 
 
 class _StepBudget:

@@ -50,7 +50,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
 
 from models.cache import cache_dir, check_trusted, write_text_atomic
-from models.chat_template import render_template
+from models.chat_template import check_template, render_template
 from models.files import SETTINGS, check_regular_file, check_size, read_input_text
 from models.gguf import is_gguf, tokenizer_folder
 
@@ -353,12 +353,10 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
     if isinstance(model.get("text_config"), dict):  # multimodal configs nest the LM's ids
         model = {**model["text_config"], **model}
 
-    template = cfg.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template}
-        template = named.get("default", template[0].get("template") if template else None)
+    template = _configured_template(cfg.get("chat_template"), folder)
     if folder and (folder / "chat_template.jinja").is_file():
         template = read_input_text(folder / "chat_template.jinja", SETTINGS)
+        check_template(template, folder / "chat_template.jinja")
 
     bos_token, eos_token, pad_token = (
         _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")
@@ -506,6 +504,27 @@ def _encode_ids(backend: _Backend, text: str, add_special_tokens: bool) -> list[
     if len(text) < _RELEASE_GIL_CHARS:
         return backend.encode(text, add_special_tokens=add_special_tokens).ids
     return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def _configured_template(value: object, folder: Path | None) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {"name", "template"}
+    whose "default" (else first) entry is used; anything else names the file."""
+    where = f"{folder / 'tokenizer_config.json'}: chat_template" if folder else "chat_template"
+    if value is None:
+        return None
+    if isinstance(value, list) and all(
+        isinstance(t, dict) and isinstance(t.get("template"), str) for t in value
+    ):
+        named = {t.get("name"): t["template"] for t in value}
+        value = named.get("default", value[0]["template"] if value else None)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(
+            f"{where}: {value!r:.80} is invalid; allowed: a Jinja template string or a list "
+            'of {"name": ..., "template": "..."}'
+        )
+    if value is not None:
+        check_template(value, where)
+    return value
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -6,6 +6,7 @@ costly one is refused at once, as one line naming the chat template and the boun
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,39 @@ def test_raise_exception_and_an_ordinary_template_still_work(tmp_path: Path) -> 
     )
     rendered = with_template(tmp_path / "b", ordinary).apply_chat_template(HI)
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nababab1024x    |"
+
+
+@pytest.mark.parametrize(
+    ("config", "jinja", "says"),
+    [
+        (None, "{% for %}", "chat_template.jinja: the chat template does not parse (line 1: "),
+        (
+            {"chat_template": "{{ x "},
+            None,
+            "tokenizer_config.json: chat_template: the chat template does not parse (line 1: ",
+        ),
+        (  # an AttributeError ('int' object has no attribute 'get'), exit 1, before
+            {"chat_template": [1, "x"]},
+            None,
+            "tokenizer_config.json: chat_template: [1, 'x'] is invalid; allowed: a Jinja",
+        ),
+        (  # ignored without a word before: the plain fallback template was used
+            {"chat_template": 42},
+            None,
+            "tokenizer_config.json: chat_template: 42 is invalid; allowed: a Jinja",
+        ),
+    ],
+)
+def test_a_template_that_cannot_be_used_is_refused_at_load_naming_the_file(
+    tmp_path: Path, config: dict | None, jinja: str | None, says: str
+) -> None:
+    """Before, a template that does not parse loaded, and every chat request failed with
+    'TemplateSyntaxError: ...' naming no file."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt")
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja is not None:
+        (folder / "chat_template.jinja").write_text(jinja)
+    with pytest.raises(ValueError) as refused:
+        load_tokenizer(folder)
+    assert str(refused.value).startswith(f"{folder}/{says}")
