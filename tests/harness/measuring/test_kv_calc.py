@@ -389,3 +389,14 @@ def test_help_prints_the_options_not_a_hydra_lexer_error(
         "hardware=",
     ):
         assert option in out
+
+
+def test_model_hf_without_a_path_names_model_path(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: "model: 'hf' is neither a preset (...), an existing checkpoint folder nor a
+    .gguf file", where inferlab run names model.path."""
+    code, out, err = run_cli(capsys, "model=hf")
+    assert code == 2 and out == ""
+    assert err == (
+        "error: model.path: required for model=hf (a local Hugging Face checkpoint folder "
+        "with config.json and *.safetensors)\n"
+    )
