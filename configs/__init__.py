@@ -40,9 +40,12 @@ def reason(exc: BaseException) -> str:
     else Hydra's own words."""
     import dataclasses
 
+    from hydra.errors import OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     cause = exc.__cause__ or exc
+    if isinstance(cause, OverrideParseException):
+        return _unparsed(cause.override)
     schema = getattr(cause, "object_type", None)
     full_key = getattr(cause, "full_key", None)
     unknown = isinstance(cause, ConfigAttributeError | ConfigKeyError)
@@ -67,6 +70,18 @@ def reason(exc: BaseException) -> str:
         known = [o for o in listed if not o.endswith("_schema")]
         return f"{' '.join(head.split())} (allowed {group.strip()}: {'|'.join(known)})"
     return " ".join(str(exc).split())
+
+
+def _unparsed(override: str) -> str:
+    """Hydra's grammar takes an unquoted value of ASCII letters, digits and a few symbols
+    (a path with ü or a bracket in it needs quotes), and its own message is a parser's."""
+    key, sep, value = override.partition("=")
+    if not sep:
+        return f"{override!r}: not an override; allowed: KEY=VALUE"
+    return (
+        f"{key}: {value!r} cannot be read unquoted (Hydra's override grammar); quote it: "
+        f"'{key}=\"{value}\"'"
+    )
 
 
 # OmegaConf's words for a value its node's type refuses: "Value 'abc' of type 'str' could not

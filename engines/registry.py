@@ -99,13 +99,18 @@ def build_backend(engine: Options, model: Options) -> Backend:
     return entry.build(options, model)
 
 
-def _weights_from_model_group(options: Options, model: Options) -> Options:
-    """The model group as the options of a backend that loads the weights itself."""
+def require_model_path(model: Options) -> None:
+    """model=hf names no model by itself: its model.path must be given."""
     if model.get("name") == "hf" and not model.get("path"):
         raise ValueError(
             "model.path: required for model=hf (a local Hugging Face checkpoint "
             "folder with config.json and *.safetensors)"
         )
+
+
+def _weights_from_model_group(options: Options, model: Options) -> Options:
+    """The model group as the options of a backend that loads the weights itself."""
+    require_model_path(model)
     options = dict(options)
     from engines.train_tiny import trained_model_location  # small models with learned weights
 

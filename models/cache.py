@@ -67,6 +67,11 @@ def _check_entry(entry: Path, what: str) -> None:
         info = entry.stat()
     except (FileNotFoundError, NotADirectoryError):  # nothing there to read
         return
+    except OSError as exc:  # a symlink loop, a folder this user may not search
+        raise CacheFolderError(
+            f"cannot read the {what} {entry}: {exc.strerror or exc}; set INFERLAB_CACHE_DIR "
+            "to a folder you can write"
+        ) from exc
     if info.st_uid != os.getuid():
         raise UntrustedCacheError(
             f"refused the {what} {entry}: owned by uid {info.st_uid}, not by this user "

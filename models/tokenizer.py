@@ -17,7 +17,8 @@ Default tokenizer
     is encoded as that special token, as Hugging Face tokenizers do.
 
 Chat templates
-    Templates are Jinja, rendered in a sandbox with ``trim_blocks``/``lstrip_blocks`` like
+    Templates are Jinja, rendered in a bounded sandbox (models/chat_template.py: steps,
+    sizes and output have limits) with ``trim_blocks``/``lstrip_blocks`` like
     ``transformers``, and get ``messages``, ``add_generation_prompt``, ``bos_token``,
     ``eos_token``, ``tools=None``, ``documents=None`` and ``raise_exception``. The default
     tokenizer (and any tokenizer holding its role tokens but no template) uses::
@@ -41,18 +42,16 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
 
 from models.cache import cache_dir, check_trusted, write_text_atomic
-from models.files import SETTINGS, check_size, read_input_text
+from models.chat_template import check_template, render_template
+from models.files import SETTINGS, check_regular_file, check_size, read_input_text
 from models.gguf import is_gguf, tokenizer_folder
 
 logger = logging.getLogger(__name__)
@@ -192,7 +191,8 @@ class Tokenizer:
     ) -> str:
         is_default = self._chat_template == DEFAULT_CHAT_TEMPLATE
         _validate_messages(messages, _CHAT_ROLES if is_default else None)
-        return _compile_template(self._chat_template).render(
+        return render_template(
+            self._chat_template,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._bos_token or "",
@@ -325,13 +325,16 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
     p = Path(path)
     if p.is_dir():
         folder, file = p, p / "tokenizer.json"
-        if not file.is_file():
+        if os.path.lexists(file):  # a FIFO, a folder or a dangling link: named, never opened
+            check_regular_file(file)
+        else:
             raise FileNotFoundError(
                 f"tokenizer folder {str(p)!r} has no tokenizer.json (the Hugging Face fast-"
                 "tokenizer file is required; a slow-only folder can be converted with "
                 "transformers' AutoTokenizer(...).save_pretrained())"
             )
-    elif p.is_file():
+    elif os.path.lexists(p):
+        check_regular_file(p)
         folder, file = None, p
     else:
         raise FileNotFoundError(
@@ -350,12 +353,10 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
     if isinstance(model.get("text_config"), dict):  # multimodal configs nest the LM's ids
         model = {**model["text_config"], **model}
 
-    template = cfg.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template}
-        template = named.get("default", template[0].get("template") if template else None)
+    template = _configured_template(cfg.get("chat_template"), folder)
     if folder and (folder / "chat_template.jinja").is_file():
         template = read_input_text(folder / "chat_template.jinja", SETTINGS)
+        check_template(template, folder / "chat_template.jinja")
 
     bos_token, eos_token, pad_token = (
         _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")
@@ -396,7 +397,8 @@ def tokenizer_for_model(model: str, tokenizer: str | None = None) -> Tokenizer:
     if is_gguf(model):
         return load_tokenizer(tokenizer_folder(model))
     folder = Path(model)
-    if folder.is_dir() and (folder / "tokenizer.json").is_file():
+    # lexists: a tokenizer.json that is there but is not a file is an error, not a fallback
+    if folder.is_dir() and os.path.lexists(folder / "tokenizer.json"):
         return load_tokenizer(folder)
     return default_tokenizer()
 
@@ -504,6 +506,27 @@ def _encode_ids(backend: _Backend, text: str, add_special_tokens: bool) -> list[
     return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
+def _configured_template(value: object, folder: Path | None) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {"name", "template"}
+    whose "default" (else first) entry is used; anything else names the file."""
+    where = f"{folder / 'tokenizer_config.json'}: chat_template" if folder else "chat_template"
+    if value is None:
+        return None
+    if isinstance(value, list) and all(
+        isinstance(t, dict) and isinstance(t.get("template"), str) for t in value
+    ):
+        named = {t.get("name"): t["template"] for t in value}
+        value = named.get("default", value[0]["template"] if value else None)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(
+            f"{where}: {value!r:.80} is invalid; allowed: a Jinja template string or a list "
+            'of {"name": ..., "template": "..."}'
+        )
+    if value is not None:
+        check_template(value, where)
+    return value
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -544,32 +567,3 @@ def _validate_messages(messages: object, roles: tuple[str, ...] | None) -> None:
             raise ValueError(
                 f"messages[{i}] has role {m['role']!r}; allowed roles: {', '.join(roles)}"
             )
-
-
-def _raise_exception(message: str) -> None:
-    raise ValueError(f"chat template error: {message}")
-
-
-def _tojson(
-    value: object,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Same signature as transformers' filter, which templates rely on; Jinja's own tojson
-    # escapes HTML characters instead.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-@functools.cache
-def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)

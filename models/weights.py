@@ -107,4 +107,10 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                     tensor = f.get_tensor(name)
                 except SafetensorError as exc:
                     raise ValueError(f"{file}: tensor {name!r} cannot be read ({exc})") from None
+                if not tensor.is_floating_point():  # cast to float, it would be a wrong model
+                    raise ValueError(
+                        f"{file}: tensor {name!r} is {tensor.dtype}; allowed: a floating-point "
+                        "dtype (float32, float16, bfloat16; packed-integer quantized "
+                        "checkpoints are not supported)"
+                    )
                 yield name, tensor

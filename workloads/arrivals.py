@@ -31,7 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from workloads.common import check_choice, check_int, check_keys, check_number, invalid
+from workloads.common import (
+    MAX_ARRIVAL_S,
+    arrivals_too_late,
+    check_choice,
+    check_int,
+    check_keys,
+    check_number,
+    invalid,
+)
 
 PROCESSES = ("offline", "poisson", "gamma", "constant", "ramp", "closed")
 _CAP = "max_concurrency"
@@ -133,4 +141,13 @@ def arrival_times(spec: Any, n: int, rng: np.random.Generator) -> np.ndarray:
     elif process == "ramp":
         frac = np.arange(n - 1) / max(1, n - 2)
         gaps = 1.0 / (s["start_rate"] + (s["end_rate"] - s["start_rate"]) * frac)
-    return np.concatenate([[0.0], np.cumsum(gaps)])
+    times = np.concatenate([[0.0], np.cumsum(gaps)])
+    late = arrivals_too_late(times)
+    if late is not None:
+        raise invalid(
+            "arrival",
+            spec,
+            f"rates that bring all {n} requests within {MAX_ARRIVAL_S:.0e} s of the first "
+            f"(request {late} would arrive {times[late]:.3g} s after it)",
+        )
+    return times

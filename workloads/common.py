@@ -21,6 +21,17 @@ from workloads.request import WorkloadRequest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+#: The latest a request may arrive, in seconds after the first: the driver schedules arrivals in
+#: int64 nanoseconds, and a run decades long is a mistaken timestamp, rate or time_scale.
+MAX_ARRIVAL_S = 1e9
+
+
+def arrivals_too_late(arrivals: np.ndarray) -> int | None:
+    """The index of the first arrival later than MAX_ARRIVAL_S (or not finite), else None."""
+    late = np.flatnonzero(~(np.asarray(arrivals) <= MAX_ARRIVAL_S))
+    return int(late[0]) if len(late) else None
+
+
 def invalid(field: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"workload.{field}: {value!r} is invalid; allowed: {allowed}")
 

@@ -27,6 +27,8 @@ import numpy as np
 
 from models.tokenizer import Tokenizer
 from workloads.common import (
+    MAX_ARRIVAL_S,
+    arrivals_too_late,
     check_choice,
     check_common,
     check_int,
@@ -175,6 +177,15 @@ class TraceWorkload:
         if trace.timestamps_s is not None and len(selected):
             times = trace.timestamps_s[selected]
             arrivals = (times - times[0]) / self.time_scale
+            late = arrivals_too_late(arrivals)
+            if late is not None:
+                raise invalid(
+                    "path",
+                    str(path),
+                    f"a trace whose selected rows arrive within {MAX_ARRIVAL_S:.0e} s of the "
+                    f"first after time_scale ({self.time_scale}); line "
+                    f"{int(trace.lines[selected[late]])} arrives {arrivals[late]:.3g} s after it",
+                )
         else:
             arrivals = np.zeros(len(selected))
         source = TokenSource(

@@ -31,7 +31,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 import configs
-import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
+import engines.registry  # (also the engine groups' schemas, for compose)
 import workloads  # noqa: F401  (the workload groups' schemas, for compose)
 from engines.base import ConfigError
 from harness.measuring import hardware  # (also hardware=cpu's schema, for compose)
@@ -532,6 +532,7 @@ def plan(overrides: list[str], own: dict[str, Any]) -> dict[str, Any]:
     cfg = OmegaConf.to_container(configs.compose(overrides), resolve=True)
     assert isinstance(cfg, dict)
     model, engine = cfg["model"], cfg["engine"]
+    engines.registry.require_model_path(model)
     _refuse_unmodelled(engine)
     hw = hardware.validate_config(cfg.get("hardware"))
     spec = None if hw["name"] == "auto" else hardware.resolve(hw, None)[0]
@@ -550,7 +551,25 @@ def plan(overrides: list[str], own: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+USAGE = """usage: inferlab kv-calc [overrides...]
+
+  model=NAME | model=hf model.path=DIR_OR_GGUF   the model (default: the default experiment's)
+  engine.max_model_len=N engine.dtype=T          the sequence length and dtype planned
+  engine.tensor_parallel_size=N[,N...]           per GPU over N devices (a list: a table)
+  hardware=NAME[,NAME...]                        h100|h200|a100|l4|cpu: a predicted decode step
+  device_memory_gib=GIB                          the device's memory (default: the hardware's,
+                                                 else 80)
+  context_len=N                                  the context of the predicted decode step
+                                                 (default: max_model_len)
+
+e.g. inferlab kv-calc model=llama3-8b engine.max_model_len=8192 engine.dtype=fp16 \\
+         device_memory_gib=80"""
+
+
 def main(args: list[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in args):
+        print(USAGE)
+        return 0
     try:
         own, lists, rest = _split_args(args)
         # hardware outermost: the rows of one GPU together, by tensor_parallel_size

@@ -174,22 +174,28 @@ def prompt_set_texts(path: str, count: int) -> list[str]:
 
 def check_inputs(settings: dict) -> None:
     """`run.quality`'s files, before the run: the probe reads them after the benchmark, so a
-    path that is missing, a FIFO or /dev/zero, or an empty text, failed the run only after all
-    of it had run (exit 1). A ValueError naming the key and the file."""
+    path that is missing, a FIFO or /dev/zero, an empty text, a text that is not UTF-8 or a
+    prompt set that does not parse failed the run only after all of it had run (exit 1).
+    Each is read here as the probe will read it (within the size limits for data files); a
+    ValueError naming the key and the file."""
     text = settings.get("text")
     if text is not None:
         try:
             if check_regular_file(text).st_size == 0:
                 raise UserFileError(f"{text}: empty; the probe takes its prompts from it")
+            corpus_text(text)
         except UserFileError as exc:
             raise ValueError(f"run.quality.text: {exc}") from None
     for index, path in enumerate(settings.get("prompt_sets") or []):
+        where = f"run.quality.prompt_sets[{index}]"
         try:
-            check_regular_file(_resolve(path))
-        except (FileNotFoundError, UserFileError) as exc:
-            where = f"run.quality.prompt_sets[{index}]"
-            message = str(exc).removeprefix("run.quality.prompt_sets: ")
-            raise ValueError(f"{where}: {message}") from None
+            prompt_set_texts(_resolve(path), 1)
+        except ValueError as exc:  # UserFileError and the prompt set's own errors among them
+            raise ValueError(f"{where}: {exc}") from None
+        except FileNotFoundError as exc:
+            raise ValueError(
+                f"{where}: {str(exc).removeprefix('run.quality.prompt_sets: ')}"
+            ) from None
 
 
 def _resolve(path: str) -> str:

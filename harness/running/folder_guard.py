@@ -11,6 +11,7 @@ turn an exception into a warning; SystemExit is not an Exception, so it stops th
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +29,11 @@ def folder_problem(folder: Path, key: str, sweep: bool, resume: bool) -> str | N
     """Why a run (`sweep`: a sweep) may not be written into `folder`, the value of config
     key `key`, or None: it is a file, it holds a run and `resume` is off, or it cannot be
     made or written. A folder that can be is made."""
+    if folder.is_symlink() and not folder.exists():  # mkdir says only "File exists"
+        return (
+            f"{key}: {folder} is a symbolic link to {os.readlink(folder)}, which is not there "
+            "(missing, or a loop of links); allowed: a folder, or a link to one"
+        )
     if folder.exists() and not folder.is_dir():
         return f"{key}: {folder} exists and is not a folder; allowed: a folder that holds no run"
     written = [] if resume else runs_written_in(folder, sweep)

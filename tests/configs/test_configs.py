@@ -475,3 +475,25 @@ def test_train_tiny_refuses_a_step_count_below_one() -> None:
         train_tiny.train_tiny(None, "/nonexistent", steps=0)
     with pytest.raises(SystemExit):
         train_tiny.main(["--model", "tiny-trained-draft", "--steps", "-5"])
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [
+        ("hydra.run.dir=/tmp/résultats/run", "hydra.run.dir", "/tmp/résultats/run"),
+        ("model.path=/models/[v2]x", "model.path", "/models/[v2]x"),
+    ],
+)
+def test_a_value_hydra_cannot_parse_names_the_key_and_how_to_quote_it(
+    override: str, key: str, value: str
+) -> None:
+    """A path with a letter outside ASCII was 'LexerNoViableAltException: hydra.run.dir=... ^
+    See https://hydra.cc/...', a parser's message naming neither the key nor the fix."""
+    with pytest.raises(configs.ComposeError) as error:
+        composed(override)
+    assert str(error.value) == (
+        f"{key}: {value!r} cannot be read unquoted (Hydra's override grammar); quote it: "
+        f"'{key}=\"{value}\"'"
+    )
+    quoted = composed(f'model.path="{value}"')  # the fix it names works
+    assert quoted["model"]["path"] == value

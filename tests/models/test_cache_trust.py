@@ -186,3 +186,25 @@ def test_a_cache_that_cannot_be_made_is_one_line(
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot make the cache folder {root}") and err.count("\n") == 1
     assert a_file.read_text() == "mine"
+
+
+@pytest.mark.usefixtures("fresh_default_tokenizer")
+def test_a_cache_that_is_a_symlink_loop_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """INFERLAB_CACHE_DIR on a symlink loop: inferlab run failed with 'OSError: [Errno 40] Too
+    many levels of symbolic links', exit 1; kv-calc hardware=cpu the same."""
+    loop = tmp_path / "a"
+    loop.symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(loop)
+    monkeypatch.setenv("INFERLAB_CACHE_DIR", str(loop))
+    with pytest.raises(ValueError) as refused:
+        default_tokenizer()
+    assert str(refused.value) == (
+        f"cannot read the tokenizer cache {loop}: Too many levels of symbolic links; set "
+        "INFERLAB_CACHE_DIR to a folder you can write"
+    )
+    assert inferlab(["kv-calc", "model=tiny", "hardware=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot read the hardware calibration cache {loop}: Too many")
+    assert err.count("\n") == 1

@@ -435,6 +435,26 @@ def test_missing_paths(tmp_path: Path) -> None:
     assert str(empty) in str(err.value) and "tokenizer.json" in str(err.value)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "folder", "dangling link"])
+def test_a_tokenizer_json_that_is_not_a_file_is_named(tmp_path: Path, kind: str) -> None:
+    """A checkpoint folder's tokenizer.json that is there but not a regular file: before, the
+    run fell back to the project's tokenizer without a word (ids that mean nothing to the
+    checkpoint); a FIFO given as the tokenizer itself was 'does not exist'."""
+    file = tmp_path / "tokenizer.json"
+    if kind == "fifo":
+        os.mkfifo(file)
+    elif kind == "folder":
+        file.mkdir()
+    else:
+        file.symlink_to(tmp_path / "gone.json")
+    says = rf"^{file}: (is a directory|is a FIFO|cannot open it)"
+    with pytest.raises(ValueError, match=says):
+        tkz.tokenizer_for_model(str(tmp_path))
+    if kind != "folder":  # a folder named as the tokenizer is a tokenizer folder
+        with pytest.raises(ValueError, match=says):
+            tkz.tokenizer_for_model("tiny", str(file))
+
+
 def test_invalid_tokenizer_file(tmp_path: Path) -> None:
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{}")

@@ -244,3 +244,16 @@ def test_a_bad_trace_cap_names_the_field(value: object) -> None:
         ValueError, match=rf"workload\.max_concurrency: {value!r} is invalid; allowed: an integer"
     ):
         trace.validate()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"process": "poisson", "rate": 1e-300},  # OverflowError in the driver before
+        {"process": "constant", "rate": 1e-10},
+        {"process": "ramp", "start_rate": 1e-300, "end_rate": 1.0},
+    ],
+)
+def test_rates_that_push_arrivals_past_the_drivers_clock_are_refused(spec: dict) -> None:
+    with pytest.raises(ValueError, match=r"workload\.arrival: .*\(request 1 would arrive"):
+        arrival_times(spec, 4, np.random.default_rng(0))

@@ -561,3 +561,19 @@ def test_shipped_traces_are_the_published_bytes(shared: Path) -> None:
         data = (shared / name).read_bytes()
         published = gzip.decompress(data) if name.endswith(".gz") else data
         assert hashlib.sha256(published).hexdigest() == digest, name
+
+
+@pytest.mark.parametrize(
+    ("text", "time_scale", "line"),
+    [
+        ("timestamp,input_len,output_len\n0,5,4\n1e308,5,4\n", 1.0, 3),  # OverflowError before
+        ("timestamp,input_len,output_len\n0,5,4\n1,5,4\n2e9,5,4\n", 1.0, 4),
+        ("timestamp,input_len,output_len\n0,5,4\n1,5,4\n", 1e-300, 3),  # time_scale too
+    ],
+)
+def test_arrivals_past_the_drivers_clock_name_the_line(
+    tmp_path: Path, tok: Tokenizer, text: str, time_scale: float, line: int
+) -> None:
+    path = write(tmp_path, "far.csv", text)
+    with pytest.raises(ValueError, match=rf"workload\.path: .* line {line} arrives"):
+        TraceWorkload(path=str(path), format="csv", time_scale=time_scale).build(tok)

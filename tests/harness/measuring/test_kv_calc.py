@@ -372,3 +372,31 @@ def test_cgroup_headroom_counts_reclaimable_cache_as_free(
     )  # how each says "no limit"
     assert platform.cgroup_memory_headroom(tmp_path) is None
     assert platform.cgroup_memory_headroom(tmp_path / "absent") is None
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_prints_the_options_not_a_hydra_lexer_error(
+    capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    """Before: exit 2, 'error: LexerNoViableAltException: --help ^ See https://hydra.cc/...'."""
+    code, out, err = run_cli(capsys, "model=tiny", flag)
+    assert code == 0 and err == ""
+    assert out.startswith("usage: inferlab kv-calc")
+    for option in (
+        "device_memory_gib=",
+        "context_len=",
+        "engine.tensor_parallel_size=",
+        "hardware=",
+    ):
+        assert option in out
+
+
+def test_model_hf_without_a_path_names_model_path(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: "model: 'hf' is neither a preset (...), an existing checkpoint folder nor a
+    .gguf file", where inferlab run names model.path."""
+    code, out, err = run_cli(capsys, "model=hf")
+    assert code == 2 and out == ""
+    assert err == (
+        "error: model.path: required for model=hf (a local Hugging Face checkpoint folder "
+        "with config.json and *.safetensors)\n"
+    )

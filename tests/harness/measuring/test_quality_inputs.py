@@ -43,6 +43,35 @@ def test_the_probes_files_are_refused_by_name(tmp_path: Path, settings: dict, sa
     assert str(refused.value).startswith(says.format(tmp=tmp_path)), refused.value
 
 
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"text": "{tmp}/latin1.txt"}, "run.quality.text: {tmp}/latin1.txt: not UTF-8 text"),
+        (
+            {"prompt_sets": ["{tmp}/bad.json"]},
+            "run.quality.prompt_sets[0]: {tmp}/bad.json: entry 1: field 'conversations': "
+            "expected a list of turns",
+        ),
+        (
+            {"prompt_sets": ["{tmp}/cut.jsonl"]},
+            "run.quality.prompt_sets[0]: {tmp}/cut.jsonl: line 1",
+        ),
+    ],
+)
+def test_files_that_do_not_read_or_parse_are_refused_before_the_run(
+    tmp_path: Path, settings: dict, says: str
+) -> None:
+    """Before, these passed the check and failed the run after its benchmark: exit 1 with
+    'models.files.UserFileError: ...' or 'ValueError: ...', naming no key."""
+    (tmp_path / "latin1.txt").write_bytes("café crème ".encode("latin-1") * 50)
+    (tmp_path / "bad.json").write_text('[{"id": 1, "conversations": "oops"}]')
+    (tmp_path / "cut.jsonl").write_text('{"question_id": 1, "turns": ["a"')
+    given = json.loads(json.dumps(settings).replace("{tmp}", str(tmp_path)))
+    with pytest.raises(ValueError) as refused:
+        check_inputs(given)
+    assert str(refused.value).startswith(says.format(tmp=tmp_path)), refused.value
+
+
 def test_shipped_files_pass() -> None:
     check_inputs({"text": None, "prompt_sets": ["data/traces/mt_bench_questions.jsonl"]})
 

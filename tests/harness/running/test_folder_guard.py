@@ -143,3 +143,16 @@ def test_an_empty_run_folder_is_refused_not_the_current_folder(
         f"run's files in the current folder, {tmp_path})"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_folder_that_is_a_dangling_link_is_named_as_one(tmp_path: Path) -> None:
+    """Before: 'hydra.run.dir: ... cannot be written: File exists', for a link to nothing."""
+    link = tmp_path / "latest"
+    link.symlink_to(tmp_path / "gone")
+    done = inferlab_run(f"hydra.run.dir={link}")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"error: hydra.run.dir: {link} is a symbolic link to {tmp_path / 'gone'}, which is not "
+        "there (missing, or a loop of links); allowed: a folder, or a link to one"
+    )
+    assert not (tmp_path / "gone").exists()
