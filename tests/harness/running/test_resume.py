@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from harness.running.sweep import ResumeMismatch, completed_run
 
@@ -125,3 +126,31 @@ def test_completed_run_compares_the_stored_configuration(tmp_path: Path) -> None
     assert completed_run(tmp_path, config) is True  # run.resume / run.progress ignored
     with pytest.raises(ResumeMismatch, match=r"engine\.max_num_seqs"):
         completed_run(tmp_path, {**config, "engine": {"max_num_seqs": 4}})
+
+
+def test_jobs_that_share_a_folder_stop_the_sweep_before_one_overwrites_another(
+    tmp_path: Path,
+) -> None:
+    """`hydra.sweep.subdir=same` (no `${hydra.job.num}`) put every job into one folder: job 1
+    wrote over job 0's run, sweep.csv listed 1 job of 2, and the sweep exited 0."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "run",
+            "-m",
+            *TINY,
+            "engine.max_num_seqs=1,2",
+            f"hydra.sweep.dir={tmp_path}",
+            "hydra.sweep.subdir=same",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "error: hydra.sweep.subdir: " in result.stderr and "an earlier job" in result.stderr
+    kept = yaml.safe_load((tmp_path / "same" / "config.yaml").read_text())
+    assert kept["engine"]["max_num_seqs"] == 1  # job 0's run, not written over
