@@ -490,15 +490,24 @@ def read_overrides(job: Path) -> list[str]:
 
 
 def override_values(overrides: list[str]) -> dict[str, Any]:
-    """`key=value` strings as {key: value}: the value parsed as YAML (`8` an int, `[1,2]` a
-    list, text that is not YAML kept as text), Hydra's +/++/~ prefixes dropped from the key."""
+    """`key=value` strings as {key: value}, the value as Hydra read it (`8` an int, `[1,2]` a
+    list, `{process:poisson,rate:1}` a mapping: Hydra writes overrides.yaml without the
+    spaces YAML would need), Hydra's +/++/~ prefixes dropped from the key. A string Hydra's
+    grammar refuses (a hand-edited file) is read as YAML, else kept as text."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
     values = {}
     for override in overrides:
         key, _, text = override.partition("=")
         try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
+            value = parser.parse_override(override).value()
+        except HydraException:
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                value = text
         values[key.lstrip("+~")] = value
     return values
 
