@@ -30,7 +30,7 @@ from harness.reporting import figures, speculative
 from harness.reporting.results import Results, load
 from harness.run_folder import read_sweep_summary, refuse_run_file
 from harness.running.table import format_value
-from models.files import UserFileError, check_regular_file
+from models.files import UserFileError, check_regular_file, given_output_path
 
 MAIN_METRICS = (
     "num_completed",
@@ -784,6 +784,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out: required when several folders are given")
     out = args.out or args.paths[0]
     try:
+        if args.out is not None:
+            given_output_path(args.out, "--out", "a folder path")
         written = write_report(args.paths, out, args.title)
     except (FileNotFoundError, ValueError) as exc:
         print(f"inferlab report: {exc}", file=sys.stderr)

@@ -224,3 +224,24 @@ def test_a_fifo_in_the_report_folder_is_named_not_waited_on(
     err = capsys.readouterr().err
     fifo = "is a FIFO (named pipe), not a regular file"
     assert err == f"inferlab report: --out: {out / name}: {fifo}\n"
+
+
+@pytest.mark.parametrize("writer", [w for w in WRITERS if w != "train-tiny --out"])
+def test_an_empty_output_path_is_refused_not_read_as_none(
+    imported_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    writer: str,
+) -> None:
+    """`gate --json "$OUT"` with OUT unset wrote no JSON and said nothing (the step after it
+    found no file), and `report RUN --out ""` wrote the report into RUN; `export` and
+    `import` already refused an empty --out. Every writer now refuses it, naming the option."""
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(imported_run)
+    argv = [arg if arg != "EMPTY" else "" for arg in WRITERS[writer](imported_run, Path("EMPTY"))]
+    assert cli.main(argv) == 2
+    option = writer.split()[-1]
+    err = capsys.readouterr().err.strip()
+    assert f"{option}: '' is invalid; allowed: " in err and err.count("\n") == 0, err
+    assert snapshot(imported_run) == before and not any(tmp_path.iterdir())
