@@ -166,6 +166,22 @@ def test_a_missing_rules_file_is_an_error(tmp_path: Path) -> None:
         load_rules(tmp_path / "nope.yaml")
 
 
+def test_a_key_given_twice_in_the_rules_is_refused_naming_it(tmp_path: Path) -> None:
+    """A rules file with `timing:` twice gated with the second block's min_effect (0.9: a
+    90% slowdown passed), as YAML keeps the last; a CI rules file edited by two people is
+    refused instead, naming the key and its line."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("timing:\n  min_effect: 0.1\nper_metric: {}\ntiming:\n  min_effect: 0.9\n")
+    with pytest.raises(RulesError) as exc:
+        load_rules(rules)
+    assert str(exc.value) == (
+        f"--rules: {rules}: line 4: 'timing' is given twice; allowed: each key once"
+    )
+    rules.write_text("per_metric:\n  e2e_p99_s: {min_effect: 0.1, min_effect: 0.5}\n")
+    with pytest.raises(RulesError, match=r"line 2: 'min_effect' is given twice"):
+        load_rules(rules)
+
+
 def test_a_rules_file_over_the_limit_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
