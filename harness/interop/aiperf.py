@@ -313,6 +313,7 @@ def import_export(path: Path, content: Any, kind: str) -> list[ImportedRun]:
             )
             records = None
         else:
+            run.rows_file = source
             run.requests = records
             put_request_metrics(
                 run,
