@@ -116,7 +116,7 @@ def gate_dirs(
     """Compare two runs, repeats folders or sweeps (unpaired)."""
     base = load_side(baseline, "a", ignore)
     cand = load_side(candidate, "b", ignore)
-    result = compare_sides(base, cand, rules)
+    result = compare_sides(base, cand, rules, ignore=ignore)
     differences = config_differences(base, cand)
     if differences:
         result.warnings.insert(0, "configuration differs: " + "; ".join(differences))

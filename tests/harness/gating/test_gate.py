@@ -390,6 +390,23 @@ def test_sweeps_match_jobs_by_overrides(tmp_path: Path, capsys: pytest.CaptureFi
     assert "no job of the baseline sweep matches" in capsys.readouterr().err
 
 
+def test_sweeps_that_match_nowhere_name_the_overrides_that_differ(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--ignore-override run.nmae` (a typo for run.name) ended in "no job of the baseline
+    sweep matches a candidate job", naming neither the key that kept them apart nor the typo."""
+    for side, name in (("base", "main"), ("cand", "pr")):
+        for num, cache in enumerate(("none", "paged")):
+            make_job(tmp_path / side, num, [f"engine.kv_cache={cache}", f"run.name={name}"], 50.0)
+    argv = ["--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand")]
+    assert gate.main([*argv, "--ignore-override", "run.nmae"]) == 2
+    err = capsys.readouterr().err
+    assert "no job of the baseline sweep matches a candidate job by its overrides" in err
+    assert "they differ in run.name (baseline main; candidate pr)" in err
+    assert "--ignore-override run.nmae is no override of either sweep" in err
+    assert err.count("\n") == 1
+
+
 def test_a_resumed_sweep_matches_the_sweep_it_repeats(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
