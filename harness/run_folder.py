@@ -243,12 +243,26 @@ STEP_COLUMNS = [
 COLUMNS = {"requests": REQUEST_COLUMNS, "tokens": TOKEN_COLUMNS, "steps": STEP_COLUMNS}
 
 
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, for every thread)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022  # no /proc: the usual umask
+
+
 def _replace_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """`write` a temporary file in the same folder, then rename it over `path`: a reader sees
     the old file or the new one, never half of one (a full disk, a crash mid-write)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     try:
+        # mkstemp's 0600 would survive the rename: the file gets a plain open()'s mode instead
+        os.chmod(tmp, 0o666 & ~_umask())
         write(Path(tmp))
         os.replace(tmp, path)
     except BaseException:  # the old file stays whole; no half-written temporary is left
