@@ -14,6 +14,34 @@ from typing import Any
 
 CONFIG_DIR = Path(__file__).resolve().parent
 
+#: the words a flag may be given as (any case): OmegaConf also reads yes/y/on and any
+#: integer as true, so `run.allow_failed_jobs=2` passed a sweep whose job failed
+FLAG_WORDS = ("true", "false")
+
+
+def _refuse_loose_flags() -> None:
+    """Make OmegaConf's bool nodes accept only true and false (a bool, or the word in any
+    case): the project's form for a flag is `allowed: true|false`, and a typo or a number must
+    not silently turn a flag on. Installed once, by importing this package (every composer
+    does), for every config OmegaConf checks in the process."""
+    from omegaconf import nodes
+    from omegaconf.errors import ValidationError
+
+    loose = nodes.BooleanNode._validate_and_convert_impl
+    if getattr(loose, "strict", False):
+        return
+
+    def strict(self: nodes.BooleanNode, value: Any) -> bool:
+        if isinstance(value, bool) or (isinstance(value, str) and value.lower() in FLAG_WORDS):
+            return loose(self, value)
+        raise ValidationError("Value '$VALUE' is not a valid bool (type $VALUE_TYPE)")
+
+    strict.strict = True  # type: ignore[attr-defined]
+    nodes.BooleanNode._validate_and_convert_impl = strict  # type: ignore[method-assign]
+
+
+_refuse_loose_flags()
+
 
 class ComposeError(ValueError):
     """Overrides that do not compose: the message names the key (or group) and why."""

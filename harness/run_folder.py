@@ -243,12 +243,26 @@ STEP_COLUMNS = [
 COLUMNS = {"requests": REQUEST_COLUMNS, "tokens": TOKEN_COLUMNS, "steps": STEP_COLUMNS}
 
 
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, for every thread)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022  # no /proc: the usual umask
+
+
 def _replace_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """`write` a temporary file in the same folder, then rename it over `path`: a reader sees
     the old file or the new one, never half of one (a full disk, a crash mid-write)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     try:
+        # mkstemp's 0600 would survive the rename: the file gets a plain open()'s mode instead
+        os.chmod(tmp, 0o666 & ~_umask())
         write(Path(tmp))
         os.replace(tmp, path)
     except BaseException:  # the old file stays whole; no half-written temporary is left
@@ -490,15 +504,24 @@ def read_overrides(job: Path) -> list[str]:
 
 
 def override_values(overrides: list[str]) -> dict[str, Any]:
-    """`key=value` strings as {key: value}: the value parsed as YAML (`8` an int, `[1,2]` a
-    list, text that is not YAML kept as text), Hydra's +/++/~ prefixes dropped from the key."""
+    """`key=value` strings as {key: value}, the value as Hydra read it (`8` an int, `[1,2]` a
+    list, `{process:poisson,rate:1}` a mapping: Hydra writes overrides.yaml without the
+    spaces YAML would need), Hydra's +/++/~ prefixes dropped from the key. A string Hydra's
+    grammar refuses (a hand-edited file) is read as YAML, else kept as text."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
     values = {}
     for override in overrides:
         key, _, text = override.partition("=")
         try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
+            value = parser.parse_override(override).value()
+        except HydraException:
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                value = text
         values[key.lstrip("+~")] = value
     return values
 

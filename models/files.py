@@ -162,6 +162,15 @@ def check_model_output(path: str | Path, option: str, folder: bool, force: bool)
     )
 
 
+def given_output_path(value: str, option: str, allowed: str) -> Path:
+    """The path the user gave `option` for a command's output. An empty one (`--json "$OUT"`
+    with OUT unset) is refused: read as the option left out, it wrote nothing or wrote to the
+    default place (a run folder, the current folder) without a word."""
+    if not value.strip():
+        raise UserFileError(f"{option}: {value!r} is invalid; allowed: {allowed} (or no {option})")
+    return Path(value)
+
+
 def write_output_text(path: str | Path, text: str, option: str) -> None:
     """Write `text` to the file `option` names, replacing it. Opening a FIFO for writing waits
     until a process opens it for reading, for ever if none does: it is opened without waiting,

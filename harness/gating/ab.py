@@ -57,6 +57,7 @@ from harness.running.launching import (
     ray_cluster_overrides,
     ray_connection_hint,
 )
+from models.files import UserFileError, given_output_path
 
 MIN_ROUNDS = 9
 ISOLATION = ("worker", "process")
@@ -623,7 +624,7 @@ def plan_from_args(args: argparse.Namespace) -> ABPlan:
         )
     if args.warmup_rounds < 0:
         raise ABError(f"--warmup-rounds: {args.warmup_rounds} is invalid; allowed: an integer >= 0")
-    out = Path(args.out)
+    out = given_output_path(args.out, "--out", "a folder path")
     refuse_run_file(out, "--out")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ABError(f"--out: {out} exists and is not an empty folder; choose a new one")
@@ -674,7 +675,7 @@ def main(argv: list[str]) -> int:
         plan = plan_from_args(args)
         rules = load_rules(args.rules, tuple(args.require_metric))
         return run_ab(plan, rules)
-    except (ABError, RulesError, UnreadableFile, RunFileRefused) as exc:
+    except (ABError, RulesError, UnreadableFile, RunFileRefused, UserFileError) as exc:
         print(f"inferlab gate ab: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # --out cannot be created or written

@@ -27,7 +27,7 @@ from harness.gating.inputs import InputError, ab_rounds, load_side, read_run
 from harness.gating.rules import GateRules, RulesError, add_require_argument, load_rules
 from harness.measuring.metrics import REGISTRY
 from harness.run_folder import AB_FILE, refuse_run_file
-from models.files import write_output_text
+from models.files import given_output_path, write_output_text
 
 USAGE_EXAMPLES = """examples:
   inferlab gate --baseline results/main --candidate results/pr
@@ -116,7 +116,7 @@ def gate_dirs(
     """Compare two runs, repeats folders or sweeps (unpaired)."""
     base = load_side(baseline, "a", ignore)
     cand = load_side(candidate, "b", ignore)
-    result = compare_sides(base, cand, rules)
+    result = compare_sides(base, cand, rules, ignore=ignore)
     differences = config_differences(base, cand)
     if differences:
         result.warnings.insert(0, "configuration differs: " + "; ".join(differences))
@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.ab and not (args.baseline and args.candidate):
         parser.error("give --baseline DIR and --candidate DIR (or --ab DIR)")
     try:
+        for option, out in (("--markdown", args.markdown), ("--json", args.json)):
+            if out is not None:
+                given_output_path(out, option, "a file path")
         rules = load_rules(args.rules, tuple(args.require_metric))
         if args.ab:
             result = gate_ab_dir(args.ab, rules)

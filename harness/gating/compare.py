@@ -552,8 +552,39 @@ def config_differences(base: Side, cand: Side, limit: int = 8) -> list[str]:
     return diffs
 
 
+def unmatched_reasons(base: Side, cand: Side, ignore: set[str], limit: int = 5) -> list[str]:
+    """Why no job of two sweeps matched: the override keys whose values differ between the
+    sides, and the --ignore-override keys that neither sweep has (a typo)."""
+
+    def values(side: Side) -> dict[str, set[str]]:
+        found: dict[str, set[str]] = {}
+        for group_key in side.groups:
+            for item in group_key:
+                key, _, value = item.partition("=")
+                found.setdefault(key, set()).add(value)
+        return found
+
+    ours, theirs = values(base), values(cand)
+    differ = [k for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+    shown = [
+        f"{k} (baseline {', '.join(sorted(ours.get(k, {'-'})))}; "
+        f"candidate {', '.join(sorted(theirs.get(k, {'-'})))})"
+        for k in differ[:limit]
+    ]
+    if len(differ) > limit:
+        shown.append(f"and {len(differ) - limit} more")
+    reasons = [f"they differ in {', '.join(shown)}"] if shown else []
+    unused = sorted(ignore - base.override_keys - cand.override_keys)
+    reasons += [f"--ignore-override {key} is no override of either sweep" for key in unused]
+    return reasons
+
+
 def compare_sides(
-    base: Side, cand: Side, rules: GateRules, pairs: list[tuple[Run, Run]] | None = None
+    base: Side,
+    cand: Side,
+    rules: GateRules,
+    pairs: list[tuple[Run, Run]] | None = None,
+    ignore: set[str] | None = None,
 ) -> GateResult:
     """Match groups (sweep jobs by their overrides) and compare each matched pair."""
     result = GateResult([], [*base.notes, *cand.notes], paired=pairs is not None)
@@ -580,8 +611,9 @@ def compare_sides(
             )
     if not matched:
         raise ValueError(
-            "no job of the baseline sweep matches a candidate job by its "
-            "overrides (--ignore-override KEY leaves a key out of the matching)"
+            "no job of the baseline sweep matches a candidate job by its overrides"
+            + "".join(f"; {why}" for why in unmatched_reasons(base, cand, ignore or set()))
+            + " (--ignore-override KEY leaves a key out of the matching)"
         )
     for key in matched:
         job = " ".join(key) if base.kind == "sweep" else ""

@@ -72,6 +72,8 @@ class Side:
     kind: str  # run | repeats | sweep | ab
     groups: dict[tuple[str, ...], Group]
     notes: list[str] = field(default_factory=list)
+    # a sweep's override keys as its jobs give them, the ignored ones included
+    override_keys: set[str] = field(default_factory=set)
 
 
 def is_number(value: Any) -> TypeGuard[int | float]:
@@ -270,7 +272,9 @@ def load_side(path: str | Path, role: str, ignore: set[str] | None = None) -> Si
     if jobs:
         side = Side(path, "sweep", {})
         for job in jobs:
-            key = override_key(read_overrides(job), ignore)
+            overrides = read_overrides(job)
+            side.override_keys |= {o.partition("=")[0].lstrip("+~") for o in overrides}
+            key = override_key(overrides, ignore)
             if key in side.groups:
                 side.notes.append(
                     f"{path}: jobs {side.groups[key].label} and {job.name} have "

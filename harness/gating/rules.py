@@ -308,6 +308,30 @@ def add_require_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _KeyGivenTwice(Exception):
+    def __init__(self, key: Any, line: int) -> None:
+        super().__init__(key, line)
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a mapping that names a key twice is refused: the safe loader
+    keeps the last, so a second `timing:` block silently replaced the first's thresholds."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the safe loader refuses it itself
+                continue
+            if duplicate:
+                raise _KeyGivenTwice(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_rules(path: str | Path | None = None, require: tuple[str, ...] = ()) -> GateRules:
     """The default rules, with the file at `path` (if any) merged over them, and the metrics
     of --require-metric (`require`) added to rules.metrics.require."""
@@ -318,9 +342,13 @@ def load_rules(path: str | Path | None = None, require: tuple[str, ...] = ()) ->
     if not path.exists():
         raise RulesError(f"--rules: {path} is not a file")
     try:  # a regular file of a bounded size: /dev/zero or a FIFO is refused, not read
-        user = yaml.safe_load(read_input_bytes(path, SETTINGS).decode("utf-8"))
+        user = yaml.load(read_input_bytes(path, SETTINGS).decode("utf-8"), _UniqueKeyLoader)
     except UserFileError as exc:
         raise RulesError(f"--rules: {exc}") from exc
+    except _KeyGivenTwice as exc:
+        raise RulesError(
+            f"--rules: {path}: line {exc.line}: {exc.key!r} is given twice; allowed: each key once"
+        ) from exc
     except UnicodeDecodeError as exc:
         raise RulesError(f"--rules: {path} is not UTF-8 text (byte {exc.start})") from exc
     except yaml.YAMLError as exc:

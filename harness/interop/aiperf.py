@@ -305,12 +305,15 @@ def import_export(path: Path, content: Any, kind: str) -> list[ImportedRun]:
         if valid is not None and (
             ok != valid or (failed is not None and len(records) - ok != failed)
         ):
-            run.notes.append(
-                f"the records hold {ok} valid requests, the summary counts {valid:g}: the "
-                "metrics are AIPerf's aggregates"
+            mismatch = f"the records hold {ok} valid requests, the summary counts {valid:g}"
+            run.notes.append(f"{mismatch}: the metrics are AIPerf's aggregates")
+            run.warnings.append(
+                f"{source}: {mismatch}: the metrics are AIPerf's aggregates, no per-request "
+                "rows imported"
             )
             records = None
         else:
+            run.rows_file = source
             run.requests = records
             put_request_metrics(
                 run,

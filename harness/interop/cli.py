@@ -25,6 +25,7 @@ from harness.interop.vllm_export import check_percentiles, run_folders, vllm_res
 from harness.interop.vllm_format import EXPORT_PERCENTILE_METRICS, PERCENTILE_METRICS
 from harness.interop.write import write_imported_run
 from harness.run_folder import RunFileRefused, refuse_run_file
+from models.files import UserFileError, given_output_path
 
 EXPORT_FILE = "vllm_bench_serve.json"
 IMPORT_ROOT = Path("results") / "imported"
@@ -33,7 +34,7 @@ IMPORT_ROOT = Path("results") / "imported"
 def _guarded(prog: str, body: Callable[[], int]) -> int:
     try:
         return body()
-    except (InteropError, RunFileRefused) as exc:
+    except (InteropError, RunFileRefused, UserFileError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
     except OSError as exc:  # an unreadable folder, an unwritable output
         where = f"{exc.filename}: " if exc.filename else ""
@@ -111,7 +112,7 @@ def export_main(argv: list[str]) -> int:
     def run() -> int:
         metrics = _percentile_metrics(args.percentile_metrics)
         if args.out is not None:
-            _given_out(args.out, "a file or folder path")
+            given_output_path(args.out, "--out", "a file or folder path")
         percentiles = check_percentiles(args.metric_percentiles)
         root = Path(args.run)
         folders = run_folders(root)
@@ -180,13 +181,6 @@ def _import_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _given_out(out: str, allowed: str) -> Path:
-    """`--out ""` (an unset shell variable) wrote to the default place, as if not given."""
-    if not out.strip():
-        raise InteropError(f"--out: {out!r} is invalid; allowed: {allowed} (or no --out)")
-    return Path(out)
-
-
 def _default_out(tool: str, source: Path, now: datetime) -> Path:
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", source.stem) or "result"
     return IMPORT_ROOT / f"{now.astimezone().strftime('%Y-%m-%d_%H-%M-%S')}_{tool}_{name}"
@@ -198,7 +192,9 @@ def import_main(argv: list[str]) -> int:
     def run() -> int:
         if args.format != "auto" and args.format not in FORMATS:
             raise InteropError(f"--format: {args.format!r} is invalid; allowed: auto|{ALLOWED}")
-        given_out = None if args.out is None else _given_out(args.out, "a folder path")
+        given_out = (
+            None if args.out is None else given_output_path(args.out, "--out", "a folder path")
+        )
         runs = load(Path(args.file), args.format)
         if args.benchmark is not None:
             if not 0 <= args.benchmark < len(runs):

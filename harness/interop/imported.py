@@ -54,6 +54,9 @@ class ImportedRun:
     # source metrics not used because the metric already had a value (recomputed from rows)
     superseded: list[str] = field(default_factory=list)
     requests: pd.DataFrame | None = None  # the lab's `requests` columns
+    # the file the per-request rows came from, when it is not files[0] (LLMPerf's individual
+    # responses and AIPerf's records beside the summary given): errors about a row name it
+    rows_file: Path | None = None
     config: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # per-request values the import could not use, by the file's field: {field: requests};
@@ -100,7 +103,12 @@ class ImportedRun:
         """`count` requests whose `source_field` held no usable value (`why`: what it held and
         what the import did instead), counted in summary.json and said on stderr."""
         self.unusable_values[source_field] = self.unusable_values.get(source_field, 0) + count
-        self.warnings.append(f"{self.files[0]}: {count} request(s): '{source_field}' {why}")
+        self.warnings.append(f"{self.rows_source}: {count} request(s): '{source_field}' {why}")
+
+    @property
+    def rows_source(self) -> Path:
+        """The file the per-request rows were read from."""
+        return self.rows_file or self.files[0]
 
     def leave_out(self, *source_keys: str) -> None:
         """Source metrics the lab has no counterpart for (listed in summary.json `unmapped`)."""

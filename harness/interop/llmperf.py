@@ -205,6 +205,7 @@ def import_results(path: Path, data: Any) -> list[ImportedRun]:
             )
             rows = None
     if rows is not None:
+        run.rows_file = responses_path if isinstance(data, dict) else path
         run.requests = without_times(rows)
         put_request_metrics(
             run,

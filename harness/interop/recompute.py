@@ -87,7 +87,7 @@ def check_rows(run: ImportedRun, rows: pd.DataFrame) -> None:
             k = int(np.flatnonzero(bad.to_numpy())[0])
             request = rows["request_id"].iloc[k]
             raise InteropError(
-                f"{run.files[0]}: request {request if pd.notna(request) else k}: {what} "
+                f"{run.rows_source}: request {request if pd.notna(request) else k}: {what} "
                 "(the per-request data is damaged)"
             )
 
@@ -204,7 +204,7 @@ def put_chunk_itl(run: ImportedRun, gaps_s: np.ndarray, source: str, note: str =
     if not np.isfinite(gaps_s).all() or (gaps_s < 0).any():
         bad = gaps_s[~(np.isfinite(gaps_s) & (gaps_s >= 0))][0]
         raise InteropError(
-            f"{run.files[0]}: {source}: a chunk gap of {bad:g} s (negative or not finite)"
+            f"{run.rows_source}: {source}: a chunk gap of {bad:g} s (negative or not finite)"
         )
     for name in ITL_METRICS:
         stat = name.removeprefix("itl_").removesuffix("_s")

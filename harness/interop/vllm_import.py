@@ -102,23 +102,45 @@ def _held(raw: list[float | None], values: np.ndarray, where: np.ndarray) -> str
 
 
 def _failed_without_error(
-    run: ImportedRun, name: str, raw: list[float | None], values: np.ndarray, bad: np.ndarray
+    run: ImportedRun,
+    name: str,
+    raw: list[float | None],
+    values: np.ndarray,
+    bad: np.ndarray,
+    why: str | None = None,
 ) -> list[str | None]:
-    """Requests vLLM records no error for, whose `name` entry is no usable time: counted as
-    failed, said (run.warn_unusable), and each row's error says why."""
+    """Requests vLLM records no error for, whose `name` entry is no usable time (`why`, by
+    default what it holds): counted as failed, said (run.warn_unusable), and each row's error
+    says why."""
     if bad.any():
         run.warn_unusable(
             name,
             int(bad.sum()),
-            f"is {_held(raw, values, bad)} with no error recorded: counted as failed "
+            f"{why}: counted as failed"
+            if why
+            else f"is {_held(raw, values, bad)} with no error recorded: counted as failed "
             "(vLLM writes NaN for some requests)",
         )
     return [
-        f"vLLM's {name} entry is {_entry(raw[k], values[k])}, with no error recorded"
+        (
+            f"vLLM's {name} entry ({_entry(raw[k], values[k])}) {why}"
+            if why
+            else f"vLLM's {name} entry is {_entry(raw[k], values[k])}, with no error recorded"
+        )
         if bad[k]
         else None
         for k in range(len(bad))
     ]
+
+
+def _after_the_benchmark(end: np.ndarray, result: VllmResult) -> np.ndarray:
+    """Which requests end after vLLM's `duration` (benchmark start -> every request done),
+    counted from the first arrival, which is not before the benchmark's start: an edited or
+    damaged latency (1e308 s in a benchmark of 0.5 s). A duration its request_throughput
+    contradicts is no yardstick (usable_duration says so) and flags none."""
+    if not _duration_agrees(result):
+        return np.zeros(len(end), dtype=bool)
+    return end > result.duration * (1 + 1e-6) + 1e-6
 
 
 def _finite_times(run: ImportedRun, name: str, raw: list[float | None] | None) -> bool:
@@ -191,6 +213,17 @@ def request_frame(
     queue = np.nan_to_num(_numbers(result.queue_times or [])) if queued else np.zeros(n)
     arrival = start - queue
     t0 = float(arrival.min()) if timeline and n else 0.0
+    late = ok & _after_the_benchmark(start + latency - t0, result)
+    late_errors = _failed_without_error(
+        run,
+        "latencies",
+        result.latencies or [],
+        latency,
+        late,
+        f"ends after the benchmark's duration ({result.duration:g} s)",
+    )
+    ok &= ~late
+    latency_errors = [a or b for a, b in zip(latency_errors, late_errors, strict=True)]
     outputs = result.output_lens or [None] * n
     rows = pd.DataFrame(
         {
@@ -389,15 +422,23 @@ def usable_duration(result: VllmResult, run: ImportedRun) -> bool:
     duration, where = result.duration, run.files[0]
     if duration < 0:
         raise InteropError(f"{where}: duration: {duration:g}; a negative time is not a measurement")
-    rate = result.completed / duration if 0 < duration < math.inf else None
-    if rate is not None and math.isclose(rate, result.request_throughput, rel_tol=0.01):
+    if _duration_agrees(result):
         return True
+    rate = result.completed / duration if 0 < duration < math.inf else None
     run.warnings.append(
         f"{where}: 'duration' is {duration:g} s, but completed / duration = "
         f"{'undefined' if rate is None else f'{rate:g}'} where the file's request_throughput is "
         f"{result.request_throughput:g}/s: duration_s and input_tok_per_s are not reported"
     )
     return False
+
+
+def _duration_agrees(result: VllmResult) -> bool:
+    """Whether `duration` is finite, positive and what vLLM divided by: request_throughput =
+    completed / duration."""
+    duration = result.duration
+    rate = result.completed / duration if 0 < duration < math.inf else None
+    return rate is not None and math.isclose(rate, result.request_throughput, rel_tol=0.01)
 
 
 def import_file(documents: list[Any], path: Path) -> list[ImportedRun]:

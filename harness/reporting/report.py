@@ -30,7 +30,7 @@ from harness.reporting import figures, speculative
 from harness.reporting.results import Results, load
 from harness.run_folder import read_sweep_summary, refuse_run_file
 from harness.running.table import format_value
-from models.files import UserFileError, check_regular_file
+from models.files import UserFileError, check_regular_file, given_output_path
 
 MAIN_METRICS = (
     "num_completed",
@@ -311,8 +311,14 @@ def section_variants(res: Results, doc: Document) -> None:
 def section_latency(res: Results, doc: Document) -> None:
     doc.heading("Latency distributions")
     latencies = res.latencies()
+    missing = [run_id for run_id, _ in res.without_requests_table()]
     if latencies.empty:
-        doc.note("Skipped: no completed requests.")
+        names = ", ".join(missing)
+        doc.note(
+            f"Skipped: no requests table (requests.parquet or requests.jsonl) in {names}."
+            if missing
+            else "Skipped: no completed requests."
+        )
         return
     keep = set(_limited(res, doc, list(latencies["variant"].drop_duplicates())))
     latencies = latencies[latencies["variant"].isin(keep)]
@@ -747,6 +753,13 @@ def write_report(
 ) -> dict[str, Path]:
     """Write report.md, report.html, report_variants.csv and the figures into `out_dir`."""
     res = load(*paths)
+    for _, folder in res.without_requests_table():
+        print(
+            f"inferlab report: warning: {folder}: no requests.parquet or requests.jsonl, though "
+            "its summary counts completed requests; its per-request figures and tables are "
+            "left out",
+            file=sys.stderr,
+        )
     out = Path(out_dir)
     doc = Document(out)
     files = [doc.output(name) for name in (MARKDOWN_FILE, HTML_FILE, VARIANTS_FILE)]
@@ -784,6 +797,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out: required when several folders are given")
     out = args.out or args.paths[0]
     try:
+        if args.out is not None:
+            given_output_path(args.out, "--out", "a folder path")
         written = write_report(args.paths, out, args.title)
     except (FileNotFoundError, ValueError) as exc:
         print(f"inferlab report: {exc}", file=sys.stderr)

@@ -330,6 +330,18 @@ class Results:
             raise ValueError(f"table: {name!r} is invalid; allowed: {'|'.join(BIG_TABLES)}")
         return getattr(self, name)
 
+    def without_requests_table(self) -> list[tuple[str, Path]]:
+        """(run_id, folder) of the runs whose summary counts completed requests but whose
+        folder holds neither requests.parquet nor requests.jsonl (deleted, or lost in a copy):
+        their per-request figures are missing, not empty."""
+        return [
+            (run.run_id, run.path)
+            for run in self._runs
+            if ((run.summary.get("metrics") or {}).get("num_completed") or 0) > 0
+            and not table_path(run.path, "requests", "parquet").is_file()
+            and not table_path(run.path, "requests", "jsonl").is_file()
+        ]
+
     def _concat(self, name: str) -> pd.DataFrame:
         frames = []
         for run in self._runs:

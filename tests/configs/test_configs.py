@@ -174,6 +174,33 @@ def test_a_run_value_of_the_wrong_type_is_one_line_naming_the_key(
     assert str(error.value) == f"{key}: {message}"
 
 
+@pytest.mark.parametrize(
+    "override",
+    [
+        "run.allow_failed_jobs=2",
+        "run.allow_failed_jobs=-1",
+        "run.resume=yes",
+        "run.monitor.enabled=off",
+        "engine.native_kernels=1",
+        "profile=y",
+    ],
+)
+def test_a_flag_is_true_or_false_not_any_word_or_number(override: str) -> None:
+    """OmegaConf reads 2, -1, yes, on, y and 1 as true and no, off, n and 0 as false, so
+    `run.allow_failed_jobs=2` let a sweep with a failed job exit 0 and `run.resume=yes`, which
+    docs/run_folder.md lists as refused, resumed; a flag is now true or false."""
+    key, value = override.split("=", 1)
+    with pytest.raises(configs.ComposeError) as error:
+        composed(override)
+    assert str(error.value) == f"{key}: {value!r} is invalid; allowed: true|false"
+
+
+def test_true_and_false_in_any_case_are_still_flags() -> None:
+    assert composed("run.resume=True")["run"]["resume"] is True
+    assert composed("run.allow_failed_jobs=FALSE")["run"]["allow_failed_jobs"] is False
+    assert composed("run.resume='true'")["run"]["resume"] is True  # quoted: a string
+
+
 def test_arrival_is_set_whole_or_key_by_key_as_the_docs_write_it() -> None:
     """`workload.arrival={...}` needed `++` (a mapping merged into {process: offline} may not
     add keys); every process's key is in the arrival block (Arrival), null where unused."""

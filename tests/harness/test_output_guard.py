@@ -243,3 +243,24 @@ def test_benchmark_scripts_refuse_a_run_file_before_they_measure(run: Path, scri
     assert done.returncode == 2, done.stderr
     assert f"error: --out: {run / 'summary.json'} is a file of the run folder" in done.stderr
     assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("writer", [w for w in WRITERS if w != "train-tiny --out"])
+def test_an_empty_output_path_is_refused_not_read_as_none(
+    imported_run: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    writer: str,
+) -> None:
+    """`gate --json "$OUT"` with OUT unset wrote no JSON and said nothing (the step after it
+    found no file), and `report RUN --out ""` wrote the report into RUN; `export` and
+    `import` already refused an empty --out. Every writer now refuses it, naming the option."""
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(imported_run)
+    argv = [arg if arg != "EMPTY" else "" for arg in WRITERS[writer](imported_run, Path("EMPTY"))]
+    assert cli.main(argv) == 2
+    option = writer.split()[-1]
+    err = capsys.readouterr().err.strip()
+    assert f"{option}: '' is invalid; allowed: " in err and err.count("\n") == 0, err
+    assert snapshot(imported_run) == before and not any(tmp_path.iterdir())

@@ -166,6 +166,22 @@ def test_a_missing_rules_file_is_an_error(tmp_path: Path) -> None:
         load_rules(tmp_path / "nope.yaml")
 
 
+def test_a_key_given_twice_in_the_rules_is_refused_naming_it(tmp_path: Path) -> None:
+    """A rules file with `timing:` twice gated with the second block's min_effect (0.9: a
+    90% slowdown passed), as YAML keeps the last; a CI rules file edited by two people is
+    refused instead, naming the key and its line."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("timing:\n  min_effect: 0.1\nper_metric: {}\ntiming:\n  min_effect: 0.9\n")
+    with pytest.raises(RulesError) as exc:
+        load_rules(rules)
+    assert str(exc.value) == (
+        f"--rules: {rules}: line 4: 'timing' is given twice; allowed: each key once"
+    )
+    rules.write_text("per_metric:\n  e2e_p99_s: {min_effect: 0.1, min_effect: 0.5}\n")
+    with pytest.raises(RulesError, match=r"line 2: 'min_effect' is given twice"):
+        load_rules(rules)
+
+
 def test_a_rules_file_over_the_limit_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -372,6 +388,23 @@ def test_sweeps_match_jobs_by_overrides(tmp_path: Path, capsys: pytest.CaptureFi
     code = gate.main(["--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand")])
     assert code == 2  # without --ignore-override no job matches
     assert "no job of the baseline sweep matches" in capsys.readouterr().err
+
+
+def test_sweeps_that_match_nowhere_name_the_overrides_that_differ(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--ignore-override run.nmae` (a typo for run.name) ended in "no job of the baseline
+    sweep matches a candidate job", naming neither the key that kept them apart nor the typo."""
+    for side, name in (("base", "main"), ("cand", "pr")):
+        for num, cache in enumerate(("none", "paged")):
+            make_job(tmp_path / side, num, [f"engine.kv_cache={cache}", f"run.name={name}"], 50.0)
+    argv = ["--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand")]
+    assert gate.main([*argv, "--ignore-override", "run.nmae"]) == 2
+    err = capsys.readouterr().err
+    assert "no job of the baseline sweep matches a candidate job by its overrides" in err
+    assert "they differ in run.name (baseline main; candidate pr)" in err
+    assert "--ignore-override run.nmae is no override of either sweep" in err
+    assert err.count("\n") == 1
 
 
 def test_a_resumed_sweep_matches_the_sweep_it_repeats(

@@ -141,6 +141,10 @@ def test_records_that_do_not_match_the_summary_are_not_used(tmp_path: Path) -> N
     run = import_one(tmp_path / "profile_export_aiperf.json")
     assert run.requests is None
     assert any("the records hold 5 valid requests" in n for n in run.notes)
+    # the rows were dropped with only a note in summary.json; the import now says so
+    [warning] = run.warnings
+    assert warning.startswith(f"{tmp_path / 'profile_export.jsonl'}: the records hold 5 valid")
+    assert warning.endswith("no per-request rows imported")
     assert run.definitions["ttft_mean_s"].source == "time_to_first_token.avg"
     assert run.metrics["ttft_mean_s"] == pytest.approx(
         summary()["time_to_first_token"]["avg"] / 1000

@@ -137,3 +137,22 @@ def test_llmperf_a_nan_ttft_is_said_and_counted(tmp_path: Path) -> None:
     ]
     assert run.metrics["num_completed"] == 4
     assert import_one(RESPONSES).unusable_values == {}
+
+
+def test_llmperf_damaged_responses_are_named_not_the_summary(tmp_path: Path) -> None:
+    """`inferlab import X_summary.json` with an infinite ttft_s in the individual responses
+    beside it said `X_summary.json: request 0: an infinite time`, sending the user to the
+    file that was fine; the error (and a warning about a NaN) names the responses file."""
+    from harness.interop.errors import InteropError
+
+    shutil.copy(SUMMARY, tmp_path)
+    responses = json.loads(RESPONSES.read_text())
+    responses[0]["ttft_s"] = float("inf")
+    path = tmp_path / RESPONSES.name
+    path.write_text(json.dumps(responses))
+    with pytest.raises(InteropError, match=rf"^{path}: request 0: an infinite time"):
+        import_one(tmp_path / SUMMARY.name)
+    responses[0]["ttft_s"] = float("nan")
+    path.write_text(json.dumps(responses))
+    [warning] = import_one(tmp_path / SUMMARY.name).warnings
+    assert warning.startswith(f"{path}: 1 request(s): 'ttft_s'")

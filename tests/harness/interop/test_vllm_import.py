@@ -165,6 +165,31 @@ def test_a_duration_its_rates_contradict_is_said_not_reported(
     assert f"'duration' is {duration:g} s" in warning and "not reported" in warning
 
 
+def test_a_request_that_ends_after_the_benchmark_is_said_and_counted_failed(
+    tmp_path: Path,
+) -> None:
+    """A latency of 1e308 s in a benchmark of 0.5 s (an edited file) was taken as measured:
+    the run's duration_s became 1e308, e2e_mean_s 3.3e307, output_tok_per_s 1.5e-307. A
+    request cannot end after vLLM's `duration` (benchmark start -> every request done)."""
+    data = json.loads((VLLM / "detailed.json").read_text())
+    data["latencies"][1] = 1e308
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    run = import_one(path)
+    [warning] = run.warnings
+    assert "1 request(s): 'latencies' ends after the benchmark's duration (0.5 s)" in warning
+    assert run.unusable_values == {"latencies": 1}
+    assert run.requests is not None
+    assert list(run.requests["status"]) == ["ok", "failed", "failed", "ok"]
+    assert run.metrics["duration_s"] < 1 and run.metrics["e2e_mean_s"] < 1
+    clean = import_one(VLLM / "detailed.json")
+    assert clean.warnings == [] and clean.metrics["num_completed"] == 3
+    data["latencies"][1], data["duration"] = 0.2, 0.001  # a duration its rate contradicts
+    path.write_text(json.dumps(data))
+    [warning] = import_one(path).warnings  # said; no request judged by it
+    assert "'duration' is 0.001 s" in warning and "counted as failed" not in warning
+
+
 def test_a_negative_duration_is_refused(tmp_path: Path) -> None:
     data = json.loads((VLLM / "summary_only.json").read_text())
     data["duration"] = -3.0

@@ -208,6 +208,27 @@ def test_sections_without_their_columns_are_skipped_with_a_note(
     assert not (bare / "roofline.png").exists() and not (bare / "phases.png").exists()
 
 
+def test_a_run_whose_requests_table_is_gone_is_named_not_called_empty(
+    sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run folder without requests.parquet and requests.jsonl (deleted, or lost in a copy)
+    gave a report whose latency section said "Skipped: no completed requests." beside a
+    variants table counting its completed requests, and nothing on the terminal."""
+    run = tmp_path / "run"
+    shutil.copytree(sweep / "0", run)
+    (run / "requests.parquet").unlink()
+    (run / "requests.jsonl").unlink(missing_ok=True)
+    assert cli.main(["report", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert err == (
+        f"inferlab report: warning: {run}: no requests.parquet or requests.jsonl, though its "
+        "summary counts completed requests; its per-request figures and tables are left out\n"
+    )
+    markdown = (run / "report.md").read_text()
+    assert "Skipped: no completed requests." not in markdown
+    assert "*Skipped: no requests table (requests.parquet or requests.jsonl) in run.*" in markdown
+
+
 def test_repeats_add_spread_columns(sweep: Path, tmp_path: Path) -> None:
     repeats = tmp_path / "repeats"
     values = []

@@ -150,6 +150,26 @@ def test_summary_replacement_is_atomic(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_files_replaced_whole_keep_the_umasks_mode(tmp_path: Path, umask: int, mode: int) -> None:
+    """summary.json, config.yaml, provenance.json, the parquet tables and sweep.csv were
+    mode 0600 under any umask (mkstemp's mode survives the rename), while the JSONL beside
+    them were 0644: a colleague or a CI artifact server could read a run's rows but not its
+    summary. They get the mode a plain open() gives, as the JSONL do."""
+    old = os.umask(umask)
+    try:
+        write_json_atomic(tmp_path / "summary.json", {"status": "complete"})
+        run_folder.write_parquet_atomic(pd.DataFrame({"a": [1]}), tmp_path / "requests.parquet")
+        run_folder.write_text_atomic(tmp_path / "sweep.csv", "job\n0\n")
+        (tmp_path / "requests.jsonl").write_text("{}\n")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == dict.fromkeys(
+        ["summary.json", "requests.parquet", "sweep.csv", "requests.jsonl"], mode
+    )
+
+
 def test_failed_requests_are_counted_and_kept_out_of_latencies(tmp_path: Path) -> None:
     """Two-turn sessions on a 64-token context: every second turn (history + new part) no
     longer fits max_model_len and fails; the run completes and counts them. (In this process,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from harness.running.sweep import ResumeMismatch, completed_run
 
@@ -125,3 +126,65 @@ def test_completed_run_compares_the_stored_configuration(tmp_path: Path) -> None
     assert completed_run(tmp_path, config) is True  # run.resume / run.progress ignored
     with pytest.raises(ResumeMismatch, match=r"engine\.max_num_seqs"):
         completed_run(tmp_path, {**config, "engine": {"max_num_seqs": 4}})
+
+
+def test_jobs_that_share_a_folder_stop_the_sweep_before_one_overwrites_another(
+    tmp_path: Path,
+) -> None:
+    """`hydra.sweep.subdir=same` (no `${hydra.job.num}`) put every job into one folder: job 1
+    wrote over job 0's run, sweep.csv listed 1 job of 2, and the sweep exited 0."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "run",
+            "-m",
+            *TINY,
+            "engine.max_num_seqs=1,2",
+            f"hydra.sweep.dir={tmp_path}",
+            "hydra.sweep.subdir=same",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "error: hydra.sweep.subdir: " in result.stderr and "an earlier job" in result.stderr
+    kept = yaml.safe_load((tmp_path / "same" / "config.yaml").read_text())
+    assert kept["engine"]["max_num_seqs"] == 1  # job 0's run, not written over
+
+
+def test_a_sweep_named_by_its_overrides_resumes_into_its_own_job_folders(
+    tmp_path: Path,
+) -> None:
+    """With hydra.sweep.subdir=${hydra.job.override_dirname}, `run.resume=true` entered the
+    folder names: the resume ran every job again into new folders
+    (`engine.max_num_seqs=1,...,run.resume=True,...`) and sweep.csv listed 4 jobs of 2."""
+    argv = [
+        sys.executable, "-m", "harness.cli", "run", "-m", *TINY, "engine.max_num_seqs=1,2",
+        f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=${hydra.job.override_dirname}",
+    ]  # fmt: skip
+    first = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    jobs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    again = subprocess.run(
+        [*argv, "run.resume=true", "run.progress=false"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("skipped (already complete)") == 2
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == jobs
+    assert len(pd.read_csv(tmp_path / "sweep.csv")) == 2
+
+
+def test_job_folder_names_leave_out_exactly_the_how_to_run_keys() -> None:
+    from harness.run_folder import HOW_TO_RUN_KEYS
+
+    config = yaml.safe_load((REPO / "configs" / "config.yaml").read_text())
+    excluded = config["hydra"]["job"]["config"]["override_dirname"]["exclude_keys"]
+    assert set(excluded) == HOW_TO_RUN_KEYS

@@ -91,6 +91,21 @@ def test_saturation_past_every_offered_rate_is_null_and_says_why() -> None:
     assert served["saturation_req_per_s"] == 50.0 and served["saturation_note"] is None
 
 
+def test_a_swept_value_is_read_back_as_hydra_wrote_it(tmp_path: Path) -> None:
+    """Hydra writes `workload.arrival={process: poisson, rate: 1}` into overrides.yaml as
+    `{process:poisson,rate:1}`, which YAML reads as {'process:poisson': None, 'rate:1': None}:
+    that garbled mapping was sweep.csv's workload.arrival column (and a report's variant)."""
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)
+    (tmp_path / "0" / ".hydra" / "overrides.yaml").write_text(
+        "- workload.arrival={process:poisson,rate:1}\n- engine.kv_cache=none\n"
+        "- run.name=yes\n- +engine.draft=[1,2]\n- workload.seed=3\n"
+    )
+    [row] = sweep_rows(tmp_path)
+    assert row["workload.arrival"] == {"process": "poisson", "rate": 1}
+    assert row["engine.kv_cache"] == "none" and row["run.name"] == "yes"  # as Hydra set them
+    assert row["engine.draft"] == [1, 2] and row["workload.seed"] == 3
+
+
 def test_a_job_without_a_summary_gets_the_reason_it_was_noted_with(tmp_path: Path) -> None:
     for job in ("0", "1"):
         (tmp_path / job / ".hydra").mkdir(parents=True)
