@@ -431,6 +431,8 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (COMPLETIONS, {"prompt": ""}, "prompt", "invalid_value"),
     (COMPLETIONS, {"prompt": ["ok", ""]}, "prompt", "invalid_value"),
     (COMPLETIONS, {"prompt": [[]]}, "prompt", "invalid_value"),
+    # a stop token outside the vocabulary can never be sampled: it was accepted and ignored
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [999999]}, "stop_token_ids", "invalid_value"),
 ]
 
 
