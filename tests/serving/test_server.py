@@ -904,6 +904,8 @@ def test_serve_options_compose_like_run() -> None:
         ),
         (["metrics_names=[]"], "metrics_names: [] is invalid"),
         (["metrics_names=[vllm,vllm]"], "metrics_names: ['vllm', 'vllm'] is invalid"),
+        # under a file it can never be created: this was found only at /start_profile (a 500)
+        (["profile_dir=/dev/null/traces"], "profile_dir: '/dev/null/traces' is invalid"),
     ],
 )
 def test_serve_refuses_bad_options(
