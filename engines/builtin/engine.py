@@ -200,6 +200,13 @@ class LLMEngine:
                 f"with sliding_window={self.model_config.sliding_window}) would wrap over; use "
                 "kv_cache=paged, or speculative_config=null"
             )
+        max_len = self.limits.max_model_len
+        if spec.num_speculative_tokens >= max_len:  # a sequence never has room for them
+            raise ConfigError(
+                f"engine.speculative_config.num_speculative_tokens: {spec.num_speculative_tokens}"
+                f" drafts a step do not fit a sequence of engine.max_model_len={max_len}; "
+                f"allowed: 1..{max_len - 1}"
+            )
         context = ProposerContext(
             self.runner.sample_vocab_size,
             self.model_config.vocab_size,
