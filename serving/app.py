@@ -61,7 +61,7 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     # outermost: a request with too many header fields is refused before anything looks at them
     app.add_middleware(HeaderCountLimit, max_header_count=config.max_header_count)
     # Ids the tokenizer puts into any text by itself (BOS; some add EOS): a text or chat prompt
-    # with nothing else is empty.
+    # with nothing else is empty. (The raw encoder: the prompt path refuses "" itself.)
     added_ids = frozenset(serving.engine.tokenizer.encode("")) | {
         i for i in (serving.engine.tokenizer.special.bos_id,) if i is not None
     }

@@ -111,9 +111,12 @@ class ServerConfig:
         if self.profile_dir is not None and (
             not isinstance(self.profile_dir, str)
             or not self.profile_dir
-            or (Path(self.profile_dir).exists() and not Path(self.profile_dir).is_dir())
+            or not _can_be_a_folder(Path(self.profile_dir))
         ):
-            raise fail("profile_dir", "null or a folder's path (created if missing), not a file")
+            raise fail(
+                "profile_dir",
+                "null or a folder's path (created if missing), not a file or under one",
+            )
         names = self.metrics_names
         if isinstance(names, str):  # metrics_names=vllm: a list of one
             names = (names,)
@@ -144,3 +147,12 @@ class ServerConfig:
                 raise fail(name, f"a number of seconds {'>' if positive else '>='} 0")
             setattr(self, name, float(value))
         return self
+
+
+def _can_be_a_folder(path: Path) -> bool:
+    """Whether `path` is a folder or could be made one: the nearest part of it that exists is
+    a folder (under a file, `/dev/null/traces`, it never can be)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate.is_dir()
+    return True

@@ -220,8 +220,9 @@ class ServingEngine:
             try:
                 self.engine.check_request(token_ids, params)
             except ValueError as exc:
-                field = str(exc).split(":", 1)[0].removeprefix("SamplingParams.")
-                raise APIError(str(exc), field, "invalid_value") from None
+                # "SamplingParams.n: ..." -> "n: ...", the name the client sent
+                message = str(exc).removeprefix("SamplingParams.")
+                raise APIError(message, message.split(":", 1)[0], "invalid_value") from None
 
     def admit(self, num_sequences: int) -> Admission:
         """Hold room for the request's sequences, or refuse it: 503 when the server is full or

@@ -200,6 +200,13 @@ class LLMEngine:
                 f"with sliding_window={self.model_config.sliding_window}) would wrap over; use "
                 "kv_cache=paged, or speculative_config=null"
             )
+        max_len = self.limits.max_model_len
+        if spec.num_speculative_tokens >= max_len:  # a sequence never has room for them
+            raise ConfigError(
+                f"engine.speculative_config.num_speculative_tokens: {spec.num_speculative_tokens}"
+                f" drafts a step do not fit a sequence of engine.max_model_len={max_len}; "
+                f"allowed: 1..{max_len - 1}"
+            )
         context = ProposerContext(
             self.runner.sample_vocab_size,
             self.model_config.vocab_size,
@@ -477,11 +484,15 @@ class LLMEngine:
                 f"{max_len} (at least one token must be generated)"
             )
         self.check_fits(len(token_ids), sampling.max_tokens)
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        # a stop id the model cannot sample would never end anything
+        bad = [t for t in sampling.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(
-                f"prompt: token ids {bad[:5]} are outside the vocabulary "
-                f"[0, {self.model_config.vocab_size})"
+                f"SamplingParams.stop_token_ids: {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:

@@ -93,6 +93,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, code:
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
     assert isinstance(error["message"], str) and error["message"]
+    assert not error["message"].startswith("SamplingParams."), error  # the client's names
     assert (error["param"], error["code"]) == (param, code), error
 
 
@@ -431,6 +432,8 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (COMPLETIONS, {"prompt": ""}, "prompt", "invalid_value"),
     (COMPLETIONS, {"prompt": ["ok", ""]}, "prompt", "invalid_value"),
     (COMPLETIONS, {"prompt": [[]]}, "prompt", "invalid_value"),
+    # a stop token outside the vocabulary can never be sampled: it was accepted and ignored
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [999999]}, "stop_token_ids", "invalid_value"),
 ]
 
 
@@ -520,7 +523,10 @@ def test_n_on_a_static_batching_server_is_refused_before_the_stream() -> None:
                     COMPLETIONS, json={"prompt": "hi", "n": 2, "max_tokens": 2, "stream": stream_it}
                 )
                 assert_error(response, 400, "n", "invalid_value")
-                assert "engine.batching=static" in response.json()["error"]["message"]
+                message = response.json()["error"]["message"]
+                # the field by the name the client sent, not the engine's class
+                assert message.startswith("n: 2 needs parallel sampling"), message
+                assert "engine.batching=static" in message
             ok = static_client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})
             assert ok.status_code == 200, ok.text
             assert running.serving.in_flight == 0
@@ -902,6 +908,8 @@ def test_serve_options_compose_like_run() -> None:
         ),
         (["metrics_names=[]"], "metrics_names: [] is invalid"),
         (["metrics_names=[vllm,vllm]"], "metrics_names: ['vllm', 'vllm'] is invalid"),
+        # under a file it can never be created: this was found only at /start_profile (a 500)
+        (["profile_dir=/dev/null/traces"], "profile_dir: '/dev/null/traces' is invalid"),
     ],
 )
 def test_serve_refuses_bad_options(

@@ -58,9 +58,7 @@ class DraftModelProposer(Proposer):
         try:
             self.engine = context.build_engine(overrides)
         except ValueError as error:  # ConfigError too: name the draft, not the target
-            raise ConfigError(
-                f"engine.speculative_config.model: {config.model!r} cannot be the draft: {error}"
-            ) from error
+            raise ConfigError(_draft_error(config, str(error))) from error
         try:
             self._check_draft(config, context)
         except BaseException:
@@ -253,3 +251,12 @@ class DraftModelProposer(Proposer):
             return sampler.masked(logits, batch).argmax(-1).tolist(), None
         q = sampler.distributions(logits, batch)
         return sampler.race(q, [s.generator for s in seqs]).tolist(), q
+
+
+def _draft_error(config: SpeculativeConfig, message: str) -> str:
+    """The draft engine's refusal under the key the user wrote: its `engine.dtype` is
+    `engine.speculative_config.dtype` when that set it (the target's own dtype is fine)."""
+    for key in ("dtype", "quantization"):
+        if getattr(config, key) is not None and message.startswith(f"engine.{key}:"):
+            return "engine.speculative_config." + message.removeprefix("engine.")
+    return f"engine.speculative_config.model: {config.model!r} cannot be the draft: {message}"

@@ -171,6 +171,26 @@ def test_bad_settings_are_clear_errors(options: Any, message: str) -> None:
         EngineConfig.from_dict({"speculative_config": options})
 
 
+@pytest.mark.parametrize(
+    ("key", "value"), [("dtype", "int3"), ("quantization", "int5")], ids=["dtype", "quantization"]
+)
+def test_a_bad_draft_dtype_names_the_speculative_key(key: str, value: str) -> None:
+    # it named engine.dtype / engine.quantization, which the user had not set
+    with pytest.raises(ConfigError, match=rf"^engine\.speculative_config\.{key}: '{value}'"):
+        LLM("tiny", speculative_config={**DRAFT, key: value}, max_model_len=64)
+
+
+def test_more_drafts_than_a_sequence_can_hold_are_refused() -> None:
+    # k=100000 was served: one counter per position made /metrics 25 MB, 3.3 s a scrape
+    spec = {"method": "ngram", "num_speculative_tokens": 64}
+    with pytest.raises(
+        ConfigError, match=r"num_speculative_tokens: 64 .*max_model_len=64.*allowed: 1\.\.63"
+    ):
+        LLM("tiny", speculative_config=spec, max_model_len=64)
+    with LLM("tiny", speculative_config={**spec, "num_speculative_tokens": 63}, max_model_len=64):
+        pass
+
+
 def test_a_draft_must_share_the_targets_tokenizer_and_fit_its_vocabulary() -> None:
     with pytest.raises(
         ConfigError, match=r"speculative_config.model: 'small' has vocab_size=32000"
