@@ -223,11 +223,39 @@ def _surrogate_path(raw: bytes) -> tuple[str, bool] | None:
     return None
 
 
+#: Fields of OpenAI's chat and completions requests (and their messages) that this server has
+#: no feature for: refused as unsupported, where a field OpenAI does not define is unknown
+OPENAI_FIELDS_NOT_SUPPORTED = frozenset(
+    {
+        "audio",
+        "metadata",
+        "modalities",
+        "prediction",
+        "prompt_cache_key",
+        "reasoning_effort",
+        "refusal",
+        "safety_identifier",
+        "service_tier",
+        "store",
+        "tool_call_id",
+        "tool_calls",
+        "verbosity",
+        "web_search_options",
+    }
+)
+
+
 def api_error_from_validation(exc: ValidationError) -> APIError:
     """The first pydantic error as an APIError naming the offending field."""
     error = exc.errors(include_url=False)[0]
     param = _param_path(error["loc"])
     kind = error["type"]
+    if kind == "extra_forbidden" and error["loc"][-1] in OPENAI_FIELDS_NOT_SUPPORTED:
+        return APIError(
+            f"{param}: part of OpenAI's API that this server does not support",
+            param,
+            "unsupported_parameter",
+        )
     if kind == "extra_forbidden":
         return APIError(
             f"Unrecognized request argument supplied: {param}", param, "unknown_parameter"

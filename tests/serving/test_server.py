@@ -373,6 +373,14 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
     (CHAT, {"messages": USER, "logprobs": True}, "logprobs", "unsupported_parameter"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    # OpenAI defines these; the server has no such feature: unsupported, not unknown
+    (CHAT, {"messages": USER, "store": True}, "store", "unsupported_parameter"),
+    (
+        CHAT,
+        {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]},
+        "messages[0].tool_call_id",
+        "unsupported_parameter",
+    ),
     (
         CHAT,
         {"messages": USER, "max_completion_tokens": 1000},
