@@ -12,9 +12,15 @@ from pathlib import Path
 import pytest
 from checkpoints import write_tiny_checkpoint
 
+from models import chat_template
 from models.tokenizer import Tokenizer, load_tokenizer
 
 HI = [{"role": "user", "content": "hi"}]
+#: a value squared (joined with itself) 40 times, kept in a namespace: no output to bound
+DOUBLING = (
+    "{{% set ns = namespace(v={start}) %}}{{% for i in range(40) %}}"
+    "{{% set ns.v = ns.v {op} ns.v %}}{{% endfor %}}{{{{ 1 }}}}"
+)
 
 
 def with_template(tmp_path: Path, template: str) -> Tokenizer:
@@ -34,7 +40,17 @@ def with_template(tmp_path: Path, template: str) -> Tokenizer:
         ("{{ ([1] * 2000000) | length }}", "a repeated string or list longer than 1,000,000"),
         ("{{ 'x'.ljust(2000000) }}", "a call with an integer argument over 1,000,000"),
         ("{{ (lipsum(2000000)) | length }}", "a call with an integer argument over 1,000,000"),
-        ("{{ (7 ** 70000000) % 10 }}", "an integer power over 64,000,000 bits"),
+        ("{{ (7 ** 70000000) % 10 }}", "an integer power over 1,000,000 bits"),
+        # each of these rendered gigabytes (or ran for seconds) past the first bounds
+        (DOUBLING.format(op="~", start="'x'"), "a joined string or list longer than 1,000,000"),
+        (DOUBLING.format(op="+", start="[1]"), "a joined string or list longer than 1,000,000"),
+        (DOUBLING.format(op="*", start="7"), "an integer product over 1,000,000 bits"),
+        ("{{ '%2000001s' % 'x' }}", "a format width or precision over 1,000,000"),
+        ("{{ '{:>2000001}'.format('x') }}", "a format width or precision over 1,000,000"),
+        ("{{ '%2000001s' | format('x') }}", "a format width or precision over 1,000,000"),
+        ("{{ 'x' | center(2000001) }}", "a call with an integer argument over 1,000,000"),
+        ("{{ 1 / 0 }}", "division by zero"),
+        ("{{ undefined_name.field }}", "'undefined_name' is undefined"),
         (
             "{% for i in range(100) %}{{ 'x' * 1000000 }}{% endfor %}",
             "the render is longer than 67,108,864 characters",
@@ -50,6 +66,22 @@ def test_a_costly_template_is_refused_naming_the_bound(
     assert str(refused.value).startswith(f"chat template error: {says}")
 
 
+def test_a_budget_swallowed_by_library_code_still_stops_the_render(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jinja's `is sequence` test catches any exception around len(): a budget that ran out
+    inside it was swallowed, tracing stopped, and the loops after it ran unbounded."""
+    monkeypatch.setattr(chat_template, "MAX_STEPS", 1000)
+    for padding in (0, 4, 8):  # the step on which the budget runs out
+        template = (
+            f"{{% for k in range({padding}) %}}{{% endfor %}}"
+            "{% for i in range(400) %}{{ u is sequence }}{% endfor %}"
+            "{% for i in range(300) %}{% for j in range(300) %}{% endfor %}{% endfor %}"
+        )
+        with pytest.raises(ValueError, match="the render ran more than 1,000 steps"):
+            chat_template.render_template(template)
+
+
 def test_raise_exception_and_an_ordinary_template_still_work(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^chat template error: nope$"):
         with_template(tmp_path / "a", "{{ raise_exception('nope') }}").apply_chat_template(HI)
@@ -57,9 +89,10 @@ def test_raise_exception_and_an_ordinary_template_still_work(tmp_path: Path) -> 
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
         "{{ 'ab' * 3 }}{{ 2 ** 10 }}{{ '%-5s' | format('x') }}|"
+        "{% generation %}{{ 'ab' ~ 'c' }}{% endgeneration %}"  # transformers' training tag
     )
     rendered = with_template(tmp_path / "b", ordinary).apply_chat_template(HI)
-    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nababab1024x    |"
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nababab1024x    |abc"
 
 
 @pytest.mark.parametrize(
