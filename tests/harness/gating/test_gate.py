@@ -180,6 +180,11 @@ def test_a_key_given_twice_in_the_rules_is_refused_naming_it(tmp_path: Path) -> 
     rules.write_text("per_metric:\n  e2e_p99_s: {min_effect: 0.1, min_effect: 0.5}\n")
     with pytest.raises(RulesError, match=r"line 2: 'min_effect' is given twice"):
         load_rules(rules)
+    # YAML's merge key is no key given twice: a block shared through an anchor still loads
+    rules.write_text(
+        "per_metric:\n  output_tok_per_s: &strict {min_effect: 0.02}\n  tpot_p50_s: {<<: *strict}\n"
+    )
+    assert load_rules(rules).per_metric["tpot_p50_s"] == {"min_effect": 0.02}
 
 
 def test_a_rules_file_over_the_limit_is_refused(
