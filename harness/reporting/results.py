@@ -333,11 +333,13 @@ class Results:
     def without_requests_table(self) -> list[tuple[str, Path]]:
         """(run_id, folder) of the runs whose summary counts completed requests but whose
         folder holds neither requests.parquet nor requests.jsonl (deleted, or lost in a copy):
-        their per-request figures are missing, not empty."""
+        their per-request figures are missing, not empty. An imported run is not one: a source
+        without per-request data (vLLM without --save-detailed) is imported without the table."""
         return [
             (run.run_id, run.path)
             for run in self._runs
-            if ((run.summary.get("metrics") or {}).get("num_completed") or 0) > 0
+            if "imported" not in run.summary
+            and ((run.summary.get("metrics") or {}).get("num_completed") or 0) > 0
             and not table_path(run.path, "requests", "parquet").is_file()
             and not table_path(run.path, "requests", "jsonl").is_file()
         ]

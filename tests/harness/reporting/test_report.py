@@ -229,6 +229,20 @@ def test_a_run_whose_requests_table_is_gone_is_named_not_called_empty(
     assert "*Skipped: no requests table (requests.parquet or requests.jsonl) in run.*" in markdown
 
 
+def test_an_imported_run_without_per_request_data_is_no_missing_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A vLLM result without --save-detailed is imported without a requests table: nothing is
+    missing, and the report says no more than that it has no completed requests' rows."""
+    run = tmp_path / "imported"
+    summary_only = Path(__file__).resolve().parents[2] / "fixtures" / "vllm" / "summary_only.json"
+    assert cli.main(["import", str(summary_only), "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert cli.main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
+    assert "no requests.parquet" not in capsys.readouterr().err
+    assert "Skipped: no requests table" not in (tmp_path / "report" / "report.md").read_text()
+
+
 def test_repeats_add_spread_columns(sweep: Path, tmp_path: Path) -> None:
     repeats = tmp_path / "repeats"
     values = []
