@@ -20,9 +20,10 @@ from omegaconf.errors import OmegaConfBaseException
 import configs
 import engines.registry  # noqa: F401  (the engine groups' schemas, before Hydra composes)
 import workloads  # noqa: F401  (the workload groups' schemas, likewise)
-from harness.run_folder import JOB_LOG_FILE, OVERRIDES_FILE, read_summary, runs_written_in
+from harness.run_folder import read_summary
 from harness.running import config_schema  # noqa: F401  (the primary config's, likewise)
 from harness.running.experiment import RunFolderError, run_config, run_experiment
+from harness.running.folder_guard import refuse_shared_job_folder
 from harness.running.launching import (
     ARCHIVE_KEY,
     launched_job,
@@ -60,7 +61,7 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
         print(f"{label}skipped (already complete) -> {run_dir}")
         return _gathered(read_summary(run_dir) or {}, run_dir, hydra_cfg, multirun)
     if multirun and not resume:
-        _refuse_shared_job_folder(run_dir)
+        refuse_shared_job_folder(run_dir)
     try:
         with launched_job(hydra_cfg, config) as job:
             if repeats > 1:
@@ -102,24 +103,6 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
             write_sweep_csv(Path(hydra_cfg.sweep.dir))
         raise SystemExit(130)
     return _gathered(summary, run_dir, hydra_cfg, multirun)
-
-
-def _refuse_shared_job_folder(run_dir: Path) -> None:
-    """The sweep folder held no run when the sweep started (RunFolderGuard), so a run in this
-    job's folder is an earlier job's: a `hydra.sweep.subdir` without `${hydra.job.num}` gave
-    jobs one folder, and this job would write over that run. Stop the sweep, as a resume into
-    another command's folder does (Hydra has already rewritten the folder's .hydra/)."""
-    hydras_own = {OVERRIDES_FILE.parent.name, JOB_LOG_FILE}  # written before the job starts
-    earlier = [name for name in runs_written_in(run_dir) if name not in hydras_own]
-    if earlier:
-        print(
-            f"error: hydra.sweep.subdir: {run_dir} already holds the run of an earlier job of "
-            f"this sweep ({', '.join(earlier[:5])}); nothing was written over. Give each job "
-            "its own folder: leave hydra.sweep.subdir out (${hydra.job.num}) or put "
-            "${hydra.job.num} or ${hydra.job.override_dirname} in it",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
 
 
 def _gathered(

@@ -17,10 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness.run_folder import read_summary, runs_written_in
+from harness.run_folder import JOB_LOG_FILE, OVERRIDES_FILE, read_summary, runs_written_in
 
 SHOWN_NAMES = 5
 
@@ -73,6 +74,47 @@ def _refuse_unwritable(config: DictConfig, key: str, sweep: bool) -> None:
         raise SystemExit(2)
 
 
+ONE_FOLDER_PER_JOB = (
+    "give each job its own folder: leave hydra.sweep.subdir out (${hydra.job.num}) or put "
+    "${hydra.job.num} or ${hydra.job.override_dirname} in it"
+)
+
+
+def _refuse_one_folder_for_every_job(config: DictConfig) -> None:
+    """A sweep of several jobs whose `hydra.sweep.subdir` names no job (`subdir=same`) would
+    put them all in one folder, each over the one before (launched side by side, at once)."""
+    subdir = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir")
+    if not isinstance(subdir, str) or "${" in subdir:
+        return
+    overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    if any(override.is_sweep_override() for override in overrides):
+        print(
+            f"error: hydra.sweep.subdir: {subdir!r} is invalid for a sweep of several jobs "
+            "(every job would run in one folder, over the one before); allowed: "
+            f"{ONE_FOLDER_PER_JOB}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+
+
+def refuse_shared_job_folder(run_dir: Path) -> None:
+    """The sweep folder held no run when the sweep started, so a run in this job's folder is
+    an earlier job's (a `hydra.sweep.subdir` that names jobs by a value some share): stop the
+    sweep before this job writes its run over it. Hydra has already written this job's
+    .hydra/ there, before any callback or the job runs."""
+    hydras_own = {OVERRIDES_FILE.parent.name, JOB_LOG_FILE}
+    earlier = [name for name in runs_written_in(run_dir) if name not in hydras_own]
+    if earlier:
+        print(
+            f"error: hydra.sweep.subdir: {run_dir} already holds the run of an earlier job of "
+            f"this sweep ({', '.join(earlier[:SHOWN_NAMES])}); its results were kept, but its "
+            f".hydra/ now holds this job's overrides. Run the sweep again into a new folder and "
+            f"{ONE_FOLDER_PER_JOB}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+
+
 class RunFolderGuard(Callback):
     """Hydra callback (config.yaml): checks the run or sweep folder before Hydra writes it."""
 
@@ -80,4 +122,5 @@ class RunFolderGuard(Callback):
         _refuse_unwritable(config, "hydra.run.dir", sweep=False)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _refuse_one_folder_for_every_job(config)
         _refuse_unwritable(config, "hydra.sweep.dir", sweep=True)

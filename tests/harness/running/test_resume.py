@@ -128,31 +128,39 @@ def test_completed_run_compares_the_stored_configuration(tmp_path: Path) -> None
         completed_run(tmp_path, {**config, "engine": {"max_num_seqs": 4}})
 
 
-def test_jobs_that_share_a_folder_stop_the_sweep_before_one_overwrites_another(
-    tmp_path: Path,
-) -> None:
-    """`hydra.sweep.subdir=same` (no `${hydra.job.num}`) put every job into one folder: job 1
-    wrote over job 0's run, sweep.csv listed 1 job of 2, and the sweep exited 0."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness.cli",
-            "run",
-            "-m",
-            *TINY,
-            "engine.max_num_seqs=1,2",
-            f"hydra.sweep.dir={tmp_path}",
-            "hydra.sweep.subdir=same",
-        ],
+def _sweep_into(folder: Path, subdir: str) -> subprocess.CompletedProcess[str]:
+    argv = [*TINY, "engine.max_num_seqs=1,2", f"hydra.sweep.dir={folder}", subdir]
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "-m", *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_a_subdir_that_names_no_job_is_refused_before_any_job_runs(tmp_path: Path) -> None:
+    """`hydra.sweep.subdir=same` (no `${hydra.job.num}`) put every job into one folder: job 1
+    wrote over job 0's run, sweep.csv listed 1 job of 2, and the sweep exited 0 (and with
+    jobs launched side by side, each over the other at once)."""
+    result = _sweep_into(tmp_path, "hydra.sweep.subdir=same")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(
+        "error: hydra.sweep.subdir: 'same' is invalid for a sweep of several jobs"
+    )
+    assert not (tmp_path / "same").exists()
+
+
+def test_jobs_that_share_a_folder_stop_the_sweep_before_one_overwrites_another(
+    tmp_path: Path,
+) -> None:
+    """A subdir named by a value the jobs share (not the swept one) gives two jobs one folder,
+    which only the second job can see: it stops before writing its run over the first's."""
+    result = _sweep_into(tmp_path, "hydra.sweep.subdir=${engine.kv_cache}")
     assert result.returncode == 2, result.stderr
     assert "error: hydra.sweep.subdir: " in result.stderr and "an earlier job" in result.stderr
-    kept = yaml.safe_load((tmp_path / "same" / "config.yaml").read_text())
+    [folder] = [p for p in tmp_path.iterdir() if p.is_dir() and p.name != ".hydra"]
+    kept = yaml.safe_load((folder / "config.yaml").read_text())
     assert kept["engine"]["max_num_seqs"] == 1  # job 0's run, not written over
 
 
