@@ -44,10 +44,11 @@ from engines.builtin.distributed.environment import LaunchedRank, launched
 from engines.builtin.distributed.group import ControlChannel, TensorParallelError, TPGroup
 from engines.builtin.distributed.rendezvous import (
     STARTUP_TIMEOUT_S,
-    check_own_address,
+    check_known_host,
     connect,
     gather,
     host_store,
+    is_own_address,
     join,
 )
 
@@ -171,9 +172,20 @@ def _torchrun_rendezvous(rank: int, size: int) -> Any:
 
 
 def _host_master_port(me: LaunchedRank) -> Any:
-    check_own_address(me.master_addr)
+    """Rank 0 serves the store on MASTER_PORT of every address of its machine and connects to
+    it over loopback: through MASTER_ADDR, an address other machines reach it by (a NAT, a
+    Kubernetes service) may not lead back to it, and a TCPStore's own client waits on it in
+    C++ (no Ctrl-C, a stack trace per attempt) for the whole start-up deadline."""
+    check_known_host(me.master_addr)
+    if not is_own_address(me.master_addr):
+        print(
+            f"rank 0: MASTER_ADDR {me.master_addr!r} is not an address of this machine; the "
+            f"ranks' store is served on port {me.master_port} of every address here, and the "
+            f"other ranks must reach it through {me.master_addr}",
+            file=sys.stderr,
+        )
     try:
-        return host_store(me.master_addr, me.master_port, me.world_size)
+        return host_store("127.0.0.1", me.master_port, me.world_size)
     except dist.DistNetworkError as exc:
         if "EADDRINUSE" in str(exc):
             raise ConfigError(

@@ -63,25 +63,26 @@ def _unknown_host(host: str) -> ConfigError:
     )
 
 
-def check_own_address(host: str) -> None:
-    """Rank 0 serves the store on MASTER_ADDR and connects to it itself; a TCPStore waits for
-    that connection in C++ (no Ctrl-C, a stack trace logged per attempt, for the whole start-up
-    deadline). So MASTER_ADDR must name this machine: an address it can bind."""
+def check_known_host(host: str) -> None:
+    """MASTER_ADDR must resolve: the other ranks connect to rank 0's store there."""
     try:
-        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror:
         raise _unknown_host(host) from None
-    for family, kind, _, _, address in addresses:
+
+
+def is_own_address(host: str) -> bool:
+    """Whether `host` names this machine (an address it can bind). Not needed to serve the
+    store (a TCPStore listens on every address of its machine), but a MASTER_ADDR that is not
+    one is said: a NAT or service address is fine, a typo for another machine is not."""
+    for family, kind, _, _, address in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
         try:
             with socket.socket(family, kind) as probe:
                 probe.bind((address[0], 0, *address[2:]))
-            return
+            return True
         except OSError:
             continue
-    raise ConfigError(
-        f"MASTER_ADDR: {host!r} is not an address of this machine, where rank 0 runs and "
-        "serves the ranks' store; allowed: this machine's host name or one of its addresses"
-    )
+    return False
 
 
 def connect(host: str, port: int, where: str) -> Any:
