@@ -45,7 +45,7 @@ import workloads  # noqa: E402, F401
 from harness.run_folder import RunFileRefused, load_table, refuse_run_file  # noqa: E402
 from harness.running import config_schema  # noqa: E402, F401
 from harness.running.experiment import run_experiment  # noqa: E402
-from models.files import write_output_text  # noqa: E402
+from models.files import UserFileError, given_output_path, write_output_text  # noqa: E402
 from serving.scripted_server import read_log, scripted_process, with_send_times  # noqa: E402
 
 COLUMNS = (
@@ -138,13 +138,16 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.1, help="of the ITL")
     parser.add_argument("--lateness-ms", type=float, default=None, help="default: 2 ITLs")
     parser.add_argument("--max-connections", type=int, default=1024)
-    parser.add_argument("--out", type=Path, default=None, help="also write the points (JSON)")
+    parser.add_argument("--out", default=None, help="also write the points (JSON)")
     args = parser.parse_args()
     if args.out is not None:  # checked before the measurement, not after it
         try:
+            args.out = given_output_path(args.out, "--out", "a file's path")
             refuse_run_file(args.out, "--out")
-        except RunFileRefused as exc:
+        except (RunFileRefused, UserFileError) as exc:
             parser.error(str(exc))
+        if args.out.is_dir():
+            parser.error(f"--out: {args.out} is a folder; allowed: a file's path")
     if args.lateness_ms is None:
         args.lateness_ms = 2 * args.itl_ms
     rates = [float(r) for r in args.rates.split(",")]

@@ -229,19 +229,24 @@ def test_a_fifo_in_the_report_folder_is_named_not_waited_on(
 
 
 @pytest.mark.parametrize("script", ["bench_server_ttft.py", "client_ceiling.py"])
-def test_benchmark_scripts_refuse_a_run_file_before_they_measure(run: Path, script: str) -> None:
+def test_benchmark_scripts_refuse_a_bad_out_before_they_measure(run: Path, script: str) -> None:
     """scripts/bench_server_ttft.py --out RUN/summary.json measured for minutes, then wrote its
-    JSON over the run's summary; it is now refused before anything runs (argparse's exit 2)."""
+    JSON over the run's summary; --out "" (an unset variable) or a folder measured, then
+    ended in a traceback. Each is refused before anything runs (argparse's exit 2)."""
     before = snapshot(run)
     script_path = Path(__file__).resolve().parents[2] / "scripts" / script
-    done = subprocess.run(
-        [sys.executable, str(script_path), "--out", str(run / "summary.json")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2, done.stderr
-    assert f"error: --out: {run / 'summary.json'} is a file of the run folder" in done.stderr
+    for out, says in (
+        (str(run / "summary.json"), f"--out: {run / 'summary.json'} is a file of the run folder"),
+        ("", "--out: '' is invalid; allowed: a file's path"),
+        (str(run), f"--out: {run} is a folder; allowed: a file's path"),
+    ):
+        done = subprocess.run(
+            [sys.executable, str(script_path), "--out", out],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2 and f"error: {says}" in done.stderr, done.stderr
     assert snapshot(run) == before
 
 
