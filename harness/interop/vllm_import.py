@@ -421,7 +421,7 @@ def usable_duration(result: VllmResult, run: ImportedRun) -> bool:
     or corrupted file: 1e308, 0) is said, not used; a negative one is no measurement."""
     duration, where = result.duration, run.files[0]
     if duration < 0:
-        raise InteropError(f"{where}: duration: {duration:g}; a negative time is not a measurement")
+        raise InteropError(f"{where}: duration: {duration:g} is invalid; allowed: a time >= 0")
     if _duration_agrees(result):
         return True
     rate = result.completed / duration if 0 < duration < math.inf else None

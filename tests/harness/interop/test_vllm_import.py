@@ -195,7 +195,9 @@ def test_a_negative_duration_is_refused(tmp_path: Path) -> None:
     data["duration"] = -3.0
     path = tmp_path / "negative.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(InteropError, match=r"negative.json: duration: -3; a negative time"):
+    with pytest.raises(
+        InteropError, match=r"negative.json: duration: -3 is invalid; allowed: a time >= 0"
+    ):
         import_one(path)
 
 
