@@ -27,8 +27,9 @@ def _refuse_loose_flags() -> None:
     from omegaconf import nodes
     from omegaconf.errors import ValidationError
 
-    loose = nodes.BooleanNode._validate_and_convert_impl
-    if getattr(loose, "strict", False):
+    # a private method: an OmegaConf without it runs loose, and the test of this rule fails
+    loose = getattr(nodes.BooleanNode, "_validate_and_convert_impl", None)
+    if loose is None or getattr(loose, "strict", False):
         return
 
     def strict(self: nodes.BooleanNode, value: Any) -> bool:
@@ -106,6 +107,11 @@ def _unparsed(override: str) -> str:
     key, sep, value = override.partition("=")
     if not sep:
         return f"{override!r}: not an override; allowed: KEY=VALUE"
+    if value.lstrip()[:1] in ("[", "{"):  # a list or dict typed wrong: quotes make it a string
+        return (
+            f"{key}: {value!r} cannot be read (Hydra's override grammar); allowed: a value, "
+            "a [list] or a {dict} with matching brackets, or a quoted string"
+        )
     return (
         f"{key}: {value!r} cannot be read unquoted (Hydra's override grammar); quote it: "
         f"'{key}=\"{value}\"'"

@@ -524,3 +524,14 @@ def test_a_value_hydra_cannot_parse_names_the_key_and_how_to_quote_it(
     )
     quoted = composed(f'model.path="{value}"')  # the fix it names works
     assert quoted["model"]["path"] == value
+
+
+def test_a_list_typed_wrong_is_not_told_to_be_quoted() -> None:
+    """Quoting '[1,2,4' would turn a list with a missing bracket into a string: the message
+    names the brackets instead of suggesting quotes."""
+    with pytest.raises(configs.ComposeError) as error:
+        composed("engine.cuda_graph_batch_sizes=[1,2,4")
+    assert str(error.value) == (
+        "engine.cuda_graph_batch_sizes: '[1,2,4' cannot be read (Hydra's override grammar); "
+        "allowed: a value, a [list] or a {dict} with matching brackets, or a quoted string"
+    )
