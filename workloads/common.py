@@ -102,14 +102,16 @@ def check_keys(field: str, spec: Mapping[str, Any], known: tuple[str, ...], what
         )
 
 
-def resolve_path(field: str, path: Any) -> Path:
-    """A file path as given (relative to the working directory), else relative to the repo root.
+def resolve_path(field: str, path: Any, section: str = "workload") -> Path:
+    """A file path as given (relative to the working directory), else relative to the repo root;
+    errors name `section.field`.
 
     The fallback lets configs name shipped files (`models/data/sonnets.txt`) whatever
     directory `inferlab run` was started from.
     """
+    key = f"{section}.{field}"
     if not isinstance(path, (str, Path)) or not str(path):
-        raise invalid(field, path, "a file path")
+        raise ValueError(f"{key}: {path!r} is invalid; allowed: a file path")
     p = Path(path).expanduser()
     if p.is_file():
         return p
@@ -119,9 +121,9 @@ def resolve_path(field: str, path: Any) -> Path:
         try:
             check_regular_file(p)
         except ValueError as exc:
-            raise ValueError(f"workload.{field}: {exc}") from None
+            raise ValueError(f"{key}: {exc}") from None
     raise FileNotFoundError(
-        f"workload.{field}: no file at {path} (looked in the working "
+        f"{key}: no file at {path} (looked in the working "
         f"directory {Path.cwd()} and the repository root {REPO_ROOT})"
     )
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from engines.builtin import LLM, SamplingParams
 from engines.train_tiny import corpus_text
 from models.files import UserFileError, check_regular_file
-from workloads.common import REPO_ROOT
+from workloads.common import resolve_path
 from workloads.prompt_sets import load_prompt_set
 
 
@@ -187,30 +186,15 @@ def check_inputs(settings: dict) -> None:
         except UserFileError as exc:
             raise ValueError(f"run.quality.text: {exc}") from None
     for index, path in enumerate(settings.get("prompt_sets") or []):
-        where = f"run.quality.prompt_sets[{index}]"
+        field = f"prompt_sets[{index}]"
         try:
-            prompt_set_texts(_resolve(path), 1)
+            resolved = resolve_path(field, path, section="run.quality")
+        except FileNotFoundError as exc:  # named: a configuration error, not a missing run file
+            raise ValueError(str(exc)) from None
+        try:
+            prompt_set_texts(str(resolved), 1)
         except ValueError as exc:  # UserFileError and the prompt set's own errors among them
-            raise ValueError(f"{where}: {exc}") from None
-        except FileNotFoundError as exc:
-            raise ValueError(
-                f"{where}: {str(exc).removeprefix('run.quality.prompt_sets: ')}"
-            ) from None
-
-
-def _resolve(path: str) -> str:
-    """As given (relative to the working directory), else relative to the repository root, so
-    configs can name shipped files (data/traces/...) from anywhere. What is there but is not a
-    regular file is returned, for its reader to name."""
-    p = Path(path).expanduser()
-    if p.exists():
-        return str(p)
-    if not p.is_absolute() and (REPO_ROOT / p).exists():
-        return str(REPO_ROOT / p)
-    raise FileNotFoundError(
-        f"run.quality.prompt_sets: no file at {path} (looked in the working directory "
-        f"{Path.cwd()} and the repository root {REPO_ROOT})"
-    )
+            raise ValueError(f"run.quality.{field}: {exc}") from None
 
 
 def probe_prompts(tokenizer: Any, max_model_len: int, settings: dict) -> list[list[int]]:
@@ -222,8 +206,9 @@ def probe_prompts(tokenizer: Any, max_model_len: int, settings: dict) -> list[li
     count = int(settings.get("num_prompts", 8))
     stride = max(1, (len(ids) - length) // max(1, count))
     prompts = [ids[i * stride : i * stride + length] for i in range(count)]
-    for path in settings.get("prompt_sets") or []:
-        for chat in prompt_set_texts(_resolve(path), count):
+    for index, path in enumerate(settings.get("prompt_sets") or []):
+        resolved = resolve_path(f"prompt_sets[{index}]", path, section="run.quality")
+        for chat in prompt_set_texts(str(resolved), count):
             tokens = tokenizer.encode(chat, add_special_tokens=False)[:length]
             if len(tokens) >= 2:
                 prompts.append(tokens)
