@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
 from types import FrameType
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -150,7 +150,7 @@ class _GenerationTag(jinja2.ext.Extension):
     """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens
     for training): rendered as its body, as transformers and vLLM render it."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (Jinja declares it so on Extension)
 
     def parse(self, parser: Any) -> Any:
         lineno = next(parser.stream).lineno
