@@ -83,7 +83,8 @@ ONE_FOLDER_PER_JOB = (
 def _refuse_one_folder_for_every_job(config: DictConfig) -> None:
     """A sweep of several jobs whose `hydra.sweep.subdir` names no job (`subdir=same`) would
     put them all in one folder, each over the one before (launched side by side, at once)."""
-    subdir = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir")
+    sweep = OmegaConf.to_container(config.hydra.sweep, resolve=False)
+    subdir = sweep.get("subdir") if isinstance(sweep, dict) else None
     if not isinstance(subdir, str) or "${" in subdir:
         return
     overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
