@@ -39,7 +39,7 @@ from typing import IO, Any
 import pandas as pd
 import yaml
 
-from models.files import SETTINGS, UserFileError, read_input_bytes
+from models.files import SETTINGS, UserFileError, given_output_path, read_input_bytes
 
 CONFIG_FILE = "config.yaml"
 PROVENANCE_FILE = "provenance.json"
@@ -138,6 +138,17 @@ def run_folder_owning(path: Path) -> Path | None:
 
 class RunFileRefused(ValueError):
     """A file (or folder) the user named for a command's output is one of a run folder's own."""
+
+
+def output_file_path(value: str, option: str) -> Path:
+    """A file path given for a command's output, checked before the command does its work:
+    not empty (an unset variable), not a folder, not a run folder's own file. A ValueError
+    naming `option` (UserFileError, RunFileRefused)."""
+    path = given_output_path(value, option, "a file's path")
+    if path.is_dir():
+        raise UserFileError(f"{option}: {path} is a folder; allowed: a file's path")
+    refuse_run_file(path, option)
+    return path
 
 
 def refuse_run_file(path: Path, option: str) -> None:

@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from engines.base import GenerationRequest, Tokens, now_ns  # noqa: E402
 from engines.sampling_params import SamplingParams  # noqa: E402
-from harness.run_folder import RunFileRefused, refuse_run_file  # noqa: E402
-from models.files import UserFileError, given_output_path, write_output_text  # noqa: E402
+from harness.run_folder import output_file_path  # noqa: E402
+from models.files import write_output_text  # noqa: E402
 from serving.cli import build_backend, warm_up  # noqa: E402
 
 
@@ -309,12 +309,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.out is not None:  # checked before the measurement, not after it
         try:
-            args.out = given_output_path(args.out, "--out", "a file's path")
-            refuse_run_file(args.out, "--out")
-        except (RunFileRefused, UserFileError) as exc:
+            args.out = output_file_path(args.out, "--out")
+        except ValueError as exc:
             parser.error(str(exc))
-        if args.out.is_dir():
-            parser.error(f"--out: {args.out} is a folder; allowed: a file's path")
 
     backend, _ = build_backend(args.overrides)
     backend.load()

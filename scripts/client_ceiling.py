@@ -42,10 +42,10 @@ sys.path.insert(0, str(ROOT))
 import configs  # noqa: E402
 import engines.registry  # noqa: E402, F401  (the config groups' schemas, for compose)
 import workloads  # noqa: E402, F401
-from harness.run_folder import RunFileRefused, load_table, refuse_run_file  # noqa: E402
+from harness.run_folder import load_table, output_file_path  # noqa: E402
 from harness.running import config_schema  # noqa: E402, F401
 from harness.running.experiment import run_experiment  # noqa: E402
-from models.files import UserFileError, given_output_path, write_output_text  # noqa: E402
+from models.files import write_output_text  # noqa: E402
 from serving.scripted_server import read_log, scripted_process, with_send_times  # noqa: E402
 
 COLUMNS = (
@@ -142,12 +142,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.out is not None:  # checked before the measurement, not after it
         try:
-            args.out = given_output_path(args.out, "--out", "a file's path")
-            refuse_run_file(args.out, "--out")
-        except (RunFileRefused, UserFileError) as exc:
+            args.out = output_file_path(args.out, "--out")
+        except ValueError as exc:
             parser.error(str(exc))
-        if args.out.is_dir():
-            parser.error(f"--out: {args.out} is a folder; allowed: a file's path")
     if args.lateness_ms is None:
         args.lateness_ms = 2 * args.itl_ms
     rates = [float(r) for r in args.rates.split(",")]

@@ -147,26 +147,34 @@ def test_a_rank_outside_the_world_is_refused_by_name(
     assert time.monotonic() - began < 10
 
 
+#: rank 0 of a world of 2, in a fresh process: a failed init_process_group leaves
+#: torch.distributed's group count moved on for the rest of the process
+RANK_0_SAYS_ITS_CONFIG_ERROR = (
+    "from engines.base import ConfigError\n"
+    "from engines.builtin.distributed.launch import init_world\n"
+    "try:\n"
+    "    init_world(0, 2)\n"
+    "except ConfigError as exc:\n"
+    "    print(exc)\n"
+)
+
+
 def test_a_master_port_in_use_is_refused_by_name() -> None:
     # torchrun's rank 0 serves the store on MASTER_PORT: one in use was a DistNetworkError
     # (EADDRINUSE) that never named the variable. In a fresh process: a failed
     # init_process_group leaves torch.distributed's group count moved on, and the next world
     # this process formed would wait forever for ranks that count differently.
-    script = (
-        "from engines.base import ConfigError\n"
-        "from engines.builtin.distributed.launch import init_world\n"
-        "try:\n"
-        "    init_world(0, 2)\n"
-        "except ConfigError as exc:\n"
-        "    print(exc)\n"
-    )
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         env = {**os.environ, **torchrun_env(0, 2, port)}
         done = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+            [sys.executable, "-c", RANK_0_SAYS_ITS_CONFIG_ERROR],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert done.stdout.startswith(f"MASTER_PORT={port}: the port is in use"), done.stderr[-2000:]
 
@@ -175,17 +183,13 @@ def test_an_unknown_master_addr_is_refused_by_name() -> None:
     # rank 0's TCPStore connected to its own store at MASTER_ADDR: an unknown host printed two
     # C++ stack traces and waited ~7 min, deaf to SIGTERM and Ctrl-C. (In a fresh process, as
     # the test above.)
-    script = (
-        "from engines.base import ConfigError\n"
-        "from engines.builtin.distributed.launch import init_world\n"
-        "try:\n"
-        "    init_world(0, 2)\n"
-        "except ConfigError as exc:\n"
-        "    print(exc)\n"
-    )
     env = {**os.environ, **torchrun_env(0, 2, free_port()), "MASTER_ADDR": "nonexistent.invalid"}
     done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", RANK_0_SAYS_ITS_CONFIG_ERROR],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.stdout.startswith("MASTER_ADDR: 'nonexistent.invalid' is not a known host")
 
