@@ -36,7 +36,7 @@ from engines.base import (
 )
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import EngineDeadError, LLMEngine
-from engines.builtin.planted_slowdown import build_engine
+from engines.builtin.factory import build_engine
 from engines.builtin.step_stats import EngineGauges
 
 T = TypeVar("T")

@@ -10,7 +10,7 @@ from typing import Any, TypeGuard, cast
 from engines.base import Failed, Finished, Prompt, Tokens
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import LLMEngine
-from engines.builtin.planted_slowdown import build_engine
+from engines.builtin.factory import build_engine
 from engines.sampling_params import SamplingParams
 
 

@@ -2,8 +2,9 @@
 an engine whose every step busy-waits `engine.debug_step_delay_fraction` of its own duration,
 inside the step's timing (so step, token and every latency/throughput figure show it).
 
-It is applied from outside the engine: `build_engine` returns a `SlowedEngine` only when the
-option is > 0, so the plain `LLMEngine` neither reads the option nor branches on it per step.
+It is applied from outside the engine: `build_engine` (factory.py) returns a `SlowedEngine`
+only when the option is > 0, so the plain `LLMEngine` neither reads the option nor branches
+on it per step.
 """
 
 from __future__ import annotations
@@ -12,14 +13,6 @@ from collections.abc import Callable
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import LLMEngine
-
-
-def build_engine(config: EngineConfig) -> LLMEngine:
-    """The engine `config` asks for. Every place that builds an engine from a config (LLM,
-    BuiltinBackend) goes through here, so the option works wherever it can be set."""
-    if config.validate().debug_step_delay_fraction > 0:
-        return SlowedEngine(config)
-    return LLMEngine(config)
 
 
 class SlowedEngine(LLMEngine):

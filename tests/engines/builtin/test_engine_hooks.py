@@ -18,7 +18,8 @@ from engines.base import GenerationRequest, StepRecord, Tokens
 from engines.builtin import LLMEngine, SamplingParams
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
-from engines.builtin.planted_slowdown import SlowedEngine, build_engine
+from engines.builtin.factory import build_engine
+from engines.builtin.planted_slowdown import SlowedEngine
 from engines.builtin.scheduler import StepPlan
 from engines.builtin.step_stats import EngineGauges
 
