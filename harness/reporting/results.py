@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from harness.measuring.monitors import SAMPLE_COLUMNS  # an empty samples table's columns
 from harness.run_folder import (
     AB_ROUND_DIR,
     COLUMNS,
@@ -51,18 +52,6 @@ BIG_TABLES = ("requests", "tokens", "steps", "samples")
 ID_COLUMNS = ["run_id", "variant", "path", "sweep", "job", "repeat", "round", "arm"]
 PROVENANCE_COLUMNS = ["machine", "hostname_hash", "git_commit", "git_dirty", "config_hash"]
 SPREAD_STATS = ("median", "min", "max", "std", "cv")
-# samples.parquet (the monitor): the columns of an empty table when no run has one
-SAMPLE_COLUMNS = [
-    "time_s",
-    "rss_bytes",
-    "cpu_util",
-    "gpu_util",
-    "gpu_mem_used_bytes",
-    "gpu_power_w",
-    "gpu_energy_j",
-    "torch_cuda_allocated_bytes",
-    "torch_cuda_reserved_bytes",
-]
 
 
 def _hashable(value: Any) -> Any:
