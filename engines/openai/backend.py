@@ -41,18 +41,18 @@ from engines.base import (
 )
 from engines.openai.chunks import ChoiceDelta, Chunk, decode_event, decode_response
 from engines.openai.config import OpenAIConfig
-from engines.openai.server_metrics import (
-    SpecDecodeCounters,
-    get_page,
-    metrics_url,
-    parse_spec_decode,
-)
-from engines.openai.servers import (
+from engines.openai.dialects import (
     DIALECTS,
     FAMILIES,
     SIGNATURES,
     choose_dialect,
     normalize_finish_reason,
+)
+from engines.openai.server_metrics import (
+    SpecDecodeCounters,
+    get_page,
+    metrics_url,
+    parse_spec_decode,
 )
 from engines.openai.sse import SSEParser
 from engines.openai.stats import ClientStats, RequestTally

@@ -19,7 +19,7 @@ import pytest
 from engines.base import Arrived, Failed, Finished, GenerationRequest, Tokenized, Tokens
 from engines.openai.backend import UNKNOWN_TOKEN_ID, OpenAIBackend
 from engines.openai.config import OpenAIConfig, OpenAIConfigError
-from engines.openai.servers import DIALECTS
+from engines.openai.dialects import DIALECTS
 from engines.openai.sse import SSEParser
 from engines.sampling_params import SamplingParams
 from harness.measuring.metrics import compute_summary
