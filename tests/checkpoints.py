@@ -7,6 +7,8 @@ value types of SmolLM2-135M-Instruct's file and its tensor types, a few KB."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +144,19 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_on_checkpoint(
+    path: Path, run_dir: Path, num_requests: int = 2
+) -> subprocess.CompletedProcess[str]:
+    """`inferlab run model=hf model.path=PATH` into `run_dir`, in a process of its own (Hydra's
+    logging setup would outlive an in-process run)."""
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "model=hf", f"model.path={path}",
+         f"workload.num_requests={num_requests}", "run.warmup_requests=0",
+         f"hydra.run.dir={run_dir}"],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip

@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from checkpoints import tiny_config_json, write_tiny_checkpoint, write_tiny_gguf
+from checkpoints import run_on_checkpoint, tiny_config_json, write_tiny_checkpoint, write_tiny_gguf
 
 from harness import cli
 from models.config import ModelFieldError, UnsupportedCheckpointError, resolve_model
 
 NAN, INF = float("nan"), float("inf")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -112,11 +109,7 @@ def test_inferlab_run_on_a_nan_config_fails_with_the_reason(tmp_path: Path) -> N
     its own: Hydra's logging setup would outlive an in-process run.)"""
     folder = write_tiny_checkpoint(tmp_path / "ckpt", {"rms_norm_eps": NAN})
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "run", "model=hf", f"model.path={folder}",
-         "workload.num_requests=2", "run.warmup_requests=0", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    result = run_on_checkpoint(folder, run_dir)
     reason = f"{folder / 'config.json'}: rms_norm_eps: nan is invalid; allowed: a finite number"
     assert result.returncode == 2  # the configuration refused at load (was exit 1)
     # the project's form, as at composition: no 'models.config.UnsupportedCheckpointError: '
@@ -148,11 +141,7 @@ def test_inferlab_run_on_a_folder_without_a_config_is_a_configuration_error(
     folder = tmp_path / "ckpt"
     folder.mkdir()
     make(folder)
-    result = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "run", "model=hf", f"model.path={folder}",
-         "workload.num_requests=2", "run.warmup_requests=0", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    result = run_on_checkpoint(folder, tmp_path / "run")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith(says.format(tmp=folder))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from checkpoints import write_tiny_gguf
+from checkpoints import run_on_checkpoint, write_tiny_gguf
 
 from harness import cli
 from models.gguf import UnsupportedGGUFError, open_gguf, tokenizer_folder
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -172,11 +168,7 @@ def test_inferlab_run_on_a_damaged_header_fails_naming_the_field(
 ) -> None:
     path, size = damaged(good, tmp_path, CASES[0][1])
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "run", "model=hf", f"model.path={path}",
-         "workload.num_requests=2", "run.warmup_requests=0", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    result = run_on_checkpoint(path, run_dir)
     reason = f"{path}: tensor count 4294967295 does not fit the file ({size} bytes)"
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith(reason), result.stderr

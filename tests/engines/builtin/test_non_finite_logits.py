@@ -6,16 +6,13 @@ throughput."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from checkpoints import write_tiny_checkpoint
+from checkpoints import run_on_checkpoint, write_tiny_checkpoint
 
 from engines.builtin import LLM, SamplingParams
 
-REPO = Path(__file__).resolve().parents[3]
 NAN, INF = float("nan"), float("inf")
 
 
@@ -56,11 +53,7 @@ def test_inferlab_run_on_nan_weights_fails_with_the_reason(tmp_path: Path) -> No
         tmp_path / "ckpt", poisoned={"model.layers.1.self_attn.v_proj.weight": NAN}
     )
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "run", "model=hf", f"model.path={folder}",
-         "workload.num_requests=3", "run.warmup_requests=0", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    result = run_on_checkpoint(folder, run_dir, num_requests=3)
     assert result.returncode == 1, result.stderr
     reason = "non-finite logits (NaN) at step 0: the model's weights or config produce NaN"
     assert reason in result.stderr.strip().splitlines()[-1], result.stderr

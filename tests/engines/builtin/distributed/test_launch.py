@@ -159,6 +159,17 @@ RANK_0_SAYS_ITS_CONFIG_ERROR = (
 )
 
 
+def rank_0_says(env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Rank 0 of a world of 2 with `env`, its ConfigError (if any) on stdout."""
+    return subprocess.run(
+        [sys.executable, "-c", RANK_0_SAYS_ITS_CONFIG_ERROR],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def test_a_master_port_in_use_is_refused_by_name() -> None:
     # torchrun's rank 0 serves the store on MASTER_PORT: one in use was a DistNetworkError
     # (EADDRINUSE) that never named the variable. In a fresh process: a failed
@@ -169,13 +180,7 @@ def test_a_master_port_in_use_is_refused_by_name() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         env = {**os.environ, **torchrun_env(0, 2, port)}
-        done = subprocess.run(
-            [sys.executable, "-c", RANK_0_SAYS_ITS_CONFIG_ERROR],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = rank_0_says(env, timeout=60)
     assert done.stdout.startswith(f"MASTER_PORT={port}: the port is in use"), done.stderr[-2000:]
 
 
@@ -184,13 +189,7 @@ def test_an_unknown_master_addr_is_refused_by_name() -> None:
     # C++ stack traces and waited ~7 min, deaf to SIGTERM and Ctrl-C. (In a fresh process, as
     # the test above.)
     env = {**os.environ, **torchrun_env(0, 2, free_port()), "MASTER_ADDR": "nonexistent.invalid"}
-    done = subprocess.run(
-        [sys.executable, "-c", RANK_0_SAYS_ITS_CONFIG_ERROR],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = rank_0_says(env, timeout=120)
     assert done.stdout.startswith("MASTER_ADDR: 'nonexistent.invalid' is not a known host")
 
 
