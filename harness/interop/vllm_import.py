@@ -424,7 +424,7 @@ def usable_duration(result: VllmResult, run: ImportedRun) -> bool:
         raise InteropError(f"{where}: duration: {duration:g} is invalid; allowed: a time >= 0")
     if _duration_agrees(result):
         return True
-    rate = result.completed / duration if 0 < duration < math.inf else None
+    rate = _rate(result)
     run.warnings.append(
         f"{where}: 'duration' is {duration:g} s, but completed / duration = "
         f"{'undefined' if rate is None else f'{rate:g}'} where the file's request_throughput is "
@@ -436,9 +436,13 @@ def usable_duration(result: VllmResult, run: ImportedRun) -> bool:
 def _duration_agrees(result: VllmResult) -> bool:
     """Whether `duration` is finite, positive and what vLLM divided by: request_throughput =
     completed / duration."""
-    duration = result.duration
-    rate = result.completed / duration if 0 < duration < math.inf else None
+    rate = _rate(result)
     return rate is not None and math.isclose(rate, result.request_throughput, rel_tol=0.01)
+
+
+def _rate(result: VllmResult) -> float | None:
+    """completed / duration; None where the duration is 0, negative or infinite."""
+    return result.completed / result.duration if 0 < result.duration < math.inf else None
 
 
 def import_file(documents: list[Any], path: Path) -> list[ImportedRun]:
