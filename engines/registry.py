@@ -112,7 +112,7 @@ def _weights_from_model_group(options: Options, model: Options) -> Options:
     """The model group as the options of a backend that loads the weights itself."""
     require_model_path(model)
     options = dict(options)
-    from engines.train_tiny import trained_model_location  # small models with learned weights
+    from models.train_tiny import trained_model_location  # small models with learned weights
 
     options["model"] = trained_model_location(model.get("path") or model["name"])
     draft = options.get("speculative_config")

@@ -85,7 +85,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
         return kv_calc.main(rest)
     if command == "train-tiny":
-        from engines import train_tiny
+        from models import train_tiny
 
         return train_tiny.main(rest)
     if command == "serve":

@@ -38,7 +38,7 @@ from engines.llamacpp.backend import LlamaCppBackend
 from engines.llamacpp.config import LlamaCppConfig
 from engines.llamacpp.runner import BatchToken, LlamaCppRunner
 from engines.sampling_params import SamplingParams
-from engines.train_tiny import corpus_text
+from models.train_tiny import corpus_text
 
 
 def prompts(backend: LlamaCppBackend, count: int, length: int) -> list[list[int]]:

@@ -16,8 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from engines.builtin import LLM, SamplingParams
-from engines.train_tiny import corpus_text
 from models.files import UserFileError, check_regular_file
+from models.train_tiny import corpus_text
 from workloads.common import resolve_path
 from workloads.prompt_sets import load_prompt_set
 

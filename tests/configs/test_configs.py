@@ -12,13 +12,13 @@ import yaml
 from omegaconf import OmegaConf
 
 import configs
-from engines import train_tiny
 from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
 from engines.llamacpp.config import LlamaCppConfig
 from engines.registry import BACKENDS, build_backend
 from harness.running.experiment import make_workload
 from harness.running.window import WindowConfig
+from models import train_tiny
 from workloads import WORKLOAD_TYPES
 from workloads.arrivals import _KEYS as ARRIVAL_KEYS
 from workloads.arrivals import Arrival

@@ -18,7 +18,6 @@ import torch
 from checkpoints import write_tiny_gguf
 
 from engines.llamacpp.runner import converted
-from engines.train_tiny import cache_key, cached_tiny_model
 from harness.cli import main as inferlab
 from harness.measuring import hardware
 from models.cache import (
@@ -30,6 +29,7 @@ from models.cache import (
 )
 from models.gguf import tokenizer_folder
 from models.tokenizer import default_tokenizer
+from models.train_tiny import cache_key, cached_tiny_model
 
 OTHER_UID = 12345
 TINY_PROBE = {"probe_bytes": 1 << 20, "matmul_size": 64}

@@ -40,9 +40,9 @@ from engines.base import (
 from engines.llamacpp.backend import LlamaCppBackend
 from engines.registry import build_backend
 from engines.sampling_params import SamplingParams
-from engines.train_tiny import corpus_text
 from harness.running.experiment import run_experiment
 from models.packaged import packaged_model_path
+from models.train_tiny import corpus_text
 
 pytestmark = [pytest.mark.peer, pytest.mark.real]
 

@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import load_file
 
 from engines.builtin import LLM, SamplingParams
-from engines.train_tiny import cached_tiny_model, corpus_text, train_tiny
 from harness.measuring.quality import (
     perplexity,
     probe_prompts,
@@ -19,6 +18,7 @@ from harness.measuring.quality import (
     quality_probe,
     run_quality,
 )
+from models.train_tiny import cached_tiny_model, corpus_text, train_tiny
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
