@@ -9,7 +9,7 @@ from engines.plugins import REGISTRIES
 
 #: the modules whose import registers the entries
 REGISTERING_MODULES = (
-    "engines.registry",
+    "engines.backends",
     "engines.builtin.attention",
     "engines.builtin.layers",
     "engines.builtin.kv_cache.sizing",

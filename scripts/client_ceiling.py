@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import configs  # noqa: E402
-import engines.registry  # noqa: E402, F401  (the config groups' schemas, for compose)
+import engines.backends  # noqa: E402, F401  (the config groups' schemas, for compose)
 import workloads  # noqa: E402, F401
 from harness.run_folder import load_table, output_file_path  # noqa: E402
 from harness.running import config_schema  # noqa: E402, F401

@@ -29,7 +29,7 @@ import yaml
 
 import configs
 import workloads  # noqa: F401  (the workload groups' schemas, for compose)
-from engines import registry
+from engines import backends
 from engines.builtin.backend import BuiltinBackend
 from serving.auth import API_KEY_ENV, is_loopback
 from serving.config import ServerConfig, ServerConfigError
@@ -134,7 +134,7 @@ def build_backend(argv: list[str]) -> tuple[BuiltinBackend, ServerConfig]:
             "`inferlab serve` runs the built-in engine (engine.backend=builtin)"
         )
     check_checkpoint(config["model"])
-    backend = registry.build_backend(engine, config["model"])
+    backend = backends.build_backend(engine, config["model"])
     assert isinstance(backend, BuiltinBackend)
     if server.served_model_name is None:  # what the user named, not a resolved cache path
         server.served_model_name = str(config["model"].get("path") or config["model"]["name"])

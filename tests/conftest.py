@@ -21,7 +21,7 @@ from typing import Any, Literal  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import engines.registry  # noqa: E402, F401  (the config groups' schemas, for configs.compose)
+import engines.backends  # noqa: E402, F401  (the config groups' schemas, for configs.compose)
 import workloads  # noqa: E402, F401
 from engines.builtin import LLM  # noqa: E402
 from harness.running import config_schema  # noqa: E402, F401

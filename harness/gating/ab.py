@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import IO, Any, TypeGuard, cast
 
 import configs
-import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
+import engines.backends  # noqa: F401  (the engine groups' schemas, for compose)
 import workloads  # noqa: F401  (the workload groups' schemas, for compose)
 from harness import SOURCE_ROOT, source_env
 from harness.gating.inputs import is_number, read_run

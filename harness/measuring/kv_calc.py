@@ -31,7 +31,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 import configs
-import engines.registry  # (also the engine groups' schemas, for compose)
+import engines.backends  # (also the engine groups' schemas, for compose)
 import workloads  # noqa: F401  (the workload groups' schemas, for compose)
 from engines.base import ConfigError
 from harness.measuring import hardware  # (also hardware=cpu's schema, for compose)
@@ -532,7 +532,7 @@ def plan(overrides: list[str], own: dict[str, Any]) -> dict[str, Any]:
     cfg = OmegaConf.to_container(configs.compose(overrides), resolve=True)
     assert isinstance(cfg, dict)
     model, engine = cfg["model"], cfg["engine"]
-    engines.registry.require_model_path(model)
+    engines.backends.require_model_path(model)
     _refuse_unmodelled(engine)
     hw = hardware.validate_config(cfg.get("hardware"))
     spec = None if hw["name"] == "auto" else hardware.resolve(hw, None)[0]

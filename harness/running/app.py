@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import configs
-import engines.registry  # noqa: F401  (the engine groups' schemas, before Hydra composes)
+import engines.backends  # noqa: F401  (the engine groups' schemas, before Hydra composes)
 import workloads  # noqa: F401  (the workload groups' schemas, likewise)
 from harness.run_folder import read_summary
 from harness.running import config_schema  # noqa: F401  (the primary config's, likewise)

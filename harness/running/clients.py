@@ -48,8 +48,8 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from engines.backends import build_backend
 from engines.base import Backend, now_ns
-from engines.registry import build_backend
 from harness.running import heap
 from harness.running.driver import Driver, RequestTrace, RowSink
 from harness.running.interrupts import deferred, interrupts

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import workloads
+from engines.backends import build_backend
 from engines.base import now_ns
 from engines.builtin.backend import BuiltinBackend
 from engines.openai.server_metrics import server_root
-from engines.registry import build_backend
 from harness.measuring import hardware, provenance, roofline
 from harness.measuring.monitors import Monitor, MonitorConfig, gpu_index_for, watch_servers
 from harness.measuring.profiling import StepProfiler, profiler_from_config

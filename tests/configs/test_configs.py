@@ -12,10 +12,10 @@ import yaml
 from omegaconf import OmegaConf
 
 import configs
+from engines.backends import BACKENDS, build_backend
 from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
 from engines.llamacpp.config import LlamaCppConfig
-from engines.registry import BACKENDS, build_backend
 from harness.running.experiment import make_workload
 from harness.running.window import WindowConfig
 from models import train_tiny
@@ -465,7 +465,7 @@ def test_hardware_cpu_options_live_once_in_their_dataclass() -> None:
 def test_model_presets_set_only_what_they_choose(model: str) -> None:
     """The model group's keys and defaults are ModelChoice's (engines/registry.py); a preset
     names its model (model=hf also requires a path) and restates no default."""
-    from engines.registry import ModelChoice
+    from engines.backends import ModelChoice
 
     defaults = dataclasses.asdict(ModelChoice())
     shipped = yaml.safe_load((CONFIGS / "model" / f"{model}.yaml").read_text())
@@ -479,7 +479,7 @@ def test_model_presets_set_only_what_they_choose(model: str) -> None:
 
 
 def test_trained_models_resolve_to_their_folders_as_target_and_as_draft() -> None:
-    from engines.registry import _weights_from_model_group
+    from engines.backends import _weights_from_model_group
 
     def folder(model: str) -> str:
         return f"/cache/{model}" if model in train_tiny.TRAINED_MODELS else model

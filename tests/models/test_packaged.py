@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import models.packaged as packaged
-from engines.registry import build_backend
+from engines.backends import build_backend
 from models.config import resolve_model
 from models.packaged import PackagedModel, PackagedModelMissingError, packaged_model_path
 

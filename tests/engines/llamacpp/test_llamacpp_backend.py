@@ -27,6 +27,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import configs
+from engines.backends import build_backend
 from engines.base import (
     ConfigError,
     Failed,
@@ -38,7 +39,6 @@ from engines.base import (
     Tokens,
 )
 from engines.llamacpp.backend import LlamaCppBackend
-from engines.registry import build_backend
 from engines.sampling_params import SamplingParams
 from harness.running.experiment import run_experiment
 from models.packaged import packaged_model_path

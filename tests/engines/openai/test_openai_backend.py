@@ -1098,7 +1098,7 @@ def test_engine_openai_composes_from_the_config_group() -> None:
     from omegaconf import OmegaConf
 
     import configs
-    from engines.registry import build_backend
+    from engines.backends import build_backend
 
     cfg = configs.compose(["engine=openai", "model=tiny", "engine.server=sglang"])
     config = OmegaConf.to_container(cfg, resolve=True)

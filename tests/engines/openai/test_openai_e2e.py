@@ -20,12 +20,12 @@ import pytest
 from omegaconf import OmegaConf
 
 import configs
-import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
+import engines.backends  # noqa: F401  (the engine groups' schemas, for compose)
+from engines.backends import build_backend
 from engines.base import Finished, Tokens
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.llm import LLM
 from engines.openai.backend import OpenAIBackend
-from engines.registry import build_backend
 from engines.sampling_params import SamplingParams
 from harness.running.experiment import make_workload, run_experiment
 

@@ -32,9 +32,9 @@ import pytest
 from omegaconf import OmegaConf
 
 import configs
+from engines.backends import build_backend
 from engines.base import GenerationRequest
 from engines.openai.backend import OpenAIBackend
-from engines.registry import build_backend
 from engines.sampling_params import SamplingParams
 from harness.running.experiment import run_experiment
 from models.packaged import packaged_model_path

@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 import configs
-import engines.registry  # noqa: F401  (the engine groups' schemas, for compose)
+import engines.backends  # noqa: F401  (the engine groups' schemas, for compose)
 from engines.builtin import platform
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache.storage import kv_element_bytes

@@ -21,10 +21,10 @@ from omegaconf import OmegaConf
 
 import configs
 from configs import ComposeError
+from engines.backends import build_backend
 from engines.base import ConfigError, GenerationRequest
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
-from engines.registry import build_backend
 from engines.sampling_params import SamplingParams
 from harness.measuring.metrics import REGISTRY, compute_summary
 from harness.run_folder import RunRecorder, load_table
