@@ -21,7 +21,7 @@ from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
 from engines.llamacpp.config import LlamaCppConfig
 from engines.openai.config import OpenAIConfig
-from engines.plugins import Registry
+from engines.registry import Registry
 
 Options = dict[str, Any]
 Builder = Callable[[Options, Options], Backend]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-from engines.plugins import REGISTRIES
+from engines.registry import REGISTRIES
 
 #: the modules whose import registers the entries
 REGISTERING_MODULES = (

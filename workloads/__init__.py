@@ -18,7 +18,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from engines.plugins import Registry
+from engines.registry import Registry
 from workloads.arrivals import arrival_times
 from workloads.lengths import clip_to_context, parse_length
 from workloads.prompt_workload import PromptsWorkload

@@ -14,7 +14,7 @@ from engines.builtin.attention.dense import (
     sdpa_kernel,
 )
 from engines.builtin.attention.metadata import AttentionMetadata
-from engines.plugins import Registry
+from engines.registry import Registry
 
 #: `engine.attention_backend` -> a function making the backend (heavy ones imported on use).
 ATTENTION_BACKENDS = Registry[Callable[[], AttentionBackend]](

@@ -11,7 +11,7 @@ from engines.builtin.kv_cache.base import KVCacheManager, KVLayout
 from engines.builtin.kv_cache.contiguous import ContiguousKVCacheManager
 from engines.builtin.kv_cache.none import NoKVCacheManager
 from engines.builtin.kv_cache.paged import PagedKVCacheManager
-from engines.plugins import Registry
+from engines.registry import Registry
 from models.config import ceil_div
 
 

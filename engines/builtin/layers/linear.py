@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.builtin import native
-from engines.plugins import Registry
+from engines.registry import Registry
 
 
 class LinearMethod(ABC):

@@ -14,7 +14,7 @@ import torch
 
 from engines.builtin.sequence import Sequence
 from engines.builtin.spec_decode.config import SpeculativeConfig
-from engines.plugins import Registry
+from engines.registry import Registry
 
 
 @dataclass

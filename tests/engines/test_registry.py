@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.plugins import Registry
+from engines.registry import Registry
 from harness.plugins import listing
 
 
