@@ -117,9 +117,9 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
         return interop_cli.import_main(rest)
     if command == "list":
-        from harness import plugins
+        from harness import listing
 
-        print(plugins.listing())
+        print(listing.listing())
         return 0
     print(f"inferlab: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engines.registry import Registry
-from harness.plugins import listing
+from harness.listing import listing
 
 
 def test_every_plug_point_is_listed_with_its_entries() -> None:
