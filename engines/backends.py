@@ -22,6 +22,7 @@ from engines.hf.config import HFConfig
 from engines.llamacpp.config import LlamaCppConfig
 from engines.openai.config import OpenAIConfig
 from engines.registry import Registry
+from models.location import model_group_name, model_location
 
 Options = dict[str, Any]
 Builder = Callable[[Options, Options], Backend]
@@ -35,8 +36,9 @@ class ModelChoice:
     """The `model` group: the model every backend runs; configs/model/*.yaml are its presets
     (the schema `model/model_schema`)."""
 
-    # required: a preset (models/config.py), a packaged model (models/packaged.py), hf, or a
-    # trained one (engines/train_tiny.py TRAINED_MODELS: tiny-trained, tiny-trained-large, ...)
+    # required: hf, or a model name (models/location.py, the one resolver): a preset
+    # (models/config.py), a packaged model (models/packaged.py) or a trained one
+    # (models/train_tiny.py TRAINED_MODELS: tiny-trained, tiny-trained-large, ...)
     name: str = "???"
     path: str | None = None  # model=hf: a local Hugging Face checkpoint folder or .gguf file
     tokenizer: str | None = None  # None: the checkpoint's tokenizer, else the built-in BPE
@@ -99,25 +101,13 @@ def build_backend(engine: Options, model: Options) -> Backend:
     return entry.build(options, model)
 
 
-def require_model_path(model: Options) -> None:
-    """model=hf names no model by itself: its model.path must be given."""
-    if model.get("name") == "hf" and not model.get("path"):
-        raise ValueError(
-            "model.path: required for model=hf (a local Hugging Face checkpoint "
-            "folder with config.json and *.safetensors)"
-        )
-
-
 def _weights_from_model_group(options: Options, model: Options) -> Options:
     """The model group as the options of a backend that loads the weights itself."""
-    require_model_path(model)
     options = dict(options)
-    from models.train_tiny import trained_model_location  # small models with learned weights
-
-    options["model"] = trained_model_location(model.get("path") or model["name"])
+    options["model"] = model_location(model_group_name(model))
     draft = options.get("speculative_config")
     if isinstance(draft, Mapping) and isinstance(draft.get("model"), str):
-        options["speculative_config"] = {**draft, "model": trained_model_location(draft["model"])}
+        options["speculative_config"] = {**draft, "model": model_location(draft["model"])}
     options["model_overrides"] = dict(model.get("overrides") or {})
     options["tokenizer"] = model.get("tokenizer")
     return options

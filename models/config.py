@@ -16,7 +16,8 @@ from typing import Any
 
 from models.files import SETTINGS, UserFileError, read_input_text
 from models.gguf import GGUF_KEYS, gguf_hf_config
-from models.packaged import PACKAGED_MODELS, packaged_model_path
+from models.location import model_location
+from models.packaged import PACKAGED_MODELS
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -493,12 +494,12 @@ def _eos_ids(eos: Any) -> Any:
 
 
 def resolve_model(model: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
-    """A preset name, a packaged model, a checkpoint folder or a GGUF file -> ModelConfig."""
+    """A preset name, a trained or packaged model, a checkpoint folder or a GGUF file ->
+    ModelConfig."""
     name = str(model)
     if name in PRESETS:
         return PRESETS[name].with_overrides(overrides)
-    if name in PACKAGED_MODELS:
-        name = str(packaged_model_path(name))
+    name = model_location(name)
     if name.endswith(".gguf") and Path(name).is_file():
         return from_hf_dict(gguf_hf_config(name), name, GGUF_KEYS).with_overrides(overrides)
     if Path(name).exists():

@@ -53,9 +53,3 @@ def packaged_model_path(name: str) -> Path:
             f"file; reinstall it: {entry.install}"
         )
     return found[0]
-
-
-def model_location(model: str) -> str:
-    """Where a model's weights are: a packaged model's installed file, else `model` as given
-    (a preset name, a checkpoint folder or a file)."""
-    return str(packaged_model_path(model)) if model in PACKAGED_MODELS else model

@@ -62,12 +62,10 @@ TRAINED_MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def trained_model_location(model: str) -> str:
-    """A TRAINED_MODELS name -> its cached checkpoint folder (trained on first use); any other
-    model string as given."""
-    if model not in TRAINED_MODELS:
-        return model
-    return str(cached_tiny_model(**TRAINED_MODELS[model]))
+def trained_model_path(name: str) -> Path:
+    """The checkpoint folder of the trained model `name` (a key of TRAINED_MODELS), in the
+    cache: trained on first use."""
+    return cached_tiny_model(**TRAINED_MODELS[name])
 
 
 def corpus_text(text_path: str | Path | None = None) -> str:

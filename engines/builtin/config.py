@@ -14,7 +14,7 @@ from typing import Any
 from engines.base import ConfigError
 from engines.builtin.spec_decode.config import SpeculativeConfig
 from models.dtypes import DTYPE_ALIASES
-from models.packaged import model_location
+from models.location import model_location
 
 CHOICES = {
     "kv_cache": ("none", "contiguous", "paged"),

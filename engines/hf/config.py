@@ -7,7 +7,7 @@ from typing import Any
 
 from engines.base import ConfigError
 from models.dtypes import DTYPE_ALIASES
-from models.packaged import model_location
+from models.location import model_location
 
 MODES = ("generate", "generate_batch")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from engines.base import ConfigError
-from models.packaged import model_location
+from models.location import model_location
 
 FLASH_ATTN = ("auto", "on", "off")
 # the model file's tensors re-encoded first (`inferlab convert`, cached): an equal-precision

@@ -31,7 +31,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 import configs
-import engines.backends  # (also the engine groups' schemas, for compose)
+import engines.backends  # noqa: F401  (the engine groups' schemas, for compose)
 import workloads  # noqa: F401  (the workload groups' schemas, for compose)
 from engines.base import ConfigError
 from harness.measuring import hardware  # (also hardware=cpu's schema, for compose)
@@ -40,6 +40,7 @@ from harness.measuring.hardware import HardwareSpec
 from harness.measuring.roofline import ModelShape, predicted_time, step_costs
 from models.config import ModelConfig, kv_bytes_per_token, resolve_model
 from models.dtypes import DTYPE_ALIASES
+from models.location import model_group_name
 from models.tensor_parallel import (
     TP_KEY,
     allowed_tp_sizes,
@@ -532,12 +533,11 @@ def plan(overrides: list[str], own: dict[str, Any]) -> dict[str, Any]:
     cfg = OmegaConf.to_container(configs.compose(overrides), resolve=True)
     assert isinstance(cfg, dict)
     model, engine = cfg["model"], cfg["engine"]
-    engines.backends.require_model_path(model)
     _refuse_unmodelled(engine)
     hw = hardware.validate_config(cfg.get("hardware"))
     spec = None if hw["name"] == "auto" else hardware.resolve(hw, None)[0]
     return kv_calc(
-        model.get("path") or model["name"],
+        model_group_name(model),
         model.get("overrides"),
         engine.get("max_model_len"),
         engine.get("dtype", "auto"),

@@ -18,7 +18,7 @@ from engines.hf.config import HFConfig
 from engines.llamacpp.config import LlamaCppConfig
 from harness.running.experiment import make_workload
 from harness.running.window import WindowConfig
-from models import train_tiny
+from models import location, train_tiny
 from workloads import WORKLOAD_TYPES
 from workloads.arrivals import _KEYS as ARRIVAL_KEYS
 from workloads.arrivals import Arrival
@@ -39,8 +39,8 @@ def names(group: str) -> list[str]:
 ENGINE_CONFIGS = {"builtin": EngineConfig, "hf": HFConfig, "llamacpp": LlamaCppConfig}
 
 
-def untrained(model: str) -> str:
-    return "tiny" if model in train_tiny.TRAINED_MODELS else model
+def untrained(name: str) -> str:
+    return "tiny"
 
 
 def check(cfg: dict) -> None:
@@ -51,7 +51,7 @@ def check(cfg: dict) -> None:
     if cfg["model"]["name"] != "hf":  # it needs a folder
         # validates without loading; trained models stand in as the preset of the same
         # architecture (training one takes minutes)
-        with mock.patch.object(train_tiny, "trained_model_location", untrained):
+        with mock.patch.object(location, "trained_model_path", untrained):
             build_backend(cfg["engine"], cfg["model"])
     make_workload(cfg["workload"])
     WindowConfig.from_dict(cfg["run"]["window"])
@@ -481,11 +481,11 @@ def test_model_presets_set_only_what_they_choose(model: str) -> None:
 def test_trained_models_resolve_to_their_folders_as_target_and_as_draft() -> None:
     from engines.backends import _weights_from_model_group
 
-    def folder(model: str) -> str:
-        return f"/cache/{model}" if model in train_tiny.TRAINED_MODELS else model
+    def folder(name: str) -> str:
+        return f"/cache/{name}"
 
     spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": "tiny-trained"}
-    with mock.patch.object(train_tiny, "trained_model_location", folder):
+    with mock.patch.object(location, "trained_model_path", folder):
         options = _weights_from_model_group(
             {"speculative_config": spec}, {"name": "tiny-trained-large"}
         )

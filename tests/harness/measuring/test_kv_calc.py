@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from checkpoints import write_tiny_checkpoint
 from omegaconf import OmegaConf
 
 import configs
@@ -22,6 +23,7 @@ from harness.measuring import hardware
 from harness.measuring.hardware import HardwareSpec
 from harness.measuring.kv_calc import GIB, format_report, kv_calc
 from harness.measuring.kv_calc import main as kv_calc_main
+from models import train_tiny
 from models.config import kv_bytes_per_token, resolve_model
 
 REPO = Path(__file__).resolve().parents[3]
@@ -400,3 +402,17 @@ def test_model_hf_without_a_path_names_model_path(capsys: pytest.CaptureFixture[
         "error: model.path: required for model=hf (a local Hugging Face checkpoint folder "
         "with config.json and *.safetensors)\n"
     )
+
+
+def test_a_trained_model_is_planned_from_its_checkpoint(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Before: "model: 'tiny-trained' is neither a preset (...)", though `inferlab run
+    model=tiny-trained` runs it: kv-calc resolved model names apart from the backends."""
+    folder = write_tiny_checkpoint(tmp_path / "trained")
+    monkeypatch.setattr(train_tiny, "cached_tiny_model", lambda **settings: folder)
+    code, out, err = run_cli(capsys, "model=tiny-trained", "device_memory_gib=1")
+    assert (code, err) == (0, "")
+    tiny = resolve_model("tiny")
+    assert out.startswith("tiny-trained in bfloat16, max_model_len=256\n")
+    assert f"{tiny.num_layers} layers x {tiny.num_kv_heads} kv_heads" in out

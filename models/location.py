@@ -1,0 +1,43 @@
+"""What a model name names: the one resolver of `model=` (and of a speculative draft's
+`model`), which every backend, `resolve_model` and `inferlab kv-calc` use, so that a name
+means the same wherever it is given.
+
+A name is a trained model (models/train_tiny.py `TRAINED_MODELS`: its checkpoint folder in the
+cache, trained on first use), a packaged model (models/packaged.py `PACKAGED_MODELS`: the file
+its installed package ships), or anything else, as given: a preset (models/config.py
+`PRESETS`), a checkpoint folder or a .gguf file, which `resolve_model` reads. The model group
+names its model by `model.name`, or with model=hf by `model.path`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from models.packaged import PACKAGED_MODELS, packaged_model_path
+from models.train_tiny import TRAINED_MODELS, trained_model_path
+
+
+def model_location(name: str) -> str:
+    """Where the model `name` is: a trained model's checkpoint folder, a packaged model's
+    installed file, else `name` as given (a preset, a checkpoint folder or a file)."""
+    if name in TRAINED_MODELS:
+        return str(trained_model_path(name))
+    if name in PACKAGED_MODELS:
+        return str(packaged_model_path(name))
+    return name
+
+
+def require_model_path(model: Mapping[str, Any]) -> None:
+    """model=hf names no model by itself: its model.path must be given."""
+    if model.get("name") == "hf" and not model.get("path"):
+        raise ValueError(
+            "model.path: required for model=hf (a local Hugging Face checkpoint "
+            "folder with config.json and *.safetensors)"
+        )
+
+
+def model_group_name(model: Mapping[str, Any]) -> str:
+    """The model the `model` group names: model.path (required for model=hf), else model.name."""
+    require_model_path(model)
+    return str(model.get("path") or model["name"])
