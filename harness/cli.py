@@ -85,9 +85,9 @@ def _dispatch(command: str, rest: list[str]) -> int:
 
         return kv_calc.main(rest)
     if command == "train-tiny":
-        from models import train_tiny
+        from harness import train_tiny_cli
 
-        return train_tiny.main(rest)
+        return train_tiny_cli.main(rest)
     if command == "serve":
         from serving import cli as serve_cli
 

@@ -1,4 +1,5 @@
-"""`inferlab train-tiny`: train a small Llama-shaped model on CPU (a minute for tiny-trained).
+"""Small Llama-shaped models with learned weights, trained on CPU (a minute for tiny-trained);
+`inferlab train-tiny` (harness/train_tiny_cli.py) is the command.
 
 The dummy presets have random weights, so their logits carry no signal: a quantization or
 dtype change cannot be judged on them. This trains a small real model (Hugging Face
@@ -20,11 +21,9 @@ draft's `model`) accepts: ``tiny-trained``, and ``tiny-trained-large`` with
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.files import DATA, UserFileError, check_model_output, read_input_text
+from models.files import DATA, UserFileError, read_input_text
 from models.tokenizer import CORPUS_DIR
 
 DEFAULTS: dict[str, Any] = dict(
@@ -194,75 +193,3 @@ def cached_tiny_model(text_path: str | Path | None = None, **params: Any) -> Pat
         lambda tmp: train_tiny(text_path, tmp, **{**DEFAULTS, **params}),
         "trained-model cache",
     )
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is invalid; allowed: an integer >= 1")
-    return value
-
-
-#: what both torch.manual_seed and numpy's generators take
-MAX_SEED = 2**64 - 1
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is invalid; allowed: an integer in [0, 2**64 - 1]"
-        )
-    return value
-
-
-def _error(message: str) -> int:
-    print(f"inferlab train-tiny: {message}", file=sys.stderr)
-    return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="inferlab train-tiny", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--text", help="training text file (default: the shipped corpus)")
-    parser.add_argument("--out", help="output folder (default: the cache, reused if present)")
-    parser.add_argument(
-        "--force", action="store_true", help="write over an --out folder that is not empty"
-    )
-    parser.add_argument(
-        "--model",
-        default="tiny-trained",
-        choices=list(TRAINED_MODELS),
-        help="which shape (default: tiny-trained)",
-    )
-    parser.add_argument(
-        "--steps", type=_positive, help="training steps, >= 1 (default: the model's)"
-    )
-    parser.add_argument("--seed", type=_seed, help=f"default: {DEFAULTS['seed']}")
-    args = parser.parse_args(argv)
-    params = dict(TRAINED_MODELS[args.model])
-    params.update({k: v for k, v in (("steps", args.steps), ("seed", args.seed)) if v is not None})
-    try:  # before training: a checkpoint already there is replaced only when asked
-        if args.out:
-            check_model_output(args.out, "--out", folder=True, force=args.force)
-    except UserFileError as exc:
-        return _error(str(exc))
-    try:
-        if args.out:
-            out = train_tiny(args.text, args.out, **{**DEFAULTS, **params})
-        else:
-            out = cached_tiny_model(args.text, **params)
-    except UserFileError as exc:  # --text missing, not a regular file, too large, not UTF-8
-        return _error(f"--text: {exc}")
-    except OSError as exc:  # the model could not be written (an unwritable --out, a full disk)
-        return _error(f"{exc.filename or args.out}: cannot be written: {exc.strerror or exc}")
-    log = json.loads((out / "train_log.json").read_text())
-    print(
-        f"{out}\n  steps {log['steps']}  loss {log['first_loss']:.3f} -> "
-        f"{log['final_loss']:.3f}  ({log['seconds']} s, {log['parameters']:,} parameters)"
-    )
-    return 0

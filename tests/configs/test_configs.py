@@ -16,6 +16,7 @@ from engines.backends import BACKENDS, build_backend
 from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
 from engines.llamacpp.config import LlamaCppConfig
+from harness import train_tiny_cli
 from harness.running.experiment import make_workload
 from harness.running.window import WindowConfig
 from models import location, train_tiny
@@ -501,7 +502,7 @@ def test_train_tiny_refuses_a_step_count_below_one() -> None:
     with pytest.raises(ValueError, match=r"train-tiny: steps=0 is invalid; allowed: an integer"):
         train_tiny.train_tiny(None, "/nonexistent", steps=0)
     with pytest.raises(SystemExit):
-        train_tiny.main(["--model", "tiny-trained-draft", "--steps", "-5"])
+        train_tiny_cli.main(["--model", "tiny-trained-draft", "--steps", "-5"])
 
 
 @pytest.mark.parametrize(
