@@ -1,7 +1,7 @@
 """The Hydra config tree that `inferlab run`, `serve`, `kv-calc` and `ab` compose: `config.yaml`
 and its groups. Each `engine` group extends its backend's schema, `<backend>_schema`, and each
 `workload` group its type's, `<type>_schema`: the options dataclasses, where defaults and types
-live once; the YAML files hold presets. Importing `engines.registry` and `workloads` puts the
+live once; the YAML files hold presets. Importing `engines.backends` and `workloads` puts the
 schemas in Hydra's ConfigStore; a composer imports them first (this package imports nothing
 of the project's: the engines and workloads sit above it)."""
 

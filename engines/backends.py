@@ -4,7 +4,7 @@ build backends from, and the schemas of the `engine` config group.
 A backend registers its options dataclass (whose fields, defaults and types are the `engine`
 group's keys: they live there once) and a function that builds the backend from those options
 and the `model` group. Adding a backend is a package of its own plus one `@register_backend`
-here (`BACKENDS`, a registry like every plug point's: engines/plugins.py);
+here (`BACKENDS`, a registry like every plug point's: engines/registry.py);
 `configs/engine/<name>.yaml` then only names the schema, `<name>_schema`, and presets.
 """
 

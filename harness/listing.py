@@ -1,5 +1,5 @@
 """`inferlab list`: every plug point, by the config key that picks from it, and what is
-registered there (engines/plugins.py)."""
+registered there (engines/registry.py)."""
 
 from __future__ import annotations
 

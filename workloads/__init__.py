@@ -1,6 +1,6 @@
 """Workloads: what requests arrive, when, and how long they are (see docs/workloads.md).
 
-`WORKLOAD_TYPES` (a registry, engines/plugins.py) maps the config's `workload.type` to a
+`WORKLOAD_TYPES` (a registry, engines/registry.py) maps the config's `workload.type` to a
 dataclass whose fields are exactly the config keys. Each has `validate() -> self`,
 `build(tokenizer, context_len=None) -> list[WorkloadRequest]`, an `info` dict filled by build,
 `concurrency` (C for a closed loop, else None) and `max_concurrency` (an open loop's cap on the

@@ -142,7 +142,7 @@ class EngineConfig:
             value = getattr(self, name)
             return ConfigError(f"engine.{name}: {value!r} is invalid; allowed: {allowed}")
 
-        self.model = model_location(self.model)  # a packaged model's file
+        self.model = model_location(self.model)  # a trained or packaged model's location
         if self.quantization is None:
             self.quantization = "none"
         for name, allowed in CHOICES.items():

@@ -47,7 +47,7 @@ class HFConfig:
                 f"engine.{name}: {getattr(self, name)!r} is invalid; allowed: {allowed}"
             )
 
-        self.model = model_location(self.model)  # a packaged model's file
+        self.model = model_location(self.model)  # a trained or packaged model's location
         if self.mode not in MODES:
             raise bad("mode", "|".join(MODES))
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:

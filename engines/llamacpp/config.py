@@ -58,7 +58,7 @@ class LlamaCppConfig:
                 f"engine.{name}: {getattr(self, name)!r} is invalid; allowed: {allowed}"
             )
 
-        self.model = model_location(self.model)  # a packaged model's file
+        self.model = model_location(self.model)  # a trained or packaged model's location
         if self.flash_attn not in FLASH_ATTN:
             raise bad("flash_attn", "|".join(FLASH_ATTN))
         if self.gguf_type is not None and self.gguf_type not in GGUF_TYPES:

@@ -464,7 +464,7 @@ def test_hardware_cpu_options_live_once_in_their_dataclass() -> None:
 
 @pytest.mark.parametrize("model", names("model"))
 def test_model_presets_set_only_what_they_choose(model: str) -> None:
-    """The model group's keys and defaults are ModelChoice's (engines/registry.py); a preset
+    """The model group's keys and defaults are ModelChoice's (engines/backends.py); a preset
     names its model (model=hf also requires a path) and restates no default."""
     from engines.backends import ModelChoice
 

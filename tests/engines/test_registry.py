@@ -1,4 +1,4 @@
-"""One registry pattern for every plug point (engines/plugins.py), listed by `inferlab list`."""
+"""One registry pattern for every plug point (engines/registry.py), listed by `inferlab list`."""
 
 from __future__ import annotations
 
