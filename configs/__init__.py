@@ -22,8 +22,13 @@ FLAG_WORDS = ("true", "false")
 def _refuse_loose_flags() -> None:
     """Make OmegaConf's bool nodes accept only true and false (a bool, or the word in any
     case): the project's form for a flag is `allowed: true|false`, and a typo or a number must
-    not silently turn a flag on. Installed once, by importing this package (every composer
-    does), for every config OmegaConf checks in the process."""
+    not silently turn a flag on. Installed once, by importing this package, for every config
+    OmegaConf checks in the process."""
+    # Global, at import, not around `compose`: most configs are composed by Hydra itself, out
+    # of our reach: `inferlab run`'s hydra.main, the sweeper's job configs, and a launcher
+    # plugin's (joblib, ray, submitit) in its own worker process, whose only code of ours is
+    # the task function it unpickles (harness.running.app, which imports this package). A
+    # patch put on and taken off around a call would also race the server's threads.
     from omegaconf import nodes
     from omegaconf.errors import ValidationError
 

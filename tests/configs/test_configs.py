@@ -196,6 +196,20 @@ def test_a_flag_is_true_or_false_not_any_word_or_number(override: str) -> None:
     assert str(error.value) == f"{key}: {value!r} is invalid; allowed: true|false"
 
 
+def test_hydra_s_own_composition_refuses_a_loose_flag_too() -> None:
+    """`inferlab run`, the sweeper and a launcher plugin's workers compose with Hydra's loader,
+    not configs.compose: the strict rule is global, not put on around compose."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    with (
+        initialize_config_dir(version_base="1.3", config_dir=str(configs.CONFIG_DIR)),
+        pytest.raises(ConfigCompositionException) as error,
+    ):
+        compose(config_name="config", overrides=["engine.native_kernels=1"])
+    assert "is not a valid bool" in str(error.value.__cause__)
+
+
 def test_true_and_false_in_any_case_are_still_flags() -> None:
     assert composed("run.resume=True")["run"]["resume"] is True
     assert composed("run.allow_failed_jobs=FALSE")["run"]["allow_failed_jobs"] is False
