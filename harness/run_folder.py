@@ -39,6 +39,7 @@ from typing import IO, Any
 import pandas as pd
 import yaml
 
+from configs import CONFIG_DIR
 from models.files import SETTINGS, UserFileError, given_output_path, read_input_bytes
 
 CONFIG_FILE = "config.yaml"
@@ -55,11 +56,20 @@ MULTIRUN_FILE = "multirun.yaml"
 #: Hydra's log of the run (`<job name>.log`; the job is harness/running/app.py's)
 JOB_LOG_FILE = "app.log"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
-#: Overrides that say how to run, not what: no column in sweep.csv, ignored by resume, by the
-#: report's variants and by the gate's matching of sweep jobs (a resumed job is the same job).
-HOW_TO_RUN_KEYS = frozenset({"run.resume", "run.progress", "run.allow_failed_jobs"})
 REPEAT_DIR = re.compile(r"^repeat-(\d+)$")
 AB_ROUND_DIR = re.compile(r"^round-(\d+)-([ab])$")
+
+
+def _how_to_run_keys() -> frozenset[str]:
+    """config.yaml's `hydra.job.config.override_dirname.exclude_keys`, where Hydra needs them
+    (a sweep job's folder name leaves them out), read from there: one list."""
+    config = yaml.safe_load((CONFIG_DIR / "config.yaml").read_text(encoding="utf-8"))
+    return frozenset(config["hydra"]["job"]["config"]["override_dirname"]["exclude_keys"])
+
+
+#: Overrides that say how to run, not what: no column in sweep.csv, ignored by resume, by the
+#: report's variants and by the gate's matching of sweep jobs (a resumed job is the same job).
+HOW_TO_RUN_KEYS = _how_to_run_keys()
 
 
 def repeat_dir(run_dir: Path, k: int) -> Path:

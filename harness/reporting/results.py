@@ -30,6 +30,7 @@ from harness.measuring.monitors import SAMPLE_COLUMNS  # an empty samples table'
 from harness.run_folder import (
     AB_ROUND_DIR,
     COLUMNS,
+    HOW_TO_RUN_KEYS,
     REPEAT_DIR,
     SUMMARY_FILE,
     UnreadableFile,
@@ -43,10 +44,6 @@ from harness.run_folder import (
     read_sweep_overrides,
     table_path,
 )
-from harness.running import sweep
-
-# overrides that say how to run, not what: not columns (as in sweep.csv)
-HOW_TO_RUN_KEYS: set[str] = set(getattr(sweep, "HOW_TO_RUN_KEYS", ()))
 
 BIG_TABLES = ("requests", "tokens", "steps", "samples")
 ID_COLUMNS = ["run_id", "variant", "path", "sweep", "job", "repeat", "round", "arm"]

@@ -190,9 +190,15 @@ def test_a_sweep_named_by_its_overrides_resumes_into_its_own_job_folders(
     assert len(pd.read_csv(tmp_path / "sweep.csv")) == 2
 
 
-def test_job_folder_names_leave_out_exactly_the_how_to_run_keys() -> None:
+def test_the_how_to_run_keys_are_the_run_section_s_flags() -> None:
+    """config.yaml's exclude_keys (job folder names leave them out) is the one list, which
+    harness.run_folder reads: each must be a flag of the run section, so that a misspelt one
+    is refused here, not silently kept in job folder names and sweep.csv columns."""
+    import configs
     from harness.run_folder import HOW_TO_RUN_KEYS
+    from harness.running import config_schema  # noqa: F401  (the run section's schema)
 
-    config = yaml.safe_load((REPO / "configs" / "config.yaml").read_text())
-    excluded = config["hydra"]["job"]["config"]["override_dirname"]["exclude_keys"]
-    assert set(excluded) == HOW_TO_RUN_KEYS
+    assert {"run.resume", "run.progress", "run.allow_failed_jobs"} == HOW_TO_RUN_KEYS
+    for key in HOW_TO_RUN_KEYS:
+        section, name = key.split(".")
+        assert configs.compose([f"{key}=true"])[section][name] is True
