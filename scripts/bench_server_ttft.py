@@ -19,7 +19,8 @@ it vs as the server reports it while other streams decode.
    TTFT observation) are dropped and counted.
 
 `--server-cwd DIR` runs `inferlab serve` from another checkout (before/after comparisons).
-Prints tables and, with --out, writes JSON.
+Prints tables and, with --out, writes JSON. Exit status 0 when every target it measured is
+met, 1 otherwise (`make check-server-ttft`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# the most a p50 TTFT through the server may exceed the one it is compared with (issues 7, 15)
+TARGET_MS = 5.0
 sys.path.insert(0, str(ROOT))
 
 from engines.base import GenerationRequest, Tokens, now_ns  # noqa: E402
@@ -367,8 +370,7 @@ def main() -> int:
         print(f"\n1. batch 1, {args.requests} requests")
         print_rows(rows)
         for name, value in (("httpx client", delta), ("raw client", delta_raw)):
-            verdict = "meets" if value <= 5.0 else "misses"
-            print(f"server ({name}) - in process, p50: {value:+.2f} ms ({verdict} the 5 ms target)")
+            print(f"server ({name}) - in process, p50: {value:+.2f} ms ({verdict(value)})")
         results.update(rows=rows, p50_delta_ms=delta, p50_delta_raw_ms=delta_raw)
     if args.background_streams:
         kept = pairs[args.warmup :]
@@ -382,12 +384,16 @@ def main() -> int:
             f"({dropped} dropped: a background stream restarted meanwhile)"
         )
         print_rows(loaded)
-        verdict = "meets" if gap <= 5.0 else "misses"
-        print(f"client - server, p50: {gap:+.2f} ms ({verdict} the 5 ms target)")
+        print(f"client - server, p50: {gap:+.2f} ms ({verdict(gap)})")
         results.update(loaded_rows=loaded, loaded_p50_gap_ms=gap, loaded_dropped=dropped)
     if args.out:
         write_output_text(args.out, json.dumps(results, indent=2), "--out")
-    return 0
+    gaps = [results.get(key) for key in ("p50_delta_ms", "p50_delta_raw_ms", "loaded_p50_gap_ms")]
+    return 0 if all(gap <= TARGET_MS for gap in gaps if gap is not None) else 1
+
+
+def verdict(gap_ms: float) -> str:
+    return f"{'meets' if gap_ms <= TARGET_MS else 'misses'} the {TARGET_MS:g} ms target"
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
