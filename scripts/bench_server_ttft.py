@@ -80,13 +80,7 @@ async def server_ttfts(base_url: str, prompts: list[list[int]], max_tokens: int)
     ttfts = []
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
         for prompt in prompts:
-            payload = {
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            }
+            payload = stream_payload(prompt, max_tokens)
             sent = now_ns()
             first = None
             async with client.stream("POST", "/v1/completions", json=payload) as response:
@@ -108,31 +102,29 @@ async def raw_server_ttfts(
     ttfts = []
     try:
         for prompt in prompts:
-            body = json.dumps(
-                {
-                    "prompt": prompt,
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                }
-            ).encode()
-            request = (
-                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
-                "Content-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n"
-            ).encode() + body
-            sent = now_ns()
-            writer.write(request)
-            buffer = b""
-            while b"data: {" not in buffer:
-                buffer += await _read(reader)
-            ttfts.append((now_ns() - sent) / 1e6)
-            while not buffer.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's last chunk
-                buffer += await _read(reader)
+            ttfts.append(await _raw_ttft(reader, writer, _post(host, prompt, max_tokens)))
     finally:
         writer.close()
     return ttfts
+
+
+async def _raw_ttft(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+) -> float:
+    """Sends a streaming request and reads its whole response; ms to its first data chunk."""
+    sent = now_ns()
+    writer.write(request)
+    buffer = b""
+    while b"data: {" not in buffer:
+        buffer += await _read(reader)
+    ttft_ms = (now_ns() - sent) / 1e6
+    await _read_to_end(reader, buffer)
+    return ttft_ms
+
+
+async def _read_to_end(reader: asyncio.StreamReader, buffer: bytes) -> None:
+    while not buffer.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's last chunk
+        buffer += await _read(reader)
 
 
 async def _read(reader: asyncio.StreamReader) -> bytes:
@@ -162,21 +154,11 @@ async def loaded_ttfts(
 
     async def decode_forever(index: int) -> None:
         reader, writer = await asyncio.open_connection(host, port)
-        body = json.dumps(
-            {
-                "prompt": prompts[index % len(prompts)],
-                "max_tokens": background_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            }
-        ).encode()
+        request = _post(host, prompts[index % len(prompts)], background_tokens)
         try:
             while not stop.is_set():
-                writer.write(_post(host, body))
-                buffer = b""
-                while not buffer.endswith(b"\r\n0\r\n\r\n"):
-                    buffer += await _read(reader)
+                writer.write(request)
+                await _read_to_end(reader, b"")
         finally:
             writer.close()
 
@@ -206,24 +188,8 @@ async def loaded_ttfts(
     try:
         await asyncio.sleep(2.0)  # every background stream past its first token
         for prompt in prompts:
-            body = json.dumps(
-                {
-                    "prompt": prompt,
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                }
-            ).encode()
             before_sum, before_count = await ttft_sum_count()
-            sent = now_ns()
-            writer.write(_post(host, body))
-            buffer = b""
-            while b"data: {" not in buffer:
-                buffer += await _read(reader)
-            client = (now_ns() - sent) / 1e6
-            while not buffer.endswith(b"\r\n0\r\n\r\n"):
-                buffer += await _read(reader)
+            client = await _raw_ttft(reader, writer, _post(host, prompt, max_tokens))
             after_sum, after_count = await ttft_sum_count()
             if after_count != before_count + 1:
                 dropped += 1
@@ -238,7 +204,20 @@ async def loaded_ttfts(
     return pairs, dropped
 
 
-def _post(host: str, body: bytes) -> bytes:
+def stream_payload(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """A streaming completion of exactly `max_tokens` tokens, greedy."""
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+def _post(host: str, prompt: list[int], max_tokens: int) -> bytes:
+    """The raw HTTP/1.1 request for stream_payload."""
+    body = json.dumps(stream_payload(prompt, max_tokens)).encode()
     return (
         f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
         "Content-Type: application/json\r\n"
