@@ -45,9 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET_MS = 5.0
 sys.path.insert(0, str(ROOT))
 
+from script_args import parse_args_checking_out  # noqa: E402
+
 from engines.base import GenerationRequest, Tokens, now_ns  # noqa: E402
 from engines.sampling_params import SamplingParams  # noqa: E402
-from harness.run_folder import output_file_path  # noqa: E402
 from models.files import write_output_text  # noqa: E402
 from serving.cli import build_backend, warm_up  # noqa: E402
 
@@ -288,12 +289,7 @@ def main() -> int:
         "--server-cwd", type=Path, default=ROOT, help="run `inferlab serve` from this checkout"
     )
     parser.add_argument("--out", help="write the results as JSON here")
-    args = parser.parse_args()
-    if args.out is not None:  # checked before the measurement, not after it
-        try:
-            args.out = output_file_path(args.out, "--out")
-        except ValueError as exc:
-            parser.error(str(exc))
+    args = parse_args_checking_out(parser)
 
     backend, _ = build_backend(args.overrides)
     backend.load()
