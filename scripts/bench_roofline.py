@@ -12,6 +12,7 @@ shows medians over the decode-only steps: measured step time (end - start, the M
 denominator), the forward alone, the roofline prediction (with the probe's measured overlap of
 compute and memory time) and measured/predicted, the standard max(compute, memory) roofline
 and measured/that, the bound, and mean MBU/MFU. Writes bench_roofline.csv next to the run folders.
+Exit status 0 when every batch size is within the target, 1 otherwise (`make check-roofline`).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def run_batch(args: argparse.Namespace, batch: int, threads: int, out: Path) -> 
     }
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--dtype", default="float32")
@@ -169,7 +170,8 @@ def main() -> None:
         f"worst: batch {int(worst['batch'])} ratio {worst['ratio']:.2f}"
     )
     print(f"run folders and bench_roofline.csv: {out}")
+    return 0 if table["within_target"].all() else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

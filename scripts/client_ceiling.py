@@ -39,10 +39,12 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from script_args import parse_args_checking_out  # noqa: E402
+
 import configs  # noqa: E402
 import engines.backends  # noqa: E402, F401  (the config groups' schemas, for compose)
 import workloads  # noqa: E402, F401
-from harness.run_folder import load_table, output_file_path  # noqa: E402
+from harness.run_folder import load_table  # noqa: E402
 from harness.running import config_schema  # noqa: E402, F401
 from harness.running.experiment import run_experiment  # noqa: E402
 from models.files import write_output_text  # noqa: E402
@@ -139,12 +141,7 @@ def main() -> None:
     parser.add_argument("--lateness-ms", type=float, default=None, help="default: 2 ITLs")
     parser.add_argument("--max-connections", type=int, default=1024)
     parser.add_argument("--out", default=None, help="also write the points (JSON)")
-    args = parser.parse_args()
-    if args.out is not None:  # checked before the measurement, not after it
-        try:
-            args.out = output_file_path(args.out, "--out")
-        except ValueError as exc:
-            parser.error(str(exc))
+    args = parse_args_checking_out(parser)
     if args.lateness_ms is None:
         args.lateness_ms = 2 * args.itl_ms
     rates = [float(r) for r in args.rates.split(",")]

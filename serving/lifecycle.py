@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engines.base import now_ns
 from serving.config import ServerConfig, ServerConfigError
 from serving.generation import ServingEngine
-from serving.protocol import send_error
+from serving.protocol import TrackedSend, send_error
 from serving.request_head import request_head_protocol
 
 logger = logging.getLogger("inferlab.serve")
@@ -90,7 +90,7 @@ class RequestClock:
             return
         scope[ARRIVAL_KEY] = now_ns()
         deadline = time.monotonic() + self.read_timeout_s
-        body_done = timed_out = started = False
+        body_done = timed_out = False
 
         async def timed_receive() -> Message:
             nonlocal body_done, timed_out
@@ -104,11 +104,7 @@ class RequestClock:
             body_done = message["type"] != "http.request" or not message.get("more_body")
             return message
 
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked_send = TrackedSend(send)
         try:
             await self.app(scope, timed_receive, tracked_send)
         except ClientDisconnect:
@@ -129,7 +125,7 @@ class RequestClock:
                 _client(scope),
                 self.read_timeout_s,
             )
-            if not started:
+            if not tracked_send.started:
                 await send_error(
                     send,
                     408,

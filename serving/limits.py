@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.protocol import send_error
+from serving.protocol import TrackedSend, send_error
 from serving.request_head import TOO_LARGE_CODE
 
 
@@ -37,7 +37,6 @@ class BodySizeLimit:
             await self._refuse(send, f"{declared} bytes (Content-Length)")
             return
         received = 0
-        started = False
 
         async def counting_receive() -> Message:
             nonlocal received
@@ -48,15 +47,11 @@ class BodySizeLimit:
                     raise BodyTooLarge()
             return message
 
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked_send = TrackedSend(send)
         try:
             await self.app(scope, counting_receive, tracked_send)
         except BodyTooLarge:
-            if not started:  # always so: handlers read the whole body before answering
+            if not tracked_send.started:  # always so: handlers read the whole body before answering
                 await self._refuse(send, f"more than {self.max_body_bytes} bytes (chunked)")
 
     async def _refuse(self, send: Send, size: str) -> None:

@@ -40,77 +40,9 @@ def token_buckets(max_model_len: int) -> tuple[float, ...]:
         scale *= 10
 
 
-# ---- inferlab_'s bounds: finer at the low end, where a CPU engine's small models live ----------
-
-# vLLM's bounds, and more between 0.1 and 1 s, where a CPU engine's TTFTs fall: from vLLM's
-# (0.1, 0.25] alone, server_ttft_p50_s of TTFTs near 0.15 s was 0.175 s whatever they were
-TTFT_BUCKETS: Buckets = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.15,
-    0.2,
-    0.25,
-    0.3,
-    0.4,
-    0.5,
-    0.6,
-    0.75,
-    0.8,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-ITL_BUCKETS: Buckets = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
-E2E_BUCKETS: Buckets = (
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-)
-
 # ---- vLLM's bounds -----------------------------------------------------------------------------
 
-VLLM_TTFT_BUCKETS: Buckets = (
+VLLM_TTFT_BUCKETS: tuple[float, ...] = (
     0.001,
     0.005,
     0.01,
@@ -134,7 +66,7 @@ VLLM_TTFT_BUCKETS: Buckets = (
     640.0,
     2560.0,
 )
-VLLM_ITL_BUCKETS: Buckets = (
+VLLM_ITL_BUCKETS: tuple[float, ...] = (
     0.01,
     0.025,
     0.05,
@@ -178,6 +110,38 @@ VLLM_REQUEST_LATENCY_BUCKETS: Buckets = (
     1920.0,
     7680.0,
 )
+# ---- inferlab_'s bounds: finer at the low end, where a CPU engine's small models live ----------
+
+
+def _refined(bounds: tuple[float, ...], finer: tuple[float, ...], top: float) -> tuple[float, ...]:
+    """vLLM's `bounds` up to `top`, and the `finer` ones between them."""
+    return tuple(sorted({bound for bound in bounds if bound <= top} | set(finer)))
+
+
+# vLLM's bounds, and more between 0.1 and 1 s, where a CPU engine's TTFTs fall: from vLLM's
+# (0.1, 0.25] alone, server_ttft_p50_s of TTFTs near 0.15 s was 0.175 s whatever they were
+TTFT_BUCKETS: Buckets = _refined(
+    VLLM_TTFT_BUCKETS, (0.0025, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8), top=80.0
+)
+# vLLM's up to 2.5 s, and below its 10 ms, where a CPU engine's small models' ITLs fall
+ITL_BUCKETS: Buckets = _refined(VLLM_ITL_BUCKETS, (0.0005, 0.001, 0.0025, 0.005), top=2.5)
+E2E_BUCKETS: Buckets = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+
 N_BUCKETS: Buckets = (1.0, 2.0, 5.0, 10.0, 20.0)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_serializer
 from pydantic_core import PydanticCustomError, from_json
-from starlette.types import Send
+from starlette.types import Message, Send
 
 # ---- errors -------------------------------------------------------------------------------
 
@@ -82,6 +82,19 @@ async def send_error(
         }
     )
     await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+class TrackedSend:
+    """ASGI `send` that notes whether the response has started: middleware can answer with
+    send_error only before it has."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
 
 
 # ---- parsing ------------------------------------------------------------------------------

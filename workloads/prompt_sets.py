@@ -51,14 +51,7 @@ def _sharegpt(path: str) -> tuple[list[PromptItem], int, Counter[str]]:
     text = read_text(path)
     if not text.strip():
         raise ValueError(f"{path}: line 1: empty file (expected a JSON array)")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{path}: line {exc.lineno}: invalid JSON ({exc.msg}, column {exc.colno})"
-        ) from exc
-    except RecursionError as exc:
-        raise ValueError(f"{path}: invalid JSON (nested too deeply)") from exc
+    data = _json(text, path)
     if not isinstance(data, list):
         raise ValueError(f"{path}: line 1: expected a JSON array of conversations")
     items: list[PromptItem] = []
@@ -92,20 +85,27 @@ def _sharegpt(path: str) -> tuple[list[PromptItem], int, Counter[str]]:
     return items, len(data), skipped
 
 
+def _json(text: str, path: str, line: int | None = None) -> Any:
+    """The JSON value of a whole file (line None) or of one line of it; a ValueError naming
+    the file and the line where it does not parse."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{path}: line {line or exc.lineno}: invalid JSON ({exc.msg}, column {exc.colno})"
+        ) from exc
+    except RecursionError as exc:
+        where = f"line {line}: " if line is not None else ""
+        raise ValueError(f"{path}: {where}invalid JSON (nested too deeply)") from exc
+
+
 def _mt_bench(path: str) -> tuple[list[PromptItem], int, Counter[str]]:
     items: list[PromptItem] = []
     read = 0
     for line, text in text_lines(path):
         if not text.strip():
             continue
-        try:
-            record: Any = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"{path}: line {line}: invalid JSON ({exc.msg}, column {exc.colno})"
-            ) from exc
-        except RecursionError as exc:
-            raise ValueError(f"{path}: line {line}: invalid JSON (nested too deeply)") from exc
+        record = _json(text, path, line)
         where = f"{path}: line {line}"
         if not isinstance(record, dict):
             raise ValueError(f"{where}: expected a JSON object")

@@ -22,14 +22,8 @@ from typing import Any
 import numpy as np
 
 from models.tokenizer import Tokenizer
-from workloads.arrivals import (
-    Arrival,
-    arrival_times,
-    concurrency_of,
-    default_arrival,
-    max_concurrency_of,
-    parse_arrival,
-)
+from workloads.arrivals import Arrival, arrival_times, default_arrival, parse_arrival
+from workloads.base import DrawnArrivals, WorkloadBase
 from workloads.common import (
     check_bool,
     check_choice,
@@ -37,11 +31,8 @@ from workloads.common import (
     check_int,
     check_number,
     invalid,
-    length_totals,
-    make_request,
     resolve_path,
     rng_streams,
-    span_info,
 )
 from workloads.lengths import clip_to_context, parse_length
 from workloads.prompt_sets import PROMPT_FORMATS, PromptItem, load_prompt_set
@@ -50,7 +41,7 @@ from workloads.request import WorkloadRequest
 
 
 @dataclass
-class PromptsWorkload:
+class PromptsWorkload(WorkloadBase, DrawnArrivals):
     path: str | None = None  # required
     format: str = "sharegpt"
     num_requests: int | None = None  # None: every prompt (every turn) once
@@ -62,22 +53,7 @@ class PromptsWorkload:
     arrival: dict[str, Any] | None = field(  # arrival spec (workloads/arrivals.py)
         default_factory=default_arrival, metadata={"schema": Arrival}
     )
-    seed: int = 0
-    ignore_eos: bool = True
-    temperature: float = 0.0
     id_prefix: str = "prompt"
-    sampling: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.info: dict[str, Any] = {}
-
-    @property
-    def concurrency(self) -> int | None:
-        return concurrency_of(self.arrival)
-
-    @property
-    def max_concurrency(self) -> int | None:
-        return max_concurrency_of(self.arrival)
 
     @property
     def sends_chat(self) -> bool:
@@ -152,15 +128,10 @@ class PromptsWorkload:
             if clipped_inputs[i] < inputs[i]:  # too long for the context: keep the head
                 text = tok.decode(ids[i][: int(clipped_inputs[i])])
             prompt: Any = [{"role": "user", "content": text}] if self.sends_chat else text
-            if sessions:
-                rid, sid = f"{self.id_prefix}-s{k}-t{turn}", f"{self.id_prefix}-s{k}"
-                follows = f"{self.id_prefix}-s{k}-t{turn - 1}" if turn else None
-            else:
-                rid, sid, follows = f"{self.id_prefix}-{i}", None, None
+            rid, sid, follows = self._request_ids(i, k, turn, sessions)
             arrival = self.think_time_s if turn else start_of[i]
             requests.append(
-                make_request(
-                    self,
+                self._request(
                     rid,
                     prompt,
                     int(clipped_inputs[i]),
@@ -186,8 +157,7 @@ class PromptsWorkload:
             "reference_output_lens_used": used_reference,
             "arrival": parse_arrival(self.arrival),
             "concurrency": self.concurrency,
-            **span_info(starts),
-            **length_totals(clipped_inputs, outputs),
+            **self._totals(starts, clipped_inputs, outputs),
             **clip_info,
         }
         return requests

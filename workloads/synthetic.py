@@ -25,14 +25,8 @@ from typing import Any
 import numpy as np
 
 from models.tokenizer import Tokenizer
-from workloads.arrivals import (
-    Arrival,
-    arrival_times,
-    concurrency_of,
-    default_arrival,
-    max_concurrency_of,
-    parse_arrival,
-)
+from workloads.arrivals import Arrival, arrival_times, default_arrival, parse_arrival
+from workloads.base import DrawnArrivals, WorkloadBase
 from workloads.common import (
     check_choice,
     check_common,
@@ -41,11 +35,8 @@ from workloads.common import (
     check_mapping,
     check_number,
     invalid,
-    length_totals,
-    make_request,
     resolve_path,
     rng_streams,
-    span_info,
 )
 from workloads.lengths import clip_to_context, parse_length
 from workloads.prompts import PROMPT_KINDS, TokenSource, tokenizer_or_default
@@ -53,33 +44,18 @@ from workloads.request import WorkloadRequest
 
 
 @dataclass
-class SyntheticWorkload:
+class SyntheticWorkload(WorkloadBase, DrawnArrivals):
     num_requests: int = 16
     input_len: Any = 128  # length spec (workloads/lengths.py)
     output_len: Any = 64
     prompt: str = "random_ids"
     corpus: str | None = None  # text file for prompt=text; default: the shipped sonnets
-    seed: int = 0
-    ignore_eos: bool = True  # benchmarks want exact output lengths
-    temperature: float = 0.0
     id_prefix: str = "req"
-    sampling: dict[str, Any] = field(default_factory=dict)  # extra SamplingParams fields
     arrival: dict[str, Any] | None = field(  # arrival spec (workloads/arrivals.py)
         default_factory=default_arrival, metadata={"schema": Arrival}
     )
     shared_prefix: dict[str, Any] | None = None  # {num_groups, prefix_len}
     sessions: dict[str, Any] | None = None  # {num_turns, think_time_s}
-
-    def __post_init__(self) -> None:
-        self.info: dict[str, Any] = {}  # filled by build(); not a config key
-
-    @property
-    def concurrency(self) -> int | None:
-        return concurrency_of(self.arrival)
-
-    @property
-    def max_concurrency(self) -> int | None:
-        return max_concurrency_of(self.arrival)
 
     def validate(self) -> SyntheticWorkload:
         check_int("num_requests", self.num_requests, 0)
@@ -155,15 +131,10 @@ class SyntheticWorkload:
                 ids = np.concatenate([head, source.tokens(own - len(head), prompt_rng)])
             else:
                 ids = source.tokens(own, prompt_rng)
-            if self.sessions is None:
-                rid, sid, follows = f"{self.id_prefix}-{i}", None, None
-            else:
-                rid, sid = f"{self.id_prefix}-s{session}-t{turn}", f"{self.id_prefix}-s{session}"
-                follows = f"{self.id_prefix}-s{session}-t{turn - 1}" if turn else None
+            rid, sid, follows = self._request_ids(i, session, turn, self.sessions is not None)
             arrival = think if turn else starts[session]
             requests.append(
-                make_request(
-                    self,
+                self._request(
                     rid,
                     source.render(ids),
                     own,
@@ -183,8 +154,7 @@ class SyntheticWorkload:
             "tokenizer": tok.name,
             "arrival": parse_arrival(self.arrival),
             "concurrency": self.concurrency,
-            **span_info(starts),
-            **length_totals(inputs, outputs),
+            **self._totals(starts, inputs, outputs),
             "prefix_groups": groups or None,
             "raised_to_prefix_len": int(raise_mask.sum()),
             **clip_info,

@@ -20,12 +20,13 @@ tokens. `prefix_group` is the first hash id.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from models.tokenizer import Tokenizer
+from workloads.base import WorkloadBase
 from workloads.common import (
     MAX_ARRIVAL_S,
     arrivals_too_late,
@@ -34,11 +35,8 @@ from workloads.common import (
     check_int,
     check_number,
     invalid,
-    length_totals,
-    make_request,
     resolve_path,
     rng_streams,
-    span_info,
 )
 from workloads.lengths import clip_to_context
 from workloads.prompts import PROMPT_KINDS, BlockTokens, TokenSource, tokenizer_or_default
@@ -54,7 +52,7 @@ from workloads.traces import (
 
 
 @dataclass
-class TraceWorkload:
+class TraceWorkload(WorkloadBase):
     path: str | None = None  # required
     format: str = "azure"
     num_requests: int | None = None  # None: every row in the window
@@ -70,14 +68,7 @@ class TraceWorkload:
     prompt: str = "random_ids"
     corpus: str | None = None  # text file for prompt=text; default: the shipped sonnets
     columns: dict[str, Any] | None = None  # csv/jsonl: {timestamp, input_len, output_len, ...}
-    seed: int = 0
-    ignore_eos: bool = True
-    temperature: float = 0.0
     id_prefix: str = "trace"
-    sampling: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.info: dict[str, Any] = {}
 
     @property
     def concurrency(self) -> int | None:
@@ -205,8 +196,7 @@ class TraceWorkload:
             else:
                 ids, group = source.tokens(own, prompt_rng), None
             requests.append(
-                make_request(
-                    self,
+                self._request(
                     f"{self.id_prefix}-{i}",
                     source.render(ids),
                     own,
@@ -234,8 +224,7 @@ class TraceWorkload:
             "clipped_max_input_len": clipped_in,
             "clipped_max_output_len": clipped_out,
             "block_len": block_len if blocks is not None else None,
-            **span_info(arrivals),
-            **length_totals(inputs, outputs),
+            **self._totals(arrivals, inputs, outputs),
             **clip_info,
         }
         return requests

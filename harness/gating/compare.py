@@ -44,6 +44,22 @@ class Row:
     note: str = ""
     gates: bool = True  # counts towards the overall verdict
 
+    @classmethod
+    def unmeasured(
+        cls,
+        job: str,
+        metric: str,
+        kind: str,
+        n_baseline: int,
+        n_candidate: int,
+        verdict: str,
+        note: str,
+    ) -> Row:
+        """A row with no values to show: a status row, or a metric that could not be compared."""
+        return cls(
+            job, metric, kind, None, None, n_baseline, n_candidate, None, None, verdict, note
+        )
+
     @property
     def outcome(self) -> str:
         """What the row means for the exit code: pass, regression or inconclusive (a gating
@@ -100,16 +116,12 @@ def _nonfinite(job: str, metric: str, kind: str, base: list[Run], cand: list[Run
         for run in runs:
             value = run.metrics.get(metric)
             if is_number(value) and not math.isfinite(value):
-                return Row(
+                return Row.unmeasured(
                     job,
                     metric,
                     kind,
-                    None,
-                    None,
                     len(_values(base, metric)),
                     len(_values(cand, metric)),
-                    None,
-                    None,
                     "inconclusive",
                     f"not a finite number ({value}) in {side} run {run.path}",
                 )
@@ -142,7 +154,7 @@ def _timing_row(
 ) -> Row:
     better = REGISTRY[metric].better
     n_base, n_cand = (len(pairs), len(pairs)) if pairs is not None else (len(base), len(cand))
-    row = Row(job, metric, kind, None, None, n_base, n_cand, None, None, "inconclusive", note)
+    row = Row.unmeasured(job, metric, kind, n_base, n_cand, "inconclusive", note)
     values = [v for pair in pairs for v in pair] if pairs is not None else base + cand
     if not n_base or not n_cand:
         row.verdict = "missing"
@@ -251,37 +263,13 @@ def _status_rows(job: str, base: Group, cand: Group, warnings: list[str]) -> lis
     cand_failed = [r for r in cand.runs if r.status == "failed"]
     base_failed = [r for r in base.runs if r.status == "failed"]
     if cand_failed and not base_failed:
-        rows.append(
-            Row(
-                job,
-                "status",
-                "status",
-                None,
-                None,
-                len(base.runs),
-                len(cand.runs),
-                None,
-                None,
-                "regression",
-                f"{len(cand_failed)} candidate run(s) failed: {cand_failed[0].error}",
-            )
-        )
+        failed = f"{len(cand_failed)} candidate run(s) failed: {cand_failed[0].error}"
+        rows.append(_status(job, len(base.runs), len(cand.runs), "regression", failed))
     if not base.complete or not cand.complete:
         missing = "baseline" if not base.complete else "candidate"
+        none_complete = f"no complete {missing} run"
         rows.append(
-            Row(
-                job,
-                "status",
-                "status",
-                None,
-                None,
-                len(base.complete),
-                len(cand.complete),
-                None,
-                None,
-                "inconclusive",
-                f"no complete {missing} run",
-            )
+            _status(job, len(base.complete), len(cand.complete), "inconclusive", none_complete)
         )
     return rows
 
@@ -335,21 +323,9 @@ def _require(job: str, rows: list[Row], base: list[Run], cand: list[Run], rules:
         )
         row = next((r for r in rows if r.metric == metric), None)
         if row is None:
-            rows.append(
-                Row(
-                    job,
-                    metric,
-                    REGISTRY[metric].kind,
-                    None,
-                    None,
-                    len(_values(base, metric)),
-                    len(_values(cand, metric)),
-                    None,
-                    None,
-                    "missing",
-                    note,
-                )
-            )
+            kind = REGISTRY[metric].kind
+            n_base, n_cand = len(_values(base, metric)), len(_values(cand, metric))
+            rows.append(Row.unmeasured(job, metric, kind, n_base, n_cand, "missing", note))
         elif row.verdict == "missing":
             row.gates, row.note = True, note
         elif row.outcome != "regression":
@@ -373,19 +349,13 @@ def _nothing_compared(
         1: f" (the {' and '.join(empty)} runs hold none)",
         2: " (neither side holds any)",
     }[len(empty)]
-    return Row(
-        job,
-        "status",
-        "status",
-        None,
-        None,
-        len(base),
-        len(cand),
-        None,
-        None,
-        "inconclusive",
-        f"nothing compared: none of the {len(gated)} gated metrics has a value on both sides{why}",
-    )
+    nothing = f"none of the {len(gated)} gated metrics has a value on both sides{why}"
+    return _status(job, len(base), len(cand), "inconclusive", f"nothing compared: {nothing}")
+
+
+def _status(job: str, n_baseline: int, n_candidate: int, verdict: str, note: str) -> Row:
+    """The job's `status` row: a verdict on its runs, not on a metric."""
+    return Row.unmeasured(job, "status", "status", n_baseline, n_candidate, verdict, note)
 
 
 def compare_groups(

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from harness.measuring.roofline import attainable_flops
@@ -99,21 +100,15 @@ def timeline(steps: pd.DataFrame) -> Figure:
             label=str(variant),
             linewidth=1,
         )[0]
-        kv_ax.plot(
-            group["end_s"],
-            group["kv_bytes_used"] / 2**20,
-            drawstyle="steps-post",
-            color=line.get_color(),
-            linewidth=1,
-        )
-        kv_ax.plot(
-            group["end_s"],
-            group["kv_bytes_reserved"] / 2**20,
-            drawstyle="steps-post",
-            color=line.get_color(),
-            linewidth=1,
-            linestyle=":",
-        )
+        for column, style in (("kv_bytes_used", "-"), ("kv_bytes_reserved", ":")):
+            kv_ax.plot(
+                group["end_s"],
+                group[column] / 2**20,
+                drawstyle="steps-post",
+                color=line.get_color(),
+                linewidth=1,
+                linestyle=style,
+            )
     batch_ax.set_ylabel("sequences in the step")
     kv_ax.set_ylabel("KV MiB (solid: used,\ndotted: reserved)")
     kv_ax.set_xlabel("time since the run started (s)")
@@ -219,12 +214,7 @@ def roofline(
                 linestyle="--",
                 label=f"with the measured overlap {overlap:.2f} (predicted_s)",
             )
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
-    ax.set_ylabel("achieved FLOP/s")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=6)
+    _log_log(ax, "arithmetic intensity (FLOP / byte moved)", "achieved FLOP/s")
     if has_prediction:
         ax = axes[0, 1]
         for variant, group in points.groupby("variant", sort=False):
@@ -245,14 +235,19 @@ def roofline(
                 linewidth=1,
                 label="measured = predicted",
             )
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("roofline-predicted step time (ms)")
-        ax.set_ylabel("measured step time (ms)")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=6)
+        _log_log(ax, "roofline-predicted step time (ms)", "measured step time (ms)")
     fig.tight_layout()
     return fig
+
+
+def _log_log(ax: Axes, xlabel: str, ylabel: str) -> None:
+    """Both axes logarithmic, labelled, gridded, with a small legend."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=6)
 
 
 def speculative_speedups(points: pd.DataFrame, axis: str) -> Figure:

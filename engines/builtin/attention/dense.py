@@ -183,10 +183,7 @@ class DenseAttention:
             if len(set(filled)) > 1:
                 lens = torch.tensor(filled, device=q.device)
                 mask = (torch.arange(max(filled), device=q.device) < lens[:, None])[:, None, None]
-            out = self.kernel(
-                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale, False
-            )
-            return out.squeeze(2)
+            return self._attend_decodes(q, keys, values, mask, scale)
         lengths = meta.seq_lens_host[:nd]
         length = max(lengths)
         in_place = self._decode_in_place(q, cache, meta, length, scale)
@@ -201,15 +198,7 @@ class DenseAttention:
         keys, values = cache.gather(meta.block_tables[:nd], length, meta.block_size)
         if "decode_mask" not in meta.per_step:
             meta.per_step["decode_mask"] = decode_mask(meta, nd, length, meta.seq_lens[:nd].long())
-        out = self.kernel(
-            q.unsqueeze(2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            meta.per_step["decode_mask"],
-            scale,
-            False,
-        )
-        return out.squeeze(2)
+        return self._attend_decodes(q, keys, values, meta.per_step["decode_mask"], scale)
 
     def _decode_in_place(
         self,
@@ -236,9 +225,7 @@ class DenseAttention:
         keys, values = cache.block_range_view(plan.first, nd, length)
         if plan.order is not None:
             q = torch.empty_like(q).index_copy_(0, plan.order, q)
-        out = self.kernel(
-            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), plan.mask, scale, False
-        ).squeeze(2)
+        out = self._attend_decodes(q, keys, values, plan.mask, scale)
         return out if plan.order is None else out[plan.order]
 
     def _decode_one(
@@ -255,6 +242,17 @@ class DenseAttention:
         if meta.sliding_window is not None:
             query_pos = torch.tensor([[length - 1]], device=q.device)
             mask = _window_mask(query_pos, length, None, meta.sliding_window).unsqueeze(1)
+        return self._attend_decodes(q, keys, values, mask, scale)
+
+    def _attend_decodes(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query per sequence: q [B, h, d] over keys/values [B, L, kvh, d] -> [B, h, d]."""
         out = self.kernel(
             q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale, False
         )

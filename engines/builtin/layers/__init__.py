@@ -8,6 +8,7 @@ from engines.builtin.layers import quant  # noqa: F401  (registers the quantized
 from engines.builtin.layers.linear import (
     LINEAR_METHODS,
     LinearMethod,
+    LinearOptions,
     PanelDenseMethod,
     PrepackedDenseMethod,
 )
@@ -31,9 +32,8 @@ def make_linear_method(
         if prepack not in packed:
             raise ValueError(f"prepack: {prepack!r}; allowed: panels|onednn")
         return packed[prepack]()
-    return LINEAR_METHODS.get(quantization).create(
-        group_size, zero_point, activations, native_reason
-    )
+    options = LinearOptions(group_size, zero_point, activations, native_reason)
+    return LINEAR_METHODS.get(quantization).create(options)
 
 
 __all__ = ["LINEAR_METHODS", "LinearMethod", "make_linear_method"]

@@ -9,6 +9,7 @@ concern too.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,22 +19,26 @@ from engines.builtin import native
 from engines.registry import Registry
 
 
+@dataclass(frozen=True)
+class LinearOptions:
+    """The engine's options a linear method is built from: group-wise methods take
+    `group_size` and `zero_point`, INT4 `activations`; quantized methods multiply through the
+    engine's C kernels where `native_reason` is None, and say why not otherwise."""
+
+    group_size: int = 128
+    zero_point: str = "float"
+    activations: str = "float"
+    native_reason: str | None = "not requested"
+
+
 class LinearMethod(ABC):
     """How a linear layer stores its weight and multiplies by it."""
 
     name: str = "abstract"
 
     @classmethod
-    def create(
-        cls,
-        group_size: int,
-        zero_point: str = "float",
-        activations: str = "float",
-        native_reason: str | None = None,
-    ) -> LinearMethod:
-        """An instance for the engine's options (group-wise methods take `group_size` and
-        `zero_point`, INT4 `activations`; quantized methods multiply through the engine's C
-        kernels where `native_reason` is None, and say why not otherwise)."""
+    def create(cls, options: LinearOptions) -> LinearMethod:
+        """An instance for the engine's options (a dense method takes none)."""
         return cls()
 
     def describe(self, layer: Linear) -> str:

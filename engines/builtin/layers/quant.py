@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.base import ConfigError
-from engines.builtin.layers.linear import LINEAR_METHODS, LinearMethod
+from engines.builtin.layers.linear import LINEAR_METHODS, LinearMethod, LinearOptions
 from engines.builtin.native import quant as native_quant
 
 if TYPE_CHECKING:
@@ -93,14 +93,8 @@ class QuantMethod(LinearMethod):
         self.native_reason = native_reason
 
     @classmethod
-    def create(
-        cls,
-        group_size: int,
-        zero_point: str = "float",
-        activations: str = "float",
-        native_reason: str | None = NOT_REQUESTED,
-    ) -> LinearMethod:
-        return cls(native_reason)
+    def create(cls, options: LinearOptions) -> LinearMethod:
+        return cls(options.native_reason)
 
     def uses_native(self, weight: torch.Tensor) -> bool:
         return self.native_reason is None and weight.device.type == "cpu"
@@ -260,14 +254,10 @@ class Int4Method(QuantMethod):
     bits = 4
 
     @classmethod
-    def create(
-        cls,
-        group_size: int,
-        zero_point: str = "float",
-        activations: str = "float",
-        native_reason: str | None = NOT_REQUESTED,
-    ) -> LinearMethod:
-        return cls(group_size, zero_point, activations, native_reason)
+    def create(cls, options: LinearOptions) -> LinearMethod:
+        return cls(
+            options.group_size, options.zero_point, options.activations, options.native_reason
+        )
 
     def __init__(
         self,

@@ -38,6 +38,33 @@ def interpreting() -> bool:
 
 
 @triton.jit
+def _output_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] tile of y: its row and column offsets and masks."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
+def _load_input_tile(x_ptr, offs_m, ks, mask_m, mask_k, stride_xm, stride_xk):
+    """x's [BLOCK_M, BLOCK_K] tile at columns `ks` (zeros outside x)."""
+    return tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk,
+        mask=mask_m[:, None] & mask_k[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _store_output_tile(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, stride_yn):
+    tl.store(
+        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
+
+
+@triton.jit
 def _int8_matmul_kernel(
     x_ptr,
     q_ptr,
@@ -57,22 +84,13 @@ def _int8_matmul_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, mask_m, mask_n = _output_tile(M, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk,
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        x = _load_input_tile(x_ptr, offs_m, ks, mask_m, mask_k, stride_xm, stride_xk)
         q = tl.load(
             q_ptr + offs_n[None, :] * stride_qn + ks[:, None] * stride_qk,
             mask=mask_n[None, :] & mask_k[:, None],
@@ -82,11 +100,7 @@ def _int8_matmul_kernel(
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
     scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     acc = acc * scale[None, :]
-    tl.store(
-        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
-        acc.to(y_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
+    _store_output_tile(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, stride_yn)
 
 
 @triton.jit
@@ -113,22 +127,13 @@ def _int4_matmul_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, mask_m, mask_n = _output_tile(M, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + ks[None, :] * stride_xk,
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        x = _load_input_tile(x_ptr, offs_m, ks, mask_m, mask_k, stride_xm, stride_xk)
         mask_w = mask_n[None, :] & mask_k[:, None]  # [BLOCK_K, BLOCK_N]
         byte = tl.load(
             q_ptr + offs_n[None, :] * stride_qn + (ks[:, None] // 2) * stride_qk,
@@ -141,11 +146,7 @@ def _int4_matmul_kernel(
         zero = tl.load(sz + stride_sc, mask=mask_w, other=0.0).to(tl.float32)
         w = ((q.to(tl.float32) - 8.0) * scale + zero).to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
-    tl.store(
-        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
-        acc.to(y_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
+    _store_output_tile(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, stride_yn)
 
 
 # ---- launchers ------------------------------------------------------------------------------

@@ -40,51 +40,25 @@ __all__ = [
 ]
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+def _args(codes: str) -> list[Any]:
+    """ctypes argument types from `struct`-like codes: p a pointer, q an int64, f a float."""
+    return [{"p": _PTR, "q": _I64, "f": _F32}[code] for code in codes]
+
+
 SIGNATURES = {  # function -> argument types (all return void)
-    "decode_attention_f32": [
-        _PTR,
-        _I64,
-        _PTR,
-        _PTR,
-        _PTR,
-        _I64,
-        _PTR,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _F32,
-        _I64,
-        _I64,
-        _PTR,
-    ],
-    "add_rms_norm_f32": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _I64],
-    "silu_and_mul_f32": [_PTR, _PTR, _I64, _I64, _I64],
-    "rope_and_cache_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64],
-    "pack_linear_weight_f32": [_PTR, _I64, _I64, _PTR, _I64],
-    "linear_f32": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+    "decode_attention_f32": _args("pqpppqpqqqqqfqqp"),
+    "add_rms_norm_f32": _args("ppppqqfq"),
+    "silu_and_mul_f32": _args("ppqqq"),
+    "rope_and_cache_f32": _args("pqpppppqqqqq"),
+    "pack_linear_weight_f32": _args("pqqpq"),
+    "linear_f32": _args("pppppqqqq"),
     # quant_kernels.c (wrapped by native/quant.py)
-    "q4_linear_f32": [_PTR] * 6 + [_I64] * 7,
-    "q4_linear_q8_f32": [_PTR] * 6 + [_I64] * 7,
-    "q8_linear_f32": [_PTR] * 5 + [_I64] * 6,
-    "prefill_attention_f32": [
-        _PTR,
-        _I64,
-        _PTR,
-        _I64,
-        _PTR,
-        _I64,
-        _PTR,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _F32,
-        _I64,
-        _I64,
-        _PTR,
-    ],
+    "q4_linear_f32": _args("ppppppqqqqqqq"),
+    "q4_linear_q8_f32": _args("ppppppqqqqqqq"),
+    "q8_linear_f32": _args("pppppqqqqqq"),
+    "prefill_attention_f32": _args("pqpqpqpqqqqfqqp"),
 }
 
 log = logging.getLogger(__name__)

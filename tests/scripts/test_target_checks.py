@@ -1,0 +1,61 @@
+"""The `make check-*` targets (scripts/README.md): each runs its script, and a script fails
+(exit 1) exactly when its target is missed. The measurements themselves time the machine, so
+they are not run here; what is checked is what does not depend on speed: that every target
+runs a script that exists, and the verdict a script draws from given figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TARGETS = {
+    "check-roofline": "scripts/bench_roofline.py",
+    "check-llamacpp-overhead": "scripts/bench_llamacpp_overhead.py",
+    "check-server-ttft": "scripts/bench_server_ttft.py",
+    "check-gate": "scripts/gate_validation.py",
+}
+
+
+def script(name: str) -> ModuleType:
+    path = REPO / "scripts" / f"{name}.py"
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_check_target_runs_its_script(target: str) -> None:
+    """`make -n` prints the commands without running them (nor the setup they depend on)."""
+    done = subprocess.run(
+        ["make", "-n", target, "ARGS=--given-option"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert f"{TARGETS[target]} " in last and last.endswith("--given-option"), last
+    assert (REPO / TARGETS[target]).is_file()
+
+
+def test_server_ttft_fails_when_a_measured_gap_misses_5_ms() -> None:
+    exit_status = script("bench_server_ttft").exit_status
+    assert exit_status({"p50_delta_ms": 3.3, "p50_delta_raw_ms": -1.4}) == 0
+    assert exit_status({"p50_delta_ms": 5.0, "loaded_p50_gap_ms": 1.9}) == 0
+    assert exit_status({"p50_delta_ms": 3.3, "p50_delta_raw_ms": 5.2}) == 1
+    assert exit_status({"loaded_p50_gap_ms": 279.6}) == 1  # part 2 alone (--skip-batch1)

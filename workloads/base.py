@@ -1,0 +1,77 @@
+"""What every workload type shares: the config keys for request ids and sampling, the `info`
+that build() fills, and the steps of build() that do not depend on where the lengths come from
+(a request's ids in a multi-turn session, the request itself, the totals in `info`).
+
+The arrival block (workloads/arrivals.py) is shared by the types that draw arrivals
+(synthetic, prompts); a trace brings its own timestamps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engines.base import Prompt
+from workloads.arrivals import concurrency_of, max_concurrency_of
+from workloads.common import length_totals, make_request, span_info
+from workloads.request import WorkloadRequest
+
+
+@dataclass
+class WorkloadBase:
+    """The config keys every workload type has (a subclass sets its own id_prefix default).
+    Being a base, they come first among a type's fields (`inferlab run --cfg job`)."""
+
+    seed: int = 0
+    ignore_eos: bool = True  # benchmarks want exact output lengths
+    temperature: float = 0.0
+    id_prefix: str = "req"
+    sampling: dict[str, Any] = field(default_factory=dict)  # extra SamplingParams fields
+
+    def __post_init__(self) -> None:
+        self.info: dict[str, Any] = {}  # filled by build(); not a config key
+
+    def _request_ids(
+        self, index: int, session: int, turn: int, in_sessions: bool
+    ) -> tuple[str, str | None, str | None]:
+        """(request id, session id, the id of the turn it follows) of request `index`; turn
+        `turn` of session `session` when the workload has sessions."""
+        if not in_sessions:
+            return f"{self.id_prefix}-{index}", None, None
+        session_id = f"{self.id_prefix}-s{session}"
+        follows = f"{session_id}-t{turn - 1}" if turn else None
+        return f"{session_id}-t{turn}", session_id, follows
+
+    def _request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        prompt_tokens: int,
+        output_len: int,
+        arrival_s: float,
+        **where: Any,
+    ) -> WorkloadRequest:
+        """One request with this workload's sampling settings (`where`: prefix_group,
+        session_id, turn, follows)."""
+        return make_request(self, request_id, prompt, prompt_tokens, output_len, arrival_s, **where)
+
+    @staticmethod
+    def _totals(arrivals: np.ndarray, inputs: np.ndarray, outputs: np.ndarray) -> dict[str, Any]:
+        """`info`'s arrival span, offered rate and length totals."""
+        return {**span_info(arrivals), **length_totals(inputs, outputs)}
+
+
+class DrawnArrivals:
+    """The closed loop's numbers of a type with an `arrival` key."""
+
+    arrival: dict[str, Any] | None
+
+    @property
+    def concurrency(self) -> int | None:
+        return concurrency_of(self.arrival)
+
+    @property
+    def max_concurrency(self) -> int | None:
+        return max_concurrency_of(self.arrival)
