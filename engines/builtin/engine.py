@@ -26,11 +26,8 @@ from engines.base import (
     Arrived,
     ConfigError,
     Failed,
-    Preempted,
-    PrefillChunk,
     Prompt,
     RequestEvent,
-    Scheduled,
     StepObserver,
     Tokenized,
 )
@@ -51,7 +48,7 @@ from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes
 from engines.builtin.limits import EngineLimits, token_limits
 from engines.builtin.model_runner import LogitsObserver, ModelRunner
-from engines.builtin.output_processor import OutputProcessor, seeded_generator
+from engines.builtin.output_processor import NewTokens, OutputProcessor, seeded_generator
 from engines.builtin.platform import Platform
 from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
@@ -101,12 +98,35 @@ class LLMEngine:
         self.closed = False
         self.failure: str | None = None  # why the engine cannot go on (EngineDeadError)
         self.peers: Peers | None = None  # the other tensor-parallel ranks
-        tp_size = config.tensor_parallel_size
-        if tp_size > 1 and serve_if_worker_rank():
+        if config.tensor_parallel_size > 1 and serve_if_worker_rank():
             # torchrun started this process as a rank other than 0: it has served rank 0's
             # engines until rank 0 ended them, and has nothing else to do
             raise SystemExit(0)
         self.config = config
+        self._resolve_model()
+        max_model_len, batched = token_limits(config, self.model_config)
+        if config.tensor_parallel_size > 1:
+            self.peers = self._start_peers(max_model_len)
+        try:
+            self._build_runner_and_kv(max_model_len, batched)
+        except BaseException:
+            self._end_ranks(abandon=True)
+            raise
+        self._build_step_parts()
+        try:
+            self.proposer = self._make_proposer()
+        except BaseException:  # a draft the engine cannot use: end the ranks started for it
+            self._end_ranks(abandon=True)
+            raise
+        self.last_draft_ns = 0  # the proposer's time before the last step
+
+    # ---- construction -----------------------------------------------------------------------
+
+    def _resolve_model(self) -> None:
+        """The device, the model's shape, its tokenizer and dtype; what cannot work fails
+        here, before any rank starts."""
+        config = self.config
+        tp_size = config.tensor_parallel_size
         self.platform = Platform.create(
             rank_device(config.device, 0, tp_size), config.num_threads, processes_per_host(tp_size)
         )
@@ -126,68 +146,68 @@ class LLMEngine:
                 f"model's vocab_size is {self.model_config.vocab_size}; use a model whose "
                 "vocabulary covers the tokenizer"
             )
-        max_model_len, batched = token_limits(config, self.model_config)
         self.eos_ids = sorted(
             set(self.tokenizer.special.eos_ids) | set(self.model_config.eos_token_ids)
         )
-        if tp_size > 1:
-            self.peers = start_peers(
-                tp_size,
-                self.platform.device,
-                config.tensor_parallel_timeout_s,
-                EngineMessage(
-                    config.to_dict(),
-                    str(self.dtype).removeprefix("torch."),
-                    max_model_len,
-                    self.tokenizer.vocab_size,
-                ),
-                owner=self,
-            )
-        try:
-            # the model and its weights first: the KV pool is sized from the memory they leave
-            self.runner = ModelRunner(
-                self.model_config,
-                config,
-                self.platform,
-                self.dtype,
+
+    def _start_peers(self, max_model_len: int) -> Peers:
+        """The other tensor-parallel ranks, each building its shard of this engine."""
+        config = self.config
+        return start_peers(
+            config.tensor_parallel_size,
+            self.platform.device,
+            config.tensor_parallel_timeout_s,
+            EngineMessage(
+                config.to_dict(),
+                str(self.dtype).removeprefix("torch."),
                 max_model_len,
                 self.tokenizer.vocab_size,
-                self.eos_ids,
-                tp=None if self.peers is None else self.peers.tp,
+            ),
+            owner=self,
+        )
+
+    def _build_runner_and_kv(self, max_model_len: int, batched: int) -> None:
+        """The model and its weights first (the KV pool is sized from the memory they leave),
+        then the KV manager, the limits, and the pool on every rank."""
+        config = self.config
+        self.runner = ModelRunner(
+            self.model_config,
+            config,
+            self.platform,
+            self.dtype,
+            max_model_len,
+            self.tokenizer.vocab_size,
+            self.eos_ids,
+            tp=None if self.peers is None else self.peers.tp,
+        )
+        self.kv_budget_reason = ""  # where the KV budget came from, set with the budget
+        self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len)
+        self.limits = EngineLimits(max_model_len, max_num_seqs, batched, budget)
+        ring = bool(getattr(self.kv, "ring", False))
+        if self.peers is not None:
+            # the other ranks take it once their shards are loaded
+            self.peers.channel.send(
+                ("kv", self.kv.layout, ring, self.limits),
+                timeout_s=max(config.tensor_parallel_timeout_s, STARTUP_TIMEOUT_S),
             )
-            self.kv_budget_reason = ""  # where the KV budget came from, set with the budget
-            self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len)
-            self.limits = EngineLimits(max_model_len, max_num_seqs, batched, budget)
-            ring = bool(getattr(self.kv, "ring", False))
-            if self.peers is not None:
-                # the other ranks take it once their shards are loaded
-                self.peers.channel.send(
-                    ("kv", self.kv.layout, ring, self.limits),
-                    timeout_s=max(config.tensor_parallel_timeout_s, STARTUP_TIMEOUT_S),
-                )
-                self.runner.peers = self.peers.channel
-            self.runner.allocate_kv_cache(self.kv.layout, ring, self.limits)
-        except BaseException:
-            self._end_ranks(abandon=True)
-            raise
-        self.scheduler = Scheduler(config, self.kv, self.limits)
+            self.runner.peers = self.peers.channel
+        self.runner.allocate_kv_cache(self.kv.layout, ring, self.limits)
+
+    def _build_step_parts(self) -> None:
+        """What a step goes through besides the runner: the scheduler, the requests'
+        sequences, the output processor, the step observers."""
+        self.scheduler = Scheduler(self.config, self.kv, self.limits)
         self.sequences: dict[str, Sequence] = {}
         self.output = OutputProcessor(
             self.tokenizer,
             self.scheduler,
             self.sequences,
             self.eos_ids,
-            max_model_len,
+            self.limits.max_model_len,
             self.platform.device,
         )
         self.step_observers: list[StepObserver] = []
         self._pending_events: list[RequestEvent] = []
-        try:
-            self.proposer = self._make_proposer()
-        except BaseException:  # a draft the engine cannot use: end the ranks started for it
-            self._end_ranks(abandon=True)
-            raise
-        self.last_draft_ns = 0  # the proposer's time before the last step
 
     def _make_proposer(self) -> Proposer | None:
         spec = self.config.speculative()
@@ -216,8 +236,6 @@ class LLMEngine:
             lambda overrides: LLMEngine(replace(self.config, **overrides)),
         )
         return PROPOSERS.get(spec.method)(spec, context)
-
-    # ---- construction -----------------------------------------------------------------------
 
     def _make_kv_manager(self, max_model_len: int) -> tuple[KVCacheManager, int, int]:
         config, shard = self.config, self.runner.model.shard
@@ -545,52 +563,38 @@ class LLMEngine:
         proposals = self._propose() if self.proposer is not None else {}
         plan = self.scheduler.schedule(proposals)
         if plan.is_empty:
-            if self.scheduler.waiting and not self.scheduler.running:
-                # Nothing runs, so nothing will free memory or budget: the request at the head
-                # of the queue can never start. Fail it rather than spin forever.
-                seq = self.scheduler.waiting[0]
-                self.scheduler.finish(seq, "error")
-                self.sequences.pop(seq.key, None)
-                self._release_drafts(seq)
-                events.append(
-                    Failed(
-                        seq.request_id,
-                        plan.step,
-                        start,
-                        f"cannot be scheduled: {seq.num_tokens} tokens do not fit "
-                        "the KV cache or max_num_batched_tokens even alone",
-                    )
-                )
-            return events
+            return events + self._fail_unschedulable(plan, start)
         for seq in plan.preempted:
-            events.append(Preempted(seq.request_id, plan.step, start, "kv cache full"))
             self._release_drafts(seq)
-        for seq in plan.admitted:
-            if seq.first_scheduled_step == plan.step and seq.num_preemptions == 0:
-                events.append(Scheduled(seq.request_id, plan.step, start))
-        for item in plan.scheduled:
-            if item.is_prefill:
-                events.append(
-                    PrefillChunk(
-                        item.seq.request_id,
-                        plan.step,
-                        start,
-                        item.num_new_tokens,
-                        item.num_computed_before,
-                    )
-                )
+        events += self.output.schedule_events(plan, start)
         # rows whose logits the LM head computes (counted before their tokens are added)
         logits_tokens = logits_rows(plan) if self.step_observers else 0
         try:
+            tokens = self._execute(plan)
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            return events + self._fail_step(plan, exc)
+        new_tokens = self._complete_step(plan, tokens)
+        end = self._end_step(start)
+        events += self.output.events(new_tokens, plan.step, end)
+        if self.step_observers:
+            self._report_step(plan, start, end, logits_tokens)
+        return events
+
+    def _execute(self, plan: StepPlan) -> list[list[int]]:
+        """The model runner's share of the step. Ranks that part end the engine
+        (EngineDeadError); any other error is the step's alone (`step` fails its requests)."""
+        try:
             with _profiled(plan):
-                tokens = self.runner.execute(plan, self.kv)
+                return self.runner.execute(plan, self.kv)
         except TensorParallelError as exc:  # the ranks have parted: the engine is over
             self.failure = f"{type(exc).__name__}: {exc}"
             self._end_ranks()
             self._fail_step(plan, exc)
             raise EngineDeadError(self.failure) from exc
-        except Exception as exc:  # a failed step fails its requests, not the engine
-            return events + self._fail_step(plan, exc)
+        except Exception:
+            raise
         except BaseException as exc:
             if self.peers is not None:
                 # Ctrl-C inside the step: the other ranks are left in its collectives, where
@@ -598,6 +602,10 @@ class LLMEngine:
                 self.failure = f"{type(exc).__name__} during a step: the ranks are out of step"
                 self._end_ranks()
             raise
+
+    def _complete_step(self, plan: StepPlan, tokens: list[list[int]]) -> NewTokens:
+        """The step's tokens into the scheduler (kept drafts only) and the sequences (stop
+        checks, text); the proposer forgets what finished."""
         kept = _kept_drafts(plan, tokens) if plan.num_draft_tokens else {}
         self.scheduler.complete_step(plan, kept)
         new_tokens = self.output.process(plan, tokens)
@@ -605,26 +613,40 @@ class LLMEngine:
             for item in plan.scheduled:
                 if item.seq.is_finished:
                     self._release_drafts(item.seq)
-        end = self._end_step(start)
-        events += self.output.events(new_tokens, plan.step, end)
-        if self.step_observers:
-            record = step_record(
-                plan,
-                start,
-                end,
-                logits_tokens,
-                self.kv,
-                len(self.scheduler.running),
-                self.runner.last_forward_ns,
-                self.runner.last_gather_ns,
-                self.model_config.sliding_window,
-                self.last_draft_ns,
-                self.runner.last_comm,
-                self.runner.last_broadcast,
-            )
-            for observer in self.step_observers:
-                observer(record)
-        return events
+        return new_tokens
+
+    def _report_step(self, plan: StepPlan, start: int, end: int, logits_tokens: int) -> None:
+        record = step_record(
+            plan,
+            start,
+            end,
+            logits_tokens,
+            self.kv,
+            len(self.scheduler.running),
+            self.runner.last_forward_ns,
+            self.runner.last_gather_ns,
+            self.model_config.sliding_window,
+            self.last_draft_ns,
+            self.runner.last_comm,
+            self.runner.last_broadcast,
+        )
+        for observer in self.step_observers:
+            observer(record)
+
+    def _fail_unschedulable(self, plan: StepPlan, now: int) -> list[RequestEvent]:
+        """Nothing runs, so nothing will free memory or budget: the request at the head of the
+        queue can never start. Fail it rather than spin forever."""
+        if not self.scheduler.waiting or self.scheduler.running:
+            return []
+        seq = self.scheduler.waiting[0]
+        self.scheduler.finish(seq, "error")
+        self.sequences.pop(seq.key, None)
+        self._release_drafts(seq)
+        reason = (
+            f"cannot be scheduled: {seq.num_tokens} tokens do not fit the KV cache or "
+            "max_num_batched_tokens even alone"
+        )
+        return [Failed(seq.request_id, plan.step, now, reason)]
 
     def _propose(self) -> dict[int, Proposal]:
         """Drafts for every running sequence past its first sampled token whose next step

@@ -102,60 +102,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.sample_vocab_size = sample_vocab_size
         self.eos_ids = eos_ids
-
-        # the C kernels: CPU float32, not under torch.compile (a ctypes call would split its
-        # graph; inductor fuses the elementwise ops itself)
-        self.native_kernels_reason = native.off_reason(
-            config.native_kernels, config.compile, self.device, dtype
-        )
-        self.native_kernels = self.native_kernels_reason is None
-        # the INT8/INT4 kernels take any float dtype (they compute in float32)
-        self.native_quant_reason = native.off_reason(
-            config.native_kernels, config.compile, self.device, None
-        )
-        # torch.compile cannot lower the prepacked ops (inductor packs weights its own way)
-        self.prepacked: str | None = None  # the packed layout of dense CPU weights
-        if config.prepack_weights and not config.compile:
-            if self.native_kernels:  # CPU float32 with the C kernels built: their GEMM
-                self.prepacked = "panels"
-            elif PrepackedDenseMethod.supported(self.device, dtype):
-                self.prepacked = "onednn"
-        # `auto` resolved for this device: what describe() reports
-        self.attention_backend = resolve_attention(
-            config.attention_backend,
-            self.device,
-            dtype,
-            config.kv_cache_dtype,
-            config.native_kernels,
-        )
-        with torch.device("meta"):
-            linear = make_linear_method(
-                config.quantization,
-                config.quantization_group_size,
-                self.prepacked,
-                config.quantization_zero_point,
-                config.quantization_activations,
-                self.native_quant_reason,
-            )
-            # The LM head stays dense unless quantize_lm_head asks otherwise (a tied head is
-            # then a quantized copy of the embedding table).
-            if not config.quantize_lm_head:
-                lm_head = make_linear_method("none", prepack=self.prepacked)
-            elif config.lm_head_quantization == "same":
-                lm_head = linear
-            else:
-                lm_head = make_linear_method(
-                    config.lm_head_quantization, native_reason=self.native_quant_reason
-                )
-            self.model = Transformer(
-                model_config,
-                linear,
-                make_attention(self.attention_backend),
-                max_model_len,
-                self.device,
-                lm_head_method=lm_head,
-                tp=tp,
-            )
+        self._choose_kernels()
+        self.model = self._build_model(tp)
         self.tp = self.model.tp
         # rank 0 of several: where each packed step goes before it runs (set by the engine)
         self.peers: ControlChannel | None = None
@@ -184,6 +132,69 @@ class ModelRunner:
         self.ring = False
         self.decode_graphs: DecodeGraphs | None = None  # set up with the KV cache
         self.cuda_graphs_note: str | None = None  # why graphs were asked for but not used
+
+    def _choose_kernels(self) -> None:
+        """Which kernels the options ask for and this device and dtype allow: the C kernels,
+        the prepacked weight layout, the attention backend."""
+        config, dtype = self.config, self.dtype
+        # the C kernels: CPU float32, not under torch.compile (a ctypes call would split its
+        # graph; inductor fuses the elementwise ops itself)
+        self.native_kernels_reason = native.off_reason(
+            config.native_kernels, config.compile, self.device, dtype
+        )
+        self.native_kernels = self.native_kernels_reason is None
+        # the INT8/INT4 kernels take any float dtype (they compute in float32)
+        self.native_quant_reason = native.off_reason(
+            config.native_kernels, config.compile, self.device, None
+        )
+        # torch.compile cannot lower the prepacked ops (inductor packs weights its own way)
+        self.prepacked: str | None = None  # the packed layout of dense CPU weights
+        if config.prepack_weights and not config.compile:
+            if self.native_kernels:  # CPU float32 with the C kernels built: their GEMM
+                self.prepacked = "panels"
+            elif PrepackedDenseMethod.supported(self.device, dtype):
+                self.prepacked = "onednn"
+        # `auto` resolved for this device: what describe() reports
+        self.attention_backend = resolve_attention(
+            config.attention_backend,
+            self.device,
+            dtype,
+            config.kv_cache_dtype,
+            config.native_kernels,
+        )
+
+    def _build_model(self, tp: TPGroup | None) -> Transformer:
+        """The model, its linear layers' methods and its attention, on the meta device
+        (`_load_weights` gives it its weights)."""
+        config = self.config
+        with torch.device("meta"):
+            linear = make_linear_method(
+                config.quantization,
+                config.quantization_group_size,
+                self.prepacked,
+                config.quantization_zero_point,
+                config.quantization_activations,
+                self.native_quant_reason,
+            )
+            # The LM head stays dense unless quantize_lm_head asks otherwise (a tied head is
+            # then a quantized copy of the embedding table).
+            if not config.quantize_lm_head:
+                lm_head = make_linear_method("none", prepack=self.prepacked)
+            elif config.lm_head_quantization == "same":
+                lm_head = linear
+            else:
+                lm_head = make_linear_method(
+                    config.lm_head_quantization, native_reason=self.native_quant_reason
+                )
+            return Transformer(
+                self.model_config,
+                linear,
+                make_attention(self.attention_backend),
+                self.max_model_len,
+                self.device,
+                lm_head_method=lm_head,
+                tp=tp,
+            )
 
     def _load_weights(self) -> None:
         cfg, config = self.model_config, self.config
@@ -321,148 +332,94 @@ class ModelRunner:
     def _pack(self, plan: StepPlan, kv: KVCacheManager) -> PackedStep:
         """Pack the plan into rows in the host buffers: real decodes, static batching's padding
         decodes, real prefills (each followed by its padding tokens, if any), then padding-only
-        rows. Padding tokens are pad id 0 at the positions after their row's real tokens; they
-        are computed (the cost static batching pays) but their K/V are never stored and they
-        are never sampled."""
-        items = plan.scheduled
-        num_decodes = plan.num_decodes
-        pads = plan.padding_rows
-        pad_decodes = [r for r in pads if r.is_decode]
-        pad_rows = [r for r in pads if not r.is_decode]
-        # (seq_id, first position, real tokens, padding tokens) per row, in packing order
-        rows: list[tuple[int, int, list[int], int]] = []
-        # Speculative rows among decodes only: each token becomes a one-token decode row over
-        # its sequence's blocks (the step writes every token's K/V before attending, so the
-        # row at position p sees the keys up to p: causal, as a prefill chunk would). The
-        # step then runs as a decode step: the decode kernels, the decode program, graphs.
-        as_decodes = (
-            bool(plan.num_draft_tokens)
-            and kv.retains_kv
-            and not pads
-            and plan.num_tokens <= self.max_rows
-            and all(s.is_decode or s.proposal is not None for s in items)
-        )
+        rows; or, when speculative rows verify as decodes, one row per token. Padding tokens
+        are pad id 0 at the positions after their row's real tokens; they are computed (the
+        cost static batching pays) but their K/V are never stored and they are never
+        sampled."""
+        as_decodes = self._verifies_as_decodes(plan, kv)
         if as_decodes:
-            for s in items:
-                start = s.num_computed_before
-                rows += [(s.seq.seq_id, start + i, [t], 0) for i, t in enumerate(s.new_token_ids)]
-            num_decodes = len(rows)
+            rows = _verify_rows(plan)
+            num_decode_rows = len(rows)
         else:
-            for s in items[:num_decodes]:
-                rows.append((s.seq.seq_id, s.num_computed_before, s.new_token_ids, 0))
-            for r in pad_decodes:
-                rows.append((r.seq.seq_id, r.start, [], 1))
-            for s in items[num_decodes:]:
-                rows.append(
-                    (s.seq.seq_id, s.num_computed_before, s.new_token_ids, s.num_padding_tokens)
-                )
-            for r in pad_rows:
-                rows.append((r.seq.seq_id, r.start, [], r.num_tokens))
-
-        num_seqs = len(rows)
-        real_lens = np.fromiter((len(r[2]) for r in rows), np.int64, num_seqs)
-        query_lens = real_lens + np.fromiter((r[3] for r in rows), np.int64, num_seqs)
-        starts = np.fromiter((r[1] for r in rows), np.int64, num_seqs)
-        seq_lens = starts + query_lens
-        qsl = np.zeros(num_seqs + 1, np.int64)
-        np.cumsum(query_lens, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-
-        token_ids: list[int] = []
-        for _, _, ids, num_pad in rows:
-            token_ids.extend(ids)
-            token_ids.extend([PAD_TOKEN_ID] * num_pad)
-        # positions = start of the chunk + offset within it, for every packed token
-        seq_index = np.repeat(np.arange(num_seqs), query_lens)
-        offsets = np.arange(num_tokens) - qsl[:-1][seq_index]
-        positions = starts[seq_index] + offsets
-
-        use_cache = kv.retains_kv
-        write_index = None
-        n = num_tokens
-        inputs = self.inputs
-        host = inputs.host_arrays()  # waits until the previous step's upload has left them
-        host["input_ids"][:n] = token_ids
-        host["positions"][:n] = positions
-        host["qsl"][: num_seqs + 1] = qsl
-        host["seq_lens"][:num_seqs] = seq_lens
-        if use_cache:
-            tables = host["block_tables"][:num_seqs]
-            tables[:] = 0
-            for row, entry in enumerate(rows):
-                table = kv.block_table(entry[0])
-                tables[row, : len(table)] = table
-            bs = self.block_size
-            # Padding (static batching) is computed but its K/V never stored: nothing reads it,
-            # and a padded row may reach past the blocks its sequence owns.
-            keep = offsets < real_lens[seq_index]
-            if self.ring:
-                # One window-sized region per sequence, written round-robin; of a prompt
-                # longer than the window only the last `window` tokens are kept.
-                slots = tables[seq_index, 0].astype(np.int64) * bs + positions % bs
-                keep &= positions >= (starts + real_lens)[seq_index] - bs
-            else:
-                blocks = np.minimum(positions // bs, self.max_blocks_per_seq - 1)
-                slots = tables[seq_index, blocks].astype(np.int64) * bs + positions % bs
-            if not keep.all():
-                write_index = np.flatnonzero(keep)
-            host["slots"][:n] = slots
-
-        indices: list[int] | np.ndarray
+            num_decodes = plan.num_decodes  # the decodes come first in the plan
+            rows = _decode_rows(plan, num_decodes)
+            num_decode_rows = len(rows)
+            rows += _prefill_rows(plan, num_decodes)
+        layout = _RowLayout.of(rows)
+        host = self.inputs.host_arrays()  # waits until the previous step's upload has left them
+        layout.fill(host, rows)
+        write_index = self._fill_slots(host, rows, layout, kv) if kv.retains_kv else None
         if as_decodes:  # every row samples: its own token's logits
-            indices = np.arange(num_tokens)
-            num_sampled = num_seqs
+            indices: list[int] | np.ndarray = np.arange(layout.num_tokens)
+            num_sampled = len(rows)
         else:
-            # Real rows in plan order: decodes are rows 0..num_decodes-1, prefills follow the
-            # padding decodes. A sampling row's logits are at its last real token; a
-            # speculative row's at its last own token and at each of its drafts.
-            first_prefill = num_decodes + len(pad_decodes)
-            real_rows = [
-                *range(num_decodes),
-                *range(first_prefill, first_prefill + len(items) - num_decodes),
-            ]
-            sampling = [
-                (row, s.num_draft_tokens)
-                for row, s in zip(real_rows, items, strict=True)
-                if s.samples
-            ]
-            sample_rows = [row for row, _ in sampling]
-            num_sampled = len(sample_rows)
-            ends = qsl[:-1][sample_rows] + real_lens[sample_rows]
-            indices = ends - 1
-            if plan.num_draft_tokens:
-                indices = [
-                    end - 1 - back
-                    for end, (_, drafts) in zip(ends.tolist(), sampling, strict=True)
-                    for back in range(drafts, -1, -1)
-                ]
+            indices, num_sampled = _sampled_logits(plan, layout, num_decodes, num_decode_rows)
         num_logits = len(indices)
         host["logits_indices"][:num_logits] = indices
         packed = PackedStep(
-            num_tokens=n,
+            num_tokens=layout.num_tokens,
             num_logits=num_logits,
-            num_decodes=num_decodes + len(pad_decodes),
-            query_start_loc=qsl.tolist(),
-            seq_lens=seq_lens.tolist(),
-            use_cache=use_cache,
+            num_decodes=num_decode_rows,
+            query_start_loc=layout.qsl.tolist(),
+            seq_lens=layout.seq_lens.tolist(),
+            use_cache=kv.retains_kv,
             write_index=write_index,
             copied_blocks=plan.copied_blocks,
             observe=bool(self.logits_observers),
         )
         if plan.padding_tokens:
-            packed.real_token_index = np.flatnonzero(offsets < real_lens[seq_index])
-        graphs = self.decode_graphs
-        if (
-            graphs is not None
-            and not self.logits_observers
-            and not pads
-            and num_decodes == num_seqs == num_sampled
-            and write_index is None
-        ):
-            packed.graph_size = graphs.bucket_for(num_seqs)
-            if packed.graph_size is not None:  # rows num_seqs.. of the bucket are padding
-                pad_decode_rows(host, num_seqs, packed.graph_size)
+            packed.real_token_index = np.flatnonzero(layout.real_tokens())
+        if num_decode_rows == len(rows) == num_sampled and not plan.padding_rows:
+            self._use_graph(packed, host)
         return packed
+
+    def _verifies_as_decodes(self, plan: StepPlan, kv: KVCacheManager) -> bool:
+        """Speculative rows among decodes only: each token becomes a one-token decode row over
+        its sequence's blocks (the step writes every token's K/V before attending, so the row
+        at position p sees the keys up to p: causal, as a prefill chunk would). The step then
+        runs as a decode step: the decode kernels, the decode program, graphs."""
+        return (
+            bool(plan.num_draft_tokens)
+            and kv.retains_kv
+            and not plan.padding_rows
+            and plan.num_tokens <= self.max_rows
+            and all(s.is_decode or s.proposal is not None for s in plan.scheduled)
+        )
+
+    def _fill_slots(
+        self, host: dict[str, np.ndarray], rows: list[Row], layout: _RowLayout, kv: KVCacheManager
+    ) -> np.ndarray | None:
+        """The rows' block tables and the KV slot of every packed token; the packed rows whose
+        K/V are stored (None: all). Padding (static batching) is computed but its K/V never
+        stored: nothing reads it, and a padded row may reach past the blocks its sequence
+        owns."""
+        tables = host["block_tables"][: len(rows)]
+        tables[:] = 0
+        for row, entry in enumerate(rows):
+            table = kv.block_table(entry[0])
+            tables[row, : len(table)] = table
+        bs, seq_index, positions = self.block_size, layout.seq_index, layout.positions
+        keep = layout.real_tokens()
+        if self.ring:
+            # One window-sized region per sequence, written round-robin; of a prompt longer
+            # than the window only the last `window` tokens are kept.
+            slots = tables[seq_index, 0].astype(np.int64) * bs + positions % bs
+            keep &= positions >= (layout.starts + layout.real_lens)[seq_index] - bs
+        else:
+            blocks = np.minimum(positions // bs, self.max_blocks_per_seq - 1)
+            slots = tables[seq_index, blocks].astype(np.int64) * bs + positions % bs
+        host["slots"][: layout.num_tokens] = slots
+        return None if keep.all() else np.flatnonzero(keep)
+
+    def _use_graph(self, packed: PackedStep, host: dict[str, np.ndarray]) -> None:
+        """A decode-only step that samples every row replays a CUDA graph, when one of its
+        buckets holds the rows (rows num_seqs.. of the bucket are padding)."""
+        graphs = self.decode_graphs
+        if graphs is None or self.logits_observers or packed.write_index is not None:
+            return
+        packed.graph_size = graphs.bucket_for(packed.num_seqs)
+        if packed.graph_size is not None:
+            pad_decode_rows(host, packed.num_seqs, packed.graph_size)
 
     def _device_inputs(
         self, packed: PackedStep
@@ -623,6 +580,118 @@ class ModelRunner:
         if not all_finite:
             raise non_finite_logits(logits, plan.step)
         return [[token] for token in ids]
+
+
+#: One packed row: (seq_id, first position, real tokens, padding tokens after them).
+Row = tuple[int, int, list[int], int]
+
+
+def _decode_rows(plan: StepPlan, num_decodes: int) -> list[Row]:
+    """The plan's `num_decodes` decodes, then static batching's padding decodes."""
+    rows: list[Row] = [
+        (s.seq.seq_id, s.num_computed_before, s.new_token_ids, 0)
+        for s in plan.scheduled[:num_decodes]
+    ]
+    rows += [(r.seq.seq_id, r.start, [], 1) for r in plan.padding_rows if r.is_decode]
+    return rows
+
+
+def _prefill_rows(plan: StepPlan, num_decodes: int) -> list[Row]:
+    """The plan's rows after its decodes: prompt chunks (and speculative rows that verify as
+    chunks), each with its static batching padding; then padding-only rows."""
+    rows: list[Row] = [
+        (s.seq.seq_id, s.num_computed_before, s.new_token_ids, s.num_padding_tokens)
+        for s in plan.scheduled[num_decodes:]
+    ]
+    rows += [
+        (r.seq.seq_id, r.start, [], r.num_tokens) for r in plan.padding_rows if not r.is_decode
+    ]
+    return rows
+
+
+def _verify_rows(plan: StepPlan) -> list[Row]:
+    """Every token of every sequence as a one-token decode row (`_verifies_as_decodes`)."""
+    return [
+        (s.seq.seq_id, s.num_computed_before + i, [token], 0)
+        for s in plan.scheduled
+        for i, token in enumerate(s.new_token_ids)
+    ]
+
+
+@dataclass
+class _RowLayout:
+    """Where each packed token sits: the shared assembly of every kind of row."""
+
+    starts: np.ndarray  # per row: its first position
+    real_lens: np.ndarray  # per row: real tokens
+    qsl: np.ndarray  # query start locations [rows + 1]
+    seq_lens: np.ndarray  # per row: tokens it attends to after the step
+    seq_index: np.ndarray  # per token: its row
+    offsets: np.ndarray  # per token: its offset in its row
+    positions: np.ndarray  # per token: its position in its sequence
+
+    @staticmethod
+    def of(rows: list[Row]) -> _RowLayout:
+        num_rows = len(rows)
+        real_lens = np.fromiter((len(r[2]) for r in rows), np.int64, num_rows)
+        query_lens = real_lens + np.fromiter((r[3] for r in rows), np.int64, num_rows)
+        starts = np.fromiter((r[1] for r in rows), np.int64, num_rows)
+        qsl = np.zeros(num_rows + 1, np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        # positions = start of the chunk + offset within it, for every packed token
+        seq_index = np.repeat(np.arange(num_rows), query_lens)
+        offsets = np.arange(int(qsl[-1])) - qsl[:-1][seq_index]
+        positions = starts[seq_index] + offsets
+        return _RowLayout(
+            starts, real_lens, qsl, starts + query_lens, seq_index, offsets, positions
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qsl[-1])
+
+    def real_tokens(self) -> np.ndarray:
+        """Per packed token: not padding."""
+        return self.offsets < self.real_lens[self.seq_index]
+
+    def fill(self, host: dict[str, np.ndarray], rows: list[Row]) -> None:
+        """The token ids, positions and row boundaries into the host buffers."""
+        token_ids: list[int] = []
+        for _, _, ids, num_pad in rows:
+            token_ids.extend(ids)
+            token_ids.extend([PAD_TOKEN_ID] * num_pad)
+        n, num_rows = self.num_tokens, len(rows)
+        host["input_ids"][:n] = token_ids
+        host["positions"][:n] = self.positions
+        host["qsl"][: num_rows + 1] = self.qsl
+        host["seq_lens"][:num_rows] = self.seq_lens
+
+
+def _sampled_logits(
+    plan: StepPlan, layout: _RowLayout, num_decodes: int, num_decode_rows: int
+) -> tuple[list[int] | np.ndarray, int]:
+    """The packed tokens whose logits are sampled, and how many rows sample. Real rows in plan
+    order: decodes are rows 0..num_decodes-1, prefills follow the padding decodes. A sampling
+    row's logits are at its last real token; a speculative row's at its last own token and at
+    each of its drafts."""
+    items = plan.scheduled
+    real_rows = [
+        *range(num_decodes),
+        *range(num_decode_rows, num_decode_rows + len(items) - num_decodes),
+    ]
+    sampling = [
+        (row, s.num_draft_tokens) for row, s in zip(real_rows, items, strict=True) if s.samples
+    ]
+    sample_rows = [row for row, _ in sampling]
+    ends = layout.qsl[:-1][sample_rows] + layout.real_lens[sample_rows]
+    if not plan.num_draft_tokens:
+        return ends - 1, len(sample_rows)
+    indices = [
+        end - 1 - back
+        for end, (_, drafts) in zip(ends.tolist(), sampling, strict=True)
+        for back in range(drafts, -1, -1)
+    ]
+    return indices, len(sample_rows)
 
 
 def _check_compile_works(device: torch.device) -> None:

@@ -1,5 +1,6 @@
 """Output processing: what the engine does with a step's sampled tokens.
 
+    the step's plan -> Preempted / Scheduled / PrefillChunk events
     sampled tokens -> forks for parallel sampling (n > 1) -> append -> detokenize incrementally
     -> stop tokens, EOS, length, stop strings -> text deltas -> Tokens / Finished events
 
@@ -12,10 +13,21 @@ from __future__ import annotations
 
 import torch
 
-from engines.base import Finished, RequestEvent, Tokens, now_ns
+from engines.base import (
+    Finished,
+    Preempted,
+    PrefillChunk,
+    RequestEvent,
+    Scheduled,
+    Tokens,
+    now_ns,
+)
 from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
 from models.tokenizer import Tokenizer
+
+#: A step's new tokens by sequence key: [(token, text delta to stream)].
+NewTokens = dict[str, list[tuple[int, str]]]
 
 
 def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -51,13 +63,36 @@ class OutputProcessor:
                 seq.prompt_token_ids, seq.sampling.skip_special_tokens
             )
 
-    def process(self, plan: StepPlan, tokens: list[list[int]]) -> dict[str, list[tuple[int, str]]]:
+    def schedule_events(self, plan: StepPlan, time_ns: int) -> list[RequestEvent]:
+        """What the plan does to requests, stamped at the step's start: preempted ones, ones
+        scheduled for the first time (a preempted one resuming is not), prompt chunks."""
+        step = plan.step
+        events: list[RequestEvent] = [
+            Preempted(seq.request_id, step, time_ns, "kv cache full") for seq in plan.preempted
+        ]
+        for seq in plan.admitted:
+            if seq.first_scheduled_step == step and seq.num_preemptions == 0:
+                events.append(Scheduled(seq.request_id, step, time_ns))
+        for item in plan.scheduled:
+            if item.is_prefill:
+                events.append(
+                    PrefillChunk(
+                        item.seq.request_id,
+                        step,
+                        time_ns,
+                        item.num_new_tokens,
+                        item.num_computed_before,
+                    )
+                )
+        return events
+
+    def process(self, plan: StepPlan, tokens: list[list[int]]) -> NewTokens:
         """Append each sequence's new tokens (one list per sampling sequence of `plan`, in plan
         order, the first token of each fork included; several with speculative decoding),
         detokenize, check stops after every token; finish what stopped, dropping the tokens
         after a stop. Returns key -> [(token, text delta to stream)] (text held back while it
         may start a stop string)."""
-        out: dict[str, list[tuple[int, str]]] = {}
+        out: NewTokens = {}
         sampled: list[Sequence] = []
         for item in plan.scheduled:
             if item.samples:
@@ -107,9 +142,7 @@ class OutputProcessor:
             self.scheduler.finish(seq, reason)
         return delta
 
-    def events(
-        self, new_tokens: dict[str, list[tuple[int, str]]], step: int, time_ns: int
-    ) -> list[RequestEvent]:
+    def events(self, new_tokens: NewTokens, step: int, time_ns: int) -> list[RequestEvent]:
         """The step's Tokens events, one per token (a speculative step's kept drafts arrive
         together: same step, same time), and Finished for what stopped, stamped `time_ns`; a
         finished sequence leaves `sequences`."""

@@ -8,18 +8,16 @@ Two sub-modes, each what a transformers user would actually run:
 - `generate_batch`: transformers' continuous batching (`init_continuous_batching`, the
   engine behind `generate_batch`), fed request by request; token times are the ones it records.
 
-The model runs in a worker thread; events cross to the event loop with
-`call_soon_threadsafe`, so the harness sees the same typed events as from any backend.
+The model runs in the stepping adapter's worker thread (engines/stepping.py); each step's
+events cross to the event loop in one hand-over, so the harness sees the same typed events as
+from any backend.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections import deque
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,9 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engines.base import (
-    TERMINAL_EVENTS,
     Arrived,
-    Backend,
     Failed,
     Finished,
     GenerationRequest,
@@ -45,6 +41,7 @@ from engines.base import (
 from engines.hf.config import HFConfig
 from engines.hf.model import load_hf_model
 from engines.sampling_params import SamplingParams
+from engines.stepping import SteppedBackend
 from models.dtypes import TORCH_DTYPES
 from models.tokenizer import Tokenizer, tokenizer_for_model
 
@@ -61,13 +58,13 @@ class _Pending:
     token_ids: list[int]
     sampling: SamplingParams
     detok: Any  # DetokenizerStream | None
-    emit: Any  # callable(RequestEvent), thread-safe
     output: list[int] = field(default_factory=list)
     done: bool = False
 
 
-class HFBackend(Backend):
+class HFBackend(SteppedBackend):
     name = "hf"
+    worker_name = "hf-generate"
 
     def __init__(self, config: HFConfig) -> None:
         super().__init__()
@@ -75,12 +72,9 @@ class HFBackend(Backend):
         self.model: CausalLM | None = None
         self.tokenizer: Tokenizer | None = None
         self._waiting: deque[_Pending] = deque()
-        self._wake: asyncio.Event | None = None
-        self._loop_task: asyncio.Task[None] | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-generate")
+        self._open: dict[str, _Pending] = {}  # requests not done yet, by id
         self._manager: Any = None  # generate_batch's ContinuousBatchingManager
-        self._step = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._step_number = 0
 
     @classmethod
     def from_config(cls, options: dict[str, Any]) -> HFBackend:
@@ -209,51 +203,43 @@ class HFBackend(Backend):
                     "mode=generate_batch; use ignore_eos for exact lengths"
                 )
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestEvent]:
-        assert self.model is not None, "load() first"
+    def _submit(self, request: GenerationRequest) -> list[RequestEvent]:
+        assert self.model is not None and self.tokenizer is not None, "load() first"
         arrival = now_ns()
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        try:
-            sampling = request.sampling
-            self._check_supported(sampling)
-            ids = self._tokenize(request)
-        except (ValueError, TypeError) as exc:
-            yield Failed(request.request_id, -1, now_ns(), str(exc))
-            return
-        assert self.tokenizer is not None
-        yield Arrived(request.request_id, -1, arrival)
-        yield Tokenized(request.request_id, -1, now_ns(), len(ids))
-
-        def emit(event: RequestEvent) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
-
+        sampling = request.sampling
+        self._check_supported(sampling)
+        ids = self._tokenize(request)
+        events: list[RequestEvent] = [
+            Arrived(request.request_id, -1, arrival),
+            Tokenized(request.request_id, -1, now_ns(), len(ids)),
+        ]
         detok = (
             self.tokenizer.new_stream(ids, sampling.skip_special_tokens)
             if sampling.detokenize
             else None
         )
-        pending = _Pending(request.request_id, ids, sampling, detok, emit)
+        pending = self._open[request.request_id] = _Pending(
+            request.request_id, ids, sampling, detok
+        )
         if self.config.mode == "generate_batch":
             if self._manager is None:
                 self._start_continuous_batching()
-            self._submit_continuous(pending, queue)
+            events += self._submit_continuous(pending)
         else:
             self._waiting.append(pending)
-            self._ensure_loop()
-            assert self._wake is not None
-            self._wake.set()
-        try:
-            while True:
-                event = await queue.get()
-                yield event
-                if isinstance(event, TERMINAL_EVENTS):
-                    return
-        finally:
-            if not pending.done:  # the consumer went away early
-                pending.done = True
-                if self._manager is not None:
-                    self._manager.cancel_request(request.request_id)
+        return events
+
+    def _abort(self, request_id: str) -> None:
+        pending = self._open.get(request_id)
+        if pending is not None:
+            self._done(pending)
+        if self._manager is not None:
+            self._manager.cancel_request(request_id)
+
+    def _done(self, pending: _Pending) -> None:
+        """No more events for this request (finished, failed or aborted)."""
+        pending.done = True
+        self._open.pop(pending.request_id, None)
 
     def _text(self, pending: _Pending, token: int) -> str:
         assert self.tokenizer is not None
@@ -261,50 +247,38 @@ class HFBackend(Backend):
             return ""
         return pending.detok.step(token)
 
-    def _finish(self, pending: _Pending, reason: str, time: int, step: int) -> None:
-        pending.done = True
-        pending.emit(
-            Finished(
-                pending.request_id,
-                step,
-                time,
-                reason,
-                len(pending.token_ids),
-                len(pending.output),
-                text=pending.detok.text if pending.detok else "",
-            )
+    def _finished(self, pending: _Pending, reason: str, time: int, step: int) -> Finished:
+        self._done(pending)
+        return Finished(
+            pending.request_id,
+            step,
+            time,
+            reason,
+            len(pending.token_ids),
+            len(pending.output),
+            text=pending.detok.text if pending.detok else "",
         )
 
     # ---- mode=generate: static batches ---------------------------------------------------
 
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_static())
+    def _has_work(self) -> bool:
+        return bool(self._waiting)
 
-    async def _run_static(self) -> None:
-        assert self._wake is not None
-        loop = self._loop = asyncio.get_running_loop()
-        while True:
-            if not self._waiting:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            batch = self._next_batch()
-            try:
-                await loop.run_in_executor(self._executor, self._generate_batch, batch)
-            except Exception as exc:  # fail this batch, keep serving the next
-                for pending in batch:
-                    if not pending.done:
-                        pending.done = True
-                        pending.emit(
-                            Failed(
-                                pending.request_id,
-                                self._step,
-                                now_ns(),
-                                f"hf generate: {type(exc).__name__}: {exc}",
-                            )
-                        )
+    async def _step(self) -> list[RequestEvent]:
+        """One batch, run to completion in the worker (its events are posted from there)."""
+        batch = self._next_batch()
+        if not batch:
+            return []  # what waited was aborted
+        try:
+            await self._in_worker(self._generate_batch, batch)
+        except Exception as exc:  # fail this batch, keep serving the next
+            failed, reason = now_ns(), f"hf generate: {type(exc).__name__}: {exc}"
+            events: list[RequestEvent] = []
+            for pending in [p for p in batch if not p.done]:
+                self._done(pending)
+                events.append(Failed(pending.request_id, self._step_number, failed, reason))
+            return events
+        return []
 
     def _next_batch(self) -> list[_Pending]:
         """The oldest waiting request and the next ones decoding the same way (one
@@ -354,12 +328,14 @@ class HFBackend(Backend):
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
         streamer = _StepStreamer(self, batch, width)
-        start = now_ns()
+        start, step = now_ns(), self._step_number
+        scheduled: list[RequestEvent] = []
         for pending in batch:
-            pending.emit(Scheduled(pending.request_id, self._step, start))
-            pending.emit(
-                PrefillChunk(pending.request_id, self._step, start, len(pending.token_ids), 0)
+            scheduled.append(Scheduled(pending.request_id, step, start))
+            scheduled.append(
+                PrefillChunk(pending.request_id, step, start, len(pending.token_ids), 0)
             )
+        self._post(scheduled)
         streamer.last_ns = start
         self.model.generate(
             input_ids=input_ids,
@@ -369,13 +345,15 @@ class HFBackend(Backend):
             **options,
         )
         end = now_ns()
-        for pending in batch:  # EOS reached by every row before its max_tokens, or aborted
-            if not pending.done:
-                self._finish(pending, "stop", end, self._step)
+        # EOS reached by every row before its max_tokens, or aborted
+        last = [p for p in batch if not p.done]
+        self._post([self._finished(p, "stop", end, self._step_number) for p in last])
 
     # ---- mode=generate_batch: transformers' continuous batching ---------------------------
 
-    def _submit_continuous(self, pending: _Pending, queue: asyncio.Queue) -> None:
+    def _submit_continuous(self, pending: _Pending) -> list[RequestEvent]:
+        """Hand the request to transformers' manager, whose result handler runs on the loop;
+        the events of a refusal."""
         manager = self._manager
         sampling = pending.sampling
         seen = 0
@@ -384,39 +362,9 @@ class HFBackend(Backend):
             nonlocal seen
             if pending.done:
                 return
-            if output.error:
-                pending.done = True
-                queue.put_nowait(
-                    Failed(pending.request_id, -1, now_ns(), f"hf generate_batch: {output.error}")
-                )
-                return
-            times = output.timestamps or []
-            if seen == 0 and output.generated_tokens:
-                first = int(times[0] * 1e9) if times else now_ns()
-                scheduled = int(output.lifespan[0] * 1e9) if output.lifespan[0] > 0 else first
-                queue.put_nowait(Scheduled(pending.request_id, -1, min(scheduled, first)))
-            for i in range(seen, len(output.generated_tokens)):
-                token = output.generated_tokens[i]
-                pending.output.append(token)
-                time = int(times[i] * 1e9) if i < len(times) else now_ns()
-                queue.put_nowait(
-                    Tokens(pending.request_id, -1, time, (token,), self._text(pending, token))
-                )
+            events = self._continuous_events(pending, output, seen)
             seen = len(output.generated_tokens)
-            if output.is_finished():
-                reason = "length" if seen >= sampling.max_tokens else "stop"
-                pending.done = True
-                queue.put_nowait(
-                    Finished(
-                        pending.request_id,
-                        -1,
-                        int(times[-1] * 1e9) if times else now_ns(),
-                        reason,
-                        len(pending.token_ids),
-                        seen,
-                        text=pending.detok.text if pending.detok else "",
-                    )
-                )
+            self._deliver(events)
 
         manager.register_result_handler(pending.request_id, on_output)
         eos = -1 if sampling.ignore_eos or not self.eos_ids else self.eos_ids
@@ -429,23 +377,41 @@ class HFBackend(Backend):
             eos_token_id=eos,
         )
         if added is None:
-            pending.done = True
-            queue.put_nowait(
-                Failed(
-                    pending.request_id,
-                    -1,
-                    now_ns(),
-                    "hf generate_batch: the manager refused the request",
-                )
+            self._done(pending)
+            reason = "hf generate_batch: the manager refused the request"
+            return [Failed(pending.request_id, -1, now_ns(), reason)]
+        return []
+
+    def _continuous_events(self, pending: _Pending, output: Any, seen: int) -> list[RequestEvent]:
+        """The events of one result of the manager's, whose first `seen` tokens were had."""
+        if output.error:
+            self._done(pending)
+            return [Failed(pending.request_id, -1, now_ns(), f"hf generate_batch: {output.error}")]
+        events: list[RequestEvent] = []
+        times = output.timestamps or []
+        if seen == 0 and output.generated_tokens:
+            first = int(times[0] * 1e9) if times else now_ns()
+            scheduled = int(output.lifespan[0] * 1e9) if output.lifespan[0] > 0 else first
+            events.append(Scheduled(pending.request_id, -1, min(scheduled, first)))
+        for i in range(seen, len(output.generated_tokens)):
+            token = output.generated_tokens[i]
+            pending.output.append(token)
+            time = int(times[i] * 1e9) if i < len(times) else now_ns()
+            events.append(
+                Tokens(pending.request_id, -1, time, (token,), self._text(pending, token))
             )
+        if output.is_finished():
+            count = len(output.generated_tokens)
+            reason = "length" if count >= pending.sampling.max_tokens else "stop"
+            time = int(times[-1] * 1e9) if times else now_ns()
+            events.append(self._finished(pending, reason, time, -1))
+        return events
 
     def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        self._stop_stepping(wait_for_worker=False)
         if self._manager is not None:
             self._manager.stop(block=True)
             self._manager = None
-        self._executor.shutdown(wait=False, cancel_futures=True)
         self.model = None
 
 
@@ -482,7 +448,7 @@ class _StepStreamer:
         if self.steps_done == 0:
             return
         now = now_ns()
-        backend, step = self.backend, self.backend._step
+        backend, step = self.backend, self.backend._step_number
         tokens = value.reshape(-1).tolist()
         live = [(p, t) for p, t in zip(self.batch, tokens, strict=True) if not p.done]
         prefill = self.steps_done == 1
@@ -505,22 +471,20 @@ class _StepStreamer:
             num_running=len(self.batch),
             forward_ns=now - self.last_ns,
         )
-        # observers run on the event loop, not this thread; the step is reported before its
-        # tokens so a run never ends with its last step unrecorded
-        assert backend._loop is not None
-        backend._loop.call_soon_threadsafe(backend.emit_step, record)
+        events: list[RequestEvent] = []
         for pending, token in live:
             pending.output.append(token)
-            pending.emit(
+            events.append(
                 Tokens(pending.request_id, step, now, (token,), backend._text(pending, token))
             )
             s = pending.sampling
             n = len(pending.output)
             if n >= s.max_tokens:
-                backend._finish(pending, "length", now, step)
+                events.append(backend._finished(pending, "length", now, step))
             elif not s.ignore_eos and token in backend.eos_ids and n >= s.min_tokens:
-                backend._finish(pending, "stop", now, step)
-        backend._step += 1
+                events.append(backend._finished(pending, "stop", now, step))
+        backend._post(events, record)  # observers run on the event loop, not this thread
+        backend._step_number += 1
         self.last_ns = now
 
     def end(self) -> None:

@@ -7,19 +7,17 @@ of newly admitted ones within `max_num_batched_tokens`, up to `max_num_seqs` seq
 (continuous batching, as llama.cpp's server slots do). Prompts are tokenized by the tokenizer
 the built-in engine builds from the same file (models.gguf), so both see the same token ids.
 
-The step runs in a worker thread (ctypes releases the GIL while llama.cpp computes); between
-steps the event loop admits arrivals, frees aborted sequences and hands out the step's events,
-whose timestamps are taken in the worker as soon as a step's tokens are sampled.
+The step loop is the stepping adapter's (engines/stepping.py): llama_decode runs in its worker
+thread (ctypes releases the GIL while llama.cpp computes); between steps the event loop admits
+arrivals, frees aborted sequences and hands out the step's events, whose timestamps are taken
+in the worker as soon as a step's tokens are sampled.
 """
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import math
 from collections import deque
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +25,7 @@ import numpy as np
 import torch
 
 from engines.base import (
-    TERMINAL_EVENTS,
     Arrived,
-    Backend,
     Failed,
     Finished,
     GenerationRequest,
@@ -45,6 +41,7 @@ from engines.base import (
 from engines.llamacpp.config import LlamaCppConfig
 from engines.llamacpp.runner import BatchToken, LlamaCppRunner, check_gguf, converted
 from engines.sampling_params import SamplingParams
+from engines.stepping import SteppedBackend
 from models.tokenizer import Tokenizer, tokenizer_for_model
 
 
@@ -54,7 +51,6 @@ class _Seq:
     prompt: list[int]
     sampling: SamplingParams
     detok: Any  # DetokenizerStream | None
-    queue: asyncio.Queue[RequestEvent]
     seed: int
     seq_id: int = -1  # llama.cpp's sequence id while it holds KV cells
     computed: int = 0  # prompt tokens in the KV cache
@@ -72,8 +68,10 @@ class _Planned:
     row: int | None  # the batch row whose logits sample the next token; None mid-prompt
 
 
-class LlamaCppBackend(Backend):
+class LlamaCppBackend(SteppedBackend):
     name = "llamacpp"
+    # one worker: llama.cpp's context is not thread-safe, and steps run one at a time
+    worker_name = "llamacpp-step"
 
     def __init__(self, config: LlamaCppConfig) -> None:
         super().__init__()
@@ -84,11 +82,7 @@ class LlamaCppBackend(Backend):
         self._running: list[_Seq] = []
         # a heap: a new sequence takes the lowest free id (see _compact)
         self._free_ids: list[int] = []
-        self._wake: asyncio.Event | None = None
-        self._loop_task: asyncio.Task[None] | None = None
-        # one worker: llama.cpp's context is not thread-safe, and steps run one at a time
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp-step")
-        self._step = 0
+        self._step_number = 0
         self._seeds = np.random.default_rng(config.seed)
 
     @classmethod
@@ -161,79 +155,55 @@ class LlamaCppBackend(Backend):
                 "allowed: [] (stop_token_ids, EOS and max_tokens are)"
             )
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestEvent]:
+    def _submit(self, request: GenerationRequest) -> list[RequestEvent]:
         assert self.runner is not None and self.tokenizer is not None, "load() first"
         arrival = now_ns()
-        try:
-            self._check_supported(request.sampling)
-            ids = self._tokenize(request)
-        except (ValueError, TypeError) as exc:
-            yield Failed(request.request_id, -1, now_ns(), str(exc))
-            return
-        yield Arrived(request.request_id, -1, arrival)
-        yield Tokenized(request.request_id, -1, now_ns(), len(ids))
+        self._check_supported(request.sampling)
+        ids = self._tokenize(request)
+        tokenized = Tokenized(request.request_id, -1, now_ns(), len(ids))
         sampling = request.sampling
-        seq = _Seq(
-            request.request_id,
-            ids,
-            sampling,
+        detok = (
             self.tokenizer.new_stream(ids, sampling.skip_special_tokens)
             if sampling.detokenize
-            else None,
-            asyncio.Queue(),
-            sampling.seed if sampling.seed is not None else int(self._seeds.integers(2**32)),
+            else None
         )
-        self._waiting.append(seq)
-        self._ensure_loop()
-        assert self._wake is not None
-        self._wake.set()
+        seed = sampling.seed if sampling.seed is not None else int(self._seeds.integers(2**32))
+        self._waiting.append(_Seq(request.request_id, ids, sampling, detok, seed))
+        return [Arrived(request.request_id, -1, arrival), tokenized]
+
+    def _abort(self, request_id: str) -> None:
+        for seq in (*self._waiting, *self._running):
+            if seq.request_id == request_id:
+                seq.done = True  # freed at the next step boundary
+
+    # ---- the step (on the event loop; llama_decode in the adapter's worker) ---------------
+
+    def _has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    async def _step(self) -> list[RequestEvent]:
+        self._release([s for s in self._running if s.done])
+        self._admit()  # into the lowest free ids first
+        self._compact()
+        if not self._running:
+            return []  # what waited was aborted
+        plan, tokens = self._plan()
+        start = now_ns()
         try:
-            while True:
-                event = await seq.queue.get()
-                yield event
-                if isinstance(event, TERMINAL_EVENTS):
-                    return
-        finally:
-            seq.done = True  # the consumer went away early: freed at the next step boundary
+            sampled, forward_ns, end = await self._in_worker(self._execute, plan, tokens)
+            events = self._after_step(plan, tokens, sampled, start, end, forward_ns)
+        except Exception as exc:  # fail this step's sequences, keep serving the rest
+            events = self._fail(plan, f"llama.cpp: {type(exc).__name__}: {exc}")
+        self._step_number += 1
+        return events
 
-    # ---- the step loop (on the event loop; compute in the worker) -------------------------
-
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        assert self._wake is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            self._release([s for s in self._running if s.done])
-            self._admit()  # into the lowest free ids first
-            self._compact()
-            if not self._running:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            plan, tokens = self._plan()
-            start = now_ns()
-            try:
-                sampled, forward_ns, end = await loop.run_in_executor(
-                    self._executor, self._execute, plan, tokens
-                )
-                self._after_step(plan, tokens, sampled, start, end, forward_ns)
-            except Exception as exc:  # fail this step's sequences, keep serving the rest
-                failed = now_ns()
-                for item in plan:
-                    self._end(
-                        item.seq,
-                        Failed(
-                            item.seq.request_id,
-                            self._step,
-                            failed,
-                            f"llama.cpp: {type(exc).__name__}: {exc}",
-                        ),
-                    )
-            self._step += 1
+    def _fail(self, plan: list[_Planned], reason: str) -> list[RequestEvent]:
+        failed = now_ns()
+        events: list[RequestEvent] = []
+        for item in plan:
+            event = Failed(item.seq.request_id, self._step_number, failed, reason)
+            self._end(item.seq, event, events)
+        return events
 
     def _admit(self) -> None:
         while self._waiting and self._free_ids:
@@ -324,8 +294,9 @@ class LlamaCppBackend(Backend):
         start: int,
         end: int,
         forward_ns: int,
-    ) -> None:
-        step = self._step
+    ) -> list[RequestEvent]:
+        step = self._step_number
+        events: list[RequestEvent] = []
         prefill = [p for p in plan if p.prefill]
         # the step is reported before its tokens so a run never ends with its last step
         # unrecorded
@@ -359,9 +330,9 @@ class LlamaCppBackend(Backend):
                 continue
             if not seq.scheduled:
                 seq.scheduled = True
-                seq.queue.put_nowait(Scheduled(seq.request_id, step, start))
+                events.append(Scheduled(seq.request_id, step, start))
             if item.prefill:
-                seq.queue.put_nowait(
+                events.append(
                     PrefillChunk(seq.request_id, step, end, item.num_tokens, seq.computed)
                 )
                 seq.computed += item.num_tokens
@@ -369,18 +340,17 @@ class LlamaCppBackend(Backend):
                 continue
             token = sampled[item.row]
             seq.output.append(token)
-            seq.queue.put_nowait(
-                Tokens(seq.request_id, step, end, (token,), self._text(seq, token))
-            )
+            events.append(Tokens(seq.request_id, step, end, (token,), self._text(seq, token)))
             s, n = seq.sampling, len(seq.output)
             if n >= s.max_tokens:
-                self._finish(seq, "length", end, step)
+                self._finish(seq, "length", end, step, events)
             elif (
                 not s.ignore_eos
                 and n >= s.min_tokens
                 and (token in self.eos_ids or token in s.stop_token_ids)
             ):
-                self._finish(seq, "stop", end, step)
+                self._finish(seq, "stop", end, step, events)
+        return events
 
     def _text(self, seq: _Seq, token: int) -> str:
         assert self.tokenizer is not None
@@ -388,7 +358,9 @@ class LlamaCppBackend(Backend):
             return ""
         return seq.detok.step(token)
 
-    def _finish(self, seq: _Seq, reason: str, time: int, step: int) -> None:
+    def _finish(
+        self, seq: _Seq, reason: str, time: int, step: int, events: list[RequestEvent]
+    ) -> None:
         self._end(
             seq,
             Finished(
@@ -400,11 +372,13 @@ class LlamaCppBackend(Backend):
                 len(seq.output),
                 text=seq.detok.text if seq.detok else "",
             ),
+            events,
         )
 
-    def _end(self, seq: _Seq, event: RequestEvent) -> None:
+    def _end(self, seq: _Seq, event: RequestEvent, events: list[RequestEvent]) -> None:
+        """The sequence's last event (unless it was aborted), and its KV cells freed."""
         if not seq.done:
-            seq.queue.put_nowait(event)
+            events.append(event)
         seq.done = True
         self._release([seq])
 
@@ -470,9 +444,7 @@ class LlamaCppBackend(Backend):
         return out
 
     def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-        self._executor.shutdown(wait=True, cancel_futures=True)  # no decode left in flight
+        self._stop_stepping(wait_for_worker=True)  # no decode left in flight
         if self.runner is not None:
             self.runner.close()
             self.runner = None

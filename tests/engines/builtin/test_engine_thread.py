@@ -8,9 +8,10 @@ import asyncio
 
 from engines.base import Finished, GenerationRequest, RequestEvent, Tokens
 from engines.builtin import LLM
-from engines.builtin.backend import DRAIN_SLICE, BuiltinBackend
+from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
 from engines.sampling_params import SamplingParams
+from engines.stepping import DRAIN_SLICE
 
 
 def test_many_streams_get_every_event_in_order_across_slices() -> None:

@@ -144,3 +144,23 @@ def test_moved_sequences_keep_their_tokens(backend: LlamaCppBackend) -> None:
     together = drive(backend, [request(i, p, n) for i, (p, n) in enumerate(lengths)])
     alone = [drive(backend, [request(i, p, n)])[0] for i, (p, n) in enumerate(lengths)]
     assert [tokens_of(e) for e in together] == [tokens_of(e) for e in alone]
+
+
+def test_a_failed_decode_fails_its_requests_and_the_next_ones_run(
+    backend: LlamaCppBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = backend.runner
+    assert isinstance(runner, FakeRunner)
+    decode = runner.decode
+
+    def fail_once(tokens: list[BatchToken]) -> None:
+        monkeypatch.setattr(runner, "decode", decode)
+        raise RuntimeError("llama_decode returned -1")
+
+    monkeypatch.setattr(runner, "decode", fail_once)
+    failed = drive(backend, [request(i, 4, 3) for i in range(2)])
+    assert all(isinstance(events[-1], Failed) for events in failed)
+    assert "llama.cpp: RuntimeError: llama_decode returned -1" in failed[0][-1].error
+    later = drive(backend, [request(i, 4, 3) for i in range(2)])
+    assert [len(tokens_of(events)) for events in later] == [3, 3]
+    assert runner.next_pos == {}  # the failed sequences' cells were freed
