@@ -43,6 +43,7 @@ from models.dtypes import DTYPE_ALIASES
 from models.location import model_group_name
 from models.tensor_parallel import (
     TP_KEY,
+    TPShard,
     allowed_tp_sizes,
     kv_bytes_per_token_per_rank,
     rank_params,
@@ -76,6 +77,28 @@ def kv_calc(
     Every per-device figure is for one of `tensor_parallel_size` GPUs; at 1 they are the
     model's own."""
     cfg = resolve_model(model, overrides)
+    name = _dtype_name(dtype)
+    element = DTYPE_BYTES[name]
+    _check_engine_options(cfg, max_model_len, gpu_memory_utilization, max_num_seqs)
+    max_len = max_model_len or cfg.max_position_embeddings
+    context = _checked_context_len(context_len, max_len)
+    shard = tp_shard(cfg, tensor_parallel_size)
+    device = _device_bytes(device_memory_gib, spec)
+    report: dict[str, Any] = {
+        "model": model,
+        "dtype": name,
+        "max_model_len": max_len,
+        **_model_figures(cfg, element, max_len),
+        **_device_figures(cfg, shard, element, max_len, device, gpu_memory_utilization),
+        "context_len": context,
+        "hardware": None if spec is None else spec.name,
+    }
+    report.update(_decode_batch(report["kv_capacity_tokens"], context, max_num_seqs))
+    report.update(_predict(cfg, shard.world_size, element, name, spec, report))
+    return report
+
+
+def _dtype_name(dtype: str) -> str:
     name = DTYPE_ALIASES.get(str(dtype).lower())
     if name is None:
         raise ConfigError(
@@ -84,7 +107,15 @@ def kv_calc(
         )
     if name == "auto":
         name = "bfloat16"  # what the engine uses on a GPU for dtype=auto
-    element = DTYPE_BYTES[name]
+    return name
+
+
+def _check_engine_options(
+    cfg: ModelConfig,
+    max_model_len: int | None,
+    gpu_memory_utilization: float,
+    max_num_seqs: int | None,
+) -> None:
     # checked here, not left to context_len's check: a bad max_model_len (0 or negative) was
     # silently replaced, or reported as a bad context_len the user never gave
     if max_model_len is not None and (
@@ -114,48 +145,62 @@ def kv_calc(
         raise ValueError(
             f"engine.max_num_seqs: {max_num_seqs!r} is invalid; allowed: an integer >= 1"
         )
-    max_len = max_model_len or cfg.max_position_embeddings
+
+
+def _checked_context_len(context_len: int | None, max_len: int) -> int:
     context = max_len if context_len is None else context_len
     if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= max_len:
         raise ValueError(
             f"context_len: {context_len!r} is invalid; allowed: an integer in [1, {max_len}] "
             "(at most max_model_len)"
         )
-    shard = tp_shard(cfg, tensor_parallel_size)
-    params = rank_params(cfg, shard)
-    per_token = kv_bytes_per_token(cfg, element)
-    per_token_device = kv_bytes_per_token_per_rank(cfg, shard, element)
-    per_seq = per_token * max_len
-    weights = cfg.num_parameters() * element
-    weights_device = params.total * element
+    return context
+
+
+def _device_bytes(device_memory_gib: float | None, spec: HardwareSpec | None) -> int:
     if device_memory_gib is not None:
-        device = int(device_memory_gib * GIB)
-    elif spec is not None and spec.memory_bytes:
-        device = spec.memory_bytes
-    else:
-        device = int(DEFAULT_DEVICE_GIB * GIB)
-    usable = int(device * gpu_memory_utilization) - weights_device
-    budget = max(0, usable)
-    capacity = int(budget // per_token_device)
-    fit = capacity // max_len
+        return int(device_memory_gib * GIB)
+    if spec is not None and spec.memory_bytes:
+        return spec.memory_bytes
+    return int(DEFAULT_DEVICE_GIB * GIB)
+
+
+def _model_figures(cfg: ModelConfig, element: int, max_len: int) -> dict[str, Any]:
+    """The model's own shape and bytes, on one device."""
+    per_token = kv_bytes_per_token(cfg, element)
     mha_per_token = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * element
-    report: dict[str, Any] = {
-        "model": model,
-        "dtype": name,
-        "max_model_len": max_len,
+    return {
         "layers": cfg.num_layers,
         "kv_heads": cfg.num_kv_heads,
         "heads": cfg.num_heads,
         "head_dim": cfg.head_dim,
         "kv_bytes_per_token": per_token,
         "gqa_saving": mha_per_token / per_token,
-        "kv_bytes_per_sequence": per_seq,
+        "kv_bytes_per_sequence": per_token * max_len,
         "sliding_window": cfg.sliding_window,
-        "weight_bytes": weights,
+        "weight_bytes": cfg.num_parameters() * element,
+    }
+
+
+def _device_figures(
+    cfg: ModelConfig,
+    shard: TPShard,
+    element: int,
+    max_len: int,
+    device: int,
+    gpu_memory_utilization: float,
+) -> dict[str, Any]:
+    """One device's share of the weights and of every token's KV, and the KV it holds."""
+    weights_device = rank_params(cfg, shard).total * element
+    per_token_device = kv_bytes_per_token_per_rank(cfg, shard, element)
+    usable = int(device * gpu_memory_utilization) - weights_device
+    budget = max(0, usable)
+    capacity = int(budget // per_token_device)
+    return {
         "device_bytes": device,
         "gpu_memory_utilization": gpu_memory_utilization,
         "kv_budget_bytes": budget,  # per device
-        "max_sequences": fit,
+        "max_sequences": capacity // max_len,
         # tensor parallelism: one device's share
         "tensor_parallel_size": shard.world_size,
         "allowed_tensor_parallel_sizes": allowed_tp_sizes(cfg),
@@ -171,15 +216,19 @@ def kv_calc(
         "weights_fit": usable > 0,
         "usable_bytes": int(device * gpu_memory_utilization),
         "kv_capacity_tokens": capacity,  # per device, and so for the whole group
-        "context_len": context,
-        "hardware": None if spec is None else spec.name,
     }
-    batch = capacity // context
-    report["batch"] = batch if max_num_seqs is None else min(batch, max_num_seqs)
-    report["batch_bound"] = "max_num_seqs" if report["batch"] < batch else "kv"
-    report["max_num_seqs"] = max_num_seqs
-    report.update(_predict(cfg, shard.world_size, element, name, spec, report))
-    return report
+
+
+def _decode_batch(capacity: int, context: int, max_num_seqs: int | None) -> dict[str, Any]:
+    """The sequences of `context` tokens a decode step runs: as many as the KV capacity holds,
+    at most max_num_seqs."""
+    fits = capacity // context
+    batch = fits if max_num_seqs is None else min(fits, max_num_seqs)
+    return {
+        "batch": batch,
+        "batch_bound": "max_num_seqs" if batch < fits else "kv",
+        "max_num_seqs": max_num_seqs,
+    }
 
 
 def _predict(
