@@ -344,22 +344,34 @@ def _no_fit(r: dict[str, Any]) -> str:
 
 
 def format_report(r: dict[str, Any]) -> str:
-    window = (
-        (
-            f"\n  (sliding window {r['sliding_window']}: with paged KV a sequence holds at "
-            f"most ~{r['sliding_window']} tokens of KV)"
-        )
-        if r["sliding_window"]
-        else ""
+    lines = [_title(r), *_model_lines(r)]
+    if r["tensor_parallel_size"] > 1:
+        lines += _per_device_lines(r)
+    lines.append(
+        f"  device memory          {_gib(r['device_bytes'])} x {r['gpu_memory_utilization']}"
     )
+    if not r["weights_fit"]:
+        lines.append(f"  left for KV            {_no_fit(r)}")
+        return "\n".join(lines)
+    lines += _kv_lines(r)
+    if r["tensor_parallel_size"] == 1 and not r["hardware"]:
+        return "\n".join(lines)  # the seeds' arithmetic, as it always printed
+    lines += _decode_step_lines(r)
+    return "\n".join(lines)
+
+
+def _title(r: dict[str, Any]) -> str:
     n = r["tensor_parallel_size"]
     title = f"{r['model']} in {r['dtype']}, max_model_len={r['max_model_len']}"
     if n > 1:
         title += f", {TP_KEY}={n}"
     if r["hardware"]:
         title += f", hardware={r['hardware']}"
-    lines = [
-        title,
+    return title
+
+
+def _model_lines(r: dict[str, Any]) -> list[str]:
+    return [
         f"  KV bytes per token     2 x {r['layers']} layers x {r['kv_heads']} kv_heads x "
         f"{r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {r['kv_bytes_per_token']:,} B "
         f"({r['kv_bytes_per_token'] / 1024:,.0f} KiB; GQA {r['heads']}/{r['kv_heads']} heads "
@@ -367,49 +379,63 @@ def format_report(r: dict[str, Any]) -> str:
         f"  KV bytes per sequence  {_gib(r['kv_bytes_per_sequence'])}",
         f"  weight bytes           {_gib(r['weight_bytes'])}",
     ]
-    if n > 1:
-        per_token = r["kv_bytes_per_token_per_device"]
-        vocab = f"vocab {r['vocab_per_device']:,} of {r['padded_vocab']:,}" + (
-            f" (padded from {r['vocab_size']:,})" if r["padded_vocab"] != r["vocab_size"] else ""
-        )
-        lines += [
-            f"  per device (1 of {n})    {r['heads_per_device']} heads, {_kv_heads(r)} kv_heads, "
-            f"intermediate {r['intermediate_per_device']:,}, {vocab}",
-            f"    weight bytes         {_gib(r['weight_bytes_per_device'])}",
-            f"    KV bytes per token   2 x {r['layers']} layers x {r['kv_heads_per_device']} "
-            f"kv_heads x {r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {per_token:,} B "
-            f"({per_token / 1024:,.0f} KiB)",
-        ]
-    lines.append(
-        f"  device memory          {_gib(r['device_bytes'])} x {r['gpu_memory_utilization']}"
+
+
+def _per_device_lines(r: dict[str, Any]) -> list[str]:
+    n = r["tensor_parallel_size"]
+    per_token = r["kv_bytes_per_token_per_device"]
+    vocab = f"vocab {r['vocab_per_device']:,} of {r['padded_vocab']:,}" + (
+        f" (padded from {r['vocab_size']:,})" if r["padded_vocab"] != r["vocab_size"] else ""
     )
-    if not r["weights_fit"]:
-        lines.append(f"  left for KV            {_no_fit(r)}")
-        return "\n".join(lines)
-    lines += [
-        f"  left for KV            {_gib(r['kv_budget_bytes'])}",
-        f"  sequences that fit     {r['max_sequences']:,} of {r['max_model_len']} tokens each"
-        + window,
+    return [
+        f"  per device (1 of {n})    {r['heads_per_device']} heads, {_kv_heads(r)} kv_heads, "
+        f"intermediate {r['intermediate_per_device']:,}, {vocab}",
+        f"    weight bytes         {_gib(r['weight_bytes_per_device'])}",
+        f"    KV bytes per token   2 x {r['layers']} layers x {r['kv_heads_per_device']} "
+        f"kv_heads x {r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {per_token:,} B "
+        f"({per_token / 1024:,.0f} KiB)",
     ]
-    if n == 1 and not r["hardware"]:
-        return "\n".join(lines)  # the seeds' arithmetic, as it always printed
-    lines.insert(
-        -1,
-        f"  KV capacity            {r['kv_capacity_tokens']:,} tokens"
-        + (" (each device holds its share of every token)" if n > 1 else ""),
+
+
+def _kv_lines(r: dict[str, Any]) -> list[str]:
+    """What is left for KV and the sequences it holds; with tensor parallelism or a hardware
+    spec, its capacity in tokens too."""
+    n = r["tensor_parallel_size"]
+    lines = [f"  left for KV            {_gib(r['kv_budget_bytes'])}"]
+    if n > 1 or r["hardware"]:
+        lines.append(
+            f"  KV capacity            {r['kv_capacity_tokens']:,} tokens"
+            + (" (each device holds its share of every token)" if n > 1 else "")
+        )
+    lines.append(
+        f"  sequences that fit     {r['max_sequences']:,} of {r['max_model_len']} tokens each"
+        + _window_note(r)
     )
+    return lines
+
+
+def _window_note(r: dict[str, Any]) -> str:
+    if not r["sliding_window"]:
+        return ""
+    return (
+        f"\n  (sliding window {r['sliding_window']}: with paged KV a sequence holds at "
+        f"most ~{r['sliding_window']} tokens of KV)"
+    )
+
+
+def _decode_step_lines(r: dict[str, Any]) -> list[str]:
+    """The predicted decode step, or why there is none."""
+    n = r["tensor_parallel_size"]
     if not r["hardware"]:
-        lines.append("  (pick hardware=h100|h200|a100|l4|cpu for the predicted decode step)")
-        return "\n".join(lines)
+        return ["  (pick hardware=h100|h200|a100|l4|cpu for the predicted decode step)"]
     if r["batch"] < 1:
-        lines.append(f"  decode step            no sequence of {r['context_len']} tokens fits")
-        return "\n".join(lines)
+        return [f"  decode step            no sequence of {r['context_len']} tokens fits"]
     bound = (
         f"engine.max_num_seqs={r['max_num_seqs']}"
         if r["batch_bound"] == "max_num_seqs"
         else "the KV capacity"
     )
-    lines += [
+    lines = [
         f"  decode step            batch {r['batch']:,} (by {bound}) x {r['context_len']:,} "
         "tokens of context, per device:",
         f"    memory               {_ms(r['memory_s'])}  (weights "
@@ -424,24 +450,26 @@ def format_report(r: dict[str, Any]) -> str:
         ),
     ]
     if n > 1:
-        if r["comm_s"] is None:
-            comm = "-  (the spec states no link_bandwidth / link_latency: not counted)"
-        else:
-            comm = (
-                f"{_ms(r['comm_s'])}  ({r['allreduces']} all-reduces of "
-                f"{r['allreduce_bytes'] / 2**20:,.2f} MiB + the logits gather, "
-                f"{r['gather_bytes'] / 2**20:,.2f} MiB, at {_rate(r['link_bandwidth'])}, "
-                f"{r['link_latency'] * 1e6:,.2f} us per hop; not overlapped)"
-            )
-        lines.append(f"    communication        {comm}")
-    lines += [
+        lines.append(f"    communication        {_communication(r)}")
+    return [
+        *lines,
         f"    step                 {_ms(r['step_s'])} = {_step_formula([r])}"
         + (" + communication" if n > 1 else "")
         + (f" (overlap {r['overlap']:.2f})" if r["overlap"] != 1 else ""),
         f"    throughput           {r['tokens_per_s']:,.0f} tokens/s "
         f"({r['tokens_per_s'] / n:,.0f} per GPU)",
     ]
-    return "\n".join(lines)
+
+
+def _communication(r: dict[str, Any]) -> str:
+    if r["comm_s"] is None:
+        return "-  (the spec states no link_bandwidth / link_latency: not counted)"
+    return (
+        f"{_ms(r['comm_s'])}  ({r['allreduces']} all-reduces of "
+        f"{r['allreduce_bytes'] / 2**20:,.2f} MiB + the logits gather, "
+        f"{r['gather_bytes'] / 2**20:,.2f} MiB, at {_rate(r['link_bandwidth'])}, "
+        f"{r['link_latency'] * 1e6:,.2f} us per hop; not overlapped)"
+    )
 
 
 TABLE_COLUMNS = (
