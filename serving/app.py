@@ -47,10 +47,18 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     """The app over `backend`, which must be loaded; the caller owns (and closes) it."""
     config = config or ServerConfig()
     serving = ServingEngine(backend, config)
-    model_name = serving.model_name
     created = int(time.time())
     app = FastAPI(title="inferlab", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
+    _add_middleware(app, config)
+    _add_error_handlers(app, serving)
+    _add_status_routes(app, serving, created)
+    _add_profiler_routes(app, serving)
+    _add_completion_routes(app, serving)
+    return app
+
+
+def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
     # a middleware added later runs earlier: the key is checked before the body's size, and
     # a request refused by either is answered before its body is read
     app.add_middleware(BodySizeLimit, max_body_bytes=config.max_body_bytes)
@@ -60,12 +68,9 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     app.add_middleware(RequestClock, read_timeout_s=config.read_timeout_s)
     # outermost: a request with too many header fields is refused before anything looks at them
     app.add_middleware(HeaderCountLimit, max_header_count=config.max_header_count)
-    # Ids the tokenizer puts into any text by itself (BOS; some add EOS): a text or chat prompt
-    # with nothing else is empty. (The raw encoder: the prompt path refuses "" itself.)
-    added_ids = frozenset(serving.engine.tokenizer.encode("")) | {
-        i for i in (serving.engine.tokenizer.special.bos_id,) if i is not None
-    }
 
+
+def _add_error_handlers(app: FastAPI, serving: ServingEngine) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if exc.status_code == 400:
@@ -80,6 +85,11 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
             error_body(message, "invalid_request_error", None, str(exc.status_code)),
             exc.status_code,
         )
+
+
+def _add_status_routes(app: FastAPI, serving: ServingEngine, created: int) -> None:
+    """/health, the model list and card, and /metrics."""
+    model_name = serving.model_name
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -108,8 +118,11 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
-    # vLLM's profiler endpoints (serving/profiler.py); a request body (vllm bench sends one) is
-    # ignored
+
+def _add_profiler_routes(app: FastAPI, serving: ServingEngine) -> None:
+    """vLLM's profiler endpoints (serving/profiler.py); a request body (vllm bench sends one) is
+    ignored."""
+
     @app.post("/start_profile")
     async def start_profile(request: Request) -> dict[str, Any]:
         return await _profiler(serving, request).start()
@@ -118,58 +131,80 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     async def stop_profile(request: Request) -> dict[str, Any]:
         return await _profiler(serving, request).stop()
 
+
+def _add_completion_routes(app: FastAPI, serving: ServingEngine) -> None:
+    added_ids = _added_ids(serving)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        arrived_ns = arrival_ns(request.scope)
-        body = await _parse(request, CompletionRequest)
-        _check_common(body, model_name)
-        prompts = await _completion_prompts(serving, body.prompt, added_ids)
-        requested = OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        max_tokens = [serving.check_prompt(ids, requested, "prompt") for ids in prompts]
-        sampling = [_sampling(body, m) for m in max_tokens]
-        return await _respond(
-            request,
-            serving,
-            body,
-            "cmpl",
-            prompts,
-            sampling,
-            arrived_ns,
-            CompletionWriter,
-            model_name,
-        )
+        return await _complete(request, serving, added_ids)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        arrived_ns = arrival_ns(request.scope)
-        body = await _parse(request, ChatCompletionRequest)
-        _check_common(body, model_name)
-        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
-        try:
-            prompt = await serving.tokenize(messages)
-        except ValueError as exc:
-            raise APIError(f"messages: {exc}", "messages", "invalid_value") from None
-        _check_not_empty(prompt, added_ids, "messages")
-        requested, name = (
-            (body.max_tokens, "max_tokens")
-            if body.max_completion_tokens is None
-            else (body.max_completion_tokens, "max_completion_tokens")
-        )
-        max_tokens = serving.check_prompt(prompt, requested, "messages", name)
-        sampling = [_sampling(body, max_tokens, name)]
-        return await _respond(
-            request,
-            serving,
-            body,
-            "chatcmpl",
-            [prompt],
-            sampling,
-            arrived_ns,
-            ChatWriter,
-            model_name,
-        )
+        return await _chat_complete(request, serving, added_ids)
 
-    return app
+
+def _added_ids(serving: ServingEngine) -> frozenset[int]:
+    """Ids the tokenizer puts into any text by itself (BOS; some add EOS): a text or chat prompt
+    with nothing else is empty. (The raw encoder: the prompt path refuses "" itself.)"""
+    return frozenset(serving.engine.tokenizer.encode("")) | {
+        i for i in (serving.engine.tokenizer.special.bos_id,) if i is not None
+    }
+
+
+async def _complete(
+    request: Request, serving: ServingEngine, added_ids: frozenset[int]
+) -> Response:
+    arrived_ns = arrival_ns(request.scope)
+    body = await _parse(request, CompletionRequest)
+    _check_common(body, serving.model_name)
+    prompts = await _completion_prompts(serving, body.prompt, added_ids)
+    requested = OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    max_tokens = [serving.check_prompt(ids, requested, "prompt") for ids in prompts]
+    sampling = [_sampling(body, m) for m in max_tokens]
+    return await _respond(
+        request,
+        serving,
+        body,
+        "cmpl",
+        prompts,
+        sampling,
+        arrived_ns,
+        CompletionWriter,
+        serving.model_name,
+    )
+
+
+async def _chat_complete(
+    request: Request, serving: ServingEngine, added_ids: frozenset[int]
+) -> Response:
+    arrived_ns = arrival_ns(request.scope)
+    body = await _parse(request, ChatCompletionRequest)
+    _check_common(body, serving.model_name)
+    messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+    try:
+        prompt = await serving.tokenize(messages)
+    except ValueError as exc:
+        raise APIError(f"messages: {exc}", "messages", "invalid_value") from None
+    _check_not_empty(prompt, added_ids, "messages")
+    requested, name = (
+        (body.max_tokens, "max_tokens")
+        if body.max_completion_tokens is None
+        else (body.max_completion_tokens, "max_completion_tokens")
+    )
+    max_tokens = serving.check_prompt(prompt, requested, "messages", name)
+    sampling = [_sampling(body, max_tokens, name)]
+    return await _respond(
+        request,
+        serving,
+        body,
+        "chatcmpl",
+        [prompt],
+        sampling,
+        arrived_ns,
+        ChatWriter,
+        serving.model_name,
+    )
 
 
 def _profiler(serving: ServingEngine, request: Request) -> EngineProfiler:

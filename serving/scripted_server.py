@@ -82,47 +82,59 @@ class RequestLog:
 
 def create_scripted_app(script: Script) -> FastAPI:
     app = FastAPI(title="inferlab-scripted", docs_url=None, redoc_url=None, openapi_url=None)
-    log: list[RequestLog] = []
-    serial = itertools.count()
-    token_ids = itertools.count()
-    created = int(time.time())
-    app.state.log = log
+    playback = _Playback(script, created=int(time.time()))
+    app.state.log = playback.log
+    _add_error_handler(app)
+    _add_status_routes(app, playback)
+    _add_log_routes(app, playback)
+    _add_completion_routes(app, playback)
+    return app
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), exc.status_code)
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+@dataclass
+class _Playback:
+    """What the server keeps across requests: its script, its log, and the counters that
+    number its requests and token ids."""
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = ModelCard(id=script.model, created=created, max_model_len=script.max_model_len)
-        return ModelList(data=[card]).model_dump()
+    script: Script
+    created: int
+    log: list[RequestLog] = field(default_factory=list)
+    serial: Iterator[int] = field(default_factory=itertools.count)
+    token_ids: Iterator[int] = field(default_factory=itertools.count)
 
-    @app.get("/scripted/log")
-    async def read_log() -> dict[str, Any]:
-        return {
-            "ttft_ms": script.ttft_ms,
-            "itl_ms": script.itl_ms,
-            "requests": [entry.__dict__ for entry in log],
-        }
+    async def respond(self, body: Any, writer_type: type[Writer], prompt_tokens: int) -> Response:
+        received = now_ns()
+        if (body.n or 1) != 1:
+            raise APIError("n: the scripted server sends one choice", "n", "invalid_value")
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        script = self.script
+        count = script.output_tokens if script.output_tokens is not None else max_tokens
+        entry = RequestLog(next(self.serial), received, prompt_tokens)
+        self.log.append(entry)
+        options = body.stream_options
+        writer = writer_type(
+            f"scripted-{entry.request}",
+            self.created,
+            script.model,
+            [[0] * prompt_tokens],
+            1,
+            include_usage=bool(options and options.include_usage),
+            return_token_ids=bool(body.return_token_ids),
+        )
+        pieces = self._play(entry, count, max_tokens)
+        if body.stream:
+            return EventStreamResponse(event_stream(pieces, writer), on_close=lambda: None)
+        return JSONResponse(writer.response(await collect(pieces)))
 
-    @app.delete("/scripted/log")
-    async def clear_log() -> dict[str, Any]:
-        log.clear()
-        return {"cleared": True}
-
-    async def play(entry: RequestLog, count: int, max_tokens: int) -> AsyncIterator[Piece]:
-        start = entry.received_ns + int(script.ttft_ms * 1e6)
+    async def _play(self, entry: RequestLog, count: int, max_tokens: int) -> AsyncIterator[Piece]:
+        start = entry.received_ns + int(self.script.ttft_ms * 1e6)
         for i in range(count):
-            due = start + int(i * script.itl_ms * 1e6)
+            due = start + int(i * self.script.itl_ms * 1e6)
             # again until due: uvloop's timers (milliseconds, on a cached loop time) can
             # wake a fraction of a millisecond early
             while (delay := (due - now_ns()) / 1e9) > 0:
                 await asyncio.sleep(delay)
-            token = next(token_ids)
+            token = next(self.token_ids)
             entry.due_ns.append(due)
             entry.token_ids.append(token)
             # Stamped before the write: from here to the socket the chunk is formatted and
@@ -135,42 +147,55 @@ def create_scripted_app(script: Script) -> FastAPI:
         text = "".join(f" t{t}" for t in entry.token_ids)
         yield ChoiceEnd(0, reason, text, count)
 
-    async def respond(body: Any, writer_type: type[Writer], prompt_tokens: int) -> Response:
-        received = now_ns()
-        if (body.n or 1) != 1:
-            raise APIError("n: the scripted server sends one choice", "n", "invalid_value")
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        count = script.output_tokens if script.output_tokens is not None else max_tokens
-        entry = RequestLog(next(serial), received, prompt_tokens)
-        log.append(entry)
-        options = body.stream_options
-        writer = writer_type(
-            f"scripted-{entry.request}",
-            created,
-            script.model,
-            [[0] * prompt_tokens],
-            1,
-            include_usage=bool(options and options.include_usage),
-            return_token_ids=bool(body.return_token_ids),
-        )
-        pieces = play(entry, count, max_tokens)
-        if body.stream:
-            return EventStreamResponse(event_stream(pieces, writer), on_close=lambda: None)
-        return JSONResponse(writer.response(await collect(pieces)))
 
+def _add_error_handler(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), exc.status_code)
+
+
+def _add_status_routes(app: FastAPI, playback: _Playback) -> None:
+    script = playback.script
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = ModelCard(
+            id=script.model, created=playback.created, max_model_len=script.max_model_len
+        )
+        return ModelList(data=[card]).model_dump()
+
+
+def _add_log_routes(app: FastAPI, playback: _Playback) -> None:
+    @app.get("/scripted/log")
+    async def read_log() -> dict[str, Any]:
+        return {
+            "ttft_ms": playback.script.ttft_ms,
+            "itl_ms": playback.script.itl_ms,
+            "requests": [entry.__dict__ for entry in playback.log],
+        }
+
+    @app.delete("/scripted/log")
+    async def clear_log() -> dict[str, Any]:
+        playback.log.clear()
+        return {"cleared": True}
+
+
+def _add_completion_routes(app: FastAPI, playback: _Playback) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_request(await request.body(), CompletionRequest)
         prompt = body.prompt
-        return await respond(body, CompletionWriter, _count(prompt))
+        return await playback.respond(body, CompletionWriter, _count(prompt))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse_request(await request.body(), ChatCompletionRequest)
         words = sum(_count(m.content) for m in body.messages if isinstance(m.content, str))
-        return await respond(body, ChatWriter, words)
-
-    return app
+        return await playback.respond(body, ChatWriter, words)
 
 
 def _count(prompt: Any) -> int:

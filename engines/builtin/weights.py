@@ -17,6 +17,7 @@ import torch
 
 from engines.builtin.distributed.shard import RankShard
 from engines.builtin.model import Transformer
+from models.config import ModelConfig
 from models.weights import hf_parameter_shapes
 
 # Tensors a checkpoint may carry that the engine recomputes or does not need.
@@ -49,87 +50,121 @@ def load_weights(
     device: torch.device,
 ) -> None:
     """Map Hugging Face tensors into the model, fusing q/k/v and gate/up on the way."""
-    cfg, shard = model.config, model.shard
+    cfg = model.config
     expected = hf_parameter_shapes(cfg)
+    layout = _FusedLayout(model, dtype, device)
     seen: set[str] = set()
-    pending: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    modules = dict(model.named_modules())
-
-    def put(
-        module_path: str, kind: str, tensor: torch.Tensor, columns: slice | None = None
-    ) -> None:
-        module = modules[module_path]
-        tensor = tensor.to(device=device, dtype=dtype)
-        if hasattr(module, "load"):  # a Linear: its method decides the storage
-            if kind == "weight":
-                bias = pending_bias.pop(module_path, None)
-                if module.has_bias and bias is None:
-                    pending_weight[module_path] = tensor
-                    return
-                module.load(tensor, bias, columns)
-            else:
-                weight = pending_weight.pop(module_path, None)
-                if weight is None:
-                    pending_bias[module_path] = tensor
-                else:
-                    module.load(weight, tensor)
-        else:
-            module.weight = torch.nn.Parameter(tensor, requires_grad=False)
-
-    pending_weight: dict[str, torch.Tensor] = {}
-    pending_bias: dict[str, torch.Tensor] = {}
-
     for name, tensor in tensors:
-        if IGNORED.match(name):
+        if not _wanted(name, tensor, expected, cfg):
             continue
-        if name not in expected:
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue  # some tied checkpoints still store a copy
-            raise ValueError(
-                f"checkpoint tensor {name!r} is not part of a "
-                f"{cfg.architecture} with this config (an unsupported feature?)"
-            )
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {expected[name]}"
-            )
         seen.add(name)
-        if name == "model.embed_tokens.weight":
-            put("embed", "weight", shard.vocab_rows(tensor))
-        elif name == "model.norm.weight":
-            put("norm", "weight", tensor)
-        elif name == "lm_head.weight":
-            put("lm_head", "weight", shard.vocab_rows(tensor))
-        else:
-            match = _LAYER.fullmatch(name)
-            assert match is not None
-            layer, rest = match.groups()
-            stem, kind = rest.rsplit(".", 1)
-            prefix = f"layers.{layer}."
-            if stem in _FUSED:
-                target, index, parts = _FUSED[stem]
-                group = pending.setdefault(prefix + target + "." + kind, {})
-                group[index] = {"t": tensor[_rows(shard, stem)]}
-                if len(group) == parts:
-                    fused = torch.cat([group[i]["t"] for i in range(parts)], dim=0)
-                    del pending[prefix + target + "." + kind]
-                    put(prefix + target, kind, fused)
-            elif stem in _ROW_PARALLEL:
-                put(prefix + _ROW_PARALLEL[stem], kind, tensor, _columns(shard, stem))
-            else:
-                put(prefix + _PLAIN[stem], kind, tensor)
+        layout.put(name, tensor)
+    _refuse_missing(expected, seen)
+    layout.refuse_unpaired()
+    if cfg.tie_word_embeddings:
+        model.lm_head.load(model.embed.weight.data)
 
+
+def _wanted(
+    name: str, tensor: torch.Tensor, expected: dict[str, tuple[int, ...]], cfg: ModelConfig
+) -> bool:
+    """Whether the model takes checkpoint tensor `name` (False: one the engine recomputes or does
+    not need); one that is not the model's, or not its shape, is refused."""
+    if IGNORED.match(name):
+        return False
+    if name not in expected:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return False  # some tied checkpoints still store a copy
+        raise ValueError(
+            f"checkpoint tensor {name!r} is not part of a "
+            f"{cfg.architecture} with this config (an unsupported feature?)"
+        )
+    if tuple(tensor.shape) != expected[name]:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected[name]}"
+        )
+    return True
+
+
+def _refuse_missing(expected: dict[str, tuple[int, ...]], seen: set[str]) -> None:
     missing = sorted(set(expected) - seen)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise MissingWeightsError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
-    if pending_weight or pending_bias:
-        raise MissingWeightsError(
-            f"incomplete weight/bias pairs: {sorted(pending_weight) + sorted(pending_bias)}"
-        )
-    if cfg.tie_word_embeddings:
-        model.lm_head.load(model.embed.weight.data)
+
+
+class _FusedLayout:
+    """Puts checkpoint tensors into the model's modules, the rank's shard of each, holding back
+    the parts of a fused tensor until all have come, and a Linear's weight (or bias) until its
+    bias (or weight) has."""
+
+    def __init__(self, model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
+        self.shard = model.shard
+        self.dtype, self.device = dtype, device
+        self.modules = dict(model.named_modules())
+        self.pending: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # fused parts
+        self.pending_weight: dict[str, torch.Tensor] = {}
+        self.pending_bias: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        if name == "model.embed_tokens.weight":
+            self._put("embed", "weight", self.shard.vocab_rows(tensor))
+        elif name == "model.norm.weight":
+            self._put("norm", "weight", tensor)
+        elif name == "lm_head.weight":
+            self._put("lm_head", "weight", self.shard.vocab_rows(tensor))
+        else:
+            self._put_layer_tensor(name, tensor)
+
+    def refuse_unpaired(self) -> None:
+        if self.pending_weight or self.pending_bias:
+            raise MissingWeightsError(
+                "incomplete weight/bias pairs: "
+                f"{sorted(self.pending_weight) + sorted(self.pending_bias)}"
+            )
+
+    def _put_layer_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        match = _LAYER.fullmatch(name)
+        assert match is not None
+        layer, rest = match.groups()
+        stem, kind = rest.rsplit(".", 1)
+        prefix = f"layers.{layer}."
+        if stem in _FUSED:
+            self._put_fused_part(prefix, stem, kind, tensor)
+        elif stem in _ROW_PARALLEL:
+            self._put(prefix + _ROW_PARALLEL[stem], kind, tensor, _columns(self.shard, stem))
+        else:
+            self._put(prefix + _PLAIN[stem], kind, tensor)
+
+    def _put_fused_part(self, prefix: str, stem: str, kind: str, tensor: torch.Tensor) -> None:
+        target, index, parts = _FUSED[stem]
+        group = self.pending.setdefault(prefix + target + "." + kind, {})
+        group[index] = {"t": tensor[_rows(self.shard, stem)]}
+        if len(group) == parts:
+            fused = torch.cat([group[i]["t"] for i in range(parts)], dim=0)
+            del self.pending[prefix + target + "." + kind]
+            self._put(prefix + target, kind, fused)
+
+    def _put(
+        self, module_path: str, kind: str, tensor: torch.Tensor, columns: slice | None = None
+    ) -> None:
+        module = self.modules[module_path]
+        tensor = tensor.to(device=self.device, dtype=self.dtype)
+        if hasattr(module, "load"):  # a Linear: its method decides the storage
+            if kind == "weight":
+                bias = self.pending_bias.pop(module_path, None)
+                if module.has_bias and bias is None:
+                    self.pending_weight[module_path] = tensor
+                    return
+                module.load(tensor, bias, columns)
+            else:
+                weight = self.pending_weight.pop(module_path, None)
+                if weight is None:
+                    self.pending_bias[module_path] = tensor
+                else:
+                    module.load(weight, tensor)
+        else:
+            module.weight = torch.nn.Parameter(tensor, requires_grad=False)
 
 
 def _rows(shard: RankShard, stem: str) -> slice:

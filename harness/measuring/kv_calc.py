@@ -43,6 +43,7 @@ from models.dtypes import DTYPE_ALIASES
 from models.location import model_group_name
 from models.tensor_parallel import (
     TP_KEY,
+    TPShard,
     allowed_tp_sizes,
     kv_bytes_per_token_per_rank,
     rank_params,
@@ -76,6 +77,28 @@ def kv_calc(
     Every per-device figure is for one of `tensor_parallel_size` GPUs; at 1 they are the
     model's own."""
     cfg = resolve_model(model, overrides)
+    name = _dtype_name(dtype)
+    element = DTYPE_BYTES[name]
+    _check_engine_options(cfg, max_model_len, gpu_memory_utilization, max_num_seqs)
+    max_len = max_model_len or cfg.max_position_embeddings
+    context = _checked_context_len(context_len, max_len)
+    shard = tp_shard(cfg, tensor_parallel_size)
+    device = _device_bytes(device_memory_gib, spec)
+    report: dict[str, Any] = {
+        "model": model,
+        "dtype": name,
+        "max_model_len": max_len,
+        **_model_figures(cfg, element, max_len),
+        **_device_figures(cfg, shard, element, max_len, device, gpu_memory_utilization),
+        "context_len": context,
+        "hardware": None if spec is None else spec.name,
+    }
+    report.update(_decode_batch(report["kv_capacity_tokens"], context, max_num_seqs))
+    report.update(_predict(cfg, shard.world_size, element, name, spec, report))
+    return report
+
+
+def _dtype_name(dtype: str) -> str:
     name = DTYPE_ALIASES.get(str(dtype).lower())
     if name is None:
         raise ConfigError(
@@ -84,7 +107,15 @@ def kv_calc(
         )
     if name == "auto":
         name = "bfloat16"  # what the engine uses on a GPU for dtype=auto
-    element = DTYPE_BYTES[name]
+    return name
+
+
+def _check_engine_options(
+    cfg: ModelConfig,
+    max_model_len: int | None,
+    gpu_memory_utilization: float,
+    max_num_seqs: int | None,
+) -> None:
     # checked here, not left to context_len's check: a bad max_model_len (0 or negative) was
     # silently replaced, or reported as a bad context_len the user never gave
     if max_model_len is not None and (
@@ -114,48 +145,62 @@ def kv_calc(
         raise ValueError(
             f"engine.max_num_seqs: {max_num_seqs!r} is invalid; allowed: an integer >= 1"
         )
-    max_len = max_model_len or cfg.max_position_embeddings
+
+
+def _checked_context_len(context_len: int | None, max_len: int) -> int:
     context = max_len if context_len is None else context_len
     if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= max_len:
         raise ValueError(
             f"context_len: {context_len!r} is invalid; allowed: an integer in [1, {max_len}] "
             "(at most max_model_len)"
         )
-    shard = tp_shard(cfg, tensor_parallel_size)
-    params = rank_params(cfg, shard)
-    per_token = kv_bytes_per_token(cfg, element)
-    per_token_device = kv_bytes_per_token_per_rank(cfg, shard, element)
-    per_seq = per_token * max_len
-    weights = cfg.num_parameters() * element
-    weights_device = params.total * element
+    return context
+
+
+def _device_bytes(device_memory_gib: float | None, spec: HardwareSpec | None) -> int:
     if device_memory_gib is not None:
-        device = int(device_memory_gib * GIB)
-    elif spec is not None and spec.memory_bytes:
-        device = spec.memory_bytes
-    else:
-        device = int(DEFAULT_DEVICE_GIB * GIB)
-    usable = int(device * gpu_memory_utilization) - weights_device
-    budget = max(0, usable)
-    capacity = int(budget // per_token_device)
-    fit = capacity // max_len
+        return int(device_memory_gib * GIB)
+    if spec is not None and spec.memory_bytes:
+        return spec.memory_bytes
+    return int(DEFAULT_DEVICE_GIB * GIB)
+
+
+def _model_figures(cfg: ModelConfig, element: int, max_len: int) -> dict[str, Any]:
+    """The model's own shape and bytes, on one device."""
+    per_token = kv_bytes_per_token(cfg, element)
     mha_per_token = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * element
-    report: dict[str, Any] = {
-        "model": model,
-        "dtype": name,
-        "max_model_len": max_len,
+    return {
         "layers": cfg.num_layers,
         "kv_heads": cfg.num_kv_heads,
         "heads": cfg.num_heads,
         "head_dim": cfg.head_dim,
         "kv_bytes_per_token": per_token,
         "gqa_saving": mha_per_token / per_token,
-        "kv_bytes_per_sequence": per_seq,
+        "kv_bytes_per_sequence": per_token * max_len,
         "sliding_window": cfg.sliding_window,
-        "weight_bytes": weights,
+        "weight_bytes": cfg.num_parameters() * element,
+    }
+
+
+def _device_figures(
+    cfg: ModelConfig,
+    shard: TPShard,
+    element: int,
+    max_len: int,
+    device: int,
+    gpu_memory_utilization: float,
+) -> dict[str, Any]:
+    """One device's share of the weights and of every token's KV, and the KV it holds."""
+    weights_device = rank_params(cfg, shard).total * element
+    per_token_device = kv_bytes_per_token_per_rank(cfg, shard, element)
+    usable = int(device * gpu_memory_utilization) - weights_device
+    budget = max(0, usable)
+    capacity = int(budget // per_token_device)
+    return {
         "device_bytes": device,
         "gpu_memory_utilization": gpu_memory_utilization,
         "kv_budget_bytes": budget,  # per device
-        "max_sequences": fit,
+        "max_sequences": capacity // max_len,
         # tensor parallelism: one device's share
         "tensor_parallel_size": shard.world_size,
         "allowed_tensor_parallel_sizes": allowed_tp_sizes(cfg),
@@ -171,15 +216,19 @@ def kv_calc(
         "weights_fit": usable > 0,
         "usable_bytes": int(device * gpu_memory_utilization),
         "kv_capacity_tokens": capacity,  # per device, and so for the whole group
-        "context_len": context,
-        "hardware": None if spec is None else spec.name,
     }
-    batch = capacity // context
-    report["batch"] = batch if max_num_seqs is None else min(batch, max_num_seqs)
-    report["batch_bound"] = "max_num_seqs" if report["batch"] < batch else "kv"
-    report["max_num_seqs"] = max_num_seqs
-    report.update(_predict(cfg, shard.world_size, element, name, spec, report))
-    return report
+
+
+def _decode_batch(capacity: int, context: int, max_num_seqs: int | None) -> dict[str, Any]:
+    """The sequences of `context` tokens a decode step runs: as many as the KV capacity holds,
+    at most max_num_seqs."""
+    fits = capacity // context
+    batch = fits if max_num_seqs is None else min(fits, max_num_seqs)
+    return {
+        "batch": batch,
+        "batch_bound": "max_num_seqs" if batch < fits else "kv",
+        "max_num_seqs": max_num_seqs,
+    }
 
 
 def _predict(
@@ -295,22 +344,34 @@ def _no_fit(r: dict[str, Any]) -> str:
 
 
 def format_report(r: dict[str, Any]) -> str:
-    window = (
-        (
-            f"\n  (sliding window {r['sliding_window']}: with paged KV a sequence holds at "
-            f"most ~{r['sliding_window']} tokens of KV)"
-        )
-        if r["sliding_window"]
-        else ""
+    lines = [_title(r), *_model_lines(r)]
+    if r["tensor_parallel_size"] > 1:
+        lines += _per_device_lines(r)
+    lines.append(
+        f"  device memory          {_gib(r['device_bytes'])} x {r['gpu_memory_utilization']}"
     )
+    if not r["weights_fit"]:
+        lines.append(f"  left for KV            {_no_fit(r)}")
+        return "\n".join(lines)
+    lines += _kv_lines(r)
+    if r["tensor_parallel_size"] == 1 and not r["hardware"]:
+        return "\n".join(lines)  # the seeds' arithmetic, as it always printed
+    lines += _decode_step_lines(r)
+    return "\n".join(lines)
+
+
+def _title(r: dict[str, Any]) -> str:
     n = r["tensor_parallel_size"]
     title = f"{r['model']} in {r['dtype']}, max_model_len={r['max_model_len']}"
     if n > 1:
         title += f", {TP_KEY}={n}"
     if r["hardware"]:
         title += f", hardware={r['hardware']}"
-    lines = [
-        title,
+    return title
+
+
+def _model_lines(r: dict[str, Any]) -> list[str]:
+    return [
         f"  KV bytes per token     2 x {r['layers']} layers x {r['kv_heads']} kv_heads x "
         f"{r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {r['kv_bytes_per_token']:,} B "
         f"({r['kv_bytes_per_token'] / 1024:,.0f} KiB; GQA {r['heads']}/{r['kv_heads']} heads "
@@ -318,49 +379,63 @@ def format_report(r: dict[str, Any]) -> str:
         f"  KV bytes per sequence  {_gib(r['kv_bytes_per_sequence'])}",
         f"  weight bytes           {_gib(r['weight_bytes'])}",
     ]
-    if n > 1:
-        per_token = r["kv_bytes_per_token_per_device"]
-        vocab = f"vocab {r['vocab_per_device']:,} of {r['padded_vocab']:,}" + (
-            f" (padded from {r['vocab_size']:,})" if r["padded_vocab"] != r["vocab_size"] else ""
-        )
-        lines += [
-            f"  per device (1 of {n})    {r['heads_per_device']} heads, {_kv_heads(r)} kv_heads, "
-            f"intermediate {r['intermediate_per_device']:,}, {vocab}",
-            f"    weight bytes         {_gib(r['weight_bytes_per_device'])}",
-            f"    KV bytes per token   2 x {r['layers']} layers x {r['kv_heads_per_device']} "
-            f"kv_heads x {r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {per_token:,} B "
-            f"({per_token / 1024:,.0f} KiB)",
-        ]
-    lines.append(
-        f"  device memory          {_gib(r['device_bytes'])} x {r['gpu_memory_utilization']}"
+
+
+def _per_device_lines(r: dict[str, Any]) -> list[str]:
+    n = r["tensor_parallel_size"]
+    per_token = r["kv_bytes_per_token_per_device"]
+    vocab = f"vocab {r['vocab_per_device']:,} of {r['padded_vocab']:,}" + (
+        f" (padded from {r['vocab_size']:,})" if r["padded_vocab"] != r["vocab_size"] else ""
     )
-    if not r["weights_fit"]:
-        lines.append(f"  left for KV            {_no_fit(r)}")
-        return "\n".join(lines)
-    lines += [
-        f"  left for KV            {_gib(r['kv_budget_bytes'])}",
-        f"  sequences that fit     {r['max_sequences']:,} of {r['max_model_len']} tokens each"
-        + window,
+    return [
+        f"  per device (1 of {n})    {r['heads_per_device']} heads, {_kv_heads(r)} kv_heads, "
+        f"intermediate {r['intermediate_per_device']:,}, {vocab}",
+        f"    weight bytes         {_gib(r['weight_bytes_per_device'])}",
+        f"    KV bytes per token   2 x {r['layers']} layers x {r['kv_heads_per_device']} "
+        f"kv_heads x {r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {per_token:,} B "
+        f"({per_token / 1024:,.0f} KiB)",
     ]
-    if n == 1 and not r["hardware"]:
-        return "\n".join(lines)  # the seeds' arithmetic, as it always printed
-    lines.insert(
-        -1,
-        f"  KV capacity            {r['kv_capacity_tokens']:,} tokens"
-        + (" (each device holds its share of every token)" if n > 1 else ""),
+
+
+def _kv_lines(r: dict[str, Any]) -> list[str]:
+    """What is left for KV and the sequences it holds; with tensor parallelism or a hardware
+    spec, its capacity in tokens too."""
+    n = r["tensor_parallel_size"]
+    lines = [f"  left for KV            {_gib(r['kv_budget_bytes'])}"]
+    if n > 1 or r["hardware"]:
+        lines.append(
+            f"  KV capacity            {r['kv_capacity_tokens']:,} tokens"
+            + (" (each device holds its share of every token)" if n > 1 else "")
+        )
+    lines.append(
+        f"  sequences that fit     {r['max_sequences']:,} of {r['max_model_len']} tokens each"
+        + _window_note(r)
     )
+    return lines
+
+
+def _window_note(r: dict[str, Any]) -> str:
+    if not r["sliding_window"]:
+        return ""
+    return (
+        f"\n  (sliding window {r['sliding_window']}: with paged KV a sequence holds at "
+        f"most ~{r['sliding_window']} tokens of KV)"
+    )
+
+
+def _decode_step_lines(r: dict[str, Any]) -> list[str]:
+    """The predicted decode step, or why there is none."""
+    n = r["tensor_parallel_size"]
     if not r["hardware"]:
-        lines.append("  (pick hardware=h100|h200|a100|l4|cpu for the predicted decode step)")
-        return "\n".join(lines)
+        return ["  (pick hardware=h100|h200|a100|l4|cpu for the predicted decode step)"]
     if r["batch"] < 1:
-        lines.append(f"  decode step            no sequence of {r['context_len']} tokens fits")
-        return "\n".join(lines)
+        return [f"  decode step            no sequence of {r['context_len']} tokens fits"]
     bound = (
         f"engine.max_num_seqs={r['max_num_seqs']}"
         if r["batch_bound"] == "max_num_seqs"
         else "the KV capacity"
     )
-    lines += [
+    lines = [
         f"  decode step            batch {r['batch']:,} (by {bound}) x {r['context_len']:,} "
         "tokens of context, per device:",
         f"    memory               {_ms(r['memory_s'])}  (weights "
@@ -375,24 +450,26 @@ def format_report(r: dict[str, Any]) -> str:
         ),
     ]
     if n > 1:
-        if r["comm_s"] is None:
-            comm = "-  (the spec states no link_bandwidth / link_latency: not counted)"
-        else:
-            comm = (
-                f"{_ms(r['comm_s'])}  ({r['allreduces']} all-reduces of "
-                f"{r['allreduce_bytes'] / 2**20:,.2f} MiB + the logits gather, "
-                f"{r['gather_bytes'] / 2**20:,.2f} MiB, at {_rate(r['link_bandwidth'])}, "
-                f"{r['link_latency'] * 1e6:,.2f} us per hop; not overlapped)"
-            )
-        lines.append(f"    communication        {comm}")
-    lines += [
+        lines.append(f"    communication        {_communication(r)}")
+    return [
+        *lines,
         f"    step                 {_ms(r['step_s'])} = {_step_formula([r])}"
         + (" + communication" if n > 1 else "")
         + (f" (overlap {r['overlap']:.2f})" if r["overlap"] != 1 else ""),
         f"    throughput           {r['tokens_per_s']:,.0f} tokens/s "
         f"({r['tokens_per_s'] / n:,.0f} per GPU)",
     ]
-    return "\n".join(lines)
+
+
+def _communication(r: dict[str, Any]) -> str:
+    if r["comm_s"] is None:
+        return "-  (the spec states no link_bandwidth / link_latency: not counted)"
+    return (
+        f"{_ms(r['comm_s'])}  ({r['allreduces']} all-reduces of "
+        f"{r['allreduce_bytes'] / 2**20:,.2f} MiB + the logits gather, "
+        f"{r['gather_bytes'] / 2**20:,.2f} MiB, at {_rate(r['link_bandwidth'])}, "
+        f"{r['link_latency'] * 1e6:,.2f} us per hop; not overlapped)"
+    )
 
 
 TABLE_COLUMNS = (
