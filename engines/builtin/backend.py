@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from engines.base import (
     TERMINAL_EVENTS,
     Backend,
+    BackendCapabilities,
     Failed,
     Finished,
     GenerationRequest,
@@ -44,6 +45,7 @@ T = TypeVar("T")
 
 class BuiltinBackend(Backend):
     name = "builtin"
+    capabilities = BackendCapabilities(quality_probe="engine")
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()

@@ -30,6 +30,7 @@ from engines.base import (
     TERMINAL_EVENTS,
     Arrived,
     Backend,
+    BackendCapabilities,
     Failed,
     Finished,
     GenerationRequest,
@@ -68,6 +69,7 @@ class _Pending:
 
 class HFBackend(Backend):
     name = "hf"
+    capabilities = BackendCapabilities()
 
     def __init__(self, config: HFConfig) -> None:
         super().__init__()

@@ -30,6 +30,7 @@ from engines.base import (
     TERMINAL_EVENTS,
     Arrived,
     Backend,
+    BackendCapabilities,
     Failed,
     Finished,
     GenerationRequest,
@@ -74,6 +75,7 @@ class _Planned:
 
 class LlamaCppBackend(Backend):
     name = "llamacpp"
+    capabilities = BackendCapabilities(quality_probe="prompt_logits")
 
     def __init__(self, config: LlamaCppConfig) -> None:
         super().__init__()

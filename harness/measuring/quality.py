@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
+from engines.base import Backend
 from engines.builtin import LLM, SamplingParams
+from engines.builtin.config import EngineConfig
+from engines.builtin.engine import LLMEngine
 from engines.train_tiny import corpus_text
+from harness.measuring.trackers import Tracker
 from models.files import UserFileError, check_regular_file
 from workloads.common import resolve_path
 from workloads.prompt_sets import load_prompt_set
@@ -317,3 +322,47 @@ def run_quality_of_backend(backend: LogitsBackend, settings: dict) -> dict[str, 
         "quality_positions": result["counted_positions"],
         "perplexity": result["perplexity"],
     }
+
+
+class EngineBackend(Protocol):
+    """A backend whose `capabilities.quality_probe` is "engine": the built-in engine it loaded
+    and the options it was built from."""
+
+    config: EngineConfig
+    engine: LLMEngine | None
+
+
+class QualityTracker(Tracker):
+    """`run.quality`: once the measured requests have ended, the backend's logits against the
+    float32, unquantized built-in engine's on the same weights (summary.json's `quality`), as
+    the backend's `capabilities.quality_probe` says it can be read; a backend that declares no
+    way is not probed."""
+
+    name = "quality"
+
+    def __init__(self, settings: dict) -> None:
+        self.settings = settings
+        self.result: dict[str, float | None] | None = None
+
+    @classmethod
+    def from_config(cls, settings: dict) -> QualityTracker | None:
+        """The probe `run.quality.enabled` asks for, its files checked now (check_inputs)."""
+        if not settings.get("enabled"):
+            return None
+        check_inputs(settings)
+        return cls(settings)
+
+    def stop(self, backend: Backend, engine: dict[str, Any]) -> None:
+        probe = backend.capabilities.quality_probe
+        if probe == "engine":
+            held = cast(EngineBackend, backend)
+            assert held.engine is not None  # loaded before the measured requests
+            self.result = run_quality(
+                held.config.to_dict(), LLM.from_engine(held.engine), self.settings
+            )
+        elif probe == "prompt_logits":
+            # against the built-in engine's float32 on the same model file
+            self.result = run_quality_of_backend(cast(LogitsBackend, backend), self.settings)
+
+    def results(self, run_dir: Path, t0_ns: int | None) -> dict[str, Any]:
+        return {} if self.result is None else {"quality": self.result}
