@@ -220,6 +220,24 @@ def probe_prompts(tokenizer: Any, max_model_len: int, settings: dict) -> list[li
     return prompts
 
 
+#: Prompts go in small chunks, so every chunk after the first attends to K/V read back from the
+#: cache: the probe then sees what KV quantization costs, not only weights. Steps of 4 rows
+#: multiply through the kernels decode uses (on CPU the quantized rows kernels run up to 4-12
+#: rows, tiles above: engines/builtin/native/quant.py), so the probe sees decode's numerics
+#: (INT8 activations, say), not only prefill's.
+CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 4, "kv_cache_prefault": False}
+
+
+def _takes_chunked_prefill(engine_options: dict) -> bool:
+    """Whether the engine's own rules take chunked prefill with these options (not with a KV
+    cache that keeps no context to read back, nor with a static batch, prefilled whole)."""
+    try:
+        EngineConfig.from_dict({**engine_options, **CHUNKED})
+    except ValueError:
+        return False
+    return True
+
+
 def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[str, float | None]:
     """The probe a run asks for with `run.quality.enabled`: the measured engine's options
     against the float32, unquantized engine on the same weights, over windows of a text and
@@ -242,23 +260,9 @@ def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[st
     # For the same reason a tensor-parallel candidate is the measured engine itself, its
     # prompts prefilled whole rather than in chunks.
     tensor_parallel = engine_options.get("tensor_parallel_size", 1) > 1
-    if (
-        engine_options.get("kv_cache") != "none"
-        and engine_options.get("batching") != "static"
-        and not tensor_parallel
-    ):
-        # Prompts go in small chunks, so every chunk after the first attends to K/V read back
-        # from the cache: the probe then sees what KV quantization costs, not only weights.
-        # Steps of 4 rows multiply through the kernels decode uses (on CPU the quantized rows
-        # kernels run up to 4-12 rows, tiles above: engines/builtin/native/quant.py), so the
-        # probe sees decode's numerics (INT8 activations, say), not only prefill's.
-        chunked = {
-            "enable_chunked_prefill": True,
-            "max_num_batched_tokens": 4,
-            "kv_cache_prefault": False,
-        }
-        reference_options.update(chunked)
-        candidate = LLM(**{**engine_options, **chunked})
+    if not tensor_parallel and _takes_chunked_prefill(engine_options):
+        reference_options.update(CHUNKED)
+        candidate = LLM(**{**engine_options, **CHUNKED})
     reference = LLM(**reference_options)
     prompts = probe_prompts(candidate.tokenizer, candidate.engine.limits.max_model_len, settings)
     result = quality_probe(reference, candidate, prompts, float(settings.get("min_margin", 0.1)))
