@@ -226,6 +226,13 @@ MANY_CLIENT_BACKENDS = ("openai",)
 def run_config(config: dict[str, Any]) -> RunConfig:
     """The `run` section, checked whole and against the engine and the workload's in-flight
     limits (`run.num_clients`)."""
+    return _checked_run(config)[0]
+
+
+def _checked_run(config: dict[str, Any]) -> tuple[RunConfig, Any]:
+    """run_config's checks, and the workload dataclass when they had to build it (the
+    clients' limits), else None: the run builds it after the load, where a bad workload has
+    always been named."""
     run_cfg = RunConfig.from_dict(config.get("run"))
     backend = (config.get("engine") or {}).get("backend", "builtin")
     if run_cfg.num_clients > 1 and backend not in MANY_CLIENT_BACKENDS:
@@ -234,19 +241,20 @@ def run_config(config: dict[str, Any]) -> RunConfig:
             f"{run_cfg.num_clients}; allowed: {'|'.join(MANY_CLIENT_BACKENDS)} (client "
             "processes of one server), or run.num_clients=1"
         )
-    if run_cfg.num_clients > 1 and isinstance(config.get("workload"), dict):
-        # here, before the server is asked or warmed up, not once the clients are due to start
-        try:
-            workload = make_workload(config["workload"])
-        except ValueError:  # the run reports the workload's own error where it always did
-            return run_cfg
-        client_limits(
-            getattr(workload, "concurrency", None),
-            getattr(workload, "max_concurrency", None),
-            run_cfg.num_clients,
-            config["workload"],
-        )
-    return run_cfg
+    if run_cfg.num_clients == 1 or not isinstance(config.get("workload"), dict):
+        return run_cfg, None
+    # here, before the server is asked or warmed up, not once the clients are due to start
+    try:
+        workload = make_workload(config["workload"])
+    except ValueError:  # the run reports the workload's own error where it always did
+        return run_cfg, None
+    client_limits(
+        getattr(workload, "concurrency", None),
+        getattr(workload, "max_concurrency", None),
+        run_cfg.num_clients,
+        config["workload"],
+    )
+    return run_cfg, workload
 
 
 def make_workload(workload: dict[str, Any]) -> Any:
@@ -311,7 +319,7 @@ class RunContext:
     cfg: RunConfig = field(default_factory=RunConfig)  # until read: the window and SLO defaults
     hardware: Any = None  # the `hardware` section, checked
     trackers: list[Tracker] = field(default_factory=list)
-    workload: Any = None  # the workload dataclass, built once
+    workload: Any = None  # the workload dataclass, built once (prepare or load)
     backend: Backend | None = None
     requests: list[WorkloadRequest] = field(default_factory=list)  # the measured ones
     driver: Driver | ClientPool | None = None
@@ -403,8 +411,8 @@ def _open(
 
 def _prepare(run: RunContext) -> None:
     """Phase prepare: the run's sections checked and the trackers built, before anything
-    loads (the workload is checked after the load, where a bad one has always been named)."""
-    run.cfg = run_config(run.config)
+    loads."""
+    run.cfg, run.workload = _checked_run(run.config)
     run.hardware = hardware.validate_config(run.config.get("hardware"))
     run.trackers = _trackers(run.config, run.cfg, run.run_dir)
 
@@ -445,7 +453,8 @@ def _load(run: RunContext) -> None:
     )
     for tracker in run.trackers:  # after the probe, whose buffers are no part of the run
         tracker.loaded(backend, engine)
-    run.workload = make_workload(run.config["workload"])
+    if run.workload is None:
+        run.workload = make_workload(run.config["workload"])
     tokenizer = getattr(backend, "tokenizer", None)
     run.requests = run.workload.build(tokenizer, engine.get("max_model_len"))
     run.setting_up = False

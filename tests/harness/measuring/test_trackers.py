@@ -1,6 +1,6 @@
 """The run's trackers (harness/measuring/trackers.py) chosen by what a backend declares
 (`Backend.capabilities`), not by its type: the quality probe reads the built-in engine in a
-run, with and without a KV cache to read back."""
+run, with and without a KV cache to read back; and the run builds its workload once."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from omegaconf import OmegaConf
 
 import configs
 import engines.registry  # noqa: F401  (registers the engine groups' schemas)
-import workloads  # noqa: F401  (likewise)
+import workloads
 from engines.base import BackendCapabilities
 from engines.builtin.backend import BuiltinBackend
 from engines.hf.backend import HFBackend
 from engines.openai.backend import OpenAIBackend
 from harness.measuring.quality import QualityTracker
+from harness.running import experiment
 from harness.running.experiment import run_experiment
 
 
@@ -68,3 +69,21 @@ def test_the_quality_probe_reads_the_builtin_engine_in_a_run(tmp_path: Path, kv_
     # the same engine against its own float32 weights: the distributions agree
     assert quality["top1_agreement"] in (None, 1.0) and quality["kl_mean"] < 1e-6
     assert quality["quality_positions"] >= 0
+
+
+def test_the_workload_is_built_once_warm_up_included(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the warm-up's requests are copies of the measured run's first ones, not a second build
+    built: list[dict[str, Any]] = []
+
+    def counted(section: dict[str, Any]) -> Any:
+        built.append(section)
+        return workloads.from_config(section)
+
+    monkeypatch.setattr(experiment, "make_workload", counted)
+    config = _config("run.quality.enabled=false", "run.warmup_requests=2")
+    summary = run_experiment(config, tmp_path, progress=False)
+    assert summary["status"] == "complete", summary.get("error")
+    assert len(built) == 1
+    assert summary["metrics"]["num_requests"] == 2  # the warm-up is left out of the rows
