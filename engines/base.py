@@ -12,7 +12,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engines.sampling_params import SamplingParams
 
@@ -169,6 +169,20 @@ class StepRecord:
 StepObserver = Callable[[StepRecord], None]
 
 
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend offers beyond the `Backend` interface, declared by its class: the harness
+    asks these, never the backend's type."""
+
+    # the engine steps in this process: its step observers see every step and torch.profiler
+    # traces it; False: a client of a server, which profiles itself (POST /start_profile)
+    in_process: bool = True
+    # how `run.quality` reads the backend's logits: "engine" (the built-in engine's logits
+    # observer, on its `engine` and `config`), "prompt_logits" (the backend's own
+    # `prompt_logits`), None (no quality probe)
+    quality_probe: Literal["engine", "prompt_logits"] | None = None
+
+
 class Backend(ABC):
     """What the harness needs from any engine: load, stream one request's events, close.
 
@@ -177,6 +191,7 @@ class Backend(ABC):
     """
 
     name: str = "backend"
+    capabilities: BackendCapabilities = BackendCapabilities()
 
     def __init__(self) -> None:
         self.step_observers: list[StepObserver] = []

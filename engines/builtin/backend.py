@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engines.base import GenerationRequest, RequestEvent
+from engines.base import BackendCapabilities, GenerationRequest, RequestEvent
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import EngineDeadError, LLMEngine
 from engines.builtin.factory import build_engine
@@ -29,6 +29,7 @@ from engines.stepping import SteppedBackend, SteppingThread
 class BuiltinBackend(SteppedBackend):
     name = "builtin"
     refusals = (ValueError, TypeError, EngineDeadError)
+    capabilities = BackendCapabilities(quality_probe="engine")
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()

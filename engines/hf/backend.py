@@ -26,6 +26,7 @@ import torch
 
 from engines.base import (
     Arrived,
+    BackendCapabilities,
     Failed,
     Finished,
     GenerationRequest,
@@ -65,6 +66,7 @@ class _Pending:
 class HFBackend(SteppedBackend):
     name = "hf"
     worker_name = "hf-generate"
+    capabilities = BackendCapabilities()
 
     def __init__(self, config: HFConfig) -> None:
         super().__init__()

@@ -26,6 +26,7 @@ import torch
 
 from engines.base import (
     Arrived,
+    BackendCapabilities,
     Failed,
     Finished,
     GenerationRequest,
@@ -72,6 +73,7 @@ class LlamaCppBackend(SteppedBackend):
     name = "llamacpp"
     # one worker: llama.cpp's context is not thread-safe, and steps run one at a time
     worker_name = "llamacpp-step"
+    capabilities = BackendCapabilities(quality_probe="prompt_logits")
 
     def __init__(self, config: LlamaCppConfig) -> None:
         super().__init__()

@@ -31,6 +31,7 @@ import httpx
 from engines.base import (
     Arrived,
     Backend,
+    BackendCapabilities,
     Failed,
     Finished,
     GenerationRequest,
@@ -72,6 +73,7 @@ log = logging.getLogger(__name__)
 
 class OpenAIBackend(Backend):
     name = "openai"
+    capabilities = BackendCapabilities(in_process=False)
 
     def __init__(
         self,

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from engines.base import now_ns
+from engines.base import Backend, now_ns
 from harness.measuring.server_scrape import (
     SCRAPE_INDEX,
     SERVER_COLUMNS,
@@ -32,6 +32,7 @@ from harness.measuring.server_scrape import (
     ServerScrape,
     server_figures,
 )
+from harness.measuring.trackers import Tracker
 from harness.run_folder import SAMPLES_FILE, SERVER_METRICS_FILE, write_parquet_atomic
 
 #: 20 Hz: NVML refreshes utilization and power over windows of about 1/6 s to 1 s, so faster
@@ -449,6 +450,41 @@ class Monitor:
             except Exception as exc:
                 self.notes.append(f"{SERVER_METRICS_FILE} not written: {_why(exc)}")
         return frame
+
+
+class MonitorTracker(Tracker):
+    """`run.monitor`: a Monitor over the run, from before the load (its RSS baseline) to the
+    end; samples.parquet (and server_metrics.parquet) and summary.json's `monitor`."""
+
+    name = "monitor"
+
+    def __init__(self, config: MonitorConfig) -> None:
+        self.config = config
+        self.monitor = Monitor(config.interval_s)
+        self.monitor.mark_before_load()
+
+    @classmethod
+    def from_config(cls, config: MonitorConfig) -> MonitorTracker | None:
+        return cls(config) if config.enabled else None
+
+    def loaded(self, backend: Backend, engine: dict[str, Any]) -> None:
+        watch_servers(self.monitor, self.config, engine.get("metrics_url"))
+        self.monitor.start(gpu_index_for(engine.get("device")))
+
+    def start(self, backend: Backend, engine: dict[str, Any]) -> None:
+        self.monitor.sample_now()  # the server's counters here leave the warm-up out
+
+    def close(self) -> None:
+        self.monitor.stop()
+
+    def results(self, run_dir: Path, t0_ns: int | None) -> dict[str, Any]:
+        # samples on the run's clock: seconds since the driver's t0
+        samples = self.monitor.write(run_dir, t0_ns)
+        return {
+            "samples": samples,
+            "monitor": self.monitor.info(),
+            "server_series": self.monitor.server_series,
+        }
 
 
 def _nvml_handle(nvml: ModuleType, index: int) -> Any:

@@ -21,6 +21,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from engines.base import Backend, StepRecord
+from engines.openai.server_metrics import server_root
+from harness.measuring.server_profile import ServerProfiler
+from harness.measuring.trackers import Tracker
 from harness.run_folder import PROFILE_DIR
 
 PHASES = ("prefill", "decode", "mixed")
@@ -179,6 +182,34 @@ class StepProfiler:
             "phase_steps": phase_steps,
             "activities": ["cpu"] + (["cuda"] if self.cuda else []),
         }
+
+
+class ProfileTracker(Tracker):
+    """`profile=true`: the profiler over the measured run, into profile/ and summary.json's
+    `profile`. A backend whose engine steps in this process is traced here (StepProfiler); a
+    server's engine, in another process, profiles itself (ServerProfiler)."""
+
+    name = "profiler"
+
+    def __init__(self, profiler: StepProfiler) -> None:
+        self.profiler: StepProfiler | ServerProfiler = profiler
+        self.info: dict[str, Any] | None = None
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], run_dir: str | Path) -> ProfileTracker | None:
+        profiler = profiler_from_config(config, run_dir)
+        return cls(profiler) if profiler is not None else None
+
+    def start(self, backend: Backend, engine: dict[str, Any]) -> None:
+        if not backend.capabilities.in_process:
+            self.profiler = ServerProfiler(server_root(engine["base_url"]))
+        self.profiler.attach(backend, cuda=str(engine.get("device")).startswith("cuda"))
+
+    def close(self) -> None:
+        self.info = self.profiler.finish()
+
+    def results(self, run_dir: Path, t0_ns: int | None) -> dict[str, Any]:
+        return {"profile": self.info}
 
 
 def _phase_of(event: Any) -> str:

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 
+from engines.base import Backend
 from engines.builtin import LLM, SamplingParams
+from engines.builtin.config import EngineConfig
+from engines.builtin.engine import LLMEngine
+from harness.measuring.trackers import Tracker
 from models.files import UserFileError, check_regular_file
 from models.train_tiny import corpus_text
 from workloads.common import resolve_path
@@ -215,6 +220,24 @@ def probe_prompts(tokenizer: Any, max_model_len: int, settings: dict) -> list[li
     return prompts
 
 
+#: Prompts go in small chunks, so every chunk after the first attends to K/V read back from the
+#: cache: the probe then sees what KV quantization costs, not only weights. Steps of 4 rows
+#: multiply through the kernels decode uses (on CPU the quantized rows kernels run up to 4-12
+#: rows, tiles above: engines/builtin/native/quant.py), so the probe sees decode's numerics
+#: (INT8 activations, say), not only prefill's.
+CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 4, "kv_cache_prefault": False}
+
+
+def _takes_chunked_prefill(engine_options: dict) -> bool:
+    """Whether the engine's own rules take chunked prefill with these options (not with a KV
+    cache that keeps no context to read back, nor with a static batch, prefilled whole)."""
+    try:
+        EngineConfig.from_dict({**engine_options, **CHUNKED})
+    except ValueError:
+        return False
+    return True
+
+
 def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[str, float | None]:
     """The probe a run asks for with `run.quality.enabled`: the measured engine's options
     against the float32, unquantized engine on the same weights, over windows of a text and
@@ -237,23 +260,9 @@ def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[st
     # For the same reason a tensor-parallel candidate is the measured engine itself, its
     # prompts prefilled whole rather than in chunks.
     tensor_parallel = engine_options.get("tensor_parallel_size", 1) > 1
-    if (
-        engine_options.get("kv_cache") != "none"
-        and engine_options.get("batching") != "static"
-        and not tensor_parallel
-    ):
-        # Prompts go in small chunks, so every chunk after the first attends to K/V read back
-        # from the cache: the probe then sees what KV quantization costs, not only weights.
-        # Steps of 4 rows multiply through the kernels decode uses (on CPU the quantized rows
-        # kernels run up to 4-12 rows, tiles above: engines/builtin/native/quant.py), so the
-        # probe sees decode's numerics (INT8 activations, say), not only prefill's.
-        chunked = {
-            "enable_chunked_prefill": True,
-            "max_num_batched_tokens": 4,
-            "kv_cache_prefault": False,
-        }
-        reference_options.update(chunked)
-        candidate = LLM(**{**engine_options, **chunked})
+    if not tensor_parallel and _takes_chunked_prefill(engine_options):
+        reference_options.update(CHUNKED)
+        candidate = LLM(**{**engine_options, **CHUNKED})
     reference = LLM(**reference_options)
     prompts = probe_prompts(candidate.tokenizer, candidate.engine.limits.max_model_len, settings)
     result = quality_probe(reference, candidate, prompts, float(settings.get("min_margin", 0.1)))
@@ -317,3 +326,47 @@ def run_quality_of_backend(backend: LogitsBackend, settings: dict) -> dict[str, 
         "quality_positions": result["counted_positions"],
         "perplexity": result["perplexity"],
     }
+
+
+class EngineBackend(Protocol):
+    """A backend whose `capabilities.quality_probe` is "engine": the built-in engine it loaded
+    and the options it was built from."""
+
+    config: EngineConfig
+    engine: LLMEngine | None
+
+
+class QualityTracker(Tracker):
+    """`run.quality`: once the measured requests have ended, the backend's logits against the
+    float32, unquantized built-in engine's on the same weights (summary.json's `quality`), as
+    the backend's `capabilities.quality_probe` says it can be read; a backend that declares no
+    way is not probed."""
+
+    name = "quality"
+
+    def __init__(self, settings: dict) -> None:
+        self.settings = settings
+        self.result: dict[str, float | None] | None = None
+
+    @classmethod
+    def from_config(cls, settings: dict) -> QualityTracker | None:
+        """The probe `run.quality.enabled` asks for, its files checked now (check_inputs)."""
+        if not settings.get("enabled"):
+            return None
+        check_inputs(settings)
+        return cls(settings)
+
+    def stop(self, backend: Backend, engine: dict[str, Any]) -> None:
+        probe = backend.capabilities.quality_probe
+        if probe == "engine":
+            held = cast(EngineBackend, backend)
+            assert held.engine is not None  # loaded before the measured requests
+            self.result = run_quality(
+                held.config.to_dict(), LLM.from_engine(held.engine), self.settings
+            )
+        elif probe == "prompt_logits":
+            # against the built-in engine's float32 on the same model file
+            self.result = run_quality_of_backend(cast(LogitsBackend, backend), self.settings)
+
+    def results(self, run_dir: Path, t0_ns: int | None) -> dict[str, Any]:
+        return {} if self.result is None else {"quality": self.result}

@@ -34,6 +34,7 @@ from harness.running.launching import (
 )
 from harness.running.repeats import run_repeats, validate_repeats
 from harness.running.sweep import ResumeMismatch, completed_run, note_unrecorded, write_sweep_csv
+from harness.running.sweep_outputs import named_outputs
 from harness.running.table import summary_table
 
 
@@ -100,7 +101,7 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
             raise SystemExit(2 if summary.get("error_kind") == "config" else 1)
     if summary["status"] == "incomplete":  # Ctrl-C or SIGTERM stops a sweep too
         if multirun:
-            write_sweep_csv(Path(hydra_cfg.sweep.dir))
+            write_sweep_csv(Path(hydra_cfg.sweep.dir), named_outputs(hydra_cfg))
         raise SystemExit(130)
     return _gathered(summary, run_dir, hydra_cfg, multirun)
 

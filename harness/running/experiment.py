@@ -3,24 +3,25 @@ warm up, drive the measured workload, and leave a complete (or honestly partial)
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import workloads
 from engines.backends import build_backend
-from engines.base import now_ns
-from engines.builtin.backend import BuiltinBackend
-from engines.openai.server_metrics import server_root
+from engines.base import Backend, now_ns
 from harness.measuring import hardware, provenance, roofline
-from harness.measuring.monitors import Monitor, MonitorConfig, gpu_index_for, watch_servers
-from harness.measuring.profiling import StepProfiler, profiler_from_config
-from harness.measuring.server_profile import ServerProfiler
+from harness.measuring.monitors import MonitorConfig, MonitorTracker
+from harness.measuring.profiling import ProfileTracker
+from harness.measuring.quality import QualityTracker
+from harness.measuring.trackers import Tracker
 from harness.run_folder import (
     RunRecorder,
     TablesNotWritten,
@@ -225,6 +226,13 @@ MANY_CLIENT_BACKENDS = ("openai",)
 def run_config(config: dict[str, Any]) -> RunConfig:
     """The `run` section, checked whole and against the engine and the workload's in-flight
     limits (`run.num_clients`)."""
+    return _checked_run(config)[0]
+
+
+def _checked_run(config: dict[str, Any]) -> tuple[RunConfig, Any]:
+    """run_config's checks, and the workload dataclass when they had to build it (the
+    clients' limits), else None: the run builds it after the load, where a bad workload has
+    always been named."""
     run_cfg = RunConfig.from_dict(config.get("run"))
     backend = (config.get("engine") or {}).get("backend", "builtin")
     if run_cfg.num_clients > 1 and backend not in MANY_CLIENT_BACKENDS:
@@ -233,19 +241,20 @@ def run_config(config: dict[str, Any]) -> RunConfig:
             f"{run_cfg.num_clients}; allowed: {'|'.join(MANY_CLIENT_BACKENDS)} (client "
             "processes of one server), or run.num_clients=1"
         )
-    if run_cfg.num_clients > 1 and isinstance(config.get("workload"), dict):
-        # here, before the server is asked or warmed up, not once the clients are due to start
-        try:
-            workload = make_workload(config["workload"])
-        except ValueError:  # the run reports the workload's own error where it always did
-            return run_cfg
-        client_limits(
-            getattr(workload, "concurrency", None),
-            getattr(workload, "max_concurrency", None),
-            run_cfg.num_clients,
-            config["workload"],
-        )
-    return run_cfg
+    if run_cfg.num_clients == 1 or not isinstance(config.get("workload"), dict):
+        return run_cfg, None
+    # here, before the server is asked or warmed up, not once the clients are due to start
+    try:
+        workload = make_workload(config["workload"])
+    except ValueError:  # the run reports the workload's own error where it always did
+        return run_cfg, None
+    client_limits(
+        getattr(workload, "concurrency", None),
+        getattr(workload, "max_concurrency", None),
+        run_cfg.num_clients,
+        config["workload"],
+    )
+    return run_cfg, workload
 
 
 def make_workload(workload: dict[str, Any]) -> Any:
@@ -253,16 +262,13 @@ def make_workload(workload: dict[str, Any]) -> Any:
     return workloads.from_config(workload)
 
 
-def warmup_requests(
-    workload: Any, tokenizer: Any, context_len: int | None, count: int
-) -> list[WorkloadRequest]:
-    """The first `count` first-turn requests of the same workload, all due at once."""
-    if count <= 0:
-        return []
-    built = [w for w in workload.build(tokenizer, context_len) if not w.follows][:count]
+def warmup_requests(requests: list[WorkloadRequest], count: int) -> list[WorkloadRequest]:
+    """Copies of the first `count` first-turn requests of the measured ones, renamed and all
+    due at once (copies: the measured requests go out as they were built)."""
+    first_turns = [w for w in requests if not w.follows][:count]
     return [
         replace(w, arrival_s=0.0, request=replace(w.request, request_id=f"warmup-{w.request_id}"))
-        for w in built
+        for w in copy.deepcopy(first_turns)
     ]
 
 
@@ -297,234 +303,273 @@ def run_experiment(
         gc.collect()
 
 
+#: info keys that summarize() reads and summary.json leaves out
+_INFO_ONLY = ("load_s", "cold_start_s", "harness_overhead_fraction", "samples", "server_series")
+
+
+@dataclass
+class RunContext:
+    """One run as its phases share it: the config, the run folder, what the phases built, and
+    what summary.json will say."""
+
+    config: dict[str, Any]
+    run_dir: Path
+    recorder: RunRecorder
+    shown: RunProgress
+    cfg: RunConfig = field(default_factory=RunConfig)  # until read: the window and SLO defaults
+    hardware: Any = None  # the `hardware` section, checked
+    trackers: list[Tracker] = field(default_factory=list)
+    workload: Any = None  # the workload dataclass, built once (prepare or load)
+    backend: Backend | None = None
+    requests: list[WorkloadRequest] = field(default_factory=list)  # the measured ones
+    driver: Driver | ClientPool | None = None
+    first_steps: list[dict[str, Any]] = field(default_factory=list)
+    # until the measured requests are built: a ValueError is the configuration refused (an
+    # option out of range, a checkpoint's config.json), not a failure of the run
+    setting_up: bool = True
+    status: str = "complete"
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # the summary's extra keys: JSON-like
+
+    def keep_first_step(self, table: str, row: dict[str, Any]) -> None:
+        if table == "steps" and not self.first_steps:
+            self.first_steps.append(row)
+
+    def failed(self, exc: BaseException) -> None:
+        """The run failed with `exc`, raised before the finish."""
+        self.status, self.error = "failed", _one_line(exc)
+        # a path the configuration names that is not there (a checkpoint folder without its
+        # config.json, a trace file) is a configuration error like a value out of range
+        if self.setting_up and isinstance(exc, ValueError | FileNotFoundError):
+            self.info["error_kind"] = "config"
+            # its message names the key or file and what is allowed, as the errors refused
+            # while composing do; the exception's class is no news to the user
+            self.error = str(exc) or self.error
+        self.info["traceback"] = traceback.format_exc()
+
+    def failed_writing(self, exc: BaseException) -> None:
+        """A run whose folder could not be written whole did not end well, whatever it ran."""
+        message = f"writing the run folder failed: {_one_line(exc)}"
+        if self.status == "failed":
+            self.info.setdefault("finalize_errors", []).append(message)
+        else:
+            self.status = "failed"
+            self.error = message if self.error is None else f"{message} ({self.error})"
+
+    def guarded(self, name: str, action: Callable[[], Any], writes: bool = False) -> Any:
+        """A clean-up step: whatever fails, the rows are kept and summary.json is written, with
+        the failure named under `finalize_errors`; a step that writes files and hits an OSError
+        (a full disk) fails the run too."""
+        try:
+            return action()
+        except Exception as exc:
+            self.info.setdefault("finalize_errors", []).append(f"{name}: {exc!r}")
+            if writes and isinstance(exc, OSError):
+                self.failed_writing(exc)
+            return None
+
+
+def _one_line(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(exc)).strip()
+
+
+def _run(
+    config: dict[str, Any], run_dir: Path, progress: bool, provenance_extra: dict[str, Any]
+) -> dict[str, Any]:
+    run = _open(config, run_dir, progress, provenance_extra)
+    try:
+        with interrupts():
+            _prepare(run)
+            _load(run)
+            _warm_up(run)
+            _measure(run)
+    except KeyboardInterrupt as exc:
+        run.status, run.error = "incomplete", interruption(exc)
+    except Exception as exc:  # recorded, then re-raised by the caller if it wants
+        run.failed(exc)
+    finally:
+        summary = _finish(run)
+    return summary
+
+
+def _open(
+    config: dict[str, Any], run_dir: Path, progress: bool, provenance_extra: dict[str, Any]
+) -> RunContext:
+    """The run folder's first files: config.yaml, provenance.json and a `running` summary. An
+    unwritable folder raises: nothing ran, nothing claims to be running."""
+    recorder = RunRecorder(run_dir)
+    try:
+        write_config(run_dir, config)
+        write_provenance(run_dir, {**provenance.collect(config), **provenance_extra})
+        recorder.write_summary({"status": "running"})
+    except OSError:
+        with suppress(OSError):
+            recorder.close()
+        raise
+    return RunContext(config, run_dir, recorder, RunProgress(progress))
+
+
+def _prepare(run: RunContext) -> None:
+    """Phase prepare: the run's sections checked and the trackers built, before anything
+    loads."""
+    run.cfg, run.workload = _checked_run(run.config)
+    run.hardware = hardware.validate_config(run.config.get("hardware"))
+    run.trackers = _trackers(run.config, run.cfg, run.run_dir)
+
+
+def _trackers(config: dict[str, Any], cfg: RunConfig, run_dir: Path) -> list[Tracker]:
+    """The trackers the configuration asks for (harness/measuring/trackers.py), in the order
+    their hooks are called: the one place a tracker is added."""
+    asked = (
+        QualityTracker.from_config(asdict(cfg.quality)),
+        ProfileTracker.from_config(config, run_dir),
+        MonitorTracker.from_config(cfg.monitor),  # last: its RSS baseline right before the load
+    )
+    return [tracker for tracker in asked if tracker is not None]
+
+
 def _backend_label(config: dict[str, Any]) -> str:
     engine, model = config.get("engine") or {}, config.get("model") or {}
     name = model.get("name") or model.get("path") or "?"
     return f"the {engine.get('backend', 'builtin')} backend, model {name}"
 
 
-def _run(
-    config: dict[str, Any], run_dir: Path, progress: bool, provenance_extra: dict[str, Any]
-) -> dict[str, Any]:
-    recorder = RunRecorder(run_dir)
-    try:
-        write_config(run_dir, config)
-        write_provenance(run_dir, {**provenance.collect(config), **provenance_extra})
-        recorder.write_summary({"status": "running"})
-    except OSError:  # an unwritable folder: nothing ran, nothing claims to be running
-        with suppress(OSError):
-            recorder.close()
-        raise
-    run_cfg = RunConfig()  # until the config's own is read: the window and SLO defaults
-    info: dict[str, Any]  # the summary's extra keys: JSON-like values
-    status, error, info, backend = "complete", None, {}, None
-    # until the workload is built: a ValueError is the configuration refused (an option out
-    # of range, a checkpoint's config.json), not a failure of the run
-    setting_up = True
-    shown = RunProgress(progress)
-    monitor: Monitor | None = None
-    profiler: StepProfiler | ServerProfiler | None = None
-    driver = None
+def _load(run: RunContext) -> None:
+    """Phase load: the backend built and loaded (timed), its facts and the hardware recorded,
+    the trackers told, the measured requests built for its tokenizer and context."""
+    start = now_ns()
+    run.shown.phase(f"loading {_backend_label(run.config)}")
+    run.backend = backend = build_backend(run.config["engine"], run.config["model"])
+    backend.load()
+    info = run.info
+    info["load_s"] = (now_ns() - start) / 1e9
+    run.shown.phase(f"loaded in {info['load_s']:.1f} s")
+    engine = info["engine"] = backend.describe()
+    # the threads as the engine set them at load (provenance.json predates the load)
+    provenance.record_threads(run.run_dir)
+    # after load: a CPU probe runs at the engine's thread count (cached per machine)
+    info["hardware"] = hardware.describe_for_run(
+        *hardware.resolve(run.hardware, engine.get("device"))
+    )
+    for tracker in run.trackers:  # after the probe, whose buffers are no part of the run
+        tracker.loaded(backend, engine)
+    if run.workload is None:
+        run.workload = make_workload(run.config["workload"])
+    tokenizer = getattr(backend, "tokenizer", None)
+    run.requests = run.workload.build(tokenizer, engine.get("max_model_len"))
+    run.setting_up = False
+    info["workload"] = dict(getattr(run.workload, "info", {}) or {})
 
-    def failed_writing(exc: BaseException) -> None:
-        # A run whose folder could not be written whole did not end well, whatever it ran.
-        nonlocal status, error
-        message = (
-            "writing the run folder failed: "
-            + "".join(traceback.format_exception_only(exc)).strip()
+
+def _warm_up(run: RunContext) -> None:
+    """Phase warm-up: the first requests once, left out of every metric (their first engine
+    step is the cold start's)."""
+    assert run.backend is not None  # loaded
+    warm = warmup_requests(run.requests, run.cfg.warmup_requests)
+    if warm:
+        run.shown.phase(f"warm-up: {len(warm)} requests")
+        Driver(run.backend, run.keep_first_step).run(warm)
+
+
+def _measure(run: RunContext) -> None:
+    """Phase measure: the measured requests driven into the run's tables between the
+    trackers' start and stop."""
+    backend, engine, info = run.backend, run.info["engine"], run.info
+    assert backend is not None  # loaded
+    run.shown.start_requests(len(run.requests))
+    run.driver = driver = _driver(run, backend)
+    concurrency = getattr(run.workload, "concurrency", None)
+    max_concurrency = getattr(run.workload, "max_concurrency", None)
+    info["closed_loop"] = concurrency is not None
+    info["workload"]["max_concurrency"] = max_concurrency
+    backend.start_measuring()
+    for tracker in run.trackers:
+        tracker.start(backend, engine)
+    with heap.frozen():
+        driver.run(run.requests, concurrency=concurrency, max_concurrency=max_concurrency)
+    failure = backend.failure()
+    if failure is not None:  # the requests after it failed one by one; so does the run
+        raise RuntimeError(f"the backend failed during the run: {failure}")
+    info["harness_overhead_fraction"] = driver.overhead_fraction
+    for tracker in run.trackers:
+        tracker.stop(backend, engine)
+    if run.first_steps:
+        step = run.first_steps[0]
+        info["first_step_s"] = step["end_s"] - step["start_s"]
+        info["cold_start_s"] = info["load_s"] + info["first_step_s"]
+
+
+def _driver(run: RunContext, backend: Backend) -> Driver | ClientPool:
+    """What sends the measured requests: this process, or `run.num_clients` client processes."""
+    sink = _tee(run.recorder.append, run.keep_first_step)
+
+    def done(_: Any) -> None:
+        run.shown.request_done()
+
+    if run.cfg.num_clients > 1:
+        on_ray = run.cfg.clients_on == "ray"
+        return ClientPool(run.config, run.cfg.num_clients, backend, sink, done, on_ray=on_ray)
+    return Driver(backend, sink, on_request_done=done)
+
+
+def _finish(run: RunContext) -> dict[str, Any]:
+    """Phase finish, always: the trackers stopped, the backend closed, the tables, the
+    trackers' results and summary.json written, each step guarded."""
+    if isinstance(run.driver, ClientPool):  # also after a client died or Ctrl-C
+        run.info.update(run.driver.info)
+    for tracker in run.trackers:
+        run.guarded(tracker.name, tracker.close, writes=True)
+    run.shown.close()
+    if run.backend is not None:
+        _close_backend(run, run.backend)
+    try:
+        frames = run.recorder.finalize()
+    except TablesNotWritten as exc:  # readers fall back to the JSONL rows
+        frames = exc.frames
+        run.failed_writing(exc.cause)
+    t0_ns = run.driver.t0 if run.driver is not None else None
+    for tracker in run.trackers:
+        results = run.guarded(tracker.name, partial(tracker.results, run.run_dir, t0_ns), True)
+        run.info.update(results or {})
+    _annotate_roofline(run, frames)
+    _fail_if_every_request_failed(run, frames["requests"])
+    summary = {
+        "status": run.status,
+        "error": run.error,
+        **summarize(frames, run.info, asdict(run.cfg.slo), run.cfg.window),
+        "run_dir": str(run.run_dir),
+        **{k: v for k, v in run.info.items() if k not in _INFO_ONLY},
+    }
+    return _write_final_summary(run.recorder, summary)
+
+
+def _close_backend(run: RunContext, backend: Backend) -> None:
+    if "engine" in run.info:  # counters some backends keep updating during the run
+        run.info["engine"] = run.guarded("describe", backend.describe) or run.info["engine"]
+    run.guarded("backend.close", backend.close)
+
+
+def _annotate_roofline(run: RunContext, frames: dict[str, Any]) -> None:
+    try:
+        frames["steps"] = roofline.annotate_run(run.run_dir, frames["steps"], run.info)
+    except Exception as exc:
+        run.info.setdefault("finalize_errors", []).append(f"roofline: {exc!r}")
+        if isinstance(exc, OSError):  # steps.parquet may be torn mid-rewrite
+            run.failed_writing(exc)
+            with suppress(OSError):  # readers fall back to steps.jsonl, the same rows
+                table_path(run.run_dir, "steps", "parquet").unlink(missing_ok=True)
+
+
+def _fail_if_every_request_failed(run: RunContext, requests: Any) -> None:
+    if run.status == "complete" and len(requests) and (requests["status"] == "failed").all():
+        first = requests.iloc[0]
+        run.status, run.error = (
+            "failed",
+            (
+                f"every measured request failed ({len(requests)} of {len(requests)}); the "
+                f"first, {first['request_id']}: {first['error']}"
+            ),
         )
-        if status == "failed":
-            info.setdefault("finalize_errors", []).append(message)
-        else:
-            status, error = "failed", message if error is None else f"{message} ({error})"
-
-    try:
-        with interrupts():
-            run_cfg = run_config(config)
-            if run_cfg.quality.enabled:
-                from harness.measuring.quality import check_inputs
-
-                check_inputs(asdict(run_cfg.quality))
-            hardware_cfg = hardware.validate_config(config.get("hardware"))
-            monitor_cfg = run_cfg.monitor
-            profiler = profiler_from_config(config, run_dir)
-            if monitor_cfg.enabled:
-                monitor = Monitor(monitor_cfg.interval_s)
-                monitor.mark_before_load()
-            start = now_ns()
-            shown.phase(f"loading {_backend_label(config)}")
-            backend = build_backend(config["engine"], config["model"])
-            backend.load()
-            info["load_s"] = (now_ns() - start) / 1e9
-            shown.phase(f"loaded in {info['load_s']:.1f} s")
-            info["engine"] = backend.describe()
-            # the threads as the engine set them at load (provenance.json predates the load)
-            provenance.record_threads(run_dir)
-            # after load: a CPU probe runs at the engine's thread count (cached per machine)
-            info["hardware"] = hardware.describe_for_run(
-                *hardware.resolve(hardware_cfg, info["engine"].get("device"))
-            )
-            if monitor is not None:  # after the probe, whose buffers are no part of the run
-                watch_servers(monitor, monitor_cfg, info["engine"].get("metrics_url"))
-                monitor.start(gpu_index_for(info["engine"].get("device")))
-            tokenizer = getattr(backend, "tokenizer", None)
-            context_len = info["engine"].get("max_model_len")
-            workload = make_workload(config["workload"])
-            requests = workload.build(tokenizer, context_len)
-            setting_up = False
-            info["workload"] = dict(getattr(workload, "info", {}) or {})
-            first_steps: list[dict[str, Any]] = []
-
-            def keep_first_step(table: str, row: dict[str, Any]) -> None:
-                if table == "steps" and not first_steps:
-                    first_steps.append(row)
-
-            warm = warmup_requests(
-                make_workload(config["workload"]), tokenizer, context_len, run_cfg.warmup_requests
-            )
-            if warm:
-                shown.phase(f"warm-up: {len(warm)} requests")
-                Driver(backend, keep_first_step).run(warm)
-            shown.start_requests(len(requests))
-            sink = _tee(recorder.append, keep_first_step)
-            driver = (
-                ClientPool(
-                    config,
-                    run_cfg.num_clients,
-                    backend,
-                    sink,
-                    lambda _: shown.request_done(),
-                    on_ray=run_cfg.clients_on == "ray",
-                )
-                if run_cfg.num_clients > 1
-                else Driver(backend, sink, on_request_done=lambda _: shown.request_done())
-            )
-            concurrency = getattr(workload, "concurrency", None)
-            max_concurrency = getattr(workload, "max_concurrency", None)
-            info["closed_loop"] = concurrency is not None
-            info["workload"]["max_concurrency"] = max_concurrency
-            if profiler is not None and info["engine"].get("base_url"):
-                # a server backend: its engine is in another process, which profiles itself
-                profiler = ServerProfiler(server_root(info["engine"]["base_url"]))
-            if profiler is not None:
-                profiler.attach(backend, cuda=str(info["engine"].get("device")).startswith("cuda"))
-            backend.start_measuring()
-            if monitor is not None:  # the server's counters here leave the warm-up out
-                monitor.sample_now()
-            with heap.frozen():
-                driver.run(requests, concurrency=concurrency, max_concurrency=max_concurrency)
-            failure = backend.failure()
-            if failure is not None:  # the requests after it failed one by one; so does the run
-                raise RuntimeError(f"the backend failed during the run: {failure}")
-            info["harness_overhead_fraction"] = driver.overhead_fraction
-            if run_cfg.quality.enabled and isinstance(backend, BuiltinBackend):
-                from engines.builtin import LLM
-                from harness.measuring.quality import run_quality
-
-                assert backend.engine is not None
-                info["quality"] = run_quality(
-                    backend.config.to_dict(),
-                    LLM.from_engine(backend.engine),
-                    asdict(run_cfg.quality),
-                )
-            elif run_cfg.quality.enabled and hasattr(backend, "prompt_logits"):
-                # a backend that gives logits itself (engine=llamacpp), against the built-in
-                # engine's float32 on the same model file
-                from harness.measuring.quality import LogitsBackend, run_quality_of_backend
-
-                assert isinstance(backend, LogitsBackend)
-                info["quality"] = run_quality_of_backend(backend, asdict(run_cfg.quality))
-            if first_steps:
-                step = first_steps[0]
-                info["first_step_s"] = step["end_s"] - step["start_s"]
-                info["cold_start_s"] = info["load_s"] + info["first_step_s"]
-    except KeyboardInterrupt as exc:
-        status, error = "incomplete", interruption(exc)
-    except Exception as exc:  # recorded, then re-raised by the caller if it wants
-        status, error = "failed", "".join(traceback.format_exception_only(exc)).strip()
-        # a path the configuration names that is not there (a checkpoint folder without its
-        # config.json, a trace file) is a configuration error like a value out of range
-        if setting_up and isinstance(exc, ValueError | FileNotFoundError):
-            info["error_kind"] = "config"
-            # its message names the key or file and what is allowed, as the errors refused
-            # while composing do; the exception's class is no news to the user
-            error = str(exc) or error
-        info["traceback"] = traceback.format_exc()
-    finally:
-        # Each clean-up step is guarded: whatever fails, the rows are kept and summary.json
-        # is written, with the failure named under `finalize_errors`.
-        # A step that writes files and hits an OSError (a full disk) fails the run too.
-        def guarded(name: str, action: Any, writes: bool = False) -> Any:
-            try:
-                return action()
-            except Exception as exc:
-                info.setdefault("finalize_errors", []).append(f"{name}: {exc!r}")
-                if writes and isinstance(exc, OSError):
-                    failed_writing(exc)
-                return None
-
-        if isinstance(driver, ClientPool):  # also after a client died or Ctrl-C
-            info.update(driver.info)
-        if profiler is not None:
-            info["profile"] = guarded("profiler", profiler.finish, writes=True)
-        if monitor is not None:
-            guarded("monitor", monitor.stop)
-        shown.close()
-        if backend is not None:
-            if "engine" in info:  # counters some backends keep updating during the run
-                info["engine"] = guarded("describe", backend.describe) or info["engine"]
-            guarded("backend.close", backend.close)
-        try:
-            frames = recorder.finalize()
-        except TablesNotWritten as exc:  # readers fall back to the JSONL rows
-            frames = exc.frames
-            failed_writing(exc.cause)
-        if monitor is not None:  # samples on the run's clock: seconds since the driver's t0
-            info["samples"] = guarded(
-                "samples",
-                lambda: monitor.write(run_dir, driver.t0 if driver is not None else None),
-                writes=True,
-            )
-            info["monitor"] = guarded("monitor", monitor.info)
-            info["server_series"] = monitor.server_series
-        try:
-            frames["steps"] = roofline.annotate_run(run_dir, frames["steps"], info)
-        except Exception as exc:
-            info.setdefault("finalize_errors", []).append(f"roofline: {exc!r}")
-            if isinstance(exc, OSError):  # steps.parquet may be torn mid-rewrite
-                failed_writing(exc)
-                with suppress(OSError):  # readers fall back to steps.jsonl, the same rows
-                    table_path(run_dir, "steps", "parquet").unlink(missing_ok=True)
-        requests = frames["requests"]
-        if status == "complete" and len(requests) and (requests["status"] == "failed").all():
-            first = requests.iloc[0]
-            status, error = (
-                "failed",
-                (
-                    f"every measured request failed ({len(requests)} of {len(requests)}); the "
-                    f"first, {first['request_id']}: {first['error']}"
-                ),
-            )
-        summary = {
-            "status": status,
-            "error": error,
-            **summarize(frames, info, asdict(run_cfg.slo), run_cfg.window),
-            "run_dir": str(run_dir),
-            **{
-                k: v
-                for k, v in info.items()
-                if k
-                not in (
-                    "load_s",
-                    "cold_start_s",
-                    "harness_overhead_fraction",
-                    "samples",
-                    "server_series",
-                )
-            },
-        }
-        summary = _write_final_summary(recorder, summary)
-    return summary
 
 
 def _write_final_summary(recorder: RunRecorder, summary: dict[str, Any]) -> dict[str, Any]:

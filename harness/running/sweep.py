@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.run_folder import (
     HOW_TO_RUN_KEYS,
-    KV_SPEEDUP_FILE,
     SWEEP_SUMMARY_FILE,
     SWEEP_TABLE_FILE,
     is_sweep_job,
@@ -26,6 +26,7 @@ from harness.run_folder import (
     write_json_atomic,
     write_text_atomic,
 )
+from harness.running.sweep_outputs import SWEEP_OUTPUTS, checked_outputs
 
 
 class ResumeMismatch(ValueError):
@@ -154,34 +155,17 @@ def saturation_summary(frame: pd.DataFrame) -> dict[str, Any]:
     }
 
 
-def kv_speedup_curve(frame: pd.DataFrame) -> pd.DataFrame | None:
-    """Decode speed-up of a KV cache over recomputation, per context length: the TPOT of
-    kv_cache=none over that of each cached variant, when the sweep varies both."""
-    needed = {"engine.kv_cache", "workload.input_len", "tpot_p50_s"}
-    if not needed <= set(frame.columns) or "none" not in set(frame["engine.kv_cache"]):
-        return None
-    done = frame[frame["status"] == "complete"]
-    # a curve needs one context length per job; a swept range or distribution has none
-    if not all(isinstance(v, int | float) for v in done["workload.input_len"]):
-        return None
-    table = done.pivot_table(
-        index="workload.input_len", columns="engine.kv_cache", values="tpot_p50_s"
-    )
-    curve = pd.DataFrame({"context_len": table.index})
-    for variant in table.columns:
-        curve[f"tpot_p50_s_{variant}"] = table[variant].to_numpy()
-        if variant != "none":
-            curve[f"speedup_{variant}"] = (table["none"] / table[variant]).to_numpy()
-    return curve
-
-
-def write_sweep_csv(sweep_dir: str | Path) -> pd.DataFrame:
+def write_sweep_csv(sweep_dir: str | Path, outputs: Sequence[str] = ()) -> pd.DataFrame:
+    """sweep.csv and sweep_summary.json, and the `outputs` the experiment names beside them
+    (harness/running/sweep_outputs.py)."""
     sweep_dir = Path(sweep_dir)
     frame = pd.DataFrame(sweep_rows(sweep_dir))
     write_text_atomic(sweep_dir / SWEEP_TABLE_FILE, frame.to_csv(index=False))
-    curve = kv_speedup_curve(frame) if len(frame) else None
-    if curve is not None:
-        write_text_atomic(sweep_dir / KV_SPEEDUP_FILE, curve.to_csv(index=False))
+    for name in outputs:
+        output = SWEEP_OUTPUTS.get(name)
+        table = output.make(frame) if len(frame) else None
+        if table is not None:
+            write_text_atomic(sweep_dir / output.file, table.to_csv(index=False))
     summary = {
         "num_jobs": len(frame),
         "num_failed": int((frame.get("status") == "failed").sum()) if len(frame) else 0,
@@ -207,14 +191,18 @@ class SweepTable(Callback):
     """Hydra callback: after a multirun, tabulate every job into sweep.csv, and exit 1 when a
     job did not complete (unless `run.allow_failed_jobs=true`), so that CI notices. Hydra
     turns an exception of a callback into a warning and exit 0, so an error here (a full
-    disk) is printed and exits 1 here."""
+    disk) is printed and exits 1 here. `outputs`: the tables the experiment's preset names
+    beside sweep.csv (harness/running/sweep_outputs.py)."""
+
+    def __init__(self, outputs: Sequence[str] | None = None) -> None:
+        self.outputs = checked_outputs(list(outputs or []))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
         try:
-            frame = write_sweep_csv(sweep_dir)
+            frame = write_sweep_csv(sweep_dir, self.outputs)
         except Exception as exc:
             if not isinstance(exc, OSError):  # a bug, not the disk: its traceback too
                 traceback.print_exc()

@@ -42,6 +42,7 @@ from harness.running import launching
 from harness.running.interrupts import interruption, interrupts
 from harness.running.repeats import one_repeat, summarize_launched_repeats
 from harness.running.sweep import write_sweep_csv
+from harness.running.sweep_outputs import named_outputs
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,8 @@ class InferlabSweeper(BasicSweeper):
         ]
         if started:
             self._settle(started, sweep_dir, error)
-            write_sweep_csv(sweep_dir)
+            assert self.config is not None  # set up before the sweep
+            write_sweep_csv(sweep_dir, named_outputs(self.config.hydra))
         hint = launching.ray_connection_hint(error) if name == "ray" else ""
         print(
             f"error: hydra/launcher={name} could not run the sweep: {error}{hint}", file=sys.stderr
@@ -249,7 +251,8 @@ class InferlabSweeper(BasicSweeper):
         self._summarize_repeats(
             [j for j in jobs if j.of is None or (j.of.folder is not None and j.of.folder.is_dir())]
         )
-        frame = write_sweep_csv(sweep_dir)
+        assert self.config is not None  # set up before the sweep
+        frame = write_sweep_csv(sweep_dir, named_outputs(self.config.hydra))
         print(
             f"sweep {reason}: {len(frame)} job(s) -> {sweep_dir / SWEEP_TABLE_FILE}; the same "
             "command with run.resume=true runs the jobs that are not complete",

@@ -1,5 +1,5 @@
-"""sweep.csv post-processing: the KV speed-up curve and the saturation rate, also on a real
-rate sweep that goes past saturation."""
+"""sweep.csv post-processing: the KV speed-up curve (experiment=kv_speedup's own output) and the
+saturation rate, also on a real rate sweep that goes past saturation."""
 
 from __future__ import annotations
 
@@ -8,18 +8,26 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
+from hydra import compose, initialize_config_dir
 
+import configs
+import engines.registry  # noqa: F401  (registers the config groups' schemas)
+import harness.running.config_schema  # noqa: F401  (likewise)
+import workloads  # noqa: F401  (likewise)
 from harness.reporting.results import load
 from harness.running.sweep import (
-    kv_speedup_curve,
+    SweepTable,
     note_unrecorded,
     saturation_rate,
     saturation_summary,
     sweep_rows,
+    write_sweep_csv,
 )
+from harness.running.sweep_outputs import kv_speedup_curve, named_outputs
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
@@ -52,6 +60,48 @@ def test_kv_speedup_curve_skips_swept_length_ranges() -> None:
         }
     )
     assert kv_speedup_curve(frame) is None
+
+
+def _kv_sweep(sweep_dir: Path) -> None:
+    """Two finished jobs of a KV-cache sweep over one context length."""
+    for job, (kv_cache, tpot) in enumerate([("none", 0.04), ("contiguous", 0.02)]):
+        folder = sweep_dir / str(job)
+        (folder / ".hydra").mkdir(parents=True)
+        (folder / ".hydra" / "overrides.yaml").write_text(
+            f"- engine.kv_cache={kv_cache}\n- workload.input_len=32\n"
+        )
+        summary = {"status": "complete", "metrics": {"tpot_p50_s": tpot}}
+        (folder / "summary.json").write_text(json.dumps(summary))
+
+
+def test_the_kv_speedup_table_is_written_where_the_experiment_names_it(tmp_path: Path) -> None:
+    # the generic writer knows no experiment's columns: a sweep that does not name the
+    # output gets sweep.csv alone, one that does (experiment=kv_speedup) gets the curve too
+    _kv_sweep(tmp_path / "plain")
+    write_sweep_csv(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "kv_speedup.csv").exists()
+    _kv_sweep(tmp_path / "named")
+    write_sweep_csv(tmp_path / "named", ["kv_speedup"])
+    curve = pd.read_csv(tmp_path / "named" / "kv_speedup.csv")
+    assert curve["speedup_contiguous"].tolist() == pytest.approx([2.0])
+
+
+def _hydra_node(*overrides: str) -> Any:
+    with initialize_config_dir(version_base="1.3", config_dir=str(configs.CONFIG_DIR)):
+        return compose("config", list(overrides), return_hydra_config=True).hydra
+
+
+def test_the_kv_speedup_preset_names_its_output() -> None:
+    assert named_outputs(_hydra_node("experiment=kv_speedup")) == ["kv_speedup"]
+    assert named_outputs(_hydra_node()) == []
+
+
+def test_an_unknown_output_is_named_with_the_allowed_ones() -> None:
+    with pytest.raises(ValueError) as error:
+        SweepTable(outputs=["kv_speed"])
+    assert str(error.value) == (
+        "hydra.callbacks.sweep_table.outputs: 'kv_speed' is invalid; allowed: kv_speedup"
+    )
 
 
 def test_saturation_rate_is_the_highest_rate_still_served() -> None:
