@@ -47,7 +47,7 @@ class BuiltinBackend(Backend):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
-        self.config = config.validate()
+        self.config = config  # checked when it was built
         self.engine: LLMEngine | None = None
         self._queues: dict[str, asyncio.Queue[RequestEvent]] = {}
         self._wake: asyncio.Event | None = None

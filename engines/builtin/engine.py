@@ -97,7 +97,6 @@ _RELEASED_AT_CLOSE = (
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        config.validate()
         self.closed = False
         self.failure: str | None = None  # why the engine cannot go on (EngineDeadError)
         self.peers: Peers | None = None  # the other tensor-parallel ranks
