@@ -229,7 +229,8 @@ def _graph_sizes_fit_max_num_seqs(config: EngineConfig) -> None:
 
 
 def _int8_activations_need_int4(config: EngineConfig) -> None:
-    if config.quantization_activations == "int8" and config.quantization != "int4":
+    takes_int8 = config.plugged("quantization").takes_int8_activations
+    if config.quantization_activations == "int8" and not takes_int8:
         raise ConfigError(
             "engine.quantization_activations: 'int8' is for quantization=int4 (INT4 weights "
             f"times INT8 activations); with quantization={config.quantization!r} allowed: float"
@@ -259,7 +260,7 @@ def _chunked_prefill_needs_continuous_batching_and_a_cache(config: EngineConfig)
             "engine.batching=static: a static batch is prefilled whole, in one padded step; "
             "use batching=continuous for chunked prefill, or enable_chunked_prefill=false"
         )
-    if config.enable_chunked_prefill and config.kv_cache == "none":
+    if config.enable_chunked_prefill and not config.plugged("kv_cache").manager.retains_kv:
         raise ConfigError(
             "engine.enable_chunked_prefill=true needs a KV cache, but engine.kv_cache=none "
             "keeps no K/V between steps to hold a prompt's earlier chunks; use "
@@ -268,7 +269,7 @@ def _chunked_prefill_needs_continuous_batching_and_a_cache(config: EngineConfig)
 
 
 def _prefix_caching_needs_paged_kv_and_continuous_batching(config: EngineConfig) -> None:
-    if config.enable_prefix_caching and config.kv_cache != "paged":
+    if config.enable_prefix_caching and not config.plugged("kv_cache").manager.pages_blocks:
         raise ConfigError(
             f"engine.enable_prefix_caching=true needs engine.kv_cache=paged (cached blocks "
             f"are shared between sequences), not kv_cache={config.kv_cache}"
