@@ -21,7 +21,7 @@ import gc
 import os
 import sys
 import traceback
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,8 @@ def build_backend(argv: list[str]) -> tuple[BuiltinBackend, ServerConfig]:
     backend = backends.build_backend(engine, config["model"])
     assert isinstance(backend, BuiltinBackend)
     if server.served_model_name is None:  # what the user named, not a resolved cache path
-        server.served_model_name = str(config["model"].get("path") or config["model"]["name"])
+        served = str(config["model"].get("path") or config["model"]["name"])
+        server = replace(server, served_model_name=served)
     return backend, server
 
 

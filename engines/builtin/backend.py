@@ -33,7 +33,7 @@ class BuiltinBackend(SteppedBackend):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
-        self.config = config.validate()
+        self.config = config  # checked when it was built
         self.engine: LLMEngine | None = None
         self.engine_thread: EngineThread | None = None
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from engines.builtin.attention import AttentionMetadata
+from engines.builtin.attention.dense import AttentionBackend
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache import LayerKVCache
 from engines.builtin.model import DecoderLayer, Transformer
@@ -49,6 +50,7 @@ class ModelRunner(Protocol):
     config: EngineConfig
     device: torch.device
     ring: bool
+    attention: AttentionBackend  # the backend the layers run (auto resolved)
     max_num_seqs: int
     max_num_batched_tokens: int
     model: Transformer
@@ -81,12 +83,12 @@ def graphs_unavailable_reason(runner: ModelRunner) -> str | None:
     config = runner.config
     if runner.device.type != "cuda":
         return f"device is {runner.device.type}: CUDA graphs need a CUDA device"
-    if config.attention_backend != "triton":
+    if not runner.attention.fixed_shapes:
         return (
             f"attention_backend={config.attention_backend}: the dense path's K/V gather "
             "changes shape every step; CUDA graphs need attention_backend=triton"
         )
-    if config.kv_cache == "none":
+    if not config.plugged("kv_cache").manager.retains_kv:
         return "kv_cache=none: every step recomputes the whole context (no decode steps)"
     if config.tensor_parallel_size > 1:
         return (
@@ -210,6 +212,8 @@ class _EagerAttention:
     def __init__(self, inner: Callable[..., torch.Tensor]) -> None:
         self.inner = inner
         self.name = getattr(inner, "name", type(inner).__name__)
+        self.fixed_shapes: bool = getattr(inner, "fixed_shapes", False)
+        self.kv_cache_class: type[LayerKVCache] = getattr(inner, "kv_cache_class", LayerKVCache)
         # wrapped here, not by a decorator: torch.compiler.disable imports torch._dynamo
         # (seconds), which every process importing the engine would pay, compiled or not
         self._eager = torch.compiler.disable(self._inner_call)

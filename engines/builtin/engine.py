@@ -94,7 +94,6 @@ _RELEASED_AT_CLOSE = (
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        config.validate()
         self.closed = False
         self.failure: str | None = None  # why the engine cannot go on (EngineDeadError)
         self.peers: Peers | None = None  # the other tensor-parallel ranks
@@ -134,7 +133,7 @@ class LLMEngine:
         # a model N does not split, or INT4 groups that would straddle its shards, fail
         # before any rank starts
         shard = shard_for(self.model_config, 0, tp_size)
-        if config.quantization == "int4":
+        if config.plugged("quantization").groups_inputs:
             check_int4_groups(self.model_config, shard, config.quantization_group_size)
         self.tokenizer = tokenizer_for_model(self.config.model, self.config.tokenizer)
         self.dtype = (
@@ -232,6 +231,7 @@ class LLMEngine:
             self.model_config.vocab_size,
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
             self.config.kv_cache,
+            type(self.kv),
             self.limits.max_model_len,
             lambda overrides: LLMEngine(replace(self.config, **overrides)),
         )
@@ -258,7 +258,7 @@ class LLMEngine:
                 reason += f", / {shard.size} tensor-parallel ranks sharing the host"
             return budget, reason
 
-        sized = KV_MANAGERS.get(config.kv_cache)(
+        sized = KV_MANAGERS.get(config.kv_cache).size(
             KVSizing(
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_model_len,
@@ -516,7 +516,7 @@ class LLMEngine:
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """A request whose KV can never fit the pool, even alone, fails now with the reason
         (otherwise it would be preempted and readmitted forever)."""
-        if self.config.kv_cache != "paged":
+        if not self.kv.pages_blocks:
             return  # contiguous slots always hold max_model_len tokens; none holds nothing
         layout = self.kv.layout
         longest = min(num_prompt_tokens + max_tokens, self.limits.max_model_len)

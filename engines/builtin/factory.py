@@ -12,6 +12,6 @@ from engines.builtin.planted_slowdown import SlowedEngine
 def build_engine(config: EngineConfig) -> LLMEngine:
     """The engine `config` asks for: the plain LLMEngine, or the planted slowdown's (a test
     instrument, engine.debug_step_delay_fraction > 0)."""
-    if config.validate().debug_step_delay_fraction > 0:
+    if config.debug_step_delay_fraction > 0:
         return SlowedEngine(config)
     return LLMEngine(config)

@@ -162,6 +162,7 @@ class ModelRunner:
             config.kv_cache_dtype,
             config.native_kernels,
         )
+        self.attention = make_attention(self.attention_backend)
 
     def _build_model(self, tp: TPGroup | None) -> Transformer:
         """The model, its linear layers' methods and its attention, on the meta device
@@ -189,7 +190,7 @@ class ModelRunner:
             return Transformer(
                 self.model_config,
                 linear,
-                make_attention(self.attention_backend),
+                self.attention,
                 self.max_model_len,
                 self.device,
                 lm_head_method=lm_head,
@@ -235,12 +236,7 @@ class ModelRunner:
             self.max_num_batched_tokens, self.max_rows, self.max_blocks_per_seq, self.device
         )
         self.kv_caches = []
-        cache_class = LayerKVCache
-        if self.config.attention_backend == "triton":
-            # the Triton write kernel (quantizing in-kernel for INT8; skips padding slots)
-            from engines.builtin.attention.triton_backend import TritonKVCache
-
-            cache_class = TritonKVCache
+        cache_class = self.attention.kv_cache_class
         for module in self.model.layers:
             layer = cast(DecoderLayer, module)  # ModuleList iterates as Module
             cache = None

@@ -70,7 +70,7 @@ class HFBackend(SteppedBackend):
 
     def __init__(self, config: HFConfig) -> None:
         super().__init__()
-        self.config = config.validate()
+        self.config = config  # checked when it was built
         self.model: CausalLM | None = None
         self.tokenizer: Tokenizer | None = None
         self._waiting: deque[_Pending] = deque()

@@ -77,7 +77,7 @@ class LlamaCppBackend(SteppedBackend):
 
     def __init__(self, config: LlamaCppConfig) -> None:
         super().__init__()
-        self.config = config.validate()
+        self.config = config  # checked when it was built
         self.runner: LlamaCppRunner | None = None
         self.tokenizer: Tokenizer | None = None
         self._waiting: deque[_Seq] = deque()

@@ -1,11 +1,12 @@
-"""Options of `engine=llamacpp`, validated once at the edge like the other backends'."""
+"""Options of `engine=llamacpp`, checked once at the edge like the other backends'."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 from engines.base import ConfigError
+from engines.options import Options, option
 from models.location import model_location
 
 FLASH_ATTN = ("auto", "on", "off")
@@ -14,76 +15,57 @@ FLASH_ATTN = ("auto", "on", "off")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 
 
-@dataclass
-class LlamaCppConfig:
+@dataclass(frozen=True)
+class LlamaCppConfig(Options):
+    error = ConfigError
+    section = "engine (backend=llamacpp)"
+
     # the model group fills these three: a GGUF file (model=smollm2-135m, or model=hf
     # model.path=FILE.gguf); llama.cpp reads its own config and weights from the file
-    model: str = "smollm2-135m"
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    tokenizer: str | None = None
-    # null: run the file as it is; else one of GGUF_TYPES: its tensors re-encoded to that type
-    # (dequantized from the file, so the same weights), converted once into the cache
-    gguf_type: str | None = None
-    # None: torch's thread count, the one the built-in engine runs with by default, so the two
-    # compute with the same number of cores
-    num_threads: int | None = None
-    num_threads_batch: int | None = None  # prompt processing; None: num_threads
-    # sequences decoded together (continuous batching over llama.cpp's per-sequence KV); each
-    # holds max_model_len KV cells of its own
-    max_num_seqs: int = 8
-    max_model_len: int | None = None  # None: min(the model's training context, 2048)
-    # tokens per llama_decode call (prompts longer than what is left go in chunks), and
-    # llama.cpp's n_batch = n_ubatch; at least max_num_seqs
-    max_num_batched_tokens: int = 512
-    flash_attn: str = "auto"  # llama.cpp's own default (auto: on for the CPU)
-    seed: int = 0  # sampling seed of requests that set none (SamplingParams.seed)
+    model: str = option("smollm2-135m", help="a GGUF file or a packaged GGUF model")
+    model_overrides: dict[str, Any] = option(
+        default_factory=dict, help="none allowed: llama.cpp reads the GGUF file's config"
+    )
+    tokenizer: str | None = option(None, help="null: the GGUF file's own tokenizer")
+    gguf_type: str | None = option(
+        None,
+        choices=GGUF_TYPES,
+        help="null: run the file as it is; else its tensors re-encoded to that type "
+        "(dequantized from the file, so the same weights), converted once into the cache",
+    )
+    num_threads: int | None = option(
+        None,
+        ge=1,
+        help="None: torch's thread count, the one the built-in engine runs with by default, so "
+        "the two compute with the same number of cores",
+    )
+    num_threads_batch: int | None = option(None, ge=1, help="prompt processing; None: num_threads")
+    max_num_seqs: int = option(
+        8,
+        ge=1,
+        help="sequences decoded together (continuous batching over llama.cpp's per-sequence "
+        "KV); each holds max_model_len KV cells of its own",
+    )
+    max_model_len: int | None = option(
+        None, ge=2, help="None: min(the model's training context, 2048)"
+    )
+    max_num_batched_tokens: int = option(
+        512,
+        ge=1,
+        help="tokens per llama_decode call (prompts longer than what is left go in chunks), "
+        "and llama.cpp's n_batch = n_ubatch; at least max_num_seqs",
+    )
+    flash_attn: str = option(
+        "auto", choices=FLASH_ATTN, help="llama.cpp's own default (auto: on for the CPU)"
+    )
+    seed: int = option(0, help="sampling seed of requests that set none (SamplingParams.seed)")
 
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> LlamaCppConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                f"engine (backend=llamacpp): unknown option(s) {unknown}; known options: "
-                f"{sorted(known)}"
-            )
-        return cls(**values).validate()
+    def _normalise(self) -> None:
+        self._set("model", model_location(self.model))  # a packaged model's file
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def validate(self) -> LlamaCppConfig:
-        def bad(name: str, allowed: str) -> ConfigError:
-            return ConfigError(
-                f"engine.{name}: {getattr(self, name)!r} is invalid; allowed: {allowed}"
-            )
-
-        self.model = model_location(self.model)  # a trained or packaged model's location
-        if self.flash_attn not in FLASH_ATTN:
-            raise bad("flash_attn", "|".join(FLASH_ATTN))
-        if self.gguf_type is not None and self.gguf_type not in GGUF_TYPES:
-            raise bad("gguf_type", "null|" + "|".join(GGUF_TYPES))
-        for name, low, optional in (
-            ("num_threads", 1, True),
-            ("num_threads_batch", 1, True),
-            ("max_num_seqs", 1, False),
-            ("max_model_len", 2, True),
-            ("max_num_batched_tokens", 1, False),
-            ("seed", None, False),
-        ):
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            # bool is an int to Python; "abc" < 2 would be a TypeError naming nothing
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or (low is not None and value < low)
-            ):
-                prefix = "null or " if optional else ""
-                raise bad(name, f"{prefix}an integer" + (f" >= {low}" if low else ""))
+    def _check_together(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise bad(
+            raise self.invalid(
                 "max_num_batched_tokens",
                 f"an integer >= max_num_seqs={self.max_num_seqs} (one decode token per sequence)",
             )
@@ -97,4 +79,3 @@ class LlamaCppConfig:
                 f"model.tokenizer: {self.tokenizer!r} is invalid with engine=llamacpp; allowed: "
                 "null (the GGUF file's own tokenizer)"
             )
-        return self

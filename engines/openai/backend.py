@@ -83,7 +83,7 @@ class OpenAIBackend(Backend):
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         super().__init__()
-        self.config = config.validate()
+        self.config = config  # checked when it was built
         self.model_group = dict(model or {})
         self.clock = clock
         # `auto` is settled by load()'s server check; until then, OpenAI's own fields only

@@ -156,10 +156,10 @@ def test_profile_dir_must_be_a_folder(tmp_path: Path) -> None:
     file = tmp_path / "file"
     file.write_text("")
     with pytest.raises(ServerConfigError, match=r"profile_dir: .* is invalid; allowed: null or a"):
-        ServerConfig(profile_dir=str(file)).validate()
+        ServerConfig(profile_dir=str(file))
     with pytest.raises(ServerConfigError, match="profile_dir: '' is invalid"):
-        ServerConfig(profile_dir="").validate()
-    assert ServerConfig(profile_dir=str(tmp_path / "new")).validate().profile_dir
+        ServerConfig(profile_dir="")
+    assert ServerConfig(profile_dir=str(tmp_path / "new")).profile_dir
 
 
 def test_a_web_page_of_another_origin_cannot_start_the_profiler(

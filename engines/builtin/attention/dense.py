@@ -30,6 +30,14 @@ class AttentionBackend(Protocol):
 
     name: str
 
+    @property
+    def fixed_shapes(self) -> bool:
+        """Whether a decode step keeps every tensor's shape (CUDA graphs can capture it)."""
+
+    @property
+    def kv_cache_class(self) -> type[LayerKVCache]:
+        """The layer KV cache its kernels read and write."""
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -130,6 +138,9 @@ def decode_mask(
 
 
 class DenseAttention:
+    fixed_shapes = False  # the K/V gather changes shape every step
+    kv_cache_class = LayerKVCache
+
     def __init__(self, name: str, kernel: Kernel) -> None:
         self.name = name
         self.kernel = kernel

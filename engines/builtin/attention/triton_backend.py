@@ -23,6 +23,12 @@ from engines.builtin.kv_cache.storage import LayerKVCache
 
 class TritonAttention:
     name = "triton"
+    fixed_shapes = True
+
+    @property
+    def kv_cache_class(self) -> type[LayerKVCache]:
+        """The Triton write kernel's cache (INT8 quantized in-kernel; padding slots skipped)."""
+        return TritonKVCache
 
     def __init__(
         self,

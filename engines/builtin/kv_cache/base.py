@@ -28,6 +28,9 @@ class KVCacheManager(ABC):
     #: Whether computed K/V survive the step. False only for kv_cache=none, where every step
     #: recomputes the whole context (the seeds' baseline).
     retains_kv: bool = True
+    #: Whether K/V live in blocks handed out from one pool as sequences grow (kv_cache=paged):
+    #: blocks can be shared (prefix caching), and the pool's size bounds one request.
+    pages_blocks: bool = False
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout

@@ -57,6 +57,8 @@ class PagedKVCacheManager(KVCacheManager):
     hits return to the cache). Blocks the window releases in ``commit`` are not reported.
     """
 
+    pages_blocks = True
+
     def __init__(
         self,
         layout: KVLayout,

@@ -1,6 +1,6 @@
-"""How big each kind of KV cache is made: `engine.kv_cache` picks a sizing function from
-`KV_MANAGERS`, which turns the memory budget into a manager (its layout of slots or blocks)
-and the number of sequences that can run at once."""
+"""How big each kind of KV cache is made: `engine.kv_cache` picks a `KVKind` from
+`KV_MANAGERS`, whose sizing function turns the memory budget into a manager (its layout of
+slots or blocks) and the number of sequences that can run at once."""
 
 from __future__ import annotations
 
@@ -41,10 +41,18 @@ class SizedKV:
     reason: str  # where the budget came from, for describe()
 
 
-KV_MANAGERS = Registry[Callable[[KVSizing], SizedKV]]("engine.kv_cache")
+@dataclass(frozen=True)
+class KVKind:
+    """One `engine.kv_cache` value: its manager class, which says what the cache keeps
+    (`retains_kv`, `pages_blocks`), and the function that sizes it."""
+
+    manager: type[KVCacheManager]
+    size: Callable[[KVSizing], SizedKV]
 
 
-@KV_MANAGERS.register("none")
+KV_MANAGERS = Registry[KVKind]("engine.kv_cache")
+
+
 def no_kv_cache(s: KVSizing) -> SizedKV:
     """Recompute the whole context every step: no memory, no limit but max_num_seqs."""
     return SizedKV(
@@ -52,7 +60,6 @@ def no_kv_cache(s: KVSizing) -> SizedKV:
     )
 
 
-@KV_MANAGERS.register("contiguous")
 def contiguous_kv_cache(s: KVSizing) -> SizedKV:
     """One max_model_len region per sequence slot, as many as the budget holds; a
     sliding-window model needs only a window-sized ring (not with chunked prefill, whose
@@ -73,7 +80,6 @@ def contiguous_kv_cache(s: KVSizing) -> SizedKV:
     return SizedKV(ContiguousKVCacheManager(layout, ring=ring), slots, budget, reason)
 
 
-@KV_MANAGERS.register("paged")
 def paged_kv_cache(s: KVSizing) -> SizedKV:
     """Blocks of block_size tokens from one pool, handed out as sequences grow. Block 0 is the
     null block (table entries released by a sliding window point at it)."""
@@ -98,3 +104,8 @@ def paged_kv_cache(s: KVSizing) -> SizedKV:
     )
     manager = PagedKVCacheManager(layout, s.enable_prefix_caching, s.sliding_window)
     return SizedKV(manager, s.max_num_seqs, budget, reason)
+
+
+KV_MANAGERS.add("none", KVKind(NoKVCacheManager, no_kv_cache))
+KV_MANAGERS.add("contiguous", KVKind(ContiguousKVCacheManager, contiguous_kv_cache))
+KV_MANAGERS.add("paged", KVKind(PagedKVCacheManager, paged_kv_cache))

@@ -27,13 +27,13 @@ def make_linear_method(
     kernels where `native_reason` is None (else it says why not);
     `prepack` ("panels" or "onednn") keeps unquantized CPU weights also in that packed
     layout, for the engine's own GEMM or oneDNN's."""
-    if quantization == "none" and prepack is not None:
+    method = LINEAR_METHODS.get(quantization)
+    if method.dense and prepack is not None:
         packed = {"panels": PanelDenseMethod, "onednn": PrepackedDenseMethod}
         if prepack not in packed:
             raise ValueError(f"prepack: {prepack!r}; allowed: panels|onednn")
         return packed[prepack]()
-    options = LinearOptions(group_size, zero_point, activations, native_reason)
-    return LINEAR_METHODS.get(quantization).create(options)
+    return method.create(LinearOptions(group_size, zero_point, activations, native_reason))
 
 
 __all__ = ["LINEAR_METHODS", "LinearMethod", "make_linear_method"]

@@ -35,6 +35,13 @@ class LinearMethod(ABC):
     """How a linear layer stores its weight and multiplies by it."""
 
     name: str = "abstract"
+    #: Whether the weights are kept unquantized (a packed copy may then be kept beside them).
+    dense: bool = True
+    #: Whether the weights are quantized in groups along the input columns, which a
+    #: tensor-parallel shard must not split (int4).
+    groups_inputs: bool = False
+    #: Whether it can multiply activations quantized to INT8 (engine.quantization_activations).
+    takes_int8_activations: bool = False
 
     @classmethod
     def create(cls, options: LinearOptions) -> LinearMethod:

@@ -88,6 +88,7 @@ class QuantMethod(LinearMethod):
     engine's C kernels, else why not), decided when the engine builds the method."""
 
     bits = 0
+    dense = False
 
     def __init__(self, native_reason: str | None = NOT_REQUESTED) -> None:
         self.native_reason = native_reason
@@ -252,6 +253,8 @@ class Int4Method(QuantMethod):
 
     name = "int4"
     bits = 4
+    groups_inputs = True
+    takes_int8_activations = True
 
     @classmethod
     def create(cls, options: LinearOptions) -> LinearMethod:

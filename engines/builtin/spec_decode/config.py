@@ -1,35 +1,44 @@
-"""`engine.speculative_config`, with vLLM's names, validated once at the edge."""
+"""`engine.speculative_config`, with vLLM's names, checked once at the edge."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from engines.base import ConfigError
-
-# The registered proposers' names (spec_decode/methods.py; a test keeps the two equal), checked
-# here because the configuration is validated before any engine module is loaded.
-METHODS = ("ngram", "draft_model")
+from engines.options import Options, option
 
 
 @dataclass(frozen=True)
-class SpeculativeConfig:
-    method: str  # a registered proposer: ngram | draft_model
-    num_speculative_tokens: int  # k: tokens proposed, and verified by one target pass
-    # ngram: the longest and shortest suffix of the sequence looked up earlier in it
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
-    # draft_model: a preset, packaged model or checkpoint sharing the target's tokenizer, with
-    # its own dtype and quantization (None: the target's)
-    model: str | None = None
-    dtype: str | None = None
-    quantization: str | None = None
+class SpeculativeConfig(Options):
+    prefix = "engine.speculative_config."
+    error = ConfigError
+
+    method: str = option(
+        registry="engines.builtin.spec_decode.methods:PROPOSERS",
+        help="a registered proposer: ngram | draft_model",
+    )
+    num_speculative_tokens: int = option(
+        ge=1, help="k: tokens proposed, and verified by one target pass"
+    )
+    prompt_lookup_max: int = option(
+        4, ge=1, help="ngram: the longest suffix of the sequence looked up earlier in it"
+    )
+    prompt_lookup_min: int = option(2, ge=1, help="ngram: the shortest such suffix")
+    model: str | None = option(
+        None,
+        help="draft_model: a preset, packaged model or checkpoint sharing the target's tokenizer",
+    )
+    dtype: str | None = option(None, help="draft_model: its dtype (None: the target's)")
+    quantization: str | None = option(
+        None, help="draft_model: its quantization (None: the target's)"
+    )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
         if isinstance(values, SpeculativeConfig):
-            return values.validate()
+            return values
         if not isinstance(values, Mapping):
             raise ConfigError(
                 f"engine.speculative_config: {values!r} is invalid; allowed: null or a mapping "
@@ -44,21 +53,9 @@ class SpeculativeConfig:
         for key in ("method", "num_speculative_tokens"):
             if key not in values:
                 raise ConfigError(f"engine.speculative_config.{key}: missing (required)")
-        return cls(**dict(values)).validate()
+        return cls(**dict(values))
 
-    def validate(self) -> SpeculativeConfig:
-        def fail(key: str, allowed: str) -> ConfigError:
-            return ConfigError(
-                f"engine.speculative_config.{key}: {getattr(self, key)!r} is invalid; "
-                f"allowed: {allowed}"
-            )
-
-        if self.method not in METHODS:
-            raise fail("method", "|".join(METHODS))
-        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise fail(key, "an integer >= 1")
+    def _check_together(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(
                 f"engine.speculative_config.prompt_lookup_min: {self.prompt_lookup_min} is "
@@ -74,8 +71,4 @@ class SpeculativeConfig:
         if self.method == "ngram":
             for key in ("model", "dtype", "quantization"):
                 if getattr(self, key) is not None:
-                    raise fail(key, "null with method=ngram (it has no draft model)")
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+                    raise self.invalid(key, "null with method=ngram (it has no draft model)")

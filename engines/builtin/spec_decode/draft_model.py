@@ -41,7 +41,7 @@ class DraftModelProposer(Proposer):
             "enable_prefix_caching": False,  # its cache holds drafts the target may reject
             "kv_cache_prefault": False,
             # its own cache in the target's layout; contiguous where the target keeps none
-            "kv_cache": "contiguous" if context.kv_cache == "none" else context.kv_cache,
+            "kv_cache": context.kv_cache if context.kv_cache_kind.retains_kv else "contiguous",
             "max_model_len": context.max_model_len,
             "tensor_parallel_size": 1,  # a small draft runs on rank 0 alone (vLLM's default)
         }

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engines.builtin.kv_cache.base import KVCacheManager
 from engines.builtin.sequence import Sequence
 from engines.builtin.spec_decode.config import SpeculativeConfig
 from engines.registry import Registry
@@ -35,6 +36,7 @@ class ProposerContext:
     model_vocab_size: int  # rows of the target's LM head (the tokenizer's, or padded)
     encode: Callable[[str], list[int]]  # the target's tokenizer
     kv_cache: str  # the target's KV layout (engine.kv_cache)
+    kv_cache_kind: type[KVCacheManager]  # its manager class: what it keeps
     max_model_len: int  # the target's: a draft must serve sequences as long
     # an engine of the same machinery with the target's options and these overrides (a draft
     # model's: its own model, dtype, quantization and KV cache)

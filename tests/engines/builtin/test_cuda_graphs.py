@@ -62,11 +62,11 @@ def test_default_batch_sizes_follow_vllm() -> None:
 )
 def test_bad_speed_options_are_refused(option: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("|", r"\|")):
-        EngineConfig(max_num_seqs=8, **{option: value}).validate()
+        EngineConfig(max_num_seqs=8, **{option: value})
 
 
 def test_batch_sizes_are_sorted_and_deduplicated() -> None:
-    config = EngineConfig(max_num_seqs=8, cuda_graph_batch_sizes=[8, 1, 4, 8]).validate()
+    config = EngineConfig(max_num_seqs=8, cuda_graph_batch_sizes=[8, 1, 4, 8])
     assert config.cuda_graph_batch_sizes == [1, 4, 8]
 
 

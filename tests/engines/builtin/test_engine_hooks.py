@@ -218,6 +218,7 @@ def test_slowed_engine_stretches_each_step_by_the_fraction(fraction: float) -> N
 def test_plain_engine_step_never_reads_the_delay() -> None:
     engine = build_engine(EngineConfig(**TINY))
     ticking_clock(engine)
-    engine.config.debug_step_delay_fraction = 3.0  # too late: only build_engine reads it
+    # too late: only build_engine reads it
+    engine.config = dataclasses.replace(engine.config, debug_step_delay_fraction=3.0)
     assert step_spans(engine) == [1000] * 3
     assert "debug_step_delay" not in inspect.getsource(LLMEngine)

@@ -102,7 +102,7 @@ def test_metrics_url_is_the_servers_root(base_url: str, expected: str) -> None:
 
 def test_a_bad_metrics_url_is_named() -> None:
     with pytest.raises(OpenAIConfigError, match=r"engine.metrics_url: 'ftp://x' .*auto\|none"):
-        OpenAIConfig(model="m", metrics_url="ftp://x").validate()
+        OpenAIConfig(model="m", metrics_url="ftp://x")
 
 
 def test_counters_that_went_down_give_no_counts() -> None:

@@ -535,7 +535,7 @@ def test_step_delay_is_validated(value: Any) -> None:
     with pytest.raises(
         ConfigError, match=r"engine\.debug_step_delay_fraction: .* a finite number >= 0"
     ):
-        EngineConfig(debug_step_delay_fraction=value).validate()
+        EngineConfig(debug_step_delay_fraction=value)
 
 
 def test_step_delay_spins_inside_the_step(make_tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,7 +60,7 @@ def test_prefault_is_checked_by_name() -> None:
         match=r"engine\.kv_cache_prefault: 'yes' is invalid; "
         r"allowed: true\|false",
     ):
-        EngineConfig(kv_cache_prefault="yes").validate()  # type: ignore[arg-type]
+        EngineConfig(kv_cache_prefault="yes")  # type: ignore[arg-type]
 
 
 def test_default_paged_pool_on_cpu_holds_what_all_slots_can_fill() -> None:

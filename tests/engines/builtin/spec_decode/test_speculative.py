@@ -12,6 +12,7 @@ import pytest
 from engines.base import ConfigError
 from engines.builtin import LLM, SamplingParams
 from engines.builtin.config import EngineConfig
+from engines.builtin.spec_decode.config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 # A draft that mostly agrees with its target: the same dummy weights in float32 drafting for
@@ -300,10 +301,12 @@ def test_drafts_never_preempt_a_sequence(make_tiny) -> None:
 
 
 def test_the_methods_the_config_accepts_are_the_registered_proposers() -> None:
-    from engines.builtin.spec_decode.config import METHODS
     from engines.builtin.spec_decode.methods import PROPOSERS
 
-    assert sorted(METHODS) == sorted(PROPOSERS.names())
+    with pytest.raises(ConfigError) as refused:
+        SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": 2})
+    assert str(refused.value).endswith("allowed: " + "|".join(PROPOSERS.names()))
+    assert PROPOSERS.names() == ["ngram", "draft_model"]  # the default method first
 
 
 def test_step_records_count_drafts_by_position(make_tiny) -> None:
