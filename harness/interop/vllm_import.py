@@ -249,6 +249,15 @@ def request_frame(
 
 def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) -> None:
     """vLLM's own statistics and totals, where the rows gave nothing."""
+    _put_statistics(run, result, extra)
+    _put_totals(run, result)
+    _put_rates(run, result, extra)
+    _put_spec_decode(run, result, extra)
+
+
+def _put_statistics(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) -> None:
+    """vLLM's latency statistics (`mean_ttft_ms`, `p99_itl_ms`...) under the lab's names; the
+    figures the lab has no name for are left out."""
     measured = result.completed > 0
     for key, value in extra.items():
         match = STAT_KEY.match(key)
@@ -271,6 +280,10 @@ def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) 
         if not measured or value == 0:  # 0: vLLM's placeholder for a statistic with no sample
             continue
         run.put(name, value / 1000, Definition(key, metric == "tpot", NOTES[metric]))
+
+
+def _put_totals(run: ImportedRun, result: VllmResult) -> None:
+    """The request counts and the token totals."""
     failed = result.failed or 0
     # older files have no `failed`: then vLLM's totals cannot be told to be every request's
     none_failed = result.failed == 0
@@ -289,6 +302,10 @@ def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) 
         result.total_output_tokens,
         Definition("total_output_tokens", none_failed, every_request),
     )
+
+
+def _put_rates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) -> None:
+    """The duration, the throughputs and the goodput, over vLLM's duration."""
     if usable_duration(result, run):
         run.put("duration_s", result.duration, Definition("duration", False, VLLM_DURATION))
         run.put(
@@ -315,6 +332,10 @@ def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) 
             + VLLM_DURATION,
         ),
     )
+
+
+def _put_spec_decode(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) -> None:
+    """Speculative decoding's acceptance, from the server's counters."""
     if result.spec_decode_acceptance_rate is not None:
         run.put(
             "spec_acceptance_rate",
