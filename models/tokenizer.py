@@ -567,3 +567,11 @@ def _validate_messages(messages: object, roles: tuple[str, ...] | None) -> None:
             raise ValueError(
                 f"messages[{i}] has role {m['role']!r}; allowed roles: {', '.join(roles)}"
             )
+
+
+def stream_step(stream: DetokenizerStream | None, token_id: int, vocab_size: int) -> str:
+    """The text `token_id` adds to `stream`: none without a stream, nor for an id past the
+    tokenizer's `vocab_size` (a model's embedding may have more rows than it has tokens)."""
+    if stream is None or token_id >= vocab_size:
+        return ""
+    return stream.step(token_id)

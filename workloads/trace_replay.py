@@ -20,7 +20,9 @@ tokens. `prefix_group` is the first hash id.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -129,6 +131,57 @@ class TraceWorkload(WorkloadBase):
         self.validate()
         tok = tokenizer_or_default(tokenizer)
         path = resolve_path("path", self.path)
+        trace = self._load(path)
+        selected = self._select(trace)
+        (prompt_rng,) = rng_streams(self.seed, 1)
+        lengths = self._lengths(trace, selected, context_len)
+        arrivals = self._arrivals(trace, selected, path)
+        source = TokenSource(
+            tok,
+            self.prompt,
+            resolve_path("corpus", self.corpus) if self.corpus is not None else None,
+        )
+        block_len = max(1, round(MOONCAKE_BLOCK * self.input_scale))
+        blocks = BlockTokens(source, self.seed, block_len) if self.format == "mooncake" else None
+        requests = [
+            self._request(
+                f"{self.id_prefix}-{i}",
+                source.render(ids),
+                int(lengths.inputs[i]),
+                int(lengths.outputs[i]),
+                float(arrivals[i]),
+                prefix_group=group,
+            )
+            for i, (ids, group) in enumerate(
+                self._prompts(trace, selected, lengths.inputs, source, blocks, prompt_rng)
+            )
+        ]
+        self.info = {
+            "type": "trace",
+            "path": str(path),
+            "format": self.format,
+            "prompt": self.prompt,
+            "tokenizer": tok.name,
+            "rows_read": trace.rows_read,
+            "rows_skipped": dict(trace.skipped),
+            "rows_usable": len(trace),
+            "read_to_end": trace.read_to_end,
+            "requests": len(selected),
+            "trace_span_s": _span(trace) if trace.read_to_end else None,
+            "window_s": [self.start_s, self.end_s],
+            "time_scale": self.time_scale,
+            "input_scale": self.input_scale,
+            "output_scale": self.output_scale,
+            "clipped_max_input_len": lengths.clipped_in,
+            "clipped_max_output_len": lengths.clipped_out,
+            "block_len": block_len if blocks is not None else None,
+            **self._totals(arrivals, lengths.inputs, lengths.outputs),
+            **lengths.clip_info,
+        }
+        return requests
+
+    def _load(self, path: Path) -> Trace:
+        """The trace, read as far as the selection reaches; refused when it has no usable row."""
         generic = self.format in ("csv", "jsonl")
         columns = parse_columns("columns", self.columns or {}) if generic else None
         if (
@@ -153,8 +206,11 @@ class TraceWorkload(WorkloadBase):
                 str(path),
                 f"a trace with usable rows ({trace.rows_read} read, skipped: {trace.skipped})",
             )
-        selected = self._select(trace)
-        (prompt_rng,) = rng_streams(self.seed, 1)
+        return trace
+
+    def _lengths(self, trace: Trace, selected: np.ndarray, context_len: int | None) -> _Lengths:
+        """The selected rows' lengths: scaled, capped by max_input_len / max_output_len, then
+        clipped to the context."""
         inputs = _scaled("input_scale", trace.input_lens[selected], self.input_scale)
         outputs = _scaled("output_scale", trace.output_lens[selected], self.output_scale)
         clipped_in = clipped_out = 0
@@ -165,69 +221,53 @@ class TraceWorkload(WorkloadBase):
             clipped_out = int((outputs > self.max_output_len).sum())
             outputs = np.minimum(outputs, self.max_output_len)
         inputs, outputs, clip_info = clip_to_context(inputs, outputs, context_len)
-        if trace.timestamps_s is not None and len(selected):
-            times = trace.timestamps_s[selected]
-            arrivals = (times - times[0]) / self.time_scale
-            late = arrivals_too_late(arrivals)
-            if late is not None:
-                raise invalid(
-                    "path",
-                    str(path),
-                    f"a trace whose selected rows arrive within {MAX_ARRIVAL_S:.0e} s of the "
-                    f"first after time_scale ({self.time_scale}); line "
-                    f"{int(trace.lines[selected[late]])} arrives {arrivals[late]:.3g} s after it",
-                )
-        else:
-            arrivals = np.zeros(len(selected))
-        source = TokenSource(
-            tok,
-            self.prompt,
-            resolve_path("corpus", self.corpus) if self.corpus is not None else None,
-        )
-        block_len = max(1, round(MOONCAKE_BLOCK * self.input_scale))
-        blocks = BlockTokens(source, self.seed, block_len) if self.format == "mooncake" else None
-        requests = []
+        return _Lengths(inputs, outputs, clipped_in, clipped_out, clip_info)
+
+    def _arrivals(self, trace: Trace, selected: np.ndarray, path: Path) -> np.ndarray:
+        """The selected rows' arrival times, from the first one's and sped up by time_scale
+        (all at 0 without timestamps); refused when one lies beyond MAX_ARRIVAL_S."""
+        if trace.timestamps_s is None or not len(selected):
+            return np.zeros(len(selected))
+        times = trace.timestamps_s[selected]
+        arrivals = (times - times[0]) / self.time_scale
+        late = arrivals_too_late(arrivals)
+        if late is not None:
+            raise invalid(
+                "path",
+                str(path),
+                f"a trace whose selected rows arrive within {MAX_ARRIVAL_S:.0e} s of the "
+                f"first after time_scale ({self.time_scale}); line "
+                f"{int(trace.lines[selected[late]])} arrives {arrivals[late]:.3g} s after it",
+            )
+        return arrivals
+
+    @staticmethod
+    def _prompts(
+        trace: Trace,
+        selected: np.ndarray,
+        inputs: np.ndarray,
+        source: TokenSource,
+        blocks: BlockTokens | None,
+        rng: np.random.Generator,
+    ) -> Iterator[tuple[np.ndarray, str | None]]:
+        """Each selected row's prompt token ids and prefix group: its Mooncake blocks (the
+        group is the first hash id), or the source's tokens (no group)."""
         for i, row in enumerate(selected.tolist()):
             own = int(inputs[i])
-            if blocks is not None:
-                hash_ids = trace.hash_ids(row)
-                ids = blocks.prompt(hash_ids, own, prompt_rng)
-                group = str(hash_ids[0]) if hash_ids else None
-            else:
-                ids, group = source.tokens(own, prompt_rng), None
-            requests.append(
-                self._request(
-                    f"{self.id_prefix}-{i}",
-                    source.render(ids),
-                    own,
-                    int(outputs[i]),
-                    float(arrivals[i]),
-                    prefix_group=group,
-                )
-            )
-        self.info = {
-            "type": "trace",
-            "path": str(path),
-            "format": self.format,
-            "prompt": self.prompt,
-            "tokenizer": tok.name,
-            "rows_read": trace.rows_read,
-            "rows_skipped": dict(trace.skipped),
-            "rows_usable": len(trace),
-            "read_to_end": trace.read_to_end,
-            "requests": len(selected),
-            "trace_span_s": _span(trace) if trace.read_to_end else None,
-            "window_s": [self.start_s, self.end_s],
-            "time_scale": self.time_scale,
-            "input_scale": self.input_scale,
-            "output_scale": self.output_scale,
-            "clipped_max_input_len": clipped_in,
-            "clipped_max_output_len": clipped_out,
-            "block_len": block_len if blocks is not None else None,
-            **self._totals(arrivals, inputs, outputs),
-            **clip_info,
-        }
-        return requests
+            if blocks is None:
+                yield source.tokens(own, rng), None
+                continue
+            hash_ids = trace.hash_ids(row)
+            yield blocks.prompt(hash_ids, own, rng), str(hash_ids[0]) if hash_ids else None
+
+
+@dataclass(frozen=True)
+class _Lengths:
+    inputs: np.ndarray
+    outputs: np.ndarray
+    clipped_in: int  # rows cut to max_input_len
+    clipped_out: int  # rows cut to max_output_len
+    clip_info: dict[str, Any]  # clip_to_context's counts
 
 
 def _scaled(field_name: str, lengths: np.ndarray, scale: float) -> np.ndarray:

@@ -44,7 +44,7 @@ from engines.hf.model import load_hf_model
 from engines.sampling_params import SamplingParams
 from engines.stepping import SteppedBackend
 from models.dtypes import TORCH_DTYPES
-from models.tokenizer import Tokenizer, tokenizer_for_model
+from models.tokenizer import Tokenizer, stream_step, tokenizer_for_model
 
 if TYPE_CHECKING:
     from engines.hf.model import CausalLM
@@ -245,9 +245,7 @@ class HFBackend(SteppedBackend):
 
     def _text(self, pending: _Pending, token: int) -> str:
         assert self.tokenizer is not None
-        if pending.detok is None or token >= self.tokenizer.vocab_size:
-            return ""
-        return pending.detok.step(token)
+        return stream_step(pending.detok, token, self.tokenizer.vocab_size)
 
     def _finished(self, pending: _Pending, reason: str, time: int, step: int) -> Finished:
         self._done(pending)

@@ -43,7 +43,7 @@ from engines.llamacpp.config import LlamaCppConfig
 from engines.llamacpp.runner import BatchToken, LlamaCppRunner, check_gguf, converted
 from engines.sampling_params import SamplingParams
 from engines.stepping import SteppedBackend
-from models.tokenizer import Tokenizer, tokenizer_for_model
+from models.tokenizer import Tokenizer, stream_step, tokenizer_for_model
 
 
 @dataclass(eq=False)
@@ -356,9 +356,7 @@ class LlamaCppBackend(SteppedBackend):
 
     def _text(self, seq: _Seq, token: int) -> str:
         assert self.tokenizer is not None
-        if seq.detok is None or token >= self.tokenizer.vocab_size:
-            return ""
-        return seq.detok.step(token)
+        return stream_step(seq.detok, token, self.tokenizer.vocab_size)
 
     def _finish(
         self, seq: _Seq, reason: str, time: int, step: int, events: list[RequestEvent]

@@ -191,6 +191,23 @@ def _put_distribution(
 
 def put_aggregates(run: ImportedRun, benchmark: Benchmark) -> None:
     m = benchmark.metrics
+    _put_latencies(run, m)
+    _put_rates(run, m)
+    _put_totals(run, m)
+    _put_window(run, benchmark)
+    run.leave_out(
+        "time_per_output_token_ms",
+        "time_to_first_output_token_ms",
+        "request_scheduled_latency",
+        "request_concurrency",
+        "request_streaming_iterations_count",
+        "output_tokens_per_iteration",
+        "iter_tokens_per_iteration",
+    )
+
+
+def _put_latencies(run: ImportedRun, m: Metrics) -> None:
+    """TTFT, ITL, TPOT and end-to-end latency over the successful requests."""
     latencies = ("mean", "p50", "p90", "p99", "p999")
     _put_distribution(
         run, "ttft", "time_to_first_token_ms", m.time_to_first_token_ms.successful, latencies,
@@ -217,6 +234,10 @@ def put_aggregates(run: ImportedRun, benchmark: Benchmark) -> None:
         run, "e2e", "request_latency", m.request_latency.successful, latencies, 1.0, False,
         "request start -> response end (the lab: arrival -> last token); " + NEAREST,
     )  # fmt: skip
+
+
+def _put_rates(run: ImportedRun, m: Metrics) -> None:
+    """The request and token throughputs (successful requests, over guidellm's window)."""
     for lab, source, distribution in (
         ("req_per_s", "requests_per_second", m.requests_per_second),
         ("output_tok_per_s", "output_tokens_per_second", m.output_tokens_per_second),
@@ -229,6 +250,10 @@ def put_aggregates(run: ImportedRun, benchmark: Benchmark) -> None:
                 distribution.successful.mean,
                 Definition(f"{source}.successful.mean", False, "successful requests " + WINDOW),
             )
+
+
+def _put_totals(run: ImportedRun, m: Metrics) -> None:
+    """The request counts and token totals inside guidellm's measurement window."""
     totals = m.request_totals
     inside = "inside guidellm's measurement window"
     run.put("num_completed", totals.successful, Definition("request_totals.successful", True))
@@ -248,6 +273,11 @@ def put_aggregates(run: ImportedRun, benchmark: Benchmark) -> None:
             counts.successful.total_sum + errored,
             Definition(f"{source}.successful + errored .total_sum", True, inside),
         )
+
+
+def _put_window(run: ImportedRun, benchmark: Benchmark) -> None:
+    """The window's duration, the send lateness, the SLO attainment and the goodput."""
+    m = benchmark.metrics
     run.put("duration_s", benchmark.duration, Definition("duration", False, WINDOW))
     delay = m.request_dispatch_delay
     if delay is not None and delay.successful.count:
@@ -271,15 +301,6 @@ def put_aggregates(run: ImportedRun, benchmark: Benchmark) -> None:
             m.request_goodput.successful.mean,
             Definition("request_goodput.successful.mean", False, WINDOW),
         )
-    run.leave_out(
-        "time_per_output_token_ms",
-        "time_to_first_output_token_ms",
-        "request_scheduled_latency",
-        "request_concurrency",
-        "request_streaming_iterations_count",
-        "output_tokens_per_iteration",
-        "iter_tokens_per_iteration",
-    )
 
 
 def arrival_of(strategy: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ statistics, one gap per chunk."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -137,6 +138,18 @@ def put_request_metrics(
     rows = request_rows(rows)
     check_rows(run, rows)
     say_missing_times(run, rows, sources or {})
+    summary = _request_summary(rows)
+    _put_latencies(run, summary, arrival, tokens, last_token)
+    for name in COUNT_METRICS:
+        note = f"tokens {tokens}" if name.endswith("tokens_total") else ""
+        run.put(name, summary.get(name), Definition(FROM_REQUESTS, True, note))
+    if timeline:
+        _put_rates(run, summary, arrival)
+
+
+def _request_summary(rows: pd.DataFrame) -> dict[str, Any]:
+    """The lab's summary over the rows alone, without the token totals and rates of a side
+    (input, output) whose counts the file lacks for a completed request."""
     summary = compute_summary(rows, _empty("tokens"), _empty("steps"))
     # a token count the file lacks for a completed request would sum as 0: leave its totals
     # and rates absent instead
@@ -149,7 +162,23 @@ def put_request_metrics(
     for side in unknown:
         for name in (f"{side}_tokens_total", f"{side}_tok_per_s", "total_tok_per_s"):
             summary.pop(name, None)
-    start = "scheduled arrival" if arrival else "send"
+    return summary
+
+
+def _start(arrival: str | None) -> str:
+    """Where the latencies and rates start: the scheduled arrival, else the send."""
+    return "scheduled arrival" if arrival else "send"
+
+
+def _put_latencies(
+    run: ImportedRun,
+    summary: dict[str, Any],
+    arrival: str | None,
+    tokens: str,
+    last_token: str | None,
+) -> None:
+    """TTFT, TPOT and end-to-end latency, each defined by where it starts and ends."""
+    start = _start(arrival)
     from_arrival = arrival is not None
     where = (
         f"; arrival: {arrival}"
@@ -173,11 +202,11 @@ def put_request_metrics(
             same = from_arrival and (kind == "ttft" or last_token is None)
             definition = Definition(FROM_REQUESTS, same, f"{end} - {start}{where}")
         run.put(name, summary.get(name), definition)
-    for name in COUNT_METRICS:
-        note = f"tokens {tokens}" if name.endswith("tokens_total") else ""
-        run.put(name, summary.get(name), Definition(FROM_REQUESTS, True, note))
-    if not timeline:
-        return
+
+
+def _put_rates(run: ImportedRun, summary: dict[str, Any], arrival: str | None) -> None:
+    """The rates over the rows' common clock, and the send lateness where arrivals are known."""
+    from_arrival = arrival is not None
     for name in RATE_METRICS:
         run.put(
             name,
@@ -185,7 +214,7 @@ def put_request_metrics(
             Definition(
                 FROM_REQUESTS,
                 from_arrival,
-                f"over the first {start} -> the last completion (last streamed token)",
+                f"over the first {_start(arrival)} -> the last completion (last streamed token)",
             ),
         )
     if from_arrival:

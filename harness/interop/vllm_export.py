@@ -199,85 +199,17 @@ def vllm_result(
 ) -> dict[str, Any]:
     """The run folder's measured requests as vLLM's result JSON (a dict, in vLLM's key order).
     `detailed` keeps the per-request lists (vLLM's --save-detailed)."""
-    try:
-        requests = load_table(run_dir, "requests")
-        tokens = load_table(run_dir, "tokens")
-    except (OSError, ValueError) as exc:
-        raise InteropError(f"{run_dir}: its tables cannot be read: {exc}") from exc
-    if requests.empty:
-        raise InteropError(f"{run_dir}: no measured request to export (empty requests table)")
+    requests, tokens = _measured_tables(run_dir)
     config = read_config(run_dir) or {}
     outputs = outputs_of(requests, tokens)
-    done = [o for o in outputs if o.success]
-    ends = pd.concat([requests["finished_s"], requests["last_token_s"], requests["sent_s"]])
-    duration = float(ends.max()) if ends.notna().any() else 0.0
-    if not duration > 0:
-        raise InteropError(f"{run_dir}: the requests table has no times to take a duration from")
-    total_input = sum(o.prompt_len for o in done)
-    total_output = sum(o.output_len for o in done)
-    model = config.get("model") or {}
-    workload = config.get("workload") or {}
-    engine = config.get("engine") or {}
+    duration = _duration(run_dir, requests)
+    result = _identity(run_dir, config, len(outputs))
+    result.update(_status(run_dir))
+    result.update(traffic_from_arrival(_arrival(config.get("workload") or {})))
     slo = (config.get("run") or {}).get("slo") or {}
-    model_id = model.get("path") or model.get("name")
-    max_tokens_per_s, max_in_flight = peaks(outputs)
-
-    result: dict[str, Any] = {
-        "date": run_date(run_dir),
-        "endpoint_type": f"inferlab-{engine.get('backend', 'builtin')}",
-        "backend": f"inferlab-{engine.get('backend', 'builtin')}",
-        "label": (config.get("run") or {}).get("name"),
-        "model_id": model_id,
-        "tokenizer_id": model.get("tokenizer") or model_id,
-        "num_prompts": len(outputs),
-        "inferlab_run": str(run_dir),  # vLLM's --metadata KEY=VALUE land at this level
-    }
-    summary = read_summary(run_dir) or {}
-    status, error = summary.get("status"), summary.get("error")
-    if status != "complete":  # vLLM writes only finished benchmarks: say this one is not
-        status = status if isinstance(status, str) else "no summary.json"
-        result["inferlab_status"] = f"{status}: {error}" if isinstance(error, str) else status
-    arrival = dict(workload.get("arrival") or {"process": "offline"})
-    if workload.get("max_concurrency") is not None:  # a trace workload's cap
-        arrival.setdefault("max_concurrency", workload["max_concurrency"])
-    result.update(traffic_from_arrival(arrival))
-    result.update(
-        {
-            "duration": duration,
-            "completed": len(done),
-            "failed": len(outputs) - len(done),
-            "total_input_tokens": total_input,
-            "total_output_tokens": total_output,
-            "request_throughput": len(done) / duration,
-            "request_goodput": goodput(outputs, slo, duration),
-            "output_throughput": total_output / duration,
-            "total_token_throughput": (total_input + total_output) / duration,
-            "input_lens": [o.prompt_len for o in outputs],
-            "output_lens": [o.output_len for o in outputs],
-            "ttfts": [o.ttft for o in outputs],
-            "itls": [o.itl for o in outputs],
-            "latencies": [o.latency for o in outputs],
-            "start_times": [o.start_time for o in outputs],
-            "queue_times": [o.queue_time for o in outputs],
-            "generated_texts": ["" for _ in outputs],
-            "errors": [o.error for o in outputs],
-            "max_output_tokens_per_s": max_tokens_per_s,
-            "max_concurrent_requests": max_in_flight,
-            "rtfx": 0.0,  # audio only
-        }
-    )
-    values = {
-        "ttft": [o.ttft for o in done],
-        "tpot": [(o.latency - o.ttft) / (o.output_len - 1) for o in done if o.output_len > 1],
-        "itl": [gap for o in done for gap in o.itl],
-        "e2el": [o.latency for o in done],
-    }
-    # vLLM reports the client-side queue only under --max-concurrency, and the queue-inclusive
-    # E2EL only when, besides, the request rate is finite
-    if result["max_concurrency"] is not None:
-        values["client_queue_time"] = [o.queue_time for o in done]
-        if result["request_rate"] != "inf":
-            values["e2el_including_client_queue"] = [o.latency + o.queue_time for o in done]
+    result.update(_aggregates(outputs, duration, slo))
+    done = [o for o in outputs if o.success]
+    values = _percentile_values(done, result)
     for metric in percentile_metrics:
         if metric not in values:
             continue
@@ -288,6 +220,111 @@ def vllm_result(
         for key in DETAIL_KEYS:
             result.pop(key, None)
     return result
+
+
+def _measured_tables(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The run's requests and tokens tables; refused when unreadable or without a request."""
+    try:
+        requests = load_table(run_dir, "requests")
+        tokens = load_table(run_dir, "tokens")
+    except (OSError, ValueError) as exc:
+        raise InteropError(f"{run_dir}: its tables cannot be read: {exc}") from exc
+    if requests.empty:
+        raise InteropError(f"{run_dir}: no measured request to export (empty requests table)")
+    return requests, tokens
+
+
+def _duration(run_dir: Path, requests: pd.DataFrame) -> float:
+    """Run start to the last request's end (vLLM's benchmark duration)."""
+    ends = pd.concat([requests["finished_s"], requests["last_token_s"], requests["sent_s"]])
+    duration = float(ends.max()) if ends.notna().any() else 0.0
+    if not duration > 0:
+        raise InteropError(f"{run_dir}: the requests table has no times to take a duration from")
+    return duration
+
+
+def _identity(run_dir: Path, config: dict[str, Any], num_prompts: int) -> dict[str, Any]:
+    """What vLLM's result says first: when, which endpoint and model, how many prompts."""
+    model = config.get("model") or {}
+    engine = config.get("engine") or {}
+    model_id = model.get("path") or model.get("name")
+    return {
+        "date": run_date(run_dir),
+        "endpoint_type": f"inferlab-{engine.get('backend', 'builtin')}",
+        "backend": f"inferlab-{engine.get('backend', 'builtin')}",
+        "label": (config.get("run") or {}).get("name"),
+        "model_id": model_id,
+        "tokenizer_id": model.get("tokenizer") or model_id,
+        "num_prompts": num_prompts,
+        "inferlab_run": str(run_dir),  # vLLM's --metadata KEY=VALUE land at this level
+    }
+
+
+def _status(run_dir: Path) -> dict[str, Any]:
+    """`inferlab_status`, where the run did not complete (nothing where it did)."""
+    summary = read_summary(run_dir) or {}
+    status, error = summary.get("status"), summary.get("error")
+    if status == "complete":
+        return {}
+    # vLLM writes only finished benchmarks: say this one is not
+    status = status if isinstance(status, str) else "no summary.json"
+    return {"inferlab_status": f"{status}: {error}" if isinstance(error, str) else status}
+
+
+def _arrival(workload: dict[str, Any]) -> dict[str, Any]:
+    """The workload's arrival process, with a trace workload's cap on requests in flight."""
+    arrival = dict(workload.get("arrival") or {"process": "offline"})
+    if workload.get("max_concurrency") is not None:
+        arrival.setdefault("max_concurrency", workload["max_concurrency"])
+    return arrival
+
+
+def _aggregates(outputs: list[Output], duration: float, slo: dict[str, Any]) -> dict[str, Any]:
+    """The counts, throughputs and per-request lists, in vLLM's order."""
+    done = [o for o in outputs if o.success]
+    total_input = sum(o.prompt_len for o in done)
+    total_output = sum(o.output_len for o in done)
+    max_tokens_per_s, max_in_flight = peaks(outputs)
+    return {
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(outputs) - len(done),
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(done) / duration,
+        "request_goodput": goodput(outputs, slo, duration),
+        "output_throughput": total_output / duration,
+        "total_token_throughput": (total_input + total_output) / duration,
+        "input_lens": [o.prompt_len for o in outputs],
+        "output_lens": [o.output_len for o in outputs],
+        "ttfts": [o.ttft for o in outputs],
+        "itls": [o.itl for o in outputs],
+        "latencies": [o.latency for o in outputs],
+        "start_times": [o.start_time for o in outputs],
+        "queue_times": [o.queue_time for o in outputs],
+        "generated_texts": ["" for _ in outputs],
+        "errors": [o.error for o in outputs],
+        "max_output_tokens_per_s": max_tokens_per_s,
+        "max_concurrent_requests": max_in_flight,
+        "rtfx": 0.0,  # audio only
+    }
+
+
+def _percentile_values(done: list[Output], traffic: dict[str, Any]) -> dict[str, list[float]]:
+    """Each percentile metric's values over the completed requests."""
+    values = {
+        "ttft": [o.ttft for o in done],
+        "tpot": [(o.latency - o.ttft) / (o.output_len - 1) for o in done if o.output_len > 1],
+        "itl": [gap for o in done for gap in o.itl],
+        "e2el": [o.latency for o in done],
+    }
+    # vLLM reports the client-side queue only under --max-concurrency, and the queue-inclusive
+    # E2EL only when, besides, the request rate is finite
+    if traffic["max_concurrency"] is not None:
+        values["client_queue_time"] = [o.queue_time for o in done]
+        if traffic["request_rate"] != "inf":
+            values["e2el_including_client_queue"] = [o.latency + o.queue_time for o in done]
+    return values
 
 
 def write_json(path: Path, result: dict[str, Any]) -> None:

@@ -167,44 +167,14 @@ def request_frame(
     if result.ttfts is None or (result.latencies is None and result.itls is None):
         return None
     n = len(result.ttfts)
-    lists = {
-        name: value
-        for name in (
-            "input_lens",
-            "output_lens",
-            "itls",
-            "latencies",
-            "start_times",
-            "queue_times",
-            "errors",
-        )
-        if (value := getattr(result, name)) is not None
-    }
-    for name, value in lists.items():
-        if len(value) != n:
-            raise InteropError(
-                f"{path}: not {WHAT}: '{name}' has {len(value)} entries, 'ttfts' {n}"
-            )
+    _check_list_lengths(result, path, n)
     ttft = _numbers(result.ttfts)
     if result.latencies is not None:
         latency = _numbers(result.latencies)
     else:  # older versions keep no latencies: the last chunk is the first plus its gaps
         latency = ttft + np.array([sum(g) for g in result.itls or [[]] * n], dtype=float)
     errors = result.errors or [""] * n
-    # vLLM records a failed request with its error and a TTFT of 0 (files without `errors`:
-    # the TTFT of 0 alone)
-    failed = np.array([bool(e) for e in errors], dtype=bool)  # bool: also for no row
-    if result.errors is None:
-        failed |= ttft == 0
-    no_ttft = ~failed & ~(np.isfinite(ttft) & (ttft > 0))
-    ttft_errors = _failed_without_error(run, "ttfts", result.ttfts, ttft, no_ttft)
-    no_latency = ~failed & ~no_ttft & ~np.isfinite(latency)
-    latency_errors = (
-        _failed_without_error(run, "latencies", result.latencies, latency, no_latency)
-        if result.latencies is not None
-        else [None] * n
-    )
-    ok = ~failed & ~no_ttft & ~no_latency
+    ok, why_failed = _outcomes(run, result, ttft, latency, errors)
     timeline = _finite_times(run, "start_times", result.start_times) and all(
         s is not None for s in result.start_times or []
     )
@@ -223,17 +193,15 @@ def request_frame(
         f"ends after the benchmark's duration ({result.duration:g} s)",
     )
     ok &= ~late
-    latency_errors = [a or b for a, b in zip(latency_errors, late_errors, strict=True)]
+    why_failed = [a or b for a, b in zip(why_failed, late_errors, strict=True)]
     outputs = result.output_lens or [None] * n
     rows = pd.DataFrame(
         {
             "request_id": [str(i) for i in range(n)],
             "status": np.where(ok, "ok", "failed"),
             "error": [
-                None if k else (e or why_ttft or why_latency or "failed")
-                for k, e, why_ttft, why_latency in zip(
-                    ok, errors, ttft_errors, latency_errors, strict=True
-                )
+                None if k else (e or why or "failed")
+                for k, e, why in zip(ok, errors, why_failed, strict=True)
             ],
             "arrival_s": arrival - t0,
             "sent_s": start - t0,
@@ -247,8 +215,64 @@ def request_frame(
     return rows, queued and timeline, timeline
 
 
+_PER_REQUEST_LISTS = (
+    "input_lens",
+    "output_lens",
+    "itls",
+    "latencies",
+    "start_times",
+    "queue_times",
+    "errors",
+)
+
+
+def _check_list_lengths(result: VllmResult, path: Path, n: int) -> None:
+    """Every per-request list the result holds has one entry a request, as `ttfts` has."""
+    for name in _PER_REQUEST_LISTS:
+        value = getattr(result, name)
+        if value is not None and len(value) != n:
+            raise InteropError(
+                f"{path}: not {WHAT}: '{name}' has {len(value)} entries, 'ttfts' {n}"
+            )
+
+
+def _outcomes(
+    run: ImportedRun,
+    result: VllmResult,
+    ttft: np.ndarray,
+    latency: np.ndarray,
+    errors: list[str | None],
+) -> tuple[np.ndarray, list[str | None]]:
+    """Which requests succeeded, and why a failed one without vLLM's error failed (its TTFT
+    or latency unusable)."""
+    # vLLM records a failed request with its error and a TTFT of 0 (files without `errors`:
+    # the TTFT of 0 alone)
+    failed = np.array([bool(e) for e in errors], dtype=bool)  # bool: also for no row
+    if result.errors is None:
+        failed |= ttft == 0
+    no_ttft = ~failed & ~(np.isfinite(ttft) & (ttft > 0))
+    ttft_errors = _failed_without_error(run, "ttfts", result.ttfts or [], ttft, no_ttft)
+    no_latency = ~failed & ~no_ttft & ~np.isfinite(latency)
+    latency_errors = (
+        _failed_without_error(run, "latencies", result.latencies, latency, no_latency)
+        if result.latencies is not None
+        else [None] * len(ttft)
+    )
+    why = [a or b for a, b in zip(ttft_errors, latency_errors, strict=True)]
+    return ~failed & ~no_ttft & ~no_latency, why
+
+
 def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) -> None:
     """vLLM's own statistics and totals, where the rows gave nothing."""
+    _put_statistics(run, result, extra)
+    _put_totals(run, result)
+    _put_rates(run, result, extra)
+    _put_spec_decode(run, result, extra)
+
+
+def _put_statistics(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) -> None:
+    """vLLM's latency statistics (`mean_ttft_ms`, `p99_itl_ms`...) under the lab's names; the
+    figures the lab has no name for are left out."""
     measured = result.completed > 0
     for key, value in extra.items():
         match = STAT_KEY.match(key)
@@ -271,6 +295,10 @@ def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) 
         if not measured or value == 0:  # 0: vLLM's placeholder for a statistic with no sample
             continue
         run.put(name, value / 1000, Definition(key, metric == "tpot", NOTES[metric]))
+
+
+def _put_totals(run: ImportedRun, result: VllmResult) -> None:
+    """The request counts and the token totals."""
     failed = result.failed or 0
     # older files have no `failed`: then vLLM's totals cannot be told to be every request's
     none_failed = result.failed == 0
@@ -289,6 +317,10 @@ def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) 
         result.total_output_tokens,
         Definition("total_output_tokens", none_failed, every_request),
     )
+
+
+def _put_rates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) -> None:
+    """The duration, the throughputs and the goodput, over vLLM's duration."""
     if usable_duration(result, run):
         run.put("duration_s", result.duration, Definition("duration", False, VLLM_DURATION))
         run.put(
@@ -315,6 +347,10 @@ def put_aggregates(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) 
             + VLLM_DURATION,
         ),
     )
+
+
+def _put_spec_decode(run: ImportedRun, result: VllmResult, extra: dict[str, Any]) -> None:
+    """Speculative decoding's acceptance, from the server's counters."""
     if result.spec_decode_acceptance_rate is not None:
         run.put(
             "spec_acceptance_rate",

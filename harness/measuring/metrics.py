@@ -714,121 +714,193 @@ def compute_summary(
     rates over D = first arrival -> last completion.
     """
     run_info = run_info or {}
-    all_steps = steps  # an ITL gap near the window's edge may end at a step outside it
-    if span is not None:
-        start, end = span
-        sent = requests["sent_s"]
-        members = requests[(sent >= start) & (sent <= end)]
-        steps = steps[(steps["start_s"] >= start) & (steps["end_s"] <= end)]
-    else:
-        members = requests
+    members, window_steps = _in_span(requests, steps, span)
     ok = members[members["status"] == "ok"]
+    # an ITL gap near the window's edge may end at a step outside it: all the steps
+    summary = _latency_metrics(members, ok, tokens, steps)
+    completed = _completed(requests, tokens, ok, span)
+    summary.update(_count_metrics(members, ok, window_steps, completed))
+    summary.update(_load_metrics(members, run_info))
+    summary["padding_fraction"] = _padding_fraction(window_steps)
+    summary.update(_engine_metrics(window_steps, members, run_info))
+    summary.update(run_info.get("quality") or {})
+    if run_info.get("samples") is not None:  # the monitor's samples (harness/measuring/monitors.py)
+        from harness.measuring.monitors import monitor_metrics, whole_run_span
+
+        summary.update(
+            monitor_metrics(run_info, summary, span or whole_run_span(requests), completed.output)
+        )
+    summary.update(_ttft_outside_server(summary, ok))
+    summary.update(_slo_metrics(ok, completed, slo))
+    summary.update({key: run_info[key] for key in _HARNESS_METRICS if key in run_info})
+    unknown = set(summary) - set(REGISTRY)
+    if unknown:
+        raise AssertionError(f"unregistered summary metrics: {sorted(unknown)}")
+    return summary
+
+
+_HARNESS_METRICS = ("cold_start_s", "load_s", "harness_overhead_fraction")
+_PER_RANK_ENGINE_FACTS = ("kv_bytes_per_token", "weight_bytes", "linear_weight_bytes")
+
+
+@dataclass(frozen=True)
+class _Completed:
+    """What the run completed and over how long: the numerators and denominator of its rates."""
+
+    duration: float
+    requests: pd.DataFrame
+    output: int  # tokens
+    input: int  # prompt tokens prefilled
+
+    def rate(self, x: float) -> float | None:
+        return x / self.duration if self.duration > 0 else None
+
+
+def _in_span(
+    requests: pd.DataFrame, steps: pd.DataFrame, span: tuple[float, float] | None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The requests sent and the steps run inside `span` (all of them without one)."""
+    if span is None:
+        return requests, steps
+    start, end = span
+    sent = requests["sent_s"]
+    members = requests[(sent >= start) & (sent <= end)]
+    return members, steps[(steps["start_s"] >= start) & (steps["end_s"] <= end)]
+
+
+def _latency_metrics(
+    members: pd.DataFrame, ok: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame
+) -> dict[str, Any]:
+    """TTFT, TPOT, end-to-end, queueing and inter-token latencies (ITL also by cause)."""
     lat = per_request_latencies(members)
-    summary: dict[str, Any] = {}
 
     # A request that finished without a token (aborted, or stopped at once) has no TTFT.
     def column(name: str) -> np.ndarray:
         return lat[name].dropna().to_numpy(float)
 
-    summary.update(_stats("ttft", column("ttft_s"), ("mean", "p50", "p90", "p99")))
-    summary.update(_stats("tpot", column("tpot_s"), ("mean", "p50", "p99")))
-    summary.update(_stats("e2e", column("e2e_s"), ("mean", "p50", "p99")))
-    summary.update(_stats("queue", column("queue_s"), ("p50", "p99")))
+    out: dict[str, Any] = {}
+    out.update(_stats("ttft", column("ttft_s"), ("mean", "p50", "p90", "p99")))
+    out.update(_stats("tpot", column("tpot_s"), ("mean", "p50", "p99")))
+    out.update(_stats("e2e", column("e2e_s"), ("mean", "p50", "p99")))
+    out.update(_stats("queue", column("queue_s"), ("p50", "p99")))
     itl = inter_token_latencies(tokens, ok["request_id"])
-    summary.update(_stats("itl", itl, ("mean", "p50", "p90", "p99", "p999", "max")))
-    summary.update(itl_by_cause(tokens, all_steps, ok["request_id"]))
+    out.update(_stats("itl", itl, ("mean", "p50", "p90", "p99", "p999", "max")))
+    out.update(itl_by_cause(tokens, steps, ok["request_id"]))
+    return out
 
-    all_ok = requests[requests["status"] == "ok"]
+
+def _completed(
+    requests: pd.DataFrame,
+    tokens: pd.DataFrame,
+    ok: pd.DataFrame,
+    span: tuple[float, float] | None,
+) -> _Completed:
+    """Without a span: the completed requests, over first arrival -> last completion. With
+    one: what completed, and the prompts prefilled, inside it, over its length."""
     if span is None:
         duration = float(ok["last_token_s"].max() - requests["arrival_s"].min()) if len(ok) else 0.0
-        done, prefilled = ok, ok
-        output_done = int(ok["output_tokens"].sum())
-    else:
-        duration = span[1] - span[0]
-        done = all_ok[all_ok["last_token_s"].between(*span)]
-        prefilled = all_ok[all_ok["first_token_s"].between(*span)]
-        in_span = tokens["time_s"].between(*span) & tokens["request_id"].isin(
-            set(all_ok["request_id"])
-        )
-        output_done = int(in_span.sum())
-    input_done = int(prefilled["prompt_tokens"].sum())
+        return _Completed(duration, ok, int(ok["output_tokens"].sum()), _prompt_tokens(ok))
+    all_ok = requests[requests["status"] == "ok"]
+    done = all_ok[all_ok["last_token_s"].between(*span)]
+    prefilled = all_ok[all_ok["first_token_s"].between(*span)]
+    in_span = tokens["time_s"].between(*span) & tokens["request_id"].isin(set(all_ok["request_id"]))
+    return _Completed(span[1] - span[0], done, int(in_span.sum()), _prompt_tokens(prefilled))
 
-    def rate(x: float) -> float | None:
-        return x / duration if duration > 0 else None
 
-    summary.update(
-        {
-            "duration_s": duration,
-            "output_tok_per_s": rate(output_done),
-            "input_tok_per_s": rate(input_done),
-            "total_tok_per_s": rate(input_done + output_done),
-            "req_per_s": rate(len(done)),
-            "num_requests": len(members),
-            "num_completed": len(ok),
-            "num_failed": int((members["status"] == "failed").sum()),
-            "output_tokens_total": int(members["output_tokens"].fillna(0).sum()),
-            "input_tokens_total": int(members["prompt_tokens"].fillna(0).sum()),
-            "num_steps": len(steps),
-            "mean_batch_size": float(steps["num_seqs"].mean()) if len(steps) else None,
-            "prefill_tokens_total": int(steps["prefill_tokens"].sum()) if len(steps) else 0,
-            "padding_tokens_total": int(steps["padding_tokens"].sum()) if len(steps) else 0,
-            "kv_bytes_reserved_peak": int(steps["kv_bytes_reserved"].max()) if len(steps) else 0,
-            "kv_bytes_used_peak": int(steps["kv_bytes_used"].max()) if len(steps) else 0,
-        }
-    )
+def _prompt_tokens(requests: pd.DataFrame) -> int:
+    return int(requests["prompt_tokens"].sum())
+
+
+def _count_metrics(
+    members: pd.DataFrame, ok: pd.DataFrame, steps: pd.DataFrame, completed: _Completed
+) -> dict[str, Any]:
+    """The rates, the request and token counts, and the steps' totals and peaks."""
+    rate = completed.rate
+    return {
+        "duration_s": completed.duration,
+        "output_tok_per_s": rate(completed.output),
+        "input_tok_per_s": rate(completed.input),
+        "total_tok_per_s": rate(completed.input + completed.output),
+        "req_per_s": rate(len(completed.requests)),
+        "num_requests": len(members),
+        "num_completed": len(ok),
+        "num_failed": int((members["status"] == "failed").sum()),
+        "output_tokens_total": int(members["output_tokens"].fillna(0).sum()),
+        "input_tokens_total": int(members["prompt_tokens"].fillna(0).sum()),
+        "num_steps": len(steps),
+        "mean_batch_size": float(steps["num_seqs"].mean()) if len(steps) else None,
+        "prefill_tokens_total": _step_total(steps, "prefill_tokens"),
+        "padding_tokens_total": _step_total(steps, "padding_tokens"),
+        "kv_bytes_reserved_peak": int(steps["kv_bytes_reserved"].max()) if len(steps) else 0,
+        "kv_bytes_used_peak": int(steps["kv_bytes_used"].max()) if len(steps) else 0,
+    }
+
+
+def _step_total(steps: pd.DataFrame, column: str) -> int:
+    return int(steps[column].sum()) if len(steps) else 0
+
+
+def _load_metrics(members: pd.DataFrame, run_info: dict[str, Any]) -> dict[str, Any]:
+    """The load offered (open loop only) and how late the client sent against its schedule."""
     # Offered load is what a clock scheduled: first turns of an open loop only (a closed loop's
     # and a follow-up turn's "arrival" is when the previous request finished).
     first_turns = members[members["turn"].fillna(0) == 0] if "turn" in members else members
     arrivals = first_turns["arrival_s"].dropna()
     arrival_span = float(arrivals.max() - arrivals.min()) if len(arrivals) > 1 else 0.0
     open_loop = not run_info.get("closed_loop", False)
-    summary["offered_req_per_s"] = (
-        (len(arrivals) - 1) / arrival_span if arrival_span > 0 and open_loop else None
-    )
     lateness = (members["sent_s"] - members["arrival_s"]).dropna().to_numpy(float)
-    summary["send_lateness_p99_s"] = _pct(lateness, 99)
-    computed = (
-        summary["prefill_tokens_total"]
-        + summary["padding_tokens_total"]
-        + (int(steps["decode_tokens"].sum()) if len(steps) else 0)
-    )
-    summary["padding_fraction"] = summary["padding_tokens_total"] / computed if computed else None
-    summary.update(kv_summary(steps, members))
-    summary.update(
-        spec_summary(steps)
-        or server_spec_summary(run_info.get("engine", {}).get("server_spec_decode"))
-    )
-    summary.update(roofline_summary(steps))
-    summary.update(comm_summary(steps))
-    # per rank under tensor parallelism (each holds its shard)
-    for key in ("kv_bytes_per_token", "weight_bytes", "linear_weight_bytes"):
-        if run_info.get("engine", {}).get(key) is not None:
-            summary[key] = run_info["engine"][key]
-    summary.update(run_info.get("quality") or {})
-    if run_info.get("samples") is not None:  # the monitor's samples (harness/measuring/monitors.py)
-        from harness.measuring.monitors import monitor_metrics, whole_run_span
+    return {
+        "offered_req_per_s": (
+            (len(arrivals) - 1) / arrival_span if arrival_span > 0 and open_loop else None
+        ),
+        "send_lateness_p99_s": _pct(lateness, 99),
+    }
 
-        summary.update(
-            monitor_metrics(run_info, summary, span or whole_run_span(requests), output_done)
-        )
-    if "server_ttft_mean_s" in summary and len(ok):
-        # the server's TTFT starts when its HTTP handler saw the request; the client's (from
-        # the send) also holds connecting, the request's trip, and the first chunk's trip
-        from_send = (ok["first_token_s"] - ok["sent_s"]).dropna()
-        if len(from_send):
-            summary["ttft_outside_server_mean_s"] = (
-                float(from_send.mean()) - summary["server_ttft_mean_s"]
-            )
-    if slo and any(v is not None for v in slo.values()) and len(ok):
-        summary["slo_attainment"] = float(slo_met(ok, slo).mean())
-        summary["goodput_req_per_s"] = rate(int(slo_met(done, slo).sum())) if len(done) else rate(0)
-    for key in ("cold_start_s", "load_s", "harness_overhead_fraction"):
-        if key in run_info:
-            summary[key] = run_info[key]
-    unknown = set(summary) - set(REGISTRY)
-    if unknown:
-        raise AssertionError(f"unregistered summary metrics: {sorted(unknown)}")
-    return summary
+
+def _padding_fraction(steps: pd.DataFrame) -> float | None:
+    """Padding over every token computed (prefill, padding, decode)."""
+    padding = _step_total(steps, "padding_tokens")
+    computed = _step_total(steps, "prefill_tokens") + padding + _step_total(steps, "decode_tokens")
+    return padding / computed if computed else None
+
+
+def _engine_metrics(
+    steps: pd.DataFrame, members: pd.DataFrame, run_info: dict[str, Any]
+) -> dict[str, Any]:
+    """KV cache, speculative decoding, roofline and communication, and the engine's sizes."""
+    engine = run_info.get("engine", {})
+    out = kv_summary(steps, members)
+    out.update(spec_summary(steps) or server_spec_summary(engine.get("server_spec_decode")))
+    out.update(roofline_summary(steps))
+    out.update(comm_summary(steps))
+    # per rank under tensor parallelism (each holds its shard)
+    out.update({key: engine[key] for key in _PER_RANK_ENGINE_FACTS if engine.get(key) is not None})
+    return out
+
+
+def _ttft_outside_server(summary: dict[str, Any], ok: pd.DataFrame) -> dict[str, Any]:
+    """The client's TTFT less the server's, where the server reported its own."""
+    if "server_ttft_mean_s" not in summary or not len(ok):
+        return {}
+    # the server's TTFT starts when its HTTP handler saw the request; the client's (from
+    # the send) also holds connecting, the request's trip, and the first chunk's trip
+    from_send = (ok["first_token_s"] - ok["sent_s"]).dropna()
+    if not len(from_send):
+        return {}
+    return {"ttft_outside_server_mean_s": float(from_send.mean()) - summary["server_ttft_mean_s"]}
+
+
+def _slo_metrics(
+    ok: pd.DataFrame, completed: _Completed, slo: dict[str, float | None] | None
+) -> dict[str, Any]:
+    """SLO attainment and goodput, where any SLO is set and a request completed."""
+    if not (slo and any(v is not None for v in slo.values()) and len(ok)):
+        return {}
+    done = completed.requests
+    return {
+        "slo_attainment": float(slo_met(ok, slo).mean()),
+        "goodput_req_per_s": completed.rate(int(slo_met(done, slo).sum()) if len(done) else 0),
+    }
 
 
 def markdown_table() -> str:

@@ -23,6 +23,7 @@ from models.tokenizer import (
     Tokenizer,
     default_tokenizer,
     load_tokenizer,
+    stream_step,
 )
 
 SAMPLES = [
@@ -472,3 +473,15 @@ def test_saved_folder_loads_in_transformers_with_the_same_ids(tmp_path: Path) ->
     text = "The quick brown fox jumps over the lazy dog, twice: 1, 2."
     assert theirs(text)["input_ids"] == ours.encode(text)
     assert theirs.eos_token_id == ours.special.eos_ids[0]
+
+
+def test_stream_step_gives_no_text_past_the_vocabulary(tok: Tokenizer) -> None:
+    """A model whose embedding has more rows than the tokenizer has tokens can sample such an
+    id (the HF and llama.cpp backends): it adds no text, and the stream goes on unharmed."""
+    ids = tok.encode("hello world", add_special_tokens=False)
+    stream, vocab = tok.new_stream(), tok.vocab_size
+    texts = [stream_step(stream, ids[0], vocab), stream_step(stream, vocab, vocab)]
+    texts += [stream_step(stream, i, vocab) for i in ids[1:]]
+    assert texts[1] == ""
+    assert "".join(texts) + stream.flush() == tok.decode(ids)
+    assert stream_step(None, ids[0], vocab) == ""
