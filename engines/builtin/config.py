@@ -115,6 +115,12 @@ class EngineConfig(Options):
     enable_chunked_prefill: bool = option(
         False, help="split a long prompt over steps of max_num_batched_tokens"
     )
+    long_prefill_token_threshold: int = option(
+        0,
+        ge=0,
+        help="chunked prefill (vLLM's name): a prompt takes at most this many tokens of a "
+        "step, so one long prompt leaves budget for the others queued beside it; 0: no limit",
+    )
     # kernels and weights
     attention_backend: str = option(
         "auto",
@@ -265,6 +271,11 @@ def _chunked_prefill_needs_continuous_batching_and_a_cache(config: EngineConfig)
             "engine.enable_chunked_prefill=true needs a KV cache, but engine.kv_cache=none "
             "keeps no K/V between steps to hold a prompt's earlier chunks; use "
             "kv_cache=contiguous, or enable_chunked_prefill=false"
+        )
+    if config.long_prefill_token_threshold and not config.enable_chunked_prefill:
+        raise ConfigError(
+            "engine.long_prefill_token_threshold limits a prompt's chunk, and needs "
+            "engine.enable_chunked_prefill=true; or long_prefill_token_threshold=0"
         )
 
 

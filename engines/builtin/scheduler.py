@@ -161,6 +161,8 @@ class Scheduler:
         self.max_num_batched_tokens = limits.max_num_batched_tokens
         self.static = config.batching == "static"
         self.chunked = config.enable_chunked_prefill
+        # the most tokens one prompt's chunk takes of a step (chunked prefill only)
+        self.max_chunk = config.long_prefill_token_threshold or limits.max_num_batched_tokens
         self.prefix_caching = config.enable_prefix_caching
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -239,7 +241,7 @@ class Scheduler:
                     continue  # preempted earlier in this loop, or not this pass
                 num_new = seq.num_tokens - seq.num_computed_tokens
                 if self.chunked:
-                    num_new = min(num_new, budget)
+                    num_new = min(num_new, budget, self.max_chunk)
                 if num_new == 0 or num_new > budget:
                     continue
                 while not self.kv.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new):
@@ -264,7 +266,7 @@ class Scheduler:
             cached = self._match_prefix(seq)
             num_new = seq.num_tokens - seq.num_computed_tokens
             if self.chunked:
-                num_new = min(num_new, budget)
+                num_new = min(num_new, budget, self.max_chunk)
             total = seq.num_computed_tokens + num_new
             if num_new == 0 or num_new > budget or not self.kv.can_allocate(seq.seq_id, total):
                 if cached:  # give the adopted prefix blocks back until it is admitted

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
@@ -34,6 +35,7 @@ import configs
 import engines.backends  # noqa: F401  (the engine groups' schemas, for compose)
 import workloads  # noqa: F401  (the workload groups' schemas, for compose)
 from engines.base import ConfigError
+from engines.builtin.layers import LINEAR_METHODS
 from harness.measuring import hardware  # (also hardware=cpu's schema, for compose)
 from harness.measuring.comm import tp_decode_comm_bytes, tp_decode_comm_seconds
 from harness.measuring.hardware import HardwareSpec
@@ -588,15 +590,19 @@ def _split_args(args: list[str]) -> tuple[dict[str, Any], dict[str, list[str]], 
     return own, lists, rest
 
 
-#: engine options that change the bytes of weights or KV, which kv-calc does not model: any
-#: other value than these was planned as unquantized, a silently wrong plan
-UNMODELLED = {"quantization": "none", "kv_cache_dtype": "auto"}
+#: engine options that change the bytes of weights or KV, which kv-calc does not model: a
+#: quantized value was planned as unquantized, a silently wrong plan (each with its plain value
+#: and whether a value is plain)
+UNMODELLED: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "quantization": ("none", lambda value: LINEAR_METHODS.get(value).dense),
+    "kv_cache_dtype": ("auto", lambda value: value == "auto"),
+}
 
 
 def _refuse_unmodelled(engine: dict[str, Any]) -> None:
-    for key, plain in UNMODELLED.items():
+    for key, (plain, is_plain) in UNMODELLED.items():
         value = engine.get(key, plain)
-        if value != plain:
+        if not is_plain(value):
             raise ValueError(
                 f"engine.{key}: {value!r} is not planned by kv-calc, which counts weights and "
                 f"KV in engine.dtype; allowed: {plain} (a run reports the bytes of a "

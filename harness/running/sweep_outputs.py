@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 from omegaconf import OmegaConf
 
+from engines.builtin.kv_cache.sizing import KV_MANAGERS
 from engines.registry import Registry
 from harness.run_folder import KV_SPEEDUP_FILE
 
@@ -40,8 +41,10 @@ def checked_outputs(names: list[str]) -> list[str]:
     return names
 
 
-#: engine.kv_cache's value that recomputes the context every step: the curve's baseline
-RECOMPUTE = "none"
+def _recomputes(kv_cache: object) -> bool:
+    """Whether this engine.kv_cache value keeps no K/V (recomputes the context every step):
+    the curve's baseline."""
+    return kv_cache in KV_MANAGERS and not KV_MANAGERS.get(str(kv_cache)).manager.retains_kv
 
 
 def kv_speedup_curve(frame: pd.DataFrame) -> pd.DataFrame | None:
@@ -49,8 +52,12 @@ def kv_speedup_curve(frame: pd.DataFrame) -> pd.DataFrame | None:
     length: the TPOT of kv_cache=none over that of each cached variant, when the sweep varies
     both."""
     needed = {"engine.kv_cache", "workload.input_len", "tpot_p50_s"}
-    if not needed <= set(frame.columns) or RECOMPUTE not in set(frame["engine.kv_cache"]):
+    if not needed <= set(frame.columns):
         return None
+    baselines = [v for v in set(frame["engine.kv_cache"]) if _recomputes(v)]
+    if len(baselines) != 1:
+        return None
+    (baseline,) = baselines
     done = frame[frame["status"] == "complete"]
     # a curve needs one context length per job; a swept range or distribution has none
     if not all(isinstance(v, int | float) for v in done["workload.input_len"]):
@@ -61,8 +68,8 @@ def kv_speedup_curve(frame: pd.DataFrame) -> pd.DataFrame | None:
     curve = pd.DataFrame({"context_len": table.index})
     for variant in table.columns:
         curve[f"tpot_p50_s_{variant}"] = table[variant].to_numpy()
-        if variant != RECOMPUTE:
-            curve[f"speedup_{variant}"] = (table[RECOMPUTE] / table[variant]).to_numpy()
+        if variant != baseline:
+            curve[f"speedup_{variant}"] = (table[baseline] / table[variant]).to_numpy()
     return curve
 
 

@@ -1,4 +1,4 @@
-"""Past the config, a plug point's value is asked through the entry its registry resolved
+"""Past the config (in the engine and the harness alike), a plug point's value is asked through the entry its registry resolved
 (the KV manager's `retains_kv` / `pages_blocks`, the linear method's `groups_inputs`, the
 attention backend's `fixed_shapes` / `kv_cache_class`), never compared as a string: a new
 entry then works everywhere by saying what it is."""
@@ -10,17 +10,19 @@ from pathlib import Path
 
 from engines.builtin.config import EngineConfig
 
-ENGINES = Path(__file__).resolve().parents[2] / "engines"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("engines", "harness", "serving", "workloads", "models", "hydra_plugins")
 RAW_COMPARE = re.compile(
     r"(kv_cache|quantization|attention_backend)\)?\s*(==|!=)\s*['\"]"
     r"|['\"]\s*(==|!=)\s*\S*(kv_cache|quantization|attention_backend)\b"
 )
 
 
-def test_no_engine_module_compares_a_plug_point_value_as_a_string() -> None:
+def test_no_module_compares_a_plug_point_value_as_a_string() -> None:
     found = [
-        f"{path.relative_to(ENGINES.parent)}:{number}: {line.strip()}"
-        for path in ENGINES.rglob("*.py")
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if RAW_COMPARE.search(line) and "lm_head_quantization" not in line
     ]

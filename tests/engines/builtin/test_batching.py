@@ -68,6 +68,7 @@ MODES = [
     dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
     dict(enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=4),
     dict(enable_chunked_prefill=True, max_num_batched_tokens=16, attention_backend="torch"),
+    dict(enable_chunked_prefill=True, max_num_batched_tokens=64, long_prefill_token_threshold=8),
 ]
 
 
@@ -83,7 +84,7 @@ def test_every_mode_equals_each_request_alone(alone, options: dict[str, Any]) ->
     assert llm.engine.kv.num_live == 0 and llm.engine.kv.bytes_reserved() == 0
     padding = sum(r.padding_tokens for r in records)
     assert (padding > 0) == (options.get("batching") == "static")
-    if options.get("enable_chunked_prefill"):
+    if options.get("enable_chunked_prefill") and not options.get("long_prefill_token_threshold"):
         assert max(r.prefill_tokens + r.decode_tokens for r in records) == budget
         assert any(r.prefill_tokens and r.decode_tokens for r in records)
 
@@ -271,6 +272,44 @@ def test_chunked_prefill_splits_long_prompts_and_shares_steps_with_decodes(alone
     assert short_steps == list(range(30))  # never stalled by the long prompt
 
 
+def test_long_prefill_token_threshold_caps_each_prompt_s_chunk(alone) -> None:
+    # budget 64: without the threshold the 90-token prompt takes the whole first step and the
+    # 40-token one waits; with 16 each prompt takes 16 a step, so both prefill side by side
+    requests = [("long", PROMPTS[1], greedy(MAX_TOKENS[1])), ("mid", PROMPTS[3], greedy(5))]
+    plain, _ = run_events(make(enable_chunked_prefill=True, max_num_batched_tokens=64), requests)
+    capped, records = run_events(
+        make(
+            enable_chunked_prefill=True, max_num_batched_tokens=64, long_prefill_token_threshold=16
+        ),
+        requests,
+    )
+
+    def chunks(events, request_id: str) -> list[tuple[int, int]]:
+        return [
+            (e.step, e.num_tokens)
+            for e in events
+            if isinstance(e, PrefillChunk) and e.request_id == request_id
+        ]
+
+    assert chunks(plain, "long") == [(0, 64), (1, 26)]
+    assert chunks(plain, "mid") == [(1, 38), (2, 2)]
+    assert chunks(capped, "long") == [(s, 16) for s in range(5)] + [(5, 10)]
+    assert chunks(capped, "mid") == [(0, 16), (1, 16), (2, 8)]
+    assert all(r.prefill_tokens <= 32 for r in records)
+    for events, tag in ((plain, "plain"), (capped, "capped")):
+        tokens = {
+            r: [
+                t
+                for e in events
+                if isinstance(e, Tokens) and e.request_id == r
+                for t in e.token_ids
+            ]
+            for r in ("long", "mid")
+        }
+        assert tokens["long"] == alone[1], tag
+        assert tokens["mid"] == alone[3][:5], tag
+
+
 def test_chunked_prefill_one_token_last_chunk_and_partial_admission() -> None:
     llm = make(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)
     # a: 5 tokens; b: 11 + 15 + 1 = 27 tokens (its last chunk is a single prompt token);
@@ -334,6 +373,15 @@ def test_chunked_prefill_budget_defaults_and_limits() -> None:
             r"enable_chunked_prefill=true needs a KV cache, but engine\.kv_cache=none",
         ),
         (dict(enable_chunked_prefill="yes"), r"engine\.enable_chunked_prefill: 'yes' is invalid"),
+        (
+            dict(long_prefill_token_threshold=512),
+            r"engine\.long_prefill_token_threshold limits a prompt's chunk, and needs "
+            r"engine\.enable_chunked_prefill=true",
+        ),
+        (
+            dict(enable_chunked_prefill=True, long_prefill_token_threshold=-1),
+            r"engine\.long_prefill_token_threshold: -1 is invalid; allowed: an integer >= 0",
+        ),
         (dict(batching="dynamic"), r"engine\.batching: 'dynamic' is invalid; allowed: static\|"),
     ],
 )
