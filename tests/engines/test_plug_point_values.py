@@ -1,7 +1,7 @@
-"""Past the config (in the engine and the harness alike), a plug point's value is asked through the entry its registry resolved
-(the KV manager's `retains_kv` / `pages_blocks`, the linear method's `groups_inputs`, the
-attention backend's `fixed_shapes` / `kv_cache_class`), never compared as a string: a new
-entry then works everywhere by saying what it is."""
+"""Past the config, in the engine and the harness alike, a plug point's value is asked
+through the entry its registry resolved (the KV manager's `retains_kv` / `pages_blocks`, the
+linear method's `groups_inputs`, the attention backend's `fixed_shapes` / `kv_cache_class`),
+never compared as a string: a new entry then works everywhere by saying what it is."""
 
 from __future__ import annotations
 
