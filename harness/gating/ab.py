@@ -62,6 +62,7 @@ from models.files import UserFileError, given_output_path
 MIN_ROUNDS = 9
 ISOLATION = ("worker", "process")
 WORKER_SOURCE = Path(__file__).with_name("ab_worker.py")
+COMPOSER_SOURCE = Path(__file__).with_name("ab_compose.py")
 
 
 class ABError(ValueError):
@@ -113,6 +114,8 @@ def compose_config(overrides: list[str], code: Path = SOURCE_ROOT) -> dict[str, 
     config_dir = Path(code).resolve() / "configs"
     if not (config_dir / "config.yaml").is_file():
         raise ABError(f"{code}: not an inferlab checkout (no configs/config.yaml)")
+    if Path(code).resolve() != SOURCE_ROOT:  # its groups' schemas are its own dataclasses
+        return _compose_in_checkout(overrides, Path(code))
     try:
         cfg = configs.compose(overrides, config_dir)
         # a composed DictConfig's container: a dict with the YAML's str keys
@@ -121,6 +124,23 @@ def compose_config(overrides: list[str], code: Path = SOURCE_ROOT) -> dict[str, 
         raise ABError(f"overrides {overrides}: {exc}") from exc
     assert isinstance(config, dict)
     return config
+
+
+def _compose_in_checkout(overrides: list[str], code: Path) -> dict[str, Any]:
+    """compose_config in a process importing the checkout `code` (gating/ab_compose.py)."""
+    done = subprocess.run(
+        [sys.executable, "-c", COMPOSER_SOURCE.read_text(), str(code), json.dumps(overrides)],
+        capture_output=True,
+        text=True,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ABError(f"{code}: composing {overrides} there failed: {last}")
+    reply = json.loads(lines[-1])
+    if "error" in reply:
+        raise ABError(f"overrides {overrides}: {reply['error']}")
+    return cast(dict[str, Any], reply["config"])
 
 
 def precheck(config: dict[str, Any], side: str) -> None:

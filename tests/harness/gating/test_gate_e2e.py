@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli
+from harness.gating import ab
 from harness.gating import cli as gate
 from harness.gating.ab import compose_config
 from harness.running.experiment import run_experiment
@@ -138,3 +139,21 @@ def test_ab_mode_writes_rounds_and_paired_ratios(
     # re-gating the folder gives the same answer
     assert gate.main(["--ab", str(out_dir)]) == 2
     assert "paired ratios over A/B rounds" in capsys.readouterr().out
+
+
+def test_another_checkout_composes_with_its_own_engine_options(tmp_path: Path) -> None:
+    """A baseline from before an engine option was added must not get that option: composed
+    with this checkout's schemas it did, and its engine refused it (every PR adding an option
+    was inconclusive against its target)."""
+    copy = copy_checkout(tmp_path / "copy")
+    config_py = copy / "engines" / "builtin" / "config.py"
+    text = config_py.read_text()
+    start = text.index("    long_prefill_token_threshold: int = option(")
+    end = text.index("    )\n", start) + len("    )\n")
+    config_py.write_text(text[:start] + text[end:])
+    assert "long_prefill_token_threshold" in ab.compose_config(TINY)["engine"]
+    theirs = ab.compose_config(TINY, copy)
+    assert "long_prefill_token_threshold" not in theirs["engine"]
+    assert theirs["engine"]["max_num_seqs"] == ab.compose_config(TINY)["engine"]["max_num_seqs"]
+    with pytest.raises(ab.ABError, match=r"engine\.max_num_seqs"):
+        ab.compose_config([*TINY, "engine.max_num_seqs=many"], copy)
