@@ -14,6 +14,7 @@ import importlib
 import json
 import os
 import sys
+from pathlib import Path
 
 #: Modules whose import registers the groups' schemas, under their names in any checkout
 #: (engines/registry.py held the backends before engines/backends.py did).
@@ -37,11 +38,11 @@ def main(argv: list[str]) -> int:
     import configs
 
     try:
-        cfg = configs.compose(overrides, os.path.join(code, "configs"))
-        reply = OmegaConf.to_container(cfg, resolve=True)
+        cfg = configs.compose(overrides, Path(code) / "configs")
+        reply = {"config": OmegaConf.to_container(cfg, resolve=True)}
     except (configs.ComposeError, OmegaConfBaseException) as exc:
         reply = {"error": str(exc)}
-    sys.stdout.write(json.dumps({"config": reply} if "error" not in reply else reply) + "\n")
+    sys.stdout.write(json.dumps(reply) + "\n")
     return 0
 
 
