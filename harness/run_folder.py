@@ -40,7 +40,7 @@ import pandas as pd
 import yaml
 
 from configs import CONFIG_DIR
-from models.files import SETTINGS, UserFileError, given_output_path, read_input_bytes
+from models.files import SETTINGS, UserFileError, given_output_path, read_input_text
 
 CONFIG_FILE = "config.yaml"
 PROVENANCE_FILE = "provenance.json"
@@ -467,15 +467,9 @@ def _read_text(path: Path) -> str:
     if not (path.exists() or path.is_symlink()):
         raise UnreadableFile(f"{path}: no such file")
     try:  # a FIFO or a device (a summary.json linked to /dev/zero) is refused, not read
-        data = read_input_bytes(path, SETTINGS)
+        return read_input_text(path, SETTINGS)
     except UserFileError as exc:
         raise UnreadableFile(str(exc)) from exc
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UnreadableFile(
-            f"{path}: not UTF-8 text (byte {exc.start}); a damaged or binary file?"
-        ) from exc
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

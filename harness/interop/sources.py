@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from harness.interop.errors import InteropError
 from harness.run_folder import json_kind, short_json
-from models.files import RESULT, UserFileError, read_input_bytes
+from models.files import RESULT, UserFileError, read_input_text
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -29,13 +29,9 @@ def read_text(path: Path) -> str:
     if path.is_dir():
         raise InteropError(f"{path}: is a folder, not a result file")
     try:
-        data = read_input_bytes(path, RESULT)
+        return read_input_text(path, RESULT)
     except UserFileError as exc:
         raise InteropError(str(exc)) from exc
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InteropError(f"{path}: not UTF-8 text (byte {exc.start}); a binary file?") from exc
 
 
 def parse_json(path: Path, text: str) -> Any:
