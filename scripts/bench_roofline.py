@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 import torch
 import yaml
+from script_args import at_least, integers_at_least, refuse
 
 from harness.measuring import hardware
 from harness.measuring.roofline import decode_only, measured_step_s
@@ -59,6 +60,8 @@ def run_batch(args: argparse.Namespace, batch: int, threads: int, out: Path) -> 
     }
     run_dir = out / f"batch-{batch}"
     summary = run_experiment(config, run_dir, progress=False)
+    if summary.get("error_kind") == "config":  # a typo in --model or --engine-option
+        refuse(summary["error"])
     if summary["status"] != "complete":
         raise SystemExit(f"batch {batch}: run {summary['status']}: {summary['error']}")
     steps = pd.read_parquet(run_dir / "steps.parquet")
@@ -95,9 +98,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--batch-sizes", type=integers_at_least(1), default="1,2,4,8,16,32,64")
+    parser.add_argument("--prompt-len", type=at_least(1), default=32)
+    parser.add_argument("--decode-tokens", type=at_least(2), default=32)
     parser.add_argument(
         "--engine-option",
         action="append",
@@ -106,10 +109,10 @@ def main() -> int:
         help="an engine option for every run, e.g. native_kernels=false "
         "(repeatable; values parsed as YAML)",
     )
-    parser.add_argument("--warmup-requests", type=int, default=2)
+    parser.add_argument("--warmup-requests", type=at_least(0), default=2)
     parser.add_argument(
         "--threads",
-        type=int,
+        type=at_least(1),
         default=None,
         help="torch threads for the engine and the probe (default: torch's)",
     )
@@ -128,12 +131,10 @@ def main() -> int:
     for item in args.engine_option:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--engine-option: expected KEY=VALUE, got {item!r}")
+            parser.error(f"--engine-option: expected KEY=VALUE, got {item!r}")
         options[key] = yaml.safe_load(value)
     args.engine_option = options
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    if not batches or min(batches) < 1:
-        raise SystemExit("--batch-sizes: expected comma-separated integers >= 1")
+    batches = args.batch_sizes
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
