@@ -33,13 +33,13 @@ import time
 from typing import Any
 
 import numpy as np
-from script_args import at_least
 
 from engines.base import GenerationRequest, StepRecord, Tokens
 from engines.llamacpp.backend import LlamaCppBackend
 from engines.llamacpp.config import LlamaCppConfig
 from engines.llamacpp.runner import BatchToken, LlamaCppRunner
 from engines.sampling_params import SamplingParams
+from harness.arguments import at_least
 from models.train_tiny import corpus_text
 
 

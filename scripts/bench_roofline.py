@@ -26,8 +26,9 @@ import numpy as np
 import pandas as pd
 import torch
 import yaml
-from script_args import at_least, integers_at_least, refuse
+from script_args import refuse
 
+from harness.arguments import at_least, integers_at_least
 from harness.measuring import hardware
 from harness.measuring.roofline import decode_only, measured_step_s
 from harness.running.experiment import run_experiment

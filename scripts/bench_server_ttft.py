@@ -45,10 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET_MS = 5.0
 sys.path.insert(0, str(ROOT))
 
-from script_args import at_least, parse_args_checking_out, refuse  # noqa: E402
+from script_args import parse_args_checking_out, refuse  # noqa: E402
 
 from engines.base import GenerationRequest, Tokens, now_ns  # noqa: E402
 from engines.sampling_params import SamplingParams  # noqa: E402
+from harness.arguments import at_least  # noqa: E402
 from models.files import write_output_text  # noqa: E402
 from serving.cli import build_backend, warm_up  # noqa: E402
 

@@ -31,8 +31,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from script_args import at_least
 
+from harness.arguments import at_least
 from harness.gating.ab import ABPlan, compose_config, run_ab
 from harness.gating.rules import load_rules
 
