@@ -31,9 +31,20 @@ from script_args import refuse
 from harness.arguments import at_least, integers_at_least
 from harness.measuring import hardware
 from harness.measuring.roofline import decode_only, measured_step_s
+from harness.run_folder import has_summary
 from harness.running.experiment import run_experiment
 
 TARGET = 1.5
+TABLE_FILE = "bench_roofline.csv"
+
+
+def results_held(out: Path) -> list[str]:
+    """What an earlier measurement left in `out` that this one would replace: its table and
+    its run folders (any batch size: the table would no longer say which are whose)."""
+    held = sorted(p.name for p in out.glob("batch-*") if has_summary(p))
+    if (out / TABLE_FILE).exists():
+        held.append(TABLE_FILE)
+    return held
 
 
 def run_batch(args: argparse.Namespace, batch: int, threads: int, out: Path) -> dict[str, Any]:
@@ -137,6 +148,13 @@ def main() -> int:
     args.engine_option = options
     batches = args.batch_sizes
 
+    out = Path(args.out or f"results/bench_roofline/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    held = results_held(out)
+    if held:
+        refuse(
+            f"--out: {out} already holds {', '.join(held)}; nothing was written. Choose a new "
+            "folder, or leave --out out for a new dated one"
+        )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -153,11 +171,10 @@ def main() -> int:
     if flops:
         print(f"ridge: {flops / spec.memory_bandwidth:.1f} FLOP/byte for {args.dtype}")
 
-    out = Path(args.out or f"results/bench_roofline/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     out.mkdir(parents=True, exist_ok=True)
     rows = [run_batch(args, batch, threads, out) for batch in batches]
     table = pd.DataFrame(rows)
-    table.to_csv(out / "bench_roofline.csv", index=False)
+    table.to_csv(out / TABLE_FILE, index=False)
     print(
         f"\n{args.model}, {args.dtype}, prompt {args.prompt_len}, {args.decode_tokens} decode "
         f"tokens; medians over decode-only steps\n"

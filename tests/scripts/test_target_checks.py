@@ -103,3 +103,16 @@ def test_a_roofline_run_the_configuration_refuses_exits_2(tmp_path: Path) -> Non
     with pytest.raises(SystemExit) as stopped:
         roofline.run_batch(args, 1, 1, tmp_path)
     assert stopped.value.code == 2
+
+
+def test_a_roofline_out_that_holds_results_is_refused_untouched(tmp_path: Path) -> None:
+    """Before: a second check-roofline into the same --out replaced its run folders and
+    bench_roofline.csv, leaving the first's other batch sizes beside them."""
+    (tmp_path / "batch-2").mkdir()
+    (tmp_path / "batch-2" / "summary.json").write_text('{"status": "complete"}')
+    (tmp_path / "bench_roofline.csv").write_text("mine\n")
+    done = run_script("bench_roofline", "--batch-sizes", "1", "--out", str(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert f"--out: {tmp_path} already holds" in done.stderr
+    assert (tmp_path / "bench_roofline.csv").read_text() == "mine\n"
+    assert not (tmp_path / "batch-1").exists()
