@@ -291,6 +291,8 @@ def main() -> int:
     )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parse_args_checking_out(parser)
+    if args.skip_batch1 and not args.background_streams:  # a check of nothing would pass
+        parser.error("--skip-batch1 with --background-streams 0 leaves nothing to measure")
 
     try:  # a bad override: its one line, exit 2 (1 is the target missed)
         backend, _ = build_backend(args.overrides)

@@ -78,6 +78,8 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
         ("bench_roofline", ["--batch-sizes", "0"], "--batch-sizes: '0' is invalid"),
         ("bench_server_ttft", ["model=tinyy", "--requests", "2"], "model/tinyy"),
         ("bench_server_ttft", ["--requests", "0"], "--requests: '0' is invalid"),
+        # nothing left to measure: it passed, exit 0, having checked nothing
+        ("bench_server_ttft", ["--skip-batch1", "--background-streams", "0"], "nothing to measure"),
         ("bench_llamacpp_overhead", ["--requests", "2"], "--requests: 2 is fewer than"),
         ("gate_validation", ["--gates", "0"], "--gates: '0' is invalid"),
     ],
