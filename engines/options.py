@@ -157,7 +157,8 @@ def describe(config: Any, name: str) -> str:
         items = {int: "integers", float: "numbers", str: "strings"}
         text = f"a non-empty list of {items.get(typing.get_args(kind)[0], 'values')}"
     else:
-        text = what.get(typing.get_origin(kind) or kind, "a mapping" if kind is dict else "a value")
+        plain = typing.get_origin(kind) or kind  # dict[str, Any] is a dict
+        text = what.get(plain, "a mapping" if plain is dict else "a value")
     if kind is float and meta["unit"]:
         text += f" of {meta['unit']}"
     text += _bounds_text(meta["bounds"])

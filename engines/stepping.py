@@ -184,11 +184,34 @@ class SteppedBackend(Backend):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     def _stop_stepping(self, wait_for_worker: bool) -> None:
-        """Stop the loop and the worker (`wait_for_worker`: until a step in flight is done)."""
+        """Stop the loop and the worker (`wait_for_worker`: until a step in flight is done);
+        the streams still open end with a `Failed`, not waiting for steps that never come."""
         if self._step_task is not None:
             self._step_task.cancel()
         if self._worker is not None:
             self._worker.shutdown(wait=wait_for_worker, cancel_futures=True)
+        self._end_open_streams("the backend was closed")
+
+    def _end_open_streams(self, reason: str) -> None:
+        """Each open stream's `Failed(reason)`, put on its loop (close() may run on another
+        thread). Nothing is aborted: the engine is being closed with everything it holds."""
+        loop = self._loop
+        if not self._streams or loop is None or loop.is_closed():
+            return
+        failed: list[RequestEvent] = [
+            Failed(request_id, self._event_step(), now_ns(), reason) for request_id in self._streams
+        ]
+        if _running_loop() is loop:
+            self._deliver(failed)
+        else:
+            loop.call_soon_threadsafe(self._deliver, failed)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # called outside any event loop
+        return None
 
 
 # ---- the engine in a thread of its own -------------------------------------------------------

@@ -119,6 +119,9 @@ def _dispatch(command: str, rest: list[str]) -> int:
     if command == "list":
         from harness import listing
 
+        if rest:  # not silently ignored: `list --json` would suggest it was heeded
+            print(f"inferlab list: takes no arguments; got {rest}", file=sys.stderr)
+            return 2
         print(listing.listing())
         return 0
     print(f"inferlab: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -9,16 +9,9 @@ import argparse
 import json
 import sys
 
+from harness.arguments import at_least
 from models.files import UserFileError, check_model_output
 from models.train_tiny import DEFAULTS, TRAINED_MODELS, cached_tiny_model, train_tiny
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is invalid; allowed: an integer >= 1")
-    return value
-
 
 #: what both torch.manual_seed and numpy's generators take
 MAX_SEED = 2**64 - 1
@@ -57,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         help="which shape (default: tiny-trained)",
     )
     parser.add_argument(
-        "--steps", type=_positive, help="training steps, >= 1 (default: the model's)"
+        "--steps", type=at_least(1), help="training steps, >= 1 (default: the model's)"
     )
     parser.add_argument("--seed", type=_seed, help=f"default: {DEFAULTS['seed']}")
     args = parser.parse_args(argv)

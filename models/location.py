@@ -20,7 +20,11 @@ from models.train_tiny import TRAINED_MODELS, trained_model_path
 
 def model_location(name: str) -> str:
     """Where the model `name` is: a trained model's checkpoint folder, a packaged model's
-    installed file, else `name` as given (a preset, a checkpoint folder or a file)."""
+    installed file, else `name` as given (a preset, a checkpoint folder or a file). A value
+    that is no name (a list or mapping from YAML) is returned as given too, for the options'
+    checker to refuse naming the field (looking it up would raise a TypeError)."""
+    if not isinstance(name, str):
+        return name
     if name in TRAINED_MODELS:
         return str(trained_model_path(name))
     if name in PACKAGED_MODELS:

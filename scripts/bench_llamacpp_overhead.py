@@ -39,6 +39,7 @@ from engines.llamacpp.backend import LlamaCppBackend
 from engines.llamacpp.config import LlamaCppConfig
 from engines.llamacpp.runner import BatchToken, LlamaCppRunner
 from engines.sampling_params import SamplingParams
+from harness.arguments import at_least
 from models.train_tiny import corpus_text
 
 
@@ -139,15 +140,20 @@ TARGET = 1.15
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch-tokens", type=int, default=512)
-    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--rounds", type=at_least(1), default=3)
+    parser.add_argument("--requests", type=at_least(1), default=48)
+    parser.add_argument("--concurrency", type=at_least(1), default=16)
+    parser.add_argument("--input-len", type=at_least(1), default=64)
+    parser.add_argument("--output-len", type=at_least(2), default=64)
+    parser.add_argument("--threads", type=at_least(1), default=2)
+    parser.add_argument("--batch-tokens", type=at_least(1), default=512)
+    parser.add_argument("--max-model-len", type=at_least(1), default=512)
     args = parser.parse_args()
+    if args.requests < args.concurrency:  # no decode step would run all of them at once
+        parser.error(
+            f"--requests: {args.requests} is fewer than --concurrency {args.concurrency}; "
+            "allowed: at least --concurrency"
+        )
 
     config = LlamaCppConfig(
         num_threads=args.threads,

@@ -26,12 +26,25 @@ import numpy as np
 import pandas as pd
 import torch
 import yaml
+from script_args import refuse
 
+from harness.arguments import at_least, integers_at_least
 from harness.measuring import hardware
 from harness.measuring.roofline import decode_only, measured_step_s
+from harness.run_folder import has_summary
 from harness.running.experiment import run_experiment
 
 TARGET = 1.5
+TABLE_FILE = "bench_roofline.csv"
+
+
+def results_held(out: Path) -> list[str]:
+    """What an earlier measurement left in `out` that this one would replace: its table and
+    its run folders (any batch size: the table would no longer say which are whose)."""
+    held = sorted(p.name for p in out.glob("batch-*") if has_summary(p))
+    if (out / TABLE_FILE).exists():
+        held.append(TABLE_FILE)
+    return held
 
 
 def run_batch(args: argparse.Namespace, batch: int, threads: int, out: Path) -> dict[str, Any]:
@@ -59,6 +72,8 @@ def run_batch(args: argparse.Namespace, batch: int, threads: int, out: Path) -> 
     }
     run_dir = out / f"batch-{batch}"
     summary = run_experiment(config, run_dir, progress=False)
+    if summary.get("error_kind") == "config":  # a typo in --model or --engine-option
+        refuse(summary["error"])
     if summary["status"] != "complete":
         raise SystemExit(f"batch {batch}: run {summary['status']}: {summary['error']}")
     steps = pd.read_parquet(run_dir / "steps.parquet")
@@ -95,9 +110,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--batch-sizes", type=integers_at_least(1), default="1,2,4,8,16,32,64")
+    parser.add_argument("--prompt-len", type=at_least(1), default=32)
+    parser.add_argument("--decode-tokens", type=at_least(2), default=32)
     parser.add_argument(
         "--engine-option",
         action="append",
@@ -106,10 +121,10 @@ def main() -> int:
         help="an engine option for every run, e.g. native_kernels=false "
         "(repeatable; values parsed as YAML)",
     )
-    parser.add_argument("--warmup-requests", type=int, default=2)
+    parser.add_argument("--warmup-requests", type=at_least(0), default=2)
     parser.add_argument(
         "--threads",
-        type=int,
+        type=at_least(1),
         default=None,
         help="torch threads for the engine and the probe (default: torch's)",
     )
@@ -128,13 +143,18 @@ def main() -> int:
     for item in args.engine_option:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--engine-option: expected KEY=VALUE, got {item!r}")
+            parser.error(f"--engine-option: expected KEY=VALUE, got {item!r}")
         options[key] = yaml.safe_load(value)
     args.engine_option = options
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    if not batches or min(batches) < 1:
-        raise SystemExit("--batch-sizes: expected comma-separated integers >= 1")
+    batches = args.batch_sizes
 
+    out = Path(args.out or f"results/bench_roofline/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
+    held = results_held(out)
+    if held:
+        refuse(
+            f"--out: {out} already holds {', '.join(held)}; nothing was written. Choose a new "
+            "folder, or leave --out out for a new dated one"
+        )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -151,11 +171,10 @@ def main() -> int:
     if flops:
         print(f"ridge: {flops / spec.memory_bandwidth:.1f} FLOP/byte for {args.dtype}")
 
-    out = Path(args.out or f"results/bench_roofline/{time.strftime('%Y-%m-%d_%H-%M-%S')}")
     out.mkdir(parents=True, exist_ok=True)
     rows = [run_batch(args, batch, threads, out) for batch in batches]
     table = pd.DataFrame(rows)
-    table.to_csv(out / "bench_roofline.csv", index=False)
+    table.to_csv(out / TABLE_FILE, index=False)
     print(
         f"\n{args.model}, {args.dtype}, prompt {args.prompt_len}, {args.decode_tokens} decode "
         f"tokens; medians over decode-only steps\n"

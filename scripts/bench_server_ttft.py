@@ -45,10 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET_MS = 5.0
 sys.path.insert(0, str(ROOT))
 
-from script_args import parse_args_checking_out  # noqa: E402
+from script_args import parse_args_checking_out, refuse  # noqa: E402
 
 from engines.base import GenerationRequest, Tokens, now_ns  # noqa: E402
 from engines.sampling_params import SamplingParams  # noqa: E402
+from harness.arguments import at_least  # noqa: E402
 from models.files import write_output_text  # noqa: E402
 from serving.cli import build_backend, warm_up  # noqa: E402
 
@@ -267,20 +268,20 @@ def summary(name: str, ttfts: list[float]) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="engine/model overrides, as for serve")
-    parser.add_argument("--requests", type=int, default=100)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--requests", type=at_least(1), default=100)
+    parser.add_argument("--warmup", type=at_least(0), default=5)
+    parser.add_argument("--prompt-len", type=at_least(1), default=64)
+    parser.add_argument("--max-tokens", type=at_least(1), default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--background-streams",
-        type=int,
+        type=at_least(0),
         default=4,
         help="streams decoding during part 2 (0: skip part 2)",
     )
     parser.add_argument(
         "--background-tokens",
-        type=int,
+        type=at_least(1),
         default=512,
         help="max_tokens of each background stream (restarted when done)",
     )
@@ -290,9 +291,14 @@ def main() -> int:
     )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parse_args_checking_out(parser)
+    if args.skip_batch1 and not args.background_streams:  # a check of nothing would pass
+        parser.error("--skip-batch1 with --background-streams 0 leaves nothing to measure")
 
-    backend, _ = build_backend(args.overrides)
-    backend.load()
+    try:  # a bad override: its one line, exit 2 (1 is the target missed)
+        backend, _ = build_backend(args.overrides)
+        backend.load()
+    except ValueError as exc:
+        refuse(str(exc))
     warm_up(backend)
     assert backend.engine is not None
     vocab = backend.engine.tokenizer.vocab_size

@@ -31,6 +31,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+
+from harness.arguments import at_least
 from harness.gating.ab import ABPlan, compose_config, run_ab
 from harness.gating.rules import load_rules
 
@@ -114,10 +116,10 @@ def calibrate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gates", type=int, default=20, help="gates of each kind (20)")
-    parser.add_argument("--rounds", type=int, default=9, help="A/B rounds per gate (9)")
+    parser.add_argument("--gates", type=at_least(1), default=20, help="gates of each kind (20)")
+    parser.add_argument("--rounds", type=at_least(1), default=9, help="A/B rounds per gate (9)")
     parser.add_argument("--allow-few-rounds", action="store_true")
-    parser.add_argument("--warmup-rounds", type=int, default=1)
+    parser.add_argument("--warmup-rounds", type=at_least(0), default=1)
     parser.add_argument(
         "--slowdown", type=float, default=0.20, help="planted cut in output tokens/s (0.20)"
     )

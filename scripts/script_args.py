@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -21,3 +22,10 @@ def parse_args_checking_out(parser: argparse.ArgumentParser) -> argparse.Namespa
         except ValueError as exc:
             parser.error(str(exc))
     return args
+
+
+def refuse(message: str) -> NoReturn:
+    """A bad argument or configuration: one line, exit 2. A check's exit 1 means its target was
+    missed (`make check-*`), so a typo must never end in 1 (nor in a traceback)."""
+    print(f"{Path(sys.argv[0]).name}: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -194,8 +194,8 @@ class SweepTable(Callback):
     disk) is printed and exits 1 here. `outputs`: the tables the experiment's preset names
     beside sweep.csv (harness/running/sweep_outputs.py)."""
 
-    def __init__(self, outputs: Sequence[str] | None = None) -> None:
-        self.outputs = checked_outputs(list(outputs or []))
+    def __init__(self, outputs: Sequence[str] | str | None = None) -> None:
+        self.outputs = checked_outputs(outputs or [])
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -5,7 +5,7 @@ preset names them (`hydra.callbacks.sweep_table.outputs`, e.g. configs/experimen
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +32,13 @@ def named_outputs(hydra_cfg: Any) -> list[str]:
     """The outputs the sweep's `hydra` config names (its sweep_table callback's `outputs`),
     each checked against the registry."""
     names = OmegaConf.select(hydra_cfg, "callbacks.sweep_table.outputs", default=None) or []
-    return checked_outputs(list(names))
+    return checked_outputs(names)
 
 
-def checked_outputs(names: list[str]) -> list[str]:
+def checked_outputs(names: Sequence[str] | str) -> list[str]:
+    """The names as a list: one name given without a list (`outputs=kv_speedup`) is that one,
+    not its letters."""
+    names = [names] if isinstance(names, str) else list(names)
     for name in names:
         SWEEP_OUTPUTS.get(name)  # an unknown name: a ValueError naming the key and the allowed
     return names

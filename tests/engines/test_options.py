@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,7 @@ class Toy(Options):
     names: tuple[str, ...] = option(("x",), choices=("x", "y"), help="names")
     spelling: str = option("one", aliases={"one": "one", "1": "one"}, help="aliased")
     key: str | None = option(None, secret=True, valid=bool, help="a secret")
+    extra: dict[str, Any] = option(default_factory=dict, help="a mapping")
 
 
 @pytest.mark.parametrize(
@@ -51,6 +53,7 @@ class Toy(Options):
         ({"names": ["z"]}, "toy.names: ['z'] is invalid; allowed: x|y"),
         ({"spelling": "two"}, "toy.spelling: 'two' is invalid; allowed: one|1"),
         ({"key": ""}, "toy.key: invalid; allowed: null or a string"),
+        ({"extra": [1]}, "toy.extra: [1] is invalid; allowed: a mapping"),  # was "a value"
     ],
 )
 def test_a_bad_value_names_the_field_and_what_it_allows(

@@ -39,3 +39,15 @@ def test_an_unknown_name_names_the_key_and_the_allowed_values() -> None:
         registry.get("three")
     with pytest.raises(ValueError, match="registered twice"):
         registry.add("one", 2)
+
+
+def test_inferlab_list_takes_no_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    """`inferlab list extra` (or `list --json`) printed the listing and exited 0, the argument
+    silently ignored."""
+    from harness import cli
+
+    assert cli.main(["list", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == "inferlab list: takes no arguments; got ['--json']"
+    assert cli.main(["list"]) == 0

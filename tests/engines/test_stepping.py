@@ -132,3 +132,23 @@ def test_a_request_id_in_use_is_refused_and_the_first_request_goes_on() -> None:
     assert len(duplicate) == 1 and isinstance(duplicate[0], Failed)
     assert "request_id: 'r' is already in use" in duplicate[0].error
     assert isinstance(first[-1], Finished) and first[-1].num_output_tokens == 4
+
+
+def test_closing_the_backend_ends_the_streams_still_open() -> None:
+    """Before: close() cancelled the step loop and a consumer still reading waited forever."""
+    backend = BuiltinBackend(EngineConfig(model="tiny", num_threads=1, max_model_len=256))
+    backend.load()
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[RequestEvent]:
+        stream = backend.generate(GenerationRequest("open", [5, 6, 7], long))
+        first = await anext(stream)
+        backend.close()
+
+        async def rest() -> list[RequestEvent]:
+            return [event async for event in stream]
+
+        return [first, *await asyncio.wait_for(rest(), timeout=30)]
+
+    events = asyncio.run(run())
+    assert isinstance(events[-1], Failed) and "the backend was closed" in events[-1].error

@@ -40,3 +40,19 @@ def test_a_text_too_short_to_train_on_is_refused_by_name(
         f"inferlab train-tiny: --text: {text}: 1 tokens; allowed: a text of more than 129 "
         "tokens (one training window)\n"
     )
+
+
+@pytest.mark.parametrize("steps", ["abc", "0", "1.5"])
+def test_steps_that_are_not_a_positive_integer_are_refused_with_what_is_allowed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], steps: str
+) -> None:
+    """--steps abc was "argument --steps: invalid _positive value: 'abc'" (a function's name,
+    nothing of what is allowed)."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["train-tiny", "--steps", steps, "--out", str(tmp_path / "m")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"inferlab train-tiny: error: argument --steps: '{steps}' is invalid; allowed: an "
+        "integer >= 1"
+    )

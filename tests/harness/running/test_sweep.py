@@ -104,6 +104,14 @@ def test_an_unknown_output_is_named_with_the_allowed_ones() -> None:
     )
 
 
+def test_one_output_named_without_a_list_is_that_output() -> None:
+    """Before: `hydra.callbacks.sweep_table.outputs=kv_speedup` was split into its letters,
+    "outputs: 'k' is invalid"."""
+    assert SweepTable(outputs="kv_speedup").outputs == ["kv_speedup"]
+    one = "hydra.callbacks.sweep_table.outputs=kv_speedup"
+    assert named_outputs(_hydra_node("experiment=kv_speedup", one)) == ["kv_speedup"]
+
+
 def test_saturation_rate_is_the_highest_rate_still_served() -> None:
     frame = pd.DataFrame(
         {"offered_req_per_s": [1.0, 2.0, 4.0, 8.0], "req_per_s": [1.0, 1.95, 3.0, 3.1]}
