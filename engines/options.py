@@ -44,13 +44,15 @@ def option(
     valid: Callable[[Any], bool] | None = None,
     allowed: Allowed | None = None,
     secret: bool = False,
+    empty: bool = False,
 ) -> Any:
     """A dataclass field for one option. `registry` ("module:NAME") names the plug point's
     `Registry`, imported when first checked (its `names()`, extra values such as auto
     included, are the choices); `aliases` maps each accepted spelling (case-insensitive) to
     the value kept; ge/gt/le/lt bound a number (each item of a list); `valid` is a further
     test of a value of the right kind; `allowed` replaces the generated description; a
-    `secret` is never shown (its messages leave the value out, and so does repr)."""
+    `secret` is never shown (its messages leave the value out, and so does repr); `empty`: a
+    list may have no items."""
     metadata = {
         "help": help,
         "choices": tuple(choices) if choices is not None else None,
@@ -63,6 +65,7 @@ def option(
         "valid": valid,
         "allowed": allowed,
         "secret": secret,
+        "empty": empty,
     }
     return field(
         default=default, default_factory=default_factory, metadata=metadata, repr=not secret
@@ -136,10 +139,14 @@ class Options:
         kind, optional = _kind(_hints(type(self))[f.name])
         if value is None and optional:
             return
+        if _is_options(kind):  # a nested section: built (and so checked) from its mapping
+            if not isinstance(value, kind):
+                self._set(f.name, kind.from_dict(value))
+            return
         if not _fits(value, kind, meta) or (meta["valid"] is not None and not meta["valid"](value)):
             raise self.invalid(f.name)
-        if typing.get_origin(kind) is tuple:
-            self._set(f.name, tuple(value))  # a list from YAML or the command line
+        if typing.get_origin(kind) in (list, tuple):  # a list from YAML or the command line
+            self._set(f.name, typing.get_origin(kind)(value))
 
 
 def describe(config: Any, name: str) -> str:
@@ -155,7 +162,8 @@ def describe(config: Any, name: str) -> str:
     what = {bool: "true|false", int: "an integer", float: "a number", str: "a string"}
     if typing.get_origin(kind) in (list, tuple):
         items = {int: "integers", float: "numbers", str: "strings"}
-        text = f"a non-empty list of {items.get(typing.get_args(kind)[0], 'values')}"
+        size = "" if meta["empty"] else "non-empty "
+        text = f"a {size}list of {items.get(typing.get_args(kind)[0], 'values')}"
     else:
         plain = typing.get_origin(kind) or kind  # dict[str, Any] is a dict
         text = what.get(plain, "a mapping" if plain is dict else "a value")
@@ -206,7 +214,7 @@ def _fits(value: Any, kind: Any, meta: Mapping[str, Any]) -> bool:
         return (
             isinstance(value, Sequence)
             and not isinstance(value, str | bytes)
-            and len(value) > 0
+            and (len(value) > 0 or meta["empty"])
             and all(_fits(v, item, meta) for v in value)
         )
     if typing.get_origin(kind) is dict or kind is dict:
@@ -217,7 +225,9 @@ def _fits(value: Any, kind: Any, meta: Mapping[str, Any]) -> bool:
         fits = _is_int(value) and _within(value, meta["bounds"])
     elif kind is float:
         fits = (
-            _is_number(value) and math.isfinite(value) and _within(value, meta["bounds"])
+            _is_number(value)
+            and (_is_int(value) or math.isfinite(value))  # an int is finite, however large
+            and _within(value, meta["bounds"])
         )  # NaN and inf are never a setting
     elif kind is str:
         fits = isinstance(value, str)
@@ -225,6 +235,10 @@ def _fits(value: Any, kind: Any, meta: Mapping[str, Any]) -> bool:
         return True
     names = _choices(meta)
     return fits and (not names or value in names)
+
+
+def _is_options(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, Options)
 
 
 def _is_int(value: Any) -> bool:

@@ -25,6 +25,8 @@ import numpy as np
 import pandas as pd
 
 from engines.base import Backend, now_ns
+from engines.options import option
+from harness.config_section import ConfigSection
 from harness.measuring.server_scrape import (
     SCRAPE_INDEX,
     SERVER_COLUMNS,
@@ -70,68 +72,41 @@ class _Source:
     due_ns: int = 0
 
 
-@dataclass
-class MonitorConfig:
-    enabled: bool = True
-    interval_s: float = DEFAULT_INTERVAL_S
-    # engine=openai: scrape the server's /metrics (engine.metrics_url) this often, and at the
-    # measured run's start and end; false: never
-    server_metrics: bool = True
-    server_interval_s: float = DEFAULT_SERVER_INTERVAL_S
-    # a remote server's GPU: an NVIDIA dcgm-exporter's /metrics, and the GPU's `gpu` label
-    dcgm_url: str | None = None
-    dcgm_gpu: int = 0
+@dataclass(frozen=True)
+class MonitorConfig(ConfigSection):
+    section = "run.monitor"
 
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> MonitorConfig:
-        values = dict(values or {})
-        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(
-                f"run.monitor: unknown key(s) {unknown}; allowed: "
-                f"{sorted(cls.__dataclass_fields__)}"
-            )
-        cfg = cls(**values)
-        interval = cfg.interval_s
-        if (
-            isinstance(interval, bool)
-            or not isinstance(interval, int | float)
-            or not 0.001 <= interval <= 60
-        ):
-            raise ValueError(
-                f"run.monitor.interval_s: {interval!r} is invalid; allowed: a "
-                "number of seconds in [0.001, 60]"
-            )
-        cfg.interval_s = float(interval)
-        for key in ("enabled", "server_metrics"):
-            if not isinstance(getattr(cfg, key), bool):
-                raise ValueError(
-                    f"run.monitor.{key}: {getattr(cfg, key)!r} is invalid; allowed: true|false"
-                )
-        server_interval = cfg.server_interval_s
-        if (
-            isinstance(server_interval, bool)
-            or not isinstance(server_interval, int | float)
-            or not 0.05 <= server_interval <= 3600
-        ):
-            raise ValueError(
-                f"run.monitor.server_interval_s: {server_interval!r} is invalid; allowed: a "
-                "number of seconds in [0.05, 3600]"
-            )
-        cfg.server_interval_s = float(server_interval)
-        if cfg.dcgm_url is not None and not (
-            isinstance(cfg.dcgm_url, str) and cfg.dcgm_url.startswith(("http://", "https://"))
-        ):
-            raise ValueError(
-                f"run.monitor.dcgm_url: {cfg.dcgm_url!r} is invalid; allowed: null or an "
-                "http:// or https:// URL of a dcgm-exporter's /metrics"
-            )
-        if isinstance(cfg.dcgm_gpu, bool) or not isinstance(cfg.dcgm_gpu, int) or cfg.dcgm_gpu < 0:
-            raise ValueError(
-                f"run.monitor.dcgm_gpu: {cfg.dcgm_gpu!r} is invalid; allowed: a GPU index >= 0 "
-                "(the exporter's `gpu` label)"
-            )
-        return cfg
+    enabled: bool = option(True, help="the background sampler: memory, CPU and GPU readings")
+    interval_s: float = option(
+        DEFAULT_INTERVAL_S, ge=0.001, le=60, unit="seconds", help="the sampler's period"
+    )
+    server_metrics: bool = option(
+        True,
+        help="engine=openai: scrape the server's /metrics (engine.metrics_url) every "
+        "server_interval_s, and at the measured run's start and end; false: never",
+    )
+    server_interval_s: float = option(
+        DEFAULT_SERVER_INTERVAL_S,
+        ge=0.05,
+        le=3600,
+        unit="seconds",
+        help="how often a server (and a dcgm-exporter) is scraped",
+    )
+    dcgm_url: str | None = option(
+        None,
+        valid=lambda url: url.startswith(("http://", "https://")),
+        allowed="null or an http:// or https:// URL of a dcgm-exporter's /metrics",
+        help="a remote server's GPU: an NVIDIA dcgm-exporter's /metrics",
+    )
+    dcgm_gpu: int = option(
+        0,
+        ge=0,
+        allowed="a GPU index >= 0 (the exporter's `gpu` label)",
+        help="the GPU's `gpu` label in the exporter's samples",
+    )
+
+    def _check_together(self) -> None:
+        self._keep_floats("interval_s", "server_interval_s")
 
 
 def watch_servers(monitor: Monitor, config: MonitorConfig, metrics_url: str | None) -> None:

@@ -22,6 +22,8 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from engines.base import Backend, StepRecord
 from engines.openai.server_metrics import server_root
+from engines.options import option
+from harness.config_section import ConfigSection
 from harness.measuring.server_profile import ServerProfiler
 from harness.measuring.trackers import Tracker
 from harness.run_folder import PROFILE_DIR
@@ -44,35 +46,15 @@ OPS_COLUMNS = [
 ]
 
 
-@dataclass
-class ProfileConfig:
-    start_step: int = 2  # measured-run steps before the profiler's warm-up step
-    num_steps: int = 16  # steps recorded
-    record_shapes: bool = False
-    with_stack: bool = False
-    top_k: int = 20  # operators per phase in the tables
+@dataclass(frozen=True)
+class ProfileConfig(ConfigSection):
+    section = "profiling"
 
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> ProfileConfig:
-        values = dict(values or {})
-        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(
-                f"profiling: unknown key(s) {unknown}; allowed: {sorted(cls.__dataclass_fields__)}"
-            )
-        cfg = cls(**values)
-        for name, low in (("start_step", 0), ("num_steps", 1), ("top_k", 1)):
-            value = getattr(cfg, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(
-                    f"profiling.{name}: {value!r} is invalid; allowed: an integer >= {low}"
-                )
-        for name in ("record_shapes", "with_stack"):
-            if not isinstance(getattr(cfg, name), bool):
-                raise ValueError(
-                    f"profiling.{name}: {getattr(cfg, name)!r} is invalid; allowed: true|false"
-                )
-        return cfg
+    start_step: int = option(2, ge=0, help="measured-run steps before the profiler's warm-up step")
+    num_steps: int = option(16, ge=1, help="steps recorded")
+    record_shapes: bool = option(False, help="torch.profiler's record_shapes")
+    with_stack: bool = option(False, help="torch.profiler's with_stack")
+    top_k: int = option(20, ge=1, help="operators per phase in the tables")
 
 
 def profiler_from_config(config: dict[str, Any], run_dir: str | Path) -> StepProfiler | None:

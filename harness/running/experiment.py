@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import copy
 import gc
-import math
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
@@ -17,6 +16,8 @@ from typing import Any
 import workloads
 from engines.backends import build_backend
 from engines.base import Backend, now_ns
+from engines.options import option
+from harness.config_section import ConfigSection, holds_a_float
 from harness.measuring import hardware, provenance, roofline
 from harness.measuring.monitors import MonitorConfig, MonitorTracker
 from harness.measuring.profiling import ProfileTracker
@@ -39,184 +40,125 @@ from harness.running.window import WindowConfig, summarize
 from workloads import WorkloadRequest
 
 
-def _section(name: str, values: Any, fields: Iterable[str]) -> dict[str, Any]:
-    """A config section as a dict of known keys (None: empty); any other key is named."""
-    allowed = sorted(fields)
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise ValueError(f"{name}: {values!r} is invalid; allowed: a mapping of {allowed}")
-    unknown = sorted(set(values) - set(allowed), key=str)
-    if unknown:
-        raise ValueError(f"{name}: unknown key(s) {unknown}; allowed: {allowed}")
-    return dict(values)
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}: {value!r} is invalid; allowed: true|false")
-    return value
-
-
-def _integer(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: {value!r} is invalid; allowed: an integer >= {low}")
-    return value
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"{name}: {value!r} is invalid; allowed: {'|'.join(allowed)}")
-    return str(value)
-
-
-def _number(name: str, value: Any, what: str, positive: bool = False) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not 0 <= value < math.inf  # also refuses NaN (every comparison with it is false)
-        or (positive and value == 0)
-    ):
-        raise ValueError(f"{name}: {value!r} is invalid; allowed: {what}")
-    try:
-        return float(value)
-    except OverflowError:  # an integer past float's range
-        raise ValueError(f"{name}: {value!r} is invalid; allowed: {what}") from None
-
-
-@dataclass(frozen=True)
-class SloConfig:
-    """`run.slo`: the bounds goodput counts against, in seconds (None: not bounded); goodput
-    counts completed requests meeting every bound that is set."""
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    e2e_s: float | None = None
-
-    @classmethod
-    def from_dict(cls, values: Any) -> SloConfig:
-        given = _section("run.slo", values, cls.__dataclass_fields__)
-        return cls(
-            **{
-                key: None
-                if value is None
-                else _number(
-                    f"run.slo.{key}", value, "null or a number of seconds > 0", positive=True
-                )
-                for key, value in given.items()
-            }
-        )
-
-
-@dataclass(frozen=True)
-class QualityConfig:
-    """`run.quality`: the quality probe (harness/measuring/quality.py), this engine against the
-    fp32 unquantized one on the same weights."""
-
-    enabled: bool = False
-    num_prompts: int = 8
-    prompt_len: int = 64
-    text: str | None = None  # text file for the probe and perplexity (None: the shipped corpus)
-    # prompt-set files (ShareGPT .json, MT-Bench .jsonl, else one prompt per line), each adding
-    # num_prompts prompts of real chat text to the probe (harness/measuring/quality.py)
-    prompt_sets: list[str] = field(default_factory=list)
-    min_margin: float = 0.1  # top-1 agreement counts positions whose reference margin exceeds it
-
-    @classmethod
-    def from_dict(cls, values: Any) -> QualityConfig:
-        given = _section("run.quality", values, cls.__dataclass_fields__)
-        defaults = cls()
-        text = given.get("text")
-        if text is not None and not isinstance(text, str):
-            raise ValueError(
-                f"run.quality.text: {text!r} is invalid; allowed: null or the path of a text file"
-            )
-        prompt_sets = given.get("prompt_sets", defaults.prompt_sets)
-        if isinstance(prompt_sets, str | bytes) or not (
-            isinstance(prompt_sets, list | tuple) and all(isinstance(p, str) for p in prompt_sets)
-        ):
-            raise ValueError(
-                f"run.quality.prompt_sets: {prompt_sets!r} is invalid; allowed: a list of paths "
-                "of prompt-set files (ShareGPT .json, MT-Bench .jsonl, or one prompt per line)"
-            )
-        return cls(
-            enabled=_flag("run.quality.enabled", given.get("enabled", defaults.enabled)),
-            num_prompts=_integer(
-                "run.quality.num_prompts", given.get("num_prompts", defaults.num_prompts), 1
-            ),
-            prompt_len=_integer(
-                "run.quality.prompt_len", given.get("prompt_len", defaults.prompt_len), 2
-            ),
-            text=text,
-            prompt_sets=list(prompt_sets),
-            min_margin=_number(
-                "run.quality.min_margin",
-                given.get("min_margin", defaults.min_margin),
-                "a number >= 0",
-            ),
-        )
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """The `run` section, validated once at the edge: an unknown key or a bad value is an
-    error that names it and the allowed values, before anything is loaded or written."""
-
-    name: str = "default"  # the run folder's name ends with it
-    # skip a run (or sweep job) whose folder already holds a complete run, and run the others
-    # again; without it a folder that holds a run is refused (harness/running/folder_guard.py)
-    resume: bool = False
-    # a sweep with a failed job exits 1 (so CI notices) unless this is true
-    allow_failed_jobs: bool = False
-    warmup_requests: int = 0  # run first, left out of every metric (config.yaml sets 2)
-    # phase lines on stderr (loading, warm-up, running), then a bar on a terminal or, without
-    # one (make, CI logs), a line every 5 s; False: silent until the summary
-    progress: bool = True
-    window: WindowConfig = field(default_factory=WindowConfig)  # docs/metrics.md
-    # a background sampler -> samples.parquet, memory/energy metrics (docs/monitoring.md)
-    monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    quality: QualityConfig = field(default_factory=QualityConfig)
-    slo: SloConfig = field(default_factory=SloConfig)
-    # N > 1: the requests are sent from N client processes (engine=openai only), each with its
-    # own connection pool and event loop (harness/running/clients.py, docs/scaling.md)
-    num_clients: int = 1
-    # where the clients run: local processes, or Ray tasks on the cluster `ray.init()` joins
-    # (RAY_ADDRESS, else a local one), which connect back to this process over TCP
-    clients_on: str = "processes"
-
-    @classmethod
-    def from_dict(cls, values: Any) -> RunConfig:
-        given = _section("run", values, cls.__dataclass_fields__)
-        defaults = cls()
-        name = given.get("name", defaults.name)
-        if isinstance(name, bool) or not isinstance(name, str | int) or name == "":
-            raise ValueError(f"run.name: {name!r} is invalid; allowed: a non-empty string")
-        return cls(
-            name=str(name),
-            resume=_flag("run.resume", given.get("resume", defaults.resume)),
-            allow_failed_jobs=_flag(
-                "run.allow_failed_jobs", given.get("allow_failed_jobs", defaults.allow_failed_jobs)
-            ),
-            warmup_requests=_integer(
-                "run.warmup_requests", given.get("warmup_requests", defaults.warmup_requests), 0
-            ),
-            progress=_flag("run.progress", given.get("progress", defaults.progress)),
-            window=WindowConfig.from_dict(given.get("window")),
-            monitor=MonitorConfig.from_dict(
-                _section("run.monitor", given.get("monitor"), MonitorConfig.__dataclass_fields__)
-            ),
-            quality=QualityConfig.from_dict(given.get("quality")),
-            slo=SloConfig.from_dict(given.get("slo")),
-            num_clients=_integer(
-                "run.num_clients", given.get("num_clients", defaults.num_clients), 1
-            ),
-            clients_on=_choice(
-                "run.clients_on", given.get("clients_on", defaults.clients_on), CLIENTS_ON
-            ),
-        )
+def _slo_bound(what: str) -> Any:
+    return option(
+        None,
+        gt=0,
+        unit="seconds",
+        valid=holds_a_float,
+        help=f"the {what} a request may take and still count toward goodput",
+    )
 
 
 CLIENTS_ON = ("processes", "ray")
+
+
+@dataclass(frozen=True)
+class SloConfig(ConfigSection):
+    """`run.slo`: the bounds goodput counts against, in seconds (None: not bounded); goodput
+    counts completed requests meeting every bound that is set."""
+
+    section = "run.slo"
+
+    ttft_s: float | None = _slo_bound("time to first token")
+    tpot_s: float | None = _slo_bound("time per output token")
+    e2e_s: float | None = _slo_bound("end-to-end latency")
+
+    def _check_together(self) -> None:
+        self._keep_floats("ttft_s", "tpot_s", "e2e_s")
+
+
+@dataclass(frozen=True)
+class QualityConfig(ConfigSection):
+    """`run.quality`: the quality probe (harness/measuring/quality.py), this engine against the
+    fp32 unquantized one on the same weights."""
+
+    section = "run.quality"
+
+    enabled: bool = option(False, help="run the probe after the measured run")
+    num_prompts: int = option(8, ge=1, help="prompts from the text (and from each prompt set)")
+    prompt_len: int = option(64, ge=2, help="tokens per prompt")
+    text: str | None = option(
+        None,
+        allowed="null or the path of a text file",
+        help="text file for the probe and perplexity (None: the shipped corpus)",
+    )
+    prompt_sets: list[str] = option(
+        default_factory=list,
+        empty=True,
+        allowed="a list of paths of prompt-set files (ShareGPT .json, MT-Bench .jsonl, or one "
+        "prompt per line)",
+        help="prompt-set files, each adding num_prompts prompts of real chat text to the probe "
+        "(harness/measuring/quality.py)",
+    )
+    min_margin: float = option(
+        0.1,
+        ge=0,
+        valid=holds_a_float,
+        help="top-1 agreement counts positions whose reference margin exceeds it",
+    )
+
+    def _check_together(self) -> None:
+        self._keep_floats("min_margin")
+
+
+@dataclass(frozen=True)
+class RunConfig(ConfigSection):
+    """The `run` section, validated once at the edge: an unknown key or a bad value is an
+    error that names it and the allowed values, before anything is loaded or written."""
+
+    section = "run"
+
+    name: str = option(
+        "default",
+        valid=lambda name: name != "",
+        allowed="a non-empty string",
+        help="the run folder's name ends with it",
+    )
+    resume: bool = option(
+        False,
+        help="skip a run (or sweep job) whose folder already holds a complete run, and run the "
+        "others again; without it a folder that holds a run is refused "
+        "(harness/running/folder_guard.py)",
+    )
+    allow_failed_jobs: bool = option(
+        False, help="a sweep with a failed job exits 1 (so CI notices) unless this is true"
+    )
+    warmup_requests: int = option(
+        0, ge=0, help="run first, left out of every metric (config.yaml sets 2)"
+    )
+    progress: bool = option(
+        True,
+        help="phase lines on stderr (loading, warm-up, running), then a bar on a terminal or, "
+        "without one (make, CI logs), a line every 5 s; false: silent until the summary",
+    )
+    window: WindowConfig = option(
+        default_factory=WindowConfig, help="the steady-state window (docs/metrics.md)"
+    )
+    monitor: MonitorConfig = option(
+        default_factory=MonitorConfig,
+        help="a background sampler -> samples.parquet, memory/energy metrics (docs/monitoring.md)",
+    )
+    quality: QualityConfig = option(default_factory=QualityConfig, help="the quality probe")
+    slo: SloConfig = option(default_factory=SloConfig, help="the bounds goodput counts against")
+    num_clients: int = option(
+        1,
+        ge=1,
+        help="N > 1: the requests are sent from N client processes (engine=openai only), each "
+        "with its own connection pool and event loop (harness/running/clients.py, "
+        "docs/scaling.md)",
+    )
+    clients_on: str = option(
+        "processes",
+        choices=CLIENTS_ON,
+        help="where the clients run: local processes, or Ray tasks on the cluster `ray.init()` "
+        "joins (RAY_ADDRESS, else a local one), which connect back to this process over TCP",
+    )
+
+    def _normalise(self) -> None:
+        if isinstance(self.name, int) and not isinstance(self.name, bool):
+            self._set("name", str(self.name))  # `run.name=3` on the command line
+
 
 #: the backends that `run.num_clients` > 1 can split over client processes: HTTP clients of a
 #: server that every process can reach (an in-process engine would load N models)

@@ -16,63 +16,31 @@ are the whole run's, and the window says which (`whole_run_metrics`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 
+from engines.options import option
+from harness.config_section import ConfigSection
 from harness.measuring.metrics import compute_summary
 
 
-@dataclass
-class WindowConfig:
-    skip_fraction: float = 0.1  # the first 10% of sends are ramp-up
-    min_duration_s: float = 0.0  # a shorter window is reported as not valid (as MLPerf does)
-    min_requests: int = 0
+@dataclass(frozen=True)
+class WindowConfig(ConfigSection):
+    section = "run.window"
 
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> WindowConfig:
-        if values is not None and not isinstance(values, dict):
-            raise ValueError(
-                f"run.window: {values!r} is invalid; allowed: a mapping of "
-                f"{sorted(cls.__dataclass_fields__)}"
-            )
-        values = dict(values or {})
-        unknown = sorted(set(values) - set(cls.__dataclass_fields__), key=str)
-        if unknown:
-            raise ValueError(
-                f"run.window: unknown key(s) {unknown}; allowed: {sorted(cls.__dataclass_fields__)}"
-            )
-        cfg = cls(**values)
-        if not _is_number(cfg.skip_fraction) or not 0.0 <= cfg.skip_fraction < 1.0:
-            raise ValueError(
-                f"run.window.skip_fraction: {cfg.skip_fraction!r} is invalid; "
-                "allowed: a number in [0, 1)"
-            )
-        if not _is_number(cfg.min_duration_s) or cfg.min_duration_s < 0:
-            raise ValueError(
-                f"run.window.min_duration_s: {cfg.min_duration_s!r} is invalid; "
-                "allowed: a number of seconds >= 0"
-            )
-        if (
-            isinstance(cfg.min_requests, bool)
-            or not isinstance(cfg.min_requests, int)
-            or cfg.min_requests < 0
-        ):
-            raise ValueError(
-                f"run.window.min_requests: {cfg.min_requests!r} is invalid; "
-                "allowed: an integer >= 0"
-            )
-        return cfg
-
-
-def _is_number(value: Any) -> bool:
-    """A finite int or float (NaN passed `< 0` checks: every comparison with it is false)."""
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and -math.inf < value < math.inf
+    skip_fraction: float = option(
+        0.1, ge=0, lt=1, help="the first sends (this fraction of them) are the ramp-up"
+    )
+    min_duration_s: float = option(
+        0.0,
+        ge=0,
+        unit="seconds",
+        help="a shorter window is reported as not valid (as MLPerf does)",
+    )
+    min_requests: int = option(
+        0, ge=0, help="a window holding fewer requests is reported as not valid"
     )
 
 

@@ -75,3 +75,42 @@ def test_good_values_are_kept_normalised_and_frozen() -> None:
 def test_unknown_keys_are_named_with_the_known_ones() -> None:
     with pytest.raises(ToyError, match=r"toy: unknown option\(s\) \['cuont'\]; known options: "):
         Toy.from_dict({"cuont": 2})
+
+
+@dataclass(frozen=True)
+class Inner(Options):
+    prefix = "toy.inner."
+    error = ToyError
+    section = "toy.inner"
+
+    depth: int = option(1, ge=0, help="how deep")
+    tags: list[str] = option(default_factory=list, empty=True, help="may be empty")
+
+
+@dataclass(frozen=True)
+class Outer(Options):
+    prefix = "toy."
+    error = ToyError
+    section = "toy"
+
+    inner: Inner = option(default_factory=Inner, help="a nested section")
+
+
+def test_a_nested_section_is_built_from_its_mapping_and_checked_by_its_own_fields() -> None:
+    outer = Outer.from_dict({"inner": {"depth": 3, "tags": ("a",)}})
+    assert outer.inner == Inner(depth=3, tags=["a"])  # a list from YAML's tuple too
+    assert Outer().inner == Inner() and Inner().tags == []  # an empty list where allowed
+    with pytest.raises(
+        ToyError, match=r"^toy.inner.depth: -1 is invalid; allowed: an integer >= 0"
+    ):
+        Outer.from_dict({"inner": {"depth": -1}})
+    with pytest.raises(ToyError, match=r"^toy.inner: unknown option\(s\) \['deep'\]"):
+        Outer.from_dict({"inner": {"deep": 1}})
+    with pytest.raises(ToyError, match=r"^toy.inner.tags: \[1\] is invalid; allowed: a list of"):
+        Inner(tags=[1])  # type: ignore[list-item]
+
+
+def test_an_integer_past_floats_range_is_a_number_not_a_traceback() -> None:
+    with pytest.raises(ToyError, match=r"^toy.share: 1000.* is invalid; allowed: a number in"):
+        Toy(share=10**400)
+    assert Toy(wait_s=10**400).wait_s == 10**400  # no bound above: kept, as an integer
