@@ -179,6 +179,14 @@ class EngineConfig(Options):
         help="CPU float32 with the C kernels: run each decode-only step's decoder layers as one "
         "call into them (engines/builtin/decode_program.py); false: module by module",
     )
+    cpu_wait_policy: str = option(
+        "auto",
+        choices=("auto", "active", "passive"),
+        help="the decode program's threads at the barriers between its ops: auto (spin up to "
+        "100 us, then sleep: fast on a quiet machine, yields on a busy one), active (spin: "
+        "OpenMP's ACTIVE) or passive (sleep at once: OpenMP's PASSIVE); torch's own regions "
+        "follow OMP_WAIT_POLICY (docs/engine_options.md, Threads)",
+    )
     # typed Any: Hydra cannot merge a mapping into a None dict
     speculative_config: Any = option(
         None,

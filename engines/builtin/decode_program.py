@@ -34,10 +34,13 @@ if TYPE_CHECKING:
     from engines.builtin.model import DecoderLayer, Transformer
 
 _PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-DENSE, INT8, INT4, INT4_A8 = 0, 1, 2, 3  # decode_layers.c's PROGRAM_*
+DENSE, INT8, INT4, INT4_A8 = 0, 1, 2, 3  # kernels.h's LINEAR_*
+#: engine.cpu_wait_policy -> how long a thread spins at a barrier before it sleeps, in ns
+#: (team.h: -1 for ever, 0 not at all; auto: the library's own budget)
+_SPIN_NS = {"active": -1, "passive": 0}
 
 
-class ProgramLinear(ctypes.Structure):
+class LinearWeights(ctypes.Structure):  # kernels.h
     _fields_ = [
         ("kind", _I64),
         ("weight", _PTR),
@@ -55,10 +58,10 @@ class ProgramLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _PTR),
         ("post_attn_norm", _PTR),
-        ("qkv", ProgramLinear),
-        ("o", ProgramLinear),
-        ("gate_up", ProgramLinear),
-        ("down", ProgramLinear),
+        ("qkv", LinearWeights),
+        ("o", LinearWeights),
+        ("gate_up", LinearWeights),
+        ("down", LinearWeights),
         ("k_cache", _PTR),
         ("v_cache", _PTR),
     ]
@@ -98,19 +101,19 @@ def _linear_problem(layer: Linear) -> str | None:
     return f"{layer.name} is kept as {method.describe(layer)!r}"
 
 
-def _program_linear(layer: Linear, keep: list[torch.Tensor]) -> ProgramLinear:
+def _program_linear(layer: Linear, keep: list[torch.Tensor]) -> LinearWeights:
     method = layer.method
     bias = _ptr(None if layer.bias is None else layer.bias.data, keep)
     shape = (layer.in_features, layer.out_features)
     if isinstance(method, PanelDenseMethod):
-        return ProgramLinear(DENSE, _ptr(layer.panels, keep), None, None, bias, *shape, 0, 0)
+        return LinearWeights(DENSE, _ptr(layer.panels, keep), None, None, bias, *shape, 0, 0)
     weight, scales = _ptr(layer.qweight, keep), _ptr(layer.scales, keep)
     if isinstance(method, Int4Method):
         kind = INT4_A8 if method.activations == "int8" else INT4
         mins = _ptr(layer.mins, keep)
         rows_max = native_quant.rows_max(4, method.activations)
-        return ProgramLinear(kind, weight, scales, mins, bias, *shape, layer.group_size, rows_max)
-    return ProgramLinear(INT8, weight, scales, None, bias, *shape, 0, native_quant.rows_max(8))
+        return LinearWeights(kind, weight, scales, mins, bias, *shape, layer.group_size, rows_max)
+    return LinearWeights(INT8, weight, scales, None, bias, *shape, 0, native_quant.rows_max(8))
 
 
 def unavailable_reason(model: Transformer) -> str | None:
@@ -143,10 +146,16 @@ def unavailable_reason(model: Transformer) -> str | None:
 class DecodeProgram:
     """The model's decoder layers as C structs, run by `run` for decode-only steps."""
 
-    def __init__(self, model: Transformer, block_size: int) -> None:
+    def __init__(self, model: Transformer, block_size: int, wait_policy: str = "auto") -> None:
         """Reads the layers' tensors as they are now: a layer loaded again afterwards needs a
-        new program (the model runner builds it once the KV cache exists)."""
+        new program (the model runner builds it once the KV cache exists). `wait_policy`:
+        engine.cpu_wait_policy."""
         cfg = model.config
+        lib = native.load()
+        assert lib is not None  # unavailable_reason said so
+        self.spin_ns: int = (
+            _SPIN_NS[wait_policy] if wait_policy in _SPIN_NS else lib.team_default_spin_ns()
+        )
         first: DecoderLayer = model.layers[0]  # type: ignore[assignment]
         self.keep: list[torch.Tensor] = []  # every tensor the structs point into
         self.table_positions = model.rope.cos_sin_table.shape[0]
@@ -225,6 +234,7 @@ class DecodeProgram:
             tables.stride(0),
             meta.seq_lens.data_ptr(),
             torch.get_num_threads(),
+            self.spin_ns,
         )
         if status != 0:
             raise MemoryError("decode program: could not allocate its scratch memory")

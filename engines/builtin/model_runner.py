@@ -272,7 +272,7 @@ class ModelRunner:
         else:
             self.layer_program_reason = unavailable_reason(self.model)
         self.model.layer_program = (
-            DecodeProgram(self.model, self.block_size)
+            DecodeProgram(self.model, self.block_size, self.config.cpu_wait_policy)
             if self.layer_program_reason is None
             else None
         )
@@ -309,6 +309,7 @@ class ModelRunner:
             # decode steps' layers in one call into the C kernels, or why not
             "native_decode_program": self.model.layer_program is not None,
             "native_decode_program_reason": self.layer_program_reason,
+            "cpu_wait_policy": self.config.cpu_wait_policy,
             "cuda_graphs": graphs is not None,
             "cuda_graph_batch_sizes": graphs.sizes if graphs is not None else [],
         }

@@ -83,11 +83,11 @@ def open_library(path: str | Path) -> tuple[ctypes.CDLL, Layout]:
         fn.argtypes, fn.restype = argtypes, None
     lib.kernel_isa.argtypes, lib.kernel_isa.restype = [], ctypes.c_char_p
     lib.linear_layout.argtypes, lib.linear_layout.restype = [_PTR], None
-    for name in ("quant_paths", "quant_q8_activation_paths"):
+    for name in ("quant_paths", "quant_q8_activation_paths", "team_default_spin_ns"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int64
     # decode_layers.c (engines/builtin/decode_program.py): 0, or -1 without scratch memory
     program_args: list[Any] = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR]
-    lib.decode_layers_f32.argtypes = [*program_args, _I64]
+    lib.decode_layers_f32.argtypes = [*program_args, _I64, _I64]
     lib.decode_layers_f32.restype = ctypes.c_int64
     sizes = (ctypes.c_int64 * 2)()
     lib.linear_layout(ctypes.addressof(sizes))

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include "kernels.h"
+#include "team.h"
 
 /* e^x for x in float32, vectorizable (libm's expf is a call per element): Cody-Waite range
  * reduction x = k ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial for e^r (within about
@@ -43,96 +44,127 @@ static inline float exp_f32(float x) {
  * it does not). Sequences are split into head runs only as far as needed to give every thread
  * two tasks. Scores go to a per-task buffer: an exact two-pass softmax, no rescaling. Four
  * heads' dot products run side by side (four independent sums instead of one long chain). */
+/* How decode_attention_f32 splits its work among `threads`: tasks of one sequence and
+ * `per_chunk` of its KV heads, `chunks` of them per sequence. */
+static void attention_tasks(int64_t B, int64_t KVH, int64_t threads, int64_t *chunks,
+                            int64_t *per_chunk) {
+    int64_t c = (2 * threads + B - 1) / B;
+    if (c > KVH) c = KVH;
+    if (c < 1) c = 1;
+    *chunks = c;
+    *per_chunk = (KVH + c - 1) / c;
+}
+
+/* One task: sequence b, its KV heads c * per_chunk .. (c + 1) * per_chunk - 1. */
+static void decode_attention_task(const float *q, int64_t q_stride, const float *k_cache,
+                                  const float *v_cache, const int32_t *block_tables,
+                                  int64_t bt_stride, const int32_t *seq_lens, int64_t H,
+                                  int64_t KVH, int64_t D, int64_t BS, float scale,
+                                  int64_t window, float *out, int64_t b, int64_t c,
+                                  int64_t per_chunk) {
+    const int64_t G = H / KVH;
+    const int64_t row = KVH * D; /* floats between consecutive positions */
+    const int64_t h0 = c * per_chunk;
+    const int64_t h1 = h0 + per_chunk < KVH ? h0 + per_chunk : KVH;
+    if (h0 >= h1) return;
+    const int64_t nq = (h1 - h0) * G; /* query heads of this task */
+    const int64_t len = seq_lens[b];
+    const int64_t first = (window > 0 && len > window) ? len - window : 0;
+    const int64_t n = len - first;
+    const float *qt = q + b * q_stride + h0 * G * D;
+    float *o = out + (b * H + h0 * G) * D;
+    for (int64_t i = 0; i < nq * D; i++) o[i] = 0.0f;
+    if (n <= 0) return;
+    const int32_t *table = block_tables + b * bt_stride;
+    float *scores = malloc(sizeof(float) * nq * n);
+    if (scores == NULL) { /* out of memory: NaN outputs, never a wrong number */
+        for (int64_t i = 0; i < nq * D; i++) o[i] = NAN;
+        return;
+    }
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t pos = first + j;
+        const float *kr = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
+        int64_t i = 0;
+        for (; i + 4 <= nq; i += 4) {
+            const float *q0 = qt + i * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
+            const float *k0 = kr + (h0 + i / G) * D;
+            const float *k1 = kr + (h0 + (i + 1) / G) * D;
+            const float *k2 = kr + (h0 + (i + 2) / G) * D;
+            const float *k3 = kr + (h0 + (i + 3) / G) * D;
+            float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+            for (int64_t d = 0; d < D; d++) {
+                d0 += q0[d] * k0[d];
+                d1 += q1[d] * k1[d];
+                d2 += q2[d] * k2[d];
+                d3 += q3[d] * k3[d];
+            }
+            scores[i * n + j] = d0 * scale;
+            scores[(i + 1) * n + j] = d1 * scale;
+            scores[(i + 2) * n + j] = d2 * scale;
+            scores[(i + 3) * n + j] = d3 * scale;
+        }
+        for (; i < nq; i++) {
+            const float *qi = qt + i * D;
+            const float *ki = kr + (h0 + i / G) * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; d++) dot += qi[d] * ki[d];
+            scores[i * n + j] = dot * scale;
+        }
+    }
+    for (int64_t i = 0; i < nq; i++) {
+        float *si = scores + i * n;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) mx = si[j] > mx ? si[j] : mx;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; j++) {
+            si[j] = exp_f32(si[j] - mx);
+            sum += si[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < n; j++) si[j] *= inv;
+    }
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t pos = first + j;
+        const float *vr = v_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
+        for (int64_t i = 0; i < nq; i++) {
+            const float p = scores[i * n + j];
+            const float *vi = vr + (h0 + i / G) * D;
+            float *oi = o + i * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) oi[d] += p * vi[d];
+        }
+    }
+    free(scores);
+}
+
 void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                           const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                           int64_t BS, float scale, int64_t window, int64_t threads,
                           float *out) {
     if (B <= 0) return;
-    const int64_t G = H / KVH;
-    const int64_t row = KVH * D; /* floats between consecutive positions */
-    int64_t chunks = (2 * threads + B - 1) / B;
-    if (chunks > KVH) chunks = KVH;
-    if (chunks < 1) chunks = 1;
-    const int64_t per_chunk = (KVH + chunks - 1) / chunks;
+    int64_t chunks, per_chunk;
+    attention_tasks(B, KVH, threads, &chunks, &per_chunk);
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t h0 = c * per_chunk;
-            const int64_t h1 = h0 + per_chunk < KVH ? h0 + per_chunk : KVH;
-            if (h0 >= h1) continue;
-            const int64_t nq = (h1 - h0) * G; /* query heads of this task */
-            const int64_t len = seq_lens[b];
-            const int64_t first = (window > 0 && len > window) ? len - window : 0;
-            const int64_t n = len - first;
-            const float *qt = q + b * q_stride + h0 * G * D;
-            float *o = out + (b * H + h0 * G) * D;
-            for (int64_t i = 0; i < nq * D; i++) o[i] = 0.0f;
-            if (n <= 0) continue;
-            const int32_t *table = block_tables + b * bt_stride;
-            float *scores = malloc(sizeof(float) * nq * n);
-            if (scores == NULL) { /* out of memory: NaN outputs, never a wrong number */
-                for (int64_t i = 0; i < nq * D; i++) o[i] = NAN;
-                continue;
-            }
-            for (int64_t j = 0; j < n; j++) {
-                const int64_t pos = first + j;
-                const float *kr = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
-                int64_t i = 0;
-                for (; i + 4 <= nq; i += 4) {
-                    const float *q0 = qt + i * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
-                    const float *k0 = kr + (h0 + i / G) * D;
-                    const float *k1 = kr + (h0 + (i + 1) / G) * D;
-                    const float *k2 = kr + (h0 + (i + 2) / G) * D;
-                    const float *k3 = kr + (h0 + (i + 3) / G) * D;
-                    float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-                    for (int64_t d = 0; d < D; d++) {
-                        d0 += q0[d] * k0[d];
-                        d1 += q1[d] * k1[d];
-                        d2 += q2[d] * k2[d];
-                        d3 += q3[d] * k3[d];
-                    }
-                    scores[i * n + j] = d0 * scale;
-                    scores[(i + 1) * n + j] = d1 * scale;
-                    scores[(i + 2) * n + j] = d2 * scale;
-                    scores[(i + 3) * n + j] = d3 * scale;
-                }
-                for (; i < nq; i++) {
-                    const float *qi = qt + i * D;
-                    const float *ki = kr + (h0 + i / G) * D;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qi[d] * ki[d];
-                    scores[i * n + j] = dot * scale;
-                }
-            }
-            for (int64_t i = 0; i < nq; i++) {
-                float *si = scores + i * n;
-                float mx = -INFINITY, sum = 0.0f;
-                for (int64_t j = 0; j < n; j++) mx = si[j] > mx ? si[j] : mx;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < n; j++) {
-                    si[j] = exp_f32(si[j] - mx);
-                    sum += si[j];
-                }
-                const float inv = 1.0f / sum;
-                for (int64_t j = 0; j < n; j++) si[j] *= inv;
-            }
-            for (int64_t j = 0; j < n; j++) {
-                const int64_t pos = first + j;
-                const float *vr = v_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
-                for (int64_t i = 0; i < nq; i++) {
-                    const float p = scores[i * n + j];
-                    const float *vi = vr + (h0 + i / G) * D;
-                    float *oi = o + i * D;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) oi[d] += p * vi[d];
-                }
-            }
-            free(scores);
-        }
-    }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t c = 0; c < chunks; c++)
+            decode_attention_task(q, q_stride, k_cache, v_cache, block_tables, bt_stride,
+                                  seq_lens, H, KVH, D, BS, scale, window, out, b, c, per_chunk);
+}
+
+void decode_attention_part(const float *q, int64_t q_stride, const float *k_cache,
+                           const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH,
+                           int64_t D, int64_t BS, float scale, int64_t window, float *out,
+                           _Atomic int64_t *next_task, const Member *me) {
+    int64_t chunks, per_chunk;
+    attention_tasks(B, KVH, me->size, &chunks, &per_chunk);
+    for (int64_t task; (task = atomic_fetch_add(next_task, 1)) < B * chunks;)
+        decode_attention_task(q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
+                              H, KVH, D, BS, scale, window, out, task / chunks, task % chunks,
+                              per_chunk);
 }
 
 /* RMSNorm of T rows of width N, each row computed in float32 as torch's composite does:
@@ -140,10 +172,9 @@ void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache
  * added into the residual stream, x + residual, which is kept (written to `residual`) for the
  * next block: the decoder's "residual add, then norm" in one pass over the row. `out` may be
  * `x` itself. */
-void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
-                      int64_t T, int64_t N, float eps, int64_t threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (T * N >= 16384)
-    for (int64_t t = 0; t < T; t++) {
+void add_rms_norm_rows(const float *x, float *residual, const float *weight, float *out,
+                       int64_t t0, int64_t t1, int64_t N, float eps) {
+    for (int64_t t = t0; t < t1; t++) {
         const float *xr = x + t * N;
         float *o = out + t * N;
         const float *src = xr;
@@ -162,17 +193,30 @@ void add_rms_norm_f32(const float *x, float *residual, const float *weight, floa
     }
 }
 
-/* out [T, I] = silu(gate) * up, for gate_up [T, 2I] (gate | up, row stride 2I). */
-void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I,
-                      int64_t threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (T * I >= 16384)
+void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
+                      int64_t T, int64_t N, float eps, int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (T * N >= 16384)
+    for (int64_t t = 0; t < T; t++) add_rms_norm_rows(x, residual, weight, out, t, t + 1, N, eps);
+}
+
+/* out [T, I] = silu(gate) * up, for gate_up [T, 2I] (gate | up, row stride 2I); columns
+ * i0 .. i1 - 1 of every row (silu_and_mul_cols), or all of them. */
+void silu_and_mul_cols(const float *gate_up, float *out, int64_t T, int64_t I, int64_t i0,
+                       int64_t i1) {
     for (int64_t t = 0; t < T; t++) {
         const float *g = gate_up + t * 2 * I;
         const float *u = g + I;
         float *o = out + t * I;
 #pragma omp simd
-        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+        for (int64_t i = i0; i < i1; i++) o[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
     }
+}
+
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I,
+                      int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (T * I >= 16384)
+    for (int64_t t = 0; t < T; t++)
+        silu_and_mul_cols(gate_up + t * 2 * I, out + t * I, 1, I, 0, I);
 }
 
 /* Rotary embedding of the query and key heads of qkv [T, (H + 2 KVH) D] (row stride
@@ -182,13 +226,12 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I,
  * The rotate-half layout of Hugging Face Llama, with cos|sin of position p in
  * table[p] = cos[D/2] | sin[D/2]: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, each product
  * and sum rounded as torch's separate ops round them (no fused multiply-add). */
-void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions,
-                        const float *table, float *k_cache, float *v_cache,
-                        const int64_t *slots, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                        int64_t threads) {
+void rope_and_cache_rows(float *qkv, int64_t qkv_stride, const int64_t *positions,
+                         const float *table, float *k_cache, float *v_cache,
+                         const int64_t *slots, int64_t t0, int64_t t1, int64_t H, int64_t KVH,
+                         int64_t D) {
     const int64_t half = D / 2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (T * (H + KVH) * D >= 16384)
-    for (int64_t t = 0; t < T; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         float *row = qkv + t * qkv_stride;
         if (k_cache != NULL && slots[t] >= 0) {
             /* ask for the cache lines this token's K and V go to before rotating: left to the
@@ -229,6 +272,16 @@ void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions
             }
         }
     }
+}
+
+void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions,
+                        const float *table, float *k_cache, float *v_cache,
+                        const int64_t *slots, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                        int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (T * (H + KVH) * D >= 16384)
+    for (int64_t t = 0; t < T; t++)
+        rope_and_cache_rows(qkv, qkv_stride, positions, table, k_cache, v_cache, slots, t, t + 1,
+                            H, KVH, D);
 }
 
 /* The packed layout of this build's linear_f32: out[0] = PANEL (weight rows per panel),
@@ -371,12 +424,11 @@ void gemm_panel(const float *xp, const float *panel, const float *next_panel,
  * (16, 32 and 64 blocks of 8 measured alike at 2,048 rows on a 2-core Xeon). */
 #define LINEAR_PASS_BLOCKS (128 / ROW_BLOCK)
 
-/* y [M, N] = x [M, K] w^T (+ bias [N]) with w packed by pack_linear_weight_f32; x and y
- * contiguous; xp: room for x packed, ceil(M / ROW_BLOCK) x ROW_BLOCK x K floats. */
-void pack_gemm_input(const float *x, float *xp, int64_t M, int64_t K) {
-    const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; b++)
+/* x [M, K] -> xp (pack_gemm_input in kernels.h): this member's share of the blocks. */
+void pack_gemm_input(const float *x, float *xp, int64_t M, int64_t K, const Member *me) {
+    int64_t b0, b1;
+    team_share((M + ROW_BLOCK - 1) / ROW_BLOCK, me, &b0, &b1);
+    for (int64_t b = b0; b < b1; b++)
         for (int64_t k = 0; k < K; k++)
             for (int64_t i = 0; i < ROW_BLOCK; i++) {
                 const int64_t m = b * ROW_BLOCK + i;
@@ -384,23 +436,35 @@ void pack_gemm_input(const float *x, float *xp, int64_t M, int64_t K) {
             }
 }
 
-void linear_f32(const float *x, const float *panels, const float *bias, float *y, float *xp,
-                int64_t M, int64_t K, int64_t N, int64_t threads) {
+/* y [M, N] = x [M, K] w^T (+ bias [N]) with w packed by pack_linear_weight_f32; x and y
+ * contiguous; xp: room for x packed, ceil(M / ROW_BLOCK) x ROW_BLOCK x K floats. As one
+ * member of a team (linear_f32_part; each takes a share of the panels), or on `threads`. */
+void linear_f32_part(const float *x, const float *panels, const float *bias, float *y,
+                     float *xp, int64_t M, int64_t K, int64_t N, const Member *me) {
     if (M <= 0 || N <= 0) return;
     const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t count = (N + PANEL - 1) / PANEL;
+    pack_gemm_input(x, xp, M, K, me);
+    team_barrier(me);
+    int64_t p0, p1;
+    team_share(count, me, &p0, &p1);
+    for (int64_t b0 = 0; b0 < blocks; b0 += LINEAR_PASS_BLOCKS) {
+        const int64_t b1 = b0 + LINEAR_PASS_BLOCKS < blocks ? b0 + LINEAR_PASS_BLOCKS : blocks;
+        for (int64_t p = p0; p < p1; p++) {
+            const float *panel = panels + p * K * PANEL;
+            gemm_panel(xp, panel, p + 1 < count ? panel + K * PANEL : NULL, bias, y, M, K, N,
+                       p * PANEL, b0, b1);
+        }
+    }
+}
+
+void linear_f32(const float *x, const float *panels, const float *bias, float *y, float *xp,
+                int64_t M, int64_t K, int64_t N, int64_t threads) {
+    Team team = {.spin_ns = team_default_spin_ns()};
 #pragma omp parallel num_threads(threads)
     {
-        pack_gemm_input(x, xp, M, K);
-        for (int64_t b0 = 0; b0 < blocks; b0 += LINEAR_PASS_BLOCKS) {
-            const int64_t b1 = b0 + LINEAR_PASS_BLOCKS < blocks ? b0 + LINEAR_PASS_BLOCKS : blocks;
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < count; p++) {
-                const float *panel = panels + p * K * PANEL;
-                gemm_panel(xp, panel, p + 1 < count ? panel + K * PANEL : NULL, bias, y, M, K,
-                           N, p * PANEL, b0, b1);
-            }
-        }
+        const Member me = team_member(&team);
+        linear_f32_part(x, panels, bias, y, xp, M, K, N, &me);
     }
 }
 

@@ -9,27 +9,23 @@
  *   h = rms_norm(residual += x); qkv = h Wqkv^T; rotary + K/V store; attention over the cache;
  *   x = attn Wo^T; h = rms_norm(residual += x); x = silu_and_mul(h Wgate_up^T) Wdown^T.
  * The caller passes residual zeroed before the first layer (residual += embeddings is the
- * embeddings, bit for bit), and takes x and residual back for the final norm. */
+ * embeddings, bit for bit), and takes x and residual back for the final norm.
+ *
+ * The whole step is one parallel region: its threads go through every op together, each
+ * taking its share (a linear's output rows, the attention's tasks, the norms' rows), with a
+ * team barrier between dependent ops (team.h: spin, then sleep, `spin_ns` deciding how long).
+ * One region instead of ~10 per layer: under OMP_WAIT_POLICY=PASSIVE each region woke a
+ * sleeping thread, and at batch 1 on SmolLM2-135M that made 2 threads slower than 1
+ * (issue 36). */
 
 #include <stdlib.h>
 
 #include "kernels.h"
-
-enum { PROGRAM_DENSE = 0, PROGRAM_INT8 = 1, PROGRAM_INT4 = 2, PROGRAM_INT4_A8 = 3 };
-
-typedef struct {
-    int64_t kind;       /* PROGRAM_* */
-    const void *weight; /* dense: panels (pack_linear_weight_f32); int8: q; int4: nibbles */
-    const float *scale; /* int8 [N]; int4 [N][K / g] */
-    const float *minv;  /* int4 [N][K / g] */
-    const float *bias;  /* [N] or NULL */
-    int64_t in_features, out_features, group_size;
-    int64_t rows_max;   /* quantized: the most rows the rows kernels take (native/quant.py) */
-} ProgramLinear;
+#include "team.h"
 
 typedef struct {
     const float *input_norm, *post_attn_norm;
-    ProgramLinear qkv, o, gate_up, down;
+    LinearWeights qkv, o, gate_up, down;
     float *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim] */
 } ProgramLayer;
 
@@ -39,58 +35,127 @@ typedef struct {
     const float *rope_table; /* [positions, head_dim] (cos | sin halves) */
 } ProgramShape;
 
-static void program_linear(const ProgramLinear *l, const float *x, float *y, float *xp,
-                           int64_t T, int64_t threads) {
-    const int64_t K = l->in_features, N = l->out_features, g = l->group_size;
-    const int64_t rows_max = l->rows_max;
-    switch (l->kind) {
-    case PROGRAM_DENSE: linear_f32(x, l->weight, l->bias, y, xp, T, K, N, threads); break;
-    case PROGRAM_INT8:
-        q8_linear_f32(x, l->weight, l->scale, l->bias, y, T, K, N, rows_max, 0, threads);
-        break;
-    case PROGRAM_INT4:
-        q4_linear_f32(x, l->weight, l->scale, l->minv, l->bias, y, T, K, N, g, rows_max, 0,
-                      threads);
-        break;
-    default:
-        q4_linear_q8_f32(x, l->weight, l->scale, l->minv, l->bias, y, T, K, N, g, rows_max, 0,
-                         threads);
+/* One call's inputs and scratch, shared by the team. */
+typedef struct {
+    const ProgramShape *shape;
+    const ProgramLayer *layers;
+    int64_t L, T, bt_stride;
+    float *x, *residual;
+    const int64_t *positions, *slots;
+    const int32_t *block_tables, *seq_lens;
+    float *h, *qkv, *attn, *gate_up, *act; /* the ops' outputs */
+    float *linear_shared;                  /* a linear's packed or quantized input */
+    float *own;                            /* per member: own_floats each (tile kernels) */
+    int64_t own_floats;
+    _Atomic int64_t *attention_tasks; /* [L]: each layer's attention hands out its tasks */
+} ProgramRun;
+
+static void linear_scratch(const LinearWeights *l, int64_t T, int64_t *shared, int64_t *own) {
+    if (l->kind == LINEAR_DENSE) {
+        *shared = (T + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK * l->in_features;
+        *own = 0;
+    } else {
+        quant_linear_scratch(l, T, shared, own);
     }
 }
 
-/* Returns 0, or -1 when the scratch could not be allocated (nothing computed). */
+static void program_linear(const ProgramRun *run, const LinearWeights *l, const float *x,
+                           float *y, const Member *me) {
+    if (l->kind == LINEAR_DENSE)
+        linear_f32_part(x, l->weight, l->bias, y, run->linear_shared, run->T, l->in_features,
+                        l->out_features, me);
+    else
+        quant_linear_part(l, x, y, run->T, 0, run->linear_shared,
+                          run->own + me->id * run->own_floats, me);
+}
+
+/* Everything one member of the team does, layer after layer. */
+static void program_member(const ProgramRun *run, const Member *me) {
+    const ProgramShape *s = run->shape;
+    const int64_t T = run->T, q_size = s->heads * s->head_dim;
+    const int64_t qkv_width = q_size + 2 * s->kv_heads * s->head_dim;
+    int64_t t0, t1, i0, i1;
+    team_share(T, me, &t0, &t1);
+    team_share(s->intermediate, me, &i0, &i1);
+    for (int64_t l = 0; l < run->L; l++) {
+        const ProgramLayer *layer = run->layers + l;
+        add_rms_norm_rows(run->x, run->residual, layer->input_norm, run->h, t0, t1, s->hidden,
+                          s->eps);
+        team_barrier(me);
+        program_linear(run, &layer->qkv, run->h, run->qkv, me);
+        team_barrier(me);
+        rope_and_cache_rows(run->qkv, qkv_width, run->positions, s->rope_table, layer->k_cache,
+                            layer->v_cache, run->slots, t0, t1, s->heads, s->kv_heads,
+                            s->head_dim);
+        team_barrier(me);
+        decode_attention_part(run->qkv, qkv_width, layer->k_cache, layer->v_cache,
+                              run->block_tables, run->bt_stride, run->seq_lens, T, s->heads,
+                              s->kv_heads, s->head_dim, s->block_size, s->scale, s->window,
+                              run->attn, run->attention_tasks + l, me);
+        team_barrier(me);
+        program_linear(run, &layer->o, run->attn, run->x, me);
+        team_barrier(me);
+        add_rms_norm_rows(run->x, run->residual, layer->post_attn_norm, run->h, t0, t1,
+                          s->hidden, s->eps);
+        team_barrier(me);
+        program_linear(run, &layer->gate_up, run->h, run->gate_up, me);
+        team_barrier(me);
+        silu_and_mul_cols(run->gate_up, run->act, T, s->intermediate, i0, i1);
+        team_barrier(me);
+        program_linear(run, &layer->down, run->act, run->x, me);
+        team_barrier(me);
+    }
+}
+
+/* Returns 0, or -1 when the scratch could not be allocated (nothing computed). spin_ns: how
+ * long a thread spins at a barrier before it sleeps (team.h; TEAM_SPIN_FOREVER, 0). */
 int64_t decode_layers_f32(const ProgramShape *s, const ProgramLayer *layers, int64_t L,
                           float *x, float *residual, int64_t T, const int64_t *positions,
                           const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
-                          const int32_t *seq_lens, int64_t threads) {
+                          const int32_t *seq_lens, int64_t threads, int64_t spin_ns) {
     const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
-    const int64_t qkv_width = q_size + 2 * kv_size, widest_in =
-        s->hidden > s->intermediate ? (s->hidden > q_size ? s->hidden : q_size)
-                                    : (s->intermediate > q_size ? s->intermediate : q_size);
-    const int64_t padded = (T + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
-    float *scratch = malloc(sizeof(float) * (T * (s->hidden + qkv_width + q_size +
-                                                  3 * s->intermediate) +
-                                              padded * widest_in));
-    if (scratch == NULL) return -1;
+    const int64_t qkv_width = q_size + 2 * kv_size;
+    int64_t shared = 0, own = 0;
+    for (int64_t l = 0; l < L; l++) {
+        const LinearWeights *linears[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up,
+                                           &layers[l].down};
+        for (int i = 0; i < 4; i++) {
+            int64_t need_shared, need_own;
+            linear_scratch(linears[i], T, &need_shared, &need_own);
+            shared = need_shared > shared ? need_shared : shared;
+            own = need_own > own ? need_own : own;
+        }
+    }
+    if (threads < 1) threads = 1;
+    const int64_t outputs = T * (s->hidden + qkv_width + q_size + 3 * s->intermediate);
+    float *scratch = malloc(sizeof(float) * (outputs + shared + threads * own));
+    _Atomic int64_t *tasks = calloc((size_t)(L > 0 ? L : 1), sizeof(_Atomic int64_t));
+    if (scratch == NULL || tasks == NULL) {
+        free(scratch);
+        free(tasks);
+        return -1;
+    }
     float *h = scratch, *qkv = h + T * s->hidden, *attn = qkv + T * qkv_width;
     float *gate_up = attn + T * q_size, *act = gate_up + T * 2 * s->intermediate;
-    float *xp = act + T * s->intermediate;
-    for (int64_t l = 0; l < L; l++) {
-        const ProgramLayer *layer = layers + l;
-        add_rms_norm_f32(x, residual, layer->input_norm, h, T, s->hidden, s->eps, threads);
-        program_linear(&layer->qkv, h, qkv, xp, T, threads);
-        rope_and_cache_f32(qkv, qkv_width, positions, s->rope_table, layer->k_cache,
-                           layer->v_cache, slots, T, s->heads, s->kv_heads, s->head_dim,
-                           threads);
-        decode_attention_f32(qkv, qkv_width, layer->k_cache, layer->v_cache, block_tables,
-                             bt_stride, seq_lens, T, s->heads, s->kv_heads, s->head_dim,
-                             s->block_size, s->scale, s->window, threads, attn);
-        program_linear(&layer->o, attn, x, xp, T, threads);
-        add_rms_norm_f32(x, residual, layer->post_attn_norm, h, T, s->hidden, s->eps, threads);
-        program_linear(&layer->gate_up, h, gate_up, xp, T, threads);
-        silu_and_mul_f32(gate_up, act, T, s->intermediate, threads);
-        program_linear(&layer->down, act, x, xp, T, threads);
+    float *linear_shared = act + T * s->intermediate;
+    const ProgramRun run = {.shape = s, .layers = layers, .L = L, .T = T, .bt_stride = bt_stride,
+                            .x = x, .residual = residual, .positions = positions, .slots = slots,
+                            .block_tables = block_tables, .seq_lens = seq_lens, .h = h,
+                            .qkv = qkv, .attn = attn, .gate_up = gate_up, .act = act,
+                            .linear_shared = linear_shared, .own = linear_shared + shared,
+                            .own_floats = own, .attention_tasks = tasks};
+    Team team = {.spin_ns = spin_ns};
+    if (threads == 1) {
+        const Member me = {&team, 0, 1};
+        program_member(&run, &me);
+    } else {
+#pragma omp parallel num_threads(threads)
+        {
+            const Member me = team_member(&team);
+            program_member(&run, &me);
+        }
     }
     free(scratch);
+    free(tasks);
     return 0;
 }

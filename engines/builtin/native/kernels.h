@@ -11,6 +11,8 @@
 #include <immintrin.h> /* what a function may use depends on the build's -march */
 #endif
 
+#include "team.h"
+
 /* The GEMM's register block, per instruction set, chosen when the library is compiled
  * (-march=native; the cache key holds the CPU's flags). VEC floats fill one vector register;
  * the block is ROW_BLOCK input rows x PANEL output columns (PANEL_VECS vectors), kept in
@@ -88,25 +90,60 @@ void gemm_panel(const float *xp, const float *panel, const float *next, const fl
                 float *y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t b0, int64_t b1);
 
 /* x [M, K] -> xp, blocks of ROW_BLOCK rows [ceil(M / ROW_BLOCK)][K][ROW_BLOCK] (the last one
- * zero-padded), the layout gemm_panel reads; inside a parallel region, the blocks split among
- * its threads. */
-void pack_gemm_input(const float *x, float *xp, int64_t M, int64_t K);
+ * zero-padded), the layout gemm_panel reads: this member's share of the blocks (the caller
+ * puts a team_barrier before anyone reads xp). */
+void pack_gemm_input(const float *x, float *xp, int64_t M, int64_t K, const Member *me);
 
-/* The kernels decode_layers.c chains (cpu_kernels.c, quant_kernels.c; Python calls each too). */
+/* A linear layer's weights as the C kernels take them (decode_layers.c's programs; the
+ * quantized kernels' entry points build one per call). engines/builtin/decode_program.py
+ * mirrors it in ctypes. */
+enum { LINEAR_DENSE = 0, LINEAR_INT8 = 1, LINEAR_INT4 = 2, LINEAR_INT4_A8 = 3 };
+
+typedef struct {
+    int64_t kind;       /* LINEAR_* */
+    const void *weight; /* dense: panels (pack_linear_weight_f32); int8: q; int4: nibbles */
+    const float *scale; /* int8 [N]; int4 [N][K / g] */
+    const float *minv;  /* int4 [N][K / g] */
+    const float *bias;  /* [N] or NULL */
+    int64_t in_features, out_features, group_size;
+    int64_t rows_max; /* quantized: the most rows the rows kernels take (native/quant.py) */
+} LinearWeights;
+
+/* The kernels decode_layers.c chains (cpu_kernels.c, quant_kernels.c). Python calls the
+ * *_f32 entry points, each one parallel region on `threads`; a decode program calls the
+ * *_rows / *_cols / *_part pieces from inside its one region, each member doing its share
+ * (rows t0 .. t1 - 1, columns i0 .. i1 - 1, or a share it takes itself). A *_part function
+ * has every member of the team call it and ends without a barrier. */
 void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
                       int64_t T, int64_t N, float eps, int64_t threads);
+void add_rms_norm_rows(const float *x, float *residual, const float *weight, float *out,
+                       int64_t t0, int64_t t1, int64_t N, float eps);
 void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions,
                         const float *table, float *k_cache, float *v_cache,
                         const int64_t *slots, int64_t T, int64_t H, int64_t KVH, int64_t D,
                         int64_t threads);
+void rope_and_cache_rows(float *qkv, int64_t qkv_stride, const int64_t *positions,
+                         const float *table, float *k_cache, float *v_cache,
+                         const int64_t *slots, int64_t t0, int64_t t1, int64_t H, int64_t KVH,
+                         int64_t D);
 void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
                           const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                           int64_t BS, float scale, int64_t window, int64_t threads,
                           float *out);
+/* next_task: zero before the first member calls it (the members take tasks from it) */
+void decode_attention_part(const float *q, int64_t q_stride, const float *k_cache,
+                           const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH,
+                           int64_t D, int64_t BS, float scale, int64_t window, float *out,
+                           _Atomic int64_t *next_task, const Member *me);
 void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I, int64_t threads);
+void silu_and_mul_cols(const float *gate_up, float *out, int64_t T, int64_t I, int64_t i0,
+                       int64_t i1);
 void linear_f32(const float *x, const float *panels, const float *bias, float *y, float *xp,
                 int64_t M, int64_t K, int64_t N, int64_t threads);
+void linear_f32_part(const float *x, const float *panels, const float *bias, float *y,
+                     float *xp, int64_t M, int64_t K, int64_t N, const Member *me);
 void q8_linear_f32(const float *x, const int8_t *q, const float *scale, const float *bias,
                    float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
                    int64_t threads);
@@ -116,5 +153,10 @@ void q4_linear_f32(const float *x, const uint8_t *nib, const float *scale, const
 void q4_linear_q8_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
                       const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
                       int64_t rows_max, int64_t path, int64_t threads);
+/* floats of scratch a quantized linear of M rows needs: `shared` by the team, `own` per member */
+void quant_linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, int64_t *own);
+/* a quantized (LINEAR_INT8 / INT4 / INT4_A8) linear; path as the entry points' (0: widest) */
+void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t M,
+                       int64_t path, float *shared, float *own, const Member *me);
 
 #endif

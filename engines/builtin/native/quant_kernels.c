@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "team.h"
 
 /* Bytes ahead of the weight stream the rows kernels prefetch: a thread's weight rows are one
  * contiguous stream, and with the hardware prefetcher alone one core streamed INT8 decode at
@@ -342,114 +343,158 @@ static void dequantize_panel(int bits, const void *w, const float *scale, const 
 #endif
 #define TILE_PASS_BLOCKS (TILE_PASS_ROWS / ROW_BLOCK)
 
-/* The tile path of both formats: `bits` 4 or 8 picks the dequantization. */
-static void quant_tiles(int bits, const float *x, const void *w, const float *scale,
-                        const float *minv, const float *bias, float *y, int64_t M, int64_t K,
-                        int64_t N, int64_t g, int64_t threads) {
+/* The tile path of both formats: `bits` 4 or 8 picks the dequantization. xp: the packed input
+ * (shared), tile: this member's 2 K PANEL floats. */
+static void quant_tiles_part(int bits, const LinearWeights *l, const float *x, float *y,
+                             int64_t M, float *xp, float *tile, const Member *me) {
+    const int64_t K = l->in_features, N = l->out_features;
     const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t count = (N + PANEL - 1) / PANEL;
-    float *xp = malloc(sizeof(float) * blocks * ROW_BLOCK * K);
-    if (xp == NULL) { /* out of memory: NaN outputs, never a wrong number */
-        nan_fill(y, M * N);
+    pack_gemm_input(x, xp, M, K, me);
+    team_barrier(me);
+    int64_t p0, p1;
+    team_share(count, me, &p0, &p1);
+    for (int64_t b0 = 0; b0 < blocks; b0 += TILE_PASS_BLOCKS) {
+        const int64_t b1 = b0 + TILE_PASS_BLOCKS < blocks ? b0 + TILE_PASS_BLOCKS : blocks;
+        for (int64_t p = p0; p < p1; p++) {
+            dequantize_panel(bits, l->weight, l->scale, l->minv, K, N, l->group_size, p * PANEL,
+                             tile + K * PANEL, tile);
+            gemm_panel(xp, tile, NULL, l->bias, y, M, K, N, p * PANEL, b0, b1);
+        }
+    }
+}
+
+/* The rows kernels' input, INT8 activations: where each part sits in the shared scratch. */
+static QuantizedRows quantized_rows(float *shared, int64_t M, int64_t K, int64_t g) {
+    float *dx = shared, *sx = dx + M * (K / 32);
+    return (QuantizedRows){(int8_t *)(sx + M * (K / g)), dx, sx};
+}
+
+void quant_linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, int64_t *own) {
+    const int64_t K = l->in_features, g = l->group_size;
+    *own = 0;
+    if (M > l->rows_max) {
+        *shared = (M + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK * K;
+        *own = 2 * K * PANEL;
+    } else if (l->kind == LINEAR_INT4_A8) {
+        *shared = M * (K / 32) + M * (K / g) + (M * K + 3) / 4;
+    } else if (l->kind == LINEAR_INT4) {
+        *shared = M * (K / g);
+    } else {
+        *shared = 0;
+    }
+}
+
+void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t M,
+                       int64_t path, float *shared, float *own, const Member *me) {
+    const int64_t K = l->in_features, N = l->out_features, g = l->group_size;
+    if (M <= 0 || N <= 0) return;
+    if (M > l->rows_max) {
+        quant_tiles_part(l->kind == LINEAR_INT8 ? 8 : 4, l, x, y, M, shared, own, me);
         return;
     }
-    int failed = 0;
+    if (path == QUANT_PATH_AUTO) path = widest_path();
+    /* the input's per-row preparation, rows shared among the members */
+    int64_t m0, m1;
+    team_share(M, me, &m0, &m1);
+    const int64_t groups = l->kind == LINEAR_INT8 ? 0 : K / g;
+    QuantizedRows xr = {0};
+    if (l->kind == LINEAR_INT4_A8) {
+        xr = quantized_rows(shared, M, K, g);
+        QuantizedRows mine = {xr.xq + m0 * K, xr.dx + m0 * (K / 32), xr.sx + m0 * groups};
+        quantize_rows_q8(x + m0 * K, m1 - m0, K, g, &mine);
+        team_barrier(me);
+    } else if (l->kind == LINEAR_INT4) {
+        for (int64_t m = m0; m < m1; m++)
+            for (int64_t gi = 0; gi < groups; gi++) {
+                float sum = 0.0f;
+                for (int64_t k = gi * g; k < (gi + 1) * g; k++) sum += x[m * K + k];
+                shared[m * groups + gi] = sum;
+            }
+        team_barrier(me);
+    }
+    int64_t c0, c1;
+    team_share((N + ROWS_CHUNK - 1) / ROWS_CHUNK, me, &c0, &c1);
+    const int64_t n0 = c0 * ROWS_CHUNK, n1 = c1 * ROWS_CHUNK < N ? c1 * ROWS_CHUNK : N;
+    if (n0 >= n1) return;
+    if (l->kind == LINEAR_INT8) {
+        const int8_t *q = l->weight;
+        switch (path) {
+#if VEC >= 16
+        case QUANT_PATH_VEC16: q8_rows_vec16(x, q, l->scale, l->bias, y, M, K, N, n0, n1); break;
+#endif
+#if VEC >= 8
+        case QUANT_PATH_VEC8: q8_rows_vec8(x, q, l->scale, l->bias, y, M, K, N, n0, n1); break;
+#endif
+        case QUANT_PATH_VEC4: q8_rows_vec4(x, q, l->scale, l->bias, y, M, K, N, n0, n1); break;
+        default: q8_rows_portable(x, q, l->scale, l->bias, y, M, K, N, n0, n1);
+        }
+    } else if (l->kind == LINEAR_INT4_A8) {
+#if defined(__AVX2__) && defined(__FMA__)
+        if (path != QUANT_PATH_PORTABLE && path != QUANT_PATH_VEC4) {
+            q4q8_rows_avx2(&xr, l->weight, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
+            return;
+        }
+#endif
+        q4q8_rows_portable(&xr, l->weight, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
+    } else {
+        const uint8_t *nib = l->weight;
+        const float *xsum = shared;
+        switch (path) {
+#if VEC >= 16
+        case QUANT_PATH_VEC16:
+            q4_rows_vec16(x, nib, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
+            break;
+#endif
+#if VEC >= 8
+        case QUANT_PATH_VEC8:
+            q4_rows_vec8(x, nib, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
+            break;
+#endif
+        case QUANT_PATH_VEC4:
+            q4_rows_vec4(x, nib, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
+            break;
+        default:
+            q4_rows_portable(x, nib, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
+        }
+    }
+}
+
+/* One call on `threads` (Python's entry points below): the scratch allocated for it. */
+static void quant_linear(const LinearWeights *l, const float *x, float *y, int64_t M,
+                         int64_t path, int64_t threads) {
+    if (M <= 0 || l->out_features <= 0) return;
+    int64_t shared_floats, own_floats;
+    quant_linear_scratch(l, M, &shared_floats, &own_floats);
+    float *scratch = malloc(sizeof(float) * (shared_floats + threads * own_floats + 1));
+    if (scratch == NULL) { /* out of memory: NaN outputs, never a wrong number */
+        nan_fill(y, M * l->out_features);
+        return;
+    }
+    Team team = {.spin_ns = team_default_spin_ns()};
 #pragma omp parallel num_threads(threads)
     {
-        float *tile = malloc(sizeof(float) * 2 * K * PANEL); /* the tile, then its rows */
-        pack_gemm_input(x, xp, M, K);
-        for (int64_t b0 = 0; b0 < blocks; b0 += TILE_PASS_BLOCKS) {
-            const int64_t b1 = b0 + TILE_PASS_BLOCKS < blocks ? b0 + TILE_PASS_BLOCKS : blocks;
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < count; p++) {
-                if (tile == NULL) {
-#pragma omp atomic write
-                    failed = 1;
-                    continue;
-                }
-                dequantize_panel(bits, w, scale, minv, K, N, g, p * PANEL, tile + K * PANEL,
-                                 tile);
-                gemm_panel(xp, tile, NULL, bias, y, M, K, N, p * PANEL, b0, b1);
-            }
-        }
-        free(tile);
+        const Member me = team_member(&team);
+        quant_linear_part(l, x, y, M, path, scratch,
+                          scratch + shared_floats + me.id * own_floats, &me);
     }
-    free(xp);
-    if (failed) nan_fill(y, M * N);
+    free(scratch);
 }
 
 /* y [M, N] = x [M, K] W^T (+ bias) for an INT4 W (layout above), group size g. */
 void q4_linear_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
                    const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
                    int64_t rows_max, int64_t path, int64_t threads) {
-    if (M <= 0 || N <= 0) return;
-    if (M > rows_max) {
-        quant_tiles(4, x, nib, scale, minv, bias, y, M, K, N, g, threads);
-        return;
-    }
-    const int64_t groups = K / g;
-    float *xsum = malloc(sizeof(float) * M * groups);
-    if (xsum == NULL) {
-        nan_fill(y, M * N);
-        return;
-    }
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t gi = 0; gi < groups; gi++) {
-            float s = 0.0f;
-            for (int64_t k = gi * g; k < (gi + 1) * g; k++) s += x[m * K + k];
-            xsum[m * groups + gi] = s;
-        }
-    if (path == QUANT_PATH_AUTO) path = widest_path();
-    const int64_t chunks = (N + ROWS_CHUNK - 1) / ROWS_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t n0 = c * ROWS_CHUNK, n1 = n0 + ROWS_CHUNK < N ? n0 + ROWS_CHUNK : N;
-        switch (path) {
-#if VEC >= 16
-        case QUANT_PATH_VEC16:
-            q4_rows_vec16(x, nib, scale, minv, xsum, bias, y, M, K, N, g, n0, n1);
-            break;
-#endif
-#if VEC >= 8
-        case QUANT_PATH_VEC8:
-            q4_rows_vec8(x, nib, scale, minv, xsum, bias, y, M, K, N, g, n0, n1);
-            break;
-#endif
-        case QUANT_PATH_VEC4:
-            q4_rows_vec4(x, nib, scale, minv, xsum, bias, y, M, K, N, g, n0, n1);
-            break;
-        default:
-            q4_rows_portable(x, nib, scale, minv, xsum, bias, y, M, K, N, g, n0, n1);
-        }
-    }
-    free(xsum);
+    const LinearWeights l = {LINEAR_INT4, nib, scale, minv, bias, K, N, g, rows_max};
+    quant_linear(&l, x, y, M, path, threads);
 }
 
 /* y [M, N] = x [M, K] W^T (+ bias) for an INT8 W (layout above). */
 void q8_linear_f32(const float *x, const int8_t *q, const float *scale, const float *bias,
                    float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
                    int64_t threads) {
-    if (M <= 0 || N <= 0) return;
-    if (M > rows_max) {
-        quant_tiles(8, x, q, scale, NULL, bias, y, M, K, N, 0, threads);
-        return;
-    }
-    if (path == QUANT_PATH_AUTO) path = widest_path();
-    const int64_t chunks = (N + ROWS_CHUNK - 1) / ROWS_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t n0 = c * ROWS_CHUNK, n1 = n0 + ROWS_CHUNK < N ? n0 + ROWS_CHUNK : N;
-        switch (path) {
-#if VEC >= 16
-        case QUANT_PATH_VEC16: q8_rows_vec16(x, q, scale, bias, y, M, K, N, n0, n1); break;
-#endif
-#if VEC >= 8
-        case QUANT_PATH_VEC8: q8_rows_vec8(x, q, scale, bias, y, M, K, N, n0, n1); break;
-#endif
-        case QUANT_PATH_VEC4: q8_rows_vec4(x, q, scale, bias, y, M, K, N, n0, n1); break;
-        default: q8_rows_portable(x, q, scale, bias, y, M, K, N, n0, n1);
-        }
-    }
+    const LinearWeights l = {LINEAR_INT8, q, scale, NULL, bias, K, N, 0, rows_max};
+    quant_linear(&l, x, y, M, path, threads);
 }
 
 /* As q4_linear_f32, with each input row quantized to INT8 per block of 32 where the rows kernel
@@ -458,31 +503,6 @@ void q8_linear_f32(const float *x, const int8_t *q, const float *scale, const fl
 void q4_linear_q8_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
                       const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
                       int64_t rows_max, int64_t path, int64_t threads) {
-    if (M <= 0 || N <= 0) return;
-    if (M > rows_max) {
-        quant_tiles(4, x, nib, scale, minv, bias, y, M, K, N, g, threads);
-        return;
-    }
-    QuantizedRows xr = {malloc((size_t)(M * K)), malloc(sizeof(float) * M * (K / 32)),
-                        malloc(sizeof(float) * M * (K / g))};
-    if (xr.xq == NULL || xr.dx == NULL || xr.sx == NULL) {
-        nan_fill(y, M * N);
-    } else {
-        quantize_rows_q8(x, M, K, g, &xr);
-        const int64_t chunks = (N + ROWS_CHUNK - 1) / ROWS_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t n0 = c * ROWS_CHUNK, n1 = n0 + ROWS_CHUNK < N ? n0 + ROWS_CHUNK : N;
-#if defined(__AVX2__) && defined(__FMA__)
-            if (path != QUANT_PATH_PORTABLE && path != QUANT_PATH_VEC4) {
-                q4q8_rows_avx2(&xr, nib, scale, minv, bias, y, M, K, N, g, n0, n1);
-                continue;
-            }
-#endif
-            q4q8_rows_portable(&xr, nib, scale, minv, bias, y, M, K, N, g, n0, n1);
-        }
-    }
-    free(xr.xq);
-    free(xr.dx);
-    free(xr.sx);
+    const LinearWeights l = {LINEAR_INT4_A8, nib, scale, minv, bias, K, N, g, rows_max};
+    quant_linear(&l, x, y, M, path, threads);
 }
