@@ -5,6 +5,8 @@ per thread count and batch size: how each scales with cores (issue 36).
     .venv/bin/python scripts/bench_decode_scaling.py --batches 1,4,16 --rounds 5
     .venv/bin/python scripts/bench_decode_scaling.py --threads 2 --busy-core 1 \\
         --variants llamacpp,int4_g32_a8 --engine-option native_decode_program=false
+    .venv/bin/python scripts/bench_decode_scaling.py --busy-core 1 \\
+        --variants llamacpp,int4_g32_fp32,int4_g32_fp32@passive,int4_g32_fp32@active
     .venv/bin/python scripts/bench_decode_scaling.py --json scaling.csv     # every measurement
 
 On SmolLM2-135M's GGUF file (model=smollm2-135m, Q4_1 linear layers): the built-in engine in
@@ -68,6 +70,15 @@ VARIANTS: dict[str, str | None] = {
     "fp32": "llamacpp",
 }
 REFERENCE_LABELS = {"llamacpp": "Q4_1", "llamacpp_q8_0": "Q8_0"}
+# a built-in variant@policy runs with engine.cpu_wait_policy=policy (e.g. int4_g32_fp32@passive)
+WAIT_POLICIES = ("auto", "active", "passive")
+
+
+def base_variant(name: str) -> str:
+    """The configs/variant/ name of a --variants entry (its @policy dropped)."""
+    return name.split("@", 1)[0]
+
+
 # engine options the script sets itself, per measuring process
 SET_BY_SCRIPT = {
     "model": "--variants (model=smollm2-135m)",
@@ -372,7 +383,7 @@ def fmt(value: float | None, spec: str) -> str:
 def print_tables(rows: list[dict[str, Any]], variants: list[str], threads: list[int]) -> None:
     medians = summary(rows)
     print(
-        f"\n{'threads':>7} {'batch':>5}  {'variant':<14} {'step ms':>8} {'period ms':>9} "
+        f"\n{'threads':>7} {'batch':>5}  {'variant':<22} {'step ms':>8} {'period ms':>9} "
         f"{'tok/s':>8}  vs llama.cpp (per token)"
     )
     for t in threads:
@@ -381,7 +392,7 @@ def print_tables(rows: list[dict[str, Any]], variants: list[str], threads: list[
                 m = medians.get((t, b, v))
                 if m is None:
                     continue
-                reference = VARIANTS[v]
+                reference = VARIANTS[base_variant(v)]
                 if reference is None:
                     versus = f"({REFERENCE_LABELS[v]})"
                 elif (ref := medians.get((t, b, reference))) is not None:
@@ -389,7 +400,7 @@ def print_tables(rows: list[dict[str, Any]], variants: list[str], threads: list[
                 else:
                     versus = f"- ({reference} not measured)"
                 print(
-                    f"{t:>7} {b:>5}  {v:<14} {m['step_ms']:>8.2f} "
+                    f"{t:>7} {b:>5}  {v:<22} {m['step_ms']:>8.2f} "
                     f"{fmt(m['period_ms'], '.2f'):>9} {m['tok_s']:>8.1f}  {versus}"
                 )
     if len(threads) < 2:
@@ -397,7 +408,7 @@ def print_tables(rows: list[dict[str, Any]], variants: list[str], threads: list[
     low = threads[0]
     print(f"\ntok/s by threads (x: against {low} thread{'s' if low > 1 else ''})")
     head = "".join(f" {f'{t} thread' + ('s' if t > 1 else ''):>18}" for t in threads)
-    print(f"{'batch':>5}  {'variant':<14}{head}")
+    print(f"{'batch':>5}  {'variant':<22}{head}")
     for b in sorted({r["batch"] for r in rows}):
         for v in variants:
             base = medians.get((low, b, v))
@@ -410,7 +421,7 @@ def print_tables(rows: list[dict[str, Any]], variants: list[str], threads: list[
                 ratio = f" ({m['tok_s'] / base['tok_s']:.2f}x)" if base else ""
                 cell = f"{m['tok_s']:.1f}{ratio}"
                 cells.append(f" {cell:>18}")
-            print(f"{b:>5}  {v:<14}{''.join(cells)}")
+            print(f"{b:>5}  {v:<22}{''.join(cells)}")
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -473,12 +484,19 @@ def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     args = parser.parse_args()
     if args.child is not None:
         return args
-    unknown = [v for v in args.variants if v not in VARIANTS]
+    unknown = [v for v in args.variants if base_variant(v) not in VARIANTS]
     if unknown or not args.variants:
         parser.error(
             f"--variants: unknown {unknown or 'empty list'}; allowed: a comma-separated list "
-            f"of {','.join(VARIANTS)}"
+            f"of {','.join(VARIANTS)}, a built-in one optionally with @policy"
         )
+    for v in args.variants:
+        policy = v.partition("@")[2]
+        if "@" in v and (VARIANTS[base_variant(v)] is None or policy not in WAIT_POLICIES):
+            parser.error(
+                f"--variants: {v!r}; allowed after @: a built-in variant's "
+                f"engine.cpu_wait_policy, one of {'|'.join(WAIT_POLICIES)}"
+            )
     if len(set(args.variants)) != len(args.variants):
         parser.error(f"--variants: {','.join(args.variants)} names one twice; allowed: each once")
     args.threads = sorted(set(args.threads))
@@ -520,8 +538,10 @@ def main() -> int:
     max_model_len = max(MAX_MODEL_LEN, args.input_len + args.output_len + 1)
     configured: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     for name in args.variants:
-        engine, model = compose_variant(name)
+        engine, model = compose_variant(base_variant(name))
         engine.update(max_num_seqs=max_batch, max_model_len=max_model_len)
+        if "@" in name:
+            engine["cpu_wait_policy"] = name.partition("@")[2]
         if engine["backend"] == "llamacpp":
             engine["max_num_batched_tokens"] = max(engine["max_num_batched_tokens"], max_batch)
         else:
@@ -586,7 +606,7 @@ def main() -> int:
                             f"B={r['batch']} {r['step_ms']:.2f} ms" for r in reply["results"]
                         )
                         print(
-                            f"round {round_}  {threads} threads  {name:<14} {steps}  "
+                            f"round {round_}  {threads} threads  {name:<22} {steps}  "
                             f"(load {load:.2f}, {reply['child_s']} s)",
                             flush=True,
                         )

@@ -152,16 +152,18 @@ class EngineConfig(Options):
         "the compute dtype) or int8 (decode rows quantized per block of 32 and integer dot "
         "products, llama.cpp's Q4_1 x Q8_1: ~2.5x faster per matmul on one core)",
     )
-    quantize_lm_head: bool = option(
-        False,
+    quantize_lm_head: bool | None = option(
+        None,
         help="quantize the LM head too (a tied one: a quantized copy of the embedding table, "
-        "which the lookup keeps reading); false keeps it dense",
+        "which the lookup keeps reading); null: when the layers are quantized, as llama.cpp's "
+        "GGUFs keep theirs (the fastest at equal quality, docs/engine_options.md); false: dense",
     )
     lm_head_quantization: str = option(
-        "same",
-        choices=("same", "int8"),
-        help="with quantize_lm_head: same (the layers' method) or int8 (per output channel "
-        "whatever the layers use: llama.cpp's GGUFs keep Q4 layers beside a Q8_0 head)",
+        "auto",
+        choices=("auto", "same", "int8"),
+        help="a quantized LM head's format: auto or int8 (INT8 per output channel whatever "
+        "the layers use: llama.cpp's GGUFs keep Q4 layers beside a Q8_0 head), same (the "
+        "layers' method)",
     )
     prepack_weights: bool = option(
         True,
@@ -182,9 +184,10 @@ class EngineConfig(Options):
     cpu_wait_policy: str = option(
         "auto",
         choices=("auto", "active", "passive"),
-        help="the decode program's threads at the barriers between its ops: auto (spin up to "
-        "100 us, then sleep: fast on a quiet machine, yields on a busy one), active (spin: "
-        "OpenMP's ACTIVE) or passive (sleep at once: OpenMP's PASSIVE); torch's own regions "
+        help="the decode program's threads: auto (at the barriers between its ops, spin up to "
+        "2 us, then sleep; the team's size measured as the steps run: fewer threads where a "
+        "busy machine makes them faster), active (every thread, spinning: OpenMP's ACTIVE) or "
+        "passive (every thread, sleeping at once: OpenMP's PASSIVE); torch's own regions "
         "follow OMP_WAIT_POLICY (docs/engine_options.md, Threads)",
     )
     # typed Any: Hydra cannot merge a mapping into a None dict
@@ -214,6 +217,15 @@ class EngineConfig(Options):
         help="the batch sizes captured; None: 1, 2, 4, 8, 16, 24, ... max_num_seqs",
     )
     compile: bool = option(False, help="torch.compile of the model forward")
+
+    def lm_head_method(self) -> str:
+        """How the LM head is kept: "none" (dense) or the quantization method it takes."""
+        quantized = self.quantize_lm_head
+        if quantized is None:
+            quantized = not self.plugged("quantization").dense
+        if not quantized:
+            return "none"
+        return self.quantization if self.lm_head_quantization == "same" else "int8"
 
     def speculative(self) -> SpeculativeConfig | None:
         """`speculative_config` as its typed form, or None when off."""
@@ -252,10 +264,11 @@ def _int8_activations_need_int4(config: EngineConfig) -> None:
 
 
 def _lm_head_method_needs_a_quantized_head(config: EngineConfig) -> None:
-    if config.lm_head_quantization != "same" and not config.quantize_lm_head:
+    if config.lm_head_quantization == "int8" and config.quantize_lm_head is False:
         raise ConfigError(
             f"engine.lm_head_quantization: {config.lm_head_quantization!r} applies to a "
-            "quantized LM head; set engine.quantize_lm_head=true, or allowed here: same"
+            "quantized LM head; set engine.quantize_lm_head=true or null, or allowed here: "
+            "auto|same"
         )
 
 

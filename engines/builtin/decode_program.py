@@ -19,6 +19,7 @@ turns it off; describe()["native_decode_program"] says whether it is used, or wh
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +30,7 @@ from engines.builtin.attention.metadata import AttentionMetadata
 from engines.builtin.layers.linear import Linear, PanelDenseMethod
 from engines.builtin.layers.quant import Int4Method, Int8Method
 from engines.builtin.native import quant as native_quant
+from engines.builtin.team_size import TeamSizer
 
 if TYPE_CHECKING:
     from engines.builtin.model import DecoderLayer, Transformer
@@ -156,6 +158,8 @@ class DecodeProgram:
         self.spin_ns: int = (
             _SPIN_NS[wait_policy] if wait_policy in _SPIN_NS else lib.team_default_spin_ns()
         )
+        # auto: the team's size measured as the steps run (team_size.py); else every thread
+        self.sizer = TeamSizer(torch.get_num_threads()) if wait_policy == "auto" else None
         first: DecoderLayer = model.layers[0]  # type: ignore[assignment]
         self.keep: list[torch.Tensor] = []  # every tensor the structs point into
         self.table_positions = model.rope.cos_sin_table.shape[0]
@@ -218,8 +222,14 @@ class DecodeProgram:
                 f"tables ({tables.shape[1]} x {self.block_size})"
             )
         self.shape.window = meta.sliding_window or 0
+        threads = torch.get_num_threads()
+        if self.sizer is not None:
+            if self.sizer.most != threads:  # torch's count changed since: measure afresh
+                self.sizer = TeamSizer(threads)
+            threads = self.sizer.next_size()
         x = x.contiguous()
         residual = torch.zeros_like(x)  # residual += embeddings: the embeddings exactly
+        start = time.perf_counter_ns()
         status = native._run(
             "decode_layers_f32",
             ctypes.byref(self.shape),
@@ -233,9 +243,11 @@ class DecodeProgram:
             tables.data_ptr(),
             tables.stride(0),
             meta.seq_lens.data_ptr(),
-            torch.get_num_threads(),
+            threads,
             self.spin_ns,
         )
         if status != 0:
             raise MemoryError("decode program: could not allocate its scratch memory")
+        if self.sizer is not None:
+            self.sizer.record(threads, (time.perf_counter_ns() - start) / rows)
         return x, residual

@@ -177,16 +177,15 @@ class ModelRunner:
                 config.quantization_activations,
                 self.native_quant_reason,
             )
-            # The LM head stays dense unless quantize_lm_head asks otherwise (a tied head is
-            # then a quantized copy of the embedding table).
-            if not config.quantize_lm_head:
-                lm_head = make_linear_method("none", prepack=self.prepacked)
-            elif config.lm_head_quantization == "same":
-                lm_head = linear
-            else:
-                lm_head = make_linear_method(
-                    config.lm_head_quantization, native_reason=self.native_quant_reason
+            # A tied head, quantized, is a quantized copy of the embedding table.
+            head_method = config.lm_head_method()
+            lm_head = (
+                linear
+                if head_method == config.quantization
+                else make_linear_method(
+                    head_method, prepack=self.prepacked, native_reason=self.native_quant_reason
                 )
+            )
             return Transformer(
                 self.model_config,
                 linear,
@@ -271,11 +270,12 @@ class ModelRunner:
             )
         else:
             self.layer_program_reason = unavailable_reason(self.model)
-        self.model.layer_program = (
+        self.decode_program = (
             DecodeProgram(self.model, self.block_size, self.config.cpu_wait_policy)
             if self.layer_program_reason is None
             else None
         )
+        self.model.layer_program = self.decode_program
 
     def _setup_speed(self) -> None:
         """torch.compile, then CUDA graphs (which then record the compiled forward)."""
@@ -310,6 +310,12 @@ class ModelRunner:
             "native_decode_program": self.model.layer_program is not None,
             "native_decode_program_reason": self.layer_program_reason,
             "cpu_wait_policy": self.config.cpu_wait_policy,
+            # auto: the decode program's team, as measured so far (engines/builtin/team_size.py)
+            "decode_team": (
+                self.decode_program.sizer.describe()
+                if self.decode_program is not None and self.decode_program.sizer is not None
+                else None
+            ),
             "cuda_graphs": graphs is not None,
             "cuda_graph_batch_sizes": graphs.sizes if graphs is not None else [],
         }

@@ -14,12 +14,15 @@
 #include <unistd.h>
 #endif
 
-/* engine.cpu_wait_policy=auto's budget: long enough that on a quiet machine a thread never
- * sleeps at a barrier of a decode step (the ops between barriers are balanced to within a few
- * microseconds), short against a scheduler's time slice (~3 ms), so that on a busy machine a
- * waiting thread soon hands its core to the partner it waits for (scripts/bench_decode_scaling.py
- * measures the policies; docs/engine_options.md, "Threads"). */
-#define AUTO_SPIN_NS 100000
+/* engine.cpu_wait_policy=auto's budget. On a quiet machine the members of a decode step
+ * arrive within a few microseconds of each other, and 2 us of spinning kept a step of
+ * SmolLM2-135M (INT4, 2 threads, 2-core Zen 4) as fast as spinning for ever (4.1-4.2 vs
+ * 3.9-4.0 ms; sleeping at once: 11.6-12.0 ms, a futex wake-up per barrier). On a busy one
+ * every microsecond spun is taken from the process that shares the core, and the spinner loses
+ * the wake-up priority a sleeper gets: with the other core kept busy the same step took 8.2-9.0
+ * ms sleeping at once, 12-13 ms with 2 us, 15 ms with 10 us, 50 ms with 100 us (the team's size,
+ * engines/builtin/team_size.py, answers that case: one thread, 6.5 ms). */
+#define AUTO_SPIN_NS 2000
 
 int64_t team_default_spin_ns(void) { return AUTO_SPIN_NS; }
 

@@ -122,3 +122,99 @@ def test_a_layer_loaded_again_keeps_the_old_program_memory_alive(make_tiny) -> N
     llm.generate(PROMPTS[:1], GREEDY)  # reads the old weights, from memory still held
     runner._setup_layer_program()
     assert any(t is layer.qweight for t in runner.model.layer_program.keep)
+
+
+@pytest.fixture
+def keep_torch_threads():
+    """num_threads sets torch's thread count for the process: put it back afterwards."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("policy", ["auto", "active", "passive"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("options", "prompts"),
+    [
+        # 3 rows: the rows kernels (INT8, INT4 with INT8 activations)
+        (dict(quantization="int8"), PROMPTS),
+        (
+            dict(
+                quantization="int4",
+                quantization_group_size=32,
+                quantization_activations="int8",
+                model_overrides=WIDER,
+            ),
+            PROMPTS,
+        ),
+        # 6 and 14 rows: past rows_max (4 for INT4, 12 for INT8), the tile kernels
+        (
+            dict(quantization="int4", quantization_group_size=32, model_overrides=WIDER),
+            [list(range(5 + i, 12 + 2 * i)) for i in range(6)],
+        ),
+        (dict(quantization="int8", max_num_seqs=16), [[9 + i] * (3 + i) for i in range(14)]),
+    ],
+)
+def test_every_team_size_and_wait_policy_computes_what_the_modules_compute(
+    make_tiny, keep_torch_threads, policy, threads, options, prompts
+) -> None:
+    """One parallel region per step, its members sharing each op and meeting at the team's
+    barriers: bit-identical logits to the layer-by-layer path at the same thread count, with
+    threads spinning (active), sleeping at once (passive), or both (auto), and with more
+    threads than this machine may have cores (members descheduled while others wait)."""
+
+    def step_logits(program: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
+        llm = make_tiny(
+            native_decode_program=program, num_threads=threads, cpu_wait_policy=policy, **options
+        )
+        assert llm.engine.describe()["cpu_wait_policy"] == policy
+        logits: list[torch.Tensor] = []
+        llm.engine.add_logits_observer(lambda plan, every: logits.append(every.clone()))
+        rows: list[int] = []
+        if program:
+            layer_program = llm.engine.runner.model.layer_program
+            original = layer_program.run
+            layer_program.run = lambda x, meta: rows.append(x.shape[0]) or original(x, meta)
+        tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        assert llm.engine.describe()["native_decode_program"] is program
+        if program:  # every step after the prefill, all the rows at once
+            assert rows == [len(prompts)] * (GREEDY.max_tokens - 1)
+        return tokens, logits
+
+    tokens, logits = step_logits(True)
+    expected_tokens, expected_logits = step_logits(False)
+    assert tokens == expected_tokens
+    assert len(logits) == len(expected_logits)
+    for got, expected in zip(logits, expected_logits, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_a_team_resized_between_steps_computes_the_same(make_tiny, keep_torch_threads) -> None:
+    """cpu_wait_policy=auto measures the team's size as it runs (team_size.py): steps of
+    different sizes, probes every other step here, give the same logits as the modules."""
+    options: dict[str, Any] = dict(
+        quantization="int4", quantization_group_size=32, model_overrides=WIDER, num_threads=3
+    )
+    llm = make_tiny(**options)
+    sizer = llm.engine.runner.decode_program.sizer
+    sizer.first_interval = sizer.longest_interval = 2
+    sizer.interval, sizer.probe_steps = 2, 1
+    sizes: list[int] = []
+    original = sizer.next_size
+    sizer.next_size = lambda: sizes.append(original()) or sizes[-1]
+    logits: list[torch.Tensor] = []
+    llm.engine.add_logits_observer(lambda plan, every: logits.append(every.clone()))
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert len(set(sizes)) > 1 and llm.engine.describe()["decode_team"]["probes"] > 0
+    expected_tokens, expected_logits, _ = run(make_tiny, False, **options)
+    assert tokens == expected_tokens
+    for got, expected in zip(logits, expected_logits, strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("policy", ["active", "passive"])
+def test_a_fixed_policy_keeps_every_thread(make_tiny, policy) -> None:
+    llm = make_tiny(quantization="int8", cpu_wait_policy=policy)
+    assert llm.engine.runner.decode_program.sizer is None
+    assert llm.engine.describe()["decode_team"] is None

@@ -113,14 +113,15 @@ def test_engine_tokens_do_not_depend_on_prepacking(native_kernels: bool) -> None
 
 
 def test_a_tied_lm_head_is_the_embedding_through_the_packed_kernel(monkeypatch) -> None:
-    """A tied head shares the embedding's storage (no second plain copy, counted once), stays
-    unquantized unless quantize_lm_head asks, and multiplies through the panels like the other
-    dense layers."""
+    """A tied head kept dense (quantize_lm_head=false) shares the embedding's storage (no
+    second plain copy, counted once) and multiplies through the panels like the other dense
+    layers."""
     llm = LLM(
         "tiny",
         dtype="float32",
         model_overrides={"tie_word_embeddings": True},
         quantization="int8",
+        quantize_lm_head=False,
     )
     model = llm.engine.runner.model
     head = model.lm_head

@@ -257,6 +257,7 @@ PROMPTS = ["Hello, world! The quick brown fox", [100, 200, 300]]
             quantization="int4",
             quantization_group_size=64,
             quantize_lm_head=True,
+            lm_head_quantization="same",
             model_overrides={"intermediate_size": 192},
         ),
     ],
@@ -275,9 +276,9 @@ def test_engine_generates_reproducibly(make_tiny, options) -> None:
     model = llm.engine.runner.model
     head = model.lm_head
     assert head is not None
-    assert head.method.name == (
-        options["quantization"] if options.get("quantize_lm_head") else "none"
-    )
+    # quantized layers take an INT8 head unless asked otherwise (lm_head_quantization=same)
+    same = options.get("lm_head_quantization") == "same"
+    assert head.method.name == (options["quantization"] if same else "int8")
     assert all(
         m.method.name == options["quantization"]
         for n, m in model.linear_layers().items()
@@ -314,7 +315,7 @@ def test_int4_where_no_group_divides_falls_back_to_int8_and_says_so(make_tiny) -
         "layers.*.mlp.gate_up_proj": "int4 g64 zero_point=float" + kernel,
         "layers.*.mlp.down_proj": "int8 (int4 fallback: no int4 group size <= 128 of "
         "32|64|128 divides in_features=176); kernel " + native_quant.describe_kernel(8),
-        "lm_head": "none",
+        "lm_head": "int8; kernel " + native_quant.describe_kernel(8),  # llama.cpp's Q8_0 head
     }
     assert kernel.startswith("; kernel native: <= 4 rows float FMA")
     outs = llm.generate(PROMPTS, GREEDY)
@@ -340,9 +341,11 @@ def test_config_validates_the_new_options() -> None:
     with pytest.raises(
         ConfigError,
         match=r"^engine.lm_head_quantization: 'int8' applies to a quantized LM head; set "
-        r"engine.quantize_lm_head=true, or allowed here: same$",
+        r"engine.quantize_lm_head=true or null, or allowed here: auto\|same$",
     ):
-        EngineConfig.from_dict({"quantization": "int4", "lm_head_quantization": "int8"})
+        EngineConfig.from_dict(
+            {"quantization": "int4", "quantize_lm_head": False, "lm_head_quantization": "int8"}
+        )
     with pytest.raises(ConfigError, match=r"lm_head_quantization: 'int4' is invalid; allowed"):
         EngineConfig.from_dict({"quantize_lm_head": True, "lm_head_quantization": "int4"})
     with pytest.raises(ConfigError, match="native_decode_program"):
@@ -354,7 +357,14 @@ def test_config_validates_the_new_options() -> None:
     ):
         EngineConfig.from_dict({"quantization": "int4", "quantization_zero_point": "asym"})
     config = EngineConfig.from_dict({"quantization": "int4", "quantization_group_size": 32})
-    assert config.quantization == "int4" and not config.quantize_lm_head
+    assert config.quantization == "int4" and config.quantize_lm_head is None
+    assert config.lm_head_method() == "int8"  # quantized layers, an INT8 head (llama.cpp's)
+    assert EngineConfig.from_dict({"quantization": "int4"}).lm_head_method() == "int8"
+    assert EngineConfig.from_dict({}).lm_head_method() == "none"
+    assert EngineConfig.from_dict({"quantize_lm_head": True}).lm_head_method() == "int8"
+    same = {"quantization": "int4", "lm_head_quantization": "same"}
+    assert EngineConfig.from_dict(same).lm_head_method() == "int4"
+    assert EngineConfig.from_dict({**same, "quantize_lm_head": False}).lm_head_method() == "none"
     assert config.quantization_zero_point == "float"
 
 
@@ -369,6 +379,7 @@ def test_small_linear_bytes_shrink() -> None:
             max_model_len=64,
             max_num_seqs=1,
             quantization=quant,
+            quantize_lm_head=False,  # the layers' bytes alone
             kv_cache_memory_bytes=1 << 24,
         )
         model = llm.engine.runner.model
@@ -388,7 +399,12 @@ def test_small_linear_bytes_shrink() -> None:
     "options",
     [
         dict(quantization="int8", quantize_lm_head=True),
-        dict(quantization="int4", quantization_group_size=32, quantize_lm_head=True),
+        dict(
+            quantization="int4",
+            quantization_group_size=32,
+            quantize_lm_head=True,
+            lm_head_quantization="same",
+        ),
         dict(quantization="int4", quantization_group_size=128, quantization_zero_point="int"),
         dict(quantization="int4", quantization_group_size=64, quantization_zero_point="symmetric"),
         dict(
@@ -417,10 +433,9 @@ def test_greedy_tokens_equal_the_dequantized_float32_model(preset: str, options)
     ]
     assert quantized and all(m.native for m in quantized)  # the engine's C kernels
     head = llm.engine.runner.model.lm_head
-    assert head is not None and head.method.name == options.get(
-        "lm_head_quantization",
-        options["quantization"] if options.get("quantize_lm_head") else "none",
-    )
+    # quantized layers, an INT8 head unless lm_head_quantization=same
+    same = options.get("lm_head_quantization") == "same"
+    assert head is not None and head.method.name == (options["quantization"] if same else "int8")
     prompts = [list(range(3, 40)), [9, 8, 7], list(range(100, 120))]  # prefill > 16 rows too
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     expected = [o.token_ids for o in llm.generate(prompts, params)]

@@ -72,7 +72,13 @@ def fp32_models(gguf_path: Path) -> tuple[LLM, LLM]:
     path = str(gguf_path)
     return (
         LLM(path, **options),
-        LLM(path, **options, quantization="int4", quantization_group_size=32),
+        LLM(
+            path,
+            **options,
+            quantization="int4",
+            quantization_group_size=32,
+            quantize_lm_head=False,  # the layers alone against fp32
+        ),
     )
 
 
