@@ -38,75 +38,103 @@ static inline float exp_f32(float x) {
  * last `window` of them when window > 0. out [B, H, D] contiguous. `threads`: torch's
  * intra-op thread count (torch passes its own to every parallel region, so do these kernels).
  *
- * A task is one sequence and a run of its KV heads: it walks the sequence's positions in
- * order and reads, per position, the K (then V) of its heads as one contiguous run, which the
- * hardware prefetcher streams (one task per head would read 256-byte pieces 3 KB apart, which
- * it does not). Sequences are split into head runs only as far as needed to give every thread
- * two tasks. Scores go to a per-task buffer: an exact two-pass softmax, no rescaling. Four
- * heads' dot products run side by side (four independent sums instead of one long chain). */
-/* How decode_attention_f32 splits its work among `threads`: tasks of one sequence and
- * `per_chunk` of its KV heads, `chunks` of them per sequence. */
-static void attention_tasks(int64_t B, int64_t KVH, int64_t threads, int64_t *chunks,
-                            int64_t *per_chunk) {
-    int64_t c = (2 * threads + B - 1) / B;
-    if (c > KVH) c = KVH;
-    if (c < 1) c = 1;
-    *chunks = c;
-    *per_chunk = (KVH + c - 1) / c;
+ * A task is one sequence's run of ATTN_SPLIT positions (split-K, as flash-decoding splits
+ * it), all heads: it walks its positions in order and reads each one's K (then V) row whole,
+ * one contiguous stream the hardware prefetcher follows. (Tasks of some of the heads read a
+ * piece of every row: on SmolLM2, 256 of every 768 bytes, and two cores each pulling in the
+ * other's lines made attention at 800 tokens slower on 2 threads than on 1.) Scores go to a
+ * per-task buffer: an exact two-pass softmax within the task. A sequence of one task writes
+ * its output directly; one of several writes each task's unnormalised output, maximum and sum,
+ * and the task that finishes last merges them, in task order (so the result does not depend
+ * on which thread ran which task, nor on how many threads there are). Four heads' dot products
+ * run side by side (four independent sums instead of one long chain). */
+#define ATTN_SPLIT 128
+
+typedef struct {
+    int64_t *offsets;      /* [B + 1]: sequence b's tasks are offsets[b] .. offsets[b + 1] - 1 */
+    float *partials;       /* [tasks][H][D + 2]: a task's output, maximum and sum per head */
+    _Atomic int64_t *done; /* [B]: tasks of the sequence finished */
+} AttentionWork;
+
+/* The visible positions of sequence b: [*first, *first + *n). */
+static inline void visible(const int32_t *seq_lens, int64_t b, int64_t window, int64_t *first,
+                           int64_t *n) {
+    const int64_t len = seq_lens[b];
+    *first = (window > 0 && len > window) ? len - window : 0;
+    *n = len - *first;
 }
 
-/* Positions ahead of the one being read whose K (V) rows a task asks for: a task reading some
- * of the heads reads a piece of every position's row, pieces too far apart for the hardware
- * prefetcher to follow (SmolLM2: 256 of every 768 bytes), and a task per KV head at 2 threads
- * made decode attention at 800 tokens slower than one thread's two-head tasks. */
-#define ATTN_AHEAD 8
-
-static inline void prefetch_heads(const float *cache, const int32_t *table, int64_t pos,
-                                  int64_t BS, int64_t row, int64_t offset, int64_t count) {
-    const char *p = (const char *)(cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row
-                                   + offset);
-    for (int64_t byte = 0; byte < count * (int64_t)sizeof(float); byte += 64)
-        __builtin_prefetch(p + byte, 0, 3);
+int64_t decode_attention_tasks(const int32_t *seq_lens, int64_t B, int64_t window,
+                               int64_t *offsets) {
+    offsets[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t first, n;
+        visible(seq_lens, b, window, &first, &n);
+        offsets[b + 1] = offsets[b] + (n > ATTN_SPLIT ? (n + ATTN_SPLIT - 1) / ATTN_SPLIT : 1);
+    }
+    return offsets[B];
 }
 
-/* One task: sequence b, its KV heads c * per_chunk .. (c + 1) * per_chunk - 1. */
+/* Sequence b's tasks' partial results merged into out[b]. */
+static void merge_splits(const AttentionWork *w, int64_t b, int64_t H, int64_t D, float *out) {
+    const int64_t t0 = w->offsets[b], t1 = w->offsets[b + 1];
+    for (int64_t i = 0; i < H; i++) {
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t t = t0; t < t1; t++) {
+            const float m = w->partials[(t * H + i) * (D + 2) + D];
+            mx = m > mx ? m : mx;
+        }
+        float *o = out + (b * H + i) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t t = t0; t < t1; t++) {
+            const float *part = w->partials + (t * H + i) * (D + 2);
+            const float weight = part[D] == -INFINITY ? 0.0f : exp_f32(part[D] - mx);
+            sum += weight * part[D + 1];
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] += weight * part[d];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
+/* Task `task` of sequence b (its split-th run of positions). */
 static void decode_attention_task(const float *q, int64_t q_stride, const float *k_cache,
                                   const float *v_cache, const int32_t *block_tables,
                                   int64_t bt_stride, const int32_t *seq_lens, int64_t H,
                                   int64_t KVH, int64_t D, int64_t BS, float scale,
-                                  int64_t window, float *out, int64_t b, int64_t c,
-                                  int64_t per_chunk) {
-    const int64_t G = H / KVH;
+                                  int64_t window, float *out, const AttentionWork *w,
+                                  int64_t b, int64_t task) {
+    const int64_t G = H / KVH, nq = H;
     const int64_t row = KVH * D; /* floats between consecutive positions */
-    const int64_t h0 = c * per_chunk;
-    const int64_t h1 = h0 + per_chunk < KVH ? h0 + per_chunk : KVH;
-    if (h0 >= h1) return;
-    const int64_t nq = (h1 - h0) * G; /* query heads of this task */
-    const int64_t len = seq_lens[b];
-    const int64_t first = (window > 0 && len > window) ? len - window : 0;
-    const int64_t n = len - first;
-    const float *qt = q + b * q_stride + h0 * G * D;
-    float *o = out + (b * H + h0 * G) * D;
-    for (int64_t i = 0; i < nq * D; i++) o[i] = 0.0f;
-    if (n <= 0) return;
-    const int32_t *table = block_tables + b * bt_stride;
-    float *scores = malloc(sizeof(float) * nq * n);
-    if (scores == NULL) { /* out of memory: NaN outputs, never a wrong number */
-        for (int64_t i = 0; i < nq * D; i++) o[i] = NAN;
-        return;
+    const int64_t split = task - w->offsets[b], splits = w->offsets[b + 1] - w->offsets[b];
+    int64_t first, n_all;
+    visible(seq_lens, b, window, &first, &n_all);
+    first += split * ATTN_SPLIT;
+    const int64_t n = splits == 1 ? n_all : (n_all - split * ATTN_SPLIT < ATTN_SPLIT
+                                                 ? n_all - split * ATTN_SPLIT : ATTN_SPLIT);
+    const float *qt = q + b * q_stride;
+    /* one task: the output itself, normalised; several: this task's part, [H][D + 2] */
+    const int64_t stride = splits == 1 ? D : D + 2;
+    float *o = splits == 1 ? out + b * H * D : w->partials + task * H * (D + 2);
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t d = 0; d < D; d++) o[i * stride + d] = 0.0f;
+    float *scores = n > 0 ? malloc(sizeof(float) * nq * n) : NULL;
+    if (n > 0 && scores == NULL) { /* out of memory: NaN outputs, never a wrong number */
+        for (int64_t i = 0; i < nq; i++)
+            for (int64_t d = 0; d < stride; d++) o[i * stride + d] = NAN;
     }
-    for (int64_t j = 0; j < n; j++) {
+    const int32_t *table = block_tables + b * bt_stride;
+    for (int64_t j = 0; scores != NULL && j < n; j++) {
         const int64_t pos = first + j;
         const float *kr = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
-        if (j + ATTN_AHEAD < n)
-            prefetch_heads(k_cache, table, first + j + ATTN_AHEAD, BS, row, h0 * D, (h1 - h0) * D);
         int64_t i = 0;
         for (; i + 4 <= nq; i += 4) {
             const float *q0 = qt + i * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
-            const float *k0 = kr + (h0 + i / G) * D;
-            const float *k1 = kr + (h0 + (i + 1) / G) * D;
-            const float *k2 = kr + (h0 + (i + 2) / G) * D;
-            const float *k3 = kr + (h0 + (i + 3) / G) * D;
+            const float *k0 = kr + (i / G) * D;
+            const float *k1 = kr + ((i + 1) / G) * D;
+            const float *k2 = kr + ((i + 2) / G) * D;
+            const float *k3 = kr + ((i + 3) / G) * D;
             float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
 #pragma omp simd reduction(+ : d0, d1, d2, d3)
             for (int64_t d = 0; d < D; d++) {
@@ -122,14 +150,14 @@ static void decode_attention_task(const float *q, int64_t q_stride, const float 
         }
         for (; i < nq; i++) {
             const float *qi = qt + i * D;
-            const float *ki = kr + (h0 + i / G) * D;
+            const float *ki = kr + (i / G) * D;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; d++) dot += qi[d] * ki[d];
             scores[i * n + j] = dot * scale;
         }
     }
-    for (int64_t i = 0; i < nq; i++) {
+    for (int64_t i = 0; scores != NULL && i < nq; i++) {
         float *si = scores + i * n;
         float mx = -INFINITY, sum = 0.0f;
         for (int64_t j = 0; j < n; j++) mx = si[j] > mx ? si[j] : mx;
@@ -138,23 +166,39 @@ static void decode_attention_task(const float *q, int64_t q_stride, const float 
             si[j] = exp_f32(si[j] - mx);
             sum += si[j];
         }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < n; j++) si[j] *= inv;
+        if (splits == 1) {
+            const float inv = 1.0f / sum;
+            for (int64_t j = 0; j < n; j++) si[j] *= inv;
+        } else {
+            o[i * stride + D] = mx;
+            o[i * stride + D + 1] = sum;
+        }
     }
-    for (int64_t j = 0; j < n; j++) {
+    for (int64_t j = 0; scores != NULL && j < n; j++) {
         const int64_t pos = first + j;
         const float *vr = v_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
-        if (j + ATTN_AHEAD < n)
-            prefetch_heads(v_cache, table, first + j + ATTN_AHEAD, BS, row, h0 * D, (h1 - h0) * D);
         for (int64_t i = 0; i < nq; i++) {
             const float p = scores[i * n + j];
-            const float *vi = vr + (h0 + i / G) * D;
-            float *oi = o + i * D;
+            const float *vi = vr + (i / G) * D;
+            float *oi = o + i * stride;
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) oi[d] += p * vi[d];
         }
     }
     free(scores);
+    if (splits > 1 && atomic_fetch_add(&w->done[b], 1) + 1 == splits)
+        merge_splits(w, b, H, D, out); /* the last of the sequence's tasks */
+}
+
+/* The sequence a task belongs to (offsets ascending). */
+static int64_t task_sequence(const int64_t *offsets, int64_t B, int64_t task) {
+    int64_t lo = 0, hi = B - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (offsets[mid] <= task) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
 }
 
 void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
@@ -163,26 +207,42 @@ void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache
                           int64_t BS, float scale, int64_t window, int64_t threads,
                           float *out) {
     if (B <= 0) return;
-    int64_t chunks, per_chunk;
-    attention_tasks(B, KVH, threads, &chunks, &per_chunk);
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t c = 0; c < chunks; c++)
+    int64_t *offsets = malloc(sizeof(int64_t) * (B + 1));
+    _Atomic int64_t *done = calloc((size_t)B, sizeof(_Atomic int64_t));
+    const int64_t tasks = offsets == NULL ? 0 : decode_attention_tasks(seq_lens, B, window, offsets);
+    float *partials = tasks > B ? malloc(sizeof(float) * tasks * H * (D + 2)) : NULL;
+    if (offsets == NULL || done == NULL || (tasks > B && partials == NULL)) {
+        for (int64_t i = 0; i < B * H * D; i++) out[i] = NAN; /* never a wrong number */
+    } else {
+        const AttentionWork w = {offsets, partials, done};
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (int64_t task = 0; task < tasks; task++)
             decode_attention_task(q, q_stride, k_cache, v_cache, block_tables, bt_stride,
-                                  seq_lens, H, KVH, D, BS, scale, window, out, b, c, per_chunk);
+                                  seq_lens, H, KVH, D, BS, scale, window, out, &w,
+                                  task_sequence(offsets, B, task), task);
+    }
+    free(offsets);
+    free((void *)done);
+    free(partials);
+}
+
+int64_t decode_attention_scratch(int64_t tasks, int64_t B, int64_t H, int64_t D) {
+    return tasks > B ? tasks * H * (D + 2) : 0;
 }
 
 void decode_attention_part(const float *q, int64_t q_stride, const float *k_cache,
                            const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
                            const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH,
                            int64_t D, int64_t BS, float scale, int64_t window, float *out,
+                           int64_t *offsets, float *partials, _Atomic int64_t *done,
                            _Atomic int64_t *next_task, const Member *me) {
-    int64_t chunks, per_chunk;
-    attention_tasks(B, KVH, me->size, &chunks, &per_chunk);
-    for (int64_t task; (task = atomic_fetch_add(next_task, 1)) < B * chunks;)
+    (void)me;
+    const AttentionWork w = {offsets, partials, done};
+    const int64_t tasks = offsets[B];
+    for (int64_t task; (task = atomic_fetch_add(next_task, 1)) < tasks;)
         decode_attention_task(q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
-                              H, KVH, D, BS, scale, window, out, task / chunks, task % chunks,
-                              per_chunk);
+                              H, KVH, D, BS, scale, window, out, &w,
+                              task_sequence(offsets, B, task), task);
 }
 
 /* RMSNorm of T rows of width N, each row computed in float32 as torch's composite does:

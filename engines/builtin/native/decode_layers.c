@@ -47,7 +47,10 @@ typedef struct {
     float *linear_shared;                  /* a linear's packed or quantized input */
     float *own;                            /* per member: own_floats each (tile kernels) */
     int64_t own_floats;
-    _Atomic int64_t *attention_tasks; /* [L]: each layer's attention hands out its tasks */
+    int64_t *attention_offsets;          /* [T + 1]: the sequences' attention tasks */
+    float *attention_partials;           /* their partial results */
+    _Atomic int64_t *attention_tasks;    /* [L]: each layer's attention hands out its tasks */
+    _Atomic int64_t *attention_done;     /* [L][T]: and counts each sequence's finished ones */
 } ProgramRun;
 
 static void linear_scratch(const LinearWeights *l, int64_t T, int64_t *shared, int64_t *own) {
@@ -91,7 +94,8 @@ static void program_member(const ProgramRun *run, const Member *me) {
         decode_attention_part(run->qkv, qkv_width, layer->k_cache, layer->v_cache,
                               run->block_tables, run->bt_stride, run->seq_lens, T, s->heads,
                               s->kv_heads, s->head_dim, s->block_size, s->scale, s->window,
-                              run->attn, run->attention_tasks + l, me);
+                              run->attn, run->attention_offsets, run->attention_partials,
+                              run->attention_done + l * T, run->attention_tasks + l, me);
         team_barrier(me);
         program_linear(run, &layer->o, run->attn, run->x, me);
         team_barrier(me);
@@ -128,22 +132,30 @@ int64_t decode_layers_f32(const ProgramShape *s, const ProgramLayer *layers, int
     }
     if (threads < 1) threads = 1;
     const int64_t outputs = T * (s->hidden + qkv_width + q_size + 3 * s->intermediate);
-    float *scratch = malloc(sizeof(float) * (outputs + shared + threads * own));
-    _Atomic int64_t *tasks = calloc((size_t)(L > 0 ? L : 1), sizeof(_Atomic int64_t));
-    if (scratch == NULL || tasks == NULL) {
+    int64_t *offsets = malloc(sizeof(int64_t) * (T + 1));
+    const int64_t attention_tasks =
+        offsets == NULL ? 0 : decode_attention_tasks(seq_lens, T, s->window, offsets);
+    const int64_t partials = decode_attention_scratch(attention_tasks, T, s->heads, s->head_dim);
+    float *scratch = malloc(sizeof(float) * (outputs + shared + threads * own + partials));
+    /* per layer: its task counter, then each sequence's finished tasks */
+    _Atomic int64_t *counters = calloc((size_t)(L * (T + 1) + 1), sizeof(_Atomic int64_t));
+    if (offsets == NULL || scratch == NULL || counters == NULL) {
+        free(offsets);
         free(scratch);
-        free(tasks);
+        free((void *)counters);
         return -1;
     }
     float *h = scratch, *qkv = h + T * s->hidden, *attn = qkv + T * qkv_width;
     float *gate_up = attn + T * q_size, *act = gate_up + T * 2 * s->intermediate;
-    float *linear_shared = act + T * s->intermediate;
+    float *linear_shared = act + T * s->intermediate, *own_scratch = linear_shared + shared;
     const ProgramRun run = {.shape = s, .layers = layers, .L = L, .T = T, .bt_stride = bt_stride,
                             .x = x, .residual = residual, .positions = positions, .slots = slots,
                             .block_tables = block_tables, .seq_lens = seq_lens, .h = h,
                             .qkv = qkv, .attn = attn, .gate_up = gate_up, .act = act,
-                            .linear_shared = linear_shared, .own = linear_shared + shared,
-                            .own_floats = own, .attention_tasks = tasks};
+                            .linear_shared = linear_shared, .own = own_scratch,
+                            .own_floats = own, .attention_offsets = offsets,
+                            .attention_partials = own_scratch + threads * own,
+                            .attention_tasks = counters, .attention_done = counters + L};
     Team team = {.spin_ns = spin_ns};
     if (threads == 1) {
         const Member me = {&team, 0, 1};
@@ -155,7 +167,8 @@ int64_t decode_layers_f32(const ProgramShape *s, const ProgramLayer *layers, int
             program_member(&run, &me);
         }
     }
+    free(offsets);
     free(scratch);
-    free(tasks);
+    free((void *)counters);
     return 0;
 }

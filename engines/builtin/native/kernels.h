@@ -131,11 +131,18 @@ void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache
                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                           int64_t BS, float scale, int64_t window, int64_t threads,
                           float *out);
-/* next_task: zero before the first member calls it (the members take tasks from it) */
+/* Decode attention as tasks (split-K runs of a sequence's positions): offsets [B + 1] filled,
+ * the number of tasks returned; the floats of partial results they need beside the output. */
+int64_t decode_attention_tasks(const int32_t *seq_lens, int64_t B, int64_t window,
+                               int64_t *offsets);
+int64_t decode_attention_scratch(int64_t tasks, int64_t B, int64_t H, int64_t D);
+/* offsets from decode_attention_tasks; partials: decode_attention_scratch floats; done [B] and
+ * next_task zero before the first member calls it (the members take tasks from next_task) */
 void decode_attention_part(const float *q, int64_t q_stride, const float *k_cache,
                            const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
                            const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH,
                            int64_t D, int64_t BS, float scale, int64_t window, float *out,
+                           int64_t *offsets, float *partials, _Atomic int64_t *done,
                            _Atomic int64_t *next_task, const Member *me);
 void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I, int64_t threads);
 void silu_and_mul_cols(const float *gate_up, float *out, int64_t T, int64_t I, int64_t i0,

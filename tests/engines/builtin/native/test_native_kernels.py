@@ -92,6 +92,34 @@ def test_decode_attention_matches_torch(
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 200])
+def test_decode_attention_splits_long_contexts_and_merges_them_exactly_alike(window) -> None:
+    """Past 128 positions a sequence is split into tasks of 128 (split-K) whose partial
+    results the last one merges: torch's answer, and the same bits at every thread count."""
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    lengths = [129, 300, 1, 128, 257, 0, 513]
+    gen = torch.Generator().manual_seed(36)
+    blocks_per_seq = 33
+    num_blocks = blocks_per_seq * len(lengths)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen).view(len(lengths), blocks_per_seq)
+    tables, lens = tables.int().contiguous(), torch.tensor(lengths, dtype=torch.int32)
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    scale = dim**-0.5
+    before, outs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(native.decode_attention(q, k_cache, v_cache, tables, lens, scale, window))
+    finally:
+        torch.set_num_threads(before)
+    expected = reference_decode(q, k_cache, v_cache, tables, lens, scale, window)
+    expected[lens == 0] = 0.0  # no key: the kernel's zeros (the reference's softmax of none)
+    torch.testing.assert_close(outs[0], expected, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
 def reference_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
