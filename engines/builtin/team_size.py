@@ -7,9 +7,10 @@ and every barrier of the step waits for it: with one core kept busy, the same st
 ms on two threads and 6.5 ms on one (scripts/bench_decode_scaling.py --busy-core). Which
 machine it is changes while a server runs, so the size is chosen by measuring, not once:
 
-- the team runs at its current size, and every `interval` steps a probe alternates the current
-  size with a neighbour (one fewer, or one more, by turns) for `probe_steps` steps each, so
-  that a change in the load hits both alike;
+- the team runs at its current size, and every `interval` steps (16 at first: a busy machine
+  is found within ~30 steps) a probe alternates the current size with a neighbour (one fewer,
+  or one more, by turns) for `probe_steps` steps each, so that a change in the load hits both
+  alike;
 - the neighbour becomes the size when its median time per row is below `margin` times the
   current size's; the interval then starts again at `first_interval`, else it doubles, up to
   `longest_interval` (a quiet machine pays a probe's slower steps ever more rarely).
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 @dataclass
 class TeamSizer:
     most: int  # the engine's threads: the largest team
-    first_interval: int = 64
+    first_interval: int = 16
     longest_interval: int = 4096
     probe_steps: int = 6
     margin: float = 0.9
