@@ -68,9 +68,8 @@ def describe_kernel(bits: int, activations: str = "float") -> str:
     """How this build multiplies by an INT`bits` layer, for describe()["linear_methods"]."""
     path = widest_path(activations)
     if bits == 4 and activations == "int8":
-        rows = "int8 activations, integer dot products" + (
-            " (AVX2)" if path != "portable" else " (portable)"
-        )
+        kind = {"portable": "portable", "vec16": "AVX-512 VNNI"}.get(path, "AVX2")
+        rows = f"int8 activations, integer dot products ({kind})"
     else:
         rows = f"float FMA ({_WIDTH_NAMES.get(path, path)})"
     return (

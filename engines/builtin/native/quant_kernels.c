@@ -259,13 +259,106 @@ static void q4q8_rows_avx2(const QuantizedRows *xr, const uint8_t *nib, const fl
 }
 #endif
 
-/* Bit p set: an INT8-activation path: the portable one, and AVX2's where the build has it. */
-int64_t quant_q8_activation_paths(void) {
-#if defined(__AVX2__) && defined(__FMA__)
-    return (1 << QUANT_PATH_PORTABLE) | (1 << QUANT_PATH_VEC8);
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+#define Q4Q8_VNNI 1
+/* AVX-512 VNNI (Zen 4, Ice Lake and later): two blocks' 64 weights in one register and one
+ * vpdpbusd per input row (unsigned weights times signed activations, sums of 4 products in
+ * int32 lanes: lanes 0-7 are block b's, 8-15 block b + 1's), where AVX2 takes two
+ * multiply-adds and a widening per block. acc[r][c] += scale dx * sum(q xq) of blocks b and
+ * b + 1 for R input rows. */
+static inline __attribute__((always_inline)) void q4q8_pair_vnni(
+    const int R, const QuantizedRows *xr, int64_t K, int64_t blocks, const uint8_t *nib,
+    int64_t b, float s0, float s1, const int c, __m512 acc[4][2]) {
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(nib + b * 16));
+    const __m256i mask = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(packed, mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+    /* 128-bit lanes lo(b) lo(b+1) hi(b) hi(b+1) -> lo(b) hi(b) lo(b+1) hi(b+1): each block's
+     * 32 weights in order, as its 32 activations are */
+    const __m512i halves = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    const __m512i w = _mm512_shuffle_i64x2(halves, halves, _MM_SHUFFLE(3, 1, 2, 0));
+    for (int r = 0; r < R; r++) {
+        const __m512i xq = _mm512_loadu_si512((const void *)(xr->xq + r * K + b * 32));
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq);
+        const float *dx = xr->dx + r * blocks + b;
+        const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(s0 * dx[0]),
+                                            _mm256_set1_ps(s1 * dx[1]), 1);
+        acc[r][c] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dot), acc[r][c]);
+    }
+}
+
+static inline __attribute__((always_inline)) void q4q8_row_vnni(
+    const int R, const QuantizedRows *xr, int64_t K, const uint8_t *nib, const float *scale,
+    const float *minv, int64_t groups, int64_t group_shift, float *out) {
+    const int64_t blocks = K / 32;
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 4 <= blocks; b += 4) { /* two chains: consecutive pairs' sums independent */
+        __builtin_prefetch(nib + b * 16 + QPREFETCH, 0, 0);
+        q4q8_pair_vnni(R, xr, K, blocks, nib, b, scale[b >> group_shift],
+                       scale[(b + 1) >> group_shift], 0, acc);
+        q4q8_pair_vnni(R, xr, K, blocks, nib, b + 2, scale[(b + 2) >> group_shift],
+                       scale[(b + 3) >> group_shift], 1, acc);
+    }
+    if (b + 2 <= blocks) {
+        q4q8_pair_vnni(R, xr, K, blocks, nib, b, scale[b >> group_shift],
+                       scale[(b + 1) >> group_shift], 0, acc);
+        b += 2;
+    }
+    for (int r = 0; r < R; r++) {
+        float total = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+        if (b < blocks) { /* an odd last block */
+            const uint8_t *bytes = nib + b * 16;
+            const int8_t *xq = xr->xq + r * K + b * 32;
+            int32_t dot = 0;
+            for (int i = 0; i < 16; i++)
+                dot += (bytes[i] & 15) * xq[i] + (bytes[i] >> 4) * xq[16 + i];
+            total += scale[b >> group_shift] * xr->dx[r * blocks + b] * (float)dot;
+        }
+        for (int64_t gi = 0; gi < groups; gi++) total += minv[gi] * xr->sx[r * groups + gi];
+        out[r] = total;
+    }
+}
+
+static void q4q8_rows_vnni(const QuantizedRows *xr, const uint8_t *nib, const float *scale,
+                           const float *minv, const float *bias, float *y, int64_t M, int64_t K,
+                           int64_t N, int64_t g, int64_t n0, int64_t n1) {
+    const int64_t groups = K / g, blocks = K / 32;
+    int64_t group_shift = 0;
+    while ((32 << group_shift) < g) group_shift++;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wn = nib + n * (K / 2);
+        const float *sn = scale + n * groups, *mn = minv + n * groups;
+        const float bn = bias != NULL ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m += 4) {
+            float out[4];
+            const QuantizedRows rows = {xr->xq + m * K, xr->dx + m * blocks, xr->sx + m * groups};
+            switch (M - m < 4 ? M - m : 4) {
+            case 1: q4q8_row_vnni(1, &rows, K, wn, sn, mn, groups, group_shift, out); break;
+            case 2: q4q8_row_vnni(2, &rows, K, wn, sn, mn, groups, group_shift, out); break;
+            case 3: q4q8_row_vnni(3, &rows, K, wn, sn, mn, groups, group_shift, out); break;
+            default: q4q8_row_vnni(4, &rows, K, wn, sn, mn, groups, group_shift, out); break;
+            }
+            for (int64_t r = 0; r < 4 && m + r < M; r++) y[(m + r) * N + n] = out[r] + bn;
+        }
+    }
+}
 #else
-    return 1 << QUANT_PATH_PORTABLE;
+#define Q4Q8_VNNI 0
 #endif
+
+/* Bit p set: an INT8-activation path: the portable one, AVX2's and AVX-512 VNNI's where the
+ * build has them. */
+int64_t quant_q8_activation_paths(void) {
+    int64_t paths = 1 << QUANT_PATH_PORTABLE;
+#if defined(__AVX2__) && defined(__FMA__)
+    paths |= 1 << QUANT_PATH_VEC8;
+#endif
+#if Q4Q8_VNNI
+    paths |= 1 << QUANT_PATH_VEC16;
+#endif
+    return paths;
 }
 
 static void nan_fill(float *y, int64_t count) {
@@ -430,6 +523,12 @@ void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t
         default: q8_rows_portable(x, q, l->scale, l->bias, y, M, K, N, n0, n1);
         }
     } else if (l->kind == LINEAR_INT4_A8) {
+#if Q4Q8_VNNI
+        if (path == QUANT_PATH_VEC16) {
+            q4q8_rows_vnni(&xr, l->weight, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
+            return;
+        }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
         if (path != QUANT_PATH_PORTABLE && path != QUANT_PATH_VEC4) {
             q4q8_rows_avx2(&xr, l->weight, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
@@ -498,8 +597,8 @@ void q8_linear_f32(const float *x, const int8_t *q, const float *scale, const fl
 }
 
 /* As q4_linear_f32, with each input row quantized to INT8 per block of 32 where the rows kernel
- * runs (M <= rows_max; more rows take the float tile kernel). `path`: QUANT_PATH_PORTABLE, or
- * QUANT_PATH_VEC8 (AVX2; also AUTO and VEC16 where the build has AVX2). */
+ * runs (M <= rows_max; more rows take the float tile kernel). `path`: QUANT_PATH_PORTABLE,
+ * QUANT_PATH_VEC8 (AVX2) or QUANT_PATH_VEC16 (AVX-512 VNNI; else AVX2's); AUTO: the widest. */
 void q4_linear_q8_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
                       const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
                       int64_t rows_max, int64_t path, int64_t threads) {
