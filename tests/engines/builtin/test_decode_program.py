@@ -218,3 +218,38 @@ def test_a_fixed_policy_keeps_every_thread(make_tiny, policy) -> None:
     llm = make_tiny(quantization="int8", cpu_wait_policy=policy)
     assert llm.engine.runner.decode_program.sizer is None
     assert llm.engine.describe()["decode_team"] is None
+
+
+@pytest.mark.parametrize(
+    "target", [dict(quantization="int4", quantization_group_size=32), dict()], ids=["int4", "fp32"]
+)
+def test_speculative_verify_steps_run_as_decodes_in_the_program(make_tiny, target) -> None:
+    """A verify step brings a sequence's last token and its drafts, laid out as one decode row
+    per position (engines/builtin/spec_decode): the program runs them like any decode rows, in
+    its one region; greedy tokens equal the plain engine's and the layer-by-layer verify's."""
+    prompts = [list(range(5 + i, 30 + 3 * i)) for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # a draft that mostly agrees with its target: the same dummy weights in float32
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": "tiny"}
+
+    def tokens(program: bool, speculative: bool) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        llm = make_tiny(
+            native_decode_program=program,
+            speculative_config=spec if speculative else None,
+            **target,
+        )
+        shapes: list[tuple[int, int]] = []  # (rows, decode rows) of each step the program ran
+        if program:
+            layer_program = llm.engine.runner.decode_program
+            original = layer_program.run
+            layer_program.run = lambda x, meta: (
+                shapes.append((x.shape[0], meta.num_decodes)) or original(x, meta)
+            )
+        return [o.token_ids for o in llm.generate(prompts, params)], shapes
+
+    verified, shapes = tokens(program=True, speculative=True)
+    # verify steps (more rows than requests) went through the program, every row a decode
+    assert any(rows > len(prompts) for rows, _ in shapes)
+    assert all(rows == decodes for rows, decodes in shapes)
+    assert verified == tokens(program=False, speculative=True)[0]
+    assert verified == tokens(program=True, speculative=False)[0]
