@@ -8,7 +8,8 @@
  * region (one wake-up), and at each barrier a thread first spins for a while, then sleeps on a
  * futex: on a quiet machine the others arrive within microseconds and nobody sleeps; on a busy
  * one a thread waiting for a descheduled partner gives its core back instead of spinning through
- * the partner's time slice (llama.cpp's own thread pool does the same). */
+ * the partner's time slice (llama.cpp's pool sleeps between graphs, but its barriers only spin).
+ * How many threads the team takes is the caller's (engines/builtin/team_size.py measures it). */
 #ifndef INFERLAB_TEAM_H
 #define INFERLAB_TEAM_H
 
