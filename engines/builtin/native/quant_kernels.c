@@ -189,6 +189,34 @@ static void q4q8_rows_portable(const QuantizedRows *xr, const uint8_t *nib, cons
         }
 }
 
+/* y[m, n] = the INT4 x INT8 product for W's rows [n0, n1) and all M input rows, four at a time,
+ * by the row kernel ROW (one per instruction set, each always inlined per row count). */
+#define DEFINE_Q4Q8_ROWS(NAME, ROW)                                                            \
+    static void NAME(const QuantizedRows *xr, const uint8_t *nib, const float *scale,         \
+                     const float *minv, const float *bias, float *y, int64_t M, int64_t K,     \
+                     int64_t N, int64_t g, int64_t n0, int64_t n1) {                           \
+        const int64_t groups = K / g, blocks = K / 32;                                         \
+        int64_t shift = 0;                                                                     \
+        while ((32 << shift) < g) shift++;                                                     \
+        for (int64_t n = n0; n < n1; n++) {                                                    \
+            const uint8_t *wn = nib + n * (K / 2);                                             \
+            const float *sn = scale + n * groups, *mn = minv + n * groups;                     \
+            const float bn = bias != NULL ? bias[n] : 0.0f;                                    \
+            for (int64_t m = 0; m < M; m += 4) {                                               \
+                float out[4];                                                                  \
+                const QuantizedRows rows = {xr->xq + m * K, xr->dx + m * blocks,               \
+                                            xr->sx + m * groups};                              \
+                switch (M - m < 4 ? M - m : 4) {                                               \
+                case 1: ROW(1, &rows, K, wn, sn, mn, groups, shift, out); break;               \
+                case 2: ROW(2, &rows, K, wn, sn, mn, groups, shift, out); break;               \
+                case 3: ROW(3, &rows, K, wn, sn, mn, groups, shift, out); break;               \
+                default: ROW(4, &rows, K, wn, sn, mn, groups, shift, out); break;              \
+                }                                                                              \
+                for (int64_t r = 0; r < 4 && m + r < M; r++) y[(m + r) * N + n] = out[r] + bn; \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
 #if defined(__AVX2__) && defined(__FMA__)
 /* acc[r][c] += scale dx * sum(q xq) of block b for R input rows. */
 static inline __attribute__((always_inline)) void q4q8_block_avx2(
@@ -234,29 +262,7 @@ static inline __attribute__((always_inline)) void q4q8_row_avx2(
     }
 }
 
-static void q4q8_rows_avx2(const QuantizedRows *xr, const uint8_t *nib, const float *scale,
-                           const float *minv, const float *bias, float *y, int64_t M, int64_t K,
-                           int64_t N, int64_t g, int64_t n0, int64_t n1) {
-    const int64_t groups = K / g, blocks = K / 32;
-    int64_t group_shift = 0;
-    while ((32 << group_shift) < g) group_shift++;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *wn = nib + n * (K / 2);
-        const float *sn = scale + n * groups, *mn = minv + n * groups;
-        const float bn = bias != NULL ? bias[n] : 0.0f;
-        for (int64_t m = 0; m < M; m += 4) {
-            float out[4];
-            const QuantizedRows rows = {xr->xq + m * K, xr->dx + m * blocks, xr->sx + m * groups};
-            switch (M - m < 4 ? M - m : 4) {
-            case 1: q4q8_row_avx2(1, &rows, K, wn, sn, mn, groups, group_shift, out); break;
-            case 2: q4q8_row_avx2(2, &rows, K, wn, sn, mn, groups, group_shift, out); break;
-            case 3: q4q8_row_avx2(3, &rows, K, wn, sn, mn, groups, group_shift, out); break;
-            default: q4q8_row_avx2(4, &rows, K, wn, sn, mn, groups, group_shift, out); break;
-            }
-            for (int64_t r = 0; r < 4 && m + r < M; r++) y[(m + r) * N + n] = out[r] + bn;
-        }
-    }
-}
+DEFINE_Q4Q8_ROWS(q4q8_rows_avx2, q4q8_row_avx2)
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
@@ -321,29 +327,7 @@ static inline __attribute__((always_inline)) void q4q8_row_vnni(
     }
 }
 
-static void q4q8_rows_vnni(const QuantizedRows *xr, const uint8_t *nib, const float *scale,
-                           const float *minv, const float *bias, float *y, int64_t M, int64_t K,
-                           int64_t N, int64_t g, int64_t n0, int64_t n1) {
-    const int64_t groups = K / g, blocks = K / 32;
-    int64_t group_shift = 0;
-    while ((32 << group_shift) < g) group_shift++;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *wn = nib + n * (K / 2);
-        const float *sn = scale + n * groups, *mn = minv + n * groups;
-        const float bn = bias != NULL ? bias[n] : 0.0f;
-        for (int64_t m = 0; m < M; m += 4) {
-            float out[4];
-            const QuantizedRows rows = {xr->xq + m * K, xr->dx + m * blocks, xr->sx + m * groups};
-            switch (M - m < 4 ? M - m : 4) {
-            case 1: q4q8_row_vnni(1, &rows, K, wn, sn, mn, groups, group_shift, out); break;
-            case 2: q4q8_row_vnni(2, &rows, K, wn, sn, mn, groups, group_shift, out); break;
-            case 3: q4q8_row_vnni(3, &rows, K, wn, sn, mn, groups, group_shift, out); break;
-            default: q4q8_row_vnni(4, &rows, K, wn, sn, mn, groups, group_shift, out); break;
-            }
-            for (int64_t r = 0; r < 4 && m + r < M; r++) y[(m + r) * N + n] = out[r] + bn;
-        }
-    }
-}
+DEFINE_Q4Q8_ROWS(q4q8_rows_vnni, q4q8_row_vnni)
 #else
 #define Q4Q8_VNNI 0
 #endif
