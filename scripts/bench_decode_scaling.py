@@ -525,6 +525,13 @@ def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
         args.engine_options = parse_engine_options(args.engine_option)
     except ValueError as exc:
         parser.error(f"--engine-option: {exc}")
+    with_policy = [v for v in args.variants if "@" in v]
+    if "cpu_wait_policy" in args.engine_options and with_policy:
+        # applied after a variant's @policy, it would relabel every row's measurement
+        parser.error(
+            f"--engine-option: cpu_wait_policy: set by --variants' @policy on "
+            f"{','.join(with_policy)}; allowed: one of the two"
+        )
     return args
 
 

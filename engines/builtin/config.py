@@ -272,6 +272,17 @@ def _lm_head_method_needs_a_quantized_head(config: EngineConfig) -> None:
         )
 
 
+def _a_quantized_head_same_as_dense_layers_is_dense(config: EngineConfig) -> None:
+    same = config.lm_head_quantization == "same"
+    if config.quantize_lm_head is True and same and config.plugged("quantization").dense:
+        raise ConfigError(
+            "engine.quantize_lm_head=true asks for a quantized LM head, but "
+            "engine.lm_head_quantization='same' takes the layers' method, and "
+            f"quantization={config.quantization!r} keeps them dense: the head would stay dense; "
+            "set lm_head_quantization=auto|int8, or quantize_lm_head=null|false"
+        )
+
+
 def _speculation_needs_continuous_batching(config: EngineConfig) -> None:
     if config.speculative_config is not None and config.batching == "static":
         raise ConfigError(
@@ -331,6 +342,7 @@ _RULES = (
     _graph_sizes_fit_max_num_seqs,
     _int8_activations_need_int4,
     _lm_head_method_needs_a_quantized_head,
+    _a_quantized_head_same_as_dense_layers_is_dense,
     _speculation_needs_continuous_batching,
     _chunked_prefill_needs_continuous_batching_and_a_cache,
     _prefix_caching_needs_paged_kv_and_continuous_batching,

@@ -16,6 +16,7 @@ What others may read or hook between steps is public: `limits`, `gauges()`, `wei
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
@@ -79,6 +80,10 @@ class EngineClosedError(EngineDeadError):
     """The engine was closed (`close()`, the end of an LLM's `with` block)."""
 
 
+class EngineForkedError(RuntimeError):
+    """The engine was built in another process, of which os.fork() made this one a copy."""
+
+
 #: What a closed engine lets go of: the model and its weights, the KV cache, the requests, the
 #: draft model (their memory is freed once nothing else holds them).
 _RELEASED_AT_CLOSE = (
@@ -96,6 +101,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.closed = False
         self.failure: str | None = None  # why the engine cannot go on (EngineDeadError)
+        self.pid = os.getpid()  # the process that built it (a fork's copy: EngineForkedError)
         self.peers: Peers | None = None  # the other tensor-parallel ranks
         if config.tensor_parallel_size > 1 and serve_if_worker_rank():
             # torchrun started this process as a rank other than 0: it has served rank 0's
@@ -365,10 +371,22 @@ class LLMEngine:
         self.step_observers = []
 
     def ensure_open(self) -> None:
-        """Raise EngineClosedError after close(), EngineDeadError after a failure."""
+        """Raise EngineClosedError after close(), EngineDeadError after a failure,
+        EngineForkedError in a copy made by os.fork() that would hang."""
         self._ensure_not_closed()
         if self.failure is not None:
             raise EngineDeadError(self.failure)
+        if os.getpid() != self.pid and torch.get_num_threads() > 1:
+            # libgomp's threads are not copied by fork(): a parallel region (torch's, the C
+            # kernels') waits for them for ever; on one thread it opens none
+            raise EngineForkedError(
+                f"this engine was built in process {self.pid}, and this process "
+                f"({os.getpid()}) is a copy of it made by os.fork(): the OpenMP threads its "
+                f"steps run on are not copied, so a step on {torch.get_num_threads()} threads "
+                "would wait for them for ever; call torch.set_num_threads(1) in this process "
+                "first, or build the engine in a process started with multiprocessing's "
+                "'spawn' method"
+            )
 
     def _ensure_not_closed(self) -> None:
         if self.closed:

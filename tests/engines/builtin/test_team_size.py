@@ -62,3 +62,18 @@ def test_one_thread_never_probes() -> None:
 def test_a_team_of_none_is_refused() -> None:
     with pytest.raises(ValueError, match=r"TeamSizer\.most: 0; allowed: at least 1"):
         TeamSizer(0)
+
+
+def test_the_documented_spin_budget_is_the_librarys() -> None:
+    """docs/engine_options.md's cpu_wait_policy row said `auto` spins up to 100 us while the
+    library spins 2 us (hostile pass, issue 36): the row now states the library's budget."""
+    from pathlib import Path
+
+    from engines.builtin import native
+
+    lib = native.load()
+    assert lib is not None, native.reason()  # CI machines have a C compiler
+    budget_us = lib.team_default_spin_ns() / 1000
+    docs = Path(__file__).resolve().parents[3] / "docs" / "engine_options.md"
+    (row,) = [line for line in docs.read_text().splitlines() if line.startswith("| `cpu_wait_")]
+    assert f"`auto` (spin up to {budget_us:g} us, then sleep" in row, row

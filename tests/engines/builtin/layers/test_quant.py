@@ -348,6 +348,16 @@ def test_config_validates_the_new_options() -> None:
         )
     with pytest.raises(ConfigError, match=r"lm_head_quantization: 'int4' is invalid; allowed"):
         EngineConfig.from_dict({"quantize_lm_head": True, "lm_head_quantization": "int4"})
+    # hostile pass 36: true with `same` beside dense layers kept the head dense, silently
+    with pytest.raises(
+        ConfigError,
+        match=r"^engine.quantize_lm_head=true asks for a quantized LM head, but "
+        r"engine.lm_head_quantization='same' takes the layers' method, and "
+        r"quantization='none' keeps them dense: the head would stay dense; set "
+        r"lm_head_quantization=auto\|int8, or quantize_lm_head=null\|false$",
+    ):
+        EngineConfig.from_dict({"quantize_lm_head": True, "lm_head_quantization": "same"})
+    assert EngineConfig.from_dict({"lm_head_quantization": "same"}).lm_head_method() == "none"
     with pytest.raises(ConfigError, match="native_decode_program"):
         EngineConfig.from_dict({"native_decode_program": 1})
     with pytest.raises(
