@@ -19,6 +19,8 @@ turns it off; describe()["native_decode_program"] says whether it is used, or wh
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -40,6 +42,7 @@ DENSE, INT8, INT4, INT4_A8 = 0, 1, 2, 3  # kernels.h's LINEAR_*
 #: engine.cpu_wait_policy -> how long a thread spins at a barrier before it sleeps, in ns
 #: (team.h: -1 for ever, 0 not at all; auto: the library's own budget)
 _SPIN_NS = {"active": -1, "passive": 0}
+log = logging.getLogger(__name__)
 
 
 class LinearWeights(ctypes.Structure):  # kernels.h
@@ -160,6 +163,15 @@ class DecodeProgram:
         )
         # auto: the team's size measured as the steps run (team_size.py); else every thread
         self.sizer = TeamSizer(torch.get_num_threads()) if wait_policy == "auto" else None
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if wait_policy == "active" and cpus is not None and torch.get_num_threads() > cpus:
+            log.warning(
+                "engine.cpu_wait_policy=active on %d threads and %d CPUs: a spinning thread "
+                "holds the core another one needs at every barrier, and a step can take 100x "
+                "as long (64 threads on 2 CPUs: 45 s for 30 tokens); auto or passive do not",
+                torch.get_num_threads(),
+                cpus,
+            )
         first: DecoderLayer = model.layers[0]  # type: ignore[assignment]
         self.keep: list[torch.Tensor] = []  # every tensor the structs point into
         self.table_positions = model.rope.cos_sin_table.shape[0]

@@ -84,6 +84,30 @@ class EngineForkedError(RuntimeError):
     """The engine was built in another process, of which os.fork() made this one a copy."""
 
 
+#: The process in which an engine was built (its OpenMP threads started): a copy of it made by
+#: os.fork() has none of those threads, and its parallel regions wait for them for ever.
+_threads_started_in: dict[str, int] = {}
+
+
+def _forked_threads_error(
+    pid: int | None, what: str, threads: int | None = None
+) -> EngineForkedError | None:
+    """The error for a step (or a build) on several threads (`threads`, None: torch's) in a
+    copy made by os.fork() of process `pid`, where `what` happened; None where it is safe."""
+    threads = threads or torch.get_num_threads()
+    if pid is None or pid == os.getpid() or threads <= 1:
+        return None
+    # libgomp's threads are not copied by fork(): a parallel region (torch's, the C kernels')
+    # waits for them for ever; on one thread it opens none
+    return EngineForkedError(
+        f"{what} in process {pid}, and this process ({os.getpid()}) is a copy of it made by "
+        "os.fork(): the OpenMP threads an engine's steps run on are not copied, so a step on "
+        f"{threads} threads would wait for them for ever; call "
+        "torch.set_num_threads(1) in this process first, or use a process started with "
+        "multiprocessing's 'spawn' method"
+    )
+
+
 #: What a closed engine lets go of: the model and its weights, the KV cache, the requests, the
 #: draft model (their memory is freed once nothing else holds them).
 _RELEASED_AT_CLOSE = (
@@ -101,7 +125,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.closed = False
         self.failure: str | None = None  # why the engine cannot go on (EngineDeadError)
+        # an engine built in a copy, made by os.fork(), of a process whose engines ran
+        forked = _forked_threads_error(
+            _threads_started_in.get("pid"), "an engine ran", config.num_threads
+        )
+        if forked is not None:
+            raise forked
         self.pid = os.getpid()  # the process that built it (a fork's copy: EngineForkedError)
+        _threads_started_in["pid"] = self.pid
         self.peers: Peers | None = None  # the other tensor-parallel ranks
         if config.tensor_parallel_size > 1 and serve_if_worker_rank():
             # torchrun started this process as a rank other than 0: it has served rank 0's
@@ -376,17 +407,9 @@ class LLMEngine:
         self._ensure_not_closed()
         if self.failure is not None:
             raise EngineDeadError(self.failure)
-        if os.getpid() != self.pid and torch.get_num_threads() > 1:
-            # libgomp's threads are not copied by fork(): a parallel region (torch's, the C
-            # kernels') waits for them for ever; on one thread it opens none
-            raise EngineForkedError(
-                f"this engine was built in process {self.pid}, and this process "
-                f"({os.getpid()}) is a copy of it made by os.fork(): the OpenMP threads its "
-                f"steps run on are not copied, so a step on {torch.get_num_threads()} threads "
-                "would wait for them for ever; call torch.set_num_threads(1) in this process "
-                "first, or build the engine in a process started with multiprocessing's "
-                "'spawn' method"
-            )
+        forked = _forked_threads_error(self.pid, "this engine was built")
+        if forked is not None:
+            raise forked
 
     def _ensure_not_closed(self) -> None:
         if self.closed:

@@ -40,8 +40,8 @@ def script(name: str) -> ModuleType:
 @pytest.mark.parametrize("target", TARGETS)
 def test_each_check_target_runs_its_script(target: str) -> None:
     """`make -n` prints the commands without running them (nor the setup they depend on)."""
-    done = subprocess.run(
-        ["make", "-n", target, "ARGS=--given-option"],
+    done = subprocess.run(  # under `make test` a nested make would print its directory
+        ["make", "--no-print-directory", "-n", target, "ARGS=--given-option"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -7,6 +7,7 @@ whether it runs and why not."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -253,3 +254,18 @@ def test_speculative_verify_steps_run_as_decodes_in_the_program(make_tiny, targe
     assert all(rows == decodes for rows, decodes in shapes)
     assert verified == tokens(program=False, speculative=True)[0]
     assert verified == tokens(program=True, speculative=False)[0]
+
+
+def test_active_waiting_on_more_threads_than_cpus_is_warned(
+    make_tiny, keep_torch_threads, caplog
+) -> None:
+    """Spinning threads beyond the CPUs hold the cores the others need (hostile pass, issue
+    36: 64 threads on 2 CPUs took 45 s for 30 tokens): the engine says so when built."""
+    cpus = len(os.sched_getaffinity(0))
+    with caplog.at_level("WARNING", logger="engines.builtin.decode_program"):
+        make_tiny(quantization="int8", cpu_wait_policy="active", num_threads=cpus + 1)
+    assert f"cpu_wait_policy=active on {cpus + 1} threads and {cpus} CPUs" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="engines.builtin.decode_program"):
+        make_tiny(quantization="int8", cpu_wait_policy="auto", num_threads=cpus + 1)
+    assert "cpu_wait_policy" not in caplog.text

@@ -71,6 +71,41 @@ def test_a_forked_copy_of_an_engine_fails_clearly_instead_of_hanging(policy: str
     torch.set_num_threads(2)
 
 
+def test_a_new_engine_in_a_forked_copy_fails_clearly_instead_of_hanging() -> None:
+    """The parent's engines started OpenMP's threads: a new engine built in the child on 2
+    threads would wait for them for ever (hostile pass, issue 36); on 1 thread it works."""
+    LLM(model="tiny", dtype="float32", num_threads=2, max_model_len=64).generate([[3]], GREEDY)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            try:
+                LLM(model="tiny", dtype="float32", num_threads=2, max_model_len=64)
+                said = "built"
+            except EngineForkedError as exc:
+                said = f"EngineForkedError: {exc}"
+            child = LLM(model="tiny", dtype="float32", num_threads=1, max_model_len=64)
+            said += f" | one thread: {len(child.generate([[3]], GREEDY)[0].token_ids)} tokens"
+        except BaseException as exc:
+            said = f"{type(exc).__name__}: {exc}"
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the child hung")
+        time.sleep(0.05)
+    with os.fdopen(read) as pipe:
+        said = pipe.read()
+    torch.set_num_threads(2)
+    assert said.startswith("EngineForkedError: an engine ran in process"), said
+    assert said.endswith("| one thread: 8 tokens"), said
+
+
 def test_the_engine_it_was_built_in_is_not_refused() -> None:
     llm = LLM(model="tiny", dtype="float32", num_threads=2, max_model_len=64)
     llm.engine.ensure_open()

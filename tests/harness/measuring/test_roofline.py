@@ -253,10 +253,14 @@ def test_quantized_weights_count_quantized_bytes(make_tiny: Callable[..., LLM]) 
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     params = cfg.num_layers * (h * (q + 2 * kv) + q * h + 2 * h * i + i * h)
     output_rows = cfg.num_layers * ((q + 2 * kv) + h + 2 * i + h)
-    # one byte per weight plus one fp32 scale per output row; the head stays dense fp32
+    # one byte per weight plus one fp32 scale per output row; the head too (quantized layers
+    # take an INT8 head by default, issue 36), and dense fp32 when asked
     assert shape.block_linear_bytes == params + 4 * output_rows
     assert shape.block_linear_params == params  # FLOPs do not shrink with storage
-    assert shape.lm_head_bytes == 4 * h * cfg.vocab_size
+    assert shape.lm_head_bytes == h * cfg.vocab_size + 4 * cfg.vocab_size
+    dense_head = make_tiny(quantization="int8", quantize_lm_head=False).engine.describe()
+    dense = ModelShape.from_engine_info(dense_head)
+    assert dense is not None and dense.lm_head_bytes == 4 * h * cfg.vocab_size
 
 
 # ---- run metrics ---------------------------------------------------------------------------
