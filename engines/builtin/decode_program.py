@@ -148,6 +148,18 @@ def unavailable_reason(model: Transformer) -> str | None:
     return None
 
 
+def _warn_if_spinning_beyond_the_cpus() -> None:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cpus is not None and torch.get_num_threads() > cpus:
+        log.warning(
+            "engine.cpu_wait_policy=active on %d threads and %d CPUs: a spinning thread holds "
+            "the core another one needs at every barrier, and a step can take 100x as long (64 "
+            "threads on 2 CPUs: 45 s for 30 tokens); auto or passive do not",
+            torch.get_num_threads(),
+            cpus,
+        )
+
+
 class DecodeProgram:
     """The model's decoder layers as C structs, run by `run` for decode-only steps."""
 
@@ -163,15 +175,8 @@ class DecodeProgram:
         )
         # auto: the team's size measured as the steps run (team_size.py); else every thread
         self.sizer = TeamSizer(torch.get_num_threads()) if wait_policy == "auto" else None
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        if wait_policy == "active" and cpus is not None and torch.get_num_threads() > cpus:
-            log.warning(
-                "engine.cpu_wait_policy=active on %d threads and %d CPUs: a spinning thread "
-                "holds the core another one needs at every barrier, and a step can take 100x "
-                "as long (64 threads on 2 CPUs: 45 s for 30 tokens); auto or passive do not",
-                torch.get_num_threads(),
-                cpus,
-            )
+        if wait_policy == "active":
+            _warn_if_spinning_beyond_the_cpus()
         first: DecoderLayer = model.layers[0]  # type: ignore[assignment]
         self.keep: list[torch.Tensor] = []  # every tensor the structs point into
         self.table_positions = model.rope.cos_sin_table.shape[0]
