@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,17 +24,15 @@ def tokens(llm: LLM) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, GREEDY)]
 
 
-def in_child(llm: LLM, threads: int | None) -> str:
-    """What generate() in a forked child did: its tokens, or the error's type and message
-    (a child still running after 60 s is killed: "hung")."""
+def forked(action: Callable[[], str]) -> str:
+    """What `action` said in a child made by os.fork(), or the error's type and message (a
+    child still running after 60 s is killed: "hung")."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, and never return into pytest
         os.close(read)
         try:
-            if threads is not None:
-                torch.set_num_threads(threads)
-            said = repr(tokens(llm))
+            said = action()
         except BaseException as exc:
             said = f"{type(exc).__name__}: {exc}"
         os.write(write, said.encode())
@@ -49,6 +48,17 @@ def in_child(llm: LLM, threads: int | None) -> str:
         time.sleep(0.05)
     with os.fdopen(read) as pipe:
         return pipe.read()
+
+
+def in_child(llm: LLM, threads: int | None) -> str:
+    """What generate() in a forked child did (forked()), on `threads` if given."""
+
+    def generate() -> str:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return repr(tokens(llm))
+
+    return forked(generate)
 
 
 @pytest.mark.parametrize("policy", ["auto", "passive"])
@@ -75,32 +85,17 @@ def test_a_new_engine_in_a_forked_copy_fails_clearly_instead_of_hanging() -> Non
     """The parent's engines started OpenMP's threads: a new engine built in the child on 2
     threads would wait for them for ever (hostile pass, issue 36); on 1 thread it works."""
     LLM(model="tiny", dtype="float32", num_threads=2, max_model_len=64).generate([[3]], GREEDY)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
+
+    def build() -> str:
         try:
-            try:
-                LLM(model="tiny", dtype="float32", num_threads=2, max_model_len=64)
-                said = "built"
-            except EngineForkedError as exc:
-                said = f"EngineForkedError: {exc}"
-            child = LLM(model="tiny", dtype="float32", num_threads=1, max_model_len=64)
-            said += f" | one thread: {len(child.generate([[3]], GREEDY)[0].token_ids)} tokens"
-        except BaseException as exc:
-            said = f"{type(exc).__name__}: {exc}"
-        os.write(write, said.encode())
-        os._exit(0)
-    os.close(write)
-    deadline = time.monotonic() + 60
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the child hung")
-        time.sleep(0.05)
-    with os.fdopen(read) as pipe:
-        said = pipe.read()
+            LLM(model="tiny", dtype="float32", num_threads=2, max_model_len=64)
+            said = "built"
+        except EngineForkedError as exc:
+            said = f"EngineForkedError: {exc}"
+        child = LLM(model="tiny", dtype="float32", num_threads=1, max_model_len=64)
+        return said + f" | one thread: {len(child.generate([[3]], GREEDY)[0].token_ids)} tokens"
+
+    said = forked(build)
     torch.set_num_threads(2)
     assert said.startswith("EngineForkedError: an engine ran in process"), said
     assert said.endswith("| one thread: 8 tokens"), said
