@@ -42,6 +42,11 @@ def register(name: str, unit: str, better: Better, kind: Kind, description: str)
     return metric
 
 
+def find_metric(name: str) -> Metric | None:
+    """The registered metric called `name` (None: no such metric)."""
+    return REGISTRY.get(name)
+
+
 def _register_latency(base: str, stats: Iterable[str], what: str) -> None:
     for stat in stats:
         register(f"{base}_{stat}_s", "s", "lower", "timing", f"{what}, {stat} over requests")
