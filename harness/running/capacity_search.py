@@ -39,8 +39,10 @@ ANSWER_KEY: dict[str, str] = {"rate": "max_rate_at_slo", "concurrency": "max_con
 UNIT: dict[str, str] = {"rate": "req/s", "concurrency": "requests"}
 #: the least share of the bracket's (log) width an interpolated guess keeps from either end
 _MARGIN = 0.15
-#: how far below the interpolated crossing a guess aims, as a share of the tolerance
+#: how far below the interpolated crossing a guess aims, as a share of the tolerance; the
+#: last run further, as what it would leave as the answer otherwise is the last meet
 _UNDERSHOOT = 0.4
+_LAST_UNDERSHOOT = 0.7
 
 
 @dataclass(frozen=True)
@@ -134,22 +136,29 @@ def _streaks(points: Sequence[Point]) -> tuple[int, int]:
     return met, missed
 
 
-def _guess(points: Sequence[Point], low: Point, high: Point, tolerance: float) -> float:
-    """Where the SLO's crossing likely is, from the bracket's two slacks. The headroom
-    exp(slack) (bound / value) is interpolated linearly in load: under a queue's latency,
-    base / (1 - load / capacity), it is linear in load, so one step lands on the crossing where
-    the slack itself (or log load) bends sharply near saturation."""
+def _guess(
+    points: Sequence[Point], low: Point, high: Point, tolerance: float, last: bool, integer: bool
+) -> float:
+    """Where the SLO's crossing likely is, from the bracket's two slacks. For a request rate
+    the headroom exp(slack) (bound / value) is interpolated linearly in load: under a queue's
+    latency, base / (1 - load / capacity), it is linear in load, so one step lands on the
+    crossing where the slack itself (or log load) bends sharply near saturation."""
     assert low.load is not None and high.load is not None
     if low.slack is not None and high.slack is not None and low.slack > high.slack:
         # the Illinois rule: an end that stayed put while the other moved has its excess
         # halved each time, or a curve that bends keeps every guess beside one end (regula
         # falsi's slow side)
         met, missed = _streaks(points)
-        e_low = math.expm1(low.slack) * 0.5**missed  # headroom - 1: > 0 meets, < 0 misses
-        e_high = math.expm1(high.slack) * 0.5**met
+        # headroom - 1 (> 0 meets, < 0 misses), or for a closed loop 1 - value / bound: by
+        # Little's law its latency grows linearly with the concurrency once the server is
+        # busy, so that value / bound is the one linear in load there
+        sign = -1.0 if integer else 1.0
+        e_low = sign * math.expm1(sign * low.slack) * 0.5**missed
+        e_high = sign * math.expm1(sign * high.slack) * 0.5**met
         t = e_low / (e_low - e_high)
         x = low.load + t * (high.load - low.load)
-        x *= 1 - _UNDERSHOOT * tolerance  # the answer is a load measured to meet: aim below
+        # the answer is a load measured to meet: aim below
+        x *= 1 - (_LAST_UNDERSHOOT if last else _UNDERSHOOT) * tolerance
         margin = _MARGIN * (high.load - low.load)
         return min(max(x, low.load + margin), high.load - margin)
     return math.sqrt(low.load * high.load)  # nothing to interpolate on: bisect in log space
@@ -167,7 +176,7 @@ def next_loads(
     assert low.load is not None and high.load is not None
     if narrow_enough(low.load, high.load, tolerance, integer):
         return []
-    guess = _guess(points, low, high, tolerance)
+    guess = _guess(points, low, high, tolerance, last=budget == 1, integer=integer)
     chosen = [guess]
     while len(chosen) < min(parallel, budget):
         # several at once: the (log) midpoint of the widest gap left

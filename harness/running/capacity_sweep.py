@@ -94,12 +94,17 @@ def _finite(value: Any) -> float | None:
     return float(value) if ok else None
 
 
-def _point(point: Point, metrics: Sequence[str]) -> dict[str, Any]:
+def _load(value: float | None, over: str) -> float | int | None:
+    """A load as search.json holds it: a concurrency as a whole number."""
+    return int(value) if value is not None and over == "concurrency" else value
+
+
+def _point(point: Point, metrics: Sequence[str], over: str) -> dict[str, Any]:
     got = point.measurement
     return {
         "job": got.job,
         "role": point.probe.role,
-        "load": point.load,
+        "load": _load(point.load, over),
         "achieved_req_per_s": _finite(got.metrics.get("req_per_s")),
         "meets": point.meets,
         "failed_checks": point.failed,
@@ -118,13 +123,13 @@ def result_record(result: SearchResult, grid: Mapping[str, Any] | None = None) -
         "over": result.over,
         "slo": [str(c) for c in result.checks],
         "outcome": result.outcome,
-        ANSWER_KEY[result.over]: result.answer,
+        ANSWER_KEY[result.over]: _load(result.answer, result.over),
         "unit": UNIT[result.over],
         "bracket": {
-            "meets": _point(result.low, metrics) if result.low is not None else None,
-            "misses": _point(result.high, metrics) if result.high is not None else None,
+            "meets": None if result.low is None else _point(result.low, metrics, result.over),
+            "misses": None if result.high is None else _point(result.high, metrics, result.over),
         },
-        "points": [_point(p, metrics) for p in result.points],
+        "points": [_point(p, metrics, result.over) for p in result.points],
         "num_points": len(result.points),
         "note": result.note,
     }
@@ -149,7 +154,9 @@ def console_line(record: Mapping[str, Any]) -> str:
         return f"search{where}: {key} = {record[key]:.4g} {unit} ({around}; {runs})"
     if outcome == "above_range":
         run = "the throughput run" if record["points"][-1]["role"] == "high" else "max_load"
-        return f"search{where}: {key} >= {record[key]:.4g} {unit}: even {run} meets the SLO ({runs})"
+        return (
+            f"search{where}: {key} >= {record[key]:.4g} {unit}: even {run} meets the SLO ({runs})"
+        )
     label = "below range" if outcome == "below_range" else "failed"
     return f"search{where}: {key} = none, {label}: {record['note']} ({runs})"
 

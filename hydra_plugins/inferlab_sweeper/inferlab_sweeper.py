@@ -194,7 +194,9 @@ class InferlabSweeper(BasicSweeper):
             except ValueError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 raise SystemExit(2) from None
-        swept = [o.split("=", 1)[0] for o in grid[0]] if len(grid) > 1 else []
+        # the keys whose value differs between grid points name each search
+        values = [override_values(o) for o in grid]
+        swept = [k for k in values[0] if any(v.get(k) != values[0][k] for v in values)]
         counters = {"first_job": 0, "launched": 0}
         returns: list[Any] = []
         records = []
@@ -213,8 +215,8 @@ class InferlabSweeper(BasicSweeper):
                 return self._measure(batch, counters, returns, sweep_dir, name)
 
             result = capacity_search.search(measure, search.checks, search.settings(), num_requests)
-            values = override_values(overrides)
-            grid_point = {k: values[k] for k in swept if k in values} if swept else None
+            point = override_values(overrides)
+            grid_point = {k: point[k] for k in swept if k in point} if len(grid) > 1 else None
             record = capacity_sweep.result_record(result, grid_point)
             records.append(record)
             print(capacity_sweep.console_line(record))
