@@ -229,8 +229,9 @@ def natural_load(
     if over == "concurrency":
         return 1.0 if probe.role == "low" else float(num_requests or 0) or None
     achieved = got.metrics.get("req_per_s")
-    ok = isinstance(achieved, int | float) and math.isfinite(achieved) and achieved > 0
-    return float(achieved) if ok else None
+    if isinstance(achieved, int | float) and math.isfinite(achieved) and achieved > 0:
+        return float(achieved)
+    return None
 
 
 def search(
@@ -247,7 +248,7 @@ def search(
 
     def run(probes: list[Probe]) -> list[Point]:
         got = measure(probes)
-        new = []
+        new: list[Point] = []
         for probe, measured in zip(probes, got, strict=True):
             load = natural_load(over, probe, measured, num_requests)
             lows = [p.load for p in [*points, *new] if p.probe.role == "low" and p.load]

@@ -140,6 +140,7 @@ class InferlabSweeper(BasicSweeper):
     ) -> tuple[list[Job], list[Any]]:
         """Launch one batch of grid jobs (numbered from first_job; the launcher's own
         numbers from `launched`), gather their folders and summarize their repeats."""
+        assert self.launcher is not None  # set up before the sweep
         self.validate_batch_is_legal(batch)
         jobs = self._expand_repeats(batch, first_job, sweep_dir, launched != first_job)
         try:
