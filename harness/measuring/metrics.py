@@ -276,6 +276,21 @@ register(
     "deterministic",
     "padding tokens / all tokens computed (prefill + decode + padding)",
 )
+# a capacity search's answers (sweep_summary.json, docs/capacity.md), not a run's
+register(
+    "max_rate_at_slo",
+    "req/s",
+    "higher",
+    "timing",
+    "capacity search: the highest request rate measured to meet run.search.slo",
+)
+register(
+    "max_concurrency_at_slo",
+    "requests",
+    "higher",
+    "timing",
+    "capacity search: the highest concurrency measured to meet run.search.slo",
+)
 register("num_requests", "count", "none", "deterministic", "requests in the measured run")
 register("num_completed", "count", "higher", "deterministic", "requests that finished")
 register("num_failed", "count", "lower", "deterministic", "requests that failed")

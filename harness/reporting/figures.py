@@ -281,3 +281,58 @@ def _subplots(rows: int = 1, cols: int = 1, *, figsize: tuple[float, float], **k
 
 def save(fig: Figure, path: str) -> None:
     fig.savefig(path, dpi=110)
+
+
+def capacity_search(records: Sequence[dict[str, Any]]) -> Figure:
+    """A capacity search (harness/running/capacity_sweep.py records, one per search): for each
+    SLO check a panel of its metric against load, points that meet filled, misses crossed,
+    the bound dashed and the answer a vertical line; several searches (a grid) one colour
+    each."""
+    checks = list(dict.fromkeys(c for r in records for c in r.get("slo") or []))
+    fig, axes = _subplots(1, max(1, len(checks)), figsize=(4.4 * max(1, len(checks)), 3.6),
+                          squeeze=False)  # fmt: skip
+    for ax, check in zip(axes[0], checks, strict=False):
+        metric, op, bound_text = check.split()
+        bound = float(bound_text)
+        values = [
+            (p.get("metrics") or {}).get(metric) for r in records for p in r.get("points") or []
+        ]
+        seconds = metric.endswith("_s")
+        finite = np.array([v for v in values if v is not None], dtype=float)
+        scale, unit = _seconds_axis(finite) if seconds else (1.0, "")
+        for index, record in enumerate(records):
+            colour = f"C{index % 10}"
+            grid = record.get("grid") or {}
+            label = ", ".join(f"{k}={v}" for k, v in grid.items()) or None
+            points = sorted(
+                (p for p in record.get("points") or [] if p.get("load") is not None),
+                key=lambda p: p["load"],
+            )
+            xs = [p["load"] for p in points]
+            ys = [
+                ((p.get("metrics") or {}).get(metric) or np.nan) * scale for p in points
+            ]  # a failed run has no value: a gap
+            ax.plot(xs, ys, color=colour, linewidth=1, alpha=0.6, label=label)
+            for x, y, point in zip(xs, ys, points, strict=True):
+                meets = point.get("meets")
+                ax.scatter([x], [y], color=colour, marker="o" if meets else "x",
+                           facecolors=colour if meets else None, zorder=3)  # fmt: skip
+            answer = record.get("max_rate_at_slo", record.get("max_concurrency_at_slo"))
+            if answer is not None:
+                ax.axvline(answer, color=colour, linestyle=":", linewidth=1.2)
+                ax.annotate(f"{answer:.3g}", (answer, 1), xycoords=("data", "axes fraction"),
+                            fontsize=7, xytext=(2, -10), textcoords="offset points")  # fmt: skip
+        ax.axhline(bound * scale, color="red", linestyle="--", linewidth=1,
+                   label=f"SLO {op} {bound * scale:g}{' ' + unit if unit else ''}")  # fmt: skip
+        loads = [p["load"] for r in records for p in r.get("points") or [] if p.get("load")]
+        if loads and max(loads) / min(loads) > 10:
+            ax.set_xscale("log")
+        over = records[0].get("over", "rate")
+        ax.set_xlabel("request rate (req/s)" if over == "rate" else "concurrency (requests)")
+        ax.set_ylabel(f"{metric}" + (f" ({unit})" if unit else ""))
+        ax.set_title(check, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle("capacity search: o meets, x misses, dotted: the answer", fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -29,6 +29,7 @@ from harness.measuring.roofline import Roof, decode_only, measured_step_s, prefi
 from harness.reporting import figures, speculative
 from harness.reporting.results import Results, load
 from harness.run_folder import read_sweep_summary, refuse_run_file
+from harness.running.capacity_sweep import console_line, read_search
 from harness.running.table import format_value
 from models.files import UserFileError, check_regular_file, given_output_path
 
@@ -424,6 +425,46 @@ def section_load(res: Results, doc: Document) -> None:
             doc.text(f"Highest achieved rate: {summary['peak_req_per_s']:.4g} req/s.")
 
 
+def _load_cell(load: Any) -> str:
+    return f"{load:.4g}" if isinstance(load, float) else _cell(load)
+
+
+def section_search(res: Results, doc: Document) -> None:
+    """A capacity search's answer (search.json in a sweep folder, docs/capacity.md): its line,
+    its points and the figure of each SLO metric against load."""
+    folders = sorted({Path(p).parent for p in res.runs.loc[res.runs["sweep"].notna(), "path"]})
+    found = [(folder, read_search(folder)) for folder in folders]
+    found = [(folder, records) for folder, records in found if records]
+    if not found:
+        return  # no search ran: no section (most reports)
+    doc.heading("Capacity search")
+    for index, (folder, records) in enumerate(found):
+        for record in records:
+            line = console_line(record).removeprefix("search").removeprefix(": ")
+            doc.text(f"`{folder.name}`: {line}")
+            metrics = list(dict.fromkeys(c.split()[0] for c in record.get("slo") or []))
+            rows = [
+                {
+                    **(record.get("grid") or {}),
+                    "job": point.get("job"),
+                    "run": point.get("role"),
+                    "load": _load_cell(point.get("load")),
+                    "meets": "yes" if point.get("meets") else "no",
+                    **{m: format_metric(m, (point.get("metrics") or {}).get(m)) for m in metrics},
+                    "missed": "; ".join(point.get("failed_checks") or []),
+                }
+                for point in record.get("points") or []
+            ]
+            doc.table(pd.DataFrame(rows))
+        name = "capacity_search" if len(found) == 1 else f"capacity_search_{index}"
+        doc.figure(
+            figures.capacity_search(records),
+            name,
+            "Each SLO metric against the load of the search's runs: o meets the SLO, x misses "
+            "it; dashed: the bound, dotted: the answer (the highest load measured to meet).",
+        )
+
+
 def _sweep_summaries(res: Results) -> list[dict[str, Any]]:
 
     folders = {Path(p).parent for p in res.runs.loc[res.runs["sweep"].notna(), "path"]}
@@ -738,6 +779,7 @@ SECTIONS: tuple[Callable[[Results, Document], None], ...] = (
     section_variants,
     section_latency,
     section_load,
+    section_search,
     section_speculative,
     section_timeline,
     section_memory,

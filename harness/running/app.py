@@ -52,6 +52,13 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
         raise SystemExit(2) from exc
     resume = run_cfg.resume
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if run_cfg.search.enabled and not multirun:  # the sweeper runs a search, over many runs
+        print(
+            "error: run.search: a capacity search runs many jobs; allowed: inferlab run -m "
+            "(e.g. -m experiment=capacity), or run.search.slo=null for one run",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     label = f"job {hydra_cfg.job.num}: " if multirun else ""
     try:
         done = resume and completed_run(run_dir, config)

@@ -19,6 +19,7 @@ from engines.base import Backend, now_ns
 from engines.options import option
 from harness.config_section import ConfigSection, holds_a_float
 from harness.measuring import hardware, provenance, roofline
+from harness.measuring.checks import Check, contradictions, parse_checks
 from harness.measuring.monitors import MonitorConfig, MonitorTracker
 from harness.measuring.profiling import ProfileTracker
 from harness.measuring.quality import QualityTracker
@@ -32,6 +33,7 @@ from harness.run_folder import (
     write_provenance,
 )
 from harness.running import heap
+from harness.running.capacity_search import OVER, SearchSettings
 from harness.running.clients import ClientPool, client_limits
 from harness.running.driver import Driver
 from harness.running.interrupts import interruption, interrupts
@@ -66,6 +68,91 @@ class SloConfig(ConfigSection):
 
     def _check_together(self) -> None:
         self._keep_floats("ttft_s", "tpot_s", "e2e_s")
+
+
+def _search_bound(end: str, instead: str) -> Any:
+    return option(
+        None,
+        gt=0,
+        valid=holds_a_float,
+        help=f"the {end} end of the range, a rate or a whole concurrency as `over` says (null: "
+        f"the {instead} run's load)",
+    )
+
+
+@dataclass(frozen=True)
+class SearchConfig(ConfigSection):
+    """`run.search`: the capacity search (docs/capacity.md), run by `inferlab run -m` when
+    `slo` is set: the highest request rate or concurrency whose run meets every check of `slo`
+    (harness/running/capacity_search.py)."""
+
+    section = "run.search"
+
+    slo: Any = option(
+        None,
+        allowed="null, a non-empty list of 'METRIC OP BOUND' strings or a mapping "
+        "{METRIC: BOUND} (harness/measuring/checks.py)",
+        help="the checks a run must meet, e.g. ['ttft_p99_s <= 2', 'tpot_p99_s <= 0.05'] "
+        "(null: no search)",
+    )
+    over: str = option(
+        "rate",
+        choices=OVER,
+        help="rate: Poisson arrivals at a request rate (open loop); concurrency: a closed "
+        "loop keeping that many requests in flight",
+    )
+    max_points: int = option(6, ge=2, help="runs at most, the two bounding runs included")
+    tolerance: float = option(
+        0.1,
+        gt=0,
+        valid=holds_a_float,
+        help="stop once (lowest miss - highest meet) / highest meet is at most this",
+    )
+    parallel: int = option(1, ge=1, help="runs launched at once per round (the launcher's)")
+    min_load: float | None = _search_bound("low", "synchronous")
+    max_load: float | None = _search_bound("high", "throughput")
+
+    def _check_together(self) -> None:
+        self._keep_floats("tolerance")
+        if self.slo is None:
+            return
+        checks = self.checks
+        if not checks:
+            raise self.invalid("slo")
+        clash = contradictions(checks)
+        if clash:
+            raise self.error(f"run.search.slo: contradictory: {'; '.join(clash)}")
+        for name in ("min_load", "max_load"):
+            value = getattr(self, name)
+            if value is not None and self.over == "concurrency" and value != int(value):
+                raise self.invalid(name, "null or a whole number with over=concurrency")
+        if (
+            self.min_load is not None
+            and self.max_load is not None
+            and self.min_load >= self.max_load
+        ):
+            raise self.error(
+                f"run.search: min_load {self.min_load:g} is not below max_load "
+                f"{self.max_load:g}; allowed: min_load < max_load"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.slo is not None
+
+    @property
+    def checks(self) -> tuple[Check, ...]:
+        return parse_checks(self.slo, "run.search.slo")
+
+    def settings(self) -> SearchSettings:
+        return SearchSettings(
+            self.over,  # type: ignore[arg-type]  # one of OVER, checked
+            self.max_points,
+            self.tolerance,
+            self.parallel,
+            self.min_load,
+            self.max_load,
+        )
 
 
 @dataclass(frozen=True)
@@ -141,6 +228,10 @@ class RunConfig(ConfigSection):
     )
     quality: QualityConfig = option(default_factory=QualityConfig, help="the quality probe")
     slo: SloConfig = option(default_factory=SloConfig, help="the bounds goodput counts against")
+    search: SearchConfig = option(
+        default_factory=SearchConfig,
+        help="the capacity search: the highest load meeting an SLO (docs/capacity.md)",
+    )
     num_clients: int = option(
         1,
         ge=1,

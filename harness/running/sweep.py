@@ -26,6 +26,7 @@ from harness.run_folder import (
     write_json_atomic,
     write_text_atomic,
 )
+from harness.running.capacity_sweep import search_summary
 from harness.running.sweep_outputs import SWEEP_OUTPUTS, checked_outputs
 
 
@@ -170,6 +171,7 @@ def write_sweep_csv(sweep_dir: str | Path, outputs: Sequence[str] = ()) -> pd.Da
         "num_jobs": len(frame),
         "num_failed": int((frame.get("status") == "failed").sum()) if len(frame) else 0,
         **saturation_summary(frame),
+        **search_summary(sweep_dir),  # a capacity search's answer (docs/capacity.md)
     }
     write_json_atomic(sweep_dir / SWEEP_SUMMARY_FILE, summary)
     return frame

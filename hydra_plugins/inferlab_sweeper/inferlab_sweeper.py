@@ -28,17 +28,21 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from harness.measuring import provenance
 from harness.run_folder import (
+    HOW_TO_RUN_KEYS,
     SWEEP_TABLE_FILE,
+    override_values,
     read_config,
+    read_sweep_overrides,
     repeat_dir,
     write_config,
     write_provenance,
 )
-from harness.running import launching
+from harness.running import capacity_search, capacity_sweep, launching
+from harness.running.capacity_search import Measurement, Probe
 from harness.running.interrupts import interruption, interrupts
 from harness.running.repeats import one_repeat, summarize_launched_repeats
 from harness.running.sweep import write_sweep_csv
@@ -85,6 +89,11 @@ def _write_hydra_files(folder: Path, first: Path, overrides: list[str], repeats:
     OmegaConf.save(hydra_cfg, folder / ".hydra" / "hydra.yaml")
 
 
+def _what(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Overrides less those that say how to run (run.resume, ...), not what."""
+    return {k: v for k, v in overrides.items() if k not in HOW_TO_RUN_KEYS}
+
+
 def _quoted(value: str) -> str:
     """A Hydra override value quoted (a folder name may hold `=` or `,`)."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
@@ -113,40 +122,150 @@ class InferlabSweeper(BasicSweeper):
             raise SystemExit(1) from None
         if name == "ray":
             launching.ray_joins_its_cluster(self.launcher)
+        if self._searching():
+            return self._search(sweep_dir, name)
         returns: list[Any] = []
         first_job = 0  # the job numbers the basic launcher would give
         launched = 0
         while not self.is_done():
             batch = [list(o) for o in self.get_job_batch()]
-            self.validate_batch_is_legal(batch)
-            jobs = self._expand_repeats(batch, first_job, sweep_dir, launched != first_job)
-            try:
-                # a launcher that runs jobs elsewhere: SIGTERM stops the sweep as Ctrl-C does
-                # (the basic launcher's job, running here, takes both signals itself)
-                with interrupts() if name != "basic" else nullcontext():
-                    results = self.launcher.launch(
-                        [j.overrides for j in jobs], initial_job_idx=launched
-                    )
-            except KeyboardInterrupt as exc:
-                self._interrupted(jobs, sweep_dir, interruption(exc))
-            except Exception as exc:
-                error = " ".join("".join(traceback.format_exception_only(exc)).split())
-                error = error if len(error) <= 400 else error[:400] + " ..."
-                if not launching.lost_a_job(exc):
-                    self._launcher_failed(jobs, sweep_dir, name, error)
-                # the launcher lost a job: record the batch's, go on
-                log.error(f"the launcher stopped on a batch: {error}")
-                self._settle(jobs, sweep_dir, error)
-                results = []
-            for result in results:
-                self._gather(result, sweep_dir)
-                if result.status == JobStatus.FAILED:  # the task raised: Hydra's behaviour
-                    _ = result.return_value
-            self._summarize_repeats(jobs)
+            jobs, results = self._launch_batch(batch, first_job, launched, sweep_dir, name)
             first_job += len(batch)
             launched += len(jobs)
             returns.append(results)
         return returns
+
+    def _launch_batch(
+        self, batch: list[list[str]], first_job: int, launched: int, sweep_dir: Path, name: str
+    ) -> tuple[list[Job], list[Any]]:
+        """Launch one batch of grid jobs (numbered from first_job; the launcher's own
+        numbers from `launched`), gather their folders and summarize their repeats."""
+        assert self.launcher is not None  # set up before the sweep
+        self.validate_batch_is_legal(batch)
+        jobs = self._expand_repeats(batch, first_job, sweep_dir, launched != first_job)
+        try:
+            # a launcher that runs jobs elsewhere: SIGTERM stops the sweep as Ctrl-C does
+            # (the basic launcher's job, running here, takes both signals itself)
+            with interrupts() if name != "basic" else nullcontext():
+                results = self.launcher.launch(
+                    [j.overrides for j in jobs], initial_job_idx=launched
+                )
+        except KeyboardInterrupt as exc:
+            self._interrupted(jobs, sweep_dir, interruption(exc))
+        except Exception as exc:
+            error = " ".join("".join(traceback.format_exception_only(exc)).split())
+            error = error if len(error) <= 400 else error[:400] + " ..."
+            if not launching.lost_a_job(exc):
+                self._launcher_failed(jobs, sweep_dir, name, error)
+            # the launcher lost a job: record the batch's, go on
+            log.error(f"the launcher stopped on a batch: {error}")
+            self._settle(jobs, sweep_dir, error)
+            results = []
+        for result in results:
+            self._gather(result, sweep_dir)
+            if result.status == JobStatus.FAILED:  # the task raised: Hydra's behaviour
+                _ = result.return_value
+        self._summarize_repeats(jobs)
+        return jobs, list(results)
+
+    def _searching(self) -> bool:
+        """Whether the sweep is a capacity search (`run.search.slo` set): the sweep's own config
+        says so; each grid point's composed config then gives its search."""
+        assert self.config is not None
+        return OmegaConf.select(self.config, "run.search.slo", default=None) is not None
+
+    def _search(self, sweep_dir: Path, name: str) -> list[Any]:
+        """A capacity search per point of the grid (docs/capacity.md): rounds of jobs at the
+        loads harness/running/capacity_search.py asks for, numbered on as a grid's are, each
+        round decided on the summaries of all before it. Its answers go to search.json,
+        search.png and the console; sweep.csv and sweep_summary.json come as for any sweep."""
+        assert self.hydra_context is not None and self.config is not None and self.overrides
+        grid = [list(o) for batch in self.overrides for o in batch]
+        plans = []
+        for overrides in grid:  # every point checked before the first job runs
+            composed = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+            sections = {
+                key: OmegaConf.to_container(composed[key], resolve=True)
+                if isinstance(composed.get(key), DictConfig)
+                else None
+                for key in ("run", "workload")
+            }
+            try:
+                plans.append(capacity_sweep.search_of(sections))
+            except ValueError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                raise SystemExit(2) from None
+        # the keys whose value differs between grid points name each search
+        values = [override_values(o) for o in grid]
+        swept = [k for k in values[0] if any(v.get(k) != values[0][k] for v in values)]
+        counters = {"first_job": 0, "launched": 0}
+        returns: list[Any] = []
+        records = []
+        for overrides, (search, arrival, num_requests) in zip(grid, plans, strict=True):
+            if not search.enabled:
+                print(
+                    "error: run.search.slo: null at some points of the grid and set at others; "
+                    "allowed: one search per grid point, or none",
+                    file=sys.stderr,
+                )
+                raise SystemExit(2)
+
+            def measure(probes: list[Probe], point: list[str] = overrides, plan: Any = (
+                search.over, arrival, num_requests)) -> list[Measurement]:  # fmt: skip
+                batch = [[*point, *capacity_sweep.load_overrides(p, *plan)] for p in probes]
+                return self._measure(batch, counters, returns, sweep_dir, name)
+
+            result = capacity_search.search(measure, search.checks, search.settings(), num_requests)
+            point = override_values(overrides)
+            grid_point = {k: point[k] for k in swept if k in point} if len(grid) > 1 else None
+            record = capacity_sweep.result_record(result, grid_point)
+            records.append(record)
+            print(capacity_sweep.console_line(record))
+        try:
+            capacity_sweep.write_search(sweep_dir, records)
+        except OSError as exc:
+            print(f"error: {sweep_dir}: search.json cannot be written: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+        return returns
+
+    def _measure(
+        self,
+        batch: list[list[str]],
+        counters: dict[str, int],
+        returns: list[Any],
+        sweep_dir: Path,
+        name: str,
+    ) -> list[Measurement]:
+        """One round of a search: its jobs launched as a batch, their summaries read."""
+        self._skip_taken_numbers(batch, counters, sweep_dir)
+        jobs, results = self._launch_batch(
+            batch, counters["first_job"], counters["launched"], sweep_dir, name
+        )
+        returns.append(results)
+        folders = self._folders([j.of or j for j in jobs], sweep_dir)
+        counters["first_job"] += len(batch)
+        counters["launched"] += len(jobs)
+        unique = list(dict.fromkeys(folders))  # a job's repeats ran as jobs: its own folder
+        return [capacity_sweep.measurement(f, f.name) for f in unique]
+
+    def _skip_taken_numbers(
+        self, batch: list[list[str]], counters: dict[str, int], sweep_dir: Path
+    ) -> None:
+        """On resume, a job number whose folder holds a job of other overrides (an earlier
+        search that went another way after a point was measured again) is skipped, so that
+        its run is kept and the new one has a folder of its own."""
+        while True:
+            taken = False
+            for i, overrides in enumerate(batch):
+                folder = self._job_plan(overrides, counters["first_job"] + i, sweep_dir)[0]
+                stored = read_sweep_overrides(folder) if folder.is_dir() else None
+                if stored is not None and _what(stored) != _what(override_values(overrides)):
+                    taken = True
+                    break
+            if not taken:
+                return
+            counters["first_job"] += 1
+            counters["launched"] += 1
 
     def _expand_repeats(
         self, batch: list[list[str]], first_job: int, sweep_dir: Path, renumbered: bool

@@ -1,0 +1,206 @@
+"""The capacity search as a sweep (docs/capacity.md): what inferlab's sweeper
+(hydra_plugins/inferlab_sweeper) needs to run harness/running/capacity_search.py through its
+launcher: the overrides that put a job at a load, the measurement a finished job folder holds,
+and the search's outputs in the sweep folder (search.json, search.png, the keys it adds to
+sweep_summary.json, the console line)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from harness.run_folder import read_json_object, read_summary, write_json_atomic
+from harness.running.capacity_search import (
+    ANSWER_KEY,
+    UNIT,
+    Measurement,
+    Point,
+    Probe,
+    SearchResult,
+)
+from harness.running.experiment import SearchConfig
+
+SEARCH_FILE = "search.json"
+SEARCH_FIGURE = "search.png"
+_ROLES = {"low": "synchronous", "high": "throughput"}
+
+
+def search_of(config: Mapping[str, Any]) -> tuple[SearchConfig, dict[str, Any], int | None]:
+    """A job's `run.search` (checked), its `workload.arrival` and `workload.num_requests`.
+    Raises ValueError naming the key when the workload cannot be put at a load."""
+    search = SearchConfig.from_dict((config.get("run") or {}).get("search"))
+    workload = config.get("workload") or {}
+    arrival = workload.get("arrival") if isinstance(workload, Mapping) else None
+    if not isinstance(arrival, Mapping):
+        raise ValueError(
+            f"run.search: the workload ({workload.get('type', '?')}) has no workload.arrival "
+            "to set a load with; allowed: a workload with arrivals (synthetic, prompts, mixed)"
+        )
+    num = workload.get("num_requests")
+    num_requests = num if isinstance(num, int) and not isinstance(num, bool) else None
+    if num_requests is None and (search.over == "concurrency" or search.max_load is None):
+        raise ValueError(
+            "run.search: workload.num_requests is not set; the throughput run (and a "
+            "concurrency range) needs it, or set run.search.max_load"
+        )
+    return search, dict(arrival), num_requests
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def load_overrides(
+    probe: Probe, over: str, arrival: Mapping[str, Any], num_requests: int | None
+) -> list[str]:
+    """The overrides that put a job at the probe's load: the low bounding run synchronous
+    (a closed loop of 1), the high one every request at once; any other at its load. Keys of
+    the configured arrival that the new process does not take are set to null."""
+    if probe.load is None and probe.role == "low":
+        keys: dict[str, Any] = {"process": "closed", "concurrency": 1}
+    elif probe.load is None and over == "rate":
+        keys = {"process": "offline"}
+    elif probe.load is None:
+        keys = {"process": "closed", "concurrency": num_requests}
+    elif over == "rate":
+        keys = {"process": "poisson", "rate": probe.load}
+    else:
+        keys = {"process": "closed", "concurrency": int(probe.load)}
+    out = [f"workload.arrival.{k}={v if k == 'process' else _number(v)}" for k, v in keys.items()]
+    stale = [k for k, v in arrival.items() if v is not None and k not in keys]
+    return out + [f"workload.arrival.{k}=null" for k in sorted(stale)]
+
+
+def measurement(job_dir: Path, job: str) -> Measurement:
+    """What a finished job folder measured (a folder without a summary: a job that did not
+    run, `missing`)."""
+    summary = read_summary(job_dir)
+    if summary is None:
+        return Measurement("missing", error="no summary.json (the job did not run?)", job=job)
+    metrics = summary.get("metrics")
+    return Measurement(
+        str(summary.get("status")),
+        metrics if isinstance(metrics, dict) else {},
+        summary.get("saturated") is True,
+        summary.get("error"),
+        job,
+    )
+
+
+def _finite(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def _load(value: float | None, over: str) -> float | int | None:
+    """A load as search.json holds it: a concurrency as a whole number."""
+    return int(value) if value is not None and over == "concurrency" else value
+
+
+def _point(point: Point, metrics: Sequence[str], over: str) -> dict[str, Any]:
+    got = point.measurement
+    return {
+        "job": got.job,
+        "role": point.probe.role,
+        "load": _load(point.load, over),
+        "achieved_req_per_s": _finite(got.metrics.get("req_per_s")),
+        "meets": point.meets,
+        "failed_checks": point.failed,
+        "saturated": got.saturated,
+        "status": got.status,
+        "error": got.error,
+        "metrics": {m: _finite(got.metrics.get(m)) for m in metrics},
+    }
+
+
+def result_record(result: SearchResult, grid: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """search.json's content for one search."""
+    metrics = list(dict.fromkeys(c.metric for c in result.checks))
+    metrics += [m for m in ("req_per_s", "goodput_req_per_s") if m not in metrics]
+    record: dict[str, Any] = {
+        "over": result.over,
+        "slo": [str(c) for c in result.checks],
+        "outcome": result.outcome,
+        ANSWER_KEY[result.over]: _load(result.answer, result.over),
+        "unit": UNIT[result.over],
+        "bracket": {
+            "meets": None if result.low is None else _point(result.low, metrics, result.over),
+            "misses": None if result.high is None else _point(result.high, metrics, result.over),
+        },
+        "points": [_point(p, metrics, result.over) for p in result.points],
+        "num_points": len(result.points),
+        "note": result.note,
+    }
+    if grid is not None:
+        record["grid"] = dict(grid)
+    return record
+
+
+def console_line(record: Mapping[str, Any]) -> str:
+    """The search's answer in one line."""
+    over, outcome = record["over"], record["outcome"]
+    key, unit = ANSWER_KEY[over], UNIT[over]
+    runs = f"{record['num_points']} run{'s' if record['num_points'] != 1 else ''}"
+    where = ""
+    if record.get("grid"):
+        where = " [" + ", ".join(f"{k}={v}" for k, v in record["grid"].items()) + "]"
+    if outcome == "found":
+        meets, misses = record["bracket"]["meets"], record["bracket"]["misses"]
+        around = f"meets at {meets['load']:.4g}" + (
+            f", misses at {misses['load']:.4g}" if misses is not None else ""
+        )
+        return f"search{where}: {key} = {record[key]:.4g} {unit} ({around}; {runs})"
+    if outcome == "above_range":
+        run = "the throughput run" if record["points"][-1]["role"] == "high" else "max_load"
+        return (
+            f"search{where}: {key} >= {record[key]:.4g} {unit}: even {run} meets the SLO ({runs})"
+        )
+    label = "below range" if outcome == "below_range" else "failed"
+    return f"search{where}: {key} = none, {label}: {record['note']} ({runs})"
+
+
+def write_search(sweep_dir: Path, records: Sequence[dict[str, Any]]) -> None:
+    """search.json and search.png: the one search's record, or for a grid of searches
+    {"searches": [record, ...]}, each with its grid point."""
+    if not records:
+        return
+    data = records[0] if len(records) == 1 else {"searches": list(records)}
+    write_json_atomic(sweep_dir / SEARCH_FILE, data)
+    from harness.reporting import figures  # matplotlib: only once a search has run
+
+    figures.save(figures.capacity_search(list(records)), str(sweep_dir / SEARCH_FIGURE))
+
+
+def read_search(sweep_dir: Path) -> list[dict[str, Any]]:
+    """The search records of a sweep folder's search.json (none: no search ran there)."""
+    path = sweep_dir / SEARCH_FILE
+    if not path.is_file():
+        return []
+    try:
+        data = read_json_object(path)
+    except Exception:  # a damaged file: the sweep's other outputs are still written
+        return []
+    searches = data.get("searches")
+    return [s for s in searches if isinstance(s, dict)] if isinstance(searches, list) else [data]
+
+
+def search_summary(sweep_dir: Path) -> dict[str, Any]:
+    """The keys sweep_summary.json gets from the sweep's search: its outcome and answer, or
+    for a grid of searches one entry per grid point."""
+    records = read_search(sweep_dir)
+    if not records:
+        return {}
+
+    def brief(record: Mapping[str, Any]) -> dict[str, Any]:
+        key = ANSWER_KEY.get(str(record.get("over")), "max_rate_at_slo")
+        return {
+            "search_outcome": record.get("outcome"),
+            key: record.get(key),
+            "search_num_points": record.get("num_points"),
+        }
+
+    if len(records) == 1:
+        return brief(records[0])
+    return {"searches": [{"grid": r.get("grid"), **brief(r)} for r in records]}
