@@ -19,6 +19,12 @@ from engines.base import Backend, now_ns
 from engines.options import option
 from harness.config_section import ConfigSection, holds_a_float
 from harness.measuring import hardware, provenance, roofline
+from harness.measuring.metrics import (
+    DEFAULT_PERCENTILES,
+    PERCENTILE_DECIMALS,
+    percentile_stat,
+    stat_percentile,
+)
 from harness.measuring.monitors import MonitorConfig, MonitorTracker
 from harness.measuring.profiling import ProfileTracker
 from harness.measuring.quality import QualityTracker
@@ -51,6 +57,20 @@ def _slo_bound(what: str) -> Any:
 
 
 CLIENTS_ON = ("processes", "ray")
+
+PERCENTILES_ALLOWED = (
+    "a non-empty list of distinct numbers strictly between 0 and 100, at most "
+    f"{PERCENTILE_DECIMALS} decimals each, e.g. [50, 90, 95, 99, 99.9]"
+)
+
+
+def _distinct_percentiles(values: list[float]) -> bool:
+    """No two alike once named (50 and 50.0 are one), none with more decimals than a name
+    spells (its name would round it)."""
+    names = [percentile_stat(q) for q in values]
+    return len(set(names)) == len(names) and all(
+        stat_percentile(name) == float(q) for name, q in zip(names, values, strict=True)
+    )
 
 
 @dataclass(frozen=True)
@@ -141,6 +161,17 @@ class RunConfig(ConfigSection):
     )
     quality: QualityConfig = option(default_factory=QualityConfig, help="the quality probe")
     slo: SloConfig = option(default_factory=SloConfig, help="the bounds goodput counts against")
+    percentiles: list[float] = option(
+        default_factory=lambda: list(DEFAULT_PERCENTILES),
+        gt=0,
+        lt=100,
+        valid=_distinct_percentiles,
+        allowed=PERCENTILES_ALLOWED,
+        help="the percentiles of every latency family (ttft, tpot, e2e, queue, itl), beside "
+        "their mean and std: 99.9 is named p999 (ttft_p95_s, itl_p999_s). Whatever the list, "
+        "the summary always holds ttft p50/p90/p99, tpot p50/p99, e2e p50/p99, queue p50/p99 "
+        "and itl p50/p90/p99/p999/max/mean, which the report and the gate read",
+    )
     num_clients: int = option(
         1,
         ge=1,
@@ -158,6 +189,9 @@ class RunConfig(ConfigSection):
     def _normalise(self) -> None:
         if isinstance(self.name, int) and not isinstance(self.name, bool):
             self._set("name", str(self.name))  # `run.name=3` on the command line
+
+    def _check_together(self) -> None:
+        self._set("percentiles", [float(q) for q in self.percentiles])
 
 
 #: the backends that `run.num_clients` > 1 can split over client processes: HTTP clients of a
@@ -478,7 +512,7 @@ def _finish(run: RunContext) -> dict[str, Any]:
     summary = {
         "status": run.status,
         "error": run.error,
-        **summarize(frames, run.info, asdict(run.cfg.slo), run.cfg.window),
+        **summarize(frames, run.info, asdict(run.cfg.slo), run.cfg.window, run.cfg.percentiles),
         "run_dir": str(run.run_dir),
         **{k: v for k, v in run.info.items() if k not in _INFO_ONLY},
     }
@@ -503,13 +537,18 @@ def _annotate_roofline(run: RunContext, frames: dict[str, Any]) -> None:
 
 
 def _fail_if_every_request_failed(run: RunContext, requests: Any) -> None:
-    if run.status == "complete" and len(requests) and (requests["status"] == "failed").all():
-        first = requests.iloc[0]
+    # a cancelled request was stopped by the harness (a run bound), not refused by the backend:
+    # a run that measured nothing because every other request failed still failed
+    attempted = requests[requests["status"] != "cancelled"] if len(requests) else requests
+    if run.status == "complete" and len(attempted) and (attempted["status"] == "failed").all():
+        first = attempted.iloc[0]
+        cancelled = len(requests) - len(attempted)
+        also = f", {cancelled} cancelled" if cancelled else ""
         run.status, run.error = (
             "failed",
             (
-                f"every measured request failed ({len(requests)} of {len(requests)}); the "
-                f"first, {first['request_id']}: {first['error']}"
+                f"every measured request failed ({len(attempted)} of {len(attempted)}{also}); "
+                f"the first, {first['request_id']}: {first['error']}"
             ),
         )
 
