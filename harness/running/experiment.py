@@ -28,6 +28,7 @@ from harness.measuring.metrics import (
 from harness.measuring.monitors import MonitorConfig, MonitorTracker
 from harness.measuring.profiling import ProfileTracker
 from harness.measuring.quality import QualityTracker
+from harness.measuring.timeslices import timeslices
 from harness.measuring.trackers import Tracker
 from harness.run_folder import (
     RunRecorder,
@@ -36,6 +37,7 @@ from harness.run_folder import (
     table_path,
     write_config,
     write_provenance,
+    write_timeslices,
 )
 from harness.running import heap
 from harness.running.clients import ClientPool, client_limits
@@ -172,6 +174,14 @@ class RunConfig(ConfigSection):
         "the summary always holds ttft p50/p90/p99, tpot p50/p99, e2e p50/p99, queue p50/p99 "
         "and itl p50/p90/p99/p999/max/mean, which the report and the gate read",
     )
+    timeslice_s: float | None = option(
+        None,
+        gt=0,
+        unit="seconds",
+        valid=holds_a_float,
+        help="the length of a slice of timeslices.csv, the run over time (docs/metrics.md); "
+        "null: about 20 slices over the run, rounded to 1, 2 or 5 x 10^k seconds",
+    )
     num_clients: int = option(
         1,
         ge=1,
@@ -191,6 +201,7 @@ class RunConfig(ConfigSection):
             self._set("name", str(self.name))  # `run.name=3` on the command line
 
     def _check_together(self) -> None:
+        self._keep_floats("timeslice_s")
         self._set("percentiles", [float(q) for q in self.percentiles])
 
 
@@ -508,6 +519,8 @@ def _finish(run: RunContext) -> dict[str, Any]:
         results = run.guarded(tracker.name, partial(tracker.results, run.run_dir, t0_ns), True)
         run.info.update(results or {})
     _annotate_roofline(run, frames)
+    if len(frames["requests"]):  # a run refused or failed before its requests has no timeline
+        run.guarded("timeslices", partial(_write_timeslices, run, frames), writes=True)
     _fail_if_every_request_failed(run, frames["requests"])
     summary = {
         "status": run.status,
@@ -534,6 +547,11 @@ def _annotate_roofline(run: RunContext, frames: dict[str, Any]) -> None:
             run.failed_writing(exc)
             with suppress(OSError):  # readers fall back to steps.jsonl, the same rows
                 table_path(run.run_dir, "steps", "parquet").unlink(missing_ok=True)
+
+
+def _write_timeslices(run: RunContext, frames: dict[str, Any]) -> None:
+    table = timeslices(frames["requests"], frames["tokens"], run.cfg.timeslice_s)
+    write_timeslices(run.run_dir, table)
 
 
 def _fail_if_every_request_failed(run: RunContext, requests: Any) -> None:
