@@ -98,6 +98,7 @@ def test_run_folder_has_every_file(tiny_run: Path) -> None:
         "requests.parquet",
         "tokens.parquet",
         "steps.parquet",
+        "timeslices.csv",
     ):
         assert (tiny_run / name).is_file(), name
     provenance = json.loads((tiny_run / "provenance.json").read_text())
