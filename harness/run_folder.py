@@ -9,6 +9,7 @@ Layout (schema version in `SCHEMA_VERSION`):
     tokens.jsonl        one row per output token                         -> tokens.parquet
     steps.jsonl         one row per engine step                          -> steps.parquet
     samples.parquet     the monitors' samples (memory, GPU)
+    timeslices.csv      the run over time, slice by slice (harness/measuring/timeslices.py)
     summary.json        status, metrics, engine facts; written atomically
     profile/            with `profile=true`: the torch profiler's trace and op tables
     repeat-<k>/         a run with `repeats` > 1: one run folder per repeat
@@ -47,6 +48,7 @@ PROVENANCE_FILE = "provenance.json"
 SUMMARY_FILE = "summary.json"
 SAMPLES_FILE = "samples.parquet"
 SERVER_METRICS_FILE = "server_metrics.parquet"
+TIMESLICES_FILE = "timeslices.csv"
 PROFILE_DIR = "profile"
 AB_FILE = "ab.json"
 SWEEP_TABLE_FILE = "sweep.csv"
@@ -112,6 +114,7 @@ OWN_FILES = frozenset(
         SUMMARY_FILE,
         SAMPLES_FILE,
         SERVER_METRICS_FILE,
+        TIMESLICES_FILE,
         AB_FILE,
         SWEEP_TABLE_FILE,
         SWEEP_SUMMARY_FILE,
@@ -308,6 +311,25 @@ def write_parquet_atomic(frame: pd.DataFrame, path: Path) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     _replace_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def write_timeslices(run_dir: Path, table: pd.DataFrame) -> None:
+    # nine significant digits: a slice's edge late in a long run keeps its milliseconds
+    _replace_atomic(
+        run_dir / TIMESLICES_FILE,
+        lambda tmp: table.to_csv(tmp, index=False, float_format="%.9g"),
+    )
+
+
+def read_timeslices(run_dir: Path) -> pd.DataFrame | None:
+    """The run's timeslices.csv, or None when it is missing or cannot be read as a table."""
+    path = run_dir / TIMESLICES_FILE
+    if not path.is_file():
+        return None
+    try:
+        return pd.read_csv(path)
+    except (OSError, ValueError, UnicodeDecodeError):  # pandas' ParserError is a ValueError
+        return None
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ from harness.interop.errors import InteropError
 from harness.interop.imported import Definition, ImportedRun
 from harness.interop.recompute import put_request_metrics
 from harness.interop.sources import validate
-from harness.measuring.metrics import REGISTRY
+from harness.measuring.metrics import find_metric, percentile_stat, stat_percentile
 
 FORMAT = "guidellm benchmark report (JSON/YAML)"
 WHAT = "a guidellm benchmark report"
@@ -171,22 +171,33 @@ def _put_distribution(
     lab: str,
     source: str,
     distribution: Distribution,
-    stats: tuple[str, ...],
     scale: float,
     same: bool,
     note: str,
 ) -> None:
-    """`stats` (mean, p50, p90, ...) of one successful-request distribution under the lab
-    prefix `lab`, where registered."""
+    """The mean and every percentile (p001, p01 ... p999) of one successful-request
+    distribution under the lab prefix `lab`, named as the lab names them (guidellm's p01 is
+    the lab's p1, its p001 and p999 the lab's)."""
     if distribution.count == 0:
         return
-    for stat in stats:
-        name = f"{lab}_{stat}_s"
-        if name not in REGISTRY:
+    key = f"{source}.successful.mean"
+    run.put(f"{lab}_mean_s", distribution.mean * scale, Definition(key, same, note))
+    for word, value in distribution.percentiles.items():
+        q = _guidellm_percentile(word)
+        name = None if q is None else f"{lab}_{percentile_stat(q)}_s"
+        if name is None or find_metric(name) is None:
             continue
-        value = distribution.mean if stat == "mean" else distribution.percentiles.get(stat)
-        key = f"{source}.successful.{'mean' if stat == 'mean' else 'percentiles.' + stat}"
+        key = f"{source}.successful.percentiles.{word}"
         run.put(name, None if value is None else value * scale, Definition(key, same, note))
+
+
+def _guidellm_percentile(word: str) -> float | None:
+    """guidellm's spelling of a percentile (p01 = 1, p001 = 0.1, p999 = 99.9): two digits of
+    integer part, the rest decimals, whatever their zeros; None for another key."""
+    digits = word.removeprefix("p")
+    if not digits.isdigit() or len(digits) < 2:
+        return None
+    return stat_percentile(percentile_stat(float(f"{digits[:2]}.{digits[2:] or 0}")))
 
 
 def put_aggregates(run: ImportedRun, benchmark: Benchmark) -> None:
@@ -208,9 +219,8 @@ def put_aggregates(run: ImportedRun, benchmark: Benchmark) -> None:
 
 def _put_latencies(run: ImportedRun, m: Metrics) -> None:
     """TTFT, ITL, TPOT and end-to-end latency over the successful requests."""
-    latencies = ("mean", "p50", "p90", "p99", "p999")
     _put_distribution(
-        run, "ttft", "time_to_first_token_ms", m.time_to_first_token_ms.successful, latencies,
+        run, "ttft", "time_to_first_token_ms", m.time_to_first_token_ms.successful,
         1e-3, False, "from the send (request_start), not the arrival; " + NEAREST,
     )  # fmt: skip
     itl = m.inter_token_latency_ms.successful
@@ -226,12 +236,12 @@ def _put_latencies(run: ImportedRun, m: Metrics) -> None:
             ),
         )
     _put_distribution(
-        run, "tpot", "inter_token_latency_ms", itl, latencies, 1e-3, False,
+        run, "tpot", "inter_token_latency_ms", itl, 1e-3, False,
         "guidellm's 'ITL' is per request (last - first token) / (N - 1), the lab's TPOT, but "
         "weighted by N - 1 (the lab: each request once); " + NEAREST,
     )  # fmt: skip
     _put_distribution(
-        run, "e2e", "request_latency", m.request_latency.successful, latencies, 1.0, False,
+        run, "e2e", "request_latency", m.request_latency.successful, 1.0, False,
         "request start -> response end (the lab: arrival -> last token); " + NEAREST,
     )  # fmt: skip
 

@@ -20,6 +20,7 @@ the summary. What differs (docs/metrics.md, crosswalk):
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +31,16 @@ from harness.interop.errors import InteropError
 from harness.interop.imported import Definition, ImportedRun
 from harness.interop.recompute import put_request_metrics, without_times
 from harness.interop.sources import parse_json, read_text, validate
-from harness.measuring.metrics import REGISTRY
+from harness.measuring.metrics import find_metric, percentile_stat
 
 FORMAT = "LLMPerf token benchmark results"
 SUMMARY_SUFFIX = "_summary"
 RESPONSES_SUFFIX = "_individual_responses"
 WALL = "over LLMPerf's test wall time (start -> end, the timeout included)"
 FROM_SEND = "from the send, not the scheduled arrival"
-STATS = {"mean": "mean", "p50": "quantiles_p50", "p90": "quantiles_p90", "p99": "quantiles_p99"}
+#: a summary key's statistic: `mean`, or `quantiles_pNN` (pandas' quantile: linear
+#: interpolation, as the lab's); not `stddev` (pandas' ddof=1, the lab's std has ddof=0)
+STAT = re.compile(r"^(mean|quantiles_p(\d+(?:\.\d+)?))$")
 LATENCIES = {
     "ttft_s": ("ttft", FROM_SEND),
     "end_to_end_latency_s": ("e2e", FROM_SEND + "; ends when the stream closed"),
@@ -116,10 +119,13 @@ def read_responses(path: Path, data: Any, notes: list[str]) -> pd.DataFrame:
 def put_summary(run: ImportedRun, summary: Summary) -> None:
     extra = summary.model_extra or {}
     for key, (lab, note) in LATENCIES.items():
-        for stat, suffix in STATS.items():
-            source = f"results_{key}_{suffix}"
-            if f"{lab}_{stat}_s" in REGISTRY:
-                run.put(f"{lab}_{stat}_s", extra.get(source), Definition(source, False, note))
+        for source in extra:
+            match = STAT.match(source.removeprefix(f"results_{key}_"))
+            if not source.startswith(f"results_{key}_") or match is None:
+                continue
+            stat = "mean" if match[2] is None else percentile_stat(float(match[2]))
+            if find_metric(f"{lab}_{stat}_s") is not None:
+                run.put(f"{lab}_{stat}_s", extra[source], Definition(source, False, note))
     run.put(
         "num_completed",
         summary.results_num_completed_requests,

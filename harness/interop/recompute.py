@@ -17,7 +17,7 @@ import pandas as pd
 
 from harness.interop.errors import InteropError
 from harness.interop.imported import FROM_REQUESTS, Definition, ImportedRun
-from harness.measuring.metrics import REGISTRY, compute_summary
+from harness.measuring.metrics import REGISTRY, compute_summary, stat_percentile
 from harness.run_folder import COLUMNS, REQUEST_COLUMNS
 
 LATENCY_METRICS = tuple(n for n in REGISTRY if n.split("_", 1)[0] in ("ttft", "tpot", "e2e"))
@@ -29,7 +29,7 @@ COUNT_METRICS = (
     "output_tokens_total",
 )
 RATE_METRICS = ("duration_s", "req_per_s", "input_tok_per_s", "output_tok_per_s", "total_tok_per_s")
-ITL_METRICS = tuple(n for n in REGISTRY if re.fullmatch(r"itl_(mean|max|p\d+)_s", n))
+ITL_METRICS = tuple(n for n in REGISTRY if re.fullmatch(r"itl_(mean|std|max|p\d+)_s", n))
 CHUNK_ITL_NOTE = (
     "one gap per streamed chunk, pooled over requests (the lab records one gap per token, 0 "
     "within a multi-token event): equal when every chunk carries one token"
@@ -239,11 +239,12 @@ def put_chunk_itl(run: ImportedRun, gaps_s: np.ndarray, source: str, note: str =
         stat = name.removeprefix("itl_").removesuffix("_s")
         if stat == "mean":
             value = float(gaps_s.mean())
+        elif stat == "std":
+            value = float(gaps_s.std())
         elif stat == "max":
             value = float(gaps_s.max())
         else:  # p50 -> 50, p999 -> 99.9
-            digits = stat[1:]
-            value = float(np.percentile(gaps_s, float(digits[:2] + "." + digits[2:])))
+            value = float(np.percentile(gaps_s, stat_percentile(stat) or 0.0))
         run.put(
             name, value, Definition(source, False, CHUNK_ITL_NOTE + (f"; {note}" if note else ""))
         )

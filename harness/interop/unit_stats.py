@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from harness.interop.errors import InteropError
 from harness.interop.imported import Definition, ImportedRun
 from harness.interop.sources import csv_sections, describe
-from harness.measuring.metrics import REGISTRY
+from harness.measuring.metrics import find_metric, percentile_stat
 
 SECONDS_PER_UNIT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0}
 # `Name (unit)`: a unit is a word or words over slashes (ms, tokens/sec/user, %) or genai-perf's
@@ -121,21 +121,23 @@ def put_stat(
     path: Path,
     time: bool = True,
 ) -> None:
-    """Every statistic of `tag` the registry has under the prefix `lab` (mean, p50, p90, p99,
-    ...; times converted to seconds)."""
+    """Every statistic of `tag` the lab has a metric for under the prefix `lab` (mean, std,
+    max, p1 ... p99, as the record holds them; times converted to seconds). Both tools' std is
+    numpy's (ddof=0), as the lab's."""
     stat = stats.get(tag)
     if stat is None:
         return
     scale = stat.seconds_per_unit(tag, path) if time else 1.0
-    for name in REGISTRY:
-        if not name.startswith(f"{lab}_") or not name.endswith("_s"):
+    for word in ("avg", *(stat.model_extra or {})):
+        match = re.fullmatch(r"p(\d+(?:\.\d+)?)", word)
+        which = "mean" if word == "avg" else percentile_stat(float(match[1])) if match else word
+        name = f"{lab}_{which}_s"
+        if find_metric(name) is None:
             continue
-        which = name.removeprefix(f"{lab}_").removesuffix("_s")
-        if not re.fullmatch(r"mean|max|p\d+", which):
-            continue
-        value = stat.get(which)
-        key = f"{tag}.{'avg' if which == 'mean' else which}"
-        run.put(name, None if value is None else value * scale, Definition(key, same, note))
+        value = stat.get(word)
+        run.put(
+            name, None if value is None else value * scale, Definition(f"{tag}.{word}", same, note)
+        )
 
 
 def value_of(stats: dict[str, Stat], tag: str) -> float | None:

@@ -13,7 +13,8 @@ tables (docs/interop.md says what differs from the lab's own summary and why):
   start) to the end of the last request, failed ones included; the throughputs are over it;
 - totals count successful requests only; a failed request has ttft, latency and output
   length 0 and no gaps, as vLLM records one that failed before its stream ended; a request
-  that finished without a token is a failure, as for vLLM (no chunk received);
+  that finished without a token is a failure, as for vLLM (no chunk received); so is one the
+  harness cancelled (vLLM has no other outcome), its error starting `cancelled`;
 - statistics over no sample are 0, as vLLM writes them (`np.mean(x or 0)`);
 - `generated_texts` are empty strings: the lab keeps token ids, not text.
 """
@@ -123,6 +124,8 @@ def outputs_of(requests: pd.DataFrame, tokens: pd.DataFrame) -> list[Output]:
             output.output_len = int(_number(row.output_tokens))
         else:
             error = row.error if isinstance(row.error, str) and row.error else None
+            if row.status == "cancelled":  # the lab counts it apart; vLLM's file cannot
+                error = f"cancelled by the harness: {error or 'no reason recorded'}"
             output.error = error or (NO_TOKEN_ERROR if row.status == "ok" else "failed")
         outputs.append(output)
     return outputs

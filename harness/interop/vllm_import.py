@@ -32,7 +32,7 @@ from harness.interop.imported import Definition, ImportedRun
 from harness.interop.recompute import put_chunk_itl, put_request_metrics, without_times
 from harness.interop.sources import validate
 from harness.interop.vllm_format import LAB_PREFIX, STAT_KEY, arrival_from_traffic
-from harness.measuring.metrics import REGISTRY
+from harness.measuring.metrics import REGISTRY, find_metric, percentile_stat
 
 FORMAT = "vllm bench serve --save-result JSON"
 WHAT = "a vllm bench serve result (--save-result JSON)"
@@ -284,12 +284,14 @@ def _put_statistics(run: ImportedRun, result: VllmResult, extra: dict[str, Any])
             continue
         stat, percentile, metric = match.groups()
         lab = LAB_PREFIX.get(metric)
-        if lab is None or stat == "std":
+        if lab is None:
             run.leave_out(key)
             continue
-        name = f"{lab}_mean_s" if stat == "mean" else f"{lab}_p{(percentile or '50')}_s"
-        name = name.replace(".", "")  # p99.9 -> p999
-        if name not in REGISTRY:
+        if stat in ("mean", "std"):  # vLLM's std is np.std's (ddof=0), as the lab's
+            name = f"{lab}_{stat}_s"
+        else:  # median is p50; p99.9 is p999, p5 stays p5 (the lab's spelling)
+            name = f"{lab}_{percentile_stat(float(percentile or 50))}_s"
+        if find_metric(name) is None:
             run.leave_out(key)
             continue
         if not measured or value == 0:  # 0: vLLM's placeholder for a statistic with no sample

@@ -8,7 +8,8 @@ docs/metrics.md (vLLM's conventions: TPOT excludes the first token, ITL pools ev
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,11 +32,35 @@ class Metric:
     description: str
 
 
-REGISTRY: dict[str, Metric] = {}
+class MetricRegistry(dict[str, Metric]):
+    """The registered metrics by name. Iterating lists the declared ones (docs/metrics.md's
+    table); a lookup (`in`, `[]`, `get`) also finds every member of a latency family that
+    `run.percentiles` can ask for (`ttft_p95_s`, `itl_p75_s`), derived from the family's
+    declaration: no fixed list of percentiles anywhere a name is checked."""
+
+    def __missing__(self, name: str) -> Metric:
+        metric = family_member(name)
+        if metric is None:
+            raise KeyError(name)
+        return metric
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, name) or (
+            isinstance(name, str) and family_member(name) is not None
+        )
+
+    def get(self, name: str, default: Any = None) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+
+REGISTRY = MetricRegistry()
 
 
 def register(name: str, unit: str, better: Better, kind: Kind, description: str) -> Metric:
-    if name in REGISTRY:
+    if dict.__contains__(REGISTRY, name):
         raise ValueError(f"metric {name!r} is registered twice")
     metric = Metric(name, unit, better, kind, description)
     REGISTRY[name] = metric
@@ -43,36 +68,118 @@ def register(name: str, unit: str, better: Better, kind: Kind, description: str)
 
 
 def find_metric(name: str) -> Metric | None:
-    """The registered metric called `name` (None: no such metric)."""
-    return REGISTRY.get(name)
+    """The metric called `name`: a registered one, or a latency family's member (None: no such
+    metric)."""
+    found: Metric | None = REGISTRY.get(name)
+    return found
 
 
-def _register_latency(base: str, stats: Iterable[str], what: str) -> None:
-    for stat in stats:
-        register(f"{base}_{stat}_s", "s", "lower", "timing", f"{what}, {stat} over requests")
+@dataclass(frozen=True)
+class LatencyFamily:
+    """A latency measured per request (or per gap, ITL) whose summary holds its mean, std and
+    percentiles: `{name}_mean_s`, `{name}_std_s`, `{name}_p95_s`, `{name}_p999_s` (99.9)."""
+
+    name: str
+    what: str
+    over: str  # what the statistics are taken over
+    #: the statistics every summary holds, whatever `run.percentiles` says: the names the
+    #: report, the gate and existing baselines read
+    always: tuple[str, ...]
 
 
-_register_latency(
-    "ttft",
-    ("mean", "p50", "p90", "p99"),
-    "time to first token: first output token - arrival (queueing included)",
-)
-_register_latency(
-    "tpot",
-    ("mean", "p50", "p99"),
-    "time per output token: (last - first token) / (N - 1), requests with N > 1",
-)
-_register_latency("e2e", ("mean", "p50", "p99"), "end-to-end latency: last token - arrival")
-_register_latency("queue", ("p50", "p99"), "queueing: first scheduled - arrival")
-for _stat in ("p50", "p90", "p99", "p999", "max"):
-    register(
-        f"itl_{_stat}_s",
-        "s",
-        "lower",
-        "timing",
-        f"inter-token latency, {_stat} over every gap between consecutive tokens (pooled)",
+#: `run.percentiles`' default; every family's summary holds these (and its `always` ones)
+DEFAULT_PERCENTILES: tuple[float, ...] = (50.0, 90.0, 95.0, 99.0)
+#: decimals a percentile may have: its name spells them all (p99999 for 99.999)
+PERCENTILE_DECIMALS = 4
+
+LATENCY_FAMILIES: dict[str, LatencyFamily] = {
+    family.name: family
+    for family in (
+        LatencyFamily(
+            "ttft",
+            "time to first token: first output token - arrival (queueing included)",
+            "requests",
+            ("mean", "p50", "p90", "p99"),
+        ),
+        LatencyFamily(
+            "tpot",
+            "time per output token: (last - first token) / (N - 1), requests with N > 1",
+            "requests",
+            ("mean", "p50", "p99"),
+        ),
+        LatencyFamily(
+            "e2e", "end-to-end latency: last token - arrival", "requests", ("mean", "p50", "p99")
+        ),
+        LatencyFamily("queue", "queueing: first scheduled - arrival", "requests", ("p50", "p99")),
+        LatencyFamily(
+            "itl",
+            "inter-token latency",
+            "every gap between consecutive tokens (pooled)",
+            ("mean", "p50", "p90", "p99", "p999", "max"),
+        ),
     )
-register("itl_mean_s", "s", "lower", "timing", "inter-token latency, mean over all gaps")
+}
+
+
+def percentile_stat(q: float) -> str:
+    """The statistic's name for percentile `q`: p50, p5, p999 (99.9), p9999 (99.99), p001
+    (0.1): the integer part, two digits wide when decimals follow it, then the decimals, as
+    vLLM's and guidellm's names read once the point is dropped."""
+    text = f"{q:.{PERCENTILE_DECIMALS}f}".rstrip("0").rstrip(".")
+    whole, _, decimals = text.partition(".")
+    return "p" + (whole.zfill(2) + decimals if decimals else whole)
+
+
+def stat_percentile(stat: str) -> float | None:
+    """The percentile a statistic's name stands for (p999 -> 99.9), None when `stat` is not
+    the canonical name of one in (0, 100) (p05 is spelled p5)."""
+    match = re.fullmatch(r"p(\d+)", stat)
+    if match is None:
+        return None
+    digits = match[1]
+    q = float(digits) if len(digits) <= 2 else float(f"{digits[:2]}.{digits[2:]}")
+    return q if 0 < q < 100 and percentile_stat(q) == stat else None
+
+
+def family_stats(family: LatencyFamily, percentiles: Iterable[float]) -> tuple[str, ...]:
+    """The statistics a summary holds for `family` under `run.percentiles` = `percentiles`:
+    mean, std, its `always` ones and every listed percentile, in increasing order, then max."""
+    wanted = {percentile_stat(q) for q in percentiles}
+    wanted |= {stat for stat in family.always if stat_percentile(stat) is not None}
+    ordered = sorted(wanted, key=lambda stat: stat_percentile(stat) or 0.0)
+    return ("mean", "std", *ordered, *(("max",) if "max" in family.always else ()))
+
+
+def _describe_stat(family: LatencyFamily, stat: str) -> str:
+    if stat == "mean":
+        return f"{family.what}, mean over {family.over}"
+    if stat == "std":
+        return f"{family.what}, standard deviation over {family.over} (numpy, ddof=0, as vLLM)"
+    if stat == "max":
+        return f"{family.what}, max over {family.over}"
+    q = stat_percentile(stat)
+    return f"{family.what}, p{q:g} over {family.over} (numpy, linear interpolation)"
+
+
+def family_member(name: str) -> Metric | None:
+    """A latency family's statistic named `{family}_{stat}_s` (stat: mean, std, max where the
+    family has it, or a percentile's canonical name), None for any other name."""
+    match = re.fullmatch(r"([a-z0-9]+)_(mean|std|max|p\d+)_s", name)
+    if match is None or match[1] not in LATENCY_FAMILIES:
+        return None
+    family, stat = LATENCY_FAMILIES[match[1]], match[2]
+    if (stat == "max" and "max" not in family.always) or (
+        stat.startswith("p") and stat_percentile(stat) is None
+    ):
+        return None
+    return Metric(name, "s", "lower", "timing", _describe_stat(family, stat))
+
+
+for _family in LATENCY_FAMILIES.values():  # the default summary's names, in the docs' table
+    for _stat in family_stats(_family, DEFAULT_PERCENTILES):
+        _member = family_member(f"{_family.name}_{_stat}_s")
+        assert _member is not None
+        register(_member.name, _member.unit, _member.better, _member.kind, _member.description)
 register("output_tok_per_s", "tok/s", "higher", "timing", "output tokens / run duration")
 register("input_tok_per_s", "tok/s", "higher", "timing", "prompt tokens / run duration")
 register("total_tok_per_s", "tok/s", "higher", "timing", "(prompt + output tokens) / run duration")
@@ -294,6 +401,13 @@ register(
 register("num_requests", "count", "none", "deterministic", "requests in the measured run")
 register("num_completed", "count", "higher", "deterministic", "requests that finished")
 register("num_failed", "count", "lower", "deterministic", "requests that failed")
+register(
+    "num_cancelled",
+    "count",
+    "none",
+    "deterministic",
+    "requests the harness cancelled (a run bound reached): neither completed nor failed",
+)
 register("num_steps", "count", "lower", "deterministic", "engine steps in the measured run")
 register("mean_batch_size", "seqs", "higher", "deterministic", "sequences per engine step")
 register("output_tokens_total", "tokens", "none", "deterministic", "output tokens generated")
@@ -572,17 +686,23 @@ def _pct(values: np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
-def _stats(prefix: str, values: np.ndarray, stats: Iterable[str]) -> dict[str, float | None]:
+def _stats(
+    family: LatencyFamily, values: np.ndarray, percentiles: Iterable[float]
+) -> dict[str, float | None]:
+    """The family's statistics over `values` (None each where there is no value)."""
     out: dict[str, float | None] = {}
-    for stat in stats:
-        if stat == "mean":
-            out[f"{prefix}_mean_s"] = float(values.mean()) if len(values) else None
+    for stat in family_stats(family, percentiles):
+        name = f"{family.name}_{stat}_s"
+        if not len(values):
+            out[name] = None
+        elif stat == "mean":
+            out[name] = float(values.mean())
+        elif stat == "std":  # ddof=0, as vLLM's np.std
+            out[name] = float(values.std())
         elif stat == "max":
-            out[f"{prefix}_max_s"] = float(values.max()) if len(values) else None
-        else:  # "p50" -> 50, "p999" -> 99.9
-            digits = stat[1:]
-            q = float(digits) if len(digits) <= 2 else float(digits[:2] + "." + digits[2:])
-            out[f"{prefix}_{stat}_s"] = _pct(values, q)
+            out[name] = float(values.max())
+        else:
+            out[name] = _pct(values, stat_percentile(stat) or 0.0)
     return out
 
 
@@ -725,8 +845,11 @@ def compute_summary(
     run_info: dict[str, Any] | None = None,
     slo: dict[str, float | None] | None = None,
     span: tuple[float, float] | None = None,
+    percentiles: Sequence[float] = DEFAULT_PERCENTILES,
 ) -> dict[str, Any]:
-    """The registered metrics of one run. Failed requests count, but stay out of latencies.
+    """The registered metrics of one run. Failed and cancelled requests count (each apart),
+    but stay out of latencies, completions and the SLO figures. Every latency family holds its
+    mean, std, its always-present statistics and each of `percentiles` (run.percentiles).
 
     With `span` (a measurement window [start, end]): latencies and counts cover the requests
     sent inside it, and rates count what happened inside it (requests and tokens completed,
@@ -737,7 +860,7 @@ def compute_summary(
     members, window_steps = _in_span(requests, steps, span)
     ok = members[members["status"] == "ok"]
     # an ITL gap near the window's edge may end at a step outside it: all the steps
-    summary = _latency_metrics(members, ok, tokens, steps)
+    summary = _latency_metrics(members, ok, tokens, steps, percentiles)
     completed = _completed(requests, tokens, ok, span)
     summary.update(_count_metrics(members, ok, window_steps, completed))
     summary.update(_load_metrics(members, run_info))
@@ -753,7 +876,7 @@ def compute_summary(
     summary.update(_ttft_outside_server(summary, ok))
     summary.update(_slo_metrics(ok, completed, slo))
     summary.update({key: run_info[key] for key in _HARNESS_METRICS if key in run_info})
-    unknown = set(summary) - set(REGISTRY)
+    unknown = [name for name in summary if name not in REGISTRY]
     if unknown:
         raise AssertionError(f"unregistered summary metrics: {sorted(unknown)}")
     return summary
@@ -789,7 +912,11 @@ def _in_span(
 
 
 def _latency_metrics(
-    members: pd.DataFrame, ok: pd.DataFrame, tokens: pd.DataFrame, steps: pd.DataFrame
+    members: pd.DataFrame,
+    ok: pd.DataFrame,
+    tokens: pd.DataFrame,
+    steps: pd.DataFrame,
+    percentiles: Sequence[float],
 ) -> dict[str, Any]:
     """TTFT, TPOT, end-to-end, queueing and inter-token latencies (ITL also by cause)."""
     lat = per_request_latencies(members)
@@ -799,12 +926,10 @@ def _latency_metrics(
         return lat[name].dropna().to_numpy(float)
 
     out: dict[str, Any] = {}
-    out.update(_stats("ttft", column("ttft_s"), ("mean", "p50", "p90", "p99")))
-    out.update(_stats("tpot", column("tpot_s"), ("mean", "p50", "p99")))
-    out.update(_stats("e2e", column("e2e_s"), ("mean", "p50", "p99")))
-    out.update(_stats("queue", column("queue_s"), ("p50", "p99")))
+    for name in ("ttft", "tpot", "e2e", "queue"):
+        out.update(_stats(LATENCY_FAMILIES[name], column(f"{name}_s"), percentiles))
     itl = inter_token_latencies(tokens, ok["request_id"])
-    out.update(_stats("itl", itl, ("mean", "p50", "p90", "p99", "p999", "max")))
+    out.update(_stats(LATENCY_FAMILIES["itl"], itl, percentiles))
     out.update(itl_by_cause(tokens, steps, ok["request_id"]))
     return out
 
@@ -845,6 +970,7 @@ def _count_metrics(
         "num_requests": len(members),
         "num_completed": len(ok),
         "num_failed": int((members["status"] == "failed").sum()),
+        "num_cancelled": int((members["status"] == "cancelled").sum()),
         "output_tokens_total": int(members["output_tokens"].fillna(0).sum()),
         "input_tokens_total": int(members["prompt_tokens"].fillna(0).sum()),
         "num_steps": len(steps),
@@ -924,11 +1050,19 @@ def _slo_metrics(
 
 
 def markdown_table() -> str:
-    """The registry as docs/metrics.md's markdown table (`python -m harness.measuring.metrics`)."""
+    """The registry as docs/metrics.md's markdown table (`python -m harness.measuring.metrics`):
+    the declared metrics (those of the default `run.percentiles`), then one row per latency
+    family for the percentiles another list asks for."""
     lines = ["| name | unit | better | kind | definition |", "|---|---|---|---|---|"]
     lines += [
         f"| `{m.name}` | {m.unit} | {m.better} | {m.kind} | {m.description} |"
         for m in REGISTRY.values()
+    ]
+    lines += [
+        f"| `{family.name}_p<P>_s` | s | lower | timing | {family.what}, percentile P of "
+        f"`run.percentiles` over {family.over} (`{family.name}_p75_s`, "
+        f"`{family.name}_p999_s` for 99.9) |"
+        for family in LATENCY_FAMILIES.values()
     ]
     return "\n".join(lines)
 

@@ -119,6 +119,30 @@ def timeline(steps: pd.DataFrame) -> Figure:
     return fig
 
 
+def timeslices(table: pd.DataFrame) -> Figure:
+    """Output throughput and TTFT p99 per slice of one run (timeslices.csv's columns
+    slice_start_s, slice_end_s, output_tok_per_s, ttft_p99_s); a slice's value is drawn
+    across it."""
+    fig, (rate_ax, ttft_ax) = _subplots(2, 1, figsize=(8, 4.6), sharex=True)
+    edges = np.append(table["slice_start_s"].to_numpy(float), table["slice_end_s"].iloc[-1])
+
+    def across_slices(ax: Axes, values: np.ndarray) -> None:
+        # the last value repeated so that steps-post draws the last slice too
+        ax.plot(edges, np.append(values, values[-1:]), drawstyle="steps-post", linewidth=1.2)
+
+    across_slices(rate_ax, table["output_tok_per_s"].to_numpy(float))
+    ttft = table["ttft_p99_s"].to_numpy(float)
+    scale, unit = _seconds_axis(ttft)
+    across_slices(ttft_ax, ttft * scale)
+    rate_ax.set_ylabel("output tok/s")
+    ttft_ax.set_ylabel(f"TTFT p99 ({unit})")
+    ttft_ax.set_xlabel("time since the run started (s)")
+    for ax in (rate_ax, ttft_ax):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 def stacked_bars(
     parts: pd.DataFrame,
     xlabel: str,

@@ -24,11 +24,11 @@ import jinja2
 import numpy as np
 import pandas as pd
 
-from harness.measuring.metrics import REGISTRY
+from harness.measuring.metrics import find_metric
 from harness.measuring.roofline import Roof, decode_only, measured_step_s, prefill_only
 from harness.reporting import figures, speculative
 from harness.reporting.results import Results, load
-from harness.run_folder import read_sweep_summary, refuse_run_file
+from harness.run_folder import read_sweep_summary, read_timeslices, refuse_run_file
 from harness.running.capacity_sweep import console_line, read_search
 from harness.running.table import format_value
 from models.files import UserFileError, check_regular_file, given_output_path
@@ -201,7 +201,8 @@ def format_metric(name: str, value: Any) -> str:
     """A metric value with its unit, as the run's printed table shows it."""
     if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    unit = REGISTRY[name].unit if name in REGISTRY else ""
+    metric = find_metric(name)  # a percentile of run.percentiles (ttft_p75_s) too
+    unit = metric.unit if metric is not None else ""
     if name.endswith("_bytes") or unit == "B":
         return _bytes(float(value))
     if name.endswith("_s") and not unit:
@@ -492,6 +493,55 @@ def section_timeline(res: Results, doc: Document) -> None:
     )
 
 
+#: timeslices.csv's columns the report's table shows, with their headings
+TIMESLICE_COLUMNS = {
+    "requests_sent": "sent",
+    "requests_completed": "completed",
+    "requests_failed": "failed",
+    "requests_cancelled": "cancelled",
+    "in_flight": "in flight",
+    "output_tok_per_s": "output_tok_per_s",
+    "ttft_p50_s": "ttft_p50_s",
+    "ttft_p99_s": "ttft_p99_s",
+    "itl_p99_s": "itl_p99_s",
+}
+
+
+def section_timeslices(res: Results, doc: Document) -> None:
+    """One run over time, from its timeslices.csv: only for a report on a single run (over
+    many, per-run tables would swamp it), and only where the run wrote the file."""
+    if len(res.runs) != 1:
+        return
+    table = read_timeslices(Path(res.runs["path"].iloc[0]))
+    if table is None or table.empty or not set(TIMESLICE_COLUMNS) <= set(table.columns):
+        return
+    doc.heading("Timeslices")
+    doc.figure(
+        figures.timeslices(table),
+        "timeslices",
+        "Output tokens/s of completed requests, and TTFT p99 of the first tokens, per slice "
+        "(timeslices.csv; docs/metrics.md).",
+    )
+    shown = pd.DataFrame(
+        {
+            "slice (s)": [
+                f"{a:g}-{b:g}"
+                for a, b in zip(table["slice_start_s"], table["slice_end_s"], strict=True)
+            ]
+        }
+    )
+    for column, heading in TIMESLICE_COLUMNS.items():
+        if column in ("requests_failed", "requests_cancelled") and not table[column].any():
+            continue  # a column of zeros says nothing
+        values = table[column]
+        shown[heading] = (
+            values.astype(int).astype(str).tolist()
+            if column.startswith(("requests_", "in_"))
+            else [format_metric(column, v) for v in values]
+        )
+    doc.table(shown)
+
+
 MEMORY_ORDER = (
     "memory_weights_bytes",
     "memory_packed_weights_bytes",
@@ -768,7 +818,7 @@ def section_speculative(res: Results, doc: Document) -> None:
         shown[column] = [f"{v:.2f}x" if pd.notna(v) else "-" for v in shown[column]]
     for column in shown.columns:
         metric = "output_tok_per_s" if column == "baseline_tok_per_s" else column
-        if metric in REGISTRY:
+        if find_metric(metric) is not None:
             shown[column] = [format_metric(metric, v) for v in shown[column]]
     doc.table(shown.fillna("-"))
     doc.text("Where speculation stops paying (speed-up in tokens/s below 1):")
@@ -782,6 +832,7 @@ SECTIONS: tuple[Callable[[Results, Document], None], ...] = (
     section_search,
     section_speculative,
     section_timeline,
+    section_timeslices,
     section_memory,
     section_samples,
     section_phases,

@@ -20,9 +20,16 @@ from engines.options import option
 from harness.config_section import ConfigSection, holds_a_float
 from harness.measuring import hardware, provenance, roofline
 from harness.measuring.checks import Check, contradictions, parse_checks
+from harness.measuring.metrics import (
+    DEFAULT_PERCENTILES,
+    PERCENTILE_DECIMALS,
+    percentile_stat,
+    stat_percentile,
+)
 from harness.measuring.monitors import MonitorConfig, MonitorTracker
 from harness.measuring.profiling import ProfileTracker
 from harness.measuring.quality import QualityTracker
+from harness.measuring.timeslices import timeslices
 from harness.measuring.trackers import Tracker
 from harness.run_folder import (
     RunRecorder,
@@ -31,6 +38,7 @@ from harness.run_folder import (
     table_path,
     write_config,
     write_provenance,
+    write_timeslices,
 )
 from harness.running import heap
 from harness.running.capacity_search import OVER, SearchSettings
@@ -53,6 +61,20 @@ def _slo_bound(what: str) -> Any:
 
 
 CLIENTS_ON = ("processes", "ray")
+
+PERCENTILES_ALLOWED = (
+    "a non-empty list of distinct numbers strictly between 0 and 100, at most "
+    f"{PERCENTILE_DECIMALS} decimals each, e.g. [50, 90, 95, 99, 99.9]"
+)
+
+
+def _distinct_percentiles(values: list[float]) -> bool:
+    """No two alike once named (50 and 50.0 are one), none with more decimals than a name
+    spells (its name would round it)."""
+    names = [percentile_stat(q) for q in values]
+    return len(set(names)) == len(names) and all(
+        stat_percentile(name) == float(q) for name, q in zip(names, values, strict=True)
+    )
 
 
 @dataclass(frozen=True)
@@ -232,6 +254,25 @@ class RunConfig(ConfigSection):
         default_factory=SearchConfig,
         help="the capacity search: the highest load meeting an SLO (docs/capacity.md)",
     )
+    percentiles: list[float] = option(
+        default_factory=lambda: list(DEFAULT_PERCENTILES),
+        gt=0,
+        lt=100,
+        valid=_distinct_percentiles,
+        allowed=PERCENTILES_ALLOWED,
+        help="the percentiles of every latency family (ttft, tpot, e2e, queue, itl), beside "
+        "their mean and std: 99.9 is named p999 (ttft_p95_s, itl_p999_s). Whatever the list, "
+        "the summary always holds ttft p50/p90/p99, tpot p50/p99, e2e p50/p99, queue p50/p99 "
+        "and itl p50/p90/p99/p999/max/mean, which the report and the gate read",
+    )
+    timeslice_s: float | None = option(
+        None,
+        gt=0,
+        unit="seconds",
+        valid=holds_a_float,
+        help="the length of a slice of timeslices.csv, the run over time (docs/metrics.md); "
+        "null: about 20 slices over the run, rounded to 1, 2 or 5 x 10^k seconds",
+    )
     num_clients: int = option(
         1,
         ge=1,
@@ -249,6 +290,10 @@ class RunConfig(ConfigSection):
     def _normalise(self) -> None:
         if isinstance(self.name, int) and not isinstance(self.name, bool):
             self._set("name", str(self.name))  # `run.name=3` on the command line
+
+    def _check_together(self) -> None:
+        self._keep_floats("timeslice_s")
+        self._set("percentiles", [float(q) for q in self.percentiles])
 
 
 #: the backends that `run.num_clients` > 1 can split over client processes: HTTP clients of a
@@ -565,11 +610,13 @@ def _finish(run: RunContext) -> dict[str, Any]:
         results = run.guarded(tracker.name, partial(tracker.results, run.run_dir, t0_ns), True)
         run.info.update(results or {})
     _annotate_roofline(run, frames)
+    if len(frames["requests"]):  # a run refused or failed before its requests has no timeline
+        run.guarded("timeslices", partial(_write_timeslices, run, frames), writes=True)
     _fail_if_every_request_failed(run, frames["requests"])
     summary = {
         "status": run.status,
         "error": run.error,
-        **summarize(frames, run.info, asdict(run.cfg.slo), run.cfg.window),
+        **summarize(frames, run.info, asdict(run.cfg.slo), run.cfg.window, run.cfg.percentiles),
         "run_dir": str(run.run_dir),
         **{k: v for k, v in run.info.items() if k not in _INFO_ONLY},
     }
@@ -593,14 +640,24 @@ def _annotate_roofline(run: RunContext, frames: dict[str, Any]) -> None:
                 table_path(run.run_dir, "steps", "parquet").unlink(missing_ok=True)
 
 
+def _write_timeslices(run: RunContext, frames: dict[str, Any]) -> None:
+    table = timeslices(frames["requests"], frames["tokens"], run.cfg.timeslice_s)
+    write_timeslices(run.run_dir, table)
+
+
 def _fail_if_every_request_failed(run: RunContext, requests: Any) -> None:
-    if run.status == "complete" and len(requests) and (requests["status"] == "failed").all():
-        first = requests.iloc[0]
+    # a cancelled request was stopped by the harness (a run bound), not refused by the backend:
+    # a run that measured nothing because every other request failed still failed
+    attempted = requests[requests["status"] != "cancelled"] if len(requests) else requests
+    if run.status == "complete" and len(attempted) and (attempted["status"] == "failed").all():
+        first = attempted.iloc[0]
+        cancelled = len(requests) - len(attempted)
+        also = f", {cancelled} cancelled" if cancelled else ""
         run.status, run.error = (
             "failed",
             (
-                f"every measured request failed ({len(requests)} of {len(requests)}); the "
-                f"first, {first['request_id']}: {first['error']}"
+                f"every measured request failed ({len(attempted)} of {len(attempted)}{also}); "
+                f"the first, {first['request_id']}: {first['error']}"
             ),
         )
 

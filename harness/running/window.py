@@ -16,6 +16,7 @@ are the whole run's, and the window says which (`whole_run_metrics`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ import pandas as pd
 
 from engines.options import option
 from harness.config_section import ConfigSection
-from harness.measuring.metrics import compute_summary
+from harness.measuring.metrics import DEFAULT_PERCENTILES, compute_summary
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class WindowConfig(ConfigSection):
 
 def steady_state(requests: pd.DataFrame, cfg: WindowConfig) -> dict[str, Any]:
     sent = requests["sent_s"].dropna().sort_values()
+    ok = requests[requests["status"] == "ok"]
     # offline (everything due at once), or a closed loop wider than the workload (every
     # request sent at the start): no ramp, no steady state to cut out
     if (
@@ -55,21 +57,29 @@ def steady_state(requests: pd.DataFrame, cfg: WindowConfig) -> dict[str, Any]:
     ):
         # offline: everything was due at once, so there is no ramp to skip
         start = float(requests["arrival_s"].min()) if len(requests) else 0.0
-        last = requests["last_token_s"].max() if len(requests) else None
+        # the last completion, as the run's duration ends (a cancelled request's last token
+        # is no completion)
+        last = ok["last_token_s"].max() if len(ok) else None
         end = float(last) if last is not None and pd.notna(last) else start
-        kind, members = "whole_run", len(requests)
+        kind, inside = "whole_run", pd.Series(True, index=requests.index)
     else:
         start = float(sent.iloc[int(cfg.skip_fraction * len(sent))])
         end = float(sent.iloc[-1])
         kind = "steady_state"
-        members = int(requests["sent_s"].between(start, end).sum())
+        inside = requests["sent_s"].between(start, end)
+    members = int(inside.sum())
+    cancelled = int((inside & (requests["status"] == "cancelled")).sum())
     duration = end - start
-    completed = requests[requests["status"] == "ok"]["last_token_s"].between(start, end)
+    completed = ok["last_token_s"].between(start, end)
     reasons = []
     if duration < cfg.min_duration_s:
         reasons.append(f"window {duration:.3f} s < min_duration_s {cfg.min_duration_s}")
-    if members < cfg.min_requests:
-        reasons.append(f"window holds {members} requests < min_requests {cfg.min_requests}")
+    # a cancelled request gives the window no latency: it does not make up the minimum
+    if members - cancelled < cfg.min_requests:
+        held = f"{members - cancelled} requests"
+        if cancelled:
+            held += f" ({cancelled} more cancelled)"
+        reasons.append(f"window holds {held} < min_requests {cfg.min_requests}")
     if kind == "steady_state" and not completed.any():
         # overload: every request sent inside the window finishes after the last send, so a
         # rate over the window counts 0 requests beside a positive token rate
@@ -80,6 +90,7 @@ def steady_state(requests: pd.DataFrame, cfg: WindowConfig) -> dict[str, Any]:
         "end_s": end,
         "num_requests": members,
         "num_completed": int(completed.sum()),
+        "num_cancelled": cancelled,
         "valid": not reasons,
         "reason": "; ".join(reasons) or None,
     }
@@ -105,19 +116,22 @@ def summarize(
     info: dict[str, Any],
     slo: dict[str, float | None] | None,
     cfg: WindowConfig,
+    percentiles: Sequence[float] = DEFAULT_PERCENTILES,
 ) -> dict[str, Any]:
     """`metrics` over the window, `metrics_whole_run` over everything, and the window itself.
     With a steady-state window that is not valid, the rates in `metrics` are the whole run's
-    (listed under `window.whole_run_metrics`); latencies stay those of the window's requests."""
+    (listed under `window.whole_run_metrics`); latencies stay those of the window's requests.
+    `percentiles`: run.percentiles, the latency families' percentiles in both."""
     requests, tokens, steps = frames["requests"], frames["tokens"], frames["steps"]
-    whole = compute_summary(requests, tokens, steps, info, slo)
+    whole = compute_summary(requests, tokens, steps, info, slo, percentiles=percentiles)
     window = steady_state(requests, cfg)
     window["whole_run_metrics"] = []
     if window["kind"] == "whole_run":
         metrics = whole
     else:
+        span = (window["start_s"], window["end_s"])
         metrics = compute_summary(
-            requests, tokens, steps, info, slo, span=(window["start_s"], window["end_s"])
+            requests, tokens, steps, info, slo, span=span, percentiles=percentiles
         )
         if not window["valid"]:
             replaced = [name for name in RATE_METRICS if name in whole or name in metrics]

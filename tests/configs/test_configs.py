@@ -411,6 +411,12 @@ def other_value(key: str, default: object) -> object:
         return ["data/traces/mt_bench_questions.jsonl"]
     if key == "run.clients_on":
         return "ray"
+    if key == "run.percentiles":
+        return [50.0, 75.0, 99.9]
+    if key == "run.search.slo":
+        return ["ttft_p99_s <= 2.0"]
+    if key == "run.search.over":
+        return "concurrency"
     if key == "run.monitor.dcgm_url":
         return "http://gpu-host:9400/metrics"
     if default is None:  # the SLO bounds

@@ -54,8 +54,15 @@ def test_genai_perf_json() -> None:
 def test_genai_perf_csv_matches_its_json() -> None:
     from_csv = import_one(GENAI.with_suffix(".csv"))
     from_json = import_one(GENAI)
-    assert set(from_csv.metrics) == set(from_json.metrics)
+    # the CSV has no std column
+    assert set(from_csv.metrics) == set(from_json.metrics) - {
+        "ttft_std_s",
+        "tpot_std_s",
+        "e2e_std_s",
+    }
     for name, value in from_json.metrics.items():  # the CSV keeps two decimals (of ms)
+        if name.endswith("_std_s"):
+            continue
         assert from_csv.metrics[name] == pytest.approx(
             value, abs=5e-3 if name.endswith("per_s") else 5e-6
         )

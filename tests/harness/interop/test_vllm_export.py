@@ -308,3 +308,16 @@ def test_an_empty_out_is_an_error(
     assert cli.main(["export", str(lab_run), "--out", " "]) == 2
     assert "--out: ' ' is invalid; allowed: a file or folder path" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cancelled_request_is_a_failure_that_says_so(lab_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(lab_run, run)
+    requests = load_table(run, "requests")
+    cancelled = requests["request_id"].iloc[1]
+    requests.loc[1, ["status", "error"]] = ["cancelled", "run.max_duration_s reached"]
+    write_parquet_atomic(requests, run / "requests.parquet")
+    result = export(run, tmp_path / "vllm.json")
+    k = ordered_requests(run)["request_id"].tolist().index(cancelled)
+    assert (result["completed"], result["failed"]) == (7, 1)  # vLLM has no other outcome
+    assert result["errors"][k] == "cancelled by the harness: run.max_duration_s reached"

@@ -64,11 +64,9 @@ def test_detailed_file_is_measured_the_labs_way() -> None:
     assert rows["status"].tolist() == ["ok", "ok", "failed", "ok"]
     assert rows.loc[2, "error"] == "Internal Server Error"
     np.testing.assert_allclose(rows["sent_s"], start - arrival.min())
-    # what vLLM computes the lab's way already (TPOT) was superseded, not dropped silently
-    assert "mean_tpot_ms" in run.superseded
-    assert {"std_ttft_ms", "max_output_tokens_per_s", "mean_client_queue_time_ms"} <= set(
-        run.unmapped
-    )
+    # what vLLM computes the lab's way already (TPOT, std) was superseded, not dropped silently
+    assert {"mean_tpot_ms", "std_ttft_ms"} <= set(run.superseded)
+    assert {"max_output_tokens_per_s", "mean_client_queue_time_ms"} <= set(run.unmapped)
     assert run.config["workload"]["arrival"] == {
         "process": "poisson",
         "rate": 8.0,
@@ -96,10 +94,11 @@ def test_summary_only_file_takes_vllms_aggregates() -> None:
     assert run.metrics["spec_acceptance_rate_pos2"] == pytest.approx(0.4)
     # one failure: vLLM's token totals (successful requests) are not the lab's (every request)
     assert not run.definitions["input_tokens_total"].same_as_lab
-    # registry has no p90 for TPOT or E2E, nor any std: listed as unmapped, not dropped
-    assert {"p90_tpot_ms", "p90_e2el_ms", "std_e2el_ms", "spec_decode_num_drafts"} <= set(
-        run.unmapped
-    )
+    # every family's p90 and std (np.std, ddof=0: the lab's) are kept
+    assert run.metrics["tpot_p90_s"] == pytest.approx(data["p90_tpot_ms"] / 1000)
+    assert run.metrics["e2e_p90_s"] == pytest.approx(data["p90_e2el_ms"] / 1000)
+    assert run.metrics["e2e_std_s"] == pytest.approx(data["std_e2el_ms"] / 1000)
+    assert "spec_decode_num_drafts" in run.unmapped
     assert "itl_p999_s" not in run.metrics  # the file has no p99.9: absent, not guessed
     assert run.config["workload"]["arrival"] == {"process": "offline"}
 

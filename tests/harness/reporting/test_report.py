@@ -101,6 +101,22 @@ def test_report_writes_markdown_html_and_figures(
                 assert cell.replace("&", "&amp;") in page
 
 
+def test_a_single_run_gets_its_timeslices(sweep: Path, tmp_path: Path) -> None:
+    job = jobs(sweep)[0]
+    table = pd.read_csv(job / "timeslices.csv")  # the real run wrote it
+    assert table["requests_sent"].sum() == 8
+    out = tmp_path / "report"
+    assert cli.main(["report", str(job), "--out", str(out)]) == 0
+    markdown = (out / "report.md").read_text()
+    assert "## Timeslices" in markdown and "(timeslices.png)" in markdown
+    assert (out / "timeslices.png").stat().st_size > 5000
+    first = f"{table['slice_start_s'][0]:g}-{table['slice_end_s'][0]:g}"
+    assert f"| {first} | {table['requests_sent'][0]} |" in markdown
+    # over several runs: no per-run timeline
+    assert cli.main(["report", str(sweep), "--out", str(tmp_path / "sweep")]) == 0
+    assert "## Timeslices" not in (tmp_path / "sweep" / "report.md").read_text()
+
+
 def test_sections_render_from_their_columns(sweep: Path, tmp_path: Path) -> None:
     planted = tmp_path / "planted"
     shutil.copytree(sweep, planted)
