@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
+from engines.base import StepRecord
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache import PagedKVCacheManager
@@ -83,7 +84,7 @@ def test_an_abort_mid_decode_returns_every_block_before_the_next_step() -> None:
     in_use = free_before - pool.num_free
     engine.abort_request("cut")
     assert free_before - pool.num_free == in_use - held  # back in the pool already
-    records = []
+    records: list[StepRecord] = []
     engine.step_observers.append(records.append)
     engine.step()
     assert records[0].num_running == 1 and records[0].num_seqs == 1
