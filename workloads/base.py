@@ -15,7 +15,7 @@ import numpy as np
 
 from engines.base import Prompt
 from workloads.arrivals import concurrency_of, max_concurrency_of
-from workloads.common import length_totals, make_request, span_info
+from workloads.common import length_totals, make_request, plan_cancellation, span_info
 from workloads.request import WorkloadRequest
 
 
@@ -29,6 +29,11 @@ class WorkloadBase:
     temperature: float = 0.0
     id_prefix: str = "req"
     sampling: dict[str, Any] = field(default_factory=dict)  # extra SamplingParams fields
+    # Cancellation (AIPerf's --request-cancellation-rate/-delay): exactly
+    # round(cancel_fraction * n) requests, drawn with the seed, are cancelled by the driver
+    # cancel_after_s seconds after each is sent (workloads/common.py: plan_cancellation)
+    cancel_fraction: float = 0.0
+    cancel_after_s: float | None = None
 
     def __post_init__(self) -> None:
         self.info: dict[str, Any] = {}  # filled by build(); not a config key
@@ -56,6 +61,10 @@ class WorkloadBase:
         """One request with this workload's sampling settings (`where`: prefix_group,
         session_id, turn, follows)."""
         return make_request(self, request_id, prompt, prompt_tokens, output_len, arrival_s, **where)
+
+    def _cancel(self, requests: list[WorkloadRequest]) -> dict[str, Any]:
+        """Mark the requests the workload cancels (in place); `info`'s keys about them."""
+        return plan_cancellation(requests, self.cancel_fraction, self.cancel_after_s, self.seed)
 
     @staticmethod
     def _totals(arrivals: np.ndarray, inputs: np.ndarray, outputs: np.ndarray) -> dict[str, Any]:

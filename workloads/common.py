@@ -195,11 +195,46 @@ def span_info(arrivals: np.ndarray) -> dict[str, Any]:
 
 
 def check_common(workload: Any) -> None:
-    """The keys every workload type shares: seed, id_prefix and the sampling settings."""
+    """The keys every workload type shares: seed, id_prefix, the sampling settings and
+    cancellation."""
     check_int("seed", workload.seed, 0)
     if not isinstance(workload.id_prefix, str) or not workload.id_prefix:
         raise invalid("id_prefix", workload.id_prefix, "a non-empty string")
     check_sampling_options(workload.temperature, workload.ignore_eos, workload.sampling)
+    check_cancellation(workload.cancel_fraction, workload.cancel_after_s)
+
+
+def check_cancellation(fraction: Any, after_s: Any) -> None:
+    if not is_number(fraction) or not 0 <= fraction <= 1:
+        raise invalid("cancel_fraction", fraction, "a number in [0, 1] (0: none cancelled)")
+    if after_s is None:
+        if fraction > 0:
+            raise invalid(
+                "cancel_after_s",
+                after_s,
+                f"a number >= 0 (seconds after sending) when cancel_fraction={fraction} > 0",
+            )
+        return
+    if not is_number(after_s) or after_s < 0:
+        raise invalid("cancel_after_s", after_s, "a number >= 0 (seconds after sending) or null")
+
+
+#: The seed stream that picks the cancelled requests: after the lengths, prompts and arrivals
+#: streams (rng_streams(seed, 3)), so that cancelling changes none of those.
+CANCEL_STREAM = 3
+
+
+def plan_cancellation(
+    requests: list[WorkloadRequest], fraction: float, after_s: float | None, seed: int
+) -> dict[str, Any]:
+    """Mark exactly round(fraction * n) of `requests`, drawn with `seed`, to be cancelled
+    `after_s` seconds after each is sent (in place); the plan for the workload's `info`."""
+    count = round(fraction * len(requests))
+    if count and after_s is not None:
+        rng = rng_streams(seed, CANCEL_STREAM + 1)[CANCEL_STREAM]
+        for index in rng.choice(len(requests), size=count, replace=False):
+            requests[int(index)].cancel_after_s = float(after_s)
+    return {"cancel_planned": count, "cancel_after_s": after_s if count else None}
 
 
 def length_totals(inputs: np.ndarray, outputs: np.ndarray) -> dict[str, Any]:

@@ -159,5 +159,6 @@ class PromptsWorkload(WorkloadBase, DrawnArrivals):
             "concurrency": self.concurrency,
             **self._totals(starts, clipped_inputs, outputs),
             **clip_info,
+            **self._cancel(requests),
         }
         return requests

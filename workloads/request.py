@@ -17,6 +17,9 @@ class WorkloadRequest:
     #: for chat messages, the previous turn's messages plus its reply as an assistant message;
     #: for token ids, the previous prompt and output ids; for text, previous prompt + output.
     follows: str | None = None
+    #: Seconds after it is sent at which the driver closes the request's stream (the workload's
+    #: `cancel_fraction` / `cancel_after_s`); None: never. One that finishes first is simply ok.
+    cancel_after_s: float | None = None
 
     @property
     def request_id(self) -> str:

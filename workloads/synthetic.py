@@ -158,5 +158,6 @@ class SyntheticWorkload(WorkloadBase, DrawnArrivals):
             "prefix_groups": groups or None,
             "raised_to_prefix_len": int(raise_mask.sum()),
             **clip_info,
+            **self._cancel(requests),
         }
         return requests

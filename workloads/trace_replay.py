@@ -177,6 +177,7 @@ class TraceWorkload(WorkloadBase):
             "block_len": block_len if blocks is not None else None,
             **self._totals(arrivals, lengths.inputs, lengths.outputs),
             **lengths.clip_info,
+            **self._cancel(requests),
         }
         return requests
 

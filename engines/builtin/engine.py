@@ -350,6 +350,11 @@ class LLMEngine:
             # the instruction set they were compiled for, which picks the GEMM's register block
             "native_kernels_isa": native.layout().isa if self.runner.native_kernels else None,
             "batching": self.config.batching,
+            # aborted sequences, the KV blocks their aborts returned, and the most engine
+            # steps started between an abort and its blocks' return (0: before the next step)
+            "aborted_sequences": self.scheduler.num_aborted,
+            "abort_kv_blocks_freed": self.scheduler.abort_blocks_freed,
+            "abort_kv_free_steps_max": self.scheduler.abort_free_steps_max,
             "enable_chunked_prefill": self.config.enable_chunked_prefill,
             "enable_prefix_caching": self.config.enable_prefix_caching,
             "quantization": self.config.quantization,

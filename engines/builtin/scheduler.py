@@ -177,6 +177,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Aborted sequences (a cancelled request, a client gone) and when their KV memory came
+        # back, in steps started between the abort and the free: the claim that an abort frees
+        # its blocks before the next step (0) is then a number a run shows, not an assumption
+        # (static batching keeps a member's memory until its batch ends: more than 0 there).
+        self.num_aborted = 0
+        self.abort_blocks_freed = 0
+        self.abort_free_steps_max: int | None = None  # None: nothing aborted held memory yet
+        self._aborted_at: dict[int, int] = {}  # seq_id -> step_counter at its abort
 
     # ---- queue ------------------------------------------------------------------------------
 
@@ -192,18 +200,31 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if reason == "abort":
+            self.num_aborted += 1
+            self._aborted_at[seq.seq_id] = self.step_counter
         if seq in self.running:
             self.running.remove(seq)
             if self.static:
                 # The slot stays reserved until the whole batch is done.
                 if not self.running:
                     for member in self.batch:
-                        self._freed_since_last_plan += self.kv.free(member.seq_id)
+                        self._freed_since_last_plan += self._free(member.seq_id)
                     self.batch = []
                 return
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._freed_since_last_plan += self.kv.free(seq.seq_id)
+        self._freed_since_last_plan += self._free(seq.seq_id)
+
+    def _free(self, seq_id: int) -> list[int]:
+        """A finished sequence's KV memory back to the cache, an aborted one's timed."""
+        freed = self.kv.free(seq_id)
+        aborted_at = self._aborted_at.pop(seq_id, None)
+        if aborted_at is not None:
+            self.abort_blocks_freed += len(freed)
+            lag = self.step_counter - aborted_at
+            self.abort_free_steps_max = max(lag, self.abort_free_steps_max or 0)
+        return freed
 
     # ---- planning ---------------------------------------------------------------------------
 

@@ -262,6 +262,7 @@ class OpenAIBackend(Backend):
         state.sent_ns = clock()
         yield Arrived(rid, NO_STEP, state.sent_ns)
         url = f"{self.config.base_url}{path}"
+        closed_early = False  # the consumer closed the stream (a cancelled request)
         try:
             async with self._http().stream("POST", url, json=body) as response:
                 if response.status_code >= 400:
@@ -312,9 +313,21 @@ class OpenAIBackend(Backend):
                 clock(), f"HTTP error on POST {url}: {type(exc).__name__}: {exc}"
             ):
                 yield event
+        except asyncio.CancelledError:
+            # the consumer cancelled the request (the driver's cancellation): leaving the
+            # `async with` closed the response, and with it the connection, which a server
+            # takes as the client gone. The tokens that came so far go to the consumer first,
+            # at their own arrival times, then the cancellation goes on.
+            closed_early = not state.ended
+            if closed_early:
+                for event in state.cut():
+                    yield event
+            raise
+        except GeneratorExit:  # the consumer closed the stream early (no events go anywhere)
+            closed_early = not state.ended
+            raise
         finally:
-            # also reached when the consumer stops early: that request counts as failed
-            self.stats.finish(tally, failed=state.failed or not state.ended)
+            self.stats.finish(tally, failed=state.failed or not state.ended, closed=closed_early)
 
     def _request_body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
         cfg = self.config
@@ -550,6 +563,12 @@ class _StreamState:
         events = self._tokens(self._rule())
         events.append(Failed(self.request.request_id, NO_STEP, at, error))
         return events
+
+    def cut(self) -> list[RequestEvent]:
+        """The client closed the stream: the tokens that did arrive, and no ending (the
+        consumer records why it closed it)."""
+        self.ended = True
+        return self._tokens(self._rule())
 
     def _unfinished(self, at: int, how: str) -> list[RequestEvent]:
         """The stream ended before the server said how some choice finished: a failure."""

@@ -49,11 +49,16 @@ class ClientStats:
         self._dropped: Counter[str] = Counter()
         self._refresh()
 
-    def finish(self, tally: RequestTally, failed: bool) -> None:
+    def finish(self, tally: RequestTally, failed: bool, closed: bool = False) -> None:
+        """`closed`: the harness closed the stream before its end (a cancelled request), which
+        is no failure of the server's."""
         if tally.request_id.startswith(WARMUP_PREFIX):
             return
         t = self._totals
-        t["requests_failed" if failed else "requests_finished"] += 1
+        failed = failed and not closed
+        t[
+            "requests_closed" if closed else "requests_failed" if failed else "requests_finished"
+        ] += 1
         self._overhead.extend(tally.overhead_ns)
         self._overhead_sum += sum(tally.overhead_ns)
         self._overhead_max = max(self._overhead_max, *tally.overhead_ns, 0)
@@ -62,7 +67,7 @@ class ClientStats:
         if tally.count_rule is not None:
             self._rules[tally.count_rule] += 1
         self._dropped.update(tally.dropped_fields)
-        if not failed:
+        if not failed and not closed:
             counted = tally.counted_output_tokens
             t["output_tokens_requested"] += tally.requested_output_tokens
             t["output_tokens_counted"] += counted
@@ -92,7 +97,9 @@ class ClientStats:
 
     def _refresh(self) -> None:
         chunks = len(self._overhead)
-        requests = self._totals["requests_finished"] + self._totals["requests_failed"]
+        requests = sum(
+            self._totals[k] for k in ("requests_finished", "requests_failed", "requests_closed")
+        )
         self.live.update(
             {
                 **{
@@ -100,6 +107,7 @@ class ClientStats:
                     for k in (
                         "requests_finished",
                         "requests_failed",
+                        "requests_closed",
                         "output_tokens_requested",
                         "output_tokens_counted",
                         "output_tokens_usage",

@@ -24,6 +24,20 @@ A run may be given its start `t0` (a moment on the driver's clock, normally just
 driver waits for it, so that several drivers in other processes start together and their rows
 share one time origin (harness/running/clients.py).
 
+Cancellation: a request the workload cancels (`WorkloadRequest.cancel_after_s`) has its stream
+closed that long after it was sent (the backend's generator is cancelled: an in-process engine
+aborts the request and frees its KV memory, an HTTP client closes the response); its row says
+`cancelled`, the reason in `error`, and its tokens so far stay in the tokens table. A request
+that finishes first is simply ok. Later turns of a cancelled turn's session go on, with the
+reply as far as it came.
+
+Bounds (`RunBounds`: run.max_duration_s, run.max_errors, run.stop_on_saturation): when one is
+hit the driver stops sending (closed-loop slots, open-loop arrivals, requests waiting for a
+slot under a cap and later turns of sessions alike), lets the requests in flight run for the
+grace period, then cancels those still running with the bound as the reason. Every request
+sent has a row (ok, failed or cancelled); `num_unsent` counts the workload's requests without
+one; `stopped_by`, `stop_reason` and `saturation` (the detector's evidence) say why.
+
 The clock and the sleep are injectable so a scripted backend can drive the driver in virtual
 time. The driver also times its own work (event handling, building rows, the sinks it feeds)
 with `time.perf_counter_ns`, whatever the clock: `overhead_ns` against the run's `wall_ns`.
@@ -52,6 +66,7 @@ from engines.base import (
     now_ns,
 )
 from harness.running.interrupts import deferred
+from harness.running.saturation import SaturationConfig, SaturationDetector
 from workloads.request import WorkloadRequest
 
 RowSink = Callable[[str, dict[str, Any]], None]
@@ -82,6 +97,8 @@ class RequestTrace:
     spec_accepted_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    cancelled: str | None = None  # why the driver closed the stream (its row is `cancelled`)
+    samples_left: int = 1  # samples not finished yet (a request with n samples finishes n times)
     token_rows: list[dict[str, Any]] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     output_text: str = ""
@@ -93,14 +110,16 @@ class RequestTrace:
         def span(start: int | None, end: int | None) -> float | None:
             return None if start is None or end is None else (end - start) / 1e9
 
-        ok = self.error is None
+        ok = self.error is None and self.cancelled is None
         queue_from = self.tokenized_ns if self.tokenized_ns is not None else self.sent_ns
 
         request = self.item.request
         return {
             "request_id": request.request_id,
-            "status": "failed" if self.error is not None else "ok",
-            "error": self.error,
+            "status": "cancelled"
+            if self.cancelled is not None
+            else ("failed" if self.error is not None else "ok"),
+            "error": self.cancelled if self.cancelled is not None else self.error,
             "finish_reason": self.finish_reason,
             "arrival_s": rel(self.arrival_ns),
             "sent_s": rel(self.sent_ns),
@@ -141,6 +160,32 @@ class RequestTrace:
         }
 
 
+#: The fewest finished requests before a fraction `max_errors` applies: the first failure of
+#: a run is not yet a rate.
+MAX_ERRORS_MIN_FINISHED = 20
+
+
+@dataclass(frozen=True)
+class RunBounds:
+    """When the driver stops before the workload's end (harness/running/experiment.py's
+    RunConfig holds the options and their checks)."""
+
+    max_duration_s: float | None = None  # seconds after the start; None: no bound
+    grace_s: float = 10.0  # after a stop, in-flight requests may finish this long
+    #: >= 1: stop once that many requests have failed; in (0, 1): once that fraction of the
+    #: finished ones has (after MAX_ERRORS_MIN_FINISHED of them); None: no bound
+    max_errors: float | None = None
+    saturation: SaturationConfig | None = None  # None: not watched
+
+    @property
+    def any(self) -> bool:
+        return (
+            self.max_duration_s is not None
+            or self.max_errors is not None
+            or self.saturation is not None
+        )
+
+
 class Driver:
     """Runs one workload against one loaded backend, emitting rows to `sink`."""
 
@@ -151,8 +196,10 @@ class Driver:
         on_request_done: Callable[[RequestTrace], None] | None = None,
         clock: Clock = now_ns,
         sleep: Sleep = asyncio.sleep,
+        bounds: RunBounds | None = None,
     ) -> None:
         self.backend = backend
+        self.bounds = bounds or RunBounds()
         self.sink = sink
         self.on_request_done = on_request_done
         self.clock = clock
@@ -161,6 +208,19 @@ class Driver:
         self.overhead_ns = 0  # the driver's own work, perf_counter_ns, accumulated
         self.wall_ns = 0  # the whole drive, perf_counter_ns
         self.slots: asyncio.Semaphore | None = None  # a capped open loop's, per run
+        # per run: why it stopped early (None: it did not), and its counts
+        self.stopped_by: str | None = None  # "saturation" | "max_duration_s" | "max_errors"
+        self.stop_reason: str | None = None
+        self.saturation: dict[str, Any] | None = None  # the detector's evidence
+        self.num_planned = 0
+        self.num_rows = 0  # requests with a row (sent, or failed as a failed turn's follower)
+        self.num_failed = 0
+        self.num_cancelled = 0
+
+    @property
+    def num_unsent(self) -> int:
+        """The workload's requests that got no row: never sent because the run stopped."""
+        return self.num_planned - self.num_rows
 
     @property
     def overhead_fraction(self) -> float | None:
@@ -207,6 +267,21 @@ class Driver:
             if w.follows:
                 self.followers[w.follows].append(w)
         roots = sorted((w for w in workload if not w.follows), key=lambda w: w.arrival_s)
+        self.num_planned, self.num_rows, self.num_failed, self.num_cancelled = (
+            len(workload),
+            0,
+            0,
+            0,
+        )
+        self.stopped_by = self.stop_reason = self.saturation = None
+        self._stopping = asyncio.Event()
+        # request id -> (its trace, the task reading its stream), while it is in flight
+        self._in_flight: dict[str, tuple[RequestTrace, asyncio.Task[Any]]] = {}
+        self._outstanding = 0  # requests due and not finished (sent, or waiting for a slot)
+        self._waiting: int | None = None  # the engine's queue at its last step record
+        self._detector: SaturationDetector | None = None
+        background: list[asyncio.Task[None]] = []
+        self._background = background
         # asyncio's Semaphore wakes its waiters in the order they came and lets no newcomer
         # past one still waiting, so the slots go first come, first served
         self.slots = asyncio.Semaphore(max_concurrency) if max_concurrency is not None else None
@@ -217,13 +292,21 @@ class Driver:
         observer = self._on_step
         self.backend.step_observers.append(observer)
         tasks: list[asyncio.Task[None]] = []
+        bounds = self.bounds
+        if bounds.max_duration_s is not None:
+            background.append(asyncio.create_task(self._deadline(bounds.max_duration_s)))
+        if bounds.saturation is not None:
+            self._detector = SaturationDetector(bounds.saturation)
+            background.append(asyncio.create_task(self._watch(self._detector)))
         try:
             if concurrency is None:
                 for item in roots:
                     arrival = self.t0 + int(item.arrival_s * 1e9)
                     delay = (arrival - self.clock()) / 1e9
                     if delay > 0:
-                        await self.sleep(delay)
+                        await self._pause(delay)
+                    if self._stopping.is_set():
+                        break
                     tasks.append(asyncio.create_task(self._session(item, arrival)))
             else:
                 queue = deque(roots)
@@ -233,7 +316,7 @@ class Driver:
                 ]
             await asyncio.gather(*tasks)
         finally:
-            for task in tasks:
+            for task in [*tasks, *background]:
                 task.cancel()
             self.backend.step_observers.remove(observer)
             self.wall_ns = time.perf_counter_ns() - wall_start
@@ -241,12 +324,14 @@ class Driver:
 
     async def _worker(self, queue: deque[WorkloadRequest]) -> None:
         """Closed loop: one slot of the concurrency; it carries a whole session at a time."""
-        while queue:
+        while queue and not self._stopping.is_set():
             await self._session(queue.popleft(), self.clock())
 
     async def _session(self, item: WorkloadRequest, arrival_ns: int) -> None:
         """Send `item`, then (after their think time) the turns that follow it."""
         trace = await self._one(item, arrival_ns)
+        if trace is None:  # the run stopped before it was sent: so are its followers
+            return
         followers = self.followers.get(item.request_id, [])
         await asyncio.gather(*(self._follow_up(trace, f) for f in followers))
 
@@ -254,7 +339,9 @@ class Driver:
         due = (previous.finished_ns or self.clock()) + int(item.arrival_s * 1e9)
         delay = (due - self.clock()) / 1e9
         if delay > 0:
-            await self.sleep(delay)
+            await self._pause(delay)
+        if self._stopping.is_set():  # unsent, as every later turn of the session
+            return
         if previous.error is not None:
             self._fail_session(item, due, f"previous turn {previous.item.request_id} failed")
             return
@@ -273,79 +360,119 @@ class Driver:
         for follower in self.followers.get(item.request_id, []):
             self._fail_session(follower, now, f"previous turn {item.request_id} failed")
 
-    async def _one(self, item: WorkloadRequest, arrival_ns: int) -> RequestTrace:
-        """Send `item` once a slot is free (at once without a cap), holding it until the end."""
-        async with self.slots if self.slots is not None else nullcontext():
-            return await self._send(item, arrival_ns)
+    async def _one(self, item: WorkloadRequest, arrival_ns: int) -> RequestTrace | None:
+        """Send `item` once a slot is free (at once without a cap), holding it until the end;
+        None: the run stopped before it could be sent."""
+        self._outstanding += 1
+        try:
+            async with self.slots if self.slots is not None else nullcontext():
+                if self._stopping.is_set():
+                    return None
+                return await self._send(item, arrival_ns)
+        finally:
+            self._outstanding -= 1
 
     async def _send(self, item: WorkloadRequest, arrival_ns: int) -> RequestTrace:
         trace = RequestTrace(item, arrival_ns, sent_ns=self.clock())
+        trace.samples_left = item.request.sampling.n
         request_id = item.request_id
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_flight[request_id] = (trace, task)
+        timer = None
+        if item.cancel_after_s is not None:
+            reason = f"cancelled by the workload {item.cancel_after_s:g} s after it was sent"
+            timer = asyncio.create_task(self._cancel_later(request_id, item.cancel_after_s, reason))
         try:
-            async for event in self.backend.generate(item.request):
-                began = time.perf_counter_ns()
-                if isinstance(event, Tokens):
-                    for token in event.token_ids:
-                        trace.token_rows.append(
-                            {
-                                "request_id": request_id,
-                                "index": trace.output_tokens,
-                                "step": event.step,
-                                "time_s": (event.time_ns - self.t0) / 1e9,
-                                "token_id": token,
-                            }
-                        )
-                        trace.output_tokens += 1
-                    trace.output_ids.extend(event.token_ids)
-                    trace.output_text += event.text
-                    if trace.first_token_ns is None:
-                        trace.first_token_ns = event.time_ns
-                    trace.last_token_ns = event.time_ns
-                elif isinstance(event, Tokenized):
-                    trace.tokenized_ns = event.time_ns
-                    trace.prompt_tokens = event.num_prompt_tokens
-                elif isinstance(event, Scheduled):
-                    trace.scheduled_ns = event.time_ns
-                elif isinstance(event, PrefillChunk):
-                    trace.num_prefill_chunks += 1
-                    trace.prefill_tokens_computed += event.num_tokens
-                    if trace.scheduled_ns is None:
-                        trace.scheduled_ns = event.time_ns
-                elif isinstance(event, Preempted):
-                    trace.num_preemptions += 1
-                elif isinstance(event, Finished):
-                    trace.finished_ns = event.time_ns
-                    trace.output_text = event.text or trace.output_text
-                    trace.finish_reason = event.finish_reason
-                    trace.cached_prompt_tokens = event.cached_prompt_tokens
-                    trace.num_preemptions = event.num_preemptions
-                    trace.output_tokens_reported = (
-                        trace.output_tokens_reported or 0
-                    ) + event.num_output_tokens
-                    if trace.prompt_tokens is None:  # no Tokenized event (an HTTP backend)
-                        trace.prompt_tokens = event.num_prompt_tokens
-                    # n samples finish n times: their decoding time adds up
-                    trace.detokenize_ns = (trace.detokenize_ns or 0) + event.detokenize_ns
-                    if event.spec_steps is not None:  # n samples finish n times: add up
-                        trace.spec_steps = (trace.spec_steps or 0) + event.spec_steps
-                        trace.spec_draft_tokens = (trace.spec_draft_tokens or 0) + (
-                            event.spec_draft_tokens or 0
-                        )
-                        trace.spec_accepted_tokens = (trace.spec_accepted_tokens or 0) + (
-                            event.spec_accepted_tokens or 0
-                        )
-                elif isinstance(event, Failed):
-                    trace.finished_ns = event.time_ns
-                    trace.error = event.error
-                self.overhead_ns += time.perf_counter_ns() - began
+            await self._read(trace)
+        except asyncio.CancelledError:
+            # ours (the request's cancel) is taken back; one from outside (the run torn down)
+            # goes on
+            if trace.cancelled is None or task.uncancel() > 0:
+                raise
+            trace.finished_ns = self.clock()
         except Exception as exc:  # a backend error fails this request, not the run
             trace.finished_ns = self.clock()
-            trace.error = f"{type(exc).__name__}: {exc}"
+            if trace.cancelled is None:
+                trace.error = f"{type(exc).__name__}: {exc}"
+            elif task.uncancel() > 0:  # closing the stream raised: cancelled all the same
+                raise
+        finally:
+            del self._in_flight[request_id]
+            if timer is not None:
+                timer.cancel()
         if trace.finished_ns is None:
             trace.error = "stream ended without a Finished event"
             trace.finished_ns = self.clock()
         self._emit(trace)
         return trace
+
+    async def _read(self, trace: RequestTrace) -> None:
+        """The request's events into its trace, until its stream ends."""
+        request_id = trace.item.request_id
+        async for event in self.backend.generate(trace.item.request):
+            began = time.perf_counter_ns()
+            if isinstance(event, Tokens):
+                for token in event.token_ids:
+                    trace.token_rows.append(
+                        {
+                            "request_id": request_id,
+                            "index": trace.output_tokens,
+                            "step": event.step,
+                            "time_s": (event.time_ns - self.t0) / 1e9,
+                            "token_id": token,
+                        }
+                    )
+                    trace.output_tokens += 1
+                trace.output_ids.extend(event.token_ids)
+                trace.output_text += event.text
+                if trace.first_token_ns is None:
+                    trace.first_token_ns = event.time_ns
+                    if self._detector is not None:  # TTFT from arrival: a cap's wait counts
+                        self._detector.first_token(
+                            (event.time_ns - self.t0) / 1e9,
+                            (event.time_ns - trace.arrival_ns) / 1e9,
+                        )
+                trace.last_token_ns = event.time_ns
+            elif isinstance(event, Tokenized):
+                trace.tokenized_ns = event.time_ns
+                trace.prompt_tokens = event.num_prompt_tokens
+            elif isinstance(event, Scheduled):
+                trace.scheduled_ns = event.time_ns
+            elif isinstance(event, PrefillChunk):
+                trace.num_prefill_chunks += 1
+                trace.prefill_tokens_computed += event.num_tokens
+                if trace.scheduled_ns is None:
+                    trace.scheduled_ns = event.time_ns
+            elif isinstance(event, Preempted):
+                trace.num_preemptions += 1
+            elif isinstance(event, Finished):
+                trace.samples_left -= 1
+                trace.finished_ns = event.time_ns
+                trace.output_text = event.text or trace.output_text
+                trace.finish_reason = event.finish_reason
+                trace.cached_prompt_tokens = event.cached_prompt_tokens
+                trace.num_preemptions = event.num_preemptions
+                trace.output_tokens_reported = (
+                    trace.output_tokens_reported or 0
+                ) + event.num_output_tokens
+                if trace.prompt_tokens is None:  # no Tokenized event (an HTTP backend)
+                    trace.prompt_tokens = event.num_prompt_tokens
+                # n samples finish n times: their decoding time adds up
+                trace.detokenize_ns = (trace.detokenize_ns or 0) + event.detokenize_ns
+                if event.spec_steps is not None:  # n samples finish n times: add up
+                    trace.spec_steps = (trace.spec_steps or 0) + event.spec_steps
+                    trace.spec_draft_tokens = (trace.spec_draft_tokens or 0) + (
+                        event.spec_draft_tokens or 0
+                    )
+                    trace.spec_accepted_tokens = (trace.spec_accepted_tokens or 0) + (
+                        event.spec_accepted_tokens or 0
+                    )
+            elif isinstance(event, Failed):
+                trace.samples_left = 0
+                trace.finished_ns = event.time_ns
+                trace.error = event.error
+            self.overhead_ns += time.perf_counter_ns() - began
 
     def _emit(self, trace: RequestTrace) -> None:
         began = time.perf_counter_ns()
@@ -353,12 +480,100 @@ class Driver:
             for row in trace.token_rows:
                 self.sink("tokens", row)
             self.sink("requests", trace.row(self.t0))
+        self.num_rows += 1
+        if trace.cancelled is not None:
+            self.num_cancelled += 1
+        elif trace.error is not None:
+            self.num_failed += 1
+            self._check_errors()
         if self.on_request_done is not None:
             self.on_request_done(trace)
         self.overhead_ns += time.perf_counter_ns() - began
 
+    # ---- cancelling and stopping ------------------------------------------------------------
+
+    def _cancel(self, request_id: str, reason: str) -> None:
+        """Close the request's stream, if it is still open, recording it cancelled for
+        `reason`. A request whose every sample has finished (its stream closing) is left be."""
+        entry = self._in_flight.get(request_id)
+        if entry is None:
+            return
+        trace, task = entry
+        if trace.cancelled is None and trace.samples_left > 0:
+            trace.cancelled = reason
+            task.cancel()
+
+    async def _cancel_later(self, request_id: str, after_s: float, reason: str) -> None:
+        await self.sleep(after_s)
+        self._cancel(request_id, reason)
+
+    async def _pause(self, delay_s: float) -> None:
+        """Sleep, but only until the run stops, if a bound may stop it."""
+        if not self.bounds.any:
+            await self.sleep(delay_s)
+            return
+        if self._stopping.is_set():
+            return
+        sleeper = asyncio.ensure_future(self.sleep(delay_s))
+        stopped = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((sleeper, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+            stopped.cancel()
+
+    def _stop(self, by: str, reason: str, evidence: dict[str, Any] | None = None) -> None:
+        """Send nothing more; after the grace period cancel what is still in flight."""
+        if self._stopping.is_set():
+            return
+        self.stopped_by, self.stop_reason, self.saturation = by, reason, evidence
+        self._stopping.set()
+        self._background.append(asyncio.create_task(self._end_of_grace(reason)))
+
+    async def _end_of_grace(self, reason: str) -> None:
+        await self.sleep(self.bounds.grace_s)
+        for request_id in list(self._in_flight):
+            self._cancel(request_id, reason)
+
+    async def _deadline(self, max_duration_s: float) -> None:
+        await self.sleep(max(0.0, (self.t0 + max_duration_s * 1e9 - self.clock()) / 1e9))
+        self._stop("max_duration_s", f"run.max_duration_s={max_duration_s:g} reached")
+
+    def _check_errors(self) -> None:
+        bound = self.bounds.max_errors
+        if bound is None:
+            return
+        if bound >= 1:
+            hit = self.num_failed >= bound
+            what = f"{self.num_failed} requests failed"
+        else:
+            hit = (
+                self.num_rows >= MAX_ERRORS_MIN_FINISHED
+                and self.num_failed >= bound * self.num_rows
+            )
+            what = f"{self.num_failed} of {self.num_rows} finished requests failed"
+        if hit:
+            self._stop("max_errors", f"run.max_errors={bound:g} reached: {what}")
+
+    async def _watch(self, detector: SaturationDetector) -> None:
+        """Sample the requests outstanding and ask the detector, until the run stops."""
+        assert self.bounds.saturation is not None
+        interval = self.bounds.saturation.sample_interval_s
+        while not self._stopping.is_set():
+            await self.sleep(interval)
+            now = (self.clock() - self.t0) / 1e9
+            detector.sample(now, self._outstanding, self._waiting)
+            evidence = detector.saturated(now)
+            if evidence is not None:
+                reason = (
+                    f"run.stop_on_saturation: the server stopped keeping up {now:.1f} s into "
+                    "the run (requests outstanding and TTFT growing)"
+                )
+                self._stop("saturation", reason, evidence)
+
     def _on_step(self, record: StepRecord) -> None:
         began = time.perf_counter_ns()
+        self._waiting = record.num_waiting
         row = {
             "step": record.step,
             "start_s": (record.start_ns - self.t0) / 1e9,

@@ -43,9 +43,10 @@ from harness.run_folder import (
 from harness.running import heap
 from harness.running.capacity_search import OVER, SearchSettings
 from harness.running.clients import ClientPool, client_limits
-from harness.running.driver import Driver
+from harness.running.driver import MAX_ERRORS_MIN_FINISHED, Driver, RunBounds
 from harness.running.interrupts import interruption, interrupts
 from harness.running.progress import RunProgress
+from harness.running.saturation import SaturationConfig
 from harness.running.window import WindowConfig, summarize
 from workloads import WorkloadRequest
 
@@ -75,6 +76,15 @@ def _distinct_percentiles(values: list[float]) -> bool:
     return len(set(names)) == len(names) and all(
         stat_percentile(name) == float(q) for name, q in zip(names, values, strict=True)
     )
+
+
+def _is_error_bound(value: Any) -> bool:
+    """A count (a whole number >= 1) or a fraction in (0, 1)."""
+    try:
+        number = float(value)
+    except (OverflowError, TypeError, ValueError):
+        return False
+    return 0 < number < 1 or (number >= 1 and number.is_integer())
 
 
 @dataclass(frozen=True)
@@ -286,14 +296,59 @@ class RunConfig(ConfigSection):
         help="where the clients run: local processes, or Ray tasks on the cluster `ray.init()` "
         "joins (RAY_ADDRESS, else a local one), which connect back to this process over TCP",
     )
+    # Bounds on the measured run (harness/running/driver.py): when one is hit nothing more is
+    # sent, the requests in flight get max_duration_grace_s, then are cancelled; summary.json
+    # says which under `stopped_by` (docs/benchmarks.md, "Bounds on a run")
+    max_duration_s: float | None = option(
+        None,
+        gt=0,
+        unit="seconds",
+        valid=holds_a_float,
+        help="stop sending this long after the measured run's start (null: no bound)",
+    )
+    max_duration_grace_s: float = option(
+        10.0,
+        ge=0,
+        unit="seconds",
+        valid=holds_a_float,
+        help="after any stop (a bound, saturation) the requests in flight may finish this long; "
+        "then they are cancelled, the bound their row's error",
+    )
+    max_errors: float | None = option(
+        None,
+        valid=_is_error_bound,
+        allowed="null, an integer >= 1 (stop once that many requests have failed) or a number "
+        f"in (0, 1) (stop once that fraction of the finished requests has failed, counted from "
+        f"the {MAX_ERRORS_MIN_FINISHED}th on)",
+        help="stop a run whose requests fail; the run is then `failed`, its error naming the bound",
+    )
+    stop_on_saturation: bool = option(
+        False,
+        help="stop sending once the server stops keeping up (requests outstanding and TTFT "
+        "growing over run.saturation.window_s; harness/running/saturation.py); the run stays "
+        "`complete`, `saturated: true` in summary.json with the evidence",
+    )
+    saturation: SaturationConfig = option(
+        default_factory=SaturationConfig, help="the over-saturation detector's thresholds"
+    )
 
     def _normalise(self) -> None:
         if isinstance(self.name, int) and not isinstance(self.name, bool):
             self._set("name", str(self.name))  # `run.name=3` on the command line
 
     def _check_together(self) -> None:
-        self._keep_floats("timeslice_s")
+        self._keep_floats("timeslice_s", "max_duration_s", "max_duration_grace_s", "max_errors")
         self._set("percentiles", [float(q) for q in self.percentiles])
+
+    @property
+    def bounds(self) -> RunBounds:
+        """What the driver stops on."""
+        return RunBounds(
+            max_duration_s=self.max_duration_s,
+            grace_s=self.max_duration_grace_s,
+            max_errors=self.max_errors,
+            saturation=self.saturation if self.stop_on_saturation else None,
+        )
 
 
 #: the backends that `run.num_clients` > 1 can split over client processes: HTTP clients of a
@@ -313,6 +368,13 @@ def _checked_run(config: dict[str, Any]) -> tuple[RunConfig, Any]:
     always been named."""
     run_cfg = RunConfig.from_dict(config.get("run"))
     backend = (config.get("engine") or {}).get("backend", "builtin")
+    if run_cfg.num_clients > 1 and run_cfg.bounds.any:
+        # each client process drives a share alone: a bound would stop only its share
+        raise ValueError(
+            f"run.num_clients: {run_cfg.num_clients} is invalid with run.max_duration_s, "
+            "run.max_errors or run.stop_on_saturation set; allowed: 1 (bounds are kept by "
+            "the one driver)"
+        )
     if run_cfg.num_clients > 1 and backend not in MANY_CLIENT_BACKENDS:
         raise ValueError(
             f"engine.backend: {backend!r} cannot run with run.num_clients="
@@ -407,6 +469,9 @@ class RunContext:
     setting_up: bool = True
     status: str = "complete"
     error: str | None = None
+    stopped_by: str | None = None  # the bound that stopped the run early, if one did
+    stop_reason: str | None = None
+    saturation: dict[str, Any] | None = None  # the detector's evidence, if it fired
     info: dict[str, Any] = field(default_factory=dict)  # the summary's extra keys: JSON-like
 
     def keep_first_step(self, table: str, row: dict[str, Any]) -> None:
@@ -569,12 +634,18 @@ def _measure(run: RunContext) -> None:
     if failure is not None:  # the requests after it failed one by one; so does the run
         raise RuntimeError(f"the backend failed during the run: {failure}")
     info["harness_overhead_fraction"] = driver.overhead_fraction
+    if isinstance(driver, Driver) and driver.stopped_by is not None:
+        run.stopped_by, run.stop_reason = driver.stopped_by, driver.stop_reason
+        run.saturation = driver.saturation
+        run.shown.phase(f"stopped early: {driver.stop_reason}")
     for tracker in run.trackers:
         tracker.stop(backend, engine)
     if run.first_steps:
         step = run.first_steps[0]
         info["first_step_s"] = step["end_s"] - step["start_s"]
         info["cold_start_s"] = info["load_s"] + info["first_step_s"]
+    if run.stopped_by == "max_errors":  # the others stop a run that did what was asked
+        run.status, run.error = "failed", run.stop_reason
 
 
 def _driver(run: RunContext, backend: Backend) -> Driver | ClientPool:
@@ -587,7 +658,7 @@ def _driver(run: RunContext, backend: Backend) -> Driver | ClientPool:
     if run.cfg.num_clients > 1:
         on_ray = run.cfg.clients_on == "ray"
         return ClientPool(run.config, run.cfg.num_clients, backend, sink, done, on_ray=on_ray)
-    return Driver(backend, sink, on_request_done=done)
+    return Driver(backend, sink, on_request_done=done, bounds=run.cfg.bounds)
 
 
 def _finish(run: RunContext) -> dict[str, Any]:
@@ -616,6 +687,13 @@ def _finish(run: RunContext) -> dict[str, Any]:
     summary = {
         "status": run.status,
         "error": run.error,
+        # how the run ended besides its status (docs/run_folder.md)
+        "stopped_by": run.stopped_by,
+        "stop_reason": run.stop_reason,
+        "saturated": run.saturation is not None,
+        "saturation": run.saturation,
+        # the measured requests without a row: never sent because the run stopped early
+        "num_unsent": max(0, len(run.requests) - len(frames["requests"])),
         **summarize(frames, run.info, asdict(run.cfg.slo), run.cfg.window, run.cfg.percentiles),
         "run_dir": str(run.run_dir),
         **{k: v for k, v in run.info.items() if k not in _INFO_ONLY},

@@ -255,6 +255,8 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "temperature": 0.5,
         "id_prefix": "x",
         "sampling": {"top_k": 5},
+        "cancel_fraction": 0.25,
+        "cancel_after_s": 1.5,
         "arrival": {"process": "closed", "concurrency": 3},
         "shared_prefix": {"num_groups": 2, "prefix_len": 8},
         "sessions": {"num_turns": 2, "think_time_s": 0.5},
@@ -274,6 +276,8 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "temperature": 0.5,
         "id_prefix": "p",
         "sampling": {"top_k": 5},
+        "cancel_fraction": 0.25,
+        "cancel_after_s": 1.5,
     },
     "trace": {
         "path": str(TRACES / "AzureLLMInferenceTrace_conv.csv"),
@@ -300,6 +304,8 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "temperature": 0.5,
         "id_prefix": "t",
         "sampling": {"top_k": 5},
+        "cancel_fraction": 0.25,
+        "cancel_after_s": 1.5,
     },
 }
 

@@ -4,9 +4,7 @@ backend (in real time, or in virtual time for exact times) and the built-in engi
 from __future__ import annotations
 
 import asyncio
-import selectors
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -178,55 +176,6 @@ def test_every_turn_after_a_failed_turn_keeps_a_failed_row() -> None:
 
 
 # ---- virtual time: exact times for the capped open loop ------------------------------------
-
-
-class _SkippingSelector(selectors.DefaultSelector):
-    """Never waits for a timer: when nothing is ready it moves the virtual clock to the next
-    one (the `timeout` the event loop asks to wait)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = 0.0
-
-    def select(self, timeout: float | None = None) -> Any:
-        events = super().select(0 if timeout is not None else None)
-        if not events and timeout:
-            self.now += timeout
-        return events
-
-
-class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    """An event loop whose time starts at 0 and jumps to the next timer whenever every task
-    waits, so asyncio.sleep (the driver's and the backend's) takes no real time and the rows
-    hold exactly the scripted times."""
-
-    def __init__(self) -> None:
-        self.selector = _SkippingSelector()
-        super().__init__(self.selector)
-
-    def time(self) -> float:
-        return self.selector.now
-
-
-def virtual_ns() -> int:
-    """The running loop's clock in ns: the driver's and the scripted backend's clock."""
-    return round(asyncio.get_running_loop().time() * 1e9)
-
-
-@pytest.fixture
-def virtual_time() -> Iterator[Clock]:
-    """Driver.run's asyncio.run gets a VirtualTimeLoop; yields the clock to give the driver."""
-
-    class Policy(asyncio.DefaultEventLoopPolicy):
-        def new_event_loop(self) -> asyncio.AbstractEventLoop:
-            return VirtualTimeLoop()
-
-    before = asyncio.get_event_loop_policy()
-    asyncio.set_event_loop_policy(Policy())
-    try:
-        yield virtual_ns
-    finally:
-        asyncio.set_event_loop_policy(before)
 
 
 def most_in_flight(rows: dict[str, dict]) -> int:

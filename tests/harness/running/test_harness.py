@@ -282,8 +282,9 @@ def test_interrupted_run_keeps_finished_rows(tmp_path: Path) -> None:
         (
             {"foo": 1},
             "run: unknown key(s) ['foo']; allowed: ['allow_failed_jobs', 'clients_on', "
-            "'monitor', 'name', 'num_clients', 'percentiles', 'progress', 'quality', 'resume', "
-            "'search', 'slo', 'timeslice_s', 'warmup_requests', 'window']",
+            "'max_duration_grace_s', 'max_duration_s', 'max_errors', 'monitor', 'name', "
+            "'num_clients', 'percentiles', 'progress', 'quality', 'resume', 'saturation', "
+            "'search', 'slo', 'stop_on_saturation', 'timeslice_s', 'warmup_requests', 'window']",
         ),
         ({"warmup_requests": -1}, "run.warmup_requests: -1 is invalid; allowed: an integer >= 0"),
         ({"warmup_requests": 1.5}, "run.warmup_requests: 1.5 is invalid"),
@@ -345,8 +346,9 @@ def test_a_bad_run_key_exits_2_before_anything_runs(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: run: unknown key(s) ['foo']; allowed: ['allow_failed_jobs', 'clients_on', "
-        "'monitor', 'name', 'num_clients', 'percentiles', 'progress', 'quality', 'resume', "
-        "'search', 'slo', 'timeslice_s', 'warmup_requests', 'window']"
+        "'max_duration_grace_s', 'max_duration_s', 'max_errors', 'monitor', 'name', "
+        "'num_clients', 'percentiles', 'progress', 'quality', 'resume', 'saturation', "
+        "'search', 'slo', 'stop_on_saturation', 'timeslice_s', 'warmup_requests', 'window']"
     )
     assert not (tmp_path / "summary.json").exists()  # nothing started
 
