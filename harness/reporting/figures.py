@@ -252,11 +252,14 @@ def pareto(points: pd.DataFrame, x: str, ys: Sequence[tuple[str, str]], xlabel: 
         ax.plot(
             front[x], front[y], color="tab:red", marker="o", linewidth=1.2, label="Pareto frontier"
         )
-        for _, point in front.iterrows():
+        # every point named (a dominated one in grey): which configuration lost matters too
+        for _, point in shown.iterrows():
+            on_front = bool(point[f"on_front_{y}"])
             ax.annotate(
                 str(point["label"]),
                 (point[x], point[y]),
-                fontsize=7,
+                fontsize=7 if on_front else 6,
+                color="black" if on_front else "0.45",
                 xytext=(4, 4),
                 textcoords="offset points",
             )

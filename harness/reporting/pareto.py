@@ -28,7 +28,7 @@ import pandas as pd
 from harness.measuring.checks import Check, CheckError, parse_checks
 from harness.reporting import figures
 from harness.reporting.results import Results
-from harness.run_folder import read_json_object
+from harness.run_folder import REPEAT_DIR, read_json_object, read_sweep_overrides
 
 #: the per-user axis and the per-device axis of the frontier
 PER_USER, PER_DEVICE, PER_DOLLAR = "tok_per_s_per_user", "tok_per_s_per_device", "tok_per_dollar"
@@ -110,9 +110,13 @@ def cost_of(summary: Mapping[str, Any], config: Mapping[str, Any]) -> float | No
     return _number(configured.get("cost_per_hour")) if isinstance(configured, Mapping) else None
 
 
-def short_labels(variants: pd.DataFrame, keys: Sequence[str]) -> pd.Series:
+def short_labels(
+    variants: pd.DataFrame, keys: Sequence[str], fallback: pd.Series | None = None
+) -> pd.Series:
     """Each configuration as the swept keys that vary between them, `max_num_seqs=8
-    variant=int8`: a key by its last dotted part unless two keys share it."""
+    variant=int8`: a key by its last dotted part unless two keys share it; `fallback` (by
+    default the `variant` column) where no key varies."""
+    fallback = variants["variant"] if fallback is None else fallback
     varying = [
         k for k in keys if k in variants and variants[k].astype(str).nunique(dropna=False) > 1
     ]
@@ -121,7 +125,7 @@ def short_labels(variants: pd.DataFrame, keys: Sequence[str]) -> pd.Series:
 
     def label(row: pd.Series) -> str:
         parts = [f"{n}={_shown(row[k])}" for k, n in zip(varying, names, strict=True)]
-        return " ".join(parts) or str(row["variant"])
+        return " ".join(parts) or str(fallback[row.name])
 
     return variants.apply(label, axis=1) if len(variants) else pd.Series(dtype=str)
 
@@ -130,6 +134,15 @@ def _shown(value: Any) -> Any:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _swept_values(row: pd.Series, keys: Sequence[str], run_path: Path) -> dict[str, Any]:
+    """The swept settings of a configuration. The runs table names its label column
+    `variant`, so a sweep over the `variant` config group (variant=int8) has its value read
+    back from the job's overrides."""
+    job = run_path.parent if REPEAT_DIR.match(run_path.name) else run_path
+    overrides = read_sweep_overrides(job) or {}
+    return {k: overrides[k] if k in overrides else row.get(k) for k in keys}
 
 
 def decision_points(res: Results) -> tuple[pd.DataFrame, list[str]]:
@@ -143,15 +156,18 @@ def decision_points(res: Results) -> tuple[pd.DataFrame, list[str]]:
     if len(done) < len(variants):
         notes.append(f"{len(variants) - len(done)} configuration(s) did not complete: left out")
     first_run = res.runs.groupby("variant", sort=False)["run_id"].first()
-    devices, costs = [], []
-    for variant in done["variant"]:
-        run_id = first_run[variant]
+    paths = res.runs.set_index("run_id")["path"]
+    devices, costs, settings = [], [], []
+    for _, row in done.iterrows():
+        run_id = first_run[row["variant"]]
         summary, config = res.summary(run_id), res.config(run_id)
         devices.append(devices_of(summary, config))
         costs.append(cost_of(summary, config))
+        settings.append(_swept_values(row, res.swept, Path(paths[run_id])))
     done["devices"] = devices
     done["cost_per_hour"] = pd.array(costs, dtype="Float64")
-    done["label"] = short_labels(done, res.swept).to_numpy() if len(done) else []
+    swept = pd.DataFrame(settings, index=done.index, columns=list(res.swept))
+    done["label"] = short_labels(swept, res.swept, done["variant"]).to_numpy()
     tput = pd.to_numeric(done.get("output_tok_per_s"), errors="coerce")
     tpot = pd.to_numeric(done.get("tpot_p50_s"), errors="coerce")
     done[PER_DEVICE] = tput / done["devices"]

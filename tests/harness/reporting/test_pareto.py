@@ -234,3 +234,17 @@ def test_the_capacity_search_answer_is_shown(tmp_path: Path) -> None:
         "7 (job 4)",
         "5",
     ]
+
+
+def test_a_sweep_over_the_variant_group_is_labelled_by_its_value(tmp_path: Path) -> None:
+    """The runs table's label column is called `variant`: a sweep over the `variant` config
+    group (variant=int8,int4_g32) reads the group's value back from the job's overrides."""
+    jobs = [
+        {"overrides": {"variant": name, "engine.max_num_seqs": seqs}, "metrics": metrics(t, p, 1)}
+        for name, seqs, t, p in (("int8", 2, 50.0, 0.02), ("int4_g32", 8, 60.0, 0.05))
+    ]
+    points, _ = decision_points(load(make_sweep(tmp_path / "sweep", jobs)))
+    assert sorted(points["label"]) == [
+        "variant=int4_g32 max_num_seqs=8",
+        "variant=int8 max_num_seqs=2",
+    ]
