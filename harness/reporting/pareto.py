@@ -145,6 +145,14 @@ def _swept_values(row: pd.Series, keys: Sequence[str], run_path: Path) -> dict[s
     return {k: overrides[k] if k in overrides else row.get(k) for k in keys}
 
 
+def _column(frame: pd.DataFrame, name: str) -> pd.Series:
+    """A metric column as floats; all NaN where no configuration has it (an aggregate
+    summary of repeats may hold only some metrics)."""
+    if name not in frame:
+        return pd.Series(np.nan, index=frame.index, dtype=float)
+    return pd.to_numeric(frame[name], errors="coerce").astype(float)
+
+
 def decision_points(res: Results) -> tuple[pd.DataFrame, list[str]]:
     """One row per complete configuration: its label, throughput per user, per device and per
     dollar, devices, cost, and every metric (for the SLO checks); notes on what is missing."""
@@ -168,8 +176,7 @@ def decision_points(res: Results) -> tuple[pd.DataFrame, list[str]]:
     done["cost_per_hour"] = pd.array(costs, dtype="Float64")
     swept = pd.DataFrame(settings, index=done.index, columns=list(res.swept))
     done["label"] = short_labels(swept, res.swept, done["variant"]).to_numpy()
-    tput = pd.to_numeric(done.get("output_tok_per_s"), errors="coerce")
-    tpot = pd.to_numeric(done.get("tpot_p50_s"), errors="coerce")
+    tput, tpot = _column(done, "output_tok_per_s"), _column(done, "tpot_p50_s")
     done[PER_DEVICE] = tput / done["devices"]
     done[PER_USER] = (1.0 / tpot.where(tpot > 0)).astype(float)
     cost = done["cost_per_hour"].astype(float)

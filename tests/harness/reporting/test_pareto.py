@@ -248,3 +248,14 @@ def test_a_sweep_over_the_variant_group_is_labelled_by_its_value(tmp_path: Path)
         "variant=int4_g32 max_num_seqs=8",
         "variant=int8 max_num_seqs=2",
     ]
+
+
+def test_a_configuration_without_tpot_is_named_not_a_crash(tmp_path: Path) -> None:
+    jobs = [
+        dict(job, metrics={"output_tok_per_s": job["metrics"]["output_tok_per_s"]})
+        for job in JOBS[:2]
+    ]
+    points, _ = decision_points(load(make_sweep(tmp_path / "sweep", jobs)))
+    assert points[PER_USER].isna().all() and points[PER_DEVICE].tolist() == [400.0, 1200.0]
+    mask, notes = pareto_front(points, PER_USER, PER_DEVICE, label="label")
+    assert not mask.any() and "2 configuration(s) without" in notes[0]
