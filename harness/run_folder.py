@@ -49,6 +49,7 @@ SUMMARY_FILE = "summary.json"
 SAMPLES_FILE = "samples.parquet"
 SERVER_METRICS_FILE = "server_metrics.parquet"
 TIMESLICES_FILE = "timeslices.csv"
+SEARCH_FILE = "search.json"  # a capacity search's record, in its sweep folder
 PROFILE_DIR = "profile"
 AB_FILE = "ab.json"
 SWEEP_TABLE_FILE = "sweep.csv"
@@ -613,3 +614,15 @@ def runs_written_in(folder: Path, sweep: bool = False) -> list[str]:
         return below and entry.is_dir() and _holds_own_files(entry)
 
     return [entry.name for entry in entries if is_runs(entry)]
+
+
+def read_search_records(sweep_dir: Path) -> list[dict[str, Any]]:
+    """The capacity search records of a sweep folder's search.json: the one search's, or one
+    per grid point (`{"searches": [...]}`); none where no search ran. A file that cannot be
+    read raises UnreadableFile."""
+    path = Path(sweep_dir) / SEARCH_FILE
+    if not path.is_file():
+        return []
+    data = read_json_object(path)
+    searches = data.get("searches")
+    return [s for s in searches if isinstance(s, dict)] if isinstance(searches, list) else [data]

@@ -33,7 +33,7 @@ EXIT_CODES = {"pass": 0, "regression": 1, "inconclusive": 2}
 class Row:
     job: str
     metric: str
-    kind: str  # deterministic | timing | status
+    kind: str  # deterministic | timing | status | check | capacity
     baseline: float | None
     candidate: float | None
     n_baseline: int
@@ -579,7 +579,10 @@ def compare_sides(
                 f"candidate job {cand.groups[key].label} ({list(key)}) "
                 "has no baseline job with the same overrides; skipped"
             )
-    if not matched:
+    from harness.gating.capacity import capacity_rows, check_rows  # it builds our Rows
+
+    capacity = capacity_rows(base, cand)
+    if not matched and not capacity:
         raise ValueError(
             "no job of the baseline sweep matches a candidate job by its overrides"
             + "".join(f"; {why}" for why in unmatched_reasons(base, cand, ignore or set()))
@@ -590,6 +593,18 @@ def compare_sides(
         rows, warnings = compare_groups(job, base.groups[key], cand.groups[key], rules, pairs)
         result.rows += rows
         result.warnings += warnings
+    # absolute checks hold for every candidate job, matched or not (a capacity search's
+    # loads differ between the sides)
+    for key, group in cand.groups.items():
+        job = " ".join(key) if cand.kind == "sweep" else ""
+        n_base = len(base.groups[key].complete) if key in base.groups else 0
+        result.rows += check_rows(job, group, rules.checks, n_base)
+    if not matched:
+        result.warnings.append(
+            "no job matches between the sides by its overrides: only the capacity "
+            "searches (and rules.checks) are compared"
+        )
+    result.rows += capacity
     different = machine_warnings(base, cand)
     result.warnings += different
     apply_machine_rule(result, rules, bool(different))

@@ -13,6 +13,7 @@ import yaml
 
 from configs import CONFIG_DIR
 from harness.gating.stats import STATISTICS, BootstrapSettings
+from harness.measuring.checks import Check, CheckError, parse_checks
 from harness.measuring.metrics import REGISTRY
 from models.files import SETTINGS, UserFileError, read_input_bytes
 
@@ -35,6 +36,7 @@ _SCHEMA: dict[str, Any] = {
     "deterministic": {"rel_tol": None, "abs_tol": None, "neutral_change": None},
     "different_machine": None,
     "per_metric": None,
+    "checks": None,
 }
 
 
@@ -55,6 +57,9 @@ class GateRules:
     different_machine: str
     per_metric: dict[str, dict[str, float]] = field(default_factory=dict)
     required_metrics: tuple[str, ...] = ()  # absent on either side: inconclusive (exit 2)
+    # absolute bounds every complete candidate run must meet (`ttft_p99_s <= 2`), whatever
+    # the baseline did: a failed one is a regression, a metric absent is inconclusive
+    checks: tuple[Check, ...] = ()
 
     def min_effect_for(self, metric: str) -> float:
         return self.per_metric.get(metric, {}).get("min_effect", self.min_effect)
@@ -85,6 +90,7 @@ class GateRules:
             },
             "different_machine": self.different_machine,
             "per_metric": self.per_metric,
+            "checks": [str(check) for check in self.checks],
         }
 
 
@@ -292,7 +298,17 @@ def parse_rules(values: dict[str, Any], require: tuple[str, ...] = ()) -> GateRu
         ),
         per_metric=_per_metric(values.get("per_metric"), gated),
         required_metrics=required,
+        checks=_checks(values.get("checks")),
     )
+
+
+def _checks(value: Any) -> tuple[Check, ...]:
+    """rules.checks: a list of 'METRIC OP BOUND' (or a mapping {METRIC: BOUND}); any
+    registered metric, gated or not (slo_attainment is no gated metric by default)."""
+    try:
+        return parse_checks(value, "rules.checks")
+    except CheckError as exc:
+        raise RulesError(str(exc)) from None
 
 
 def add_require_argument(parser: argparse.ArgumentParser) -> None:

@@ -2,8 +2,8 @@
 
     inferlab export RUN [--format vllm] [--out FILE|DIR] [--percentile-metrics ...]
                         [--metric-percentiles 99] [--summary-only]
-    inferlab import FILE [--out DIR] [--format auto|vllm|guidellm|aiperf|genai-perf|llmperf]
-                         [--benchmark K]
+    inferlab import FILE|VLLM_SWEEP_DIR [--out DIR]
+                    [--format auto|vllm|guidellm|aiperf|genai-perf|llmperf] [--benchmark K]
 
 Exit status 0, or 2 with one line naming the file and what is wrong (as `inferlab report`
 and `inferlab gate` do for bad input).
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
+from harness.interop import vllm_sweep
 from harness.interop.detect import ALLOWED, FORMATS, load
 from harness.interop.errors import InteropError
 from harness.interop.vllm_export import check_percentiles, run_folders, vllm_result, write_json
@@ -195,6 +196,8 @@ def import_main(argv: list[str]) -> int:
         given_out = (
             None if args.out is None else given_output_path(args.out, "--out", "a folder path")
         )
+        if args.format in ("auto", "vllm") and vllm_sweep.is_sweep_folder(Path(args.file)):
+            return _import_vllm_sweep(Path(args.file), given_out, args.benchmark)
         runs = load(Path(args.file), args.format)
         if args.benchmark is not None:
             if not 0 <= args.benchmark < len(runs):
@@ -225,3 +228,33 @@ def import_main(argv: list[str]) -> int:
         return 0
 
     return _guarded("inferlab import", run)
+
+
+def _import_vllm_sweep(folder: Path, given_out: Path | None, benchmark: int | None) -> int:
+    """A `vllm bench sweep serve` folder: one run folder per combination (repeats as
+    repeat-<k>/) under the output, which `inferlab report` reads as the sweep's variants."""
+    if benchmark is not None:
+        raise InteropError(
+            f"--benchmark: {folder} is a vLLM sweep folder; it is imported whole (give one "
+            "of its run=<k>.json files to import one result)"
+        )
+    runs, notes = vllm_sweep.import_sweep(folder)
+    now = datetime.now(timezone.utc)
+    out = given_out or _default_out("vllm-sweep", folder, now)
+    refuse_run_file(out, "--out")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InteropError(f"--out: {out} exists and is not an empty folder; choose another")
+    for target, imported in runs:
+        write_imported_run(imported, out / target, now)
+        for warning in imported.warnings:
+            print(f"inferlab import: warning: {warning}", file=sys.stderr)
+    for note in notes:
+        print(f"inferlab import: warning: {note}", file=sys.stderr)
+    combinations = len(
+        {target.parent if target.name.startswith("repeat-") else target for target, _ in runs}
+    )
+    print(
+        f"import: vllm sweep {folder} -> {out}: {len(runs)} result(s) of {combinations} "
+        f"combination(s); `inferlab report {out}` draws their Pareto frontier"
+    )
+    return 0

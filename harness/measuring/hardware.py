@@ -20,13 +20,14 @@ import platform
 import re
 import socket
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 import yaml
+from omegaconf import MISSING
 
 from configs import CONFIG_DIR
 from harness.measuring.link_probe import LINK_BACKEND, LINK_SIZES, LINK_WORLD_SIZE, probe_link
@@ -42,6 +43,7 @@ SPEC_KEYS = {
     "memory_bytes",
     "link_bandwidth",
     "link_latency",
+    "cost_per_hour",
 }
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
 PROBE_VERSION = 5  # bumped when the probe measures something new: older caches are re-probed
@@ -64,6 +66,7 @@ class HardwareSpec:
     # busbw), and the latency of one ring step (s). None: not stated (or not measured)
     link_bandwidth: float | None = None
     link_latency: float | None = None
+    cost_per_hour: float | None = None  # per device (hardware.cost_per_hour); None: not stated
 
     def flops_for(self, dtype: str) -> float | None:
         """Peak FLOP/s for a compute dtype (torch's name, "torch." prefix optional)."""
@@ -79,7 +82,17 @@ class HardwareSpec:
 
 
 @dataclass
-class CpuProbeConfig:
+class HardwareCost:
+    """The key every `hardware` config has, whichever spec it names."""
+
+    # what one device of this hardware costs an hour to run or rent (any currency, e.g. USD):
+    # the report's output tokens per dollar divide by it x the devices a run used (docs/
+    # reports.md); null: not stated
+    cost_per_hour: float | None = None
+
+
+@dataclass
+class CpuProbeConfig(HardwareCost):
     """hardware=cpu: this machine's peaks, measured on the spot (cpu_spec); the schema of
     configs/hardware/cpu.yaml (`hardware/cpu_schema`)."""
 
@@ -89,9 +102,36 @@ class CpuProbeConfig:
     reprobe: bool = False  # measure again instead of reading the cached result
 
 
+@dataclass
+class DatasheetSchema(HardwareCost):
+    """The keys of a datasheet spec file (configs/hardware/<gpu>.yaml, `hardware/
+    datasheet_schema`), so that `hardware.cost_per_hour=2.5` overrides with no `+`; the
+    values are checked by spec_from_dict."""
+
+    name: str = MISSING
+    source: str = ""
+    device_names: list[str] = field(default_factory=list)
+    memory_bandwidth: float = MISSING  # bytes/s
+    peak_flops: dict[str, float] = field(default_factory=dict)
+    overlap: dict[str, float] = field(default_factory=dict)
+    memory_bytes: int | None = None
+    link_bandwidth: float | None = None
+    link_latency: float | None = None
+
+
+@dataclass
+class AutoSchema(HardwareCost):
+    """hardware=auto (configs/hardware/auto.yaml, `hardware/auto_schema`)."""
+
+    name: str = "auto"
+
+
+COST_KEYS = {f.name for f in fields(HardwareCost)}
 CPU_KEYS = {f.name for f in fields(CpuProbeConfig)}
 CPU_DEFAULTS: dict[str, Any] = {
-    f.name: f.default for f in fields(CpuProbeConfig) if f.name != "name"
+    f.name: f.default
+    for f in fields(CpuProbeConfig)
+    if f.name != "name" and f.name not in COST_KEYS
 }
 
 
@@ -100,7 +140,10 @@ def register_config_schema() -> None:
     datasheet specs (data, read by load_spec_file), not options."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(group="hardware", name="cpu_schema", node=CpuProbeConfig)
+    store = ConfigStore.instance()
+    store.store(group="hardware", name="cpu_schema", node=CpuProbeConfig)
+    store.store(group="hardware", name="datasheet_schema", node=DatasheetSchema)
+    store.store(group="hardware", name="auto_schema", node=AutoSchema)
 
 
 register_config_schema()
@@ -164,6 +207,7 @@ def spec_from_dict(values: dict[str, Any], where: str = "hardware") -> HardwareS
         memory_bytes=_as_int(optional("memory_bytes", " (bytes)")),  # a capacity: whole bytes
         link_bandwidth=optional("link_bandwidth", " (bytes/s)"),
         link_latency=optional("link_latency", " (seconds per hop)", zero_ok=True),
+        cost_per_hour=optional("cost_per_hour", " (per device-hour)", zero_ok=True),
     )
 
 
@@ -172,7 +216,9 @@ def _as_int(value: float | None) -> int | None:
 
 
 def load_spec_file(name: str) -> dict[str, Any]:
-    return yaml.safe_load((SPEC_DIR / f"{_check_name(name)}.yaml").read_text()) or {}
+    values = yaml.safe_load((SPEC_DIR / f"{_check_name(name)}.yaml").read_text()) or {}
+    values.pop("defaults", None)  # Hydra's: the file's schema, no value of the spec
+    return values
 
 
 def datasheet_specs() -> list[HardwareSpec]:
@@ -406,8 +452,9 @@ def validate_config(config: dict[str, Any] | str | None) -> dict[str, Any]:
         config = {"name": config}
     config = dict(config)
     name = _check_name(config.get("name"))
+    _check_cost(config.get("cost_per_hour"))
     if name == "auto":
-        unknown = sorted(set(config) - {"name"})
+        unknown = sorted(set(config) - {"name"} - COST_KEYS)
         if unknown:
             raise ValueError(
                 f"hardware: unknown key(s) {unknown} for hardware=auto; "
@@ -453,15 +500,35 @@ def resolve(
                     f"hardware=auto: no spec in configs/hardware matches GPU "
                     f"{device_name!r}; add one or pick hardware=<name>"
                 )
-            return spec, None
+            return replace(spec, cost_per_hour=_cost(config)), None
         name = "cpu"
-        config = {"name": "cpu"}
+        config = {"name": "cpu", "cost_per_hour": config.get("cost_per_hour")}
     if name == "cpu":
         settings = {**CPU_DEFAULTS, **config}
-        return cpu_spec(
+        spec = cpu_spec(
             settings["probe_bytes"], settings["matmul_size"], bool(settings["reprobe"]), cache_dir
-        ), None
+        )
+        return replace(spec, cost_per_hour=_cost(config)), None
     return spec_from_dict({**load_spec_file(name), **config}), None
+
+
+def _cost(config: dict[str, Any]) -> float | None:
+    cost = config.get("cost_per_hour")
+    return None if cost is None else float(cost)
+
+
+def _check_cost(value: Any) -> None:
+    ok = value is None or (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+    if not ok:
+        raise ValueError(
+            f"hardware.cost_per_hour: {value!r} is invalid; allowed: a number >= 0 (per "
+            "device-hour) or null"
+        )
 
 
 def describe_for_run(spec: HardwareSpec | None, note: str | None) -> dict[str, Any]:

@@ -264,6 +264,38 @@ def roofline(
     return fig
 
 
+def pareto(points: pd.DataFrame, x: str, ys: Sequence[tuple[str, str]], xlabel: str) -> Figure:
+    """One panel per (column, axis label) in `ys` against `x`: every configuration as a grey
+    point, the frontier's (column `on_front_<column>`) marked, joined in x order and labelled
+    with the configuration (column `label`)."""
+    fig, axes = _subplots(1, len(ys), figsize=(6.2 * len(ys), 4.6), squeeze=False)
+    for ax, (y, ylabel) in zip(axes[0], ys, strict=True):
+        shown = points[np.isfinite(points[x].astype(float)) & np.isfinite(points[y].astype(float))]
+        ax.scatter(shown[x], shown[y], color="0.6", s=22, label="configurations")
+        front = shown[shown[f"on_front_{y}"].astype(bool)].sort_values(x)
+        ax.plot(
+            front[x], front[y], color="tab:red", marker="o", linewidth=1.2, label="Pareto frontier"
+        )
+        # every point named (a dominated one in grey): which configuration lost matters too
+        for _, point in shown.iterrows():
+            on_front = bool(point[f"on_front_{y}"])
+            ax.annotate(
+                str(point["label"]),
+                (point[x], point[y]),
+                fontsize=7 if on_front else 6,
+                color="black" if on_front else "0.45",
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+        ax.margins(x=0.25, y=0.12)  # room for the labels of the outermost points
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def _log_log(ax: Axes, xlabel: str, ylabel: str) -> None:
     """Both axes logarithmic, labelled, gridded, with a small legend."""
     ax.set_xscale("log")

@@ -24,9 +24,10 @@ import jinja2
 import numpy as np
 import pandas as pd
 
+from harness.measuring.checks import parse_checks
 from harness.measuring.metrics import find_metric
 from harness.measuring.roofline import Roof, decode_only, measured_step_s, prefill_only
-from harness.reporting import figures, speculative
+from harness.reporting import figures, pareto, speculative
 from harness.reporting.results import Results, load
 from harness.run_folder import read_sweep_summary, read_timeslices, refuse_run_file
 from harness.running.capacity_sweep import console_line, read_search
@@ -842,9 +843,16 @@ SECTIONS: tuple[Callable[[Results, Document], None], ...] = (
 
 
 def write_report(
-    paths: list[str | Path], out_dir: str | Path, title: str | None = None
+    paths: list[str | Path],
+    out_dir: str | Path,
+    title: str | None = None,
+    slos: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Path]:
-    """Write report.md, report.html, report_variants.csv and the figures into `out_dir`."""
+    """Write report.md, report.html, report_variants.csv and the figures into `out_dir`;
+    `slos` ('tpot_p99_s <= 0.05', harness/measuring/checks.py) name the best configuration
+    under each in the decision section."""
+    for k, text in enumerate(slos):  # before anything is loaded or written
+        parse_checks(text, f"--slo[{k}]")
     res = load(*paths)
     for _, folder in res.without_requests_table():
         print(
@@ -864,6 +872,8 @@ def write_report(
     section_overview(res, doc, [str(p) for p in paths])
     for section in SECTIONS:
         section(res, doc)
+        if section is section_load:  # the decision follows the load curves it summarizes
+            pareto.section_decision(res, doc, slos)
     markdown_file, html_file, variants_file = files
     markdown_file.write_text(doc.markdown())
     html_file.write_text(doc.html(title))
@@ -885,6 +895,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", help="output folder (default: the one folder given)")
     parser.add_argument("--title", help="report title")
+    parser.add_argument(
+        "--slo",
+        action="append",
+        default=[],
+        metavar="CHECK",
+        help="an SLO such as 'tpot_p99_s <= 0.05' (repeatable): the decision section names "
+        "the configuration with the most throughput per device that meets it",
+    )
     args = parser.parse_args(argv)
     if args.out is None and len(args.paths) > 1:
         parser.error("--out: required when several folders are given")
@@ -892,7 +910,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.out is not None:
             given_output_path(args.out, "--out", "a folder path")
-        written = write_report(args.paths, out, args.title)
+        written = write_report(args.paths, out, args.title, args.slo)
     except (FileNotFoundError, ValueError) as exc:
         print(f"inferlab report: {exc}", file=sys.stderr)
         return 2

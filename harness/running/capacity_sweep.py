@@ -11,7 +11,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.run_folder import read_json_object, read_summary, write_json_atomic
+from harness.run_folder import (
+    SEARCH_FILE,
+    UnreadableFile,
+    read_search_records,
+    read_summary,
+    write_json_atomic,
+)
 from harness.running.capacity_search import (
     ANSWER_KEY,
     UNIT,
@@ -22,7 +28,6 @@ from harness.running.capacity_search import (
 )
 from harness.running.experiment import SearchConfig
 
-SEARCH_FILE = "search.json"
 SEARCH_FIGURE = "search.png"
 _ROLES = {"low": "synchronous", "high": "throughput"}
 
@@ -175,15 +180,10 @@ def write_search(sweep_dir: Path, records: Sequence[dict[str, Any]]) -> None:
 
 def read_search(sweep_dir: Path) -> list[dict[str, Any]]:
     """The search records of a sweep folder's search.json (none: no search ran there)."""
-    path = sweep_dir / SEARCH_FILE
-    if not path.is_file():
-        return []
     try:
-        data = read_json_object(path)
-    except Exception:  # a damaged file: the sweep's other outputs are still written
+        return read_search_records(sweep_dir)
+    except UnreadableFile:  # a damaged file: the sweep's other outputs are still written
         return []
-    searches = data.get("searches")
-    return [s for s in searches if isinstance(s, dict)] if isinstance(searches, list) else [data]
 
 
 def search_summary(sweep_dir: Path) -> dict[str, Any]:

@@ -325,7 +325,28 @@ def test_hydra_group_composes() -> None:
     default = OmegaConf.to_container(configs.compose([]))
     h200 = OmegaConf.to_container(configs.compose(["hardware=h200"]))
     cpu = OmegaConf.to_container(configs.compose(["hardware=cpu", "hardware.reprobe=true"]))
-    assert default["hardware"] == {"name": "auto"}
+    assert default["hardware"] == {"name": "auto", "cost_per_hour": None}
     assert hardware.validate_config(h200["hardware"])["name"] == "h200"
     assert hardware.spec_from_dict(h200["hardware"]).memory_bandwidth == 4.8e12
     assert hardware.validate_config(cpu["hardware"])["reprobe"] is True
+
+
+@pytest.mark.parametrize("name", ["auto", "cpu", "h100"])
+def test_cost_per_hour_overrides_every_spec_and_is_recorded(name: str) -> None:
+    """hardware.cost_per_hour, declared once (HardwareCost), is set with no `+` whichever spec
+    the config names, and the run's hardware facts carry it (the report's tokens per $)."""
+    composed = OmegaConf.to_container(
+        configs.compose([f"hardware={name}", "hardware.cost_per_hour=2.5"])
+    )
+    assert hardware.validate_config(composed["hardware"])["cost_per_hour"] == 2.5
+    if name == "h100":
+        spec, _ = hardware.resolve(composed["hardware"], None)
+        assert hardware.describe_for_run(spec, None)["cost_per_hour"] == 2.5
+
+
+@pytest.mark.parametrize("value", [-1, "2", True, float("inf")])
+def test_a_bad_cost_per_hour_names_the_key(value: object) -> None:
+    with pytest.raises(
+        ValueError, match=r"^hardware\.cost_per_hour: .* is invalid; allowed: a number >= 0"
+    ):
+        hardware.validate_config({"name": "h100", "cost_per_hour": value})

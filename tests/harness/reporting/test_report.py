@@ -9,6 +9,7 @@ import re
 import shutil
 from pathlib import Path
 
+import markupsafe
 import pandas as pd
 import pytest
 
@@ -98,7 +99,7 @@ def test_report_writes_markdown_html_and_figures(
     for line in markdown.splitlines():
         if line.startswith("| ") and "---" not in line:
             for cell in line.strip("| ").split(" | "):
-                assert cell.replace("&", "&amp;") in page
+                assert str(markupsafe.escape(cell)) in page  # as the template escapes it
 
 
 def test_a_single_run_gets_its_timeslices(sweep: Path, tmp_path: Path) -> None:
