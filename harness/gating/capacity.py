@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from harness.gating.compare import Row
 from harness.gating.inputs import Group, InputError, Side, is_number
+from harness.gating.row import Row
 from harness.measuring.checks import Check
 from harness.run_folder import SEARCH_FILE, UnreadableFile, read_search_records
 

@@ -21,59 +21,14 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from harness.gating.capacity import capacity_rows, check_rows
 from harness.gating.inputs import Group, Run, Side, is_number
+from harness.gating.row import Row
 from harness.gating.rules import GateRules
 from harness.gating.stats import RatioEstimate, bootstrap_paired, bootstrap_ratio, decide
 from harness.measuring.metrics import REGISTRY
 
 EXIT_CODES = {"pass": 0, "regression": 1, "inconclusive": 2}
-
-
-@dataclass
-class Row:
-    job: str
-    metric: str
-    kind: str  # deterministic | timing | status | check | capacity
-    baseline: float | None
-    candidate: float | None
-    n_baseline: int
-    n_candidate: int
-    ratio: float | None
-    ci: tuple[float, float] | None
-    verdict: str  # pass | improved | regression | inconclusive | changed | missing | info
-    note: str = ""
-    gates: bool = True  # counts towards the overall verdict
-
-    @classmethod
-    def unmeasured(
-        cls,
-        job: str,
-        metric: str,
-        kind: str,
-        n_baseline: int,
-        n_candidate: int,
-        verdict: str,
-        note: str,
-    ) -> Row:
-        """A row with no values to show: a status row, or a metric that could not be compared."""
-        return cls(
-            job, metric, kind, None, None, n_baseline, n_candidate, None, None, verdict, note
-        )
-
-    @property
-    def outcome(self) -> str:
-        """What the row means for the exit code: pass, regression or inconclusive (a gating
-        `missing` row is a required metric that is absent)."""
-        if not self.gates or self.verdict in ("pass", "improved", "info"):
-            return "pass"
-        if self.verdict in ("regression", "changed"):
-            return "regression"
-        return "inconclusive"
-
-    @property
-    def compared(self) -> bool:
-        """A gated metric with values on both sides (whatever the verdict)."""
-        return self.kind != "status" and self.gates and self.verdict != "missing"
 
 
 @dataclass
@@ -579,8 +534,6 @@ def compare_sides(
                 f"candidate job {cand.groups[key].label} ({list(key)}) "
                 "has no baseline job with the same overrides; skipped"
             )
-    from harness.gating.capacity import capacity_rows, check_rows  # it builds our Rows
-
     capacity = capacity_rows(base, cand)
     if not matched and not capacity:
         raise ValueError(

@@ -27,6 +27,7 @@ import pandas as pd
 
 from harness.measuring.checks import Check, CheckError, parse_checks
 from harness.reporting import figures
+from harness.reporting.formatting import format_metric
 from harness.reporting.results import Results
 from harness.run_folder import REPEAT_DIR, read_sweep_overrides
 
@@ -247,8 +248,6 @@ def best_under(points: pd.DataFrame, checks: tuple[Check, ...]) -> pd.Series | N
 
 
 def _table(points: pd.DataFrame, with_cost: bool) -> pd.DataFrame:
-    from harness.reporting.report import format_metric  # report imports this module
-
     columns = {
         "label": "configuration",
         PER_USER: "tok/s per user (1/TPOT p50)",

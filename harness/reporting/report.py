@@ -28,10 +28,10 @@ from harness.measuring.checks import parse_checks
 from harness.measuring.metrics import find_metric
 from harness.measuring.roofline import Roof, decode_only, measured_step_s, prefill_only
 from harness.reporting import figures, pareto, speculative
+from harness.reporting.formatting import format_metric
 from harness.reporting.results import Results, load
 from harness.run_folder import read_sweep_summary, read_timeslices, refuse_run_file
 from harness.running.capacity_sweep import console_line, read_search
-from harness.running.table import format_value
 from models.files import UserFileError, check_regular_file, given_output_path
 
 MAIN_METRICS = (
@@ -198,34 +198,6 @@ def _markdown_table(frame: pd.DataFrame) -> str:
 
 
 # formatting -------------------------------------------------------------------------------
-def format_metric(name: str, value: Any) -> str:
-    """A metric value with its unit, as the run's printed table shows it."""
-    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    metric = find_metric(name)  # a percentile of run.percentiles (ttft_p75_s) too
-    unit = metric.unit if metric is not None else ""
-    if name.endswith("_bytes") or unit == "B":
-        return _bytes(float(value))
-    if name.endswith("_s") and not unit:
-        unit = "s"
-    if isinstance(value, (np.integer, np.floating)):
-        value = value.item()
-    if unit == "fraction":
-        return f"{value:.1%}"
-    if isinstance(value, float) and value.is_integer() and unit in ("count", "tokens", "seqs"):
-        value = int(value)
-    if isinstance(value, float) and not unit:
-        return f"{value:.4g}"
-    return format_value(value, unit)
-
-
-def _bytes(value: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:,.2f} {unit}"
-    return f"{value:,.0f} B"
-
-
 def _first_runs(res: Results) -> list[str]:
     """One run per variant (the first), for figures that cannot pool repeats."""
     return list(res.runs.groupby("variant", sort=False)["run_id"].first())
