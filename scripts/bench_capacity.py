@@ -521,7 +521,9 @@ def cmd_grid_vs_search(args: argparse.Namespace, rec: Recorder, out: dict[str, A
     points = grid_points(grid_dir, record["slo"])
     grid = read_grid(points)
     search_answer, grid_answer = record.get("max_rate_at_slo"), grid["answer"]
-    ratio = search_answer / grid_answer if search_answer and grid_answer else None
+    both_found = record["outcome"] == "found" and grid["outcome"] == "found"
+    # a bound (above range) or no answer on either side: no ratio to judge
+    ratio = search_answer / grid_answer if both_found and search_answer and grid_answer else None
     out["grid"] = {
         **grid,
         "rates": rates,
@@ -540,9 +542,13 @@ def cmd_grid_vs_search(args: argparse.Namespace, rec: Recorder, out: dict[str, A
     print(f"\nsearch / grid = {fmt(ratio, '.3f')}; within +-10%: {within(ratio)}")
     print(f"grid read: {grid['how']}")
     if grid["misses_below"]:
+        below = (
+            f"{fmt(grid['conservative_answer'])} req/s ({grid['conservative_how']})"
+            if grid["conservative_answer"] is not None
+            else "none (no grid rate meets below it)"
+        )
         print(f"grid not monotone (noise): misses at {grid['misses_below']} below the highest "
-              f"meet; read below the lowest miss instead: {fmt(grid['conservative_answer'])} "
-              f"req/s ({grid['conservative_how']})")  # fmt: skip
+              f"meet; read below the lowest miss instead: {below}")  # fmt: skip
     print(f"search loads: {[fmt(x) for x in out['search']['loads']]}")
     print("\n| grid rate (req/s) | meets | worst headroom | failed checks |")
     print("| ---: | --- | ---: | --- |")
