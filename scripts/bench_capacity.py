@@ -578,7 +578,7 @@ def guidellm_points(path: Path) -> dict[str, dict[str, Any]]:
     """guidellm's synchronous and throughput benchmarks from its JSON report, in seconds."""
     report = json.loads(path.read_text())
     out: dict[str, dict[str, Any]] = {}
-    for benchmark in report["benchmarks"]:
+    for index, benchmark in enumerate(report["benchmarks"]):
         strategy = benchmark.get("config", {}).get("strategy", {})
         kind = strategy.get("type_") or strategy.get("type")
         if kind not in ("synchronous", "throughput"):
@@ -589,13 +589,20 @@ def guidellm_points(path: Path) -> dict[str, dict[str, Any]]:
             value = m[name]["successful"]["percentiles"].get(q)
             return None if value is None else value * scale
 
+        done = m["request_totals"]["successful"]
+        duration = benchmark.get("duration")
         out[kind] = {
-            "req_per_s": m["requests_per_second"]["successful"]["mean"],
+            "index": index,
+            # completed / the benchmark's duration (first request start -> last end): the
+            # lab's definition; guidellm's own rate (the mean of its rate distribution, what
+            # its sweep spaces rates with) beside it
+            "req_per_s": done / duration if duration else None,
+            "guidellm_rate_mean": m["requests_per_second"]["successful"]["mean"],
             "ttft_p50_s": pct("time_to_first_token_ms", "p50"),
             "ttft_p99_s": pct("time_to_first_token_ms", "p99"),
             "tpot_p50_s": pct("inter_token_latency_ms", "p50"),
             "tpot_p99_s": pct("inter_token_latency_ms", "p99"),
-            "num_completed": m["request_totals"]["successful"],
+            "num_completed": done,
             "num_failed": m["request_totals"]["errored"] + m["request_totals"]["incomplete"],
             "prompt_tokens_mean": m["prompt_token_count"]["successful"]["mean"],
             "output_tokens_mean": m["output_token_count"]["successful"]["mean"],
@@ -611,24 +618,28 @@ def lab_points(search_dir: Path) -> dict[str, dict[str, Any]]:
         point = bounding_point(record, role)
         if point is None:
             continue
-        summary = json.loads((search_dir / point["job"] / "summary.json").read_text())
-        m = summary.get("metrics_whole_run") or summary["metrics"]
-        done = m.get("num_completed") or 0
-        out[kind] = {
-            "req_per_s": m.get("req_per_s"),
-            "ttft_p50_s": m.get("ttft_p50_s"),
-            "ttft_p99_s": m.get("ttft_p99_s"),
-            "tpot_p50_s": m.get("tpot_p50_s"),
-            "tpot_p99_s": m.get("tpot_p99_s"),
-            "itl_p50_s": m.get("itl_p50_s"),
-            "itl_p99_s": m.get("itl_p99_s"),
-            "num_completed": done,
-            "num_failed": m.get("num_failed"),
-            "prompt_tokens_mean": (m.get("input_tokens_total") or 0) / done if done else None,
-            "output_tokens_mean": (m.get("output_tokens_total") or 0) / done if done else None,
-            "job": point["job"],
-        }
+        out[kind] = {**whole_run(search_dir / point["job"]), "job": point["job"]}
     return out
+
+
+def whole_run(run_dir: Path) -> dict[str, Any]:
+    """A run folder's compared figures, over every request (`metrics_whole_run`)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    m = summary.get("metrics_whole_run") or summary["metrics"]
+    done = m.get("num_completed") or 0
+    return {
+        "req_per_s": m.get("req_per_s"),
+        "ttft_p50_s": m.get("ttft_p50_s"),
+        "ttft_p99_s": m.get("ttft_p99_s"),
+        "tpot_p50_s": m.get("tpot_p50_s"),
+        "tpot_p99_s": m.get("tpot_p99_s"),
+        "itl_p50_s": m.get("itl_p50_s"),
+        "itl_p99_s": m.get("itl_p99_s"),
+        "num_completed": done,
+        "num_failed": m.get("num_failed"),
+        "prompt_tokens_mean": (m.get("input_tokens_total") or 0) / done if done else None,
+        "output_tokens_mean": (m.get("output_tokens_total") or 0) / done if done else None,
+    }
 
 
 COMPARED = (
@@ -680,30 +691,52 @@ def cmd_guidellm(args: argparse.Namespace, rec: Recorder, out: dict[str, Any]) -
             ),
             "ours",
         )  # fmt: skip
+        # guidellm's own requests through `inferlab import`: the lab's definitions on its
+        # timestamps (benchmark-K/summary.json), so that a gap of definitions shows apart
+        imported = rec.work / "guidellm-imported"
+        rec.run([sys.executable, "-m", "harness.cli", "import", str(report), "--out",
+                 str(imported)], "import")  # fmt: skip
     theirs, ours = guidellm_points(report), lab_points(search_dir)
-    out["guidellm"] = {"points": theirs, "wall_s": round(guidellm_wall, 2), "report": str(report)}
+    relabelled = {
+        kind: whole_run(imported / f"benchmark-{p['index']}")
+        for kind, p in theirs.items()
+        if (imported / f"benchmark-{p['index']}" / "summary.json").is_file()
+    }
+    out["guidellm"] = {"points": theirs, "wall_s": round(guidellm_wall, 2), "report": str(report),
+                       "imported_points": relabelled}  # fmt: skip
     out["ours"] = {"points": ours, "wall_s": round(ours_wall, 2), "search_dir": str(search_dir)}
     rows, flagged = [], []
     for kind in ("synchronous", "throughput"):
-        g, o = theirs.get(kind, {}), ours.get(kind, {})
+        g, o, i = theirs.get(kind, {}), ours.get(kind, {}), relabelled.get(kind, {})
         for label, key in COMPARED:
             ratio = o[key] / g[key] if o.get(key) and g.get(key) else None
+            ratio_i = o[key] / i[key] if o.get(key) and i.get(key) else None
             row = {"point": kind, "metric": label, "ours": o.get(key), "guidellm": g.get(key),
-                   "ours_over_guidellm": ratio, "within_10pct": within(ratio)}  # fmt: skip
+                   "ours_over_guidellm": ratio, "within_10pct": within(ratio),
+                   "guidellm_imported": i.get(key), "ours_over_imported": ratio_i,
+                   "imported_within_10pct": within(ratio_i)}  # fmt: skip
             rows.append(row)
             if row["within_10pct"] != "yes":
                 flagged.append(f"{kind} {label}")
+        rows.append({"point": kind, "metric": "req/s (guidellm's rate mean)", "ours": o.get(
+            "req_per_s"), "guidellm": g.get("guidellm_rate_mean")})  # fmt: skip
     out["comparison"] = rows
     out["flagged"] = flagged
 
     print(f"\n## guidellm sweep vs our search's bounding runs, one `inferlab serve` "
           f"(model={args.model}, {args.requests} requests of {args.input_len} -> "
           f"{args.output_len} tokens)\n")  # fmt: skip
-    print("| point | metric | ours | guidellm | ours / guidellm | within +-10% |")
-    print("| --- | --- | ---: | ---: | ---: | --- |")
+    print("| point | metric | ours | guidellm | ours / guidellm | within +-10% "
+          "| guidellm's requests, lab definitions | ours / that |")  # fmt: skip
+    print("| --- | --- | ---: | ---: | ---: | --- | ---: | ---: |")
     for r in rows:
         print(f"| {r['point']} | {r['metric']} | {fmt(r['ours'])} | {fmt(r['guidellm'])} "
-              f"| {fmt(r['ours_over_guidellm'], '.3f')} | {r['within_10pct']} |")  # fmt: skip
+              f"| {fmt(r.get('ours_over_guidellm'), '.3f')} | {r.get('within_10pct', '')} "
+              f"| {fmt(r.get('guidellm_imported'))} | {fmt(r.get('ours_over_imported'), '.3f')} |")  # fmt: skip
+    print("\nguidellm's req/s: completed / its benchmark's duration (first request start -> last "
+          "end, the lab's definition); its own rate mean in its row. Its TPOT: "
+          "inter_token_latency_ms, per request (last - first token) / (N - 1). Ours: "
+          "metrics_whole_run (every request, no ramp-up window).")  # fmt: skip
     print("\nrequest shapes (mean tokens per completed request, as each side counted them):\n")
     print("| point | side | completed | failed | prompt tokens | output tokens |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
