@@ -7,7 +7,7 @@ and every command it ran; `--json PATH` writes the raw numbers.
 The real commands for the closing note (model=small, the experiment=capacity preset's SLO and
 workload; each takes minutes to tens of minutes on 2 CPU cores):
 
-    .venv/bin/python scripts/bench_capacity.py grid-vs-search --target builtin --json gvs-builtin.json
+    .venv/bin/python scripts/bench_capacity.py grid-vs-search --target builtin --json gvs.json
     .venv/bin/python scripts/bench_capacity.py grid-vs-search --target serve --json gvs-serve.json
     .venv/bin/python scripts/bench_capacity.py grid-vs-search --target llamacpp-server \\
         --json gvs-llamacpp.json
@@ -123,9 +123,7 @@ class Recorder:
     def note(self, command: Sequence[str], what: str, **extra: Any) -> None:
         self.commands.append({"what": what, "command": shlex.join(command), **extra})
 
-    def run(
-        self, command: Sequence[str], what: str, env: dict[str, str] | None = None
-    ) -> float:
+    def run(self, command: Sequence[str], what: str, env: dict[str, str] | None = None) -> float:
         """Run `command` from the repository root, its output in WORK/logs/<n>-<what>.log;
         its wall time in seconds. RunFailed when it exits non-zero."""
         logs = self.work / "logs"
@@ -135,9 +133,13 @@ class Recorder:
         start = time.perf_counter()
         with log.open("wb") as sink:
             done = subprocess.run(
-                list(command), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=env,
+                list(command),
+                cwd=ROOT,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=env,
                 check=False,
-            )  # fmt: skip
+            )
         wall = time.perf_counter() - start
         self.note(command, what, wall_s=round(wall, 2), rc=done.returncode, log=str(log))
         print(f"[bench_capacity] {what}: exit {done.returncode} in {wall:.1f} s", file=sys.stderr)
@@ -222,9 +224,18 @@ class Target:
 def inferlab_serve_command(args: argparse.Namespace, preset: Preset) -> list[str]:
     threads = [f"engine.num_threads={args.server_threads}"] if args.server_threads else []
     return [
-        sys.executable, "-m", "harness.cli", "serve", f"model={args.model}", *preset.engine,
-        *threads, *args.server_arg, "host=127.0.0.1", "log_level=warning", "port=0",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "serve",
+        f"model={args.model}",
+        *preset.engine,
+        *threads,
+        *args.server_arg,
+        "host=127.0.0.1",
+        "log_level=warning",
+        "port=0",
+    ]
 
 
 @contextmanager
@@ -269,11 +280,28 @@ def llamacpp_server(args: argparse.Namespace, rec: Recorder) -> Iterator[tuple[s
     threads = str(args.server_threads or len(os.sched_getaffinity(0)))
     port = free_port()
     command = [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
-        "--model_alias", LLAMACPP_ALIAS, "--host", "127.0.0.1", "--port", str(port),
-        "--n_ctx", str(args.n_ctx), "--n_threads", threads, "--n_threads_batch", threads,
-        "--interrupt_requests", "false", "--verbose", "false",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--model_alias",
+        LLAMACPP_ALIAS,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(args.n_ctx),
+        "--n_threads",
+        threads,
+        "--n_threads_batch",
+        threads,
+        "--interrupt_requests",
+        "false",
+        "--verbose",
+        "false",
+    ]
     rec.note(command, "llama_cpp.server", log=str(rec.work / "server.log"))
     print(f"[bench_capacity] starting: {shlex.join(command)}", file=sys.stderr, flush=True)
     root = f"http://127.0.0.1:{port}"
@@ -304,9 +332,7 @@ def llamacpp_server(args: argparse.Namespace, rec: Recorder) -> Iterator[tuple[s
 
 
 @contextmanager
-def target(
-    args: argparse.Namespace, preset: Preset, rec: Recorder
-) -> Iterator[Target]:
+def target(args: argparse.Namespace, preset: Preset, rec: Recorder) -> Iterator[Target]:
     """The target's server (if any) for the block; the base overrides of its runs."""
     if args.target == "builtin":
         yield Target("builtin", ["experiment=capacity", f"model={args.model}", *args.overrides])
@@ -314,17 +340,25 @@ def target(
     if args.target == "serve":
         with inferlab_server(args, preset, rec) as (root, command):
             base = [
-                *preset.rest, f"model={args.model}", "engine=openai",
-                f"engine.base_url={root}/v1", *args.overrides,
-            ]  # fmt: skip
+                *preset.rest,
+                f"model={args.model}",
+                "engine=openai",
+                f"engine.base_url={root}/v1",
+                *args.overrides,
+            ]
             yield Target("serve", base, {"server": shlex.join(command)})
         return
     with llamacpp_server(args, rec) as (root, command):
         base = [
-            *preset.rest, f"model={LLAMACPP_MODEL}", "engine=openai", f"engine.base_url={root}/v1",
-            f"engine.model={LLAMACPP_ALIAS}", "engine.server=llamacpp", "workload.prompt=text",
+            *preset.rest,
+            f"model={LLAMACPP_MODEL}",
+            "engine=openai",
+            f"engine.base_url={root}/v1",
+            f"engine.model={LLAMACPP_ALIAS}",
+            "engine.server=llamacpp",
+            "workload.prompt=text",
             *args.overrides,
-        ]  # fmt: skip
+        ]
         yield Target("llamacpp-server", base, {"server": shlex.join(command)})
 
 
@@ -405,14 +439,25 @@ def read_grid(points: Sequence[GridPoint]) -> dict[str, Any]:
     search's own bracket rule: the answer stays below every measured miss)."""
     ordered = sorted(points, key=lambda p: p.rate)
     meets = [p for p in ordered if p.meets]
-    out: dict[str, Any] = {"outcome": "empty", "answer": None, "meets_rate": None,
-                           "misses_rate": None, "how": "no grid run", "misses_below": [],
-                           "conservative_answer": None, "conservative_how": None}  # fmt: skip
+    out: dict[str, Any] = {
+        "outcome": "empty",
+        "answer": None,
+        "meets_rate": None,
+        "misses_rate": None,
+        "how": "no grid run",
+        "misses_below": [],
+        "conservative_answer": None,
+        "conservative_how": None,
+    }
     if not ordered:
         return out
     if not meets:
-        return {**out, "outcome": "below_grid", "misses_rate": ordered[0].rate,
-                "how": f"the lowest grid rate, {ordered[0].rate:.4g}, misses the SLO"}  # fmt: skip
+        return {
+            **out,
+            "outcome": "below_grid",
+            "misses_rate": ordered[0].rate,
+            "how": f"the lowest grid rate, {ordered[0].rate:.4g}, misses the SLO",
+        }
     meet = meets[-1]
     above = [p for p in ordered if p.rate > meet.rate]
     out["misses_below"] = [p.rate for p in ordered if not p.meets and p.rate < meet.rate]
@@ -422,11 +467,22 @@ def read_grid(points: Sequence[GridPoint]) -> dict[str, Any]:
         if safe:
             out["conservative_answer"], out["conservative_how"] = crossing(safe[-1], first_miss)
     if not above:
-        return {**out, "outcome": "above_grid", "answer": meet.rate, "meets_rate": meet.rate,
-                "how": "every grid rate up to the highest meets: the answer is at least it"}  # fmt: skip
+        return {
+            **out,
+            "outcome": "above_grid",
+            "answer": meet.rate,
+            "meets_rate": meet.rate,
+            "how": "every grid rate up to the highest meets: the answer is at least it",
+        }
     answer, how = crossing(meet, above[0])
-    return {**out, "outcome": "found", "answer": answer, "meets_rate": meet.rate,
-            "misses_rate": above[0].rate, "how": how}  # fmt: skip
+    return {
+        **out,
+        "outcome": "found",
+        "answer": answer,
+        "meets_rate": meet.rate,
+        "misses_rate": above[0].rate,
+        "how": how,
+    }
 
 
 def grid_points(folder: Path, checks: Sequence[str]) -> list[GridPoint]:
@@ -445,7 +501,9 @@ def grid_points(folder: Path, checks: Sequence[str]) -> list[GridPoint]:
         run_dir = Path(str(values.get("run_dir") or folder / str(values["job"])))
         got = measurement(run_dir, str(values["job"]))
         point = judge(Probe("between", rate), rate, parsed, got)
-        out.append(GridPoint(rate, point.meets, point.slack, str(values["job"]), tuple(point.failed)))
+        out.append(
+            GridPoint(rate, point.meets, point.slack, str(values["job"]), tuple(point.failed))
+        )
     return out
 
 
@@ -480,10 +538,15 @@ def cmd_grid_vs_search(args: argparse.Namespace, rec: Recorder, out: dict[str, A
         out["target"] = {"name": where.name, **where.info, "base_overrides": where.base}
         search_dir = rec.work / "search"
         search_wall = rec.run(
-            inferlab_run(*where.base, slo_override(checks), "run.progress=false",
-                         f"hydra.sweep.dir={search_dir}", multirun=True),
+            inferlab_run(
+                *where.base,
+                slo_override(checks),
+                "run.progress=false",
+                f"hydra.sweep.dir={search_dir}",
+                multirun=True,
+            ),
             "search",
-        )  # fmt: skip
+        )
         record = read_search(search_dir)
         low, high = bounding_point(record, "low"), bounding_point(record, "high")
         out["search"] = {
@@ -512,12 +575,16 @@ def cmd_grid_vs_search(args: argparse.Namespace, rec: Recorder, out: dict[str, A
         grid_dir = rec.work / "grid"
         grid_wall = rec.run(
             inferlab_run(
-                *where.base, "run.search.slo=null", "workload.arrival.process=poisson",
-                "workload.arrival.rate=" + ",".join(repr(r) for r in rates), "run.progress=false",
-                f"hydra.sweep.dir={grid_dir}", multirun=True,
+                *where.base,
+                "run.search.slo=null",
+                "workload.arrival.process=poisson",
+                "workload.arrival.rate=" + ",".join(repr(r) for r in rates),
+                "run.progress=false",
+                f"hydra.sweep.dir={grid_dir}",
+                multirun=True,
             ),
             "grid",
-        )  # fmt: skip
+        )
     points = grid_points(grid_dir, record["slo"])
     grid = read_grid(points)
     search_answer, grid_answer = record.get("max_rate_at_slo"), grid["answer"]
@@ -536,8 +603,10 @@ def cmd_grid_vs_search(args: argparse.Namespace, rec: Recorder, out: dict[str, A
     print(f"\n## grid-vs-search: target {where.name}, SLO {record['slo']}\n")
     print("| | answer (req/s) | outcome | runs | wall time (s) |")
     print("| --- | ---: | --- | ---: | ---: |")
-    print(f"| search | {fmt(search_answer)} | {record['outcome']} | {record['num_points']} "
-          f"| {search_wall:.1f} |")  # fmt: skip
+    print(
+        f"| search | {fmt(search_answer)} | {record['outcome']} | {record['num_points']} "
+        f"| {search_wall:.1f} |"
+    )
     print(f"| grid | {fmt(grid_answer)} | {grid['outcome']} | {len(points)} | {grid_wall:.1f} |")
     print(f"\nsearch / grid = {fmt(ratio, '.3f')}; within +-10%: {within(ratio)}")
     print(f"grid read: {grid['how']}")
@@ -547,15 +616,19 @@ def cmd_grid_vs_search(args: argparse.Namespace, rec: Recorder, out: dict[str, A
             if grid["conservative_answer"] is not None
             else "none (no grid rate meets below it)"
         )
-        print(f"grid not monotone (noise): misses at {grid['misses_below']} below the highest "
-              f"meet; read below the lowest miss instead: {below}")  # fmt: skip
+        print(
+            f"grid not monotone (noise): misses at {grid['misses_below']} below the highest "
+            f"meet; read below the lowest miss instead: {below}"
+        )
     print(f"search loads: {[fmt(x) for x in out['search']['loads']]}")
     print("\n| grid rate (req/s) | meets | worst headroom | failed checks |")
     print("| ---: | --- | ---: | --- |")
     for p in sorted(points, key=lambda p: p.rate):
         headroom = None if p.slack is None else math.exp(p.slack)
-        print(f"| {p.rate:.4g} | {'yes' if p.meets else 'no'} | {fmt(headroom, '.3g')} "
-              f"| {'; '.join(p.failed) or '-'} |")  # fmt: skip
+        print(
+            f"| {p.rate:.4g} | {'yes' if p.meets else 'no'} | {fmt(headroom, '.3g')} "
+            f"| {'; '.join(p.failed) or '-'} |"
+        )
     return 0
 
 
@@ -660,50 +733,75 @@ def cmd_guidellm(args: argparse.Namespace, rec: Recorder, out: dict[str, Any]) -
     with inferlab_server(args, preset, rec) as (root, command):
         out["server"] = shlex.join(command)
         for _ in range(2):  # warm the server before either side measures it
-            httpx.post(f"{root}/v1/completions", timeout=300,
-                       json={"model": args.model, "prompt": "warm up", "max_tokens": 8},
-                       ).raise_for_status()  # fmt: skip
+            httpx.post(
+                f"{root}/v1/completions",
+                timeout=300,
+                json={"model": args.model, "prompt": "warm up", "max_tokens": 8},
+            ).raise_for_status()
         report = rec.work / "guidellm.json"
         guidellm_wall = rec.run(
             [
-                sys.executable, "-m", "guidellm", "run", "--backend",
-                f"kind=openai_http,target={root},model={args.model},"
-                "request_format=/v1/completions",
+                sys.executable,
+                "-m",
+                "guidellm",
+                "run",
+                "--backend",
+                f"kind=openai_http,target={root},model={args.model},request_format=/v1/completions",
                 "--profile",
                 f"kind=sweep,sweep_size={args.sweep_size},strategy_type=poisson",
-                "--constraint", f"kind=max_requests,count={args.requests}",
-                "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},"
+                "--constraint",
+                f"kind=max_requests,count={args.requests}",
+                "--data",
+                f"kind=synthetic_text,prompt_tokens={args.input_len},"
                 f"output_tokens={args.output_len}",
-                "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
-                "--output", f"kind=json,path={report}", "--disable-console-interactive",
+                "--tokenizer",
+                f"kind=huggingface_auto,model={tokenizer}",
+                "--output",
+                f"kind=json,path={report}",
+                "--disable-console-interactive",
             ],
             "guidellm",
             env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )  # fmt: skip
+        )
         search_dir = rec.work / "ours"
         ours_wall = rec.run(
             inferlab_run(
-                *preset.rest, f"model={args.model}", "engine=openai", f"engine.base_url={root}/v1",
-                "engine.api=completions", slo_override([ALWAYS_MET]), "run.search.max_points=2",
-                f"workload.num_requests={args.requests}", f"workload.input_len={args.input_len}",
-                f"workload.output_len={args.output_len}", "run.progress=false", *args.overrides,
-                f"hydra.sweep.dir={search_dir}", multirun=True,
+                *preset.rest,
+                f"model={args.model}",
+                "engine=openai",
+                f"engine.base_url={root}/v1",
+                "engine.api=completions",
+                slo_override([ALWAYS_MET]),
+                "run.search.max_points=2",
+                f"workload.num_requests={args.requests}",
+                f"workload.input_len={args.input_len}",
+                f"workload.output_len={args.output_len}",
+                "run.progress=false",
+                *args.overrides,
+                f"hydra.sweep.dir={search_dir}",
+                multirun=True,
             ),
             "ours",
-        )  # fmt: skip
+        )
         # guidellm's own requests through `inferlab import`: the lab's definitions on its
         # timestamps (benchmark-K/summary.json), so that a gap of definitions shows apart
         imported = rec.work / "guidellm-imported"
-        rec.run([sys.executable, "-m", "harness.cli", "import", str(report), "--out",
-                 str(imported)], "import")  # fmt: skip
+        rec.run(
+            [sys.executable, "-m", "harness.cli", "import", str(report), "--out", str(imported)],
+            "import",
+        )
     theirs, ours = guidellm_points(report), lab_points(search_dir)
     relabelled = {
         kind: whole_run(imported / f"benchmark-{p['index']}")
         for kind, p in theirs.items()
         if (imported / f"benchmark-{p['index']}" / "summary.json").is_file()
     }
-    out["guidellm"] = {"points": theirs, "wall_s": round(guidellm_wall, 2), "report": str(report),
-                       "imported_points": relabelled}  # fmt: skip
+    out["guidellm"] = {
+        "points": theirs,
+        "wall_s": round(guidellm_wall, 2),
+        "report": str(report),
+        "imported_points": relabelled,
+    }
     out["ours"] = {"points": ours, "wall_s": round(ours_wall, 2), "search_dir": str(search_dir)}
     rows, flagged = [], []
     for kind in ("synchronous", "throughput"):
@@ -711,40 +809,63 @@ def cmd_guidellm(args: argparse.Namespace, rec: Recorder, out: dict[str, Any]) -
         for label, key in COMPARED:
             ratio = o[key] / g[key] if o.get(key) and g.get(key) else None
             ratio_i = o[key] / i[key] if o.get(key) and i.get(key) else None
-            row = {"point": kind, "metric": label, "ours": o.get(key), "guidellm": g.get(key),
-                   "ours_over_guidellm": ratio, "within_10pct": within(ratio),
-                   "guidellm_imported": i.get(key), "ours_over_imported": ratio_i,
-                   "imported_within_10pct": within(ratio_i)}  # fmt: skip
+            row = {
+                "point": kind,
+                "metric": label,
+                "ours": o.get(key),
+                "guidellm": g.get(key),
+                "ours_over_guidellm": ratio,
+                "within_10pct": within(ratio),
+                "guidellm_imported": i.get(key),
+                "ours_over_imported": ratio_i,
+                "imported_within_10pct": within(ratio_i),
+            }
             rows.append(row)
             if row["within_10pct"] != "yes":
                 flagged.append(f"{kind} {label}")
-        rows.append({"point": kind, "metric": "req/s (guidellm's rate mean)", "ours": o.get(
-            "req_per_s"), "guidellm": g.get("guidellm_rate_mean")})  # fmt: skip
+        rows.append(
+            {
+                "point": kind,
+                "metric": "req/s (guidellm's rate mean)",
+                "ours": o.get("req_per_s"),
+                "guidellm": g.get("guidellm_rate_mean"),
+            }
+        )
     out["comparison"] = rows
     out["flagged"] = flagged
 
-    print(f"\n## guidellm sweep vs our search's bounding runs, one `inferlab serve` "
-          f"(model={args.model}, {args.requests} requests of {args.input_len} -> "
-          f"{args.output_len} tokens)\n")  # fmt: skip
-    print("| point | metric | ours | guidellm | ours / guidellm | within +-10% "
-          "| guidellm's requests, lab definitions | ours / that |")  # fmt: skip
+    print(
+        f"\n## guidellm sweep vs our search's bounding runs, one `inferlab serve` "
+        f"(model={args.model}, {args.requests} requests of {args.input_len} -> "
+        f"{args.output_len} tokens)\n"
+    )
+    print(
+        "| point | metric | ours | guidellm | ours / guidellm | within +-10% "
+        "| guidellm's requests, lab definitions | ours / that |"
+    )
     print("| --- | --- | ---: | ---: | ---: | --- | ---: | ---: |")
     for r in rows:
-        print(f"| {r['point']} | {r['metric']} | {fmt(r['ours'])} | {fmt(r['guidellm'])} "
-              f"| {fmt(r.get('ours_over_guidellm'), '.3f')} | {r.get('within_10pct', '')} "
-              f"| {fmt(r.get('guidellm_imported'))} | {fmt(r.get('ours_over_imported'), '.3f')} |")  # fmt: skip
-    print("\nguidellm's req/s: completed / its benchmark's duration (first request start -> last "
-          "end, the lab's definition); its own rate mean in its row. Its TPOT: "
-          "inter_token_latency_ms, per request (last - first token) / (N - 1). Ours: "
-          "metrics_whole_run (every request, no ramp-up window).")  # fmt: skip
+        print(
+            f"| {r['point']} | {r['metric']} | {fmt(r['ours'])} | {fmt(r['guidellm'])} "
+            f"| {fmt(r.get('ours_over_guidellm'), '.3f')} | {r.get('within_10pct', '')} "
+            f"| {fmt(r.get('guidellm_imported'))} | {fmt(r.get('ours_over_imported'), '.3f')} |"
+        )
+    print(
+        "\nguidellm's req/s: completed / its benchmark's duration (first request start -> last "
+        "end, the lab's definition); its own rate mean in its row. Its TPOT: "
+        "inter_token_latency_ms, per request (last - first token) / (N - 1). Ours: "
+        "metrics_whole_run (every request, no ramp-up window)."
+    )
     print("\nrequest shapes (mean tokens per completed request, as each side counted them):\n")
     print("| point | side | completed | failed | prompt tokens | output tokens |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for kind in ("synchronous", "throughput"):
         for side, points in (("ours", ours), ("guidellm", theirs)):
             p = points.get(kind, {})
-            print(f"| {kind} | {side} | {fmt(p.get('num_completed'))} | {fmt(p.get('num_failed'))} "
-                  f"| {fmt(p.get('prompt_tokens_mean'))} | {fmt(p.get('output_tokens_mean'))} |")  # fmt: skip
+            print(
+                f"| {kind} | {side} | {fmt(p.get('num_completed'))} | {fmt(p.get('num_failed'))} "
+                f"| {fmt(p.get('prompt_tokens_mean'))} | {fmt(p.get('output_tokens_mean'))} |"
+            )
     print(f"\nwall time: guidellm {guidellm_wall:.1f} s, ours {ours_wall:.1f} s")
     print(f"outside +-10%: {', '.join(flagged) if flagged else 'none'}")
     return 0
@@ -771,8 +892,10 @@ def cmd_saturation(args: argparse.Namespace, rec: Recorder, out: dict[str, Any])
     missing = stop_option_missing()
     if missing is not None:
         out["skipped"] = f"run.stop_on_saturation is not an option here: {missing}"
-        print(f"saturation: skipped: {out['skipped']} (the over-saturation stop is not merged "
-              "into this checkout yet)")  # fmt: skip
+        print(
+            f"saturation: skipped: {out['skipped']} (the over-saturation stop is not merged "
+            "into this checkout yet)"
+        )
         return 0
     preset = read_preset()
     with target(args, preset, rec) as where:
@@ -783,13 +906,24 @@ def cmd_saturation(args: argparse.Namespace, rec: Recorder, out: dict[str, Any])
             search_dir = args.search_json.parent if args.search_json else rec.work / "search"
             if args.search_json is None:
                 slo = slo_override(args.slo or preset.slo)
-                rec.run(inferlab_run(*where.base, slo, "run.progress=false",
-                                     f"hydra.sweep.dir={search_dir}", multirun=True), "search")  # fmt: skip
+                rec.run(
+                    inferlab_run(
+                        *where.base,
+                        slo,
+                        "run.progress=false",
+                        f"hydra.sweep.dir={search_dir}",
+                        multirun=True,
+                    ),
+                    "search",
+                )
             record = read_search(search_dir)
             rate, source = record.get("max_rate_at_slo"), f"the search's answer ({search_dir})"
             if not rate:
-                print(f"saturation: the search has no answer ({record['outcome']}: "
-                      f"{record.get('note')}); give --rate", file=sys.stderr)  # fmt: skip
+                print(
+                    f"saturation: the search has no answer ({record['outcome']}: "
+                    f"{record.get('note')}); give --rate",
+                    file=sys.stderr,
+                )
                 return 1
         offered = 2 * float(rate)
         num = max(1, math.ceil(offered * args.duration_s))
@@ -800,13 +934,17 @@ def cmd_saturation(args: argparse.Namespace, rec: Recorder, out: dict[str, Any])
             folder = rec.work / ("stop" if stop else "nostop")
             wall = rec.run(
                 inferlab_run(
-                    *where.base, "run.search.slo=null", "workload.arrival.process=poisson",
-                    f"workload.arrival.rate={offered!r}", f"workload.num_requests={num}",
-                    f"run.stop_on_saturation={'true' if stop else 'false'}", "run.progress=false",
+                    *where.base,
+                    "run.search.slo=null",
+                    "workload.arrival.process=poisson",
+                    f"workload.arrival.rate={offered!r}",
+                    f"workload.num_requests={num}",
+                    f"run.stop_on_saturation={'true' if stop else 'false'}",
+                    "run.progress=false",
                     f"hydra.run.dir={folder}",
                 ),
                 "stop" if stop else "nostop",
-            )  # fmt: skip
+            )
             summary = json.loads((folder / "summary.json").read_text())
             m = summary.get("metrics_whole_run") or summary.get("metrics") or {}
             evidence = summary.get("saturation") or {}
@@ -824,15 +962,21 @@ def cmd_saturation(args: argparse.Namespace, rec: Recorder, out: dict[str, Any])
                 "run_dir": str(folder),
             }
     out["runs"] = runs
-    print(f"\n## saturation: Poisson {offered:.4g} req/s = 2 x {float(rate):.4g} ({source}), "
-          f"{num} requests ({args.duration_s:g} s of arrivals), target {where.name}\n")  # fmt: skip
-    print("| run | flagged at (s) | stopped_by | wall time (s) | sent | completed | unsent "
-          "| TTFT p50 (s) |")  # fmt: skip
+    print(
+        f"\n## saturation: Poisson {offered:.4g} req/s = 2 x {float(rate):.4g} ({source}), "
+        f"{num} requests ({args.duration_s:g} s of arrivals), target {where.name}\n"
+    )
+    print(
+        "| run | flagged at (s) | stopped_by | wall time (s) | sent | completed | unsent "
+        "| TTFT p50 (s) |"
+    )
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for label, r in runs.items():
-        print(f"| {label} | {fmt(r['detected_at_s'])} | {fmt(r['stopped_by'])} "
-              f"| {r['wall_s']:.1f} | {fmt(r['requests_sent'])} | {fmt(r['completed'])} "
-              f"| {fmt(r['num_unsent'])} | {fmt(r['ttft_p50_s'])} |")  # fmt: skip
+        print(
+            f"| {label} | {fmt(r['detected_at_s'])} | {fmt(r['stopped_by'])} "
+            f"| {r['wall_s']:.1f} | {fmt(r['requests_sent'])} | {fmt(r['completed'])} "
+            f"| {fmt(r['num_unsent'])} | {fmt(r['ttft_p50_s'])} |"
+        )
     detected = runs["with the stop"]["detected_at_s"]
     verdict = "n/a" if detected is None else ("yes" if detected <= 30 else "no")
     out["flagged_within_30s"] = verdict
@@ -878,23 +1022,43 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--json", type=Path, help="write the raw numbers here")
         p.add_argument("--work", type=Path, help="folder for the runs and logs (empty or new)")
         p.add_argument("--model", default=None, help="the model preset (default: the preset's)")
-        p.add_argument("--server-threads", type=positive(int), default=None,
-                       help="the server's threads (inferlab serve: engine.num_threads; "
-                       "llama.cpp: --n_threads, default every usable CPU)")  # fmt: skip
-        p.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
-                       help="an extra `inferlab serve` option (repeatable)")  # fmt: skip
+        p.add_argument(
+            "--server-threads",
+            type=positive(int),
+            default=None,
+            help="the server's threads (inferlab serve: engine.num_threads; "
+            "llama.cpp: --n_threads, default every usable CPU)",
+        )
+        p.add_argument(
+            "--server-arg",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="an extra `inferlab serve` option (repeatable)",
+        )
         if targets:
             p.add_argument("--target", choices=TARGETS, default="builtin")
-            p.add_argument("--n-ctx", type=positive(int), default=1024,
-                           help="llama.cpp's context (--target llamacpp-server)")  # fmt: skip
-            p.add_argument("--slo", action="append", metavar="CHECK",
-                           help="a 'METRIC OP BOUND' check (repeatable; default: the preset's)")
+            p.add_argument(
+                "--n-ctx",
+                type=positive(int),
+                default=1024,
+                help="llama.cpp's context (--target llamacpp-server)",
+            )
+            p.add_argument(
+                "--slo",
+                action="append",
+                metavar="CHECK",
+                help="a 'METRIC OP BOUND' check (repeatable; default: the preset's)",
+            )
         p.add_argument("overrides", nargs="*", help="Hydra overrides for every `inferlab run`")
 
     grid = sub.add_parser("grid-vs-search", help="the search's answer against a dense grid's")
     common(grid, targets=True)
-    grid.add_argument("--grid", type=grid_range, help="LO:HI req/s (default: the search's "
-                      "synchronous and throughput runs' achieved rates)")  # fmt: skip
+    grid.add_argument(
+        "--grid",
+        type=grid_range,
+        help="LO:HI req/s (default: the search's synchronous and throughput runs' achieved rates)",
+    )
     grid.add_argument("--grid-points", type=positive(int), default=12)
 
     guide = sub.add_parser("guidellm", help="guidellm's sweep and our bounding runs, one server")
@@ -902,15 +1066,23 @@ def parser() -> argparse.ArgumentParser:
     guide.add_argument("--requests", type=positive(int), default=32)
     guide.add_argument("--input-len", type=positive(int), default=64)
     guide.add_argument("--output-len", type=positive(int), default=32)
-    guide.add_argument("--sweep-size", type=int, default=2,
-                       help="guidellm's sweep_size (2: synchronous and throughput only)")
+    guide.add_argument(
+        "--sweep-size",
+        type=int,
+        default=2,
+        help="guidellm's sweep_size (2: synchronous and throughput only)",
+    )
 
     sat = sub.add_parser("saturation", help="twice the saturation rate, with and without the stop")
     common(sat, targets=True)
     sat.add_argument("--rate", type=positive(float), help="the saturation rate, req/s")
     sat.add_argument("--search-json", type=Path, help="a search.json whose answer is the rate")
-    sat.add_argument("--duration-s", type=positive(float), default=60.0,
-                     help="seconds of arrivals at twice the rate (sets workload.num_requests)")
+    sat.add_argument(
+        "--duration-s",
+        type=positive(float),
+        default=60.0,
+        help="seconds of arrivals at twice the rate (sets workload.num_requests)",
+    )
     return top
 
 
@@ -930,8 +1102,10 @@ def check_args(args: argparse.Namespace) -> None:
             refuse(str(exc))
     for override in args.overrides:
         if override.startswith(("-", *SET_BY_SCRIPT)) or override.startswith("model="):
-            refuse(f"{override!r}: set by the script (--model, --slo, --grid, --rate, the "
-                   "target); allowed: any other Hydra override")  # fmt: skip
+            refuse(
+                f"{override!r}: set by the script (--model, --slo, --grid, --rate, the "
+                "target); allowed: any other Hydra override"
+            )
         if override.startswith("engine=") and getattr(args, "target", "serve") != "builtin":
             refuse(f"{override!r}: a server target runs engine=openai; allowed: --target builtin")
     if args.command == "saturation" and any(
@@ -976,12 +1150,18 @@ def main() -> int:
     out: dict[str, Any] = {"subcommand": args.command, "cpu": cpu, "work": str(args.work)}
     # SIGTERM ends as Ctrl-C does: the servers are stopped on the way out
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # Ctrl-C too, even where the shell started it with SIGINT ignored (a background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     status = 1
     try:
         status = COMMANDS[args.command](args, rec, out)
     except RunFailed as exc:
         out["error"] = str(exc)
         print(f"\nerror: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:  # the servers and the running command are stopped on the way
+        out["error"] = "interrupted"
+        print("\ninterrupted: the servers and the running command were stopped", file=sys.stderr)
+        status = 130
     finally:
         out["commands"] = rec.commands
         print(f"\nCPU: {cpu['model']} ({cpu['cpus_usable']} usable of {cpu['logical_cpus']})")
