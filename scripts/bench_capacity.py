@@ -15,11 +15,20 @@ workload; each takes minutes to tens of minutes on 2 CPU cores):
     .venv/bin/python scripts/bench_capacity.py saturation --search-json WORK/search/search.json \\
         --json saturation.json                     # or --rate R; without either it searches first
 
-Tried on model=tiny with a handful of requests (an SLO tiny can miss):
+Tried end to end on model=tiny with a handful of requests (an SLO tiny can miss; with 6-12
+requests a p99 is the slowest request, so the grids are noisy and the ratios mean nothing):
 
     .venv/bin/python scripts/bench_capacity.py grid-vs-search --model tiny \\
         --slo 'ttft_p99_s <= 0.004' workload.num_requests=12
+    .venv/bin/python scripts/bench_capacity.py grid-vs-search --target serve --model tiny \\
+        --slo 'ttft_p99_s <= 0.06' --grid-points 5 workload.num_requests=8
+    .venv/bin/python scripts/bench_capacity.py grid-vs-search --target llamacpp-server \\
+        --slo 'ttft_p99_s <= 2' --grid-points 3 workload.num_requests=6 workload.input_len=16 \\
+        workload.output_len=8
     .venv/bin/python scripts/bench_capacity.py guidellm --model tiny --requests 8
+    .venv/bin/python scripts/bench_capacity.py saturation --model tiny --rate 400 \\
+        --duration-s 5 run.saturation.window_s=4 run.saturation.min_duration_s=2 \\
+        run.max_duration_grace_s=1        # needs run.stop_on_saturation (else: skipped)
 
 Subcommands:
 
