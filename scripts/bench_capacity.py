@@ -49,8 +49,8 @@ Subcommands:
   port, runs through `engine=openai` with the same model for tokenization), `llamacpp-server`
   (llama-cpp-python's server on SmolLM2-135M's GGUF, `engine=openai engine.server=llamacpp`,
   text prompts, `--interrupt_requests false` so that requests queue instead of being cut).
-  For the server targets the preset's run and workload keys are passed one by one (the preset
-  itself sets built-in engine keys that engine=openai's schema refuses).
+  For the server targets the preset's run and workload keys are passed one by one, and its
+  engine keys (none today) go to the server.
 - `guidellm`: `inferlab serve`, then guidellm's `sweep` profile against it (`--sweep-size`, 2:
   its synchronous and throughput benchmarks only), then our search's two bounding runs against
   the same server (an SLO every run meets, so the search makes exactly those two), the same
