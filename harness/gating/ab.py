@@ -146,7 +146,7 @@ def _compose_in_checkout(overrides: list[str], code: Path) -> dict[str, Any]:
 def precheck(config: dict[str, Any], side: str) -> None:
     """Refuse a configuration that could only fail, before any round runs."""
     from engines.builtin.config import EngineConfig
-    from harness.running.experiment import make_workload
+    from harness.running.run_config import make_workload
 
     if int(config.get("repeats", 1) or 1) != 1:
         raise ABError(

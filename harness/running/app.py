@@ -22,7 +22,7 @@ import engines.backends  # noqa: F401  (the engine groups' schemas, before Hydra
 import workloads  # noqa: F401  (the workload groups' schemas, likewise)
 from harness.run_folder import read_summary
 from harness.running import config_schema  # noqa: F401  (the primary config's, likewise)
-from harness.running.experiment import RunFolderError, run_config, run_experiment
+from harness.running.experiment import RunFolderError, run_experiment
 from harness.running.folder_guard import refuse_shared_job_folder
 from harness.running.launching import (
     ARCHIVE_KEY,
@@ -33,6 +33,7 @@ from harness.running.launching import (
     read_launch_record,
 )
 from harness.running.repeats import run_repeats, validate_repeats
+from harness.running.run_config import run_config
 from harness.running.sweep import ResumeMismatch, completed_run, note_unrecorded, write_sweep_csv
 from harness.running.sweep_outputs import named_outputs
 from harness.running.table import summary_table

@@ -209,7 +209,7 @@ Measure = Callable[[list[Probe]], list[Measurement]]
 
 @dataclass(frozen=True)
 class SearchSettings:
-    """What `run.search` asks, less the SLO (harness/running/experiment.py SearchConfig)."""
+    """What `run.search` asks, less the SLO (harness/running/run_config.py SearchConfig)."""
 
     over: Over = "rate"
     max_points: int = 6

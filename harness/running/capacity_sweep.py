@@ -26,7 +26,7 @@ from harness.running.capacity_search import (
     Probe,
     SearchResult,
 )
-from harness.running.experiment import SearchConfig
+from harness.running.run_config import SearchConfig
 
 SEARCH_FIGURE = "search.png"
 _ROLES = {"low": "synchronous", "high": "throughput"}

@@ -12,7 +12,7 @@ from typing import Any
 
 from configs.schema import schema_of
 from harness.measuring.profiling import ProfileConfig
-from harness.running.experiment import RunConfig
+from harness.running.run_config import RunConfig
 
 RunSchema = schema_of(RunConfig)
 ProfileSchema = schema_of(ProfileConfig)

@@ -167,7 +167,7 @@ MAX_ERRORS_MIN_FINISHED = 20
 
 @dataclass(frozen=True)
 class RunBounds:
-    """When the driver stops before the workload's end (harness/running/experiment.py's
+    """When the driver stops before the workload's end (harness/running/run_config.py's
     RunConfig holds the options and their checks)."""
 
     max_duration_s: float | None = None  # seconds after the start; None: no bound

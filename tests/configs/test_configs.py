@@ -17,7 +17,7 @@ from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
 from engines.llamacpp.config import LlamaCppConfig
 from harness import train_tiny_cli
-from harness.running.experiment import make_workload
+from harness.running.run_config import make_workload
 from harness.running.window import WindowConfig
 from models import location, train_tiny
 from workloads import WORKLOAD_TYPES
@@ -439,7 +439,7 @@ def test_every_run_and_profiling_key_is_overridable_and_defaults_live_once() -> 
     differ from the default (its presets)."""
     from harness.measuring.profiling import ProfileConfig
     from harness.running.config_schema import ExperimentSchema
-    from harness.running.experiment import RunConfig
+    from harness.running.run_config import RunConfig
 
     schema = OmegaConf.to_container(OmegaConf.structured(ExperimentSchema))
     assert isinstance(schema, dict)

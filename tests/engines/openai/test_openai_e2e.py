@@ -27,7 +27,8 @@ from engines.builtin.backend import BuiltinBackend
 from engines.builtin.llm import LLM
 from engines.openai.backend import OpenAIBackend
 from engines.sampling_params import SamplingParams
-from harness.running.experiment import make_workload, run_experiment
+from harness.running.experiment import run_experiment
+from harness.running.run_config import make_workload
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 

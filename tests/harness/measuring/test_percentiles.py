@@ -17,7 +17,7 @@ from harness.measuring.metrics import (
     stat_percentile,
 )
 from harness.run_folder import REQUEST_COLUMNS, STEP_COLUMNS, TOKEN_COLUMNS
-from harness.running.experiment import RunConfig
+from harness.running.run_config import RunConfig
 
 #: what the report, the gate and older baselines read, whatever run.percentiles says
 ALWAYS = (

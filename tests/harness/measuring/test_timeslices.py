@@ -11,7 +11,7 @@ import pytest
 from harness.measuring.metrics import compute_summary
 from harness.measuring.timeslices import COLUMNS, automatic_slice_s, timeslices
 from harness.run_folder import REQUEST_COLUMNS, TOKEN_COLUMNS, read_timeslices, write_timeslices
-from harness.running.experiment import RunConfig
+from harness.running.run_config import RunConfig
 
 
 def request(request_id: str, status: str, sent: float, token_times: list[float],

@@ -20,7 +20,7 @@ from harness.running.capacity_search import (
     slack,
 )
 from harness.running.capacity_sweep import console_line, load_overrides, result_record
-from harness.running.experiment import RunConfig, SearchConfig
+from harness.running.run_config import RunConfig, SearchConfig
 
 CAPACITY = 10.0  # req/s where the synthetic server saturates
 

@@ -30,8 +30,9 @@ from harness.measuring.metrics import REGISTRY, compute_summary
 from harness.run_folder import RunRecorder, load_table
 from harness.running import experiment
 from harness.running.driver import Driver
-from harness.running.experiment import RunConfig, run_experiment
+from harness.running.experiment import run_experiment
 from harness.running.repeats import validate_repeats
+from harness.running.run_config import RunConfig
 from harness.running.table import summary_table
 from workloads.request import WorkloadRequest
 

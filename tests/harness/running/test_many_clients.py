@@ -34,7 +34,8 @@ from harness.running.clients import (
     split_concurrency,
     split_requests,
 )
-from harness.running.experiment import RunConfig, make_workload, run_config, run_experiment
+from harness.running.experiment import run_experiment
+from harness.running.run_config import RunConfig, make_workload, run_config
 from serving.scripted_server import read_log, scripted_process, with_send_times
 from serving.testing import ServeProcess, serve_process
 

@@ -18,7 +18,8 @@ from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache import PagedKVCacheManager
 from engines.sampling_params import SamplingParams
-from harness.running.experiment import run_config, run_experiment
+from harness.running.experiment import run_experiment
+from harness.running.run_config import run_config
 
 
 def config(workload: dict[str, Any], run: dict[str, Any], **engine: Any) -> dict[str, Any]:
