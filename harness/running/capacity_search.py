@@ -20,6 +20,10 @@ The search, for SLO checks C (harness/measuring/checks.py):
    answer is the highest load *measured* to meet. A point without a slack (failed, saturated)
    is bisected in log space. It stops when (miss - meet) / meet <= tolerance (for concurrency:
    the two are adjacent integers) or after max_points runs, the bounding ones included.
+3. For `over=rate`, a bracket that ends at the throughput run is measured once more at that
+   run's rate with Poisson arrivals: the burst stands in for that load until then (a short
+   workload's Poisson run at the same rate can meet an SLO its burst misses); meeting there
+   is `above_range`.
 """
 
 from __future__ import annotations
@@ -110,7 +114,14 @@ def bracket(points: Sequence[Point]) -> tuple[Point | None, Point | None]:
     """(the highest load that meets below the lowest that misses, the lowest that misses).
     A point that meets above a miss (noise near the crossing) is not trusted: the answer stays
     below every measured miss."""
-    known = [p for p in points if p.load is not None]
+    # over=rate, a narrowing run at the throughput run's load measured what the burst only
+    # stood in for: Poisson arrivals at that rate
+    remeasured = {p.load for p in points if p.probe.role == "between"}
+    known = [
+        p
+        for p in points
+        if p.load is not None and not (p.probe.role == "high" and p.load in remeasured)
+    ]
     misses = [p for p in known if not p.meets]
     high = min(misses, key=lambda p: p.load or 0.0) if misses else None
     meets = [p for p in known if p.meets and (high is None or (p.load or 0.0) < (high.load or 0.0))]
@@ -190,6 +201,18 @@ def next_loads(
         chosen = [float(f"{x:.4g}") for x in chosen]
     measured = {p.load for p in points}
     return sorted({x for x in chosen if x not in measured})
+
+
+def _burst_miss(points: Sequence[Point], over: Over) -> float | None:
+    """The load to measure once more when the search has narrowed against the throughput run
+    (over=rate): that run sent every request at once, so its miss says how a burst fares, not
+    Poisson arrivals at its achieved rate, which the answer is about. None: nothing to redo."""
+    if over != "rate":
+        return None
+    _, high = bracket(points)
+    if high is None or high.probe.role != "high" or high.slack is None:
+        return None
+    return high.load
 
 
 @dataclass
@@ -309,10 +332,21 @@ def search(
             integer=integer,
         )
         if not loads:
-            break
+            top = _burst_miss(points, over)
+            if top is None:
+                break
+            loads = [top]
         run([Probe("between", x) for x in loads])
     low_point, high_point = bracket(points)
     assert low_point is not None and low_point.load is not None  # the low run met the SLO
+    if high_point is None:  # the throughput run's rate, remeasured with Poisson arrivals, met
+        return done(
+            "above_range",
+            low_point.load,
+            f"Poisson arrivals at the throughput run's rate, {low_point.load:.4g} "
+            f"{UNIT[over]}, meet the SLO (the burst of every request at once did not): the "
+            "answer is at least that",
+        )
     width = ""
     if high_point is not None and high_point.load is not None:
         rel = (high_point.load - low_point.load) / low_point.load

@@ -275,3 +275,36 @@ def test_no_slo_is_no_search() -> None:
     assert not RunConfig.from_dict({}).search.enabled
     search_cfg = SearchConfig.from_dict({"slo": {"ttft_p99_s": 2, "slo_attainment": 0.99}})
     assert [str(c) for c in search_cfg.checks] == ["ttft_p99_s <= 2", "slo_attainment >= 0.99"]
+
+
+@pytest.mark.parametrize(("poisson_at_top", "outcome"), [(1.5, "above_range"), (2.1, "found")])
+def test_a_bracket_ending_at_the_burst_is_remeasured_with_poisson_arrivals(
+    poisson_at_top: float, outcome: str
+) -> None:
+    """The throughput run sends every request at once: its TTFT (3 s, a miss) is a burst's,
+    not that of Poisson arrivals at its achieved rate (10 req/s). A search that narrows
+    against it measures Poisson arrivals at 10 req/s before it answers: meeting there is
+    above_range; where Poisson arrivals miss below it, the bracket's upper end is a Poisson
+    run, never the burst."""
+    checks = parse_checks(["ttft_p99_s <= 2"], "slo")
+
+    def measure(probes: list[Probe]) -> list[Measurement]:
+        out = []
+        for probe in probes:
+            if probe.load is None:  # the bounding runs: synchronous 1 req/s, a burst 10 req/s
+                rate, ttft = (1.0, 0.2) if probe.role == "low" else (10.0, 3.0)
+            else:
+                rate = probe.load
+                ttft = 0.2 + (poisson_at_top - 0.2) * (rate - 1) / 9
+            out.append(Measurement("complete", {"ttft_p99_s": ttft, "req_per_s": rate}))
+        return out
+
+    result = search(measure, checks, SearchSettings(max_points=8))
+    assert result.outcome == outcome
+    if outcome == "above_range":
+        loads = [p.load for p in result.points if p.probe.role == "between"]
+        assert 10.0 in loads  # the burst's rate, remeasured
+        assert result.answer == 10.0 and result.high is None
+    else:  # the crossing, 9.53 req/s
+        assert result.high is not None and result.high.probe.role == "between"
+        assert result.answer is not None and 9.53 * 0.9 <= result.answer < 9.53
