@@ -20,10 +20,12 @@ The search, for SLO checks C (harness/measuring/checks.py):
    answer is the highest load *measured* to meet. A point without a slack (failed, saturated)
    is bisected in log space. It stops when (miss - meet) / meet <= tolerance (for concurrency:
    the two are adjacent integers) or after max_points runs, the bounding ones included.
-3. For `over=rate`, a bracket that ends at the throughput run is measured once more at that
-   run's rate with Poisson arrivals: the burst stands in for that load until then (a short
-   workload's Poisson run at the same rate can meet an SLO its burst misses); meeting there
-   is `above_range`.
+3. For `over=rate`, a bracket that ends at a bounding run is measured once more at that
+   run's rate with Poisson arrivals: the synchronous loop and the burst only stand in for
+   that load until then (a server without batching meets an SLO one request at a time that
+   Poisson arrivals at the same rate miss; a short workload's Poisson run can meet an SLO its
+   burst misses). A miss at the low end halves the rate down to a meet (none within
+   max_points: `below_range`); a meet at the high end is `above_range`.
 """
 
 from __future__ import annotations
@@ -114,13 +116,13 @@ def bracket(points: Sequence[Point]) -> tuple[Point | None, Point | None]:
     """(the highest load that meets below the lowest that misses, the lowest that misses).
     A point that meets above a miss (noise near the crossing) is not trusted: the answer stays
     below every measured miss."""
-    # over=rate, a narrowing run at the throughput run's load measured what the burst only
-    # stood in for: Poisson arrivals at that rate
+    # over=rate, a narrowing run at a bounding run's load measured what that run only stood
+    # in for (the synchronous loop, the burst): Poisson arrivals at that rate
     remeasured = {p.load for p in points if p.probe.role == "between"}
     known = [
         p
         for p in points
-        if p.load is not None and not (p.probe.role == "high" and p.load in remeasured)
+        if p.load is not None and not (p.probe.role != "between" and p.load in remeasured)
     ]
     misses = [p for p in known if not p.meets]
     high = min(misses, key=lambda p: p.load or 0.0) if misses else None
@@ -182,6 +184,9 @@ def next_loads(
     bracket, first the interpolated guess, then the midpoints (in log space) of the widest
     gaps left between it and the measured loads."""
     low, high = bracket(points)
+    if low is None and high is not None and high.load is not None and budget > 0:
+        # Poisson arrivals missed at the synchronous run's rate: halve down to a meet
+        return [float(f"{high.load / 2**k:.4g}") for k in range(1, min(parallel, budget) + 1)]
     if low is None or high is None or budget <= 0:
         return []
     assert low.load is not None and high.load is not None
@@ -203,16 +208,20 @@ def next_loads(
     return sorted({x for x in chosen if x not in measured})
 
 
-def _burst_miss(points: Sequence[Point], over: Over) -> float | None:
-    """The load to measure once more when the search has narrowed against the throughput run
-    (over=rate): that run sent every request at once, so its miss says how a burst fares, not
-    Poisson arrivals at its achieved rate, which the answer is about. None: nothing to redo."""
+def _stand_in(points: Sequence[Point], over: Over) -> float | None:
+    """The load to measure once more when the search has narrowed against a bounding run at
+    its natural load (over=rate): the synchronous run sent one request at a time and the
+    throughput run every request at once, so they say how those fare, not Poisson arrivals at
+    their achieved rates, which the answer is about. The low end first (a miss there moves the
+    search below it). None: nothing to redo."""
     if over != "rate":
         return None
-    _, high = bracket(points)
-    if high is None or high.probe.role != "high" or high.slack is None:
-        return None
-    return high.load
+    low, high = bracket(points)
+    if low is not None and low.probe.role == "low" and low.probe.load is None:
+        return low.load
+    if high is not None and high.probe.role == "high" and high.probe.load is None:
+        return high.load if high.slack is not None else None
+    return None
 
 
 @dataclass
@@ -332,13 +341,22 @@ def search(
             integer=integer,
         )
         if not loads:
-            top = _burst_miss(points, over)
-            if top is None:
+            again = _stand_in(points, over)
+            if again is None:
                 break
-            loads = [top]
+            loads = [again]
         run([Probe("between", x) for x in loads])
     low_point, high_point = bracket(points)
-    assert low_point is not None and low_point.load is not None  # the low run met the SLO
+    if low_point is None:  # Poisson arrivals missed even at the synchronous run's rate
+        assert high_point is not None and high_point.load is not None
+        return done(
+            "below_range",
+            None,
+            f"Poisson arrivals miss the SLO down to {high_point.load:.4g} {UNIT[over]} ("
+            + "; ".join(high_point.failed)
+            + f"), though one request at a time met it at {low.load:.4g}",
+        )
+    assert low_point.load is not None
     if high_point is None:  # the throughput run's rate, remeasured with Poisson arrivals, met
         return done(
             "above_range",

@@ -308,3 +308,29 @@ def test_a_bracket_ending_at_the_burst_is_remeasured_with_poisson_arrivals(
     else:  # the crossing, 9.53 req/s
         assert result.high is not None and result.high.probe.role == "between"
         assert result.answer is not None and 9.53 * 0.9 <= result.answer < 9.53
+
+
+def test_a_synchronous_meet_is_remeasured_with_poisson_arrivals() -> None:
+    """A server without batching (llama.cpp's Python server): one request at a time meets the
+    SLO at 2.54 req/s, the burst achieves 2.61; Poisson arrivals queue near that rate, and
+    meet the SLO only below 1.5 req/s. The search must not answer 2.54."""
+    checks = parse_checks(["ttft_p99_s <= 0.5"], "slo")
+
+    def measure(probes: list[Probe]) -> list[Measurement]:
+        out = []
+        for probe in probes:
+            if probe.load is None:
+                rate, ttft = (2.54, 0.2) if probe.role == "low" else (2.61, 37.0)
+            else:  # a queue of one server at 2.61 req/s
+                rate = probe.load
+                ttft = 0.25 / max(1e-3, 1 - rate / 2.61)
+            out.append(Measurement("complete", {"ttft_p99_s": ttft, "req_per_s": rate}))
+        return out
+
+    result = search(measure, checks, SearchSettings(max_points=8))
+    assert result.outcome == "found"
+    assert result.answer is not None and 1.2 <= result.answer <= 1.305  # the crossing: 1.305
+    assert result.low is not None and result.low.probe.role == "between"
+    short = search(measure, checks, SearchSettings(max_points=3))  # no room to halve down
+    assert short.outcome == "below_range" and short.answer is None
+    assert "Poisson arrivals miss the SLO down to 2.54" in short.note
