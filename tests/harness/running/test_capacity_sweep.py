@@ -86,3 +86,28 @@ def test_a_rate_search_bounds_with_synchronous_and_throughput_runs(tmp_path: Pat
     single = inferlab(*TINY, "run.search.slo=['ttft_p99_s <= 60']", f"hydra.run.dir={tmp_path}/one")
     assert single.returncode == 2
     assert "error: run.search: a capacity search runs many jobs" in single.stderr
+
+
+def test_a_search_runs_its_rounds_in_parallel_on_a_launcher(tmp_path: Path) -> None:
+    """run.search.parallel=2 on joblib: each round is one batch of two jobs side by side, and
+    the answer is the one the search finds one run at a time (4 | 5)."""
+    search = [
+        "run.search.over=concurrency",
+        "run.search.slo=['mean_batch_size <= 4.5']",
+        "run.search.max_points=8",
+        "run.search.tolerance=0.01",
+        "run.search.parallel=2",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
+    done = inferlab("-m", *TINY, *search)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "search.json").read_text())
+    assert record["outcome"] == "found" and record["max_concurrency_at_slo"] == 4
+    assert record["bracket"]["misses"]["load"] == 5
+    points = record["points"]
+    assert [p["role"] for p in points[:2]] == ["low", "high"]  # the first round: both bounds
+    assert len(points) <= 8
+    provenance = json.loads((tmp_path / "0" / "provenance.json").read_text())
+    assert provenance["placement"]["launcher"] == "joblib"
