@@ -26,7 +26,7 @@ from harness.running.capacity_search import (
     Probe,
     SearchResult,
 )
-from harness.running.run_config import SearchConfig
+from harness.running.run_config import RunConfig, SearchConfig
 
 SEARCH_FIGURE = "search.png"
 _ROLES = {"low": "synchronous", "high": "throughput"}
@@ -35,7 +35,8 @@ _ROLES = {"low": "synchronous", "high": "throughput"}
 def search_of(config: Mapping[str, Any]) -> tuple[SearchConfig, dict[str, Any], int | None]:
     """A job's `run.search` (checked), its `workload.arrival` and `workload.num_requests`.
     Raises ValueError naming the key when the workload cannot be put at a load."""
-    search = SearchConfig.from_dict((config.get("run") or {}).get("search"))
+    # the whole run section: a check is held against run.percentiles and run.slo too
+    search = RunConfig.from_dict(config.get("run")).search
     workload = config.get("workload") or {}
     arrival = workload.get("arrival") if isinstance(workload, Mapping) else None
     if not isinstance(arrival, Mapping):

@@ -275,3 +275,48 @@ def test_no_slo_is_no_search() -> None:
     assert not RunConfig.from_dict({}).search.enabled
     search_cfg = SearchConfig.from_dict({"slo": {"ttft_p99_s": 2, "slo_attainment": 0.99}})
     assert [str(c) for c in search_cfg.checks] == ["ttft_p99_s <= 2", "slo_attainment >= 0.99"]
+
+
+@pytest.mark.parametrize(
+    ("run_section", "message"),
+    [
+        # a percentile run.percentiles leaves out: every run would miss it as "no value"
+        (
+            {"search": {"slo": ["ttft_p97_s <= 1"]}},
+            "run.search.slo: ttft_p97_s <= 1: run.percentiles [50, 90, 95, 99] has no 97",
+        ),
+        # SLO figures exist only under a run.slo bound
+        (
+            {"search": {"slo": ["ttft_p90_s <= 0.5", "slo_attainment >= 0.99"]}},
+            "run.search.slo: slo_attainment >= 0.99: a run has slo_attainment only under",
+        ),
+        (
+            {"search": {"slo": {"goodput_req_per_s": 1}}},
+            "run.search.slo: goodput_req_per_s >= 1: a run has goodput_req_per_s only under",
+        ),
+        # the search's own answer is a sweep's, never a run's
+        (
+            {"search": {"slo": ["max_rate_at_slo >= 1"]}},
+            "run.search.slo: max_rate_at_slo >= 1: is the capacity search's answer",
+        ),
+        # YAML's true is no bound
+        ({"search": {"slo": {"ttft_p99_s": True}}}, "bound True is invalid"),
+    ],
+)
+def test_checks_no_run_can_measure_are_refused_before_anything_runs(
+    run_section: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        RunConfig.from_dict(run_section)
+
+
+def test_checks_on_measured_metrics_are_taken() -> None:
+    listed = RunConfig.from_dict(
+        {"search": {"slo": ["ttft_p97_s <= 1", "itl_p999_s <= 1"]}, "percentiles": [50, 97]}
+    )
+    assert [str(c) for c in listed.search.checks] == ["ttft_p97_s <= 1", "itl_p999_s <= 1"]
+    bounded = RunConfig.from_dict(
+        {"search": {"slo": ["slo_attainment >= 0.99"]}, "slo": {"ttft_s": 2}}
+    )
+    assert bounded.search.enabled
+
