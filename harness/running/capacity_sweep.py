@@ -138,6 +138,15 @@ def result_record(result: SearchResult, grid: Mapping[str, Any] | None = None) -
         "points": [_point(p, metrics, result.over) for p in result.points],
         "num_points": len(result.points),
         "note": result.note,
+        # the range's ends as asked (run.search.min_load / max_load; null: the synchronous
+        # and throughput runs' own loads)
+        "range": {
+            f"{role_}_load": next(
+                (_load(p.probe.load, result.over) for p in result.points if p.probe.role == role),
+                None,
+            )
+            for role, role_ in (("low", "min"), ("high", "max"))
+        },
     }
     if grid is not None:
         record["grid"] = dict(grid)
@@ -152,14 +161,24 @@ def console_line(record: Mapping[str, Any]) -> str:
     where = ""
     if record.get("grid"):
         where = " [" + ", ".join(f"{k}={v}" for k, v in record["grid"].items()) + "]"
+    # a high run at no more than the low run's load: no range was searched (the note says why)
+    high = next((p for p in record["points"] if p.get("role") == "high"), None)
+    no_range = high is not None and record[key] is not None and high["load"] < record[key]
     if outcome == "found":
         meets, misses = record["bracket"]["meets"], record["bracket"]["misses"]
         around = f"meets at {meets['load']:.4g}" + (
             f", misses at {misses['load']:.4g}" if misses is not None else ""
         )
-        return f"search{where}: {key} = {record[key]:.4g} {unit} ({around}; {runs})"
+        why = f": {record['note']}" if no_range else ""
+        return f"search{where}: {key} = {record[key]:.4g} {unit} ({around}; {runs}){why}"
     if outcome == "above_range":
-        run = "the throughput run" if record["points"][-1]["role"] == "high" else "max_load"
+        if no_range:
+            return (
+                f"search{where}: {key} >= {record[key]:.4g} {unit}: every run met the SLO; "
+                f"{record['note']} ({runs})"
+            )
+        asked = (record.get("range") or {}).get("max_load")
+        run = "the throughput run" if asked is None else "the run at max_load"
         return (
             f"search{where}: {key} >= {record[key]:.4g} {unit}: even {run} meets the SLO ({runs})"
         )

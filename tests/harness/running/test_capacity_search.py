@@ -320,3 +320,49 @@ def test_checks_on_measured_metrics_are_taken() -> None:
     )
     assert bounded.search.enabled
 
+
+def test_the_line_names_max_load_when_it_bounded_an_above_range_search() -> None:
+    checks = parse_checks(["ttft_p99_s <= 5"], "slo")
+
+    def measure(probes: list[Probe]) -> list[Measurement]:
+        return [Measurement("complete", {"ttft_p99_s": 1.0, "req_per_s": 1.0}) for _ in probes]
+
+    for max_load, said in (
+        (None, "even the throughput run meets"),
+        (3.0, "even the run at max_load meets"),
+    ):
+        result = search(measure, checks, SearchSettings(max_load=max_load), num_requests=8)
+        record = result_record(result)
+        assert record["outcome"] == "above_range"
+        assert record["range"] == {"min_load": None, "max_load": max_load}
+        assert said in console_line(record)
+
+
+@pytest.mark.parametrize(("high_meets", "outcome"), [(False, "found"), (True, "above_range")])
+def test_a_max_load_below_the_synchronous_rate_answers_the_highest_load_that_met(
+    high_meets: bool, outcome: str
+) -> None:
+    """run.search.max_load=5 where the synchronous run achieved 100 req/s: no range to search.
+    The answer is the 100 req/s measured to meet, never the 5 (it was, above range), and a
+    miss at 5 no longer left the line without a bracket to print (a TypeError lost
+    search.json)."""
+    checks = parse_checks(["duration_s <= 1"], "slo")
+
+    def measure(probes: list[Probe]) -> list[Measurement]:
+        out = []
+        for probe in probes:
+            duration = 0.1 if probe.load is None or high_meets else 2.0
+            out.append(Measurement("complete", {"duration_s": duration, "req_per_s": 100.0}))
+        return out
+
+    result = search(measure, checks, SearchSettings(max_load=5.0), num_requests=8)
+    record = result_record(result)
+    assert record["outcome"] == outcome and record["max_rate_at_slo"] == 100.0
+    assert record["bracket"]["meets"]["load"] == 100.0
+    line = console_line(record)
+    assert "no range to search; set run.search.max_load above the low run's load" in line
+    assert line.startswith(
+        "search: max_rate_at_slo = 100 req/s (meets at 100, misses at 5; 2 runs)"
+        if outcome == "found"
+        else "search: max_rate_at_slo >= 100 req/s: every run met the SLO"
+    )
