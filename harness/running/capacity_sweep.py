@@ -51,6 +51,18 @@ def search_of(config: Mapping[str, Any]) -> tuple[SearchConfig, dict[str, Any], 
             "run.search: workload.num_requests is not set; the throughput run (and a "
             "concurrency range) needs it, or set run.search.max_load"
         )
+    if search.over == "concurrency" and num_requests is not None:
+        # a closed loop keeps no more in flight than there are requests: a concurrency past
+        # num_requests measures num_requests again
+        for name in ("min_load", "max_load"):
+            value = getattr(search, name)
+            if value is not None and value > num_requests - (name == "min_load"):
+                most = num_requests - (name == "min_load")
+                raise ValueError(
+                    f"run.search.{name}: {value:g} is invalid with over=concurrency and "
+                    f"workload.num_requests={num_requests}; allowed: at most {most} (a closed "
+                    "loop keeps no more requests in flight than the workload has)"
+                )
     return search, dict(arrival), num_requests
 
 
