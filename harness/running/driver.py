@@ -216,6 +216,7 @@ class Driver:
         self.num_rows = 0  # requests with a row (sent, or failed as a failed turn's follower)
         self.num_failed = 0
         self.num_cancelled = 0
+        self.first_error: str | None = None  # the first failed request's, for max_errors
 
     @property
     def num_unsent(self) -> int:
@@ -273,7 +274,7 @@ class Driver:
             0,
             0,
         )
-        self.stopped_by = self.stop_reason = self.saturation = None
+        self.stopped_by = self.stop_reason = self.saturation = self.first_error = None
         self._stopping = asyncio.Event()
         # request id -> (its trace, the task reading its stream), while it is in flight
         self._in_flight: dict[str, tuple[RequestTrace, asyncio.Task[Any]]] = {}
@@ -485,6 +486,8 @@ class Driver:
             self.num_cancelled += 1
         elif trace.error is not None:
             self.num_failed += 1
+            if self.first_error is None:
+                self.first_error = f"{trace.item.request_id}: {' '.join(trace.error.split())}"
             self._check_errors()
         if self.on_request_done is not None:
             self.on_request_done(trace)
@@ -552,8 +555,9 @@ class Driver:
                 and self.num_failed >= bound * self.num_rows
             )
             what = f"{self.num_failed} of {self.num_rows} finished requests failed"
-        if hit:
-            self._stop("max_errors", f"run.max_errors={bound:g} reached: {what}")
+        if hit:  # the first failure's error too: the cause, not only the count
+            reason = f"run.max_errors={bound:g} reached: {what}; the first, {self.first_error}"
+            self._stop("max_errors", reason)
 
     async def _watch(self, detector: SaturationDetector) -> None:
         """Sample the requests outstanding and ask the detector, until the run stops."""

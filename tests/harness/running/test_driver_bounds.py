@@ -234,7 +234,16 @@ def test_max_errors_as_a_count(virtual_time: Clock) -> None:
     driver, rows, _ = drive(backend, workload, virtual_time, RunBounds(max_errors=3))
     assert statuses(rows) == {"failed": 3} and driver.num_unsent == 47
     assert driver.stopped_by == "max_errors"
-    assert driver.stop_reason == "run.max_errors=3 reached: 3 requests failed"
+    # the count, and the first failure's error: the cause, not only the count
+    assert driver.stop_reason.startswith(
+        "run.max_errors=3 reached: 3 requests failed; the first, r00: "
+    )
+    assert (
+        driver.stop_reason.removeprefix(
+            "run.max_errors=3 reached: 3 requests failed; the first, r00: "
+        )
+        == rows["r00"]["error"]
+    )
 
 
 @pytest.mark.parametrize(("fraction", "stops"), [(0.5, True), (0.6, False)])
