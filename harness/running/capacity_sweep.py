@@ -165,6 +165,51 @@ def result_record(result: SearchResult, grid: Mapping[str, Any] | None = None) -
     return record
 
 
+OUTCOMES = ("found", "below_range", "above_range", "failed")
+
+
+def record_problem(record: Any) -> str | None:
+    """What makes a search.json record (a hand-edited or damaged file) unusable for its line,
+    table and figure, else None."""
+    if not isinstance(record, Mapping):
+        return f"a record is {type(record).__name__}, not an object"
+    over = record.get("over")
+    if over not in ANSWER_KEY:
+        return f"over: {over!r} is invalid; allowed: {'|'.join(ANSWER_KEY)}"
+    if record.get("outcome") not in OUTCOMES:
+        return f"outcome: {record.get('outcome')!r} is invalid; allowed: {'|'.join(OUTCOMES)}"
+    answer = record.get(ANSWER_KEY[over])
+    if answer is not None and _finite(answer) is None:
+        return f"{ANSWER_KEY[over]}: {answer!r} is invalid; allowed: a finite number or null"
+    if record["outcome"] in ("found", "above_range") and answer is None:
+        return f"{ANSWER_KEY[over]}: null with outcome {record['outcome']!r}"
+    slo = record.get("slo")
+    if not isinstance(slo, list) or not all(
+        isinstance(c, str) and len(c.split()) == 3 for c in slo
+    ):
+        return f"slo: {slo!r} is invalid; allowed: a list of 'METRIC OP BOUND' strings"
+    points = record.get("points")
+    if not isinstance(points, list) or not all(isinstance(p, Mapping) for p in points):
+        return "points: not a list of objects"
+    if any(p.get("load") is not None and _finite(p.get("load")) is None for p in points):
+        return "points: a load that is not a finite number"
+    num = record.get("num_points")
+    if not isinstance(num, int) or isinstance(num, bool):
+        return f"num_points: {num!r} is invalid; allowed: a whole number"
+    bracket = record.get("bracket")
+    if not isinstance(bracket, Mapping):
+        return "bracket: not an object"
+    for end in ("meets", "misses"):
+        point = bracket.get(end)
+        if point is not None and (
+            not isinstance(point, Mapping) or _finite(point.get("load")) is None
+        ):
+            return f"bracket.{end}: neither null nor a point with a finite load"
+    if record["outcome"] == "found" and bracket.get("meets") is None:
+        return "bracket.meets: null with outcome 'found'"
+    return None
+
+
 def console_line(record: Mapping[str, Any]) -> str:
     """The search's answer in one line."""
     over, outcome = record["over"], record["outcome"]
