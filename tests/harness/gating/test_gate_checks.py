@@ -127,6 +127,12 @@ def test_checks_apply_to_every_complete_candidate_repeat(
         ),
         ("slo_attainment >= x", r"^rules\.checks: bound 'x' is invalid; allowed: a finite number$"),
         (42, r"^rules\.checks: 42 is invalid; allowed: a list of 'METRIC OP BOUND' strings"),
+        # every candidate failed one of the two: a regression whatever it measured
+        (
+            ["ttft_p99_s <= 1", "ttft_p99_s >= 2"],
+            r"^rules\.checks: contradictory: ttft_p99_s <= 1 and ttft_p99_s >= 2 cannot both",
+        ),
+        ({"ttft_p99_s": True}, r"^rules\.checks\.ttft_p99_s: bound True is invalid"),
     ],
 )
 def test_bad_checks_name_the_key_and_what_is_allowed(
