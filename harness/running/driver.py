@@ -217,11 +217,15 @@ class Driver:
         self.num_failed = 0
         self.num_cancelled = 0
         self.first_error: str | None = None  # the first failed request's, for max_errors
+        self.num_sent = 0  # requests handed to the backend
+        self.num_failed_unsent = 0  # later turns failed with their session, never sent
 
     @property
     def num_unsent(self) -> int:
-        """The workload's requests that got no row: never sent because the run stopped."""
-        return self.num_planned - self.num_rows
+        """The workload's requests never sent because the run stopped (a failed session's
+        later turns have rows). A run interrupted (Ctrl-C, SIGTERM) drops the rows of the
+        requests in flight: those were sent, and are not counted here."""
+        return self.num_planned - self.num_sent - self.num_failed_unsent
 
     @property
     def overhead_fraction(self) -> float | None:
@@ -274,6 +278,7 @@ class Driver:
             0,
             0,
         )
+        self.num_sent = self.num_failed_unsent = 0
         self.stopped_by = self.stop_reason = self.saturation = self.first_error = None
         self._stopping = asyncio.Event()
         # request id -> (its trace, the task reading its stream), while it is in flight
@@ -357,6 +362,7 @@ class Driver:
         """A turn that cannot be sent fails, and so does every later turn of its session:
         each keeps its row, so nothing goes missing from the counts."""
         now = self.clock()
+        self.num_failed_unsent += 1
         self._emit(RequestTrace(item, due_ns, sent_ns=now, finished_ns=now, error=error))
         for follower in self.followers.get(item.request_id, []):
             self._fail_session(follower, now, f"previous turn {item.request_id} failed")
@@ -375,6 +381,7 @@ class Driver:
 
     async def _send(self, item: WorkloadRequest, arrival_ns: int) -> RequestTrace:
         trace = RequestTrace(item, arrival_ns, sent_ns=self.clock())
+        self.num_sent += 1
         trace.samples_left = item.request.sampling.n
         request_id = item.request_id
         task = asyncio.current_task()
