@@ -272,6 +272,17 @@ def search(
     if low.measurement.status != "complete" or low.load is None:
         error = low.measurement.error or f"the run is {low.measurement.status}"
         return done("failed", None, f"the low run ({low.measurement.job}) failed: {error}")
+    unmeasured = [c.metric for c in checks if c.holds(low.measurement.metrics) is None]
+    if unmeasured and not low.measurement.saturated:
+        # not a load the SLO is missed at: the runs do not measure it (an engine metric such
+        # as mean_batch_size against a server, a percentile the run leaves out)
+        return done(
+            "failed",
+            None,
+            f"the low run ({low.measurement.job}) has no value for "
+            f"{', '.join(dict.fromkeys(unmeasured))}: its summary does not hold the metric; "
+            "allowed: an SLO on metrics this backend's runs measure",
+        )
     if not low.meets:
         return done(
             "below_range",

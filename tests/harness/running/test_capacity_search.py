@@ -366,3 +366,17 @@ def test_a_max_load_below_the_synchronous_rate_answers_the_highest_load_that_met
         if outcome == "found"
         else "search: max_rate_at_slo >= 100 req/s: every run met the SLO"
     )
+
+
+def test_a_metric_the_low_run_does_not_hold_fails_the_search_rather_than_below_range() -> None:
+    """mean_batch_size against a server (engine=openai has no engine steps): the low run met
+    nothing because it measured nothing, which read as 'below range: even the lowest load
+    misses the SLO (mean_batch_size <= 2: no value)'."""
+    checks = parse_checks(["mean_batch_size <= 2", "ttft_p99_s <= 1"], "slo")
+
+    def measure(probes: list[Probe]) -> list[Measurement]:
+        return [Measurement("complete", {"ttft_p99_s": 0.1, "req_per_s": 5.0}, job="0")]
+
+    result = search(measure, checks, SearchSettings(), num_requests=8)
+    assert result.outcome == "failed" and result.answer is None and len(result.points) == 1
+    assert result.note.startswith("the low run (0) has no value for mean_batch_size")
