@@ -200,10 +200,10 @@ class InferlabSweeper(BasicSweeper):
         swept = [k for k in values[0] if any(v.get(k) != values[0][k] for v in values)]
         # the search sets every workload.arrival key of each run: a grid over one of them
         # would run the same search once per value
-        arrival = [k for k in swept if k == "workload.arrival" or k.startswith("workload.arrival.")]
-        if arrival:
+        clash = [k for k in swept if k == "workload.arrival" or k.startswith("workload.arrival.")]
+        if clash:
             print(
-                f"error: {arrival[0]}: swept, but the capacity search sets the arrivals of each "
+                f"error: {clash[0]}: swept, but the capacity search sets the arrivals of each "
                 "run (run.search.over); allowed: a grid over other keys (engine.max_num_seqs=4,16)",
                 file=sys.stderr,
             )
