@@ -134,9 +134,7 @@ def _capacity_row(job: str, b: dict[str, Any] | None, c: dict[str, Any] | None) 
     answers = {"baseline": _answer(b), "candidate": _answer(c)}
     row.baseline = float(answers["baseline"]) if is_number(answers["baseline"]) else None
     row.candidate = float(answers["candidate"]) if is_number(answers["candidate"]) else None
-    row.n_baseline, row.n_candidate = (
-        int(s.get("num_points") or 0) if is_number(s.get("num_points")) else 0 for s in (b, c)
-    )
+    row.n_baseline, row.n_candidate = (_runs(s.get("num_points")) for s in (b, c))
     if row.baseline and row.candidate is not None:
         row.ratio = row.candidate / row.baseline
     why = _not_comparable(b, c)
@@ -172,6 +170,12 @@ def _capacity_row(job: str, b: dict[str, Any] | None, c: dict[str, Any] | None) 
             "beyond the searches' resolution"
         )
     return row
+
+
+def _runs(value: Any) -> int:
+    """num_points as a count: 0 for anything but a finite number >= 0 (a damaged file's
+    Infinity or NaN made int() raise)."""
+    return int(value) if is_number(value) and math.isfinite(value) and value >= 0 else 0
 
 
 def _answer(search: Mapping[str, Any]) -> Any:

@@ -13,7 +13,7 @@ import yaml
 
 from configs import CONFIG_DIR
 from harness.gating.stats import STATISTICS, BootstrapSettings
-from harness.measuring.checks import Check, CheckError, parse_checks
+from harness.measuring.checks import Check, CheckError, contradictions, parse_checks
 from harness.measuring.metrics import REGISTRY
 from models.files import SETTINGS, UserFileError, read_input_bytes
 
@@ -306,9 +306,13 @@ def _checks(value: Any) -> tuple[Check, ...]:
     """rules.checks: a list of 'METRIC OP BOUND' (or a mapping {METRIC: BOUND}); any
     registered metric, gated or not (slo_attainment is no gated metric by default)."""
     try:
-        return parse_checks(value, "rules.checks")
+        checks = parse_checks(value, "rules.checks")
     except CheckError as exc:
         raise RulesError(str(exc)) from None
+    clash = contradictions(checks)
+    if clash:  # as run.search.slo: every candidate would fail one of them
+        raise RulesError(f"rules.checks: contradictory: {'; '.join(clash)}")
+    return checks
 
 
 def add_require_argument(parser: argparse.ArgumentParser) -> None:

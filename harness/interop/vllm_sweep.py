@@ -66,6 +66,32 @@ def settings_of(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _check_layout(folder: Path, by_folder: dict[Path, list[Path]]) -> None:
+    """Refuse, before anything is written, a layout whose results would land on one another:
+    two files of one repeat number in a folder (run=0.json and run=00.json both repeat-0),
+    or results both in a folder and below it (the outer run folder would hold the inner ones,
+    and the report would read only one of them)."""
+    for parent, paths in by_folder.items():
+        numbers: dict[int, Path] = {}
+        for path in paths:
+            number = int(RUN_FILE.match(path.name).group(1))  # type: ignore[union-attr]
+            if number in numbers:
+                raise InteropError(
+                    f"{parent}: {numbers[number].name} and {path.name} are both repeat {number}; "
+                    "allowed: one run=<k>.json per repeat number in a folder"
+                )
+            numbers[number] = path
+    for parent in by_folder:
+        inner = next((p for p in by_folder if p != parent and parent in p.parents), None)
+        if inner is not None:
+            where = parent.relative_to(folder).as_posix()
+            raise InteropError(
+                f"{folder}: results both in {where!r} and below it, in "
+                f"{inner.relative_to(folder).as_posix()!r}; allowed: run=<k>.json files at the "
+                "deepest level of a combination's folders (import the others on their own)"
+            )
+
+
 def import_sweep(folder: Path) -> tuple[list[tuple[Path, ImportedRun]], list[str]]:
     """Every run=<k>.json under `folder` as (its folder relative to the output, the run), in
     path order; and notes on what was not imported (failed repeats)."""
@@ -76,6 +102,7 @@ def import_sweep(folder: Path) -> tuple[list[tuple[Path, ImportedRun]], list[str
     by_folder: dict[Path, list[Path]] = {}
     for path in files:
         by_folder.setdefault(path.parent, []).append(path)
+    _check_layout(folder, by_folder)
     out: list[tuple[Path, ImportedRun]] = []
     for parent, paths in by_folder.items():
         rel = parent.relative_to(folder)

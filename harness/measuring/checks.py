@@ -56,6 +56,8 @@ class Check:
 
 
 def _bound(value: Any, where: str) -> float:
+    if isinstance(value, bool):  # YAML's `true` is no bound of 1
+        raise CheckError(f"{where}: bound {value!r} is invalid; allowed: a finite number")
     try:
         bound = float(value)
     except (TypeError, ValueError, OverflowError):

@@ -339,6 +339,12 @@ def save(fig: Figure, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _or_nan(value: Any) -> float:
+    return (
+        float(value) if isinstance(value, int | float) and not isinstance(value, bool) else np.nan
+    )
+
+
 def capacity_search(records: Sequence[dict[str, Any]]) -> Figure:
     """A capacity search (harness/running/capacity_sweep.py records, one per search): for each
     SLO check a panel of its metric against load, points that meet filled, misses crossed,
@@ -365,9 +371,8 @@ def capacity_search(records: Sequence[dict[str, Any]]) -> Figure:
                 key=lambda p: p["load"],
             )
             xs = [p["load"] for p in points]
-            ys = [
-                ((p.get("metrics") or {}).get(metric) or np.nan) * scale for p in points
-            ]  # a failed run has no value: a gap
+            # a failed run has no value: a gap (a value of 0 is a value: num_failed <= 0)
+            ys = [_or_nan((p.get("metrics") or {}).get(metric)) * scale for p in points]
             ax.plot(xs, ys, color=colour, linewidth=1, alpha=0.6, label=label)
             for x, y, point in zip(xs, ys, points, strict=True):
                 meets = point.get("meets")

@@ -326,10 +326,20 @@ def _decisions(res: Results, points: pd.DataFrame, slos: Sequence[str], doc: Any
     rows = []
     for name, checks in decisions:
         best = best_under(points, checks)
+        # a metric no configuration has (ttft_p97_s outside run.percentiles, a search's
+        # max_rate_at_slo): not a verdict on the configurations
+        absent = [
+            c.metric
+            for c in checks
+            if c.metric not in points
+            or pd.to_numeric(points[c.metric], errors="coerce").isna().all()
+        ]
+        verdict = f"no configuration has {', '.join(dict.fromkeys(absent))}" if absent else None
         rows.append(
             {
                 "SLO": name,
-                "best configuration": "none meets it" if best is None else best["label"],
+                "best configuration": verdict
+                or ("none meets it" if best is None else best["label"]),
                 "tok/s per device": "-" if best is None else f"{best[PER_DEVICE]:,.4g}",
                 "tok/s per user": "-"
                 if best is None or pd.isna(best[PER_USER])

@@ -30,8 +30,15 @@ from harness.measuring.roofline import Roof, decode_only, measured_step_s, prefi
 from harness.reporting import figures, pareto, speculative
 from harness.reporting.formatting import format_metric
 from harness.reporting.results import Results, load
-from harness.run_folder import read_sweep_summary, read_timeslices, refuse_run_file
-from harness.running.capacity_sweep import console_line, read_search
+from harness.run_folder import (
+    SEARCH_FILE,
+    UnreadableFile,
+    read_search_records,
+    read_sweep_summary,
+    read_timeslices,
+    refuse_run_file,
+)
+from harness.running.capacity_sweep import console_line, record_problem
 from models.files import UserFileError, check_regular_file, given_output_path
 
 MAIN_METRICS = (
@@ -407,11 +414,27 @@ def section_search(res: Results, doc: Document) -> None:
     """A capacity search's answer (search.json in a sweep folder, docs/capacity.md): its line,
     its points and the figure of each SLO metric against load."""
     folders = sorted({Path(p).parent for p in res.runs.loc[res.runs["sweep"].notna(), "path"]})
-    found = [(folder, read_search(folder)) for folder in folders]
-    found = [(folder, records) for folder, records in found if records]
-    if not found:
+    found, problems = [], []
+    for folder in folders:
+        try:
+            records = read_search_records(folder)
+        except UnreadableFile as exc:  # a damaged search.json: said, and the rest reported
+            problems.append(str(exc))
+            continue
+        usable = []
+        for k, record in enumerate(records):
+            why = record_problem(record)
+            if why is None:
+                usable.append(record)
+            else:
+                problems.append(f"{folder / SEARCH_FILE}: record {k}: {why}")
+        if usable:
+            found.append((folder, usable))
+    if not found and not problems:
         return  # no search ran: no section (most reports)
     doc.heading("Capacity search")
+    for problem in problems:
+        doc.note(f"Left out: {problem}.")
     for index, (folder, records) in enumerate(found):
         for record in records:
             line = console_line(record).removeprefix("search").removeprefix(": ")

@@ -101,6 +101,8 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
     print(f"{label}{summary['status']} -> {run_dir}")
     if summary["metrics"]:
         print(summary_table(summary["metrics"], window=summary.get("window")))
+    for problem in summary.get("finalize_errors") or []:  # an output the run could not make
+        print(f"warning: {run_dir}: {problem}", file=sys.stderr)
     if summary["status"] == "failed":
         print(f"error: {summary['error']}", file=sys.stderr)
         if not multirun:  # a sweep records the failed job and goes on

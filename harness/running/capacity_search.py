@@ -304,6 +304,17 @@ def search(
     if low.measurement.status != "complete" or low.load is None:
         error = low.measurement.error or f"the run is {low.measurement.status}"
         return done("failed", None, f"the low run ({low.measurement.job}) failed: {error}")
+    unmeasured = [c.metric for c in checks if c.holds(low.measurement.metrics) is None]
+    if unmeasured and not low.measurement.saturated:
+        # not a load the SLO is missed at: the runs do not measure it (an engine metric such
+        # as mean_batch_size against a server, a percentile the run leaves out)
+        return done(
+            "failed",
+            None,
+            f"the low run ({low.measurement.job}) has no value for "
+            f"{', '.join(dict.fromkeys(unmeasured))}: its summary does not hold the metric; "
+            "allowed: an SLO on metrics this backend's runs measure",
+        )
     if not low.meets:
         return done(
             "below_range",
@@ -318,19 +329,34 @@ def search(
     if high.load is None:
         error = high.measurement.error or f"the run is {high.measurement.status}"
         return done("failed", None, f"the high run ({high.measurement.job}) failed: {error}")
+    if high.load <= low.load:
+        # no range between them (run.search.max_load below the synchronous run's rate,
+        # min_load above the throughput run's, or a server slower under batching): the answer
+        # is the highest load measured to meet, the low run's, whatever the high run did
+        why = (
+            f"the high run's load ({high.load:.4g} {UNIT[over]}) is no more than the low run's "
+            f"({low.load:.4g}): no range to search"
+        )
+        if high.probe.load is not None:
+            why += "; set run.search.max_load above the low run's load, or null"
+        elif low.probe.load is not None:
+            why += "; set run.search.min_load below the throughput run's load, or null"
+        return SearchResult(
+            over,
+            list(checks),
+            "above_range" if high.meets else "found",
+            low.load,
+            low,
+            None if high.meets else high,
+            points,
+            why,
+        )
     if high.meets:
         return done(
             "above_range",
             high.load,
             f"even the highest load, {high.load:.4g} {UNIT[over]}, meets the SLO: the answer is "
             "at least that",
-        )
-    if high.load <= low.load:
-        return done(
-            "found",
-            low.load,
-            f"the high run's load ({high.load:.4g}) is no more than the low run's: no range "
-            "to search",
         )
     while len(points) < settings.max_points:
         loads = next_loads(

@@ -26,7 +26,7 @@ from harness.running.capacity_search import (
     Probe,
     SearchResult,
 )
-from harness.running.run_config import SearchConfig
+from harness.running.run_config import RunConfig, SearchConfig
 
 SEARCH_FIGURE = "search.png"
 _ROLES = {"low": "synchronous", "high": "throughput"}
@@ -35,7 +35,8 @@ _ROLES = {"low": "synchronous", "high": "throughput"}
 def search_of(config: Mapping[str, Any]) -> tuple[SearchConfig, dict[str, Any], int | None]:
     """A job's `run.search` (checked), its `workload.arrival` and `workload.num_requests`.
     Raises ValueError naming the key when the workload cannot be put at a load."""
-    search = SearchConfig.from_dict((config.get("run") or {}).get("search"))
+    # the whole run section: a check is held against run.percentiles and run.slo too
+    search = RunConfig.from_dict(config.get("run")).search
     workload = config.get("workload") or {}
     arrival = workload.get("arrival") if isinstance(workload, Mapping) else None
     if not isinstance(arrival, Mapping):
@@ -50,6 +51,18 @@ def search_of(config: Mapping[str, Any]) -> tuple[SearchConfig, dict[str, Any], 
             "run.search: workload.num_requests is not set; the throughput run (and a "
             "concurrency range) needs it, or set run.search.max_load"
         )
+    if search.over == "concurrency" and num_requests is not None:
+        # a closed loop keeps no more in flight than there are requests: a concurrency past
+        # num_requests measures num_requests again
+        for name in ("min_load", "max_load"):
+            value = getattr(search, name)
+            if value is not None and value > num_requests - (name == "min_load"):
+                most = num_requests - (name == "min_load")
+                raise ValueError(
+                    f"run.search.{name}: {value:g} is invalid with over=concurrency and "
+                    f"workload.num_requests={num_requests}; allowed: at most {most} (a closed "
+                    "loop keeps no more requests in flight than the workload has)"
+                )
     return search, dict(arrival), num_requests
 
 
@@ -137,10 +150,64 @@ def result_record(result: SearchResult, grid: Mapping[str, Any] | None = None) -
         "points": [_point(p, metrics, result.over) for p in result.points],
         "num_points": len(result.points),
         "note": result.note,
+        # the range's ends as asked (run.search.min_load / max_load; null: the synchronous
+        # and throughput runs' own loads)
+        "range": {
+            f"{role_}_load": next(
+                (_load(p.probe.load, result.over) for p in result.points if p.probe.role == role),
+                None,
+            )
+            for role, role_ in (("low", "min"), ("high", "max"))
+        },
     }
     if grid is not None:
         record["grid"] = dict(grid)
     return record
+
+
+OUTCOMES = ("found", "below_range", "above_range", "failed")
+
+
+def record_problem(record: Any) -> str | None:
+    """What makes a search.json record (a hand-edited or damaged file) unusable for its line,
+    table and figure, else None."""
+    if not isinstance(record, Mapping):
+        return f"a record is {type(record).__name__}, not an object"
+    over = record.get("over")
+    if over not in ANSWER_KEY:
+        return f"over: {over!r} is invalid; allowed: {'|'.join(ANSWER_KEY)}"
+    if record.get("outcome") not in OUTCOMES:
+        return f"outcome: {record.get('outcome')!r} is invalid; allowed: {'|'.join(OUTCOMES)}"
+    answer = record.get(ANSWER_KEY[over])
+    if answer is not None and _finite(answer) is None:
+        return f"{ANSWER_KEY[over]}: {answer!r} is invalid; allowed: a finite number or null"
+    if record["outcome"] in ("found", "above_range") and answer is None:
+        return f"{ANSWER_KEY[over]}: null with outcome {record['outcome']!r}"
+    slo = record.get("slo")
+    if not isinstance(slo, list) or not all(
+        isinstance(c, str) and len(c.split()) == 3 for c in slo
+    ):
+        return f"slo: {slo!r} is invalid; allowed: a list of 'METRIC OP BOUND' strings"
+    points = record.get("points")
+    if not isinstance(points, list) or not all(isinstance(p, Mapping) for p in points):
+        return "points: not a list of objects"
+    if any(p.get("load") is not None and _finite(p.get("load")) is None for p in points):
+        return "points: a load that is not a finite number"
+    num = record.get("num_points")
+    if not isinstance(num, int) or isinstance(num, bool):
+        return f"num_points: {num!r} is invalid; allowed: a whole number"
+    bracket = record.get("bracket")
+    if not isinstance(bracket, Mapping):
+        return "bracket: not an object"
+    for end in ("meets", "misses"):
+        point = bracket.get(end)
+        if point is not None and (
+            not isinstance(point, Mapping) or _finite(point.get("load")) is None
+        ):
+            return f"bracket.{end}: neither null nor a point with a finite load"
+    if record["outcome"] == "found" and bracket.get("meets") is None:
+        return "bracket.meets: null with outcome 'found'"
+    return None
 
 
 def console_line(record: Mapping[str, Any]) -> str:
@@ -151,14 +218,24 @@ def console_line(record: Mapping[str, Any]) -> str:
     where = ""
     if record.get("grid"):
         where = " [" + ", ".join(f"{k}={v}" for k, v in record["grid"].items()) + "]"
+    # a high run at no more than the low run's load: no range was searched (the note says why)
+    high = next((p for p in record["points"] if p.get("role") == "high"), None)
+    no_range = high is not None and record[key] is not None and high["load"] < record[key]
     if outcome == "found":
         meets, misses = record["bracket"]["meets"], record["bracket"]["misses"]
         around = f"meets at {meets['load']:.4g}" + (
             f", misses at {misses['load']:.4g}" if misses is not None else ""
         )
-        return f"search{where}: {key} = {record[key]:.4g} {unit} ({around}; {runs})"
+        why = f": {record['note']}" if no_range else ""
+        return f"search{where}: {key} = {record[key]:.4g} {unit} ({around}; {runs}){why}"
     if outcome == "above_range":
-        run = "the throughput run" if record["points"][-1]["role"] == "high" else "max_load"
+        if no_range:
+            return (
+                f"search{where}: {key} >= {record[key]:.4g} {unit}: every run met the SLO; "
+                f"{record['note']} ({runs})"
+            )
+        asked = (record.get("range") or {}).get("max_load")
+        run = "the throughput run" if asked is None else "the run at max_load"
         return (
             f"search{where}: {key} >= {record[key]:.4g} {unit}: even {run} meets the SLO ({runs})"
         )

@@ -216,11 +216,16 @@ class Driver:
         self.num_rows = 0  # requests with a row (sent, or failed as a failed turn's follower)
         self.num_failed = 0
         self.num_cancelled = 0
+        self.first_error: str | None = None  # the first failed request's, for max_errors
+        self.num_sent = 0  # requests handed to the backend
+        self.num_failed_unsent = 0  # later turns failed with their session, never sent
 
     @property
     def num_unsent(self) -> int:
-        """The workload's requests that got no row: never sent because the run stopped."""
-        return self.num_planned - self.num_rows
+        """The workload's requests never sent because the run stopped (a failed session's
+        later turns have rows). A run interrupted (Ctrl-C, SIGTERM) drops the rows of the
+        requests in flight: those were sent, and are not counted here."""
+        return self.num_planned - self.num_sent - self.num_failed_unsent
 
     @property
     def overhead_fraction(self) -> float | None:
@@ -273,7 +278,8 @@ class Driver:
             0,
             0,
         )
-        self.stopped_by = self.stop_reason = self.saturation = None
+        self.num_sent = self.num_failed_unsent = 0
+        self.stopped_by = self.stop_reason = self.saturation = self.first_error = None
         self._stopping = asyncio.Event()
         # request id -> (its trace, the task reading its stream), while it is in flight
         self._in_flight: dict[str, tuple[RequestTrace, asyncio.Task[Any]]] = {}
@@ -356,6 +362,7 @@ class Driver:
         """A turn that cannot be sent fails, and so does every later turn of its session:
         each keeps its row, so nothing goes missing from the counts."""
         now = self.clock()
+        self.num_failed_unsent += 1
         self._emit(RequestTrace(item, due_ns, sent_ns=now, finished_ns=now, error=error))
         for follower in self.followers.get(item.request_id, []):
             self._fail_session(follower, now, f"previous turn {item.request_id} failed")
@@ -374,6 +381,7 @@ class Driver:
 
     async def _send(self, item: WorkloadRequest, arrival_ns: int) -> RequestTrace:
         trace = RequestTrace(item, arrival_ns, sent_ns=self.clock())
+        self.num_sent += 1
         trace.samples_left = item.request.sampling.n
         request_id = item.request_id
         task = asyncio.current_task()
@@ -485,6 +493,8 @@ class Driver:
             self.num_cancelled += 1
         elif trace.error is not None:
             self.num_failed += 1
+            if self.first_error is None:
+                self.first_error = f"{trace.item.request_id}: {' '.join(trace.error.split())}"
             self._check_errors()
         if self.on_request_done is not None:
             self.on_request_done(trace)
@@ -552,8 +562,9 @@ class Driver:
                 and self.num_failed >= bound * self.num_rows
             )
             what = f"{self.num_failed} of {self.num_rows} finished requests failed"
-        if hit:
-            self._stop("max_errors", f"run.max_errors={bound:g} reached: {what}")
+        if hit:  # the first failure's error too: the cause, not only the count
+            reason = f"run.max_errors={bound:g} reached: {what}; the first, {self.first_error}"
+            self._stop("max_errors", reason)
 
     async def _watch(self, detector: SaturationDetector) -> None:
         """Sample the requests outstanding and ask the detector, until the run stops."""

@@ -166,6 +166,7 @@ def _run(
             _measure(run)
     except KeyboardInterrupt as exc:
         run.status, run.error = "incomplete", interruption(exc)
+        _keep_stop(run)  # a bound hit before the interrupt still stopped the run
     except Exception as exc:  # recorded, then re-raised by the caller if it wants
         run.failed(exc)
     finally:
@@ -272,10 +273,8 @@ def _measure(run: RunContext) -> None:
     if failure is not None:  # the requests after it failed one by one; so does the run
         raise RuntimeError(f"the backend failed during the run: {failure}")
     info["harness_overhead_fraction"] = driver.overhead_fraction
-    if isinstance(driver, Driver) and driver.stopped_by is not None:
-        run.stopped_by, run.stop_reason = driver.stopped_by, driver.stop_reason
-        run.saturation = driver.saturation
-        run.shown.phase(f"stopped early: {driver.stop_reason}")
+    if _keep_stop(run):
+        run.shown.phase(f"stopped early: {run.stop_reason}")
     for tracker in run.trackers:
         tracker.stop(backend, engine)
     if run.first_steps:
@@ -284,6 +283,16 @@ def _measure(run: RunContext) -> None:
         info["cold_start_s"] = info["load_s"] + info["first_step_s"]
     if run.stopped_by == "max_errors":  # the others stop a run that did what was asked
         run.status, run.error = "failed", run.stop_reason
+
+
+def _keep_stop(run: RunContext) -> bool:
+    """The run's `stopped_by` from its driver's, if a bound stopped it."""
+    driver = run.driver
+    if not isinstance(driver, Driver) or driver.stopped_by is None:
+        return False
+    run.stopped_by, run.stop_reason = driver.stopped_by, driver.stop_reason
+    run.saturation = driver.saturation
+    return True
 
 
 def _driver(run: RunContext, backend: Backend) -> Driver | ClientPool:
@@ -331,7 +340,10 @@ def _finish(run: RunContext) -> dict[str, Any]:
         "saturated": run.saturation is not None,
         "saturation": run.saturation,
         # the measured requests without a row: never sent because the run stopped early
-        "num_unsent": max(0, len(run.requests) - len(frames["requests"])),
+        # (the driver counts what it sent: an interrupt drops the rows of those in flight)
+        "num_unsent": run.driver.num_unsent
+        if isinstance(run.driver, Driver) and run.driver.num_planned
+        else max(0, len(run.requests) - len(frames["requests"])),
         **summarize(frames, run.info, asdict(run.cfg.slo), run.cfg.window, run.cfg.percentiles),
         "run_dir": str(run.run_dir),
         **{k: v for k, v in run.info.items() if k not in _INFO_ONLY},

@@ -5,6 +5,7 @@ allowed values and help, checked once at the edge and against the workload's in-
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,12 +15,14 @@ from harness.config_section import ConfigSection, holds_a_float
 from harness.measuring.checks import Check, contradictions, parse_checks
 from harness.measuring.metrics import (
     DEFAULT_PERCENTILES,
+    LATENCY_FAMILIES,
     PERCENTILE_DECIMALS,
+    family_stats,
     percentile_stat,
     stat_percentile,
 )
 from harness.measuring.monitors import MonitorConfig
-from harness.running.capacity_search import OVER, SearchSettings
+from harness.running.capacity_search import ANSWER_KEY, OVER, SearchSettings
 from harness.running.clients import client_limits
 from harness.running.driver import MAX_ERRORS_MIN_FINISHED, RunBounds
 from harness.running.saturation import SaturationConfig
@@ -314,6 +317,11 @@ class RunConfig(ConfigSection):
     def _check_together(self) -> None:
         self._keep_floats("timeslice_s", "max_duration_s", "max_duration_grace_s", "max_errors")
         self._set("percentiles", [float(q) for q in self.percentiles])
+        if self.search.enabled:
+            for check in self.search.checks:
+                why = unmeasured(check.metric, self.percentiles, self.slo)
+                if why:
+                    raise self.error(f"run.search.slo: {check}: {why}")
 
     @property
     def bounds(self) -> RunBounds:
@@ -324,6 +332,38 @@ class RunConfig(ConfigSection):
             max_errors=self.max_errors,
             saturation=self.saturation if self.stop_on_saturation else None,
         )
+
+
+#: the metrics `run.slo`'s bounds define: a run has them only where one of those is set
+SLO_METRICS = ("slo_attainment", "goodput_req_per_s")
+
+
+def unmeasured(metric: str, percentiles: list[float], slo: SloConfig) -> str | None:
+    """Why no run of this configuration will hold `metric` in its summary (its check could
+    only ever miss, as "no value"), else None: the search's own answers (a sweep's, not a
+    run's), SLO figures without a `run.slo` bound, a percentile `run.percentiles` leaves out."""
+    if metric in ANSWER_KEY.values():
+        return (
+            "is the capacity search's answer (the sweep's), not a run's metric; allowed: a "
+            "run's metric, e.g. ttft_p99_s, tpot_p99_s, slo_attainment"
+        )
+    if metric in SLO_METRICS and all(
+        getattr(slo, key) is None for key in ("ttft_s", "tpot_s", "e2e_s")
+    ):
+        return (
+            f"a run has {metric} only under a per-request bound; allowed: with run.slo.ttft_s, "
+            "run.slo.tpot_s or run.slo.e2e_s set"
+        )
+    match = re.fullmatch(r"([a-z0-9]+)_(p\d+)_s", metric)
+    family = LATENCY_FAMILIES.get(match[1]) if match else None
+    if match and family and match[2] not in family_stats(family, percentiles):
+        q = stat_percentile(match[2])
+        listed = ", ".join(f"{p:g}" for p in percentiles)
+        return (
+            f"run.percentiles [{listed}] has no {q:g}, so no run measures {metric}; "
+            f"allowed: a percentile of run.percentiles, or add {q:g} to it"
+        )
+    return None
 
 
 #: the backends that `run.num_clients` > 1 can split over client processes: HTTP clients of a

@@ -198,6 +198,16 @@ class InferlabSweeper(BasicSweeper):
         # the keys whose value differs between grid points name each search
         values = [override_values(o) for o in grid]
         swept = [k for k in values[0] if any(v.get(k) != values[0][k] for v in values)]
+        # the search sets every workload.arrival key of each run: a grid over one of them
+        # would run the same search once per value
+        clash = [k for k in swept if k == "workload.arrival" or k.startswith("workload.arrival.")]
+        if clash:
+            print(
+                f"error: {clash[0]}: swept, but the capacity search sets the arrivals of each "
+                "run (run.search.over); allowed: a grid over other keys (engine.max_num_seqs=4,16)",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
         counters = {"first_job": 0, "launched": 0}
         returns: list[Any] = []
         records = []

@@ -127,6 +127,12 @@ def test_checks_apply_to_every_complete_candidate_repeat(
         ),
         ("slo_attainment >= x", r"^rules\.checks: bound 'x' is invalid; allowed: a finite number$"),
         (42, r"^rules\.checks: 42 is invalid; allowed: a list of 'METRIC OP BOUND' strings"),
+        # every candidate failed one of the two: a regression whatever it measured
+        (
+            ["ttft_p99_s <= 1", "ttft_p99_s >= 2"],
+            r"^rules\.checks: contradictory: ttft_p99_s <= 1 and ttft_p99_s >= 2 cannot both",
+        ),
+        ({"ttft_p99_s": True}, r"^rules\.checks\.ttft_p99_s: bound True is invalid"),
     ],
 )
 def test_bad_checks_name_the_key_and_what_is_allowed(
@@ -288,3 +294,23 @@ def test_a_grid_of_searches_is_compared_point_by_point(
     assert rows["engine.max_num_seqs=4"]["verdict"] == "regression"  # misses at 6 < meets at 8
     assert rows["engine.max_num_seqs=16"]["verdict"] == "pass"
     assert rows["engine.max_num_seqs=32"]["verdict"] == "missing"
+
+
+@pytest.mark.parametrize("num_points", ["Infinity", "NaN", "-3"])
+def test_a_damaged_num_points_is_no_internal_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], num_points: str
+) -> None:
+    """num_points: Infinity (Python's json reads it) made int() raise OverflowError, a gate
+    internal error; NaN a one-line ValueError naming neither file nor key. A count that is
+    no finite number >= 0 now reads as 0 and the row is decided on the brackets."""
+    make_search_sweep(tmp_path / "cand", "found", 6.0, 6.0, 7.0)
+    path = tmp_path / "cand" / "search.json"
+    path.write_text(path.read_text().replace('"num_points": 2', f'"num_points": {num_points}'))
+    make_search_sweep(tmp_path / "base", "found", 6.0, 6.0, 7.0)
+    out_json = tmp_path / "gate.json"
+    run_gate(
+        capsys, "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand"),
+        "--rules", str(rules_file(tmp_path, {})), "--json", str(out_json),
+    )  # fmt: skip
+    row = next(r for r in json.loads(out_json.read_text())["rows"] if r["kind"] == "capacity")
+    assert row["verdict"] == "pass" and row["n_candidate"] == 0 and row["n_baseline"] == 2

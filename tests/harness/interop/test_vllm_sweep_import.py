@@ -72,3 +72,35 @@ def test_benchmark_is_refused_for_a_sweep_folder(
     code = cli.main(["import", str(SWEEP), "--out", str(tmp_path / "x"), "--benchmark", "0"])
     assert code == 2
     assert "--benchmark: " in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def _copy_result(source: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text((SWEEP / COMBINATION.format(seqs=8, tp=1) / source).read_text())
+
+
+@pytest.mark.parametrize(
+    ("files", "said"),
+    [
+        # both repeat-0: the second was written over the first ("2 result(s)", one kept)
+        (["a/run=0.json", "a/run=00.json"], "run=0.json and run=00.json are both repeat 0"),
+        # a run folder holding another: the report read only one of them
+        (["run=0.json", "b/run=0.json"], "results both in '.' and below it, in 'b'"),
+        (
+            ["a/run=0.json", "a/request_rate=1/run=0.json"],
+            "results both in 'a' and below it, in 'a/request_rate=1'",
+        ),
+    ],
+)
+def test_results_that_would_land_on_one_another_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], files: list[str], said: str
+) -> None:
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "summary.csv").write_text((SWEEP / "summary.csv").read_text())
+    for k, name in enumerate(files):
+        _copy_result(f"run={k}.json", sweep / name)
+    out = tmp_path / "imported"
+    assert cli.main(["import", str(sweep), "--out", str(out)]) == 2
+    assert said in capsys.readouterr().err
+    assert not out.exists()  # nothing written

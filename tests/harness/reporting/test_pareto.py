@@ -176,6 +176,8 @@ def test_report_draws_the_frontier_and_names_the_best_per_slo(tmp_path: Path) ->
         "ttft_p99_s <= 2",
         "--slo",
         "tpot_p99_s <= 0.001",
+        "--slo",
+        "ttft_p97_s <= 1",
     ]
     assert cli.main(args) == 0
     markdown = (out / "report.md").read_text()
@@ -191,6 +193,8 @@ def test_report_draws_the_frontier_and_names_the_best_per_slo(tmp_path: Path) ->
     assert "1 configuration(s) did not complete: left out" in section
     assert "| ttft_p99_s <= 2 | max_num_seqs=16 quantization=int8 | 1,200 |" in section
     assert "| tpot_p99_s <= 0.001 | none meets it |" in section
+    # a metric no configuration has is said, not read as "none meets it"
+    assert "| ttft_p97_s <= 1 | no configuration has ttft_p97_s |" in section
     # the sweep's own run.slo, as a bound on p99
     assert "| ttft_p99_s <= 1 | max_num_seqs=4 quantization=int8 |" in section
     assert "tokens per $" not in section  # no cost stated
@@ -251,3 +255,56 @@ def test_a_configuration_without_tpot_is_named_not_a_crash(tmp_path: Path) -> No
     assert points[PER_USER].isna().all() and points[PER_DEVICE].tolist() == [400.0, 1200.0]
     mask, notes = pareto_front(points, PER_USER, PER_DEVICE, label="label")
     assert not mask.any() and "2 configuration(s) without" in notes[0]
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        ("{}", "record 0: over: None is invalid; allowed: rate|concurrency"),
+        ('{"searches": [{}]}', "record 0: over: None is invalid"),
+        ('{"over": "rate", "outcome": "found"}', "max_rate_at_slo: null with outcome 'found'"),
+        (
+            '{"over": "rate", "outcome": "found", "max_rate_at_slo": 5, "slo": ["ttft_p99_s <= 2"],'
+            ' "points": [1, "x"], "num_points": 2, "bracket": {"meets": {"load": 5}}}',
+            "points: not a list of objects",
+        ),
+        (
+            '{"over": "rate", "outcome": "found", "max_rate_at_slo": "abc"}',
+            "max_rate_at_slo: 'abc' is invalid",
+        ),
+        ("{not json", "not valid JSON"),
+        ("", "empty file"),
+    ],
+)
+def test_a_damaged_search_json_is_a_note_not_a_traceback(
+    tmp_path: Path, content: str, said: str
+) -> None:
+    """`inferlab report` over a sweep whose search.json lost keys ({}, a found outcome without
+    its answer, points that are not objects) raised KeyError / TypeError / AttributeError; an
+    unreadable file left the section out without a word. Now the section says what was left
+    out and the report is written."""
+    sweep = make_sweep(tmp_path / "load_sweep", JOBS[:2])
+    (sweep / "search.json").write_text(content)
+    out = tmp_path / "report"
+    assert cli.main(["report", str(sweep), "--out", str(out)]) == 0
+    section = (out / "report.md").read_text().split("## Capacity search")[1]
+    assert f"Left out: {sweep / 'search.json'}" in section and said in section
+
+
+def test_the_search_figure_draws_a_value_of_zero() -> None:
+    """`value or nan` drew a run whose SLO metric was 0 (num_failed <= 0) as a gap."""
+    from harness.reporting import figures
+
+    record = {
+        "over": "rate",
+        "slo": ["num_failed <= 0"],
+        "points": [
+            {"load": 1.0, "meets": True, "metrics": {"num_failed": 0}},
+            {"load": 2.0, "meets": False, "metrics": {"num_failed": None}},
+        ],
+    }
+    fig = figures.capacity_search([record])
+    line = fig.axes[0].lines[0]
+    assert list(line.get_xdata()) == [1.0, 2.0]
+    ys = list(line.get_ydata())
+    assert ys[0] == 0.0 and math.isnan(ys[1])

@@ -334,3 +334,108 @@ def test_a_synchronous_meet_is_remeasured_with_poisson_arrivals() -> None:
     short = search(measure, checks, SearchSettings(max_points=3))  # no room to halve down
     assert short.outcome == "below_range" and short.answer is None
     assert "Poisson arrivals miss the SLO down to 2.54" in short.note
+
+
+@pytest.mark.parametrize(
+    ("run_section", "message"),
+    [
+        # a percentile run.percentiles leaves out: every run would miss it as "no value"
+        (
+            {"search": {"slo": ["ttft_p97_s <= 1"]}},
+            "run.search.slo: ttft_p97_s <= 1: run.percentiles [50, 90, 95, 99] has no 97",
+        ),
+        # SLO figures exist only under a run.slo bound
+        (
+            {"search": {"slo": ["ttft_p90_s <= 0.5", "slo_attainment >= 0.99"]}},
+            "run.search.slo: slo_attainment >= 0.99: a run has slo_attainment only under",
+        ),
+        (
+            {"search": {"slo": {"goodput_req_per_s": 1}}},
+            "run.search.slo: goodput_req_per_s >= 1: a run has goodput_req_per_s only under",
+        ),
+        # the search's own answer is a sweep's, never a run's
+        (
+            {"search": {"slo": ["max_rate_at_slo >= 1"]}},
+            "run.search.slo: max_rate_at_slo >= 1: is the capacity search's answer",
+        ),
+        # YAML's true is no bound
+        ({"search": {"slo": {"ttft_p99_s": True}}}, "bound True is invalid"),
+    ],
+)
+def test_checks_no_run_can_measure_are_refused_before_anything_runs(
+    run_section: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        RunConfig.from_dict(run_section)
+
+
+def test_checks_on_measured_metrics_are_taken() -> None:
+    listed = RunConfig.from_dict(
+        {"search": {"slo": ["ttft_p97_s <= 1", "itl_p999_s <= 1"]}, "percentiles": [50, 97]}
+    )
+    assert [str(c) for c in listed.search.checks] == ["ttft_p97_s <= 1", "itl_p999_s <= 1"]
+    bounded = RunConfig.from_dict(
+        {"search": {"slo": ["slo_attainment >= 0.99"]}, "slo": {"ttft_s": 2}}
+    )
+    assert bounded.search.enabled
+
+
+def test_the_line_names_max_load_when_it_bounded_an_above_range_search() -> None:
+    checks = parse_checks(["ttft_p99_s <= 5"], "slo")
+
+    def measure(probes: list[Probe]) -> list[Measurement]:
+        return [Measurement("complete", {"ttft_p99_s": 1.0, "req_per_s": 1.0}) for _ in probes]
+
+    for max_load, said in (
+        (None, "even the throughput run meets"),
+        (3.0, "even the run at max_load meets"),
+    ):
+        result = search(measure, checks, SearchSettings(max_load=max_load), num_requests=8)
+        record = result_record(result)
+        assert record["outcome"] == "above_range"
+        assert record["range"] == {"min_load": None, "max_load": max_load}
+        assert said in console_line(record)
+
+
+@pytest.mark.parametrize(("high_meets", "outcome"), [(False, "found"), (True, "above_range")])
+def test_a_max_load_below_the_synchronous_rate_answers_the_highest_load_that_met(
+    high_meets: bool, outcome: str
+) -> None:
+    """run.search.max_load=5 where the synchronous run achieved 100 req/s: no range to search.
+    The answer is the 100 req/s measured to meet, never the 5 (it was, above range), and a
+    miss at 5 no longer left the line without a bracket to print (a TypeError lost
+    search.json)."""
+    checks = parse_checks(["duration_s <= 1"], "slo")
+
+    def measure(probes: list[Probe]) -> list[Measurement]:
+        out = []
+        for probe in probes:
+            duration = 0.1 if probe.load is None or high_meets else 2.0
+            out.append(Measurement("complete", {"duration_s": duration, "req_per_s": 100.0}))
+        return out
+
+    result = search(measure, checks, SearchSettings(max_load=5.0), num_requests=8)
+    record = result_record(result)
+    assert record["outcome"] == outcome and record["max_rate_at_slo"] == 100.0
+    assert record["bracket"]["meets"]["load"] == 100.0
+    line = console_line(record)
+    assert "no range to search; set run.search.max_load above the low run's load" in line
+    assert line.startswith(
+        "search: max_rate_at_slo = 100 req/s (meets at 100, misses at 5; 2 runs)"
+        if outcome == "found"
+        else "search: max_rate_at_slo >= 100 req/s: every run met the SLO"
+    )
+
+
+def test_a_metric_the_low_run_does_not_hold_fails_the_search_rather_than_below_range() -> None:
+    """mean_batch_size against a server (engine=openai has no engine steps): the low run met
+    nothing because it measured nothing, which read as 'below range: even the lowest load
+    misses the SLO (mean_batch_size <= 2: no value)'."""
+    checks = parse_checks(["mean_batch_size <= 2", "ttft_p99_s <= 1"], "slo")
+
+    def measure(probes: list[Probe]) -> list[Measurement]:
+        return [Measurement("complete", {"ttft_p99_s": 0.1, "req_per_s": 5.0}, job="0")]
+
+    result = search(measure, checks, SearchSettings(), num_requests=8)
+    assert result.outcome == "failed" and result.answer is None and len(result.points) == 1
+    assert result.note.startswith("the low run (0) has no value for mean_batch_size")

@@ -111,3 +111,27 @@ def test_a_search_runs_its_rounds_in_parallel_on_a_launcher(tmp_path: Path) -> N
     assert len(points) <= 8
     provenance = json.loads((tmp_path / "0" / "provenance.json").read_text())
     assert provenance["placement"]["launcher"] == "joblib"
+
+
+def test_a_grid_over_the_arrivals_and_a_concurrency_past_the_workload_are_refused(
+    tmp_path: Path,
+) -> None:
+    """The search sets each run's arrivals: a grid over workload.arrival.rate ran the same
+    search once per value; a concurrency range past num_requests measured num_requests again
+    (or, from min_load, answered a concurrency the closed loop never reached). Both are
+    refused before any job runs, naming the key."""
+    slo = "run.search.slo=['ttft_p99_s <= 60']"
+    grid = inferlab("-m", *TINY, slo, "workload.arrival.rate=1,2", f"hydra.sweep.dir={tmp_path}/a")
+    assert grid.returncode == 2, grid.stderr[-2000:]
+    assert "error: workload.arrival.rate: swept, but the capacity search sets" in grid.stderr
+    for key, value, most in (("max_load", 64, 12), ("min_load", 12, 11)):
+        done = inferlab(
+            "-m", *TINY, slo, "run.search.over=concurrency", f"run.search.{key}={value}",
+            f"hydra.sweep.dir={tmp_path}/{key}",
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert (
+            f"error: run.search.{key}: {value} is invalid with over=concurrency and "
+            f"workload.num_requests=12; allowed: at most {most}"
+        ) in done.stderr
+        assert not (tmp_path / key / "0").exists()  # no job ran

@@ -234,7 +234,16 @@ def test_max_errors_as_a_count(virtual_time: Clock) -> None:
     driver, rows, _ = drive(backend, workload, virtual_time, RunBounds(max_errors=3))
     assert statuses(rows) == {"failed": 3} and driver.num_unsent == 47
     assert driver.stopped_by == "max_errors"
-    assert driver.stop_reason == "run.max_errors=3 reached: 3 requests failed"
+    # the count, and the first failure's error: the cause, not only the count
+    assert driver.stop_reason.startswith(
+        "run.max_errors=3 reached: 3 requests failed; the first, r00: "
+    )
+    assert (
+        driver.stop_reason.removeprefix(
+            "run.max_errors=3 reached: 3 requests failed; the first, r00: "
+        )
+        == rows["r00"]["error"]
+    )
 
 
 @pytest.mark.parametrize(("fraction", "stops"), [(0.5, True), (0.6, False)])
@@ -295,3 +304,33 @@ def test_a_load_the_server_sustains_runs_to_the_end(
     driver, rows, _ = drive(backend, workload, virtual_time, bounds)
     assert driver.stopped_by is None and driver.saturation is None
     assert statuses(rows) == {"ok": len(workload)}
+
+
+class InterruptedBackend(StreamingBackend):
+    """Ctrl-C arrives (a KeyboardInterrupt out of a stream) once `at_s` has passed."""
+
+    def __init__(self, clock: Clock, at_s: float, **options: Any) -> None:
+        super().__init__(clock, **options)
+        self.at_ns = int(at_s * 1e9)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestEvent]:
+        async for event in super().generate(request):
+            if self.clock() >= self.at_ns:
+                raise KeyboardInterrupt("SIGTERM")
+            yield event
+
+
+def test_an_interrupt_in_the_grace_keeps_the_bound_and_counts_the_sent(
+    virtual_time: Clock,
+) -> None:
+    """max_duration_s stops sending at 0.35 s (4 of 10 sent); Ctrl-C comes 2 s into the grace,
+    with all 4 in flight. The stop is kept (`stopped_by`), and the 4 sent are not counted as
+    unsent (num_unsent was planned - rows: 10 of 10)."""
+    backend = InterruptedBackend(virtual_time, at_s=2.0, token_s=0.1)
+    workload = [item(f"r{i}", arrival=i / 10, max_tokens=100) for i in range(10)]
+    driver = Driver(backend, lambda table, row: None, clock=virtual_time,
+                    bounds=RunBounds(max_duration_s=0.35, grace_s=60))  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        driver.run(workload)
+    assert driver.stopped_by == "max_duration_s" and driver.num_rows == 0
+    assert driver.num_sent == 4 and driver.num_unsent == 6

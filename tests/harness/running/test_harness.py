@@ -480,3 +480,20 @@ def test_a_capped_poisson_run_never_overlaps_requests(tmp_path: Path) -> None:
     # the schedule is kept; the wait for the slot is the lateness
     assert (requests["arrival_s"].diff().dropna() >= 0).all()
     assert (requests["sent_s"] - requests["arrival_s"]).max() > 0
+
+
+def test_an_output_the_run_could_not_make_is_a_warning_on_the_console(tmp_path: Path) -> None:
+    """run.timeslice_s=1e-9 gives millions of slices: timeslices.csv is refused after the run,
+    which stays complete; the reason was only in summary.json's finalize_errors, the console
+    said `complete` and nothing else. Now a warning line names it."""
+    result = inferlab(
+        "run", "model=tiny", "workload.num_requests=2", "workload.output_len=4",
+        "run.warmup_requests=0", "run.progress=false", "run.timeslice_s=1e-9",
+        f"hydra.run.dir={tmp_path}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "complete"
+    assert not (tmp_path / "timeslices.csv").exists()
+    assert f'warning: {tmp_path}: timeslices: ValueError("run.timeslice_s: 1e-09 gives' in (
+        result.stderr
+    )

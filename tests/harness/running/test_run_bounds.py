@@ -123,7 +123,8 @@ def test_max_errors_fails_the_run_with_the_bound_named(tmp_path: Path) -> None:
     }
     summary = run_experiment(config(workload, {"max_errors": 5}), tmp_path, progress=False)
     assert summary["status"] == "failed" and summary["stopped_by"] == "max_errors"
-    assert summary["error"] == "run.max_errors=5 reached: 5 requests failed"
+    assert summary["error"].startswith("run.max_errors=5 reached: 5 requests failed; the first, ")
+    assert "stop_token_ids" in summary["error"]  # why they failed, not only how many
     requests = requests_of(tmp_path)
     assert (requests["status"] == "failed").sum() >= 5
     assert len(requests) + summary["num_unsent"] == 100 and summary["num_unsent"] > 50
