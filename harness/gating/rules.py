@@ -14,7 +14,7 @@ import yaml
 from configs import CONFIG_DIR
 from harness.gating.stats import STATISTICS, BootstrapSettings
 from harness.measuring.checks import Check, CheckError, contradictions, parse_checks
-from harness.measuring.metrics import REGISTRY
+from harness.measuring.metrics import REGISTRY, SWEEP_ANSWERS
 from models.files import SETTINGS, UserFileError, read_input_bytes
 
 DEFAULT_RULES = CONFIG_DIR / "gate" / "default.yaml"
@@ -312,6 +312,13 @@ def _checks(value: Any) -> tuple[Check, ...]:
     clash = contradictions(checks)
     if clash:  # as run.search.slo: every candidate would fail one of them
         raise RulesError(f"rules.checks: contradictory: {'; '.join(clash)}")
+    for i, check in enumerate(checks):
+        if check.metric in SWEEP_ANSWERS:  # no run has it: every run would be "absent"
+            raise RulesError(
+                f"rules.checks[{i}]: {check} is invalid; allowed: a run's metric "
+                f"({check.metric} is a capacity search's answer, in search.json: the gate "
+                "compares it with the baseline's on its own, docs/gate.md)"
+            )
     return checks
 
 

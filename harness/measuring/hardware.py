@@ -207,7 +207,7 @@ def spec_from_dict(values: dict[str, Any], where: str = "hardware") -> HardwareS
         memory_bytes=_as_int(optional("memory_bytes", " (bytes)")),  # a capacity: whole bytes
         link_bandwidth=optional("link_bandwidth", " (bytes/s)"),
         link_latency=optional("link_latency", " (seconds per hop)", zero_ok=True),
-        cost_per_hour=optional("cost_per_hour", " (per device-hour)", zero_ok=True),
+        cost_per_hour=optional("cost_per_hour", " (per device-hour)"),
     )
 
 
@@ -522,12 +522,12 @@ def _check_cost(value: Any) -> None:
         isinstance(value, int | float)
         and not isinstance(value, bool)
         and math.isfinite(value)
-        and value >= 0
+        and value > 0
     )
-    if not ok:
+    if not ok:  # 0 too: a price of nothing gives tokens per dollar no report can draw
         raise ValueError(
-            f"hardware.cost_per_hour: {value!r} is invalid; allowed: a number >= 0 (per "
-            "device-hour) or null"
+            f"hardware.cost_per_hour: {value!r} is invalid; allowed: a number > 0 (per "
+            "device-hour) or null (no price: no per-dollar view)"
         )
 
 

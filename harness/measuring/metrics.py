@@ -383,21 +383,19 @@ register(
     "deterministic",
     "padding tokens / all tokens computed (prefill + decode + padding)",
 )
-# a capacity search's answers (sweep_summary.json, docs/capacity.md), not a run's
-register(
-    "max_rate_at_slo",
-    "req/s",
-    "higher",
-    "timing",
-    "capacity search: the highest request rate measured to meet run.search.slo",
-)
-register(
-    "max_concurrency_at_slo",
-    "requests",
-    "higher",
-    "timing",
-    "capacity search: the highest concurrency measured to meet run.search.slo",
-)
+#: a capacity search's answers (search.json, sweep_summary.json; docs/capacity.md): a sweep's
+#: figures, never in a run's summary
+SWEEP_ANSWERS = ("max_rate_at_slo", "max_concurrency_at_slo")
+for _answer, _unit, _load in zip(
+    SWEEP_ANSWERS, ("req/s", "requests"), ("request rate", "concurrency"), strict=True
+):
+    register(
+        _answer,
+        _unit,
+        "higher",
+        "timing",
+        f"capacity search: the highest {_load} measured to meet run.search.slo",
+    )
 register("num_requests", "count", "none", "deterministic", "requests in the measured run")
 register("num_completed", "count", "higher", "deterministic", "requests that finished")
 register("num_failed", "count", "lower", "deterministic", "requests that failed")

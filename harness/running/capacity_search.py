@@ -63,13 +63,16 @@ class Probe:
 @dataclass(frozen=True)
 class Measurement:
     """What a run of a probe gave: its status and error, its metrics (a summary's `metrics`),
-    whether it was stopped as saturated, and its job (a name for the output)."""
+    whether it was stopped as saturated, its job (a name for the output), and the requests
+    it lost: failed, or cut by a run bound (run.max_duration_s) before they finished."""
 
     status: str
     metrics: Mapping[str, Any] = field(default_factory=dict)
     saturated: bool = False
     error: str | None = None
     job: str = ""
+    failed_requests: int = 0
+    cut_requests: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,13 +105,21 @@ def slack(checks: Sequence[Check], metrics: Mapping[str, Any]) -> float | None:
 
 def judge(probe: Probe, load: float | None, checks: Sequence[Check], got: Measurement) -> Point:
     """The point a measurement makes: it meets the SLO only as a complete, unsaturated run
-    whose metrics pass every check."""
+    that lost no request and whose metrics pass every check (the latencies count completed
+    requests only: a run whose slowest requests failed or were cut would look faster)."""
     if got.status != "complete":
         why = f"run {got.status}" + (f": {' '.join(str(got.error).split())}" if got.error else "")
         return Point(probe, load, False, None, [why], got)
     missed = failed_checks(tuple(checks), got.metrics)
+    lost = []
     if got.saturated:
-        return Point(probe, load, False, None, [*missed, "run stopped as saturated"], got)
+        lost.append("run stopped as saturated")
+    if got.failed_requests:
+        lost.append(f"{got.failed_requests} request(s) failed")
+    if got.cut_requests:
+        lost.append(f"{got.cut_requests} request(s) cut by a run bound")
+    if lost:
+        return Point(probe, load, False, None, [*missed, *lost], got)
     return Point(probe, load, not missed, slack(checks, got.metrics), missed, got)
 
 

@@ -98,13 +98,25 @@ def measurement(job_dir: Path, job: str) -> Measurement:
     if summary is None:
         return Measurement("missing", error="no summary.json (the job did not run?)", job=job)
     metrics = summary.get("metrics")
+    whole = summary.get("metrics_whole_run")
+    counts = whole if isinstance(whole, dict) else metrics if isinstance(metrics, dict) else {}
+    workload = summary.get("workload")
+    planned = workload.get("cancel_planned") if isinstance(workload, dict) else None
+    cancelled = _count(counts.get("num_cancelled"))
     return Measurement(
         str(summary.get("status")),
         metrics if isinstance(metrics, dict) else {},
         summary.get("saturated") is True,
         summary.get("error"),
         job,
+        failed_requests=_count(counts.get("num_failed")),
+        # the workload's own cancellations are its plan; the rest a bound cut
+        cut_requests=max(0, cancelled - _count(planned)),
     )
+
+
+def _count(value: Any) -> int:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _finite(value: Any) -> float | None:

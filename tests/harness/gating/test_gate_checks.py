@@ -314,3 +314,10 @@ def test_a_damaged_num_points_is_no_internal_error(
     )  # fmt: skip
     row = next(r for r in json.loads(out_json.read_text())["rows"] if r["kind"] == "capacity")
     assert row["verdict"] == "pass" and row["n_candidate"] == 0 and row["n_baseline"] == 2
+
+
+def test_a_check_on_a_search_answer_is_refused(tmp_path: Path) -> None:
+    """max_rate_at_slo is in search.json, never in a run: as a check every run would be
+    'absent' and the gate inconclusive for ever."""
+    with pytest.raises(RulesError, match=r"rules\.checks\[0\]: max_rate_at_slo >= 3 is invalid"):
+        load_rules(rules_file(tmp_path, {"checks": ["max_rate_at_slo >= 3"]}))

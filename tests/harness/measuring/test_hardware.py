@@ -344,9 +344,10 @@ def test_cost_per_hour_overrides_every_spec_and_is_recorded(name: str) -> None:
         assert hardware.describe_for_run(spec, None)["cost_per_hour"] == 2.5
 
 
-@pytest.mark.parametrize("value", [-1, "2", True, float("inf")])
+@pytest.mark.parametrize("value", [-1, 0, "2", True, float("inf")])
 def test_a_bad_cost_per_hour_names_the_key(value: object) -> None:
+    """0 too: tokens per dollar at no price is no figure (the report drew no panel, silently)."""
     with pytest.raises(
-        ValueError, match=r"^hardware\.cost_per_hour: .* is invalid; allowed: a number >= 0"
+        ValueError, match=r"^hardware\.cost_per_hour: .* is invalid; allowed: a number > 0"
     ):
         hardware.validate_config({"name": "h100", "cost_per_hour": value})

@@ -16,6 +16,7 @@ from harness.running.capacity_search import (
     Probe,
     SearchResult,
     SearchSettings,
+    judge,
     search,
     slack,
 )
@@ -439,3 +440,22 @@ def test_a_metric_the_low_run_does_not_hold_fails_the_search_rather_than_below_r
     result = search(measure, checks, SearchSettings(), num_requests=8)
     assert result.outcome == "failed" and result.answer is None and len(result.points) == 1
     assert result.note.startswith("the low run (0) has no value for mean_batch_size")
+
+
+def test_a_run_that_lost_requests_misses_whatever_its_latencies() -> None:
+    """Latencies count completed requests only: a run whose slowest requests failed, or were
+    cut at run.max_duration_s, would look as if it met the SLO."""
+    checks = parse_checks(["ttft_p99_s <= 2"], "slo")
+    metrics = {"ttft_p99_s": 0.5, "req_per_s": 4.0}
+    fine = judge(Probe("between", 4.0), 4.0, checks, Measurement("complete", metrics))
+    failed = judge(
+        Probe("between", 4.0), 4.0, checks, Measurement("complete", metrics, failed_requests=3)
+    )
+    cut = judge(
+        Probe("between", 4.0), 4.0, checks, Measurement("complete", metrics, cut_requests=2)
+    )
+    assert fine.meets and not failed.meets and not cut.meets
+    assert failed.failed == ["3 request(s) failed"] and cut.failed == [
+        "2 request(s) cut by a run bound"
+    ]
+    assert failed.slack is None  # no interpolating on a run that lost requests
