@@ -187,6 +187,15 @@ def gate_searches(
 ) -> tuple[int, dict[str, Any]]:
     make_search_sweep(tmp_path / "base", *base)
     make_search_sweep(tmp_path / "cand", *cand)
+    code, rows = gate_sweeps(tmp_path, capsys)
+    return code, next(r for r in rows if r["kind"] == "capacity")
+
+
+def gate_sweeps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, list[dict[str, Any]]]:
+    """The gate of tmp_path/cand against tmp_path/base under the default rules: its exit code
+    and its rows."""
     out_json = tmp_path / "gate.json"
     code, _ = run_gate(
         capsys,
@@ -199,8 +208,7 @@ def gate_searches(
         "--json",
         str(out_json),
     )
-    rows = json.loads(out_json.read_text())["rows"]
-    return code, next(r for r in rows if r["kind"] == "capacity")
+    return code, json.loads(out_json.read_text())["rows"]
 
 
 def test_a_lower_capacity_beyond_the_brackets_is_a_regression(
@@ -275,21 +283,8 @@ def test_a_grid_of_searches_is_compared_point_by_point(
             for seqs, rate in answers.items()
         ]
         (root / "search.json").write_text(json.dumps({"searches": records}))
-    out_json = tmp_path / "gate.json"
-    code, _ = run_gate(
-        capsys,
-        "--baseline",
-        str(tmp_path / "base"),
-        "--candidate",
-        str(tmp_path / "cand"),
-        "--rules",
-        str(rules_file(tmp_path, {})),
-        "--json",
-        str(out_json),
-    )
-    rows = {
-        r["job"]: r for r in json.loads(out_json.read_text())["rows"] if r["kind"] == "capacity"
-    }
+    code, all_rows = gate_sweeps(tmp_path, capsys)
+    rows = {r["job"]: r for r in all_rows if r["kind"] == "capacity"}
     assert code == 1
     assert rows["engine.max_num_seqs=4"]["verdict"] == "regression"  # misses at 6 < meets at 8
     assert rows["engine.max_num_seqs=16"]["verdict"] == "pass"
