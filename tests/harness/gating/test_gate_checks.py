@@ -39,19 +39,8 @@ def gate_runs(
 ) -> tuple[int, str, dict[str, Any]]:
     make_run(tmp_path / "base", slo_attainment=1.0, ttft_p99_s=1.0)
     make_run(tmp_path / "cand", **candidate)
-    out_json = tmp_path / "gate.json"
-    code, out = run_gate(
-        capsys,
-        "--baseline",
-        str(tmp_path / "base"),
-        "--candidate",
-        str(tmp_path / "cand"),
-        "--rules",
-        str(rules_file(tmp_path, {"checks": checks})),
-        "--json",
-        str(out_json),
-    )
-    rows = [r for r in json.loads(out_json.read_text())["rows"] if r["kind"] == "check"]
+    code, out, all_rows = gate_sweeps(tmp_path, capsys, {"checks": checks})
+    rows = [r for r in all_rows if r["kind"] == "check"]
     return code, out, {r["note"].split(":")[0].removeprefix("check "): r for r in rows}
 
 
@@ -187,28 +176,28 @@ def gate_searches(
 ) -> tuple[int, dict[str, Any]]:
     make_search_sweep(tmp_path / "base", *base)
     make_search_sweep(tmp_path / "cand", *cand)
-    code, rows = gate_sweeps(tmp_path, capsys)
+    code, _, rows = gate_sweeps(tmp_path, capsys)
     return code, next(r for r in rows if r["kind"] == "capacity")
 
 
 def gate_sweeps(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> tuple[int, list[dict[str, Any]]]:
-    """The gate of tmp_path/cand against tmp_path/base under the default rules: its exit code
-    and its rows."""
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rules: dict[str, Any] | None = None
+) -> tuple[int, str, list[dict[str, Any]]]:
+    """The gate of tmp_path/cand against tmp_path/base under `rules` (over the defaults): its
+    exit code, its output and its rows."""
     out_json = tmp_path / "gate.json"
-    code, _ = run_gate(
+    code, out = run_gate(
         capsys,
         "--baseline",
         str(tmp_path / "base"),
         "--candidate",
         str(tmp_path / "cand"),
         "--rules",
-        str(rules_file(tmp_path, {})),
+        str(rules_file(tmp_path, rules or {})),
         "--json",
         str(out_json),
     )
-    return code, json.loads(out_json.read_text())["rows"]
+    return code, out, json.loads(out_json.read_text())["rows"]
 
 
 def test_a_lower_capacity_beyond_the_brackets_is_a_regression(
@@ -283,7 +272,7 @@ def test_a_grid_of_searches_is_compared_point_by_point(
             for seqs, rate in answers.items()
         ]
         (root / "search.json").write_text(json.dumps({"searches": records}))
-    code, all_rows = gate_sweeps(tmp_path, capsys)
+    code, _, all_rows = gate_sweeps(tmp_path, capsys)
     rows = {r["job"]: r for r in all_rows if r["kind"] == "capacity"}
     assert code == 1
     assert rows["engine.max_num_seqs=4"]["verdict"] == "regression"  # misses at 6 < meets at 8
