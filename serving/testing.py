@@ -131,19 +131,28 @@ def serve_command(
                 raise RuntimeError("inferlab serve did not start in time")
             time.sleep(0.1)
         base_url = f"{match.group(1)}:{match.group(2)}"
-        while True:
-            try:
-                if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"inferlab serve did not become healthy:\n{log.read_text(errors='replace')}"
-                )
-            time.sleep(0.1)
+        wait_until_answering(process, f"{base_url}/health", deadline, "inferlab serve", log)
         yield ServeProcess(process, base_url, log)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait(timeout=30)
+
+
+def wait_until_answering(
+    process: subprocess.Popen[Any], url: str, deadline: float, name: str, log: Path
+) -> None:
+    """Poll GET `url` until it answers 200. The server's process exiting, or the monotonic
+    `deadline` passing, raises RuntimeError with `name` and the server's log."""
+    while True:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{name} did not answer GET {url} (exit status {process.poll()}):\n"
+                f"{log.read_text(errors='replace')}"
+            )
+        time.sleep(0.1)
