@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from configs.schema import schema_of
 from engines.base import Backend
 from engines.builtin.config import EngineConfig
 from engines.hf.config import HFConfig
@@ -61,12 +62,15 @@ class BackendEntry:
         for f in dataclasses.fields(self.config):
             if f.name in self.model_fields:
                 continue
-            default = (
-                dataclasses.field(default_factory=f.default_factory)
-                if f.default is dataclasses.MISSING
-                else f.default
-            )
-            entries.append((f.name, hints[f.name], default))
+            hint = hints[f.name]
+            if dataclasses.is_dataclass(hint) and isinstance(hint, type):  # a nested section
+                hint = schema_of(hint)  # mutable, so that overrides can set its keys
+                default: Any = dataclasses.field(default_factory=hint)
+            elif f.default is dataclasses.MISSING:
+                default = dataclasses.field(default_factory=f.default_factory)
+            else:
+                default = f.default
+            entries.append((f.name, hint, default))
         return dataclasses.make_dataclass(
             f"{self.config.__name__}Schema",
             [
@@ -145,6 +149,21 @@ def _openai(options: Options, model: Options) -> Backend:
     return OpenAIBackend.from_config(options, model)
 
 
+def _open_mappings(entry: BackendEntry) -> Any:
+    """The schema as a config whose mappings of a server's flags take new keys from the
+    command line without Hydra's `+` (engine.launch.params.max_num_seqs=64,256)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(entry.schema())
+    for key in OPEN_MAPPINGS.get(entry.name, ()):
+        OmegaConf.set_struct(OmegaConf.select(node, key), False)
+    return node
+
+
+#: Mappings of a backend's schema whose keys are the user's (a server's own flags).
+OPEN_MAPPINGS = {"openai": ("launch.params", "launch.env")}
+
+
 def register_config_schemas() -> None:
     """Store each backend's schema in Hydra's ConfigStore as `engine/<name>_schema` (what
     configs/engine/<name>.yaml extends), and the model group's, `model/model_schema`; call
@@ -153,7 +172,7 @@ def register_config_schemas() -> None:
 
     store = ConfigStore.instance()
     for entry in BACKENDS.values():
-        store.store(group="engine", name=f"{entry.name}_schema", node=entry.schema())
+        store.store(group="engine", name=f"{entry.name}_schema", node=_open_mappings(entry))
     store.store(group="model", name="model_schema", node=ModelChoice)
 
 

@@ -12,6 +12,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from engines.sampling_params import SamplingParams
@@ -195,6 +196,9 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self.step_observers: list[StepObserver] = []
+        # a folder for the backend's own files (a server's log), the run folder: set by the
+        # harness before load(); None: write none
+        self.files_dir: Path | None = None
 
     @abstractmethod
     def load(self) -> None:
@@ -210,6 +214,11 @@ class Backend(ABC):
     def start_measuring(self) -> None:  # noqa: B027 - optional hook
         """Called once, after any warm-up, before the measured requests: a backend that reads
         counters kept elsewhere (a server's /metrics) takes its starting values here."""
+
+    def client_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The engine options with which a client process (run.num_clients) builds a backend
+        that reaches this one's server: `options` unless load() changed where that is."""
+        return options
 
     def failure(self) -> str | None:
         """Why the backend can serve no more requests (a tensor-parallel rank died), or None.

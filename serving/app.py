@@ -8,6 +8,7 @@ connections).
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 import uuid
 from typing import Any
@@ -39,6 +40,16 @@ from serving.protocol import (
     parse_request,
 )
 from serving.sse import ClientDisconnected, EventStreamResponse, unless_disconnected
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("inferlab")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown"
+
+
+SERVER_VERSION = _version()
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default; chat defaults to the context left
 
@@ -95,6 +106,10 @@ def _add_status_routes(app: FastAPI, serving: ServingEngine, created: int) -> No
     async def health() -> dict[str, str]:
         serving.check_serving()  # 503 once the engine is closed or shutting down
         return {"status": "ok"}
+
+    @app.get("/version")  # as vLLM's: what a harness that started the server records
+    async def version() -> dict[str, str]:
+        return {"version": SERVER_VERSION}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

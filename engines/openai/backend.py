@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from engines.openai.dialects import (
     choose_dialect,
     normalize_finish_reason,
 )
+from engines.openai.launched import SERVER_LOG, LaunchedServer, template_fields
 from engines.openai.server_metrics import (
     SpecDecodeCounters,
     get_page,
@@ -96,6 +98,8 @@ class OpenAIBackend(Backend):
         self._server_info: dict[str, Any] = {}
         self._spec_at_start: SpecDecodeCounters | None = None
         self._measuring = False
+        self.launched: LaunchedServer | None = None  # the server it started (engine.launch)
+        self._launched_info: dict[str, Any] | None = None  # its description, once released
 
     @classmethod
     def from_config(cls, options: dict[str, Any], model: dict[str, Any]) -> OpenAIBackend:
@@ -108,6 +112,8 @@ class OpenAIBackend(Backend):
             logger = logging.getLogger(name)
             if logger.level == logging.NOTSET:
                 logger.setLevel(logging.WARNING)
+        if self.config.launch.enabled:
+            self._launch()
         self.tokenizer = resolve_tokenizer(self.config.tokenizer, self.model_group)
         if self.config.check_server:
             try:
@@ -120,6 +126,13 @@ class OpenAIBackend(Backend):
                     "asyncio.run: call it outside a running event loop"
                 )
         self._choose_dialect()
+
+    def _launch(self) -> None:
+        """Start the server under test (or take over the previous run's) and aim at it."""
+        log = self.files_dir / SERVER_LOG if self.files_dir is not None else None
+        fields = template_fields(self.config.model, self.model_group)
+        self.launched = LaunchedServer.start(self.config.launch, fields, log)
+        self.config = replace(self.config, base_url=self.launched.base_url)
 
     def _choose_dialect(self) -> None:
         requested = self.config.server
@@ -169,10 +182,27 @@ class OpenAIBackend(Backend):
             log.info("engine.metrics_url=%s: no speculative-decoding counters (%s)", url, error)
             return None
 
+    def failure(self) -> str | None:
+        return self.launched.failure() if self.launched is not None else None
+
+    def client_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Client processes (run.num_clients) reach the server this backend started."""
+        if self.launched is None:
+            return options
+        return {
+            **options,
+            "base_url": self.config.base_url,
+            "launch": {**(options.get("launch") or {}), "command": []},
+        }
+
     def close(self) -> None:
         # The pool belongs to the event loop that made it (the driver runs one loop per
         # workload); that loop is gone by now, so its sockets close with it.
         self._client, self._client_loop = None, None
+        launched, self.launched = self.launched, None
+        if launched is not None:
+            self._launched_info = launched.describe()
+            launched.release()
 
     def describe(self) -> dict[str, Any]:
         cfg = self.config
@@ -214,6 +244,10 @@ class OpenAIBackend(Backend):
             "client": self.stats.live,
             "metrics_url": self._metrics_url(),
             "server_spec_decode": self._spec_decode_during_run(),
+            # the server the run started (engine.launch), else None
+            "launched_server": self.launched.describe()
+            if self.launched is not None
+            else self._launched_info,
         }
 
     def _spec_decode_during_run(self) -> dict[str, Any] | None:

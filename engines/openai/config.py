@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from engines.openai.launch_config import LaunchConfig
 from engines.options import Options, option
 
 APIS = ("completions", "chat")
@@ -84,6 +85,12 @@ class OpenAIConfig(Options):
         allowed="auto|none|an http:// or https:// URL of /metrics",
         help="the server's Prometheus page, read before and after the measured requests for "
         "its speculative-decoding counters: auto (base_url's root + /metrics) | none | a URL",
+    )
+
+    launch: LaunchConfig = option(
+        default_factory=LaunchConfig,
+        help="the server under test, started by the run (engine=serve_*; "
+        "docs/managed_servers.md); an empty command: the server at base_url",
     )
 
     @classmethod

@@ -146,6 +146,17 @@ def record_threads(run_dir: Path) -> None:
     write_provenance(run_dir, record)
 
 
+def record_server(run_dir: Path, server: dict[str, Any] | None) -> None:
+    """Add the server the run started (engine.launch: its command line, flags, version) to
+    the run's provenance.json; nothing when it started none."""
+    record = read_provenance(run_dir)
+    if record is None or server is None:
+        return
+    keys = ("command", "params", "version", "version_error", "pid", "reused")
+    record["server"] = {key: server.get(key) for key in keys}
+    write_provenance(run_dir, record)
+
+
 def collect(config: dict[str, Any]) -> dict[str, Any]:
     versions: dict[str, str | None] = {}
     for package in PACKAGES:

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 import configs
 import engines.backends  # noqa: F401  (the engine groups' schemas, before Hydra composes)
 import workloads  # noqa: F401  (the workload groups' schemas, likewise)
+from engines.openai import server_keeper
 from harness.run_folder import read_summary
 from harness.running import config_schema  # noqa: F401  (the primary config's, likewise)
 from harness.running.experiment import RunFolderError, run_experiment
@@ -110,6 +111,7 @@ def _run(cfg: DictConfig) -> dict[str, Any]:
             # config error; 1: the run itself failed
             raise SystemExit(2 if summary.get("error_kind") == "config" else 1)
     if summary["status"] == "incomplete":  # Ctrl-C or SIGTERM stops a sweep too
+        server_keeper.stop_kept()  # and the server it kept for the next job
         if multirun:
             write_sweep_csv(Path(hydra_cfg.sweep.dir), named_outputs(hydra_cfg))
         raise SystemExit(130)

@@ -310,7 +310,7 @@ class ClientPool:
         on_ray: bool = False,
     ) -> None:
         self.on_ray = on_ray  # the clients are Ray tasks (harness/running/ray_clients.py)
-        self.engine = dict(config["engine"])
+        self.engine = backend.client_options(dict(config["engine"]))
         self.model = dict(config.get("model") or {})
         self.workload = dict(config.get("workload") or {})
         self.num_clients = num_clients

@@ -222,6 +222,7 @@ def _load(run: RunContext) -> None:
     start = now_ns()
     run.shown.phase(f"loading {_backend_label(run.config)}")
     run.backend = backend = build_backend(run.config["engine"], run.config["model"])
+    backend.files_dir = run.run_dir
     backend.load()
     info = run.info
     info["load_s"] = (now_ns() - start) / 1e9
@@ -229,6 +230,7 @@ def _load(run: RunContext) -> None:
     engine = info["engine"] = backend.describe()
     # the threads as the engine set them at load (provenance.json predates the load)
     provenance.record_threads(run.run_dir)
+    provenance.record_server(run.run_dir, engine.get("launched_server"))
     # after load: a CPU probe runs at the engine's thread count (cached per machine)
     info["hardware"] = hardware.describe_for_run(
         *hardware.resolve(run.hardware, engine.get("device"))

@@ -30,6 +30,7 @@ from typing import Any
 
 from hydra.types import RunMode
 
+from engines.openai import server_keeper
 from harness.run_folder import read_summary, write_json_atomic, write_summary, write_text_atomic
 
 LAUNCH_FILE = ".launch.json"
@@ -297,8 +298,12 @@ def write_job_overrides(job_dir: Path, overrides: list[str]) -> None:
 
 
 def gpus_per_job(config: dict[str, Any], visible: list[str]) -> int:
-    """GPUs a job of this configuration uses: its tensor-parallel ranks on a CUDA device."""
+    """GPUs a job of this configuration uses: its tensor-parallel ranks on a CUDA device, or
+    those of the server it starts (engine.launch.gpus)."""
     engine = config.get("engine") or {}
+    launch = engine.get("launch") or {}
+    if engine.get("backend") == "openai" and launch.get("command"):
+        return int(launch.get("gpus") or 0) if visible else 0
     if engine.get("backend", "builtin") not in ("builtin", "hf"):
         return 0  # a client (openai) or llama.cpp on the CPU
     device = str(engine.get("device") or "auto")
@@ -353,7 +358,10 @@ def launched_job(hydra_cfg: Any, config: dict[str, Any]) -> Iterator[JobOnLaunch
     _jobs_here += 1
     try:
         with placement.job_placement(name, cores, gpus) as where:
-            yield JobOnLauncher(name, where.as_record())
+            try:
+                yield JobOnLauncher(name, where.as_record())
+            finally:  # its server holds the job's cores and GPUs, which the next job may claim
+                server_keeper.stop_kept()
     finally:
         _jobs_here -= 1
 

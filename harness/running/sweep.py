@@ -15,6 +15,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from engines.openai import server_keeper
 from harness.run_folder import (
     HOW_TO_RUN_KEYS,
     SWEEP_SUMMARY_FILE,
@@ -79,6 +80,19 @@ def completed_run(run_dir: str | Path, config: dict[str, Any]) -> bool:
     return summary is not None and summary.get("status") == "complete"
 
 
+def server_columns(summary: dict[str, Any]) -> dict[str, Any]:
+    """The server a job started (engine.launch), as sweep.csv's columns; none otherwise."""
+    server = (summary.get("engine") or {}).get("launched_server")
+    if not isinstance(server, dict):
+        return {}
+    return {
+        "server_version": server.get("version"),
+        "server_startup_s": server.get("startup_s"),
+        "server_reused": server.get("reused"),
+        "server_command": server.get("command"),
+    }
+
+
 def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     rows = []
     jobs = [p for p in sweep_dir.iterdir() if is_sweep_job(p)]
@@ -95,6 +109,7 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         elif summary is not None:
             row["status"] = summary.get("status")
             row["error"] = summary.get("error")
+            row.update(server_columns(summary))
             row.update(summary.get("metrics") or {})
         else:
             row["status"], row["error"] = "missing", "no summary.json (the job did not start?)"
@@ -200,6 +215,7 @@ class SweepTable(Callback):
         self.outputs = checked_outputs(outputs or [])
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        server_keeper.stop_kept()  # the last job's server (engine.launch.reuse)
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return

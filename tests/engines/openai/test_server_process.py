@@ -1,0 +1,190 @@
+"""A server the run starts (engine.launch): ready when its health check answers, its output in
+the log, stopped with its whole process group, no process left after a normal stop, a server
+deaf to SIGTERM, a child that outlives it, or the harness killed with SIGKILL; a server that
+never starts, exits or never answers is an error with its own last lines; a kept server is
+taken again only by a run that would start the same one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engines.openai import server_keeper
+from engines.openai.launch_config import LaunchConfig
+from engines.openai.launched import LaunchedServer, free_port
+from engines.openai.server_process import ServerProcess, ServerStartError, group_alive
+
+FAKE = str(Path(__file__).resolve().parents[2] / "fixtures" / "servers" / "fake_server.py")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) is gone for our purposes
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(") ")[1][0] != "Z"
+
+
+def eventually(condition: object, seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def start_fake(tmp_path: Path, *flags: str, log: Path | None = None) -> ServerProcess:
+    port = free_port("127.0.0.1")
+    command = [sys.executable, FAKE, "--port", str(port), *flags]
+    return ServerProcess.start(command, f"http://127.0.0.1:{port}", {}, log)
+
+
+@pytest.fixture(autouse=True)
+def nothing_kept() -> Iterator[None]:
+    yield
+    server_keeper.stop_kept()
+
+
+def test_ready_logged_and_stopped_with_nothing_left(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    server = start_fake(tmp_path, "--ready-after", "0.3", "--say", "hello from the server")
+    server.log_to(log)
+    server.wait_ready("/health", timeout_s=30)
+    assert server.ready_s is not None and server.ready_s >= 0.3
+    assert eventually(lambda: "hello from the server" in log.read_text())
+    assert server.cores == sorted(os.sched_getaffinity(0))  # inherited from this process
+    server.stop(grace_s=5)
+    assert server.exit_status() == -signal.SIGTERM
+    assert not group_alive(server.pid)
+
+
+def test_a_server_deaf_to_sigterm_and_its_child_are_killed(tmp_path: Path) -> None:
+    server = start_fake(tmp_path, "--ignore-term", "--child-ignoring-term")
+    server.wait_ready("/health", timeout_s=30)
+    assert eventually(lambda: "child pid" in server.tail())
+    child = int(server.tail().split("child pid ")[1].split()[0])
+    assert alive(child)
+    started = time.monotonic()
+    server.stop(grace_s=0.5)
+    assert time.monotonic() - started < 10
+    assert server.exit_status() == -signal.SIGKILL
+    assert eventually(lambda: not alive(child))
+    assert not group_alive(server.pid)
+
+
+def test_a_bad_flag_is_the_servers_own_error(tmp_path: Path) -> None:
+    server = start_fake(tmp_path, "--no-such-flag")
+    with pytest.raises(ServerStartError) as error:
+        server.wait_ready("/health", timeout_s=30)
+    message = str(error.value)
+    assert "exited with status 2 before it was ready" in message
+    assert "unrecognized arguments: --no-such-flag" in message  # argparse's, from its log
+
+
+def test_a_server_that_never_answers_is_stopped_at_the_timeout(tmp_path: Path) -> None:
+    server = start_fake(tmp_path, "--never-ready")
+    with pytest.raises(ServerStartError, match=r"within 1 s \(engine.launch.startup_timeout_s\)"):
+        server.wait_ready("/health", timeout_s=1.0)
+    assert server.exit_status() is not None
+    assert not group_alive(server.pid)
+
+
+def test_a_program_that_is_not_installed_is_named() -> None:
+    with pytest.raises(ServerStartError, match="'vllm-not-installed' is not an executable"):
+        ServerProcess.start(["vllm-not-installed", "serve"], "http://127.0.0.1:1", {}, None)
+
+
+def test_the_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """SIGKILL of the harness (no clean-up runs) still ends its server: the death signal."""
+    pid_file = tmp_path / "server.pid"
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[3])!r})
+        from engines.openai.launched import free_port
+        from engines.openai.server_process import ServerProcess
+        port = free_port("127.0.0.1")
+        server = ServerProcess.start(
+            [sys.executable, {FAKE!r}, "--port", str(port)],
+            f"http://127.0.0.1:{{port}}", {{}}, None)
+        server.wait_ready("/health", 30)
+        open({str(pid_file)!r}, "w").write(str(server.pid))
+        time.sleep(600)
+        """
+    )
+    harness = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        assert eventually(pid_file.exists, 30)
+        server_pid = int(pid_file.read_text())
+        assert alive(server_pid)
+        harness.kill()
+        harness.wait()
+        gone = eventually(lambda: not alive(server_pid))
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+    if not gone:
+        os.killpg(server_pid, signal.SIGKILL)  # clean up before failing
+    assert gone, "the server outlived the harness that started it"
+
+
+def launch_config(port_flag: str = "--port", **extra: object) -> LaunchConfig:
+    return LaunchConfig.from_dict(
+        {
+            "command": ["{python}", FAKE, port_flag, "{port}"],
+            "version_path": "/version",
+            "stop_timeout_s": 2,
+            **extra,
+        }
+    )
+
+
+FIELDS = {"python": sys.executable, "threads": 1}
+
+
+def test_a_kept_server_is_taken_by_the_next_run_of_the_same_command(tmp_path: Path) -> None:
+    launch = launch_config()
+    first = LaunchedServer.start(launch, FIELDS, tmp_path / "a.log")
+    assert (first.reused, first.version) == (False, "9.9.9")
+    first.release()
+    assert server_keeper.kept_server() is first.server
+    second = LaunchedServer.start(launch, FIELDS, tmp_path / "b.log")
+    assert second.reused and second.server is first.server and second.version == "9.9.9"
+    assert second.describe()["reused"] is True
+    # another command: the kept one is stopped before the new one starts
+    second.release()
+    other = LaunchedServer.start(launch_config(args=["--say", "other"]), FIELDS, None)
+    assert not other.reused
+    assert not group_alive(first.server.pid)
+    other.release()
+    server_keeper.stop_kept()
+    assert not group_alive(other.server.pid)
+
+
+def test_reuse_off_stops_the_server_when_the_run_ends(tmp_path: Path) -> None:
+    launched = LaunchedServer.start(launch_config(reuse=False), FIELDS, None)
+    launched.release()
+    assert server_keeper.kept_server() is None
+    assert not group_alive(launched.server.pid)
+
+
+def test_a_server_that_exits_during_the_run_is_the_backends_failure(tmp_path: Path) -> None:
+    launched = LaunchedServer.start(launch_config(args=["--exit-after", "0.5"]), FIELDS, None)
+    assert launched.failure() is None
+    assert eventually(lambda: launched.failure() is not None)
+    failure = launched.failure()
+    assert failure is not None and "exited with status 3 during the run" in failure
+    assert "crashing on purpose" in failure
+    launched.release()  # an exited server is never kept
+    assert server_keeper.kept_server() is None
