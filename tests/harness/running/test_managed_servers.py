@@ -1,7 +1,7 @@
 """Sweeps over a real server's flags (engine.launch, docs/managed_servers.md), run as a user runs
 them: `inferlab serve` 2 x 2 and llama.cpp's server over threads on SmolLM2, a bad flag that is
 one failed row with the server's own error, reuse across workload-only jobs, a sweep killed
-with SIGKILL and resumed, Ctrl-C, a server killed mid-run, joblib's placement, many client
+with SIGKILL and resumed, Ctrl-C, a server killed mid-run, joblib's and Ray's placement, many client
 processes and the capacity search on one server; after each, no server process is left."""
 
 from __future__ import annotations
@@ -257,13 +257,15 @@ def test_a_server_killed_mid_run_fails_its_job_and_the_next_job_starts_another(
     none_left([second["pid"]])
 
 
-def test_joblib_jobs_start_their_servers_on_their_own_cores(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "launcher", [["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], ["hydra/launcher=ray"]]
+)
+def test_launched_jobs_start_their_servers_on_their_own_cores(
+    tmp_path: Path, launcher: list[str]
+) -> None:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.fail("this test needs 2 cores (CI's machine has them)")
-    done = inferlab(
-        tmp_path, *SCRIPTED, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-        "workload.output_len=3,5",
-    )  # fmt: skip
+    done = inferlab(tmp_path, *SCRIPTED, *launcher, "workload.output_len=3,5")
     assert done.returncode == 0, done.stderr[-3000:]
     cores = []
     for i in range(2):
