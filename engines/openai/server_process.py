@@ -166,12 +166,13 @@ class ServerProcess:
 
     def answers(self, url: str) -> bool:
         try:
-            return httpx.get(url, timeout=5.0).status_code == 200
+            # trust_env=False: the server is ours, never behind the user's HTTP_PROXY
+            return httpx.get(url, timeout=5.0, trust_env=False).status_code == 200
         except httpx.HTTPError:
             return False
 
     def read_json(self, path: str, method: str = "GET") -> Any:
-        response = httpx.request(method, self.root + path, timeout=10.0)
+        response = httpx.request(method, self.root + path, timeout=10.0, trust_env=False)
         response.raise_for_status()
         return response.json() if response.content else None
 

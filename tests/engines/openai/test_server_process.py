@@ -69,6 +69,16 @@ def test_ready_logged_and_stopped_with_nothing_left(tmp_path: Path) -> None:
     assert not group_alive(server.pid)
 
 
+def test_the_health_check_never_goes_through_the_users_proxy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    launched = LaunchedServer.start(launch_config(startup_timeout_s=20), FIELDS, None)
+    assert launched.version == "9.9.9"
+    launched.release()
+
+
 def test_a_server_deaf_to_sigterm_and_its_child_are_killed(tmp_path: Path) -> None:
     server = start_fake(tmp_path, "--ignore-term", "--child-ignoring-term")
     server.wait_ready("/health", timeout_s=30)
