@@ -90,6 +90,20 @@ def none_left(pids: list[int]) -> None:
     assert eventually(lambda: not any(alive(p) for p in pids), 15), [p for p in pids if alive(p)]
 
 
+def processes_with(*words: str) -> list[int]:
+    """Processes whose command line holds every word (a server whose pid no file recorded)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        line = " ".join(a.decode(errors="replace") for a in argv)
+        if proc.name.isdigit() and all(w in line for w in words) and alive(int(proc.name)):
+            found.append(int(proc.name))
+    return found
+
+
 def server_pid_when_running(job: Path, seconds: float = 120) -> int:
     """The pid of the job's server once it runs (provenance.json names it after the load)."""
 
@@ -167,6 +181,7 @@ def test_a_bad_flag_is_one_failed_row_with_the_servers_own_error(tmp_path: Path)
     assert "engine.max_num_seqs: 0 is invalid" in error
     assert "engine.max_num_seqs: 0 is invalid" in (tmp_path / "0" / "server.log").read_text()
     none_left([server_of(tmp_path / "1")["pid"]])
+    assert not processes_with("harness.cli", "serve", "engine.max_num_seqs=0")
 
 
 def test_workload_only_jobs_share_one_server_which_the_sweep_stops(tmp_path: Path) -> None:
@@ -193,8 +208,8 @@ def test_reuse_off_starts_a_server_per_job(tmp_path: Path) -> None:
 
 SLOW_JOBS = [
     *SCRIPTED,
-    "engine.launch.params.itl_ms=20",  # 200 tokens, 20 ms apart: each job runs ~4 s
-    "workload.output_len=200",
+    "engine.launch.params.itl_ms=20",  # 120 tokens, 20 ms apart: each job runs ~2.5 s
+    "workload.output_len=120",
     "workload.input_len=8,9,10",
 ]
 
