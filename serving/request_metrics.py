@@ -1,30 +1,46 @@
 """One HTTP request's contribution to /metrics, from its engine events as they stream.
 
-The units are vLLM's where vLLM has the metric, except that a prompt with n choices is one
-engine request here (vLLM runs n child requests):
+The units are vLLM's (v1). vLLM runs a prompt with n choices as n child requests
+(vllm/v1/engine/parallel_sampling.py) and records each child's stats as a whole request's
+(vllm/v1/engine/output_processor.py, vllm/v1/metrics/stats.py), so its request series count
+sequences (prompt x choice). Here a prompt with n choices is one engine request, and each of
+its choices is counted as vLLM counts a child:
 
-- per output: TTFT (the request's arrival at the server to a prompt's first token), ITL
-  (between one choice's consecutive outputs), prompt and generation token counters;
-- per finished choice: `request_success{finished_reason}`, its output tokens;
-- per finished prompt: queue time (the engine took it -> its first step), prefill time (first
-  step -> first token), decode time (first token -> its last token over every choice),
-  inference time (first step -> last token), its prompt tokens, the most output tokens among
-  its choices, n and max_tokens;
-- per finished HTTP request: end-to-end latency (arrival -> its last choice finished).
+- per sequence, at its first token: TTFT (the HTTP request's arrival at the server -> that
+  choice's first token);
+- per output: ITL (between one choice's consecutive outputs), the generation token counter;
+- per finished sequence (`stop`, `length`): `request_success{finished_reason}`, end-to-end
+  latency (arrival -> that choice finished), queue time (the engine took the prompt -> its first
+  step), prefill time (first step -> the choice's first token), decode time (its first token ->
+  its last), inference time (first step -> its last token), its prompt tokens, output tokens
+  and max_tokens;
+- per finished prompt (vLLM's parent request): n and the most output tokens among its choices;
+- per prompt, at its first token: the prompt token counter. This one differs from vLLM, which
+  adds the prompt once per child: here the choices share one prefill, and the counter says
+  how many prompt tokens were prefilled.
 
-Engine timestamps (`Arrived`, `Scheduled`, `Tokens`, `Finished`) come from the engine's one
-clock, as the server's arrival stamp does. A request that fails or is aborted contributes what
-it streamed before it ended and no per-finish histogram, as in vLLM.
+So for any n, success and E2E always agree, and TTFT equals them plus the sequences that were
+aborted or failed after their first token (vLLM records TTFT at that token too, and records
+nothing at finish for an aborted child). Engine timestamps (`Arrived`, `Scheduled`, `Tokens`,
+`Finished`) come from the engine's one clock, as the server's arrival stamp does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engines.base import Arrived, Failed, Finished, RequestEvent, Scheduled, Tokens
 from engines.sampling_params import SamplingParams
 from serving.metrics import ServerMetrics
+
+
+@dataclass
+class _Choice:
+    """One sequence: a prompt's choice, counted as vLLM counts a child request."""
+
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
 
 
 @dataclass
@@ -35,9 +51,9 @@ class _Prompt:
     open_choices: int
     queued_ns: int | None = None  # Arrived: the engine took the request
     scheduled_ns: int | None = None  # Scheduled: its first step
-    first_token_ns: int | None = None
-    last_token_ns: int | None = None  # over every choice
+    prefilled: bool = False  # its first token came: its prompt tokens are counted
     max_output_tokens: int = 0
+    choices: dict[int, _Choice] = field(default_factory=dict)
 
 
 class RequestObserver:
@@ -56,33 +72,13 @@ class RequestObserver:
         ]
         self.open_choices = sum(p.n for p in self.prompts)  # 0 once finished or failed
         self.num_tokens = 0  # output tokens streamed
-        self._last_output_ns: dict[tuple[int, int], int] = {}  # (prompt, choice) -> time
 
     def observe(self, prompt_index: int, event: RequestEvent) -> None:
-        metrics, prompt = self.metrics, self.prompts[prompt_index]
+        prompt = self.prompts[prompt_index]
         if isinstance(event, Tokens):
-            if prompt.first_token_ns is None:
-                prompt.first_token_ns = event.time_ns
-                metrics.ttft.observe((event.time_ns - self.arrival_ns) / 1e9)
-                metrics.prompt_tokens.inc(prompt.num_prompt_tokens)
-            prompt.last_token_ns = event.time_ns
-            choice = (prompt_index, event.index)
-            previous = self._last_output_ns.get(choice)
-            if previous is not None:
-                metrics.itl.observe((event.time_ns - previous) / 1e9)
-            self._last_output_ns[choice] = event.time_ns
-            metrics.generation_tokens.inc(len(event.token_ids))
-            self.num_tokens += len(event.token_ids)
+            self._tokens(prompt, event)
         elif isinstance(event, Finished):
-            self.open_choices -= 1
-            prompt.open_choices -= 1
-            prompt.max_output_tokens = max(prompt.max_output_tokens, event.num_output_tokens)
-            metrics.request_success.inc(finished_reason=event.finish_reason)
-            metrics.request_generation_tokens.observe(event.num_output_tokens)
-            if prompt.open_choices == 0:
-                self._prompt_finished(prompt)
-            if self.open_choices == 0:
-                metrics.e2e.observe((event.time_ns - self.arrival_ns) / 1e9)
+            self._finished(prompt, event)
         elif isinstance(event, Arrived):
             prompt.queued_ns = event.time_ns
         elif isinstance(event, Scheduled):
@@ -91,14 +87,42 @@ class RequestObserver:
         elif isinstance(event, Failed):
             self.open_choices = 0  # the backend has dropped the request
 
-    def _prompt_finished(self, prompt: _Prompt) -> None:
+    def _tokens(self, prompt: _Prompt, event: Tokens) -> None:
         metrics = self.metrics
+        if not prompt.prefilled:
+            prompt.prefilled = True
+            metrics.prompt_tokens.inc(prompt.num_prompt_tokens)
+        choice = prompt.choices.setdefault(event.index, _Choice())
+        if choice.first_token_ns is None:
+            choice.first_token_ns = event.time_ns
+            metrics.ttft.observe((event.time_ns - self.arrival_ns) / 1e9)
+        else:
+            assert choice.last_token_ns is not None
+            metrics.itl.observe((event.time_ns - choice.last_token_ns) / 1e9)
+        choice.last_token_ns = event.time_ns
+        metrics.generation_tokens.inc(len(event.token_ids))
+        self.num_tokens += len(event.token_ids)
+
+    def _finished(self, prompt: _Prompt, event: Finished) -> None:
+        self.open_choices -= 1
+        prompt.open_choices -= 1
+        prompt.max_output_tokens = max(prompt.max_output_tokens, event.num_output_tokens)
+        self._sequence_finished(prompt, event)
+        if prompt.open_choices == 0:
+            self.metrics.request_max_num_generation_tokens.observe(prompt.max_output_tokens)
+            self.metrics.request_params_n.observe(prompt.n)
+
+    def _sequence_finished(self, prompt: _Prompt, event: Finished) -> None:
+        """What vLLM records when a child request finishes, for this choice."""
+        metrics = self.metrics
+        metrics.request_success.inc(finished_reason=event.finish_reason)
+        metrics.e2e.observe((event.time_ns - self.arrival_ns) / 1e9)
         metrics.request_prompt_tokens.observe(prompt.num_prompt_tokens)
-        metrics.request_max_num_generation_tokens.observe(prompt.max_output_tokens)
-        metrics.request_params_n.observe(prompt.n)
+        metrics.request_generation_tokens.observe(event.num_output_tokens)
         metrics.request_params_max_tokens.observe(prompt.max_tokens)
+        choice = prompt.choices.get(event.index, _Choice())
         queued, scheduled = prompt.queued_ns, prompt.scheduled_ns
-        first, last = prompt.first_token_ns, prompt.last_token_ns
+        first, last = choice.first_token_ns, choice.last_token_ns
         if queued is None or scheduled is None or first is None or last is None:
             return  # the engine always sends all four before a Finished
         metrics.queue_time.observe((scheduled - queued) / 1e9)

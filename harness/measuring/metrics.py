@@ -466,7 +466,8 @@ register(
 for _quantity, _what in (
     ("prompt_tokens", "prompt tokens the server prefilled"),
     ("generation_tokens", "output tokens the server generated"),
-    ("requests_finished", "requests the server finished"),
+    # a request with n choices counts n (vLLM's request_success counts sequences)
+    ("requests_finished", "sequences (requests x n) the server finished"),
 ):
     register(f"server_{_quantity}", "count", "none", "deterministic", f"{_what} during the run")
 register(

@@ -49,7 +49,12 @@ QUANTITIES = {
             "prefix_cache_hits", "counter", "tokens", description="prompt tokens found cached"
         ),
         Quantity("num_preemptions", "counter", "count", description="sequences preempted"),
-        Quantity("requests_finished", "counter", "requests", description="requests finished"),
+        Quantity(
+            "requests_finished",
+            "counter",
+            "requests",
+            description="sequences finished (requests x n; vLLM counts its child requests)",
+        ),
         Quantity("spec_decode_draft_tokens", "counter", "tokens", description="drafts proposed"),
         Quantity("spec_decode_accepted_tokens", "counter", "tokens", description="drafts kept"),
         Quantity("ttft", "histogram", "s", description="arrival at the server -> first token"),

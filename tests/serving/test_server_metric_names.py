@@ -8,8 +8,10 @@ on loopback, model=tiny."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -21,6 +23,7 @@ from engines.builtin.backend import BuiltinBackend
 from harness.measuring.server_scrape import parse_page, quantities
 from serving import ServerConfig
 from serving.metric_names import ENGINE_INDEX, METRICS, MetricSpec, resolve
+from serving.metrics import FINISH_REASONS
 from serving.prometheus import CollectorRegistry, Naming, Series, render
 from serving.testing import RunningServer, serve_in_thread
 
@@ -182,7 +185,8 @@ def test_every_metric_under_both_names_with_equal_values(client: httpx.Client) -
 
     assert moved("inferlab_generation_tokens_total", "_total") == 6 + 3 + 3 + 8
     assert moved("inferlab_prefix_cache_hits_total", "_total") > 0
-    assert moved("inferlab_request_queue_time_seconds", "_count") == 4
+    # per sequence, as vLLM's: the n=2 request's two choices are two
+    assert moved("inferlab_request_queue_time_seconds", "_count") == 5
 
 
 def test_the_vllm_dashboards_series_are_served(client: httpx.Client) -> None:
@@ -280,7 +284,7 @@ def test_counters_and_histograms_move_by_what_the_requests_did(client: httpx.Cli
     )
     assert 0 < decode < seconds("inferlab_e2e_request_latency_seconds")
 
-    # n=2: two sequences finish, one prompt
+    # n=2: two sequences finish, one prompt; vLLM's units (two child requests of one parent)
     before = after
     body = complete(client, prompt="Hello", max_tokens=5, n=2, temperature=1.0, seed=1)
     _, after = scrape(client)
@@ -290,21 +294,143 @@ def test_counters_and_histograms_move_by_what_the_requests_did(client: httpx.Cli
         + moved(before, after, "inferlab_request_success_total", "_total", finished_reason="stop")
         == 2
     )
-    assert moved(before, after, "inferlab_request_generation_tokens", "_count") == 2
     assert (
         moved(before, after, "inferlab_request_generation_tokens", "_sum")
         == body["usage"]["completion_tokens"]
     )
-    for name in (
+    for name in (  # per sequence
+        "inferlab_request_generation_tokens",
         "inferlab_time_to_first_token_seconds",
-        "inferlab_request_max_num_generation_tokens",
         "inferlab_request_queue_time_seconds",
         "inferlab_e2e_request_latency_seconds",
+        "inferlab_request_prompt_tokens",
     ):
-        assert moved(before, after, name, "_count") == 1, name
+        assert moved(before, after, name, "_count") == 2, name
+    for name in ("inferlab_request_max_num_generation_tokens", "inferlab_request_params_n"):
+        assert moved(before, after, name, "_count") == 1, name  # per prompt
+    # the choices share one prefill: its prompt tokens once
+    assert (
+        moved(before, after, "inferlab_prompt_tokens_total", "_total")
+        == (body["usage"]["prompt_tokens"])
+    )
     assert moved(before, after, "inferlab_request_params_n", "_sum") == 2
     if lengths:
         assert moved(before, after, "inferlab_request_max_num_generation_tokens", "_sum") == 5
+
+
+# ---- n > 1: one unit per series, as vLLM's ---------------------------------------------------
+
+# vLLM v1 runs a prompt with n choices as n child requests (vllm/v1/engine/parallel_sampling.py)
+# and records each child's stats as a request's (vllm/v1/engine/output_processor.py,
+# vllm/v1/metrics/stats.py): the unit of these series is the sequence (prompt x choice).
+PER_SEQUENCE_AT_FINISH = (  # one observation per sequence that finished (stop or length)
+    "inferlab_e2e_request_latency_seconds",
+    "inferlab_request_queue_time_seconds",
+    "inferlab_request_prefill_time_seconds",
+    "inferlab_request_decode_time_seconds",
+    "inferlab_request_inference_time_seconds",
+    "inferlab_request_prompt_tokens",
+    "inferlab_request_generation_tokens",
+    "inferlab_request_params_max_tokens",
+)
+# ... and once per prompt (vLLM's parent request), when its last choice finishes
+PER_PROMPT_AT_FINISH = (
+    "inferlab_request_max_num_generation_tokens",
+    "inferlab_request_params_n",
+)
+CANCEL = "cancel"  # a streaming request its client closes once every choice has a token
+
+
+async def _n2_request(c: httpx.AsyncClient, kind: str) -> tuple[int, int]:
+    """One n=2 request of `kind`; (sequences finished, prompts finished) as the client saw."""
+    base: dict[str, Any] = {"n": 2, "temperature": 1.0, "max_tokens": 12}
+    if kind == "stop":  # stop strings: some choices end early on them, some at max_tokens
+        body = complete_async(c, {**base, "prompt": "Tell me", "stop": ["e", "a"]})
+        choices = (await body)["choices"]
+        return len(choices), 1
+    if kind == "prompts":  # two prompts of two choices: four sequences
+        body = complete_async(c, {**base, "prompt": ["One", "Two three"]})
+        return len((await body)["choices"]), 2
+    payload = {**base, "prompt": "Stream it", "stop": [" the"]}
+    if kind == "plain":
+        return len((await complete_async(c, payload))["choices"]), 1
+    payload["stream"] = True
+    if kind == CANCEL:  # long enough that no choice finishes before the abort arrives
+        payload.update(max_tokens=200, ignore_eos=True, stop=[])
+    seen: set[int] = set()
+    async with c.stream("POST", COMPLETIONS, json=payload) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            seen.update(choice["index"] for choice in json.loads(line[6:])["choices"])
+            if kind == CANCEL and seen == {0, 1}:
+                return 0, 0  # leaving the block closes the connection: the server aborts
+    assert seen == {0, 1}
+    return 2, 1
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+async def complete_async(c: httpx.AsyncClient, payload: dict[str, Any]) -> dict[str, Any]:
+    response = await c.post(COMPLETIONS, json=payload)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_n2_counts_sequences_in_success_e2e_and_ttft_alike(
+    server: RunningServer, client: httpx.Client
+) -> None:
+    """Many concurrent n=2 requests (stop strings, streaming or not, several prompts, some
+    closed by their client mid-stream): request_success, the E2E histogram and every
+    per-finish histogram count each finished sequence once; TTFT counts each sequence that
+    produced a token (vLLM records it at the child's first token, so a sequence aborted after
+    its first token is in TTFT but not in success or E2E, as in vLLM); n and the most output
+    tokens count each finished prompt once."""
+    kinds = ["stop", "stream", "prompts", CANCEL, "plain"] * 6
+
+    async def run() -> list[tuple[int, int]]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as c:
+            return await asyncio.gather(*(_n2_request(c, kind) for kind in kinds))
+
+    _, before = scrape(client)
+    results = asyncio.run(run())
+    cancelled = kinds.count(CANCEL)
+    # an abort lands once the server notices the closed connection: wait for it to go idle
+    assert wait_until(lambda: value(scrape(client)[1], "inferlab_num_requests_admitted") == 0)
+    _, after = scrape(client)
+
+    def moved(name: str, suffix: str) -> float:
+        return value(after, name, suffix) - value(before, name, suffix)
+
+    def finished() -> float:  # over every finish reason
+        name = "inferlab_request_success_total"
+        return sum(
+            value(after, name, "_total", finished_reason=r)
+            - value(before, name, "_total", finished_reason=r)
+            for r in FINISH_REASONS
+        )
+
+    sequences = sum(finished for finished, _ in results)
+    prompts = sum(finished for _, finished in results)
+    assert sequences == 2 * prompts == 2 * (len(kinds) - cancelled + kinds.count("prompts"))
+    assert finished() == sequences  # per sequence
+    for name in PER_SEQUENCE_AT_FINISH:
+        assert moved(name, "_count") == sequences, name
+    for name in PER_PROMPT_AT_FINISH:
+        assert moved(name, "_count") == prompts, name
+    # per sequence too, at its first token: the cancelled requests' two choices had theirs
+    ttft = moved("inferlab_time_to_first_token_seconds", "_count")
+    assert ttft == sequences + 2 * cancelled
+    assert moved("inferlab_requests_aborted_total", "_total") == cancelled
+    assert_names_agree(after, [spec for spec in METRICS if exported(spec)])
 
 
 def test_a_repeated_prompt_hits_the_prefix_cache(client: httpx.Client) -> None:
