@@ -87,12 +87,25 @@ class PrefillChunk(RequestEvent):
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One position's log-probabilities (natural log, from the model's raw logits): the token
+    that is there, and the most likely tokens at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1: the most likely token at the position
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
 class Tokens(RequestEvent):
     """New output tokens; several at once for speculative decoding or coalesced chunks."""
 
     token_ids: tuple[int, ...]
     text: str = ""
     index: int = 0  # which sample, for parallel sampling (SamplingParams.n > 1)
+    # one per token id when the request asked for SamplingParams.logprobs, else None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

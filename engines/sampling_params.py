@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: The most top log-probabilities a position may ask for (vLLM's default max_logprobs, and
+#: OpenAI's cap on top_logprobs)
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -27,6 +31,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     n: int = 1
+    # log-probabilities of each output token and of the `logprobs` most likely at its position
+    # (0: the sampled token's only; None: none), from the model's raw logits as vLLM v1's
+    # default (`logprobs_mode=raw_logprobs`): before temperature, top-k/top-p and masks
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,3 +72,9 @@ class SamplingParams:
             raise bad("stop", "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"null or an integer in [0, {MAX_LOGPROBS}]")

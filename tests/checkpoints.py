@@ -160,3 +160,30 @@ def run_on_checkpoint(
          f"hydra.run.dir={run_dir}"],
         cwd=REPO, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
+
+
+def randomize_weights(model: Any, seed: int) -> None:
+    """A transformers model's weights far from HF's tiny init, so logits spread out and greedy
+    never sees a tie."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)  # non-trivial norm weights are checked too
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(0.15 * noise)
+
+
+def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer.json covering every id below `vocab_size` (`t0 t1 ...`), so the
+    engine samples the whole vocabulary (the built-in tokenizer has fewer ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))

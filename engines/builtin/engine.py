@@ -654,7 +654,7 @@ class LLMEngine:
         checks, text); the proposer forgets what finished."""
         kept = _kept_drafts(plan, tokens) if plan.num_draft_tokens else {}
         self.scheduler.complete_step(plan, kept)
-        new_tokens = self.output.process(plan, tokens)
+        new_tokens = self.output.process(plan, tokens, self.runner.last_logprobs)
         if self.proposer is not None:
             for item in plan.scheduled:
                 if item.seq.is_finished:

@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard, cast
 
-from engines.base import Failed, Finished, Prompt, Tokens
+from engines.base import Failed, Finished, Prompt, TokenLogprob, Tokens
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import LLMEngine
 from engines.builtin.factory import build_engine
@@ -41,6 +41,8 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    # one per token when SamplingParams.logprobs asked for them, else None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -155,6 +157,8 @@ class LLM:
                     sample = out.outputs[event.index]
                     sample.token_ids.extend(event.token_ids)
                     sample.text += event.text
+                    if event.logprobs is not None:
+                        sample.logprobs = (sample.logprobs or []) + list(event.logprobs)
                     if out.metrics.first_token_ns is None:
                         out.metrics.first_token_ns = event.time_ns
                     if event.index == 0:

@@ -16,6 +16,7 @@ from typing import cast
 import numpy as np
 import torch
 
+from engines.base import TokenLogprob
 from engines.builtin import native
 from engines.builtin.attention import AttentionMetadata, make_attention, resolve_attention
 from engines.builtin.config import EngineConfig
@@ -32,10 +33,12 @@ from engines.builtin.kv_cache import KVCacheManager, KVLayout, LayerKVCache
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import PrepackedDenseMethod
 from engines.builtin.limits import EngineLimits
+from engines.builtin.logprobs import token_logprobs
 from engines.builtin.model import DecoderLayer, Transformer
 from engines.builtin.platform import Platform
 from engines.builtin.sampler import Sampler, SamplingBatch, non_finite_logits
 from engines.builtin.scheduler import StepPlan
+from engines.builtin.sequence import Sequence
 from engines.builtin.spec_decode.proposer import Proposal
 from engines.builtin.spec_decode.rejection_sampler import verify
 from engines.builtin.step_inputs import StepInputs
@@ -117,6 +120,9 @@ class ModelRunner:
         # tensor parallelism: the last step's (ns, bytes) in collectives and in its broadcast
         self.last_comm = (0, 0)
         self.last_broadcast = (0, 0)
+        # the last step's log-probabilities, aligned with execute()'s tokens (per sampling
+        # sequence: one per new token, or None where its request asks for none); None: none asked
+        self.last_logprobs: list[list[TokenLogprob] | None] | None = None
         self.kv_caches: list[LayerKVCache] = []
         # See the logits of every token of every step (LLMEngine.add_logits_observer). Empty
         # in normal runs, where only sampled rows are computed.
@@ -494,6 +500,7 @@ class ModelRunner:
             cache.gather_ns = 0
         self.forward_timer.start()
         logits = self._logits(plan, packed, input_ids, meta, logits_indices)
+        self.last_logprobs = None
         result = self._sample(plan, logits) if logits is not None else []
         self.forward_timer.stop()
         self.last_forward_ns = self.forward_timer.elapsed_ns()
@@ -572,7 +579,12 @@ class ModelRunner:
             ]
             if not bool(finite):  # verification reads its tokens back more than once anyway
                 raise non_finite_logits(logits, plan.step)
-            return verify(logits, seqs, proposals, self.sampler, self.eos_ids)
+            kept = verify(logits, seqs, proposals, self.sampler, self.eos_ids)
+            rows_per_seq = [
+                1 + s.num_draft_tokens for s, n in zip(items, copies, strict=True) for _ in range(n)
+            ]
+            self.last_logprobs = _logprobs(logits, seqs, kept, rows_per_seq)
+            return kept
         if all(s.sampling.temperature == 0.0 and not s.sampling.min_tokens for s in seqs):
             tokens = logits.argmax(dim=-1)
         else:
@@ -582,7 +594,43 @@ class ModelRunner:
         *ids, all_finite = torch.cat([tokens, finite.view(1).to(tokens.dtype)]).tolist()
         if not all_finite:
             raise non_finite_logits(logits, plan.step)
-        return [[token] for token in ids]
+        result = [[token] for token in ids]
+        self.last_logprobs = _logprobs(logits, seqs, result, [1] * len(seqs))
+        return result
+
+
+def _logprobs(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    tokens: list[list[int]],
+    rows_per_seq: list[int],
+) -> list[list[TokenLogprob] | None] | None:
+    """Per sampling sequence, the log-probabilities of its new tokens where its request asks
+    (SamplingParams.logprobs), else None; None when none asks. Token j of sequence i was
+    sampled from row (the sequence's first row) + j of `logits`."""
+    if all(seq.sampling.logprobs is None for seq in seqs):
+        return None
+    rows: list[int] = []
+    chosen: list[int] = []
+    tops: list[int] = []
+    first = 0
+    for seq, new, count in zip(seqs, tokens, rows_per_seq, strict=True):
+        if seq.sampling.logprobs is not None:
+            rows += range(first, first + len(new))
+            chosen += new
+            tops += [seq.sampling.logprobs] * len(new)
+        first += count
+    found = iter(
+        token_logprobs(
+            logits[torch.tensor(rows, device=logits.device)],
+            torch.tensor(chosen, device=logits.device),
+            tops,
+        )
+    )
+    return [
+        None if seq.sampling.logprobs is None else [next(found) for _ in new]
+        for seq, new in zip(seqs, tokens, strict=True)
+    ]
 
 
 #: One packed row: (seq_id, first position, real tokens, padding tokens after them).

@@ -19,6 +19,7 @@ from engines.base import (
     PrefillChunk,
     RequestEvent,
     Scheduled,
+    TokenLogprob,
     Tokens,
     now_ns,
 )
@@ -26,8 +27,9 @@ from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
 from models.tokenizer import Tokenizer
 
-#: A step's new tokens by sequence key: [(token, text delta to stream)].
-NewTokens = dict[str, list[tuple[int, str]]]
+#: A step's new tokens by sequence key: [(token, text delta to stream, its log-probabilities
+#: when the request asks)].
+NewTokens = dict[str, list[tuple[int, str, TokenLogprob | None]]]
 
 
 def seeded_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -86,7 +88,12 @@ class OutputProcessor:
                 )
         return events
 
-    def process(self, plan: StepPlan, tokens: list[list[int]]) -> NewTokens:
+    def process(
+        self,
+        plan: StepPlan,
+        tokens: list[list[int]],
+        logprobs: list[list[TokenLogprob] | None] | None = None,
+    ) -> NewTokens:
         """Append each sequence's new tokens (one list per sampling sequence of `plan`, in plan
         order, the first token of each fork included; several with speculative decoding),
         detokenize, check stops after every token; finish what stopped, dropping the tokens
@@ -98,10 +105,12 @@ class OutputProcessor:
             if item.samples:
                 sampled.append(item.seq)
                 sampled += self._fork(item.seq)
-        for seq, new_tokens in zip(sampled, tokens, strict=True):
+        per_seq = logprobs if logprobs is not None else [None] * len(tokens)
+        for seq, new_tokens, new_logprobs in zip(sampled, tokens, per_seq, strict=True):
             appended = out[seq.key] = []
-            for token in new_tokens:
-                appended.append((token, self._append(seq, token)))
+            for i, token in enumerate(new_tokens):
+                found = new_logprobs[i] if new_logprobs is not None else None
+                appended.append((token, self._append(seq, token), found))
                 if seq.is_finished:
                     break
         return out
@@ -149,9 +158,17 @@ class OutputProcessor:
         events: list[RequestEvent] = []
         for key, appended in new_tokens.items():
             seq = self.sequences[key]
-            for token, delta in appended:
+            for token, delta, logprob in appended:
                 events.append(
-                    Tokens(seq.request_id, step, time_ns, (token,), delta, seq.sample_index)
+                    Tokens(
+                        seq.request_id,
+                        step,
+                        time_ns,
+                        (token,),
+                        delta,
+                        seq.sample_index,
+                        None if logprob is None else (logprob,),
+                    )
                 )
             if seq.is_finished:
                 events.append(self.finished(seq, step, time_ns))

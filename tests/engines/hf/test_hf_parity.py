@@ -19,9 +19,8 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer as Backend
-from tokenizers import models, pre_tokenizers
 
+from checkpoints import randomize_weights, write_word_tokenizer
 from engines.builtin import LLM, SamplingParams
 from engines.builtin.weights import MissingWeightsError
 from models.config import UnsupportedCheckpointError, from_hf_config
@@ -94,36 +93,13 @@ SEEDS = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights far from HF's tiny init, so logits spread out and greedy never sees a tie."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)  # non-trivial norm weights are checked too
-            elif name.endswith("bias"):
-                p.copy_(0.2 * noise)
-            else:
-                p.copy_(0.15 * noise)
-
-
-def write_vocab_tokenizer(folder: Path) -> None:
-    """A word-level tokenizer covering all VOCAB ids, so the engine samples the whole vocab
-    (the built-in default tokenizer has fewer ids than 4096 and would mask the top rows)."""
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Backend(models.WordLevel(vocab, unk_token="t3"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
-
-
 def build_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
     config_cls, extra = SPECS[kind]
     config = getattr(transformers, config_cls)(**{**BASE, **extra})
     config._attn_implementation = "eager"  # the plain reference path
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed)
+    randomize_weights(model, seed)
     if config.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
     return model.eval()
@@ -131,7 +107,7 @@ def build_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
 
 def save_checkpoint(model: torch.nn.Module, folder: Path, **kwargs: Any) -> Path:
     model.save_pretrained(folder, **kwargs)
-    write_vocab_tokenizer(folder)
+    write_word_tokenizer(folder, VOCAB)
     return folder
 
 
