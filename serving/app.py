@@ -29,6 +29,7 @@ from serving.profiler import EngineProfiler, refuse_cross_origin
 from serving.profiler import not_enabled as profiler_not_enabled
 from serving.prometheus import CONTENT_TYPE
 from serving.protocol import (
+    NEUTRAL_VALUES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -247,9 +248,10 @@ def _check_common(body: _SamplingFields, model_name: str) -> None:
         )
     unsupported = body.unsupported()
     if unsupported is not None:
+        allowed = NEUTRAL_VALUES.get(unsupported, "null (leave it unset)")
         raise APIError(
             f"{unsupported}: unsupported by the built-in engine (value "
-            f"{getattr(body, unsupported)!r}); leave it unset",
+            f"{getattr(body, unsupported)!r}); allowed: {allowed}",
             unsupported,
             "unsupported_parameter",
         )

@@ -374,7 +374,14 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (CHAT, {"messages": USER, "logprobs": True}, "logprobs", "unsupported_parameter"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
     # OpenAI defines these; the server has no such feature: unsupported, not unknown
-    (CHAT, {"messages": USER, "store": True}, "store", "unsupported_parameter"),
+    (
+        CHAT,
+        {"messages": USER, "web_search_options": {}},
+        "web_search_options",
+        "unsupported_parameter",
+    ),
+    # ignored on chat (test_server_openai_fields.py), but OpenAI's completions has no `store`
+    (COMPLETIONS, {"prompt": "hi", "store": True}, "store", "unknown_parameter"),
     (
         CHAT,
         {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]},
