@@ -135,6 +135,11 @@ def parse_request(raw: bytes, model: type[Request]) -> Request:
     """A request body parsed and validated, or an APIError (400) that says what is wrong and,
     where it can, names the field. Strict RFC 8259 JSON: UTF-8, no NaN/Infinity, no lone
     surrogates (they would reach the tokenizer as text no encoder can write)."""
+    return validate_request(parse_json_object(raw), model)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or an APIError (400, `invalid_json`) that says why not."""
     # RFC 8259 lets a parser ignore a UTF-8 byte order mark; some Windows clients send one
     raw = raw.removeprefix(codecs.BOM_UTF8)
     try:
@@ -147,10 +152,25 @@ def parse_request(raw: bytes, model: type[Request]) -> Request:
             None,
             "invalid_json",
         )
+    return data
+
+
+def validate_request(data: dict[str, Any], model: type[Request]) -> Request:
+    """A parsed body validated as `model`, or an APIError (400) naming the field."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise api_error_from_validation(exc) from None
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """A request's `model` must be the served name (None: the one model served)."""
+    if requested is not None and requested != served:
+        raise APIError(
+            f"The model `{requested}` does not exist; this server serves `{served}`",
+            "model",
+            "model_not_found",
+        )
 
 
 def _from_json(raw: bytes) -> Any:
@@ -316,6 +336,12 @@ NEUTRAL_VALUES = {
     "prediction": "null",
     "response_format": '{"type": "text"}',
     "tool_choice": 'null or "none"',
+    "tools": "null or []",
+    "functions": "null or []",
+    # vLLM's /tokenize chat options (serving/tokenize_routes.py)
+    "continue_final_message": "false",
+    "chat_template": "null (the model's template is used)",
+    "chat_template_kwargs": "null or {}",
 }
 
 # ---- requests -----------------------------------------------------------------------------

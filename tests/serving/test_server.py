@@ -633,13 +633,17 @@ def test_chat_content_may_be_empty_where_the_template_writes_the_roles(
     assert body["usage"]["prompt_tokens"] > 1, body  # role markers: not an empty prompt
 
 
-def test_a_chat_that_renders_to_nothing_is_an_empty_prompt() -> None:
+def test_a_chat_that_renders_to_nothing_is_an_empty_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
     backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
     backend.load()
     assert backend.engine is not None
-    # a checkpoint template that writes the contents alone (the tiny tokenizer's writes roles)
-    backend.engine.tokenizer._chat_template = (
-        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    # a checkpoint template that writes the contents alone (the tiny tokenizer's writes roles);
+    # monkeypatched: the tokenizer is the process's shared default one, and a template left
+    # behind changed every later test's chats
+    monkeypatch.setattr(
+        backend.engine.tokenizer,
+        "_chat_template",
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}",
     )
     try:
         with (
