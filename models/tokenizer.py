@@ -146,6 +146,32 @@ class Tokenizer:
         return self._chat_template
 
     @property
+    def bos_token(self) -> str | None:
+        """BOS as text (what a chat template writes for it), or None."""
+        return self._bos_token
+
+    @property
+    def eos_token(self) -> str | None:
+        """The first EOS as text, or None."""
+        return self._eos_token
+
+    @property
+    def pad_token(self) -> str | None:
+        pad = self.special.pad_id
+        return None if pad is None else self._backend.id_to_token(pad)
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether encode(text) starts with BOS (transformers' `add_bos_token`)."""
+        return self._adds_bos
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (byte-level BPE: "Ġthe" for " the"),
+        transformers' convert_ids_to_tokens; "" for an id the tokenizer does not know."""
+        to_token = self._backend.id_to_token
+        return [to_token(i) or "" for i in ids]
+
+    @property
     def backend(self) -> _Backend:
         """The underlying ``tokenizers.Tokenizer`` (for batch encoding or inspection)."""
         return self._backend

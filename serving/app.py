@@ -29,6 +29,7 @@ from serving.profiler import EngineProfiler, refuse_cross_origin
 from serving.profiler import not_enabled as profiler_not_enabled
 from serving.prometheus import CONTENT_TYPE
 from serving.protocol import (
+    NEUTRAL_VALUES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,10 +37,12 @@ from serving.protocol import (
     ModelList,
     _SamplingFields,
     check_json_content_type,
+    check_model,
     error_body,
     parse_request,
 )
 from serving.sse import ClientDisconnected, EventStreamResponse, unless_disconnected
+from serving.tokenize_routes import add_tokenizer_routes
 
 
 def _version() -> str:
@@ -66,6 +69,7 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     _add_status_routes(app, serving, created)
     _add_profiler_routes(app, serving)
     _add_completion_routes(app, serving)
+    add_tokenizer_routes(app, serving)
     return app
 
 
@@ -239,17 +243,13 @@ async def _parse(request: Request, model: type[_SamplingFields]) -> Any:
 
 
 def _check_common(body: _SamplingFields, model_name: str) -> None:
-    if body.model is not None and body.model != model_name:
-        raise APIError(
-            f"The model `{body.model}` does not exist; this server serves `{model_name}`",
-            "model",
-            "model_not_found",
-        )
+    check_model(body.model, model_name)
     unsupported = body.unsupported()
     if unsupported is not None:
+        allowed = NEUTRAL_VALUES.get(unsupported, "null (leave it unset)")
         raise APIError(
             f"{unsupported}: unsupported by the built-in engine (value "
-            f"{getattr(body, unsupported)!r}); leave it unset",
+            f"{getattr(body, unsupported)!r}); allowed: {allowed}",
             unsupported,
             "unsupported_parameter",
         )

@@ -1,10 +1,10 @@
 """API keys: `APIKeyAuth`, pure ASGI middleware, as `vllm serve --api-key` does.
 
-Every request whose path starts with /v1, and the profiler's (which write files on the
-server), must carry `Authorization: Bearer <key>`; anything else gets 401 with OpenAI's error
-body (code `invalid_api_key`) before the request is read any further, unknown /v1 routes
-included (a 404 would tell a stranger which routes exist). /health and /metrics stay open for
-probes and scrapers.
+Every request whose path starts with /v1, the profiler's (which write files on the server)
+and vLLM's tokenizer routes (which run the tokenizer) must carry `Authorization: Bearer
+<key>`; anything else gets 401 with OpenAI's error body (code `invalid_api_key`) before the
+request is read any further, unknown /v1 routes included (a 404 would tell a stranger which
+routes exist). /health and /metrics stay open for probes and scrapers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from serving.protocol import send_error
 #: The environment variable `inferlab serve` reads the key from when `api_key=` is not given.
 API_KEY_ENV = "INFERLAB_API_KEY"
 PROTECTED_PREFIX = "/v1"
-PROTECTED_PATHS = ("/start_profile", "/stop_profile")
+#: the profiler's write files on the server; vLLM's tokenizer routes run the tokenizer
+PROTECTED_PATHS = ("/start_profile", "/stop_profile", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class APIKeyAuth:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from engines.base import (
     Failed,
@@ -38,6 +39,7 @@ from serving.protocol import APIError
 from serving.request_metrics import RequestObserver
 
 logger = logging.getLogger("inferlab.serve")
+T = TypeVar("T")
 
 # Prompts are tokenized in a small pool of threads, so a long one never holds up the event loop
 # (the tokenizer releases the GIL on long texts). At most `capacity` prompts (what the server
@@ -142,7 +144,11 @@ class ServingEngine:
     async def tokenize(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, computed in the tokenizer pool (ValueError for a malformed
         conversation, as the engine raises it)."""
-        engine = self.engine
+        return await self.in_tokenizer_pool(self.engine.tokenize, prompt)
+
+    async def in_tokenizer_pool(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` (tokenizer work) in the tokenizer pool, off the event loop; 503 once
+        `capacity` jobs are queued or running there."""
         if self._tokenize_jobs >= self.capacity:
             self.metrics.requests_rejected.inc()
             raise APIError(
@@ -156,7 +162,7 @@ class ServingEngine:
         self._tokenize_jobs += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._tokenizer_pool, engine.tokenize, prompt
+                self._tokenizer_pool, work, *args
             )
         finally:
             self._tokenize_jobs -= 1

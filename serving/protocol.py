@@ -4,7 +4,9 @@ the error body every failure is reported in.
 Requests are validated strictly (no string-to-number coercion) and unknown fields are refused,
 as OpenAI's API does. Fields OpenAI defines that the built-in engine cannot honour (penalties,
 logprobs, echo, tools, ...) are accepted only at their neutral value; anything else is a 400
-whose `param` names the field. vLLM's extensions (top_k, min_tokens, ignore_eos,
+whose `param` names the field. Fields OpenAI defines that change nothing for a local server
+(store, metadata, service_tier, ...) are accepted with OpenAI's types and ignored, as vLLM
+ignores them. vLLM's extensions (top_k, min_tokens, ignore_eos,
 stop_token_ids, ...) are accepted under vLLM's names, because benchmark clients send them.
 """
 
@@ -133,6 +135,11 @@ def parse_request(raw: bytes, model: type[Request]) -> Request:
     """A request body parsed and validated, or an APIError (400) that says what is wrong and,
     where it can, names the field. Strict RFC 8259 JSON: UTF-8, no NaN/Infinity, no lone
     surrogates (they would reach the tokenizer as text no encoder can write)."""
+    return validate_request(parse_json_object(raw), model)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or an APIError (400, `invalid_json`) that says why not."""
     # RFC 8259 lets a parser ignore a UTF-8 byte order mark; some Windows clients send one
     raw = raw.removeprefix(codecs.BOM_UTF8)
     try:
@@ -145,10 +152,25 @@ def parse_request(raw: bytes, model: type[Request]) -> Request:
             None,
             "invalid_json",
         )
+    return data
+
+
+def validate_request(data: dict[str, Any], model: type[Request]) -> Request:
+    """A parsed body validated as `model`, or an APIError (400) naming the field."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise api_error_from_validation(exc) from None
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """A request's `model` must be the served name (None: the one model served)."""
+    if requested is not None and requested != served:
+        raise APIError(
+            f"The model `{requested}` does not exist; this server serves `{served}`",
+            "model",
+            "model_not_found",
+        )
 
 
 def _from_json(raw: bytes) -> Any:
@@ -236,23 +258,16 @@ def _surrogate_path(raw: bytes) -> tuple[str, bool] | None:
     return None
 
 
-#: Fields of OpenAI's chat and completions requests (and their messages) that this server has
-#: no feature for: refused as unsupported, where a field OpenAI does not define is unknown
+#: Fields of OpenAI's chat and completions requests (and their messages) that ask for a feature
+#: this server does not have: refused as unsupported whatever their value, where a field OpenAI
+#: does not define is unknown. (Fields OpenAI defines that change nothing for a local server,
+#: such as `store` or `metadata`, are accepted and ignored instead: `_OpenAIChatHints`.)
 OPENAI_FIELDS_NOT_SUPPORTED = frozenset(
     {
         "audio",
-        "metadata",
-        "modalities",
-        "prediction",
-        "prompt_cache_key",
-        "reasoning_effort",
         "refusal",
-        "safety_identifier",
-        "service_tier",
-        "store",
         "tool_call_id",
         "tool_calls",
-        "verbosity",
         "web_search_options",
     }
 )
@@ -301,6 +316,33 @@ def _short(value: Any) -> str:
     text = _REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
+
+#: OpenAI's cap on chat `top_logprobs`
+MAX_TOP_LOGPROBS = 20
+
+#: What a field the engine cannot honour may be set to (its neutral value), for the 400 that
+#: refuses anything else; a field not listed may only be left unset
+NEUTRAL_VALUES = {
+    "logprobs": "null (completions) or false (chat)",
+    "top_logprobs": "null or 0",
+    "echo": "false",
+    "best_of": "null or equal to n",
+    "presence_penalty": "null or 0",
+    "frequency_penalty": "null or 0",
+    "repetition_penalty": "null or 1",
+    "min_p": "null or 0",
+    "logit_bias": "null or {}",
+    "modalities": 'null or ["text"]',
+    "prediction": "null",
+    "response_format": '{"type": "text"}',
+    "tool_choice": 'null or "none"',
+    "tools": "null or []",
+    "functions": "null or []",
+    # vLLM's /tokenize chat options (serving/tokenize_routes.py)
+    "continue_final_message": "false",
+    "chat_template": "null (the model's template is used)",
+    "chat_template_kwargs": "null or {}",
+}
 
 # ---- requests -----------------------------------------------------------------------------
 
@@ -481,7 +523,64 @@ class ChatMessage(_Strict):
         return "".join(pieces)
 
 
-class ChatCompletionRequest(_SamplingFields):
+#: OpenAI's bounds on `metadata` (16 pairs, keys of at most 64 characters, values of at most 512)
+METADATA_MAX_PAIRS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
+
+
+class _OpenAIChatHints(_Strict):
+    """Fields of OpenAI's chat request that change nothing a local server computes: accepted
+    (with OpenAI's types, so a client's mistake is still named) and ignored, as vLLM does.
+    Storage, billing tiers, cache routing keys and abuse-tracking ids have no meaning here, and
+    the engine has no reasoning controls (an effort or verbosity hint is not passed to the chat
+    template either). `modalities` and `prediction` are accepted only where they ask for
+    nothing (text output; no predicted output)."""
+
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        # OpenAI refuses what exceeds these; a client that passes here passes there too
+        if value is None:
+            return value
+        if len(value) > METADATA_MAX_PAIRS:
+            raise ValueError(
+                f"metadata: {len(value)} key-value pairs; allowed: at most {METADATA_MAX_PAIRS}"
+            )
+        for key, item in value.items():
+            if len(key) > METADATA_MAX_KEY_CHARS:
+                raise ValueError(
+                    f"metadata: the key {_short(key)} has {len(key)} characters; allowed: "
+                    f"at most {METADATA_MAX_KEY_CHARS}"
+                )
+            if len(item) > METADATA_MAX_VALUE_CHARS:
+                raise ValueError(
+                    f"metadata.{_short(key)}: the value has {len(item)} characters; allowed: "
+                    f"at most {METADATA_MAX_VALUE_CHARS}"
+                )
+        return value
+
+    def unsupported_hint(self) -> str | None:
+        """The first hint that asks for something this server cannot give, or None."""
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            return "modalities"  # audio output
+        if self.prediction is not None:
+            return "prediction"
+        return None
+
+
+class ChatCompletionRequest(_SamplingFields, _OpenAIChatHints):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -500,11 +599,24 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("messages: at least one message is required")
         return value
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs: {_short(value)} is out of range; allowed: an integer in "
+                f"[0, {MAX_TOP_LOGPROBS}] (OpenAI's bounds)"
+            )
+        return value
+
     def unsupported(self) -> str | None:
         if self.logprobs:
             return "logprobs"
-        if self.top_logprobs is not None:
+        if self.top_logprobs not in (None, 0):  # 0 asks for no alternatives: neutral
             return "top_logprobs"
+        hint = self.unsupported_hint()
+        if hint is not None:
+            return hint
         for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
             if getattr(self, name) not in (None, [], "none"):
                 return name

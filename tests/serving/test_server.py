@@ -374,7 +374,14 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (CHAT, {"messages": USER, "logprobs": True}, "logprobs", "unsupported_parameter"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
     # OpenAI defines these; the server has no such feature: unsupported, not unknown
-    (CHAT, {"messages": USER, "store": True}, "store", "unsupported_parameter"),
+    (
+        CHAT,
+        {"messages": USER, "web_search_options": {}},
+        "web_search_options",
+        "unsupported_parameter",
+    ),
+    # ignored on chat (test_server_openai_fields.py), but OpenAI's completions has no `store`
+    (COMPLETIONS, {"prompt": "hi", "store": True}, "store", "unknown_parameter"),
     (
         CHAT,
         {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]},
@@ -626,13 +633,17 @@ def test_chat_content_may_be_empty_where_the_template_writes_the_roles(
     assert body["usage"]["prompt_tokens"] > 1, body  # role markers: not an empty prompt
 
 
-def test_a_chat_that_renders_to_nothing_is_an_empty_prompt() -> None:
+def test_a_chat_that_renders_to_nothing_is_an_empty_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
     backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
     backend.load()
     assert backend.engine is not None
-    # a checkpoint template that writes the contents alone (the tiny tokenizer's writes roles)
-    backend.engine.tokenizer._chat_template = (
-        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    # a checkpoint template that writes the contents alone (the tiny tokenizer's writes roles);
+    # monkeypatched: the tokenizer is the process's shared default one, and a template left
+    # behind changed every later test's chats
+    monkeypatch.setattr(
+        backend.engine.tokenizer,
+        "_chat_template",
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}",
     )
     try:
         with (
