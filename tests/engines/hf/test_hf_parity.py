@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from checkpoints import randomize_weights, write_word_tokenizer
 from safetensors.torch import load_file, save_file
 
-from checkpoints import randomize_weights, write_word_tokenizer
 from engines.builtin import LLM, SamplingParams
 from engines.builtin.weights import MissingWeightsError
 from models.config import UnsupportedCheckpointError, from_hf_config
