@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 
 from engines.openai import server_keeper
-from engines.openai.launch_config import LaunchConfig, server_command
-from engines.openai.server_process import ServerProcess
+from engines.openai.launch_config import LaunchConfig, environment, server_command
+from engines.openai.server_process import ServerProcess, ServerStartError
 from models.packaged import PACKAGED_MODELS, PackagedModelMissingError, packaged_model_path
 
 SERVER_LOG = "server.log"  # in the run folder: the server's output during the run
@@ -62,9 +62,17 @@ def _model_file(model: dict[str, Any]) -> str | None:
 
 
 def free_port(host: str) -> int:
+    """A port free on `host`; ServerStartError naming engine.launch.host when nothing can listen
+    there (an address of another machine, a name that does not resolve)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as sock:
-        sock.bind((host, 0))
+        try:
+            sock.bind((host, 0))
+        except OSError as exc:  # socket.gaierror, too
+            raise ServerStartError(
+                f"engine.launch.host: cannot listen on {host!r} ({exc}); allowed: an address "
+                "of this machine, e.g. 127.0.0.1, 0.0.0.0, ::1"
+            ) from exc
         port: int = sock.getsockname()[1]
         return port
 
@@ -97,7 +105,7 @@ class LaunchedServer:
     ) -> LaunchedServer:
         """The server for this run: the kept one when it is the same, else a new one, ready.
         ServerStartError (its log's last lines in the message) when it could not be."""
-        env = {str(k): str(v) for k, v in launch.env.items()}
+        env = environment(launch.env)
         fields = {**fields, "host": launch.host, "threads": launch.threads or fields["threads"]}
         key = server_keeper.server_key(server_command(launch, {**fields, "port": "{port}"}), env)
         server = server_keeper.acquire(key, lambda kept: _reset(kept, launch))

@@ -30,6 +30,9 @@ from engines.base import now_ns
 
 TAIL_LINES = 20  # of the server's log, in the error of a server that failed
 _KEPT_LINES = 200
+# Of one line of the tail: a server that writes megabytes without a newline (a progress bar,
+# a dump) would otherwise put all of it in the job's error, summary.json and the terminal.
+_KEPT_LINE_CHARS = 2000
 
 # Runs as `python -c GUARD PARENT_PID COMMAND...`: the death signal is set, then the parent
 # checked (it may have died before), then the command replaces this process.
@@ -76,13 +79,17 @@ class ServerProcess:
 
     @classmethod
     def start(
-        cls, command: list[str], root: str, env: dict[str, str], log: Path | None
+        cls, command: list[str], root: str, env: dict[str, str | None], log: Path | None
     ) -> ServerProcess:
         """Start `command` (ServerStartError when its program is not found), its output into
-        `log`."""
+        `log`; `env` is added to this process's environment (a None removes the variable)."""
         if not command:
             raise ServerStartError("engine.launch.command: empty")
-        if shutil.which(command[0]) is None:
+        environ = {**os.environ, **{k: v for k, v in env.items() if v is not None}}
+        for name in [k for k, v in env.items() if v is None]:
+            environ.pop(name, None)
+        # looked up on the PATH the server gets: engine.launch.env.PATH may add its folder
+        if shutil.which(command[0], path=environ.get("PATH", os.defpath)) is None:
             raise ServerStartError(
                 f"engine.launch.command: {command[0]!r} is not an executable on PATH "
                 "(is the server installed in this environment?)"
@@ -92,7 +99,7 @@ class ServerProcess:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
+            env=environ,
             start_new_session=True,  # its own group: Ctrl-C reaches the harness only
         )
         server = cls(command, root, process, now_ns(), cores=_cores_of(process.pid))
@@ -106,8 +113,11 @@ class ServerProcess:
     def _copy_output(self) -> None:
         assert self.process.stdout is not None
         for line in iter(self.process.stdout.readline, b""):
+            text = line[:_KEPT_LINE_CHARS].decode(errors="replace").rstrip("\n")
+            if len(line) > _KEPT_LINE_CHARS:
+                text += f" ... ({len(line) - _KEPT_LINE_CHARS} more bytes in the log)"
             with self._lock:
-                self._lines.append(line.decode(errors="replace").rstrip("\n"))
+                self._lines.append(text)
                 if self._sink is not None:
                     try:
                         self._sink.write(line)

@@ -188,3 +188,49 @@ def test_a_server_that_exits_during_the_run_is_the_backends_failure(tmp_path: Pa
     assert "crashing on purpose" in failure
     launched.release()  # an exited server is never kept
     assert server_keeper.kept_server() is None
+
+
+def test_the_program_is_looked_up_on_the_path_the_server_gets(tmp_path: Path) -> None:
+    """engine.launch.env.PATH that adds the server's folder finds it (the harness's own PATH
+    does not have it); a null env value removes the variable from the server's environment."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    program = folder / "my-server"
+    program.write_text(f'#!/bin/sh\necho "GONE=${{H38_GONE-unset}}"\nexec {sys.executable} "$@"\n')
+    program.chmod(0o755)
+    port = free_port("127.0.0.1")
+    env = {"PATH": f"{folder}:{os.environ.get('PATH', '')}", "H38_GONE": None}
+    os.environ["H38_GONE"] = "set"
+    try:
+        server = ServerProcess.start(
+            ["my-server", FAKE, "--port", str(port)], f"http://127.0.0.1:{port}", env, None
+        )
+    finally:
+        del os.environ["H38_GONE"]
+    try:
+        server.wait_ready("/health", 15.0)
+        assert "GONE=unset" in server.tail()
+    finally:
+        server.stop(2.0)
+
+
+def test_a_huge_line_of_the_log_is_cut_in_the_error(tmp_path: Path) -> None:
+    """A server that writes megabytes on one line and dies: the error holds its last lines,
+    each cut, not the megabytes (they are in server.log)."""
+    code = "import sys; sys.stdout.write('x' * 3_000_000 + '\\nreal error\\n'); sys.exit(3)"
+    server = ServerProcess.start(
+        [sys.executable, "-c", code], "http://127.0.0.1:1", {}, tmp_path / "s.log"
+    )
+    with pytest.raises(ServerStartError) as caught:
+        server.wait_ready("/health", 15.0)
+    server.stop(1.0)
+    message = str(caught.value)
+    assert "status 3" in message and "real error" in message
+    assert len(message) < 10_000 and "more bytes in the log" in message
+    assert (tmp_path / "s.log").stat().st_size > 3_000_000
+
+
+@pytest.mark.parametrize("host", ["8.8.8.8", "no-such-host.invalid"])
+def test_a_host_nothing_can_listen_on_is_named(host: str) -> None:
+    with pytest.raises(ServerStartError, match=r"engine\.launch\.host: cannot listen on"):
+        LaunchedServer.start(launch_config(host=host), FIELDS, None)
