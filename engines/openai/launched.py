@@ -110,7 +110,11 @@ class LaunchedServer:
         key = server_keeper.server_key(server_command(launch, {**fields, "port": "{port}"}), env)
         server = server_keeper.acquire(key, lambda kept: _reset(kept, launch))
         if server is not None:
-            server.log_to(log)
+            try:
+                server.log_to(log)
+            except OSError as exc:  # taken from the keeper: no one else would stop it
+                server.stop(launch.stop_timeout_s)
+                raise ServerStartError(f"the server's log {log} cannot be written: {exc}") from exc
             return cls(launch, key, server, True, server.version)
         port = launch.port or free_port(launch.host)
         command = server_command(launch, {**fields, "port": port})

@@ -94,16 +94,26 @@ class ServerProcess:
                 f"engine.launch.command: {command[0]!r} is not an executable on PATH "
                 "(is the server installed in this environment?)"
             )
-        process = subprocess.Popen(
-            [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *command],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=environ,
-            start_new_session=True,  # its own group: Ctrl-C reaches the harness only
-        )
-        server = cls(command, root, process, now_ns(), cores=_cores_of(process.pid))
-        server.log_to(log)
+        # the log opened before the server starts: a log that cannot be written (a full or
+        # read-only disk, a folder in its place) must not leave a started server behind
+        try:
+            sink = log.open("ab") if log is not None else None
+        except OSError as exc:
+            raise ServerStartError(f"the server's log {log} cannot be written: {exc}") from exc
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *command],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=environ,
+                start_new_session=True,  # its own group: Ctrl-C reaches the harness only
+            )
+        except BaseException:
+            if sink is not None:
+                sink.close()
+            raise
+        server = cls(command, root, process, now_ns(), cores=_cores_of(process.pid), _sink=sink)
         server._pump = threading.Thread(target=server._copy_output, daemon=True, name="server-log")
         server._pump.start()
         return server

@@ -234,3 +234,40 @@ def test_a_huge_line_of_the_log_is_cut_in_the_error(tmp_path: Path) -> None:
 def test_a_host_nothing_can_listen_on_is_named(host: str) -> None:
     with pytest.raises(ServerStartError, match=r"engine\.launch\.host: cannot listen on"):
         LaunchedServer.start(launch_config(host=host), FIELDS, None)
+
+
+def _running_with(text: str) -> list[int]:
+    """The processes whose command line holds `text`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_text(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
+
+
+def test_a_log_that_cannot_be_written_starts_no_server(tmp_path: Path) -> None:
+    """server.log unwritable (a folder in its place): an error naming the log, and no server
+    left running beside the next job's."""
+    say = f"unwritable-log-{os.getpid()}"
+    port = free_port("127.0.0.1")
+    with pytest.raises(ServerStartError, match=r"server's log .* cannot be written"):
+        ServerProcess.start(
+            [sys.executable, FAKE, "--port", str(port), "--say", say],
+            f"http://127.0.0.1:{port}",
+            {},
+            tmp_path,  # a folder
+        )
+    assert eventually(lambda: not [p for p in _running_with(say) if alive(p)])
+
+
+def test_a_kept_server_whose_next_log_cannot_be_written_is_stopped(tmp_path: Path) -> None:
+    first = LaunchedServer.start(launch_config(), FIELDS, tmp_path / "a.log")
+    first.release()
+    assert server_keeper.kept_server() is first.server
+    with pytest.raises(ServerStartError, match="cannot be written"):
+        LaunchedServer.start(launch_config(), FIELDS, tmp_path)  # a folder
+    assert server_keeper.kept_server() is None
+    assert not group_alive(first.server.pid)
