@@ -10,6 +10,7 @@ the previous run, server_keeper.py) when the backend loads, handed back when it 
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import socket
@@ -24,6 +25,8 @@ from engines.openai import server_keeper
 from engines.openai.launch_config import LaunchConfig, environment, server_command
 from engines.openai.server_process import ServerProcess, ServerStartError
 from models.packaged import PACKAGED_MODELS, PackagedModelMissingError, packaged_model_path
+
+logger = logging.getLogger(__name__)  # `log` is the server log's path below
 
 SERVER_LOG = "server.log"  # in the run folder: the server's output during the run
 
@@ -163,7 +166,13 @@ def _reset(server: ServerProcess, launch: LaunchConfig) -> bool:
         return True
     try:
         server.read_json(launch.reset_path, method="POST")
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, ValueError) as exc:
+        # said, else a wrong reset_path silently cold-starts the server for every job
+        logger.warning(
+            "engine.launch.reset_path: POST %s failed (%s); a new server is started",
+            launch.reset_path,
+            str(exc).splitlines()[0],
+        )
         return False
     return True
 

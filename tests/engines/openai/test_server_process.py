@@ -271,3 +271,19 @@ def test_a_kept_server_whose_next_log_cannot_be_written_is_stopped(tmp_path: Pat
         LaunchedServer.start(launch_config(), FIELDS, tmp_path)  # a folder
     assert server_keeper.kept_server() is None
     assert not group_alive(first.server.pid)
+
+
+def test_a_failing_reset_path_is_said_not_silent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reset_path the server does not serve: a new server per job, as documented, and a
+    warning naming the key (else every job cold-starts without a word)."""
+    first = LaunchedServer.start(launch_config(reset_path="/nope"), FIELDS, None)
+    first.release()
+    with caplog.at_level("WARNING", logger="engines.openai.launched"):
+        second = LaunchedServer.start(launch_config(reset_path="/nope"), FIELDS, None)
+    assert not second.reused
+    assert any(
+        "engine.launch.reset_path: POST /nope failed" in r.getMessage() for r in caplog.records
+    )
+    second.release()
