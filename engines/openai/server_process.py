@@ -4,9 +4,10 @@ whole group and, after a grace period, SIGKILL, until no process of the group is
 
 The server is started through a few lines of Python that ask Linux to send it SIGTERM when the
 process that started it dies (`prctl(PR_SET_PDEATHSIG)`), then exec the command: a harness
-killed with SIGKILL leaves no server behind. Its own children (vLLM's engine processes) are
-in its group, which `stop` ends; after a SIGKILL of the harness they rely on the server's own
-handling of its death.
+killed with SIGKILL leaves no server behind. Linux ties that signal to the thread that started
+the server, so servers are started from the main thread or from one that lives as long as the
+process (`_popen`). Its own children (vLLM's engine processes) are in its group, which `stop`
+ends; after a SIGKILL of the harness they rely on the server's own handling of its death.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -101,13 +104,8 @@ class ServerProcess:
         except OSError as exc:
             raise ServerStartError(f"the server's log {log} cannot be written: {exc}") from exc
         try:
-            process = subprocess.Popen(
-                [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *command],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=environ,
-                start_new_session=True,  # its own group: Ctrl-C reaches the harness only
+            process = _popen(
+                [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *command], environ
             )
         except BaseException:
             if sink is not None:
@@ -213,6 +211,53 @@ class ServerProcess:
         if self._pump is not None:
             self._pump.join(timeout=5.0)
         self.log_to(None)
+
+
+_Request = tuple["Future[subprocess.Popen[bytes]]", list[str], dict[str, str]]
+_spawner: tuple[int, queue.SimpleQueue[_Request]] | None = None  # (its process, its requests)
+_spawner_lock = threading.Lock()
+
+
+def _popen(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start the guarded server from a thread that lives as long as this process. Linux sends
+    the death signal when the *thread* that started the child ends (prctl(2),
+    PR_SET_PDEATHSIG), so a server started from a short-lived thread (a notebook's thread pool,
+    a launcher's worker thread) got SIGTERM the moment that thread finished, the harness still
+    running."""
+    if threading.current_thread() is threading.main_thread():  # it ends with the process
+        return _start(args, env)
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():  # first use, or a forked child
+            requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+            threading.Thread(
+                target=_spawn_forever, args=(requests,), daemon=True, name="server-spawner"
+            ).start()
+            _spawner = (os.getpid(), requests)
+        requests = _spawner[1]
+    started: Future[subprocess.Popen[bytes]] = Future()
+    requests.put((started, args, env))
+    return started.result()
+
+
+def _spawn_forever(requests: queue.SimpleQueue[_Request]) -> None:
+    while True:
+        started, args, env = requests.get()
+        try:
+            started.set_result(_start(args, env))
+        except BaseException as exc:  # the caller's to raise (a missing program, no memory)
+            started.set_exception(exc)
+
+
+def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,  # its own group: Ctrl-C reaches the harness only
+    )
 
 
 def _cores_of(pid: int) -> list[int] | None:

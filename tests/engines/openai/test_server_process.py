@@ -287,3 +287,48 @@ def test_a_failing_reset_path_is_said_not_silent(
         "engine.launch.reset_path: POST /nope failed" in r.getMessage() for r in caplog.records
     )
     second.release()
+
+
+def test_a_server_started_from_a_thread_outlives_the_thread_not_the_process(
+    tmp_path: Path,
+) -> None:
+    """The death signal follows the thread that started the child (prctl(2)): a server
+    started from a worker thread that has finished still runs, and still dies with the
+    process (SIGKILL of the harness)."""
+    pid_file = tmp_path / "server.pid"
+    code = textwrap.dedent(
+        f"""
+        import sys, threading, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[3])!r})
+        from engines.openai.launched import free_port
+        from engines.openai.server_process import ServerProcess
+        port = free_port("127.0.0.1")
+        box = []
+        def start():
+            box.append(ServerProcess.start(
+                [sys.executable, {FAKE!r}, "--port", str(port)],
+                f"http://127.0.0.1:{{port}}", {{}}, None))
+            box[0].wait_ready("/health", 30)  # as LaunchedServer.start does, in the thread
+        worker = threading.Thread(target=start)
+        worker.start()
+        worker.join()
+        time.sleep(1.0)  # the thread is long gone
+        box[0].wait_ready("/health", 5)
+        open({str(pid_file)!r}, "w").write(str(box[0].pid))
+        time.sleep(600)
+        """
+    )
+    harness = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        assert eventually(lambda: pid_file.exists() or harness.poll() is not None, 40)
+        assert harness.poll() is None, "the server died with the thread that started it"
+        server_pid = int(pid_file.read_text())
+        harness.kill()
+        harness.wait()
+        gone = eventually(lambda: not alive(server_pid))
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+    if not gone:
+        os.killpg(server_pid, signal.SIGKILL)
+    assert gone, "the server outlived the harness that started it"
