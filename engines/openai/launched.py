@@ -124,7 +124,7 @@ class LaunchedServer:
         root = f"http://{_url_host(launch.host)}:{port}"
         server = ServerProcess.start(command, root, env, log)
         try:
-            server.wait_ready(launch.health_path, launch.startup_timeout_s)
+            server.wait_ready(launch.health_path, launch.startup_timeout_s, launch.stop_timeout_s)
         except BaseException:  # Ctrl-C while it starts, too: no server left behind
             server.stop(launch.stop_timeout_s)
             raise

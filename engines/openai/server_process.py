@@ -161,9 +161,10 @@ class ServerProcess:
             f"its last lines:\n{self.tail()}"
         )
 
-    def wait_ready(self, health_path: str, timeout_s: float) -> None:
+    def wait_ready(self, health_path: str, timeout_s: float, grace_s: float = 5.0) -> None:
         """Poll GET root + `health_path` until it answers 200. The process exiting, or
-        `timeout_s` passing (the server is then stopped), raises ServerStartError."""
+        `timeout_s` passing (the server is then stopped, `grace_s` between SIGTERM and SIGKILL:
+        engine.launch.stop_timeout_s), raises ServerStartError."""
         url = self.root + health_path
         deadline = time.monotonic() + timeout_s
         pause = 0.05
@@ -174,7 +175,7 @@ class ServerProcess:
                 self.ready_s = (now_ns() - self.started_ns) / 1e9
                 return
             if time.monotonic() > deadline:
-                self.stop(grace_s=5.0)
+                self.stop(grace_s)
                 raise ServerStartError(
                     f"the server did not answer GET {url} with 200 within {timeout_s:g} s "
                     f"(engine.launch.startup_timeout_s); its last lines:\n{self.tail()}"

@@ -332,3 +332,15 @@ def test_a_server_started_from_a_thread_outlives_the_thread_not_the_process(
     if not gone:
         os.killpg(server_pid, signal.SIGKILL)
     assert gone, "the server outlived the harness that started it"
+
+
+def test_a_server_never_ready_is_stopped_within_stop_timeout_s() -> None:
+    """At the start-up timeout the server is stopped with engine.launch.stop_timeout_s between
+    SIGTERM and SIGKILL (it waited 5 s for one deaf to SIGTERM, whatever the option said)."""
+    launch = launch_config(
+        args=["--never-ready", "--ignore-term"], startup_timeout_s=0.5, stop_timeout_s=0
+    )
+    began = time.monotonic()
+    with pytest.raises(ServerStartError, match="startup_timeout_s"):
+        LaunchedServer.start(launch, FIELDS, None)
+    assert time.monotonic() - began < 4.0
