@@ -154,7 +154,7 @@ def flag_arguments(params: Mapping[str, Any], style: str) -> list[str]:
 def _flattened(params: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     items: list[tuple[str, Any]] = []
     for name, value in params.items():
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and value:  # an empty one is a value: `key={}`
             items += _flattened(value, f"{prefix}{name}.")
         else:
             items.append((f"{prefix}{name}", value))

@@ -178,3 +178,12 @@ def test_env_values_are_spelled_like_params_and_null_removes_the_variable() -> N
         "E": "[1, 2]",
         "F": "x",
     }
+
+
+def test_hydra_style_keeps_an_empty_mapping() -> None:
+    """`{engine: {speculative_config: {}}}` is a value (an empty mapping), not nothing."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    (argument,) = flag_arguments({"engine": {"speculative_config": {}}}, "hydra")
+    assert argument == "engine.speculative_config={}"
+    assert OverridesParser.create().parse_override(argument).value() == {}
