@@ -15,6 +15,7 @@ out.
 from __future__ import annotations
 
 import json
+import re
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -86,7 +87,9 @@ class LaunchConfig(Options):
         default_factory=list, empty=True, help="arguments appended after params, as given"
     )
     env: dict[str, Any] = option(
-        default_factory=dict, help="environment variables set for the server (values as text)"
+        default_factory=dict,
+        help="environment variables set for the server (values as text, booleans as "
+        "true/false); null: the variable removed from the server's environment",
     )
     host: str = option("127.0.0.1", valid=bool, allowed="an address", help="where it listens")
     port: int = option(0, ge=0, le=65535, help="0: a free port picked for each server")
@@ -151,7 +154,7 @@ def flag_arguments(params: Mapping[str, Any], style: str) -> list[str]:
 def _flattened(params: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     items: list[tuple[str, Any]] = []
     for name, value in params.items():
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and value:  # an empty one is a value: `key={}`
             items += _flattened(value, f"{prefix}{name}.")
         else:
             items.append((f"{prefix}{name}", value))
@@ -161,9 +164,17 @@ def _flattened(params: Mapping[str, Any], prefix: str = "") -> list[tuple[str, A
 def _text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, Mapping):
-        return json.dumps(value)  # vLLM's --speculative-config and kin take JSON
+    if isinstance(value, Mapping | list | tuple):
+        # vLLM's --speculative-config and kin take JSON; str() would write Python's True, 'a'
+        return json.dumps(value)
     return str(value)
+
+
+def environment(env: Mapping[str, Any]) -> dict[str, str | None]:
+    """`engine.launch.env` as the server's variables: values as text, spelled as in `params`
+    (`true`, not Python's `True`); None for a null, the variable removed (a null param is left
+    out, too: the server's default), never the text "None"."""
+    return {str(k): None if v is None else _text(v) for k, v in env.items()}
 
 
 def _values(value: Any) -> list[str]:
@@ -172,10 +183,22 @@ def _values(value: Any) -> list[str]:
     return [_text(value)]
 
 
+# What Hydra's override grammar reads unquoted as the very same text; anything else (a comma,
+# which it takes for a sweep, brackets, quotes, spaces, non-ASCII letters) is quoted.
+_HYDRA_PLAIN = re.compile(r"[A-Za-z0-9_\-+./:~@%*]+")
+
+
 def _hydra_value(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ",".join(_hydra_value(v) for v in value) + "]"
-    return _text(value)
+    text = _text(value)
+    if not isinstance(value, str) or _HYDRA_PLAIN.fullmatch(text):
+        return text
+    # quoted: Hydra reads a backslash as an escape only before a quote or at the end, so those
+    # backslashes are doubled and each quote escaped
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    body = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body)
+    return "'" + body + "'"
 
 
 def server_command(launch: LaunchConfig, fields: Mapping[str, Any]) -> list[str]:

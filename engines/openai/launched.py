@@ -10,6 +10,7 @@ the previous run, server_keeper.py) when the backend loads, handed back when it 
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import socket
@@ -21,9 +22,11 @@ from typing import Any
 import httpx
 
 from engines.openai import server_keeper
-from engines.openai.launch_config import LaunchConfig, server_command
-from engines.openai.server_process import ServerProcess
+from engines.openai.launch_config import LaunchConfig, environment, server_command
+from engines.openai.server_process import ServerProcess, ServerStartError
 from models.packaged import PACKAGED_MODELS, PackagedModelMissingError, packaged_model_path
+
+logger = logging.getLogger(__name__)  # `log` is the server log's path below
 
 SERVER_LOG = "server.log"  # in the run folder: the server's output during the run
 
@@ -62,9 +65,17 @@ def _model_file(model: dict[str, Any]) -> str | None:
 
 
 def free_port(host: str) -> int:
+    """A port free on `host`; ServerStartError naming engine.launch.host when nothing can listen
+    there (an address of another machine, a name that does not resolve)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as sock:
-        sock.bind((host, 0))
+        try:
+            sock.bind((host, 0))
+        except OSError as exc:  # socket.gaierror, too
+            raise ServerStartError(
+                f"engine.launch.host: cannot listen on {host!r} ({exc}); allowed: an address "
+                "of this machine, e.g. 127.0.0.1, 0.0.0.0, ::1"
+            ) from exc
         port: int = sock.getsockname()[1]
         return port
 
@@ -97,19 +108,23 @@ class LaunchedServer:
     ) -> LaunchedServer:
         """The server for this run: the kept one when it is the same, else a new one, ready.
         ServerStartError (its log's last lines in the message) when it could not be."""
-        env = {str(k): str(v) for k, v in launch.env.items()}
+        env = environment(launch.env)
         fields = {**fields, "host": launch.host, "threads": launch.threads or fields["threads"]}
         key = server_keeper.server_key(server_command(launch, {**fields, "port": "{port}"}), env)
         server = server_keeper.acquire(key, lambda kept: _reset(kept, launch))
         if server is not None:
-            server.log_to(log)
+            try:
+                server.log_to(log)
+            except OSError as exc:  # taken from the keeper: no one else would stop it
+                server.stop(launch.stop_timeout_s)
+                raise ServerStartError(f"the server's log {log} cannot be written: {exc}") from exc
             return cls(launch, key, server, True, server.version)
         port = launch.port or free_port(launch.host)
         command = server_command(launch, {**fields, "port": port})
         root = f"http://{_url_host(launch.host)}:{port}"
         server = ServerProcess.start(command, root, env, log)
         try:
-            server.wait_ready(launch.health_path, launch.startup_timeout_s)
+            server.wait_ready(launch.health_path, launch.startup_timeout_s, launch.stop_timeout_s)
         except BaseException:  # Ctrl-C while it starts, too: no server left behind
             server.stop(launch.stop_timeout_s)
             raise
@@ -151,7 +166,13 @@ def _reset(server: ServerProcess, launch: LaunchConfig) -> bool:
         return True
     try:
         server.read_json(launch.reset_path, method="POST")
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, ValueError) as exc:
+        # said, else a wrong reset_path silently cold-starts the server for every job
+        logger.warning(
+            "engine.launch.reset_path: POST %s failed (%s); a new server is started",
+            launch.reset_path,
+            str(exc).splitlines()[0],
+        )
         return False
     return True
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engines.openai.server_process import ServerProcess
 
-ServerKey = tuple[tuple[str, ...], tuple[tuple[str, str], ...], tuple[int, ...], str]
+ServerKey = tuple[tuple[str, ...], tuple[tuple[str, str | None], ...], tuple[int, ...], str]
 
 
 @dataclass
@@ -27,7 +27,7 @@ class _Kept:
 _kept: _Kept | None = None
 
 
-def server_key(command_without_port: list[str], env: dict[str, str]) -> ServerKey:
+def server_key(command_without_port: list[str], env: dict[str, str | None]) -> ServerKey:
     """What must match for a server to be used again: the command line (its port left out), its
     environment, and the placement it inherits (cores, visible GPUs)."""
     cores = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()

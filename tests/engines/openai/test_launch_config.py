@@ -146,3 +146,44 @@ def test_every_server_preset_composes_and_builds_its_command(preset: str) -> Non
     assert any("8123" in arg for arg in command)
     assert "7" in command or "engine.max_num_seqs=7" in command
     assert config.launch.health_path.startswith("/")
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["paged,contiguous", "a b", "it's", "ends\\", "ü", "", "a=b", "[x]", "back\\'q", "/m/x:1"],
+)
+def test_hydra_style_strings_reach_the_server_as_written(value: str) -> None:
+    """A string param in flag_style=hydra is quoted where Hydra's override grammar would read
+    it otherwise (a comma: a sweep, which `inferlab serve` refused as ambiguous)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    (argument,) = flag_arguments({"engine": {"kv_cache": value}}, "hydra")
+    override = OverridesParser.create().parse_override(argument)
+    assert override.key_or_group == "engine.kv_cache"
+    assert override.value() == value
+
+
+def test_nested_lists_are_json_not_python() -> None:
+    assert flag_arguments({"x": [1, [True, "a"]]}, "dashes") == ["--x", "1", '[true, "a"]']
+
+
+def test_env_values_are_spelled_like_params_and_null_removes_the_variable() -> None:
+    from engines.openai.launch_config import environment
+
+    assert environment({"A": True, "B": False, "C": 1, "D": None, "E": [1, 2], "F": "x"}) == {
+        "A": "true",
+        "B": "false",
+        "C": "1",
+        "D": None,
+        "E": "[1, 2]",
+        "F": "x",
+    }
+
+
+def test_hydra_style_keeps_an_empty_mapping() -> None:
+    """`{engine: {speculative_config: {}}}` is a value (an empty mapping), not nothing."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    (argument,) = flag_arguments({"engine": {"speculative_config": {}}}, "hydra")
+    assert argument == "engine.speculative_config={}"
+    assert OverridesParser.create().parse_override(argument).value() == {}

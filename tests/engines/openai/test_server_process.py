@@ -198,3 +198,159 @@ def test_a_server_that_exits_during_the_run_is_the_backends_failure(tmp_path: Pa
     assert "crashing on purpose" in failure
     launched.release()  # an exited server is never kept
     assert server_keeper.kept_server() is None
+
+
+def test_the_program_is_looked_up_on_the_path_the_server_gets(tmp_path: Path) -> None:
+    """engine.launch.env.PATH that adds the server's folder finds it (the harness's own PATH
+    does not have it); a null env value removes the variable from the server's environment."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    program = folder / "my-server"
+    program.write_text(f'#!/bin/sh\necho "GONE=${{H38_GONE-unset}}"\nexec {sys.executable} "$@"\n')
+    program.chmod(0o755)
+    port = free_port("127.0.0.1")
+    env = {"PATH": f"{folder}:{os.environ.get('PATH', '')}", "H38_GONE": None}
+    os.environ["H38_GONE"] = "set"
+    try:
+        server = ServerProcess.start(
+            ["my-server", FAKE, "--port", str(port)], f"http://127.0.0.1:{port}", env, None
+        )
+    finally:
+        del os.environ["H38_GONE"]
+    try:
+        server.wait_ready("/health", 15.0)
+        assert "GONE=unset" in server.tail()
+    finally:
+        server.stop(2.0)
+
+
+def test_a_huge_line_of_the_log_is_cut_in_the_error(tmp_path: Path) -> None:
+    """A server that writes megabytes on one line and dies: the error holds its last lines,
+    each cut, not the megabytes (they are in server.log)."""
+    code = "import sys; sys.stdout.write('x' * 3_000_000 + '\\nreal error\\n'); sys.exit(3)"
+    server = ServerProcess.start(
+        [sys.executable, "-c", code], "http://127.0.0.1:1", {}, tmp_path / "s.log"
+    )
+    with pytest.raises(ServerStartError) as caught:
+        server.wait_ready("/health", 15.0)
+    server.stop(1.0)
+    message = str(caught.value)
+    assert "status 3" in message and "real error" in message
+    assert len(message) < 10_000 and "more bytes in the log" in message
+    assert (tmp_path / "s.log").stat().st_size > 3_000_000
+
+
+@pytest.mark.parametrize("host", ["8.8.8.8", "no-such-host.invalid"])
+def test_a_host_nothing_can_listen_on_is_named(host: str) -> None:
+    with pytest.raises(ServerStartError, match=r"engine\.launch\.host: cannot listen on"):
+        LaunchedServer.start(launch_config(host=host), FIELDS, None)
+
+
+def _running_with(text: str) -> list[int]:
+    """The processes whose command line holds `text`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_text(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
+
+
+def test_a_log_that_cannot_be_written_starts_no_server(tmp_path: Path) -> None:
+    """server.log unwritable (a folder in its place): an error naming the log, and no server
+    left running beside the next job's."""
+    say = f"unwritable-log-{os.getpid()}"
+    port = free_port("127.0.0.1")
+    with pytest.raises(ServerStartError, match=r"server's log .* cannot be written"):
+        ServerProcess.start(
+            [sys.executable, FAKE, "--port", str(port), "--say", say],
+            f"http://127.0.0.1:{port}",
+            {},
+            tmp_path,  # a folder
+        )
+    assert eventually(lambda: not [p for p in _running_with(say) if alive(p)])
+
+
+def test_a_kept_server_whose_next_log_cannot_be_written_is_stopped(tmp_path: Path) -> None:
+    first = LaunchedServer.start(launch_config(), FIELDS, tmp_path / "a.log")
+    first.release()
+    assert server_keeper.kept_server() is first.server
+    with pytest.raises(ServerStartError, match="cannot be written"):
+        LaunchedServer.start(launch_config(), FIELDS, tmp_path)  # a folder
+    assert server_keeper.kept_server() is None
+    assert not group_alive(first.server.pid)
+
+
+def test_a_failing_reset_path_is_said_not_silent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reset_path the server does not serve: a new server per job, as documented, and a
+    warning naming the key (else every job cold-starts without a word)."""
+    first = LaunchedServer.start(launch_config(reset_path="/nope"), FIELDS, None)
+    first.release()
+    with caplog.at_level("WARNING", logger="engines.openai.launched"):
+        second = LaunchedServer.start(launch_config(reset_path="/nope"), FIELDS, None)
+    assert not second.reused
+    assert any(
+        "engine.launch.reset_path: POST /nope failed" in r.getMessage() for r in caplog.records
+    )
+    second.release()
+
+
+def test_a_server_started_from_a_thread_outlives_the_thread_not_the_process(
+    tmp_path: Path,
+) -> None:
+    """The death signal follows the thread that started the child (prctl(2)): a server
+    started from a worker thread that has finished still runs, and still dies with the
+    process (SIGKILL of the harness)."""
+    pid_file = tmp_path / "server.pid"
+    code = textwrap.dedent(
+        f"""
+        import sys, threading, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[3])!r})
+        from engines.openai.launched import free_port
+        from engines.openai.server_process import ServerProcess
+        port = free_port("127.0.0.1")
+        box = []
+        def start():
+            box.append(ServerProcess.start(
+                [sys.executable, {FAKE!r}, "--port", str(port)],
+                f"http://127.0.0.1:{{port}}", {{}}, None))
+            box[0].wait_ready("/health", 30)  # as LaunchedServer.start does, in the thread
+        worker = threading.Thread(target=start)
+        worker.start()
+        worker.join()
+        time.sleep(1.0)  # the thread is long gone
+        box[0].wait_ready("/health", 5)
+        open({str(pid_file)!r}, "w").write(str(box[0].pid))
+        time.sleep(600)
+        """
+    )
+    harness = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        assert eventually(lambda: pid_file.exists() or harness.poll() is not None, 40)
+        assert harness.poll() is None, "the server died with the thread that started it"
+        server_pid = int(pid_file.read_text())
+        harness.kill()
+        harness.wait()
+        gone = eventually(lambda: not alive(server_pid))
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+    if not gone:
+        os.killpg(server_pid, signal.SIGKILL)
+    assert gone, "the server outlived the harness that started it"
+
+
+def test_a_server_never_ready_is_stopped_within_stop_timeout_s() -> None:
+    """At the start-up timeout the server is stopped with engine.launch.stop_timeout_s between
+    SIGTERM and SIGKILL (it waited 5 s for one deaf to SIGTERM, whatever the option said)."""
+    launch = launch_config(
+        args=["--never-ready", "--ignore-term"], startup_timeout_s=0.5, stop_timeout_s=0
+    )
+    began = time.monotonic()
+    with pytest.raises(ServerStartError, match="startup_timeout_s"):
+        LaunchedServer.start(launch, FIELDS, None)
+    assert time.monotonic() - began < 4.0
