@@ -109,6 +109,14 @@ class Tokens(RequestEvent):
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs(RequestEvent):
+    """The prompt's log-probabilities (SamplingParams.prompt_logprobs), once its last prompt
+    token is computed: one per prompt token, None for the first (nothing comes before it)."""
+
+    logprobs: tuple[TokenLogprob | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Preempted(RequestEvent):
     reason: str = ""
 

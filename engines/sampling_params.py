@@ -35,6 +35,9 @@ class SamplingParams:
     # (0: the sampled token's only; None: none), from the model's raw logits as vLLM v1's
     # default (`logprobs_mode=raw_logprobs`): before temperature, top-k/top-p and masks
     logprobs: int | None = None
+    # the same for every prompt token after the first (the first has nothing before it); a
+    # request that asks computes its whole prompt, past any prefix-cache hit, as vLLM does
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,9 +75,11 @@ class SamplingParams:
             raise bad("stop", "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int)
-            or isinstance(self.logprobs, bool)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise bad("logprobs", f"null or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise bad(name, f"null or an integer in [0, {MAX_LOGPROBS}]")

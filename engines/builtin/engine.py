@@ -623,6 +623,8 @@ class LLMEngine:
             return events + self._fail_step(plan, exc)
         new_tokens = self._complete_step(plan, tokens)
         end = self._end_step(start)
+        prompt_logprobs = self.runner.last_prompt_logprobs
+        events += self.output.prompt_logprobs_events(plan, prompt_logprobs, plan.step, end)
         events += self.output.events(new_tokens, plan.step, end)
         if self.step_observers:
             self._report_step(plan, start, end, logits_tokens)

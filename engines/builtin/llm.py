@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard, cast
 
-from engines.base import Failed, Finished, Prompt, TokenLogprob, Tokens
+from engines.base import Failed, Finished, Prompt, PromptLogprobs, TokenLogprob, Tokens
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import LLMEngine
 from engines.builtin.factory import build_engine
@@ -55,6 +55,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     error: str | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -163,6 +165,8 @@ class LLM:
                         out.metrics.first_token_ns = event.time_ns
                     if event.index == 0:
                         out.metrics.token_times_ns.append(event.time_ns)
+                elif isinstance(event, PromptLogprobs):
+                    out.prompt_logprobs = list(event.logprobs)
                 elif isinstance(event, Finished):
                     sample = out.outputs[event.index]
                     sample.finish_reason = event.finish_reason

@@ -75,6 +75,8 @@ class PackedStep:
     graph_size: int | None = None  # the CUDA graph bucket that serves the step
     copied_blocks: list[tuple[int, int]] = field(default_factory=list)
     observe: bool = False  # every real token's logits too (logits observers)
+    # packed tokens whose logits give prompt logprobs (SamplingParams.prompt_logprobs)
+    prompt_logits_index: np.ndarray | None = None
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
@@ -123,6 +125,10 @@ class ModelRunner:
         # the last step's log-probabilities, aligned with execute()'s tokens (per sampling
         # sequence: one per new token, or None where its request asks for none); None: none asked
         self.last_logprobs: list[list[TokenLogprob] | None] | None = None
+        # the last step's prompt logprobs: per prompt chunk that asked, its sequence, the
+        # chunk's first position p and the logprobs of prompt tokens p+1, p+2, ...
+        self.last_prompt_logprobs: list[PromptChunkLogprobs] = []
+        self._prompt_targets: list[PromptTargets] = []  # this step's, in packed order
         self.kv_caches: list[LayerKVCache] = []
         # See the logits of every token of every step (LLMEngine.add_logits_observer). Empty
         # in normal runs, where only sampled rows are computed.
@@ -365,6 +371,9 @@ class ModelRunner:
             indices, num_sampled = _sampled_logits(plan, layout, num_decodes, num_decode_rows)
         num_logits = len(indices)
         host["logits_indices"][:num_logits] = indices
+        prompt_index, self._prompt_targets = (
+            ([], []) if as_decodes else _prompt_logits(plan, layout, num_decodes, num_decode_rows)
+        )
         packed = PackedStep(
             num_tokens=layout.num_tokens,
             num_logits=num_logits,
@@ -375,6 +384,7 @@ class ModelRunner:
             write_index=write_index,
             copied_blocks=plan.copied_blocks,
             observe=bool(self.logits_observers),
+            prompt_logits_index=np.asarray(prompt_index, np.int64) if prompt_index else None,
         )
         if plan.padding_tokens:
             packed.real_token_index = np.flatnonzero(layout.real_tokens())
@@ -499,8 +509,8 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache.gather_ns = 0
         self.forward_timer.start()
+        self.last_logprobs, self.last_prompt_logprobs = None, []
         logits = self._logits(plan, packed, input_ids, meta, logits_indices)
-        self.last_logprobs = None
         result = self._sample(plan, logits) if logits is not None else []
         self.forward_timer.stop()
         self.last_forward_ns = self.forward_timer.elapsed_ns()
@@ -549,11 +559,30 @@ class ModelRunner:
                 if every is not None and plan is not None:
                     for observer in self.logits_observers:
                         observer(plan, every.float())
+            if packed.prompt_logits_index is not None:  # every rank: a collective under TP
+                rows = torch.from_numpy(packed.prompt_logits_index).to(self.device)
+                prompt = self.model.compute_logits(hidden[rows])
+                if prompt is not None and plan is not None:
+                    self._report_prompt_logprobs(prompt[:, : self.sample_vocab_size])
             if packed.num_logits == 0:
                 return None
             logits = self.model.compute_logits(hidden[logits_indices])
         # Ids past the tokenizer's vocabulary (a dummy model's padding rows) are never sampled.
         return None if logits is None else logits[:, : self.sample_vocab_size]
+
+    def _report_prompt_logprobs(self, logits: torch.Tensor) -> None:
+        """The prompt logprobs of this step's chunks that asked, from their positions' logits
+        (rows in the order of `_prompt_targets`)."""
+        targets = [t for _, _, chunk in self._prompt_targets for t in chunk]
+        tops = [
+            seq.sampling.prompt_logprobs or 0
+            for seq, _, chunk in self._prompt_targets
+            for _ in chunk
+        ]
+        found = iter(token_logprobs(logits, torch.tensor(targets, device=logits.device), tops))
+        self.last_prompt_logprobs = [
+            (seq, first, [next(found) for _ in chunk]) for seq, first, chunk in self._prompt_targets
+        ]
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[list[int]]:
         """The new tokens of each sampling sequence; NonFiniteLogitsError if the logits hold
@@ -632,6 +661,12 @@ def _logprobs(
         for seq, new in zip(seqs, tokens, strict=True)
     ]
 
+
+#: A prompt chunk that asks for prompt logprobs: its sequence, its first position p, and the
+#: prompt tokens p+1, p+2, ... its positions' logits score.
+PromptTargets = tuple[Sequence, int, list[int]]
+#: The same chunk's logprobs of those tokens.
+PromptChunkLogprobs = tuple[Sequence, int, list[TokenLogprob]]
 
 #: One packed row: (seq_id, first position, real tokens, padding tokens after them).
 Row = tuple[int, int, list[int], int]
@@ -743,6 +778,28 @@ def _sampled_logits(
         for back in range(drafts, -1, -1)
     ]
     return indices, len(sample_rows)
+
+
+def _prompt_logits(
+    plan: StepPlan, layout: _RowLayout, num_decodes: int, num_decode_rows: int
+) -> tuple[list[int], list[PromptTargets]]:
+    """For each prompt chunk whose request asks for prompt logprobs (and has not reported them):
+    the packed tokens whose logits score the next prompt token (every position of the chunk but
+    the prompt's last, whose logits sample the first output token), and those next tokens."""
+    index: list[int] = []
+    targets: list[PromptTargets] = []
+    for i, item in enumerate(plan.scheduled[num_decodes:]):
+        seq = item.seq
+        if seq.prompt_logprobs is None or not item.is_prefill:
+            continue
+        first = item.num_computed_before
+        last = min(first + len(item.new_token_ids), seq.num_prompt_tokens - 1)
+        if last <= first:
+            continue
+        start = int(layout.qsl[num_decode_rows + i])
+        index += range(start, start + last - first)
+        targets.append((seq, first, seq.prompt_token_ids[first + 1 : last + 1]))
+    return index, targets
 
 
 def _check_compile_works(device: torch.device) -> None:

@@ -17,6 +17,7 @@ from engines.base import (
     Finished,
     Preempted,
     PrefillChunk,
+    PromptLogprobs,
     RequestEvent,
     Scheduled,
     TokenLogprob,
@@ -150,6 +151,32 @@ class OutputProcessor:
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return delta
+
+    def prompt_logprobs_events(
+        self,
+        plan: StepPlan,
+        chunks: list[tuple[Sequence, int, list[TokenLogprob]]],
+        step: int,
+        time_ns: int,
+    ) -> list[RequestEvent]:
+        """Add each prompt chunk's logprobs (the chunk's first position p, then those of prompt
+        tokens p+1, ...) to its sequence; a PromptLogprobs event for each sequence of the plan
+        whose prompt is now complete (once: a recompute after preemption reports nothing)."""
+        for seq, first, found in chunks:
+            if seq.prompt_logprobs is not None:
+                del seq.prompt_logprobs[first + 1 :]  # a recompute writes its chunks again
+                seq.prompt_logprobs += found
+        events: list[RequestEvent] = []
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.prompt_logprobs is not None and (
+                len(seq.prompt_logprobs) == seq.num_prompt_tokens
+            ):
+                events.append(
+                    PromptLogprobs(seq.request_id, step, time_ns, tuple(seq.prompt_logprobs))
+                )
+                seq.prompt_logprobs = None
+        return events
 
     def events(self, new_tokens: NewTokens, step: int, time_ns: int) -> list[RequestEvent]:
         """The step's Tokens events, one per token (a speculative step's kept drafts arrive

@@ -421,7 +421,10 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> int:
         """Prefix caching: adopt the cached full blocks of the prompt's prefix; the sequence
         then starts computing after them (the last prompt token is always computed)."""
-        if not self.prefix_caching or seq.num_computed_tokens:
+        # a request that asks for its prompt's logprobs computes every prompt token: a cached
+        # block has K/V but no logits (vLLM v1 skips the cache for it too)
+        wants_logits = seq.sampling.prompt_logprobs is not None
+        if not self.prefix_caching or seq.num_computed_tokens or wants_logits:
             return 0
         cached = self.kv.match_prefix(seq.seq_id, seq.token_ids)
         seq.num_computed_tokens = cached

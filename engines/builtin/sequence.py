@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engines.base import TokenLogprob
 from engines.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ class Sequence:
     first_scheduled_step: int | None = None
     num_preemptions: int = 0
     cached_prompt_tokens: int = 0
+    #: SamplingParams.prompt_logprobs: the prompt tokens' so far (None for the first), chunk by
+    #: chunk; None once reported (a recompute after preemption does not report them again)
+    prompt_logprobs: list[TokenLogprob | None] | None = field(default=None)
     #: Speculative decoding: steps that verified drafts, drafts proposed, drafts kept.
     spec_steps: int = 0
     spec_draft_tokens: int = 0
@@ -57,6 +61,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def key(self) -> str:

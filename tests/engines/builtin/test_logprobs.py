@@ -199,3 +199,81 @@ def test_tensor_parallel_ranks_report_the_same_logprobs(
     outs = generate(folder, batch, GREEDY, kv_cache="paged", tensor_parallel_size=2, num_threads=1)
     for prompt, out in zip(batch, outs, strict=True):
         check_against_hf(model, prompt, out)
+
+
+@torch.inference_mode()
+def check_prompt_against_hf(model: torch.nn.Module, prompt: list[int], out: RequestOutput) -> None:
+    """Prompt token i's logprobs equal HF's log-softmax at position i - 1; the first is None."""
+    found = out.prompt_logprobs
+    assert found is not None and len(found) == len(prompt) and found[0] is None
+    reference = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    for position in range(1, len(prompt)):
+        entry, row = found[position], reference[position - 1]
+        assert entry is not None and entry.token_id == prompt[position]
+        assert abs(entry.logprob - float(row[prompt[position]])) < TOLERANCE
+        values = row.topk(len(entry.top)).values.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(values, abs=TOLERANCE)
+
+
+PROMPT = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
+
+
+@pytest.mark.parametrize("kv_cache", ["none", "contiguous", "paged"])
+def test_prompt_logprobs_equal_hf_in_every_kv_mode(
+    hf_model: tuple[torch.nn.Module, Path], kv_cache: str
+) -> None:
+    model, folder = hf_model
+    batch = prompts(8)
+    for prompt, out in zip(batch, generate(folder, batch, PROMPT, kv_cache=kv_cache), strict=True):
+        check_prompt_against_hf(model, prompt, out)
+        assert out.outputs[0].logprobs is None  # not asked
+
+
+def test_prompt_logprobs_over_chunks_and_past_the_prefix_cache(
+    hf_model: tuple[torch.nn.Module, Path],
+) -> None:
+    """16-token chunks; a second pass whose shared 32-token prefix is cached: the requests that
+    ask for prompt logprobs compute their whole prompt (a cached block has no logits), the
+    others still read the cache."""
+    model, folder = hf_model
+    batch = prompts(4, shared_prefix=32)
+    with LLM(
+        model=str(folder),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache="paged",
+        block_size=16,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+    ) as llm:
+        llm.generate(batch, GREEDY)  # fills the cache
+        hits_before = llm.engine.kv.prefix_hit_tokens
+        asked = llm.generate(batch, PROMPT)
+        assert llm.engine.kv.prefix_hit_tokens == hits_before  # none read from the cache
+        llm.generate(batch, GREEDY)
+        assert llm.engine.kv.prefix_hit_tokens > hits_before  # the others do
+    for prompt, out in zip(batch, asked, strict=True):
+        check_prompt_against_hf(model, prompt, out)
+        assert out.metrics is not None
+
+
+def test_prompt_and_output_logprobs_together_and_under_tensor_parallelism(
+    hf_model: tuple[torch.nn.Module, Path],
+) -> None:
+    model, folder = hf_model
+    both = SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=TOP, prompt_logprobs=0
+    )
+    batch = prompts(4)
+    outs = generate(folder, batch, both, kv_cache="paged", tensor_parallel_size=2, num_threads=1)
+    for prompt, out in zip(batch, outs, strict=True):
+        check_prompt_against_hf(model, prompt, out)
+        check_against_hf(model, prompt, out)
+        assert all(e is None or e.top == () for e in out.prompt_logprobs or [])
+
+
+def test_a_one_token_prompt_reports_its_one_none() -> None:
+    with LLM("tiny", dtype="float32") as llm:
+        out = llm.generate([[5]], SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
+    assert out.prompt_logprobs == [None]

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from checkpoints import randomize_weights
 
 from engines.base import ConfigError
 from engines.builtin import LLM, SamplingParams
@@ -48,7 +49,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory):
                 config = transformers.Qwen2Config(**{**parity.BASE, "tie_word_embeddings": True})
                 torch.manual_seed(5)
                 model = transformers.AutoModelForCausalLM.from_config(config)
-                parity._randomize(model, 5)
+                randomize_weights(model, 5)
                 assert model.lm_head.weight is model.model.embed_tokens.weight
                 assert model.model.layers[0].self_attn.q_proj.bias is not None
             else:
