@@ -180,7 +180,8 @@ async def _complete(
     prompts = await _completion_prompts(serving, body.prompt, added_ids)
     requested = OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     max_tokens = [serving.check_prompt(ids, requested, "prompt") for ids in prompts]
-    sampling = [_sampling(body, m) for m in max_tokens]
+    sampling = [_sampling(body, m, logprobs=body.logprobs) for m in max_tokens]
+    echo = await _echo_texts(serving, body.prompt, prompts) if body.echo else None
     return await _respond(
         request,
         serving,
@@ -191,6 +192,7 @@ async def _complete(
         arrived_ns,
         CompletionWriter,
         serving.model_name,
+        echo=echo,
     )
 
 
@@ -212,7 +214,9 @@ async def _chat_complete(
         else (body.max_completion_tokens, "max_completion_tokens")
     )
     max_tokens = serving.check_prompt(prompt, requested, "messages", name)
-    sampling = [_sampling(body, max_tokens, name)]
+    # logprobs: true alone reports the sampled tokens' (top_logprobs 0), as OpenAI does
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = [_sampling(body, max_tokens, name, logprobs)]
     return await _respond(
         request,
         serving,
@@ -253,6 +257,9 @@ def _check_common(body: _SamplingFields, model_name: str) -> None:
             unsupported,
             "unsupported_parameter",
         )
+    refused = body.refused_combination()
+    if refused is not None:
+        raise refused
     if body.stream_options is not None and not body.stream:
         raise APIError(
             "stream_options: only allowed when stream is true", "stream_options", "invalid_value"
@@ -287,6 +294,17 @@ async def _completion_prompts(
     return prompts
 
 
+async def _echo_texts(serving: ServingEngine, prompt: Any, prompts: list[list[int]]) -> list[str]:
+    """The text echo writes before each prompt's choices: a text prompt as sent, a token-id
+    prompt decoded (without special tokens, as its output is)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], str):
+        return list(prompt)
+    decode = serving.engine.tokenizer.decode
+    return [await serving.in_tokenizer_pool(decode, ids) for ids in prompts]
+
+
 def _check_not_empty(token_ids: list[int], added_ids: frozenset[int], where: str) -> None:
     """A text or chat prompt that tokenizes to nothing but what the tokenizer adds to any text
     (its BOS) is empty: the engine would generate from BOS alone. A token-id prompt is taken
@@ -301,7 +319,10 @@ def _check_not_empty(token_ids: list[int], added_ids: frozenset[int], where: str
 
 
 def _sampling(
-    body: _SamplingFields, max_tokens: int, max_tokens_param: str = "max_tokens"
+    body: _SamplingFields,
+    max_tokens: int,
+    max_tokens_param: str = "max_tokens",
+    logprobs: int | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -317,6 +338,7 @@ def _sampling(
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             n=1 if body.n is None else body.n,
+            logprobs=logprobs,
         )
     except ValueError as exc:
         # "SamplingParams.top_p: 2.0 is invalid; allowed: ..." -> param "top_p"
@@ -341,6 +363,7 @@ async def _respond(
     arrival_ns: int,
     writer_type: type[Writer],
     model_name: str,
+    echo: list[str] | None = None,
 ) -> Response:
     n = sampling[0].n
     serving.check_engine_accepts(prompts, sampling)
@@ -359,6 +382,8 @@ async def _respond(
             and body.stream_options.include_usage
             and body.stream_options.continuous_usage_stats
         ),
+        token_texts=None if sampling[0].logprobs is None else serving.token_texts,
+        echo=echo,
     )
     pieces = serving.generate(request_id, prompts, sampling, arrival_ns, admission)
     if body.stream:

@@ -1,15 +1,24 @@
 """How each endpoint writes one request's answer: the whole response, or its stream of SSE
-chunks (OpenAI's layouts; vLLM's `return_token_ids` fields when asked for)."""
+chunks (OpenAI's layouts; vLLM's `return_token_ids` fields when asked for; generated tokens'
+logprobs, serving/logprobs_format.py, when asked for; completions' `echo`)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.base import TokenLogprob
 from serving.generation import ChoiceEnd, ChoiceText, GenerationFailed, Piece
+from serving.logprobs_format import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+)
 from serving.protocol import (
     APIError,
     AssistantMessage,
@@ -30,6 +39,7 @@ from serving.sse import DONE, sse_event
 class ChoiceResult:
     end: ChoiceEnd
     token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
 
 
 @dataclass
@@ -46,11 +56,22 @@ class Writer:
     #: vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
     #: the request's usage so far
     continuous_usage: bool = False
+    #: set when the request asked for logprobs: how token ids are written there
+    token_texts: TokenTexts | None = None
+    #: completions' echo: each prompt's text, written before its choices' text
+    echo: list[str] | None = None
     completion_tokens: int = 0  # output tokens written so far, over every choice
     _started: set[int] = field(default_factory=set)  # choices that have sent a chunk
+    #: per choice, where a stream's next token's text_offset starts
+    _next_offset: dict[int, int] = field(default_factory=dict)
 
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.n]
+
+    def echoed(self, index: int, text: str, first: bool) -> str:
+        """The choice's text with its prompt's text before it, where echo asks for that
+        (in a stream: in the choice's first chunk, as vLLM sends it)."""
+        return self.echo[index // self.n] + text if self.echo is not None and first else text
 
     def usage(self, completion_tokens: int) -> Usage:
         prompt_tokens = sum(len(p) for p in self.prompts)
@@ -99,7 +120,8 @@ class CompletionWriter(Writer):
             choices=[
                 CompletionChoice(
                     index=i,
-                    text=c.end.text,
+                    text=self.echoed(i, c.end.text, True),
+                    logprobs=self._logprobs(c.logprobs),
                     finish_reason=c.end.finish_reason,
                     prompt_token_ids=self.prompt_of(i) if ids else None,
                     token_ids=c.token_ids if ids else None,
@@ -114,11 +136,15 @@ class CompletionWriter(Writer):
         usage = self.count(piece)
         if isinstance(piece, ChoiceText):
             choice = CompletionChoice(
-                index=piece.index, text=piece.text, token_ids=list(piece.token_ids)
+                index=piece.index,
+                text=self.echoed(piece.index, piece.text, first),
+                logprobs=self._streamed_logprobs(piece) if piece.token_ids else None,
+                token_ids=list(piece.token_ids),
             )
         else:
+            text = self.echoed(piece.index, "", first)  # a choice that ended before a token
             choice = CompletionChoice(
-                index=piece.index, text="", finish_reason=piece.finish_reason, token_ids=[]
+                index=piece.index, text=text, finish_reason=piece.finish_reason, token_ids=[]
             )
         exclude: dict[str, Any] = {"usage": True} if not self.include_usage else {}
         if self.return_token_ids and first:
@@ -139,6 +165,23 @@ class CompletionWriter(Writer):
             usage=usage,
         ).model_dump_json(exclude=exclude)
 
+    def _logprobs(
+        self, logprobs: Sequence[TokenLogprob] | None, text_offset: int = 0
+    ) -> CompletionLogprobs | None:
+        if self.token_texts is None:
+            return None
+        return completion_logprobs(logprobs or (), self.token_texts, text_offset)
+
+    def _streamed_logprobs(self, piece: ChoiceText) -> CompletionLogprobs | None:
+        """A chunk's logprobs, its text_offset continuing from the choice's previous tokens:
+        the offsets a stream gives are the whole response's, even where the engine held text
+        back (a partial character, a possible stop string) for a later chunk."""
+        offset = self._next_offset.get(piece.index, 0)
+        logprobs = self._logprobs(piece.logprobs, offset)
+        if logprobs is not None:
+            self._next_offset[piece.index] = offset + sum(map(len, logprobs.tokens))
+        return logprobs
+
     def usage_chunk(self, usage: Usage) -> str:
         return CompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage
@@ -158,6 +201,7 @@ class ChatWriter(Writer):
                 ChatChoice(
                     index=i,
                     message=AssistantMessage(content=c.end.text),
+                    logprobs=self._logprobs(c.logprobs),
                     finish_reason=c.end.finish_reason,
                     token_ids=c.token_ids if ids else None,
                 )
@@ -184,6 +228,7 @@ class ChatWriter(Writer):
             ChatChunkChoice(
                 index=piece.index,
                 delta=ChatDelta(content=piece.text),
+                logprobs=self._logprobs(piece.logprobs) if piece.token_ids else None,
                 token_ids=list(piece.token_ids),
             ),
             usage,
@@ -200,6 +245,11 @@ class ChatWriter(Writer):
             prompt_token_ids=self.prompts[0],
         )
         return f"{role}\n\ndata: {text}"
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob] | None) -> ChatLogprobs | None:
+        if self.token_texts is None:
+            return None
+        return chat_logprobs(logprobs or (), self.token_texts)
 
     def _chunk(
         self,
@@ -237,12 +287,16 @@ _CHOICE_IDS: dict[str, Any] = {"choices": {"__all__": {"prompt_token_ids", "toke
 async def collect(pieces: AsyncIterator[Piece]) -> dict[int, ChoiceResult]:
     """Every choice's end and token ids; a failed generation raises."""
     token_ids: dict[int, list[int]] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
     choices: dict[int, ChoiceResult] = {}
     async for piece in pieces:
         if isinstance(piece, ChoiceText):
             token_ids.setdefault(piece.index, []).extend(piece.token_ids)
+            logprobs.setdefault(piece.index, []).extend(piece.logprobs or ())
         elif isinstance(piece, ChoiceEnd):
-            choices[piece.index] = ChoiceResult(piece, token_ids.get(piece.index, []))
+            choices[piece.index] = ChoiceResult(
+                piece, token_ids.get(piece.index, []), logprobs.get(piece.index, [])
+            )
         else:
             raise APIError(piece.message, None, piece.code, piece.status, "server_error")
     return choices

@@ -26,6 +26,7 @@ from engines.base import (
     GenerationRequest,
     Prompt,
     RequestEvent,
+    TokenLogprob,
     Tokens,
     now_ns,
 )
@@ -33,6 +34,7 @@ from engines.builtin.backend import BuiltinBackend, EngineThread
 from engines.builtin.engine import LLMEngine
 from engines.sampling_params import SamplingParams
 from serving.config import ServerConfig
+from serving.logprobs_format import TokenTexts
 from serving.metrics import ServerMetrics
 from serving.profiler import EngineProfiler
 from serving.protocol import APIError
@@ -54,6 +56,8 @@ class ChoiceText:
     index: int
     text: str
     token_ids: tuple[int, ...]
+    # one per token id when the request asked for logprobs (engines/base.py's Tokens)
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +118,8 @@ class ServingEngine:
             TOKENIZER_THREADS, thread_name_prefix="inferlab-tokenize"
         )
         self._tokenize_jobs = 0
+        #: how logprobs write token ids (each id decoded once, then remembered)
+        self.token_texts = TokenTexts(backend.engine.tokenizer)
 
     @property
     def engine(self) -> LLMEngine:
@@ -278,7 +284,9 @@ class ServingEngine:
             async for prompt_index, event in _merge(streams):
                 observed.observe(prompt_index, event)
                 if isinstance(event, Tokens):
-                    yield ChoiceText(prompt_index * n + event.index, event.text, event.token_ids)
+                    yield ChoiceText(
+                        prompt_index * n + event.index, event.text, event.token_ids, event.logprobs
+                    )
                 elif isinstance(event, Finished):
                     yield ChoiceEnd(
                         prompt_index * n + event.index,

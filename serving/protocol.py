@@ -3,7 +3,7 @@ the error body every failure is reported in.
 
 Requests are validated strictly (no string-to-number coercion) and unknown fields are refused,
 as OpenAI's API does. Fields OpenAI defines that the built-in engine cannot honour (penalties,
-logprobs, echo, tools, ...) are accepted only at their neutral value; anything else is a 400
+tools, echo with logprobs, ...) are accepted only at their neutral value; anything else is a 400
 whose `param` names the field. Fields OpenAI defines that change nothing for a local server
 (store, metadata, service_tier, ...) are accepted with OpenAI's types and ignored, as vLLM
 ignores them. vLLM's extensions (top_k, min_tokens, ignore_eos,
@@ -24,6 +24,9 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_serializer
 from pydantic_core import PydanticCustomError, from_json
 from starlette.types import Message, Send
+
+from engines.sampling_params import MAX_LOGPROBS
+from serving.logprobs_format import ChatLogprobs, CompletionLogprobs
 
 # ---- errors -------------------------------------------------------------------------------
 
@@ -317,15 +320,13 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-#: OpenAI's cap on chat `top_logprobs`
-MAX_TOP_LOGPROBS = 20
+#: OpenAI's cap on chat `top_logprobs`, and vLLM's default max_logprobs (completions' `logprobs`:
+#: OpenAI caps it at 5, vLLM takes up to 20); the engine's own bound
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
 
 #: What a field the engine cannot honour may be set to (its neutral value), for the 400 that
 #: refuses anything else; a field not listed may only be left unset
 NEUTRAL_VALUES = {
-    "logprobs": "null (completions) or false (chat)",
-    "top_logprobs": "null or 0",
-    "echo": "false",
     "best_of": "null or equal to n",
     "presence_penalty": "null or 0",
     "frequency_penalty": "null or 0",
@@ -422,6 +423,10 @@ class _SamplingFields(_Strict):
             return "logit_bias"
         return None
 
+    def refused_combination(self) -> APIError | None:
+        """A refusal for fields that are supported alone but not together, or None."""
+        return None
+
 
 class CompletionRequest(_SamplingFields):
     prompt: Any
@@ -457,11 +462,30 @@ class CompletionRequest(_SamplingFields):
             )
         return value
 
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"logprobs: {_short(value)} is out of range; allowed: null or an integer in "
+                f"[0, {MAX_TOP_LOGPROBS}] (the most likely tokens per position; vLLM's "
+                "max_logprobs)"
+            )
+        return value
+
+    def refused_combination(self) -> APIError | None:
+        # echo with logprobs returns the prompt's tokens with their logprobs (lm-eval's
+        # loglikelihood requests), which the engine does not compute yet
+        if self.echo and self.logprobs is not None:
+            return APIError(
+                "echo with logprobs: not supported yet (the engine does not compute the "
+                "prompt's logprobs); allowed: echo without logprobs, or logprobs without echo",
+                "echo",
+                "unsupported_parameter",
+            )
+        return None
+
     def unsupported(self) -> str | None:
-        if self.logprobs is not None:
-            return "logprobs"
-        if self.echo:
-            return "echo"
         if self.suffix:
             return "suffix"
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -609,11 +633,18 @@ class ChatCompletionRequest(_SamplingFields, _OpenAIChatHints):
             )
         return value
 
+    def refused_combination(self) -> APIError | None:
+        # OpenAI and vLLM refuse alternatives nobody asked logprobs for; 0 asks for none
+        if self.top_logprobs and not self.logprobs:
+            return APIError(
+                f"top_logprobs: {self.top_logprobs} needs logprobs: true; allowed without it: "
+                "null or 0",
+                "top_logprobs",
+                "invalid_value",
+            )
+        return None
+
     def unsupported(self) -> str | None:
-        if self.logprobs:
-            return "logprobs"
-        if self.top_logprobs not in (None, 0):  # 0 asks for no alternatives: neutral
-            return "top_logprobs"
         hint = self.unsupported_hint()
         if hint is not None:
             return hint
@@ -637,7 +668,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     # return_token_ids only (vLLM's layout); in a stream: the chunk's new ids, and the prompt's
     # ids in each choice's first chunk
@@ -665,7 +696,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # return_token_ids only
 
@@ -694,7 +725,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # return_token_ids only: this chunk's new ids
 

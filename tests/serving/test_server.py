@@ -347,8 +347,15 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (COMPLETIONS, {"prompt": [999999]}, "prompt", "invalid_value"),
     (COMPLETIONS, {}, "prompt", "missing_required_parameter"),
     (COMPLETIONS, {"prompt": "hi", "bogus": 1}, "bogus", "unknown_parameter"),
-    (COMPLETIONS, {"prompt": "hi", "logprobs": 1}, "logprobs", "unsupported_parameter"),
-    (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs", "invalid_value"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": -1}, "logprobs", "invalid_value"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": True}, "logprobs", "invalid_type"),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "echo": True, "logprobs": 0},
+        "echo",
+        "unsupported_parameter",
+    ),
     (
         COMPLETIONS,
         {"prompt": "hi", "presence_penalty": 0.5},
@@ -371,7 +378,8 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages", "invalid_value"),
     (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content", "unsupported_parameter"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
-    (CHAT, {"messages": USER, "logprobs": True}, "logprobs", "unsupported_parameter"),
+    (CHAT, {"messages": USER, "logprobs": 1}, "logprobs", "invalid_type"),
+    (CHAT, {"messages": USER, "top_logprobs": 3}, "top_logprobs", "invalid_value"),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
     # OpenAI defines these; the server has no such feature: unsupported, not unknown
     (

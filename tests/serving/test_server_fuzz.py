@@ -123,7 +123,7 @@ FIELDS = {
 COMPLETION_FIELDS = {
     **FIELDS,
     "echo": field(st.booleans()),
-    "logprobs": field(st.none()),
+    "logprobs": field(st.none() | st.integers(-1, 21)),
     "best_of": field(st.integers(-1, 3)),
 }
 CHAT_FIELDS = {
