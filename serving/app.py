@@ -180,7 +180,12 @@ async def _complete(
     prompts = await _completion_prompts(serving, body.prompt, added_ids)
     requested = OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     max_tokens = [serving.check_prompt(ids, requested, "prompt") for ids in prompts]
-    sampling = [_sampling(body, m, logprobs=body.logprobs) for m in max_tokens]
+    # echo with logprobs: the prompt's tokens are scored too (lm-eval's loglikelihood requests)
+    prompt_logprobs = body.logprobs if body.echo else None
+    sampling = [
+        _sampling(body, m, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+        for m in max_tokens
+    ]
     echo = await _echo_texts(serving, body.prompt, prompts) if body.echo else None
     return await _respond(
         request,
@@ -323,6 +328,7 @@ def _sampling(
     max_tokens: int,
     max_tokens_param: str = "max_tokens",
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -339,6 +345,7 @@ def _sampling(
             skip_special_tokens=body.skip_special_tokens,
             n=1 if body.n is None else body.n,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as exc:
         # "SamplingParams.top_p: 2.0 is invalid; allowed: ..." -> param "top_p"
@@ -389,7 +396,7 @@ async def _respond(
     if body.stream:
         return EventStreamResponse(event_stream(pieces, writer), on_close=admission.release)
     try:
-        choices = await unless_disconnected(request.receive, collect(pieces))
+        choices = await unless_disconnected(request.receive, collect(pieces, writer))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; the request was aborted
     finally:

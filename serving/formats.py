@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import TokenLogprob
-from serving.generation import ChoiceEnd, ChoiceText, GenerationFailed, Piece
+from serving.generation import ChoiceEnd, ChoiceText, GenerationFailed, Piece, PromptScores
 from serving.logprobs_format import (
     ChatLogprobs,
     CompletionLogprobs,
@@ -64,6 +64,8 @@ class Writer:
     _started: set[int] = field(default_factory=set)  # choices that have sent a chunk
     #: per choice, where a stream's next token's text_offset starts
     _next_offset: dict[int, int] = field(default_factory=dict)
+    #: per prompt, its tokens' logprobs (completions' echo with logprobs), once they came
+    prompt_logprobs: dict[int, tuple[TokenLogprob | None, ...]] = field(default_factory=dict)
 
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.n]
@@ -121,7 +123,7 @@ class CompletionWriter(Writer):
                 CompletionChoice(
                     index=i,
                     text=self.echoed(i, c.end.text, True),
-                    logprobs=self._logprobs(c.logprobs),
+                    logprobs=self._logprobs([*self._echoed_scores(i, True), *c.logprobs]),
                     finish_reason=c.end.finish_reason,
                     prompt_token_ids=self.prompt_of(i) if ids else None,
                     token_ids=c.token_ids if ids else None,
@@ -138,7 +140,7 @@ class CompletionWriter(Writer):
             choice = CompletionChoice(
                 index=piece.index,
                 text=self.echoed(piece.index, piece.text, first),
-                logprobs=self._streamed_logprobs(piece) if piece.token_ids else None,
+                logprobs=self._streamed_logprobs(piece, first) if piece.token_ids else None,
                 token_ids=list(piece.token_ids),
             )
         else:
@@ -166,18 +168,31 @@ class CompletionWriter(Writer):
         ).model_dump_json(exclude=exclude)
 
     def _logprobs(
-        self, logprobs: Sequence[TokenLogprob] | None, text_offset: int = 0
+        self, logprobs: Sequence[TokenLogprob | int] | None, text_offset: int = 0
     ) -> CompletionLogprobs | None:
         if self.token_texts is None:
             return None
         return completion_logprobs(logprobs or (), self.token_texts, text_offset)
 
-    def _streamed_logprobs(self, piece: ChoiceText) -> CompletionLogprobs | None:
+    def _echoed_scores(self, index: int, first: bool) -> list[TokenLogprob | int]:
+        """The prompt's logprobs a choice's logprobs start with (echo with logprobs), in its
+        first chunk or whole response, its first token as a bare id (it has none); none
+        otherwise."""
+        scores = self.prompt_logprobs.get(index // self.n)
+        if self.echo is None or not first or scores is None:
+            return []
+        return [self.prompt_of(index)[0], *(s for s in scores[1:] if s is not None)]
+
+    def _streamed_logprobs(self, piece: ChoiceText, first: bool) -> CompletionLogprobs | None:
         """A chunk's logprobs, its text_offset continuing from the choice's previous tokens:
         the offsets a stream gives are the whole response's, even where the engine held text
         back (a partial character, a possible stop string) for a later chunk."""
         offset = self._next_offset.get(piece.index, 0)
-        logprobs = self._logprobs(piece.logprobs, offset)
+        scores: list[TokenLogprob | int] = [
+            *self._echoed_scores(piece.index, first),
+            *(piece.logprobs or ()),
+        ]
+        logprobs = self._logprobs(scores, offset)
         if logprobs is not None:
             self._next_offset[piece.index] = offset + sum(map(len, logprobs.tokens))
         return logprobs
@@ -284,13 +299,16 @@ class ChatWriter(Writer):
 _CHOICE_IDS: dict[str, Any] = {"choices": {"__all__": {"prompt_token_ids", "token_ids"}}}
 
 
-async def collect(pieces: AsyncIterator[Piece]) -> dict[int, ChoiceResult]:
-    """Every choice's end and token ids; a failed generation raises."""
+async def collect(pieces: AsyncIterator[Piece], writer: Writer) -> dict[int, ChoiceResult]:
+    """Every choice's end and token ids (prompts' logprobs to `writer`); a failed generation
+    raises."""
     token_ids: dict[int, list[int]] = {}
     logprobs: dict[int, list[TokenLogprob]] = {}
     choices: dict[int, ChoiceResult] = {}
     async for piece in pieces:
-        if isinstance(piece, ChoiceText):
+        if isinstance(piece, PromptScores):
+            writer.prompt_logprobs[piece.prompt_index] = piece.logprobs
+        elif isinstance(piece, ChoiceText):
             token_ids.setdefault(piece.index, []).extend(piece.token_ids)
             logprobs.setdefault(piece.index, []).extend(piece.logprobs or ())
         elif isinstance(piece, ChoiceEnd):
@@ -309,6 +327,9 @@ async def event_stream(pieces: AsyncIterator[Piece], writer: Writer) -> AsyncIte
     # at once, which aborts the engine request, instead of whenever it is garbage-collected.
     async with aclosing(pieces):  # type: ignore[type-var]
         async for piece in pieces:
+            if isinstance(piece, PromptScores):  # written with its choices' first chunks
+                writer.prompt_logprobs[piece.prompt_index] = piece.logprobs
+                continue
             if isinstance(piece, GenerationFailed):
                 failure = error_body(piece.message, "server_error", None, piece.code)
                 yield sse_event(json.dumps(failure))

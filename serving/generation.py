@@ -25,6 +25,7 @@ from engines.base import (
     Finished,
     GenerationRequest,
     Prompt,
+    PromptLogprobs,
     RequestEvent,
     TokenLogprob,
     Tokens,
@@ -61,6 +62,15 @@ class ChoiceText:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptScores:
+    """A prompt's logprobs (SamplingParams.prompt_logprobs: completions' echo with logprobs),
+    before any of its choices' text: one per prompt token, None for the first."""
+
+    prompt_index: int
+    logprobs: tuple[TokenLogprob | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ChoiceEnd:
     index: int
     finish_reason: str
@@ -75,7 +85,7 @@ class GenerationFailed:
     status: int = 500  # a non-streaming response's status
 
 
-Piece = ChoiceText | ChoiceEnd | GenerationFailed
+Piece = ChoiceText | ChoiceEnd | PromptScores | GenerationFailed
 
 
 class Admission:
@@ -287,6 +297,8 @@ class ServingEngine:
                     yield ChoiceText(
                         prompt_index * n + event.index, event.text, event.token_ids, event.logprobs
                     )
+                elif isinstance(event, PromptLogprobs):
+                    yield PromptScores(prompt_index, event.logprobs)
                 elif isinstance(event, Finished):
                     yield ChoiceEnd(
                         prompt_index * n + event.index,

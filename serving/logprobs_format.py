@@ -132,16 +132,26 @@ def _clamped(logprob: float) -> float:
 
 
 def completion_logprobs(
-    logprobs: Sequence[TokenLogprob], texts: TokenTexts, text_offset: int = 0
+    logprobs: Sequence[TokenLogprob | int], texts: TokenTexts, text_offset: int = 0
 ) -> CompletionLogprobs:
-    """The legacy completions object for `logprobs` in order. `text_offset`: characters of the
-    choice's text already returned (a stream's earlier chunks), where the first token's offset
-    starts; each next offset adds the previous token's text length, as vLLM counts them."""
+    """The legacy completions object for `logprobs` in order (a bare token id: a token without
+    a logprob, an echoed prompt's first, written with nulls as vLLM does). `text_offset`:
+    characters of the choice's text already returned (a stream's earlier chunks), where the
+    first token's offset starts; each next offset adds the previous token's text length, as
+    vLLM counts them."""
     tokens: list[str] = []
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
     for position in logprobs:
+        if isinstance(position, int):  # a prompt's first token (echo): nothing before it
+            token = texts.text(position)
+            offsets.append(text_offset)
+            text_offset += len(token)
+            tokens.append(token)
+            values.append(None)
+            tops.append(None)
+            continue
         token = texts.text(position.token_id)
         offsets.append(text_offset)
         text_offset += len(token)

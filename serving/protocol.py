@@ -3,7 +3,7 @@ the error body every failure is reported in.
 
 Requests are validated strictly (no string-to-number coercion) and unknown fields are refused,
 as OpenAI's API does. Fields OpenAI defines that the built-in engine cannot honour (penalties,
-tools, echo with logprobs, ...) are accepted only at their neutral value; anything else is a 400
+tools, ...) are accepted only at their neutral value; anything else is a 400
 whose `param` names the field. Fields OpenAI defines that change nothing for a local server
 (store, metadata, service_tier, ...) are accepted with OpenAI's types and ignored, as vLLM
 ignores them. vLLM's extensions (top_k, min_tokens, ignore_eos,
@@ -472,18 +472,6 @@ class CompletionRequest(_SamplingFields):
                 "max_logprobs)"
             )
         return value
-
-    def refused_combination(self) -> APIError | None:
-        # echo with logprobs returns the prompt's tokens with their logprobs (lm-eval's
-        # loglikelihood requests), which the engine does not compute yet
-        if self.echo and self.logprobs is not None:
-            return APIError(
-                "echo with logprobs: not supported yet (the engine does not compute the "
-                "prompt's logprobs); allowed: echo without logprobs, or logprobs without echo",
-                "echo",
-                "unsupported_parameter",
-            )
-        return None
 
     def unsupported(self) -> str | None:
         if self.suffix:

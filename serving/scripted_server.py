@@ -124,7 +124,7 @@ class _Playback:
         pieces = self._play(entry, count, max_tokens)
         if body.stream:
             return EventStreamResponse(event_stream(pieces, writer), on_close=lambda: None)
-        return JSONResponse(writer.response(await collect(pieces)))
+        return JSONResponse(writer.response(await collect(pieces, writer)))
 
     async def _play(self, entry: RequestLog, count: int, max_tokens: int) -> AsyncIterator[Piece]:
         start = entry.received_ns + int(self.script.ttft_ms * 1e6)

@@ -352,12 +352,6 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (COMPLETIONS, {"prompt": "hi", "logprobs": True}, "logprobs", "invalid_type"),
     (
         COMPLETIONS,
-        {"prompt": "hi", "echo": True, "logprobs": 0},
-        "echo",
-        "unsupported_parameter",
-    ),
-    (
-        COMPLETIONS,
         {"prompt": "hi", "presence_penalty": 0.5},
         "presence_penalty",
         "unsupported_parameter",

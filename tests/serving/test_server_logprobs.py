@@ -294,15 +294,48 @@ def test_echo_of_token_ids_and_several_prompts(client: httpx.Client) -> None:
     assert texts[2].startswith("Once upon") and texts[3].startswith("Once upon")
 
 
-def test_echo_with_logprobs_is_refused_by_name(client: httpx.Client) -> None:
-    response = client.post(
-        COMPLETIONS, json={**GREEDY, "prompt": PROMPT, "echo": True, "logprobs": 1}
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
+    client: httpx.Client, server: RunningServer
+) -> None:
+    """lm-eval's loglikelihood request (local-completions): token ids, echo, logprobs=1,
+    max_tokens=1, temperature 0. The answer lists every prompt token (the first with null
+    logprobs, as vLLM writes it) with the engine's own prompt logprobs, then the generated
+    token; lm-eval sums token_logprobs[ctxlen:-1]."""
+    ids = post(client, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False})["tokens"]
+    request = {
+        "model": "tiny", "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1,
+        "temperature": 0, "seed": 1234,
+    }  # fmt: skip
+    logprobs = post(client, COMPLETIONS, request)["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["text_offset"][0] == 0
+    with LLM("tiny", **OPTIONS) as llm:
+        reference = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0,
+                                                       prompt_logprobs=1, logprobs=1))[0]  # fmt: skip
+    assert reference.prompt_logprobs is not None
+    expected = [e.logprob for e in reference.prompt_logprobs[1:] if e is not None]
+    assert logprobs["token_logprobs"][1 : len(ids)] == pytest.approx(expected, abs=1e-6)
+    for value, top in zip(logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:]):
+        assert isinstance(top, dict) and 1 <= len(top) <= 2 and max(top.values()) >= value
+    # streamed: the prompt's logprobs come in the first chunk, then the generated token's
+    chunks = stream_chunks(client, COMPLETIONS, request)
+    joined = joined_completion_logprobs(chunks)
+    assert joined["token_logprobs"] == logprobs["token_logprobs"]
+    assert joined["text_offset"] == logprobs["text_offset"]
+
+
+def test_echo_with_logprobs_for_several_prompts_and_choices(client: httpx.Client) -> None:
+    ids = post(client, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False})["tokens"]
+    body = post(
+        client,
+        COMPLETIONS,
+        {**GREEDY, "prompt": [ids, ids[:3]], "echo": True, "logprobs": 0, "n": 2},
     )
-    assert response.status_code == 400
-    error = response.json()["error"]
-    assert (error["param"], error["code"]) == ("echo", "unsupported_parameter")
-    assert "echo with logprobs: not supported yet" in error["message"]
-    assert "allowed: echo without logprobs, or logprobs without echo" in error["message"]
+    lengths = [len(c["logprobs"]["tokens"]) for c in body["choices"]]
+    assert lengths == [len(ids) + 8, len(ids) + 8, 3 + 8, 3 + 8]
+    first, second = (c["logprobs"]["token_logprobs"] for c in body["choices"][:2])
+    assert first[: len(ids)] == second[: len(ids)]  # one prompt, scored once for both
 
 
 # ---- token texts ----------------------------------------------------------------------------
