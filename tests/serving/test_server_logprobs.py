@@ -311,12 +311,13 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     assert logprobs["text_offset"][0] == 0
     with LLM("tiny", **OPTIONS) as llm:
-        reference = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0,
-                                                       prompt_logprobs=1, logprobs=1))[0]  # fmt: skip
+        both = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, logprobs=1)
+        reference = llm.generate([ids], both)[0]
     assert reference.prompt_logprobs is not None
     expected = [e.logprob for e in reference.prompt_logprobs[1:] if e is not None]
     assert logprobs["token_logprobs"][1 : len(ids)] == pytest.approx(expected, abs=1e-6)
-    for value, top in zip(logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:]):
+    scored = zip(logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:], strict=True)
+    for value, top in scored:
         assert isinstance(top, dict) and 1 <= len(top) <= 2 and max(top.values()) >= value
     # streamed: the prompt's logprobs come in the first chunk, then the generated token's
     chunks = stream_chunks(client, COMPLETIONS, request)
