@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-dev setup-real setup-peer setup-aiperf setup-launchers demo test test-fast check lint clean \
+.PHONY: setup setup-dev setup-real setup-peer setup-aiperf setup-lmeval setup-launchers demo test test-fast check lint clean \
 	check-roofline check-llamacpp-overhead check-server-ttft check-gate
 
 $(BIN)/python:
@@ -62,6 +62,19 @@ $(AIPERF_VENV)/.installed:
 	$(AIPERF_VENV)/bin/pip install --quiet "aiperf==$(AIPERF)"
 	touch $@
 
+# lm-evaluation-harness, run against `inferlab serve` (and, for the reference, on Hugging Face
+# transformers over the same GGUF file) by tests/serving/test_server_lm_eval.py. A venv of its
+# own, like AIPerf's: it is a client, and its pins must not move the project's. torch==2.13.0
+# is the CPU wheel on this machine's disk (a bare `torch` would fetch a CUDA build); gguf reads
+# the file for transformers. About 1.8 GB, installed in ~1 minute here.
+LMEVAL ?= 0.4.13
+LMEVAL_VENV := .venv-lmeval
+$(LMEVAL_VENV)/.installed:
+	$(PYTHON) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/pip install --quiet --upgrade pip
+	$(LMEVAL_VENV)/bin/pip install --quiet "torch==2.13.0" "lm-eval[api,hf]==$(LMEVAL)" "gguf==0.19.0"
+	touch $@
+
 # The launcher extras (docs/scaling.md), which tests/harness/running/test_launchers.py drives:
 # Ray is the large one (about 200 MB with its dependencies).
 $(VENV)/.installed-launchers: $(VENV)/.installed-dev
@@ -78,12 +91,14 @@ setup-peer: $(VENV)/.installed-peer
 
 setup-aiperf: $(AIPERF_VENV)/.installed
 
+setup-lmeval: $(LMEVAL_VENV)/.installed
+
 setup-launchers: $(VENV)/.installed-launchers
 
 demo: setup
 	$(BIN)/inferlab run
 
-test: setup-dev setup-real setup-peer setup-aiperf setup-launchers
+test: setup-dev setup-real setup-peer setup-aiperf setup-lmeval setup-launchers
 	$(BIN)/python -m pytest -q
 
 # The quick subset while editing: no test marked slow (end-to-end runs in subprocesses, live
