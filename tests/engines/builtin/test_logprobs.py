@@ -11,6 +11,7 @@ import pytest
 import torch
 from checkpoints import randomize_weights, write_word_tokenizer
 
+from engines.base import PromptLogprobs
 from engines.builtin import LLM, SamplingParams
 from engines.builtin.llm import RequestOutput
 
@@ -277,3 +278,17 @@ def test_a_one_token_prompt_reports_its_one_none() -> None:
     with LLM("tiny", dtype="float32") as llm:
         out = llm.generate([[5]], SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
     assert out.prompt_logprobs == [None]
+
+
+@pytest.mark.parametrize("prompt", [[5], [5, 6, 7, 8, 9, 10, 11]])
+def test_parallel_samples_report_their_prompt_once(prompt: list[int]) -> None:
+    """n=3 forks share the prompt (or recompute it when the cache cannot hold them): the
+    request's PromptLogprobs event comes once, from the parent."""
+    with LLM("tiny", dtype="float32") as llm:
+        engine = llm.engine
+        engine.add_request("r", prompt, SamplingParams(max_tokens=3, n=3, prompt_logprobs=1))
+        events = []
+        while engine.has_unfinished_requests():
+            events += engine.step()
+    reported = [e for e in events if isinstance(e, PromptLogprobs)]
+    assert len(reported) == 1 and len(reported[0].logprobs) == len(prompt)
