@@ -27,6 +27,7 @@ import httpx
 from fastapi import FastAPI
 
 from engines.builtin.backend import BuiltinBackend
+from engines.builtin.config import EngineConfig
 from serving.app import create_app
 from serving.config import ServerConfig
 from serving.generation import ServingEngine
@@ -84,6 +85,21 @@ def serve_in_thread(
         thread.join(timeout=config.shutdown_timeout_s + 30)
         app.state.serving.close()
         sock.close()
+
+
+@contextmanager
+def serve_engine(
+    options: dict[str, Any], config: ServerConfig | None = None, model: str = "tiny"
+) -> Iterator[RunningServer]:
+    """A built-in engine of `model` with engine `options`, loaded and served in a thread
+    (serve_in_thread) until the block ends; then closed."""
+    backend = BuiltinBackend(EngineConfig.from_dict({"model": model, **options}))
+    backend.load()
+    try:
+        with serve_in_thread(backend, config) as running:
+            yield running
+    finally:
+        backend.close()
 
 
 ROOT = Path(__file__).resolve().parents[1]

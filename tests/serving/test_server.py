@@ -25,7 +25,7 @@ from engines.builtin.backend import BuiltinBackend
 from serving import ServerConfig
 from serving import cli as serve_cli
 from serving.auth import is_loopback
-from serving.testing import RunningServer, serve_in_thread
+from serving.testing import RunningServer, serve_engine, serve_in_thread
 
 OPTIONS: dict[str, Any] = dict(
     dtype="float32",
@@ -45,17 +45,8 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
-    backend.load()
-    with serve_in_thread(backend, ServerConfig(max_queue_len=16)) as running:
+    with serve_engine(OPTIONS, ServerConfig(max_queue_len=16)) as running:
         yield running
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

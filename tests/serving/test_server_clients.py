@@ -21,12 +21,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.builtin import LLM, EngineConfig, SamplingParams
+from engines.builtin import LLM, SamplingParams
 from engines.builtin.backend import BuiltinBackend
 from harness import cli
 from harness.run_folder import load_table, read_summary
 from serving import ServerConfig
-from serving.testing import RunningServer, serve_in_thread
+from serving.testing import RunningServer, serve_engine
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
@@ -49,11 +49,8 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
-    backend.load()
-    with serve_in_thread(backend, ServerConfig(api_key=API_KEY)) as running:
+    with serve_engine(OPTIONS, ServerConfig(api_key=API_KEY)) as running:
         yield running
-    backend.close()
 
 
 @pytest.fixture(scope="module")

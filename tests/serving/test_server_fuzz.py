@@ -17,10 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engines.builtin import EngineConfig
-from engines.builtin.backend import BuiltinBackend
 from serving import ServerConfig
-from serving.testing import RunningServer, serve_in_thread
+from serving.testing import RunningServer, serve_engine
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
@@ -181,17 +179,8 @@ def broken_bytes(draw: st.DrawFn) -> tuple[str, bytes]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
-    backend.load()
-    with serve_in_thread(backend, ServerConfig(max_queue_len=4)) as running:
+    with serve_engine(OPTIONS, ServerConfig(max_queue_len=4)) as running:
         yield running
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
 
 
 def check(client: httpx.Client, route: str, body: bytes) -> None:

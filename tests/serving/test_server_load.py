@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -25,7 +24,7 @@ from engines.builtin import LLM, EngineConfig, SamplingParams
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.kv_cache import PagedKVCacheManager
 from serving import ServerConfig
-from serving.testing import RunningServer, serve_in_thread, serve_process
+from serving.testing import RunningServer, serve_engine, serve_in_thread, serve_process
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
@@ -41,18 +40,9 @@ NUM_STREAMS = 200
 MAX_TOKENS = 8
 
 
-@contextmanager
-def start(options: dict[str, Any], config: ServerConfig) -> Iterator[RunningServer]:
-    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **options}))
-    backend.load()
-    with serve_in_thread(backend, config) as running:
-        yield running
-    backend.close()
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    with start(OPTIONS, ServerConfig(max_queue_len=64)) as running:
+    with serve_engine(OPTIONS, ServerConfig(max_queue_len=64)) as running:
         yield running
 
 
@@ -194,7 +184,7 @@ def test_disconnect_of_a_non_streaming_request_aborts_it(server: RunningServer) 
 
 def test_overload_gets_503_then_recovers() -> None:
     options = {**OPTIONS, "max_num_seqs": 2}
-    with start(options, ServerConfig(max_queue_len=1)) as server:  # admits 3 sequences
+    with serve_engine(options, ServerConfig(max_queue_len=1)) as server:  # admits 3 sequences
         metrics = server.serving.metrics
         long = {
             "prompt": "Tell me everything.",

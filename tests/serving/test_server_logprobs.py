@@ -16,8 +16,7 @@ import openai
 import pytest
 
 from engines.base import TokenLogprob
-from engines.builtin import LLM, EngineConfig, SamplingParams
-from engines.builtin.backend import BuiltinBackend
+from engines.builtin import LLM, SamplingParams
 from models.tokenizer import default_tokenizer
 from serving.logprobs_format import (
     TokenTexts,
@@ -25,7 +24,7 @@ from serving.logprobs_format import (
     chat_logprobs,
     completion_logprobs,
 )
-from serving.testing import RunningServer, serve_in_thread
+from serving.testing import RunningServer, serve_engine
 
 OPTIONS: dict[str, Any] = dict(
     dtype="float32",
@@ -44,17 +43,8 @@ K = 3
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
-    backend.load()
-    with serve_in_thread(backend) as running:
+    with serve_engine(OPTIONS) as running:
         yield running
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from serving import ServerConfig
 from serving.metric_names import ENGINE_INDEX, METRICS, MetricSpec, resolve
 from serving.metrics import FINISH_REASONS
 from serving.prometheus import CollectorRegistry, Naming, Series, render
-from serving.testing import RunningServer, serve_in_thread
+from serving.testing import RunningServer, serve_engine, serve_in_thread
 
 OPTIONS: dict[str, Any] = dict(
     dtype="float32",
@@ -70,17 +70,8 @@ DASHBOARD_SERIES = [
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
-    backend.load()
-    with serve_in_thread(backend, ServerConfig(served_model_name=SERVED)) as running:
+    with serve_engine(OPTIONS, ServerConfig(served_model_name=SERVED)) as running:
         yield running
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
 
 
 def scrape(client: httpx.Client) -> tuple[dict[str, str], dict[Key, float]]:

@@ -13,9 +13,7 @@ import httpx
 import openai
 import pytest
 
-from engines.builtin import EngineConfig
-from engines.builtin.backend import BuiltinBackend
-from serving.testing import RunningServer, serve_in_thread
+from serving.testing import RunningServer, serve_engine
 
 OPTIONS: dict[str, Any] = dict(
     dtype="float32",
@@ -49,17 +47,8 @@ CHAT_HINTS: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **OPTIONS}))
-    backend.load()
-    with serve_in_thread(backend) as running:
+    with serve_engine(OPTIONS) as running:
         yield running
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -89,6 +89,20 @@ def generate(
         return llm.generate(batch, params)
 
 
+def chunked_and_cached(folder: Path) -> LLM:
+    """Prompts in 16-token chunks, a prefix cache of 16-token blocks."""
+    return LLM(
+        model=str(folder),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache="paged",
+        block_size=16,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+    )
+
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=TOP)
 
 
@@ -112,16 +126,7 @@ def test_chunked_prefill_and_prefix_caching_give_the_same_logprobs(
     32-token prefix now in the cache: the logprobs still equal HF's."""
     model, folder = hf_model
     batch = prompts(4, shared_prefix=32)
-    with LLM(
-        model=str(folder),
-        dtype="float32",
-        max_model_len=128,
-        kv_cache="paged",
-        block_size=16,
-        enable_prefix_caching=True,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=16,
-    ) as llm:
+    with chunked_and_cached(folder) as llm:
         first = llm.generate(batch, GREEDY)
         again = llm.generate(batch, GREEDY)
         assert llm.engine.kv.prefix_hit_tokens >= 32  # the second pass read its prefix
@@ -238,16 +243,7 @@ def test_prompt_logprobs_over_chunks_and_past_the_prefix_cache(
     others still read the cache."""
     model, folder = hf_model
     batch = prompts(4, shared_prefix=32)
-    with LLM(
-        model=str(folder),
-        dtype="float32",
-        max_model_len=128,
-        kv_cache="paged",
-        block_size=16,
-        enable_prefix_caching=True,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=16,
-    ) as llm:
+    with chunked_and_cached(folder) as llm:
         llm.generate(batch, GREEDY)  # fills the cache
         hits_before = llm.engine.kv.prefix_hit_tokens
         asked = llm.generate(batch, PROMPT)
