@@ -77,9 +77,10 @@ def test_loglikelihood_through_the_server_equals_hf(server: ServeProcess, tmp_pa
         assert scores == pytest.approx(expected, abs=1e-3), mine["doc"]["question"]
         assert scores.index(max(scores)) == expected.index(max(expected))  # the same choice
         assert mine["acc"] == theirs["acc"]
-    assert ours["results"]["inferlab_mc"]["acc,none"] == reference["results"]["inferlab_mc"][
-        "acc,none"
-    ]
+    assert (
+        ours["results"]["inferlab_mc"]["acc,none"]
+        == reference["results"]["inferlab_mc"]["acc,none"]
+    )
 
 
 def test_generation_through_the_chat_api_equals_hf(server: ServeProcess, tmp_path: Path) -> None:
