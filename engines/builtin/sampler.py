@@ -43,17 +43,16 @@ class SamplingBatch:
     temperature: torch.Tensor  # [B] float; rows with 0 are greedy
     top_k: torch.Tensor  # [B] int64; 0 = off
     top_p: torch.Tensor  # [B] float
-    min_p: torch.Tensor  # [B] float; 0 = off
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
-    any_min_p: bool
     # rows whose EOS / stop ids are masked because min_tokens is not reached yet
     suppress_rows: list[int]
     suppress_ids: list[list[int]]
     generators: list[torch.Generator | None]
     # penalties, logit_bias, allowed_token_ids, bad_words of the rows that ask; None: none asks
     adjustments: LogitsAdjustments | None = None
+    min_p: torch.Tensor | None = None  # [B] float, 0 = off; None: no row asks
 
     @classmethod
     def from_sequences(
@@ -91,15 +90,14 @@ class SamplingBatch:
             temperature=table[0].float(),
             top_k=table[1].long(),
             top_p=table[2].float(),
-            min_p=table[3].float(),
             all_greedy=all(p.temperature == 0.0 for p in params),
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0.0 for p in params),
             suppress_rows=suppress_rows,
             suppress_ids=suppress_ids,
             generators=[s.generator for s in seqs],
             adjustments=LogitsAdjustments.build(seqs, drafts, device),
+            min_p=table[3].float() if any(p.min_p > 0.0 for p in params) else None,
         )
 
 
@@ -180,7 +178,7 @@ class Sampler:
     def _processed(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         temperature = batch.temperature.clamp(min=1e-5).unsqueeze(-1)
         logits = logits / temperature
-        if batch.any_min_p:
+        if batch.min_p is not None:
             logits = apply_min_p(logits, batch.min_p)
         if batch.any_top_k or batch.any_top_p:
             logits = apply_top_k_top_p(
