@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 #: The most top log-probabilities a position may ask for (vLLM's default max_logprobs, and
 #: OpenAI's cap on top_logprobs)
 MAX_LOGPROBS = 20
+
+#: vLLM's (and OpenAI's) ranges for the penalties and biases
+PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2]
+LOGIT_BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100]
 
 
 @dataclass
@@ -38,6 +43,17 @@ class SamplingParams:
     # the same for every prompt token after the first (the first has nothing before it); a
     # request that asks computes its whole prompt, past any prefix-cache hit, as vLLM does
     prompt_logprobs: int | None = None
+    # Penalties and masks on the logits before temperature, in vLLM's order and with its
+    # definitions (docs/sampling.md, Penalties): presence/frequency as OpenAI defines them over
+    # the output tokens; repetition as HF/vLLM over prompt and output tokens; 0 / 1 / None: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # after temperature: drop tokens less likely than min_p * the most likely one's
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # strings whose token sequences must not be completed
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +63,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Does any penalty, bias or token mask change the logits before temperature (so
+        that even a greedy row needs the sampler)?"""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words
+        )
 
     def validate(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -83,3 +112,56 @@ class SamplingParams:
                 or not 0 <= value <= MAX_LOGPROBS
             ):
                 raise bad(name, f"null or an integer in [0, {MAX_LOGPROBS}]")
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(
+                f"SamplingParams.{name}: {_short(getattr(self, name))} is invalid; "
+                f"allowed: {allowed}"
+            )
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _number_in(getattr(self, name), -PENALTY_RANGE, PENALTY_RANGE):
+                raise bad(name, f"a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}] (0: off)")
+        rep = self.repetition_penalty
+        if not _number_in(rep, 0.0, math.inf) or rep == 0.0 or rep == math.inf:
+            raise bad("repetition_penalty", "a finite number > 0 (1: off)")
+        if not _number_in(self.min_p, 0.0, 1.0):
+            raise bad("min_p", "a number in [0, 1] (0: off)")
+        bias = self.logit_bias
+        if bias is not None and (
+            not isinstance(bias, dict)
+            or not all(_token_id(k) for k in bias)
+            or not all(_number_in(v, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE) for v in bias.values())
+        ):
+            raise bad(
+                "logit_bias",
+                f"null or a map of token ids (integers >= 0) to numbers in "
+                f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]",
+            )
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list) or not allowed or not all(map(_token_id, allowed))
+        ):
+            raise bad("allowed_token_ids", "null or a non-empty list of token ids (integers >= 0)")
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            raise bad("bad_words", "null or a list of strings with at least one non-space")
+
+
+def _number_in(value: object, low: float, high: float) -> bool:
+    """A real number (not a bool) in [low, high]; NaN is in no range."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high
+
+
+def _token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value: object) -> str:
+    """A bounded repr for an error message (a logit_bias may hold a whole vocabulary)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

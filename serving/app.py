@@ -346,6 +346,13 @@ def _sampling(
             n=1 if body.n is None else body.n,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_p=body.min_p or 0.0,
+            logit_bias=body.token_biases(),
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
         )
     except ValueError as exc:
         # "SamplingParams.top_p: 2.0 is invalid; allowed: ..." -> param "top_p"

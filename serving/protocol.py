@@ -2,9 +2,9 @@
 the error body every failure is reported in.
 
 Requests are validated strictly (no string-to-number coercion) and unknown fields are refused,
-as OpenAI's API does. Fields OpenAI defines that the built-in engine cannot honour (penalties,
-tools, ...) are accepted only at their neutral value; anything else is a 400
-whose `param` names the field. Fields OpenAI defines that change nothing for a local server
+as OpenAI's API does. Fields OpenAI defines that the built-in engine cannot honour (tools,
+...) are accepted only at their neutral value; anything else is a 400 whose `param` names the
+field. Fields OpenAI defines that change nothing for a local server
 (store, metadata, service_tier, ...) are accepted with OpenAI's types and ignored, as vLLM
 ignores them. vLLM's extensions (top_k, min_tokens, ignore_eos,
 stop_token_ids, ...) are accepted under vLLM's names, because benchmark clients send them.
@@ -328,11 +328,6 @@ MAX_TOP_LOGPROBS = MAX_LOGPROBS
 #: refuses anything else; a field not listed may only be left unset
 NEUTRAL_VALUES = {
     "best_of": "null or equal to n",
-    "presence_penalty": "null or 0",
-    "frequency_penalty": "null or 0",
-    "repetition_penalty": "null or 1",
-    "min_p": "null or 0",
-    "logit_bias": "null or {}",
     "modalities": 'null or ["text"]',
     "prediction": "null",
     "response_format": '{"type": "text"}',
@@ -372,14 +367,15 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
-    # accepted at their neutral value only
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token-id strings, as OpenAI sends them
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -410,18 +406,25 @@ class _SamplingFields(_Strict):
 
     def unsupported(self) -> str | None:
         """The first field set to a value the engine cannot honour, or None."""
-        neutral = {
-            "presence_penalty": (None, 0.0),
-            "frequency_penalty": (None, 0.0),
-            "min_p": (None, 0.0),
-            "repetition_penalty": (None, 1.0),
-        }
-        for name, allowed in neutral.items():
-            if getattr(self, name) not in allowed:
-                return name
-        if self.logit_bias:
-            return "logit_bias"
         return None
+
+    def token_biases(self) -> dict[int, float] | None:
+        """logit_bias with integer keys; its keys are token-id strings ("50256") as OpenAI
+        sends them."""
+        if self.logit_bias is None:
+            return None
+        biases = {}
+        for key, value in self.logit_bias.items():
+            try:
+                biases[int(key)] = value
+            except ValueError:
+                raise APIError(
+                    f"logit_bias: key {_short(key)} is not a token id; allowed: token-id "
+                    'strings ("50256") mapped to numbers in [-100, 100]',
+                    "logit_bias",
+                    "invalid_value",
+                ) from None
+        return biases
 
     def refused_combination(self) -> APIError | None:
         """A refusal for fields that are supported alone but not together, or None."""

@@ -50,6 +50,7 @@ from engines.builtin.kv_cache.storage import kv_element_bytes
 from engines.builtin.limits import EngineLimits, token_limits
 from engines.builtin.model_runner import LogitsObserver, ModelRunner
 from engines.builtin.output_processor import NewTokens, OutputProcessor, seeded_generator
+from engines.builtin.penalties import bad_words_token_ids
 from engines.builtin.platform import Platform
 from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
@@ -518,6 +519,12 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, sampling, arrival_ns, priority)
         seq.pending_forks = sampling.n - 1
         seq.generator = seeded_generator(sampling.seed, self.platform.device)
+        if sampling.bad_words:
+            seq.bad_words_token_ids = bad_words_token_ids(
+                sampling.bad_words,
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                self.model_config.vocab_size,
+            )
         self.output.add(seq)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
@@ -558,6 +565,16 @@ class LLMEngine:
             raise ValueError(
                 f"SamplingParams.stop_token_ids: {bad[:5]} are outside the vocabulary [0, {vocab})"
             )
+        for name, ids in (
+            ("logit_bias", sampling.logit_bias or {}),
+            ("allowed_token_ids", sampling.allowed_token_ids or ()),
+        ):
+            bad = sorted(t for t in ids if t >= vocab)
+            if bad:
+                raise ValueError(
+                    f"SamplingParams.{name}: token ids {bad[:5]} are outside the vocabulary "
+                    f"[0, {vocab})"
+                )
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """A request whose KV can never fit the pool, even alone, fails now with the reason

@@ -614,7 +614,12 @@ class ModelRunner:
             ]
             self.last_logprobs = _logprobs(logits, seqs, kept, rows_per_seq)
             return kept
-        if all(s.sampling.temperature == 0.0 and not s.sampling.min_tokens for s in seqs):
+        if all(
+            s.sampling.temperature == 0.0
+            and not s.sampling.min_tokens
+            and not s.sampling.adjusts_logits
+            for s in seqs
+        ):
             tokens = logits.argmax(dim=-1)
         else:
             batch = SamplingBatch.from_sequences(seqs, self.eos_ids, self.device)

@@ -241,6 +241,7 @@ class OutputProcessor:
             child.first_scheduled_step = parent.first_scheduled_step
             child.cached_prompt_tokens = parent.cached_prompt_tokens
             child.prompt_logprobs = None  # the request's prompt is reported once, by the parent
+            child.bad_words_token_ids = parent.bad_words_token_ids
             if parent.sampling.seed is not None:
                 child.generator = seeded_generator(parent.sampling.seed + index, self.device)
             if parent.detok is not None:

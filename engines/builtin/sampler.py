@@ -1,4 +1,8 @@
-"""Vectorized sampling over the batch: greedy, temperature, top-k, top-p, min_tokens.
+"""Vectorized sampling over the batch: greedy, temperature, top-k, top-p, min_p, min_tokens,
+and the penalties / logit_bias / token masks of engines/builtin/penalties.py.
+
+vLLM's order: min_tokens' masks, then the penalties and masks on the raw logits (so they
+change a greedy row's argmax too), then temperature, then min_p, top-k and top-p.
 
 One sort of the logits serves top-k and top-p together. Sampling is the exponential race
 (argmax of p / q with q ~ Exp(1)), which equals drawing from p; seeded requests draw their q
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.builtin.penalties import LogitsAdjustments
 from engines.builtin.sequence import Sequence
 
 TOP_K_CAP = 2**31  # past any vocabulary: the same as top-k off
@@ -45,6 +50,9 @@ class SamplingBatch:
     suppress_rows: list[int]
     suppress_ids: list[list[int]]
     generators: list[torch.Generator | None]
+    # penalties, logit_bias, allowed_token_ids, bad_words of the rows that ask; None: none asks
+    adjustments: LogitsAdjustments | None = None
+    min_p: torch.Tensor | None = None  # [B] float, 0 = off; None: no row asks
 
     @classmethod
     def from_sequences(
@@ -53,9 +61,11 @@ class SamplingBatch:
         eos_ids: Seq[int],
         device: torch.device,
         offsets: Seq[int] | None = None,
+        drafts: Seq[Seq[int]] | None = None,
     ) -> SamplingBatch:
         """One row per sequence; `offsets[row]`: output tokens the row's token comes after
-        beyond the sequence's own (speculative decoding scores positions past drafts)."""
+        beyond the sequence's own (speculative decoding scores positions past drafts);
+        `drafts[row]`: those tokens, where known (the penalties count them as output)."""
         params = [s.sampling for s in seqs]
         suppress_rows, suppress_ids = [], []
         for row, seq in enumerate(seqs):
@@ -64,7 +74,7 @@ class SamplingBatch:
             if p.min_tokens and seq.num_output_tokens + ahead < p.min_tokens:
                 suppress_rows.append(row)
                 suppress_ids.append(list(eos_ids) + list(p.stop_token_ids))
-        # One host-to-device copy for the three per-row parameters; float64 holds the
+        # One host-to-device copy for the four per-row parameters; float64 holds the
         # float32 values and the integer top_k exactly (capped: a top_k past the vocabulary
         # keeps every token, and 10**400 would not even convert to a float).
         table = torch.tensor(
@@ -72,6 +82,7 @@ class SamplingBatch:
                 [p.temperature for p in params],
                 [float(min(max(p.top_k, 0), TOP_K_CAP)) for p in params],
                 [p.top_p for p in params],
+                [p.min_p for p in params],
             ],
             dtype=torch.float64,
         ).to(device)
@@ -85,7 +96,17 @@ class SamplingBatch:
             suppress_rows=suppress_rows,
             suppress_ids=suppress_ids,
             generators=[s.generator for s in seqs],
+            adjustments=LogitsAdjustments.build(seqs, drafts, device),
+            min_p=table[3].float() if any(p.min_p > 0.0 for p in params) else None,
         )
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p * the row's top probability (vLLM's and
+    HF's MinPLogitsWarper; the top token always stays; min_p 0 keeps every token)."""
+    probs = logits.softmax(dim=-1)
+    floor = min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def apply_top_k_top_p(
@@ -122,8 +143,9 @@ class Sampler:
 
     def distributions(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [B, V] -> the distribution each row samples from [B, V]: min_tokens' masks,
-        temperature, top-k, top-p; a greedy row's is one-hot at its argmax (speculative
-        decoding's rejection sampler verifies drafts against these)."""
+        penalties and token masks, temperature, min_p, top-k, top-p; a greedy row's is one-hot
+        at its argmax (speculative decoding's rejection sampler verifies drafts against
+        these)."""
         logits = self.masked(logits, batch)
         greedy = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         if batch.all_greedy:
@@ -132,7 +154,9 @@ class Sampler:
         return torch.where((batch.temperature == 0.0).unsqueeze(-1), greedy, probs)
 
     def masked(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """float32 logits with EOS / stop ids masked on rows short of min_tokens."""
+        """float32 logits with EOS / stop ids masked on rows short of min_tokens, and the
+        penalties, logit_bias and token masks of the rows that ask for them."""
+        raw = logits
         logits = logits.float()
         # every (row, id) to mask in one indexed write (ids past the sampled vocabulary are
         # never drawn anyway)
@@ -142,14 +166,20 @@ class Sampler:
             for i in ids
             if i < logits.shape[-1]
         ]
+        if (pairs or batch.adjustments is not None) and logits is raw:
+            logits = logits.clone()  # the caller's logits stay raw (logprobs read them)
         if pairs:
             index = torch.tensor(pairs, dtype=torch.int64).T.to(logits.device)
             logits[index[0], index[1]] = float("-inf")
+        if batch.adjustments is not None:
+            logits = batch.adjustments.apply(logits)
         return logits
 
     def _processed(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         temperature = batch.temperature.clamp(min=1e-5).unsqueeze(-1)
         logits = logits / temperature
+        if batch.min_p is not None:
+            logits = apply_min_p(logits, batch.min_p)
         if batch.any_top_k or batch.any_top_p:
             logits = apply_top_k_top_p(
                 logits,

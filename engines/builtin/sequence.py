@@ -49,6 +49,8 @@ class Sequence:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     generator: torch.Generator | None = None  # per-request RNG when sampling.seed is set
+    #: SamplingParams.bad_words tokenized (engines/builtin/penalties.py bad_words_token_ids)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     #: Parallel sampling (n > 1): which of the request's samples this is, and how many more
     #: samples its first sampling step still has to draw (each becomes a forked sequence).
     sample_index: int = 0

@@ -301,6 +301,43 @@ def test_chat_matches_engine(client: httpx.Client, direct: LLM) -> None:
     assert usage["choices"] == [] and usage["usage"] == usage_of(expected)
 
 
+PENALTIES: dict[str, Any] = {
+    "presence_penalty": 1.2,
+    "frequency_penalty": 0.6,
+    "repetition_penalty": 1.4,
+    "min_p": 0.05,
+    "allowed_token_ids": list(range(40, 400)),
+    "bad_words": ["the"],
+}
+
+
+def test_penalties_and_masks_match_engine(client: httpx.Client, direct: LLM) -> None:
+    """Penalties, min_p, logit_bias (token-id string keys, as OpenAI sends them) and vLLM's
+    allowed_token_ids / bad_words give the engine's own tokens, on both routes."""
+    bias = {"41": 3.0, "300": -100.0}
+    params = SamplingParams(
+        max_tokens=10,
+        temperature=0.8,
+        seed=9,
+        logit_bias={int(k): v for k, v in bias.items()},
+        **PENALTIES,
+    )
+    common = {"max_tokens": 10, "temperature": 0.8, "seed": 9, "logit_bias": bias, **PENALTIES}
+    want = direct.generate(PROMPT, params)[0].outputs[0].token_ids
+    body = post_json(client, COMPLETIONS, {"prompt": PROMPT, "return_token_ids": True, **common})
+    assert body["choices"][0]["token_ids"] == want
+    assert set(want) <= set(PENALTIES["allowed_token_ids"])
+    want = direct.generate(MESSAGES, params)[0].outputs[0].token_ids
+    body = post_json(client, CHAT, {"messages": MESSAGES, "return_token_ids": True, **common})
+    assert body["choices"][0]["token_ids"] == want
+
+
+def post_json(client: httpx.Client, path: str, payload: dict[str, Any]) -> Any:
+    response = client.post(path, json=payload)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def test_chat_max_completion_tokens(client: httpx.Client) -> None:
     body = client.post(
         "/v1/chat/completions",
@@ -341,12 +378,17 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs", "invalid_value"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": -1}, "logprobs", "invalid_value"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": True}, "logprobs", "invalid_type"),
-    (
-        COMPLETIONS,
-        {"prompt": "hi", "presence_penalty": 0.5},
-        "presence_penalty",
-        "unsupported_parameter",
-    ),
+    # penalties and masks (docs/sampling.md, Penalties): out of range names the field
+    (COMPLETIONS, {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    (CHAT, {"messages": USER, "frequency_penalty": -3}, "frequency_penalty", "invalid_value"),
+    (COMPLETIONS, {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    (CHAT, {"messages": USER, "min_p": 1.5}, "min_p", "invalid_value"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias", "invalid_value"),
+    (CHAT, {"messages": USER, "logit_bias": {"999999": 1}}, "logit_bias", "invalid_value"),
+    (COMPLETIONS, {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", "invalid_value"),
+    (CHAT, {"messages": USER, "allowed_token_ids": [10**7]}, "allowed_token_ids", "invalid_value"),
+    (COMPLETIONS, {"prompt": "hi", "bad_words": [" "]}, "bad_words", "invalid_value"),
     (
         COMPLETIONS,
         {"prompt": "hi", "stream_options": {"include_usage": True}},

@@ -38,7 +38,11 @@ def verify(
     counts = [len(p.token_ids) + 1 for p in proposals]
     row_seqs = [seq for seq, count in zip(seqs, counts, strict=True) for _ in range(count)]
     offsets = [i for count in counts for i in range(count)]
-    batch = SamplingBatch.from_sequences(row_seqs, eos_ids, logits.device, offsets)
+    # the drafts before each position count as output for the penalties and bad_words
+    drafts = [
+        p.token_ids[:i] for p, count in zip(proposals, counts, strict=True) for i in range(count)
+    ]
+    batch = SamplingBatch.from_sequences(row_seqs, eos_ids, logits.device, offsets, drafts)
     if batch.all_greedy:
         return _verify_greedy(sampler.masked(logits, batch).argmax(-1).tolist(), proposals)
     probs = sampler.distributions(logits, batch)
