@@ -85,9 +85,10 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "an integer >= 1")
-        if not 0 <= self.temperature < float("inf"):  # also refuses NaN
+        # _number_in first: a string or None would make the comparison a TypeError
+        if not _number_in(self.temperature, 0.0, math.inf) or self.temperature == math.inf:
             raise bad("temperature", "a number >= 0 (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _number_in(self.top_p, 0.0, 1.0) or self.top_p == 0.0:
             raise bad("top_p", "a number in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", "-1 or 0 (disabled) or an integer >= 1")

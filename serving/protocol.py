@@ -343,6 +343,11 @@ NEUTRAL_VALUES = {
 # ---- requests -----------------------------------------------------------------------------
 
 
+#: Digits a logit_bias key may have: past any vocabulary, and int() of a longer digit string
+#: would cost quadratic time (Python refuses past 4300 digits anyway)
+_MAX_ID_DIGITS = 20
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -415,15 +420,17 @@ class _SamplingFields(_Strict):
             return None
         biases = {}
         for key, value in self.logit_bias.items():
-            try:
+            # ASCII digits only: Python's int() also takes " 5", "+5", "1_0" and other
+            # scripts' digits ("٥"), which are not the id strings OpenAI's clients send
+            if key.isascii() and key.isdigit() and len(key) <= _MAX_ID_DIGITS:
                 biases[int(key)] = value
-            except ValueError:
+            else:
                 raise APIError(
                     f"logit_bias: key {_short(key)} is not a token id; allowed: token-id "
                     'strings ("50256") mapped to numbers in [-100, 100]',
                     "logit_bias",
                     "invalid_value",
-                ) from None
+                )
         return biases
 
     def refused_combination(self) -> APIError | None:

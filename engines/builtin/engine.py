@@ -575,6 +575,37 @@ class LLMEngine:
                     f"SamplingParams.{name}: token ids {bad[:5]} are outside the vocabulary "
                     f"[0, {vocab})"
                 )
+        self._check_some_token_allowed(sampling)
+
+    def _check_some_token_allowed(self, sampling: SamplingParams) -> None:
+        """Refuse `allowed_token_ids` that the other masks leave empty: a row whose every
+        logit is -inf samples noise (argmax over -inf is token 0, outside the allowed ids).
+        One-token bad words are banned at every step, and EOS and the stop ids until
+        min_tokens; a longer bad word bans its last token only after the rest, which is not
+        known here."""
+        if sampling.allowed_token_ids is None:
+            return
+        left = set(sampling.allowed_token_ids)
+        if sampling.bad_words:
+            words = bad_words_token_ids(
+                sampling.bad_words,
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                self.model_config.vocab_size,
+            )
+            left -= {ids[0] for ids in words if len(ids) == 1}
+            if not left:
+                raise ValueError(
+                    f"SamplingParams.allowed_token_ids: {_short_ids(sampling.allowed_token_ids)} "
+                    "are all banned by bad_words, so no token could be sampled; allowed: ids "
+                    "of which at least one is not a one-token bad word"
+                )
+        if sampling.min_tokens and not left - {*self.eos_ids, *sampling.stop_token_ids}:
+            raise ValueError(
+                f"SamplingParams.allowed_token_ids: {_short_ids(sampling.allowed_token_ids)} "
+                f"hold only EOS or stop ids (or bad words), which min_tokens="
+                f"{sampling.min_tokens} masks, so no token could be sampled; allowed: at least "
+                "one other id, or min_tokens=0"
+            )
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """A request whose KV can never fit the pool, even alone, fails now with the reason
@@ -785,3 +816,8 @@ def _kept_drafts(plan: StepPlan, tokens: list[list[int]]) -> dict[int, list[int]
             seq.spec_accepted_tokens += len(new) - 1
             plan.spec_rounds.append((item.num_draft_tokens, len(new) - 1))
     return kept
+
+
+def _short_ids(ids: list[int]) -> str:
+    """At most five ids for an error message (the list may hold a whole vocabulary)."""
+    return str(ids[:5])[:-1] + ", ...]" if len(ids) > 5 else str(ids)

@@ -59,6 +59,11 @@ def _padded(rows: Seq[Seq[int]], pad: int, device: torch.device) -> torch.Tensor
     return torch.tensor(table, dtype=torch.int64).to(device)
 
 
+#: The largest logit a repetition penalty below 1 may raise a seen token to: far above any
+#: model's logits, and 1e8 below float32's maximum, so temperature's division (by as little as
+#: 1e-5, sampler.py) stays finite too
+MAX_PENALIZED_LOGIT = 1e30
+
 #: stands for "no token" in padded id tables; clamped to the logits' width, one spare column
 PAD = 2**62
 
@@ -146,8 +151,15 @@ class LogitsAdjustments:
             sub = sub + added[:, :vocab]
         if self.repetition is not None and self.context_ids is not None:
             seen = self._seen(self.context_ids, vocab)
-            rep = self.repetition.unsqueeze(-1)
-            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+            # A penalty past float32's range (1e-40 is 0 there, 1e39 is inf) and a quotient
+            # that overflows (10 / 1e-38) would give 0 * inf = NaN or a +inf logit, whose
+            # softmax is NaN: the sampler then draws token 0 over and over. Clamped, a tiny
+            # penalty makes a seen token all but certain and a huge one all but impossible,
+            # its meaning; -inf (a masked token) stays -inf.
+            finfo = torch.finfo(sub.dtype)
+            rep = self.repetition.clamp(min=finfo.tiny, max=finfo.max).unsqueeze(-1)
+            divided = (sub / rep).clamp(max=MAX_PENALIZED_LOGIT)
+            sub = torch.where(seen, torch.where(sub > 0, divided, sub * rep), sub)
         if self.presence is not None or self.frequency is not None:
             counts = torch.zeros(sub.shape[0], vocab + 1, device=sub.device)
             ids = self.output_ids.clamp(max=vocab)

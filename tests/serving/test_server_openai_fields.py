@@ -186,3 +186,46 @@ def test_the_sdk_surfaces_a_bad_hint_as_bad_request(sdk: openai.OpenAI) -> None:
             extra_body={"metadata": 5},
         )
     assert (refused.value.code, refused.value.param) == ("invalid_type", "metadata")
+
+
+@pytest.mark.parametrize("key", [" 5", "+5", "1_0", "\u0665", "5 ", "0x5", "1" * 21])
+def test_a_logit_bias_key_that_is_not_ascii_digits_is_refused(
+    client: httpx.Client, key: str
+) -> None:
+    """Hostile pass (issue 39): Python's int() took " 5", "+5", "1_0" and "٥" (an Arabic-Indic
+    five) as token ids; OpenAI's keys are token ids written in ASCII digits."""
+    response = client.post(COMPLETIONS, json={**GREEDY, "prompt": PROMPT, "logit_bias": {key: 1}})
+    assert_refused(response, "logit_bias", "invalid_value")
+    assert "not a token id" in response.json()["error"]["message"]
+
+
+def test_allowed_token_ids_left_empty_by_bad_words_or_min_tokens_are_a_400(
+    client: httpx.Client,
+) -> None:
+    """Hostile pass (issue 39): such a request sampled token 0 (outside allowed_token_ids)
+    until max_tokens, with a 200; now a 400 naming allowed_token_ids."""
+    word = client.post("/tokenize", json={"prompt": "Hello", "add_special_tokens": False})
+    (hello,) = word.json()["tokens"]
+    for extra in (
+        {"allowed_token_ids": [hello], "bad_words": ["Hello"]},
+        {"allowed_token_ids": [hello], "stop_token_ids": [hello], "min_tokens": 1},
+    ):
+        for route, body in ((COMPLETIONS, {"prompt": PROMPT}), (CHAT, {"messages": MESSAGES})):
+            response = client.post(route, json={**GREEDY, **body, **extra, "stream": True})
+            assert_refused(response, "allowed_token_ids", "invalid_value")
+            assert "allowed: " in response.json()["error"]["message"]
+
+
+def test_a_tiny_repetition_penalty_sampled_repeats_the_prompt_token(client: httpx.Client) -> None:
+    """Hostile pass (issue 39): repetition_penalty 1e-308 (0 in float32) at temperature 1 gave
+    NaN probabilities and token 0 four times; the seen token with a positive logit (the
+    prompt's "Hello") is now all but certain, as greedy decoding picks it."""
+    body = {"prompt": "Hello", "max_tokens": 4, "seed": 1, "return_token_ids": True}
+    choices = [
+        client.post(
+            COMPLETIONS, json={**body, "repetition_penalty": 1e-308, "temperature": t}
+        ).json()["choices"][0]
+        for t in (0.0, 1.0)
+    ]
+    hello = choices[0]["prompt_token_ids"][-1]
+    assert [c["token_ids"] for c in choices] == [[hello] * 4] * 2, choices

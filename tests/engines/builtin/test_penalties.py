@@ -285,3 +285,60 @@ def test_ids_outside_the_vocabulary_are_refused(hf_model: tuple[torch.nn.Module,
         ):
             with pytest.raises(ValueError, match=rf"SamplingParams\.{name}: .*vocabulary"):
                 llm.generate([[5, 6]], SamplingParams(**fields))
+
+
+@pytest.mark.parametrize("penalty", [1e-308, 1e-40, 1e-38, 1e39, 1e308])
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0])
+def test_a_repetition_penalty_past_float32_keeps_the_distribution_finite(
+    penalty: float, temperature: float
+) -> None:
+    """Hostile pass (issue 39): float32 holds 1e-40 as 0 and 1e39 as inf, and 10 / 1e-38
+    overflows; the seen token's logit became +inf or NaN, the softmax NaN, and a sampled row
+    drew token 0 again and again. Now a tiny penalty makes the seen token (id 3, the prompt)
+    certain, a huge one makes it impossible, and every probability stays finite."""
+    logits = torch.linspace(-2.0, 2.0, 16).unsqueeze(0)
+    logits[0, 3] = 10.0 if penalty < 1 else -10.0
+    logits[0, 4] = 0.0  # unseen: untouched
+    seq = _FakeSeq(SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=1))
+    batch = SamplingBatch.from_sequences([seq], [], torch.device("cpu"))  # type: ignore[list-item]
+    probs = Sampler(0, torch.device("cpu")).distributions(logits, batch)
+    assert bool(torch.isfinite(probs).all()), probs
+    if penalty < 1:
+        assert probs[0, 3].item() == pytest.approx(1.0)
+    else:
+        assert probs[0, 3].item() == 0.0 and probs.sum().item() == pytest.approx(1.0)
+    token = Sampler(0, torch.device("cpu"))(logits, batch)
+    assert (token.item() == 3) == (penalty < 1)
+
+
+def test_allowed_token_ids_the_other_masks_leave_empty_are_refused() -> None:
+    """Hostile pass (issue 39): allowed_token_ids whose every id is a one-token bad word, or
+    only EOS / stop ids under min_tokens, left a row of -inf logits, and the engine sampled
+    token 0 (outside the allowed ids) until max_tokens. Refused when the request is added."""
+    with LLM("tiny") as llm:
+        word = llm.engine.tokenizer.encode("Hello", add_special_tokens=False)
+        assert len(word) == 1
+        eos = llm.engine.eos_ids[0]
+        for fields, reason in (
+            ({"allowed_token_ids": word, "bad_words": ["Hello"]}, "banned by bad_words"),
+            ({"allowed_token_ids": [eos], "min_tokens": 1}, "min_tokens=1 masks"),
+            ({"allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 2}, "min_tokens=2"),
+        ):
+            refused = rf"^SamplingParams\.allowed_token_ids: .*{reason}"
+            with pytest.raises(ValueError, match=refused):
+                llm.generate("Hi", SamplingParams(max_tokens=4, **fields))  # type: ignore[arg-type]
+        # one id left is enough, and min_tokens=0 lets EOS alone through
+        (out,) = llm.generate(
+            "Hi", SamplingParams(max_tokens=3, allowed_token_ids=[*word, 7], bad_words=["Hello"])
+        )
+        assert out.outputs[0].token_ids and set(out.outputs[0].token_ids) == {7}
+        (out,) = llm.generate("Hi", SamplingParams(max_tokens=3, allowed_token_ids=[eos]))
+        assert out.outputs[0].token_ids == [eos]
+
+
+@pytest.mark.parametrize("fields", [{"temperature": "1"}, {"top_p": None}, {"temperature": True}])
+def test_a_non_number_temperature_or_top_p_is_a_value_error(fields: dict[str, Any]) -> None:
+    """Hostile pass (issue 39): a string temperature raised TypeError from the comparison."""
+    name = next(iter(fields))
+    with pytest.raises(ValueError, match=rf"^SamplingParams\.{name}: .*allowed: "):
+        SamplingParams(**fields)
