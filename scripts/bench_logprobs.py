@@ -92,7 +92,7 @@ def main() -> int:
             print(f"  {title:12s} {name:20s} {median * 1e3:8.2f} ms  x{median / base:.3f}")
     out["decode_s"], out["prefill_s"] = decode, prefill
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+        args.json.write_text(json.dumps(out, indent=1, default=str))
     return 0
 
 
