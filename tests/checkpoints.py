@@ -187,3 +187,30 @@ def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t3"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(folder / "tokenizer.json"))
+
+
+def random_hf_llama(folder: Path, vocab_size: int, seed: int) -> Any:
+    """A small Llama (2 layers, GQA 4/2, hidden 64) as a transformers model with weights far
+    from HF's init, saved in `folder` with a word-level tokenizer over its whole vocabulary; the
+    model is returned for reference computations (fp32, eager attention)."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config._attn_implementation = "eager"  # the plain reference path
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize_weights(model, seed)
+    model.save_pretrained(folder)
+    write_word_tokenizer(folder, vocab_size)
+    return model

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import randomize_weights, write_word_tokenizer
+from checkpoints import random_hf_llama
 
 from engines.base import PromptLogprobs
 from engines.builtin import LLM, SamplingParams
@@ -27,25 +27,8 @@ PROMPT_LENS = (3, 9, 14, 20, 6, 11, 17, 25)  # 8 prompts of different lengths
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(7)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize_weights(model, 7)
     folder = tmp_path_factory.mktemp("logprobs_llama")
-    model.save_pretrained(folder)
-    write_word_tokenizer(folder, VOCAB)
-    return model, folder
+    return random_hf_llama(folder, VOCAB, 7), folder
 
 
 def prompts(count: int = len(PROMPT_LENS), shared_prefix: int = 0) -> list[list[int]]:

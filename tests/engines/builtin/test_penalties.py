@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from checkpoints import randomize_weights, write_word_tokenizer
+from checkpoints import random_hf_llama
 
 from engines.builtin import LLM, SamplingParams
 from engines.builtin.sampler import Sampler, SamplingBatch
@@ -29,25 +29,8 @@ PROMPT_LENS = (5, 12, 3, 18, 9, 7)
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(5)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize_weights(model, 5)
     folder = tmp_path_factory.mktemp("penalties_llama")
-    model.save_pretrained(folder)
-    write_word_tokenizer(folder, VOCAB)
-    return model, folder
+    return random_hf_llama(folder, VOCAB, 5), folder
 
 
 def prompts(count: int) -> list[list[int]]:
