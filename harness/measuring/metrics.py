@@ -349,6 +349,21 @@ register(
     "quality probe: mean KL(fp32 reference || this variant) of next-token distributions",
 )
 register(
+    "accuracy",
+    "fraction",
+    "higher",
+    "deterministic",
+    "run.accuracy: the task's items whose highest-loglikelihood choice is the target "
+    "(lm-eval's acc)",
+)
+register(
+    "accuracy_items",
+    "items",
+    "none",
+    "deterministic",
+    "run.accuracy: the task's items scored",
+)
+register(
     "quality_positions",
     "positions",
     "none",
@@ -866,6 +881,7 @@ def compute_summary(
     summary["padding_fraction"] = _padding_fraction(window_steps)
     summary.update(_engine_metrics(window_steps, members, run_info))
     summary.update(run_info.get("quality") or {})
+    summary.update((run_info.get("accuracy") or {}).get("metrics") or {})
     if run_info.get("samples") is not None:  # the monitor's samples (harness/measuring/monitors.py)
         from harness.measuring.monitors import monitor_metrics, whole_run_span
 

@@ -16,6 +16,7 @@ from typing import Any
 from engines.backends import build_backend
 from engines.base import Backend, now_ns
 from harness.measuring import hardware, provenance, roofline
+from harness.measuring.accuracy import AccuracyTracker
 from harness.measuring.monitors import MonitorTracker
 from harness.measuring.profiling import ProfileTracker
 from harness.measuring.quality import QualityTracker
@@ -204,6 +205,7 @@ def _trackers(config: dict[str, Any], cfg: RunConfig, run_dir: Path) -> list[Tra
     their hooks are called: the one place a tracker is added."""
     asked = (
         QualityTracker.from_config(asdict(cfg.quality)),
+        AccuracyTracker.from_config(asdict(cfg.accuracy)),
         ProfileTracker.from_config(config, run_dir),
         MonitorTracker.from_config(cfg.monitor),  # last: its RSS baseline right before the load
     )

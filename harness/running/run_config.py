@@ -166,6 +166,22 @@ class SearchConfig(ConfigSection):
 
 
 @dataclass(frozen=True)
+class AccuracyConfig(ConfigSection):
+    """`run.accuracy`: a multiple-choice task scored on the run's backend after its measured
+    requests (harness/measuring/accuracy.py, docs/accuracy.md)."""
+
+    section = "run.accuracy"
+
+    task: str | None = option(
+        None,
+        allowed="null, a task of data/tasks (inferlab_mc) or the path of an lm-eval "
+        "multiple_choice task YAML",
+        help="the task whose accuracy becomes the run's `accuracy` metric (null: none)",
+    )
+    limit: int | None = option(None, ge=1, help="the task's first items only (null: all)")
+
+
+@dataclass(frozen=True)
 class QualityConfig(ConfigSection):
     """`run.quality`: the quality probe (harness/measuring/quality.py), this engine against the
     fp32 unquantized one on the same weights."""
@@ -237,6 +253,9 @@ class RunConfig(ConfigSection):
         help="a background sampler -> samples.parquet, memory/energy metrics (docs/monitoring.md)",
     )
     quality: QualityConfig = option(default_factory=QualityConfig, help="the quality probe")
+    accuracy: AccuracyConfig = option(
+        default_factory=AccuracyConfig, help="a task's accuracy beside the speed"
+    )
     slo: SloConfig = option(default_factory=SloConfig, help="the bounds goodput counts against")
     search: SearchConfig = option(
         default_factory=SearchConfig,

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from omegaconf import OmegaConf
 
+import configs
 from models.packaged import packaged_model_path
 from serving.testing import ServeProcess, serve_process
 
@@ -62,14 +64,22 @@ def hf(output: Path, task: str, *extra: str) -> dict[str, Any]:
                    "--tasks", task, *extra)  # fmt: skip
 
 
-def test_loglikelihood_through_the_server_equals_hf(server: ServeProcess, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def hf_mc(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """lm-eval's own `hf` backend on inferlab_mc: the reference."""
+    return hf(tmp_path_factory.mktemp("hf_mc"), "inferlab_mc")
+
+
+def test_loglikelihood_through_the_server_equals_hf(
+    server: ServeProcess, hf_mc: dict[str, Any], tmp_path: Path
+) -> None:
     args = (
         f"model={MODEL},base_url={server.base_url}/v1/completions,tokenizer_backend=remote,"
         "tokenized_requests=True,num_concurrent=2"
     )
     ours = lm_eval(tmp_path / "ours", "--model", "local-completions", "--model_args", args,
                    "--tasks", "inferlab_mc")  # fmt: skip
-    reference = hf(tmp_path / "hf", "inferlab_mc")
+    reference = hf_mc
     assert len(ours["inferlab_mc"]) == len(reference["inferlab_mc"]) == 16
     for mine, theirs in zip(ours["inferlab_mc"], reference["inferlab_mc"], strict=True):
         scores = [float(r[0]) for r in mine["filtered_resps"]]
@@ -93,3 +103,28 @@ def test_generation_through_the_chat_api_equals_hf(server: ServeProcess, tmp_pat
     assert sum(row["exact_match"] for row in ours["inferlab_gen"]) > 0  # the scorer can pass
     ours_score = ours["results"]["inferlab_gen"]["exact_match,last_word"]
     assert ours_score == reference["results"]["inferlab_gen"]["exact_match,last_word"]
+
+
+def test_a_runs_accuracy_metric_equals_lm_evals(hf_mc: dict[str, Any], tmp_path: Path) -> None:
+    """`run.accuracy.task=inferlab_mc` on the built-in engine (in process, no server): every
+    choice's loglikelihood as lm-eval's hf backend scores it, and the same `acc`."""
+    from harness.running.experiment import run_experiment
+
+    overrides = [
+        f"model={MODEL}",
+        "engine.dtype=float32",
+        "run.accuracy.task=inferlab_mc",
+        "workload.num_requests=2",
+        "workload.output_len=4",
+        "run.warmup_requests=0",
+    ]
+    config = OmegaConf.to_container(configs.compose(overrides), resolve=True)
+    assert isinstance(config, dict)
+    summary = run_experiment(config, tmp_path / "run", progress=False)
+    assert summary["status"] == "complete", summary.get("error")
+    scored = summary["accuracy"]["loglikelihoods"]
+    for mine, theirs in zip(scored, hf_mc["inferlab_mc"], strict=True):
+        expected = [float(r[0]) for r in theirs["filtered_resps"]]
+        assert mine == pytest.approx(expected, abs=1e-3), theirs["doc"]["question"]
+    assert summary["metrics"]["accuracy"] == hf_mc["results"]["inferlab_mc"]["acc,none"]
+    assert summary["metrics"]["accuracy_items"] == 16
