@@ -346,8 +346,8 @@ def test_a_bad_run_key_exits_2_before_anything_runs(tmp_path: Path) -> None:
     result = inferlab("run", "model=tiny", "+run.foo=1", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "error: run: unknown key(s) ['foo']; allowed: ['accuracy', 'allow_failed_jobs', 'clients_on', "
-        "'max_duration_grace_s', 'max_duration_s', 'max_errors', 'monitor', 'name', "
+        "error: run: unknown key(s) ['foo']; allowed: ['accuracy', 'allow_failed_jobs', "
+        "'clients_on', 'max_duration_grace_s', 'max_duration_s', 'max_errors', 'monitor', 'name', "
         "'num_clients', 'percentiles', 'progress', 'quality', 'resume', 'saturation', "
         "'search', 'slo', 'stop_on_saturation', 'timeslice_s', 'warmup_requests', 'window']"
     )
