@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tiny_server import CHAT, COMPLETIONS, OPTIONS, PROMPT
 
 from engines.builtin import LLM, EngineConfig, SamplingParams
 from engines.builtin.backend import BuiltinBackend
@@ -27,16 +28,6 @@ from serving import cli as serve_cli
 from serving.auth import is_loopback
 from serving.testing import RunningServer, serve_engine, serve_in_thread
 
-OPTIONS: dict[str, Any] = dict(
-    dtype="float32",
-    device="cpu",
-    max_model_len=256,
-    max_num_seqs=8,
-    kv_cache="paged",
-    kv_cache_memory_bytes=2 << 20,
-)
-PROMPT = "The quick brown fox jumps over"
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Name a colour."},

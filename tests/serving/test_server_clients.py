@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_server import OPTIONS, PROMPT
 
 from engines.builtin import LLM, SamplingParams
 from engines.builtin.backend import BuiltinBackend
@@ -30,16 +31,7 @@ from serving.testing import RunningServer, serve_engine
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
-OPTIONS: dict[str, Any] = dict(
-    dtype="float32",
-    device="cpu",
-    max_model_len=256,
-    max_num_seqs=8,
-    kv_cache="paged",
-    kv_cache_memory_bytes=2 << 20,
-)
 API_KEY = "sk-inferlab-test"
-PROMPT = "The quick brown fox jumps over"
 MESSAGES: list[Any] = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Name a colour."},

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from tiny_server import CHAT, COMPLETIONS, OPTIONS, PROMPT
 
 from engines.base import TokenLogprob
 from engines.builtin import LLM, SamplingParams
@@ -26,18 +27,8 @@ from serving.logprobs_format import (
 )
 from serving.testing import RunningServer, serve_engine
 
-OPTIONS: dict[str, Any] = dict(
-    dtype="float32",
-    device="cpu",
-    max_model_len=256,
-    max_num_seqs=8,
-    kv_cache="paged",
-    kv_cache_memory_bytes=2 << 20,
-)
-PROMPT = "The quick brown fox jumps over"
 MESSAGES: list[Any] = [{"role": "user", "content": "Name a colour."}]
 GREEDY: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "temperature": 0}
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 K = 3
 
 

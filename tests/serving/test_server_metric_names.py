@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_server import OPTIONS as TINY_OPTIONS
 
 from engines.builtin import EngineConfig
 from engines.builtin.backend import BuiltinBackend
@@ -27,15 +28,7 @@ from serving.metrics import FINISH_REASONS
 from serving.prometheus import CollectorRegistry, Naming, Series, render
 from serving.testing import RunningServer, serve_engine, serve_in_thread
 
-OPTIONS: dict[str, Any] = dict(
-    dtype="float32",
-    device="cpu",
-    max_model_len=256,
-    max_num_seqs=8,
-    kv_cache="paged",
-    kv_cache_memory_bytes=2 << 20,
-    enable_prefix_caching=True,
-)
+OPTIONS: dict[str, Any] = {**TINY_OPTIONS, "enable_prefix_caching": True}
 SERVED = "tiny-served"
 COMPLETIONS = "/v1/completions"
 Key = tuple[str, frozenset[tuple[str, str]]]

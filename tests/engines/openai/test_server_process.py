@@ -115,6 +115,28 @@ def test_a_program_that_is_not_installed_is_named() -> None:
         ServerProcess.start(["vllm-not-installed", "serve"], "http://127.0.0.1:1", {}, None)
 
 
+def killing_the_harness_ends_its_server(
+    code: str, pid_file: Path, still_running: str = "the harness ended before its server ran"
+) -> None:
+    """Run `code` as a harness that starts a server and writes its pid to `pid_file`; once the
+    server runs, SIGKILL the harness (no clean-up of ours runs): the server must go too."""
+    harness = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        assert eventually(lambda: pid_file.exists() or harness.poll() is not None, 40)
+        assert harness.poll() is None, still_running
+        server_pid = int(pid_file.read_text())
+        assert alive(server_pid)
+        harness.kill()
+        harness.wait()
+        gone = eventually(lambda: not alive(server_pid))
+    finally:
+        if harness.poll() is None:
+            harness.kill()
+    if not gone:
+        os.killpg(server_pid, signal.SIGKILL)  # clean up before failing
+    assert gone, "the server outlived the harness that started it"
+
+
 def test_the_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
     """SIGKILL of the harness (no clean-up runs) still ends its server: the death signal."""
     pid_file = tmp_path / "server.pid"
@@ -133,20 +155,7 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path: Path) -> Non
         time.sleep(600)
         """
     )
-    harness = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        assert eventually(pid_file.exists, 30)
-        server_pid = int(pid_file.read_text())
-        assert alive(server_pid)
-        harness.kill()
-        harness.wait()
-        gone = eventually(lambda: not alive(server_pid))
-    finally:
-        if harness.poll() is None:
-            harness.kill()
-    if not gone:
-        os.killpg(server_pid, signal.SIGKILL)  # clean up before failing
-    assert gone, "the server outlived the harness that started it"
+    killing_the_harness_ends_its_server(code, pid_file)
 
 
 def launch_config(port_flag: str = "--port", **extra: object) -> LaunchConfig:
@@ -328,20 +337,9 @@ def test_a_server_started_from_a_thread_outlives_the_thread_not_the_process(
         time.sleep(600)
         """
     )
-    harness = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        assert eventually(lambda: pid_file.exists() or harness.poll() is not None, 40)
-        assert harness.poll() is None, "the server died with the thread that started it"
-        server_pid = int(pid_file.read_text())
-        harness.kill()
-        harness.wait()
-        gone = eventually(lambda: not alive(server_pid))
-    finally:
-        if harness.poll() is None:
-            harness.kill()
-    if not gone:
-        os.killpg(server_pid, signal.SIGKILL)
-    assert gone, "the server outlived the harness that started it"
+    killing_the_harness_ends_its_server(
+        code, pid_file, still_running="the server died with the thread that started it"
+    )
 
 
 def test_a_server_never_ready_is_stopped_within_stop_timeout_s() -> None:
