@@ -136,6 +136,8 @@ class Finished(RequestEvent):
     spec_steps: int | None = None
     spec_draft_tokens: int | None = None
     spec_accepted_tokens: int | None = None
+    # beam search (SamplingParams.use_beam_search): the beam's summed log-probabilities
+    cumulative_logprob: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +167,10 @@ class StepRecord:
     num_preempted: int = 0
     num_running: int = 0  # sequences holding KV memory after the step
     kv_blocks_used: int = 0
+    # blocks more than one sequence holds (forks, beams, prefix hits), and the K/V bytes copied
+    # before the step's forward (copy-on-write of a shared block; a contiguous fork's region)
+    kv_blocks_shared: int = 0
+    kv_bytes_copied: int = 0
     forward_ns: int = 0  # device time of the model forward and sampling within the step
     kv_gather_ns: int = 0  # of which copying K/V out of the cache (CPU dense attention)
     # For the roofline (harness/measuring/roofline.py); padding rows count as computed.

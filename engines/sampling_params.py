@@ -54,6 +54,14 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # strings whose token sequences must not be completed
+    # Beam search as HF's generate(num_beams=beam_width) defines it (docs/sampling.md, Beam
+    # search): the `n` best of `beam_width` beams (None: n) are returned, ranked by their
+    # summed log-probabilities / generated length ** length_penalty; early_stopping: True
+    # (stop once beam_width beams have finished), False (HF's heuristic) or "never"
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +71,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_beams(self) -> int:
+        """Beams a beam search keeps (1 when the request does not search)."""
+        if not self.use_beam_search:
+            return 1
+        return self.n if self.beam_width is None else self.beam_width
 
     @property
     def adjusts_logits(self) -> bool:
@@ -114,6 +129,7 @@ class SamplingParams:
             ):
                 raise bad(name, f"null or an integer in [0, {MAX_LOGPROBS}]")
         self._validate_penalties()
+        self._validate_beam_search()
 
     def _validate_penalties(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -151,6 +167,47 @@ class SamplingParams:
             not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words)
         ):
             raise bad("bad_words", "null or a list of strings with at least one non-space")
+
+    def _validate_beam_search(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(
+                f"SamplingParams.{name}: {getattr(self, name)!r} is invalid; allowed: {allowed}"
+            )
+
+        if not isinstance(self.use_beam_search, bool):
+            raise bad("use_beam_search", "true or false")
+        width = self.beam_width
+        if width is not None:
+            if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+                raise bad("beam_width", "null (n) or an integer >= 1")
+            if not self.use_beam_search:
+                raise bad("beam_width", "null unless use_beam_search is true")
+            if width < self.n:
+                raise bad("beam_width", f"null or an integer >= n={self.n} (n best beams return)")
+        if not _number_in(self.length_penalty, -math.inf, math.inf) or not math.isfinite(
+            self.length_penalty
+        ):
+            raise bad("length_penalty", "a finite number (1: HF's default; 0: no length penalty)")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise bad("early_stopping", 'true, false or "never" (HF\'s meanings)')
+        conflicts = _beam_search_conflicts(self) if self.use_beam_search else []
+        if conflicts:
+            name, allowed = conflicts[0]
+            raise bad(name, f"{allowed} with use_beam_search (it ranks beams by log-probability)")
+
+
+def _beam_search_conflicts(params: SamplingParams) -> list[tuple[str, str]]:
+    """(field, what it must be) for every field a beam search cannot honour: it ranks
+    log-probabilities deterministically, so sampling's warpers mean nothing to it, and a beam's
+    text is only decoded once it wins, so stop strings cannot end one."""
+    conflicts = [
+        ("top_k", "0 or -1") if params.top_k > 0 else None,
+        ("top_p", "1") if params.top_p < 1.0 else None,
+        ("min_p", "0") if params.min_p > 0.0 else None,
+        ("stop", "[] (stop_token_ids do end beams)") if params.stop else None,
+        ("logprobs", "null") if params.logprobs is not None else None,
+    ]
+    return [c for c in conflicts if c is not None]
 
 
 def _number_in(value: object, low: float, high: float) -> bool:

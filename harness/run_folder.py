@@ -235,6 +235,8 @@ STEP_COLUMNS = [
     "num_preempted",
     "num_running",
     "kv_blocks_used",
+    "kv_blocks_shared",
+    "kv_bytes_copied",
     "forward_s",
     "kv_gather_s",
     "logits_tokens",

@@ -353,6 +353,10 @@ def _sampling(
             logit_bias=body.token_biases(),
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words,
+            use_beam_search=body.use_beam_search,
+            beam_width=body.searched_width(),
+            length_penalty=body.length_penalty,
+            early_stopping=body.early_stopping,
         )
     except ValueError as exc:
         # "SamplingParams.top_p: 2.0 is invalid; allowed: ..." -> param "top_p"
@@ -381,7 +385,7 @@ async def _respond(
 ) -> Response:
     n = sampling[0].n
     serving.check_engine_accepts(prompts, sampling)
-    admission = serving.admit(len(prompts) * n)
+    admission = serving.admit(len(prompts) * max(n, sampling[0].num_beams))
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     writer = writer_type(
         request_id,

@@ -327,7 +327,7 @@ MAX_TOP_LOGPROBS = MAX_LOGPROBS
 #: What a field the engine cannot honour may be set to (its neutral value), for the 400 that
 #: refuses anything else; a field not listed may only be left unset
 NEUTRAL_VALUES = {
-    "best_of": "null or equal to n",
+    "best_of": "null or equal to n (or, with use_beam_search, the beam width)",
     "modalities": 'null or ["text"]',
     "prediction": "null",
     "response_format": '{"type": "text"}',
@@ -387,6 +387,12 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM: prompt and output token ids in the response
+    # vLLM's beam search extension (docs/sampling.md, Beam search); beam_width is ours (vLLM
+    # searches with n beams; best_of is the width on /v1/completions, as in vLLM 0.x)
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @field_validator("top_k")
     @classmethod
@@ -400,6 +406,17 @@ class _SamplingFields(_Strict):
             )
         return value
 
+    @field_validator("early_stopping", mode="before")
+    @classmethod
+    def _early_stopping_value(cls, value: Any) -> Any:
+        # one message for the union (pydantic would name a branch: "early_stopping.bool")
+        if isinstance(value, bool) or value == "never":
+            return value
+        raise ValueError(
+            f'early_stopping: {_short(value)} is invalid; allowed: true, false or "never" '
+            "(Hugging Face's meanings)"
+        )
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_strings(cls, value: Any) -> Any:
@@ -412,6 +429,10 @@ class _SamplingFields(_Strict):
     def unsupported(self) -> str | None:
         """The first field set to a value the engine cannot honour, or None."""
         return None
+
+    def searched_width(self) -> int | None:
+        """The beam width asked for (None: n)."""
+        return self.beam_width
 
     def token_biases(self) -> dict[int, float] | None:
         """logit_bias with integer keys; its keys are token-id strings ("50256") as OpenAI
@@ -486,9 +507,26 @@ class CompletionRequest(_SamplingFields):
     def unsupported(self) -> str | None:
         if self.suffix:
             return "suffix"
-        if self.best_of is not None and self.best_of != (self.n or 1):
+        # best_of > n samples are not drawn to return the n most likely (vLLM 1.x dropped it
+        # too); under use_beam_search best_of is the beam width, as in vLLM 0.x
+        if self.best_of is not None and not self.use_beam_search and self.best_of != (self.n or 1):
             return "best_of"
         return super().unsupported()
+
+    def refused_combination(self) -> APIError | None:
+        widths = (self.best_of, self.beam_width)
+        if self.use_beam_search and None not in widths and widths[0] != widths[1]:
+            return APIError(
+                f"best_of: {self.best_of} and beam_width: {self.beam_width} both set the "
+                "beam width under use_beam_search; allowed: one of them, or equal values",
+                "best_of",
+                "invalid_value",
+            )
+        return super().refused_combination()
+
+    def searched_width(self) -> int | None:
+        """The beam width asked for (None: n)."""
+        return self.beam_width if self.best_of is None or not self.use_beam_search else self.best_of
 
 
 class ContentPart(_Strict):

@@ -33,6 +33,7 @@ from engines.base import (
     Tokenized,
 )
 from engines.builtin import native
+from engines.builtin.beam_search import BeamSearch
 from engines.builtin.config import EngineConfig
 from engines.builtin.distributed.group import TensorParallelError
 from engines.builtin.distributed.launch import (
@@ -117,6 +118,7 @@ _RELEASED_AT_CLOSE = (
     "scheduler",
     "output",
     "sequences",
+    "beam_search",
     "proposer",
     "_pending_events",
 )
@@ -242,6 +244,9 @@ class LLMEngine:
             self.eos_ids,
             self.limits.max_model_len,
             self.platform.device,
+        )
+        self.beam_search = BeamSearch(
+            self.scheduler, self.sequences, self.eos_ids, self.limits.max_model_len
         )
         self.step_observers: list[StepObserver] = []
         self._pending_events: list[RequestEvent] = []
@@ -527,6 +532,9 @@ class LLMEngine:
             )
         self.output.add(seq)
         self.sequences[request_id] = seq
+        if sampling.use_beam_search:
+            seq.pending_forks = 0  # its beams fork as the search goes (beam_search.py)
+            self.beam_search.add(seq)
         self.scheduler.add(seq)
         step = self.scheduler.step_counter
         self._pending_events += [
@@ -546,6 +554,8 @@ class LLMEngine:
                 "engine.batching=static does not do; allowed: 1 (or "
                 "engine.batching=continuous)"
             )
+        if sampling.use_beam_search:
+            self._check_beam_search(sampling)
         max_len = self.limits.max_model_len
         if not token_ids:
             raise ValueError("prompt: empty (it has no tokens)")
@@ -576,6 +586,28 @@ class LLMEngine:
                     f"[0, {vocab})"
                 )
         self._check_some_token_allowed(sampling)
+
+    def _check_beam_search(self, sampling: SamplingParams) -> None:
+        """What the engine's configuration allows a beam search: beams run side by side
+        (continuous batching, all of them at once) and are chosen, not drafted."""
+        if self.config.batching == "static":
+            raise ValueError(
+                "SamplingParams.use_beam_search: true needs beams forked as the search goes, "
+                "which engine.batching=static does not do; allowed: false (or "
+                "engine.batching=continuous)"
+            )
+        if self.proposer is not None:
+            raise ValueError(
+                "SamplingParams.use_beam_search: true is not done with speculative decoding "
+                "(a beam's next token is chosen across its group, not verified); allowed: "
+                "false (or no engine.speculative_config)"
+            )
+        if sampling.num_beams > self.limits.max_num_seqs:
+            raise ValueError(
+                f"SamplingParams.beam_width: {sampling.num_beams} beams cannot all run at once "
+                f"under engine.max_num_seqs={self.limits.max_num_seqs}; allowed: at most "
+                f"{self.limits.max_num_seqs}"
+            )
 
     def _check_some_token_allowed(self, sampling: SamplingParams) -> None:
         """Refuse `allowed_token_ids` that the other masks leave empty: a row whose every
@@ -629,6 +661,11 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Abort every sample of the request and free its KV memory."""
         self._ensure_not_closed()
+        group = self.beam_search.drop(request_id, "abort")
+        if group is not None:
+            self._pending_events += self.output.beam_events(
+                group, self.scheduler.step_counter, self.platform.now_ns(), "abort"
+            )
         for seq in [s for s in self.sequences.values() if s.request_id == request_id]:
             del self.sequences[seq.key]
             self._release_drafts(seq)
@@ -656,8 +693,12 @@ class LLMEngine:
         start = self.platform.now_ns()
         proposals = self._propose() if self.proposer is not None else {}
         plan = self.scheduler.schedule(proposals)
-        if plan.is_empty:
-            return events + self._fail_unschedulable(plan, start)
+        if plan.is_empty:  # its preemptions (idle beams giving way) are still news
+            return (
+                events
+                + self.output.schedule_events(plan, start)
+                + self._fail_unschedulable(plan, start)
+            )
         for seq in plan.preempted:
             self._release_drafts(seq)
         events += self.output.schedule_events(plan, start)
@@ -670,10 +711,13 @@ class LLMEngine:
         except Exception as exc:  # a failed step fails its requests, not the engine
             return events + self._fail_step(plan, exc)
         new_tokens = self._complete_step(plan, tokens)
+        searched = self.beam_search.report(self.runner.last_beam_candidates)
         end = self._end_step(start)
         prompt_logprobs = self.runner.last_prompt_logprobs
         events += self.output.prompt_logprobs_events(plan, prompt_logprobs, plan.step, end)
         events += self.output.events(new_tokens, plan.step, end)
+        for group in searched:
+            events += self.output.beam_events(group, plan.step, end)
         if self.step_observers:
             self._report_step(plan, start, end, logits_tokens)
         return events
@@ -732,12 +776,13 @@ class LLMEngine:
     def _fail_unschedulable(self, plan: StepPlan, now: int) -> list[RequestEvent]:
         """Nothing runs, so nothing will free memory or budget: the request at the head of the
         queue can never start. Fail it rather than spin forever."""
-        if not self.scheduler.waiting or self.scheduler.running:
+        seq = self.scheduler.next_to_admit()
+        if seq is None or self.scheduler.running:
             return []
-        seq = self.scheduler.waiting[0]
         self.scheduler.finish(seq, "error")
         self.sequences.pop(seq.key, None)
         self._release_drafts(seq)
+        self.beam_search.drop(seq.request_id, "error")
         reason = (
             f"cannot be scheduled: {seq.num_tokens} tokens do not fit the KV cache or "
             "max_num_batched_tokens even alone"
@@ -782,10 +827,13 @@ class LLMEngine:
         events: list[RequestEvent] = []
         for item in plan.scheduled:
             seq = item.seq
+            if seq.is_finished:
+                continue  # a beam whose group an earlier beam's failure ended
             self.scheduler.finish(seq, "error")
             self.sequences.pop(seq.key, None)
             self.output.forget(seq)
             self._release_drafts(seq)
+            self.beam_search.drop(seq.request_id, "error")
             events.append(
                 Failed(
                     seq.request_id,

@@ -43,6 +43,9 @@ class CompletionOutput:
     finish_reason: str | None = None
     # one per token when SamplingParams.logprobs asked for them, else None
     logprobs: list[TokenLogprob] | None = None
+    # beam search: the beam's summed log-probabilities (its rank divides them by its
+    # length ** length_penalty)
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -171,6 +174,7 @@ class LLM:
                     sample = out.outputs[event.index]
                     sample.finish_reason = event.finish_reason
                     sample.text = event.text
+                    sample.cumulative_logprob = event.cumulative_logprob
                     out.metrics.finished_ns = event.time_ns
                     out.metrics.spec_steps += event.spec_steps or 0
                     out.metrics.spec_draft_tokens += event.spec_draft_tokens or 0

@@ -19,6 +19,7 @@ import torch
 from engines.base import TokenLogprob
 from engines.builtin import native
 from engines.builtin.attention import AttentionMetadata, make_attention, resolve_attention
+from engines.builtin.beam_search import beam_candidates
 from engines.builtin.config import EngineConfig
 from engines.builtin.cuda_graphs import (
     DecodeGraphs,
@@ -125,6 +126,8 @@ class ModelRunner:
         # the last step's log-probabilities, aligned with execute()'s tokens (per sampling
         # sequence: one per new token, or None where its request asks for none); None: none asked
         self.last_logprobs: list[list[TokenLogprob] | None] | None = None
+        # beam search: each beam row's best tokens and log-probabilities (beam_search.py)
+        self.last_beam_candidates: list[tuple[Sequence, tuple[list[int], list[float]]]] = []
         # the last step's prompt logprobs: per prompt chunk that asked, its sequence, the
         # chunk's first position p and the logprobs of prompt tokens p+1, p+2, ...
         self.last_prompt_logprobs: list[PromptChunkLogprobs] = []
@@ -510,6 +513,7 @@ class ModelRunner:
             cache.gather_ns = 0
         self.forward_timer.start()
         self.last_logprobs, self.last_prompt_logprobs = None, []
+        self.last_beam_candidates = []
         logits = self._logits(plan, packed, input_ids, meta, logits_indices)
         result = self._sample(plan, logits) if logits is not None else []
         self.forward_timer.stop()
@@ -630,6 +634,11 @@ class ModelRunner:
             raise non_finite_logits(logits, plan.step)
         result = [[token] for token in ids]
         self.last_logprobs = _logprobs(logits, seqs, result, [1] * len(seqs))
+        beams = [row for row, seq in enumerate(seqs) if seq.sampling.use_beam_search]
+        if beams:  # their rows' tokens above are unused: beams yield candidates
+            beam_seqs = [seqs[row] for row in beams]
+            found = beam_candidates(logits[beams], beam_seqs, self.sampler, self.eos_ids)
+            self.last_beam_candidates = list(zip(beam_seqs, found, strict=True))
         return result
 
 

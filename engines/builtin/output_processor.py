@@ -24,6 +24,7 @@ from engines.base import (
     Tokens,
     now_ns,
 )
+from engines.builtin.beam_search import BeamGroup
 from engines.builtin.scheduler import Scheduler, StepPlan
 from engines.builtin.sequence import Sequence
 from models.tokenizer import Tokenizer
@@ -61,7 +62,8 @@ class OutputProcessor:
 
     def add(self, seq: Sequence) -> None:
         """Give a new sequence its detokenizer (when its request wants text)."""
-        if seq.sampling.detokenize:
+        if seq.sampling.detokenize and not seq.sampling.use_beam_search:
+            # a beam's text is decoded once, if it wins (beam_events)
             seq.detok = self.tokenizer.new_stream(
                 seq.prompt_token_ids, seq.sampling.skip_special_tokens
             )
@@ -108,6 +110,8 @@ class OutputProcessor:
                 sampled += self._fork(item.seq)
         per_seq = logprobs if logprobs is not None else [None] * len(tokens)
         for seq, new_tokens, new_logprobs in zip(sampled, tokens, per_seq, strict=True):
+            if seq.sampling.use_beam_search:
+                continue  # a beam's token is chosen by its group (BeamSearch.report)
             appended = out[seq.key] = []
             for i, token in enumerate(new_tokens):
                 found = new_logprobs[i] if new_logprobs is not None else None
@@ -219,6 +223,42 @@ class OutputProcessor:
             seq.spec_draft_tokens,
             seq.spec_accepted_tokens,
         )
+
+    def beam_events(
+        self, group: BeamGroup, step: int, time_ns: int, reason: str | None = None
+    ) -> list[RequestEvent]:
+        """A beam search's outputs, all at once: per hypothesis (best first, index 0..n-1) a
+        Tokens event with every token and its text, then Finished. `reason` (an abort): each
+        of the n outputs finishes with it, without tokens."""
+        events: list[RequestEvent] = []
+        sampling = group.sampling
+        first = group.first
+        hypotheses = [] if reason is not None else group.outputs()
+        for index in range(sampling.n):
+            hyp = hypotheses[index] if index < len(hypotheses) else None
+            text = ""
+            if hyp is not None:
+                if sampling.detokenize:
+                    text = self.tokenizer.decode(
+                        list(hyp.token_ids), skip_special_tokens=sampling.skip_special_tokens
+                    )
+                events.append(Tokens(group.request_id, step, time_ns, hyp.token_ids, text, index))
+            events.append(
+                Finished(
+                    group.request_id,
+                    step,
+                    time_ns,
+                    hyp.finish_reason if hyp is not None else (reason or "abort"),
+                    first.num_prompt_tokens,
+                    len(hyp.token_ids) if hyp is not None else 0,
+                    first.cached_prompt_tokens,
+                    first.num_preemptions,
+                    text,
+                    index,
+                    cumulative_logprob=None if hyp is None else hyp.cumulative_logprob,
+                )
+            )
+        return events
 
     def forget(self, seq: Sequence) -> None:
         """A sequence that ends without a Finished event (failed): drop what was kept for it."""

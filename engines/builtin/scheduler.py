@@ -282,8 +282,11 @@ class Scheduler:
 
         # Then waiting sequences, in queue order; with chunked prefill the last one admitted
         # may get only the first chunk of its prompt.
-        while self.waiting and len(self.running) < self.max_num_seqs and not plan.preempted:
-            seq = self.waiting[0]
+        while len(self.running) < self.max_num_seqs and not plan.preempted:
+            admit = self.next_to_admit()
+            if admit is None:
+                break
+            seq = admit
             cached = self._match_prefix(seq)
             num_new = seq.num_tokens - seq.num_computed_tokens
             if self.chunked:
@@ -299,11 +302,16 @@ class Scheduler:
             if self.prefix_caching:  # counted once admitted: a lookup given back is retried
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += cached
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             self._allocate(seq, total, plan)
             self._admit(seq, plan)
             budget -= num_new
             prefills.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens))
+
+        if not decodes and not prefills and self._all_running_idle() and self.next_to_admit():
+            # Beams waiting for siblings that wait in the queue for the memory or the seats
+            # those beams hold: the newest gives them up (it recomputes when readmitted).
+            self._preempt(self.running[-1], plan)
 
         # Last, drafts (speculative decoding) extend rows that reach their sequence's end (a
         # decode; with kv_cache=none its whole context), in the budget and KV memory left:
@@ -320,6 +328,18 @@ class Scheduler:
                 self._allocate(item.seq, item.num_computed_before + item.num_new_tokens, plan)
         plan.scheduled = [s for s in decodes if s.is_decode]  # decodes first: the runner packs
         plan.scheduled += [s for s in decodes if not s.is_decode] + prefills
+
+    def next_to_admit(self) -> Sequence | None:
+        """The first waiting sequence with something to compute (a preempted beam whose
+        candidates are in waits for its group instead)."""
+        return next((seq for seq in self.waiting if not seq.awaits_group), None)
+
+    def _all_running_idle(self) -> bool:
+        """Running sequences with nothing to compute: beams whose candidates wait for the
+        rest of their group (engines/builtin/beam_search.py)."""
+        return bool(self.running) and all(
+            seq.num_tokens == seq.num_computed_tokens for seq in self.running
+        )
 
     def _fit_drafts(self, seq: Sequence, proposal: Proposal, budget: int) -> Proposal | None:
         """The proposal cut to what the token budget and the free KV memory take beyond the
@@ -401,9 +421,10 @@ class Scheduler:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Run `child` beside `parent` on a copy of its KV (shared blocks for paged KV), or,
-        when the cache has no room for the copy, queue it to recompute its context."""
+        when the cache has no room for the copy (or the parent, a preempted beam, holds no
+        KV), queue it to recompute its context."""
         child.num_computed_tokens = parent.num_computed_tokens
-        room = len(self.running) < self.max_num_seqs
+        room = len(self.running) < self.max_num_seqs and parent.status is SequenceStatus.RUNNING
         if room and self.kv.retains_kv and self.kv.can_fork(parent.seq_id, child.seq_id):
             self.kv.fork(parent.seq_id, child.seq_id)
             child.status = SequenceStatus.RUNNING

@@ -55,6 +55,9 @@ class Sequence:
     #: samples its first sampling step still has to draw (each becomes a forked sequence).
     sample_index: int = 0
     pending_forks: int = 0
+    #: Beam search: the beam's candidates are in, and it has nothing to compute until its
+    #: group moves (a preempted one waits out of the queue's way)
+    awaits_group: bool = False
     # Detokenized output: `text` is everything decoded, `emitted` how much was streamed out
     # (text is held back while it could still be the start of a stop string).
     text: str = ""

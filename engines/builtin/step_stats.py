@@ -71,6 +71,8 @@ def step_record(
         num_preempted=len(plan.preempted),
         num_running=num_running,
         kv_blocks_used=kv.num_blocks_in_use,
+        kv_blocks_shared=kv.num_shared_blocks,
+        kv_bytes_copied=len(plan.copied_blocks) * kv.block_size * kv.layout.bytes_per_token,
         forward_ns=forward_ns,
         kv_gather_ns=kv_gather_ns,
         logits_tokens=logits_tokens,

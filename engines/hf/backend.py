@@ -188,6 +188,10 @@ class HFBackend(SteppedBackend):
     def _check_supported(self, sampling: SamplingParams) -> None:
         if sampling.n != 1:
             raise ValueError("SamplingParams.n: engine=hf supports n=1 only")
+        if sampling.use_beam_search:
+            raise ValueError(
+                "SamplingParams.use_beam_search: engine=hf does not search beams; allowed: false"
+            )
         if sampling.stop or sampling.stop_token_ids:
             raise ValueError(
                 "SamplingParams.stop: stop strings/ids are not supported by "

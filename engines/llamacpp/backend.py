@@ -151,6 +151,11 @@ class LlamaCppBackend(SteppedBackend):
         sampling.validate()
         if sampling.n != 1:
             raise ValueError(f"SamplingParams.n: {sampling.n} is invalid; allowed: 1")
+        if sampling.use_beam_search:
+            raise ValueError(
+                "SamplingParams.use_beam_search: engine=llamacpp does not search beams; "
+                "allowed: false"
+            )
         if sampling.stop:
             raise ValueError(
                 "SamplingParams.stop: stop strings are not supported by engine=llamacpp; "

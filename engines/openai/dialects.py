@@ -66,6 +66,19 @@ def _vllm_fields(sampling: SamplingParams) -> dict[str, Any]:
     return body
 
 
+def _vllm_beam_fields(sampling: SamplingParams) -> dict[str, Any]:
+    """vLLM's beam search extension (`inferlab serve` also reads `beam_width`; vLLM searches
+    with n beams and ignores it)."""
+    body = _vllm_fields(sampling)
+    if sampling.use_beam_search:
+        body["use_beam_search"] = True
+        body["length_penalty"] = sampling.length_penalty
+        body["early_stopping"] = sampling.early_stopping
+        if sampling.beam_width is not None:
+            body["beam_width"] = sampling.beam_width
+    return body
+
+
 def _sglang_fields(sampling: SamplingParams) -> dict[str, Any]:
     body = _vllm_fields(sampling)
     body.pop("include_stop_str_in_output", None)  # SGLang has no such field
@@ -107,6 +120,17 @@ def _tgi_fields(sampling: SamplingParams) -> dict[str, Any]:
     return body
 
 
+#: SamplingParams fields beyond OpenAI's API (what the generic and TGI dialects cannot send)
+_NOT_OPENAI = (
+    "top_k",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "use_beam_search",
+)
+
+
 @dataclass(frozen=True)
 class Dialect:
     name: str
@@ -131,14 +155,14 @@ class Dialect:
 
 
 DIALECTS: dict[str, Dialect] = {
-    "vllm": Dialect("vllm", _vllm_fields, True, {"return_token_ids": True}, True, ()),
+    "vllm": Dialect("vllm", _vllm_beam_fields, True, {"return_token_ids": True}, True, ()),
     "sglang": Dialect(
         "sglang",
         _sglang_fields,
         True,
         {"return_token_ids": True},
         True,
-        ("include_stop_str_in_output",),
+        ("include_stop_str_in_output", "use_beam_search"),
     ),
     "llamacpp": Dialect(
         "llamacpp",
@@ -146,7 +170,7 @@ DIALECTS: dict[str, Dialect] = {
         True,
         {},
         True,
-        ("min_tokens", "stop_token_ids", "include_stop_str_in_output"),
+        ("min_tokens", "stop_token_ids", "include_stop_str_in_output", "use_beam_search"),
     ),
     # llama-cpp-python's server (`python -m llama_cpp.server`): `prompt` is text only (token
     # ids are refused), no usage in streams, one chunk per token then an empty finishing chunk
@@ -156,7 +180,7 @@ DIALECTS: dict[str, Dialect] = {
         False,
         {},
         True,
-        ("n", "stop_token_ids", "include_stop_str_in_output"),
+        ("n", "stop_token_ids", "include_stop_str_in_output", "use_beam_search"),
         count_rule="chunk",
     ),
     "tgi": Dialect(
@@ -165,7 +189,7 @@ DIALECTS: dict[str, Dialect] = {
         False,
         {},
         False,
-        ("top_k", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output"),
+        _NOT_OPENAI,
     ),
     "generic": Dialect(
         "generic",
@@ -173,7 +197,7 @@ DIALECTS: dict[str, Dialect] = {
         True,
         {},
         False,
-        ("top_k", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output"),
+        _NOT_OPENAI,
     ),
 }
 

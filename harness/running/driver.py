@@ -601,6 +601,8 @@ class Driver:
             "num_preempted": record.num_preempted,
             "num_running": record.num_running,
             "kv_blocks_used": record.kv_blocks_used,
+            "kv_blocks_shared": record.kv_blocks_shared,
+            "kv_bytes_copied": record.kv_bytes_copied,
             "forward_s": record.forward_ns / 1e9,
             "kv_gather_s": record.kv_gather_ns / 1e9,
             "logits_tokens": record.logits_tokens,

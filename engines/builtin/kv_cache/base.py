@@ -97,3 +97,8 @@ class KVCacheManager(ABC):
     @property
     def num_blocks_in_use(self) -> int:
         return sum(len(table) for table in self.block_tables.values())
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks that more than one sequence's table holds (only paged blocks are shared)."""
+        return 0

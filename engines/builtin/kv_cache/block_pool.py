@@ -48,6 +48,7 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.fill = [0] * num_blocks
         self.tokens_in_use = 0
+        self.num_shared = 0  # in-use blocks held by more than one table (forks, prefix hits)
         self.free: deque[int] = deque(range(1, num_blocks))
         # Insertion order is eviction order: the first entry was freed longest ago.
         self.evictable: OrderedDict[int, None] = OrderedDict()
@@ -88,6 +89,8 @@ class BlockPool:
             del self.evictable[block]
             self.tokens_in_use += self.fill[block]
         self.ref_counts[block] += 1
+        if self.ref_counts[block] == 2:
+            self.num_shared += 1
 
     def decref(self, block: int) -> bool:
         """Drop one reference; True when it was the last. A cached block then becomes the
@@ -95,6 +98,8 @@ class BlockPool:
         if self.ref_counts[block] <= 0:
             raise RuntimeError(f"block {block} freed more often than allocated")
         self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 1:
+            self.num_shared -= 1
         if self.ref_counts[block]:
             return False
         self.tokens_in_use -= self.fill[block]

@@ -285,6 +285,10 @@ class PagedKVCacheManager(KVCacheManager):
         return self.pool.num_in_use
 
     @property
+    def num_shared_blocks(self) -> int:
+        return self.pool.num_shared
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 

@@ -826,6 +826,16 @@ def test_chat_api_sends_messages_and_completions_renders_chat_prompts() -> None:
     assert sent_body("tgi", prompt=messages)["prompt"] == tok.apply_chat_template(messages)
 
 
+def test_beam_search_is_sent_to_vllm_and_counted_as_dropped_elsewhere() -> None:
+    beams = {"use_beam_search": True, "beam_width": 4, "n": 2, "length_penalty": 0.5}
+    body = sent_body("vllm", **beams)
+    assert (body["use_beam_search"], body["beam_width"], body["n"]) == (True, 4, 2)
+    assert (body["length_penalty"], body["early_stopping"]) == (0.5, False)
+    assert "use_beam_search" not in sent_body("vllm", n=2)
+    for server in ("sglang", "llamacpp", "tgi", "generic"):
+        assert "use_beam_search" in DIALECTS[server].refused(SamplingParams(**beams))
+
+
 def test_dropped_sampling_fields_are_counted() -> None:
     clock = FakeClock()
     reads = fixture_reads("tgi_chat_usage.sse")

@@ -184,13 +184,44 @@ class PagedMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.tokens))
     @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
-        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+    def beam_move(self, data: st.DataObject) -> None:
+        """One move of a beam search (engines/builtin/beam_search.py): each beam of a group is
+        chosen 0 to 3 times; an unchosen beam is freed (pruned), a beam chosen k times forks
+        k - 1 children; then every new beam writes its one new token (a beam that cannot is
+        preempted, as the scheduler would)."""
+        beams = data.draw(
+            st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, max_size=4, unique=True)
+        )
+        counts = data.draw(st.lists(st.integers(0, 3), min_size=len(beams), max_size=len(beams)))
+        counts[0] = max(counts[0], 1)  # a move keeps at least one beam
+        for beam, count in zip(beams, counts, strict=True):
+            self.tokens[beam] = self.tokens[beam][: self.kv.tokens_held[beam]]
+            if count == 0:
+                self.free_one(beam)
+        moved = []
+        for beam, count in zip(beams, counts, strict=True):
+            moved += [beam] if count else []
+            for _ in range(count - 1):
+                child = self._new_id()
+                self.kv.fork(beam, child)
+                self.tokens[child] = list(self.tokens[beam])
+                moved.append(child)
+        for beam in moved:
+            self.tokens[beam].append(data.draw(st.integers(0, 1)))
+            if not self._grow(beam, len(self.tokens[beam]), write=True):
+                self.free_one(beam)
+
+    def free_one(self, seq_id: int) -> None:
         table = list(self.kv.block_table(seq_id))
         freed = self.kv.free(seq_id)
         del self.tokens[seq_id]
         assert all(self.kv.pool.ref_counts[b] == 0 for b in freed)
         assert set(freed) <= set(table) - {NULL}
+
+    @precondition(lambda self: bool(self.tokens))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        self.free_one(data.draw(st.sampled_from(sorted(self.tokens))))
 
     # ---- invariants -----------------------------------------------------------------------
 
@@ -216,6 +247,7 @@ class PagedMachine(RuleBasedStateMachine):
         owners = Counter(b for t in kv.block_tables.values() for b in t if b != NULL)
         assert all(kv.pool.ref_counts[b] == owners[b] for b in range(kv.pool.num_blocks))
         assert set(kv.block_tables) == set(self.tokens) and kv.num_live == len(self.tokens)
+        assert kv.num_shared_blocks == sum(1 for count in owners.values() if count > 1)
 
     @invariant()
     def bytes_accounted(self) -> None:
