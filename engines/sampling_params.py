@@ -36,6 +36,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     n: int = 1
+    # draw best_of samples and return the n whose summed log-probabilities (the raw logits',
+    # as `logprobs` reports them) are highest, as vLLM 0.x did; None: n. They arrive at the end
+    best_of: int | None = None
     # log-probabilities of each output token and of the `logprobs` most likely at its position
     # (0: the sampled token's only; None: none), from the model's raw logits as vLLM v1's
     # default (`logprobs_mode=raw_logprobs`): before temperature, top-k/top-p and masks
@@ -71,6 +74,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def ranks_samples(self) -> bool:
+        """Are more samples drawn than returned (best_of > n), so each is scored?"""
+        return self.best_of is not None and self.best_of > self.n
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs at once: its samples, or its beams."""
+        return max(self.n, self.best_of or 1, self.num_beams)
 
     @property
     def num_beams(self) -> int:
@@ -111,11 +124,18 @@ class SamplingParams:
             raise bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
-        # torch generators take seeds in [-2^63, 2^64); sample i of n is seeded seed + i
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or not -(2**63) <= self.seed <= 2**64 - self.n
+        best_of = self.best_of
+        if best_of is not None and (
+            not isinstance(best_of, int) or isinstance(best_of, bool) or best_of < self.n
         ):
-            raise bad("seed", f"null or an integer in [-2^63, 2^64 - n] (n={self.n})")
+            raise bad("best_of", f"null or an integer >= n={self.n}")
+        # torch generators take seeds in [-2^63, 2^64); sample i of n (or best_of) is seeded
+        # seed + i
+        samples = max(self.n, self.best_of or 1)
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed <= 2**64 - samples
+        ):
+            raise bad("seed", f"null or an integer in [-2^63, 2^64 - {samples}] (one per sample)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -206,6 +226,7 @@ def _beam_search_conflicts(params: SamplingParams) -> list[tuple[str, str]]:
         ("min_p", "0") if params.min_p > 0.0 else None,
         ("stop", "[] (stop_token_ids do end beams)") if params.stop else None,
         ("logprobs", "null") if params.logprobs is not None else None,
+        ("best_of", "null (beam_width is the width)") if params.best_of is not None else None,
     ]
     return [c for c in conflicts if c is not None]
 

@@ -344,6 +344,7 @@ def _sampling(
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             n=1 if body.n is None else body.n,
+            best_of=body.samples_drawn(),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             presence_penalty=body.presence_penalty or 0.0,
@@ -385,7 +386,7 @@ async def _respond(
 ) -> Response:
     n = sampling[0].n
     serving.check_engine_accepts(prompts, sampling)
-    admission = serving.admit(len(prompts) * max(n, sampling[0].num_beams))
+    admission = serving.admit(len(prompts) * sampling[0].num_sequences)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     writer = writer_type(
         request_id,

@@ -327,7 +327,6 @@ MAX_TOP_LOGPROBS = MAX_LOGPROBS
 #: What a field the engine cannot honour may be set to (its neutral value), for the 400 that
 #: refuses anything else; a field not listed may only be left unset
 NEUTRAL_VALUES = {
-    "best_of": "null or equal to n (or, with use_beam_search, the beam width)",
     "modalities": 'null or ["text"]',
     "prediction": "null",
     "response_format": '{"type": "text"}',
@@ -434,6 +433,10 @@ class _SamplingFields(_Strict):
         """The beam width asked for (None: n)."""
         return self.beam_width
 
+    def samples_drawn(self) -> int | None:
+        """best_of: samples drawn to return the n most likely (None: n)."""
+        return None
+
     def token_biases(self) -> dict[int, float] | None:
         """logit_bias with integer keys; its keys are token-id strings ("50256") as OpenAI
         sends them."""
@@ -507,10 +510,6 @@ class CompletionRequest(_SamplingFields):
     def unsupported(self) -> str | None:
         if self.suffix:
             return "suffix"
-        # best_of > n samples are not drawn to return the n most likely (vLLM 1.x dropped it
-        # too); under use_beam_search best_of is the beam width, as in vLLM 0.x
-        if self.best_of is not None and not self.use_beam_search and self.best_of != (self.n or 1):
-            return "best_of"
         return super().unsupported()
 
     def refused_combination(self) -> APIError | None:
@@ -525,8 +524,13 @@ class CompletionRequest(_SamplingFields):
         return super().refused_combination()
 
     def searched_width(self) -> int | None:
-        """The beam width asked for (None: n)."""
+        """The beam width asked for (None: n); under use_beam_search best_of is the width, as
+        in vLLM 0.x."""
         return self.beam_width if self.best_of is None or not self.use_beam_search else self.best_of
+
+    def samples_drawn(self) -> int | None:
+        """best_of: samples drawn to return the n most likely (None: n)."""
+        return None if self.use_beam_search else self.best_of
 
 
 class ContentPart(_Strict):

@@ -522,7 +522,7 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         self.check_request(token_ids, sampling)
         seq = Sequence(request_id, token_ids, sampling, arrival_ns, priority)
-        seq.pending_forks = sampling.n - 1
+        seq.pending_forks = sampling.num_sequences - 1
         seq.generator = seeded_generator(sampling.seed, self.platform.device)
         if sampling.bad_words:
             seq.bad_words_token_ids = bad_words_token_ids(
@@ -548,9 +548,10 @@ class LLMEngine:
         the field."""
         self._ensure_not_closed()
         sampling.validate()
-        if sampling.n > 1 and self.config.batching == "static":
+        if sampling.num_sequences > 1 and self.config.batching == "static":
+            name = "n" if sampling.n > 1 else "best_of"
             raise ValueError(
-                f"SamplingParams.n: {sampling.n} needs parallel sampling, which "
+                f"SamplingParams.{name}: {getattr(sampling, name)} needs parallel sampling, which "
                 "engine.batching=static does not do; allowed: 1 (or "
                 "engine.batching=continuous)"
             )
@@ -661,20 +662,21 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Abort every sample of the request and free its KV memory."""
         self._ensure_not_closed()
+        step, now = self.scheduler.step_counter, self.platform.now_ns()
         group = self.beam_search.drop(request_id, "abort")
         if group is not None:
-            self._pending_events += self.output.beam_events(
-                group, self.scheduler.step_counter, self.platform.now_ns(), "abort"
-            )
-        for seq in [s for s in self.sequences.values() if s.request_id == request_id]:
+            self._pending_events += self.output.aborted_outputs(group.first, step, now)
+        samples = [s for s in self.sequences.values() if s.request_id == request_id]
+        for seq in samples:
             del self.sequences[seq.key]
             self._release_drafts(seq)
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq, "abort")
-            self._pending_events.append(
-                self.output.finished(seq, self.scheduler.step_counter, self.platform.now_ns())
-            )
+            if not seq.sampling.ranks_samples:
+                self._pending_events.append(self.output.finished(seq, step, now))
+        if samples and samples[0].sampling.ranks_samples:  # its outputs were still held
+            self._pending_events += self.output.aborted_outputs(samples[0], step, now)
 
     def has_request(self, request_id: str) -> bool:
         """Is any sample of the request still in the engine?"""

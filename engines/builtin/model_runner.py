@@ -642,6 +642,14 @@ class ModelRunner:
         return result
 
 
+def _tops(seq: Sequence) -> int | None:
+    """How many top log-probabilities a sequence's tokens need: its request's `logprobs`; 0
+    for a best_of > n sample (its rank sums its tokens'); None: none."""
+    if seq.sampling.logprobs is not None:
+        return seq.sampling.logprobs
+    return 0 if seq.sampling.ranks_samples else None
+
+
 def _logprobs(
     logits: torch.Tensor,
     seqs: list[Sequence],
@@ -651,17 +659,18 @@ def _logprobs(
     """Per sampling sequence, the log-probabilities of its new tokens where its request asks
     (SamplingParams.logprobs), else None; None when none asks. Token j of sequence i was
     sampled from row (the sequence's first row) + j of `logits`."""
-    if all(seq.sampling.logprobs is None for seq in seqs):
+    if all(_tops(seq) is None for seq in seqs):
         return None
     rows: list[int] = []
     chosen: list[int] = []
     tops: list[int] = []
     first = 0
     for seq, new, count in zip(seqs, tokens, rows_per_seq, strict=True):
-        if seq.sampling.logprobs is not None:
+        top = _tops(seq)
+        if top is not None:
             rows += range(first, first + len(new))
             chosen += new
-            tops += [seq.sampling.logprobs] * len(new)
+            tops += [top] * len(new)
         first += count
     found = iter(
         token_logprobs(
@@ -671,7 +680,7 @@ def _logprobs(
         )
     )
     return [
-        None if seq.sampling.logprobs is None else [next(found) for _ in new]
+        None if _tops(seq) is None else [next(found) for _ in new]
         for seq, new in zip(seqs, tokens, strict=True)
     ]
 

@@ -55,6 +55,8 @@ class Sequence:
     #: samples its first sampling step still has to draw (each becomes a forked sequence).
     sample_index: int = 0
     pending_forks: int = 0
+    #: best_of > n: the raw log-probabilities of the sample's tokens, summed (its rank)
+    cumulative_logprob: float = 0.0
     #: Beam search: the beam's candidates are in, and it has nothing to compute until its
     #: group moves (a preempted one waits out of the queue's way)
     awaits_group: bool = False

@@ -1,7 +1,8 @@
 """Beam search through the server (vLLM's `use_beam_search` extension, `length_penalty`,
 `early_stopping`, our `beam_width`, and `best_of` as the width on /v1/completions as in vLLM
 0.x): the choices are the engine's own best beams, through the `openai` SDK and streamed; what
-beam search cannot honour is a 400 naming the field. A real uvicorn server, model=tiny."""
+beam search cannot honour is a 400 naming the field. `best_of` without beam search: the
+engine's n most likely of best_of samples. A real uvicorn server, model=tiny."""
 
 from __future__ import annotations
 
@@ -125,7 +126,15 @@ def test_what_beam_search_cannot_honour_is_a_400_naming_it(
     assert response.json()["error"]["param"] == param, response.json()
 
 
-def test_best_of_past_n_without_beam_search_stays_refused(client: httpx.Client) -> None:
-    response = client.post(COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 2, "best_of": 3})
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "best_of"
+def test_best_of_without_beam_search_returns_the_engines_most_likely_samples(
+    client: httpx.Client,
+) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, n=2, best_of=5, seed=11, temperature=1.0)
+    with LLM("tiny", **OPTIONS) as llm:
+        expected = [o.text for o in llm.generate(PROMPT, params)[0].outputs]
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "n": 2, "best_of": 5, "seed": 11}
+    response = client.post(COMPLETIONS, json=body)
+    assert response.status_code == 200, response.text
+    assert texts(response.json()) == expected
+    refused = client.post(COMPLETIONS, json={**body, "best_of": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of"

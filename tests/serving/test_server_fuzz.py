@@ -117,6 +117,10 @@ FIELDS = {
     "presence_penalty": field(st.floats()),
     "logit_bias": field(st.dictionaries(texts, numbers, max_size=2)),
     "user": field(texts),
+    "use_beam_search": field(st.booleans()),
+    "beam_width": field(st.none() | st.integers(-1, 5)),
+    "length_penalty": field(st.floats()),
+    "early_stopping": field(st.sampled_from([True, False, "never", "always", 1, None])),
 }
 COMPLETION_FIELDS = {
     **FIELDS,

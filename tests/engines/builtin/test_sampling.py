@@ -288,9 +288,11 @@ def test_min_tokens_defers_eos(make_tiny) -> None:
         ("min_tokens", {"max_tokens": 4, "min_tokens": 5}, "an integer in [0, max_tokens=4]"),
         ("n", {"n": 0}, "an integer >= 1"),
         # sample i of n is seeded seed + i: the last one must still be a valid generator seed
-        ("seed", {"seed": 2**64 - 1, "n": 2}, "[-2^63, 2^64 - n] (n=2)"),
-        ("seed", {"seed": -(2**63) - 1}, "[-2^63, 2^64 - n]"),
+        ("seed", {"seed": 2**64 - 1, "n": 2}, "[-2^63, 2^64 - 2] (one per sample)"),
+        ("seed", {"seed": 2**64 - 3, "n": 2, "best_of": 4}, "[-2^63, 2^64 - 4]"),
+        ("seed", {"seed": -(2**63) - 1}, "[-2^63, 2^64 - 1]"),
         ("stop", {"stop": [""]}, "a list of non-empty strings"),
+        ("best_of", {"n": 3, "best_of": 2}, "null or an integer >= n=3"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(field: str, kwargs: dict, allowed: str) -> None:
