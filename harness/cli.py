@@ -15,7 +15,7 @@ commands:
                        train a small real Llama on CPU (cached): tiny-trained for quality
                        checks, tiny-trained-large / -draft for speculative decoding
   serve [overrides...] an OpenAI-compatible HTTP server on the built-in engine
-  convert SRC.gguf DST [--dtype T] [--force]
+  convert SRC.gguf DST [--dtype T | --tokenizer-only] [--force]
                        a GGUF file -> a Hugging Face folder, or a .gguf re-encoded (f16...);
                        an existing DST is replaced only with --force
   report DIR           report.md + report.html (tables, figures) for a run or sweep folder

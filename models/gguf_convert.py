@@ -180,6 +180,12 @@ def main(argv: list[str]) -> int:
         f".gguf: {'|'.join(GGUF_TYPES)} (default f16)",
     )
     parser.add_argument(
+        "--tokenizer-only",
+        action="store_true",
+        help="DST folder: the tokenizer alone (tokenizer.json, tokenizer_config.json), for "
+        "clients that size prompts with a Hugging Face tokenizer (guidellm, AIPerf, lm-eval)",
+    )
+    parser.add_argument(
         "--force",
         action="store_true",
         help="write over a DST that exists (a .gguf file, or a folder that is not empty)",
@@ -188,10 +194,19 @@ def main(argv: list[str]) -> int:
     try:
         if not is_gguf(args.src):
             raise ValueError(f"src: {args.src!r} is not an existing .gguf file")
+        if args.tokenizer_only and (args.dst.endswith(".gguf") or args.dtype):
+            raise ValueError(
+                "--tokenizer-only: writes a folder of the tokenizer alone; allowed: a DST "
+                "folder (not .gguf) and no --dtype"
+            )
         # a DST folder of the user's own checkpoint has the very names written here
         # (config.json, model.safetensors, tokenizer.json): replaced only when asked
         check_model_output(args.dst, "dst", folder=not args.dst.endswith(".gguf"), force=args.force)
-        if args.dst.endswith(".gguf"):
+        if args.tokenizer_only:
+            out = Path(args.dst)
+            out.mkdir(parents=True, exist_ok=True)
+            write_hf_tokenizer(args.src, out)
+        elif args.dst.endswith(".gguf"):
             out = convert_to_gguf(args.src, args.dst, args.dtype or "f16")
         else:
             out = convert_to_hf(args.src, args.dst, args.dtype or "float32")

@@ -126,3 +126,28 @@ def test_convert_writes_over_nothing_unless_forced(
     empty.mkdir()
     assert inferlab(["convert", str(tiny_gguf), str(empty)]) == 0  # an empty folder is fine
     assert (empty / "config.json").is_file()
+
+
+def test_tokenizer_only_writes_a_folder_transformers_reads_as_the_engine_tokenizes(
+    tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inferlab convert m.gguf DIR --tokenizer-only`: the folder a client (guidellm, AIPerf,
+    lm-eval's `tokenizer=`) needs to tokenize as the served GGUF model does."""
+    transformers = pytest.importorskip("transformers")
+    from models.tokenizer import tokenizer_for_model
+
+    out = tmp_path / "tokenizer"
+    assert inferlab(["convert", str(tiny_gguf), str(out), "--tokenizer-only"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    theirs = transformers.AutoTokenizer.from_pretrained(str(out))
+    ours = tokenizer_for_model(str(tiny_gguf))
+    for text in ("Hello world", "numbers 12345 and  spaces", "ünïcödé text!"):
+        assert theirs(text)["input_ids"] == ours.encode(text)
+    capsys.readouterr()
+    for dst, extra in ((tmp_path / "t2", ["--dtype", "float16"]), (tmp_path / "t.gguf", [])):
+        assert inferlab(["convert", str(tiny_gguf), str(dst), "--tokenizer-only", *extra]) == 2
+        assert "--tokenizer-only:" in capsys.readouterr().err
+        assert not dst.exists()
+    # a folder that holds something is written over only with --force
+    assert inferlab(["convert", str(tiny_gguf), str(out), "--tokenizer-only"]) == 2
+    assert inferlab(["convert", str(tiny_gguf), str(out), "--tokenizer-only", "--force"]) == 0
