@@ -561,3 +561,22 @@ def test_step_delay_spins_inside_the_step(make_tiny: Any, monkeypatch: pytest.Mo
     deadlines.clear()
     make_tiny().generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert deadlines == []  # off by default
+
+
+def test_a_variant_that_is_fast_but_wrong_fails_on_accuracy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """run.accuracy's score is a deterministic metric with direction higher: a candidate that
+    loses an item of the task is a regression, one that gains one is not (issue 39)."""
+    make_run(tmp_path / "base", 100.0, accuracy=0.4375, accuracy_items=16)
+    make_run(tmp_path / "wrong", 100.0, accuracy=0.375, accuracy_items=16)
+    make_run(tmp_path / "right", 100.0, accuracy=0.5, accuracy_items=16)
+    code, out = run_gate(
+        capsys, "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "wrong")
+    )
+    assert code == 1
+    assert "| `accuracy` (fraction) | 0.4375 | 0.375 | 0.857 | - | REGRESSION |" in out
+    code, out = run_gate(
+        capsys, "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "right")
+    )
+    assert code != 1 and "REGRESSION" not in out
