@@ -1,11 +1,13 @@
 """engine=hf: SamplingParams.prompt_logprobs gives the built-in engine's PromptLogprobs event, in
 both sub-modes: each prompt token's log-probability, rank and top-k equal the engine's within
 1e-4 (fp32) on a random Llama checkpoint the test writes, before the request's first token; a
-request that does not ask gets none. (So run.accuracy's multiple-choice tasks run on it.)"""
+request that does not ask gets none; so run.accuracy's multiple-choice tasks score on it as on the
+built-in engine."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,11 @@ from engines.base import (
     Tokens,
 )
 from engines.builtin import LLM
+from engines.builtin.backend import BuiltinBackend
+from engines.builtin.config import EngineConfig
 from engines.hf.backend import HFBackend
 from engines.sampling_params import SamplingParams
+from harness.measuring.accuracy import AccuracyTracker
 
 pytest.importorskip("transformers")
 
@@ -89,3 +94,45 @@ def test_prompt_logprobs_equal_the_builtin_engines(
                 [v for _, v in theirs.top], abs=TOLERANCE
             )
     assert not any(isinstance(e, PromptLogprobs) for e in results[-1])  # not asked
+
+
+def test_run_accuracy_on_hf_equals_the_builtin_engine(folder: Path, tmp_path: Path) -> None:
+    """A multiple-choice task scored on engine=hf: every choice's loglikelihood within 1e-4 of
+    the built-in engine's on the same checkpoint."""
+    docs = [
+        {"question": "t10 t11 t12", "choices": ["t20", "t21 t22", "t23"], "answer": 1},
+        {"question": "t30 t31", "choices": ["t40 t41 t42", "t43"], "answer": 0},
+    ]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    task = tmp_path / "words.yaml"
+    task.write_text(
+        json.dumps(
+            {
+                "task": "words",
+                "dataset_path": "json",
+                "dataset_kwargs": {"data_files": {"test": str(data)}},
+                "output_type": "multiple_choice",
+                "doc_to_text": "{{question}}",
+                "doc_to_choice": "{{choices}}",
+                "doc_to_target": "{{answer}}",
+            }
+        )
+    )
+    options = {"model": str(folder), "dtype": "float32", "device": "cpu"}
+    scores = []
+    for backend in (
+        HFBackend.from_config(options),
+        BuiltinBackend(EngineConfig.from_dict(options)),
+    ):
+        tracker = AccuracyTracker(str(task), None)
+        backend.load()
+        try:
+            tracker.stop(backend, {})
+        finally:
+            backend.close()
+        scores.append(tracker.results(tmp_path, None)["accuracy"])
+    hf, builtin = scores
+    for mine, theirs in zip(hf["loglikelihoods"], builtin["loglikelihoods"], strict=True):
+        assert mine == pytest.approx(theirs, abs=TOLERANCE)
+    assert hf["metrics"] == builtin["metrics"]
