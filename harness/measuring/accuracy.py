@@ -33,7 +33,7 @@ import json
 import math
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -575,22 +575,50 @@ async def _prompt_logprobs(backend: Backend, request_id: str, ids: list[int]) ->
     return [e.logprob for e in found.logprobs[1:] if e is not None]
 
 
-def _tokenizer(backend: Backend) -> Any:
-    tokenizer = getattr(backend, "tokenizer", None)
+def model_tokenizer(model: Mapping[str, Any] | None) -> Any:
+    """The tokenizer of the model the run's model group names, where it names one with a
+    tokenizer of its own (model.tokenizer, a checkpoint folder's, a GGUF file's, a packaged
+    model's): what lm-eval's local-completions loads client-side, for a client of a server
+    whose backend has none (engine=openai with model=smollm2-135m). None otherwise (a preset
+    has no tokenizer of its own; an unknown name is no file)."""
+    from models.gguf import is_gguf
+    from models.location import model_location
+    from models.tokenizer import load_tokenizer, tokenizer_for_model
+
+    if not model:
+        return None
+    if model.get("tokenizer"):
+        return load_tokenizer(model["tokenizer"])
+    name = model.get("path") or model.get("name")
+    if not isinstance(name, str):
+        return None
+    where = model_location(name)
+    if is_gguf(where) or (Path(where) / "tokenizer.json").is_file():
+        return tokenizer_for_model(where)
+    return None
+
+
+def _tokenizer(backend: Backend, fallback: Any = None) -> Any:
+    tokenizer = getattr(backend, "tokenizer", None) or fallback
     if tokenizer is None:
         raise AccuracyTaskError(
-            f"run.accuracy: a multiple_choice task is tokenized here by lm-eval's rule, with "
-            f"the backend's tokenizer, and the {backend.name} backend has none; allowed: "
-            "engine.tokenizer set to a tokenizer.json file or folder (engine=openai)"
+            f"run.accuracy: a multiple_choice task is tokenized here by lm-eval's rule, and "
+            f"the {backend.name} backend has no tokenizer, nor has the model group one; "
+            "allowed: engine.tokenizer (engine=openai) or model.tokenizer set to a "
+            "tokenizer.json file or folder"
         )
     return tokenizer
 
 
 async def score_items(
-    backend: Backend, items: list[Item], apply_chat_template: bool = False
+    backend: Backend,
+    items: list[Item],
+    apply_chat_template: bool = False,
+    tokenizer: Any = None,
 ) -> list[list[float]]:
-    """Each item's choices' loglikelihoods, every request in flight at once."""
-    tokenizer = _tokenizer(backend)
+    """Each item's choices' loglikelihoods, every request in flight at once (`tokenizer`: the
+    backend's, else this one)."""
+    tokenizer = _tokenizer(backend, tokenizer)
 
     def context(item: Item) -> str:
         if not apply_chat_template:
@@ -661,8 +689,9 @@ def score_generations(task: GenerationTask, responses: list[str]) -> dict[str, A
     return out
 
 
-def score_task(backend: Backend, task: Task) -> dict[str, Any]:
-    """The task scored on the backend: what summary.json's `accuracy` holds."""
+def score_task(backend: Backend, task: Task, tokenizer: Any = None) -> dict[str, Any]:
+    """The task scored on the backend (`tokenizer`: for a backend without one): what
+    summary.json's `accuracy` holds."""
     result: dict[str, Any] = {
         "task": task.name,
         "output_type": task.output_type,
@@ -670,7 +699,7 @@ def score_task(backend: Backend, task: Task) -> dict[str, Any]:
         "items": len(task.items),
     }
     if isinstance(task, ChoiceTask):
-        scores = asyncio.run(score_items(backend, task.items, task.apply_chat_template))
+        scores = asyncio.run(score_items(backend, task.items, task.apply_chat_template, tokenizer))
         correct = [
             row.index(max(row)) == item.target for row, item in zip(scores, task.items, strict=True)
         ]
@@ -691,20 +720,37 @@ def score_task(backend: Backend, task: Task) -> dict[str, Any]:
 class AccuracyTracker(Tracker):
     name = "accuracy"
 
-    def __init__(self, task: str, limit: int | None, apply_chat_template: bool = False) -> None:
+    def __init__(
+        self,
+        task: str,
+        limit: int | None,
+        apply_chat_template: bool = False,
+        model: Mapping[str, Any] | None = None,
+    ) -> None:
         self.spec = load_task(task, limit, apply_chat_template)  # a bad task stops the run now
         self.task, self.items = self.spec.name, self.spec.items
+        self.model = model  # the run's model group: its tokenizer, for a backend without one
+        self.tokenizer: Any = None
         self.result: dict[str, Any] | None = None
 
     @classmethod
-    def from_config(cls, settings: dict[str, Any]) -> AccuracyTracker | None:
+    def from_config(
+        cls, settings: dict[str, Any], model: Mapping[str, Any] | None = None
+    ) -> AccuracyTracker | None:
         task = settings.get("task")
         if task is None:
             return None
-        return cls(task, settings.get("limit"), bool(settings.get("apply_chat_template")))
+        chat = bool(settings.get("apply_chat_template"))
+        return cls(task, settings.get("limit"), chat, model)
+
+    def loaded(self, backend: Backend, engine: dict[str, Any]) -> None:
+        """A multiple-choice task needs a tokenizer: the backend's, else the model group's;
+        without either the run stops now, before its measured requests."""
+        if isinstance(self.spec, ChoiceTask) and getattr(backend, "tokenizer", None) is None:
+            self.tokenizer = _tokenizer(backend, model_tokenizer(self.model))
 
     def stop(self, backend: Backend, engine: dict[str, Any]) -> None:
-        self.result = score_task(backend, self.spec)
+        self.result = score_task(backend, self.spec, self.tokenizer)
 
     def results(self, run_dir: Path, t0_ns: int | None) -> dict[str, Any]:
         return {} if self.result is None else {"accuracy": self.result}

@@ -439,3 +439,23 @@ def test_multiple_choice_under_the_chat_template_is_lm_evals(tmp_path: Path) -> 
     head, tail = encode_pair(tokenizer, text, "Paris")
     assert backend.prompts["accuracy-0-0"] == head + tail
     assert scores[0][0] == -len(tail)  # the continuation's tokens only
+
+
+def test_a_backend_without_a_tokenizer_takes_the_model_groups_or_stops_at_load(
+    tmp_path: Path,
+) -> None:
+    """A client of a server whose backend loaded no tokenizer (engine=openai with a packaged
+    or GGUF model) tokenizes multiple-choice items with the model group's own, as lm-eval's
+    local-completions loads one; with none anywhere the run stops at load, naming the keys."""
+    pytest.importorskip("transformers")
+    folder = tmp_path / "llama"
+    random_hf_llama(folder, VOCAB, seed=3)
+    backend = NoPromptLogprobs()  # no tokenizer attribute
+    tracker = AccuracyTracker("inferlab_mc", 1, model={"name": "hf", "path": str(folder)})
+    tracker.loaded(backend, {})
+    assert tracker.tokenizer is not None and tracker.tokenizer.vocab_size == VOCAB
+    for model in ({"name": "tiny", "path": None}, None):
+        lost = AccuracyTracker("inferlab_mc", 1, model=model)
+        with pytest.raises(AccuracyTaskError, match=r"the silent backend has no tokenizer, nor"):
+            lost.loaded(backend, {})
+    AccuracyTracker("inferlab_gen", 1).loaded(backend, {})  # generation needs none
