@@ -654,21 +654,22 @@ async def _generate(backend: Backend, request_id: str, prompt: Prompt, max_token
     return text
 
 
-async def generate_responses(backend: Backend, task: GenerationTask) -> list[str]:
-    """Each item's response as lm-eval sees it: the greedy generation cut at the first `until`
-    string or the tokenizer's EOS text. Stop strings are applied here, not sent (the hf and
-    llamacpp backends take none): each generation runs to EOS or max_gen_toks, and the text
-    before the first stop string is what it would have been had it stopped there."""
+async def generate_responses(backend: Backend, task: GenerationTask) -> tuple[list[str], list[str]]:
+    """Each item's greedy generation, and its response as lm-eval sees it: the generation cut
+    at the first `until` string or the tokenizer's EOS text. Stop strings are applied here,
+    not sent (the hf and llamacpp backends take none): each generation runs to EOS or
+    max_gen_toks, and the text before the first stop string is what it would have been had it
+    stopped there."""
     tokenizer = getattr(backend, "tokenizer", None)
     eos = getattr(tokenizer, "eos_token", None)
     until = [*task.until, *([eos] if eos and eos not in task.until else [])]
 
     async def one(i: int, item: GenItem) -> str:
         prompt: Prompt = _chat(item.context) if task.apply_chat_template else item.context
-        text = await _generate(backend, f"accuracy-{i}", prompt, task.max_gen_toks)
-        return cut_at_stops(text, until)
+        return await _generate(backend, f"accuracy-{i}", prompt, task.max_gen_toks)
 
-    return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(task.items))))
+    texts = list(await asyncio.gather(*(one(i, item) for i, item in enumerate(task.items))))
+    return texts, [cut_at_stops(text, until) for text in texts]
 
 
 def score_generations(task: GenerationTask, responses: list[str]) -> dict[str, Any]:
@@ -707,9 +708,10 @@ def score_task(backend: Backend, task: Task, tokenizer: Any = None) -> dict[str,
         result["metric"] = "acc"
         accuracy = sum(correct) / len(correct)
     else:
-        responses = asyncio.run(generate_responses(backend, task))
+        generations, responses = asyncio.run(generate_responses(backend, task))
         filters = score_generations(task, responses)
-        result["responses"] = responses
+        result["generations"] = generations  # as the backend returned them
+        result["responses"] = responses  # cut at the stop strings: what the filters read
         result["filters"] = filters
         result["metric"] = f"exact_match,{task.pipelines[0].name}"
         accuracy = filters[task.pipelines[0].name]["exact_match"]

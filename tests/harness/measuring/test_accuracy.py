@@ -392,7 +392,8 @@ def test_generation_task_on_the_builtin_engine_scores_llm_generates_outputs(
     finally:
         backend.close()
     result = trackers[0].results(tmp_path, None)["accuracy"]
-    assert [r for r in result["responses"]] == [
+    assert result["generations"] == texts
+    assert result["responses"] == [
         cut_at_stops(t, ["\n", ".", default_tokenizer().eos_token or "\n"]) for t in texts
     ]
     assert result["filters"]["last_word"]["filtered"] == filtered
