@@ -203,6 +203,8 @@ def test_run_accuracy_through_the_server_equals_the_engine_in_process(
         assert mine == pytest.approx(theirs, abs=TOLERANCE)
         assert mine.index(max(mine)) == theirs.index(max(theirs))
     assert summary["metrics"]["accuracy"] == reference["metrics"]["accuracy"]
+    # the client's own figures are the measured requests' alone, not the 64 scoring ones
+    assert summary["engine"]["client"]["requests_finished"] == 2
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
