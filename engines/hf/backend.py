@@ -8,6 +8,11 @@ Two sub-modes, each what a transformers user would actually run:
 - `generate_batch`: transformers' continuous batching (`init_continuous_batching`, the
   engine behind `generate_batch`), fed request by request; token times are the ones it records.
 
+A request that asks for its prompt's log-probabilities (SamplingParams.prompt_logprobs) gets
+them from one more forward over its prompt alone (unpadded, batch 1), in the worker before its
+generation starts: the `PromptLogprobs` event the built-in engine emits, from the same
+log-softmax over the tokenizer's ids (engines/builtin/logprobs.py), before its first token.
+
 The model runs in the stepping adapter's worker thread (engines/stepping.py); each step's
 events cross to the event loop in one hand-over, so the harness sees the same typed events as
 from any backend.
@@ -31,6 +36,7 @@ from engines.base import (
     Finished,
     GenerationRequest,
     PrefillChunk,
+    PromptLogprobs,
     RequestEvent,
     Scheduled,
     StepRecord,
@@ -39,6 +45,7 @@ from engines.base import (
     check_prompt_length,
     now_ns,
 )
+from engines.builtin.logprobs import token_logprobs
 from engines.hf.config import HFConfig
 from engines.hf.model import load_hf_model
 from engines.sampling_params import SamplingParams
@@ -227,11 +234,11 @@ class HFBackend(SteppedBackend):
         pending = self._open[request.request_id] = _Pending(
             request.request_id, ids, sampling, detok
         )
-        if self.config.mode == "generate_batch":
+        if self.config.mode == "generate_batch" and sampling.prompt_logprobs is None:
             if self._manager is None:
                 self._start_continuous_batching()
             events += self._submit_continuous(pending)
-        else:
+        else:  # generate_batch: its prompt is scored in the worker first (_step)
             self._waiting.append(pending)
         return events
 
@@ -273,6 +280,8 @@ class HFBackend(SteppedBackend):
         batch = self._next_batch()
         if not batch:
             return []  # what waited was aborted
+        if self.config.mode == "generate_batch":  # requests that ask for prompt logprobs
+            return await self._score_then_submit(batch)
         try:
             await self._in_worker(self._generate_batch, batch)
         except Exception as exc:  # fail this batch, keep serving the next
@@ -301,6 +310,46 @@ class HFBackend(SteppedBackend):
                 rest.append(pending)
         self._waiting = rest
         return batch
+
+    async def _score_then_submit(self, batch: list[_Pending]) -> list[RequestEvent]:
+        """generate_batch: the prompts' logprobs in the worker, then the requests to the
+        manager."""
+        try:
+            await self._in_worker(self._post_prompt_logprobs, batch, -1)
+        except Exception as exc:
+            failed, reason = now_ns(), f"hf prompt logprobs: {type(exc).__name__}: {exc}"
+            events: list[RequestEvent] = []
+            for pending in [p for p in batch if not p.done]:
+                self._done(pending)
+                events.append(Failed(pending.request_id, -1, failed, reason))
+            return events
+        if self._manager is None:
+            self._start_continuous_batching()
+        events = []
+        for pending in batch:
+            if not pending.done:
+                events += self._submit_continuous(pending)
+        return events
+
+    @torch.inference_mode()
+    def _post_prompt_logprobs(self, batch: list[_Pending], step: int) -> None:
+        """In the worker: each request of `batch` that asks, its prompt's log-probabilities
+        from a forward over its prompt alone (fp32 log-softmax over the tokenizer's ids, as
+        the built-in engine reports them), posted as a PromptLogprobs event."""
+        assert self.model is not None and self.tokenizer is not None
+        events: list[RequestEvent] = []
+        for pending in batch:
+            top = pending.sampling.prompt_logprobs
+            if top is None or pending.done:
+                continue
+            ids = torch.tensor([pending.token_ids], device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1]
+            found = token_logprobs(
+                logits[:, : self.tokenizer.vocab_size], ids[0, 1:], [top] * (ids.shape[1] - 1)
+            )
+            events.append(PromptLogprobs(pending.request_id, step, now_ns(), (None, *found)))
+        if events:
+            self._post(events)
 
     @torch.inference_mode()
     def _generate_batch(self, batch: list[_Pending]) -> None:
@@ -340,6 +389,7 @@ class HFBackend(SteppedBackend):
                 PrefillChunk(pending.request_id, step, start, len(pending.token_ids), 0)
             )
         self._post(scheduled)
+        self._post_prompt_logprobs(batch, step)
         streamer.last_ns = start
         self.model.generate(
             input_ids=input_ids,

@@ -15,6 +15,17 @@ chunk, exact for servers that stream one chunk per token, or the tokenizer over 
 text); without usage, the tokenizer, else one token per non-empty chunk. Ids the client
 cannot know are -1. `describe()["client"]` says which rule each request used. Prompt and
 output lengths in `Finished` come from the usage chunk when there is one, else from counting.
+
+A request that asks for its prompt's log-probabilities (SamplingParams.prompt_logprobs = k) is
+sent as lm-eval's `local-completions` sends its loglikelihood requests: `/completions` with
+`echo: true` and `logprobs: k`. The prompt's part of the legacy `logprobs` object that comes
+back (`token_logprobs`, None first; `tokens`; `top_logprobs`) becomes the `PromptLogprobs` event
+the built-in engine emits, at the arrival of the chunk that held it; the echoed prompt text is
+taken off the choice's text. The legacy layout names tokens by their text, so the event's ids
+are the prompt's as sent (or as the server returned them, vLLM's `prompt_token_ids`; else -1),
+the top-k ids are -1, and a rank is known only where the top-k list decides it (else 0). A
+server that answers without the prompt's log-probabilities fails the request, naming echo; chat
+(`engine.api=chat`) has no echo and refuses such a request.
 """
 
 from __future__ import annotations
@@ -36,8 +47,10 @@ from engines.base import (
     Failed,
     Finished,
     GenerationRequest,
+    PromptLogprobs,
     RequestEvent,
     Tokenized,
+    TokenLogprob,
     Tokens,
     now_ns,
 )
@@ -293,6 +306,10 @@ class OpenAIBackend(Backend):
             tally,
             self.dialect.count_rule,
         )
+        if sampling.prompt_logprobs is not None:
+            state.echo = _Echo(
+                body["prompt"], self.tokenizer, sampling.prompt_logprobs, url_of=path
+            )
         state.sent_ns = clock()
         yield Arrived(rid, NO_STEP, state.sent_ns)
         url = f"{self.config.base_url}{path}"
@@ -373,6 +390,17 @@ class OpenAIBackend(Backend):
             path = "/completions"
             body["prompt"] = self._completion_prompt(request.prompt)
         body.update(self.dialect.sampling_fields(request.sampling))
+        sampling = request.sampling
+        if sampling.prompt_logprobs is not None:
+            if cfg.api == "chat":
+                raise ValueError(
+                    "SamplingParams.prompt_logprobs: engine.api=chat cannot return the "
+                    "prompt's log-probabilities (chat completions have no echo); allowed: "
+                    "engine.api=completions"
+                )
+            # lm-eval's local-completions loglikelihood request: the prompt echoed, scored
+            body["echo"] = True
+            body["logprobs"] = max(sampling.prompt_logprobs, sampling.logprobs or 0)
         if cfg.include_usage:
             body["stream_options"] = {"include_usage": True}
         if cfg.request_token_ids:
@@ -561,6 +589,7 @@ class _StreamState:
         self.sent_ns = 0
         self.ended = False
         self.failed = False
+        self.echo: _Echo | None = None  # set where the request asks for prompt logprobs
 
     def feed(self, chunks: list[Chunk], arrived: int) -> list[RequestEvent]:
         for chunk in chunks:
@@ -571,6 +600,8 @@ class _StreamState:
             for delta in chunk.choices:
                 if not 0 <= delta.index < len(self.texts):
                     continue
+                if self.echo is not None:
+                    delta = self.echo.take(delta, arrived)
                 self.pieces.append((arrived, delta))
                 self.texts[delta.index] += delta.text
                 if delta.finish_reason is not None:
@@ -685,12 +716,20 @@ class _StreamState:
         return events
 
     def _finish(self, at: int) -> list[RequestEvent]:
-        self.ended = True
         rid = self.request.request_id
-        events = self._tokens(self._rule())
         usage = self.usage or {}
         usage_output = usage.get("completion_tokens")
         usage_prompt = usage.get("prompt_tokens")
+        prompt_scores: PromptLogprobs | None = None
+        if self.echo is not None:
+            found = self.echo.event(rid, usage_prompt if isinstance(usage_prompt, int) else None)
+            if isinstance(found, str):
+                return self.fail(at, found)
+            prompt_scores = found
+        self.ended = True
+        events = self._tokens(self._rule())
+        if prompt_scores is not None:  # the prompt is scored before the first token comes
+            events.insert(0, prompt_scores)
         single = len(self.counts) == 1
         self.tally.usage_output_tokens = usage_output if isinstance(usage_output, int) else None
         prompt_tokens = usage_prompt if isinstance(usage_prompt, int) else self._count_prompt()
@@ -724,6 +763,102 @@ class _StreamState:
         if isinstance(prompt, str):
             return len(self.tokenizer.encode(prompt))
         return len(self.tokenizer.encode_chat(prompt))
+
+
+class _Echo:
+    """A request's completions `echo` with `logprobs` (SamplingParams.prompt_logprobs): the
+    echoed prompt text taken off each choice's first chunk, choice 0's legacy logprobs kept in
+    order, and at the end the prompt's part as a PromptLogprobs event."""
+
+    def __init__(self, sent: Any, tokenizer: Tokenizer | None, top: int, url_of: str) -> None:
+        self.sent_ids: list[int] | None = list(sent) if isinstance(sent, list) else None
+        self.text: str | None = None  # the echo the server writes, where the client knows it
+        if isinstance(sent, str):
+            self.text = sent
+        elif self.sent_ids is not None and tokenizer is not None:
+            self.text = tokenizer.decode(self.sent_ids)  # a token-id prompt echoes decoded
+        self.top = top
+        self.path = url_of
+        self.server_ids: list[int] | None = None
+        # choice 0's positions in order: (logprob, top_logprobs dict, token text)
+        self.entries: list[tuple[Any, Any, Any]] = []
+        self.arrived: int | None = None
+        self.seen: set[int] = set()  # choices whose first chunk came (echo taken off)
+
+    def _length(self, usage_prompt: int | None = None) -> int | None:
+        if self.sent_ids is not None:
+            return len(self.sent_ids)
+        if self.server_ids is not None:
+            return len(self.server_ids)
+        return usage_prompt
+
+    def take(self, delta: ChoiceDelta, arrived: int) -> ChoiceDelta:
+        """The chunk's choice as the request sees it: its echoed prompt text taken off."""
+        if delta.prompt_token_ids is not None and self.server_ids is None:
+            self.server_ids = list(delta.prompt_token_ids)
+        logprobs = delta.logprobs or {}
+        values = logprobs.get("token_logprobs")
+        if delta.index == 0 and isinstance(values, list):
+            tops = logprobs.get("top_logprobs") or []
+            tokens = logprobs.get("tokens") or []
+            for i, value in enumerate(values):
+                top = tops[i] if i < len(tops) else None
+                self.entries.append((value, top, tokens[i] if i < len(tokens) else None))
+            if self.arrived is None:
+                self.arrived = arrived
+        if delta.index in self.seen:
+            return delta
+        self.seen.add(delta.index)
+        text, cut = delta.text, 0
+        offsets = logprobs.get("text_offset")
+        length = self._length()
+        if self.text is not None and text.startswith(self.text):
+            cut = len(self.text)
+        elif length is not None and isinstance(offsets, list) and len(offsets) >= length:
+            # the first generated token's offset: where the echo ends
+            cut = offsets[length] if len(offsets) > length else len(text)
+        return replace(delta, text=text[cut:]) if cut else delta
+
+    def event(self, request_id: str, usage_prompt: int | None) -> PromptLogprobs | str:
+        """The prompt's log-probabilities, or why the answer has none."""
+        length = self._length(usage_prompt)
+        asked = f"POST {self.path} with echo and logprobs={self.top}"
+        if length is None:
+            return (
+                f"{asked}: the prompt's length is unknown (a text prompt, and the server "
+                "returned neither prompt_token_ids nor a usage count)"
+            )
+        # an echoed prompt's first token has none (null): a first value is a generated token's
+        if len(self.entries) < length or self.entries[0][0] is not None:
+            return (
+                f"{asked}: the server returned no log-probabilities for the {length}-token "
+                f"prompt ({len(self.entries)} in all, the first "
+                f"{self.entries[0][0] if self.entries else None!r}, where an echoed prompt's "
+                "first is null): it does not answer completions' echo with logprobs"
+            )
+        ids = self.sent_ids or self.server_ids or [UNKNOWN_TOKEN_ID] * length
+        found: list[TokenLogprob | None] = [None]
+        for position in range(1, length):
+            value, top, token = self.entries[position]
+            if not isinstance(value, int | float):
+                return f"{asked}: prompt position {position} has no log-probability ({value!r})"
+            found.append(_legacy_logprob(ids[position], float(value), top, token, self.top))
+        assert self.arrived is not None  # entries came
+        return PromptLogprobs(request_id, NO_STEP, self.arrived, tuple(found))
+
+
+def _legacy_logprob(token_id: int, value: float, top: Any, token: Any, k: int) -> TokenLogprob:
+    """One position of the legacy layout: `top` maps token texts to logprobs, the k most likely
+    (vLLM and inferlab serve write the position's own token first, k + 1 entries when it is not
+    among them). Top ids are unknown (-1); the rank is known where the token is among the k
+    (1 + how many are more likely), else 0."""
+    entries = list(top.items()) if isinstance(top, dict) else []
+    if len(entries) > k:  # the position's own token first, then the k most likely
+        entries = entries[1:]
+    values = sorted((float(v) for _, v in entries), reverse=True)
+    among = token is not None and any(text == token for text, _ in entries)
+    rank = 1 + sum(v > value for v in values) if among else 0
+    return TokenLogprob(token_id, value, rank, tuple((UNKNOWN_TOKEN_ID, v) for v in values[:k]))
 
 
 def _is_chat(prompt: Any) -> bool:

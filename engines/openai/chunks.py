@@ -3,7 +3,10 @@ reasons, usage, an error, or the end.
 
 The shapes read here (sources in tests/fixtures/sse/README.md): completions chunks carry
 `choices[i].text`, chat chunks `choices[i].delta.content`; vLLM and SGLang add
-`choices[i].token_ids` when asked; the usage chunk has `usage` (and, from vLLM, SGLang and TGI,
+`choices[i].token_ids` when asked (and `prompt_token_ids` in a choice's first chunk); a
+completions choice asked for `logprobs` carries OpenAI's legacy `choices[i].logprobs` object
+(`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`), the prompt's first with `echo`;
+the usage chunk has `usage` (and, from vLLM, SGLang and TGI,
 empty `choices`; llama.cpp puts it on the finishing chunk); the stream ends with `data: [DONE]`.
 Errors arrive as `{"error": ...}` (vLLM, SGLang, TGI), `{"object": "error", ...}`, an SSE
 `event: error`, or llama.cpp's `error: {...}` field. A server that answers a streaming request
@@ -28,6 +31,8 @@ class ChoiceDelta:
     finish_reason: str | None
     has_text: bool = True  # the text field was there (chat's `content` may be null or absent)
     role_only: bool = False  # chat's opening delta: a role and empty content, nothing else
+    logprobs: dict[str, Any] | None = None  # completions' legacy logprobs object, as sent
+    prompt_token_ids: tuple[int, ...] | None = None  # vLLM's return_token_ids, first chunk
 
 
 @dataclass(slots=True)
@@ -80,6 +85,8 @@ def _chunk(payload: dict[str, Any]) -> Chunk:
         if text is None:
             text = delta.get("content")
         ids = choice.get("token_ids")
+        prompt_ids = choice.get("prompt_token_ids")
+        logprobs = choice.get("logprobs")
         finish_reason = choice.get("finish_reason") or None
         chunk.choices.append(
             ChoiceDelta(
@@ -89,6 +96,10 @@ def _chunk(payload: dict[str, Any]) -> Chunk:
                 finish_reason=str(finish_reason) if finish_reason is not None else None,
                 has_text=text is not None,
                 role_only=bool(delta.get("role")) and not text and finish_reason is None,
+                logprobs=logprobs if isinstance(logprobs, dict) else None,
+                prompt_token_ids=tuple(int(i) for i in prompt_ids)
+                if isinstance(prompt_ids, list)
+                else None,
             )
         )
     usage = payload.get("usage")

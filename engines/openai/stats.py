@@ -3,7 +3,8 @@
 Client overhead is the wall time (time.perf_counter_ns, whatever clock timestamps the events)
 from a network read's arrival to its events being handed to the harness: SSE parsing, JSON
 decoding, counting tokens, building events. It is the part of every TTFT and ITL that the
-measuring side adds. Warm-up requests (ids starting with "warmup-") are left out.
+measuring side adds. Requests that are no part of the measured run are left out: the warm-up
+(ids starting with "warmup-") and run.accuracy's, sent after it ("accuracy-").
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 WARMUP_PREFIX = "warmup-"
+ACCURACY_PREFIX = "accuracy-"  # harness/measuring/accuracy.py's request ids
 
 
 @dataclass
@@ -52,7 +54,7 @@ class ClientStats:
     def finish(self, tally: RequestTally, failed: bool, closed: bool = False) -> None:
         """`closed`: the harness closed the stream before its end (a cancelled request), which
         is no failure of the server's."""
-        if tally.request_id.startswith(WARMUP_PREFIX):
+        if tally.request_id.startswith((WARMUP_PREFIX, ACCURACY_PREFIX)):
             return
         t = self._totals
         failed = failed and not closed

@@ -353,8 +353,9 @@ register(
     "fraction",
     "higher",
     "deterministic",
-    "run.accuracy: the task's items whose highest-loglikelihood choice is the target "
-    "(lm-eval's acc)",
+    "run.accuracy: the task's items scored right: multiple_choice, the highest-loglikelihood "
+    "choice is the target (lm-eval's acc); generate_until, the first filter's output matches "
+    "the target (lm-eval's exact_match)",
 )
 register(
     "accuracy_items",

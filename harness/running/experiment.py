@@ -205,7 +205,7 @@ def _trackers(config: dict[str, Any], cfg: RunConfig, run_dir: Path) -> list[Tra
     their hooks are called: the one place a tracker is added."""
     asked = (
         QualityTracker.from_config(asdict(cfg.quality)),
-        AccuracyTracker.from_config(asdict(cfg.accuracy)),
+        AccuracyTracker.from_config(asdict(cfg.accuracy), config.get("model")),
         ProfileTracker.from_config(config, run_dir),
         MonitorTracker.from_config(cfg.monitor),  # last: its RSS baseline right before the load
     )

@@ -167,18 +167,25 @@ class SearchConfig(ConfigSection):
 
 @dataclass(frozen=True)
 class AccuracyConfig(ConfigSection):
-    """`run.accuracy`: a multiple-choice task scored on the run's backend after its measured
-    requests (harness/measuring/accuracy.py, docs/accuracy.md)."""
+    """`run.accuracy`: an lm-eval task (multiple_choice or generate_until) scored on the run's
+    backend after its measured requests (harness/measuring/accuracy.py, docs/accuracy.md)."""
 
     section = "run.accuracy"
 
     task: str | None = option(
         None,
-        allowed="null, a task of data/tasks (inferlab_mc) or the path of an lm-eval "
-        "multiple_choice task YAML",
+        allowed="null, a task of data/tasks (inferlab_mc, inferlab_gen) or the path of an "
+        "lm-eval task YAML (output_type multiple_choice or generate_until)",
         help="the task whose accuracy becomes the run's `accuracy` metric (null: none)",
     )
     limit: int | None = option(None, ge=1, help="the task's first items only (null: all)")
+    apply_chat_template: bool = option(
+        False,
+        help="lm-eval's --apply_chat_template: each context is a user message under the "
+        "model's chat template (generate_until: sent as chat messages through the backend's "
+        "own prompt path; multiple_choice: rendered by the backend's tokenizer, no delimiter "
+        "before the choice)",
+    )
 
 
 @dataclass(frozen=True)

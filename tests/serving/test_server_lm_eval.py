@@ -4,8 +4,8 @@ to float32. Two of the project's tasks (data/tasks/): `inferlab_mc` through `loc
 (loglikelihood: echo with logprobs, lm-eval's remote tokenizer over /tokenize) and
 `inferlab_gen` through `local-chat-completions` (greedy generate_until with the chat template).
 Every example's choice, every loglikelihood (within 1e-3) and every generated answer equal
-lm-eval's `hf` backend's, and so do the scores. lm-eval runs from .venv-lmeval
-(`make setup-lmeval`), as a subprocess."""
+lm-eval's `hf` backend's, and so do the scores; so do `run.accuracy`'s on both tasks. lm-eval
+runs from .venv-lmeval (`make setup-lmeval`), as a subprocess."""
 
 from __future__ import annotations
 
@@ -93,11 +93,19 @@ def test_loglikelihood_through_the_server_equals_hf(
     )
 
 
-def test_generation_through_the_chat_api_equals_hf(server: ServeProcess, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def hf_gen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """lm-eval's own `hf` backend on inferlab_gen with the chat template: the reference."""
+    return hf(tmp_path_factory.mktemp("hf_gen"), "inferlab_gen", "--apply_chat_template")
+
+
+def test_generation_through_the_chat_api_equals_hf(
+    server: ServeProcess, hf_gen: dict[str, Any], tmp_path: Path
+) -> None:
     args = f"model={MODEL},base_url={server.base_url}/v1/chat/completions,num_concurrent=2"
     ours = lm_eval(tmp_path / "ours", "--model", "local-chat-completions", "--model_args", args,
                    "--apply_chat_template", "--tasks", "inferlab_gen")  # fmt: skip
-    reference = hf(tmp_path / "hf", "inferlab_gen", "--apply_chat_template")
+    reference = hf_gen
     answers = [row["resps"][0][0] for row in ours["inferlab_gen"]]
     assert answers == [row["resps"][0][0] for row in reference["inferlab_gen"]]
     assert sum(row["exact_match"] for row in ours["inferlab_gen"]) > 0  # the scorer can pass
@@ -128,3 +136,32 @@ def test_a_runs_accuracy_metric_equals_lm_evals(hf_mc: dict[str, Any], tmp_path:
         assert mine == pytest.approx(expected, abs=1e-3), theirs["doc"]["question"]
     assert summary["metrics"]["accuracy"] == hf_mc["results"]["inferlab_mc"]["acc,none"]
     assert summary["metrics"]["accuracy_items"] == 16
+
+
+def test_a_runs_generation_accuracy_equals_lm_evals(hf_gen: dict[str, Any], tmp_path: Path) -> None:
+    """`run.accuracy.task=inferlab_gen` with `apply_chat_template` on the built-in engine: every
+    response, every filtered answer and every item's exact match as lm-eval's hf backend gives
+    them, and the same score."""
+    from harness.running.experiment import run_experiment
+
+    overrides = [
+        f"model={MODEL}",
+        "engine.dtype=float32",
+        "run.accuracy.task=inferlab_gen",
+        "run.accuracy.apply_chat_template=true",
+        "workload.num_requests=2",
+        "workload.output_len=4",
+        "run.warmup_requests=0",
+    ]
+    config = OmegaConf.to_container(configs.compose(overrides), resolve=True)
+    assert isinstance(config, dict)
+    summary = run_experiment(config, tmp_path / "run", progress=False)
+    assert summary["status"] == "complete", summary.get("error")
+    scored = summary["accuracy"]
+    rows = hf_gen["inferlab_gen"]
+    assert scored["responses"] == [row["resps"][0][0] for row in rows]
+    last_word = scored["filters"]["last_word"]
+    assert last_word["filtered"] == [row["filtered_resps"][0] for row in rows]
+    assert last_word["correct"] == [row["exact_match"] == 1.0 for row in rows]
+    reference = hf_gen["results"]["inferlab_gen"]["exact_match,last_word"]
+    assert summary["metrics"]["accuracy"] == reference
