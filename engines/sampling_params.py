@@ -9,6 +9,19 @@ from dataclasses import dataclass, field
 #: OpenAI's cap on top_logprobs)
 MAX_LOGPROBS = 20
 
+#: Fields that change which token is chosen beyond temperature, top-k and top-p: a backend
+#: that cannot apply them refuses them rather than sample without them
+LOGITS_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "best_of",
+)
+
 #: vLLM's (and OpenAI's) ranges for the penalties and biases
 PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2]
 LOGIT_BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100]
@@ -74,6 +87,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def changed(self, names: tuple[str, ...]) -> list[str]:
+        """Which of the fields `names` are set away from their defaults."""
+        defaults = SamplingParams()
+        return [name for name in names if getattr(self, name) != getattr(defaults, name)]
 
     @property
     def ranks_samples(self) -> bool:

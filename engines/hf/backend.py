@@ -48,7 +48,7 @@ from engines.base import (
 from engines.builtin.logprobs import token_logprobs
 from engines.hf.config import HFConfig
 from engines.hf.model import load_hf_model
-from engines.sampling_params import SamplingParams
+from engines.sampling_params import LOGITS_FIELDS, SamplingParams
 from engines.stepping import SteppedBackend
 from models.dtypes import TORCH_DTYPES
 from models.tokenizer import Tokenizer, stream_step, tokenizer_for_model
@@ -198,6 +198,17 @@ class HFBackend(SteppedBackend):
         if sampling.use_beam_search:
             raise ValueError(
                 "SamplingParams.use_beam_search: engine=hf does not search beams; allowed: false"
+            )
+        unsupported = sampling.changed(LOGITS_FIELDS)
+        if unsupported:
+            raise ValueError(
+                f"SamplingParams.{unsupported[0]}: engine=hf does not apply it; allowed: "
+                "its default (the built-in engine and inferlab serve do)"
+            )
+        if sampling.logprobs is not None:
+            raise ValueError(
+                "SamplingParams.logprobs: engine=hf does not report the generated tokens' "
+                "log-probabilities; allowed: null (prompt_logprobs is reported)"
             )
         if sampling.stop or sampling.stop_token_ids:
             raise ValueError(

@@ -41,7 +41,7 @@ from engines.base import (
 )
 from engines.llamacpp.config import LlamaCppConfig
 from engines.llamacpp.runner import BatchToken, LlamaCppRunner, check_gguf, converted
-from engines.sampling_params import SamplingParams
+from engines.sampling_params import LOGITS_FIELDS, SamplingParams
 from engines.stepping import SteppedBackend
 from models.tokenizer import Tokenizer, stream_step, tokenizer_for_model
 
@@ -156,6 +156,18 @@ class LlamaCppBackend(SteppedBackend):
                 "SamplingParams.use_beam_search: engine=llamacpp does not search beams; "
                 "allowed: false"
             )
+        unsupported = sampling.changed(LOGITS_FIELDS)
+        if unsupported:
+            raise ValueError(
+                f"SamplingParams.{unsupported[0]}: engine=llamacpp does not apply it; allowed: "
+                "its default (the built-in engine and inferlab serve do)"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(sampling, name) is not None:
+                raise ValueError(
+                    f"SamplingParams.{name}: engine=llamacpp does not report log-probabilities; "
+                    "allowed: null"
+                )
         if sampling.stop:
             raise ValueError(
                 "SamplingParams.stop: stop strings are not supported by engine=llamacpp; "

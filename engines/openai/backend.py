@@ -391,6 +391,11 @@ class OpenAIBackend(Backend):
             body["prompt"] = self._completion_prompt(request.prompt)
         body.update(self.dialect.sampling_fields(request.sampling))
         sampling = request.sampling
+        if sampling.logprobs is not None:
+            raise ValueError(
+                "SamplingParams.logprobs: engine=openai does not read the generated tokens' "
+                "log-probabilities; allowed: null (prompt_logprobs is read, through echo)"
+            )
         if sampling.prompt_logprobs is not None:
             if cfg.api == "chat":
                 raise ValueError(

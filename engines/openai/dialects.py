@@ -45,6 +45,12 @@ def _openai_fields(sampling: SamplingParams) -> dict[str, Any]:
         body["stop"] = list(sampling.stop)
     if sampling.n > 1:
         body["n"] = sampling.n
+    if sampling.presence_penalty:
+        body["presence_penalty"] = sampling.presence_penalty
+    if sampling.frequency_penalty:
+        body["frequency_penalty"] = sampling.frequency_penalty
+    if sampling.logit_bias:  # OpenAI's keys are token-id strings
+        body["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias.items()}
     return body
 
 
@@ -63,6 +69,14 @@ def _vllm_fields(sampling: SamplingParams) -> dict[str, Any]:
         body["include_stop_str_in_output"] = True
     if not sampling.skip_special_tokens:
         body["skip_special_tokens"] = False
+    if sampling.repetition_penalty != 1.0:
+        body["repetition_penalty"] = sampling.repetition_penalty
+    if sampling.min_p:
+        body["min_p"] = sampling.min_p
+    if sampling.allowed_token_ids is not None:
+        body["allowed_token_ids"] = list(sampling.allowed_token_ids)
+    if sampling.bad_words:
+        body["bad_words"] = list(sampling.bad_words)
     return body
 
 
@@ -90,7 +104,7 @@ def _llamacpp_fields(sampling: SamplingParams) -> dict[str, Any]:
     # llama.cpp's own defaults (top_k 40, min_p 0.05) would silently change the sampling
     # distribution: send the values that mean "off" explicitly.
     body["top_k"] = max(sampling.top_k, 0)
-    body["min_p"] = 0.0
+    body["min_p"] = sampling.min_p
     body["n_predict"] = sampling.max_tokens
     if sampling.ignore_eos:
         body["ignore_eos"] = True
@@ -102,7 +116,7 @@ def _llama_cpp_python_fields(sampling: SamplingParams) -> dict[str, Any]:
     # Its defaults (top_k 40, min_p 0.05, repeat_penalty 1.1) would silently change the
     # sampling distribution: send the values that mean "off" explicitly.
     body["top_k"] = max(sampling.top_k, 0)
-    body["min_p"] = 0.0
+    body["min_p"] = sampling.min_p
     body["repeat_penalty"] = 1.0
     # It has no ignore_eos and ignores n_predict; min_tokens masks its EOS token (a logits
     # processor on the server, which knows its own EOS id) until that many tokens are out.
@@ -120,6 +134,10 @@ def _tgi_fields(sampling: SamplingParams) -> dict[str, Any]:
     return body
 
 
+#: SamplingParams fields no dialect here sends: best_of > n (vLLM 1.x dropped it)
+_NOWHERE = ("best_of",)
+#: vLLM's sampling extensions, which only vLLM's (and inferlab's) server reads
+_VLLM_ONLY = ("repetition_penalty", "allowed_token_ids", "bad_words", "use_beam_search")
 #: SamplingParams fields beyond OpenAI's API (what the generic and TGI dialects cannot send)
 _NOT_OPENAI = (
     "top_k",
@@ -127,7 +145,9 @@ _NOT_OPENAI = (
     "ignore_eos",
     "stop_token_ids",
     "include_stop_str_in_output",
-    "use_beam_search",
+    "min_p",
+    *_VLLM_ONLY,
+    *_NOWHERE,
 )
 
 
@@ -155,14 +175,20 @@ class Dialect:
 
 
 DIALECTS: dict[str, Dialect] = {
-    "vllm": Dialect("vllm", _vllm_beam_fields, True, {"return_token_ids": True}, True, ()),
+    "vllm": Dialect("vllm", _vllm_beam_fields, True, {"return_token_ids": True}, True, _NOWHERE),
     "sglang": Dialect(
         "sglang",
         _sglang_fields,
         True,
         {"return_token_ids": True},
         True,
-        ("include_stop_str_in_output", "use_beam_search"),
+        (
+            "include_stop_str_in_output",
+            "allowed_token_ids",
+            "bad_words",
+            "use_beam_search",
+            *_NOWHERE,
+        ),
     ),
     "llamacpp": Dialect(
         "llamacpp",
@@ -170,7 +196,7 @@ DIALECTS: dict[str, Dialect] = {
         True,
         {},
         True,
-        ("min_tokens", "stop_token_ids", "include_stop_str_in_output", "use_beam_search"),
+        ("min_tokens", "stop_token_ids", "include_stop_str_in_output", *_VLLM_ONLY, *_NOWHERE),
     ),
     # llama-cpp-python's server (`python -m llama_cpp.server`): `prompt` is text only (token
     # ids are refused), no usage in streams, one chunk per token then an empty finishing chunk
@@ -180,7 +206,7 @@ DIALECTS: dict[str, Dialect] = {
         False,
         {},
         True,
-        ("n", "stop_token_ids", "include_stop_str_in_output", "use_beam_search"),
+        ("n", "stop_token_ids", "include_stop_str_in_output", *_VLLM_ONLY, *_NOWHERE),
         count_rule="chunk",
     ),
     "tgi": Dialect(

@@ -836,6 +836,31 @@ def test_beam_search_is_sent_to_vllm_and_counted_as_dropped_elsewhere() -> None:
         assert "use_beam_search" in DIALECTS[server].refused(SamplingParams(**beams))
 
 
+def test_penalties_and_masks_are_sent_where_the_server_reads_them() -> None:
+    fields = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "min_p": 0.1,
+        "logit_bias": {7: 3.0},
+        "allowed_token_ids": [7, 8, 9],
+        "bad_words": ["no"],
+    }
+    body = sent_body("vllm", **fields)
+    assert body["logit_bias"] == {"7": 3.0}
+    assert {k: body[k] for k in fields if k != "logit_bias"} == {
+        k: v for k, v in fields.items() if k != "logit_bias"
+    }
+    generic = sent_body("generic", **fields)
+    assert (generic["presence_penalty"], generic["frequency_penalty"]) == (0.5, -0.5)
+    assert "repetition_penalty" not in generic and "min_p" not in generic
+    assert DIALECTS["generic"].refused(SamplingParams(**fields)) == [
+        "min_p", "repetition_penalty", "allowed_token_ids", "bad_words"
+    ]  # fmt: skip
+    assert sent_body("llamacpp", min_p=0.1)["min_p"] == 0.1
+    assert DIALECTS["vllm"].refused(SamplingParams(n=1, best_of=3)) == ["best_of"]
+
+
 def test_dropped_sampling_fields_are_counted() -> None:
     clock = FakeClock()
     reads = fixture_reads("tgi_chat_usage.sse")
