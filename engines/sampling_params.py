@@ -228,6 +228,11 @@ class SamplingParams:
             raise bad("length_penalty", "a finite number (1: HF's default; 0: no length penalty)")
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise bad("early_stopping", 'true, false or "never" (HF\'s meanings)')
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise bad("length_penalty", "1 unless use_beam_search is true")
+            if self.early_stopping is not False:
+                raise bad("early_stopping", "false unless use_beam_search is true")
         conflicts = _beam_search_conflicts(self) if self.use_beam_search else []
         if conflicts:
             name, allowed = conflicts[0]

@@ -271,11 +271,11 @@ def _check_common(body: _SamplingFields, model_name: str) -> None:
         )
     # Sample i of n seeds its generator with seed + i (inside an engine step, where an
     # overflow would fail every request in the batch), so the last one must fit too.
-    last_sample = max(body.n or 1, 1) - 1
+    last_sample = max(body.n or 1, body.samples_drawn() or 1, 1) - 1
     if body.seed is not None and not -(2**63) <= body.seed <= 2**64 - 1 - last_sample:
         raise APIError(
             f"seed: {body.seed} is out of range; allowed: an integer in "
-            f"[-2**63, 2**64 - n] (n={last_sample + 1}: sample i uses seed + i)",
+            f"[-2**63, 2**64 - {last_sample + 1}] (sample i of {last_sample + 1} uses seed + i)",
             "seed",
             "invalid_value",
         )
@@ -321,6 +321,13 @@ def _check_not_empty(token_ids: list[int], added_ids: frozenset[int], where: str
             where.split("[", 1)[0],
             "invalid_value",
         )
+
+
+def _width_field(sampling: SamplingParams) -> str:
+    """The field that set how many sequences each prompt runs."""
+    if sampling.use_beam_search:
+        return "n" if sampling.beam_width is None else "beam_width"
+    return "best_of" if sampling.ranks_samples else "n"
 
 
 def _sampling(
@@ -386,7 +393,7 @@ async def _respond(
 ) -> Response:
     n = sampling[0].n
     serving.check_engine_accepts(prompts, sampling)
-    admission = serving.admit(len(prompts) * sampling[0].num_sequences)
+    admission = serving.admit(len(prompts) * sampling[0].num_sequences, _width_field(sampling[0]))
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     writer = writer_type(
         request_id,

@@ -246,16 +246,16 @@ class ServingEngine:
                 message = str(exc).removeprefix("SamplingParams.")
                 raise APIError(message, message.split(":", 1)[0], "invalid_value") from None
 
-    def admit(self, num_sequences: int) -> Admission:
+    def admit(self, num_sequences: int, param: str = "n") -> Admission:
         """Hold room for the request's sequences, or refuse it: 503 when the server is full or
-        shutting down."""
+        shutting down. `param`: the field that set the sequences per prompt."""
         if self.draining:
             raise shutting_down()
         if num_sequences > self.capacity:
             raise APIError(
-                f"the request needs {num_sequences} sequences (prompts x n) but the "
+                f"the request needs {num_sequences} sequences (prompts x {param}) but the "
                 f"server admits at most {self.capacity} at once",
-                "n",
+                param,
                 "invalid_value",
             )
         if self.in_flight + num_sequences > self.capacity:

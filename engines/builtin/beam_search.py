@@ -25,6 +25,7 @@ request's outputs, all at once (a beam's tokens are not final until the search e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,18 @@ def beams_to_keep(sampling: SamplingParams, eos_ids: list[int]) -> int:
     """Candidates kept per step: enough that `beam_width` survive even if every stop id is
     among the best (HF: max(2, 1 + number of EOS ids) * num_beams)."""
     return max(2, 1 + len(stop_ids(sampling, eos_ids))) * sampling.num_beams
+
+
+def penalized(total: float, length: int, length_penalty: float) -> float:
+    """HF's hypothesis score, total / length ** length_penalty, where a large penalty's power
+    overflows to inf (the score to 0, or to -inf for a negative penalty) instead of raising."""
+    try:
+        factor = float(length) ** length_penalty
+    except OverflowError:
+        factor = math.inf
+    if factor == 0.0:
+        return -math.inf if total < 0 else math.inf if total > 0 else 0.0
+    return total / factor
 
 
 def beam_candidates(
@@ -184,7 +197,7 @@ class BeamSearch:
                 if rank < group.width and group.improvable and not full:
                     reason = "stop" if token in ends else "length"
                     tokens = (*beam.output_token_ids, token)
-                    score = total / length**sampling.length_penalty
+                    score = penalized(total, length, sampling.length_penalty)
                     new.append(Hypothesis(tokens, total, score, reason))
             elif len(chosen) < group.width:
                 chosen.append((beam, token, total))
@@ -199,6 +212,12 @@ class BeamSearch:
             or (sampling.early_stopping is True and len(group.finished) == group.width)
         )
         if done:
+            # A search the heuristic ends before n hypotheses finished (a score that saturated
+            # at -inf) returns its best live beams too: the request gets its n outputs
+            for beam, token, total in chosen[: sampling.n - len(group.finished)]:
+                tokens = (*beam.output_token_ids, token)
+                score = penalized(total, length, sampling.length_penalty)
+                group.finished.append(Hypothesis(tokens, total, score, "stop"))
             for beam in group.live:
                 self._remove(beam, "pruned")
             group.live = []
@@ -214,7 +233,7 @@ class BeamSearch:
             best_length = group.max_output_tokens  # a positive penalty favours the longest
         else:
             best_length = length
-        best_possible = best_total / best_length**sampling.length_penalty
+        best_possible = penalized(best_total, best_length, sampling.length_penalty)
         if len(group.finished) < group.width:
             return best_possible > _NO_SCORE
         return best_possible > min(h.score for h in group.finished)

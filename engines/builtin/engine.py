@@ -33,7 +33,7 @@ from engines.base import (
     Tokenized,
 )
 from engines.builtin import native
-from engines.builtin.beam_search import BeamSearch
+from engines.builtin.beam_search import BeamGroup, BeamSearch
 from engines.builtin.config import EngineConfig
 from engines.builtin.distributed.group import TensorParallelError
 from engines.builtin.distributed.launch import (
@@ -604,8 +604,9 @@ class LLMEngine:
                 "false (or no engine.speculative_config)"
             )
         if sampling.num_beams > self.limits.max_num_seqs:
+            name = "n" if sampling.beam_width is None else "beam_width"
             raise ValueError(
-                f"SamplingParams.beam_width: {sampling.num_beams} beams cannot all run at once "
+                f"SamplingParams.{name}: {sampling.num_beams} beams cannot all run at once "
                 f"under engine.max_num_seqs={self.limits.max_num_seqs}; allowed: at most "
                 f"{self.limits.max_num_seqs}"
             )
@@ -665,7 +666,7 @@ class LLMEngine:
         step, now = self.scheduler.step_counter, self.platform.now_ns()
         group = self.beam_search.drop(request_id, "abort")
         if group is not None:
-            self._pending_events += self.output.aborted_outputs(group.first, step, now)
+            self._pending_events += self.output.empty_outputs(group.first, step, now)
         samples = [s for s in self.sequences.values() if s.request_id == request_id]
         for seq in samples:
             del self.sequences[seq.key]
@@ -676,7 +677,7 @@ class LLMEngine:
             if not seq.sampling.ranks_samples:
                 self._pending_events.append(self.output.finished(seq, step, now))
         if samples and samples[0].sampling.ranks_samples:  # its outputs were still held
-            self._pending_events += self.output.aborted_outputs(samples[0], step, now)
+            self._pending_events += self.output.empty_outputs(samples[0], step, now)
 
     def has_request(self, request_id: str) -> bool:
         """Is any sample of the request still in the engine?"""
@@ -713,16 +714,31 @@ class LLMEngine:
         except Exception as exc:  # a failed step fails its requests, not the engine
             return events + self._fail_step(plan, exc)
         new_tokens = self._complete_step(plan, tokens)
-        searched = self.beam_search.report(self.runner.last_beam_candidates)
+        searched, beams_failed = self._search(plan.step)
         end = self._end_step(start)
         prompt_logprobs = self.runner.last_prompt_logprobs
         events += self.output.prompt_logprobs_events(plan, prompt_logprobs, plan.step, end)
         events += self.output.events(new_tokens, plan.step, end)
         for group in searched:
             events += self.output.beam_events(group, plan.step, end)
+        events += beams_failed
         if self.step_observers:
             self._report_step(plan, start, end, logits_tokens)
         return events
+
+    def _search(self, step: int) -> tuple[list[BeamGroup], list[RequestEvent]]:
+        """The step's beam candidates into their groups: the groups whose search ended, and
+        Failed for each group a search error ended (it fails its request, not the engine)."""
+        candidates = self.runner.last_beam_candidates
+        try:
+            return self.beam_search.report(candidates), []
+        except Exception as exc:
+            failed: list[RequestEvent] = []
+            for request_id in dict.fromkeys(seq.request_id for seq, _ in candidates):
+                if self.beam_search.drop(request_id, "error") is not None:
+                    reason = f"beam search failed: {type(exc).__name__}: {exc}"
+                    failed.append(Failed(request_id, step, self.platform.now_ns(), reason))
+            return [], failed
 
     def _execute(self, plan: StepPlan) -> list[list[int]]:
         """The model runner's share of the step. Ranks that part end the engine
@@ -779,8 +795,8 @@ class LLMEngine:
         """Nothing runs, so nothing will free memory or budget: the request at the head of the
         queue can never start. Fail it rather than spin forever."""
         seq = self.scheduler.next_to_admit()
-        if seq is None or self.scheduler.running:
-            return []
+        if seq is None or self.scheduler.running or plan.preempted:
+            return []  # (a preemption freed memory the queue may take next step)
         self.scheduler.finish(seq, "error")
         self.sequences.pop(seq.key, None)
         self._release_drafts(seq)

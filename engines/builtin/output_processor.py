@@ -242,7 +242,8 @@ class OutputProcessor:
         Tokens event with every token and its text, then Finished."""
         events: list[RequestEvent] = []
         sampling, first = group.sampling, group.first
-        for index, hyp in enumerate(group.outputs()):
+        hypotheses = group.outputs()
+        for index, hyp in enumerate(hypotheses):
             text = ""
             if sampling.detokenize:
                 text = self.tokenizer.decode(
@@ -264,6 +265,8 @@ class OutputProcessor:
                     cumulative_logprob=hyp.cumulative_logprob,
                 )
             )
+        # none left to return (every candidate masked): the rest end empty
+        events += self.empty_outputs(first, step, time_ns, "stop")[len(hypotheses) :]
         return events
 
     def _hold(
@@ -312,11 +315,12 @@ class OutputProcessor:
             self.detokenize_ns.pop(sample.key, None)
         return events
 
-    def aborted_outputs(
+    def empty_outputs(
         self, first: Sequence, step: int, time_ns: int, reason: str = "abort"
     ) -> list[RequestEvent]:
-        """A request whose outputs come at the end (best_of > n, beam search), ended early:
-        each of its n outputs finishes with `reason`, without tokens; what was held goes."""
+        """A request whose outputs come at the end (best_of > n, beam search) and has none
+        to give (aborted, or a search left with none): each of its n outputs finishes with
+        `reason`, without tokens; what was held for it goes."""
         self._ranked.pop(first.request_id, None)
         rid = first.request_id
         for key in [k for k in self._held_logprobs if k == rid or k.startswith(rid + "#")]:

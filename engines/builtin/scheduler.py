@@ -260,6 +260,9 @@ class Scheduler:
             for seq in list(self.running):
                 if seq not in self.running or is_decode(seq) is not decode_pass:
                     continue  # preempted earlier in this loop, or not this pass
+                if seq.awaits_group:
+                    continue  # a beam with its candidates in: nothing to compute (even
+                    # without a KV cache, where its count restarts at 0 every step)
                 num_new = seq.num_tokens - seq.num_computed_tokens
                 if self.chunked:
                     num_new = min(num_new, budget, self.max_chunk)
@@ -337,9 +340,7 @@ class Scheduler:
     def _all_running_idle(self) -> bool:
         """Running sequences with nothing to compute: beams whose candidates wait for the
         rest of their group (engines/builtin/beam_search.py)."""
-        return bool(self.running) and all(
-            seq.num_tokens == seq.num_computed_tokens for seq in self.running
-        )
+        return bool(self.running) and all(seq.awaits_group for seq in self.running)
 
     def _fit_drafts(self, seq: Sequence, proposal: Proposal, budget: int) -> Proposal | None:
         """The proposal cut to what the token budget and the free KV memory take beyond the

@@ -242,6 +242,54 @@ def test_outputs_arrive_at_the_end_with_their_text(reference: Reference) -> None
             assert event.text == llm.tokenizer.decode(list(event.token_ids))
 
 
+@pytest.mark.parametrize("penalty", [2000.0, -2000.0])
+def test_an_extreme_length_penalty_scores_without_overflow(
+    reference: Reference, penalty: float
+) -> None:
+    """length ** 2000 overflows a float: the score saturates (to 0 or -inf) as a float32
+    tensor's would, and the search ends normally (it raised OverflowError out of the step,
+    leaving the group's KV behind and the next call hanging)."""
+    with reference.llm(kv_cache="paged", block_size=4) as llm:
+        params = SamplingParams(
+            max_tokens=6, use_beam_search=True, beam_width=2, length_penalty=penalty
+        )
+        out = llm.generate(prompts()[0], params)[0]
+        assert out.error is None and all(o.token_ids and o.finish_reason for o in out.outputs)
+        assert_all_memory_back(llm)
+        assert llm.generate(prompts()[1], SamplingParams(max_tokens=2))[0].finished
+
+
+@pytest.mark.parametrize("kv_cache", ["none", "contiguous", "paged"])
+def test_more_beams_than_seats_finish_in_every_kv_mode(reference: Reference, kv_cache: str) -> None:
+    """Two searches of width 2 and a plain request under max_num_seqs=2: idle beams give
+    their seats to their waiting siblings (without a KV cache too, where an idle beam's count
+    restarts at 0 every step and it was recomputed instead, holding its seat for ever)."""
+    with reference.llm(kv_cache=kv_cache, block_size=4, max_num_seqs=2) as llm:
+        beams = SamplingParams(max_tokens=8, use_beam_search=True, beam_width=2)
+        plain = SamplingParams(max_tokens=8, temperature=0.0)
+        outs = llm.generate(prompts(), [beams, beams, plain])
+        assert all(o.error is None and o.finished for o in outs)
+        with reference.llm(kv_cache=kv_cache, block_size=4) as roomy:
+            assert [o.outputs[0].token_ids for o in outs] == [
+                o.outputs[0].token_ids for o in roomy.generate(prompts(), [beams, beams, plain])
+            ]
+        assert_all_memory_back(llm)
+
+
+def test_a_tight_pool_recomputes_beams_rather_than_failing_them(reference: Reference) -> None:
+    """Memory for about one beam's context at a time: the request was failed as "does not fit
+    even alone" in the step where the last idle beam gave its memory up."""
+    block_bytes = 4 * 2 * 2 * 2 * 16 * 4
+    with reference.llm(
+        kv_cache="paged", block_size=4, kv_cache_memory_bytes=9 * block_bytes
+    ) as llm:
+        params = SamplingParams(max_tokens=16, use_beam_search=True, beam_width=4, n=2)
+        out = llm.generate(prompts()[1], params)[0]
+        assert out.error is None and [len(o.token_ids) for o in out.outputs] == [16, 16]
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert_all_memory_back(llm)
+
+
 @pytest.mark.parametrize(
     ("options", "params", "field"),
     [
@@ -275,11 +323,13 @@ def test_what_the_engine_cannot_search_is_refused_naming_the_field(
         ({"beam_width": 0}, "beam_width"),
         ({"length_penalty": float("nan")}, "length_penalty"),
         ({"early_stopping": "always"}, "early_stopping"),
+        ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
+        ({"use_beam_search": False, "early_stopping": "never"}, "early_stopping"),
     ],
 )
 def test_bad_beam_parameters_name_the_field(params: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
-        SamplingParams(use_beam_search=True, **params)
+        SamplingParams(**{"use_beam_search": True, **params})
 
 
 def test_beam_width_without_beam_search_is_refused() -> None:
