@@ -171,6 +171,10 @@ class StepRecord:
     # before the step's forward (copy-on-write of a shared block; a contiguous fork's region)
     kv_blocks_shared: int = 0
     kv_bytes_copied: int = 0
+    # structured outputs: the rows whose logits a grammar masked, and the time the mask took
+    # (filling each row's bitmask and applying it; within forward_ns)
+    structured_rows: int = 0
+    structured_mask_ns: int = 0
     forward_ns: int = 0  # device time of the model forward and sampling within the step
     kv_gather_ns: int = 0  # of which copying K/V out of the cache (CPU dense attention)
     # For the roofline (harness/measuring/roofline.py); padding rows count as computed.

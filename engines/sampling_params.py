@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engines.structured_outputs import StructuredOutputsParams
+
 #: The most top log-probabilities a position may ask for (vLLM's default max_logprobs, and
 #: OpenAI's cap on top_logprobs)
 MAX_LOGPROBS = 20
@@ -78,6 +80,9 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # the output must match a JSON schema, a regex, a choice or a grammar (vLLM's
+    # structured outputs; docs/structured_output.md)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -168,6 +173,13 @@ class SamplingParams:
                 raise bad(name, f"null or an integer in [0, {MAX_LOGPROBS}]")
         self._validate_penalties()
         self._validate_beam_search()
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                f"SamplingParams.structured_outputs: {_short(self.structured_outputs)} is "
+                "invalid; allowed: null or a StructuredOutputsParams"
+            )
 
     def _validate_penalties(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -250,6 +262,7 @@ def _beam_search_conflicts(params: SamplingParams) -> list[tuple[str, str]]:
         ("stop", "[] (stop_token_ids do end beams)") if params.stop else None,
         ("logprobs", "null") if params.logprobs is not None else None,
         ("best_of", "null (beam_width is the width)") if params.best_of is not None else None,
+        ("structured_outputs", "null") if params.structured_outputs is not None else None,
     ]
     return [c for c in conflicts if c is not None]
 

@@ -237,6 +237,8 @@ STEP_COLUMNS = [
     "kv_blocks_used",
     "kv_blocks_shared",
     "kv_bytes_copied",
+    "structured_rows",
+    "structured_mask_s",
     "forward_s",
     "kv_gather_s",
     "logits_tokens",

@@ -338,6 +338,7 @@ def _sampling(
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     try:
+        structured, _ = body.structured()
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -361,6 +362,7 @@ def _sampling(
             logit_bias=body.token_biases(),
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words,
+            structured_outputs=structured,
             use_beam_search=body.use_beam_search,
             beam_width=body.searched_width(),
             length_penalty=body.length_penalty,
@@ -392,7 +394,18 @@ async def _respond(
     echo: list[str] | None = None,
 ) -> Response:
     n = sampling[0].n
-    serving.check_engine_accepts(prompts, sampling)
+    try:
+        serving.check_engine_accepts(prompts, sampling)
+    except APIError as exc:
+        _, source = body.structured()
+        if source is None or source == "structured_outputs":
+            raise
+        if not (exc.param or "").startswith("structured_outputs"):
+            raise
+        # a constraint the grammar backend cannot compile: named as the client sent it
+        raise APIError(
+            source + exc.message.removeprefix(exc.param or ""), source, exc.code
+        ) from None
     admission = serving.admit(len(prompts) * sampling[0].num_sequences, _width_field(sampling[0]))
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     writer = writer_type(

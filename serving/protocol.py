@@ -27,6 +27,7 @@ from starlette.types import Message, Send
 
 from engines.sampling_params import MAX_LOGPROBS
 from serving.logprobs_format import ChatLogprobs, CompletionLogprobs
+from serving.structured_format import StructuredFields
 
 # ---- errors -------------------------------------------------------------------------------
 
@@ -329,7 +330,6 @@ MAX_TOP_LOGPROBS = MAX_LOGPROBS
 NEUTRAL_VALUES = {
     "modalities": 'null or ["text"]',
     "prediction": "null",
-    "response_format": '{"type": "text"}',
     "tool_choice": 'null or "none"',
     "tools": "null or []",
     "functions": "null or []",
@@ -358,8 +358,9 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class _SamplingFields(StructuredFields, _Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions (with the structured-output
+    ones, serving/structured_format.py)."""
 
     model: str | None = None  # None: the one model this server serves
     max_tokens: int | None = None
@@ -649,7 +650,6 @@ class ChatCompletionRequest(_SamplingFields, _OpenAIChatHints):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -691,8 +691,6 @@ class ChatCompletionRequest(_SamplingFields, _OpenAIChatHints):
         for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
             if getattr(self, name) not in (None, [], "none"):
                 return name
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format"
         return super().unsupported()
 
 

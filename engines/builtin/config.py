@@ -127,6 +127,12 @@ class EngineConfig(Options):
         registry="engines.builtin.attention:ATTENTION_BACKENDS",
         help="the attention kernel; auto: the device's best",
     )
+    structured_output_backend: str = option(
+        "auto",
+        registry="engines.builtin.structured:STRUCTURED_OUTPUT_BACKENDS",
+        help="the grammar backend of structured outputs (docs/structured_output.md); auto: "
+        "xgrammar where installed, else none",
+    )
     quantization: str = option(
         "none",
         registry="engines.builtin.layers:LINEAR_METHODS",

@@ -58,7 +58,9 @@ from engines.builtin.sequence import Sequence
 from engines.builtin.spec_decode.methods import PROPOSERS
 from engines.builtin.spec_decode.proposer import Proposal, Proposer, ProposerContext
 from engines.builtin.step_stats import EngineGauges, logits_rows, step_record
+from engines.builtin.structured import build_structured_outputs, resolve_structured_output_backend
 from engines.sampling_params import SamplingParams
+from engines.structured_outputs import StructuredOutputsParams
 from models.config import ceil_div, kv_bytes_per_token, resolve_model
 from models.dtypes import TORCH_DTYPES
 from models.tokenizer import tokenizer_for_model
@@ -119,6 +121,7 @@ _RELEASED_AT_CLOSE = (
     "output",
     "sequences",
     "beam_search",
+    "structured",
     "proposer",
     "_pending_events",
 )
@@ -248,6 +251,16 @@ class LLMEngine:
         self.beam_search = BeamSearch(
             self.scheduler, self.sequences, self.eos_ids, self.limits.max_model_len
         )
+        self.structured_output_backend = resolve_structured_output_backend(
+            self.config.structured_output_backend
+        )
+        self.structured = build_structured_outputs(
+            self.structured_output_backend,
+            self.tokenizer,
+            self.runner.sample_vocab_size,
+            self.eos_ids,
+        )
+        self.runner.structured = self.structured
         self.step_observers: list[StepObserver] = []
         self._pending_events: list[RequestEvent] = []
 
@@ -337,6 +350,7 @@ class LLMEngine:
             "tensor_parallel": self._tensor_parallel_facts(),
             "tokenizer": self.tokenizer.name,
             "tokenizer_vocab_size": self.tokenizer.vocab_size,
+            "structured_output_backend": self.structured_output_backend,
             "kv_cache": self.config.kv_cache,
             "kv_bytes_per_token": layout.bytes_per_token,
             "kv_pool_bytes": layout.pool_bytes,
@@ -535,6 +549,9 @@ class LLMEngine:
         if sampling.use_beam_search:
             seq.pending_forks = 0  # its beams fork as the search goes (beam_search.py)
             self.beam_search.add(seq)
+        if sampling.structured_outputs is not None:
+            assert self.structured is not None  # check_request refused it otherwise
+            seq.grammar = self.structured.matcher(sampling.structured_outputs)
         self.scheduler.add(seq)
         step = self.scheduler.step_counter
         self._pending_events += [
@@ -557,6 +574,8 @@ class LLMEngine:
             )
         if sampling.use_beam_search:
             self._check_beam_search(sampling)
+        if sampling.structured_outputs is not None:
+            self._check_structured_outputs(sampling.structured_outputs)
         max_len = self.limits.max_model_len
         if not token_ids:
             raise ValueError("prompt: empty (it has no tokens)")
@@ -587,6 +606,24 @@ class LLMEngine:
                     f"[0, {vocab})"
                 )
         self._check_some_token_allowed(sampling)
+
+    def _check_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """A grammar backend to enforce it, not with drafts; compiled now (cached), so that
+        a constraint the backend cannot compile is refused naming the field, and the step
+        loop never waits for a compilation."""
+        if self.structured is None:
+            raise ValueError(
+                "SamplingParams.structured_outputs: engine.structured_output_backend is none "
+                "(auto finds no xgrammar installed); allowed: null (or "
+                "engine.structured_output_backend=xgrammar, pip install xgrammar)"
+            )
+        if self.proposer is not None:
+            raise ValueError(
+                "SamplingParams.structured_outputs: not done with speculative decoding yet "
+                "(drafts are not checked against the grammar); allowed: null (or no "
+                "engine.speculative_config)"
+            )
+        self.structured.compile(params)
 
     def _check_beam_search(self, sampling: SamplingParams) -> None:
         """What the engine's configuration allows a beam search: beams run side by side
@@ -787,6 +824,9 @@ class LLMEngine:
             self.last_draft_ns,
             self.runner.last_comm,
             self.runner.last_broadcast,
+            (0, 0)
+            if self.structured is None
+            else (self.structured.last_mask_rows, self.structured.last_mask_ns),
         )
         for observer in self.step_observers:
             observer(record)

@@ -43,6 +43,7 @@ from engines.builtin.sequence import Sequence
 from engines.builtin.spec_decode.proposer import Proposal
 from engines.builtin.spec_decode.rejection_sampler import verify
 from engines.builtin.step_inputs import StepInputs
+from engines.builtin.structured import StructuredOutputs
 from engines.builtin.weights import load_weights
 from models.config import ModelConfig, ceil_div
 from models.gguf import is_gguf
@@ -126,6 +127,8 @@ class ModelRunner:
         # the last step's log-probabilities, aligned with execute()'s tokens (per sampling
         # sequence: one per new token, or None where its request asks for none); None: none asked
         self.last_logprobs: list[list[TokenLogprob] | None] | None = None
+        # structured outputs: the engine's manager (None: none), which masks guided rows
+        self.structured: StructuredOutputs | None = None
         # beam search: each beam row's best tokens and log-probabilities (beam_search.py)
         self.last_beam_candidates: list[tuple[Sequence, tuple[list[int], list[float]]]] = []
         # the last step's prompt logprobs: per prompt chunk that asked, its sequence, the
@@ -514,6 +517,8 @@ class ModelRunner:
         self.forward_timer.start()
         self.last_logprobs, self.last_prompt_logprobs = None, []
         self.last_beam_candidates = []
+        if self.structured is not None:
+            self.structured.last_mask_rows = self.structured.last_mask_ns = 0
         logits = self._logits(plan, packed, input_ids, meta, logits_indices)
         result = self._sample(plan, logits) if logits is not None else []
         self.forward_timer.stop()
@@ -604,6 +609,9 @@ class ModelRunner:
                 start += count
             logits = logits[rows]
         seqs = [s.seq for s, n in zip(items, copies, strict=True) for _ in range(n)]
+        raw = logits  # logprobs report the raw logits, whatever masks the sampling
+        if self.structured is not None:
+            logits = self.structured.mask(logits, seqs)
         if plan.num_draft_tokens:
             proposals = [
                 s.proposal or Proposal([])
@@ -616,7 +624,7 @@ class ModelRunner:
             rows_per_seq = [
                 1 + s.num_draft_tokens for s, n in zip(items, copies, strict=True) for _ in range(n)
             ]
-            self.last_logprobs = _logprobs(logits, seqs, kept, rows_per_seq)
+            self.last_logprobs = _logprobs(raw, seqs, kept, rows_per_seq)
             return kept
         if all(
             s.sampling.temperature == 0.0
@@ -633,11 +641,11 @@ class ModelRunner:
         if not all_finite:
             raise non_finite_logits(logits, plan.step)
         result = [[token] for token in ids]
-        self.last_logprobs = _logprobs(logits, seqs, result, [1] * len(seqs))
+        self.last_logprobs = _logprobs(raw, seqs, result, [1] * len(seqs))
         beams = [row for row, seq in enumerate(seqs) if seq.sampling.use_beam_search]
         if beams:  # their rows' tokens above are unused: beams yield candidates
             beam_seqs = [seqs[row] for row in beams]
-            found = beam_candidates(logits[beams], beam_seqs, self.sampler, self.eos_ids)
+            found = beam_candidates(raw[beams], beam_seqs, self.sampler, self.eos_ids)
             self.last_beam_candidates = list(zip(beam_seqs, found, strict=True))
         return result
 

@@ -137,6 +137,12 @@ class OutputProcessor:
         reason = None
         if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
             reason = "stop" if seq.num_output_tokens >= p.min_tokens else None
+        if seq.grammar is not None and (
+            not seq.grammar.accept(token) or seq.grammar.is_terminated()
+        ):
+            # the grammar has ended (its stop token accepted, ignore_eos or not), or refused a
+            # token only conflicting masks let through (min_tokens past its end)
+            reason = "stop"
         if reason is None and (
             seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
         ):
@@ -365,6 +371,8 @@ class OutputProcessor:
             child.cached_prompt_tokens = parent.cached_prompt_tokens
             child.prompt_logprobs = None  # the request's prompt is reported once, by the parent
             child.bad_words_token_ids = parent.bad_words_token_ids
+            if parent.grammar is not None:  # before the parent accepts its first token
+                child.grammar = parent.grammar.fork()
             if parent.sampling.seed is not None:
                 child.generator = seeded_generator(parent.sampling.seed + index, self.device)
             if parent.detok is not None:

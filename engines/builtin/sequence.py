@@ -13,6 +13,7 @@ from engines.base import TokenLogprob
 from engines.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engines.builtin.structured.backend import Matcher
     from models.tokenizer import DetokenizerStream
 
 _ids = itertools.count()
@@ -55,6 +56,8 @@ class Sequence:
     #: samples its first sampling step still has to draw (each becomes a forked sequence).
     sample_index: int = 0
     pending_forks: int = 0
+    #: SamplingParams.structured_outputs: the sequence's place in its grammar
+    grammar: Matcher | None = None
     #: best_of > n: the raw log-probabilities of the sample's tokens, summed (its rank)
     cumulative_logprob: float = 0.0
     #: Beam search: the beam's candidates are in, and it has nothing to compute until its

@@ -50,6 +50,7 @@ def step_record(
     draft_ns: int = 0,
     comm: tuple[int, int] = (0, 0),
     broadcast: tuple[int, int] = (0, 0),
+    structured: tuple[int, int] = (0, 0),
 ) -> StepRecord:
     """The record of a step as it was executed; KV figures as of its end. `comm`, `broadcast`:
     (ns, bytes) of the step's collectives and of its broadcast to the other tensor-parallel
@@ -73,6 +74,8 @@ def step_record(
         kv_blocks_used=kv.num_blocks_in_use,
         kv_blocks_shared=kv.num_shared_blocks,
         kv_bytes_copied=len(plan.copied_blocks) * kv.block_size * kv.layout.bytes_per_token,
+        structured_rows=structured[0],
+        structured_mask_ns=structured[1],
         forward_ns=forward_ns,
         kv_gather_ns=kv_gather_ns,
         logits_tokens=logits_tokens,

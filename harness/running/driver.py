@@ -603,6 +603,8 @@ class Driver:
             "kv_blocks_used": record.kv_blocks_used,
             "kv_blocks_shared": record.kv_blocks_shared,
             "kv_bytes_copied": record.kv_bytes_copied,
+            "structured_rows": record.structured_rows,
+            "structured_mask_s": record.structured_mask_ns / 1e9,
             "forward_s": record.forward_ns / 1e9,
             "kv_gather_s": record.kv_gather_ns / 1e9,
             "logits_tokens": record.logits_tokens,

@@ -131,7 +131,15 @@ COMPLETION_FIELDS = {
 CHAT_FIELDS = {
     **FIELDS,
     "max_completion_tokens": field(st.integers(-2, 60)),
-    "response_format": field(st.just({"type": "text"})),
+    "response_format": field(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}])
+        | st.builds(lambda s: {"type": "json_schema", "json_schema": {"schema": s}}, anything)
+    ),
+    "guided_regex": field(texts),
+    "guided_choice": field(st.lists(texts, max_size=3)),
+    "structured_outputs": field(
+        st.dictionaries(st.sampled_from(["regex", "choice", "json"]), anything, max_size=2)
+    ),
     "tools": field(st.lists(anything, max_size=1)),
 }
 

@@ -1,0 +1,83 @@
+"""What a request's output must match (vLLM's `StructuredOutputsParams`): a JSON schema, any
+JSON object, a regular expression, one of a list of choices, or an EBNF grammar. Shared by
+every backend; the built-in engine enforces it with a grammar backend
+(engines/builtin/structured/), other backends pass it on or refuse it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+#: The kinds, in the order a request's fields are read; exactly one is set
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of: `json` (a JSON schema, as a dict or its text), `json_object` (true: any
+    JSON object), `regex`, `choice` (the output is one of these strings), `grammar` (EBNF, as
+    xgrammar and vLLM read it)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: the schema's canonical JSON, the regex, the choices as a
+        JSON list, the grammar; "" for json_object. With `kind`, the compile cache's key."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if self.kind == "choice":
+            return json.dumps(list(value))
+        return "" if self.kind == "json_object" else str(value)
+
+    def validate(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            text = repr(getattr(self, name))
+            text = text if len(text) <= 80 else text[:77] + "..."
+            return ValueError(
+                f"SamplingParams.structured_outputs.{name}: {text} is invalid; allowed: {allowed}"
+            )
+
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"SamplingParams.structured_outputs: {len(given)} constraints given "
+                f"({', '.join(given) or 'none'}); allowed: exactly one of {', '.join(KINDS)}"
+            )
+        if not isinstance(self.json_object, bool):
+            raise bad("json_object", "true or false")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError:
+                    raise bad("json", "a JSON schema (an object, or its JSON text)") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, dict | bool):
+                raise bad("json", "a JSON schema (an object, or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(name, "a non-empty string")
+        choice = self.choice
+        if choice is not None and (
+            not isinstance(choice, list | tuple)
+            or not choice
+            or not all(isinstance(c, str) and c for c in choice)
+        ):
+            raise bad("choice", "a non-empty list of non-empty strings")
