@@ -608,20 +608,14 @@ class LLMEngine:
         self._check_some_token_allowed(sampling)
 
     def _check_structured_outputs(self, params: StructuredOutputsParams) -> None:
-        """A grammar backend to enforce it, not with drafts; compiled now (cached), so that
-        a constraint the backend cannot compile is refused naming the field, and the step
-        loop never waits for a compilation."""
+        """A grammar backend to enforce it; compiled now (cached), so that a constraint the
+        backend cannot compile is refused naming the field, and the step loop never waits
+        for a compilation."""
         if self.structured is None:
             raise ValueError(
                 "SamplingParams.structured_outputs: engine.structured_output_backend is none "
                 "(auto finds no xgrammar installed); allowed: null (or "
                 "engine.structured_output_backend=xgrammar, pip install xgrammar)"
-            )
-        if self.proposer is not None:
-            raise ValueError(
-                "SamplingParams.structured_outputs: not done with speculative decoding yet "
-                "(drafts are not checked against the grammar); allowed: null (or no "
-                "engine.speculative_config)"
             )
         self.structured.compile(params)
 

@@ -609,15 +609,13 @@ class ModelRunner:
                 start += count
             logits = logits[rows]
         seqs = [s.seq for s, n in zip(items, copies, strict=True) for _ in range(n)]
+        proposals = [
+            s.proposal or Proposal([]) for s, n in zip(items, copies, strict=True) for _ in range(n)
+        ]
         raw = logits  # logprobs report the raw logits, whatever masks the sampling
         if self.structured is not None:
-            logits = self.structured.mask(logits, seqs)
+            logits = self.structured.mask(logits, seqs, [p.token_ids for p in proposals])
         if plan.num_draft_tokens:
-            proposals = [
-                s.proposal or Proposal([])
-                for s, n in zip(items, copies, strict=True)
-                for _ in range(n)
-            ]
             if not bool(finite):  # verification reads its tokens back more than once anyway
                 raise non_finite_logits(logits, plan.step)
             kept = verify(logits, seqs, proposals, self.sampler, self.eos_ids)

@@ -21,6 +21,9 @@ class Matcher(Protocol):
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row `row` of the bitmask."""
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative drafts looked ahead)."""
+
     def fork(self) -> Matcher:
         """An independent copy at the same place (parallel sampling's samples)."""
 

@@ -56,21 +56,50 @@ class StructuredOutputs:
     def matcher(self, params: StructuredOutputsParams) -> Matcher:
         return self.backend.matcher(self.compile(params))
 
-    def mask(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
-        """The logits with every row that has a grammar masked to the tokens it allows next
-        (a copy; the raw logits stay for logprobs); the logits themselves when none has."""
-        rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
-        self.last_mask_rows = len(rows)
-        if not rows:
-            self.last_mask_ns = 0
+    def mask(
+        self, logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[Seq[int]]
+    ) -> torch.Tensor:
+        """The logits (one row per sequence, and one more per draft of its speculative
+        proposal, `drafts`) with every row of a sequence that has a grammar masked to the
+        tokens it allows there: a draft's row as if the drafts before it were accepted (the
+        matcher advanced through them, then rolled back). A copy; the raw logits stay for
+        logprobs. The logits themselves when no sequence has a grammar."""
+        guided: list[int] = []
+        first = 0
+        starts = []
+        for seq, own in zip(seqs, drafts, strict=True):
+            starts.append(first)
+            if seq.grammar is not None:
+                guided += range(first, first + len(own) + 1)
+            first += len(own) + 1
+        self.last_mask_rows = len(guided)
+        if not guided:
             return logits
         start = time.perf_counter_ns()
-        bitmask = self.backend.allocate_bitmask(len(seqs))
-        for row in rows:
-            grammar = seqs[row].grammar
-            assert grammar is not None
-            grammar.fill_mask(bitmask, row)
+        bitmask = self.backend.allocate_bitmask(first)
+        for seq, own, row in zip(seqs, drafts, starts, strict=True):
+            if seq.grammar is not None:
+                _fill_through_drafts(seq.grammar, own, bitmask, row)
         masked = logits.float().clone()
-        self.backend.apply_bitmask(masked, bitmask, rows)
+        self.backend.apply_bitmask(masked, bitmask, guided)
         self.last_mask_ns = time.perf_counter_ns() - start
         return masked
+
+
+def _fill_through_drafts(
+    grammar: Matcher, drafts: Seq[int], bitmask: torch.Tensor, row: int
+) -> None:
+    """Rows row..row+len(drafts): the mask at the sequence's next position, then at each
+    draft's next, the matcher advanced through the drafts and rolled back after. Past a draft
+    the grammar refuses, the rows keep the last mask: that draft's own row rejects it (its
+    probability is 0 there), so verification never reads them."""
+    accepted = 0
+    for j in range(len(drafts) + 1):
+        grammar.fill_mask(bitmask, row + j)
+        if j == len(drafts) or not grammar.accept(drafts[j]):
+            for rest in range(j + 1, len(drafts) + 1):
+                bitmask[row + rest] = bitmask[row + j]
+            break
+        accepted += 1
+    if accepted:
+        grammar.rollback(accepted)

@@ -26,6 +26,9 @@ class XGrammarMatcher:
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
     def fork(self) -> Matcher:
         return XGrammarMatcher(self._matcher.fork())
 

@@ -176,22 +176,34 @@ def test_what_cannot_compile_is_refused_naming_the_field(
     assert not llm.engine.sequences
 
 
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        ({"structured_output_backend": "none"}, "structured_output_backend is none"),
-        (
-            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-            "speculative decoding",
-        ),
-    ],
-)
-def test_what_the_engine_cannot_enforce_is_refused(options: dict, message: str) -> None:
+def test_a_backend_of_none_refuses_constraints() -> None:
     with (
-        LLM("tiny", **options) as llm,
-        pytest.raises(ValueError, match=f"SamplingParams.structured_outputs: .*{message}"),
+        LLM("tiny", structured_output_backend="none") as llm,
+        pytest.raises(ValueError, match=r"structured_outputs: .*structured_output_backend is none"),
     ):
         llm.generate("x", guided("regex"))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculative_decoding_under_a_grammar(llm: LLM, temperature: float) -> None:
+    """n-gram drafts are checked against the grammar (each draft's row masked as if the drafts
+    before it were kept, the matcher rolled back after): greedy tokens equal decoding without
+    drafts, some drafts are kept, every output is valid."""
+    loop = Constraint(regex=r"(ab|cd|ef){2,30}!")
+    params = SamplingParams(max_tokens=48, temperature=temperature, seed=5, structured_outputs=loop)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    with LLM("tiny", dtype="float32", max_model_len=256, speculative_config=spec) as drafted:
+        outs = drafted.generate(PROMPTS, params)
+    assert sum(o.metrics.spec_accepted_tokens for o in outs) > 0
+    for out in outs:
+        assert out.finish_reason in ("stop", "length")
+        text = out.text
+        if out.finish_reason == "stop":
+            assert re.fullmatch(r"(ab|cd|ef){2,30}!", text), text
+        else:
+            assert re.fullmatch(r"(ab|cd|ef)*(a|c|e)?", text), text
+    if temperature == 0.0:
+        assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(PROMPTS, params)]
 
 
 @pytest.mark.parametrize(
