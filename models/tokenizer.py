@@ -212,8 +212,16 @@ class Tokenizer:
         """Ids of special tokens (added tokens marked special, plus BOS/EOS/pad)."""
         return self._special_ids
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads `tools` (Qwen2's does; SmolLM2's does not)."""
+        return "tools" in self._chat_template
+
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         is_default = self._chat_template == DEFAULT_CHAT_TEMPLATE
         _validate_messages(messages, _CHAT_ROLES if is_default else None)
@@ -223,7 +231,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self._bos_token or "",
             eos_token=self._eos_token or "",
-            tools=None,
+            tools=tools,
             documents=None,
         )
 
@@ -244,13 +252,16 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render and encode a conversation; BOS appears once whether or not the template wrote it.
 
         Other post-processor additions (such as a trailing EOS) are never applied to chats.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         ids = _encode_ids(self._backend, text, False)
         bos, bos_text = self.special.bos_id, self._bos_token
         if self._adds_bos and bos is not None and not (bos_text and text.startswith(bos_text)):

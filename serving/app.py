@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.builtin.backend import BuiltinBackend
 from engines.sampling_params import SamplingParams
+from engines.structured_outputs import StructuredOutputsParams
 from serving.auth import APIKeyAuth
 from serving.config import ServerConfig
 from serving.formats import ChatWriter, CompletionWriter, Writer, collect, event_stream
@@ -43,6 +44,7 @@ from serving.protocol import (
 )
 from serving.sse import ClientDisconnected, EventStreamResponse, unless_disconnected
 from serving.tokenize_routes import add_tokenizer_routes
+from serving.tool_calls import ToolRequest, history_as_text
 
 
 def _version() -> str:
@@ -207,11 +209,12 @@ async def _chat_complete(
     arrived_ns = arrival_ns(request.scope)
     body = await _parse(request, ChatCompletionRequest)
     _check_common(body, serving.model_name)
-    messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
     try:
-        prompt = await serving.tokenize(messages)
+        tools = ToolRequest.of(body.tools, body.tool_choice, body.parallel_tool_calls)
     except ValueError as exc:
-        raise APIError(f"messages: {exc}", "messages", "invalid_value") from None
+        field = str(exc).split(":", 1)[0]
+        raise APIError(str(exc), field, "invalid_value") from None
+    prompt = await _chat_prompt(serving, body, tools)
     _check_not_empty(prompt, added_ids, "messages")
     requested, name = (
         (body.max_tokens, "max_tokens")
@@ -221,7 +224,8 @@ async def _chat_complete(
     max_tokens = serving.check_prompt(prompt, requested, "messages", name)
     # logprobs: true alone reports the sampled tokens' (top_logprobs 0), as OpenAI does
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = [_sampling(body, max_tokens, name, logprobs)]
+    constraint = None if tools is None else tools.constraint()
+    sampling = [_sampling(body, max_tokens, name, logprobs, constraint=constraint)]
     return await _respond(
         request,
         serving,
@@ -232,7 +236,40 @@ async def _chat_complete(
         arrived_ns,
         ChatWriter,
         serving.model_name,
+        tools=tools,
     )
+
+
+async def _chat_prompt(
+    serving: ServingEngine, body: ChatCompletionRequest, tools: ToolRequest | None
+) -> list[int]:
+    """The conversation's token ids. A template that renders tools gets them (and the
+    messages' tool calls as they are); for one that does not, the tools are described in the
+    system message and the calls written as text (serving/tool_calls.py)."""
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(body.messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    tokenizer = serving.engine.tokenizer
+    template_tools = None if tools is None else tools.template_tools()
+    if not tokenizer.renders_tools:
+        messages = history_as_text(messages)
+        if template_tools is not None and tools is not None:
+            if messages[0]["role"] == "system":
+                messages[0]["content"] += "\n\n" + tools.system_text()
+            else:
+                messages.insert(0, {"role": "system", "content": tools.system_text()})
+        template_tools = None
+    try:
+        return await serving.in_tokenizer_pool(
+            tokenizer.encode_chat, messages, True, template_tools
+        )
+    except ValueError as exc:
+        raise APIError(f"messages: {exc}", "messages", "invalid_value") from None
 
 
 def _profiler(serving: ServingEngine, request: Request) -> EngineProfiler:
@@ -336,9 +373,17 @@ def _sampling(
     max_tokens_param: str = "max_tokens",
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
+    """`constraint`: the tool choice's grammar, which no other structured field may join."""
     try:
-        structured, _ = body.structured()
+        structured, source = body.structured()
+        if constraint is not None and structured is not None:
+            raise ValueError(
+                f"{source}: tool_choice already constrains the output (a named function or "
+                "required); allowed: one of them"
+            )
+        structured = structured or constraint
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -392,6 +437,7 @@ async def _respond(
     writer_type: type[Writer],
     model_name: str,
     echo: list[str] | None = None,
+    **writer_options: Any,
 ) -> Response:
     n = sampling[0].n
     try:
@@ -423,6 +469,7 @@ async def _respond(
         ),
         token_texts=None if sampling[0].logprobs is None else serving.token_texts,
         echo=echo,
+        **writer_options,
     )
     pieces = serving.generate(request_id, prompts, sampling, arrival_ns, admission)
     if body.stream:

@@ -33,6 +33,7 @@ from serving.protocol import (
     error_body,
 )
 from serving.sse import DONE, sse_event
+from serving.tool_calls import ToolRequest
 
 
 @dataclass
@@ -203,7 +204,26 @@ class CompletionWriter(Writer):
         ).model_dump_json()
 
 
+@dataclass
 class ChatWriter(Writer):
+    #: the request's tools (serving/tool_calls.py): a choice's text becomes its tool calls,
+    #: and a stream holds the text back until the choice ends
+    tools: ToolRequest | None = None
+    _held: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def holds_text(self) -> bool:
+        return self.tools is not None and self.tools.mode != "none"
+
+    def message(self, text: str, finish_reason: str) -> tuple[str | None, list[Any], str]:
+        """(content, tool calls, finish reason) of a choice's whole text."""
+        if self.tools is None:
+            return text, [], finish_reason
+        content, calls = self.tools.parse(text)
+        if calls and self.tools.ends_with_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return content, calls, finish_reason
+
     def response(self, choices: dict[int, ChoiceResult]) -> dict[str, Any]:
         ids = self.return_token_ids
         body = ChatCompletionResponse(
@@ -215,12 +235,13 @@ class ChatWriter(Writer):
             choices=[
                 ChatChoice(
                     index=i,
-                    message=AssistantMessage(content=c.end.text),
+                    message=AssistantMessage(content=content, tool_calls=calls or None),
                     logprobs=self._logprobs(c.logprobs),
-                    finish_reason=c.end.finish_reason,
+                    finish_reason=reason,
                     token_ids=c.token_ids if ids else None,
                 )
                 for i, c in sorted(choices.items())
+                for content, calls, reason in [self.message(c.end.text, c.end.finish_reason)]
             ],
         )
         return body.model_dump(exclude=None if ids else {"prompt_token_ids": True, **_CHOICE_IDS})
@@ -230,19 +251,23 @@ class ChatWriter(Writer):
         before = self.running_usage()  # the role chunk comes before the piece's tokens
         usage = self.count(piece)
         if isinstance(piece, ChoiceEnd):
+            delta, reason = ChatDelta(), piece.finish_reason
+            if self.holds_text:  # the held text, as content or as the calls, at the end
+                content, calls, reason = self.message(self._held.pop(piece.index, ""), reason)
+                delta = ChatDelta(
+                    content=content or None,
+                    tool_calls=[{"index": k, **call} for k, call in enumerate(calls)] or None,
+                )
             return self._chunk(
-                ChatChunkChoice(
-                    index=piece.index,
-                    delta=ChatDelta(),
-                    finish_reason=piece.finish_reason,
-                    token_ids=[],
-                ),
+                ChatChunkChoice(index=piece.index, delta=delta, finish_reason=reason, token_ids=[]),
                 usage,
             )
+        if self.holds_text:
+            self._held[piece.index] = self._held.get(piece.index, "") + piece.text
         text = self._chunk(
             ChatChunkChoice(
                 index=piece.index,
-                delta=ChatDelta(content=piece.text),
+                delta=ChatDelta(content=None if self.holds_text else piece.text),
                 logprobs=self._logprobs(piece.logprobs) if piece.token_ids else None,
                 token_ids=list(piece.token_ids),
             ),

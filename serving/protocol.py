@@ -28,6 +28,7 @@ from starlette.types import Message, Send
 from engines.sampling_params import MAX_LOGPROBS
 from serving.logprobs_format import ChatLogprobs, CompletionLogprobs
 from serving.structured_format import StructuredFields
+from serving.tool_calls import ToolChoice, ToolDefinition, tool_choice_value
 
 # ---- errors -------------------------------------------------------------------------------
 
@@ -270,8 +271,6 @@ OPENAI_FIELDS_NOT_SUPPORTED = frozenset(
     {
         "audio",
         "refusal",
-        "tool_call_id",
-        "tool_calls",
         "web_search_options",
     }
 )
@@ -330,8 +329,6 @@ MAX_TOP_LOGPROBS = MAX_LOGPROBS
 NEUTRAL_VALUES = {
     "modalities": 'null or ["text"]',
     "prediction": "null",
-    "tool_choice": 'null or "none"',
-    "tools": "null or []",
     "functions": "null or []",
     # vLLM's /tokenize chat options (serving/tokenize_routes.py)
     "continue_final_message": "false",
@@ -543,6 +540,9 @@ class ChatMessage(_Strict):
     role: str
     content: Any = None  # str | list[ContentPart] | None, checked below with one clear error
     name: str | None = None
+    # a conversation with tool calls: the assistant's calls, and a tool result's call id
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -563,6 +563,8 @@ class ChatMessage(_Strict):
         """The message's text; only text content parts are supported."""
         if isinstance(self.content, str):
             return self.content
+        if self.content is None and self.tool_calls:  # an assistant turn of calls alone
+            return ""
         if self.content is None:
             raise APIError(
                 f"messages[{index}].content: a string is required (tool calls are not supported)",
@@ -650,11 +652,17 @@ class ChatCompletionRequest(_SamplingFields, _OpenAIChatHints):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_value(cls, value: Any) -> Any:
+        # one message for the union (pydantic would name a branch)
+        return tool_choice_value(value)
 
     @field_validator("messages")
     @classmethod
@@ -688,7 +696,7 @@ class ChatCompletionRequest(_SamplingFields, _OpenAIChatHints):
         hint = self.unsupported_hint()
         if hint is not None:
             return hint
-        for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+        for name in ("functions", "function_call"):  # OpenAI's deprecated spelling of tools
             if getattr(self, name) not in (None, [], "none"):
                 return name
         return super().unsupported()
@@ -728,7 +736,15 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's layout (serving/tool_calls.py)
+
+    @model_serializer
+    def _calls_when_present(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
 
 
 class ChatChoice(BaseModel):
@@ -753,11 +769,13 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # each with its "index", as OpenAI streams
 
     @model_serializer
     def _present_fields_only(self) -> dict[str, Any]:
         # A delta carries only what changed; the final chunk's delta is {}.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        fields = (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+        return {k: v for k, v in fields if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -398,7 +398,12 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
     (CHAT, {"messages": USER, "logprobs": 1}, "logprobs", "invalid_type"),
     (CHAT, {"messages": USER, "top_logprobs": 3}, "top_logprobs", "invalid_value"),
-    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
+    (
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function"}]},
+        "tools[0].function",
+        "missing_required_parameter",
+    ),
     # OpenAI defines these; the server has no such feature: unsupported, not unknown
     (
         CHAT,
@@ -410,8 +415,8 @@ ERROR_CASES: list[tuple[str, Any, str | None, str]] = [
     (COMPLETIONS, {"prompt": "hi", "store": True}, "store", "unknown_parameter"),
     (
         CHAT,
-        {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]},
-        "messages[0].tool_call_id",
+        {"messages": USER, "functions": [{"name": "f"}]},
+        "functions",
         "unsupported_parameter",
     ),
     (
