@@ -22,6 +22,7 @@ LOGITS_FIELDS = (
     "allowed_token_ids",
     "bad_words",
     "best_of",
+    "structured_outputs",
 )
 
 #: vLLM's (and OpenAI's) ranges for the penalties and biases

@@ -6,6 +6,7 @@ every backend; the built-in engine enforces it with a grammar backend
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,29 @@ class StructuredOutputsParams:
         if self.kind == "choice":
             return json.dumps(list(value))
         return "" if self.kind == "json_object" else str(value)
+
+    def matches(self, text: str) -> bool | None:
+        """Whether `text` satisfies the constraint (a JSON schema through jsonschema, the
+        reference validator, where installed; else the JSON must parse); None for a grammar,
+        which only a grammar engine can judge."""
+        kind = self.kind
+        if kind == "regex":
+            return re.fullmatch(str(self.regex), text) is not None
+        if kind == "choice":
+            return text in (self.choice or ())
+        if kind == "grammar":
+            return None
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return False
+        if kind == "json_object":
+            return isinstance(value, dict)
+        try:
+            import jsonschema
+        except ImportError:
+            return True  # it parses; the schema is not checked without jsonschema
+        return jsonschema.Draft202012Validator(json.loads(self.spec)).is_valid(value)
 
     def validate(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:

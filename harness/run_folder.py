@@ -204,6 +204,9 @@ REQUEST_COLUMNS = [
     "prefix_group",
     "session_id",
     "turn",
+    # structured output: the request's constraint kind, and whether its output satisfied it
+    "structured",
+    "structured_valid",
     "prefill_tokens_computed",
     "tokenize_s",
     "queue_s",

@@ -17,6 +17,7 @@ from engines.base import Prompt
 from workloads.arrivals import concurrency_of, max_concurrency_of
 from workloads.common import length_totals, make_request, plan_cancellation, span_info
 from workloads.request import WorkloadRequest
+from workloads.structured import plan_structured
 
 
 @dataclass
@@ -34,6 +35,11 @@ class WorkloadBase:
     # cancel_after_s seconds after each is sent (workloads/common.py: plan_cancellation)
     cancel_fraction: float = 0.0
     cancel_after_s: float | None = None
+    # Structured traffic (vLLM's --structured-output-ratio): exactly
+    # round(structured_fraction * n) requests, drawn with the seed, carry a constraint drawn
+    # from the shipped ones of structured_kinds (workloads/structured.py)
+    structured_fraction: float = 0.0
+    structured_kinds: list[str] = field(default_factory=lambda: ["json"])
 
     def __post_init__(self) -> None:
         self.info: dict[str, Any] = {}  # filled by build(); not a config key
@@ -63,8 +69,14 @@ class WorkloadBase:
         return make_request(self, request_id, prompt, prompt_tokens, output_len, arrival_s, **where)
 
     def _cancel(self, requests: list[WorkloadRequest]) -> dict[str, Any]:
-        """Mark the requests the workload cancels (in place); `info`'s keys about them."""
-        return plan_cancellation(requests, self.cancel_fraction, self.cancel_after_s, self.seed)
+        """Mark the requests the workload cancels and those it constrains (in place); `info`'s
+        keys about them."""
+        return {
+            **plan_cancellation(requests, self.cancel_fraction, self.cancel_after_s, self.seed),
+            **plan_structured(
+                requests, self.structured_fraction, list(self.structured_kinds), self.seed
+            ),
+        }
 
     @staticmethod
     def _totals(arrivals: np.ndarray, inputs: np.ndarray, outputs: np.ndarray) -> dict[str, Any]:

@@ -202,6 +202,26 @@ def check_common(workload: Any) -> None:
         raise invalid("id_prefix", workload.id_prefix, "a non-empty string")
     check_sampling_options(workload.temperature, workload.ignore_eos, workload.sampling)
     check_cancellation(workload.cancel_fraction, workload.cancel_after_s)
+    check_structured(workload.structured_fraction, workload.structured_kinds)
+
+
+#: The constraint kinds a workload's structured requests draw from (data/structured/)
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")
+
+
+def check_structured(fraction: Any, kinds: Any) -> None:
+    if not is_number(fraction) or not 0 <= fraction <= 1:
+        raise invalid(
+            "structured_fraction", fraction, "a number in [0, 1] (0: no structured requests)"
+        )
+    if (
+        not isinstance(kinds, list | tuple)
+        or not kinds
+        or not all(k in STRUCTURED_KINDS for k in kinds)
+        or len(set(kinds)) != len(kinds)
+    ):
+        allowed = "|".join(STRUCTURED_KINDS)
+        raise invalid("structured_kinds", kinds, f"a non-empty list of distinct {allowed}")
 
 
 def check_cancellation(fraction: Any, after_s: Any) -> None:

@@ -391,6 +391,13 @@ class OpenAIBackend(Backend):
             body["prompt"] = self._completion_prompt(request.prompt)
         body.update(self.dialect.sampling_fields(request.sampling))
         sampling = request.sampling
+        constraint = sampling.structured_outputs
+        if constraint is not None and constraint.kind not in self.dialect.structured_kinds:
+            raise ValueError(
+                f"SamplingParams.structured_outputs.{constraint.kind}: the {self.dialect.name} "
+                f"dialect cannot ask its server for it; allowed: "
+                f"{', '.join(self.dialect.structured_kinds)} (engine.server=vllm sends every kind)"
+            )
         if sampling.logprobs is not None:
             raise ValueError(
                 "SamplingParams.logprobs: engine=openai does not read the generated tokens' "

@@ -23,6 +23,7 @@ one name) can pick the dialect of the server that actually answers.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,12 @@ def _openai_fields(sampling: SamplingParams) -> dict[str, Any]:
         body["frequency_penalty"] = sampling.frequency_penalty
     if sampling.logit_bias:  # OpenAI's keys are token-id strings
         body["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias.items()}
+    constraint = sampling.structured_outputs
+    if constraint is not None and constraint.kind == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif constraint is not None and constraint.kind == "json":
+        schema = {"name": "response", "schema": json.loads(constraint.spec), "strict": True}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
     return body
 
 
@@ -77,6 +84,15 @@ def _vllm_fields(sampling: SamplingParams) -> dict[str, Any]:
         body["allowed_token_ids"] = list(sampling.allowed_token_ids)
     if sampling.bad_words:
         body["bad_words"] = list(sampling.bad_words)
+    constraint = sampling.structured_outputs
+    if constraint is not None:  # vLLM's extension carries every kind
+        body.pop("response_format", None)
+        value: object = (
+            json.loads(constraint.spec)
+            if constraint.kind in ("json", "choice")
+            else (True if constraint.kind == "json_object" else constraint.spec)
+        )
+        body["structured_outputs"] = {constraint.kind: value}
     return body
 
 
@@ -159,6 +175,8 @@ class Dialect:
     token_id_fields: dict[str, Any]  # what asks the server for output token ids
     forces_length: bool  # ignore_eos requests come back exactly max_tokens long
     unsupported: tuple[str, ...]  # SamplingParams fields this server cannot honour
+    #: structured-output kinds its requests can carry (OpenAI's response_format: the JSON ones)
+    structured_kinds: tuple[str, ...] = ("json", "json_object")
     # How a stream without a usage count is counted (backend.RULES), when the server is known
     # to stream one chunk per token; None: the tokenizer, else one token per non-empty chunk.
     count_rule: str | None = None
@@ -175,7 +193,15 @@ class Dialect:
 
 
 DIALECTS: dict[str, Dialect] = {
-    "vllm": Dialect("vllm", _vllm_beam_fields, True, {"return_token_ids": True}, True, _NOWHERE),
+    "vllm": Dialect(
+        "vllm",
+        _vllm_beam_fields,
+        True,
+        {"return_token_ids": True},
+        True,
+        _NOWHERE,
+        structured_kinds=("json", "json_object", "regex", "choice", "grammar"),
+    ),
     "sglang": Dialect(
         "sglang",
         _sglang_fields,

@@ -281,6 +281,30 @@ register(
     "speculative decoding: the proposer's time / the steps' time",
 )
 register(
+    "structured_requests",
+    "count",
+    "none",
+    "deterministic",
+    "structured output: requests that carried a constraint (workload.structured_fraction)",
+)
+register(
+    "structured_validity",
+    "fraction",
+    "higher",
+    "deterministic",
+    "structured output: completed constrained requests whose output satisfies its constraint "
+    "(jsonschema for a schema; vLLM's structured-output benchmark's correct rate)",
+)
+for _class in ("structured", "free"):
+    for _name, _what in (("ttft", "time to first token"), ("tpot", "time per output token")):
+        register(
+            f"{_name}_p50_s_{_class}",
+            "s",
+            "lower",
+            "timing",
+            f"structured output: the median {_what} of the {_class} requests alone",
+        )
+register(
     "prefix_cache_hit_rate",
     "fraction",
     "higher",
@@ -881,6 +905,7 @@ def compute_summary(
     summary.update(_load_metrics(members, run_info))
     summary["padding_fraction"] = _padding_fraction(window_steps)
     summary.update(_engine_metrics(window_steps, members, run_info))
+    summary.update(_structured_metrics(members, ok))
     summary.update(run_info.get("quality") or {})
     summary.update((run_info.get("accuracy") or {}).get("metrics") or {})
     if run_info.get("samples") is not None:  # the monitor's samples (harness/measuring/monitors.py)
@@ -947,6 +972,28 @@ def _latency_metrics(
     itl = inter_token_latencies(tokens, ok["request_id"])
     out.update(_stats(LATENCY_FAMILIES["itl"], itl, percentiles))
     out.update(itl_by_cause(tokens, steps, ok["request_id"]))
+    return out
+
+
+def _structured_metrics(members: pd.DataFrame, ok: pd.DataFrame) -> dict[str, Any]:
+    """Structured traffic: how many requests carried a constraint, the share of the completed
+    ones whose output satisfied it, and TTFT / TPOT of the two classes apart. Nothing for a
+    run without structured requests (or a folder written before the columns existed)."""
+    if "structured" not in members or not members["structured"].notna().any():
+        return {}
+    guided = ok[ok["structured"].notna()]
+    judged = guided["structured_valid"].dropna()
+    out: dict[str, Any] = {
+        "structured_requests": int(members["structured"].notna().sum()),
+        "structured_validity": float(judged.astype(bool).mean()) if len(judged) else None,
+    }
+    lat = per_request_latencies(ok)
+    is_guided = ok["structured"].notna().to_numpy()
+    for label, rows in (("structured", is_guided), ("free", ~is_guided)):
+        for name in ("ttft", "tpot"):
+            values = lat[f"{name}_s"].to_numpy(float)[rows]
+            values = values[~np.isnan(values)]
+            out[f"{name}_p50_s_{label}"] = float(np.median(values)) if len(values) else None
     return out
 
 

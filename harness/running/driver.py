@@ -114,6 +114,7 @@ class RequestTrace:
         queue_from = self.tokenized_ns if self.tokenized_ns is not None else self.sent_ns
 
         request = self.item.request
+        constraint = request.sampling.structured_outputs
         return {
             "request_id": request.request_id,
             "status": "cancelled"
@@ -157,6 +158,12 @@ class RequestTrace:
             "prefix_group": request.prefix_group,
             "session_id": request.session_id,
             "turn": request.turn,
+            "structured": None if constraint is None else constraint.kind,
+            # whether the output satisfies its constraint (jsonschema for a schema); None for
+            # a free request, or one that did not finish
+            "structured_valid": None
+            if constraint is None or not ok
+            else constraint.matches(self.output_text),
         }
 
 

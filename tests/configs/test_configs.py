@@ -265,6 +265,8 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "sampling": {"top_k": 5},
         "cancel_fraction": 0.25,
         "cancel_after_s": 1.5,
+        "structured_fraction": 0.5,
+        "structured_kinds": ["regex", "choice"],
         "arrival": {"process": "closed", "concurrency": 3},
         "shared_prefix": {"num_groups": 2, "prefix_len": 8},
         "sessions": {"num_turns": 2, "think_time_s": 0.5},
@@ -286,6 +288,8 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "sampling": {"top_k": 5},
         "cancel_fraction": 0.25,
         "cancel_after_s": 1.5,
+        "structured_fraction": 0.5,
+        "structured_kinds": ["regex", "choice"],
     },
     "trace": {
         "path": str(TRACES / "AzureLLMInferenceTrace_conv.csv"),
@@ -314,6 +318,8 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "sampling": {"top_k": 5},
         "cancel_fraction": 0.25,
         "cancel_after_s": 1.5,
+        "structured_fraction": 0.5,
+        "structured_kinds": ["regex", "choice"],
     },
 }
 

@@ -22,6 +22,7 @@ from engines.openai.config import OpenAIConfig, OpenAIConfigError
 from engines.openai.dialects import DIALECTS
 from engines.openai.sse import SSEParser
 from engines.sampling_params import SamplingParams
+from engines.structured_outputs import StructuredOutputsParams
 from harness.measuring.metrics import compute_summary
 from harness.run_folder import COLUMNS
 from harness.running.driver import Driver
@@ -859,6 +860,25 @@ def test_penalties_and_masks_are_sent_where_the_server_reads_them() -> None:
     ]  # fmt: skip
     assert sent_body("llamacpp", min_p=0.1)["min_p"] == 0.1
     assert DIALECTS["vllm"].refused(SamplingParams(n=1, best_of=3)) == ["best_of"]
+
+
+def test_structured_outputs_are_sent_as_each_server_reads_them() -> None:
+    regex = StructuredOutputsParams(regex="[0-9]+")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert sent_body("vllm", structured_outputs=regex)["structured_outputs"] == {"regex": "[0-9]+"}
+    vllm = sent_body("vllm", structured_outputs=StructuredOutputsParams(json=schema))
+    assert vllm["structured_outputs"] == {"json": schema} and "response_format" not in vllm
+    generic = sent_body("generic", structured_outputs=StructuredOutputsParams(json=schema))
+    assert generic["response_format"]["json_schema"]["schema"] == schema
+    objects = sent_body("tgi", structured_outputs=StructuredOutputsParams(json_object=True))
+    assert objects["response_format"] == {"type": "json_object"}
+    clock = FakeClock()
+    server = ScriptedServer(clock, lambda b: Reply([]))
+    backend = backend_for(server, clock, server="generic")
+    events = collect(backend, request(prompt="Hi", structured_outputs=regex))["r0"]
+    failed = [e for e in events if isinstance(e, Failed)]
+    assert failed and "structured_outputs.regex: the generic dialect" in failed[0].error
+    assert not server.bodies
 
 
 def test_dropped_sampling_fields_are_counted() -> None:
