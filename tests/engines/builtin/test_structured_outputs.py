@@ -239,3 +239,18 @@ def test_steps_record_the_masked_rows_and_the_mask_time(llm: LLM) -> None:
         engine.step_observers.remove(records.append)
     assert records[0].structured_rows == 1 and records[0].structured_mask_ns > 0
     assert all(r.structured_mask_ns < r.forward_ns for r in records)
+
+
+def test_tensor_parallel_ranks_give_the_same_guided_tokens(llm: LLM) -> None:
+    """Rank 0 masks and samples from the gathered logits: two ranks, the tokens of one."""
+    params = [guided(kind) for kind in ("json", "regex", "choice", "grammar")]
+    one = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM(
+        "tiny",
+        dtype="float32",
+        max_model_len=256,
+        kv_cache="paged",
+        tensor_parallel_size=2,
+        num_threads=1,
+    ) as two:
+        assert [o.token_ids for o in two.generate(PROMPTS, params)] == one
