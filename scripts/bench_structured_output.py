@@ -2,7 +2,8 @@
 of guided requests against the same requests free (each free one decodes exactly as many
 tokens as its guided twin, ignore_eos), at batch 1 and 16; the mask's time per step, absolute
 and as a share of the step's forward; the compile time of each constraint, cold and cached.
-Alternating rounds in one process; medians.
+Alternating rounds in one process; medians. And validity: SmolLM2 asked for JSON following
+each shipped schema, with the grammar and without it, greedy and sampled.
 
     .venv/bin/python scripts/bench_structured_output.py [--model smollm2-135m]
         [--batches 1 16] [--rounds 3] [--json F]
@@ -21,6 +22,7 @@ from typing import Any
 from engines.base import Finished, StepRecord, Tokens
 from engines.builtin import LLM, SamplingParams
 from engines.structured_outputs import StructuredOutputsParams
+from workloads.structured import shipped_constraints
 
 PEOPLE = {
     "type": "array",
@@ -87,6 +89,38 @@ def run(llm: LLM, batch: list[list[int]], params: list[SamplingParams]) -> dict[
     }
 
 
+def validity(llm: LLM, seeds: int = 4) -> dict[str, dict[str, float]]:
+    """SmolLM2 asked, in its chat template, for JSON following each shipped schema: the share of
+    outputs that validate (jsonschema, the text as it is), with the grammar and without it,
+    greedy and sampled (temperature 0.8, `seeds` seeds)."""
+    schemas = [params for _, params in shipped_constraints()["json"]]
+    prompts = [
+        llm.engine.tokenize(
+            [{"role": "user", "content": f"Reply with JSON for this schema: {p.spec}"}]
+        )
+        for p in schemas
+    ]
+    out = {}
+    for masked in (True, False):
+        for label, temperature, draws in (("greedy", 0.0, 1), ("sampled", 0.8, seeds)):
+            valid = total = 0
+            for seed in range(draws):
+                params = [
+                    SamplingParams(
+                        max_tokens=256,
+                        temperature=temperature,
+                        seed=seed,
+                        structured_outputs=p if masked else None,
+                    )
+                    for p in schemas
+                ]
+                for constraint, result in zip(schemas, llm.generate(prompts, params), strict=True):
+                    valid += bool(constraint.matches(result.text))
+                    total += 1
+            out[f"{'grammar' if masked else 'free'}_{label}"] = {"valid": valid, "total": total}
+    return out
+
+
 def compile_times(llm: LLM) -> dict[str, dict[str, float]]:
     """Each constraint compiled cold (the backend itself, no cache) and looked up cached."""
     manager = llm.engine.structured
@@ -115,6 +149,7 @@ def main() -> int:
     cells: dict[str, list[dict[str, Any]]] = {}
     with LLM(args.model, dtype="float32", kv_cache="paged", max_model_len=512) as llm:
         compiled = compile_times(llm)
+        valid = validity(llm)
         run(llm, prompts(llm, 2), [SamplingParams(max_tokens=4)] * 2)  # warm-up
         for _ in range(args.rounds):  # alternating, so a noisy moment hits every variant
             for batch in args.batches:
@@ -136,6 +171,9 @@ def main() -> int:
     print("compile (xgrammar), ms: " + ", ".join(
         f"{k} {v['cold_ms']:.2f} cold / {v['cached_ms']:.3f} cached" for k, v in compiled.items()
     ))  # fmt: skip
+    print("validity on the shipped schemas: " + ", ".join(
+        f"{k} {v['valid']}/{v['total']}" for k, v in valid.items()
+    ))  # fmt: skip
     print("batch constraint    tokens  TPOT guided  TPOT free  ratio  mask/step  mask share")
     medians = {}
     for key, runs in cells.items():
@@ -152,7 +190,13 @@ def main() -> int:
             f"{m['mask_s'] * 1e3:7.3f} ms  {m['mask_share'] * 100:8.2f}%"
         )
     if args.json:
-        out = {"cpu": cpu, "args": vars(args), "compile": compiled, "medians": medians}
+        out = {
+            "cpu": cpu,
+            "args": vars(args),
+            "compile": compiled,
+            "validity": valid,
+            "medians": medians,
+        }
         out["texts"] = {k: runs[0]["texts"] for k, runs in cells.items()}
         args.json.write_text(json.dumps(out, indent=1, default=str))
     return 0

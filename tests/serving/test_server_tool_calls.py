@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -192,3 +192,24 @@ def test_bad_tools_are_a_400_naming_the_field(
     response = client.post(CHAT, json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_the_sdks_pydantic_function_tool_parses_its_arguments(sdk: openai.OpenAI) -> None:
+    """openai.pydantic_function_tool + beta.chat.completions.parse: the call's arguments come
+    back parsed into the model (the SDK checks them with Pydantic)."""
+    import pydantic
+
+    class GetTime(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        zone: Literal["utc", "cet"]
+
+    completion = sdk.beta.chat.completions.parse(
+        model="tiny",
+        messages=MESSAGES,
+        tools=[openai.pydantic_function_tool(GetTime)],
+        tool_choice={"type": "function", "function": {"name": "GetTime"}},
+        max_tokens=40,
+        temperature=0,
+    )
+    call = (completion.choices[0].message.tool_calls or [])[0]
+    assert isinstance(call.function.parsed_arguments, GetTime)
