@@ -222,7 +222,8 @@ class SamplingParams:
     def _validate_beam_search(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(
-                f"SamplingParams.{name}: {getattr(self, name)!r} is invalid; allowed: {allowed}"
+                f"SamplingParams.{name}: {_short(getattr(self, name))} is invalid; "
+                f"allowed: {allowed}"
             )
 
         if not isinstance(self.use_beam_search, bool):

@@ -12,6 +12,21 @@ from typing import Any
 
 #: The kinds, in the order a request's fields are read; exactly one is set
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+#: Deeper schemas are refused: compiling a 700-deep one took xgrammar 13 s, and Python's
+#: recursion limit ends reading one of ~1000
+MAX_SCHEMA_DEPTH = 64
+
+
+def _depth(value: object) -> int:
+    """How deeply lists and objects nest in `value` (iteratively: any depth is measured)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 @dataclass(frozen=True)
@@ -35,14 +50,15 @@ class StructuredOutputsParams:
 
     @property
     def spec(self) -> str:
-        """The constraint as text: the schema's canonical JSON, the regex, the choices as a
-        JSON list, the grammar; "" for json_object. With `kind`, the compile cache's key."""
+        """The constraint as text: the schema's JSON (its keys in their order, which is the
+        order a generated object follows), the regex, the choices as a JSON list, the grammar;
+        "" for json_object. With `kind`, the compile cache's key."""
         value = getattr(self, self.kind)
         if self.kind == "json":
             schema = json.loads(value) if isinstance(value, str) else value
-            return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
         if self.kind == "choice":
-            return json.dumps(list(value))
+            return json.dumps(list(value), ensure_ascii=False)
         return "" if self.kind == "json_object" else str(value)
 
     def matches(self, text: str) -> bool | None:
@@ -88,12 +104,16 @@ class StructuredOutputsParams:
             if isinstance(self.json, str):
                 try:
                     schema = json.loads(self.json)
-                except ValueError:
-                    raise bad("json", "a JSON schema (an object, or its JSON text)") from None
+                except (ValueError, RecursionError):
+                    raise bad(
+                        "json", f"a JSON schema nested at most {MAX_SCHEMA_DEPTH} levels deep"
+                    ) from None
             else:
                 schema = self.json
             if not isinstance(schema, dict | bool):
                 raise bad("json", "a JSON schema (an object, or its JSON text)")
+            if _depth(schema) > MAX_SCHEMA_DEPTH:
+                raise bad("json", f"a JSON schema nested at most {MAX_SCHEMA_DEPTH} levels deep")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -250,7 +250,7 @@ async def _chat_prompt(
     for i, m in enumerate(body.messages):
         message: dict[str, Any] = {"role": m.role, "content": m.text(i)}
         if m.tool_calls:
-            message["tool_calls"] = m.tool_calls
+            message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         messages.append(message)
@@ -360,6 +360,14 @@ def _check_not_empty(token_ids: list[int], added_ids: frozenset[int], where: str
         )
 
 
+def _structured_source(body: _SamplingFields) -> str | None:
+    """The field a request's constraint came from (None: none, or none valid)."""
+    try:
+        return body.structured()[1]
+    except ValueError:
+        return None
+
+
 def _width_field(sampling: SamplingParams) -> str:
     """The field that set how many sequences each prompt runs."""
     if sampling.use_beam_search:
@@ -420,6 +428,10 @@ def _sampling(
         if param == "max_tokens":  # the name the client used (chat: max_completion_tokens)
             param = max_tokens_param
             message = max_tokens_param + message.removeprefix("max_tokens")
+        source = _structured_source(body)
+        if param.startswith("structured_outputs") and source not in (None, "structured_outputs"):
+            param = str(source)  # the constraint as the client sent it (guided_choice, ...)
+            message = param + message.removeprefix("structured_outputs")
         raise APIError(message, param, "invalid_value") from None
 
 
@@ -441,9 +453,13 @@ async def _respond(
 ) -> Response:
     n = sampling[0].n
     try:
-        serving.check_engine_accepts(prompts, sampling)
+        # in the tokenizer pool: compiling a grammar can take seconds, never the event loop's
+        await serving.in_tokenizer_pool(serving.check_engine_accepts, prompts, sampling)
     except APIError as exc:
-        _, source = body.structured()
+        source = _structured_source(body)
+        tools = writer_options.get("tools")
+        if source is None and tools is not None and tools.constraint() is not None:
+            source = tools.constraint_field
         if source is None or source == "structured_outputs":
             raise
         if not (exc.param or "").startswith("structured_outputs"):

@@ -28,7 +28,7 @@ from starlette.types import Message, Send
 from engines.sampling_params import MAX_LOGPROBS
 from serving.logprobs_format import ChatLogprobs, CompletionLogprobs
 from serving.structured_format import StructuredFields
-from serving.tool_calls import ToolChoice, ToolDefinition, tool_choice_value
+from serving.tool_calls import ToolCall, ToolChoice, ToolDefinition, tool_choice_value
 
 # ---- errors -------------------------------------------------------------------------------
 
@@ -541,7 +541,7 @@ class ChatMessage(_Strict):
     content: Any = None  # str | list[ContentPart] | None, checked below with one clear error
     name: str | None = None
     # a conversation with tool calls: the assistant's calls, and a tool result's call id
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     @field_validator("content", mode="before")

@@ -43,6 +43,16 @@ class FunctionDefinition(_Strict):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError(
+                f"parameters: a schema of type {value.get('type')!r}; allowed: an object "
+                'schema ({"type": "object", "properties": ...}), as OpenAI requires'
+            )
+        return value
+
     @field_validator("name")
     @classmethod
     def _name_shape(cls, value: str) -> str:
@@ -61,6 +71,21 @@ class ToolDefinition(_Strict):
 
 class FunctionName(_Strict):
     name: str
+
+
+class CalledFunction(BaseModel):
+    """A call in a conversation's history (an SDK may add fields of its own: ignored)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class NamedToolChoice(_Strict):
@@ -195,6 +220,14 @@ class ToolRequest:
             return text, []
         content = _CALL.sub("", text).strip()
         return content or None, calls
+
+    @property
+    def constraint_field(self) -> str:
+        """The request field whose schema the constraint compiles (for a 400 naming it)."""
+        if self.mode == "named":
+            index = next(i for i, f in enumerate(self.tools) if f.name == self.named)
+            return f"tools[{index}].function.parameters"
+        return "tools"
 
     @property
     def ends_with_calls(self) -> bool:

@@ -71,7 +71,13 @@ class SamplingBatch:
         for row, seq in enumerate(seqs):
             p = seq.sampling
             ahead = 0 if offsets is None else offsets[row]
-            if p.min_tokens and seq.num_output_tokens + ahead < p.min_tokens:
+            # a grammar decides where a constrained output ends: min_tokens holding its stop
+            # tokens back would leave the row nothing to sample
+            if (
+                p.min_tokens
+                and seq.grammar is None
+                and seq.num_output_tokens + ahead < p.min_tokens
+            ):
                 suppress_rows.append(row)
                 suppress_ids.append(list(eos_ids) + list(p.stop_token_ids))
         # One host-to-device copy for the four per-row parameters; float64 holds the

@@ -213,3 +213,52 @@ def test_the_sdks_pydantic_function_tool_parses_its_arguments(sdk: openai.OpenAI
     )
     call = (completion.choices[0].message.tool_calls or [])[0]
     assert isinstance(call.function.parsed_arguments, GetTime)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (  # a function's parameters xgrammar cannot compile, under a named choice
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object", "not": {}}},
+                    }
+                ],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            "tools[0].function.parameters",
+        ),
+        (  # parameters that are not an object schema (OpenAI's rule)
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
+        (  # a malformed call in the history was a 500
+            {
+                "messages": [
+                    *MESSAGES,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "1", "type": "function", "function": "x"}],
+                    },
+                ]
+            },
+            "messages[1].tool_calls[0].function",
+        ),
+    ],
+)
+def test_malformed_tools_and_history_are_400s_naming_the_field(
+    client: httpx.Client, extra: dict[str, Any], param: str
+) -> None:
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, **extra}
+    response = client.post(CHAT, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.json()

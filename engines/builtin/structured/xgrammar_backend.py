@@ -15,6 +15,56 @@ from engines.builtin.structured.backend import GrammarBackend, Matcher
 from engines.structured_outputs import StructuredOutputsParams
 from models.tokenizer import Tokenizer
 
+#: JSON-schema keywords xgrammar 0.2 accepts but does not enforce (an output that finishes
+#: may break them): refused rather than promised
+UNENFORCED_KEYWORDS = frozenset(
+    {
+        "allOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "propertyNames",
+        "patternProperties",
+        "dependentRequired",
+        "dependentSchemas",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "minProperties",
+        "maxProperties",
+    }
+)
+
+
+def _check_enforceable(schema: Any) -> None:
+    """ValueError naming the first keyword (and where) xgrammar would not enforce, or a $ref
+    outside the schema (nothing is fetched)."""
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, f"{where}/{i}") for i, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if key in UNENFORCED_KEYWORDS:
+                raise ValueError(
+                    f"the schema uses {key} (at {where or '/'}), which xgrammar does not "
+                    "enforce; allowed: a schema without it"
+                )
+            if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
+                raise ValueError(
+                    f"the schema's $ref {str(value)[:80]!r} (at {where or '/'}) is outside it; "
+                    "allowed: references into the schema (#/...), nothing is fetched"
+                )
+            if key not in ("enum", "const", "default", "examples"):  # data, not schemas
+                stack.append((value, f"{where}/{key}"))
+
 
 class XGrammarMatcher:
     def __init__(self, matcher: Any) -> None:
@@ -61,6 +111,7 @@ class XGrammarBackend(GrammarBackend):
         compiler, kind = self._compiler, params.kind
         try:
             if kind == "json":
+                _check_enforceable(json.loads(params.spec))
                 # compact JSON (vLLM's disable_any_whitespace): whitespace between tokens
                 # is where a small model loops until max_tokens
                 return compiler.compile_json_schema(params.spec, any_whitespace=False)
@@ -69,7 +120,10 @@ class XGrammarBackend(GrammarBackend):
             if kind == "regex":
                 return compiler.compile_regex(params.spec)
             if kind == "choice":
-                options = " | ".join(json.dumps(c) for c in json.loads(params.spec))
+                # ensure_ascii=False: xgrammar reads a \ud83c escape as a lone surrogate
+                options = " | ".join(
+                    json.dumps(c, ensure_ascii=False) for c in json.loads(params.spec)
+                )
                 return compiler.compile_grammar(f"root ::= {options}")
             return compiler.compile_grammar(params.spec)
         except (RuntimeError, ValueError) as exc:  # xgrammar's errors: bad schema or syntax

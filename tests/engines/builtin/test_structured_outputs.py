@@ -254,3 +254,72 @@ def test_tensor_parallel_ranks_give_the_same_guided_tokens(llm: LLM) -> None:
         num_threads=1,
     ) as two:
         assert [o.token_ids for o in two.generate(PROMPTS, params)] == one
+
+
+def test_objects_follow_the_schemas_key_order(llm: LLM) -> None:
+    """The schema is compiled as written (its canonical sorted form is not what it says)."""
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0,
+                       structured_outputs=Constraint(json=schema)))[0]  # fmt: skip
+    assert out.finish_reason == "stop" and list(json.loads(out.text)) == ["zeta", "alpha"]
+
+
+def test_a_choice_outside_ascii_comes_out_whole(llm: LLM) -> None:
+    choices = ["emoji 🎉", "café", 'quote " and \\ slash']
+    for seed in range(3):
+        params = SamplingParams(max_tokens=20, temperature=1.0, seed=seed,
+                                structured_outputs=Constraint(choice=choices))  # fmt: skip
+        assert llm.generate(PROMPTS[1], params)[0].text in choices
+
+
+def test_min_tokens_does_not_hold_a_finished_grammar_open(llm: LLM) -> None:
+    """min_tokens past every valid output masked the grammar's stop tokens, leaving the row
+    nothing to sample (token 0 came out): the grammar decides where the output ends."""
+    params = SamplingParams(
+        max_tokens=20, temperature=0.0, min_tokens=10, structured_outputs=CONSTRAINTS["choice"]
+    )
+    out = llm.generate(PROMPTS[0], params)[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no", "maybe not")
+    assert out.token_ids[-1] in llm.engine.eos_ids  # its stop token, not token 0
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf (at /)"),
+        ({"type": "array", "uniqueItems": True}, "uniqueItems (at /)"),
+        ({"type": "object", "properties": {"a": {"not": {}}}}, "not (at /properties/a)"),
+        ({"$ref": "http://example.com/s.json"}, "is outside it"),
+    ],
+)
+def test_keywords_xgrammar_would_not_enforce_are_refused(
+    llm: LLM, schema: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate("x", SamplingParams(structured_outputs=Constraint(json=schema)))
+
+
+def test_a_schema_nested_too_deep_is_refused_before_compiling() -> None:
+    deep = '{"type":"array","items":' * 2000 + "{}" + "}" * 2000
+    with pytest.raises(ValueError, match="nested at most 64 levels"):
+        Constraint(json=deep)
+    nested: dict = {}
+    for _ in range(80):
+        nested = {"type": "array", "items": nested}
+    with pytest.raises(ValueError, match="nested at most 64 levels"):
+        Constraint(json=nested)
+
+
+def test_the_compile_cache_is_bounded(llm: LLM) -> None:
+    from engines.builtin.structured.manager import COMPILE_CACHE_SIZE
+
+    manager = llm.engine.structured
+    assert manager is not None
+    for i in range(COMPILE_CACHE_SIZE + 20):
+        manager.compile(Constraint(regex=f"[a-z]{{{i + 1}}}"))
+    assert len(manager._compiled) == COMPILE_CACHE_SIZE
