@@ -138,6 +138,10 @@ class Finished(RequestEvent):
     spec_accepted_tokens: int | None = None
     # beam search (SamplingParams.use_beam_search): the beam's summed log-probabilities
     cumulative_logprob: float | None = None
+    # structured output: the grammar's compile time the request paid, and whether the
+    # compile cache answered instead (None: no constraint, or a backend that does not say)
+    structured_compile_ns: int | None = None
+    structured_cache_hit: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

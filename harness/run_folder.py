@@ -207,6 +207,8 @@ REQUEST_COLUMNS = [
     # structured output: the request's constraint kind, and whether its output satisfied it
     "structured",
     "structured_valid",
+    "structured_compile_s",
+    "structured_cache_hit",
     "prefill_tokens_computed",
     "tokenize_s",
     "queue_s",

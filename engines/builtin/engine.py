@@ -551,7 +551,9 @@ class LLMEngine:
             self.beam_search.add(seq)
         if sampling.structured_outputs is not None:
             assert self.structured is not None  # check_request refused it otherwise
-            seq.grammar = self.structured.matcher(sampling.structured_outputs)
+            seq.grammar, seq.grammar_compile_ns, seq.grammar_cache_hit = self.structured.matcher(
+                sampling.structured_outputs
+            )
         self.scheduler.add(seq)
         step = self.scheduler.step_counter
         self._pending_events += [

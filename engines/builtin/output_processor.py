@@ -241,6 +241,8 @@ class OutputProcessor:
             seq.spec_steps,
             seq.spec_draft_tokens,
             seq.spec_accepted_tokens,
+            structured_compile_ns=None if seq.grammar is None else seq.grammar_compile_ns,
+            structured_cache_hit=seq.grammar_cache_hit,
         )
 
     def beam_events(self, group: BeamGroup, step: int, time_ns: int) -> list[RequestEvent]:

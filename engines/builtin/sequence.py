@@ -58,6 +58,8 @@ class Sequence:
     pending_forks: int = 0
     #: SamplingParams.structured_outputs: the sequence's place in its grammar
     grammar: Matcher | None = None
+    grammar_compile_ns: int = 0  # the compile time its request paid (0: a cache hit)
+    grammar_cache_hit: bool | None = None
     #: best_of > n: the raw log-probabilities of the sample's tokens, summed (its rank)
     cumulative_logprob: float = 0.0
     #: Beam search: the beam's candidates are in, and it has nothing to compute until its

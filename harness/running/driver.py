@@ -95,6 +95,8 @@ class RequestTrace:
     spec_steps: int | None = None  # None: the backend does not say
     spec_draft_tokens: int | None = None
     spec_accepted_tokens: int | None = None
+    structured_compile_ns: int | None = None
+    structured_cache_hit: bool | None = None
     finish_reason: str | None = None
     error: str | None = None
     cancelled: str | None = None  # why the driver closed the stream (its row is `cancelled`)
@@ -164,6 +166,10 @@ class RequestTrace:
             "structured_valid": None
             if constraint is None or not ok
             else constraint.matches(self.output_text),
+            "structured_compile_s": None
+            if self.structured_compile_ns is None
+            else self.structured_compile_ns / 1e9,
+            "structured_cache_hit": self.structured_cache_hit,
         }
 
 
@@ -467,6 +473,9 @@ class Driver:
                 trace.output_text = event.text or trace.output_text
                 trace.finish_reason = event.finish_reason
                 trace.cached_prompt_tokens = event.cached_prompt_tokens
+                if event.structured_compile_ns is not None:
+                    trace.structured_compile_ns = event.structured_compile_ns
+                    trace.structured_cache_hit = event.structured_cache_hit
                 trace.num_preemptions = event.num_preemptions
                 trace.output_tokens_reported = (
                     trace.output_tokens_reported or 0

@@ -101,6 +101,10 @@ def test_a_run_records_validity_and_both_classes_latencies(tmp_path: Path) -> No
     assert len(guided) == 4 and set(guided["structured"]) <= {"regex", "choice"}
     assert guided["structured_valid"].tolist() == [True] * 4  # the grammar ends them
     assert requests[requests["structured"].isna()]["structured_valid"].isna().all()
+    # a constraint's first request paid its compilation, the ones after it hit the cache
+    hits = guided["structured_cache_hit"].astype(bool)
+    assert (~hits).sum() >= 1 and (guided[~hits]["structured_compile_s"] > 0).all()
+    assert (guided[hits]["structured_compile_s"] == 0).all()
     metrics = json.loads((out / "summary.json").read_text())["metrics"]
     assert metrics["structured_requests"] == 4 and metrics["structured_validity"] == 1.0
     for name in ("ttft_p50_s_structured", "tpot_p50_s_free"):

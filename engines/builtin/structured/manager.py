@@ -34,6 +34,9 @@ class StructuredOutputs:
         self.cache_hits = 0
         self.last_mask_rows = 0
         self.last_mask_ns = 0
+        # compile time of constraints compiled but not yet claimed by the request they were
+        # compiled for (the first request to claim one paid for it; later ones hit the cache)
+        self._unclaimed: dict[tuple[str, str], int] = {}
 
     def compile(self, params: StructuredOutputsParams) -> object:
         """The compiled constraint, compiled once per distinct text. ValueError naming the
@@ -54,15 +57,23 @@ class StructuredOutputs:
                 f"compile it: {exc}"
             ) from None
         with self._lock:
+            took = time.perf_counter_ns() - start
             self.num_compiles += 1
-            self.compile_ns += time.perf_counter_ns() - start
+            self.compile_ns += took
+            self._unclaimed[key] = took
             self._compiled[key] = compiled
             while len(self._compiled) > COMPILE_CACHE_SIZE:
-                self._compiled.popitem(last=False)
+                evicted, _ = self._compiled.popitem(last=False)
+                self._unclaimed.pop(evicted, None)
         return compiled
 
-    def matcher(self, params: StructuredOutputsParams) -> Matcher:
-        return self.backend.matcher(self.compile(params))
+    def matcher(self, params: StructuredOutputsParams) -> tuple[Matcher, int, bool]:
+        """A new matcher of the constraint, the compile time the request paid (its first
+        user), and whether the cache answered instead."""
+        matcher = self.backend.matcher(self.compile(params))
+        with self._lock:
+            took = self._unclaimed.pop((params.kind, params.spec), None)
+        return matcher, took or 0, took is None
 
     def mask(
         self, logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[Seq[int]]

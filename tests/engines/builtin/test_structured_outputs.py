@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engines.base import StepRecord
+from engines.base import Finished, StepRecord
 from engines.builtin import LLM, SamplingParams
 from engines.structured_outputs import StructuredOutputsParams as Constraint
 
@@ -323,3 +323,20 @@ def test_the_compile_cache_is_bounded(llm: LLM) -> None:
     for i in range(COMPILE_CACHE_SIZE + 20):
         manager.compile(Constraint(regex=f"[a-z]{{{i + 1}}}"))
     assert len(manager._compiled) == COMPILE_CACHE_SIZE
+
+
+def test_each_request_reports_the_compile_time_it_paid(llm: LLM) -> None:
+    """The first request of a constraint paid its compilation; the next hit the cache."""
+    engine = llm.engine
+    fresh = Constraint(regex=r"[0-9]{2}-fresh-[a-z]")
+    for request_id in ("first", "second"):
+        engine.add_request(request_id, PROMPTS[0], SamplingParams(structured_outputs=fresh))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for event in engine.step():
+            if isinstance(event, Finished):
+                finished[event.request_id] = event
+    first, second = finished["first"], finished["second"]
+    assert first.structured_compile_ns and first.structured_compile_ns > 0
+    assert first.structured_cache_hit is False
+    assert (second.structured_compile_ns, second.structured_cache_hit) == (0, True)
