@@ -295,6 +295,13 @@ register(
     "structured output: completed constrained requests whose output satisfies its constraint "
     "(jsonschema for a schema; vLLM's structured-output benchmark's correct rate)",
 )
+register(
+    "structured_mask_fraction",
+    "fraction",
+    "lower",
+    "timing",
+    "structured output: the grammar masks' time (filling and applying them) / the steps' time",
+)
 for _class in ("structured", "free"):
     for _name, _what in (("ttft", "time to first token"), ("tpot", "time per output token")):
         register(
@@ -905,7 +912,7 @@ def compute_summary(
     summary.update(_load_metrics(members, run_info))
     summary["padding_fraction"] = _padding_fraction(window_steps)
     summary.update(_engine_metrics(window_steps, members, run_info))
-    summary.update(_structured_metrics(members, ok))
+    summary.update(_structured_metrics(members, ok, window_steps))
     summary.update(run_info.get("quality") or {})
     summary.update((run_info.get("accuracy") or {}).get("metrics") or {})
     if run_info.get("samples") is not None:  # the monitor's samples (harness/measuring/monitors.py)
@@ -975,10 +982,13 @@ def _latency_metrics(
     return out
 
 
-def _structured_metrics(members: pd.DataFrame, ok: pd.DataFrame) -> dict[str, Any]:
+def _structured_metrics(
+    members: pd.DataFrame, ok: pd.DataFrame, steps: pd.DataFrame
+) -> dict[str, Any]:
     """Structured traffic: how many requests carried a constraint, the share of the completed
-    ones whose output satisfied it, and TTFT / TPOT of the two classes apart. Nothing for a
-    run without structured requests (or a folder written before the columns existed)."""
+    ones whose output satisfied it, TTFT / TPOT of the two classes apart, the mask's share of
+    the steps' time. Nothing for a run without structured requests (or a folder written
+    before the columns existed)."""
     if "structured" not in members or not members["structured"].notna().any():
         return {}
     guided = ok[ok["structured"].notna()]
@@ -994,6 +1004,10 @@ def _structured_metrics(members: pd.DataFrame, ok: pd.DataFrame) -> dict[str, An
             values = lat[f"{name}_s"].to_numpy(float)[rows]
             values = values[~np.isnan(values)]
             out[f"{name}_p50_s_{label}"] = float(np.median(values)) if len(values) else None
+    if "structured_mask_s" in steps and len(steps):
+        step_time = float((steps["end_s"] - steps["start_s"]).sum())
+        masked = float(steps["structured_mask_s"].sum())
+        out["structured_mask_fraction"] = masked / step_time if step_time > 0 else None
     return out
 
 

@@ -262,3 +262,52 @@ def test_malformed_tools_and_history_are_400s_naming_the_field(
     response = client.post(CHAT, json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.json()
+
+
+#: Qwen2's way with tools, shortened: the tools in a system block, calls as <tool_call> JSON
+TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools><|im_end|>
+{% endif %}{%- for message in messages %}<|im_start|>{{ message.role }}
+{{ message.content }}
+{%- for call in message.tool_calls or [] %}
+<tool_call>{"name": "{{ call.function.name }}", \
+"arguments": {{ call.function.arguments }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_that_reads_tools_gets_them(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With a tokenizer whose chat template renders `tools` (Qwen2's way), the server passes
+    the tools and the history's calls to it instead of describing them in a system message:
+    the prompt is the template's, token for token."""
+    from engines.builtin import LLM
+
+    folder = tmp_path_factory.mktemp("tools_tokenizer")
+    with LLM("tiny", **OPTIONS) as llm:
+        llm.tokenizer.save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": TOOLS_TEMPLATE})
+    )
+    options = {**OPTIONS, "tokenizer": str(folder), "max_model_len": 1024}
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "noon", "tool_call_id": "c1"},
+    ]
+    with serve_engine({**options, "kv_cache_memory_bytes": 8 << 20}) as server:
+        tokenizer = server.serving.engine.tokenizer
+        assert tokenizer.renders_tools
+        expected = tokenizer.encode_chat(history, True, [dict(t) for t in TOOLS])
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            body = {"messages": history, "tools": TOOLS, "max_tokens": 2}
+            response = client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(expected)
+    assert "<tools>" in tokenizer.decode(expected, skip_special_tokens=False)

@@ -111,3 +111,7 @@ def test_a_run_records_validity_and_both_classes_latencies(tmp_path: Path) -> No
         assert metrics[name] > 0
     steps = pd.read_parquet(out / "steps.parquet")
     assert steps["structured_rows"].max() >= 1 and steps["structured_mask_s"].sum() > 0
+    step_time = (steps["end_s"] - steps["start_s"]).sum()
+    assert metrics["structured_mask_fraction"] == pytest.approx(
+        steps["structured_mask_s"].sum() / step_time
+    )

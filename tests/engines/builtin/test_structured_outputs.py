@@ -340,3 +340,13 @@ def test_each_request_reports_the_compile_time_it_paid(llm: LLM) -> None:
     assert first.structured_compile_ns and first.structured_compile_ns > 0
     assert first.structured_cache_hit is False
     assert (second.structured_compile_ns, second.structured_cache_hit) == (0, True)
+
+
+def test_static_batching_masks_its_rows_too(llm: LLM) -> None:
+    """A static batch (padding rows, members that finish early and keep their slot) gives each
+    guided row the tokens it gets under continuous batching."""
+    kinds = ["json", "regex", "choice", "grammar"]
+    params = [guided(kind) for kind in kinds]
+    expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM("tiny", dtype="float32", max_model_len=256, batching="static") as static:
+        assert [o.token_ids for o in static.generate(PROMPTS, params)] == expected
