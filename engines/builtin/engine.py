@@ -567,7 +567,8 @@ class LLMEngine:
         the field."""
         self._ensure_not_closed()
         sampling.validate()
-        if sampling.num_sequences > 1 and self.config.batching == "static":
+        samples = max(sampling.n, sampling.best_of or 1)  # beams: _check_beam_search
+        if samples > 1 and self.config.batching == "static" and not sampling.use_beam_search:
             name = "n" if sampling.n > 1 else "best_of"
             raise ValueError(
                 f"SamplingParams.{name}: {getattr(sampling, name)} needs parallel sampling, which "

@@ -294,6 +294,7 @@ def test_a_tight_pool_recomputes_beams_rather_than_failing_them(reference: Refer
     ("options", "params", "field"),
     [
         ({"batching": "static"}, {}, "use_beam_search"),
+        ({"batching": "static"}, {"beam_width": 4}, "use_beam_search"),
         ({"max_num_seqs": 2}, {"beam_width": 4}, "beam_width"),
         (
             {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
