@@ -700,7 +700,7 @@ class LLMEngine:
         step, now = self.scheduler.step_counter, self.platform.now_ns()
         group = self.beam_search.drop(request_id, "abort")
         if group is not None:
-            self._pending_events += self.output.empty_outputs(group.first, step, now)
+            self._pending_events += self.output.final.empty(group.first, step, now)
         samples = [s for s in self.sequences.values() if s.request_id == request_id]
         for seq in samples:
             del self.sequences[seq.key]
@@ -711,7 +711,7 @@ class LLMEngine:
             if not seq.sampling.ranks_samples:
                 self._pending_events.append(self.output.finished(seq, step, now))
         if samples and samples[0].sampling.ranks_samples:  # its outputs were still held
-            self._pending_events += self.output.empty_outputs(samples[0], step, now)
+            self._pending_events += self.output.final.empty(samples[0], step, now)
 
     def has_request(self, request_id: str) -> bool:
         """Is any sample of the request still in the engine?"""
@@ -754,7 +754,7 @@ class LLMEngine:
         events += self.output.prompt_logprobs_events(plan, prompt_logprobs, plan.step, end)
         events += self.output.events(new_tokens, plan.step, end)
         for group in searched:
-            events += self.output.beam_events(group, plan.step, end)
+            events += self.output.final.beam_events(group, plan.step, end)
         events += beams_failed
         if self.step_observers:
             self._report_step(plan, start, end, logits_tokens)

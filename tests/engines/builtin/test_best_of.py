@@ -60,7 +60,7 @@ def test_outputs_arrive_together_at_the_end(llm: LLM) -> None:
     finished = [e for e in steps[-1] if isinstance(e, Finished)]
     assert [e.index for e in finished] == [0, 1]
     assert finished[0].cumulative_logprob >= finished[1].cumulative_logprob  # type: ignore[operator]
-    assert not engine.sequences and not engine.output._ranked
+    assert not engine.sequences and not engine.output.final._ranked
 
 
 def test_abort_reports_n_outputs(llm: LLM) -> None:
@@ -73,7 +73,7 @@ def test_abort_reports_n_outputs(llm: LLM) -> None:
     engine.step()
     assert [(e.index, e.finish_reason) for e in finished] == [(0, "abort"), (1, "abort")]
     assert (
-        not engine.sequences and not engine.output._ranked and not engine.has_unfinished_requests()
+        not engine.sequences and not engine.output.final._ranked and not engine.has_unfinished_requests()
     )
 
 
