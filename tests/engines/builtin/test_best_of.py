@@ -72,9 +72,8 @@ def test_abort_reports_n_outputs(llm: LLM) -> None:
     finished = [e for e in engine._pending_events if isinstance(e, Finished)]
     engine.step()
     assert [(e.index, e.finish_reason) for e in finished] == [(0, "abort"), (1, "abort")]
-    assert (
-        not engine.sequences and not engine.output.final._ranked and not engine.has_unfinished_requests()
-    )
+    assert not engine.sequences and not engine.output.final._ranked
+    assert not engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(
