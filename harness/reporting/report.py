@@ -60,6 +60,12 @@ MAIN_METRICS = (
     "kv_utilization_mean",
     "num_preemptions",
     "prefix_cache_hit_rate",
+    # structured output (docs/structured_output.md) and run.accuracy, where the run has them
+    "structured_validity",
+    "structured_mask_fraction",
+    "ttft_p50_s_structured",
+    "tpot_p50_s_structured",
+    "accuracy",
     "mbu_decode_mean",
     "mfu_prefill_mean",
     "peak_vram_bytes",
