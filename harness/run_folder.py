@@ -206,6 +206,7 @@ REQUEST_COLUMNS = [
     "turn",
     # structured output: the request's constraint kind, and whether its output satisfied it
     "structured",
+    "structured_enforced",
     "structured_valid",
     "structured_compile_s",
     "structured_cache_hit",

@@ -40,6 +40,9 @@ class WorkloadBase:
     # from the shipped ones of structured_kinds (workloads/structured.py)
     structured_fraction: float = 0.0
     structured_kinds: list[str] = field(default_factory=lambda: ["json"])
+    # false: those requests run free, their outputs judged against the constraint they would
+    # have had (the validity the grammar buys, measured side by side)
+    structured_enforce: bool = True
 
     def __post_init__(self) -> None:
         self.info: dict[str, Any] = {}  # filled by build(); not a config key
@@ -74,7 +77,11 @@ class WorkloadBase:
         return {
             **plan_cancellation(requests, self.cancel_fraction, self.cancel_after_s, self.seed),
             **plan_structured(
-                requests, self.structured_fraction, list(self.structured_kinds), self.seed
+                requests,
+                self.structured_fraction,
+                list(self.structured_kinds),
+                self.seed,
+                self.structured_enforce,
             ),
         }
 

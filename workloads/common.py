@@ -203,6 +203,7 @@ def check_common(workload: Any) -> None:
     check_sampling_options(workload.temperature, workload.ignore_eos, workload.sampling)
     check_cancellation(workload.cancel_fraction, workload.cancel_after_s)
     check_structured(workload.structured_fraction, workload.structured_kinds)
+    check_bool("structured_enforce", workload.structured_enforce)
 
 
 #: The constraint kinds a workload's structured requests draw from (data/structured/)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engines.base import GenerationRequest
+from engines.structured_outputs import StructuredOutputsParams
 
 
 @dataclass
@@ -20,6 +21,9 @@ class WorkloadRequest:
     #: Seconds after it is sent at which the driver closes the request's stream (the workload's
     #: `cancel_fraction` / `cancel_after_s`); None: never. One that finishes first is simply ok.
     cancel_after_s: float | None = None
+    #: Structured traffic left unenforced (workload.structured_enforce=false): the constraint
+    #: the request runs without, its output judged against it (the validity a grammar buys)
+    expected_format: StructuredOutputsParams | None = None
 
     @property
     def request_id(self) -> str:

@@ -38,10 +38,15 @@ def shipped_constraints() -> dict[str, list[tuple[str, StructuredOutputsParams]]
 
 
 def plan_structured(
-    requests: list[WorkloadRequest], fraction: float, kinds: list[str], seed: int
+    requests: list[WorkloadRequest],
+    fraction: float,
+    kinds: list[str],
+    seed: int,
+    enforce: bool = True,
 ) -> dict[str, Any]:
     """Give exactly round(fraction * n) of `requests`, drawn with `seed`, a constraint drawn
-    from the shipped ones of `kinds` (in place); the plan for the workload's `info`."""
+    from the shipped ones of `kinds` (in place): in their SamplingParams, or, not enforced,
+    as the format their free output is judged against. The plan for the workload's `info`."""
     count = round(fraction * len(requests))
     if not count:
         return {"structured_planned": 0}
@@ -50,7 +55,14 @@ def plan_structured(
     chosen: dict[str, int] = {}
     for index in sorted(rng.choice(len(requests), size=count, replace=False)):
         name, constraint = pool[int(rng.integers(len(pool)))]
-        request = requests[int(index)].request
-        request.sampling = replace(request.sampling, structured_outputs=constraint)
+        item = requests[int(index)]
+        if enforce:
+            item.request.sampling = replace(item.request.sampling, structured_outputs=constraint)
+        else:
+            item.expected_format = constraint
         chosen[name] = chosen.get(name, 0) + 1
-    return {"structured_planned": count, "structured_constraints": dict(sorted(chosen.items()))}
+    return {
+        "structured_planned": count,
+        "structured_enforced": enforce,
+        "structured_constraints": dict(sorted(chosen.items())),
+    }

@@ -998,7 +998,11 @@ def _structured_metrics(
         "structured_validity": float(judged.astype(bool).mean()) if len(judged) else None,
     }
     lat = per_request_latencies(ok)
-    is_guided = ok["structured"].notna().to_numpy()
+    # the masked ones: constrained and enforced (structured_enforce=false runs them free)
+    if "structured_enforced" in ok:
+        is_guided = ok["structured_enforced"].fillna(False).astype(bool).to_numpy()
+    else:
+        is_guided = ok["structured"].notna().to_numpy()
     for label, rows in (("structured", is_guided), ("free", ~is_guided)):
         for name in ("ttft", "tpot"):
             values = lat[f"{name}_s"].to_numpy(float)[rows]

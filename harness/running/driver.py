@@ -116,7 +116,8 @@ class RequestTrace:
         queue_from = self.tokenized_ns if self.tokenized_ns is not None else self.sent_ns
 
         request = self.item.request
-        constraint = request.sampling.structured_outputs
+        enforced = request.sampling.structured_outputs
+        constraint = enforced or self.item.expected_format
         return {
             "request_id": request.request_id,
             "status": "cancelled"
@@ -161,6 +162,7 @@ class RequestTrace:
             "session_id": request.session_id,
             "turn": request.turn,
             "structured": None if constraint is None else constraint.kind,
+            "structured_enforced": None if constraint is None else enforced is not None,
             # whether the output satisfies its constraint (jsonschema for a schema); None for
             # a free request, or one that did not finish
             "structured_valid": None

@@ -267,6 +267,7 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "cancel_after_s": 1.5,
         "structured_fraction": 0.5,
         "structured_kinds": ["regex", "choice"],
+        "structured_enforce": False,
         "arrival": {"process": "closed", "concurrency": 3},
         "shared_prefix": {"num_groups": 2, "prefix_len": 8},
         "sessions": {"num_turns": 2, "think_time_s": 0.5},
@@ -290,6 +291,7 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "cancel_after_s": 1.5,
         "structured_fraction": 0.5,
         "structured_kinds": ["regex", "choice"],
+        "structured_enforce": False,
     },
     "trace": {
         "path": str(TRACES / "AzureLLMInferenceTrace_conv.csv"),
@@ -320,6 +322,7 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "cancel_after_s": 1.5,
         "structured_fraction": 0.5,
         "structured_kinds": ["regex", "choice"],
+        "structured_enforce": False,
     },
 }
 

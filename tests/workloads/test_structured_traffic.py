@@ -115,3 +115,38 @@ def test_a_run_records_validity_and_both_classes_latencies(tmp_path: Path) -> No
     assert metrics["structured_mask_fraction"] == pytest.approx(
         steps["structured_mask_s"].sum() / step_time
     )
+
+
+def test_an_unenforced_run_judges_free_outputs_against_the_same_constraints(
+    tmp_path: Path,
+) -> None:
+    """structured_enforce=false: the same requests get the same constraints, sent with none;
+    their free outputs are judged against them (the validity the grammar buys)."""
+    from harness.cli import main as inferlab
+
+    options = {**TYPES["synthetic"], "structured_fraction": 0.5, "structured_kinds": ["regex"]}
+    enforced, _ = build(options)
+    free, info = build({**options, "structured_enforce": False})
+    assert info["structured_enforced"] is False and not constrained(free)
+    assert {w.request_id: w.expected_format for w in free if w.expected_format} == {
+        w.request_id: w.request.sampling.structured_outputs
+        for w in enforced
+        if w.request.sampling.structured_outputs
+    }
+    runs = {}
+    for enforce in ("true", "false"):
+        out = tmp_path / enforce
+        code = inferlab(
+            ["run", "model=tiny", "workload.num_requests=8", "workload.output_len=24",
+             "workload.structured_fraction=0.5", "workload.structured_kinds=[regex]",
+             f"workload.structured_enforce={enforce}", f"hydra.run.dir={out}"]
+        )  # fmt: skip
+        assert code == 0
+        runs[enforce] = (
+            pd.read_parquet(out / "requests.parquet"),
+            json.loads((out / "summary.json").read_text())["metrics"],
+        )
+    rows, metrics = runs["false"]
+    judged = rows[rows["structured"].notna()]
+    assert len(judged) == 4 and not judged["structured_enforced"].any()
+    assert metrics["structured_validity"] < runs["true"][1]["structured_validity"] == 1.0
