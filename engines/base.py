@@ -142,6 +142,8 @@ class Finished(RequestEvent):
     # compile cache answered instead (None: no constraint, or a backend that does not say)
     structured_compile_ns: int | None = None
     structured_cache_hit: bool | None = None
+    # jump-forward decoding: output tokens the grammar forced, appended without a sampling step
+    structured_forced_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -210,6 +210,7 @@ REQUEST_COLUMNS = [
     "structured_valid",
     "structured_compile_s",
     "structured_cache_hit",
+    "structured_forced_tokens",
     "prefill_tokens_computed",
     "tokenize_s",
     "queue_s",

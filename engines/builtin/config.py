@@ -133,6 +133,11 @@ class EngineConfig(Options):
         help="the grammar backend of structured outputs (docs/structured_output.md); auto: "
         "xgrammar where installed, else none",
     )
+    structured_output_jump_forward: bool = option(
+        False,
+        help="structured outputs: append the tokens a grammar forces without sampling them "
+        "(computed in the next step together; their tokenization may differ from the model's)",
+    )
     quantization: str = option(
         "none",
         registry="engines.builtin.layers:LINEAR_METHODS",

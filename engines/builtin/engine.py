@@ -247,6 +247,7 @@ class LLMEngine:
             self.eos_ids,
             self.limits.max_model_len,
             self.platform.device,
+            self.config.structured_output_jump_forward,
         )
         self.beam_search = BeamSearch(
             self.scheduler, self.sequences, self.eos_ids, self.limits.max_model_len

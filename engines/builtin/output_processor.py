@@ -51,6 +51,7 @@ class OutputProcessor:
         eos_ids: list[int],
         max_model_len: int,
         device: torch.device,
+        jump_forward: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -58,6 +59,7 @@ class OutputProcessor:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.device = device
+        self.jump_forward = jump_forward  # engine.structured_output_jump_forward
         self.detokenize_ns: dict[str, int] = {}  # per sequence key, reported in Finished
         self.final = FinalOutputs(tokenizer, sequences, self.finished, self.detokenize_ns)
 
@@ -123,6 +125,8 @@ class OutputProcessor:
                 appended.append((token, self._append(seq, token), found))
                 if seq.is_finished:
                     break
+            if self.jump_forward and seq.grammar is not None and not seq.is_finished:
+                appended += self._jump_forward(seq)
         return out
 
     def _append(self, seq: Sequence, token: int) -> str:
@@ -166,6 +170,18 @@ class OutputProcessor:
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return delta
+
+    def _jump_forward(self, seq: Sequence) -> list[tuple[int, str, TokenLogprob | None]]:
+        """Append the tokens the sequence's grammar forces next, unsampled (they join its next
+        step as one chunk); stops as any token does."""
+        assert seq.grammar is not None
+        appended: list[tuple[int, str, TokenLogprob | None]] = []
+        for token in seq.grammar.forced_tokens():
+            appended.append((token, self._append(seq, token), None))
+            seq.grammar_forced_tokens += 1
+            if seq.is_finished:
+                break
+        return appended
 
     def prompt_logprobs_events(
         self,
@@ -238,6 +254,7 @@ class OutputProcessor:
             seq.spec_accepted_tokens,
             structured_compile_ns=None if seq.grammar is None else seq.grammar_compile_ns,
             structured_cache_hit=seq.grammar_cache_hit,
+            structured_forced_tokens=None if seq.grammar is None else seq.grammar_forced_tokens,
         )
 
     def forget(self, seq: Sequence) -> None:

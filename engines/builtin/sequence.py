@@ -60,6 +60,7 @@ class Sequence:
     grammar: Matcher | None = None
     grammar_compile_ns: int = 0  # the compile time its request paid (0: a cache hit)
     grammar_cache_hit: bool | None = None
+    grammar_forced_tokens: int = 0  # appended by jump-forward decoding, never sampled
     #: best_of > n: the raw log-probabilities of the sample's tokens, summed (its rank)
     cumulative_logprob: float = 0.0
     #: Beam search: the beam's candidates are in, and it has nothing to compute until its

@@ -97,6 +97,7 @@ class RequestTrace:
     spec_accepted_tokens: int | None = None
     structured_compile_ns: int | None = None
     structured_cache_hit: bool | None = None
+    structured_forced_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
     cancelled: str | None = None  # why the driver closed the stream (its row is `cancelled`)
@@ -172,6 +173,7 @@ class RequestTrace:
             if self.structured_compile_ns is None
             else self.structured_compile_ns / 1e9,
             "structured_cache_hit": self.structured_cache_hit,
+            "structured_forced_tokens": self.structured_forced_tokens,
         }
 
 
@@ -478,6 +480,7 @@ class Driver:
                 if event.structured_compile_ns is not None:
                     trace.structured_compile_ns = event.structured_compile_ns
                     trace.structured_cache_hit = event.structured_cache_hit
+                    trace.structured_forced_tokens = event.structured_forced_tokens
                 trace.num_preemptions = event.num_preemptions
                 trace.output_tokens_reported = (
                     trace.output_tokens_reported or 0

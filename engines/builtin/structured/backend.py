@@ -30,6 +30,10 @@ class Matcher(Protocol):
     def is_terminated(self) -> bool:
         """Has the grammar ended (a stop token accepted after a complete match)?"""
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces next, without accepting them (jump-forward decoding;
+        their tokenization may differ from the model tokenizer's)."""
+
 
 class GrammarBackend(ABC):
     """Compiles constraints for one tokenizer; thread-safe `compile` (a frontend compiles

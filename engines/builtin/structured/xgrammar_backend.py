@@ -85,6 +85,9 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 
+    def forced_tokens(self) -> list[int]:
+        return list(self._matcher.find_jump_forward_tokens())
+
 
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"

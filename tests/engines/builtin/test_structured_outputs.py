@@ -350,3 +350,34 @@ def test_static_batching_masks_its_rows_too(llm: LLM) -> None:
     expected = [o.token_ids for o in llm.generate(PROMPTS, params)]
     with LLM("tiny", dtype="float32", max_model_len=256, batching="static") as static:
         assert [o.token_ids for o in static.generate(PROMPTS, params)] == expected
+
+
+def test_jump_forward_appends_forced_tokens_and_saves_steps(llm: LLM) -> None:
+    """engine.structured_output_jump_forward: the tokens a grammar forces (a schema's keys and
+    punctuation) are appended unsampled and computed together in the next step: fewer steps
+    for as many tokens, every output still valid, the forced count reported."""
+
+    def run(engine_llm: LLM) -> tuple[list[Finished], int]:
+        engine = engine_llm.engine
+        before = engine.step_counter
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"j{i}", prompt, guided("json"))
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [e for e in engine.step() if isinstance(e, Finished)]
+        return sorted(finished, key=lambda e: e.request_id), engine.step_counter - before
+
+    plain, plain_steps = run(llm)
+    with LLM(
+        "tiny",
+        dtype="float32",
+        kv_cache="paged",
+        max_model_len=256,
+        structured_output_jump_forward=True,
+    ) as jumping:
+        jumped, jumped_steps = run(jumping)
+    assert all(e.structured_forced_tokens == 0 for e in plain)
+    assert all((e.structured_forced_tokens or 0) > 0 for e in jumped)
+    for event in jumped:
+        assert event.finish_reason == "stop" and valid("json", event.text), event.text
+    assert jumped_steps < plain_steps
