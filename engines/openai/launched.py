@@ -10,10 +10,12 @@ the previous run, server_keeper.py) when the backend loads, handed back when it 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,10 @@ from models.packaged import PACKAGED_MODELS, PackagedModelMissingError, packaged
 logger = logging.getLogger(__name__)  # `log` is the server log's path below
 
 SERVER_LOG = "server.log"  # in the run folder: the server's output during the run
+
+
+#: how long a server that stopped answering may take to exit before a run is told it lives
+EXIT_GRACE_S = 5.0
 
 
 def template_fields(served_model: str | None, model: dict[str, Any]) -> dict[str, Any]:
@@ -134,6 +140,13 @@ class LaunchedServer:
         return launched
 
     def failure(self) -> str | None:
+        if self.server.exit_status() is None and not self.server.answers(
+            self.server.root + self.launch.health_path
+        ):
+            # a killed server's sockets close before it can be reaped: its clients' requests
+            # may all have failed before its exit shows
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.server.process.wait(timeout=EXIT_GRACE_S)
         if self.server.exit_status() is None:
             return None
         return self.server.exited_error("during the run")
