@@ -264,22 +264,10 @@ class BeamSearch:
         group.live = [seq for seq, _, _ in placed]
 
     def _fork(self, group: BeamGroup, parent: Sequence) -> Sequence:
-        child = Sequence(
-            parent.request_id,
-            parent.prompt_token_ids,
-            parent.sampling,
-            parent.arrival_ns,
-            parent.priority,
-            sample_index=group.next_index,
-        )
+        child = parent.child(group.next_index)
         group.next_index += 1
         group.num_forks += 1
-        child.token_ids = list(parent.token_ids)
-        child.first_scheduled_step = parent.first_scheduled_step
-        child.cached_prompt_tokens = parent.cached_prompt_tokens
         child.num_preemptions = parent.num_preemptions
-        child.prompt_logprobs = None  # reported once, by the request's first beam
-        child.bad_words_token_ids = parent.bad_words_token_ids
         self.sequences[child.key] = child
         self.scheduler.fork(parent, child)
         return child

@@ -268,18 +268,7 @@ class OutputProcessor:
         cache cannot hold now waits and recomputes its prompt instead."""
         children = []
         for index in range(1, parent.pending_forks + 1):
-            child = Sequence(
-                parent.request_id,
-                parent.prompt_token_ids,
-                parent.sampling,
-                parent.arrival_ns,
-                parent.priority,
-                sample_index=index,
-            )
-            child.first_scheduled_step = parent.first_scheduled_step
-            child.cached_prompt_tokens = parent.cached_prompt_tokens
-            child.prompt_logprobs = None  # the request's prompt is reported once, by the parent
-            child.bad_words_token_ids = parent.bad_words_token_ids
+            child = parent.child(index)  # before the parent's first token: the prompt alone
             if parent.grammar is not None:  # before the parent accepts its first token
                 child.grammar = parent.grammar.fork()
             if parent.sampling.seed is not None:

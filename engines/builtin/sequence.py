@@ -77,6 +77,25 @@ class Sequence:
         if self.sampling.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
 
+    def child(self, sample_index: int) -> Sequence:
+        """A new sample of this request beside this one (parallel sampling, a forked beam):
+        its tokens so far, its scheduling history, its bad words; the request's prompt
+        logprobs are reported once, by the first sequence, so none here."""
+        child = Sequence(
+            self.request_id,
+            self.prompt_token_ids,
+            self.sampling,
+            self.arrival_ns,
+            self.priority,
+            sample_index=sample_index,
+        )
+        child.token_ids = list(self.token_ids)
+        child.first_scheduled_step = self.first_scheduled_step
+        child.cached_prompt_tokens = self.cached_prompt_tokens
+        child.prompt_logprobs = None
+        child.bad_words_token_ids = self.bad_words_token_ids
+        return child
+
     @property
     def key(self) -> str:
         """Unique within the engine: the request id, plus the sample index for n > 1."""
