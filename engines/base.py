@@ -13,9 +13,10 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from engines.sampling_params import SamplingParams
+from engines.tool_calls import ToolCallOutput, ToolUse
 
 
 class ConfigError(ValueError):
@@ -25,8 +26,13 @@ class ConfigError(ValueError):
 
 now_ns: Callable[[], int] = time.perf_counter_ns
 
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]
 Prompt = str | list[int] | ChatMessages
+
+
+def is_chat(prompt: object) -> TypeGuard[ChatMessages]:
+    """Whether a prompt is chat messages (a non-empty list of dicts)."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
 @dataclass
@@ -41,6 +47,19 @@ class GenerationRequest:
     prefix_group: str | None = None
     session_id: str | None = None
     turn: int = 0
+    #: the functions a chat prompt offers and the tool choice (engines/tool_calls.py); a
+    #: backend that cannot call tools refuses a request that has them
+    tools: ToolUse | None = None
+
+
+def refuse_tools(request: GenerationRequest, engine: str) -> None:
+    """The rule of backends that cannot offer a model tools: a request with them is refused
+    (ValueError naming `tools`) rather than run without them."""
+    if request.tools is not None:
+        raise ValueError(
+            f"tools: engine={engine} does not offer the model tools; allowed: none "
+            "(engine=builtin and engine=openai do)"
+        )
 
 
 def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
@@ -144,6 +163,8 @@ class Finished(RequestEvent):
     structured_cache_hit: bool | None = None
     # jump-forward decoding: output tokens the grammar forced, appended without a sampling step
     structured_forced_tokens: int | None = None
+    # a request with tools: the answer's tool calls and the content left beside them
+    tool_output: ToolCallOutput | None = None
 
 
 @dataclass(frozen=True, slots=True)

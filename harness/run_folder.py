@@ -211,6 +211,10 @@ REQUEST_COLUMNS = [
     "structured_compile_s",
     "structured_cache_hit",
     "structured_forced_tokens",
+    # tool calls: the request's tool choice, the calls it made, whether they are valid
+    "tool_choice",
+    "tool_calls",
+    "tool_calls_valid",
     "prefill_tokens_computed",
     "tokenize_s",
     "queue_s",

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engines.builtin.backend import BuiltinBackend
 from engines.sampling_params import SamplingParams
 from engines.structured_outputs import StructuredOutputsParams
+from engines.tool_calls import ToolUse, tool_prompt
 from serving.auth import APIKeyAuth
 from serving.config import ServerConfig
 from serving.formats import ChatWriter, CompletionWriter, Writer, collect, event_stream
@@ -44,7 +45,6 @@ from serving.protocol import (
 )
 from serving.sse import ClientDisconnected, EventStreamResponse, unless_disconnected
 from serving.tokenize_routes import add_tokenizer_routes
-from serving.tool_calls import ToolRequest, history_as_text
 
 
 def _version() -> str:
@@ -210,7 +210,7 @@ async def _chat_complete(
     body = await _parse(request, ChatCompletionRequest)
     _check_common(body, serving.model_name)
     try:
-        tools = ToolRequest.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+        tools = ToolUse.of(body.tools, body.tool_choice, body.parallel_tool_calls)
     except ValueError as exc:
         field = str(exc).split(":", 1)[0]
         raise APIError(str(exc), field, "invalid_value") from None
@@ -241,11 +241,10 @@ async def _chat_complete(
 
 
 async def _chat_prompt(
-    serving: ServingEngine, body: ChatCompletionRequest, tools: ToolRequest | None
+    serving: ServingEngine, body: ChatCompletionRequest, tools: ToolUse | None
 ) -> list[int]:
-    """The conversation's token ids. A template that renders tools gets them (and the
-    messages' tool calls as they are); for one that does not, the tools are described in the
-    system message and the calls written as text (serving/tool_calls.py)."""
+    """The conversation's token ids, its tools shown as engines/tool_calls.py's `tool_prompt`
+    says."""
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(body.messages):
         message: dict[str, Any] = {"role": m.role, "content": m.text(i)}
@@ -255,15 +254,7 @@ async def _chat_prompt(
             message["tool_call_id"] = m.tool_call_id
         messages.append(message)
     tokenizer = serving.engine.tokenizer
-    template_tools = None if tools is None else tools.template_tools()
-    if not tokenizer.renders_tools:
-        messages = history_as_text(messages)
-        if template_tools is not None and tools is not None:
-            if messages[0]["role"] == "system":
-                messages[0]["content"] += "\n\n" + tools.system_text()
-            else:
-                messages.insert(0, {"role": "system", "content": tools.system_text()})
-        template_tools = None
+    messages, template_tools = tool_prompt(messages, tools, tokenizer.renders_tools)
     try:
         return await serving.in_tokenizer_pool(
             tokenizer.encode_chat, messages, True, template_tools

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import TokenLogprob
+from engines.tool_calls import ToolUse
 from serving.generation import ChoiceEnd, ChoiceText, GenerationFailed, Piece, PromptScores
 from serving.logprobs_format import (
     ChatLogprobs,
@@ -33,7 +34,6 @@ from serving.protocol import (
     error_body,
 )
 from serving.sse import DONE, sse_event
-from serving.tool_calls import ToolRequest
 
 
 @dataclass
@@ -206,9 +206,9 @@ class CompletionWriter(Writer):
 
 @dataclass
 class ChatWriter(Writer):
-    #: the request's tools (serving/tool_calls.py): a choice's text becomes its tool calls,
+    #: the request's tools (engines/tool_calls.py): a choice's text becomes its tool calls,
     #: and a stream holds the text back until the choice ends
-    tools: ToolRequest | None = None
+    tools: ToolUse | None = None
     _held: dict[int, str] = field(default_factory=dict)
 
     @property

@@ -26,9 +26,9 @@ from pydantic_core import PydanticCustomError, from_json
 from starlette.types import Message, Send
 
 from engines.sampling_params import MAX_LOGPROBS
+from engines.tool_calls import ToolCall, ToolChoice, ToolDefinition, tool_choice_value
 from serving.logprobs_format import ChatLogprobs, CompletionLogprobs
 from serving.structured_format import StructuredFields
-from serving.tool_calls import ToolCall, ToolChoice, ToolDefinition, tool_choice_value
 
 # ---- errors -------------------------------------------------------------------------------
 
@@ -737,7 +737,7 @@ class CompletionResponse(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's layout (serving/tool_calls.py)
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's layout (engines/tool_calls.py)
 
     @model_serializer
     def _calls_when_present(self) -> dict[str, Any]:

@@ -24,14 +24,16 @@ from workloads.lengths import clip_to_context, parse_length
 from workloads.prompt_workload import PromptsWorkload
 from workloads.request import WorkloadRequest
 from workloads.synthetic import SyntheticWorkload
+from workloads.tool_conversations import ToolCallsWorkload
 from workloads.trace_replay import TraceWorkload
 
-Workload = SyntheticWorkload | TraceWorkload | PromptsWorkload
+Workload = SyntheticWorkload | TraceWorkload | PromptsWorkload | ToolCallsWorkload
 
 WORKLOAD_TYPES = Registry[type[Any]]("workload.type")
 WORKLOAD_TYPES.add("synthetic", SyntheticWorkload)
 WORKLOAD_TYPES.add("trace", TraceWorkload)
 WORKLOAD_TYPES.add("prompts", PromptsWorkload)
+WORKLOAD_TYPES.add("tool_calls", ToolCallsWorkload)
 
 
 def config_keys(cls: type[Any]) -> list[str]:
@@ -103,6 +105,7 @@ __all__ = [
     "WORKLOAD_TYPES",
     "PromptsWorkload",
     "SyntheticWorkload",
+    "ToolCallsWorkload",
     "TraceWorkload",
     "Workload",
     "WorkloadRequest",

@@ -24,6 +24,10 @@ class WorkloadRequest:
     #: Structured traffic left unenforced (workload.structured_enforce=false): the constraint
     #: the request runs without, its output judged against it (the validity a grammar buys)
     expected_format: StructuredOutputsParams | None = None
+    #: A turn that answers the previous turn's tool calls (workload type tool_calls): the
+    #: result each function returns, by name. The driver sends the previous answer with its
+    #: calls and then one tool message per call before this turn's own messages.
+    tool_results: dict[str, str] | None = None
 
     @property
     def request_id(self) -> str:

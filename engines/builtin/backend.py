@@ -15,15 +15,26 @@ timestamps, and closing a request's stream early aborts it and frees its KV memo
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import replace
+from typing import Any, cast
 
-from engines.base import BackendCapabilities, GenerationRequest, RequestEvent
+from engines.base import (
+    BackendCapabilities,
+    Failed,
+    Finished,
+    GenerationRequest,
+    RequestEvent,
+    is_chat,
+    now_ns,
+)
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import EngineDeadError, LLMEngine
 from engines.builtin.factory import build_engine
 from engines.builtin.step_stats import EngineGauges
 from engines.stepping import SteppedBackend, SteppingThread
+from engines.tool_calls import ToolUse, tool_prompt
 
 
 class BuiltinBackend(SteppedBackend):
@@ -63,9 +74,43 @@ class BuiltinBackend(SteppedBackend):
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestEvent]:
         assert self.engine is not None, "load() first"
+        if request.tools is not None:
+            return self._generate_with_tools(request, request.tools)
+        return self._generate(request)
+
+    def _generate(self, request: GenerationRequest) -> AsyncIterator[RequestEvent]:
         if self.engine_thread is not None:
             return self.engine_thread.generate(request)
         return super().generate(request)
+
+    async def _generate_with_tools(
+        self, request: GenerationRequest, tools: ToolUse
+    ) -> AsyncIterator[RequestEvent]:
+        """The tools rendered into the chat prompt, the tool choice's grammar on the
+        sampling, and each answer's tool calls parsed out of its text, as `inferlab serve`
+        does (engines/tool_calls.py)."""
+        try:
+            if not is_chat(request.prompt):
+                raise ValueError(
+                    "tools: a request with tools needs a chat prompt (a list of messages)"
+                )
+            messages, template_tools = tool_prompt(
+                list(request.prompt), tools, self.tokenizer.renders_tools
+            )
+            prompt = self.tokenizer.encode_chat(messages, True, template_tools)
+            sampling = tools.constrain(request.sampling)
+        except ValueError as exc:
+            yield Failed(request.request_id, self._event_step(), now_ns(), str(exc))
+            return
+        events = cast(
+            AsyncGenerator[RequestEvent, None],
+            self._generate(replace(request, prompt=prompt, sampling=sampling)),
+        )
+        async with aclosing(events):  # closing this stream closes (aborts) the engine's
+            async for event in events:
+                if isinstance(event, Finished):
+                    event = replace(event, tool_output=tools.output(event.text))
+                yield event
 
     # ---- on the caller's event loop: the adapter's hooks ----------------------------------
 

@@ -7,7 +7,15 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard, cast
 
-from engines.base import Failed, Finished, Prompt, PromptLogprobs, TokenLogprob, Tokens
+from engines.base import (
+    Failed,
+    Finished,
+    Prompt,
+    PromptLogprobs,
+    TokenLogprob,
+    Tokens,
+    is_chat,
+)
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import LLMEngine
 from engines.builtin.factory import build_engine
@@ -122,7 +130,7 @@ class LLM:
         """Generate for every prompt (text, token ids or chat messages); outputs in input order."""
         self.engine.ensure_open()
         prompt_list: list[Prompt]
-        if isinstance(prompts, str) or _is_single_token_list(prompts) or _is_chat(prompts):
+        if isinstance(prompts, str) or _is_single_token_list(prompts) or is_chat(prompts):
             prompt_list = [prompts]
         else:  # not one prompt, so a sequence of them
             prompt_list = list(cast(Seq[Prompt], prompts))
@@ -186,7 +194,3 @@ class LLM:
 
 def _is_single_token_list(x: object) -> TypeGuard[list[int]]:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
-
-
-def _is_chat(x: object) -> TypeGuard[list[dict[str, str]]]:
-    return isinstance(x, list) and bool(x) and all(isinstance(m, dict) for m in x)

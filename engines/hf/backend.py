@@ -44,6 +44,7 @@ from engines.base import (
     Tokens,
     check_prompt_length,
     now_ns,
+    refuse_tools,
 )
 from engines.builtin.logprobs import token_logprobs
 from engines.hf.config import HFConfig
@@ -232,6 +233,7 @@ class HFBackend(SteppedBackend):
         arrival = now_ns()
         sampling = request.sampling
         self._check_supported(sampling)
+        refuse_tools(request, "hf")
         ids = self._tokenize(request)
         events: list[RequestEvent] = [
             Arrived(request.request_id, -1, arrival),

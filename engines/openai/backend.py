@@ -31,6 +31,7 @@ server that answers without the prompt's log-probabilities fails the request, na
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -52,6 +53,7 @@ from engines.base import (
     Tokenized,
     TokenLogprob,
     Tokens,
+    is_chat,
     now_ns,
 )
 from engines.openai.chunks import ChoiceDelta, Chunk, decode_event, decode_response
@@ -72,6 +74,7 @@ from engines.openai.server_metrics import (
 )
 from engines.openai.sse import SSEParser
 from engines.openai.stats import ClientStats, RequestTally
+from engines.tool_calls import ToolCallOutput
 from models.tokenizer import Tokenizer, default_tokenizer, load_tokenizer
 
 UNKNOWN_TOKEN_ID = -1  # a chunk counted as one token whose id the client cannot know
@@ -390,6 +393,13 @@ class OpenAIBackend(Backend):
             path = "/completions"
             body["prompt"] = self._completion_prompt(request.prompt)
         body.update(self.dialect.sampling_fields(request.sampling))
+        if request.tools is not None:
+            if cfg.api != "chat":
+                raise ValueError(
+                    "tools: engine.api=completions cannot offer the model tools; allowed: "
+                    "engine.api=chat"
+                )
+            body.update(request.tools.request_fields())
         sampling = request.sampling
         constraint = sampling.structured_outputs
         if constraint is not None and constraint.kind not in self.dialect.structured_kinds:
@@ -423,7 +433,7 @@ class OpenAIBackend(Backend):
     def _completion_prompt(self, prompt: Any) -> str | list[int]:
         if isinstance(prompt, str):
             return prompt
-        if _is_chat(prompt):
+        if is_chat(prompt):
             tok = self._need_tokenizer(
                 "chat messages with engine.api=completions (the chat "
                 "template is applied client-side; or use api=chat)"
@@ -439,7 +449,7 @@ class OpenAIBackend(Backend):
         return tok.decode(prompt, skip_special_tokens=False)
 
     def _messages(self, prompt: Any) -> list[dict[str, str]]:
-        if _is_chat(prompt):
+        if is_chat(prompt):
             return list(prompt)
         if isinstance(prompt, str):
             return [{"role": "user", "content": prompt}]
@@ -556,6 +566,27 @@ async def _get_json(client: httpx.AsyncClient, url: str, timeout: float) -> Any:
         return None
 
 
+def _merge_call(calls: dict[int, dict[str, Any]], position: int, fragment: dict[str, Any]) -> None:
+    """One `tool_calls` fragment into the choice's calls: the id and name where it has them,
+    its piece of the arguments appended."""
+    index = fragment.get("index")
+    key = index if isinstance(index, int) else position
+    call = calls.setdefault(
+        key, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+    )
+    if isinstance(fragment.get("id"), str):
+        call["id"] = fragment["id"]
+    function = fragment.get("function")
+    if isinstance(function, dict):
+        if isinstance(function.get("name"), str) and function["name"]:
+            call["function"]["name"] = function["name"]
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            call["function"]["arguments"] += arguments
+        elif isinstance(arguments, dict):  # a server that sends the object itself
+            call["function"]["arguments"] += json.dumps(arguments)
+
+
 def _field(data: Any, path: str) -> Any:
     """`data["a"]["b"]` for path "a.b"; None where any step is missing."""
     for key in path.split("."):
@@ -597,6 +628,8 @@ class _StreamState:
         self.counts = [0] * n
         self.texts = [""] * n
         self.finish_reasons: list[str | None] = [None] * n
+        # per choice: tool-call index -> the call, merged from its fragments
+        self.tool_calls: list[dict[int, dict[str, Any]]] = [{} for _ in range(n)]
         self.usage: dict[str, Any] | None = None
         self.sent_ns = 0
         self.ended = False
@@ -616,6 +649,8 @@ class _StreamState:
                     delta = self.echo.take(delta, arrived)
                 self.pieces.append((arrived, delta))
                 self.texts[delta.index] += delta.text
+                for position, fragment in enumerate(delta.tool_calls):
+                    _merge_call(self.tool_calls[delta.index], position, fragment)
                 if delta.finish_reason is not None:
                     self.finish_reasons[delta.index] = delta.finish_reason
             if chunk.usage is not None:
@@ -694,23 +729,20 @@ class _StreamState:
             if delta.token_ids is not None:
                 return delta.token_ids
             rule = "tokenizer" if self.tokenizer is not None else "nonempty_chunk"
+        # tool-call fragments are tokens the model wrote, as content is
+        written = delta.text + delta.tool_text
         if rule == "tokenizer":
             assert self.tokenizer is not None
             return (
-                tuple(self.tokenizer.encode(delta.text, add_special_tokens=False))
-                if delta.text
-                else ()
+                tuple(self.tokenizer.encode(written, add_special_tokens=False)) if written else ()
             )
+        writes = (delta.has_text or bool(delta.tool_calls)) and not delta.role_only
         if rule == "nonempty_chunk":
-            counted = bool(delta.text)
+            counted = bool(written)
         elif rule == "chunk":  # per-token streams that close with a separate, empty chunk
-            counted = (
-                delta.has_text
-                and not delta.role_only
-                and not (delta.finish_reason is not None and not delta.text)
-            )
+            counted = writes and not (delta.finish_reason is not None and not written)
         else:  # "chunk_with_final": per-token streams whose empty last chunk is the EOS token
-            counted = delta.has_text and not delta.role_only
+            counted = writes
         return (UNKNOWN_TOKEN_ID,) if counted else ()
 
     def _tokens(self, rule: str) -> list[RequestEvent]:
@@ -762,13 +794,19 @@ class _StreamState:
                     output,
                     text=self.texts[index],
                     index=index,
+                    tool_output=None
+                    if self.request.tools is None
+                    else ToolCallOutput(
+                        self.texts[index] or None,
+                        tuple(call for _, call in sorted(self.tool_calls[index].items())),
+                    ),
                 )
             )
         return events
 
     def _count_prompt(self) -> int | None:
         prompt = self.sent_prompt
-        if isinstance(prompt, list) and not _is_chat(prompt):
+        if isinstance(prompt, list) and not is_chat(prompt):
             return len(prompt)
         if self.tokenizer is None:
             return None
@@ -871,10 +909,6 @@ def _legacy_logprob(token_id: int, value: float, top: Any, token: Any, k: int) -
     among = token is not None and any(text == token for text, _ in entries)
     rank = 1 + sum(v > value for v in values) if among else 0
     return TokenLogprob(token_id, value, rank, tuple((UNKNOWN_TOKEN_ID, v) for v in values[:k]))
-
-
-def _is_chat(prompt: Any) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
 def resolve_tokenizer(setting: str, model: dict[str, Any]) -> Tokenizer | None:

@@ -11,7 +11,9 @@ empty `choices`; llama.cpp puts it on the finishing chunk); the stream ends with
 Errors arrive as `{"error": ...}` (vLLM, SGLang, TGI), `{"object": "error", ...}`, an SSE
 `event: error`, or llama.cpp's `error: {...}` field. A server that answers a streaming request
 with one JSON body instead (`decode_response`) has `choices[i].text` or
-`choices[i].message.content`.
+`choices[i].message.content`. A chat answer's tool calls come as `delta.tool_calls` fragments
+(OpenAI's layout: each with an `index`, the first with `id` and `function.name`, the rest
+with pieces of `function.arguments`) or, whole, as `message.tool_calls`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,19 @@ class ChoiceDelta:
     role_only: bool = False  # chat's opening delta: a role and empty content, nothing else
     logprobs: dict[str, Any] | None = None  # completions' legacy logprobs object, as sent
     prompt_token_ids: tuple[int, ...] | None = None  # vLLM's return_token_ids, first chunk
+    #: chat's `delta.tool_calls` fragments as sent (a whole response: `message.tool_calls`)
+    tool_calls: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def tool_text(self) -> str:
+        """The text of the tool-call fragments (names and argument pieces): tokens the model
+        wrote that are not content."""
+        parts = []
+        for fragment in self.tool_calls:
+            function = fragment.get("function")
+            if isinstance(function, dict):
+                parts += [str(function.get(key) or "") for key in ("name", "arguments")]
+        return "".join(parts)
 
 
 @dataclass(slots=True)
@@ -88,6 +103,7 @@ def _chunk(payload: dict[str, Any]) -> Chunk:
         prompt_ids = choice.get("prompt_token_ids")
         logprobs = choice.get("logprobs")
         finish_reason = choice.get("finish_reason") or None
+        tool_calls = delta.get("tool_calls")
         chunk.choices.append(
             ChoiceDelta(
                 index=int(choice.get("index") or 0),
@@ -100,6 +116,9 @@ def _chunk(payload: dict[str, Any]) -> Chunk:
                 prompt_token_ids=tuple(int(i) for i in prompt_ids)
                 if isinstance(prompt_ids, list)
                 else None,
+                tool_calls=tuple(c for c in tool_calls if isinstance(c, dict))
+                if isinstance(tool_calls, list)
+                else (),
             )
         )
     usage = payload.get("usage")

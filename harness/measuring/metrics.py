@@ -296,6 +296,22 @@ register(
     "(jsonschema for a schema; vLLM's structured-output benchmark's correct rate)",
 )
 register(
+    "tool_call_requests",
+    "count",
+    "none",
+    "deterministic",
+    "tool calls: requests that offered the model tools (workload type tool_calls)",
+)
+register(
+    "tool_call_validity",
+    "fraction",
+    "higher",
+    "deterministic",
+    "tool calls: completed requests with tools whose calls are valid (each names an offered "
+    "function, its arguments satisfy the function's schema), of those that had to call "
+    "(tool_choice required or named) or did (auto)",
+)
+register(
     "structured_mask_fraction",
     "fraction",
     "lower",
@@ -913,6 +929,7 @@ def compute_summary(
     summary["padding_fraction"] = _padding_fraction(window_steps)
     summary.update(_engine_metrics(window_steps, members, run_info))
     summary.update(_structured_metrics(members, ok, window_steps))
+    summary.update(_tool_call_metrics(members, ok))
     summary.update(run_info.get("quality") or {})
     summary.update((run_info.get("accuracy") or {}).get("metrics") or {})
     if run_info.get("samples") is not None:  # the monitor's samples (harness/measuring/monitors.py)
@@ -1013,6 +1030,18 @@ def _structured_metrics(
         masked = float(steps["structured_mask_s"].sum())
         out["structured_mask_fraction"] = masked / step_time if step_time > 0 else None
     return out
+
+
+def _tool_call_metrics(members: pd.DataFrame, ok: pd.DataFrame) -> dict[str, Any]:
+    """Tool-call traffic: how many requests offered tools, and the share of the judged ones
+    whose calls were valid; nothing for a run without tools."""
+    if "tool_choice" not in members or not members["tool_choice"].notna().any():
+        return {}
+    judged = ok["tool_calls_valid"].dropna()
+    return {
+        "tool_call_requests": int(members["tool_choice"].notna().sum()),
+        "tool_call_validity": float(judged.astype(bool).mean()) if len(judged) else None,
+    }
 
 
 def _completed(

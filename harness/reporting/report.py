@@ -62,6 +62,7 @@ MAIN_METRICS = (
     "prefix_cache_hit_rate",
     # structured output (docs/structured_output.md) and run.accuracy, where the run has them
     "structured_validity",
+    "tool_call_validity",
     "structured_mask_fraction",
     "ttft_p50_s_structured",
     "tpot_p50_s_structured",

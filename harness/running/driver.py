@@ -46,6 +46,7 @@ with `time.perf_counter_ns`, whatever the clock: `overhead_ns` against the run's
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
@@ -63,8 +64,10 @@ from engines.base import (
     StepRecord,
     Tokenized,
     Tokens,
+    is_chat,
     now_ns,
 )
+from engines.tool_calls import ToolCallOutput
 from harness.running.interrupts import deferred
 from harness.running.saturation import SaturationConfig, SaturationDetector
 from workloads.request import WorkloadRequest
@@ -98,6 +101,7 @@ class RequestTrace:
     structured_compile_ns: int | None = None
     structured_cache_hit: bool | None = None
     structured_forced_tokens: int | None = None
+    tool_output: ToolCallOutput | None = None  # a request with tools: its calls
     finish_reason: str | None = None
     error: str | None = None
     cancelled: str | None = None  # why the driver closed the stream (its row is `cancelled`)
@@ -174,6 +178,22 @@ class RequestTrace:
             else self.structured_compile_ns / 1e9,
             "structured_cache_hit": self.structured_cache_hit,
             "structured_forced_tokens": self.structured_forced_tokens,
+            **self._tool_columns(ok),
+        }
+
+    def _tool_columns(self, ok: bool) -> dict[str, Any]:
+        """A request with tools: its tool choice, how many calls it made, and whether they
+        are valid (each names an offered function, its arguments satisfy that function's
+        schema): judged where calls were due (required, a named function) or made (auto)."""
+        tools = self.item.request.tools
+        if tools is None:
+            return {"tool_choice": None, "tool_calls": None, "tool_calls_valid": None}
+        calls = () if self.tool_output is None else self.tool_output.calls
+        judged = ok and (tools.mode in ("required", "named") or bool(calls))
+        return {
+            "tool_choice": tools.named if tools.mode == "named" else tools.mode,
+            "tool_calls": len(calls) if ok else None,
+            "tool_calls_valid": (bool(calls) and tools.calls_valid(calls)) if judged else None,
         }
 
 
@@ -475,6 +495,7 @@ class Driver:
                 trace.samples_left -= 1
                 trace.finished_ns = event.time_ns
                 trace.output_text = event.text or trace.output_text
+                trace.tool_output = event.tool_output or trace.tool_output
                 trace.finish_reason = event.finish_reason
                 trace.cached_prompt_tokens = event.cached_prompt_tokens
                 if event.structured_compile_ns is not None:
@@ -647,10 +668,13 @@ class Driver:
 
 
 def conversation(previous: RequestTrace, item: WorkloadRequest) -> Any:
-    """The prompt of a follow-up turn: the previous turn's prompt and reply, then the new part."""
+    """The prompt of a follow-up turn: the previous turn's prompt and reply, then the new part
+    (for a turn answering tool calls, a tool message with the result of each call first)."""
     before, new = previous.item.request.prompt, item.request.prompt
-    if isinstance(new, list) and new and isinstance(new[0], dict):
-        if not (isinstance(before, list) and before and isinstance(before[0], dict)):
+    if item.tool_results is not None:
+        return [*before, *tool_turn(previous, item.tool_results), *new]
+    if is_chat(new):
+        if not is_chat(before):
             raise ValueError(f"{item.request_id}: a chat turn cannot follow a non-chat prompt")
         return [*before, {"role": "assistant", "content": previous.output_text}, *new]
     if isinstance(new, list):
@@ -660,3 +684,21 @@ def conversation(previous: RequestTrace, item: WorkloadRequest) -> Any:
     if not isinstance(before, str):
         raise ValueError(f"{item.request_id}: a text turn must follow a text prompt")
     return before + previous.output_text + new
+
+
+def tool_turn(previous: RequestTrace, results: dict[str, str]) -> list[dict[str, Any]]:
+    """The previous turn's answer with its tool calls, then each call's result as a tool
+    message (a function the workload has no result for answers with an error, as a real
+    tool runner would); ValueError when it made no call, which leaves nothing to answer."""
+    output = previous.tool_output
+    if not is_chat(previous.item.request.prompt) or output is None or not output.calls:
+        raise ValueError(
+            f"the previous turn {previous.item.request_id} made no tool call, so there is no "
+            "result to send"
+        )
+    answers = []
+    for call in output.calls:
+        name = call["function"]["name"]
+        result = results.get(name, json.dumps({"error": f"no function named {name!r}"}))
+        answers.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    return [output.message(), *answers]

@@ -20,7 +20,7 @@ def test_every_plug_point_is_listed_with_its_entries() -> None:
     ]
     assert lines["engine.quantization"] == "none|int8|int4"
     assert lines["engine.kv_cache"] == "none|contiguous|paged"
-    assert lines["workload.type"] == "synthetic|trace|prompts"
+    assert lines["workload.type"] == "synthetic|trace|prompts|tool_calls"
 
 
 def test_an_unknown_name_names_the_key_and_the_allowed_values() -> None:

@@ -17,8 +17,8 @@ import openai
 import pytest
 from tiny_server import CHAT, OPTIONS
 
+from engines.tool_calls import ToolUse
 from serving.testing import RunningServer, serve_engine
-from serving.tool_calls import ToolRequest
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -144,7 +144,7 @@ def test_none_and_auto_answer_in_text(client: httpx.Client) -> None:
 
 
 def test_auto_parses_hermes_blocks() -> None:
-    tools = ToolRequest.of([_tool("get_time", TIME)], "auto", None)
+    tools = ToolUse.of([_tool("get_time", TIME)], "auto", None)
     assert tools is not None
     text = 'Let me check. <tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
     content, calls = tools.parse(text)
@@ -160,7 +160,7 @@ def test_auto_parses_hermes_blocks() -> None:
 
 
 def _tool(name: str, parameters: dict[str, Any]) -> Any:
-    from serving.tool_calls import ToolDefinition
+    from engines.tool_calls import ToolDefinition
 
     return ToolDefinition.model_validate(
         {"type": "function", "function": {"name": name, "parameters": parameters}}

@@ -310,7 +310,7 @@ def test_sessions_with_shared_prefix_put_the_prefix_on_turn_zero() -> None:
 
 
 def test_workload_types_contract(tmp_path) -> None:
-    assert set(WORKLOAD_TYPES) == {"synthetic", "trace", "prompts"}
+    assert set(WORKLOAD_TYPES) == {"synthetic", "trace", "prompts", "tool_calls"}
     for cls in WORKLOAD_TYPES.values():
         keys = config_keys(cls)
         assert "info" not in keys and "concurrency" not in keys
@@ -340,7 +340,7 @@ def test_workload_types_contract(tmp_path) -> None:
 
 
 def test_shipped_configs_build(tmp_path) -> None:
-    for name in ("synthetic", "trace", "prompts"):  # each extends its type's schema
+    for name in WORKLOAD_TYPES:  # each extends its type's schema
         options = OmegaConf.to_container(configs.compose([f"workload={name}"]).workload)
         assert isinstance(options, dict) and options["type"] == name
         assert set(options) - {"type"} == set(config_keys(WORKLOAD_TYPES[name]))

@@ -14,6 +14,7 @@ from engines.base import ConfigError, Failed, Finished, GenerationRequest, StepR
 from engines.builtin import LLM
 from engines.hf.backend import HFBackend
 from engines.sampling_params import SamplingParams
+from engines.tool_calls import ToolUse
 from harness.running.experiment import run_experiment
 
 PROMPTS = [list(range(5, 12)), list(range(40, 52)), [7, 8, 9]]
@@ -148,10 +149,21 @@ def test_unsupported_request_fails_alone() -> None:
     too_long = GenerationRequest(
         "long", list(range(5, 70)), SamplingParams(max_tokens=4, temperature=0.0)
     )
+    tools = ToolUse.of([{"type": "function", "function": {"name": "f"}}], "auto", None)
+    with_tools = GenerationRequest(
+        "tools",
+        [{"role": "user", "content": "hi"}],
+        SamplingParams(max_tokens=4, temperature=0.0),
+        tools=tools,
+    )
     try:
-        sampled_events, long_events, *good = drive(backend, [sampled, too_long, *greedy_requests()])
+        sampled_events, long_events, tool_events, *good = drive(
+            backend, [sampled, too_long, with_tools, *greedy_requests()]
+        )
     finally:
         backend.close()
+    assert isinstance(tool_events[-1], Failed)
+    assert "tools: engine=hf does not offer the model tools" in tool_events[-1].error
     assert isinstance(sampled_events[-1], Failed)
     assert "engine.mode=generate_batch runs greedy decoding only" in sampled_events[-1].error
     assert isinstance(long_events[-1], Failed) and "max_model_len=64" in long_events[-1].error

@@ -1,6 +1,8 @@
-"""Tool calls on /v1/chat/completions: OpenAI's `tools`, `tool_choice` and
-`parallel_tool_calls`, how the tools reach the prompt, what constrains the output, and how the
-output becomes `tool_calls` (docs/structured_output.md, Tool calls).
+"""Tool calls: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, how the tools reach
+the prompt, what constrains the output, and how the output becomes `tool_calls`
+(docs/structured_output.md, Tool calls). Below the server and the harness alike: `inferlab
+serve` reads them off a chat request, a tool-call workload puts them on a GenerationRequest,
+and the built-in backend renders, constrains and parses them the same way.
 
     tool_choice   the prompt                 the output                     the answer
     none          no tools                   free                           content
@@ -20,11 +22,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from engines.sampling_params import SamplingParams
 from engines.structured_outputs import StructuredOutputsParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -98,9 +102,11 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 def tool_choice_value(value: Any) -> Any:
     """A request's tool_choice checked: a mode, or a named function (ValueError otherwise)."""
-    if value is None or value in ("none", "auto", "required"):
+    if value is None or isinstance(value, NamedToolChoice):
         return value
-    if isinstance(value, dict):
+    if isinstance(value, str) and value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, Mapping):
         try:
             return NamedToolChoice.model_validate(value)
         except ValueError:
@@ -113,7 +119,24 @@ def tool_choice_value(value: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class ToolRequest:
+class ToolCallOutput:
+    """A chat answer's message once its tool calls are taken out: the content left (None when
+    there is none) and the calls in OpenAI's layout (`id`, `type`, `function.name`,
+    `function.arguments` as JSON text)."""
+
+    content: str | None
+    calls: tuple[dict[str, Any], ...]
+
+    def message(self) -> dict[str, Any]:
+        """The answer as the assistant message of the conversation's next turn."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.calls:
+            message["tool_calls"] = [dict(call) for call in self.calls]
+        return message
+
+
+@dataclass(frozen=True)
+class ToolUse:
     """What a chat request asked of its tools, checked."""
 
     tools: tuple[FunctionDefinition, ...]
@@ -124,13 +147,15 @@ class ToolRequest:
     @classmethod
     def of(
         cls,
-        tools: list[ToolDefinition] | None,
-        choice: ToolChoice | None,
+        tools: Sequence[ToolDefinition | Mapping[str, Any]] | None,
+        choice: ToolChoice | Mapping[str, Any] | str | None,
         parallel: bool | None,
-    ) -> ToolRequest | None:
+    ) -> ToolUse | None:
         """None when the request has no tools (and no choice that needs them); ValueError
-        naming the field otherwise."""
-        functions = tuple(t.function for t in tools or [])
+        naming the field otherwise. Tools and the choice may come as OpenAI's JSON (a
+        workload's file) or already parsed (a server request)."""
+        functions = tuple(_tool_definition(t, i).function for i, t in enumerate(tools or []))
+        choice = tool_choice_value(choice)
         names = [f.name for f in functions]
         duplicate = next((n for n in names if names.count(n) > 1), None)
         if duplicate is not None:
@@ -156,6 +181,23 @@ class ToolRequest:
         """The tools as a chat template reads them (OpenAI's layout); None for none."""
         if self.mode == "none":
             return None
+        return self._openai_tools()
+
+    def request_fields(self) -> dict[str, Any]:
+        """The tools as a chat completions request sends them to an OpenAI-compatible
+        server."""
+        choice: Any = self.mode
+        if self.mode == "named":
+            choice = {"type": "function", "function": {"name": self.named}}
+        fields: dict[str, Any] = {
+            "tools": self._openai_tools(),
+            "tool_choice": choice,
+        }
+        if not self.parallel:  # sent only where it changes the default
+            fields["parallel_tool_calls"] = False
+        return fields
+
+    def _openai_tools(self) -> list[dict[str, Any]]:
         return [{"type": "function", "function": _function_dict(f)} for f in self.tools]
 
     def system_text(self) -> str:
@@ -193,6 +235,38 @@ class ToolRequest:
         if not self.parallel:
             array["maxItems"] = 1
         return StructuredOutputsParams(json=array)
+
+    def constrain(self, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with the grammar the tool choice imposes (ValueError when the request
+        already has a constraint of its own: one grammar per request)."""
+        constraint = self.constraint()
+        if constraint is None:
+            return sampling
+        if sampling.structured_outputs is not None:
+            raise ValueError(
+                "SamplingParams.structured_outputs: tool_choice already constrains the output "
+                "(a named function or required); allowed: one of them"
+            )
+        return replace(sampling, structured_outputs=constraint)
+
+    def output(self, text: str) -> ToolCallOutput:
+        """`parse` as the message a conversation goes on with."""
+        content, calls = self.parse(text)
+        return ToolCallOutput(content, tuple(calls))
+
+    def calls_valid(self, calls: Sequence[Mapping[str, Any]]) -> bool:
+        """Whether every call names one of the tools and its arguments parse as JSON that
+        satisfies that function's parameter schema (jsonschema, the reference validator)."""
+        schemas = {f.name: f.parameters or _NO_PARAMETERS for f in self.tools}
+        for call in calls:
+            function = call.get("function") or {}
+            schema = schemas.get(str(function.get("name")))
+            arguments = function.get("arguments")
+            if schema is None or not isinstance(arguments, str):
+                return False
+            if not StructuredOutputsParams(json=schema).matches(arguments):
+                return False
+        return True
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The message's content and its tool calls (OpenAI's layout; arguments as JSON
@@ -236,6 +310,24 @@ class ToolRequest:
         return self.mode in ("auto", "required")
 
 
+def tool_prompt(
+    messages: list[dict[str, Any]], tools: ToolUse | None, renders_tools: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(the messages, the tools) a chat template is given. A template that renders tools
+    gets them, and the messages' tool calls as they are; for one that does not, the tools are
+    described in the system message and the calls and results written as text."""
+    template_tools = None if tools is None else tools.template_tools()
+    if renders_tools:
+        return messages, template_tools
+    messages = history_as_text(messages)
+    if template_tools is not None and tools is not None:
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] += "\n\n" + tools.system_text()
+        else:
+            messages.insert(0, {"role": "system", "content": tools.system_text()})
+    return messages, None
+
+
 def history_as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A conversation with tool calls and results, for a template that renders neither:
     each assistant call as its Hermes block after the message's text, each tool result as a
@@ -255,6 +347,25 @@ def history_as_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             role, text = "user", f"<tool_response>{text}</tool_response>"
         out.append({"role": role, "content": text})
     return out
+
+
+def _tool_definition(tool: ToolDefinition | Mapping[str, Any], index: int) -> ToolDefinition:
+    if isinstance(tool, ToolDefinition):
+        return tool
+    try:
+        return ToolDefinition.model_validate(tool)
+    except ValueError as exc:
+        raise ValueError(f"tools[{index}]: {_first_error(exc)}") from None
+
+
+def _first_error(exc: ValueError) -> str:
+    """A pydantic error's first problem in one line (`where: what`)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    first = errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}" if where else str(first["msg"])
 
 
 def _function_dict(function: FunctionDefinition) -> dict[str, Any]:
