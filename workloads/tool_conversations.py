@@ -74,7 +74,7 @@ class ToolCallsWorkload(WorkloadBase, DrawnArrivals):
     tool_choice: str = "required"  # turn 0: required | auto | named
     answer_tool_choice: str = "auto"  # turn 1: auto | none
     parallel_tool_calls: bool = True
-    call_output_len: Any = 96  # turn 0's max_tokens (a length spec)
+    call_output_len: Any = 192  # turn 0's max_tokens (a length spec)
     answer_output_len: Any = 64  # turn 1's
     think_time_s: float = 0.0  # the tool's time: between turn 0's end and turn 1
     arrival: dict[str, Any] | None = field(  # when conversations start (workloads/arrivals.py)

@@ -65,6 +65,21 @@ def test_experiment_presets_compose_and_validate(experiment: str) -> None:
     check(cfg)
 
 
+@pytest.mark.parametrize("experiment", names("experiment"))
+def test_every_value_an_experiment_sweeps_composes_and_validates(experiment: str) -> None:
+    """Each value of each of the experiment's `hydra.sweeper.params`, set alone on top of it,
+    gives a valid job (a sweep whose jobs fail at their first check is caught here)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    spec = OmegaConf.load(Path(configs.__file__).parent / "experiment" / f"{experiment}.yaml")
+    params = OmegaConf.select(spec, "hydra.sweeper.params") or {}
+    parser = OverridesParser.create()
+    for key, values in params.items():
+        override = parser.parse_override(f"{key}={values}")
+        for value in override.sweep_string_iterator():
+            check(composed(f"experiment={experiment}", f"{key}={value}"))
+
+
 @pytest.mark.parametrize("variant", names("variant"))
 def test_variants_compose_and_validate(variant: str) -> None:
     check(composed(f"variant={variant}"))
