@@ -50,15 +50,23 @@ class GenerationRequest:
     #: the functions a chat prompt offers and the tool choice (engines/tool_calls.py); a
     #: backend that cannot call tools refuses a request that has them
     tools: ToolUse | None = None
+    #: the LoRA adapter the request runs under (the built-in engine's engine.lora_modules;
+    #: engine=openai sends it as the model name); None: the base model
+    lora: str | None = None
 
 
-def refuse_tools(request: GenerationRequest, engine: str) -> None:
-    """The rule of backends that cannot offer a model tools: a request with them is refused
-    (ValueError naming `tools`) rather than run without them."""
+def refuse_tools_and_adapters(request: GenerationRequest, engine: str) -> None:
+    """The rule of backends that run one model without tools: a request with tools or a LoRA
+    adapter is refused (ValueError naming the field) rather than run without them."""
     if request.tools is not None:
         raise ValueError(
             f"tools: engine={engine} does not offer the model tools; allowed: none "
             "(engine=builtin and engine=openai do)"
+        )
+    if request.lora is not None:
+        raise ValueError(
+            f"lora: engine={engine} runs no LoRA adapters; allowed: null (engine=builtin "
+            "with engine.enable_lora and engine=openai do)"
         )
 
 
@@ -202,6 +210,11 @@ class StepRecord:
     # (filling each row's bitmask and applying it; within forward_ns)
     structured_rows: int = 0
     structured_mask_ns: int = 0
+    # LoRA: the distinct adapters the step ran, its token rows under one, and the most rows
+    # under a single adapter
+    lora_adapters: int = 0
+    lora_rows: int = 0
+    lora_rows_max: int = 0
     forward_ns: int = 0  # device time of the model forward and sampling within the step
     kv_gather_ns: int = 0  # of which copying K/V out of the cache (CPU dense attention)
     # For the roofline (harness/measuring/roofline.py); padding rows count as computed.

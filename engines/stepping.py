@@ -230,6 +230,7 @@ class ThreadedEngine(Protocol):
         sampling: SamplingParams | None = ...,
         arrival_ns: int | None = ...,
         priority: int = ...,
+        lora_name: str | None = ...,
     ) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
@@ -488,7 +489,11 @@ class SteppingThread(Generic[E]):
             return
         try:
             engine.add_request(
-                request.request_id, request.prompt, request.sampling, priority=request.priority
+                request.request_id,
+                request.prompt,
+                request.sampling,
+                priority=request.priority,
+                lora_name=request.lora,
             )
         except self.refusals as exc:
             self._post(

@@ -204,6 +204,7 @@ REQUEST_COLUMNS = [
     "prefix_group",
     "session_id",
     "turn",
+    "lora",
     # structured output: the request's constraint kind, and whether its output satisfied it
     "structured",
     "structured_enforced",
@@ -250,6 +251,9 @@ STEP_COLUMNS = [
     "kv_bytes_copied",
     "structured_rows",
     "structured_mask_s",
+    "lora_adapters",
+    "lora_rows",
+    "lora_rows_max",
     "forward_s",
     "kv_gather_s",
     "logits_tokens",

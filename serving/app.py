@@ -27,6 +27,7 @@ from serving.formats import ChatWriter, CompletionWriter, Writer, collect, event
 from serving.generation import ServingEngine
 from serving.lifecycle import RequestClock, arrival_ns
 from serving.limits import BodySizeLimit, HeaderCountLimit
+from serving.lora_routes import add_lora_routes
 from serving.profiler import EngineProfiler, refuse_cross_origin
 from serving.profiler import not_enabled as profiler_not_enabled
 from serving.prometheus import CONTENT_TYPE
@@ -38,10 +39,9 @@ from serving.protocol import (
     ModelCard,
     ModelList,
     _SamplingFields,
-    check_json_content_type,
     check_model,
     error_body,
-    parse_request,
+    read_request,
 )
 from serving.sse import ClientDisconnected, EventStreamResponse, unless_disconnected
 from serving.tokenize_routes import add_tokenizer_routes
@@ -72,6 +72,7 @@ def create_app(backend: BuiltinBackend, config: ServerConfig | None = None) -> F
     _add_profiler_routes(app, serving)
     _add_completion_routes(app, serving)
     add_tokenizer_routes(app, serving)
+    add_lora_routes(app, serving)
     return app
 
 
@@ -117,23 +118,34 @@ def _add_status_routes(app: FastAPI, serving: ServingEngine, created: int) -> No
     async def version() -> dict[str, str]:
         return {"version": SERVER_VERSION}
 
+    def cards() -> dict[str, ModelCard]:
+        """The base model's card, then each LoRA adapter's (its folder, its parent), as
+        vLLM lists them."""
+        limit = serving.max_model_len
+        found = {model_name: ModelCard(id=model_name, created=created, max_model_len=limit)}
+        lora = serving.engine.runner.lora
+        for name in serving.adapter_names():
+            root = None if lora is None else lora.paths.get(name)
+            found[name] = ModelCard(
+                id=name, created=created, max_model_len=limit, root=root, parent=model_name
+            )
+        return found
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = ModelCard(id=model_name, created=created, max_model_len=serving.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        return ModelList(data=list(cards().values())).model_dump()
 
     @app.get("/v1/models/{model_id:path}")  # :path - a served name may hold "/" (org/model)
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id != model_name:
+        card = cards().get(model_id)
+        if card is None:
             raise APIError(
                 f"The model `{model_id}` does not exist; this server serves `{model_name}`",
                 "model",
                 "model_not_found",
                 404,
             )
-        return ModelCard(
-            id=model_name, created=created, max_model_len=serving.max_model_len
-        ).model_dump()
+        return card.model_dump()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -177,8 +189,8 @@ async def _complete(
     request: Request, serving: ServingEngine, added_ids: frozenset[int]
 ) -> Response:
     arrived_ns = arrival_ns(request.scope)
-    body = await _parse(request, CompletionRequest)
-    _check_common(body, serving.model_name)
+    body = await read_request(request, CompletionRequest)
+    adapter = _check_common(body, serving)
     prompts = await _completion_prompts(serving, body.prompt, added_ids)
     requested = OPENAI_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     max_tokens = [serving.check_prompt(ids, requested, "prompt") for ids in prompts]
@@ -200,6 +212,7 @@ async def _complete(
         CompletionWriter,
         serving.model_name,
         echo=echo,
+        lora=adapter,
     )
 
 
@@ -207,8 +220,8 @@ async def _chat_complete(
     request: Request, serving: ServingEngine, added_ids: frozenset[int]
 ) -> Response:
     arrived_ns = arrival_ns(request.scope)
-    body = await _parse(request, ChatCompletionRequest)
-    _check_common(body, serving.model_name)
+    body = await read_request(request, ChatCompletionRequest)
+    adapter = _check_common(body, serving)
     try:
         tools = ToolUse.of(body.tools, body.tool_choice, body.parallel_tool_calls)
     except ValueError as exc:
@@ -236,6 +249,7 @@ async def _chat_complete(
         arrived_ns,
         ChatWriter,
         serving.model_name,
+        lora=adapter,
         tools=tools,
     )
 
@@ -274,13 +288,11 @@ def _profiler(serving: ServingEngine, request: Request) -> EngineProfiler:
 # ---- request checks ---------------------------------------------------------------------------
 
 
-async def _parse(request: Request, model: type[_SamplingFields]) -> Any:
-    check_json_content_type(request.headers.get("content-type"))  # before the body is read
-    return parse_request(await request.body(), model)
-
-
-def _check_common(body: _SamplingFields, model_name: str) -> None:
-    check_model(body.model, model_name)
+def _check_common(body: _SamplingFields, serving: ServingEngine) -> str | None:
+    """The checks every generation request gets; the LoRA adapter its `model` names (None:
+    the base model)."""
+    adapters = serving.adapter_names()
+    check_model(body.model, serving.model_name, adapters)
     unsupported = body.unsupported()
     if unsupported is not None:
         allowed = NEUTRAL_VALUES.get(unsupported, "null (leave it unset)")
@@ -307,6 +319,7 @@ def _check_common(body: _SamplingFields, model_name: str) -> None:
             "seed",
             "invalid_value",
         )
+    return body.model if body.model in adapters else None
 
 
 async def _completion_prompts(
@@ -440,6 +453,7 @@ async def _respond(
     writer_type: type[Writer],
     model_name: str,
     echo: list[str] | None = None,
+    lora: str | None = None,
     **writer_options: Any,
 ) -> Response:
     n = sampling[0].n
@@ -464,7 +478,7 @@ async def _respond(
     writer = writer_type(
         request_id,
         int(time.time()),
-        model_name,
+        lora or model_name,  # an adapter's answers name it, as vLLM's do
         prompts,
         n,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -478,7 +492,7 @@ async def _respond(
         echo=echo,
         **writer_options,
     )
-    pieces = serving.generate(request_id, prompts, sampling, arrival_ns, admission)
+    pieces = serving.generate(request_id, prompts, sampling, arrival_ns, admission, lora)
     if body.stream:
         return EventStreamResponse(event_stream(pieces, writer), on_close=admission.release)
     try:

@@ -149,6 +149,12 @@ class ServingEngine:
     def capacity(self) -> int:
         return self.engine.limits.max_num_seqs + self.config.max_queue_len
 
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters a request may name as its `model` (engine.lora_modules and those
+        loaded since)."""
+        lora = self.engine.runner.lora
+        return () if lora is None else lora.names
+
     def check_serving(self) -> None:
         """503 once the engine is closed or the server is shutting down."""
         self.engine  # noqa: B018 - raises 503 once the engine is closed
@@ -280,13 +286,14 @@ class ServingEngine:
         sampling: Sequence[SamplingParams],
         arrival_ns: int,
         admission: Admission,
+        lora: str | None = None,
     ) -> AsyncGenerator[Piece, None]:
         """Run every prompt with its sampling parameters; choice index = prompt index x n +
         sample index, as OpenAI numbers them. Closing this stream aborts what is still running
         and frees its KV memory."""
         n = sampling[0].n
         streams = [
-            self.backend.generate(GenerationRequest(f"{request_id}-{i}", ids, params))
+            self.backend.generate(GenerationRequest(f"{request_id}-{i}", ids, params, lora=lora))
             for i, (ids, params) in enumerate(zip(prompts, sampling, strict=True))
         ]
         observed = RequestObserver(self.metrics, prompts, sampling, arrival_ns)

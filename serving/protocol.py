@@ -19,7 +19,7 @@ import re
 import reprlib
 from collections.abc import Sequence
 from itertools import chain
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_serializer
 from pydantic_core import PydanticCustomError, from_json
@@ -110,6 +110,9 @@ class TrackedSend:
 #: bodies itself, before Python's recursion limit could be reached anywhere.
 MAX_JSON_DEPTH = 200
 Request = TypeVar("Request", bound=BaseModel)
+
+if TYPE_CHECKING:
+    from starlette.requests import Request as HTTPRequest
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _POSITION = re.compile(r"at line (\d+) column (\d+)$")
 
@@ -134,6 +137,13 @@ def check_json_content_type(content_type: str | None) -> None:
         "unsupported_media_type",
         415,
     )
+
+
+async def read_request(http: HTTPRequest, model: type[Request]) -> Request:
+    """An HTTP request's body as `model`: its content type checked before the body is read,
+    then parse_request."""
+    check_json_content_type(http.headers.get("content-type"))
+    return parse_request(await http.body(), model)
 
 
 def parse_request(raw: bytes, model: type[Request]) -> Request:
@@ -168,11 +178,13 @@ def validate_request(data: dict[str, Any], model: type[Request]) -> Request:
         raise api_error_from_validation(exc) from None
 
 
-def check_model(requested: str | None, served: str) -> None:
-    """A request's `model` must be the served name (None: the one model served)."""
-    if requested is not None and requested != served:
+def check_model(requested: str | None, served: str, adapters: Sequence[str] = ()) -> None:
+    """A request's `model` must be the served name (None: the one model served) or one of
+    its LoRA adapters'."""
+    if requested is not None and requested != served and requested not in adapters:
+        also = f" and its LoRA adapters {', '.join(adapters)}" if adapters else ""
         raise APIError(
-            f"The model `{requested}` does not exist; this server serves `{served}`",
+            f"The model `{requested}` does not exist; this server serves `{served}`{also}",
             "model",
             "model_not_found",
         )
@@ -803,6 +815,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "inferlab"
     max_model_len: int  # vLLM's extension: clients size requests with it
+    # vLLM's, for a LoRA adapter: its folder and the base model it runs on (null otherwise)
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

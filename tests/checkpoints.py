@@ -214,3 +214,35 @@ def random_hf_llama(folder: Path, vocab_size: int, seed: int) -> Any:
     model.save_pretrained(folder)
     write_word_tokenizer(folder, vocab_size)
     return model
+
+
+def write_random_lora(
+    folder: Path, rank: int = 4, targets: tuple[str, ...] = ("q_proj", "v_proj"), seed: int = 0
+) -> Path:
+    """A PEFT-layout LoRA adapter for the `tiny` preset: random A and B (large enough to
+    change the output) on every layer's `targets`, as `peft`'s save_pretrained writes it."""
+    import torch
+
+    cfg = resolve_model("tiny")
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        "q_proj": (q, cfg.hidden_size), "k_proj": (kv, cfg.hidden_size),
+        "v_proj": (kv, cfg.hidden_size), "o_proj": (cfg.hidden_size, q),
+        "gate_proj": (cfg.intermediate_size, cfg.hidden_size),
+        "up_proj": (cfg.intermediate_size, cfg.hidden_size),
+        "down_proj": (cfg.hidden_size, cfg.intermediate_size),
+    }  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for module in targets:
+            out, fan_in = shapes[module]
+            parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{parent}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator)
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.5
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(targets)}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder

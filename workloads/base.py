@@ -16,6 +16,7 @@ import numpy as np
 from engines.base import Prompt
 from workloads.arrivals import concurrency_of, max_concurrency_of
 from workloads.common import length_totals, make_request, plan_cancellation, span_info
+from workloads.lora import plan_lora
 from workloads.request import WorkloadRequest
 from workloads.structured import plan_structured
 
@@ -43,6 +44,13 @@ class WorkloadBase:
     # false: those requests run free, their outputs judged against the constraint they would
     # have had (the validity the grammar buys, measured side by side)
     structured_enforce: bool = True
+    # LoRA traffic (vLLM's --lora-assignment): round(lora_fraction * sessions) of them, drawn
+    # with the seed, run under an adapter of lora_adapters, assigned round_robin, random or
+    # zipf (weight 1 / k**lora_zipf_exponent for the k-th); workloads/lora.py
+    lora_adapters: list[str] = field(default_factory=list)
+    lora_assignment: str = "round_robin"
+    lora_fraction: float = 1.0
+    lora_zipf_exponent: float = 1.0
 
     def __post_init__(self) -> None:
         self.info: dict[str, Any] = {}  # filled by build(); not a config key
@@ -72,8 +80,8 @@ class WorkloadBase:
         return make_request(self, request_id, prompt, prompt_tokens, output_len, arrival_s, **where)
 
     def _cancel(self, requests: list[WorkloadRequest]) -> dict[str, Any]:
-        """Mark the requests the workload cancels and those it constrains (in place); `info`'s
-        keys about them."""
+        """Mark the requests the workload cancels, those it constrains and the adapters they
+        run under (in place); `info`'s keys about them."""
         return {
             **plan_cancellation(requests, self.cancel_fraction, self.cancel_after_s, self.seed),
             **plan_structured(
@@ -82,6 +90,14 @@ class WorkloadBase:
                 list(self.structured_kinds),
                 self.seed,
                 self.structured_enforce,
+            ),
+            **plan_lora(
+                requests,
+                list(self.lora_adapters),
+                self.lora_assignment,
+                self.lora_fraction,
+                self.lora_zipf_exponent,
+                self.seed,
             ),
         }
 

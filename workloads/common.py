@@ -204,6 +204,12 @@ def check_common(workload: Any) -> None:
     check_cancellation(workload.cancel_fraction, workload.cancel_after_s)
     check_structured(workload.structured_fraction, workload.structured_kinds)
     check_bool("structured_enforce", workload.structured_enforce)
+    check_lora(
+        workload.lora_adapters,
+        workload.lora_assignment,
+        workload.lora_fraction,
+        workload.lora_zipf_exponent,
+    )
 
 
 #: The constraint kinds a workload's structured requests draw from (data/structured/)
@@ -223,6 +229,23 @@ def check_structured(fraction: Any, kinds: Any) -> None:
     ):
         allowed = "|".join(STRUCTURED_KINDS)
         raise invalid("structured_kinds", kinds, f"a non-empty list of distinct {allowed}")
+
+
+#: How a workload's LoRA adapters go to its requests (workloads/lora.py)
+LORA_ASSIGNMENTS = ("round_robin", "random", "zipf")
+
+
+def check_lora(adapters: Any, assignment: Any, fraction: Any, zipf_exponent: Any) -> None:
+    if not isinstance(adapters, list | tuple) or not all(
+        isinstance(a, str) and a for a in adapters
+    ) or len(set(adapters)) != len(adapters):  # fmt: skip
+        raise invalid("lora_adapters", adapters, "a list of distinct adapter names ([]: none)")
+    if assignment not in LORA_ASSIGNMENTS:
+        raise invalid("lora_assignment", assignment, "|".join(LORA_ASSIGNMENTS))
+    if not is_number(fraction) or not 0 <= fraction <= 1:
+        raise invalid("lora_fraction", fraction, "a number in [0, 1] (the rest: the base model)")
+    if not is_number(zipf_exponent) or zipf_exponent <= 0:
+        raise invalid("lora_zipf_exponent", zipf_exponent, "a number > 0")
 
 
 def check_cancellation(fraction: Any, after_s: Any) -> None:

@@ -43,6 +43,7 @@ from workloads.common import (
     rng_streams,
 )
 from workloads.lengths import parse_length
+from workloads.lora import plan_lora
 from workloads.prompts import tokenizer_or_default
 from workloads.request import WorkloadRequest
 from workloads.structured import plan_structured
@@ -169,6 +170,14 @@ class ToolCallsWorkload(WorkloadBase, DrawnArrivals):
                 list(self.structured_kinds),
                 self.seed,
                 self.structured_enforce,
+            ),
+            **plan_lora(
+                requests,
+                list(self.lora_adapters),
+                self.lora_assignment,
+                self.lora_fraction,
+                self.lora_zipf_exponent,
+                self.seed,
             ),
         }
         return requests

@@ -117,7 +117,11 @@ class BuiltinBackend(SteppedBackend):
     def _submit(self, request: GenerationRequest) -> list[RequestEvent]:
         assert self.engine is not None, "load() first"
         self.engine.add_request(
-            request.request_id, request.prompt, request.sampling, priority=request.priority
+            request.request_id,
+            request.prompt,
+            request.sampling,
+            priority=request.priority,
+            lora_name=request.lora,
         )
         return []  # Arrived and Tokenized come with the next step's events
 

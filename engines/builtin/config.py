@@ -215,6 +215,41 @@ class EngineConfig(Options):
         help="test instrument: busy-wait this fraction of each step's duration inside the step "
         "(a planted slowdown for validating the regression gate; docs/gate.md)",
     )
+    # LoRA adapters (docs/lora.md); vLLM's names
+    enable_lora: bool = option(
+        False, help="serve LoRA adapters of the base model beside it, several in one batch"
+    )
+    max_loras: int = option(
+        1,
+        ge=1,
+        le=256,
+        help="enable_lora: adapters resident at once (their slots), the most "
+        "distinct adapters one step runs",
+    )
+    max_lora_rank: int = option(
+        16, ge=1, le=512, help="enable_lora: the highest adapter rank the slots hold"
+    )
+    max_cpu_loras: int | None = option(
+        None,
+        ge=1,
+        help="enable_lora: adapters kept read in host memory (least recently used "
+        "out first); null: max_loras",
+    )
+    # typed Any and null by default: Hydra adds no keys to an empty mapping without `++`
+    lora_modules: Any = option(
+        None,
+        help="enable_lora: adapter name -> a local PEFT folder (adapter_config.json and "
+        "adapter_model.safetensors), read and checked at start; null: none",
+    )
+    lora_dummy_adapters: int = option(
+        0,
+        ge=0,
+        le=256,
+        help="enable_lora: also this many random adapters, dummy-0, dummy-1, "
+        "..., on every module at lora_dummy_rank, written once to the cache (for speed "
+        "measurements, as load_format=dummy)",
+    )
+    lora_dummy_rank: int = option(8, ge=1, le=512, help="the dummy adapters' rank")
     # speed; docs/engine_options.md
     enforce_eager: bool = option(
         True, help="false: CUDA graphs for decode steps (CUDA only, attention_backend=triton)"
@@ -251,6 +286,8 @@ class EngineConfig(Options):
             spec = SpeculativeConfig.from_dict(self.speculative_config)
             self._set("speculative_config", spec.to_dict())
         self._set("_speculative", spec)
+        if self.lora_modules is None:
+            self._set("lora_modules", {})
 
     def _check_together(self) -> None:
         for rule in _RULES:
@@ -335,6 +372,45 @@ def _prefix_caching_needs_paged_kv_and_continuous_batching(config: EngineConfig)
         )
 
 
+def _lora_options_need_enable_lora(config: EngineConfig) -> None:
+    modules = config.lora_modules
+    if not isinstance(modules, dict) or not all(
+        isinstance(k, str) and k and isinstance(v, str) and v for k, v in modules.items()
+    ):
+        raise ConfigError(
+            f"engine.lora_modules: {modules!r} is invalid; allowed: a mapping of adapter name "
+            "-> PEFT folder path"
+        )
+    if (modules or config.lora_dummy_adapters) and not config.enable_lora:
+        raise ConfigError(
+            "engine.lora_modules and engine.lora_dummy_adapters need engine.enable_lora=true"
+        )
+    if config.lora_dummy_adapters and config.lora_dummy_rank > config.max_lora_rank:
+        raise ConfigError(
+            f"engine.lora_dummy_rank={config.lora_dummy_rank} exceeds engine.max_lora_rank="
+            f"{config.max_lora_rank}; allowed: a rank <= max_lora_rank"
+        )
+    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        raise ConfigError(
+            f"engine.max_cpu_loras={config.max_cpu_loras} is below engine.max_loras="
+            f"{config.max_loras}; allowed: null or >= max_loras (every resident adapter is "
+            "read in host memory first)"
+        )
+    if not config.enable_lora:
+        return
+    if not config.enforce_eager:
+        raise ConfigError(
+            "engine.enable_lora=true is not combined with CUDA graphs (engine.enforce_eager="
+            "false): a graph replays one fixed set of adapters; allowed: enforce_eager=true"
+        )
+    spec = config.speculative()
+    if spec is not None and spec.method != "ngram":
+        raise ConfigError(
+            f"engine.enable_lora=true with speculative_config.method={spec.method}: the draft "
+            "model has no adapters; allowed: ngram"
+        )
+
+
 def _a_whole_prompt_fits_one_step(config: EngineConfig) -> None:
     if (
         not config.enable_chunked_prefill
@@ -358,4 +434,5 @@ _RULES = (
     _chunked_prefill_needs_continuous_batching_and_a_cache,
     _prefix_caching_needs_paged_kv_and_continuous_batching,
     _a_whole_prompt_fits_one_step,
+    _lora_options_need_enable_lora,
 )

@@ -220,6 +220,7 @@ class DecodeProgram:
             and meta.use_cache
             and not meta.ring
             and meta.write_index is None
+            and meta.lora is None  # the program has no LoRA deltas
             and x.dtype == torch.float32
         )
 

@@ -49,6 +49,7 @@ from engines.builtin.kv_cache import KVCacheManager
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes
 from engines.builtin.limits import EngineLimits, token_limits
+from engines.builtin.lora.manager import LoRAManager
 from engines.builtin.model_runner import LogitsObserver, ModelRunner
 from engines.builtin.output_processor import NewTokens, OutputProcessor, seeded_generator
 from engines.builtin.penalties import bad_words_token_ids
@@ -239,6 +240,8 @@ class LLMEngine:
         """What a step goes through besides the runner: the scheduler, the requests'
         sequences, the output processor, the step observers."""
         self.scheduler = Scheduler(self.config, self.kv, self.limits)
+        if self.runner.lora is not None:
+            self.scheduler.lora_ready = self.runner.lora.ready
         self.sequences: dict[str, Sequence] = {}
         self.output = OutputProcessor(
             self.tokenizer,
@@ -388,6 +391,8 @@ class LLMEngine:
             # speculative decoding: vLLM's keys, validated (null: off), and the proposer's facts
             "speculative_config": self.config.speculative_config,
             "proposer": None if self.proposer is None else self.proposer.describe(),
+            # LoRA adapters: the slots, each adapter's rank and targets, loads and evictions
+            "lora": None if self.runner.lora is None else self.runner.lora.describe(),
             "kv_cache_dtype": self.config.kv_cache_dtype,
             # pages mapped at load (CPU); False: first writes fault them in during the run
             "kv_cache_prefault": self.config.kv_cache_prefault and not self.platform.is_cuda,
@@ -527,8 +532,11 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         arrival_ns: int | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
-        """Tokenize and queue a request; raises ValueError (naming the field) if it is invalid."""
+        """Tokenize and queue a request (under LoRA adapter `lora_name`, one of
+        engine.lora_modules; None: the base model); raises ValueError (naming the field) if it
+        is invalid."""
         self.ensure_open()
         arrival_ns = self.platform.now_ns() if arrival_ns is None else arrival_ns
         sampling = sampling or SamplingParams()
@@ -536,7 +544,11 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         self.check_request(token_ids, sampling)
-        seq = Sequence(request_id, token_ids, sampling, arrival_ns, priority)
+        self.check_adapter(lora_name)
+        seq = Sequence(request_id, token_ids, sampling, arrival_ns, priority, lora_name)
+        if lora_name is not None:
+            assert self.runner.lora is not None  # check_adapter refused it otherwise
+            self.runner.lora.prefetch(lora_name)
         seq.pending_forks = sampling.num_sequences - 1
         seq.generator = seeded_generator(sampling.seed, self.platform.device)
         if sampling.bad_words:
@@ -561,6 +573,31 @@ class LLMEngine:
             Arrived(request_id, step, arrival_ns),
             Tokenized(request_id, step, self.platform.now_ns(), len(token_ids)),
         ]
+
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter `name` (vLLM's unload); ValueError naming it while requests use it,
+        or when there is none such."""
+        lora = self._adapters()
+        seqs = [*self.scheduler.waiting, *self.scheduler.running]
+        lora.remove(name, in_use=any(seq.lora_name == name for seq in seqs))
+
+    def _adapters(self) -> LoRAManager:
+        if self.runner.lora is None:
+            raise ValueError(
+                "lora_name: this engine serves no adapters; allowed: engine.enable_lora=true"
+            )
+        return self.runner.lora
+
+    def check_adapter(self, lora_name: str | None) -> None:
+        """That `lora_name` is None or an adapter this engine has (ValueError naming `lora`)."""
+        if lora_name is None:
+            return
+        if self.runner.lora is None:
+            raise ValueError(
+                f"lora: {lora_name!r} asked of an engine without adapters; allowed: null (or "
+                "engine.enable_lora=true with the adapter in engine.lora_modules)"
+            )
+        self.runner.lora.check_known(lora_name)
 
     def check_request(self, token_ids: list[int], sampling: SamplingParams) -> None:
         """Every check `add_request` makes, without queueing anything: a frontend (the
@@ -729,6 +766,7 @@ class LLMEngine:
         self.ensure_open()
         events, self._pending_events = self._pending_events, []
         start = self.platform.now_ns()
+        events += self._fail_unreadable_adapters(start)
         proposals = self._propose() if self.proposer is not None else {}
         plan = self.scheduler.schedule(proposals)
         if plan.is_empty:  # its preemptions (idle beams giving way) are still news
@@ -828,6 +866,25 @@ class LLMEngine:
         )
         for observer in self.step_observers:
             observer(record)
+
+    def _fail_unreadable_adapters(self, now: int) -> list[RequestEvent]:
+        """The adapter reads done since the last step taken in; requests waiting for an
+        adapter whose folder could not be read again (changed or gone since the start) fail,
+        naming it; the others go on."""
+        lora = self.runner.lora
+        if lora is None:
+            return []
+        lora.poll()
+        if not lora.failed:
+            return []
+        failed: list[RequestEvent] = []
+        for seq in [s for s in self.scheduler.waiting if s.lora_name in lora.failed]:
+            self.scheduler.finish(seq, "error")
+            self.sequences.pop(seq.key, None)
+            self.beam_search.drop(seq.request_id, "error")
+            reason = lora.failed[str(seq.lora_name)]
+            failed.append(Failed(seq.request_id, self.scheduler.step_counter, now, reason))
+        return failed
 
     def _fail_unschedulable(self, plan: StepPlan, now: int) -> list[RequestEvent]:
         """Nothing runs, so nothing will free memory or budget: the request at the head of the

@@ -126,8 +126,11 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         priority: Seq[int] | None = None,
+        lora_request: str | Seq[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, token ids or chat messages); outputs in input order."""
+        """Generate for every prompt (text, token ids or chat messages); outputs in input order.
+        `lora_request`: the adapter (one of engine.lora_modules) for every prompt, or one per
+        prompt (None: the base model), as vLLM's argument of that name."""
         self.engine.ensure_open()
         prompt_list: list[Prompt]
         if isinstance(prompts, str) or _is_single_token_list(prompts) or is_chat(prompts):
@@ -143,13 +146,28 @@ class LLM:
                     f"sampling_params: {len(params)} given for {len(prompt_list)} "
                     "prompts; give one, or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, str):
+            adapters: list[str | None] = [lora_request] * len(prompt_list)
+        else:
+            adapters = list(lora_request)
+            if len(adapters) != len(prompt_list):
+                raise ValueError(
+                    f"lora_request: {len(adapters)} given for {len(prompt_list)} prompts; give "
+                    "one, or one per prompt"
+                )
         engine = self.engine
         outputs: dict[str, RequestOutput] = {}
         order = []
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):
                 request_id = str(next(self._ids))
-                engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+                engine.add_request(
+                    request_id,
+                    prompt,
+                    p,
+                    priority=priority[i] if priority else 0,
+                    lora_name=adapters[i],
+                )
                 seq = engine.sequences[request_id]
                 samples = [CompletionOutput(i) for i in range(p.n)]
                 outputs[request_id] = RequestOutput(

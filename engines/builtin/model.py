@@ -27,6 +27,7 @@ from engines.builtin.kv_cache import LayerKVCache
 from engines.builtin.layers.linear import Linear, LinearMethod
 from engines.builtin.layers.norm import RMSNorm
 from engines.builtin.layers.rotary import RotaryEmbedding, Rotation, apply_rotary
+from engines.builtin.lora.batch import LoRABatch
 from models.config import ModelConfig
 
 
@@ -66,14 +67,14 @@ class Attention(nn.Module):
         self.native = False  # rotary + K/V store through the C kernel (use_native_kernels)
 
     def forward(self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, meta.lora)
         cache = self.cache if meta.use_cache else None
         if self.native and self._native_can_store(qkv, cache, meta):
             q, k, v = self._rotate_and_store_native(qkv, rotation, cache, meta)
         else:
             q, k, v = self._rotate_and_store(qkv, rotation, cache, meta)
         out = self.backend(q, k, v, cache, meta, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size), meta.lora))
 
     def _rotate_and_store(
         self,
@@ -149,12 +150,12 @@ class MLP(nn.Module):
         self.tp = tp
         self.native = False  # SiLU-and-multiply through the C kernel (use_native_kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, lora)
         if self.native and native.takes(gate_up):
-            return self.tp.all_reduce(self.down_proj(native.silu_and_mul(gate_up)))
+            return self.tp.all_reduce(self.down_proj(native.silu_and_mul(gate_up), lora))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up, lora))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -211,7 +212,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_norm(x, residual)
         h = self.attn(h, rotation, meta)
         h, residual = self.post_attn_norm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, meta.lora), residual
 
 
 class Transformer(nn.Module):

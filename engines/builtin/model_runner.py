@@ -35,6 +35,10 @@ from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import PrepackedDenseMethod
 from engines.builtin.limits import EngineLimits
 from engines.builtin.logprobs import token_logprobs
+from engines.builtin.lora.attach import attach_lora_slots
+from engines.builtin.lora.batch import LoRABatch
+from engines.builtin.lora.dummy import dummy_adapter_folders
+from engines.builtin.lora.manager import LoRAManager
 from engines.builtin.model import DecoderLayer, Transformer
 from engines.builtin.platform import Platform
 from engines.builtin.sampler import Sampler, SamplingBatch, non_finite_logits
@@ -80,6 +84,8 @@ class PackedStep:
     # packed tokens whose logits give prompt logprobs (SamplingParams.prompt_logprobs)
     prompt_logits_index: np.ndarray | None = None
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    # LoRA: each row's adapter (None: the base model); None when no row has one
+    lora_names: list[str | None] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -117,6 +123,7 @@ class ModelRunner:
         self.model.eval()
         self._load_weights()
         self.model.use_native_kernels(self.native_kernels)
+        self.lora = self._lora_manager()  # None: engine.enable_lora=false
         self.sampler = Sampler(config.seed, self.device)
         self.forward_timer = platform.timer()
         self.last_forward_ns = 0  # model forward + sampling of the last step, device time
@@ -150,6 +157,33 @@ class ModelRunner:
         self.ring = False
         self.decode_graphs: DecodeGraphs | None = None  # set up with the KV cache
         self.cuda_graphs_note: str | None = None  # why graphs were asked for but not used
+
+    def _lora_manager(self) -> LoRAManager | None:
+        """The LoRA slots on the model's layers and the manager that fills them, every
+        adapter of engine.lora_modules read and checked now (LoRAError naming one that
+        cannot run on this model)."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        layers = attach_lora_slots(
+            self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device
+        )
+        modules = dict(config.lora_modules)
+        if config.lora_dummy_adapters:
+            dummies = dummy_adapter_folders(
+                self.model_config, config.lora_dummy_adapters, config.lora_dummy_rank, config.seed
+            )
+            modules = {**dummies, **modules}
+        manager = LoRAManager(
+            modules,
+            self.model_config,
+            layers,
+            config.max_loras,
+            config.max_lora_rank,
+            config.max_cpu_loras or config.max_loras,
+        )
+        manager.read_all()
+        return manager
 
     def _choose_kernels(self) -> None:
         """Which kernels the options ask for and this device and dtype allow: the C kernels,
@@ -394,6 +428,9 @@ class ModelRunner:
         )
         if plan.padding_tokens:
             packed.real_token_index = np.flatnonzero(layout.real_tokens())
+        adapters = {s.seq.seq_id: s.seq.lora_name for s in plan.scheduled if s.seq.lora_name}
+        if adapters:
+            packed.lora_names = [adapters.get(row[0]) for row in rows]
         if num_decode_rows == len(rows) == num_sampled and not plan.padding_rows:
             self._use_graph(packed, host)
         return packed
@@ -470,8 +507,22 @@ class ModelRunner:
             write_index=None
             if write_index is None
             else torch.as_tensor(write_index, device=self.device),
+            lora=self._lora_batch(packed),
         )
         return dev["input_ids"][:n], meta, dev["logits_indices"][: packed.num_logits]
+
+    def _lora_batch(self, packed: PackedStep) -> LoRABatch | None:
+        """The step's rows by adapter slot, the adapters it runs written into slots first
+        (on every tensor-parallel rank alike: each keeps its own slots, in the same order)."""
+        names = packed.lora_names
+        if names is None or self.lora is None:
+            return None
+        slots = self.lora.slots_for(name for name in names if name is not None)
+        return LoRABatch.of(
+            [None if name is None else slots[name] for name in names],
+            np.diff(packed.query_start_loc).tolist(),
+            self.device,
+        )
 
     # ---- tensor parallelism: the step's message to the other ranks --------------------------
 

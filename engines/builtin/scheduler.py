@@ -25,7 +25,7 @@ in `StepPlan.padding_tokens` (see `PaddingRow` and `ScheduledSequence.num_paddin
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engines.builtin.config import EngineConfig
@@ -164,6 +164,10 @@ class Scheduler:
         # the most tokens one prompt's chunk takes of a step (chunked prefill only)
         self.max_chunk = config.long_prefill_token_threshold or limits.max_num_batched_tokens
         self.prefix_caching = config.enable_prefix_caching
+        # LoRA: the most distinct adapters running at once (their slots), and whether an
+        # adapter is read and may run (set by the engine: its reading is off the step loop)
+        self.max_loras = config.max_loras
+        self.lora_ready: Callable[[str], bool] = lambda name: True
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         #: Static batching: finished members of the current batch, still holding their KV
@@ -334,8 +338,26 @@ class Scheduler:
 
     def next_to_admit(self) -> Sequence | None:
         """The first waiting sequence with something to compute (a preempted beam whose
-        candidates are in waits for its group instead)."""
-        return next((seq for seq in self.waiting if not seq.awaits_group), None)
+        candidates are in waits for its group instead) whose adapter can run now (one still
+        being read, or one more adapter than the slots hold, waits; later requests may pass
+        it, as in vLLM)."""
+        return next(
+            (
+                seq
+                for seq in self.waiting
+                if not seq.awaits_group and self._adapter_fits(seq, self.running)
+            ),
+            None,
+        )
+
+    def _adapter_fits(self, seq: Sequence, running: Iterable[Sequence]) -> bool:
+        name = seq.lora_name
+        if name is None:
+            return True
+        if not self.lora_ready(name):
+            return False
+        active = {s.lora_name for s in running if s.lora_name is not None}
+        return name in active or len(active) < self.max_loras
 
     def _all_running_idle(self) -> bool:
         """Running sequences with nothing to compute: beams whose candidates wait for the
@@ -390,6 +412,8 @@ class Scheduler:
         for seq in self.waiting:
             if len(batch) == self.max_num_seqs:
                 break
+            if not self._adapter_fits(seq, batch):
+                continue
             most = min(seq.num_prompt_tokens + seq.sampling.max_tokens, self.max_model_len)
             most = max(most, seq.num_tokens)
             new_width = max(width, seq.num_tokens if self.kv.retains_kv else most)
@@ -448,7 +472,7 @@ class Scheduler:
         wants_logits = seq.sampling.prompt_logprobs is not None
         if not self.prefix_caching or seq.num_computed_tokens or wants_logits:
             return 0
-        cached = self.kv.match_prefix(seq.seq_id, seq.token_ids)
+        cached = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.lora_name)
         seq.num_computed_tokens = cached
         return cached
 
@@ -491,6 +515,6 @@ class Scheduler:
                 computed -= item.num_draft_tokens - len(kept)
                 tokens = tokens + kept
             seq.num_computed_tokens = computed if retains else 0
-            self.kv.commit(seq.seq_id, computed, tokens)
+            self.kv.commit(seq.seq_id, computed, tokens, seq.lora_name)
             if item.proposal is not None:
                 self._freed_since_last_plan += self.kv.truncate(seq.seq_id, computed)

@@ -32,6 +32,8 @@ class Sequence:
     sampling: SamplingParams
     arrival_ns: int
     priority: int = 0
+    #: the LoRA adapter the request runs under (engine.lora_modules); None: the base model
+    lora_name: str | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(init=False)
     #: Tokens whose K/V are in the cache (prompt and output alike). The scheduler gives each
@@ -87,6 +89,7 @@ class Sequence:
             self.sampling,
             self.arrival_ns,
             self.priority,
+            self.lora_name,
             sample_index=sample_index,
         )
         child.token_ids = list(self.token_ids)

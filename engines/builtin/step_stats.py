@@ -56,6 +56,11 @@ def step_record(
     (ns, bytes) of the step's collectives and of its broadcast to the other tensor-parallel
     ranks."""
     num_decodes = plan.num_decodes
+    rows_per_adapter: dict[str, int] = {}
+    for item in plan.scheduled:
+        if item.seq.lora_name is not None:
+            name = item.seq.lora_name
+            rows_per_adapter[name] = rows_per_adapter.get(name, 0) + item.num_new_tokens
     return StepRecord(
         step=plan.step,
         start_ns=start_ns,
@@ -76,6 +81,9 @@ def step_record(
         kv_bytes_copied=len(plan.copied_blocks) * kv.block_size * kv.layout.bytes_per_token,
         structured_rows=structured[0],
         structured_mask_ns=structured[1],
+        lora_adapters=len(rows_per_adapter),
+        lora_rows=sum(rows_per_adapter.values()),
+        lora_rows_max=max(rows_per_adapter.values(), default=0),
         forward_ns=forward_ns,
         kv_gather_ns=kv_gather_ns,
         logits_tokens=logits_tokens,

@@ -132,14 +132,14 @@ class _FusedLayout:
         if stem in _FUSED:
             self._put_fused_part(prefix, stem, kind, tensor)
         elif stem in _ROW_PARALLEL:
-            self._put(prefix + _ROW_PARALLEL[stem], kind, tensor, _columns(self.shard, stem))
+            self._put(prefix + _ROW_PARALLEL[stem], kind, tensor, shard_columns(self.shard, stem))
         else:
             self._put(prefix + _PLAIN[stem], kind, tensor)
 
     def _put_fused_part(self, prefix: str, stem: str, kind: str, tensor: torch.Tensor) -> None:
         target, index, parts = _FUSED[stem]
         group = self.pending.setdefault(prefix + target + "." + kind, {})
-        group[index] = {"t": tensor[_rows(self.shard, stem)]}
+        group[index] = {"t": tensor[shard_rows(self.shard, stem)]}
         if len(group) == parts:
             fused = torch.cat([group[i]["t"] for i in range(parts)], dim=0)
             del self.pending[prefix + target + "." + kind]
@@ -167,7 +167,7 @@ class _FusedLayout:
             module.weight = torch.nn.Parameter(tensor, requires_grad=False)
 
 
-def _rows(shard: RankShard, stem: str) -> slice:
+def shard_rows(shard: RankShard, stem: str) -> slice:
     """The rows of a column-parallel tensor (a fused part) that `shard` keeps."""
     if stem == "self_attn.q_proj":
         return shard.q_rows()
@@ -176,7 +176,7 @@ def _rows(shard: RankShard, stem: str) -> slice:
     return shard.mlp_rows()  # gate, up
 
 
-def _columns(shard: RankShard, stem: str) -> slice | None:
+def shard_columns(shard: RankShard, stem: str) -> slice | None:
     """The input columns of a row-parallel tensor that `shard` keeps (None: all, one rank)."""
     if shard.size == 1:
         return None

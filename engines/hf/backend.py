@@ -44,7 +44,7 @@ from engines.base import (
     Tokens,
     check_prompt_length,
     now_ns,
-    refuse_tools,
+    refuse_tools_and_adapters,
 )
 from engines.builtin.logprobs import token_logprobs
 from engines.hf.config import HFConfig
@@ -233,7 +233,7 @@ class HFBackend(SteppedBackend):
         arrival = now_ns()
         sampling = request.sampling
         self._check_supported(sampling)
-        refuse_tools(request, "hf")
+        refuse_tools_and_adapters(request, "hf")
         ids = self._tokenize(request)
         events: list[RequestEvent] = [
             Arrived(request.request_id, -1, arrival),

@@ -38,7 +38,7 @@ from engines.base import (
     Tokens,
     check_prompt_length,
     now_ns,
-    refuse_tools,
+    refuse_tools_and_adapters,
 )
 from engines.llamacpp.config import LlamaCppConfig
 from engines.llamacpp.runner import BatchToken, LlamaCppRunner, check_gguf, converted
@@ -179,7 +179,7 @@ class LlamaCppBackend(SteppedBackend):
         assert self.runner is not None and self.tokenizer is not None, "load() first"
         arrival = now_ns()
         self._check_supported(request.sampling)
-        refuse_tools(request, "llamacpp")
+        refuse_tools_and_adapters(request, "llamacpp")
         ids = self._tokenize(request)
         tokenized = Tokenized(request.request_id, -1, now_ns(), len(ids))
         sampling = request.sampling

@@ -385,7 +385,8 @@ class OpenAIBackend(Backend):
 
     def _request_body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
         cfg = self.config
-        body: dict[str, Any] = {"model": cfg.model, "stream": True}
+        # a LoRA adapter is asked for by its name in `model`, as vLLM's multi-LoRA server takes it
+        body: dict[str, Any] = {"model": request.lora or cfg.model, "stream": True}
         if cfg.api == "chat":
             path = "/chat/completions"
             body["messages"] = self._messages(request.prompt)

@@ -166,6 +166,7 @@ class RequestTrace:
             "prefix_group": request.prefix_group,
             "session_id": request.session_id,
             "turn": request.turn,
+            "lora": request.lora,
             "structured": None if constraint is None else constraint.kind,
             "structured_enforced": None if constraint is None else enforced is not None,
             # whether the output satisfies its constraint (jsonschema for a schema); None for
@@ -647,6 +648,9 @@ class Driver:
             "kv_bytes_copied": record.kv_bytes_copied,
             "structured_rows": record.structured_rows,
             "structured_mask_s": record.structured_mask_ns / 1e9,
+            "lora_adapters": record.lora_adapters,
+            "lora_rows": record.lora_rows,
+            "lora_rows_max": record.lora_rows_max,
             "forward_s": record.forward_ns / 1e9,
             "kv_gather_s": record.kv_gather_ns / 1e9,
             "logits_tokens": record.logits_tokens,

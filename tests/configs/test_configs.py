@@ -283,6 +283,10 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "structured_fraction": 0.5,
         "structured_kinds": ["regex", "choice"],
         "structured_enforce": False,
+        "lora_adapters": ["a", "b"],
+        "lora_assignment": "zipf",
+        "lora_fraction": 0.5,
+        "lora_zipf_exponent": 1.5,
         "arrival": {"process": "closed", "concurrency": 3},
         "shared_prefix": {"num_groups": 2, "prefix_len": 8},
         "sessions": {"num_turns": 2, "think_time_s": 0.5},
@@ -307,6 +311,10 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "structured_fraction": 0.5,
         "structured_kinds": ["regex", "choice"],
         "structured_enforce": False,
+        "lora_adapters": ["a", "b"],
+        "lora_assignment": "zipf",
+        "lora_fraction": 0.5,
+        "lora_zipf_exponent": 1.5,
     },
     "tool_calls": {
         "path": str(TRACES.parent / "structured" / "tool_conversations.jsonl"),
@@ -329,6 +337,10 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "structured_fraction": 0.5,
         "structured_kinds": ["regex", "choice"],
         "structured_enforce": False,
+        "lora_adapters": ["a", "b"],
+        "lora_assignment": "zipf",
+        "lora_fraction": 0.5,
+        "lora_zipf_exponent": 1.5,
     },
     "trace": {
         "path": str(TRACES / "AzureLLMInferenceTrace_conv.csv"),
@@ -360,6 +372,10 @@ NON_DEFAULT: dict[str, dict[str, object]] = {
         "structured_fraction": 0.5,
         "structured_kinds": ["regex", "choice"],
         "structured_enforce": False,
+        "lora_adapters": ["a", "b"],
+        "lora_assignment": "zipf",
+        "lora_fraction": 0.5,
+        "lora_zipf_exponent": 1.5,
     },
 }
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from engines.builtin.lora.batch import LoRABatch
+
 
 @dataclass
 class AttentionMetadata:
@@ -40,6 +42,9 @@ class AttentionMetadata:
     #: reuses (masks, orderings). Lives for one forward: the runner builds new metadata per
     #: step, and CUDA graph buckets, which keep theirs, clear it before each forward.
     per_step: dict[str, Any] = field(default_factory=dict)
+    #: LoRA: which rows run under which adapter slot (None: every row runs the base model).
+    #: Not attention's, but the step's, read by the linear layers the forward passes it to.
+    lora: LoRABatch | None = None
 
     @property
     def num_seqs(self) -> int:

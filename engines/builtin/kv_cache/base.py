@@ -57,9 +57,16 @@ class KVCacheManager(ABC):
     def bytes_reserved(self) -> int:
         """Bytes set aside for live sequences."""
 
-    def commit(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
+    def commit(
+        self,
+        seq_id: int,
+        num_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        namespace: str | None = None,
+    ) -> None:
         """Record that the sequence's cache now holds its first `num_tokens` tokens
-        (`token_ids`: all of its tokens, for managers that hash full blocks)."""
+        (`token_ids`: all of its tokens, for managers that hash full blocks; `namespace`: what
+        else its K/V depend on, a LoRA adapter, so that no other namespace reuses them)."""
         self.tokens_held[seq_id] = num_tokens
 
     def truncate(self, seq_id: int, num_tokens: int) -> list[int]:
@@ -68,8 +75,11 @@ class KVCacheManager(ABC):
         sequence's count stops before them, and its next tokens overwrite them."""
         return []
 
-    def match_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Adopt cached blocks holding a prefix of `token_ids`; return the tokens covered."""
+    def match_prefix(
+        self, seq_id: int, token_ids: Sequence[int], namespace: str | None = None
+    ) -> int:
+        """Adopt cached blocks holding a prefix of `token_ids` computed in the same
+        `namespace` (see commit); return the tokens covered."""
         return 0
 
     def take_copies(self) -> list[tuple[int, int]]:

@@ -26,7 +26,13 @@ class NoKVCacheManager(KVCacheManager):
         self.tokens_held.pop(seq_id, None)
         return []
 
-    def commit(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
+    def commit(
+        self,
+        seq_id: int,
+        num_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        namespace: str | None = None,
+    ) -> None:
         pass  # nothing is held after the step
 
     def bytes_reserved(self) -> int:

@@ -8,6 +8,7 @@ and sliding-window release of blocks no future query can see.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 from engines.builtin.kv_cache.base import KVCacheManager, KVLayout
@@ -79,6 +80,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._hashes: dict[int, list[int]] = {}
         self._content_ids: dict[int, list[int]] = {}
         self._released: dict[int, int] = {}  # seq -> table entries released by the window
+        self._namespaces: dict[str, int] = {}  # adapter name -> its root's parent id
 
     # ---- allocation -------------------------------------------------------------------------
 
@@ -175,9 +177,16 @@ class PagedKVCacheManager(KVCacheManager):
 
     # ---- writes -----------------------------------------------------------------------------
 
-    def commit(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
+    def commit(
+        self,
+        seq_id: int,
+        num_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        namespace: str | None = None,
+    ) -> None:
         """The cache holds the sequence's first `num_tokens` tokens; `token_ids` (the
-        sequence's tokens, at least that many) lets prefix caching hash the full blocks."""
+        sequence's tokens, at least that many) lets prefix caching hash the full blocks, in
+        `namespace` (the LoRA adapter the K/V were computed under; None: the base model)."""
         table = self.block_tables.get(seq_id, [])
         if num_tokens > len(table) * self.block_size:
             raise ValueError(
@@ -195,19 +204,21 @@ class PagedKVCacheManager(KVCacheManager):
                     f"sequence {seq_id}: {len(token_ids)} token ids for "
                     f"{num_tokens} committed tokens"
                 )
-            self._register_full_blocks(seq_id, num_tokens, token_ids)
+            self._register_full_blocks(seq_id, num_tokens, token_ids, namespace)
         if self.sliding_window is not None:
             self._release_outside_window(seq_id, num_tokens)
 
-    def _register_full_blocks(self, seq_id: int, num_tokens: int, token_ids: Sequence[int]) -> None:
+    def _register_full_blocks(
+        self, seq_id: int, num_tokens: int, token_ids: Sequence[int], namespace: str | None
+    ) -> None:
         table = self.block_tables[seq_id]
         hashes = self._hashes.setdefault(seq_id, [])
         content_ids = self._content_ids.setdefault(seq_id, [])
         bs = self.block_size
         for index in range(len(hashes), num_tokens // bs):
             tokens = tuple(token_ids[index * bs : (index + 1) * bs])
-            parent_hash = hashes[-1] if hashes else ROOT_HASH
-            parent = content_ids[-1] if content_ids else None
+            parent_hash = hashes[-1] if hashes else self._root_hash(namespace)
+            parent = content_ids[-1] if content_ids else self._root(namespace)
             block_hash = hash_block_tokens(parent_hash, tokens)
             if table[index] == NULL_BLOCK or parent == _DEAD:
                 # Released before it was hashed (commits without token ids): its content, and
@@ -232,9 +243,12 @@ class PagedKVCacheManager(KVCacheManager):
 
     # ---- prefix cache -----------------------------------------------------------------------
 
-    def match_prefix(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Adopt the cached full blocks that start `token_ids` (a new sequence's prompt), up to
-        the first miss and never the last prompt token, which must be computed to sample.
+    def match_prefix(
+        self, seq_id: int, token_ids: Sequence[int], namespace: str | None = None
+    ) -> int:
+        """Adopt the cached full blocks that start `token_ids` (a new sequence's prompt) and
+        were computed in `namespace` (see commit), up to the first miss and never the last
+        prompt token, which must be computed to sample.
         Returns the cached token count, which becomes the sequence's committed count. Every
         call counts toward the hit rate (prefix_hit_tokens / prefix_queries_tokens)."""
         if not self.enable_prefix_caching:
@@ -249,8 +263,8 @@ class PagedKVCacheManager(KVCacheManager):
         content_ids = self._content_ids.setdefault(seq_id, [])
         for index in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[index * bs : (index + 1) * bs])
-            parent_hash = hashes[-1] if hashes else ROOT_HASH
-            parent = content_ids[-1] if content_ids else None
+            parent_hash = hashes[-1] if hashes else self._root_hash(namespace)
+            parent = content_ids[-1] if content_ids else self._root(namespace)
             block_hash = hash_block_tokens(parent_hash, tokens)
             block = self.pool.lookup(block_hash, tokens, parent)
             if block is None:
@@ -270,6 +284,19 @@ class PagedKVCacheManager(KVCacheManager):
             # Next queries start at `cached`: a long hit's head is already out of the window.
             self._release_outside_window(seq_id, cached)
         return cached
+
+    def _root(self, namespace: str | None) -> int | None:
+        """The parent content id a namespace's first block names: None for the base model, a
+        negative id of its own for each adapter (content ids are >= 0 and _DEAD is -1), so a
+        lookup, which compares parents, never crosses namespaces even on a hash collision."""
+        if namespace is None:
+            return None
+        return self._namespaces.setdefault(namespace, _DEAD - 1 - len(self._namespaces))
+
+    @staticmethod
+    def _root_hash(namespace: str | None) -> int:
+        # crc32, not hash(): a str's hash differs between processes
+        return ROOT_HASH if namespace is None else zlib.crc32(namespace.encode())
 
     # ---- accounting -------------------------------------------------------------------------
 

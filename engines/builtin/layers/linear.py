@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,10 @@ from torch import nn
 
 from engines.builtin import native
 from engines.registry import Registry
+
+if TYPE_CHECKING:
+    from engines.builtin.lora.batch import LoRABatch
+    from engines.builtin.lora.layer import LoRALayerSlots
 
 
 @dataclass(frozen=True)
@@ -228,6 +233,8 @@ class Linear(nn.Module):
         self.native = False
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
+        # the resident LoRA adapters' weights for this layer (engines/builtin/lora), if any
+        self.lora: LoRALayerSlots | None = None
 
     def load(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, columns: slice | None = None
@@ -256,8 +263,12 @@ class Linear(nn.Module):
     def packed_bytes(self) -> int:
         return self.method.packed_bytes(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        """x @ W^T (+ b), and for the rows `lora` assigns an adapter, its delta."""
+        y = self.method.apply(self, x)
+        if lora is not None and self.lora is not None:
+            self.lora.add_delta(y, x, lora)
+        return y
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,50 @@
+"""Which rows of a step run under which adapter slot: built once per step from the scheduled
+sequences and read by every LoRA-carrying linear layer of the forward (no global state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """The step's rows grouped by adapter slot: (slot, the rows' indices in the packed batch,
+    None when the slot has every row). Rows of the base model belong to no group."""
+
+    groups: tuple[tuple[int, torch.Tensor | None], ...]
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        return tuple(slot for slot, _ in self.groups)
+
+    @classmethod
+    def of(
+        cls, slot_per_seq: list[int | None], rows_per_seq: list[int], device: torch.device
+    ) -> LoRABatch | None:
+        """From each scheduled sequence's slot (None: the base model) and its rows this step,
+        in the packed order; None when no row has an adapter."""
+        total = sum(rows_per_seq)
+        ranges: dict[int, list[range]] = {}
+        start = 0
+        for slot, rows in zip(slot_per_seq, rows_per_seq, strict=True):
+            if slot is not None and rows:
+                ranges.setdefault(slot, []).append(range(start, start + rows))
+            start += rows
+        if not ranges:
+            return None
+        groups: list[tuple[int, torch.Tensor | None]] = []
+        for slot, spans in ranges.items():
+            count = sum(len(span) for span in spans)
+            if count == total:
+                groups.append((slot, None))
+                continue
+            index = [i for span in spans for i in span]
+            groups.append((slot, torch.tensor(index, dtype=torch.long, device=device)))
+        return cls(tuple(groups))
+
+    def rows_per_slot(self, total_rows: int) -> dict[int, int]:
+        return {
+            slot: total_rows if rows is None else int(rows.numel()) for slot, rows in self.groups
+        }

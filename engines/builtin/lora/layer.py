@@ -1,0 +1,122 @@
+"""A linear layer's LoRA slots: the A and B weights of every resident adapter, stacked so that
+one step applies each adapter's delta to its own rows.
+
+For a fused layer (q/k/v in one projection, gate/up in another) each adapter has one A per part
+and one B per part; the parts' A are packed into one [parts * r, in] block per slot, so that the
+shrink is one GEMM for the slot's rows (x @ A^T, [rows, parts * r]), and each part's expand
+writes its own output columns (h_part @ B_part^T). A slot holds its adapter's own rank r (the
+unused rows up to max_lora_rank stay out of the product).
+
+Why a torch formulation on CPU: per slot it is two GEMMs over exactly the rows that carry the
+adapter (index_select in, index_add_ out), which is what an SGMV kernel computes segment by
+segment; the delta's cost, rows * (in + parts * out) * r multiply-adds, is a fraction r / in of
+the base GEMM's, so the kernel's shape matters far less than the base layer's. A tensor-parallel
+rank keeps the shard its base layer keeps: a column-parallel layer's B rows (A whole), a
+row-parallel layer's A columns (B whole); the row-parallel delta is a partial sum like the base
+output, added before the all-reduce that sums both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engines.builtin.lora.adapter import LoRAAdapter
+from engines.builtin.lora.batch import LoRABatch
+
+
+@dataclass(frozen=True)
+class LoRAPart:
+    """One Hugging Face module inside an engine linear layer (the parts fill the layer's output
+    columns in order): its name, its outputs on this rank, and the slice of its full B rows
+    (column-parallel) or A columns (row-parallel) this rank keeps."""
+
+    module: str
+    out_size: int
+    rows: slice | None = None  # of B: a column-parallel shard
+    columns: slice | None = None  # of A: a row-parallel shard
+
+
+class LoRALayerSlots:
+    def __init__(
+        self,
+        layer_index: int,
+        parts: tuple[LoRAPart, ...],
+        in_features: int,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.layer_index = layer_index
+        self.parts = parts
+        self.a = torch.zeros(
+            max_loras, len(parts) * max_rank, in_features, dtype=dtype, device=device
+        )
+        self.b = [
+            torch.zeros(max_loras, part.out_size, max_rank, dtype=dtype, device=device)
+            for part in parts
+        ]
+        self.ranks = [0] * max_loras  # 0: an empty slot, or an adapter that skips this layer
+
+    def write(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy `adapter`'s weights for this layer into `slot` (zeros where it targets none of
+        the parts)."""
+        r = adapter.rank
+        targeted = False
+        self.a[slot].zero_()
+        for index, part in enumerate(self.parts):
+            self.b[index][slot].zero_()
+            pair = adapter.weights.get((self.layer_index, part.module))
+            if pair is None:
+                continue
+            a, b = pair
+            if part.columns is not None:
+                a = a[:, part.columns]
+            if part.rows is not None:
+                b = b[part.rows]
+            self.a[slot, index * r : (index + 1) * r].copy_(a)
+            self.b[index][slot, :, :r].copy_(b)
+            targeted = True
+        self.ranks[slot] = r if targeted else 0
+
+    def clear(self, slot: int) -> None:
+        self.ranks[slot] = 0
+
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
+        """y += each row's adapter delta (in place); rows of the base model are left alone."""
+        for slot, rows in batch.groups:
+            r = self.ranks[slot]
+            if not r:
+                continue
+            xs = x if rows is None else x.index_select(0, rows)
+            shrunk = xs @ self.a[slot, : len(self.parts) * r].T
+            deltas = [
+                shrunk[:, index * r : (index + 1) * r] @ self.b[index][slot, :, :r].T
+                for index in range(len(self.parts))
+            ]
+            delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
+            if rows is None:
+                y.add_(delta)
+            else:
+                y.index_add_(0, rows, delta)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.a, *self.b))
+
+
+#: The engine's LoRA-carrying layers in a decoder block: its path in the block, and the
+#: Hugging Face modules it fuses, in output order, each with the checkpoint stem the loader
+#: shards it by (engines/builtin/weights.py)
+LORA_LAYERS: dict[str, tuple[tuple[str, str], ...]] = {
+    "attn.qkv_proj": (
+        ("q_proj", "self_attn.q_proj"),
+        ("k_proj", "self_attn.k_proj"),
+        ("v_proj", "self_attn.v_proj"),
+    ),
+    "attn.o_proj": (("o_proj", "self_attn.o_proj"),),
+    "mlp.gate_up_proj": (("gate_proj", "mlp.gate_proj"), ("up_proj", "mlp.up_proj")),
+    "mlp.down_proj": (("down_proj", "mlp.down_proj"),),
+}

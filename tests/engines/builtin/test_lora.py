@@ -1,0 +1,241 @@
+"""LoRA adapters in the built-in engine (issue 41) against Hugging Face `peft`, the definition:
+adapters written by `peft` on a random checkpoint (random A and B, so each changes the output),
+each request's greedy tokens equal the PEFT-merged model's, token for token in float32, for a
+batch that mixes four adapters and the base model, in every KV mode, with chunked prefill and
+with fewer slots than adapters (slots evicted and written again). A prefix cached under one
+adapter is never reused by another. Bad adapters are one-line errors naming them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from checkpoints import write_tiny_checkpoint
+
+from engines.builtin.llm import LLM
+from engines.builtin.lora.adapter import LoRAError
+from engines.sampling_params import SamplingParams
+from models.tokenizer import default_tokenizer
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+# (name, rank, alpha, targets, rslora): different ranks, modules and scalings
+ADAPTERS = [
+    ("attn", 4, 8, ["q_proj", "v_proj"], False),
+    ("mlp", 8, 16, ["gate_proj", "up_proj", "down_proj"], False),
+    ("all", 8, 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+     True),
+    ("wide", 16, 32, ["k_proj", "o_proj", "down_proj"], False),
+]  # fmt: skip
+PROMPTS = [[5, 9, 13, 2, 7], [11, 4, 4, 8, 3, 21, 6, 1, 19, 30, 2], [40, 41, 42]]
+MAX_TOKENS = 12
+
+
+def hf_model(folder: Path) -> Any:
+    return transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    """Greedy over the tokenizer's ids, as the engine samples (the model's vocabulary rows
+    past them are padding no text can hold)."""
+    samplable = default_tokenizer().vocab_size
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            min_new_tokens=MAX_TOKENS,
+            pad_token_id=0,
+            suppress_tokens=list(range(samplable, model.config.vocab_size)),
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The base checkpoint, the four adapters' folders and the reference tokens of each
+    (adapter or None) for every prompt, from the PEFT-merged model."""
+    root = tmp_path_factory.mktemp("lora")
+    base = write_tiny_checkpoint(root / "base")
+    folders: dict[str, str] = {}
+    reference: dict[str | None, list[list[int]]] = {
+        None: [hf_greedy(hf_model(base), p) for p in PROMPTS]
+    }
+    for seed, (name, rank, alpha, targets, rslora) in enumerate(ADAPTERS):
+        torch.manual_seed(seed)
+        config = peft.LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            target_modules=targets,
+            use_rslora=rslora,
+            init_lora_weights=False,  # random B too: the adapter changes the output
+        )
+        model = peft.get_peft_model(hf_model(base), config)
+        with torch.no_grad():  # large enough to change the greedy tokens of random weights
+            for key, tensor in model.named_parameters():
+                if "lora_B" in key:
+                    tensor.mul_(20.0)
+        folder = root / name
+        model.save_pretrained(folder)
+        folders[name] = str(folder)
+        merged = peft.PeftModel.from_pretrained(hf_model(base), folder).merge_and_unload()
+        reference[name] = [hf_greedy(merged, p) for p in PROMPTS]
+    for name, _, _, _, _ in ADAPTERS:  # each adapter changes what the model says
+        assert reference[name] != reference[None], name
+    return {"base": str(base), "folders": folders, "reference": reference}
+
+
+def engine(checkpoint: dict[str, Any], **options: Any) -> LLM:
+    return LLM(
+        model=checkpoint["base"],
+        dtype="float32",
+        enable_lora=True,
+        lora_modules=checkpoint["folders"],
+        max_lora_rank=16,
+        max_model_len=64,
+        **options,
+    )
+
+
+def mixed_batch(llm: LLM, checkpoint: dict[str, Any]) -> None:
+    """Every prompt under every adapter and the base, all in one call (one batch)."""
+    names: list[str | None] = [None, *checkpoint["folders"]]
+    prompts = [p for _ in names for p in PROMPTS]
+    adapters = [name for name in names for _ in PROMPTS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, lora_request=adapters)
+    for out, name, prompt_index in zip(
+        outputs, adapters, [i for _ in names for i in range(len(PROMPTS))], strict=True
+    ):
+        expected = checkpoint["reference"][name][prompt_index]
+        assert out.outputs[0].token_ids == expected, (name, prompt_index)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"kv_cache": "paged", "max_loras": 4},
+        {"kv_cache": "contiguous", "max_loras": 4},
+        {"kv_cache": "none", "max_loras": 4},
+        {"kv_cache": "paged", "max_loras": 2, "max_cpu_loras": 2},  # slots evicted
+        {"kv_cache": "paged", "max_loras": 4, "enable_chunked_prefill": True,
+         "max_num_batched_tokens": 8, "long_prefill_token_threshold": 4},
+        {"kv_cache": "paged", "max_loras": 4, "enable_prefix_caching": True},
+    ],
+    ids=["paged", "contiguous", "none", "two-slots", "chunked", "prefix-cache"],
+)  # fmt: skip
+def test_a_batch_mixing_four_adapters_and_the_base_gives_the_merged_models_tokens(
+    checkpoint: dict[str, Any], options: dict[str, Any]
+) -> None:
+    with engine(checkpoint, **options) as llm:
+        mixed_batch(llm, checkpoint)
+        if options.get("max_loras") == 2:  # four adapters through two slots
+            stats = llm.engine.runner.lora.stats
+            assert stats.slot_evictions >= 2 and stats.slot_writes >= 4
+
+
+def test_a_prefix_cached_under_one_adapter_is_not_reused_by_another(
+    checkpoint: dict[str, Any],
+) -> None:
+    """The same 40-token prompt under adapter attn, then mlp, then the base, then attn
+    again: only the last finds its prefix cached, and each gives its own model's tokens."""
+    prompt = list(range(3, 43))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with engine(checkpoint, kv_cache="paged", max_loras=4, enable_prefix_caching=True) as llm:
+        hits = []  # the engine's cached prompt tokens so far, after each request
+        tokens: dict[str | None, list[list[int]]] = {}
+        for name in ("attn", "mlp", None, "attn"):
+            out = llm.generate([prompt], params, lora_request=name)[0]
+            hits.append(llm.engine.scheduler.prefix_cache_hits)
+            tokens.setdefault(name, []).append(out.outputs[0].token_ids)
+    assert hits[:3] == [0, 0, 0] and hits[3] > 0  # only the second attn request hit
+    assert tokens["attn"][0] == tokens["attn"][1]
+    merged = {}
+    for name in ("attn", "mlp"):
+        model = peft.PeftModel.from_pretrained(
+            hf_model(Path(checkpoint["base"])), checkpoint["folders"][name]
+        ).merge_and_unload()
+        merged[name] = hf_greedy(model, prompt)[:4]
+    assert tokens["attn"][0] == merged["attn"] and tokens["mlp"][0] == merged["mlp"]
+
+
+def write_adapter(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return str(folder)
+
+
+@pytest.fixture
+def bad_adapters(tmp_path: Path) -> Iterator[dict[str, tuple[str, str]]]:
+    """name -> (folder, the error's words)."""
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    good = {f"{q}.lora_A.weight": torch.zeros(4, 64), f"{q}.lora_B.weight": torch.zeros(64, 4)}
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    yield {
+        "missing": (str(tmp_path / "nowhere"), "no such folder"),
+        "too_wide": (
+            write_adapter(tmp_path / "w", {**config, "r": 32}, good),
+            "rank 32 exceeds engine.max_lora_rank=16",
+        ),
+        "other_model": (
+            write_adapter(
+                tmp_path / "o",
+                config,
+                {
+                    f"{q}.lora_A.weight": torch.zeros(4, 96),
+                    f"{q}.lora_B.weight": torch.zeros(96, 4),
+                },
+            ),
+            "do not fit the base model's",
+        ),
+        "no_module": (
+            write_adapter(tmp_path / "n", {**config, "target_modules": ["c_attn"]}, good),
+            "target_modules: ['c_attn'] are not modules of this model",
+        ),
+        "deep": (
+            write_adapter(
+                tmp_path / "d",
+                config,
+                {k.replace("layers.0", "layers.9"): v for k, v in good.items()},
+            ),
+            "layer 9 does not exist",
+        ),
+        "dora": (
+            write_adapter(tmp_path / "r", {**config, "use_dora": True}, good),
+            "use_dora=True is not supported",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "name", ["missing", "too_wide", "other_model", "no_module", "deep", "dora"]
+)
+def test_a_bad_adapter_is_a_one_line_error_naming_it(
+    tmp_path: Path, bad_adapters: dict[str, tuple[str, str]], name: str
+) -> None:
+    base = write_tiny_checkpoint(tmp_path / "base")
+    folder, words = bad_adapters[name]
+    with pytest.raises(LoRAError) as info:
+        LLM(model=str(base), enable_lora=True, lora_modules={name: folder}, max_lora_rank=16)
+    message = str(info.value)
+    assert message.startswith(f"lora_modules.{name}: ") and words in message
+    assert "\n" not in message
+
+
+def test_a_request_for_an_unknown_adapter_names_the_known_ones(
+    checkpoint: dict[str, Any],
+) -> None:
+    unknown = r"lora: 'nope' is not a loaded adapter; allowed: all, attn, mlp, wide"
+    with engine(checkpoint, max_loras=1) as llm, pytest.raises(ValueError, match=unknown):
+        llm.generate([PROMPTS[0]], lora_request="nope")
+    plain = LLM(model=checkpoint["base"])
+    with plain, pytest.raises(ValueError, match=r"engine\.enable_lora=true"):
+        plain.generate([PROMPTS[0]], lora_request="attn")
