@@ -7,9 +7,12 @@ from engines.builtin import LLM, SamplingParams
 from engines.builtin.layers import make_linear_method
 
 
-def dequantized_twin_tokens(llm: LLM, prompts: list, params: SamplingParams) -> list[list[int]]:
+def dequantized_twin_tokens(
+    llm: LLM, prompts: list, params: SamplingParams, lora_request: list | None = None
+) -> list[list[int]]:
     """Greedy tokens of the dequantize-then-float32 reference: every quantized layer of `llm`
-    replaced, in place, by a dense one holding the weight its stored form represents."""
+    replaced, in place, by a dense one holding the weight its stored form represents (its
+    LoRA slots, if any, stay: `lora_request` runs the prompts under adapters)."""
     runner = llm.engine.runner
     for layer in runner.model.linear_layers().values():
         if layer.method.name in ("int8", "int4"):
@@ -20,4 +23,5 @@ def dequantized_twin_tokens(llm: LLM, prompts: list, params: SamplingParams) -> 
             layer.method = make_linear_method("none", prepack=runner.prepacked)
             layer.load(weight, bias)
     runner._setup_layer_program()  # the program reads the new layers
-    return [o.token_ids for o in llm.generate(prompts, params)]
+    outputs = llm.generate(prompts, params, lora_request=lora_request)
+    return [o.outputs[0].token_ids for o in outputs]

@@ -124,11 +124,19 @@ class ToolCallsWorkload(WorkloadBase, DrawnArrivals):
         )
         starts = arrival_times(self.arrival, count, arrival_rng)
         requests: list[WorkloadRequest] = []
+        # each conversation's tools and prompt length, once (a run may repeat it many times)
+        uses = {
+            id(c): (self._tool_use(c, self.tool_choice), self._tool_use(c, self.answer_tool_choice))
+            for c in conversations
+        }
+        asked_of = {
+            id(c): sum(len(tok.encode(str(m.get("content") or ""))) for m in c.messages)
+            for c in conversations
+        }
         for k, conversation in enumerate(chosen):
-            call_tools = self._tool_use(conversation, self.tool_choice)
-            answer_tools = self._tool_use(conversation, self.answer_tool_choice)
+            call_tools, answer_tools = uses[id(conversation)]
             messages = [dict(m) for m in conversation.messages]
-            asked = sum(len(tok.encode(str(m.get("content") or ""))) for m in messages)
+            asked = asked_of[id(conversation)]
             session = f"{self.id_prefix}-s{k}"
             first = self._turn(f"{session}-t0", messages, call_tools, int(calls[k]), session, 0)
             requests.append(WorkloadRequest(first, float(starts[k]), asked))

@@ -456,7 +456,7 @@ class LLMEngine:
         if self.peers is not None:
             self.peers.close(failed=abandon or self.failure is not None)
 
-    def _roofline_shape(self) -> dict[str, int]:
+    def _roofline_shape(self) -> dict[str, float]:
         """Per-token constants of the roofline's FLOP count and of its communication
         (harness/measuring/roofline.py)."""
         cfg, model = self.model_config, self.runner.model
@@ -476,6 +476,13 @@ class LLMEngine:
             "allreduces_per_step": 2 * cfg.num_layers + 1 if parallel else 0,
             "hidden_bytes_per_token": cfg.hidden_size * element,
             "logits_bytes_per_row": model.shard.layout.padded_vocab * element,
+            # LoRA: an adapter's A and B on this rank (the mean of those read), multiplied by
+            # each of its token rows and read once per step that runs it
+            "lora_params_per_adapter": (
+                0.0
+                if self.runner.lora is None
+                else self.runner.lora.mean_adapter_params() / model.shard.size
+            ),
         }
 
     # ---- what others may read or hook ---------------------------------------------------------

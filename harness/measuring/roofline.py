@@ -4,8 +4,11 @@ For each step (a `steps` row) and the model's shape (the engine's `describe()`):
 
     flops            = 2 * block_linear_params * tokens + 2 * lm_head_params * logits_tokens
                        + attention_flops_per_pair * attention_pairs
+                       + 2 * lora_params_per_adapter * lora_rows (LoRA: each row's shrink
+                       and expand)
     weight_bytes_read = linear weights of the blocks as stored (quantized bytes and scales)
                        + the LM head when any logits are computed; never the embedding table
+                       + each adapter the step runs, its A and B once (LoRA)
     kv_bytes_read    = kv_tokens_read * kv_bytes_per_token
     kv_bytes_written = kv_tokens_written * kv_bytes_per_token
     predicted_s      = max(compute_s, memory_s) + (1 - overlap[dtype]) * min(compute_s, memory_s)
@@ -64,6 +67,9 @@ class ModelShape:
     allreduces_per_step: int = 0
     hidden_bytes_per_token: int = 0
     logits_bytes_per_row: int = 0
+    # LoRA: an adapter's A and B parameters (this rank's), in the compute dtype
+    lora_params_per_adapter: float = 0.0
+    lora_bytes_per_param: int = 4
 
     @classmethod
     def from_engine_info(cls, engine: dict[str, Any] | None) -> ModelShape | None:
@@ -85,7 +91,13 @@ class ModelShape:
             allreduces_per_step=int(shape.get("allreduces_per_step", 0)),
             hidden_bytes_per_token=int(shape.get("hidden_bytes_per_token", 0)),
             logits_bytes_per_row=int(shape.get("logits_bytes_per_row", 0)),
+            lora_params_per_adapter=float(shape.get("lora_params_per_adapter", 0.0)),
+            lora_bytes_per_param=_element_bytes(str(engine["dtype"])),
         )
+
+
+def _element_bytes(dtype: str) -> int:
+    return 2 if dtype in ("bfloat16", "float16") else 4
 
 
 def measured_step_s(steps: pd.DataFrame) -> pd.Series:
@@ -102,12 +114,19 @@ def step_costs(steps: pd.DataFrame, shape: ModelShape) -> pd.DataFrame:
 
     tokens = col("prefill_tokens") + col("decode_tokens") + col("padding_tokens").fillna(0)
     logits = col("logits_tokens")
+    lora_rows = col("lora_rows").fillna(0)
+    lora_adapters = col("lora_adapters").fillna(0)
     flops = (
         2.0 * shape.block_linear_params * tokens
         + 2.0 * shape.lm_head_params * logits
         + float(shape.attention_flops_per_pair) * col("attention_pairs")
+        + 2.0 * shape.lora_params_per_adapter * lora_rows
     )
-    weights = shape.block_linear_bytes * (tokens > 0) + shape.lm_head_bytes * (logits > 0)
+    weights = (
+        shape.block_linear_bytes * (tokens > 0)
+        + shape.lm_head_bytes * (logits > 0)
+        + shape.lora_params_per_adapter * shape.lora_bytes_per_param * lora_adapters
+    )
     out = pd.DataFrame(index=steps.index)
     out["flops"] = flops
     out["weight_bytes_read"] = weights.astype(float).where(logits.notna())

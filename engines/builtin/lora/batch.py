@@ -14,6 +14,8 @@ class LoRABatch:
     None when the slot has every row). Rows of the base model belong to no group."""
 
     groups: tuple[tuple[int, torch.Tensor | None], ...]
+    #: each row's slot, -1 for the base model: what the GPU kernels gather by (int32)
+    slot_of_row: torch.Tensor
 
     @property
     def slots(self) -> tuple[int, ...]:
@@ -27,10 +29,12 @@ class LoRABatch:
         in the packed order; None when no row has an adapter."""
         total = sum(rows_per_seq)
         ranges: dict[int, list[range]] = {}
+        per_row: list[int] = []
         start = 0
         for slot, rows in zip(slot_per_seq, rows_per_seq, strict=True):
             if slot is not None and rows:
                 ranges.setdefault(slot, []).append(range(start, start + rows))
+            per_row += [-1 if slot is None else slot] * rows
             start += rows
         if not ranges:
             return None
@@ -42,7 +46,8 @@ class LoRABatch:
                 continue
             index = [i for span in spans for i in span]
             groups.append((slot, torch.tensor(index, dtype=torch.long, device=device)))
-        return cls(tuple(groups))
+        slot_of_row = torch.tensor(per_row, dtype=torch.int32, device=device)
+        return cls(tuple(groups), slot_of_row)
 
     def rows_per_slot(self, total_rows: int) -> dict[int, int]:
         return {

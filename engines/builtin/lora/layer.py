@@ -59,6 +59,7 @@ class LoRALayerSlots:
             for part in parts
         ]
         self.ranks = [0] * max_loras  # 0: an empty slot, or an adapter that skips this layer
+        self.rank_tensor = torch.zeros(max_loras, dtype=torch.int32, device=device)  # GPU's
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy `adapter`'s weights for this layer into `slot` (zeros where it targets none of
@@ -80,12 +81,18 @@ class LoRALayerSlots:
             self.b[index][slot, :, :r].copy_(b)
             targeted = True
         self.ranks[slot] = r if targeted else 0
+        self.rank_tensor[slot] = self.ranks[slot]
 
     def clear(self, slot: int) -> None:
         self.ranks[slot] = 0
+        self.rank_tensor[slot] = 0
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
-        """y += each row's adapter delta (in place); rows of the base model are left alone."""
+        """y += each row's adapter delta (in place); rows of the base model are left alone.
+        On CUDA the Triton kernels (triton_kernels.py), else per slot in torch."""
+        if x.is_cuda:
+            self._add_delta_triton(y, x, batch)
+            return
         for slot, rows in batch.groups:
             r = self.ranks[slot]
             if not r:
@@ -101,6 +108,15 @@ class LoRALayerSlots:
                 y.add_(delta)
             else:
                 y.index_add_(0, rows, delta)
+
+    def _add_delta_triton(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
+        from engines.builtin.lora.triton_kernels import lora_expand, lora_shrink
+
+        shrunk = lora_shrink(x, self.a, batch.slot_of_row, self.rank_tensor, len(self.parts))
+        column = 0
+        for index, b in enumerate(self.b):
+            lora_expand(shrunk, b, batch.slot_of_row, self.rank_tensor, y, index, column)
+            column += b.shape[1]
 
     @property
     def nbytes(self) -> int:

@@ -108,6 +108,11 @@ class LoRAManager:
         for name, path in self.paths.items():
             self._keep(self._read(name, path))
 
+    def mean_adapter_params(self) -> float:
+        """The A and B parameters of an adapter, averaged over those read (0: none)."""
+        counts = [facts["params"] for facts in self._facts.values() if "params" in facts]
+        return sum(counts) / len(counts) if counts else 0.0
+
     def describe(self) -> dict[str, Any]:
         """The slots, the adapters known (rank, targets, bytes where read) and the counts
         so far."""
@@ -176,6 +181,7 @@ class LoRAManager:
             "scaling": adapter.scaling,
             "target_modules": list(adapter.target_modules),
             "bytes": adapter.nbytes,
+            "params": sum(a.numel() + b.numel() for a, b in adapter.weights.values()),
         }
         self.stats.disk_loads += 1
         self.stats.disk_load_s += time.perf_counter() - began

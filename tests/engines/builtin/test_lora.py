@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from checkpoints import write_tiny_checkpoint
+from dequantized_twin import dequantized_twin_tokens
 
 from engines.builtin.llm import LLM
 from engines.builtin.lora.adapter import LoRAError
@@ -239,3 +240,47 @@ def test_a_request_for_an_unknown_adapter_names_the_known_ones(
     plain = LLM(model=checkpoint["base"])
     with plain, pytest.raises(ValueError, match=r"engine\.enable_lora=true"):
         plain.generate([PROMPTS[0]], lora_request="attn")
+
+
+def test_int8_base_weights_with_float_adapters_are_the_int8_model_plus_the_delta(
+    checkpoint: dict[str, Any],
+) -> None:
+    """QLoRA's serving case: the base kept INT8, the adapters float; the tokens are those of
+    the dequantized INT8 weights with the same adapters in float32."""
+    names: list[str | None] = [None, *checkpoint["folders"]]
+    prompts = [p for _ in names for p in PROMPTS]
+    adapters = [name for name in names for _ in PROMPTS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with engine(checkpoint, max_loras=4, quantization="int8") as llm:
+        quantized = [o.token_ids for o in llm.generate(prompts, params, lora_request=adapters)]
+        assert dequantized_twin_tokens(llm, prompts, params, adapters) == quantized
+    # and the adapters still change what the INT8 model says
+    assert quantized[len(PROMPTS) :] != quantized[: len(PROMPTS)] * 4
+
+
+def test_ngram_speculative_decoding_under_adapters_gives_the_same_tokens(
+    checkpoint: dict[str, Any],
+) -> None:
+    """Drafts verified with each row's adapter: the tokens without speculation."""
+    repetitive = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], [4, 5, 4, 5, 4, 5, 4, 5]]
+    names: list[str | None] = ["attn", "all", None, "wide"]
+    prompts = [p for _ in names for p in repetitive]
+    adapters = [name for name in names for _ in repetitive]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with engine(checkpoint, max_loras=4) as plain:
+        expected = [o.token_ids for o in plain.generate(prompts, params, lora_request=adapters)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    with engine(checkpoint, max_loras=4, speculative_config=spec) as llm:
+        outputs = llm.generate(prompts, params, lora_request=adapters)
+        assert [o.token_ids for o in outputs] == expected
+        assert sum(o.metrics.spec_draft_tokens for o in outputs) > 0
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_give_the_merged_models_tokens(
+    checkpoint: dict[str, Any],
+) -> None:
+    """Each rank keeps its shard of A or B, as of its base layer (B's rows of q/k/v and
+    gate/up, A's columns of o and down): the tokens of one rank, the PEFT-merged model's."""
+    with engine(checkpoint, max_loras=4, tensor_parallel_size=2, num_threads=1) as llm:
+        mixed_batch(llm, checkpoint)

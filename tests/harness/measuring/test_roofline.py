@@ -3,6 +3,7 @@ and the run metrics, and a tiny run that carries it all into steps.parquet and s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -182,6 +183,22 @@ def test_costs_follow_the_formula() -> None:
     assert costs["weight_bytes_read"].tolist() == [400 + 200, 400, 400 + 200]
     assert costs["kv_bytes_read"].tolist() == [8 * 16, 4 * 16, 5 * 16]
     assert costs["kv_bytes_written"].tolist() == [2 * 16, 4 * 16, 1 * 16]
+
+
+def test_lora_rows_and_adapters_add_their_flops_and_bytes() -> None:
+    """Each adapter row's shrink and expand (2 x the adapter's parameters) and each adapter
+    the step runs, read once; a step without adapters costs what it did."""
+    shape = dataclasses.replace(SHAPE, lora_params_per_adapter=30.0, lora_bytes_per_param=2)
+    steps = steps_frame(
+        {"num_decode_seqs": 3, "decode_tokens": 3, "logits_tokens": 3, "attention_pairs": 6,
+         "kv_tokens_read": 3, "kv_tokens_written": 3, "lora_adapters": 2, "lora_rows": 2},
+        {"num_decode_seqs": 1, "decode_tokens": 1, "logits_tokens": 1, "attention_pairs": 2,
+         "kv_tokens_read": 1, "kv_tokens_written": 1, "lora_adapters": 0, "lora_rows": 0},
+    )  # fmt: skip
+    costs = step_costs(steps, shape)
+    plain = step_costs(steps, SHAPE)
+    assert (costs["flops"] - plain["flops"]).tolist() == [2 * 30 * 2, 0]
+    assert (costs["weight_bytes_read"] - plain["weight_bytes_read"]).tolist() == [30 * 2 * 2, 0]
 
 
 def test_mbu_mfu_and_prediction() -> None:
