@@ -166,7 +166,12 @@ class ModelRunner:
         if not config.enable_lora:
             return None
         layers = attach_lora_slots(
-            self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device
+            self.model,
+            config.max_loras,
+            config.max_lora_rank,
+            self.dtype,
+            self.device,
+            native=self.native_kernels,
         )
         modules = dict(config.lora_modules)
         if config.lora_dummy_adapters:

@@ -15,8 +15,14 @@ _ROW_PARALLEL = ("attn.o_proj", "mlp.down_proj")
 
 
 def attach_lora_slots(
-    model: Transformer, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    model: Transformer,
+    max_loras: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    native: bool = False,
 ) -> list[LoRALayerSlots]:
+    """`native`: the deltas through the engine's C kernels (CPU float32, the library built)."""
     shard = model.shard
     attached = []
     for index, block in enumerate(model.layers):
@@ -36,7 +42,7 @@ def attach_lora_slots(
                     for rows in [shard_rows(shard, stem)]
                 )
             slots = LoRALayerSlots(
-                index, parts, linear.in_features, max_loras, max_rank, dtype, device
+                index, parts, linear.in_features, max_loras, max_rank, dtype, device, native
             )
             linear.lora = slots
             attached.append(slots)

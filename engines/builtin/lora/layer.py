@@ -18,10 +18,12 @@ output, added before the all-reduce that sums both.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
+from engines.builtin import native
 from engines.builtin.lora.adapter import LoRAAdapter
 from engines.builtin.lora.batch import LoRABatch
 
@@ -48,18 +50,26 @@ class LoRALayerSlots:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        native: bool = False,
     ) -> None:
+        """`native`: CPU float32 with the engine's C kernels built (one call per layer)."""
         self.layer_index = layer_index
         self.parts = parts
+        self.native = native
         self.a = torch.zeros(
             max_loras, len(parts) * max_rank, in_features, dtype=dtype, device=device
         )
-        self.b = [
-            torch.zeros(max_loras, part.out_size, max_rank, dtype=dtype, device=device)
-            for part in parts
+        # every part's B, transposed, in one tensor: [slot, rank, outputs], each part's outputs
+        # in order (its columns of y), so that the expand adds contiguous rows into y's
+        out = sum(part.out_size for part in parts)
+        self.b = torch.zeros(max_loras, max_rank, out, dtype=dtype, device=device)
+        ends = list(itertools.accumulate(part.out_size for part in parts))
+        self.part_ends = torch.tensor(ends, dtype=torch.int64)
+        self.part_rows = [
+            slice(end - part.out_size, end) for end, part in zip(ends, parts, strict=True)
         ]
         self.ranks = [0] * max_loras  # 0: an empty slot, or an adapter that skips this layer
-        self.rank_tensor = torch.zeros(max_loras, dtype=torch.int32, device=device)  # GPU's
+        self.rank_tensor = torch.zeros(max_loras, dtype=torch.int32, device=device)
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy `adapter`'s weights for this layer into `slot` (zeros where it targets none of
@@ -67,8 +77,8 @@ class LoRALayerSlots:
         r = adapter.rank
         targeted = False
         self.a[slot].zero_()
+        self.b[slot].zero_()
         for index, part in enumerate(self.parts):
-            self.b[index][slot].zero_()
             pair = adapter.weights.get((self.layer_index, part.module))
             if pair is None:
                 continue
@@ -78,7 +88,7 @@ class LoRALayerSlots:
             if part.rows is not None:
                 b = b[part.rows]
             self.a[slot, index * r : (index + 1) * r].copy_(a)
-            self.b[index][slot, :, :r].copy_(b)
+            self.b[slot, :r, self.part_rows[index]].copy_(b.T)
             targeted = True
         self.ranks[slot] = r if targeted else 0
         self.rank_tensor[slot] = self.ranks[slot]
@@ -89,7 +99,14 @@ class LoRALayerSlots:
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
         """y += each row's adapter delta (in place); rows of the base model are left alone.
-        On CUDA the Triton kernels (triton_kernels.py), else per slot in torch."""
+        One call into the C kernels on CPU float32 (`native`), the Triton kernels
+        (triton_kernels.py) on CUDA, else per slot in torch."""
+        if self.native and native.takes(x, y):
+            native.lora_bgmv(
+                x, y, self.a, self.b, batch.slot_of_row, self.rank_tensor, self.part_ends,
+                len(self.parts),
+            )  # fmt: skip
+            return
         if x.is_cuda:
             self._add_delta_triton(y, x, batch)
             return
@@ -100,8 +117,8 @@ class LoRALayerSlots:
             xs = x if rows is None else x.index_select(0, rows)
             shrunk = xs @ self.a[slot, : len(self.parts) * r].T
             deltas = [
-                shrunk[:, index * r : (index + 1) * r] @ self.b[index][slot, :, :r].T
-                for index in range(len(self.parts))
+                shrunk[:, index * r : (index + 1) * r] @ self.b[slot, :r, rows_of]
+                for index, rows_of in enumerate(self.part_rows)
             ]
             delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
             if rows is None:
@@ -113,14 +130,13 @@ class LoRALayerSlots:
         from engines.builtin.lora.triton_kernels import lora_expand, lora_shrink
 
         shrunk = lora_shrink(x, self.a, batch.slot_of_row, self.rank_tensor, len(self.parts))
-        column = 0
-        for index, b in enumerate(self.b):
-            lora_expand(shrunk, b, batch.slot_of_row, self.rank_tensor, y, index, column)
-            column += b.shape[1]
+        for index, rows_of in enumerate(self.part_rows):
+            b = self.b[:, :, rows_of]
+            lora_expand(shrunk, b, batch.slot_of_row, self.rank_tensor, y, index, rows_of.start)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.a, *self.b))
+        return sum(t.numel() * t.element_size() for t in (self.a, self.b))
 
 
 #: The engine's LoRA-carrying layers in a decoder block: its path in the block, and the

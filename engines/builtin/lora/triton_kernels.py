@@ -6,8 +6,9 @@ weights by its slot index, so one launch serves a batch that mixes adapters and 
   part p, h[t, p*R + j] = x[t] . a[s, p*r + j] for j < r, where s is the row's slot and r its
   adapter's rank (a slot packs its parts at its own rank, engines/builtin/lora/layer.py);
   zeros elsewhere, and for rows of the base model (slot -1).
-* `lora_expand(h, b [S, out, R], slot_of_row, ranks, y, part, column)`: y[t, column + n] +=
-  sum_{j<r} h[t, part*R + j] * b[s, n, j], in place, once per part of a fused layer.
+* `lora_expand(h, b [S, R, out], slot_of_row, ranks, y, part, column)`: y[t, column + n] +=
+  sum_{j<r} h[t, part*R + j] * b[s, j, n] (B transposed, as the layer keeps it), in place, once
+  per part of a fused layer.
 
 A program owns one row and a block of outputs and walks the reduction in blocks, accumulating
 in fp32. On CPU they run only under the Triton interpreter (TRITON_INTERPRET=1 before triton is
@@ -50,7 +51,7 @@ def _shrink_kernel(
 def _expand_kernel(
     h_ptr, b_ptr, slot_ptr, rank_ptr, y_ptr,
     N, R, part, column,
-    stride_ht, stride_bs, stride_bn, stride_yt,
+    stride_ht, stride_bs, stride_br, stride_yt,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
@@ -65,7 +66,7 @@ def _expand_kernel(
             in_r = js < rank
             h = tl.load(h_ptr + row * stride_ht + part * R + js, mask=in_r, other=0.0)
             b = tl.load(
-                b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + js[None, :],
+                b_ptr + slot * stride_bs + js[None, :] * stride_br + offs_n[:, None],
                 mask=in_n[:, None] & in_r[None, :],
                 other=0.0,
             )
@@ -105,12 +106,12 @@ def lora_expand(
     part: int,
     column: int,
 ) -> None:
-    """y[:, column:column + b.shape[1]] += each row's part-`part` delta, in place."""
-    rows, outputs, max_rank = h.shape[0], b.shape[1], b.shape[2]
+    """y[:, column:column + b.shape[2]] += each row's part-`part` delta, in place."""
+    rows, max_rank, outputs = h.shape[0], b.shape[1], b.shape[2]
     if rows == 0:
         return
     assert y.stride(1) == 1 and h.stride(1) == 1, "rows of y and h must be contiguous"
-    b = b.contiguous()
+    assert b.stride(2) == 1, "b's output dimension must be contiguous"
     block_n = 64
     grid = (rows, triton.cdiv(outputs, block_n))
     _expand_kernel[grid](

@@ -51,6 +51,7 @@ SIGNATURES = {  # function -> argument types (all return void)
     "decode_attention_f32": _args("pqpppqpqqqqqfqqp"),
     "add_rms_norm_f32": _args("ppppqqfq"),
     "silu_and_mul_f32": _args("ppqqq"),
+    "lora_bgmv_f32": _args("ppppppppqqqqqq"),
     "rope_and_cache_f32": _args("pqpppppqqqqq"),
     "pack_linear_weight_f32": _args("pqqpq"),
     "linear_f32": _args("pppppqqqq"),
@@ -306,6 +307,43 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+def lora_bgmv(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slot_of_row: torch.Tensor,
+    ranks: torch.Tensor,
+    part_ends: torch.Tensor,
+    parts: int,
+) -> None:
+    """y [T, out] += each row's LoRA delta, in place (cpu_kernels.c lora_bgmv_f32): x [T, in]
+    float32, a [S, parts * R, in], b [S, R, out] (B transposed), slot_of_row [T] and ranks [S]
+    int32 (slot -1: the base model), part_ends [parts] int64."""
+    rows, fan_in = x.shape
+    if not takes(x, y, a, b) or slot_of_row.dtype != torch.int32 or ranks.dtype != torch.int32:
+        raise ValueError("lora_bgmv: contiguous CPU float32 x, y, a, b and int32 slots, ranks")
+    max_rank = a.shape[1] // parts
+    scratch = x.new_empty(rows, parts * max_rank)
+    _run(
+        "lora_bgmv_f32",
+        x.data_ptr(),
+        y.data_ptr(),
+        a.data_ptr(),
+        b.data_ptr(),
+        slot_of_row.data_ptr(),
+        ranks.data_ptr(),
+        part_ends.data_ptr(),
+        scratch.data_ptr(),
+        rows,
+        fan_in,
+        y.shape[1],
+        parts,
+        b.shape[1],
+        torch.get_num_threads(),
+    )
 
 
 def rope_and_cache(

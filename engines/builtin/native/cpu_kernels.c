@@ -297,6 +297,46 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I,
         silu_and_mul_cols(gate_up + t * 2 * I, out + t * I, 1, I, 0, I);
 }
 
+/* The LoRA delta of one layer, BGMV-style: each row t with an adapter slot s = slots[t] >= 0
+ * (of rank r = ranks[s]; 0: the adapter skips the layer) gets y[t] += B_s (A_s x[t]), in place.
+ * a [S, parts * R, in]: the slot's parts packed at its own rank (part p's row j at p * r + j);
+ * b [S, R, out]: B transposed, row j of part p in columns part_ends[p - 1] .. part_ends[p] - 1
+ * (so the expand is r contiguous multiply-adds into y's row); h [T, parts * R]: scratch. Rows
+ * of the base model (slot -1) are left alone. */
+void lora_bgmv_f32(const float *x, float *y, const float *a, const float *b,
+                   const int32_t *slots, const int32_t *ranks, const int64_t *part_ends,
+                   float *h, int64_t T, int64_t in, int64_t out, int64_t parts, int64_t R,
+                   int64_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (T * out >= 8192)
+    for (int64_t t = 0; t < T; t++) {
+        const int32_t s = slots[t];
+        if (s < 0) continue;
+        const int64_t r = ranks[s];
+        if (r == 0) continue;
+        const float *xt = x + t * in;
+        const float *as = a + (int64_t)s * parts * R * in;
+        float *ht = h + t * parts * R;
+        for (int64_t q = 0; q < parts * r; q++) {
+            const float *aq = as + q * in;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t k = 0; k < in; k++) dot += aq[k] * xt[k];
+            ht[q] = dot;
+        }
+        const float *bs = b + (int64_t)s * R * out;
+        float *yt = y + t * out;
+        for (int64_t p = 0; p < parts; p++) {
+            const int64_t o0 = p ? part_ends[p - 1] : 0, o1 = part_ends[p];
+            for (int64_t j = 0; j < r; j++) {
+                const float hj = ht[p * r + j];
+                const float *bj = bs + j * out;
+#pragma omp simd
+                for (int64_t o = o0; o < o1; o++) yt[o] += hj * bj[o];
+            }
+        }
+    }
+}
+
 /* Rotary embedding of the query and key heads of qkv [T, (H + 2 KVH) D] (row stride
  * qkv_stride; q heads, then k heads, then v heads) in place, then this step's K and V rows
  * stored at their flat cache slots (k/v cache [slots, KVH, D]; skipped when k_cache is NULL,

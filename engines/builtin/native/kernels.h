@@ -145,6 +145,10 @@ void decode_attention_part(const float *q, int64_t q_stride, const float *k_cach
                            int64_t *offsets, float *partials, _Atomic int64_t *done,
                            _Atomic int64_t *next_task, const Member *me);
 void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I, int64_t threads);
+void lora_bgmv_f32(const float *x, float *y, const float *a, const float *b,
+                   const int32_t *slots, const int32_t *ranks, const int64_t *part_ends,
+                   float *h, int64_t T, int64_t in, int64_t out, int64_t parts, int64_t R,
+                   int64_t threads);
 void silu_and_mul_cols(const float *gate_up, float *out, int64_t T, int64_t I, int64_t i0,
                        int64_t i1);
 void linear_f32(const float *x, const float *panels, const float *bias, float *y, float *xp,

@@ -1,13 +1,14 @@
 """The LoRA delta of one layer (engines/builtin/lora/layer.py) for a batch mixing adapters of
 different ranks, one that targets only some parts of a fused layer, and rows of the base model:
-the torch formulation (CPU) and the Triton shrink / expand kernels (GPU's, run here under the
-interpreter) both equal each row's x @ A^T @ B^T * scaling written out part by part."""
+the torch formulation, the engine's C kernel (CPU float32) and the Triton shrink / expand
+kernels (GPU's, run here under the interpreter) all equal each row's x @ A^T @ B^T * scaling written out part by part."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engines.builtin import native
 from engines.builtin.lora.adapter import LoRAAdapter
 from engines.builtin.lora.batch import LoRABatch
 from engines.builtin.lora.layer import LoRALayerSlots, LoRAPart
@@ -36,8 +37,9 @@ ADAPTERS = [
 ]
 
 
-def slots() -> LoRALayerSlots:
-    layer = LoRALayerSlots(0, PARTS, FAN_IN, 4, 16, torch.float32, torch.device("cpu"))
+def slots(native: bool = False) -> LoRALayerSlots:
+    cpu = torch.device("cpu")
+    layer = LoRALayerSlots(0, PARTS, FAN_IN, 4, 16, torch.float32, cpu, native=native)
     for slot, a in enumerate(ADAPTERS):
         layer.write(slot, a)
     return layer
@@ -67,7 +69,7 @@ def expected(y: torch.Tensor, x: torch.Tensor, slot_per_row: list[int | None]) -
     ],
     ids=["mixed", "one-slot", "base-and-one"],
 )
-@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("path", ["torch", "native", "triton"])
 def test_each_rows_delta_is_its_adapters(slot_per_row: list[int | None], path: str) -> None:
     generator = torch.Generator().manual_seed(7)
     rows = len(slot_per_row)
@@ -76,8 +78,9 @@ def test_each_rows_delta_is_its_adapters(slot_per_row: list[int | None], path: s
     batch = LoRABatch.of(slot_per_row, [1] * rows, torch.device("cpu"))
     assert batch is not None
     got = y.clone()
-    layer = slots()
-    if path == "torch":
+    layer = slots(native=path == "native")
+    assert path != "native" or native.reason() is None, native.reason()
+    if path in ("torch", "native"):
         layer.add_delta(got, x, batch)
     else:
         layer._add_delta_triton(got, x, batch)
