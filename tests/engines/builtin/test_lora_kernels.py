@@ -1,7 +1,8 @@
 """The LoRA delta of one layer (engines/builtin/lora/layer.py) for a batch mixing adapters of
 different ranks, one that targets only some parts of a fused layer, and rows of the base model:
 the torch formulation, the engine's C kernel (CPU float32) and the Triton shrink / expand
-kernels (GPU's, run here under the interpreter) all equal each row's x @ A^T @ B^T * scaling written out part by part."""
+kernels (GPU's, run here under the interpreter) all equal each row's x @ A^T @ B^T * scaling
+written out part by part."""
 
 from __future__ import annotations
 
