@@ -66,8 +66,9 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         return LoRAError(f"lora_modules.{name}: {problem} ({folder})")
 
     if not folder.is_dir():
-        raise refuse("no such folder (expected a PEFT adapter folder: adapter_config.json "
-                     "and adapter_model.safetensors)")  # fmt: skip
+        problem = "not a folder" if folder.exists() else "no such folder"
+        raise refuse(f"{problem} (expected a PEFT adapter folder: adapter_config.json and "
+                     "adapter_model.safetensors)")  # fmt: skip
     settings = _read_config(folder / "adapter_config.json", refuse)
     rank, alpha = settings.get("r"), settings.get("lora_alpha", settings.get("r"))
     if not isinstance(rank, int) or rank < 1:

@@ -14,12 +14,8 @@ class LoRABatch:
     None when the slot has every row). Rows of the base model belong to no group."""
 
     groups: tuple[tuple[int, torch.Tensor | None], ...]
-    #: each row's slot, -1 for the base model: what the GPU kernels gather by (int32)
+    #: each row's slot, -1 for the base model (int32): what the C and Triton kernels read
     slot_of_row: torch.Tensor
-
-    @property
-    def slots(self) -> tuple[int, ...]:
-        return tuple(slot for slot, _ in self.groups)
 
     @classmethod
     def of(
@@ -48,8 +44,3 @@ class LoRABatch:
             groups.append((slot, torch.tensor(index, dtype=torch.long, device=device)))
         slot_of_row = torch.tensor(per_row, dtype=torch.int32, device=device)
         return cls(tuple(groups), slot_of_row)
-
-    def rows_per_slot(self, total_rows: int) -> dict[int, int]:
-        return {
-            slot: total_rows if rows is None else int(rows.numel()) for slot, rows in self.groups
-        }

@@ -3,14 +3,15 @@ one step applies each adapter's delta to its own rows.
 
 For a fused layer (q/k/v in one projection, gate/up in another) each adapter has one A per part
 and one B per part; the parts' A are packed into one [parts * r, in] block per slot, so that the
-shrink is one GEMM for the slot's rows (x @ A^T, [rows, parts * r]), and each part's expand
-writes its own output columns (h_part @ B_part^T). A slot holds its adapter's own rank r (the
-unused rows up to max_lora_rank stay out of the product).
+shrink of a row is one pass over it (h = A x, [parts * r]), and each part's expand adds into its
+own output columns (B_part h_part; B is kept transposed, [rank, outputs], so the expand adds
+contiguous rows). A slot holds its adapter's own rank r (the unused rows up to max_lora_rank
+stay out of the product).
 
-Why a torch formulation on CPU: per slot it is two GEMMs over exactly the rows that carry the
-adapter (index_select in, index_add_ out), which is what an SGMV kernel computes segment by
-segment; the delta's cost, rows * (in + parts * out) * r multiply-adds, is a fraction r / in of
-the base GEMM's, so the kernel's shape matters far less than the base layer's. A tensor-parallel
+Three ways to apply it, the same numbers (tests/engines/builtin/test_lora_kernels.py): one call
+into the engine's C kernels per layer on CPU float32 (the default; a torch formulation costs
+several dispatches per adapter per layer, which at decode outweigh the multiply-adds:
+docs/lora.md), the Triton kernels on CUDA, and per slot in torch otherwise. A tensor-parallel
 rank keeps the shard its base layer keeps: a column-parallel layer's B rows (A whole), a
 row-parallel layer's A columns (B whole); the row-parallel delta is a partial sum like the base
 output, added before the all-reduce that sums both.

@@ -180,8 +180,10 @@ def bad_adapters(tmp_path: Path) -> Iterator[dict[str, tuple[str, str]]]:
     q = "base_model.model.model.layers.0.self_attn.q_proj"
     good = {f"{q}.lora_A.weight": torch.zeros(4, 64), f"{q}.lora_B.weight": torch.zeros(64, 4)}
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    (tmp_path / "file").write_text("not an adapter")
     yield {
         "missing": (str(tmp_path / "nowhere"), "no such folder"),
+        "a_file": (str(tmp_path / "file"), "not a folder"),
         "too_wide": (
             write_adapter(tmp_path / "w", {**config, "r": 32}, good),
             "rank 32 exceeds engine.max_lora_rank=16",
@@ -217,7 +219,7 @@ def bad_adapters(tmp_path: Path) -> Iterator[dict[str, tuple[str, str]]]:
 
 
 @pytest.mark.parametrize(
-    "name", ["missing", "too_wide", "other_model", "no_module", "deep", "dora"]
+    "name", ["missing", "a_file", "too_wide", "other_model", "no_module", "deep", "dora"]
 )
 def test_a_bad_adapter_is_a_one_line_error_naming_it(
     tmp_path: Path, bad_adapters: dict[str, tuple[str, str]], name: str
@@ -284,3 +286,23 @@ def test_two_tensor_parallel_ranks_give_the_merged_models_tokens(
     gate/up, A's columns of o and down): the tokens of one rank, the PEFT-merged model's."""
     with engine(checkpoint, max_loras=4, tensor_parallel_size=2, num_threads=1) as llm:
         mixed_batch(llm, checkpoint)
+
+
+def test_an_adapter_whose_folder_is_gone_fails_its_requests_alone(tmp_path: Path) -> None:
+    """One host-memory place for two adapters: b, read at start, is evicted when a is read
+    again; its folder then removed, a request for b fails naming it, beside one for a that
+    completes."""
+    import shutil
+
+    from checkpoints import write_random_lora
+
+    folders = {name: write_random_lora(tmp_path / name, seed=k) for k, name in enumerate("ab")}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    modules = {name: str(path) for name, path in folders.items()}
+    with LLM(model="tiny", enable_lora=True, max_loras=1, max_cpu_loras=1,
+             lora_modules=modules) as llm:  # fmt: skip
+        assert llm.generate([PROMPTS[0]], params, lora_request="a")[0].error is None
+        shutil.rmtree(folders["b"])
+        gone, fine = llm.generate([PROMPTS[0], PROMPTS[1]], params, lora_request=["b", "a"])
+    assert gone.error is not None and gone.error.startswith("lora_modules.b: no such folder")
+    assert fine.error is None and len(fine.outputs[0].token_ids) == 4

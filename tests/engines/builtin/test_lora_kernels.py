@@ -92,4 +92,4 @@ def test_a_batch_of_base_rows_alone_has_no_lora_batch() -> None:
     assert LoRABatch.of([None, None], [3, 1], torch.device("cpu")) is None
     batch = LoRABatch.of([2, None, 2], [2, 1, 3], torch.device("cpu"))
     assert batch is not None and batch.slot_of_row.tolist() == [2, 2, -1, 2, 2, 2]
-    assert batch.rows_per_slot(6) == {2: 5}
+    assert [(slot, rows.tolist()) for slot, rows in batch.groups] == [(2, [0, 1, 3, 4, 5])]
