@@ -27,7 +27,7 @@ import pandas as pd
 from harness.measuring.checks import parse_checks
 from harness.measuring.metrics import find_metric
 from harness.measuring.roofline import Roof, decode_only, measured_step_s, prefill_only
-from harness.reporting import figures, pareto, speculative
+from harness.reporting import adapters, figures, pareto, speculative
 from harness.reporting.formatting import format_metric
 from harness.reporting.results import Results, load
 from harness.run_folder import (
@@ -671,6 +671,20 @@ def section_phases(res: Results, doc: Document) -> None:
     doc.table(table)
 
 
+def section_adapters(res: Results, doc: Document) -> None:
+    table = adapters.adapter_table(res.join(res.requests))
+    if table.empty:
+        return  # no LoRA traffic: the section is left out, not noted as skipped
+    doc.heading("LoRA adapters")
+    doc.text(
+        "Completed requests in the measured window, per variant and adapter (requests.parquet "
+        "`lora`; docs/lora.md)."
+    )
+    for column in ("ttft_p50_s", "tpot_p50_s"):
+        table[column] = [format_metric(column, v) for v in table[column]]
+    doc.table(table)
+
+
 def hardware_roof(res: Results) -> Roof | None:
     """The hardware spec the first run that recorded one measured on, for its compute dtype."""
     for run_id in res.runs["run_id"]:
@@ -839,6 +853,7 @@ SECTIONS: tuple[Callable[[Results, Document], None], ...] = (
     section_memory,
     section_samples,
     section_phases,
+    section_adapters,
     section_roofline,
     section_runs,
 )

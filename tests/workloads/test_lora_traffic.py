@@ -107,3 +107,11 @@ def test_a_run_records_adapters_per_request_and_step(tmp_path: Path) -> None:
     lora = json.loads((out / "summary.json").read_text())["engine"]["lora"]
     assert lora["max_loras"] == 2 and lora["adapters"]["c"]["rank"] == 12
     assert lora["lora_disk_loads"] >= 3 and lora["lora_slot_writes"] >= 3
+    # the report breaks the requests down by adapter, the base model's beside them
+    from harness.reporting.adapters import BASE
+    from harness.reporting.report import write_report
+
+    report = write_report([out], tmp_path / "report")["markdown"].read_text()
+    section = report.split("## LoRA adapters", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| run ")]
+    assert sorted(line.split(" | ")[1] for line in rows) == sorted([BASE, "a", "b", "c"])
