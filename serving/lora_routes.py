@@ -14,6 +14,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from engines.builtin.lora.adapter import LoRAError
+from engines.builtin.lora.manager import LoRAManager
 from serving.generation import ServingEngine
 from serving.protocol import APIError, read_request
 
@@ -54,7 +55,7 @@ def add_lora_routes(app: FastAPI, serving: ServingEngine) -> None:
             adapter = await serving.in_tokenizer_pool(lora.read, body.lora_name, body.lora_path)
         except LoRAError as exc:
             raise APIError(str(exc), "lora_path", "invalid_value") from None
-        await _on_engine(serving, lambda engine: _manager(serving).add(adapter))
+        await _on_engine(serving, lambda engine: lora.add(adapter))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -65,7 +66,7 @@ def add_lora_routes(app: FastAPI, serving: ServingEngine) -> None:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
-def _manager(serving: ServingEngine) -> Any:
+def _manager(serving: ServingEngine) -> LoRAManager:
     lora = serving.engine.runner.lora
     if lora is None:
         raise APIError(
