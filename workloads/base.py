@@ -79,13 +79,18 @@ class WorkloadBase:
         session_id, turn, follows)."""
         return make_request(self, request_id, prompt, prompt_tokens, output_len, arrival_s, **where)
 
-    def _cancel(self, requests: list[WorkloadRequest]) -> dict[str, Any]:
-        """Mark the requests the workload cancels, those it constrains and the adapters they
-        run under (in place); `info`'s keys about them."""
+    def _cancel(
+        self,
+        requests: list[WorkloadRequest],
+        constrainable: list[WorkloadRequest] | None = None,
+    ) -> dict[str, Any]:
+        """Mark the requests the workload cancels, those it constrains (drawn from
+        `constrainable`, default all) and the adapters they run under (in place); `info`'s
+        keys about them."""
         return {
             **plan_cancellation(requests, self.cancel_fraction, self.cancel_after_s, self.seed),
             **plan_structured(
-                requests,
+                requests if constrainable is None else constrainable,
                 self.structured_fraction,
                 list(self.structured_kinds),
                 self.seed,

@@ -38,15 +38,12 @@ from workloads.common import (
     check_int,
     check_number,
     make_sampling,
-    plan_cancellation,
     resolve_path,
     rng_streams,
 )
 from workloads.lengths import parse_length
-from workloads.lora import plan_lora
 from workloads.prompts import tokenizer_or_default
 from workloads.request import WorkloadRequest
-from workloads.structured import plan_structured
 from workloads.trace_files import read_text
 
 SHIPPED_CONVERSATIONS = "data/structured/tool_conversations.jsonl"
@@ -170,23 +167,9 @@ class ToolCallsWorkload(WorkloadBase, DrawnArrivals):
                 np.array([r.prompt_tokens_requested for r in requests if r.follows is None]),
                 np.array([r.request.sampling.max_tokens for r in requests]),
             ),
-            **plan_cancellation(requests, self.cancel_fraction, self.cancel_after_s, self.seed),
-            # the answer turns alone: a call turn's tool choice is its constraint
-            **plan_structured(
-                [r for r in requests if r.follows is not None],
-                self.structured_fraction,
-                list(self.structured_kinds),
-                self.seed,
-                self.structured_enforce,
-            ),
-            **plan_lora(
-                requests,
-                list(self.lora_adapters),
-                self.lora_assignment,
-                self.lora_fraction,
-                self.lora_zipf_exponent,
-                self.seed,
-            ),
+            # structured traffic on the answer turns alone: a call turn's tool choice is its
+            # constraint
+            **self._cancel(requests, [r for r in requests if r.follows is not None]),
         }
         return requests
 

@@ -137,24 +137,14 @@ class LLM:
             prompt_list = [prompts]
         else:  # not one prompt, so a sequence of them
             prompt_list = list(cast(Seq[Prompt], prompts))
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompt_list)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompt_list):
-                raise ValueError(
-                    f"sampling_params: {len(params)} given for {len(prompt_list)} "
-                    "prompts; give one, or one per prompt"
-                )
-        if lora_request is None or isinstance(lora_request, str):
-            adapters: list[str | None] = [lora_request] * len(prompt_list)
-        else:
-            adapters = list(lora_request)
-            if len(adapters) != len(prompt_list):
-                raise ValueError(
-                    f"lora_request: {len(adapters)} given for {len(prompt_list)} prompts; give "
-                    "one, or one per prompt"
-                )
+        one = sampling_params is None or isinstance(sampling_params, SamplingParams)
+        params: list[SamplingParams] = _per_prompt(
+            "sampling_params", sampling_params or SamplingParams(), one, len(prompt_list)
+        )
+        one = lora_request is None or isinstance(lora_request, str)
+        adapters: list[str | None] = _per_prompt(
+            "lora_request", lora_request, one, len(prompt_list)
+        )
         engine = self.engine
         outputs: dict[str, RequestOutput] = {}
         order = []
@@ -208,6 +198,19 @@ class LLM:
                 elif isinstance(event, Failed):
                     out.error = event.error
         return [outputs[r] for r in order]
+
+
+def _per_prompt(name: str, value: Any, one: bool, count: int) -> list[Any]:
+    """`value` for each of `count` prompts: repeated when `one`, else as given, one per
+    prompt (ValueError naming `name` otherwise)."""
+    if one:
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(
+            f"{name}: {len(values)} given for {count} prompts; give one, or one per prompt"
+        )
+    return values
 
 
 def _is_single_token_list(x: object) -> TypeGuard[list[int]]:
