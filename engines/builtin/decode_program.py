@@ -11,9 +11,11 @@ engine's GEMM at every row count (layer by layer, one row takes torch's GEMV), s
 agree to float32 rounding (tests/engines/builtin/test_decode_program.py).
 
 It runs a step when every row is a single-token decode over a float32 cache written by slot
-(not a sliding-window ring, not static batching's padded rows); other steps, and engines it
-cannot take (`unavailable_reason`), go layer by layer. `engine.native_decode_program=false`
-turns it off; describe()["native_decode_program"] says whether it is used, or why not.
+(not a sliding-window ring, not static batching's padded rows), rows under LoRA adapters
+included (each linear adds their deltas with the kernel the modules call, lora_bgmv_f32's two
+halves). Other steps, and engines it cannot take (`unavailable_reason`), go layer by layer.
+`engine.native_decode_program=false` turns it off; describe()["native_decode_program"] says
+whether it is used, or why not.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ class ProgramLayer(ctypes.Structure):
         ("o", LinearWeights),
         ("gate_up", LinearWeights),
         ("down", LinearWeights),
+        ("qkv_lora", native.LoraWeights),
+        ("o_lora", native.LoraWeights),
+        ("gate_up_lora", native.LoraWeights),
+        ("down_lora", native.LoraWeights),
         ("k_cache", _PTR),
         ("v_cache", _PTR),
     ]
@@ -194,18 +200,28 @@ class DecodeProgram:
             _ptr(model.rope.cos_sin_table, self.keep),
         )
         layers = []
+        #: whether it runs steps with LoRA rows: every LoRA-carrying layer has the C kernels'
+        #: view of its slots (engines/builtin/lora/layer.py), which write in place
+        self.runs_lora = True
         for module in model.layers:
             layer: DecoderLayer = module  # type: ignore[assignment]
             attn, mlp = layer.attn, layer.mlp
             assert attn.cache is not None  # unavailable_reason said so
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            loras = []
+            for linear in linears:
+                slots = linear.lora
+                weights = None if slots is None else slots.native_weights
+                self.runs_lora &= slots is None or weights is not None
+                if slots is not None and weights is not None:
+                    self.keep += [slots.a, slots.b, slots.rank_tensor, slots.part_ends]
+                loras.append(native.LoraWeights() if weights is None else weights)
             layers.append(
                 ProgramLayer(
                     _ptr(layer.input_norm.weight, self.keep),
                     _ptr(layer.post_attn_norm.weight, self.keep),
-                    *(
-                        _program_linear(linear, self.keep)
-                        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                    ),
+                    *(_program_linear(linear, self.keep) for linear in linears),
+                    *loras,
                     _ptr(attn.cache.k, self.keep),
                     _ptr(attn.cache.v, self.keep),
                 )
@@ -220,7 +236,7 @@ class DecodeProgram:
             and meta.use_cache
             and not meta.ring
             and meta.write_index is None
-            and meta.lora is None  # the program has no LoRA deltas
+            and (meta.lora is None or self.runs_lora)
             and x.dtype == torch.float32
         )
 
@@ -261,6 +277,7 @@ class DecodeProgram:
             tables.data_ptr(),
             tables.stride(0),
             meta.seq_lens.data_ptr(),
+            None if meta.lora is None else meta.lora.slot_of_row.data_ptr(),
             threads,
             self.spin_ns,
         )

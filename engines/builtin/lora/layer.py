@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.builtin import native
+from engines.builtin import native as native_kernels
 from engines.builtin.lora.adapter import LoRAAdapter
 from engines.builtin.lora.batch import LoRABatch
 
@@ -56,7 +56,6 @@ class LoRALayerSlots:
         """`native`: CPU float32 with the engine's C kernels built (one call per layer)."""
         self.layer_index = layer_index
         self.parts = parts
-        self.native = native
         self.a = torch.zeros(
             max_loras, len(parts) * max_rank, in_features, dtype=dtype, device=device
         )
@@ -71,6 +70,13 @@ class LoRALayerSlots:
         ]
         self.ranks = [0] * max_loras  # 0: an empty slot, or an adapter that skips this layer
         self.rank_tensor = torch.zeros(max_loras, dtype=torch.int32, device=device)
+        # the C view of the slots (it points into a, b and rank_tensor, which `write` fills in
+        # place), read by each native call and by the decode program (decode_program.py)
+        self.native_weights = (
+            native_kernels.lora_weights(self.a, self.b, self.rank_tensor, self.part_ends)
+            if native
+            else None
+        )
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy `adapter`'s weights for this layer into `slot` (zeros where it targets none of
@@ -100,13 +106,10 @@ class LoRALayerSlots:
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
         """y += each row's adapter delta (in place); rows of the base model are left alone.
-        One call into the C kernels on CPU float32 (`native`), the Triton kernels
+        One call into the C kernels on CPU float32 (`native_weights`), the Triton kernels
         (triton_kernels.py) on CUDA, else per slot in torch."""
-        if self.native and native.takes(x, y):
-            native.lora_bgmv(
-                x, y, self.a, self.b, batch.slot_of_row, self.rank_tensor, self.part_ends,
-                len(self.parts),
-            )  # fmt: skip
+        if self.native_weights is not None and native_kernels.takes(x, y):
+            native_kernels.lora_bgmv(self.native_weights, x, y, batch.slot_of_row)
             return
         if x.is_cuda:
             self._add_delta_triton(y, x, batch)

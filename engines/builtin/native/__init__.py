@@ -51,7 +51,7 @@ SIGNATURES = {  # function -> argument types (all return void)
     "decode_attention_f32": _args("pqpppqpqqqqqfqqp"),
     "add_rms_norm_f32": _args("ppppqqfq"),
     "silu_and_mul_f32": _args("ppqqq"),
-    "lora_bgmv_f32": _args("ppppppppqqqqqq"),
+    "lora_bgmv_f32": _args("pppppqq"),
     "rope_and_cache_f32": _args("pqpppppqqqqq"),
     "pack_linear_weight_f32": _args("pqqpq"),
     "linear_f32": _args("pppppqqqq"),
@@ -87,7 +87,8 @@ def open_library(path: str | Path) -> tuple[ctypes.CDLL, Layout]:
     for name in ("quant_paths", "quant_q8_activation_paths", "team_default_spin_ns"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int64
     # decode_layers.c (engines/builtin/decode_program.py): 0, or -1 without scratch memory
-    program_args: list[Any] = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR]
+    program_args: list[Any] = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64]
+    program_args += [_PTR, _PTR]  # seq_lens, lora_slots
     lib.decode_layers_f32.argtypes = [*program_args, _I64, _I64]
     lib.decode_layers_f32.restype = ctypes.c_int64
     sizes = (ctypes.c_int64 * 2)()
@@ -309,39 +310,60 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class LoraWeights(ctypes.Structure):  # kernels.h
+    _fields_ = [
+        ("a", _PTR),
+        ("b", _PTR),
+        ("ranks", _PTR),
+        ("part_ends", _PTR),
+        ("parts", _I64),
+        ("R", _I64),
+        ("in_features", _I64),
+        ("out_features", _I64),
+    ]
+
+
+def lora_weights(
+    a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor, part_ends: torch.Tensor
+) -> LoraWeights:
+    """The C view of a layer's LoRA slots: a [S, parts * R, in] and b [S, R, out] (B
+    transposed) contiguous CPU float32, ranks [S] int32, part_ends [parts] int64. It points into
+    the tensors: they must outlive it and keep their storage (the slots write in place)."""
+    parts = part_ends.numel()
+    if (
+        not takes(a, b)
+        or ranks.dtype != torch.int32
+        or part_ends.dtype != torch.int64
+        or a.shape[1] != parts * b.shape[1]
+    ):
+        raise ValueError("lora_weights: contiguous CPU float32 a, b; int32 ranks; int64 ends")
+    return LoraWeights(
+        a.data_ptr(), b.data_ptr(), ranks.data_ptr(), part_ends.data_ptr(), parts,
+        b.shape[1], a.shape[2], b.shape[2],
+    )  # fmt: skip
+
+
 def lora_bgmv(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    slot_of_row: torch.Tensor,
-    ranks: torch.Tensor,
-    part_ends: torch.Tensor,
-    parts: int,
+    weights: LoraWeights, x: torch.Tensor, y: torch.Tensor, slot_of_row: torch.Tensor
 ) -> None:
     """y [T, out] += each row's LoRA delta, in place (cpu_kernels.c lora_bgmv_f32): x [T, in]
-    float32, a [S, parts * R, in], b [S, R, out] (B transposed), slot_of_row [T] and ranks [S]
-    int32 (slot -1: the base model), part_ends [parts] int64."""
+    float32, slot_of_row [T] int32 (-1: the base model), `weights` from `lora_weights`."""
     rows, fan_in = x.shape
-    if not takes(x, y, a, b) or slot_of_row.dtype != torch.int32 or ranks.dtype != torch.int32:
-        raise ValueError("lora_bgmv: contiguous CPU float32 x, y, a, b and int32 slots, ranks")
-    max_rank = a.shape[1] // parts
-    scratch = x.new_empty(rows, parts * max_rank)
+    if (
+        not takes(x, y)
+        or slot_of_row.dtype != torch.int32
+        or (fan_in, y.shape[1]) != (weights.in_features, weights.out_features)
+    ):
+        raise ValueError("lora_bgmv: contiguous CPU float32 x, y of the layer's sizes; int32 slots")
+    scratch = x.new_empty(rows, weights.parts * weights.R)
     _run(
         "lora_bgmv_f32",
+        ctypes.byref(weights),
         x.data_ptr(),
         y.data_ptr(),
-        a.data_ptr(),
-        b.data_ptr(),
         slot_of_row.data_ptr(),
-        ranks.data_ptr(),
-        part_ends.data_ptr(),
         scratch.data_ptr(),
         rows,
-        fan_in,
-        y.shape[1],
-        parts,
-        b.shape[1],
         torch.get_num_threads(),
     )
 

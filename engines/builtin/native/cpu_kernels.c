@@ -297,36 +297,42 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I,
         silu_and_mul_cols(gate_up + t * 2 * I, out + t * I, 1, I, 0, I);
 }
 
-/* The LoRA delta of one layer, BGMV-style: each row t with an adapter slot s = slots[t] >= 0
- * (of rank r = ranks[s]; 0: the adapter skips the layer) gets y[t] += B_s (A_s x[t]), in place.
- * a [S, parts * R, in]: the slot's parts packed at its own rank (part p's row j at p * r + j);
- * b [S, R, out]: B transposed, row j of part p in columns part_ends[p - 1] .. part_ends[p] - 1
- * (so the expand is r contiguous multiply-adds into y's row); h [T, parts * R]: scratch. Rows
- * of the base model (slot -1) are left alone. */
-void lora_bgmv_f32(const float *x, float *y, const float *a, const float *b,
-                   const int32_t *slots, const int32_t *ranks, const int64_t *part_ends,
-                   float *h, int64_t T, int64_t in, int64_t out, int64_t parts, int64_t R,
-                   int64_t threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (T * out >= 8192)
+/* The LoRA delta of one layer, BGMV-style (kernels.h LoraWeights): each row t with an adapter
+ * slot s = slots[t] >= 0 (of rank r = ranks[s]; 0: the adapter skips the layer) gets
+ * y[t] += B_s (A_s x[t]), in place, in two parts with a barrier between them: the shrink
+ * h[t] = A_s x[t] (the team shares the rows' (t, q) dot products) and the expand (the team
+ * shares y's columns). Rows of the base model (slot -1) are left alone. h [T, parts * R]. */
+void lora_shrink_part(const LoraWeights *l, const float *x, const int32_t *slots, float *h,
+                      int64_t T, const Member *me) {
+    const int64_t width = l->parts * l->R, in = l->in_features;
+    int64_t k0, k1;
+    team_share(T * width, me, &k0, &k1);
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t t = k / width, q = k % width;
+        const int32_t s = slots[t];
+        if (s < 0 || q >= l->parts * l->ranks[s]) continue;
+        const float *aq = l->a + ((int64_t)s * width + q) * in, *xt = x + t * in;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < in; i++) dot += aq[i] * xt[i];
+        h[k] = dot;
+    }
+}
+
+void lora_expand_part(const LoraWeights *l, const float *h, const int32_t *slots, float *y,
+                      int64_t T, const Member *me) {
+    const int64_t out = l->out_features, width = l->parts * l->R;
+    int64_t c0, c1;
+    team_share(out, me, &c0, &c1);
     for (int64_t t = 0; t < T; t++) {
         const int32_t s = slots[t];
         if (s < 0) continue;
-        const int64_t r = ranks[s];
-        if (r == 0) continue;
-        const float *xt = x + t * in;
-        const float *as = a + (int64_t)s * parts * R * in;
-        float *ht = h + t * parts * R;
-        for (int64_t q = 0; q < parts * r; q++) {
-            const float *aq = as + q * in;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t k = 0; k < in; k++) dot += aq[k] * xt[k];
-            ht[q] = dot;
-        }
-        const float *bs = b + (int64_t)s * R * out;
+        const int64_t r = l->ranks[s];
+        const float *bs = l->b + (int64_t)s * l->R * out, *ht = h + t * width;
         float *yt = y + t * out;
-        for (int64_t p = 0; p < parts; p++) {
-            const int64_t o0 = p ? part_ends[p - 1] : 0, o1 = part_ends[p];
+        for (int64_t p = 0; p < l->parts; p++) {
+            const int64_t start = p ? l->part_ends[p - 1] : 0, stop = l->part_ends[p];
+            const int64_t o0 = start > c0 ? start : c0, o1 = stop < c1 ? stop : c1;
             for (int64_t j = 0; j < r; j++) {
                 const float hj = ht[p * r + j];
                 const float *bj = bs + j * out;
@@ -334,6 +340,24 @@ void lora_bgmv_f32(const float *x, float *y, const float *a, const float *b,
                 for (int64_t o = o0; o < o1; o++) yt[o] += hj * bj[o];
             }
         }
+    }
+}
+
+void lora_bgmv_f32(const LoraWeights *l, const float *x, float *y, const int32_t *slots,
+                   float *h, int64_t T, int64_t threads) {
+    Team team = {.spin_ns = team_default_spin_ns()};
+    if (threads <= 1 || T * l->out_features < 8192) {
+        const Member me = {&team, 0, 1};
+        lora_shrink_part(l, x, slots, h, T, &me);
+        lora_expand_part(l, h, slots, y, T, &me);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const Member me = team_member(&team);
+        lora_shrink_part(l, x, slots, h, T, &me);
+        team_barrier(&me);
+        lora_expand_part(l, h, slots, y, T, &me);
     }
 }
 

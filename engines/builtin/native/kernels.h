@@ -109,6 +109,17 @@ typedef struct {
     int64_t rows_max; /* quantized: the most rows the rows kernels take (native/quant.py) */
 } LinearWeights;
 
+/* A linear layer's LoRA slots (engines/builtin/lora/layer.py): a [S, parts * R, in], each
+ * slot's parts packed at its adapter's own rank (part p's row j at p * r + j); b [S, R, out],
+ * B transposed, part p's columns part_ends[p - 1] .. part_ends[p] - 1; ranks [S] (0: an empty
+ * slot, or an adapter that skips the layer). a NULL: the layer has no slots. */
+typedef struct {
+    const float *a, *b;
+    const int32_t *ranks;
+    const int64_t *part_ends;
+    int64_t parts, R, in_features, out_features;
+} LoraWeights;
+
 /* The kernels decode_layers.c chains (cpu_kernels.c, quant_kernels.c). Python calls the
  * *_f32 entry points, each one parallel region on `threads`; a decode program calls the
  * *_rows / *_cols / *_part pieces from inside its one region, each member doing its share
@@ -145,10 +156,12 @@ void decode_attention_part(const float *q, int64_t q_stride, const float *k_cach
                            int64_t *offsets, float *partials, _Atomic int64_t *done,
                            _Atomic int64_t *next_task, const Member *me);
 void silu_and_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I, int64_t threads);
-void lora_bgmv_f32(const float *x, float *y, const float *a, const float *b,
-                   const int32_t *slots, const int32_t *ranks, const int64_t *part_ends,
-                   float *h, int64_t T, int64_t in, int64_t out, int64_t parts, int64_t R,
-                   int64_t threads);
+void lora_bgmv_f32(const LoraWeights *l, const float *x, float *y, const int32_t *slots,
+                   float *h, int64_t T, int64_t threads);
+void lora_shrink_part(const LoraWeights *l, const float *x, const int32_t *slots, float *h,
+                      int64_t T, const Member *me);
+void lora_expand_part(const LoraWeights *l, const float *h, const int32_t *slots, float *y,
+                      int64_t T, const Member *me);
 void silu_and_mul_cols(const float *gate_up, float *out, int64_t T, int64_t I, int64_t i0,
                        int64_t i1);
 void linear_f32(const float *x, const float *panels, const float *bias, float *y, float *xp,

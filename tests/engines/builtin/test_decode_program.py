@@ -22,7 +22,7 @@ WIDER = {"intermediate_size": 192}  # int4 g32 divides every layer
 
 
 def run(
-    make_tiny, program: bool, **options: Any
+    make_tiny, program: bool, lora_request: list[str | None] | None = None, **options: Any
 ) -> tuple[list[list[int]], list[torch.Tensor], int]:
     """Greedy tokens, every step's logits, and how many steps the program ran."""
     llm: LLM = make_tiny(native_decode_program=program, **options)
@@ -33,7 +33,7 @@ def run(
         layer_program = llm.engine.runner.model.layer_program
         original = layer_program.run
         layer_program.run = lambda x, meta: program_steps.append(1) or original(x, meta)
-    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora_request=lora_request)]
     facts = llm.engine.describe()
     assert facts["native_decode_program"] is program, facts["native_decode_program_reason"]
     return tokens, logits, len(program_steps)
@@ -79,6 +79,34 @@ def test_the_program_computes_what_the_modules_compute(make_tiny, options, exact
             assert torch.equal(got, expected)
         else:
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "exact"), [(None, False), ("int8", True)], ids=["fp32", "int8"]
+)
+def test_lora_rows_run_in_the_program_as_the_modules_run_them(
+    make_tiny, quantization, exact
+) -> None:
+    """A batch mixing two adapters and the base: each linear adds its rows' deltas inside the
+    one call, with the kernel the modules call (lora_bgmv_f32's halves), so the logits are the
+    module path's (bit for bit over INT8 base weights), and the adapters do change them."""
+    options: dict[str, Any] = dict(
+        quantization=quantization, enable_lora=True, max_loras=2, lora_dummy_adapters=2
+    )
+    adapters = ["dummy-0", None, "dummy-1"]
+    tokens, logits, program_steps = run(make_tiny, True, adapters, **options)
+    expected_tokens, expected_logits, _ = run(make_tiny, False, adapters, **options)
+    _, base_logits, _ = run(make_tiny, True, [None, None, None], **options)
+    assert tokens == expected_tokens
+    assert program_steps == len(logits) - 1  # every step but the one prefill
+    for got, expected in zip(logits, expected_logits, strict=True):
+        if exact:
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for got, base in zip(logits[1:], base_logits[1:], strict=True):  # the decodes: a row each
+        assert torch.equal(got[1], base[1])  # the base model's row
+        assert not torch.allclose(got[0], base[0]) and not torch.allclose(got[2], base[2])
 
 
 @pytest.mark.parametrize(
