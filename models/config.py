@@ -19,7 +19,29 @@ from models.gguf import GGUF_KEYS, gguf_hf_config
 from models.location import model_location
 from models.packaged import PACKAGED_MODELS
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+)
+#: config.json's model_type -> its architecture, for a config without `architectures`
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+#: q/k norms before RoPE: none; per head over head_dim (Qwen3); over all heads (OLMoE)
+QK_NORMS = ("none", "head", "full")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 #: The largest value each size may take: past every released model (vocabularies to ~256K,
 #: hidden sizes to ~25K, ~126 layers, contexts to ~10M positions), and small enough that a
@@ -34,10 +56,26 @@ SIZE_LIMITS = {
     "head_dim": 1 << 12,
     "max_position_embeddings": 1 << 24,
 }
+#: the mixture-of-experts sizes (0: none) and their largest values
+MOE_LIMITS = {
+    "num_experts": 1 << 12,
+    "num_experts_per_tok": 1 << 12,
+    "moe_intermediate_size": 1 << 20,
+    "shared_expert_intermediate_size": 1 << 20,
+}
 #: The rope_scaling parameters the rotary embedding reads, per rope_type.
 ROPE_PARAMETERS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+#: the defaults of the fields only some families set
+_FAMILY_DEFAULTS: dict[str, Any] = {
+    "qk_norm": "none",
+    **dict.fromkeys(MOE_LIMITS, 0),
+    "norm_topk_prob": False,
+    "dense_layers": (),
 }
 
 
@@ -92,6 +130,7 @@ def check_model_fields(values: Mapping[str, Any]) -> None:
             values["num_kv_heads"],
             f"it must divide the number of attention heads ({values['num_heads']})",
         )
+    _check_moe_fields(values)
     if values["head_dim"] % 2:
         raise ModelFieldError("head_dim", values["head_dim"], "rotary embeddings need an even one")
     for name in ("rms_norm_eps", "rope_theta"):
@@ -115,6 +154,29 @@ def check_model_fields(values: Mapping[str, Any]) -> None:
     if not isinstance(eos, tuple) or not all(_is_token_id(i) for i in eos):
         raise ModelFieldError("eos_token_ids", eos, "allowed: integers >= 0")
     _check_rope_scaling(values["rope_scaling"])
+
+
+def _check_moe_fields(given: Mapping[str, Any]) -> None:
+    values = {**_FAMILY_DEFAULTS, **given}  # a dense model's config.json has none of them
+    if values["qk_norm"] not in QK_NORMS:
+        raise ModelFieldError("qk_norm", values["qk_norm"], f"allowed: {'|'.join(QK_NORMS)}")
+    for name, limit in MOE_LIMITS.items():
+        value = values[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+            raise ModelFieldError(name, value, f"allowed: an integer in [0, {limit}]")
+    experts, chosen = values["num_experts"], values["num_experts_per_tok"]
+    if experts and not 1 <= chosen <= experts:
+        raise ModelFieldError(
+            "num_experts_per_tok", chosen, f"allowed: an integer in [1, num_experts={experts}]"
+        )
+    if not isinstance(values["norm_topk_prob"], bool):
+        raise ModelFieldError("norm_topk_prob", values["norm_topk_prob"], "allowed: true|false")
+    dense = values["dense_layers"]
+    layers = values["num_layers"]
+    if not isinstance(dense, tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in dense
+    ):
+        raise ModelFieldError("dense_layers", dense, f"allowed: layer indices in [0, {layers})")
 
 
 def _check_rope_scaling(scaling: Any) -> None:
@@ -163,6 +225,17 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    qk_norm: str = "none"  # RMSNorm of q and k before RoPE: one of QK_NORMS
+    # mixture of experts: each MoE layer's MLP is `num_experts` MLPs of `moe_intermediate_size`
+    # (0: intermediate_size), each token through the `num_experts_per_tok` its router scores
+    # highest, weighted by the softmax of its scores over all experts (renormalized over the
+    # chosen ones with `norm_topk_prob`), plus Qwen2-MoE's sigmoid-gated shared expert
+    num_experts: int = 0  # 0: a dense model
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    dense_layers: tuple[int, ...] = ()  # the layers of an MoE model with a dense MLP
 
     def __post_init__(self) -> None:
         check_model_fields({f.name: getattr(self, f.name) for f in fields(self)})
@@ -175,15 +248,40 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_parameters(self) -> int:
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and index not in self.dense_layers
+
+    def moe_mlp_parameters(self, active: bool = False) -> int:
+        """One mixture-of-experts layer's MLP weights (all matmuls): its experts (`active`:
+        those one token goes through), the router, the shared expert and its gate."""
+        experts = self.num_experts_per_tok if active else self.num_experts
+        shared = self.shared_expert_intermediate_size
+        return (
+            experts * 3 * self.hidden_size * self.expert_intermediate_size
+            + self.num_experts * self.hidden_size
+            + 3 * self.hidden_size * shared
+            + (self.hidden_size if shared else 0)
+        )
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Every weight; `active`: those one token's forward reads (its experts only)."""
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        per_layer = attn + mlp + 2 * self.hidden_size
+        attn += {"none": 0, "head": 2 * self.head_dim, "full": self.q_size + self.kv_size}[
+            self.qk_norm
+        ]
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        moe_mlp = self.moe_mlp_parameters(active)
+        mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in range(self.num_layers))
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
-        return self.num_layers * per_layer + embed + head + self.hidden_size
+        per_layer = attn + 2 * self.hidden_size
+        return self.num_layers * per_layer + mlps + embed + head + self.hidden_size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -198,8 +296,9 @@ class ModelConfig:
                 f"model.overrides: unknown field(s) {unknown}; allowed: {sorted(known)}"
             )
         values = dict(overrides)
-        if "eos_token_ids" in values:
-            values["eos_token_ids"] = tuple(values["eos_token_ids"])
+        for name in ("eos_token_ids", "dense_layers"):
+            if name in values:
+                values[name] = tuple(values[name])
         return replace(self, **values)
 
 
@@ -272,6 +371,63 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=8192,
         bos_token_id=128000,
         eos_token_ids=(128001, 128009),
+    ),
+    # Mixture of experts, for CPU runs: Qwen3-MoE's layout (per-head q/k norms, 8 experts, 2
+    # per token, renormalized) at the tiny preset's size
+    "tiny-moe": ModelConfig(
+        architecture="Qwen3MoeForCausalLM",
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=176,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        qk_norm="head",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),
+    # Mixtral 8x7B's shape (~46.7B parameters, ~12.9B active): kv-calc and the roofline
+    "mixtral-8x7b": ModelConfig(
+        architecture="MixtralForCausalLM",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
+    # Qwen3-30B-A3B's shape (~30.5B parameters, ~3.3B active)
+    "qwen3-30b-a3b": ModelConfig(
+        architecture="Qwen3MoeForCausalLM",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        eos_token_ids=(151645,),
+        qk_norm="head",
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
     ),
     "mistral-7b": ModelConfig(
         architecture="MistralForCausalLM",
@@ -399,15 +555,7 @@ def from_hf_dict(
 
 def _from_hf_dict(cfg: dict[str, Any], where: str, key: Callable[[str], str]) -> ModelConfig:
     archs = cfg.get("architectures") or []
-    arch = (
-        archs[0]
-        if archs
-        else {
-            "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-        }.get(cfg.get("model_type", ""), "")
-    )
+    arch = archs[0] if archs else MODEL_TYPES.get(cfg.get("model_type", ""), "")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedCheckpointError(
             f"{where}: architecture {arch or cfg.get('model_type')!r} is not supported; "
@@ -425,19 +573,21 @@ def _from_hf_dict(cfg: dict[str, Any], where: str, key: Callable[[str], str]) ->
         )
     if cfg.get("pretraining_tp", 1) != 1:
         raise UnsupportedCheckpointError(f"{where}: pretraining_tp != 1 is not supported")
-    if arch == "LlamaForCausalLM" and cfg.get("attention_bias"):
-        # Llama's attention_bias also puts a bias on o_proj, which the engine does not have.
+    if arch not in _QKV_BIAS and cfg.get("attention_bias"):
+        # their attention_bias also puts a bias on o_proj, which the engine does not have
         raise UnsupportedCheckpointError(
-            f"{where}: attention_bias=true on a Llama model (biased q/k/v/o projections) is "
+            f"{where}: attention_bias=true on a {arch} (biased q/k/v/o projections) is "
             "not supported"
         )
+    if cfg.get("clip_qkv") is not None:
+        raise UnsupportedCheckpointError(f"{where}: clip_qkv (OLMoE's clamp) is not supported")
 
     sliding_window = None
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         sliding_window = cfg.get("sliding_window")
-    elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+    elif arch.startswith("Qwen") and cfg.get("use_sliding_window"):
         raise UnsupportedCheckpointError(
-            f"{where}: Qwen2 use_sliding_window=true (per-layer windows) is not supported"
+            f"{where}: {arch} use_sliding_window=true (per-layer windows) is not supported"
         )
     elif arch == "LlamaForCausalLM" and cfg.get("sliding_window"):
         raise UnsupportedCheckpointError(f"{where}: sliding_window on a Llama model is unexpected")
@@ -458,11 +608,13 @@ def _from_hf_dict(cfg: dict[str, Any], where: str, key: Callable[[str], str]) ->
             "rope_theta": theta,
             "rope_scaling": scaling,
             "max_position_embeddings": cfg.get("max_position_embeddings", 2048),
-            "attention_bias": _flag(cfg, "attention_bias", arch == "Qwen2ForCausalLM"),
+            "attention_bias": _qkv_bias(cfg, arch),
             "sliding_window": sliding_window,
             "tie_word_embeddings": _flag(cfg, "tie_word_embeddings", False),
             "bos_token_id": cfg.get("bos_token_id"),
             "eos_token_ids": _eos_ids(cfg.get("eos_token_id")),
+            "qk_norm": _QK_NORM.get(arch, "none"),
+            **_moe_from_hf(cfg, arch),
         }
     except KeyError as missing:
         raise UnsupportedCheckpointError(f"{where}: required field {missing} is missing") from None
@@ -477,6 +629,47 @@ def _from_hf_dict(cfg: dict[str, Any], where: str, key: Callable[[str], str]) ->
     return ModelConfig(
         **{**values, "rms_norm_eps": float(values["rms_norm_eps"]), "rope_theta": float(theta)}
     )
+
+
+#: architectures whose q/k/v projections may carry a bias (config key, default), o_proj none
+_QKV_BIAS = {
+    "Qwen2ForCausalLM": ("attention_bias", True),
+    "Qwen2MoeForCausalLM": ("qkv_bias", True),
+}
+_QK_NORM = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}
+
+
+def _qkv_bias(cfg: dict[str, Any], arch: str) -> Any:
+    name, default = _QKV_BIAS.get(arch, ("attention_bias", False))
+    return _flag(cfg, name, default)
+
+
+def _moe_from_hf(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of config.json, as each family names them."""
+    if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                    "OlmoeForCausalLM"):  # fmt: skip
+        return {}
+    experts = _or(cfg.get("num_experts"), cfg.get("num_local_experts"))
+    layers = cfg["num_hidden_layers"]
+    step = _or(cfg.get("decoder_sparse_step"), 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ModelFieldError("decoder_sparse_step", step, "allowed: an integer >= 1")
+    only = _or(cfg.get("mlp_only_layers"), [])
+    if not isinstance(only, list):
+        raise ModelFieldError("mlp_only_layers", only, "allowed: a list of layer indices")
+    dense = tuple(
+        i for i in range(layers if isinstance(layers, int) else 0)
+        if i in only or (i + 1) % step
+    )  # fmt: skip
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": cfg.get("num_experts_per_tok"),
+        "moe_intermediate_size": _or(cfg.get("moe_intermediate_size"), 0),
+        # Mixtral always renormalizes the chosen experts' weights
+        "norm_topk_prob": arch == "MixtralForCausalLM" or _flag(cfg, "norm_topk_prob", False),
+        "shared_expert_intermediate_size": _or(cfg.get("shared_expert_intermediate_size"), 0),
+        "dense_layers": dense,
+    }
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -27,7 +27,15 @@ from models.config import ModelConfig, ceil_div
 TP_KEY = "engine.tensor_parallel_size"
 
 
+def _splits_across_ranks(model: ModelConfig) -> bool:
+    """Whether the layout can split the model at all: not yet its mixture-of-experts layers,
+    nor OLMoE's q/k norms, taken over every head at once."""
+    return model.num_experts == 0 and model.qk_norm != "full"
+
+
 def _layout_ok(model: ModelConfig, n: int) -> bool:
+    if n > 1 and not _splits_across_ranks(model):
+        return False
     return (
         model.num_heads % n == 0
         and model.intermediate_size % n == 0
@@ -63,6 +71,11 @@ def tp_shard(model: ModelConfig, world_size: Any, key: str = TP_KEY) -> TPShard:
     sizes when the layout cannot split this model that way."""
     allowed = allowed_tp_sizes(model)
     valid = isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1
+    if valid and world_size > 1 and not _splits_across_ranks(model):
+        raise ValueError(
+            f"{key}: {world_size!r} is invalid for this model: its mixture-of-experts layers "
+            "(or OLMoE's q/k norms over every head) run on one rank for now; allowed: 1"
+        )
     if not valid or not _layout_ok(model, world_size):
         raise ValueError(
             f"{key}: {world_size!r} is invalid for this model (num_heads={model.num_heads}, "
@@ -88,9 +101,9 @@ def tp_shard(model: ModelConfig, world_size: Any, key: str = TP_KEY) -> TPShard:
 class RankParams:
     """The parameters one rank holds, by kind (all layers together)."""
 
-    block_linear: int  # the blocks' matmul weights: q/k/v, o, gate/up, down
+    block_linear: int  # the blocks' matmul weights: q/k/v, o, gate/up, down (every expert's)
     block_bias: int  # the q/k/v biases (attention_bias models), split with their rows
-    norms: int  # every RMSNorm weight, replicated on each rank
+    norms: int  # every RMSNorm weight (q/k norms too), replicated on each rank
     embedding: int  # the rank's rows of the vocab-parallel embedding
     lm_head: int  # the rank's rows of the column-parallel LM head; 0 when tied
 
@@ -109,13 +122,18 @@ def rank_params(model: ModelConfig, shard: TPShard) -> RankParams:
     hidden = model.hidden_size
     q = shard.heads * model.head_dim
     kv = shard.kv_heads * model.head_dim
-    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * shard.intermediate
+    attention = hidden * (q + 2 * kv) + q * hidden
+    mlps = sum(  # a mixture-of-experts model is not split (tp_shard): world_size 1
+        model.moe_mlp_parameters() if model.is_moe_layer(i) else 3 * hidden * shard.intermediate
+        for i in range(model.num_layers)
+    )
     bias = (q + 2 * kv) if model.attention_bias else 0
+    qk_norms = {"none": 0, "head": 2 * model.head_dim, "full": q + kv}[model.qk_norm]
     embedding = shard.vocab * hidden
     return RankParams(
-        block_linear=model.num_layers * per_layer,
+        block_linear=model.num_layers * attention + mlps,
         block_bias=model.num_layers * bias,
-        norms=model.num_layers * 2 * hidden + hidden,
+        norms=model.num_layers * (2 * hidden + qk_norms) + hidden,
         embedding=embedding,
         lm_head=0 if model.tie_word_embeddings else embedding,
     )

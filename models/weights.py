@@ -21,6 +21,7 @@ from models.gguf import is_gguf, iter_gguf_tensors
 def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    norm_sizes = {"head": (cfg.head_dim, cfg.head_dim), "full": (q, kv)}.get(cfg.qk_norm)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
@@ -30,12 +31,42 @@ def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             if cfg.attention_bias:
                 shapes[p + f"self_attn.{name}.bias"] = (out,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if norm_sizes is not None:
+            shapes[p + "self_attn.q_norm.weight"] = (norm_sizes[0],)
+            shapes[p + "self_attn.k_norm.weight"] = (norm_sizes[1],)
+        if cfg.is_moe_layer(i):
+            shapes.update(_moe_shapes(cfg, p))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+#: Mixtral's names for an expert's gate, up and down projections (the others use mlp's)
+MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _moe_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """One MoE layer's tensors under its family's names: the router, the experts' projections
+    and Qwen2-MoE's shared expert with its gate."""
+    h, inter = cfg.hidden_size, cfg.expert_intermediate_size
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    block = prefix + ("block_sparse_moe." if mixtral else "mlp.")
+    shapes: dict[str, tuple[int, ...]] = {block + "gate.weight": (cfg.num_experts, h)}
+    projections = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+    for e in range(cfg.num_experts):
+        for name, shape in projections.items():
+            shapes[f"{block}experts.{e}.{MIXTRAL_EXPERT[name] if mixtral else name}.weight"] = shape
+    shared = cfg.shared_expert_intermediate_size
+    if shared:
+        shapes[block + "shared_expert.gate_proj.weight"] = (shared, h)
+        shapes[block + "shared_expert.up_proj.weight"] = (shared, h)
+        shapes[block + "shared_expert.down_proj.weight"] = (h, shared)
+        shapes[block + "shared_expert_gate.weight"] = (1, h)
     return shapes
 
 
@@ -55,10 +86,11 @@ def dummy_state_dict(
     residual_std = 0.02 / math.sqrt(2 * cfg.num_layers)
     state = {}
     for name, shape in hf_parameter_shapes(cfg).items():
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        if name.endswith("norm.weight"):  # the layer norms, q/k norms and the final one
             state[name] = torch.ones(shape, dtype=dtype, device=device)
             continue
-        std = residual_std if ("o_proj" in name or "down_proj" in name) else 0.02
+        residual = "o_proj" in name or "down_proj" in name or name.endswith(".w2.weight")
+        std = residual_std if residual else 0.02
         state[name] = torch.randn(shape, generator=gen, dtype=dtype, device=device) * std
     return state
 

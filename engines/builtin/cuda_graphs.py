@@ -95,6 +95,11 @@ def graphs_unavailable_reason(runner: ModelRunner) -> str | None:
             "engine.tensor_parallel_size > 1: the graphs do not capture the collectives yet "
             "(the other ranks would have to replay theirs in step)"
         )
+    if runner.model_config.num_experts:
+        return (
+            "a mixture-of-experts model: its experts run on the rows routed to them, a "
+            "number the host reads every step"
+        )
     if runner.ring:
         return (
             "a sliding-window model's contiguous ring cache (the Triton kernels do not "

@@ -33,6 +33,7 @@ from engines.builtin.attention.cpu import CpuAttention
 from engines.builtin.attention.metadata import AttentionMetadata
 from engines.builtin.layers.linear import Linear, PanelDenseMethod
 from engines.builtin.layers.quant import Int4Method, Int8Method
+from engines.builtin.mlp import MLP
 from engines.builtin.native import quant as native_quant
 from engines.builtin.team_size import TeamSizer
 
@@ -132,6 +133,10 @@ def unavailable_reason(model: Transformer) -> str | None:
     if native.load() is None:
         return f"the engine's C kernels are unavailable: {native.reason()}"
     cfg = model.config
+    if cfg.num_experts:
+        return "mixture-of-experts layers (the program runs dense MLPs)"
+    if cfg.qk_norm != "none":
+        return f"q/k norms (qk_norm={cfg.qk_norm}; the program has none)"
     for module in model.layers:
         layer: DecoderLayer = module  # type: ignore[assignment]
         attn = layer.attn
@@ -142,7 +147,9 @@ def unavailable_reason(model: Transformer) -> str | None:
             return "no KV cache (kv_cache=none)"
         if cache.quantized or cache.dtype != torch.float32 or not cache.stores_by_slot:
             return "the KV cache is not float32 stored by slot (kv_cache_dtype=int8?)"
-        for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        mlp = layer.mlp
+        assert isinstance(mlp, MLP)  # a dense model (above)
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             problem = _linear_problem(linear)
             if problem is not None:
                 return problem
@@ -206,7 +213,7 @@ class DecodeProgram:
         for module in model.layers:
             layer: DecoderLayer = module  # type: ignore[assignment]
             attn, mlp = layer.attn, layer.mlp
-            assert attn.cache is not None  # unavailable_reason said so
+            assert attn.cache is not None and isinstance(mlp, MLP)  # unavailable_reason said so
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             loras = []
             for linear in linears:

@@ -179,6 +179,11 @@ class LLMEngine:
         shard = shard_for(self.model_config, 0, tp_size)
         if config.plugged("quantization").groups_inputs:
             check_int4_groups(self.model_config, shard, config.quantization_group_size)
+        if config.enable_lora and self.model_config.num_experts:
+            raise ConfigError(
+                "engine.enable_lora: true is invalid for a mixture-of-experts model (LoRA on "
+                "experts is not supported yet); allowed: false"
+            )
         self.tokenizer = tokenizer_for_model(self.config.model, self.config.tokenizer)
         self.dtype = (
             self.platform.default_dtype() if config.dtype == "auto" else TORCH_DTYPES[config.dtype]
@@ -345,6 +350,8 @@ class LLMEngine:
             "architecture": self.model_config.architecture,
             "model_config": self.model_config.to_dict(),
             "num_parameters": self.model_config.num_parameters(),
+            # what one token's forward reads: its experts only (all of them: a dense model)
+            "active_parameters": self.model_config.num_parameters(active=True),
             "weights": self.weights_source,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.platform.device),

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) as a plain nn.Module over a packed batch.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; with mixture-of-experts MLPs Mixtral,
+Qwen2-MoE, Qwen3-MoE and OLMoE: moe.py) as a plain nn.Module over a packed batch.
 
 Shapes: the step's new tokens are packed into one dimension T (no batch padding). Q, K and V
 come from one fused projection, gate and up from another; the loader fills them from the
@@ -27,7 +28,8 @@ from engines.builtin.kv_cache import LayerKVCache
 from engines.builtin.layers.linear import Linear, LinearMethod
 from engines.builtin.layers.norm import RMSNorm
 from engines.builtin.layers.rotary import RotaryEmbedding, Rotation, apply_rotary
-from engines.builtin.lora.batch import LoRABatch
+from engines.builtin.mlp import MLP
+from engines.builtin.moe import MoE
 from models.config import ModelConfig
 
 
@@ -61,6 +63,12 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, linear, bias=cfg.attention_bias
         )
         self.o_proj = Linear(self.q_size, cfg.hidden_size, linear)  # row-parallel
+        # Qwen3's q/k norms (per head, over head_dim), OLMoE's (over every head at once)
+        self.qk_norm = cfg.qk_norm
+        norm_sizes = {"head": (cfg.head_dim, cfg.head_dim), "full": (self.q_size, self.kv_size)}
+        sizes = norm_sizes.get(cfg.qk_norm)
+        self.q_norm = None if sizes is None else RMSNorm(sizes[0], cfg.rms_norm_eps)
+        self.k_norm = None if sizes is None else RMSNorm(sizes[1], cfg.rms_norm_eps)
         self.tp = tp
         self.backend = backend
         self.cache: LayerKVCache | None = None  # set by the model runner
@@ -68,6 +76,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotation: Rotation, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x, meta.lora)
+        if self.q_norm is not None:
+            qkv = self._norm_q_and_k(qkv)
         cache = self.cache if meta.use_cache else None
         if self.native and self._native_can_store(qkv, cache, meta):
             q, k, v = self._rotate_and_store_native(qkv, rotation, cache, meta)
@@ -75,6 +85,16 @@ class Attention(nn.Module):
             q, k, v = self._rotate_and_store(qkv, rotation, cache, meta)
         out = self.backend(q, k, v, cache, meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size), meta.lora))
+
+    def _norm_q_and_k(self, qkv: torch.Tensor) -> torch.Tensor:
+        assert self.q_norm is not None and self.k_norm is not None
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "head":
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return torch.cat([q, k, v], dim=-1)
 
     def _rotate_and_store(
         self,
@@ -139,25 +159,6 @@ class Attention(nn.Module):
         )
 
 
-class MLP(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, linear: LinearMethod, shard: RankShard, tp: TPGroup
-    ) -> None:
-        super().__init__()
-        self.intermediate = shard.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, linear)
-        self.down_proj = Linear(self.intermediate, cfg.hidden_size, linear)  # row-parallel
-        self.tp = tp
-        self.native = False  # SiLU-and-multiply through the C kernel (use_native_kernels)
-
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, lora)
-        if self.native and native.takes(gate_up):
-            return self.tp.all_reduce(self.down_proj(native.silu_and_mul(gate_up), lora))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up, lora))
-
-
 class VocabParallelEmbedding(nn.Module):
     """The embedding table's rows [vocab_start, vocab_start + rows) of the padded vocabulary;
     a token outside them looks up zeros, and the all-reduce adds the one rank's row that has
@@ -187,12 +188,17 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         shard: RankShard,
         tp: TPGroup,
+        index: int,
     ) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, linear, backend, shard, tp)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, linear, shard, tp)
+        self.mlp: MLP | MoE = (
+            MoE(cfg, linear, tp)
+            if cfg.is_moe_layer(index)
+            else MLP(cfg.hidden_size, shard.intermediate_size, linear, tp)
+        )
 
     def forward(
         self,
@@ -238,7 +244,7 @@ class Transformer(nn.Module):
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, linear, backend, shard, self.tp) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, linear, backend, shard, self.tp, i) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # `lm_head_method`: how the LM head is kept (None: like the other linear layers). A tied

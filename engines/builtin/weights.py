@@ -40,7 +40,17 @@ _ROW_PARALLEL = {"self_attn.o_proj": "attn.o_proj", "mlp.down_proj": "mlp.down_p
 _PLAIN = {
     "input_layernorm": "input_norm",
     "post_attention_layernorm": "post_attn_norm",
+    "self_attn.q_norm": "attn.q_norm",
+    "self_attn.k_norm": "attn.k_norm",
+    "mlp.gate": "mlp.router",  # a mixture-of-experts layer's router
+    "block_sparse_moe.gate": "mlp.router",  # Mixtral's
+    "mlp.shared_expert_gate": "mlp.shared_expert_gate",
 }
+#: an expert's (or Qwen2-MoE's shared expert's) projection, under either family's names
+_EXPERT = re.compile(
+    r"(?:mlp|block_sparse_moe)\.(experts\.\d+|shared_expert)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+)
+_EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}  # the rest: down_proj, w2
 
 
 def load_weights(
@@ -129,17 +139,28 @@ class _FusedLayout:
         layer, rest = match.groups()
         stem, kind = rest.rsplit(".", 1)
         prefix = f"layers.{layer}."
-        if stem in _FUSED:
-            self._put_fused_part(prefix, stem, kind, tensor)
+        expert = _EXPERT.fullmatch(stem)
+        if expert is not None:  # mixture of experts: one rank holds them all (no sharding)
+            owner, projection = expert.groups()
+            if projection in _EXPERT_PART:
+                target = f"mlp.{owner}.gate_up_proj"
+                self._put_fused_part(prefix, target, _EXPERT_PART[projection], 2, kind, tensor)
+            else:
+                self._put(f"{prefix}mlp.{owner}.down_proj", kind, tensor)
+        elif stem in _FUSED:
+            target, index, parts = _FUSED[stem]
+            rows = tensor[shard_rows(self.shard, stem)]
+            self._put_fused_part(prefix, target, index, parts, kind, rows)
         elif stem in _ROW_PARALLEL:
             self._put(prefix + _ROW_PARALLEL[stem], kind, tensor, shard_columns(self.shard, stem))
         else:
             self._put(prefix + _PLAIN[stem], kind, tensor)
 
-    def _put_fused_part(self, prefix: str, stem: str, kind: str, tensor: torch.Tensor) -> None:
-        target, index, parts = _FUSED[stem]
+    def _put_fused_part(
+        self, prefix: str, target: str, index: int, parts: int, kind: str, tensor: torch.Tensor
+    ) -> None:
         group = self.pending.setdefault(prefix + target + "." + kind, {})
-        group[index] = {"t": tensor[shard_rows(self.shard, stem)]}
+        group[index] = {"t": tensor}
         if len(group) == parts:
             fused = torch.cat([group[i]["t"] for i in range(parts)], dim=0)
             del self.pending[prefix + target + "." + kind]

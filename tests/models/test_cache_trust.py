@@ -45,6 +45,19 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
+@pytest.fixture(autouse=True)
+def _native_kernels_state_kept() -> Iterator[None]:
+    """A test here may be the process's first to load the C kernels, under a cache it breaks
+    on purpose: that failure is remembered (native.load), and must not stay for the tests
+    after it (run alone, tests/engines/builtin/test_decode_program.py found no kernels)."""
+    from engines.builtin import native
+
+    saved = dict(native._state)
+    yield
+    native._state.clear()
+    native._state.update(saved)
+
+
 @pytest.fixture
 def fresh_default_tokenizer() -> Iterator[None]:
     """The default tokenizer is loaded once per process: these tests load it afresh."""

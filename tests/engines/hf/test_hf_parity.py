@@ -74,6 +74,27 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
     "mistral_swa": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", dict()),
+    "qwen3": ("Qwen3Config", dict()),  # q/k norms per head
+    # mixture of experts: 4 experts, 2 per token
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (  # a gated shared expert, q/k/v biases, the second layer dense
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        dict(num_experts=4, num_experts_per_tok=2),
+    ),  # q/k norms over all heads
 }
 
 
@@ -90,6 +111,11 @@ SEEDS = {
     "llama_tied": 1,
     "mistral_swa": 2,
     "qwen2": 0,
+    "qwen3": 0,
+    "mixtral": 1,
+    "qwen2_moe": 1,
+    "qwen3_moe": 2,
+    "olmoe": 0,
 }
 
 
@@ -280,6 +306,73 @@ def test_logits_and_greedy_match_hf(reference, kind: str, kv_cache: str) -> None
 def test_torch_attention_backend_matches_hf(reference, kind: str, kv_cache: str) -> None:
     ref = reference(kind)
     check_against_hf(ref, run_engine(ref, kv_cache=kv_cache, attention_backend="torch"))
+
+
+FAMILIES = ["qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(kv_cache="paged", enable_prefix_caching=True),
+        dict(kv_cache="paged", enable_chunked_prefill=True, max_num_batched_tokens=10),
+        dict(kv_cache="paged", block_size=4, attention_backend="torch"),
+    ],
+    ids=["prefix", "chunked", "torch"],
+)
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_new_families_match_hf_in_paged_modes(reference, kind: str, options) -> None:
+    """Qwen3's and OLMoE's q/k norms and the mixture-of-experts layers with paged KV, prefix
+    caching, chunked prefill and the torch attention backend."""
+    ref = reference(kind)
+    check_against_hf(ref, run_engine(ref, **options))
+
+
+def test_new_families_read_their_configs(reference) -> None:
+    configs = {kind: from_hf_config(reference(kind).folder) for kind in FAMILIES}
+    assert configs["qwen3"].qk_norm == "head" and not configs["qwen3"].num_experts
+    mixtral = configs["mixtral"]
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.norm_topk_prob) == (
+        4,
+        2,
+        True,
+    )
+    qwen2_moe = configs["qwen2_moe"]
+    assert qwen2_moe.dense_layers == (1,) and qwen2_moe.attention_bias
+    assert (qwen2_moe.moe_intermediate_size, qwen2_moe.shared_expert_intermediate_size) == (64, 96)
+    assert configs["qwen3_moe"].qk_norm == "head" and configs["qwen3_moe"].norm_topk_prob
+    assert configs["olmoe"].qk_norm == "full" and not configs["olmoe"].norm_topk_prob
+    for kind, config in configs.items():  # the parameters counted are the checkpoint's
+        hf = sum(p.numel() for p in reference(kind).model.parameters())
+        assert config.num_parameters() == hf, kind
+    active = mixtral.num_parameters(active=True)  # 2 of 4 experts' MLPs per token
+    assert mixtral.num_parameters() - active == 2 * 2 * 3 * 64 * 128
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_experts_run_their_dequantized_weights(reference, quantization: str) -> None:
+    """INT8 / INT4 experts (the shared expert too; the router stays float) give the tokens of
+    the same engine with every quantized layer replaced by its dequantized weights."""
+    from dequantized_twin import dequantized_twin_tokens
+
+    ref = reference("qwen2_moe")
+    llm = LLM(
+        model=str(ref.folder),
+        dtype="float32",
+        max_model_len=128,
+        quantization=quantization,
+        quantization_group_size=32,
+    )
+    kept = llm.engine.runner.model.linear_methods()
+    for name in (
+        "mlp.experts.3.gate_up_proj",
+        "mlp.experts.0.down_proj",
+        "mlp.shared_expert.down_proj",
+    ):
+        assert kept[f"layers.*.{name}"].startswith(quantization), kept
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(ref.prompts, params)]
+    assert tokens == dequantized_twin_tokens(llm, ref.prompts, params)
 
 
 def test_sdpa_backend_matches_hf(reference) -> None:
