@@ -291,6 +291,11 @@ class Backend(ABC):
         that reaches this one's server: `options` unless load() changed where that is."""
         return options
 
+    def served_adapters(self) -> tuple[str, ...] | None:
+        """The LoRA adapters requests may name (GenerationRequest.lora); None: the backend
+        cannot tell before it is asked (a server decides)."""
+        return ()
+
     def failure(self) -> str | None:
         """Why the backend can serve no more requests (a tensor-parallel rank died), or None.
         A run whose backend failed this way fails, whatever requests completed before."""

@@ -473,7 +473,9 @@ async def _respond(
         raise APIError(
             source + exc.message.removeprefix(exc.param or ""), source, exc.code
         ) from None
-    admission = serving.admit(len(prompts) * sampling[0].num_sequences, _width_field(sampling[0]))
+    admission = serving.admit(
+        len(prompts) * sampling[0].num_sequences, _width_field(sampling[0]), lora
+    )
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     writer = writer_type(
         request_id,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
@@ -38,7 +39,7 @@ from serving.config import ServerConfig
 from serving.logprobs_format import TokenTexts
 from serving.metrics import ServerMetrics
 from serving.profiler import EngineProfiler
-from serving.protocol import APIError
+from serving.protocol import APIError, check_model
 from serving.request_metrics import RequestObserver
 
 logger = logging.getLogger("inferlab.serve")
@@ -89,15 +90,24 @@ Piece = ChoiceText | ChoiceEnd | PromptScores | GenerationFailed
 
 
 class Admission:
-    """Sequences held against the server's bound; released once, however the request ends."""
+    """Sequences held against the server's bound, and their LoRA adapter against its unload;
+    released once, however the request ends."""
 
-    def __init__(self, owner: ServingEngine, num_sequences: int) -> None:
+    def __init__(self, owner: ServingEngine, num_sequences: int, adapter: str | None) -> None:
         self.owner = owner
         self.num_sequences = num_sequences
+        self.adapter = adapter
+        if adapter is not None:
+            owner.adapter_holds[adapter] += 1
 
     def release(self) -> None:
         self.owner.in_flight -= self.num_sequences
         self.num_sequences = 0
+        if self.adapter is not None:
+            self.owner.adapter_holds[self.adapter] -= 1
+            if not self.owner.adapter_holds[self.adapter]:
+                del self.owner.adapter_holds[self.adapter]
+            self.adapter = None
 
 
 class ServingEngine:
@@ -108,9 +118,16 @@ class ServingEngine:
         self.config = config
         self.engine_thread: EngineThread = backend.start_engine_thread()
         self.in_flight = 0  # sequences admitted and not yet finished
+        #: adapter -> requests admitted under it and not finished: it cannot be unloaded
+        self.adapter_holds: Counter[str] = Counter()
         assert backend.engine is not None
         #: the `model` requests must name, and vLLM's `model_name` label on /metrics
         self.model_name = config.served_model_name or str(backend.engine.config.model)
+        if self.model_name in self.adapter_names():  # `model` could not reach the base model
+            raise ValueError(
+                f"engine.lora_modules.{self.model_name}: the served model's name "
+                "(served_model_name); allowed: another adapter name"
+            )
         self.metrics = ServerMetrics(
             backend, lambda: self.in_flight, self.model_name, config.metrics_names
         )
@@ -252,11 +269,15 @@ class ServingEngine:
                 message = str(exc).removeprefix("SamplingParams.")
                 raise APIError(message, message.split(":", 1)[0], "invalid_value") from None
 
-    def admit(self, num_sequences: int, param: str = "n") -> Admission:
+    def admit(self, num_sequences: int, param: str = "n", adapter: str | None = None) -> Admission:
         """Hold room for the request's sequences, or refuse it: 503 when the server is full or
-        shutting down. `param`: the field that set the sequences per prompt."""
+        shutting down. `param`: the field that set the sequences per prompt; `adapter`: the
+        LoRA adapter it runs under, held until it ends (a 400 if unloaded since the request's
+        checks: its prompt was tokenized meanwhile)."""
         if self.draining:
             raise shutting_down()
+        if adapter is not None:
+            check_model(adapter, self.model_name, self.adapter_names())
         if num_sequences > self.capacity:
             raise APIError(
                 f"the request needs {num_sequences} sequences (prompts x {param}) but the "
@@ -275,7 +296,7 @@ class ServingEngine:
                 "server_error",
             )
         self.in_flight += num_sequences
-        return Admission(self, num_sequences)
+        return Admission(self, num_sequences, adapter)
 
     # ---- generation ---------------------------------------------------------------------------
 

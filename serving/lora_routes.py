@@ -62,6 +62,12 @@ def add_lora_routes(app: FastAPI, serving: ServingEngine) -> None:
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         body = await read_request(request, UnloadLoRAAdapterRequest)
         _manager(serving)
+        if serving.adapter_holds.get(body.lora_name):  # admitted, maybe not yet in the engine
+            raise APIError(
+                f"lora_name: {body.lora_name!r} is in use by running or waiting requests",
+                "lora_name",
+                "invalid_value",
+            )
         await _on_engine(serving, lambda engine: engine.remove_lora(body.lora_name))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 

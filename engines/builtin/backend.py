@@ -61,6 +61,11 @@ class BuiltinBackend(SteppedBackend):
         assert self.engine is not None, "load() first"
         return {"backend": self.name, **self.engine.describe()}
 
+    def served_adapters(self) -> tuple[str, ...]:
+        assert self.engine is not None, "load() first"
+        lora = self.engine.runner.lora
+        return () if lora is None else lora.names
+
     def start_engine_thread(self, max_requests: int = 1 << 16) -> EngineThread:
         """From now on step the engine in a thread of its own (idempotent). Afterwards only
         that thread may call the engine's stateful methods; use `engine_thread.call`."""

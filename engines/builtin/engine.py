@@ -562,7 +562,7 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, sampling, arrival_ns, priority, lora_name)
         if lora_name is not None:
             assert self.runner.lora is not None  # check_adapter refused it otherwise
-            self.runner.lora.prefetch(lora_name)
+            seq.kv_namespace = self.runner.lora.namespace(lora_name)
         seq.pending_forks = sampling.num_sequences - 1
         seq.generator = seeded_generator(sampling.seed, self.platform.device)
         if sampling.bad_words:

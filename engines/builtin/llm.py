@@ -142,9 +142,16 @@ class LLM:
             "sampling_params", sampling_params or SamplingParams(), one, len(prompt_list)
         )
         one = lora_request is None or isinstance(lora_request, str)
+        if not one and not isinstance(lora_request, list | tuple):
+            raise ValueError(
+                f"lora_request: {type(lora_request).__name__} is invalid; allowed: an adapter "
+                "name, None, or a list of them (one per prompt)"
+            )
         adapters: list[str | None] = _per_prompt(
             "lora_request", lora_request, one, len(prompt_list)
         )
+        if not all(a is None or isinstance(a, str) for a in adapters):
+            raise ValueError("lora_request: allowed: an adapter name or None for each prompt")
         engine = self.engine
         outputs: dict[str, RequestOutput] = {}
         order = []

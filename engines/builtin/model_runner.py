@@ -38,7 +38,7 @@ from engines.builtin.logprobs import token_logprobs
 from engines.builtin.lora.attach import attach_lora_slots
 from engines.builtin.lora.batch import LoRABatch
 from engines.builtin.lora.dummy import dummy_adapter_folders
-from engines.builtin.lora.manager import LoRAManager
+from engines.builtin.lora.manager import LoRAError, LoRAManager
 from engines.builtin.model import DecoderLayer, Transformer
 from engines.builtin.platform import Platform
 from engines.builtin.sampler import Sampler, SamplingBatch, non_finite_logits
@@ -178,6 +178,13 @@ class ModelRunner:
             dummies = dummy_adapter_folders(
                 self.model_config, config.lora_dummy_adapters, config.lora_dummy_rank, config.seed
             )
+            taken = sorted(set(dummies) & set(modules))
+            if taken:
+                raise LoRAError(
+                    f"lora_modules.{taken[0]}: the name of a dummy adapter "
+                    f"(engine.lora_dummy_adapters={config.lora_dummy_adapters}); allowed: "
+                    "another name"
+                )
             modules = {**dummies, **modules}
         manager = LoRAManager(
             modules,

@@ -34,6 +34,10 @@ from engines.builtin.limits import EngineLimits
 from engines.builtin.sequence import Sequence, SequenceStatus
 from engines.builtin.spec_decode.proposer import Proposal
 
+#: how many steps a request may wait for an adapter slot while later requests under running
+#: adapters pass it (next_to_admit); then they wait behind it
+ADAPTER_PATIENCE_STEPS = 16
+
 
 @dataclass
 class ScheduledSequence:
@@ -168,6 +172,7 @@ class Scheduler:
         # adapter is read and may run (set by the engine: its reading is off the step loop)
         self.max_loras = config.max_loras
         self.lora_ready: Callable[[str], bool] = lambda name: True
+        self._slot_waits: dict[int, int] = {}  # seq_id -> the step it first waited for a slot
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         #: Static batching: finished members of the current batch, still holding their KV
@@ -204,6 +209,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self._slot_waits.pop(seq.seq_id, None)
         if reason == "abort":
             self.num_aborted += 1
             self._aborted_at[seq.seq_id] = self.step_counter
@@ -340,24 +346,27 @@ class Scheduler:
         """The first waiting sequence with something to compute (a preempted beam whose
         candidates are in waits for its group instead) whose adapter can run now (one still
         being read, or one more adapter than the slots hold, waits; later requests may pass
-        it, as in vLLM)."""
-        return next(
-            (
-                seq
-                for seq in self.waiting
-                if not seq.awaits_group and self._adapter_fits(seq, self.running)
-            ),
-            None,
-        )
-
-    def _adapter_fits(self, seq: Sequence, running: Iterable[Sequence]) -> bool:
-        name = seq.lora_name
-        if name is None:
-            return True
-        if not self.lora_ready(name):
-            return False
-        active = {s.lora_name for s in running if s.lora_name is not None}
-        return name in active or len(active) < self.max_loras
+        it, as in vLLM). Once one has waited ADAPTER_PATIENCE_STEPS steps for a slot, later
+        requests under an adapter wait too, so that the running adapters drain and free a
+        slot (a steady stream for one adapter would otherwise hold it for ever)."""
+        active = {s.lora_name for s in self.running if s.lora_name is not None}
+        overdue = False
+        for seq in self.waiting:
+            if seq.awaits_group:
+                continue
+            name = seq.lora_name
+            if name is None:
+                return seq
+            if overdue:
+                continue
+            if name not in active and len(active) >= self.max_loras:
+                since = self._slot_waits.setdefault(seq.seq_id, self.step_counter)
+                overdue = self.step_counter - since >= ADAPTER_PATIENCE_STEPS
+                continue
+            if self.lora_ready(name):  # its read starts only once a slot could take it
+                self._slot_waits.pop(seq.seq_id, None)
+                return seq
+        return None
 
     def _all_running_idle(self) -> bool:
         """Running sequences with nothing to compute: beams whose candidates wait for the
@@ -400,6 +409,15 @@ class Scheduler:
         plan.padding_tokens = sum(s.num_padding_tokens for s in plan.scheduled) + sum(
             r.num_tokens for r in plan.padding_rows
         )
+
+    def _adapter_fits(self, seq: Sequence, running: Iterable[Sequence]) -> bool:
+        """Whether `seq`'s adapter can run beside `running`'s: a slot for it, then its
+        weights read (the read starts only once a slot could take it)."""
+        name = seq.lora_name
+        if name is None:
+            return True
+        active = {s.lora_name for s in running if s.lora_name is not None}
+        return (name in active or len(active) < self.max_loras) and self.lora_ready(name)
 
     def _admit_static_batch(self, plan: StepPlan) -> None:
         """Up to max_num_seqs waiting sequences, in queue order, while the KV cache can reserve
@@ -472,7 +490,7 @@ class Scheduler:
         wants_logits = seq.sampling.prompt_logprobs is not None
         if not self.prefix_caching or seq.num_computed_tokens or wants_logits:
             return 0
-        cached = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.lora_name)
+        cached = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.kv_namespace)
         seq.num_computed_tokens = cached
         return cached
 
@@ -515,6 +533,6 @@ class Scheduler:
                 computed -= item.num_draft_tokens - len(kept)
                 tokens = tokens + kept
             seq.num_computed_tokens = computed if retains else 0
-            self.kv.commit(seq.seq_id, computed, tokens, seq.lora_name)
+            self.kv.commit(seq.seq_id, computed, tokens, seq.kv_namespace)
             if item.proposal is not None:
                 self._freed_since_last_plan += self.kv.truncate(seq.seq_id, computed)

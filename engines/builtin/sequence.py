@@ -34,6 +34,9 @@ class Sequence:
     priority: int = 0
     #: the LoRA adapter the request runs under (engine.lora_modules); None: the base model
     lora_name: str | None = None
+    #: what its cached K/V depend on besides its tokens (the adapter as loaded: LoRAManager.
+    #: namespace), so that no other namespace reuses them; None: the base model
+    kv_namespace: str | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(init=False)
     #: Tokens whose K/V are in the cache (prompt and output alike). The scheduler gives each
@@ -90,6 +93,7 @@ class Sequence:
             self.arrival_ns,
             self.priority,
             self.lora_name,
+            self.kv_namespace,
             sample_index=sample_index,
         )
         child.token_ids = list(self.token_ids)

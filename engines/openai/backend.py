@@ -198,6 +198,9 @@ class OpenAIBackend(Backend):
             log.info("engine.metrics_url=%s: no speculative-decoding counters (%s)", url, error)
             return None
 
+    def served_adapters(self) -> None:
+        return None  # the server names its own (an unknown `model` is its 400)
+
     def failure(self) -> str | None:
         return self.launched.failure() if self.launched is not None else None
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.backends import build_backend
-from engines.base import Backend, now_ns
+from engines.base import Backend, ConfigError, now_ns
 from harness.measuring import hardware, provenance, roofline
 from harness.measuring.accuracy import AccuracyTracker
 from harness.measuring.monitors import MonitorTracker
@@ -243,8 +243,23 @@ def _load(run: RunContext) -> None:
         run.workload = make_workload(run.config["workload"])
     tokenizer = getattr(backend, "tokenizer", None)
     run.requests = run.workload.build(tokenizer, engine.get("max_model_len"))
+    _check_adapters(run.requests, backend)
     run.setting_up = False
     info["workload"] = dict(getattr(run.workload, "info", {}) or {})
+
+
+def _check_adapters(requests: list[WorkloadRequest], backend: Backend) -> None:
+    """Every adapter the workload names must be one the backend serves, or the run would
+    measure the rest of its requests only (they would fail one by one)."""
+    served = backend.served_adapters()
+    asked = sorted({r.request.lora for r in requests if r.request.lora is not None})
+    unknown = [name for name in asked if served is not None and name not in served]
+    if unknown:
+        allowed = ", ".join(served or ()) or (
+            f"none (engine={backend.name} serves no adapters here: engine.enable_lora and "
+            "engine.lora_modules, or lora_dummy_adapters, on engine=builtin)"
+        )
+        raise ConfigError(f"workload.lora_adapters: {unknown} are not served; allowed: {allowed}")
 
 
 def _warm_up(run: RunContext) -> None:

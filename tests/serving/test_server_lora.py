@@ -132,6 +132,27 @@ def test_adapters_are_loaded_and_unloaded_at_run_time(
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
 
 
+def test_an_admitted_requests_adapter_is_not_unloaded_under_it(server: RunningServer) -> None:
+    """A request admitted under an adapter (its prompt tokenized, not yet in the engine) holds
+    it: the unload is a 400 until the request ends (before, the request failed inside its 200
+    stream with a 500)."""
+    serving = server.serving
+    admission = serving.admit(1, "n", "a")
+    try:
+        held = httpx.post(f"{server.base_url}/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert held.status_code == 400 and "in use" in held.json()["error"]["message"]
+    finally:
+        admission.release()
+    assert not serving.adapter_holds
+
+
+def test_an_adapter_named_as_the_served_model_is_refused(adapters: dict[str, str]) -> None:
+    options = {**lora_options(adapters, ()), "lora_modules": {"tiny": adapters["a"]}}
+    refused = r"^engine\.lora_modules\.tiny: the served model's name"
+    with pytest.raises(ValueError, match=refused), serve_engine(options):
+        pass
+
+
 def test_an_adapter_workload_runs_through_engine_openai(
     server: RunningServer, tmp_path: Path
 ) -> None:

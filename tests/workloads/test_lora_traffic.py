@@ -115,3 +115,30 @@ def test_a_run_records_adapters_per_request_and_step(tmp_path: Path) -> None:
     section = report.split("## LoRA adapters", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| run ")]
     assert sorted(line.split(" | ")[1] for line in rows) == sorted([BASE, "a", "b", "c"])
+
+
+@pytest.mark.parametrize(
+    ("engine", "words"),
+    [
+        (["engine.enable_lora=true", "engine.lora_dummy_adapters=2"], "allowed: dummy-0, dummy-1"),
+        ([], "engine=builtin serves no adapters here"),
+    ],
+    ids=["unknown", "no_lora"],
+)
+def test_an_adapter_the_engine_does_not_serve_fails_the_run_before_it_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], engine: list[str], words: str
+) -> None:
+    """Before, half the requests failed one by one and the run measured the other half."""
+    from harness.cli import main as inferlab
+
+    with pytest.raises(SystemExit) as exited:
+        inferlab(
+            ["run", "model=tiny", *engine, "workload.num_requests=4",
+             "workload.lora_adapters=[dummy-0,nope]", f"hydra.run.dir={tmp_path / 'run'}"]
+        )  # fmt: skip
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert exited.value.code == 2, text
+    assert "workload.lora_adapters: " in text and "are not served" in text and words in text
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "lora_adapters" in summary["error"]

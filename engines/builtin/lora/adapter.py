@@ -52,6 +52,9 @@ class LoRAAdapter:
     scaling: float
     target_modules: tuple[str, ...]
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    #: the two files' sizes and modification times when read: whether a later read is of
+    #: the same adapter
+    fingerprint: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -69,28 +72,47 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         problem = "not a folder" if folder.exists() else "no such folder"
         raise refuse(f"{problem} (expected a PEFT adapter folder: adapter_config.json and "
                      "adapter_model.safetensors)")  # fmt: skip
+    fingerprint = _fingerprint(folder)
     settings = _read_config(folder / "adapter_config.json", refuse)
     rank, alpha = settings.get("r"), settings.get("lora_alpha", settings.get("r"))
-    if not isinstance(rank, int) or rank < 1:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise refuse(f"adapter_config.json: r={rank!r} is invalid; allowed: an integer >= 1")
     if rank > max_rank:
         raise refuse(f"rank {rank} exceeds engine.max_lora_rank={max_rank}; allowed: a rank "
                      f"<= max_lora_rank (raise it to {rank} or more)")  # fmt: skip
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise refuse(f"adapter_config.json: lora_alpha={alpha!r} is invalid; allowed: a number")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise refuse(
+            f"adapter_config.json: lora_alpha={alpha!r} is invalid; allowed: a finite number"
+        )
     _refuse_unsupported(settings, refuse)
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
     tensors = _read_tensors(folder, refuse)
     weights = _pair_up(tensors, config, rank, refuse)
     targets = tuple(sorted({module for _, module in weights}, key=TARGETABLE.index))
+    scaled = {key: (a, b * scaling) for key, (a, b) in weights.items()}
+    if not all(torch.isfinite(b).all() for _, b in scaled.values()):
+        raise refuse(f"lora_alpha={alpha!r} scales lora_B past float32's range")
     return LoRAAdapter(
         name=name,
         path=str(folder),
         rank=rank,
         scaling=float(scaling),
         target_modules=targets,
-        weights={key: (a, b * scaling) for key, (a, b) in weights.items()},
+        weights=scaled,
+        fingerprint=fingerprint,
     )
+
+
+def _fingerprint(folder: Path) -> tuple[int, ...]:
+    stats = []
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        try:
+            found = (folder / name).stat()
+        except OSError:
+            stats += [-1, -1]  # missing: the read below says so
+            continue
+        stats += [found.st_size, found.st_mtime_ns]
+    return tuple(stats)
 
 
 def _read_config(path: Path, refuse: Any) -> dict[str, Any]:
@@ -117,6 +139,9 @@ def _refuse_unsupported(settings: dict[str, Any], refuse: Any) -> None:
         "alpha_pattern": ({}, None),
         "fan_in_fan_out": (False, None),
         "lora_bias": (False, None),
+        "layer_replication": (None, []),
+        "target_parameters": (None, []),
+        "use_qalora": (False, None),
     }
     for key, neutral in checks.items():
         value = settings.get(key)
@@ -158,13 +183,20 @@ def _pair_up(
             raise refuse(f"tensor {key!r} is not a LoRA A/B weight of a decoder layer's "
                          f"{'/'.join(TARGETABLE)}")  # fmt: skip
         layer, module, half = int(found[1]), found[2], found[3]
+        if not tensor.is_floating_point():
+            raise refuse(f"tensor {key!r} is {tensor.dtype}; allowed: a floating-point dtype")
+        if not torch.isfinite(tensor).all():
+            raise refuse(f"tensor {key!r} holds NaN or infinity; allowed: finite values")
         if module not in TARGETABLE:
             raise refuse(f"tensor {key!r}: module {module!r} is not one of this model's; "
                          f"allowed: {', '.join(TARGETABLE)}")  # fmt: skip
         if layer >= config.num_layers:
             raise refuse(f"tensor {key!r}: layer {layer} does not exist (the base model has "
                          f"{config.num_layers})")  # fmt: skip
-        halves.setdefault((layer, module), {})[half] = tensor.to(torch.float32)
+        pair = halves.setdefault((layer, module), {})
+        if half in pair:
+            raise refuse(f"tensor {key!r}: layer {layer} {module} lora_{half} appears twice")
+        pair[half] = tensor.to(torch.float32)
     if not halves:
         raise refuse("adapter_model.safetensors holds no LoRA weights")
     pairs = {}

@@ -11,6 +11,7 @@ slot evictions (docs/lora.md).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -53,8 +54,17 @@ class LoRAManager:
         max_rank: int,
         max_cpu_loras: int,
     ) -> None:
+        for name in modules:
+            check_adapter_name(name, f"lora_modules.{name}")
         self.paths = dict(modules)
         self._names = tuple(sorted(self.paths))
+        # each adapter's K/V namespace: its name and which time it was added, so that an
+        # adapter unloaded and loaded again under its name never finds the old one's cache
+        self._added = itertools.count()
+        self._namespaces = {name: f"{name}#{next(self._added)}" for name in self.paths}
+        # each adapter's files as its first read found them: a later read of changed files
+        # fails (its prefix cache and its running requests were computed with the old ones)
+        self._fingerprints: dict[str, tuple[int, ...]] = {}
         self.config = config
         self.layers = list(layers)
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
@@ -69,6 +79,10 @@ class LoRAManager:
 
     # ---- names --------------------------------------------------------------------------------
 
+    def namespace(self, name: str) -> str:
+        """The prefix-cache namespace of the adapter now registered as `name`."""
+        return self._namespaces[name]
+
     def check_known(self, name: str) -> None:
         if name not in self.paths:
             known = ", ".join(sorted(self.paths)) or "none (engine.lora_modules is empty)"
@@ -81,9 +95,12 @@ class LoRAManager:
 
     def add(self, adapter: LoRAAdapter) -> None:
         """Register an adapter `read` returned (vLLM's /v1/load_lora_adapter)."""
+        check_adapter_name(adapter.name, "lora_name")
         if adapter.name in self.paths:
             raise ValueError(f"lora_name: {adapter.name!r} is already loaded")
         self.paths[adapter.name] = adapter.path
+        self._namespaces[adapter.name] = f"{adapter.name}#{next(self._added)}"
+        self._fingerprints.pop(adapter.name, None)
         self._names = tuple(sorted(self.paths))
         self._keep(adapter)
 
@@ -94,11 +111,17 @@ class LoRAManager:
             raise ValueError(f"lora_name: {name!r} is in use by running or waiting requests")
         with self._lock:
             self._host.pop(name, None)
+            stale = self._loading.pop(name, None)  # a read still going: its result is dropped
+        if stale is not None:
+            stale.cancel()
+        self.failed.pop(name, None)
         slot = self._slots.pop(name, None)
         if slot is not None:
             for layer in self.layers:
                 layer.clear(slot)
         del self.paths[name]
+        del self._namespaces[name]
+        self._fingerprints.pop(name, None)
         self._names = tuple(sorted(self.paths))
         self._facts.pop(name, None)
 
@@ -175,7 +198,20 @@ class LoRAManager:
     def _read(self, name: str, path: str) -> LoRAAdapter:
         began = time.perf_counter()
         adapter = load_adapter(name, Path(path), self.config, self.max_rank)
-        self._facts[name] = {
+        self.stats.disk_loads += 1
+        self.stats.disk_load_s += time.perf_counter() - began
+        return adapter
+
+    def _keep(self, adapter: LoRAAdapter) -> None:
+        """Keep `adapter` in host memory (LoRAError if its files changed since its first
+        read), and what it is in describe()."""
+        first = self._fingerprints.setdefault(adapter.name, adapter.fingerprint)
+        if adapter.fingerprint != first:
+            raise LoRAError(
+                f"lora_modules.{adapter.name}: {adapter.path} changed since it was loaded; "
+                "unload it and load it again (or under another name)"
+            )
+        self._facts[adapter.name] = {
             "path": adapter.path,
             "rank": adapter.rank,
             "scaling": adapter.scaling,
@@ -183,11 +219,6 @@ class LoRAManager:
             "bytes": adapter.nbytes,
             "params": sum(a.numel() + b.numel() for a, b in adapter.weights.values()),
         }
-        self.stats.disk_loads += 1
-        self.stats.disk_load_s += time.perf_counter() - began
-        return adapter
-
-    def _keep(self, adapter: LoRAAdapter) -> None:
         with self._lock:
             self._host[adapter.name] = adapter
             self._host.move_to_end(adapter.name)
@@ -237,4 +268,11 @@ class LoRAManager:
         self._reader.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["LoRAError", "LoRAManager", "LoRAStats"]
+def check_adapter_name(name: object, field: str) -> None:
+    """A name requests can give as their `model`: 1 to 256 printable characters."""
+    if not isinstance(name, str) or not 1 <= len(name) <= 256 or not name.isprintable():
+        shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:60] + "..."
+        raise LoRAError(f"{field}: {shown} is invalid; allowed: 1 to 256 printable characters")
+
+
+__all__ = ["LoRAError", "LoRAManager", "LoRAStats", "check_adapter_name"]

@@ -8,7 +8,9 @@ adapter is never reused by another. Bad adapters are one-line errors naming them
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from math import inf, nan
 from pathlib import Path
 from typing import Any
 
@@ -215,12 +217,41 @@ def bad_adapters(tmp_path: Path) -> Iterator[dict[str, tuple[str, str]]]:
             write_adapter(tmp_path / "r", {**config, "use_dora": True}, good),
             "use_dora=True is not supported",
         ),
+        # a NaN in one adapter would fail every request of the batches it runs in
+        "nan_weight": (
+            write_adapter(
+                tmp_path / "nan", config, {**good, f"{q}.lora_B.weight": torch.full((64, 4), nan)}
+            ),
+            "holds NaN or infinity",
+        ),
+        "inf_alpha": (
+            write_adapter(tmp_path / "inf", {**config, "lora_alpha": inf}, good),
+            "lora_alpha=inf is invalid",
+        ),
+        "bool_rank": (
+            write_adapter(tmp_path / "b", {**config, "r": True}, good),
+            "r=True is invalid",
+        ),
+        "int_weights": (
+            write_adapter(
+                tmp_path / "i",
+                config,
+                {**good, f"{q}.lora_A.weight": torch.zeros(4, 64, dtype=torch.int8)},
+            ),
+            "is torch.int8; allowed: a floating-point dtype",
+        ),
+        "replicated": (
+            write_adapter(tmp_path / "l", {**config, "layer_replication": [[0, 1]]}, good),
+            "layer_replication=[[0, 1]] is not supported",
+        ),
     }
 
 
-@pytest.mark.parametrize(
-    "name", ["missing", "a_file", "too_wide", "other_model", "no_module", "deep", "dora"]
-)
+BAD = ["missing", "a_file", "too_wide", "other_model", "no_module", "deep", "dora"]
+BAD += ["nan_weight", "inf_alpha", "bool_rank", "int_weights", "replicated"]
+
+
+@pytest.mark.parametrize("name", BAD)
 def test_a_bad_adapter_is_a_one_line_error_naming_it(
     tmp_path: Path, bad_adapters: dict[str, tuple[str, str]], name: str
 ) -> None:
@@ -306,3 +337,116 @@ def test_an_adapter_whose_folder_is_gone_fails_its_requests_alone(tmp_path: Path
         gone, fine = llm.generate([PROMPTS[0], PROMPTS[1]], params, lora_request=["b", "a"])
     assert gone.error is not None and gone.error.startswith("lora_modules.b: no such folder")
     assert fine.error is None and len(fine.outputs[0].token_ids) == 4
+
+
+def test_an_adapter_loaded_again_under_its_name_never_finds_the_old_ones_cache(
+    checkpoint: dict[str, Any],
+) -> None:
+    """x is `attn`, its prompt's blocks cached under it; x unloaded and loaded again as `all`
+    (a read of `attn` still going when it was unloaded is dropped): the prompt under x gives
+    `all`'s tokens, not those of `attn`'s cached K/V."""
+    folders, reference = checkpoint["folders"], checkpoint["reference"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=checkpoint["base"], dtype="float32", enable_lora=True, max_lora_rank=16,
+              lora_modules={"x": folders["attn"]}, kv_cache="paged", block_size=4,
+              enable_prefix_caching=True, max_model_len=64)  # fmt: skip
+    with llm:
+        assert (
+            llm.generate([PROMPTS[1]], params, lora_request="x")[0].token_ids
+            == (reference["attn"][1])
+        )
+        lora = llm.engine.runner.lora
+        lora.prefetch("x")  # in host memory already: nothing to read
+        lora._host.clear()
+        lora.prefetch("x")  # a read of `attn` on its way
+        llm.engine.remove_lora("x")
+        lora.add(lora.read("x", folders["all"]))
+        time.sleep(0.2)  # the dropped read would have finished by now
+        out = llm.generate([PROMPTS[1]], params, lora_request="x")[0]
+        assert out.token_ids == reference["all"][1]
+        assert lora.describe()["adapters"]["x"]["path"] == folders["all"]
+
+
+def test_a_changed_adapter_folder_fails_its_requests(tmp_path: Path) -> None:
+    """The folder rewritten after the start (another adapter under the same name): a later
+    read fails the requests for it, naming it, instead of serving other weights than the
+    running requests and the prefix cache were computed with."""
+    import shutil
+
+    from checkpoints import write_random_lora
+
+    folders = {name: write_random_lora(tmp_path / name, seed=k) for k, name in enumerate("ab")}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    modules = {name: str(path) for name, path in folders.items()}
+    with LLM(model="tiny", enable_lora=True, max_loras=1, max_cpu_loras=1,
+             lora_modules=modules) as llm:  # fmt: skip
+        assert llm.generate([PROMPTS[0]], params, lora_request="a")[0].error is None
+        shutil.rmtree(folders["b"])
+        write_random_lora(folders["b"], seed=7)
+        changed = llm.generate([PROMPTS[0]], params, lora_request="b")[0]
+    assert changed.error is not None
+    assert changed.error.startswith("lora_modules.b: ") and "changed since it was loaded" in (
+        changed.error
+    )
+
+
+def test_a_request_waiting_for_a_slot_is_not_starved_by_a_running_adapter() -> None:
+    """One slot: requests for dummy-0 keep coming while a dummy-1 request waits; after
+    ADAPTER_PATIENCE_STEPS later ones under an adapter wait behind it, dummy-0 drains, and it
+    runs (before, it waited as long as the stream lasted)."""
+    from engines.builtin.scheduler import ADAPTER_PATIENCE_STEPS
+
+    llm = LLM(model="tiny", enable_lora=True, max_loras=1, max_cpu_loras=2,
+              lora_dummy_adapters=2, lora_dummy_rank=4, max_num_seqs=8)  # fmt: skip
+    engine = llm.engine
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with llm:
+        for i in range(4):
+            engine.add_request(f"hot{i}", PROMPTS[0], params, lora_name="dummy-0")
+        engine.step()
+        engine.add_request("cold", PROMPTS[1], params, lora_name="dummy-1")
+        cold = engine.sequences["cold"]
+        for step in range(200):
+            if step % 3 == 0:
+                engine.add_request(f"more{step}", PROMPTS[0], params, lora_name="dummy-0")
+            engine.step()
+            if cold.num_output_tokens > 0:
+                break
+        assert cold.num_output_tokens > 0 and step < ADAPTER_PATIENCE_STEPS + 2 * 10, step
+
+
+def test_adapters_waiting_for_a_slot_are_not_read_from_disk_again_and_again() -> None:
+    """Three adapters, one slot, host memory for one (the default): an adapter is read when
+    a slot can take it, not while it waits, so reads follow the slot writes (before: 44 reads
+    for 3 writes; now 11 for 8)."""
+    llm = LLM(model="tiny", enable_lora=True, max_loras=1, lora_dummy_adapters=3,
+              lora_dummy_rank=4)  # fmt: skip
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with llm:
+        adapters = [f"dummy-{i % 3}" for i in range(24)]
+        prompts = [[5 + i, 6, 7] for i in range(24)]
+        outputs = llm.generate(prompts, params, lora_request=adapters)
+        facts = llm.engine.runner.lora.describe()
+    assert all(o.error is None for o in outputs)
+    started = 3  # read_all reads each once at the start
+    assert facts["lora_disk_loads"] - started <= facts["lora_slot_writes"], facts
+
+
+@pytest.mark.parametrize("bad", [5, b"g", {"lora_name": "g"}, ["dummy-0", 3]])
+def test_a_lora_request_of_the_wrong_type_is_named(bad: Any) -> None:
+    llm = LLM(model="tiny", enable_lora=True, lora_dummy_adapters=1)
+    with llm, pytest.raises(ValueError, match=r"^lora_request: "):
+        llm.generate([PROMPTS[0], PROMPTS[1]], lora_request=bad)
+
+
+@pytest.mark.parametrize(("name", "words"), [("dummy-0", "the name of a dummy adapter"),
+                                             ("a\nb", "1 to 256 printable"),
+                                             ("x" * 300, "1 to 256 printable")])  # fmt: skip
+def test_an_adapter_name_that_clashes_or_cannot_be_a_model_name_is_refused(
+    tmp_path: Path, name: str, words: str
+) -> None:
+    from checkpoints import write_random_lora
+
+    folder = str(write_random_lora(tmp_path / "a", seed=0))
+    with pytest.raises(LoRAError, match=words):
+        LLM(model="tiny", enable_lora=True, lora_dummy_adapters=1, lora_modules={name: folder})
