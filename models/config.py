@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
+    "Phi3ForCausalLM",
 )
 #: config.json's model_type -> its architecture, for a config without `architectures`
 MODEL_TYPES = {
@@ -39,10 +40,11 @@ MODEL_TYPES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 #: q/k norms before RoPE: none; per head over head_dim (Qwen3); over all heads (OLMoE)
 QK_NORMS = ("none", "head", "full")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 #: The largest value each size may take: past every released model (vocabularies to ~256K,
 #: hidden sizes to ~25K, ~126 layers, contexts to ~10M positions), and small enough that a
 #: slip (max_position_embeddings 1e12) is refused before the engine sizes a buffer by it.
@@ -67,7 +69,10 @@ MOE_LIMITS = {
 ROPE_PARAMETERS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
+#: yarn's optional parameters (Hugging Face's defaults when absent)
+YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 #: the defaults of the fields only some families set
@@ -197,6 +202,12 @@ def _check_rope_scaling(scaling: Any) -> None:
                 f"rope_scaling.{key}",
                 scaling.get(key),
                 f"allowed: a finite number > 0 ({rope_type} scaling needs it)",
+            )
+    for key in YARN_OPTIONAL if rope_type == "yarn" else ():
+        value = scaling.get(key)
+        if value is not None and (not _is_number(value) or value <= 0):
+            raise ModelFieldError(
+                f"rope_scaling.{key}", value, "allowed: null or a finite number > 0"
             )
     if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ModelFieldError(
@@ -472,8 +483,15 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
     else:
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    partial = cfg.get("partial_rotary_factor", 1.0)
     if isinstance(scaling, dict):
         scaling = dict(scaling)
+        partial = scaling.pop("partial_rotary_factor", partial)
+    if partial != 1.0:  # rotary embeddings over a part of each head only
+        raise UnsupportedCheckpointError(
+            f"config.json: partial_rotary_factor {partial!r} is not supported; allowed: 1.0"
+        )
+    if isinstance(scaling, dict):
         rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedCheckpointError(
@@ -583,7 +601,7 @@ def _from_hf_dict(cfg: dict[str, Any], where: str, key: Callable[[str], str]) ->
         raise UnsupportedCheckpointError(f"{where}: clip_qkv (OLMoE's clamp) is not supported")
 
     sliding_window = None
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         sliding_window = cfg.get("sliding_window")
     elif arch.startswith("Qwen") and cfg.get("use_sliding_window"):
         raise UnsupportedCheckpointError(

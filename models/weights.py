@@ -22,11 +22,14 @@ def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     norm_sizes = {"head": (cfg.head_dim, cfg.head_dim), "full": (q, kv)}.get(cfg.qk_norm)
+    phi3 = cfg.architecture == "Phi3ForCausalLM"
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        if phi3:  # q/k/v in one tensor, gate/up in another
+            shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+        for name, out in () if phi3 else (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             shapes[p + f"self_attn.{name}.weight"] = (out, h)
             if cfg.attention_bias:
                 shapes[p + f"self_attn.{name}.bias"] = (out,)
@@ -37,8 +40,11 @@ def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.is_moe_layer(i):
             shapes.update(_moe_shapes(cfg, p))
             continue
-        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        if phi3:
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, h)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+            shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:

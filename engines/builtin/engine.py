@@ -179,10 +179,11 @@ class LLMEngine:
         shard = shard_for(self.model_config, 0, tp_size)
         if config.plugged("quantization").groups_inputs:
             check_int4_groups(self.model_config, shard, config.quantization_group_size)
-        if config.enable_lora and self.model_config.num_experts:
+        model = self.model_config
+        if config.enable_lora and (model.num_experts or model.architecture == "Phi3ForCausalLM"):
             raise ConfigError(
-                "engine.enable_lora: true is invalid for a mixture-of-experts model (LoRA on "
-                "experts is not supported yet); allowed: false"
+                f"engine.enable_lora: true is invalid for a {model.architecture} (LoRA on "
+                "experts and on Phi-3's packed projections is not supported yet); allowed: false"
             )
         self.tokenizer = tokenizer_for_model(self.config.model, self.config.tokenizer)
         self.dtype = (

@@ -37,6 +37,12 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1, 2),
 }
 _ROW_PARALLEL = {"self_attn.o_proj": "attn.o_proj", "mlp.down_proj": "mlp.down_proj"}
+#: Phi-3's packed tensors: their parts in order, each then loaded as the checkpoints that keep
+#: them apart name it
+_PACKED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 _PLAIN = {
     "input_layernorm": "input_norm",
     "post_attention_layernorm": "post_attn_norm",
@@ -110,6 +116,7 @@ class _FusedLayout:
 
     def __init__(self, model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
         self.shard = model.shard
+        self.config = model.config
         self.dtype, self.device = dtype, device
         self.modules = dict(model.named_modules())
         self.pending: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # fused parts
@@ -147,14 +154,28 @@ class _FusedLayout:
                 self._put_fused_part(prefix, target, _EXPERT_PART[projection], 2, kind, tensor)
             else:
                 self._put(f"{prefix}mlp.{owner}.down_proj", kind, tensor)
+        elif stem in _PACKED:  # Phi-3's: cut into its parts, each sharded as its own
+            for part, span in zip(_PACKED[stem], self._packed_rows(stem), strict=True):
+                self._put_layer_tensor(f"model.layers.{layer}.{part}.{kind}", tensor[span])
         elif stem in _FUSED:
             target, index, parts = _FUSED[stem]
-            rows = tensor[shard_rows(self.shard, stem)]
-            self._put_fused_part(prefix, target, index, parts, kind, rows)
+            kept = tensor[shard_rows(self.shard, stem)]
+            self._put_fused_part(prefix, target, index, parts, kind, kept)
         elif stem in _ROW_PARALLEL:
             self._put(prefix + _ROW_PARALLEL[stem], kind, tensor, shard_columns(self.shard, stem))
         else:
             self._put(prefix + _PLAIN[stem], kind, tensor)
+
+    def _packed_rows(self, stem: str) -> list[slice]:
+        """The rows of each part of a packed tensor (the whole model's sizes)."""
+        cfg = self.config
+        sizes = (
+            [cfg.q_size, cfg.kv_size, cfg.kv_size]
+            if stem == "self_attn.qkv_proj"
+            else [cfg.intermediate_size] * 2
+        )
+        ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+        return [slice(end - size, end) for end, size in zip(ends, sizes, strict=True)]
 
     def _put_fused_part(
         self, prefix: str, target: str, index: int, parts: int, kind: str, tensor: torch.Tensor

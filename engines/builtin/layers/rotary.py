@@ -1,5 +1,5 @@
 """Rotary position embeddings (the non-interleaved "rotate half" layout of Hugging Face Llama),
-with Llama-3.1 and linear frequency scaling."""
+with Llama-3.1, linear and YaRN frequency scaling."""
 
 from __future__ import annotations
 
@@ -30,7 +30,53 @@ def rope_inv_freq(
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, blended, scaled)
+    if rope_type == "yarn":
+        assert scaling is not None
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     return inv_freq
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """YaRN (Peng et al. 2023) as Hugging Face computes it: the frequencies that turn fewer
+    than `beta_slow` times over the original context are interpolated (divided by `factor`),
+    those turning more than `beta_fast` times kept, a linear ramp over the dimensions between."""
+    factor = float(scaling["factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dimension_of(rotations: float) -> float:  # the dimension turning `rotations` times
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_of(fast), dimension_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    dims = torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq.device)
+    kept = 1 - ((dims - low) / (high - low)).clamp(0, 1)  # each frequency's share kept as is
+    wavelengths = theta ** (torch.arange(0, head_dim, 2, device=inv_freq.device).float() / head_dim)
+    return 1.0 / (factor * wavelengths) * (1 - kept) + inv_freq * kept
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What YaRN scales cos and sin by (1 otherwise): `attention_factor`, else 0.1 ln(factor)
+    + 1 (with `mscale` / `mscale_all_dim`: the ratio of two such terms)."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    assert scaling is not None
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
 
 
 class RotaryEmbedding(nn.Module):
@@ -50,10 +96,12 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
         positions = torch.arange(max_positions, dtype=torch.float32, device=device)
         angles = torch.outer(positions, inv_freq)
+        table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        attention = rope_attention_factor(scaling)
+        if attention != 1.0:  # YaRN scales cos and sin, so the attention logits by its square
+            table = table * attention
         # cos|sin side by side so one gather per step serves both.
-        self.register_buffer(
-            "cos_sin_table", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False
-        )
+        self.register_buffer("cos_sin_table", table, persistent=False)
 
     def rotation(self, positions: torch.Tensor) -> Rotation:
         """The rotation at `positions`, shared by every layer of a step."""

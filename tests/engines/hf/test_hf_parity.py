@@ -95,6 +95,19 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         "OlmoeConfig",
         dict(num_experts=4, num_experts_per_tok=2),
     ),  # q/k norms over all heads
+    # packed qkv_proj and gate_up_proj, a sliding window
+    "phi3": ("Phi3Config", dict(pad_token_id=0, sliding_window=8)),
+    "llama_yarn": (
+        "LlamaConfig",
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        ),
+    ),
 }
 
 
@@ -116,6 +129,8 @@ SEEDS = {
     "qwen2_moe": 1,
     "qwen3_moe": 2,
     "olmoe": 0,
+    "phi3": 0,
+    "llama_yarn": 0,
 }
 
 
@@ -289,6 +304,10 @@ def test_logits_and_greedy_match_hf(reference, kind: str, kv_cache: str) -> None
     if kind == "llama3_rope":
         assert config.rope_scaling and config.rope_scaling["rope_type"] == "llama3"
         assert config.rope_theta == 50000.0
+    if kind == "llama_yarn":  # interpolated frequencies, cos and sin scaled by 0.1 ln 4 + 1
+        assert config.rope_scaling and config.rope_scaling["rope_type"] == "yarn"
+    if kind == "phi3":
+        assert config.sliding_window == 8
     if kind == "llama_linear_rope":
         assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     if kind == "llama_mha":
@@ -308,7 +327,7 @@ def test_torch_attention_backend_matches_hf(reference, kind: str, kv_cache: str)
     check_against_hf(ref, run_engine(ref, kv_cache=kv_cache, attention_backend="torch"))
 
 
-FAMILIES = ["qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+FAMILIES = ["qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phi3"]
 
 
 @pytest.mark.parametrize(
@@ -438,16 +457,11 @@ def _set(**values: Any):
     return lambda cfg: cfg.update(values)
 
 
-def _yarn(cfg: dict[str, Any]) -> None:
-    cfg["rope_parameters"] = {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
+def _dynamic(cfg: dict[str, Any]) -> None:  # its frequencies follow each batch's length
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
 
 
-def _legacy_yarn(cfg: dict[str, Any]) -> None:
+def _legacy_yarn(cfg: dict[str, Any]) -> None:  # without the context it was trained at
     cfg.pop("rope_parameters", None)
     cfg["rope_theta"] = 10000.0
     cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0}
@@ -458,8 +472,9 @@ def _legacy_yarn(cfg: dict[str, Any]) -> None:
     [
         ("llama_gqa", _set(hidden_act="gelu"), ["hidden_act", "gelu"]),
         ("llama_gqa", _set(mlp_bias=True), ["mlp_bias"]),
-        ("llama_gqa", _yarn, ["rope", "yarn"]),
-        ("llama_gqa", _legacy_yarn, ["rope", "yarn"]),
+        ("llama_gqa", _dynamic, ["rope", "dynamic"]),
+        ("llama_gqa", _legacy_yarn, ["rope_scaling.original_max_position_embeddings"]),
+        ("llama_gqa", _set(partial_rotary_factor=0.5), ["partial_rotary_factor"]),
         (
             "llama_gqa",
             _set(architectures=["GPTNeoXForCausalLM"]),

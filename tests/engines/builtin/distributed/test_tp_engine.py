@@ -96,6 +96,9 @@ CASES = {
     "llama_mqa": ("llama_mqa", {}),  # one K/V head: each rank keeps a replica
     "qwen2_tied": ("qwen2_tied", {}),
     "mistral_swa": ("mistral_swa", {"kv_cache": "paged"}),  # window 8 < the prompts
+    # packed qkv_proj and gate_up_proj: each part cut to the rank's rows
+    "phi3": ("phi3", {"kv_cache": "paged"}),
+    "qwen3": ("qwen3", {}),  # per-head q/k norms: whole on every rank
     "paged_prefix_chunked": (
         "llama_gqa",
         {
