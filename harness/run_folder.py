@@ -254,6 +254,10 @@ STEP_COLUMNS = [
     "lora_adapters",
     "lora_rows",
     "lora_rows_max",
+    # mixture of experts: tokens routed to each expert (a list, summed over the MoE layers),
+    # and the busiest expert's tokens over the mean (1: even)
+    "moe_expert_tokens",
+    "moe_imbalance",
     "forward_s",
     "kv_gather_s",
     "logits_tokens",

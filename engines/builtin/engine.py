@@ -878,6 +878,7 @@ class LLMEngine:
             (0, 0)
             if self.structured is None
             else (self.structured.last_mask_rows, self.structured.last_mask_ns),
+            self.runner.model.expert_tokens() if self.model_config.num_experts else (),
         )
         for observer in self.step_observers:
             observer(record)

@@ -274,6 +274,14 @@ class Transformer(nn.Module):
             return self.norm(x)
         return self.norm(x, residual)[0]
 
+    def expert_tokens(self) -> tuple[int, ...]:
+        """The last forward's tokens per expert, summed over the MoE layers (() if none)."""
+        total: list[int] = []
+        for layer in self.layers:
+            routing = layer.mlp.last_routing if isinstance(layer.mlp, MoE) else []
+            total = [a + b for a, b in zip(total, routing, strict=True)] if total else routing
+        return tuple(total)
+
     def use_native_kernels(self, enabled: bool) -> None:
         """Route norms, SiLU-and-multiply and rotary + K/V store through the engine's C
         kernels where they apply (CPU float32; each layer falls back to torch ops per call)."""

@@ -8,8 +8,8 @@ The step's tokens are grouped by expert once (a stable sort of the (token, choic
 expert), and each expert with tokens runs its MLP once on its rows: a GEMM per expert over the
 rows routed to it, through whatever kernel its linear layers' method has (float, INT8, INT4).
 The sum is taken expert by expert in ascending order, as Hugging Face's does, so the results
-agree to float32 rounding. `last_routing` keeps the step's tokens per expert for the step's
-statistics.
+agree to float32 rounding. `last_routing` keeps the forward's tokens per expert for the
+step's statistics (steps.parquet `moe_expert_tokens`).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class MoE(nn.Module):
             nn.Linear(cfg.hidden_size, 1, bias=False).requires_grad_(False) if shared else None
         )
         self.tp = tp
-        #: tokens routed to each expert in the last forward (int64 [num_experts])
-        self.last_routing: torch.Tensor | None = None
+        #: tokens routed to each expert in the last forward (the step's statistics)
+        self.last_routing: list[int] = []
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. `lora`: refused at start for MoE models."""
@@ -57,12 +57,12 @@ class MoE(nn.Module):
         weights = weights.to(x.dtype)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts))
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         self.last_routing = counts
         out = torch.zeros_like(x)
         flat_weights = weights.flatten()
         start = 0
-        for expert, count in enumerate(counts.tolist()):
+        for expert, count in enumerate(counts):
             if not count:
                 continue
             pairs = order[start : start + count]

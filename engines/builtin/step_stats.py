@@ -51,6 +51,7 @@ def step_record(
     comm: tuple[int, int] = (0, 0),
     broadcast: tuple[int, int] = (0, 0),
     structured: tuple[int, int] = (0, 0),
+    expert_tokens: tuple[int, ...] = (),
 ) -> StepRecord:
     """The record of a step as it was executed; KV figures as of its end. `comm`, `broadcast`:
     (ns, bytes) of the step's collectives and of its broadcast to the other tensor-parallel
@@ -84,6 +85,7 @@ def step_record(
         lora_adapters=len(rows_per_adapter),
         lora_rows=sum(rows_per_adapter.values()),
         lora_rows_max=max(rows_per_adapter.values(), default=0),
+        moe_expert_tokens=expert_tokens,
         forward_ns=forward_ns,
         kv_gather_ns=kv_gather_ns,
         logits_tokens=logits_tokens,

@@ -274,6 +274,28 @@ for _position in range(1, SPEC_POSITIONS + 1):
         f"speculative decoding: of the drafts proposed at position {_position}, the share kept",
     )
 register(
+    "moe_routing_entropy",
+    "fraction",
+    "none",
+    "deterministic",
+    "mixture of experts: the entropy of the run's tokens per expert over its most (1: every "
+    "expert took the same share)",
+)
+register(
+    "moe_imbalance_p50",
+    "ratio",
+    "lower",
+    "deterministic",
+    "mixture of experts: per step, the busiest expert's tokens over the mean; the median step",
+)
+register(
+    "moe_imbalance_p90",
+    "ratio",
+    "lower",
+    "deterministic",
+    "mixture of experts: per step, the busiest expert's tokens over the mean; the p90 step",
+)
+register(
     "spec_draft_time_fraction",
     "fraction",
     "lower",
@@ -836,6 +858,32 @@ def spec_summary(steps: pd.DataFrame) -> dict[str, Any]:
     return out
 
 
+def expert_imbalance(tokens: Sequence[int]) -> float | None:
+    """A step's busiest expert's tokens over the mean per expert (1: even; the experts'
+    count: one expert took them all); None for a dense model or a step with no tokens."""
+    total = sum(tokens)
+    return max(tokens) * len(tokens) / total if total else None
+
+
+def moe_summary(steps: pd.DataFrame) -> dict[str, Any]:
+    """Mixture of experts over the steps: the imbalance per step (median, p90), and the
+    routing's entropy over the run's tokens per expert, over its most (ln of the experts: 1
+    when every expert took the same share)."""
+    if "moe_expert_tokens" not in steps:
+        return {}
+    totals = _sum_lists(steps["moe_expert_tokens"])
+    if len(totals) < 2 or not totals.sum():
+        return {}
+    shares = totals / totals.sum()
+    entropy = -float(np.sum(shares[shares > 0] * np.log(shares[shares > 0])))
+    imbalance = steps["moe_imbalance"].dropna().astype(float)
+    return {
+        "moe_routing_entropy": entropy / float(np.log(len(totals))),
+        "moe_imbalance_p50": float(imbalance.median()),
+        "moe_imbalance_p90": float(imbalance.quantile(0.9)),
+    }
+
+
 def comm_summary(steps: pd.DataFrame) -> dict[str, Any]:
     """Tensor parallelism's communication as a share of step time, over all steps and over
     decode-only and prefill-only ones, where any was measured (rank 0's view)."""
@@ -1129,6 +1177,7 @@ def _engine_metrics(
     out.update(spec_summary(steps) or server_spec_summary(engine.get("server_spec_decode")))
     out.update(roofline_summary(steps))
     out.update(comm_summary(steps))
+    out.update(moe_summary(steps))
     # per rank under tensor parallelism (each holds its shard)
     out.update({key: engine[key] for key in _PER_RANK_ENGINE_FACTS if engine.get(key) is not None})
     return out

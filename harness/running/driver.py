@@ -68,6 +68,7 @@ from engines.base import (
     now_ns,
 )
 from engines.tool_calls import ToolCallOutput
+from harness.measuring.metrics import expert_imbalance
 from harness.running.interrupts import deferred
 from harness.running.saturation import SaturationConfig, SaturationDetector
 from workloads.request import WorkloadRequest
@@ -651,6 +652,8 @@ class Driver:
             "lora_adapters": record.lora_adapters,
             "lora_rows": record.lora_rows,
             "lora_rows_max": record.lora_rows_max,
+            "moe_expert_tokens": list(record.moe_expert_tokens) or None,
+            "moe_imbalance": expert_imbalance(record.moe_expert_tokens),
             "forward_s": record.forward_ns / 1e9,
             "kv_gather_s": record.kv_gather_ns / 1e9,
             "logits_tokens": record.logits_tokens,
