@@ -258,6 +258,7 @@ STEP_COLUMNS = [
     # and the busiest expert's tokens over the mean (1: even)
     "moe_expert_tokens",
     "moe_imbalance",
+    "moe_experts_touched",  # (layer, expert) pairs with a token: the experts' weights read
     "forward_s",
     "kv_gather_s",
     "logits_tokens",

@@ -468,11 +468,16 @@ class LLMEngine:
         """Per-token constants of the roofline's FLOP count and of its communication
         (harness/measuring/roofline.py)."""
         cfg, model = self.model_config, self.runner.model
+        experts = {  # one expert's linear layers, as an MoE layer holds each
+            name: m for name, m in model.linear_layers().items() if ".mlp.experts." in name
+        }
         blocks = sum(
             m.in_features * m.out_features
             for name, m in model.linear_layers().items()
-            if name.startswith("layers.")
+            if name.startswith("layers.") and name not in experts
         )
+        # the experts of every MoE layer (all alike): one expert's share of their weights
+        instances = max(1, cfg.num_experts * sum(map(cfg.is_moe_layer, range(cfg.num_layers))))
         element = self.dtype.itemsize
         parallel = model.shard.size > 1
         return {
@@ -491,6 +496,13 @@ class LLMEngine:
                 if self.runner.lora is None
                 else self.runner.lora.mean_adapter_params() / model.shard.size
             ),
+            # mixture of experts (the experts are out of block_linear_params): one expert's
+            # parameters and bytes as stored, multiplied by each (token, expert) pair and read
+            # once per (layer, expert) pair a step touches
+            "moe_expert_params": sum(m.in_features * m.out_features for m in experts.values())
+            / instances,
+            "moe_expert_bytes": sum(m.weight_bytes() for m in experts.values()) / instances,
+            "moe_all_expert_bytes": sum(m.weight_bytes() for m in experts.values()),
         }
 
     # ---- what others may read or hook ---------------------------------------------------------
@@ -878,7 +890,7 @@ class LLMEngine:
             (0, 0)
             if self.structured is None
             else (self.structured.last_mask_rows, self.structured.last_mask_ns),
-            self.runner.model.expert_tokens() if self.model_config.num_experts else (),
+            self.runner.model.expert_tokens() if self.model_config.num_experts else ((), 0),
         )
         for observer in self.step_observers:
             observer(record)

@@ -274,13 +274,16 @@ class Transformer(nn.Module):
             return self.norm(x)
         return self.norm(x, residual)[0]
 
-    def expert_tokens(self) -> tuple[int, ...]:
-        """The last forward's tokens per expert, summed over the MoE layers (() if none)."""
+    def expert_tokens(self) -> tuple[tuple[int, ...], int]:
+        """The last forward's tokens per expert, summed over the MoE layers (() if none), and
+        its (layer, expert) pairs with any token."""
         total: list[int] = []
+        touched = 0
         for layer in self.layers:
             routing = layer.mlp.last_routing if isinstance(layer.mlp, MoE) else []
             total = [a + b for a, b in zip(total, routing, strict=True)] if total else routing
-        return tuple(total)
+            touched += sum(1 for count in routing if count)
+        return tuple(total), touched
 
     def use_native_kernels(self, enabled: bool) -> None:
         """Route norms, SiLU-and-multiply and rotary + K/V store through the engine's C

@@ -51,11 +51,11 @@ def step_record(
     comm: tuple[int, int] = (0, 0),
     broadcast: tuple[int, int] = (0, 0),
     structured: tuple[int, int] = (0, 0),
-    expert_tokens: tuple[int, ...] = (),
+    experts: tuple[tuple[int, ...], int] = ((), 0),
 ) -> StepRecord:
     """The record of a step as it was executed; KV figures as of its end. `comm`, `broadcast`:
     (ns, bytes) of the step's collectives and of its broadcast to the other tensor-parallel
-    ranks."""
+    ranks; `experts`: a mixture-of-experts forward's tokens per expert and experts touched."""
     num_decodes = plan.num_decodes
     rows_per_adapter: dict[str, int] = {}
     for item in plan.scheduled:
@@ -85,7 +85,8 @@ def step_record(
         lora_adapters=len(rows_per_adapter),
         lora_rows=sum(rows_per_adapter.values()),
         lora_rows_max=max(rows_per_adapter.values(), default=0),
-        moe_expert_tokens=expert_tokens,
+        moe_expert_tokens=experts[0],
+        moe_experts_touched=experts[1],
         forward_ns=forward_ns,
         kv_gather_ns=kv_gather_ns,
         logits_tokens=logits_tokens,

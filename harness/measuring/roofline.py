@@ -6,9 +6,12 @@ For each step (a `steps` row) and the model's shape (the engine's `describe()`):
                        + attention_flops_per_pair * attention_pairs
                        + 2 * lora_params_per_adapter * lora_rows (LoRA: each row's shrink
                        and expand)
+                       + 2 * moe_expert_params * (token, expert) pairs (mixture of experts;
+                       block_linear_params then holds the other layers)
     weight_bytes_read = linear weights of the blocks as stored (quantized bytes and scales)
                        + the LM head when any logits are computed; never the embedding table
                        + each adapter the step runs, its A and B once (LoRA)
+                       + each (layer, expert) pair the step touches, its weights once (MoE)
     kv_bytes_read    = kv_tokens_read * kv_bytes_per_token
     kv_bytes_written = kv_tokens_written * kv_bytes_per_token
     predicted_s      = max(compute_s, memory_s) + (1 - overlap[dtype]) * min(compute_s, memory_s)
@@ -70,6 +73,11 @@ class ModelShape:
     # LoRA: an adapter's A and B parameters (this rank's), in the compute dtype
     lora_params_per_adapter: float = 0.0
     lora_bytes_per_param: int = 4
+    # mixture of experts: one expert's parameters and bytes as stored (its block's experts are
+    # out of block_linear_params and block_linear_bytes)
+    moe_expert_params: float = 0.0
+    moe_expert_bytes: float = 0.0
+    moe_all_expert_bytes: float = 0.0  # every expert of every layer: out of linear_weight_bytes
 
     @classmethod
     def from_engine_info(cls, engine: dict[str, Any] | None) -> ModelShape | None:
@@ -83,7 +91,8 @@ class ModelShape:
             block_linear_params=int(shape["block_linear_params"]),
             lm_head_params=int(shape["lm_head_params"]),
             attention_flops_per_pair=int(shape["attention_flops_per_pair"]),
-            block_linear_bytes=int(engine["linear_weight_bytes"]),
+            block_linear_bytes=int(engine["linear_weight_bytes"])
+            - int(shape.get("moe_all_expert_bytes", 0)),
             lm_head_bytes=int(engine["lm_head_bytes"]),
             kv_bytes_per_token=float(engine["kv_bytes_per_token"]),
             dtype=str(engine["dtype"]),
@@ -93,6 +102,9 @@ class ModelShape:
             logits_bytes_per_row=int(shape.get("logits_bytes_per_row", 0)),
             lora_params_per_adapter=float(shape.get("lora_params_per_adapter", 0.0)),
             lora_bytes_per_param=_element_bytes(str(engine["dtype"])),
+            moe_expert_params=float(shape.get("moe_expert_params", 0.0)),
+            moe_expert_bytes=float(shape.get("moe_expert_bytes", 0.0)),
+            moe_all_expert_bytes=float(shape.get("moe_all_expert_bytes", 0.0)),
         )
 
 
@@ -116,16 +128,23 @@ def step_costs(steps: pd.DataFrame, shape: ModelShape) -> pd.DataFrame:
     logits = col("logits_tokens")
     lora_rows = col("lora_rows").fillna(0)
     lora_adapters = col("lora_adapters").fillna(0)
+    expert_pairs = (
+        steps["moe_expert_tokens"].map(lambda v: float(sum(v)) if v is not None else 0.0)
+        if "moe_expert_tokens" in steps
+        else pd.Series(0.0, steps.index)
+    )
     flops = (
         2.0 * shape.block_linear_params * tokens
         + 2.0 * shape.lm_head_params * logits
         + float(shape.attention_flops_per_pair) * col("attention_pairs")
         + 2.0 * shape.lora_params_per_adapter * lora_rows
+        + 2.0 * shape.moe_expert_params * expert_pairs
     )
     weights = (
         shape.block_linear_bytes * (tokens > 0)
         + shape.lm_head_bytes * (logits > 0)
         + shape.lora_params_per_adapter * shape.lora_bytes_per_param * lora_adapters
+        + shape.moe_expert_bytes * col("moe_experts_touched").fillna(0)
     )
     out = pd.DataFrame(index=steps.index)
     out["flops"] = flops

@@ -654,6 +654,7 @@ class Driver:
             "lora_rows_max": record.lora_rows_max,
             "moe_expert_tokens": list(record.moe_expert_tokens) or None,
             "moe_imbalance": expert_imbalance(record.moe_expert_tokens),
+            "moe_experts_touched": record.moe_experts_touched,
             "forward_s": record.forward_ns / 1e9,
             "kv_gather_s": record.kv_gather_ns / 1e9,
             "logits_tokens": record.logits_tokens,

@@ -201,6 +201,41 @@ def test_lora_rows_and_adapters_add_their_flops_and_bytes() -> None:
     assert (costs["weight_bytes_read"] - plain["weight_bytes_read"]).tolist() == [30 * 2 * 2, 0]
 
 
+def test_experts_add_their_pairs_flops_and_the_touched_experts_bytes() -> None:
+    """A mixture-of-experts step: 2 x an expert's parameters per (token, expert) pair, and each
+    (layer, expert) pair it touched read once; a dense step costs what it did."""
+    shape = dataclasses.replace(SHAPE, moe_expert_params=20.0, moe_expert_bytes=80.0)
+    steps = steps_frame(
+        {"num_decode_seqs": 2, "decode_tokens": 2, "logits_tokens": 2, "attention_pairs": 4,
+         "kv_tokens_read": 2, "kv_tokens_written": 2, "moe_expert_tokens": [3, 0, 1, 0],
+         "moe_experts_touched": 3},
+        {"num_decode_seqs": 1, "decode_tokens": 1, "logits_tokens": 1, "attention_pairs": 2,
+         "kv_tokens_read": 1, "kv_tokens_written": 1, "moe_expert_tokens": None,
+         "moe_experts_touched": 0},
+    )  # fmt: skip
+    costs, plain = step_costs(steps, shape), step_costs(steps, SHAPE)
+    assert (costs["flops"] - plain["flops"]).tolist() == [2 * 20 * 4, 0]
+    assert (costs["weight_bytes_read"] - plain["weight_bytes_read"]).tolist() == [80 * 3, 0]
+
+
+def test_an_moe_engine_describes_its_experts_apart() -> None:
+    llm = LLM(model="tiny-moe", dtype="float32", max_model_len=128)
+    facts = llm.engine.describe()
+    cfg, shape = llm.engine.model_config, facts["roofline_shape"]
+    experts = cfg.num_layers * cfg.num_experts  # every layer of tiny-moe is an MoE layer
+    assert shape["moe_expert_params"] == 3 * cfg.hidden_size * cfg.expert_intermediate_size
+    assert shape["moe_all_expert_bytes"] == experts * shape["moe_expert_bytes"]
+    linear = sum(
+        m.in_features * m.out_features
+        for name, m in llm.engine.runner.model.linear_layers().items()
+        if name.startswith("layers.")
+    )
+    assert shape["block_linear_params"] + experts * shape["moe_expert_params"] == linear
+    model = ModelShape.from_engine_info(facts)
+    assert model is not None
+    assert model.block_linear_bytes == facts["linear_weight_bytes"] - shape["moe_all_expert_bytes"]
+
+
 def test_mbu_mfu_and_prediction() -> None:
     steps = steps_frame(
         {
