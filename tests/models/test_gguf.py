@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers_greedy import hf_greedy
 
 from engines.builtin import LLM, SamplingParams
 from engines.hf.model import load_hf_model
@@ -99,20 +100,6 @@ def test_tokenizer_from_metadata_matches_transformers(gguf_path: Path, reference
         theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     )
     assert (ours.special.bos_id, ours.special.eos_ids) == (1, (2,))
-
-
-def hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
-    """transformers' greedy continuation past EOS, as ignore_eos does (generate's
-    min_new_tokens would instead forbid EOS, a different continuation)."""
-    out: list[int] = []
-    past, step_input = None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(steps):
-            result = model(step_input, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            out.append(int(result.logits[0, -1].argmax()))
-            step_input = torch.tensor([[out[-1]]])
-    return out
 
 
 def test_greedy_fp32_generation_matches_transformers(

@@ -319,22 +319,31 @@ def test_two_tensor_parallel_ranks_give_the_merged_models_tokens(
         mixed_batch(llm, checkpoint)
 
 
-def test_an_adapter_whose_folder_is_gone_fails_its_requests_alone(tmp_path: Path) -> None:
-    """One host-memory place for two adapters: b, read at start, is evicted when a is read
-    again; its folder then removed, a request for b fails naming it, beside one for a that
-    completes."""
-    import shutil
+FOUR_TOKENS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
+
+def one_host_place_for_two(tmp_path: Path) -> tuple[dict[str, Path], LLM]:
+    """Adapters a and b (their folders) and an engine with one slot and one host-memory place
+    for them, a's request already run: b, read at start, is evicted, so its next use reads its
+    folder again."""
     from checkpoints import write_random_lora
 
     folders = {name: write_random_lora(tmp_path / name, seed=k) for k, name in enumerate("ab")}
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     modules = {name: str(path) for name, path in folders.items()}
-    with LLM(model="tiny", enable_lora=True, max_loras=1, max_cpu_loras=1,
-             lora_modules=modules) as llm:  # fmt: skip
-        assert llm.generate([PROMPTS[0]], params, lora_request="a")[0].error is None
+    llm = LLM(model="tiny", enable_lora=True, max_loras=1, max_cpu_loras=1, lora_modules=modules)
+    assert llm.generate([PROMPTS[0]], FOUR_TOKENS, lora_request="a")[0].error is None
+    return folders, llm
+
+
+def test_an_adapter_whose_folder_is_gone_fails_its_requests_alone(tmp_path: Path) -> None:
+    """b's folder removed after the start: a request for b fails naming it, beside one for a
+    that completes."""
+    import shutil
+
+    folders, llm = one_host_place_for_two(tmp_path)
+    with llm:
         shutil.rmtree(folders["b"])
-        gone, fine = llm.generate([PROMPTS[0], PROMPTS[1]], params, lora_request=["b", "a"])
+        gone, fine = llm.generate([PROMPTS[0], PROMPTS[1]], FOUR_TOKENS, lora_request=["b", "a"])
     assert gone.error is not None and gone.error.startswith("lora_modules.b: no such folder")
     assert fine.error is None and len(fine.outputs[0].token_ids) == 4
 
@@ -375,15 +384,11 @@ def test_a_changed_adapter_folder_fails_its_requests(tmp_path: Path) -> None:
 
     from checkpoints import write_random_lora
 
-    folders = {name: write_random_lora(tmp_path / name, seed=k) for k, name in enumerate("ab")}
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    modules = {name: str(path) for name, path in folders.items()}
-    with LLM(model="tiny", enable_lora=True, max_loras=1, max_cpu_loras=1,
-             lora_modules=modules) as llm:  # fmt: skip
-        assert llm.generate([PROMPTS[0]], params, lora_request="a")[0].error is None
+    folders, llm = one_host_place_for_two(tmp_path)
+    with llm:
         shutil.rmtree(folders["b"])
         write_random_lora(folders["b"], seed=7)
-        changed = llm.generate([PROMPTS[0]], params, lora_request="b")[0]
+        changed = llm.generate([PROMPTS[0]], FOUR_TOKENS, lora_request="b")[0]
     assert changed.error is not None
     assert changed.error.startswith("lora_modules.b: ") and "changed since it was loaded" in (
         changed.error

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers_greedy import hf_greedy
 
 from engines.builtin import LLM, SamplingParams
 from engines.hf.model import load_hf_model
@@ -30,19 +31,6 @@ LESSON = [
 ]
 PROMPTS = ["The capital of France is", "Q: What is the capital of France? A:", "Once upon a time"]
 STEPS = 12
-
-
-def hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
-    """Greedy over every step, past EOS (ignore_eos), with transformers' cache."""
-    out: list[int] = []
-    past, step_input = None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(steps):
-            result = model(step_input, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            out.append(int(result.logits[0, -1].argmax()))
-            step_input = torch.tensor([[out[-1]]])
-    return out
 
 
 @pytest.fixture(scope="module")
