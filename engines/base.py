@@ -219,6 +219,7 @@ class StepRecord:
     # MoE layer (a token counts once per layer and chosen expert); () for a dense model
     moe_expert_tokens: tuple[int, ...] = ()
     moe_experts_touched: int = 0  # (layer, expert) pairs with a token: the experts' weights read
+    moe_expert_ns: int = 0  # host time of the experts' MLPs (routing and grouping excluded)
     forward_ns: int = 0  # device time of the model forward and sampling within the step
     kv_gather_ns: int = 0  # of which copying K/V out of the cache (CPU dense attention)
     # For the roofline (harness/measuring/roofline.py); padding rows count as computed.

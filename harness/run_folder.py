@@ -259,6 +259,7 @@ STEP_COLUMNS = [
     "moe_expert_tokens",
     "moe_imbalance",
     "moe_experts_touched",  # (layer, expert) pairs with a token: the experts' weights read
+    "moe_expert_s",  # the experts' MLPs' host time (routing and grouping excluded)
     "forward_s",
     "kv_gather_s",
     "logits_tokens",

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from models.files import SETTINGS, UserFileError, read_input_text
-from models.gguf import GGUF_KEYS, gguf_hf_config
+from models.gguf import gguf_hf_config, gguf_source_keys
 from models.location import model_location
 from models.packaged import PACKAGED_MODELS
 
@@ -29,6 +29,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "OlmoeForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 #: config.json's model_type -> its architecture, for a config without `architectures`
 MODEL_TYPES = {
@@ -41,7 +43,11 @@ MODEL_TYPES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+#: the MLP's activation, under Hugging Face's names: SiLU, and GELU's tanh approximation (GeGLU)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 #: q/k norms before RoPE: none; per head over head_dim (Qwen3); over all heads (OLMoE)
 QK_NORMS = ("none", "head", "full")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
@@ -81,6 +87,15 @@ _FAMILY_DEFAULTS: dict[str, Any] = {
     **dict.fromkeys(MOE_LIMITS, 0),
     "norm_topk_prob": False,
     "dense_layers": (),
+    "hidden_act": "silu",
+    "norm_weight_offset": 0.0,
+    "sandwich_norms": False,
+    "embedding_multiplier": 1.0,
+    "query_pre_attn_scalar": None,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "full_attention_layers": (),
+    "local_rope_theta": None,
 }
 
 
@@ -136,6 +151,7 @@ def check_model_fields(values: Mapping[str, Any]) -> None:
             f"it must divide the number of attention heads ({values['num_heads']})",
         )
     _check_moe_fields(values)
+    _check_gemma_fields(values)
     if values["head_dim"] % 2:
         raise ModelFieldError("head_dim", values["head_dim"], "rotary embeddings need an even one")
     for name in ("rms_norm_eps", "rope_theta"):
@@ -182,6 +198,42 @@ def _check_moe_fields(given: Mapping[str, Any]) -> None:
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in dense
     ):
         raise ModelFieldError("dense_layers", dense, f"allowed: layer indices in [0, {layers})")
+
+
+def _check_gemma_fields(given: Mapping[str, Any]) -> None:
+    """The fields Gemma 2/3 brought (any family may set them): activation, norm offset,
+    sandwich norms, embedding scale, attention scale, soft caps, per-layer windows."""
+    values = {**_FAMILY_DEFAULTS, **given}
+    if values["hidden_act"] not in ACTIVATIONS:
+        raise ModelFieldError(
+            "hidden_act", values["hidden_act"], f"allowed: {'|'.join(ACTIVATIONS)}"
+        )
+    if values["norm_weight_offset"] not in (0.0, 1.0) or isinstance(
+        values["norm_weight_offset"], bool
+    ):
+        raise ModelFieldError("norm_weight_offset", values["norm_weight_offset"], "allowed: 0|1")
+    if not isinstance(values["sandwich_norms"], bool):
+        raise ModelFieldError("sandwich_norms", values["sandwich_norms"], "allowed: true|false")
+    positive = ("embedding_multiplier",)
+    optional = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                "local_rope_theta")  # fmt: skip
+    for name in (*positive, *optional):
+        value = values[name]
+        if (value is None and name in optional) or (_is_number(value) and value > 0):
+            continue
+        allowed = "null or a finite number > 0" if name in optional else "a finite number > 0"
+        raise ModelFieldError(name, value, f"allowed: {allowed}")
+    full, layers = values["full_attention_layers"], values["num_layers"]
+    if not isinstance(full, tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in full
+    ):
+        raise ModelFieldError(
+            "full_attention_layers", full, f"allowed: layer indices in [0, {layers})"
+        )
+    if full and values["sliding_window"] is None:
+        raise ModelFieldError(
+            "full_attention_layers", full, "it needs a sliding_window for the other layers"
+        )
 
 
 def _check_rope_scaling(scaling: Any) -> None:
@@ -247,6 +299,17 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     dense_layers: tuple[int, ...] = ()  # the layers of an MoE model with a dense MLP
+    # Gemma 2/3's additions (any family may use them)
+    hidden_act: str = "silu"  # one of ACTIVATIONS: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma's 1
+    sandwich_norms: bool = False  # also a norm after attention and after the MLP, before adds
+    embedding_multiplier: float = 1.0  # embeddings x this (Gemma: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) (None: head_dim)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # the same on the LM head's logits
+    # with a sliding_window, the layers that attend to the whole context (Gemma: every 2nd/6th)
+    full_attention_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # the windowed layers' RoPE base (Gemma 3), unscaled
 
     def __post_init__(self) -> None:
         check_model_fields({f.name: getattr(self, f.name) for f in fields(self)})
@@ -262,6 +325,20 @@ class ModelConfig:
     @property
     def expert_intermediate_size(self) -> int:
         return self.moe_intermediate_size or self.intermediate_size
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window layer `index` attends within (None: the whole context)."""
+        return None if index in self.full_attention_layers else self.sliding_window
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window every layer keeps to, so that the KV cache may drop keys older than it
+        (None where any layer attends to the whole context)."""
+        return None if self.full_attention_layers else self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def is_moe_layer(self, index: int) -> bool:
         return self.num_experts > 0 and index not in self.dense_layers
@@ -291,7 +368,7 @@ class ModelConfig:
         mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in range(self.num_layers))
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
-        per_layer = attn + 2 * self.hidden_size
+        per_layer = attn + (4 if self.sandwich_norms else 2) * self.hidden_size
         return self.num_layers * per_layer + mlps + embed + head + self.hidden_size
 
     def to_dict(self) -> dict[str, Any]:
@@ -307,7 +384,7 @@ class ModelConfig:
                 f"model.overrides: unknown field(s) {unknown}; allowed: {sorted(known)}"
             )
         values = dict(overrides)
-        for name in ("eos_token_ids", "dense_layers"):
+        for name in ("eos_token_ids", "dense_layers", "full_attention_layers"):
             if name in values:
                 values[name] = tuple(values[name])
         return replace(self, **values)
@@ -316,6 +393,15 @@ class ModelConfig:
 def _llama(**kw: Any) -> ModelConfig:
     return ModelConfig(**kw)
 
+
+_GEMMA2_FIELDS: dict[str, Any] = {
+    "hidden_act": "gelu_pytorch_tanh",
+    "norm_weight_offset": 1.0,
+    "sandwich_norms": True,
+    "query_pre_attn_scalar": 256.0,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+}
 
 PRESETS: dict[str, ModelConfig] = {
     # Tests: a few thousand parameters per layer; vocab covers the default tokenizer.
@@ -401,6 +487,22 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=64,
         norm_topk_prob=True,
     ),
+    # `small` with each MLP cut into 8 experts of half its width, 2 per token: the same active
+    # parameters (the router's aside) in 4x the MLP weights; experiment=moe runs the two
+    "small-moe": ModelConfig(
+        architecture="MixtralForCausalLM",
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=1024,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        head_dim=64,
+        max_position_embeddings=2048,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
     # Mixtral 8x7B's shape (~46.7B parameters, ~12.9B active): kv-calc and the roofline
     "mixtral-8x7b": ModelConfig(
         architecture="MixtralForCausalLM",
@@ -440,6 +542,68 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=768,
         norm_topk_prob=True,
     ),
+    # Gemma 2's layer on CPU: windowed layers 0 and 2, global 1 and 3, soft caps, sandwich norms
+    "tiny-gemma2": ModelConfig(
+        architecture="Gemma2ForCausalLM",
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=176,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        sliding_window=64,
+        full_attention_layers=(1, 3),
+        tie_word_embeddings=True,
+        **_GEMMA2_FIELDS,
+        embedding_multiplier=8.0,
+    ),
+    # Gemma-2-9B's shape (~9.2B parameters; windows of 4096 in every other layer)
+    "gemma2-9b": ModelConfig(
+        architecture="Gemma2ForCausalLM",
+        vocab_size=256000,
+        hidden_size=3584,
+        intermediate_size=14336,
+        num_layers=42,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        max_position_embeddings=8192,
+        sliding_window=4096,
+        full_attention_layers=tuple(range(1, 42, 2)),
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_ids=(1, 107),
+        **_GEMMA2_FIELDS,
+        embedding_multiplier=3584**0.5,
+    ),
+    # Gemma-3-12B's text shape (~11.8B parameters; five layers of 1024-token windows per global)
+    "gemma3-12b": ModelConfig(
+        architecture="Gemma3ForCausalLM",
+        vocab_size=262208,
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_layers=48,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        rope_theta=1000000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        max_position_embeddings=131072,
+        sliding_window=1024,
+        full_attention_layers=tuple(range(5, 48, 6)),
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_ids=(1, 106),
+        qk_norm="head",
+        hidden_act="gelu_pytorch_tanh",
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        query_pre_attn_scalar=256.0,
+        local_rope_theta=10000.0,
+        embedding_multiplier=3840**0.5,
+    ),
     "mistral-7b": ModelConfig(
         architecture="MistralForCausalLM",
         vocab_size=32000,
@@ -475,6 +639,8 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
     # transformers >= 5 writes `rope_parameters` (theta inside); older versions write
     # `rope_theta` and `rope_scaling` side by side.
     params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # per layer type (Gemma 3): the global layers'
     if params is None:
         theta = cfg.get("rope_theta", 10000.0)
         scaling = cfg.get("rope_scaling")
@@ -579,9 +745,17 @@ def _from_hf_dict(cfg: dict[str, Any], where: str, key: Callable[[str], str]) ->
             f"{where}: architecture {arch or cfg.get('model_type')!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedCheckpointError(f"{where}: hidden_act {act!r} is not supported; only silu")
+    gemma = arch in _GEMMA
+    act = (
+        _or(cfg.get("hidden_activation"), cfg.get("hidden_act", "silu"))
+        if gemma
+        else (cfg.get("hidden_act", "silu"))
+    )
+    if act not in (ACTIVATIONS if gemma else ("silu",)):
+        allowed = "|".join(ACTIVATIONS) if gemma else "silu"
+        raise UnsupportedCheckpointError(
+            f"{where}: hidden_act {act!r} is not supported; allowed: {allowed}"
+        )
     if cfg.get("mlp_bias"):
         raise UnsupportedCheckpointError(f"{where}: mlp_bias=true is not supported")
     if cfg.get("quantization_config"):
@@ -611,6 +785,7 @@ def _from_hf_dict(cfg: dict[str, Any], where: str, key: Callable[[str], str]) ->
         raise UnsupportedCheckpointError(f"{where}: sliding_window on a Llama model is unexpected")
 
     theta, scaling = _rope_from_hf(cfg)
+    family = _gemma_from_hf(cfg, arch, where) if gemma else {}
     try:
         heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
         values = {
@@ -628,12 +803,16 @@ def _from_hf_dict(cfg: dict[str, Any], where: str, key: Callable[[str], str]) ->
             "max_position_embeddings": cfg.get("max_position_embeddings", 2048),
             "attention_bias": _qkv_bias(cfg, arch),
             "sliding_window": sliding_window,
-            "tie_word_embeddings": _flag(cfg, "tie_word_embeddings", False),
+            "tie_word_embeddings": _flag(cfg, "tie_word_embeddings", gemma),
             "bos_token_id": cfg.get("bos_token_id"),
             "eos_token_ids": _eos_ids(cfg.get("eos_token_id")),
             "qk_norm": _QK_NORM.get(arch, "none"),
             **_moe_from_hf(cfg, arch),
+            **family,
         }
+        if gemma:
+            values["hidden_act"] = act
+            values["embedding_multiplier"] = float(hidden) ** 0.5 if _is_number(hidden) else 1.0
     except KeyError as missing:
         raise UnsupportedCheckpointError(f"{where}: required field {missing} is missing") from None
     if values["head_dim"] is None:  # the heads split the hidden size
@@ -654,7 +833,75 @@ _QKV_BIAS = {
     "Qwen2ForCausalLM": ("attention_bias", True),
     "Qwen2MoeForCausalLM": ("qkv_bias", True),
 }
-_QK_NORM = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}
+_QK_NORM = {
+    "Qwen3ForCausalLM": "head",
+    "Qwen3MoeForCausalLM": "head",
+    "OlmoeForCausalLM": "full",
+    "Gemma3ForCausalLM": "head",
+}
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _gemma_from_hf(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """Gemma 2/3's fields: (1 + weight) norms, a norm after attention and after the MLP,
+    scaled embeddings, 1/sqrt(query_pre_attn_scalar), soft caps, and sliding-window layers
+    interleaved with global ones (`layer_types`; older configs: every second layer global
+    in Gemma 2, every `sliding_window_pattern`-th in Gemma 3), whose RoPE base Gemma 3 sets
+    apart (`rope_local_base_freq`, or `rope_parameters.sliding_attention`)."""
+    gemma2 = arch == "Gemma2ForCausalLM"  # an absent key takes transformers' class default
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedCheckpointError(
+            f"{where}: use_bidirectional_attention=true (an encoder) is not supported"
+        )
+    layers = cfg.get("num_hidden_layers")
+    count = layers if isinstance(layers, int) and not isinstance(layers, bool) else 0
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = _or(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern")), 6)
+        if gemma2:
+            types = ["full_attention" if i % 2 else "sliding_attention" for i in range(count)]
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+            full = [(i + 1) % pattern == 0 for i in range(count)]
+            types = ["full_attention" if f else "sliding_attention" for f in full]
+        else:
+            raise ModelFieldError("sliding_window_pattern", pattern, "allowed: an integer >= 1")
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(types, list) or len(types) != count or any(t not in kinds for t in types):
+        raise ModelFieldError(
+            "layer_types", types, f"allowed: a list of {count} of {'|'.join(kinds)}"
+        )
+    window = cfg.get("sliding_window", 4096)
+    local_theta = cfg.get("rope_local_base_freq", 10000.0)
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        local = params["sliding_attention"]
+        if local.get("rope_type", "default") != "default":
+            raise ModelFieldError(
+                "rope_parameters.sliding_attention.rope_type",
+                local.get("rope_type"),
+                "allowed: default",
+            )
+        local_theta = local.get("rope_theta", local_theta)
+    if gemma2:
+        local_theta = None  # one RoPE for every layer
+    return {
+        "norm_weight_offset": 1.0,
+        "sandwich_norms": True,
+        "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256),
+        "attn_logit_softcapping": cfg.get("attn_logit_softcapping", 50.0 if gemma2 else None),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping", 30.0 if gemma2 else None),
+        "sliding_window": window,
+        "full_attention_layers": tuple(
+            i for i, t in enumerate(types) if t == "full_attention" or window is None
+        )
+        if window is not None
+        else (),
+        "local_rope_theta": None
+        if local_theta is None
+        else float(local_theta)
+        if _is_number(local_theta)
+        else local_theta,
+    }
 
 
 def _qkv_bias(cfg: dict[str, Any], arch: str) -> Any:
@@ -712,7 +959,8 @@ def resolve_model(model: str | Path, overrides: dict[str, Any] | None = None) ->
         return PRESETS[name].with_overrides(overrides)
     name = model_location(name)
     if name.endswith(".gguf") and Path(name).is_file():
-        return from_hf_dict(gguf_hf_config(name), name, GGUF_KEYS).with_overrides(overrides)
+        config = gguf_hf_config(name)
+        return from_hf_dict(config, name, gguf_source_keys(name)).with_overrides(overrides)
     if Path(name).exists():
         return from_hf_config(name).with_overrides(overrides)
     raise ValueError(

@@ -1,9 +1,11 @@
 """GGUF files (llama.cpp's, Ollama's) as checkpoints: the model's config from the file's
 metadata in config.json's terms, and its tensors under Hugging Face names, dequantized to fp32.
+Architectures (`general.architecture`): llama, qwen2 and qwen3 (`GGUF_ARCHITECTURES`).
 
-llama.cpp's converter permutes the rows of q_proj and k_proj so that its rotary embedding
-rotates adjacent pairs; the engine (like Hugging Face) rotates the two halves of each head, so
-those rows are put back. Dequantization is the `gguf` package's (numpy, every type llama.cpp
+For llama, llama.cpp's converter permutes the rows of q_proj and k_proj so that its rotary
+embedding rotates adjacent pairs; the engine (like Hugging Face) rotates the two halves of each
+head, so those rows are put back. Qwen's files keep Hugging Face's order (llama.cpp rotates
+them NeoX's way, by halves). Dequantization is the `gguf` package's (numpy, every type llama.cpp
 writes: F32/F16/BF16, Q8_0, Q4_0, Q4_1, the K-quants...).
 """
 
@@ -36,6 +38,8 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 _TOP_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -70,47 +74,76 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
         ) from None
 
 
-#: config.json's keys -> the llama metadata keys of a GGUF file they are read from.
-GGUF_KEYS = {
-    "vocab_size": "llama.vocab_size",
-    "hidden_size": "llama.embedding_length",
-    "intermediate_size": "llama.feed_forward_length",
-    "num_hidden_layers": "llama.block_count",
-    "num_attention_heads": "llama.attention.head_count",
-    "num_key_value_heads": "llama.attention.head_count_kv",
-    "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon",
-    "rope_theta": "llama.rope.freq_base",
-    "max_position_embeddings": "llama.context_length",
-    "bos_token_id": "tokenizer.ggml.bos_token_id",
-    "eos_token_id": "tokenizer.ggml.eos_token_id",
+#: general.architecture -> the Hugging Face architecture, and whether llama.cpp's converter
+#: permuted its q/k rows
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
 }
+
+
+def gguf_keys(arch: str = "llama") -> dict[str, str]:
+    """config.json's keys -> the metadata keys of a GGUF file of `arch` they are read from."""
+    per_arch = {
+        "vocab_size": "vocab_size",
+        "hidden_size": "embedding_length",
+        "intermediate_size": "feed_forward_length",
+        "num_hidden_layers": "block_count",
+        "num_attention_heads": "attention.head_count",
+        "num_key_value_heads": "attention.head_count_kv",
+        "head_dim": "attention.key_length",
+        "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+        "rope_theta": "rope.freq_base",
+        "max_position_embeddings": "context_length",
+    }
+    return {
+        **{hf: f"{arch}.{key}" for hf, key in per_arch.items()},
+        "bos_token_id": "tokenizer.ggml.bos_token_id",
+        "eos_token_id": "tokenizer.ggml.eos_token_id",
+    }
+
+
+def architecture(reader: Any) -> str:
+    """The file's general.architecture, one the engine reads (else UnsupportedGGUFError)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedGGUFError(
+            f"general.architecture {arch!r} is not supported; supported: "
+            f"{'|'.join(GGUF_ARCHITECTURES)}"
+        )
+    return str(arch)
 
 
 def hf_config(reader: Any) -> dict[str, Any]:
     """The file's metadata as the fields of a Hugging Face config.json."""
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise UnsupportedGGUFError(
-            f"general.architecture {arch!r} is not supported; supported: llama"
-        )
+    arch = architecture(reader)
     names = {t.name for t in reader.tensors}
-    config = {hf: _field(reader, key) for hf, key in GGUF_KEYS.items()}
+    config = {hf: _field(reader, key) for hf, key in gguf_keys(arch).items()}
     if config["vocab_size"] is None:
         config["vocab_size"] = len(_field(reader, "tokenizer.ggml.tokens", []))
     defaults = {
         "num_key_value_heads": config["num_attention_heads"],
+        "head_dim": None,  # the heads split the hidden size
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "max_position_embeddings": 2048,
     }
     config = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [GGUF_ARCHITECTURES[arch][0]],
         **{hf: defaults.get(hf) if value is None else value for hf, value in config.items()},
         "tie_word_embeddings": "output.weight" not in names,
     }
-    if _field(reader, "llama.rope.scaling.type") not in (None, "none"):
-        raise UnsupportedGGUFError("llama.rope.scaling.type: rope scaling is not supported")
+    if arch == "qwen2":  # its q/k/v biases are in the file or not
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+    if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise UnsupportedGGUFError(f"{arch}.rope.scaling.type: rope scaling is not supported")
     return config
+
+
+def gguf_source_keys(path: str | Path) -> dict[str, str]:
+    """gguf_keys of the file's architecture (the names its errors use)."""
+    return gguf_keys(architecture(open_gguf(path)))
 
 
 def gguf_hf_config(path: str | Path) -> dict[str, Any]:
@@ -147,7 +180,12 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
     reader = open_gguf(path)
     config = hf_config(reader)
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    permuted = GGUF_ARCHITECTURES[architecture(reader)][1]
+    heads = (
+        {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+        if permuted
+        else {}
+    )
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
@@ -191,7 +229,7 @@ def write_hf_tokenizer(path: str | Path, folder: Path) -> None:
         )
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type"))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges") or []]
     backend = Tokenizer(
         models.BPE(
             vocab={token: i for i, token in enumerate(tokens)},

@@ -20,7 +20,8 @@ import torch
 from models.config import from_hf_dict
 from models.files import check_model_output
 from models.gguf import (
-    GGUF_KEYS,
+    architecture,
+    gguf_keys,
     hf_config,
     is_gguf,
     iter_gguf_tensors,
@@ -152,7 +153,7 @@ def _runnable_config(reader: Any, src: str | Path) -> dict[str, Any]:
     """The file's config.json fields, once the engine's loader accepts them: a metadata value
     it would refuse (NaN, a size out of range) is refused before anything is written."""
     config = hf_config(reader)
-    from_hf_dict(config, str(src), GGUF_KEYS)
+    from_hf_dict(config, str(src), gguf_keys(architecture(reader)))
     return config
 
 

@@ -13,6 +13,12 @@ num_kv_heads each rank keeps the one KV head its query heads read (each KV head 
 replicated on N / num_kv_heads ranks); any other N cannot be laid out. N must also divide
 num_heads and intermediate_size.
 
+Mixture-of-experts layers split by expert parallelism (`engine.enable_expert_parallel`): each
+rank holds num_experts / N whole experts (rank r the r-th run of them) and 1/N of the shared
+expert's width; every rank routes every token, runs the tokens routed to its own experts, and
+the all-reduce after the MLP adds the ranks' shares, as it adds a dense MLP's. N must divide
+num_experts (and the shared expert's width). Without it an MoE model runs on one rank.
+
 This module is pure shape arithmetic, shared by whoever needs it (the planner in
 harness/measuring/kv_calc.py, the engine): no torch, no devices.
 """
@@ -27,26 +33,33 @@ from models.config import ModelConfig, ceil_div
 TP_KEY = "engine.tensor_parallel_size"
 
 
-def _splits_across_ranks(model: ModelConfig) -> bool:
-    """Whether the layout can split the model at all: not yet its mixture-of-experts layers,
-    nor OLMoE's q/k norms, taken over every head at once."""
-    return model.num_experts == 0 and model.qk_norm != "full"
+EP_KEY = "engine.enable_expert_parallel"
 
 
-def _layout_ok(model: ModelConfig, n: int) -> bool:
-    if n > 1 and not _splits_across_ranks(model):
+def _splits_across_ranks(model: ModelConfig, expert_parallel: bool) -> bool:
+    """Whether the layout can split the model at all: not its mixture-of-experts layers
+    without expert parallelism, nor OLMoE's q/k norms, taken over every head at once."""
+    return (model.num_experts == 0 or expert_parallel) and model.qk_norm != "full"
+
+
+def _layout_ok(model: ModelConfig, n: int, expert_parallel: bool = False) -> bool:
+    if n > 1 and not _splits_across_ranks(model, expert_parallel):
         return False
+    dense = any(not model.is_moe_layer(i) for i in range(model.num_layers))
     return (
         model.num_heads % n == 0
-        and model.intermediate_size % n == 0
+        and (not dense or model.intermediate_size % n == 0)
         and (model.num_kv_heads % n == 0 or n % model.num_kv_heads == 0)
+        and model.num_experts % n == 0
+        and model.shared_expert_intermediate_size % n == 0
     )
 
 
-def allowed_tp_sizes(model: ModelConfig) -> list[int]:
+def allowed_tp_sizes(model: ModelConfig, expert_parallel: bool = False) -> list[int]:
     """Every tensor-parallel size the layout allows: the divisors of num_heads that also divide
-    intermediate_size and either divide num_kv_heads or are a multiple of it."""
-    return [n for n in range(1, model.num_heads + 1) if _layout_ok(model, n)]
+    intermediate_size (of any dense layer) and either divide num_kv_heads or are a multiple of
+    it; with expert parallelism, that also divide num_experts and the shared expert's width."""
+    return [n for n in range(1, model.num_heads + 1) if _layout_ok(model, n, expert_parallel)]
 
 
 @dataclass(frozen=True)
@@ -60,28 +73,43 @@ class TPShard:
     intermediate: int  # MLP width per rank
     vocab: int  # embedding and LM-head rows per rank: padded_vocab / N
     padded_vocab: int  # the vocabulary rounded up to a multiple of N
+    experts: int = 0  # whole experts per rank: num_experts / N with expert parallelism
+    shared_expert_intermediate: int = 0  # the shared expert's width per rank
 
     @property
     def kv_replicated(self) -> bool:
         return self.kv_replicas > 1
 
 
-def tp_shard(model: ModelConfig, world_size: Any, key: str = TP_KEY) -> TPShard:
-    """The per-rank shape for `world_size` ranks; a ValueError naming `key` and the allowed
-    sizes when the layout cannot split this model that way."""
-    allowed = allowed_tp_sizes(model)
+def tp_shard(
+    model: ModelConfig, world_size: Any, key: str = TP_KEY, expert_parallel: bool = False
+) -> TPShard:
+    """The per-rank shape for `world_size` ranks (`expert_parallel`: a mixture-of-experts
+    model's experts placed per rank); a ValueError naming `key` and the allowed sizes when the
+    layout cannot split this model that way."""
+    if expert_parallel and not model.num_experts:
+        raise ValueError(f"{EP_KEY}: true is invalid for a dense model; allowed: false")
+    allowed = allowed_tp_sizes(model, expert_parallel)
     valid = isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1
-    if valid and world_size > 1 and not _splits_across_ranks(model):
-        raise ValueError(
-            f"{key}: {world_size!r} is invalid for this model: its mixture-of-experts layers "
-            "(or OLMoE's q/k norms over every head) run on one rank for now; allowed: 1"
+    if valid and world_size > 1 and not _splits_across_ranks(model, expert_parallel):
+        reason = (
+            "OLMoE's q/k norms over every head run on one rank"
+            if model.qk_norm == "full"
+            else f"its mixture-of-experts layers split by expert only: set {EP_KEY}=true"
         )
-    if not valid or not _layout_ok(model, world_size):
+        raise ValueError(f"{key}: {world_size!r} is invalid for this model: {reason}; allowed: 1")
+    if not valid or not _layout_ok(model, world_size, expert_parallel):
+        moe = (
+            f", num_experts={model.num_experts}, shared expert "
+            f"{model.shared_expert_intermediate_size}: it must divide them too"
+            if model.num_experts
+            else ""
+        )
         raise ValueError(
             f"{key}: {world_size!r} is invalid for this model (num_heads={model.num_heads}, "
             f"num_kv_heads={model.num_kv_heads}, intermediate_size={model.intermediate_size}: "
             "it must divide num_heads and intermediate_size, and divide num_kv_heads or be a "
-            f"multiple of it); allowed: {'|'.join(map(str, allowed))}"
+            f"multiple of it{moe}); allowed: {'|'.join(map(str, allowed))}"
         )
     n = world_size
     split = model.num_kv_heads % n == 0
@@ -94,6 +122,8 @@ def tp_shard(model: ModelConfig, world_size: Any, key: str = TP_KEY) -> TPShard:
         intermediate=model.intermediate_size // n,
         vocab=padded // n,
         padded_vocab=padded,
+        experts=model.num_experts // n,
+        shared_expert_intermediate=model.shared_expert_intermediate_size // n,
     )
 
 
@@ -123,8 +153,14 @@ def rank_params(model: ModelConfig, shard: TPShard) -> RankParams:
     q = shard.heads * model.head_dim
     kv = shard.kv_heads * model.head_dim
     attention = hidden * (q + 2 * kv) + q * hidden
-    mlps = sum(  # a mixture-of-experts model is not split (tp_shard): world_size 1
-        model.moe_mlp_parameters() if model.is_moe_layer(i) else 3 * hidden * shard.intermediate
+    moe_mlp = (  # the rank's experts, the router, its share of the shared expert
+        shard.experts * 3 * hidden * model.expert_intermediate_size
+        + model.num_experts * hidden
+        + 3 * hidden * shard.shared_expert_intermediate
+        + (hidden if model.shared_expert_intermediate_size else 0)
+    )
+    mlps = sum(
+        moe_mlp if model.is_moe_layer(i) else 3 * hidden * shard.intermediate
         for i in range(model.num_layers)
     )
     bias = (q + 2 * kv) if model.attention_bias else 0
@@ -133,7 +169,7 @@ def rank_params(model: ModelConfig, shard: TPShard) -> RankParams:
     return RankParams(
         block_linear=model.num_layers * attention + mlps,
         block_bias=model.num_layers * bias,
-        norms=model.num_layers * (2 * hidden + qk_norms) + hidden,
+        norms=model.num_layers * ((4 if model.sandwich_norms else 2) * hidden + qk_norms) + hidden,
         embedding=embedding,
         lm_head=0 if model.tie_word_embeddings else embedding,
     )

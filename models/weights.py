@@ -27,6 +27,9 @@ def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.sandwich_norms:  # Gemma's norms before and after the MLP
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if phi3:  # q/k/v in one tensor, gate/up in another
             shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
         for name, out in () if phi3 else (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
@@ -86,14 +89,17 @@ def dummy_state_dict(
 
     Normal(0, 0.02) like Hugging Face's initialiser; the projections that write into the
     residual stream (o_proj, down_proj) are scaled by 1/sqrt(2 x layers) so the residual stays
-    O(1) however deep the model is, and norms start at one.
+    O(1) however deep the model is, and norms start at scaling by one (a weight of zero where
+    the model adds one to it, as Gemma's).
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     residual_std = 0.02 / math.sqrt(2 * cfg.num_layers)
     state = {}
     for name, shape in hf_parameter_shapes(cfg).items():
         if name.endswith("norm.weight"):  # the layer norms, q/k norms and the final one
-            state[name] = torch.ones(shape, dtype=dtype, device=device)
+            state[name] = torch.full(
+                shape, 1.0 - cfg.norm_weight_offset, dtype=dtype, device=device
+            )
             continue
         residual = "o_proj" in name or "down_proj" in name or name.endswith(".w2.weight")
         std = residual_std if residual else 0.02

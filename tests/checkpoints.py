@@ -146,6 +146,59 @@ def write_tiny_gguf(
     return path
 
 
+def write_gguf_of(model: Any, path: Path, arch: str) -> Path:
+    """A Hugging Face model (Qwen2 or Qwen3) as llama.cpp's converter writes it, F32, by the
+    `gguf` package: `{arch}.*` metadata, tensors under the names the package's own map gives
+    (`gguf.get_tensor_name_map`) in Hugging Face's row order (Qwen's q/k rows are not
+    permuted), a byte-level vocabulary of the model's size."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    cfg = model.config
+    names = gguf.get_tensor_name_map(
+        next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch),
+        cfg.num_hidden_layers,
+    )
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = SPECIAL + alphabet
+    tokens += [f"w{i}" for i in range(cfg.vocab_size - len(tokens))]
+    for key, value in {
+        "block_count": cfg.num_hidden_layers,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": cfg.num_key_value_heads,
+        "attention.key_length": cfg.head_dim,
+        "attention.value_length": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+    }.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", "default")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    control, normal = int(gguf.TokenType.CONTROL), int(gguf.TokenType.NORMAL)
+    writer.add_array(
+        "tokenizer.ggml.token_type", [control if t in SPECIAL else normal for t in tokens]
+    )
+    writer.add_array("tokenizer.ggml.merges", [])
+    writer.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_id)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        stem, kind = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(stem)}.{kind}", tensor.detach().float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 

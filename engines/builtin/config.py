@@ -80,6 +80,12 @@ class EngineConfig(Options):
         allowed=f"a number of seconds >= {MIN_TIMEOUT_S} and <= {MAX_TIMEOUT_S}",
         help="a collective that takes longer than this fails the engine (a rank died or hung)",
     )
+    enable_expert_parallel: bool = option(
+        False,
+        help="a mixture-of-experts model's experts placed per rank, num_experts / "
+        "tensor_parallel_size whole experts each (vLLM's name; attention stays tensor-parallel); "
+        "an MoE model needs it to run on more than one rank (docs/model_families.md)",
+    )
     # limits
     max_model_len: int | None = option(None, ge=1, help="None: the model's max_position_embeddings")
     max_num_seqs: int = option(256, ge=1, help="sequences per step")

@@ -178,7 +178,7 @@ class DecodeGraphs:
             num_decodes=size,
             max_seq_len=r.max_model_len,
             block_size=r.block_size,
-            sliding_window=r.model_config.sliding_window,
+            sliding_window=r.model_config.kv_sliding_window,
             use_cache=True,
             ring=False,
         )

@@ -31,45 +31,28 @@ import torch
 from engines.builtin import native
 from engines.builtin.attention.cpu import CpuAttention
 from engines.builtin.attention.metadata import AttentionMetadata
-from engines.builtin.layers.linear import Linear, PanelDenseMethod
-from engines.builtin.layers.quant import Int4Method, Int8Method
+from engines.builtin.layers.native_linear import c_pointer, linear_problem, linear_weights
 from engines.builtin.mlp import MLP
-from engines.builtin.native import quant as native_quant
 from engines.builtin.team_size import TeamSizer
 
 if TYPE_CHECKING:
     from engines.builtin.model import DecoderLayer, Transformer
 
 _PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-DENSE, INT8, INT4, INT4_A8 = 0, 1, 2, 3  # kernels.h's LINEAR_*
 #: engine.cpu_wait_policy -> how long a thread spins at a barrier before it sleeps, in ns
 #: (team.h: -1 for ever, 0 not at all; auto: the library's own budget)
 _SPIN_NS = {"active": -1, "passive": 0}
 log = logging.getLogger(__name__)
 
 
-class LinearWeights(ctypes.Structure):  # kernels.h
-    _fields_ = [
-        ("kind", _I64),
-        ("weight", _PTR),
-        ("scale", _PTR),
-        ("minv", _PTR),
-        ("bias", _PTR),
-        ("in_features", _I64),
-        ("out_features", _I64),
-        ("group_size", _I64),
-        ("rows_max", _I64),
-    ]
-
-
 class ProgramLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _PTR),
         ("post_attn_norm", _PTR),
-        ("qkv", LinearWeights),
-        ("o", LinearWeights),
-        ("gate_up", LinearWeights),
-        ("down", LinearWeights),
+        ("qkv", native.LinearWeights),
+        ("o", native.LinearWeights),
+        ("gate_up", native.LinearWeights),
+        ("down", native.LinearWeights),
         ("qkv_lora", native.LoraWeights),
         ("o_lora", native.LoraWeights),
         ("gate_up_lora", native.LoraWeights),
@@ -94,40 +77,6 @@ class ProgramShape(ctypes.Structure):
     ]
 
 
-def _ptr(t: torch.Tensor | None, keep: list[torch.Tensor] | None = None) -> int | None:
-    """t's address; `keep` holds t, so that the address stays valid while the program lives
-    (a layer loaded again after the program was built would otherwise free what it reads)."""
-    if t is None:
-        return None
-    if keep is not None:
-        keep.append(t)
-    return t.data_ptr()
-
-
-def _linear_problem(layer: Linear) -> str | None:
-    method = layer.method
-    if isinstance(method, PanelDenseMethod):
-        return None
-    if isinstance(method, Int8Method | Int4Method) and layer.native:
-        return None
-    return f"{layer.name} is kept as {method.describe(layer)!r}"
-
-
-def _program_linear(layer: Linear, keep: list[torch.Tensor]) -> LinearWeights:
-    method = layer.method
-    bias = _ptr(None if layer.bias is None else layer.bias.data, keep)
-    shape = (layer.in_features, layer.out_features)
-    if isinstance(method, PanelDenseMethod):
-        return LinearWeights(DENSE, _ptr(layer.panels, keep), None, None, bias, *shape, 0, 0)
-    weight, scales = _ptr(layer.qweight, keep), _ptr(layer.scales, keep)
-    if isinstance(method, Int4Method):
-        kind = INT4_A8 if method.activations == "int8" else INT4
-        mins = _ptr(layer.mins, keep)
-        rows_max = native_quant.rows_max(4, method.activations)
-        return LinearWeights(kind, weight, scales, mins, bias, *shape, layer.group_size, rows_max)
-    return LinearWeights(INT8, weight, scales, None, bias, *shape, 0, native_quant.rows_max(8))
-
-
 def unavailable_reason(model: Transformer) -> str | None:
     """Why the program cannot run this model's layers (None: it can)."""
     if native.load() is None:
@@ -137,6 +86,15 @@ def unavailable_reason(model: Transformer) -> str | None:
         return "mixture-of-experts layers (the program runs dense MLPs)"
     if cfg.qk_norm != "none":
         return f"q/k norms (qk_norm={cfg.qk_norm}; the program has none)"
+    gemma = {
+        "sandwich norms": cfg.sandwich_norms,
+        f"hidden_act={cfg.hidden_act}": cfg.hidden_act != "silu",
+        "attention soft-capping": cfg.attn_logit_softcapping is not None,
+        "sliding-window layers beside global ones": bool(cfg.full_attention_layers),
+        "a second RoPE base": cfg.local_rope_theta is not None,
+    }
+    if any(gemma.values()):
+        return ", ".join(k for k, on in gemma.items() if on) + " (the program runs Llama's layer)"
     for module in model.layers:
         layer: DecoderLayer = module  # type: ignore[assignment]
         attn = layer.attn
@@ -150,7 +108,7 @@ def unavailable_reason(model: Transformer) -> str | None:
         mlp = layer.mlp
         assert isinstance(mlp, MLP)  # a dense model (above)
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            problem = _linear_problem(linear)
+            problem = linear_problem(linear)
             if problem is not None:
                 return problem
         norms = (layer.input_norm.weight, layer.post_attn_norm.weight)
@@ -204,7 +162,7 @@ class DecodeProgram:
             cfg.sliding_window or 0,
             first.input_norm.eps,
             first.attn.scale,
-            _ptr(model.rope.cos_sin_table, self.keep),
+            c_pointer(model.rope.cos_sin_table, self.keep),
         )
         layers = []
         #: whether it runs steps with LoRA rows: every LoRA-carrying layer has the C kernels'
@@ -225,12 +183,12 @@ class DecodeProgram:
                 loras.append(native.LoraWeights() if weights is None else weights)
             layers.append(
                 ProgramLayer(
-                    _ptr(layer.input_norm.weight, self.keep),
-                    _ptr(layer.post_attn_norm.weight, self.keep),
-                    *(_program_linear(linear, self.keep) for linear in linears),
+                    c_pointer(layer.input_norm.weight, self.keep),
+                    c_pointer(layer.post_attn_norm.weight, self.keep),
+                    *(linear_weights(linear, self.keep) for linear in linears),
                     *loras,
-                    _ptr(attn.cache.k, self.keep),
-                    _ptr(attn.cache.v, self.keep),
+                    c_pointer(attn.cache.k, self.keep),
+                    c_pointer(attn.cache.v, self.keep),
                 )
             )
         self.layers = (ProgramLayer * len(layers))(*layers)

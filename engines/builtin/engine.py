@@ -176,14 +176,16 @@ class LLMEngine:
         self.model_config = resolve_model(config.model, config.model_overrides)
         # a model N does not split, or INT4 groups that would straddle its shards, fail
         # before any rank starts
-        shard = shard_for(self.model_config, 0, tp_size)
+        shard = shard_for(self.model_config, 0, tp_size, config.enable_expert_parallel)
         if config.plugged("quantization").groups_inputs:
             check_int4_groups(self.model_config, shard, config.quantization_group_size)
         model = self.model_config
-        if config.enable_lora and (model.num_experts or model.architecture == "Phi3ForCausalLM"):
+        untested = ("Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+        if config.enable_lora and (model.num_experts or model.architecture in untested):
             raise ConfigError(
                 f"engine.enable_lora: true is invalid for a {model.architecture} (LoRA on "
-                "experts and on Phi-3's packed projections is not supported yet); allowed: false"
+                "experts, on Phi-3's packed projections and on Gemma is not supported yet); "
+                "allowed: false"
             )
         self.tokenizer = tokenizer_for_model(self.config.model, self.config.tokenizer)
         self.dtype = (
@@ -330,7 +332,7 @@ class LLMEngine:
                 max_model_len=max_model_len,
                 block_size=config.block_size,
                 bytes_per_token=round(kv_bytes_per_token(cfg, element)),
-                sliding_window=cfg.sliding_window,
+                sliding_window=cfg.kv_sliding_window,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 enable_prefix_caching=config.enable_prefix_caching,
                 kv_cache_memory_bytes=config.kv_cache_memory_bytes,
@@ -747,7 +749,7 @@ class LLMEngine:
             return  # contiguous slots always hold max_model_len tokens; none holds nothing
         layout = self.kv.layout
         longest = min(num_prompt_tokens + max_tokens, self.limits.max_model_len)
-        window = self.model_config.sliding_window
+        window = self.model_config.kv_sliding_window
         if window is not None:  # released blocks come back while the sequence runs
             longest = min(longest, window + 2 * layout.block_size)
         needed = ceil_div(longest, layout.block_size)
@@ -883,14 +885,14 @@ class LLMEngine:
             len(self.scheduler.running),
             self.runner.last_forward_ns,
             self.runner.last_gather_ns,
-            self.model_config.sliding_window,
+            self.model_config.kv_sliding_window,
             self.last_draft_ns,
             self.runner.last_comm,
             self.runner.last_broadcast,
             (0, 0)
             if self.structured is None
             else (self.structured.last_mask_rows, self.structured.last_mask_ns),
-            self.runner.model.expert_tokens() if self.model_config.num_experts else ((), 0),
+            self.runner.model.expert_tokens() if self.model_config.num_experts else ((), 0, 0),
         )
         for observer in self.step_observers:
             observer(record)

@@ -1,5 +1,7 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; with mixture-of-experts MLPs Mixtral,
-Qwen2-MoE, Qwen3-MoE and OLMoE: moe.py) as a plain nn.Module over a packed batch.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3; with mixture-of-experts MLPs
+Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE: moe.py; with Gemma 2/3's sandwich norms, GeGLU, scaled
+embeddings, soft caps and sliding-window layers between global ones) as a plain nn.Module over
+a packed batch.
 
 Shapes: the step's new tokens are packed into one dimension T (no batch padding). Q, K and V
 come from one fused projection, gate and up from another; the loader fills them from the
@@ -14,6 +16,7 @@ the LM head's slices. With one rank both do nothing.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -58,7 +61,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = shard.num_heads * cfg.head_dim
         self.kv_size = shard.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
         self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, linear, bias=cfg.attention_bias
         )
@@ -193,12 +196,16 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, linear, backend, shard, tp)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # before the MLP
         self.mlp: MLP | MoE = (
-            MoE(cfg, linear, tp)
+            MoE(cfg, linear, tp, shard)
             if cfg.is_moe_layer(index)
-            else MLP(cfg.hidden_size, shard.intermediate_size, linear, tp)
+            else MLP(cfg.hidden_size, shard.intermediate_size, linear, tp, cfg.hidden_act)
         )
+        # Gemma's sandwich: the attention's and the MLP's outputs are normed before their add
+        sandwich = cfg.sandwich_norms
+        self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
+        self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
 
     def forward(
         self,
@@ -217,8 +224,13 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_norm(x, residual)
         h = self.attn(h, rotation, meta)
+        if self.attn_out_norm is not None:
+            h = self.attn_out_norm(h)
         h, residual = self.post_attn_norm(h, residual)
-        return self.mlp(h, meta.lora), residual
+        h = self.mlp(h, meta.lora)
+        if self.mlp_out_norm is not None:
+            h = self.mlp_out_norm(h)
+        return h, residual
 
 
 class Transformer(nn.Module):
@@ -231,18 +243,30 @@ class Transformer(nn.Module):
         device: torch.device,
         lm_head_method: LinearMethod | None = None,
         tp: TPGroup | None = None,
+        expert_parallel: bool = False,
     ) -> None:
-        """`tp`: this rank's tensor-parallel group (None: one rank, the whole model)."""
+        """`tp`: this rank's tensor-parallel group (None: one rank, the whole model);
+        `expert_parallel`: its mixture-of-experts layers split by expert."""
         super().__init__()
         self.config = cfg
         self.tp = tp or TPGroup()
-        self.shard = shard_for(cfg, self.tp.rank, self.tp.size)
+        self.shard = shard_for(cfg, self.tp.rank, self.tp.size, expert_parallel)
         shard = self.shard
         self.embed = VocabParallelEmbedding(shard, cfg.hidden_size, self.tp)
         # Built on `device` even when the rest is created on "meta" and filled by the loader.
         self.rope = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device
         )
+        # Gemma 3's windowed layers rotate by a RoPE of their own base, unscaled
+        self.local_rope = (
+            None
+            if cfg.local_rope_theta is None
+            else RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta, None, device)
+        )
+        #: each layer's (sliding window, attention soft cap): what its metadata says
+        self.layer_kinds = [
+            (cfg.layer_window(i), cfg.attn_logit_softcapping) for i in range(cfg.num_layers)
+        ]
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, linear, backend, shard, self.tp, i) for i in range(cfg.num_layers)
         )
@@ -262,41 +286,68 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # rounded to the dtype first, as HF does
+            x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         program = self.layer_program
         if program is not None and program.takes(x, meta):
             x, stream = program.run(x, meta)
             return self.norm(x, stream)[0]
         rotation = self.rope.rotation(meta.positions)
+        local = None if self.local_rope is None else self.local_rope.rotation(meta.positions)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rotation, meta)
+        for layer, layer_meta in zip(self.layers, self.layer_metadata(meta), strict=True):
+            windowed = local is not None and layer_meta.sliding_window is not None
+            x, residual = layer(x, residual, local if windowed else rotation, layer_meta)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]
 
-    def expert_tokens(self) -> tuple[tuple[int, ...], int]:
-        """The last forward's tokens per expert, summed over the MoE layers (() if none), and
-        its (layer, expert) pairs with any token."""
+    def layer_metadata(self, meta: AttentionMetadata) -> list[AttentionMetadata]:
+        """The step's metadata as each layer sees it: a layer whose window or soft cap differs
+        from the step's (a global layer between windowed ones, Gemma 2's capped scores) gets a
+        copy with its own, one per kind, with a fresh `per_step` (masks depend on the window)."""
+        variants: dict[tuple[int | None, float | None], AttentionMetadata] = {
+            (meta.sliding_window, meta.logit_softcap): meta
+        }
+        out = []
+        for window, cap in self.layer_kinds:
+            if (window, cap) not in variants:
+                variants[window, cap] = replace(
+                    meta, sliding_window=window, logit_softcap=cap, per_step={}
+                )
+            out.append(variants[window, cap])
+        return out
+
+    def expert_tokens(self) -> tuple[tuple[int, ...], int, int]:
+        """The last forward's tokens per expert, summed over the MoE layers (() if none), its
+        (layer, expert) pairs with any token, and the time its experts' MLPs took (ns)."""
         total: list[int] = []
-        touched = 0
+        touched = expert_ns = 0
         for layer in self.layers:
-            routing = layer.mlp.last_routing if isinstance(layer.mlp, MoE) else []
+            if not isinstance(layer.mlp, MoE):
+                continue
+            routing = layer.mlp.last_routing
             total = [a + b for a, b in zip(total, routing, strict=True)] if total else routing
             touched += sum(1 for count in routing if count)
-        return tuple(total), touched
+            expert_ns += layer.mlp.last_expert_ns
+        return tuple(total), touched, expert_ns
 
     def use_native_kernels(self, enabled: bool) -> None:
         """Route norms, SiLU-and-multiply and rotary + K/V store through the engine's C
         kernels where they apply (CPU float32; each layer falls back to torch ops per call)."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | Attention | MLP):
+            if isinstance(module, RMSNorm | Attention | MLP | MoE):
                 module.native = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the (padded) vocabulary; under tensor parallelism on rank 0 only (the
         other ranks' slices are gathered there; they get None)."""
         logits = self.tp.gather_last_dim(self.lm_head(hidden))
-        return None if logits is None else logits[..., : self.config.vocab_size]
+        if logits is None:
+            return None
+        logits = logits[..., : self.config.vocab_size]
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def linear_layers(self) -> dict[str, Linear]:
         return {name: m for name, m in self.named_modules() if isinstance(m, Linear)}

@@ -226,6 +226,13 @@ class ModelRunner:
             config.kv_cache_dtype,
             config.native_kernels,
         )
+        cap = self.model_config.attn_logit_softcapping
+        if self.attention_backend == "triton" and cap is not None:
+            raise ValueError(
+                f"engine.attention_backend: 'triton' does not soft-cap attention scores, which "
+                f"this {self.model_config.architecture} does (attn_logit_softcapping={cap}); "
+                "allowed here: auto|torch|sdpa|cpu"
+            )
         self.attention = make_attention(self.attention_backend)
 
     def _build_model(self, tp: TPGroup | None) -> Transformer:
@@ -258,6 +265,7 @@ class ModelRunner:
                 self.device,
                 lm_head_method=lm_head,
                 tp=tp,
+                expert_parallel=config.enable_expert_parallel,
             )
 
     def _load_weights(self) -> None:
@@ -513,7 +521,7 @@ class ModelRunner:
             num_decodes=packed.num_decodes,
             max_seq_len=max(packed.seq_lens),
             block_size=self.block_size,
-            sliding_window=self.model_config.sliding_window,
+            sliding_window=self.model_config.kv_sliding_window,
             use_cache=packed.use_cache,
             ring=self.ring,
             write_index=None

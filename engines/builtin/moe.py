@@ -8,25 +8,38 @@ The step's tokens are grouped by expert once (a stable sort of the (token, choic
 expert), and each expert with tokens runs its MLP once on its rows: a GEMM per expert over the
 rows routed to it, through whatever kernel its linear layers' method has (float, INT8, INT4).
 The sum is taken expert by expert in ascending order, as Hugging Face's does, so the results
-agree to float32 rounding. `last_routing` keeps the forward's tokens per expert for the
+agree to float32 rounding. With the engine's C kernels (CPU float32, `use_native_kernels`) the
+experts run in one call, `native.moe_experts`: the same kernels in the same order, without the
+~7 torch calls per expert between them. `last_routing` keeps the forward's tokens per expert for the
 step's statistics (steps.parquet `moe_expert_tokens`).
 """
 
 from __future__ import annotations
 
+import itertools
+import time
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.builtin import native
 from engines.builtin.distributed.group import TPGroup
-from engines.builtin.layers.linear import LinearMethod
+from engines.builtin.distributed.shard import RankShard
+from engines.builtin.layers.linear import Linear, LinearMethod
+from engines.builtin.layers.native_linear import linear_problem, linear_weights
 from engines.builtin.lora.batch import LoRABatch
 from engines.builtin.mlp import MLP
 from models.config import ModelConfig
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, linear: LinearMethod, tp: TPGroup) -> None:
+    def __init__(
+        self, cfg: ModelConfig, linear: LinearMethod, tp: TPGroup, shard: RankShard | None = None
+    ) -> None:
+        """`shard`: under expert parallelism, which experts (and which share of the shared
+        expert) this rank holds; the all-reduce at the end adds the ranks' outputs."""
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.normalize = cfg.norm_topk_prob
@@ -36,17 +49,27 @@ class MoE(nn.Module):
         self.router.weight.requires_grad_(False)
         alone = TPGroup()  # each expert's output is summed here, not reduced by itself
         inter = cfg.expert_intermediate_size
-        self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, inter, linear, alone) for _ in range(cfg.num_experts)
+        self.local = range(cfg.num_experts) if shard is None else shard.experts
+        # this rank's experts: self.experts[i] is expert self.local[i]
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, inter, linear, alone) for _ in self.local)
+        shared = (
+            cfg.shared_expert_intermediate_size
+            if shard is None
+            else shard.layout.shared_expert_intermediate
         )
-        shared = cfg.shared_expert_intermediate_size
         self.shared_expert = MLP(cfg.hidden_size, shared, linear, alone) if shared else None
         self.shared_expert_gate = (
             nn.Linear(cfg.hidden_size, 1, bias=False).requires_grad_(False) if shared else None
         )
         self.tp = tp
-        #: tokens routed to each expert in the last forward (the step's statistics)
+        #: tokens routed to each expert in the last forward, and its experts' MLPs' host time
+        #: (the step's statistics)
         self.last_routing: list[int] = []
+        self.last_expert_ns = 0
+        self.native = False  # the experts in one C call (Transformer.use_native_kernels)
+        # the experts' C structs and the tensors they point into, built for the weights they
+        # were built from (`_native_experts` builds them again if a layer was loaded anew)
+        self._native: tuple[tuple[int, ...], Any, Any, list[torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. `lora`: refused at start for MoE models."""
@@ -57,20 +80,55 @@ class MoE(nn.Module):
         weights = weights.to(x.dtype)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # the (token, choice) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        by_expert = torch.bincount(flat, minlength=self.router.out_features)
+        counts = by_expert.tolist()
         self.last_routing = counts
+        began = time.perf_counter_ns()
         out = torch.zeros_like(x)
-        flat_weights = weights.flatten()
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            pairs = order[start : start + count]
-            start += count
-            rows = pairs // self.top_k
-            y = self.experts[expert](x.index_select(0, rows))
-            out.index_add_(0, rows, y * flat_weights[pairs].unsqueeze(1))
+        pair_weights = weights.flatten()[order]  # grouped by expert, as `order`
+        rows = order // self.top_k  # each pair's token
+        grouped = self._native_experts(x) if self.native else None
+        ends = [0, *itertools.accumulate(counts)]  # expert e's pairs: ends[e] .. ends[e + 1]
+        first, last = self.local.start, self.local.stop
+        if grouped is not None:
+            offsets = torch.tensor(ends[first : last + 1], dtype=torch.int64)
+            native.moe_experts(*grouped, x, offsets, rows, pair_weights, out)
+        else:
+            for mlp, expert in zip(self.experts, self.local, strict=True):
+                if counts[expert]:
+                    span = slice(ends[expert], ends[expert + 1])
+                    y = mlp(x.index_select(0, rows[span]))
+                    out.index_add_(0, rows[span], y * pair_weights[span].unsqueeze(1))
+        self.last_expert_ns = time.perf_counter_ns() - began
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x)
         return self.tp.all_reduce(out)
+
+    def _native_experts(self, x: torch.Tensor) -> tuple[Any, Any] | None:
+        """The experts' gate_up and down layers as C arrays, or None where the C kernels do
+        not take x or one of the layers."""
+        if not native.takes(x) or x.dim() != 2:
+            return None
+        layers: list[Linear] = [
+            layer
+            for mlp in self.experts
+            if isinstance(mlp, MLP)
+            for layer in (mlp.gate_up_proj, mlp.down_proj)
+        ]
+        key = tuple(id(layer.method) for layer in layers) + tuple(
+            (layer.panels if hasattr(layer, "panels") else layer.qweight).data_ptr()
+            if linear_problem(layer) is None
+            else -1
+            for layer in layers
+        )
+        if self._native is None or self._native[0] != key:
+            if -1 in key:
+                self._native = (key, None, None, [])
+            else:
+                keep: list[torch.Tensor] = []
+                structs = [linear_weights(layer, keep) for layer in layers]
+                array = native.LinearWeights * len(self.experts)
+                self._native = (key, array(*structs[0::2]), array(*structs[1::2]), keep)
+        _, gate_up, down, _ = self._native
+        return None if gate_up is None else (gate_up, down)

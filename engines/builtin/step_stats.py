@@ -51,11 +51,12 @@ def step_record(
     comm: tuple[int, int] = (0, 0),
     broadcast: tuple[int, int] = (0, 0),
     structured: tuple[int, int] = (0, 0),
-    experts: tuple[tuple[int, ...], int] = ((), 0),
+    experts: tuple[tuple[int, ...], int, int] = ((), 0, 0),
 ) -> StepRecord:
     """The record of a step as it was executed; KV figures as of its end. `comm`, `broadcast`:
     (ns, bytes) of the step's collectives and of its broadcast to the other tensor-parallel
-    ranks; `experts`: a mixture-of-experts forward's tokens per expert and experts touched."""
+    ranks; `experts`: a mixture-of-experts forward's tokens per expert, experts touched and
+    the experts' MLPs' time (ns)."""
     num_decodes = plan.num_decodes
     rows_per_adapter: dict[str, int] = {}
     for item in plan.scheduled:
@@ -87,6 +88,7 @@ def step_record(
         lora_rows_max=max(rows_per_adapter.values(), default=0),
         moe_expert_tokens=experts[0],
         moe_experts_touched=experts[1],
+        moe_expert_ns=experts[2],
         forward_ns=forward_ns,
         kv_gather_ns=kv_gather_ns,
         logits_tokens=logits_tokens,

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from engines.builtin.distributed.shard import RankShard
+from engines.builtin.layers.norm import RMSNorm
 from engines.builtin.model import Transformer
 from models.config import ModelConfig
 from models.weights import hf_parameter_shapes
@@ -57,6 +58,12 @@ _EXPERT = re.compile(
     r"(?:mlp|block_sparse_moe)\.(experts\.\d+|shared_expert)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
 )
 _EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}  # the rest: down_proj, w2
+#: Gemma's four norms a layer: its post_attention_layernorm norms the attention's output
+_SANDWICH = {
+    "post_attention_layernorm": "attn_out_norm",
+    "pre_feedforward_layernorm": "post_attn_norm",
+    "post_feedforward_layernorm": "mlp_out_norm",
+}
 
 
 def load_weights(
@@ -119,6 +126,7 @@ class _FusedLayout:
         self.config = model.config
         self.dtype, self.device = dtype, device
         self.modules = dict(model.named_modules())
+        self.plain = {**_PLAIN, **_SANDWICH} if model.config.sandwich_norms else _PLAIN
         self.pending: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # fused parts
         self.pending_weight: dict[str, torch.Tensor] = {}
         self.pending_bias: dict[str, torch.Tensor] = {}
@@ -147,13 +155,22 @@ class _FusedLayout:
         stem, kind = rest.rsplit(".", 1)
         prefix = f"layers.{layer}."
         expert = _EXPERT.fullmatch(stem)
-        if expert is not None:  # mixture of experts: one rank holds them all (no sharding)
+        if expert is not None:  # mixture of experts: whole experts, the rank's own
             owner, projection = expert.groups()
+            rows: slice | None = None
+            if owner == "shared_expert":  # split like a dense MLP under expert parallelism
+                rows = self.shard.shared_expert_rows() if self.shard.size > 1 else None
+            else:
+                index = int(owner.removeprefix("experts."))
+                if index not in self.shard.experts:
+                    return  # another rank's
+                owner = f"experts.{index - self.shard.experts.start}"
             if projection in _EXPERT_PART:
                 target = f"mlp.{owner}.gate_up_proj"
-                self._put_fused_part(prefix, target, _EXPERT_PART[projection], 2, kind, tensor)
+                kept = tensor if rows is None else tensor[rows]
+                self._put_fused_part(prefix, target, _EXPERT_PART[projection], 2, kind, kept)
             else:
-                self._put(f"{prefix}mlp.{owner}.down_proj", kind, tensor)
+                self._put(f"{prefix}mlp.{owner}.down_proj", kind, tensor, rows)
         elif stem in _PACKED:  # Phi-3's: cut into its parts, each sharded as its own
             for part, span in zip(_PACKED[stem], self._packed_rows(stem), strict=True):
                 self._put_layer_tensor(f"model.layers.{layer}.{part}.{kind}", tensor[span])
@@ -164,7 +181,7 @@ class _FusedLayout:
         elif stem in _ROW_PARALLEL:
             self._put(prefix + _ROW_PARALLEL[stem], kind, tensor, shard_columns(self.shard, stem))
         else:
-            self._put(prefix + _PLAIN[stem], kind, tensor)
+            self._put(prefix + self.plain[stem], kind, tensor)
 
     def _packed_rows(self, stem: str) -> list[slice]:
         """The rows of each part of a packed tensor (the whole model's sizes)."""
@@ -206,6 +223,8 @@ class _FusedLayout:
                 else:
                     module.load(weight, tensor)
         else:
+            if isinstance(module, RMSNorm):  # Gemma's norms scale by (1 + weight)
+                tensor = tensor + self.config.norm_weight_offset
             module.weight = torch.nn.Parameter(tensor, requires_grad=False)
 
 

@@ -84,12 +84,18 @@ class DecodeComm:
 
 
 def tp_decode_comm_bytes(
-    model: ModelConfig, batch: int, element_bytes: int, world_size: int
+    model: ModelConfig,
+    batch: int,
+    element_bytes: int,
+    world_size: int,
+    expert_parallel: bool = False,
 ) -> DecodeComm:
-    """The collectives of one decode step of `batch` sequences over `world_size` ranks."""
+    """The collectives of one decode step of `batch` sequences over `world_size` ranks (under
+    expert parallelism the all-reduce after an MoE layer adds the ranks' experts' outputs,
+    as a dense MLP's adds its shards': the same count and bytes)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
         raise ValueError(f"batch: {batch!r} is invalid; allowed: an integer >= 0")
-    shard = tp_shard(model, world_size)
+    shard = tp_shard(model, world_size, expert_parallel=expert_parallel)
     if world_size == 1:
         return DecodeComm(world_size=1, allreduces=0, allreduce_bytes=0, gather_bytes=0)
     return DecodeComm(

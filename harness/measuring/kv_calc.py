@@ -72,6 +72,7 @@ def kv_calc(
     spec: HardwareSpec | None = None,
     context_len: int | None = None,
     max_num_seqs: int | None = None,
+    expert_parallel: bool = False,
 ) -> dict[str, Any]:
     """The memory plan (and with `spec`, the predicted decode step) as a flat dict.
 
@@ -84,19 +85,23 @@ def kv_calc(
     _check_engine_options(cfg, max_model_len, gpu_memory_utilization, max_num_seqs)
     max_len = max_model_len or cfg.max_position_embeddings
     context = _checked_context_len(context_len, max_len)
-    shard = tp_shard(cfg, tensor_parallel_size)
+    shard = tp_shard(cfg, tensor_parallel_size, expert_parallel=expert_parallel)
     device = _device_bytes(device_memory_gib, spec)
     report: dict[str, Any] = {
         "model": model,
         "dtype": name,
         "max_model_len": max_len,
         **_model_figures(cfg, element, max_len),
-        **_device_figures(cfg, shard, element, max_len, device, gpu_memory_utilization),
+        **_device_figures(
+            cfg, shard, element, max_len, device, gpu_memory_utilization, expert_parallel
+        ),
         "context_len": context,
         "hardware": None if spec is None else spec.name,
+        "expert_parallel": expert_parallel,
+        "experts_per_device": shard.experts,
     }
     report.update(_decode_batch(report["kv_capacity_tokens"], context, max_num_seqs))
-    report.update(_predict(cfg, shard.world_size, element, name, spec, report))
+    report.update(_predict(cfg, shard, element, name, spec, report))
     return report
 
 
@@ -180,7 +185,9 @@ def _model_figures(cfg: ModelConfig, element: int, max_len: int) -> dict[str, An
         "gqa_saving": mha_per_token / per_token,
         "kv_bytes_per_sequence": per_token * max_len,
         "sliding_window": cfg.sliding_window,
+        "global_layers": len(cfg.full_attention_layers) if cfg.sliding_window else cfg.num_layers,
         "weight_bytes": cfg.num_parameters() * element,
+        "active_weight_bytes": cfg.num_parameters(active=True) * element,
     }
 
 
@@ -191,6 +198,7 @@ def _device_figures(
     max_len: int,
     device: int,
     gpu_memory_utilization: float,
+    expert_parallel: bool = False,
 ) -> dict[str, Any]:
     """One device's share of the weights and of every token's KV, and the KV it holds."""
     weights_device = rank_params(cfg, shard).total * element
@@ -205,7 +213,7 @@ def _device_figures(
         "max_sequences": capacity // max_len,
         # tensor parallelism: one device's share
         "tensor_parallel_size": shard.world_size,
-        "allowed_tensor_parallel_sizes": allowed_tp_sizes(cfg),
+        "allowed_tensor_parallel_sizes": allowed_tp_sizes(cfg, expert_parallel),
         "heads_per_device": shard.heads,
         "kv_heads_per_device": shard.kv_heads,
         "kv_replicas": shard.kv_replicas,
@@ -218,6 +226,26 @@ def _device_figures(
         "weights_fit": usable > 0,
         "usable_bytes": int(device * gpu_memory_utilization),
         "kv_capacity_tokens": capacity,  # per device, and so for the whole group
+    }
+
+
+def _moe_step(cfg: ModelConfig, shard: TPShard, batch: int) -> dict[str, Any]:
+    """A decode step's experts on one device: one expert's parameters, the device's experts'
+    (out of the blocks' weights), the step's (token, expert) pairs it computes, and the
+    (layer, expert) pairs it touches if routing is uniform: each expert is missed by all
+    `batch` tokens' k choices with probability (1 - k/E)^batch. Under expert parallelism a
+    device holds E/N experts and computes the pairs routed to them, 1/N of all."""
+    layers = sum(map(cfg.is_moe_layer, range(cfg.num_layers)))
+    if not layers:
+        return {"expert_params": 0, "all_expert_params": 0}
+    experts, chosen, held = cfg.num_experts, cfg.num_experts_per_tok, shard.experts
+    expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size
+    touched = held * (1.0 - (1.0 - chosen / experts) ** batch)
+    return {
+        "expert_params": expert,
+        "all_expert_params": layers * held * expert,
+        "moe_expert_tokens": [float(layers * batch * chosen * held / experts)],
+        "moe_experts_touched": layers * touched,
     }
 
 
@@ -235,7 +263,7 @@ def _decode_batch(capacity: int, context: int, max_num_seqs: int | None) -> dict
 
 def _predict(
     cfg: ModelConfig,
-    world_size: int,
+    shard: TPShard,
     element: int,
     dtype: str,
     spec: HardwareSpec | None,
@@ -247,22 +275,28 @@ def _predict(
     batch, context = r["batch"], r["context_len"]
     if spec is None or batch < 1:
         return {}
-    shard = tp_shard(cfg, world_size)
+    world_size = shard.world_size
     params = rank_params(cfg, shard)
+    moe = _moe_step(cfg, shard, batch)
+    expert_params = moe.pop("expert_params")
+    experts = moe.pop("all_expert_params")
     shape = ModelShape(
-        block_linear_params=params.block_linear,
+        block_linear_params=params.block_linear - experts,
         lm_head_params=params.lm_head_rows,
         attention_flops_per_pair=4 * cfg.num_layers * shard.heads * cfg.head_dim,
-        block_linear_bytes=(params.block_linear + params.block_bias) * element,
+        block_linear_bytes=(params.block_linear - experts + params.block_bias) * element,
         lm_head_bytes=params.lm_head_rows * element,
         kv_bytes_per_token=r["kv_bytes_per_token_per_device"],
         dtype=dtype,
+        moe_expert_params=expert_params,
+        moe_expert_bytes=expert_params * element,
     )
-    # each sequence has `context` tokens cached and decodes one more: it reads them (at most
-    # window - 1 with a sliding window), attends to them and itself, and writes its own K/V
-    window = cfg.sliding_window
-    read = context if window is None else min(context, window - 1)
-    pairs = context + 1 if window is None else min(context + 1, window)
+    # each sequence has `context` tokens cached and decodes one more: in each layer it reads
+    # them (at most window - 1 in a windowed layer), attends to them and itself, and writes
+    # its own K/V; the counts are per layer on average (the step's columns are all layers')
+    windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+    read = sum(context if w is None else min(context, w - 1) for w in windows) / len(windows)
+    pairs = sum(context + 1 if w is None else min(context + 1, w) for w in windows) / len(windows)
     step = pd.DataFrame(
         [
             {
@@ -273,6 +307,7 @@ def _predict(
                 "attention_pairs": batch * pairs,
                 "kv_tokens_read": batch * read,
                 "kv_tokens_written": batch,
+                **moe,
             }
         ]
     )
@@ -286,7 +321,7 @@ def _predict(
         if compute_s is None
         else float(predicted_time(compute_s, memory_s, spec.overlap_for(dtype)))
     )
-    comm = tp_decode_comm_bytes(cfg, batch, element, world_size)
+    comm = tp_decode_comm_bytes(cfg, batch, element, world_size, r["expert_parallel"])
     has_link = spec.link_bandwidth is not None and spec.link_latency is not None
     comm_s: float | None = 0.0
     if comm.total_bytes and has_link:
@@ -631,6 +666,7 @@ def plan(overrides: list[str], own: dict[str, Any]) -> dict[str, Any]:
         spec=spec,
         context_len=own["context_len"],
         max_num_seqs=engine.get("max_num_seqs"),
+        expert_parallel=bool(engine.get("enable_expert_parallel", False)),
     )
 
 
@@ -639,6 +675,7 @@ USAGE = """usage: inferlab kv-calc [overrides...]
   model=NAME | model=hf model.path=DIR_OR_GGUF   the model (default: the default experiment's)
   engine.max_model_len=N engine.dtype=T          the sequence length and dtype planned
   engine.tensor_parallel_size=N[,N...]           per GPU over N devices (a list: a table)
+  engine.enable_expert_parallel=true             an MoE model's experts split per GPU
   hardware=NAME[,NAME...]                        h100|h200|a100|l4|cpu: a predicted decode step
   device_memory_gib=GIB                          the device's memory (default: the hardware's,
                                                  else 80)

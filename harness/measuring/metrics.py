@@ -282,6 +282,14 @@ register(
     "expert took the same share)",
 )
 register(
+    "moe_expert_time_fraction",
+    "fraction",
+    "none",
+    "timing",
+    "mixture of experts: the experts' MLPs' share of the step time (routing and grouping "
+    "excluded), over the run",
+)
+register(
     "moe_imbalance_p50",
     "ratio",
     "lower",
@@ -877,10 +885,15 @@ def moe_summary(steps: pd.DataFrame) -> dict[str, Any]:
     shares = totals / totals.sum()
     entropy = -float(np.sum(shares[shares > 0] * np.log(shares[shares > 0])))
     imbalance = steps["moe_imbalance"].dropna().astype(float)
+    timed = {"moe_expert_s", "start_s", "end_s"} <= set(steps)
+    step_time = float((steps["end_s"] - steps["start_s"]).sum()) if timed else 0.0
     return {
         "moe_routing_entropy": entropy / float(np.log(len(totals))),
         "moe_imbalance_p50": float(imbalance.median()),
         "moe_imbalance_p90": float(imbalance.quantile(0.9)),
+        "moe_expert_time_fraction": float(steps["moe_expert_s"].sum()) / step_time
+        if step_time > 0
+        else None,
     }
 
 

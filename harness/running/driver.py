@@ -655,6 +655,7 @@ class Driver:
             "moe_expert_tokens": list(record.moe_expert_tokens) or None,
             "moe_imbalance": expert_imbalance(record.moe_expert_tokens),
             "moe_experts_touched": record.moe_experts_touched,
+            "moe_expert_s": record.moe_expert_ns / 1e9,
             "forward_s": record.forward_ns / 1e9,
             "kv_gather_s": record.kv_gather_ns / 1e9,
             "logits_tokens": record.logits_tokens,

@@ -156,7 +156,7 @@ def test_a_key_without_a_field_and_a_value_of_the_wrong_type_name_the_key() -> N
             "workload.num_requests=1.5",
             "workload.num_requests: '1.5' is invalid; allowed: an integer$",
         ),
-        ("model=nope", r"In 'config': Could not find 'model/nope' \(allowed 'model': hf\|"),
+        ("model=nope", r"In 'config': Could not find 'model/nope' \(allowed 'model': gemma2-9b\|"),
         (
             "engine=nope",
             r"In 'config': .* \(allowed 'engine': builtin\|hf\|llamacpp\|openai\|serve_inferlab\|",

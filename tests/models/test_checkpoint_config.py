@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -97,11 +98,84 @@ def test_the_unedited_config_loads(tmp_path: Path) -> None:
             "model.max_position_embeddings: 1000000000000 is invalid; allowed: an integer in",
         ),
         ({"sliding_window": "4"}, "model.sliding_window: '4' is invalid; allowed: null or an"),
+        ({"hidden_act": "relu"}, "model.hidden_act: 'relu' is invalid; allowed: silu|gelu_pytorch"),
+        (
+            {"full_attention_layers": [1]},
+            "model.full_attention_layers: (1,) is invalid; it needs a sliding_window",
+        ),
+        (
+            {"sliding_window": 8, "full_attention_layers": [2]},
+            "model.full_attention_layers: (2,) is invalid; allowed: layer indices in [0, 2)",
+        ),
+        (
+            {"attn_logit_softcapping": 0},
+            "model.attn_logit_softcapping: 0 is invalid; allowed: null or a finite number > 0",
+        ),
+        ({"norm_weight_offset": 2}, "model.norm_weight_offset: 2 is invalid; allowed: 0|1"),
     ],
 )
 def test_model_overrides_meet_the_same_rules(overrides: dict[str, Any], says: str) -> None:
-    with pytest.raises(ModelFieldError, match="^" + says.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(ModelFieldError, match="^" + re.escape(says)):
         resolve_model("tiny", overrides)
+
+
+GEMMA2 = {
+    **tiny_config_json(),
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "sliding_window": 8,
+}
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (
+            {"architectures": ["Gemma3ForConditionalGeneration"]},
+            "architecture 'Gemma3ForConditionalGeneration' is not supported; supported: "
+            "LlamaForCausalLM, ",
+        ),
+        (
+            {"hidden_activation": "relu"},
+            "hidden_act 'relu' is not supported; allowed: silu|gelu_pytorch_tanh",
+        ),
+        (
+            {"layer_types": ["full_attention"]},
+            "layer_types: ['full_attention'] is invalid; allowed: a list of 2 of "
+            "sliding_attention|full_attention",
+        ),
+        (
+            {"layer_types": ["sliding_attention", "chunked_attention"]},
+            "layer_types: ['sliding_attention', 'chunked_attention'] is invalid",
+        ),
+        ({"attn_logit_softcapping": -1}, "attn_logit_softcapping: -1 is invalid; allowed: null"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true (an encoder)"),
+    ],
+)
+def test_a_gemma_config_the_engine_cannot_run_is_named(
+    tmp_path: Path, edit: dict[str, Any], says: str
+) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**GEMMA2, **edit}))
+    with pytest.raises(UnsupportedCheckpointError) as refused:
+        resolve_model(str(folder))
+    message = str(refused.value)
+    assert message.startswith(f"{folder / 'config.json'}: {says}"), message
+    assert "\n" not in message
+
+
+def test_a_gemma2_config_without_layer_types_alternates_windowed_and_global_layers(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**GEMMA2, "num_hidden_layers": 4}))
+    config = resolve_model(str(folder))
+    assert [config.layer_window(i) for i in range(4)] == [8, None, 8, None]
+    assert config.kv_sliding_window is None
+    assert (config.attn_logit_softcapping, config.query_pre_attn_scalar) == (50.0, 256)
 
 
 def test_inferlab_run_on_a_nan_config_fails_with_the_reason(tmp_path: Path) -> None:

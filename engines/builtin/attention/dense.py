@@ -8,6 +8,7 @@ Decodes are batched into one call over keys gathered up to the longest context; 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -57,11 +58,14 @@ def reference_kernel(
     mask: torch.Tensor | None,
     scale: float,
     causal: bool,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if softcap is not None:  # Gemma 2's soft cap, as Hugging Face applies it
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         n, length = scores.shape[-2:]
         mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
@@ -137,13 +141,23 @@ def decode_mask(
     return _window_mask((lens - 1).view(nd, 1), length, lens, meta.sliding_window).unsqueeze(1)
 
 
+@functools.cache
+def softcapped(cap: float | None) -> DenseAttention:
+    """The reference kernel with Gemma 2's soft cap on the scores: neither sdpa nor the C
+    kernels take one, so soft-capped layers attend this way on every backend but Triton."""
+    return DenseAttention("torch", functools.partial(reference_kernel, softcap=cap), cap)
+
+
 class DenseAttention:
     fixed_shapes = False  # the K/V gather changes shape every step
     kv_cache_class = LayerKVCache
 
-    def __init__(self, name: str, kernel: Kernel) -> None:
+    def __init__(self, name: str, kernel: Kernel, softcap: float | None = None) -> None:
+        """`softcap`: the soft cap `kernel` applies (layers whose metadata asks for another
+        go through `softcapped`)."""
         self.name = name
         self.kernel = kernel
+        self.softcap = softcap
 
     def __call__(
         self,
@@ -155,6 +169,8 @@ class DenseAttention:
         scale: float,
     ) -> torch.Tensor:
         """q [T, h, d], k/v [T, kvh, d] for this step's tokens -> [T, h, d]."""
+        if meta.logit_softcap != self.softcap:
+            return softcapped(meta.logit_softcap)(q, k, v, cache, meta, scale)
         nd = meta.num_decodes
         if nd and nd == meta.num_seqs:
             return self._decode(q, cache, meta, scale)

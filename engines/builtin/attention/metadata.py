@@ -36,6 +36,9 @@ class AttentionMetadata:
     #: (= window) slots holding the last window positions, in rotated order. Attention is
     #: order-free, so a decode reads all min(seq_len, window) slots unmasked.
     ring: bool = False
+    #: Gemma 2's attention soft cap: scores -> cap * tanh(scores / cap) before the softmax.
+    #: Set per layer kind by the model (Transformer.layer_metadata), like a layer's own window.
+    logit_softcap: float | None = None
     #: Tokens whose K/V are stored (None: all); a ring keeps only a prompt's last window.
     write_index: torch.Tensor | None = None
     #: What the attention backend derives from this metadata once and every layer of the step

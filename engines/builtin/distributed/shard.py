@@ -74,6 +74,16 @@ class RankShard:
         width = self.intermediate_size
         return slice(self.rank * width, (self.rank + 1) * width)
 
+    @property
+    def experts(self) -> range:
+        """The mixture-of-experts layers' experts this rank holds (all of them on one rank)."""
+        count = self.layout.experts
+        return range(self.rank * count, (self.rank + 1) * count)
+
+    def shared_expert_rows(self) -> slice:
+        width = self.layout.shared_expert_intermediate
+        return slice(self.rank * width, (self.rank + 1) * width)
+
     def vocab_rows(self, table: torch.Tensor) -> torch.Tensor:
         """This rank's rows of an embedding table or LM head [vocab, hidden], zero-padded."""
         start, rows = self.vocab_start, self.vocab_per_rank
@@ -83,11 +93,11 @@ class RankShard:
         return torch.cat([kept, table.new_zeros(rows - kept.shape[0], table.shape[1])])
 
 
-def shard_for(cfg: ModelConfig, rank: int, size: int) -> RankShard:
-    """Rank `rank` of `size`; a ConfigError naming engine.tensor_parallel_size and the allowed
-    sizes when the model does not split over `size` ranks."""
+def shard_for(cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> RankShard:
+    """Rank `rank` of `size` (`expert_parallel`: engine.enable_expert_parallel); a ConfigError
+    naming the option and the allowed values when the model does not split that way."""
     try:
-        layout = tp_shard(cfg, size)
+        layout = tp_shard(cfg, size, expert_parallel=expert_parallel)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return RankShard(rank, layout, cfg.head_dim, cfg.num_kv_heads)

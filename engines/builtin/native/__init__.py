@@ -91,6 +91,9 @@ def open_library(path: str | Path) -> tuple[ctypes.CDLL, Layout]:
     program_args += [_PTR, _PTR]  # seq_lens, lora_slots
     lib.decode_layers_f32.argtypes = [*program_args, _I64, _I64]
     lib.decode_layers_f32.restype = ctypes.c_int64
+    # moe_experts.c (engines/builtin/moe.py): 0, or -1 without scratch memory
+    lib.moe_experts_f32.argtypes = _args("ppqpqqppppqq")
+    lib.moe_experts_f32.restype = ctypes.c_int64
     sizes = (ctypes.c_int64 * 2)()
     lib.linear_layout(ctypes.addressof(sizes))
     return lib, Layout(lib.kernel_isa().decode(), sizes[0], sizes[1])
@@ -308,6 +311,68 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+class LinearWeights(ctypes.Structure):  # kernels.h
+    _fields_ = [
+        ("kind", _I64),
+        ("weight", _PTR),
+        ("scale", _PTR),
+        ("minv", _PTR),
+        ("bias", _PTR),
+        ("in_features", _I64),
+        ("out_features", _I64),
+        ("group_size", _I64),
+        ("rows_max", _I64),
+    ]
+
+
+#: LinearWeights.kind: kernels.h's LINEAR_*
+LINEAR_DENSE, LINEAR_INT8, LINEAR_INT4, LINEAR_INT4_A8 = 0, 1, 2, 3
+
+
+def moe_experts(
+    gate_up: ctypes.Array[LinearWeights],
+    down: ctypes.Array[LinearWeights],
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """A mixture-of-experts layer's experts in one call (moe_experts.c): expert e's
+    (token, expert) pairs are offsets[e] .. offsets[e + 1] - 1, `rows` their rows of x
+    [T, hidden] and `weights` their routing weights; out [T, hidden] += each pair's weight x
+    its expert's silu MLP of its row, expert after expert."""
+    experts = len(gate_up)
+    pairs = int(offsets[-1])
+    if (
+        not takes(x, weights, out)
+        or x.dim() != 2
+        or out.shape != x.shape
+        or len(down) != experts
+        or offsets.shape != (experts + 1,)
+    ):
+        raise ValueError("moe_experts: x and out [T, hidden] float32, offsets [E + 1]")
+    _indices("moe_experts: offsets", offsets, torch.int64, experts + 1)
+    _indices("moe_experts: rows", rows, torch.int64, pairs)
+    hidden, inter = x.shape[1], gate_up[0].out_features // 2
+    if (
+        weights.shape[0] < pairs
+        or any(g.in_features != hidden or g.out_features != 2 * inter for g in gate_up)
+        or any(d.in_features != inter or d.out_features != hidden for d in down)
+        or (pairs and not 0 <= int(rows.min()) <= int(rows.max()) < x.shape[0])
+    ):
+        raise ValueError("moe_experts: the experts' sizes, rows or weights do not match x")
+    lib = _lib()
+    status = _run(
+        "moe_experts_f32",
+        ctypes.addressof(gate_up), ctypes.addressof(down), experts,
+        x.data_ptr(), hidden, inter, offsets.data_ptr(), rows.data_ptr(),
+        weights.data_ptr(), out.data_ptr(), torch.get_num_threads(), lib.team_default_spin_ns(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("moe_experts: the kernel's scratch memory could not be allocated")
 
 
 class LoraWeights(ctypes.Structure):  # kernels.h

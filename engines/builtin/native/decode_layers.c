@@ -57,13 +57,21 @@ typedef struct {
     _Atomic int64_t *attention_done;     /* [L][T]: and counts each sequence's finished ones */
 } ProgramRun;
 
-static void linear_scratch(const LinearWeights *l, int64_t T, int64_t *shared, int64_t *own) {
+void linear_scratch(const LinearWeights *l, int64_t T, int64_t *shared, int64_t *own) {
     if (l->kind == LINEAR_DENSE) {
         *shared = (T + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK * l->in_features;
         *own = 0;
     } else {
         quant_linear_scratch(l, T, shared, own);
     }
+}
+
+void any_linear_part(const LinearWeights *l, const float *x, float *y, int64_t T,
+                     float *shared, float *own, const Member *me) {
+    if (l->kind == LINEAR_DENSE)
+        linear_f32_part(x, l->weight, l->bias, y, shared, T, l->in_features, l->out_features, me);
+    else
+        quant_linear_part(l, x, y, T, 0, shared, own, me);
 }
 
 /* y = x W^T, plus the LoRA delta of the rows under an adapter (as the module path adds it:
@@ -73,12 +81,7 @@ static void program_linear(const ProgramRun *run, const LinearWeights *l, const 
                            const float *x, float *y, const Member *me) {
     const int with_lora = run->lora_slots != NULL && lora->a != NULL;
     if (with_lora) lora_shrink_part(lora, x, run->lora_slots, run->lora_h, run->T, me);
-    if (l->kind == LINEAR_DENSE)
-        linear_f32_part(x, l->weight, l->bias, y, run->linear_shared, run->T, l->in_features,
-                        l->out_features, me);
-    else
-        quant_linear_part(l, x, y, run->T, 0, run->linear_shared,
-                          run->own + me->id * run->own_floats, me);
+    any_linear_part(l, x, y, run->T, run->linear_shared, run->own + me->id * run->own_floats, me);
     team_barrier(me);
     if (with_lora) {
         lora_expand_part(lora, run->lora_h, run->lora_slots, y, run->T, me);

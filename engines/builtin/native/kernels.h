@@ -177,6 +177,11 @@ void q4_linear_f32(const float *x, const uint8_t *nib, const float *scale, const
 void q4_linear_q8_f32(const float *x, const uint8_t *nib, const float *scale, const float *minv,
                       const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
                       int64_t rows_max, int64_t path, int64_t threads);
+/* floats of scratch any linear (dense panels or quantized) of M rows needs (decode_layers.c) */
+void linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, int64_t *own);
+/* any linear of M rows, each member its share, no barrier at the end (decode_layers.c) */
+void any_linear_part(const LinearWeights *l, const float *x, float *y, int64_t M,
+                     float *shared, float *own, const Member *me);
 /* floats of scratch a quantized linear of M rows needs: `shared` by the team, `own` per member */
 void quant_linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, int64_t *own);
 /* a quantized (LINEAR_INT8 / INT4 / INT4_A8) linear; path as the entry points' (0: widest) */

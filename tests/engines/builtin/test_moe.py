@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+import torch
 
 from engines.base import StepRecord
-from engines.builtin import LLM, SamplingParams
+from engines.builtin import LLM, SamplingParams, native
+from engines.builtin.moe import MoE
 from harness.measuring.metrics import expert_imbalance, moe_summary
 
 
@@ -24,6 +26,8 @@ def test_every_step_counts_each_token_once_per_layer_and_chosen_expert() -> None
         tokens = record.prefill_tokens + record.decode_tokens
         assert len(record.moe_expert_tokens) == cfg.num_experts == 8
         assert sum(record.moe_expert_tokens) == tokens * cfg.num_experts_per_tok * cfg.num_layers
+        # the experts' MLPs ran inside the step's forward
+        assert 0 < record.moe_expert_ns < record.forward_ns <= record.end_ns - record.start_ns
     dense = LLM(model="tiny", dtype="float32", max_model_len=128)
     dense_records: list[StepRecord] = []
     dense.engine.step_observers.append(dense_records.append)
@@ -44,6 +48,58 @@ def test_imbalance_and_entropy() -> None:
     summary = moe_summary(steps)
     assert summary["moe_routing_entropy"] == pytest.approx(1.0)  # even over the run
     assert summary["moe_imbalance_p50"] == 2.0
+    assert summary["moe_expert_time_fraction"] is None  # no times given
+    timed = steps.assign(start_s=[0.0, 1.0, 2.0], end_s=[1.0, 2.0, 3.0], moe_expert_s=[0.5, 1, 0])
+    assert moe_summary(timed)["moe_expert_time_fraction"] == pytest.approx(1.5 / 3)
     skewed = pd.DataFrame({"moe_expert_tokens": [[9, 1]], "moe_imbalance": [1.8]})
     assert moe_summary(skewed)["moe_routing_entropy"] < 0.5
     assert moe_summary(pd.DataFrame({"moe_expert_tokens": [None]})) == {}
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 5, 37])
+def test_the_experts_in_one_c_call_equal_them_one_by_one(quantization: str, rows: int) -> None:
+    """native.moe_experts runs the module path's kernels in its order: INT8 / INT4 experts give
+    the same bits; float ones agree to float32 rounding (one row: the module path's torch GEMV
+    against the engine's GEMM)."""
+    assert native.load() is not None, native.reason()
+    llm = LLM(
+        model="tiny-moe",
+        dtype="float32",
+        max_model_len=128,
+        quantization=quantization,
+        quantization_group_size=32,
+    )
+    model = llm.engine.runner.model
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+    x = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    moe.native = False
+    one_by_one = moe(x)
+    routing = list(moe.last_routing)
+    moe.native = True
+    assert moe._native_experts(x) is not None  # the C path does run
+    grouped = moe(x)
+    assert moe.last_routing == routing and sum(routing) == rows * moe.top_k
+    if quantization == "none":
+        torch.testing.assert_close(grouped, one_by_one, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(grouped, one_by_one)
+
+
+def test_the_c_experts_follow_weights_loaded_again() -> None:
+    """The C structs point into the experts' tensors: replacing a layer's weights (the
+    dequantized twin does) must not leave the call reading the old ones."""
+    assert native.load() is not None, native.reason()
+    from dequantized_twin import dequantized_twin_tokens
+
+    llm = LLM(model="tiny-moe", dtype="float32", max_model_len=128, quantization="int4",
+              quantization_group_size=32)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [11, 12]]
+    quantized = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    moe = next(layer.mlp for layer in llm.engine.runner.model.layers)
+    before = moe._native
+    twin = dequantized_twin_tokens(llm, prompts, params)
+    assert moe._native is not before and moe._native is not None
+    assert moe._native[1] is not None  # the float experts run in C too
+    assert len(twin) == len(quantized) == 2

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from engines.builtin import LLM, SamplingParams
 from engines.builtin.weights import MissingWeightsError
-from models.config import UnsupportedCheckpointError, from_hf_config
+from models.config import UnsupportedCheckpointError, from_hf_config, resolve_model
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
@@ -97,6 +97,26 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     ),  # q/k norms over all heads
     # packed qkv_proj and gate_up_proj, a sliding window
     "phi3": ("Phi3Config", dict(pad_token_id=0, sliding_window=8)),
+    # sandwich norms, GeGLU, scaled embeddings, soft caps on scores and logits, windowed
+    # layers 0 and 2 between global 1 and 3, 1/sqrt(query_pre_attn_scalar)
+    "gemma2": (
+        "Gemma2Config",
+        dict(num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=24, pad_token_id=0),
+    ),
+    # q/k norms, a global layer between windowed ones, each kind with its own RoPE
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=3,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 2.0},
+            },
+            pad_token_id=0,
+        ),
+    ),
     "llama_yarn": (
         "LlamaConfig",
         dict(
@@ -131,6 +151,8 @@ SEEDS = {
     "olmoe": 0,
     "phi3": 0,
     "llama_yarn": 0,
+    "gemma2": 0,
+    "gemma3": 0,
 }
 
 
@@ -327,7 +349,7 @@ def test_torch_attention_backend_matches_hf(reference, kind: str, kv_cache: str)
     check_against_hf(ref, run_engine(ref, kv_cache=kv_cache, attention_backend="torch"))
 
 
-FAMILIES = ["qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phi3"]
+FAMILIES = ["qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phi3", "gemma2", "gemma3"]
 
 
 @pytest.mark.parametrize(
@@ -361,6 +383,15 @@ def test_new_families_read_their_configs(reference) -> None:
     assert (qwen2_moe.moe_intermediate_size, qwen2_moe.shared_expert_intermediate_size) == (64, 96)
     assert configs["qwen3_moe"].qk_norm == "head" and configs["qwen3_moe"].norm_topk_prob
     assert configs["olmoe"].qk_norm == "full" and not configs["olmoe"].norm_topk_prob
+    gemma2, gemma3 = configs["gemma2"], configs["gemma3"]
+    assert gemma2.full_attention_layers == (1, 3) and gemma2.sliding_window == 8
+    assert gemma2.kv_sliding_window is None  # the global layers keep every key
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
+    assert gemma2.attention_scale == 24**-0.5 and gemma2.embedding_multiplier == 8.0
+    assert gemma2.hidden_act == "gelu_pytorch_tanh" and gemma2.sandwich_norms
+    assert gemma3.full_attention_layers == (1,) and gemma3.qk_norm == "head"
+    assert (gemma3.rope_theta, gemma3.local_rope_theta) == (100000.0, 10000.0)
+    assert gemma3.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     for kind, config in configs.items():  # the parameters counted are the checkpoint's
         hf = sum(p.numel() for p in reference(kind).model.parameters())
         assert config.num_parameters() == hf, kind
@@ -392,6 +423,55 @@ def test_quantized_experts_run_their_dequantized_weights(reference, quantization
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(ref.prompts, params)]
     assert tokens == dequantized_twin_tokens(llm, ref.prompts, params)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_gemma_runs_its_dequantized_weights(reference, quantization: str) -> None:
+    """Gemma 3's GeGLU and sandwich-normed layers over INT8 / INT4 weights give the tokens of
+    the same engine with every quantized layer replaced by its dequantized weights."""
+    from dequantized_twin import dequantized_twin_tokens
+
+    ref = reference("gemma3")
+    llm = LLM(
+        model=str(ref.folder),
+        dtype="float32",
+        max_model_len=128,
+        quantization=quantization,
+        quantization_group_size=32,
+    )
+    assert llm.engine.runner.model.linear_methods()["layers.*.mlp.gate_up_proj"].startswith(
+        quantization
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(ref.prompts, params)]
+    assert tokens == dequantized_twin_tokens(llm, ref.prompts, params)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_a_qwen_gguf_loads_as_the_model_it_was_written_from(
+    reference, kind: str, tmp_path: Path
+) -> None:
+    """A GGUF of a non-Llama family, written by the `gguf` package in llama.cpp's layout
+    (Qwen2's q/k/v biases, Qwen3's q/k norms, no q/k permutation) loads as the model it came
+    from: the engine gives that model's logits and greedy tokens. For Qwen2, transformers' own
+    GGUF loader reads the file as that model too (its Qwen3 reader takes no head_dim from a
+    file, and assumes Qwen3's 128)."""
+    from checkpoints import write_gguf_of
+
+    ref = reference(kind)
+    path = write_gguf_of(ref.model, tmp_path / f"{kind}.gguf", kind)
+    if kind == "qwen2":
+        reread = transformers.AutoModelForCausalLM.from_pretrained(
+            str(tmp_path), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+        tokens = torch.tensor([ref.sequences[3]])
+        with torch.inference_mode():
+            torch.testing.assert_close(reread(tokens).logits, ref.model(tokens).logits)
+    written, read = from_hf_config(ref.folder), resolve_model(str(path))
+    fields = ("architecture", "num_layers", "num_kv_heads", "head_dim", "attention_bias")
+    for name in (*fields, "qk_norm", "tie_word_embeddings"):
+        assert getattr(read, name) == getattr(written, name), name
+    check_against_hf(ref, run_engine(ref, folder=path))
 
 
 def test_sdpa_backend_matches_hf(reference) -> None:

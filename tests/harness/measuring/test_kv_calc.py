@@ -163,6 +163,41 @@ def test_the_predicted_decode_step_by_hand() -> None:
     assert "not counted" in format_report(r)
 
 
+SPEC = HardwareSpec("made-up", memory_bandwidth=1e9, peak_flops={"float32": 1e12}, memory_bytes=GIB)
+
+
+def test_a_moe_decode_step_reads_the_experts_its_tokens_touch() -> None:
+    """tiny-moe (8 experts of 64, 2 per token, 2 layers): a step of 3 sequences reads the
+    experts 3 tokens' 2 choices touch if routing is uniform, 8 x (1 - (6/8)^3) per layer, and
+    computes 3 x 2 of them per layer; the rest of the blocks as a dense model's."""
+    cfg = resolve_model("tiny-moe")
+    r = kv_calc("tiny-moe", None, 512, "fp32", None, spec=SPEC, context_len=64, max_num_seqs=3)
+    assert r["batch"] == 3
+    expert = 3 * 64 * 64
+    dense = cfg.num_parameters() - cfg.num_parameters(active=True)  # the experts not chosen
+    assert dense == 2 * (8 - 2) * expert
+    touched = 2 * 8 * (1 - (6 / 8) ** 3)
+    blocks = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 8 * 64)  # q/k/v, o and the router, 2 layers
+    assert r["weight_bytes_read_per_device"] == pytest.approx(
+        4 * (blocks + touched * expert + 4096 * 64)
+    )
+    assert r["active_weight_bytes"] == 4 * cfg.num_parameters(active=True)
+    one = kv_calc("tiny-moe", None, 512, "fp32", None, spec=SPEC, context_len=64, max_num_seqs=1)
+    assert one["weight_bytes_read_per_device"] == pytest.approx(
+        4 * (blocks + 2 * 2 * expert + 4096 * 64)
+    )  # one token: its 2 experts in each layer
+
+
+def test_windowed_layers_read_their_window_and_global_ones_the_context() -> None:
+    """tiny-gemma2: layers 0 and 2 within a window of 64, 1 and 3 global; at a context of 256
+    a decode reads 63 tokens in half the layers and 256 in the other half."""
+    r = kv_calc("tiny-gemma2", None, 512, "fp32", None, spec=SPEC, context_len=256, max_num_seqs=2)
+    per_token = 2 * 4 * 2 * 16 * 4  # K and V, 4 layers, 2 heads of 16, fp32
+    read = 2 * (63 + 256) / 2  # per layer on average, 2 sequences
+    assert r["kv_bytes_moved_per_device"] == pytest.approx((read + 2) * per_token)
+    assert r["global_layers"] == 2 and r["sliding_window"] == 64
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     code = kv_calc_main(list(args))
     out, err = capsys.readouterr()

@@ -99,6 +99,15 @@ CASES = {
     # packed qkv_proj and gate_up_proj: each part cut to the rank's rows
     "phi3": ("phi3", {"kv_cache": "paged"}),
     "qwen3": ("qwen3", {}),  # per-head q/k norms: whole on every rank
+    # sandwich norms after the all-reduces, soft caps, windowed and global layers in turn
+    "gemma2": ("gemma2", {"kv_cache": "paged"}),
+    # expert parallelism: 2 of the 4 experts per rank, the shared expert's width halved, the
+    # dense layer split as any MLP; and Mixtral's experts with INT4 weights
+    "qwen2_moe_ep": ("qwen2_moe", {"enable_expert_parallel": True}),
+    "mixtral_ep_int4": (
+        "mixtral",
+        {"enable_expert_parallel": True, "quantization": "int4", "quantization_group_size": 32},
+    ),
     "paged_prefix_chunked": (
         "llama_gqa",
         {
