@@ -10,8 +10,10 @@ rows routed to it, through whatever kernel its linear layers' method has (float,
 The sum is taken expert by expert in ascending order, as Hugging Face's does, so the results
 agree to float32 rounding. With the engine's C kernels (CPU float32, `use_native_kernels`) the
 experts run in one call, `native.moe_experts`: the same kernels in the same order, without the
-~7 torch calls per expert between them. `last_routing` keeps the forward's tokens per expert for the
-step's statistics (steps.parquet `moe_expert_tokens`).
+~7 torch calls per expert between them. On a GPU, unquantized experts run as two grouped GEMMs
+in Triton (layers/moe_triton.py) over the experts' weights stacked once (the experts' layers
+then read views of the stacked tensors: one copy in memory). `last_routing` keeps the
+forward's tokens per expert for the step's statistics (steps.parquet `moe_expert_tokens`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch import nn
 from engines.builtin import native
 from engines.builtin.distributed.group import TPGroup
 from engines.builtin.distributed.shard import RankShard
-from engines.builtin.layers.linear import Linear, LinearMethod
+from engines.builtin.layers.linear import DenseMethod, Linear, LinearMethod
 from engines.builtin.layers.native_linear import linear_problem, linear_weights
 from engines.builtin.lora.batch import LoRABatch
 from engines.builtin.mlp import MLP
@@ -67,6 +69,10 @@ class MoE(nn.Module):
         self.last_routing: list[int] = []
         self.last_expert_ns = 0
         self.native = False  # the experts in one C call (Transformer.use_native_kernels)
+        #: auto: the Triton grouped GEMM on CUDA for unquantized experts; triton: wherever the
+        #: kernel runs (the interpreter on CPU, for tests); loop: expert by expert
+        self.grouped_gemm = "auto"
+        self._stacked: tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None = None
         # the experts' C structs and the tensors they point into, built for the weights they
         # were built from (`_native_experts` builds them again if a layer was loaded anew)
         self._native: tuple[tuple[int, ...], Any, Any, list[torch.Tensor]] | None = None
@@ -90,9 +96,16 @@ class MoE(nn.Module):
         grouped = self._native_experts(x) if self.native else None
         ends = [0, *itertools.accumulate(counts)]  # expert e's pairs: ends[e] .. ends[e + 1]
         first, last = self.local.start, self.local.stop
+        stacked = None if grouped is not None else self._stacked_experts(x)
         if grouped is not None:
             offsets = torch.tensor(ends[first : last + 1], dtype=torch.int64)
             native.moe_experts(*grouped, x, offsets, rows, pair_weights, out)
+        elif stacked is not None:
+            from engines.builtin.layers.moe_triton import grouped_experts
+
+            span = slice(ends[first], ends[last])
+            local = [counts[e] for e in self.local]
+            out = grouped_experts(x, *stacked, rows[span], local, pair_weights[span])
         else:
             for mlp, expert in zip(self.experts, self.local, strict=True):
                 if counts[expert]:
@@ -104,6 +117,28 @@ class MoE(nn.Module):
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x)
         return self.tp.all_reduce(out)
+
+    def _stacked_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The experts' gate_up [E, 2I, H] and down [E, H, I] weights stacked, where the
+        Triton grouped GEMM runs them (None: the loop does)."""
+        use = self.grouped_gemm == "triton" or (self.grouped_gemm == "auto" and x.is_cuda)
+        mlps = [mlp for mlp in self.experts if isinstance(mlp, MLP)]
+        layers = [layer for mlp in mlps for layer in (mlp.gate_up_proj, mlp.down_proj)]
+        if not use or any(
+            type(layer.method) is not DenseMethod or layer.weight is None or layer.bias is not None
+            for layer in layers
+        ):
+            return None
+        key = tuple(layer.weight.data_ptr() for layer in layers if layer.weight is not None)
+        if self._stacked is None or self._stacked[2] != key:
+            gate_up = torch.stack([mlp.gate_up_proj.weight for mlp in mlps])  # type: ignore[misc]
+            down = torch.stack([mlp.down_proj.weight for mlp in mlps])  # type: ignore[misc]
+            for mlp, up_rows, down_rows in zip(mlps, gate_up, down, strict=True):
+                mlp.gate_up_proj.weight = nn.Parameter(up_rows, requires_grad=False)
+                mlp.down_proj.weight = nn.Parameter(down_rows, requires_grad=False)
+            key = tuple(layer.weight.data_ptr() for layer in layers if layer.weight is not None)
+            self._stacked = (gate_up, down, key)
+        return self._stacked[0], self._stacked[1]
 
     def _native_experts(self, x: torch.Tensor) -> tuple[Any, Any] | None:
         """The experts' gate_up and down layers as C arrays, or None where the C kernels do
