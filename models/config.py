@@ -777,15 +777,13 @@ def _from_hf_dict(cfg: dict[str, Any], where: str, key: Callable[[str], str]) ->
     sliding_window = None
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         sliding_window = cfg.get("sliding_window")
-    elif arch.startswith("Qwen") and cfg.get("use_sliding_window"):
-        raise UnsupportedCheckpointError(
-            f"{where}: {arch} use_sliding_window=true (per-layer windows) is not supported"
-        )
     elif arch == "LlamaForCausalLM" and cfg.get("sliding_window"):
         raise UnsupportedCheckpointError(f"{where}: sliding_window on a Llama model is unexpected")
 
     theta, scaling = _rope_from_hf(cfg)
     family = _gemma_from_hf(cfg, arch, where) if gemma else {}
+    if arch.startswith("Qwen"):
+        family = _qwen_windows(cfg)
     try:
         heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
         values = {
@@ -853,24 +851,15 @@ def _gemma_from_hf(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]
         raise UnsupportedCheckpointError(
             f"{where}: use_bidirectional_attention=true (an encoder) is not supported"
         )
-    layers = cfg.get("num_hidden_layers")
-    count = layers if isinstance(layers, int) and not isinstance(layers, bool) else 0
-    types = cfg.get("layer_types")
-    if types is None:
+    count = _layer_count(cfg)
+    if gemma2:
+        global_layers = [i % 2 == 1 for i in range(count)]
+    else:
         pattern = _or(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern")), 6)
-        if gemma2:
-            types = ["full_attention" if i % 2 else "sliding_attention" for i in range(count)]
-        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
-            full = [(i + 1) % pattern == 0 for i in range(count)]
-            types = ["full_attention" if f else "sliding_attention" for f in full]
-        else:
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise ModelFieldError("sliding_window_pattern", pattern, "allowed: an integer >= 1")
-    kinds = ("sliding_attention", "full_attention")
-    if not isinstance(types, list) or len(types) != count or any(t not in kinds for t in types):
-        raise ModelFieldError(
-            "layer_types", types, f"allowed: a list of {count} of {'|'.join(kinds)}"
-        )
-    window = cfg.get("sliding_window", 4096)
+        global_layers = [(i + 1) % pattern == 0 for i in range(count)]
+    windows = _window_layers(cfg, cfg.get("sliding_window", 4096), global_layers)
     local_theta = cfg.get("rope_local_base_freq", 10000.0)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
@@ -890,18 +879,46 @@ def _gemma_from_hf(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]
         "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256),
         "attn_logit_softcapping": cfg.get("attn_logit_softcapping", 50.0 if gemma2 else None),
         "final_logit_softcapping": cfg.get("final_logit_softcapping", 30.0 if gemma2 else None),
-        "sliding_window": window,
-        "full_attention_layers": tuple(
-            i for i, t in enumerate(types) if t == "full_attention" or window is None
-        )
-        if window is not None
-        else (),
-        "local_rope_theta": None
-        if local_theta is None
-        else float(local_theta)
-        if _is_number(local_theta)
-        else local_theta,
+        **windows,
+        "local_rope_theta": float(local_theta) if _is_number(local_theta) else local_theta,
     }
+
+
+def _layer_count(cfg: dict[str, Any]) -> int:
+    layers = cfg.get("num_hidden_layers")
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) else 0
+
+
+def _window_layers(
+    cfg: dict[str, Any], window: Any, global_by_default: list[bool]
+) -> dict[str, Any]:
+    """sliding_window and full_attention_layers from config.json's `layer_types` (absent: the
+    family's rule, `global_by_default`); no window where no layer is windowed."""
+    count = len(global_by_default)
+    kinds = ("sliding_attention", "full_attention")
+    types = cfg.get("layer_types")
+    if types is None:
+        types = [kinds[1] if full else kinds[0] for full in global_by_default]
+    if not isinstance(types, list) or len(types) != count or any(t not in kinds for t in types):
+        raise ModelFieldError(
+            "layer_types", types, f"allowed: a list of {count} of {'|'.join(kinds)}"
+        )
+    full = tuple(i for i, kind in enumerate(types) if kind == kinds[1])
+    if window is None or len(full) == count:
+        return {"sliding_window": None, "full_attention_layers": ()}
+    return {"sliding_window": window, "full_attention_layers": full}
+
+
+def _qwen_windows(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen's `use_sliding_window`: the layers from `max_window_layers` on attend within the
+    window, those before it globally (transformers' rule, unless `layer_types` says)."""
+    if not cfg.get("use_sliding_window"):
+        return {}
+    start = _or(cfg.get("max_window_layers"), 28)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ModelFieldError("max_window_layers", start, "allowed: an integer >= 0")
+    count = _layer_count(cfg)
+    return _window_layers(cfg, cfg.get("sliding_window"), [i < start for i in range(count)])
 
 
 def _qkv_bias(cfg: dict[str, Any], arch: str) -> Any:

@@ -74,6 +74,11 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
     "mistral_swa": ("MistralConfig", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", dict()),
+    # use_sliding_window: layer 0 global, layers 1 and 2 (from max_window_layers) windowed
+    "qwen2_swa": (
+        "Qwen2Config",
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, num_hidden_layers=3),
+    ),
     "qwen3": ("Qwen3Config", dict()),  # q/k norms per head
     # mixture of experts: 4 experts, 2 per token
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
@@ -144,6 +149,7 @@ SEEDS = {
     "llama_tied": 1,
     "mistral_swa": 2,
     "qwen2": 0,
+    "qwen2_swa": 0,
     "qwen3": 0,
     "mixtral": 1,
     "qwen2_moe": 1,
@@ -349,7 +355,9 @@ def test_torch_attention_backend_matches_hf(reference, kind: str, kv_cache: str)
     check_against_hf(ref, run_engine(ref, kv_cache=kv_cache, attention_backend="torch"))
 
 
-FAMILIES = ["qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phi3", "gemma2", "gemma3"]
+FAMILIES = [
+    "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phi3", "gemma2", "gemma3", "qwen2_swa"
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -392,6 +400,8 @@ def test_new_families_read_their_configs(reference) -> None:
     assert gemma3.full_attention_layers == (1,) and gemma3.qk_norm == "head"
     assert (gemma3.rope_theta, gemma3.local_rope_theta) == (100000.0, 10000.0)
     assert gemma3.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    qwen2_swa = configs["qwen2_swa"]
+    assert (qwen2_swa.sliding_window, qwen2_swa.full_attention_layers) == (8, (0,))
     for kind, config in configs.items():  # the parameters counted are the checkpoint's
         hf = sum(p.numel() for p in reference(kind).model.parameters())
         assert config.num_parameters() == hf, kind
@@ -561,7 +571,12 @@ def _legacy_yarn(cfg: dict[str, Any]) -> None:  # without the context it was tra
             ["architecture", "GPTNeoXForCausalLM"],
         ),
         ("llama_gqa", _set(quantization_config={"quant_method": "gptq"}), ["quantization_config"]),
-        ("qwen2", _set(use_sliding_window=True, sliding_window=8), ["use_sliding_window"]),
+        (
+            "qwen2",
+            _set(use_sliding_window=True, sliding_window=8, max_window_layers=-1),
+            ["max_window_layers", "-1"],
+        ),
+        ("qwen2", _set(use_sliding_window=True, layer_types=["full_attention"]), ["layer_types"]),
         ("llama_gqa", _set(attention_bias=True), ["attention_bias"]),
         ("llama_gqa", _set(sliding_window=8), ["sliding_window"]),
         ("llama_gqa", _set(pretraining_tp=2), ["pretraining_tp"]),
