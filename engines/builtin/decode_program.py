@@ -24,15 +24,17 @@ import ctypes
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engines.builtin import native
 from engines.builtin.attention.cpu import CpuAttention
 from engines.builtin.attention.metadata import AttentionMetadata
+from engines.builtin.layers.linear import Linear
 from engines.builtin.layers.native_linear import c_pointer, linear_problem, linear_weights
 from engines.builtin.mlp import MLP
+from engines.builtin.moe import MoE
 from engines.builtin.team_size import TeamSizer
 
 if TYPE_CHECKING:
@@ -59,6 +61,15 @@ class ProgramLayer(ctypes.Structure):
         ("down_lora", native.LoraWeights),
         ("k_cache", _PTR),
         ("v_cache", _PTR),
+        ("experts", _I64),
+        ("top_k", _I64),
+        ("normalize", _I64),
+        ("expert_inter", _I64),
+        ("router", native.LinearWeights),
+        ("expert_gate_up", _PTR),
+        ("expert_down", _PTR),
+        ("routing", _PTR),
+        ("expert_ns", _PTR),
     ]
 
 
@@ -82,8 +93,8 @@ def unavailable_reason(model: Transformer) -> str | None:
     if native.load() is None:
         return f"the engine's C kernels are unavailable: {native.reason()}"
     cfg = model.config
-    if cfg.num_experts:
-        return "mixture-of-experts layers (the program runs dense MLPs)"
+    if cfg.shared_expert_intermediate_size:
+        return "a shared expert (the program runs routed experts only)"
     if cfg.qk_norm != "none":
         return f"q/k norms (qk_norm={cfg.qk_norm}; the program has none)"
     gemma = {
@@ -106,17 +117,26 @@ def unavailable_reason(model: Transformer) -> str | None:
         if cache.quantized or cache.dtype != torch.float32 or not cache.stores_by_slot:
             return "the KV cache is not float32 stored by slot (kv_cache_dtype=int8?)"
         mlp = layer.mlp
-        assert isinstance(mlp, MLP)  # a dense model (above)
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        if isinstance(mlp, MoE) and len(mlp.experts) != mlp.router.out_features:
+            return "expert parallelism (the program runs every expert)"
+        for linear in (attn.qkv_proj, attn.o_proj, *_mlp_linears(mlp)):
             problem = linear_problem(linear)
             if problem is not None:
                 return problem
+        if isinstance(mlp, MoE) and mlp.router.weight.dtype != torch.float32:
+            return "the router is not float32"
         norms = (layer.input_norm.weight, layer.post_attn_norm.weight)
         if any(not native.takes(w) for w in norms):
             return "norm weights are not float32"
     if model.rope.cos_sin_table.dtype != torch.float32 or cfg.num_layers == 0:
         return "no float32 rotary table or no layers"
     return None
+
+
+def _mlp_linears(mlp: MLP | MoE) -> list[Linear]:
+    """The linear layers of a dense MLP or of every expert."""
+    experts = [mlp] if isinstance(mlp, MLP) else [e for e in mlp.experts if isinstance(e, MLP)]
+    return [layer for e in experts for layer in (e.gate_up_proj, e.down_proj)]
 
 
 def _warn_if_spinning_beyond_the_cpus() -> None:
@@ -168,14 +188,22 @@ class DecodeProgram:
         #: whether it runs steps with LoRA rows: every LoRA-carrying layer has the C kernels'
         #: view of its slots (engines/builtin/lora/layer.py), which write in place
         self.runs_lora = True
+        self.arrays: list[Any] = []  # the experts' C arrays the layers point into
+        #: each MoE layer's module and the buffers the program writes its routing and time to
+        self.moe: list[tuple[MoE, torch.Tensor, torch.Tensor]] = []
         for module in model.layers:
             layer: DecoderLayer = module  # type: ignore[assignment]
             attn, mlp = layer.attn, layer.mlp
-            assert attn.cache is not None and isinstance(mlp, MLP)  # unavailable_reason said so
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            assert attn.cache is not None  # unavailable_reason said so
+            dense = mlp if isinstance(mlp, MLP) else None
+            linears = (
+                attn.qkv_proj,
+                attn.o_proj,
+                *((dense.gate_up_proj, dense.down_proj) if dense else (None, None)),
+            )
             loras = []
             for linear in linears:
-                slots = linear.lora
+                slots = None if linear is None else linear.lora
                 weights = None if slots is None else slots.native_weights
                 self.runs_lora &= slots is None or weights is not None
                 if slots is not None and weights is not None:
@@ -185,13 +213,50 @@ class DecodeProgram:
                 ProgramLayer(
                     c_pointer(layer.input_norm.weight, self.keep),
                     c_pointer(layer.post_attn_norm.weight, self.keep),
-                    *(linear_weights(linear, self.keep) for linear in linears),
+                    *(
+                        native.LinearWeights()
+                        if linear is None
+                        else linear_weights(linear, self.keep)
+                        for linear in linears
+                    ),
                     *loras,
                     c_pointer(attn.cache.k, self.keep),
                     c_pointer(attn.cache.v, self.keep),
+                    *(() if isinstance(mlp, MLP) else self._moe_fields(mlp)),
                 )
             )
         self.layers = (ProgramLayer * len(layers))(*layers)
+
+    def _moe_fields(self, moe: MoE) -> tuple[Any, ...]:
+        """A mixture-of-experts layer's ProgramLayer fields: its sizes, the router packed into
+        the GEMM's panels, its experts' C arrays, and the buffers the program writes."""
+        experts = [e for e in moe.experts if isinstance(e, MLP)]
+        router = native.pack_linear_weight(moe.router.weight.data.contiguous())
+        hidden, count = moe.router.in_features, moe.router.out_features
+        gate_up, down = (
+            (native.LinearWeights * count)(
+                *(linear_weights(getattr(e, name), self.keep) for e in experts)
+            )
+            for name in ("gate_up_proj", "down_proj")
+        )
+        routing = torch.zeros(count, dtype=torch.int64)
+        expert_ns = torch.zeros(1, dtype=torch.int64)
+        self.keep += [router, routing, expert_ns]
+        self.arrays.append((gate_up, down))
+        self.moe.append((moe, routing, expert_ns))
+        return (
+            count,
+            moe.top_k,
+            int(moe.normalize),
+            experts[0].intermediate,
+            native.LinearWeights(
+                native.LINEAR_DENSE, router.data_ptr(), None, None, None, hidden, count, 0, 0
+            ),
+            ctypes.addressof(gate_up),
+            ctypes.addressof(down),
+            routing.data_ptr(),
+            expert_ns.data_ptr(),
+        )
 
     def takes(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step is one the program runs: single-token decodes only, written by
@@ -250,4 +315,7 @@ class DecodeProgram:
             raise MemoryError("decode program: could not allocate its scratch memory")
         if self.sizer is not None:
             self.sizer.record(threads, (time.perf_counter_ns() - start) / rows)
+        for moe, routing, expert_ns in self.moe:  # the step's statistics, as the module sets them
+            moe.last_routing = routing.tolist()
+            moe.last_expert_ns = int(expert_ns[0])
         return x, residual

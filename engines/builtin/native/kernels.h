@@ -182,6 +182,26 @@ void linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, int64_t 
 /* any linear of M rows, each member its share, no barrier at the end (decode_layers.c) */
 void any_linear_part(const LinearWeights *l, const float *x, float *y, int64_t M,
                      float *shared, float *own, const Member *me);
+/* A mixture-of-experts layer's experts (moe_experts.c): expert e's (token, expert) pairs are
+ * offsets[e] .. offsets[e + 1] - 1, rows their rows of x [., hidden], weights their routing
+ * weights; out += each pair's weight x its expert's SiLU MLP of its row. */
+typedef struct {
+    const LinearWeights *gate_up, *down; /* [E] each */
+    const float *x, *weights;
+    const int64_t *offsets, *rows;
+    float *out;
+    int64_t E, hidden, inter;
+    float *xs, *gu, *act, *y, *shared, *own; /* scratch: moe_experts_bind */
+    int64_t own_floats;
+} ExpertsRun;
+/* floats of scratch for up to `rows` pairs an expert: outputs and shared by the team, own per
+ * member; moe_experts_bind points the run's scratch into `scratch` (outputs + shared + own) */
+void moe_experts_scratch(const LinearWeights *gate_up, const LinearWeights *down, int64_t E,
+                         int64_t rows, int64_t hidden, int64_t inter, int64_t *outputs,
+                         int64_t *shared, int64_t *own);
+void moe_experts_bind(ExpertsRun *r, float *scratch, int64_t rows, int64_t shared);
+/* every member of the team calls it; ends after a barrier-free add (callers barrier) */
+void moe_experts_part(const ExpertsRun *r, const Member *me);
 /* floats of scratch a quantized linear of M rows needs: `shared` by the team, `own` per member */
 void quant_linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, int64_t *own);
 /* a quantized (LINEAR_INT8 / INT4 / INT4_A8) linear; path as the entry points' (0: widest) */

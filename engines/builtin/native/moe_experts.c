@@ -15,17 +15,7 @@
 #include "kernels.h"
 #include "team.h"
 
-typedef struct {
-    const LinearWeights *gate_up, *down; /* [E] each */
-    const float *x, *weights;
-    const int64_t *offsets, *rows;
-    float *out;
-    int64_t E, hidden, inter;
-    float *xs, *gu, *act, *y, *shared, *own;
-    int64_t own_floats;
-} ExpertsRun;
-
-static void experts_member(const ExpertsRun *r, const Member *me) {
+void moe_experts_part(const ExpertsRun *r, const Member *me) {
     int64_t c0, c1, i0, i1;
     team_share(r->hidden, me, &c0, &c1);
     team_share(r->inter, me, &i0, &i1);
@@ -58,6 +48,31 @@ static void experts_member(const ExpertsRun *r, const Member *me) {
     }
 }
 
+void moe_experts_scratch(const LinearWeights *gate_up, const LinearWeights *down, int64_t E,
+                         int64_t rows, int64_t hidden, int64_t inter, int64_t *outputs,
+                         int64_t *shared, int64_t *own) {
+    *outputs = rows * (2 * hidden + 3 * inter);
+    *shared = *own = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const LinearWeights *linears[2] = {gate_up + e, down + e};
+        for (int i = 0; i < 2; i++) {
+            int64_t need_shared, need_own;
+            linear_scratch(linears[i], rows, &need_shared, &need_own);
+            *shared = need_shared > *shared ? need_shared : *shared;
+            *own = need_own > *own ? need_own : *own;
+        }
+    }
+}
+
+void moe_experts_bind(ExpertsRun *r, float *scratch, int64_t rows, int64_t shared) {
+    r->xs = scratch;
+    r->gu = r->xs + rows * r->hidden;
+    r->act = r->gu + rows * 2 * r->inter;
+    r->y = r->act + rows * r->inter;
+    r->shared = r->y + rows * r->hidden;
+    r->own = r->shared + shared;
+}
+
 /* offsets [E + 1]: expert e's (token, expert) pairs are offsets[e] .. offsets[e + 1] - 1, rows
  * [pairs] their token rows of x [T, hidden], weights [pairs] their routing weights; out
  * [T, hidden] is added to. Returns 0, or -1 when the scratch could not be allocated (nothing
@@ -66,42 +81,29 @@ int64_t moe_experts_f32(const LinearWeights *gate_up, const LinearWeights *down,
                         const float *x, int64_t hidden, int64_t inter, const int64_t *offsets,
                         const int64_t *rows, const float *weights, float *out, int64_t threads,
                         int64_t spin_ns) {
-    int64_t most = 0, shared = 0, own = 0;
+    int64_t most = 0, outputs, shared, own;
     for (int64_t e = 0; e < E; e++) {
         const int64_t n = offsets[e + 1] - offsets[e];
         most = n > most ? n : most;
     }
     if (most == 0) return 0;
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t n = offsets[e + 1] - offsets[e];
-        const LinearWeights *linears[2] = {gate_up + e, down + e};
-        for (int i = 0; i < 2 && n > 0; i++) {
-            int64_t need_shared, need_own;
-            linear_scratch(linears[i], n, &need_shared, &need_own);
-            shared = need_shared > shared ? need_shared : shared;
-            own = need_own > own ? need_own : own;
-        }
-    }
+    moe_experts_scratch(gate_up, down, E, most, hidden, inter, &outputs, &shared, &own);
     if (threads < 1) threads = 1;
-    const int64_t outputs = most * (2 * hidden + 3 * inter);
     float *scratch = malloc(sizeof(float) * (outputs + shared + threads * own));
     if (scratch == NULL) return -1;
-    float *xs = scratch, *gu = xs + most * hidden, *act = gu + most * 2 * inter;
-    float *y = act + most * inter, *linear_shared = y + most * hidden;
-    const ExpertsRun run = {.gate_up = gate_up, .down = down, .x = x, .weights = weights,
-                            .offsets = offsets, .rows = rows, .out = out, .E = E,
-                            .hidden = hidden, .inter = inter, .xs = xs, .gu = gu, .act = act,
-                            .y = y, .shared = linear_shared, .own = linear_shared + shared,
-                            .own_floats = own};
+    ExpertsRun run = {.gate_up = gate_up, .down = down, .x = x, .weights = weights,
+                      .offsets = offsets, .rows = rows, .out = out, .E = E, .hidden = hidden,
+                      .inter = inter, .own_floats = own};
+    moe_experts_bind(&run, scratch, most, shared);
     Team team = {.spin_ns = spin_ns};
     if (threads == 1) {
         const Member me = {&team, 0, 1};
-        experts_member(&run, &me);
+        moe_experts_part(&run, &me);
     } else {
 #pragma omp parallel num_threads(threads)
         {
             const Member me = team_member(&team);
-            experts_member(&run, &me);
+            moe_experts_part(&run, &me);
         }
     }
     free(scratch);

@@ -81,6 +81,33 @@ def test_the_program_computes_what_the_modules_compute(make_tiny, options, exact
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_mixture_of_experts_layers_run_in_the_program(quantization: str) -> None:
+    """Mixtral-style layers (tiny-moe without q/k norms): the router, the top-2 and the experts
+    inside the program give the modules' tokens, logits to float32 rounding (the router's
+    GEMM: the engine's panels against torch's), and the same routing per step."""
+
+    def generate(program: bool) -> tuple[list[list[int]], list[torch.Tensor], list[tuple]]:
+        llm = LLM(
+            model="tiny-moe", dtype="float32", max_model_len=128, quantization=quantization,
+            quantization_group_size=32, model_overrides={"qk_norm": "none"},
+            native_decode_program=program,
+        )  # fmt: skip
+        assert llm.engine.describe()["native_decode_program"] is program
+        logits: list[torch.Tensor] = []
+        llm.engine.add_logits_observer(lambda plan, every: logits.append(every.clone()))
+        routing: list[tuple] = []
+        llm.engine.step_observers.append(lambda r: routing.append(r.moe_expert_tokens))
+        outputs = llm.generate(PROMPTS, GREEDY)
+        return [o.outputs[0].token_ids for o in outputs], logits, routing
+
+    tokens, logits, routing = generate(True)
+    expected_tokens, expected_logits, expected_routing = generate(False)
+    assert tokens == expected_tokens and routing == expected_routing
+    for got, expected in zip(logits, expected_logits, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("quantization", "exact"), [(None, False), ("int8", True)], ids=["fp32", "int8"]
 )
