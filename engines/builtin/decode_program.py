@@ -70,6 +70,8 @@ class ProgramLayer(ctypes.Structure):
         ("expert_down", _PTR),
         ("routing", _PTR),
         ("expert_ns", _PTR),
+        ("q_norm", _PTR),
+        ("k_norm", _PTR),
     ]
 
 
@@ -95,8 +97,8 @@ def unavailable_reason(model: Transformer) -> str | None:
     cfg = model.config
     if cfg.shared_expert_intermediate_size:
         return "a shared expert (the program runs routed experts only)"
-    if cfg.qk_norm != "none":
-        return f"q/k norms (qk_norm={cfg.qk_norm}; the program has none)"
+    if cfg.qk_norm == "full":
+        return "q/k norms over every head (qk_norm=full; the program norms each head)"
     gemma = {
         "sandwich norms": cfg.sandwich_norms,
         f"hidden_act={cfg.hidden_act}": cfg.hidden_act != "silu",
@@ -125,7 +127,8 @@ def unavailable_reason(model: Transformer) -> str | None:
                 return problem
         if isinstance(mlp, MoE) and mlp.router.weight.dtype != torch.float32:
             return "the router is not float32"
-        norms = (layer.input_norm.weight, layer.post_attn_norm.weight)
+        norms = [layer.input_norm.weight, layer.post_attn_norm.weight]
+        norms += [n.weight for n in (attn.q_norm, attn.k_norm) if n is not None]
         if any(not native.takes(w) for w in norms):
             return "norm weights are not float32"
     if model.rope.cos_sin_table.dtype != torch.float32 or cfg.num_layers == 0:
@@ -223,6 +226,12 @@ class DecodeProgram:
                     c_pointer(attn.cache.k, self.keep),
                     c_pointer(attn.cache.v, self.keep),
                     *(() if isinstance(mlp, MLP) else self._moe_fields(mlp)),
+                    q_norm=c_pointer(
+                        None if attn.q_norm is None else attn.q_norm.weight, self.keep
+                    ),
+                    k_norm=c_pointer(
+                        None if attn.k_norm is None else attn.k_norm.weight, self.keep
+                    ),
                 )
             )
         self.layers = (ProgramLayer * len(layers))(*layers)

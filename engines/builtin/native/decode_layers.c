@@ -9,6 +9,7 @@
  *   h = rms_norm(residual += x); qkv = h Wqkv^T; rotary + K/V store; attention over the cache;
  *   x = attn Wo^T; h = rms_norm(residual += x); x = silu_and_mul(h Wgate_up^T) Wdown^T.
  * Each linear adds the LoRA deltas of the rows lora_slots gives an adapter (NULL: none).
+ * With q/k norms (Qwen3: per head), each head of q and k is normed in place before RoPE.
  * A mixture-of-experts layer (experts > 0) replaces the MLP with its router, top-k and experts
  * as engines/builtin/moe.py runs them: logits = h Wrouter^T, the k largest per token weighted
  * by their softmax over all experts (renormalized with `normalize`), the (token, expert) pairs
@@ -43,6 +44,7 @@ typedef struct {
     const LinearWeights *expert_gate_up, *expert_down; /* [experts] each */
     int64_t *routing;   /* [experts]: the step's pairs per expert, written by the program */
     int64_t *expert_ns; /* [1]: the experts' time in the step (routing and grouping excluded) */
+    const float *q_norm, *k_norm; /* Qwen3's per-head q/k RMSNorm weights [head_dim]; NULL: none */
 } ProgramLayer;
 
 typedef struct {
@@ -193,6 +195,12 @@ static void program_member(const ProgramRun *run, const Member *me) {
                           s->eps);
         team_barrier(me);
         program_linear(run, &layer->qkv, &layer->qkv_lora, run->h, run->qkv, me);
+        if (layer->q_norm != NULL) /* each head of this member's rows, in place, before RoPE */
+            for (int64_t t = t0; t < t1; t++) {
+                float *q = run->qkv + t * qkv_width, *k = q + q_size;
+                add_rms_norm_rows(q, NULL, layer->q_norm, q, 0, s->heads, s->head_dim, s->eps);
+                add_rms_norm_rows(k, NULL, layer->k_norm, k, 0, s->kv_heads, s->head_dim, s->eps);
+            }
         rope_and_cache_rows(run->qkv, qkv_width, run->positions, s->rope_table, layer->k_cache,
                             layer->v_cache, run->slots, t0, t1, s->heads, s->kv_heads,
                             s->head_dim);

@@ -65,6 +65,7 @@ def run(
             True,
         ),
         (dict(), False),  # dense: the panel GEMM at one row instead of torch's GEMV
+        (dict(quantization="int8", model_overrides={"qk_norm": "head"}), True),  # Qwen3's norms
         (dict(kv_cache="paged", block_size=4), False),
     ],
 )
@@ -81,16 +82,18 @@ def test_the_program_computes_what_the_modules_compute(make_tiny, options, exact
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qk_norm", ["none", "head"])
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_mixture_of_experts_layers_run_in_the_program(quantization: str) -> None:
-    """Mixtral-style layers (tiny-moe without q/k norms): the router, the top-2 and the experts
-    inside the program give the modules' tokens, logits to float32 rounding (the router's
-    GEMM: the engine's panels against torch's), and the same routing per step."""
+def test_mixture_of_experts_layers_run_in_the_program(quantization: str, qk_norm: str) -> None:
+    """tiny-moe's layers (Qwen3-MoE's per-head q/k norms, and without them Mixtral's): the
+    router, the top-2 and the experts inside the program give the modules' tokens, logits to
+    float32 rounding (the router's GEMM: the engine's panels against torch's), and the same
+    routing per step."""
 
     def generate(program: bool) -> tuple[list[list[int]], list[torch.Tensor], list[tuple]]:
         llm = LLM(
             model="tiny-moe", dtype="float32", max_model_len=128, quantization=quantization,
-            quantization_group_size=32, model_overrides={"qk_norm": "none"},
+            quantization_group_size=32, model_overrides={"qk_norm": qk_norm},
             native_decode_program=program,
         )  # fmt: skip
         assert llm.engine.describe()["native_decode_program"] is program
