@@ -142,6 +142,10 @@ def check_model_fields(values: Mapping[str, Any]) -> None:
     """Every rule a ModelConfig's values must meet (ModelFieldError names the first field that
     breaks one): sizes are integers in [1, SIZE_LIMITS], that divide where the model splits
     them; the norm's epsilon and rope's parameters finite numbers > 0; flags booleans."""
+    if values["architecture"] not in SUPPORTED_ARCHITECTURES:
+        raise ModelFieldError(
+            "architecture", values["architecture"], f"allowed: {'|'.join(SUPPORTED_ARCHITECTURES)}"
+        )
     for name in SIZE_LIMITS:
         check_size(name, values[name])
     if values["num_heads"] % values["num_kv_heads"]:
@@ -230,6 +234,8 @@ def _check_gemma_fields(given: Mapping[str, Any]) -> None:
         raise ModelFieldError(
             "full_attention_layers", full, f"allowed: layer indices in [0, {layers})"
         )
+    if len(set(full)) != len(full):
+        raise ModelFieldError("full_attention_layers", full, "allowed: distinct layer indices")
     if full and values["sliding_window"] is None:
         raise ModelFieldError(
             "full_attention_layers", full, "it needs a sliding_window for the other layers"
@@ -385,7 +391,7 @@ class ModelConfig:
             )
         values = dict(overrides)
         for name in ("eos_token_ids", "dense_layers", "full_attention_layers"):
-            if name in values:
+            if isinstance(values.get(name), list):  # other types: refused by the checks
                 values[name] = tuple(values[name])
         return replace(self, **values)
 
@@ -628,6 +634,8 @@ class UnsupportedCheckpointError(ValueError):
 
 #: ModelConfig fields under another name in config.json (the others keep theirs).
 HF_KEYS = {
+    "local_rope_theta": "rope_local_base_freq",
+    "full_attention_layers": "layer_types",
     "num_layers": "num_hidden_layers",
     "num_heads": "num_attention_heads",
     "num_kv_heads": "num_key_value_heads",
@@ -737,9 +745,39 @@ def from_hf_dict(
         ) from None
 
 
+#: Gemma's keys a config.json may leave out, as transformers' config classes default them
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma2ForCausalLM": {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "head_dim": 256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+    },
+    "Gemma3ForCausalLM": {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "head_dim": 256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 1000000.0,
+    },
+}
+
+
+def _architecture(cfg: dict[str, Any]) -> str:
+    """config.json's architecture: the first of `architectures`, else by its `model_type`."""
+    archs = cfg.get("architectures")
+    if archs is not None and not (
+        isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)
+    ):
+        raise ModelFieldError("architectures", archs, "allowed: a list of architecture names")
+    model_type = cfg.get("model_type", "")
+    if not isinstance(model_type, str):
+        raise ModelFieldError("model_type", model_type, "allowed: a string")
+    return archs[0] if archs else MODEL_TYPES.get(model_type, "")
+
+
 def _from_hf_dict(cfg: dict[str, Any], where: str, key: Callable[[str], str]) -> ModelConfig:
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else MODEL_TYPES.get(cfg.get("model_type", ""), "")
+    arch = _architecture(cfg)
+    cfg = {**_GEMMA_DEFAULTS.get(arch, {}), **cfg}
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedCheckpointError(
             f"{where}: architecture {arch or cfg.get('model_type')!r} is not supported; "
@@ -847,7 +885,10 @@ def _gemma_from_hf(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]
     in Gemma 2, every `sliding_window_pattern`-th in Gemma 3), whose RoPE base Gemma 3 sets
     apart (`rope_local_base_freq`, or `rope_parameters.sliding_attention`)."""
     gemma2 = arch == "Gemma2ForCausalLM"  # an absent key takes transformers' class default
-    if cfg.get("use_bidirectional_attention"):
+    bidirectional = _flag(cfg, "use_bidirectional_attention", False)
+    if not isinstance(bidirectional, bool):
+        raise ModelFieldError("use_bidirectional_attention", bidirectional, "allowed: true|false")
+    if bidirectional:
         raise UnsupportedCheckpointError(
             f"{where}: use_bidirectional_attention=true (an encoder) is not supported"
         )
@@ -885,8 +926,8 @@ def _gemma_from_hf(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]
 
 
 def _layer_count(cfg: dict[str, Any]) -> int:
-    layers = cfg.get("num_hidden_layers")
-    return layers if isinstance(layers, int) and not isinstance(layers, bool) else 0
+    """num_hidden_layers, checked before anything is built per layer (10**12 would not fit)."""
+    return check_size("num_layers", cfg.get("num_hidden_layers"))
 
 
 def _window_layers(
@@ -932,17 +973,14 @@ def _moe_from_hf(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                     "OlmoeForCausalLM"):  # fmt: skip
         return {}
     experts = _or(cfg.get("num_experts"), cfg.get("num_local_experts"))
-    layers = cfg["num_hidden_layers"]
+    layers = _layer_count(cfg)
     step = _or(cfg.get("decoder_sparse_step"), 1)
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ModelFieldError("decoder_sparse_step", step, "allowed: an integer >= 1")
     only = _or(cfg.get("mlp_only_layers"), [])
     if not isinstance(only, list):
         raise ModelFieldError("mlp_only_layers", only, "allowed: a list of layer indices")
-    dense = tuple(
-        i for i in range(layers if isinstance(layers, int) else 0)
-        if i in only or (i + 1) % step
-    )  # fmt: skip
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
     return {
         "num_experts": experts,
         "num_experts_per_tok": cfg.get("num_experts_per_tok"),

@@ -107,12 +107,12 @@ def gguf_keys(arch: str = "llama") -> dict[str, str]:
 def architecture(reader: Any) -> str:
     """The file's general.architecture, one the engine reads (else UnsupportedGGUFError)."""
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise UnsupportedGGUFError(
-            f"general.architecture {arch!r} is not supported; supported: "
-            f"{'|'.join(GGUF_ARCHITECTURES)}"
+            f"{reader.data.filename}: general.architecture {arch!r} is not supported; "
+            f"supported: {'|'.join(GGUF_ARCHITECTURES)}"
         )
-    return str(arch)
+    return arch
 
 
 def hf_config(reader: Any) -> dict[str, Any]:
@@ -137,7 +137,9 @@ def hf_config(reader: Any) -> dict[str, Any]:
     if arch == "qwen2":  # its q/k/v biases are in the file or not
         config["attention_bias"] = "blk.0.attn_q.bias" in names
     if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
-        raise UnsupportedGGUFError(f"{arch}.rope.scaling.type: rope scaling is not supported")
+        raise UnsupportedGGUFError(
+            f"{reader.data.filename}: {arch}.rope.scaling.type: rope scaling is not supported"
+        )
     return config
 
 
@@ -208,28 +210,56 @@ def is_gguf(path: str | Path) -> bool:
     return str(path).endswith(".gguf") and Path(path).is_file()
 
 
-#: llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) this builds exactly: byte-level BPE,
-#: with digits split one by one first where the model was trained so.
+#: llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) this builds exactly: byte-level BPE
+#: after GPT-2's split, with digits split one by one first where the model was trained so
+#: (smollm), or after Qwen2's split (its tokenizer.json's regex: single digits, no
+#: contractions across cases, newlines kept with the punctuation before them).
 _DIGIT_SPLIT = {"smollm": True, "gpt2": False, "default": False}
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = (*_DIGIT_SPLIT, "qwen2")
+
+
+def _string_list(reader: Any, key: str) -> list[str]:
+    values = _field(reader, key)
+    if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+        raise UnsupportedGGUFError(
+            f"{reader.data.filename}: {key}: allowed: a non-empty array of strings"
+        )
+    return values
 
 
 def write_hf_tokenizer(path: str | Path, folder: Path) -> None:
     """tokenizer.json and tokenizer_config.json (special tokens, chat template, add_bos) of a
     GGUF file's byte-level BPE vocabulary (tokenizer.ggml.model `gpt2`), built with
     `tokenizers` from the vocabulary, merges and token types in the file's metadata."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     reader = open_gguf(path)
     kind = _field(reader, "tokenizer.ggml.model")
     pre = _field(reader, "tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or pre not in _DIGIT_SPLIT:
+    if kind != "gpt2" or pre not in PRE_TOKENIZERS:
         raise UnsupportedGGUFError(
             f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported; "
-            f"supported: gpt2 with {'|'.join(_DIGIT_SPLIT)}"
+            f"supported: gpt2 with {'|'.join(PRE_TOKENIZERS)}"
         )
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    types = list(_field(reader, "tokenizer.ggml.token_type"))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges") or []]
+    tokens = _string_list(reader, "tokenizer.ggml.tokens")
+    types = list(_field(reader, "tokenizer.ggml.token_type") or [])
+    if len(types) != len(tokens):
+        raise UnsupportedGGUFError(
+            f"{path}: tokenizer.ggml.token_type: {len(types)} types for {len(tokens)} tokens"
+        )
+    merges = []
+    for merge in _field(reader, "tokenizer.ggml.merges") or []:
+        pair = tuple(merge.split(" ", 1)) if isinstance(merge, str) else ()
+        if len(pair) != 2:
+            raise UnsupportedGGUFError(
+                f"{path}: tokenizer.ggml.merges: {merge!r} is invalid; allowed: two tokens "
+                "separated by a space"
+            )
+        merges.append(pair)
     backend = Tokenizer(
         models.BPE(
             vocab={token: i for i, token in enumerate(tokens)},
@@ -238,12 +268,20 @@ def write_hf_tokenizer(path: str | Path, folder: Path) -> None:
             byte_fallback=False,
         )
     )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    backend.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if _DIGIT_SPLIT[pre]
-        else byte_level
-    )
+    if pre == "qwen2":
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.pre_tokenizer = (
+            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            if _DIGIT_SPLIT[pre]
+            else byte_level
+        )
     backend.decoder = decoders.ByteLevel()
     control = 3  # llama.cpp's token types: 1 normal, 3 control, 4 user-defined
     backend.add_special_tokens(

@@ -56,13 +56,17 @@ def _shards(
 
 
 def convert_to_hf(src: str | Path, dst: str | Path, dtype: str = "float32") -> Path:
-    """A Hugging Face Llama folder from the GGUF file `src`; `dtype` of the safetensors:
-    float32 (exact: the file's quantized weights dequantized), float16 or bfloat16."""
+    """A Hugging Face folder (Llama, Qwen2 or Qwen3, as the file's architecture) from the GGUF
+    file `src`; `dtype` of the safetensors: float32 (exact: the file's quantized weights
+    dequantized), float16 or bfloat16."""
     from safetensors.torch import save_file
 
     if dtype not in HF_DTYPES:
         raise ValueError(f"--dtype: {dtype!r} is invalid; allowed: {'|'.join(HF_DTYPES)}")
-    config = {**_runnable_config(open_gguf(src), src), "model_type": "llama", "torch_dtype": dtype}
+    reader = open_gguf(src)
+    # general.architecture is transformers' model_type for the architectures read here
+    config = {**_runnable_config(reader, src), "model_type": architecture(reader)}
+    config["torch_dtype"] = dtype
     folder = Path(dst)
     folder.mkdir(parents=True, exist_ok=True)
     # Shards are written as they fill, then named once their count is known.

@@ -146,11 +146,12 @@ def write_tiny_gguf(
     return path
 
 
-def write_gguf_of(model: Any, path: Path, arch: str) -> Path:
+def write_gguf_of(model: Any, path: Path, arch: str, pre: str = "default") -> Path:
     """A Hugging Face model (Qwen2 or Qwen3) as llama.cpp's converter writes it, F32, by the
     `gguf` package: `{arch}.*` metadata, tensors under the names the package's own map gives
     (`gguf.get_tensor_name_map`) in Hugging Face's row order (Qwen's q/k rows are not
-    permuted), a byte-level vocabulary of the model's size."""
+    permuted), a byte-level vocabulary of the model's size with a few merges (`pre`: its
+    tokenizer.ggml.pre)."""
     import gguf
     from tokenizers import pre_tokenizers
 
@@ -161,7 +162,8 @@ def write_gguf_of(model: Any, path: Path, arch: str) -> Path:
     )
     writer = gguf.GGUFWriter(str(path), arch=arch)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens = SPECIAL + alphabet
+    merged = ["Ġt", "he", "Ġthe", "12", "Ġ1", "'s", "ll"]
+    tokens = SPECIAL + alphabet + merged
     tokens += [f"w{i}" for i in range(cfg.vocab_size - len(tokens))]
     for key, value in {
         "block_count": cfg.num_hidden_layers,
@@ -178,13 +180,13 @@ def write_gguf_of(model: Any, path: Path, arch: str) -> Path:
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
     writer.add_string("tokenizer.ggml.model", "gpt2")
-    writer.add_string("tokenizer.ggml.pre", "default")
+    writer.add_string("tokenizer.ggml.pre", pre)
     writer.add_array("tokenizer.ggml.tokens", tokens)
     control, normal = int(gguf.TokenType.CONTROL), int(gguf.TokenType.NORMAL)
     writer.add_array(
         "tokenizer.ggml.token_type", [control if t in SPECIAL else normal for t in tokens]
     )
-    writer.add_array("tokenizer.ggml.merges", [])
+    writer.add_array("tokenizer.ggml.merges", ["Ġ t", "h e", "Ġt he", "1 2", "Ġ 1", "' s", "l l"])
     writer.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
     writer.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_id)
     for name, tensor in model.state_dict().items():

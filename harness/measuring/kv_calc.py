@@ -424,9 +424,14 @@ def _per_device_lines(r: dict[str, Any]) -> list[str]:
     vocab = f"vocab {r['vocab_per_device']:,} of {r['padded_vocab']:,}" + (
         f" (padded from {r['vocab_size']:,})" if r["padded_vocab"] != r["vocab_size"] else ""
     )
+    mlp = (  # experts whole, split by expert parallelism; a dense MLP by its width
+        f"{r['experts_per_device']} experts"
+        if r["experts_per_device"]
+        else f"intermediate {r['intermediate_per_device']:,}"
+    )
     return [
         f"  per device (1 of {n})    {r['heads_per_device']} heads, {_kv_heads(r)} kv_heads, "
-        f"intermediate {r['intermediate_per_device']:,}, {vocab}",
+        f"{mlp}, {vocab}",
         f"    weight bytes         {_gib(r['weight_bytes_per_device'])}",
         f"    KV bytes per token   2 x {r['layers']} layers x {r['kv_heads_per_device']} "
         f"kv_heads x {r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {per_token:,} B "
@@ -454,6 +459,13 @@ def _kv_lines(r: dict[str, Any]) -> list[str]:
 def _window_note(r: dict[str, Any]) -> str:
     if not r["sliding_window"]:
         return ""
+    if r["global_layers"]:  # windowed layers between global ones (Gemma)
+        windowed = r["layers"] - r["global_layers"]
+        return (
+            f"\n  (sliding window {r['sliding_window']} in {windowed} of {r['layers']} layers: "
+            "the cache keeps every token for every layer, as the global ones need; a decode "
+            "reads at most the window in the windowed ones)"
+        )
     return (
         f"\n  (sliding window {r['sliding_window']}: with paged KV a sequence holds at "
         f"most ~{r['sliding_window']} tokens of KV)"

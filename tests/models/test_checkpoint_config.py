@@ -112,6 +112,12 @@ def test_the_unedited_config_loads(tmp_path: Path) -> None:
             "model.attn_logit_softcapping: 0 is invalid; allowed: null or a finite number > 0",
         ),
         ({"norm_weight_offset": 2}, "model.norm_weight_offset: 2 is invalid; allowed: 0|1"),
+        ({"full_attention_layers": 3}, "model.full_attention_layers: 3 is invalid; allowed"),
+        (
+            {"sliding_window": 8, "full_attention_layers": [1, 1]},
+            "model.full_attention_layers: (1, 1) is invalid; allowed: distinct layer indices",
+        ),
+        ({"architecture": "Nope"}, "model.architecture: 'Nope' is invalid; allowed: Llama"),
     ],
 )
 def test_model_overrides_meet_the_same_rules(overrides: dict[str, Any], says: str) -> None:
@@ -150,6 +156,17 @@ GEMMA2 = {
             "layer_types: ['sliding_attention', 'chunked_attention'] is invalid",
         ),
         ({"attn_logit_softcapping": -1}, "attn_logit_softcapping: -1 is invalid; allowed: null"),
+        (  # refused before a list per layer is built
+            {"num_hidden_layers": 10**12},
+            "num_hidden_layers: 1000000000000 is invalid; allowed: an integer in [1, 4096]",
+        ),
+        ({"num_hidden_layers": "4"}, "num_hidden_layers: '4' is invalid; allowed: an integer"),
+        ({"architectures": "Gemma2ForCausalLM"}, "architectures: 'Gemma2ForCausalLM' is invalid"),
+        ({"use_bidirectional_attention": "false"}, "use_bidirectional_attention: 'false' is"),
+        (
+            {"architectures": ["Gemma3ForCausalLM"], "rope_local_base_freq": 0},
+            "rope_local_base_freq: 0.0 is invalid",
+        ),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true (an encoder)"),
     ],
 )
@@ -164,6 +181,36 @@ def test_a_gemma_config_the_engine_cannot_run_is_named(
     message = str(refused.value)
     assert message.startswith(f"{folder / 'config.json'}: {says}"), message
     assert "\n" not in message
+
+
+def test_an_moe_or_qwen_config_with_a_huge_layer_count_is_refused_at_once(tmp_path: Path) -> None:
+    for edit in (
+        {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2},
+        {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 8},
+    ):
+        folder = tmp_path / edit["architectures"][0]
+        folder.mkdir()
+        config = {**tiny_config_json(), **edit, "num_hidden_layers": 10**12}
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(UnsupportedCheckpointError, match="num_hidden_layers: 1000000000000"):
+            resolve_model(str(folder))
+
+
+def test_a_gemma_config_leaving_keys_out_gets_transformers_defaults(tmp_path: Path) -> None:
+    """An absent hidden_activation is GeGLU, as transformers' Gemma config classes say; an
+    absent head_dim 256 and rope_theta Gemma 3's 1e6."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    bare = {k: v for k, v in GEMMA2.items() if k not in ("hidden_activation", "head_dim")}
+    bare = {**bare, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+    bare.pop("rope_theta", None)
+    (folder / "config.json").write_text(json.dumps(bare))
+    config = resolve_model(str(folder))
+    assert (config.hidden_act, config.head_dim, config.rope_theta) == (
+        "gelu_pytorch_tanh",
+        256,
+        1e6,
+    )
 
 
 def test_a_gemma2_config_without_layer_types_alternates_windowed_and_global_layers(

@@ -331,6 +331,26 @@ class LinearWeights(ctypes.Structure):  # kernels.h
 LINEAR_DENSE, LINEAR_INT8, LINEAR_INT4, LINEAR_INT4_A8 = 0, 1, 2, 3
 
 
+#: the experts' arrays moe_experts has checked (by id, each held so that its id is not reused)
+_CHECKED_EXPERTS: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def _check_linear_weights(layer: LinearWeights) -> None:
+    """A ValueError for a struct the kernels would crash on: an unknown kind, a missing
+    pointer, INT4 groups that do not divide the inputs."""
+    if layer.kind not in (LINEAR_DENSE, LINEAR_INT8, LINEAR_INT4, LINEAR_INT4_A8):
+        raise ValueError(f"LinearWeights.kind: {layer.kind} is invalid; allowed: 0|1|2|3")
+    quantized = layer.kind != LINEAR_DENSE
+    int4 = layer.kind in (LINEAR_INT4, LINEAR_INT4_A8)
+    if not layer.weight or (quantized and not layer.scale) or (int4 and not layer.minv):
+        raise ValueError("LinearWeights: a NULL weight, scale or minimum pointer")
+    if int4 and (layer.group_size < 1 or layer.in_features % layer.group_size):
+        raise ValueError(
+            f"LinearWeights.group_size: {layer.group_size} is invalid; allowed: a divisor of "
+            f"in_features ({layer.in_features})"
+        )
+
+
 def moe_experts(
     gate_up: ctypes.Array[LinearWeights],
     down: ctypes.Array[LinearWeights],
@@ -344,17 +364,21 @@ def moe_experts(
     (token, expert) pairs are offsets[e] .. offsets[e + 1] - 1, `rows` their rows of x
     [T, hidden] and `weights` their routing weights; out [T, hidden] += each pair's weight x
     its expert's silu MLP of its row, expert after expert."""
-    experts = len(gate_up)
-    pairs = int(offsets[-1])
+    experts = len(gate_up) if isinstance(gate_up, ctypes.Array) else 0
     if (
-        not takes(x, weights, out)
-        or x.dim() != 2
-        or out.shape != x.shape
+        not experts
+        or not isinstance(down, ctypes.Array)
         or len(down) != experts
-        or offsets.shape != (experts + 1,)
+        or not all(isinstance(w, LinearWeights) for w in (gate_up[0], down[0]))
     ):
-        raise ValueError("moe_experts: x and out [T, hidden] float32, offsets [E + 1]")
+        raise ValueError("moe_experts: gate_up and down: ctypes arrays of E >= 1 LinearWeights")
+    if not takes(x, weights, out) or x.dim() != 2 or out.shape != x.shape or weights.dim() != 1:
+        raise ValueError("moe_experts: x and out [T, hidden], weights [pairs]: CPU float32")
     _indices("moe_experts: offsets", offsets, torch.int64, experts + 1)
+    bounds = offsets[: experts + 1].tolist()
+    pairs = bounds[-1]
+    if bounds[0] < 0 or any(b > a for a, b in zip(bounds[1:], bounds, strict=False)):
+        raise ValueError(f"moe_experts: offsets {bounds} must be >= 0 and ascending")
     _indices("moe_experts: rows", rows, torch.int64, pairs)
     hidden, inter = x.shape[1], gate_up[0].out_features // 2
     if (
@@ -364,6 +388,10 @@ def moe_experts(
         or (pairs and not 0 <= int(rows.min()) <= int(rows.max()) < x.shape[0])
     ):
         raise ValueError("moe_experts: the experts' sizes, rows or weights do not match x")
+    if (id(gate_up), id(down)) not in _CHECKED_EXPERTS:  # the structs' fields, once per pair
+        for layer in (*gate_up, *down):
+            _check_linear_weights(layer)
+        _CHECKED_EXPERTS[id(gate_up), id(down)] = (gate_up, down)  # held: the ids stay theirs
     lib = _lib()
     status = _run(
         "moe_experts_f32",

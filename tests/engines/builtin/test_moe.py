@@ -4,6 +4,8 @@ routed to each expert over the MoE layers, and the run's summary their imbalance
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 import torch
@@ -103,3 +105,36 @@ def test_the_c_experts_follow_weights_loaded_again() -> None:
     assert moe._native is not before and moe._native is not None
     assert moe._native[1] is not None  # the float experts run in C too
     assert len(twin) == len(quantized) == 2
+
+
+@pytest.mark.parametrize(
+    ("offsets", "says"),
+    [
+        ([0, 2, 3, 1000, 7], "must be >= 0 and ascending"),
+        ([-100000, 2, 3, 5, 7], "must be >= 0 and ascending"),
+        ([0, 7, 2, 5, 7], "must be >= 0 and ascending"),
+        ([0, 2, 3, 5, 9], "rows: expected a contiguous CPU torch.int64 vector of >= 9"),
+    ],
+)
+def test_the_c_experts_refuse_offsets_that_would_read_past_their_rows(
+    offsets: list[int], says: str
+) -> None:
+    """A bad call is a ValueError, never a crash (offsets once read past `rows`)."""
+    llm = LLM(model="tiny-moe", dtype="float32", max_model_len=64)
+    moe = next(layer.mlp for layer in llm.engine.runner.model.layers)
+    x = torch.randn(5, llm.engine.model_config.hidden_size)
+    arrays = moe._native_experts(x)
+    assert arrays is not None
+    gate_up, down = arrays
+    experts = len(gate_up)
+    bounds = torch.tensor(offsets[:4] + [offsets[4]] * (experts - 3))
+    with pytest.raises(ValueError, match=re.escape(says)):
+        native.moe_experts(
+            gate_up, down, x, bounds, torch.arange(7) % 5, torch.rand(7), torch.zeros_like(x)
+        )
+    broken = native.LinearWeights(7, 1, None, None, None, 64, 128, 0, 0)
+    with pytest.raises(ValueError, match=r"LinearWeights\.kind: 7 is invalid"):
+        native.moe_experts(
+            (native.LinearWeights * 1)(broken), (native.LinearWeights * 1)(down[0]), x,
+            torch.tensor([0, 1]), torch.tensor([0]), torch.rand(1), torch.zeros_like(x),
+        )  # fmt: skip

@@ -482,6 +482,33 @@ def test_a_qwen_gguf_loads_as_the_model_it_was_written_from(
     for name in (*fields, "qk_norm", "tie_word_embeddings"):
         assert getattr(read, name) == getattr(written, name), name
     check_against_hf(ref, run_engine(ref, folder=path))
+    # `inferlab convert` writes it back as the family's own Hugging Face folder
+    from models.gguf_convert import convert_to_hf
+
+    folder = convert_to_hf(path, tmp_path / "converted")
+    converted = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    assert type(converted) is type(ref.model)
+    tokens = torch.tensor([ref.sequences[0]])
+    with torch.inference_mode():
+        torch.testing.assert_close(converted(tokens).logits, ref.model(tokens).logits)
+
+
+def test_a_qwen2_gguf_tokenizer_splits_as_transformers_reads_it(reference, tmp_path: Path) -> None:
+    """llama.cpp writes tokenizer.ggml.pre = "qwen2" in Qwen2/Qwen3 files: the tokenizer built
+    from the file encodes as transformers' own GGUF tokenizer does (single digits, contractions
+    of either case, newlines after punctuation)."""
+    from checkpoints import write_gguf_of
+
+    from models.gguf import tokenizer_folder
+    from models.tokenizer import load_tokenizer
+
+    path = write_gguf_of(reference("qwen2").model, tmp_path / "q.gguf", "qwen2", pre="qwen2")
+    ours = load_tokenizer(str(tokenizer_folder(path)))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ("the 12 cats' bell 1234", "He'S here!\n\nthe\tend  ", "tell 'll 12x12"):
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(
+            text, add_special_tokens=False
+        ), text
 
 
 def test_sdpa_backend_matches_hf(reference) -> None:
