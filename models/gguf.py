@@ -1,6 +1,9 @@
 """GGUF files (llama.cpp's, Ollama's) as checkpoints: the model's config from the file's
 metadata in config.json's terms, and its tensors under Hugging Face names, dequantized to fp32.
-Architectures (`general.architecture`): llama, qwen2 and qwen3 (`GGUF_ARCHITECTURES`).
+Architectures (`general.architecture`): llama (Mixtral too: a llama with experts), qwen2,
+qwen3, qwen2moe and qwen3moe (`GGUF_ARCHITECTURES`). A mixture-of-experts layer's experts are
+stacked in one tensor per projection (`ffn_gate_exps` [experts, inter, hidden]...), cut here
+into each expert's Hugging Face tensors.
 
 For llama, llama.cpp's converter permutes the rows of q_proj and k_proj so that its rotary
 embedding rotates adjacent pairs; the engine (like Hugging Face) rotates the two halves of each
@@ -40,6 +43,17 @@ _LAYER_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",  # qwen3
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # a mixture-of-experts layer's router (Mixtral: _MIXTRAL)
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+#: the experts' stacked projections -> each expert's (Qwen's name, Mixtral's name)
+_EXPERT_TENSORS = {
+    "ffn_gate_exps": ("gate_proj", "w1"),
+    "ffn_up_exps": ("up_proj", "w3"),
+    "ffn_down_exps": ("down_proj", "w2"),
 }
 _TOP_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -77,9 +91,11 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 #: general.architecture -> the Hugging Face architecture, and whether llama.cpp's converter
 #: permuted its q/k rows
 GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", True),
+    "llama": ("LlamaForCausalLM", True),  # MixtralForCausalLM when it has experts
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", False),
 }
 
 
@@ -96,6 +112,11 @@ def gguf_keys(arch: str = "llama") -> dict[str, str]:
         "rms_norm_eps": "attention.layer_norm_rms_epsilon",
         "rope_theta": "rope.freq_base",
         "max_position_embeddings": "context_length",
+        "num_experts": "expert_count",
+        "num_experts_per_tok": "expert_used_count",
+        "moe_intermediate_size": "expert_feed_forward_length",
+        "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
+        "norm_topk_prob": "expert_weights_norm",
     }
     return {
         **{hf: f"{arch}.{key}" for hf, key in per_arch.items()},
@@ -129,13 +150,22 @@ def hf_config(reader: Any) -> dict[str, Any]:
         "rope_theta": 10000.0,
         "max_position_embeddings": 2048,
     }
+    # llama.cpp normalizes Qwen3-MoE's top-k weights unless the file says otherwise
+    defaults["norm_topk_prob"] = arch == "qwen3moe"
+    experts = config["num_experts"]
     config = {
-        "architectures": [GGUF_ARCHITECTURES[arch][0]],
+        "architectures": [
+            "MixtralForCausalLM" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch][0]
+        ],
         **{hf: defaults.get(hf) if value is None else value for hf, value in config.items()},
         "tie_word_embeddings": "output.weight" not in names,
     }
-    if arch == "qwen2":  # its q/k/v biases are in the file or not
-        config["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch in ("qwen2", "qwen2moe"):  # its q/k/v biases are in the file or not
+        config["attention_bias" if arch == "qwen2" else "qkv_bias"] = "blk.0.attn_q.bias" in names
+    if experts:  # the layers without experts have a dense MLP
+        config["mlp_only_layers"] = sorted(
+            int(n.split(".")[1]) for n in names if n.endswith(".ffn_gate.weight")
+        )
     if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
         raise UnsupportedGGUFError(
             f"{reader.data.filename}: {arch}.rope.scaling.type: rope scaling is not supported"
@@ -178,32 +208,51 @@ def hf_name(name: str) -> str | None:
 
 def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, fp32 tensor) for every tensor the model uses."""
-    import gguf
-
     reader = open_gguf(path)
     config = hf_config(reader)
     permuted = GGUF_ARCHITECTURES[architecture(reader)][1]
+    mixtral = config["architectures"][0] == "MixtralForCausalLM"
     heads = (
         {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
         if permuted
         else {}
     )
     for tensor in reader.tensors:
+        match = _LAYER.match(tensor.name)
+        if match is not None and match.group(2) in _EXPERT_TENSORS:
+            layer, part, kind = match.groups()
+            block = "block_sparse_moe" if mixtral else "mlp"
+            projection = _EXPERT_TENSORS[part][mixtral]
+            for e, expert in enumerate(_dequantized(path, tensor)):  # [experts, out, in]
+                hf = f"model.layers.{layer}.{block}.experts.{e}.{projection}.{kind}"
+                yield hf, torch.from_numpy(np.ascontiguousarray(expert))
+            continue
         name = hf_name(tensor.name)
         if name is None:
             continue
-        try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as exc:
-            raise UnsupportedGGUFError(
-                f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which "
-                f"cannot be dequantized ({exc})"
-            ) from None
-        array = np.array(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape)))
+        if mixtral and name.endswith(".mlp.gate.weight"):
+            name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+        array = _dequantized(path, tensor)
         part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         if part in heads and name.endswith(".weight"):
             array = _unpermute(array, heads[part])
+        if part == "ffn_gate_inp_shexp" and array.ndim == 1:  # [hidden]: HF's is [1, hidden]
+            array = array[None, :]
         yield name, torch.from_numpy(np.ascontiguousarray(array))  # a copy: the file is mapped
+
+
+def _dequantized(path: str | Path, tensor: Any) -> np.ndarray:
+    """A GGUF tensor as fp32, in numpy's order (the file lists its dimensions reversed)."""
+    import gguf
+
+    try:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise UnsupportedGGUFError(
+            f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which "
+            f"cannot be dequantized ({exc})"
+        ) from None
+    return np.array(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape)))
 
 
 def is_gguf(path: str | Path) -> bool:

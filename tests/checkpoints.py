@@ -146,13 +146,19 @@ def write_tiny_gguf(
     return path
 
 
-def write_gguf_of(model: Any, path: Path, arch: str, pre: str = "default") -> Path:
-    """A Hugging Face model (Qwen2 or Qwen3) as llama.cpp's converter writes it, F32, by the
-    `gguf` package: `{arch}.*` metadata, tensors under the names the package's own map gives
-    (`gguf.get_tensor_name_map`) in Hugging Face's row order (Qwen's q/k rows are not
-    permuted), a byte-level vocabulary of the model's size with a few merges (`pre`: its
-    tokenizer.ggml.pre)."""
+def write_gguf_of(
+    model: Any, path: Path, arch: str, pre: str = "default", folder: Path | None = None
+) -> Path:
+    """A Hugging Face model (Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE; Mixtral as `llama`) as
+    llama.cpp's converter writes it, F32, by the `gguf` package: `{arch}.*` metadata, tensors
+    under the names the package's own map gives (`gguf.get_tensor_name_map`), each layer's
+    experts stacked into one tensor per projection, q/k rows permuted for llama (llama.cpp's
+    converter's permutation; Qwen's keep Hugging Face's order), a byte-level vocabulary of the
+    model's size with a few merges (`pre`: its tokenizer.ggml.pre). `folder`: the model's
+    save_pretrained folder, whose tensors are written (transformers fuses an MoE layer's
+    experts in memory; the checkpoint keeps them apart, as the converter reads them)."""
     import gguf
+    from safetensors.torch import load_file
     from tokenizers import pre_tokenizers
 
     cfg = model.config
@@ -175,8 +181,15 @@ def write_gguf_of(model: Any, path: Path, arch: str, pre: str = "default") -> Pa
         "attention.key_length": cfg.head_dim,
         "attention.value_length": cfg.head_dim,
         "vocab_size": cfg.vocab_size,
+        "expert_count": getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0),
+        "expert_used_count": getattr(cfg, "num_experts_per_tok", 0),
+        "expert_feed_forward_length": getattr(cfg, "moe_intermediate_size", 0),
+        "expert_shared_feed_forward_length": getattr(cfg, "shared_expert_intermediate_size", 0),
     }.items():
-        writer.add_uint32(f"{arch}.{key}", value)
+        if value:
+            writer.add_uint32(f"{arch}.{key}", value)
+    if getattr(cfg, "norm_topk_prob", None) is not None and arch != "llama":
+        writer.add_bool(f"{arch}.expert_weights_norm", cfg.norm_topk_prob)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
     writer.add_string("tokenizer.ggml.model", "gpt2")
@@ -189,11 +202,29 @@ def write_gguf_of(model: Any, path: Path, arch: str, pre: str = "default") -> Pa
     writer.add_array("tokenizer.ggml.merges", ["Ġ t", "h e", "Ġt he", "1 2", "Ġ 1", "' s", "l l"])
     writer.add_uint32("tokenizer.ggml.bos_token_id", cfg.bos_token_id)
     writer.add_uint32("tokenizer.ggml.eos_token_id", cfg.eos_token_id)
-    for name, tensor in model.state_dict().items():
+    stacked: dict[str, list[np.ndarray]] = {}
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    state = model.state_dict() if folder is None else load_file(str(folder / "model.safetensors"))
+    for name, tensor in state.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         stem, kind = name.rsplit(".", 1)
-        writer.add_tensor(f"{names.get_name(stem)}.{kind}", tensor.detach().float().numpy())
+        array = tensor.detach().float().numpy()
+        parts = stem.split(".")
+        if "experts" in parts:  # ...experts.E.proj: stacked under ...experts.proj
+            at = parts.index("experts")
+            stacked.setdefault(".".join(parts[: at + 1] + parts[at + 2 :]) + "." + kind, []).append(
+                array
+            )
+            continue
+        if arch == "llama" and parts[-1] in heads and kind == "weight":  # llama.cpp's permute
+            n = heads[parts[-1]]
+            array = array.reshape(n, 2, array.shape[0] // n // 2, *array.shape[1:])
+            array = array.swapaxes(1, 2).reshape(tensor.shape)
+        writer.add_tensor(f"{names.get_name(stem)}.{kind}", array)
+    for name, experts in stacked.items():
+        stem, kind = name.rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(stem)}.{kind}", np.stack(experts))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -92,6 +92,16 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
             mlp_only_layers=[1],
         ),
     ),
+    # every layer sparse, as llama.cpp's qwen2moe files hold them (it has no dense layers)
+    "qwen2_moe_sparse": (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,
+        ),
+    ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
@@ -154,6 +164,7 @@ SEEDS = {
     "mixtral": 1,
     "qwen2_moe": 1,
     "qwen3_moe": 2,
+    "qwen2_moe_sparse": 0,
     "olmoe": 0,
     "phi3": 0,
     "llama_yarn": 0,
@@ -457,19 +468,29 @@ def test_quantized_gemma_runs_its_dequantized_weights(reference, quantization: s
     assert tokens == dequantized_twin_tokens(llm, ref.prompts, params)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_a_qwen_gguf_loads_as_the_model_it_was_written_from(
-    reference, kind: str, tmp_path: Path
+@pytest.mark.parametrize(
+    ("kind", "arch"),
+    [
+        ("qwen2", "qwen2"),
+        ("qwen3", "qwen3"),
+        ("qwen2_moe_sparse", "qwen2moe"),  # the shared expert and its gate
+        ("qwen3_moe", "qwen3moe"),
+        ("mixtral", "llama"),  # llama.cpp writes Mixtral as a llama with experts
+    ],
+)
+def test_a_gguf_of_another_family_loads_as_the_model_it_was_written_from(
+    reference, kind: str, arch: str, tmp_path: Path
 ) -> None:
     """A GGUF of a non-Llama family, written by the `gguf` package in llama.cpp's layout
-    (Qwen2's q/k/v biases, Qwen3's q/k norms, no q/k permutation) loads as the model it came
-    from: the engine gives that model's logits and greedy tokens. For Qwen2, transformers' own
-    GGUF loader reads the file as that model too (its Qwen3 reader takes no head_dim from a
-    file, and assumes Qwen3's 128)."""
+    (Qwen2's q/k/v biases, Qwen3's q/k norms, no q/k permutation but for llama; each layer's
+    experts stacked per projection) loads as the model it came from: the engine gives that
+    model's logits and greedy tokens. For Qwen2, transformers' own GGUF loader reads the file
+    as that model too (its Qwen3 reader takes no head_dim from a file, and assumes Qwen3's
+    128); `inferlab convert` writes the dense families back as their own folders."""
     from checkpoints import write_gguf_of
 
     ref = reference(kind)
-    path = write_gguf_of(ref.model, tmp_path / f"{kind}.gguf", kind)
+    path = write_gguf_of(ref.model, tmp_path / f"{kind}.gguf", arch, folder=ref.folder)
     if kind == "qwen2":
         reread = transformers.AutoModelForCausalLM.from_pretrained(
             str(tmp_path), gguf_file=path.name, dtype=torch.float32
@@ -479,9 +500,12 @@ def test_a_qwen_gguf_loads_as_the_model_it_was_written_from(
             torch.testing.assert_close(reread(tokens).logits, ref.model(tokens).logits)
     written, read = from_hf_config(ref.folder), resolve_model(str(path))
     fields = ("architecture", "num_layers", "num_kv_heads", "head_dim", "attention_bias")
-    for name in (*fields, "qk_norm", "tie_word_embeddings"):
+    moe = ("num_experts", "expert_intermediate_size", "shared_expert_intermediate_size")
+    for name in (*fields, "qk_norm", "tie_word_embeddings", *moe, "dense_layers"):
         assert getattr(read, name) == getattr(written, name), name
     check_against_hf(ref, run_engine(ref, folder=path))
+    if written.num_experts:
+        return
     # `inferlab convert` writes it back as the family's own Hugging Face folder
     from models.gguf_convert import convert_to_hf
 
@@ -509,6 +533,28 @@ def test_a_qwen2_gguf_tokenizer_splits_as_transformers_reads_it(reference, tmp_p
         assert ours.encode(text, add_special_tokens=False) == theirs.encode(
             text, add_special_tokens=False
         ), text
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen2_swa"])
+def test_inferlab_serve_answers_with_the_families_greedy_tokens(reference, kind: str) -> None:
+    """`inferlab serve` on a folder of each new kind of layer: /v1/completions with the prompt's
+    token ids returns transformers' greedy continuation."""
+    import httpx
+
+    from serving.testing import serve_engine
+
+    ref = reference(kind)
+    with (
+        serve_engine({"dtype": "float32", "max_model_len": 128}, model=str(ref.folder)) as server,
+        httpx.Client(base_url=server.base_url, timeout=60) as client,
+    ):
+        for prompt, sequence in zip(ref.prompts[:2], ref.sequences[:2], strict=True):
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            body["return_token_ids"] = True
+            answer = client.post("/v1/completions", json={"model": str(ref.folder), **body})
+            assert answer.status_code == 200, answer.text
+            tokens = answer.json()["choices"][0]["token_ids"]
+            assert tokens == sequence[len(prompt) : len(prompt) + 8]
 
 
 def test_sdpa_backend_matches_hf(reference) -> None:
