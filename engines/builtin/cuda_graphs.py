@@ -219,6 +219,7 @@ class _EagerAttention:
         self.name = getattr(inner, "name", type(inner).__name__)
         self.fixed_shapes: bool = getattr(inner, "fixed_shapes", False)
         self.kv_cache_class: type[LayerKVCache] = getattr(inner, "kv_cache_class", LayerKVCache)
+        self.caps_scores: bool = getattr(inner, "caps_scores", False)
         # wrapped here, not by a decorator: torch.compiler.disable imports torch._dynamo
         # (seconds), which every process importing the engine would pay, compiled or not
         self._eager = torch.compiler.disable(self._inner_call)

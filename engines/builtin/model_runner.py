@@ -226,14 +226,14 @@ class ModelRunner:
             config.kv_cache_dtype,
             config.native_kernels,
         )
-        cap = self.model_config.attn_logit_softcapping
-        if self.attention_backend == "triton" and cap is not None:
-            raise ValueError(
-                f"engine.attention_backend: 'triton' does not soft-cap attention scores, which "
-                f"this {self.model_config.architecture} does (attn_logit_softcapping={cap}); "
-                "allowed here: auto|torch|sdpa|cpu"
-            )
         self.attention = make_attention(self.attention_backend)
+        cap = self.model_config.attn_logit_softcapping
+        if cap is not None and not self.attention.caps_scores:
+            raise ValueError(
+                f"engine.attention_backend: {self.attention_backend!r} does not soft-cap "
+                f"attention scores, which this {self.model_config.architecture} does "
+                f"(attn_logit_softcapping={cap}); allowed here: auto|torch|sdpa|cpu"
+            )
 
     def _build_model(self, tp: TPGroup | None) -> Transformer:
         """The model, its linear layers' methods and its attention, on the meta device

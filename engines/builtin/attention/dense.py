@@ -39,6 +39,10 @@ class AttentionBackend(Protocol):
     def kv_cache_class(self) -> type[LayerKVCache]:
         """The layer KV cache its kernels read and write."""
 
+    @property
+    def caps_scores(self) -> bool:
+        """Whether it attends with AttentionMetadata.logit_softcap (Gemma 2's soft cap)."""
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -151,6 +155,7 @@ def softcapped(cap: float | None) -> DenseAttention:
 class DenseAttention:
     fixed_shapes = False  # the K/V gather changes shape every step
     kv_cache_class = LayerKVCache
+    caps_scores = True  # through `softcapped` where its own kernel does not
 
     def __init__(self, name: str, kernel: Kernel, softcap: float | None = None) -> None:
         """`softcap`: the soft cap `kernel` applies (layers whose metadata asks for another

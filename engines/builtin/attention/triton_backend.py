@@ -24,6 +24,7 @@ from engines.builtin.kv_cache.storage import LayerKVCache
 class TritonAttention:
     name = "triton"
     fixed_shapes = True
+    caps_scores = False  # its kernels take no soft cap (Gemma 2's layers are refused)
 
     @property
     def kv_cache_class(self) -> type[LayerKVCache]:
