@@ -421,12 +421,23 @@ def test_new_families_read_their_configs(reference) -> None:
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_experts_run_their_dequantized_weights(reference, quantization: str) -> None:
-    """INT8 / INT4 experts (the shared expert too; the router stays float) give the tokens of
-    the same engine with every quantized layer replaced by its dequantized weights."""
+@pytest.mark.parametrize(
+    ("kind", "layers"),
+    [
+        # the experts and the shared expert (the router stays float)
+        ("qwen2_moe", ["mlp.experts.3.gate_up_proj", "mlp.experts.0.down_proj",
+                       "mlp.shared_expert.down_proj"]),
+        ("gemma3", ["mlp.gate_up_proj", "attn.qkv_proj"]),  # GeGLU, sandwich-normed layers
+    ],
+)  # fmt: skip
+def test_quantized_families_run_their_dequantized_weights(
+    reference, kind: str, layers: list[str], quantization: str
+) -> None:
+    """INT8 / INT4 weights give the tokens of the same engine with every quantized layer
+    replaced by its dequantized weights."""
     from dequantized_twin import dequantized_twin_tokens
 
-    ref = reference("qwen2_moe")
+    ref = reference(kind)
     llm = LLM(
         model=str(ref.folder),
         dtype="float32",
@@ -435,34 +446,8 @@ def test_quantized_experts_run_their_dequantized_weights(reference, quantization
         quantization_group_size=32,
     )
     kept = llm.engine.runner.model.linear_methods()
-    for name in (
-        "mlp.experts.3.gate_up_proj",
-        "mlp.experts.0.down_proj",
-        "mlp.shared_expert.down_proj",
-    ):
+    for name in layers:
         assert kept[f"layers.*.{name}"].startswith(quantization), kept
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    tokens = [o.outputs[0].token_ids for o in llm.generate(ref.prompts, params)]
-    assert tokens == dequantized_twin_tokens(llm, ref.prompts, params)
-
-
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_gemma_runs_its_dequantized_weights(reference, quantization: str) -> None:
-    """Gemma 3's GeGLU and sandwich-normed layers over INT8 / INT4 weights give the tokens of
-    the same engine with every quantized layer replaced by its dequantized weights."""
-    from dequantized_twin import dequantized_twin_tokens
-
-    ref = reference("gemma3")
-    llm = LLM(
-        model=str(ref.folder),
-        dtype="float32",
-        max_model_len=128,
-        quantization=quantization,
-        quantization_group_size=32,
-    )
-    assert llm.engine.runner.model.linear_methods()["layers.*.mlp.gate_up_proj"].startswith(
-        quantization
-    )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(ref.prompts, params)]
     assert tokens == dequantized_twin_tokens(llm, ref.prompts, params)
