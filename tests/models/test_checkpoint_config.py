@@ -69,9 +69,14 @@ NAN, INF = float("nan"), float("inf")
 def test_an_impossible_config_value_is_refused_naming_file_and_key(
     tmp_path: Path, edit: dict[str, Any], says: str
 ) -> None:
+    assert_refused(tmp_path, {**tiny_config_json(), **edit}, says)
+
+
+def assert_refused(tmp_path: Path, config: dict[str, Any], says: str) -> None:
+    """Loading a folder of `config` fails in one line: the file, then `says`."""
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({**tiny_config_json(), **edit}))
+    (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedCheckpointError) as refused:
         resolve_model(str(folder))
     message = str(refused.value)
@@ -173,14 +178,7 @@ GEMMA2 = {
 def test_a_gemma_config_the_engine_cannot_run_is_named(
     tmp_path: Path, edit: dict[str, Any], says: str
 ) -> None:
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({**GEMMA2, **edit}))
-    with pytest.raises(UnsupportedCheckpointError) as refused:
-        resolve_model(str(folder))
-    message = str(refused.value)
-    assert message.startswith(f"{folder / 'config.json'}: {says}"), message
-    assert "\n" not in message
+    assert_refused(tmp_path, {**GEMMA2, **edit}, says)
 
 
 def test_an_moe_or_qwen_config_with_a_huge_layer_count_is_refused_at_once(tmp_path: Path) -> None:

@@ -61,6 +61,13 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+QWEN2_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=96,
+)
+
 SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     # head_dim 32 with 4 heads: q/k/v are wider than hidden_size (head_dim read from config)
     "llama_mha": ("LlamaConfig", dict(num_key_value_heads=4, num_hidden_layers=3, head_dim=32)),
@@ -82,26 +89,10 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", dict()),  # q/k norms per head
     # mixture of experts: 4 experts, 2 per token
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": (  # a gated shared expert, q/k/v biases, the second layer dense
-        "Qwen2MoeConfig",
-        dict(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=96,
-            mlp_only_layers=[1],
-        ),
-    ),
+    # a gated shared expert, q/k/v biases, the second layer dense
+    "qwen2_moe": ("Qwen2MoeConfig", dict(QWEN2_MOE, mlp_only_layers=[1])),
     # every layer sparse, as llama.cpp's qwen2moe files hold them (it has no dense layers)
-    "qwen2_moe_sparse": (
-        "Qwen2MoeConfig",
-        dict(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=96,
-        ),
-    ),
+    "qwen2_moe_sparse": ("Qwen2MoeConfig", QWEN2_MOE),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
