@@ -41,7 +41,8 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: q, k and v in one tensor, as in its checkpoints
+    "attn_q_norm": "self_attn.q_norm",  # qwen3, olmoe (over all heads)
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate_inp": "mlp.gate",  # a mixture-of-experts layer's router (Mixtral: _MIXTRAL)
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert
@@ -96,6 +97,8 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", False),
     "qwen2moe": ("Qwen2MoeForCausalLM", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
+    "olmoe": ("OlmoeForCausalLM", False),
+    "phi3": ("Phi3ForCausalLM", False),
 }
 
 
@@ -117,11 +120,14 @@ def gguf_keys(arch: str = "llama") -> dict[str, str]:
         "moe_intermediate_size": "expert_feed_forward_length",
         "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
         "norm_topk_prob": "expert_weights_norm",
+        "sliding_window": "attention.sliding_window",
     }
     return {
         **{hf: f"{arch}.{key}" for hf, key in per_arch.items()},
         "bos_token_id": "tokenizer.ggml.bos_token_id",
         "eos_token_id": "tokenizer.ggml.eos_token_id",
+        # written even when absent: Phi-3's config class defaults to an id past small vocabularies
+        "pad_token_id": "tokenizer.ggml.padding_token_id",
     }
 
 
@@ -149,6 +155,7 @@ def hf_config(reader: Any) -> dict[str, Any]:
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "max_position_embeddings": 2048,
+        "sliding_window": None,
     }
     # llama.cpp normalizes Qwen3-MoE's top-k weights unless the file says otherwise
     defaults["norm_topk_prob"] = arch == "qwen3moe"
@@ -210,7 +217,8 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, fp32 tensor) for every tensor the model uses."""
     reader = open_gguf(path)
     config = hf_config(reader)
-    permuted = GGUF_ARCHITECTURES[architecture(reader)][1]
+    arch = architecture(reader)
+    permuted = GGUF_ARCHITECTURES[arch][1]
     mixtral = config["architectures"][0] == "MixtralForCausalLM"
     heads = (
         {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -232,6 +240,8 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         if mixtral and name.endswith(".mlp.gate.weight"):
             name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+        if arch == "phi3" and ".mlp.up_proj." in name:  # gate and up in one, as its checkpoints
+            name = name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")
         array = _dequantized(path, tensor)
         part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
         if part in heads and name.endswith(".weight"):

@@ -149,11 +149,12 @@ def write_tiny_gguf(
 def write_gguf_of(
     model: Any, path: Path, arch: str, pre: str = "default", folder: Path | None = None
 ) -> Path:
-    """A Hugging Face model (Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE; Mixtral as `llama`) as
-    llama.cpp's converter writes it, F32, by the `gguf` package: `{arch}.*` metadata, tensors
-    under the names the package's own map gives (`gguf.get_tensor_name_map`), each layer's
-    experts stacked into one tensor per projection, q/k rows permuted for llama (llama.cpp's
-    converter's permutation; Qwen's keep Hugging Face's order), a byte-level vocabulary of the
+    """A Hugging Face model (Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Phi-3; Mixtral as
+    `llama`) as llama.cpp's converter writes it, F32, by the `gguf` package: `{arch}.*`
+    metadata, tensors under the names the package's own map gives (`gguf.get_tensor_name_map`),
+    each layer's experts stacked into one tensor per projection, q/k rows permuted for llama
+    (llama.cpp's converter's permutation; the others keep Hugging Face's order), a byte-level
+    vocabulary of the
     model's size with a few merges (`pre`: its tokenizer.ggml.pre). `folder`: the model's
     save_pretrained folder, whose tensors are written (transformers fuses an MoE layer's
     experts in memory; the checkpoint keeps them apart, as the converter reads them)."""
@@ -190,6 +191,8 @@ def write_gguf_of(
             writer.add_uint32(f"{arch}.{key}", value)
     if getattr(cfg, "norm_topk_prob", None) is not None and arch != "llama":
         writer.add_bool(f"{arch}.expert_weights_norm", cfg.norm_topk_prob)
+    if getattr(cfg, "sliding_window", None) and arch == "phi3":
+        writer.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
     writer.add_string("tokenizer.ggml.model", "gpt2")

@@ -452,6 +452,8 @@ def test_quantized_families_run_their_dequantized_weights(
         ("qwen2_moe_sparse", "qwen2moe"),  # the shared expert and its gate
         ("qwen3_moe", "qwen3moe"),
         ("mixtral", "llama"),  # llama.cpp writes Mixtral as a llama with experts
+        ("olmoe", "olmoe"),  # q/k norms over all heads
+        ("phi3", "phi3"),  # q/k/v in one tensor, gate and up in one, a sliding window
     ],
 )
 def test_a_gguf_of_another_family_loads_as_the_model_it_was_written_from(
@@ -476,6 +478,7 @@ def test_a_gguf_of_another_family_loads_as_the_model_it_was_written_from(
             torch.testing.assert_close(reread(tokens).logits, ref.model(tokens).logits)
     written, read = from_hf_config(ref.folder), resolve_model(str(path))
     fields = ("architecture", "num_layers", "num_kv_heads", "head_dim", "attention_bias")
+    fields += ("sliding_window", "norm_topk_prob")
     moe = ("num_experts", "expert_intermediate_size", "shared_expert_intermediate_size")
     for name in (*fields, "qk_norm", "tie_word_embeddings", *moe, "dense_layers"):
         assert getattr(read, name) == getattr(written, name), name
