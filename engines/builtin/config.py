@@ -116,6 +116,12 @@ class EngineConfig(Options):
     enable_prefix_caching: bool = option(
         False, help="paged KV: share the blocks of a common prompt prefix"
     )
+    hybrid_kv_cache: bool = option(
+        True,
+        help="paged KV on a model whose layers keep different windows (Gemma 2/3): one block "
+        "table per layer kind, so windowed layers give back blocks out of their window "
+        "(vLLM's hybrid KV cache manager); false: one table for every layer",
+    )
     # scheduling
     batching: str = option("continuous", choices=("static", "continuous"), help="the scheduler")
     enable_chunked_prefill: bool = option(

@@ -36,6 +36,7 @@ from engines.builtin.attention import AttentionMetadata
 from engines.builtin.attention.dense import AttentionBackend
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache import LayerKVCache
+from engines.builtin.kv_cache.groups import KVGroups
 from engines.builtin.model import DecoderLayer, Transformer
 from engines.builtin.step_inputs import StepInputs
 from models.config import ModelConfig
@@ -50,6 +51,7 @@ class ModelRunner(Protocol):
     config: EngineConfig
     device: torch.device
     ring: bool
+    kv_groups: KVGroups | None  # a hybrid cache's groups (kv_cache/groups.py)
     attention: AttentionBackend  # the backend the layers run (auto resolved)
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -99,6 +101,11 @@ def graphs_unavailable_reason(runner: ModelRunner) -> str | None:
         return (
             "a mixture-of-experts model: its experts run on the rows routed to them, a "
             "number the host reads every step"
+        )
+    if runner.kv_groups is not None:
+        return (
+            "a hybrid KV cache (engine.hybrid_kv_cache): the graphs capture one block table, "
+            "its layers read one per KV group; or set engine.hybrid_kv_cache=false"
         )
     if runner.ring:
         return (

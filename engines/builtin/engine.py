@@ -46,6 +46,7 @@ from engines.builtin.distributed.rendezvous import STARTUP_TIMEOUT_S
 from engines.builtin.distributed.shard import check_int4_groups, shard_for
 from engines.builtin.distributed.worker import EngineMessage, serve_if_worker_rank
 from engines.builtin.kv_cache import KVCacheManager
+from engines.builtin.kv_cache.groups import kv_groups
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes
 from engines.builtin.limits import EngineLimits, token_limits
@@ -62,7 +63,7 @@ from engines.builtin.step_stats import EngineGauges, logits_rows, step_record
 from engines.builtin.structured import build_structured_outputs, resolve_structured_output_backend
 from engines.sampling_params import SamplingParams
 from engines.structured_outputs import StructuredOutputsParams
-from models.config import ceil_div, kv_bytes_per_token, resolve_model
+from models.config import kv_bytes_per_token, resolve_model
 from models.dtypes import TORCH_DTYPES
 from models.tokenizer import tokenizer_for_model
 
@@ -235,14 +236,15 @@ class LLMEngine:
         self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len)
         self.limits = EngineLimits(max_model_len, max_num_seqs, batched, budget)
         ring = bool(getattr(self.kv, "ring", False))
+        groups = getattr(self.kv, "groups", None)  # one block table per group (hybrid.py)
         if self.peers is not None:
             # the other ranks take it once their shards are loaded
             self.peers.channel.send(
-                ("kv", self.kv.layout, ring, self.limits),
+                ("kv", self.kv.layout, ring, self.limits, groups),
                 timeout_s=max(config.tensor_parallel_timeout_s, STARTUP_TIMEOUT_S),
             )
             self.runner.peers = self.peers.channel
-        self.runner.allocate_kv_cache(self.kv.layout, ring, self.limits)
+        self.runner.allocate_kv_cache(self.kv.layout, ring, self.limits, groups)
 
     def _build_step_parts(self) -> None:
         """What a step goes through besides the runner: the scheduler, the requests'
@@ -326,22 +328,35 @@ class LLMEngine:
                 reason += f", / {shard.size} tensor-parallel ranks sharing the host"
             return budget, reason
 
+        self.kv_token_bytes = round(kv_bytes_per_token(cfg, element))
         sized = KV_MANAGERS.get(config.kv_cache).size(
             KVSizing(
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_model_len,
                 block_size=config.block_size,
-                bytes_per_token=round(kv_bytes_per_token(cfg, element)),
+                bytes_per_token=self.kv_token_bytes,
                 sliding_window=cfg.kv_sliding_window,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 enable_prefix_caching=config.enable_prefix_caching,
                 kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                 on_cuda=self.platform.is_cuda,
                 budget_for=budget_for,
+                groups=kv_groups(cfg) if config.hybrid_kv_cache else None,
             )
         )
         self.kv_budget_reason = sized.reason
         return sized.manager, sized.max_num_seqs, sized.budget_bytes
+
+    def _kv_group_facts(self) -> dict[str, Any] | None:
+        """A hybrid cache's groups (kv_cache/groups.py); None: one block table."""
+        groups = getattr(self.kv, "groups", None)
+        if groups is None:
+            return None
+        return {
+            "windows": list(groups.windows),
+            "layers_per_group": groups.group_size,
+            "block_bytes": self.kv.layout.block_size * self.kv.layout.bytes_per_token,
+        }
 
     def describe(self) -> dict[str, Any]:
         """Facts about the loaded engine, for run folders and reports."""
@@ -366,7 +381,9 @@ class LLMEngine:
             "tokenizer_vocab_size": self.tokenizer.vocab_size,
             "structured_output_backend": self.structured_output_backend,
             "kv_cache": self.config.kv_cache,
-            "kv_bytes_per_token": layout.bytes_per_token,
+            # one token of every layer (a hybrid cache's block holds a group's layers)
+            "kv_bytes_per_token": self.kv_token_bytes,
+            "kv_groups": self._kv_group_facts(),
             "kv_pool_bytes": layout.pool_bytes,
             # the budget the pool was sized from, and where that number came from
             "kv_budget_bytes": self.limits.kv_budget_bytes,
@@ -749,10 +766,7 @@ class LLMEngine:
             return  # contiguous slots always hold max_model_len tokens; none holds nothing
         layout = self.kv.layout
         longest = min(num_prompt_tokens + max_tokens, self.limits.max_model_len)
-        window = self.model_config.kv_sliding_window
-        if window is not None:  # released blocks come back while the sequence runs
-            longest = min(longest, window + 2 * layout.block_size)
-        needed = ceil_div(longest, layout.block_size)
+        needed = self.kv.blocks_to_hold(longest)
         if needed > layout.num_blocks - 1:
             raise ValueError(
                 f"prompt: {num_prompt_tokens} prompt tokens + max_tokens={max_tokens} need "

@@ -28,6 +28,7 @@ from engines.builtin.attention import AttentionBackend, AttentionMetadata
 from engines.builtin.distributed.group import TPGroup
 from engines.builtin.distributed.shard import RankShard, shard_for
 from engines.builtin.kv_cache import LayerKVCache
+from engines.builtin.kv_cache.groups import kv_groups
 from engines.builtin.layers.linear import Linear, LinearMethod
 from engines.builtin.layers.norm import RMSNorm
 from engines.builtin.layers.rotary import RotaryEmbedding, Rotation, apply_rotary
@@ -267,6 +268,9 @@ class Transformer(nn.Module):
         self.layer_kinds = [
             (cfg.layer_window(i), cfg.attn_logit_softcapping) for i in range(cfg.num_layers)
         ]
+        #: each layer's KV group, where a hybrid cache gives the step one (kv_cache/groups.py)
+        groups = kv_groups(cfg)
+        self.kv_layer_group = (0,) * cfg.num_layers if groups is None else groups.layer_group
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, linear, backend, shard, self.tp, i) for i in range(cfg.num_layers)
         )
@@ -304,18 +308,32 @@ class Transformer(nn.Module):
 
     def layer_metadata(self, meta: AttentionMetadata) -> list[AttentionMetadata]:
         """The step's metadata as each layer sees it: a layer whose window or soft cap differs
-        from the step's (a global layer between windowed ones, Gemma 2's capped scores) gets a
-        copy with its own, one per kind, with a fresh `per_step` (masks depend on the window)."""
-        variants: dict[tuple[int | None, float | None], AttentionMetadata] = {
-            (meta.sliding_window, meta.logit_softcap): meta
+        from the step's (a global layer between windowed ones, Gemma 2's capped scores), or
+        that reads another KV group's block tables (a hybrid cache), gets a copy with its own,
+        one per kind, with a fresh `per_step` (masks depend on the window)."""
+        Kind = tuple[int | None, float | None, int]
+        variants: dict[Kind, AttentionMetadata] = {
+            (meta.sliding_window, meta.logit_softcap, 0): meta
         }
+        groups = self.kv_layer_group if meta.group_kv else (0,) * len(self.layer_kinds)
         out = []
-        for window, cap in self.layer_kinds:
-            if (window, cap) not in variants:
-                variants[window, cap] = replace(
-                    meta, sliding_window=window, logit_softcap=cap, per_step={}
+        for (window, cap), group in zip(self.layer_kinds, groups, strict=True):
+            kind = (window, cap, group)
+            if kind not in variants:
+                slots, tables = (
+                    (meta.slot_mapping, meta.block_tables)
+                    if group == 0
+                    else meta.group_kv[group - 1]
                 )
-            out.append(variants[window, cap])
+                variants[kind] = replace(
+                    meta,
+                    sliding_window=window,
+                    logit_softcap=cap,
+                    slot_mapping=slots,
+                    block_tables=tables,
+                    per_step={},
+                )
+            out.append(variants[kind])
         return out
 
     def expert_tokens(self) -> tuple[tuple[int, ...], int, int]:

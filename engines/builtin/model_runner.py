@@ -31,6 +31,8 @@ from engines.builtin.cuda_graphs import (
 from engines.builtin.decode_program import DecodeProgram, unavailable_reason
 from engines.builtin.distributed.group import ControlChannel, TPGroup
 from engines.builtin.kv_cache import KVCacheManager, KVLayout, LayerKVCache
+from engines.builtin.kv_cache.groups import KVGroups
+from engines.builtin.kv_cache.hybrid import HybridKVCacheManager
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import PrepackedDenseMethod
 from engines.builtin.limits import EngineLimits
@@ -46,7 +48,7 @@ from engines.builtin.scheduler import StepPlan
 from engines.builtin.sequence import Sequence
 from engines.builtin.spec_decode.proposer import Proposal
 from engines.builtin.spec_decode.rejection_sampler import verify
-from engines.builtin.step_inputs import StepInputs
+from engines.builtin.step_inputs import StepInputs, group_input
 from engines.builtin.structured import StructuredOutputs
 from engines.builtin.weights import load_weights
 from models.config import ModelConfig, ceil_div
@@ -155,6 +157,7 @@ class ModelRunner:
         self.inputs: StepInputs  # allocate_kv_cache
         self.max_blocks_per_seq = 1
         self.ring = False
+        self.kv_groups: KVGroups | None = None  # allocate_kv_cache
         self.decode_graphs: DecodeGraphs | None = None  # set up with the KV cache
         self.cuda_graphs_note: str | None = None  # why graphs were asked for but not used
 
@@ -281,9 +284,16 @@ class ModelRunner:
         load_weights(self.model, tensors, self.dtype, self.device)
         self.weights_source = "dummy" if use_dummy else "checkpoint"
 
-    def allocate_kv_cache(self, layout: KVLayout, ring: bool, limits: EngineLimits) -> None:
+    def allocate_kv_cache(
+        self,
+        layout: KVLayout,
+        ring: bool,
+        limits: EngineLimits,
+        groups: KVGroups | None = None,
+    ) -> None:
         """The pool the KV manager's `layout` describes (its blocks of this rank's K/V heads);
-        `ring`: a sliding window's contiguous ring."""
+        `ring`: a sliding window's contiguous ring; `groups`: the hybrid manager's KV groups,
+        whose layers share `group_size` tensor pairs and each read their group's tables."""
         if limits.max_model_len != self.max_model_len:
             raise ValueError(
                 f"limits.max_model_len={limits.max_model_len} differs from the model's "
@@ -303,15 +313,23 @@ class ModelRunner:
                 self.max_num_seqs * (1 + spec.num_speculative_tokens),
                 max(self.max_num_batched_tokens, self.max_num_seqs),
             )
+        self.kv_groups = groups
         self.inputs = StepInputs(
-            self.max_num_batched_tokens, self.max_rows, self.max_blocks_per_seq, self.device
+            self.max_num_batched_tokens,
+            self.max_rows,
+            self.max_blocks_per_seq,
+            self.device,
+            1 if groups is None else groups.num_groups,
         )
         self.kv_caches = []
         cache_class = self.attention.kv_cache_class
-        for module in self.model.layers:
+        for index, module in enumerate(self.model.layers):
             layer = cast(DecoderLayer, module)  # ModuleList iterates as Module
             cache = None
-            if layout.num_blocks:
+            slot = index if groups is None else groups.layer_slot[index]
+            if slot < len(self.kv_caches):  # a tensor pair another group's layer shares
+                cache = self.kv_caches[slot]
+            elif layout.num_blocks:
                 cache = cache_class(
                     layout.num_blocks,
                     layout.block_size,
@@ -475,22 +493,27 @@ class ModelRunner:
         K/V are stored (None: all). Padding (static batching) is computed but its K/V never
         stored: nothing reads it, and a padded row may reach past the blocks its sequence
         owns."""
-        tables = host["block_tables"][: len(rows)]
-        tables[:] = 0
-        for row, entry in enumerate(rows):
-            table = kv.block_table(entry[0])
-            tables[row, : len(table)] = table
         bs, seq_index, positions = self.block_size, layout.seq_index, layout.positions
         keep = layout.real_tokens()
-        if self.ring:
-            # One window-sized region per sequence, written round-robin; of a prompt longer
-            # than the window only the last `window` tokens are kept.
-            slots = tables[seq_index, 0].astype(np.int64) * bs + positions % bs
-            keep &= positions >= (layout.starts + layout.real_lens)[seq_index] - bs
-        else:
-            blocks = np.minimum(positions // bs, self.max_blocks_per_seq - 1)
-            slots = tables[seq_index, blocks].astype(np.int64) * bs + positions % bs
-        host["slots"][: layout.num_tokens] = slots
+        for group in range(self.inputs.num_kv_groups):
+            tables = host[group_input("block_tables", group)][: len(rows)]
+            tables[:] = 0
+            for row, entry in enumerate(rows):
+                table = (
+                    kv.block_table(entry[0])
+                    if group == 0
+                    else cast(HybridKVCacheManager, kv).group_block_table(group, entry[0])
+                )
+                tables[row, : len(table)] = table
+            if self.ring:
+                # One window-sized region per sequence, written round-robin; of a prompt longer
+                # than the window only the last `window` tokens are kept.
+                slots = tables[seq_index, 0].astype(np.int64) * bs + positions % bs
+                keep &= positions >= (layout.starts + layout.real_lens)[seq_index] - bs
+            else:
+                blocks = np.minimum(positions // bs, self.max_blocks_per_seq - 1)
+                slots = tables[seq_index, blocks].astype(np.int64) * bs + positions % bs
+            host[group_input("slots", group)][: layout.num_tokens] = slots
         return None if keep.all() else np.flatnonzero(keep)
 
     def _use_graph(self, packed: PackedStep, host: dict[str, np.ndarray]) -> None:
@@ -528,6 +551,12 @@ class ModelRunner:
             if write_index is None
             else torch.as_tensor(write_index, device=self.device),
             lora=self._lora_batch(packed),
+            group_kv=[
+                (dev[group_input("slots", g)][:n], dev[group_input("block_tables", g)][:num_seqs])
+                for g in range(1, self.inputs.num_kv_groups)
+            ]
+            if packed.use_cache
+            else [],
         )
         return dev["input_ids"][:n], meta, dev["logits_indices"][: packed.num_logits]
 
@@ -553,8 +582,11 @@ class ModelRunner:
             "logits_indices": packed.num_logits,
             "input_ids": n,
             "positions": n,
-            **({"slots": n, "block_tables": rows} if packed.use_cache else {}),
         }
+        if packed.use_cache:
+            for group in range(self.inputs.num_kv_groups):
+                used[group_input("slots", group)] = n
+                used[group_input("block_tables", group)] = rows
         packed.arrays = {name: host[name][:count].copy() for name, count in used.items()}
         return packed
 

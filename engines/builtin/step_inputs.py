@@ -8,6 +8,11 @@ import numpy as np
 import torch
 
 
+def group_input(name: str, group: int) -> str:
+    """The section of KV group `group`'s `slots` or `block_tables` (group 0's: the name)."""
+    return name if group == 0 else f"{name}_{group}"
+
+
 class StepInputs:
     """A step's integer inputs, in one device buffer mirrored by one host buffer (pinned on
     CUDA). prepare() writes the host side through numpy views and `upload` moves it with one
@@ -18,8 +23,17 @@ class StepInputs:
     use (token sections whole: 32 bytes x max_num_batched_tokens, small next to a launch)."""
 
     def __init__(
-        self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks: int,
+        device: torch.device,
+        num_kv_groups: int = 1,
     ) -> None:
+        """`num_kv_groups`: KV cache groups (kv_cache/groups.py), each with its own slots and
+        block tables (`group_input`); the first group's come last, so that a step with one
+        group uploads the prefix up to the rows it uses."""
+        self.num_kv_groups = num_kv_groups
         sections: list[tuple[str, np.dtype, tuple[int, ...]]] = [
             ("qsl", np.dtype(np.int32), (max_seqs + 1,)),
             ("seq_lens", np.dtype(np.int32), (max_seqs,)),
@@ -27,9 +41,12 @@ class StepInputs:
             ("logits_indices", np.dtype(np.int64), (max(max_tokens, max_seqs),)),
             ("input_ids", np.dtype(np.int64), (max_tokens,)),
             ("positions", np.dtype(np.int64), (max_tokens,)),
-            ("slots", np.dtype(np.int64), (max_tokens,)),
-            ("block_tables", np.dtype(np.int32), (max_seqs, max_blocks)),
         ]
+        for group in reversed(range(num_kv_groups)):
+            sections += [
+                (group_input("slots", group), np.dtype(np.int64), (max_tokens,)),
+                (group_input("block_tables", group), np.dtype(np.int32), (max_seqs, max_blocks)),
+            ]
         offsets, end = {}, 0
         for name, dtype, shape in sections:
             offsets[name] = end

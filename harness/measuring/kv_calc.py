@@ -100,7 +100,9 @@ def kv_calc(
         "expert_parallel": expert_parallel,
         "experts_per_device": shard.experts,
     }
-    report.update(_decode_batch(report["kv_capacity_tokens"], context, max_num_seqs))
+    report.update(
+        _decode_batch(report["kv_capacity_tokens"], held_tokens(cfg, context), max_num_seqs)
+    )
     report.update(_predict(cfg, shard, element, name, spec, report))
     return report
 
@@ -210,7 +212,7 @@ def _device_figures(
         "device_bytes": device,
         "gpu_memory_utilization": gpu_memory_utilization,
         "kv_budget_bytes": budget,  # per device
-        "max_sequences": capacity // max_len,
+        "max_sequences": int(capacity // held_tokens(cfg, max_len)),
         # tensor parallelism: one device's share
         "tensor_parallel_size": shard.world_size,
         "allowed_tensor_parallel_sizes": allowed_tp_sizes(cfg, expert_parallel),
@@ -249,10 +251,18 @@ def _moe_step(cfg: ModelConfig, shard: TPShard, batch: int) -> dict[str, Any]:
     }
 
 
-def _decode_batch(capacity: int, context: int, max_num_seqs: int | None) -> dict[str, Any]:
-    """The sequences of `context` tokens a decode step runs: as many as the KV capacity holds,
-    at most max_num_seqs."""
-    fits = capacity // context
+def held_tokens(cfg: ModelConfig, length: int) -> float:
+    """What paged KV holds of one sequence of `length` tokens, in tokens of every layer: each
+    windowed layer keeps its window (a uniformly windowed model's table, or its group's in a
+    hybrid cache: engines/builtin/kv_cache/groups.py), each global layer every token."""
+    layers = range(cfg.num_layers)
+    return sum(min(length, cfg.layer_window(i) or length) for i in layers) / cfg.num_layers
+
+
+def _decode_batch(capacity: int, held: float, max_num_seqs: int | None) -> dict[str, Any]:
+    """The sequences a decode step runs, each holding `held` tokens of KV (held_tokens): as
+    many as the KV capacity holds, at most max_num_seqs."""
+    fits = int(capacity // held)
     batch = fits if max_num_seqs is None else min(fits, max_num_seqs)
     return {
         "batch": batch,
@@ -463,8 +473,9 @@ def _window_note(r: dict[str, Any]) -> str:
         windowed = r["layers"] - r["global_layers"]
         return (
             f"\n  (sliding window {r['sliding_window']} in {windowed} of {r['layers']} layers: "
-            "the cache keeps every token for every layer, as the global ones need; a decode "
-            "reads at most the window in the windowed ones)"
+            "paged KV keeps the window in those and every token in the global ones, one block "
+            "table per kind (engine.hybrid_kv_cache); a decode reads at most the window in the "
+            "windowed ones)"
         )
     return (
         f"\n  (sliding window {r['sliding_window']}: with paged KV a sequence holds at "

@@ -48,6 +48,10 @@ class AttentionMetadata:
     #: LoRA: which rows run under which adapter slot (None: every row runs the base model).
     #: Not attention's, but the step's, read by the linear layers the forward passes it to.
     lora: LoRABatch | None = None
+    #: KV groups 1.. of a hybrid cache (kv_cache/groups.py): each group's (slot_mapping,
+    #: block_tables), which its layers read instead (Transformer.layer_metadata). Empty: every
+    #: layer reads the fields above.
+    group_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

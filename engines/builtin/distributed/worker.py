@@ -2,7 +2,7 @@
 runs each step rank 0 packs, until told to stop.
 
     ("engine", EngineMessage)  build the runner (load this rank's shard) in a new compute group
-    ("kv", layout, ring, limits)  allocate this rank's KV pool (same blocks as rank 0's)
+    ("kv", layout, ring, limits, groups)  allocate this rank's KV pool (same blocks as rank 0's)
     ("step", PackedStep)       run the step's forward on this rank's shard
     ("close",)                 drop the engine; wait for the next (torchrun: one per engine)
     ("exit",)                  end the process

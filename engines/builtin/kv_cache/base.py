@@ -49,6 +49,10 @@ class KVCacheManager(ABC):
     def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
         """Reserve room for `num_tokens` tokens in total; return newly allocated block ids."""
 
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        """The most blocks one sequence of `num_tokens` tokens holds at once."""
+        return -(-num_tokens // self.block_size)
+
     @abstractmethod
     def free(self, seq_id: int) -> list[int]:
         """Release the sequence's memory; return the freed block ids."""

@@ -65,11 +65,15 @@ class PagedKVCacheManager(KVCacheManager):
         layout: KVLayout,
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,
+        pool: BlockPool | None = None,
+        namespaces: dict[str, int] | None = None,
     ) -> None:
+        """`pool` and `namespaces`: shared with the other groups of a hybrid cache
+        (hybrid.py), so that block ids and adapter roots are unique across them."""
         super().__init__(layout)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError("sliding_window must be >= 1")
-        self.pool = BlockPool(layout.num_blocks)
+        self.pool = BlockPool(layout.num_blocks) if pool is None else pool
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
         self.prefix_hit_tokens = 0
@@ -80,7 +84,8 @@ class PagedKVCacheManager(KVCacheManager):
         self._hashes: dict[int, list[int]] = {}
         self._content_ids: dict[int, list[int]] = {}
         self._released: dict[int, int] = {}  # seq -> table entries released by the window
-        self._namespaces: dict[str, int] = {}  # adapter name -> its root's parent id
+        # adapter name -> its root's parent id
+        self._namespaces: dict[str, int] = {} if namespaces is None else namespaces
 
     # ---- allocation -------------------------------------------------------------------------
 
@@ -99,13 +104,19 @@ class PagedKVCacheManager(KVCacheManager):
             if table[i] != NULL_BLOCK and self.pool.ref_counts[table[i]] > 1
         ]
 
-    def _blocks_needed(self, seq_id: int, num_tokens: int) -> int:
+    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         table = self.block_tables.get(seq_id, [])
         grow = max(0, ceil_div(num_tokens, self.block_size) - len(table))
         return grow + len(self._shared_to_write(seq_id, num_tokens))
 
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
-        return self._blocks_needed(seq_id, num_tokens) <= self.pool.num_free
+        return self.blocks_needed(seq_id, num_tokens) <= self.pool.num_free
+
+    def blocks_to_hold(self, num_tokens: int) -> int:
+        longest = num_tokens
+        if self.sliding_window is not None:  # released blocks come back while it runs
+            longest = min(longest, self.sliding_window + 2 * self.block_size)
+        return ceil_div(longest, self.block_size)
 
     def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
         if not self.can_allocate(seq_id, num_tokens):

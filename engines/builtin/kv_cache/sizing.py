@@ -5,10 +5,12 @@ slots or blocks) and the number of sequences that can run at once."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engines.builtin.kv_cache.base import KVCacheManager, KVLayout
 from engines.builtin.kv_cache.contiguous import ContiguousKVCacheManager
+from engines.builtin.kv_cache.groups import KVGroups
+from engines.builtin.kv_cache.hybrid import HybridKVCacheManager
 from engines.builtin.kv_cache.none import NoKVCacheManager
 from engines.builtin.kv_cache.paged import PagedKVCacheManager
 from engines.registry import Registry
@@ -31,6 +33,9 @@ class KVSizing:
     on_cuda: bool
     # bytes one sequence needs -> (the budget in bytes, where it came from)
     budget_for: Callable[[int], tuple[int, str]]
+    # the model's layers keep different windows and engine.hybrid_kv_cache is on: paged KV
+    # keeps one block table per group (groups.py); None: one table for every layer
+    groups: KVGroups | None = None
 
 
 @dataclass(frozen=True)
@@ -82,14 +87,23 @@ def contiguous_kv_cache(s: KVSizing) -> SizedKV:
 
 def paged_kv_cache(s: KVSizing) -> SizedKV:
     """Blocks of block_size tokens from one pool, handed out as sequences grow. Block 0 is the
-    null block (table entries released by a sliding window point at it)."""
-    block_bytes = s.block_size * s.bytes_per_token
-    budget, reason = s.budget_for(ceil_div(s.max_model_len, s.block_size) * block_bytes)
+    null block (table entries released by a sliding window point at it). With KV groups a
+    block id is one group's layers (group_size of num_layers), and a sequence holds blocks in
+    every group."""
+    groups, token_bytes = s.groups, s.bytes_per_token
+    layout = KVLayout(num_blocks=1, block_size=s.block_size, bytes_per_token=token_bytes)
+    longest = ceil_div(s.max_model_len, s.block_size)  # blocks of one sequence at full length
+    if groups is not None:
+        token_bytes = s.bytes_per_token * groups.group_size // len(groups.layer_group)
+        layout = replace(layout, bytes_per_token=token_bytes)
+        longest = HybridKVCacheManager(layout, groups).blocks_to_hold(s.max_model_len)
+    block_bytes = s.block_size * token_bytes
+    budget, reason = s.budget_for(longest * block_bytes)
     if s.kv_cache_memory_bytes is None and not s.on_cuda:
         # RAM is shared with everything else (and mapped at load when prefaulted): by default
         # no more blocks than max_num_seqs sequences at full length fill at once, the
         # contiguous layout's bound; blocks beyond it would only keep more freed prefixes
-        most = s.max_num_seqs * ceil_div(s.max_model_len, s.block_size)
+        most = s.max_num_seqs * longest
         if most * block_bytes < budget:
             budget = most * block_bytes
             reason += f"; capped at max_num_seqs={s.max_num_seqs} sequences of max_model_len"
@@ -99,10 +113,12 @@ def paged_kv_cache(s: KVSizing) -> SizedKV:
             f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds no KV block of "
             f"block_size={s.block_size} ({block_bytes} bytes each; budget: {reason})"
         )
-    layout = KVLayout(
-        num_blocks=usable + 1, block_size=s.block_size, bytes_per_token=s.bytes_per_token
+    layout = replace(layout, num_blocks=usable + 1)
+    manager: KVCacheManager = (
+        PagedKVCacheManager(layout, s.enable_prefix_caching, s.sliding_window)
+        if groups is None
+        else HybridKVCacheManager(layout, groups, s.enable_prefix_caching)
     )
-    manager = PagedKVCacheManager(layout, s.enable_prefix_caching, s.sliding_window)
     return SizedKV(manager, s.max_num_seqs, budget, reason)
 
 

@@ -196,6 +196,10 @@ def test_windowed_layers_read_their_window_and_global_ones_the_context() -> None
     read = 2 * (63 + 256) / 2  # per layer on average, 2 sequences
     assert r["kv_bytes_moved_per_device"] == pytest.approx((read + 2) * per_token)
     assert r["global_layers"] == 2 and r["sliding_window"] == 64
+    # paged KV holds 64 tokens of the windowed layers (the hybrid cache) and all of the others'
+    assert r["max_sequences"] == r["kv_capacity_tokens"] // ((64 + 512) / 2)
+    free = kv_calc("tiny-gemma2", None, 512, "fp32", None, spec=SPEC, context_len=256)
+    assert free["batch"] == r["kv_capacity_tokens"] // ((64 + 256) / 2)
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

@@ -61,7 +61,9 @@ def exit_code(name: str, proc: subprocess.Popen[str], timeout_s: float = 120) ->
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGABRT)
         _, stderr = proc.communicate(timeout=60)
-        pytest.fail(f"run {name} still running {timeout_s:.0f} s after its signal:\n{stderr[-8000:]}")
+        pytest.fail(
+            f"run {name} still running {timeout_s:.0f} s after its signal:\n{stderr[-8000:]}"
+        )
 
 
 def signal_each_once_it_has_rows(
