@@ -99,7 +99,21 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
     "olmoe": ("OlmoeForCausalLM", False),
     "phi3": ("Phi3ForCausalLM", False),
+    "gemma2": ("Gemma2ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
 }
+#: Gemma's layer norms under llama.cpp's names (its ffn_norm is the norm before the MLP; the
+#: one after attention has a name of its own). llama.cpp's converter stores every Gemma norm
+#: weight + 1 (its kernels scale by the weight), which the loader takes off again.
+_GEMMA_LAYER_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+#: block_count of the 27B Gemma: llama.cpp scales its queries by 1/sqrt(hidden / heads), every
+#: other Gemma's by 1/sqrt(head_dim) (files hold no query_pre_attn_scalar)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA = frozenset(_GEMMA_27B_LAYERS)
 
 
 def gguf_keys(arch: str = "llama") -> dict[str, str]:
@@ -173,11 +187,55 @@ def hf_config(reader: Any) -> dict[str, Any]:
         config["mlp_only_layers"] = sorted(
             int(n.split(".")[1]) for n in names if n.endswith(".ffn_gate.weight")
         )
+    if arch in _GEMMA:
+        return {**config, **_gemma_config(reader, arch, config)}
     if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
         raise UnsupportedGGUFError(
             f"{reader.data.filename}: {arch}.rope.scaling.type: rope scaling is not supported"
         )
     return config
+
+
+def _gemma_config(reader: Any, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3's config.json keys as llama.cpp writes and reads them: the soft caps, which
+    layers are windowed (`attention.sliding_window_pattern`: a flag per layer, or every n-th
+    global; absent: the family's rule), the query scale by llama.cpp's rule, and Gemma 3's
+    RoPE, linear scaling on the global layers and `rope.freq_base_swa` on the windowed ones."""
+    heads, head_dim = config["num_attention_heads"], config["head_dim"]
+    big = config["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+    extra: dict[str, Any] = {
+        "query_pre_attn_scalar": config["hidden_size"] // heads if big else head_dim,
+    }
+    if arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = _field(reader, f"{arch}.{key}")
+            if value is not None:
+                extra[key] = value
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        extra["layer_types"] = ["sliding_attention" if w else "full_attention" for w in pattern]
+    elif pattern is not None:
+        extra["sliding_window_pattern"] = pattern
+    if arch == "gemma3":
+        scaling = _field(reader, f"{arch}.rope.scaling.type")
+        full: dict[str, Any] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+        if scaling == "linear":
+            full = {
+                **full,
+                "rope_type": "linear",
+                "factor": _field(reader, f"{arch}.rope.scaling.factor"),
+            }
+        elif scaling not in (None, "none"):
+            raise UnsupportedGGUFError(
+                f"{reader.data.filename}: {arch}.rope.scaling.type: {scaling!r} is not "
+                "supported; supported: linear, none"
+            )
+        local = _field(reader, f"{arch}.rope.freq_base_swa", 10000.0)
+        extra["rope_parameters"] = {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        }
+    return extra
 
 
 def gguf_source_keys(path: str | Path) -> dict[str, str]:
@@ -199,12 +257,13 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def hf_name(name: str) -> str | None:
-    """A GGUF tensor name under Hugging Face's name, or None for one the model does not use
-    (e.g. rope_freqs, which the engine computes)."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """A GGUF tensor name of a file of `arch` under Hugging Face's name, or None for one the
+    model does not use (e.g. rope_freqs, which the engine computes)."""
     if match := _LAYER.match(name):
         layer, part, kind = match.groups()
-        hf = _LAYER_TENSORS.get(part)
+        gemma = _GEMMA_LAYER_TENSORS if arch in _GEMMA else {}
+        hf = gemma.get(part, _LAYER_TENSORS.get(part))
         return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
     if match := _TOP.match(name):
         part, kind = match.groups()
@@ -235,7 +294,7 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 hf = f"model.layers.{layer}.{block}.experts.{e}.{projection}.{kind}"
                 yield hf, torch.from_numpy(np.ascontiguousarray(expert))
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue
         if mixtral and name.endswith(".mlp.gate.weight"):
@@ -248,6 +307,8 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             array = _unpermute(array, heads[part])
         if part == "ffn_gate_inp_shexp" and array.ndim == 1:  # [hidden]: HF's is [1, hidden]
             array = array[None, :]
+        if arch in _GEMMA and tensor.name.endswith("norm.weight"):
+            array = array - 1.0  # stored as llama.cpp's kernels use it: 1 + weight
         yield name, torch.from_numpy(np.ascontiguousarray(array))  # a copy: the file is mapped
 
 
@@ -302,7 +363,8 @@ def write_hf_tokenizer(path: str | Path, folder: Path) -> None:
     if kind != "gpt2" or pre not in PRE_TOKENIZERS:
         raise UnsupportedGGUFError(
             f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported; "
-            f"supported: gpt2 with {'|'.join(PRE_TOKENIZERS)}"
+            f"supported: gpt2 with {'|'.join(PRE_TOKENIZERS)}; or give the model's tokenizer "
+            "folder as model.tokenizer"
         )
     tokens = _string_list(reader, "tokenizer.ggml.tokens")
     types = list(_field(reader, "tokenizer.ggml.token_type") or [])

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.config import from_hf_dict
+from models.config import MODEL_TYPES, from_hf_dict
 from models.files import check_model_output
 from models.gguf import (
     architecture,
@@ -56,7 +56,7 @@ def _shards(
 
 
 def convert_to_hf(src: str | Path, dst: str | Path, dtype: str = "float32") -> Path:
-    """A Hugging Face folder (Llama, Qwen2 or Qwen3, as the file's architecture) from the GGUF
+    """A Hugging Face folder (of the file's architecture, models/gguf.py) from the GGUF
     file `src`; `dtype` of the safetensors: float32 (exact: the file's quantized weights
     dequantized), float16 or bfloat16."""
     from safetensors.torch import save_file
@@ -64,8 +64,10 @@ def convert_to_hf(src: str | Path, dst: str | Path, dtype: str = "float32") -> P
     if dtype not in HF_DTYPES:
         raise ValueError(f"--dtype: {dtype!r} is invalid; allowed: {'|'.join(HF_DTYPES)}")
     reader = open_gguf(src)
-    # general.architecture is transformers' model_type for the architectures read here
-    config = {**_runnable_config(reader, src), "model_type": architecture(reader)}
+    config = _runnable_config(reader, src)
+    # transformers picks the class by model_type (Gemma 3's text model is gemma3_text)
+    model_types = {arch: model_type for model_type, arch in MODEL_TYPES.items()}
+    config["model_type"] = model_types[config["architectures"][0]]
     config["torch_dtype"] = dtype
     folder = Path(dst)
     folder.mkdir(parents=True, exist_ok=True)

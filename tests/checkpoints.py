@@ -149,15 +149,15 @@ def write_tiny_gguf(
 def write_gguf_of(
     model: Any, path: Path, arch: str, pre: str = "default", folder: Path | None = None
 ) -> Path:
-    """A Hugging Face model (Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Phi-3; Mixtral as
-    `llama`) as llama.cpp's converter writes it, F32, by the `gguf` package: `{arch}.*`
-    metadata, tensors under the names the package's own map gives (`gguf.get_tensor_name_map`),
-    each layer's experts stacked into one tensor per projection, q/k rows permuted for llama
-    (llama.cpp's converter's permutation; the others keep Hugging Face's order), a byte-level
-    vocabulary of the
-    model's size with a few merges (`pre`: its tokenizer.ggml.pre). `folder`: the model's
-    save_pretrained folder, whose tensors are written (transformers fuses an MoE layer's
-    experts in memory; the checkpoint keeps them apart, as the converter reads them)."""
+    """A Hugging Face model (Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, OLMoE, Phi-3, Gemma 2/3;
+    Mixtral as `llama`) as llama.cpp's converter writes it, F32, by the `gguf` package:
+    `{arch}.*` metadata, tensors under the names the package's own map gives
+    (`gguf.get_tensor_name_map`), each layer's experts stacked into one tensor per projection,
+    q/k rows permuted for llama (llama.cpp's converter's permutation; the others keep Hugging
+    Face's order), Gemma's norms + 1, a byte-level vocabulary of the model's size with a few
+    merges (`pre`: its tokenizer.ggml.pre). `folder`: the model's save_pretrained folder,
+    whose tensors are written (transformers fuses an MoE layer's experts in memory; the
+    checkpoint keeps them apart, as the converter reads them)."""
     import gguf
     from safetensors.torch import load_file
     from tokenizers import pre_tokenizers
@@ -191,10 +191,23 @@ def write_gguf_of(
             writer.add_uint32(f"{arch}.{key}", value)
     if getattr(cfg, "norm_topk_prob", None) is not None and arch != "llama":
         writer.add_bool(f"{arch}.expert_weights_norm", cfg.norm_topk_prob)
-    if getattr(cfg, "sliding_window", None) and arch == "phi3":
+    gemma = arch in ("gemma2", "gemma3")
+    if getattr(cfg, "sliding_window", None) and (arch == "phi3" or gemma):
         writer.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    if arch == "gemma3":  # a RoPE per layer kind: the global one may be scaled
+        rope, local = rope["full_attention"], rope["sliding_attention"]
+        writer.add_float32(f"{arch}.rope.freq_base_swa", local["rope_theta"])
+        if rope.get("rope_type") == "linear":
+            writer.add_string(f"{arch}.rope.scaling.type", "linear")
+            writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        windowed = [kind == "sliding_attention" for kind in cfg.layer_types]
+        writer.add_array(f"{arch}.attention.sliding_window_pattern", windowed)
+    if arch == "gemma2":
+        writer.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        writer.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+    writer.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", pre)
     writer.add_array("tokenizer.ggml.tokens", tokens)
@@ -220,6 +233,8 @@ def write_gguf_of(
                 array
             )
             continue
+        if gemma and parts[-1].endswith("norm"):  # llama.cpp's converter stores 1 + weight
+            array = array + 1.0
         if arch == "llama" and parts[-1] in heads and kind == "weight":  # llama.cpp's permute
             n = heads[parts[-1]]
             array = array.reshape(n, 2, array.shape[0] // n // 2, *array.shape[1:])
