@@ -233,6 +233,8 @@ class LLMEngine:
             tp=None if self.peers is None else self.peers.tp,
         )
         self.kv_budget_reason = ""  # where the KV budget came from, set with the budget
+        cfg = self.model_config
+        self.layer_windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
         self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len)
         self.limits = EngineLimits(max_model_len, max_num_seqs, batched, budget)
         ring = bool(getattr(self.kv, "ring", False))
@@ -899,7 +901,7 @@ class LLMEngine:
             len(self.scheduler.running),
             self.runner.last_forward_ns,
             self.runner.last_gather_ns,
-            self.model_config.kv_sliding_window,
+            self.layer_windows,
             self.last_draft_ns,
             self.runner.last_comm,
             self.runner.last_broadcast,

@@ -4,6 +4,7 @@ metrics read between steps."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from engines.base import StepRecord
@@ -46,7 +47,7 @@ def step_record(
     num_running: int,
     forward_ns: int,
     kv_gather_ns: int,
-    sliding_window: int | None,
+    layer_windows: tuple[int | None, ...],
     draft_ns: int = 0,
     comm: tuple[int, int] = (0, 0),
     broadcast: tuple[int, int] = (0, 0),
@@ -101,7 +102,7 @@ def step_record(
         comm_bytes=comm[1],
         broadcast_ns=broadcast[0],
         broadcast_bytes=broadcast[1],
-        **roofline_counts(plan, sliding_window, kv.retains_kv),
+        **layer_mean_counts(plan, layer_windows, kv.retains_kv),
     )
 
 
@@ -109,6 +110,19 @@ def by_position(lengths: list[int]) -> tuple[int, ...]:
     """Runs of drafts (proposed or kept) -> how many reached each position 1, 2, ...: a kept
     run of 3 counts at positions 1, 2 and 3."""
     return tuple(sum(1 for n in lengths if n > i) for i in range(max(lengths, default=0)))
+
+
+def layer_mean_counts(
+    plan: StepPlan, layer_windows: tuple[int | None, ...], retains_kv: bool
+) -> dict[str, int]:
+    """roofline_counts averaged over the layers, each within its own window (Gemma's windowed
+    layers beside global ones), in tokens of every layer as the roofline prices them."""
+    kinds = Counter(layer_windows)
+    counts = {window: roofline_counts(plan, window, retains_kv) for window in kinds}
+    return {
+        key: round(sum(n * counts[window][key] for window, n in kinds.items()) / len(layer_windows))
+        for key in next(iter(counts.values()))
+    }
 
 
 def roofline_counts(plan: StepPlan, window: int | None, retains_kv: bool) -> dict[str, int]:

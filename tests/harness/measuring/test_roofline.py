@@ -15,7 +15,7 @@ import pytest
 
 from engines.base import StepRecord
 from engines.builtin import LLM, SamplingParams
-from engines.builtin.step_stats import roofline_counts
+from engines.builtin.step_stats import layer_mean_counts, roofline_counts
 from harness.measuring.roofline import (
     ROOFLINE_COLUMNS,
     ModelShape,
@@ -95,6 +95,10 @@ def test_roofline_counts_match_brute_force(window: int | None, retains: bool) ->
     )
     rows = [(c, n + p, n) for c, n, p in scheduled] + [(s, n, 0) for s, n in padding_rows]
     assert roofline_counts(plan, window, retains) == brute_force_counts(rows, window, retains)
+    # three layers within the window and one global: the mean of a token of every layer
+    mixed = layer_mean_counts(plan, (window, None, window, window), retains)
+    windowed, full = (brute_force_counts(rows, w, retains) for w in (window, None))
+    assert mixed == {k: round((3 * windowed[k] + full[k]) / 4) for k in full}
 
 
 def record_steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[StepRecord]:
