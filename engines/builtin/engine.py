@@ -235,7 +235,7 @@ class LLMEngine:
         self.kv_budget_reason = ""  # where the KV budget came from, set with the budget
         cfg = self.model_config
         self.layer_windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
-        self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len)
+        self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len, batched)
         self.limits = EngineLimits(max_model_len, max_num_seqs, batched, budget)
         ring = bool(getattr(self.kv, "ring", False))
         groups = getattr(self.kv, "groups", None)  # one block table per group (hybrid.py)
@@ -309,7 +309,7 @@ class LLMEngine:
         )
         return PROPOSERS.get(spec.method)(spec, context)
 
-    def _make_kv_manager(self, max_model_len: int) -> tuple[KVCacheManager, int, int]:
+    def _make_kv_manager(self, max_model_len: int, batched: int) -> tuple[KVCacheManager, int, int]:
         config, shard = self.config, self.runner.model.shard
         # this rank's K/V heads: the pool, its budget and its blocks are per device
         cfg = replace(self.model_config, num_kv_heads=shard.num_kv_heads)
@@ -335,6 +335,7 @@ class LLMEngine:
             KVSizing(
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_model_len,
+                max_num_batched_tokens=batched,
                 block_size=config.block_size,
                 bytes_per_token=self.kv_token_bytes,
                 sliding_window=cfg.kv_sliding_window,
@@ -768,7 +769,7 @@ class LLMEngine:
             return  # contiguous slots always hold max_model_len tokens; none holds nothing
         layout = self.kv.layout
         longest = min(num_prompt_tokens + max_tokens, self.limits.max_model_len)
-        needed = self.kv.blocks_to_hold(longest)
+        needed = self.kv.blocks_to_hold(longest, min(longest, self.limits.max_num_batched_tokens))
         if needed > layout.num_blocks - 1:
             raise ValueError(
                 f"prompt: {num_prompt_tokens} prompt tokens + max_tokens={max_tokens} need "

@@ -49,8 +49,10 @@ class KVCacheManager(ABC):
     def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
         """Reserve room for `num_tokens` tokens in total; return newly allocated block ids."""
 
-    def blocks_to_hold(self, num_tokens: int) -> int:
-        """The most blocks one sequence of `num_tokens` tokens holds at once."""
+    def blocks_to_hold(self, num_tokens: int, step_tokens: int | None = None) -> int:
+        """The most blocks one sequence of `num_tokens` tokens holds at once, when no step
+        writes more than `step_tokens` of them (None: one step may write them all, a prompt
+        prefilled whole or recomputed after a preemption)."""
         return -(-num_tokens // self.block_size)
 
     @abstractmethod

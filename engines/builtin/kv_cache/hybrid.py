@@ -65,8 +65,8 @@ class HybridKVCacheManager(KVCacheManager):
             )
         return [block for m in self.managers for block in m.allocate(seq_id, num_tokens)]
 
-    def blocks_to_hold(self, num_tokens: int) -> int:
-        return sum(m.blocks_to_hold(num_tokens) for m in self.managers)
+    def blocks_to_hold(self, num_tokens: int, step_tokens: int | None = None) -> int:
+        return sum(m.blocks_to_hold(num_tokens, step_tokens) for m in self.managers)
 
     def free(self, seq_id: int) -> list[int]:
         return [block for m in self.managers for block in m.free(seq_id)]

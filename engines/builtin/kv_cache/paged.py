@@ -112,10 +112,13 @@ class PagedKVCacheManager(KVCacheManager):
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
         return self.blocks_needed(seq_id, num_tokens) <= self.pool.num_free
 
-    def blocks_to_hold(self, num_tokens: int) -> int:
+    def blocks_to_hold(self, num_tokens: int, step_tokens: int | None = None) -> int:
         longest = num_tokens
-        if self.sliding_window is not None:  # released blocks come back while it runs
-            longest = min(longest, self.sliding_window + 2 * self.block_size)
+        if self.sliding_window is not None:
+            # released blocks come back while it runs, but a step's tokens are all allocated
+            # before the window moves past the oldest of them
+            step = num_tokens if step_tokens is None else step_tokens
+            longest = min(longest, self.sliding_window + step + 2 * self.block_size)
         return ceil_div(longest, self.block_size)
 
     def allocate(self, seq_id: int, num_tokens: int) -> list[int]:

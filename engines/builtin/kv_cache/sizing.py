@@ -23,6 +23,7 @@ class KVSizing:
 
     max_num_seqs: int
     max_model_len: int
+    max_num_batched_tokens: int  # the most tokens one step writes
     block_size: int
     bytes_per_token: int
     sliding_window: int | None
@@ -96,7 +97,8 @@ def paged_kv_cache(s: KVSizing) -> SizedKV:
     if groups is not None:
         token_bytes = s.bytes_per_token * groups.group_size // len(groups.layer_group)
         layout = replace(layout, bytes_per_token=token_bytes)
-        longest = HybridKVCacheManager(layout, groups).blocks_to_hold(s.max_model_len)
+        step = min(s.max_model_len, s.max_num_batched_tokens)
+        longest = HybridKVCacheManager(layout, groups).blocks_to_hold(s.max_model_len, step)
     block_bytes = s.block_size * token_bytes
     budget, reason = s.budget_for(longest * block_bytes)
     if s.kv_cache_memory_bytes is None and not s.on_cuda:
@@ -108,10 +110,12 @@ def paged_kv_cache(s: KVSizing) -> SizedKV:
             budget = most * block_bytes
             reason += f"; capped at max_num_seqs={s.max_num_seqs} sequences of max_model_len"
     usable = budget // block_bytes
-    if usable < 1:
+    needed = 1 if groups is None else groups.num_groups  # a block per table, for one token
+    if usable < needed:
         raise ValueError(
-            f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds no KV block of "
-            f"block_size={s.block_size} ({block_bytes} bytes each; budget: {reason})"
+            f"engine.kv_cache_memory_bytes: a budget of {budget} bytes holds {usable} KV blocks "
+            f"of block_size={s.block_size} ({block_bytes} bytes each; budget: {reason}); one "
+            f"token needs {needed}"
         )
     layout = replace(layout, num_blocks=usable + 1)
     manager: KVCacheManager = (

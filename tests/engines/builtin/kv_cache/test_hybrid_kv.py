@@ -46,7 +46,9 @@ def manager(num_blocks: int = 41, caching: bool = True) -> HybridKVCacheManager:
 
 def test_the_windowed_group_gives_back_blocks_the_global_one_keeps() -> None:
     kv = manager()
-    assert kv.blocks_to_hold(32) == 8 + 4  # global 32 tokens; windowed 8 + 2 blocks of room
+    # global: 32 tokens; windowed: 8 + the step's tokens + 2 blocks of room
+    assert kv.blocks_to_hold(32, step_tokens=1) == 8 + 5
+    assert kv.blocks_to_hold(32) == 8 + 8  # a step may write all 32 before any is released
     assert kv.can_allocate(0, 80) and not kv.can_allocate(0, 81)  # 2 x 20 of 40 blocks
     kv.allocate(0, 32)
     assert kv.num_blocks_in_use == 16
@@ -130,3 +132,25 @@ def test_hybrid_tokens_equal_one_table_and_hold_less(options: dict) -> None:
         assert peak < 0.9 * plain_peak, (peak, plain_peak)
     if "enable_prefix_caching" in options:
         assert llm.engine.kv.prefix_hit_tokens > 0
+
+
+def test_a_whole_prompt_in_the_windowed_group_is_budgeted_and_checked() -> None:
+    """A prompt prefilled in one step is allocated whole in every group before the window
+    releases anything: the default pool holds it with one sequence, and a request that could
+    never be prefilled is refused at once with its block count (found by a hostile pass)."""
+    prompt = [4 + i % 3000 for i in range(250)]
+    llm = LLM("tiny-gemma2", dtype="float32", kv_cache="paged", max_model_len=256, max_num_seqs=1)
+    assert len(llm.generate([prompt], greedy(5))[0].outputs[0].token_ids) == 5
+    tight = LLM(
+        "tiny-gemma2",
+        dtype="float32",
+        kv_cache="paged",
+        max_model_len=256,
+        kv_cache_memory_bytes=20 * 16 * 512,  # 20 blocks of half the layers
+    )
+    with pytest.raises(
+        ValueError, match="need 28 KV blocks of 16 tokens, but the whole pool has 20"
+    ):
+        tight.generate([prompt[:200]], greedy(10))
+    with pytest.raises(ValueError, match="holds 1 KV blocks of block_size=16 .* one token needs 2"):
+        LLM("tiny-gemma2", kv_cache="paged", max_model_len=256, kv_cache_memory_bytes=8192)
