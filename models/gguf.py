@@ -25,6 +25,7 @@ import torch
 
 from models.cache import build_folder_once, cache_dir, file_key
 from models.gguf_header import GGUFHeaderError, check_gguf_header
+from models.gguf_sentencepiece import sentencepiece_tokenizer
 
 
 class UnsupportedGGUFError(ValueError):
@@ -353,25 +354,65 @@ def _string_list(reader: Any, key: str) -> list[str]:
 
 def write_hf_tokenizer(path: str | Path, folder: Path) -> None:
     """tokenizer.json and tokenizer_config.json (special tokens, chat template, add_bos) of a
-    GGUF file's byte-level BPE vocabulary (tokenizer.ggml.model `gpt2`), built with
-    `tokenizers` from the vocabulary, merges and token types in the file's metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
+    GGUF file's vocabulary, built with `tokenizers` from the file's metadata: a byte-level BPE
+    (tokenizer.ggml.model `gpt2`) or SentencePiece's (`llama`, models/gguf_sentencepiece.py)."""
     reader = open_gguf(path)
     kind = _field(reader, "tokenizer.ggml.model")
     pre = _field(reader, "tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or pre not in PRE_TOKENIZERS:
+    if kind != "llama" and (kind != "gpt2" or pre not in PRE_TOKENIZERS):
         raise UnsupportedGGUFError(
             f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported; "
-            f"supported: gpt2 with {'|'.join(PRE_TOKENIZERS)}; or give the model's tokenizer "
-            "folder as model.tokenizer"
+            f"supported: llama (SentencePiece), gpt2 with {'|'.join(PRE_TOKENIZERS)}; or give "
+            "the model's tokenizer folder as model.tokenizer"
         )
     tokens = _string_list(reader, "tokenizer.ggml.tokens")
-    types = list(_field(reader, "tokenizer.ggml.token_type") or [])
-    if len(types) != len(tokens):
-        raise UnsupportedGGUFError(
-            f"{path}: tokenizer.ggml.token_type: {len(types)} types for {len(tokens)} tokens"
+    types = _numbers(reader, "tokenizer.ggml.token_type", len(tokens))
+    if kind == "llama":
+        backend = sentencepiece_tokenizer(
+            str(_field(reader, "general.architecture")),
+            tokens,
+            [int(t) for t in types],
+            _numbers(reader, "tokenizer.ggml.scores", len(tokens)),
+            bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
         )
+    else:
+        backend = _byte_level_tokenizer(reader, pre, tokens, types)
+    folder.mkdir(parents=True, exist_ok=True)
+    backend.save(str(folder / "tokenizer.json"))
+
+    def token(key: str) -> str | None:
+        index = _field(reader, key)
+        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
+
+    config = {
+        "bos_token": token("tokenizer.ggml.bos_token_id"),
+        "eos_token": token("tokenizer.ggml.eos_token_id"),
+        "pad_token": token("tokenizer.ggml.padding_token_id"),
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _numbers(reader: Any, key: str, count: int) -> list[float]:
+    """An array of one number per token (token types, scores)."""
+    values = list(_field(reader, key) or [])
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+    if len(values) != count or not numbers:
+        raise UnsupportedGGUFError(
+            f"{reader.data.filename}: {key}: {len(values)} values for {count} tokens; allowed: "
+            "one number per token"
+        )
+    return values
+
+
+def _byte_level_tokenizer(reader: Any, pre: str, tokens: list[str], types: list[float]) -> Any:
+    """The byte-level BPE of a `gpt2` vocabulary: the file's merges, GPT-2's split (or the one
+    `pre` names), the control tokens kept whole."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    path = reader.data.filename
     merges = []
     for merge in _field(reader, "tokenizer.ggml.merges") or []:
         pair = tuple(merge.split(" ", 1)) if isinstance(merge, str) else ()
@@ -412,21 +453,7 @@ def write_hf_tokenizer(path: str | Path, folder: Path) -> None:
             if ty == control
         ]
     )
-    folder.mkdir(parents=True, exist_ok=True)
-    backend.save(str(folder / "tokenizer.json"))
-
-    def token(key: str) -> str | None:
-        index = _field(reader, key)
-        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
-
-    config = {
-        "bos_token": token("tokenizer.ggml.bos_token_id"),
-        "eos_token": token("tokenizer.ggml.eos_token_id"),
-        "pad_token": token("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "chat_template": _field(reader, "tokenizer.chat_template"),
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return backend
 
 
 def tokenizer_folder(path: str | Path) -> Path:
