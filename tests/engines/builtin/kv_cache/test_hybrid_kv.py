@@ -152,5 +152,7 @@ def test_a_whole_prompt_in_the_windowed_group_is_budgeted_and_checked() -> None:
         ValueError, match="need 28 KV blocks of 16 tokens, but the whole pool has 20"
     ):
         tight.generate([prompt[:200]], greedy(10))
-    with pytest.raises(ValueError, match=r"holds 1 KV blocks of block_size=16 .* one token needs 2"):
+    with pytest.raises(
+        ValueError, match=r"holds 1 KV blocks of block_size=16 .* one token needs 2"
+    ):
         LLM("tiny-gemma2", kv_cache="paged", max_model_len=256, kv_cache_memory_bytes=8192)
