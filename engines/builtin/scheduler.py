@@ -339,8 +339,11 @@ class Scheduler:
                 item.num_new_tokens += len(fitted.token_ids)
                 budget -= len(fitted.token_ids)
                 self._allocate(item.seq, item.num_computed_before + item.num_new_tokens, plan)
-        plan.scheduled = [s for s in decodes if s.is_decode]  # decodes first: the runner packs
-        plan.scheduled += [s for s in decodes if not s.is_decode] + prefills
+        # decodes first: the runner packs them so. A sequence readmitted after a preemption
+        # with all but its last token cached is admitted as one (its next token on a cached
+        # context), after the running ones
+        items = decodes + prefills
+        plan.scheduled = [s for s in items if s.is_decode] + [s for s in items if not s.is_decode]
 
     def next_to_admit(self) -> Sequence | None:
         """The first waiting sequence with something to compute (a preempted beam whose

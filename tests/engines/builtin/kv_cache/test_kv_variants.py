@@ -4,6 +4,8 @@ preemption; and paged memory is accounted as the seeds argue."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from engines.base import StepRecord
@@ -156,7 +158,7 @@ def test_sliding_window_and_head_counts(window: int, kv_heads: int) -> None:
             kv_cache="paged", block_size=4, enable_chunked_prefill=True, max_num_batched_tokens=12
         ),
     ):
-        got, steps, llm = run(PROMPTS[:4], MAX_TOKENS[:4], model_overrides=overrides, **options)
+        got, _, llm = run(PROMPTS[:4], MAX_TOKENS[:4], model_overrides=overrides, **options)
         assert got == ref, options
     # paged KV per sequence stops growing at the window
     long_prompt = list(range(100, 180))
@@ -257,3 +259,27 @@ def test_static_batches_with_paged_and_ring_caches_match_continuous(options: dic
     static, _, _ = run(prompts, tokens, batching="static", max_model_len=256, **options)
     continuous, _, _ = run(prompts, tokens, max_model_len=256, **options)
     assert static == continuous
+
+
+def test_a_readmitted_sequence_with_all_but_its_last_token_cached_is_packed_as_a_decode() -> None:
+    """Prefix caching and preemption: a preempted sequence whose every token but the last is
+    still cached comes back as a decode. It must be packed with the decodes, first: placed
+    after the prefills, the runner read a prefill as a decode row and every token after the
+    recompute was wrong (a hostile pass found it; block_size=1 keeps every token cached)."""
+    rng = random.Random(4)
+    prompt = lambda n: [rng.randrange(4, 4000) for _ in range(n)]  # noqa: E731
+    base = prompt(120)
+    prompts = [base, base[:100] + prompt(50), prompt(1), prompt(7), prompt(33), base, prompt(200)]
+    prompts += [prompt(180), base[:90] + prompt(60)]
+    want = [run([p], [50], kv_cache="none", max_model_len=256)[0][0] for p in prompts]
+    got, _, llm = run(
+        prompts,
+        [50] * len(prompts),
+        kv_cache="paged",
+        max_model_len=256,
+        block_size=1,
+        kv_cache_memory_bytes=int(1.3 * 256 * TINY_BYTES_PER_TOKEN),
+        enable_prefix_caching=True,
+    )
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.prefix_hit_tokens > 0
+    assert got == want
