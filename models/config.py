@@ -50,7 +50,7 @@ MODEL_TYPES = {
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 #: q/k norms before RoPE: none; per head over head_dim (Qwen3); over all heads (OLMoE)
 QK_NORMS = ("none", "head", "full")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn")
 #: The largest value each size may take: past every released model (vocabularies to ~256K,
 #: hidden sizes to ~25K, ~126 layers, contexts to ~10M positions), and small enough that a
 #: slip (max_position_embeddings 1e12) is refused before the engine sizes a buffer by it.
@@ -76,6 +76,9 @@ ROPE_PARAMETERS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    # dynamic NTK: the original context is the checkpoint's max_position_embeddings, which
+    # the reader copies here (positions go on to factor x it)
+    "dynamic": ("factor", "original_max_position_embeddings"),
 }
 #: yarn's optional parameters (Hugging Face's defaults when absent)
 YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -335,6 +338,15 @@ class ModelConfig:
     def layer_window(self, index: int) -> int | None:
         """The sliding window layer `index` attends within (None: the whole context)."""
         return None if index in self.full_attention_layers else self.sliding_window
+
+    @property
+    def max_positions(self) -> int:
+        """The positions the model can take: max_position_embeddings, which dynamic NTK
+        scaling stretches by its factor (as vLLM derives its longest context)."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "dynamic":
+            return int(scaling["original_max_position_embeddings"] * float(scaling["factor"]))
+        return self.max_position_embeddings
 
     @property
     def kv_sliding_window(self) -> int | None:
@@ -672,6 +684,8 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
                 f"config.json: rope scaling type {rope_type!r} is not supported; "
                 f"supported: {'|'.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if rope_type == "dynamic":  # transformers stretches max_position_embeddings
+            scaling["original_max_position_embeddings"] = cfg.get("max_position_embeddings")
         scaling = None if rope_type == "default" else {"rope_type": rope_type, **scaling}
     return theta, scaling
 

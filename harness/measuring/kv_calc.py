@@ -83,7 +83,7 @@ def kv_calc(
     name = _dtype_name(dtype)
     element = DTYPE_BYTES[name]
     _check_engine_options(cfg, max_model_len, gpu_memory_utilization, max_num_seqs)
-    max_len = max_model_len or cfg.max_position_embeddings
+    max_len = max_model_len or cfg.max_positions
     context = _checked_context_len(context_len, max_len)
     shard = tp_shard(cfg, tensor_parallel_size, expert_parallel=expert_parallel)
     device = _device_bytes(device_memory_gib, spec)
@@ -134,10 +134,10 @@ def _check_engine_options(
             f"engine.max_model_len: {max_model_len!r} is invalid; allowed: an integer >= 1 "
             "(or null: the model's max_position_embeddings)"
         )
-    if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
+    if max_model_len is not None and max_model_len > cfg.max_positions:
         raise ValueError(
             f"engine.max_model_len: {max_model_len} is invalid; allowed: an integer in [1, "
-            f"{cfg.max_position_embeddings}] (the model's max_position_embeddings)"
+            f"{cfg.max_positions}] (the positions the model takes)"
         )
     if (
         isinstance(gpu_memory_utilization, bool)

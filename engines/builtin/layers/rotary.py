@@ -1,5 +1,5 @@
 """Rotary position embeddings (the non-interleaved "rotate half" layout of Hugging Face Llama),
-with Llama-3.1, linear and YaRN frequency scaling."""
+with Llama-3.1, linear, dynamic NTK and YaRN frequency scaling."""
 
 from __future__ import annotations
 
@@ -61,6 +61,24 @@ def _yarn_inv_freq(
     return 1.0 / (factor * wavelengths) * (1 - kept) + inv_freq * kept
 
 
+def _dynamic_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any], positions: torch.Tensor
+) -> torch.Tensor:
+    """Dynamic NTK scaling (Hugging Face's `dynamic`): past the original context a longer
+    sequence raises the base, theta x (factor x length / original - (factor - 1)) ^ (d / (d -
+    2)). Transformers recomputes it per forward from the longest position in it; a position's
+    row here is what transformers uses when that position is the newest, so cached greedy
+    generation from a prompt within the original context rotates as transformers does (a
+    longer prompt, prefilled at once, takes per-position bases where transformers takes its
+    whole length's). [positions] -> [positions, d / 2]."""
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling["factor"])
+    length = torch.clamp(positions + 1, min=original)
+    base = theta * (factor * length / original - (factor - 1)) ** (head_dim / (head_dim - 2))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
+    return 1.0 / base[:, None] ** (exponents.float() / head_dim)
+
+
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     """What YaRN scales cos and sin by (1 otherwise): `attention_factor`, else 0.1 ln(factor)
     + 1 (with `mscale` / `mscale_all_dim`: the ratio of two such terms)."""
@@ -93,9 +111,12 @@ class RotaryEmbedding(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
         positions = torch.arange(max_positions, dtype=torch.float32, device=device)
-        angles = torch.outer(positions, inv_freq)
+        if (scaling or {}).get("rope_type") == "dynamic":
+            assert scaling is not None
+            angles = positions[:, None] * _dynamic_inv_freq(head_dim, theta, scaling, positions)
+        else:
+            angles = torch.outer(positions, rope_inv_freq(head_dim, theta, scaling, device))
         table = torch.cat([angles.cos(), angles.sin()], dim=-1)
         attention = rope_attention_factor(scaling)
         if attention != 1.0:  # YaRN scales cos and sin, so the attention logits by its square

@@ -136,11 +136,22 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
-#: Checkpoints only the GGUF test reads: llama.cpp scales Gemma's queries by 1/sqrt(head_dim)
-#: (files hold no query_pre_attn_scalar), so their scalar is head_dim
-GGUF_SPECS = {
-    f"{kind}_gguf": (SPECS[kind][0], {**SPECS[kind][1], "query_pre_attn_scalar": 16})
-    for kind in ("gemma2", "gemma3")
+#: Checkpoints only one test reads: llama.cpp scales Gemma's queries by 1/sqrt(head_dim)
+#: (GGUF files hold no query_pre_attn_scalar), so their scalar is head_dim; dynamic NTK rope
+#: (transformers' cached generate and full forward disagree past the original context, so it
+#: is compared with generate alone) with an original context of 32, stretched to 128
+ONE_TEST_SPECS = {
+    **{
+        f"{kind}_gguf": (SPECS[kind][0], {**SPECS[kind][1], "query_pre_attn_scalar": 16})
+        for kind in ("gemma2", "gemma3")
+    },
+    "llama_dynamic": (
+        "LlamaConfig",
+        dict(
+            max_position_embeddings=32,
+            rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+        ),
+    ),
 }
 
 # ---- building checkpoints -----------------------------------------------------------------
@@ -169,11 +180,12 @@ SEEDS = {
     "gemma3": 0,
     "gemma2_gguf": 0,
     "gemma3_gguf": 0,
+    "llama_dynamic": 0,
 }
 
 
 def build_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
-    config_cls, extra = {**SPECS, **GGUF_SPECS}[kind]
+    config_cls, extra = {**SPECS, **ONE_TEST_SPECS}[kind]
     config = getattr(transformers, config_cls)(**{**BASE, **extra})
     config._attn_implementation = "eager"  # the plain reference path
     torch.manual_seed(seed)
@@ -575,6 +587,63 @@ def test_sharded_checkpoint(reference, tmp_path: Path) -> None:
     check_against_hf(ref, run)
 
 
+def test_dynamic_ntk_rope_generates_as_transformers(tmp_path: Path) -> None:
+    """Dynamic NTK scaling past an original context of 32 (prompts within it, generation to
+    position 66): the engine's greedy tokens and logits are those of transformers' cached
+    generate, at every step; with plain RoPE the tokens go another way."""
+    model = build_hf_model("llama_dynamic")
+    folder = save_checkpoint(model, tmp_path / "dynamic")
+    prompts = make_prompts(SEEDS["llama_dynamic"])
+    assert max(map(len, prompts)) <= 32 < max(map(len, prompts)) + max(MAX_TOKENS)
+    model.generation_config.eos_token_id = None
+    expected, scores = [], []
+    for prompt, n in zip(prompts, MAX_TOKENS, strict=True):
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=int),
+            do_sample=False,
+            max_new_tokens=n,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        expected.append(out.sequences[0, len(prompt) :].tolist())
+        scores.append(torch.cat(out.scores).float())  # [n, vocab]: the logits of each step
+    llm = LLM(model=str(folder), dtype="float32", max_num_seqs=3, max_model_len=128)
+    errors: list[float] = []
+
+    def observer(plan, logits: torch.Tensor) -> None:
+        row = 0
+        for item in plan.scheduled:
+            i = prompts.index(item.seq.prompt_token_ids)
+            for j in range(item.num_new_tokens):
+                step = item.num_computed_before + j - (len(prompts[i]) - 1)
+                if (
+                    0 <= step < MAX_TOKENS[i]
+                    and item.seq.token_ids[len(prompts[i]) :][:step] == expected[i][:step]
+                ):
+                    errors.append((logits[row] - scores[i][step]).abs().max().item())
+                row += 1
+
+    llm.engine.add_logits_observer(observer)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    assert [out.token_ids for out in llm.generate(prompts, params)] == expected
+    assert len(errors) == sum(MAX_TOKENS)
+    assert max(errors) <= RTOL_SCALE * float(torch.cat(scores).std())
+    # plain RoPE over the same 128 positions: the same tokens within the original context,
+    # others past it
+    plain = LLM(
+        model=str(folder),
+        dtype="float32",
+        max_model_len=128,
+        model_overrides={"rope_scaling": None, "max_position_embeddings": 128},
+    )
+    got = [out.token_ids for out in plain.generate(prompts, params)]
+    for tokens, want, prompt in zip(got, expected, prompts, strict=True):
+        assert tokens[: 32 - len(prompt)] == want[: 32 - len(prompt)]
+    assert got != expected
+
+
 def test_legacy_rope_config_format(reference, tmp_path: Path) -> None:
     """transformers 4 wrote `rope_theta` and `rope_scaling` (with `type` or `rope_type`) at the
     top level; the same weights under such a config.json give the same results."""
@@ -607,8 +676,8 @@ def _set(**values: Any):
     return lambda cfg: cfg.update(values)
 
 
-def _dynamic(cfg: dict[str, Any]) -> None:  # its frequencies follow each batch's length
-    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+def _longrope(cfg: dict[str, Any]) -> None:  # Phi-3's long-context variants
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
 
 
 def _legacy_yarn(cfg: dict[str, Any]) -> None:  # without the context it was trained at
@@ -622,7 +691,7 @@ def _legacy_yarn(cfg: dict[str, Any]) -> None:  # without the context it was tra
     [
         ("llama_gqa", _set(hidden_act="gelu"), ["hidden_act", "gelu"]),
         ("llama_gqa", _set(mlp_bias=True), ["mlp_bias"]),
-        ("llama_gqa", _dynamic, ["rope", "dynamic"]),
+        ("llama_gqa", _longrope, ["rope", "longrope"]),
         ("llama_gqa", _legacy_yarn, ["rope_scaling.original_max_position_embeddings"]),
         ("llama_gqa", _set(partial_rotary_factor=0.5), ["partial_rotary_factor"]),
         (
