@@ -22,6 +22,7 @@ from checkpoints import randomize_weights, write_word_tokenizer
 from safetensors.torch import load_file, save_file
 
 from engines.builtin import LLM, SamplingParams
+from engines.builtin.kv_cache.groups import kv_groups
 from engines.builtin.weights import MissingWeightsError
 from models.config import UnsupportedCheckpointError, from_hf_config, resolve_model
 
@@ -290,9 +291,7 @@ def run_engine(ref: Reference, folder: Path | None = None, **options: Any) -> En
     llm = LLM(
         model=str(folder or ref.folder),
         dtype="float32",
-        max_num_seqs=3,
-        max_model_len=128,
-        **options,
+        **{"max_num_seqs": 3, "max_model_len": 128, **options},
     )
     assert llm.tokenizer.vocab_size == VOCAB
     index = {tuple(p): i for i, p in enumerate(ref.prompts)}
@@ -388,14 +387,19 @@ FAMILIES = [
         dict(kv_cache="paged", enable_prefix_caching=True),
         dict(kv_cache="paged", enable_chunked_prefill=True, max_num_batched_tokens=10),
         dict(kv_cache="paged", block_size=4, attention_backend="torch"),
+        dict(kv_cache="paged", max_num_seqs=1),
+        dict(kv_cache="paged", max_num_seqs=len(PROMPT_LENS)),
     ],
-    ids=["prefix", "chunked", "torch"],
+    ids=["prefix", "chunked", "torch", "batch1", "batch_all"],
 )
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_new_families_match_hf_in_paged_modes(reference, kind: str, options) -> None:
-    """Qwen3's and OLMoE's q/k norms and the mixture-of-experts layers with paged KV, prefix
-    caching, chunked prefill and the torch attention backend."""
+    """Qwen3's and OLMoE's q/k norms, the mixture-of-experts layers, Gemma's and windowed
+    Qwen's layer kinds (a hybrid KV cache) with paged KV, prefix caching, chunked prefill, the
+    torch attention backend, one sequence at a time and every prompt in one batch."""
     ref = reference(kind)
+    layer_kinds = kv_groups(from_hf_config(ref.folder))
+    assert (layer_kinds is not None) == (kind in ("gemma2", "gemma3", "qwen2_swa"))
     check_against_hf(ref, run_engine(ref, **options))
 
 
