@@ -230,6 +230,11 @@ def _check_gemma_fields(given: Mapping[str, Any]) -> None:
             continue
         allowed = "null or a finite number > 0" if name in optional else "a finite number > 0"
         raise ModelFieldError(name, value, f"allowed: {allowed}")
+    scalar = values["query_pre_attn_scalar"]
+    if scalar is not None and scalar < 1:  # its 1/sqrt scales the scores: 1e-320 makes them inf
+        raise ModelFieldError(
+            "query_pre_attn_scalar", scalar, "allowed: null or a number >= 1 (Gemma's: 144-256)"
+        )
     full, layers = values["full_attention_layers"], values["num_layers"]
     if not isinstance(full, tuple) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in full

@@ -161,6 +161,8 @@ GEMMA2 = {
             "layer_types: ['sliding_attention', 'chunked_attention'] is invalid",
         ),
         ({"attn_logit_softcapping": -1}, "attn_logit_softcapping: -1 is invalid; allowed: null"),
+        # its 1/sqrt scales the scores: this one would make them infinite
+        ({"query_pre_attn_scalar": 1e-320}, "query_pre_attn_scalar: 1e-320 is invalid; allowed"),
         (  # refused before a list per layer is built
             {"num_hidden_layers": 10**12},
             "num_hidden_layers: 1000000000000 is invalid; allowed: an integer in [1, 4096]",

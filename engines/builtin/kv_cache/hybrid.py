@@ -13,18 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engines.builtin.kv_cache.base import KVCacheManager, KVLayout
+from engines.builtin.kv_cache.base import KVLayout
 from engines.builtin.kv_cache.block_pool import BlockPool
 from engines.builtin.kv_cache.groups import KVGroups
-from engines.builtin.kv_cache.paged import PagedKVCacheManager
+from engines.builtin.kv_cache.paged import PagedKVCacheManager, PooledKVCacheManager
 
 
-class HybridKVCacheManager(KVCacheManager):
+class HybridKVCacheManager(PooledKVCacheManager):
     """`layout.bytes_per_token` is one block id's bytes per token: `group_size` layers'.
     `block_tables` and `tokens_held` are the first group's (a global one where there is one);
     `group_block_table(g, seq)` gives any group's."""
-
-    pages_blocks = True
 
     def __init__(
         self, layout: KVLayout, groups: KVGroups, enable_prefix_caching: bool = False
@@ -117,27 +115,3 @@ class HybridKVCacheManager(KVCacheManager):
         self.prefix_queries_tokens += len(token_ids)
         self.prefix_hit_tokens += cached
         return cached
-
-    # ---- accounting -------------------------------------------------------------------------
-
-    def bytes_reserved(self) -> int:
-        return self.pool.num_in_use * self.block_size * self.layout.bytes_per_token
-
-    def bytes_used(self) -> int:
-        return self.pool.tokens_in_use * self.layout.bytes_per_token
-
-    @property
-    def num_blocks_in_use(self) -> int:
-        return self.pool.num_in_use
-
-    @property
-    def num_shared_blocks(self) -> int:
-        return self.pool.num_shared
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.pool.evictable)

@@ -33,7 +33,38 @@ def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
-class PagedKVCacheManager(KVCacheManager):
+class PooledKVCacheManager(KVCacheManager):
+    """A manager whose blocks come from one `BlockPool` (`pool`): what it reserves and holds
+    is the pool's (a shared block counted once)."""
+
+    pages_blocks = True
+    pool: BlockPool
+
+    def bytes_reserved(self) -> int:
+        return self.pool.num_in_use * self.block_size * self.layout.bytes_per_token
+
+    def bytes_used(self) -> int:
+        """Tokens held in in-use blocks, a shared block counted once."""
+        return self.pool.tokens_in_use * self.layout.bytes_per_token
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.pool.num_in_use
+
+    @property
+    def num_shared_blocks(self) -> int:
+        return self.pool.num_shared
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.pool.evictable)
+
+
+class PagedKVCacheManager(PooledKVCacheManager):
     """Block tables over a `BlockPool`; block 0 is the NULL block.
 
     Contract (seq ids are ints, token counts are totals for the sequence):
@@ -57,8 +88,6 @@ class PagedKVCacheManager(KVCacheManager):
     nothing gets cached; ``free`` a sequence whose admission fails after ``match_prefix`` (its
     hits return to the cache). Blocks the window releases in ``commit`` are not reported.
     """
-
-    pages_blocks = True
 
     def __init__(
         self,
@@ -311,28 +340,3 @@ class PagedKVCacheManager(KVCacheManager):
     def _root_hash(namespace: str | None) -> int:
         # crc32, not hash(): a str's hash differs between processes
         return ROOT_HASH if namespace is None else zlib.crc32(namespace.encode())
-
-    # ---- accounting -------------------------------------------------------------------------
-
-    def bytes_reserved(self) -> int:
-        return self.pool.num_in_use * self.block_size * self.layout.bytes_per_token
-
-    def bytes_used(self) -> int:
-        """Tokens held in in-use blocks, a shared block counted once."""
-        return self.pool.tokens_in_use * self.layout.bytes_per_token
-
-    @property
-    def num_blocks_in_use(self) -> int:
-        return self.pool.num_in_use
-
-    @property
-    def num_shared_blocks(self) -> int:
-        return self.pool.num_shared
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.pool.evictable)
