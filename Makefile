@@ -98,8 +98,13 @@ setup-launchers: $(VENV)/.installed-launchers
 demo: setup
 	$(BIN)/inferlab run
 
+# Two passes (pytest-xdist): every test file not marked `serial` on both cores, one file per
+# worker at a time (its module fixtures built once); then the `serial` ones alone, whose
+# timings and races with a live server a neighbour would skew. 25 min in one process, about 15
+# in two (2-core CI machine).
 test: setup-dev setup-real setup-peer setup-aiperf setup-lmeval setup-launchers
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 # The quick subset while editing: no test marked slow (end-to-end runs in subprocesses, live
 # servers), peer (llama-cpp-python) or gpu.

@@ -28,9 +28,13 @@ def token_limits(config: EngineConfig, model_config: ModelConfig) -> tuple[int, 
     max_model_len = config.max_model_len or model_config.max_positions
     if max_model_len > model_config.max_positions:
         raise ValueError(
-            f"engine.max_model_len={max_model_len} exceeds the {model_config.max_positions} "
-            "positions the model takes (max_position_embeddings; x the factor of dynamic rope "
-            "scaling)"
+            f"engine.max_model_len={max_model_len} exceeds the model's "
+            f"max_position_embeddings={model_config.max_position_embeddings}"
+            + (
+                f" (x the dynamic rope scaling's factor: {model_config.max_positions})"
+                if model_config.max_positions != model_config.max_position_embeddings
+                else ""
+            )
         )
     if config.enable_chunked_prefill:  # prompts longer than the budget are split
         batched = config.max_num_batched_tokens or DEFAULT_CHUNKED_BATCHED_TOKENS

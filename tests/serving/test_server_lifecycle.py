@@ -29,7 +29,8 @@ from serving import ServerConfig
 from serving import cli as serve_cli
 from serving.testing import ServeProcess, serve_in_thread, serve_process
 
-pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+# slow: `make test-fast` leaves it out; serial: its timings run alone (Makefile's `test`)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 READ_TIMEOUT_S = 1.0
 SHUTDOWN_TIMEOUT_S = 1.0

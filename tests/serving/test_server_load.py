@@ -26,7 +26,8 @@ from engines.builtin.kv_cache import PagedKVCacheManager
 from serving import ServerConfig
 from serving.testing import RunningServer, serve_engine, serve_in_thread, serve_process
 
-pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+# slow: `make test-fast` leaves it out; serial: its timings run alone (Makefile's `test`)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 OPTIONS: dict[str, Any] = dict(
     dtype="float32",

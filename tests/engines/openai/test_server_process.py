@@ -22,6 +22,8 @@ from engines.openai.launch_config import LaunchConfig
 from engines.openai.launched import LaunchedServer, free_port
 from engines.openai.server_process import ServerProcess, ServerStartError, group_alive
 
+pytestmark = pytest.mark.serial  # asserts timings: run alone (Makefile's `test`)
+
 FAKE = str(Path(__file__).resolve().parents[2] / "fixtures" / "servers" / "fake_server.py")
 
 

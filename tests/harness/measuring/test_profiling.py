@@ -30,6 +30,8 @@ from harness.measuring.profiling import (
 from harness.measuring.server_profile import ServerProfiler
 from harness.running.experiment import run_experiment
 
+pytestmark = pytest.mark.serial  # asserts timings: run alone (Makefile's `test`)
+
 # torch's GEMMs, and the engine's own (fp32 on CPU with its C kernels)
 MATMULS = {
     "aten::mm",

@@ -29,6 +29,8 @@ from harness.measuring.server_scrape import (
     server_figures,
 )
 
+pytestmark = pytest.mark.serial  # asserts timings: run alone (Makefile's `test`)
+
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "prometheus"
 
 

@@ -39,6 +39,8 @@ from harness.running.run_config import RunConfig, make_workload, run_config
 from serving.scripted_server import read_log, scripted_process, with_send_times
 from serving.testing import ServeProcess, serve_process
 
+pytestmark = pytest.mark.serial  # asserts timings: run alone (Makefile's `test`)
+
 REPO = Path(__file__).resolve().parents[3]
 TTFT_MS, ITL_MS = 30.0, 10.0
 

@@ -26,7 +26,8 @@ from engines.base import ConfigError
 from engines.builtin import LLM, SamplingParams
 from engines.builtin.engine import EngineDeadError
 
-pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
+# slow: `make test-fast` leaves it out; serial: its timings run alone (Makefile's `test`)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 transformers = pytest.importorskip("transformers")
 
 _PARITY = Path(__file__).parents[2] / "hf" / "test_hf_parity.py"
