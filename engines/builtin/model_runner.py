@@ -32,7 +32,6 @@ from engines.builtin.decode_program import DecodeProgram, unavailable_reason
 from engines.builtin.distributed.group import ControlChannel, TPGroup
 from engines.builtin.kv_cache import KVCacheManager, KVLayout, LayerKVCache
 from engines.builtin.kv_cache.groups import KVGroups
-from engines.builtin.kv_cache.hybrid import HybridKVCacheManager
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import PrepackedDenseMethod
 from engines.builtin.limits import EngineLimits
@@ -499,11 +498,7 @@ class ModelRunner:
             tables = host[group_input("block_tables", group)][: len(rows)]
             tables[:] = 0
             for row, entry in enumerate(rows):
-                table = (
-                    kv.block_table(entry[0])
-                    if group == 0
-                    else cast(HybridKVCacheManager, kv).group_block_table(group, entry[0])
-                )
+                table = kv.group_block_table(group, entry[0])
                 tables[row, : len(table)] = table
             if self.ring:
                 # One window-sized region per sequence, written round-robin; of a prompt longer

@@ -106,6 +106,13 @@ class KVCacheManager(ABC):
     def block_table(self, seq_id: int) -> list[int]:
         return self.block_tables.get(seq_id, [])
 
+    def group_block_table(self, group: int, seq_id: int) -> list[int]:
+        """The table of KV group `group` (kv_cache/groups.py; only a hybrid manager has more
+        than group 0)."""
+        if group:
+            raise ValueError(f"{type(self).__name__} keeps one KV group; asked for group {group}")
+        return self.block_table(seq_id)
+
     @property
     def num_live(self) -> int:
         return len(self.block_tables)
