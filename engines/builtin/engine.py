@@ -17,6 +17,7 @@ What others may read or hook between steps is public: `limits`, `gauges()`, `wei
 from __future__ import annotations
 
 import os
+from collections import Counter
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
@@ -46,7 +47,7 @@ from engines.builtin.distributed.rendezvous import STARTUP_TIMEOUT_S
 from engines.builtin.distributed.shard import check_int4_groups, shard_for
 from engines.builtin.distributed.worker import EngineMessage, serve_if_worker_rank
 from engines.builtin.kv_cache import KVCacheManager
-from engines.builtin.kv_cache.groups import kv_groups
+from engines.builtin.kv_cache.groups import KVGroups, kv_groups
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes
 from engines.builtin.limits import EngineLimits, token_limits
@@ -234,11 +235,14 @@ class LLMEngine:
         )
         self.kv_budget_reason = ""  # where the KV budget came from, set with the budget
         cfg = self.model_config
-        self.layer_windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
+        # window -> its layers, for each step's roofline counts
+        self.layer_windows = Counter(cfg.layer_window(i) for i in range(cfg.num_layers))
         self.kv, max_num_seqs, budget = self._make_kv_manager(max_model_len, batched)
         self.limits = EngineLimits(max_model_len, max_num_seqs, batched, budget)
         ring = bool(getattr(self.kv, "ring", False))
-        groups = getattr(self.kv, "groups", None)  # one block table per group (hybrid.py)
+        # one block table per group (hybrid.py)
+        self.kv_groups: KVGroups | None = getattr(self.kv, "groups", None)
+        groups = self.kv_groups
         if self.peers is not None:
             # the other ranks take it once their shards are loaded
             self.peers.channel.send(
@@ -352,7 +356,7 @@ class LLMEngine:
 
     def _kv_group_facts(self) -> dict[str, Any] | None:
         """A hybrid cache's groups (kv_cache/groups.py); None: one block table."""
-        groups = getattr(self.kv, "groups", None)
+        groups = self.kv_groups
         if groups is None:
             return None
         return {

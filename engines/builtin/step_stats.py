@@ -4,7 +4,7 @@ metrics read between steps."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engines.base import StepRecord
@@ -47,7 +47,7 @@ def step_record(
     num_running: int,
     forward_ns: int,
     kv_gather_ns: int,
-    layer_windows: tuple[int | None, ...],
+    layer_windows: Mapping[int | None, int],
     draft_ns: int = 0,
     comm: tuple[int, int] = (0, 0),
     broadcast: tuple[int, int] = (0, 0),
@@ -113,14 +113,15 @@ def by_position(lengths: list[int]) -> tuple[int, ...]:
 
 
 def layer_mean_counts(
-    plan: StepPlan, layer_windows: tuple[int | None, ...], retains_kv: bool
+    plan: StepPlan, layer_windows: Mapping[int | None, int], retains_kv: bool
 ) -> dict[str, int]:
     """roofline_counts averaged over the layers, each within its own window (Gemma's windowed
-    layers beside global ones), in tokens of every layer as the roofline prices them."""
-    kinds = Counter(layer_windows)
-    counts = {window: roofline_counts(plan, window, retains_kv) for window in kinds}
+    layers beside global ones), in tokens of every layer as the roofline prices them.
+    `layer_windows`: window (None: global) -> its number of layers."""
+    counts = {window: roofline_counts(plan, window, retains_kv) for window in layer_windows}
+    layers = sum(layer_windows.values())
     return {
-        key: round(sum(n * counts[window][key] for window, n in kinds.items()) / len(layer_windows))
+        key: round(sum(n * counts[window][key] for window, n in layer_windows.items()) / layers)
         for key in next(iter(counts.values()))
     }
 

@@ -75,9 +75,6 @@ class HybridKVCacheManager(PooledKVCacheManager):
     def take_copies(self) -> list[tuple[int, int]]:
         return [pair for m in self.managers for pair in m.take_copies()]
 
-    def can_fork(self, parent_id: int, child_id: int) -> bool:
-        return True
-
     def fork(self, parent_id: int, child_id: int) -> None:
         for m in self.managers:
             m.fork(parent_id, child_id)

@@ -63,6 +63,9 @@ class PooledKVCacheManager(KVCacheManager):
     def num_cached_blocks(self) -> int:
         return len(self.pool.evictable)
 
+    def can_fork(self, parent_id: int, child_id: int) -> bool:
+        return True  # the child shares the parent's blocks; copies come later, on write
+
 
 class PagedKVCacheManager(PooledKVCacheManager):
     """Block tables over a `BlockPool`; block 0 is the NULL block.
@@ -200,9 +203,6 @@ class PagedKVCacheManager(PooledKVCacheManager):
             )
         dropped, table[keep:] = table[keep:], []
         return [b for b in reversed(dropped) if b != NULL_BLOCK and self.pool.decref(b)]
-
-    def can_fork(self, parent_id: int, child_id: int) -> bool:
-        return True  # the child shares the parent's blocks; copies come later, on write
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (copy-on-write on its next writes)."""

@@ -4,6 +4,7 @@ and the run metrics, and a tiny run that carries it all into steps.parquet and s
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -96,7 +97,7 @@ def test_roofline_counts_match_brute_force(window: int | None, retains: bool) ->
     rows = [(c, n + p, n) for c, n, p in scheduled] + [(s, n, 0) for s, n in padding_rows]
     assert roofline_counts(plan, window, retains) == brute_force_counts(rows, window, retains)
     # three layers within the window and one global: the mean of a token of every layer
-    mixed = layer_mean_counts(plan, (window, None, window, window), retains)
+    mixed = layer_mean_counts(plan, Counter((window, None, window, window)), retains)
     windowed, full = (brute_force_counts(rows, w, retains) for w in (window, None))
     assert mixed == {k: round((3 * windowed[k] + full[k]) / 4) for k in full}
 
