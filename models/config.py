@@ -17,7 +17,7 @@ from typing import Any
 from models.files import SETTINGS, UserFileError, read_input_text
 from models.gguf import gguf_hf_config, gguf_source_keys
 from models.location import model_location
-from models.packaged import PACKAGED_MODELS
+from models.packaged import DERIVED_MODELS, PACKAGED_MODELS
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -1037,9 +1037,10 @@ def resolve_model(model: str | Path, overrides: dict[str, Any] | None = None) ->
         return from_hf_dict(config, name, gguf_source_keys(name)).with_overrides(overrides)
     if Path(name).exists():
         return from_hf_config(name).with_overrides(overrides)
+    known = "|".join([*PRESETS, *PACKAGED_MODELS, *DERIVED_MODELS])
     raise ValueError(
-        f"model: {name!r} is neither a preset ({'|'.join([*PRESETS, *PACKAGED_MODELS])}), "
-        "an existing checkpoint folder nor a .gguf file"
+        f"model: {name!r} is neither a preset ({known}), an existing checkpoint folder nor a "
+        ".gguf file"
     )
 
 

@@ -1,5 +1,7 @@
 """GGUF files (llama.cpp's, Ollama's) as checkpoints: the model's config from the file's
-metadata in config.json's terms, and its tensors under Hugging Face names, dequantized to fp32.
+metadata in config.json's terms, and its tensors under Hugging Face names, dequantized to fp32
+or (`keep_quantized`) each quantized weight as the levels and scales it stores
+(models/gguf_blocks.py).
 Architectures (`general.architecture`): llama (Mixtral too: a llama with experts), qwen2,
 qwen3, qwen2moe and qwen3moe (`GGUF_ARCHITECTURES`). A mixture-of-experts layer's experts are
 stacked in one tensor per projection (`ffn_gate_exps` [experts, inter, hidden]...), cut here
@@ -24,8 +26,10 @@ import numpy as np
 import torch
 
 from models.cache import build_folder_once, cache_dir, file_key
+from models.gguf_blocks import KEPT_TYPES, decode_blocks
 from models.gguf_header import GGUFHeaderError, check_gguf_header
 from models.gguf_sentencepiece import sentencepiece_tokenizer
+from models.quantized_weight import QuantizedWeight
 
 
 class UnsupportedGGUFError(ValueError):
@@ -273,8 +277,11 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, fp32 tensor) for every tensor the model uses."""
+def iter_gguf_tensors(
+    path: str | Path, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(Hugging Face name, fp32 tensor) for every tensor the model uses; with `keep_quantized`
+    a weight of a type models/gguf_blocks.py decodes comes as the QuantizedWeight it stores."""
     reader = open_gguf(path)
     config = hf_config(reader)
     arch = architecture(reader)
@@ -291,9 +298,15 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             layer, part, kind = match.groups()
             block = "block_sparse_moe" if mixtral else "mlp"
             projection = _EXPERT_TENSORS[part][mixtral]
-            for e, expert in enumerate(_dequantized(path, tensor)):  # [experts, out, in]
+            stacked = _weight(path, tensor, keep_quantized)  # [experts, out, in]
+            experts = int(tensor.shape[-1])  # GGUF lists the dimensions innermost first
+            rows = stacked.shape[0] // experts
+            for e in range(experts):
                 hf = f"model.layers.{layer}.{block}.experts.{e}.{projection}.{kind}"
-                yield hf, torch.from_numpy(np.ascontiguousarray(expert))
+                if isinstance(stacked, QuantizedWeight):
+                    yield hf, stacked[e * rows : (e + 1) * rows]
+                else:
+                    yield hf, torch.from_numpy(np.ascontiguousarray(stacked[e]))
             continue
         name = hf_name(tensor.name, arch)
         if name is None:
@@ -302,8 +315,14 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
         if arch == "phi3" and ".mlp.up_proj." in name:  # gate and up in one, as its checkpoints
             name = name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")
-        array = _dequantized(path, tensor)
+        array = _weight(path, tensor, keep_quantized)
         part = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if isinstance(array, QuantizedWeight):
+            if part in heads:
+                order = _unpermute(np.arange(array.shape[0]), heads[part])
+                array = array[torch.from_numpy(order)]
+            yield name, array
+            continue
         if part in heads and name.endswith(".weight"):
             array = _unpermute(array, heads[part])
         if part == "ffn_gate_inp_shexp" and array.ndim == 1:  # [hidden]: HF's is [1, hidden]
@@ -311,6 +330,19 @@ def iter_gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         if arch in _GEMMA and tensor.name.endswith("norm.weight"):
             array = array - 1.0  # stored as llama.cpp's kernels use it: 1 + weight
         yield name, torch.from_numpy(np.ascontiguousarray(array))  # a copy: the file is mapped
+
+
+def _weight(path: str | Path, tensor: Any, keep_quantized: bool) -> np.ndarray | QuantizedWeight:
+    """A GGUF tensor as the QuantizedWeight it stores (`keep_quantized`, a 2-D or stacked 3-D
+    weight of a kept type: experts stacked by rows), else dequantized."""
+    kind = tensor.tensor_type.name
+    if not keep_quantized or kind not in KEPT_TYPES or len(tensor.shape) < 2:
+        return _dequantized(path, tensor)
+    dims = tuple(reversed(tensor.shape.tolist()))
+    try:
+        return decode_blocks(kind, tensor.data, (int(np.prod(dims[:-1])), dims[-1]))
+    except ValueError as exc:
+        raise UnsupportedGGUFError(f"{path}: tensor {tensor.name}: {exc}") from None
 
 
 def _dequantized(path: str | Path, tensor: Any) -> np.ndarray:

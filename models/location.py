@@ -4,8 +4,9 @@ means the same wherever it is given.
 
 A name is a trained model (models/train_tiny.py `TRAINED_MODELS`: its checkpoint folder in the
 cache, trained on first use), a packaged model (models/packaged.py `PACKAGED_MODELS`: the file
-its installed package ships), or anything else, as given: a preset (models/config.py
-`PRESETS`), a checkpoint folder or a .gguf file, which `resolve_model` reads. The model group
+its installed package ships; `DERIVED_MODELS`: that file re-encoded, built once), or anything
+else, as given: a preset (models/config.py `PRESETS`), a checkpoint folder or a .gguf file,
+which `resolve_model` reads. The model group
 names its model by `model.name`, or with model=hf by `model.path`.
 """
 
@@ -14,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from models.packaged import PACKAGED_MODELS, packaged_model_path
+from models.gguf_quantize import derived_gguf
+from models.packaged import DERIVED_MODELS, PACKAGED_MODELS, packaged_model_path
 from models.train_tiny import TRAINED_MODELS, trained_model_path
 
 
@@ -29,6 +31,9 @@ def model_location(name: str) -> str:
         return str(trained_model_path(name))
     if name in PACKAGED_MODELS:
         return str(packaged_model_path(name))
+    if name in DERIVED_MODELS:
+        base, kind = DERIVED_MODELS[name]
+        return str(derived_gguf(packaged_model_path(base), kind))
     return name
 
 

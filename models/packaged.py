@@ -31,6 +31,15 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 }
 
 
+#: a packaged model's file re-encoded (models/gguf_quantize.py `derived_gguf`, built once into
+#: the cache): name -> (the packaged model, the type). The K-quant mixes and Q8_0 are the files
+#: people download from llama.cpp's side; F16 is the float reference they are made from.
+DERIVED_MODELS: dict[str, tuple[str, str]] = {
+    f"smollm2-135m-{kind}": ("smollm2-135m", kind)
+    for kind in ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")
+}
+
+
 def packaged_model_path(name: str) -> Path:
     """The installed file of the packaged model `name` (a key of PACKAGED_MODELS)."""
     if name not in PACKAGED_MODELS:

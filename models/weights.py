@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from models.config import ModelConfig
 from models.files import SETTINGS, check_regular_file, read_input_text
 from models.gguf import is_gguf, iter_gguf_tensors
+from models.quantized_weight import QuantizedWeight
 
 
 def hf_parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -135,10 +136,13 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) of a safetensors folder, or of a GGUF file (dequantized)."""
+def iter_checkpoint(
+    path: str | Path, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(Hugging Face name, tensor) of a safetensors folder, or of a GGUF file (dequantized, or
+    with `keep_quantized` its quantized weights as the QuantizedWeight each stores)."""
     if is_gguf(path):
-        yield from iter_gguf_tensors(path)
+        yield from iter_gguf_tensors(path, keep_quantized)
         return
     for file in checkpoint_files(path):
         try:

@@ -151,9 +151,12 @@ class EngineConfig(Options):
         "(computed in the next step together; their tokenization may differ from the model's)",
     )
     quantization: str = option(
-        "none",
+        "auto",
         registry="engines.builtin.layers:LINEAR_METHODS",
-        help="the linear layers' weights: none | int8 | int4 (null: none)",
+        help="the linear layers' weights: auto (as the checkpoint keeps them: a GGUF file's "
+        "quantized types run as stored by the engine's kernels, float weights unquantized) | "
+        "none (every weight in the compute dtype, quantized files dequantized) | int8 | int4 "
+        "(quantized at load from the float weights); null: auto",
     )
     quantization_group_size: int = option(
         128,
@@ -171,9 +174,10 @@ class EngineConfig(Options):
     quantization_activations: str = option(
         "float",
         choices=("float", "int8"),
-        help="int4 on CPU with the engine's C kernels: float (weight-only: activations stay in "
-        "the compute dtype) or int8 (decode rows quantized per block of 32 and integer dot "
-        "products, llama.cpp's Q4_1 x Q8_1: ~2.5x faster per matmul on one core)",
+        help="int4, and auto's quantized-file layers, on CPU with the engine's C kernels: "
+        "float (weight-only: activations stay in the compute dtype) or int8 (decode rows "
+        "quantized per block of 32 and integer dot products, llama.cpp's Q4_1 x Q8_1: ~2.5x "
+        "faster per matmul on one core)",
     )
     quantize_lm_head: bool | None = option(
         None,
@@ -279,6 +283,8 @@ class EngineConfig(Options):
     def lm_head_method(self) -> str:
         """How the LM head is kept: "none" (dense) or the quantization method it takes."""
         quantized = self.quantize_lm_head
+        if quantized is None and self.plugged("quantization").takes_quantized:
+            return self.quantization  # auto: as the checkpoint keeps it
         if quantized is None:
             quantized = not self.plugged("quantization").dense
         if not quantized:
@@ -292,7 +298,7 @@ class EngineConfig(Options):
     def _normalise(self) -> None:
         self._set("model", model_location(self.model))  # a trained or packaged model's location
         if self.quantization is None:
-            self._set("quantization", "none")
+            self._set("quantization", "auto")
         spec = None
         if self.speculative_config is not None:
             spec = SpeculativeConfig.from_dict(self.speculative_config)
@@ -319,7 +325,8 @@ def _int8_activations_need_int4(config: EngineConfig) -> None:
     if config.quantization_activations == "int8" and not takes_int8:
         raise ConfigError(
             "engine.quantization_activations: 'int8' is for quantization=int4 (INT4 weights "
-            f"times INT8 activations); with quantization={config.quantization!r} allowed: float"
+            "times INT8 activations) and auto (a quantized file's layers); with "
+            f"quantization={config.quantization!r} allowed: float"
         )
 
 

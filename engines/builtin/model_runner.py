@@ -52,6 +52,7 @@ from engines.builtin.structured import StructuredOutputs
 from engines.builtin.weights import load_weights
 from models.config import ModelConfig, ceil_div
 from models.gguf import is_gguf
+from models.quantized_weight import Weight
 from models.weights import dummy_state_dict, iter_checkpoint
 
 #: Called on every step with the float32 logits of every real token the step computed
@@ -275,11 +276,12 @@ class ModelRunner:
         use_dummy = config.load_format == "dummy" or (
             config.load_format == "auto" and not _is_checkpoint(config.model)
         )
-        tensors: Iterable[tuple[str, torch.Tensor]]
+        tensors: Iterable[tuple[str, Weight]]
         if use_dummy:
             tensors = dummy_state_dict(cfg, config.seed, self.dtype, self.device).items()
         else:
-            tensors = iter_checkpoint(config.model)
+            keep = config.plugged("quantization").takes_quantized
+            tensors = iter_checkpoint(config.model, keep_quantized=keep)
         load_weights(self.model, tensors, self.dtype, self.device)
         self.weights_source = "dummy" if use_dummy else "checkpoint"
 

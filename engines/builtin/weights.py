@@ -19,6 +19,7 @@ from engines.builtin.distributed.shard import RankShard
 from engines.builtin.layers.norm import RMSNorm
 from engines.builtin.model import Transformer
 from models.config import ModelConfig
+from models.quantized_weight import QuantizedWeight, Weight
 from models.weights import hf_parameter_shapes
 
 # Tensors a checkpoint may carry that the engine recomputes or does not need.
@@ -68,7 +69,7 @@ _SANDWICH = {
 
 def load_weights(
     model: Transformer,
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, Weight]],
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
@@ -84,12 +85,15 @@ def load_weights(
         layout.put(name, tensor)
     _refuse_missing(expected, seen)
     layout.refuse_unpaired()
-    if cfg.tie_word_embeddings:
-        model.lm_head.load(model.embed.weight.data)
+    if cfg.tie_word_embeddings:  # the table as the file keeps it: quantized where it is
+        model.lm_head.load(layout.quantized_embedding or model.embed.weight.data)
 
 
 def _wanted(
-    name: str, tensor: torch.Tensor, expected: dict[str, tuple[int, ...]], cfg: ModelConfig
+    name: str,
+    tensor: torch.Tensor | QuantizedWeight,
+    expected: dict[str, tuple[int, ...]],
+    cfg: ModelConfig,
 ) -> bool:
     """Whether the model takes checkpoint tensor `name` (False: one the engine recomputes or does
     not need); one that is not the model's, or not its shape, is refused."""
@@ -127,13 +131,18 @@ class _FusedLayout:
         self.dtype, self.device = dtype, device
         self.modules = dict(model.named_modules())
         self.plain = {**_PLAIN, **_SANDWICH} if model.config.sandwich_norms else _PLAIN
-        self.pending: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # fused parts
-        self.pending_weight: dict[str, torch.Tensor] = {}
-        self.pending_bias: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, dict[int, dict[str, Weight]]] = {}  # fused parts
+        self.pending_weight: dict[str, Weight] = {}
+        self.pending_bias: dict[str, Weight] = {}
+        # the rank's rows of a quantized embedding table, for a tied LM head to keep so
+        self.quantized_embedding: QuantizedWeight | None = None
 
-    def put(self, name: str, tensor: torch.Tensor) -> None:
+    def put(self, name: str, tensor: Weight) -> None:
         if name == "model.embed_tokens.weight":
-            self._put("embed", "weight", self.shard.vocab_rows(tensor))
+            rows = self.shard.vocab_rows(tensor)
+            if isinstance(rows, QuantizedWeight):  # the lookup reads float rows
+                self.quantized_embedding = rows.to(device=self.device, dtype=self.dtype)
+            self._put("embed", "weight", rows)
         elif name == "model.norm.weight":
             self._put("norm", "weight", tensor)
         elif name == "lm_head.weight":
@@ -148,7 +157,7 @@ class _FusedLayout:
                 f"{sorted(self.pending_weight) + sorted(self.pending_bias)}"
             )
 
-    def _put_layer_tensor(self, name: str, tensor: torch.Tensor) -> None:
+    def _put_layer_tensor(self, name: str, tensor: Weight) -> None:
         match = _LAYER.fullmatch(name)
         assert match is not None
         layer, rest = match.groups()
@@ -195,17 +204,17 @@ class _FusedLayout:
         return [slice(end - size, end) for end, size in zip(ends, sizes, strict=True)]
 
     def _put_fused_part(
-        self, prefix: str, target: str, index: int, parts: int, kind: str, tensor: torch.Tensor
+        self, prefix: str, target: str, index: int, parts: int, kind: str, tensor: Weight
     ) -> None:
         group = self.pending.setdefault(prefix + target + "." + kind, {})
         group[index] = {"t": tensor}
         if len(group) == parts:
-            fused = torch.cat([group[i]["t"] for i in range(parts)], dim=0)
+            fused = _cat_rows([group[i]["t"] for i in range(parts)])
             del self.pending[prefix + target + "." + kind]
             self._put(prefix + target, kind, fused)
 
     def _put(
-        self, module_path: str, kind: str, tensor: torch.Tensor, columns: slice | None = None
+        self, module_path: str, kind: str, tensor: Weight, columns: slice | None = None
     ) -> None:
         module = self.modules[module_path]
         tensor = tensor.to(device=self.device, dtype=self.dtype)
@@ -223,9 +232,19 @@ class _FusedLayout:
                 else:
                     module.load(weight, tensor)
         else:
+            if isinstance(tensor, QuantizedWeight):  # an embedding table: looked up as floats
+                tensor = tensor.dequantize()
             if isinstance(module, RMSNorm):  # Gemma's norms scale by (1 + weight)
                 tensor = tensor + self.config.norm_weight_offset
             module.weight = torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def _cat_rows(parts: list[Weight]) -> Weight:
+    """A fused tensor's parts stacked: quantized parts in one quantized form, float ones as
+    they are (a part of each kind: all dequantized)."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.cat(parts)  # type: ignore[arg-type]
+    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
 
 
 def shard_rows(shard: RankShard, stem: str) -> slice:

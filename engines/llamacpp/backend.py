@@ -41,9 +41,10 @@ from engines.base import (
     refuse_tools_and_adapters,
 )
 from engines.llamacpp.config import LlamaCppConfig
-from engines.llamacpp.runner import BatchToken, LlamaCppRunner, check_gguf, converted
+from engines.llamacpp.runner import BatchToken, LlamaCppRunner, check_gguf
 from engines.sampling_params import LOGITS_FIELDS, SamplingParams
 from engines.stepping import SteppedBackend
+from models.gguf_quantize import derived_gguf
 from models.tokenizer import Tokenizer, stream_step, tokenizer_for_model
 
 
@@ -97,7 +98,7 @@ class LlamaCppBackend(SteppedBackend):
     def load(self) -> None:
         cfg = self.config
         source = check_gguf(cfg.model)
-        path = converted(source, cfg.gguf_type) if cfg.gguf_type else source
+        path = derived_gguf(source, cfg.gguf_type) if cfg.gguf_type else source
         self.gguf_file = path
         threads = cfg.num_threads or torch.get_num_threads()
         self.runner = LlamaCppRunner(

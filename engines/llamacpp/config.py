@@ -7,12 +7,10 @@ from typing import Any
 
 from engines.base import ConfigError
 from engines.options import Options, option
+from models.gguf_quantize import DERIVED_TYPES
 from models.location import model_location
 
 FLASH_ATTN = ("auto", "on", "off")
-# the model file's tensors re-encoded first (`inferlab convert`, cached): an equal-precision
-# llama.cpp row (f32/f16/bf16) or another of its formats on the same weights
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 
 
 @dataclass(frozen=True)
@@ -29,9 +27,10 @@ class LlamaCppConfig(Options):
     tokenizer: str | None = option(None, help="null: the GGUF file's own tokenizer")
     gguf_type: str | None = option(
         None,
-        choices=GGUF_TYPES,
+        choices=DERIVED_TYPES,
         help="null: run the file as it is; else its tensors re-encoded to that type "
-        "(dequantized from the file, so the same weights), converted once into the cache",
+        "(dequantized from the file, so the same weights; the K-quant mixes by llama.cpp's "
+        "quantizer from its F16 re-encoding), converted once into the cache",
     )
     num_threads: int | None = option(
         None,

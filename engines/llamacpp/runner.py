@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from models.gguf_quantize import quiet_llama_cpp
+
 SETUP_HINT = (
     "engine=llamacpp needs llama-cpp-python: run `make setup-peer` (it builds llama.cpp for "
     "this CPU: python -m engines.llamacpp.peer_build)"
@@ -46,34 +48,6 @@ def check_gguf(path: str) -> Path:
     return file
 
 
-def converted(path: Path, gguf_type: str) -> Path:
-    """`path` with its tensors re-encoded to `gguf_type` (models.gguf_convert, the code behind
-    `inferlab convert SRC.gguf DST.gguf`), built once into the shared cache, keyed by the
-    source file's path, size and modification time, and reused."""
-    from models.cache import cache_dir, check_trusted, drop_group_write, file_key, make_folder
-    from models.gguf_convert import convert_to_gguf
-
-    out = cache_dir() / "gguf-converted" / f"{path.stem}-{gguf_type}-{file_key(path)}.gguf"
-    check_trusted(out, "converted GGUF cache")
-    if not out.is_file():  # convert_to_gguf writes a temporary file and renames it
-        make_folder(out.parent)
-        convert_to_gguf(path, out, gguf_type)
-        drop_group_write(out)
-    return out
-
-
-_silence: Any = None  # the log callback must outlive every call into the library
-
-
-def _quiet(llama_cpp: Any) -> None:
-    """llama.cpp logs every load and context to stderr; failures are return codes here."""
-    global _silence
-    if _silence is None:
-        _silence = llama_cpp.llama_log_callback(lambda level, text, data: None)
-        llama_cpp.llama_log_set(_silence, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-
-
 @dataclass(frozen=True)
 class BatchToken:
     seq_id: int
@@ -96,7 +70,7 @@ class LlamaCppRunner:
         flash_attn: str,
     ) -> None:
         lib = self.lib = import_llama_cpp()
-        _quiet(lib)
+        quiet_llama_cpp(lib)
         self.path = path
         params = lib.llama_model_default_params()
         self.model = lib.llama_model_load_from_file(str(path).encode(), params)

@@ -26,7 +26,8 @@ import httpx
 from engines.openai import server_keeper
 from engines.openai.launch_config import LaunchConfig, environment, server_command
 from engines.openai.server_process import ServerProcess, ServerStartError
-from models.packaged import PACKAGED_MODELS, PackagedModelMissingError, packaged_model_path
+from models.location import model_location
+from models.packaged import DERIVED_MODELS, PACKAGED_MODELS, PackagedModelMissingError
 
 logger = logging.getLogger(__name__)  # `log` is the server log's path below
 
@@ -62,9 +63,9 @@ def _model_file(model: dict[str, Any]) -> str | None:
     if model.get("path"):
         return str(model["path"])
     name = model.get("name")
-    if name in PACKAGED_MODELS:
+    if name in PACKAGED_MODELS or name in DERIVED_MODELS:
         try:
-            return str(packaged_model_path(name))
+            return model_location(name)
         except PackagedModelMissingError:
             return None
     return None

@@ -22,6 +22,7 @@ from engines.builtin.config import EngineConfig
 from engines.builtin.engine import LLMEngine
 from harness.measuring.trackers import Tracker
 from models.files import UserFileError, check_regular_file
+from models.location import model_location
 from models.train_tiny import corpus_text
 from workloads.common import resolve_path
 from workloads.prompt_sets import load_prompt_set
@@ -238,6 +239,12 @@ def _takes_chunked_prefill(engine_options: dict) -> bool:
     return True
 
 
+def _reference_model(settings: dict, measured: str) -> str:
+    """The reference's weights: `run.quality.reference_model`, else the measured model's."""
+    chosen = settings.get("reference_model")
+    return measured if chosen is None else model_location(chosen)
+
+
 def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[str, float | None]:
     """The probe a run asks for with `run.quality.enabled`: the measured engine's options
     against the float32, unquantized engine on the same weights, over windows of a text and
@@ -246,6 +253,7 @@ def run_quality(engine_options: dict, candidate: LLM, settings: dict) -> dict[st
     meaningless)."""
     reference_options = {
         **engine_options,
+        "model": _reference_model(settings, engine_options["model"]),
         "dtype": "float32",
         "quantization": "none",
         "quantization_activations": "float",  # int8 only goes with quantized weights
@@ -300,8 +308,9 @@ def run_quality_of_backend(backend: LogitsBackend, settings: dict) -> dict[str, 
     facts = backend.describe()
     max_model_len = int(facts["max_model_len"])
     reference = LLM(
-        model=str(facts["model"]),
+        model=_reference_model(settings, str(facts["model"])),
         dtype="float32",
+        quantization="none",  # a quantized file's own weights, dequantized
         max_model_len=max_model_len,
         max_num_seqs=8,
         enable_chunked_prefill=True,

@@ -191,7 +191,7 @@ class AccuracyConfig(ConfigSection):
 @dataclass(frozen=True)
 class QualityConfig(ConfigSection):
     """`run.quality`: the quality probe (harness/measuring/quality.py), this engine against the
-    fp32 unquantized one on the same weights."""
+    fp32 unquantized one on the same weights (or on `reference_model`'s)."""
 
     section = "run.quality"
 
@@ -216,6 +216,12 @@ class QualityConfig(ConfigSection):
         ge=0,
         valid=holds_a_float,
         help="top-1 agreement counts positions whose reference margin exceeds it",
+    )
+    reference_model: str | None = option(
+        None,
+        allowed="null or a model name, checkpoint folder or .gguf file of the same tokenizer",
+        help="the reference's weights (float32, unquantized); null: the measured model's own, "
+        "dequantized; e.g. smollm2-135m-f16, the file the K-quant mixes were made from",
     )
 
     def _check_together(self) -> None:

@@ -473,6 +473,8 @@ def other_value(key: str, default: object) -> object:
         return "inferlab_mc"
     if key == "run.accuracy.limit":
         return 4
+    if key == "run.quality.reference_model":
+        return "smollm2-135m-f16"
     if default is None:  # the SLO bounds
         return 0.5
     assert isinstance(default, str), key

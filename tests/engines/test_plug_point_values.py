@@ -36,6 +36,8 @@ def test_the_resolved_entries_say_what_they_keep() -> None:
     kinds = {v: plugged("kv_cache", kv_cache=v).manager for v in ("none", "contiguous", "paged")}  # type: ignore[attr-defined]
     assert [k.retains_kv for k in kinds.values()] == [False, True, True]
     assert [k.pages_blocks for k in kinds.values()] == [False, False, True]
-    methods = [plugged("quantization", quantization=v) for v in ("none", "int8", "int4")]
-    assert [m.groups_inputs for m in methods] == [False, False, True]  # type: ignore[attr-defined]
-    assert [m.dense for m in methods] == [True, False, False]  # type: ignore[attr-defined]
+    values = ("none", "int8", "int4", "auto")
+    methods = [plugged("quantization", quantization=v) for v in values]
+    assert [m.groups_inputs for m in methods] == [False, False, True, False]  # type: ignore[attr-defined]
+    assert [m.dense for m in methods] == [True, False, False, True]  # type: ignore[attr-defined]
+    assert [m.takes_quantized for m in methods] == [False, False, False, True]  # type: ignore[attr-defined]

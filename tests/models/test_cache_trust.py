@@ -17,7 +17,6 @@ import pytest
 import torch
 from checkpoints import write_tiny_gguf
 
-from engines.llamacpp.runner import converted
 from harness.cli import main as inferlab
 from harness.measuring import hardware
 from models.cache import (
@@ -28,6 +27,7 @@ from models.cache import (
     make_folder,
 )
 from models.gguf import tokenizer_folder
+from models.gguf_quantize import derived_gguf
 from models.tokenizer import default_tokenizer
 from models.train_tiny import cache_key, cached_tiny_model
 
@@ -150,7 +150,7 @@ def converted_gguf_entry(cache: Path, tmp_path: Path) -> tuple[Path, Callable[[]
     entry = cache / "gguf-converted" / f"tiny-f16-{file_key(gguf)}.gguf"
     make_folder(entry.parent)
     entry.write_bytes(b"GGUF another user's conversion")
-    return entry, lambda: converted(gguf, "f16"), "converted GGUF cache"
+    return entry, lambda: derived_gguf(gguf, "f16"), "converted GGUF cache"
 
 
 READERS = [tokenizer_entry, hardware_entry, tiny_model_entry, gguf_tokenizer_entry,

@@ -16,6 +16,7 @@ import torch
 from engines.base import ConfigError
 from engines.builtin.layers.quant import int4_group_size, int4_straddle_error
 from models.config import ModelConfig
+from models.quantized_weight import QuantizedWeight, Weight
 from models.tensor_parallel import TPShard, tp_shard
 
 
@@ -84,13 +85,15 @@ class RankShard:
         width = self.layout.shared_expert_intermediate
         return slice(self.rank * width, (self.rank + 1) * width)
 
-    def vocab_rows(self, table: torch.Tensor) -> torch.Tensor:
+    def vocab_rows(self, table: Weight) -> Weight:
         """This rank's rows of an embedding table or LM head [vocab, hidden], zero-padded."""
         start, rows = self.vocab_start, self.vocab_per_rank
         kept = table[start : start + rows]
         if kept.shape[0] == rows:
             return kept
-        return torch.cat([kept, table.new_zeros(rows - kept.shape[0], table.shape[1])])
+        if isinstance(kept, QuantizedWeight):
+            return kept.padded_rows(rows)
+        return torch.cat([kept, kept.new_zeros(rows - kept.shape[0], kept.shape[1])])
 
 
 def shard_for(cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> RankShard:

@@ -1,10 +1,12 @@
 """Building blocks of the transformer: linear layers with a pluggable storage and multiply
-(linear.py: the `LinearMethod` interface, dense methods; quant.py: INT8/INT4, registered in
-`LINEAR_METHODS` by `engine.quantization`), norms, rotary."""
+(linear.py: the `LinearMethod` interface, dense methods; quant.py: INT8/INT4;
+checkpoint_quant.py: auto, a checkpoint's own quantization; registered in `LINEAR_METHODS` by
+`engine.quantization`), norms, rotary."""
 
 from __future__ import annotations
 
 from engines.builtin.layers import quant  # noqa: F401  (registers the quantized methods)
+from engines.builtin.layers.checkpoint_quant import AutoMethod
 from engines.builtin.layers.linear import (
     LINEAR_METHODS,
     LinearMethod,
@@ -28,12 +30,16 @@ def make_linear_method(
     `prepack` ("panels" or "onednn") keeps unquantized CPU weights also in that packed
     layout, for the engine's own GEMM or oneDNN's."""
     method = LINEAR_METHODS.get(quantization)
+    options = LinearOptions(group_size, zero_point, activations, native_reason)
+    dense: LinearMethod | None = None
     if method.dense and prepack is not None:
         packed = {"panels": PanelDenseMethod, "onednn": PrepackedDenseMethod}
         if prepack not in packed:
             raise ValueError(f"prepack: {prepack!r}; allowed: panels|onednn")
-        return packed[prepack]()
-    return method.create(LinearOptions(group_size, zero_point, activations, native_reason))
+        dense = packed[prepack]()
+    if method is AutoMethod:  # float weights as `none` keeps them, quantized ones as stored
+        return AutoMethod(options, dense)
+    return dense if dense is not None else method.create(options)
 
 
 __all__ = ["LINEAR_METHODS", "LinearMethod", "make_linear_method"]

@@ -2,15 +2,15 @@
 
 The model only ever calls `Linear.forward`; how the weight is kept (dense, INT8 per-channel,
 INT4 group-wise, ...) and which kernel multiplies it is the method's business. The loader
-hands every full-precision weight to `Linear.load`, so quantizing at load time is a method
-concern too.
+hands every weight to `Linear.load`, full-precision or as its checkpoint quantized it, so
+quantizing (or keeping the file's quantization) at load time is a method concern too.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from torch import nn
 
 from engines.builtin import native
 from engines.registry import Registry
+from models.quantized_weight import QuantizedWeight
 
 if TYPE_CHECKING:
     from engines.builtin.lora.batch import LoRABatch
@@ -47,6 +48,8 @@ class LinearMethod(ABC):
     groups_inputs: bool = False
     #: Whether it can multiply activations quantized to INT8 (engine.quantization_activations).
     takes_int8_activations: bool = False
+    #: Whether `load` takes a checkpoint's QuantizedWeight as it is (others get it dequantized).
+    takes_quantized: bool = False
 
     @classmethod
     def create(cls, options: LinearOptions) -> LinearMethod:
@@ -237,9 +240,14 @@ class Linear(nn.Module):
         self.lora: LoRALayerSlots | None = None
 
     def load(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, columns: slice | None = None
+        self,
+        weight: torch.Tensor | QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        columns: slice | None = None,
     ) -> None:
-        """`columns`: a row-parallel shard's input columns of the full `weight` (None: all)."""
+        """`columns`: a row-parallel shard's input columns of the full `weight` (None: all). A
+        checkpoint's QuantizedWeight goes as it is to a method that takes it (auto), else
+        dequantized."""
         kept = weight.shape[1] if columns is None else len(range(weight.shape[1])[columns])
         if (weight.shape[0], kept) != (self.out_features, self.in_features):
             raise ValueError(
@@ -249,10 +257,14 @@ class Linear(nn.Module):
             )
         if self.has_bias != (bias is not None):
             raise ValueError(f"bias expected: {self.has_bias}, given: {bias is not None}")
+        if isinstance(weight, QuantizedWeight) and not self.method.takes_quantized:
+            weight = weight.dequantize()  # a float method (none, int8, int4) asked for
+        # a QuantizedWeight only reaches a method that takes one (its load says so)
+        given = cast(torch.Tensor, weight)
         if columns is None:
-            self.method.load(self, weight, bias)
+            self.method.load(self, given, bias)
         else:
-            self.method.load_columns(self, weight, bias, columns)
+            self.method.load_columns(self, given, bias, columns)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for t in (*self.parameters(recurse=False), *self.buffers(recurse=False))]

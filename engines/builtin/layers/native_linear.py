@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from engines.builtin import native
+from engines.builtin.layers.checkpoint_quant import CheckpointQuantMethod
 from engines.builtin.layers.linear import Linear, PanelDenseMethod
 from engines.builtin.layers.quant import Int4Method, Int8Method
 from engines.builtin.native import quant as native_quant
@@ -26,7 +27,7 @@ def linear_problem(layer: Linear) -> str | None:
     method = layer.method
     if isinstance(method, PanelDenseMethod):
         return None
-    if isinstance(method, Int8Method | Int4Method) and layer.native:
+    if isinstance(method, Int8Method | Int4Method | CheckpointQuantMethod) and layer.native:
         return None
     return f"{layer.name} is kept as {method.describe(layer)!r}"
 
@@ -41,6 +42,16 @@ def linear_weights(layer: Linear, keep: list[torch.Tensor]) -> native.LinearWeig
         panels = c_pointer(layer.panels, keep)
         return weights(native.LINEAR_DENSE, panels, None, None, bias, *shape, 0, 0)
     weight, scales = c_pointer(layer.qweight, keep), c_pointer(layer.scales, keep)
+    if isinstance(method, CheckpointQuantMethod):
+        activations = method.layer_activations(layer)
+        int8_inputs = activations == "int8"
+        if method.bits == 4:
+            kind = native.LINEAR_INT4_A8 if int8_inputs else native.LINEAR_INT4
+        else:
+            kind = native.LINEAR_INT8G_A8 if int8_inputs else native.LINEAR_INT8G
+        mins = c_pointer(layer.mins, keep)
+        rows_max = native_quant.rows_max(method.kernel_bits, activations)
+        return weights(kind, weight, scales, mins, bias, *shape, layer.group_size, rows_max)
     if isinstance(method, Int4Method):
         int8_inputs = method.activations == "int8"
         kind = native.LINEAR_INT4_A8 if int8_inputs else native.LINEAR_INT4

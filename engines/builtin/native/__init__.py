@@ -58,6 +58,8 @@ SIGNATURES = {  # function -> argument types (all return void)
     # quant_kernels.c (wrapped by native/quant.py)
     "q4_linear_f32": _args("ppppppqqqqqqq"),
     "q4_linear_q8_f32": _args("ppppppqqqqqqq"),
+    "g8_linear_f32": _args("ppppppqqqqqqq"),
+    "g8_linear_q8_f32": _args("ppppppqqqqqqq"),
     "q8_linear_f32": _args("pppppqqqqqq"),
     "prefill_attention_f32": _args("pqpqpqpqqqqfqqp"),
 }
@@ -328,7 +330,7 @@ class LinearWeights(ctypes.Structure):  # kernels.h
 
 
 #: LinearWeights.kind: kernels.h's LINEAR_*
-LINEAR_DENSE, LINEAR_INT8, LINEAR_INT4, LINEAR_INT4_A8 = 0, 1, 2, 3
+LINEAR_DENSE, LINEAR_INT8, LINEAR_INT4, LINEAR_INT4_A8, LINEAR_INT8G, LINEAR_INT8G_A8 = range(6)
 
 
 #: the experts' arrays moe_experts has checked (by id, each held so that its id is not reused)
@@ -338,16 +340,19 @@ _CHECKED_EXPERTS: dict[tuple[int, int], tuple[Any, Any]] = {}
 def _check_linear_weights(layer: LinearWeights) -> None:
     """A ValueError for a struct the kernels would crash on: an unknown kind, a missing
     pointer, INT4 groups that do not divide the inputs."""
-    if layer.kind not in (LINEAR_DENSE, LINEAR_INT8, LINEAR_INT4, LINEAR_INT4_A8):
-        raise ValueError(f"LinearWeights.kind: {layer.kind} is invalid; allowed: 0|1|2|3")
+    if not 0 <= layer.kind <= LINEAR_INT8G_A8:
+        raise ValueError(f"LinearWeights.kind: {layer.kind} is invalid; allowed: 0..5")
     quantized = layer.kind != LINEAR_DENSE
-    int4 = layer.kind in (LINEAR_INT4, LINEAR_INT4_A8)
-    if not layer.weight or (quantized and not layer.scale) or (int4 and not layer.minv):
+    grouped = layer.kind not in (LINEAR_DENSE, LINEAR_INT8)
+    if not layer.weight or (quantized and not layer.scale) or (grouped and not layer.minv):
         raise ValueError("LinearWeights: a NULL weight, scale or minimum pointer")
-    if int4 and (layer.group_size < 1 or layer.in_features % layer.group_size):
+    unit = 16 if layer.kind in (LINEAR_INT8G, LINEAR_INT8G_A8) else 32
+    if grouped and (
+        layer.group_size < unit or layer.group_size % unit or layer.in_features % layer.group_size
+    ):
         raise ValueError(
-            f"LinearWeights.group_size: {layer.group_size} is invalid; allowed: a divisor of "
-            f"in_features ({layer.in_features})"
+            f"LinearWeights.group_size: {layer.group_size} is invalid; allowed: a multiple of "
+            f"{unit} that divides in_features ({layer.in_features})"
         )
 
 

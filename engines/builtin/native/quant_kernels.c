@@ -1,4 +1,4 @@
-/* INT8 and INT4 weight-only linear layers: y [M, N] = x [M, K] W^T (+ bias [N]), with W kept
+/* INT8, grouped INT8 and INT4 weight-only linear layers: y [M, N] = x [M, K] W^T (+ bias [N]), with W kept
  * quantized in the layouts below (packed once, at load, by engines/builtin/layers/quant.py) and
  * the input in float32. Tested against float64 dequantize-then-matmul
  * (tests/test_quant_kernels.py).
@@ -11,6 +11,10 @@
  *   minimum (float) per group of g inputs (g a multiple of 32):
  *   W[n, k] = q[n, k] scale[n, k / g] + min[n, k / g]. An integer zero point z is the same form
  *   with min = -z scale.
+ * - grouped INT8: q uint8 [N][K], a scale and a minimum (float) per group of g inputs (g 16 or
+ *   32): W[n, k] = q[n, k] scale[n, k / g] + min[n, k / g]. The form every GGUF type of 5 to 8
+ *   bits takes exactly (Q8_0: q + 128 and min = -128 d; Q6_K: groups of 16, d sc (q - 32);
+ *   Q5_0/Q5_1/Q5_K: 5-bit q with their offsets or minima), made by engines/builtin/gguf_quant.py.
  *
  * Two kernels per format, `rows_max` choosing (Python passes its measured crossover):
  * - M <= rows_max (decode, small batches): the rows kernels (quant_rows.h). Each thread takes a
@@ -127,6 +131,23 @@ static void q8_rows_portable(const float *x, const int8_t *q, const float *scale
         }
 }
 
+static void g8_rows_portable(const float *x, const uint8_t *q, const float *scale,
+                             const float *minv, const float *xsum, const float *bias, float *y,
+                             int64_t M, int64_t K, int64_t N, int64_t g, int64_t n0, int64_t n1) {
+    const int64_t groups = K / g;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            float total = bias != NULL ? bias[n] : 0.0f;
+            for (int64_t gi = 0; gi < groups; gi++) {
+                float acc = 0.0f;
+                for (int64_t k = gi * g; k < (gi + 1) * g; k++) acc += (float)q[n * K + k] * xm[k];
+                total += scale[n * groups + gi] * acc + minv[n * groups + gi] * xsum[m * groups + gi];
+            }
+            y[m * N + n] = total;
+        }
+}
+
 /* INT4 weights times INT8 activations (llama.cpp's Q4_1 x Q8_1): each input row quantized per
  * block of 32 values, dx = max|x| / 127, xq = round(x 127 / max|x|) (half to even), and each
  * block's integer dot product sum(q xq) exact in int32, scaled by scale dx once per block:
@@ -137,7 +158,7 @@ static void q8_rows_portable(const float *x, const int8_t *q, const float *scale
 typedef struct {
     int8_t *xq;  /* [M][K] */
     float *dx;   /* [M][K / 32] */
-    float *sx;   /* [M][K / g]: sum over the group of dx xq */
+    float *sx;   /* [M][K / g]: sum over the group of dx xq (g a multiple of 16) */
 } QuantizedRows;
 
 static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int64_t g, QuantizedRows *out) {
@@ -156,14 +177,15 @@ static void quantize_rows_q8(const float *x, int64_t M, int64_t K, int64_t g, Qu
             const int finite = poison == 0.0f;
             const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
             const float d = finite ? amax / 127.0f : NAN;
-            int32_t total = 0;
+            int32_t total[2] = {0, 0}; /* per half: grouped INT8's groups may be 16 */
             for (int i = 0; i < 32; i++) {
                 const int8_t v = (int8_t)nearbyintf(xb[i] * inv);
                 out->xq[m * K + b * 32 + i] = v;
-                total += v;
+                total[i / 16] += v;
             }
             out->dx[m * blocks + b] = d;
-            out->sx[m * groups + (b * 32) / g] += d * (float)total;
+            out->sx[m * groups + (b * 32) / g] += d * (float)total[0];
+            out->sx[m * groups + (b * 32 + 16) / g] += d * (float)total[1];
         }
     }
 }
@@ -189,17 +211,42 @@ static void q4q8_rows_portable(const QuantizedRows *xr, const uint8_t *nib, cons
         }
 }
 
-/* y[m, n] = the INT4 x INT8 product for W's rows [n0, n1) and all M input rows, four at a time,
- * by the row kernel ROW (one per instruction set, each always inlined per row count). */
-#define DEFINE_Q4Q8_ROWS(NAME, ROW)                                                            \
+/* Grouped INT8 weights times INT8 activations: the same scheme per chunk of 16 (a group of 16
+ * or half of one of 32): y[n] = sum_c scale dx sum(q xq) + sum_groups min sum(dx xq). The
+ * unsigned weights reach 255, so the AVX2 kernel widens both to 16 bits (vpmaddubsw's 16-bit
+ * pair sums could saturate); VNNI's vpdpbusd sums four products straight into 32 bits. */
+static void g8q8_rows_portable(const QuantizedRows *xr, const uint8_t *q, const float *scale,
+                               const float *minv, const float *bias, float *y, int64_t M,
+                               int64_t K, int64_t N, int64_t g, int64_t n0, int64_t n1) {
+    const int64_t blocks = K / 32, groups = K / g;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float total = bias != NULL ? bias[n] : 0.0f;
+            for (int64_t c = 0; c < K / 16; c++) {
+                const uint8_t *w = q + n * K + c * 16;
+                const int8_t *xq = xr->xq + m * K + c * 16;
+                int32_t dot = 0;
+                for (int i = 0; i < 16; i++) dot += w[i] * xq[i];
+                total += scale[n * groups + (c * 16) / g] * xr->dx[m * blocks + c / 2] * (float)dot;
+            }
+            for (int64_t gi = 0; gi < groups; gi++)
+                total += minv[n * groups + gi] * xr->sx[m * groups + gi];
+            y[m * N + n] = total;
+        }
+}
+
+/* y[m, n] = the INT4 (BITS 4) or grouped INT8 (BITS 8) x INT8 product for W's rows [n0, n1) and
+ * all M input rows, four at a time, by the row kernel ROW (one per instruction set, each always
+ * inlined per row count); a group is UNIT << shift inputs (ROW's unit: 32 or 16). */
+#define DEFINE_Q8_INPUT_ROWS(NAME, ROW, BITS, UNIT)                                            \
     static void NAME(const QuantizedRows *xr, const uint8_t *nib, const float *scale,         \
                      const float *minv, const float *bias, float *y, int64_t M, int64_t K,     \
                      int64_t N, int64_t g, int64_t n0, int64_t n1) {                           \
         const int64_t groups = K / g, blocks = K / 32;                                         \
         int64_t shift = 0;                                                                     \
-        while ((32 << shift) < g) shift++;                                                     \
+        while ((UNIT << shift) < g) shift++;                                                   \
         for (int64_t n = n0; n < n1; n++) {                                                    \
-            const uint8_t *wn = nib + n * (K / 2);                                             \
+            const uint8_t *wn = nib + n * (K * BITS / 8);                                      \
             const float *sn = scale + n * groups, *mn = minv + n * groups;                     \
             const float bn = bias != NULL ? bias[n] : 0.0f;                                    \
             for (int64_t m = 0; m < M; m += 4) {                                               \
@@ -262,7 +309,49 @@ static inline __attribute__((always_inline)) void q4q8_row_avx2(
     }
 }
 
-DEFINE_Q4Q8_ROWS(q4q8_rows_avx2, q4q8_row_avx2)
+DEFINE_Q8_INPUT_ROWS(q4q8_rows_avx2, q4q8_row_avx2, 4, 32)
+
+/* acc[r][a] += scale dx * sum(q xq) of chunk c (16 weights) for R input rows, in 16 bits. */
+static inline __attribute__((always_inline)) void g8q8_chunk_avx2(
+    const int R, const QuantizedRows *xr, int64_t K, int64_t blocks, const uint8_t *q,
+    int64_t c, __m256 s, const int a, __m256 acc[4][2]) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + c * 16)));
+    for (int r = 0; r < R; r++) {
+        const __m256i xq =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xr->xq + r * K + c * 16)));
+        const __m256i dot = _mm256_madd_epi16(w, xq);
+        const __m256 d = _mm256_mul_ps(s, _mm256_broadcast_ss(xr->dx + r * blocks + c / 2));
+        acc[r][a] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), acc[r][a]);
+    }
+}
+
+static inline __attribute__((always_inline)) void g8q8_row_avx2(
+    const int R, const QuantizedRows *xr, int64_t K, const uint8_t *q, const float *scale,
+    const float *minv, int64_t groups, int64_t shift, float *out) {
+    const int64_t blocks = K / 32, chunks = K / 16;
+    __m256 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 2 <= chunks; c += 2) {
+        __builtin_prefetch(q + c * 16 + QPREFETCH, 0, 0);
+        g8q8_chunk_avx2(R, xr, K, blocks, q, c, _mm256_broadcast_ss(scale + (c >> shift)), 0, acc);
+        g8q8_chunk_avx2(R, xr, K, blocks, q, c + 1,
+                        _mm256_broadcast_ss(scale + ((c + 1) >> shift)), 1, acc);
+    }
+    if (c < chunks)
+        g8q8_chunk_avx2(R, xr, K, blocks, q, c, _mm256_broadcast_ss(scale + (c >> shift)), 0, acc);
+    for (int r = 0; r < R; r++) {
+        const __m256 sum = _mm256_add_ps(acc[r][0], acc[r][1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        float m = 0.0f;
+        for (int64_t gi = 0; gi < groups; gi++) m += minv[gi] * xr->sx[r * groups + gi];
+        out[r] = _mm_cvtss_f32(h) + m;
+    }
+}
+
+DEFINE_Q8_INPUT_ROWS(g8q8_rows_avx2, g8q8_row_avx2, 8, 16)
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
@@ -327,7 +416,54 @@ static inline __attribute__((always_inline)) void q4q8_row_vnni(
     }
 }
 
-DEFINE_Q4Q8_ROWS(q4q8_rows_vnni, q4q8_row_vnni)
+DEFINE_Q8_INPUT_ROWS(q4q8_rows_vnni, q4q8_row_vnni, 4, 32)
+
+/* Four chunks (64 weights, two activation blocks) in one register and one vpdpbusd per input
+ * row: 128-bit lane i holds chunk c + i's sums, scaled by its group's scale times its block's
+ * dx. */
+static inline __attribute__((always_inline)) void g8q8_quad_vnni(
+    const int R, const QuantizedRows *xr, int64_t K, int64_t blocks, const uint8_t *q,
+    int64_t c, __m128 s, const int a, __m512 acc[4][2]) {
+    const __m512i w = _mm512_loadu_si512((const void *)(q + c * 16));
+    const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int r = 0; r < R; r++) {
+        const __m512i xq = _mm512_loadu_si512((const void *)(xr->xq + r * K + c * 16));
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq);
+        const float *dx = xr->dx + r * blocks + c / 2;
+        const __m128 d4 = _mm_mul_ps(s, _mm_set_ps(dx[1], dx[1], dx[0], dx[0]));
+        const __m512 d = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(d4));
+        acc[r][a] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dot), acc[r][a]);
+    }
+}
+
+static inline __attribute__((always_inline)) void g8q8_row_vnni(
+    const int R, const QuantizedRows *xr, int64_t K, const uint8_t *q, const float *scale,
+    const float *minv, int64_t groups, int64_t shift, float *out) {
+    const int64_t blocks = K / 32, chunks = K / 16;
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 4 <= chunks; c += 4) {
+        __builtin_prefetch(q + c * 16 + QPREFETCH, 0, 0);
+        const __m128 s = _mm_set_ps(scale[(c + 3) >> shift], scale[(c + 2) >> shift],
+                                    scale[(c + 1) >> shift], scale[c >> shift]);
+        g8q8_quad_vnni(R, xr, K, blocks, q, c, s, (c / 4) & 1, acc);
+    }
+    for (int r = 0; r < R; r++) {
+        float total = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+        for (int64_t t = c; t < chunks; t++) { /* the last one to three chunks */
+            const uint8_t *w = q + t * 16;
+            const int8_t *xq = xr->xq + r * K + t * 16;
+            int32_t dot = 0;
+            for (int i = 0; i < 16; i++) dot += w[i] * xq[i];
+            total += scale[t >> shift] * xr->dx[r * blocks + t / 2] * (float)dot;
+        }
+        for (int64_t gi = 0; gi < groups; gi++) total += minv[gi] * xr->sx[r * groups + gi];
+        out[r] = total;
+    }
+}
+
+DEFINE_Q8_INPUT_ROWS(g8q8_rows_vnni, g8q8_row_vnni, 8, 16)
 #else
 #define Q4Q8_VNNI 0
 #endif
@@ -363,21 +499,26 @@ static void nan_fill(float *y, int64_t count) {
 #endif
 
 /* W's rows n0 .. n0 + PANEL - 1 into tile [K][PANEL] (rows past N: zeros): each row
- * dequantized with vector instructions into `rows` [PANEL][K] (bits: 4 or 8), then transposed
- * from cache (writing the tile's columns straight from the packed weights took 3-4x as long). */
-static void dequantize_panel(int bits, const void *w, const float *scale, const float *minv,
-                             int64_t K, int64_t N, int64_t g, int64_t n0, float *rows,
-                             float *tile) {
+ * dequantized with vector instructions into `rows` [PANEL][K], then transposed from cache
+ * (writing the tile's columns straight from the packed weights took 3-4x as long). */
+static void dequantize_panel(const LinearWeights *l, int64_t n0, float *rows, float *tile) {
+    const int64_t K = l->in_features, N = l->out_features, g = l->group_size;
+    const float *scale = l->scale, *minv = l->minv;
+    int64_t shift = 0; /* grouped INT8: g = 16 << shift */
+    while (g && (16 << shift) < g) shift++;
     for (int64_t j = 0; j < PANEL; j++) {
         const int64_t n = n0 + j;
         float *row = rows + j * K;
         if (n >= N) {
             for (int64_t k = 0; k < K; k++) row[k] = 0.0f;
-        } else if (bits == 4) {
-            WIDEST(q4_dequantize_row)((const uint8_t *)w + n * (K / 2), scale + n * (K / g),
-                                      minv + n * (K / g), K, g, row);
+        } else if (l->kind == LINEAR_INT4 || l->kind == LINEAR_INT4_A8) {
+            WIDEST(q4_dequantize_row)((const uint8_t *)l->weight + n * (K / 2),
+                                      scale + n * (K / g), minv + n * (K / g), K, g, row);
+        } else if (l->kind == LINEAR_INT8G || l->kind == LINEAR_INT8G_A8) {
+            WIDEST(g8_dequantize_row)((const uint8_t *)l->weight + n * K, scale + n * (K / g),
+                                      minv + n * (K / g), K, shift, row);
         } else {
-            WIDEST(q8_dequantize_row)((const int8_t *)w + n * K, scale[n], K, row);
+            WIDEST(q8_dequantize_row)((const int8_t *)l->weight + n * K, scale[n], K, row);
         }
     }
     int64_t k = 0;
@@ -420,9 +561,9 @@ static void dequantize_panel(int bits, const void *w, const float *scale, const 
 #endif
 #define TILE_PASS_BLOCKS (TILE_PASS_ROWS / ROW_BLOCK)
 
-/* The tile path of both formats: `bits` 4 or 8 picks the dequantization. xp: the packed input
+/* The tile path of every format (the kind picks the dequantization). xp: the packed input
  * (shared), tile: this member's 2 K PANEL floats. */
-static void quant_tiles_part(int bits, const LinearWeights *l, const float *x, float *y,
+static void quant_tiles_part(const LinearWeights *l, const float *x, float *y,
                              int64_t M, float *xp, float *tile, const Member *me) {
     const int64_t K = l->in_features, N = l->out_features;
     const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
@@ -434,8 +575,7 @@ static void quant_tiles_part(int bits, const LinearWeights *l, const float *x, f
     for (int64_t b0 = 0; b0 < blocks; b0 += TILE_PASS_BLOCKS) {
         const int64_t b1 = b0 + TILE_PASS_BLOCKS < blocks ? b0 + TILE_PASS_BLOCKS : blocks;
         for (int64_t p = p0; p < p1; p++) {
-            dequantize_panel(bits, l->weight, l->scale, l->minv, K, N, l->group_size, p * PANEL,
-                             tile + K * PANEL, tile);
+            dequantize_panel(l, p * PANEL, tile + K * PANEL, tile);
             gemm_panel(xp, tile, NULL, l->bias, y, M, K, N, p * PANEL, b0, b1);
         }
     }
@@ -453,9 +593,9 @@ void quant_linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, in
     if (M > l->rows_max) {
         *shared = (M + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK * K;
         *own = 2 * K * PANEL;
-    } else if (l->kind == LINEAR_INT4_A8) {
+    } else if (l->kind == LINEAR_INT4_A8 || l->kind == LINEAR_INT8G_A8) {
         *shared = M * (K / 32) + M * (K / g) + (M * K + 3) / 4;
-    } else if (l->kind == LINEAR_INT4) {
+    } else if (l->kind == LINEAR_INT4 || l->kind == LINEAR_INT8G) {
         *shared = M * (K / g);
     } else {
         *shared = 0;
@@ -467,7 +607,7 @@ void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t
     const int64_t K = l->in_features, N = l->out_features, g = l->group_size;
     if (M <= 0 || N <= 0) return;
     if (M > l->rows_max) {
-        quant_tiles_part(l->kind == LINEAR_INT8 ? 8 : 4, l, x, y, M, shared, own, me);
+        quant_tiles_part(l, x, y, M, shared, own, me);
         return;
     }
     if (path == QUANT_PATH_AUTO) path = widest_path();
@@ -476,12 +616,13 @@ void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t
     team_share(M, me, &m0, &m1);
     const int64_t groups = l->kind == LINEAR_INT8 ? 0 : K / g;
     QuantizedRows xr = {0};
-    if (l->kind == LINEAR_INT4_A8) {
+    const int int8_inputs = l->kind == LINEAR_INT4_A8 || l->kind == LINEAR_INT8G_A8;
+    if (int8_inputs) {
         xr = quantized_rows(shared, M, K, g);
         QuantizedRows mine = {xr.xq + m0 * K, xr.dx + m0 * (K / 32), xr.sx + m0 * groups};
         quantize_rows_q8(x + m0 * K, m1 - m0, K, g, &mine);
         team_barrier(me);
-    } else if (l->kind == LINEAR_INT4) {
+    } else if (l->kind == LINEAR_INT4 || l->kind == LINEAR_INT8G) {
         for (int64_t m = m0; m < m1; m++)
             for (int64_t gi = 0; gi < groups; gi++) {
                 float sum = 0.0f;
@@ -505,6 +646,41 @@ void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t
 #endif
         case QUANT_PATH_VEC4: q8_rows_vec4(x, q, l->scale, l->bias, y, M, K, N, n0, n1); break;
         default: q8_rows_portable(x, q, l->scale, l->bias, y, M, K, N, n0, n1);
+        }
+    } else if (l->kind == LINEAR_INT8G_A8) {
+        const uint8_t *q = l->weight;
+#if Q4Q8_VNNI
+        if (path == QUANT_PATH_VEC16) {
+            g8q8_rows_vnni(&xr, q, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
+            return;
+        }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+        if (path != QUANT_PATH_PORTABLE && path != QUANT_PATH_VEC4) {
+            g8q8_rows_avx2(&xr, q, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
+            return;
+        }
+#endif
+        g8q8_rows_portable(&xr, q, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
+    } else if (l->kind == LINEAR_INT8G) {
+        const uint8_t *q = l->weight;
+        const float *xsum = shared;
+        switch (path) {
+#if VEC >= 16
+        case QUANT_PATH_VEC16:
+            g8_rows_vec16(x, q, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
+            break;
+#endif
+#if VEC >= 8
+        case QUANT_PATH_VEC8:
+            g8_rows_vec8(x, q, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
+            break;
+#endif
+        case QUANT_PATH_VEC4:
+            g8_rows_vec4(x, q, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
+            break;
+        default:
+            g8_rows_portable(x, q, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
         }
     } else if (l->kind == LINEAR_INT4_A8) {
 #if Q4Q8_VNNI
@@ -587,5 +763,22 @@ void q4_linear_q8_f32(const float *x, const uint8_t *nib, const float *scale, co
                       const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
                       int64_t rows_max, int64_t path, int64_t threads) {
     const LinearWeights l = {LINEAR_INT4_A8, nib, scale, minv, bias, K, N, g, rows_max};
+    quant_linear(&l, x, y, M, path, threads);
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for a grouped-INT8 W (layout above), group size g (16, 32). */
+void g8_linear_f32(const float *x, const uint8_t *q, const float *scale, const float *minv,
+                   const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
+                   int64_t rows_max, int64_t path, int64_t threads) {
+    const LinearWeights l = {LINEAR_INT8G, q, scale, minv, bias, K, N, g, rows_max};
+    quant_linear(&l, x, y, M, path, threads);
+}
+
+/* As g8_linear_f32 with INT8 activations where the rows kernel runs (K a multiple of 32), as
+ * q4_linear_q8_f32. */
+void g8_linear_q8_f32(const float *x, const uint8_t *q, const float *scale, const float *minv,
+                      const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
+                      int64_t rows_max, int64_t path, int64_t threads) {
+    const LinearWeights l = {LINEAR_INT8G_A8, q, scale, minv, bias, K, N, g, rows_max};
     quant_linear(&l, x, y, M, path, threads);
 }

@@ -1,4 +1,4 @@
-/* The few-rows (decode) INT8 and INT4 kernels of quant_kernels.c at one vector width: QW floats
+/* The few-rows (decode) INT8, grouped INT8 and INT4 kernels of quant_kernels.c at one vector width: QW floats
  * per vector, function names suffixed with QSUFFIX. quant_kernels.c includes this file once per
  * width the build has (4, 8 and, with AVX-512, 16 floats), so that every width the machine can
  * run is callable and testable, not only its widest. GCC/clang vector extensions: the same text
@@ -97,6 +97,22 @@ static inline QFN(fvec) QFN(q8_widen)(const int8_t *q) {
 #endif
 }
 
+/* QW unsigned 8-bit weights (the grouped INT8 layout's) as floats. */
+static inline QFN(fvec) QFN(u8_widen)(const uint8_t *q) {
+#if QX86 && QW == 16
+    return (QFN(fvec))_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)));
+#elif QX86 && QW == 8
+    return (QFN(fvec))_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+#elif QX86
+    int32_t word;
+    memcpy(&word, q, 4);
+    return (QFN(fvec))_mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(word)));
+#else
+    return __builtin_convertvector(
+        __builtin_convertvector(*(const QFN(bvec_u) *)q, QFN(ivec)), QFN(fvec));
+#endif
+}
+
 /* Accumulators per input row: enough independent chains of fused multiply-adds to cover their
  * latency. The same for every R, so that a row's sums are added in the same order whatever
  * rows share its call: bit-identical results across batch splits. With 4 chains a row, two
@@ -192,6 +208,54 @@ static inline __attribute__((always_inline)) void QFN(q8_row)(const int R, const
     }
 }
 
+/* acc[r][.] += one chunk of 16 grouped-INT8 weights (starting at input k0), widened and scaled
+ * by its group's scale s, times input row r's values; vector v on chain (base + v) of QACC. */
+static inline __attribute__((always_inline)) void QFN(g8_chunk)(const int R, const float *x,
+                                                                int64_t K, const uint8_t *q,
+                                                                int64_t k0, QFN(fvec) s,
+                                                                const int base,
+                                                                QFN(fvec) acc[QROWS][QACC]) {
+    for (int v = 0; v < 16 / QW; v++) {
+        const QFN(fvec) scaled = QFN(u8_widen)(q + k0 + v * QW) * s;
+        for (int r = 0; r < R; r++)
+            acc[r][(base + v) % QACC] =
+                QFN(fma)(scaled, QFN(loadf)(x + r * K + k0 + v * QW), acc[r][(base + v) % QACC]);
+    }
+}
+
+/* out[r] = sum_k W[n, k] x[r][k] for R input rows and one grouped-INT8 weight row: its bytes
+ * `q` [K], scale and minimum per group of g = 16 << shift inputs; `xsum` as q4_row's. The same
+ * scheme as q4_row's, in chunks of 16 weights (the smallest group), four chunks a step. */
+static inline __attribute__((always_inline)) void QFN(g8_row)(
+    const int R, const float *x, int64_t K, const uint8_t *q, const float *scale,
+    const float *minv, const float *xsum, int64_t groups, int64_t shift, float *out) {
+    QFN(fvec) acc[QROWS][QACC];
+    for (int r = 0; r < R; r++)
+        for (int a = 0; a < QACC; a++) acc[r][a] = (QFN(fvec)){0};
+    const int64_t chunks = K / 16;
+    int64_t c = 0;
+    for (; c + 4 <= chunks; c += 4) {
+        __builtin_prefetch(q + c * 16 + QPREFETCH, 0, 0);
+        for (int j = 0; j < 4; j++)
+            QFN(g8_chunk)(R, x, K, q, (c + j) * 16, (QFN(fvec)){0} + scale[(c + j) >> shift],
+                          (j * (16 / QW)) % QACC, acc);
+    }
+    for (; c < chunks; c++)
+        QFN(g8_chunk)(R, x, K, q, c * 16, (QFN(fvec)){0} + scale[c >> shift], 0, acc);
+    for (int r = 0; r < R; r++) {
+        const float *xs = xsum + r * groups;
+        QFN(fvec) mv = (QFN(fvec)){0};
+        int64_t i = 0;
+        for (; i + QW <= groups; i += QW)
+            mv = QFN(fma)(QFN(loadf)(minv + i), QFN(loadf)(xs + i), mv);
+        float m = QFN(hsum)(mv);
+        for (; i < groups; i++) m += minv[i] * xs[i];
+        QFN(fvec) sum = acc[r][0];
+        for (int a = 1; a < QACC; a++) sum += acc[r][a];
+        out[r] = QFN(hsum)(sum) + m;
+    }
+}
+
 /* out[k] = W[n, k] for one INT4 weight row (the tile kernels' dequantization). */
 static inline void QFN(q4_dequantize_row)(const uint8_t *nib, const float *scale, const float *minv,
                                    int64_t K, int64_t g, float *out) {
@@ -201,6 +265,17 @@ static inline void QFN(q4_dequantize_row)(const uint8_t *nib, const float *scale
         const QFN(fvec) s = (QFN(fvec)){0} + scale[k0 / g], mn = (QFN(fvec)){0} + minv[k0 / g];
         for (int v = 0; v < 32 / QW; v++)
             *(QFN(fvec_u) *)(out + k0 + v * QW) = QFN(fma)(w[v], s, mn);
+    }
+}
+
+/* out[k] = W[n, k] for one grouped-INT8 weight row (groups of g = 16 << shift). */
+static inline void QFN(g8_dequantize_row)(const uint8_t *q, const float *scale, const float *minv,
+                                          int64_t K, int64_t shift, float *out) {
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        const QFN(fvec) s = (QFN(fvec)){0} + scale[(k0 / 16) >> shift];
+        const QFN(fvec) mn = (QFN(fvec)){0} + minv[(k0 / 16) >> shift];
+        for (int v = 0; v < 16 / QW; v++)
+            *(QFN(fvec_u) *)(out + k0 + v * QW) = QFN(fma)(QFN(u8_widen)(q + k0 + v * QW), s, mn);
     }
 }
 
@@ -231,6 +306,28 @@ static void QFN(q4_rows)(const float *x, const uint8_t *nib, const float *scale,
                 QFN(q4_row)(1, xm, K, wn, sn, mn, xs, groups, shift, out);
             else
                 QFN(q4_row)(QROWS, xm, K, wn, sn, mn, xs, groups, shift, out);
+            for (int64_t r = 0; r < QROWS && m + r < M; r++) y[(m + r) * N + n] = out[r] + b;
+        }
+    }
+}
+
+static void QFN(g8_rows)(const float *x, const uint8_t *q, const float *scale,
+                         const float *minv, const float *xsum, const float *bias, float *y,
+                         int64_t M, int64_t K, int64_t N, int64_t g, int64_t n0, int64_t n1) {
+    const int64_t groups = K / g;
+    int64_t shift = 0; /* g = 16 << shift */
+    while ((16 << shift) < g) shift++;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wn = q + n * K;
+        const float *sn = scale + n * groups, *mn = minv + n * groups;
+        const float b = bias != NULL ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m += QROWS) {
+            float out[QROWS];
+            const float *xm = x + m * K, *xs = xsum + m * groups;
+            if (M - m == 1)
+                QFN(g8_row)(1, xm, K, wn, sn, mn, xs, groups, shift, out);
+            else
+                QFN(g8_row)(QROWS, xm, K, wn, sn, mn, xs, groups, shift, out);
             for (int64_t r = 0; r < QROWS && m + r < M; r++) y[(m + r) * N + n] = out[r] + b;
         }
     }

@@ -356,8 +356,11 @@ def test_config_validates_the_new_options() -> None:
         r"quantization='none' keeps them dense: the head would stay dense; set "
         r"lm_head_quantization=auto\|int8, or quantize_lm_head=null\|false$",
     ):
-        EngineConfig.from_dict({"quantize_lm_head": True, "lm_head_quantization": "same"})
-    assert EngineConfig.from_dict({"lm_head_quantization": "same"}).lm_head_method() == "none"
+        EngineConfig.from_dict(
+            {"quantization": "none", "quantize_lm_head": True, "lm_head_quantization": "same"}
+        )
+    none_same = {"quantization": "none", "lm_head_quantization": "same"}
+    assert EngineConfig.from_dict(none_same).lm_head_method() == "none"
     with pytest.raises(ConfigError, match="native_decode_program"):
         EngineConfig.from_dict({"native_decode_program": 1})
     with pytest.raises(
@@ -370,7 +373,9 @@ def test_config_validates_the_new_options() -> None:
     assert config.quantization == "int4" and config.quantize_lm_head is None
     assert config.lm_head_method() == "int8"  # quantized layers, an INT8 head (llama.cpp's)
     assert EngineConfig.from_dict({"quantization": "int4"}).lm_head_method() == "int8"
-    assert EngineConfig.from_dict({}).lm_head_method() == "none"
+    assert EngineConfig.from_dict({"quantization": "none"}).lm_head_method() == "none"
+    # the default: the head as the checkpoint keeps it (a GGUF's Q8_0/Q6_K head stays so)
+    assert EngineConfig.from_dict({}).lm_head_method() == "auto"
     assert EngineConfig.from_dict({"quantize_lm_head": True}).lm_head_method() == "int8"
     same = {"quantization": "int4", "lm_head_quantization": "same"}
     assert EngineConfig.from_dict(same).lm_head_method() == "int4"

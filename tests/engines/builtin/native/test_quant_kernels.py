@@ -1,7 +1,8 @@
-"""The engine's INT8 / INT4 linear kernels (quant_kernels.c, native/quant.py) against float64
-dequantize-then-matmul: every vector width this machine runs, the rows (decode) and tile
-(prefill) kernels, odd shapes, every group size, 1-4 threads; INT8 activations against their
-own fake-quantized reference; results bit-identical whatever rows share a call."""
+"""The engine's INT8 / grouped INT8 / INT4 linear kernels (quant_kernels.c, native/quant.py)
+against float64 dequantize-then-matmul: every vector width this machine runs, the rows
+(decode) and tile (prefill) kernels, odd shapes, every group size, 1-4 threads; INT8
+activations against their own fake-quantized reference; results bit-identical whatever rows
+share a call."""
 
 from __future__ import annotations
 
@@ -107,6 +108,57 @@ def test_int8_activations_match_their_fake_quantized_reference(path: str) -> Non
             assert (got.double() - exact).abs().max() < 0.05 * exact.abs().max()
 
 
+def random_int8g(out_features: int, in_features: int, group: int, gen: torch.Generator):
+    """Grouped INT8 with levels over the whole byte (Q8_0's q + 128 reaches 255)."""
+    q = torch.randint(0, 256, (out_features, in_features), generator=gen, dtype=torch.uint8)
+    groups = in_features // group
+    scales = torch.rand(out_features, groups, generator=gen) * 0.01 + 1e-4
+    mins = -torch.rand(out_features, groups, generator=gen) * 1.3
+    w = q.double().reshape(out_features, groups, group) * scales.double()[..., None]
+    w = (w + mins.double()[..., None]).reshape(out_features, in_features)
+    return q, scales, mins, w
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("group", [16, 32])
+def test_grouped_int8_kernels_match_float64_dequantize_then_matmul(path: str, group: int) -> None:
+    gen = torch.Generator().manual_seed(group + 1)
+    # K from one group to SmolLM2's widths; 48 and 80: an odd number of 16-chunks
+    for in_features, out_features in [(group, 3), (48, 5), (80, 17), (576, 97), (1536, 9)]:
+        if in_features % group:
+            continue
+        q, scales, mins, w = random_int8g(out_features, in_features, group, gen)
+        bias = torch.randn(out_features, generator=gen)
+        for rows in ROW_COUNTS:
+            x = torch.randn(rows, in_features, generator=gen)
+            expected = x.double() @ w.T + bias.double()
+            for threads, max_rows in itertools.product((1, 3), kernels(rows)):
+                torch.set_num_threads(threads)
+                got = native_quant.int8g_linear(
+                    x, q, scales, mins, group, bias, path=path, max_rows=max_rows
+                )
+                assert_matches(got, expected)
+    torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("path", native_quant.paths("int8"))
+@pytest.mark.parametrize("group", [16, 32])
+def test_grouped_int8_with_int8_activations_match_their_reference(path: str, group: int) -> None:
+    gen = torch.Generator().manual_seed(7)
+    for in_features, out_features in [(32, 3), (96, 7), (576, 97), (1536, 5)]:
+        q, scales, mins, w = random_int8g(out_features, in_features, group, gen)
+        for rows in (1, 2, 3, 4, 5, 16):
+            x = torch.randn(rows, in_features, generator=gen)
+            x[0, :32] = 0.0  # an all-zero block
+            got = native_quant.int8g_linear(
+                x, q, scales, mins, group, activations="int8", path=path, max_rows=16
+            )
+            assert_matches(got, fake_quantized_activations(x) @ w.T)
+    with pytest.raises(ValueError, match="in_features % 32"):
+        q, scales, mins, _ = random_int8g(3, 48, 16, gen)
+        native_quant.int8g_linear(torch.randn(1, 48), q, scales, mins, 16, activations="int8")
+
+
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_rows_are_bit_identical_whatever_rows_share_the_call(activations: str) -> None:
     """Batch invariance: a request's logits must not depend on its neighbours in a decode
@@ -122,7 +174,16 @@ def test_rows_are_bit_identical_whatever_rows_share_the_call(activations: str) -
     def int8(rows: torch.Tensor) -> torch.Tensor:
         return native_quant.int8_linear(rows, q8, s8)
 
-    crossovers = [(int4, native_quant.rows_max(4, activations)), (int8, native_quant.rows_max(8))]
+    qg, sg, mg, _ = random_int8g(96, 256, 16, gen)
+
+    def int8g(rows: torch.Tensor) -> torch.Tensor:
+        return native_quant.int8g_linear(rows, qg, sg, mg, 16, activations=activations)
+
+    crossovers = [
+        (int4, native_quant.rows_max(4, activations)),
+        (int8, native_quant.rows_max(8)),
+        (int8g, native_quant.rows_max(native_quant.GROUPED_INT8, activations)),
+    ]
     for linear, rows_max in crossovers:
         x = torch.randn(rows_max, 256, generator=gen)
         whole = linear(x)
