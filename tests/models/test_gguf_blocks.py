@@ -87,3 +87,19 @@ def test_a_weight_whose_parts_do_not_fit_is_refused() -> None:
     a = q("Q8_0", (2, 64), 0)
     with pytest.raises(ValueError, match="do not fit"):
         QuantizedWeight(a.q, a.scales[:, :1], a.mins, 32, 8, "Q8_0")
+
+
+def test_symmetric_groups_become_int8_blocks_and_others_do_not() -> None:
+    from engines.builtin.layers.checkpoint_quant import symmetric_blocks
+
+    for kind in ("Q8_0", "Q5_0"):  # min = -128 d, -16 d; d float16
+        weight = q(kind, (3, 256), 4)
+        blocks = symmetric_blocks(weight)
+        assert blocks is not None
+        levels, d = blocks
+        assert d.dtype == torch.float16 and levels.dtype == torch.int8
+        rebuilt = (levels.float().reshape(3, 8, 32) * d.float()[..., None]).reshape(3, 256)
+        assert torch.equal(rebuilt, weight.dequantize())
+    for kind in ("Q5_1", "Q4_K", "Q6_K"):  # a float minimum, K-quant scales, groups of 16
+        assert symmetric_blocks(q(kind, (3, 256), 5).with_group_size(16)) is None
+    assert symmetric_blocks(q("Q5_1", (3, 256), 5)) is None

@@ -5,8 +5,10 @@ of one of the engine's C kernels, and every float weight as `none` would.
 
 - 4-bit levels in groups of 32 (Q4_0, Q4_1, Q4_K): the INT4 layout (native/quant.py), exactly
   the file's bytes of levels, float32 scales and minima;
-- 5- to 8-bit levels (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, and Q2_K / Q3_K): the grouped INT8 layout,
-  a byte a level, groups of 16 or 32.
+- symmetric 8-bit groups of 32 with float16 scales (Q8_0, and Q5_0 as q - 16): INT8 blocks,
+  a byte a level and a float16 scale per 32 (Q8_0's own bytes);
+- other 5- to 8-bit levels (Q5_1, Q5_K, Q6_K, and Q2_K / Q3_K): the grouped INT8 layout, a
+  byte a level, float32 scales and minima per 16 or 32.
 
 Each weight is the file's to float32 rounding: the kernels compute q * scale + min in float32
 as gguf's dequantization does (tests/engines/builtin/layers/test_checkpoint_quant.py).
@@ -32,8 +34,41 @@ if TYPE_CHECKING:
     from engines.builtin.layers.linear import Linear
 
 
+def symmetric_blocks(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`weight` as INT8 blocks, (int8 levels [out, in], float16 scales [out, in / 32]), where
+    that is exact: groups of 32 whose scales are float16 numbers and whose minima are an integer
+    times the scale below zero (Q8_0: -128 d, Q5_0: -16 d), levels q - that integer within
+    int8; None otherwise (a float minimum, a K-quant's scale)."""
+    if weight.group_size != 32 or weight.q.shape[1] % 32:
+        return None
+    scales, mins = weight.scales, weight.mins
+    halves = scales.half()
+    if not torch.equal(halves.float(), scales):
+        return None
+    zero = torch.where(scales != 0, -mins / torch.where(scales != 0, scales, 1), 0)
+    if not torch.equal(zero, zero.round()) or not torch.equal(-(zero * scales), mins):
+        return None  # (an all-zero group has scale 0 and minimum 0: levels 0 below)
+    out, k = weight.shape
+    levels = weight.q.to(torch.int16).reshape(out, k // 32, 32) - zero.to(torch.int16)[..., None]
+    levels = torch.where((scales != 0)[..., None], levels, 0)
+    if levels.min() < -128 or levels.max() > 127:
+        return None
+    return levels.reshape(out, k).to(torch.int8).contiguous(), halves.contiguous()
+
+
+#: the engine's layouts a checkpoint's weight takes -> native/quant.py's format number
+LAYOUT_BITS = {
+    "int4": 4,
+    "int8 blocks": native_quant.INT8_BLOCKS,
+    "grouped int8": native_quant.GROUPED_INT8,
+}
+
+
 class CheckpointQuantMethod(QuantMethod):
-    """One layer's weight as its checkpoint quantized it (made by `AutoMethod.load`)."""
+    """One layer's weight as its checkpoint quantized it (made by `AutoMethod.load`), in the
+    first layout of these that holds it exactly: INT4 (4-bit levels in groups of 32), INT8
+    blocks (symmetric groups of 32 with float16 scales: the file's own bytes for Q8_0), grouped
+    INT8 (any 8-bit levels, float32 scales and minima per 16 or 32)."""
 
     name = "checkpoint"
 
@@ -43,40 +78,44 @@ class CheckpointQuantMethod(QuantMethod):
         super().__init__(native_reason)
         self.source = source
         self.activations = activations
-        self.bits = 4
+        self.layout = "int4"
+
+    @property
+    def kernel_bits(self) -> int:
+        return LAYOUT_BITS[self.layout]
 
     def layer_activations(self, layer: Linear) -> str:
         """INT8 rows where this layer's kernel takes them (inputs a multiple of 32)."""
         return "float" if layer.in_features % 32 else self.activations
 
     def describe(self, layer: Linear) -> str:
-        form = "int4" if self.bits == 4 else "grouped int8"
         if layer.native:
             kernel = native_quant.describe_kernel(self.kernel_bits, self.layer_activations(layer))
         else:
             kernel = f"dequantize + dense matmul (engine C kernels off: {self.native_reason})"
-        return f"{self.source} as {form} g{layer.group_size} (exact); kernel {kernel}"
-
-    @property
-    def kernel_bits(self) -> int:
-        return 4 if self.bits == 4 else native_quant.GROUPED_INT8
+        return f"{self.source} as {self.layout} g{layer.group_size} (exact); kernel {kernel}"
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         assert isinstance(weight, QuantizedWeight)  # AutoMethod hands it only those
-        self.bits = 4 if weight.bits == 4 and weight.group_size % 32 == 0 else 8
-        if self.bits == 4:
-            levels = native_quant.pack_int4(weight.q)
+        if weight.bits == 8 and weight.group_size % 32 == 0:  # the kernels' groups: 16 or 32
+            weight = weight.with_group_size(32)
+        blocks = symmetric_blocks(weight) if weight.bits == 8 else None
+        mins = weight.mins.float().contiguous()
+        if weight.bits == 4 and weight.group_size % 32 == 0:
+            self.layout, levels = "int4", native_quant.pack_int4(weight.q)
+            scales = weight.scales.float().contiguous()
+        elif blocks is not None:
+            self.layout, (levels, scales) = "int8 blocks", blocks
+            mins = torch.empty(0)  # none: W = q d
         else:
-            if weight.group_size % 32 == 0:  # the kernel's groups are 16 or 32
-                weight = weight.with_group_size(32)
-            levels = weight.q.contiguous()
+            self.layout, levels = "grouped int8", weight.q.contiguous()
+            scales = weight.scales.float().contiguous()
         layer.native = self.uses_native(weight.q)
         layer.group_size = weight.group_size
         layer.register_buffer("qweight", levels)
-        layer.register_buffer("scales", weight.scales.float().contiguous())
-        layer.register_buffer("mins", weight.mins.float().contiguous())
+        layer.register_buffer("scales", scales)
+        layer.register_buffer("mins", mins)
         layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-        self.dtype = weight.dtype
 
     def load_columns(
         self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None, columns: slice
@@ -84,32 +123,31 @@ class CheckpointQuantMethod(QuantMethod):
         assert isinstance(weight, QuantizedWeight)
         self.load(layer, weight.columns(columns), bias)
 
-    def levels(self, layer: Linear) -> torch.Tensor:
-        """q [out, in] (uint8), whichever layout keeps them."""
-        if self.bits == 4:
-            return native_quant.unpack_int4(layer.qweight)
-        return layer.qweight
-
     def dequantize(self, layer: Linear) -> torch.Tensor:
         """The weight the stored form represents, [out, in] in float32."""
         out, k, g = layer.out_features, layer.in_features, layer.group_size
-        q = self.levels(layer).float().reshape(out, k // g, g)
+        if self.layout == "int8 blocks":
+            q = layer.qweight.float().reshape(out, k // g, g)
+            return (q * layer.scales.float()[..., None]).reshape(out, k)
+        levels = native_quant.unpack_int4(layer.qweight) if self.layout == "int4" else layer.qweight
+        q = levels.float().reshape(out, k // g, g)
         return (q * layer.scales[..., None] + layer.mins[..., None]).reshape(out, k)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.native and x.device.type == "cpu" and not x.requires_grad:
-            multiply = native_quant.int4_linear if self.bits == 4 else native_quant.int8g_linear
-            y = multiply(
-                _flat(x),
-                layer.qweight,
-                layer.scales,
-                layer.mins,
-                layer.group_size,
-                self.float_bias(layer),
-                self.layer_activations(layer),
+        if not (layer.native and x.device.type == "cpu" and not x.requires_grad):
+            return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
+        bias, activations = self.float_bias(layer), self.layer_activations(layer)
+        if self.layout == "int8 blocks":
+            y = native_quant.int8b_linear(_flat(x), layer.qweight, layer.scales, bias, activations)
+        else:
+            multiply = (
+                native_quant.int4_linear if self.layout == "int4" else native_quant.int8g_linear
             )
-            return y.reshape(*x.shape[:-1], layer.out_features)
-        return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
+            y = multiply(
+                _flat(x), layer.qweight, layer.scales, layer.mins, layer.group_size, bias,
+                activations,
+            )  # fmt: skip
+        return y.reshape(*x.shape[:-1], layer.out_features)
 
 
 @LINEAR_METHODS.register("auto")

@@ -44,11 +44,12 @@ def linear_weights(layer: Linear, keep: list[torch.Tensor]) -> native.LinearWeig
     weight, scales = c_pointer(layer.qweight, keep), c_pointer(layer.scales, keep)
     if isinstance(method, CheckpointQuantMethod):
         activations = method.layer_activations(layer)
-        int8_inputs = activations == "int8"
-        if method.bits == 4:
-            kind = native.LINEAR_INT4_A8 if int8_inputs else native.LINEAR_INT4
-        else:
-            kind = native.LINEAR_INT8G_A8 if int8_inputs else native.LINEAR_INT8G
+        kinds = {
+            "int4": (native.LINEAR_INT4, native.LINEAR_INT4_A8),
+            "int8 blocks": (native.LINEAR_INT8B, native.LINEAR_INT8B_A8),
+            "grouped int8": (native.LINEAR_INT8G, native.LINEAR_INT8G_A8),
+        }
+        kind = kinds[method.layout][activations == "int8"]
         mins = c_pointer(layer.mins, keep)
         rows_max = native_quant.rows_max(method.kernel_bits, activations)
         return weights(kind, weight, scales, mins, bias, *shape, layer.group_size, rows_max)

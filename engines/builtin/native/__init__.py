@@ -60,6 +60,8 @@ SIGNATURES = {  # function -> argument types (all return void)
     "q4_linear_q8_f32": _args("ppppppqqqqqqq"),
     "g8_linear_f32": _args("ppppppqqqqqqq"),
     "g8_linear_q8_f32": _args("ppppppqqqqqqq"),
+    "b8_linear_f32": _args("pppppqqqqqq"),
+    "b8_linear_q8_f32": _args("pppppqqqqqq"),
     "q8_linear_f32": _args("pppppqqqqqq"),
     "prefill_attention_f32": _args("pqpqpqpqqqqfqqp"),
 }
@@ -330,7 +332,16 @@ class LinearWeights(ctypes.Structure):  # kernels.h
 
 
 #: LinearWeights.kind: kernels.h's LINEAR_*
-LINEAR_DENSE, LINEAR_INT8, LINEAR_INT4, LINEAR_INT4_A8, LINEAR_INT8G, LINEAR_INT8G_A8 = range(6)
+(
+    LINEAR_DENSE,
+    LINEAR_INT8,
+    LINEAR_INT4,
+    LINEAR_INT4_A8,
+    LINEAR_INT8G,
+    LINEAR_INT8G_A8,
+    LINEAR_INT8B,
+    LINEAR_INT8B_A8,
+) = range(8)
 
 
 #: the experts' arrays moe_experts has checked (by id, each held so that its id is not reused)
@@ -340,10 +351,12 @@ _CHECKED_EXPERTS: dict[tuple[int, int], tuple[Any, Any]] = {}
 def _check_linear_weights(layer: LinearWeights) -> None:
     """A ValueError for a struct the kernels would crash on: an unknown kind, a missing
     pointer, INT4 groups that do not divide the inputs."""
-    if not 0 <= layer.kind <= LINEAR_INT8G_A8:
-        raise ValueError(f"LinearWeights.kind: {layer.kind} is invalid; allowed: 0..5")
+    if not 0 <= layer.kind <= LINEAR_INT8B_A8:
+        raise ValueError(f"LinearWeights.kind: {layer.kind} is invalid; allowed: 0..7")
     quantized = layer.kind != LINEAR_DENSE
-    grouped = layer.kind not in (LINEAR_DENSE, LINEAR_INT8)
+    grouped = layer.kind not in (LINEAR_DENSE, LINEAR_INT8, LINEAR_INT8B, LINEAR_INT8B_A8)
+    if layer.kind in (LINEAR_INT8B, LINEAR_INT8B_A8) and layer.group_size != 32:
+        raise ValueError(f"LinearWeights.group_size: {layer.group_size}; INT8 blocks: 32")
     if not layer.weight or (quantized and not layer.scale) or (grouped and not layer.minv):
         raise ValueError("LinearWeights: a NULL weight, scale or minimum pointer")
     unit = 16 if layer.kind in (LINEAR_INT8G, LINEAR_INT8G_A8) else 32

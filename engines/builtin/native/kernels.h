@@ -103,13 +103,15 @@ enum {
     LINEAR_INT4 = 2,
     LINEAR_INT4_A8 = 3,
     LINEAR_INT8G = 4,
-    LINEAR_INT8G_A8 = 5
+    LINEAR_INT8G_A8 = 5,
+    LINEAR_INT8B = 6,
+    LINEAR_INT8B_A8 = 7
 };
 
 typedef struct {
     int64_t kind;       /* LINEAR_* */
     const void *weight; /* dense: panels (pack_linear_weight_f32); int8(g): q; int4: nibbles */
-    const float *scale; /* int8 [N]; int4, int8g [N][K / g] */
+    const float *scale; /* int8 [N]; int4, int8g [N][K / g]; int8b: float16 bits [N][K / 32] */
     const float *minv;  /* int4, int8g [N][K / g] */
     const float *bias;  /* [N] or NULL */
     int64_t in_features, out_features, group_size;
@@ -190,6 +192,12 @@ void g8_linear_f32(const float *x, const uint8_t *q, const float *scale, const f
 void g8_linear_q8_f32(const float *x, const uint8_t *q, const float *scale, const float *minv,
                       const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
                       int64_t rows_max, int64_t path, int64_t threads);
+void b8_linear_f32(const float *x, const int8_t *q, const uint16_t *d, const float *bias,
+                   float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
+                   int64_t threads);
+void b8_linear_q8_f32(const float *x, const int8_t *q, const uint16_t *d, const float *bias,
+                      float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
+                      int64_t threads);
 /* floats of scratch any linear (dense panels or quantized) of M rows needs (decode_layers.c) */
 void linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, int64_t *own);
 /* any linear of M rows, each member its share, no barrier at the end (decode_layers.c) */
@@ -217,7 +225,7 @@ void moe_experts_bind(ExpertsRun *r, float *scratch, int64_t rows, int64_t share
 void moe_experts_part(const ExpertsRun *r, const Member *me);
 /* floats of scratch a quantized linear of M rows needs: `shared` by the team, `own` per member */
 void quant_linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, int64_t *own);
-/* a quantized (LINEAR_INT8 / INT4 / INT4_A8 / INT8G / INT8G_A8) linear; path as the entry points' (0: widest) */
+/* a quantized (LINEAR_INT8, INT4, INT8G, INT8B and their _A8) linear; path as the entry points' (0: widest) */
 void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t M,
                        int64_t path, float *shared, float *own, const Member *me);
 

@@ -3,6 +3,8 @@ they stream, and y = x W^T (+ bias) for float32, bfloat16 or float16 inputs.
 
 Layouts (made once, at load, by engines/builtin/layers/quant.py):
 - INT8: q int8 [N, K], scales float32 [N]: W = q * scale per row.
+- INT8 blocks: q int8 [N, K], d float16 [N, K / 32]: W = q * d per block of 32 inputs
+  (llama.cpp's Q8_0 as it is; its Q5_0 as q - 16), as few bytes as the file's Q8_0.
 - grouped INT8: q uint8 [N, K], scales and mins float32 [N, K / g]: W = q * scale + min per
   group of g inputs (16 or 32): every GGUF type of 5 to 8 bits, exactly
   (engines/builtin/gguf_quant.py).
@@ -37,9 +39,18 @@ from engines.builtin import native
 # (scripts/bench_quant_crossover.py), rows / tile time: INT4 0.95 / 0.80 at 4 rows, 1.44 / 1.12
 # at 6; INT4 + INT8 activations 0.87 / 0.86 at 8, 1.06 / 1.14 at 12; INT8 1.03 / 0.97 at 12,
 # 1.37 / 0.96 at 16.
-ROWS_MAX = {(8, "float"): 12, (4, "float"): 4, (4, "int8"): 8, (9, "float"): 8, (9, "int8"): 8}
-#: `bits` of the grouped INT8 layout in ROWS_MAX and describe_kernel (8 is per-channel INT8)
-GROUPED_INT8 = 9
+#: `bits` of the grouped INT8 and INT8-blocks layouts in ROWS_MAX and describe_kernel (8 is
+#: per-channel INT8)
+GROUPED_INT8, INT8_BLOCKS = 9, 10
+ROWS_MAX = {
+    (8, "float"): 12,
+    (4, "float"): 4,
+    (4, "int8"): 8,
+    (GROUPED_INT8, "float"): 8,
+    (GROUPED_INT8, "int8"): 8,
+    (INT8_BLOCKS, "float"): 12,
+    (INT8_BLOCKS, "int8"): 8,
+}
 
 # quant_kernels.c's QUANT_PATH_*: the rows kernels' vector width
 PATHS = {"auto": 0, "portable": 1, "vec4": 2, "vec8": 3, "vec16": 4}
@@ -73,7 +84,7 @@ def describe_kernel(bits: int, activations: str = "float") -> str:
     """How this build multiplies by an INT`bits` layer (GROUPED_INT8: grouped INT8), for
     describe()["linear_methods"]."""
     path = widest_path(activations)
-    if bits in (4, GROUPED_INT8) and activations == "int8":
+    if bits in (4, GROUPED_INT8, INT8_BLOCKS) and activations == "int8":
         kind = {"portable": "portable", "vec16": "AVX-512 VNNI"}.get(path, "AVX2")
         rows = f"int8 activations, integer dot products ({kind})"
     else:
@@ -257,6 +268,45 @@ def int8g_linear(
         out_features,
         group_size,
         rows_max(GROUPED_INT8, activations) if max_rows is None else max_rows,
+        _path(path, activations),
+        torch.get_num_threads(),
+    )
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def int8b_linear(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    d: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activations: str = "float",
+    path: str = "auto",
+    max_rows: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias [N]) -> [M, N] in x's dtype, W as the INT8-blocks layout above
+    (K a multiple of 32; `max_rows` as for `int4_linear`)."""
+    out_features, in_features = q.shape
+    if in_features % 32:
+        raise ValueError(f"int8b_linear: in_features={in_features} is not a multiple of 32")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations: {activations!r}; allowed: {'|'.join(ACTIVATIONS)}")
+    _check("int8b_linear q", q, torch.int8, (out_features, in_features))
+    _check("int8b_linear d", d, torch.float16, (out_features, in_features // 32))
+    if bias is not None:
+        _check("int8b_linear bias", bias, torch.float32, (out_features,))
+    x32 = _float_input(x, in_features, "int8b_linear")
+    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
+    native._run(
+        "b8_linear_q8_f32" if activations == "int8" else "b8_linear_f32",
+        x32.data_ptr(),
+        q.data_ptr(),
+        d.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        x32.shape[0],
+        in_features,
+        out_features,
+        rows_max(INT8_BLOCKS, activations) if max_rows is None else max_rows,
         _path(path, activations),
         torch.get_num_threads(),
     )

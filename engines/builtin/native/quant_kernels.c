@@ -11,6 +11,8 @@
  *   minimum (float) per group of g inputs (g a multiple of 32):
  *   W[n, k] = q[n, k] scale[n, k / g] + min[n, k / g]. An integer zero point z is the same form
  *   with min = -z scale.
+ * - INT8 blocks: q int8 [N][K], a float16 scale d per block of 32 inputs: W = q d (llama.cpp's
+ *   Q8_0 as it is; Q5_0 as q - 16): a byte and 1/16 of one a weight, as the file.
  * - grouped INT8: q uint8 [N][K], a scale and a minimum (float) per group of g inputs (g 16 or
  *   32): W[n, k] = q[n, k] scale[n, k / g] + min[n, k / g]. The form every GGUF type of 5 to 8
  *   bits takes exactly (Q8_0: q + 128 and min = -128 d; Q6_K: groups of 16, d sc (q - 32);
@@ -54,6 +56,28 @@ enum {
     QUANT_PATH_VEC8 = 3,
     QUANT_PATH_VEC16 = 4,
 };
+
+/* A float16 (the INT8-blocks layout's scales) as a float: F16C's instruction where the build
+ * has it, else the bits rebuilt (normal, subnormal, zero, infinity, NaN). */
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023;
+    uint32_t bits;
+    if (exponent == 0) {
+        const float tiny = ldexpf((float)mantissa, -24);
+        return sign ? -tiny : tiny;
+    }
+    if (exponent == 31)
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    else
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
 
 #define QW 4
 #define QSUFFIX _vec4
@@ -148,6 +172,21 @@ static void g8_rows_portable(const float *x, const uint8_t *q, const float *scal
         }
 }
 
+static void b8_rows_portable(const float *x, const int8_t *q, const uint16_t *d,
+                             const float *bias, float *y, int64_t M, int64_t K, int64_t N,
+                             int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float total = bias != NULL ? bias[n] : 0.0f;
+            for (int64_t b = 0; b < K / 32; b++) {
+                float acc = 0.0f;
+                for (int64_t k = b * 32; k < b * 32 + 32; k++) acc += (float)q[n * K + k] * x[m * K + k];
+                total += half_to_float(d[n * (K / 32) + b]) * acc;
+            }
+            y[m * N + n] = total;
+        }
+}
+
 /* INT4 weights times INT8 activations (llama.cpp's Q4_1 x Q8_1): each input row quantized per
  * block of 32 values, dx = max|x| / 127, xq = round(x 127 / max|x|) (half to even), and each
  * block's integer dot product sum(q xq) exact in int32, scaled by scale dx once per block:
@@ -234,6 +273,48 @@ static void g8q8_rows_portable(const QuantizedRows *xr, const uint8_t *q, const 
             y[m * N + n] = total;
         }
 }
+
+/* INT8 blocks times INT8 activations (llama.cpp's Q8_0 x Q8_0): per block scale d dx sum(q xq). */
+static void b8q8_rows_portable(const QuantizedRows *xr, const int8_t *q, const uint16_t *d,
+                               const float *bias, float *y, int64_t M, int64_t K, int64_t N,
+                               int64_t n0, int64_t n1) {
+    const int64_t blocks = K / 32;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float total = bias != NULL ? bias[n] : 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                int32_t dot = 0;
+                for (int i = 0; i < 32; i++) dot += q[n * K + b * 32 + i] * xr->xq[m * K + b * 32 + i];
+                total += half_to_float(d[n * blocks + b]) * xr->dx[m * blocks + b] * (float)dot;
+            }
+            y[m * N + n] = total;
+        }
+}
+
+/* y[m, n] for W's rows [n0, n1), all M input rows four at a time, by ROW (INT8 blocks). */
+#define DEFINE_B8Q8_ROWS(NAME, ROW)                                                            \
+    static void NAME(const QuantizedRows *xr, const int8_t *q, const uint16_t *d,             \
+                     const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t n0, \
+                     int64_t n1) {                                                             \
+        const int64_t blocks = K / 32;                                                         \
+        for (int64_t n = n0; n < n1; n++) {                                                    \
+            const int8_t *wn = q + n * K;                                                      \
+            const uint16_t *dn = d + n * blocks;                                               \
+            const float bn = bias != NULL ? bias[n] : 0.0f;                                    \
+            for (int64_t m = 0; m < M; m += 4) {                                               \
+                float out[4];                                                                  \
+                const QuantizedRows rows = {xr->xq + m * K, xr->dx + m * blocks,               \
+                                            xr->sx + m * blocks};                              \
+                switch (M - m < 4 ? M - m : 4) {                                               \
+                case 1: ROW(1, &rows, K, wn, dn, out); break;                                  \
+                case 2: ROW(2, &rows, K, wn, dn, out); break;                                  \
+                case 3: ROW(3, &rows, K, wn, dn, out); break;                                  \
+                default: ROW(4, &rows, K, wn, dn, out); break;                                 \
+                }                                                                              \
+                for (int64_t r = 0; r < 4 && m + r < M; r++) y[(m + r) * N + n] = out[r] + bn; \
+            }                                                                                  \
+        }                                                                                      \
+    }
 
 /* y[m, n] = the INT4 (BITS 4) or grouped INT8 (BITS 8) x INT8 product for W's rows [n0, n1) and
  * all M input rows, four at a time, by the row kernel ROW (one per instruction set, each always
@@ -352,6 +433,38 @@ static inline __attribute__((always_inline)) void g8q8_row_avx2(
 }
 
 DEFINE_Q8_INPUT_ROWS(g8q8_rows_avx2, g8q8_row_avx2, 8, 16)
+
+/* INT8 blocks x INT8 activations, llama.cpp's way: |q| times x with q's sign, vpmaddubsw's pair
+ * sums (|q| <= 128, |x| <= 127: no saturation) and vpmaddwd to 32 bits; two chains. */
+static inline __attribute__((always_inline)) void b8q8_row_avx2(
+    const int R, const QuantizedRows *xr, int64_t K, const int8_t *q, const uint16_t *d,
+    float *out) {
+    const int64_t blocks = K / 32;
+    __m256 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        if ((b & 1) == 0) __builtin_prefetch(q + b * 32 + QPREFETCH, 0, 0);
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+        const __m256i magnitude = _mm256_sign_epi8(w, w);
+        const __m256 s = _mm256_set1_ps(half_to_float(d[b]));
+        for (int r = 0; r < R; r++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xr->xq + r * K + b * 32));
+            const __m256i dot = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, w)), _mm256_set1_epi16(1));
+            const __m256 scale = _mm256_mul_ps(s, _mm256_broadcast_ss(xr->dx + r * blocks + b));
+            acc[r][b & 1] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[r][b & 1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256 sum = _mm256_add_ps(acc[r][0], acc[r][1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        out[r] = _mm_cvtss_f32(h);
+    }
+}
+
+DEFINE_B8Q8_ROWS(b8q8_rows_avx2, b8q8_row_avx2)
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
@@ -464,6 +577,44 @@ static inline __attribute__((always_inline)) void g8q8_row_vnni(
 }
 
 DEFINE_Q8_INPUT_ROWS(g8q8_rows_vnni, g8q8_row_vnni, 8, 16)
+
+/* Two blocks a register: vpdpbusd takes unsigned weights, so q + 128 (q xor 0x80) times xq,
+ * less 128 xq (a second vpdpbusd, of 0x80 bytes): a scalar correction per block after the loop
+ * took a tenth of the LM head's time. */
+static inline __attribute__((always_inline)) void b8q8_row_vnni(
+    const int R, const QuantizedRows *xr, int64_t K, const int8_t *q, const uint16_t *d,
+    float *out) {
+    const int64_t blocks = K / 32;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        __builtin_prefetch(q + b * 32 + QPREFETCH, 0, 0);
+        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + b * 32)), flip);
+        const float s0 = half_to_float(d[b]), s1 = half_to_float(d[b + 1]);
+        for (int r = 0; r < R; r++) {
+            const __m512i xq = _mm512_loadu_si512((const void *)(xr->xq + r * K + b * 32));
+            const __m512i dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq),
+                                                 _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, xq));
+            const float *dx = xr->dx + r * blocks + b;
+            const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s0 * dx[0]),
+                                                    _mm256_set1_ps(s1 * dx[1]), 1);
+            acc[r][(b / 2) & 1] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[r][(b / 2) & 1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float total = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+        for (int64_t t = b; t < blocks; t++) { /* an odd last block */
+            int32_t dot = 0;
+            for (int i = 0; i < 32; i++) dot += q[t * 32 + i] * xr->xq[r * K + t * 32 + i];
+            total += half_to_float(d[t]) * xr->dx[r * blocks + t] * (float)dot;
+        }
+        out[r] = total;
+    }
+}
+
+DEFINE_B8Q8_ROWS(b8q8_rows_vnni, b8q8_row_vnni)
 #else
 #define Q4Q8_VNNI 0
 #endif
@@ -514,6 +665,9 @@ static void dequantize_panel(const LinearWeights *l, int64_t n0, float *rows, fl
         } else if (l->kind == LINEAR_INT4 || l->kind == LINEAR_INT4_A8) {
             WIDEST(q4_dequantize_row)((const uint8_t *)l->weight + n * (K / 2),
                                       scale + n * (K / g), minv + n * (K / g), K, g, row);
+        } else if (l->kind == LINEAR_INT8B || l->kind == LINEAR_INT8B_A8) {
+            WIDEST(b8_dequantize_row)((const int8_t *)l->weight + n * K,
+                                      (const uint16_t *)scale + n * (K / 32), K, row);
         } else if (l->kind == LINEAR_INT8G || l->kind == LINEAR_INT8G_A8) {
             WIDEST(g8_dequantize_row)((const uint8_t *)l->weight + n * K, scale + n * (K / g),
                                       minv + n * (K / g), K, shift, row);
@@ -593,7 +747,8 @@ void quant_linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, in
     if (M > l->rows_max) {
         *shared = (M + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK * K;
         *own = 2 * K * PANEL;
-    } else if (l->kind == LINEAR_INT4_A8 || l->kind == LINEAR_INT8G_A8) {
+    } else if (l->kind == LINEAR_INT4_A8 || l->kind == LINEAR_INT8G_A8 ||
+               l->kind == LINEAR_INT8B_A8) {
         *shared = M * (K / 32) + M * (K / g) + (M * K + 3) / 4;
     } else if (l->kind == LINEAR_INT4 || l->kind == LINEAR_INT8G) {
         *shared = M * (K / g);
@@ -616,7 +771,8 @@ void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t
     team_share(M, me, &m0, &m1);
     const int64_t groups = l->kind == LINEAR_INT8 ? 0 : K / g;
     QuantizedRows xr = {0};
-    const int int8_inputs = l->kind == LINEAR_INT4_A8 || l->kind == LINEAR_INT8G_A8;
+    const int int8_inputs =
+        l->kind == LINEAR_INT4_A8 || l->kind == LINEAR_INT8G_A8 || l->kind == LINEAR_INT8B_A8;
     if (int8_inputs) {
         xr = quantized_rows(shared, M, K, g);
         QuantizedRows mine = {xr.xq + m0 * K, xr.dx + m0 * (K / 32), xr.sx + m0 * groups};
@@ -646,6 +802,35 @@ void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t
 #endif
         case QUANT_PATH_VEC4: q8_rows_vec4(x, q, l->scale, l->bias, y, M, K, N, n0, n1); break;
         default: q8_rows_portable(x, q, l->scale, l->bias, y, M, K, N, n0, n1);
+        }
+    } else if (l->kind == LINEAR_INT8B || l->kind == LINEAR_INT8B_A8) {
+        const int8_t *q = l->weight;
+        const uint16_t *d = (const uint16_t *)l->scale; /* float16 scales */
+        if (l->kind == LINEAR_INT8B_A8) {
+#if Q4Q8_VNNI
+            if (path == QUANT_PATH_VEC16) {
+                b8q8_rows_vnni(&xr, q, d, l->bias, y, M, K, N, n0, n1);
+                return;
+            }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+            if (path != QUANT_PATH_PORTABLE && path != QUANT_PATH_VEC4) {
+                b8q8_rows_avx2(&xr, q, d, l->bias, y, M, K, N, n0, n1);
+                return;
+            }
+#endif
+            b8q8_rows_portable(&xr, q, d, l->bias, y, M, K, N, n0, n1);
+            return;
+        }
+        switch (path) {
+#if VEC >= 16
+        case QUANT_PATH_VEC16: b8_rows_vec16(x, q, d, l->bias, y, M, K, N, n0, n1); break;
+#endif
+#if VEC >= 8
+        case QUANT_PATH_VEC8: b8_rows_vec8(x, q, d, l->bias, y, M, K, N, n0, n1); break;
+#endif
+        case QUANT_PATH_VEC4: b8_rows_vec4(x, q, d, l->bias, y, M, K, N, n0, n1); break;
+        default: b8_rows_portable(x, q, d, l->bias, y, M, K, N, n0, n1);
         }
     } else if (l->kind == LINEAR_INT8G_A8) {
         const uint8_t *q = l->weight;
@@ -780,5 +965,21 @@ void g8_linear_q8_f32(const float *x, const uint8_t *q, const float *scale, cons
                       const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
                       int64_t rows_max, int64_t path, int64_t threads) {
     const LinearWeights l = {LINEAR_INT8G_A8, q, scale, minv, bias, K, N, g, rows_max};
+    quant_linear(&l, x, y, M, path, threads);
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for an INT8-blocks W (int8 q, float16 d per 32 inputs). */
+void b8_linear_f32(const float *x, const int8_t *q, const uint16_t *d, const float *bias,
+                   float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
+                   int64_t threads) {
+    const LinearWeights l = {LINEAR_INT8B, q, (const float *)d, NULL, bias, K, N, 32, rows_max};
+    quant_linear(&l, x, y, M, path, threads);
+}
+
+/* As b8_linear_f32 with INT8 activations where the rows kernel runs (llama.cpp's Q8_0 x Q8_0). */
+void b8_linear_q8_f32(const float *x, const int8_t *q, const uint16_t *d, const float *bias,
+                      float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
+                      int64_t threads) {
+    const LinearWeights l = {LINEAR_INT8B_A8, q, (const float *)d, NULL, bias, K, N, 32, rows_max};
     quant_linear(&l, x, y, M, path, threads);
 }

@@ -256,6 +256,73 @@ static inline __attribute__((always_inline)) void QFN(g8_row)(
     }
 }
 
+/* acc[r][.] += one block of 32 INT8 weights (input k0) widened and scaled by s, times input
+ * row r's values; vector v on chain (base + v) of QACC. */
+static inline __attribute__((always_inline)) void QFN(b8_block)(const int R, const float *x,
+                                                                int64_t K, const int8_t *q,
+                                                                int64_t k0, QFN(fvec) s,
+                                                                const int base,
+                                                                QFN(fvec) acc[QROWS][QACC]) {
+    for (int v = 0; v < 32 / QW; v++) {
+        const QFN(fvec) w = QFN(q8_widen)(q + k0 + v * QW) * s;
+        for (int r = 0; r < R; r++)
+            acc[r][(base + v) % QACC] =
+                QFN(fma)(w, QFN(loadf)(x + r * K + k0 + v * QW), acc[r][(base + v) % QACC]);
+    }
+}
+
+/* out[r] = sum_k W[n, k] x[r][k] for R input rows and one INT8-blocks weight row: int8 levels
+ * `q` [K] and a float16 scale per block of 32 (W = q d, no minimum: llama.cpp's Q8_0). Blocks
+ * in pairs, the second's products on the other chains, as q4_row's. */
+static inline __attribute__((always_inline)) void QFN(b8_row)(const int R, const float *x,
+                                                              int64_t K, const int8_t *q,
+                                                              const uint16_t *d, float *out) {
+    QFN(fvec) acc[QROWS][QACC];
+    for (int r = 0; r < R; r++)
+        for (int a = 0; a < QACC; a++) acc[r][a] = (QFN(fvec)){0};
+    const int64_t blocks = K / 32;
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        __builtin_prefetch(q + b * 32 + QPREFETCH, 0, 0);
+        QFN(b8_block)(R, x, K, q, b * 32, (QFN(fvec)){0} + half_to_float(d[b]), 0, acc);
+        QFN(b8_block)(R, x, K, q, b * 32 + 32, (QFN(fvec)){0} + half_to_float(d[b + 1]),
+                      (32 / QW) % QACC == 0 ? 2 : 32 / QW, acc);
+    }
+    if (b < blocks) QFN(b8_block)(R, x, K, q, b * 32, (QFN(fvec)){0} + half_to_float(d[b]), 0, acc);
+    for (int r = 0; r < R; r++) {
+        QFN(fvec) sum = acc[r][0];
+        for (int a = 1; a < QACC; a++) sum += acc[r][a];
+        out[r] = QFN(hsum)(sum);
+    }
+}
+
+/* out[k] = W[n, k] for one INT8-blocks weight row. */
+static inline void QFN(b8_dequantize_row)(const int8_t *q, const uint16_t *d, int64_t K,
+                                          float *out) {
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const QFN(fvec) s = (QFN(fvec)){0} + half_to_float(d[k0 / 32]);
+        for (int v = 0; v < 32 / QW; v++)
+            *(QFN(fvec_u) *)(out + k0 + v * QW) = QFN(q8_widen)(q + k0 + v * QW) * s;
+    }
+}
+
+static void QFN(b8_rows)(const float *x, const int8_t *q, const uint16_t *d, const float *bias,
+                         float *y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *wn = q + n * K;
+        const uint16_t *dn = d + n * (K / 32);
+        const float b = bias != NULL ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m += QROWS) {
+            float out[QROWS];
+            if (M - m == 1)
+                QFN(b8_row)(1, x + m * K, K, wn, dn, out);
+            else
+                QFN(b8_row)(QROWS, x + m * K, K, wn, dn, out);
+            for (int64_t r = 0; r < QROWS && m + r < M; r++) y[(m + r) * N + n] = out[r] + b;
+        }
+    }
+}
+
 /* out[k] = W[n, k] for one INT4 weight row (the tile kernels' dequantization). */
 static inline void QFN(q4_dequantize_row)(const uint8_t *nib, const float *scale, const float *minv,
                                    int64_t K, int64_t g, float *out) {

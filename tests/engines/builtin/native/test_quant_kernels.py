@@ -159,6 +159,47 @@ def test_grouped_int8_with_int8_activations_match_their_reference(path: str, gro
         native_quant.int8g_linear(torch.randn(1, 48), q, scales, mins, 16, activations="int8")
 
 
+def random_int8b(out_features: int, in_features: int, gen: torch.Generator):
+    """INT8 blocks over the whole int8 range, -128 included (Q8_0 stores it)."""
+    q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    d = (torch.rand(out_features, in_features // 32, generator=gen) * 0.01 + 1e-4).half()
+    d[0, 0] = 0.0  # an all-zero block
+    w = q.double().reshape(out_features, -1, 32) * d.double()[..., None]
+    return q, d, w.reshape(out_features, in_features)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_int8_blocks_kernels_match_float64_dequantize_then_matmul(path: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    for in_features, out_features in [(32, 3), (96, 5), (576, 97), (1536, 9)]:  # odd blocks too
+        q, d, w = random_int8b(out_features, in_features, gen)
+        bias = torch.randn(out_features, generator=gen)
+        for rows in ROW_COUNTS:
+            x = torch.randn(rows, in_features, generator=gen)
+            expected = x.double() @ w.T + bias.double()
+            for threads, max_rows in itertools.product((1, 3), kernels(rows)):
+                torch.set_num_threads(threads)
+                got = native_quant.int8b_linear(x, q, d, bias, path=path, max_rows=max_rows)
+                assert_matches(got, expected)
+    torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("path", native_quant.paths("int8"))
+def test_int8_blocks_with_int8_activations_match_their_reference(path: str) -> None:
+    gen = torch.Generator().manual_seed(12)
+    for in_features, out_features in [(32, 3), (96, 7), (576, 97), (1536, 5)]:
+        q, d, w = random_int8b(out_features, in_features, gen)
+        for rows in (1, 2, 3, 4, 5, 16):
+            x = torch.randn(rows, in_features, generator=gen)
+            x[0, :32] = 0.0
+            got = native_quant.int8b_linear(x, q, d, activations="int8", path=path, max_rows=16)
+            assert_matches(got, fake_quantized_activations(x) @ w.T)
+    with pytest.raises(ValueError, match="in_features=48 is not a multiple of 32"):
+        native_quant.int8b_linear(torch.randn(1, 48), q[:, :48], d[:, :1])
+    with pytest.raises(ValueError, match="int8b_linear d"):
+        native_quant.int8b_linear(torch.randn(1, 1536), q, d.float())
+
+
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_rows_are_bit_identical_whatever_rows_share_the_call(activations: str) -> None:
     """Batch invariance: a request's logits must not depend on its neighbours in a decode
@@ -179,7 +220,13 @@ def test_rows_are_bit_identical_whatever_rows_share_the_call(activations: str) -
     def int8g(rows: torch.Tensor) -> torch.Tensor:
         return native_quant.int8g_linear(rows, qg, sg, mg, 16, activations=activations)
 
+    qb, db, _ = random_int8b(96, 256, gen)
+
+    def int8b(rows: torch.Tensor) -> torch.Tensor:
+        return native_quant.int8b_linear(rows, qb, db, activations=activations)
+
     crossovers = [
+        (int8b, native_quant.rows_max(native_quant.INT8_BLOCKS, activations)),
         (int4, native_quant.rows_max(4, activations)),
         (int8, native_quant.rows_max(8)),
         (int8g, native_quant.rows_max(native_quant.GROUPED_INT8, activations)),
