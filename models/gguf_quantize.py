@@ -18,9 +18,9 @@ from typing import Any
 from models.cache import cache_dir, check_trusted, drop_group_write, file_key, make_folder
 from models.gguf_reencode import GGUF_TYPES, convert_to_gguf
 
-#: the mixes llama.cpp's quantizer makes here -> its LLAMA_FTYPE_MOSTLY_* name (Q8_0, Q4_0 and
-#: Q4_1, which mix nothing, `inferlab convert` writes alike: GGUF_TYPES)
-LLAMA_QUANT_TYPES = {"q6_k": "Q6_K", "q5_k_m": "Q5_K_M", "q4_k_m": "Q4_K_M", "q5_0": "Q5_0"}
+#: the mixes llama.cpp's quantizer makes here -> its LLAMA_FTYPE_MOSTLY_* name (Q8_0, Q5_0/Q5_1
+#: and Q4_0/Q4_1, which mix nothing, `inferlab convert` writes alike: GGUF_TYPES)
+LLAMA_QUANT_TYPES = {"q6_k": "Q6_K", "q5_k_m": "Q5_K_M", "q4_k_m": "Q4_K_M"}
 #: every derived type: `inferlab convert`'s re-encodings, then llama.cpp's mixes
 DERIVED_TYPES = (*GGUF_TYPES, *LLAMA_QUANT_TYPES)
 SETUP_HINT = "llama.cpp's quantizer comes with llama-cpp-python: make setup-peer"

@@ -14,11 +14,12 @@ import numpy as np
 from models.gguf import open_gguf
 
 #: GGUF target types: the name (as llama.cpp's tools spell it) -> gguf's enum member name.
-GGUF_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0",
-              "q4_1": "Q4_1"}  # fmt: skip
+GGUF_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q5_1": "Q5_1",
+              "q5_0": "Q5_0", "q4_1": "Q4_1", "q4_0": "Q4_0"}  # fmt: skip
 #: llama.cpp's general.file_type for each target (the LlamaFileType enum's names).
 _FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16",
-               "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"}  # fmt: skip
+               "q8_0": "MOSTLY_Q8_0", "q5_1": "MOSTLY_Q5_1", "q5_0": "MOSTLY_Q5_0",
+               "q4_1": "MOSTLY_Q4_1", "q4_0": "MOSTLY_Q4_0"}  # fmt: skip
 
 
 def convert_to_gguf(src: str | Path, dst: str | Path, kind: str = "f16") -> Path:

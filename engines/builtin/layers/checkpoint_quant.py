@@ -5,10 +5,15 @@ of one of the engine's C kernels, and every float weight as `none` would.
 
 - 4-bit levels in groups of 32 (Q4_0, Q4_1, Q4_K): the INT4 layout (native/quant.py), exactly
   the file's bytes of levels, float32 scales and minima;
-- symmetric 8-bit groups of 32 with float16 scales (Q8_0, and Q5_0 as q - 16): INT8 blocks,
-  a byte a level and a float16 scale per 32 (Q8_0's own bytes);
-- other 5- to 8-bit levels (Q5_1, Q5_K, Q6_K, and Q2_K / Q3_K): the grouped INT8 layout, a
-  byte a level, float32 scales and minima per 16 or 32.
+- symmetric groups of 32 with float16 scales (Q8_0, and Q5_0 as q - 16): INT8 blocks, a byte
+  a level and a float16 scale per 32 (Q8_0's own bytes);
+- 5-bit levels with float16 scales and minima (Q5_1), beside INT8 activations: INT5 blocks,
+  the INT4 nibbles and a bit plane (the file's own bits);
+- other levels of 5 to 8 bits (Q5_1 with float activations, Q5_K, Q6_K, Q2_K / Q3_K): the
+  grouped INT8 layout, a byte a level, float32 scales and minima per 16 or 32.
+The order is the measured speed (scripts/bench_checkpoint_layouts.py, 1 and 2 threads): INT8
+blocks stream Q5_0 as fast as INT5 blocks with INT8 activations and 1.4x faster with float
+ones, where widening the bit plane costs more than the bytes it saves.
 
 Each weight is the file's to float32 rounding: the kernels compute q * scale + min in float32
 as gguf's dequantization does (tests/engines/builtin/layers/test_checkpoint_quant.py).
@@ -56,9 +61,22 @@ def symmetric_blocks(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tenso
     return levels.reshape(out, k).to(torch.int8).contiguous(), halves.contiguous()
 
 
+def five_bit_blocks(weight: QuantizedWeight) -> tuple[torch.Tensor, ...] | None:
+    """`weight` as INT5 blocks (nibbles, fifth bits, float16 scales and minima), where that is
+    exact: groups of 32, levels below 32, scales and minima float16 numbers (Q5_0, Q5_1)."""
+    if weight.group_size != 32 or weight.q.shape[1] % 32 or int(weight.q.max()) >= 32:
+        return None
+    d, m = weight.scales.half(), weight.mins.half()
+    if not (torch.equal(d.float(), weight.scales) and torch.equal(m.float(), weight.mins)):
+        return None
+    nibbles, fifth = native_quant.pack_int5(weight.q)
+    return nibbles, fifth, d.contiguous(), m.contiguous()
+
+
 #: the engine's layouts a checkpoint's weight takes -> native/quant.py's format number
 LAYOUT_BITS = {
     "int4": 4,
+    "int5 blocks": native_quant.INT5_BLOCKS,
     "int8 blocks": native_quant.INT8_BLOCKS,
     "grouped int8": native_quant.GROUPED_INT8,
 }
@@ -67,7 +85,8 @@ LAYOUT_BITS = {
 class CheckpointQuantMethod(QuantMethod):
     """One layer's weight as its checkpoint quantized it (made by `AutoMethod.load`), in the
     first layout of these that holds it exactly: INT4 (4-bit levels in groups of 32), INT8
-    blocks (symmetric groups of 32 with float16 scales: the file's own bytes for Q8_0), grouped
+    blocks (symmetric groups of 32 with float16 scales: the file's own bytes for Q8_0), INT5
+    blocks (5-bit levels, float16 scales and minima per 32; with INT8 activations), grouped
     INT8 (any 8-bit levels, float32 scales and minima per 16 or 32)."""
 
     name = "checkpoint"
@@ -99,7 +118,12 @@ class CheckpointQuantMethod(QuantMethod):
         assert isinstance(weight, QuantizedWeight)  # AutoMethod hands it only those
         if weight.bits == 8 and weight.group_size % 32 == 0:  # the kernels' groups: 16 or 32
             weight = weight.with_group_size(32)
+        # the fastest exact layout first (scripts/bench_checkpoint_layouts.py): INT8 blocks where
+        # symmetric; INT5 only beside INT8 activations (with float ones its bit plane costs
+        # more to widen than the bytes it saves: grouped INT8 is faster)
         blocks = symmetric_blocks(weight) if weight.bits == 8 else None
+        takes_five = weight.bits == 8 and blocks is None and self.activations == "int8"
+        five = five_bit_blocks(weight) if takes_five else None
         mins = weight.mins.float().contiguous()
         if weight.bits == 4 and weight.group_size % 32 == 0:
             self.layout, levels = "int4", native_quant.pack_int4(weight.q)
@@ -107,6 +131,9 @@ class CheckpointQuantMethod(QuantMethod):
         elif blocks is not None:
             self.layout, (levels, scales) = "int8 blocks", blocks
             mins = torch.empty(0)  # none: W = q d
+        elif five is not None:
+            self.layout, (levels, fifth, scales, mins) = "int5 blocks", five
+            layer.register_buffer("fifth_bits", fifth)
         else:
             self.layout, levels = "grouped int8", weight.q.contiguous()
             scales = weight.scales.float().contiguous()
@@ -129,6 +156,11 @@ class CheckpointQuantMethod(QuantMethod):
         if self.layout == "int8 blocks":
             q = layer.qweight.float().reshape(out, k // g, g)
             return (q * layer.scales.float()[..., None]).reshape(out, k)
+        if self.layout == "int5 blocks":
+            q = native_quant.unpack_int5(layer.qweight, layer.fifth_bits).float()
+            q = q.reshape(out, k // g, g)
+            scales, mins = layer.scales.float(), layer.mins.float()
+            return (q * scales[..., None] + mins[..., None]).reshape(out, k)
         levels = native_quant.unpack_int4(layer.qweight) if self.layout == "int4" else layer.qweight
         q = levels.float().reshape(out, k // g, g)
         return (q * layer.scales[..., None] + layer.mins[..., None]).reshape(out, k)
@@ -139,6 +171,11 @@ class CheckpointQuantMethod(QuantMethod):
         bias, activations = self.float_bias(layer), self.layer_activations(layer)
         if self.layout == "int8 blocks":
             y = native_quant.int8b_linear(_flat(x), layer.qweight, layer.scales, bias, activations)
+        elif self.layout == "int5 blocks":
+            y = native_quant.int5_linear(
+                _flat(x), layer.qweight, layer.fifth_bits, layer.scales, layer.mins, bias,
+                activations,
+            )  # fmt: skip
         else:
             multiply = (
                 native_quant.int4_linear if self.layout == "int4" else native_quant.int8g_linear

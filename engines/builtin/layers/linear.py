@@ -219,6 +219,7 @@ class Linear(nn.Module):
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
+    fifth_bits: torch.Tensor
     scales_and_zeros: torch.Tensor
     int4_packed: bool
     group_size: int

@@ -46,13 +46,15 @@ def linear_weights(layer: Linear, keep: list[torch.Tensor]) -> native.LinearWeig
         activations = method.layer_activations(layer)
         kinds = {
             "int4": (native.LINEAR_INT4, native.LINEAR_INT4_A8),
+            "int5 blocks": (native.LINEAR_INT5B, native.LINEAR_INT5B_A8),
             "int8 blocks": (native.LINEAR_INT8B, native.LINEAR_INT8B_A8),
             "grouped int8": (native.LINEAR_INT8G, native.LINEAR_INT8G_A8),
         }
         kind = kinds[method.layout][activations == "int8"]
         mins = c_pointer(layer.mins, keep)
+        fifth = c_pointer(layer.fifth_bits, keep) if method.layout == "int5 blocks" else None
         rows_max = native_quant.rows_max(method.kernel_bits, activations)
-        return weights(kind, weight, scales, mins, bias, *shape, layer.group_size, rows_max)
+        return weights(kind, weight, scales, mins, bias, *shape, layer.group_size, rows_max, fifth)
     if isinstance(method, Int4Method):
         int8_inputs = method.activations == "int8"
         kind = native.LINEAR_INT4_A8 if int8_inputs else native.LINEAR_INT4

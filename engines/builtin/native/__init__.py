@@ -62,6 +62,7 @@ SIGNATURES = {  # function -> argument types (all return void)
     "g8_linear_q8_f32": _args("ppppppqqqqqqq"),
     "b8_linear_f32": _args("pppppqqqqqq"),
     "b8_linear_q8_f32": _args("pppppqqqqqq"),
+    "q5_linear_f32": _args("pppppppqqqqqqq"),
     "q8_linear_f32": _args("pppppqqqqqq"),
     "prefill_attention_f32": _args("pqpqpqpqqqqfqqp"),
 }
@@ -328,6 +329,7 @@ class LinearWeights(ctypes.Structure):  # kernels.h
         ("out_features", _I64),
         ("group_size", _I64),
         ("rows_max", _I64),
+        ("bits", _PTR),
     ]
 
 
@@ -341,7 +343,9 @@ class LinearWeights(ctypes.Structure):  # kernels.h
     LINEAR_INT8G_A8,
     LINEAR_INT8B,
     LINEAR_INT8B_A8,
-) = range(8)
+    LINEAR_INT5B,
+    LINEAR_INT5B_A8,
+) = range(10)
 
 
 #: the experts' arrays moe_experts has checked (by id, each held so that its id is not reused)
@@ -351,12 +355,15 @@ _CHECKED_EXPERTS: dict[tuple[int, int], tuple[Any, Any]] = {}
 def _check_linear_weights(layer: LinearWeights) -> None:
     """A ValueError for a struct the kernels would crash on: an unknown kind, a missing
     pointer, INT4 groups that do not divide the inputs."""
-    if not 0 <= layer.kind <= LINEAR_INT8B_A8:
-        raise ValueError(f"LinearWeights.kind: {layer.kind} is invalid; allowed: 0..7")
+    if not 0 <= layer.kind <= LINEAR_INT5B_A8:
+        raise ValueError(f"LinearWeights.kind: {layer.kind} is invalid; allowed: 0..9")
     quantized = layer.kind != LINEAR_DENSE
     grouped = layer.kind not in (LINEAR_DENSE, LINEAR_INT8, LINEAR_INT8B, LINEAR_INT8B_A8)
-    if layer.kind in (LINEAR_INT8B, LINEAR_INT8B_A8) and layer.group_size != 32:
-        raise ValueError(f"LinearWeights.group_size: {layer.group_size}; INT8 blocks: 32")
+    blocks = layer.kind in (LINEAR_INT8B, LINEAR_INT8B_A8, LINEAR_INT5B, LINEAR_INT5B_A8)
+    if blocks and (layer.group_size != 32 or layer.in_features % 32):
+        raise ValueError(f"LinearWeights.group_size: {layer.group_size}; INT8/INT5 blocks: 32")
+    if layer.kind in (LINEAR_INT5B, LINEAR_INT5B_A8) and not layer.bits:
+        raise ValueError("LinearWeights: INT5 blocks with a NULL bits pointer")
     if not layer.weight or (quantized and not layer.scale) or (grouped and not layer.minv):
         raise ValueError("LinearWeights: a NULL weight, scale or minimum pointer")
     unit = 16 if layer.kind in (LINEAR_INT8G, LINEAR_INT8G_A8) else 32

@@ -105,17 +105,20 @@ enum {
     LINEAR_INT8G = 4,
     LINEAR_INT8G_A8 = 5,
     LINEAR_INT8B = 6,
-    LINEAR_INT8B_A8 = 7
+    LINEAR_INT8B_A8 = 7,
+    LINEAR_INT5B = 8,
+    LINEAR_INT5B_A8 = 9
 };
 
 typedef struct {
     int64_t kind;       /* LINEAR_* */
     const void *weight; /* dense: panels (pack_linear_weight_f32); int8(g): q; int4: nibbles */
-    const float *scale; /* int8 [N]; int4, int8g [N][K / g]; int8b: float16 bits [N][K / 32] */
-    const float *minv;  /* int4, int8g [N][K / g] */
+    const float *scale; /* int8 [N]; int4, int8g [N][K / g]; int8b, int5b: float16 [N][K / 32] */
+    const float *minv;  /* int4, int8g [N][K / g]; int5b: float16 [N][K / 32] */
     const float *bias;  /* [N] or NULL */
     int64_t in_features, out_features, group_size;
     int64_t rows_max; /* quantized: the most rows the rows kernels take (native/quant.py) */
+    const uint32_t *bits; /* int5b: each block's fifth bits [N][K / 32] */
 } LinearWeights;
 
 /* A linear layer's LoRA slots (engines/builtin/lora/layer.py): a [S, parts * R, in], each
@@ -198,6 +201,10 @@ void b8_linear_f32(const float *x, const int8_t *q, const uint16_t *d, const flo
 void b8_linear_q8_f32(const float *x, const int8_t *q, const uint16_t *d, const float *bias,
                       float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
                       int64_t threads);
+void q5_linear_f32(const float *x, const uint8_t *nib, const uint32_t *high, const uint16_t *d,
+                   const uint16_t *m, const float *bias, float *y, int64_t M, int64_t K,
+                   int64_t N, int64_t rows_max, int64_t path, int64_t activations_int8,
+                   int64_t threads);
 /* floats of scratch any linear (dense panels or quantized) of M rows needs (decode_layers.c) */
 void linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, int64_t *own);
 /* any linear of M rows, each member its share, no barrier at the end (decode_layers.c) */

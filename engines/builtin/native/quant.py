@@ -3,6 +3,9 @@ they stream, and y = x W^T (+ bias) for float32, bfloat16 or float16 inputs.
 
 Layouts (made once, at load, by engines/builtin/layers/quant.py):
 - INT8: q int8 [N, K], scales float32 [N]: W = q * scale per row.
+- INT5 blocks: the INT4 layout's nibbles [N, K / 2], each level's fifth bit as an int32 word
+  per block of 32 [N, K / 32] (bit i: weight i's), d and m float16 [N, K / 32]:
+  W = (nibble + 16 bit) * d + m (llama.cpp's Q5_0 with m = -16 d, its Q5_1 as it is).
 - INT8 blocks: q int8 [N, K], d float16 [N, K / 32]: W = q * d per block of 32 inputs
   (llama.cpp's Q8_0 as it is; its Q5_0 as q - 16), as few bytes as the file's Q8_0.
 - grouped INT8: q uint8 [N, K], scales and mins float32 [N, K / g]: W = q * scale + min per
@@ -41,7 +44,7 @@ from engines.builtin import native
 # 1.37 / 0.96 at 16.
 #: `bits` of the grouped INT8 and INT8-blocks layouts in ROWS_MAX and describe_kernel (8 is
 #: per-channel INT8)
-GROUPED_INT8, INT8_BLOCKS = 9, 10
+GROUPED_INT8, INT8_BLOCKS, INT5_BLOCKS = 9, 10, 11
 ROWS_MAX = {
     (8, "float"): 12,
     (4, "float"): 4,
@@ -50,6 +53,8 @@ ROWS_MAX = {
     (GROUPED_INT8, "int8"): 8,
     (INT8_BLOCKS, "float"): 12,
     (INT8_BLOCKS, "int8"): 8,
+    (INT5_BLOCKS, "float"): 4,
+    (INT5_BLOCKS, "int8"): 8,
 }
 
 # quant_kernels.c's QUANT_PATH_*: the rows kernels' vector width
@@ -84,7 +89,7 @@ def describe_kernel(bits: int, activations: str = "float") -> str:
     """How this build multiplies by an INT`bits` layer (GROUPED_INT8: grouped INT8), for
     describe()["linear_methods"]."""
     path = widest_path(activations)
-    if bits in (4, GROUPED_INT8, INT8_BLOCKS) and activations == "int8":
+    if bits in (4, GROUPED_INT8, INT8_BLOCKS, INT5_BLOCKS) and activations == "int8":
         kind = {"portable": "portable", "vec16": "AVX-512 VNNI"}.get(path, "AVX2")
         rows = f"int8 activations, integer dot products ({kind})"
     else:
@@ -308,6 +313,69 @@ def int8b_linear(
         out_features,
         rows_max(INT8_BLOCKS, activations) if max_rows is None else max_rows,
         _path(path, activations),
+        torch.get_num_threads(),
+    )
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def pack_int5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] integers 0..31 (K a multiple of 32) -> INT5 blocks' (nibbles [N, K / 2],
+    fifth bits int32 [N, K / 32])."""
+    out_features, in_features = q.shape
+    nibbles = pack_int4(q & 15)
+    fifth = ((q.to(torch.int64) >> 4) & 1).reshape(out_features, in_features // 32, 32)
+    words = (fifth << torch.arange(32)).sum(-1)  # < 2**32: one block's bits
+    return nibbles, words.to(torch.uint32).view(torch.int32).contiguous()
+
+
+def unpack_int5(nibbles: torch.Tensor, fifth: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int5`: -> q [N, K] (uint8)."""
+    bits = (fifth.view(torch.uint32).to(torch.int64)[..., None] >> torch.arange(32)) & 1
+    return unpack_int4(nibbles) | (bits.reshape(nibbles.shape[0], -1) << 4).to(torch.uint8)
+
+
+def int5_linear(
+    x: torch.Tensor,
+    nibbles: torch.Tensor,
+    fifth: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activations: str = "float",
+    path: str = "auto",
+    max_rows: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias [N]) -> [M, N] in x's dtype, W as the INT5-blocks layout above
+    (`max_rows` as for `int4_linear`)."""
+    out_features, half = nibbles.shape
+    in_features, blocks = 2 * half, 2 * half // 32
+    if in_features % 32:
+        raise ValueError(f"int5_linear: in_features={in_features} is not a multiple of 32")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations: {activations!r}; allowed: {'|'.join(ACTIVATIONS)}")
+    _check("int5_linear nibbles", nibbles, torch.uint8, (out_features, half))
+    _check("int5_linear fifth bits", fifth, torch.int32, (out_features, blocks))
+    _check("int5_linear d", d, torch.float16, (out_features, blocks))
+    _check("int5_linear m", m, torch.float16, (out_features, blocks))
+    if bias is not None:
+        _check("int5_linear bias", bias, torch.float32, (out_features,))
+    x32 = _float_input(x, in_features, "int5_linear")
+    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
+    native._run(
+        "q5_linear_f32",
+        x32.data_ptr(),
+        nibbles.data_ptr(),
+        fifth.data_ptr(),
+        d.data_ptr(),
+        m.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        x32.shape[0],
+        in_features,
+        out_features,
+        rows_max(INT5_BLOCKS, activations) if max_rows is None else max_rows,
+        _path(path, activations),
+        int(activations == "int8"),
         torch.get_num_threads(),
     )
     return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -11,6 +11,9 @@
  *   minimum (float) per group of g inputs (g a multiple of 32):
  *   W[n, k] = q[n, k] scale[n, k / g] + min[n, k / g]. An integer zero point z is the same form
  *   with min = -z scale.
+ * - INT5 blocks: the INT4 layout's nibbles, each level's fifth bit (a 32-bit word per block of
+ *   32: bit i is weight i's) and a float16 scale d and minimum m per block:
+ *   W = (nibble + 16 bit) d + m (llama.cpp's Q5_0 with m = -16 d, Q5_1 as it is).
  * - INT8 blocks: q int8 [N][K], a float16 scale d per block of 32 inputs: W = q d (llama.cpp's
  *   Q8_0 as it is; Q5_0 as q - 16): a byte and 1/16 of one a weight, as the file.
  * - grouped INT8: q uint8 [N][K], a scale and a minimum (float) per group of g inputs (g 16 or
@@ -77,6 +80,31 @@ static inline float half_to_float(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 #endif
+}
+
+/* sum_i h[i] v[i] for float16 h: F16C's conversion 16 (or 8) at a time where the build has it
+ * (the INT5 minima's term, once per output and input row: scalar, it cost more than the
+ * minima's bytes saved). */
+static inline float half_dot(const uint16_t *h, const float *v, int64_t count) {
+    float total = 0.0f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= count; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))),
+                              _mm512_loadu_ps(v + i), acc);
+    total = _mm512_reduce_add_ps(acc);
+#elif defined(__F16C__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= count; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))),
+                              _mm256_loadu_ps(v + i), acc);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    total = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+#endif
+    for (; i < count; i++) total += half_to_float(h[i]) * v[i];
+    return total;
 }
 
 #define QW 4
@@ -184,6 +212,30 @@ static void b8_rows_portable(const float *x, const int8_t *q, const uint16_t *d,
                 total += half_to_float(d[n * (K / 32) + b]) * acc;
             }
             y[m * N + n] = total;
+        }
+}
+
+static inline int q5_level(const uint8_t *nib, const uint32_t *high, int64_t k) {
+    const uint8_t byte = nib[(k / 32) * 16 + k % 16];
+    return (k % 32 < 16 ? byte & 15 : byte >> 4) | (int)((high[k / 32] >> (k % 32)) & 1) << 4;
+}
+
+static void q5_rows_portable(const float *x, const uint8_t *nib, const uint32_t *high,
+                             const uint16_t *d, const uint16_t *m, const float *xsum,
+                             const float *bias, float *y, int64_t M, int64_t K, int64_t N,
+                             int64_t n0, int64_t n1) {
+    const int64_t blocks = K / 32;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t row = 0; row < M; row++) {
+            float total = bias != NULL ? bias[n] : 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                float acc = 0.0f;
+                for (int64_t k = b * 32; k < b * 32 + 32; k++)
+                    acc += (float)q5_level(nib + n * (K / 2), high + n * blocks, k) * x[row * K + k];
+                total += half_to_float(d[n * blocks + b]) * acc +
+                         half_to_float(m[n * blocks + b]) * xsum[row * blocks + b];
+            }
+            y[row * N + n] = total;
         }
 }
 
@@ -310,6 +362,52 @@ static void b8q8_rows_portable(const QuantizedRows *xr, const int8_t *q, const u
                 case 2: ROW(2, &rows, K, wn, dn, out); break;                                  \
                 case 3: ROW(3, &rows, K, wn, dn, out); break;                                  \
                 default: ROW(4, &rows, K, wn, dn, out); break;                                 \
+                }                                                                              \
+                for (int64_t r = 0; r < 4 && m + r < M; r++) y[(m + r) * N + n] = out[r] + bn; \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+/* INT5 blocks times INT8 activations (llama.cpp's Q5_0/Q5_1 x Q8_1): per block
+ * d dx sum(q xq) + m sx, sx = dx sum(xq). */
+static void q5q8_rows_portable(const QuantizedRows *xr, const uint8_t *nib, const uint32_t *high,
+                               const uint16_t *d, const uint16_t *m, const float *bias, float *y,
+                               int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t blocks = K / 32;
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t row = 0; row < M; row++) {
+            float total = bias != NULL ? bias[n] : 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                int32_t dot = 0;
+                for (int64_t k = b * 32; k < b * 32 + 32; k++)
+                    dot += q5_level(nib + n * (K / 2), high + n * blocks, k) * xr->xq[row * K + k];
+                total += half_to_float(d[n * blocks + b]) * xr->dx[row * blocks + b] * (float)dot +
+                         half_to_float(m[n * blocks + b]) * xr->sx[row * blocks + b];
+            }
+            y[row * N + n] = total;
+        }
+}
+
+/* y[m, n] for W's rows [n0, n1), all M input rows four at a time, by ROW (INT5 blocks). */
+#define DEFINE_Q5Q8_ROWS(NAME, ROW)                                                            \
+    static void NAME(const QuantizedRows *xr, const uint8_t *nib, const uint32_t *high,       \
+                     const uint16_t *d, const uint16_t *mins, const float *bias, float *y,     \
+                     int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {                \
+        const int64_t blocks = K / 32;                                                         \
+        for (int64_t n = n0; n < n1; n++) {                                                    \
+            const float bn = bias != NULL ? bias[n] : 0.0f;                                    \
+            for (int64_t m = 0; m < M; m += 4) {                                               \
+                float out[4];                                                                  \
+                const QuantizedRows rows = {xr->xq + m * K, xr->dx + m * blocks,               \
+                                            xr->sx + m * blocks};                              \
+                const uint8_t *wn = nib + n * (K / 2);                                         \
+                const uint32_t *hn = high + n * blocks;                                        \
+                const uint16_t *dn = d + n * blocks, *mn = mins + n * blocks;                  \
+                switch (M - m < 4 ? M - m : 4) {                                               \
+                case 1: ROW(1, &rows, K, wn, hn, dn, mn, out); break;                          \
+                case 2: ROW(2, &rows, K, wn, hn, dn, mn, out); break;                          \
+                case 3: ROW(3, &rows, K, wn, hn, dn, mn, out); break;                          \
+                default: ROW(4, &rows, K, wn, hn, dn, mn, out); break;                         \
                 }                                                                              \
                 for (int64_t r = 0; r < 4 && m + r < M; r++) y[(m + r) * N + n] = out[r] + bn; \
             }                                                                                  \
@@ -465,6 +563,51 @@ static inline __attribute__((always_inline)) void b8q8_row_avx2(
 }
 
 DEFINE_B8Q8_ROWS(b8q8_rows_avx2, b8q8_row_avx2)
+
+/* 0xFF in byte i where bit i of `bits` is set: each byte takes its bit's byte of the word, ORed
+ * with every bit but its own; all ones exactly when that bit was set. */
+static inline __m256i bits_to_bytes(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
+}
+
+/* INT5 blocks x INT8 activations: the nibbles as q4q8's, the fifth bits ORed in as 16s. */
+static inline __attribute__((always_inline)) void q5q8_row_avx2(
+    const int R, const QuantizedRows *xr, int64_t K, const uint8_t *nib, const uint32_t *high,
+    const uint16_t *d, const uint16_t *m, float *out) {
+    const int64_t blocks = K / 32;
+    const __m128i mask = _mm_set1_epi8(15);
+    __m256 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        if ((b & 1) == 0) __builtin_prefetch(nib + b * 16 + QPREFETCH, 0, 0);
+        const __m128i packed = _mm_loadu_si128((const __m128i *)(nib + b * 16));
+        const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask),
+                                             _mm_and_si128(packed, mask));
+        const __m256i w = _mm256_or_si256(
+            low, _mm256_and_si256(bits_to_bytes(high[b]), _mm256_set1_epi8(16)));
+        const __m256 s = _mm256_set1_ps(half_to_float(d[b]));
+        for (int r = 0; r < R; r++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(xr->xq + r * K + b * 32));
+            const __m256i dot =
+                _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), _mm256_set1_epi16(1));
+            const __m256 scale = _mm256_mul_ps(s, _mm256_broadcast_ss(xr->dx + r * blocks + b));
+            acc[r][b & 1] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[r][b & 1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256 sum = _mm256_add_ps(acc[r][0], acc[r][1]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        out[r] = _mm_cvtss_f32(h) + half_dot(m, xr->sx + r * blocks, blocks);
+    }
+}
+
+DEFINE_Q5Q8_ROWS(q5q8_rows_avx2, q5q8_row_avx2)
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
@@ -615,6 +758,49 @@ static inline __attribute__((always_inline)) void b8q8_row_vnni(
 }
 
 DEFINE_B8Q8_ROWS(b8q8_rows_vnni, b8q8_row_vnni)
+
+/* INT5 blocks x INT8 activations, two blocks a register as q4q8_pair_vnni's, the fifth bits
+ * added as 16s under a 64-bit mask (the two blocks' words). */
+static inline __attribute__((always_inline)) void q5q8_row_vnni(
+    const int R, const QuantizedRows *xr, int64_t K, const uint8_t *nib, const uint32_t *high,
+    const uint16_t *d, const uint16_t *m, float *out) {
+    const int64_t blocks = K / 32;
+    const __m256i mask = _mm256_set1_epi8(15);
+    __m512 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        __builtin_prefetch(nib + b * 16 + QPREFETCH, 0, 0);
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(nib + b * 16));
+        const __m512i halves = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_and_si256(packed, mask)),
+            _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), 1);
+        const __m512i levels = _mm512_shuffle_i64x2(halves, halves, _MM_SHUFFLE(3, 1, 2, 0));
+        const __mmask64 fifth = (__mmask64)high[b] | (__mmask64)high[b + 1] << 32;
+        const __m512i w = _mm512_mask_add_epi8(levels, fifth, levels, _mm512_set1_epi8(16));
+        const float s0 = half_to_float(d[b]), s1 = half_to_float(d[b + 1]);
+        for (int r = 0; r < R; r++) {
+            const __m512i xq = _mm512_loadu_si512((const void *)(xr->xq + r * K + b * 32));
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xq);
+            const float *dx = xr->dx + r * blocks + b;
+            const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(s0 * dx[0]),
+                                                    _mm256_set1_ps(s1 * dx[1]), 1);
+            acc[r][(b / 2) & 1] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[r][(b / 2) & 1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float total = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+        for (int64_t t = b; t < blocks; t++) { /* an odd last block */
+            int32_t dot = 0;
+            for (int64_t k = t * 32; k < t * 32 + 32; k++)
+                dot += q5_level(nib, high, k) * xr->xq[r * K + k];
+            total += half_to_float(d[t]) * xr->dx[r * blocks + t] * (float)dot;
+        }
+        out[r] = total + half_dot(m, xr->sx + r * blocks, blocks);
+    }
+}
+
+DEFINE_Q5Q8_ROWS(q5q8_rows_vnni, q5q8_row_vnni)
 #else
 #define Q4Q8_VNNI 0
 #endif
@@ -665,6 +851,10 @@ static void dequantize_panel(const LinearWeights *l, int64_t n0, float *rows, fl
         } else if (l->kind == LINEAR_INT4 || l->kind == LINEAR_INT4_A8) {
             WIDEST(q4_dequantize_row)((const uint8_t *)l->weight + n * (K / 2),
                                       scale + n * (K / g), minv + n * (K / g), K, g, row);
+        } else if (l->kind == LINEAR_INT5B || l->kind == LINEAR_INT5B_A8) {
+            WIDEST(q5_dequantize_row)((const uint8_t *)l->weight + n * (K / 2),
+                                      l->bits + n * (K / 32), (const uint16_t *)scale + n * (K / 32),
+                                      (const uint16_t *)minv + n * (K / 32), K, row);
         } else if (l->kind == LINEAR_INT8B || l->kind == LINEAR_INT8B_A8) {
             WIDEST(b8_dequantize_row)((const int8_t *)l->weight + n * K,
                                       (const uint16_t *)scale + n * (K / 32), K, row);
@@ -748,9 +938,9 @@ void quant_linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, in
         *shared = (M + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK * K;
         *own = 2 * K * PANEL;
     } else if (l->kind == LINEAR_INT4_A8 || l->kind == LINEAR_INT8G_A8 ||
-               l->kind == LINEAR_INT8B_A8) {
+               l->kind == LINEAR_INT8B_A8 || l->kind == LINEAR_INT5B_A8) {
         *shared = M * (K / 32) + M * (K / g) + (M * K + 3) / 4;
-    } else if (l->kind == LINEAR_INT4 || l->kind == LINEAR_INT8G) {
+    } else if (l->kind == LINEAR_INT4 || l->kind == LINEAR_INT8G || l->kind == LINEAR_INT5B) {
         *shared = M * (K / g);
     } else {
         *shared = 0;
@@ -771,14 +961,14 @@ void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t
     team_share(M, me, &m0, &m1);
     const int64_t groups = l->kind == LINEAR_INT8 ? 0 : K / g;
     QuantizedRows xr = {0};
-    const int int8_inputs =
-        l->kind == LINEAR_INT4_A8 || l->kind == LINEAR_INT8G_A8 || l->kind == LINEAR_INT8B_A8;
+    const int int8_inputs = l->kind == LINEAR_INT4_A8 || l->kind == LINEAR_INT8G_A8 ||
+                            l->kind == LINEAR_INT8B_A8 || l->kind == LINEAR_INT5B_A8;
     if (int8_inputs) {
         xr = quantized_rows(shared, M, K, g);
         QuantizedRows mine = {xr.xq + m0 * K, xr.dx + m0 * (K / 32), xr.sx + m0 * groups};
         quantize_rows_q8(x + m0 * K, m1 - m0, K, g, &mine);
         team_barrier(me);
-    } else if (l->kind == LINEAR_INT4 || l->kind == LINEAR_INT8G) {
+    } else if (l->kind == LINEAR_INT4 || l->kind == LINEAR_INT8G || l->kind == LINEAR_INT5B) {
         for (int64_t m = m0; m < m1; m++)
             for (int64_t gi = 0; gi < groups; gi++) {
                 float sum = 0.0f;
@@ -802,6 +992,43 @@ void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t
 #endif
         case QUANT_PATH_VEC4: q8_rows_vec4(x, q, l->scale, l->bias, y, M, K, N, n0, n1); break;
         default: q8_rows_portable(x, q, l->scale, l->bias, y, M, K, N, n0, n1);
+        }
+    } else if (l->kind == LINEAR_INT5B || l->kind == LINEAR_INT5B_A8) {
+        const uint8_t *nib = l->weight;
+        const uint16_t *d = (const uint16_t *)l->scale, *mn = (const uint16_t *)l->minv;
+        if (l->kind == LINEAR_INT5B_A8) {
+#if Q4Q8_VNNI
+            if (path == QUANT_PATH_VEC16) {
+                q5q8_rows_vnni(&xr, nib, l->bits, d, mn, l->bias, y, M, K, N, n0, n1);
+                return;
+            }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+            if (path != QUANT_PATH_PORTABLE && path != QUANT_PATH_VEC4) {
+                q5q8_rows_avx2(&xr, nib, l->bits, d, mn, l->bias, y, M, K, N, n0, n1);
+                return;
+            }
+#endif
+            q5q8_rows_portable(&xr, nib, l->bits, d, mn, l->bias, y, M, K, N, n0, n1);
+            return;
+        }
+        const float *xsum = shared;
+        switch (path) {
+#if VEC >= 16
+        case QUANT_PATH_VEC16:
+            q5_rows_vec16(x, nib, l->bits, d, mn, xsum, l->bias, y, M, K, N, n0, n1);
+            break;
+#endif
+#if VEC >= 8
+        case QUANT_PATH_VEC8:
+            q5_rows_vec8(x, nib, l->bits, d, mn, xsum, l->bias, y, M, K, N, n0, n1);
+            break;
+#endif
+        case QUANT_PATH_VEC4:
+            q5_rows_vec4(x, nib, l->bits, d, mn, xsum, l->bias, y, M, K, N, n0, n1);
+            break;
+        default:
+            q5_rows_portable(x, nib, l->bits, d, mn, xsum, l->bias, y, M, K, N, n0, n1);
         }
     } else if (l->kind == LINEAR_INT8B || l->kind == LINEAR_INT8B_A8) {
         const int8_t *q = l->weight;
@@ -981,5 +1208,17 @@ void b8_linear_q8_f32(const float *x, const int8_t *q, const uint16_t *d, const 
                       float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
                       int64_t threads) {
     const LinearWeights l = {LINEAR_INT8B_A8, q, (const float *)d, NULL, bias, K, N, 32, rows_max};
+    quant_linear(&l, x, y, M, path, threads);
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for an INT5-blocks W (nibbles, fifth bits, float16 d and m
+ * per 32 inputs); `activations_int8`: INT8 activations where the rows kernel runs. */
+void q5_linear_f32(const float *x, const uint8_t *nib, const uint32_t *high, const uint16_t *d,
+                   const uint16_t *m, const float *bias, float *y, int64_t M, int64_t K,
+                   int64_t N, int64_t rows_max, int64_t path, int64_t activations_int8,
+                   int64_t threads) {
+    const LinearWeights l = {activations_int8 ? LINEAR_INT5B_A8 : LINEAR_INT5B,
+                             nib, (const float *)d, (const float *)m, bias, K, N, 32, rows_max,
+                             high};
     quant_linear(&l, x, y, M, path, threads);
 }

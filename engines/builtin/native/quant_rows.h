@@ -323,6 +323,101 @@ static void QFN(b8_rows)(const float *x, const int8_t *q, const uint16_t *d, con
     }
 }
 
+/* 16.0 in the lanes whose bit of `bits` is set (an INT5 level's fifth bit), 0 elsewhere. */
+static inline QFN(fvec) QFN(bit_sixteens)(uint32_t bits) {
+#if QX86 && QW == 16
+    return (QFN(fvec))_mm512_maskz_mov_ps((__mmask16)bits, _mm512_set1_ps(16.0f));
+#else
+    QFN(ivec) lanes;
+    for (int i = 0; i < QW; i++) lanes[i] = i;
+    const QFN(ivec) set = (((QFN(ivec)){0} + (int32_t)bits) >> lanes) & 1;
+    return __builtin_convertvector(set, QFN(fvec)) * 16.0f;
+#endif
+}
+
+/* acc[r][.] += one INT5 block (32 weights from input k0: nibbles, `high` their fifth bits)
+ * widened and scaled by s, times input row r's values. */
+static inline __attribute__((always_inline)) void QFN(q5_block)(const int R, const float *x,
+                                                                int64_t K, const uint8_t *nib,
+                                                                uint32_t high, int64_t k0,
+                                                                QFN(fvec) s, const int base,
+                                                                QFN(fvec) acc[QROWS][QACC]) {
+    QFN(fvec) w[32 / QW];
+    QFN(q4_unpack)(nib + k0 / 2, w);
+    for (int v = 0; v < 32 / QW; v++) {
+        const QFN(fvec) scaled = (w[v] + QFN(bit_sixteens)(high >> (v * QW))) * s;
+        for (int r = 0; r < R; r++)
+            acc[r][(base + v) % QACC] =
+                QFN(fma)(scaled, QFN(loadf)(x + r * K + k0 + v * QW), acc[r][(base + v) % QACC]);
+    }
+}
+
+/* out[r] = sum_k W[n, k] x[r][k] for R input rows and one INT5-blocks weight row: nibbles,
+ * fifth bits `high` (one word a block), float16 scale d and minimum m per block of 32;
+ * `xsum`: each input row's sum per block (R x K / 32). */
+static inline __attribute__((always_inline)) void QFN(q5_row)(
+    const int R, const float *x, int64_t K, const uint8_t *nib, const uint32_t *high,
+    const uint16_t *d, const uint16_t *m, const float *xsum, float *out) {
+    QFN(fvec) acc[QROWS][QACC];
+    for (int r = 0; r < R; r++)
+        for (int a = 0; a < QACC; a++) acc[r][a] = (QFN(fvec)){0};
+    const int64_t blocks = K / 32;
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        __builtin_prefetch(nib + b * 16 + QPREFETCH, 0, 0);
+        QFN(q5_block)(R, x, K, nib, high[b], b * 32, (QFN(fvec)){0} + half_to_float(d[b]), 0,
+                      acc);
+        QFN(q5_block)(R, x, K, nib, high[b + 1], b * 32 + 32,
+                      (QFN(fvec)){0} + half_to_float(d[b + 1]), 2, acc);
+    }
+    if (b < blocks)
+        QFN(q5_block)(R, x, K, nib, high[b], b * 32, (QFN(fvec)){0} + half_to_float(d[b]), 0,
+                      acc);
+    for (int r = 0; r < R; r++) {
+        const float minimum = half_dot(m, xsum + r * blocks, blocks);
+        QFN(fvec) sum = acc[r][0];
+        for (int a = 1; a < QACC; a++) sum += acc[r][a];
+        out[r] = QFN(hsum)(sum) + minimum;
+    }
+}
+
+static void QFN(q5_rows)(const float *x, const uint8_t *nib, const uint32_t *high,
+                         const uint16_t *d, const uint16_t *m, const float *xsum,
+                         const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t n0,
+                         int64_t n1) {
+    const int64_t blocks = K / 32;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wn = nib + n * (K / 2);
+        const uint32_t *hn = high + n * blocks;
+        const uint16_t *dn = d + n * blocks, *mn = m + n * blocks;
+        const float b = bias != NULL ? bias[n] : 0.0f;
+        for (int64_t row = 0; row < M; row += QROWS) {
+            float out[QROWS];
+            const float *xm = x + row * K, *xs = xsum + row * blocks;
+            if (M - row == 1)
+                QFN(q5_row)(1, xm, K, wn, hn, dn, mn, xs, out);
+            else
+                QFN(q5_row)(QROWS, xm, K, wn, hn, dn, mn, xs, out);
+            for (int64_t r = 0; r < QROWS && row + r < M; r++) y[(row + r) * N + n] = out[r] + b;
+        }
+    }
+}
+
+/* out[k] = W[n, k] for one INT5-blocks weight row. */
+static inline void QFN(q5_dequantize_row)(const uint8_t *nib, const uint32_t *high,
+                                          const uint16_t *d, const uint16_t *m, int64_t K,
+                                          float *out) {
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        QFN(fvec) w[32 / QW];
+        QFN(q4_unpack)(nib + k0 / 2, w);
+        const QFN(fvec) s = (QFN(fvec)){0} + half_to_float(d[k0 / 32]);
+        const QFN(fvec) mn = (QFN(fvec)){0} + half_to_float(m[k0 / 32]);
+        for (int v = 0; v < 32 / QW; v++)
+            *(QFN(fvec_u) *)(out + k0 + v * QW) =
+                QFN(fma)(w[v] + QFN(bit_sixteens)(high[k0 / 32] >> (v * QW)), s, mn);
+    }
+}
+
 /* out[k] = W[n, k] for one INT4 weight row (the tile kernels' dequantization). */
 static inline void QFN(q4_dequantize_row)(const uint8_t *nib, const float *scale, const float *minv,
                                    int64_t K, int64_t g, float *out) {

@@ -14,7 +14,7 @@ from checkpoints import write_gguf_of
 from engines.builtin import LLM, SamplingParams
 from harness.measuring.quality import prompt_logits
 from models.gguf_quantize import llama_quantize
-from models.gguf_reencode import convert_to_gguf
+from models.gguf_reencode import GGUF_TYPES, convert_to_gguf
 
 PROMPTS = [[5, 17, 99, 3, 250, 31], [7, 8, 9], [200, 100, 50, 25, 12, 6, 3, 1, 4, 1, 5]]
 
@@ -42,7 +42,7 @@ def f32_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def quantized(f32: Path, kind: str) -> Path:
     out = f32.with_name(f"{kind}.gguf")
     if not out.exists():
-        if kind in ("q8_0", "q4_0", "q4_1"):  # the gguf package's own encoders
+        if kind in GGUF_TYPES:  # the gguf package's own encoders
             convert_to_gguf(f32, out, kind)
         else:
             pytest.importorskip("llama_cpp", reason="llama.cpp's quantizer: make setup-peer")
@@ -73,6 +73,8 @@ def greedy(llm: LLM) -> list[list[int]]:
         ("q8_0", {"Q8_0"}),
         ("q4_0", {"Q4_0"}),
         ("q4_1", {"Q4_1"}),
+        ("q5_0", {"Q5_0"}),
+        ("q5_1", {"Q5_1"}),
         ("q4_k_m", {"Q4_K", "Q6_K"}),
         ("q5_k_m", {"Q5_K", "Q6_K"}),
         ("q6_k", {"Q6_K"}),
@@ -95,8 +97,11 @@ def test_a_quantized_file_runs_as_stored_and_equals_its_dequantized_model(
         assert kept_bytes < dense.engine.describe()["linear_weight_bytes"] / 2
 
 
-def test_int8_activations_and_the_torch_path_stay_near_the_file(f32_gguf: Path) -> None:
-    path = quantized(f32_gguf, "q4_k_m")
+@pytest.mark.parametrize(("kind", "layout"), [("q4_k_m", "int4"), ("q5_1", "int5 blocks")])
+def test_int8_activations_and_the_torch_path_stay_near_the_file(
+    f32_gguf: Path, kind: str, layout: str
+) -> None:
+    path = quantized(f32_gguf, kind)
     with engine(path, quantization="none") as dense:
         want = prompt_logits(dense, PROMPTS)
     for options in ({"quantization_activations": "int8"}, {"native_kernels": False}):
@@ -104,6 +109,8 @@ def test_int8_activations_and_the_torch_path_stay_near_the_file(f32_gguf: Path) 
             methods = llm.engine.describe()["linear_methods"].values()
             expected = "int8 activations" if options.get("native_kernels", True) else "dequantize"
             assert all(expected in m for m in methods), methods
+            if "quantization_activations" in options:  # INT5 blocks beside INT8 activations
+                assert any(f"as {layout} " in m for m in methods), methods
             for got, ref in zip(prompt_logits(llm, PROMPTS), want, strict=True):
                 assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 

@@ -1,8 +1,8 @@
-"""The engine's INT8 / grouped INT8 / INT4 linear kernels (quant_kernels.c, native/quant.py)
-against float64 dequantize-then-matmul: every vector width this machine runs, the rows
-(decode) and tile (prefill) kernels, odd shapes, every group size, 1-4 threads; INT8
-activations against their own fake-quantized reference; results bit-identical whatever rows
-share a call."""
+"""The engine's INT8 / INT8-blocks / INT5-blocks / grouped INT8 / INT4 linear kernels
+(quant_kernels.c, native/quant.py) against float64 dequantize-then-matmul: every vector width
+this machine runs, the rows (decode) and tile (prefill) kernels, odd shapes, every group size,
+1-4 threads; INT8 activations against their own fake-quantized reference; results
+bit-identical whatever rows share a call."""
 
 from __future__ import annotations
 
@@ -200,6 +200,50 @@ def test_int8_blocks_with_int8_activations_match_their_reference(path: str) -> N
         native_quant.int8b_linear(torch.randn(1, 1536), q, d.float())
 
 
+def random_int5(out_features: int, in_features: int, gen: torch.Generator):
+    q = torch.randint(0, 32, (out_features, in_features), generator=gen, dtype=torch.uint8)
+    nibbles, fifth = native_quant.pack_int5(q)
+    assert torch.equal(native_quant.unpack_int5(nibbles, fifth), q)
+    d = (torch.rand(out_features, in_features // 32, generator=gen) * 0.01 + 1e-4).half()
+    m = (-torch.rand(out_features, in_features // 32, generator=gen) * 0.2).half()
+    w = q.double().reshape(out_features, -1, 32) * d.double()[..., None] + m.double()[..., None]
+    return nibbles, fifth, d, m, w.reshape(out_features, in_features)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_int5_blocks_kernels_match_float64_dequantize_then_matmul(path: str) -> None:
+    gen = torch.Generator().manual_seed(13)
+    for in_features, out_features in [(32, 3), (96, 5), (576, 97), (1536, 9)]:
+        nibbles, fifth, d, m, w = random_int5(out_features, in_features, gen)
+        bias = torch.randn(out_features, generator=gen)
+        for rows in ROW_COUNTS:
+            x = torch.randn(rows, in_features, generator=gen)
+            expected = x.double() @ w.T + bias.double()
+            for threads, max_rows in itertools.product((1, 3), kernels(rows)):
+                torch.set_num_threads(threads)
+                got = native_quant.int5_linear(
+                    x, nibbles, fifth, d, m, bias, path=path, max_rows=max_rows
+                )
+                assert_matches(got, expected)
+    torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("path", native_quant.paths("int8"))
+def test_int5_blocks_with_int8_activations_match_their_reference(path: str) -> None:
+    gen = torch.Generator().manual_seed(14)
+    for in_features, out_features in [(32, 3), (96, 7), (576, 97), (1536, 5)]:
+        nibbles, fifth, d, m, w = random_int5(out_features, in_features, gen)
+        for rows in (1, 2, 3, 4, 5, 16):
+            x = torch.randn(rows, in_features, generator=gen)
+            x[0, :32] = 0.0
+            got = native_quant.int5_linear(
+                x, nibbles, fifth, d, m, activations="int8", path=path, max_rows=16
+            )
+            assert_matches(got, fake_quantized_activations(x) @ w.T)
+    with pytest.raises(ValueError, match="int5_linear fifth bits"):
+        native_quant.int5_linear(torch.randn(1, 1536), nibbles, fifth.long(), d, m)
+
+
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_rows_are_bit_identical_whatever_rows_share_the_call(activations: str) -> None:
     """Batch invariance: a request's logits must not depend on its neighbours in a decode
@@ -225,7 +269,13 @@ def test_rows_are_bit_identical_whatever_rows_share_the_call(activations: str) -
     def int8b(rows: torch.Tensor) -> torch.Tensor:
         return native_quant.int8b_linear(rows, qb, db, activations=activations)
 
+    n5, f5, d5, m5, _ = random_int5(96, 256, gen)
+
+    def int5(rows: torch.Tensor) -> torch.Tensor:
+        return native_quant.int5_linear(rows, n5, f5, d5, m5, activations=activations)
+
     crossovers = [
+        (int5, native_quant.rows_max(native_quant.INT5_BLOCKS, activations)),
         (int8b, native_quant.rows_max(native_quant.INT8_BLOCKS, activations)),
         (int4, native_quant.rows_max(4, activations)),
         (int8, native_quant.rows_max(8)),
