@@ -47,7 +47,7 @@ def llama_quantize(src: str | Path, dst: str | Path, kind: str, threads: int = 0
     try:
         from llama_cpp import llama_cpp
     except ImportError as exc:
-        raise RuntimeError(f"quantizing to {kind}: {SETUP_HINT}") from exc
+        raise ValueError(f"quantizing to {kind}: {SETUP_HINT}") from exc  # a setup step: named
     quiet_llama_cpp(llama_cpp)
     out = Path(dst)
     tmp = out.with_name(out.name + ".tmp")

@@ -341,7 +341,8 @@ def _lm_head_method_needs_a_quantized_head(config: EngineConfig) -> None:
 
 def _a_quantized_head_same_as_dense_layers_is_dense(config: EngineConfig) -> None:
     same = config.lm_head_quantization == "same"
-    if config.quantize_lm_head is True and same and config.plugged("quantization").dense:
+    layers = config.plugged("quantization")
+    if config.quantize_lm_head is True and same and layers.dense and not layers.takes_quantized:
         raise ConfigError(
             "engine.quantize_lm_head=true asks for a quantized LM head, but "
             "engine.lm_head_quantization='same' takes the layers' method, and "

@@ -85,8 +85,9 @@ def load_weights(
         layout.put(name, tensor)
     _refuse_missing(expected, seen)
     layout.refuse_unpaired()
-    if cfg.tie_word_embeddings:  # the table as the file keeps it: quantized where it is
-        model.lm_head.load(layout.quantized_embedding or model.embed.weight.data)
+    if cfg.tie_word_embeddings:  # the table as the file keeps it, where the head keeps that
+        quantized = layout.quantized_embedding if model.lm_head.method.takes_quantized else None
+        model.lm_head.load(quantized or model.embed.weight.data)
 
 
 def _wanted(

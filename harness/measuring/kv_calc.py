@@ -650,7 +650,9 @@ def _split_args(args: list[str]) -> tuple[dict[str, Any], dict[str, list[str]], 
 
 #: engine options that change the bytes of weights or KV, which kv-calc does not model: a
 #: quantized value was planned as unquantized, a silently wrong plan (each with its plain value
-#: and whether a value is plain)
+#: and whether a value is plain). `auto` is plain: on a GPU it keeps a quantized file's weights
+#: dequantized to engine.dtype, as planned (only the CPU's C kernels keep them quantized: fewer
+#: bytes than planned, which a run reports as weight_bytes)
 UNMODELLED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "quantization": ("none", lambda value: LINEAR_METHODS.get(value).dense),
     "kv_cache_dtype": ("auto", lambda value: value == "auto"),

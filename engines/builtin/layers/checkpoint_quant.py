@@ -20,7 +20,8 @@ as gguf's dequantization does (tests/engines/builtin/layers/test_checkpoint_quan
 `engine.quantization_activations=int8` quantizes the decode rows per block of 32 as llama.cpp
 does for its quantized matmuls (integer dot products; a layer whose inputs are not a multiple
 of 32 keeps float rows). Without the C kernels (another device, native_kernels=false) a layer
-dequantizes its weight for each product: correct, slow, and said by `describe()`.
+is dequantized once at load to the compute dtype, as `none` keeps it, and `describe()` says
+so.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def symmetric_blocks(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tenso
     if levels.min() < -128 or levels.max() > 127:
         return None
     return levels.reshape(out, k).to(torch.int8).contiguous(), halves.contiguous()
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """`t` in memory of its own (float32 where it is float)."""
+    return (t.float() if t.is_floating_point() else t).clone(memory_format=torch.contiguous_format)
 
 
 def five_bit_blocks(weight: QuantizedWeight) -> tuple[torch.Tensor, ...] | None:
@@ -124,10 +130,11 @@ class CheckpointQuantMethod(QuantMethod):
         blocks = symmetric_blocks(weight) if weight.bits == 8 else None
         takes_five = weight.bits == 8 and blocks is None and self.activations == "int8"
         five = five_bit_blocks(weight) if takes_five else None
-        mins = weight.mins.float().contiguous()
+        # copies: a weight cut from a larger one (an expert, a rank's rows) would pin it whole
+        mins = _owned(weight.mins)
         if weight.bits == 4 and weight.group_size % 32 == 0:
             self.layout, levels = "int4", native_quant.pack_int4(weight.q)
-            scales = weight.scales.float().contiguous()
+            scales = _owned(weight.scales)
         elif blocks is not None:
             self.layout, (levels, scales) = "int8 blocks", blocks
             mins = torch.empty(0)  # none: W = q d
@@ -135,8 +142,8 @@ class CheckpointQuantMethod(QuantMethod):
             self.layout, (levels, fifth, scales, mins) = "int5 blocks", five
             layer.register_buffer("fifth_bits", fifth)
         else:
-            self.layout, levels = "grouped int8", weight.q.contiguous()
-            scales = weight.scales.float().contiguous()
+            self.layout, levels = "grouped int8", _owned(weight.q)
+            scales = _owned(weight.scales)
         layer.native = self.uses_native(weight.q)
         layer.group_size = weight.group_size
         layer.register_buffer("qweight", levels)
@@ -187,6 +194,40 @@ class CheckpointQuantMethod(QuantMethod):
         return y.reshape(*x.shape[:-1], layer.out_features)
 
 
+class DequantizedAtLoad(LinearMethod):
+    """A checkpoint's quantized weight where no engine kernel multiplies it (another device,
+    the C kernels off): dequantized once, at load, to the compute dtype, then kept by the dense
+    method `inner` as `none` keeps every weight (dequantizing for each product cost every
+    step)."""
+
+    name = "none"
+
+    def __init__(self, source: str, reason: str, dense: LinearMethod) -> None:
+        self.source, self.reason, self.inner = source, reason, dense
+
+    def describe(self, layer: Linear) -> str:
+        return f"{self.source} dequantized at load ({self.reason}); {self.inner.describe(layer)}"
+
+    def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        assert isinstance(weight, QuantizedWeight)
+        self.inner.load(layer, weight.dequantize(), bias)
+
+    def load_columns(
+        self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None, columns: slice
+    ) -> None:
+        assert isinstance(weight, QuantizedWeight)
+        self.inner.load_columns(layer, weight.dequantize(), bias, columns)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.apply(layer, x)
+
+    def weight_bytes(self, layer: Linear) -> int:
+        return self.inner.weight_bytes(layer)
+
+    def packed_bytes(self, layer: Linear) -> int:
+        return self.inner.packed_bytes(layer)
+
+
 @LINEAR_METHODS.register("auto")
 class AutoMethod(LinearMethod):
     """The checkpoint's own format: a quantized weight kept as stored (CheckpointQuantMethod),
@@ -207,11 +248,13 @@ class AutoMethod(LinearMethod):
         self.dense_method = dense if dense is not None else DenseMethod()
 
     def _concrete(self, layer: Linear, weight: torch.Tensor) -> LinearMethod:
-        if isinstance(weight, QuantizedWeight):
-            return CheckpointQuantMethod(
-                weight.source, self.options.activations, self.options.native_reason
-            )
-        return self.dense_method
+        if not isinstance(weight, QuantizedWeight):
+            return self.dense_method
+        native = self.options.native_reason
+        if native is None and weight.device.type == "cpu":
+            return CheckpointQuantMethod(weight.source, self.options.activations, native)
+        reason = native if native is not None else f"no engine kernel on {weight.device.type}"
+        return DequantizedAtLoad(weight.source, reason, self.dense_method)
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         layer.method = self._concrete(layer, weight)

@@ -364,6 +364,13 @@ def _check_linear_weights(layer: LinearWeights) -> None:
         raise ValueError(f"LinearWeights.group_size: {layer.group_size}; INT8/INT5 blocks: 32")
     if layer.kind in (LINEAR_INT5B, LINEAR_INT5B_A8) and not layer.bits:
         raise ValueError("LinearWeights: INT5 blocks with a NULL bits pointer")
+    int8_inputs = layer.kind in (LINEAR_INT4_A8, LINEAR_INT8G_A8, LINEAR_INT8B_A8, LINEAR_INT5B_A8)
+    if int8_inputs and layer.in_features % 32:  # rows are quantized in whole blocks of 32
+        raise ValueError(
+            f"LinearWeights.in_features: {layer.in_features}; INT8 activations: a multiple of 32"
+        )
+    if layer.kind in (LINEAR_INT8G, LINEAR_INT8G_A8) and layer.group_size not in (16, 32):
+        raise ValueError(f"LinearWeights.group_size: {layer.group_size}; grouped INT8: 16|32")
     if not layer.weight or (quantized and not layer.scale) or (grouped and not layer.minv):
         raise ValueError("LinearWeights: a NULL weight, scale or minimum pointer")
     unit = 16 if layer.kind in (LINEAR_INT8G, LINEAR_INT8G_A8) else 32

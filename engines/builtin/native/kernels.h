@@ -232,7 +232,7 @@ void moe_experts_bind(ExpertsRun *r, float *scratch, int64_t rows, int64_t share
 void moe_experts_part(const ExpertsRun *r, const Member *me);
 /* floats of scratch a quantized linear of M rows needs: `shared` by the team, `own` per member */
 void quant_linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, int64_t *own);
-/* a quantized (LINEAR_INT8, INT4, INT8G, INT8B and their _A8) linear; path as the entry points' (0: widest) */
+/* a quantized (LINEAR_INT8, INT4, INT8G, INT8B, INT5B and their _A8) linear; path as the entry points' (0: widest) */
 void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t M,
                        int64_t path, float *shared, float *own, const Member *me);
 

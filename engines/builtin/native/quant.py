@@ -10,7 +10,7 @@ Layouts (made once, at load, by engines/builtin/layers/quant.py):
   (llama.cpp's Q8_0 as it is; its Q5_0 as q - 16), as few bytes as the file's Q8_0.
 - grouped INT8: q uint8 [N, K], scales and mins float32 [N, K / g]: W = q * scale + min per
   group of g inputs (16 or 32): every GGUF type of 5 to 8 bits, exactly
-  (engines/builtin/gguf_quant.py).
+  (models/gguf_blocks.py, engines/builtin/layers/checkpoint_quant.py).
 - INT4: nibbles uint8 [N, K / 2] (`pack_int4`: per block of 32 inputs, byte j holds input j in
   its low 4 bits and input 16 + j in its high ones, llama.cpp's order), scales and mins float32
   [N, K / g]: W = q * scale + min per group of g inputs (g a multiple of 32).
@@ -324,13 +324,14 @@ def pack_int5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out_features, in_features = q.shape
     nibbles = pack_int4(q & 15)
     fifth = ((q.to(torch.int64) >> 4) & 1).reshape(out_features, in_features // 32, 32)
-    words = (fifth << torch.arange(32)).sum(-1)  # < 2**32: one block's bits
+    words = (fifth << torch.arange(32, device=q.device)).sum(-1)  # < 2**32: one block's bits
     return nibbles, words.to(torch.uint32).view(torch.int32).contiguous()
 
 
 def unpack_int5(nibbles: torch.Tensor, fifth: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack_int5`: -> q [N, K] (uint8)."""
-    bits = (fifth.view(torch.uint32).to(torch.int64)[..., None] >> torch.arange(32)) & 1
+    shifts = torch.arange(32, device=fifth.device)
+    bits = (fifth.view(torch.uint32).to(torch.int64)[..., None] >> shifts) & 1
     return unpack_int4(nibbles) | (bits.reshape(nibbles.shape[0], -1) << 4).to(torch.uint8)
 
 

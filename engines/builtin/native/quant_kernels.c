@@ -19,7 +19,7 @@
  * - grouped INT8: q uint8 [N][K], a scale and a minimum (float) per group of g inputs (g 16 or
  *   32): W[n, k] = q[n, k] scale[n, k / g] + min[n, k / g]. The form every GGUF type of 5 to 8
  *   bits takes exactly (Q8_0: q + 128 and min = -128 d; Q6_K: groups of 16, d sc (q - 32);
- *   Q5_0/Q5_1/Q5_K: 5-bit q with their offsets or minima), made by engines/builtin/gguf_quant.py.
+ *   Q5_1/Q5_K: 5-bit q with their minima), made by engines/builtin/layers/checkpoint_quant.py.
  *
  * Two kernels per format, `rows_max` choosing (Python passes its measured crossover):
  * - M <= rows_max (decode, small batches): the rows kernels (quant_rows.h). Each thread takes a
@@ -610,7 +610,8 @@ static inline __attribute__((always_inline)) void q5q8_row_avx2(
 DEFINE_Q5Q8_ROWS(q5q8_rows_avx2, q5q8_row_avx2)
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__) && \
+    defined(__AVX512BW__)
 #define Q4Q8_VNNI 1
 /* AVX-512 VNNI (Zen 4, Ice Lake and later): two blocks' 64 weights in one register and one
  * vpdpbusd per input row (unsigned weights times signed activations, sums of 4 products in

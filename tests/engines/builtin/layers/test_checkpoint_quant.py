@@ -129,3 +129,17 @@ def test_smollm2_files_give_the_dequantized_model_s_greedy_tokens(name: str) -> 
                 kept = assert_kept_as_stored(llm)
     assert outputs["auto"] == outputs["none"]
     assert kept == ({"Q8_0"} if name.endswith("q8_0") else {"Q4_K", "Q5_0", "Q6_K", "Q8_0"})
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_two_tensor_parallel_ranks_cut_a_quantized_file_as_one_runs_it(f32_gguf: Path) -> None:
+    """Row-parallel layers keep whole groups of the file's columns; each rank's tokens are one
+    rank's."""
+    path = quantized(f32_gguf, "q4_k_m")
+    tokens = {}
+    for ranks in (1, 2):
+        with engine(path, tensor_parallel_size=ranks, num_threads=1) as llm:
+            assert_kept_as_stored(llm)
+            tokens[ranks] = greedy(llm)
+    assert tokens[2] == tokens[1]

@@ -349,3 +349,21 @@ def test_a_non_finite_input_row_stays_in_its_row(activations: str, rows: int) ->
     for y in (y4, y8):
         assert not y[1].isfinite().any() and not y[3].isfinite().any()
         assert y[finite].isfinite().all()
+
+
+def test_the_structs_c_reads_are_refused_where_a_kernel_would_misread_them() -> None:
+    """The checks the experts' entry point runs on each LinearWeights before C reads it."""
+    check = native._check_linear_weights
+    weight = native.LinearWeights
+    some = torch.zeros(1).data_ptr()
+    with pytest.raises(ValueError, match=r"kind: 10 is invalid; allowed: 0\.\.9"):
+        check(weight(10, some, some, some, None, 64, 4, 32, 8))
+    with pytest.raises(ValueError, match="INT8 activations: a multiple of 32"):
+        check(weight(native.LINEAR_INT8G_A8, some, some, some, None, 48, 4, 16, 8))
+    with pytest.raises(ValueError, match="grouped INT8: 16|32"):
+        check(weight(native.LINEAR_INT8G, some, some, some, None, 96, 4, 48, 8))
+    with pytest.raises(ValueError, match="INT8/INT5 blocks: 32"):
+        check(weight(native.LINEAR_INT8B, some, some, None, None, 64, 4, 16, 8))
+    with pytest.raises(ValueError, match="NULL bits pointer"):
+        check(weight(native.LINEAR_INT5B, some, some, some, None, 64, 4, 32, 8))
+    check(weight(native.LINEAR_INT5B, some, some, some, None, 64, 4, 32, 8, some))  # fine
