@@ -360,7 +360,7 @@ def test_the_structs_c_reads_are_refused_where_a_kernel_would_misread_them() -> 
         check(weight(10, some, some, some, None, 64, 4, 32, 8))
     with pytest.raises(ValueError, match="INT8 activations: a multiple of 32"):
         check(weight(native.LINEAR_INT8G_A8, some, some, some, None, 48, 4, 16, 8))
-    with pytest.raises(ValueError, match="grouped INT8: 16|32"):
+    with pytest.raises(ValueError, match=r"grouped INT8: 16\|32"):
         check(weight(native.LINEAR_INT8G, some, some, some, None, 96, 4, 48, 8))
     with pytest.raises(ValueError, match="INT8/INT5 blocks: 32"):
         check(weight(native.LINEAR_INT8B, some, some, None, None, 64, 4, 16, 8))
