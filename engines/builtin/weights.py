@@ -91,10 +91,7 @@ def load_weights(
 
 
 def _wanted(
-    name: str,
-    tensor: torch.Tensor | QuantizedWeight,
-    expected: dict[str, tuple[int, ...]],
-    cfg: ModelConfig,
+    name: str, tensor: Weight, expected: dict[str, tuple[int, ...]], cfg: ModelConfig
 ) -> bool:
     """Whether the model takes checkpoint tensor `name` (False: one the engine recomputes or does
     not need); one that is not the model's, or not its shape, is refused."""
@@ -243,8 +240,9 @@ class _FusedLayout:
 def _cat_rows(parts: list[Weight]) -> Weight:
     """A fused tensor's parts stacked: quantized parts in one quantized form, float ones as
     they are (a part of each kind: all dequantized)."""
-    if all(isinstance(p, QuantizedWeight) for p in parts):
-        return QuantizedWeight.cat(parts)  # type: ignore[arg-type]
+    quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+    if len(quantized) == len(parts):
+        return QuantizedWeight.cat(quantized)
     return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
 
 
