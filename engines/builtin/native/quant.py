@@ -143,6 +143,33 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
         )
 
 
+def _multiply(
+    name: str,
+    kernel: str,
+    x: torch.Tensor,
+    in_features: int,
+    out_features: int,
+    weights: list[int | None],
+    options: list[int],
+) -> torch.Tensor:
+    """y = x W^T by the C entry point `kernel` (the weight's pointers, then the output, the
+    sizes, its `options` and the threads), in x's dtype."""
+    x32 = _float_input(x, in_features, name)
+    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
+    native._run(
+        kernel,
+        x32.data_ptr(),
+        *weights,
+        y.data_ptr(),
+        x32.shape[0],
+        in_features,
+        out_features,
+        *options,
+        torch.get_num_threads(),
+    )
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 def int4_linear(
     x: torch.Tensor,
     nibbles: torch.Tensor,
@@ -172,25 +199,24 @@ def int4_linear(
     _check("int4_linear mins", mins, torch.float32, (out_features, groups))
     if bias is not None:
         _check("int4_linear bias", bias, torch.float32, (out_features,))
-    x32 = _float_input(x, in_features, "int4_linear")
-    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
-    native._run(
+    return _multiply(
+        "int4_linear",
         "q4_linear_q8_f32" if activations == "int8" else "q4_linear_f32",
-        x32.data_ptr(),
-        nibbles.data_ptr(),
-        scales.data_ptr(),
-        mins.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        x32.shape[0],
+        x,
         in_features,
         out_features,
-        group_size,
-        rows_max(4, activations) if max_rows is None else max_rows,
-        _path(path, activations),
-        torch.get_num_threads(),
+        [
+            nibbles.data_ptr(),
+            scales.data_ptr(),
+            mins.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+        ],
+        [
+            group_size,
+            rows_max(4, activations) if max_rows is None else max_rows,
+            _path(path, activations),
+        ],
     )
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def int8_linear(
@@ -208,23 +234,22 @@ def int8_linear(
     _check("int8_linear scales", scales, torch.float32, (out_features,))
     if bias is not None:
         _check("int8_linear bias", bias, torch.float32, (out_features,))
-    x32 = _float_input(x, in_features, "int8_linear")
-    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
-    native._run(
+    return _multiply(
+        "int8_linear",
         "q8_linear_f32",
-        x32.data_ptr(),
-        q.data_ptr(),
-        scales.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        x32.shape[0],
+        x,
         in_features,
         out_features,
-        rows_max(8) if max_rows is None else max_rows,
-        _path(path),
-        torch.get_num_threads(),
+        [
+            q.data_ptr(),
+            scales.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+        ],
+        [
+            rows_max(8) if max_rows is None else max_rows,
+            _path(path),
+        ],
     )
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def int8g_linear(
@@ -258,25 +283,24 @@ def int8g_linear(
     _check("int8g_linear mins", mins, torch.float32, (out_features, groups))
     if bias is not None:
         _check("int8g_linear bias", bias, torch.float32, (out_features,))
-    x32 = _float_input(x, in_features, "int8g_linear")
-    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
-    native._run(
+    return _multiply(
+        "int8g_linear",
         "g8_linear_q8_f32" if activations == "int8" else "g8_linear_f32",
-        x32.data_ptr(),
-        q.data_ptr(),
-        scales.data_ptr(),
-        mins.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        x32.shape[0],
+        x,
         in_features,
         out_features,
-        group_size,
-        rows_max(GROUPED_INT8, activations) if max_rows is None else max_rows,
-        _path(path, activations),
-        torch.get_num_threads(),
+        [
+            q.data_ptr(),
+            scales.data_ptr(),
+            mins.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+        ],
+        [
+            group_size,
+            rows_max(GROUPED_INT8, activations) if max_rows is None else max_rows,
+            _path(path, activations),
+        ],
     )
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def int8b_linear(
@@ -299,23 +323,22 @@ def int8b_linear(
     _check("int8b_linear d", d, torch.float16, (out_features, in_features // 32))
     if bias is not None:
         _check("int8b_linear bias", bias, torch.float32, (out_features,))
-    x32 = _float_input(x, in_features, "int8b_linear")
-    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
-    native._run(
+    return _multiply(
+        "int8b_linear",
         "b8_linear_q8_f32" if activations == "int8" else "b8_linear_f32",
-        x32.data_ptr(),
-        q.data_ptr(),
-        d.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        x32.shape[0],
+        x,
         in_features,
         out_features,
-        rows_max(INT8_BLOCKS, activations) if max_rows is None else max_rows,
-        _path(path, activations),
-        torch.get_num_threads(),
+        [
+            q.data_ptr(),
+            d.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+        ],
+        [
+            rows_max(INT8_BLOCKS, activations) if max_rows is None else max_rows,
+            _path(path, activations),
+        ],
     )
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def pack_int5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,23 +383,22 @@ def int5_linear(
     _check("int5_linear m", m, torch.float16, (out_features, blocks))
     if bias is not None:
         _check("int5_linear bias", bias, torch.float32, (out_features,))
-    x32 = _float_input(x, in_features, "int5_linear")
-    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
-    native._run(
+    return _multiply(
+        "int5_linear",
         "q5_linear_f32",
-        x32.data_ptr(),
-        nibbles.data_ptr(),
-        fifth.data_ptr(),
-        d.data_ptr(),
-        m.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        x32.shape[0],
+        x,
         in_features,
         out_features,
-        rows_max(INT5_BLOCKS, activations) if max_rows is None else max_rows,
-        _path(path, activations),
-        int(activations == "int8"),
-        torch.get_num_threads(),
+        [
+            nibbles.data_ptr(),
+            fifth.data_ptr(),
+            d.data_ptr(),
+            m.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+        ],
+        [
+            rows_max(INT5_BLOCKS, activations) if max_rows is None else max_rows,
+            _path(path, activations),
+            int(activations == "int8"),
+        ],
     )
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
