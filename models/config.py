@@ -16,6 +16,7 @@ from typing import Any
 
 from models.files import SETTINGS, UserFileError, read_input_text
 from models.gguf import gguf_hf_config, gguf_source_keys
+from models.hf_quantized import QuantizedCheckpointError, parse_quantization_config
 from models.location import model_location
 from models.packaged import DERIVED_MODELS, PACKAGED_MODELS
 
@@ -815,11 +816,11 @@ def _from_hf_dict(cfg: dict[str, Any], where: str, key: Callable[[str], str]) ->
         )
     if cfg.get("mlp_bias"):
         raise UnsupportedCheckpointError(f"{where}: mlp_bias=true is not supported")
-    if cfg.get("quantization_config"):
-        raise UnsupportedCheckpointError(
-            f"{where}: pre-quantized checkpoints (quantization_config) are not supported; "
-            "load an fp16/bf16/fp32 checkpoint and set engine.quantization instead"
-        )
+    if cfg.get("quantization_config"):  # AWQ, GPTQ, compressed-tensors (models/weights.py)
+        try:
+            parse_quantization_config(cfg["quantization_config"], where)
+        except QuantizedCheckpointError as exc:
+            raise UnsupportedCheckpointError(str(exc)) from None
     if cfg.get("pretraining_tp", 1) != 1:
         raise UnsupportedCheckpointError(f"{where}: pretraining_tp != 1 is not supported")
     if arch not in _QKV_BIAS and cfg.get("attention_bias"):

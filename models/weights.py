@@ -16,6 +16,11 @@ from safetensors import SafetensorError, safe_open
 from models.config import ModelConfig
 from models.files import SETTINGS, check_regular_file, read_input_text
 from models.gguf import is_gguf, iter_gguf_tensors
+from models.hf_quantized import (
+    CheckpointQuantization,
+    parse_quantization_config,
+    quantized_tensors,
+)
 from models.quantized_weight import QuantizedWeight
 
 
@@ -139,12 +144,57 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 def iter_checkpoint(
     path: str | Path, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """(Hugging Face name, tensor) of a safetensors folder, or of a GGUF file (dequantized, or
-    with `keep_quantized` its quantized weights as the QuantizedWeight each stores)."""
+    """(Hugging Face name, tensor) of a safetensors folder, or of a GGUF file: its quantized
+    weights (a GGUF's, or an AWQ / GPTQ / compressed-tensors folder's) dequantized, or with
+    `keep_quantized` as the QuantizedWeight each stores."""
     if is_gguf(path):
         yield from iter_gguf_tensors(path, keep_quantized)
         return
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    scheme = checkpoint_quantization(path)
+    if scheme is None:
+        yield from _safetensors(files, quantized=False)
+        return
+    names = [name for file in files for name in _names(file)]
+    for name, tensor in quantized_tensors(scheme, names, _safetensors(files, quantized=True)):
+        if isinstance(tensor, QuantizedWeight) and not keep_quantized:
+            tensor = tensor.dequantize()
+        elif not isinstance(tensor, QuantizedWeight) and not tensor.is_floating_point():
+            raise ValueError(_not_float(name, tensor))
+        yield name, tensor
+
+
+def checkpoint_quantization(path: str | Path) -> CheckpointQuantization | None:
+    """The folder's config.json `quantization_config` (AWQ, GPTQ, compressed-tensors), if any."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        qc = json.loads(read_input_text(config, SETTINGS)).get("quantization_config")
+    except (ValueError, AttributeError):
+        return None  # models/config.py names what is wrong with a config.json
+    return None if not qc else parse_quantization_config(qc, str(config))
+
+
+def _not_float(name: str, tensor: torch.Tensor) -> str:
+    return (
+        f"tensor {name!r} is {tensor.dtype}; allowed: a floating-point dtype (float32, "
+        "float16, bfloat16), or the integer tensors of a quantized checkpoint whose "
+        "config.json names its quantization_config (AWQ, GPTQ, compressed-tensors)"
+    )
+
+
+def _names(file: Path) -> list[str]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as exc:
+        raise ValueError(f"{file}: not a readable safetensors file ({exc})") from None
+
+
+def _safetensors(files: list[Path], quantized: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of safetensors files; integer tensors only where `quantized`."""
+    for file in files:
         try:
             handle = safe_open(str(file), framework="pt")
         except SafetensorError as exc:
@@ -155,10 +205,6 @@ def iter_checkpoint(
                     tensor = f.get_tensor(name)
                 except SafetensorError as exc:
                     raise ValueError(f"{file}: tensor {name!r} cannot be read ({exc})") from None
-                if not tensor.is_floating_point():  # cast to float, it would be a wrong model
-                    raise ValueError(
-                        f"{file}: tensor {name!r} is {tensor.dtype}; allowed: a floating-point "
-                        "dtype (float32, float16, bfloat16; packed-integer quantized "
-                        "checkpoints are not supported)"
-                    )
+                if not quantized and not tensor.is_floating_point():  # a wrong model as float
+                    raise ValueError(f"{file}: {_not_float(name, tensor)}")
                 yield name, tensor

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from engines.base import ConfigError
+from engines.builtin.kv_cache.storage import KV_CACHE_DTYPES
 from engines.builtin.spec_decode.config import SpeculativeConfig
 from engines.options import Options, is_device, option
 from models.dtypes import DTYPE_ALIASES
@@ -101,7 +102,13 @@ class EngineConfig(Options):
         registry="engines.builtin.kv_cache.sizing:KV_MANAGERS",
         help="the KV cache's manager: none | contiguous | paged (docs/kv_cache.md)",
     )
-    kv_cache_dtype: str = option("auto", choices=("auto", "int8"), help="int8: quantized K/V")
+    kv_cache_dtype: str = option(
+        "auto",
+        choices=KV_CACHE_DTYPES,
+        help="K/V as stored: auto (the compute dtype) | int8 (a float16 scale per token and "
+        "head) | fp8 (= fp8_e4m3) | fp8_e5m2 (scale 1, vLLM's default: values past the "
+        "format's largest clamped); read back widened to the compute dtype",
+    )
     kv_cache_memory_bytes: int | None = option(
         None, ge=1, help="None: derived from the device, see kv_budget"
     )
@@ -156,7 +163,8 @@ class EngineConfig(Options):
         help="the linear layers' weights: auto (as the checkpoint keeps them: a GGUF file's "
         "quantized types run as stored by the engine's kernels, float weights unquantized) | "
         "none (every weight in the compute dtype, quantized files dequantized) | int8 | int4 "
-        "(quantized at load from the float weights); null: auto",
+        "| fp8 (quantized at load from the float weights); null: auto. AWQ, GPTQ and "
+        "compressed-tensors folders (int4/int8/FP8) run as stored under auto",
     )
     quantization_group_size: int = option(
         128,
@@ -431,6 +439,15 @@ def _lora_options_need_enable_lora(config: EngineConfig) -> None:
         )
 
 
+def _fp8_kv_needs_a_dense_attention_backend(config: EngineConfig) -> None:
+    if config.kv_cache_dtype.startswith("fp8") and config.attention_backend in ("triton", "cpu"):
+        raise ConfigError(
+            f"engine.kv_cache_dtype={config.kv_cache_dtype!r} is read by the dense attention "
+            f"paths only, not attention_backend={config.attention_backend!r}; allowed: "
+            "auto|torch|sdpa (or kv_cache_dtype=auto|int8)"
+        )
+
+
 def _a_whole_prompt_fits_one_step(config: EngineConfig) -> None:
     if (
         not config.enable_chunked_prefill
@@ -455,4 +472,5 @@ _RULES = (
     _prefix_caching_needs_paged_kv_and_continuous_batching,
     _a_whole_prompt_fits_one_step,
     _lora_options_need_enable_lora,
+    _fp8_kv_needs_a_dense_attention_backend,
 )

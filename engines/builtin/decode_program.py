@@ -117,7 +117,7 @@ def unavailable_reason(model: Transformer) -> str | None:
         if cache is None:
             return "no KV cache (kv_cache=none)"
         if cache.quantized or cache.dtype != torch.float32 or not cache.stores_by_slot:
-            return "the KV cache is not float32 stored by slot (kv_cache_dtype=int8?)"
+            return "the KV cache is not float32 stored by slot (kv_cache_dtype int8 or fp8?)"
         mlp = layer.mlp
         if isinstance(mlp, MoE) and len(mlp.experts) != mlp.router.out_features:
             return "expert parallelism (the program runs every expert)"

@@ -338,7 +338,7 @@ class ModelRunner:
                     self.model_config.head_dim,
                     self.dtype,
                     self.device,
-                    quantized=self.config.kv_cache_dtype == "int8",
+                    kv_cache_dtype=self.config.kv_cache_dtype,
                     prefault=self.config.kv_cache_prefault,
                 )
                 self.kv_caches.append(cache)

@@ -239,10 +239,13 @@ class _FusedLayout:
 
 def _cat_rows(parts: list[Weight]) -> Weight:
     """A fused tensor's parts stacked: quantized parts in one quantized form, float ones as
-    they are (a part of each kind: all dequantized)."""
+    they are (a part of each kind, or parts no one form holds: all dequantized)."""
     quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len(quantized) == len(parts):
-        return QuantizedWeight.cat(quantized)
+        try:
+            return QuantizedWeight.cat(quantized)
+        except ValueError:  # act-order parts in different orders, FP8 beside integers
+            pass
     return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
 
 

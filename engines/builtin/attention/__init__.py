@@ -64,7 +64,7 @@ def resolve_attention(
         native_kernels
         and device.type == "cpu"
         and dtype == torch.float32
-        and kv_cache_dtype != "int8"
+        and kv_cache_dtype == "auto"
         and native.load() is not None
     ):
         return "cpu"

@@ -124,7 +124,7 @@ class TritonAttention:
 
 def _scales(cache: LayerKVCache) -> dict[str, torch.Tensor]:
     """The scale planes the kernels need for an INT8 cache (none otherwise)."""
-    if not cache.quantized:
+    if not cache.scaled:
         return {}
     return {"k_scale": cache.k_scale, "v_scale": cache.v_scale}
 

@@ -49,6 +49,18 @@ def zeros(
 
 INT8_SCALE_DTYPE = torch.float16  # per-token, per-head scale of an INT8 KV cache
 
+#: engine.kv_cache_dtype -> the dtype K/V are stored in (auto: the compute dtype). INT8 keeps a
+#: scale per token and head; FP8 (fp8 is e4m3, as vLLM's) keeps the values themselves, with
+#: scale 1, vLLM's default without calibrated scales, and the few past the format's largest
+#: value (448 for e4m3) clamped to it.
+KV_STORAGE = {
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+KV_CACHE_DTYPES = ("auto", *KV_STORAGE)
+
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT8 per (token, head): x [..., d] -> (q int8 [..., d], scale [...])."""
@@ -61,16 +73,27 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
+def to_fp8(x: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """x in the FP8 format `fp8`, the values past its largest clamped (not NaN or inf)."""
+    top = torch.finfo(fp8).max
+    return x.clamp(-top, top).to(fp8)
+
+
 def kv_element_bytes(dtype: torch.dtype, head_dim: int, kv_cache_dtype: str) -> float:
     """Bytes per K (or V) element per head, scale planes included (INT8: d + a 2-byte scale)."""
     if kv_cache_dtype == "int8":
         return (head_dim + INT8_SCALE_DTYPE.itemsize) / head_dim
+    if kv_cache_dtype in KV_STORAGE:
+        return KV_STORAGE[kv_cache_dtype].itemsize
     return torch.finfo(dtype).bits // 8
 
 
 class LayerKVCache:
-    """`quantized=True` keeps INT8 values with a float16 scale plane per token and head;
-    writes quantize, reads (gather) dequantize to the compute dtype. `prefault`: see zeros()."""
+    """`kv_cache_dtype` (KV_CACHE_DTYPES): int8 keeps INT8 values with a float16 scale plane
+    per token and head, fp8 FP8 values; writes quantize, reads (gather) widen to the compute
+    dtype. `quantized`: the values are not in the compute dtype; `scaled`: with scale planes;
+    `fp8`: the FP8 format whose bytes k and v hold.
+    `prefault`: see zeros()."""
 
     #: write() stores each row at its flat slot of k/v and nothing else, so a kernel that has
     #: the rows at hand (the C rotary kernel) may store them in its place; a subclass whose
@@ -85,16 +108,24 @@ class LayerKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        quantized: bool = False,
+        kv_cache_dtype: str = "auto",
         prefault: bool = False,
     ) -> None:
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: {kv_cache_dtype!r}; allowed: {'|'.join(KV_CACHE_DTYPES)}"
+            )
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.dtype = dtype
-        self.quantized = quantized
-        store = torch.int8 if quantized else dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.quantized = kv_cache_dtype != "auto"
+        self.scaled = kv_cache_dtype == "int8"
+        # FP8 values are kept as their bytes: torch's CPU index ops do not take float8 dtypes
+        self.fp8 = KV_STORAGE[kv_cache_dtype] if kv_cache_dtype.startswith("fp8") else None
+        store = torch.uint8 if self.fp8 else KV_STORAGE.get(kv_cache_dtype, dtype)
         self.k = zeros(shape, store, device, prefault)
         self.v = zeros(shape, store, device, prefault)
-        if quantized:
+        if self.scaled:
             self.k_scale = zeros(shape[:3], INT8_SCALE_DTYPE, device, prefault)
             self.v_scale = zeros(shape[:3], INT8_SCALE_DTYPE, device, prefault)
         self.block_size = block_size
@@ -102,10 +133,12 @@ class LayerKVCache:
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's K/V [T, kv_heads, d] at their flat slots."""
-        if self.quantized:
+        if self.scaled:
             (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
             self.k_scale.view(-1, self.k.shape[2]).index_copy_(0, slot_mapping, k_scale)
             self.v_scale.view(-1, self.v.shape[2]).index_copy_(0, slot_mapping, v_scale)
+        elif self.fp8 is not None:
+            k, v = to_fp8(k, self.fp8).view(torch.uint8), to_fp8(v, self.fp8).view(torch.uint8)
         self.k.view(-1, *self.k.shape[2:]).index_copy_(0, slot_mapping, k)
         self.v.view(-1, *self.v.shape[2:]).index_copy_(0, slot_mapping, v)
 
@@ -119,7 +152,7 @@ class LayerKVCache:
         is measured apart (`gather_ns`, reported per step) rather than charged to paging."""
         start = now_ns()
         planes = [self.k, self.v]
-        if self.quantized:
+        if self.scaled:
             planes += [self.k_scale, self.v_scale]
         if length <= block_size:  # one block covers it (always so for the contiguous layout)
             blocks = block_tables[:, 0]
@@ -127,17 +160,19 @@ class LayerKVCache:
         else:
             blocks = block_tables[:, : -(-length // block_size)]
             out = [p[blocks].flatten(1, 2)[:, :length] for p in planes]
-        if self.quantized:
+        if self.scaled:
             out = [
                 dequantize_int8(out[0], out[2], self.dtype),
                 dequantize_int8(out[1], out[3], self.dtype),
             ]
+        elif self.fp8 is not None:
+            out = [out[0].view(self.fp8).to(self.dtype), out[1].view(self.fp8).to(self.dtype)]
         self.gather_ns += now_ns() - start
         return out[0], out[1]
 
     def readable_in_place(self, length: int) -> bool:
-        """Whether `block_range_view` can serve contexts of `length`: not INT8 values (they need
-        dequantizing), not past one block."""
+        """Whether `block_range_view` can serve contexts of `length`: not INT8 or FP8 values
+        (they need widening), not past one block."""
         return not self.quantized and length <= self.block_size
 
     def block_range_view(
@@ -150,10 +185,10 @@ class LayerKVCache:
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write: blocks `src` into blocks `dst`, scale planes included."""
-        for plane in (self.k, self.v, *((self.k_scale, self.v_scale) if self.quantized else ())):
+        for plane in (self.k, self.v, *((self.k_scale, self.v_scale) if self.scaled else ())):
             plane[dst] = plane[src]
 
     @property
     def nbytes(self) -> int:
-        planes = [self.k, self.v, *((self.k_scale, self.v_scale) if self.quantized else ())]
+        planes = [self.k, self.v, *((self.k_scale, self.v_scale) if self.scaled else ())]
         return sum(p.numel() * p.element_size() for p in planes)

@@ -1,11 +1,11 @@
 """Building blocks of the transformer: linear layers with a pluggable storage and multiply
 (linear.py: the `LinearMethod` interface, dense methods; quant.py: INT8/INT4;
-checkpoint_quant.py: auto, a checkpoint's own quantization; registered in `LINEAR_METHODS` by
-`engine.quantization`), norms, rotary."""
+checkpoint_quant.py: auto, a checkpoint's own quantization; fp8.py: FP8 at load; registered
+in `LINEAR_METHODS` by `engine.quantization`), norms, rotary."""
 
 from __future__ import annotations
 
-from engines.builtin.layers import quant  # noqa: F401  (registers the quantized methods)
+from engines.builtin.layers import fp8, quant  # noqa: F401  (register the quantized methods)
 from engines.builtin.layers.checkpoint_quant import AutoMethod
 from engines.builtin.layers.linear import (
     LINEAR_METHODS,

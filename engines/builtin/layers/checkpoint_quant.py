@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.builtin.layers.linear import LINEAR_METHODS, LinearMethod, LinearOptions
-from engines.builtin.layers.quant import NOT_REQUESTED, QuantMethod, _flat
+from engines.builtin.layers.quant import NOT_REQUESTED, TRITON_DTYPES, QuantMethod, _flat
 from engines.builtin.native import quant as native_quant
 from models.quantized_weight import QuantizedWeight
 
@@ -62,6 +62,11 @@ def symmetric_blocks(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tenso
     return levels.reshape(out, k).to(torch.int8).contiguous(), halves.contiguous()
 
 
+def _input_order(layer: Linear) -> torch.Tensor | None:
+    """The act-order permutation the layer gathers its inputs by (None: inputs as they come)."""
+    return layer._buffers.get("input_order")
+
+
 def _owned(t: torch.Tensor) -> torch.Tensor:
     """`t` in memory of its own (float32 where it is float)."""
     return (t.float() if t.is_floating_point() else t).clone(memory_format=torch.contiguous_format)
@@ -81,6 +86,7 @@ def five_bit_blocks(weight: QuantizedWeight) -> tuple[torch.Tensor, ...] | None:
 
 #: the engine's layouts a checkpoint's weight takes -> native/quant.py's format number
 LAYOUT_BITS = {
+    "fp8": native_quant.FP8,
     "int4": 4,
     "int5 blocks": native_quant.INT5_BLOCKS,
     "int8 blocks": native_quant.INT8_BLOCKS,
@@ -110,29 +116,42 @@ class CheckpointQuantMethod(QuantMethod):
         return LAYOUT_BITS[self.layout]
 
     def layer_activations(self, layer: Linear) -> str:
-        """INT8 rows where this layer's kernel takes them (inputs a multiple of 32)."""
-        return "float" if layer.in_features % 32 else self.activations
+        """INT8 rows where this layer's kernel takes them (inputs a multiple of 32; FP8 weights
+        keep float rows)."""
+        return "float" if layer.in_features % 32 or self.layout == "fp8" else self.activations
 
     def describe(self, layer: Linear) -> str:
         if layer.native:
             kernel = native_quant.describe_kernel(self.kernel_bits, self.layer_activations(layer))
+        elif self.layout == "fp8" and layer.qweight.is_cuda:
+            kernel = "Triton FP8 dequantize-matmul (quant_triton.py)"
         else:
             kernel = f"dequantize + dense matmul (engine C kernels off: {self.native_reason})"
-        return f"{self.source} as {self.layout} g{layer.group_size} (exact); kernel {kernel}"
+        order = "" if _input_order(layer) is None else ", inputs gathered in act-order"
+        groups = "a scale a row" if self.layout == "fp8" else f"g{layer.group_size}"
+        return f"{self.source} as {self.layout} {groups} (exact{order}); kernel {kernel}"
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         assert isinstance(weight, QuantizedWeight)  # AutoMethod hands it only those
-        if weight.bits == 8 and weight.group_size % 32 == 0:  # the kernels' groups: 16 or 32
-            weight = weight.with_group_size(32)
+        self.keep(layer, weight, bias)
+
+    def keep(self, layer: Linear, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        """`weight` in the first layout that holds it exactly (the class docstring)."""
+        integer = not weight.is_fp8
+        if integer and not (weight.bits == 4 and weight.group_size % 32 == 0):  # 8-bit groups
+            weight = weight.with_group_size(32 if weight.group_size % 32 == 0 else 16)
         # the fastest exact layout first (scripts/bench_checkpoint_layouts.py): INT8 blocks where
         # symmetric; INT5 only beside INT8 activations (with float ones its bit plane costs
         # more to widen than the bytes it saves: grouped INT8 is faster)
-        blocks = symmetric_blocks(weight) if weight.bits == 8 else None
-        takes_five = weight.bits == 8 and blocks is None and self.activations == "int8"
+        blocks = symmetric_blocks(weight) if integer and weight.bits == 8 else None
+        takes_five = integer and weight.bits == 8 and blocks is None and self.activations == "int8"
         five = five_bit_blocks(weight) if takes_five else None
         # copies: a weight cut from a larger one (an expert, a rank's rows) would pin it whole
         mins = _owned(weight.mins)
-        if weight.bits == 4 and weight.group_size % 32 == 0:
+        if weight.is_fp8:  # AutoMethod hands over one scale a row only
+            self.layout, levels = "fp8", weight.q.clone(memory_format=torch.contiguous_format)
+            scales, mins = _owned(weight.scales[:, 0]), torch.empty(0)
+        elif weight.bits == 4 and weight.group_size % 32 == 0:
             self.layout, levels = "int4", native_quant.pack_int4(weight.q)
             scales = _owned(weight.scales)
         elif blocks is not None:
@@ -149,17 +168,27 @@ class CheckpointQuantMethod(QuantMethod):
         layer.register_buffer("qweight", levels)
         layer.register_buffer("scales", scales)
         layer.register_buffer("mins", mins)
+        layer.register_buffer("input_order", weight.input_order)
         layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     def load_columns(
         self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None, columns: slice
     ) -> None:
         assert isinstance(weight, QuantizedWeight)
-        self.load(layer, weight.columns(columns), bias)
+        self.keep(layer, weight.columns(columns), bias)
 
     def dequantize(self, layer: Linear) -> torch.Tensor:
         """The weight the stored form represents, [out, in] in float32."""
+        weight, order = self._stored_weight(layer), _input_order(layer)
+        if order is None:
+            return weight
+        return torch.empty_like(weight).index_copy_(1, order, weight)
+
+    def _stored_weight(self, layer: Linear) -> torch.Tensor:
+        """The stored form's weight, its columns in the stored (act-order) order."""
         out, k, g = layer.out_features, layer.in_features, layer.group_size
+        if self.layout == "fp8":
+            return layer.qweight.float() * layer.scales[:, None]
         if self.layout == "int8 blocks":
             q = layer.qweight.float().reshape(out, k // g, g)
             return (q * layer.scales.float()[..., None]).reshape(out, k)
@@ -173,10 +202,21 @@ class CheckpointQuantMethod(QuantMethod):
         return (q * layer.scales[..., None] + layer.mins[..., None]).reshape(out, k)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "fp8" and x.is_cuda and x.dtype in TRITON_DTYPES:
+            from engines.builtin.layers.quant_triton import fp8_matmul
+
+            y = fp8_matmul(_flat(x), layer.qweight, layer.scales)
+            y = y.reshape(*x.shape[:-1], layer.out_features)
+            return y if layer.bias is None else y + layer.bias
         if not (layer.native and x.device.type == "cpu" and not x.requires_grad):
             return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
         bias, activations = self.float_bias(layer), self.layer_activations(layer)
-        if self.layout == "int8 blocks":
+        order = _input_order(layer)
+        if order is not None:  # act-order: the inputs in the groups' order
+            x = x.index_select(-1, order)
+        if self.layout == "fp8":
+            y = native_quant.fp8_linear(_flat(x), layer.qweight, layer.scales, bias)
+        elif self.layout == "int8 blocks":
             y = native_quant.int8b_linear(_flat(x), layer.qweight, layer.scales, bias, activations)
         elif self.layout == "int5 blocks":
             y = native_quant.int5_linear(
@@ -251,6 +291,12 @@ class AutoMethod(LinearMethod):
         if not isinstance(weight, QuantizedWeight):
             return self.dense_method
         native = self.options.native_reason
+        if weight.is_fp8 and weight.scales.shape[1] > 1:
+            native = f"FP8 in groups of {weight.group_size}: the FP8 kernels take a scale a row"
+        elif weight.group_size % 16:
+            native = f"groups of {weight.group_size}: the kernels take multiples of 16"
+        elif weight.is_fp8 and weight.device.type == "cuda":  # the Triton FP8 kernel
+            return CheckpointQuantMethod(weight.source, "float", native)
         if native is None and weight.device.type == "cpu":
             return CheckpointQuantMethod(weight.source, self.options.activations, native)
         reason = native if native is not None else f"no engine kernel on {weight.device.type}"

@@ -27,6 +27,8 @@ def linear_problem(layer: Linear) -> str | None:
     method = layer.method
     if isinstance(method, PanelDenseMethod):
         return None
+    if layer._buffers.get("input_order") is not None:
+        return f"{layer.name} gathers its inputs in act-order"
     if isinstance(method, Int8Method | Int4Method | CheckpointQuantMethod) and layer.native:
         return None
     return f"{layer.name} is kept as {method.describe(layer)!r}"
@@ -45,6 +47,7 @@ def linear_weights(layer: Linear, keep: list[torch.Tensor]) -> native.LinearWeig
     if isinstance(method, CheckpointQuantMethod):
         activations = method.layer_activations(layer)
         kinds = {
+            "fp8": (native.LINEAR_FP8, native.LINEAR_FP8),
             "int4": (native.LINEAR_INT4, native.LINEAR_INT4_A8),
             "int5 blocks": (native.LINEAR_INT5B, native.LINEAR_INT5B_A8),
             "int8 blocks": (native.LINEAR_INT8B, native.LINEAR_INT8B_A8),

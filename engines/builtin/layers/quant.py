@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 INT4_GROUP_SIZES = (32, 64, 128)
 _INNER_K_TILES = 2
 # On CUDA the Triton dequantize-matmul kernels (quant_triton, imported lazily) serve these.
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _has_op(name: str) -> bool:
@@ -167,7 +167,7 @@ class Int8Method(QuantMethod):
                 _flat(x), layer.qweight, layer.scales, self.float_bias(layer)
             )
             return y.reshape(*x.shape[:-1], layer.out_features)
-        if x.is_cuda and x.dtype in _TRITON_DTYPES:
+        if x.is_cuda and x.dtype in TRITON_DTYPES:
             from engines.builtin.layers.quant_triton import int8_matmul
 
             y = int8_matmul(_flat(x), layer.qweight, layer.scales)
@@ -395,7 +395,7 @@ class Int4Method(QuantMethod):
         ):
             y = self._kernel(layer, _flat(x)).reshape(*x.shape[:-1], layer.out_features)
             return y if layer.bias is None else y + layer.bias
-        if x.is_cuda and not layer.int4_packed and x.dtype in _TRITON_DTYPES:
+        if x.is_cuda and not layer.int4_packed and x.dtype in TRITON_DTYPES:
             from engines.builtin.layers.quant_triton import int4_matmul
 
             y = int4_matmul(_flat(x), layer.qweight, layer.scales_and_zeros, layer.group_size)

@@ -1,4 +1,5 @@
-"""Triton dequantize-matmul kernels for the weight-only INT8 and INT4 linear layers (CUDA path).
+"""Triton dequantize-matmul kernels for the weight-only INT8, FP8 and INT4 linear layers (CUDA
+path).
 
 Both compute y [M, N] = x [M, K] @ W.T with W the weight the stored form represents (the same
 numbers as `Int8Method.dequantize` / `Int4Method.dequantize`), never materialising W: a program
@@ -10,6 +11,9 @@ it in registers, and accumulating tl.dot in fp32. Ragged M, N and K are masked. 
 * `int8_matmul(x, q int8 [N, K], scale [N])`: W = q * scale[:, None]. The integer tile is
   converted to x's dtype (exact: |q| <= 127), and the per-row scale is applied once to the
   accumulated tile.
+* `fp8_matmul(x, q float8_e4m3fn [N, K], scale [N])`: W = value * scale[:, None], the same
+  kernel with each byte widened by integer operations into the float16 of its value / 256
+  (exact, subnormals included), so any GPU runs it, not only those with FP8 instructions.
 * `int4_matmul(x, qweight uint8 [N, K/2], scales_and_zeros [K/group, N, 2], group_size)`: the
   plain-nibble layout (even column in the low 4 bits, odd column in the high 4 bits) and
   W[n, k] = (q - 8) * scale[k // g, n] + zero[k // g, n], torch's int4 convention. Each element
@@ -83,6 +87,7 @@ def _int8_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     offs_m, offs_n, mask_m, mask_n = _output_tile(M, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -96,10 +101,16 @@ def _int8_matmul_kernel(
             mask=mask_n[None, :] & mask_k[:, None],
             other=0,
         )  # [BLOCK_K, BLOCK_N]
-        w = q.to(tl.float32).to(x.dtype)
+        if FP8:
+            # e4m3 byte SEEEEMMM -> float16 S0EEEEMMM0000000, the value / 256 (subnormals too):
+            # integer ops any GPU (and the interpreter) runs; -16385 is 0xBFFF as an int16
+            h = ((q.to(tl.int16) << 8) >> 1) & -16385
+            w = h.to(tl.float16, bitcast=True).to(tl.float32).to(x.dtype)
+        else:
+            w = q.to(tl.float32).to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
     scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    acc = acc * scale[None, :]
+    acc = acc * (scale[None, :] * 256.0 if FP8 else scale[None, :])
     _store_output_tile(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, stride_yn)
 
 
@@ -183,13 +194,38 @@ def int8_matmul(
     block_k: int = 64,
 ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (q int8 [N, K] * scale [N, None]).T, in x's dtype."""
+    return _per_row_matmul(x, q, scale, torch.int8, block_m, block_n, block_k)
+
+
+def fp8_matmul(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ (q float8_e4m3fn [N, K] * scale [N, None]).T, in x's dtype:
+    FP8 weights widened in registers (weight-only, any GPU)."""
+    return _per_row_matmul(x, q, scale, torch.float8_e4m3fn, block_m, block_n, block_k)
+
+
+def _per_row_matmul(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+    block_m: int | None, block_n: int, block_k: int,
+) -> torch.Tensor:  # fmt: skip
     n, k = q.shape
-    _check(x, k, "int8_matmul")
-    if q.dtype != torch.int8 or scale.shape != (n,):
+    name = "fp8_matmul" if dtype == torch.float8_e4m3fn else "int8_matmul"
+    _check(x, k, name)
+    if q.dtype != dtype or scale.shape != (n,):
         raise ValueError(
-            f"int8_matmul: q must be int8 [N, K] and scale [N]; got {q.dtype} "
+            f"{name}: q must be {dtype} [N, K] and scale [N]; got {q.dtype} "
             f"{tuple(q.shape)} and {tuple(scale.shape)}"
         )
+    fp8 = dtype == torch.float8_e4m3fn
+    if fp8:
+        q = q.view(torch.uint8)
     m = x.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -213,6 +249,7 @@ def int8_matmul(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         DOT_PRECISION=_dot_precision(x.dtype),
+        FP8=fp8,
     )
     return y
 

@@ -64,6 +64,7 @@ SIGNATURES = {  # function -> argument types (all return void)
     "b8_linear_q8_f32": _args("pppppqqqqqq"),
     "q5_linear_f32": _args("pppppppqqqqqqq"),
     "q8_linear_f32": _args("pppppqqqqqq"),
+    "f8_linear_f32": _args("pppppqqqqqq"),
     "prefill_attention_f32": _args("pqpqpqpqqqqfqqp"),
 }
 
@@ -345,7 +346,8 @@ class LinearWeights(ctypes.Structure):  # kernels.h
     LINEAR_INT8B_A8,
     LINEAR_INT5B,
     LINEAR_INT5B_A8,
-) = range(10)
+    LINEAR_FP8,
+) = range(11)
 
 
 #: the experts' arrays moe_experts has checked (by id, each held so that its id is not reused)
@@ -355,10 +357,11 @@ _CHECKED_EXPERTS: dict[tuple[int, int], tuple[Any, Any]] = {}
 def _check_linear_weights(layer: LinearWeights) -> None:
     """A ValueError for a struct the kernels would crash on: an unknown kind, a missing
     pointer, INT4 groups that do not divide the inputs."""
-    if not 0 <= layer.kind <= LINEAR_INT5B_A8:
-        raise ValueError(f"LinearWeights.kind: {layer.kind} is invalid; allowed: 0..9")
+    if not 0 <= layer.kind <= LINEAR_FP8:
+        raise ValueError(f"LinearWeights.kind: {layer.kind} is invalid; allowed: 0..{LINEAR_FP8}")
     quantized = layer.kind != LINEAR_DENSE
-    grouped = layer.kind not in (LINEAR_DENSE, LINEAR_INT8, LINEAR_INT8B, LINEAR_INT8B_A8)
+    per_row = (LINEAR_DENSE, LINEAR_INT8, LINEAR_FP8, LINEAR_INT8B, LINEAR_INT8B_A8)
+    grouped = layer.kind not in per_row
     blocks = layer.kind in (LINEAR_INT8B, LINEAR_INT8B_A8, LINEAR_INT5B, LINEAR_INT5B_A8)
     if blocks and (layer.group_size != 32 or layer.in_features % 32):
         raise ValueError(f"LinearWeights.group_size: {layer.group_size}; INT8/INT5 blocks: 32")

@@ -107,13 +107,14 @@ enum {
     LINEAR_INT8B = 6,
     LINEAR_INT8B_A8 = 7,
     LINEAR_INT5B = 8,
-    LINEAR_INT5B_A8 = 9
+    LINEAR_INT5B_A8 = 9,
+    LINEAR_FP8 = 10
 };
 
 typedef struct {
     int64_t kind;       /* LINEAR_* */
-    const void *weight; /* dense: panels (pack_linear_weight_f32); int8(g): q; int4: nibbles */
-    const float *scale; /* int8 [N]; int4, int8g [N][K / g]; int8b, int5b: float16 [N][K / 32] */
+    const void *weight; /* dense: panels (pack_linear_weight_f32); int8(g), fp8: q; int4: nibbles */
+    const float *scale; /* int8, fp8 [N]; int4, int8g [N][K / g]; int8b, int5b: float16 [N][K / 32] */
     const float *minv;  /* int4, int8g [N][K / g]; int5b: float16 [N][K / 32] */
     const float *bias;  /* [N] or NULL */
     int64_t in_features, out_features, group_size;
@@ -195,6 +196,9 @@ void g8_linear_f32(const float *x, const uint8_t *q, const float *scale, const f
 void g8_linear_q8_f32(const float *x, const uint8_t *q, const float *scale, const float *minv,
                       const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
                       int64_t rows_max, int64_t path, int64_t threads);
+void f8_linear_f32(const float *x, const uint8_t *q, const float *scale, const float *bias,
+                   float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
+                   int64_t threads);
 void b8_linear_f32(const float *x, const int8_t *q, const uint16_t *d, const float *bias,
                    float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
                    int64_t threads);
@@ -232,7 +236,7 @@ void moe_experts_bind(ExpertsRun *r, float *scratch, int64_t rows, int64_t share
 void moe_experts_part(const ExpertsRun *r, const Member *me);
 /* floats of scratch a quantized linear of M rows needs: `shared` by the team, `own` per member */
 void quant_linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, int64_t *own);
-/* a quantized (LINEAR_INT8, INT4, INT8G, INT8B, INT5B and their _A8) linear; path as the entry points' (0: widest) */
+/* a quantized (LINEAR_INT8, FP8, INT4, INT8G, INT8B, INT5B and their _A8) linear; path as the entry points' (0: widest) */
 void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t M,
                        int64_t path, float *shared, float *own, const Member *me);
 

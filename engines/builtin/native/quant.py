@@ -3,6 +3,8 @@ they stream, and y = x W^T (+ bias) for float32, bfloat16 or float16 inputs.
 
 Layouts (made once, at load, by engines/builtin/layers/quant.py):
 - INT8: q int8 [N, K], scales float32 [N]: W = q * scale per row.
+- FP8: q float8_e4m3fn [N, K] (read as its bytes), scales float32 [N]: W = value * scale per
+  row (vLLM's FP8 weights: per channel, or per tensor with the scale on every row).
 - INT5 blocks: the INT4 layout's nibbles [N, K / 2], each level's fifth bit as an int32 word
   per block of 32 [N, K / 32] (bit i: weight i's), d and m float16 [N, K / 32]:
   W = (nibble + 16 bit) * d + m (llama.cpp's Q5_0 with m = -16 d, its Q5_1 as it is).
@@ -44,9 +46,10 @@ from engines.builtin import native
 # 1.37 / 0.96 at 16.
 #: `bits` of the grouped INT8 and INT8-blocks layouts in ROWS_MAX and describe_kernel (8 is
 #: per-channel INT8)
-GROUPED_INT8, INT8_BLOCKS, INT5_BLOCKS = 9, 10, 11
+GROUPED_INT8, INT8_BLOCKS, INT5_BLOCKS, FP8 = 9, 10, 11, 12
 ROWS_MAX = {
     (8, "float"): 12,
+    (FP8, "float"): 12,
     (4, "float"): 4,
     (4, "int8"): 8,
     (GROUPED_INT8, "float"): 8,
@@ -249,6 +252,32 @@ def int8_linear(
             rows_max(8) if max_rows is None else max_rows,
             _path(path),
         ],
+    )
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    path: str = "auto",
+    max_rows: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias [N]) -> [M, N] in x's dtype, W as the FP8 layout above
+    (`max_rows` as for `int4_linear`)."""
+    out_features, in_features = q.shape
+    _check("fp8_linear q", q, torch.float8_e4m3fn, (out_features, in_features))
+    _check("fp8_linear scales", scales, torch.float32, (out_features,))
+    if bias is not None:
+        _check("fp8_linear bias", bias, torch.float32, (out_features,))
+    return _multiply(
+        "fp8_linear",
+        "f8_linear_f32",
+        x,
+        in_features,
+        out_features,
+        [q.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr()],
+        [rows_max(FP8) if max_rows is None else max_rows, _path(path)],
     )
 
 

@@ -107,6 +107,19 @@ static inline float half_dot(const uint16_t *h, const float *v, int64_t count) {
     return total;
 }
 
+/* Every FP8 (e4m3) value / 256, by its byte: the portable kernels' widening (sign, 4 exponent
+ * bits of bias 7 and 3 mantissa bits; exponent 0 is subnormal). */
+static float fp8_over_256[256];
+
+__attribute__((constructor)) static void fill_fp8_table(void) {
+    for (int b = 0; b < 256; b++) {
+        const int exponent = (b >> 3) & 15, mantissa = b & 7;
+        const float value = exponent ? ldexpf((float)(8 + mantissa), exponent - 18)
+                                     : ldexpf((float)mantissa, -17);
+        fp8_over_256[b] = (b & 0x80) ? -value : value;
+    }
+}
+
 #define QW 4
 #define QSUFFIX _vec4
 #include "quant_rows.h"
@@ -169,6 +182,17 @@ static void q4_rows_portable(const float *x, const uint8_t *nib, const float *sc
                 total += scale[n * groups + gi] * acc + minv[n * groups + gi] * xsum[m * groups + gi];
             }
             y[m * N + n] = total;
+        }
+}
+
+static void f8_rows_portable(const float *x, const uint8_t *q, const float *scale,
+                             const float *bias, float *y, int64_t M, int64_t K, int64_t N,
+                             int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc += fp8_over_256[q[n * K + k]] * x[m * K + k];
+            y[m * N + n] = acc * (scale[n] * 256.0f) + (bias != NULL ? bias[n] : 0.0f);
         }
 }
 
@@ -862,6 +886,8 @@ static void dequantize_panel(const LinearWeights *l, int64_t n0, float *rows, fl
         } else if (l->kind == LINEAR_INT8G || l->kind == LINEAR_INT8G_A8) {
             WIDEST(g8_dequantize_row)((const uint8_t *)l->weight + n * K, scale + n * (K / g),
                                       minv + n * (K / g), K, shift, row);
+        } else if (l->kind == LINEAR_FP8) {
+            WIDEST(f8_dequantize_row)((const uint8_t *)l->weight + n * K, scale[n], K, row);
         } else {
             WIDEST(q8_dequantize_row)((const int8_t *)l->weight + n * K, scale[n], K, row);
         }
@@ -932,6 +958,53 @@ static QuantizedRows quantized_rows(float *shared, int64_t M, int64_t K, int64_t
     return (QuantizedRows){(int8_t *)(sx + M * (K / g)), dx, sx};
 }
 
+/* name##_vec16 / _vec8 / _vec4 / _portable (args) by `path`: the float rows kernels at the
+ * vector widths this build has. */
+#if VEC >= 16
+#define CASE_VEC16(name, ...)                                                                     \
+    case QUANT_PATH_VEC16: name##_vec16(__VA_ARGS__); break;
+#else
+#define CASE_VEC16(name, ...)
+#endif
+#if VEC >= 8
+#define CASE_VEC8(name, ...)                                                                      \
+    case QUANT_PATH_VEC8: name##_vec8(__VA_ARGS__); break;
+#else
+#define CASE_VEC8(name, ...)
+#endif
+#define BY_WIDTH(path, name, ...)                                                                 \
+    switch (path) {                                                                               \
+        CASE_VEC16(name, __VA_ARGS__)                                                             \
+        CASE_VEC8(name, __VA_ARGS__)                                                              \
+    case QUANT_PATH_VEC4: name##_vec4(__VA_ARGS__); break;                                        \
+    default: name##_portable(__VA_ARGS__);                                                        \
+    }
+
+/* name##_vnni / _avx2 / _portable (args) by `path`: the INT8-activation rows kernels (VNNI on
+ * the 16-float path, AVX2 on the 8- and 16-float ones where VNNI is missing). */
+#if Q4Q8_VNNI
+#define IF_VNNI(path, name, ...)                                                                  \
+    if (path == QUANT_PATH_VEC16) {                                                               \
+        name##_vnni(__VA_ARGS__);                                                                 \
+        break;                                                                                    \
+    }
+#else
+#define IF_VNNI(path, name, ...)
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define IF_AVX2(path, name, ...)                                                                  \
+    if (path != QUANT_PATH_PORTABLE && path != QUANT_PATH_VEC4) {                                 \
+        name##_avx2(__VA_ARGS__);                                                                 \
+        break;                                                                                    \
+    }
+#else
+#define IF_AVX2(path, name, ...)
+#endif
+#define BY_A8_PATH(path, name, ...)                                                               \
+    IF_VNNI(path, name, __VA_ARGS__)                                                              \
+    IF_AVX2(path, name, __VA_ARGS__)                                                              \
+    name##_portable(__VA_ARGS__);
+
 void quant_linear_scratch(const LinearWeights *l, int64_t M, int64_t *shared, int64_t *own) {
     const int64_t K = l->in_features, g = l->group_size;
     *own = 0;
@@ -960,7 +1033,7 @@ void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t
     /* the input's per-row preparation, rows shared among the members */
     int64_t m0, m1;
     team_share(M, me, &m0, &m1);
-    const int64_t groups = l->kind == LINEAR_INT8 ? 0 : K / g;
+    const int64_t groups = l->kind == LINEAR_INT8 || l->kind == LINEAR_FP8 ? 0 : K / g;
     QuantizedRows xr = {0};
     const int int8_inputs = l->kind == LINEAR_INT4_A8 || l->kind == LINEAR_INT8G_A8 ||
                             l->kind == LINEAR_INT8B_A8 || l->kind == LINEAR_INT5B_A8;
@@ -982,153 +1055,30 @@ void quant_linear_part(const LinearWeights *l, const float *x, float *y, int64_t
     team_share((N + ROWS_CHUNK - 1) / ROWS_CHUNK, me, &c0, &c1);
     const int64_t n0 = c0 * ROWS_CHUNK, n1 = c1 * ROWS_CHUNK < N ? c1 * ROWS_CHUNK : N;
     if (n0 >= n1) return;
-    if (l->kind == LINEAR_INT8) {
-        const int8_t *q = l->weight;
-        switch (path) {
-#if VEC >= 16
-        case QUANT_PATH_VEC16: q8_rows_vec16(x, q, l->scale, l->bias, y, M, K, N, n0, n1); break;
-#endif
-#if VEC >= 8
-        case QUANT_PATH_VEC8: q8_rows_vec8(x, q, l->scale, l->bias, y, M, K, N, n0, n1); break;
-#endif
-        case QUANT_PATH_VEC4: q8_rows_vec4(x, q, l->scale, l->bias, y, M, K, N, n0, n1); break;
-        default: q8_rows_portable(x, q, l->scale, l->bias, y, M, K, N, n0, n1);
-        }
-    } else if (l->kind == LINEAR_INT5B || l->kind == LINEAR_INT5B_A8) {
-        const uint8_t *nib = l->weight;
-        const uint16_t *d = (const uint16_t *)l->scale, *mn = (const uint16_t *)l->minv;
-        if (l->kind == LINEAR_INT5B_A8) {
-#if Q4Q8_VNNI
-            if (path == QUANT_PATH_VEC16) {
-                q5q8_rows_vnni(&xr, nib, l->bits, d, mn, l->bias, y, M, K, N, n0, n1);
-                return;
-            }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-            if (path != QUANT_PATH_PORTABLE && path != QUANT_PATH_VEC4) {
-                q5q8_rows_avx2(&xr, nib, l->bits, d, mn, l->bias, y, M, K, N, n0, n1);
-                return;
-            }
-#endif
-            q5q8_rows_portable(&xr, nib, l->bits, d, mn, l->bias, y, M, K, N, n0, n1);
-            return;
-        }
-        const float *xsum = shared;
-        switch (path) {
-#if VEC >= 16
-        case QUANT_PATH_VEC16:
-            q5_rows_vec16(x, nib, l->bits, d, mn, xsum, l->bias, y, M, K, N, n0, n1);
-            break;
-#endif
-#if VEC >= 8
-        case QUANT_PATH_VEC8:
-            q5_rows_vec8(x, nib, l->bits, d, mn, xsum, l->bias, y, M, K, N, n0, n1);
-            break;
-#endif
-        case QUANT_PATH_VEC4:
-            q5_rows_vec4(x, nib, l->bits, d, mn, xsum, l->bias, y, M, K, N, n0, n1);
-            break;
-        default:
-            q5_rows_portable(x, nib, l->bits, d, mn, xsum, l->bias, y, M, K, N, n0, n1);
-        }
-    } else if (l->kind == LINEAR_INT8B || l->kind == LINEAR_INT8B_A8) {
-        const int8_t *q = l->weight;
-        const uint16_t *d = (const uint16_t *)l->scale; /* float16 scales */
-        if (l->kind == LINEAR_INT8B_A8) {
-#if Q4Q8_VNNI
-            if (path == QUANT_PATH_VEC16) {
-                b8q8_rows_vnni(&xr, q, d, l->bias, y, M, K, N, n0, n1);
-                return;
-            }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-            if (path != QUANT_PATH_PORTABLE && path != QUANT_PATH_VEC4) {
-                b8q8_rows_avx2(&xr, q, d, l->bias, y, M, K, N, n0, n1);
-                return;
-            }
-#endif
-            b8q8_rows_portable(&xr, q, d, l->bias, y, M, K, N, n0, n1);
-            return;
-        }
-        switch (path) {
-#if VEC >= 16
-        case QUANT_PATH_VEC16: b8_rows_vec16(x, q, d, l->bias, y, M, K, N, n0, n1); break;
-#endif
-#if VEC >= 8
-        case QUANT_PATH_VEC8: b8_rows_vec8(x, q, d, l->bias, y, M, K, N, n0, n1); break;
-#endif
-        case QUANT_PATH_VEC4: b8_rows_vec4(x, q, d, l->bias, y, M, K, N, n0, n1); break;
-        default: b8_rows_portable(x, q, d, l->bias, y, M, K, N, n0, n1);
-        }
-    } else if (l->kind == LINEAR_INT8G_A8) {
-        const uint8_t *q = l->weight;
-#if Q4Q8_VNNI
-        if (path == QUANT_PATH_VEC16) {
-            g8q8_rows_vnni(&xr, q, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
-            return;
-        }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-        if (path != QUANT_PATH_PORTABLE && path != QUANT_PATH_VEC4) {
-            g8q8_rows_avx2(&xr, q, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
-            return;
-        }
-#endif
-        g8q8_rows_portable(&xr, q, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
-    } else if (l->kind == LINEAR_INT8G) {
-        const uint8_t *q = l->weight;
-        const float *xsum = shared;
-        switch (path) {
-#if VEC >= 16
-        case QUANT_PATH_VEC16:
-            g8_rows_vec16(x, q, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
-            break;
-#endif
-#if VEC >= 8
-        case QUANT_PATH_VEC8:
-            g8_rows_vec8(x, q, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
-            break;
-#endif
-        case QUANT_PATH_VEC4:
-            g8_rows_vec4(x, q, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
-            break;
-        default:
-            g8_rows_portable(x, q, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
-        }
-    } else if (l->kind == LINEAR_INT4_A8) {
-#if Q4Q8_VNNI
-        if (path == QUANT_PATH_VEC16) {
-            q4q8_rows_vnni(&xr, l->weight, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
-            return;
-        }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-        if (path != QUANT_PATH_PORTABLE && path != QUANT_PATH_VEC4) {
-            q4q8_rows_avx2(&xr, l->weight, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
-            return;
-        }
-#endif
-        q4q8_rows_portable(&xr, l->weight, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
-    } else {
-        const uint8_t *nib = l->weight;
-        const float *xsum = shared;
-        switch (path) {
-#if VEC >= 16
-        case QUANT_PATH_VEC16:
-            q4_rows_vec16(x, nib, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
-            break;
-#endif
-#if VEC >= 8
-        case QUANT_PATH_VEC8:
-            q4_rows_vec8(x, nib, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
-            break;
-#endif
-        case QUANT_PATH_VEC4:
-            q4_rows_vec4(x, nib, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
-            break;
-        default:
-            q4_rows_portable(x, nib, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
-        }
+    const float *xsum = shared; /* the float rows kernels' per-group input sums */
+    const uint16_t *d = (const uint16_t *)l->scale, *mn = (const uint16_t *)l->minv;
+    switch (l->kind) {
+    case LINEAR_INT8: BY_WIDTH(path, q8_rows, x, l->weight, l->scale, l->bias, y, M, K, N, n0, n1); break;
+    case LINEAR_FP8: BY_WIDTH(path, f8_rows, x, l->weight, l->scale, l->bias, y, M, K, N, n0, n1); break;
+    case LINEAR_INT5B:
+        BY_WIDTH(path, q5_rows, x, l->weight, l->bits, d, mn, xsum, l->bias, y, M, K, N, n0, n1);
+        break;
+    case LINEAR_INT5B_A8:
+        BY_A8_PATH(path, q5q8_rows, &xr, l->weight, l->bits, d, mn, l->bias, y, M, K, N, n0, n1);
+        break;
+    case LINEAR_INT8B: BY_WIDTH(path, b8_rows, x, l->weight, d, l->bias, y, M, K, N, n0, n1); break;
+    case LINEAR_INT8B_A8: BY_A8_PATH(path, b8q8_rows, &xr, l->weight, d, l->bias, y, M, K, N, n0, n1); break;
+    case LINEAR_INT8G:
+        BY_WIDTH(path, g8_rows, x, l->weight, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
+        break;
+    case LINEAR_INT8G_A8:
+        BY_A8_PATH(path, g8q8_rows, &xr, l->weight, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
+        break;
+    case LINEAR_INT4_A8:
+        BY_A8_PATH(path, q4q8_rows, &xr, l->weight, l->scale, l->minv, l->bias, y, M, K, N, g, n0, n1);
+        break;
+    default: /* LINEAR_INT4 */
+        BY_WIDTH(path, q4_rows, x, l->weight, l->scale, l->minv, xsum, l->bias, y, M, K, N, g, n0, n1);
     }
 }
 
@@ -1176,6 +1126,14 @@ void q4_linear_q8_f32(const float *x, const uint8_t *nib, const float *scale, co
                       const float *bias, float *y, int64_t M, int64_t K, int64_t N, int64_t g,
                       int64_t rows_max, int64_t path, int64_t threads) {
     const LinearWeights l = {LINEAR_INT4_A8, nib, scale, minv, bias, K, N, g, rows_max};
+    quant_linear(&l, x, y, M, path, threads);
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias) for an FP8 W: e4m3 bytes [N, K] and a float32 scale a row. */
+void f8_linear_f32(const float *x, const uint8_t *q, const float *scale, const float *bias,
+                   float *y, int64_t M, int64_t K, int64_t N, int64_t rows_max, int64_t path,
+                   int64_t threads) {
+    const LinearWeights l = {LINEAR_FP8, q, scale, NULL, bias, K, N, 0, rows_max};
     quant_linear(&l, x, y, M, path, threads);
 }
 

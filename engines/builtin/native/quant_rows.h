@@ -1,4 +1,4 @@
-/* The few-rows (decode) INT8, grouped INT8 and INT4 kernels of quant_kernels.c at one vector width: QW floats
+/* The few-rows (decode) INT8, FP8, grouped INT8 and INT4 kernels of quant_kernels.c at one vector width: QW floats
  * per vector, function names suffixed with QSUFFIX. quant_kernels.c includes this file once per
  * width the build has (4, 8 and, with AVX-512, 16 floats), so that every width the machine can
  * run is callable and testable, not only its widest. GCC/clang vector extensions: the same text
@@ -97,6 +97,43 @@ static inline QFN(fvec) QFN(q8_widen)(const int8_t *q) {
 #endif
 }
 
+/* QW FP8 (e4m3) weights as floats divided by 256: each byte SEEEEMMM put in the high byte of a
+ * 16-bit lane and shifted right arithmetically by one is the float16 S0EEEEMMM0000000 (with
+ * the sign's copy in bit 14 cleared), whose value is the e4m3 one times 2^-8, subnormals
+ * included, and the hardware widens float16 exactly. Elsewhere one lookup a weight. */
+static inline QFN(fvec) QFN(f8_widen)(const uint8_t *q) {
+#if QX86 && QW == 16
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q)), 8);
+    return (QFN(fvec))_mm512_cvtph_ps(
+        _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xBFFF)));
+#elif QX86 && defined(__F16C__)
+#if QW == 8
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)q);
+#else
+    int32_t word;
+    memcpy(&word, q, 4);
+    const __m128i bytes = _mm_cvtsi32_si128(word);
+#endif
+    const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8), 1),
+                                    _mm_set1_epi16((short)0xBFFF));
+#if QW == 8
+    return (QFN(fvec))_mm256_cvtph_ps(h);
+#else
+    return (QFN(fvec))_mm_cvtph_ps(h);
+#endif
+#else
+    QFN(fvec) w;
+    for (int i = 0; i < QW; i++) w[i] = fp8_over_256[q[i]];
+    return w;
+#endif
+}
+
+/* QW 8-bit weights as floats: INT8 levels, or FP8 values / 256 (`fp8`, a constant where it
+ * is inlined). */
+static inline __attribute__((always_inline)) QFN(fvec) QFN(w8_widen)(const int8_t *q, const int fp8) {
+    return fp8 ? QFN(f8_widen)((const uint8_t *)q) : QFN(q8_widen)(q);
+}
+
 /* QW unsigned 8-bit weights (the grouped INT8 layout's) as floats. */
 static inline QFN(fvec) QFN(u8_widen)(const uint8_t *q) {
 #if QX86 && QW == 16
@@ -178,10 +215,11 @@ static inline __attribute__((always_inline)) void QFN(q4_row)(
     }
 }
 
-/* out[r] = sum_k q[k] x[r][k] for R input rows and one INT8 weight row (unscaled). */
+/* out[r] = sum_k q[k] x[r][k] for R input rows and one INT8 weight row (unscaled), or one
+ * FP8 row (`fp8`: its values / 256). */
 static inline __attribute__((always_inline)) void QFN(q8_row)(const int R, const float *x,
                                                               int64_t K, const int8_t *q,
-                                                              float *out) {
+                                                              const int fp8, float *out) {
     QFN(fvec) acc[QROWS][QACC];
     for (int r = 0; r < R; r++)
         for (int a = 0; a < QACC; a++) acc[r][a] = (QFN(fvec)){0};
@@ -189,21 +227,21 @@ static inline __attribute__((always_inline)) void QFN(q8_row)(const int R, const
     for (; k + QACC * QW <= K; k += QACC * QW) {
         __builtin_prefetch(q + k + QPREFETCH, 0, 0);
         for (int a = 0; a < QACC; a++) {
-            const int8_t *qa = q + k + a * QW;
-            const QFN(fvec) w = QFN(q8_widen)(qa);
+            const QFN(fvec) w = QFN(w8_widen)(q + k + a * QW, fp8);
             for (int r = 0; r < R; r++)
                 acc[r][a] = QFN(fma)(w, QFN(loadf)(x + r * K + k + a * QW), acc[r][a]);
         }
     }
     for (; k + QW <= K; k += QW) {
-        const QFN(fvec) w = QFN(q8_widen)(q + k);
+        const QFN(fvec) w = QFN(w8_widen)(q + k, fp8);
         for (int r = 0; r < R; r++) acc[r][0] = QFN(fma)(w, QFN(loadf)(x + r * K + k), acc[r][0]);
     }
     for (int r = 0; r < R; r++) {
         QFN(fvec) sum = acc[r][0];
         for (int a = 1; a < QACC; a++) sum += acc[r][a];
         float s = QFN(hsum)(sum);
-        for (int64_t t = k; t < K; t++) s += (float)q[t] * x[r * K + t];
+        for (int64_t t = k; t < K; t++)
+            s += (fp8 ? fp8_over_256[(uint8_t)q[t]] : (float)q[t]) * x[r * K + t];
         out[r] = s;
     }
 }
@@ -441,12 +479,23 @@ static inline void QFN(g8_dequantize_row)(const uint8_t *q, const float *scale, 
     }
 }
 
-/* out[k] = W[n, k] for one INT8 weight row. */
-static inline void QFN(q8_dequantize_row)(const int8_t *q, float scale, int64_t K, float *out) {
+/* out[k] = W[n, k] for one INT8 weight row, or one FP8 row (`fp8`: `scale` x 256). */
+static inline __attribute__((always_inline)) void QFN(w8_dequantize_row)(const int8_t *q,
+                                                                         float scale, int64_t K,
+                                                                         const int fp8,
+                                                                         float *out) {
     const QFN(fvec) s = (QFN(fvec)){0} + scale;
     int64_t k = 0;
-    for (; k + QW <= K; k += QW) *(QFN(fvec_u) *)(out + k) = QFN(q8_widen)(q + k) * s;
-    for (; k < K; k++) out[k] = (float)q[k] * scale;
+    for (; k + QW <= K; k += QW) *(QFN(fvec_u) *)(out + k) = QFN(w8_widen)(q + k, fp8) * s;
+    for (; k < K; k++) out[k] = (fp8 ? fp8_over_256[(uint8_t)q[k]] : (float)q[k]) * scale;
+}
+
+static inline void QFN(q8_dequantize_row)(const int8_t *q, float scale, int64_t K, float *out) {
+    QFN(w8_dequantize_row)(q, scale, K, 0, out);
+}
+
+static inline void QFN(f8_dequantize_row)(const uint8_t *q, float scale, int64_t K, float *out) {
+    QFN(w8_dequantize_row)((const int8_t *)q, scale * 256.0f, K, 1, out);
 }
 
 /* y[m, n] for W's rows [n0, n1) and all M input rows, QROWS at a time: each weight row is
@@ -495,22 +544,34 @@ static void QFN(g8_rows)(const float *x, const uint8_t *q, const float *scale,
     }
 }
 
-static void QFN(q8_rows)(const float *x, const int8_t *q, const float *scale, const float *bias,
-                         float *y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+/* y[m, n] for one scale a row: INT8 levels, or FP8 values (`fp8`). */
+static inline __attribute__((always_inline)) void QFN(w8_rows)(
+    const float *x, const int8_t *q, const float *scale, const float *bias, float *y, int64_t M,
+    int64_t K, int64_t N, int64_t n0, int64_t n1, const int fp8) {
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *wn = q + n * K;
         const float b = bias != NULL ? bias[n] : 0.0f;
+        const float s = fp8 ? scale[n] * 256.0f : scale[n];
         for (int64_t m = 0; m < M; m += QROWS) {
             float out[QROWS];
             const float *xm = x + m * K;
             if (M - m == 1)
-                QFN(q8_row)(1, xm, K, wn, out);
+                QFN(q8_row)(1, xm, K, wn, fp8, out);
             else
-                QFN(q8_row)(QROWS, xm, K, wn, out);
-            for (int64_t r = 0; r < QROWS && m + r < M; r++)
-                y[(m + r) * N + n] = out[r] * scale[n] + b;
+                QFN(q8_row)(QROWS, xm, K, wn, fp8, out);
+            for (int64_t r = 0; r < QROWS && m + r < M; r++) y[(m + r) * N + n] = out[r] * s + b;
         }
     }
+}
+
+static void QFN(q8_rows)(const float *x, const int8_t *q, const float *scale, const float *bias,
+                         float *y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+    QFN(w8_rows)(x, q, scale, bias, y, M, K, N, n0, n1, 0);
+}
+
+static void QFN(f8_rows)(const float *x, const uint8_t *q, const float *scale, const float *bias,
+                         float *y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+    QFN(w8_rows)(x, (const int8_t *)q, scale, bias, y, M, K, N, n0, n1, 1);
 }
 
 #undef QACC

@@ -123,7 +123,7 @@ def test_padded_buckets_give_eager_tokens(options: dict) -> None:
             planes = [
                 cache.k,
                 cache.v,
-                *((cache.k_scale, cache.v_scale) if cache.quantized else ()),
+                *((cache.k_scale, cache.v_scale) if cache.scaled else ()),
             ]
             assert all(not plane[0].any() for plane in planes)
 

@@ -132,8 +132,9 @@ def test_the_c_experts_refuse_offsets_that_would_read_past_their_rows(
         native.moe_experts(
             gate_up, down, x, bounds, torch.arange(7) % 5, torch.rand(7), torch.zeros_like(x)
         )
-    broken = native.LinearWeights(10, 1, None, None, None, 64, 128, 0, 0)
-    with pytest.raises(ValueError, match=r"LinearWeights\.kind: 10 is invalid"):
+    unknown = native.LINEAR_FP8 + 1  # past the last kind
+    broken = native.LinearWeights(unknown, 1, None, None, None, 64, 128, 0, 0)
+    with pytest.raises(ValueError, match=rf"LinearWeights\.kind: {unknown} is invalid"):
         native.moe_experts(
             (native.LinearWeights * 1)(broken), (native.LinearWeights * 1)(down[0]), x,
             torch.tensor([0, 1]), torch.tensor([0]), torch.rand(1), torch.zeros_like(x),

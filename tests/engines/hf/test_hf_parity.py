@@ -703,7 +703,11 @@ def _legacy_yarn(cfg: dict[str, Any]) -> None:  # without the context it was tra
             _set(architectures=["GPTNeoXForCausalLM"]),
             ["architecture", "GPTNeoXForCausalLM"],
         ),
-        ("llama_gqa", _set(quantization_config={"quant_method": "gptq"}), ["quantization_config"]),
+        (
+            "llama_gqa",
+            _set(quantization_config={"quant_method": "bitsandbytes"}),
+            ["quantization_config.quant_method", "awq|gptq|compressed-tensors"],
+        ),
         (
             "qwen2",
             _set(use_sliding_window=True, sliding_window=8, max_window_layers=-1),

@@ -88,7 +88,13 @@ def make_int8_batch(
 
     tables, num_blocks = shuffled_block_tables(seqs, block_size, gen)
     cache = LayerKVCache(
-        num_blocks, block_size, num_kv_heads, head_dim, dtype, torch.device(DEVICE), quantized=True
+        num_blocks,
+        block_size,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        torch.device(DEVICE),
+        kv_cache_dtype="int8",
     )
     shape = (num_blocks * block_size, num_kv_heads, head_dim)
     full_k, full_v = randn(*shape), randn(*shape)
@@ -137,11 +143,11 @@ def test_write_kernel_stores_the_bits_the_torch_write_stores(
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(DEVICE)
 
     torch_cache = LayerKVCache(
-        num_blocks, block_size, kvh, head_dim, dtype, torch.device(DEVICE), quantized=True
+        num_blocks, block_size, kvh, head_dim, dtype, torch.device(DEVICE), kv_cache_dtype="int8"
     )
     torch_cache.write(k, v, slots)
     triton_cache = TritonKVCache(
-        num_blocks, block_size, kvh, head_dim, dtype, torch.device(DEVICE), quantized=True
+        num_blocks, block_size, kvh, head_dim, dtype, torch.device(DEVICE), kv_cache_dtype="int8"
     )
     padded = torch.cat([k, k[:2]]), torch.cat([v, v[:2]])
     # two padding rows (slot -1) must be skipped, not written anywhere
@@ -154,7 +160,7 @@ def test_write_kernel_stores_the_bits_the_torch_write_stores(
 
 
 def test_int8_cache_needs_its_scales() -> None:
-    cache = LayerKVCache(2, 4, 1, 16, torch.float32, torch.device(DEVICE), quantized=True)
+    cache = LayerKVCache(2, 4, 1, 16, torch.float32, torch.device(DEVICE), kv_cache_dtype="int8")
     k = torch.randn(1, 1, 16, device=DEVICE)
     slots = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="int8 KV cache needs both scale planes"):

@@ -74,5 +74,5 @@ def test_int8_kv_bytes_per_token_with_scales() -> None:
     int8 = small_int8.engine.kv.layout.bytes_per_token
     assert bf16 == 2 * 2 * 1 * 64 * 2 and int8 == 2 * 2 * 1 * (64 + 2)
     assert int8 <= 0.53 * bf16
-    cache = LayerKVCache(4, 16, 2, 64, torch.bfloat16, torch.device("cpu"), quantized=True)
+    cache = LayerKVCache(4, 16, 2, 64, torch.bfloat16, torch.device("cpu"), kv_cache_dtype="int8")
     assert cache.nbytes == 2 * 4 * 16 * 2 * (64 + 2)

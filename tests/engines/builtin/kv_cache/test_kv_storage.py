@@ -37,21 +37,22 @@ def test_prefault_maps_every_page_now_lazy_maps_none() -> None:
         assert tensor.dtype == torch.float32 and not tensor.any()
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_a_prefaulted_cache_is_zeroed_and_writable(quantized: bool) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_a_prefaulted_cache_is_zeroed_and_writable(kv_cache_dtype: str) -> None:
     cache = LayerKVCache(
-        4, 8, 2, 16, torch.bfloat16, torch.device("cpu"), quantized=quantized, prefault=True
+        4, 8, 2, 16, torch.bfloat16, torch.device("cpu"), kv_cache_dtype, prefault=True
     )
     assert not cache.k.float().any() and not cache.v.float().any()
     k = torch.randn(3, 2, 16, dtype=torch.bfloat16)
     v = torch.randn(3, 2, 16, dtype=torch.bfloat16)
     cache.write(k, v, torch.tensor([0, 9, 31]))
     keys, values = cache.gather(torch.tensor([[0], [1], [3]]), 8, 8)
-    atol = 0.05 if quantized else 0.0
+    atol = {"auto": 0.0, "int8": 0.05, "fp8": 0.1}[kv_cache_dtype]
+    rtol = 0.07 if kv_cache_dtype == "fp8" else 0.02  # e4m3: 2^-4 relative rounding
     assert keys.shape == values.shape == (3, 8, 2, 16)
-    torch.testing.assert_close(keys[0, 0].float(), k[0].float(), atol=atol, rtol=0.02)
-    torch.testing.assert_close(keys[1, 1].float(), k[1].float(), atol=atol, rtol=0.02)
-    torch.testing.assert_close(values[2, 7].float(), v[2].float(), atol=atol, rtol=0.02)
+    torch.testing.assert_close(keys[0, 0].float(), k[0].float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(keys[1, 1].float(), k[1].float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(values[2, 7].float(), v[2].float(), atol=atol, rtol=rtol)
 
 
 def test_prefault_is_checked_by_name() -> None:

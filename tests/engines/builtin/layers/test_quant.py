@@ -19,6 +19,7 @@ from dequantized_twin import dequantized_twin_tokens
 from engines.base import ConfigError
 from engines.builtin import LLM, EngineConfig, SamplingParams
 from engines.builtin.layers import make_linear_method
+from engines.builtin.layers.fp8 import Fp8Method
 from engines.builtin.layers.linear import DenseMethod, Linear
 from engines.builtin.layers.quant import (
     Int4Method,
@@ -228,10 +229,10 @@ def test_make_linear_method() -> None:
         make_linear_method("int4", 32, zero_point="fp")
     with pytest.raises(
         ValueError,
-        match=r"engine.quantization: 'fp8' is invalid; allowed: "
-        r"none\|int8\|int4",
+        match=r"engine.quantization: 'fp4' is invalid; allowed: .*none\|int8\|int4",
     ):
-        make_linear_method("fp8")
+        make_linear_method("fp4")
+    assert isinstance(make_linear_method("fp8"), Fp8Method)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

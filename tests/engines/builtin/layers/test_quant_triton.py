@@ -1,4 +1,5 @@
-"""The Triton dequantize-matmul kernels for INT8 / INT4 weights against the dequantize reference.
+"""The Triton dequantize-matmul kernels for INT8 / FP8 / INT4 weights against the dequantize
+reference.
 
 On CPU the kernels run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
 before anything imports triton). Tiles are shrunk in some cases so several M/N/K tiles
@@ -19,6 +20,7 @@ pytest.importorskip("triton")
 DEVICE = os.environ.get("INFERLAB_TRITON_DEVICE", "cpu")  # see tests/conftest.py
 
 from engines.builtin.layers import quant_triton  # noqa: E402
+from engines.builtin.layers.fp8 import Fp8Method  # noqa: E402
 from engines.builtin.layers.linear import Linear  # noqa: E402
 from engines.builtin.layers.quant import Int4Method, Int8Method  # noqa: E402
 
@@ -78,6 +80,23 @@ def test_int8_matmul_matches_dequantized_reference(
     _assert_close(y, x.float() @ method.dequantize(layer).T, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize(("n", "k", "tiles"), INT8_SHAPES)
+def test_fp8_matmul_matches_torch_s_own_float8_conversion(
+    n: int, k: int, tiles: dict, m: int, dtype: torch.dtype
+) -> None:
+    """Every e4m3 byte but NaN, subnormals and the extremes included, widened by the kernel's
+    integer operations, against torch's float8_e4m3fn -> float32."""
+    gen = torch.Generator().manual_seed(n + k)
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    q = codes[torch.randint(0, len(codes), (n, k), generator=gen)].view(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=gen) * 0.01 + 1e-3
+    x = _x(m, k, dtype)
+    y = quant_triton.fp8_matmul(x, q.to(DEVICE), scale.to(DEVICE), **tiles)
+    _assert_close(y, x.float() @ (q.float() * scale[:, None]).to(DEVICE).T, dtype)
+
+
 # (group, N, K, tile overrides): groups 32/64/128; N=40 ragged; K=96 with 64-wide K tiles
 INT4_SHAPES = [
     (32, 32, 96, {}),
@@ -117,6 +136,8 @@ def test_bad_inputs_are_refused() -> None:
         quant_triton.int8_matmul(_x(2, 48, torch.float32), layer.qweight, layer.scales)
     with pytest.raises(ValueError, match="dtype"):
         quant_triton.int8_matmul(_x(2, 64, torch.float32).double(), layer.qweight, layer.scales)
+    with pytest.raises(ValueError, match=r"fp8_matmul: q must be torch\.float8_e4m3fn"):
+        quant_triton.fp8_matmul(_x(2, 64, torch.float32), layer.qweight, layer.scales)
     layer4 = make_layer(PlainInt4(32), 32, 64, torch.float32)
     with pytest.raises(ValueError, match="scales_and_zeros must be"):
         quant_triton.int4_matmul(
@@ -127,7 +148,9 @@ def test_bad_inputs_are_refused() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="the layers only dispatch to Triton on CUDA")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("method", [Int8Method(), PlainInt4(64), PlainInt4(64, "int")])
+@pytest.mark.parametrize(
+    "method", [Int8Method(), PlainInt4(64), PlainInt4(64, "int"), Fp8Method("on CUDA")]
+)
 def test_layers_dispatch_to_triton_on_cuda(method, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     layer = Linear(128, 48, method, bias=True)

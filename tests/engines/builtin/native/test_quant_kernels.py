@@ -91,6 +91,32 @@ def test_int8_kernels_match_float64_dequantize_then_matmul(path: str) -> None:
     torch.set_num_threads(2)
 
 
+def random_fp8(out_features: int, in_features: int, gen: torch.Generator):
+    """Every e4m3 byte but the two NaNs, subnormals and the largest values included, in random
+    places, and a float32 scale a row."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    picks = torch.randint(0, len(codes), (out_features, in_features), generator=gen)
+    q = codes[picks].view(torch.float8_e4m3fn)
+    scales = torch.rand(out_features, generator=gen) * 0.01 + 1e-4
+    return q, scales, q.double() * scales.double()[:, None]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fp8_kernels_match_float64_dequantize_then_matmul(path: str) -> None:
+    """torch's own float8_e4m3fn -> float64 conversion is the reference of the widening."""
+    gen = torch.Generator().manual_seed(18)
+    for in_features, out_features in [(1, 1), (7, 5), (37, 33), (256, 97)]:  # odd K too
+        q, scales, w = random_fp8(out_features, in_features, gen)
+        bias = torch.randn(out_features, generator=gen)
+        for rows in ROW_COUNTS:
+            x = torch.randn(rows, in_features, generator=gen)
+            for threads, max_rows in itertools.product((1, 3), kernels(rows)):
+                torch.set_num_threads(threads)
+                got = native_quant.fp8_linear(x, q, scales, bias, path=path, max_rows=max_rows)
+                assert_matches(got, x.double() @ w.T + bias.double())
+    torch.set_num_threads(2)
+
+
 @pytest.mark.parametrize("path", native_quant.paths("int8"))
 def test_int8_activations_match_their_fake_quantized_reference(path: str) -> None:
     gen = torch.Generator().manual_seed(5)
@@ -274,7 +300,13 @@ def test_rows_are_bit_identical_whatever_rows_share_the_call(activations: str) -
     def int5(rows: torch.Tensor) -> torch.Tensor:
         return native_quant.int5_linear(rows, n5, f5, d5, m5, activations=activations)
 
+    qf, sf, _ = random_fp8(96, 256, gen)
+
+    def fp8(rows: torch.Tensor) -> torch.Tensor:
+        return native_quant.fp8_linear(rows, qf, sf)
+
     crossovers = [
+        (fp8, native_quant.rows_max(native_quant.FP8)),
         (int5, native_quant.rows_max(native_quant.INT5_BLOCKS, activations)),
         (int8b, native_quant.rows_max(native_quant.INT8_BLOCKS, activations)),
         (int4, native_quant.rows_max(4, activations)),
@@ -326,6 +358,8 @@ def test_bad_arguments_name_the_problem() -> None:
         native_quant.int4_linear(x, nibbles, scales.double(), mins, 32)
     with pytest.raises(ValueError, match="pack_int4: in_features=40"):
         native_quant.pack_int4(torch.zeros(2, 40, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"fp8_linear q: expected a contiguous CPU torch\.float8"):
+        native_quant.fp8_linear(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
 
 
 def test_every_path_the_build_reports_is_one_this_cpu_runs() -> None:
@@ -356,8 +390,11 @@ def test_the_structs_c_reads_are_refused_where_a_kernel_would_misread_them() -> 
     check = native._check_linear_weights
     weight = native.LinearWeights
     some = torch.zeros(1).data_ptr()
-    with pytest.raises(ValueError, match=r"kind: 10 is invalid; allowed: 0\.\.9"):
-        check(weight(10, some, some, some, None, 64, 4, 32, 8))
+    with pytest.raises(ValueError, match=r"kind: 11 is invalid; allowed: 0\.\.10"):
+        check(weight(11, some, some, some, None, 64, 4, 32, 8))
+    with pytest.raises(ValueError, match="NULL weight, scale"):
+        check(weight(native.LINEAR_FP8, some, None, None, None, 64, 4, 0, 8))
+    check(weight(native.LINEAR_FP8, some, some, None, None, 64, 4, 0, 8))  # no minimum: fine
     with pytest.raises(ValueError, match="INT8 activations: a multiple of 32"):
         check(weight(native.LINEAR_INT8G_A8, some, some, some, None, 48, 4, 16, 8))
     with pytest.raises(ValueError, match=r"grouped INT8: 16\|32"):
