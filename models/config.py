@@ -15,10 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from models.files import SETTINGS, UserFileError, read_input_text
-from models.gguf import gguf_hf_config, gguf_source_keys
 from models.hf_quantized import QuantizedCheckpointError, parse_quantization_config
-from models.location import model_location
-from models.packaged import DERIVED_MODELS, PACKAGED_MODELS
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -1024,25 +1021,6 @@ def _flag(cfg: dict[str, Any], name: str, default: bool) -> Any:
 
 def _eos_ids(eos: Any) -> Any:
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-
-
-def resolve_model(model: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
-    """A preset name, a trained or packaged model, a checkpoint folder or a GGUF file ->
-    ModelConfig."""
-    name = str(model)
-    if name in PRESETS:
-        return PRESETS[name].with_overrides(overrides)
-    name = model_location(name)
-    if name.endswith(".gguf") and Path(name).is_file():
-        config = gguf_hf_config(name)
-        return from_hf_dict(config, name, gguf_source_keys(name)).with_overrides(overrides)
-    if Path(name).exists():
-        return from_hf_config(name).with_overrides(overrides)
-    known = "|".join([*PRESETS, *PACKAGED_MODELS, *DERIVED_MODELS])
-    raise ValueError(
-        f"model: {name!r} is neither a preset ({known}), an existing checkpoint folder nor a "
-        ".gguf file"
-    )
 
 
 def kv_bytes_per_token(model: ModelConfig, bytes_per_element: float) -> float:

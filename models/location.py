@@ -1,22 +1,31 @@
 """What a model name names: the one resolver of `model=` (and of a speculative draft's
-`model`), which every backend, `resolve_model` and `inferlab kv-calc` use, so that a name
-means the same wherever it is given.
+`model`), which every backend, `resolve_model` (here: the name's ModelConfig) and `inferlab
+kv-calc` use, so that a name means the same wherever it is given.
 
 A name is a trained model (models/train_tiny.py `TRAINED_MODELS`: its checkpoint folder in the
 cache, trained on first use), a packaged model (models/packaged.py `PACKAGED_MODELS`: the file
-its installed package ships; `DERIVED_MODELS`: that file re-encoded, built once), or anything
-else, as given: a preset (models/config.py `PRESETS`), a checkpoint folder or a .gguf file,
-which `resolve_model` reads. The model group
-names its model by `model.name`, or with model=hf by `model.path`.
+its installed package ships; `DERIVED_MODELS`: that file re-encoded, or as a quantized Hugging
+Face folder, built once), or anything else, as given: a preset (models/config.py `PRESETS`), a
+checkpoint folder or a .gguf file, which `resolve_model` reads. The model group names its model
+by `model.name`, or with model=hf by `model.path`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from models.config import PRESETS, ModelConfig, from_hf_config, from_hf_dict
+from models.gguf import gguf_hf_config, gguf_source_keys
 from models.gguf_quantize import derived_gguf
-from models.packaged import DERIVED_MODELS, PACKAGED_MODELS, packaged_model_path
+from models.hf_quantize import derived_folder
+from models.packaged import (
+    DERIVED_FOLDER_KINDS,
+    DERIVED_MODELS,
+    PACKAGED_MODELS,
+    packaged_model_path,
+)
 from models.train_tiny import TRAINED_MODELS, trained_model_path
 
 
@@ -33,8 +42,29 @@ def model_location(name: str) -> str:
         return str(packaged_model_path(name))
     if name in DERIVED_MODELS:
         base, kind = DERIVED_MODELS[name]
+        if kind in DERIVED_FOLDER_KINDS:
+            return str(derived_folder(packaged_model_path(base), kind))
         return str(derived_gguf(packaged_model_path(base), kind))
     return name
+
+
+def resolve_model(model: str | Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """A preset name, a trained or packaged model, a checkpoint folder or a GGUF file ->
+    ModelConfig."""
+    name = str(model)
+    if name in PRESETS:
+        return PRESETS[name].with_overrides(overrides)
+    name = model_location(name)
+    if name.endswith(".gguf") and Path(name).is_file():
+        config = gguf_hf_config(name)
+        return from_hf_dict(config, name, gguf_source_keys(name)).with_overrides(overrides)
+    if Path(name).exists():
+        return from_hf_config(name).with_overrides(overrides)
+    known = "|".join([*PRESETS, *PACKAGED_MODELS, *DERIVED_MODELS])
+    raise ValueError(
+        f"model: {name!r} is neither a preset ({known}), an existing checkpoint folder nor a "
+        ".gguf file"
+    )
 
 
 def require_model_path(model: Mapping[str, Any]) -> None:

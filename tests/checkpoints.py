@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from safetensors.torch import save_file
 
-from models.config import resolve_model
+from models.location import resolve_model
 from models.tokenizer import default_tokenizer
 from models.weights import dummy_state_dict
 

@@ -64,8 +64,9 @@ from engines.builtin.step_stats import EngineGauges, logits_rows, step_record
 from engines.builtin.structured import build_structured_outputs, resolve_structured_output_backend
 from engines.sampling_params import SamplingParams
 from engines.structured_outputs import StructuredOutputsParams
-from models.config import kv_bytes_per_token, resolve_model
+from models.config import kv_bytes_per_token
 from models.dtypes import TORCH_DTYPES
+from models.location import resolve_model
 from models.tokenizer import tokenizer_for_model
 
 

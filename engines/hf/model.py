@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from models.config import ModelConfig, resolve_model
+from models.config import ModelConfig
 from models.gguf import is_gguf
+from models.location import resolve_model
 from models.weights import dummy_state_dict
 
 if TYPE_CHECKING:

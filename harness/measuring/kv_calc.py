@@ -40,9 +40,9 @@ from harness.measuring import hardware  # (also hardware=cpu's schema, for compo
 from harness.measuring.comm import tp_decode_comm_bytes, tp_decode_comm_seconds
 from harness.measuring.hardware import HardwareSpec
 from harness.measuring.roofline import ModelShape, predicted_time, step_costs
-from models.config import ModelConfig, kv_bytes_per_token, resolve_model
+from models.config import ModelConfig, kv_bytes_per_token
 from models.dtypes import DTYPE_ALIASES
-from models.location import model_group_name
+from models.location import model_group_name, resolve_model
 from models.tensor_parallel import (
     TP_KEY,
     TPShard,

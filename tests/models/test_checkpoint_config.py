@@ -17,7 +17,8 @@ import pytest
 from checkpoints import run_on_checkpoint, tiny_config_json, write_tiny_checkpoint, write_tiny_gguf
 
 from harness import cli
-from models.config import ModelFieldError, UnsupportedCheckpointError, resolve_model
+from models.config import ModelFieldError, UnsupportedCheckpointError
+from models.location import resolve_model
 
 NAN, INF = float("nan"), float("inf")
 

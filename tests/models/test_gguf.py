@@ -19,8 +19,8 @@ from transformers_greedy import hf_greedy
 from engines.builtin import LLM, SamplingParams
 from engines.hf.model import load_hf_model
 from harness.cli import main as inferlab
-from models.config import resolve_model
 from models.gguf import UnsupportedGGUFError, hf_name, tokenizer_folder
+from models.location import resolve_model
 from models.tokenizer import CORPUS_DIR, load_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]

@@ -68,7 +68,7 @@ def test_awq_and_gptq_folders_give_back_the_weights_they_were_packed_from(
         assert torch.equal(stored.dequantize(), weight), module  # exact: small integers x fp16
         assert ("act-order" in stored.source) == ("act-order" in kind)
     floats = dict(iter_checkpoint(folder))  # dequantized where the engine is not to keep them
-    assert torch.equal(floats["model.layers.1.mlp.down_proj.weight"], weight)
+    assert torch.equal(floats[module + ".weight"], weight)
     assert not any(isinstance(t, QuantizedWeight) for t in floats.values())
 
 

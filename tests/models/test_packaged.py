@@ -8,7 +8,7 @@ import pytest
 
 import models.packaged as packaged
 from engines.backends import build_backend
-from models.config import resolve_model
+from models.location import resolve_model
 from models.packaged import PackagedModel, PackagedModelMissingError, packaged_model_path
 
 

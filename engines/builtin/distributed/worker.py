@@ -152,8 +152,8 @@ def _serve_engine(rank: int, size: int, channel: ControlChannel, spec: EngineMes
     from engines.builtin.config import EngineConfig
     from engines.builtin.model_runner import ModelRunner
     from engines.builtin.platform import Platform
-    from models.config import resolve_model
     from models.dtypes import TORCH_DTYPES
+    from models.location import resolve_model
 
     config = EngineConfig(**spec.config)
     platform = Platform.create(

@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 from engines.builtin import LLM, SamplingParams
 from engines.builtin.kv_cache.groups import kv_groups
 from engines.builtin.weights import MissingWeightsError
-from models.config import UnsupportedCheckpointError, from_hf_config, resolve_model
+from models.config import UnsupportedCheckpointError, from_hf_config
+from models.location import resolve_model
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 

@@ -24,7 +24,8 @@ from harness.measuring.hardware import HardwareSpec
 from harness.measuring.kv_calc import GIB, format_report, kv_calc
 from harness.measuring.kv_calc import main as kv_calc_main
 from models import train_tiny
-from models.config import kv_bytes_per_token, resolve_model
+from models.config import kv_bytes_per_token
+from models.location import resolve_model
 
 REPO = Path(__file__).resolve().parents[3]
 

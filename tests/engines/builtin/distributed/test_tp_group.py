@@ -18,7 +18,7 @@ from engines.builtin.distributed.group import TPGroup
 from engines.builtin.layers import make_linear_method
 from engines.builtin.model import Transformer
 from engines.builtin.weights import load_weights
-from models.config import resolve_model
+from models.location import resolve_model
 from models.weights import dummy_state_dict
 
 BACKENDS = [

@@ -149,3 +149,26 @@ def test_fp8_without_the_c_kernels_is_dequantized_at_load(tmp_path: Path) -> Non
     plain = engine(folder, native_kernels=False)
     assert all("dequantized at load" in m for m in decoder_methods(plain))
     assert greedy(plain) == greedy(engine(folder))
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [
+        ("smollm2-135m-awq-g64", "int4 g64"),
+        ("smollm2-135m-gptq-w4-g64-act-order", "int4 g64"),
+        ("smollm2-135m-w8a16", "grouped int8 g32"),
+        ("smollm2-135m-fp8", "fp8 a scale a row"),
+    ],
+)
+def test_smollm2_folders_give_the_dequantized_model_s_greedy_tokens(name: str, layout: str) -> None:
+    """The real model's folders, written from its F16 re-encoding (models/hf_quantize.py)."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outputs = {}
+    for quantization in ("auto", "none"):
+        with LLM(model=name, quantization=quantization, max_model_len=256) as llm:
+            outputs[quantization] = [o.token_ids for o in llm.generate(prompts, params)]
+            if quantization == "auto":
+                methods = decoder_methods(llm)
+    assert all(f"as {layout} (exact" in m and "kernel native" in m for m in methods), methods
+    assert outputs["auto"] == outputs["none"]
