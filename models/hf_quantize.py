@@ -46,6 +46,7 @@ def quantized_linears(state: dict[str, torch.Tensor]) -> list[str]:
 
 def _pack(levels: torch.Tensor, bits: int) -> torch.Tensor:
     """uint levels [..., n] -> int32 words [..., n * bits / 32], lowest bits first."""
+    assert int(levels.max()) < 2**bits, "a level past the bits would spill into the next one"
     per = 32 // bits
     words = levels.to(torch.int64).reshape(*levels.shape[:-1], -1, per)
     packed = (words << (torch.arange(per, dtype=torch.int64) * bits)).sum(-1)
@@ -142,7 +143,13 @@ def write_gptq(
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """The float folder `src` as a GPTQ checkpoint at `dst` (AutoGPTQ's `gptq` format, zeros
     stored minus one, or GPTQModel's `gptq_v2`; group_size -1: a group a row); the float
-    weights it stands for, by module."""
+    weights it stands for, by module. Asymmetric levels need `gptq_v2`: the `gptq` format
+    cannot store a zero point of 0."""
+    if not symmetric and checkpoint_format == "gptq":
+        raise ValueError(
+            "write_gptq: symmetric=False with checkpoint_format='gptq' (zeros stored minus "
+            "one: a zero of 0 does not fit); allowed: checkpoint_format='gptq_v2'"
+        )
     state, tensors, reference = _float_state(src), {}, {}
     orders: dict[str, torch.Tensor] = {}
     for name in quantized_linears(state):
@@ -150,7 +157,7 @@ def write_gptq(
         k = w.shape[1]
         g = k if group_size == -1 else group_size
         g_idx = _act_order_groups(state, name, g, orders) if act_order else torch.arange(k) // g
-        q, s, z = round_to_nearest(w, g_idx, k // g, bits, symmetric)
+        q, s, z = round_to_nearest(w, g_idx, -(-k // g), bits, symmetric)  # a last short group
         reference[name] = (q.float() - z[:, g_idx]) * s[:, g_idx]
         stored_zeros = z - (1 if checkpoint_format == "gptq" else 0)
         tensors[f"{name}.qweight"] = _pack(q, bits).T.contiguous()

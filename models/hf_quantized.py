@@ -25,9 +25,10 @@ and check the weights against its decompression):
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,8 +67,6 @@ class CheckpointQuantization:
     #: `ignore`, have no scales: the tensors say which linears are quantized)
     groups: tuple[tuple[tuple[str, ...], WeightArgs], ...] = ()
     zero_offset: int = 0  # GPTQ v1 stores each zero minus one
-    act_order: bool = False
-    formats: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -100,13 +99,14 @@ def _matches(target: str, module: str) -> bool:
 
 
 def _field(
-    qc: Mapping[str, Any], key: str, where: str, allowed: Iterable[Any], default: Any
-) -> Any:
+    qc: Mapping[str, Any], key: str, where: str, allowed: Iterable[Any], default: Any,
+    prefix: str = "quantization_config",
+) -> Any:  # fmt: skip
     value = qc.get(key, default)
     allowed = tuple(allowed)
     if value not in allowed:
         raise QuantizedCheckpointError(
-            f"{where}: quantization_config.{key}={value!r} is not supported; allowed: "
+            f"{where}: {prefix}.{key}={value!r} is not supported; allowed: "
             + "|".join(str(a) for a in allowed)
         )
     return value
@@ -130,23 +130,24 @@ def parse_quantization_config(qc: Any, where: str) -> CheckpointQuantization:
         group = _group_size(qc.get("group_size", 128), where, allow_row=True)
         fmt = _field(qc, "checkpoint_format", where, ("gptq", "gptq_v2"), "gptq")
         sym = _field(qc, "sym", where, (True, False), True)
-        act = _field(qc, "desc_act", where, (True, False), False)
+        _field(qc, "desc_act", where, (True, False), False)  # g_idx says which inputs
         return CheckpointQuantization(
             "gptq",
             WeightArgs(bits, "int", sym, group),
             zero_offset=1 if fmt == "gptq" else 0,
-            act_order=act,
         )
     return _compressed_tensors(qc, where)
 
 
-def _group_size(group: Any, where: str, allow_row: bool) -> int | None:
+def _group_size(
+    group: Any, where: str, allow_row: bool, prefix: str = "quantization_config"
+) -> int | None:
     if allow_row and group in (-1, None):
         return None
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         allowed = "a positive integer" + (" or -1 (one group a row)" if allow_row else "")
         raise QuantizedCheckpointError(
-            f"{where}: quantization_config.group_size={group!r}; allowed: {allowed}"
+            f"{where}: {prefix}.group_size={group!r}; allowed: {allowed}"
         )
     return group
 
@@ -162,18 +163,15 @@ def _compressed_tensors(qc: Mapping[str, Any], where: str) -> CheckpointQuantiza
         key = f"config_groups.{name}"
         if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
             raise QuantizedCheckpointError(f"{where}: quantization_config.{key}.weights missing")
-        w = group["weights"]
-        kind = _field(w, "type", f"{where}: {key}.weights", ("int", "float"), "int")
-        bits = _field(
-            w, "num_bits", f"{where}: {key}.weights", (4, 8) if kind == "int" else (8,), 8
-        )
-        strategy = _field(
-            w, "strategy", f"{where}: {key}.weights", ("tensor", "channel", "group"), "tensor"
-        )
-        group_size = (
-            _group_size(w.get("group_size"), where, allow_row=True) if strategy == "group" else None
-        )
-        sym = _field(w, "symmetric", f"{where}: {key}.weights", (True, False), True)
+        w, at = group["weights"], f"quantization_config.{key}.weights"
+        kind = _field(w, "type", where, ("int", "float"), "int", at)
+        bits = _field(w, "num_bits", where, (4, 8) if kind == "int" else (8,), 8, at)
+        strategy = _field(w, "strategy", where, ("tensor", "channel", "group"), "tensor", at)
+        group_size = None
+        if strategy == "group":
+            group_size = _group_size(w.get("group_size"), where, allow_row=True, prefix=at)
+        # FP8 weights are symmetric (vLLM reads no FP8 zero point either)
+        sym = _field(w, "symmetric", where, (True, False) if kind == "int" else (True,), True, at)
         targets = group.get("targets") or ["Linear"]
         groups.append((tuple(targets), WeightArgs(bits, kind, sym, group_size)))
         formats.append(group.get("format"))
@@ -184,7 +182,6 @@ def _compressed_tensors(qc: Mapping[str, Any], where: str) -> CheckpointQuantiza
         "compressed-tensors",
         groups[0][1],
         groups=tuple(groups),
-        formats=tuple(f for f in formats if f),
     )
 
 
@@ -279,7 +276,8 @@ def _gptq(
     qweight, qzeros, scales = _need(module, parts, "qweight", "qzeros", "scales")
     per_word = 32 // args.bits
     k, out = qweight.shape[0] * per_word, qweight.shape[1]
-    groups = 1 if args.group_size is None else k // args.group_size
+    g = args.group_size or k
+    groups = -(-k // g)  # a last group shorter than g where g does not divide k (576 / 128)
     label = "g" + str(args.group_size) if args.group_size else "per-channel"
     _check(f"{module}.scales", scales, (groups, out), f"GPTQ W{args.bits} {label}")
     _check(f"{module}.qzeros", qzeros, (groups, out // per_word), f"GPTQ W{args.bits}")
@@ -287,8 +285,16 @@ def _gptq(
     if g_idx is not None:
         _check(f"{module}.g_idx", g_idx, (k,), "GPTQ")
     q = _unpack(qweight, args.bits, 0).T
-    z = _unpack(qzeros, args.bits, 1).T.float() + zero_offset
-    return _weight(module, q, scales.T, z, f"GPTQ W{args.bits} {label}", args.bits, g_idx)
+    s, z = scales.T.float(), _unpack(qzeros, args.bits, 1).T.float() + zero_offset
+    if k % g:  # contiguous groups of g and a shorter last one: groups of gcd(k, g), exactly
+        if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // g):
+            raise QuantizedCheckpointError(
+                f"{module}.g_idx: act-order with a last group shorter than {g} ({k} inputs) "
+                "is not supported"
+            )
+        runs = torch.arange(0, k, math.gcd(k, g)) // g
+        s, z, g_idx = s[:, runs], z[:, runs], None
+    return _weight(module, q, s, z, f"GPTQ W{args.bits} {label}", args.bits, g_idx)
 
 
 def _ct(module: str, parts: Mapping[str, torch.Tensor], args: WeightArgs) -> QuantizedWeight:
@@ -303,6 +309,10 @@ def _ct(module: str, parts: Mapping[str, torch.Tensor], args: WeightArgs) -> Qua
         (stored,) = _need(module, parts, "weight")
         out, k = stored.shape
         if args.kind == "float":
+            if "weight_g_idx" in parts:
+                raise QuantizedCheckpointError(
+                    f"{module}.weight_g_idx: FP8 with act-order is not supported"
+                )
             return _fp8(module, stored, scale)
         if stored.dtype != torch.int8:
             raise QuantizedCheckpointError(
@@ -311,15 +321,32 @@ def _ct(module: str, parts: Mapping[str, torch.Tensor], args: WeightArgs) -> Qua
         q = (stored.to(torch.int16) + offset).to(torch.uint8)
     scales = _row_scales(f"{module}.weight_scale", scale, out, k)
     zeros: torch.Tensor | float = float(offset)
-    zp = parts.get("weight_zero_point")
-    if zp is not None and not args.symmetric:
-        if zp.dtype == torch.int32 and zp.shape[0] * (32 // args.bits) >= out:
-            zp = _unpack(zp, args.bits, 0)[:out].to(torch.int16) - offset
-        zeros = offset + zp.to(torch.float32).reshape(out, -1)
+    if not args.symmetric:
+        (zp,) = _need(module, parts, "weight_zero_point")
+        packed = "weight_packed" in parts
+        zeros = offset + _zero_points(module, zp, args.bits, out, scales.shape[1], packed)
     label = f"g{k // scales.shape[1]}" if scales.shape[1] > 1 else "per-channel"
     order = parts.get("weight_g_idx")
     source = f"compressed-tensors W{args.bits} {label}"
     return _weight(module, q, scales, zeros, source, args.bits, order)
+
+
+def _zero_points(
+    module: str, zp: torch.Tensor, bits: int, out: int, groups: int, packed: bool
+) -> torch.Tensor:
+    """compressed-tensors' signed zero points as float [out, groups]: packed along the outputs
+    beside packed weights (per group or channel), else as they are (int8, or one a tensor)."""
+    per_word = 32 // bits
+    if packed and zp.dtype == torch.int32 and zp.shape[0] == -(-out // per_word):
+        zp = _unpack(zp, bits, 0)[:out].to(torch.int16) - (1 << (bits - 1))
+    if zp.numel() == 1:
+        return zp.float().reshape(1, 1).expand(out, groups)
+    if zp.numel() == out * groups:
+        return zp.float().reshape(out, groups)
+    raise QuantizedCheckpointError(
+        f"{module}.weight_zero_point: shape {tuple(zp.shape)} {zp.dtype}; allowed: one a "
+        f"tensor, or [{out}, {groups}] (packed along the outputs beside packed weights)"
+    )
 
 
 def _row_scales(name: str, scale: torch.Tensor, out: int, k: int) -> torch.Tensor:
@@ -342,6 +369,8 @@ def _fp8(module: str, stored: torch.Tensor, scale: torch.Tensor) -> QuantizedWei
             f"{module}.weight: {stored.dtype}; compressed-tensors FP8 wants float8_e4m3fn"
         )
     out, k = stored.shape
+    if torch.isnan(stored.float()).any():  # a NaN byte: the kernels would read it as 480
+        raise QuantizedCheckpointError(f"{module}.weight: FP8 values hold NaN")
     scales = _row_scales(f"{module}.weight_scale", scale, out, k)
     label = (
         "per-tensor"

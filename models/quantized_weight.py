@@ -81,7 +81,7 @@ class QuantizedWeight:
             raise ValueError(
                 f"columns {start}:{stop} of a {self.source} weight: its inputs are permuted "
                 "(act-order), so a row-parallel shard is not a run of its columns; allowed: "
-                "tensor_parallel_size=1 for act-order checkpoints"
+                "the whole width (the engine dequantizes such a shard at load)"
             )
         g = self.group_size
         if self.scales.shape[1] == 1 and step == 1:

@@ -6,7 +6,8 @@ with `engine.tensor_parallel_size` and `hardware=`, a plan per GPU with a predic
     inferlab kv-calc model=llama3-70b hardware=h100 engine.dtype=bf16 \\
         engine.tensor_parallel_size=1,2,4,8      # one row per size (and per hardware=a,b)
 
-KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element; a
+KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element (the
+dtype's, or engine.kv_cache_dtype's: 1 for FP8, 1 + 2 / head_dim for INT8 and its scales); a
 sequence of max_model_len tokens holds that many times it; what is left of the device's
 memory (times gpu_memory_utilization) after the weights holds that many sequences.
 
@@ -29,12 +30,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
+import torch
 from omegaconf import OmegaConf
 
 import configs
 import engines.backends  # noqa: F401  (the engine groups' schemas, for compose)
 import workloads  # noqa: F401  (the workload groups' schemas, for compose)
 from engines.base import ConfigError
+from engines.builtin.kv_cache.storage import KV_CACHE_DTYPES, kv_element_bytes
 from engines.builtin.layers import LINEAR_METHODS
 from harness.measuring import hardware  # (also hardware=cpu's schema, for compose)
 from harness.measuring.comm import tp_decode_comm_bytes, tp_decode_comm_seconds
@@ -73,8 +76,10 @@ def kv_calc(
     context_len: int | None = None,
     max_num_seqs: int | None = None,
     expert_parallel: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
-    """The memory plan (and with `spec`, the predicted decode step) as a flat dict.
+    """The memory plan (and with `spec`, the predicted decode step) as a flat dict; K/V in
+    `kv_cache_dtype` (engine.kv_cache_dtype: INT8's scale planes and FP8's byte counted).
 
     Device memory: `device_memory_gib` when given, else the spec's `memory_bytes`, else 80 GiB.
     Every per-device figure is for one of `tensor_parallel_size` GPUs; at 1 they are the
@@ -82,6 +87,12 @@ def kv_calc(
     cfg = resolve_model(model, overrides)
     name = _dtype_name(dtype)
     element = DTYPE_BYTES[name]
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"engine.kv_cache_dtype: {kv_cache_dtype!r} is invalid; allowed: "
+            + "|".join(KV_CACHE_DTYPES)
+        )
+    kv_element = kv_element_bytes(getattr(torch, name), cfg.head_dim, kv_cache_dtype)
     _check_engine_options(cfg, max_model_len, gpu_memory_utilization, max_num_seqs)
     max_len = max_model_len or cfg.max_positions
     context = _checked_context_len(context_len, max_len)
@@ -90,10 +101,19 @@ def kv_calc(
     report: dict[str, Any] = {
         "model": model,
         "dtype": name,
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_element_bytes": kv_element,
         "max_model_len": max_len,
-        **_model_figures(cfg, element, max_len),
+        **_model_figures(cfg, element, kv_element, max_len),
         **_device_figures(
-            cfg, shard, element, max_len, device, gpu_memory_utilization, expert_parallel
+            cfg,
+            shard,
+            element,
+            kv_element,
+            max_len,
+            device,
+            gpu_memory_utilization,
+            expert_parallel,
         ),
         "context_len": context,
         "hardware": None if spec is None else spec.name,
@@ -174,10 +194,13 @@ def _device_bytes(device_memory_gib: float | None, spec: HardwareSpec | None) ->
     return int(DEFAULT_DEVICE_GIB * GIB)
 
 
-def _model_figures(cfg: ModelConfig, element: int, max_len: int) -> dict[str, Any]:
-    """The model's own shape and bytes, on one device."""
-    per_token = kv_bytes_per_token(cfg, element)
-    mha_per_token = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * element
+def _model_figures(
+    cfg: ModelConfig, element: int, kv_element: float, max_len: int
+) -> dict[str, Any]:
+    """The model's own shape and bytes, on one device (weights of `element` bytes, K/V of
+    `kv_element`)."""
+    per_token = kv_bytes_per_token(cfg, kv_element)
+    mha_per_token = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * kv_element
     return {
         "layers": cfg.num_layers,
         "kv_heads": cfg.num_kv_heads,
@@ -197,6 +220,7 @@ def _device_figures(
     cfg: ModelConfig,
     shard: TPShard,
     element: int,
+    kv_element: float,
     max_len: int,
     device: int,
     gpu_memory_utilization: float,
@@ -204,7 +228,7 @@ def _device_figures(
 ) -> dict[str, Any]:
     """One device's share of the weights and of every token's KV, and the KV it holds."""
     weights_device = rank_params(cfg, shard).total * element
-    per_token_device = kv_bytes_per_token_per_rank(cfg, shard, element)
+    per_token_device = kv_bytes_per_token_per_rank(cfg, shard, kv_element)
     usable = int(device * gpu_memory_utilization) - weights_device
     budget = max(0, usable)
     capacity = int(budget // per_token_device)
@@ -410,6 +434,8 @@ def format_report(r: dict[str, Any]) -> str:
 def _title(r: dict[str, Any]) -> str:
     n = r["tensor_parallel_size"]
     title = f"{r['model']} in {r['dtype']}, max_model_len={r['max_model_len']}"
+    if r["kv_cache_dtype"] != "auto":
+        title += f", kv_cache_dtype={r['kv_cache_dtype']}"
     if n > 1:
         title += f", {TP_KEY}={n}"
     if r["hardware"]:
@@ -420,7 +446,7 @@ def _title(r: dict[str, Any]) -> str:
 def _model_lines(r: dict[str, Any]) -> list[str]:
     return [
         f"  KV bytes per token     2 x {r['layers']} layers x {r['kv_heads']} kv_heads x "
-        f"{r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {r['kv_bytes_per_token']:,} B "
+        f"{r['head_dim']} x {r['kv_element_bytes']:g} B = {r['kv_bytes_per_token']:,} B "
         f"({r['kv_bytes_per_token'] / 1024:,.0f} KiB; GQA {r['heads']}/{r['kv_heads']} heads "
         f"saves {r['gqa_saving']:.0f}x)",
         f"  KV bytes per sequence  {_gib(r['kv_bytes_per_sequence'])}",
@@ -444,7 +470,7 @@ def _per_device_lines(r: dict[str, Any]) -> list[str]:
         f"{mlp}, {vocab}",
         f"    weight bytes         {_gib(r['weight_bytes_per_device'])}",
         f"    KV bytes per token   2 x {r['layers']} layers x {r['kv_heads_per_device']} "
-        f"kv_heads x {r['head_dim']} x {DTYPE_BYTES[r['dtype']]} B = {per_token:,} B "
+        f"kv_heads x {r['head_dim']} x {r['kv_element_bytes']:g} B = {per_token:,} B "
         f"({per_token / 1024:,.0f} KiB)",
     ]
 
@@ -648,14 +674,14 @@ def _split_args(args: list[str]) -> tuple[dict[str, Any], dict[str, list[str]], 
     return own, lists, rest
 
 
-#: engine options that change the bytes of weights or KV, which kv-calc does not model: a
-#: quantized value was planned as unquantized, a silently wrong plan (each with its plain value
-#: and whether a value is plain). `auto` is plain: on a GPU it keeps a quantized file's weights
-#: dequantized to engine.dtype, as planned (only the CPU's C kernels keep them quantized: fewer
-#: bytes than planned, which a run reports as weight_bytes)
+#: engine options that change the bytes of weights, which kv-calc does not model: a quantized
+#: value was planned as unquantized, a silently wrong plan (each with its plain value and
+#: whether a value is plain). `auto` is plain: on a GPU it keeps a quantized file's integer
+#: weights dequantized to engine.dtype, as planned (the CPU's C kernels keep them quantized, and
+#: the Triton kernel an FP8 folder's: fewer bytes than planned, which a run reports as
+#: weight_bytes). kv_cache_dtype is planned.
 UNMODELLED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "quantization": ("none", lambda value: LINEAR_METHODS.get(value).dense),
-    "kv_cache_dtype": ("auto", lambda value: value == "auto"),
 }
 
 
@@ -692,6 +718,7 @@ def plan(overrides: list[str], own: dict[str, Any]) -> dict[str, Any]:
         context_len=own["context_len"],
         max_num_seqs=engine.get("max_num_seqs"),
         expert_parallel=bool(engine.get("enable_expert_parallel", False)),
+        kv_cache_dtype=engine.get("kv_cache_dtype", "auto"),
     )
 
 

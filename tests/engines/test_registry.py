@@ -18,7 +18,7 @@ def test_every_plug_point_is_listed_with_its_entries() -> None:
         "triton",
         "cpu",
     ]
-    assert lines["engine.quantization"] == "none|int8|int4|auto"
+    assert lines["engine.quantization"] == "none|int8|int4|auto|fp8"
     assert lines["engine.kv_cache"] == "none|contiguous|paged"
     assert lines["workload.type"] == "synthetic|trace|prompts|tool_calls"
 

@@ -53,6 +53,8 @@ WRITERS = {
         m, d, 8, -1, checkpoint_format="gptq_v2", symmetric=False
     ),
     "gptq-w8-g128-act-order": lambda m, d: write_gptq(m, d, 8, 128, act_order=True),
+    # 256 and 512 inputs in groups of 96: AutoGPTQ's shorter last group, held in groups of 32
+    "gptq-w4-g96": lambda m, d: write_gptq(m, d, 4, 96),
 }
 
 
@@ -109,7 +111,7 @@ def test_a_per_channel_weight_cuts_any_columns_and_act_order_refuses_them(tmp_pa
     assert torch.equal(half.dequantize(), weight.dequantize()[:, :200])
     folder, _ = write_gptq(small_llama(), tmp_path / "gptq", 4, 64, act_order=True)
     permuted = read(folder)["model.layers.0.mlp.down_proj.weight"]
-    with pytest.raises(ValueError, match=r"act-order.*tensor_parallel_size=1"):
+    with pytest.raises(ValueError, match=r"act-order.*allowed: the whole width"):
         permuted.columns(slice(0, 256))
 
 
@@ -140,6 +142,20 @@ def test_bad_folders_name_the_tensor(tmp_path: Path) -> None:
     name = "model.layers.0.mlp.up_proj.weight"
     _rewrite(folder, lambda t: t.update({name: t[name].to(torch.int16)}))
     with pytest.raises(ValueError, match=r"up_proj\.weight: torch\.int16; .* wants int8"):
+        read(folder)
+
+    folder = write_compressed_tensors(small_llama(), tmp_path / "asym", "W4A16_ASYM")
+    _rewrite(folder, lambda t: t.pop("model.layers.1.mlp.gate_proj.weight_zero_point"))
+    with pytest.raises(ValueError, match=r"gate_proj\.weight_zero_point missing"):
+        read(folder)
+
+    folder = write_compressed_tensors(small_llama(), tmp_path / "fp8", "FP8_DYNAMIC")
+
+    def nan_byte(tensors: dict) -> None:
+        tensors[name].view(torch.uint8)[3, 5] = 0x7F  # e4m3's NaN
+
+    _rewrite(folder, nan_byte)
+    with pytest.raises(ValueError, match=r"up_proj\.weight: FP8 values hold NaN"):
         read(folder)
 
 

@@ -1,6 +1,7 @@
 """Weights a checkpoint stores quantized, multiplied as stored: `engine.quantization=auto` (the
 default) keeps each `QuantizedWeight` the loader hands a layer (models/quantized_weight.py: a
-GGUF file's Q4_0 ... Q8_0 and K-quants, decoded exactly by models/gguf_blocks.py) in the layout
+GGUF file's Q4_0 ... Q8_0 and K-quants, decoded exactly by models/gguf_blocks.py; an AWQ, GPTQ
+or compressed-tensors folder's integer or FP8 weights, models/hf_quantized.py) in the layout
 of one of the engine's C kernels, and every float weight as `none` would.
 
 - 4-bit levels in groups of 32 (Q4_0, Q4_1, Q4_K): the INT4 layout (native/quant.py), exactly
@@ -10,7 +11,12 @@ of one of the engine's C kernels, and every float weight as `none` would.
 - 5-bit levels with float16 scales and minima (Q5_1), beside INT8 activations: INT5 blocks,
   the INT4 nibbles and a bit plane (the file's own bits);
 - other levels of 5 to 8 bits (Q5_1 with float activations, Q5_K, Q6_K, Q2_K / Q3_K): the
-  grouped INT8 layout, a byte a level, float32 scales and minima per 16 or 32.
+  grouped INT8 layout, a byte a level, float32 scales and minima per 16 or 32;
+- FP8 e4m3 values with a scale a row: the FP8 layout, the values' bytes and a float32 scale
+  (on CUDA, the Triton FP8 kernel multiplies them).
+AWQ / GPTQ / compressed-tensors groups of 64 or 128 take INT4 as they are, 8-bit ones split
+into groups of 32 (the same scale repeated, exact). GPTQ's act-order keeps the inputs sorted by
+group and gathers the layer's input in that order.
 The order is the measured speed (scripts/bench_checkpoint_layouts.py, 1 and 2 threads): INT8
 blocks stream Q5_0 as fast as INT5 blocks with INT8 activations and 1.4x faster with float
 ones, where widening the bit plane costs more than the bytes it saves.
@@ -31,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from engines.builtin import native
 from engines.builtin.layers.linear import LINEAR_METHODS, LinearMethod, LinearOptions
 from engines.builtin.layers.quant import NOT_REQUESTED, TRITON_DTYPES, QuantMethod, _flat
 from engines.builtin.native import quant as native_quant
@@ -102,6 +109,7 @@ class CheckpointQuantMethod(QuantMethod):
     INT8 (any 8-bit levels, float32 scales and minima per 16 or 32)."""
 
     name = "checkpoint"
+    held = "exact"  # how the layout holds the weight it was given
 
     def __init__(
         self, source: str, activations: str = "float", native_reason: str | None = NOT_REQUESTED
@@ -129,7 +137,7 @@ class CheckpointQuantMethod(QuantMethod):
             kernel = f"dequantize + dense matmul (engine C kernels off: {self.native_reason})"
         order = "" if _input_order(layer) is None else ", inputs gathered in act-order"
         groups = "a scale a row" if self.layout == "fp8" else f"g{layer.group_size}"
-        return f"{self.source} as {self.layout} {groups} (exact{order}); kernel {kernel}"
+        return f"{self.source} as {self.layout} {groups} ({self.held}{order}); kernel {kernel}"
 
     def load(self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         assert isinstance(weight, QuantizedWeight)  # AutoMethod hands it only those
@@ -138,8 +146,10 @@ class CheckpointQuantMethod(QuantMethod):
     def keep(self, layer: Linear, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         """`weight` in the first layout that holds it exactly (the class docstring)."""
         integer = not weight.is_fp8
-        if integer and not (weight.bits == 4 and weight.group_size % 32 == 0):  # 8-bit groups
+        int4 = weight.bits == 4 and native.int4_group_fits(weight.group_size, weight.shape[1])
+        if integer and not int4:  # the 8-bit kernels' groups (or INT4's, from g96, g192...)
             weight = weight.with_group_size(32 if weight.group_size % 32 == 0 else 16)
+            int4 = weight.bits == 4 and weight.group_size == 32
         # the fastest exact layout first (scripts/bench_checkpoint_layouts.py): INT8 blocks where
         # symmetric; INT5 only beside INT8 activations (with float ones its bit plane costs
         # more to widen than the bytes it saves: grouped INT8 is faster)
@@ -151,7 +161,7 @@ class CheckpointQuantMethod(QuantMethod):
         if weight.is_fp8:  # AutoMethod hands over one scale a row only
             self.layout, levels = "fp8", weight.q.clone(memory_format=torch.contiguous_format)
             scales, mins = _owned(weight.scales[:, 0]), torch.empty(0)
-        elif weight.bits == 4 and weight.group_size % 32 == 0:
+        elif int4:
             self.layout, levels = "int4", native_quant.pack_int4(weight.q)
             scales = _owned(weight.scales)
         elif blocks is not None:
@@ -293,10 +303,10 @@ class AutoMethod(LinearMethod):
         native = self.options.native_reason
         if weight.is_fp8 and weight.scales.shape[1] > 1:
             native = f"FP8 in groups of {weight.group_size}: the FP8 kernels take a scale a row"
-        elif weight.group_size % 16:
+        elif not weight.is_fp8 and weight.group_size % 16:
             native = f"groups of {weight.group_size}: the kernels take multiples of 16"
-        elif weight.is_fp8 and weight.device.type == "cuda":  # the Triton FP8 kernel
-            return CheckpointQuantMethod(weight.source, "float", native)
+        elif weight.is_fp8 and weight.device.type == "cuda" and weight.dtype in TRITON_DTYPES:
+            return CheckpointQuantMethod(weight.source, "float", native)  # the Triton kernel
         if native is None and weight.device.type == "cpu":
             return CheckpointQuantMethod(weight.source, self.options.activations, native)
         reason = native if native is not None else f"no engine kernel on {weight.device.type}"
@@ -310,6 +320,10 @@ class AutoMethod(LinearMethod):
         self, layer: Linear, weight: torch.Tensor, bias: torch.Tensor | None, columns: slice
     ) -> None:
         layer.method = self._concrete(layer, weight)
+        if isinstance(weight, QuantizedWeight) and weight.input_order is not None:
+            # a row-parallel shard of act-order inputs is no run of the stored columns
+            reason = "act-order inputs cut by tensor parallelism"
+            layer.method = DequantizedAtLoad(weight.source, reason, self.dense_method)
         layer.method.load_columns(layer, weight, bias, columns)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

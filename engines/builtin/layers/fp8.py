@@ -39,6 +39,7 @@ class Fp8Method(CheckpointQuantMethod):
     """FP8 weights quantized at load (this module's docstring)."""
 
     name = "fp8"
+    held = "rounded to e4m3 at load"
 
     @classmethod
     def create(cls, options: LinearOptions) -> LinearMethod:

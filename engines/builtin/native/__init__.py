@@ -354,6 +354,14 @@ class LinearWeights(ctypes.Structure):  # kernels.h
 _CHECKED_EXPERTS: dict[tuple[int, int], tuple[Any, Any]] = {}
 
 
+def int4_group_fits(group_size: int, in_features: int) -> bool:
+    """Whether the INT4 kernels take groups of `group_size` inputs: they find a block's group
+    by a shift, so 32 x a power of two (dividing the inputs), or one group a row."""
+    if group_size < 32 or group_size % 32 or in_features % group_size:
+        return False
+    return group_size == in_features or group_size & (group_size - 1) == 0
+
+
 def _check_linear_weights(layer: LinearWeights) -> None:
     """A ValueError for a struct the kernels would crash on: an unknown kind, a missing
     pointer, INT4 groups that do not divide the inputs."""
@@ -376,6 +384,13 @@ def _check_linear_weights(layer: LinearWeights) -> None:
         raise ValueError(f"LinearWeights.group_size: {layer.group_size}; grouped INT8: 16|32")
     if not layer.weight or (quantized and not layer.scale) or (grouped and not layer.minv):
         raise ValueError("LinearWeights: a NULL weight, scale or minimum pointer")
+    if layer.kind in (LINEAR_INT4, LINEAR_INT4_A8) and not int4_group_fits(
+        layer.group_size, layer.in_features
+    ):
+        raise ValueError(
+            f"LinearWeights.group_size: {layer.group_size} is invalid; INT4: 32 x a power of "
+            f"two that divides in_features ({layer.in_features}), or in_features"
+        )
     unit = 16 if layer.kind in (LINEAR_INT8G, LINEAR_INT8G_A8) else 32
     if grouped and (
         layer.group_size < unit or layer.group_size % unit or layer.in_features % layer.group_size

@@ -189,10 +189,10 @@ def int4_linear(
     measured crossover, `rows_max`)."""
     out_features, half = nibbles.shape
     in_features = 2 * half
-    if group_size % 32 or in_features % group_size:
+    if not native.int4_group_fits(group_size, in_features):
         raise ValueError(
-            f"int4_linear: group_size={group_size} must be a multiple of 32 that divides "
-            f"in_features={in_features}"
+            f"int4_linear: group_size={group_size} must be 32 x a power of two that divides "
+            f"in_features={in_features}, or in_features itself"
         )
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations: {activations!r}; allowed: {'|'.join(ACTIVATIONS)}")

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 import configs
 import engines.backends  # noqa: F401  (the engine groups' schemas, for compose)
+from engines.base import ConfigError
 from engines.builtin import platform
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache.storage import kv_element_bytes
@@ -37,6 +38,20 @@ def test_llama3_8b_holds_one_gib_per_8k_sequence() -> None:
     assert 15.9e9 < r["weight_bytes"] < 16.2e9  # ~8.03B parameters in fp16
     assert r["max_sequences"] == (80 * GIB - r["weight_bytes"]) // GIB == 65
     assert r["gqa_saving"] == 4
+
+
+def test_kv_cache_dtype_is_planned_with_its_bytes() -> None:
+    """FP8: one byte an element; INT8: one and its float16 scale per head_dim (128)."""
+    bf16 = kv_calc("llama3-8b", None, 8192, "bf16", 80, gpu_memory_utilization=1.0)
+    fp8 = kv_calc("llama3-8b", None, 8192, "bf16", 80, 1.0, kv_cache_dtype="fp8")
+    int8 = kv_calc("llama3-8b", None, 8192, "bf16", 80, 1.0, kv_cache_dtype="int8")
+    assert fp8["kv_bytes_per_token"] == bf16["kv_bytes_per_token"] / 2 == 2 * 32 * 8 * 128
+    assert int8["kv_bytes_per_token"] == 2 * 32 * 8 * (128 + 2)
+    assert fp8["weight_bytes"] == bf16["weight_bytes"]  # the weights stay bf16
+    per_sequence = fp8["kv_bytes_per_token"] * 8192
+    assert fp8["max_sequences"] == (80 * GIB - fp8["weight_bytes"]) // per_sequence == 130
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype: 'fp4' is invalid; allowed: auto"):
+        kv_calc("small", None, 1024, "fp32", 16, kv_cache_dtype="fp4")
 
 
 def test_gqa_and_dtype_scale_kv_bytes() -> None:
@@ -303,10 +318,6 @@ def test_cli_table_one_row_per_size(capsys: pytest.CaptureFixture[str]) -> None:
         (
             ["model=llama3-8b", "engine.quantization=int4"],
             r"^engine\.quantization: 'int4' is not planned by kv-calc, .*; allowed: none ",
-        ),
-        (
-            ["model=llama3-8b", "engine.kv_cache_dtype=int8"],
-            r"^engine\.kv_cache_dtype: 'int8' is not planned by kv-calc, .*; allowed: auto ",
         ),
         (["model=small", "variant=int8"], r"^engine\.quantization: 'int8' is not planned"),
         (["model=small", "hardware=h100,tpu"], r"Could not find 'hardware/tpu'"),

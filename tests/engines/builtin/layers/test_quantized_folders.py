@@ -15,7 +15,10 @@ from quantized_folders import write_awq, write_compressed_tensors, write_gptq
 from transformers_greedy import hf_greedy
 
 from engines.builtin import LLM, SamplingParams
+from engines.builtin.layers import make_linear_method
+from engines.builtin.layers.linear import Linear
 from harness.measuring.quality import prompt_logits
+from models.quantized_weight import QuantizedWeight
 
 pytest.importorskip("compressed_tensors", reason="the dev extra: make setup-dev")
 
@@ -71,6 +74,7 @@ FOLDERS = {
     "awq-g128": (lambda m, d: write_awq(m, d, 128), "int4 g128"),
     "gptq-w4-g32": (lambda m, d: write_gptq(m, d, 4, 32), "int4 g32"),
     "gptq-w4-act-order": (lambda m, d: write_gptq(m, d, 4, 64, act_order=True), "int4 g64"),
+    "gptq-w4-g96": (lambda m, d: write_gptq(m, d, 4, 96), "int4 g32"),  # a short last group
     "gptq-w8-v2": (
         lambda m, d: write_gptq(m, d, 8, 32, checkpoint_format="gptq_v2"),
         "int8 blocks g32",  # symmetric with float16 scales: Q8_0's layout
@@ -172,3 +176,44 @@ def test_smollm2_folders_give_the_dequantized_model_s_greedy_tokens(name: str, l
                 methods = decoder_methods(llm)
     assert all(f"as {layout} (exact" in m and "kernel native" in m for m in methods), methods
     assert outputs["auto"] == outputs["none"]
+
+
+def auto_linear(in_features: int, out_features: int) -> Linear:
+    method = make_linear_method("auto", native_reason=None)
+    layer = Linear(in_features, out_features, method)
+    layer.name = "test.proj"
+    return layer
+
+
+def random_levels(out: int, k: int, group: int, bits: int) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(group)
+    q = torch.randint(0, 2**bits, (out, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(out, k // group, generator=gen) * 0.02 + 1e-3).half().float()
+    mins = -scales * torch.randint(0, 2**bits, scales.shape, generator=gen)
+    return QuantizedWeight(q, scales, mins, group, bits, "test")
+
+
+def test_int4_groups_the_kernels_cannot_index_are_split_into_32s() -> None:
+    """The INT4 kernels find a block's group by a shift: groups of 96 (GPTQ allows any) are
+    held as groups of 32, the same scales repeated, exactly."""
+    weight = random_levels(8, 192, 96, 4)
+    layer = auto_linear(192, 8)
+    layer.load(weight, None)
+    assert "as int4 g32 (exact)" in layer.method.describe(layer)
+    x = torch.randn(3, 192)
+    torch.testing.assert_close(layer(x), x @ weight.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+def test_an_act_order_shard_of_a_row_parallel_layer_is_dequantized_at_load() -> None:
+    weight = random_levels(8, 128, 32, 4)
+    order = torch.randperm(128, generator=torch.Generator().manual_seed(1))
+    permuted = QuantizedWeight(
+        weight.q, weight.scales, weight.mins, 32, 4, "act", input_order=order
+    )
+    layer = auto_linear(64, 8)
+    layer.load(permuted, None, slice(64, 128))  # the second rank's half of the inputs
+    assert "dequantized at load (act-order inputs cut by tensor parallelism)" in (
+        layer.method.describe(layer)
+    )
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(layer(x), x @ permuted.dequantize()[:, 64:].T)
