@@ -232,27 +232,7 @@ def int8_linear(
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias [N]) -> [M, N] in x's dtype, W as the INT8 layout above
     (`max_rows` as for `int4_linear`)."""
-    out_features, in_features = q.shape
-    _check("int8_linear q", q, torch.int8, (out_features, in_features))
-    _check("int8_linear scales", scales, torch.float32, (out_features,))
-    if bias is not None:
-        _check("int8_linear bias", bias, torch.float32, (out_features,))
-    return _multiply(
-        "int8_linear",
-        "q8_linear_f32",
-        x,
-        in_features,
-        out_features,
-        [
-            q.data_ptr(),
-            scales.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-        ],
-        [
-            rows_max(8) if max_rows is None else max_rows,
-            _path(path),
-        ],
-    )
+    return _per_row("int8_linear", "q8_linear_f32", 8, x, q, scales, bias, path, max_rows)
 
 
 def fp8_linear(
@@ -265,19 +245,27 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias [N]) -> [M, N] in x's dtype, W as the FP8 layout above
     (`max_rows` as for `int4_linear`)."""
+    return _per_row("fp8_linear", "f8_linear_f32", FP8, x, q, scales, bias, path, max_rows)
+
+
+def _per_row(
+    name: str, kernel: str, bits: int, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+    bias: torch.Tensor | None, path: str, max_rows: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """The layouts of a byte a weight and a scale a row: INT8 (`bits` 8) and FP8."""
     out_features, in_features = q.shape
-    _check("fp8_linear q", q, torch.float8_e4m3fn, (out_features, in_features))
-    _check("fp8_linear scales", scales, torch.float32, (out_features,))
+    _check(f"{name} q", q, torch.float8_e4m3fn if bits == FP8 else torch.int8, q.shape)
+    _check(f"{name} scales", scales, torch.float32, (out_features,))
     if bias is not None:
-        _check("fp8_linear bias", bias, torch.float32, (out_features,))
+        _check(f"{name} bias", bias, torch.float32, (out_features,))
     return _multiply(
-        "fp8_linear",
-        "f8_linear_f32",
+        name,
+        kernel,
         x,
         in_features,
         out_features,
         [q.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr()],
-        [rows_max(FP8) if max_rows is None else max_rows, _path(path)],
+        [rows_max(bits) if max_rows is None else max_rows, _path(path)],
     )
 
 
