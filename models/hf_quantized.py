@@ -79,9 +79,12 @@ class CheckpointQuantization:
         return ("qweight", "qzeros", "scales", "g_idx")
 
     @property
-    def marker(self) -> str:
-        """The component every quantized linear has."""
-        return "weight_scale" if self.method == "compressed-tensors" else "qweight"
+    def markers(self) -> tuple[str, ...]:
+        """The components only a quantized linear has (any of them makes one: a missing
+        other is then named)."""
+        if self.method == "compressed-tensors":
+            return self.components[:-1]  # a float linear has a `weight` too
+        return self.components
 
     def args_for(self, module: str) -> WeightArgs:
         for targets, args in self.groups:
@@ -116,13 +119,18 @@ def parse_quantization_config(qc: Any, where: str) -> CheckpointQuantization:
     """config.json's `quantization_config`; an error naming the key and the allowed values."""
     if not isinstance(qc, dict):
         raise QuantizedCheckpointError(f"{where}: quantization_config must be an object")
-    method = _field(qc, "quant_method", where, METHODS, None)
+    method = qc.get("quant_method")
+    method = _field({"quant_method": method.lower() if isinstance(method, str) else method},
+                    "quant_method", where, METHODS, None)  # fmt: skip
     if method == "awq":
         bits = _field(qc, "bits", where, (4,), qc.get("w_bit", 4))
         group = qc.get("group_size", qc.get("q_group_size", 128))
         _group_size(group, where, allow_row=False)
-        version = str(qc.get("version", "gemm")).lower()
-        _field({"version": version}, "version", where, ("gemm",), "gemm")
+        version = qc.get("version", "gemm")
+        if not (isinstance(version, str) and version.lower() == "gemm"):  # GEMM, gemm
+            raise QuantizedCheckpointError(
+                f"{where}: quantization_config.version={version!r} is not supported; allowed: gemm"
+            )
         _field(qc, "zero_point", where, (True,), True)
         return CheckpointQuantization("awq", WeightArgs(bits, "int", False, group))
     if method == "gptq":
@@ -137,6 +145,22 @@ def parse_quantization_config(qc: Any, where: str) -> CheckpointQuantization:
             zero_offset=1 if fmt == "gptq" else 0,
         )
     return _compressed_tensors(qc, where)
+
+
+def _targets(targets: Any, where: str, key: str) -> tuple[str, ...]:
+    """A config group's `targets`: names, or `re:` and a pattern that compiles."""
+    problem = not isinstance(targets, list) or not all(isinstance(t, str) for t in targets)
+    for pattern in [] if problem else [t[3:] for t in targets if t.startswith("re:")]:
+        try:
+            re.compile(pattern)
+        except re.error:
+            problem = True
+    if problem:
+        raise QuantizedCheckpointError(
+            f"{where}: quantization_config.{key}.targets={targets!r}; allowed: a list of "
+            "module or class names, or 're:' and a regular expression"
+        )
+    return tuple(targets) or ("Linear",)
 
 
 def _group_size(
@@ -172,7 +196,7 @@ def _compressed_tensors(qc: Mapping[str, Any], where: str) -> CheckpointQuantiza
             group_size = _group_size(w.get("group_size"), where, allow_row=True, prefix=at)
         # FP8 weights are symmetric (vLLM reads no FP8 zero point either)
         sym = _field(w, "symmetric", where, (True, False) if kind == "int" else (True,), True, at)
-        targets = group.get("targets") or ["Linear"]
+        targets = _targets(group.get("targets", ["Linear"]), where, key)
         groups.append((tuple(targets), WeightArgs(bits, kind, sym, group_size)))
         formats.append(group.get("format"))
     for fmt in formats:
@@ -211,6 +235,8 @@ def _weight(
     `g_idx` the group of each input, where not the contiguous runs of in / groups."""
     out, k = q.shape
     scales = scales.float()
+    if not torch.isfinite(scales).all():
+        raise QuantizedCheckpointError(f"{module}: its scales hold NaN or infinity ({source})")
     groups = scales.shape[1]
     if k % groups:
         raise QuantizedCheckpointError(
@@ -259,7 +285,18 @@ def _need(module: str, parts: Mapping[str, torch.Tensor], *names: str) -> list[t
     return [parts[n] for n in names]
 
 
+def _dtypes(module: str, parts: Mapping[str, torch.Tensor], **wanted: str) -> None:
+    """Each part's dtype: "int32" exactly, or "float" (any floating dtype)."""
+    for name, kind in wanted.items():
+        t = parts.get(name)
+        ok = t is None or (t.is_floating_point() if kind == "float" else t.dtype == torch.int32)
+        if not ok:
+            assert t is not None
+            raise QuantizedCheckpointError(f"{module}.{name}: {t.dtype}; allowed: {kind}")
+
+
 def _awq(module: str, parts: Mapping[str, torch.Tensor], args: WeightArgs) -> QuantizedWeight:
+    _dtypes(module, parts, qweight="int32", qzeros="int32", scales="float")
     qweight, qzeros, scales = _need(module, parts, "qweight", "qzeros", "scales")
     k, out = qweight.shape[0], qweight.shape[1] * 8
     groups, group = scales.shape[0], args.group_size or k  # AWQ's config always names one
@@ -273,6 +310,7 @@ def _awq(module: str, parts: Mapping[str, torch.Tensor], args: WeightArgs) -> Qu
 def _gptq(
     module: str, parts: Mapping[str, torch.Tensor], args: WeightArgs, zero_offset: int
 ) -> QuantizedWeight:
+    _dtypes(module, parts, qweight="int32", qzeros="int32", scales="float")
     qweight, qzeros, scales = _need(module, parts, "qweight", "qzeros", "scales")
     per_word = 32 // args.bits
     k, out = qweight.shape[0] * per_word, qweight.shape[1]
@@ -298,13 +336,20 @@ def _gptq(
 
 
 def _ct(module: str, parts: Mapping[str, torch.Tensor], args: WeightArgs) -> QuantizedWeight:
+    _dtypes(module, parts, weight_packed="int32", weight_scale="float")
     (scale,) = _need(module, parts, "weight_scale")
     offset = 1 << (args.bits - 1)
     if "weight_packed" in parts:
         (shape,) = _need(module, parts, "weight_shape")
+        if shape.numel() != 2 or shape.is_floating_point():
+            raise QuantizedCheckpointError(
+                f"{module}.weight_shape: {shape.tolist()}; allowed: [out, in]"
+            )
         out, k = (int(v) for v in shape.tolist())
+        words = -(-k * args.bits // 32)
+        _check(f"{module}.weight_packed", parts["weight_packed"], (out, words),
+               f"compressed-tensors W{args.bits} of [{out}, {k}]")  # fmt: skip
         q = _unpack(parts["weight_packed"], args.bits, 1)[:, :k]
-        _check(f"{module}.weight_packed", q, (out, k), f"compressed-tensors W{args.bits}")
     else:
         (stored,) = _need(module, parts, "weight")
         out, k = stored.shape
@@ -398,7 +443,8 @@ def quantized_tensors(
     suffixes = scheme.components
     expected: dict[str, set[str]] = {}
     all_names = list(names)
-    quantized = {n.rsplit(".", 1)[0] for n in all_names if n.endswith("." + scheme.marker)}
+    markers = tuple("." + m for m in scheme.markers)
+    quantized = {n.rsplit(".", 1)[0] for n in all_names if n.endswith(markers)}
     for name in all_names:
         module, _, suffix = name.rpartition(".")
         if module in quantized and suffix in suffixes:

@@ -159,7 +159,7 @@ def iter_checkpoint(
     for name, tensor in quantized_tensors(scheme, names, _safetensors(files, quantized=True)):
         if isinstance(tensor, QuantizedWeight) and not keep_quantized:
             tensor = tensor.dequantize()
-        elif not isinstance(tensor, QuantizedWeight) and not tensor.is_floating_point():
+        elif not isinstance(tensor, QuantizedWeight) and not _plain_float(tensor):
             raise ValueError(_not_float(name, tensor))
         yield name, tensor
 
@@ -176,11 +176,17 @@ def checkpoint_quantization(path: str | Path) -> CheckpointQuantization | None:
     return None if not qc else parse_quantization_config(qc, str(config))
 
 
+def _plain_float(tensor: torch.Tensor) -> bool:
+    """A float tensor the model reads as it is (not FP8 values, which need their scale)."""
+    return tensor.is_floating_point() and tensor.element_size() > 1
+
+
 def _not_float(name: str, tensor: torch.Tensor) -> str:
     return (
         f"tensor {name!r} is {tensor.dtype}; allowed: a floating-point dtype (float32, "
-        "float16, bfloat16), or the integer tensors of a quantized checkpoint whose "
-        "config.json names its quantization_config (AWQ, GPTQ, compressed-tensors)"
+        "float16, bfloat16), or the integer and FP8 tensors of a quantized linear (with its "
+        "scales) of a checkpoint whose config.json names its quantization_config (AWQ, "
+        "GPTQ, compressed-tensors)"
     )
 
 
@@ -205,6 +211,6 @@ def _safetensors(files: list[Path], quantized: bool) -> Iterator[tuple[str, torc
                     tensor = f.get_tensor(name)
                 except SafetensorError as exc:
                     raise ValueError(f"{file}: tensor {name!r} cannot be read ({exc})") from None
-                if not quantized and not tensor.is_floating_point():  # a wrong model as float
+                if not quantized and not _plain_float(tensor):  # a wrong model as float
                     raise ValueError(f"{file}: {_not_float(name, tensor)}")
                 yield name, tensor

@@ -185,7 +185,8 @@ class EngineConfig(Options):
         help="int4, and auto's quantized-file layers, on CPU with the engine's C kernels: "
         "float (weight-only: activations stay in the compute dtype) or int8 (decode rows "
         "quantized per block of 32 and integer dot products, llama.cpp's Q4_1 x Q8_1: ~2.5x "
-        "faster per matmul on one core)",
+        "faster per matmul on one core; FP8 layers, and layers whose inputs are not a "
+        "multiple of 32, keep float rows, as describe() says)",
     )
     quantize_lm_head: bool | None = option(
         None,
@@ -350,11 +351,12 @@ def _lm_head_method_needs_a_quantized_head(config: EngineConfig) -> None:
 def _a_quantized_head_same_as_dense_layers_is_dense(config: EngineConfig) -> None:
     same = config.lm_head_quantization == "same"
     layers = config.plugged("quantization")
-    if config.quantize_lm_head is True and same and layers.dense and not layers.takes_quantized:
+    if config.quantize_lm_head is True and same and layers.dense:
         raise ConfigError(
             "engine.quantize_lm_head=true asks for a quantized LM head, but "
             "engine.lm_head_quantization='same' takes the layers' method, and "
-            f"quantization={config.quantization!r} keeps them dense: the head would stay dense; "
+            f"quantization={config.quantization!r} keeps a float head dense: it would stay "
+            "dense; "
             "set lm_head_quantization=auto|int8, or quantize_lm_head=null|false"
         )
 

@@ -159,6 +159,51 @@ def test_bad_folders_name_the_tensor(tmp_path: Path) -> None:
         read(folder)
 
 
+def test_hostile_folders_name_the_tensor(tmp_path: Path) -> None:
+    """The hostile pass of issue 43: each once loaded with a wrong answer or a traceback."""
+    folder = write_compressed_tensors(small_llama(), tmp_path / "w8", "W8A16")
+    _set_config(folder, config_groups={"g": {"weights": {"num_bits": 4, "strategy": "group",
+                                                          "group_size": 128}}})  # fmt: skip
+    with pytest.raises(ValueError, match=r"weight_packed: shape \(256, \d+\), .*W4 of .* wants"):
+        read(folder)  # 8-bit words read as 4-bit levels: garbage, once
+
+    folder, _ = write_awq(small_llama(), tmp_path / "awq", 128)
+    name = "model.layers.0.self_attn.q_proj"
+    _rewrite(folder, lambda t: t.update({name + ".qweight": t[name + ".qweight"].float()}))
+    with pytest.raises(ValueError, match=r"q_proj\.qweight: torch\.float32; allowed: int32"):
+        read(folder)
+
+    folder, _ = write_awq(small_llama(), tmp_path / "awq-nan", 128)
+    _rewrite(folder, lambda t: t[name + ".scales"].__setitem__((0, 0), float("nan")))
+    with pytest.raises(ValueError, match=r"q_proj: its scales hold NaN or infinity"):
+        read(folder)
+
+    folder, _ = write_gptq(small_llama(), tmp_path / "gptq", 4, 32)
+    _rewrite(folder, lambda t: t.pop(name + ".qweight"))  # its qzeros, scales, g_idx remain
+    with pytest.raises(ValueError, match=r"q_proj\.qweight missing"):
+        read(folder)
+
+    folder = write_compressed_tensors(small_llama(), tmp_path / "fp8", "FP8_DYNAMIC")
+    _rewrite(folder, lambda t: t.pop(name + ".weight_scale"))  # FP8 values without a scale
+    with pytest.raises(ValueError, match=r"q_proj\.weight' is torch\.float8_e4m3fn"):
+        read(folder)
+
+    folder = write_compressed_tensors(small_llama(), tmp_path / "shape", "W4A16")
+    _rewrite(folder, lambda t: t.update({name + ".weight_shape": torch.tensor([256, 256, 1])}))
+    with pytest.raises(ValueError, match=r"q_proj\.weight_shape: \[256, 256, 1\]; allowed"):
+        read(folder)
+
+
+@pytest.mark.parametrize("targets", [["re:("], [1], "Linear"])
+def test_compressed_tensors_targets_are_checked(targets: Any, tmp_path: Path) -> None:
+    folder = write_compressed_tensors(small_llama(), tmp_path / "w4", "W4A16")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["targets"] = targets
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedCheckpointError, match=r"group_0\.targets=.*allowed: a list"):
+        from_hf_config(folder)
+
+
 def test_an_integer_tensor_without_a_quantization_config_is_refused(tmp_path: Path) -> None:
     folder, _ = write_gptq(small_llama(), tmp_path / "gptq", 4, 32)
     config = json.loads((folder / "config.json").read_text())
@@ -173,6 +218,7 @@ def test_an_integer_tensor_without_a_quantization_config_is_refused(tmp_path: Pa
     [
         ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'.*awq|gptq"),
         ({"quant_method": "awq", "version": "gemv"}, "version='gemv'.*allowed: gemm"),
+        ({"quant_method": "awq", "version": None}, "version=None.*allowed: gemm"),
         ({"quant_method": "awq", "zero_point": False}, "zero_point=False.*allowed: True"),
         ({"quant_method": "gptq", "bits": 3}, r"bits=3.*allowed: 4\|8"),
         ({"quant_method": "gptq", "group_size": 0}, "group_size=0.*-1"),

@@ -354,12 +354,15 @@ def test_config_validates_the_new_options() -> None:
         ConfigError,
         match=r"^engine.quantize_lm_head=true asks for a quantized LM head, but "
         r"engine.lm_head_quantization='same' takes the layers' method, and "
-        r"quantization='none' keeps them dense: the head would stay dense; set "
+        r"quantization='none' keeps a float head dense: it would stay dense; set "
         r"lm_head_quantization=auto\|int8, or quantize_lm_head=null\|false$",
     ):
         EngineConfig.from_dict(
             {"quantization": "none", "quantize_lm_head": True, "lm_head_quantization": "same"}
         )
+    # hostile pass 43: auto (a checkpoint's float head as it is stored) the same
+    with pytest.raises(ConfigError, match=r"quantization='auto' keeps a float head dense"):
+        EngineConfig.from_dict({"quantize_lm_head": True, "lm_head_quantization": "same"})
     none_same = {"quantization": "none", "lm_head_quantization": "same"}
     assert EngineConfig.from_dict(none_same).lm_head_method() == "none"
     with pytest.raises(ConfigError, match="native_decode_program"):
