@@ -15,6 +15,8 @@ exactly, and their quality is a lower bound of what those quantizers reach.
   calibration-free stand-in), so the groups are not contiguous runs of inputs.
 - compressed-tensors (llm-compressor's formats): written by the compressed-tensors library
   itself (the dev extra), from its presets W4A16, W8A16 and FP8_DYNAMIC.
+- vLLM's `fp8` (AutoFP8's layout): e4m3 values and a scale a tensor, or a scale per block of
+  128 x 128 (DeepSeek's `weight_scale_inv`).
 """
 
 from __future__ import annotations
@@ -170,6 +172,34 @@ def write_gptq(
     return reference
 
 
+def write_fp8(src: Path, dst: Path, block: tuple[int, int] | None = None) -> None:
+    """The float folder `src` as vLLM's own `fp8` checkpoint at `dst` (AutoFP8's layout): e4m3
+    values with a float32 scale a tensor (max|w| / 448), or with `block` [rows, columns] one a
+    block (`weight_scale_inv`, as DeepSeek's checkpoints store them)."""
+    state, tensors = _float_state(src), {}
+    for name in quantized_linears(state):
+        w = state[name + ".weight"].float()
+        if block is None:
+            scale = (w.abs().amax() / 448).clamp(min=1e-12)
+            tensors[f"{name}.weight_scale"] = scale.reshape(())
+            values = w / scale
+        else:
+            rows, cols = block
+            out, k = w.shape
+            tiles = torch.nn.functional.pad(w, (0, 0, 0, -out % rows)).reshape(
+                -(-out // rows), rows, k // cols, cols
+            )
+            scale = (tiles.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)
+            tensors[f"{name}.weight_scale_inv"] = scale
+            full = scale.repeat_interleave(rows, 0)[:out].repeat_interleave(cols, 1)
+            values = w / full
+        tensors[f"{name}.weight"] = values.clamp(-448, 448).to(torch.float8_e4m3fn)
+    qc: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if block is not None:
+        qc["weight_block_size"] = list(block)
+    _save(src, dst, state, tensors, qc)
+
+
 def write_compressed_tensors(
     src: Path, dst: Path, scheme: str, group_size: int | None = None
 ) -> None:
@@ -231,6 +261,7 @@ FOLDER_FORMATS: dict[str, Callable[[Path, Path], Any]] = {
     "w4a16": lambda src, dst: write_compressed_tensors(src, dst, "W4A16", group_size=64),
     "w8a16": lambda src, dst: write_compressed_tensors(src, dst, "W8A16", group_size=64),
     "fp8": lambda src, dst: write_compressed_tensors(src, dst, "FP8_DYNAMIC"),
+    "fp8-vllm": lambda src, dst: write_fp8(src, dst),
 }
 
 

@@ -1,6 +1,7 @@
 """Hugging Face folders a quantizer wrote: AWQ (AutoAWQ's GEMM layout), GPTQ (AutoGPTQ's and
 GPTQModel's, act-order included) and compressed-tensors (llm-compressor's pack-quantized,
-int-quantized and float-quantized formats). Each quantized linear's stored tensors are put
+int-quantized and float-quantized formats), and vLLM's own `fp8` checkpoints (AutoFP8's, and
+DeepSeek's blocks of 128 x 128). Each quantized linear's stored tensors are put
 together into the QuantizedWeight it stands for (models/quantized_weight.py), W = q * scale +
 min with the file's own integer levels, or FP8 values, and scales, so the engine multiplies the
 weight as stored.
@@ -21,6 +22,9 @@ and check the weights against its decompression):
   outputs), `weight_shape`, `weight_g_idx` (act-order); int-quantized stores `weight` int8,
   float-quantized `weight` float8_e4m3fn, both with `weight_scale` per tensor, channel or
   group. W = (q - zero) scale.
+- fp8 (`quant_method: fp8`): `weight` float8_e4m3fn with `weight_scale` per tensor, or with
+  `weight_block_size` [bo, bi] `weight_scale_inv` [out / bo, in / bi] (DeepSeek's name: it
+  multiplies, as vLLM reads it). W = value x scale.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 
 from models.quantized_weight import QuantizedWeight
 
-METHODS = ("awq", "gptq", "compressed-tensors")
+METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
 #: compressed-tensors formats whose weights the engine reads
 CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 #: AWQ's order of eight outputs in an int32, lowest nibble first
@@ -67,6 +71,7 @@ class CheckpointQuantization:
     #: `ignore`, have no scales: the tensors say which linears are quantized)
     groups: tuple[tuple[tuple[str, ...], WeightArgs], ...] = ()
     zero_offset: int = 0  # GPTQ v1 stores each zero minus one
+    block: tuple[int, int] | None = None  # fp8's weight_block_size
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -76,13 +81,15 @@ class CheckpointQuantization:
                 "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
                 "weight_g_idx", "input_scale", "weight_global_scale", "weight",
             )  # fmt: skip
+        if self.method == "fp8":
+            return ("weight_scale", "weight_scale_inv", "input_scale", "weight")
         return ("qweight", "qzeros", "scales", "g_idx")
 
     @property
     def markers(self) -> tuple[str, ...]:
         """The components only a quantized linear has (any of them makes one: a missing
         other is then named)."""
-        if self.method == "compressed-tensors":
+        if self.method in ("compressed-tensors", "fp8"):
             return self.components[:-1]  # a float linear has a `weight` too
         return self.components
 
@@ -144,6 +151,19 @@ def parse_quantization_config(qc: Any, where: str) -> CheckpointQuantization:
             WeightArgs(bits, "int", sym, group),
             zero_offset=1 if fmt == "gptq" else 0,
         )
+    if method == "fp8":
+        _field(qc, "activation_scheme", where, ("dynamic", "static"), "dynamic")
+        block = qc.get("weight_block_size")
+        if block is not None and not (
+            isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        ):  # fmt: skip
+            raise QuantizedCheckpointError(
+                f"{where}: quantization_config.weight_block_size={block!r}; allowed: null or "
+                "[rows, columns] (positive integers)"
+            )
+        blocks = None if block is None else (block[0], block[1])
+        return CheckpointQuantization("fp8", WeightArgs(8, "float"), block=blocks)
     return _compressed_tensors(qc, where)
 
 
@@ -273,6 +293,8 @@ def assemble(
         return _awq(module, parts, args)
     if scheme.method == "gptq":
         return _gptq(module, parts, args, scheme.zero_offset)
+    if scheme.method == "fp8":
+        return _vllm_fp8(module, parts, scheme.block)
     return _ct(module, parts, args)
 
 
@@ -406,6 +428,28 @@ def _row_scales(name: str, scale: torch.Tensor, out: int, k: int) -> torch.Tenso
         f"{name}: shape {tuple(scale.shape)}; allowed: [1], [{out}, 1] or [{out}, groups] for a "
         f"[{out}, {k}] weight"
     )
+
+
+def _vllm_fp8(
+    module: str, parts: Mapping[str, torch.Tensor], block: tuple[int, int] | None
+) -> QuantizedWeight:
+    """vLLM's fp8 checkpoint: a scale a tensor, or per block of [bo, bi] (`weight_scale_inv`):
+    each block's scale on its rows, groups of bi inputs."""
+    _dtypes(module, parts, weight_scale="float", weight_scale_inv="float")
+    (stored,) = _need(module, parts, "weight")
+    if block is None:
+        (scale,) = _need(module, parts, "weight_scale")
+        return _fp8(module, stored, scale)
+    (scale,) = _need(module, parts, "weight_scale_inv")
+    out, k = stored.shape
+    rows, cols = block
+    if k % cols or scale.dim() != 2 or tuple(scale.shape) != (-(-out // rows), -(-k // cols)):
+        raise QuantizedCheckpointError(
+            f"{module}.weight_scale_inv: shape {tuple(scale.shape)}; blocks of {list(block)} "
+            f"over a [{out}, {k}] weight want ({-(-out // rows)}, {k // cols}), and whole "
+            "blocks of inputs"
+        )
+    return _fp8(module, stored, scale.float().repeat_interleave(rows, dim=0)[:out])
 
 
 def _fp8(module: str, stored: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:

@@ -48,3 +48,8 @@ def write_compressed_tensors(
 ) -> Path:
     hf_quantize.write_compressed_tensors(_beside(folder, model), folder, scheme, group_size)
     return folder
+
+
+def write_fp8(model: Any, folder: Path, block: tuple[int, int] | None = None) -> Path:
+    hf_quantize.write_fp8(_beside(folder, model), folder, block)
+    return folder

@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from quantized_folders import linears, write_awq, write_compressed_tensors, write_gptq
+from quantized_folders import (
+    linears,
+    write_awq,
+    write_compressed_tensors,
+    write_fp8,
+    write_gptq,
+)
 from safetensors.torch import load_file, save_file
 
 from models.config import UnsupportedCheckpointError, from_hf_config
@@ -102,6 +108,27 @@ def test_compressed_tensors_folders_equal_transformers_own_decompression(
         assert isinstance(stored, QuantizedWeight) and stored.source == source, module
         # q * scale + min against (q - zero) * scale: float32 rounding apart at most
         torch.testing.assert_close(stored.dequantize(), layer.weight, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_vllm_fp8_folders_give_their_values_times_their_scales(
+    block: tuple[int, int] | None, tmp_path: Path
+) -> None:
+    """vLLM's own fp8 checkpoints: a scale a tensor (AutoFP8), or a block's (DeepSeek's
+    weight_scale_inv), read back against the stored values times the stored scales."""
+    folder = write_fp8(small_llama(), tmp_path / "fp8", block)
+    stored = load_file(str(folder / "model.safetensors"))
+    tensors = read(folder)
+    for module in {n.rsplit(".", 1)[0] for n in stored if n.endswith("_proj.weight")}:
+        values = stored[module + ".weight"].float()
+        if block is None:
+            expected = values * stored[module + ".weight_scale"]
+        else:
+            scale = stored[module + ".weight_scale_inv"]
+            expected = values * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        weight = tensors[module + ".weight"]
+        assert weight.source == ("FP8 e4m3 per-tensor" if block is None else "FP8 e4m3 g128")
+        assert torch.equal(weight.dequantize(), expected), module
 
 
 def test_a_per_channel_weight_cuts_any_columns_and_act_order_refuses_them(tmp_path: Path) -> None:
@@ -224,6 +251,8 @@ def test_an_integer_tensor_without_a_quantization_config_is_refused(tmp_path: Pa
         ({"quant_method": "gptq", "group_size": 0}, "group_size=0.*-1"),
         ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
         ({"quant_method": "compressed-tensors"}, "config_groups must be a non-empty object"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size=\[128\]"),
+        ({"quant_method": "fp8", "activation_scheme": "per-token"}, "activation_scheme"),
         (
             {
                 "quant_method": "compressed-tensors",

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from quantized_folders import write_awq, write_compressed_tensors, write_gptq
+from quantized_folders import write_awq, write_compressed_tensors, write_fp8, write_gptq
 from transformers_greedy import hf_greedy
 
 from engines.builtin import LLM, SamplingParams
@@ -130,6 +130,19 @@ def test_compressed_tensors_folders_run_as_stored_with_transformers_tokens(
     tokens = greedy(llm)
     assert tokens == transformers_greedy(reference)
     assert tokens == greedy(engine(folder, quantization="none"))
+
+
+@pytest.mark.parametrize(
+    ("block", "kept"),
+    [(None, "as fp8 a scale a row (exact)"), ((128, 128), "dequantized at load (FP8 in groups")],
+)
+def test_vllm_fp8_folders_give_the_dequantized_model_s_tokens(
+    block: tuple[int, int] | None, kept: str, tmp_path: Path
+) -> None:
+    folder = write_fp8(small_llama(), tmp_path / "fp8", block)
+    llm = engine(folder)
+    assert all(kept in m for m in decoder_methods(llm)), decoder_methods(llm)
+    assert greedy(llm) == greedy(engine(folder, quantization="none"))
 
 
 def test_fp8_at_load_is_compressed_tensors_fp8_dynamic_of_the_same_model(tmp_path: Path) -> None:
