@@ -107,7 +107,8 @@ class EngineConfig(Options):
         choices=KV_CACHE_DTYPES,
         help="K/V as stored: auto (the compute dtype) | int8 (a float16 scale per token and "
         "head) | fp8 (= fp8_e4m3) | fp8_e5m2 (scale 1, vLLM's default: values past the "
-        "format's largest clamped); read back widened to the compute dtype",
+        "format's largest clamped; the C kernels and dense paths read it, not Triton's); read "
+        "back widened to the compute dtype",
     )
     kv_cache_memory_bytes: int | None = option(
         None, ge=1, help="None: derived from the device, see kv_budget"
@@ -442,11 +443,11 @@ def _lora_options_need_enable_lora(config: EngineConfig) -> None:
 
 
 def _fp8_kv_needs_a_dense_attention_backend(config: EngineConfig) -> None:
-    if config.kv_cache_dtype.startswith("fp8") and config.attention_backend in ("triton", "cpu"):
+    if config.kv_cache_dtype.startswith("fp8") and config.attention_backend == "triton":
         raise ConfigError(
-            f"engine.kv_cache_dtype={config.kv_cache_dtype!r} is read by the dense attention "
-            f"paths only, not attention_backend={config.attention_backend!r}; allowed: "
-            "auto|torch|sdpa (or kv_cache_dtype=auto|int8)"
+            f"engine.kv_cache_dtype={config.kv_cache_dtype!r} is read by the CPU kernels and "
+            "the dense attention paths, not attention_backend='triton'; allowed: "
+            "auto|torch|sdpa|cpu (or kv_cache_dtype=auto|int8)"
         )
 
 

@@ -61,6 +61,7 @@ class ProgramLayer(ctypes.Structure):
         ("down_lora", native.LoraWeights),
         ("k_cache", _PTR),
         ("v_cache", _PTR),
+        ("kv_format", _I64),
         ("experts", _I64),
         ("top_k", _I64),
         ("normalize", _I64),
@@ -116,8 +117,8 @@ def unavailable_reason(model: Transformer) -> str | None:
         cache = attn.cache
         if cache is None:
             return "no KV cache (kv_cache=none)"
-        if cache.quantized or cache.dtype != torch.float32 or not cache.stores_by_slot:
-            return "the KV cache is not float32 stored by slot (kv_cache_dtype int8 or fp8?)"
+        if cache.scaled or cache.dtype != torch.float32 or not cache.stores_by_slot:
+            return "the KV cache is not float32 or FP8 stored by slot (kv_cache_dtype=int8?)"
         mlp = layer.mlp
         if isinstance(mlp, MoE) and len(mlp.experts) != mlp.router.out_features:
             return "expert parallelism (the program runs every expert)"
@@ -225,6 +226,7 @@ class DecodeProgram:
                     *loras,
                     c_pointer(attn.cache.k, self.keep),
                     c_pointer(attn.cache.v, self.keep),
+                    native.kv_format(attn.cache.fp8),
                     *(() if isinstance(mlp, MLP) else self._moe_fields(mlp)),
                     q_norm=c_pointer(
                         None if attn.q_norm is None else attn.q_norm.weight, self.keep

@@ -124,14 +124,14 @@ class Attention(nn.Module):
         qkv: torch.Tensor, cache: LayerKVCache | None, meta: AttentionMetadata
     ) -> bool:
         """The C kernel rotates fp32 rows in place and stores every row's K/V as write()
-        would (no INT8, no static batching's unstored padding rows, no cache class with its
-        own write)."""
+        would, float32 or FP8 (no INT8, no static batching's unstored padding rows, no cache
+        class with its own write)."""
         if not native.takes(qkv):
             return False
-        # an unquantized cache holds the compute dtype, contiguous by construction
+        # the cache's values are contiguous by construction
         return cache is None or (
             meta.write_index is None
-            and not cache.quantized
+            and not cache.scaled
             and cache.stores_by_slot
             and cache.dtype == torch.float32
         )
@@ -154,6 +154,7 @@ class Attention(nn.Module):
             None if cache is None else cache.v,
             meta.slot_mapping,
             max_position=meta.max_seq_len - 1,
+            kv_format=native.kv_format(None if cache is None else cache.fp8),
         )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (

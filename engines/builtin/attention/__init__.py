@@ -64,7 +64,7 @@ def resolve_attention(
         native_kernels
         and device.type == "cpu"
         and dtype == torch.float32
-        and kv_cache_dtype == "auto"
+        and kv_cache_dtype != "int8"  # the C kernels read float32 and FP8 K/V
         and native.load() is not None
     ):
         return "cpu"

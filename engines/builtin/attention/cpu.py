@@ -83,7 +83,7 @@ class CpuAttention(DenseAttention):
     ) -> torch.Tensor:
         assert cache is not None, "single-token decodes need a KV cache"
         # resolve_attention keeps this backend on the CPU; the cache's dtype is static
-        if cache.quantized or cache.dtype != torch.float32 or q.dtype != torch.float32:
+        if cache.scaled or cache.dtype != torch.float32 or q.dtype != torch.float32:
             return super()._decode(q, cache, meta, scale)
         nd = q.shape[0]
         seq_lens, window, longest = meta.seq_lens[:nd], meta.sliding_window, meta.max_seq_len
@@ -101,4 +101,5 @@ class CpuAttention(DenseAttention):
             scale,
             window,
             max_seq_len=longest,
+            kv_format=native.kv_format(cache.fp8),
         )

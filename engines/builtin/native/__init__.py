@@ -48,11 +48,11 @@ def _args(codes: str) -> list[Any]:
 
 
 SIGNATURES = {  # function -> argument types (all return void)
-    "decode_attention_f32": _args("pqpppqpqqqqqfqqp"),
+    "decode_attention_f32": _args("pqppqpqpqqqqqfqqp"),
     "add_rms_norm_f32": _args("ppppqqfq"),
     "silu_and_mul_f32": _args("ppqqq"),
     "lora_bgmv_f32": _args("pppppqq"),
-    "rope_and_cache_f32": _args("pqpppppqqqqq"),
+    "rope_and_cache_f32": _args("pqppppqpqqqqq"),
     "pack_linear_weight_f32": _args("pqqpq"),
     "linear_f32": _args("pppppqqqq"),
     # quant_kernels.c (wrapped by native/quant.py)
@@ -187,6 +187,23 @@ def _run(kernel: str, *args: object) -> Any:
         with torch.profiler.record_function(f"inferlab::{kernel}"):
             return fn(*args)
     return fn(*args)
+
+
+#: kernels.h's KV_*: how a KV cache holds its values
+KV_FLOAT32, KV_E4M3, KV_E5M2 = 0, 1, 2
+_KV_FORMATS = {None: KV_FLOAT32, torch.float8_e4m3fn: KV_E4M3, torch.float8_e5m2: KV_E5M2}
+
+
+def kv_format(fp8: torch.dtype | None) -> int:
+    """The kernels' number for a cache of float32 values (None) or the bytes of `fp8`."""
+    return _KV_FORMATS[fp8]
+
+
+def _kv_cache_dtype(kv_format: int) -> torch.dtype:
+    """What the cache tensors of `kv_format` hold: float32, or FP8 values as bytes."""
+    if kv_format not in _KV_FORMATS.values():
+        raise ValueError(f"kv_format: {kv_format}; allowed: 0 (float32), 1 (e4m3), 2 (e5m2)")
+    return torch.float32 if kv_format == KV_FLOAT32 else torch.uint8
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -522,16 +539,23 @@ def rope_and_cache(
     v_cache: torch.Tensor | None,
     slots: torch.Tensor | None,
     max_position: int | None = None,
+    kv_format: int = KV_FLOAT32,
 ) -> None:
     """In place on qkv [T, (heads + 2 kv_heads) head_dim]: rotary embedding of the query and
     key heads at `positions` (int64) from `table` [max_positions, head_dim] (cos | sin halves);
     then, with a cache, each token's K and V stored at its flat slot (int64; < 0: not stored)
-    of k_cache/v_cache [..., kv_heads, head_dim]. `max_position`: the largest position, when
-    the caller knows it (else read from `positions`); slots are range-checked only then."""
+    of k_cache/v_cache [..., kv_heads, head_dim] (float32, or with an FP8 `kv_format` the
+    values' bytes, rounded as torch rounds). `max_position`: the largest position, when the
+    caller knows it (else read from `positions`); slots are range-checked only then."""
     tokens = qkv.shape[0]
-    caches = () if k_cache is None else (k_cache, v_cache)
+    caches: tuple[torch.Tensor, ...] = ()
+    if k_cache is not None:
+        assert v_cache is not None, "rope_and_cache: a K cache without its V cache"
+        caches = (k_cache, v_cache)
+    stored = _kv_cache_dtype(kv_format)
     if (
-        not takes(qkv, table, *caches)
+        not takes(qkv, table)
+        or not all(c.dtype == stored and c.is_cpu and c.is_contiguous() for c in caches)
         or qkv.dim() != 2
         or table.dim() != 2
         or head_dim % 2
@@ -544,7 +568,7 @@ def rope_and_cache(
     ):
         raise ValueError(
             "rope_and_cache: unsupported tensors (contiguous CPU float32 qkv "
-            "[T, (h + 2 kvh) d], table [positions, d], caches [..., kvh, d])"
+            f"[T, (h + 2 kvh) d], table [positions, d], {stored} caches [..., kvh, d])"
         )
     _indices("rope_and_cache positions", positions, torch.int64, tokens)
     if tokens == 0:
@@ -573,6 +597,7 @@ def rope_and_cache(
         table.data_ptr(),
         None if k_cache is None else k_cache.data_ptr(),
         None if v_cache is None else v_cache.data_ptr(),
+        kv_format,
         None if slots is None else slots.data_ptr(),
         tokens,
         heads,
@@ -591,19 +616,22 @@ def decode_attention(
     scale: float,
     window: int | None,
     max_seq_len: int | None = None,
+    kv_format: int = KV_FLOAT32,
 ) -> torch.Tensor:
     """One query per sequence over its cached keys, read in place from the blocks.
 
     q [B, h, d] float32 (rows may be strided, heads and d contiguous); k_cache/v_cache
-    [num_blocks, block_size, kv_heads, d] float32 contiguous; block_tables [B, >=blocks] int32
+    [num_blocks, block_size, kv_heads, d] contiguous, float32 or with an FP8 `kv_format` the
+    values' bytes (widened a row at a time); block_tables [B, >=blocks] int32
     (rows contiguous); seq_lens [B] int32, each sequence's keys (its query is the last
     position); `window`: only the last `window` keys are visible. `max_seq_len`: the longest
     context, when the caller knows it (else read from `seq_lens`, and the block ids are
     range-checked too). Returns [B, h, d]."""
     batch, heads, dim = q.shape
     _, block_size, kv_heads, kdim = k_cache.shape
-    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32):
-        raise TypeError("decode_attention: q and the KV cache must be float32")
+    stored = _kv_cache_dtype(kv_format)
+    if not (q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype == stored):
+        raise TypeError(f"decode_attention: q must be float32 and the KV cache {stored}")
     if (
         kdim != dim
         or heads % kv_heads
@@ -641,6 +669,7 @@ def decode_attention(
         q.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        kv_format,
         block_tables.data_ptr(),
         block_tables.stride(0),
         seq_lens.data_ptr(),

@@ -5,6 +5,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 #include "team.h"
@@ -28,6 +29,58 @@ static inline float exp_f32(float x) {
     p = p * r * r + r + 1.0f;
     union { int32_t i; float f; } scale = {.i = ((int32_t)k + 127) << 23};
     return p * scale.f;
+}
+
+/* FP8 K/V (engine.kv_cache_dtype=fp8_e4m3 | fp8_e5m2; KV_FLOAT32 the plain cache): each byte's
+ * value (a table, filled once), and a float rounded to the nearest FP8 value, ties to even,
+ * past the largest finite value clamped to it, as torch's clamp-then-convert writes the cache
+ * (engines/builtin/kv_cache/storage.py `to_fp8`; the tests compare every byte with torch's). */
+static float fp8_value[3][256];
+
+__attribute__((constructor)) static void fill_fp8_values(void) {
+    for (int b = 0; b < 256; b++) {
+        const float sign = (b & 0x80) ? -1.0f : 1.0f;
+        const int e4 = (b >> 3) & 15, m3 = b & 7, e5 = (b >> 2) & 31, m2 = b & 3;
+        fp8_value[KV_E4M3][b] = (b & 0x7F) == 0x7F ? NAN
+                                : sign * (e4 ? ldexpf((float)(8 + m3), e4 - 10)
+                                             : ldexpf((float)m3, -9));
+        fp8_value[KV_E5M2][b] = e5 == 31 ? (m2 ? NAN : sign * INFINITY)
+                                : sign * (e5 ? ldexpf((float)(4 + m2), e5 - 17)
+                                             : ldexpf((float)m2, -16));
+    }
+}
+
+/* x as an FP8 byte: `mantissa` bits, the smallest normal 2^min_exp (below it, steps of
+ * 2^(min_exp - mantissa)), the largest finite value `top`, the exponent bias `bias`. */
+static inline uint8_t to_fp8_byte(float x, int mantissa, int min_exp, float top, int bias) {
+    const uint8_t sign = signbit(x) ? 0x80 : 0;
+    if (isnan(x)) return sign | (mantissa == 3 ? 0x7F : 0x7E);
+    float a = fabsf(x);
+    a = a < top ? a : top;
+    if (a < ldexpf(1.0f, min_exp)) /* subnormal: the default rounding mode is to nearest even */
+        return sign | (uint8_t)nearbyintf(ldexpf(a, mantissa - min_exp));
+    uint32_t bits;
+    memcpy(&bits, &a, sizeof bits);
+    const int drop = 23 - mantissa; /* float32 mantissa bits rounded away, ties to even */
+    bits += (UINT32_C(1) << (drop - 1)) - 1 + ((bits >> drop) & 1);
+    const int exponent = (int)(bits >> 23) - 127 + bias;
+    return sign | (uint8_t)(exponent << mantissa) | (uint8_t)((bits >> drop) & ((1 << mantissa) - 1));
+}
+
+static inline uint8_t to_kv_byte(float x, int64_t kv_format) {
+    return kv_format == KV_E4M3 ? to_fp8_byte(x, 3, -6, 448.0f, 7)
+                                : to_fp8_byte(x, 2, -14, 57344.0f, 15);
+}
+
+/* Row `pos` of a K or V cache [slots][width] as floats: the row itself (float32), or its FP8
+ * bytes widened into `buffer`. */
+static inline const float *kv_row(const void *cache, int64_t slot, int64_t width,
+                                  int64_t kv_format, float *buffer) {
+    if (kv_format == KV_FLOAT32) return (const float *)cache + slot * width;
+    const uint8_t *bytes = (const uint8_t *)cache + slot * width;
+    const float *values = fp8_value[kv_format];
+    for (int64_t i = 0; i < width; i++) buffer[i] = values[bytes[i]];
+    return buffer;
 }
 
 /* Decode attention over a block-table KV cache, read in place.
@@ -99,12 +152,12 @@ static void merge_splits(const AttentionWork *w, int64_t b, int64_t H, int64_t D
 }
 
 /* Task `task` of sequence b (its split-th run of positions). */
-static void decode_attention_task(const float *q, int64_t q_stride, const float *k_cache,
-                                  const float *v_cache, const int32_t *block_tables,
-                                  int64_t bt_stride, const int32_t *seq_lens, int64_t H,
-                                  int64_t KVH, int64_t D, int64_t BS, float scale,
-                                  int64_t window, float *out, const AttentionWork *w,
-                                  int64_t b, int64_t task) {
+static void decode_attention_task(const float *q, int64_t q_stride, const void *k_cache,
+                                  const void *v_cache, int64_t kv_format,
+                                  const int32_t *block_tables, int64_t bt_stride,
+                                  const int32_t *seq_lens, int64_t H, int64_t KVH, int64_t D,
+                                  int64_t BS, float scale, int64_t window, float *out,
+                                  const AttentionWork *w, int64_t b, int64_t task) {
     const int64_t G = H / KVH, nq = H;
     const int64_t row = KVH * D; /* floats between consecutive positions */
     const int64_t split = task - w->offsets[b], splits = w->offsets[b + 1] - w->offsets[b];
@@ -119,7 +172,9 @@ static void decode_attention_task(const float *q, int64_t q_stride, const float 
     float *o = splits == 1 ? out + b * H * D : w->partials + task * H * (D + 2);
     for (int64_t i = 0; i < nq; i++)
         for (int64_t d = 0; d < D; d++) o[i * stride + d] = 0.0f;
-    float *scores = n > 0 ? malloc(sizeof(float) * nq * n) : NULL;
+    /* the scores, then (FP8) a row's widened values */
+    float *scores = n > 0 ? malloc(sizeof(float) * (nq * n + row)) : NULL;
+    float *widened = scores == NULL ? NULL : scores + nq * n;
     if (n > 0 && scores == NULL) { /* out of memory: NaN outputs, never a wrong number */
         for (int64_t i = 0; i < nq; i++)
             for (int64_t d = 0; d < stride; d++) o[i * stride + d] = NAN;
@@ -127,7 +182,8 @@ static void decode_attention_task(const float *q, int64_t q_stride, const float 
     const int32_t *table = block_tables + b * bt_stride;
     for (int64_t j = 0; scores != NULL && j < n; j++) {
         const int64_t pos = first + j;
-        const float *kr = k_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
+        const int64_t slot = (int64_t)table[pos / BS] * BS + pos % BS;
+        const float *kr = kv_row(k_cache, slot, row, kv_format, widened);
         int64_t i = 0;
         for (; i + 4 <= nq; i += 4) {
             const float *q0 = qt + i * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
@@ -176,7 +232,8 @@ static void decode_attention_task(const float *q, int64_t q_stride, const float 
     }
     for (int64_t j = 0; scores != NULL && j < n; j++) {
         const int64_t pos = first + j;
-        const float *vr = v_cache + ((int64_t)table[pos / BS] * BS + pos % BS) * row;
+        const int64_t slot = (int64_t)table[pos / BS] * BS + pos % BS;
+        const float *vr = kv_row(v_cache, slot, row, kv_format, widened);
         for (int64_t i = 0; i < nq; i++) {
             const float p = scores[i * n + j];
             const float *vi = vr + (i / G) * D;
@@ -201,8 +258,9 @@ static int64_t task_sequence(const int64_t *offsets, int64_t B, int64_t task) {
     return lo;
 }
 
-void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
-                          const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+void decode_attention_f32(const float *q, int64_t q_stride, const void *k_cache,
+                          const void *v_cache, int64_t kv_format,
+                          const int32_t *block_tables, int64_t bt_stride,
                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                           int64_t BS, float scale, int64_t window, int64_t threads,
                           float *out) {
@@ -217,8 +275,8 @@ void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache
         const AttentionWork w = {offsets, partials, done};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
         for (int64_t task = 0; task < tasks; task++)
-            decode_attention_task(q, q_stride, k_cache, v_cache, block_tables, bt_stride,
-                                  seq_lens, H, KVH, D, BS, scale, window, out, &w,
+            decode_attention_task(q, q_stride, k_cache, v_cache, kv_format, block_tables,
+                                  bt_stride, seq_lens, H, KVH, D, BS, scale, window, out, &w,
                                   task_sequence(offsets, B, task), task);
     }
     free(offsets);
@@ -230,8 +288,9 @@ int64_t decode_attention_scratch(int64_t tasks, int64_t B, int64_t H, int64_t D)
     return tasks > B ? tasks * H * (D + 2) : 0;
 }
 
-void decode_attention_part(const float *q, int64_t q_stride, const float *k_cache,
-                           const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+void decode_attention_part(const float *q, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, int64_t kv_format,
+                           const int32_t *block_tables, int64_t bt_stride,
                            const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH,
                            int64_t D, int64_t BS, float scale, int64_t window, float *out,
                            int64_t *offsets, float *partials, _Atomic int64_t *done,
@@ -240,8 +299,8 @@ void decode_attention_part(const float *q, int64_t q_stride, const float *k_cach
     const AttentionWork w = {offsets, partials, done};
     const int64_t tasks = offsets[B];
     for (int64_t task; (task = atomic_fetch_add(next_task, 1)) < tasks;)
-        decode_attention_task(q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
-                              H, KVH, D, BS, scale, window, out, &w,
+        decode_attention_task(q, q_stride, k_cache, v_cache, kv_format, block_tables, bt_stride,
+                              seq_lens, H, KVH, D, BS, scale, window, out, &w,
                               task_sequence(offsets, B, task), task);
 }
 
@@ -369,10 +428,11 @@ void lora_bgmv_f32(const LoraWeights *l, const float *x, float *y, const int32_t
  * table[p] = cos[D/2] | sin[D/2]: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, each product
  * and sum rounded as torch's separate ops round them (no fused multiply-add). */
 void rope_and_cache_rows(float *qkv, int64_t qkv_stride, const int64_t *positions,
-                         const float *table, float *k_cache, float *v_cache,
+                         const float *table, void *k_cache, void *v_cache, int64_t kv_format,
                          const int64_t *slots, int64_t t0, int64_t t1, int64_t H, int64_t KVH,
                          int64_t D) {
     const int64_t half = D / 2;
+    const int64_t element = kv_format == KV_FLOAT32 ? (int64_t)sizeof(float) : 1;
     for (int64_t t = t0; t < t1; t++) {
         float *row = qkv + t * qkv_stride;
         if (k_cache != NULL && slots[t] >= 0) {
@@ -381,9 +441,9 @@ void rope_and_cache_rows(float *qkv, int64_t qkv_stride, const int64_t *position
              * one after another, and the call took ~4x longer (64 tokens of the small
              * preset: 420 vs 90 us) */
             const int64_t width = KVH * D;
-            const char *kd = (const char *)(k_cache + slots[t] * width);
-            const char *vd = (const char *)(v_cache + slots[t] * width);
-            for (int64_t i = 0; i < width * (int64_t)sizeof(float); i += 64) {
+            const char *kd = (const char *)k_cache + slots[t] * width * element;
+            const char *vd = (const char *)v_cache + slots[t] * width * element;
+            for (int64_t i = 0; i < width * element; i += 64) {
                 __builtin_prefetch(kd + i, 1, 3);
                 __builtin_prefetch(vd + i, 1, 3);
             }
@@ -404,26 +464,35 @@ void rope_and_cache_rows(float *qkv, int64_t qkv_stride, const int64_t *position
         }
         if (k_cache != NULL && slots[t] >= 0) { /* slot < 0: a padding row, not stored */
             const int64_t width = KVH * D;
-            float *kd = k_cache + slots[t] * width;
-            float *vd = v_cache + slots[t] * width;
             const float *ks = row + H * D;
             const float *vs = ks + width;
-            for (int64_t i = 0; i < width; i++) {
-                kd[i] = ks[i];
-                vd[i] = vs[i];
+            if (kv_format == KV_FLOAT32) {
+                float *kd = (float *)k_cache + slots[t] * width;
+                float *vd = (float *)v_cache + slots[t] * width;
+                for (int64_t i = 0; i < width; i++) {
+                    kd[i] = ks[i];
+                    vd[i] = vs[i];
+                }
+            } else {
+                uint8_t *kd = (uint8_t *)k_cache + slots[t] * width;
+                uint8_t *vd = (uint8_t *)v_cache + slots[t] * width;
+                for (int64_t i = 0; i < width; i++) {
+                    kd[i] = to_kv_byte(ks[i], kv_format);
+                    vd[i] = to_kv_byte(vs[i], kv_format);
+                }
             }
         }
     }
 }
 
 void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions,
-                        const float *table, float *k_cache, float *v_cache,
+                        const float *table, void *k_cache, void *v_cache, int64_t kv_format,
                         const int64_t *slots, int64_t T, int64_t H, int64_t KVH, int64_t D,
                         int64_t threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (T * (H + KVH) * D >= 16384)
     for (int64_t t = 0; t < T; t++)
-        rope_and_cache_rows(qkv, qkv_stride, positions, table, k_cache, v_cache, slots, t, t + 1,
-                            H, KVH, D);
+        rope_and_cache_rows(qkv, qkv_stride, positions, table, k_cache, v_cache, kv_format, slots,
+                            t, t + 1, H, KVH, D);
 }
 
 /* The packed layout of this build's linear_f32: out[0] = PANEL (weight rows per panel),

@@ -37,7 +37,8 @@ typedef struct {
     const float *input_norm, *post_attn_norm;
     LinearWeights qkv, o, gate_up, down;
     LoraWeights qkv_lora, o_lora, gate_up_lora, down_lora; /* .a NULL: no LoRA slots */
-    float *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim] */
+    void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim] */
+    int64_t kv_format;       /* KV_FLOAT32, or FP8 bytes */
     /* mixture of experts (experts 0: a dense MLP, gate_up and down above) */
     int64_t experts, top_k, normalize, expert_inter;
     LinearWeights router;                       /* dense panels, [experts, hidden] */
@@ -202,11 +203,11 @@ static void program_member(const ProgramRun *run, const Member *me) {
                 add_rms_norm_rows(k, NULL, layer->k_norm, k, 0, s->kv_heads, s->head_dim, s->eps);
             }
         rope_and_cache_rows(run->qkv, qkv_width, run->positions, s->rope_table, layer->k_cache,
-                            layer->v_cache, run->slots, t0, t1, s->heads, s->kv_heads,
-                            s->head_dim);
+                            layer->v_cache, layer->kv_format, run->slots, t0, t1, s->heads,
+                            s->kv_heads, s->head_dim);
         team_barrier(me);
         decode_attention_part(run->qkv, qkv_width, layer->k_cache, layer->v_cache,
-                              run->block_tables, run->bt_stride, run->seq_lens, T, s->heads,
+                              layer->kv_format, run->block_tables, run->bt_stride, run->seq_lens, T, s->heads,
                               s->kv_heads, s->head_dim, s->block_size, s->scale, s->window,
                               run->attn, run->attention_offsets, run->attention_partials,
                               run->attention_done + l * T, run->attention_tasks + l, me);

@@ -142,16 +142,19 @@ void add_rms_norm_f32(const float *x, float *residual, const float *weight, floa
                       int64_t T, int64_t N, float eps, int64_t threads);
 void add_rms_norm_rows(const float *x, float *residual, const float *weight, float *out,
                        int64_t t0, int64_t t1, int64_t N, float eps);
+/* a KV cache's values: float32, or FP8 bytes (engine.kv_cache_dtype=fp8_e4m3 | fp8_e5m2) */
+enum { KV_FLOAT32 = 0, KV_E4M3 = 1, KV_E5M2 = 2 };
 void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions,
-                        const float *table, float *k_cache, float *v_cache,
+                        const float *table, void *k_cache, void *v_cache, int64_t kv_format,
                         const int64_t *slots, int64_t T, int64_t H, int64_t KVH, int64_t D,
                         int64_t threads);
 void rope_and_cache_rows(float *qkv, int64_t qkv_stride, const int64_t *positions,
-                         const float *table, float *k_cache, float *v_cache,
+                         const float *table, void *k_cache, void *v_cache, int64_t kv_format,
                          const int64_t *slots, int64_t t0, int64_t t1, int64_t H, int64_t KVH,
                          int64_t D);
-void decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
-                          const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+void decode_attention_f32(const float *q, int64_t q_stride, const void *k_cache,
+                          const void *v_cache, int64_t kv_format,
+                          const int32_t *block_tables, int64_t bt_stride,
                           const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                           int64_t BS, float scale, int64_t window, int64_t threads,
                           float *out);
@@ -162,8 +165,9 @@ int64_t decode_attention_tasks(const int32_t *seq_lens, int64_t B, int64_t windo
 int64_t decode_attention_scratch(int64_t tasks, int64_t B, int64_t H, int64_t D);
 /* offsets from decode_attention_tasks; partials: decode_attention_scratch floats; done [B] and
  * next_task zero before the first member calls it (the members take tasks from next_task) */
-void decode_attention_part(const float *q, int64_t q_stride, const float *k_cache,
-                           const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+void decode_attention_part(const float *q, int64_t q_stride, const void *k_cache,
+                           const void *v_cache, int64_t kv_format,
+                           const int32_t *block_tables, int64_t bt_stride,
                            const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH,
                            int64_t D, int64_t BS, float scale, int64_t window, float *out,
                            int64_t *offsets, float *partials, _Atomic int64_t *done,
