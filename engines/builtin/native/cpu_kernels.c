@@ -35,7 +35,7 @@ static inline float exp_f32(float x) {
  * value (a table, filled once), and a float rounded to the nearest FP8 value, ties to even,
  * past the largest finite value clamped to it, as torch's clamp-then-convert writes the cache
  * (engines/builtin/kv_cache/storage.py `to_fp8`; the tests compare every byte with torch's). */
-static float fp8_value[3][256];
+float fp8_value[3][256];
 
 __attribute__((constructor)) static void fill_fp8_values(void) {
     for (int b = 0; b < 256; b++) {

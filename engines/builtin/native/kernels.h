@@ -144,6 +144,9 @@ void add_rms_norm_rows(const float *x, float *residual, const float *weight, flo
                        int64_t t0, int64_t t1, int64_t N, float eps);
 /* a KV cache's values: float32, or FP8 bytes (engine.kv_cache_dtype=fp8_e4m3 | fp8_e5m2) */
 enum { KV_FLOAT32 = 0, KV_E4M3 = 1, KV_E5M2 = 2 };
+/* every FP8 byte's value, [KV_E4M3 | KV_E5M2][byte] (cpu_kernels.c; the FP8 weights' kernels
+ * read the e4m3 row too) */
+extern float fp8_value[3][256];
 void rope_and_cache_f32(float *qkv, int64_t qkv_stride, const int64_t *positions,
                         const float *table, void *k_cache, void *v_cache, int64_t kv_format,
                         const int64_t *slots, int64_t T, int64_t H, int64_t KVH, int64_t D,

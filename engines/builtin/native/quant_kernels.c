@@ -107,18 +107,10 @@ static inline float half_dot(const uint16_t *h, const float *v, int64_t count) {
     return total;
 }
 
-/* Every FP8 (e4m3) value / 256, by its byte: the portable kernels' widening (sign, 4 exponent
- * bits of bias 7 and 3 mantissa bits; exponent 0 is subnormal). */
-static float fp8_over_256[256];
-
-__attribute__((constructor)) static void fill_fp8_table(void) {
-    for (int b = 0; b < 256; b++) {
-        const int exponent = (b >> 3) & 15, mantissa = b & 7;
-        const float value = exponent ? ldexpf((float)(8 + mantissa), exponent - 18)
-                                     : ldexpf((float)mantissa, -17);
-        fp8_over_256[b] = (b & 0x80) ? -value : value;
-    }
-}
+/* An FP8 (e4m3) weight's value / 256, by its byte: the portable kernels' widening, from
+ * cpu_kernels.c's table of the values (the vector kernels widen through float16, whose value
+ * is the byte's / 256: the same numbers, exactly). */
+static inline float fp8_over_256(uint8_t byte) { return fp8_value[KV_E4M3][byte] * 0.00390625f; }
 
 #define QW 4
 #define QSUFFIX _vec4
@@ -191,7 +183,7 @@ static void f8_rows_portable(const float *x, const uint8_t *q, const float *scal
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m = 0; m < M; m++) {
             float acc = 0.0f;
-            for (int64_t k = 0; k < K; k++) acc += fp8_over_256[q[n * K + k]] * x[m * K + k];
+            for (int64_t k = 0; k < K; k++) acc += fp8_over_256(q[n * K + k]) * x[m * K + k];
             y[m * N + n] = acc * (scale[n] * 256.0f) + (bias != NULL ? bias[n] : 0.0f);
         }
 }

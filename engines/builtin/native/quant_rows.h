@@ -123,7 +123,7 @@ static inline QFN(fvec) QFN(f8_widen)(const uint8_t *q) {
 #endif
 #else
     QFN(fvec) w;
-    for (int i = 0; i < QW; i++) w[i] = fp8_over_256[q[i]];
+    for (int i = 0; i < QW; i++) w[i] = fp8_over_256(q[i]);
     return w;
 #endif
 }
@@ -241,7 +241,7 @@ static inline __attribute__((always_inline)) void QFN(q8_row)(const int R, const
         for (int a = 1; a < QACC; a++) sum += acc[r][a];
         float s = QFN(hsum)(sum);
         for (int64_t t = k; t < K; t++)
-            s += (fp8 ? fp8_over_256[(uint8_t)q[t]] : (float)q[t]) * x[r * K + t];
+            s += (fp8 ? fp8_over_256((uint8_t)q[t]) : (float)q[t]) * x[r * K + t];
         out[r] = s;
     }
 }
@@ -487,7 +487,7 @@ static inline __attribute__((always_inline)) void QFN(w8_dequantize_row)(const i
     const QFN(fvec) s = (QFN(fvec)){0} + scale;
     int64_t k = 0;
     for (; k + QW <= K; k += QW) *(QFN(fvec_u) *)(out + k) = QFN(w8_widen)(q + k, fp8) * s;
-    for (; k < K; k++) out[k] = (fp8 ? fp8_over_256[(uint8_t)q[k]] : (float)q[k]) * scale;
+    for (; k < K; k++) out[k] = (fp8 ? fp8_over_256((uint8_t)q[k]) : (float)q[k]) * scale;
 }
 
 static inline void QFN(q8_dequantize_row)(const int8_t *q, float scale, int64_t K, float *out) {
