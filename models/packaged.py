@@ -36,8 +36,9 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 #: a packaged model's file re-encoded, built once into the cache: name -> (the packaged model,
 #: the kind). GGUF files (models/gguf_quantize.py `derived_gguf`): the K-quant mixes and Q8_0
 #: people download from llama.cpp's side, and F16, the float reference they are made from.
-#: Hugging Face folders (models/hf_quantize.py `derived_folder`): f32, and the AWQ, GPTQ and
-#: compressed-tensors (W4A16, W8A16, FP8) checkpoints people download from vLLM's side.
+#: Hugging Face folders (models/hf_quantize.py `derived_folder`): f32, and the AWQ, GPTQ,
+#: compressed-tensors (W4A16, W8A16, FP8) and vLLM fp8 checkpoints people download from vLLM's
+#: side.
 DERIVED_GGUF_KINDS = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")
 DERIVED_FOLDER_KINDS = ("f32", *FOLDER_FORMATS)
 DERIVED_MODELS: dict[str, tuple[str, str]] = {
