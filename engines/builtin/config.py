@@ -442,15 +442,6 @@ def _lora_options_need_enable_lora(config: EngineConfig) -> None:
         )
 
 
-def _fp8_kv_needs_a_dense_attention_backend(config: EngineConfig) -> None:
-    if config.kv_cache_dtype.startswith("fp8") and config.attention_backend == "triton":
-        raise ConfigError(
-            f"engine.kv_cache_dtype={config.kv_cache_dtype!r} is read by the CPU kernels and "
-            "the dense attention paths, not attention_backend='triton'; allowed: "
-            "auto|torch|sdpa|cpu (or kv_cache_dtype=auto|int8)"
-        )
-
-
 def _a_whole_prompt_fits_one_step(config: EngineConfig) -> None:
     if (
         not config.enable_chunked_prefill
@@ -475,5 +466,4 @@ _RULES = (
     _prefix_caching_needs_paged_kv_and_continuous_batching,
     _a_whole_prompt_fits_one_step,
     _lora_options_need_enable_lora,
-    _fp8_kv_needs_a_dense_attention_backend,
 )

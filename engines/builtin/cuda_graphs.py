@@ -227,6 +227,7 @@ class _EagerAttention:
         self.fixed_shapes: bool = getattr(inner, "fixed_shapes", False)
         self.kv_cache_class: type[LayerKVCache] = getattr(inner, "kv_cache_class", LayerKVCache)
         self.caps_scores: bool = getattr(inner, "caps_scores", False)
+        self.reads_fp8_kv: bool = getattr(inner, "reads_fp8_kv", False)
         # wrapped here, not by a decorator: torch.compiler.disable imports torch._dynamo
         # (seconds), which every process importing the engine would pay, compiled or not
         self._eager = torch.compiler.disable(self._inner_call)

@@ -230,6 +230,13 @@ class ModelRunner:
             config.native_kernels,
         )
         self.attention = make_attention(self.attention_backend)
+        if config.kv_cache_dtype.startswith("fp8") and not self.attention.reads_fp8_kv:
+            raise ValueError(
+                f"engine.kv_cache_dtype={config.kv_cache_dtype!r} is read by the CPU kernels "
+                f"and the dense attention paths, not attention_backend="
+                f"{self.attention_backend!r}; allowed: auto|torch|sdpa|cpu (or "
+                "kv_cache_dtype=auto|int8)"
+            )
         cap = self.model_config.attn_logit_softcapping
         if cap is not None and not self.attention.caps_scores:
             raise ValueError(

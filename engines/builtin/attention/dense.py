@@ -43,6 +43,10 @@ class AttentionBackend(Protocol):
     def caps_scores(self) -> bool:
         """Whether it attends with AttentionMetadata.logit_softcap (Gemma 2's soft cap)."""
 
+    @property
+    def reads_fp8_kv(self) -> bool:
+        """Whether it reads an FP8 KV cache (engine.kv_cache_dtype=fp8*)."""
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -156,6 +160,7 @@ class DenseAttention:
     fixed_shapes = False  # the K/V gather changes shape every step
     kv_cache_class = LayerKVCache
     caps_scores = True  # through `softcapped` where its own kernel does not
+    reads_fp8_kv = True  # the gather widens an FP8 cache (and the C kernel reads it)
 
     def __init__(self, name: str, kernel: Kernel, softcap: float | None = None) -> None:
         """`softcap`: the soft cap `kernel` applies (layers whose metadata asks for another

@@ -25,6 +25,7 @@ class TritonAttention:
     name = "triton"
     fixed_shapes = True
     caps_scores = False  # its kernels take no soft cap (Gemma 2's layers are refused)
+    reads_fp8_kv = False  # its kernels load float or INT8 K/V tiles
 
     @property
     def kv_cache_class(self) -> type[LayerKVCache]:

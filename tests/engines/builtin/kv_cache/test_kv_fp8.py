@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.base import ConfigError
 from engines.builtin import LLM, SamplingParams, native
 from engines.builtin.kv_cache.storage import LayerKVCache, to_fp8
 
@@ -139,7 +138,7 @@ def test_fp8_kv_is_one_byte_an_element() -> None:
 
 
 def test_fp8_kv_names_what_reads_it() -> None:
-    with pytest.raises(ConfigError, match=r"kv_cache_dtype='fp8'.*allowed: auto\|torch\|sdpa\|cpu"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'.*allowed: auto\|torch\|sdpa\|cpu"):
         LLM("tiny", kv_cache_dtype="fp8", attention_backend="triton")
     with pytest.raises(ValueError, match=r"kv_cache_dtype: 'fp4'; allowed: auto\|int8\|fp8"):
         LayerKVCache(1, 4, 1, 8, torch.float32, torch.device("cpu"), "fp4")
