@@ -23,6 +23,25 @@ def linears(model: Any) -> dict[str, torch.nn.Linear]:
     }
 
 
+def small_llama(seed: int = 0) -> Any:
+    """A Llama whose rows hold whole groups of 128 (hidden 256, intermediate 512), weights far
+    from transformers' init, eager attention (the plain reference path)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.08 if p.dim() > 1 else 0.2) + (p.dim() == 1))
+    return model
+
+
 def float_folder(model: Any, folder: Path) -> Path:
     model.save_pretrained(folder)
     write_word_tokenizer(folder, model.config.vocab_size)

@@ -11,7 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from quantized_folders import write_awq, write_compressed_tensors, write_fp8, write_gptq
+from quantized_folders import (
+    small_llama,
+    write_awq,
+    write_compressed_tensors,
+    write_fp8,
+    write_gptq,
+)
 from transformers_greedy import hf_greedy
 
 from engines.builtin import LLM, SamplingParams
@@ -23,23 +29,6 @@ from models.quantized_weight import QuantizedWeight
 pytest.importorskip("compressed_tensors", reason="the dev extra: make setup-dev")
 
 PROMPTS = [[5, 17, 99, 3, 250, 31], [7, 8, 9], [200, 100, 50, 25, 12, 6, 3, 1, 4, 1, 5]]
-
-
-def small_llama(seed: int = 0) -> Any:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * (0.08 if p.dim() > 1 else 0.2) + (p.dim() == 1))
-    return model
 
 
 def engine(path: Path, **options: object) -> LLM:
