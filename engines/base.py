@@ -173,6 +173,10 @@ class Finished(RequestEvent):
     structured_forced_tokens: int | None = None
     # a request with tools: the answer's tool calls and the content left beside them
     tool_output: ToolCallOutput | None = None
+    # of cached_prompt_tokens, those loaded back from a KV tier (host memory, disk) rather than
+    # found in the device's pool (None: a backend that does not say)
+    cached_prompt_tokens_host: int | None = None
+    cached_prompt_tokens_disk: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +245,14 @@ class StepRecord:
     comm_bytes: int = 0
     broadcast_ns: int = 0
     broadcast_bytes: int = 0
+    # KV tiers (engine.kv_host_tier_bytes, kv_disk_tier_bytes): evicted blocks' bytes saved from
+    # the pool and tier hits' bytes loaded into it before the forward, the time that took, and
+    # the disk tier's reads while matching prefixes this step (its writes run on a thread)
+    kv_bytes_saved: int = 0
+    kv_bytes_loaded: int = 0
+    kv_transfer_ns: int = 0
+    kv_disk_read_bytes: int = 0
+    kv_disk_read_ns: int = 0
 
 
 StepObserver = Callable[[StepRecord], None]

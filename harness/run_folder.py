@@ -201,6 +201,9 @@ REQUEST_COLUMNS = [
     "num_prefill_chunks",
     "num_preemptions",
     "cached_prompt_tokens",
+    # of those, loaded back from a KV tier (engine.kv_host_tier_bytes, kv_disk_tier_bytes)
+    "cached_prompt_tokens_host",
+    "cached_prompt_tokens_disk",
     "prefix_group",
     "session_id",
     "turn",
@@ -279,6 +282,13 @@ STEP_COLUMNS = [
     "comm_bytes",
     "broadcast_s",
     "broadcast_bytes",
+    # KV tiers: evicted blocks saved from the pool, tier hits loaded into it (bytes), the time
+    # that took before the forward, and the disk tier's reads while matching prefixes
+    "kv_bytes_saved",
+    "kv_bytes_loaded",
+    "kv_transfer_s",
+    "kv_disk_read_bytes",
+    "kv_disk_read_s",
     # the roofline (harness/measuring/roofline.py), added when the run finishes; NaN where it
     # does not apply
     "flops",

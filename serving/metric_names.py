@@ -159,7 +159,9 @@ class MetricSpec:
     buckets: Buckets = ()  # histograms: inferlab_'s bounds
     vllm_buckets: Buckets = ()  # and vLLM's
     scraped: bool = False  # read at scrape time (engine snapshot, admission count)
-    needs: Literal["spec_decode", "prefix_caching"] | None = None  # exported only with it
+    needs: Literal["spec_decode", "prefix_caching", "kv_tiers"] | None = (
+        None  # exported only with it
+    )
 
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -239,6 +241,42 @@ METRICS: tuple[MetricSpec, ...] = (
         "Prefix cache hits, in tokens: of the queried tokens, those found cached.",
         scraped=True,
         needs="prefix_caching",
+    ),
+    MetricSpec(
+        "kv_host_tier_hits",
+        "counter",
+        "inferlab_kv_host_tier_hits_total",
+        (),
+        "KV tiers: prompt tokens loaded back from the host-memory tier instead of recomputed.",
+        scraped=True,
+        needs="kv_tiers",
+    ),
+    MetricSpec(
+        "kv_host_tier_blocks",
+        "gauge",
+        "inferlab_kv_host_tier_blocks",
+        (),
+        "KV tiers: blocks the host-memory tier holds.",
+        scraped=True,
+        needs="kv_tiers",
+    ),
+    MetricSpec(
+        "kv_disk_tier_hits",
+        "counter",
+        "inferlab_kv_disk_tier_hits_total",
+        (),
+        "KV tiers: prompt tokens loaded back from the disk tier instead of recomputed.",
+        scraped=True,
+        needs="kv_tiers",
+    ),
+    MetricSpec(
+        "kv_disk_tier_blocks",
+        "gauge",
+        "inferlab_kv_disk_tier_blocks",
+        (),
+        "KV tiers: blocks the disk tier holds.",
+        scraped=True,
+        needs="kv_tiers",
     ),
     # ---- counted as requests stream ------------------------------------------------------------
     MetricSpec(

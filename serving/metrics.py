@@ -88,6 +88,7 @@ class ServerMetrics:
         features = {
             "spec_decode": spec_positions > 0,
             "prefix_caching": bool(engine.config.enable_prefix_caching),
+            "kv_tiers": engine.kv.tiers is not None,
         }
         scraped: list[Scraped] = []
         for spec in METRICS:
@@ -160,6 +161,10 @@ class ServerMetrics:
             "num_preemptions": stats.num_preemptions,
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
+            "kv_host_tier_hits": stats.kv_tier_hits[0],
+            "kv_disk_tier_hits": stats.kv_tier_hits[1],
+            "kv_host_tier_blocks": stats.kv_tier_blocks[0],
+            "kv_disk_tier_blocks": stats.kv_tier_blocks[1],
         }
 
     def render(self) -> bytes:

@@ -124,6 +124,25 @@ class EngineConfig(Options):
     enable_prefix_caching: bool = option(
         False, help="paged KV: share the blocks of a common prompt prefix"
     )
+    kv_host_tier_bytes: int = option(
+        0,
+        ge=0,
+        help="prefix caching: host memory that keeps full blocks evicted from the KV pool "
+        "(least recently used first out), so a later prompt with the same prefix loads them "
+        "back instead of recomputing them (vLLM's CPU offloading, LMCache's CPU backend); 0: "
+        "none (docs/kv_cache.md, Tiers)",
+    )
+    kv_disk_tier_bytes: int = option(
+        0,
+        ge=0,
+        help="prefix caching: disk space for blocks evicted from the host tier (or straight from "
+        "the pool without one), checksummed files written off the step loop; 0: none",
+    )
+    kv_disk_tier_path: str | None = option(
+        None,
+        help="where the disk tier makes its own folder, removed when the engine closes; None: "
+        "the system's temporary folder",
+    )
     hybrid_kv_cache: bool = option(
         True,
         help="paged KV on a model whose layers keep different windows (Gemma 2/3): one block "
@@ -403,6 +422,33 @@ def _prefix_caching_needs_paged_kv_and_continuous_batching(config: EngineConfig)
         )
 
 
+def _kv_tiers_need_prefix_caching(config: EngineConfig) -> None:
+    if config.kv_disk_tier_path is not None and (
+        not config.kv_disk_tier_bytes or not config.kv_disk_tier_path.strip()
+    ):
+        raise ConfigError(
+            f"engine.kv_disk_tier_path={config.kv_disk_tier_path!r} is for a disk tier; "
+            "allowed: an existing folder with engine.kv_disk_tier_bytes > 0, or null"
+        )
+    tiers = [
+        f"{key}={getattr(config, key)}"
+        for key in ("kv_host_tier_bytes", "kv_disk_tier_bytes")
+        if getattr(config, key)
+    ]
+    if not tiers:
+        return
+    if not config.enable_prefix_caching:
+        raise ConfigError(
+            f"engine.{' and '.join(tiers)} keep prefix-cached blocks evicted from the KV pool "
+            "and need engine.enable_prefix_caching=true (and kv_cache=paged); or set them to 0"
+        )
+    if config.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"engine.{' and '.join(tiers)} run on one rank; allowed with them: "
+            f"tensor_parallel_size=1, not {config.tensor_parallel_size}"
+        )
+
+
 def _lora_options_need_enable_lora(config: EngineConfig) -> None:
     modules = config.lora_modules
     if not isinstance(modules, dict) or not all(
@@ -464,6 +510,7 @@ _RULES = (
     _speculation_needs_continuous_batching,
     _chunked_prefill_needs_continuous_batching_and_a_cache,
     _prefix_caching_needs_paged_kv_and_continuous_batching,
+    _kv_tiers_need_prefix_caching,
     _a_whole_prompt_fits_one_step,
     _lora_options_need_enable_lora,
 )

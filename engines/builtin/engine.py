@@ -46,10 +46,11 @@ from engines.builtin.distributed.launch import (
 from engines.builtin.distributed.rendezvous import STARTUP_TIMEOUT_S
 from engines.builtin.distributed.shard import check_int4_groups, shard_for
 from engines.builtin.distributed.worker import EngineMessage, serve_if_worker_rank
-from engines.builtin.kv_cache import KVCacheManager
+from engines.builtin.kv_cache import KVCacheManager, PagedKVCacheManager
 from engines.builtin.kv_cache.groups import KVGroups, kv_groups
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
 from engines.builtin.kv_cache.storage import kv_element_bytes
+from engines.builtin.kv_cache.tiers import build_tier_store
 from engines.builtin.limits import EngineLimits, token_limits
 from engines.builtin.lora.manager import LoRAManager
 from engines.builtin.model_runner import LogitsObserver, ModelRunner
@@ -252,6 +253,30 @@ class LLMEngine:
             )
             self.runner.peers = self.peers.channel
         self.runner.allocate_kv_cache(self.kv.layout, ring, self.limits, groups)
+        if config.kv_host_tier_bytes or config.kv_disk_tier_bytes:
+            self._attach_kv_tiers()
+
+    def _attach_kv_tiers(self) -> None:
+        """The host and disk tiers behind the prefix cache (kv_cache/tiers.py)."""
+        config = self.config
+        if self.kv_groups is not None or not isinstance(self.kv, PagedKVCacheManager):
+            raise ConfigError(
+                "engine.kv_host_tier_bytes / kv_disk_tier_bytes keep one block table's blocks; "
+                f"{config.model}'s layers keep different windows (a hybrid cache); "
+                "allowed with it: engine.hybrid_kv_cache=false, or no tiers"
+            )
+        block_bytes = sum(
+            plane[0].numel() * plane.element_size()
+            for cache in self.runner.kv_caches
+            for plane in cache.planes
+        )
+        store = build_tier_store(
+            block_bytes,
+            config.kv_host_tier_bytes,
+            config.kv_disk_tier_bytes,
+            config.kv_disk_tier_path,
+        )
+        self.kv.attach_tiers(store)
 
     def _build_step_parts(self) -> None:
         """What a step goes through besides the runner: the scheduler, the requests'
@@ -460,6 +485,9 @@ class LLMEngine:
             return
         self.closed = True
         self._end_ranks()
+        kv = self.__dict__.get("kv")
+        if kv is not None and kv.tiers is not None:
+            kv.tiers.close()
         proposer = self.__dict__.get("proposer")
         if proposer is not None:
             proposer.close()
@@ -561,7 +589,18 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            **self._tier_gauges(),
         )
+
+    def _tier_gauges(self) -> dict[str, tuple[int, int]]:
+        kv = self.kv
+        if not isinstance(kv, PagedKVCacheManager) or kv.tiers is None:
+            return {}
+        hits = self.scheduler.prefix_tier_hits
+        return {
+            "kv_tier_hits": (hits.get("host", 0), hits.get("disk", 0)),
+            "kv_tier_blocks": (kv.tiers.host_blocks, kv.tiers.disk_blocks),
+        }
 
     def add_logits_observer(self, observer: LogitsObserver) -> None:
         """Call `observer(plan, logits)` on every step with the float32 logits of every token
@@ -820,6 +859,10 @@ class LLMEngine:
         events += self._fail_unreadable_adapters(start)
         proposals = self._propose() if self.proposer is not None else {}
         plan = self.scheduler.schedule(proposals)
+        try:
+            self._move_kv_blocks(plan)
+        except Exception as exc:
+            return events + self.output.schedule_events(plan, start) + self._fail_step(plan, exc)
         if plan.is_empty:  # its preemptions (idle beams giving way) are still news
             return (
                 events
@@ -849,6 +892,13 @@ class LLMEngine:
         if self.step_observers:
             self._report_step(plan, start, end, logits_tokens)
         return events
+
+    def _move_kv_blocks(self, plan: StepPlan) -> None:
+        """KV tiers: the plan's block saves and loads, which must run even when it schedules
+        nothing (the runner's transfer_blocks)."""
+        self.runner.last_transfer_ns = 0
+        if plan.kv_transfers:
+            self.runner.transfer_blocks(plan.kv_transfers, self.kv)
 
     def _search(self, step: int) -> tuple[list[BeamGroup], list[RequestEvent]]:
         """The step's beam candidates into their groups: the groups whose search ended, and
@@ -915,6 +965,9 @@ class LLMEngine:
             if self.structured is None
             else (self.structured.last_mask_rows, self.structured.last_mask_ns),
             self.runner.model.expert_tokens() if self.model_config.num_experts else ((), 0, 0),
+            (0, 0, 0)
+            if self.kv.tiers is None
+            else (self.runner.last_transfer_ns, *self.kv.tiers.take_step_reads()),
         )
         for observer in self.step_observers:
             observer(record)

@@ -60,6 +60,8 @@ class FinalOutputs:
                     text,
                     index,
                     cumulative_logprob=hyp.cumulative_logprob,
+                    cached_prompt_tokens_host=first.tier_prompt_tokens.get("host"),
+                    cached_prompt_tokens_disk=first.tier_prompt_tokens.get("disk"),
                 )
             )
         # none left to return (every candidate masked): the rest end empty

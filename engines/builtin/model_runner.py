@@ -32,6 +32,8 @@ from engines.builtin.decode_program import DecodeProgram, unavailable_reason
 from engines.builtin.distributed.group import ControlChannel, TPGroup
 from engines.builtin.kv_cache import KVCacheManager, KVLayout, LayerKVCache
 from engines.builtin.kv_cache.groups import KVGroups
+from engines.builtin.kv_cache.storage import read_blocks, write_blocks
+from engines.builtin.kv_cache.tiers import BlockTransfer
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import PrepackedDenseMethod
 from engines.builtin.limits import EngineLimits
@@ -130,6 +132,7 @@ class ModelRunner:
         self.forward_timer = platform.timer()
         self.last_forward_ns = 0  # model forward + sampling of the last step, device time
         self.last_gather_ns = 0  # of which gathering K/V out of the cache (dense attention)
+        self.last_transfer_ns = 0  # KV tier saves and loads before the last step's forward
         # tensor parallelism: the last step's (ns, bytes) in collectives and in its broadcast
         self.last_comm = (0, 0)
         self.last_broadcast = (0, 0)
@@ -645,6 +648,42 @@ class ModelRunner:
         logits = self._logits(plan, packed, input_ids, meta, logits_indices)
         return logits if logits is not None else torch.empty(0, self.sample_vocab_size)
 
+    def transfer_blocks(self, transfers: list[BlockTransfer], kv: KVCacheManager) -> None:
+        """KV tiers: save evicted blocks' bytes to the store and load tier hits into their
+        blocks, in the order the scheduler decided them; before the step's copies and forward
+        (a copy's destination may be a block loaded, given back and reused in this plan: the
+        copy, later, wins), and for every plan, an empty one too (its admissions may have been
+        given back after their loads were planned). A save that fails is dropped (nothing
+        loads it); a load that fails uncaches its blocks and fails the step
+        (`abandon_transfers`)."""
+        store = kv.tiers
+        assert store is not None
+        start = self.platform.now_ns()
+        pending = _runs_of_one_kind(transfers)
+        try:
+            while pending:
+                run = pending[0]
+                blocks, keys = [t.block for t in run], [t.key for t in run]
+                if run[0].kind == "load":
+                    write_blocks(self.kv_caches, blocks, [store.payload(key) for key in keys])
+                    for key in keys:
+                        store.release(key)
+                else:
+                    try:
+                        payloads = read_blocks(self.kv_caches, blocks)
+                    except Exception:
+                        payloads = []
+                        kv.abandon_transfers(run)
+                    for key, payload in zip(keys, payloads, strict=False):
+                        store.fill(key, payload)
+                pending.pop(0)
+        except BaseException:
+            kv.abandon_transfers([t for run in pending for t in run])
+            raise
+        finally:
+            self.platform.synchronize()
+            self.last_transfer_ns = self.platform.now_ns() - start
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: give a sequence its own copy of a shared, partially filled block."""
         src = torch.tensor([s for s, _ in pairs], device=self.device)
@@ -966,3 +1005,18 @@ def _all_finite(logits: torch.Tensor) -> torch.Tensor:
         return torch.tensor(True, device=logits.device)
     low, high = torch.aminmax(logits)
     return torch.isfinite(low) & torch.isfinite(high)
+
+
+def _runs_of_one_kind(transfers: list[BlockTransfer]) -> list[list[BlockTransfer]]:
+    """Consecutive transfers of the same kind, in order, none naming a block twice (a block
+    loaded, given back and loaded again with other content in one step starts a new run)."""
+    runs: list[list[BlockTransfer]] = []
+    blocks: set[int] = set()
+    for transfer in transfers:
+        if runs and runs[-1][0].kind == transfer.kind and transfer.block not in blocks:
+            runs[-1].append(transfer)
+        else:
+            runs.append([transfer])
+            blocks = set()
+        blocks.add(transfer.block)
+    return runs

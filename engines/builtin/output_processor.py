@@ -255,6 +255,8 @@ class OutputProcessor:
             structured_compile_ns=None if seq.grammar is None else seq.grammar_compile_ns,
             structured_cache_hit=seq.grammar_cache_hit,
             structured_forced_tokens=None if seq.grammar is None else seq.grammar_forced_tokens,
+            cached_prompt_tokens_host=seq.tier_prompt_tokens.get("host"),
+            cached_prompt_tokens_disk=seq.tier_prompt_tokens.get("disk"),
         )
 
     def forget(self, seq: Sequence) -> None:

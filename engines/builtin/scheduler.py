@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.kv_cache import KVCacheManager
+from engines.builtin.kv_cache.tiers import BlockTransfer
 from engines.builtin.limits import EngineLimits
 from engines.builtin.sequence import Sequence, SequenceStatus
 from engines.builtin.spec_decode.proposer import Proposal
@@ -113,6 +114,8 @@ class StepPlan:
     allocated_blocks: dict[int, list[int]] = field(default_factory=dict)
     freed_blocks: list[int] = field(default_factory=list)
     copied_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # KV tiers: evicted blocks to save and tier hits to load, in order, before the copies
+    kv_transfers: list[BlockTransfer] = field(default_factory=list)
     padding_rows: list[PaddingRow] = field(default_factory=list)  # static batching only
     padding_tokens: int = 0
     num_waiting: int = 0
@@ -186,6 +189,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.prefix_tier_hits: dict[str, int] = {}  # of those, loaded back from each KV tier
         # Aborted sequences (a cancelled request, a client gone) and when their KV memory came
         # back, in steps started between the abort and the free: the claim that an abort frees
         # its blocks before the next step (0) is then a number a run shows, not an assumption
@@ -249,6 +253,7 @@ class Scheduler:
             self._schedule_continuous(plan, proposals or {})
         plan.num_waiting = len(self.waiting)
         plan.copied_blocks = self.kv.take_copies()  # copy-on-write, done before the forward
+        plan.kv_transfers = self.kv.take_transfers()
         if plan.scheduled:
             self.step_counter += 1
         return plan
@@ -315,6 +320,12 @@ class Scheduler:
             if self.prefix_caching:  # counted once admitted: a lookup given back is retried
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += cached
+                # KV tiers (empty without them; the last match's only when it found some):
+                # every admission's loads, a readmission's after a preemption too
+                for tier in self.kv.last_match_tiers:
+                    loaded = self.kv.last_match_tiers[tier] if cached else 0
+                    seq.tier_prompt_tokens[tier] = seq.tier_prompt_tokens.get(tier, 0) + loaded
+                    self.prefix_tier_hits[tier] = self.prefix_tier_hits.get(tier, 0) + loaded
             self.waiting.remove(seq)
             self._allocate(seq, total, plan)
             self._admit(seq, plan)

@@ -47,6 +47,9 @@ class Sequence:
     first_scheduled_step: int | None = None
     num_preemptions: int = 0
     cached_prompt_tokens: int = 0
+    #: prompt tokens loaded back from each KV tier (tiers.py), over every admission (a request
+    #: preempted and readmitted loads again): {"host": n, "disk": m}; empty without tiers
+    tier_prompt_tokens: dict[str, int] = field(default_factory=dict)
     #: SamplingParams.prompt_logprobs: the prompt tokens' so far (None for the first), chunk by
     #: chunk; None once reported (a recompute after preemption does not report them again)
     prompt_logprobs: list[TokenLogprob | None] | None = field(default=None)
@@ -99,6 +102,7 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.first_scheduled_step = self.first_scheduled_step
         child.cached_prompt_tokens = self.cached_prompt_tokens
+        child.tier_prompt_tokens = dict(self.tier_prompt_tokens)
         child.prompt_logprobs = None
         child.bad_words_token_ids = self.bad_words_token_ids
         return child

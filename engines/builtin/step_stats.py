@@ -29,6 +29,9 @@ class EngineGauges:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # KV tiers (host, disk): prompt tokens loaded back from each since load, blocks each holds
+    kv_tier_hits: tuple[int, int] = (0, 0)
+    kv_tier_blocks: tuple[int, int] = (0, 0)
 
 
 def logits_rows(plan: StepPlan) -> int:
@@ -53,12 +56,15 @@ def step_record(
     broadcast: tuple[int, int] = (0, 0),
     structured: tuple[int, int] = (0, 0),
     experts: tuple[tuple[int, ...], int, int] = ((), 0, 0),
+    tiers: tuple[int, int, int] = (0, 0, 0),
 ) -> StepRecord:
     """The record of a step as it was executed; KV figures as of its end. `comm`, `broadcast`:
     (ns, bytes) of the step's collectives and of its broadcast to the other tensor-parallel
     ranks; `experts`: a mixture-of-experts forward's tokens per expert, experts touched and
-    the experts' MLPs' time (ns)."""
+    the experts' MLPs' time (ns); `tiers`: the KV tiers' (transfer ns, disk read bytes, disk
+    read ns)."""
     num_decodes = plan.num_decodes
+    block_bytes = kv.block_size * kv.layout.bytes_per_token
     rows_per_adapter: dict[str, int] = {}
     for item in plan.scheduled:
         if item.seq.lora_name is not None:
@@ -81,7 +87,12 @@ def step_record(
         num_running=num_running,
         kv_blocks_used=kv.num_blocks_in_use,
         kv_blocks_shared=kv.num_shared_blocks,
-        kv_bytes_copied=len(plan.copied_blocks) * kv.block_size * kv.layout.bytes_per_token,
+        kv_bytes_copied=len(plan.copied_blocks) * block_bytes,
+        kv_bytes_saved=sum(t.kind == "save" for t in plan.kv_transfers) * block_bytes,
+        kv_bytes_loaded=sum(t.kind == "load" for t in plan.kv_transfers) * block_bytes,
+        kv_transfer_ns=tiers[0],
+        kv_disk_read_bytes=tiers[1],
+        kv_disk_read_ns=tiers[2],
         structured_rows=structured[0],
         structured_mask_ns=structured[1],
         lora_adapters=len(rows_per_adapter),

@@ -364,6 +364,23 @@ register(
     "deterministic",
     "prompt tokens served from the prefix cache / prompt tokens",
 )
+for _tier in ("host", "disk"):
+    register(
+        f"kv_tier_hit_rate_{_tier}",
+        "fraction",
+        "higher",
+        "deterministic",
+        f"KV tiers: prompt tokens loaded back from the {_tier} tier instead of recomputed, "
+        "over every admission (a preempted request's readmission too) / prompt tokens",
+    )
+register(
+    "kv_transfer_fraction",
+    "fraction",
+    "lower",
+    "timing",
+    "KV tiers: time moving blocks between the pool and the tiers before the forward, and "
+    "reading the disk tier, / the steps' time",
+)
 register(
     "kv_bytes_per_token",
     "B",
@@ -840,6 +857,15 @@ def kv_summary(steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, Any]:
         out["prefix_cache_hit_rate"] = float(
             requests["cached_prompt_tokens"].fillna(0).sum() / prompt
         )
+        for tier in ("host", "disk"):
+            column = f"cached_prompt_tokens_{tier}"
+            if column in requests and requests[column].notna().any():
+                out[f"kv_tier_hit_rate_{tier}"] = float(requests[column].fillna(0).sum() / prompt)
+    if len(steps) and "kv_transfer_s" in steps and steps["kv_bytes_saved"].fillna(0).sum():
+        moving = steps["kv_transfer_s"].fillna(0).sum() + steps["kv_disk_read_s"].fillna(0).sum()
+        busy = (steps["end_s"] - steps["start_s"]).sum()
+        if busy > 0:
+            out["kv_transfer_fraction"] = float(moving / busy)
     return out
 
 

@@ -60,6 +60,9 @@ MAIN_METRICS = (
     "kv_utilization_mean",
     "num_preemptions",
     "prefix_cache_hit_rate",
+    "kv_tier_hit_rate_host",
+    "kv_tier_hit_rate_disk",
+    "kv_transfer_fraction",
     # structured output (docs/structured_output.md) and run.accuracy, where the run has them
     "structured_validity",
     "tool_call_validity",

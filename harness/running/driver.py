@@ -94,6 +94,8 @@ class RequestTrace:
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
     cached_prompt_tokens: int = 0
+    cached_prompt_tokens_host: int | None = None  # None: the backend does not say
+    cached_prompt_tokens_disk: int | None = None
     prefill_tokens_computed: int = 0  # over every chunk, recomputation after preemption too
     detokenize_ns: int | None = None
     spec_steps: int | None = None  # None: the backend does not say
@@ -146,6 +148,8 @@ class RequestTrace:
             "num_prefill_chunks": self.num_prefill_chunks,
             "num_preemptions": self.num_preemptions,
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "cached_prompt_tokens_host": self.cached_prompt_tokens_host,
+            "cached_prompt_tokens_disk": self.cached_prompt_tokens_disk,
             "prefill_tokens_computed": self.prefill_tokens_computed,
             "tokenize_s": span(self.sent_ns, self.tokenized_ns),
             "queue_s": span(queue_from, self.scheduled_ns),
@@ -500,6 +504,8 @@ class Driver:
                 trace.tool_output = event.tool_output or trace.tool_output
                 trace.finish_reason = event.finish_reason
                 trace.cached_prompt_tokens = event.cached_prompt_tokens
+                trace.cached_prompt_tokens_host = event.cached_prompt_tokens_host
+                trace.cached_prompt_tokens_disk = event.cached_prompt_tokens_disk
                 if event.structured_compile_ns is not None:
                     trace.structured_compile_ns = event.structured_compile_ns
                     trace.structured_cache_hit = event.structured_cache_hit
@@ -671,6 +677,11 @@ class Driver:
             "comm_bytes": record.comm_bytes,
             "broadcast_s": record.broadcast_ns / 1e9,
             "broadcast_bytes": record.broadcast_bytes,
+            "kv_bytes_saved": record.kv_bytes_saved,
+            "kv_bytes_loaded": record.kv_bytes_loaded,
+            "kv_transfer_s": record.kv_transfer_ns / 1e9,
+            "kv_disk_read_bytes": record.kv_disk_read_bytes,
+            "kv_disk_read_s": record.kv_disk_read_ns / 1e9,
         }
         self.sink("steps", row)
         self.overhead_ns += time.perf_counter_ns() - began

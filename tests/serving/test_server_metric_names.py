@@ -549,3 +549,29 @@ def test_inferlabs_ttft_bounds_resolve_a_cpu_sized_ttft() -> None:
     assert scraped.quantile(0.5) == pytest.approx(0.12, abs=0.01)  # 0.175 before
     assert set(resolve(spec.vllm_buckets, 256)) >= {0.1, 0.25, 0.5, 0.75, 1.0, 2560.0}
     assert not set(resolve(spec.vllm_buckets, 256)) & {0.15, 0.2, 0.3, 0.4, 0.6, 0.8}
+
+
+def test_kv_tier_counters_follow_the_engine() -> None:
+    """A pool of 12 blocks of 4 and a host tier: prompts that evict each other come back from
+    the tier, and /metrics exports the engine's counts."""
+    options = {**OPTIONS, "kv_cache": "paged", "block_size": 4}
+    options.update(kv_cache_memory_bytes=12 * 4 * 512, kv_host_tier_bytes=1 << 20)
+    backend = BuiltinBackend(EngineConfig.from_dict({"model": "tiny", **options}))
+    backend.load()
+    prompts = [list(range(100 * i + 10, 100 * i + 42)) for i in range(4)]  # 8 blocks each
+    try:
+        with (
+            serve_in_thread(backend, ServerConfig(served_model_name=SERVED)) as running,
+            httpx.Client(base_url=running.base_url, timeout=60) as c,
+        ):
+            for prompt in prompts + prompts[::-1]:
+                complete(c, prompt=prompt, max_tokens=2, ignore_eos=True)
+            _, samples = scrape(c)
+            stats = running.serving.engine_thread.stats
+    finally:
+        backend.close()
+    assert stats.kv_tier_hits[0] > 0
+    assert value(samples, "inferlab_kv_host_tier_hits_total", "_total") == stats.kv_tier_hits[0]
+    assert value(samples, "inferlab_kv_disk_tier_hits_total", "_total") == 0  # no disk tier
+    assert value(samples, "inferlab_kv_host_tier_blocks") == stats.kv_tier_blocks[0] > 0
+    assert_names_agree(samples, [spec for spec in METRICS if spec.needs == "kv_tiers"])

@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engines.builtin.kv_cache.tiers import BlockTransfer, KVTierStore
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -36,6 +38,10 @@ class KVCacheManager(ABC):
         self.layout = layout
         self.block_tables: dict[int, list[int]] = {}
         self.tokens_held: dict[int, int] = {}
+        #: where evicted cached blocks go (tiers.py; paged KV with prefix caching only)
+        self.tiers: KVTierStore | None = None
+        #: the last match_prefix's tokens loaded from each KV tier (empty: no tiers)
+        self.last_match_tiers: dict[str, int] = {}
 
     @property
     def block_size(self) -> int:
@@ -91,6 +97,15 @@ class KVCacheManager(ABC):
     def take_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write block copies (src, dst) to perform before the next forward."""
         return []
+
+    def take_transfers(self) -> list[BlockTransfer]:
+        """Block saves to and loads from KV tiers (tiers.py) to run, in order, before the
+        next forward and its copies."""
+        return []
+
+    def abandon_transfers(self, transfers: list[BlockTransfer]) -> None:
+        """Transfers from take_transfers that did not run (the step failed first)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no KV tiers")
 
     def can_fork(self, parent_id: int, child_id: int) -> bool:
         """Can the child start from the parent's KV now (parallel sampling)?"""

@@ -14,6 +14,7 @@ The pool knows nothing about sequences or hashing policy; `PagedKVCacheManager` 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 NULL_BLOCK = 0
@@ -55,6 +56,9 @@ class BlockPool:
         self.cached: dict[int, CachedBlock] = {}  # block id -> content (in use or evictable)
         self._by_hash: dict[int, list[int]] = {}  # hash -> cached block ids (collisions kept)
         self._next_content_id = 0
+        #: called with (block, content) when a cached block is evicted for reuse, before its
+        #: slots can be written (a tiered cache saves its bytes: tiers.py)
+        self.on_evict: Callable[[int, CachedBlock], None] | None = None
 
     # ---- counts -----------------------------------------------------------------------------
 
@@ -76,7 +80,9 @@ class BlockPool:
             block = self.free.popleft()
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)
-            self._uncache(block)
+            meta = self._uncache(block)
+            if self.on_evict is not None:
+                self.on_evict(block, meta)
             self.fill[block] = 0
         else:
             raise RuntimeError("KV cache out of blocks")
@@ -148,14 +154,34 @@ class BlockPool:
         self._by_hash.setdefault(block_hash, []).append(block)
         return content_id
 
+    def adopt(self, block: int, meta: CachedBlock) -> None:
+        """Register a fresh block as holding content cached before under `meta` (a tier's
+        copy being loaded back), with its old content id, so that blocks registered after it
+        still name it as their parent."""
+        if block in self.cached:
+            raise ValueError(f"block {block} is cached already")
+        self.cached[block] = meta
+        self._by_hash.setdefault(meta.block_hash, []).append(block)
+
+    def forget(self, block: int) -> None:
+        """Uncache a block whose bytes cannot be trusted (a load that did not run)."""
+        if block in self.cached:
+            self._uncache(block)
+            if block in self.evictable:
+                del self.evictable[block]
+                self.fill[block] = 0
+                self.free.append(block)
+
     def content_id(self, block: int) -> int:
         return self.cached[block].content_id
 
-    def _uncache(self, block: int) -> None:
+    def _uncache(self, block: int) -> CachedBlock:
         # Content ids are never reused, so children that named this block as their parent can
-        # no longer match: an evicted head makes the rest of its chain unreachable, not wrong.
+        # no longer match: an evicted head makes the rest of its chain unreachable, not wrong
+        # (unless a KV tier keeps it: loaded back, it is adopted under the same id).
         meta = self.cached.pop(block)
         same_hash = self._by_hash[meta.block_hash]
         same_hash.remove(block)
         if not same_hash:
             del self._by_hash[meta.block_hash]
+        return meta

@@ -12,7 +12,8 @@ import zlib
 from collections.abc import Sequence
 
 from engines.builtin.kv_cache.base import KVCacheManager, KVLayout
-from engines.builtin.kv_cache.block_pool import NULL_BLOCK, BlockPool
+from engines.builtin.kv_cache.block_pool import NULL_BLOCK, BlockPool, CachedBlock
+from engines.builtin.kv_cache.tiers import TIERS, BlockTransfer, KVTierStore
 from models.config import ceil_div
 
 #: The parent hash of a prompt's first block. A constant rather than None: hash(None) depends
@@ -118,6 +119,17 @@ class PagedKVCacheManager(PooledKVCacheManager):
         self._released: dict[int, int] = {}  # seq -> table entries released by the window
         # adapter name -> its root's parent id
         self._namespaces: dict[str, int] = {} if namespaces is None else namespaces
+        self._transfers: list[BlockTransfer] = []
+        #: tokens loaded back from each tier since load: every planned load, an admission's
+        #: that was given back too (the scheduler counts hits at admission)
+        self.tier_loaded_tokens = dict.fromkeys(TIERS, 0)
+
+    def attach_tiers(self, tiers: KVTierStore) -> None:
+        """Keep evicted cached blocks in `tiers` and load them back on a prefix match."""
+        if not self.enable_prefix_caching:
+            raise ValueError("KV tiers hold prefix-cached blocks: enable prefix caching")
+        self.tiers = tiers
+        self.pool.on_evict = self._offload
 
     # ---- allocation -------------------------------------------------------------------------
 
@@ -182,6 +194,28 @@ class PagedKVCacheManager(PooledKVCacheManager):
         """(src, dst) block pairs whose K/V the runner must copy before the next step."""
         copies, self._copies = self._copies, []
         return copies
+
+    def take_transfers(self) -> list[BlockTransfer]:
+        """Saves of evicted blocks and loads of tier hits, in the order they were decided:
+        the runner must run them in this order, before the step's copies and forward (a
+        block saved and then reused for a load is read before it is written)."""
+        transfers, self._transfers = self._transfers, []
+        return transfers
+
+    def abandon_transfers(self, transfers: list[BlockTransfer]) -> None:
+        """Transfers that did not run: their blocks' content is not what the cache says."""
+        assert self.tiers is not None
+        for transfer in transfers:
+            if transfer.kind == "save":
+                self.tiers.drop(transfer.key)
+            else:
+                self.tiers.release(transfer.key)
+                self.pool.forget(transfer.block)
+
+    def _offload(self, block: int, meta: CachedBlock) -> None:
+        assert self.tiers is not None
+        if self.tiers.reserve(meta):
+            self._transfers.append(BlockTransfer("save", block, meta.content_id))
 
     def free(self, seq_id: int) -> list[int]:
         table = self.block_tables.pop(seq_id, [])
@@ -304,15 +338,20 @@ class PagedKVCacheManager(PooledKVCacheManager):
         table = self.block_tables.setdefault(seq_id, [])
         hashes = self._hashes.setdefault(seq_id, [])
         content_ids = self._content_ids.setdefault(seq_id, [])
+        if self.tiers is not None:
+            self.last_match_tiers = dict.fromkeys(TIERS, 0)
         for index in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[index * bs : (index + 1) * bs])
             parent_hash = hashes[-1] if hashes else self._root_hash(namespace)
             parent = content_ids[-1] if content_ids else self._root(namespace)
             block_hash = hash_block_tokens(parent_hash, tokens)
             block = self.pool.lookup(block_hash, tokens, parent)
+            if block is not None:
+                self.pool.incref(block)
+            elif self.tiers is not None:
+                block = self._load_from_tiers(block_hash, tokens, parent)
             if block is None:
                 break
-            self.pool.incref(block)
             table.append(block)
             hashes.append(block_hash)
             content_ids.append(self.pool.content_id(block))
@@ -327,6 +366,26 @@ class PagedKVCacheManager(PooledKVCacheManager):
             # Next queries start at `cached`: a long hit's head is already out of the window.
             self._release_outside_window(seq_id, cached)
         return cached
+
+    def _load_from_tiers(
+        self, block_hash: int, tokens: tuple[int, ...], parent: int | None
+    ) -> int | None:
+        """A fresh block (ref count 1) that a planned load fills with a tier's copy of this
+        content; None on a miss, a corrupt copy, or no block to put it in."""
+        assert self.tiers is not None
+        key = self.tiers.lookup(block_hash, tokens, parent)
+        if key is None or not self.pool.num_free:
+            return None
+        tier = self.tiers.claim(key)
+        if tier is None:
+            return None
+        block = self.pool.allocate()  # may evict, and so save, another block first
+        self.pool.adopt(block, self.tiers.meta(key))
+        self.pool.record_fill(block, self.block_size)
+        self._transfers.append(BlockTransfer("load", block, key))
+        self.last_match_tiers[tier] += self.block_size
+        self.tier_loaded_tokens[tier] += self.block_size
+        return block
 
     def _root(self, namespace: str | None) -> int | None:
         """The parent content id a namespace's first block names: None for the base model, a

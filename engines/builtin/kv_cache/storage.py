@@ -183,12 +183,47 @@ class LayerKVCache:
         assert self.readable_in_place(length)
         return self.k[first : first + count, :length], self.v[first : first + count, :length]
 
+    @property
+    def planes(self) -> list[torch.Tensor]:
+        """Every tensor indexed by block: K, V, and an INT8 cache's scale planes."""
+        return [self.k, self.v, *((self.k_scale, self.v_scale) if self.scaled else ())]
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write: blocks `src` into blocks `dst`, scale planes included."""
-        for plane in (self.k, self.v, *((self.k_scale, self.v_scale) if self.scaled else ())):
+        for plane in self.planes:
             plane[dst] = plane[src]
 
     @property
     def nbytes(self) -> int:
-        planes = [self.k, self.v, *((self.k_scale, self.v_scale) if self.scaled else ())]
-        return sum(p.numel() * p.element_size() for p in planes)
+        return sum(p.numel() * p.element_size() for p in self.planes)
+
+
+def read_blocks(caches: list[LayerKVCache], blocks: list[int]) -> list[torch.Tensor]:
+    """Each of `blocks`, over every layer's planes, as one flat uint8 tensor in host memory:
+    what a KV tier keeps (tiers.py). One gather per plane, whatever the number of blocks."""
+    index = torch.tensor(blocks, device=caches[0].k.device)
+    parts = [
+        plane[index].reshape(len(blocks), -1).view(torch.uint8)
+        for cache in caches
+        for plane in cache.planes
+    ]
+    rows = torch.cat(parts, dim=1).cpu()
+    return [row.clone() for row in rows]  # each its own memory: a tier frees them one by one
+
+
+def write_blocks(
+    caches: list[LayerKVCache], blocks: list[int], payloads: list[torch.Tensor]
+) -> None:
+    """The inverse of read_blocks: each payload's bytes into its block of every plane."""
+    rows = torch.stack(payloads).to(caches[0].k.device)
+    index = torch.tensor(blocks, device=rows.device)
+    offset = 0
+    for cache in caches:
+        for plane in cache.planes:
+            shape = plane.shape[1:]
+            size = shape.numel() * plane.element_size()
+            part = rows[:, offset : offset + size].contiguous().view(plane.dtype)
+            plane[index] = part.view(len(blocks), *shape)
+            offset += size
+    if offset != rows.shape[1]:
+        raise ValueError(f"a {rows.shape[1]}-byte KV block is not the cache's {offset} bytes")

@@ -39,6 +39,8 @@ class DraftModelProposer(Proposer):
             "model_overrides": {},
             "speculative_config": None,
             "enable_prefix_caching": False,  # its cache holds drafts the target may reject
+            "kv_host_tier_bytes": 0,  # and so keeps no evicted prefix blocks
+            "kv_disk_tier_bytes": 0,
             "kv_cache_prefault": False,
             # its own cache in the target's layout; contiguous where the target keeps none
             "kv_cache": context.kv_cache if context.kv_cache_kind.retains_kv else "contiguous",

@@ -1,0 +1,229 @@
+"""The disk tier of a tiered KV cache: one checksummed file per block in a folder of its own,
+written by a background thread so that no step waits for the disk.
+
+Only the writer thread touches files it has been asked to write or delete, in the order asked
+(a delete queued after a write of the same block runs after it); reads happen on the caller's
+thread and only for blocks whose write was reported done. Results come back through
+`take_done()`, so the index (tiers.py) is only ever changed on the engine's thread. Each write
+carries a number of its own, so the outcome of an older write of a block is never taken for a
+newer one's.
+
+File layout: MAGIC, then little-endian (key, payload bytes, crc32 of the payload), then the
+payload. A read checks all four; a file that fails any check is reported corrupt, never used.
+
+The tier's folder (`inferlab-kv-<pid>-<id>`) goes at `close()`, when the tier is
+garbage-collected, or at a normal exit of the process that made it (not of a forked child). A
+killed process leaves it behind: the next disk tier made in the same parent folder removes the
+folders of processes that no longer exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import shutil
+import struct
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MAGIC = b"IFLKVB01"
+_HEADER = struct.Struct("<qqI")
+_FOLDER = re.compile(r"inferlab-kv-(\d+)-[0-9a-f]{8}")
+
+
+class CorruptBlockError(Exception):
+    """A tier file that does not hold what its header and checksum say."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    """The writer thread's answer for one write: `error` is None when the file is complete."""
+
+    key: int
+    write_id: int
+    error: str | None
+
+
+@dataclass
+class WriterStats:
+    """Written by the writer thread, read as counters."""
+
+    bytes_written: int = 0
+    write_ns: int = 0
+
+
+# A job: (kind, key, write id, payload or flush event); None ends the thread.
+Job = tuple[str, int, int, Any] | None
+
+
+def _stale_folders(base: Path) -> list[Path]:
+    """Folders a disk tier of a process that no longer exists left in `base`."""
+    stale = []
+    for child in base.iterdir():
+        match = _FOLDER.fullmatch(child.name)
+        if match is None or not child.is_dir():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            stale.append(child)
+        except (PermissionError, OverflowError):
+            pass  # alive (another user's), or not a pid
+    return stale
+
+
+def _shut_down(
+    jobs: queue.SimpleQueue[Job], writer: threading.Thread, path: Path, pid: int
+) -> None:
+    """Stop the writer, then remove the folder; only in the process that made it (a forked
+    child's exit must not take its parent's files)."""
+    if os.getpid() != pid:
+        return
+    if writer.is_alive():
+        jobs.put(None)
+        writer.join()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_all(out: Any, data: bytes | memoryview) -> None:
+    """Every byte, or OSError: an unbuffered write may take fewer bytes than it was given."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = out.write(view)
+        if not written:
+            raise OSError(f"the disk took 0 of the last {view.nbytes} bytes")
+        view = view[written:]
+
+
+def _write_file(path: Path, key: int, payload: torch.Tensor, stats: WriterStats) -> str | None:
+    # Little Python between the system calls, which let go of the GIL: this thread shares it
+    # with the engine's step loop.
+    start = time.perf_counter_ns()
+    body = memoryview(payload.numpy().data)
+    header = MAGIC + _HEADER.pack(key, body.nbytes, zlib.crc32(body))
+    target = path / f"{key:016x}.kv"
+    partial = f"{target}.partial"
+    try:
+        with open(partial, "wb", buffering=0) as out:
+            _write_all(out, header)
+            _write_all(out, body)
+        os.replace(partial, target)  # a reader never sees half a file under the real name
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        return f"{type(exc).__name__}: {exc}"
+    stats.bytes_written += body.nbytes
+    stats.write_ns += time.perf_counter_ns() - start
+    return None
+
+
+def _write_loop(
+    jobs: queue.SimpleQueue[Job], done: queue.SimpleQueue[WriteDone], path: Path, stats: WriterStats
+) -> None:
+    # A function, not a method: a thread holding the tier would keep it from being collected.
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        kind, key, write_id, payload = job
+        if kind == "flush":
+            payload.set()
+        elif kind == "delete":
+            with contextlib.suppress(OSError):
+                (path / f"{key:016x}.kv").unlink()
+        else:
+            done.put(WriteDone(key, write_id, _write_file(path, key, payload, stats)))
+
+
+class DiskTier:
+    """Block files under a fresh folder made inside `parent` (None: the system's temporary
+    folder), which must exist; no file but the tier's own is touched."""
+
+    def __init__(self, parent: str | None) -> None:
+        base = Path(parent if parent is not None else tempfile.gettempdir()).expanduser()
+        if not base.is_dir():
+            raise NotADirectoryError(f"{base} is not an existing folder")
+        for stale in _stale_folders(base):
+            shutil.rmtree(stale, ignore_errors=True)
+        self.path = base / f"inferlab-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.path.mkdir()
+        try:
+            probe = self.path / "probe"
+            probe.write_bytes(b"0")  # fails now, at start, on a folder that cannot be written
+            probe.unlink()
+        except OSError:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[WriteDone] = queue.SimpleQueue()
+        self.stats = WriterStats()
+        self._writer = threading.Thread(
+            target=_write_loop,
+            args=(self._jobs, self._done, self.path, self.stats),
+            name="kv-disk-tier",
+            daemon=True,
+        )
+        self._writer.start()
+        self._shutdown = weakref.finalize(
+            self, _shut_down, self._jobs, self._writer, self.path, os.getpid()
+        )
+        self._next_write_id = 0
+
+    def file(self, key: int) -> Path:
+        return self.path / f"{key:016x}.kv"
+
+    def write_async(self, key: int, payload: torch.Tensor) -> int:
+        """Queue the block's file; returns the write's number, which its outcome in
+        take_done() carries."""
+        self._next_write_id += 1
+        self._jobs.put(("write", key, self._next_write_id, payload))
+        return self._next_write_id
+
+    def delete_async(self, key: int) -> None:
+        self._jobs.put(("delete", key, 0, None))
+
+    def take_done(self) -> list[WriteDone]:
+        done = []
+        while True:
+            try:
+                done.append(self._done.get_nowait())
+            except queue.Empty:
+                return done
+
+    def read(self, key: int, nbytes: int) -> torch.Tensor:
+        """The block's payload as written, checked; CorruptBlockError otherwise (a missing or
+        short file, another block's header, a wrong checksum)."""
+        try:
+            raw = self.file(key).read_bytes()
+        except OSError as exc:
+            raise CorruptBlockError(f"{self.file(key).name}: {exc.strerror}") from exc
+        start = len(MAGIC) + _HEADER.size
+        if len(raw) != start + nbytes or raw[: len(MAGIC)] != MAGIC:
+            raise CorruptBlockError(f"{self.file(key).name}: not a {nbytes}-byte block file")
+        stored_key, stored_len, crc = _HEADER.unpack_from(raw, len(MAGIC))
+        body = memoryview(raw)[start:]
+        if stored_key != key or stored_len != nbytes or zlib.crc32(body) != crc:
+            raise CorruptBlockError(f"{self.file(key).name}: header or checksum mismatch")
+        return torch.frombuffer(bytearray(body), dtype=torch.uint8)
+
+    def flush(self) -> None:
+        """Wait until every queued job has run (tests; close)."""
+        if not self._writer.is_alive():
+            return
+        marker = threading.Event()
+        self._jobs.put(("flush", 0, 0, marker))
+        marker.wait()
+
+    def close(self) -> None:
+        self._shutdown()
