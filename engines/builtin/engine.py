@@ -593,13 +593,13 @@ class LLMEngine:
         )
 
     def _tier_gauges(self) -> dict[str, tuple[int, int]]:
-        kv = self.kv
-        if not isinstance(kv, PagedKVCacheManager) or kv.tiers is None:
+        tiers = self.kv.tiers
+        if tiers is None:
             return {}
         hits = self.scheduler.prefix_tier_hits
         return {
             "kv_tier_hits": (hits.get("host", 0), hits.get("disk", 0)),
-            "kv_tier_blocks": (kv.tiers.host_blocks, kv.tiers.disk_blocks),
+            "kv_tier_blocks": (tiers.host_blocks, tiers.disk_blocks),
         }
 
     def add_logits_observer(self, observer: LogitsObserver) -> None:

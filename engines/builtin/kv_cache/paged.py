@@ -120,9 +120,6 @@ class PagedKVCacheManager(PooledKVCacheManager):
         # adapter name -> its root's parent id
         self._namespaces: dict[str, int] = {} if namespaces is None else namespaces
         self._transfers: list[BlockTransfer] = []
-        #: tokens loaded back from each tier since load: every planned load, an admission's
-        #: that was given back too (the scheduler counts hits at admission)
-        self.tier_loaded_tokens = dict.fromkeys(TIERS, 0)
 
     def attach_tiers(self, tiers: KVTierStore) -> None:
         """Keep evicted cached blocks in `tiers` and load them back on a prefix match."""
@@ -384,8 +381,14 @@ class PagedKVCacheManager(PooledKVCacheManager):
         self.pool.record_fill(block, self.block_size)
         self._transfers.append(BlockTransfer("load", block, key))
         self.last_match_tiers[tier] += self.block_size
-        self.tier_loaded_tokens[tier] += self.block_size
         return block
+
+    @property
+    def tier_loaded_tokens(self) -> dict[str, int]:
+        """Tokens loaded back from each tier since load: every planned load, an admission's
+        that was given back too (the scheduler counts hits at admission)."""
+        loaded = {} if self.tiers is None else self.tiers.counters.loaded_blocks
+        return {tier: loaded.get(tier, 0) * self.block_size for tier in TIERS}
 
     def _root(self, namespace: str | None) -> int | None:
         """The parent content id a namespace's first block names: None for the base model, a

@@ -151,9 +151,7 @@ class LayerKVCache:
         that copy is a gather a GPU kernel would not do (it reads blocks in place), so its time
         is measured apart (`gather_ns`, reported per step) rather than charged to paging."""
         start = now_ns()
-        planes = [self.k, self.v]
-        if self.scaled:
-            planes += [self.k_scale, self.v_scale]
+        planes = self.planes
         if length <= block_size:  # one block covers it (always so for the contiguous layout)
             blocks = block_tables[:, 0]
             out = [p[blocks, :length] for p in planes]
