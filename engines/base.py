@@ -177,6 +177,20 @@ class Finished(RequestEvent):
     # found in the device's pool (None: a backend that does not say)
     cached_prompt_tokens_host: int | None = None
     cached_prompt_tokens_disk: int | None = None
+    # a disaggregated engine's request (engine.disaggregation=pd); None: a colocated one
+    disaggregated: DisaggregatedFacts | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggregatedFacts:
+    """Where a request ran in a disaggregated engine and what handing its K/V over cost."""
+
+    prefill_instance: int | None  # None: prefilled where it decoded (`fallback` says why)
+    decode_instance: int
+    kv_bytes: int  # the prompt's K/V handed over (0: none came)
+    kv_transfer_ns: int | None  # from the prefill instance's read to the decode instance's
+    decode_queue_ns: int | None  # from the K/V's arrival to the decode instance's first step
+    fallback: str | None  # why the decode instance prefilled it itself (None: it did not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +267,10 @@ class StepRecord:
     kv_transfer_ns: int = 0
     kv_disk_read_bytes: int = 0
     kv_disk_read_ns: int = 0
+    # disaggregation: the instance that ran the step ("prefill0", "decode0"; "": colocated);
+    # kv_bytes_loaded then counts a prefill instance's K/V loaded, and kv_transfer_ns the time
+    # moving K/V in or out of the pool
+    instance: str = ""
 
 
 StepObserver = Callable[[StepRecord], None]

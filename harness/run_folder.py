@@ -204,6 +204,13 @@ REQUEST_COLUMNS = [
     # of those, loaded back from a KV tier (engine.kv_host_tier_bytes, kv_disk_tier_bytes)
     "cached_prompt_tokens_host",
     "cached_prompt_tokens_disk",
+    # disaggregation (engine.disaggregation=pd): where it ran and what its K/V hand-off cost
+    "pd_prefill_instance",
+    "pd_decode_instance",
+    "pd_kv_bytes",
+    "pd_kv_transfer_s",
+    "pd_decode_queue_s",
+    "pd_fallback",
     "prefix_group",
     "session_id",
     "turn",
@@ -289,6 +296,8 @@ STEP_COLUMNS = [
     "kv_transfer_s",
     "kv_disk_read_bytes",
     "kv_disk_read_s",
+    # disaggregation: the instance that ran the step (prefill0, decode0, ...)
+    "instance",
     # the roofline (harness/measuring/roofline.py), added when the run finishes; NaN where it
     # does not apply
     "flops",

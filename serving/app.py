@@ -123,7 +123,7 @@ def _add_status_routes(app: FastAPI, serving: ServingEngine, created: int) -> No
         vLLM lists them."""
         limit = serving.max_model_len
         found = {model_name: ModelCard(id=model_name, created=created, max_model_len=limit)}
-        lora = serving.engine.runner.lora
+        lora = serving.engine.lora
         for name in serving.adapter_names():
             root = None if lora is None else lora.paths.get(name)
             found[name] = ModelCard(

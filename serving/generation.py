@@ -169,7 +169,7 @@ class ServingEngine:
     def adapter_names(self) -> tuple[str, ...]:
         """The LoRA adapters a request may name as its `model` (engine.lora_modules and those
         loaded since)."""
-        lora = self.engine.runner.lora
+        lora = self.engine.lora
         return () if lora is None else lora.names
 
     def check_serving(self) -> None:

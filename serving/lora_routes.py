@@ -73,7 +73,7 @@ def add_lora_routes(app: FastAPI, serving: ServingEngine) -> None:
 
 
 def _manager(serving: ServingEngine) -> LoRAManager:
-    lora = serving.engine.runner.lora
+    lora = serving.engine.lora
     if lora is None:
         raise APIError(
             "this server serves no LoRA adapters; start it with engine.enable_lora=true",

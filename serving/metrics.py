@@ -88,7 +88,7 @@ class ServerMetrics:
         features = {
             "spec_decode": spec_positions > 0,
             "prefix_caching": bool(engine.config.enable_prefix_caching),
-            "kv_tiers": engine.kv.tiers is not None,
+            "kv_tiers": engine.kv_tiers is not None,
         }
         scraped: list[Scraped] = []
         for spec in METRICS:

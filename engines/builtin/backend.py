@@ -63,7 +63,7 @@ class BuiltinBackend(SteppedBackend):
 
     def served_adapters(self) -> tuple[str, ...]:
         assert self.engine is not None, "load() first"
-        lora = self.engine.runner.lora
+        lora = self.engine.lora
         return () if lora is None else lora.names
 
     def start_engine_thread(self, max_requests: int = 1 << 16) -> EngineThread:

@@ -81,6 +81,40 @@ class EngineConfig(Options):
         allowed=f"a number of seconds >= {MIN_TIMEOUT_S} and <= {MAX_TIMEOUT_S}",
         help="a collective that takes longer than this fails the engine (a rank died or hung)",
     )
+    disaggregation: str = option(
+        "none",
+        choices=("none", "pd"),
+        help="pd: prefill and decode instances, processes of their own, a prompt's K/V handed "
+        "from one to the other (vLLM's disaggregated prefill, SGLang's PD disaggregation; "
+        "docs/disaggregation.md); none: one engine does both",
+    )
+    num_prefill_instances: int = option(
+        1, ge=1, le=64, help="disaggregation=pd: prefill instances (num_threads threads each)"
+    )
+    num_decode_instances: int = option(
+        1, ge=1, le=64, help="disaggregation=pd: decode instances (num_threads threads each)"
+    )
+    kv_connector: str = option(
+        "shm",
+        registry="engines.builtin.disaggregation.connectors:KV_CONNECTORS",
+        help="disaggregation=pd: how K/V go from prefill to decode instances: shm (shared "
+        "memory, one host) | gloo (torch.distributed over TCP)",
+    )
+    kv_transfer_timeout_s: float = option(
+        30.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        allowed=f"a number of seconds > 0 and <= {MAX_TIMEOUT_S}",
+        help="disaggregation=pd: how long a decode instance waits for a prompt's K/V before "
+        "kv_load_failure_policy applies (a prefill instance hung or died)",
+    )
+    kv_load_failure_policy: str = option(
+        "recompute",
+        choices=("recompute", "fail"),
+        help="disaggregation=pd, K/V that did not come: recompute (the decode instance "
+        "prefills the prompt itself, counted) | fail (the request fails, with the reason); "
+        "vLLM's name",
+    )
     enable_expert_parallel: bool = option(
         False,
         help="a mixture-of-experts model's experts placed per rank, num_experts / "
@@ -422,6 +456,28 @@ def _prefix_caching_needs_paged_kv_and_continuous_batching(config: EngineConfig)
         )
 
 
+def _disaggregation_runs_plain_paged_instances(config: EngineConfig) -> None:
+    if config.disaggregation == "none":
+        return
+    refusals = {
+        "kv_cache": (config.kv_cache != "paged", "paged (K/V are handed over in blocks)"),
+        "batching": (config.batching != "continuous", "continuous"),
+        "device": (config.device.startswith("cuda"), "cpu (one device per instance: not yet)"),
+        "tensor_parallel_size": (config.tensor_parallel_size > 1, "1"),
+        "enable_lora": (config.enable_lora, "false"),
+        "speculative_config": (config.speculative_config is not None, "null"),
+        "kv_host_tier_bytes": (config.kv_host_tier_bytes > 0, "0"),
+        "kv_disk_tier_bytes": (config.kv_disk_tier_bytes > 0, "0"),
+        "debug_step_delay_fraction": (config.debug_step_delay_fraction > 0, "0"),
+    }
+    for key, (refused, allowed) in refusals.items():
+        if refused:
+            raise ConfigError(
+                f"engine.{key}={getattr(config, key)!r} is not combined with "
+                f"engine.disaggregation={config.disaggregation!r}; allowed with it: {allowed}"
+            )
+
+
 def _kv_tiers_need_prefix_caching(config: EngineConfig) -> None:
     if config.kv_disk_tier_path is not None and (
         not config.kv_disk_tier_bytes or not config.kv_disk_tier_path.strip()
@@ -511,6 +567,7 @@ _RULES = (
     _chunked_prefill_needs_continuous_batching_and_a_cache,
     _prefix_caching_needs_paged_kv_and_continuous_batching,
     _kv_tiers_need_prefix_caching,
+    _disaggregation_runs_plain_paged_instances,
     _a_whole_prompt_fits_one_step,
     _lora_options_need_enable_lora,
 )

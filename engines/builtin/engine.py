@@ -49,8 +49,8 @@ from engines.builtin.distributed.worker import EngineMessage, serve_if_worker_ra
 from engines.builtin.kv_cache import KVCacheManager, PagedKVCacheManager
 from engines.builtin.kv_cache.groups import KVGroups, kv_groups
 from engines.builtin.kv_cache.sizing import KV_MANAGERS, KVSizing
-from engines.builtin.kv_cache.storage import kv_element_bytes
-from engines.builtin.kv_cache.tiers import build_tier_store
+from engines.builtin.kv_cache.storage import gather_blocks, kv_element_bytes
+from engines.builtin.kv_cache.tiers import KVTierStore, build_tier_store
 from engines.builtin.limits import EngineLimits, token_limits
 from engines.builtin.lora.manager import LoRAManager
 from engines.builtin.model_runner import LogitsObserver, ModelRunner
@@ -265,18 +265,23 @@ class LLMEngine:
                 f"{config.model}'s layers keep different windows (a hybrid cache); "
                 "allowed with it: engine.hybrid_kv_cache=false, or no tiers"
             )
-        block_bytes = sum(
-            plane[0].numel() * plane.element_size()
-            for cache in self.runner.kv_caches
-            for plane in cache.planes
-        )
         store = build_tier_store(
-            block_bytes,
+            self.kv_block_bytes,
             config.kv_host_tier_bytes,
             config.kv_disk_tier_bytes,
             config.kv_disk_tier_path,
         )
         self.kv.attach_tiers(store)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """One block of every layer's planes (scales included): what a tier keeps, and a row of
+        what a prefill instance hands over."""
+        return sum(
+            plane[0].numel() * plane.element_size()
+            for cache in self.runner.kv_caches
+            for plane in cache.planes
+        )
 
     def _build_step_parts(self) -> None:
         """What a step goes through besides the runner: the scheduler, the requests'
@@ -309,6 +314,8 @@ class LLMEngine:
         self.runner.structured = self.structured
         self.step_observers: list[StepObserver] = []
         self._pending_events: list[RequestEvent] = []
+        # disaggregation: request id -> its prompt's K/V, read when its prefill completed
+        self.exported_kv: dict[str, torch.Tensor] = {}
 
     def _make_proposer(self) -> Proposer | None:
         spec = self.config.speculative()
@@ -569,6 +576,18 @@ class LLMEngine:
         return self.runner.weights_source
 
     @property
+    def lora(self) -> LoRAManager | None:
+        """The LoRA adapters this engine serves (None: engine.enable_lora=false)."""
+        self._ensure_not_closed()
+        return self.runner.lora
+
+    @property
+    def kv_tiers(self) -> KVTierStore | None:
+        """The KV cache's host and disk tiers (None: none)."""
+        self._ensure_not_closed()
+        return self.kv.tiers
+
+    @property
     def step_counter(self) -> int:
         """The number the next step will carry (events stamped between steps carry it)."""
         self._ensure_not_closed()
@@ -626,10 +645,14 @@ class LLMEngine:
         arrival_ns: int | None = None,
         priority: int = 0,
         lora_name: str | None = None,
+        export_kv: bool = False,
+        remote_kv: torch.Tensor | None = None,
     ) -> None:
         """Tokenize and queue a request (under LoRA adapter `lora_name`, one of
         engine.lora_modules; None: the base model); raises ValueError (naming the field) if it
-        is invalid."""
+        is invalid. Disaggregation (engines/builtin/disaggregation): `export_kv` keeps the
+        prompt's K/V in `exported_kv` once computed (a prefill instance); `remote_kv` are
+        those K/V, loaded instead of computed (a decode instance)."""
         self.ensure_open()
         arrival_ns = self.platform.now_ns() if arrival_ns is None else arrival_ns
         sampling = sampling or SamplingParams()
@@ -638,7 +661,10 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         self.check_request(token_ids, sampling)
         self.check_adapter(lora_name)
+        if remote_kv is not None:
+            self._check_remote_kv(remote_kv, token_ids, sampling)
         seq = Sequence(request_id, token_ids, sampling, arrival_ns, priority, lora_name)
+        seq.export_kv, seq.remote_kv = export_kv, remote_kv
         if lora_name is not None:
             assert self.runner.lora is not None  # check_adapter refused it otherwise
             seq.kv_namespace = self.runner.lora.namespace(lora_name)
@@ -666,6 +692,34 @@ class LLMEngine:
             Arrived(request_id, step, arrival_ns),
             Tokenized(request_id, step, self.platform.now_ns(), len(token_ids)),
         ]
+
+    def _check_remote_kv(
+        self, remote_kv: torch.Tensor, token_ids: list[int], sampling: SamplingParams
+    ) -> None:
+        """K/V handed over by a prefill instance fit this engine's blocks: one row of
+        `kv_block_bytes` per block of the prompt's first len(prompt) - 1 tokens."""
+        if not isinstance(self.kv, PagedKVCacheManager) or self.kv_groups is not None:
+            raise ValueError(
+                "remote_kv: K/V are loaded into one block table; allowed with "
+                "engine.kv_cache=paged (and no hybrid cache)"
+            )
+        if sampling.prompt_logprobs is not None:
+            raise ValueError(
+                "remote_kv: a request asking for prompt_logprobs computes every prompt token; "
+                "allowed with it: no remote_kv"
+            )
+        blocks = -(-(len(token_ids) - 1) // self.kv.block_size)
+        shape = (blocks, self.kv_block_bytes)
+        if remote_kv.dtype != torch.uint8 or tuple(remote_kv.shape) != shape:
+            raise ValueError(
+                f"remote_kv: {remote_kv.dtype} {tuple(remote_kv.shape)} is not the K/V of "
+                f"{len(token_ids) - 1} prompt tokens in this engine's blocks; allowed: uint8 "
+                f"{shape}"
+            )
+
+    def take_exported_kv(self, request_id: str) -> torch.Tensor | None:
+        """A request's prompt K/V (add_request's export_kv), once: None if not computed."""
+        return self.exported_kv.pop(request_id, None)
 
     def remove_lora(self, name: str) -> None:
         """Forget adapter `name` (vLLM's unload); ValueError naming it while requests use it,
@@ -880,6 +934,7 @@ class LLMEngine:
             raise
         except Exception as exc:  # a failed step fails its requests, not the engine
             return events + self._fail_step(plan, exc)
+        self._export_prompt_kv(plan)
         new_tokens = self._complete_step(plan, tokens)
         searched, beams_failed = self._search(plan.step)
         end = self._end_step(start)
@@ -899,6 +954,20 @@ class LLMEngine:
         self.runner.last_transfer_ns = 0
         if plan.kv_transfers:
             self.runner.transfer_blocks(plan.kv_transfers, self.kv)
+
+    def _export_prompt_kv(self, plan: StepPlan) -> None:
+        """Disaggregation: the K/V of each export_kv prompt this step completed, copied out of
+        the pool before its sequence finishes and frees them (the first len(prompt) - 1
+        tokens': the decode instance computes the last one, to sample)."""
+        for item in plan.scheduled:
+            seq = item.seq
+            done = item.num_computed_before + item.num_new_tokens >= seq.num_prompt_tokens
+            if seq.export_kv and done and not seq.num_output_tokens and seq.sample_index == 0:
+                start = self.platform.now_ns()
+                blocks = -(-(seq.num_prompt_tokens - 1) // self.kv.block_size)
+                table = self.kv.block_tables[seq.seq_id][:blocks]
+                self.exported_kv[seq.request_id] = gather_blocks(self.runner.kv_caches, table)
+                self.runner.last_transfer_ns += self.platform.now_ns() - start
 
     def _search(self, step: int) -> tuple[list[BeamGroup], list[RequestEvent]]:
         """The step's beam candidates into their groups: the groups whose search ended, and
@@ -965,9 +1034,10 @@ class LLMEngine:
             if self.structured is None
             else (self.structured.last_mask_rows, self.structured.last_mask_ns),
             self.runner.model.expert_tokens() if self.model_config.num_experts else ((), 0, 0),
-            (0, 0, 0)
-            if self.kv.tiers is None
-            else (self.runner.last_transfer_ns, *self.kv.tiers.take_step_reads()),
+            (
+                self.runner.last_transfer_ns,
+                *((0, 0) if self.kv.tiers is None else self.kv.tiers.take_step_reads()),
+            ),
         )
         for observer in self.step_observers:
             observer(record)

@@ -33,7 +33,7 @@ from engines.builtin.distributed.group import ControlChannel, TPGroup
 from engines.builtin.kv_cache import KVCacheManager, KVLayout, LayerKVCache
 from engines.builtin.kv_cache.groups import KVGroups
 from engines.builtin.kv_cache.storage import read_blocks, write_blocks
-from engines.builtin.kv_cache.tiers import BlockTransfer
+from engines.builtin.kv_cache.tiers import BlockTransfer, KVTierStore
 from engines.builtin.layers import make_linear_method
 from engines.builtin.layers.linear import PrepackedDenseMethod
 from engines.builtin.limits import EngineLimits
@@ -649,15 +649,15 @@ class ModelRunner:
         return logits if logits is not None else torch.empty(0, self.sample_vocab_size)
 
     def transfer_blocks(self, transfers: list[BlockTransfer], kv: KVCacheManager) -> None:
-        """KV tiers: save evicted blocks' bytes to the store and load tier hits into their
-        blocks, in the order the scheduler decided them; before the step's copies and forward
-        (a copy's destination may be a block loaded, given back and reused in this plan: the
-        copy, later, wins), and for every plan, an empty one too (its admissions may have been
+        """KV tiers: save evicted blocks' bytes to the store and load tier hits (or a prefill
+        instance's K/V, carried by the transfer) into their blocks, in the order the scheduler
+        decided them; before the step's copies and forward (a copy's destination may be a
+        block loaded, given back and reused in this plan: the copy, later, wins), and for
+        every plan, an empty one too (its admissions may have been
         given back after their loads were planned). A save that fails is dropped (nothing
         loads it); a load that fails uncaches its blocks and fails the step
         (`abandon_transfers`)."""
         store = kv.tiers
-        assert store is not None
         start = self.platform.now_ns()
         pending = _runs_of_one_kind(transfers)
         try:
@@ -665,10 +665,13 @@ class ModelRunner:
                 run = pending[0]
                 blocks, keys = [t.block for t in run], [t.key for t in run]
                 if run[0].kind == "load":
-                    write_blocks(self.kv_caches, blocks, [store.payload(key) for key in keys])
-                    for key in keys:
-                        store.release(key)
+                    write_blocks(self.kv_caches, blocks, [_load_payload(t, store) for t in run])
+                    for transfer in run:
+                        if transfer.payload is None:
+                            assert store is not None
+                            store.release(transfer.key)
                 else:
+                    assert store is not None  # saves go to a tier only
                     try:
                         payloads = read_blocks(self.kv_caches, blocks)
                     except Exception:
@@ -1020,3 +1023,11 @@ def _runs_of_one_kind(transfers: list[BlockTransfer]) -> list[list[BlockTransfer
             blocks = set()
         blocks.add(transfer.block)
     return runs
+
+
+def _load_payload(transfer: BlockTransfer, store: KVTierStore | None) -> torch.Tensor:
+    """A load's bytes: carried by the transfer (a prefill instance's), or the tier's copy."""
+    if transfer.payload is not None:
+        return transfer.payload
+    assert store is not None
+    return store.payload(transfer.key)

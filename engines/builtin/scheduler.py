@@ -34,6 +34,7 @@ from engines.builtin.kv_cache.tiers import BlockTransfer
 from engines.builtin.limits import EngineLimits
 from engines.builtin.sequence import Sequence, SequenceStatus
 from engines.builtin.spec_decode.proposer import Proposal
+from models.config import ceil_div
 
 #: how many steps a request may wait for an adapter slot while later requests under running
 #: adapters pass it (next_to_admit); then they wait behind it
@@ -306,6 +307,8 @@ class Scheduler:
                 break
             seq = admit
             cached = self._match_prefix(seq)
+            if seq.remote_kv is not None:  # a prefill instance computed the prompt
+                seq.num_computed_tokens = max(cached, seq.num_prompt_tokens - 1)
             num_new = seq.num_tokens - seq.num_computed_tokens
             if self.chunked:
                 num_new = min(num_new, budget, self.max_chunk)
@@ -313,7 +316,7 @@ class Scheduler:
             if num_new == 0 or num_new > budget or not self.kv.can_allocate(seq.seq_id, total):
                 if cached:  # give the adopted prefix blocks back until it is admitted
                     self.kv.free(seq.seq_id)
-                    seq.num_computed_tokens = 0
+                seq.num_computed_tokens = 0
                 break
             if seq.first_scheduled_step is None:
                 seq.cached_prompt_tokens = cached
@@ -328,6 +331,8 @@ class Scheduler:
                     self.prefix_tier_hits[tier] = self.prefix_tier_hits.get(tier, 0) + loaded
             self.waiting.remove(seq)
             self._allocate(seq, total, plan)
+            if seq.num_computed_tokens > cached:
+                self._load_remote_kv(seq, cached)
             self._admit(seq, plan)
             budget -= num_new
             prefills.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens))
@@ -507,6 +512,16 @@ class Scheduler:
         cached = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.kv_namespace)
         seq.num_computed_tokens = cached
         return cached
+
+    def _load_remote_kv(self, seq: Sequence, cached: int) -> None:
+        """Disaggregation: the blocks after the `cached` prefix are filled from the K/V a
+        prefill instance computed, up to the last prompt token (computed here, to sample);
+        a partly filled last block is loaded whole (its rest is written by this step)."""
+        assert seq.remote_kv is not None and cached % self.kv.block_size == 0
+        first = cached // self.kv.block_size
+        last = ceil_div(seq.num_computed_tokens, self.kv.block_size)
+        self.kv.load_blocks(seq.seq_id, first, seq.remote_kv[first:last])
+        seq.remote_prompt_tokens += seq.num_computed_tokens - cached
 
     def _admit(self, seq: Sequence, plan: StepPlan) -> None:
         seq.status = SequenceStatus.RUNNING

@@ -50,6 +50,13 @@ class Sequence:
     #: prompt tokens loaded back from each KV tier (tiers.py), over every admission (a request
     #: preempted and readmitted loads again): {"host": n, "disk": m}; empty without tiers
     tier_prompt_tokens: dict[str, int] = field(default_factory=dict)
+    #: Disaggregation (engines/builtin/disaggregation): a prefill instance's request hands its
+    #: prompt's K/V over once computed (`export_kv`); a decode instance's carries them in
+    #: (`remote_kv`: the first len(prompt) - 1 tokens' K/V, a row per block, loaded instead of
+    #: computed at every admission, kept until the sequence ends) and counts the tokens loaded
+    export_kv: bool = False
+    remote_kv: torch.Tensor | None = None
+    remote_prompt_tokens: int = 0
     #: SamplingParams.prompt_logprobs: the prompt tokens' so far (None for the first), chunk by
     #: chunk; None once reported (a recompute after preemption does not report them again)
     prompt_logprobs: list[TokenLogprob | None] | None = field(default=None)
@@ -103,6 +110,7 @@ class Sequence:
         child.first_scheduled_step = self.first_scheduled_step
         child.cached_prompt_tokens = self.cached_prompt_tokens
         child.tier_prompt_tokens = dict(self.tier_prompt_tokens)
+        child.remote_prompt_tokens = self.remote_prompt_tokens
         child.prompt_logprobs = None
         child.bad_words_token_ids = self.bad_words_token_ids
         return child

@@ -70,6 +70,7 @@ def step_record(
         if item.seq.lora_name is not None:
             name = item.seq.lora_name
             rows_per_adapter[name] = rows_per_adapter.get(name, 0) + item.num_new_tokens
+    counts = layer_mean_counts(plan, layer_windows, kv.retains_kv)
     return StepRecord(
         step=plan.step,
         start_ns=start_ns,
@@ -113,7 +114,9 @@ def step_record(
         comm_bytes=comm[1],
         broadcast_ns=broadcast[0],
         broadcast_bytes=broadcast[1],
-        **layer_mean_counts(plan, layer_windows, kv.retains_kv),
+        attention_pairs=counts["attention_pairs"],
+        kv_tokens_read=counts["kv_tokens_read"],
+        kv_tokens_written=counts["kv_tokens_written"],
     )
 
 

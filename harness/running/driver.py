@@ -56,6 +56,7 @@ from typing import Any
 
 from engines.base import (
     Backend,
+    DisaggregatedFacts,
     Failed,
     Finished,
     Preempted,
@@ -96,6 +97,7 @@ class RequestTrace:
     cached_prompt_tokens: int = 0
     cached_prompt_tokens_host: int | None = None  # None: the backend does not say
     cached_prompt_tokens_disk: int | None = None
+    disaggregated: DisaggregatedFacts | None = None  # engine.disaggregation=pd
     prefill_tokens_computed: int = 0  # over every chunk, recomputation after preemption too
     detokenize_ns: int | None = None
     spec_steps: int | None = None  # None: the backend does not say
@@ -150,6 +152,7 @@ class RequestTrace:
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "cached_prompt_tokens_host": self.cached_prompt_tokens_host,
             "cached_prompt_tokens_disk": self.cached_prompt_tokens_disk,
+            **_disaggregated_columns(self.disaggregated),
             "prefill_tokens_computed": self.prefill_tokens_computed,
             "tokenize_s": span(self.sent_ns, self.tokenized_ns),
             "queue_s": span(queue_from, self.scheduled_ns),
@@ -506,6 +509,7 @@ class Driver:
                 trace.cached_prompt_tokens = event.cached_prompt_tokens
                 trace.cached_prompt_tokens_host = event.cached_prompt_tokens_host
                 trace.cached_prompt_tokens_disk = event.cached_prompt_tokens_disk
+                trace.disaggregated = event.disaggregated
                 if event.structured_compile_ns is not None:
                     trace.structured_compile_ns = event.structured_compile_ns
                     trace.structured_cache_hit = event.structured_cache_hit
@@ -682,6 +686,7 @@ class Driver:
             "kv_transfer_s": record.kv_transfer_ns / 1e9,
             "kv_disk_read_bytes": record.kv_disk_read_bytes,
             "kv_disk_read_s": record.kv_disk_read_ns / 1e9,
+            "instance": record.instance or None,
         }
         self.sink("steps", row)
         self.overhead_ns += time.perf_counter_ns() - began
@@ -722,3 +727,31 @@ def tool_turn(previous: RequestTrace, results: dict[str, str]) -> list[dict[str,
         result = results.get(name, json.dumps({"error": f"no function named {name!r}"}))
         answers.append({"role": "tool", "tool_call_id": call["id"], "content": result})
     return [output.message(), *answers]
+
+
+def _disaggregated_columns(facts: DisaggregatedFacts | None) -> dict[str, Any]:
+    """A disaggregated engine's request facts as columns (all None for a colocated one)."""
+
+    def seconds(ns: int | None) -> float | None:
+        return None if ns is None else ns / 1e9
+
+    if facts is None:
+        return dict.fromkeys(DISAGGREGATED_COLUMNS)
+    return {
+        "pd_prefill_instance": facts.prefill_instance,
+        "pd_decode_instance": facts.decode_instance,
+        "pd_kv_bytes": facts.kv_bytes,
+        "pd_kv_transfer_s": seconds(facts.kv_transfer_ns),
+        "pd_decode_queue_s": seconds(facts.decode_queue_ns),
+        "pd_fallback": facts.fallback,
+    }
+
+
+DISAGGREGATED_COLUMNS = (
+    "pd_prefill_instance",
+    "pd_decode_instance",
+    "pd_kv_bytes",
+    "pd_kv_transfer_s",
+    "pd_decode_queue_s",
+    "pd_fallback",
+)

@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from engines.builtin.kv_cache.tiers import BlockTransfer, KVTierStore
 
 
@@ -106,6 +108,10 @@ class KVCacheManager(ABC):
     def abandon_transfers(self, transfers: list[BlockTransfer]) -> None:
         """Transfers from take_transfers that did not run (the step failed first)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no KV tiers")
+
+    def load_blocks(self, seq_id: int, first_block: int, payloads: torch.Tensor) -> None:
+        """Plan loads of K/V computed elsewhere into the sequence's blocks (paged KV only)."""
+        raise NotImplementedError(f"{type(self).__name__} has no block table to load into")
 
     def can_fork(self, parent_id: int, child_id: int) -> bool:
         """Can the child start from the parent's KV now (parallel sampling)?"""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 
+import torch
+
 from engines.builtin.kv_cache.base import KVCacheManager, KVLayout
 from engines.builtin.kv_cache.block_pool import NULL_BLOCK, BlockPool, CachedBlock
 from engines.builtin.kv_cache.tiers import TIERS, BlockTransfer, KVTierStore
@@ -199,10 +201,22 @@ class PagedKVCacheManager(PooledKVCacheManager):
         transfers, self._transfers = self._transfers, []
         return transfers
 
+    def load_blocks(self, seq_id: int, first_block: int, payloads: torch.Tensor) -> None:
+        """Plan loads of `payloads` (a row per block, K/V computed elsewhere: a prefill
+        instance's) into the sequence's table from index `first_block` on; the runner writes
+        them before the step's forward (`take_transfers`)."""
+        table = self.block_tables[seq_id]
+        for offset, payload in enumerate(payloads):
+            block = table[first_block + offset]
+            self._transfers.append(BlockTransfer("load", block, -1, payload))
+
     def abandon_transfers(self, transfers: list[BlockTransfer]) -> None:
-        """Transfers that did not run: their blocks' content is not what the cache says."""
-        assert self.tiers is not None
+        """Transfers that did not run: their blocks' content is not what the cache says (a
+        carried payload's blocks are not cached yet: their step fails their sequences)."""
         for transfer in transfers:
+            if transfer.payload is not None:
+                continue
+            assert self.tiers is not None
             if transfer.kind == "save":
                 self.tiers.drop(transfer.key)
             else:

@@ -196,17 +196,23 @@ class LayerKVCache:
         return sum(p.numel() * p.element_size() for p in self.planes)
 
 
-def read_blocks(caches: list[LayerKVCache], blocks: list[int]) -> list[torch.Tensor]:
-    """Each of `blocks`, over every layer's planes, as one flat uint8 tensor in host memory:
-    what a KV tier keeps (tiers.py). One gather per plane, whatever the number of blocks."""
+def gather_blocks(caches: list[LayerKVCache], blocks: list[int]) -> torch.Tensor:
+    """`blocks`, over every layer's planes, as one uint8 tensor in host memory, a row per block
+    (what a prefill instance hands a decode instance). One gather per plane, whatever the
+    number of blocks."""
     index = torch.tensor(blocks, device=caches[0].k.device)
     parts = [
         plane[index].reshape(len(blocks), -1).view(torch.uint8)
         for cache in caches
         for plane in cache.planes
     ]
-    rows = torch.cat(parts, dim=1).cpu()
-    return [row.clone() for row in rows]  # each its own memory: a tier frees them one by one
+    return torch.cat(parts, dim=1).cpu()
+
+
+def read_blocks(caches: list[LayerKVCache], blocks: list[int]) -> list[torch.Tensor]:
+    """Each of `blocks` as one flat uint8 tensor in host memory: what a KV tier keeps
+    (tiers.py); each its own memory, since a tier frees them one by one."""
+    return [row.clone() for row in gather_blocks(caches, blocks)]
 
 
 def write_blocks(

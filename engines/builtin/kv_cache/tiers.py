@@ -41,11 +41,13 @@ WRITE_BUFFER_BYTES = 256 << 20
 @dataclass(frozen=True, slots=True)
 class BlockTransfer:
     """One block's bytes between the KV pool and the store: `save` (pool block -> store entry
-    `key`) or `load` (entry `key` -> pool block)."""
+    `key`) or `load` (entry `key` -> pool block). A load with a `payload` takes its bytes from
+    it instead of the store: K/V a prefill instance computed (disaggregation, key -1)."""
 
     kind: str
     block: int
     key: int
+    payload: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
