@@ -4,11 +4,13 @@ process left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from engines.base import ConfigError, Failed, Finished, RequestEvent, Tokens
@@ -18,6 +20,7 @@ from engines.builtin.disaggregation.router import DisaggregatedEngine
 from engines.builtin.engine import EngineDeadError, LLMEngine
 from engines.builtin.factory import build_engine
 from engines.sampling_params import SamplingParams
+from serving.testing import serve_engine
 
 BASE = {"model": "tiny", "kv_cache": "paged", "block_size": 4, "num_threads": 1}
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -197,3 +200,26 @@ def test_the_harness_backend_drives_it() -> None:
 def test_options_it_cannot_take_are_refused_by_name(options: dict[str, object], key: str) -> None:
     with pytest.raises(ConfigError, match=f"engine.{key}"):
         EngineConfig(**{**BASE, "disaggregation": "pd", **options})
+
+
+def test_inferlab_serve_answers_as_the_colocated_engine() -> None:
+    """The OpenAI-compatible server over the disaggregated engine: the same greedy text as
+    over a colocated one, streamed or not; a request that cannot fit refused with a 400."""
+    body = {"model": "tiny", "prompt": PROMPTS[3], "max_tokens": 6, "temperature": 0}
+    texts = []
+    for options in ({}, {"disaggregation": "pd"}):
+        with (
+            serve_engine({**BASE, **options}) as running,
+            httpx.Client(base_url=running.base_url, timeout=60) as client,
+        ):
+            whole = client.post("/v1/completions", json={**body, "ignore_eos": True}).json()
+            streamed = client.post(
+                "/v1/completions", json={**body, "ignore_eos": True, "stream": True}
+            ).text
+            too_long = client.post("/v1/completions", json={**body, "max_tokens": 5000})
+        texts.append(whole["choices"][0]["text"])
+        chunks = [line.removeprefix("data: ") for line in streamed.splitlines() if line]
+        pieces = [json.loads(chunk)["choices"][0]["text"] for chunk in chunks[:-1]]
+        assert chunks[-1] == "[DONE]" and "".join(pieces) == texts[-1]
+        assert too_long.status_code == 400
+    assert texts[0] == texts[1]
