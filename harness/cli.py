@@ -11,6 +11,8 @@ commands:
   kv-calc [overrides]  KV bytes per token and sequence, weights, sequences that fit; per GPU
                        with engine.tensor_parallel_size=N (N1,N2,...: a table), and the
                        predicted decode step with hardware=h100|h200|a100|l4|cpu
+  pd-plan [overrides]  prefill/decode disaggregation predicted: each phase's time, the K/V
+                       hand-off per link, x prefill + y decode instances vs colocated
   train-tiny [--model NAME] [--text FILE] [--out DIR [--force]] [--steps N] [--seed S]
                        train a small real Llama on CPU (cached): tiny-trained for quality
                        checks, tiny-trained-large / -draft for speculative decoding
@@ -84,6 +86,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from harness.measuring import kv_calc
 
         return kv_calc.main(rest)
+    if command == "pd-plan":
+        from harness.measuring import pd_plan
+
+        return pd_plan.main(rest)
     if command == "train-tiny":
         from harness import train_tiny_cli
 

@@ -460,7 +460,10 @@ def _disaggregation_runs_plain_paged_instances(config: EngineConfig) -> None:
     if config.disaggregation == "none":
         return
     refusals = {
-        "kv_cache": (config.kv_cache != "paged", "paged (K/V are handed over in blocks)"),
+        "kv_cache": (
+            not config.plugged("kv_cache").manager.pages_blocks,
+            "paged (K/V are handed over in blocks)",
+        ),
         "batching": (config.batching != "continuous", "continuous"),
         "device": (config.device.startswith("cuda"), "cpu (one device per instance: not yet)"),
         "tensor_parallel_size": (config.tensor_parallel_size > 1, "1"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
@@ -773,27 +774,13 @@ class LLMEngine:
                 f"{max_len} (at least one token must be generated)"
             )
         self.check_fits(len(token_ids), sampling.max_tokens)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        # a stop id the model cannot sample would never end anything
-        bad = [t for t in sampling.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(
-                f"SamplingParams.stop_token_ids: {bad[:5]} are outside the vocabulary [0, {vocab})"
-            )
-        for name, ids in (
-            ("logit_bias", sampling.logit_bias or {}),
-            ("allowed_token_ids", sampling.allowed_token_ids or ()),
-        ):
-            bad = sorted(t for t in ids if t >= vocab)
-            if bad:
-                raise ValueError(
-                    f"SamplingParams.{name}: token ids {bad[:5]} are outside the vocabulary "
-                    f"[0, {vocab})"
-                )
-        self._check_some_token_allowed(sampling)
+        check_token_ids(token_ids, sampling, self.model_config.vocab_size)
+        check_some_token_allowed(
+            sampling,
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            self.model_config.vocab_size,
+            self.eos_ids,
+        )
 
     def _check_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """A grammar backend to enforce it; compiled now (cached), so that a constraint the
@@ -828,36 +815,6 @@ class LLMEngine:
                 f"SamplingParams.{name}: {sampling.num_beams} beams cannot all run at once "
                 f"under engine.max_num_seqs={self.limits.max_num_seqs}; allowed: at most "
                 f"{self.limits.max_num_seqs}"
-            )
-
-    def _check_some_token_allowed(self, sampling: SamplingParams) -> None:
-        """Refuse `allowed_token_ids` that the other masks leave empty: a row whose every
-        logit is -inf samples noise (argmax over -inf is token 0, outside the allowed ids).
-        One-token bad words are banned at every step, and EOS and the stop ids until
-        min_tokens; a longer bad word bans its last token only after the rest, which is not
-        known here."""
-        if sampling.allowed_token_ids is None:
-            return
-        left = set(sampling.allowed_token_ids)
-        if sampling.bad_words:
-            words = bad_words_token_ids(
-                sampling.bad_words,
-                lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                self.model_config.vocab_size,
-            )
-            left -= {ids[0] for ids in words if len(ids) == 1}
-            if not left:
-                raise ValueError(
-                    f"SamplingParams.allowed_token_ids: {_short_ids(sampling.allowed_token_ids)} "
-                    "are all banned by bad_words, so no token could be sampled; allowed: ids "
-                    "of which at least one is not a one-token bad word"
-                )
-        if sampling.min_tokens and not left - {*self.eos_ids, *sampling.stop_token_ids}:
-            raise ValueError(
-                f"SamplingParams.allowed_token_ids: {_short_ids(sampling.allowed_token_ids)} "
-                f"hold only EOS or stop ids (or bad words), which min_tokens="
-                f"{sampling.min_tokens} masks, so no token could be sampled; allowed: at least "
-                "one other id, or min_tokens=0"
             )
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -1131,6 +1088,59 @@ class LLMEngine:
                 )
             )
         return events
+
+
+def check_token_ids(token_ids: list[int], sampling: SamplingParams, vocab: int) -> None:
+    """The prompt's and the sampling's token ids are in the vocabulary (ValueError naming
+    the field)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    # a stop id the model cannot sample would never end anything
+    bad = [t for t in sampling.stop_token_ids if t >= vocab]
+    if bad:
+        raise ValueError(
+            f"SamplingParams.stop_token_ids: {bad[:5]} are outside the vocabulary [0, {vocab})"
+        )
+    for name, ids in (
+        ("logit_bias", sampling.logit_bias or {}),
+        ("allowed_token_ids", sampling.allowed_token_ids or ()),
+    ):
+        bad = sorted(t for t in ids if t >= vocab)
+        if bad:
+            raise ValueError(
+                f"SamplingParams.{name}: token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {vocab})"
+            )
+
+
+def check_some_token_allowed(
+    sampling: SamplingParams, encode: Callable[[str], list[int]], vocab: int, eos_ids: list[int]
+) -> None:
+    """Refuse `allowed_token_ids` that the other masks leave empty: a row whose every
+    logit is -inf samples noise (argmax over -inf is token 0, outside the allowed ids).
+    One-token bad words are banned at every step, and EOS and the stop ids until
+    min_tokens; a longer bad word bans its last token only after the rest, which is not
+    known here."""
+    if sampling.allowed_token_ids is None:
+        return
+    left = set(sampling.allowed_token_ids)
+    if sampling.bad_words:
+        words = bad_words_token_ids(sampling.bad_words, encode, vocab)
+        left -= {ids[0] for ids in words if len(ids) == 1}
+        if not left:
+            raise ValueError(
+                f"SamplingParams.allowed_token_ids: {_short_ids(sampling.allowed_token_ids)} "
+                "are all banned by bad_words, so no token could be sampled; allowed: ids "
+                "of which at least one is not a one-token bad word"
+            )
+    if sampling.min_tokens and not left - {*eos_ids, *sampling.stop_token_ids}:
+        raise ValueError(
+            f"SamplingParams.allowed_token_ids: {_short_ids(sampling.allowed_token_ids)} "
+            f"hold only EOS or stop ids (or bad words), which min_tokens="
+            f"{sampling.min_tokens} masks, so no token could be sampled; allowed: at least "
+            "one other id, or min_tokens=0"
+        )
 
 
 def _kept_drafts(plan: StepPlan, tokens: list[list[int]]) -> dict[int, list[int]]:

@@ -15,6 +15,7 @@ from engines.base import (
     TokenLogprob,
     Tokens,
     is_chat,
+    now_ns,
 )
 from engines.builtin.config import EngineConfig
 from engines.builtin.engine import LLMEngine
@@ -158,17 +159,19 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, params, strict=True)):
                 request_id = str(next(self._ids))
+                # tokenized here, as the engine would: a disaggregated engine keeps no sequences
+                token_ids, arrival_ns = engine.tokenize(prompt), now_ns()
                 engine.add_request(
                     request_id,
-                    prompt,
+                    token_ids,
                     p,
+                    arrival_ns,
                     priority=priority[i] if priority else 0,
                     lora_name=adapters[i],
                 )
-                seq = engine.sequences[request_id]
                 samples = [CompletionOutput(i) for i in range(p.n)]
                 outputs[request_id] = RequestOutput(
-                    request_id, list(seq.prompt_token_ids), samples, RequestMetrics(seq.arrival_ns)
+                    request_id, token_ids, samples, RequestMetrics(arrival_ns)
                 )
                 order.append(request_id)
         except Exception:

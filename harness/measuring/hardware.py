@@ -43,6 +43,8 @@ SPEC_KEYS = {
     "memory_bytes",
     "link_bandwidth",
     "link_latency",
+    "pcie_bandwidth",
+    "network_bandwidth",
     "cost_per_hour",
 }
 PROBE_DTYPES = ("float32", "bfloat16", "float16")
@@ -66,6 +68,10 @@ class HardwareSpec:
     # busbw), and the latency of one ring step (s). None: not stated (or not measured)
     link_bandwidth: float | None = None
     link_latency: float | None = None
+    # links a KV cache moves over between instances or tiers (disaggregation, offloading), per
+    # device, one direction (bytes/s): host <-> device, and the device's network interface
+    pcie_bandwidth: float | None = None
+    network_bandwidth: float | None = None
     cost_per_hour: float | None = None  # per device (hardware.cost_per_hour); None: not stated
 
     def flops_for(self, dtype: str) -> float | None:
@@ -117,6 +123,8 @@ class DatasheetSchema(HardwareCost):
     memory_bytes: int | None = None
     link_bandwidth: float | None = None
     link_latency: float | None = None
+    pcie_bandwidth: float | None = None
+    network_bandwidth: float | None = None
 
 
 @dataclass
@@ -207,6 +215,8 @@ def spec_from_dict(values: dict[str, Any], where: str = "hardware") -> HardwareS
         memory_bytes=_as_int(optional("memory_bytes", " (bytes)")),  # a capacity: whole bytes
         link_bandwidth=optional("link_bandwidth", " (bytes/s)"),
         link_latency=optional("link_latency", " (seconds per hop)", zero_ok=True),
+        pcie_bandwidth=optional("pcie_bandwidth", " (bytes/s)"),
+        network_bandwidth=optional("network_bandwidth", " (bytes/s)"),
         cost_per_hour=optional("cost_per_hour", " (per device-hour)"),
     )
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
@@ -304,14 +305,46 @@ def _predict(
     r: dict[str, Any],
 ) -> dict[str, Any]:
     """The decode step of r["batch"] sequences of r["context_len"] tokens on one device: the
-    roofline's FLOPs and bytes for it (roofline.step_costs over a one-row step), its predicted
-    time, and the collectives; empty without a spec or a batch."""
+    roofline's FLOPs and bytes for it, its predicted time, and the collectives; empty without
+    a spec or a batch."""
     batch, context = r["batch"], r["context_len"]
     if spec is None or batch < 1:
         return {}
-    world_size = shard.world_size
+    # each sequence has `context` tokens cached and decodes one more: in each layer it reads
+    # them (at most window - 1 in a windowed layer), attends to them and itself, and writes
+    # its own K/V; the counts are per layer on average (the step's columns are all layers')
+    windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+    read = sum(context if w is None else min(context, w - 1) for w in windows) / len(windows)
+    pairs = sum(context + 1 if w is None else min(context + 1, w) for w in windows) / len(windows)
+    step = {
+        "prefill_tokens": 0,
+        "decode_tokens": batch,
+        "logits_tokens": batch,
+        "attention_pairs": batch * pairs,
+        "kv_tokens_read": batch * read,
+        "kv_tokens_written": batch,
+    }
+    predicted = predict_step(cfg, shard, element, dtype, spec, r, step)
+    return {**predicted, "tokens_per_s": batch / predicted["step_s"]}
+
+
+def predict_step(
+    cfg: ModelConfig,
+    shard: TPShard,
+    element: int,
+    dtype: str,
+    spec: HardwareSpec,
+    r: dict[str, Any],
+    step: dict[str, float],
+) -> dict[str, Any]:
+    """One step's predicted time on one device of r's plan (kv_calc's report): `step` holds
+    its token counts as a step row does (prefill_tokens, decode_tokens, logits_tokens,
+    attention_pairs, kv_tokens_read, kv_tokens_written); the roofline's FLOPs and bytes for it
+    (roofline.step_costs over a one-row step), max(compute, memory) with the spec's overlap,
+    plus the collectives (harness/measuring/comm.py), not overlapped."""
+    tokens = int(step["prefill_tokens"] + step["decode_tokens"])
     params = rank_params(cfg, shard)
-    moe = _moe_step(cfg, shard, batch)
+    moe = _moe_step(cfg, shard, tokens)
     expert_params = moe.pop("expert_params")
     experts = moe.pop("all_expert_params")
     shape = ModelShape(
@@ -325,27 +358,7 @@ def _predict(
         moe_expert_params=expert_params,
         moe_expert_bytes=expert_params * element,
     )
-    # each sequence has `context` tokens cached and decodes one more: in each layer it reads
-    # them (at most window - 1 in a windowed layer), attends to them and itself, and writes
-    # its own K/V; the counts are per layer on average (the step's columns are all layers')
-    windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
-    read = sum(context if w is None else min(context, w - 1) for w in windows) / len(windows)
-    pairs = sum(context + 1 if w is None else min(context + 1, w) for w in windows) / len(windows)
-    step = pd.DataFrame(
-        [
-            {
-                "prefill_tokens": 0,
-                "decode_tokens": batch,
-                "padding_tokens": 0,
-                "logits_tokens": batch,
-                "attention_pairs": batch * pairs,
-                "kv_tokens_read": batch * read,
-                "kv_tokens_written": batch,
-                **moe,
-            }
-        ]
-    )
-    costs = step_costs(step, shape).iloc[0]
+    costs = step_costs(pd.DataFrame([{"padding_tokens": 0, **step, **moe}]), shape).iloc[0]
     moved = costs["weight_bytes_read"] + costs["kv_bytes_read"] + costs["kv_bytes_written"]
     memory_s = float(moved / spec.memory_bandwidth)
     peak = spec.flops_for(dtype)
@@ -355,7 +368,9 @@ def _predict(
         if compute_s is None
         else float(predicted_time(compute_s, memory_s, spec.overlap_for(dtype)))
     )
-    comm = tp_decode_comm_bytes(cfg, batch, element, world_size, r["expert_parallel"])
+    comm = tp_decode_comm_bytes(cfg, tokens, element, shard.world_size, r["expert_parallel"])
+    if tokens:  # the logits gathered are the rows sampled, not every token's
+        comm = replace(comm, gather_bytes=comm.gather_bytes // tokens * int(step["logits_tokens"]))
     has_link = spec.link_bandwidth is not None and spec.link_latency is not None
     comm_s: float | None = 0.0
     if comm.total_bytes and has_link:
@@ -363,7 +378,6 @@ def _predict(
         comm_s = tp_decode_comm_seconds(comm, spec.link_bandwidth, spec.link_latency)
     elif comm.total_bytes:
         comm_s = None  # the spec states no link: communication is not counted
-    step_s = compute_memory_s + (comm_s or 0.0)
     return {
         "flops_per_device": float(costs["flops"]),
         "weight_bytes_read_per_device": float(costs["weight_bytes_read"]),
@@ -379,8 +393,7 @@ def _predict(
         "allreduce_bytes": comm.allreduce_bytes,
         "gather_bytes": comm.gather_bytes,
         "comm_s": comm_s,
-        "step_s": step_s,
-        "tokens_per_s": batch / step_s,
+        "step_s": compute_memory_s + (comm_s or 0.0),
     }
 
 
@@ -697,14 +710,21 @@ def _refuse_unmodelled(engine: dict[str, Any]) -> None:
             )
 
 
-def plan(overrides: list[str], own: dict[str, Any]) -> dict[str, Any]:
-    """kv_calc for one composed config (`inferlab kv-calc`'s overrides)."""
+def composed(overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any], HardwareSpec | None]:
+    """The model and engine groups of one composed config, and its hardware spec (None for
+    hardware=auto)."""
     cfg = OmegaConf.to_container(configs.compose(overrides), resolve=True)
     assert isinstance(cfg, dict)
     model, engine = cfg["model"], cfg["engine"]
     _refuse_unmodelled(engine)
     hw = hardware.validate_config(cfg.get("hardware"))
     spec = None if hw["name"] == "auto" else hardware.resolve(hw, None)[0]
+    return model, engine, spec
+
+
+def plan(overrides: list[str], own: dict[str, Any]) -> dict[str, Any]:
+    """kv_calc for one composed config (`inferlab kv-calc`'s overrides)."""
+    model, engine, spec = composed(overrides)
     return kv_calc(
         model_group_name(model),
         model.get("overrides"),

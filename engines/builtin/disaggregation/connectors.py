@@ -4,8 +4,8 @@
 instance calls `receive` on a thread of its own and gets hand-offs in the order they complete.
 
 - `shm` (one host): the sender writes the K/V into a file in shared memory (/dev/shm), then
-  names it to the decode instance over a local socket; the receiver maps it and removes the
-  name (the bytes are copied once, into the decode instance's blocks).
+  names it to the decode instance over a local socket; the receiver copies it out and removes
+  it (so shared memory holds only hand-offs in flight).
 - `gloo`: torch.distributed point-to-point sends over TCP (vLLM's and SGLang's connectors on
   CPU use the same transport; NCCL would take its place on GPUs).
 """
@@ -85,10 +85,27 @@ class ShmLinks:
     authkey: bytes
 
 
+_SHM_PREFIX = "inferlab-pd-"
+
+
 def _shm_setup(num_prefill: int, num_decode: int) -> ShmLinks:
     parent = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    folder = tempfile.mkdtemp(prefix=f"inferlab-pd-{os.getpid()}-", dir=parent)
+    for stale in Path(parent).glob(f"{_SHM_PREFIX}*-*"):  # a killed router's hand-offs
+        pid = stale.name.removeprefix(_SHM_PREFIX).split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    folder = tempfile.mkdtemp(prefix=f"{_SHM_PREFIX}{os.getpid()}-", dir=parent)
     return ShmLinks(folder, secrets.token_bytes(16))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True
 
 
 def _shm_cleanup(links: ShmLinks) -> None:
@@ -119,8 +136,14 @@ class SharedMemoryConnector(KVConnector):
     def send(self, decode: int, handoff: KVHandoff) -> None:
         path = os.path.join(self.links.folder, f"{self.index}-{next(self._names)}.kv")
         payload = handoff.payload
-        shared = torch.from_file(path, shared=True, size=payload.numel(), dtype=torch.uint8)
         try:
+            # the space first: a full /dev/shm is an error here, not a SIGBUS in the copy
+            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(descriptor, 0, max(1, payload.numel()))
+            finally:
+                os.close(descriptor)
+            shared = torch.from_file(path, shared=True, size=payload.numel(), dtype=torch.uint8)
             shared.copy_(payload.reshape(-1))
             del shared  # unmapped: the file holds the bytes
             client = self._clients.get(decode)
@@ -145,9 +168,8 @@ class SharedMemoryConnector(KVConnector):
             except (EOFError, OSError):
                 return  # that prefill instance ended
             size = shape[0] * shape[1]
-            try:
-                # a private mapping: the name can go at once, the bytes stay until dropped
-                payload = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+            try:  # copied out: the file's shared memory goes now, not when the request ends
+                payload = torch.from_file(path, shared=False, size=size, dtype=torch.uint8).clone()
             finally:
                 Path(path).unlink(missing_ok=True)
             self._arrived.put(

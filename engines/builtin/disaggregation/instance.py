@@ -4,10 +4,11 @@ runs a plain LLMEngine in one role.
 - prefill: runs each request to its first token with `export_kv`, then hands the prompt's K/V
   to the decode instance the router named, on a sender thread (the step loop goes on).
 - decode: holds each request until its K/V arrive (SGLang's and vLLM's "waiting for remote
-  KVs"), then admits it with them: only the last prompt token is computed, to sample. K/V that
-  do not come within `kv_transfer_timeout_s`, or that the prefill side could not send, follow
-  `kv_load_failure_policy`: `recompute` (the prompt is prefilled here, counted as a fallback)
-  or `fail` (the request fails, with the reason).
+  KVs"), then admits it with them: only the last prompt token is computed, to sample. When
+  the router says they will not come ("nokv": a prefill instance hung, died or could not
+  send; the router keeps the time), `kv_load_failure_policy` applies: `recompute` (the
+  prompt is prefilled here, counted as a fallback) or `fail` (the request fails, with the
+  reason).
 
 Between steps the instance reads the router's messages and answers with an update: the step's
 events, its step records, its K/V notes and its gauges.
@@ -15,11 +16,13 @@ events, its step records, its K/V notes and its gauges.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import sys
 import threading
 import traceback
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from queue import Empty, Queue
 from typing import Any
 
@@ -39,10 +42,9 @@ from engines.builtin.disaggregation.messages import (
 )
 from engines.builtin.engine import LLMEngine
 
-#: How long an idle instance waits for a message before looking at its K/V again.
-_IDLE_POLL_S = 0.05
-#: ... and while requests wait for their K/V.
-_WAITING_POLL_S = 0.0005
+#: How long an idle instance waits for news (a message, a hand-off: either wakes it sooner)
+#: before it looks at its early hand-offs' deadlines again.
+_IDLE_POLL_S = 0.5
 
 
 class Instance:
@@ -62,12 +64,16 @@ class Instance:
         # prefill: (decode instance, hand-off) for the sender thread
         self.outbox: Queue[tuple[int, KVHandoff] | None] = Queue()
         self.decodes: dict[str, tuple[int, list[int]]] = {}  # where each prompt's K/V go
-        # decode: hand-offs from the receiver thread; requests waiting for theirs (with their
-        # deadline); hand-offs that came first; requests aborted while waiting
+        # decode: hand-offs from the receiver thread; requests waiting for theirs; hand-offs
+        # that came before their request (dropped after the timeout: it was aborted)
         self.arrived: Queue[KVHandoff] = Queue()
-        self.waiting: dict[str, tuple[InstanceRequest, int]] = {}
+        self.waiting: dict[str, InstanceRequest] = {}
         self.early: dict[str, tuple[KVHandoff, int]] = {}
         self.timeout_ns = int(spec.kv_transfer_timeout_s * 1e9)
+        self.connector_error: str | None = None  # the K/V thread's, which ends the instance
+        # the K/V thread wakes the loop when it has news (a hand-off in, a note)
+        self._wake_in, self._wake_out = socket.socketpair()
+        self._wake_in.setblocking(False)
         worker = self._send_loop if spec.role == PREFILL else self._receive_loop
         threading.Thread(target=worker, daemon=True, name=f"kv-{spec.role}").start()
 
@@ -88,12 +94,15 @@ class Instance:
             )
         )
         while True:
-            busy = engine.has_unfinished_requests()
-            wait = 0.0 if busy else (_WAITING_POLL_S if self.waiting else _IDLE_POLL_S)
-            if self.control.poll(wait) and not self._take_messages():
+            idle = 0.0 if engine.has_unfinished_requests() else _IDLE_POLL_S
+            ready = wait([self.control, self._wake_in], idle)
+            if self.control in ready and not self._take_messages():
                 return
+            self._drain_wakes()
+            if self.connector_error is not None:
+                raise RuntimeError(self.connector_error)
             self._take_arrivals()
-            self._expire_waits()
+            self._expire_early()
             events = self.events + (engine.step() if engine.has_unfinished_requests() else [])
             self.events = []
             if self.spec.role == PREFILL:
@@ -120,7 +129,7 @@ class Instance:
                 _, request_id, reason = message
                 waiting = self.waiting.pop(request_id, None)
                 if waiting is not None:
-                    self._admit(waiting[0], None, reason)
+                    self._admit(waiting, None, reason)
             else:
                 raise ValueError(f"unknown message {kind!r} from the router")
         return True
@@ -136,8 +145,8 @@ class Instance:
         early = self.early.pop(request.request_id, None)
         if early is not None:
             self._admit(request, early[0], None)
-        else:
-            self.waiting[request.request_id] = (request, now_ns() + self.timeout_ns)
+        else:  # until its K/V come, or the router says they will not ("nokv")
+            self.waiting[request.request_id] = request
 
     def _start(self, request: InstanceRequest, remote_kv: Any = None) -> bool:
         try:
@@ -174,6 +183,24 @@ class Instance:
                 self.arrived.put(self.connector.receive())
             except ConnectorClosedError:
                 return
+            except Exception as exc:  # the links broke: the router must know this instance
+                connector = self.spec.connector
+                self.connector_error = (
+                    f"receiving K/V failed (engine.kv_connector={connector}): "
+                    f"{type(exc).__name__}: {exc}"
+                )
+                self._wake()
+                return
+            self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # its buffer is full: the loop is awake anyway
+            self._wake_out.send(b"!")
+
+    def _drain_wakes(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_in.recv(4096):
+                pass
 
     def _take_arrivals(self) -> None:
         while True:
@@ -185,21 +212,13 @@ class Instance:
             if waiting is None:  # its request is not here yet (or was aborted)
                 self.early[handoff.request_id] = (handoff, now_ns() + self.timeout_ns)
             else:
-                self._admit(waiting[0], handoff, None)
+                self._admit(waiting, handoff, None)
 
-    def _expire_waits(self) -> None:
+    def _expire_early(self) -> None:
+        """K/V whose request never came (aborted on the way) are dropped after the timeout."""
         now = now_ns()
-        for request_id, (request, deadline) in list(self.waiting.items()):
-            if now > deadline:
-                del self.waiting[request_id]
-                self._admit(
-                    request,
-                    None,
-                    f"no K/V from the prefill instance within engine.kv_transfer_timeout_s="
-                    f"{self.spec.kv_transfer_timeout_s:g}",
-                )
         for request_id, (_, deadline) in list(self.early.items()):
-            if now > deadline:  # its request never came (aborted on the way)
+            if now > deadline:
                 del self.early[request_id]
 
     def _admit(
@@ -231,11 +250,13 @@ class Instance:
     def _hand_over(self, events: list[RequestEvent]) -> None:
         """Each prompt prefilled this step: its K/V to the sender thread."""
         for event in events:
-            if not isinstance(event, Finished):
+            if not isinstance(event, (Finished, Failed)):
                 continue
             payload = self.engine.take_exported_kv(event.request_id)
             decode = self.decodes.pop(event.request_id, None)
-            if payload is None or decode is None:
+            if payload is None or decode is None or isinstance(event, Failed):
+                continue
+            if event.finish_reason == "abort":  # the router gave up on these K/V
                 continue
             decode_index, token_ids = decode
             handoff = KVHandoff(event.request_id, token_ids, payload, event.time_ns)
@@ -250,11 +271,15 @@ class Instance:
             try:
                 self.connector.send(decode, handoff)
             except Exception as exc:
-                reason = f"sending the K/V failed: {type(exc).__name__}: {exc}"
+                reason = (
+                    f"sending the K/V failed (engine.kv_connector={self.spec.connector}): "
+                    f"{type(exc).__name__}: {exc}"
+                )
                 self.notes.put(KVNote(handoff.request_id, "send_failed", now_ns(), reason=reason))
             else:
                 size = handoff.payload.numel()
                 self.notes.put(KVNote(handoff.request_id, "sent", now_ns(), size))
+            self._wake()
 
     def _drain_notes(self) -> list[KVNote]:
         notes = []

@@ -9,27 +9,27 @@ one stream: the prefill instance's scheduling and prompt chunks, then the decode
 tokens; its Finished carries `DisaggregatedFacts` (where it ran, the hand-off's bytes and
 time, and whether it had to be prefilled on the decode instance instead).
 
-Faults end in an error or a counted fallback, never a hang:
-- a decode instance that dies fails its requests, naming it; with none left the engine is
-  dead (`failure`, EngineDeadError);
-- a prefill instance that dies or hangs: its requests' decode instances prefill them
-  themselves after `kv_transfer_timeout_s` at most (or fail them: `kv_load_failure_policy`),
-  and the router sends it no more (a hung one again once it answers);
-- closing, or the process's exit, ends every instance (killed if it does not leave).
+Faults end in an error or a counted fallback, never a hang. The router keeps the time: an
+instance that has work and says nothing for `kv_transfer_timeout_s` is hung (a decode
+instance: 4 times that, since it may be prefilling a long prompt itself).
+- A decode instance that dies or hangs is killed, and its requests fail naming it; with
+  none left the engine is dead (`failure`, EngineDeadError).
+- A prefill instance that dies or hangs, or K/V sent and not received in time: the decode
+  instance prefills the prompt itself, counted (or fails the request:
+  `kv_load_failure_policy`), the prefill instance's copy is aborted, and a hung prefill
+  instance gets no new requests until it answers again.
+- Closing, garbage collection or the process's exit end every instance (killed if it does not
+  leave).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
-import subprocess
-import sys
 import time
 import weakref
 from collections import Counter
-from dataclasses import dataclass, field, replace
-from multiprocessing.connection import Connection, wait
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
@@ -58,46 +58,31 @@ from engines.builtin.disaggregation.messages import (
     InstanceSpec,
     KVNote,
 )
-from engines.builtin.distributed.launch import CODE_ROOT
-from engines.builtin.engine import EngineClosedError, EngineDeadError
+from engines.builtin.disaggregation.processes import (
+    STARTUP_TIMEOUT_S,
+    InstanceProcess,
+    end_instances,
+    placement,
+)
+from engines.builtin.engine import (
+    EngineClosedError,
+    EngineDeadError,
+    check_some_token_allowed,
+    check_token_ids,
+)
 from engines.builtin.limits import EngineLimits
-from engines.builtin.platform import Platform, available_cpus
+from engines.builtin.platform import Platform
 from engines.builtin.step_stats import EngineGauges
 from engines.sampling_params import SamplingParams
+from models.config import ModelConfig
 from models.location import resolve_model
 from models.tokenizer import tokenizer_for_model
 
-#: An instance: this Python, then CODE_ROOT and its control socket's descriptor (`-c`, as the
-#: tensor-parallel workers: no other copy of inferlab on the path is imported first).
-INSTANCE_COMMAND = [
-    sys.executable,
-    "-c",
-    "import sys; sys.path.insert(0, sys.argv[1]); "
-    "from engines.builtin.disaggregation.instance import main; main(sys.argv[2:])",
-]
-#: How long the instances may take to load their engines.
-STARTUP_TIMEOUT_S = 600.0
 #: How long a step waits for the instances' news when it has none to give.
 _POLL_S = 0.002
-#: How long close() waits for an instance to leave before killing it.
-_EXIT_GRACE_S = 5.0
-
-
-@dataclass
-class _Instance:
-    role: str
-    index: int
-    process: subprocess.Popen[bytes]
-    control: Connection
-    alive: bool = True
-    gauges: EngineGauges = field(default_factory=EngineGauges)
-    facts: dict[str, Any] = field(default_factory=dict)
-    last_heard_ns: int = 0
-    unresponsive: str | None = None  # why the router sends it nothing now (a hung prefill)
-
-    @property
-    def name(self) -> str:
-        return f"{self.role} instance {self.index} (pid {self.process.pid})"
+#: A decode instance may be silent this many times kv_transfer_timeout_s before it counts as
+#: hung (it may be prefilling a long prompt itself, after a fallback).
+_DECODE_SILENCE_FACTOR = 4
 
 
 @dataclass
@@ -110,6 +95,8 @@ class _Request:
     samples_left: int
     fallback: str | None = None
     prefill_scheduled: bool = False
+    kv_sent_ns: int | None = None  # the prefill instance has sent its K/V
+    kv_given_up: bool = False  # the decode instance was told to go without them
     kv_bytes: int = 0
     kv_received_ns: int | None = None
     kv_transfer_ns: int | None = None
@@ -122,7 +109,11 @@ class DisaggregatedEngine:
         self.failure: str | None = None
         self.config = config
         self.model_config = resolve_model(config.model, config.model_overrides)
+        _refuse_windows(config, self.model_config)
         self.tokenizer = tokenizer_for_model(config.model, config.tokenizer)
+        self.eos_ids = sorted(
+            set(self.tokenizer.special.eos_ids) | set(self.model_config.eos_token_ids)
+        )
         self.platform = Platform(torch.device("cpu"))  # the clock; the instances compute
         self.step_observers: list[StepObserver] = []
         self.step_counter = 0
@@ -131,9 +122,9 @@ class DisaggregatedEngine:
         self._pending_events: list[RequestEvent] = []
         kind = KV_CONNECTORS.get(config.kv_connector)
         self._links = kind.setup(config.num_prefill_instances, config.num_decode_instances)
-        self.instances: list[_Instance] = []
+        self.instances: list[InstanceProcess] = []
         self._finalizer = weakref.finalize(
-            self, _end_instances, self.instances, kind.cleanup, self._links
+            self, end_instances, self.instances, kind.cleanup, self._links
         )
         try:
             self._start_instances()
@@ -146,62 +137,40 @@ class DisaggregatedEngine:
     # ---- instances --------------------------------------------------------------------------
 
     @property
-    def _prefills(self) -> list[_Instance]:
+    def _prefills(self) -> list[InstanceProcess]:
         return [i for i in self.instances if i.role == PREFILL]
 
     @property
-    def _decodes(self) -> list[_Instance]:
+    def _decodes(self) -> list[InstanceProcess]:
         return [i for i in self.instances if i.role == DECODE]
 
     def _start_instances(self) -> None:
         config = self.config
         roles = [(PREFILL, i) for i in range(config.num_prefill_instances)]
         roles += [(DECODE, i) for i in range(config.num_decode_instances)]
-        threads, cores = _placement(len(roles), config.num_threads)
+        threads, cores = placement(len(roles), config.num_threads)
         colocated = replace(config, disaggregation="none", num_threads=threads).to_dict()
         for n, (role, index) in enumerate(roles):
-            ours, theirs = socket.socketpair()
-            process = subprocess.Popen(
-                [*INSTANCE_COMMAND, CODE_ROOT, str(theirs.fileno())], pass_fds=(theirs.fileno(),)
+            pinned = None if cores is None else tuple(cores[n * threads : (n + 1) * threads])
+            spec = InstanceSpec(
+                role,
+                index,
+                colocated,
+                pinned,
+                config.kv_connector,
+                self._links,
+                config.num_prefill_instances,
+                config.num_decode_instances,
+                config.kv_transfer_timeout_s,
+                config.kv_load_failure_policy,
             )
-            theirs.close()
-            instance = _Instance(role, index, process, Connection(ours.detach()))
-            self.instances.append(instance)
-            instance.control.send(
-                InstanceSpec(
-                    role,
-                    index,
-                    colocated,
-                    None if cores is None else tuple(cores[n * threads : (n + 1) * threads]),
-                    config.kv_connector,
-                    self._links,
-                    config.num_prefill_instances,
-                    config.num_decode_instances,
-                    config.kv_transfer_timeout_s,
-                    config.kv_load_failure_policy,
-                )
-            )
+            self.instances.append(InstanceProcess.start(spec))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for instance in self.instances:
-            instance.facts = self._await_ready(instance, deadline)
+            instance.await_ready(deadline)
         addresses = [d.facts["address"] for d in self._decodes]
         for prefill in self._prefills:
-            prefill.control.send(("peers", addresses))
-
-    def _await_ready(self, instance: _Instance, deadline: float) -> dict[str, Any]:
-        while not instance.control.poll(1.0):
-            code = instance.process.poll()
-            if code is not None:
-                raise RuntimeError(f"{instance.name} exited with code {code} while starting")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{instance.name} did not start in {STARTUP_TIMEOUT_S:g} s")
-        try:
-            message = instance.control.recv()
-        except EOFError:
-            raise RuntimeError(f"{instance.name} exited while starting") from None
-        if message[0] == "fatal":
-            raise _startup_error(message[1], instance.name)
-        return message[1]
+            prefill.send(("peers", addresses))
 
     # ---- what the harness and the server read -----------------------------------------------
 
@@ -262,10 +231,25 @@ class DisaggregatedEngine:
         return self.tokenizer.encode_prompt(prompt)
 
     def check_request(self, token_ids: list[int], sampling: SamplingParams) -> None:
-        """The checks that need no engine; a decode instance makes the others when the request
-        reaches it (a refusal there fails the request, with its reason)."""
+        """An LLMEngine's checks, against a decode instance's limits; a structured output's
+        grammar is compiled where it decodes (one it cannot compile fails the request there,
+        with the reason)."""
         self._ensure_not_closed()
         sampling.validate()
+        vocab = self.model_config.vocab_size
+        check_token_ids(token_ids, sampling, vocab)
+        check_some_token_allowed(
+            sampling,
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            vocab,
+            self.eos_ids,
+        )
+        if sampling.use_beam_search and sampling.num_beams > self.limits.max_num_seqs:
+            raise ValueError(
+                f"SamplingParams.n: {sampling.num_beams} beams cannot all run at once under "
+                f"engine.max_num_seqs={self.limits.max_num_seqs}; allowed: at most "
+                f"{self.limits.max_num_seqs}"
+            )
         if not token_ids:
             raise ValueError("prompt: empty (it has no tokens)")
         if len(token_ids) >= self.limits.max_model_len:
@@ -307,7 +291,7 @@ class DisaggregatedEngine:
         token_ids = self.tokenize(prompt)
         self.check_request(token_ids, sampling)
         arrival_ns = now_ns() if arrival_ns is None else arrival_ns
-        decode = _least_loaded(self._decodes, self._requests, "decode")
+        decode = _least_loaded(self._decodes, self._requests.values(), _decoding)
         prefill, fallback = self._pick_prefill(token_ids, sampling)
         request = _Request(
             request_id, len(token_ids), decode.index, prefill, now_ns(), sampling.n, fallback
@@ -315,8 +299,7 @@ class DisaggregatedEngine:
         if fallback is not None:
             self.counters["colocated_requests"] += 1
         self._requests[request_id] = request
-        self._send(
-            decode,
+        decode.send(
             (
                 "add",
                 InstanceRequest(
@@ -331,8 +314,7 @@ class DisaggregatedEngine:
         )
         if prefill is not None:
             one_token = SamplingParams(max_tokens=1, temperature=0.0)
-            self._send(
-                self._prefills[prefill],
+            self._prefills[prefill].send(
                 (
                     "add",
                     InstanceRequest(
@@ -367,7 +349,7 @@ class DisaggregatedEngine:
         ready = [p for p in self._prefills if p.alive and p.unresponsive is None]
         if not ready:
             return None, "no prefill instance is answering"
-        return _least_loaded(ready, self._requests, "prefill").index, None
+        return _least_loaded(ready, self._requests.values(), _prefilling).index, None
 
     def abort_request(self, request_id: str) -> None:
         self._ensure_not_closed()
@@ -375,8 +357,8 @@ class DisaggregatedEngine:
         if request is None:
             return
         if request.prefill is not None:
-            self._send(self._prefills[request.prefill], ("abort", request_id))
-        self._send(self._decodes[request.decode], ("abort", request_id))
+            self._prefills[request.prefill].send(("abort", request_id))
+        self._decodes[request.decode].send(("abort", request_id))
 
     def has_request(self, request_id: str) -> bool:
         self._ensure_not_closed()
@@ -394,10 +376,11 @@ class DisaggregatedEngine:
         live = {i.control: i for i in self.instances if i.alive}
         for control in wait(list(live), timeout=0 if events else _POLL_S):
             events += self._read(live[control])  # type: ignore[index]
+        events += self._time_out_silent_instances()
         self.step_counter += 1
         return events
 
-    def _read(self, instance: _Instance) -> list[RequestEvent]:
+    def _read(self, instance: InstanceProcess) -> list[RequestEvent]:
         events: list[RequestEvent] = []
         while instance.alive:
             try:
@@ -418,31 +401,32 @@ class DisaggregatedEngine:
                 for observer in self.step_observers:
                     observer(record)
             for note in notes:
-                self._on_note(instance, note)
+                self._on_note(note)
             for event in updates:
                 events += self._route(instance, event)
         return events
 
-    def _route(self, instance: _Instance, event: RequestEvent) -> list[RequestEvent]:
+    def _route(self, instance: InstanceProcess, event: RequestEvent) -> list[RequestEvent]:
         """An instance's event as the request's one stream has it (or not at all)."""
         request = self._requests.get(event.request_id)
         if request is None:
             return []  # aborted: its last events are nobody's
         if instance.role == PREFILL:
+            if request.kv_given_up:
+                return []  # prefilled where it decodes: the copy here is not the request's
             if isinstance(event, Scheduled):
                 request.prefill_scheduled = True
                 return [event]
             if isinstance(event, (PrefillChunk, Preempted)):
                 return [event]
             if isinstance(event, Failed):
-                reason = f"the prefill failed: {event.error}"
-                self._send(self._decodes[request.decode], ("nokv", event.request_id, reason))
+                self._give_up_kv(request, f"the prefill failed: {event.error}")
             return []  # its arrival (the router's), its one token, its end: not the request's
         if isinstance(event, (Arrived, Tokenized)):
             return []
         if isinstance(event, Scheduled) and request.decode_scheduled_ns is None:
             request.decode_scheduled_ns = event.time_ns
-            return [] if request.prefill_scheduled else [event]
+            return [] if request.prefill_scheduled and not request.kv_given_up else [event]
         if isinstance(event, Failed):
             del self._requests[event.request_id]
         if isinstance(event, Finished):
@@ -464,15 +448,17 @@ class DisaggregatedEngine:
             fallback=request.fallback,
         )
 
-    def _on_note(self, instance: _Instance, note: KVNote) -> None:
+    def _on_note(self, note: KVNote) -> None:
         request = self._requests.get(note.request_id)
         if note.kind == "sent":
             self.counters["kv_handoffs_sent"] += 1
             self.counters["kv_bytes_sent"] += note.num_bytes
+            if request is not None:
+                request.kv_sent_ns = note.time_ns
         elif note.kind == "send_failed":
             self.counters["kv_send_failures"] += 1
             if request is not None:
-                self._send(self._decodes[request.decode], ("nokv", note.request_id, note.reason))
+                self._give_up_kv(request, note.reason)
         elif note.kind == "received":
             self.counters["kv_handoffs_received"] += 1
             if request is not None:
@@ -483,43 +469,73 @@ class DisaggregatedEngine:
             self.counters["kv_fallbacks" if note.kind == "fallback" else "kv_failures"] += 1
             if request is not None:
                 request.fallback = note.reason
-                self._suspect_prefill(request, note.reason)
 
-    def _suspect_prefill(self, request: _Request, reason: str) -> None:
-        """A prefill instance silent since this request went to it is sent no more until it
-        answers again (a hung process: its decode side timed the request out)."""
-        if request.prefill is None:
+    def _give_up_kv(self, request: _Request, reason: str) -> None:
+        """Tell the decode instance to go without the request's K/V (kv_load_failure_policy),
+        and abort the prefill instance's copy."""
+        if request.kv_given_up or request.kv_received_ns is not None:
             return
-        prefill = self._prefills[request.prefill]
-        if prefill.alive and prefill.last_heard_ns < request.routed_ns:
-            prefill.unresponsive = reason
-            self.counters["prefill_instances_unresponsive"] += 1
+        request.kv_given_up = True
+        self._decodes[request.decode].send(("nokv", request.request_id, reason))
+        if request.prefill is not None:
+            self._prefills[request.prefill].send(("abort", request.request_id))
 
-    def _lost(self, instance: _Instance, how: str) -> list[RequestEvent]:
-        """An instance that died: its prefills are computed where they decode; a dead decode
-        instance fails its requests, and the engine if it was the last."""
-        instance.alive = False
-        _kill(instance.process)
+    def _time_out_silent_instances(self) -> list[RequestEvent]:
+        """The router's clock on the instances (kv_transfer_timeout_s): a prefill instance
+        that owes K/V and says nothing for that long is hung, and so are K/V sent and not
+        received in that time; a decode instance silent for 4 times that while it has requests
+        to run is hung too."""
+        now, timeout = now_ns(), int(self.config.kv_transfer_timeout_s * 1e9)
+        events: list[RequestEvent] = []
+        for request in list(self._requests.values()):
+            sent = request.kv_sent_ns
+            if sent is not None and request.kv_received_ns is None and now - sent > timeout:
+                self._give_up_kv(request, self._late("were sent but not received"))
+        for instance in [i for i in self.instances if i.alive]:
+            owed = [
+                r
+                for r in self._requests.values()
+                if (_prefilling if instance.role == PREFILL else _running_on)(r, instance)
+            ]
+            if not owed:
+                continue
+            limit = timeout * (1 if instance.role == PREFILL else _DECODE_SILENCE_FACTOR)
+            quiet_since = max(instance.last_heard_ns, min(r.routed_ns for r in owed))
+            if now - quiet_since <= limit:
+                continue
+            silent = f"said nothing for {(now - quiet_since) / 1e9:.1f} s"
+            if instance.role == DECODE:
+                events += self._lost(instance, f"{silent}; killed")
+                continue
+            if instance.unresponsive is None:
+                self.counters["prefill_instances_unresponsive"] += 1
+            instance.unresponsive = f"{instance.name} {silent}"
+            for request in owed:
+                self._give_up_kv(request, self._late(f"did not come: {instance.name} {silent}"))
+        return events
+
+    def _late(self, what: str) -> str:
+        return (
+            f"the K/V {what} (engine.kv_transfer_timeout_s={self.config.kv_transfer_timeout_s:g})"
+        )
+
+    def _lost(self, instance: InstanceProcess, how: str) -> list[RequestEvent]:
+        """An instance that died or hung: its prefills are computed where they decode; a lost
+        decode instance fails its requests, and the engine if it was the last."""
+        instance.kill()
         reason = f"{instance.name} {how}"
         self.counters[f"{instance.role}_instances_lost"] += 1
         now, events = now_ns(), list[RequestEvent]()
         for request in list(self._requests.values()):
             if instance.role == PREFILL and request.prefill == instance.index:
-                if request.kv_received_ns is None:
-                    self._send(self._decodes[request.decode], ("nokv", request.request_id, reason))
+                self._give_up_kv(request, reason)
             elif instance.role == DECODE and request.decode == instance.index:
                 del self._requests[request.request_id]
                 events.append(Failed(request.request_id, self.step_counter, now, reason))
         if not any(d.alive for d in self._decodes):
             self.failure = f"no decode instance is left: {reason}"
-            _end_instances(self.instances, None, None)
+            end_instances(self.instances, None, None)
         return events
-
-    def _send(self, instance: _Instance, message: tuple[Any, ...]) -> None:
-        if not instance.alive:
-            return
-        with contextlib.suppress(OSError):  # it died: the next step reads its end
-            instance.control.send(message)
 
     # ---- lifetime ---------------------------------------------------------------------------
 
@@ -545,51 +561,40 @@ class DisaggregatedEngine:
 
 
 def _least_loaded(
-    instances: list[_Instance], requests: dict[str, _Request], role: str
-) -> _Instance:
+    instances: list[InstanceProcess],
+    requests: Iterable[_Request],
+    on: Callable[[_Request, InstanceProcess], bool],
+) -> InstanceProcess:
+    """The live instance with the fewest requests `on` it."""
     live = [i for i in instances if i.alive]
-
-    def load(instance: _Instance) -> int:
-        return sum(getattr(r, role) == instance.index for r in requests.values())
-
-    return min(live, key=load)
+    counts = Counter(i.index for r in requests for i in live if on(r, i))
+    return min(live, key=lambda instance: counts[instance.index])
 
 
-def _placement(num_instances: int, num_threads: int | None) -> tuple[int, list[int] | None]:
-    """Threads per instance, and the cores to pin them to in turn (None: not pinned, too few
-    cores to give each its own). Without engine.num_threads the cores are shared out."""
-    cores = sorted(os.sched_getaffinity(0))
-    count, _ = available_cpus()
-    threads = num_threads or max(1, count // num_instances)
-    if threads * num_instances > len(cores):
-        return threads, None
-    return threads, cores
+def _prefilling(request: _Request, instance: InstanceProcess) -> bool:
+    """The request waits for this prefill instance: its K/V are neither sent nor given up."""
+    return (
+        request.prefill == instance.index and request.kv_sent_ns is None and not request.kv_given_up
+    )
 
 
-def _kill(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.kill()
-    process.wait()
+def _decoding(request: _Request, instance: InstanceProcess) -> bool:
+    return request.decode == instance.index
 
 
-def _end_instances(instances: list[_Instance], cleanup: Any, links: Any) -> None:
-    """Ask every live instance to leave, kill those that do not within the grace, and clear
-    what the connector's setup left (a finalizer: it runs once, at close, collection or exit)."""
-    for instance in instances:
-        if instance.alive:
-            with contextlib.suppress(OSError):
-                instance.control.send(("close",))
-    deadline = time.monotonic() + _EXIT_GRACE_S
-    for instance in instances:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            instance.process.wait(max(0.0, deadline - time.monotonic()))
-        _kill(instance.process)
-        instance.alive = False
-        instance.control.close()
-    if cleanup is not None:
-        cleanup(links)
+def _running_on(request: _Request, instance: InstanceProcess) -> bool:
+    """The decode instance has this request to run (not one still waiting for K/V)."""
+    started = request.prefill is None or request.kv_received_ns is not None
+    return _decoding(request, instance) and (started or request.kv_given_up)
 
 
-def _startup_error(message: str, name: str) -> Exception:
-    error = ConfigError if "engine." in message else RuntimeError
-    return error(f"{name}: {message}")
+def _refuse_windows(config: EngineConfig, model: ModelConfig) -> None:
+    """A windowed layer's blocks out of its window are released while a prompt is computed:
+    they cannot be handed over."""
+    windowed = [i for i in range(model.num_layers) if model.layer_window(i) is not None]
+    if windowed:
+        raise ConfigError(
+            f"engine.disaggregation={config.disaggregation!r}: {config.model} keeps a sliding "
+            f"window in {len(windowed)} layers, whose blocks out of the window are released "
+            "before its K/V could be handed over; allowed with it: none"
+        )

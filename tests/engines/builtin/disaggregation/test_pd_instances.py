@@ -16,9 +16,11 @@ import pytest
 from engines.base import ConfigError, Failed, Finished, RequestEvent, Tokens
 from engines.builtin.backend import BuiltinBackend
 from engines.builtin.config import EngineConfig
+from engines.builtin.disaggregation.connectors import KV_CONNECTORS
 from engines.builtin.disaggregation.router import DisaggregatedEngine
 from engines.builtin.engine import EngineDeadError, LLMEngine
 from engines.builtin.factory import build_engine
+from engines.builtin.llm import LLM
 from engines.sampling_params import SamplingParams
 from serving.testing import serve_engine
 
@@ -149,7 +151,56 @@ def test_a_hung_prefill_instance_is_timed_out(policy: str, expected: dict[str, l
             assert "kv_transfer_timeout_s=1" in str(event.disaggregated.fallback)
     assert engine.counters["kv_fallbacks"] == 2  # the decode side timed out r1 and r3
     assert engine.counters["colocated_requests"] == 1  # r4 never went to it
-    assert engine.counters["prefill_instances_unresponsive"] >= 1
+    assert engine.counters["prefill_instances_unresponsive"] == 1  # once per instance
+
+
+def test_a_hung_decode_instance_is_killed_and_fails_its_requests() -> None:
+    """SIGSTOP mid-stream: silent for 4 x kv_transfer_timeout_s with requests to run."""
+    config = EngineConfig(**BASE, disaggregation="pd", kv_transfer_timeout_s=1.0)
+    engine = DisaggregatedEngine(config)
+    long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", PROMPTS[3], long)
+    events: list[RequestEvent] = []
+    while not any(isinstance(e, Tokens) for e in events):
+        events += engine.step()
+    decode = engine.instances[1]
+    os.kill(decode.process.pid, signal.SIGSTOP)
+    began = time.monotonic()
+    events = collect(engine, 30)
+    waited = time.monotonic() - began
+    engine.close()
+    failed = [e for e in events if isinstance(e, Failed)]
+    assert [e.request_id for e in failed] == ["a"]
+    assert "decode instance 0" in failed[0].error and "killed" in failed[0].error
+    assert 3.5 < waited < 15
+    assert all(gone(pid) for pid in pids(engine))
+
+
+def test_llm_generate_over_the_disaggregated_engine(expected: dict[str, list[int]]) -> None:
+    with LLM(**{**BASE, "disaggregation": "pd"}) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY)
+    tokens = {f"r{i}": list(out.outputs[0].token_ids) for i, out in enumerate(outputs)}
+    assert tokens == expected
+    assert [out.prompt_token_ids for out in outputs] == PROMPTS
+
+
+def test_sliding_window_models_are_refused_by_name() -> None:
+    config = EngineConfig(**BASE, disaggregation="pd", model_overrides={"sliding_window": 8})
+    with pytest.raises(ConfigError, match=r"engine\.disaggregation='pd': .*sliding window"):
+        DisaggregatedEngine(config)
+
+
+def test_a_killed_routers_shared_memory_is_cleared_by_the_next() -> None:
+    stale = Path("/dev/shm") / "inferlab-pd-999999999-abcd"
+    stale.mkdir()
+    (stale / "0-0.kv").write_bytes(b"x" * 10)
+    links = KV_CONNECTORS.get("shm").setup(1, 1)
+    try:
+        assert not stale.exists()
+        assert Path(links.folder).is_dir()
+    finally:
+        KV_CONNECTORS.get("shm").cleanup(links)
+    assert not Path(links.folder).exists()
 
 
 def test_aborted_requests_leave_nothing_waiting() -> None:
