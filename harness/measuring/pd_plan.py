@@ -211,7 +211,11 @@ def main(args: list[str]) -> int:
                 f"engine.tensor_parallel_size={tp}; allowed: at least {2 * tp}"
             )
         if report["batch"] < 1:
-            raise ValueError(f"{report['model']}: no sequence fits a decode instance's memory")
+            raise ValueError(
+                f"engine.tensor_parallel_size: {tp} GPU(s) of {spec.name} hold no sequence of "
+                f"{report['model']} beside its weights; allowed: more GPUs per instance "
+                f"({', '.join(map(str, report['allowed_tensor_parallel_sizes']))})"
+            )
         cfg = resolve_model(name, overrides)
         plan = pd_plan(cfg, report, spec, own["prompt_len"], own["output_len"], own["gpus"])
     except (configs.ComposeError, ValueError) as exc:

@@ -73,6 +73,8 @@ def test_the_cli_prints_the_table_and_refuses_bad_values(capsys: pytest.CaptureF
     ):
         assert main([*args, bad]) == 2
         assert f"error: {key}" in capsys.readouterr().err
+    assert main(["model=llama3-70b", "hardware=h100", "engine.dtype=bf16"]) == 2
+    assert "error: engine.tensor_parallel_size: 1 GPU(s)" in capsys.readouterr().err
 
 
 def test_hardware_links_are_checked_by_name() -> None:
