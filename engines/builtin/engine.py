@@ -923,7 +923,11 @@ class LLMEngine:
                 start = self.platform.now_ns()
                 blocks = -(-(seq.num_prompt_tokens - 1) // self.kv.block_size)
                 table = self.kv.block_tables[seq.seq_id][:blocks]
-                self.exported_kv[seq.request_id] = gather_blocks(self.runner.kv_caches, table)
+                self.exported_kv[seq.request_id] = (
+                    gather_blocks(self.runner.kv_caches, table)
+                    if table
+                    else torch.empty(0, self.kv_block_bytes, dtype=torch.uint8)  # 1-token prompt
+                )
                 self.runner.last_transfer_ns += self.platform.now_ns() - start
 
     def _search(self, step: int) -> tuple[list[BeamGroup], list[RequestEvent]]:

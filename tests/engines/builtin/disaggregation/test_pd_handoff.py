@@ -14,7 +14,7 @@ from engines.sampling_params import SamplingParams
 
 BASE = {"model": "tiny", "kv_cache": "paged", "block_size": 4, "num_threads": 1}
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-PROMPTS = [list(range(7, 7 + n)) for n in (2, 5, 8, 13, 31)]  # partial and full last blocks
+PROMPTS = [list(range(7, 7 + n)) for n in (1, 2, 5, 8, 13, 31)]  # none, partial, full blocks
 
 
 def run(engine: LLMEngine) -> tuple[dict[str, list[int]], dict[str, Finished]]:
@@ -122,20 +122,20 @@ def test_preempted_decode_reloads_the_handed_over_kv() -> None:
 
 def test_remote_kv_that_does_not_fit_is_refused_by_name() -> None:
     engine = LLMEngine(EngineConfig(**BASE))
-    exported = prefill(PROMPTS[3:4])["r0"]
+    exported = prefill(PROMPTS[4:5])["r0"]
     with pytest.raises(
         ValueError,
         match=r"remote_kv: torch.uint8 \(3, \d+\) .* 17 prompt tokens.*allowed: uint8 \(5, ",
     ):
-        engine.add_request("a", PROMPTS[3] + [1, 2, 3, 4, 5], GREEDY, remote_kv=exported)
+        engine.add_request("a", PROMPTS[4] + [1, 2, 3, 4, 5], GREEDY, remote_kv=exported)
     with pytest.raises(ValueError, match=r"remote_kv: .*prompt_logprobs"):
         engine.add_request(
             "b",
-            PROMPTS[3],
+            PROMPTS[4],
             SamplingParams(max_tokens=2, prompt_logprobs=1),
             remote_kv=exported,
         )
     contiguous = LLMEngine(EngineConfig(**{**BASE, "kv_cache": "contiguous"}))
     with pytest.raises(ValueError, match=r"remote_kv: .*kv_cache=paged"):
-        contiguous.add_request("c", PROMPTS[3], GREEDY, remote_kv=exported)
+        contiguous.add_request("c", PROMPTS[4], GREEDY, remote_kv=exported)
     assert not engine.has_unfinished_requests()
