@@ -43,6 +43,16 @@ import yaml
 from configs import CONFIG_DIR
 from models.files import SETTINGS, UserFileError, given_output_path, read_input_text
 
+#: a disaggregated engine's request facts (engine.disaggregation=pd; None for a colocated one)
+DISAGGREGATED_COLUMNS = (
+    "pd_prefill_instance",
+    "pd_decode_instance",
+    "pd_kv_bytes",
+    "pd_kv_transfer_s",
+    "pd_decode_queue_s",
+    "pd_fallback",
+)
+
 CONFIG_FILE = "config.yaml"
 PROVENANCE_FILE = "provenance.json"
 SUMMARY_FILE = "summary.json"
@@ -205,12 +215,7 @@ REQUEST_COLUMNS = [
     "cached_prompt_tokens_host",
     "cached_prompt_tokens_disk",
     # disaggregation (engine.disaggregation=pd): where it ran and what its K/V hand-off cost
-    "pd_prefill_instance",
-    "pd_decode_instance",
-    "pd_kv_bytes",
-    "pd_kv_transfer_s",
-    "pd_decode_queue_s",
-    "pd_fallback",
+    *DISAGGREGATED_COLUMNS,
     "prefix_group",
     "session_id",
     "turn",

@@ -765,14 +765,7 @@ class LLMEngine:
             self._check_beam_search(sampling)
         if sampling.structured_outputs is not None:
             self._check_structured_outputs(sampling.structured_outputs)
-        max_len = self.limits.max_model_len
-        if not token_ids:
-            raise ValueError("prompt: empty (it has no tokens)")
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens do not fit max_model_len="
-                f"{max_len} (at least one token must be generated)"
-            )
+        check_prompt_length(token_ids, self.limits.max_model_len)
         self.check_fits(len(token_ids), sampling.max_tokens)
         check_token_ids(token_ids, sampling, self.model_config.vocab_size)
         check_some_token_allowed(
@@ -809,13 +802,7 @@ class LLMEngine:
                 "(a beam's next token is chosen across its group, not verified); allowed: "
                 "false (or no engine.speculative_config)"
             )
-        if sampling.num_beams > self.limits.max_num_seqs:
-            name = "n" if sampling.beam_width is None else "beam_width"
-            raise ValueError(
-                f"SamplingParams.{name}: {sampling.num_beams} beams cannot all run at once "
-                f"under engine.max_num_seqs={self.limits.max_num_seqs}; allowed: at most "
-                f"{self.limits.max_num_seqs}"
-            )
+        check_beams_fit(sampling, self.limits.max_num_seqs)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """A request whose KV can never fit the pool, even alone, fails now with the reason
@@ -1092,6 +1079,27 @@ class LLMEngine:
                 )
             )
         return events
+
+
+def check_prompt_length(token_ids: list[int], max_model_len: int) -> None:
+    """At least one prompt token, and room for at least one more (ValueError naming it)."""
+    if not token_ids:
+        raise ValueError("prompt: empty (it has no tokens)")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt: {len(token_ids)} tokens do not fit max_model_len="
+            f"{max_model_len} (at least one token must be generated)"
+        )
+
+
+def check_beams_fit(sampling: SamplingParams, max_num_seqs: int) -> None:
+    """A beam search's beams all run at once (ValueError naming the field that sets them)."""
+    if sampling.use_beam_search and sampling.num_beams > max_num_seqs:
+        name = "n" if sampling.beam_width is None else "beam_width"
+        raise ValueError(
+            f"SamplingParams.{name}: {sampling.num_beams} beams cannot all run at once "
+            f"under engine.max_num_seqs={max_num_seqs}; allowed: at most {max_num_seqs}"
+        )
 
 
 def check_token_ids(token_ids: list[int], sampling: SamplingParams, vocab: int) -> None:

@@ -70,6 +70,7 @@ from engines.base import (
 )
 from engines.tool_calls import ToolCallOutput
 from harness.measuring.metrics import expert_imbalance
+from harness.run_folder import DISAGGREGATED_COLUMNS
 from harness.running.interrupts import deferred
 from harness.running.saturation import SaturationConfig, SaturationDetector
 from workloads.request import WorkloadRequest
@@ -745,13 +746,3 @@ def _disaggregated_columns(facts: DisaggregatedFacts | None) -> dict[str, Any]:
         "pd_decode_queue_s": seconds(facts.decode_queue_ns),
         "pd_fallback": facts.fallback,
     }
-
-
-DISAGGREGATED_COLUMNS = (
-    "pd_prefill_instance",
-    "pd_decode_instance",
-    "pd_kv_bytes",
-    "pd_kv_transfer_s",
-    "pd_decode_queue_s",
-    "pd_fallback",
-)

@@ -67,6 +67,8 @@ from engines.builtin.disaggregation.processes import (
 from engines.builtin.engine import (
     EngineClosedError,
     EngineDeadError,
+    check_beams_fit,
+    check_prompt_length,
     check_some_token_allowed,
     check_token_ids,
 )
@@ -244,19 +246,8 @@ class DisaggregatedEngine:
             vocab,
             self.eos_ids,
         )
-        if sampling.use_beam_search and sampling.num_beams > self.limits.max_num_seqs:
-            raise ValueError(
-                f"SamplingParams.n: {sampling.num_beams} beams cannot all run at once under "
-                f"engine.max_num_seqs={self.limits.max_num_seqs}; allowed: at most "
-                f"{self.limits.max_num_seqs}"
-            )
-        if not token_ids:
-            raise ValueError("prompt: empty (it has no tokens)")
-        if len(token_ids) >= self.limits.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens do not fit max_model_len="
-                f"{self.limits.max_model_len} (at least one token must be generated)"
-            )
+        check_beams_fit(sampling, self.limits.max_num_seqs)
+        check_prompt_length(token_ids, self.limits.max_model_len)
         self.check_fits(len(token_ids), sampling.max_tokens)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:

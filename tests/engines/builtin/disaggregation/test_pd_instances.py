@@ -38,6 +38,12 @@ def collect(engine, deadline_s: float = 120.0) -> list[RequestEvent]:
     return events
 
 
+def until_first_token(engine: DisaggregatedEngine) -> None:
+    events: list[RequestEvent] = []
+    while not any(isinstance(e, Tokens) for e in events):
+        events += engine.step()
+
+
 def tokens_of(events: list[RequestEvent]) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
     for event in events:
@@ -101,9 +107,7 @@ def test_a_dead_decode_instance_fails_its_requests_and_the_engine() -> None:
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     engine.add_request("a", PROMPTS[3], long)
     engine.add_request("b", PROMPTS[4], long)
-    events: list[RequestEvent] = []
-    while not any(isinstance(e, Tokens) for e in events):
-        events += engine.step()
+    until_first_token(engine)
     decode = engine.instances[1]
     os.kill(decode.process.pid, signal.SIGKILL)
     events = collect(engine, 30)
@@ -160,9 +164,7 @@ def test_a_hung_decode_instance_is_killed_and_fails_its_requests() -> None:
     engine = DisaggregatedEngine(config)
     long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
     engine.add_request("a", PROMPTS[3], long)
-    events: list[RequestEvent] = []
-    while not any(isinstance(e, Tokens) for e in events):
-        events += engine.step()
+    until_first_token(engine)
     decode = engine.instances[1]
     os.kill(decode.process.pid, signal.SIGSTOP)
     began = time.monotonic()
