@@ -140,11 +140,35 @@ def write_text_atomic(path: Path, text: str, mode: int = 0o644) -> None:
 
 
 def file_key(path: str | os.PathLike[str]) -> str:
-    """A short digest naming one version of a file: its resolved path, size and modification
-    time (what a cache entry derived from the file is keyed by)."""
-    stat = Path(path).stat()
-    key = f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+    """A short digest of a file's content: what a cache entry derived from the file is keyed by,
+    so every copy of one file (another clone's venv, a copy in a temporary folder) shares its
+    entries, where a key by path made a new set of conversions per copy. Hashing gigabytes
+    takes seconds, so each version of a file (its resolved path, inode, size and modification
+    time) has its digest remembered in the cache's `file-digests` folder."""
+    source = Path(path).resolve()
+    info = source.stat()
+    version = f"{source}:{info.st_ino}:{info.st_size}:{info.st_mtime_ns}"
+    memo = cache_dir() / "file-digests" / hashlib.sha256(version.encode()).hexdigest()[:32]
+    try:
+        # One someone else could have written is not read: it would choose the entries loaded.
+        check_trusted(memo, "file digest cache")
+        remembered = memo.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError, UntrustedCacheError):  # not remembered, or untrusted
+        remembered = ""
+    else:
+        if len(remembered) == 16 and all(c in "0123456789abcdef" for c in remembered):
+            return remembered
+    digest = hashlib.sha256()
+    with source.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    key = digest.hexdigest()[:16]
+    try:
+        check_trusted(memo.parent, "file digest cache")
+        write_text_atomic(memo, key)
+    except (OSError, UntrustedCacheError):  # the key is right, only slower next time
+        pass
+    return key
 
 
 def build_folder_once(

@@ -490,7 +490,7 @@ def _byte_level_tokenizer(reader: Any, pre: str, tokens: list[str], types: list[
 
 def tokenizer_folder(path: str | Path) -> Path:
     """A Hugging Face tokenizer folder for the GGUF file, built once into the shared cache
-    (keyed by the file's path, size and modification time) and reused."""
+    (keyed by the file's content) and reused."""
     folder = cache_dir() / "gguf-tokenizers" / file_key(path)
     return build_folder_once(
         folder,

@@ -70,7 +70,7 @@ def llama_quantize(src: str | Path, dst: str | Path, kind: str, threads: int = 0
 def derived_gguf(path: str | Path, kind: str) -> Path:
     """`path` re-encoded to `kind` (DERIVED_TYPES): GGUF_TYPES by `inferlab convert`'s code,
     llama.cpp's mixes quantized by llama.cpp from the F16 file; each built once into the cache,
-    keyed by the source file's path, size and modification time."""
+    keyed by the source file's content."""
     if kind not in DERIVED_TYPES:
         raise ValueError(f"kind: {kind!r}; allowed: {'|'.join(DERIVED_TYPES)}")
     source = Path(path)
