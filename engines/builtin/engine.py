@@ -63,7 +63,11 @@ from engines.builtin.sequence import Sequence
 from engines.builtin.spec_decode.methods import PROPOSERS
 from engines.builtin.spec_decode.proposer import Proposal, Proposer, ProposerContext
 from engines.builtin.step_stats import EngineGauges, logits_rows, step_record
-from engines.builtin.structured import build_structured_outputs, resolve_structured_output_backend
+from engines.builtin.structured import (
+    StructuredOutputs,
+    build_structured_outputs,
+    resolve_structured_output_backend,
+)
 from engines.sampling_params import SamplingParams
 from engines.structured_outputs import StructuredOutputsParams
 from models.config import kv_bytes_per_token
@@ -271,6 +275,7 @@ class LLMEngine:
             config.kv_host_tier_bytes,
             config.kv_disk_tier_bytes,
             config.kv_disk_tier_path,
+            config.kv_disk_tier_prefetch,
         )
         self.kv.attach_tiers(store)
 
@@ -764,7 +769,7 @@ class LLMEngine:
         if sampling.use_beam_search:
             self._check_beam_search(sampling)
         if sampling.structured_outputs is not None:
-            self._check_structured_outputs(sampling.structured_outputs)
+            check_structured_outputs(self.structured, sampling.structured_outputs)
         check_prompt_length(token_ids, self.limits.max_model_len)
         self.check_fits(len(token_ids), sampling.max_tokens)
         check_token_ids(token_ids, sampling, self.model_config.vocab_size)
@@ -774,18 +779,6 @@ class LLMEngine:
             self.model_config.vocab_size,
             self.eos_ids,
         )
-
-    def _check_structured_outputs(self, params: StructuredOutputsParams) -> None:
-        """A grammar backend to enforce it; compiled now (cached), so that a constraint the
-        backend cannot compile is refused naming the field, and the step loop never waits
-        for a compilation."""
-        if self.structured is None:
-            raise ValueError(
-                "SamplingParams.structured_outputs: engine.structured_output_backend is none "
-                "(auto finds no xgrammar installed); allowed: null (or "
-                "engine.structured_output_backend=xgrammar, pip install xgrammar)"
-            )
-        self.structured.compile(params)
 
     def _check_beam_search(self, sampling: SamplingParams) -> None:
         """What the engine's configuration allows a beam search: beams run side by side
@@ -1079,6 +1072,21 @@ class LLMEngine:
                 )
             )
         return events
+
+
+def check_structured_outputs(
+    structured: StructuredOutputs | None, params: StructuredOutputsParams
+) -> None:
+    """A grammar backend to enforce it; compiled now (cached), so that a constraint the
+    backend cannot compile is refused naming the field, and the step loop never waits
+    for a compilation."""
+    if structured is None:
+        raise ValueError(
+            "SamplingParams.structured_outputs: engine.structured_output_backend is none "
+            "(auto finds no xgrammar installed); allowed: null (or "
+            "engine.structured_output_backend=xgrammar, pip install xgrammar)"
+        )
+    structured.compile(params)
 
 
 def check_prompt_length(token_ids: list[int], max_model_len: int) -> None:

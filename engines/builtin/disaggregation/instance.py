@@ -87,6 +87,7 @@ class Instance:
                 {
                     "describe": engine.describe(),
                     "limits": engine.limits,
+                    "sample_vocab_size": engine.runner.sample_vocab_size,
                     "address": self.connector.address(),
                     "pid": os.getpid(),
                     "cores": sorted(os.sched_getaffinity(0)),

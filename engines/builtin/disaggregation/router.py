@@ -70,11 +70,13 @@ from engines.builtin.engine import (
     check_beams_fit,
     check_prompt_length,
     check_some_token_allowed,
+    check_structured_outputs,
     check_token_ids,
 )
 from engines.builtin.limits import EngineLimits
 from engines.builtin.platform import Platform
 from engines.builtin.step_stats import EngineGauges
+from engines.builtin.structured import build_structured_outputs, resolve_structured_output_backend
 from engines.sampling_params import SamplingParams
 from models.config import ModelConfig
 from models.location import resolve_model
@@ -135,6 +137,14 @@ class DisaggregatedEngine:
             raise
         decode = self._decodes[0].facts
         self.limits: EngineLimits = decode["limits"]
+        # compiled here too, so that a constraint no instance could compile is a ValueError
+        # (a 400) at add_request, as colocated; the decode instance's compilation is its own
+        self.structured = build_structured_outputs(
+            resolve_structured_output_backend(config.structured_output_backend),
+            self.tokenizer,
+            decode["sample_vocab_size"],
+            self.eos_ids,
+        )
 
     # ---- instances --------------------------------------------------------------------------
 
@@ -233,11 +243,11 @@ class DisaggregatedEngine:
         return self.tokenizer.encode_prompt(prompt)
 
     def check_request(self, token_ids: list[int], sampling: SamplingParams) -> None:
-        """An LLMEngine's checks, against a decode instance's limits; a structured output's
-        grammar is compiled where it decodes (one it cannot compile fails the request there,
-        with the reason)."""
+        """An LLMEngine's checks, against a decode instance's limits."""
         self._ensure_not_closed()
         sampling.validate()
+        if sampling.structured_outputs is not None:
+            check_structured_outputs(self.structured, sampling.structured_outputs)
         vocab = self.model_config.vocab_size
         check_token_ids(token_ids, sampling, vocab)
         check_some_token_allowed(

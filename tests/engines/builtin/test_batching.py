@@ -6,6 +6,10 @@ combinations are refused by name."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -402,12 +406,24 @@ def test_static_and_chunked_are_accepted() -> None:
 # ---- logits against Hugging Face --------------------------------------------------------------
 
 
+def _module_at(path: Path) -> ModuleType:
+    if path.stem in sys.modules:  # collected already: one module, one set of fixtures
+        return sys.modules[path.stem]
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def hf_reference(tmp_path_factory: pytest.TempPathFactory):
     """The HF references of tests/engines/hf/test_hf_parity.py (a checkpoint, its greedy
     continuations and its no-cache logits), built for the variants used here."""
     pytest.importorskip("transformers")
-    import test_hf_parity as parity
+    # by its path: its folder is on sys.path only once pytest has collected a test there
+    parity = _module_at(Path(__file__).parents[1] / "hf" / "test_hf_parity.py")
 
     cache = {}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from engines.builtin.engine import EngineDeadError, LLMEngine
 from engines.builtin.factory import build_engine
 from engines.builtin.llm import LLM
 from engines.sampling_params import SamplingParams
+from engines.structured_outputs import StructuredOutputsParams as Constraint
 from serving.testing import serve_engine
 
 BASE = {"model": "tiny", "kv_cache": "paged", "block_size": 4, "num_threads": 1}
@@ -184,6 +186,26 @@ def test_llm_generate_over_the_disaggregated_engine(expected: dict[str, list[int
     tokens = {f"r{i}": list(out.outputs[0].token_ids) for i, out in enumerate(outputs)}
     assert tokens == expected
     assert [out.prompt_token_ids for out in outputs] == PROMPTS
+
+
+def test_structured_outputs_are_checked_by_the_router_and_enforced_by_decode() -> None:
+    """A constraint no instance could compile is refused at add_request naming the field (a
+    400 from the server, as colocated); one it can is enforced, with colocated's tokens."""
+    pattern = r"[0-9]{3}-[a-z]{2}"
+    sampling = SamplingParams(
+        max_tokens=12, temperature=0.0, structured_outputs=Constraint(regex=pattern)
+    )
+    with LLM(**BASE) as colocated:
+        want = colocated.generate([PROMPTS[2]], sampling)[0].outputs[0]
+    with LLM(**{**BASE, "disaggregation": "pd"}) as llm:
+        got = llm.generate([PROMPTS[2]], sampling)[0].outputs[0]
+        unclosed = SamplingParams(structured_outputs=Constraint(regex="(unclosed"))
+        message = "structured_outputs.regex: xgrammar cannot compile"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            llm.engine.add_request("bad", PROMPTS[2], unclosed)
+        assert not llm.engine.has_unfinished_requests()
+    assert list(got.token_ids) == list(want.token_ids)
+    assert re.fullmatch(pattern, got.text)
 
 
 def test_sliding_window_models_are_refused_by_name() -> None:
