@@ -172,6 +172,12 @@ class EngineConfig(Options):
         help="prefix caching: disk space for blocks evicted from the host tier (or straight from "
         "the pool without one), checksummed files written off the step loop; 0: none",
     )
+    kv_disk_tier_prefetch: bool = option(
+        True,
+        help="the disk tier reads a request's blocks ahead on a thread of its own when the "
+        "request arrives, so that its admission finds them in memory; false: read when the "
+        "prefix is matched, on the step loop",
+    )
     kv_disk_tier_path: str | None = option(
         None,
         help="where the disk tier makes its own folder, removed when the engine closes; None: "

@@ -207,6 +207,8 @@ class Scheduler:
         keys = [(s.priority, s.arrival_ns, s.seq_id) for s in self.waiting]
         index = bisect.bisect(keys, (seq.priority, seq.arrival_ns, seq.seq_id))
         self.waiting.insert(index, seq)
+        if self.prefix_caching and seq.sampling.prompt_logprobs is None:
+            self.kv.prefetch_prefix(seq.token_ids, seq.kv_namespace)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -96,6 +96,11 @@ class KVCacheManager(ABC):
         `namespace` (see commit); return the tokens covered."""
         return 0
 
+    def prefetch_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> int:
+        """Start reading ahead the tier blocks a later match_prefix of `token_ids` would load
+        from disk; return the reads started."""
+        return 0
+
     def take_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write block copies (src, dst) to perform before the next forward."""
         return []

@@ -2,11 +2,13 @@
 written by a background thread so that no step waits for the disk.
 
 Only the writer thread touches files it has been asked to write or delete, in the order asked
-(a delete queued after a write of the same block runs after it); reads happen on the caller's
-thread and only for blocks whose write was reported done. Results come back through
-`take_done()`, so the index (tiers.py) is only ever changed on the engine's thread. Each write
-carries a number of its own, so the outcome of an older write of a block is never taken for a
-newer one's.
+(a delete queued after a write of the same block runs after it). Reads are asked only of blocks
+whose write was reported done: on the caller's thread (`read`), or ahead of need on the reader
+thread (`read_async`, a prefetch), whose file the writer may delete meanwhile (the read then
+fails or returns the complete file: writes land by rename). Results come back through
+`take_done()` and `take_reads()`, so the index (tiers.py) is only ever changed on the engine's
+thread. Each write carries a number of its own, so the outcome of an older write of a block is
+never taken for a newer one's.
 
 File layout: MAGIC, then little-endian (key, payload bytes, crc32 of the payload), then the
 payload. A read checks all four; a file that fails any check is reported corrupt, never used.
@@ -63,8 +65,21 @@ class WriterStats:
     write_ns: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class ReadDone:
+    """The reader thread's answer for one prefetch: the checked payload, or why there is
+    none; `read_ns`: the time the read took, off the step loop."""
+
+    key: int
+    payload: torch.Tensor | None
+    error: str | None
+    read_ns: int
+
+
 # A job: (kind, key, write id, payload or flush event); None ends the thread.
 Job = tuple[str, int, int, Any] | None
+# A prefetch: (key, payload bytes); None ends the thread.
+ReadJob = tuple[int, int] | None
 
 
 def _stale_folders(base: Path) -> list[Path]:
@@ -84,15 +99,21 @@ def _stale_folders(base: Path) -> list[Path]:
 
 
 def _shut_down(
-    jobs: queue.SimpleQueue[Job], writer: threading.Thread, path: Path, pid: int
+    jobs: queue.SimpleQueue[Job],
+    writer: threading.Thread,
+    reads: queue.SimpleQueue[ReadJob],
+    reader: threading.Thread,
+    path: Path,
+    pid: int,
 ) -> None:
-    """Stop the writer, then remove the folder; only in the process that made it (a forked
+    """Stop the threads, then remove the folder; only in the process that made it (a forked
     child's exit must not take its parent's files)."""
     if os.getpid() != pid:
         return
-    if writer.is_alive():
-        jobs.put(None)
-        writer.join()
+    for thread, queued in ((writer, jobs), (reader, reads)):
+        if thread.is_alive():
+            queued.put(None)
+            thread.join()
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -146,6 +167,40 @@ def _write_loop(
             done.put(WriteDone(key, write_id, _write_file(path, key, payload, stats)))
 
 
+def _read_file(path: Path, key: int, nbytes: int) -> torch.Tensor:
+    """The block's payload as written, checked; CorruptBlockError otherwise (a missing or
+    short file, another block's header, a wrong checksum)."""
+    file = path / f"{key:016x}.kv"
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise CorruptBlockError(f"{file.name}: {exc.strerror}") from exc
+    start = len(MAGIC) + _HEADER.size
+    if len(raw) != start + nbytes or raw[: len(MAGIC)] != MAGIC:
+        raise CorruptBlockError(f"{file.name}: not a {nbytes}-byte block file")
+    stored_key, stored_len, crc = _HEADER.unpack_from(raw, len(MAGIC))
+    body = memoryview(raw)[start:]
+    if stored_key != key or stored_len != nbytes or zlib.crc32(body) != crc:
+        raise CorruptBlockError(f"{file.name}: header or checksum mismatch")
+    return torch.frombuffer(bytearray(body), dtype=torch.uint8)
+
+
+def _read_loop(
+    reads: queue.SimpleQueue[ReadJob], done: queue.SimpleQueue[ReadDone], path: Path
+) -> None:
+    while True:
+        job = reads.get()
+        if job is None:
+            return
+        key, nbytes = job
+        start = time.perf_counter_ns()
+        try:
+            payload, error = _read_file(path, key, nbytes), None
+        except Exception as exc:  # answered, whatever it is: a claim may be waiting for it
+            payload, error = None, str(exc)
+        done.put(ReadDone(key, payload, error, time.perf_counter_ns() - start))
+
+
 class DiskTier:
     """Block files under a fresh folder made inside `parent` (None: the system's temporary
     folder), which must exist; no file but the tier's own is touched."""
@@ -175,8 +230,24 @@ class DiskTier:
             daemon=True,
         )
         self._writer.start()
+        self._reads: queue.SimpleQueue[ReadJob] = queue.SimpleQueue()
+        self._reads_done: queue.SimpleQueue[ReadDone] = queue.SimpleQueue()
+        self._reader = threading.Thread(
+            target=_read_loop,
+            args=(self._reads, self._reads_done, self.path),
+            name="kv-disk-tier-reader",
+            daemon=True,
+        )
+        self._reader.start()
         self._shutdown = weakref.finalize(
-            self, _shut_down, self._jobs, self._writer, self.path, os.getpid()
+            self,
+            _shut_down,
+            self._jobs,
+            self._writer,
+            self._reads,
+            self._reader,
+            self.path,
+            os.getpid(),
         )
         self._next_write_id = 0
 
@@ -202,20 +273,29 @@ class DiskTier:
                 return done
 
     def read(self, key: int, nbytes: int) -> torch.Tensor:
-        """The block's payload as written, checked; CorruptBlockError otherwise (a missing or
-        short file, another block's header, a wrong checksum)."""
-        try:
-            raw = self.file(key).read_bytes()
-        except OSError as exc:
-            raise CorruptBlockError(f"{self.file(key).name}: {exc.strerror}") from exc
-        start = len(MAGIC) + _HEADER.size
-        if len(raw) != start + nbytes or raw[: len(MAGIC)] != MAGIC:
-            raise CorruptBlockError(f"{self.file(key).name}: not a {nbytes}-byte block file")
-        stored_key, stored_len, crc = _HEADER.unpack_from(raw, len(MAGIC))
-        body = memoryview(raw)[start:]
-        if stored_key != key or stored_len != nbytes or zlib.crc32(body) != crc:
-            raise CorruptBlockError(f"{self.file(key).name}: header or checksum mismatch")
-        return torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        """The block's payload as written, checked; CorruptBlockError otherwise."""
+        return _read_file(self.path, key, nbytes)
+
+    def read_async(self, key: int, nbytes: int) -> None:
+        """Queue a read of the block for the reader thread; its ReadDone comes back in
+        take_reads(), one per call."""
+        self._reads.put((key, nbytes))
+
+    def take_reads(self, wait: bool = False) -> list[ReadDone]:
+        """The prefetches finished since the last call; with `wait`, at least one (the caller
+        knows one is queued), unless the reader thread has ended."""
+        done: list[ReadDone] = []
+        while wait and not done:
+            try:
+                done.append(self._reads_done.get(timeout=0.5))
+            except queue.Empty:
+                if not self._reader.is_alive():
+                    return done
+        while True:
+            try:
+                done.append(self._reads_done.get_nowait())
+            except queue.Empty:
+                return done
 
     def flush(self) -> None:
         """Wait until every queued job has run (tests; close)."""

@@ -378,6 +378,28 @@ class PagedKVCacheManager(PooledKVCacheManager):
             self._release_outside_window(seq_id, cached)
         return cached
 
+    def prefetch_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> int:
+        """match_prefix's walk without adopting anything: the blocks of the prefix that only
+        the disk tier holds are read ahead, up to the first block held nowhere."""
+        if self.tiers is None or self.tiers.disk is None:
+            return 0
+        bs = self.block_size
+        parent_hash, parent = self._root_hash(namespace), self._root(namespace)
+        on_tiers = []
+        for index in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[index * bs : (index + 1) * bs])
+            parent_hash = hash_block_tokens(parent_hash, tokens)
+            block = self.pool.lookup(parent_hash, tokens, parent)
+            if block is not None:
+                parent = self.pool.content_id(block)
+                continue
+            key = self.tiers.lookup(parent_hash, tokens, parent)
+            if key is None:
+                break
+            on_tiers.append(key)
+            parent = key  # a block loaded back keeps its content id
+        return self.tiers.prefetch(on_tiers)
+
     def _load_from_tiers(
         self, block_hash: int, tokens: tuple[int, ...], parent: int | None
     ) -> int | None:

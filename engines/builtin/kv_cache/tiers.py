@@ -11,9 +11,11 @@ The store keeps the index and the host copies; the bytes move in the model runne
 (`BlockTransfer`, executed in order before the step's forward): a *save* copies an evicted
 block's K/V out before anything overwrites it, a *load* copies a tier's copy into a fresh
 block. Until its save has run, an entry has no payload and cannot leave the host; until its
-load has run, it is pinned. Disk reads happen when a prefix is matched (so a corrupt file is
-found before anything trusts it: the match stops there and the rest is recomputed); disk
-writes happen on the disk tier's thread. Tiers are inclusive: a block read back from disk
+load has run, it is pinned. A request's disk blocks are read ahead on the disk tier's reader
+thread when it arrives (`prefetch`), so that its admission finds them in memory; what was not
+read ahead by then is read when the prefix is matched. Either way a corrupt file is found
+before anything trusts it: the match stops there and the rest is recomputed. Disk writes
+happen on the disk tier's writer thread. Tiers are inclusive: a block read back from disk
 keeps its file, and one evicted from host that is already on disk costs nothing.
 """
 
@@ -60,6 +62,7 @@ class TierEntry:
     writing: bool = False
     write_id: int = 0  # the disk tier's number for the write in flight
     pins: int = 0  # loads planned and not run yet
+    prefetching: bool = False  # a read ahead of need is under way
 
 
 @dataclass
@@ -69,8 +72,11 @@ class TierCounters:
     saved_blocks: int = 0  # evicted device blocks copied to the host tier
     loaded_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     disk_written_blocks: int = 0
-    disk_read_bytes: int = 0
+    disk_read_bytes: int = 0  # read, or waited for, on the step loop
     disk_read_ns: int = 0
+    prefetched_blocks: int = 0  # read ahead of need, off the step loop
+    prefetch_read_ns: int = 0
+    prefetch_unused: int = 0  # read ahead, then let go before any load used them
     dropped_blocks: int = 0  # left the last tier (or never fit one)
     disk_write_errors: int = 0
     corrupt_blocks: int = 0  # failed their checks when read: recomputed instead
@@ -80,15 +86,23 @@ class TierCounters:
 class KVTierStore:
     """Host and disk tiers for blocks of `block_bytes` (a block's K/V over every layer, scales
     included). `host_bytes`, `disk_bytes`: each tier's limit (0: no such tier);
-    `disk_path`: where the disk tier makes its folder (None: the system's temporary folder).
+    `disk_path`: where the disk tier makes its folder (None: the system's temporary folder);
+    `prefetch`: read a request's disk blocks ahead of need when it arrives.
 
     Blocks on their way to disk keep their host copy until the write is done: the disk's
     write buffer, at most `max_pending_writes` blocks (as many as the host tier holds, or
     WRITE_BUFFER_BYTES' worth if that is more), beyond which the host tier drops what it lets
-    go; so host memory stays within its limit plus the buffer however slow the disk."""
+    go; so host memory stays within its limit plus the buffer however slow the disk. Blocks
+    read ahead and not loaded yet take at most WRITE_BUFFER_BYTES more (the oldest are let go
+    first)."""
 
     def __init__(
-        self, block_bytes: int, host_bytes: int, disk_bytes: int, disk_path: str | None = None
+        self,
+        block_bytes: int,
+        host_bytes: int,
+        disk_bytes: int,
+        disk_path: str | None = None,
+        prefetch: bool = True,
     ) -> None:
         self.block_bytes = block_bytes
         self.host_capacity = host_bytes // block_bytes  # in blocks
@@ -96,6 +110,11 @@ class KVTierStore:
         self.disk = DiskTier(disk_path) if self.disk_capacity else None
         self.max_pending_writes = max(WRITE_BUFFER_BYTES // block_bytes, self.host_capacity, 1)
         self._pending_writes = 0
+        self.prefetch_enabled = prefetch
+        self.max_prefetched = max(WRITE_BUFFER_BYTES // block_bytes, 1)
+        self._reads_in_flight = 0
+        # blocks read ahead whose payload is held outside the host tier, oldest first
+        self._prefetched: OrderedDict[int, None] = OrderedDict()
         self.entries: dict[int, TierEntry] = {}
         self._by_hash: dict[int, list[int]] = {}
         # insertion order is eviction order: the first key was used longest ago
@@ -157,12 +176,41 @@ class KVTierStore:
         self._host[key] = None
         return True
 
+    def prefetch(self, keys: list[int]) -> int:
+        """Start reading the blocks among `keys` (a waiting request's prefix) that are on disk
+        only, so that claiming them waits less or not at all; returns the reads started."""
+        if self.disk is None or not self.prefetch_enabled:
+            return 0
+        self._collect()
+        started = 0
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is None or entry.payload is not None or entry.prefetching:
+                continue
+            if not (entry.saved and entry.on_disk):
+                continue
+            if self._reads_in_flight + len(self._prefetched) >= self.max_prefetched:
+                break
+            entry.prefetching = True
+            self._reads_in_flight += 1
+            self.disk.read_async(key, self.block_bytes)
+            started += 1
+        return started
+
     def claim(self, key: int) -> str | None:
         """Plan a load of `key`: the tier it comes from, after reading a disk copy into host
-        memory and checking it; None when that copy is corrupt or unreadable (the entry is
-        dropped and counted; the caller recomputes the block)."""
+        memory (or taking the copy read ahead, waiting for it if its read is under way) and
+        checking it; None when that copy is corrupt or unreadable (the entry is dropped and
+        counted; the caller recomputes the block)."""
         entry = self.entries[key]
         tier = self.tier_of(key)
+        if entry.prefetching:  # read once: wait for the read ahead rather than start another
+            start = time.perf_counter_ns()
+            while entry.prefetching and self._take_reads(wait=True):
+                pass
+            entry.prefetching = False  # answered, or the reader has ended
+            self.counters.disk_read_ns += time.perf_counter_ns() - start
+        self._prefetched.pop(key, None)
         if entry.saved and entry.payload is None:  # on disk only
             assert self.disk is not None
             start = time.perf_counter_ns()
@@ -270,10 +318,37 @@ class KVTierStore:
             if not entry.in_host:
                 self._remove(key, on_disk=False)
 
+    def _take_reads(self, wait: bool = False) -> int:
+        """Take in the reads ahead finished since the last call (with `wait`, at least one
+        unless the reader has ended); returns how many. A read that failed leaves the block
+        to be read, and its fault counted, when it is claimed."""
+        assert self.disk is not None
+        reads = self.disk.take_reads(wait)
+        for done in reads:
+            self._reads_in_flight -= 1
+            entry = self.entries.get(done.key)
+            if entry is None or not entry.prefetching:
+                continue  # dropped, or claimed and read, while its read was under way
+            entry.prefetching = False
+            self.counters.prefetch_read_ns += done.read_ns
+            if done.payload is None or entry.payload is not None or not entry.on_disk:
+                continue
+            entry.payload = done.payload
+            self._prefetched[done.key] = None
+            self.counters.prefetched_blocks += 1
+        while len(self._prefetched) > self.max_prefetched:
+            key, _ = self._prefetched.popitem(last=False)
+            entry = self.entries[key]
+            if not entry.in_host and entry.on_disk and not entry.pins:
+                entry.payload = None
+                self.counters.prefetch_unused += 1
+        return len(reads)
+
     def _collect(self) -> None:
-        """Take in the disk writes finished since the last call."""
+        """Take in the disk writes and reads ahead finished since the last call."""
         if self.disk is None:
             return
+        self._take_reads()
         for done in self.disk.take_done():
             entry = self.entries.get(done.key)
             if entry is None or not entry.writing or entry.write_id != done.write_id:
@@ -299,6 +374,7 @@ class KVTierStore:
         if not same_hash:
             del self._by_hash[entry.meta.block_hash]
         self._host.pop(key, None)
+        self._prefetched.pop(key, None)
         if entry.writing:
             self._pending_writes -= 1
         if key in self._disk or on_disk:
@@ -309,7 +385,11 @@ class KVTierStore:
 
 
 def build_tier_store(
-    block_bytes: int, host_bytes: int, disk_bytes: int, disk_path: str | None
+    block_bytes: int,
+    host_bytes: int,
+    disk_bytes: int,
+    disk_path: str | None,
+    prefetch: bool = True,
 ) -> KVTierStore:
     """The store for engine.kv_host_tier_bytes / kv_disk_tier_bytes / kv_disk_tier_path, once
     each tier holds a block at least, the host tier fits this machine's memory and the disk
@@ -330,7 +410,7 @@ def build_tier_store(
                 f"engine.{key}={size} is more than {where} ({most} bytes); allowed: at most {most}"
             )
     try:
-        return KVTierStore(block_bytes, host_bytes, disk_bytes, disk_path)
+        return KVTierStore(block_bytes, host_bytes, disk_bytes, disk_path, prefetch)
     except OSError as exc:
         raise ConfigError(
             f"engine.kv_disk_tier_path={disk_path!r}: the disk tier cannot make its folder there "

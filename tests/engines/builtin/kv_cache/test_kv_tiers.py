@@ -485,3 +485,127 @@ def test_a_slow_disk_fills_the_write_buffer_and_no_more(monkeypatch) -> None:
     assert store.disk_blocks == 2 and store.counters.disk_written_blocks == 2
     assert all(e.payload is None for e in store.entries.values())  # written: host copies gone
     store.close()
+
+
+# ---- reads ahead (prefetch) -------------------------------------------------------------------
+
+
+def _on_disk_only(keys: range, disk_blocks: int = 10) -> KVTierStore:
+    """A store whose blocks `keys` are written to disk and held nowhere else."""
+    store = KVTierStore(block_bytes=64, host_bytes=0, disk_bytes=disk_blocks * 64)
+    for key in keys:
+        store.reserve(_meta(key))
+        store.fill(key, _payload(key))
+    store.sync()
+    assert all(store.entries[k].on_disk and store.entries[k].payload is None for k in keys)
+    return store
+
+
+def _gated_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[object, list[int]]:
+    """The reader thread's reads wait for the returned event; the keys read are listed."""
+    import threading
+
+    from engines.builtin.kv_cache import disk_tier
+
+    gate, read = threading.Event(), []
+    real = disk_tier._read_file
+
+    def gated(path: Path, key: int, nbytes: int) -> torch.Tensor:
+        if threading.current_thread().name == "kv-disk-tier-reader":
+            gate.wait()
+        read.append(key)
+        return real(path, key, nbytes)
+
+    monkeypatch.setattr(disk_tier, "_read_file", gated)
+    return gate, read
+
+
+def test_blocks_read_ahead_are_claimed_without_a_read_on_the_loop() -> None:
+    store = _on_disk_only(range(3))
+    assert store.prefetch([0, 1, 2, 99]) == 3  # 99: no such block
+    assert store.prefetch([0, 1, 2]) == 0  # under way: not read twice
+    for key in range(3):
+        assert store.claim(key) == "disk" and torch.equal(store.payload(key), _payload(key))
+        store.release(key)
+    counters = store.counters
+    assert counters.prefetched_blocks == 3 and counters.disk_read_bytes == 0
+    assert counters.loaded_blocks["disk"] == 3 and counters.prefetch_read_ns > 0
+    store.close()
+
+
+def test_a_claim_waits_for_its_read_ahead_rather_than_reading_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    gate, read = _gated_reads(monkeypatch)
+    store = _on_disk_only(range(2))
+    store.prefetch([0, 1])
+    threading.Timer(0.2, gate.set).start()  # type: ignore[attr-defined]
+    assert store.claim(1) == "disk" and torch.equal(store.payload(1), _payload(1))
+    assert sorted(read) == [0, 1]  # once each, on the reader thread
+    assert store.counters.disk_read_bytes == 0 and store.counters.disk_read_ns >= 150e6
+    store.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "delete"])
+def test_a_damaged_file_read_ahead_is_found_when_claimed(damage: str) -> None:
+    store = _on_disk_only(range(2))
+    assert store.disk is not None
+    file = store.disk.file(1)
+    if damage == "delete":
+        file.unlink()
+    else:
+        raw = bytearray(file.read_bytes())
+        raw[-1] ^= 1
+        file.write_bytes(bytes(raw))
+    store.prefetch([0, 1])
+    assert store.claim(0) == "disk"
+    assert store.claim(1) is None  # read again on the loop, found damaged, dropped
+    assert store.counters.corrupt_blocks == 1 and 1 not in store.entries
+    store.close()
+
+
+def test_reads_ahead_keep_to_their_budget() -> None:
+    store = _on_disk_only(range(5))
+    store.max_prefetched = 2  # WRITE_BUFFER_BYTES' worth, in blocks
+    assert store.prefetch(list(range(5))) == 2  # two blocks' worth in flight or held
+    store.sync()
+    store.claim(0)  # takes its copy: one more may be read
+    store.release(0)
+    assert store.prefetch(list(range(5))) == 1
+    held = [k for k, e in store.entries.items() if e.payload is not None and not e.in_host]
+    assert len(held) <= 2
+    store.close()
+
+
+def test_a_block_dropped_while_read_ahead_is_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate, read = _gated_reads(monkeypatch)
+    store = _on_disk_only(range(2), disk_blocks=2)
+    store.prefetch([0])
+    for key in (2, 3):  # two newer blocks push 0 and 1 off the disk
+        store.reserve(_meta(key))
+        store.fill(key, _payload(key))
+    store.sync()
+    assert 0 not in store.entries
+    gate.set()  # type: ignore[attr-defined]
+    while store._reads_in_flight:
+        store.sync()
+    assert read == [0]  # its read ran (and failed: the file went), and was not kept
+    assert store.counters.prefetched_blocks == 0 and 0 not in store.entries
+    assert store.claim(2) == "disk" and torch.equal(store.payload(2), _payload(2))
+    store.close()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_reads_ahead_give_the_recomputed_tokens(prefetch: bool, plain: list) -> None:
+    llm = LLM("tiny", dtype="float32", **POOL, kv_disk_tier_bytes=1 << 20,
+              kv_disk_tier_prefetch=prefetch)  # fmt: skip
+    tokens, steps = rounds(llm)
+    kv = llm.engine.kv
+    assert tokens == plain and kv.tier_loaded_tokens["disk"] > 0
+    assert kv.tiers is not None
+    assert (kv.tiers.counters.prefetched_blocks > 0) == prefetch
+    read_on_loop = sum(s.kv_disk_read_bytes for s in steps)
+    assert (read_on_loop == 0) == prefetch  # every disk hit was read ahead, or none was
+    llm.engine.close()
