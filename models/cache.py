@@ -18,8 +18,10 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 FOLDER_MODE = 0o755  # masked by the umask as usual, but never group- or other-writable
 
@@ -139,36 +141,70 @@ def write_text_atomic(path: Path, text: str, mode: int = 0o644) -> None:
         raise
 
 
+#: a memo written less than this after the file last changed may describe bytes that change
+#: again within one timestamp tick (git's "racily clean" entries): it is not written
+RACY_S = 2.0
+
+
 def file_key(path: str | os.PathLike[str]) -> str:
-    """A short digest of a file's content: what a cache entry derived from the file is keyed by,
-    so every copy of one file (another clone's venv, a copy in a temporary folder) shares its
+    """A digest of a file's content: what a cache entry derived from the file is keyed by, so
+    that every copy of one file (another clone's venv, a copy in a temporary folder) shares its
     entries, where a key by path made a new set of conversions per copy. Hashing gigabytes
-    takes seconds, so each version of a file (its resolved path, inode, size and modification
-    time) has its digest remembered in the cache's `file-digests` folder."""
+    takes seconds, so each version of a file (its resolved path, device, inode, size,
+    modification and change times) has its digest remembered in the cache's `file-digests`
+    folder; a version seen changing while it was hashed, or changed within RACY_S of now, is
+    not remembered."""
     source = Path(path).resolve()
-    info = source.stat()
-    version = f"{source}:{info.st_ino}:{info.st_size}:{info.st_mtime_ns}"
-    memo = cache_dir() / "file-digests" / hashlib.sha256(version.encode()).hexdigest()[:32]
-    try:
-        # One someone else could have written is not read: it would choose the entries loaded.
-        check_trusted(memo, "file digest cache")
-        remembered = memo.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError, UntrustedCacheError):  # not remembered, or untrusted
-        remembered = ""
-    else:
-        if len(remembered) == 16 and all(c in "0123456789abcdef" for c in remembered):
-            return remembered
-    digest = hashlib.sha256()
     with source.open("rb") as f:
+        before = os.fstat(f.fileno())
+        version = (
+            f"{source}:{before.st_dev}:{before.st_ino}:{before.st_size}:"
+            f"{before.st_mtime_ns}:{before.st_ctime_ns}"
+        )
+        memo = cache_dir() / "file-digests" / hashlib.sha256(version.encode()).hexdigest()[:32]
+        if (remembered := _remembered_digest(memo)) is not None:
+            return remembered
+        digest = hashlib.sha256()
         while chunk := f.read(1 << 24):
             digest.update(chunk)
-    key = digest.hexdigest()[:16]
-    try:
-        check_trusted(memo.parent, "file digest cache")
-        write_text_atomic(memo, key)
-    except (OSError, UntrustedCacheError):  # the key is right, only slower next time
-        pass
+        after = os.fstat(f.fileno())
+    key = digest.hexdigest()[:32]
+    unchanged = (before.st_size, before.st_mtime_ns, before.st_ctime_ns) == (
+        after.st_size,
+        after.st_mtime_ns,
+        after.st_ctime_ns,
+    )
+    settled = time.time_ns() - max(after.st_mtime_ns, after.st_ctime_ns) > RACY_S * 1e9
+    if unchanged and settled:
+        try:
+            check_trusted(memo.parent, "file digest cache")
+            write_text_atomic(memo, key)
+        except (OSError, UntrustedCacheError):  # the key is right, only slower next time
+            pass
     return key
+
+
+def _remembered_digest(memo: Path) -> str | None:
+    """The digest in `memo`, unless it is missing, damaged, or someone else could have written
+    it (it would choose the entries loaded)."""
+    try:
+        check_trusted(memo, "file digest cache")
+        text = memo.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError, UntrustedCacheError):
+        return None
+    if len(text) == 32 and all(c in "0123456789abcdef" for c in text):
+        return text
+    return None
+
+
+def code_key(*modules: ModuleType, extra: str = "") -> str:
+    """Eight hex digits naming the code that makes a cache entry: the source files of
+    `modules` (and `extra`, a library's version): entries are shared by every copy of a file,
+    so a change to a converter must make new ones, not reuse another version's."""
+    digest = hashlib.sha256(extra.encode())
+    for module in modules:
+        digest.update(Path(str(module.__file__)).read_bytes())
+    return digest.hexdigest()[:8]
 
 
 def build_folder_once(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.cache import build_folder_once, cache_dir, file_key
+from models.cache import build_folder_once, cache_dir, code_key, file_key
 from models.gguf_blocks import KEPT_TYPES, decode_blocks
 from models.gguf_header import GGUFHeaderError, check_gguf_header
 from models.gguf_sentencepiece import sentencepiece_tokenizer
@@ -488,12 +489,17 @@ def _byte_level_tokenizer(reader: Any, pre: str, tokens: list[str], types: list[
     return backend
 
 
+def tokenizer_cache_folder(path: str | Path) -> Path:
+    """Where tokenizer_folder keeps the GGUF file's tokenizer: keyed by the file's content
+    and by this module's code, which writes it."""
+    return cache_dir() / "gguf-tokenizers" / f"{file_key(path)}-{code_key(sys.modules[__name__])}"
+
+
 def tokenizer_folder(path: str | Path) -> Path:
     """A Hugging Face tokenizer folder for the GGUF file, built once into the shared cache
-    (keyed by the file's content) and reused."""
-    folder = cache_dir() / "gguf-tokenizers" / file_key(path)
+    and reused."""
     return build_folder_once(
-        folder,
+        tokenizer_cache_folder(path),
         "tokenizer_config.json",
         lambda out: write_hf_tokenizer(path, out),
         "GGUF tokenizer cache",

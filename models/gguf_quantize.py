@@ -12,10 +12,20 @@ llama.cpp picks each tensor's type itself: a mix keeps some tensors at a higher 
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
+import sys
 from pathlib import Path
 from typing import Any
 
-from models.cache import cache_dir, check_trusted, drop_group_write, file_key, make_folder
+from models import gguf_reencode
+from models.cache import (
+    cache_dir,
+    check_trusted,
+    code_key,
+    drop_group_write,
+    file_key,
+    make_folder,
+)
 from models.gguf_reencode import GGUF_TYPES, convert_to_gguf
 
 #: the mixes llama.cpp's quantizer makes here -> its LLAMA_FTYPE_MOSTLY_* name (Q8_0, Q5_0/Q5_1
@@ -67,6 +77,19 @@ def llama_quantize(src: str | Path, dst: str | Path, kind: str, threads: int = 0
     return out
 
 
+def derived_gguf_path(source: Path, kind: str) -> Path:
+    """Where derived_gguf keeps `source` as `kind`: keyed by the file's content and by the code
+    that makes it (the re-encoder, and llama.cpp's version for its mixes)."""
+    maker = ""
+    if kind not in GGUF_TYPES:
+        try:
+            maker = importlib.metadata.version("llama-cpp-python")
+        except importlib.metadata.PackageNotFoundError:
+            maker = "none"  # llama_quantize names the setup step
+    code = code_key(gguf_reencode, sys.modules[__name__], extra=maker)
+    return cache_dir() / "gguf-converted" / f"{source.stem}-{kind}-{file_key(source)}-{code}.gguf"
+
+
 def derived_gguf(path: str | Path, kind: str) -> Path:
     """`path` re-encoded to `kind` (DERIVED_TYPES): GGUF_TYPES by `inferlab convert`'s code,
     llama.cpp's mixes quantized by llama.cpp from the F16 file; each built once into the cache,
@@ -74,7 +97,7 @@ def derived_gguf(path: str | Path, kind: str) -> Path:
     if kind not in DERIVED_TYPES:
         raise ValueError(f"kind: {kind!r}; allowed: {'|'.join(DERIVED_TYPES)}")
     source = Path(path)
-    out = cache_dir() / "gguf-converted" / f"{source.stem}-{kind}-{file_key(source)}.gguf"
+    out = derived_gguf_path(source, kind)
     check_trusted(out, "converted GGUF cache")
     if not out.is_file():  # both builders write a temporary file and rename it
         make_folder(out.parent)

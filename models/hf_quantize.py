@@ -22,13 +22,15 @@ exactly, and their quality is a lower bound of what those quantizers reach.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from models.cache import build_folder_once, cache_dir, file_key
+from models import gguf_convert, gguf_reencode
+from models.cache import build_folder_once, cache_dir, code_key, file_key
 from models.gguf_convert import convert_to_hf
 from models.gguf_quantize import derived_gguf
 from models.weights import iter_checkpoint
@@ -272,9 +274,11 @@ def derived_folder(gguf: str | Path, kind: str) -> Path:
     if kind != "f32" and kind not in FOLDER_FORMATS:
         raise ValueError(f"kind: {kind!r}; allowed: f32|{'|'.join(FOLDER_FORMATS)}")
     source = Path(gguf)
+    # keyed by the file's content and the code that makes each folder
     key = f"{source.stem}-{file_key(source)}"
+    floats_code = code_key(gguf_convert, gguf_reencode)
     floats = build_folder_once(
-        cache_dir() / "hf-converted" / f"{key}-f32",
+        cache_dir() / "hf-converted" / f"{key}-f32-{floats_code}",
         "config.json",
         lambda staging: convert_to_hf(derived_gguf(source, "f16"), staging, "float32"),
         "converted checkpoint cache",
@@ -282,7 +286,9 @@ def derived_folder(gguf: str | Path, kind: str) -> Path:
     if kind == "f32":
         return floats
     return build_folder_once(
-        cache_dir() / "hf-quantized" / f"{key}-{kind}",
+        cache_dir()
+        / "hf-quantized"
+        / f"{key}-{kind}-{code_key(gguf_convert, gguf_reencode, sys.modules[__name__])}",
         "config.json",
         lambda staging: FOLDER_FORMATS[kind](floats, staging),
         "quantized checkpoint cache",

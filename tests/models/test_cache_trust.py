@@ -23,11 +23,10 @@ from models.cache import (
     UntrustedCacheError,
     build_folder_once,
     check_trusted,
-    file_key,
     make_folder,
 )
-from models.gguf import tokenizer_folder
-from models.gguf_quantize import derived_gguf
+from models.gguf import tokenizer_cache_folder, tokenizer_folder
+from models.gguf_quantize import derived_gguf, derived_gguf_path
 from models.tokenizer import default_tokenizer
 from models.train_tiny import cache_key, cached_tiny_model
 
@@ -139,7 +138,7 @@ def tiny_model_entry(cache: Path, tmp_path: Path) -> tuple[Path, Callable[[], ob
 
 def gguf_tokenizer_entry(cache: Path, tmp_path: Path) -> tuple[Path, Callable[[], object], str]:
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
-    entry = cache / "gguf-tokenizers" / file_key(gguf) / "tokenizer_config.json"
+    entry = tokenizer_cache_folder(gguf) / "tokenizer_config.json"
     make_folder(entry.parent)
     entry.write_text("{}")
     return entry, lambda: tokenizer_folder(gguf), "GGUF tokenizer cache"
@@ -147,7 +146,7 @@ def gguf_tokenizer_entry(cache: Path, tmp_path: Path) -> tuple[Path, Callable[[]
 
 def converted_gguf_entry(cache: Path, tmp_path: Path) -> tuple[Path, Callable[[], object], str]:
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
-    entry = cache / "gguf-converted" / f"tiny-f16-{file_key(gguf)}.gguf"
+    entry = derived_gguf_path(gguf, "f16")
     make_folder(entry.parent)
     entry.write_bytes(b"GGUF another user's conversion")
     return entry, lambda: derived_gguf(gguf, "f16"), "converted GGUF cache"

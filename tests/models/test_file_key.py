@@ -11,19 +11,22 @@ from pathlib import Path
 
 import pytest
 
+import models.cache
 from models.cache import file_key
 
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private cache; files written just now count as settled (RACY_S tested apart)."""
     root = tmp_path / "cache"
     root.mkdir(mode=0o755)
     monkeypatch.setenv("INFERLAB_CACHE_DIR", str(root))
+    monkeypatch.setattr(models.cache, "RACY_S", -1.0)
     return root
 
 
 def content_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:32]
 
 
 def memos(cache: Path) -> list[Path]:
@@ -59,11 +62,13 @@ def test_the_digest_is_remembered_per_version(cache: Path, tmp_path: Path) -> No
     key = file_key(path)
     [memo] = memos(cache)
     assert memo.read_text() == key
-    memo.write_text("0123456789abcdef")  # remembered: the file is not read again
-    assert file_key(path) == "0123456789abcdef"
+    memo.write_text("0123456789abcdef" * 2)  # remembered: the file is not read again
+    assert file_key(path) == "0123456789abcdef" * 2
 
 
-@pytest.mark.parametrize("memo_text", ["", "not a digest", "0123456789ABCDEF", "\xff"])
+@pytest.mark.parametrize(
+    "memo_text", ["", "not a digest", "0123456789ABCDEF" * 2, "0123456789abcdef", "\xff"]
+)
 def test_a_damaged_memo_is_recomputed(cache: Path, tmp_path: Path, memo_text: str) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(b"weights")
@@ -79,7 +84,7 @@ def test_an_untrusted_memo_is_not_read(cache: Path, tmp_path: Path) -> None:
     path.write_bytes(b"weights")
     file_key(path)
     [memo] = memos(cache)
-    memo.write_text("0123456789abcdef")
+    memo.write_text("0123456789abcdef" * 2)
     memo.chmod(0o666)
     assert file_key(path) == content_digest(path)
 
@@ -94,3 +99,42 @@ def test_a_cache_that_cannot_be_written_still_keys(
     path.write_bytes(b"weights")
     assert file_key(path) == content_digest(path)
     assert a_file.read_text() == "mine"
+
+
+def test_a_file_changed_just_now_is_not_remembered(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within one timestamp tick, a same-size rewrite keeps the version a memo is filed under
+    (git's racily clean entries): such a file is hashed each time until it settles."""
+    monkeypatch.setattr(models.cache, "RACY_S", 2.0)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"first")
+    assert file_key(path) == content_digest(path)
+    assert not (cache / "file-digests").exists()
+    path.write_bytes(b"other")  # the same size
+    assert file_key(path) == content_digest(path)
+
+
+def test_a_file_that_changes_while_hashed_is_not_remembered(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"weights" * 1000)
+    real = models.cache.hashlib.sha256
+
+    class Appending:
+        def __init__(self) -> None:
+            self.inner = real()
+
+        def update(self, chunk: bytes) -> None:
+            self.inner.update(chunk)
+            if len(chunk) > 4:
+                with path.open("ab") as f:  # a download still under way
+                    f.write(b"more")
+
+        def hexdigest(self) -> str:
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(models.cache.hashlib, "sha256", lambda *a: real(*a) if a else Appending())
+    file_key(path)
+    assert not (cache / "file-digests").exists()

@@ -132,19 +132,20 @@ class DisaggregatedEngine:
         )
         try:
             self._start_instances()
+            decode = self._decodes[0].facts
+            self.limits: EngineLimits = decode["limits"]
+            # Grammars are compiled here too, so that a constraint no instance could compile
+            # is a ValueError (a 400) at add_request, as colocated. The decode instance
+            # compiles it again: a grammar's first use pays both.
+            self.structured = build_structured_outputs(
+                resolve_structured_output_backend(config.structured_output_backend),
+                self.tokenizer,
+                decode["sample_vocab_size"],
+                self.eos_ids,
+            )
         except BaseException:
             self.close()
             raise
-        decode = self._decodes[0].facts
-        self.limits: EngineLimits = decode["limits"]
-        # compiled here too, so that a constraint no instance could compile is a ValueError
-        # (a 400) at add_request, as colocated; the decode instance's compilation is its own
-        self.structured = build_structured_outputs(
-            resolve_structured_output_backend(config.structured_output_backend),
-            self.tokenizer,
-            decode["sample_vocab_size"],
-            self.eos_ids,
-        )
 
     # ---- instances --------------------------------------------------------------------------
 

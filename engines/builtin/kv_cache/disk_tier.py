@@ -4,8 +4,9 @@ written by a background thread so that no step waits for the disk.
 Only the writer thread touches files it has been asked to write or delete, in the order asked
 (a delete queued after a write of the same block runs after it). Reads are asked only of blocks
 whose write was reported done: on the caller's thread (`read`), or ahead of need on the reader
-thread (`read_async`, a prefetch), whose file the writer may delete meanwhile (the read then
-fails or returns the complete file: writes land by rename). Results come back through
+thread (`read_async`, in the order asked; one not started yet can be called off), whose file
+the writer may delete meanwhile (the read then fails or returns the complete file: writes land
+by rename). Results come back through
 `take_done()` and `take_reads()`, so the index (tiers.py) is only ever changed on the engine's
 thread. Each write carries a number of its own, so the outcome of an older write of a block is
 never taken for a newer one's.
@@ -67,9 +68,11 @@ class WriterStats:
 
 @dataclass(frozen=True, slots=True)
 class ReadDone:
-    """The reader thread's answer for one prefetch: the checked payload, or why there is
-    none; `read_ns`: the time the read took, off the step loop."""
+    """The reader thread's answer for one read ahead: the checked payload, or why there is
+    none (also when it was called off); `read_ns`: the time the read took, off the step
+    loop."""
 
+    read_id: int
     key: int
     payload: torch.Tensor | None
     error: str | None
@@ -78,8 +81,38 @@ class ReadDone:
 
 # A job: (kind, key, write id, payload or flush event); None ends the thread.
 Job = tuple[str, int, int, Any] | None
-# A prefetch: (key, payload bytes); None ends the thread.
-ReadJob = tuple[int, int] | None
+# A read ahead: (read id, key, payload bytes); None ends the thread.
+ReadJob = tuple[int, int, int] | None
+
+
+class _Reads:
+    """What the engine's thread and the reader thread share: the reads ahead queued, the one
+    under way, and those called off before they started (a claim that finds its block still
+    queued reads it itself rather than wait for every read queued before it)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[ReadJob] = queue.SimpleQueue()
+        self.done: queue.SimpleQueue[ReadDone] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.under_way: int | None = None  # its read id
+        self.called_off: set[int] = set()
+
+    def start(self, read_id: int) -> bool:
+        """On the reader thread: True when `read_id` may go ahead (it is then under way)."""
+        with self.lock:
+            go = read_id not in self.called_off
+            # ids come in order: any called off below this one are answered already
+            self.called_off = {i for i in self.called_off if i > read_id}
+            self.under_way = read_id if go else None
+            return go
+
+    def call_off(self, read_id: int) -> bool:
+        """On the engine's thread: False when the read is under way (wait for it)."""
+        with self.lock:
+            if self.under_way == read_id:
+                return False
+            self.called_off.add(read_id)
+            return True
 
 
 def _stale_folders(base: Path) -> list[Path]:
@@ -101,16 +134,20 @@ def _stale_folders(base: Path) -> list[Path]:
 def _shut_down(
     jobs: queue.SimpleQueue[Job],
     writer: threading.Thread,
-    reads: queue.SimpleQueue[ReadJob],
+    reads: _Reads,
     reader: threading.Thread,
     path: Path,
     pid: int,
 ) -> None:
-    """Stop the threads, then remove the folder; only in the process that made it (a forked
-    child's exit must not take its parent's files)."""
+    """Stop the threads (the reads ahead still queued are dropped, not read), then remove
+    the folder; only in the process that made it (a forked child's exit must not take its
+    parent's files)."""
     if os.getpid() != pid:
         return
-    for thread, queued in ((writer, jobs), (reader, reads)):
+    with contextlib.suppress(queue.Empty):
+        while True:
+            reads.jobs.get_nowait()
+    for thread, queued in ((writer, jobs), (reader, reads.jobs)):
         if thread.is_alive():
             queued.put(None)
             thread.join()
@@ -185,20 +222,23 @@ def _read_file(path: Path, key: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(body), dtype=torch.uint8)
 
 
-def _read_loop(
-    reads: queue.SimpleQueue[ReadJob], done: queue.SimpleQueue[ReadDone], path: Path
-) -> None:
+def _read_loop(reads: _Reads, path: Path) -> None:
     while True:
-        job = reads.get()
+        job = reads.jobs.get()
         if job is None:
             return
-        key, nbytes = job
+        read_id, key, nbytes = job
+        if not reads.start(read_id):
+            reads.done.put(ReadDone(read_id, key, None, "called off", 0))
+            continue
         start = time.perf_counter_ns()
         try:
             payload, error = _read_file(path, key, nbytes), None
         except Exception as exc:  # answered, whatever it is: a claim may be waiting for it
             payload, error = None, str(exc)
-        done.put(ReadDone(key, payload, error, time.perf_counter_ns() - start))
+        with reads.lock:
+            reads.under_way = None
+        reads.done.put(ReadDone(read_id, key, payload, error, time.perf_counter_ns() - start))
 
 
 class DiskTier:
@@ -230,11 +270,12 @@ class DiskTier:
             daemon=True,
         )
         self._writer.start()
-        self._reads: queue.SimpleQueue[ReadJob] = queue.SimpleQueue()
-        self._reads_done: queue.SimpleQueue[ReadDone] = queue.SimpleQueue()
+        self._reads = _Reads()
+        self._next_read_id = 0
+        self._pid = os.getpid()
         self._reader = threading.Thread(
             target=_read_loop,
-            args=(self._reads, self._reads_done, self.path),
+            args=(self._reads, self.path),
             name="kv-disk-tier-reader",
             daemon=True,
         )
@@ -276,24 +317,33 @@ class DiskTier:
         """The block's payload as written, checked; CorruptBlockError otherwise."""
         return _read_file(self.path, key, nbytes)
 
-    def read_async(self, key: int, nbytes: int) -> None:
-        """Queue a read of the block for the reader thread; its ReadDone comes back in
-        take_reads(), one per call."""
-        self._reads.put((key, nbytes))
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether the reader thread answers (not in a forked child, where it is gone)."""
+        return os.getpid() == self._pid and self._reader.is_alive()
+
+    def read_async(self, key: int, nbytes: int) -> int:
+        """Queue a read ahead of the block for the reader thread; returns its number, which
+        its ReadDone in take_reads() carries."""
+        self._next_read_id += 1
+        self._reads.jobs.put((self._next_read_id, key, nbytes))
+        return self._next_read_id
+
+    def call_off(self, read_id: int) -> bool:
+        """Call off a read ahead that has not started (its ReadDone still comes, empty);
+        False when it is under way."""
+        return self._reads.call_off(read_id)
 
     def take_reads(self, wait: bool = False) -> list[ReadDone]:
-        """The prefetches finished since the last call; with `wait`, at least one (the caller
-        knows one is queued), unless the reader thread has ended."""
+        """The reads ahead answered since the last call; with `wait`, at least one (the
+        caller knows one is under way), unless the reader no longer answers."""
         done: list[ReadDone] = []
-        while wait and not done:
-            try:
-                done.append(self._reads_done.get(timeout=0.5))
-            except queue.Empty:
-                if not self._reader.is_alive():
-                    return done
+        while wait and not done and self.reads_ahead:
+            with contextlib.suppress(queue.Empty):
+                done.append(self._reads.done.get(timeout=0.5))
         while True:
             try:
-                done.append(self._reads_done.get_nowait())
+                done.append(self._reads.done.get_nowait())
             except queue.Empty:
                 return done
 

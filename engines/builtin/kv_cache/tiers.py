@@ -62,7 +62,8 @@ class TierEntry:
     writing: bool = False
     write_id: int = 0  # the disk tier's number for the write in flight
     pins: int = 0  # loads planned and not run yet
-    prefetching: bool = False  # a read ahead of need is under way
+    prefetching: bool = False  # a read ahead of need is queued or under way
+    read_id: int = 0  # the disk tier's number for it
 
 
 @dataclass
@@ -72,8 +73,8 @@ class TierCounters:
     saved_blocks: int = 0  # evicted device blocks copied to the host tier
     loaded_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     disk_written_blocks: int = 0
-    disk_read_bytes: int = 0  # read, or waited for, on the step loop
-    disk_read_ns: int = 0
+    disk_read_bytes: int = 0  # read on the step loop
+    disk_read_ns: int = 0  # reading, or waiting for a read ahead under way, on the step loop
     prefetched_blocks: int = 0  # read ahead of need, off the step loop
     prefetch_read_ns: int = 0
     prefetch_unused: int = 0  # read ahead, then let go before any load used them
@@ -179,7 +180,7 @@ class KVTierStore:
     def prefetch(self, keys: list[int]) -> int:
         """Start reading the blocks among `keys` (a waiting request's prefix) that are on disk
         only, so that claiming them waits less or not at all; returns the reads started."""
-        if self.disk is None or not self.prefetch_enabled:
+        if self.disk is None or not self.prefetch_enabled or not self.disk.reads_ahead:
             return 0
         self._collect()
         started = 0
@@ -189,11 +190,15 @@ class KVTierStore:
                 continue
             if not (entry.saved and entry.on_disk):
                 continue
-            if self._reads_in_flight + len(self._prefetched) >= self.max_prefetched:
+            while self._prefetched and self._reads_in_flight + len(self._prefetched) >= (
+                self.max_prefetched
+            ):
+                self._let_go_oldest_read_ahead()
+            if self._reads_in_flight >= self.max_prefetched:
                 break
             entry.prefetching = True
             self._reads_in_flight += 1
-            self.disk.read_async(key, self.block_bytes)
+            entry.read_id = self.disk.read_async(key, self.block_bytes)
             started += 1
         return started
 
@@ -204,12 +209,18 @@ class KVTierStore:
         counted; the caller recomputes the block)."""
         entry = self.entries[key]
         tier = self.tier_of(key)
-        if entry.prefetching:  # read once: wait for the read ahead rather than start another
-            start = time.perf_counter_ns()
-            while entry.prefetching and self._take_reads(wait=True):
-                pass
-            entry.prefetching = False  # answered, or the reader has ended
-            self.counters.disk_read_ns += time.perf_counter_ns() - start
+        if entry.prefetching:
+            self._take_reads()  # it may have come
+        if entry.prefetching:
+            assert self.disk is not None
+            if self.disk.call_off(entry.read_id):
+                entry.prefetching = False  # still queued: read below, not after the queue
+            else:  # under way: wait for it rather than read it twice
+                start = time.perf_counter_ns()
+                while entry.prefetching and self._take_reads(wait=True):
+                    pass
+                entry.prefetching = False  # answered, or the reader no longer answers
+                self.counters.disk_read_ns += time.perf_counter_ns() - start
         self._prefetched.pop(key, None)
         if entry.saved and entry.payload is None:  # on disk only
             assert self.disk is not None
@@ -327,8 +338,8 @@ class KVTierStore:
         for done in reads:
             self._reads_in_flight -= 1
             entry = self.entries.get(done.key)
-            if entry is None or not entry.prefetching:
-                continue  # dropped, or claimed and read, while its read was under way
+            if entry is None or not entry.prefetching or entry.read_id != done.read_id:
+                continue  # dropped, or claimed and read, while its read was queued
             entry.prefetching = False
             self.counters.prefetch_read_ns += done.read_ns
             if done.payload is None or entry.payload is not None or not entry.on_disk:
@@ -336,13 +347,16 @@ class KVTierStore:
             entry.payload = done.payload
             self._prefetched[done.key] = None
             self.counters.prefetched_blocks += 1
-        while len(self._prefetched) > self.max_prefetched:
-            key, _ = self._prefetched.popitem(last=False)
-            entry = self.entries[key]
-            if not entry.in_host and entry.on_disk and not entry.pins:
-                entry.payload = None
-                self.counters.prefetch_unused += 1
         return len(reads)
+
+    def _let_go_oldest_read_ahead(self) -> None:
+        """Make room for another read ahead: the one read longest ago and still unused goes
+        (its file stays; a claim reads it on the loop)."""
+        key, _ = self._prefetched.popitem(last=False)
+        entry = self.entries[key]
+        if not entry.in_host and entry.on_disk and not entry.pins:
+            entry.payload = None
+            self.counters.prefetch_unused += 1
 
     def _collect(self) -> None:
         """Take in the disk writes and reads ahead finished since the last call."""

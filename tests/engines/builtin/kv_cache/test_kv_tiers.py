@@ -524,6 +524,8 @@ def test_blocks_read_ahead_are_claimed_without_a_read_on_the_loop() -> None:
     store = _on_disk_only(range(3))
     assert store.prefetch([0, 1, 2, 99]) == 3  # 99: no such block
     assert store.prefetch([0, 1, 2]) == 0  # under way: not read twice
+    while store._reads_in_flight:
+        store.sync()
     for key in range(3):
         assert store.claim(key) == "disk" and torch.equal(store.payload(key), _payload(key))
         store.release(key)
@@ -533,18 +535,29 @@ def test_blocks_read_ahead_are_claimed_without_a_read_on_the_loop() -> None:
     store.close()
 
 
-def test_a_claim_waits_for_its_read_ahead_rather_than_reading_twice(
+def test_a_claim_waits_for_a_read_under_way_and_reads_a_queued_one_itself(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """A claim never waits behind the whole queue of reads ahead: a block whose read has not
+    started is read on the spot (that read called off); one under way is waited for."""
     import threading
+    import time
 
     gate, read = _gated_reads(monkeypatch)
-    store = _on_disk_only(range(2))
-    store.prefetch([0, 1])
+    store = _on_disk_only(range(3))
+    assert store.disk is not None
+    store.prefetch([0, 1, 2])
+    while store.disk._reads.under_way is None:  # the reader holds 0 at the gate
+        time.sleep(0.01)
+    assert store.claim(2) == "disk" and torch.equal(store.payload(2), _payload(2))
+    assert store.counters.disk_read_bytes == 64  # read here, at once
     threading.Timer(0.2, gate.set).start()  # type: ignore[attr-defined]
-    assert store.claim(1) == "disk" and torch.equal(store.payload(1), _payload(1))
-    assert sorted(read) == [0, 1]  # once each, on the reader thread
-    assert store.counters.disk_read_bytes == 0 and store.counters.disk_read_ns >= 150e6
+    assert store.claim(0) == "disk" and torch.equal(store.payload(0), _payload(0))
+    assert store.counters.disk_read_bytes == 64 and store.counters.disk_read_ns >= 150e6
+    while store._reads_in_flight:
+        store.sync()
+    assert sorted(read) == [0, 1, 2]  # each read once: 2 was called off on the reader
+    assert store.counters.prefetched_blocks == 2  # 0, and 1 (left for a later claim)
     store.close()
 
 
@@ -566,16 +579,28 @@ def test_a_damaged_file_read_ahead_is_found_when_claimed(damage: str) -> None:
     store.close()
 
 
-def test_reads_ahead_keep_to_their_budget() -> None:
+def test_reads_ahead_keep_to_their_budget_letting_the_oldest_go() -> None:
     store = _on_disk_only(range(5))
     store.max_prefetched = 2  # WRITE_BUFFER_BYTES' worth, in blocks
-    assert store.prefetch(list(range(5))) == 2  # two blocks' worth in flight or held
-    store.sync()
-    store.claim(0)  # takes its copy: one more may be read
-    store.release(0)
-    assert store.prefetch(list(range(5))) == 1
-    held = [k for k, e in store.entries.items() if e.payload is not None and not e.in_host]
-    assert len(held) <= 2
+    assert store.prefetch([0, 1, 2]) == 2  # two in flight: the budget
+    while store._reads_in_flight:
+        store.sync()
+    assert store.prefetch([2, 3]) == 2  # 0 and 1, unused, make room
+    assert store.counters.prefetch_unused == 2
+    assert store.entries[0].payload is None and store.entries[1].payload is None
+    assert store.claim(0) == "disk"  # read again, on the loop
+    assert store.counters.disk_read_bytes == 64
+    store.close()
+
+
+def test_no_reads_ahead_where_the_reader_does_not_answer() -> None:
+    """A forked child has no reader thread: it reads at the match, and never waits."""
+    store = _on_disk_only(range(2))
+    assert store.disk is not None
+    store.disk._pid = -1  # as seen from a child of the process that made it
+    assert store.prefetch([0, 1]) == 0
+    assert store.claim(0) == "disk" and store.counters.disk_read_bytes == 64
+    store.disk._pid = os.getpid()
     store.close()
 
 
@@ -599,13 +624,27 @@ def test_a_block_dropped_while_read_ahead_is_forgotten(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_reads_ahead_give_the_recomputed_tokens(prefetch: bool, plain: list) -> None:
+    """The second round's requests are stepped once their reads ahead are answered (as a
+    request waiting in a queue would be): with them on, the step loop reads nothing."""
     llm = LLM("tiny", dtype="float32", **POOL, kv_disk_tier_bytes=1 << 20,
               kv_disk_tier_prefetch=prefetch)  # fmt: skip
-    tokens, steps = rounds(llm)
-    kv = llm.engine.kv
-    assert tokens == plain and kv.tier_loaded_tokens["disk"] > 0
-    assert kv.tiers is not None
-    assert (kv.tiers.counters.prefetched_blocks > 0) == prefetch
+    first, _ = rounds(llm, count=1)
+    engine, store = llm.engine, llm.engine.kv.tiers
+    assert store is not None
+    steps: list[StepRecord] = []
+    engine.step_observers.append(steps.append)
+    second = []
+    for i, prompt in enumerate(PROMPTS[::-1]):
+        engine.add_request(f"again{i}", prompt, greedy())
+        while store._reads_in_flight:
+            store.sync()
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for event in engine.step():
+                tokens.extend(getattr(event, "token_ids", ()))
+        second.append(tokens)
+    assert first + second == plain and engine.kv.tier_loaded_tokens["disk"] > 0
     read_on_loop = sum(s.kv_disk_read_bytes for s in steps)
+    assert (store.counters.prefetched_blocks > 0) == prefetch
     assert (read_on_loop == 0) == prefetch  # every disk hit was read ahead, or none was
-    llm.engine.close()
+    engine.close()
