@@ -6,10 +6,10 @@ Only the writer thread touches files it has been asked to write or delete, in th
 whose write was reported done: on the caller's thread (`read`), or ahead of need on the reader
 thread (`read_async`, in the order asked; one not started yet can be called off), whose file
 the writer may delete meanwhile (the read then fails or returns the complete file: writes land
-by rename). Results come back through
-`take_done()` and `take_reads()`, so the index (tiers.py) is only ever changed on the engine's
-thread. Each write carries a number of its own, so the outcome of an older write of a block is
-never taken for a newer one's.
+by rename). Results come back through `take_done()` and `take_reads()`, so the index
+(tiers.py) is only ever changed on the engine's thread. Each write and each read ahead carries
+a number of its own, so the outcome of an older one for a block is never taken for a newer
+one's.
 
 File layout: MAGIC, then little-endian (key, payload bytes, crc32 of the payload), then the
 payload. A read checks all four; a file that fails any check is reported corrupt, never used.
@@ -115,6 +115,10 @@ class _Reads:
             return True
 
 
+def _block_file(folder: Path, key: int) -> Path:
+    return folder / f"{key:016x}.kv"
+
+
 def _stale_folders(base: Path) -> list[Path]:
     """Folders a disk tier of a process that no longer exists left in `base`."""
     stale = []
@@ -170,7 +174,7 @@ def _write_file(path: Path, key: int, payload: torch.Tensor, stats: WriterStats)
     start = time.perf_counter_ns()
     body = memoryview(payload.numpy().data)
     header = MAGIC + _HEADER.pack(key, body.nbytes, zlib.crc32(body))
-    target = path / f"{key:016x}.kv"
+    target = _block_file(path, key)
     partial = f"{target}.partial"
     try:
         with open(partial, "wb", buffering=0) as out:
@@ -199,7 +203,7 @@ def _write_loop(
             payload.set()
         elif kind == "delete":
             with contextlib.suppress(OSError):
-                (path / f"{key:016x}.kv").unlink()
+                _block_file(path, key).unlink()
         else:
             done.put(WriteDone(key, write_id, _write_file(path, key, payload, stats)))
 
@@ -207,7 +211,7 @@ def _write_loop(
 def _read_file(path: Path, key: int, nbytes: int) -> torch.Tensor:
     """The block's payload as written, checked; CorruptBlockError otherwise (a missing or
     short file, another block's header, a wrong checksum)."""
-    file = path / f"{key:016x}.kv"
+    file = _block_file(path, key)
     try:
         raw = file.read_bytes()
     except OSError as exc:
@@ -293,7 +297,7 @@ class DiskTier:
         self._next_write_id = 0
 
     def file(self, key: int) -> Path:
-        return self.path / f"{key:016x}.kv"
+        return _block_file(self.path, key)
 
     def write_async(self, key: int, payload: torch.Tensor) -> int:
         """Queue the block's file; returns the write's number, which its outcome in

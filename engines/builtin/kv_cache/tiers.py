@@ -213,8 +213,10 @@ class KVTierStore:
             self._take_reads()  # it may have come
         if entry.prefetching:
             assert self.disk is not None
-            if self.disk.call_off(entry.read_id):
-                entry.prefetching = False  # still queued: read below, not after the queue
+            # no reader (a forked child: its lock may be held by a thread that is gone), or
+            # still queued: read below, not after the queue
+            if not self.disk.reads_ahead or self.disk.call_off(entry.read_id):
+                entry.prefetching = False
             else:  # under way: wait for it rather than read it twice
                 start = time.perf_counter_ns()
                 while entry.prefetching and self._take_reads(wait=True):

@@ -595,12 +595,16 @@ def test_reads_ahead_keep_to_their_budget_letting_the_oldest_go() -> None:
 
 def test_no_reads_ahead_where_the_reader_does_not_answer() -> None:
     """A forked child has no reader thread: it reads at the match, and never waits."""
-    store = _on_disk_only(range(2))
+    store = _on_disk_only(range(3))
     assert store.disk is not None
+    store.disk._reads.lock.acquire()  # held at the fork by the reader, which the child lacks
+    store.entries[2].prefetching = True  # its read ahead was queued before the fork
     store.disk._pid = -1  # as seen from a child of the process that made it
     assert store.prefetch([0, 1]) == 0
-    assert store.claim(0) == "disk" and store.counters.disk_read_bytes == 64
+    assert store.claim(0) == "disk" and store.claim(2) == "disk"
+    assert store.counters.disk_read_bytes == 2 * 64
     store.disk._pid = os.getpid()
+    store.disk._reads.lock.release()
     store.close()
 
 
