@@ -381,8 +381,8 @@ class PagedKVCacheManager(PooledKVCacheManager):
     def prefetch_prefix(self, token_ids: Sequence[int], namespace: str | None = None) -> int:
         """match_prefix's walk without adopting anything: the blocks of the prefix that only
         the disk tier holds are read ahead, up to the first block held nowhere."""
-        if self.tiers is None or self.tiers.disk is None:
-            return 0
+        if self.tiers is None or self.tiers.disk is None or not self.tiers.prefetch_enabled:
+            return 0  # nothing to read ahead: skip hashing the prompt on every arrival
         bs = self.block_size
         parent_hash, parent = self._root_hash(namespace), self._root(namespace)
         on_tiers = []

@@ -639,6 +639,7 @@ def test_reads_ahead_give_the_recomputed_tokens(prefetch: bool, plain: list) -> 
     engine.step_observers.append(steps.append)
     second = []
     for i, prompt in enumerate(PROMPTS[::-1]):
+        store.sync()  # the writes done: a block written after its request arrived is not read ahead
         engine.add_request(f"again{i}", prompt, greedy())
         while store._reads_in_flight:
             store.sync()
